@@ -1,0 +1,332 @@
+"""Deterministic, batch-invariant BF16 GEMMs for Hopper: forward, dA and dB.
+
+Math (BF16 in, FP32 accumulation, one BF16 rounding at the end):
+    det_gemm_fwd(a [M,K], b [K,N]) = a @ b        reduces over K
+    det_gemm_da(dc [M,N], b [K,N]) = dc @ b.T     reduces over N
+    det_gemm_db(a [M,K], dc [M,N]) = a.T @ dc     reduces over M
+
+All three are one kernel, ``det_gemm_kernel``, computing ``C[R,C] = A[R,L] @ B[L,C]`` over strided
+views, so the transposes cost no copy (an nn.Linear weight ``[N,K]`` is passed as ``weight.t()``).
+
+Determinism rests on three rules, audited by ``audits/gemm_*``:
+- No split-K and no atomics: one program owns one output tile and reduces all of L itself.
+- The reduction runs over L in ascending order in steps of ``STEP_K`` elements, each step one
+  ``tl.dot`` into the same FP32 accumulator. The order is a function of L alone — never of the row
+  count R, the grid, or the tile config — so a row's bits do not depend on the batch it sits in
+  (batch invariance for fwd and dA) and appending zero rows to dB adds exact zeros.
+- Configs come from the pinned table below (no autotune). Every entry must give the same bits; the
+  cross-config audit checks that on every backend.
+
+Segmented reduction: with ``seg_len`` set, L is cut into contiguous segments; each is accumulated
+from zero in FP32 and the segment sums are added in ascending order. A TP/CP shard boundary can then
+coincide with a segment boundary, so a later parallelism-invariant mode can reproduce a sharded sum
+bit for bit. ``seg_len=None`` (one segment) is the default.
+
+On the Triton interpreter (CPU) ``tl.dot`` on BF16 operands is wrong and its FP32 dot is numpy's
+matmul, whose summation order depends on the tile shape. There the kernel instead adds one exact
+BF16 product per reduced element to the FP32 accumulator, in ascending order: the
+contract's semantics (exact products, FP32 accumulation, one BF16 rounding) with an order that
+depends on L alone (one FP32 rounding per product, strictly sequential). Interpreter bits differ from tensor-core bits; each backend is audited on its own.
+
+Shapes: any M, N, K >= 1 whose element offsets fit in 32 bits; any non-negative strides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, resolve_backend
+
+# ---------------------------------------------------------------------------------------------
+# Pinned config table. Bump the version whenever an entry changes; reports record it.
+# ---------------------------------------------------------------------------------------------
+CONFIG_TABLE_VERSION = "2026-11-29.1"
+
+OPS = ("fwd", "da", "db")
+# Interpreter step: keeps the [BLOCK_M, STEP_K, BLOCK_N] product block under Triton's 2**20 elements.
+INTERPRETER_STEP_K = 16
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int  # output rows per tile
+    block_n: int  # output cols per tile
+    block_k: int  # reduced elements per loop iteration
+    group_m: int  # tile rows per L2 swizzle group
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for field, value in vars(self).items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GemmConfig.{field} must be a positive int; got {value!r}")
+        if self.block_k % 16:
+            raise ValueError(f"block_k must be a multiple of 16 (one tensor-core k-step); got {self.block_k}")
+
+    def label(self) -> str:
+        return (f"BM{self.block_m}_BN{self.block_n}_BK{self.block_k}_G{self.group_m}"
+                f"_w{self.num_warps}_s{self.num_stages}")
+
+
+# (largest output row count the entry serves, config). Rows: M for fwd and dA; K for dB.
+CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
+    "fwd": (
+        (16, GemmConfig(16, 64, 128, 1, 4, 4)),
+        (64, GemmConfig(64, 64, 64, 1, 4, 4)),
+        (256, GemmConfig(64, 128, 64, 8, 4, 4)),
+        (2**31, GemmConfig(128, 256, 64, 8, 8, 3)),
+    ),
+    "da": (
+        (16, GemmConfig(16, 64, 128, 1, 4, 4)),
+        (64, GemmConfig(64, 64, 64, 1, 4, 4)),
+        (256, GemmConfig(64, 128, 64, 8, 4, 4)),
+        (2**31, GemmConfig(128, 256, 64, 8, 8, 3)),
+    ),
+    "db": (
+        (2**31, GemmConfig(128, 256, 64, 8, 8, 3)),
+    ),
+}
+
+
+def select_config(op: str, rows: int) -> GemmConfig:
+    """The pinned config for ``op`` with ``rows`` output rows (M for fwd/dA, K for dB)."""
+    if op not in CONFIG_TABLE:
+        raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
+    for max_rows, config in CONFIG_TABLE[op]:
+        if rows <= max_rows:
+            return config
+    raise ValueError(f"{rows} output rows exceed the config table for {op!r}")
+
+
+def all_configs(op: str) -> list[GemmConfig]:
+    """Every distinct config the table can pick for ``op`` (the cross-config audit runs them all)."""
+    if op not in CONFIG_TABLE:
+        raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
+    return list(dict.fromkeys(config for _, config in CONFIG_TABLE[op]))
+
+
+def case_name(op: str, m: int, n: int, k: int) -> str:
+    """The one name shared by a launch, its NVTX range and its report row."""
+    return f"det_gemm_{op} [M={m}, N={n}, K={k}] bf16"
+
+
+_OP_IDS = {op: i for i, op in enumerate(OPS)}
+
+
+def _layer_dims(op_id: int, rows: int, cols: int, red: int) -> tuple[int, int, int]:
+    """Map the kernel's (rows, cols, reduced) back to the layer's (M, N, K)."""
+    if op_id == _OP_IDS["fwd"]:
+        return rows, cols, red
+    if op_id == _OP_IDS["da"]:
+        return rows, red, cols
+    return red, cols, rows
+
+
+def _launch_metadata(grid, metadata, args):
+    op = OPS[args["OP_ID"]]
+    m, n, k = _layer_dims(args["OP_ID"], args["R"], args["C"], args["L"])
+    return {"name": case_name(op, m, n, k), "flops": 2.0 * m * n * k}
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+@triton.jit(launch_metadata=_launch_metadata)
+def det_gemm_kernel(
+    a_ptr, b_ptr, c_ptr,
+    R, C, L,  # C[R, C] = A[R, L] @ B[L, C]
+    stride_ar, stride_al,
+    stride_bl, stride_bc,
+    stride_cr, stride_cc,
+    seg_len,  # reduced elements per FP32 segment (== L for one segment); multiple of BLOCK_K
+    OP_ID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STEP_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr,
+):
+    pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(R, BLOCK_M)
+    num_pid_n = tl.cdiv(C, BLOCK_N)
+    # Grouped tile order for L2 reuse; it changes which program owns a tile, never the tile's math.
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_bn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, STEP_K)
+    row_ok = offs_am < R
+    col_ok = offs_bn < C
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    seg_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        if SEGMENTED:
+            # A new segment starts from zero; the finished one joins the total in ascending order.
+            if (k0 % seg_len == 0) and (k0 > 0):
+                acc += seg_acc
+                seg_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in tl.static_range(0, BLOCK_K, STEP_K):
+            k_idx = k0 + kk + offs_k
+            k_ok = k_idx < L
+            a = tl.load(a_ptr + offs_am[:, None] * stride_ar + k_idx[None, :] * stride_al,
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
+            b = tl.load(b_ptr + k_idx[:, None] * stride_bl + offs_bn[None, :] * stride_bc,
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
+            if INTERPRETED:
+                # Exact BF16 products added one at a time in ascending order (cumsum is sequential in
+                # the interpreter); numpy's matmul would pick its order from the tile shape.
+                prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]  # [BLOCK_M, STEP_K, BLOCK_N]
+                first = (offs_k == 0)[None, :, None]
+                last = (offs_k == STEP_K - 1)[None, :, None]
+                if SEGMENTED:
+                    prod = tl.where(first, prod + seg_acc[:, None, :], prod)
+                    seg_acc = tl.sum(tl.where(last, tl.cumsum(prod, axis=1), 0.0), axis=1)
+                else:
+                    prod = tl.where(first, prod + acc[:, None, :], prod)
+                    acc = tl.sum(tl.where(last, tl.cumsum(prod, axis=1), 0.0), axis=1)
+            else:
+                if SEGMENTED:
+                    seg_acc = tl.dot(a, b, seg_acc)
+                else:
+                    acc = tl.dot(a, b, acc)
+    if SEGMENTED:
+        acc += seg_acc
+
+    c_ptrs = c_ptr + offs_am[:, None] * stride_cr + offs_bn[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
+    c_mask = row_ok[:, None] & col_ok[None, :]
+    if OUT_FP32:
+        tl.store(c_ptrs, acc, mask=c_mask)
+    else:
+        tl.store(c_ptrs, acc.to(tl.bfloat16), mask=c_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch wrappers: check, allocate, launch.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemmLaunch:
+    """What ran: the backend and the config, for every result row."""
+
+    op: str
+    backend: str
+    config: GemmConfig
+    name: str
+
+
+def _check_seg_len(seg_len: int | None, reduced: int, config: GemmConfig) -> int:
+    if seg_len is None:
+        return reduced
+    if not isinstance(seg_len, int) or seg_len < 1:
+        raise ValueError(f"seg_len must be a positive int or None; got {seg_len!r}")
+    if seg_len % config.block_k:
+        raise ValueError(
+            f"seg_len {seg_len} is not a multiple of the config's BLOCK_K {config.block_k}; "
+            "segment boundaries must fall on loop iterations"
+        )
+    return seg_len
+
+
+def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str, torch.Tensor],
+         config: GemmConfig | None, seg_len: int | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, GemmLaunch]:
+    """Launch ``C = a_view @ b_view`` (views of the caller's tensors, strides kept)."""
+    backend = resolve_backend(det_gemm_kernel, tensors)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype {out_dtype} is not supported; supported: torch.bfloat16, torch.float32")
+    rows, reduced = a_view.shape
+    cols = b_view.shape[1]
+    config = config if config is not None else select_config(op, rows)
+    seg = _check_seg_len(seg_len, reduced, config)
+    c = torch.empty((rows, cols), dtype=out_dtype, device=a_view.device)
+    interpreted = backend == TRITON_INTERPRETER
+    grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
+    det_gemm_kernel[grid](
+        a_view, b_view, c,
+        rows, cols, reduced,
+        a_view.stride(0), a_view.stride(1),
+        b_view.stride(0), b_view.stride(1),
+        c.stride(0), c.stride(1),
+        seg,
+        OP_ID=_OP_IDS[op],
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        STEP_K=INTERPRETER_STEP_K if interpreted else config.block_k,
+        GROUP_M=config.group_m,
+        INTERPRETED=interpreted, SEGMENTED=seg != reduced, OUT_FP32=out_dtype == torch.float32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)
+    return c, GemmLaunch(op=op, backend=backend, config=config, name=case_name(op, m, n, k))
+
+
+def _check_pair(names: tuple[str, str], x: torch.Tensor, y: torch.Tensor, x_dim: int, y_dim: int, what: str):
+    check_bf16_matrix(names[0], x)
+    check_bf16_matrix(names[1], y)
+    if x.shape[x_dim] != y.shape[y_dim]:
+        raise ValueError(
+            f"{what}: {names[0]}.shape[{x_dim}]={x.shape[x_dim]} != {names[1]}.shape[{y_dim}]={y.shape[y_dim]} "
+            f"({names[0]} {tuple(x.shape)}, {names[1]} {tuple(y.shape)})"
+        )
+
+
+def det_gemm_fwd_launch(a: torch.Tensor, b: torch.Tensor, *, config: GemmConfig | None = None,
+                        seg_len: int | None = None, out_dtype: torch.dtype = torch.bfloat16):
+    """``a [M,K] @ b [K,N]`` -> (``[M,N]``, GemmLaunch). ``b`` may be ``weight.t()``."""
+    _check_pair(("a", "b"), a, b, 1, 0, "det_gemm_fwd needs a [M,K], b [K,N]")
+    return _run("fwd", a, b, {"a": a, "b": b}, config, seg_len, out_dtype)
+
+
+def det_gemm_da_launch(dc: torch.Tensor, b: torch.Tensor, *, config: GemmConfig | None = None,
+                       seg_len: int | None = None, out_dtype: torch.dtype = torch.bfloat16):
+    """``dc [M,N] @ b[K,N].T`` -> (``[M,K]``, GemmLaunch)."""
+    _check_pair(("dc", "b"), dc, b, 1, 1, "det_gemm_da needs dc [M,N], b [K,N]")
+    return _run("da", dc, b.t(), {"dc": dc, "b": b}, config, seg_len, out_dtype)
+
+
+def det_gemm_db_launch(a: torch.Tensor, dc: torch.Tensor, *, config: GemmConfig | None = None,
+                       seg_len: int | None = None, out_dtype: torch.dtype = torch.bfloat16):
+    """``a[M,K].T @ dc [M,N]`` -> (``[K,N]``, GemmLaunch); reduces over M."""
+    _check_pair(("a", "dc"), a, dc, 0, 0, "det_gemm_db needs a [M,K], dc [M,N]")
+    return _run("db", a.t(), dc, {"a": a, "dc": dc}, config, seg_len, out_dtype)
+
+
+def det_gemm_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [M,K] @ b [K,N] -> [M,N]`` in BF16, deterministic and batch-invariant."""
+    return det_gemm_fwd_launch(a, b)[0]
+
+
+def det_gemm_da(dc: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``dc [M,N] @ b.T -> [M,K]`` in BF16 (the input gradient), deterministic and batch-invariant."""
+    return det_gemm_da_launch(dc, b)[0]
+
+
+def det_gemm_db(a: torch.Tensor, dc: torch.Tensor) -> torch.Tensor:
+    """``a.T @ dc -> [K,N]`` in BF16 (the weight gradient), deterministic, fixed order over M."""
+    return det_gemm_db_launch(a, dc)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure-torch references (FP32 accumulation, one BF16 rounding): what tests and audits compare to.
+# ---------------------------------------------------------------------------------------------
+def det_gemm_fwd_ref(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``a @ b`` in ``dtype`` (float32 or float64), unrounded."""
+    return a.to(dtype) @ b.to(dtype)
+
+
+def det_gemm_da_ref(dc: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return dc.to(dtype) @ b.to(dtype).t()
+
+
+def det_gemm_db_ref(a: torch.Tensor, dc: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return a.to(dtype).t() @ dc.to(dtype)
+
+
+LAUNCHERS = {"fwd": det_gemm_fwd_launch, "da": det_gemm_da_launch, "db": det_gemm_db_launch}
+REFERENCES = {"fwd": det_gemm_fwd_ref, "da": det_gemm_da_ref, "db": det_gemm_db_ref}
+SUPPORTED_BACKENDS = (CUDA_SM90, TRITON_INTERPRETER)
