@@ -26,7 +26,8 @@ On the Triton interpreter (CPU) ``tl.dot`` on BF16 operands is wrong and its FP3
 matmul, whose summation order depends on the tile shape. There the kernel instead adds one exact
 BF16 product per reduced element to the FP32 accumulator, in ascending order: the
 contract's semantics (exact products, FP32 accumulation, one BF16 rounding) with an order that
-depends on L alone (one FP32 rounding per product, strictly sequential). Interpreter bits differ from tensor-core bits; each backend is audited on its own.
+depends on L alone (one FP32 rounding per product, strictly sequential). The interpreter's FP32 to
+BF16 cast truncates, so the final rounding there is done in integer arithmetic (nearest-even). Interpreter bits differ from tensor-core bits; each backend is audited on its own.
 
 Shapes: any M, N, K >= 1 whose element offsets fit in 32 bits; any non-negative strides.
 """
@@ -47,8 +48,15 @@ from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, re
 CONFIG_TABLE_VERSION = "2026-11-29.1"
 
 OPS = ("fwd", "da", "db")
-# Interpreter step: keeps the [BLOCK_M, STEP_K, BLOCK_N] product block under Triton's 2**20 elements.
-INTERPRETER_STEP_K = 16
+# The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
+INTERPRETER_MAX_BLOCK_NUMEL = 2**20
+
+
+def interpreter_step_k(config: "GemmConfig") -> int:
+    step = config.block_k
+    while config.block_m * step * config.block_n > INTERPRETER_MAX_BLOCK_NUMEL:
+        step //= 2
+    return step
 
 
 @dataclass(frozen=True)
@@ -135,6 +143,17 @@ def _launch_metadata(grid, metadata, args):
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
+@triton.jit
+def fp32_to_bf16_rtne(x):
+    """Round FP32 to BF16, nearest-even, in integer arithmetic. The interpreter's own cast truncates;
+    on the GPU this equals cvt.rn.bf16.f32 for every non-NaN input (NaN stays a quiet NaN)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+    out = (bits >> 16).to(tl.uint16)
+    out = tl.where(x != x, 0x7FC0, out).to(tl.uint16)
+    return out.to(tl.bfloat16, bitcast=True)
+
+
 @triton.jit(launch_metadata=_launch_metadata)
 def det_gemm_kernel(
     a_ptr, b_ptr, c_ptr,
@@ -162,6 +181,8 @@ def det_gemm_kernel(
     offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_bn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, STEP_K)
+    a_ptrs = a_ptr + offs_am[:, None] * stride_ar + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bl + offs_bn[None, :] * stride_bc  # [STEP_K, BLOCK_N]
     row_ok = offs_am < R
     col_ok = offs_bn < C
 
@@ -174,12 +195,11 @@ def det_gemm_kernel(
                 acc += seg_acc
                 seg_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in tl.static_range(0, BLOCK_K, STEP_K):
-            k_idx = k0 + kk + offs_k
-            k_ok = k_idx < L
-            a = tl.load(a_ptr + offs_am[:, None] * stride_ar + k_idx[None, :] * stride_al,
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
-            b = tl.load(b_ptr + k_idx[:, None] * stride_bl + offs_bn[None, :] * stride_bc,
-                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
+            k_ok = (k0 + kk + offs_k) < L
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
+            a_ptrs += STEP_K * stride_al
+            b_ptrs += STEP_K * stride_bl
             if INTERPRETED:
                 # Exact BF16 products added one at a time in ascending order (cumsum is sequential in
                 # the interpreter); numpy's matmul would pick its order from the tile shape.
@@ -204,6 +224,8 @@ def det_gemm_kernel(
     c_mask = row_ok[:, None] & col_ok[None, :]
     if OUT_FP32:
         tl.store(c_ptrs, acc, mask=c_mask)
+    elif INTERPRETED:
+        tl.store(c_ptrs, fp32_to_bf16_rtne(acc), mask=c_mask)
     else:
         tl.store(c_ptrs, acc.to(tl.bfloat16), mask=c_mask)
 
@@ -256,7 +278,7 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
         seg,
         OP_ID=_OP_IDS[op],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        STEP_K=INTERPRETER_STEP_K if interpreted else config.block_k,
+        STEP_K=interpreter_step_k(config) if interpreted else config.block_k,
         GROUP_M=config.group_m,
         INTERPRETED=interpreted, SEGMENTED=seg != reduced, OUT_FP32=out_dtype == torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -1,0 +1,32 @@
+"""Test device selection. CPU runs (CI) use the Triton interpreter, which must be switched on before any
+detkit kernel is imported; GPU runs set DETKIT_TEST_DEVICE=cuda and run the `gpu`-marked tests."""
+
+import os
+
+import pytest
+import torch
+
+TEST_DEVICE = os.environ.get("DETKIT_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+elif TEST_DEVICE != "cuda":
+    raise pytest.UsageError(f"DETKIT_TEST_DEVICE={TEST_DEVICE!r}; supported: cpu, cuda")
+
+
+def hopper_available() -> bool:
+    return TEST_DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if hopper_available():
+        return
+    reason = ("needs a Hopper GPU: run with DETKIT_TEST_DEVICE=cuda on an sm_90 host"
+              if TEST_DEVICE != "cuda" else "DETKIT_TEST_DEVICE=cuda but no sm_90 GPU is visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device(TEST_DEVICE)

@@ -1,0 +1,148 @@
+"""det_gemm against its FP64 oracle (the contract bound), its invariances at awkward shapes, and every
+fail-closed path. Runs on the interpreter in CI and on the GPU with DETKIT_TEST_DEVICE=cuda."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from audits.gemm_contract import oracle
+from kernels.det_gemm import (
+    CONFIG_TABLE, GemmConfig, all_configs, det_gemm_da, det_gemm_db, det_gemm_fwd, det_gemm_fwd_launch,
+    select_config,
+)
+from kernels.backend import check_bf16_matrix
+from toolkit.contract import check_bound, compare_bits, gemm_bound
+from toolkit.fixtures import bf16_randn, weight_kn
+
+OPS = {"fwd": det_gemm_fwd, "da": det_gemm_da, "db": det_gemm_db}
+
+
+def _operands(op, m, n, k, layout, device):
+    w = weight_kn(k, n, 7, layout, device)
+    if op == "fwd":
+        return bf16_randn((m, k), 1, device), w
+    if op == "da":
+        return bf16_randn((m, n), 2, device), w
+    return bf16_randn((m, k), 1, device), bf16_randn((m, n), 2, device)
+
+
+@pytest.mark.parametrize("op", ["fwd", "da", "db"])
+@pytest.mark.parametrize("m", [1, 7, 129])
+@pytest.mark.parametrize("layout", ["kn", "linear"])
+def test_within_contract_bound(op, m, layout, device):
+    n, k = 40, 56
+    x, y = _operands(op, m, n, k, layout, device)
+    c = OPS[op](x, y)
+    c_star, abs_ab = oracle(op, x, y)
+    reduced = {"fwd": k, "da": n, "db": m}[op]
+    result = check_bound(c, c_star, gemm_bound(c_star, abs_ab, reduced))
+    assert result.passed, result
+    assert c.dtype == torch.bfloat16 and c.shape == c_star.shape
+
+
+def test_rounding_is_nearest_even_of_fp32_accumulator(device):
+    a, b = bf16_randn((33, 48), 3, device), bf16_randn((48, 24), 4, device)
+    c = det_gemm_fwd(a, b)
+    acc = det_gemm_fwd_launch(a, b, out_dtype=torch.float32)[0]
+    assert compare_bits(c, acc.to(torch.bfloat16)).equal
+
+
+def test_segmented_reduction_equals_sum_of_fp32_partials(device):
+    # The hook a parallelism-invariant mode uses: segments at shard boundaries reproduce p0 + p1.
+    a, b = bf16_randn((20, 128), 5, device), bf16_randn((128, 24), 6, device)
+    config = GemmConfig(16, 64, 64, 1, 4, 4)
+    seg = det_gemm_fwd_launch(a, b, config=config, seg_len=64, out_dtype=torch.float32)[0]
+    p0 = det_gemm_fwd_launch(a[:, :64], b[:64], config=config, out_dtype=torch.float32)[0]
+    p1 = det_gemm_fwd_launch(a[:, 64:], b[64:], config=config, out_dtype=torch.float32)[0]
+    assert compare_bits(seg, p0 + p1).equal
+
+
+def test_config_table_is_pinned_and_covers_every_size():
+    for op, entries in CONFIG_TABLE.items():
+        assert [bound for bound, _ in entries] == sorted(bound for bound, _ in entries)
+        assert entries[-1][0] >= 2**31 - 1
+        assert select_config(op, 1) == entries[0][1]
+        assert all_configs(op)
+
+
+# ---- fail closed -----------------------------------------------------------------------------
+def test_rejects_non_bf16(device):
+    a = torch.zeros(4, 8, dtype=torch.float16, device=device)
+    b = torch.zeros(8, 4, dtype=torch.bfloat16, device=device)
+    with pytest.raises(TypeError, match=r"a has dtype torch.float16; supported: torch.bfloat16"):
+        det_gemm_fwd(a, b)
+
+
+def test_rejects_non_2d(device):
+    a = torch.zeros(2, 4, 8, dtype=torch.bfloat16, device=device)
+    b = torch.zeros(8, 4, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match=r"a must be 2-D; got shape \(2, 4, 8\)"):
+        det_gemm_fwd(a, b)
+
+
+@pytest.mark.parametrize("op,shapes,message", [
+    ("fwd", ((4, 8), (9, 4)), r"a.shape\[1\]=8 != b.shape\[0\]=9"),
+    ("da", ((4, 5), (8, 6)), r"dc.shape\[1\]=5 != b.shape\[1\]=6"),
+    ("db", ((4, 8), (5, 6)), r"a.shape\[0\]=4 != dc.shape\[0\]=5"),
+])
+def test_rejects_mismatched_inner_dims(op, shapes, message, device):
+    x = torch.zeros(shapes[0], dtype=torch.bfloat16, device=device)
+    y = torch.zeros(shapes[1], dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match=message):
+        OPS[op](x, y)
+
+
+def test_rejects_empty_dims(device):
+    a = torch.zeros(0, 8, dtype=torch.bfloat16, device=device)
+    b = torch.zeros(8, 4, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match=r"a has an empty dimension \(shape \(0, 8\)\)"):
+        det_gemm_fwd(a, b)
+
+
+def test_rejects_mixed_devices(device):
+    a = torch.zeros(4, 8, dtype=torch.bfloat16, device=device)
+    b = torch.zeros(8, 4, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        det_gemm_fwd(a, b)
+
+
+def test_rejects_32bit_offset_overflow():
+    huge = torch.empty((2**16, 2**16), dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=r"spans element offset 4294967295; supported: offsets below 2\*\*31"):
+        check_bf16_matrix("a", huge)
+
+
+def test_rejects_bad_segment_and_out_dtype(device):
+    a, b = bf16_randn((4, 64), 1, device), bf16_randn((64, 8), 2, device)
+    config = GemmConfig(16, 64, 64, 1, 4, 4)
+    with pytest.raises(ValueError, match="seg_len 48 is not a multiple of the config's BLOCK_K 64"):
+        det_gemm_fwd_launch(a, b, config=config, seg_len=48)
+    with pytest.raises(TypeError, match="out_dtype torch.float16 is not supported"):
+        det_gemm_fwd_launch(a, b, out_dtype=torch.float16)
+
+
+def test_rejects_bad_config():
+    with pytest.raises(ValueError, match="block_k must be a multiple of 16"):
+        GemmConfig(16, 64, 24, 1, 4, 4)
+    with pytest.raises(ValueError, match=r"op 'dx' is not supported"):
+        select_config("dx", 1)
+
+
+def test_cpu_tensors_without_interpreter_fail_closed(tmp_path):
+    code = ("import torch\nfrom kernels.det_gemm import det_gemm_fwd\n"
+            "a = torch.zeros(4, 8, dtype=torch.bfloat16)\n"
+            "det_gemm_fwd(a, torch.zeros(8, 4, dtype=torch.bfloat16))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    assert "NotImplementedError: CPU tensors are supported only under the Triton interpreter" in proc.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_backend_is_cuda_sm90():
+    a = bf16_randn((16, 64), 1, "cuda")
+    _, launch = det_gemm_fwd_launch(a, bf16_randn((64, 32), 2, "cuda"))
+    assert launch.backend == "cuda_sm90"
