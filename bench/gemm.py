@@ -1,0 +1,259 @@
+"""det_gemm fwd/dA/dB against cuBLAS in the same run, interleaved.
+
+Baselines (same operand views as det_gemm, so the same layouts):
+- ``cublas``: torch.matmul with cuBLAS defaults (may split K; not batch-invariant at small M).
+- ``cublaslt_nosplitk``: the same call in a worker process started with CUBLASLT_WORKSPACE_SIZE=1
+  (no workspace, so no split-K): batch-invariant and the bar a deterministic kernel has to meet.
+  The worker times det_gemm again beside it, so each ratio comes from one process.
+
+Formulas: FLOPs = 2*M*N*K; TFLOP/s = FLOPs / median time; ratio = det time / baseline time
+(> 1: detkit slower); MFU = TFLOP/s / ceiling, against the measured dense-BF16 cuBLAS ceiling
+(8192^3, random data, this run) and the datasheet dense BF16 peak (989 TFLOP/s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kernels.det_gemm import LAUNCHERS, case_name
+from toolkit.contract import check_bound, gemm_bound
+from toolkit.fixtures import LAYOUTS, bf16_randn, weight_kn
+from toolkit.nvtx_ranges import nvtx_range
+from toolkit.timing import time_interleaved
+
+NAME = "gemm"
+DATASHEET_BF16_TFLOPS = 989.0
+M_VALUES = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+KN_SHAPES = ((4096, 6144), (6144, 4096))
+TINY_M_VALUES = (1, 7, 129)
+TINY_KN_SHAPES = ((40, 56),)
+OPS = ("fwd", "da", "db")
+WORKER_ENV = {"CUBLASLT_WORKSPACE_SIZE": "1"}
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    op: str
+    m: int
+    n: int
+    k: int
+    layout: str
+
+    @property
+    def name(self) -> str:
+        return f"{case_name(self.op, self.m, self.n, self.k)} b={self.layout}"
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k
+
+
+def cases(interpreted: bool, ops=OPS, m_values=None, layouts=LAYOUTS) -> list[BenchCase]:
+    shapes = TINY_KN_SHAPES if interpreted else KN_SHAPES
+    ms = m_values or (TINY_M_VALUES if interpreted else M_VALUES)
+    # dB has no weight operand: one layout ("kn", activations row-major) covers it.
+    return [BenchCase(op, m, n, k, layout) for op in ops for k, n in shapes
+            for layout in (layouts if op != "db" else ("kn",)) for m in ms]
+
+
+def operands(case: BenchCase, device: torch.device):
+    """Seeded operands and the matching torch.matmul baseline call."""
+    w = weight_kn(case.k, case.n, 2, case.layout, device)
+    if case.op == "fwd":
+        x = bf16_randn((case.m, case.k), 1, device)
+        return x, w, lambda: x @ w
+    if case.op == "da":
+        x = bf16_randn((case.m, case.n), 3, device)
+        return x, w, lambda: x @ w.t()
+    x, y = bf16_randn((case.m, case.k), 1, device), bf16_randn((case.m, case.n), 3, device)
+    return x, y, lambda: x.t() @ y
+
+
+def _validate(case: BenchCase, x, y) -> dict:
+    """Validate before timing: det_gemm's output within the contract bound of the FP64 oracle."""
+    from audits.gemm_contract import oracle
+
+    c, launch = LAUNCHERS[case.op](x, y)
+    c_star, abs_ab = oracle(case.op, x, y)
+    reduced = {"fwd": case.k, "da": case.n, "db": case.m}[case.op]
+    result = check_bound(c, c_star, gemm_bound(c_star, abs_ab, reduced))
+    del c_star, abs_ab
+    return {"config": launch.config.label(), "backend": launch.backend, "contract_passed": result.passed,
+            "contract_worst_ratio": result.worst_ratio}
+
+
+def time_cases(device: torch.device, baseline: str, selected: list[BenchCase], rounds: int) -> Iterator[dict]:
+    for case in selected:
+        x, y, base_fn = operands(case, device)
+        launcher = LAUNCHERS[case.op]
+        info = _validate(case, x, y)
+
+        def det_fn():
+            with nvtx_range(case.name):
+                return launcher(x, y)
+
+        def base_run():
+            with nvtx_range(f"{case.name} | {baseline}"):
+                return base_fn()
+
+        timings = time_interleaved({"detkit": det_fn, baseline: base_run}, device, rounds=rounds)
+        yield {"name": case.name, "op": case.op, "M": case.m, "N": case.n, "K": case.k, "layout": case.layout,
+               "flops": case.flops, **info,
+               **{f"{impl}_{key}": value for impl, t in timings.items() for key, value in vars(t).items()}}
+
+
+def measured_ceiling_tflops(device: torch.device) -> float:
+    """cuBLAS BF16 8192^3 on random data: the dense ceiling of this GPU in this run."""
+    a, b = bf16_randn((8192, 8192), 5, device), bf16_randn((8192, 8192), 6, device)
+    t = time_interleaved({"ceiling": lambda: a @ b}, device, rounds=3)["ceiling"]
+    return 2 * 8192**3 / (t.median_us * 1e-6) / 1e12
+
+
+def _run_worker(selected: list[BenchCase], rounds: int) -> dict[str, dict]:
+    payload = json.dumps({"cases": [vars(c) for c in selected], "rounds": rounds})
+    env = {**os.environ, **WORKER_ENV}
+    proc = subprocess.run([sys.executable, "-m", "bench.gemm"], input=payload, capture_output=True,
+                          text=True, env=env, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cublaslt_nosplitk worker failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    return {row["name"]: row for row in json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def run(device: torch.device, interpreted: bool, selected: list[BenchCase], rounds: int = 5) -> tuple[list[dict], dict]:
+    """Time every case against cuBLAS here and against cuBLASLt-no-split-K in a worker; return rows + meta."""
+    meta = {"datasheet_bf16_tflops": DATASHEET_BF16_TFLOPS, "baselines": ["cublas", "cublaslt_nosplitk"]}
+    rows = list(time_cases(device, "cublas", selected, rounds))
+    if interpreted:
+        meta["baselines"] = ["torch_cpu"]
+        meta["measured_ceiling_tflops"] = None
+        for row in rows:
+            row["cublas_vs"] = "torch CPU matmul (interpreter run: timings are CPU emulation, not hardware)"
+        return rows, meta
+    ceiling = measured_ceiling_tflops(device)
+    meta["measured_ceiling_tflops"] = ceiling
+    worker = _run_worker(selected, rounds)
+    for row in rows:
+        other = worker[row["name"]]
+        tflops = row["flops"] / (row["detkit_median_us"] * 1e-6) / 1e12
+        row.update({
+            "detkit_tflops": tflops,
+            "cublas_tflops": row["flops"] / (row["cublas_median_us"] * 1e-6) / 1e12,
+            "ratio_vs_cublas": row["detkit_median_us"] / row["cublas_median_us"],
+            "cublaslt_nosplitk_median_us": other["cublaslt_nosplitk_median_us"],
+            "cublaslt_nosplitk_p20_us": other["cublaslt_nosplitk_p20_us"],
+            "cublaslt_nosplitk_p80_us": other["cublaslt_nosplitk_p80_us"],
+            "detkit_median_us_worker": other["detkit_median_us"],
+            "ratio_vs_cublaslt_nosplitk": other["detkit_median_us"] / other["cublaslt_nosplitk_median_us"],
+            "mfu_measured": tflops / ceiling,
+            "mfu_datasheet": tflops / DATASHEET_BF16_TFLOPS,
+        })
+    return rows, meta
+
+
+def _worker() -> None:
+    request = json.loads(sys.stdin.read())
+    selected = [BenchCase(**c) for c in request["cases"]]
+    rows = list(time_cases(torch.device("cuda"), "cublaslt_nosplitk", selected, request["rounds"]))
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    _worker()
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------
+TARGETS = {"large_m": (1024, 1.05), "small_m": (256, 1.25), "nosplitk_max": 1.10}
+
+
+def target_summary(rows: list[dict]) -> list[dict]:
+    """Issue targets per (op, shape), nn.Linear layout for fwd/dA: median ratio over M ranges."""
+    import statistics
+
+    out = []
+    keys = dict.fromkeys((r["op"], r["N"], r["K"]) for r in rows)
+    for op, n, k in keys:
+        layout = "kn" if op == "db" else "linear"
+        sel = [r for r in rows if (r["op"], r["N"], r["K"], r["layout"]) == (op, n, k, layout)]
+        large = [r["ratio_vs_cublas"] for r in sel if r["M"] >= TARGETS["large_m"][0]]
+        small = [r["ratio_vs_cublas"] for r in sel if r["M"] <= TARGETS["small_m"][0]]
+        worst = max(r["ratio_vs_cublaslt_nosplitk"] for r in sel)
+        out.append({
+            "op": op, "N": n, "K": k, "layout": layout,
+            "median_ratio_M>=1024": statistics.median(large) if large else None,
+            "target_large": TARGETS["large_m"][1],
+            "median_ratio_M<=256": statistics.median(small) if small else None,
+            "target_small": TARGETS["small_m"][1],
+            "worst_ratio_vs_nosplitk": worst,
+            "target_nosplitk": TARGETS["nosplitk_max"],
+            "met": bool((not large or statistics.median(large) <= TARGETS["large_m"][1])
+                        and (not small or statistics.median(small) <= TARGETS["small_m"][1])
+                        and worst <= TARGETS["nosplitk_max"]),
+        })
+    return out
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from toolkit.reports import save_figure
+
+    panels = list(dict.fromkeys((r["op"], r["N"], r["K"]) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (op, n, k) in zip(axes[0], panels):
+        for layout in dict.fromkeys(r["layout"] for r in rows):
+            sel = sorted((r for r in rows if (r["op"], r["N"], r["K"], r["layout"]) == (op, n, k, layout)),
+                         key=lambda r: r["M"])
+            if not sel:
+                continue
+            ms = [r["M"] for r in sel]
+            ax.plot(ms, [r["detkit_tflops"] for r in sel], marker="o", label=f"detkit b={layout}")
+            ax.plot(ms, [r["cublas_tflops"] for r in sel], linestyle="--", label=f"cuBLAS b={layout}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{op} N={n} K={k}")
+        ax.set_xlabel("M")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def write_outputs(out_dir, rows: list[dict], meta: dict) -> dict:
+    from pathlib import Path
+
+    from toolkit.harness import atomic_write_text
+    from toolkit.reports import markdown_report, write_csv, write_jsonl
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "gemm.jsonl", rows)
+    write_csv(out / "gemm.csv", rows)
+    paths = {"jsonl": out / "gemm.jsonl", "csv": out / "gemm.csv", "markdown": out / "gemm.md"}
+    cols = ["op", "layout", "M", "N", "K", "config", "contract_passed", "detkit_median_us", "detkit_p20_us",
+            "detkit_p80_us", "cublas_median_us", "ratio_vs_cublas", "ratio_vs_cublaslt_nosplitk",
+            "detkit_tflops", "cublas_tflops", "mfu_measured", "mfu_datasheet"]
+    table = [{c: r.get(c) for c in cols if c in r} for r in rows]
+    text = markdown_report("detkit bench gemm", meta, table)
+    if meta.get("backend") != "triton_interpreter":
+        summary = target_summary(rows)
+        meta["targets_met"] = all(s["met"] for s in summary)
+        from tabulate import tabulate
+
+        text += "\n## Targets (ratio = detkit time / baseline time)\n\n" + tabulate(
+            summary, headers="keys", tablefmt="github", floatfmt=".3f") + "\n"
+        plot(rows, out / "gemm_tflops.png")
+        paths["plot"] = out / "gemm_tflops.png"
+    atomic_write_text(out / "gemm.md", text)
+    return paths

@@ -1,0 +1,62 @@
+"""Kernel timing: interleaved rounds, L2 flushed, warm-up excluded, median with p20/p80.
+
+On CUDA each sample is one call between CUDA events with the L2 flushed before it
+(``triton.testing.do_bench``). On the interpreter backend samples are wall-clock seconds of CPU
+emulation: useful only to prove the plumbing, never a speed result (reports say so).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    p20_us: float
+    p80_us: float
+    samples: int
+
+    @classmethod
+    def from_samples_ms(cls, samples_ms: list[float]) -> "Timing":
+        if not samples_ms:
+            raise ValueError("no timing samples")
+        us = sorted(s * 1e3 for s in samples_ms)
+        q = statistics.quantiles(us, n=10, method="inclusive") if len(us) > 1 else [us[0]] * 9
+        return cls(median_us=statistics.median(us), p20_us=q[1], p80_us=q[7], samples=len(us))
+
+
+def _cpu_samples_ms(fn: Callable[[], object], reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - start) * 1e3)
+    return out
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 5,
+                     rep_ms: float = 40.0, cpu_reps: int = 1) -> dict[str, Timing]:
+    """Time every function in ``rounds`` alternating rounds so drift (clocks, heat) hits all alike."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        for fn in fns.values():  # warm-up: compilation, autotuning of baselines, allocator
+            fn()
+        torch.cuda.synchronize(device)
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                samples[name] += do_bench(fn, warmup=5, rep=rep_ms, return_mode="all")
+    else:
+        for fn in fns.values():
+            fn()
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                samples[name] += _cpu_samples_ms(fn, cpu_reps)
+    return {name: Timing.from_samples_ms(s) for name, s in samples.items()}
