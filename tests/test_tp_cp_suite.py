@@ -1,0 +1,231 @@
+"""The tp-cp suites through the CLI: the 4-rank report (torchrun, gloo, interpreter, tiny layout), the
+2-rank CP-only world, the single-process refs suite and the refusal of tp-cp outside a rank launch;
+plus the launcher-side helpers of toolkit/dist.py that need no process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.dist import launched_as_ranks, rows_path, timeout_s, world_from_env, writes_report
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_TIMEOUT_S = 240
+
+CHECKS_4_RANKS = {
+    "placement", "tp1_equal", "contract_local", "repeatability", "collectives", "pre_reduce", "post_reduce",
+    "group_free_reference", "contract_pre", "contract_post", "cp_offsets", "cp_rebuild", "contract_cp_rebuild",
+    "exact_local", "exact_pre", "exact_post", "exact_cp_rebuild",
+}
+
+
+def _env(device: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(NCCL_NVLS_ENABLE="0", DETKIT_DIST_TIMEOUT_S="100" if device == "cpu" else "300", **extra)
+    if device == "cpu":
+        env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")  # 4 ranks share 2 cores
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def audit_under_torchrun(out: Path, nproc: int, device: str, timeout: float, **env) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "toolkit", "audit", "--device", device, "--suite", "tp-cp", "--out", str(out)]
+    return subprocess.run(cmd, env=_env(device, **env), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _load(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+def _rows(report: dict, check: str | None = None) -> list[dict]:
+    return [r for r in report["rows"] if check is None or r["check"] == check]
+
+
+# ------------------------------------------------------------------------------ 4 ranks, CPU
+@pytest.fixture(scope="module")
+def four_rank_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_cp_4")
+    proc = audit_under_torchrun(out, 4, "cpu", CPU_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, _load(out), proc
+
+
+def test_4_rank_report_passes_and_merges_every_rank(four_rank_report):
+    out, report, proc = four_rank_report
+    assert report["rows"] and all(r["passed"] for r in report["rows"])
+    assert {r["details"]["rank"] for r in report["rows"]} == {0, 1, 2, 3}
+    assert {r["check"] for r in report["rows"]} == CHECKS_4_RANKS
+    assert report["meta"]["distributed"]["rows_per_rank"] == [
+        sum(r["details"]["rank"] == k for r in report["rows"]) for k in range(4)]
+    merged = (out / "rows.jsonl").read_text().splitlines()
+    assert len(merged) == len(report["rows"])
+    for rank in range(4):
+        assert (out / "ranks" / f"rows-rank{rank}.jsonl").is_file()
+    assert "report:" in proc.stdout  # only rank 0 prints the summary
+    assert proc.stdout.count("report:") == 1
+
+
+def test_4_rank_report_covers_both_tracks_on_every_group(four_rank_report):
+    _, report, _ = four_rank_report
+    names = {(r["check"], r["name"].split(" [")[0], r["details"]["rank"]) for r in report["rows"]}
+    for rank in range(4):
+        for spec in ("gate_fwd", "up_fwd", "down_fwd", "gate_dx", "up_dx", "gate_dw", "up_dw", "down_dw",
+                     "down_dhidden"):
+            assert ("repeatability", spec, rank) in names, (spec, rank)
+    groups = {tuple(r["details"]["group"]) for r in _rows(report, "post_reduce")}
+    assert groups == {(0, 1), (2, 3), (0, 2), (1, 3)}
+    meta = report["meta"]
+    assert meta["groups"] == {"tp": [[0, 1], [2, 3]], "cp": [[0, 2], [1, 3]]}
+    assert sorted(meta["specs_run"]) == sorted(["gate_fwd", "up_fwd", "down_fwd", "gate_dx", "up_dx", "gate_dw",
+                                                "up_dw", "down_dw", "down_dhidden"])
+
+
+def test_4_rank_collective_counts(four_rank_report):
+    _, report, _ = four_rank_report
+    reps = report["meta"]["repeatability"]
+    for row in _rows(report, "collectives"):
+        spec = row["name"].split(" [")[0]
+        d = row["details"]
+        if spec in ("gate_fwd", "up_fwd", "down_dhidden"):
+            assert d["observed"] == {} and d["reported"] == {}, row
+        else:
+            assert d["observed"] == {"all_reduce": reps}, row
+            assert list(d["reported"].values()) == [reps], row
+    dhidden = [r for r in _rows(report, "collectives") if r["name"].startswith("down_dhidden")]
+    assert len(dhidden) == 8 and all(r["details"]["operator_calls"] == {"row_parallel_dhidden": reps} for r in dhidden)
+
+
+def test_4_rank_report_meta(four_rank_report):
+    out, report, _ = four_rank_report
+    meta = report["meta"]
+    assert meta["backend"] == "triton_interpreter" and meta["hardware_result"] is False
+    assert meta["collective_dtype"] == "torch.bfloat16"
+    dist_meta = meta["distributed"]
+    assert dist_meta["pg_backend"] == "gloo" and dist_meta["world_size"] == 4
+    assert dist_meta["timeout_s"] == 100.0 and dist_meta["inter_node"] is False
+    assert dist_meta["versions"]["torch"] == torch.__version__
+    assert [r["rank"] for r in meta["rank_map"]] == [0, 1, 2, 3]
+    assert [(r["cp"], r["tp"]) for r in meta["rank_map"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["hostname"] for r in meta["rank_map"])
+    assert "topology" in meta and "env" in meta
+    assert meta["tp_cp_layout"]["model"].startswith("tiny (TEST-ONLY")
+    not_covered = " | ".join(meta["not_covered"])
+    assert "covers no inter-node group" in not_covered
+    assert "not a hardware result" in not_covered and "Qwen3-8B shapes: this run used tiny" in not_covered
+    assert "TP groups across nodes" in not_covered
+    covered = " | ".join(meta["covered"])
+    assert "TP groups [[0, 1], [2, 3]]" in covered and "CP groups [[0, 2], [1, 3]]" in covered
+    md = (out / "report.md").read_text()
+    assert "## COVERED" in md and "## NOT COVERED" in md and "NOT a hardware result" in md
+
+
+def test_4_rank_drift_stats_pre_and_post(four_rank_report):
+    _, report, _ = four_rank_report
+    pre, post = _rows(report, "contract_pre"), _rows(report, "contract_post")
+    assert len(pre) == len(post) == 24
+    for row in pre:
+        assert {"pre_fp64_abs_max", "pre_fp64_abs_p95", "pre_fp64_abs_p99", "pre_fp64_ulp_max"} <= set(row["details"])
+        assert row["details"]["worst_ratio"] <= 1.0
+    for row in post:
+        assert {"post_fp64_abs_max", "post_fp64_abs_p95", "post_fp64_abs_p99"} <= set(row["details"])
+
+
+# ------------------------------------------------------------------------------ 2 ranks holding one CP group
+def test_2_rank_cp_world_reports_what_it_did_not_cover(tmp_path):
+    proc = audit_under_torchrun(tmp_path, 2, "cpu", CPU_TIMEOUT_S, DETKIT_TPCP_WORLD="0,2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = _load(tmp_path)
+    assert all(r["passed"] for r in report["rows"])
+    assert {tuple(r["details"]["group"]) for r in _rows(report, "post_reduce")} == {(0, 2)}
+    assert {r["details"]["layout_rank"] for r in report["rows"]} == {0, 2}
+    assert not [r for r in report["rows"] if r["name"].startswith(("down_fwd", "gate_dx", "up_dx"))]
+    not_covered = " | ".join(report["meta"]["not_covered"])
+    assert "TP groups [[0, 1], [2, 3]] (not held by world [0, 2])" in not_covered
+    assert "CP groups [[1, 3]]" in not_covered
+
+
+# ------------------------------------------------------------------------------ one process
+def test_single_process_refs_pass_and_tp_cp_refuses(tmp_path):
+    cmd = [sys.executable, "-m", "toolkit", "audit", "--device", "cpu", "--suite", "tp-cp-refs", "--suite", "tp-cp",
+           "--out", str(tmp_path)]
+    env = {k: v for k, v in _env("cpu").items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=CPU_TIMEOUT_S)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = _load(tmp_path)
+    refs = [r for r in report["rows"] if r["suite"] == "tp_cp_refs"]
+    assert len(refs) > 100 and all(r["passed"] for r in refs)
+    failed = [r for r in report["rows"] if not r["passed"]]
+    assert [(r["suite"], r["check"]) for r in failed] == [("tp_cp", "launch")]
+    assert "not started as ranks" in failed[0]["details"]["reason"]
+    assert "torchrun --nproc-per-node 4" in failed[0]["details"]["reason"]
+    assert "FAILED launch" in proc.stderr
+
+
+# ------------------------------------------------------------------------------ helpers without a group
+@pytest.mark.parametrize(("environ", "expected"), [
+    ({}, False),
+    ({"RANK": "0", "WORLD_SIZE": "1"}, False),
+    ({"RANK": "0", "WORLD_SIZE": "4"}, True),
+    ({"SLURM_PROCID": "0"}, False),  # the batch script itself is not a rank
+    ({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4"}, True),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}, False),
+])
+def test_launched_as_ranks(environ, expected):
+    assert launched_as_ranks(environ) is expected
+
+
+def test_world_from_env():
+    assert world_from_env(4, {}) == (0, 1, 2, 3)
+    assert world_from_env(2, {}) == (0, 1)
+    assert world_from_env(2, {"DETKIT_TPCP_WORLD": "0,2"}) == (0, 2)
+    with pytest.raises(ValueError, match="3 ranks cannot hold the TP=2 x CP=2 layout"):
+        world_from_env(3, {})
+    with pytest.raises(ValueError, match="names 2 layout ranks but 4 processes run"):
+        world_from_env(4, {"DETKIT_TPCP_WORLD": "0,1"})
+    with pytest.raises(ValueError, match="expected comma-separated layout ranks"):
+        world_from_env(2, {"DETKIT_TPCP_WORLD": "a,b"})
+
+
+def test_timeout_knob():
+    assert timeout_s({"DETKIT_DIST_TIMEOUT_S": "42"}) == 42.0
+    with pytest.raises(ValueError, match="supported: a positive number of seconds"):
+        timeout_s({"DETKIT_DIST_TIMEOUT_S": "0"})
+    with pytest.raises(ValueError, match="is not a number of seconds"):
+        timeout_s({"DETKIT_DIST_TIMEOUT_S": "soon"})
+
+
+def test_single_process_paths():
+    assert rows_path(None, Path("out")) == Path("out/rows.jsonl") and writes_report(None)
+
+
+# ------------------------------------------------------------------------------ 2 GPUs, NCCL, Qwen3-8B shapes
+def _two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+GPU_TIMEOUT_S = 900
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs of one host with NCCL")
+@pytest.mark.parametrize(("world", "missing"), [("0,1", "CP groups [[0, 2], [1, 3]]"),
+                                                 ("0,2", "TP groups [[0, 1], [2, 3]]")])
+def test_nccl_2_gpu_suite_qwen3_shapes(tmp_path, world, missing):
+    proc = audit_under_torchrun(tmp_path, 2, "cuda", GPU_TIMEOUT_S, DETKIT_TPCP_WORLD=world)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = _load(tmp_path)
+    assert all(r["passed"] for r in report["rows"])
+    meta = report["meta"]
+    assert meta["backend"] == "cuda_sm90" and meta["distributed"]["pg_backend"] == "nccl"
+    assert meta["distributed"]["versions"]["nccl"]
+    assert meta["tp_cp_layout"]["model"].startswith("qwen3-8b")
+    assert all(r["pci_bus_id"] for r in meta["rank_map"])
+    assert missing in " | ".join(meta["not_covered"])
