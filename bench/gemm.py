@@ -6,6 +6,10 @@ Baselines (same operand views as det_gemm, so the same layouts):
   (no workspace, so no split-K): batch-invariant and the bar a deterministic kernel has to meet.
   The worker times det_gemm again beside it, so each ratio comes from one process.
 
+Timing: CUDA graphs of back-to-back calls over rotating operand copies (more bytes than the L2), so
+neither Python launch overhead nor cached operands enter the numbers; 5 interleaved rounds of 10
+replays per implementation; median with p20/p80 of the per-call times.
+
 Formulas: FLOPs = 2*M*N*K; TFLOP/s = FLOPs / median time; ratio = det time / baseline time
 (> 1: detkit slower); MFU = TFLOP/s / ceiling, against the measured dense-BF16 cuBLAS ceiling
 (8192^3, random data, this run) and the datasheet dense BF16 peak (989 TFLOP/s).
@@ -25,8 +29,7 @@ import torch
 from kernels.det_gemm import LAUNCHERS, case_name
 from toolkit.contract import check_bound, gemm_bound
 from toolkit.fixtures import LAYOUTS, bf16_randn, weight_kn
-from toolkit.nvtx_ranges import nvtx_range
-from toolkit.timing import time_interleaved
+from toolkit.timing import time_graphs, time_interleaved
 
 NAME = "gemm"
 DATASHEET_BF16_TFLOPS = 989.0
@@ -64,16 +67,24 @@ def cases(interpreted: bool, ops=OPS, m_values=None, layouts=LAYOUTS) -> list[Be
 
 
 def operands(case: BenchCase, device: torch.device):
-    """Seeded operands and the matching torch.matmul baseline call."""
+    """Seeded operands of det_gemm's launcher for ``case`` and the matching torch.matmul baseline call."""
     w = weight_kn(case.k, case.n, 2, case.layout, device)
     if case.op == "fwd":
-        x = bf16_randn((case.m, case.k), 1, device)
-        return x, w, lambda: x @ w
-    if case.op == "da":
-        x = bf16_randn((case.m, case.n), 3, device)
-        return x, w, lambda: x @ w.t()
-    x, y = bf16_randn((case.m, case.k), 1, device), bf16_randn((case.m, case.n), 3, device)
-    return x, y, lambda: x.t() @ y
+        x, y = bf16_randn((case.m, case.k), 1, device), w
+    elif case.op == "da":
+        x, y = bf16_randn((case.m, case.n), 3, device), w
+    else:
+        x, y = bf16_randn((case.m, case.k), 1, device), bf16_randn((case.m, case.n), 3, device)
+    return x, y, baseline_call(case.op, x, y)
+
+
+def baseline_call(op: str, x: torch.Tensor, y: torch.Tensor):
+    """torch.matmul (cuBLAS on CUDA) on the same views det_gemm reads."""
+    if op == "fwd":
+        return lambda: x @ y
+    if op == "da":
+        return lambda: x @ y.t()
+    return lambda: x.t() @ y
 
 
 def _validate(case: BenchCase, x, y) -> dict:
@@ -89,23 +100,34 @@ def _validate(case: BenchCase, x, y) -> dict:
             "contract_worst_ratio": result.worst_ratio}
 
 
+L2_BYTES = 60 * 2**20  # H200; rotation sizes operand sets to exceed it several times over
+MAX_SETS = 16
+
+
+def _rotation_sets(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of the operands (same strides) so consecutive calls miss the L2."""
+    per_set = x.untyped_storage().nbytes() + y.untyped_storage().nbytes()
+    count = max(1, min(MAX_SETS, -(-3 * L2_BYTES // per_set)))
+    sets = [(x, y)]
+    for _ in range(count - 1):
+        sets.append(tuple(t.t().clone().t() if t.stride(0) == 1 and t.dim() == 2 and t.stride(1) != 1
+                          else t.clone() for t in (x, y)))
+    return sets
+
+
 def time_cases(device: torch.device, baseline: str, selected: list[BenchCase], rounds: int) -> Iterator[dict]:
     for case in selected:
-        x, y, base_fn = operands(case, device)
+        x, y, _ = operands(case, device)
         launcher = LAUNCHERS[case.op]
         info = _validate(case, x, y)
-
-        def det_fn():
-            with nvtx_range(case.name):
-                return launcher(x, y)
-
-        def base_run():
-            with nvtx_range(f"{case.name} | {baseline}"):
-                return base_fn()
-
-        timings = time_interleaved({"detkit": det_fn, baseline: base_run}, device, rounds=rounds)
+        sets = _rotation_sets(x, y) if device.type == "cuda" else [(x, y)]
+        base_calls = [baseline_call(case.op, a, b) for a, b in sets]
+        fns = {"detkit": lambda: [launcher(a, b) for a, b in sets],
+               baseline: lambda: [call() for call in base_calls]}
+        names = {"detkit": case.name, baseline: f"{case.name} | {baseline}"}
+        timings = time_graphs(fns, device, calls_per_fn=len(sets), rounds=rounds, range_names=names)
         yield {"name": case.name, "op": case.op, "M": case.m, "N": case.n, "K": case.k, "layout": case.layout,
-               "flops": case.flops, **info,
+               "flops": case.flops, "rotation_sets": len(sets), **info,
                **{f"{impl}_{key}": value for impl, t in timings.items() for key, value in vars(t).items()}}
 
 
