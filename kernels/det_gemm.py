@@ -45,7 +45,7 @@ from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, re
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-11-29.2"
+CONFIG_TABLE_VERSION = "2026-11-29.3"
 
 OPS = ("fwd", "da", "db")
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
@@ -81,16 +81,21 @@ class GemmConfig:
 
 
 # (largest output row count the entry serves, config). Rows: M for fwd and dA; K for dB.
+# Entries chosen from bench/gemm_tune.py sweeps on an H200 (reports/2026-11-29-h200/); every candidate
+# swept there gave the same bits as the table's pick.
 CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
     "fwd": (
-        (16, GemmConfig(16, 64, 128, 1, 4, 4)),
-        (256, GemmConfig(64, 64, 64, 1, 4, 4)),
+        (16, GemmConfig(16, 32, 128, 1, 4, 6)),
+        (128, GemmConfig(64, 64, 128, 1, 4, 4)),
+        (512, GemmConfig(128, 128, 64, 8, 8, 4)),
         (2**31, GemmConfig(256, 128, 64, 8, 8, 3)),
     ),
     "da": (
-        (16, GemmConfig(16, 64, 64, 1, 4, 6)),
-        (256, GemmConfig(32, 64, 128, 1, 4, 4)),
-        (2**31, GemmConfig(128, 256, 64, 8, 8, 4)),
+        (16, GemmConfig(16, 64, 128, 1, 4, 6)),
+        (128, GemmConfig(64, 64, 128, 1, 4, 4)),
+        (256, GemmConfig(64, 128, 64, 8, 4, 4)),
+        (1024, GemmConfig(128, 128, 64, 8, 8, 4)),
+        (2**31, GemmConfig(128, 256, 64, 16, 8, 4)),
     ),
     "db": (
         (2**31, GemmConfig(128, 256, 64, 8, 8, 4)),
@@ -164,6 +169,7 @@ def det_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STEP_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr,
+    B_K_MAJOR: tl.constexpr,  # B's reduced dim is contiguous (e.g. fwd on nn.Linear's weight.t())
 ):
     pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(R, BLOCK_M)
@@ -180,7 +186,12 @@ def det_gemm_kernel(
     offs_bn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, STEP_K)
     a_ptrs = a_ptr + offs_am[:, None] * stride_ar + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bl + offs_bn[None, :] * stride_bc  # [STEP_K, BLOCK_N]
+    if B_K_MAJOR:
+        # Load B in its storage order and transpose in registers: the MMA sees the same [STEP_K, BLOCK_N]
+        # operand, but the copy runs along contiguous memory and wgmma reads B K-major from shared memory.
+        b_ptrs = b_ptr + offs_bn[:, None] * stride_bc + offs_k[None, :] * stride_bl  # [BLOCK_N, STEP_K]
+    else:
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bl + offs_bn[None, :] * stride_bc  # [STEP_K, BLOCK_N]
     row_ok = offs_am < R
     col_ok = offs_bn < C
 
@@ -195,7 +206,10 @@ def det_gemm_kernel(
         for kk in tl.static_range(0, BLOCK_K, STEP_K):
             k_ok = (k0 + kk + offs_k) < L
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
+            if B_K_MAJOR:
+                b = tl.trans(tl.load(b_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0))  # [STEP_K, BLOCK_N]
+            else:
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
             a_ptrs += STEP_K * stride_al
             b_ptrs += STEP_K * stride_bl
             if INTERPRETED:
@@ -279,6 +293,7 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
         STEP_K=interpreter_step_k(config) if interpreted else config.block_k,
         GROUP_M=config.group_m,
         INTERPRETED=interpreted, SEGMENTED=seg != reduced, OUT_FP32=out_dtype == torch.float32,
+        B_K_MAJOR=b_view.stride(0) == 1 and b_view.stride(1) != 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)
