@@ -9,7 +9,7 @@ import torch
 
 from audits.gemm_common import GemmCase, launch, operands
 from kernels.det_gemm import REFERENCES
-from toolkit.contract import check_bound, drift_stats, gemm_bound
+from toolkit.contract import bf16_ordinal, check_bound, drift_stats, gemm_bound
 from toolkit.fixtures import LAYOUTS
 from toolkit.harness import Row, RunContext
 from toolkit.nvtx_ranges import nvtx_range
@@ -30,6 +30,32 @@ def oracle(op: str, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, tor
     return ref(x, y, torch.float64), ref(x.abs(), y.abs(), torch.float64)
 
 
+# Histogram bins of the per-element drift against the FP64 oracle, kept as counts in each row so a
+# report can sum them per op (docs/reports.md, drift_hist.png). ULP distance to the oracle rounded
+# to BF16: 0 means correctly rounded. Relative error |c - c*| / |c*| over elements with c* != 0.
+ULP_BINS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, None))
+REL_EDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
+
+
+def drift_histogram(c: torch.Tensor, c_star: torch.Tensor) -> dict[str, dict[str, int]]:
+    """``{"ulp": {bin: count}, "rel": {bin: count}}`` of ``c`` against the FP64 oracle ``c_star``."""
+    ulp = (bf16_ordinal(c) - bf16_ordinal(c_star.to(torch.bfloat16))).abs()
+    ulp_hist = {}
+    for lo, hi in ULP_BINS:
+        label = str(lo) if lo == hi else (f">={lo}" if hi is None else f"{lo}-{hi}")
+        sel = ulp >= lo if hi is None else (ulp >= lo) & (ulp <= hi)
+        ulp_hist[label] = int(sel.sum())
+    nonzero = c_star != 0
+    rel = (c.double() - c_star).abs()[nonzero] / c_star.abs()[nonzero]
+    rel_hist = {"0": int((rel == 0).sum())}
+    lower = 0.0
+    for edge in REL_EDGES:
+        rel_hist[f"<={edge:g}"] = int(((rel > lower) & (rel <= edge)).sum())
+        lower = edge
+    rel_hist[f">{REL_EDGES[-1]:g}"] = int((rel > REL_EDGES[-1]).sum())
+    return {"ulp": ulp_hist, "rel": rel_hist}
+
+
 def run(ctx: RunContext) -> Iterator[Row]:
     preset = GEMM_PRESETS[ctx.preset]
     for op in OPS:
@@ -43,5 +69,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
                     c_star, abs_ab = oracle(op, x, y)
                     result = check_bound(c, c_star, gemm_bound(c_star, abs_ab, reduced_extent(case)))
                     stats = {**drift_stats(c, c_star, "fp64"), **drift_stats(c, REFERENCES[op](x, y), "fp32")}
+                    details = {"config": info.config.label(), **result.as_row(), **stats,
+                               "fp64_hist": drift_histogram(c, c_star)}
                     yield Row(suite=NAME, check="bound", name=f"contract {case.name}", passed=result.passed,
-                              backend=ctx.backend, details={"config": info.config.label(), **result.as_row(), **stats})
+                              backend=ctx.backend, details=details)

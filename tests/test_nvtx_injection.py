@@ -2,15 +2,18 @@
 (native/nvtx_inject), which logs every push/pop; the log is read back and checked for the
 expected names in the detkit domain, balance and nesting. No GPU, no nsys.
 
-To prove the real benchmark instead of the stand-in, point WORKLOAD_CMD at it (one line), e.g.
-    WORKLOAD_CMD = [sys.executable, "-m", "toolkit.cli", "bench", "gemm", "--shapes", "tiny"]
-and list its report-row names in EXPECTED_RANGES / NESTING.
+WORKLOAD_CMD is the real ``detkit bench gemm`` at one tiny case (interpreter): every row it writes
+must be a range of the same name in the detkit domain. AUDIT_CMD runs the real ``detkit audit``
+contract plug-in at a two-M test preset: ``audit gemm_contract`` must enclose one ``contract ...``
+range per row. A stand-in (STANDIN_CMD) covers what the real workloads do not exercise: ranges on
+a second thread, a range left by an exception, and that the checks fail when they should.
 """
 
 from __future__ import annotations
 
 import ctypes
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -34,8 +37,30 @@ from toolkit.nvtx_ranges import (
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# A stand-in for `detkit bench gemm` at tiny shapes: one case range per shape, with stage ranges
-# nested inside, one case on a second thread, and an exception raised inside a range.
+# The real benchmark at one tiny case; "{out}" becomes a temporary results folder.
+WORKLOAD_CMD = [sys.executable, "-m", "toolkit", "bench", "gemm", "--device", "cpu", "--ops", "fwd", "--m", "1",
+                "--layouts", "linear", "--rounds", "1", "--out", "{out}"]
+BENCH_ROW = "det_gemm_fwd [M=1, N=56, K=40] bf16 b=linear"  # bench/gemm.py: BenchCase.name
+BENCH_RANGES = [BENCH_ROW, f"{BENCH_ROW} | cublas"]  # the case and its baseline, interleaved
+
+# The real audit (contract plug-in) at a test preset of two M values (10 rows; the tiny preset's
+# M=4095 cases cost ~30 s in the interpreter). The preset is registered before the CLI runs.
+_AUDIT = textwrap.dedent(
+    """
+    import sys
+    from toolkit.presets import GEMM_PRESETS, GemmPreset
+    GEMM_PRESETS["nvtx-ci"] = GemmPreset("nvtx-ci", ((40, 56),), (1, 7), chunk=1000, repetitions=2,
+                                         determinism_m=(1,))
+    from toolkit.cli import main
+    main(["audit", "--device", "cpu", "--suite", "gemm_contract", "--preset", "nvtx-ci", "--out", sys.argv[1]],
+         prog_name="detkit")
+    """
+)
+AUDIT_CMD = [sys.executable, "-c", _AUDIT, "{out}"]
+AUDIT_STAGE = "audit gemm_contract"
+
+# A stand-in workload: one case range per shape, with stage ranges nested inside, one case on a
+# second thread, and an exception raised inside a range.
 _STANDIN = textwrap.dedent(
     """
     import threading
@@ -65,7 +90,7 @@ _STANDIN = textwrap.dedent(
         pass
     """
 )
-WORKLOAD_CMD = [sys.executable, "-c", _STANDIN]
+STANDIN_CMD = [sys.executable, "-c", _STANDIN]
 EXPECTED_RANGES = [
     "det_gemm_fwd [M=1, N=64, K=32] bf16",
     "det_gemm_fwd [M=7, N=64, K=32] bf16",
@@ -99,13 +124,37 @@ def inject_lib(tmp_path_factory) -> Path:
     return nvtx_ranges.build_injection_library(tmp_path_factory.mktemp("nvtx_build"))
 
 
+def _run_logged(cmd, inject_lib, tmp_path_factory, name: str) -> tuple[Path, Path]:
+    """Run ``cmd`` ("{out}" -> a fresh folder) under the injection library: (log, out folder)."""
+    tmp = tmp_path_factory.mktemp(name)
+    out = tmp / "out"
+    log = tmp / "nvtx.log"
+    env = _subprocess_env()
+    env["TRITON_INTERPRET"] = "1"
+    proc = run_with_injection(
+        [a.replace("{out}", str(out)) for a in cmd], log, inject_lib, env=env, cwd=REPO_ROOT, timeout=240
+    )
+    assert proc.returncode == 0, f"{name} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
+    return log, out
+
+
 @pytest.fixture(scope="module")
-def workload_log(inject_lib, tmp_path_factory) -> Path:
+def workload_log(inject_lib, tmp_path_factory) -> tuple[Path, Path]:
+    return _run_logged(WORKLOAD_CMD, inject_lib, tmp_path_factory, "bench_gemm")
+
+
+@pytest.fixture(scope="module")
+def audit_log(inject_lib, tmp_path_factory) -> tuple[Path, Path]:
+    return _run_logged(AUDIT_CMD, inject_lib, tmp_path_factory, "audit")
+
+
+@pytest.fixture(scope="module")
+def standin_log(inject_lib, tmp_path_factory) -> Path:
     log = tmp_path_factory.mktemp("nvtx_log") / "nvtx.log"
     proc = run_with_injection(
-        WORKLOAD_CMD, log, inject_lib, env=_subprocess_env(), cwd=REPO_ROOT, timeout=120
+        STANDIN_CMD, log, inject_lib, env=_subprocess_env(), cwd=REPO_ROOT, timeout=120
     )
-    assert proc.returncode == 0, f"workload failed (rc={proc.returncode}):\n{proc.stderr}"
+    assert proc.returncode == 0, f"stand-in failed (rc={proc.returncode}):\n{proc.stderr}"
     return log
 
 
@@ -143,7 +192,38 @@ def test_library_exports_the_nvtx_entry_point(inject_lib):
     assert hasattr(lib, "InitializeInjectionNvtx2")
 
 
-def test_workload_ranges_are_emitted_balanced_and_nested(workload_log):
+def _jsonl_names(path: Path) -> list[str]:
+    return [json.loads(line)["name"] for line in path.read_text().splitlines()]
+
+
+def test_bench_rows_are_ranges_in_the_detkit_domain(workload_log):
+    log, out = workload_log
+    rows = _jsonl_names(out / "gemm.jsonl")
+    assert rows == [BENCH_ROW]  # the row name is the range name (docs/nvtx.md)
+    problems = verify_nvtx_log(log, [*rows, *BENCH_RANGES])
+    assert problems == [], "\n".join(problems)
+    pushes = [e for e in parse_injection_log(log) if e.kind == "push" and e.domain == DOMAIN]
+    for name in BENCH_RANGES:
+        mine = [e for e in pushes if e.message == name]
+        # Timed calls only (warm-up included), each a top-level range: nothing else encloses them.
+        assert mine and all(e.depth == 1 for e in mine), (name, mine)
+    assert {e.message for e in pushes} == set(BENCH_RANGES)
+
+
+def test_audit_stage_encloses_one_range_per_contract_row(audit_log):
+    log, out = audit_log
+    rows = _jsonl_names(out / "rows.jsonl")
+    assert len(rows) == 10 and all(r.startswith("contract det_gemm_") for r in rows)
+    assert "contract det_gemm_fwd [M=1, N=56, K=40] bf16 b=kn" in rows
+    problems = verify_nvtx_log(log, [AUDIT_STAGE, *rows], nesting=[(AUDIT_STAGE, r) for r in rows])
+    assert problems == [], "\n".join(problems)
+    pushes = [e for e in parse_injection_log(log) if e.kind == "push" and e.domain == DOMAIN]
+    assert [e.depth for e in pushes if e.message == AUDIT_STAGE] == [1]
+    assert sorted(e.message for e in pushes if e.depth == 2) == sorted(rows)  # one range per row
+
+
+def test_standin_ranges_are_emitted_balanced_and_nested(standin_log):
+    workload_log = standin_log
     problems = verify_nvtx_log(workload_log, EXPECTED_RANGES, nesting=NESTING)
     assert problems == [], "\n".join(problems)
 
@@ -163,16 +243,16 @@ def test_workload_ranges_are_emitted_balanced_and_nested(workload_log):
     assert len(db_pops) == 1
 
 
-def test_missing_name_is_reported(workload_log):
+def test_missing_name_is_reported(standin_log):
     missing = "det_gemm_fwd [M=4096, N=6144, K=4096] bf16"
-    problems = verify_nvtx_log(workload_log, [*EXPECTED_RANGES, missing])
+    problems = verify_nvtx_log(standin_log, [*EXPECTED_RANGES, missing])
     assert problems == [f"range {missing!r} was never pushed"]
 
 
-def test_wrong_nesting_is_reported(workload_log):
+def test_wrong_nesting_is_reported(standin_log):
     # The dA case runs no "time" stage, and "validate" never encloses anything.
     problems = verify_nvtx_log(
-        workload_log,
+        standin_log,
         EXPECTED_RANGES,
         nesting=[("det_gemm_da [M=129, N=64, K=32] bf16", "time"), ("validate", "time")],
     )

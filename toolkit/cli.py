@@ -1,8 +1,11 @@
-"""The ``detkit`` command: ``detkit env``, ``detkit audit``, ``detkit bench``.
+"""The ``detkit`` command: ``detkit env``, ``detkit audit``, ``detkit bench gemm|comm``.
 
 Every subcommand shares --device/--preset/--seed/--out/--json and exits non-zero when a check fails.
 ``--device cpu`` selects the Triton interpreter (TRITON_INTERPRET=1, set here before any kernel is
 imported); its results are labelled as not being hardware results everywhere they appear.
+
+``detkit audit --suite auto`` picks the suites that fit the host (``toolkit.harness.select_suites``);
+suite names are checked before any work. Output formats and folders: docs/reports.md.
 """
 
 from __future__ import annotations
@@ -69,18 +72,112 @@ def env(as_json: bool) -> None:
     click.echo(json.dumps(captured, indent=2, default=str) if as_json else format_env_table(captured))
 
 
+def _world_size_from_env() -> int:
+    """The number of ranks this process was launched among (1 outside torchrun/srun)."""
+    from toolkit.dist import launched_as_ranks
+
+    if not launched_as_ranks():
+        return 1
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun's take precedence (toolkit.launch)
+        return int(os.environ["WORLD_SIZE"])
+    return int(os.environ["SLURM_STEP_NUM_TASKS"])
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _bind_local_gpu(device: str, world_size: int) -> None:
+    """Under torchrun/srun on CUDA, make this rank's GPU current before anything touches CUDA, so the
+    backend probe does not open a context on GPU 0 from every rank (toolkit.launch binds it again)."""
+    if device != "cuda" or world_size < 2:
+        return
+    import torch
+
+    from toolkit.launch import LaunchError, RankEnv
+
+    try:
+        local_rank = RankEnv.from_environ().local_rank
+    except LaunchError:
+        return  # setup_distributed reports it, before any work
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        torch.cuda.set_device(local_rank)
+
+
+class _Progress:
+    """A progress bar over the plug-ins of a run on stderr, showing the latest row; rank 0 only and
+    only when stderr is a terminal (logs and CI output stay clean)."""
+
+    def __init__(self, plugins: int, enabled: bool):
+        self._bar = None
+        self.rows = self.failed = 0
+        self.plugin = ""
+        if enabled and plugins:
+            self._bar = click.progressbar(length=plugins, label="audit", file=sys.stderr, show_pos=True,
+                                          item_show_func=lambda item: item)
+            self._bar.__enter__()
+        self._started = False
+
+    def on_plugin(self, name: str) -> None:
+        if self._bar is not None and self._started:
+            self._bar.update(1)
+        self._started, self.plugin = True, name
+        self._show()
+
+    def on_row(self, row) -> None:
+        self.rows += 1
+        self.failed += not row.passed
+        self._show()
+
+    def _show(self) -> None:
+        if self._bar is not None:
+            self._bar.update(0, f"{self.plugin}: {self.rows} rows, {self.failed} failed")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            if self._started:
+                self._bar.update(1)
+            self._bar.__exit__(None, None, None)
+            self._bar = None
+
+
+def _failure_summary(failed: list) -> list[str]:
+    """Lines for stderr: failed rows per (suite, check), then the first few rows in full."""
+    counts: dict[tuple[str, str], int] = {}
+    for row in failed:
+        counts[(row.suite, row.check)] = counts.get((row.suite, row.check), 0) + 1
+    lines = [f"FAILED: {len(failed)} row(s) in {len(counts)} check(s): "
+             + ", ".join(f"{suite}/{check} x{n}" for (suite, check), n in counts.items())]
+    for row in failed[:20]:
+        lines.append(f"FAILED {row.check}: {row.name} {json.dumps(row.details, default=str)[:400]}")
+    if len(failed) > 20:
+        lines.append(f"... {len(failed) - 20} more failed rows in rows.jsonl")
+    return lines
+
+
 @main.command()
 @click.option("--suite", "suites", multiple=True, default=("gemm",), show_default=True,
-              help="Suite or plug-in name; repeat for several ('all' runs every suite).")
+              help="Suite or plug-in name; repeat for several. 'auto': the suites that fit this host "
+                   "(no GPU: refused unless --device cpu; 1 GPU: gemm; >=2 GPUs: gemm, plus tp-cp when "
+                   "launched as >1 ranks). 'all': every single-process suite, plus tp-cp with >1 ranks.")
+@click.option("--no-progress", "no_progress", is_flag=True,
+              help="No progress bar (there is one on stderr only when it is a terminal, on rank 0).")
 @shared_options
-def audit(suites, device, preset, seed, out_dir, as_json) -> None:
-    """Run audit suites and write rows.jsonl, report.json and report.md."""
-    _select_device(device)
+def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
+    """Run audit suites and write rows.jsonl, report.json, report.md (and plots) to --out."""
     from toolkit import harness
 
-    names = tuple(harness.SUITES) if "all" in suites else suites
-    for name in names:
-        harness.plugin_modules(name)  # unknown names fail before any work
+    world_size = _world_size_from_env()
+    try:  # unknown names and an unfit host fail here, before any work
+        selection = harness.select_suites(suites, device=device, gpu_count=_gpu_count() if device == "cuda" else 0,
+                                          world_size=world_size)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    _select_device(device)
+    names = selection.suites
+    _bind_local_gpu(device, world_size)
     ctx = harness.resolve_context(device, preset, seed, out_dir)
     out = out_dir or _default_out("audit")
     # --- tp-cp hook (issue 4, docs/tp_cp.md): start the process group and the TP/CP groups when
@@ -90,19 +187,30 @@ def audit(suites, device, preset, seed, out_dir, as_json) -> None:
     session = tp_cp_dist.setup_distributed(ctx, out)
     out = tp_cp_dist.out_dir(session, out)
     # --- end tp-cp hook
-    if ctx.interpreted:
+    reporting = tp_cp_dist.writes_report(session)
+    env = harness.env_meta(ctx.device) if reporting else {}  # captured before the work, on the reporting rank
+    if ctx.interpreted and reporting:
         click.secho(harness.INTERPRETER_BANNER, fg="yellow", err=True)
+    for skipped in selection.skipped:
+        if reporting:
+            click.secho(f"skipped {skipped}", fg="yellow", err=True)
+    bar = _Progress(len(harness.suite_modules(names)), enabled=sys.stderr.isatty() and reporting and not no_progress)
     writer = harness.RowWriter(tp_cp_dist.rows_path(session, out))  # tp-cp hook: one rows file per rank
     try:
-        rows = harness.run_plugins(names, ctx, writer)
+        rows = harness.run_plugins(names, ctx, writer, on_row=bar.on_row, on_plugin=bar.on_plugin)
     finally:
         writer.close()
+        bar.close()
     rows, dist_meta = tp_cp_dist.merge_rows(session, rows, out)  # tp-cp hook: rank 0 gets every rank's rows
     meta = harness.base_meta(ctx, "audit", shlex.join(sys.argv))
     meta["suites"] = list(names)
+    meta["suite_selection"] = selection.as_meta()
     meta.update(dist_meta)  # tp-cp hook
+    meta.update(env)  # the full capture replaces the summary dist_meta carries under "env"
+    if selection.skipped:
+        meta["not_covered"] = [*meta.get("not_covered", []), *(f"suite {s}" for s in selection.skipped)]
     failed = [r for r in rows if not r.passed]
-    if tp_cp_dist.writes_report(session):  # tp-cp hook: only rank 0 (or a single process) writes
+    if reporting:  # tp-cp hook: only rank 0 (or a single process) writes
         json_path, md_path = harness.write_report(out, meta, rows)
         if as_json:
             click.echo(json_path.read_text())
@@ -111,8 +219,13 @@ def audit(suites, device, preset, seed, out_dir, as_json) -> None:
             click.echo(f"report: {md_path}")
     ok = tp_cp_dist.finish(session, bool(rows) and not failed)  # tp-cp hook: all ranks agree; group destroyed
     if not ok:
-        for row in failed:
-            click.echo(f"FAILED {row.check}: {row.name} {json.dumps(row.details, default=str)}", err=True)
+        if not rows:
+            click.echo("FAILED: no rows were produced", err=True)
+        elif failed:
+            for line in _failure_summary(failed):
+                click.echo(line, err=True)
+        else:
+            click.echo("FAILED: another rank reported failed rows (see the merged report on rank 0)", err=True)
         raise SystemExit(1)
 
 
@@ -143,7 +256,7 @@ def bench_gemm(ops, m_values, layouts, rounds, device, preset, seed, out_dir, as
     out = out_dir or _default_out("bench")
     selected = gemm.cases(ctx.interpreted, ops=ops, m_values=m_values or None, layouts=layouts)
     rows, meta = gemm.run(ctx.device, ctx.interpreted, selected, rounds=rounds)
-    meta = {**harness.base_meta(ctx, "bench gemm", shlex.join(sys.argv)), **meta}
+    meta = {**harness.base_meta(ctx, "bench gemm", shlex.join(sys.argv)), **meta, **harness.env_meta(ctx.device)}
     paths = gemm.write_outputs(out, rows, meta)
     bad = [r for r in rows if not r["contract_passed"]]
     if as_json:
@@ -153,4 +266,64 @@ def bench_gemm(ops, m_values, layouts, rounds, device, preset, seed, out_dir, as
     if bad:
         for row in bad:
             click.echo(f"FAILED contract before timing: {row['name']}", err=True)
+        raise SystemExit(1)
+
+
+@bench.command("comm")
+# --m-local / --n-cols: torchrun's argument parser takes '--m' and '--n' after the module for
+# abbreviations of its own options and refuses them as ambiguous.
+@click.option("--m-local", "--m", "m_values", multiple=True, type=int,
+              help="M_local values of the [M, N] BF16 messages (default 1..16384; tiny on cpu).")
+@click.option("--n-cols", "--n", "n_cols", type=int, default=None, help="N (default 4096; 64 on cpu).")
+@click.option("--rounds", type=int, default=None, help="Interleaved timing rounds (default 10; 3 on cpu).")
+@click.option("--iters", type=int, default=None, help="Back-to-back calls per sample (default 20; 2 on cpu).")
+@click.option("--warmup", type=int, default=5, show_default=True, help="Untimed calls per implementation.")
+@shared_options
+def bench_comm(m_values, n_cols, rounds, iters, warmup, device, preset, seed, out_dir, as_json) -> None:
+    """The TP/CP operators' all_reduce vs a raw all_reduce of the same bytes (2 ranks, torchrun)."""
+    _select_device(device)
+    from bench import comm
+    from toolkit import harness
+
+    if any(m < 1 for m in m_values) or (n_cols is not None and n_cols < 1):
+        raise click.BadParameter(f"M and N must be >= 1; got M {m_values}, N {n_cols}")
+    for flag, value in (("--rounds", rounds), ("--iters", iters)):
+        if value is not None and value < 1:
+            raise click.BadParameter(f"{flag} must be >= 1; got {value}", param_hint=flag)
+    import torch
+
+    try:  # ranks first: on CUDA each rank then holds its own GPU before the backend probe touches one
+        session = comm.start(torch.device(device))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    except RuntimeError as exc:
+        if "needs 2 ranks" in str(exc):
+            raise click.UsageError(str(exc)) from None
+        raise
+    ctx = harness.resolve_context(device, preset, seed, out_dir)
+    reporting = session.rank == 0
+    if ctx.interpreted and reporting:
+        click.secho(harness.INTERPRETER_BANNER, fg="yellow", err=True)
+    out = out_dir or _default_out("bench")
+    rounds = rounds or (3 if ctx.interpreted else 10)
+    iters = iters or (2 if ctx.interpreted else 20)
+    ok = False
+    try:
+        rows, meta = comm.run(session, comm.sizes(ctx.interpreted, m_values or None, n_cols), rounds, iters, warmup)
+        bad = [r for r in rows if not (r["validated"] and r["operator_path_ok"])]
+        ok = not bad
+        if reporting:
+            meta = {**harness.base_meta(ctx, "bench comm", shlex.join(sys.argv)), **meta,
+                    **harness.env_meta(ctx.device)}
+            paths = comm.write_outputs(out, rows, meta)
+            if as_json:
+                click.echo(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str))
+            else:
+                click.echo(paths["markdown"].read_text())
+            for row in bad:
+                click.echo(f"FAILED validation before timing: {row['name']} (bitwise equal to the v1 oracle: "
+                           f"{row['validated']}, operator path calls: {row['operator_path_calls']})", err=True)
+    finally:
+        ok = comm.finish(session, ok)
+    if not ok:
         raise SystemExit(1)

@@ -3,7 +3,12 @@
 A plug-in is a module with ``NAME`` (str), ``DESCRIPTION`` (str) and ``run(ctx) -> Iterable[Row]``.
 The harness runs plug-ins in order, appends each row to ``rows.jsonl`` as soon as it exists
 (flushed and fsynced, so a killed run keeps every finished case) and, at the end, writes
-``report.json`` and ``report.md`` atomically (temp file + rename).
+``report.json`` and ``report.md`` atomically (temp file + rename), plus the PNG plots the rows
+support (``drift_hist.png`` from contract rows). Formats: docs/reports.md.
+
+Suite selection (``select_suites``): names are suites (``SUITES``), plug-in names, or the selectors
+``auto`` (the suites that fit this host) and ``all`` (every suite that can run in this launch).
+Unknown names fail before any work, listing the known ones.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
 from toolkit.nvtx_ranges import nvtx_range
 
@@ -34,7 +38,17 @@ INTERPRETER_BANNER = (
 SUITES: dict[str, tuple[str, ...]] = {
     "gemm": ("audits.gemm_batch_invariance", "audits.gemm_determinism", "audits.gemm_contract"),
     "tp-cp": ("audits.tp_cp",), "tp-cp-refs": ("audits.tp_cp_refs",),  # issue 4 (docs/tp_cp.md)
+    "invariance": ("audits.invariance",),  # issue 7 (docs/invariance.md)
+    "moe": ("audits.moe",),  # issue 8 (docs/moe.md)
 }
+# Suites that need several ranks (torchrun/srun); every other suite runs in one process.
+MULTI_RANK_SUITES = ("tp-cp", "invariance")
+SELECTORS = ("auto", "all")
+
+
+def launch_hint(suite: str) -> str:
+    return (f"torchrun --nproc-per-node 2 --standalone -m toolkit audit --suite {suite} "
+            "(2 GPUs: one TP or CP group, DETKIT_TPCP_WORLD; 4 ranks: the full TP=2 x CP=2 layout; docs/tp_cp.md)")
 
 
 @dataclass
@@ -82,6 +96,12 @@ def resolve_context(device: str, preset: str | None, seed: int, out_dir: Path | 
     return RunContext(device=dev, backend=backend, preset=preset, seed=seed, out_dir=out_dir)
 
 
+def known_suite_names() -> list[str]:
+    """Every name ``--suite`` accepts: selectors, suites and plug-in names."""
+    plugins = {m.rsplit(".", 1)[-1] for ms in SUITES.values() for m in ms}
+    return [*SELECTORS, *sorted(set(SUITES) | plugins)]
+
+
 def plugin_modules(suite: str) -> tuple[str, ...]:
     if suite in SUITES:
         return SUITES[suite]
@@ -89,19 +109,101 @@ def plugin_modules(suite: str) -> tuple[str, ...]:
         for module in modules:
             if module.rsplit(".", 1)[-1] == suite:
                 return (module,)
-    known = sorted(set(SUITES) | {m.rsplit(".", 1)[-1] for ms in SUITES.values() for m in ms})
-    raise ValueError(f"suite {suite!r} is not known; known: {known}")
+    raise ValueError(f"suite {suite!r} is not known; known: {known_suite_names()}")
+
+
+@dataclass(frozen=True)
+class SuiteSelection:
+    """What ``--suite`` resolved to on this host, and why (recorded in the report's meta)."""
+
+    requested: tuple[str, ...]
+    suites: tuple[str, ...]  # suite or plug-in names, run order, no duplicates
+    reasons: tuple[str, ...]
+    skipped: tuple[str, ...]  # "<suite>: <why>", for the report's not-covered list
+
+    def as_meta(self) -> dict:
+        return {"requested": list(self.requested), "resolved": list(self.suites), "reasons": list(self.reasons),
+                "skipped": list(self.skipped)}
+
+
+def select_suites(requested: Iterable[str], *, device: str, gpu_count: int, world_size: int) -> SuiteSelection:
+    """Resolve ``--suite`` names for this host before any work.
+
+    ``auto``: no GPU -> refused unless ``device == "cpu"`` (then gemm under the Triton interpreter);
+    one GPU -> gemm; two or more -> gemm, plus tp-cp when launched as more than one rank. On the
+    CPU, tp-cp joins gemm when launched as ranks (gloo). ``all``: every single-process suite, plus
+    the ``MULTI_RANK_SUITES`` when launched as more than one rank. A suite named explicitly runs as
+    asked (tp-cp in one process yields its failed ``launch`` row). Raises ValueError naming the
+    known names.
+    """
+    requested = tuple(requested) or ("auto",)
+    unknown = [n for n in requested if n not in SELECTORS and not _is_known(n)]
+    if unknown:
+        raise ValueError(f"suite(s) {unknown} not known; known: {known_suite_names()}")
+    multi = world_size > 1
+    suites: list[str] = []
+    reasons: list[str] = []
+    skipped: list[str] = []
+    ranks_note = f"launched as {world_size} ranks" if multi else "one process (not launched as ranks)"
+    for name in requested:
+        if name == "auto":
+            if device == "cpu":
+                suites.append("gemm")
+                reasons.append("auto: --device cpu -> gemm under the Triton interpreter (not a hardware result)")
+                if multi:
+                    suites.append("tp-cp")
+                    reasons.append(f"auto: {ranks_note} -> tp-cp on gloo (not a hardware result)")
+            elif gpu_count < 1:
+                raise ValueError(
+                    "--suite auto: torch sees no CUDA GPU on this host; run the gemm suite under the Triton "
+                    "interpreter with --device cpu (not a hardware result), or run on a Hopper GPU host")
+            else:
+                suites.append("gemm")
+                reasons.append(f"auto: {gpu_count} GPU(s) -> gemm")
+                if gpu_count >= 2 and multi:
+                    suites.append("tp-cp")
+                    reasons.append(f"auto: {gpu_count} GPUs, {ranks_note} -> tp-cp")
+                elif gpu_count >= 2:
+                    skipped.append(f"tp-cp: {gpu_count} GPUs but {ranks_note}; run {launch_hint('auto')}")
+                else:
+                    skipped.append("tp-cp: needs at least 2 GPUs of one host (or 4 ranks over 2 nodes)")
+        elif name == "all":
+            single = [s for s in SUITES if s not in MULTI_RANK_SUITES]
+            suites += single
+            reasons.append(f"all: every single-process suite ({', '.join(single)})")
+            for s in MULTI_RANK_SUITES:
+                if multi:
+                    suites.append(s)
+                    reasons.append(f"all: {ranks_note} -> {s}")
+                else:
+                    skipped.append(f"{s}: needs more than one rank ({ranks_note}); run {launch_hint(s)}")
+        else:
+            suites.append(name)
+    suites = list(dict.fromkeys(suites))
+    skipped = [s for s in dict.fromkeys(skipped) if s.split(":", 1)[0] not in suites]
+    return SuiteSelection(requested, tuple(suites), tuple(reasons), tuple(skipped))
+
+
+def _is_known(name: str) -> bool:
+    try:
+        plugin_modules(name)
+    except ValueError:
+        return False
+    return True
 
 
 class RowWriter:
-    """Appends rows to a JSONL file, one fsynced line each."""
+    """Appends rows to a JSONL file, one fsynced line each.
+
+    The file is truncated when the writer opens it: a results folder reused by a later run
+    (``--out /results`` in compose.yaml) holds that run's rows only, matching its report."""
 
     def __init__(self, path: Path | None):
         self.path = path
         self._file = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")
+            self._file = open(path, "w", encoding="utf-8")
 
     def write(self, row: Row) -> None:
         if self._file is None:
@@ -115,13 +217,22 @@ class RowWriter:
             self._file.close()
 
 
+def suite_modules(suites: Iterable[str]) -> list[str]:
+    """The plug-in modules of ``suites``, in run order, each once."""
+    return list(dict.fromkeys(m for suite in suites for m in plugin_modules(suite)))
+
+
 def run_plugins(suites: Iterable[str], ctx: RunContext, writer: RowWriter,
-                on_row: Callable[[Row], None] | None = None) -> list[Row]:
+                on_row: Callable[[Row], None] | None = None,
+                on_plugin: Callable[[str], None] | None = None) -> list[Row]:
+    """Run every plug-in of ``suites``; ``on_plugin(NAME)`` before each, ``on_row(row)`` after each
+    row is written (the CLI's progress bar)."""
     rows: list[Row] = []
-    modules = [m for suite in suites for m in plugin_modules(suite)]
-    for module_name in dict.fromkeys(modules):
+    for module_name in suite_modules(suites):
         plugin = importlib.import_module(module_name)
         log.info("running %s on %s (%s preset)", plugin.NAME, ctx.backend, ctx.preset)
+        if on_plugin is not None:
+            on_plugin(plugin.NAME)
         with nvtx_range(f"audit {plugin.NAME}"):
             for row in plugin.run(ctx):
                 writer.write(row)
@@ -156,30 +267,17 @@ def summarize(rows: list[Row]) -> list[dict]:
 
 
 def render_markdown(meta: dict, rows: list[Row]) -> str:
-    lines = [f"# detkit {meta['command']} report", ""]
-    if meta["backend"] == "triton_interpreter":
-        lines += [f"> **{INTERPRETER_BANNER}**", ""]
-    lines += [f"- {key}: {meta[key]}" for key in ("date", "backend", "preset", "device_name", "seed",
-                                                   "config_table_version", "command_line")]
-    failed = [r for r in rows if not r.passed]
-    lines += [f"- result: **{'PASS' if rows and not failed else 'FAIL'}** "
-              f"({len(rows) - len(failed)} passed, {len(failed)} failed)", "", "## Summary", "",
-              tabulate(summarize(rows), headers="keys", tablefmt="github"), ""]
-    if failed:
-        lines += ["## Failed rows", ""]
-        lines += [f"- `{r.check}` {r.name}: {json.dumps(r.details, default=str)}" for r in failed]
-        lines.append("")
-    for key in ("covered", "not_covered"):
-        if meta.get(key):
-            lines += [f"## {key.replace('_', ' ').upper()}", ""] + [f"- {item}" for item in meta[key]] + [""]
-    lines += ["## Rows", "", tabulate(
-        [{"check": r.check, "name": r.name, "passed": r.passed,
-          **{k: v for k, v in r.details.items() if not isinstance(v, (dict, list))}} for r in rows],
-        headers="keys", tablefmt="github"), ""]
-    return "\n".join(lines)
+    """The human report: see ``toolkit.reports.render_audit_markdown`` (all rows stay in JSON)."""
+    from toolkit.reports import render_audit_markdown
+
+    return render_audit_markdown(meta, rows)
 
 
 def write_report(out_dir: Path, meta: dict, rows: list[Row]) -> tuple[Path, Path]:
+    """Plots first (the markdown links them), then report.json and report.md, each atomically."""
+    from toolkit.reports import write_audit_plots
+
+    meta["plots"] = [p.name for p in write_audit_plots(out_dir, rows)]
     report = {"meta": meta, "summary": summarize(rows), "rows": [r.as_dict() for r in rows]}
     json_path, md_path = out_dir / "report.json", out_dir / "report.md"
     atomic_write_text(json_path, json.dumps(report, indent=2, default=str) + "\n")
@@ -202,3 +300,12 @@ def base_meta(ctx: RunContext, command: str, command_line: str) -> dict:
         "seed": ctx.seed,
         "config_table_version": CONFIG_TABLE_VERSION,
     }
+
+
+def env_meta(device: torch.device) -> dict:
+    """The environment capture for a report's meta: ``env`` (full ``toolkit.env.capture_env``, in
+    report.json) and ``env_summary`` (the flat fields report.md shows)."""
+    from toolkit.env import capture_env, env_summary
+
+    captured = capture_env(probe_cuda=device.type == "cuda")
+    return {"env": captured, "env_summary": env_summary(captured)}

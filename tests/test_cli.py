@@ -1,0 +1,247 @@
+"""The ``detkit audit`` command: suite selection (auto/all/unknown), progress, failure summary, the
+report's content (env, distributed meta, failed rows, drift plot), and that a killed audit keeps
+every finished row readable. Kernel work is avoided where the CLI wiring is what is tested (the
+plug-in runner is replaced); the kill test runs the real contract audit under the interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from toolkit import cli, harness
+from toolkit.harness import MULTI_RANK_SUITES, SUITES, Row, select_suites
+from toolkit.reports import DRIFT_PLOT, MAX_FAILED_ROWS_MD, render_audit_markdown
+
+REPO = Path(__file__).resolve().parents[1]
+ROW_FIELDS = {"suite", "check", "name", "passed", "backend", "details"}
+SINGLE = tuple(s for s in SUITES if s not in MULTI_RANK_SUITES)  # gemm, tp-cp-refs, and later suites
+
+
+# ------------------------------------------------------------------------------ suite selection
+@pytest.mark.parametrize(("requested", "device", "gpus", "world", "suites", "skipped"), [
+    (("auto",), "cpu", 0, 1, ("gemm",), ()),
+    (("auto",), "cpu", 0, 4, ("gemm", "tp-cp"), ()),
+    (("auto",), "cuda", 1, 1, ("gemm",), ("tp-cp",)),
+    (("auto",), "cuda", 2, 1, ("gemm",), ("tp-cp",)),
+    (("auto",), "cuda", 2, 2, ("gemm", "tp-cp"), ()),
+    (("all",), "cpu", 0, 1, SINGLE, MULTI_RANK_SUITES),
+    (("all",), "cuda", 2, 2, SINGLE + MULTI_RANK_SUITES, ()),
+    (("gemm_contract", "tp-cp"), "cpu", 0, 1, ("gemm_contract", "tp-cp"), ()),  # explicit names run as asked
+    (("auto", "gemm", "tp-cp-refs"), "cuda", 1, 1, ("gemm", "tp-cp-refs"), ("tp-cp",)),
+])
+def test_select_suites(requested, device, gpus, world, suites, skipped):
+    sel = select_suites(requested, device=device, gpu_count=gpus, world_size=world)
+    assert sel.suites == suites
+    assert tuple(s.split(":", 1)[0] for s in sel.skipped) == skipped
+    assert sel.reasons or not set(requested) & {"auto", "all"}
+
+
+def test_all_never_fails_in_one_process():
+    sel = select_suites(["all"], device="cpu", gpu_count=0, world_size=1)
+    assert {"gemm", "tp-cp-refs"} <= set(sel.suites) and not set(sel.suites) & set(MULTI_RANK_SUITES)
+    assert "tp-cp" in MULTI_RANK_SUITES and "torchrun --nproc-per-node 2" in sel.skipped[0]
+
+
+def test_auto_refuses_a_host_without_gpu_unless_cpu():
+    with pytest.raises(ValueError, match="no CUDA GPU.*--device cpu"):
+        select_suites(["auto"], device="cuda", gpu_count=0, world_size=1)
+    assert "interpreter" in select_suites(["auto"], device="cpu", gpu_count=0, world_size=1).reasons[0]
+
+
+def test_unknown_suite_lists_known_names():
+    with pytest.raises(ValueError, match=r"\['bogus'\] not known; known: \['auto', 'all', 'gemm'"):
+        select_suites(["gemm", "bogus"], device="cpu", gpu_count=0, world_size=1)
+
+
+# ------------------------------------------------------------------------------ CLI wiring
+def _invoke(args, monkeypatch, rows=None, calls=None):
+    """Run ``detkit audit`` in-process with the plug-in runner replaced by ``rows``."""
+    def fake_run_plugins(names, ctx, writer, on_row=None, on_plugin=None):
+        if calls is not None:
+            calls.append(tuple(names))
+        for row in rows or []:
+            on_plugin and on_plugin(row.suite)
+            writer.write(row)
+            on_row and on_row(row)
+        return list(rows or [])
+
+    monkeypatch.setattr(harness, "run_plugins", fake_run_plugins)
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(var, raising=False)
+    return CliRunner().invoke(cli.main, ["audit", *args], catch_exceptions=False)
+
+
+def _row(passed=True, check="bound", name="contract det_gemm_fwd [M=1, N=56, K=40] bf16 b=kn", **details):
+    return Row("gemm_contract", check, name, passed, "triton_interpreter", details)
+
+
+def test_unknown_suite_fails_before_any_work(tmp_path, monkeypatch):
+    calls = []
+    result = _invoke(["--device", "cpu", "--suite", "nope", "--out", str(tmp_path / "o")], monkeypatch, calls=calls)
+    assert result.exit_code == 2 and "known: ['auto', 'all'" in result.output
+    assert calls == [] and not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: auto would not refuse")
+def test_auto_without_gpu_is_refused_before_any_work(tmp_path, monkeypatch):
+    calls = []
+    result = _invoke(["--device", "cuda", "--suite", "auto", "--out", str(tmp_path / "o")], monkeypatch,
+                     calls=calls)
+    assert result.exit_code == 2 and "--device cpu" in result.output and calls == []
+
+
+def test_all_in_one_process_runs_single_process_suites_and_reports_the_skip(tmp_path, monkeypatch):
+    calls = []
+    result = _invoke(["--device", "cpu", "--suite", "all", "--out", str(tmp_path)], monkeypatch, rows=[_row()],
+                     calls=calls)
+    assert result.exit_code == 0, result.output
+    assert calls == [SINGLE]
+    meta = json.loads((tmp_path / "report.json").read_text())["meta"]
+    assert meta["suite_selection"]["resolved"] == list(SINGLE)
+    assert any(s.startswith("suite tp-cp: needs more than one rank") for s in meta["not_covered"])
+    assert "skipped tp-cp" in result.stderr
+
+
+def test_failed_rows_exit_nonzero_with_a_summary(tmp_path, monkeypatch):
+    rows = [_row(), _row(False, worst_ratio=3.0), _row(False, check="repetitions", name="rep x")]
+    result = _invoke(["--device", "cpu", "--suite", "gemm", "--out", str(tmp_path)], monkeypatch, rows=rows)
+    assert result.exit_code == 1
+    assert "FAILED: 2 row(s) in 2 check(s): gemm_contract/bound x1, gemm_contract/repetitions x1" in result.stderr
+    assert "FAILED repetitions: rep x" in result.stderr
+    assert (tmp_path / "report.json").is_file()
+
+
+def test_no_rows_is_a_failure(tmp_path, monkeypatch):
+    result = _invoke(["--device", "cpu", "--suite", "gemm", "--out", str(tmp_path)], monkeypatch, rows=[])
+    assert result.exit_code == 1 and "no rows were produced" in result.stderr
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path, monkeypatch):
+    made = []
+    monkeypatch.setattr(cli.click, "progressbar", lambda *a, **k: made.append(k))
+    result = _invoke(["--device", "cpu", "--suite", "gemm", "--out", str(tmp_path)], monkeypatch, rows=[_row()])
+    assert result.exit_code == 0 and made == []  # CliRunner's stderr is not a terminal
+
+
+def test_progress_bar_counts_plugins_and_rows(monkeypatch):
+    class Bar:
+        def __init__(self, **kwargs):
+            self.kwargs, self.steps, self.items, self.closed = kwargs, 0, [], False
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.closed = True
+
+        def update(self, n, item=None):
+            self.steps += n
+            self.items.append(item)
+
+    bars = []
+    monkeypatch.setattr(cli.click, "progressbar", lambda **k: bars.append(Bar(**k)) or bars[-1])
+    progress = cli._Progress(2, enabled=True)
+    progress.on_plugin("gemm_contract")
+    progress.on_row(_row())
+    progress.on_row(_row(False))
+    progress.on_plugin("gemm_determinism")
+    progress.close()
+    bar = bars[0]
+    assert bar.kwargs["length"] == 2 and bar.kwargs["file"] is sys.stderr
+    assert bar.steps == 2 and bar.closed
+    shown = [i for i in bar.items if i]
+    assert "gemm_contract: 2 rows, 1 failed" in shown and shown[-1].startswith("gemm_determinism")
+    assert cli._Progress(2, enabled=False)._bar is None
+
+
+def test_report_carries_env_and_writes_the_drift_plot(tmp_path, monkeypatch):
+    hist = {"ulp": {"0": 90, "1": 10}, "rel": {"0": 5, "<=0.01": 95}}
+    rows = [_row(fp64_ulp_max=1.0, fp64_rel_max=0.01, worst_ratio=0.5, fp64_hist=hist)]
+    result = _invoke(["--device", "cpu", "--suite", "gemm_contract", "--out", str(tmp_path)], monkeypatch, rows=rows)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    meta = report["meta"]
+    assert set(meta["env"]) >= {"detkit", "python", "packages", "gpus", "host", "env_knobs"}  # the full capture
+    assert meta["env_summary"]["torch"] == torch.__version__
+    assert meta["plots"] == [DRIFT_PLOT]
+    png = (tmp_path / DRIFT_PLOT).read_bytes()
+    assert png.startswith(b"\x89PNG")
+    md = (tmp_path / "report.md").read_text()
+    assert "## Environment" in md and "NOT a hardware result" in md and f"![{DRIFT_PLOT}]({DRIFT_PLOT})" in md
+    assert "| det_gemm_fwd |" in md  # the drift table per op
+    lines = (tmp_path / "rows.jsonl").read_text().splitlines()
+    assert [json.loads(line)["name"] for line in lines] == [r.name for r in rows]
+
+
+def test_rows_file_is_truncated_when_a_folder_is_reused(tmp_path, monkeypatch):
+    args = ["--device", "cpu", "--suite", "gemm", "--out", str(tmp_path)]
+    _invoke(args, monkeypatch, rows=[_row(), _row()])
+    _invoke(args, monkeypatch, rows=[_row()])
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------ report.md rendering
+def test_markdown_shows_distributed_meta_and_failed_rows_only():
+    meta = {
+        "command": "audit", "backend": "cuda_sm90", "date": "d", "preset": "qwen3-8b-tp2",
+        "env_summary": {"gpu_name": "NVIDIA H200", "torch": "2.11.0"},
+        "distributed": {"world_size": 4, "source": "slurm", "pg_backend": "nccl", "hosts": ["a", "b"],
+                        "inter_node": True, "rows_per_rank": [3, 3, 3, 3], "versions": {"nccl": "2.28.9"}},
+        "rank_map": [{"rank": r, "layout_rank": r, "cp": r // 2, "tp": r % 2, "hostname": "ab"[r // 2],
+                      "pci_bus_id": f"0000:{r}"} for r in range(4)],
+        "groups": {"tp": [[0, 1], [2, 3]], "cp": [[0, 2], [1, 3]]},
+        "covered": ["TP groups"], "not_covered": ["TP=4"],
+    }
+    rows = [Row("tp_cp", "post_reduce", f"down_fwd case {i}", i % 2 == 0, "cuda_sm90", {"rank": i % 4})
+            for i in range(2 * MAX_FAILED_ROWS_MD + 6)]
+    md = render_audit_markdown(meta, rows)
+    assert md.count("**FAIL**") == 1
+    assert "## Distributed run" in md and "- world_size: 4" in md and "nccl 2.28.9" in md
+    assert "- TP: [[0, 1], [2, 3]]" in md and "- CP: [[0, 2], [1, 3]]" in md
+    assert "### Rank map" in md and "| 0000:3" in md
+    assert "## COVERED" in md and "## NOT COVERED" in md
+    assert "down_fwd case 1 " in md and "down_fwd case 0 " not in md  # passed rows stay in JSON only
+    assert f"... {MAX_FAILED_ROWS_MD + 3 - MAX_FAILED_ROWS_MD} more failed rows" in md
+    assert "NVIDIA H200" in md
+
+
+# ------------------------------------------------------------------------------ killed audit
+def test_killed_audit_keeps_every_finished_row(tmp_path):
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "audit", "--device", "cpu", "--suite", "gemm_contract",
+                             "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    rows_file = out / "rows.jsonl"
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if rows_file.is_file() and rows_file.read_bytes().count(b"\n") >= 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the audit ended before it could be killed: {proc.stderr.read()[-2000:]}"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    text = rows_file.read_text()
+    assert text.endswith("\n"), "a row was cut short"
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert len(rows) >= 3
+    for row in rows:
+        assert set(row) == ROW_FIELDS and row["suite"] == "gemm_contract" and row["passed"] is True
+        assert {"worst_ratio", "fp64_ulp_max", "fp64_hist"} <= set(row["details"])
+    report = out / "report.json"
+    if report.exists():  # written atomically or not at all
+        assert json.loads(report.read_text())["rows"]
