@@ -30,6 +30,13 @@ the process-group backend: NCCL for CUDA tensors (``cuda_sm90``), gloo only for 
 the Triton interpreter (``triton_interpreter``, not a hardware result). Operators never create,
 infer or look up groups.
 
+Modes (``mode=``, per call; ``kernels.invariant``): ``"bf16"`` (default) is the version-1 contract
+above. ``"fp32_invariant"`` keeps the partial in FP32 (det_gemm ``out_dtype=float32`` with the pinned
+invariant config), all-reduces it in FP32 (two operands: one rounding, order-free) and rounds the
+result to BF16 once; the returned partial is then FP32. Its TP=1 / CP=1 counterparts
+(``kernels.invariant.tp1_*`` / ``cp1_db``) give the same bits (docs/invariance.md). Unknown modes
+raise ``ValueError`` before any work.
+
 Every call is counted (``operator_calls()``, ``collective_counts()``), so an audit can prove that
 ``row_parallel_dhidden`` issues no collective and each reducing operator exactly one.
 """
@@ -44,6 +51,7 @@ import torch.distributed as dist
 
 from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, resolve_backend
 from kernels.det_gemm import GemmLaunch, det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch, det_gemm_kernel
+from kernels.invariant import DEFAULT_MODE, FP32_INVARIANT, check_mode, collective_dtype, gemm_kwargs
 from toolkit.layout import AxisGroup, TpCpLayout
 
 COLLECTIVE_DTYPE = torch.bfloat16
@@ -195,19 +203,23 @@ def _check_bf16(tensors: dict[str, torch.Tensor]) -> None:
         check_bf16_matrix(name, t)
 
 
-def _reduce(op: str, partial: torch.Tensor, pg, axis: str) -> torch.Tensor:
+def _reduce(op: str, partial: torch.Tensor, pg, axis: str, mode: str = DEFAULT_MODE) -> torch.Tensor:
+    """All-reduce a copy of ``partial`` in its own dtype (BF16 in v1, FP32 in fp32_invariant mode),
+    then round to BF16 once (a no-op for a BF16 sum)."""
     out = partial.clone()  # the partial stays untouched for the caller and the audit
     _COLLECTIVES[(op, "all_reduce", axis)] += 1
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=pg, async_op=False)
-    return out
+    return out.to(torch.bfloat16) if mode == FP32_INVARIANT else out
 
 
 # ---------------------------------------------------------------------------------------------
 # Operators
 # ---------------------------------------------------------------------------------------------
-def row_parallel_fwd_launch(hidden_local: torch.Tensor, w_local: torch.Tensor, tp_group: AxisGroup):
+def row_parallel_fwd_launch(hidden_local: torch.Tensor, w_local: torch.Tensor, tp_group: AxisGroup, *,
+                            mode: str = DEFAULT_MODE):
     """Down forward: ``(partial, output, ParallelLaunch)``; see the module doc."""
     op = "row_parallel_fwd"
+    check_mode(mode)
     tensors = {"hidden_local": hidden_local, "w_local": w_local}  # [M_l, I/2], [I/2, H]
     _check_bf16(tensors)
     _check_initialised(op)
@@ -216,16 +228,18 @@ def row_parallel_fwd_launch(hidden_local: torch.Tensor, w_local: torch.Tensor, t
     shapes = layout.local_shapes()
     _check_shapes(op, layout, tensors, {"hidden_local": shapes["hidden"], "w_local": shapes["w_down"]})
     backend, pg_backend = _check_backend(op, tensors, pg)
-    partial, gemm = det_gemm_fwd_launch(hidden_local, w_local)
-    output = _reduce(op, partial, pg, "tp")
+    partial, gemm = det_gemm_fwd_launch(hidden_local, w_local, **gemm_kwargs("fwd", layout, mode))
+    output = _reduce(op, partial, pg, "tp", mode)
     _CALLS[op] += 1
     return partial, output, ParallelLaunch(op, backend, pg_backend, "all_reduce", "tp", tp_group.ranks,
-                                           str(COLLECTIVE_DTYPE), gemm)
+                                           str(collective_dtype(mode)), gemm)
 
 
-def column_parallel_dx_launch(d_proj_local: torch.Tensor, w_local: torch.Tensor, tp_group: AxisGroup):
+def column_parallel_dx_launch(d_proj_local: torch.Tensor, w_local: torch.Tensor, tp_group: AxisGroup, *,
+                              mode: str = DEFAULT_MODE):
     """Gate/Up dX: ``(partial, dx, ParallelLaunch)``; see the module doc."""
     op = "column_parallel_dx"
+    check_mode(mode)
     tensors = {"d_proj_local": d_proj_local, "w_local": w_local}  # [M_l, I/2], [H, I/2]
     _check_bf16(tensors)
     _check_initialised(op)
@@ -234,17 +248,19 @@ def column_parallel_dx_launch(d_proj_local: torch.Tensor, w_local: torch.Tensor,
     shapes = layout.local_shapes()
     _check_shapes(op, layout, tensors, {"d_proj_local": shapes["d_gate"], "w_local": shapes["w_gate"]})
     backend, pg_backend = _check_backend(op, tensors, pg)
-    partial, gemm = det_gemm_da_launch(d_proj_local, w_local)
-    dx = _reduce(op, partial, pg, "tp")
+    partial, gemm = det_gemm_da_launch(d_proj_local, w_local, **gemm_kwargs("da", layout, mode))
+    dx = _reduce(op, partial, pg, "tp", mode)
     _CALLS[op] += 1
     return partial, dx, ParallelLaunch(op, backend, pg_backend, "all_reduce", "tp", tp_group.ranks,
-                                       str(COLLECTIVE_DTYPE), gemm)
+                                       str(collective_dtype(mode)), gemm)
 
 
-def replicated_dw_launch(a_local: torch.Tensor, dc_local: torch.Tensor, grad_group: AxisGroup):
+def replicated_dw_launch(a_local: torch.Tensor, dc_local: torch.Tensor, grad_group: AxisGroup, *,
+                         mode: str = DEFAULT_MODE):
     """dW of Gate/Up (a = x, dc = dProj) or Down (a = hidden, dc = dOut), summed over the CP group:
     ``(local, reduced, ParallelLaunch)``; see the module doc."""
     op = "replicated_dw"
+    check_mode(mode)
     tensors = {"a_local": a_local, "dc_local": dc_local}
     _check_bf16(tensors)
     _check_initialised(op)
@@ -262,20 +278,24 @@ def replicated_dw_launch(a_local: torch.Tensor, dc_local: torch.Tensor, grad_gro
             f"{pairs['down']['a_local']}, {pairs['down']['dc_local']}"
         )
     backend, pg_backend = _check_backend(op, tensors, pg)
-    local, gemm = det_gemm_db_launch(a_local, dc_local)
-    reduced = _reduce(op, local, pg, "cp")
+    local, gemm = det_gemm_db_launch(a_local, dc_local, **gemm_kwargs("db", layout, mode))
+    reduced = _reduce(op, local, pg, "cp", mode)
     _CALLS[op] += 1
     return local, reduced, ParallelLaunch(op, backend, pg_backend, "all_reduce", "cp", grad_group.ranks,
-                                          str(COLLECTIVE_DTYPE), gemm)
+                                          str(collective_dtype(mode)), gemm)
 
 
 def row_parallel_dhidden_launch(d_out_local: torch.Tensor, w_local: torch.Tensor, *,
-                                layout: TpCpLayout | None = None):
+                                layout: TpCpLayout | None = None, mode: str = DEFAULT_MODE):
     """Down dHidden, TP-sharded, no collective: ``(d_hidden, ParallelLaunch)``.
 
     Each element reduces over the full H on one rank, so the shard is final. With ``layout`` the
-    local shapes are checked against it; without, only det_gemm's own checks apply."""
+    local shapes are checked against it; without, only det_gemm's own checks apply. fp32_invariant
+    mode pins the invariant config (so the bits do not depend on M) and needs ``layout``."""
     op = "row_parallel_dhidden"
+    check_mode(mode)
+    if mode == FP32_INVARIANT and layout is None:
+        raise ValueError(f"{op}: mode {mode!r} needs layout= (the pinned config follows the layout's shard width)")
     tensors = {"d_out_local": d_out_local, "w_local": w_local}  # [M_l, H], [I/2, H]
     _check_bf16(tensors)
     if layout is not None:
@@ -283,27 +303,32 @@ def row_parallel_dhidden_launch(d_out_local: torch.Tensor, w_local: torch.Tensor
             raise TypeError(f"{op}: layout is a {type(layout).__name__}; supported: toolkit.layout.TpCpLayout or None")
         shapes = layout.local_shapes()
         _check_shapes(op, layout, tensors, {"d_out_local": shapes["d_out"], "w_local": shapes["w_down"]})
-    d_hidden, gemm = det_gemm_da_launch(d_out_local, w_local)
+    kwargs = gemm_kwargs("da", layout, mode) if mode == FP32_INVARIANT else {}
+    kwargs.pop("out_dtype", None)  # no reduction follows: BF16 out, rounded once in the kernel
+    d_hidden, gemm = det_gemm_da_launch(d_out_local, w_local, **kwargs)
     _CALLS[op] += 1
     return d_hidden, ParallelLaunch(op, gemm.backend, None, None, None, None, None, gemm)
 
 
-def row_parallel_fwd(hidden_local: torch.Tensor, w_local: torch.Tensor, tp_group: AxisGroup):
+def row_parallel_fwd(hidden_local: torch.Tensor, w_local: torch.Tensor, tp_group: AxisGroup, *,
+                     mode: str = DEFAULT_MODE):
     """Down forward: ``(partial, output)`` with ``output`` the TP all-reduce SUM of ``partial``."""
-    return row_parallel_fwd_launch(hidden_local, w_local, tp_group)[:2]
+    return row_parallel_fwd_launch(hidden_local, w_local, tp_group, mode=mode)[:2]
 
 
-def column_parallel_dx(d_proj_local: torch.Tensor, w_local: torch.Tensor, tp_group: AxisGroup):
+def column_parallel_dx(d_proj_local: torch.Tensor, w_local: torch.Tensor, tp_group: AxisGroup, *,
+                       mode: str = DEFAULT_MODE):
     """Gate/Up dX: ``(partial, dx)`` with ``dx`` the TP all-reduce SUM of ``partial``."""
-    return column_parallel_dx_launch(d_proj_local, w_local, tp_group)[:2]
+    return column_parallel_dx_launch(d_proj_local, w_local, tp_group, mode=mode)[:2]
 
 
-def replicated_dw(a_local: torch.Tensor, dc_local: torch.Tensor, grad_group: AxisGroup):
+def replicated_dw(a_local: torch.Tensor, dc_local: torch.Tensor, grad_group: AxisGroup, *,
+                  mode: str = DEFAULT_MODE):
     """dW: ``(local, reduced)`` with ``reduced`` the CP all-reduce SUM of ``local``."""
-    return replicated_dw_launch(a_local, dc_local, grad_group)[:2]
+    return replicated_dw_launch(a_local, dc_local, grad_group, mode=mode)[:2]
 
 
 def row_parallel_dhidden(d_out_local: torch.Tensor, w_local: torch.Tensor, *,
-                         layout: TpCpLayout | None = None) -> torch.Tensor:
+                         layout: TpCpLayout | None = None, mode: str = DEFAULT_MODE) -> torch.Tensor:
     """Down dHidden ``[M_l, I/2]``, no collective (stays TP-sharded)."""
-    return row_parallel_dhidden_launch(d_out_local, w_local, layout=layout)[0]
+    return row_parallel_dhidden_launch(d_out_local, w_local, layout=layout, mode=mode)[0]
