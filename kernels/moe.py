@@ -1,0 +1,720 @@
+"""Deterministic BF16 Mixture-of-Experts expert MLP (SwiGLU) for Hopper: forward and backward.
+
+Math, for token t routed to experts e_k with scores s_k (k = 0..K-1, masked routes skipped):
+    gu_k  = x[t] @ W1[e_k]                       W1 [E, H, 2I], gate/up columns interleaved
+    h_k   = silu(g_k) * u_k                      g_k = gu_k[0::2], u_k = gu_k[1::2]
+    y_k   = h_k @ W2[e_k]                        W2 [E, I, H]
+    out[t] = bf16( sum_{k ascending} s_k * y_k ) FP32 sum, one BF16 rounding
+Backward, with dy_k = s_k * dout[t]:
+    dh_k = s_k * (dout[t] @ W2[e_k].T)  -> dg_k = dh_k * u_k * silu'(g_k), du_k = dh_k * silu(g_k)
+    dx[t] = bf16( sum_{k ascending} dgu_k @ W1[e_k].T )
+    dW1[e] = sum over e's rows (ascending) x[t]^T dgu_k,  dW2[e] = sum h_k^T bf16(s_k * dout[t])
+    dscores[t, k] = dout[t] . y_k
+
+Weight convention (the ``b [K, N]`` convention of det_gemm, one matrix per expert):
+    W1 [E, H, 2I], column 2j = gate_j and column 2j+1 = up_j (interleaved, so a gate/up pair always
+    lands in one output tile and SwiGLU runs in the up-projection's epilogue). ``interleave_gate_up``
+    and ``deinterleave_gate_up`` convert from/to the usual split-half [gate; up] layout.
+    W2 [E, I, H].
+    Any non-negative strides are accepted: nn.Linear-style stacks ``fc1 [E, 2I, H]`` and
+    ``fc2 [E, H, I]`` are passed as ``interleave_gate_up(fc1, dim=1).transpose(1, 2)`` and
+    ``fc2.transpose(1, 2)`` (views; no copy at call time).
+
+Stages and tile ownership (kernels/moe_routing.py builds the expert-sorted, 128-padded rows):
+    up     moe_grouped_gemm_kernel: one program per (128-row expert tile slice, N tile of 2I); reads
+           x through the gather index (never materialised in expert order); stores gu [P, 2I] and
+           h [P, I] in BF16 (SwiGLU epilogue).
+    down   the same kernel: y [P, H] = h @ W2[e] kept in FP32 for the combine.
+    combine moe_combine_kernel: one program per (token block, H tile); ascending k; one rounding.
+    dgrad  the same grouped kernel with the dSwiGLU epilogue: dh = s * (dout[t] @ W2[e].T) in FP32,
+           then dg/du from the saved gu; stores dgu [P, 2I] BF16.
+    dx     grouped kernel dgu @ W1[e].T -> [P, H] FP32, then the combine kernel unscaled (ascending
+           k gather-sum over the token's routes, one rounding).
+    dW     moe_wgrad_kernel: one program per (expert, dW tile); reduces the expert's rows in
+           ascending padded-row order; optional FP32 accumulation into a caller's main_grad.
+    dscore moe_dscore_kernel: one program per token block; ascending k, H in fixed blocks.
+
+Determinism rests on the det_gemm rules: no split-K, no atomics, one program owns each output
+tile and reduces all of its reduced dimension in a fixed ascending order that depends on the
+shapes alone (H or I for the grouped GEMMs, K for the combines, the expert's row count for dW).
+Batch invariance (forward, per token): a token's rows are never reduced with other tokens' rows,
+and the pinned tile configs below do not depend on T or on the routing.
+
+On the Triton interpreter (CPU), like det_gemm: exact FP32 products added one at a time in
+ascending order (``tl.dot`` on BF16 is broken there), and FP32 -> BF16 rounding in integer
+arithmetic (``fp32_to_bf16_rtne``; the interpreter's cast truncates). Interpreter bits differ
+from tensor-core bits; each backend is audited on its own (audits/moe.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import (
+    CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, check_bf16_matrix, resolve_backend,
+)
+from kernels.det_gemm import GemmConfig, fp32_to_bf16_rtne, interpreter_step_k
+from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting, build_routing, check_topk
+
+# ---------------------------------------------------------------------------------------------
+# Pinned config tables (no autotune). Bump the version whenever an entry changes.
+# The grouped GEMMs' BLOCK_M must divide SEGMENT_ALIGN so no tile straddles two experts.
+# On the interpreter every config gives the same bits (sequential accumulation); its table is
+# chosen for emulation speed only.
+# ---------------------------------------------------------------------------------------------
+MOE_CONFIG_TABLE_VERSION = "2026-11-29.1"
+
+STAGES = ("up", "down", "dgrad", "dx", "wgrad", "combine", "dscore")
+
+MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
+    CUDA_SM90: {
+        "up": GemmConfig(128, 128, 64, 1, 8, 3),  # BLOCK_N interleaved gate/up columns -> 64 of h
+        "down": GemmConfig(128, 128, 64, 1, 8, 3),
+        "dgrad": GemmConfig(128, 64, 64, 1, 8, 3),  # BLOCK_N columns of dh (2x of dgu)
+        "dx": GemmConfig(128, 128, 64, 1, 8, 3),
+        "wgrad": GemmConfig(128, 128, 64, 1, 8, 3),  # BLOCK_K = routed rows per reduction step
+        "combine": GemmConfig(16, 256, 16, 1, 4, 1),  # BLOCK_M tokens x BLOCK_N columns
+        "dscore": GemmConfig(16, 256, 16, 1, 4, 1),
+    },
+    TRITON_INTERPRETER: {
+        "up": GemmConfig(128, 128, 32, 1, 4, 1),  # few large programs: the interpreter's cost is per op
+        "down": GemmConfig(64, 32, 32, 1, 4, 1),
+        "dgrad": GemmConfig(128, 64, 32, 1, 4, 1),
+        "dx": GemmConfig(64, 32, 32, 1, 4, 1),
+        "wgrad": GemmConfig(32, 64, 32, 1, 4, 1),
+        "combine": GemmConfig(32, 64, 16, 1, 4, 1),
+        "dscore": GemmConfig(32, 64, 16, 1, 4, 1),
+    },
+}
+
+EPI_FP32, EPI_SWIGLU, EPI_DSWIGLU = 0, 1, 2
+_GROUPED_OPS = ("moe_up_swiglu", "moe_down", "moe_dgrad_dswiglu", "moe_dx_route")
+_WGRAD_OPS = ("moe_wgrad_w1", "moe_wgrad_w2")
+_COMBINE_OPS = ("moe_combine", "moe_dx_gather_sum")
+
+
+def stage_name(op: str, **dims: int) -> str:
+    """The one name shared by a launch, its NVTX range and its report row."""
+    return f"{op} [" + ", ".join(f"{k}={v}" for k, v in dims.items()) + "] bf16"
+
+
+def select_moe_config(stage: str, backend: str) -> GemmConfig:
+    if stage not in STAGES:
+        raise ValueError(f"stage {stage!r} is not supported; supported: {STAGES}")
+    if backend not in MOE_CONFIGS:
+        raise ValueError(f"backend {backend!r} has no MoE configs; supported: {tuple(MOE_CONFIGS)}")
+    return MOE_CONFIGS[backend][stage]
+
+
+def _grouped_meta(grid, metadata, args):
+    op = _GROUPED_OPS[args["op_id"]]
+    p, c, l = args["P"], args["C"], args["L"]
+    return {"name": stage_name(op, P=p, N=c, K=l), "flops": 2.0 * p * c * l}
+
+
+def _wgrad_meta(grid, metadata, args):
+    return {"name": stage_name(_WGRAD_OPS[args["op_id"]], R=args["R"], C=args["C"])}
+
+
+def _combine_meta(grid, metadata, args):
+    return {"name": stage_name(_COMBINE_OPS[args["op_id"]], T=args["T"], N=args["N"], K=args["K"])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _to_bf16(x, INTERPRETED: tl.constexpr):
+    if INTERPRETED:
+        y = fp32_to_bf16_rtne(x)
+    else:
+        y = x.to(tl.bfloat16)
+    return y
+
+
+@triton.jit
+def _mma(acc, a, b, STEP_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc [M, N] += a [M, STEP_K] @ b [STEP_K, N] with FP32 accumulation, ascending over STEP_K.
+
+    Interpreted: exact products added one at a time (cumsum is sequential there), as det_gemm does."""
+    if INTERPRETED:
+        offs = tl.arange(0, STEP_K)
+        prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]  # [M, STEP_K, N]
+        prod = tl.where((offs == 0)[None, :, None], prod + acc[:, None, :], prod)
+        acc = tl.sum(tl.where((offs == STEP_K - 1)[None, :, None], tl.cumsum(prod, axis=1), 0.0), axis=1)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _sigmoid(g):
+    return 1.0 / (1.0 + tl.exp(-g))
+
+
+@triton.jit(launch_metadata=_grouped_meta)
+def moe_grouped_gemm_kernel(
+    a_ptr, a_rows_ptr, b_ptr, c_ptr, aux_ptr,
+    route_ptr, score_ptr, tile_expert_ptr,
+    P, C, L,  # C[p, :] = A[row(p), :L] @ B[expert(p)][:L, :C]; P padded rows (multiple of SEGMENT)
+    stride_am, stride_al,
+    stride_be, stride_bl, stride_bc,
+    stride_cm, stride_cc,
+    stride_xm, stride_xc,  # aux: h out [P, C/2] (SWIGLU) or gu in [P, 2C] (DSWIGLU)
+    op_id,  # names the launch only
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_K: tl.constexpr,
+    SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    pid = tl.program_id(axis=0)
+    num_pid_n = tl.cdiv(C, BLOCK_N)
+    pid_m = pid // num_pid_n  # consecutive programs share the A tile (L2 reuse)
+    pid_n = pid % num_pid_n
+    expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // SEGMENT)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # always < P: BLOCK_M divides SEGMENT
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, STEP_K)
+    row_ok = tl.load(route_ptr + offs_m) >= 0  # padding rows read nothing and stay zero
+    col_ok = offs_n < C
+    if GATHER_A:
+        a_rows = tl.load(a_rows_ptr + offs_m)  # token row of each expert-sorted row
+    else:
+        a_rows = offs_m
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
+    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bl + offs_n[None, :] * stride_bc  # [STEP_K, BLOCK_N]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if tl.sum(row_ok.to(tl.int32), axis=0) > 0:  # a block of padding only does no work
+        for k0 in range(0, L, BLOCK_K):
+            for kk in tl.static_range(0, BLOCK_K, STEP_K):
+                k_ok = (k0 + kk + offs_k) < L
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
+                acc = _mma(acc, a, b, STEP_K, INTERPRETED)
+                a_ptrs += STEP_K * stride_al
+                b_ptrs += STEP_K * stride_bl
+
+    if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
+        tl.store(c_ptrs, acc, mask=(offs_m[:, None] >= 0) & col_ok[None, :])
+    elif EPILOGUE == 1:  # SwiGLU: gu rounded to BF16 (saved for backward), h = silu(g) * u
+        gu = _to_bf16(acc, INTERPRETED)
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
+        tl.store(c_ptrs, gu, mask=(offs_m[:, None] >= 0) & col_ok[None, :])
+        g, u = tl.split(tl.reshape(gu.to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))  # [BLOCK_M, BLOCK_N/2] each
+        h = (g * _sigmoid(g)) * u
+        offs_h = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        h_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_h[None, :] * stride_xc  # [BLOCK_M, BLOCK_N/2]
+        tl.store(h_ptrs, _to_bf16(h, INTERPRETED), mask=(offs_m[:, None] >= 0) & (offs_h < C // 2)[None, :])
+    else:  # dSwiGLU: dh = s * acc in FP32, then dg, du from the saved gu; dgu out interleaved
+        score = tl.load(score_ptr + offs_m)  # [BLOCK_M] FP32, 0 on padding rows
+        dh = acc * score[:, None]
+        offs_j = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+        j_ok = (offs_m[:, None] >= 0) & (offs_j < 2 * C)[None, :]
+        gu_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_j[None, :] * stride_xc  # [BLOCK_M, 2*BLOCK_N]
+        gu = tl.load(gu_ptrs, mask=j_ok, other=0.0).to(tl.float32)
+        g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_N, 2)))
+        s = _sigmoid(g)
+        silu = g * s
+        # The operation order of kernels/swiglu.py, so the dense and MoE paths share one formula.
+        dg = (dh * u) * (s + silu * (1.0 - s))
+        du = dh * silu
+        dgu = tl.reshape(tl.join(dg, du), (BLOCK_M, 2 * BLOCK_N))
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_j[None, :] * stride_cc
+        tl.store(c_ptrs, _to_bf16(dgu, INTERPRETED), mask=j_ok)
+
+
+@triton.jit(launch_metadata=_wgrad_meta)
+def moe_wgrad_kernel(
+    a_ptr, b_ptr, rows_ptr, score_ptr, dw_ptr,
+    offsets_ptr, counts_ptr,
+    R, C,  # dW[e] [R, C] = sum over e's rows p (ascending) of A[arow(p), :R]^T B[brow(p), :C]
+    stride_am, stride_ar,
+    stride_bm, stride_bc,
+    stride_we, stride_wr, stride_wc,
+    op_id,  # names the launch only
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_K: tl.constexpr,
+    GATHER_A: tl.constexpr, GATHER_SCALE_B: tl.constexpr, ACCUMULATE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    pid = tl.program_id(axis=0)
+    num_pid_r = tl.cdiv(R, BLOCK_M)
+    num_pid_c = tl.cdiv(C, BLOCK_N)
+    expert = pid // (num_pid_r * num_pid_c)
+    rem = pid % (num_pid_r * num_pid_c)
+    pid_r = rem // num_pid_c
+    pid_c = rem % num_pid_c
+    start = tl.load(offsets_ptr + expert)
+    count = tl.load(counts_ptr + expert)
+
+    offs_r = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = pid_c * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, STEP_K)
+    r_ok = offs_r < R
+    c_ok = offs_c < C
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, count, BLOCK_K):  # the expert's rows, ascending: a function of count alone
+        for kk in tl.static_range(0, BLOCK_K, STEP_K):
+            p_ok = (k0 + kk + offs_k) < count
+            p = start + k0 + kk + offs_k
+            if GATHER_A:
+                a_rows = tl.load(rows_ptr + p, mask=p_ok, other=0)
+            else:
+                a_rows = p
+            a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_r[:, None] * stride_ar  # [BLOCK_M, STEP_K]
+            a = tl.load(a_ptrs, mask=r_ok[:, None] & p_ok[None, :], other=0.0)
+            if GATHER_SCALE_B:  # dy = bf16(s * dout[token]) formed on load
+                b_rows = tl.load(rows_ptr + p, mask=p_ok, other=0)
+                s = tl.load(score_ptr + p, mask=p_ok, other=0.0)
+                b_ptrs = b_ptr + b_rows[:, None] * stride_bm + offs_c[None, :] * stride_bc  # [STEP_K, BLOCK_N]
+                b = tl.load(b_ptrs, mask=p_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+                b = _to_bf16(b * s[:, None], INTERPRETED)
+            else:
+                b_ptrs = b_ptr + p[:, None] * stride_bm + offs_c[None, :] * stride_bc  # [STEP_K, BLOCK_N]
+                b = tl.load(b_ptrs, mask=p_ok[:, None] & c_ok[None, :], other=0.0)
+            acc = _mma(acc, a, b, STEP_K, INTERPRETED)
+
+    w_ptrs = dw_ptr + expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
+    w_mask = r_ok[:, None] & c_ok[None, :]
+    if ACCUMULATE:  # main_grad += dW in FP32; an expert without rows leaves it untouched
+        w_mask = w_mask & (count > 0)
+        tl.store(w_ptrs, tl.load(w_ptrs, mask=w_mask, other=0.0) + acc, mask=w_mask)
+    else:
+        tl.store(w_ptrs, _to_bf16(acc, INTERPRETED), mask=w_mask)
+
+
+@triton.jit(launch_metadata=_combine_meta)
+def moe_combine_kernel(
+    src_ptr, route_row_ptr, score_ptr, out_ptr,
+    T, N, K,  # out[t, :N] = bf16(sum_{k ascending, route valid} w[t, k] * src[route_row[t, k], :N])
+    stride_sm, stride_sn, stride_rt, stride_rk, stride_st, stride_sk, stride_ot, stride_on,
+    op_id,  # names the launch only
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    pid = tl.program_id(axis=0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_t = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    offs_t = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = offs_t < T
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K):
+        rows = tl.load(route_row_ptr + offs_t * stride_rt + k * stride_rk, mask=t_ok, other=-1)
+        ok = rows >= 0
+        v = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :] * stride_sn,
+                    mask=ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] FP32
+        if SCALED:
+            w = tl.load(score_ptr + offs_t * stride_st + k * stride_sk, mask=ok, other=0.0).to(tl.float32)
+            v = w[:, None] * v
+        acc = tl.where(ok[:, None], acc + v, acc)  # a masked route contributes nothing, not even +0
+    out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, _to_bf16(acc, INTERPRETED), mask=t_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_dscore_kernel(
+    dout_ptr, y_ptr, route_row_ptr, ds_ptr,
+    T, H, K,  # ds[t, k] = dout[t, :H] . y[route_row[t, k], :H] (FP32), 0 when masked
+    stride_dt, stride_dn, stride_ym, stride_yn, stride_rt, stride_rk, stride_st, stride_sk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_t = tl.program_id(axis=0)
+    offs_t = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    t_ok = offs_t < T
+    for k in range(0, K):
+        rows = tl.load(route_row_ptr + offs_t * stride_rt + k * stride_rk, mask=t_ok, other=-1)
+        ok = rows >= 0
+        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for n0 in range(0, H, BLOCK_N):  # H in fixed blocks, ascending
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < H
+            d = tl.load(dout_ptr + offs_t[:, None] * stride_dt + offs_n[None, :] * stride_dn,
+                        mask=t_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+                        mask=ok[:, None] & n_ok[None, :], other=0.0)
+            acc += tl.sum(d * y, axis=1)
+        tl.store(ds_ptr + offs_t * stride_st + k * stride_sk, acc, mask=t_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks (all before any work)
+# ---------------------------------------------------------------------------------------------
+def _check_bf16_3d(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: torch.bfloat16")
+    if t.dim() != 3 or min(t.shape) < 1:
+        raise ValueError(f"{name} must be 3-D [E, rows, cols] with every dim >= 1; got shape {tuple(t.shape)}")
+    if any(s < 0 for s in t.stride()):
+        raise ValueError(f"{name} has negative strides {t.stride()}; supported: non-negative strides")
+    furthest = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    if furthest > MAX_INT32_OFFSET:
+        raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) spans element offset {furthest}; "
+                         "supported: offsets below 2**31 (32-bit kernel indexing)")
+
+
+def check_moe_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                     scores: torch.Tensor) -> str:
+    """Refuse anything unsupported before any work; return the backend."""
+    check_bf16_matrix("x", x)
+    _check_bf16_3d("w1", w1)
+    _check_bf16_3d("w2", w2)
+    t_count, hidden = x.shape
+    experts, w1_h, two_i = w1.shape
+    if w1_h != hidden:
+        raise ValueError(f"w1 must be [E, H, 2I] with H = x.shape[1] = {hidden}; got w1 {tuple(w1.shape)}")
+    if two_i % 2:
+        raise ValueError(f"w1's last dim 2I = {two_i} must be even (interleaved gate/up pairs)")
+    if tuple(w2.shape) != (experts, two_i // 2, hidden):
+        raise ValueError(f"w2 must be [E, I, H] = {(experts, two_i // 2, hidden)} to match x {tuple(x.shape)} "
+                         f"and w1 {tuple(w1.shape)}; got {tuple(w2.shape)}")
+    check_topk(topk_ids, scores, experts)
+    if topk_ids.shape[0] != t_count:
+        raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows but x has T = {t_count} tokens")
+    return resolve_backend(moe_grouped_gemm_kernel, {"x": x, "w1": w1, "w2": w2, "topk_ids": topk_ids,
+                                                     "scores": scores})
+
+
+def _check_main_grads(main_grads, w1: torch.Tensor, w2: torch.Tensor) -> None:
+    if main_grads is None:
+        return
+    if not isinstance(main_grads, (tuple, list)) or len(main_grads) != 2:
+        raise TypeError(f"main_grads must be a pair (main_grad_w1, main_grad_w2) or None; got {type(main_grads).__name__}")
+    for name, g, w in (("main_grad_w1", main_grads[0], w1), ("main_grad_w2", main_grads[1], w2)):
+        if not isinstance(g, torch.Tensor) or g.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor; got {getattr(g, 'dtype', type(g).__name__)}")
+        if g.shape != w.shape or g.device != w.device:
+            raise ValueError(f"{name} must match its weight's shape {tuple(w.shape)} on {w.device}; "
+                             f"got {tuple(g.shape)} on {g.device}")
+        if any(s < 0 for s in g.stride()):
+            raise ValueError(f"{name} has negative strides {g.stride()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch wrappers: check, allocate, launch.
+# ---------------------------------------------------------------------------------------------
+def _backend_flags(backend: str, config: GemmConfig) -> dict:
+    interpreted = backend == TRITON_INTERPRETER
+    return {"STEP_K": interpreter_step_k(config) if interpreted else config.block_k, "INTERPRETED": interpreted}
+
+
+def _check_grouped_config(stage: str, config: GemmConfig) -> None:
+    if SEGMENT_ALIGN % config.block_m:
+        raise ValueError(f"{stage}: BLOCK_M {config.block_m} must divide the segment alignment {SEGMENT_ALIGN}")
+
+
+def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Tensor, c: torch.Tensor,
+             aux: torch.Tensor | None, routing: MoeRouting, n_cols: int, reduced: int, epilogue: int,
+             backend: str, config: GemmConfig | None) -> None:
+    """b is a [E, L, C] view (strides kept)."""
+    config = config or select_moe_config(stage, backend)
+    _check_grouped_config(stage, config)
+    p = routing.padded_rows
+    if p == 0:
+        return
+    aux_t = aux if aux is not None else c
+    grid = (triton.cdiv(p, config.block_m) * triton.cdiv(n_cols, config.block_n),)
+    moe_grouped_gemm_kernel[grid](
+        a, routing.gather_token, b, c, aux_t,
+        routing.sorted_route, routing.row_score, routing.tile_expert,
+        p, n_cols, reduced,
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        c.stride(0), c.stride(1),
+        aux_t.stride(0), aux_t.stride(1),
+        op_id,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SEGMENT=SEGMENT_ALIGN,
+        GATHER_A=gather, EPILOGUE=epilogue, num_warps=config.num_warps, num_stages=config.num_stages,
+        **_backend_flags(backend, config),
+    )
+
+
+def moe_up_swiglu(x: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backend: str,
+                  config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gu [P, 2I] = x[gather] @ W1[e] (BF16, interleaved) and h [P, I] = silu(g) * u (BF16)."""
+    config = config or select_moe_config("up", backend)
+    if config.block_n % 2:
+        raise ValueError(f"up: BLOCK_N {config.block_n} must be even (gate/up pairs)")
+    two_i = w1.shape[2]
+    gu = torch.empty((routing.padded_rows, two_i), dtype=torch.bfloat16, device=x.device)
+    h = torch.empty((routing.padded_rows, two_i // 2), dtype=torch.bfloat16, device=x.device)
+    _grouped(0, "up", x, True, w1, gu, h, routing, two_i, x.shape[1], EPI_SWIGLU, backend, config)
+    return gu, h
+
+
+def moe_down(h: torch.Tensor, w2: torch.Tensor, routing: MoeRouting, backend: str,
+             config: GemmConfig | None = None) -> torch.Tensor:
+    """y [P, H] = h @ W2[e] in FP32 (unrounded: the combine rounds once)."""
+    y = torch.empty((routing.padded_rows, w2.shape[2]), dtype=torch.float32, device=h.device)
+    _grouped(1, "down", h, False, w2, y, None, routing, w2.shape[2], w2.shape[1], EPI_FP32, backend, config)
+    return y
+
+
+def moe_dgrad_dswiglu(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, routing: MoeRouting,
+                      backend: str, config: GemmConfig | None = None) -> torch.Tensor:
+    """dgu [P, 2I] (BF16, interleaved): dSwiGLU of dh = s * (dout[gather] @ W2[e].T), fused."""
+    dgu = torch.empty_like(gu)
+    w2_t = w2.transpose(1, 2)  # [E, H, I] view
+    _grouped(2, "dgrad", dout, True, w2_t, dgu, gu, routing, w2.shape[1], w2.shape[2], EPI_DSWIGLU,
+             backend, config)
+    return dgu
+
+
+def moe_dx_route(dgu: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backend: str,
+                 config: GemmConfig | None = None) -> torch.Tensor:
+    """dx_route [P, H] = dgu @ W1[e].T in FP32 (the gather-sum rounds once)."""
+    dxr = torch.empty((routing.padded_rows, w1.shape[1]), dtype=torch.float32, device=dgu.device)
+    _grouped(3, "dx", dgu, False, w1.transpose(1, 2), dxr, None, routing, w1.shape[1], w1.shape[2],
+             EPI_FP32, backend, config)
+    return dxr
+
+
+def _combine(op_id: int, src: torch.Tensor, routing: MoeRouting, scores: torch.Tensor | None,
+             backend: str, config: GemmConfig | None) -> torch.Tensor:
+    config = config or select_moe_config("combine", backend)
+    t_count, k_count, n = routing.num_tokens, routing.top_k, src.shape[1]
+    out = torch.empty((t_count, n), dtype=torch.bfloat16, device=src.device)
+    sc = scores if scores is not None else routing.route_row  # unused when unscaled
+    grid = (triton.cdiv(t_count, config.block_m) * triton.cdiv(n, config.block_n),)
+    moe_combine_kernel[grid](
+        src, routing.route_row, sc, out, t_count, n, k_count,
+        src.stride(0), src.stride(1), routing.route_row.stride(0), routing.route_row.stride(1),
+        sc.stride(0), sc.stride(1), out.stride(0), out.stride(1), op_id,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, SCALED=scores is not None,
+        INTERPRETED=backend == TRITON_INTERPRETER, num_warps=config.num_warps,
+    )
+    return out
+
+
+def moe_combine(y: torch.Tensor, routing: MoeRouting, scores: torch.Tensor, backend: str,
+                config: GemmConfig | None = None) -> torch.Tensor:
+    """out [T, H] = bf16(sum over k ascending of scores[t, k] * y[route_row[t, k]]) (FP32 sum)."""
+    return _combine(0, y, routing, scores, backend, config)
+
+
+def moe_gather_sum(dx_route: torch.Tensor, routing: MoeRouting, backend: str,
+                   config: GemmConfig | None = None) -> torch.Tensor:
+    """dx [T, H] = bf16(sum over k ascending of dx_route[route_row[t, k]]) (FP32 sum)."""
+    return _combine(1, dx_route, routing, None, backend, config)
+
+
+def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, scale_b: bool, routing: MoeRouting,
+           out: torch.Tensor, accumulate: bool, backend: str, config: GemmConfig | None) -> None:
+    config = config or select_moe_config("wgrad", backend)
+    experts, r, c = out.shape
+    grid = (experts * triton.cdiv(r, config.block_m) * triton.cdiv(c, config.block_n),)
+    moe_wgrad_kernel[grid](
+        a, b, routing.gather_token, routing.row_score, out,
+        routing.expert_offsets, routing.expert_counts,
+        r, c, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), op_id,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GATHER_A=gather_a, GATHER_SCALE_B=scale_b, ACCUMULATE=accumulate,
+        num_warps=config.num_warps, num_stages=config.num_stages, **_backend_flags(backend, config),
+    )
+
+
+def moe_wgrad_w1(x: torch.Tensor, dgu: torch.Tensor, routing: MoeRouting, backend: str,
+                 main_grad: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor | None:
+    """dW1[e] [H, 2I] = x[gather]^T @ dgu over e's rows (BF16), or main_grad += it in FP32 (returns None)."""
+    experts = routing.num_experts
+    out = main_grad if main_grad is not None else torch.empty(
+        (experts, x.shape[1], dgu.shape[1]), dtype=torch.bfloat16, device=x.device)
+    _wgrad(0, x, True, dgu, False, routing, out, main_grad is not None, backend, config)
+    return None if main_grad is not None else out
+
+
+def moe_wgrad_w2(h: torch.Tensor, dout: torch.Tensor, routing: MoeRouting, backend: str,
+                 main_grad: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor | None:
+    """dW2[e] [I, H] = h^T @ bf16(s * dout[gather]) over e's rows (BF16), or main_grad += it in FP32."""
+    experts = routing.num_experts
+    out = main_grad if main_grad is not None else torch.empty(
+        (experts, h.shape[1], dout.shape[1]), dtype=torch.bfloat16, device=h.device)
+    _wgrad(1, h, False, dout, True, routing, out, main_grad is not None, backend, config)
+    return None if main_grad is not None else out
+
+
+def moe_dscores(dout: torch.Tensor, y: torch.Tensor, routing: MoeRouting, backend: str,
+                config: GemmConfig | None = None) -> torch.Tensor:
+    """ds [T, K] FP32 = dout[t] . y[route_row[t, k]] (0 for masked routes)."""
+    config = config or select_moe_config("dscore", backend)
+    t_count, k_count = routing.num_tokens, routing.top_k
+    ds = torch.empty((t_count, k_count), dtype=torch.float32, device=dout.device)
+    moe_dscore_kernel[(triton.cdiv(t_count, config.block_m),)](
+        dout, y, routing.route_row, ds, t_count, dout.shape[1], k_count,
+        dout.stride(0), dout.stride(1), y.stride(0), y.stride(1),
+        routing.route_row.stride(0), routing.route_row.stride(1), ds.stride(0), ds.stride(1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+    )
+    return ds
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-layer forward / backward and the autograd Function
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class MoeSaved:
+    """What the backward needs. gu, h are BF16; y is FP32 (for dscores)."""
+
+    backend: str
+    routing: MoeRouting
+    x: torch.Tensor  # [T, H]
+    w1: torch.Tensor  # [E, H, 2I]
+    w2: torch.Tensor  # [E, I, H]
+    scores: torch.Tensor  # [T, K]
+    gu: torch.Tensor  # [P, 2I] interleaved pre-activations
+    h: torch.Tensor  # [P, I]
+    y: torch.Tensor  # [P, H] FP32
+
+
+@dataclass
+class MoeGrads:
+    dx: torch.Tensor  # [T, H] bf16
+    dw1: torch.Tensor | None  # [E, H, 2I] bf16; None when accumulated into main_grad
+    dw2: torch.Tensor | None  # [E, I, H] bf16; None when accumulated into main_grad
+    dscores: torch.Tensor  # [T, K], scores' dtype
+
+
+def _names(x: torch.Tensor, w1: torch.Tensor, k: int) -> dict[str, str]:
+    t, h = x.shape
+    e, _, two_i = w1.shape
+    dims = {"T": t, "H": h, "I": two_i // 2, "E": e, "K": k}
+    return {stage: stage_name(f"moe_{stage}", **dims) for stage in
+            ("routing", "up_swiglu", "down", "combine", "dgrad_dswiglu", "dx", "wgrad", "dscores")}
+
+
+def moe_mlp_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                scores: torch.Tensor, *, stage_range=None) -> tuple[torch.Tensor, MoeSaved]:
+    """out [T, H] bf16 and the saved state for ``moe_mlp_bwd``.
+
+    x [T, H] bf16; w1 [E, H, 2I] bf16 interleaved; w2 [E, I, H] bf16; topk_ids [T, K] int32 (-1 masked);
+    scores [T, K] float32 or bf16. ``stage_range(name)`` (e.g. an NVTX range) wraps each stage.
+    """
+    backend = check_moe_inputs(x, w1, w2, topk_ids, scores)
+    rng = stage_range or (lambda name: nullcontext())
+    names = _names(x, w1, topk_ids.shape[1])
+    with rng(names["routing"]):
+        routing = build_routing(topk_ids, scores, w1.shape[0])
+    widest = max(w1.shape[2], x.shape[1])
+    if routing.padded_rows * widest > MAX_INT32_OFFSET:
+        raise ValueError(f"{routing.padded_rows} padded rows x {widest} columns of intermediates exceed 32-bit "
+                         "kernel offsets; split the batch")
+    with rng(names["up_swiglu"]):
+        gu, h = moe_up_swiglu(x, w1, routing, backend)
+    with rng(names["down"]):
+        y = moe_down(h, w2, routing, backend)
+    with rng(names["combine"]):
+        out = moe_combine(y, routing, scores, backend)
+    return out, MoeSaved(backend, routing, x, w1, w2, scores, gu, h, y)
+
+
+def moe_mlp_bwd(dout: torch.Tensor, saved: MoeSaved, *, main_grads=None, stage_range=None) -> MoeGrads:
+    """Gradients of ``moe_mlp_fwd`` for dout [T, H] bf16. With ``main_grads = (g1, g2)`` (FP32, the
+    weights' shapes) dW1/dW2 are added into them in FP32 and returned as None."""
+    check_bf16_matrix("dout", dout)
+    if tuple(dout.shape) != tuple(saved.x.shape) or dout.device != saved.x.device:
+        raise ValueError(f"dout must be {tuple(saved.x.shape)} on {saved.x.device}; got {tuple(dout.shape)} on {dout.device}")
+    _check_main_grads(main_grads, saved.w1, saved.w2)
+    rng = stage_range or (lambda name: nullcontext())
+    names = _names(saved.x, saved.w1, saved.routing.top_k)
+    backend, routing = saved.backend, saved.routing
+    with rng(names["dgrad_dswiglu"]):
+        dgu = moe_dgrad_dswiglu(dout, saved.w2, saved.gu, routing, backend)
+    with rng(names["dx"]):
+        dx = moe_gather_sum(moe_dx_route(dgu, saved.w1, routing, backend), routing, backend)
+    with rng(names["wgrad"]):
+        mg1, mg2 = main_grads if main_grads is not None else (None, None)
+        dw1 = moe_wgrad_w1(saved.x, dgu, routing, backend, mg1)
+        dw2 = moe_wgrad_w2(saved.h, dout, routing, backend, mg2)
+    with rng(names["dscores"]):
+        ds = moe_dscores(dout, saved.y, routing, backend).to(saved.scores.dtype)
+    return MoeGrads(dx, dw1, dw2, ds)
+
+
+class MoeMlpFunction(torch.autograd.Function):
+    """autograd wrapper: (x, w1, w2, topk_ids, scores, main_grad_w1, main_grad_w2) -> out."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, topk_ids, scores, main_grad_w1=None, main_grad_w2=None):
+        main_grads = None if main_grad_w1 is None and main_grad_w2 is None else (main_grad_w1, main_grad_w2)
+        _check_main_grads(main_grads, w1, w2)
+        out, saved = moe_mlp_fwd(x, w1, w2, topk_ids, scores)
+        ctx.saved = saved
+        ctx.main_grads = main_grads
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        grads = moe_mlp_bwd(dout, ctx.saved, main_grads=ctx.main_grads)  # any strides, no copy
+        ctx.saved = None
+        return grads.dx, grads.dw1, grads.dw2, None, grads.dscores, None, None
+
+
+def moe_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, scores: torch.Tensor,
+            main_grads: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Differentiable deterministic MoE expert MLP. With ``main_grads`` the weight gradients are
+    accumulated into those FP32 buffers (Megatron's gradient-accumulation fusion) and w1.grad /
+    w2.grad stay None."""
+    mg1, mg2 = main_grads if main_grads is not None else (None, None)
+    return MoeMlpFunction.apply(x, w1, w2, topk_ids, scores, mg1, mg2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout converters and pure-torch references
+# ---------------------------------------------------------------------------------------------
+def interleave_gate_up(w: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Split-half [gate (I); up (I)] along ``dim`` -> interleaved (gate_0, up_0, gate_1, up_1, ...). Copies."""
+    d = dim % w.dim()
+    if w.shape[d] % 2:
+        raise ValueError(f"dim {dim} of shape {tuple(w.shape)} must be even (gate and up halves)")
+    gate, up = w.chunk(2, dim=d)
+    return torch.stack((gate, up), dim=d + 1).flatten(d, d + 1)
+
+
+def deinterleave_gate_up(w: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Interleaved -> split-half [gate; up] along ``dim`` (the inverse of ``interleave_gate_up``). Copies."""
+    d = dim % w.dim()
+    if w.shape[d] % 2:
+        raise ValueError(f"dim {dim} of shape {tuple(w.shape)} must be even (gate/up pairs)")
+    pairs = w.unflatten(d, (w.shape[d] // 2, 2))
+    return torch.cat((pairs.select(d + 1, 0), pairs.select(d + 1, 1)), dim=d)
+
+
+def moe_mlp_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, scores: torch.Tensor,
+                dout: torch.Tensor | None = None, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """The layer in plain torch, every op in ``dtype`` (float64: the oracle; bfloat16: a PyTorch gold
+    whose intermediates round to BF16 as an eager model would). Per-expert matmuls, autograd for the
+    backward. Returns out and, with ``dout``, dx, dw1, dw2, dscores (all in ``dtype``)."""
+    xr = x.detach().to(dtype).requires_grad_(dout is not None)
+    w1r = w1.detach().to(dtype).requires_grad_(dout is not None)
+    w2r = w2.detach().to(dtype).requires_grad_(dout is not None)
+    sr = scores.detach().to(dtype).requires_grad_(dout is not None)
+    t_count, k_count = topk_ids.shape
+    out = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    ys = {}
+    for e in range(w1.shape[0]):
+        tok, kk = (topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gu = xr[tok] @ w1r[e]
+        h = torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]
+        ys[e] = (tok, kk, h @ w2r[e])
+    for k in range(k_count):  # ascending k, like the kernel
+        for e, (tok, kk, y) in ys.items():
+            sel = kk == k
+            if sel.any():
+                out = out.index_add(0, tok[sel], sr[tok[sel], k, None] * y[sel])
+    result = {"out": out.detach()}
+    if dout is not None:
+        out.backward(dout.to(dtype))
+        result.update({name: t.grad if t.grad is not None else torch.zeros_like(t)
+                       for name, t in (("dx", xr), ("dw1", w1r), ("dw2", w2r), ("dscores", sr))})
+    return result

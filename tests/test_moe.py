@@ -1,0 +1,237 @@
+"""The MoE expert MLP kernels against FP64 stage oracles (the derived bounds of audits/moe.py), the
+BF16 PyTorch gold, and their own bits: determinism, batch invariance, config independence on the
+interpreter, main_grad accumulation, layouts, and every refusal. Tiny shapes (the interpreter is
+slow); runs on the GPU too with DETKIT_TEST_DEVICE=cuda."""
+
+import pytest
+import torch
+
+from audits.moe import (
+    E2E_REL_L2_GATE, GOLD_MIN_COSINE, GOLD_SLACK, GRAD_NAMES, MoeCase, invariance_variants, make_inputs,
+    precision_stats, rejection_cases, run_layer, stage_checks,
+)
+from kernels.moe import (
+    MOE_CONFIGS, deinterleave_gate_up, interleave_gate_up, moe_down, moe_mlp_fwd, moe_mlp_ref, moe_up_swiglu,
+)
+from kernels.moe_routing import build_routing
+from toolkit.contract import compare_bits
+
+H, I, E, K = 32, 48, 4, 2
+
+
+def _case(routing="random", t=64, k=K, e=E, h=H, i=I, seed=3):
+    return MoeCase(t, h, i, e, k, routing, seed)
+
+
+def _assert_stages(inp):
+    results, extra = stage_checks(inp)
+    failed = {s: r for s, r in results.items() if not r.passed}
+    assert not failed, failed
+    assert all(extra["padding_zero"].values()), extra
+    assert extra["composed_dx_equal"]
+
+
+@pytest.mark.parametrize("case", [
+    _case("random"),
+    _case("masked", seed=4),
+    _case("counts:0,1,127,128,129", t=385, k=1, e=5, h=16, i=16, seed=5),
+    _case("one_expert", t=20, seed=6),
+    _case("random", t=1, seed=7),
+], ids=lambda c: c.routing.split(":")[0] + f"-T{c.t}")
+def test_every_stage_within_derived_bound(case, device):
+    _assert_stages(make_inputs(case, device))
+
+
+def test_bound_catches_a_layout_bug(device):
+    # Split-half weights read as interleaved: a plausible bug. The layer must fail the end-to-end gate
+    # against the reference with the intended (interleaved) semantics.
+    inp = make_inputs(_case(t=16), device)
+    split = deinterleave_gate_up(inp["w1"])
+    out = moe_mlp_fwd(inp["x"], split, inp["w2"], inp["topk_ids"], inp["scores"])[0]
+    ref = moe_mlp_ref(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])["out"]
+    rel = float((out.double() - ref).norm() / ref.norm())
+    assert rel > 8 * E2E_REL_L2_GATE, rel  # far beyond BF16 noise (which is ~2**-8.5)
+
+
+def test_end_to_end_and_precision_vs_bf16_gold(device):
+    inp = make_inputs(_case("masked", t=32, seed=8), device)
+    got = run_layer(inp)
+    for name, st in precision_stats(got, inp).items():
+        assert st["rel_l2_fp64"] <= E2E_REL_L2_GATE, (name, st)
+        assert st["cosine_vs_gold"] >= GOLD_MIN_COSINE, (name, st)
+        assert st["rel_l2_fp64"] <= GOLD_SLACK * st["gold_rel_l2_fp64"] + 2.0**-12, (name, st)
+
+
+def test_repeat_bitwise_and_autograd_equals_functional(device):
+    inp = make_inputs(_case(t=24, seed=9), device)
+    a, b = run_layer(inp), run_layer(inp)
+    for name in GRAD_NAMES:
+        res = compare_bits(a[name], b[name])
+        assert res.equal, (name, res)
+    out, _ = moe_mlp_fwd(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])
+    assert compare_bits(out, a["out"]).equal
+
+
+def test_forward_batch_invariance_per_token(device):
+    case = _case(t=24, seed=10)
+    inp = make_inputs(case, device)
+    full = moe_mlp_fwd(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])[0]
+    for variant, sub, rows, full_rows in invariance_variants(inp, case, 10):
+        got = moe_mlp_fwd(sub["x"], sub["w1"], sub["w2"], sub["topk_ids"], sub["scores"])[0]
+        res = compare_bits(got[rows.to(got.device)], full[full_rows.to(full.device)])
+        assert res.equal, (variant, res)
+
+
+def test_interpreter_bits_do_not_depend_on_tile_config(device):
+    if device.type != "cpu":
+        pytest.skip("interpreter property: sequential accumulation makes every config give the same bits")
+    inp = make_inputs(_case(t=32, seed=11), device)
+    r = build_routing(inp["topk_ids"], inp["scores"], E)
+    backend = "triton_interpreter"
+    gu_a, h_a = moe_up_swiglu(inp["x"], inp["w1"], r, backend)
+    gu_b, h_b = moe_up_swiglu(inp["x"], inp["w1"], r, backend, config=MOE_CONFIGS["cuda_sm90"]["up"])
+    assert compare_bits(gu_a, gu_b).equal and compare_bits(h_a, h_b).equal
+    y_a = moe_down(h_a, inp["w2"], r, backend)
+    y_b = moe_down(h_a, inp["w2"], r, backend, config=MOE_CONFIGS["cuda_sm90"]["down"])
+    assert compare_bits(y_a, y_b).equal
+
+
+def test_main_grad_accumulates_fp32_exactly(device):
+    inp = make_inputs(_case(t=16, seed=12), device)
+    base = run_layer(inp)
+    zero = (torch.zeros(inp["w1"].shape, device=device), torch.zeros(inp["w2"].shape, device=device))
+    assert run_layer(inp, main_grads=zero)["dw1"] is None
+    gen = torch.Generator().manual_seed(1)
+    start = (torch.randn(inp["w1"].shape, generator=gen).to(device), torch.randn(inp["w2"].shape, generator=gen).to(device))
+    acc = tuple(s.clone() for s in start)
+    got = run_layer(inp, main_grads=acc)
+    assert got["dw1"] is None and got["dw2"] is None
+    for i, name in enumerate(("dw1", "dw2")):
+        # From zero the buffer holds the FP32 accumulator itself: the BF16 dW is its one RTNE rounding.
+        assert compare_bits(zero[i].to(torch.bfloat16), base[name]).equal, name
+        # Into a non-zero buffer: exactly main_grad + dW, one FP32 add per element.
+        assert compare_bits(acc[i], start[i] + zero[i]).equal, name
+    assert torch.equal(zero[0][1:].abs().sum(dim=(1, 2)) > 0, torch.tensor(build_routing(
+        inp["topk_ids"], inp["scores"], E).counts[1:], device=device) > 0)
+
+
+def test_linear_style_weight_views_and_converters(device):
+    inp = make_inputs(_case(t=16, seed=13), device)
+    split = deinterleave_gate_up(inp["w1"])
+    assert torch.equal(interleave_gate_up(split), inp["w1"])
+    assert torch.equal(split[..., :I], inp["w1"][..., 0::2]) and torch.equal(split[..., I:], inp["w1"][..., 1::2])
+    # nn.Linear stacks: fc1 [E, 2I, H] split-half rows, fc2 [E, H, I]; passed as strided views.
+    fc1 = split.transpose(1, 2).contiguous()
+    fc2 = inp["w2"].transpose(1, 2).contiguous()
+    w1_view = interleave_gate_up(fc1, dim=1).transpose(1, 2)
+    w2_view = fc2.transpose(1, 2)
+    assert not w1_view.is_contiguous() and not w2_view.is_contiguous()
+    want = run_layer(inp)
+    got = run_layer({**inp, "w1": w1_view, "w2": w2_view})
+    for name in GRAD_NAMES:
+        assert compare_bits(got[name], want[name]).equal, name
+
+
+def test_all_routes_masked_gives_zeros(device):
+    inp = make_inputs(_case(t=5, seed=14), device)
+    inp["topk_ids"] = torch.full_like(inp["topk_ids"], -1)
+    got = run_layer(inp)
+    for name in GRAD_NAMES:
+        assert (got[name] == 0).all() and not torch.signbit(got[name]).any(), name
+
+
+@pytest.mark.parametrize("index", range(len(rejection_cases(make_inputs(_case(t=8), "cpu")))))
+def test_rejects_before_any_work(index, device):
+    inp = make_inputs(_case(t=8), device)
+    label, exc_type, change = rejection_cases(inp)[index]
+    bad = {**inp, **change}
+    with pytest.raises(exc_type):
+        moe_mlp_fwd(bad["x"], bad["w1"], bad["w2"], bad["topk_ids"], bad["scores"])
+
+
+def test_fresh_process_gives_the_same_bits(device):
+    from audits.moe import _fresh_process_digests, case_digests
+
+    case = _case(t=8, k=1, e=2, h=16, i=16, seed=15)
+    assert _fresh_process_digests([case], device)[case.name] == case_digests(case, device)
+
+
+def test_bench_tiny_runs_end_to_end_labelled_interpreter(device):
+    from bench.moe import MoePreset, bench_preset
+
+    rows = bench_preset(MoePreset("t", 8, 16, 16, 2, 1), device, rounds=1, stages=False)
+    assert {r["measure"] for r in rows} == {"fwd", "fwd_bwd"}
+    for r in rows:
+        assert r["validated"] and r["repeat_bitwise_equal"], r
+        assert r["flops"] == (6 if r["measure"] == "fwd" else 18) * 8 * 1 * 16 * 16
+        if device.type == "cpu":
+            assert r["backend"] == "triton_interpreter" and not r["hardware_result"] and "detkit_mfu" not in r
+
+
+# Compiles every kernel variant for sm_90 without a GPU (Triton's bundled ptxas), with the
+# specialisation a real launch gets (16-divisible pointers and sizes, unit inner strides): catches
+# GPU-only compile errors in CI and checks the GEMMs use wgmma and a pipelined (cp.async) K loop.
+_SM90_COMPILE = r'''
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels.moe as km
+target = GPUTarget("cuda", 90, 32)
+cfgs = km.MOE_CONFIGS["cuda_sm90"]
+def build(fn, ptrs, consts, unit):
+    consts = {**consts, **{n: 1 for n in unit}}
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
+    div = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+           if n not in consts and n not in ("op_id", "K")}  # model sizes: multiples of 16
+    cfg = consts.pop("cfg", None)
+    opts = {"num_warps": cfg.num_warps if cfg else 4, "num_stages": cfg.num_stages if cfg else 1}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=div), target=target, options=opts)
+    ptx = k.asm["ptx"]
+    return {"wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async"), "shared": k.metadata.shared}
+out = {}
+g = km.moe_grouped_gemm_kernel
+for stage, epi, gather, c_t in (("up", 1, True, "*bf16"), ("down", 0, False, "*fp32"), ("dgrad", 2, True, "*bf16"), ("dx", 0, False, "*fp32")):
+    c = cfgs[stage]
+    ptrs = {"a_ptr": "*bf16", "a_rows_ptr": "*i32", "b_ptr": "*bf16", "c_ptr": c_t, "aux_ptr": "*bf16",
+            "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32"}
+    out[stage] = build(g, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
+                       "STEP_K": c.block_k, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False},
+                       ("stride_al", "stride_bl" if stage in ("dgrad", "dx") else "stride_bc", "stride_cc", "stride_xc"))
+w, c = km.moe_wgrad_kernel, cfgs["wgrad"]
+for name, ga, gs, acc in (("wgrad_w1", True, False, False), ("wgrad_w2", False, True, False), ("wgrad_main_grad", True, False, True)):
+    ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
+            "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32"}
+    out[name] = build(w, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
+                      "STEP_K": c.block_k, "GATHER_A": ga, "GATHER_SCALE_B": gs, "ACCUMULATE": acc, "INTERPRETED": False},
+                      ("stride_ar", "stride_bc", "stride_wc"))
+c = cfgs["combine"]
+for scaled in (True, False):
+    out[f"combine_{scaled}"] = build(km.moe_combine_kernel, {"src_ptr": "*fp32", "route_row_ptr": "*i32", "score_ptr": "*fp32",
+                                     "out_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "SCALED": scaled,
+                                     "INTERPRETED": False}, ("stride_sn", "stride_on"))
+c = cfgs["dscore"]
+out["dscore"] = build(km.moe_dscore_kernel, {"dout_ptr": "*bf16", "y_ptr": "*fp32", "route_row_ptr": "*i32", "ds_ptr": "*fp32"},
+                      {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, ("stride_dn", "stride_yn"))
+print(json.dumps(out))
+'''
+
+
+def test_kernels_compile_for_sm90_offline(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"Triton's NVIDIA backend is not installed: {exc}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for stage in ("up", "down", "dgrad", "dx", "wgrad_w1", "wgrad_w2", "wgrad_main_grad"):
+        assert report[stage]["wgmma"] > 0, (stage, report[stage])
+    for stage in ("up", "down", "dgrad", "dx"):
+        assert report[stage]["cp_async"] > 0, (stage, report[stage])  # the K loop is software-pipelined
