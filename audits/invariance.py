@@ -38,7 +38,7 @@ from kernels.invariant import (
 )
 from kernels.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_tokens, split_gate_up
 from toolkit.contract import bf16_ordinal, check_bound, compare_bits
-from toolkit.dist import DistSession, current_session, observe_collectives
+from toolkit.dist import DistSession, observe_collectives, session_for_suite
 from toolkit.harness import Row, RunContext
 from toolkit.nvtx_ranges import nvtx_range
 from toolkit.shard_refs import local_inputs, make_fixtures, operand
@@ -56,16 +56,11 @@ def config_label(tp: int, cp: int) -> str:
 
 
 def run(ctx: RunContext) -> Iterator[Row]:
-    session = current_session()
-    if session is None:
-        yield Row(NAME, "launch", "invariance launch", False, ctx.backend, {
-            "reason": "not started as ranks: the invariance suite needs the TP/CP process groups. Run "
-                      "'torchrun --nproc-per-node 4 --standalone -m toolkit audit --suite invariance' (2 GPUs: "
-                      "DETKIT_TPCP_WORLD=0,1 for TP1CP1 vs TP2CP1, DETKIT_TPCP_WORLD=0,2 for TP1CP1 vs TP1CP2)"})
-        return
-    if session.layout is None:
-        yield Row(NAME, "launch", "invariance layout", False, ctx.backend,
-                  {"reason": session.layout_error, "world_size": session.world_size})
+    session, refusal = session_for_suite(NAME, ctx.backend, (
+        "'torchrun --nproc-per-node 4 --standalone -m toolkit audit --suite invariance' (2 GPUs: "
+        "DETKIT_TPCP_WORLD=0,1 for TP1CP1 vs TP2CP1, DETKIT_TPCP_WORLD=0,2 for TP1CP1 vs TP1CP2)"))
+    if refusal is not None:
+        yield refusal
         return
     yield from InvarianceAudit(ctx, session).run()
 

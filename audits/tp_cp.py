@@ -28,7 +28,7 @@ import torch
 from kernels import parallel
 from kernels.det_gemm import det_gemm_fwd_launch
 from toolkit.contract import check_bound, compare_bits, drift_stats, gemm_bound, reduced_bound
-from toolkit.dist import DistSession, current_session, gather_group, observe_collectives
+from toolkit.dist import DistSession, gather_group, observe_collectives, session_for_suite
 from toolkit.harness import Row, RunContext
 from toolkit.layout import CP_SIZE, AxisGroup
 from toolkit.nvtx_ranges import nvtx_range
@@ -56,17 +56,12 @@ NOT_COVERED_V1 = (
 
 
 def run(ctx: RunContext) -> Iterator[Row]:
-    session = current_session()
-    if session is None:
-        yield Row(NAME, "launch", "tp-cp launch", False, ctx.backend, {
-            "reason": "not started as ranks: the tp-cp suite needs the TP/CP process groups. Run "
-                      "'torchrun --nproc-per-node 4 --standalone -m toolkit audit --suite tp-cp' (or "
-                      "'srun --distribution=block ... detkit audit --suite tp-cp', slurm/2x2.sh); "
-                      "'--suite tp-cp-refs' checks the shard references in one process"})
-        return
-    if session.layout is None:
-        yield Row(NAME, "launch", "tp-cp layout", False, ctx.backend,
-                  {"reason": session.layout_error, "world_size": session.world_size})
+    session, refusal = session_for_suite(NAME, ctx.backend, (
+        "'torchrun --nproc-per-node 4 --standalone -m toolkit audit --suite tp-cp' (or "
+        "'srun --distribution=block ... detkit audit --suite tp-cp', slurm/2x2.sh); "
+        "'--suite tp-cp-refs' checks the shard references in one process"))
+    if refusal is not None:
+        yield refusal
         return
     yield from TpCpAudit(ctx, session).run()
 

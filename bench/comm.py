@@ -297,19 +297,14 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from toolkit.reports import save_figure
+    from toolkit.reports import save_figure, style_log2_axes
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for impl in dict.fromkeys(r["impl"] for r in rows):
         sel = sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["bytes"])
         ax.plot([r["MiB"] for r in sel], [r["busbw_GBps"] for r in sel], marker="o",
                 linestyle="--" if impl == RAW else "-", label=impl)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (MiB, BF16 [M, N])")
-    ax.set_ylabel("busbw (GB/s)")
-    ax.set_title("all_reduce: operators' collective vs raw")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    style_log2_axes(ax, "all_reduce: operators' collective vs raw", "message size (MiB, BF16 [M, N])", "busbw (GB/s)")
     save_figure(fig, path)
     plt.close(fig)
 
@@ -318,13 +313,10 @@ def write_outputs(out_dir, rows: list[dict], meta: dict) -> dict:
     from tabulate import tabulate
 
     from toolkit.harness import atomic_write_text
-    from toolkit.reports import markdown_report, write_csv, write_jsonl
+    from toolkit.reports import markdown_report, write_row_files
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"jsonl": out / "comm.jsonl", "csv": out / "comm.csv", "markdown": out / "comm.md"}
-    write_jsonl(paths["jsonl"], rows)
-    write_csv(paths["csv"], rows)
+    paths = write_row_files(out_dir, "comm", rows)
+    out = paths["markdown"].parent
     cols = ["impl", "M", "N", "MiB", "validated", "median_us", "p20_us", "p80_us", "algbw_GBps", "busbw_GBps",
             "ratio_vs_raw", "within_target"]
     table = [{c: r.get(c) for c in cols} for r in rows]

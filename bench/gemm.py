@@ -229,7 +229,7 @@ def plot(rows: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from toolkit.reports import save_figure
+    from toolkit.reports import save_figure, style_log2_axes
 
     panels = list(dict.fromkeys((r["op"], r["N"], r["K"]) for r in rows))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
@@ -242,27 +242,17 @@ def plot(rows: list[dict], path) -> None:
             ms = [r["M"] for r in sel]
             ax.plot(ms, [r["detkit_tflops"] for r in sel], marker="o", label=f"detkit b={layout}")
             ax.plot(ms, [r["cublas_tflops"] for r in sel], linestyle="--", label=f"cuBLAS b={layout}")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{op} N={n} K={k}")
-        ax.set_xlabel("M")
-        ax.set_ylabel("TFLOP/s")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        style_log2_axes(ax, f"{op} N={n} K={k}", "M", "TFLOP/s")
     save_figure(fig, path)
     plt.close(fig)
 
 
 def write_outputs(out_dir, rows: list[dict], meta: dict) -> dict:
-    from pathlib import Path
-
     from toolkit.harness import atomic_write_text
-    from toolkit.reports import markdown_report, write_csv, write_jsonl
+    from toolkit.reports import markdown_report, write_row_files
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / "gemm.jsonl", rows)
-    write_csv(out / "gemm.csv", rows)
-    paths = {"jsonl": out / "gemm.jsonl", "csv": out / "gemm.csv", "markdown": out / "gemm.md"}
+    paths = write_row_files(out_dir, "gemm", rows)
+    out = paths["markdown"].parent
     cols = ["op", "layout", "M", "N", "K", "config", "contract_passed", "detkit_median_us", "detkit_p20_us",
             "detkit_p80_us", "cublas_median_us", "ratio_vs_cublas", "ratio_vs_cublaslt_nosplitk",
             "detkit_tflops", "cublas_tflops", "mfu_measured", "mfu_datasheet"]

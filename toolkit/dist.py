@@ -106,6 +106,21 @@ def current_session() -> DistSession | None:
     return _SESSION
 
 
+def session_for_suite(suite: str, backend: str, how_to_run: str):
+    """The running DistSession for a multi-rank suite, or (None, the failed 'launch' row it yields)
+    when the process was not started as ranks or the world does not hold the layout."""
+    from toolkit.harness import Row
+
+    session = current_session()
+    if session is None:
+        return None, Row(suite, "launch", f"{suite} launch", False, backend, {
+            "reason": f"not started as ranks: the {suite} suite needs the TP/CP process groups. Run {how_to_run}"})
+    if session.layout is None:
+        return None, Row(suite, "launch", f"{suite} layout", False, backend,
+                         {"reason": session.layout_error, "world_size": session.world_size})
+    return session, None
+
+
 def launched_as_ranks(environ: Mapping[str, str] | None = None) -> bool:
     """True when torchrun or an srun step started this process as one of several ranks."""
     env = os.environ if environ is None else environ

@@ -246,3 +246,23 @@ def plot_drift_histogram(ulp: dict[str, dict[str, int]], rel: dict[str, dict[str
     fig.suptitle("det_gemm drift per op (all contract cases)", fontsize=10)
     save_figure(fig, path)
     plt.close(fig)
+
+
+def write_row_files(out_dir, stem: str, rows: list[dict]) -> dict[str, Path]:
+    """``<stem>.jsonl`` and ``<stem>.csv`` under ``out_dir``; returns their paths and the markdown's."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"jsonl": out / f"{stem}.jsonl", "csv": out / f"{stem}.csv", "markdown": out / f"{stem}.md"}
+    write_jsonl(paths["jsonl"], rows)
+    write_csv(paths["csv"], rows)
+    return paths
+
+
+def style_log2_axes(ax, title: str, xlabel: str, ylabel: str) -> None:
+    """The look every detkit plot shares: log2 x axis, light grid, small legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
