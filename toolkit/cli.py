@@ -1,4 +1,4 @@
-"""The ``detkit`` command: ``detkit env``, ``detkit audit``, ``detkit bench gemm|comm``.
+"""The ``detkit`` command: ``detkit env``, ``detkit audit``, ``detkit bench gemm|comm|mlp``.
 
 Every subcommand shares --device/--preset/--seed/--out/--json and exits non-zero when a check fails.
 ``--device cpu`` selects the Triton interpreter (TRITON_INTERPRET=1, set here before any kernel is
@@ -325,5 +325,63 @@ def bench_comm(m_values, n_cols, rounds, iters, warmup, device, preset, seed, ou
                            f"{row['validated']}, operator path calls: {row['operator_path_calls']})", err=True)
     finally:
         ok = comm.finish(session, ok)
+    if not ok:
+        raise SystemExit(1)
+
+
+@bench.command("mlp")
+@click.option("--tokens", "m_values", multiple=True, type=int,
+              help="Global tokens M = B*S (default 4096 and 16384; 12 on cpu).")
+@click.option("--seq-len", type=int, default=None, help="Tokens per sequence S; B = M / S (default 4096; 6 on cpu).")
+@click.option("--rounds", type=int, default=None, help="Interleaved timing rounds (default 10; 3 on cpu).")
+@click.option("--iters", type=int, default=None, help="Back-to-back steps per sample (default 5; 1 on cpu).")
+@click.option("--warmup", type=int, default=None, help="Untimed steps per implementation (default 3; 0 on cpu).")
+@shared_options
+def bench_mlp(m_values, seq_len, rounds, iters, warmup, device, preset, seed, out_dir, as_json) -> None:
+    """The Qwen3 MLP fwd+bwd per TP/CP config and mode vs torch.matmul + all_reduce (1, 2 or 4 ranks)."""
+    _select_device(device)
+    from bench import mlp
+    from toolkit import dist as tp_cp_dist
+    from toolkit import harness
+
+    for flag, value in (("--rounds", rounds), ("--iters", iters), ("--warmup", warmup)):
+        if value is not None and value < (0 if flag == "--warmup" else 1):
+            raise click.BadParameter(f"{flag} must be >= {0 if flag == '--warmup' else 1}; got {value}",
+                                     param_hint=flag)
+    _bind_local_gpu(device, _world_size_from_env())
+    ctx = harness.resolve_context(device, preset, seed, out_dir)
+    out = out_dir or _default_out("bench")
+    try:
+        shapes = mlp.shapes(ctx.interpreted, m_values or None, seq_len)
+        session = mlp.start(ctx, out)  # ranks agree on rank 0's folder
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    out = tp_cp_dist.out_dir(session, out)
+    reporting = tp_cp_dist.writes_report(session)
+    if ctx.interpreted and reporting:
+        click.secho(harness.INTERPRETER_BANNER, fg="yellow", err=True)
+    rounds = rounds or (3 if ctx.interpreted else 10)
+    iters = iters or (1 if ctx.interpreted else 5)
+    warmup = warmup if warmup is not None else (0 if ctx.interpreted else 3)
+    ok = False
+    try:
+        rows, meta = mlp.run(session, ctx, shapes, rounds, iters, warmup)
+        bad = [r for r in rows if not r["validated"]]
+        ok = not bad
+        if reporting:
+            meta = {**harness.base_meta(ctx, "bench mlp", shlex.join(sys.argv)), **meta,
+                    **harness.env_meta(ctx.device)}
+            paths = mlp.write_outputs(out, rows, meta)
+            if as_json:
+                click.echo(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str))
+            else:
+                click.echo(paths["markdown"].read_text())
+            for row in bad:
+                click.echo(f"FAILED validation before timing (not timed): {row['name']} ({row['validation']}; "
+                           f"worst contract ratio {row['contract_worst_ratio']:.3g}, relative L2 "
+                           f"{row['rel_l2_max']:.3g}, valid on layout ranks {row['validated_layout_ranks']})",
+                           err=True)
+    finally:
+        ok = tp_cp_dist.finish(session, ok)
     if not ok:
         raise SystemExit(1)
