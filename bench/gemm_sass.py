@@ -1,75 +1,138 @@
 """Compile det_gemm for sm_90 without a GPU and count the SASS instructions that matter (HGMMA vs HMMA,
-cp.async LDGSTS vs TMA UTMALDG, shared-memory traffic), registers and shared memory per layout.
+cp.async LDGSTS vs TMA UTMALDG, shared-memory traffic), registers and shared memory per layout and
+kernel variant ("ptr": det_gemm_kernel; "tma": det_gemm_tma_kernel).
 Compile-only evidence: it says which instructions the kernel uses, not how fast they run.
 
-    python -m bench.gemm_sass [--out DIR]
+    python -m bench.gemm_sass [--out DIR] [--variants ptr tma] [--cases fwd_weight_t ...] [--json]
+
+The compile gets the specialisation a real launch on the Qwen3-8B shapes gets: 16-byte-aligned
+pointers, sizes and outer strides divisible by 16, unit inner strides as constants.
 """
+
+from __future__ import annotations
+
 import argparse
+import json
 import os
 import re
 import subprocess
+from dataclasses import dataclass, replace
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target, not the interpreter
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels.det_gemm import det_gemm_kernel, select_config
+SASS_OPS = r"\b(HGMMA|HMMA|UTMALDG|LDGSTS|LDSM|LDS|STS|SHFL)[.\w]*"
+
+
+@dataclass(frozen=True)
+class SassCase:
+    op: str  # fwd, da, db
+    tag: str  # the weight layout, as the caller passes it
+    a_m_major: bool  # the kernel's A [R, L] has its row dim contiguous (dB's a.T)
+    b_k_major: bool  # the kernel's B [L, C] has its reduced dim contiguous
+    rows: int = 4096  # picks the table entry
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}_{self.tag}"
+
+
+# (op, layout tag, A M-major, B K-major): fwd/dA on both weight layouts, and dB (A = a.T is M-major).
+CASES = (
+    SassCase("fwd", "weight_t", False, True),  # nn.Linear weight.t(): K-major B
+    SassCase("fwd", "weight_kn", False, False),
+    SassCase("da", "weight_t", False, False),  # b.t() of weight.t() is the [N, K] weight: N-major for the kernel
+    SassCase("da", "weight_kn", False, True),  # [K, N] weight: K-major B for the kernel
+    SassCase("db", "a_dc", True, False),
+)
+
 
 def _cuobjdump(flag: str, cubin: str) -> str:
     """Triton's wheel carries cuobjdump; no CUDA toolkit or GPU needed."""
+    import triton
+
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     return subprocess.run([tool, flag, cubin], capture_output=True, text=True, check=True).stdout
 
 
-def build(op, b_kmajor, rows, tag, stride_b_unit):
-    cfg = select_config(op, rows)
-    sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "R": "i32", "C": "i32", "L": "i32",
-           "stride_ar": "i32", "stride_al": "i32", "stride_bl": "i32", "stride_bc": "i32",
-           "stride_cr": "i32", "stride_cc": "i32", "seg_len": "i32", "op_id": "i32",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STEP_K": "constexpr",
-           "GROUP_M": "constexpr", "INTERPRETED": "constexpr", "SEGMENTED": "constexpr", "OUT_FP32": "constexpr",
-           "B_K_MAJOR": "constexpr"}
-    constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "STEP_K": cfg.block_k,
-                  "GROUP_M": cfg.group_m, "INTERPRETED": False, "SEGMENTED": False, "OUT_FP32": False,
-                  "B_K_MAJOR": b_kmajor}
-    # unit strides: A row-major (stride_al == 1), B unit stride on the contiguous dim, C row-major
-    attrs = {}
-    names = list(sig)
-    unit = ["stride_al", stride_b_unit, "stride_cc"]
-    for n in unit:
-        constexprs[n] = 1
-        sig[n] = "constexpr"
-    for n in ["a_ptr", "b_ptr", "c_ptr"]:
-        attrs[(names.index(n),)] = [["tt.divisibility", 16]]
-    for n in ["R", "C", "L", "stride_ar", "stride_bl", "stride_bc", "stride_cr"]:
-        if sig[n] != "constexpr":
-            attrs[(names.index(n),)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=det_gemm_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    open(f"{OUT}/{tag}.cubin", "wb").write(k.asm["cubin"])
-    open(f"{OUT}/{tag}.ttgir", "w").write(k.asm["ttgir"])
-    sass = _cuobjdump("--dump-sass", f"{OUT}/{tag}.cubin")
-    open(f"{OUT}/{tag}.sass", "w").write(sass)
-    ops = {}
-    for m in re.finditer(SASS_OPS, sass):
-        ops[m.group(1)] = ops.get(m.group(1), 0) + 1
-    res = _cuobjdump("--dump-resource-usage", f"{OUT}/{tag}.cubin")
-    usage = re.search(r"REG:(\d+).*?SHARED:(\d+)", res, re.S)
-    print(tag, cfg.label(), "REG", usage.group(1) if usage else "?", "smem", k.metadata.shared, ops, flush=True)
+def _signature(case: SassCase, cfg) -> tuple[object, dict, dict]:
+    """(kernel, signature, constexprs) of one launch of ``case`` with ``cfg``."""
+    from kernels.det_gemm import det_gemm_kernel, det_gemm_tma_kernel
 
-SASS_OPS = r"\b(HGMMA|HMMA|UTMALDG|LDGSTS|LDSM|LDS|STS|SHFL)[.\w]*"
-# (op, B has its reduced dim contiguous, rows, tag, the unit-stride B argument)
-CASES = [
-    ("fwd", True, 4096, "fwd_weight_t", "stride_bl"),   # nn.Linear weight.t(): K-major B
-    ("fwd", False, 4096, "fwd_weight_kn", "stride_bc"),
-    ("da", False, 4096, "da_weight_t", "stride_bc"),
-    ("da", True, 4096, "da_weight_kn", "stride_bl"),
-]
+    consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "STEP_K": cfg.block_k,
+              "GROUP_M": cfg.group_m, "INTERPRETED": False, "SEGMENTED": False, "OUT_FP32": False,
+              "B_K_MAJOR": case.b_k_major}
+    if cfg.variant == "tma":
+        fn = det_gemm_tma_kernel
+        a_box = [cfg.block_k, cfg.block_m] if case.a_m_major else [cfg.block_m, cfg.block_k]
+        b_box = [cfg.block_n, cfg.block_k] if case.b_k_major else [cfg.block_k, cfg.block_n]
+        ptrs = {"a_desc": f"tensordesc<bf16{a_box}>", "b_desc": f"tensordesc<bf16{b_box}>", "c_ptr": "*bf16"}
+        consts.update(A_M_MAJOR=case.a_m_major, stride_cc=1)
+    else:
+        fn = det_gemm_kernel
+        ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"}
+        # unit strides: A on its contiguous dim, B on its contiguous dim, C row-major
+        consts.update({"stride_ar" if case.a_m_major else "stride_al": 1,
+                       "stride_bl" if case.b_k_major else "stride_bc": 1, "stride_cc": 1})
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
+    return fn, sig, consts
+
+
+def build(case: SassCase, variant: str, out_dir: str, config=None) -> dict:
+    """Compile ``case`` for sm_90 with ``config`` (default: the table's pick) as ``variant``; write
+    cubin/ttgir/sass; count."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.backend import kernel_is_interpreted
+    from kernels.det_gemm import select_config
+
+    cfg = replace(config or select_config(case.op, case.rows), variant=variant)
+    fn, sig, consts = _signature(case, cfg)
+    if kernel_is_interpreted(fn):
+        raise RuntimeError("detkit kernels were imported under TRITON_INTERPRET=1; compile in a process without it")
+    names = list(fn.arg_names)
+    # 16-divisible pointers and sizes (op_id and seg_len excepted), as the specialiser marks a real launch.
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if sig[n] != "constexpr" and not sig[n].startswith("tensordesc") and n not in ("op_id", "seg_len")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    tag = f"{case.name}_{variant}" if config is None else f"{case.name}_{cfg.label()}"
+    cubin = os.path.join(out_dir, f"{tag}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    with open(os.path.join(out_dir, f"{tag}.ttgir"), "w") as f:
+        f.write(kernel.asm["ttgir"])
+    sass = _cuobjdump("--dump-sass", cubin)
+    with open(os.path.join(out_dir, f"{tag}.sass"), "w") as f:
+        f.write(sass)
+    counts = {op: 0 for op in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS", "LDSM", "LDS", "STS", "SHFL")}
+    for m in re.finditer(SASS_OPS, sass):
+        counts[m.group(1)] += 1
+    usage = re.search(r"REG:(\d+)", _cuobjdump("--dump-resource-usage", cubin))
+    return {"case": tag, "op": case.op, "layout": case.tag, "variant": variant, "config": cfg.label(),
+            "regs": int(usage.group(1)) if usage else None, "shared_bytes": kernel.metadata.shared, **counts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/sass")
+    parser.add_argument("--variants", nargs="+", default=["ptr", "tma"], choices=["ptr", "tma"])
+    parser.add_argument("--cases", nargs="+", default=[c.name for c in CASES], choices=[c.name for c in CASES])
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
+    args = parser.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target, not the interpreter
+    os.makedirs(args.out, exist_ok=True)
+    rows = [build(case, variant, args.out) for variant in args.variants for case in CASES if case.name in args.cases]
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    if args.json:
+        print(json.dumps(rows))
+        return
+    for r in rows:
+        print(f"{r['case']:22s} {r['config']:32s} REG {r['regs']} smem {r['shared_bytes'] // 1024} KiB "
+              f"HGMMA {r['HGMMA']} HMMA {r['HMMA']} UTMALDG {r['UTMALDG']} LDGSTS {r['LDGSTS']} "
+              f"LDSM {r['LDSM']} LDS {r['LDS']} STS {r['STS']} SHFL {r['SHFL']}", flush=True)
+
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="results/sass")
-    OUT = parser.parse_args().out
-    os.makedirs(OUT, exist_ok=True)
-    for case in CASES:
-        build(*case)
+    main()

@@ -3,6 +3,15 @@ gives the same bits as the current table's pick. Not autotuning: a human reads t
 entries in kernels/det_gemm.py (bumping CONFIG_TABLE_VERSION); the audits then re-check them.
 
     python -m bench.gemm_tune --out results/tune.json
+    python -m bench.gemm_tune --ops fwd --m 1024 4096 16384 --variants tma --out results/tune-tma.json
+
+The table's pick is always timed beside the candidates (the A/B baseline). A candidate that refuses a
+case (a "tma" config on an operand TMA cannot address) or fails to compile is recorded as an error
+row, never fatal. Timing (``--timing graphs``, the default): CUDA graphs of back-to-back calls over
+rotating operand copies larger than the L2, as ``bench/gemm.py`` does, so Python launch overhead
+(larger for "tma" configs, which build host-side descriptors per call) does not enter the numbers;
+``--timing do_bench`` is the single-call L2-flushed timing of the earlier sweeps.
+Formulas: FLOPs = 2*M*N*K; TFLOP/s = FLOPs / median per-call time.
 """
 
 from __future__ import annotations
@@ -12,15 +21,21 @@ import json
 import time
 
 import torch
+import triton
 
-from bench.gemm import BenchCase, operands
-from kernels.det_gemm import LAUNCHERS, GemmConfig
+from bench.gemm import BenchCase, _rotation_sets, operands
+from kernels.det_gemm import LAUNCHERS, VARIANTS, GemmConfig
 from toolkit.contract import compare_bits
-from toolkit.timing import time_interleaved
+from toolkit.timing import time_graphs, time_interleaved
 
 LARGE = [GemmConfig(*c) for c in [
     (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 256, 64, 16, 8, 4), (256, 128, 64, 8, 8, 3),
     (256, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3),
+]]
+# TMA variant (det_gemm_tma_kernel) at the large-M table picks' tile shapes; its case: fwd on weight.t().
+LARGE_TMA = [GemmConfig(*c, variant="tma") for c in [
+    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 256, 64, 16, 8, 4), (256, 128, 64, 8, 8, 3),
+    (256, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 4),
 ]]
 SMALL = [GemmConfig(*c) for c in [
     (16, 64, 128, 1, 4, 4), (16, 32, 128, 1, 4, 4), (16, 16, 256, 1, 4, 4), (16, 32, 256, 1, 4, 4),
@@ -30,48 +45,96 @@ SMALL = [GemmConfig(*c) for c in [
 ]]
 
 
-def candidates(rows_out: int) -> list[GemmConfig]:
+def candidates(rows_out: int, variants=VARIANTS) -> list[GemmConfig]:
     if rows_out <= 64:
-        return SMALL
-    if rows_out <= 1024:
-        return SMALL[-6:] + LARGE
-    return LARGE
+        out = SMALL
+    elif rows_out <= 1024:
+        out = SMALL[-6:] + LARGE + LARGE_TMA
+    else:
+        out = LARGE + LARGE_TMA
+    return [c for c in out if c.variant in variants]
 
 
-def sweep(ops, ms, shapes, layouts, rounds: int) -> list[dict]:
-    device = torch.device("cuda")
+def _time(fns: dict, x, y, op: str, device: torch.device, rounds: int, timing: str) -> dict:
+    if timing == "do_bench":
+        return time_interleaved({label: (lambda c=cfg: LAUNCHERS[op](x, y, config=c)) for label, cfg in fns.items()},
+                                device, rounds=rounds, rep_ms=20)
+    sets = _rotation_sets(x, y) if device.type == "cuda" else [(x, y)]
+    calls = {label: (lambda c=cfg: [LAUNCHERS[op](a, b, config=c) for a, b in sets]) for label, cfg in fns.items()}
+    return time_graphs(calls, device, calls_per_fn=len(sets), rounds=rounds)
+
+
+def sweep(ops, ms, shapes, layouts, rounds: int, variants=VARIANTS, timing: str = "graphs",
+          device: torch.device = torch.device("cuda")) -> list[dict]:
+    """Rows per (case, config): timing and bits vs the table's pick, or the error that refused it."""
     rows = []
     for op in ops:
         for k, n in shapes:
             for layout in (layouts if op != "db" else ("kn",)):
                 for m in ms:
                     case = BenchCase(op, m, n, k, layout)
+                    ids = {"name": case.name, "op": op, "M": m, "N": n, "K": k, "layout": layout}
                     x, y, _ = operands(case, device)
                     ref, ref_launch = LAUNCHERS[op](x, y)
+                    table = ref_launch.config
                     rows_out = m if op != "db" else k
-                    fns, same = {}, {}
-                    for cfg in candidates(rows_out):
+                    fns, same = {table.label(): table}, {table.label(): compare_bits(ref, ref).as_row()}
+                    for cfg in candidates(rows_out, variants):
+                        if cfg == table:
+                            continue
                         try:
                             out = LAUNCHERS[op](x, y, config=cfg)[0]
-                        except Exception as exc:  # a config that does not compile is reported, not fatal
-                            rows.append({"name": case.name, "config": cfg.label(), "error": repr(exc)[:300]})
+                        except Exception as exc:  # refused layout or compile failure: recorded, not fatal
+                            rows.append({**ids, "config": cfg.label(), "variant": cfg.variant,
+                                         "table_config": table.label(), "error": repr(exc)[:300]})
+                            print(f"{case.name}: {cfg.label()} error {repr(exc)[:120]}", flush=True)
                             continue
                         same[cfg.label()] = compare_bits(out, ref).as_row()
-                        fns[cfg.label()] = (lambda c=cfg: LAUNCHERS[op](x, y, config=c))
-                    timings = time_interleaved(fns, device, rounds=rounds, rep_ms=20)
+                        fns[cfg.label()] = cfg
+                        del out
+                    timings = _time(fns, x, y, op, device, rounds, timing)
                     flops = 2.0 * m * n * k
-                    for label, t in timings.items():
-                        rows.append({"name": case.name, "op": op, "M": m, "N": n, "K": k, "layout": layout,
-                                     "config": label, "table_config": ref_launch.config.label(),
-                                     "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us,
-                                     "tflops": flops / (t.median_us * 1e-6) / 1e12,
-                                     "bits_equal_table": same[label]["equal"],
-                                     "mismatches": same[label]["mismatches"]})
-                    best = min((r for r in rows if r.get("name") == case.name and "median_us" in r),
-                               key=lambda r: r["median_us"])
-                    print(f"{case.name}: best {best['config']} {best['median_us']:.1f}us "
-                          f"{best['tflops']:.0f} TFLOP/s (table {ref_launch.config.label()})", flush=True)
+                    case_rows = [{**ids, "config": label, "variant": fns[label].variant,
+                                  "table_config": table.label(), "is_table": label == table.label(), "timing": timing,
+                                  "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us,
+                                  "tflops": flops / (t.median_us * 1e-6) / 1e12,
+                                  "bits_equal_table": same[label]["equal"],
+                                  "mismatches": same[label]["mismatches"]} for label, t in timings.items()]
+                    rows += case_rows
+                    best = min(case_rows, key=lambda r: r["median_us"])
+                    pick = next(r for r in case_rows if r["is_table"])
+                    differ = [r["config"] for r in case_rows if not r["bits_equal_table"]]
+                    print(f"{case.name}: best {best['config']} {best['median_us']:.1f}us {best['tflops']:.0f} "
+                          f"TFLOP/s; table {pick['config']} {pick['tflops']:.0f} TFLOP/s; "
+                          f"bits differ from table: {differ or 'none'}", flush=True)
     return rows
+
+
+def ab_summary(rows: list[dict]) -> list[dict]:
+    """Per (op, layout, N, K): median TFLOP/s over M of the table's pick, of the best "ptr" and of the best
+    "tma" candidate (best = highest median over the M values swept), and tma / table."""
+    import statistics
+
+    out = []
+    timed = [r for r in rows if "tflops" in r]
+    for op, layout, n, k in dict.fromkeys((r["op"], r["layout"], r["N"], r["K"]) for r in timed):
+        sel = [r for r in timed if (r["op"], r["layout"], r["N"], r["K"]) == (op, layout, n, k)]
+        per_config = {}
+        for r in sel:
+            per_config.setdefault((r["config"], r["variant"]), []).append(r["tflops"])
+        med = {key: statistics.median(v) for key, v in per_config.items()}
+        table = statistics.median(r["tflops"] for r in sel if r["is_table"])
+        row = {"op": op, "layout": layout, "N": n, "K": k, "Ms": sorted({r["M"] for r in sel}),
+               "table_tflops": table}
+        for variant in ("ptr", "tma"):
+            cands = {key: v for key, v in med.items() if key[1] == variant}
+            if cands:
+                best = max(cands, key=cands.get)
+                row[f"best_{variant}"], row[f"best_{variant}_tflops"] = best[0], cands[best]
+        if "best_tma_tflops" in row:
+            row["best_tma_vs_table"] = row["best_tma_tflops"] / table
+        out.append(row)
+    return out
 
 
 def main() -> None:
@@ -80,13 +143,28 @@ def main() -> None:
     parser.add_argument("--m", nargs="+", type=int, default=[16, 128, 1024, 4096, 16384])
     parser.add_argument("--layouts", nargs="+", default=["linear", "kn"])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                        help="candidate kernel variants (the table's pick is always timed)")
+    parser.add_argument("--timing", default="graphs", choices=["graphs", "do_bench"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     start = time.time()
-    rows = sweep(args.ops, args.m, ((4096, 6144), (6144, 4096)), args.layouts, args.rounds)
+    rows = sweep(args.ops, args.m, ((4096, 6144), (6144, 4096)), args.layouts, args.rounds,
+                 variants=tuple(args.variants), timing=args.timing)
+    summary = ab_summary(rows)
+    for r in summary:
+        print(f"A/B {r['op']} b={r['layout']} N={r['N']} K={r['K']} M={r['Ms']}: table {r['table_tflops']:.0f}; "
+              f"best ptr {r.get('best_ptr')} {r.get('best_ptr_tflops', float('nan')):.0f}; "
+              f"best tma {r.get('best_tma')} {r.get('best_tma_tflops', float('nan')):.0f} "
+              f"(x{r.get('best_tma_vs_table', float('nan')):.3f} vs table) TFLOP/s, median over M", flush=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "seconds": time.time() - start, "rows": rows}, f, indent=1)
+                   "triton": triton.__version__, "timing": args.timing,
+                   "seconds": time.time() - start, "ab_summary": summary, "rows": rows}, f, indent=1)
+    differ = [r for r in rows if r.get("bits_equal_table") is False]
+    if differ:  # a candidate that changes bits must never be pinned: make the run fail loudly
+        raise SystemExit(f"{len(differ)} (case, config) pairs gave bits different from the table's pick; "
+                         f"first: {differ[0]['name']} {differ[0]['config']}")
 
 
 if __name__ == "__main__":

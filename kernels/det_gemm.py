@@ -29,7 +29,16 @@ contract's semantics (exact products, FP32 accumulation, one BF16 rounding) with
 depends on L alone (one FP32 rounding per product, strictly sequential). The interpreter's FP32 to
 BF16 cast truncates, so the final rounding there is done in integer arithmetic (nearest-even). Interpreter bits differ from tensor-core bits; each backend is audited on its own.
 
-Shapes: any M, N, K >= 1 whose element offsets fit in 32 bits; any non-negative strides.
+Two kernels share that tile math (``tile_of_program``, ``mac_step``, ``store_tile``):
+- ``det_gemm_kernel`` (``GemmConfig.variant == "ptr"``, every pinned entry) loads through pointers
+  (cp.async on sm_90).
+- ``det_gemm_tma_kernel`` (``variant == "tma"``) loads each operand with a host-side TMA descriptor
+  over its storage order (a K-major B, e.g. ``weight.t()``, as ``[N, K]`` boxes transposed before
+  ``tl.dot``) and zero-fills out-of-bounds boxes as the masked loads do. TMA needs a unit stride on one
+  dim, the other stride and the base 16-byte aligned; any other operand is refused with an error
+  naming it, never handed to the pointer kernel behind the caller's back.
+
+Shapes: any M, N, K >= 1 whose element offsets fit in 32 bits; any non-negative strides ("ptr").
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, resolve_backend
 
@@ -59,6 +69,11 @@ def interpreter_step_k(config: "GemmConfig") -> int:
     return step
 
 
+VARIANTS = ("ptr", "tma")
+# A TMA box has at most 256 elements per dim (cuTensorMapEncodeTiled's boxDim limit).
+TMA_MAX_BOX = 256
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     block_m: int  # output rows per tile
@@ -67,17 +82,31 @@ class GemmConfig:
     group_m: int  # tile rows per L2 swizzle group
     num_warps: int
     num_stages: int
+    # "ptr": det_gemm_kernel (pointer loads, cp.async). "tma": det_gemm_tma_kernel (TMA descriptors over
+    # each operand in its storage order). Same per-tile math; the cross-config audit checks the bits.
+    variant: str = "ptr"
 
     def __post_init__(self):
         for field, value in vars(self).items():
+            if field == "variant":
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GemmConfig.{field} must be a positive int; got {value!r}")
         if self.block_k % 16:
             raise ValueError(f"block_k must be a multiple of 16 (one tensor-core k-step); got {self.block_k}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"GemmConfig.variant {self.variant!r} is not supported; supported: {VARIANTS}")
+        if self.variant == "tma":
+            for field in ("block_m", "block_n", "block_k"):
+                value = getattr(self, field)
+                if value > TMA_MAX_BOX or value & (value - 1):
+                    raise ValueError(f"variant 'tma' needs {field} a power of two <= {TMA_MAX_BOX} "
+                                     f"(one TMA box dim); got {value}")
 
     def label(self) -> str:
-        return (f"BM{self.block_m}_BN{self.block_n}_BK{self.block_k}_G{self.group_m}"
-                f"_w{self.num_warps}_s{self.num_stages}")
+        label = (f"BM{self.block_m}_BN{self.block_n}_BK{self.block_k}_G{self.group_m}"
+                 f"_w{self.num_warps}_s{self.num_stages}")
+        return label if self.variant == "ptr" else f"{label}_{self.variant}"
 
 
 # (largest output row count the entry serves, config). Rows: M for fwd and dA; K for dB.
@@ -157,6 +186,52 @@ def fp32_to_bf16_rtne(x):
     return out.to(tl.bfloat16, bitcast=True)
 
 
+@triton.jit
+def tile_of_program(R, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program's output tile. Grouped tile order for L2 reuse: it changes which
+    program owns a tile, never the tile's math."""
+    pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(R, BLOCK_M)
+    num_pid_n = tl.cdiv(C, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def mac_step(acc, a, b, offs_k, STEP_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``acc + a @ b`` for one reduction step (a [BLOCK_M, STEP_K], b [STEP_K, BLOCK_N]): one tl.dot on
+    the GPU. In the interpreter, exact BF16 products added one at a time in ascending order (cumsum is
+    sequential there); numpy's matmul would pick its order from the tile shape."""
+    if INTERPRETED:
+        prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]  # [BLOCK_M, STEP_K, BLOCK_N]
+        first = (offs_k == 0)[None, :, None]
+        last = (offs_k == STEP_K - 1)[None, :, None]
+        prod = tl.where(first, prod + acc[:, None, :], prod)
+        out = tl.sum(tl.where(last, tl.cumsum(prod, axis=1), 0.0), axis=1)
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def store_tile(c_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc,
+               INTERPRETED: tl.constexpr, OUT_FP32: tl.constexpr):
+    """The epilogue: FP32 as is, or one BF16 rounding (nearest-even) of the FP32 accumulator."""
+    c_ptrs = c_ptr + offs_am[:, None] * stride_cr + offs_bn[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
+    c_mask = (offs_am < R)[:, None] & (offs_bn < C)[None, :]
+    if OUT_FP32:
+        tl.store(c_ptrs, acc, mask=c_mask)
+    elif INTERPRETED:
+        tl.store(c_ptrs, fp32_to_bf16_rtne(acc), mask=c_mask)
+    else:
+        tl.store(c_ptrs, acc.to(tl.bfloat16), mask=c_mask)
+
+
 @triton.jit(launch_metadata=_launch_metadata)
 def det_gemm_kernel(
     a_ptr, b_ptr, c_ptr,
@@ -171,17 +246,7 @@ def det_gemm_kernel(
     INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr,
     B_K_MAJOR: tl.constexpr,  # B's reduced dim is contiguous (e.g. fwd on nn.Linear's weight.t())
 ):
-    pid = tl.program_id(axis=0)
-    num_pid_m = tl.cdiv(R, BLOCK_M)
-    num_pid_n = tl.cdiv(C, BLOCK_N)
-    # Grouped tile order for L2 reuse; it changes which program owns a tile, never the tile's math.
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
+    pid_m, pid_n = tile_of_program(R, C, BLOCK_M, BLOCK_N, GROUP_M)
     offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_bn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, STEP_K)
@@ -212,34 +277,62 @@ def det_gemm_kernel(
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
             a_ptrs += STEP_K * stride_al
             b_ptrs += STEP_K * stride_bl
-            if INTERPRETED:
-                # Exact BF16 products added one at a time in ascending order (cumsum is sequential in
-                # the interpreter); numpy's matmul would pick its order from the tile shape.
-                prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]  # [BLOCK_M, STEP_K, BLOCK_N]
-                first = (offs_k == 0)[None, :, None]
-                last = (offs_k == STEP_K - 1)[None, :, None]
-                if SEGMENTED:
-                    prod = tl.where(first, prod + seg_acc[:, None, :], prod)
-                    seg_acc = tl.sum(tl.where(last, tl.cumsum(prod, axis=1), 0.0), axis=1)
-                else:
-                    prod = tl.where(first, prod + acc[:, None, :], prod)
-                    acc = tl.sum(tl.where(last, tl.cumsum(prod, axis=1), 0.0), axis=1)
+            if SEGMENTED:
+                seg_acc = mac_step(seg_acc, a, b, offs_k, STEP_K, INTERPRETED)
             else:
-                if SEGMENTED:
-                    seg_acc = tl.dot(a, b, seg_acc)
-                else:
-                    acc = tl.dot(a, b, acc)
+                acc = mac_step(acc, a, b, offs_k, STEP_K, INTERPRETED)
     if SEGMENTED:
         acc += seg_acc
+    store_tile(c_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32)
 
-    c_ptrs = c_ptr + offs_am[:, None] * stride_cr + offs_bn[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
-    c_mask = row_ok[:, None] & col_ok[None, :]
-    if OUT_FP32:
-        tl.store(c_ptrs, acc, mask=c_mask)
-    elif INTERPRETED:
-        tl.store(c_ptrs, fp32_to_bf16_rtne(acc), mask=c_mask)
-    else:
-        tl.store(c_ptrs, acc.to(tl.bfloat16), mask=c_mask)
+
+@triton.jit(launch_metadata=_launch_metadata)
+def det_gemm_tma_kernel(
+    a_desc, b_desc, c_ptr,  # TMA descriptors over A and B in their storage order (see A_M_MAJOR, B_K_MAJOR)
+    R, C, L,  # C[R, C] = A[R, L] @ B[L, C]
+    stride_cr, stride_cc,
+    seg_len,  # reduced elements per FP32 segment (== L for one segment); multiple of BLOCK_K
+    op_id,  # 0 fwd, 1 dA, 2 dB: names the launch only
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STEP_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr,
+    A_M_MAJOR: tl.constexpr,  # A stored as [L, R] (its row dim contiguous, e.g. dB's a.T): box [STEP_K, BLOCK_M]
+    B_K_MAJOR: tl.constexpr,  # B stored as [C, L] (e.g. fwd on nn.Linear's weight.t()): box [BLOCK_N, STEP_K]
+):
+    """det_gemm_kernel's tile math with TMA loads: the same tile order, K order, steps and epilogue.
+    TMA fills out-of-bounds box elements with zeros, as the pointer kernel's masked loads do."""
+    pid_m, pid_n = tile_of_program(R, C, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    offs_k = tl.arange(0, STEP_K)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    seg_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        if SEGMENTED:
+            if (k0 % seg_len == 0) and (k0 > 0):
+                acc += seg_acc
+                seg_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in tl.static_range(0, BLOCK_K, STEP_K):
+            k = k0 + kk
+            if A_M_MAJOR:
+                a = tl.trans(a_desc.load([k, off_m]))  # [STEP_K, BLOCK_M] -> [BLOCK_M, STEP_K]
+            else:
+                a = a_desc.load([off_m, k])  # [BLOCK_M, STEP_K]
+            if B_K_MAJOR:
+                # wgmma reads the transposed shared-memory tile as its K-major B operand: no shuffle.
+                b = tl.trans(b_desc.load([off_n, k]))  # [BLOCK_N, STEP_K] -> [STEP_K, BLOCK_N]
+            else:
+                b = b_desc.load([k, off_n])  # [STEP_K, BLOCK_N]
+            if SEGMENTED:
+                seg_acc = mac_step(seg_acc, a, b, offs_k, STEP_K, INTERPRETED)
+            else:
+                acc = mac_step(acc, a, b, offs_k, STEP_K, INTERPRETED)
+    if SEGMENTED:
+        acc += seg_acc
+    offs_am = off_m + tl.arange(0, BLOCK_M)
+    offs_bn = off_n + tl.arange(0, BLOCK_N)
+    store_tile(c_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +361,28 @@ def _check_seg_len(seg_len: int | None, reduced: int, config: GemmConfig) -> int
     return seg_len
 
 
+def _tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: tuple[int, int]):
+    """A TMA descriptor over ``view`` [rows, cols] in its storage order, and whether that order is
+    transposed ([cols, rows] with ``block`` reversed). Refuses, naming the operand, what TMA cannot
+    address: no unit-stride dim, a non-16-byte-aligned base or outer stride."""
+    (rows, cols), (stride_r, stride_c) = view.shape, view.stride()
+    if stride_c == 1:
+        transposed, shape, strides, box = False, [rows, cols], [stride_r, 1], [block[0], block[1]]
+    elif stride_r == 1:
+        transposed, shape, strides, box = True, [cols, rows], [stride_c, 1], [block[1], block[0]]
+    else:
+        transposed, shape, strides, box = None, None, [stride_r, stride_c], None
+    item = tensor.element_size()
+    if transposed is None or strides[0] * item % 16 or tensor.data_ptr() % 16:
+        raise ValueError(
+            f"variant 'tma' cannot describe {name} (shape {tuple(tensor.shape)}, strides {tensor.stride()}, "
+            f"data_ptr % 16 = {tensor.data_ptr() % 16}): TMA needs one dim with stride 1, the other stride a "
+            f"multiple of {16 // item} elements (16 bytes) and a 16-byte-aligned base; use a 'ptr' config "
+            "for this operand"
+        )
+    return TensorDescriptor(tensor, shape, strides, box), transposed
+
+
 def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str, torch.Tensor],
          config: GemmConfig | None, seg_len: int | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, GemmLaunch]:
     """Launch ``C = a_view @ b_view`` (views of the caller's tensors, strides kept)."""
@@ -278,9 +393,30 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
     cols = b_view.shape[1]
     config = config if config is not None else select_config(op, rows)
     seg = _check_seg_len(seg_len, reduced, config)
-    c = torch.empty((rows, cols), dtype=out_dtype, device=a_view.device)
     interpreted = backend == TRITON_INTERPRETER
+    step_k = interpreter_step_k(config) if interpreted else config.block_k
     grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
+    if config.variant == "tma":
+        # Descriptors first: an operand TMA cannot address is refused before anything is allocated.
+        (a_name, a), (b_name, b) = tensors.items()
+        a_desc, a_m_major = _tma_descriptor(a_name, a, a_view, (config.block_m, step_k))
+        b_desc, b_k_major = _tma_descriptor(b_name, b, b_view, (step_k, config.block_n))
+        c = torch.empty((rows, cols), dtype=out_dtype, device=a_view.device)
+        det_gemm_tma_kernel[grid](
+            a_desc, b_desc, c,
+            rows, cols, reduced,
+            c.stride(0), c.stride(1),
+            seg,
+            _OP_IDS[op],
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            STEP_K=step_k, GROUP_M=config.group_m,
+            INTERPRETED=interpreted, SEGMENTED=seg != reduced, OUT_FP32=out_dtype == torch.float32,
+            A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)
+        return c, GemmLaunch(op=op, backend=backend, config=config, name=case_name(op, m, n, k))
+    c = torch.empty((rows, cols), dtype=out_dtype, device=a_view.device)
     det_gemm_kernel[grid](
         a_view, b_view, c,
         rows, cols, reduced,
@@ -290,8 +426,7 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
         seg,
         _OP_IDS[op],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        STEP_K=interpreter_step_k(config) if interpreted else config.block_k,
-        GROUP_M=config.group_m,
+        STEP_K=step_k, GROUP_M=config.group_m,
         INTERPRETED=interpreted, SEGMENTED=seg != reduced, OUT_FP32=out_dtype == torch.float32,
         B_K_MAJOR=b_view.stride(0) == 1 and b_view.stride(1) != 1,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -1,0 +1,153 @@
+"""det_gemm's TMA variant (``GemmConfig(..., variant="tma")``, det_gemm_tma_kernel): the same bits as the
+pointer kernel with the same config (both weight layouts, fwd/dA/dB, segmented and FP32 output), every
+fail-closed path, the config rules, the tune sweep's handling of a refused candidate, and an offline
+sm_90 compile showing TMA loads (UTMALDG) feeding wgmma (HGMMA). Runs on the interpreter in CI (Triton
+3.6's interpreter executes tensor descriptors) and compiled on the GPU with DETKIT_TEST_DEVICE=cuda."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kernels.det_gemm import CONFIG_TABLE, LAUNCHERS, GemmConfig, select_config
+from toolkit.contract import compare_bits
+from toolkit.fixtures import bf16_randn, weight_kn
+
+
+def _operands(op, m, n, k, layout, device):
+    w = weight_kn(k, n, 7, layout, device)
+    if op == "fwd":
+        return bf16_randn((m, k), 1, device), w
+    if op == "da":
+        return bf16_randn((m, n), 2, device), w
+    return bf16_randn((m, k), 1, device), bf16_randn((m, n), 2, device)
+
+
+def _tma(config: GemmConfig) -> GemmConfig:
+    return replace(config, variant="tma")
+
+
+def _assert_same_bits(got, want):
+    result = compare_bits(got, want)
+    assert result.equal, result.as_row()
+
+
+# A small config (several tiles, masked K tail: 56 and 40 are not multiples of 32) and the table's large-M
+# pick (one tile; in the interpreter its BLOCK_K runs as STEP_K sub-steps, so that path is covered too).
+@pytest.mark.parametrize("op", ["fwd", "da", "db"])
+@pytest.mark.parametrize("layout", ["kn", "linear"])
+@pytest.mark.parametrize("m", [1, 7, 129])
+def test_tma_bits_equal_pointer_kernel(op, layout, m, device):
+    n, k = 40, 56
+    x, y = _operands(op, m, n, k, layout, device)
+    for config in (GemmConfig(16, 32, 32, 1, 4, 2), select_config(op, 4096)):
+        for out_dtype in (torch.bfloat16, torch.float32):
+            ptr, ptr_launch = LAUNCHERS[op](x, y, config=config, out_dtype=out_dtype)
+            tma, tma_launch = LAUNCHERS[op](x, y, config=_tma(config), out_dtype=out_dtype)
+            assert tma_launch.config.variant == "tma" and tma_launch.name == ptr_launch.name
+            assert tma_launch.backend == ptr_launch.backend
+            _assert_same_bits(tma, ptr)
+
+
+def test_tma_segmented_equals_pointer_kernel_and_partials(device):
+    # Three 64-element segments over K=160 (the last one partial) with BLOCK_K 32.
+    a, b = bf16_randn((20, 160), 5, device), weight_kn(160, 24, 6, "linear", device)
+    config = GemmConfig(16, 32, 32, 1, 4, 2, variant="tma")
+    seg = LAUNCHERS["fwd"](a, b, config=config, seg_len=64, out_dtype=torch.float32)[0]
+    ptr = LAUNCHERS["fwd"](a, b, config=replace(config, variant="ptr"), seg_len=64, out_dtype=torch.float32)[0]
+    _assert_same_bits(seg, ptr)
+    parts = [LAUNCHERS["fwd"](a[:, i:i + 64], b[i:i + 64], config=config, out_dtype=torch.float32)[0]
+             for i in (0, 64, 128)]
+    _assert_same_bits(seg, (parts[0] + parts[1]) + parts[2])
+
+
+# ---- fail closed: an operand TMA cannot address is refused, naming it; never a silent fallback --------
+def _unaligned_base(rows, cols, device):
+    """A row-major [rows, cols] view starting 2 bytes past a 16-byte boundary."""
+    return bf16_randn((rows * cols + 1,), 3, device)[1:].view(rows, cols)
+
+
+@pytest.mark.parametrize("op,make,name,detail", [
+    # K = 60: a's row stride is 120 bytes, not a multiple of 16
+    ("fwd", lambda d: (bf16_randn((4, 60), 1, d), bf16_randn((60, 16), 2, d)), "a",
+     r"shape \(4, 60\), strides \(60, 1\)"),
+    # no dim with stride 1
+    ("fwd", lambda d: (bf16_randn((4, 64), 1, d), bf16_randn((64, 32), 2, d)[:, ::2]), "b",
+     r"shape \(64, 16\), strides \(32, 2\)"),
+    ("fwd", lambda d: (_unaligned_base(4, 64, d), bf16_randn((64, 16), 2, d)), "a", r"data_ptr % 16 = 2"),
+    # dA on an nn.Linear weight.t() with K = 60: the [N, K] weight's row stride is 120 bytes
+    ("da", lambda d: (bf16_randn((4, 16), 1, d), bf16_randn((16, 60), 2, d).t()), "b",
+     r"shape \(60, 16\), strides \(1, 60\)"),
+    ("db", lambda d: (bf16_randn((4, 64), 1, d), _unaligned_base(4, 16, d)), "dc", r"data_ptr % 16 = 2"),
+])
+def test_tma_refuses_operands_it_cannot_address(op, make, name, detail, device):
+    x, y = make(device)
+    config = GemmConfig(16, 32, 32, 1, 4, 2, variant="tma")
+    with pytest.raises(ValueError, match=rf"variant 'tma' cannot describe {name} \(.*{detail}"):
+        LAUNCHERS[op](x, y, config=config)
+    LAUNCHERS[op](x, y, config=replace(config, variant="ptr"))  # the pointer kernel takes the same operands
+
+
+def test_tma_refusal_message_says_what_is_needed(device):
+    a, b = bf16_randn((4, 60), 1, device), bf16_randn((60, 16), 2, device)
+    with pytest.raises(ValueError, match=r"TMA needs one dim with stride 1, the other stride a multiple of 8 "
+                                         r"elements \(16 bytes\) and a 16-byte-aligned base; use a 'ptr' config"):
+        LAUNCHERS["fwd"](a, b, config=GemmConfig(16, 32, 32, 1, 4, 2, variant="tma"))
+
+
+def test_variant_field_defaults_to_ptr_and_table_stays_ptr():
+    assert GemmConfig(128, 128, 64, 8, 8, 3) == GemmConfig(128, 128, 64, 8, 8, 3, "ptr")
+    assert GemmConfig(128, 128, 64, 8, 8, 3).label() == "BM128_BN128_BK64_G8_w8_s3"
+    assert GemmConfig(128, 128, 64, 8, 8, 3, "tma").label() == "BM128_BN128_BK64_G8_w8_s3_tma"
+    assert GemmConfig(128, 128, 64, 8, 8, 3, "tma") != GemmConfig(128, 128, 64, 8, 8, 3)
+    # No unmeasured kernel ships as default: every pinned entry is the pointer kernel.
+    assert {config.variant for entries in CONFIG_TABLE.values() for _, config in entries} == {"ptr"}
+
+
+def test_rejects_bad_variant_and_tma_box():
+    with pytest.raises(ValueError, match=r"GemmConfig.variant 'wgmma' is not supported; supported: \('ptr', 'tma'\)"):
+        GemmConfig(128, 128, 64, 8, 8, 3, "wgmma")
+    with pytest.raises(ValueError, match=r"variant 'tma' needs block_n a power of two <= 256 .*; got 512"):
+        GemmConfig(64, 512, 64, 8, 8, 3, "tma")
+    with pytest.raises(ValueError, match=r"variant 'tma' needs block_m a power of two <= 256 .*; got 48"):
+        GemmConfig(48, 64, 64, 8, 8, 3, "tma")
+
+
+def test_tune_sweep_records_a_refused_candidate(device, monkeypatch):
+    import bench.gemm_tune as tune
+
+    tma, ptr = GemmConfig(16, 32, 32, 1, 4, 2, variant="tma"), GemmConfig(16, 32, 32, 1, 4, 2)
+    monkeypatch.setattr(tune, "candidates", lambda rows_out, variants: [c for c in (tma, ptr) if c.variant in variants])
+    # K = 60: TMA cannot describe a [M, 60] activation (120-byte rows), so the tma candidate is refused.
+    rows = tune.sweep(["fwd"], [7], ((60, 40),), ["kn"], rounds=1, device=device)
+    by_config = {r["config"]: r for r in rows}
+    assert "variant 'tma' cannot describe a" in by_config[tma.label()]["error"]
+    assert by_config[ptr.label()]["bits_equal_table"] and by_config[ptr.label()]["median_us"] > 0
+    assert sum(r.get("is_table", False) for r in rows) == 1
+    (summary,) = tune.ab_summary(rows)  # the A/B line: no tma entry, since the only tma candidate was refused
+    assert summary["table_tflops"] > 0 and "best_ptr" in summary and "best_tma" not in summary
+
+
+# ---- compile for sm_90 without a GPU ---------------------------------------------------------------
+def test_tma_kernel_compiles_for_sm90_offline_with_utmaldg_and_hgmma(tmp_path):
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"Triton's NVIDIA backend is not installed: {exc}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    cmd = [sys.executable, "-m", "bench.gemm_sass", "--out", str(tmp_path / "sass"), "--variants", "tma",
+           "--cases", "fwd_weight_t", "da_weight_kn", "db_a_dc", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert set(rows) == {"fwd_weight_t_tma", "da_weight_kn_tma", "db_a_dc_tma"}
+    for case, r in rows.items():
+        # TMA loads feed wgmma; no cp.async left and no fallback to mma.sync.
+        assert r["UTMALDG"] > 0 and r["HGMMA"] > 0, (case, r)
+        assert r["LDGSTS"] == 0 and r["HMMA"] == 0, (case, r)
+        assert r["shared_bytes"] <= 227 * 1024, (case, r)  # sm_90's per-block shared-memory limit
