@@ -38,7 +38,7 @@ from kernels.invariant import (
 )
 from kernels.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_tokens, split_gate_up
 from toolkit.contract import bf16_ordinal, check_bound, compare_bits
-from toolkit.dist import DistSession, observe_collectives, session_for_suite
+from toolkit.dist import DistSession, RankAudit, observe_collectives, session_for_suite
 from toolkit.harness import Row, RunContext
 from toolkit.nvtx_ranges import nvtx_range
 from toolkit.shard_refs import local_inputs, make_fixtures, operand
@@ -65,14 +65,9 @@ def run(ctx: RunContext) -> Iterator[Row]:
     yield from InvarianceAudit(ctx, session).run()
 
 
-class InvarianceAudit:
+class InvarianceAudit(RankAudit):
     def __init__(self, ctx: RunContext, session: DistSession):
-        self.ctx, self.session = ctx, session
-        self.layout = session.layout
-        self.me = session.layout_rank
-        self.cp, self.tp = self.layout.coords(self.me)
-        self.groups = session.groups
-        self.device = session.device
+        super().__init__(ctx, session)
         self.configs = [(tp, cp) for tp, cp in CONFIGS
                         if (tp == 1 or self.groups.tp is not None) and (cp == 1 or self.groups.cp is not None)]
         self.cut_rows = any(cp == 2 for _, cp in self.configs)

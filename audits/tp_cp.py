@@ -28,7 +28,7 @@ import torch
 from kernels import parallel
 from kernels.det_gemm import det_gemm_fwd_launch
 from toolkit.contract import check_bound, compare_bits, drift_stats, gemm_bound, reduced_bound
-from toolkit.dist import DistSession, gather_group, observe_collectives, session_for_suite
+from toolkit.dist import DistSession, RankAudit, gather_group, observe_collectives, session_for_suite
 from toolkit.harness import Row, RunContext
 from toolkit.layout import CP_SIZE, AxisGroup
 from toolkit.nvtx_ranges import nvtx_range
@@ -66,14 +66,9 @@ def run(ctx: RunContext) -> Iterator[Row]:
     yield from TpCpAudit(ctx, session).run()
 
 
-class TpCpAudit:
+class TpCpAudit(RankAudit):
     def __init__(self, ctx: RunContext, session: DistSession):
-        self.ctx, self.session = ctx, session
-        self.layout = session.layout
-        self.me = session.layout_rank
-        self.cp, self.tp = self.layout.coords(self.me)
-        self.groups = session.groups
-        self.device = session.device
+        super().__init__(ctx, session)
         self.reps = GEMM_PRESETS[ctx.preset].repetitions
         self.ran: set[str] = set()
 

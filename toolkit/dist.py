@@ -106,6 +106,18 @@ def current_session() -> DistSession | None:
     return _SESSION
 
 
+class RankAudit:
+    """Base of the multi-rank audits: this rank's place in the layout, its groups and device."""
+
+    def __init__(self, ctx, session: DistSession):
+        self.ctx, self.session = ctx, session
+        self.layout = session.layout
+        self.me = session.layout_rank
+        self.cp, self.tp = self.layout.coords(self.me)
+        self.groups = session.groups
+        self.device = session.device
+
+
 def session_for_suite(suite: str, backend: str, how_to_run: str):
     """The running DistSession for a multi-rank suite, or (None, the failed 'launch' row it yields)
     when the process was not started as ranks or the world does not hold the layout."""
