@@ -229,6 +229,18 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
         raise SystemExit(1)
 
 
+def _write_bench_report(ctx, command: str, meta: dict, rows: list[dict], write_outputs, out, as_json: bool) -> None:
+    """Add the run's metadata and environment, write the bench's files, echo JSON or the markdown."""
+    from toolkit import harness
+
+    meta = {**harness.base_meta(ctx, command, shlex.join(sys.argv)), **meta, **harness.env_meta(ctx.device)}
+    paths = write_outputs(out, rows, meta)
+    if as_json:
+        click.echo(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str))
+    else:
+        click.echo(paths["markdown"].read_text())
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks against their baselines in the same run (ratios, medians with p20/p80)."""
@@ -313,13 +325,7 @@ def bench_comm(m_values, n_cols, rounds, iters, warmup, device, preset, seed, ou
         bad = [r for r in rows if not (r["validated"] and r["operator_path_ok"])]
         ok = not bad
         if reporting:
-            meta = {**harness.base_meta(ctx, "bench comm", shlex.join(sys.argv)), **meta,
-                    **harness.env_meta(ctx.device)}
-            paths = comm.write_outputs(out, rows, meta)
-            if as_json:
-                click.echo(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str))
-            else:
-                click.echo(paths["markdown"].read_text())
+            _write_bench_report(ctx, "bench comm", meta, rows, comm.write_outputs, out, as_json)
             for row in bad:
                 click.echo(f"FAILED validation before timing: {row['name']} (bitwise equal to the v1 oracle: "
                            f"{row['validated']}, operator path calls: {row['operator_path_calls']})", err=True)
@@ -369,13 +375,7 @@ def bench_mlp(m_values, seq_len, rounds, iters, warmup, device, preset, seed, ou
         bad = [r for r in rows if not r["validated"]]
         ok = not bad
         if reporting:
-            meta = {**harness.base_meta(ctx, "bench mlp", shlex.join(sys.argv)), **meta,
-                    **harness.env_meta(ctx.device)}
-            paths = mlp.write_outputs(out, rows, meta)
-            if as_json:
-                click.echo(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str))
-            else:
-                click.echo(paths["markdown"].read_text())
+            _write_bench_report(ctx, "bench mlp", meta, rows, mlp.write_outputs, out, as_json)
             for row in bad:
                 click.echo(f"FAILED validation before timing (not timed): {row['name']} ({row['validation']}; "
                            f"worst contract ratio {row['contract_worst_ratio']:.3g}, relative L2 "
