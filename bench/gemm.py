@@ -28,7 +28,9 @@ import torch
 
 from kernels.det_gemm import LAUNCHERS, case_name
 from toolkit.contract import check_bound, gemm_bound
-from toolkit.fixtures import LAYOUTS, bf16_randn, weight_kn
+from audits import gemm_common
+from audits.gemm_common import GemmCase
+from toolkit.fixtures import LAYOUTS, bf16_randn
 from toolkit.timing import time_graphs, time_interleaved
 
 NAME = "gemm"
@@ -39,6 +41,7 @@ TINY_M_VALUES = (1, 7, 129)
 TINY_KN_SHAPES = ((40, 56),)
 OPS = ("fwd", "da", "db")
 WORKER_ENV = {"CUBLASLT_WORKSPACE_SIZE": "1"}
+BENCH_SEED = 1
 
 
 @dataclass(frozen=True)
@@ -67,14 +70,9 @@ def cases(interpreted: bool, ops=OPS, m_values=None, layouts=LAYOUTS) -> list[Be
 
 
 def operands(case: BenchCase, device: torch.device):
-    """Seeded operands of det_gemm's launcher for ``case`` and the matching torch.matmul baseline call."""
-    w = weight_kn(case.k, case.n, 2, case.layout, device)
-    if case.op == "fwd":
-        x, y = bf16_randn((case.m, case.k), 1, device), w
-    elif case.op == "da":
-        x, y = bf16_randn((case.m, case.n), 3, device), w
-    else:
-        x, y = bf16_randn((case.m, case.k), 1, device), bf16_randn((case.m, case.n), 3, device)
+    """Seeded operands of det_gemm's launcher for ``case`` (the audits' fixtures) and the matching
+    torch.matmul baseline call."""
+    x, y = gemm_common.operands(GemmCase(case.op, case.m, case.n, case.k, case.layout, BENCH_SEED), device)
     return x, y, baseline_call(case.op, x, y)
 
 

@@ -9,8 +9,6 @@ import csv
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +17,9 @@ from click.testing import CliRunner
 
 from bench import comm
 from toolkit import cli
-from toolkit.nvtx_ranges import build_injection_library, injection_env, parse_injection_log, verify_nvtx_log
+from tests.torchrun import run_two_ranks
+from toolkit.nvtx_ranges import parse_injection_log, verify_nvtx_log
 
-REPO = Path(__file__).resolve().parents[1]
 M_VALUES = (1, 6)
 N = 8
 ROUNDS, ITERS = 3, 2
@@ -44,18 +42,10 @@ def test_refused_outside_a_two_rank_launch(tmp_path, monkeypatch):
 
 
 def _run_two_ranks(out: Path, nvtx_log: Path | None, device: str = "cpu", timeout: float = 240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "toolkit",
-           "bench", "comm", "--device", device, "--out", str(out), "--rounds", str(ROUNDS), "--iters", str(ITERS)]
-    env = {k: v for k, v in os.environ.items() if k not in ("NVTX_INJECTION64_PATH", "DETKIT_NVTX_LOG")}
-    env.update(DETKIT_DIST_TIMEOUT_S="100", NCCL_NVLS_ENABLE="0")
+    args = ["bench", "comm", "--device", device, "--out", str(out), "--rounds", str(ROUNDS), "--iters", str(ITERS)]
     if device == "cpu":
-        cmd += [a for m in M_VALUES for a in ("--m-local", str(m))] + ["--n-cols", str(N)]
-        env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    else:
-        env.pop("TRITON_INTERPRET", None)
-    if nvtx_log is not None:
-        env.update(injection_env(build_injection_library(nvtx_log.parent / "lib"), nvtx_log))
-    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        args += [a for m in M_VALUES for a in ("--m-local", str(m))] + ["--n-cols", str(N)]
+    return run_two_ranks(args, device, nvtx_log, timeout)
 
 
 @pytest.fixture(scope="module")

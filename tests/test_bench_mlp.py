@@ -12,8 +12,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,9 +22,9 @@ from bench import mlp
 from kernels.mlp import mlp_bounds, mlp_ref_fp64
 from toolkit import cli
 from toolkit.layout import layout_for_preset
-from toolkit.nvtx_ranges import build_injection_library, injection_env, parse_injection_log, verify_nvtx_log
+from tests.torchrun import run_two_ranks
+from toolkit.nvtx_ranges import parse_injection_log, verify_nvtx_log
 
-REPO = Path(__file__).resolve().parents[1]
 ROUNDS = 2  # the median of two samples is their mean: total == fwd + bwd exactly (checked)
 M, B, S, H, I = 12, 2, 6, 64, 96  # the tiny preset
 IMPLS = [("torch", "bf16"), ("detkit", "bf16"), ("detkit", "fp32_invariant")]
@@ -159,18 +157,8 @@ def test_a_failed_validation_is_not_timed_and_exits_1(tmp_path, monkeypatch):
 
 
 def _torchrun(out: Path, nvtx_log: Path | None, device: str, world: str, extra: list[str], timeout: float):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "toolkit",
-           "bench", "mlp", "--device", device, "--out", str(out), *extra]
-    env = {k: v for k, v in os.environ.items() if k not in ("NVTX_INJECTION64_PATH", "DETKIT_NVTX_LOG")}
-    env.update(DETKIT_TPCP_WORLD=world, DETKIT_DIST_TIMEOUT_S="100" if device == "cpu" else "600",
-               NCCL_NVLS_ENABLE="0")
-    if device == "cpu":
-        env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    else:
-        env.pop("TRITON_INTERPRET", None)
-    if nvtx_log is not None:
-        env.update(injection_env(build_injection_library(nvtx_log.parent / "lib"), nvtx_log))
-    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return run_two_ranks(["bench", "mlp", "--device", device, "--out", str(out), *extra], device, nvtx_log,
+                         timeout, {"DETKIT_TPCP_WORLD": world})
 
 
 @pytest.fixture(scope="module")

@@ -15,16 +15,8 @@ import torch
 
 from kernels.det_gemm import CONFIG_TABLE, LAUNCHERS, GemmConfig, select_config
 from toolkit.contract import compare_bits
+from tests.test_det_gemm import _operands
 from toolkit.fixtures import bf16_randn, weight_kn
-
-
-def _operands(op, m, n, k, layout, device):
-    w = weight_kn(k, n, 7, layout, device)
-    if op == "fwd":
-        return bf16_randn((m, k), 1, device), w
-    if op == "da":
-        return bf16_randn((m, n), 2, device), w
-    return bf16_randn((m, k), 1, device), bf16_randn((m, n), 2, device)
 
 
 def _tma(config: GemmConfig) -> GemmConfig:
