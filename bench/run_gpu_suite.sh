@@ -1,29 +1,45 @@
 #!/usr/bin/env bash
 # One call on a Hopper host: environment, GPU tests, the gemm audit suite at the Qwen3-8B TP=2 shapes,
-# the config sweep and the gemm benchmark. Results land in $OUT (default ./results/gpu-<date>).
-# Usage: bash bench/run_gpu_suite.sh [audit|tune|bench|all]...
-set -euo pipefail
+# the config sweep, the gemm benchmark, and the MoE tests, audit and benchmark. Each step has its own
+# time limit and the run goes on after a failure. Results land in $OUT (default results/gpu-<time>)
+# and in the archive $ARCHIVE (default $OUT.tgz).
+# Usage: bash bench/run_gpu_suite.sh [tests|audit|tune|bench|tma|moe|all]...
+#   TUNE_ARGS, BENCH_ARGS, MOE_BENCH_ARGS: extra arguments of those steps, split on spaces.
+set -uo pipefail
 OUT=${OUT:-results/gpu-$(date +%Y%m%d-%H%M%S)}
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 mkdir -p "$OUT"
 steps=("${@:-all}")
-want() { [[ " ${steps[*]} " == *" $1 "* || " ${steps[*]} " == *" all "* ]]; }
-stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
+# shellcheck source=bench/gpu_steps.sh
+source "$(dirname "$0")/gpu_steps.sh"
+read -ra TUNE_ARGS <<< "${TUNE_ARGS:-}"
+read -ra BENCH_ARGS <<< "${BENCH_ARGS:-}"
+read -ra MOE_BENCH_ARGS <<< "${MOE_BENCH_ARGS:-}"
+gpu_pytest=(env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra)
 
 python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "(detkit not pip-installed; using PYTHONPATH)"
-stamp env; python -m toolkit env --json > "$OUT/env.json"; python -m toolkit env | head -40
+python -m toolkit env --json > "$OUT/env.json" 2> "$OUT/env.err"
+python -m toolkit env | head -40
 if want tests; then
-  stamp pytest; DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider tests/test_det_gemm.py tests/test_contract.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -5
+  step pytest-gemm "${TESTS_LIMIT:-240}" "${gpu_pytest[@]}" tests/test_det_gemm.py tests/test_contract.py
+fi
+if want tma; then
+  step pytest-tma "${TMA_LIMIT:-120}" "${gpu_pytest[@]}" tests/test_det_gemm_tma.py
 fi
 if want audit; then
-  stamp audit; python -m toolkit audit --device cuda --suite gemm --out "$OUT/audit" 2>&1 | tail -20 || echo "AUDIT FAILED"
+  step audit-gemm "${AUDIT_LIMIT:-420}" python -m toolkit audit --device cuda --suite gemm --out "$OUT/audit"
 fi
 if want tune; then
-  stamp tune; python -m bench.gemm_tune --out "$OUT/tune.json" ${TUNE_ARGS:-} || echo "TUNE FAILED"
+  step tune "${TUNE_LIMIT:-300}" python -m bench.gemm_tune --out "$OUT/tune.json" "${TUNE_ARGS[@]}"
 fi
 if want bench; then
-  stamp bench; python -m toolkit bench gemm --device cuda --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1 || echo "BENCH FAILED"
-  tail -30 "$OUT/bench.log"
+  step bench-gemm "${BENCH_LIMIT:-240}" python -m toolkit bench gemm --device cuda --out "$OUT/bench" "${BENCH_ARGS[@]}"
 fi
-stamp done
+if want moe; then
+  step pytest-moe "${MOE_TESTS_LIMIT:-180}" "${gpu_pytest[@]}" tests/test_moe.py tests/test_moe_routing.py
+  step audit-moe "${MOE_AUDIT_LIMIT:-180}" python -m toolkit audit --device cuda --suite moe --out "$OUT/audit-moe"
+  step bench-moe "${MOE_BENCH_LIMIT:-240}" python -m bench.moe --device cuda --out "$OUT/bench-moe" "${MOE_BENCH_ARGS[@]}"
+fi
+stamp finished
+pack
