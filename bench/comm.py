@@ -1,20 +1,24 @@
 """The reduction operators' collectives against a raw torch.distributed all_reduce, same run, interleaved.
 
 ``row_parallel_fwd``, ``column_parallel_dx`` and ``replicated_dw`` (kernels/parallel.py) each run a
-det_gemm and then ``kernels.parallel._reduce(op, partial, pg, axis)``: a clone of the partial (the
-operator returns the partial untouched) and a synchronous BF16 all_reduce SUM, in place on the
-clone, over a 2-rank group. The operators' public API fixes the GEMM shapes to the layout's local
-shapes, so the collective is timed through that same ``_reduce`` call on a pre-computed partial of
-any size; the counters it bumps (``collective_counts()``) prove each timed call took the operator's
-labelled path.
+det_gemm whose epilogue writes the partial twice (det_gemm ``twin_out``) and then
+``kernels.parallel._reduce(op, twin, pg, axis)``: a synchronous BF16 all_reduce SUM in place on the
+twin over a 2-rank group, so the operator returns the partial untouched without a copy kernel
+before its collective. The operators' public API fixes the GEMM shapes to the layout's local
+shapes, so the collective is timed through that same ``_reduce`` call on a buffer of any size; the
+counters it bumps (``collective_counts()``) prove each timed call took the operator's labelled path.
+The copy moved into the GEMM: its cost is measured on its own (``twin_store`` rows below).
 
 What is timed (one sample = ``iters`` back-to-back calls, divided by ``iters``):
 - ``raw``: ``dist.all_reduce(buf, SUM, group)`` in place on a pre-allocated ``[M, N]`` BF16 tensor
   of zeros (in-place repetition would overflow a non-zero buffer; NCCL's and gloo's speed does
   not depend on the values).
-- ``<operator>``: ``_reduce(<operator>, partial, group, axis)`` on a seeded ``[M, N]`` BF16 partial:
-  clone + all_reduce. The clone is part of what the operator pays for its collective and is timed.
-  The GEMM is not timed.
+- ``<operator>``: ``_reduce(<operator>, twin, group, axis)`` on a pre-allocated ``[M, N]`` BF16 twin
+  of zeros (as raw, for the same reason). The GEMM is not timed here.
+- ``twin_store`` rows (one rank, no collective): each operator's det_gemm at its local Qwen3-8B TP=2
+  shape for that M (fwd ``[M, I/2] @ [I/2, H]``, dA ``[M, I/2] @ [H, I/2]^T``, dB ``[M, H]^T @ [M, I/2]``)
+  with and without ``twin_out``, interleaved, L2 flushed (``toolkit.timing.time_interleaved``):
+  ``twin_cost_ratio`` = with / without, the price of keeping the partial.
 CUDA: CUDA events around the ``iters`` calls after a barrier, on the current stream; CPU:
 ``time.perf_counter``. Each sample is the maximum over the ranks (the collective ends when the
 slowest rank does). Rounds alternate the order of the implementations (forward, then reversed) so
@@ -189,13 +193,16 @@ def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, war
     def raw_timed() -> None:
         dist.all_reduce(raw_buf, op=dist.ReduceOp.SUM, group=pg)
 
-    ops = {op: (lambda op=op, axis=axis: parallel._reduce(op, partial, pg, axis)) for op, axis in OPERATORS.items()}
+    twin_buf = torch.zeros_like(partial)
+    ops = {op: (lambda op=op, axis=axis: parallel._reduce(op, twin_buf, pg, axis)) for op, axis in OPERATORS.items()}
+    op_checks = {op: (lambda op=op, axis=axis: parallel._reduce(op, partial.clone(), pg, axis))
+                 for op, axis in OPERATORS.items()}
     impls = [RAW, *ops]
     names = {impl: row_name(impl, m, n) for impl in impls}
     checks = {}
     for impl in impls:
         with nvtx_range(names[impl]):
-            checks.update(_validate(session, {impl: raw_check if impl == RAW else ops[impl]}, partial))
+            checks.update(_validate(session, {impl: raw_check if impl == RAW else op_checks[impl]}, partial))
     timed = {RAW: raw_timed, **ops}
     for impl in impls:  # warm-up, excluded
         for _ in range(warmup):
@@ -228,7 +235,8 @@ def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, war
             "bytes": nbytes, "MiB": nbytes / 2**20, "world_size": session.world_size,
             "group_ranks": list(session.group_ranks), "pg_backend": session.pg_backend,
             "timed": "dist.all_reduce in place (zeros buffer)" if impl == RAW
-            else "kernels.parallel._reduce: clone + all_reduce (operator's collective path, no GEMM)",
+            else "kernels.parallel._reduce: all_reduce in place on the GEMM's twin (operator's collective path, "
+                 "zeros buffer, no GEMM)",
             "rounds": rounds, "iters": iters, "warmup": warmup,
             "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us, "samples": t.samples,
             "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(session.world_size),
@@ -238,6 +246,43 @@ def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, war
             "operator_path_calls": calls,
             "operator_path_ok": True if impl == RAW else calls == rounds * iters,
         })
+    return rows
+
+
+def twin_store_cost(session: CommSession, m_values: list[int], rounds: int) -> list[dict]:
+    """Each operator's local det_gemm with and without ``twin_out`` (the copy the collective runs on),
+    at the layout's local shapes (Qwen3-8B TP=2 on CUDA, the tiny test dims on the interpreter)."""
+    from kernels.det_gemm import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
+    from toolkit.layout import LAYOUT_PRESETS
+    from toolkit.timing import time_interleaved
+
+    interpreted = session.device.type == "cpu"
+    model = LAYOUT_PRESETS["tiny" if interpreted else "qwen3-8b-tp2"][0]
+    h, i_loc = model.hidden_size, model.intermediate_size // 2
+    g = torch.Generator().manual_seed(4099 + session.rank)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=g).to(torch.bfloat16).to(session.device)
+
+    rows = []
+    for m in m_values:
+        # op -> (launch, operands, output shape): the operators' GEMMs (kernels/parallel.py)
+        gemms = {"row_parallel_fwd": (det_gemm_fwd_launch, (rand(m, i_loc), rand(i_loc, h)), (m, h)),
+                 "column_parallel_dx": (det_gemm_da_launch, (rand(m, i_loc), rand(h, i_loc)), (m, h)),
+                 "replicated_dw": (det_gemm_db_launch, (rand(m, h), rand(m, i_loc)), (h, i_loc))}
+        for op, (launch, args, shape) in gemms.items():
+            twin = torch.empty(shape, dtype=torch.bfloat16, device=session.device)
+            with_twin, plain = launch(*args, twin_out=twin)[0], launch(*args)[0]
+            same = bool(torch.equal(with_twin.view(torch.int16), plain.view(torch.int16))
+                        and torch.equal(twin.view(torch.int16), plain.view(torch.int16)))
+            name = format_range_name(f"{op} twin_store", {"M": m}, "bf16")
+            with nvtx_range(name):
+                t = time_interleaved({"twin": lambda: launch(*args, twin_out=twin), "plain": lambda: launch(*args)},
+                                     session.device, rounds=rounds)
+            rows.append({"name": name, "operator": op, "M": m, "out_shape": list(shape), "bits_equal": same,
+                         "plain_median_us": t["plain"].median_us, "twin_median_us": t["twin"].median_us,
+                         "twin_cost_ratio": t["twin"].median_us / t["plain"].median_us,
+                         "rank": session.rank, "interpreted": interpreted})
     return rows
 
 
@@ -257,17 +302,20 @@ def run(session: CommSession, shapes: list[tuple[int, int]], rounds: int, iters:
     with nvtx_range("bench comm"):
         for m, n in shapes:
             rows += time_size(session, m, n, rounds, iters, warmup)
+        twin = twin_store_cost(session, [m for m, _ in shapes], rounds=min(rounds, 3))
     meta = {
         "world_size": session.world_size, "pg_backend": session.pg_backend,
         "nccl_nvls_enable": os.environ.get(NVLS_ENV) if session.pg_backend == "nccl" else None,
         "nccl_version": _nccl_version() if session.pg_backend == "nccl" else None,
         "timed": ("raw: dist.all_reduce in place on a zeros buffer; operators: kernels.parallel._reduce "
-                  "(clone + all_reduce, the call each operator makes after its GEMM) on a pre-computed "
-                  "partial; GEMM not timed"),
+                  "(all_reduce in place on the twin the GEMM epilogue wrote, the call each operator makes "
+                  "after its GEMM) on a zeros buffer; GEMM not timed; twin_store rows: each operator's GEMM "
+                  "with / without twin_out, one rank"),
         "timing": ("per sample: iters back-to-back calls after a barrier / iters; CUDA events on CUDA, "
                    "perf_counter on CPU; max over ranks; median, p20, p80 over rounds; order alternates"),
         "formulas": "bytes = M*N*2; algbw = bytes/time; busbw = algbw*2(n-1)/n (nccl-tests); GB/s = 1e9 B/s",
         "target": f"ratio_vs_raw <= {TARGET_RATIO} at >= {TARGET_MIN_BYTES // 2**20} MiB (reported, not asserted)",
+        "twin_store": twin,
     }
     return rows, meta
 
@@ -320,7 +368,14 @@ def write_outputs(out_dir, rows: list[dict], meta: dict) -> dict:
     cols = ["impl", "M", "N", "MiB", "validated", "median_us", "p20_us", "p80_us", "algbw_GBps", "busbw_GBps",
             "ratio_vs_raw", "within_target"]
     table = [{c: r.get(c) for c in cols} for r in rows]
-    text = markdown_report("detkit bench comm", meta, table)
+    twin = meta.get("twin_store") or []
+    text = markdown_report("detkit bench comm", {k: v for k, v in meta.items() if k != "twin_store"}, table)
+    if twin:
+        cols = ["operator", "M", "out_shape", "bits_equal", "plain_median_us", "twin_median_us", "twin_cost_ratio"]
+        text += ("\n## Twin store: each operator's GEMM with / without the copy its collective runs on "
+                 f"(rank {twin[0]['rank']}, no collective)\n\n"
+                 + tabulate([{c: r[c] for c in cols} for r in twin], headers="keys", tablefmt="github",
+                            floatfmt=".3f") + "\n")
     summary = target_summary(rows)
     if summary:
         text += ("\n## Target: operator collective within 5% of raw all_reduce at >= 8 MiB (not asserted)\n\n"

@@ -52,22 +52,25 @@ def _cuobjdump(flag: str, cubin: str) -> str:
     return subprocess.run([tool, flag, cubin], capture_output=True, text=True, check=True).stdout
 
 
-def _signature(case: SassCase, cfg) -> tuple[object, dict, dict]:
+def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = False,
+               twin: bool = False) -> tuple[object, dict, dict]:
     """(kernel, signature, constexprs) of one launch of ``case`` with ``cfg``."""
     from kernels.det_gemm import det_gemm_kernel, det_gemm_tma_kernel
 
     consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "STEP_K": cfg.block_k,
-              "GROUP_M": cfg.group_m, "INTERPRETED": False, "SEGMENTED": False, "OUT_FP32": False,
-              "B_K_MAJOR": case.b_k_major}
+              "GROUP_M": cfg.group_m, "INTERPRETED": False, "SEGMENTED": segmented, "OUT_FP32": out_fp32,
+              "TWIN": twin, "B_K_MAJOR": case.b_k_major}
+    c_type = "*fp32" if out_fp32 else "*bf16"
     if cfg.variant == "tma":
         fn = det_gemm_tma_kernel
         a_box = [cfg.block_k, cfg.block_m] if case.a_m_major else [cfg.block_m, cfg.block_k]
         b_box = [cfg.block_n, cfg.block_k] if case.b_k_major else [cfg.block_k, cfg.block_n]
-        ptrs = {"a_desc": f"tensordesc<bf16{a_box}>", "b_desc": f"tensordesc<bf16{b_box}>", "c_ptr": "*bf16"}
+        ptrs = {"a_desc": f"tensordesc<bf16{a_box}>", "b_desc": f"tensordesc<bf16{b_box}>", "c_ptr": c_type,
+                "twin_ptr": c_type}
         consts.update(A_M_MAJOR=case.a_m_major, stride_cc=1)
     else:
         fn = det_gemm_kernel
-        ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"}
+        ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": c_type, "twin_ptr": c_type}
         # unit strides: A on its contiguous dim, B on its contiguous dim, C row-major
         consts.update({"stride_ar" if case.a_m_major else "stride_al": 1,
                        "stride_bl" if case.b_k_major else "stride_bc": 1, "stride_cc": 1})
@@ -75,8 +78,10 @@ def _signature(case: SassCase, cfg) -> tuple[object, dict, dict]:
     return fn, sig, consts
 
 
-def build(case: SassCase, variant: str, out_dir: str, config=None) -> dict:
-    """Compile ``case`` for sm_90 with ``config`` (default: the table's pick) as ``variant``; write
+def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bool = False,
+          out_fp32: bool = False, twin: bool = False) -> dict:
+    """Compile ``case`` for sm_90 with ``config`` (default: the table's pick) as ``variant`` (and the
+    epilogue / segmentation flags of the invariant mode and the TP/CP operators); write
     cubin/ttgir/sass; count."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -86,7 +91,7 @@ def build(case: SassCase, variant: str, out_dir: str, config=None) -> dict:
     from kernels.det_gemm import select_config
 
     cfg = replace(config or select_config(case.op, case.rows), variant=variant)
-    fn, sig, consts = _signature(case, cfg)
+    fn, sig, consts = _signature(case, cfg, segmented, out_fp32, twin)
     if kernel_is_interpreted(fn):
         raise RuntimeError("detkit kernels were imported under TRITON_INTERPRET=1; compile in a process without it")
     names = list(fn.arg_names)
@@ -97,6 +102,7 @@ def build(case: SassCase, variant: str, out_dir: str, config=None) -> dict:
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     tag = f"{case.name}_{variant}" if config is None else f"{case.name}_{cfg.label()}"
+    tag += "".join(f"_{flag}" for flag, on in (("seg", segmented), ("fp32", out_fp32), ("twin", twin)) if on)
     cubin = os.path.join(out_dir, f"{tag}.cubin")
     with open(cubin, "wb") as f:
         f.write(kernel.asm["cubin"])
@@ -108,9 +114,12 @@ def build(case: SassCase, variant: str, out_dir: str, config=None) -> dict:
     counts = {op: 0 for op in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS", "LDSM", "LDS", "STS", "SHFL")}
     for m in re.finditer(SASS_OPS, sass):
         counts[m.group(1)] += 1
-    usage = re.search(r"REG:(\d+)", _cuobjdump("--dump-resource-usage", cubin))
+    resources = _cuobjdump("--dump-resource-usage", cubin)
+    usage = re.search(r"REG:(\d+)", resources)
+    stack = re.search(r"STACK:(\d+)", resources)  # per-thread stack: > 0 here means register spills
     return {"case": tag, "op": case.op, "layout": case.tag, "variant": variant, "config": cfg.label(),
-            "regs": int(usage.group(1)) if usage else None, "shared_bytes": kernel.metadata.shared, **counts}
+            "regs": int(usage.group(1)) if usage else None, "stack_bytes": int(stack.group(1)) if stack else None,
+            "shared_bytes": kernel.metadata.shared, **counts}
 
 
 def main() -> None:

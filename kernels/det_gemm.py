@@ -219,22 +219,27 @@ def mac_step(acc, a, b, offs_k, STEP_K: tl.constexpr, INTERPRETED: tl.constexpr)
 
 
 @triton.jit
-def store_tile(c_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc,
-               INTERPRETED: tl.constexpr, OUT_FP32: tl.constexpr):
-    """The epilogue: FP32 as is, or one BF16 rounding (nearest-even) of the FP32 accumulator."""
-    c_ptrs = c_ptr + offs_am[:, None] * stride_cr + offs_bn[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
+def store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc,
+               INTERPRETED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr):
+    """The epilogue: FP32 as is, or one BF16 rounding (nearest-even) of the FP32 accumulator. With
+    TWIN the same bits also go to ``twin_ptr`` (same shape and strides): the TP/CP operators reduce
+    that copy in place and keep the partial, without a separate copy kernel before the collective."""
+    c_offs = offs_am[:, None] * stride_cr + offs_bn[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
     c_mask = (offs_am < R)[:, None] & (offs_bn < C)[None, :]
     if OUT_FP32:
-        tl.store(c_ptrs, acc, mask=c_mask)
+        out = acc
     elif INTERPRETED:
-        tl.store(c_ptrs, fp32_to_bf16_rtne(acc), mask=c_mask)
+        out = fp32_to_bf16_rtne(acc)
     else:
-        tl.store(c_ptrs, acc.to(tl.bfloat16), mask=c_mask)
+        out = acc.to(tl.bfloat16)
+    tl.store(c_ptr + c_offs, out, mask=c_mask)
+    if TWIN:
+        tl.store(twin_ptr + c_offs, out, mask=c_mask)
 
 
 @triton.jit(launch_metadata=_launch_metadata)
 def det_gemm_kernel(
-    a_ptr, b_ptr, c_ptr,
+    a_ptr, b_ptr, c_ptr, twin_ptr,
     R, C, L,  # C[R, C] = A[R, L] @ B[L, C]
     stride_ar, stride_al,
     stride_bl, stride_bc,
@@ -243,7 +248,7 @@ def det_gemm_kernel(
     op_id,  # 0 fwd, 1 dA, 2 dB: names the launch only (a runtime arg, so the three share one binary)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STEP_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr,
+    INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr,
     B_K_MAJOR: tl.constexpr,  # B's reduced dim is contiguous (e.g. fwd on nn.Linear's weight.t())
 ):
     pid_m, pid_n = tile_of_program(R, C, BLOCK_M, BLOCK_N, GROUP_M)
@@ -283,19 +288,19 @@ def det_gemm_kernel(
                 acc = mac_step(acc, a, b, offs_k, STEP_K, INTERPRETED)
     if SEGMENTED:
         acc += seg_acc
-    store_tile(c_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32)
+    store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
 
 
 @triton.jit(launch_metadata=_launch_metadata)
 def det_gemm_tma_kernel(
-    a_desc, b_desc, c_ptr,  # TMA descriptors over A and B in their storage order (see A_M_MAJOR, B_K_MAJOR)
+    a_desc, b_desc, c_ptr, twin_ptr,  # TMA descriptors over A and B in their storage order (see A_M_MAJOR, B_K_MAJOR)
     R, C, L,  # C[R, C] = A[R, L] @ B[L, C]
     stride_cr, stride_cc,
     seg_len,  # reduced elements per FP32 segment (== L for one segment); multiple of BLOCK_K
     op_id,  # 0 fwd, 1 dA, 2 dB: names the launch only
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STEP_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr,
+    INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr,
     A_M_MAJOR: tl.constexpr,  # A stored as [L, R] (its row dim contiguous, e.g. dB's a.T): box [STEP_K, BLOCK_M]
     B_K_MAJOR: tl.constexpr,  # B stored as [C, L] (e.g. fwd on nn.Linear's weight.t()): box [BLOCK_N, STEP_K]
 ):
@@ -332,7 +337,7 @@ def det_gemm_tma_kernel(
         acc += seg_acc
     offs_am = off_m + tl.arange(0, BLOCK_M)
     offs_bn = off_n + tl.arange(0, BLOCK_N)
-    store_tile(c_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32)
+    store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,14 +388,32 @@ def _tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: 
     return TensorDescriptor(tensor, shape, strides, box), transposed
 
 
+def _check_twin(twin_out: torch.Tensor | None, rows: int, cols: int, out_dtype: torch.dtype,
+                device: torch.device) -> None:
+    if twin_out is None:
+        return
+    if not isinstance(twin_out, torch.Tensor):
+        raise TypeError(f"twin_out must be a torch.Tensor or None; got {type(twin_out).__name__}")
+    if (tuple(twin_out.shape) != (rows, cols) or twin_out.dtype != out_dtype or twin_out.device != device
+            or not twin_out.is_contiguous()):
+        raise ValueError(
+            f"twin_out must be a contiguous {out_dtype} tensor of shape {(rows, cols)} on {device} (the output's "
+            f"twin); got {twin_out.dtype} {tuple(twin_out.shape)} on {twin_out.device}, "
+            f"contiguous={twin_out.is_contiguous()}"
+        )
+
+
 def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str, torch.Tensor],
-         config: GemmConfig | None, seg_len: int | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, GemmLaunch]:
-    """Launch ``C = a_view @ b_view`` (views of the caller's tensors, strides kept)."""
+         config: GemmConfig | None, seg_len: int | None, out_dtype: torch.dtype,
+         twin_out: torch.Tensor | None = None) -> tuple[torch.Tensor, GemmLaunch]:
+    """Launch ``C = a_view @ b_view`` (views of the caller's tensors, strides kept); with ``twin_out``
+    the epilogue writes the same bits there too."""
     backend = resolve_backend(det_gemm_kernel, tensors)
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype {out_dtype} is not supported; supported: torch.bfloat16, torch.float32")
     rows, reduced = a_view.shape
     cols = b_view.shape[1]
+    _check_twin(twin_out, rows, cols, out_dtype, a_view.device)
     config = config if config is not None else select_config(op, rows)
     seg = _check_seg_len(seg_len, reduced, config)
     interpreted = backend == TRITON_INTERPRETER
@@ -403,7 +426,7 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
         b_desc, b_k_major = _tma_descriptor(b_name, b, b_view, (step_k, config.block_n))
         c = torch.empty((rows, cols), dtype=out_dtype, device=a_view.device)
         det_gemm_tma_kernel[grid](
-            a_desc, b_desc, c,
+            a_desc, b_desc, c, c if twin_out is None else twin_out,
             rows, cols, reduced,
             c.stride(0), c.stride(1),
             seg,
@@ -411,6 +434,7 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             STEP_K=step_k, GROUP_M=config.group_m,
             INTERPRETED=interpreted, SEGMENTED=seg != reduced, OUT_FP32=out_dtype == torch.float32,
+            TWIN=twin_out is not None,
             A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -418,7 +442,7 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
         return c, GemmLaunch(op=op, backend=backend, config=config, name=case_name(op, m, n, k))
     c = torch.empty((rows, cols), dtype=out_dtype, device=a_view.device)
     det_gemm_kernel[grid](
-        a_view, b_view, c,
+        a_view, b_view, c, c if twin_out is None else twin_out,
         rows, cols, reduced,
         a_view.stride(0), a_view.stride(1),
         b_view.stride(0), b_view.stride(1),
@@ -428,6 +452,7 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STEP_K=step_k, GROUP_M=config.group_m,
         INTERPRETED=interpreted, SEGMENTED=seg != reduced, OUT_FP32=out_dtype == torch.float32,
+        TWIN=twin_out is not None,
         B_K_MAJOR=b_view.stride(0) == 1 and b_view.stride(1) != 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -446,24 +471,27 @@ def _check_pair(names: tuple[str, str], x: torch.Tensor, y: torch.Tensor, x_dim:
 
 
 def det_gemm_fwd_launch(a: torch.Tensor, b: torch.Tensor, *, config: GemmConfig | None = None,
-                        seg_len: int | None = None, out_dtype: torch.dtype = torch.bfloat16):
+                        seg_len: int | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                        twin_out: torch.Tensor | None = None):
     """``a [M,K] @ b [K,N]`` -> (``[M,N]``, GemmLaunch). ``b`` may be ``weight.t()``."""
     _check_pair(("a", "b"), a, b, 1, 0, "det_gemm_fwd needs a [M,K], b [K,N]")
-    return _run("fwd", a, b, {"a": a, "b": b}, config, seg_len, out_dtype)
+    return _run("fwd", a, b, {"a": a, "b": b}, config, seg_len, out_dtype, twin_out)
 
 
 def det_gemm_da_launch(dc: torch.Tensor, b: torch.Tensor, *, config: GemmConfig | None = None,
-                       seg_len: int | None = None, out_dtype: torch.dtype = torch.bfloat16):
+                       seg_len: int | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                        twin_out: torch.Tensor | None = None):
     """``dc [M,N] @ b[K,N].T`` -> (``[M,K]``, GemmLaunch)."""
     _check_pair(("dc", "b"), dc, b, 1, 1, "det_gemm_da needs dc [M,N], b [K,N]")
-    return _run("da", dc, b.t(), {"dc": dc, "b": b}, config, seg_len, out_dtype)
+    return _run("da", dc, b.t(), {"dc": dc, "b": b}, config, seg_len, out_dtype, twin_out)
 
 
 def det_gemm_db_launch(a: torch.Tensor, dc: torch.Tensor, *, config: GemmConfig | None = None,
-                       seg_len: int | None = None, out_dtype: torch.dtype = torch.bfloat16):
+                       seg_len: int | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                        twin_out: torch.Tensor | None = None):
     """``a[M,K].T @ dc [M,N]`` -> (``[K,N]``, GemmLaunch); reduces over M."""
     _check_pair(("a", "dc"), a, dc, 0, 0, "det_gemm_db needs a [M,K], dc [M,N]")
-    return _run("db", a.t(), dc, {"a": a, "dc": dc}, config, seg_len, out_dtype)
+    return _run("db", a.t(), dc, {"a": a, "dc": dc}, config, seg_len, out_dtype, twin_out)
 
 
 def det_gemm_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

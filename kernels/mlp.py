@@ -156,7 +156,8 @@ def _check_groups(op: str, plan: MlpPlan, tensors: dict[str, torch.Tensor]) -> d
 
 
 def _reduce(op: str, partial: torch.Tensor, pg, axis: str, mode: str) -> torch.Tensor:
-    """One all-reduce over a checked group, counted by kernels.parallel's counters."""
+    """One all-reduce over a checked group, in place on ``partial`` (the MLP does not keep it; no copy),
+    counted by kernels.parallel's counters."""
     out = parallel._reduce(op, partial, pg, axis, mode)
     parallel._CALLS[op] += 1
     return out

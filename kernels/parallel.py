@@ -16,7 +16,8 @@ Math (local shapes of the Qwen3-8B TP=2, CP=2 layout, ``toolkit.layout``):
         d_hidden = det_gemm_da(d_out_local, w_local)              [M_l, I/2] no collective
 
 Determinism: each local GEMM is a det_gemm (fixed reduction order, no split-K, no atomics). The
-all-reduce is synchronous, in place on a copy of the partial (the partial is returned untouched),
+all-reduce is synchronous, in place on a copy of the partial that the GEMM epilogue writes beside it
+(det_gemm ``twin_out``: no copy kernel before the collective; the partial is returned untouched),
 in BF16 over a group of exactly two ranks: the sum of two BF16 operands is formed once in FP32 and
 rounded once to BF16, so it equals ``(p0.float() + p1.float()).bfloat16()`` whatever NCCL's
 algorithm or protocol (version-1 oracle, DESIGN.md). Groups of more than two are refused.
@@ -203,13 +204,18 @@ def _check_bf16(tensors: dict[str, torch.Tensor]) -> None:
         check_bf16_matrix(name, t)
 
 
-def _reduce(op: str, partial: torch.Tensor, pg, axis: str, mode: str = DEFAULT_MODE) -> torch.Tensor:
-    """All-reduce a copy of ``partial`` in its own dtype (BF16 in v1, FP32 in fp32_invariant mode),
-    then round to BF16 once (a no-op for a BF16 sum)."""
-    out = partial.clone()  # the partial stays untouched for the caller and the audit
+def _twin(rows: int, cols: int, mode: str, like: torch.Tensor) -> torch.Tensor:
+    """The buffer the GEMM epilogue writes a second copy of the partial into (det_gemm ``twin_out``);
+    the collective then runs in place on it and the partial stays untouched, with no copy kernel."""
+    return torch.empty((rows, cols), dtype=collective_dtype(mode), device=like.device)
+
+
+def _reduce(op: str, twin: torch.Tensor, pg, axis: str, mode: str = DEFAULT_MODE) -> torch.Tensor:
+    """All-reduce ``twin`` (the epilogue's copy of the partial) in place in its own dtype (BF16 in v1,
+    FP32 in fp32_invariant mode), then round to BF16 once (a no-op for a BF16 sum)."""
     _COLLECTIVES[(op, "all_reduce", axis)] += 1
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=pg, async_op=False)
-    return out.to(torch.bfloat16) if mode == FP32_INVARIANT else out
+    dist.all_reduce(twin, op=dist.ReduceOp.SUM, group=pg, async_op=False)
+    return twin.to(torch.bfloat16) if mode == FP32_INVARIANT else twin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,8 +234,9 @@ def row_parallel_fwd_launch(hidden_local: torch.Tensor, w_local: torch.Tensor, t
     shapes = layout.local_shapes()
     _check_shapes(op, layout, tensors, {"hidden_local": shapes["hidden"], "w_local": shapes["w_down"]})
     backend, pg_backend = _check_backend(op, tensors, pg)
-    partial, gemm = det_gemm_fwd_launch(hidden_local, w_local, **gemm_kwargs("fwd", layout, mode))
-    output = _reduce(op, partial, pg, "tp", mode)
+    twin = _twin(hidden_local.shape[0], w_local.shape[1], mode, hidden_local)
+    partial, gemm = det_gemm_fwd_launch(hidden_local, w_local, twin_out=twin, **gemm_kwargs("fwd", layout, mode))
+    output = _reduce(op, twin, pg, "tp", mode)
     _CALLS[op] += 1
     return partial, output, ParallelLaunch(op, backend, pg_backend, "all_reduce", "tp", tp_group.ranks,
                                            str(collective_dtype(mode)), gemm)
@@ -248,8 +255,9 @@ def column_parallel_dx_launch(d_proj_local: torch.Tensor, w_local: torch.Tensor,
     shapes = layout.local_shapes()
     _check_shapes(op, layout, tensors, {"d_proj_local": shapes["d_gate"], "w_local": shapes["w_gate"]})
     backend, pg_backend = _check_backend(op, tensors, pg)
-    partial, gemm = det_gemm_da_launch(d_proj_local, w_local, **gemm_kwargs("da", layout, mode))
-    dx = _reduce(op, partial, pg, "tp", mode)
+    twin = _twin(d_proj_local.shape[0], w_local.shape[0], mode, d_proj_local)
+    partial, gemm = det_gemm_da_launch(d_proj_local, w_local, twin_out=twin, **gemm_kwargs("da", layout, mode))
+    dx = _reduce(op, twin, pg, "tp", mode)
     _CALLS[op] += 1
     return partial, dx, ParallelLaunch(op, backend, pg_backend, "all_reduce", "tp", tp_group.ranks,
                                        str(collective_dtype(mode)), gemm)
@@ -278,8 +286,9 @@ def replicated_dw_launch(a_local: torch.Tensor, dc_local: torch.Tensor, grad_gro
             f"{pairs['down']['a_local']}, {pairs['down']['dc_local']}"
         )
     backend, pg_backend = _check_backend(op, tensors, pg)
-    local, gemm = det_gemm_db_launch(a_local, dc_local, **gemm_kwargs("db", layout, mode))
-    reduced = _reduce(op, local, pg, "cp", mode)
+    twin = _twin(a_local.shape[1], dc_local.shape[1], mode, a_local)
+    local, gemm = det_gemm_db_launch(a_local, dc_local, twin_out=twin, **gemm_kwargs("db", layout, mode))
+    reduced = _reduce(op, twin, pg, "cp", mode)
     _CALLS[op] += 1
     return local, reduced, ParallelLaunch(op, backend, pg_backend, "all_reduce", "cp", grad_group.ranks,
                                           str(collective_dtype(mode)), gemm)

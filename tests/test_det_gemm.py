@@ -10,7 +10,7 @@ import torch
 
 from audits.gemm_contract import oracle
 from kernels.det_gemm import (
-    CONFIG_TABLE, GemmConfig, all_configs, det_gemm_da, det_gemm_db, det_gemm_fwd, det_gemm_fwd_launch,
+    CONFIG_TABLE, LAUNCHERS, GemmConfig, all_configs, det_gemm_da, det_gemm_db, det_gemm_fwd, det_gemm_fwd_launch,
     select_config,
 )
 from kernels.backend import check_bf16_matrix
@@ -146,3 +146,31 @@ def test_gpu_backend_is_cuda_sm90():
     a = bf16_randn((16, 64), 1, "cuda")
     _, launch = det_gemm_fwd_launch(a, bf16_randn((64, 32), 2, "cuda"))
     assert launch.backend == "cuda_sm90"
+
+
+@pytest.mark.parametrize("variant", ["ptr", "tma"])
+@pytest.mark.parametrize("op", ["fwd", "da", "db"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_twin_out_holds_the_same_bits_and_changes_nothing(variant, op, out_dtype, device):
+    # The TP/CP operators reduce the twin in place and return the output as the untouched partial.
+    x, y = _operands(op, 9, 40, 56, "linear" if op != "db" else "kn", device)
+    config = GemmConfig(16, 32, 32, 1, 4, 2, variant=variant)
+    plain, _ = LAUNCHERS[op](x, y, config=config, out_dtype=out_dtype)
+    twin = torch.full_like(plain, float("nan"))
+    out, _ = LAUNCHERS[op](x, y, config=config, out_dtype=out_dtype, twin_out=twin)
+    assert compare_bits(out, plain).equal and compare_bits(twin, plain).equal
+    assert out.data_ptr() != twin.data_ptr()
+
+
+def test_rejects_a_bad_twin_before_any_work(device):
+    a, b = bf16_randn((4, 64), 1, device), bf16_randn((64, 8), 2, device)
+    bad = {
+        "shape": torch.empty((4, 9), dtype=torch.bfloat16, device=device),
+        "dtype": torch.empty((4, 8), dtype=torch.float32, device=device),
+        "strides": torch.empty((8, 4), dtype=torch.bfloat16, device=device).t(),
+    }
+    for what, twin in bad.items():
+        with pytest.raises(ValueError, match=r"twin_out must be a contiguous torch.bfloat16 tensor of shape \(4, 8\)"):
+            det_gemm_fwd_launch(a, b, twin_out=twin)
+    with pytest.raises(TypeError, match="twin_out must be a torch.Tensor or None; got list"):
+        det_gemm_fwd_launch(a, b, twin_out=[])
