@@ -43,7 +43,7 @@ Shapes: any M, N, K >= 1 whose element offsets fit in 32 bits; any non-negative 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -55,7 +55,7 @@ from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, re
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-11-29.3"
+CONFIG_TABLE_VERSION = "2026-11-29.4"
 
 OPS = ("fwd", "da", "db")
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
@@ -117,7 +117,9 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
         (16, GemmConfig(16, 32, 128, 1, 4, 6)),
         (128, GemmConfig(64, 64, 128, 1, 4, 4)),
         (512, GemmConfig(128, 128, 64, 8, 8, 4)),
-        (2**31, GemmConfig(256, 128, 64, 8, 8, 3)),
+        # TMA descriptors (H200 sweep reports/2026-11-29-h200x2/tune-tma: 548-745 TFLOP/s on both
+        # weight layouts vs 417-626 for the pointer kernel at the same tile, identical bits).
+        (2**31, GemmConfig(256, 128, 64, 8, 8, 4, "tma")),
     ),
     "da": (
         (16, GemmConfig(16, 64, 128, 1, 4, 6)),
@@ -366,26 +368,49 @@ def _check_seg_len(seg_len: int | None, reduced: int, config: GemmConfig) -> int
     return seg_len
 
 
-def _tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: tuple[int, int]):
-    """A TMA descriptor over ``view`` [rows, cols] in its storage order, and whether that order is
-    transposed ([cols, rows] with ``block`` reversed). Refuses, naming the operand, what TMA cannot
-    address: no unit-stride dim, a non-16-byte-aligned base or outer stride."""
+def _tma_layout(tensor: torch.Tensor, view: torch.Tensor, block: tuple[int, int]):
+    """``(transposed, shape, strides, box)`` of a TMA descriptor over ``view`` [rows, cols] in its
+    storage order ([cols, rows] with ``block`` reversed when transposed), or None when TMA cannot
+    address it: no unit-stride dim, a non-16-byte-aligned base or outer stride."""
     (rows, cols), (stride_r, stride_c) = view.shape, view.stride()
     if stride_c == 1:
         transposed, shape, strides, box = False, [rows, cols], [stride_r, 1], [block[0], block[1]]
     elif stride_r == 1:
         transposed, shape, strides, box = True, [cols, rows], [stride_c, 1], [block[1], block[0]]
     else:
-        transposed, shape, strides, box = None, None, [stride_r, stride_c], None
-    item = tensor.element_size()
-    if transposed is None or strides[0] * item % 16 or tensor.data_ptr() % 16:
+        return None
+    if strides[0] * tensor.element_size() % 16 or tensor.data_ptr() % 16:
+        return None
+    return transposed, shape, strides, box
+
+
+def _tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: tuple[int, int]):
+    """A TMA descriptor over ``view`` and whether its storage order is transposed; refuses, naming the
+    operand, what TMA cannot address."""
+    layout = _tma_layout(tensor, view, block)
+    if layout is None:
+        item = tensor.element_size()
         raise ValueError(
             f"variant 'tma' cannot describe {name} (shape {tuple(tensor.shape)}, strides {tensor.stride()}, "
             f"data_ptr % 16 = {tensor.data_ptr() % 16}): TMA needs one dim with stride 1, the other stride a "
             f"multiple of {16 // item} elements (16 bytes) and a 16-byte-aligned base; use a 'ptr' config "
             "for this operand"
         )
+    transposed, shape, strides, box = layout
     return TensorDescriptor(tensor, shape, strides, box), transposed
+
+
+def table_config(op: str, rows: int, views: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> GemmConfig:
+    """The table's pick for ``op`` at ``rows``, as the pointer kernel with the same tile when the pick
+    is "tma" and an operand is not TMA-addressable (``views``: (tensor, kernel view) of A and B). The
+    variant changes the load path only, never the bits (same tile, same K order; swept on the H200
+    and checked by the cross-config audit), so this choice cannot change a result."""
+    config = select_config(op, rows)
+    if config.variant == "tma":
+        blocks = ((config.block_m, config.block_k), (config.block_k, config.block_n))
+        if any(_tma_layout(t, v, blk) is None for (t, v), blk in zip(views, blocks)):
+            config = replace(config, variant="ptr")
+    return config
 
 
 def _check_twin(twin_out: torch.Tensor | None, rows: int, cols: int, out_dtype: torch.dtype,
@@ -414,7 +439,8 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
     rows, reduced = a_view.shape
     cols = b_view.shape[1]
     _check_twin(twin_out, rows, cols, out_dtype, a_view.device)
-    config = config if config is not None else select_config(op, rows)
+    if config is None:
+        config = table_config(op, rows, tuple(zip(tensors.values(), (a_view, b_view))))
     seg = _check_seg_len(seg_len, reduced, config)
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k

@@ -91,13 +91,28 @@ def test_tma_refusal_message_says_what_is_needed(device):
         LAUNCHERS["fwd"](a, b, config=GemmConfig(16, 32, 32, 1, 4, 2, variant="tma"))
 
 
-def test_variant_field_defaults_to_ptr_and_table_stays_ptr():
+def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
     assert GemmConfig(128, 128, 64, 8, 8, 3) == GemmConfig(128, 128, 64, 8, 8, 3, "ptr")
     assert GemmConfig(128, 128, 64, 8, 8, 3).label() == "BM128_BN128_BK64_G8_w8_s3"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma").label() == "BM128_BN128_BK64_G8_w8_s3_tma"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma") != GemmConfig(128, 128, 64, 8, 8, 3)
-    # No unmeasured kernel ships as default: every pinned entry is the pointer kernel.
-    assert {config.variant for entries in CONFIG_TABLE.values() for _, config in entries} == {"ptr"}
+    # The H200 sweep measured TMA at large M for fwd only; every other entry is the pointer kernel.
+    tma = [(op, rows) for op, entries in CONFIG_TABLE.items() for rows, config in entries if config.variant == "tma"]
+    assert tma == [("fwd", 2**31)]
+
+
+@pytest.mark.parametrize("layout", ["kn", "linear"])
+def test_table_pick_is_tma_where_addressable_else_the_same_tile_as_ptr(layout, device):
+    a, b = bf16_randn((600, 56), 1, device), weight_kn(56, 40, 2, layout, device)
+    out, launch = LAUNCHERS["fwd"](a, b)
+    assert launch.config == select_config("fwd", 600) and launch.config.variant == "tma"
+    # K = 7: a row of A is 14 bytes, no TMA descriptor can describe it; same tile, pointer kernel.
+    a7, b7 = bf16_randn((600, 7), 3, device), weight_kn(7, 40, 4, layout, device)
+    out7, launch7 = LAUNCHERS["fwd"](a7, b7)
+    assert launch7.config == replace(select_config("fwd", 600), variant="ptr")
+    ptr, _ = LAUNCHERS["fwd"](a, b, config=replace(launch.config, variant="ptr"))
+    _assert_same_bits(out, ptr)
+    _assert_same_bits(out7, LAUNCHERS["fwd"](a7, b7, config=launch7.config)[0])
 
 
 def test_rejects_bad_variant_and_tma_box():
