@@ -121,6 +121,10 @@ def _wgrad_meta(grid, metadata, args):
     return {"name": stage_name(_WGRAD_OPS[args["op_id"]], R=args["R"], C=args["C"])}
 
 
+def _scale_meta(grid, metadata, args):
+    return {"name": stage_name("moe_scale_rows", P=args["P"], N=args["N"])}
+
+
 def _combine_meta(grid, metadata, args):
     return {"name": stage_name(_COMBINE_OPS[args["op_id"]], T=args["T"], N=args["N"], K=args["K"])}
 
@@ -239,7 +243,7 @@ def moe_wgrad_kernel(
     stride_we, stride_wr, stride_wc,
     op_id,  # names the launch only
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_K: tl.constexpr,
-    GATHER_A: tl.constexpr, GATHER_SCALE_B: tl.constexpr, ACCUMULATE: tl.constexpr,
+    GATHER_A: tl.constexpr, ACCUMULATE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     pid = tl.program_id(axis=0)
@@ -268,15 +272,8 @@ def moe_wgrad_kernel(
                 a_rows = p
             a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_r[:, None] * stride_ar  # [BLOCK_M, STEP_K]
             a = tl.load(a_ptrs, mask=r_ok[:, None] & p_ok[None, :], other=0.0)
-            if GATHER_SCALE_B:  # dy = bf16(s * dout[token]) formed on load
-                b_rows = tl.load(rows_ptr + p, mask=p_ok, other=0)
-                s = tl.load(score_ptr + p, mask=p_ok, other=0.0)
-                b_ptrs = b_ptr + b_rows[:, None] * stride_bm + offs_c[None, :] * stride_bc  # [STEP_K, BLOCK_N]
-                b = tl.load(b_ptrs, mask=p_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-                b = _to_bf16(b * s[:, None], INTERPRETED)
-            else:
-                b_ptrs = b_ptr + p[:, None] * stride_bm + offs_c[None, :] * stride_bc  # [STEP_K, BLOCK_N]
-                b = tl.load(b_ptrs, mask=p_ok[:, None] & c_ok[None, :], other=0.0)
+            b_ptrs = b_ptr + p[:, None] * stride_bm + offs_c[None, :] * stride_bc  # [STEP_K, BLOCK_N]
+            b = tl.load(b_ptrs, mask=p_ok[:, None] & c_ok[None, :], other=0.0)
             acc = _mma(acc, a, b, STEP_K, INTERPRETED)
 
     w_ptrs = dw_ptr + expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
@@ -286,6 +283,26 @@ def moe_wgrad_kernel(
         tl.store(w_ptrs, tl.load(w_ptrs, mask=w_mask, other=0.0) + acc, mask=w_mask)
     else:
         tl.store(w_ptrs, _to_bf16(acc, INTERPRETED), mask=w_mask)
+
+
+@triton.jit(launch_metadata=_scale_meta)
+def moe_scale_rows_kernel(
+    src_ptr, rows_ptr, score_ptr, out_ptr,
+    P, N,  # out[p, :N] = bf16(score[p] * src[rows[p], :N]), one rounding of the FP32 product
+    stride_sm, stride_sn, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    pid = tl.program_id(axis=0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (pid // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < P
+    mask = m_ok[:, None] & (offs_n < N)[None, :]
+    rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0)
+    s = tl.load(score_ptr + offs_m, mask=m_ok, other=0.0)
+    x = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
+    y = _to_bf16(x.to(tl.float32) * s[:, None], INTERPRETED)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y, mask=mask)
 
 
 @triton.jit(launch_metadata=_combine_meta)
@@ -506,7 +523,7 @@ def moe_gather_sum(dx_route: torch.Tensor, routing: MoeRouting, backend: str,
     return _combine(1, dx_route, routing, None, backend, config)
 
 
-def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, scale_b: bool, routing: MoeRouting,
+def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing: MoeRouting,
            out: torch.Tensor, accumulate: bool, backend: str, config: GemmConfig | None) -> None:
     config = config or select_moe_config("wgrad", backend)
     experts, r, c = out.shape
@@ -517,9 +534,27 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, scale_b
         r, c, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), out.stride(2), op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GATHER_A=gather_a, GATHER_SCALE_B=scale_b, ACCUMULATE=accumulate,
+        GATHER_A=gather_a, ACCUMULATE=accumulate,
         num_warps=config.num_warps, num_stages=config.num_stages, **_backend_flags(backend, config),
     )
+
+
+def moe_scale_rows(dout: torch.Tensor, routing: MoeRouting, backend: str,
+                   config: GemmConfig | None = None) -> torch.Tensor:
+    """dy [P, H] bf16 = bf16(row_score[p] * dout[gather_token[p]]): dW2's B operand in expert-sorted
+    order. Forming it here, not on load inside the dW2 K loop, keeps that loop a plain
+    load-to-shared-memory GEMM; the product and its one rounding are the same."""
+    config = config or select_moe_config("combine", backend)
+    rows, cols = routing.padded_rows, dout.shape[1]
+    dy = torch.empty((rows, cols), dtype=torch.bfloat16, device=dout.device)
+    grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
+    moe_scale_rows_kernel[grid](
+        dout, routing.gather_token, routing.row_score, dy, rows, cols,
+        dout.stride(0), dout.stride(1), dy.stride(0), dy.stride(1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, INTERPRETED=backend == TRITON_INTERPRETER,
+        num_warps=config.num_warps,
+    )
+    return dy
 
 
 def moe_wgrad_w1(x: torch.Tensor, dgu: torch.Tensor, routing: MoeRouting, backend: str,
@@ -528,17 +563,19 @@ def moe_wgrad_w1(x: torch.Tensor, dgu: torch.Tensor, routing: MoeRouting, backen
     experts = routing.num_experts
     out = main_grad if main_grad is not None else torch.empty(
         (experts, x.shape[1], dgu.shape[1]), dtype=torch.bfloat16, device=x.device)
-    _wgrad(0, x, True, dgu, False, routing, out, main_grad is not None, backend, config)
+    _wgrad(0, x, True, dgu, routing, out, main_grad is not None, backend, config)
     return None if main_grad is not None else out
 
 
 def moe_wgrad_w2(h: torch.Tensor, dout: torch.Tensor, routing: MoeRouting, backend: str,
                  main_grad: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor | None:
-    """dW2[e] [I, H] = h^T @ bf16(s * dout[gather]) over e's rows (BF16), or main_grad += it in FP32."""
+    """dW2[e] [I, H] = h^T @ dy over e's rows (BF16), or main_grad += it in FP32, with
+    dy = bf16(s * dout[gather]) formed once per expert-sorted row by ``moe_scale_rows``."""
     experts = routing.num_experts
     out = main_grad if main_grad is not None else torch.empty(
         (experts, h.shape[1], dout.shape[1]), dtype=torch.bfloat16, device=h.device)
-    _wgrad(1, h, False, dout, True, routing, out, main_grad is not None, backend, config)
+    dy = moe_scale_rows(dout, routing, backend)
+    _wgrad(1, h, False, dy, routing, out, main_grad is not None, backend, config)
     return None if main_grad is not None else out
 
 

@@ -11,7 +11,8 @@ from audits.moe import (
     precision_stats, rejection_cases, run_layer, stage_checks,
 )
 from kernels.moe import (
-    MOE_CONFIGS, deinterleave_gate_up, interleave_gate_up, moe_down, moe_mlp_fwd, moe_mlp_ref, moe_up_swiglu,
+    MOE_CONFIGS, deinterleave_gate_up, interleave_gate_up, moe_down, moe_mlp_fwd, moe_mlp_ref, moe_scale_rows,
+    moe_up_swiglu,
 )
 from kernels.moe_routing import build_routing
 from toolkit.contract import compare_bits
@@ -94,6 +95,20 @@ def test_interpreter_bits_do_not_depend_on_tile_config(device):
     y_a = moe_down(h_a, inp["w2"], r, backend)
     y_b = moe_down(h_a, inp["w2"], r, backend, config=MOE_CONFIGS["cuda_sm90"]["down"])
     assert compare_bits(y_a, y_b).equal
+
+
+def test_scaled_rows_are_one_rounding_of_the_fp32_product(device):
+    # dW2's B operand, formed before its GEMM: bf16(s * dout[token]) per expert-sorted row.
+    inp = make_inputs(_case("masked", t=20, seed=15), device)
+    routing = build_routing(inp["topk_ids"], inp["scores"], inp["w1"].shape[0])
+    dout = inp["dout"]
+    backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
+    dy = moe_scale_rows(dout, routing, backend)
+    # The kernel's formula in torch: FP32 product (IEEE, rounded once), then RTNE to BF16.
+    want = (dout[routing.gather_token.long()].float() * routing.row_score[:, None]).to(torch.bfloat16)
+    assert dy.shape == (routing.padded_rows, dout.shape[1]) and dy.dtype == torch.bfloat16
+    assert torch.equal(dy.view(torch.int16), want.view(torch.int16))
+    assert (routing.row_score == 0).any()  # padding rows exist: they are formed too, and never read
 
 
 def test_main_grad_accumulates_fp32_exactly(device):
@@ -198,13 +213,16 @@ for stage, epi, gather, c_t in (("up", 1, True, "*bf16"), ("down", 0, False, "*f
                        "STEP_K": c.block_k, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False},
                        ("stride_al", "stride_bl" if stage in ("dgrad", "dx") else "stride_bc", "stride_cc", "stride_xc"))
 w, c = km.moe_wgrad_kernel, cfgs["wgrad"]
-for name, ga, gs, acc in (("wgrad_w1", True, False, False), ("wgrad_w2", False, True, False), ("wgrad_main_grad", True, False, True)):
+for name, ga, acc in (("wgrad_w1", True, False), ("wgrad_w2", False, False), ("wgrad_main_grad", True, True)):
     ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
             "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32"}
     out[name] = build(w, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
-                      "STEP_K": c.block_k, "GATHER_A": ga, "GATHER_SCALE_B": gs, "ACCUMULATE": acc, "INTERPRETED": False},
+                      "STEP_K": c.block_k, "GATHER_A": ga, "ACCUMULATE": acc, "INTERPRETED": False},
                       ("stride_ar", "stride_bc", "stride_wc"))
 c = cfgs["combine"]
+out["scale_rows"] = build(km.moe_scale_rows_kernel, {"src_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
+                          "out_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "INTERPRETED": False},
+                          ("stride_sn", "stride_on"))
 for scaled in (True, False):
     out[f"combine_{scaled}"] = build(km.moe_combine_kernel, {"src_ptr": "*fp32", "route_row_ptr": "*i32", "score_ptr": "*fp32",
                                      "out_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "SCALED": scaled,
