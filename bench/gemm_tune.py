@@ -45,10 +45,22 @@ SMALL = [GemmConfig(*c) for c in [
 ]]
 
 
-def candidates(rows_out: int, variants=VARIANTS) -> list[GemmConfig]:
-    if rows_out <= 64:
+# dB at small M: the [K, N] output is large and the reduction short, so large output tiles with few
+# K steps (BLOCK_K down to 16) and shallow pipelines; the epilogue's write of the whole gradient dominates.
+DB_SMALL_M = [GemmConfig(*c) for c in [
+    (128, 256, 64, 8, 8, 2), (128, 256, 64, 8, 8, 3), (128, 256, 32, 8, 8, 3), (128, 256, 16, 8, 8, 2),
+    (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 4, 3), (128, 128, 32, 8, 4, 4), (256, 128, 64, 8, 8, 3),
+    (64, 256, 64, 8, 4, 3),
+]] + [GemmConfig(*c, variant="tma") for c in [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)]]
+
+
+def candidates(op: str, m: int, variants=VARIANTS) -> list[GemmConfig]:
+    """Configs to time for ``op`` at batch size ``m`` (the table's pick is always timed beside them)."""
+    if op == "db":
+        out = DB_SMALL_M if m <= 512 else LARGE + LARGE_TMA
+    elif m <= 64:
         out = SMALL
-    elif rows_out <= 1024:
+    elif m <= 1024:
         out = SMALL[-6:] + LARGE + LARGE_TMA
     else:
         out = LARGE + LARGE_TMA
@@ -77,9 +89,8 @@ def sweep(ops, ms, shapes, layouts, rounds: int, variants=VARIANTS, timing: str 
                     x, y, _ = operands(case, device)
                     ref, ref_launch = LAUNCHERS[op](x, y)
                     table = ref_launch.config
-                    rows_out = m if op != "db" else k
                     fns, same = {table.label(): table}, {table.label(): compare_bits(ref, ref).as_row()}
-                    for cfg in candidates(rows_out, variants):
+                    for cfg in candidates(op, m, variants):
                         if cfg == table:
                             continue
                         try:

@@ -109,7 +109,8 @@ class GemmConfig:
         return label if self.variant == "ptr" else f"{label}_{self.variant}"
 
 
-# (largest output row count the entry serves, config). Rows: M for fwd and dA; K for dB.
+# (largest M the entry serves, config); M is the batch dimension for all three ops (dB's reduced
+# dimension: dB is not batch-invariant by nature, so picking its tile by M costs no property).
 # Entries chosen from bench/gemm_tune.py sweeps on an H200 (reports/2026-11-29-h200/); every candidate
 # swept there gave the same bits as the table's pick.
 CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
@@ -134,14 +135,14 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
 }
 
 
-def select_config(op: str, rows: int) -> GemmConfig:
-    """The pinned config for ``op`` with ``rows`` output rows (M for fwd/dA, K for dB)."""
+def select_config(op: str, m: int) -> GemmConfig:
+    """The pinned config for ``op`` at batch size ``m`` (fwd/dA: output rows; dB: the reduced dim)."""
     if op not in CONFIG_TABLE:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
-    for max_rows, config in CONFIG_TABLE[op]:
-        if rows <= max_rows:
+    for max_m, config in CONFIG_TABLE[op]:
+        if m <= max_m:
             return config
-    raise ValueError(f"{rows} output rows exceed the config table for {op!r}")
+    raise ValueError(f"M={m} exceeds the config table for {op!r}")
 
 
 def all_configs(op: str) -> list[GemmConfig]:
@@ -400,12 +401,12 @@ def _tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: 
     return TensorDescriptor(tensor, shape, strides, box), transposed
 
 
-def table_config(op: str, rows: int, views: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> GemmConfig:
-    """The table's pick for ``op`` at ``rows``, as the pointer kernel with the same tile when the pick
+def table_config(op: str, m: int, views: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> GemmConfig:
+    """The table's pick for ``op`` at batch size ``m``, as the pointer kernel with the same tile when the pick
     is "tma" and an operand is not TMA-addressable (``views``: (tensor, kernel view) of A and B). The
     variant changes the load path only, never the bits (same tile, same K order; swept on the H200
     and checked by the cross-config audit), so this choice cannot change a result."""
-    config = select_config(op, rows)
+    config = select_config(op, m)
     if config.variant == "tma":
         blocks = ((config.block_m, config.block_k), (config.block_k, config.block_n))
         if any(_tma_layout(t, v, blk) is None for (t, v), blk in zip(views, blocks)):
@@ -440,7 +441,7 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
     cols = b_view.shape[1]
     _check_twin(twin_out, rows, cols, out_dtype, a_view.device)
     if config is None:
-        config = table_config(op, rows, tuple(zip(tensors.values(), (a_view, b_view))))
+        config = table_config(op, reduced if op == "db" else rows, tuple(zip(tensors.values(), (a_view, b_view))))
     seg = _check_seg_len(seg_len, reduced, config)
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k

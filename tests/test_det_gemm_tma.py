@@ -128,7 +128,7 @@ def test_tune_sweep_records_a_refused_candidate(device, monkeypatch):
     import bench.gemm_tune as tune
 
     tma, ptr = GemmConfig(16, 32, 32, 1, 4, 2, variant="tma"), GemmConfig(16, 32, 32, 1, 4, 2)
-    monkeypatch.setattr(tune, "candidates", lambda rows_out, variants: [c for c in (tma, ptr) if c.variant in variants])
+    monkeypatch.setattr(tune, "candidates", lambda op, m, variants: [c for c in (tma, ptr) if c.variant in variants])
     # K = 60: TMA cannot describe a [M, 60] activation (120-byte rows), so the tma candidate is refused.
     rows = tune.sweep(["fwd"], [7], ((60, 40),), ["kn"], rounds=1, device=device)
     by_config = {r["config"]: r for r in rows}
@@ -158,3 +158,13 @@ def test_tma_kernel_compiles_for_sm90_offline_with_utmaldg_and_hgmma(tmp_path):
         assert r["UTMALDG"] > 0 and r["HGMMA"] > 0, (case, r)
         assert r["LDGSTS"] == 0 and r["HMMA"] == 0, (case, r)
         assert r["shared_bytes"] <= 227 * 1024, (case, r)  # sm_90's per-block shared-memory limit
+
+
+def test_db_candidates_follow_m_and_the_table_keys_db_by_m(device):
+    import bench.gemm_tune as tune
+
+    assert tune.candidates("db", 16) == tune.DB_SMALL_M and tune.candidates("db", 4096) == tune.LARGE + tune.LARGE_TMA
+    assert tune.candidates("fwd", 16) == tune.SMALL
+    # dB's launch picks its config by M (its reduced dim), not by its output rows K.
+    a, dc = bf16_randn((9, 56), 1, device), bf16_randn((9, 40), 2, device)
+    assert LAUNCHERS["db"](a, dc)[1].config == select_config("db", 9)
