@@ -69,6 +69,9 @@ PRESETS = {
     "olmoe": MoePreset("olmoe", 8192, 2048, 1024, 64, 8),
     "mixtral-8x7b": MoePreset("mixtral-8x7b", 8192, 4096, 14336, 8, 2),
     "tiny": MoePreset("tiny", 64, 32, 48, 4, 2),  # interpreter scale
+    # FP8 (bench/moe_fp8.py): the second target T, and an interpreter shape with H, I multiples of 128
+    "reference-16k": MoePreset("reference-16k", 16384, 3072, 1536, 8, 8),
+    "tiny-fp8": MoePreset("tiny-fp8", 64, 128, 128, 3, 2),
 }
 GPU_PRESETS = ("reference", "qwen3-30b-a3b", "qwen3-235b-a22b", "olmoe", "mixtral-8x7b")
 
@@ -328,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="folder for rows.json and report.md")
     parser.add_argument("--json", action="store_true", help="print rows and meta as JSON")
     parser.add_argument("--no-stages", action="store_true", help="skip the per-stage timings")
+    parser.add_argument("--fp8", action="store_true",
+                        help="FP8 path vs the BF16 detkit path side by side, plus the crossover sweep (bench/moe_fp8.py)")
+    parser.add_argument("--no-fp64", action="store_true", help="--fp8: gate against the BF16 path only (no FP64 oracle)")
+    parser.add_argument("--no-crossover", action="store_true", help="--fp8: skip the crossover sweep over T")
     args = parser.parse_args(argv)
     if args.device == "cpu":
         import os
@@ -337,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # the kernels are imported after this (CPU = interpreter)
     elif not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA GPU; use --device cpu (interpreter, not hardware)")
+    if args.fp8:
+        return _main_fp8(args)
     presets = args.preset or (["tiny"] if args.device == "cpu" else list(GPU_PRESETS))
     rows, meta = run(torch.device(args.device), presets, rounds=args.rounds, seed=args.seed,
                      stages=not args.no_stages)
@@ -345,6 +354,28 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "rows.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str) + "\n")
         (args.out / "report.md").write_text(_markdown(rows, meta))
     print(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str) if args.json else _markdown(rows, meta))
+    return 0 if all(r.get("validated") for r in rows) else 1
+
+
+def _main_fp8(args) -> int:
+    from bench import moe_fp8
+
+    device = torch.device(args.device)
+    presets = args.preset or (list(moe_fp8.CPU_PRESETS) if args.device == "cpu" else
+                              [*moe_fp8.TARGET_PRESETS, *(p for p in GPU_PRESETS if p in moe_fp8.fp8_presets())])
+    rows, meta = moe_fp8.run(device, presets, rounds=args.rounds, seed=args.seed, stages=not args.no_stages,
+                             fp64=not args.no_fp64, crossover_tokens=() if args.no_crossover else None)
+    meta.update({"command_line": shlex.join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "hardware_result": args.device != "cpu", "torch": torch.__version__,
+                 "triton": __import__("triton").__version__, "commit": _git_commit(),
+                 "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
+    if args.device == "cpu":
+        meta["note"] = INTERPRETER_LABEL
+    if args.out is not None:
+        moe_fp8.write(args.out, rows, meta)
+    head = "# detkit bench moe --fp8\n\n" + ("" if meta["hardware_result"] else f"> **{INTERPRETER_LABEL}**\n\n")
+    print(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str) if args.json
+          else head + moe_fp8.markdown(rows, meta))
     return 0 if all(r.get("validated") for r in rows) else 1
 
 

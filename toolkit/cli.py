@@ -1,4 +1,4 @@
-"""The ``detkit`` command: ``detkit env``, ``detkit audit``, ``detkit bench gemm|comm|mlp``.
+"""The ``detkit`` command: ``detkit env``, ``detkit audit``, ``detkit bench gemm|moe|comm|mlp``.
 
 Every subcommand shares --device/--preset/--seed/--out/--json and exits non-zero when a check fails.
 ``--device cpu`` selects the Triton interpreter (TRITON_INTERPRET=1, set here before any kernel is
@@ -278,6 +278,33 @@ def bench_gemm(ops, m_values, layouts, rounds, device, preset, seed, out_dir, as
     if bad:
         for row in bad:
             click.echo(f"FAILED contract before timing: {row['name']}", err=True)
+        raise SystemExit(1)
+
+
+@bench.command("moe")
+@click.option("--fp8", is_flag=True, help="The FP8 path vs the BF16 detkit path side by side, with the crossover "
+                                          "sweep over T (bench/moe_fp8.py, docs/moe_fp8.md).")
+@click.option("--rounds", type=int, default=5, show_default=True, help="Interleaved timing rounds.")
+@click.option("--no-stages", is_flag=True, help="Skip the per-stage timings.")
+@click.option("--no-fp64", is_flag=True, help="--fp8: gate against the BF16 path only (no FP64 oracle).")
+@click.option("--no-crossover", is_flag=True, help="--fp8: skip the crossover sweep.")
+@shared_options
+def bench_moe(fp8, rounds, no_stages, no_fp64, no_crossover, device, preset, seed, out_dir, as_json) -> None:
+    """The MoE expert MLP vs PyTorch (BF16); with --fp8, the FP8 path vs the BF16 detkit path."""
+    if rounds < 1:
+        raise click.BadParameter(f"--rounds must be >= 1; got {rounds}", param_hint="--rounds")
+    if (no_fp64 or no_crossover) and not fp8:
+        raise click.UsageError("--no-fp64 and --no-crossover apply to --fp8 only")
+    _select_device(device)
+    from bench import moe
+
+    argv = ["--device", device, "--rounds", str(rounds), "--seed", str(seed),
+            "--out", str(out_dir or _default_out("bench"))]
+    argv += ["--preset", preset] if preset else []
+    flags = {"--fp8": fp8, "--no-stages": no_stages, "--no-fp64": no_fp64, "--no-crossover": no_crossover,
+             "--json": as_json}
+    argv += [flag for flag, on in flags.items() if on]
+    if moe.main(argv) != 0:
         raise SystemExit(1)
 
 

@@ -40,6 +40,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "tp-cp": ("audits.tp_cp",), "tp-cp-refs": ("audits.tp_cp_refs",),  # issue 4 (docs/tp_cp.md)
     "invariance": ("audits.invariance",),  # issue 7 (docs/invariance.md)
     "moe": ("audits.moe",),  # issue 8 (docs/moe.md)
+    "moe-fp8": ("audits.moe_fp8",),  # issue 9 (docs/moe_fp8.md)
 }
 # Suites that need several ranks (torchrun/srun); every other suite runs in one process.
 MULTI_RANK_SUITES = ("tp-cp", "invariance")

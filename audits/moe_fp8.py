@@ -1,0 +1,471 @@
+"""The block-scaled FP8 MoE expert MLP (suite 'moe-fp8'): determinism, batch invariance, scaled math,
+precision gate, quantization risk.
+
+Checks, each one row:
+- ``repetitions`` / ``fresh_process``: forward + backward (out, dX, dW1, dW2, dscores) give the same bits
+  on every call and in a new Python process.
+- ``batch_invariance``: a token's output bits do not depend on the other tokens (the BF16 suite's variants).
+- ``quantizers``: x, dout, w1, w2 quantized by the kernels equal the pure-torch references bit for bit,
+  the fused epilogue quantizations equal the standalone quantizer on the stored BF16 h and dgu, and the
+  column-wise quantizations of the FP8 weight gradients (x, dgu, h, dy) equal theirs.
+- ``stage_bound``: gu, y, dgu, dx_route and the FP8 dW1, dW2 within a derived bound of an FP64 oracle of
+  the kernel's own dequantized FP8 operands (block-scaled GEMM with per-128-K promotion,
+  docs/moe_fp8.md); out, dx (the BF16 path's combine) and dscores within theirs; padding rows exactly zero.
+- ``emulation``: the layer within EMULATION_REL_L2 of ``moe_mlp_fp8_ref`` (the recipe in plain torch),
+  with either weight-gradient mode (wgrad "bf16" and "fp8").
+- ``precision``: the issue's gate, cosine >= 0.997 and relative RMSE < 7.6% for out, dX, dscores, dW1,
+  dW2 against the FP64 oracle and against the BF16 detkit path, for each weight-gradient mode. On a GPU:
+  the kernels at the GPU shape.
+  On the interpreter: the kernels at the tiny shape are too few values for a stable RMSE (dscores has
+  T*K of them), so the gate is evaluated on ``moe_mlp_fp8_ref`` at GATE_SHAPE, which the ``emulation``
+  row ties to the kernels; the kernels' own tiny-shape numbers are in the row's details.
+- ``quant_risk``: per quantized tensor, log2(row or matrix amax / block amax) p95 and max, and the
+  fraction of non-zero values flushed to zero; fails above FLUSH_ALARM or on non-finite values.
+- ``main_grad``, ``weight_cache``, ``edge`` (expert segments of 0/1/127/128/129 rows, one expert, T = 1),
+  ``rejects`` (malformed inputs, H or I not a multiple of 128).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from audits.moe import (
+    ACT, GRAD_NAMES, MoeCase, cosine, invariance_variants, rejection_cases, rel_l2,
+    round_sum_bound,
+)
+from kernels.fp8_quant import (
+    QBLOCK, dequantize_rowwise, quantize_colwise_ref, quantize_rowwise, quantize_rowwise_ref, quantize_weight_ref,
+)
+from kernels.moe import moe_mlp_fwd, moe_mlp_bwd, moe_mlp_ref
+from kernels.moe_fp8 import (
+    Fp8WeightCache, fp8_stage_name, moe_fp8_dgrad_dswiglu, moe_fp8_dx_route, moe_fp8_quant_colwise, moe_fp8_risk,
+    moe_fp8_wgrad, moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd, moe_mlp_fp8_ref,
+)
+from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
+from toolkit.contract import ETA_BF16, U_BF16, U_FP32, U_FP64, ContractResult, check_bound, compare_bits, digest, gamma
+from toolkit.harness import Row, RunContext
+from toolkit.nvtx_ranges import nvtx_range
+
+NAME = "moe-fp8"
+DESCRIPTION = "FP8 MoE expert MLP fwd+bwd: determinism, batch invariance, block-scaled math, precision gate, risk"
+
+# The issue's precision gate, for out, dX, dscores, dW1, dW2 against FP64 and against the BF16 path.
+GATE_MIN_COSINE = 0.997
+GATE_MAX_REL_RMSE = 0.076
+# Kernels vs moe_mlp_fp8_ref: they differ only by FP32 accumulation order and the activation's exp,
+# which can move a BF16 rounding and then an E4M3 rounding (2**-4 relative) of a few elements. 2**-8
+# is 16x below one E4M3 step on every element, so a wrong scale, block or layout fails it by far.
+EMULATION_REL_L2 = 2.0**-8
+# Accumulation inside one 128-K block: FP32 on the interpreter; on Hopper the FP8 wgmma accumulates with
+# about 14 significant bits (DeepSeek-V3, section 3.3.2): an allowance of 2**-13 per add, to be measured.
+BLOCK_ACC_UNIT = {"triton_interpreter": U_FP32, "cuda_sm90": 2.0**-13}
+FLUSH_ALARM = 0.01  # a quantized tensor losing >1% of its non-zero values to zero is a risk, not noise
+SHAPES = {  # (T, H, I, E, K)
+    "tiny": (48, 128, 128, 4, 2),
+    "gpu": (2048, 1024, 768, 16, 4),
+}
+GATE_SHAPE = (512, 256, 256, 8, 4)  # the interpreter's gate, on the emulation reference (T*K = 2048 dscores)
+FRESH_PROCESS_TIMEOUT_S = 1800
+
+
+def audit_shape(ctx: RunContext) -> tuple[int, ...]:
+    return SHAPES["tiny" if ctx.interpreted else "gpu"]
+
+
+def case_name(case: MoeCase) -> str:
+    return fp8_stage_name("moe_mlp", T=case.t, H=case.h, I=case.i, E=case.e, K=case.k) + f" routing={case.routing}"
+
+
+def make_inputs(case: MoeCase, device: torch.device) -> dict[str, torch.Tensor]:
+    """The BF16 suite's seeded inputs (audits.moe.make_inputs), same bits on every device and process."""
+    from audits.moe import make_inputs as bf16_inputs
+
+    return bf16_inputs(case, device)
+
+
+def run_layer(inp: dict[str, torch.Tensor], main_grads=None, weight_cache=None,
+              wgrad: str = "bf16") -> dict[str, torch.Tensor]:
+    """Forward and backward through the FP8 autograd Function (no weight cache unless given)."""
+    x = inp["x"].detach().requires_grad_()
+    w1 = inp["w1"].detach().requires_grad_()
+    w2 = inp["w2"].detach().requires_grad_()
+    scores = inp["scores"].detach().requires_grad_()
+    out = moe_mlp_fp8(x, w1, w2, inp["topk_ids"], scores, main_grads=main_grads, weight_cache=weight_cache,
+                      wgrad=wgrad)
+    out.backward(inp["dout"])
+    return {"out": out.detach(), "dx": x.grad, "dw1": w1.grad, "dw2": w2.grad, "dscores": scores.grad}
+
+
+def _bits_row(ctx: RunContext, check: str, name: str, got: dict, want: dict, **details) -> Row:
+    results = {k: compare_bits(got[k], want[k]) for k in want}
+    worst = max(results.values(), key=lambda r: r.mismatches)
+    bad = [k for k, r in results.items() if not r.equal]
+    return Row(suite=NAME, check=check, name=name, passed=not bad, backend=ctx.backend,
+               details={**details, "tensors": list(want), "mismatched_tensors": bad, **worst.as_row()})
+
+
+# ---------------------------------------------------------------------------------------------
+# The block-scaled GEMM bound and the per-stage checks (docs/moe_fp8.md derives them)
+# ---------------------------------------------------------------------------------------------
+def block_gemm_error(abs_ab: torch.Tensor, reduced: int, unit: float) -> torch.Tensor:
+    """|c - c*| of acc = sum over ascending 128-K blocks of blk * (exact power-of-two scale), kept in FP32:
+    each block's accumulation errs by gamma(128, unit) of its |a||b|, the promotion adds one FP32 add per
+    block; plus the FP64 oracle's own error. abs_ab = |A_deq| @ |B_deq|."""
+    blocks = reduced // QBLOCK
+    return (gamma(QBLOCK, unit) + gamma(blocks) * (1 + gamma(QBLOCK, unit)) + gamma(reduced, U_FP64)) * abs_ab
+
+
+def _row_experts(routing: MoeRouting) -> torch.Tensor:
+    return torch.repeat_interleave(routing.tile_expert.long(), SEGMENT_ALIGN)
+
+
+def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult], dict]:
+    """Every stage against its FP64 oracle from its own (dequantized) inputs; bitwise quantizer checks."""
+    x, w1, w2, scores, dout = inp["x"], inp["w1"], inp["w2"], inp["scores"], inp["dout"]
+    out, saved = moe_mlp_fp8_fwd(x, w1, w2, inp["topk_ids"], scores, weight_cache=None)
+    grads = moe_mlp_fp8_bwd(dout, saved)
+    r, backend = saved.routing, saved.backend
+    unit = BLOCK_ACC_UNIT[backend]
+    x_q, x_s = quantize_rowwise(x)
+    d_q, d_s = quantize_rowwise(dout)
+    dgu, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(d_q, d_s, saved.w2f, saved.gu, r, backend)
+    dxr = moe_fp8_dx_route(dgu_q, dgu_s, saved.w1f, r, backend)
+    f64 = torch.float64
+    valid = (r.sorted_route >= 0).nonzero().squeeze(1)
+    pad = (r.sorted_route < 0).nonzero().squeeze(1)
+    tok = r.gather_token.long()[valid]
+    exp = _row_experts(r)[valid]
+    s_row = r.row_score.double()[valid]
+    hidden, inter = x.shape[1], w2.shape[1]
+
+    # Quantizers: kernels vs pure-torch references, bit for bit.
+    bits = {}
+    for name, (q, s), src in (("x", (x_q, x_s), x), ("dout", (d_q, d_s), dout)):
+        qr, sr = quantize_rowwise_ref(src)
+        bits[name] = compare_bits(q, qr).equal and compare_bits(s, sr).equal
+    for name, fw, w in (("w1", saved.w1f, w1), ("w2", saved.w2f, w2)):
+        ref = quantize_weight_ref(w)
+        bits[name] = all(compare_bits(a, b).equal for a, b in ((fw.q, ref.q), (fw.q_t, ref.q_t), (fw.scale, ref.scale)))
+    hq_ref, hs_ref = quantize_rowwise_ref(saved.h)
+    bits["h_fused"] = compare_bits(saved.h_q, hq_ref).equal and compare_bits(saved.h_s, hs_ref).equal
+    gq_ref, gs_ref = quantize_rowwise_ref(dgu)
+    bits["dgu_fused"] = compare_bits(dgu_q, gq_ref).equal and compare_bits(dgu_s, gs_ref).equal
+
+    w1_d, w2_d = saved.w1f.dequantize().to(f64), saved.w2f.dequantize().to(f64)
+    x_d = dequantize_rowwise(x_q, x_s).to(f64)
+    d_d = dequantize_rowwise(d_q, d_s).to(f64)
+    h_d = dequantize_rowwise(saved.h_q, saved.h_s).to(f64)
+    g_d = dequantize_rowwise(dgu_q, dgu_s).to(f64)
+
+    def per_expert(a: torch.Tensor, b_of_e, n_out: int):
+        """(a @ b(e), |a| @ |b(e)|) for each valid row, grouped by its expert, in FP64."""
+        c = torch.zeros(valid.numel(), n_out, dtype=f64, device=a.device)
+        ab = torch.zeros_like(c)
+        for e in exp.unique().tolist():
+            sel = (exp == e).nonzero().squeeze(1)
+            b = b_of_e(e)
+            c[sel] = a[sel] @ b
+            ab[sel] = a[sel].abs() @ b.abs()
+        return c, ab
+
+    results: dict[str, ContractResult] = {}
+    gu_star, gu_ab = per_expert(x_d[tok], lambda e: w1_d[e], w1.shape[2])
+    results["gu"] = check_bound(saved.gu[valid], gu_star, U_BF16 * gu_star.abs()
+                                + (1 + U_BF16) * block_gemm_error(gu_ab, hidden, unit) + ETA_BF16)
+    y_star, y_ab = per_expert(h_d[valid], lambda e: w2_d[e], hidden)
+    results["y"] = check_bound(saved.y[valid], y_star, block_gemm_error(y_ab, inter, unit))
+    y_tk = torch.zeros(r.num_tokens, r.top_k, hidden, dtype=f64, device=x.device)
+    rr = r.route_row.long()
+    m = rr >= 0
+    y_tk[m] = saved.y.to(f64)[rr[m]]
+    sy = scores.to(f64)[:, :, None] * y_tk
+    out_star = sy.sum(1)
+    results["out"] = check_bound(out, out_star, round_sum_bound(out_star, sy.abs().sum(1), r.top_k))
+    # dgrad + dSwiGLU from the kernel's gu (the BF16 suite's derivation with the block-scaled e_h)
+    dh_raw, dh_ab = per_expert(d_d[tok], lambda e: w2_d[e].t(), inter)
+    dh_star = s_row[:, None] * dh_raw
+    e_h = s_row.abs()[:, None] * (block_gemm_error(dh_ab, hidden, unit) + gamma(1) * dh_ab)
+    g, u = saved.gu[valid, 0::2].to(f64), saved.gu[valid, 1::2].to(f64)
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    act = ACT * (1 + g.abs())
+    dsilu = sig * (1 + g * (1 - sig))
+    dg_star, du_star = dh_star * u * dsilu, dh_star * silu
+    dg_bound = U_BF16 * dg_star.abs() + (1 + U_BF16) * (
+        e_h * u.abs() * (dsilu.abs() + act) + dh_star.abs() * u.abs() * act) + ETA_BF16
+    du_bound = U_BF16 * du_star.abs() + (1 + U_BF16) * (
+        e_h * silu.abs() * (1 + act) + dh_star.abs() * silu.abs() * act) + ETA_BF16
+    results["dgu"] = check_bound(dgu[valid], torch.stack((dg_star, du_star), 2).flatten(1),
+                                 torch.stack((dg_bound, du_bound), 2).flatten(1))
+    dxr_star, dxr_ab = per_expert(g_d[valid], lambda e: w1_d[e].t(), hidden)
+    results["dx_route"] = check_bound(dxr[valid], dxr_star, block_gemm_error(dxr_ab, 2 * inter, unit))
+    dxr_tk = torch.zeros_like(y_tk)
+    dxr_tk[m] = dxr.to(f64)[rr[m]]
+    dx_star = dxr_tk.sum(1)
+    results["dx"] = check_bound(grads.dx, dx_star, round_sum_bound(dx_star, dxr_tk.abs().sum(1), r.top_k))
+    dy_t = dout.to(f64)[:, None, :] * y_tk
+    ds_star = dy_t.sum(2)
+    s_unit = U_BF16 if scores.dtype == torch.bfloat16 else 0.0
+    results["dscores"] = check_bound(grads.dscores, ds_star,
+                                     round_sum_bound(ds_star, dy_t.abs().sum(2), hidden, s_unit))
+
+    # FP8 weight gradients (wgrad="fp8"): 128x1 column-wise operands over each expert's padded rows.
+    dense = {name: torch.zeros(r.padded_rows, t.shape[1], dtype=torch.float32, device=x.device)
+             for name, t in (("x", x), ("dy", dout))}
+    dense["x"][valid] = x[tok].float()
+    dense["dy"][valid] = r.row_score[valid][:, None] * dout[tok].float()  # one FP32 rounding, as the kernel
+    dense["dgu"], dense["h"] = dgu.float(), saved.h.float()  # padding rows are exactly zero (checked below)
+    sources = {"x": (x, True, False), "dgu": (dgu, False, False), "h": (saved.h, False, False),
+               "dy": (dout, True, True)}  # (source, gathered by token, scaled by the route's score)
+    cq, deq = {}, {}
+    for name, (src, gather, scale) in sources.items():
+        q, s_ = moe_fp8_quant_colwise(src, r, backend, gather=gather, scale=scale)
+        qr, sr = quantize_colwise_ref(dense[name])
+        bits[f"{name}_colwise"] = compare_bits(q, qr).equal and compare_bits(s_, sr).equal
+        cq[name], deq[name] = (q, s_), dequantize_rowwise(q, s_).to(f64)  # [N, P]
+    for stage, a, b in (("dw1_fp8", "x", "dgu"), ("dw2_fp8", "h", "dy")):
+        got_w = moe_fp8_wgrad(*cq[a], *cq[b], r, backend)
+        star = torch.zeros(got_w.shape, dtype=f64, device=x.device)
+        bound = torch.zeros_like(star)
+        for e, count in enumerate(r.counts):
+            if count == 0:
+                continue
+            lo, n = int(r.expert_offsets[e]), -(-count // QBLOCK) * QBLOCK
+            a_e, b_e = deq[a][:, lo:lo + n], deq[b][:, lo:lo + n]
+            star[e] = a_e @ b_e.t()
+            bound[e] = U_BF16 * star[e].abs() + (1 + U_BF16) * block_gemm_error(a_e.abs() @ b_e.abs().t(), n, unit)
+        results[stage] = check_bound(got_w, star, bound + ETA_BF16)
+
+    zero = {}
+    for name, t in (("gu", saved.gu), ("h", saved.h), ("h_q", saved.h_q), ("y", saved.y), ("dgu", dgu),
+                    ("dgu_q", dgu_q), ("dx_route", dxr)):
+        zero[name] = bool((t[pad].float() == 0).all()) if pad.numel() else True
+    return results, {"quantizers_bitwise": bits, "padding_zero": zero}
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision gate
+# ---------------------------------------------------------------------------------------------
+def precision_stats(got: dict, inp: dict, bf16_path: dict | None = None,
+                    oracle: dict | None = None) -> dict[str, dict[str, float]]:
+    """Per tensor: cosine and relative RMSE against the FP64 oracle (computed unless given) and (when given)
+    the BF16 detkit path."""
+    args = (inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"], inp["dout"])
+    oracle = oracle if oracle is not None else moe_mlp_ref(*args, dtype=torch.float64)
+    stats = {}
+    for name in GRAD_NAMES:
+        st = {"cosine_fp64": cosine(got[name], oracle[name]), "rel_rmse_fp64": rel_l2(got[name], oracle[name])}
+        if bf16_path is not None:
+            st.update({"cosine_bf16_path": cosine(got[name], bf16_path[name]),
+                       "rel_rmse_bf16_path": rel_l2(got[name], bf16_path[name]),
+                       "bf16_path_rel_rmse_fp64": rel_l2(bf16_path[name], oracle[name])})
+        stats[name] = st
+    return stats
+
+
+def gate_passed(st: dict) -> bool:
+    keys = [k for k in ("fp64", "bf16_path") if f"cosine_{k}" in st]
+    return all(st[f"cosine_{k}"] >= GATE_MIN_COSINE and st[f"rel_rmse_{k}"] < GATE_MAX_REL_RMSE for k in keys)
+
+
+def bf16_path_layer(inp: dict) -> dict[str, torch.Tensor]:
+    out, saved = moe_mlp_fwd(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])
+    g = moe_mlp_bwd(inp["dout"], saved)
+    return {"out": out, "dx": g.dx, "dw1": g.dw1, "dw2": g.dw2, "dscores": g.dscores}
+
+
+def risk_rows(ctx: RunContext, name: str, risk: dict) -> Iterator[Row]:
+    for tensor, st in risk.items():
+        finite = all(v == v and abs(v) != float("inf") for v in st.values())
+        yield Row(suite=NAME, check="quant_risk", name=f"quant_risk {tensor} {name}",
+                  passed=finite and st["flushed_fraction"] <= FLUSH_ALARM, backend=ctx.backend,
+                  details={"flush_alarm": FLUSH_ALARM, **st})
+
+
+# ---------------------------------------------------------------------------------------------
+# Fresh-process digests
+# ---------------------------------------------------------------------------------------------
+def case_digests(case: MoeCase, device: torch.device) -> dict[str, str]:
+    got = run_layer(make_inputs(case, device))
+    return {name: digest(got[name]) for name in GRAD_NAMES}
+
+
+def _fresh_process_digests(case: MoeCase, device: torch.device) -> dict[str, str]:
+    payload = json.dumps({"device": str(device), "case": vars(case)})
+    proc = subprocess.run([sys.executable, "-m", "audits.moe_fp8"], input=payload, capture_output=True, text=True,
+                          timeout=FRESH_PROCESS_TIMEOUT_S, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"fresh-process worker failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fp8_rejection_cases(inp: dict) -> list[tuple[str, type, dict]]:
+    """The BF16 path's rejections (kernels.moe's checks run first), plus the FP8 block constraints."""
+    picked = [c for c in rejection_cases(inp) if c[0] in ("duplicate ids", "x float32", "w1 float16", "w1 odd 2I",
+                                                          "w2 wrong I", "scores NaN")]
+    h, i = inp["x"].shape[1], inp["w2"].shape[1]
+    return picked + [
+        ("H not a multiple of 128", ValueError, {"x": inp["x"][:, :h - 16], "w1": inp["w1"][:, :h - 16],
+                                                 "w2": inp["w2"][:, :, :h - 16]}),
+        ("I not a multiple of 128", ValueError, {"w1": inp["w1"][:, :, :2 * (i - 16)], "w2": inp["w2"][:, :i - 16]}),
+    ]
+
+
+def weight_cache_checks(inp: dict) -> dict[str, bool]:
+    """A cache hit returns the same FP8 weights; an optimizer step (in place, bumps _version) invalidates."""
+    cache = Fp8WeightCache(capacity=4)
+    w1 = torch.nn.Parameter(inp["w1"].clone())
+    w2 = torch.nn.Parameter(inp["w2"].clone())
+    args = (inp["topk_ids"], inp["scores"])
+    first = moe_mlp_fp8_fwd(inp["x"], w1, w2, *args, weight_cache=cache)[0]
+    again = moe_mlp_fp8_fwd(inp["x"], w1, w2, *args, weight_cache=cache)[0]
+    hits_after_repeat, misses_after_repeat = cache.hits, cache.misses
+    w1.grad = torch.ones_like(w1)
+    w2.grad = torch.zeros_like(w2)
+    version = w1._version
+    torch.optim.SGD([w1, w2], lr=0.5).step()
+    stepped = moe_mlp_fp8_fwd(inp["x"], w1, w2, *args, weight_cache=cache)[0]
+    fresh = moe_mlp_fp8_fwd(inp["x"], w1.detach().clone(), w2.detach().clone(), *args, weight_cache=None)[0]
+    return {
+        "repeat_hits": hits_after_repeat == 2 and misses_after_repeat == 2,
+        "repeat_same_bits": compare_bits(first, again).equal,
+        "step_bumped_version": w1._version > version,
+        "step_missed": cache.misses == 4,  # both weights: SGD steps w2 too (zero grad, still in place)
+        "step_replaced_in_place": len(cache) == 2,  # one slot per weight: the stale versions are gone
+        "step_equals_fresh_quantization": compare_bits(stepped, fresh).equal,
+        "step_changed_output": not compare_bits(stepped, first).equal,
+    }
+
+
+def run(ctx: RunContext) -> Iterator[Row]:
+    t, h, i, e, k = audit_shape(ctx)
+    main = MoeCase(t, h, i, e, k, "random", ctx.seed)
+    inp = make_inputs(main, ctx.device)
+    name = case_name(main)
+
+    with nvtx_range(f"repetitions {name}"):
+        outs = [run_layer(inp) for _ in range(3)]
+    for rep, got in enumerate(outs[1:], start=1):
+        yield _bits_row(ctx, "repetitions", f"repetitions {name} #{rep}", got, outs[0])
+    with nvtx_range(f"repetitions wgrad=fp8 {name}"):
+        outs_w8 = [run_layer(inp, wgrad="fp8") for _ in range(2)]
+    yield _bits_row(ctx, "repetitions", f"repetitions wgrad=fp8 {name}", outs_w8[1], outs_w8[0])
+    local = {n: digest(outs[0][n]) for n in GRAD_NAMES}
+    with nvtx_range("fresh_process moe-fp8"):
+        fresh = _fresh_process_digests(main, ctx.device)
+    yield Row(suite=NAME, check="fresh_process", name=f"fresh_process {name}", passed=fresh == local,
+              backend=ctx.backend, details={"digests": local, "fresh_digests": fresh})
+
+    full = outs[0]["out"]
+    for variant, sub, rows, full_rows in invariance_variants(inp, main, ctx.seed):
+        with nvtx_range(f"batch_invariance {variant} {name}"):
+            got = moe_mlp_fp8_fwd(sub["x"], sub["w1"], sub["w2"], sub["topk_ids"], sub["scores"], weight_cache=None)[0]
+        yield _bits_row(ctx, "batch_invariance", f"batch_invariance {variant} {name}",
+                        {"out": got[rows.to(got.device)]}, {"out": full[full_rows.to(full.device)]},
+                        tokens_compared=int(rows.numel()))
+
+    for case in (main, MoeCase(t, h, i, e, k, "masked", ctx.seed + 1)):
+        case_inp = inp if case is main else make_inputs(case, ctx.device)
+        with nvtx_range(f"contract {case_name(case)}"):
+            results, extra = fp8_stage_checks(case_inp)
+        yield Row(suite=NAME, check="quantizers", name=f"quantizers {case_name(case)}",
+                  passed=all(extra["quantizers_bitwise"].values()), backend=ctx.backend,
+                  details=extra["quantizers_bitwise"])
+        for stage, res in results.items():
+            yield Row(suite=NAME, check="stage_bound", name=f"stage_bound {stage} {case_name(case)}",
+                      passed=res.passed, backend=ctx.backend, details=res.as_row())
+        yield Row(suite=NAME, check="stage_bound", name=f"padding_zero {case_name(case)}",
+                  passed=all(extra["padding_zero"].values()), backend=ctx.backend, details=extra["padding_zero"])
+        got = outs[0] if case is main else run_layer(case_inp)
+        args = (case_inp["x"], case_inp["w1"], case_inp["w2"], case_inp["topk_ids"], case_inp["scores"],
+                case_inp["dout"])
+        emu = moe_mlp_fp8_ref(*args)
+        for n in GRAD_NAMES:
+            rel = rel_l2(got[n], emu[n])
+            yield Row(suite=NAME, check="emulation", name=f"emulation {n} {case_name(case)}",
+                      passed=rel <= EMULATION_REL_L2, backend=ctx.backend,
+                      details={"rel_l2_vs_fp8_reference": rel, "limit": EMULATION_REL_L2})
+        if case is main:  # the FP8 weight gradients against the recipe with wgrad="fp8"
+            emu8 = moe_mlp_fp8_ref(*args, wgrad="fp8")
+            for n in ("dw1", "dw2"):
+                rel = rel_l2(outs_w8[0][n], emu8[n])
+                yield Row(suite=NAME, check="emulation", name=f"emulation {n} wgrad=fp8 {case_name(case)}",
+                          passed=rel <= EMULATION_REL_L2, backend=ctx.backend,
+                          details={"rel_l2_vs_fp8_reference": rel, "limit": EMULATION_REL_L2})
+
+    # The precision gate (see the module docstring for where it is evaluated on each backend).
+    bf16_path = bf16_path_layer(inp)
+    oracle = moe_mlp_ref(*[inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores", "dout")], dtype=torch.float64)
+    if ctx.interpreted:
+        gt, gh, gi, ge, gk = GATE_SHAPE
+        gate_case = MoeCase(gt, gh, gi, ge, gk, "random", ctx.seed)
+        gate_inp = make_inputs(gate_case, torch.device("cpu"))
+        gate_args = [gate_inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores", "dout")]
+        gold = moe_mlp_ref(*gate_args, dtype=torch.bfloat16)
+        gate_oracle = moe_mlp_ref(*gate_args, dtype=torch.float64)
+        source = f"moe_mlp_fp8_ref at {case_name(gate_case)} vs FP64 and vs the BF16 PyTorch gold"
+    for mode, got in (("bf16", outs[0]), ("fp8", outs_w8[0])):
+        kernel_stats = precision_stats(got, inp, bf16_path, oracle)
+        if ctx.interpreted:
+            gate_stats = precision_stats(moe_mlp_fp8_ref(*gate_args, wgrad=mode), gate_inp, gold, gate_oracle)
+        else:
+            gate_stats, source = kernel_stats, f"kernels at {name} vs FP64 and vs the BF16 detkit path"
+        for n in GRAD_NAMES:
+            yield Row(suite=NAME, check="precision", name=f"precision {n} wgrad={mode} {name}",
+                      passed=gate_passed(gate_stats[n]), backend=ctx.backend,
+                      details={"source": source, "min_cosine": GATE_MIN_COSINE, "max_rel_rmse": GATE_MAX_REL_RMSE,
+                               **gate_stats[n], "kernel_at_audit_shape": kernel_stats[n]})
+
+    _, saved = moe_mlp_fp8_fwd(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"], weight_cache=None)
+    yield from risk_rows(ctx, name, moe_fp8_risk(saved, inp["dout"]))
+
+    zeros = (torch.zeros(inp["w1"].shape, device=ctx.device), torch.zeros(inp["w2"].shape, device=ctx.device))
+    run_layer(inp, main_grads=zeros)
+    checks = {"dw1_bf16_of_fp32": compare_bits(zeros[0].to(torch.bfloat16), outs[0]["dw1"]).equal,
+              "dw2_bf16_of_fp32": compare_bits(zeros[1].to(torch.bfloat16), outs[0]["dw2"]).equal}
+    yield Row(suite=NAME, check="main_grad", name=f"main_grad {name}", passed=all(checks.values()),
+              backend=ctx.backend, details=checks)
+
+    checks = weight_cache_checks(inp)
+    yield Row(suite=NAME, check="weight_cache", name=f"weight_cache {name}", passed=all(checks.values()),
+              backend=ctx.backend, details=checks)
+
+    edges = [
+        MoeCase(385, h, i, 5, 1, "counts:0,1,127,128,129", ctx.seed + 2),
+        MoeCase(t, h, i, e, k, "one_expert", ctx.seed + 3),
+        MoeCase(1, h, i, e, k, "random", ctx.seed + 4),
+    ]
+    for case in edges:
+        with nvtx_range(f"edge {case_name(case)}"):
+            results, extra = fp8_stage_checks(make_inputs(case, ctx.device))
+        failed = [s for s, res in results.items() if not res.passed]
+        failed += [f"quantizer {q}" for q, ok in extra["quantizers_bitwise"].items() if not ok]
+        yield Row(suite=NAME, check="edge", name=f"edge {case_name(case)}",
+                  passed=not failed and all(extra["padding_zero"].values()), backend=ctx.backend,
+                  details={"failed": failed, "worst_ratio": max(res.worst_ratio for res in results.values()), **extra})
+
+    for label, exc_type, change in fp8_rejection_cases(inp):
+        bad = {**inp, **change}
+        try:
+            moe_mlp_fp8_fwd(bad["x"], bad["w1"], bad["w2"], bad["topk_ids"], bad["scores"], weight_cache=None)
+            raised, message = None, "no error"
+        except (TypeError, ValueError) as exc:
+            raised, message = type(exc), str(exc)
+        yield Row(suite=NAME, check="rejects", name=f"rejects {label}", passed=raised is exc_type,
+                  backend=ctx.backend, details={"expected": exc_type.__name__,
+                                                "raised": raised.__name__ if raised else None, "message": message})
+
+
+def _worker() -> None:
+    request = json.loads(sys.stdin.read())
+    print(json.dumps(case_digests(MoeCase(**request["case"]), torch.device(request["device"]))))
+
+
+if __name__ == "__main__":
+    _worker()

@@ -1,0 +1,722 @@
+"""Deterministic block-scaled FP8 (E4M3) MoE expert MLP (SwiGLU) for Hopper: forward and backward.
+
+The same layer, routing and conventions as kernels/moe.py (w1 [E, H, 2I] gate/up interleaved,
+w2 [E, I, H], 128-row expert segments from kernels/moe_routing.py); the four data GEMMs run on FP8
+operands with the SM90 recipe (kernels/fp8_quant.py): activations in 1x128 blocks along the reduced
+dim, weights in 128x128 blocks, power-of-two FP32 scales.
+
+Block-scaled GEMM with per-128-K promotion (one output tile, one program):
+    acc = 0 (FP32)
+    for kb ascending over L / 128:
+        blk = sum over the block's 128 K of a_q[m, k] * b_q[k, n]        FP8 products, FP32 accumulation
+        acc = acc + blk * (a_scale[m, kb] * b_scale[kb, n // 128])         exact scaling (powers of two)
+Hopper's FP8 wgmma accumulates with reduced precision inside one instruction chain; ending the chain
+every 128 K and adding into the FP32 acc bounds that error to one block (DeepSeek-V3's promotion).
+
+Stages (P = padded expert-sorted rows):
+    quant   x [T, H] -> x_q, x_s (1x128 along H); dout likewise in the backward   (fp8_quant_rowwise)
+    up      gu [P, 2I] bf16 = x_q[gather] @ W1q[e]; epilogue: h = silu(g) * u -> h [P, I] bf16 and,
+            fused, h_q / h_s = quantize_rowwise(h) (1x128 along I, the down-projection's K)
+    down    y [P, H] fp32 = h_q @ W2q[e]
+    combine out = bf16(sum_k s_k y_k)                    (kernels.moe.moe_combine, unchanged)
+    dgrad   dh = s * (dout_q[gather] @ W2q[e]^T) fp32; dg, du from the saved gu -> dgu [P, 2I] bf16 and,
+            fused, dgu_q / dgu_s = quantize_rowwise(dgu) (1x128 along 2I, dX's K)
+    dx      dx_route [P, H] fp32 = dgu_q @ W1q[e]^T, then the ascending-k gather-sum (kernels.moe)
+    wgrad   wgrad="bf16" (default): kernels.moe.moe_wgrad_w1(x, dgu), moe_wgrad_w2(h, dout);
+            wgrad="fp8": x[gather], dgu, h and dy = s * dout[gather] quantized 128x1 down the rows
+            (moe_fp8_quant_colwise, transposed to K-major), then moe_fp8_wgrad_kernel per expert with
+            promotion every 128 rows (docs/moe_fp8.md: which is the default and why)
+    dscore  dout . y (kernels.moe.moe_dscores)
+The fused quantizations read the BF16 values that are stored beside them, so h_q == quantize_rowwise(h)
+and dgu_q == quantize_rowwise(dgu) bit for bit (tested): one definition, one reference.
+
+Layouts: every FP8 operand is K-major (the reduced dim contiguous), as Hopper's FP8 wgmma requires.
+Activations are row-major with K last. A weight is quantized once into both orientations
+(``Fp8Weight.q`` [E, R, C] and ``q_t`` [E, C, R], the same FP8 values): the forward reads W1q_t
+[E, 2I, H] and W2q_t [E, H, I], the backward W2q [E, I, H] and W1q [E, H, 2I]; the kernel loads a
+[BLOCK_N, BLOCK_K] tile and transposes it in registers (tl.trans). ``Fp8WeightCache`` keeps the
+quantized weights keyed on (data_ptr, _version, shape, stride, dtype, device): an in-place optimizer
+step bumps _version and so invalidates the entry.
+
+Determinism: no split-K, no atomics, each output tile owned by one program, K blocks in ascending
+order, configs pinned per backend (no autotune). Batch invariance (forward, per token): quantization
+is per row, rows are never reduced together, and nothing depends on T or the routing.
+
+On the Triton interpreter: exact FP32 products added one at a time (``kernels.moe._mma``; products of
+two E4M3 values are exact in FP32) and E4M3 rounding in integer arithmetic (kernels/fp8_quant.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, check_bf16_matrix
+from kernels.det_gemm import GemmConfig, interpreter_step_k
+from kernels.fp8_quant import (
+    FP8_DTYPE, QBLOCK, Fp8Weight, dequantize_rowwise, quant_risk_rowwise, quant_risk_weight, quantize_colwise_ref,
+    quantize_rowwise, quantize_rowwise_ref, quantize_rows, quantize_weight, quantize_weight_ref,
+)
+from kernels.moe import (
+    MoeGrads, _check_main_grads, _mma, _sigmoid, _to_bf16, check_moe_inputs, moe_combine, moe_dscores,
+    moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
+)
+from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting, build_routing
+
+# ---------------------------------------------------------------------------------------------
+# Pinned config tables (no autotune). block_k is the K step of one tl.dot; it must divide QBLOCK.
+# up: BLOCK_N = 2 * QBLOCK interleaved columns, so a tile's h is exactly one 1x128 block per row;
+# dgrad: BLOCK_N = QBLOCK / 2 columns of dh, so a tile's dgu (2 * BLOCK_N) is one block per row.
+# The sm_90 entries are compile-checked (wgmma on e4m3, shared memory, no spills: dgrad needs 8 warps
+# for its epilogue) but not yet tuned on hardware.
+# ---------------------------------------------------------------------------------------------
+MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-29.1"
+FP8_STAGES = ("up", "down", "dgrad", "dx")
+
+MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
+    CUDA_SM90: {
+        "up": GemmConfig(64, 2 * QBLOCK, 128, 1, 8, 3),  # 40 KiB of FP8 operands per stage
+        "down": GemmConfig(128, 128, 128, 1, 8, 4),
+        "dgrad": GemmConfig(128, QBLOCK // 2, 128, 1, 8, 4),
+        "dx": GemmConfig(128, 128, 128, 1, 8, 4),
+    },
+    TRITON_INTERPRETER: {  # few large programs: the interpreter's cost is per op
+        "up": GemmConfig(128, 2 * QBLOCK, 128, 1, 4, 1),
+        "down": GemmConfig(128, 128, 128, 1, 4, 1),
+        "dgrad": GemmConfig(128, QBLOCK // 2, 128, 1, 4, 1),
+        "dx": GemmConfig(128, 128, 128, 1, 4, 1),
+    },
+}
+
+# The weight gradients run on kernels/moe.py's BF16 wgrad kernel: its own pinned table on the GPU; on the
+# interpreter one large tile per expert (the bits do not depend on the tile there: sequential
+# accumulation over the expert's rows) keeps CPU runs short.
+WGRAD_CONFIGS: dict[str, GemmConfig | None] = {CUDA_SM90: None, TRITON_INTERPRETER: GemmConfig(128, 256, 32, 1, 4, 1)}
+
+# The FP8 weight gradient (wgrad="fp8"): BLOCK_M x BLOCK_N of dW per program, STEP_K rows per dot; the
+# column-wise quantizer: 128 rows x QUANT_COLS columns per program.
+FP8_WGRAD_CONFIGS: dict[str, GemmConfig] = {
+    CUDA_SM90: GemmConfig(128, 128, 128, 1, 8, 4),
+    TRITON_INTERPRETER: GemmConfig(128, 256, 128, 1, 4, 1),
+}
+QUANT_COLS = {CUDA_SM90: 64, TRITON_INTERPRETER: 256}
+WGRAD_MODES = ("bf16", "fp8")
+
+EPI_FP32, EPI_SWIGLU_QUANT, EPI_DSWIGLU_QUANT = 0, 1, 2
+_OPS = ("moe_fp8_up_swiglu", "moe_fp8_down", "moe_fp8_dgrad_dswiglu", "moe_fp8_dx_route")
+
+
+def fp8_stage_name(op: str, **dims: int) -> str:
+    """The one name shared by a launch, its NVTX range and its report row."""
+    return f"{op} [" + ", ".join(f"{k}={v}" for k, v in dims.items()) + "] fp8"
+
+
+def select_moe_fp8_config(stage: str, backend: str) -> GemmConfig:
+    if stage not in FP8_STAGES:
+        raise ValueError(f"stage {stage!r} is not supported; supported: {FP8_STAGES}")
+    if backend not in MOE_FP8_CONFIGS:
+        raise ValueError(f"backend {backend!r} has no FP8 MoE configs; supported: {tuple(MOE_FP8_CONFIGS)}")
+    return MOE_FP8_CONFIGS[backend][stage]
+
+
+def _meta(grid, metadata, args):
+    p, c, l = args["P"], args["C"], args["L"]
+    return {"name": fp8_stage_name(_OPS[args["op_id"]], P=p, N=c, K=l), "flops": 2.0 * p * c * l}
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+@triton.jit(launch_metadata=_meta)
+def moe_fp8_grouped_gemm_kernel(
+    a_ptr, as_ptr, a_rows_ptr, b_ptr, bs_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr,
+    route_ptr, score_ptr, tile_expert_ptr,
+    P, C, L,  # C[p, :C] = sum_kb (A_q[row(p), kb] @ B_q[e][kb, :C]) * a_s[row(p), kb] * b_s[e][kb, :]
+    stride_am, stride_al, stride_asm, stride_asl,
+    stride_be, stride_bc, stride_bl,  # B_q stored [E, C, L]: K-major
+    stride_bse, stride_bsl, stride_bsc,  # B scales [E, L/QBLOCK, C/QBLOCK]
+    stride_cm, stride_cc,
+    stride_xm, stride_xc,  # aux: h out [P, C/2] (SWIGLU) or gu in [P, 2C] (DSWIGLU)
+    stride_qm, stride_qc, stride_qsm, stride_qsc,  # fused FP8 output and its 1x128 scales
+    op_id,  # names the launch only
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_K: tl.constexpr, QBLOCK: tl.constexpr,
+    SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    pid = tl.program_id(axis=0)
+    num_pid_n = tl.cdiv(C, BLOCK_N)
+    pid_m = pid // num_pid_n  # consecutive programs share the A tile (L2 reuse)
+    pid_n = pid % num_pid_n
+    expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // SEGMENT)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # always < P: BLOCK_M divides SEGMENT
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, STEP_K)
+    row_ok = tl.load(route_ptr + offs_m) >= 0  # padding rows read nothing and stay zero
+    col_ok = offs_n < C
+    if GATHER_A:
+        a_rows = tl.load(a_rows_ptr + offs_m)  # token row of each expert-sorted row
+    else:
+        a_rows = offs_m
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
+    b_ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bc + offs_k[None, :] * stride_bl  # [BLOCK_N, STEP_K]
+    as_ptrs = as_ptr + a_rows * stride_asm  # [BLOCK_M]
+    bs_ptrs = bs_ptr + expert * stride_bse + (offs_n // QBLOCK) * stride_bsc  # [BLOCK_N]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if tl.sum(row_ok.to(tl.int32), axis=0) > 0:  # a block of padding only does no work
+        for kb in range(0, L // QBLOCK):  # ascending K blocks: a function of L alone
+            blk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in tl.static_range(0, QBLOCK, STEP_K):
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, STEP_K] e4m3
+                b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)  # [BLOCK_N, STEP_K] e4m3
+                blk = _mma(blk, a, tl.trans(b), STEP_K, INTERPRETED)
+                a_ptrs += STEP_K * stride_al
+                b_ptrs += STEP_K * stride_bl
+            a_s = tl.load(as_ptrs + kb * stride_asl, mask=row_ok, other=0.0)  # [BLOCK_M]
+            b_s = tl.load(bs_ptrs + kb * stride_bsl, mask=col_ok, other=0.0)  # [BLOCK_N]
+            acc += blk * (a_s[:, None] * b_s[None, :])  # exact scaling: powers of two
+
+    if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
+        tl.store(c_ptrs, acc, mask=(offs_m[:, None] >= 0) & col_ok[None, :])
+    elif EPILOGUE == 1:  # SwiGLU: gu, h in BF16 (saved), h quantized 1x128 for the down-projection
+        gu = _to_bf16(acc, INTERPRETED)
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
+        tl.store(c_ptrs, gu, mask=(offs_m[:, None] >= 0) & col_ok[None, :])
+        g, u = tl.split(tl.reshape(gu.to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))  # [BLOCK_M, QBLOCK] each
+        h = _to_bf16((g * _sigmoid(g)) * u, INTERPRETED)
+        offs_h = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        h_ok = (offs_m[:, None] >= 0) & (offs_h < C // 2)[None, :]
+        tl.store(aux_ptr + offs_m[:, None] * stride_xm + offs_h[None, :] * stride_xc, h, mask=h_ok)
+        hq, hs = quantize_rows(h.to(tl.float32), INTERPRETED)  # from the stored BF16 h
+        tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_h[None, :] * stride_qc, hq, mask=h_ok)
+        tl.store(qs_ptr + offs_m * stride_qsm + pid_n * stride_qsc, hs)
+    else:  # dSwiGLU: dh = s * acc in FP32, then dg, du from the saved gu; dgu BF16 and FP8
+        score = tl.load(score_ptr + offs_m)  # [BLOCK_M] FP32, 0 on padding rows
+        dh = acc * score[:, None]
+        offs_j = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+        j_ok = (offs_m[:, None] >= 0) & (offs_j < 2 * C)[None, :]
+        gu_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_j[None, :] * stride_xc  # [BLOCK_M, 2*BLOCK_N]
+        gu = tl.load(gu_ptrs, mask=j_ok, other=0.0).to(tl.float32)
+        g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_N, 2)))
+        s = _sigmoid(g)
+        silu = g * s
+        # The operation order of kernels/swiglu.py and kernels/moe.py: one formula for every path.
+        dg = (dh * u) * (s + silu * (1.0 - s))
+        du = dh * silu
+        dgu = _to_bf16(tl.reshape(tl.join(dg, du), (BLOCK_M, 2 * BLOCK_N)), INTERPRETED)
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_j[None, :] * stride_cc, dgu, mask=j_ok)
+        dq, ds = quantize_rows(dgu.to(tl.float32), INTERPRETED)  # from the stored BF16 dgu
+        tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_j[None, :] * stride_qc, dq, mask=j_ok)
+        tl.store(qs_ptr + offs_m * stride_qsm + pid_n * stride_qsc, ds)
+
+
+def _colq_meta(grid, metadata, args):
+    return {"name": fp8_stage_name("moe_fp8_quant_colwise", P=args["P"], N=args["N"])}
+
+
+def _wgrad_meta(grid, metadata, args):
+    return {"name": fp8_stage_name("moe_fp8_wgrad", R=args["R"], C=args["C"])}
+
+
+@triton.jit(launch_metadata=_colq_meta)
+def moe_fp8_quant_colwise_kernel(
+    src_ptr, rows_ptr, route_ptr, score_ptr, q_ptr, qs_ptr,
+    P, N,  # q[n, p] = e4m3(v[p, n] / s[n, p // QBLOCK]), v[p, :] = src[row(p), :] (* score[p]); 0 on padding
+    stride_sm, stride_sn, stride_qn, stride_qp, stride_sn_s, stride_sp_s,
+    BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, GATHER: tl.constexpr, SCALE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    pid = tl.program_id(axis=0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_p = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    offs_p = pid_p * QBLOCK + tl.arange(0, QBLOCK)  # one 128-row block: inside one expert segment
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    row_ok = tl.load(route_ptr + offs_p) >= 0
+    if GATHER:
+        rows = tl.load(rows_ptr + offs_p)
+    else:
+        rows = offs_p
+    v = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :] * stride_sn,
+                mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # [QBLOCK, BLOCK_N]
+    if SCALE:  # dy = s * dout[token] in FP32 (one rounding), quantized directly
+        v = v * tl.load(score_ptr + offs_p)[:, None]
+    q, scale = quantize_rows(tl.trans(v), INTERPRETED)  # [BLOCK_N, QBLOCK]: 128x1 blocks down the columns
+    tl.store(q_ptr + offs_n[:, None] * stride_qn + offs_p[None, :] * stride_qp, q, mask=n_ok[:, None])
+    tl.store(qs_ptr + offs_n * stride_sn_s + pid_p * stride_sp_s, scale, mask=n_ok)
+
+
+@triton.jit(launch_metadata=_wgrad_meta)
+def moe_fp8_wgrad_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, dw_ptr, offsets_ptr, counts_ptr,
+    R, C,  # dW[e] [R, C] = sum over e's 128-row blocks kb (ascending) of (A_q[:, kb] @ B_q[:, kb]^T) * scales
+    stride_ar, stride_ap, stride_asr, stride_asp,  # A_q [R, P] (K = P contiguous), scales [R, P/QBLOCK]
+    stride_bc, stride_bp, stride_bsc, stride_bsp,  # B_q [C, P], scales [C, P/QBLOCK]
+    stride_we, stride_wr, stride_wc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_K: tl.constexpr, QBLOCK: tl.constexpr,
+    ACCUMULATE: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    pid = tl.program_id(axis=0)
+    num_pid_r = tl.cdiv(R, BLOCK_M)
+    num_pid_c = tl.cdiv(C, BLOCK_N)
+    expert = pid // (num_pid_r * num_pid_c)
+    rem = pid % (num_pid_r * num_pid_c)
+    pid_r = rem // num_pid_c
+    pid_c = rem % num_pid_c
+    # Segments are 128-aligned: telling the compiler lets it prove 16-byte-aligned rows for cp.async.
+    start = tl.multiple_of(tl.load(offsets_ptr + expert), QBLOCK)
+    count = tl.load(counts_ptr + expert)
+    offs_r = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = pid_c * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, STEP_K)
+    r_ok = offs_r < R
+    c_ok = offs_c < C
+    a_ptrs = a_ptr + offs_r[:, None] * stride_ar + (start + offs_k)[None, :] * stride_ap  # [BLOCK_M, STEP_K]
+    b_ptrs = b_ptr + offs_c[:, None] * stride_bc + (start + offs_k)[None, :] * stride_bp  # [BLOCK_N, STEP_K]
+    as_ptrs = as_ptr + offs_r * stride_asr + (start // QBLOCK) * stride_asp  # [BLOCK_M]
+    bs_ptrs = bs_ptr + offs_c * stride_bsc + (start // QBLOCK) * stride_bsp  # [BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for p0 in range(0, count, QBLOCK):  # the expert's 128-row blocks, ascending: a function of count alone
+        blk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in tl.static_range(0, QBLOCK, STEP_K):
+            a = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=c_ok[:, None], other=0.0)
+            blk = _mma(blk, a, tl.trans(b), STEP_K, INTERPRETED)  # [BLOCK_M, STEP_K] @ [STEP_K, BLOCK_N]
+            a_ptrs += STEP_K * stride_ap
+            b_ptrs += STEP_K * stride_bp
+        a_s = tl.load(as_ptrs, mask=r_ok, other=0.0)
+        b_s = tl.load(bs_ptrs, mask=c_ok, other=0.0)
+        acc += blk * (a_s[:, None] * b_s[None, :])  # exact scaling: powers of two
+        as_ptrs += stride_asp
+        bs_ptrs += stride_bsp
+    w_ptrs = dw_ptr + expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
+    w_mask = r_ok[:, None] & c_ok[None, :]
+    if ACCUMULATE:  # main_grad += dW in FP32; an expert without rows leaves it untouched
+        w_mask = w_mask & (count > 0)
+        tl.store(w_ptrs, tl.load(w_ptrs, mask=w_mask, other=0.0) + acc, mask=w_mask)
+    else:
+        tl.store(w_ptrs, _to_bf16(acc, INTERPRETED), mask=w_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks (all before any work) and the weight cache
+# ---------------------------------------------------------------------------------------------
+def check_moe_fp8_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                         scores: torch.Tensor) -> str:
+    """The BF16 path's checks, plus the FP8 block: H and I multiples of 128. Returns the backend."""
+    backend = check_moe_inputs(x, w1, w2, topk_ids, scores)
+    hidden, inter = x.shape[1], w2.shape[1]
+    if hidden % QBLOCK or inter % QBLOCK:
+        raise ValueError(f"the FP8 path needs H and I multiples of {QBLOCK} (1x128 / 128x128 blocks); "
+                         f"got H = {hidden}, I = {inter}")
+    return backend
+
+
+def check_wgrad_mode(wgrad: str) -> None:
+    if wgrad not in WGRAD_MODES:
+        raise ValueError(f"wgrad {wgrad!r} is not supported; supported: {WGRAD_MODES}")
+
+
+class Fp8WeightCache:
+    """Quantized weights, valid for (data_ptr, _version, shape, stride, dtype, device). An in-place update
+    through autograd-visible ops (optimizer.step, ``w.add_`` under no_grad) bumps ``_version``: the next
+    lookup misses and re-quantizes into the same slot (one slot per weight, so stale versions never pile
+    up); least recently used slots beyond ``capacity`` are dropped (size it to 2 x the MoE layers of a
+    model). Writes through ``w.data`` bypass the version counter: call ``clear()`` after those. A slot
+    holds a reference to its tensor, so its memory (and data_ptr) cannot be reused by another tensor."""
+
+    def __init__(self, capacity: int = 128):
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int; got {capacity!r}")
+        self.capacity = capacity
+        self._slots: OrderedDict[tuple, tuple[torch.Tensor, int, Fp8Weight]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def slot(w: torch.Tensor) -> tuple:
+        return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, str(w.device))
+
+    def get(self, w: torch.Tensor) -> Fp8Weight:
+        slot = self.slot(w)
+        entry = self._slots.get(slot)
+        if entry is not None and entry[1] == w._version:
+            self._slots.move_to_end(slot)
+            self.hits += 1
+            return entry[2]
+        self.misses += 1
+        with torch.no_grad():
+            fw = quantize_weight(w.detach())
+        self._slots[slot] = (w, w._version, fw)
+        self._slots.move_to_end(slot)
+        while len(self._slots) > self.capacity:
+            self._slots.popitem(last=False)
+        return fw
+
+    def clear(self) -> None:
+        self._slots.clear()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+
+WEIGHT_CACHE = Fp8WeightCache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch wrappers: check, allocate, launch.
+# ---------------------------------------------------------------------------------------------
+def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather: bool, b: torch.Tensor,
+             b_s: torch.Tensor, c: torch.Tensor, aux: torch.Tensor | None, q: torch.Tensor | None,
+             q_s: torch.Tensor | None, routing: MoeRouting, epilogue: int, backend: str,
+             config: GemmConfig | None) -> None:
+    """b: [E, C, L] K-major FP8 view; b_s: [E, L/128, C/128] view (strides kept)."""
+    config = config or select_moe_fp8_config(stage, backend)
+    if SEGMENT_ALIGN % config.block_m:
+        raise ValueError(f"{stage}: BLOCK_M {config.block_m} must divide the segment alignment {SEGMENT_ALIGN}")
+    if QBLOCK % config.block_k:
+        raise ValueError(f"{stage}: BLOCK_K {config.block_k} must divide the FP8 block {QBLOCK}")
+    want_n = {EPI_SWIGLU_QUANT: 2 * QBLOCK, EPI_DSWIGLU_QUANT: QBLOCK // 2}.get(epilogue)
+    if want_n is not None and config.block_n != want_n:
+        raise ValueError(f"{stage}: the fused 1x{QBLOCK} quantization needs BLOCK_N = {want_n}; got {config.block_n}")
+    p = routing.padded_rows
+    if p == 0:
+        return
+    n_cols, reduced = b.shape[1], b.shape[2]
+    aux_t = aux if aux is not None else c
+    q_t = q if q is not None else a
+    qs_t = q_s if q_s is not None else a_s
+    interpreted = backend == TRITON_INTERPRETER
+    grid = (triton.cdiv(p, config.block_m) * triton.cdiv(n_cols, config.block_n),)
+    moe_fp8_grouped_gemm_kernel[grid](
+        a, a_s, routing.gather_token, b, b_s, c, aux_t, q_t, qs_t,
+        routing.sorted_route, routing.row_score, routing.tile_expert,
+        p, n_cols, reduced,
+        a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        b_s.stride(0), b_s.stride(1), b_s.stride(2),
+        c.stride(0), c.stride(1),
+        aux_t.stride(0), aux_t.stride(1),
+        q_t.stride(0), q_t.stride(1), qs_t.stride(0), qs_t.stride(1),
+        op_id,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        STEP_K=interpreter_step_k(config) if interpreted else config.block_k, QBLOCK=QBLOCK,
+        SEGMENT=SEGMENT_ALIGN, GATHER_A=gather, EPILOGUE=epilogue, INTERPRETED=interpreted,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def moe_fp8_up_swiglu(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,
+                      config: GemmConfig | None = None):
+    """gu [P, 2I] bf16 = x_q[gather] @ W1q[e]; h [P, I] bf16 = silu(g) * u; h_q [P, I] e4m3, h_s [P, I/128]."""
+    p, two_i = routing.padded_rows, w1f.q.shape[2]
+    dev = x_q.device
+    gu = torch.empty((p, two_i), dtype=torch.bfloat16, device=dev)
+    h = torch.empty((p, two_i // 2), dtype=torch.bfloat16, device=dev)
+    h_q = torch.empty((p, two_i // 2), dtype=FP8_DTYPE, device=dev)
+    h_s = torch.empty((p, two_i // 2 // QBLOCK), dtype=torch.float32, device=dev)
+    _grouped(0, "up", x_q, x_s, True, w1f.q_t, w1f.scale, gu, h, h_q, h_s, routing, EPI_SWIGLU_QUANT,
+             backend, config)
+    return gu, h, h_q, h_s
+
+
+def moe_fp8_down(h_q: torch.Tensor, h_s: torch.Tensor, w2f: Fp8Weight, routing: MoeRouting, backend: str,
+                 config: GemmConfig | None = None) -> torch.Tensor:
+    """y [P, H] fp32 = h_q @ W2q[e] (unrounded: the combine rounds once)."""
+    y = torch.empty((routing.padded_rows, w2f.q.shape[2]), dtype=torch.float32, device=h_q.device)
+    _grouped(1, "down", h_q, h_s, False, w2f.q_t, w2f.scale, y, None, None, None, routing, EPI_FP32, backend, config)
+    return y
+
+
+def moe_fp8_dgrad_dswiglu(dout_q: torch.Tensor, dout_s: torch.Tensor, w2f: Fp8Weight, gu: torch.Tensor,
+                          routing: MoeRouting, backend: str, config: GemmConfig | None = None):
+    """dgu [P, 2I] bf16: dSwiGLU of dh = s * (dout_q[gather] @ W2q[e]^T); dgu_q e4m3, dgu_s [P, 2I/128]."""
+    p, two_i = gu.shape
+    dgu = torch.empty_like(gu)
+    dgu_q = torch.empty((p, two_i), dtype=FP8_DTYPE, device=gu.device)
+    dgu_s = torch.empty((p, two_i // QBLOCK), dtype=torch.float32, device=gu.device)
+    # B = W2[e]^T [K=H, N=I]: K-major storage is W2q itself [E, I, H]; its scales seen as [E, H/128, I/128].
+    _grouped(2, "dgrad", dout_q, dout_s, True, w2f.q, w2f.scale.transpose(1, 2), dgu, gu, dgu_q, dgu_s, routing,
+             EPI_DSWIGLU_QUANT, backend, config)
+    return dgu, dgu_q, dgu_s
+
+
+def moe_fp8_dx_route(dgu_q: torch.Tensor, dgu_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,
+                     config: GemmConfig | None = None) -> torch.Tensor:
+    """dx_route [P, H] fp32 = dgu_q @ W1q[e]^T (the gather-sum rounds once)."""
+    dxr = torch.empty((routing.padded_rows, w1f.q.shape[1]), dtype=torch.float32, device=dgu_q.device)
+    _grouped(3, "dx", dgu_q, dgu_s, False, w1f.q, w1f.scale.transpose(1, 2), dxr, None, None, None, routing,
+             EPI_FP32, backend, config)
+    return dxr
+
+
+def moe_fp8_quant_colwise(src: torch.Tensor, routing: MoeRouting, backend: str, gather: bool,
+                          scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column-wise (128x1) quantization of the expert-sorted rows v [P, N] (v[p] = src[gather_token[p]] when
+    ``gather``, times row_score[p] when ``scale``): q_t [N, P] e4m3 (K-major for a GEMM over the rows),
+    scales [N, P/128]. A 128-row block never straddles two experts (128-aligned segments)."""
+    p, n = routing.padded_rows, src.shape[1]
+    q = torch.empty((n, p), dtype=FP8_DTYPE, device=src.device)
+    s = torch.empty((n, p // QBLOCK), dtype=torch.float32, device=src.device)
+    if p == 0:
+        return q, s
+    cols = QUANT_COLS[backend]
+    moe_fp8_quant_colwise_kernel[(routing.num_tiles * triton.cdiv(n, cols),)](
+        src, routing.gather_token, routing.sorted_route, routing.row_score, q, s, p, n,
+        src.stride(0), src.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+        BLOCK_N=cols, QBLOCK=QBLOCK, GATHER=gather, SCALE=scale, INTERPRETED=backend == TRITON_INTERPRETER,
+        num_warps=4,
+    )
+    return q, s
+
+
+def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
+                  routing: MoeRouting, backend: str, main_grad: torch.Tensor | None = None,
+                  config: GemmConfig | None = None) -> torch.Tensor | None:
+    """dW[e] [R, C] = sum over e's rows of A^T B from column-wise FP8 operands a_q [R, P], b_q [C, P]
+    (scales [R, P/128], [C, P/128]), per-128-row promotion; BF16, or main_grad += it in FP32 (None)."""
+    config = config or FP8_WGRAD_CONFIGS[backend]
+    if QBLOCK % config.block_k:
+        raise ValueError(f"wgrad: BLOCK_K {config.block_k} must divide the FP8 block {QBLOCK}")
+    experts, (r, c) = routing.num_experts, (a_q.shape[0], b_q.shape[0])
+    out = main_grad if main_grad is not None else torch.empty((experts, r, c), dtype=torch.bfloat16, device=a_q.device)
+    interpreted = backend == TRITON_INTERPRETER
+    grid = (experts * triton.cdiv(r, config.block_m) * triton.cdiv(c, config.block_n),)
+    moe_fp8_wgrad_kernel[grid](
+        a_q, a_s, b_q, b_s, out, routing.expert_offsets, routing.expert_counts, r, c,
+        a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1),
+        b_q.stride(0), b_q.stride(1), b_s.stride(0), b_s.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        STEP_K=interpreter_step_k(config) if interpreted else config.block_k, QBLOCK=QBLOCK,
+        ACCUMULATE=main_grad is not None, INTERPRETED=interpreted,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return None if main_grad is not None else out
+
+
+def moe_fp8_wgrads(x: torch.Tensor, h: torch.Tensor, dgu: torch.Tensor, dout: torch.Tensor, routing: MoeRouting,
+                   backend: str, main_grads=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dW1 = x[gather]^T dgu and dW2 = h^T (s * dout[gather]) with every operand quantized 128x1 along the rows."""
+    mg1, mg2 = main_grads if main_grads is not None else (None, None)
+    xq, xs = moe_fp8_quant_colwise(x, routing, backend, gather=True, scale=False)
+    gq, gs = moe_fp8_quant_colwise(dgu, routing, backend, gather=False, scale=False)
+    dw1 = moe_fp8_wgrad(xq, xs, gq, gs, routing, backend, mg1)
+    hq, hs = moe_fp8_quant_colwise(h, routing, backend, gather=False, scale=False)
+    yq, ys = moe_fp8_quant_colwise(dout, routing, backend, gather=True, scale=True)
+    dw2 = moe_fp8_wgrad(hq, hs, yq, ys, routing, backend, mg2)
+    return dw1, dw2
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-layer forward / backward and the autograd Function
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class MoeFp8Saved:
+    """What the backward needs. gu, h bf16 (h for the BF16 dW2); y fp32 (dscores); the FP8 weights used."""
+
+    backend: str
+    routing: MoeRouting
+    x: torch.Tensor  # [T, H] bf16 (the BF16 dW1)
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w1f: Fp8Weight
+    w2f: Fp8Weight
+    scores: torch.Tensor  # [T, K]
+    gu: torch.Tensor  # [P, 2I] bf16 interleaved
+    h: torch.Tensor  # [P, I] bf16
+    h_q: torch.Tensor  # [P, I] e4m3 and its scales [P, I/128]: the down-projection's operand (audits)
+    h_s: torch.Tensor
+    y: torch.Tensor  # [P, H] fp32
+
+
+def _names(x: torch.Tensor, w1: torch.Tensor, k: int) -> dict[str, str]:
+    t, h = x.shape
+    e, _, two_i = w1.shape
+    dims = {"T": t, "H": h, "I": two_i // 2, "E": e, "K": k}
+    return {stage: fp8_stage_name(f"moe_{stage}", **dims) for stage in
+            ("routing", "quant_x", "weights", "up_swiglu", "down", "combine", "quant_dout", "dgrad_dswiglu", "dx",
+             "wgrad", "dscores")}
+
+
+def moe_mlp_fp8_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                    scores: torch.Tensor, *, stage_range=None,
+                    weight_cache: Fp8WeightCache | None = WEIGHT_CACHE) -> tuple[torch.Tensor, MoeFp8Saved]:
+    """out [T, H] bf16 and the saved state for ``moe_mlp_fp8_bwd``. Inputs as ``kernels.moe.moe_mlp_fwd``
+    (BF16 x and weights), with H and I multiples of 128. ``weight_cache=None`` quantizes the weights
+    on every call."""
+    backend = check_moe_fp8_inputs(x, w1, w2, topk_ids, scores)
+    rng = stage_range or (lambda name: nullcontext())
+    names = _names(x, w1, topk_ids.shape[1])
+    with rng(names["routing"]):
+        routing = build_routing(topk_ids, scores, w1.shape[0])
+    widest = max(w1.shape[2], x.shape[1])
+    if routing.padded_rows * widest > MAX_INT32_OFFSET:
+        raise ValueError(f"{routing.padded_rows} padded rows x {widest} columns of intermediates exceed 32-bit "
+                         "kernel offsets; split the batch")
+    with rng(names["weights"]):
+        w1f = weight_cache.get(w1) if weight_cache is not None else quantize_weight(w1)
+        w2f = weight_cache.get(w2) if weight_cache is not None else quantize_weight(w2)
+    with rng(names["quant_x"]):
+        x_q, x_s = quantize_rowwise(x)
+    with rng(names["up_swiglu"]):
+        gu, h, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, routing, backend)
+    with rng(names["down"]):
+        y = moe_fp8_down(h_q, h_s, w2f, routing, backend)
+    with rng(names["combine"]):
+        out = moe_combine(y, routing, scores, backend)
+    return out, MoeFp8Saved(backend, routing, x, w1, w2, w1f, w2f, scores, gu, h, h_q, h_s, y)
+
+
+def moe_mlp_fp8_bwd(dout: torch.Tensor, saved: MoeFp8Saved, *, main_grads=None, stage_range=None,
+                    wgrad: str = "bf16") -> MoeGrads:
+    """Gradients of ``moe_mlp_fp8_fwd`` for dout [T, H] bf16: dX through FP8 data GEMMs, dW1/dW2 by the
+    ``wgrad`` mode ("bf16": kernels.moe's kernel; "fp8": 128x1 column-wise FP8 operands) as BF16 or FP32
+    accumulation into ``main_grads``, dscores = dout . y."""
+    check_wgrad_mode(wgrad)
+    check_bf16_matrix("dout", dout)
+    if tuple(dout.shape) != tuple(saved.x.shape) or dout.device != saved.x.device:
+        raise ValueError(f"dout must be {tuple(saved.x.shape)} on {saved.x.device}; "
+                         f"got {tuple(dout.shape)} on {dout.device}")
+    _check_main_grads(main_grads, saved.w1, saved.w2)
+    rng = stage_range or (lambda name: nullcontext())
+    names = _names(saved.x, saved.w1, saved.routing.top_k)
+    backend, routing = saved.backend, saved.routing
+    with rng(names["quant_dout"]):
+        dout_q, dout_s = quantize_rowwise(dout)
+    with rng(names["dgrad_dswiglu"]):
+        dgu, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, saved.w2f, saved.gu, routing, backend)
+    with rng(names["dx"]):
+        dx = moe_gather_sum(moe_fp8_dx_route(dgu_q, dgu_s, saved.w1f, routing, backend), routing, backend)
+    with rng(names["wgrad"]):
+        if wgrad == "fp8":
+            dw1, dw2 = moe_fp8_wgrads(saved.x, saved.h, dgu, dout, routing, backend, main_grads)
+        else:
+            mg1, mg2 = main_grads if main_grads is not None else (None, None)
+            dw1 = moe_wgrad_w1(saved.x, dgu, routing, backend, mg1, config=WGRAD_CONFIGS[backend])
+            dw2 = moe_wgrad_w2(saved.h, dout, routing, backend, mg2, config=WGRAD_CONFIGS[backend])
+    with rng(names["dscores"]):
+        ds = moe_dscores(dout, saved.y, routing, backend).to(saved.scores.dtype)
+    return MoeGrads(dx, dw1, dw2, ds)
+
+
+class MoeMlpFp8Function(torch.autograd.Function):
+    """autograd wrapper: (x, w1, w2, topk_ids, scores, main_grad_w1, main_grad_w2, weight_cache, wgrad) -> out."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, topk_ids, scores, main_grad_w1=None, main_grad_w2=None, weight_cache=WEIGHT_CACHE,
+                wgrad="bf16"):
+        main_grads = None if main_grad_w1 is None and main_grad_w2 is None else (main_grad_w1, main_grad_w2)
+        _check_main_grads(main_grads, w1, w2)
+        check_wgrad_mode(wgrad)
+        ctx.wgrad = wgrad
+        out, saved = moe_mlp_fp8_fwd(x, w1, w2, topk_ids, scores, weight_cache=weight_cache)
+        ctx.saved = saved
+        ctx.main_grads = main_grads
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        grads = moe_mlp_fp8_bwd(dout, ctx.saved, main_grads=ctx.main_grads, wgrad=ctx.wgrad)
+        ctx.saved = None
+        return grads.dx, grads.dw1, grads.dw2, None, grads.dscores, None, None, None, None
+
+
+def moe_mlp_fp8(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, scores: torch.Tensor,
+                main_grads: tuple[torch.Tensor, torch.Tensor] | None = None,
+                weight_cache: Fp8WeightCache | None = WEIGHT_CACHE, wgrad: str = "bf16") -> torch.Tensor:
+    """Differentiable deterministic FP8 MoE expert MLP (the BF16 path's API, ``kernels.moe.moe_mlp``);
+    ``wgrad`` picks the weight-gradient GEMMs: "bf16" (default, docs/moe_fp8.md says why) or "fp8"."""
+    mg1, mg2 = main_grads if main_grads is not None else (None, None)
+    return MoeMlpFp8Function.apply(x, w1, w2, topk_ids, scores, mg1, mg2, weight_cache, wgrad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization-risk monitor and the pure-torch reference
+# ---------------------------------------------------------------------------------------------
+def moe_fp8_risk(saved: MoeFp8Saved, dout: torch.Tensor | None = None) -> dict[str, dict]:
+    """The quantization-risk statistics (kernels.fp8_quant.quant_risk) of every quantized tensor of a run:
+    x, w1, w2, h (valid rows) and, with ``dout``, dout and dgu."""
+    valid = (saved.routing.sorted_route >= 0).nonzero().squeeze(1)
+    risk = {"x": quant_risk_rowwise(saved.x), "w1": quant_risk_weight(saved.w1), "w2": quant_risk_weight(saved.w2),
+            "h": quant_risk_rowwise(saved.h[valid])}
+    if dout is not None:
+        dout_q, dout_s = quantize_rowwise(dout)
+        dgu = moe_fp8_dgrad_dswiglu(dout_q, dout_s, saved.w2f, saved.gu, saved.routing, saved.backend)[0]
+        risk["dout"] = quant_risk_rowwise(dout)
+        risk["dgu"] = quant_risk_rowwise(dgu[valid])
+    return risk
+
+
+def _colwise_dequantized(v: torch.Tensor) -> torch.Tensor:
+    """v [n, N] quantized in 128x1 blocks down its columns (rows zero-padded to a multiple of 128, as an
+    expert's segment is), dequantized: [n, N] fp32."""
+    pad = -v.shape[0] % QBLOCK
+    q, s = quantize_colwise_ref(torch.cat([v.float(), v.new_zeros(pad, v.shape[1], dtype=torch.float32)]))
+    return dequantize_rowwise(q, s).t()[:v.shape[0]]
+
+
+def moe_mlp_fp8_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                    scores: torch.Tensor, dout: torch.Tensor | None = None,
+                    wgrad: str = "bf16") -> dict[str, torch.Tensor]:
+    """The FP8 recipe in plain torch: the same quantizers (references), every GEMM and activation in FP64
+    on the dequantized operands, BF16 roundings where the kernels round (gu, h, dgu, out, dx, dW), and
+    h / dgu quantized from their BF16 values. It differs from the kernels only by FP32 accumulation and
+    the activation's exp, which can move a BF16 rounding (and then an E4M3 one) by one unit."""
+    check_wgrad_mode(wgrad)
+    f64, bf16 = torch.float64, torch.bfloat16
+    xq, xs = quantize_rowwise_ref(x)
+    x_d = dequantize_rowwise(xq, xs).to(f64)
+    w1_d = quantize_weight_ref(w1).dequantize().to(f64)
+    w2_d = quantize_weight_ref(w2).dequantize().to(f64)
+    t_count, k_count = topk_ids.shape
+    hidden = x.shape[1]
+    out = torch.zeros(t_count, hidden, dtype=f64, device=x.device)
+    ys, saved = torch.zeros(t_count, k_count, hidden, dtype=f64, device=x.device), {}
+    for e in range(w1.shape[0]):
+        tok, kk = (topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gu = (x_d[tok] @ w1_d[e]).to(bf16)
+        g, u = gu[:, 0::2].to(f64), gu[:, 1::2].to(f64)
+        h = (torch.nn.functional.silu(g) * u).to(bf16)
+        hq, hs = quantize_rowwise_ref(h)
+        ys[tok, kk] = dequantize_rowwise(hq, hs).to(f64) @ w2_d[e]
+        saved[e] = (tok, kk, gu, h)
+    s64 = scores.to(f64)
+    for k in range(k_count):  # ascending k, as the combine
+        out += s64[:, k, None] * ys[:, k]
+    result = {"out": out.to(bf16)}
+    if dout is None:
+        return result
+    dq, ds_ = quantize_rowwise_ref(dout)
+    dout_d = dequantize_rowwise(dq, ds_).to(f64)
+    dx = torch.zeros(t_count, hidden, dtype=f64, device=x.device)
+    dw1 = torch.zeros(w1.shape, dtype=f64, device=x.device)
+    dw2 = torch.zeros(w2.shape, dtype=f64, device=x.device)
+    for e, (tok, kk, gu, h) in saved.items():
+        s = s64[tok, kk][:, None]
+        dh = s * (dout_d[tok] @ w2_d[e].t())
+        g, u = gu[:, 0::2].to(f64), gu[:, 1::2].to(f64)
+        sig = torch.sigmoid(g)
+        dgu = torch.stack((dh * u * sig * (1 + g * (1 - sig)), dh * g * sig), dim=2).flatten(1).to(bf16)
+        gq, gs = quantize_rowwise_ref(dgu)
+        dx.index_add_(0, tok, dequantize_rowwise(gq, gs).to(f64) @ w1_d[e].t())
+        if wgrad == "fp8":  # every operand 128x1 along the expert's rows; dy = s * dout in FP32
+            dy = scores.float()[tok, kk][:, None] * dout[tok].float()
+            dw1[e] = _colwise_dequantized(x[tok]).to(f64).t() @ _colwise_dequantized(dgu).to(f64)
+            dw2[e] = _colwise_dequantized(h).to(f64).t() @ _colwise_dequantized(dy).to(f64)
+        else:
+            dw1[e] = x[tok].to(f64).t() @ dgu.to(f64)
+            dw2[e] = h.to(f64).t() @ (s.float() * dout[tok].float()).to(bf16).to(f64)
+    dscores = (dout.to(f64)[:, None, :] * ys).sum(2)
+    dscores = torch.where(topk_ids >= 0, dscores, torch.zeros_like(dscores))
+    result.update({"dx": dx.to(bf16), "dw1": dw1.to(bf16), "dw2": dw2.to(bf16), "dscores": dscores.to(scores.dtype)})
+    return result
