@@ -98,17 +98,24 @@ _WGRAD_OPS = ("moe_wgrad_w1", "moe_wgrad_w2")
 _COMBINE_OPS = ("moe_combine", "moe_dx_gather_sum")
 
 
-def stage_name(op: str, **dims: int) -> str:
+def stage_name(op: str, precision: str = "bf16", **dims: int) -> str:
     """The one name shared by a launch, its NVTX range and its report row."""
-    return f"{op} [" + ", ".join(f"{k}={v}" for k, v in dims.items()) + "] bf16"
+    return f"{op} [" + ", ".join(f"{k}={v}" for k, v in dims.items()) + f"] {precision}"
+
+
+def pinned_stage_config(tables: dict[str, dict[str, GemmConfig]], stage: str, backend: str,
+                        what: str = "MoE") -> GemmConfig:
+    """``tables[backend][stage]``, refusing an unknown stage or backend by name."""
+    stages = tuple(next(iter(tables.values())))
+    if stage not in stages:
+        raise ValueError(f"stage {stage!r} is not supported; supported: {stages}")
+    if backend not in tables:
+        raise ValueError(f"backend {backend!r} has no {what} configs; supported: {tuple(tables)}")
+    return tables[backend][stage]
 
 
 def select_moe_config(stage: str, backend: str) -> GemmConfig:
-    if stage not in STAGES:
-        raise ValueError(f"stage {stage!r} is not supported; supported: {STAGES}")
-    if backend not in MOE_CONFIGS:
-        raise ValueError(f"backend {backend!r} has no MoE configs; supported: {tuple(MOE_CONFIGS)}")
-    return MOE_CONFIGS[backend][stage]
+    return pinned_stage_config(MOE_CONFIGS, stage, backend)
 
 
 def _grouped_meta(grid, metadata, args):
@@ -133,7 +140,7 @@ def _combine_meta(grid, metadata, args):
 # Kernels
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _to_bf16(x, INTERPRETED: tl.constexpr):
+def to_bf16(x, INTERPRETED: tl.constexpr):
     if INTERPRETED:
         y = fp32_to_bf16_rtne(x)
     else:
@@ -142,7 +149,7 @@ def _to_bf16(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _mma(acc, a, b, STEP_K: tl.constexpr, INTERPRETED: tl.constexpr):
+def mma_step(acc, a, b, STEP_K: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc [M, N] += a [M, STEP_K] @ b [STEP_K, N] with FP32 accumulation, ascending over STEP_K.
 
     Interpreted: exact products added one at a time (cumsum is sequential there), as det_gemm does."""
@@ -161,6 +168,73 @@ def _sigmoid(g):
     return 1.0 / (1.0 + tl.exp(-g))
 
 
+@triton.jit
+def grouped_tile(C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
+                 tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A: tl.constexpr):
+    """This program's tile of a grouped GEMM over expert-sorted rows: ``(pid_n, expert, offs_m,
+    offs_n, row_ok, col_ok, a_rows)``. Consecutive programs share the A tile (L2 reuse); a tile
+    belongs to one expert because BLOCK_M divides SEGMENT; padding rows are ``row_ok`` False."""
+    pid = tl.program_id(axis=0)
+    num_pid_n = tl.cdiv(C, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // SEGMENT)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # always < P: BLOCK_M divides SEGMENT
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = tl.load(route_ptr + offs_m) >= 0  # padding rows read nothing and stay zero
+    col_ok = offs_n < C
+    if GATHER_A:
+        a_rows = tl.load(a_rows_ptr + offs_m)  # token row of each expert-sorted row
+    else:
+        a_rows = offs_m
+    return pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows
+
+
+@triton.jit
+def store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc):
+    """Epilogue 0: the FP32 tile as is (y of the down-projection, the per-route dX)."""
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
+    tl.store(c_ptrs, acc, mask=(offs_m[:, None] >= 0) & col_ok[None, :])
+
+
+@triton.jit
+def swiglu_epilogue(acc, c_ptr, h_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc, stride_hm, stride_hc,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Epilogue 1: gu rounded to BF16 (saved for the backward), h = silu(g) * u from those BF16
+    values in FP32, rounded once and stored. Returns ``(h, offs_h, h_ok)`` for a fused consumer."""
+    gu = to_bf16(acc, INTERPRETED)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
+    tl.store(c_ptrs, gu, mask=(offs_m[:, None] >= 0) & col_ok[None, :])
+    g, u = tl.split(tl.reshape(gu.to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))  # [BLOCK_M, BLOCK_N/2] each
+    h = to_bf16((g * _sigmoid(g)) * u, INTERPRETED)
+    offs_h = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    h_ok = (offs_m[:, None] >= 0) & (offs_h < C // 2)[None, :]
+    tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_h[None, :] * stride_hc, h, mask=h_ok)
+    return h, offs_h, h_ok
+
+
+@triton.jit
+def dswiglu_epilogue(acc, score_ptr, gu_ptr, c_ptr, offs_m, pid_n, C, stride_gm, stride_gc, stride_cm, stride_cc,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Epilogue 2: dh = s * acc in FP32, then dg, du from the saved gu, rounded once to BF16 and
+    stored interleaved. Returns ``(dgu, offs_j, j_ok)`` for a fused consumer."""
+    score = tl.load(score_ptr + offs_m)  # [BLOCK_M] FP32, 0 on padding rows
+    dh = acc * score[:, None]
+    offs_j = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+    j_ok = (offs_m[:, None] >= 0) & (offs_j < 2 * C)[None, :]
+    gu_ptrs = gu_ptr + offs_m[:, None] * stride_gm + offs_j[None, :] * stride_gc  # [BLOCK_M, 2*BLOCK_N]
+    gu = tl.load(gu_ptrs, mask=j_ok, other=0.0).to(tl.float32)
+    g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_N, 2)))
+    s = _sigmoid(g)
+    silu = g * s
+    # The operation order of kernels/swiglu.py, so the dense and MoE paths share one formula.
+    dg = (dh * u) * (s + silu * (1.0 - s))
+    du = dh * silu
+    dgu = to_bf16(tl.reshape(tl.join(dg, du), (BLOCK_M, 2 * BLOCK_N)), INTERPRETED)
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_j[None, :] * stride_cc, dgu, mask=j_ok)
+    return dgu, offs_j, j_ok
+
+
 @triton.jit(launch_metadata=_grouped_meta)
 def moe_grouped_gemm_kernel(
     a_ptr, a_rows_ptr, b_ptr, c_ptr, aux_ptr,
@@ -174,21 +248,9 @@ def moe_grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_K: tl.constexpr,
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    pid = tl.program_id(axis=0)
-    num_pid_n = tl.cdiv(C, BLOCK_N)
-    pid_m = pid // num_pid_n  # consecutive programs share the A tile (L2 reuse)
-    pid_n = pid % num_pid_n
-    expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // SEGMENT)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # always < P: BLOCK_M divides SEGMENT
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
+        C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
     offs_k = tl.arange(0, STEP_K)
-    row_ok = tl.load(route_ptr + offs_m) >= 0  # padding rows read nothing and stay zero
-    col_ok = offs_n < C
-    if GATHER_A:
-        a_rows = tl.load(a_rows_ptr + offs_m)  # token row of each expert-sorted row
-    else:
-        a_rows = offs_m
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
     b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bl + offs_n[None, :] * stride_bc  # [STEP_K, BLOCK_N]
 
@@ -199,38 +261,18 @@ def moe_grouped_gemm_kernel(
                 k_ok = (k0 + kk + offs_k) < L
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
-                acc = _mma(acc, a, b, STEP_K, INTERPRETED)
+                acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
                 a_ptrs += STEP_K * stride_al
                 b_ptrs += STEP_K * stride_bl
 
     if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
-        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
-        tl.store(c_ptrs, acc, mask=(offs_m[:, None] >= 0) & col_ok[None, :])
-    elif EPILOGUE == 1:  # SwiGLU: gu rounded to BF16 (saved for backward), h = silu(g) * u
-        gu = _to_bf16(acc, INTERPRETED)
-        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
-        tl.store(c_ptrs, gu, mask=(offs_m[:, None] >= 0) & col_ok[None, :])
-        g, u = tl.split(tl.reshape(gu.to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))  # [BLOCK_M, BLOCK_N/2] each
-        h = (g * _sigmoid(g)) * u
-        offs_h = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        h_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_h[None, :] * stride_xc  # [BLOCK_M, BLOCK_N/2]
-        tl.store(h_ptrs, _to_bf16(h, INTERPRETED), mask=(offs_m[:, None] >= 0) & (offs_h < C // 2)[None, :])
-    else:  # dSwiGLU: dh = s * acc in FP32, then dg, du from the saved gu; dgu out interleaved
-        score = tl.load(score_ptr + offs_m)  # [BLOCK_M] FP32, 0 on padding rows
-        dh = acc * score[:, None]
-        offs_j = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
-        j_ok = (offs_m[:, None] >= 0) & (offs_j < 2 * C)[None, :]
-        gu_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_j[None, :] * stride_xc  # [BLOCK_M, 2*BLOCK_N]
-        gu = tl.load(gu_ptrs, mask=j_ok, other=0.0).to(tl.float32)
-        g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_N, 2)))
-        s = _sigmoid(g)
-        silu = g * s
-        # The operation order of kernels/swiglu.py, so the dense and MoE paths share one formula.
-        dg = (dh * u) * (s + silu * (1.0 - s))
-        du = dh * silu
-        dgu = tl.reshape(tl.join(dg, du), (BLOCK_M, 2 * BLOCK_N))
-        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_j[None, :] * stride_cc
-        tl.store(c_ptrs, _to_bf16(dgu, INTERPRETED), mask=j_ok)
+        store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
+    elif EPILOGUE == 1:  # SwiGLU: gu and h in BF16
+        swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc, stride_xm,
+                        stride_xc, BLOCK_M, BLOCK_N, INTERPRETED)
+    else:  # dSwiGLU: dgu interleaved, BF16
+        dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc, stride_cm,
+                         stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
 
 
 @triton.jit(launch_metadata=_wgrad_meta)
@@ -274,7 +316,7 @@ def moe_wgrad_kernel(
             a = tl.load(a_ptrs, mask=r_ok[:, None] & p_ok[None, :], other=0.0)
             b_ptrs = b_ptr + p[:, None] * stride_bm + offs_c[None, :] * stride_bc  # [STEP_K, BLOCK_N]
             b = tl.load(b_ptrs, mask=p_ok[:, None] & c_ok[None, :], other=0.0)
-            acc = _mma(acc, a, b, STEP_K, INTERPRETED)
+            acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
 
     w_ptrs = dw_ptr + expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
     w_mask = r_ok[:, None] & c_ok[None, :]
@@ -282,7 +324,7 @@ def moe_wgrad_kernel(
         w_mask = w_mask & (count > 0)
         tl.store(w_ptrs, tl.load(w_ptrs, mask=w_mask, other=0.0) + acc, mask=w_mask)
     else:
-        tl.store(w_ptrs, _to_bf16(acc, INTERPRETED), mask=w_mask)
+        tl.store(w_ptrs, to_bf16(acc, INTERPRETED), mask=w_mask)
 
 
 @triton.jit(launch_metadata=_scale_meta)
@@ -301,7 +343,7 @@ def moe_scale_rows_kernel(
     rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0)
     s = tl.load(score_ptr + offs_m, mask=m_ok, other=0.0)
     x = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
-    y = _to_bf16(x.to(tl.float32) * s[:, None], INTERPRETED)
+    y = to_bf16(x.to(tl.float32) * s[:, None], INTERPRETED)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y, mask=mask)
 
 
@@ -332,7 +374,7 @@ def moe_combine_kernel(
             v = w[:, None] * v
         acc = tl.where(ok[:, None], acc + v, acc)  # a masked route contributes nothing, not even +0
     out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, _to_bf16(acc, INTERPRETED), mask=t_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptrs, to_bf16(acc, INTERPRETED), mask=t_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -400,7 +442,7 @@ def check_moe_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_i
                                                      "scores": scores})
 
 
-def _check_main_grads(main_grads, w1: torch.Tensor, w2: torch.Tensor) -> None:
+def check_main_grads(main_grads, w1: torch.Tensor, w2: torch.Tensor) -> None:
     if main_grads is None:
         return
     if not isinstance(main_grads, (tuple, list)) or len(main_grads) != 2:
@@ -620,12 +662,32 @@ class MoeGrads:
     dscores: torch.Tensor  # [T, K], scores' dtype
 
 
-def _names(x: torch.Tensor, w1: torch.Tensor, k: int) -> dict[str, str]:
+LAYER_STAGES = ("routing", "up_swiglu", "down", "combine", "dgrad_dswiglu", "dx", "wgrad", "dscores")
+
+
+def layer_stage_names(x: torch.Tensor, w1: torch.Tensor, k: int, stages=LAYER_STAGES,
+                      precision: str = "bf16") -> dict[str, str]:
+    """Stage -> the NVTX range / row name of that stage of one layer call."""
     t, h = x.shape
     e, _, two_i = w1.shape
     dims = {"T": t, "H": h, "I": two_i // 2, "E": e, "K": k}
-    return {stage: stage_name(f"moe_{stage}", **dims) for stage in
-            ("routing", "up_swiglu", "down", "combine", "dgrad_dswiglu", "dx", "wgrad", "dscores")}
+    return {stage: stage_name(f"moe_{stage}", precision, **dims) for stage in stages}
+
+
+def checked_routing(x: torch.Tensor, w1: torch.Tensor, topk_ids: torch.Tensor, scores: torch.Tensor) -> MoeRouting:
+    """The routing metadata, refusing a batch whose padded intermediates overflow 32-bit offsets."""
+    routing = build_routing(topk_ids, scores, w1.shape[0])
+    widest = max(w1.shape[2], x.shape[1])
+    if routing.padded_rows * widest > MAX_INT32_OFFSET:
+        raise ValueError(f"{routing.padded_rows} padded rows x {widest} columns of intermediates exceed 32-bit "
+                         "kernel offsets; split the batch")
+    return routing
+
+
+def check_dout(dout: torch.Tensor, x: torch.Tensor) -> None:
+    check_bf16_matrix("dout", dout)
+    if tuple(dout.shape) != tuple(x.shape) or dout.device != x.device:
+        raise ValueError(f"dout must be {tuple(x.shape)} on {x.device}; got {tuple(dout.shape)} on {dout.device}")
 
 
 def moe_mlp_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -637,13 +699,9 @@ def moe_mlp_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: t
     """
     backend = check_moe_inputs(x, w1, w2, topk_ids, scores)
     rng = stage_range or (lambda name: nullcontext())
-    names = _names(x, w1, topk_ids.shape[1])
+    names = layer_stage_names(x, w1, topk_ids.shape[1])
     with rng(names["routing"]):
-        routing = build_routing(topk_ids, scores, w1.shape[0])
-    widest = max(w1.shape[2], x.shape[1])
-    if routing.padded_rows * widest > MAX_INT32_OFFSET:
-        raise ValueError(f"{routing.padded_rows} padded rows x {widest} columns of intermediates exceed 32-bit "
-                         "kernel offsets; split the batch")
+        routing = checked_routing(x, w1, topk_ids, scores)
     with rng(names["up_swiglu"]):
         gu, h = moe_up_swiglu(x, w1, routing, backend)
     with rng(names["down"]):
@@ -656,12 +714,10 @@ def moe_mlp_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: t
 def moe_mlp_bwd(dout: torch.Tensor, saved: MoeSaved, *, main_grads=None, stage_range=None) -> MoeGrads:
     """Gradients of ``moe_mlp_fwd`` for dout [T, H] bf16. With ``main_grads = (g1, g2)`` (FP32, the
     weights' shapes) dW1/dW2 are added into them in FP32 and returned as None."""
-    check_bf16_matrix("dout", dout)
-    if tuple(dout.shape) != tuple(saved.x.shape) or dout.device != saved.x.device:
-        raise ValueError(f"dout must be {tuple(saved.x.shape)} on {saved.x.device}; got {tuple(dout.shape)} on {dout.device}")
-    _check_main_grads(main_grads, saved.w1, saved.w2)
+    check_dout(dout, saved.x)
+    check_main_grads(main_grads, saved.w1, saved.w2)
     rng = stage_range or (lambda name: nullcontext())
-    names = _names(saved.x, saved.w1, saved.routing.top_k)
+    names = layer_stage_names(saved.x, saved.w1, saved.routing.top_k)
     backend, routing = saved.backend, saved.routing
     with rng(names["dgrad_dswiglu"]):
         dgu = moe_dgrad_dswiglu(dout, saved.w2, saved.gu, routing, backend)
@@ -682,7 +738,7 @@ class MoeMlpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, topk_ids, scores, main_grad_w1=None, main_grad_w2=None):
         main_grads = None if main_grad_w1 is None and main_grad_w2 is None else (main_grad_w1, main_grad_w2)
-        _check_main_grads(main_grads, w1, w2)
+        check_main_grads(main_grads, w1, w2)
         out, saved = moe_mlp_fwd(x, w1, w2, topk_ids, scores)
         ctx.saved = saved
         ctx.main_grads = main_grads

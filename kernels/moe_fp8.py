@@ -42,7 +42,7 @@ Determinism: no split-K, no atomics, each output tile owned by one program, K bl
 order, configs pinned per backend (no autotune). Batch invariance (forward, per token): quantization
 is per row, rows are never reduced together, and nothing depends on T or the routing.
 
-On the Triton interpreter: exact FP32 products added one at a time (``kernels.moe._mma``; products of
+On the Triton interpreter: exact FP32 products added one at a time (``kernels.moe.mma_step``; products of
 two E4M3 values are exact in FP32) and E4M3 rounding in integer arithmetic (kernels/fp8_quant.py).
 """
 
@@ -56,17 +56,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, check_bf16_matrix
+from kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 from kernels.det_gemm import GemmConfig, interpreter_step_k
 from kernels.fp8_quant import (
     FP8_DTYPE, QBLOCK, Fp8Weight, dequantize_rowwise, quant_risk_rowwise, quant_risk_weight, quantize_colwise_ref,
     quantize_rowwise, quantize_rowwise_ref, quantize_rows, quantize_weight, quantize_weight_ref,
 )
 from kernels.moe import (
-    MoeGrads, _check_main_grads, _mma, _sigmoid, _to_bf16, check_moe_inputs, moe_combine, moe_dscores,
-    moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
+    MoeGrads, check_dout, check_main_grads, check_moe_inputs, checked_routing, dswiglu_epilogue, grouped_tile,
+    layer_stage_names, mma_step, moe_combine, moe_dscores, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
+    pinned_stage_config, stage_name, store_fp32_tile, swiglu_epilogue, to_bf16,
 )
-from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting, build_routing
+from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 
 # ---------------------------------------------------------------------------------------------
 # Pinned config tables (no autotune). block_k is the K step of one tl.dot; it must divide QBLOCK.
@@ -113,15 +114,11 @@ _OPS = ("moe_fp8_up_swiglu", "moe_fp8_down", "moe_fp8_dgrad_dswiglu", "moe_fp8_d
 
 def fp8_stage_name(op: str, **dims: int) -> str:
     """The one name shared by a launch, its NVTX range and its report row."""
-    return f"{op} [" + ", ".join(f"{k}={v}" for k, v in dims.items()) + "] fp8"
+    return stage_name(op, "fp8", **dims)
 
 
 def select_moe_fp8_config(stage: str, backend: str) -> GemmConfig:
-    if stage not in FP8_STAGES:
-        raise ValueError(f"stage {stage!r} is not supported; supported: {FP8_STAGES}")
-    if backend not in MOE_FP8_CONFIGS:
-        raise ValueError(f"backend {backend!r} has no FP8 MoE configs; supported: {tuple(MOE_FP8_CONFIGS)}")
-    return MOE_FP8_CONFIGS[backend][stage]
+    return pinned_stage_config(MOE_FP8_CONFIGS, stage, backend, what="FP8 MoE")
 
 
 def _meta(grid, metadata, args):
@@ -147,21 +144,9 @@ def moe_fp8_grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_K: tl.constexpr, QBLOCK: tl.constexpr,
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    pid = tl.program_id(axis=0)
-    num_pid_n = tl.cdiv(C, BLOCK_N)
-    pid_m = pid // num_pid_n  # consecutive programs share the A tile (L2 reuse)
-    pid_n = pid % num_pid_n
-    expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // SEGMENT)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # always < P: BLOCK_M divides SEGMENT
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
+        C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
     offs_k = tl.arange(0, STEP_K)
-    row_ok = tl.load(route_ptr + offs_m) >= 0  # padding rows read nothing and stay zero
-    col_ok = offs_n < C
-    if GATHER_A:
-        a_rows = tl.load(a_rows_ptr + offs_m)  # token row of each expert-sorted row
-    else:
-        a_rows = offs_m
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
     b_ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bc + offs_k[None, :] * stride_bl  # [BLOCK_N, STEP_K]
     as_ptrs = as_ptr + a_rows * stride_asm  # [BLOCK_M]
@@ -174,7 +159,7 @@ def moe_fp8_grouped_gemm_kernel(
             for kk in tl.static_range(0, QBLOCK, STEP_K):
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, STEP_K] e4m3
                 b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)  # [BLOCK_N, STEP_K] e4m3
-                blk = _mma(blk, a, tl.trans(b), STEP_K, INTERPRETED)
+                blk = mma_step(blk, a, tl.trans(b), STEP_K, INTERPRETED)
                 a_ptrs += STEP_K * stride_al
                 b_ptrs += STEP_K * stride_bl
             a_s = tl.load(as_ptrs + kb * stride_asl, mask=row_ok, other=0.0)  # [BLOCK_M]
@@ -182,35 +167,16 @@ def moe_fp8_grouped_gemm_kernel(
             acc += blk * (a_s[:, None] * b_s[None, :])  # exact scaling: powers of two
 
     if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
-        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
-        tl.store(c_ptrs, acc, mask=(offs_m[:, None] >= 0) & col_ok[None, :])
+        store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
     elif EPILOGUE == 1:  # SwiGLU: gu, h in BF16 (saved), h quantized 1x128 for the down-projection
-        gu = _to_bf16(acc, INTERPRETED)
-        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
-        tl.store(c_ptrs, gu, mask=(offs_m[:, None] >= 0) & col_ok[None, :])
-        g, u = tl.split(tl.reshape(gu.to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))  # [BLOCK_M, QBLOCK] each
-        h = _to_bf16((g * _sigmoid(g)) * u, INTERPRETED)
-        offs_h = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        h_ok = (offs_m[:, None] >= 0) & (offs_h < C // 2)[None, :]
-        tl.store(aux_ptr + offs_m[:, None] * stride_xm + offs_h[None, :] * stride_xc, h, mask=h_ok)
+        h, offs_h, h_ok = swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc,
+                                          stride_xm, stride_xc, BLOCK_M, BLOCK_N, INTERPRETED)
         hq, hs = quantize_rows(h.to(tl.float32), INTERPRETED)  # from the stored BF16 h
         tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_h[None, :] * stride_qc, hq, mask=h_ok)
         tl.store(qs_ptr + offs_m * stride_qsm + pid_n * stride_qsc, hs)
-    else:  # dSwiGLU: dh = s * acc in FP32, then dg, du from the saved gu; dgu BF16 and FP8
-        score = tl.load(score_ptr + offs_m)  # [BLOCK_M] FP32, 0 on padding rows
-        dh = acc * score[:, None]
-        offs_j = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
-        j_ok = (offs_m[:, None] >= 0) & (offs_j < 2 * C)[None, :]
-        gu_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_j[None, :] * stride_xc  # [BLOCK_M, 2*BLOCK_N]
-        gu = tl.load(gu_ptrs, mask=j_ok, other=0.0).to(tl.float32)
-        g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_N, 2)))
-        s = _sigmoid(g)
-        silu = g * s
-        # The operation order of kernels/swiglu.py and kernels/moe.py: one formula for every path.
-        dg = (dh * u) * (s + silu * (1.0 - s))
-        du = dh * silu
-        dgu = _to_bf16(tl.reshape(tl.join(dg, du), (BLOCK_M, 2 * BLOCK_N)), INTERPRETED)
-        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_j[None, :] * stride_cc, dgu, mask=j_ok)
+    else:  # dSwiGLU: dgu in BF16 (as the BF16 path), then quantized 1x128 for the dX GEMM
+        dgu, offs_j, j_ok = dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc,
+                                             stride_cm, stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
         dq, ds = quantize_rows(dgu.to(tl.float32), INTERPRETED)  # from the stored BF16 dgu
         tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_j[None, :] * stride_qc, dq, mask=j_ok)
         tl.store(qs_ptr + offs_m * stride_qsm + pid_n * stride_qsc, ds)
@@ -288,7 +254,7 @@ def moe_fp8_wgrad_kernel(
         for kk in tl.static_range(0, QBLOCK, STEP_K):
             a = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=c_ok[:, None], other=0.0)
-            blk = _mma(blk, a, tl.trans(b), STEP_K, INTERPRETED)  # [BLOCK_M, STEP_K] @ [STEP_K, BLOCK_N]
+            blk = mma_step(blk, a, tl.trans(b), STEP_K, INTERPRETED)  # [BLOCK_M, STEP_K] @ [STEP_K, BLOCK_N]
             a_ptrs += STEP_K * stride_ap
             b_ptrs += STEP_K * stride_bp
         a_s = tl.load(as_ptrs, mask=r_ok, other=0.0)
@@ -302,7 +268,7 @@ def moe_fp8_wgrad_kernel(
         w_mask = w_mask & (count > 0)
         tl.store(w_ptrs, tl.load(w_ptrs, mask=w_mask, other=0.0) + acc, mask=w_mask)
     else:
-        tl.store(w_ptrs, _to_bf16(acc, INTERPRETED), mask=w_mask)
+        tl.store(w_ptrs, to_bf16(acc, INTERPRETED), mask=w_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,13 +503,12 @@ class MoeFp8Saved:
     y: torch.Tensor  # [P, H] fp32
 
 
+FP8_LAYER_STAGES = ("routing", "quant_x", "weights", "up_swiglu", "down", "combine", "quant_dout", "dgrad_dswiglu",
+                    "dx", "wgrad", "dscores")
+
+
 def _names(x: torch.Tensor, w1: torch.Tensor, k: int) -> dict[str, str]:
-    t, h = x.shape
-    e, _, two_i = w1.shape
-    dims = {"T": t, "H": h, "I": two_i // 2, "E": e, "K": k}
-    return {stage: fp8_stage_name(f"moe_{stage}", **dims) for stage in
-            ("routing", "quant_x", "weights", "up_swiglu", "down", "combine", "quant_dout", "dgrad_dswiglu", "dx",
-             "wgrad", "dscores")}
+    return layer_stage_names(x, w1, k, FP8_LAYER_STAGES, "fp8")
 
 
 def moe_mlp_fp8_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -556,11 +521,7 @@ def moe_mlp_fp8_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
     rng = stage_range or (lambda name: nullcontext())
     names = _names(x, w1, topk_ids.shape[1])
     with rng(names["routing"]):
-        routing = build_routing(topk_ids, scores, w1.shape[0])
-    widest = max(w1.shape[2], x.shape[1])
-    if routing.padded_rows * widest > MAX_INT32_OFFSET:
-        raise ValueError(f"{routing.padded_rows} padded rows x {widest} columns of intermediates exceed 32-bit "
-                         "kernel offsets; split the batch")
+        routing = checked_routing(x, w1, topk_ids, scores)
     with rng(names["weights"]):
         w1f = weight_cache.get(w1) if weight_cache is not None else quantize_weight(w1)
         w2f = weight_cache.get(w2) if weight_cache is not None else quantize_weight(w2)
@@ -581,11 +542,8 @@ def moe_mlp_fp8_bwd(dout: torch.Tensor, saved: MoeFp8Saved, *, main_grads=None, 
     ``wgrad`` mode ("bf16": kernels.moe's kernel; "fp8": 128x1 column-wise FP8 operands) as BF16 or FP32
     accumulation into ``main_grads``, dscores = dout . y."""
     check_wgrad_mode(wgrad)
-    check_bf16_matrix("dout", dout)
-    if tuple(dout.shape) != tuple(saved.x.shape) or dout.device != saved.x.device:
-        raise ValueError(f"dout must be {tuple(saved.x.shape)} on {saved.x.device}; "
-                         f"got {tuple(dout.shape)} on {dout.device}")
-    _check_main_grads(main_grads, saved.w1, saved.w2)
+    check_dout(dout, saved.x)
+    check_main_grads(main_grads, saved.w1, saved.w2)
     rng = stage_range or (lambda name: nullcontext())
     names = _names(saved.x, saved.w1, saved.routing.top_k)
     backend, routing = saved.backend, saved.routing
@@ -614,7 +572,7 @@ class MoeMlpFp8Function(torch.autograd.Function):
     def forward(ctx, x, w1, w2, topk_ids, scores, main_grad_w1=None, main_grad_w2=None, weight_cache=WEIGHT_CACHE,
                 wgrad="bf16"):
         main_grads = None if main_grad_w1 is None and main_grad_w2 is None else (main_grad_w1, main_grad_w2)
-        _check_main_grads(main_grads, w1, w2)
+        check_main_grads(main_grads, w1, w2)
         check_wgrad_mode(wgrad)
         ctx.wgrad = wgrad
         out, saved = moe_mlp_fp8_fwd(x, w1, w2, topk_ids, scores, weight_cache=weight_cache)
