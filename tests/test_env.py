@@ -381,3 +381,16 @@ def test_torch_cpu_build_on_a_gpu_host_still_lists_nvml_gpus(monkeypatch):
 def test_is_available():
     assert is_available(0) and is_available("H200") and is_available(None)
     assert not is_available(not_available("x"))
+
+
+def test_a_declared_commit_that_disagrees_with_the_checkout_is_shown_beside_it(monkeypatch):
+    head = envmod._git_info()
+    if head["git_commit_source"] != "git":
+        pytest.skip(f"not a git checkout here: {head['git_commit']}")
+    commit = head["git_commit"]
+    monkeypatch.setenv("DETKIT_GIT_COMMIT", "0123456789abcdef")
+    info = envmod._git_info()
+    assert info["git_commit"] == f"{commit} (DETKIT_GIT_COMMIT says 0123456789abcdef)"
+    assert info["git_commit_declared"] == "0123456789abcdef" and info["git_commit_source"] == "git"
+    monkeypatch.setenv("DETKIT_GIT_COMMIT", commit[:7])  # the same commit, abbreviated: nothing to add
+    assert envmod._git_info() == head

@@ -131,7 +131,13 @@ def _git_info() -> dict[str, Any]:
         status = _run(
             ["git", "-C", str(_REPO_ROOT), "status", "--porcelain", "--untracked-files=no"]
         )
-        return {"git_commit": commit, "git_commit_source": "git", "git_dirty": bool(status.strip())}
+        info = {"git_commit": commit, "git_commit_source": "git", "git_dirty": bool(status.strip())}
+        declared = os.environ.get("DETKIT_GIT_COMMIT", "").strip()
+        if declared and not commit.startswith(declared) and not declared.startswith(commit):
+            # A copied tree can carry a stale .git: keep both, the reader decides which files ran.
+            info["git_commit_declared"] = declared
+            info["git_commit"] = f"{commit} (DETKIT_GIT_COMMIT says {declared})"
+        return info
     except Exception as exc:  # noqa: BLE001
         git_reason = _reason(exc)
     env_commit = os.environ.get("DETKIT_GIT_COMMIT", "").strip()
