@@ -23,7 +23,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -116,22 +116,29 @@ def make_inputs(case: MoeCase, device: torch.device) -> dict[str, torch.Tensor]:
     }
 
 
-def run_layer(inp: dict[str, torch.Tensor], main_grads=None) -> dict[str, torch.Tensor]:
-    """Forward and backward through the autograd Function; returns out and every gradient."""
+def layer_grads(layer: Callable[..., torch.Tensor], inp: dict[str, torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
+    """Forward and backward through ``layer(x, w1, w2, topk_ids, scores, **kwargs)`` (an MoE autograd
+    Function); returns out and every gradient."""
     x = inp["x"].detach().requires_grad_()
     w1 = inp["w1"].detach().requires_grad_()
     w2 = inp["w2"].detach().requires_grad_()
     scores = inp["scores"].detach().requires_grad_()
-    out = moe_mlp(x, w1, w2, inp["topk_ids"], scores, main_grads=main_grads)
+    out = layer(x, w1, w2, inp["topk_ids"], scores, **kwargs)
     out.backward(inp["dout"])
     return {"out": out.detach(), "dx": x.grad, "dw1": w1.grad, "dw2": w2.grad, "dscores": scores.grad}
 
 
-def _bits_row(ctx: RunContext, check: str, name: str, got: dict, want: dict, **details) -> Row:
+def run_layer(inp: dict[str, torch.Tensor], main_grads=None) -> dict[str, torch.Tensor]:
+    """Forward and backward through the autograd Function; returns out and every gradient."""
+    return layer_grads(moe_mlp, inp, main_grads=main_grads)
+
+
+def bits_row(suite: str, ctx: RunContext, check: str, name: str, got: dict, want: dict, **details) -> Row:
+    """One row: every tensor of ``want`` equals ``got``'s bit for bit; details of the worst mismatch."""
     results = {k: compare_bits(got[k], want[k]) for k in want}
     worst = max(results.values(), key=lambda r: r.mismatches)
     bad = [k for k, r in results.items() if not r.equal]
-    return Row(suite=NAME, check=check, name=name, passed=not bad, backend=ctx.backend,
+    return Row(suite=suite, check=check, name=name, passed=not bad, backend=ctx.backend,
                details={**details, "tensors": list(want), "mismatched_tensors": bad, **worst.as_row()})
 
 
@@ -148,8 +155,85 @@ def round_sum_bound(c_star: torch.Tensor, abs_terms: torch.Tensor, n: int, unit:
     return unit * c_star.abs() + (1 + unit) * fp32_sum_bound(abs_terms, n) + ETA_BF16
 
 
-def _row_experts(routing: MoeRouting) -> torch.Tensor:
+def row_experts(routing: MoeRouting) -> torch.Tensor:
+    """The expert of every expert-sorted row (padding included)."""
     return torch.repeat_interleave(routing.tile_expert.long(), SEGMENT_ALIGN)
+
+
+def sorted_rows(r: MoeRouting) -> tuple[torch.Tensor, ...]:
+    """(valid rows, padding rows, each valid row's token, its expert, its score in FP64) of the
+    expert-sorted layout."""
+    valid = (r.sorted_route >= 0).nonzero().squeeze(1)
+    pad = (r.sorted_route < 0).nonzero().squeeze(1)
+    return valid, pad, r.gather_token.long()[valid], row_experts(r)[valid], r.row_score.double()[valid]
+
+
+def per_expert(a: torch.Tensor, b_of_e: Callable[[int], torch.Tensor], exp: torch.Tensor,
+               n_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a @ b(e), |a| @ |b(e)|) in FP64 for each row of ``a``, grouped by its expert ``exp[row]``."""
+    f64 = torch.float64
+    c = torch.zeros(exp.numel(), n_out, dtype=f64, device=a.device)
+    ab = torch.zeros_like(c)
+    for e in exp.unique().tolist():
+        sel = (exp == e).nonzero().squeeze(1)
+        b = b_of_e(e).to(f64)
+        c[sel] = a[sel].to(f64) @ b
+        ab[sel] = a[sel].to(f64).abs() @ b.abs()
+    return c, ab
+
+
+def swiglu_parts(gu: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """From interleaved gate/up rows, in FP64: g, u, sigmoid(g), silu(g) and the activation allowance."""
+    f64 = torch.float64
+    g, u = gu[:, 0::2].to(f64), gu[:, 1::2].to(f64)
+    sig = torch.sigmoid(g)
+    return g, u, sig, g * sig, ACT * (1 + g.abs())
+
+
+def dswiglu_check(dgu: torch.Tensor, gu: torch.Tensor, dh_star: torch.Tensor, e_h: torch.Tensor) -> ContractResult:
+    """dgu = bf16(dSwiGLU(gu) * dh) from the kernel's own BF16 gu; dh_star is the FP64 dh and e_h bounds
+    the kernel's error in dh (rows: the valid expert-sorted rows)."""
+    g, u, sig, silu, act = swiglu_parts(gu)
+    dsilu = sig * (1 + g * (1 - sig))
+    dg_star = dh_star * u * dsilu
+    du_star = dh_star * silu
+    dg_bound = U_BF16 * dg_star.abs() + (1 + U_BF16) * (
+        e_h * u.abs() * (dsilu.abs() + act) + dh_star.abs() * u.abs() * act) + ETA_BF16
+    du_bound = U_BF16 * du_star.abs() + (1 + U_BF16) * (
+        e_h * silu.abs() * (1 + act) + dh_star.abs() * silu.abs() * act) + ETA_BF16
+    dgu_star = torch.stack((dg_star, du_star), dim=2).flatten(1)
+    dgu_bound = torch.stack((dg_bound, du_bound), dim=2).flatten(1)
+    return check_bound(dgu, dgu_star, dgu_bound)
+
+
+def combine_checks(r: MoeRouting, scores: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, y: torch.Tensor,
+                   dxr: torch.Tensor, dx: torch.Tensor, dscores: torch.Tensor) -> dict[str, ContractResult]:
+    """The token-side reductions from the kernel's own FP32 y and dx_route: out = bf16(sum_k s_k y_k) and
+    dx = bf16(sum_k dx_route_k), ascending k with one rounding; dscores = dout . y (FP32), rounded to the
+    scores' dtype."""
+    f64 = torch.float64
+    hidden = dout.shape[1]
+    y_tk = torch.zeros(r.num_tokens, r.top_k, hidden, dtype=f64, device=dout.device)
+    rr = r.route_row.long()
+    m = rr >= 0
+    y_tk[m] = y.to(f64)[rr[m]]
+    sy = scores.to(f64)[:, :, None] * y_tk
+    out_star = sy.sum(1)
+    results = {"out": check_bound(out, out_star, round_sum_bound(out_star, sy.abs().sum(1), r.top_k))}
+    dxr_tk = torch.zeros_like(y_tk)
+    dxr_tk[m] = dxr.to(f64)[rr[m]]
+    dx_star = dxr_tk.sum(1)
+    results["dx"] = check_bound(dx, dx_star, round_sum_bound(dx_star, dxr_tk.abs().sum(1), r.top_k))
+    dy_t = dout.to(f64)[:, None, :] * y_tk
+    ds_star = dy_t.sum(2)
+    unit = U_BF16 if scores.dtype == torch.bfloat16 else 0.0
+    results["dscores"] = check_bound(dscores, ds_star, round_sum_bound(ds_star, dy_t.abs().sum(2), hidden, unit))
+    return results
+
+
+def padding_zero(tensors: dict[str, torch.Tensor], pad: torch.Tensor) -> dict[str, bool]:
+    """Per tensor: its padding rows are exactly zero."""
+    return {name: bool((t[pad].float() == 0).all()) if pad.numel() else True for name, t in tensors.items()}
 
 
 def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult], dict]:
@@ -162,67 +246,32 @@ def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult
     dgu = moe_dgrad_dswiglu(dout, w2, saved.gu, r, backend)
     dxr = moe_dx_route(dgu, w1, r, backend)
     f64 = torch.float64
-    valid = (r.sorted_route >= 0).nonzero().squeeze(1)
-    pad = (r.sorted_route < 0).nonzero().squeeze(1)
-    tok = r.gather_token.long()[valid]
-    exp = _row_experts(r)[valid]
-    s_row = r.row_score.double()[valid]
+    valid, pad, tok, exp, s_row = sorted_rows(r)
     hidden, inter = x.shape[1], w2.shape[1]
     results: dict[str, ContractResult] = {}
-
-    def per_expert(a: torch.Tensor, b_of_e, n_out: int):
-        """(a[rows] @ b(e), |a| @ |b(e)|) for each valid row, grouped by its expert, in FP64."""
-        c = torch.zeros(valid.numel(), n_out, dtype=f64, device=a.device)
-        ab = torch.zeros_like(c)
-        for e in exp.unique().tolist():
-            sel = (exp == e).nonzero().squeeze(1)
-            b = b_of_e(e).to(f64)
-            c[sel] = a[sel].to(f64) @ b
-            ab[sel] = a[sel].to(f64).abs() @ b.abs()
-        return c, ab
+    # combine (out), the dx gather-sum and dscores, from the kernel's FP32 y and dx_route
+    combined = combine_checks(r, scores, dout, out, saved.y, dxr, grads.dx, grads.dscores)
 
     # up: gu = x[token] @ W1[e] (one BF16 rounding)
-    gu_star, gu_ab = per_expert(x[tok], lambda e: w1[e], w1.shape[2])
+    gu_star, gu_ab = per_expert(x[tok], lambda e: w1[e], exp, w1.shape[2])
     results["gu"] = check_bound(saved.gu[valid], gu_star, gemm_bound(gu_star, gu_ab, hidden))
     # SwiGLU from the kernel's own BF16 gu
-    g, u = saved.gu[valid, 0::2].to(f64), saved.gu[valid, 1::2].to(f64)
-    sig = torch.sigmoid(g)
-    silu = g * sig
-    act = ACT * (1 + g.abs())
+    _, u, _, silu, act = swiglu_parts(saved.gu[valid])
     h_star = silu * u
     results["h"] = check_bound(saved.h[valid], h_star, U_BF16 * h_star.abs() + (1 + U_BF16) * act * h_star.abs() + ETA_BF16)
     # down: y = h @ W2[e] kept in FP32
-    y_star, y_ab = per_expert(saved.h[valid], lambda e: w2[e], hidden)
+    y_star, y_ab = per_expert(saved.h[valid], lambda e: w2[e], exp, hidden)
     results["y"] = check_bound(saved.y[valid], y_star, fp32_sum_bound(y_ab, inter))
-    # combine: out = bf16(sum_k s_k y_k), ascending k, from the kernel's FP32 y
-    y_tk = torch.zeros(r.num_tokens, r.top_k, hidden, dtype=f64, device=x.device)
-    rr = r.route_row.long()
-    m = rr >= 0
-    y_tk[m] = saved.y.to(f64)[rr[m]]
-    sy = scores.to(f64)[:, :, None] * y_tk
-    out_star = sy.sum(1)
-    results["out"] = check_bound(out, out_star, round_sum_bound(out_star, sy.abs().sum(1), r.top_k))
+    results["out"] = combined["out"]
     # dgrad + dSwiGLU: dh = s * (dout[token] @ W2[e].T); e_h bounds its FP32 error
-    dh_raw, dh_ab = per_expert(dout[tok], lambda e: w2[e].t(), inter)
+    dh_raw, dh_ab = per_expert(dout[tok], lambda e: w2[e].t(), exp, inter)
     dh_star = s_row[:, None] * dh_raw
     e_h = gamma(hidden + 1) * s_row.abs()[:, None] * dh_ab
-    dsilu = sig * (1 + g * (1 - sig))
-    dg_star = dh_star * u * dsilu
-    du_star = dh_star * silu
-    dg_bound = U_BF16 * dg_star.abs() + (1 + U_BF16) * (
-        e_h * u.abs() * (dsilu.abs() + act) + dh_star.abs() * u.abs() * act) + ETA_BF16
-    du_bound = U_BF16 * du_star.abs() + (1 + U_BF16) * (
-        e_h * silu.abs() * (1 + act) + dh_star.abs() * silu.abs() * act) + ETA_BF16
-    dgu_star = torch.stack((dg_star, du_star), dim=2).flatten(1)
-    dgu_bound = torch.stack((dg_bound, du_bound), dim=2).flatten(1)
-    results["dgu"] = check_bound(dgu[valid], dgu_star, dgu_bound)
+    results["dgu"] = dswiglu_check(dgu[valid], saved.gu[valid], dh_star, e_h)
     # dx per route (FP32), then the ascending-k gather-sum with one rounding
-    dxr_star, dxr_ab = per_expert(dgu[valid], lambda e: w1[e].t(), hidden)
+    dxr_star, dxr_ab = per_expert(dgu[valid], lambda e: w1[e].t(), exp, hidden)
     results["dx_route"] = check_bound(dxr[valid], dxr_star, fp32_sum_bound(dxr_ab, 2 * inter))
-    dxr_tk = torch.zeros_like(y_tk)
-    dxr_tk[m] = dxr.to(f64)[rr[m]]
-    dx_star = dxr_tk.sum(1)
-    results["dx"] = check_bound(grads.dx, dx_star, round_sum_bound(dx_star, dxr_tk.abs().sum(1), r.top_k))
+    results["dx"] = combined["dx"]
     # dW1[e] = x[token]^T dgu and dW2[e] = h^T bf16(s * dout[token]) over the expert's rows
     dy = (s_row.float()[:, None] * dout[tok].float()).to(torch.bfloat16)
     dw1_star = torch.zeros(w1.shape, dtype=f64, device=x.device)
@@ -239,15 +288,9 @@ def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult
         count_bound2[e] = gemm_bound(dw2_star[e], dw2_ab[e], sel.numel())
     results["dw1"] = check_bound(grads.dw1, dw1_star, count_bound1)
     results["dw2"] = check_bound(grads.dw2, dw2_star, count_bound2)
-    # dscores = dout . y (FP32), rounded to the scores' dtype
-    dy_t = dout.to(f64)[:, None, :] * y_tk
-    ds_star = dy_t.sum(2)
-    unit = U_BF16 if scores.dtype == torch.bfloat16 else 0.0
-    results["dscores"] = check_bound(grads.dscores, ds_star, round_sum_bound(ds_star, dy_t.abs().sum(2), hidden, unit))
+    results["dscores"] = combined["dscores"]
 
-    zero = {}
-    for name, t in (("gu", saved.gu), ("h", saved.h), ("y", saved.y), ("dgu", dgu), ("dx_route", dxr)):
-        zero[name] = bool((t[pad] == 0).all()) if pad.numel() else True
+    zero = padding_zero({"gu": saved.gu, "h": saved.h, "y": saved.y, "dgu": dgu, "dx_route": dxr}, pad)
     composed = compare_bits(grads.dx, moe_gather_sum(dxr, r, backend))
     return results, {"padding_zero": zero, "composed_dx_equal": composed.equal}
 
@@ -328,18 +371,44 @@ def invariance_variants(inp: dict, case: MoeCase, seed: int) -> Iterator[tuple[s
 # ---------------------------------------------------------------------------------------------
 # Fresh-process digests
 # ---------------------------------------------------------------------------------------------
-def case_digests(case: MoeCase, device: torch.device) -> dict[str, str]:
-    got = run_layer(make_inputs(case, device))
+def grad_digests(got: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: digest(got[name]) for name in GRAD_NAMES}
 
 
-def _fresh_process_digests(cases: list[MoeCase], device: torch.device) -> dict[str, dict[str, str]]:
+def case_digests(case: MoeCase, device: torch.device) -> dict[str, str]:
+    return grad_digests(run_layer(make_inputs(case, device)))
+
+
+def fresh_process_digests(cases: list[MoeCase], device: torch.device,
+                          module: str = "audits.moe") -> dict[str, dict[str, str]]:
+    """{case name: digests} from ``python -m module`` (a worker that calls ``serve_digests``)."""
     payload = json.dumps({"device": str(device), "cases": [asdict(c) for c in cases]})
-    proc = subprocess.run([sys.executable, "-m", "audits.moe"], input=payload, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", module], input=payload, capture_output=True, text=True,
                           timeout=FRESH_PROCESS_TIMEOUT_S, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"fresh-process worker failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fresh_process_row(suite: str, ctx: RunContext, module: str, case: MoeCase, name: str,
+                      got: dict[str, torch.Tensor]) -> Row:
+    """``got``'s digests equal those of the same case run by ``module`` in a new Python process."""
+    local = grad_digests(got)
+    with nvtx_range(f"fresh_process {suite}"):
+        fresh = fresh_process_digests([case], ctx.device, module)[case.name]
+    return Row(suite=suite, check="fresh_process", name=f"fresh_process {name}", passed=fresh == local,
+               backend=ctx.backend, details={"digests": local, "fresh_digests": fresh})
+
+
+def serve_digests(digests_of: Callable[[MoeCase, torch.device], dict[str, str]]) -> None:
+    """The fresh-process worker: the request's cases on stdin, {case name: digests_of(case)} on stdout."""
+    request = json.loads(sys.stdin.read())
+    device = torch.device(request["device"])
+    result = {}
+    for fields in request["cases"]:
+        case = MoeCase(**fields)
+        result[case.name] = digests_of(case, device)
+    print(json.dumps(result))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,6 +434,53 @@ def rejection_cases(inp: dict) -> list[tuple[str, type, dict]]:
     ]
 
 
+def edge_cases(t: int, h: int, i: int, e: int, k: int, seed: int) -> list[MoeCase]:
+    """Segment sizes around the 128-row alignment, one expert, T = 1."""
+    return [
+        MoeCase(385, h, i, 5, 1, "counts:0,1,127,128,129", seed + 2),
+        MoeCase(t, h, i, e, k, "one_expert", seed + 3),
+        MoeCase(1, h, i, e, k, "random", seed + 4),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows shared with the FP8 suite (audits/moe_fp8.py)
+# ---------------------------------------------------------------------------------------------
+Forward = Callable[..., tuple]  # fwd(x, w1, w2, topk_ids, scores) -> (out, saved)
+
+
+def batch_invariance_rows(suite: str, ctx: RunContext, fwd: Forward, inp: dict, case: MoeCase, name: str,
+                          full: torch.Tensor) -> Iterator[Row]:
+    """Per invariance variant: the compared tokens' output bits equal theirs in the full batch (``full``)."""
+    for variant, sub, rows, full_rows in invariance_variants(inp, case, ctx.seed):
+        with nvtx_range(f"batch_invariance {variant} {name}"):
+            got = fwd(sub["x"], sub["w1"], sub["w2"], sub["topk_ids"], sub["scores"])[0]
+        yield bits_row(suite, ctx, "batch_invariance", f"batch_invariance {variant} {name}",
+                       {"out": got[rows.to(got.device)]}, {"out": full[full_rows.to(full.device)]},
+                       tokens_compared=int(rows.numel()))
+
+
+def stage_rows(suite: str, ctx: RunContext, results: dict[str, ContractResult], name: str) -> Iterator[Row]:
+    for stage, res in results.items():
+        yield Row(suite=suite, check="stage_bound", name=f"stage_bound {stage} {name}", passed=res.passed,
+                  backend=ctx.backend, details=res.as_row())
+
+
+def rejection_rows(suite: str, ctx: RunContext, fwd: Forward, inp: dict,
+                   cases: list[tuple[str, type, dict]]) -> Iterator[Row]:
+    """Per rejection case: ``fwd`` raises the expected error type before any work."""
+    for label, exc_type, change in cases:
+        bad = {**inp, **change}
+        try:
+            fwd(bad["x"], bad["w1"], bad["w2"], bad["topk_ids"], bad["scores"])
+            raised, message = None, "no error"
+        except (TypeError, ValueError) as exc:
+            raised, message = type(exc), str(exc)
+        yield Row(suite=suite, check="rejects", name=f"rejects {label}", passed=raised is exc_type,
+                  backend=ctx.backend, details={"expected": exc_type.__name__,
+                                                "raised": raised.__name__ if raised else None, "message": message})
+
+
 def run(ctx: RunContext) -> Iterator[Row]:
     t, h, i, e, k = audit_shape(ctx)
     main = MoeCase(t, h, i, e, k, "random", ctx.seed)
@@ -374,30 +490,18 @@ def run(ctx: RunContext) -> Iterator[Row]:
     with nvtx_range(f"repetitions {main.name}"):
         outs = [run_layer(inp) for _ in range(3)]
     for rep, got in enumerate(outs[1:], start=1):
-        yield _bits_row(ctx, "repetitions", f"repetitions {main.name} #{rep}", got, outs[0])
-    local = {n: digest(outs[0][n]) for n in GRAD_NAMES}
-    with nvtx_range("fresh_process moe"):
-        fresh = _fresh_process_digests([main], ctx.device)[main.name]
-    yield Row(suite=NAME, check="fresh_process", name=f"fresh_process {main.name}", passed=fresh == local,
-              backend=ctx.backend, details={"digests": local, "fresh_digests": fresh})
+        yield bits_row(NAME, ctx, "repetitions", f"repetitions {main.name} #{rep}", got, outs[0])
+    yield fresh_process_row(NAME, ctx, "audits.moe", main, main.name, outs[0])
 
     # Forward batch invariance per token.
-    full = outs[0]["out"]
-    for variant, sub, rows, full_rows in invariance_variants(inp, main, ctx.seed):
-        with nvtx_range(f"batch_invariance {variant} {main.name}"):
-            got = moe_mlp_fwd(sub["x"], sub["w1"], sub["w2"], sub["topk_ids"], sub["scores"])[0]
-        yield _bits_row(ctx, "batch_invariance", f"batch_invariance {variant} {main.name}",
-                        {"out": got[rows.to(got.device)]}, {"out": full[full_rows.to(full.device)]},
-                        tokens_compared=int(rows.numel()))
+    yield from batch_invariance_rows(NAME, ctx, moe_mlp_fwd, inp, main, main.name, outs[0]["out"])
 
     # Contract per stage, end-to-end gate and precision vs the BF16 gold.
     for case in (main, MoeCase(t, h, i, e, k, "masked", ctx.seed + 1)):
         case_inp = inp if case is main else make_inputs(case, ctx.device)
         with nvtx_range(f"contract {case.name}"):
             results, extra = stage_checks(case_inp)
-        for stage, res in results.items():
-            yield Row(suite=NAME, check="stage_bound", name=f"stage_bound {stage} {case.name}", passed=res.passed,
-                      backend=ctx.backend, details=res.as_row())
+        yield from stage_rows(NAME, ctx, results, case.name)
         yield Row(suite=NAME, check="stage_bound", name=f"padding_and_composition {case.name}",
                   passed=all(extra["padding_zero"].values()) and extra["composed_dx_equal"], backend=ctx.backend,
                   details=extra)
@@ -429,12 +533,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
               backend=ctx.backend, details=checks)
 
     # Edge cases: segment sizes around the 128-row alignment, one expert, masked routes, T = 1.
-    edges = [
-        MoeCase(385, h, i, 5, 1, "counts:0,1,127,128,129", ctx.seed + 2),
-        MoeCase(t, h, i, e, k, "one_expert", ctx.seed + 3),
-        MoeCase(1, h, i, e, k, "random", ctx.seed + 4),
-    ]
-    for case in edges:
+    for case in edge_cases(t, h, i, e, k, ctx.seed):
         case_inp = make_inputs(case, ctx.device)
         with nvtx_range(f"edge {case.name}"):
             results, extra = stage_checks(case_inp)
@@ -445,27 +544,8 @@ def run(ctx: RunContext) -> Iterator[Row]:
                            **extra})
 
     # Rejections before any work.
-    for label, exc_type, change in rejection_cases(inp):
-        bad = {**inp, **change}
-        try:
-            moe_mlp_fwd(bad["x"], bad["w1"], bad["w2"], bad["topk_ids"], bad["scores"])
-            raised, message = None, "no error"
-        except (TypeError, ValueError) as exc:
-            raised, message = type(exc), str(exc)
-        yield Row(suite=NAME, check="rejects", name=f"rejects {label}", passed=raised is exc_type,
-                  backend=ctx.backend, details={"expected": exc_type.__name__,
-                                                "raised": raised.__name__ if raised else None, "message": message})
-
-
-def _worker() -> None:
-    request = json.loads(sys.stdin.read())
-    device = torch.device(request["device"])
-    result = {}
-    for fields in request["cases"]:
-        case = MoeCase(**fields)
-        result[case.name] = case_digests(case, device)
-    print(json.dumps(result))
+    yield from rejection_rows(NAME, ctx, moe_mlp_fwd, inp, rejection_cases(inp))
 
 
 if __name__ == "__main__":
-    _worker()
+    serve_digests(case_digests)

@@ -27,17 +27,15 @@ Checks, each one row:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 
 from audits.moe import (
-    ACT, GRAD_NAMES, MoeCase, cosine, invariance_variants, rejection_cases, rel_l2,
-    round_sum_bound,
+    GRAD_NAMES, MoeCase, batch_invariance_rows, bits_row, combine_checks, cosine, dswiglu_check, edge_cases,
+    fresh_process_row, grad_digests, layer_grads, make_inputs, padding_zero, per_expert, rejection_cases,
+    rejection_rows, rel_l2, serve_digests, sorted_rows, stage_rows,
 )
 from kernels.fp8_quant import (
     QBLOCK, dequantize_rowwise, quantize_colwise_ref, quantize_rowwise, quantize_rowwise_ref, quantize_weight_ref,
@@ -47,8 +45,7 @@ from kernels.moe_fp8 import (
     Fp8WeightCache, fp8_stage_name, moe_fp8_dgrad_dswiglu, moe_fp8_dx_route, moe_fp8_quant_colwise, moe_fp8_risk,
     moe_fp8_wgrad, moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd, moe_mlp_fp8_ref,
 )
-from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
-from toolkit.contract import ETA_BF16, U_BF16, U_FP32, U_FP64, ContractResult, check_bound, compare_bits, digest, gamma
+from toolkit.contract import ETA_BF16, U_BF16, U_FP32, U_FP64, ContractResult, check_bound, compare_bits, gamma
 from toolkit.harness import Row, RunContext
 from toolkit.nvtx_ranges import nvtx_range
 
@@ -71,7 +68,6 @@ SHAPES = {  # (T, H, I, E, K)
     "gpu": (2048, 1024, 768, 16, 4),
 }
 GATE_SHAPE = (512, 256, 256, 8, 4)  # the interpreter's gate, on the emulation reference (T*K = 2048 dscores)
-FRESH_PROCESS_TIMEOUT_S = 1800
 
 
 def audit_shape(ctx: RunContext) -> tuple[int, ...]:
@@ -82,32 +78,14 @@ def case_name(case: MoeCase) -> str:
     return fp8_stage_name("moe_mlp", T=case.t, H=case.h, I=case.i, E=case.e, K=case.k) + f" routing={case.routing}"
 
 
-def make_inputs(case: MoeCase, device: torch.device) -> dict[str, torch.Tensor]:
-    """The BF16 suite's seeded inputs (audits.moe.make_inputs), same bits on every device and process."""
-    from audits.moe import make_inputs as bf16_inputs
-
-    return bf16_inputs(case, device)
+# Inputs: the BF16 suite's make_inputs (imported above), seeded: the same bits on every device and process.
+_uncached_fwd = partial(moe_mlp_fp8_fwd, weight_cache=None)  # every call quantizes the weights
 
 
 def run_layer(inp: dict[str, torch.Tensor], main_grads=None, weight_cache=None,
               wgrad: str = "bf16") -> dict[str, torch.Tensor]:
     """Forward and backward through the FP8 autograd Function (no weight cache unless given)."""
-    x = inp["x"].detach().requires_grad_()
-    w1 = inp["w1"].detach().requires_grad_()
-    w2 = inp["w2"].detach().requires_grad_()
-    scores = inp["scores"].detach().requires_grad_()
-    out = moe_mlp_fp8(x, w1, w2, inp["topk_ids"], scores, main_grads=main_grads, weight_cache=weight_cache,
-                      wgrad=wgrad)
-    out.backward(inp["dout"])
-    return {"out": out.detach(), "dx": x.grad, "dw1": w1.grad, "dw2": w2.grad, "dscores": scores.grad}
-
-
-def _bits_row(ctx: RunContext, check: str, name: str, got: dict, want: dict, **details) -> Row:
-    results = {k: compare_bits(got[k], want[k]) for k in want}
-    worst = max(results.values(), key=lambda r: r.mismatches)
-    bad = [k for k, r in results.items() if not r.equal]
-    return Row(suite=NAME, check=check, name=name, passed=not bad, backend=ctx.backend,
-               details={**details, "tensors": list(want), "mismatched_tensors": bad, **worst.as_row()})
+    return layer_grads(moe_mlp_fp8, inp, main_grads=main_grads, weight_cache=weight_cache, wgrad=wgrad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,10 +97,6 @@ def block_gemm_error(abs_ab: torch.Tensor, reduced: int, unit: float) -> torch.T
     block; plus the FP64 oracle's own error. abs_ab = |A_deq| @ |B_deq|."""
     blocks = reduced // QBLOCK
     return (gamma(QBLOCK, unit) + gamma(blocks) * (1 + gamma(QBLOCK, unit)) + gamma(reduced, U_FP64)) * abs_ab
-
-
-def _row_experts(routing: MoeRouting) -> torch.Tensor:
-    return torch.repeat_interleave(routing.tile_expert.long(), SEGMENT_ALIGN)
 
 
 def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult], dict]:
@@ -137,11 +111,7 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
     dgu, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(d_q, d_s, saved.w2f, saved.gu, r, backend)
     dxr = moe_fp8_dx_route(dgu_q, dgu_s, saved.w1f, r, backend)
     f64 = torch.float64
-    valid = (r.sorted_route >= 0).nonzero().squeeze(1)
-    pad = (r.sorted_route < 0).nonzero().squeeze(1)
-    tok = r.gather_token.long()[valid]
-    exp = _row_experts(r)[valid]
-    s_row = r.row_score.double()[valid]
+    valid, pad, tok, exp, s_row = sorted_rows(r)
     hidden, inter = x.shape[1], w2.shape[1]
 
     # Quantizers: kernels vs pure-torch references, bit for bit.
@@ -163,57 +133,24 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
     h_d = dequantize_rowwise(saved.h_q, saved.h_s).to(f64)
     g_d = dequantize_rowwise(dgu_q, dgu_s).to(f64)
 
-    def per_expert(a: torch.Tensor, b_of_e, n_out: int):
-        """(a @ b(e), |a| @ |b(e)|) for each valid row, grouped by its expert, in FP64."""
-        c = torch.zeros(valid.numel(), n_out, dtype=f64, device=a.device)
-        ab = torch.zeros_like(c)
-        for e in exp.unique().tolist():
-            sel = (exp == e).nonzero().squeeze(1)
-            b = b_of_e(e)
-            c[sel] = a[sel] @ b
-            ab[sel] = a[sel].abs() @ b.abs()
-        return c, ab
-
+    # out, dx and dscores: the BF16 path's combine, gather-sum and dscores kernels (the BF16 suite's bounds)
+    combined = combine_checks(r, scores, dout, out, saved.y, dxr, grads.dx, grads.dscores)
     results: dict[str, ContractResult] = {}
-    gu_star, gu_ab = per_expert(x_d[tok], lambda e: w1_d[e], w1.shape[2])
+    gu_star, gu_ab = per_expert(x_d[tok], lambda e: w1_d[e], exp, w1.shape[2])
     results["gu"] = check_bound(saved.gu[valid], gu_star, U_BF16 * gu_star.abs()
                                 + (1 + U_BF16) * block_gemm_error(gu_ab, hidden, unit) + ETA_BF16)
-    y_star, y_ab = per_expert(h_d[valid], lambda e: w2_d[e], hidden)
+    y_star, y_ab = per_expert(h_d[valid], lambda e: w2_d[e], exp, hidden)
     results["y"] = check_bound(saved.y[valid], y_star, block_gemm_error(y_ab, inter, unit))
-    y_tk = torch.zeros(r.num_tokens, r.top_k, hidden, dtype=f64, device=x.device)
-    rr = r.route_row.long()
-    m = rr >= 0
-    y_tk[m] = saved.y.to(f64)[rr[m]]
-    sy = scores.to(f64)[:, :, None] * y_tk
-    out_star = sy.sum(1)
-    results["out"] = check_bound(out, out_star, round_sum_bound(out_star, sy.abs().sum(1), r.top_k))
+    results["out"] = combined["out"]
     # dgrad + dSwiGLU from the kernel's gu (the BF16 suite's derivation with the block-scaled e_h)
-    dh_raw, dh_ab = per_expert(d_d[tok], lambda e: w2_d[e].t(), inter)
+    dh_raw, dh_ab = per_expert(d_d[tok], lambda e: w2_d[e].t(), exp, inter)
     dh_star = s_row[:, None] * dh_raw
     e_h = s_row.abs()[:, None] * (block_gemm_error(dh_ab, hidden, unit) + gamma(1) * dh_ab)
-    g, u = saved.gu[valid, 0::2].to(f64), saved.gu[valid, 1::2].to(f64)
-    sig = torch.sigmoid(g)
-    silu = g * sig
-    act = ACT * (1 + g.abs())
-    dsilu = sig * (1 + g * (1 - sig))
-    dg_star, du_star = dh_star * u * dsilu, dh_star * silu
-    dg_bound = U_BF16 * dg_star.abs() + (1 + U_BF16) * (
-        e_h * u.abs() * (dsilu.abs() + act) + dh_star.abs() * u.abs() * act) + ETA_BF16
-    du_bound = U_BF16 * du_star.abs() + (1 + U_BF16) * (
-        e_h * silu.abs() * (1 + act) + dh_star.abs() * silu.abs() * act) + ETA_BF16
-    results["dgu"] = check_bound(dgu[valid], torch.stack((dg_star, du_star), 2).flatten(1),
-                                 torch.stack((dg_bound, du_bound), 2).flatten(1))
-    dxr_star, dxr_ab = per_expert(g_d[valid], lambda e: w1_d[e].t(), hidden)
+    results["dgu"] = dswiglu_check(dgu[valid], saved.gu[valid], dh_star, e_h)
+    dxr_star, dxr_ab = per_expert(g_d[valid], lambda e: w1_d[e].t(), exp, hidden)
     results["dx_route"] = check_bound(dxr[valid], dxr_star, block_gemm_error(dxr_ab, 2 * inter, unit))
-    dxr_tk = torch.zeros_like(y_tk)
-    dxr_tk[m] = dxr.to(f64)[rr[m]]
-    dx_star = dxr_tk.sum(1)
-    results["dx"] = check_bound(grads.dx, dx_star, round_sum_bound(dx_star, dxr_tk.abs().sum(1), r.top_k))
-    dy_t = dout.to(f64)[:, None, :] * y_tk
-    ds_star = dy_t.sum(2)
-    s_unit = U_BF16 if scores.dtype == torch.bfloat16 else 0.0
-    results["dscores"] = check_bound(grads.dscores, ds_star,
-                                     round_sum_bound(ds_star, dy_t.abs().sum(2), hidden, s_unit))
+    results["dx"] = combined["dx"]
+    results["dscores"] = combined["dscores"]
 
     # FP8 weight gradients (wgrad="fp8"): 128x1 column-wise operands over each expert's padded rows.
     dense = {name: torch.zeros(r.padded_rows, t.shape[1], dtype=torch.float32, device=x.device)
@@ -242,10 +179,8 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
             bound[e] = U_BF16 * star[e].abs() + (1 + U_BF16) * block_gemm_error(a_e.abs() @ b_e.abs().t(), n, unit)
         results[stage] = check_bound(got_w, star, bound + ETA_BF16)
 
-    zero = {}
-    for name, t in (("gu", saved.gu), ("h", saved.h), ("h_q", saved.h_q), ("y", saved.y), ("dgu", dgu),
-                    ("dgu_q", dgu_q), ("dx_route", dxr)):
-        zero[name] = bool((t[pad].float() == 0).all()) if pad.numel() else True
+    zero = padding_zero({"gu": saved.gu, "h": saved.h, "h_q": saved.h_q, "y": saved.y, "dgu": dgu, "dgu_q": dgu_q,
+                         "dx_route": dxr}, pad)
     return results, {"quantizers_bitwise": bits, "padding_zero": zero}
 
 
@@ -292,17 +227,7 @@ def risk_rows(ctx: RunContext, name: str, risk: dict) -> Iterator[Row]:
 # Fresh-process digests
 # ---------------------------------------------------------------------------------------------
 def case_digests(case: MoeCase, device: torch.device) -> dict[str, str]:
-    got = run_layer(make_inputs(case, device))
-    return {name: digest(got[name]) for name in GRAD_NAMES}
-
-
-def _fresh_process_digests(case: MoeCase, device: torch.device) -> dict[str, str]:
-    payload = json.dumps({"device": str(device), "case": vars(case)})
-    proc = subprocess.run([sys.executable, "-m", "audits.moe_fp8"], input=payload, capture_output=True, text=True,
-                          timeout=FRESH_PROCESS_TIMEOUT_S, env=os.environ.copy())
-    if proc.returncode != 0:
-        raise RuntimeError(f"fresh-process worker failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return grad_digests(run_layer(make_inputs(case, device)))
 
 
 def fp8_rejection_cases(inp: dict) -> list[tuple[str, type, dict]]:
@@ -352,23 +277,13 @@ def run(ctx: RunContext) -> Iterator[Row]:
     with nvtx_range(f"repetitions {name}"):
         outs = [run_layer(inp) for _ in range(3)]
     for rep, got in enumerate(outs[1:], start=1):
-        yield _bits_row(ctx, "repetitions", f"repetitions {name} #{rep}", got, outs[0])
+        yield bits_row(NAME, ctx, "repetitions", f"repetitions {name} #{rep}", got, outs[0])
     with nvtx_range(f"repetitions wgrad=fp8 {name}"):
         outs_w8 = [run_layer(inp, wgrad="fp8") for _ in range(2)]
-    yield _bits_row(ctx, "repetitions", f"repetitions wgrad=fp8 {name}", outs_w8[1], outs_w8[0])
-    local = {n: digest(outs[0][n]) for n in GRAD_NAMES}
-    with nvtx_range("fresh_process moe-fp8"):
-        fresh = _fresh_process_digests(main, ctx.device)
-    yield Row(suite=NAME, check="fresh_process", name=f"fresh_process {name}", passed=fresh == local,
-              backend=ctx.backend, details={"digests": local, "fresh_digests": fresh})
+    yield bits_row(NAME, ctx, "repetitions", f"repetitions wgrad=fp8 {name}", outs_w8[1], outs_w8[0])
+    yield fresh_process_row(NAME, ctx, "audits.moe_fp8", main, name, outs[0])
 
-    full = outs[0]["out"]
-    for variant, sub, rows, full_rows in invariance_variants(inp, main, ctx.seed):
-        with nvtx_range(f"batch_invariance {variant} {name}"):
-            got = moe_mlp_fp8_fwd(sub["x"], sub["w1"], sub["w2"], sub["topk_ids"], sub["scores"], weight_cache=None)[0]
-        yield _bits_row(ctx, "batch_invariance", f"batch_invariance {variant} {name}",
-                        {"out": got[rows.to(got.device)]}, {"out": full[full_rows.to(full.device)]},
-                        tokens_compared=int(rows.numel()))
+    yield from batch_invariance_rows(NAME, ctx, _uncached_fwd, inp, main, name, outs[0]["out"])
 
     for case in (main, MoeCase(t, h, i, e, k, "masked", ctx.seed + 1)):
         case_inp = inp if case is main else make_inputs(case, ctx.device)
@@ -377,9 +292,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
         yield Row(suite=NAME, check="quantizers", name=f"quantizers {case_name(case)}",
                   passed=all(extra["quantizers_bitwise"].values()), backend=ctx.backend,
                   details=extra["quantizers_bitwise"])
-        for stage, res in results.items():
-            yield Row(suite=NAME, check="stage_bound", name=f"stage_bound {stage} {case_name(case)}",
-                      passed=res.passed, backend=ctx.backend, details=res.as_row())
+        yield from stage_rows(NAME, ctx, results, case_name(case))
         yield Row(suite=NAME, check="stage_bound", name=f"padding_zero {case_name(case)}",
                   passed=all(extra["padding_zero"].values()), backend=ctx.backend, details=extra["padding_zero"])
         got = outs[0] if case is main else run_layer(case_inp)
@@ -436,12 +349,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
     yield Row(suite=NAME, check="weight_cache", name=f"weight_cache {name}", passed=all(checks.values()),
               backend=ctx.backend, details=checks)
 
-    edges = [
-        MoeCase(385, h, i, 5, 1, "counts:0,1,127,128,129", ctx.seed + 2),
-        MoeCase(t, h, i, e, k, "one_expert", ctx.seed + 3),
-        MoeCase(1, h, i, e, k, "random", ctx.seed + 4),
-    ]
-    for case in edges:
+    for case in edge_cases(t, h, i, e, k, ctx.seed):
         with nvtx_range(f"edge {case_name(case)}"):
             results, extra = fp8_stage_checks(make_inputs(case, ctx.device))
         failed = [s for s, res in results.items() if not res.passed]
@@ -450,22 +358,8 @@ def run(ctx: RunContext) -> Iterator[Row]:
                   passed=not failed and all(extra["padding_zero"].values()), backend=ctx.backend,
                   details={"failed": failed, "worst_ratio": max(res.worst_ratio for res in results.values()), **extra})
 
-    for label, exc_type, change in fp8_rejection_cases(inp):
-        bad = {**inp, **change}
-        try:
-            moe_mlp_fp8_fwd(bad["x"], bad["w1"], bad["w2"], bad["topk_ids"], bad["scores"], weight_cache=None)
-            raised, message = None, "no error"
-        except (TypeError, ValueError) as exc:
-            raised, message = type(exc), str(exc)
-        yield Row(suite=NAME, check="rejects", name=f"rejects {label}", passed=raised is exc_type,
-                  backend=ctx.backend, details={"expected": exc_type.__name__,
-                                                "raised": raised.__name__ if raised else None, "message": message})
-
-
-def _worker() -> None:
-    request = json.loads(sys.stdin.read())
-    print(json.dumps(case_digests(MoeCase(**request["case"]), torch.device(request["device"]))))
+    yield from rejection_rows(NAME, ctx, _uncached_fwd, inp, fp8_rejection_cases(inp))
 
 
 if __name__ == "__main__":
-    _worker()
+    serve_digests(case_digests)

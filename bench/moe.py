@@ -147,10 +147,56 @@ def pick_baseline(device: torch.device) -> tuple[bool, str]:
 # ---------------------------------------------------------------------------------------------
 # One preset: validate, then time
 # ---------------------------------------------------------------------------------------------
+def layer_tensors(out: torch.Tensor, grads) -> dict[str, torch.Tensor]:
+    """out and the backward's gradients (a MoeGrads) by name."""
+    return {"out": out, "dx": grads.dx, "dw1": grads.dw1, "dw2": grads.dw2, "dscores": grads.dscores}
+
+
+def timing_fields(key: str, t, flops: float = 0.0, hardware: bool = False) -> dict[str, float]:
+    """A timing's statistics as ``key``_median_us, ...; with ``hardware`` and FLOPs, also
+    ``key``_tflops = FLOPs / median time."""
+    fields = {f"{key}_{f}": v for f, v in vars(t).items()}
+    if hardware and flops:
+        fields[f"{key}_tflops"] = flops / (t.median_us * 1e-6) / 1e12
+    return fields
+
+
+def time_stages(p: MoePreset, label: str, stage_fns: dict[str, tuple[Callable[[], object], float]],
+                device: torch.device, rounds: int, key: str, common: dict,
+                extra: dict | None = None) -> list[tuple[str, dict]]:
+    """Each stage alone, interleaved, with half the rounds: (stage, row), the row being ``common``, the
+    stage's name and FLOPs (stage_fns: name -> (fn, FLOPs per T*K*H*I)), ``extra``, and its timing under
+    ``key``."""
+    from toolkit.nvtx_ranges import nvtx_range
+    from toolkit.timing import time_interleaved
+
+    named = {s: with_range(f"{label} stage {s}", fn, nvtx_range) for s, (fn, _) in stage_fns.items()}
+    timings = time_interleaved(named, device, rounds=max(1, rounds // 2))
+    out = []
+    for s, t in timings.items():
+        flops = stage_fns[s][1] * p.t * p.k * p.h * p.i
+        hardware = device.type != "cpu"
+        out.append((s, {**common, "name": f"{label} stage {s}", "measure": f"stage {s}", "flops": flops,
+                        **(extra or {}), **timing_fields(key, t, flops, hardware)}))
+    return out
+
+
 def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     n = float(torch.linalg.vector_norm(b))
     return float(torch.linalg.vector_norm(a - b)) / n if n else float(torch.linalg.vector_norm(a))
+
+
+def run_baseline(fn: Callable[[], dict], state: dict, baseline: str) -> tuple[dict, str]:
+    """``(fn(), baseline label)``; when ``torch._grouped_mm`` (``state["grouped"]``) fails at this shape,
+    ``fn`` runs once more on the per-expert loop and the label says why."""
+    try:
+        return fn(), baseline
+    except (RuntimeError, NotImplementedError) as exc:
+        if not state["grouped"]:
+            raise
+        state["grouped"] = False
+        return fn(), f"per_expert_loop (torch._grouped_mm failed at this shape: {str(exc).splitlines()[0][:160]})"
 
 
 def bench_preset(p: MoePreset, device: torch.device, rounds: int, seed: int = 0, stages: bool = True) -> list[dict]:
@@ -174,8 +220,7 @@ def bench_preset(p: MoePreset, device: torch.device, rounds: int, seed: int = 0,
 
     def det_fwd_bwd():
         out, saved = det_fwd()
-        g = moe_mlp_bwd(dout, saved, stage_range=nvtx_range)
-        return {"out": out, "dx": g.dx, "dw1": g.dw1, "dw2": g.dw2, "dscores": g.dscores}
+        return layer_tensors(out, moe_mlp_bwd(dout, saved, stage_range=nvtx_range))
 
     def base_fwd():
         return torch_moe_fwd(x, w1, w2, ids, scores, state["grouped"])
@@ -189,14 +234,7 @@ def bench_preset(p: MoePreset, device: torch.device, rounds: int, seed: int = 0,
 
     with nvtx_range(f"validate {p.label}"):
         first, second = det_fwd_bwd(), det_fwd_bwd()
-        try:
-            base = base_fwd_bwd()
-        except (RuntimeError, NotImplementedError) as exc:
-            if not state["grouped"]:
-                raise
-            state["grouped"] = False
-            baseline = f"per_expert_loop (torch._grouped_mm failed at this shape: {str(exc).splitlines()[0][:160]})"
-            base = base_fwd_bwd()
+        base, baseline = run_baseline(base_fwd_bwd, state, baseline)
     common = {"preset": p.name, "T": p.t, "H": p.h, "I": p.i, "E": p.e, "K": p.k, "baseline": baseline,
               "config_table_version": MOE_CONFIG_TABLE_VERSION,
               "backend": "triton_interpreter" if interpreted else "cuda_sm90",
@@ -221,16 +259,14 @@ def bench_preset(p: MoePreset, device: torch.device, rounds: int, seed: int = 0,
     cases = {"fwd": (p.flops_fwd, {"detkit": det_fwd, baseline: base_fwd}),
              "fwd_bwd": (p.flops_fwd_bwd, {"detkit": det_fwd_bwd, baseline: base_fwd_bwd})}
     for measure, (flops, fns) in cases.items():
-        named = {impl: _named(f"{p.label} {measure} | {impl}", fn, nvtx_range) for impl, fn in fns.items()}
+        named = {impl: with_range(f"{p.label} {measure} | {impl}", fn, nvtx_range) for impl, fn in fns.items()}
         timings = time_interleaved(named, device, rounds=rounds)
         row = {**common, "name": f"{p.label} {measure}", "measure": measure, "flops": flops}
         for impl, t in timings.items():
             key = "detkit" if impl == "detkit" else "baseline"
-            row.update({f"{key}_{f}": v for f, v in vars(t).items()})
+            row.update(timing_fields(key, t, flops, not interpreted))
             if not interpreted:
-                tflops = flops / (t.median_us * 1e-6) / 1e12
-                row[f"{key}_tflops"] = tflops
-                row[f"{key}_mfu"] = tflops / DATASHEET_BF16_TFLOPS
+                row[f"{key}_mfu"] = row[f"{key}_tflops"] / DATASHEET_BF16_TFLOPS
         row["ratio_vs_baseline"] = row["detkit_median_us"] / row["baseline_median_us"]
         rows.append(row)
 
@@ -253,20 +289,15 @@ def bench_preset(p: MoePreset, device: torch.device, rounds: int, seed: int = 0,
         "wgrad_w2": (lambda: moe_wgrad_w2(saved.h, dout, routing, b), 2.0),
         "dscores": (lambda: moe_dscores(dout, saved.y, routing, b), 0.0),
     }
-    named = {s: _named(f"{p.label} stage {s}", fn, nvtx_range) for s, (fn, _) in stages.items()}
-    timings = time_interleaved(named, device, rounds=max(1, rounds // 2))
-    for s, t in timings.items():
-        flops = stages[s][1] * p.t * p.k * p.h * p.i
-        row = {**common, "name": f"{p.label} stage {s}", "measure": f"stage {s}", "flops": flops,
-               **{f"detkit_{f}": v for f, v in vars(t).items()}}
-        if not interpreted and flops:
-            row["detkit_tflops"] = flops / (t.median_us * 1e-6) / 1e12
+    for s, row in time_stages(p, p.label, stages, device, rounds, "detkit", common):
+        if "detkit_tflops" in row:  # hardware, and a stage with FLOPs
             row["detkit_mfu"] = row["detkit_tflops"] / DATASHEET_BF16_TFLOPS
         rows.append(row)
     return rows
 
 
-def _named(name: str, fn: Callable[[], object], rng) -> Callable[[], object]:
+def with_range(name: str, fn: Callable[[], object], rng) -> Callable[[], object]:
+    """``fn`` called inside the range ``rng(name)`` (an NVTX range: a profile names each timed call)."""
     def run():
         with rng(name):
             return fn()
@@ -313,12 +344,17 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     lines += [f"- {k}: {meta[k]}" for k in ("date", "backend", "device_name", "torch", "triton", "commit")] + [""]
     cols = ("name", "baseline", "detkit_median_us", "baseline_median_us", "ratio_vs_baseline", "detkit_tflops",
             "detkit_mfu", "baseline_tflops", "validated")
-    lines.append("| " + " | ".join(cols) + " |")
-    lines.append("|" + "---|" * len(cols))
+    lines += markdown_table(rows, cols)
+    return "\n".join(lines) + "\n"
+
+
+def markdown_table(rows: list[dict], cols: tuple[str, ...]) -> list[str]:
+    """A Markdown table of ``cols``, one line per row: floats to 4 significant digits, missing cells empty."""
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(
             f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

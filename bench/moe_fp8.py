@@ -40,7 +40,10 @@ from pathlib import Path
 
 import torch
 
-from bench.moe import DATASHEET_BF16_TFLOPS, INTERPRETER_LABEL, PRESETS, MoePreset, _named, make_inputs
+from bench.moe import (
+    DATASHEET_BF16_TFLOPS, INTERPRETER_LABEL, PRESETS, MoePreset, layer_tensors, make_inputs, markdown_table,
+    time_stages, timing_fields, with_range,
+)
 
 DATASHEET_FP8_TFLOPS = 1979.0
 TARGET_SPEEDUP = 1.4
@@ -57,10 +60,6 @@ def fp8_presets() -> list[str]:
     return [name for name, p in PRESETS.items() if p.h % QBLOCK == 0 and p.i % QBLOCK == 0]
 
 
-def _tensors(out, grads) -> dict[str, torch.Tensor]:
-    return {"out": out, "dx": grads.dx, "dw1": grads.dw1, "dw2": grads.dw2, "dscores": grads.dscores}
-
-
 def _fp8_label(p: MoePreset) -> str:
     return p.label.replace("] bf16", "] fp8")
 
@@ -75,7 +74,7 @@ def validate(p: MoePreset, inp: dict, fp64: bool) -> dict:
 
     args = [inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores")]
     out, saved_bf16 = moe_mlp_fwd(*args)
-    bf16 = _tensors(out, moe_mlp_bwd(inp["dout"], saved_bf16))
+    bf16 = layer_tensors(out, moe_mlp_bwd(inp["dout"], saved_bf16))
     del saved_bf16
     oracle = moe_mlp_ref(*args, inp["dout"], dtype=torch.float64) if fp64 else None
     result = {"fp8_gate_vs_fp64": fp64}
@@ -83,7 +82,7 @@ def validate(p: MoePreset, inp: dict, fp64: bool) -> dict:
         runs = []
         for _ in range(2):
             out, saved = moe_mlp_fp8_fwd(*args, weight_cache=None)
-            runs.append(_tensors(out, moe_mlp_fp8_bwd(inp["dout"], saved, wgrad=mode)))
+            runs.append(layer_tensors(out, moe_mlp_fp8_bwd(inp["dout"], saved, wgrad=mode)))
         repeat = all(compare_bits(runs[0][n], runs[1][n]).equal for n in runs[0])
         stats = (precision_stats(runs[0], inp, bf16, oracle) if fp64 else precision_stats_bf16_only(runs[0], bf16))
         gate = all(gate_passed(st) for st in stats.values())
@@ -153,22 +152,18 @@ def bench_fp8_preset(p: MoePreset, device: torch.device, rounds: int, seed: int 
         fns = {"bf16": f16, "fp8_cold": f8, "fp8_warm": lambda f8=f8: f8(cache)}
         if measure == "fwd_bwd" and check["wgrad_fp8"]["validated"]:  # the A/B of the weight-gradient GEMMs
             fns["fp8_cold_wgrad_fp8"] = lambda: fp8_fwd_bwd(None, "fp8")
-        named = {impl: _named(f"{label} {measure} | {impl}", fn, nvtx_range) for impl, fn in fns.items()}
+        named = {impl: with_range(f"{label} {measure} | {impl}", fn, nvtx_range) for impl, fn in fns.items()}
         timings = time_interleaved(named, device, rounds=rounds)
         row = {**common, "name": f"{label} {measure}", "measure": measure, "flops": flops, "validated": True,
                "weight_cache_hits": cache.hits}
         for impl, t in timings.items():
-            row.update({f"{impl}_{f}": v for f, v in vars(t).items()})
+            row.update(timing_fields(impl, t, flops, not interpreted))
             if not interpreted:
-                tflops = flops / (t.median_us * 1e-6) / 1e12
-                row[f"{impl}_tflops"] = tflops
-                row[f"{impl}_mfu_bf16_peak"] = tflops / DATASHEET_BF16_TFLOPS
+                row[f"{impl}_mfu_bf16_peak"] = row[f"{impl}_tflops"] / DATASHEET_BF16_TFLOPS
                 if impl != "bf16":
-                    row[f"{impl}_mfu_fp8_peak"] = tflops / DATASHEET_FP8_TFLOPS
+                    row[f"{impl}_mfu_fp8_peak"] = row[f"{impl}_tflops"] / DATASHEET_FP8_TFLOPS
         if not interpreted:
-            for impl in fns:
-                if impl != "bf16":
-                    row[f"speedup_{impl}"] = row["bf16_median_us"] / row[f"{impl}_median_us"]
+            row.update(speedups(row, fns))
         rows.append(row)
     if not stages:
         return rows
@@ -183,7 +178,6 @@ def bench_fp8_preset(p: MoePreset, device: torch.device, rounds: int, seed: int 
     d_q, d_s = quantize_rowwise(dout)
     dgu, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(d_q, d_s, w2f, gu, routing, b)
     dxr = moe_fp8_dx_route(dgu_q, dgu_s, w1f, routing, b)
-    tkhi = p.t * p.k * p.h * p.i
     wcfg = WGRAD_CONFIGS[b]
     colq = [((x,), {"gather": True, "scale": False}), ((dgu,), {"gather": False, "scale": False}),
             ((h,), {"gather": False, "scale": False}), ((dout,), {"gather": True, "scale": True})]
@@ -205,18 +199,17 @@ def bench_fp8_preset(p: MoePreset, device: torch.device, rounds: int, seed: int 
         "wgrad_w2_fp8": (lambda: moe_fp8_wgrad(*cq["h"], *cq["dy"], routing, b), 2.0),
         "dscores": (lambda: moe_dscores(dout, y, routing, b), 0.0),
     }
-    named = {s: _named(f"{label} stage {s}", fn, nvtx_range) for s, (fn, _) in stage_fns.items()}
-    timings = time_interleaved(named, device, rounds=max(1, rounds // 2))
-    for s, t in timings.items():
-        flops = stage_fns[s][1] * tkhi
-        row = {**common, "name": f"{label} stage {s}", "measure": f"stage {s}", "flops": flops, "validated": True,
-               **{f"fp8_{f}": v for f, v in vars(t).items()}}
-        if not interpreted and flops:
-            row["fp8_tflops"] = flops / (t.median_us * 1e-6) / 1e12
+    for s, row in time_stages(p, label, stage_fns, device, rounds, "fp8", common, {"validated": True}):
+        if "fp8_tflops" in row:  # hardware, and a stage with FLOPs
             peak = DATASHEET_BF16_TFLOPS if s.endswith("_bf16") else DATASHEET_FP8_TFLOPS
             row["fp8_mfu_of_its_peak"] = row["fp8_tflops"] / peak
         rows.append(row)
     return rows
+
+
+def speedups(row: dict, impls) -> dict[str, float]:
+    """speedup_<impl> = BF16 median / <impl> median for every FP8 implementation timed in ``row``."""
+    return {f"speedup_{impl}": row["bf16_median_us"] / row[f"{impl}_median_us"] for impl in impls if impl != "bf16"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,8 +268,8 @@ def sweep_crossover(device: torch.device, tokens: tuple[int, ...], rounds: int,
             out, saved = moe_mlp_fp8_fwd(*args, weight_cache=None)
             return out, moe_mlp_fp8_bwd(dout, saved, wgrad=wgrad)
 
-        ref16 = _tensors(*f16())
-        stats = {m: precision_stats_bf16_only(_tensors(*f8(m)), ref16) for m in ("bf16", "fp8")}
+        ref16 = layer_tensors(*f16())
+        stats = {m: precision_stats_bf16_only(layer_tensors(*f8(m)), ref16) for m in ("bf16", "fp8")}
         ok = {m: all(gate_passed(st) for st in stats[m].values()) for m in stats}
         label = _fp8_label(p)
         row = {"name": f"{label} crossover fwd_bwd", "measure": "crossover fwd_bwd", "preset": p.name, "T": t,
@@ -286,13 +279,11 @@ def sweep_crossover(device: torch.device, tokens: tuple[int, ...], rounds: int,
             fns = {"bf16": f16, "fp8_cold": f8}
             if ok["fp8"]:
                 fns["fp8_cold_wgrad_fp8"] = lambda: f8("fp8")
-            named = {impl: _named(f"{label} crossover | {impl}", fn, nvtx_range) for impl, fn in fns.items()}
+            named = {impl: with_range(f"{label} crossover | {impl}", fn, nvtx_range) for impl, fn in fns.items()}
             for impl, tm in time_interleaved(named, device, rounds=rounds).items():
-                row.update({f"{impl}_{f}": v for f, v in vars(tm).items()})
+                row.update(timing_fields(impl, tm))
             if device.type != "cpu":
-                for impl in fns:
-                    if impl != "bf16":
-                        row[f"speedup_{impl}"] = row["bf16_median_us"] / row[f"{impl}_median_us"]
+                row.update(speedups(row, fns))
         rows.append(row)
     if device.type == "cpu":
         summary = {"note": "interpreter: no crossover from CPU wall time"}
@@ -347,11 +338,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "fp8_cold_wgrad_fp8_median_us", "speedup_fp8_cold", "speedup_fp8_warm", "speedup_fp8_cold_wgrad_fp8",
             "fp8_cold_tflops", "fp8_cold_mfu_fp8_peak", "fp8_cold_mfu_bf16_peak", "fp8_median_us", "fp8_tflops",
             "fp8_mfu_of_its_peak")
-    lines.append("| " + " | ".join(cols) + " |")
-    lines.append("|" + "---|" * len(cols))
-    for r in rows:
-        lines.append("| " + " | ".join(
-            f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols) + " |")
+    lines += markdown_table(rows, cols)
     lines += ["", "### Precision gate (cosine >= 0.997, relative RMSE < 7.6%) and quantization risk", ""]
     for r in rows:
         if r.get("measure") == "fwd_bwd":

@@ -62,7 +62,7 @@ import torch
 
 from bench.moe import (
     DATASHEET_BF16_TFLOPS, GPU_PRESETS, INTERPRETER_LABEL, PRESETS, VALIDATE_REL_L2, MoePreset, _rel_l2,
-    make_inputs, pick_baseline, torch_moe_fwd,
+    make_inputs, pick_baseline, run_baseline, torch_moe_fwd,
 )
 from kernels.backend import MAX_INT32_OFFSET
 from kernels.moe_routing import SEGMENT_ALIGN
@@ -321,14 +321,7 @@ def run_case(p: MoePreset, routing: str, device: torch.device, rounds: int, seed
 
     with nvtx_range(f"validate {p.label} {routing}"):
         first, second = det_fwd_bwd(), det_fwd_bwd()
-        try:
-            base = base_fwd_bwd()
-        except (RuntimeError, NotImplementedError) as exc:
-            if not state["grouped"]:
-                raise
-            state["grouped"] = False
-            baseline = f"per_expert_loop (torch._grouped_mm failed at this shape: {str(exc).splitlines()[0][:160]})"
-            base = base_fwd_bwd()
+        base, baseline = run_baseline(base_fwd_bwd, state, baseline)
         # The baseline's timed backward (autograd.grad on a kept graph) is another code path than
         # .backward(): it must give the same gradients. detkit's fwd_bwd already is fwd, then
         # moe_mlp_bwd on the saved state, so its repeat check covers the backward alone.

@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from audits.moe import (
-    E2E_REL_L2_GATE, GOLD_MIN_COSINE, GOLD_SLACK, GRAD_NAMES, MoeCase, invariance_variants, make_inputs,
-    precision_stats, rejection_cases, run_layer, stage_checks,
+    E2E_REL_L2_GATE, GOLD_MIN_COSINE, GOLD_SLACK, GRAD_NAMES, MoeCase, make_inputs, precision_stats,
+    rejection_cases, run_layer, stage_checks,
 )
 from kernels.moe import (
     MOE_CONFIGS, deinterleave_gate_up, interleave_gate_up, moe_down, moe_mlp_fwd, moe_mlp_ref, moe_scale_rows,
     moe_up_swiglu,
 )
 from kernels.moe_routing import build_routing
+from tests.moe_helpers import assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline
 from toolkit.contract import compare_bits
 
 H, I, E, K = 32, 48, 4, 2
@@ -25,11 +26,7 @@ def _case(routing="random", t=64, k=K, e=E, h=H, i=I, seed=3):
 
 
 def _assert_stages(inp):
-    results, extra = stage_checks(inp)
-    failed = {s: r for s, r in results.items() if not r.passed}
-    assert not failed, failed
-    assert all(extra["padding_zero"].values()), extra
-    assert extra["composed_dx_equal"]
+    assert assert_stages(stage_checks, inp)["composed_dx_equal"]
 
 
 @pytest.mark.parametrize("case", [
@@ -75,12 +72,7 @@ def test_repeat_bitwise_and_autograd_equals_functional(device):
 
 def test_forward_batch_invariance_per_token(device):
     case = _case(t=24, seed=10)
-    inp = make_inputs(case, device)
-    full = moe_mlp_fwd(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])[0]
-    for variant, sub, rows, full_rows in invariance_variants(inp, case, 10):
-        got = moe_mlp_fwd(sub["x"], sub["w1"], sub["w2"], sub["topk_ids"], sub["scores"])[0]
-        res = compare_bits(got[rows.to(got.device)], full[full_rows.to(full.device)])
-        assert res.equal, (variant, res)
+    assert_forward_batch_invariant(moe_mlp_fwd, make_inputs(case, device), case, 10)
 
 
 def test_interpreter_bits_do_not_depend_on_tile_config(device):
@@ -159,16 +151,14 @@ def test_all_routes_masked_gives_zeros(device):
 def test_rejects_before_any_work(index, device):
     inp = make_inputs(_case(t=8), device)
     label, exc_type, change = rejection_cases(inp)[index]
-    bad = {**inp, **change}
-    with pytest.raises(exc_type):
-        moe_mlp_fwd(bad["x"], bad["w1"], bad["w2"], bad["topk_ids"], bad["scores"])
+    assert_rejected(moe_mlp_fwd, inp, change, exc_type)
 
 
 def test_fresh_process_gives_the_same_bits(device):
-    from audits.moe import _fresh_process_digests, case_digests
+    from audits.moe import case_digests, fresh_process_digests
 
     case = _case(t=8, k=1, e=2, h=16, i=16, seed=15)
-    assert _fresh_process_digests([case], device)[case.name] == case_digests(case, device)
+    assert fresh_process_digests([case], device)[case.name] == case_digests(case, device)
 
 
 def test_bench_tiny_runs_end_to_end_labelled_interpreter(device):
@@ -235,20 +225,7 @@ print(json.dumps(out))
 
 
 def test_kernels_compile_for_sm90_offline(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"Triton's NVIDIA backend is not installed: {exc}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = compile_sm90_offline(_SM90_COMPILE, tmp_path)
     for stage in ("up", "down", "dgrad", "dx", "wgrad_w1", "wgrad_w2", "wgrad_main_grad"):
         assert report[stage]["wgmma"] > 0, (stage, report[stage])
     for stage in ("up", "down", "dgrad", "dx"):

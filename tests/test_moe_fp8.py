@@ -5,6 +5,8 @@ invariance, the weight cache's invalidation, main_grad, refusals, the precision 
 compile (wgmma on e4m3). Tiny shapes on the interpreter (H = I = 128: one FP8 block); the `gpu` tests
 run the gate at a moderately large shape with DETKIT_TEST_DEVICE=cuda."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from audits.moe_fp8 import (
     EMULATION_REL_L2, GATE_MAX_REL_RMSE, GATE_MIN_COSINE, GATE_SHAPE, bf16_path_layer, fp8_rejection_cases,
     fp8_stage_checks, gate_passed, make_inputs, precision_stats, run_layer, weight_cache_checks,
 )
-from audits.moe import GRAD_NAMES, MoeCase, invariance_variants, rel_l2
+from audits.moe import GRAD_NAMES, MoeCase, rel_l2
 from kernels.det_gemm import GemmConfig
 from kernels.fp8_quant import QBLOCK, quantize_rowwise
 from kernels.moe_fp8 import (
@@ -20,6 +22,9 @@ from kernels.moe_fp8 import (
 )
 from kernels.moe import moe_mlp_ref
 from kernels.moe_routing import build_routing
+from tests.moe_helpers import (
+    assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline, layer_args,
+)
 from toolkit.contract import compare_bits
 
 H, I, E, K = 128, 128, 3, 2
@@ -27,10 +32,6 @@ H, I, E, K = 128, 128, 3, 2
 
 def _case(routing="random", t=24, k=K, e=E, h=H, i=I, seed=3):
     return MoeCase(t, h, i, e, k, routing, seed)
-
-
-def _args(inp):
-    return inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"]
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +44,8 @@ def base():
 
 
 def _assert_stages(inp):
-    results, extra = fp8_stage_checks(inp)
-    failed = {s: r for s, r in results.items() if not r.passed}
-    assert not failed, failed
+    extra = assert_stages(fp8_stage_checks, inp)
     assert all(extra["quantizers_bitwise"].values()), extra
-    assert all(extra["padding_zero"].values()), extra
 
 
 @pytest.mark.parametrize("case", [_case("masked", t=16, seed=4), _case("random", t=1, seed=7)],
@@ -61,7 +59,7 @@ def test_repeat_bitwise_and_equals_the_fp8_recipe_reference(base):
     for name in GRAD_NAMES:
         res = compare_bits(first[name], second[name])
         assert res.equal, (name, res)
-    ref = moe_mlp_fp8_ref(*_args(inp), inp["dout"])
+    ref = moe_mlp_fp8_ref(*layer_args(inp), inp["dout"])
     for name in GRAD_NAMES:
         assert rel_l2(first[name], ref[name]) <= EMULATION_REL_L2, name
 
@@ -78,7 +76,7 @@ def test_block_scales_are_applied_per_row_block_and_weight_block(device):
     inp["x"] = (inp["x"].float() * x_mag.to(device)).bfloat16()
     inp["w1"] = (inp["w1"].float() * w1_mag.to(device)).bfloat16()
     got = run_layer(inp)
-    ref = moe_mlp_fp8_ref(*_args(inp), inp["dout"])
+    ref = moe_mlp_fp8_ref(*layer_args(inp), inp["dout"])
     for name in GRAD_NAMES:
         assert rel_l2(got[name], ref[name]) <= EMULATION_REL_L2, name
 
@@ -87,11 +85,7 @@ def test_forward_batch_invariance_per_token(device):
     case = _case(t=16, seed=10)
     inp = make_inputs(case, device)
     cache = Fp8WeightCache()  # every variant shares the weights: quantize them once
-    full = moe_mlp_fp8_fwd(*_args(inp), weight_cache=cache)[0]
-    for variant, sub, rows, full_rows in invariance_variants(inp, case, 10):
-        got = moe_mlp_fp8_fwd(*_args(sub), weight_cache=cache)[0]
-        res = compare_bits(got[rows.to(got.device)], full[full_rows.to(full.device)])
-        assert res.equal, (variant, res)
+    assert_forward_batch_invariant(partial(moe_mlp_fp8_fwd, weight_cache=cache), inp, case, 10)
 
 
 def test_interpreter_bits_do_not_depend_on_tile_config(device):
@@ -130,7 +124,7 @@ def test_main_grad_accumulates_fp32(base):
 def test_fp8_weight_gradients_match_the_recipe_and_accumulate(base):
     inp, first, _ = base
     got = run_layer(inp, wgrad="fp8")
-    ref = moe_mlp_fp8_ref(*_args(inp), inp["dout"], wgrad="fp8")
+    ref = moe_mlp_fp8_ref(*layer_args(inp), inp["dout"], wgrad="fp8")
     for name in GRAD_NAMES:
         assert rel_l2(got[name], ref[name]) <= EMULATION_REL_L2, name
     for name in ("out", "dx", "dscores"):  # the weight-gradient mode changes nothing else
@@ -145,7 +139,7 @@ def test_fp8_weight_gradients_match_the_recipe_and_accumulate(base):
 
 def test_quant_risk_monitor_reports_every_quantized_tensor(base):
     inp, _, _ = base
-    _, saved = moe_mlp_fp8_fwd(*_args(inp), weight_cache=None)
+    _, saved = moe_mlp_fp8_fwd(*layer_args(inp), weight_cache=None)
     risk = moe_fp8_risk(saved, inp["dout"])
     assert set(risk) == {"x", "w1", "w2", "h", "dout", "dgu"}
     for name, st in risk.items():
@@ -158,7 +152,7 @@ def test_precision_gate_of_the_fp8_recipe(device):
     # a shape with enough values for a stable RMSE (CPU torch, a few seconds; the audit adds the BF16 gold).
     t, h, i, e, k = GATE_SHAPE
     inp = make_inputs(MoeCase(t, h, i, e, k, "random", 30), torch.device("cpu"))
-    args = (*_args(inp), inp["dout"])
+    args = (*layer_args(inp), inp["dout"])
     oracle = moe_mlp_ref(*args)
     for wgrad in ("bf16", "fp8"):
         stats = precision_stats(moe_mlp_fp8_ref(*args, wgrad=wgrad), inp, oracle=oracle)
@@ -188,9 +182,7 @@ def test_bench_crossover_model_and_fp8_presets():
 def test_rejects_before_any_work(index, device):
     inp = make_inputs(_case(t=8), device)
     label, exc_type, change = fp8_rejection_cases(inp)[index]
-    bad = {**inp, **change}
-    with pytest.raises(exc_type):
-        moe_mlp_fp8_fwd(*_args(bad), weight_cache=None)
+    assert_rejected(partial(moe_mlp_fp8_fwd, weight_cache=None), inp, change, exc_type)
 
 
 @pytest.mark.gpu
@@ -274,21 +266,7 @@ print(json.dumps(out))
 
 
 def test_kernels_compile_for_sm90_offline(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"Triton's NVIDIA backend is not installed: {exc}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE, str(tmp_path)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = compile_sm90_offline(_SM90_COMPILE, tmp_path, str(tmp_path))
     for stage in ("up", "down", "dgrad", "dx", "wgrad_False", "wgrad_True"):
         assert report[stage]["wgmma_e4m3"] > 0 and report[stage]["qgmma"] > 0, (stage, report[stage])
         assert report[stage]["stack"] == 0, (stage, report[stage])  # no register spills
