@@ -107,8 +107,11 @@ def cp_shard_major(t: torch.Tensor, layout: TpCpLayout, block_k: int) -> torch.T
 # ---------------------------------------------------------------------------------------------
 # The TP=1 / CP=1 side of each reduction (one rank holds the whole reduced dim)
 # ---------------------------------------------------------------------------------------------
-def _finish(c: torch.Tensor, mode: str) -> torch.Tensor:
-    return c.to(torch.bfloat16) if mode == FP32_INVARIANT else c
+def _one_rank_kwargs(op: str, layout: TpCpLayout) -> dict:
+    """fp32_invariant on the rank that holds the whole reduced dim: the pinned config, and BF16 out.
+    The kernel rounds ``fl32(seg0 + seg1)`` to BF16 once (nearest-even), which is what the other side
+    does after its FP32 all-reduce; rounding in the epilogue saves an FP32 write, read and cast pass."""
+    return {"config": layout_config(op, layout)}
 
 
 def tp1_fwd(a: torch.Tensor, b: torch.Tensor, layout: TpCpLayout, mode: str = DEFAULT_MODE) -> torch.Tensor:
@@ -118,8 +121,7 @@ def tp1_fwd(a: torch.Tensor, b: torch.Tensor, layout: TpCpLayout, mode: str = DE
     if mode == BF16:
         return det_gemm_fwd_launch(a, b)[0]
     _check_width("a", a.shape[1], TP_SIZE * layout.i_local)
-    c, _ = det_gemm_fwd_launch(a, b, seg_len=layout.i_local, **gemm_kwargs("fwd", layout, mode))
-    return _finish(c, mode)
+    return det_gemm_fwd_launch(a, b, seg_len=layout.i_local, **_one_rank_kwargs("fwd", layout))[0]
 
 
 def tp1_da(dc: torch.Tensor, b: torch.Tensor, seg_len: int, layout: TpCpLayout,
@@ -130,8 +132,7 @@ def tp1_da(dc: torch.Tensor, b: torch.Tensor, seg_len: int, layout: TpCpLayout,
     if mode == BF16:
         return det_gemm_da_launch(dc, b)[0]
     _check_width("dc", dc.shape[1], TP_SIZE * seg_len)
-    c, _ = det_gemm_da_launch(dc, b, seg_len=seg_len, **gemm_kwargs("da", layout, mode))
-    return _finish(c, mode)
+    return det_gemm_da_launch(dc, b, seg_len=seg_len, **_one_rank_kwargs("da", layout))[0]
 
 
 def cp1_db(a: torch.Tensor, dc: torch.Tensor, layout: TpCpLayout, mode: str = DEFAULT_MODE) -> torch.Tensor:
@@ -143,9 +144,8 @@ def cp1_db(a: torch.Tensor, dc: torch.Tensor, layout: TpCpLayout, mode: str = DE
         return det_gemm_db_launch(a, dc)[0]
     config = layout_config("db", layout)
     a_cp, dc_cp = cp_shard_major(a, layout, config.block_k), cp_shard_major(dc, layout, config.block_k)
-    c, _ = det_gemm_db_launch(a_cp, dc_cp, seg_len=cp_padded_rows(layout, config.block_k), config=config,
-                              out_dtype=torch.float32)
-    return _finish(c, mode)
+    return det_gemm_db_launch(a_cp, dc_cp, seg_len=cp_padded_rows(layout, config.block_k),
+                              **_one_rank_kwargs("db", layout))[0]
 
 
 def _check_width(name: str, got: int, want: int) -> None:
