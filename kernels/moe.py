@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.backend import (
     CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, check_bf16_matrix, resolve_backend,
@@ -275,6 +276,52 @@ def moe_grouped_gemm_kernel(
                          stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
 
 
+@triton.jit(launch_metadata=_grouped_meta)
+def moe_grouped_gemm_tma_kernel(
+    a_ptr, a_rows_ptr, b_desc, c_ptr, aux_ptr,
+    route_ptr, score_ptr, tile_expert_ptr,
+    P, C, L,  # as moe_grouped_gemm_kernel; B through a rank-3 TMA descriptor over the weight's storage
+    stride_am, stride_al,
+    stride_cm, stride_cc,
+    stride_xm, stride_xc,
+    op_id,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_K: tl.constexpr,
+    SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
+    B_K_MAJOR: tl.constexpr,  # storage [E, C, L] (e.g. W2[e].T for dgrad): box [1, BLOCK_N, STEP_K]
+):
+    """moe_grouped_gemm_kernel with the expert's weight tile loaded by TMA (zero fill past the
+    expert's own extents, so no other expert's rows leak in): the same tiles, the same ascending K
+    steps and epilogues; the gathered activation rows stay pointer loads."""
+    pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
+        C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
+    off_n = pid_n * BLOCK_N
+    offs_k = tl.arange(0, STEP_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if tl.sum(row_ok.to(tl.int32), axis=0) > 0:  # a block of padding only does no work
+        for k0 in range(0, L, BLOCK_K):
+            for kk in tl.static_range(0, BLOCK_K, STEP_K):
+                k = k0 + kk
+                k_ok = (k + offs_k) < L
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
+                if B_K_MAJOR:
+                    b = tl.trans(b_desc.load([expert, off_n, k]).reshape(BLOCK_N, STEP_K))  # [STEP_K, BLOCK_N]
+                else:
+                    b = b_desc.load([expert, k, off_n]).reshape(STEP_K, BLOCK_N)
+                acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
+                a_ptrs += STEP_K * stride_al
+
+    if EPILOGUE == 0:
+        store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
+    elif EPILOGUE == 1:
+        swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc, stride_xm,
+                        stride_xc, BLOCK_M, BLOCK_N, INTERPRETED)
+    else:
+        dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc, stride_cm,
+                         stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
+
+
 @triton.jit(launch_metadata=_wgrad_meta)
 def moe_wgrad_kernel(
     a_ptr, b_ptr, rows_ptr, score_ptr, dw_ptr,
@@ -470,6 +517,24 @@ def _check_grouped_config(stage: str, config: GemmConfig) -> None:
         raise ValueError(f"{stage}: BLOCK_M {config.block_m} must divide the segment alignment {SEGMENT_ALIGN}")
 
 
+def weight_descriptor(b: torch.Tensor, block_n: int, step_k: int) -> tuple[TensorDescriptor, bool]:
+    """A rank-3 TMA descriptor over the storage of the ``[E, L, C]`` weight view ``b`` and whether that
+    storage is K-major (``[E, C, L]``); refuses, naming the layout, what TMA cannot address."""
+    if b.stride(2) == 1:
+        store, k_major, box = b, False, [1, step_k, block_n]
+    elif b.stride(1) == 1:
+        store, k_major, box = b.transpose(1, 2), True, [1, block_n, step_k]
+    else:
+        store = None
+    item = b.element_size()
+    if store is None or any(st * item % 16 for st in store.stride()[:2]) or b.data_ptr() % 16:
+        raise ValueError(
+            f"variant 'tma' cannot describe the weight (shape {tuple(b.shape)}, strides {b.stride()}, "
+            f"data_ptr % 16 = {b.data_ptr() % 16}): TMA needs its last or middle dim with stride 1, the other "
+            f"strides multiples of {16 // item} elements and a 16-byte-aligned base; use a 'ptr' config")
+    return TensorDescriptor(store, list(store.shape), list(store.stride()), box), k_major
+
+
 def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Tensor, c: torch.Tensor,
              aux: torch.Tensor | None, routing: MoeRouting, n_cols: int, reduced: int, epilogue: int,
              backend: str, config: GemmConfig | None) -> None:
@@ -481,6 +546,22 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
         return
     aux_t = aux if aux is not None else c
     grid = (triton.cdiv(p, config.block_m) * triton.cdiv(n_cols, config.block_n),)
+    flags = _backend_flags(backend, config)
+    if config.variant == "tma":
+        b_desc, k_major = weight_descriptor(b, config.block_n, flags["STEP_K"])
+        moe_grouped_gemm_tma_kernel[grid](
+            a, routing.gather_token, b_desc, c, aux_t,
+            routing.sorted_route, routing.row_score, routing.tile_expert,
+            p, n_cols, reduced,
+            a.stride(0), a.stride(1),
+            c.stride(0), c.stride(1),
+            aux_t.stride(0), aux_t.stride(1),
+            op_id,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SEGMENT=SEGMENT_ALIGN,
+            GATHER_A=gather, EPILOGUE=epilogue, B_K_MAJOR=k_major, num_warps=config.num_warps,
+            num_stages=config.num_stages, **flags,
+        )
+        return
     moe_grouped_gemm_kernel[grid](
         a, routing.gather_token, b, c, aux_t,
         routing.sorted_route, routing.row_score, routing.tile_expert,

@@ -14,6 +14,7 @@ from kernels.moe import (
     MOE_CONFIGS, deinterleave_gate_up, interleave_gate_up, moe_down, moe_mlp_fwd, moe_mlp_ref, moe_scale_rows,
     moe_up_swiglu,
 )
+from kernels.det_gemm import GemmConfig
 from kernels.moe_routing import build_routing
 from tests.moe_helpers import assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline
 from toolkit.contract import compare_bits
@@ -87,6 +88,42 @@ def test_interpreter_bits_do_not_depend_on_tile_config(device):
     y_a = moe_down(h_a, inp["w2"], r, backend)
     y_b = moe_down(h_a, inp["w2"], r, backend, config=MOE_CONFIGS["cuda_sm90"]["down"])
     assert compare_bits(y_a, y_b).equal
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "linear_views"])
+def test_tma_weight_variant_gives_the_pointer_kernel_bits(layout, device):
+    # The weight through a rank-3 TMA descriptor (zero fill past each expert's extents): every grouped
+    # stage, both storage orders of B, K and N tails (H = 40, I = 24 are not multiples of the tiles).
+    from dataclasses import replace
+
+    from kernels.moe import moe_dgrad_dswiglu, moe_dx_route
+
+    inp = make_inputs(_case("masked", t=24, h=40, i=24, seed=16), device)
+    w1, w2 = inp["w1"], inp["w2"]
+    if layout == "linear_views":  # nn.Linear-style stacks passed as transposed views
+        w1 = w1.transpose(1, 2).contiguous().transpose(1, 2)
+        w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    r = build_routing(inp["topk_ids"], inp["scores"], w1.shape[0])
+    backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
+    ptr = GemmConfig(64, 32, 16, 1, 4, 2)
+    tma = replace(ptr, variant="tma")
+    gu_a, h_a = moe_up_swiglu(inp["x"], w1, r, backend, config=ptr)
+    gu_b, h_b = moe_up_swiglu(inp["x"], w1, r, backend, config=tma)
+    assert compare_bits(gu_a, gu_b).equal and compare_bits(h_a, h_b).equal
+    assert compare_bits(moe_down(h_a, w2, r, backend, config=ptr), moe_down(h_a, w2, r, backend, config=tma)).equal
+    dgu_a = moe_dgrad_dswiglu(inp["dout"], w2, gu_a, r, backend, config=ptr)
+    assert compare_bits(dgu_a, moe_dgrad_dswiglu(inp["dout"], w2, gu_a, r, backend, config=tma)).equal
+    assert compare_bits(moe_dx_route(dgu_a, w1, r, backend, config=ptr),
+                        moe_dx_route(dgu_a, w1, r, backend, config=tma)).equal
+
+
+def test_tma_weight_variant_refuses_a_weight_it_cannot_address(device):
+    inp = make_inputs(_case(t=8, h=40, i=24, seed=17), device)
+    w1 = torch.zeros((E, 40, 2 * 24 + 1), dtype=torch.bfloat16, device=device)[..., :48]  # 97-element rows
+    r = build_routing(inp["topk_ids"], inp["scores"], E)
+    backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
+    with pytest.raises(ValueError, match="variant 'tma' cannot describe the weight"):
+        moe_up_swiglu(inp["x"], w1, r, backend, config=GemmConfig(64, 32, 16, 1, 4, 2, variant="tma"))
 
 
 def test_scaled_rows_are_one_rounding_of_the_fp32_product(device):
@@ -187,12 +224,13 @@ def build(fn, ptrs, consts, unit):
     consts = {**consts, **{n: 1 for n in unit}}
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
     div = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
-           if n not in consts and n not in ("op_id", "K")}  # model sizes: multiples of 16
+           if n not in consts and n not in ("op_id", "K") and not sig[n].startswith("tensordesc")}  # multiples of 16
     cfg = consts.pop("cfg", None)
     opts = {"num_warps": cfg.num_warps if cfg else 4, "num_stages": cfg.num_stages if cfg else 1}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=div), target=target, options=opts)
     ptx = k.asm["ptx"]
-    return {"wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async"), "shared": k.metadata.shared}
+    return {"wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async"),
+            "tma": ptx.count("cp.async.bulk.tensor"), "shared": k.metadata.shared}
 out = {}
 g = km.moe_grouped_gemm_kernel
 for stage, epi, gather, c_t in (("up", 1, True, "*bf16"), ("down", 0, False, "*fp32"), ("dgrad", 2, True, "*bf16"), ("dx", 0, False, "*fp32")):
@@ -202,6 +240,18 @@ for stage, epi, gather, c_t in (("up", 1, True, "*bf16"), ("down", 0, False, "*f
     out[stage] = build(g, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                        "STEP_K": c.block_k, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False},
                        ("stride_al", "stride_bl" if stage in ("dgrad", "dx") else "stride_bc", "stride_cc", "stride_xc"))
+t = km.moe_grouped_gemm_tma_kernel
+for name, stage, epi, gather, c_t, k_major in (("up_tma", "up", 1, True, "*bf16", False),
+                                               ("up_tma_kmajor", "up", 1, True, "*bf16", True),
+                                               ("dgrad_tma", "dgrad", 2, True, "*bf16", True),
+                                               ("dx_tma", "dx", 0, False, "*fp32", True)):
+    c = cfgs[stage]
+    box = [1, c.block_n, c.block_k] if k_major else [1, c.block_k, c.block_n]
+    ptrs = {"a_ptr": "*bf16", "a_rows_ptr": "*i32", "b_desc": f"tensordesc<bf16{box}>", "c_ptr": c_t,
+            "aux_ptr": "*bf16", "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32"}
+    out[name] = build(t, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
+                      "STEP_K": c.block_k, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False,
+                      "B_K_MAJOR": k_major}, ("stride_al", "stride_cc", "stride_xc"))
 w, c = km.moe_wgrad_kernel, cfgs["wgrad"]
 for name, ga, acc in (("wgrad_w1", True, False), ("wgrad_w2", False, False), ("wgrad_main_grad", True, True)):
     ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
@@ -230,3 +280,5 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
         assert report[stage]["wgmma"] > 0, (stage, report[stage])
     for stage in ("up", "down", "dgrad", "dx"):
         assert report[stage]["cp_async"] > 0, (stage, report[stage])  # the K loop is software-pipelined
+    for stage in ("up_tma", "up_tma_kmajor", "dgrad_tma", "dx_tma"):  # weight tiles by TMA, into wgmma
+        assert report[stage]["tma"] > 0 and report[stage]["wgmma"] > 0, (stage, report[stage])
