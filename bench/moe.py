@@ -348,13 +348,12 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown_table(rows: list[dict], cols: tuple[str, ...]) -> list[str]:
+def markdown_table(rows, cols) -> list[str]:
     """A Markdown table of ``cols``, one line per row: floats to 4 significant digits, missing cells empty."""
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(
-            f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols) + " |")
-    return lines
+    from tabulate import tabulate
+
+    return tabulate([[r.get(c) for c in cols] for r in rows], headers=list(cols), tablefmt="github",
+                    floatfmt=".4g", missingval="").splitlines()
 
 
 def main(argv: list[str] | None = None) -> int:

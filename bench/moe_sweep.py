@@ -62,7 +62,7 @@ import torch
 
 from bench.moe import (
     DATASHEET_BF16_TFLOPS, GPU_PRESETS, INTERPRETER_LABEL, PRESETS, VALIDATE_REL_L2, MoePreset, _rel_l2,
-    make_inputs, pick_baseline, run_baseline, torch_moe_fwd,
+    make_inputs, markdown_table, pick_baseline, run_baseline, torch_moe_fwd, with_range,
 )
 from kernels.backend import MAX_INT32_OFFSET
 from kernels.moe_routing import SEGMENT_ALIGN
@@ -202,13 +202,6 @@ def profile_case(tokens: Sequence[int], routings: Sequence[str]) -> tuple[int, s
 def row_name(p: MoePreset, routing: str, measure: str, impl: str) -> str:
     """Report-row name == NVTX range name of the call it times."""
     return f"{p.label} {routing} {measure} | {impl}"
-
-
-def _ranged(name: str, fn: Callable[[], object]) -> Callable[[], object]:
-    def call():
-        with nvtx_range(name):
-            return fn()
-    return call
 
 
 @contextmanager
@@ -367,7 +360,7 @@ def run_case(p: MoePreset, routing: str, device: torch.device, rounds: int, seed
     rows = []
     for measure in MEASURES:
         names = {impl: row_name(p, routing, measure, impl) for impl in IMPLS}
-        timings = time_interleaved({names[i]: _ranged(names[i], fn) for i, fn in fns[measure].items()},
+        timings = time_interleaved({names[i]: with_range(names[i], fn, nvtx_range) for i, fn in fns[measure].items()},
                                    device, rounds=rounds)
         flops = FLOPS_PER_TKHI[measure] * p.t * p.k * p.h * p.i
         det_us, base_us = timings[names["detkit"]].median_us, timings[names["baseline"]].median_us
@@ -557,10 +550,8 @@ def summarize(results: dict) -> dict:
 
 
 def _table(rows: Sequence[Mapping], cols: Sequence[str]) -> str:
-    from tabulate import tabulate
-
-    present = [c for c in cols if any(c in r for r in rows)]
-    return tabulate([[r.get(c) for c in present] for r in rows], headers=present, tablefmt="github", floatfmt=".4g")
+    """bench.moe's table of the columns that some row has."""
+    return "\n".join(markdown_table(rows, [c for c in cols if any(c in r for r in rows)]))
 
 
 def _mib(v) -> object:

@@ -29,7 +29,7 @@ contract's semantics (exact products, FP32 accumulation, one BF16 rounding) with
 depends on L alone (one FP32 rounding per product, strictly sequential). The interpreter's FP32 to
 BF16 cast truncates, so the final rounding there is done in integer arithmetic (nearest-even). Interpreter bits differ from tensor-core bits; each backend is audited on its own.
 
-Two kernels share that tile math (``tile_of_program``, ``mac_step``, ``store_tile``):
+Two kernels share that tile math (``tile_of_program``, ``segment_boundary``, ``accumulate``, ``mac_step``, ``store_tile``):
 - ``det_gemm_kernel`` (``GemmConfig.variant == "ptr"``, every pinned entry) loads through pointers
   (cp.async on sm_90).
 - ``det_gemm_tma_kernel`` (``variant == "tma"``) loads each operand with a host-side TMA descriptor
@@ -118,7 +118,7 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
         (16, GemmConfig(16, 32, 128, 1, 4, 6)),
         (128, GemmConfig(64, 64, 128, 1, 4, 4)),
         (512, GemmConfig(128, 128, 64, 8, 8, 4)),
-        # TMA descriptors (H200 sweep reports/2026-11-29-h200x2/tune-tma: 548-745 TFLOP/s on both
+        # TMA descriptors (H200 sweep reports/2026-11-29-h200x2/tune-tma: 527-745 TFLOP/s on both
         # weight layouts vs 417-626 for the pointer kernel at the same tile, identical bits).
         (2**31, GemmConfig(256, 128, 64, 8, 8, 4, "tma")),
     ),
@@ -222,6 +222,28 @@ def mac_step(acc, a, b, offs_k, STEP_K: tl.constexpr, INTERPRETED: tl.constexpr)
 
 
 @triton.jit
+def segment_boundary(acc, seg_acc, k0, seg_len, SEGMENTED: tl.constexpr):
+    """At the start of each FP32 segment after the first, the finished segment joins the total
+    (ascending order) and the next one starts from zero."""
+    if SEGMENTED:
+        if (k0 % seg_len == 0) and (k0 > 0):
+            acc += seg_acc
+            seg_acc = tl.zeros_like(seg_acc)
+    return acc, seg_acc
+
+
+@triton.jit
+def accumulate(acc, seg_acc, a, b, offs_k, STEP_K: tl.constexpr, INTERPRETED: tl.constexpr,
+               SEGMENTED: tl.constexpr):
+    """One K step into the running segment (segmented) or the total."""
+    if SEGMENTED:
+        seg_acc = mac_step(seg_acc, a, b, offs_k, STEP_K, INTERPRETED)
+    else:
+        acc = mac_step(acc, a, b, offs_k, STEP_K, INTERPRETED)
+    return acc, seg_acc
+
+
+@triton.jit
 def store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc,
                INTERPRETED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr):
     """The epilogue: FP32 as is, or one BF16 rounding (nearest-even) of the FP32 accumulator. With
@@ -271,11 +293,7 @@ def det_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     seg_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):
-        if SEGMENTED:
-            # A new segment starts from zero; the finished one joins the total in ascending order.
-            if (k0 % seg_len == 0) and (k0 > 0):
-                acc += seg_acc
-                seg_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc, seg_acc = segment_boundary(acc, seg_acc, k0, seg_len, SEGMENTED)
         for kk in tl.static_range(0, BLOCK_K, STEP_K):
             k_ok = (k0 + kk + offs_k) < L
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
@@ -285,10 +303,7 @@ def det_gemm_kernel(
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
             a_ptrs += STEP_K * stride_al
             b_ptrs += STEP_K * stride_bl
-            if SEGMENTED:
-                seg_acc = mac_step(seg_acc, a, b, offs_k, STEP_K, INTERPRETED)
-            else:
-                acc = mac_step(acc, a, b, offs_k, STEP_K, INTERPRETED)
+            acc, seg_acc = accumulate(acc, seg_acc, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED)
     if SEGMENTED:
         acc += seg_acc
     store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
@@ -317,10 +332,7 @@ def det_gemm_tma_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     seg_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):
-        if SEGMENTED:
-            if (k0 % seg_len == 0) and (k0 > 0):
-                acc += seg_acc
-                seg_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc, seg_acc = segment_boundary(acc, seg_acc, k0, seg_len, SEGMENTED)
         for kk in tl.static_range(0, BLOCK_K, STEP_K):
             k = k0 + kk
             if A_M_MAJOR:
@@ -332,10 +344,7 @@ def det_gemm_tma_kernel(
                 b = tl.trans(b_desc.load([off_n, k]))  # [BLOCK_N, STEP_K] -> [STEP_K, BLOCK_N]
             else:
                 b = b_desc.load([k, off_n])  # [STEP_K, BLOCK_N]
-            if SEGMENTED:
-                seg_acc = mac_step(seg_acc, a, b, offs_k, STEP_K, INTERPRETED)
-            else:
-                acc = mac_step(acc, a, b, offs_k, STEP_K, INTERPRETED)
+            acc, seg_acc = accumulate(acc, seg_acc, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED)
     if SEGMENTED:
         acc += seg_acc
     offs_am = off_m + tl.arange(0, BLOCK_M)

@@ -12,9 +12,7 @@ segmented kernel forms ``(0 + seg0) + seg1`` with each segment accumulated exact
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,9 +27,9 @@ from kernels.invariant import (
 from kernels.mlp import MlpPlan
 from toolkit.contract import compare_bits
 from toolkit.fixtures import bf16_randn
+from tests.torchrun import run_ranks
 from toolkit.layout import CP_SIZE, TINY, AxisGroup, TpCpLayout, layout_for_preset
 
-REPO = Path(__file__).resolve().parents[1]
 CPU_TIMEOUT_S = 240
 GPU_TIMEOUT_S = 900
 
@@ -172,15 +170,8 @@ def test_mlp_plan_fails_closed():
 
 # ------------------------------------------------------------------------------ the suite on 4 gloo ranks
 def audit_under_torchrun(out: Path, nproc: int, device: str, timeout: float, **extra) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.update(NCCL_NVLS_ENABLE="0", DETKIT_DIST_TIMEOUT_S="100" if device == "cpu" else "300", **extra)
-    if device == "cpu":
-        env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")  # 4 ranks share 2 cores
-    else:
-        env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "toolkit", "audit", "--device", device, "--suite", "invariance", "--out", str(out)]
-    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return run_ranks(["-m", "toolkit", "audit", "--device", device, "--suite", "invariance", "--out", str(out)],
+                     nproc, device, timeout, env_extra=extra)
 
 
 @pytest.fixture(scope="module")

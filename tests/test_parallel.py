@@ -457,16 +457,11 @@ def worker(argv: list[str] | None = None) -> int:
 # pytest side
 # =============================================================================================
 def run_ranks(out: Path, nproc: int, device: str, preset: str, world: str, timeout: float) -> dict[int, dict]:
-    env = dict(os.environ)
-    env.update(DETKIT_TPCP_WORLD=world, NCCL_NVLS_ENABLE="0", PYTHONPATH=str(REPO))
-    if device == "cpu":
-        env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")  # 4 ranks share 2 cores
-    else:
-        env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(Path(__file__).resolve()), "--out", str(out), "--device", device, "--preset", preset,
-           "--timeout", str(timeout / 2)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    from tests import torchrun as tr  # pytest side only: this file is also the ranks' script
+
+    proc = tr.run_ranks([str(Path(__file__).resolve()), "--out", str(out), "--device", device, "--preset", preset,
+                         "--timeout", str(timeout / 2)], nproc, device, timeout,
+                        env_extra={"DETKIT_TPCP_WORLD": world, "PYTHONPATH": str(REPO)})
     if proc.returncode != 0:
         pytest.fail(f"ranks failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)}

@@ -5,7 +5,6 @@ plus the launcher-side helpers of toolkit/dist.py that need no process group."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.torchrun import rank_env, run_ranks
 from toolkit.dist import launched_as_ranks, rows_path, timeout_s, world_from_env, writes_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,20 +25,9 @@ CHECKS_4_RANKS = {
 }
 
 
-def _env(device: str, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(NCCL_NVLS_ENABLE="0", DETKIT_DIST_TIMEOUT_S="100" if device == "cpu" else "300", **extra)
-    if device == "cpu":
-        env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")  # 4 ranks share 2 cores
-    else:
-        env.pop("TRITON_INTERPRET", None)
-    return env
-
-
 def audit_under_torchrun(out: Path, nproc: int, device: str, timeout: float, **env) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "toolkit", "audit", "--device", device, "--suite", "tp-cp", "--out", str(out)]
-    return subprocess.run(cmd, env=_env(device, **env), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return run_ranks(["-m", "toolkit", "audit", "--device", device, "--suite", "tp-cp", "--out", str(out)],
+                     nproc, device, timeout, env_extra=env)
 
 
 def _load(out: Path) -> dict:
@@ -156,7 +145,7 @@ def test_2_rank_cp_world_reports_what_it_did_not_cover(tmp_path):
 def test_single_process_refs_pass_and_tp_cp_refuses(tmp_path):
     cmd = [sys.executable, "-m", "toolkit", "audit", "--device", "cpu", "--suite", "tp-cp-refs", "--suite", "tp-cp",
            "--out", str(tmp_path)]
-    env = {k: v for k, v in _env("cpu").items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    env = {k: v for k, v in rank_env("cpu").items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=CPU_TIMEOUT_S)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = _load(tmp_path)
