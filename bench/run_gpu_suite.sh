@@ -3,8 +3,8 @@
 # the config sweep, the gemm benchmark, and the MoE tests, audit and benchmark. Each step has its own
 # time limit and the run goes on after a failure. Results land in $OUT (default results/gpu-<time>)
 # and in the archive $ARCHIVE (default $OUT.tgz).
-# Usage: bash bench/run_gpu_suite.sh [tests|audit|tune|bench|tma|moe|moesweep|fp8|all]...
-#   TUNE_ARGS, BENCH_ARGS, MOE_BENCH_ARGS, MOE_SWEEP_ARGS, FP8_BENCH_ARGS: extra arguments of those
+# Usage: bash bench/run_gpu_suite.sh [tests|audit|tune|bench|tma|moe|moetune|moesweep|fp8|all]...
+#   TUNE_ARGS, BENCH_ARGS, MOE_BENCH_ARGS, MOE_TUNE_ARGS, MOE_SWEEP_ARGS, FP8_BENCH_ARGS: extra arguments of those
 #   steps, split on spaces (e.g. TUNE_ARGS="--ops db --m 16 64 128 256 512" for the dB small-M sweep).
 set -uo pipefail
 OUT=${OUT:-results/gpu-$(date +%Y%m%d-%H%M%S)}
@@ -17,6 +17,7 @@ source "$(dirname "$0")/gpu_steps.sh"
 read -ra TUNE_ARGS <<< "${TUNE_ARGS:-}"
 read -ra BENCH_ARGS <<< "${BENCH_ARGS:-}"
 read -ra MOE_BENCH_ARGS <<< "${MOE_BENCH_ARGS:-}"
+read -ra MOE_TUNE_ARGS <<< "${MOE_TUNE_ARGS:-}"
 read -ra MOE_SWEEP_ARGS <<< "${MOE_SWEEP_ARGS:---quick --tokens 1024 4096 8192 16384}"
 read -ra FP8_BENCH_ARGS <<< "${FP8_BENCH_ARGS:---preset reference --preset reference-16k}"
 gpu_pytest=(env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra)
@@ -43,6 +44,9 @@ if want moe; then
   step pytest-moe "${MOE_TESTS_LIMIT:-180}" "${gpu_pytest[@]}" tests/test_moe.py tests/test_moe_routing.py
   step audit-moe "${MOE_AUDIT_LIMIT:-180}" python -m toolkit audit --device cuda --suite moe --out "$OUT/audit-moe"
   step bench-moe "${MOE_BENCH_LIMIT:-240}" python -m bench.moe --device cuda --out "$OUT/bench-moe" "${MOE_BENCH_ARGS[@]}"
+fi
+if want moetune; then
+  step moe-tune "${MOE_TUNE_LIMIT:-300}" python -m bench.moe_tune --device cuda --out "$OUT/moe-tune" "${MOE_TUNE_ARGS[@]}"
 fi
 if want moesweep; then
   step moe-sweep "${MOE_SWEEP_LIMIT:-300}" python -m bench.moe_sweep --device cuda --out "$OUT/moe-sweep" \

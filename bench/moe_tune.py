@@ -1,0 +1,182 @@
+"""Config sweep for the MoE grouped GEMMs (kernels/moe.py MOE_CONFIGS): time candidate tile configs per
+stage at the preset shapes and say which config each stage's time is best with. Not autotuning: a
+human reads the output, pins entries in MOE_CONFIGS (bumping MOE_CONFIG_TABLE_VERSION), and the MoE
+audit then re-checks the pinned table (its bits are the table's, so a new pin is a new bits version).
+
+    python -m bench.moe_tune --device cuda --preset reference qwen3-30b-a3b --out results/moe-tune
+
+Each stage is timed alone on the same inputs the layer would give it (routing, saved gu/h, dgu from
+the pinned path), every candidate interleaved with the pinned one in ``rounds`` rounds
+(toolkit.timing.time_interleaved: L2-flushed do_bench samples). A candidate that fails to compile or
+is refused (shared memory, a TMA box) is an error row, never fatal. Each row also says whether the
+candidate's output has the pinned config's bits (on tensor cores a different BLOCK_K or warp layout
+may change the FP32 summation inside an MMA, which is why the table is versioned).
+Formulas: TFLOP/s = stage FLOPs / median time; stage FLOPs per T*K*H*I: up 4, down 2, dgrad 2, dx 4,
+wgrad_w1 4, wgrad_w2 2 (the same split as bench/moe.py's stage rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.moe import PRESETS, make_inputs, markdown_table
+from kernels.det_gemm import GemmConfig
+
+# Grouped stages: BLOCK_M must divide the 128-row segment; dgrad's BLOCK_N counts dh columns (its
+# epilogue tile is 2*BLOCK_N wide), up's counts interleaved gate/up columns (h gets BLOCK_N/2).
+GROUPED = [GemmConfig(*c) for c in [
+    (128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 4), (128, 128, 64, 1, 4, 4), (128, 256, 64, 1, 8, 3),
+    (128, 64, 64, 1, 4, 4), (64, 128, 64, 1, 4, 4), (64, 256, 64, 1, 8, 3), (128, 128, 128, 1, 8, 2),
+]] + [GemmConfig(*c, variant="tma") for c in [
+    (128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 4), (128, 256, 64, 1, 8, 3), (128, 64, 64, 1, 4, 4),
+]]
+# Weight gradients: BLOCK_M x BLOCK_N tile of dW[e], BLOCK_K routed rows per reduction step.
+WGRAD = [GemmConfig(*c) for c in [
+    (128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 4), (128, 256, 64, 1, 8, 3), (256, 128, 64, 1, 8, 3),
+    (128, 128, 32, 1, 4, 4), (128, 128, 128, 1, 8, 3), (64, 256, 64, 1, 8, 3), (128, 128, 64, 1, 4, 3),
+]]
+STAGE_KEY = {"up": "up", "down": "down", "dgrad": "dgrad", "dx": "dx", "wgrad_w1": "wgrad", "wgrad_w2": "wgrad"}
+STAGE_FLOPS = {"up": 4.0, "down": 2.0, "dgrad": 2.0, "dx": 4.0, "wgrad_w1": 4.0, "wgrad_w2": 2.0}
+
+
+def candidates(stage: str) -> list[GemmConfig]:
+    if stage not in STAGE_KEY:
+        raise ValueError(f"stage {stage!r} not known; known: {tuple(STAGE_KEY)}")
+    return WGRAD if STAGE_KEY[stage] == "wgrad" else GROUPED
+
+
+def stage_fns(preset: str, device: torch.device, seed: int = 0) -> tuple[dict[str, Callable], str]:
+    """stage -> fn(config) -> output tensor, on the preset's inputs (the pinned path's intermediates)."""
+    from kernels.moe import (
+        moe_dgrad_dswiglu, moe_down, moe_dx_route, moe_mlp_fwd, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
+    )
+    from kernels.moe_routing import build_routing
+
+    p = PRESETS[preset]
+    inp = make_inputs(p, device, seed)
+    x, w1, w2, ids, scores, dout = (inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores", "dout"))
+    routing = build_routing(ids, scores, p.e)
+    _, saved = moe_mlp_fwd(x, w1, w2, ids, scores)
+    b = saved.backend
+    dgu = moe_dgrad_dswiglu(dout, w2, saved.gu, routing, b)
+    return {
+        "up": lambda c: moe_up_swiglu(x, w1, routing, b, config=c)[1],
+        "down": lambda c: moe_down(saved.h, w2, routing, b, config=c),
+        "dgrad": lambda c: moe_dgrad_dswiglu(dout, w2, saved.gu, routing, b, config=c),
+        "dx": lambda c: moe_dx_route(dgu, w1, routing, b, config=c),
+        "wgrad_w1": lambda c: moe_wgrad_w1(x, dgu, routing, b, config=c),
+        "wgrad_w2": lambda c: moe_wgrad_w2(saved.h, dout, routing, b, config=c),
+    }, b
+
+
+def sweep(presets: list[str], stages: list[str], device: torch.device, rounds: int) -> list[dict]:
+    """Rows per (preset, stage, config): timing and bits vs the pinned config, or the error."""
+    from kernels.moe import MOE_CONFIG_TABLE_VERSION, select_moe_config
+    from toolkit.contract import compare_bits
+    from toolkit.timing import time_interleaved
+
+    rows = []
+    for preset in presets:
+        p = PRESETS[preset]
+        fns, backend = stage_fns(preset, device)
+        for stage in stages:
+            fn = fns[stage]
+            pinned = select_moe_config(STAGE_KEY[stage], backend)
+            ids = {"preset": preset, "T": p.t, "H": p.h, "I": p.i, "E": p.e, "K": p.k, "stage": stage,
+                   "pinned": pinned.label(), "table_version": MOE_CONFIG_TABLE_VERSION}
+            ref = fn(pinned).clone()
+            timed = {pinned.label(): pinned}
+            same = {pinned.label(): True}
+            for cfg in candidates(stage):
+                if cfg == pinned:
+                    continue
+                try:
+                    out = fn(cfg)
+                except Exception as exc:  # compile failure or refused config: recorded, not fatal
+                    rows.append({**ids, "config": cfg.label(), "variant": cfg.variant, "error": repr(exc)[:300]})
+                    print(f"{preset} {stage}: {cfg.label()} error {repr(exc)[:120]}", flush=True)
+                    continue
+                same[cfg.label()] = compare_bits(out, ref).equal
+                timed[cfg.label()] = cfg
+                del out
+            del ref
+            timings = time_interleaved({lbl: (lambda c=cfg: fn(c)) for lbl, cfg in timed.items()}, device,
+                                       rounds=rounds, rep_ms=20)
+            flops = STAGE_FLOPS[stage] * p.t * p.k * p.h * p.i
+            case = [{**ids, "config": lbl, "variant": timed[lbl].variant, "is_pinned": lbl == pinned.label(),
+                     "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us,
+                     "tflops": flops / (t.median_us * 1e-6) / 1e12, "bits_equal_pinned": same[lbl]}
+                    for lbl, t in timings.items()]
+            rows += case
+            best = min(case, key=lambda r: r["median_us"])
+            pick = next(r for r in case if r["is_pinned"])
+            print(f"{preset} {stage}: best {best['config']} {best['tflops']:.0f} TFLOP/s; pinned "
+                  f"{pick['config']} {pick['tflops']:.0f} TFLOP/s", flush=True)
+    return rows
+
+
+def best_per_stage(rows: list[dict]) -> list[dict]:
+    """Per stage: the config with the lowest geometric-mean time ratio to the pinned one over the
+    presets swept (only configs that ran at every preset), and that ratio."""
+    out = []
+    timed = [r for r in rows if "median_us" in r]
+    for stage in dict.fromkeys(r["stage"] for r in timed):
+        sel = [r for r in timed if r["stage"] == stage]
+        presets = sorted({r["preset"] for r in sel})
+        pinned = {r["preset"]: r["median_us"] for r in sel if r["is_pinned"]}
+        ratios: dict[str, list[float]] = {}
+        for r in sel:
+            ratios.setdefault(r["config"], []).append(r["median_us"] / pinned[r["preset"]])
+        full = {c: math.exp(sum(map(math.log, v)) / len(v)) for c, v in ratios.items() if len(v) == len(presets)}
+        best = min(full, key=full.get)
+        out.append({"stage": stage, "presets": presets, "pinned": sel[0]["pinned"], "best": best,
+                    "best_time_vs_pinned": full[best],
+                    "best_tflops": {r["preset"]: r["tflops"] for r in sel if r["config"] == best},
+                    "pinned_tflops": {r["preset"]: r["tflops"] for r in sel if r["is_pinned"]}})
+    return out
+
+
+def report(rows: list[dict], summary: list[dict], meta: dict) -> str:
+    lines = ["# detkit MoE config sweep", ""] + [f"- {k}: {v}" for k, v in meta.items()] + ["", "## Best per stage", ""]
+    lines += markdown_table(summary, ("stage", "pinned", "best", "best_time_vs_pinned", "pinned_tflops", "best_tflops"))
+    lines += ["", "## All rows", ""]
+    lines += markdown_table(rows, ("preset", "stage", "config", "median_us", "p20_us", "p80_us", "tflops",
+                                   "bits_equal_pinned", "error"))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.moe_tune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--preset", nargs="+", default=["reference", "qwen3-30b-a3b"], choices=sorted(PRESETS))
+    parser.add_argument("--stages", nargs="+", default=list(STAGE_KEY), choices=list(STAGE_KEY))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no CUDA GPU; use --device cpu (interpreter, not hardware)")
+    device = torch.device(args.device)
+    start = time.time()
+    rows = sweep(args.preset, args.stages, device, args.rounds)
+    summary = best_per_stage(rows)
+    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter, "
+            "not a hardware result)", "torch": torch.__version__, "triton": __import__("triton").__version__,
+            "seconds": round(time.time() - start, 1)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "rows.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1) + "\n")
+    text = report(rows, summary, meta)
+    (args.out / "report.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""bench/moe_tune.py on the CPU (Triton interpreter; timings are plumbing, not hardware results): the
+sweep times every candidate beside the pinned config on the layer's own intermediates, records a
+refused config as an error row, and the per-stage pick is the lowest geometric-mean time ratio."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bench import moe_tune as mt
+from kernels.det_gemm import GemmConfig
+
+
+def test_sweep_times_candidates_beside_the_pinned_config(monkeypatch):
+    odd = GemmConfig(64, 33, 32, 1, 4, 1)  # odd BLOCK_N: up refuses it (gate/up pairs)
+    small = GemmConfig(64, 32, 32, 1, 4, 1)
+    monkeypatch.setattr(mt, "GROUPED", [small, odd])
+    monkeypatch.setattr(mt, "WGRAD", [GemmConfig(32, 32, 32, 1, 4, 1)])
+    rows = mt.sweep(["tiny"], ["up", "wgrad_w2"], torch.device("cpu"), rounds=1)
+    errors = [r for r in rows if "error" in r]
+    assert [(r["stage"], r["config"]) for r in errors] == [("up", odd.label())]
+    assert "must be even" in errors[0]["error"]
+    timed = [r for r in rows if "median_us" in r]
+    assert {(r["stage"], r["is_pinned"]) for r in timed} == {("up", True), ("up", False), ("wgrad_w2", True),
+                                                             ("wgrad_w2", False)}
+    # The interpreter accumulates sequentially: every tile config gives the pinned bits.
+    assert all(r["bits_equal_pinned"] for r in timed)
+    assert all(r["median_us"] > 0 and r["p20_us"] <= r["median_us"] <= r["p80_us"] for r in timed)
+    summary = mt.best_per_stage(rows)
+    assert [s["stage"] for s in summary] == ["up", "wgrad_w2"]
+    for s in summary:
+        sel = {r["config"]: r["median_us"] for r in timed if r["stage"] == s["stage"]}
+        assert s["best"] == min(sel, key=sel.get)
+        assert s["best_time_vs_pinned"] == pytest.approx(min(sel.values()) / sel[s["pinned"]])
+
+
+def test_best_per_stage_uses_the_geometric_mean_over_presets_and_needs_every_preset():
+    def row(preset, config, us, pinned=False):
+        return {"preset": preset, "stage": "down", "config": config, "pinned": "P", "is_pinned": pinned,
+                "median_us": us, "tflops": 1.0 / us}
+
+    rows = [row("a", "P", 100, True), row("b", "P", 100, True), row("a", "X", 50), row("b", "X", 180),
+            row("a", "Y", 90), row("b", "Y", 90), row("a", "Z", 10)]  # Z ran at one preset only
+    (s,) = mt.best_per_stage(rows)
+    assert s["best"] == "Y" and s["best_time_vs_pinned"] == pytest.approx(0.9)
+    assert math.sqrt(0.5 * 1.8) > 0.9  # X's geometric mean, worse than Y's
+
+
+def test_unknown_stage_is_refused():
+    with pytest.raises(ValueError, match="stage 'gate' not known"):
+        mt.candidates("gate")
