@@ -11,7 +11,7 @@ Checks, each one row:
 - ``stage_bound``: gu, y, dgu, dx_route and the FP8 dW1, dW2 within a derived bound of an FP64 oracle of
   the kernel's own dequantized FP8 operands (block-scaled GEMM with per-128-K promotion,
   docs/moe_fp8.md); out, dx (the BF16 path's combine) and dscores within theirs; padding rows exactly zero.
-- ``emulation``: the layer within EMULATION_REL_L2 of ``moe_mlp_fp8_ref`` (the recipe in plain torch),
+- ``emulation``: the layer within EMULATION_REL_L2[backend] of ``moe_mlp_fp8_ref`` (the recipe in plain torch),
   with either weight-gradient mode (wgrad "bf16" and "fp8").
 - ``precision``: the issue's gate, cosine >= 0.997 and relative RMSE < 7.6% for out, dX, dscores, dW1,
   dW2 against the FP64 oracle and against the BF16 detkit path, for each weight-gradient mode. On a GPU:
@@ -55,10 +55,13 @@ DESCRIPTION = "FP8 MoE expert MLP fwd+bwd: determinism, batch invariance, block-
 # The issue's precision gate, for out, dX, dscores, dW1, dW2 against FP64 and against the BF16 path.
 GATE_MIN_COSINE = 0.997
 GATE_MAX_REL_RMSE = 0.076
-# Kernels vs moe_mlp_fp8_ref: they differ only by FP32 accumulation order and the activation's exp,
-# which can move a BF16 rounding and then an E4M3 rounding (2**-4 relative) of a few elements. 2**-8
-# is 16x below one E4M3 step on every element, so a wrong scale, block or layout fails it by far.
-EMULATION_REL_L2 = 2.0**-8
+# Kernels vs moe_mlp_fp8_ref, per backend. Both differ only by accumulation order and the activation's exp,
+# which can move a BF16 rounding and then an E4M3 rounding (2**-4 relative) of a few elements of h and dgu.
+# Interpreter (FP32 accumulation): 2**-8. Hopper: the FP8 wgmma accumulates a 128-K block with about 14
+# significant bits (DeepSeek-V3, section 3.3.2), so more of those E4M3 roundings move; measured on an
+# H200 (2026-11-29): 0.0019-0.0047 at the audit's GPU shape, 0.0094 for dX at the tests' T=24, hence 2**-6.
+# A wrong scale, block or layout is off by powers of two on whole blocks (rel L2 >= 0.1): it fails both.
+EMULATION_REL_L2 = {"triton_interpreter": 2.0**-8, "cuda_sm90": 2.0**-6}
 # Accumulation inside one 128-K block: FP32 on the interpreter; on Hopper the FP8 wgmma accumulates with
 # about 14 significant bits (DeepSeek-V3, section 3.3.2): an allowance of 2**-13 per add, to be measured.
 BLOCK_ACC_UNIT = {"triton_interpreter": U_FP32, "cuda_sm90": 2.0**-13}
@@ -302,15 +305,15 @@ def run(ctx: RunContext) -> Iterator[Row]:
         for n in GRAD_NAMES:
             rel = rel_l2(got[n], emu[n])
             yield Row(suite=NAME, check="emulation", name=f"emulation {n} {case_name(case)}",
-                      passed=rel <= EMULATION_REL_L2, backend=ctx.backend,
-                      details={"rel_l2_vs_fp8_reference": rel, "limit": EMULATION_REL_L2})
+                      passed=rel <= EMULATION_REL_L2[ctx.backend], backend=ctx.backend,
+                      details={"rel_l2_vs_fp8_reference": rel, "limit": EMULATION_REL_L2[ctx.backend]})
         if case is main:  # the FP8 weight gradients against the recipe with wgrad="fp8"
             emu8 = moe_mlp_fp8_ref(*args, wgrad="fp8")
             for n in ("dw1", "dw2"):
                 rel = rel_l2(outs_w8[0][n], emu8[n])
                 yield Row(suite=NAME, check="emulation", name=f"emulation {n} wgrad=fp8 {case_name(case)}",
-                          passed=rel <= EMULATION_REL_L2, backend=ctx.backend,
-                          details={"rel_l2_vs_fp8_reference": rel, "limit": EMULATION_REL_L2})
+                          passed=rel <= EMULATION_REL_L2[ctx.backend], backend=ctx.backend,
+                          details={"rel_l2_vs_fp8_reference": rel, "limit": EMULATION_REL_L2[ctx.backend]})
 
     # The precision gate (see the module docstring for where it is evaluated on each backend).
     bf16_path = bf16_path_layer(inp)

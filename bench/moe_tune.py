@@ -11,8 +11,9 @@ the pinned path), every candidate interleaved with the pinned one in ``rounds`` 
 is refused (shared memory, a TMA box) is an error row, never fatal. Each row also says whether the
 candidate's output has the pinned config's bits (on tensor cores a different BLOCK_K or warp layout
 may change the FP32 summation inside an MMA, which is why the table is versioned).
+The fp8_ stages sweep kernels/moe_fp8.py's grouped GEMMs (MOE_FP8_CONFIGS) on operands quantized once.
 Formulas: TFLOP/s = stage FLOPs / median time; stage FLOPs per T*K*H*I: up 4, down 2, dgrad 2, dx 4,
-wgrad_w1 4, wgrad_w2 2 (the same split as bench/moe.py's stage rows).
+wgrad_w1 4, wgrad_w2 2 (the same split as bench/moe.py's stage rows; the same for the fp8_ stages).
 """
 
 from __future__ import annotations
@@ -36,27 +37,60 @@ GROUPED = [GemmConfig(*c) for c in [
     (128, 64, 64, 1, 4, 4), (64, 128, 64, 1, 4, 4), (64, 256, 64, 1, 8, 3), (128, 128, 128, 1, 8, 2),
 ]] + [GemmConfig(*c, variant="tma") for c in [
     (128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 4), (128, 256, 64, 1, 8, 3), (128, 64, 64, 1, 4, 4),
+    (128, 128, 64, 1, 4, 3), (128, 128, 64, 1, 8, 2), (128, 256, 64, 1, 8, 2), (64, 128, 64, 1, 4, 3),
 ]]
 # Weight gradients: BLOCK_M x BLOCK_N tile of dW[e], BLOCK_K routed rows per reduction step.
 WGRAD = [GemmConfig(*c) for c in [
     (128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 4), (128, 256, 64, 1, 8, 3), (256, 128, 64, 1, 8, 3),
     (128, 128, 32, 1, 4, 4), (128, 128, 128, 1, 8, 3), (64, 256, 64, 1, 8, 3), (128, 128, 64, 1, 4, 3),
+    (128, 128, 64, 1, 4, 2), (128, 128, 32, 1, 4, 3), (128, 64, 64, 1, 4, 3), (64, 128, 64, 1, 4, 3),
 ]]
-STAGE_KEY = {"up": "up", "down": "down", "dgrad": "dgrad", "dx": "dx", "wgrad_w1": "wgrad", "wgrad_w2": "wgrad"}
-STAGE_FLOPS = {"up": 4.0, "down": 2.0, "dgrad": 2.0, "dx": 4.0, "wgrad_w1": 4.0, "wgrad_w2": 2.0}
+# FP8 grouped stages (kernels/moe_fp8.py MOE_FP8_CONFIGS): BLOCK_K divides the 128-K scale block; up's
+# BLOCK_N is 256 and dgrad's 64 (the fused 1x128 quantization); up to 96 KiB of operands per stage
+# count leaves room for two programs per SM, which overlap one's promotion FMAs with the other's MMAs.
+FP8_GROUPED = [GemmConfig(*c) for c in [
+    (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 3), (128, 128, 128, 1, 4, 3), (128, 128, 128, 1, 8, 2),
+    (64, 128, 128, 1, 4, 4), (128, 256, 128, 1, 8, 2), (128, 128, 64, 1, 8, 4),
+]]
+FP8_UP = [GemmConfig(*c) for c in [
+    (64, 256, 128, 1, 8, 3), (64, 256, 128, 1, 8, 2), (64, 256, 128, 1, 4, 2), (128, 256, 128, 1, 8, 2),
+    (128, 256, 64, 1, 8, 3), (64, 256, 64, 1, 4, 4),
+]]
+FP8_DGRAD = [GemmConfig(*c) for c in [
+    (128, 64, 128, 1, 8, 4), (128, 64, 128, 1, 8, 3), (128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4),
+    (128, 64, 64, 1, 8, 6),
+]]
+STAGE_KEY = {"up": "up", "down": "down", "dgrad": "dgrad", "dx": "dx", "wgrad_w1": "wgrad", "wgrad_w2": "wgrad",
+             "fp8_up": "up", "fp8_down": "down", "fp8_dgrad": "dgrad", "fp8_dx": "dx"}
+STAGE_FLOPS = {"up": 4.0, "down": 2.0, "dgrad": 2.0, "dx": 4.0, "wgrad_w1": 4.0, "wgrad_w2": 2.0,
+               "fp8_up": 4.0, "fp8_down": 2.0, "fp8_dgrad": 2.0, "fp8_dx": 4.0}
+BF16_STAGES = ("up", "down", "dgrad", "dx", "wgrad_w1", "wgrad_w2")
 
 
 def candidates(stage: str) -> list[GemmConfig]:
     if stage not in STAGE_KEY:
         raise ValueError(f"stage {stage!r} not known; known: {tuple(STAGE_KEY)}")
+    if stage.startswith("fp8_"):
+        return {"up": FP8_UP, "dgrad": FP8_DGRAD}.get(STAGE_KEY[stage], FP8_GROUPED)
     return WGRAD if STAGE_KEY[stage] == "wgrad" else GROUPED
 
 
-def stage_fns(preset: str, device: torch.device, seed: int = 0) -> tuple[dict[str, Callable], str]:
+def pinned(stage: str, backend: str) -> GemmConfig:
+    """The table's config for ``stage`` (MOE_FP8_CONFIGS for the fp8_ stages, else MOE_CONFIGS)."""
+    from kernels.moe import select_moe_config
+    from kernels.moe_fp8 import select_moe_fp8_config
+
+    select = select_moe_fp8_config if stage.startswith("fp8_") else select_moe_config
+    return select(STAGE_KEY[stage], backend)
+
+
+def stage_fns(preset: str, device: torch.device, stages, seed: int = 0) -> tuple[dict[str, Callable], str]:
     """stage -> fn(config) -> output tensor, on the preset's inputs (the pinned path's intermediates)."""
+    from kernels.fp8_quant import quantize_rowwise, quantize_weight
     from kernels.moe import (
         moe_dgrad_dswiglu, moe_down, moe_dx_route, moe_mlp_fwd, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
     )
+    from kernels.moe_fp8 import moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_up_swiglu
     from kernels.moe_routing import build_routing
 
     p = PRESETS[preset]
@@ -66,36 +100,50 @@ def stage_fns(preset: str, device: torch.device, seed: int = 0) -> tuple[dict[st
     _, saved = moe_mlp_fwd(x, w1, w2, ids, scores)
     b = saved.backend
     dgu = moe_dgrad_dswiglu(dout, w2, saved.gu, routing, b)
-    return {
+    fns = {
         "up": lambda c: moe_up_swiglu(x, w1, routing, b, config=c)[1],
         "down": lambda c: moe_down(saved.h, w2, routing, b, config=c),
         "dgrad": lambda c: moe_dgrad_dswiglu(dout, w2, saved.gu, routing, b, config=c),
         "dx": lambda c: moe_dx_route(dgu, w1, routing, b, config=c),
         "wgrad_w1": lambda c: moe_wgrad_w1(x, dgu, routing, b, config=c),
         "wgrad_w2": lambda c: moe_wgrad_w2(saved.h, dout, routing, b, config=c),
-    }, b
+    }
+    if any(s.startswith("fp8_") for s in stages):  # the FP8 path's operands, quantized once
+        (x_q, x_s), (dout_q, dout_s) = quantize_rowwise(x), quantize_rowwise(dout)
+        w1f, w2f = quantize_weight(w1), quantize_weight(w2)
+        _, _, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, routing, b)
+        _, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, saved.gu, routing, b)
+        fns.update({
+            "fp8_up": lambda c: moe_fp8_up_swiglu(x_q, x_s, w1f, routing, b, config=c)[2],
+            "fp8_down": lambda c: moe_fp8_down(h_q, h_s, w2f, routing, b, config=c),
+            "fp8_dgrad": lambda c: moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, saved.gu, routing, b, config=c)[1],
+            "fp8_dx": lambda c: moe_fp8_dx_route(dgu_q, dgu_s, w1f, routing, b, config=c),
+        })
+    return fns, b
 
 
 def sweep(presets: list[str], stages: list[str], device: torch.device, rounds: int) -> list[dict]:
     """Rows per (preset, stage, config): timing and bits vs the pinned config, or the error."""
-    from kernels.moe import MOE_CONFIG_TABLE_VERSION, select_moe_config
+    from kernels.moe import MOE_CONFIG_TABLE_VERSION
+    from kernels.moe_fp8 import MOE_FP8_CONFIG_TABLE_VERSION
     from toolkit.contract import compare_bits
     from toolkit.timing import time_interleaved
 
     rows = []
     for preset in presets:
         p = PRESETS[preset]
-        fns, backend = stage_fns(preset, device)
+        fns, backend = stage_fns(preset, device, stages)
         for stage in stages:
             fn = fns[stage]
-            pinned = select_moe_config(STAGE_KEY[stage], backend)
+            pick = pinned(stage, backend)
+            version = MOE_FP8_CONFIG_TABLE_VERSION if stage.startswith("fp8_") else MOE_CONFIG_TABLE_VERSION
             ids = {"preset": preset, "T": p.t, "H": p.h, "I": p.i, "E": p.e, "K": p.k, "stage": stage,
-                   "pinned": pinned.label(), "table_version": MOE_CONFIG_TABLE_VERSION}
-            ref = fn(pinned).clone()
-            timed = {pinned.label(): pinned}
-            same = {pinned.label(): True}
+                   "pinned": pick.label(), "table_version": version}
+            ref = fn(pick).clone()
+            timed = {pick.label(): pick}
+            same = {pick.label(): True}
             for cfg in candidates(stage):
-                if cfg == pinned:
+                if cfg == pick:
                     continue
                 try:
                     out = fn(cfg)
@@ -110,15 +158,15 @@ def sweep(presets: list[str], stages: list[str], device: torch.device, rounds: i
             timings = time_interleaved({lbl: (lambda c=cfg: fn(c)) for lbl, cfg in timed.items()}, device,
                                        rounds=rounds, rep_ms=20)
             flops = STAGE_FLOPS[stage] * p.t * p.k * p.h * p.i
-            case = [{**ids, "config": lbl, "variant": timed[lbl].variant, "is_pinned": lbl == pinned.label(),
+            case = [{**ids, "config": lbl, "variant": timed[lbl].variant, "is_pinned": lbl == pick.label(),
                      "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us,
                      "tflops": flops / (t.median_us * 1e-6) / 1e12, "bits_equal_pinned": same[lbl]}
                     for lbl, t in timings.items()]
             rows += case
             best = min(case, key=lambda r: r["median_us"])
-            pick = next(r for r in case if r["is_pinned"])
+            table = next(r for r in case if r["is_pinned"])
             print(f"{preset} {stage}: best {best['config']} {best['tflops']:.0f} TFLOP/s; pinned "
-                  f"{pick['config']} {pick['tflops']:.0f} TFLOP/s", flush=True)
+                  f"{table['config']} {table['tflops']:.0f} TFLOP/s", flush=True)
     return rows
 
 
@@ -156,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.moe_tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--preset", nargs="+", default=["reference", "qwen3-30b-a3b"], choices=sorted(PRESETS))
-    parser.add_argument("--stages", nargs="+", default=list(STAGE_KEY), choices=list(STAGE_KEY))
+    parser.add_argument("--stages", nargs="+", default=list(BF16_STAGES), choices=list(STAGE_KEY),
+                        help="BF16 stages by default; fp8_up, fp8_down, fp8_dgrad, fp8_dx for the FP8 path")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)

@@ -49,7 +49,7 @@ from tensor-core bits; each backend is audited on its own (audits/moe.py).
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -68,17 +68,19 @@ from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting, build_routing, check_
 # On the interpreter every config gives the same bits (sequential accumulation); its table is
 # chosen for emulation speed only.
 # ---------------------------------------------------------------------------------------------
-MOE_CONFIG_TABLE_VERSION = "2026-11-29.1"
+MOE_CONFIG_TABLE_VERSION = "2026-11-29.2"
 
 STAGES = ("up", "down", "dgrad", "dx", "wgrad", "combine", "dscore")
 
 MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
     CUDA_SM90: {
-        "up": GemmConfig(128, 128, 64, 1, 8, 3),  # BLOCK_N interleaved gate/up columns -> 64 of h
-        "down": GemmConfig(128, 128, 64, 1, 8, 3),
-        "dgrad": GemmConfig(128, 64, 64, 1, 8, 3),  # BLOCK_N columns of dh (2x of dgu)
-        "dx": GemmConfig(128, 128, 64, 1, 8, 3),
-        "wgrad": GemmConfig(128, 128, 64, 1, 8, 3),  # BLOCK_K = routed rows per reduction step
+        # H200 sweep (bench/moe_tune.py, reports/2026-11-29-h200-moe2/): the TMA weight tile wins every
+        # grouped stage at both presets swept; 96 KiB of stages leaves room for two programs per SM.
+        "up": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),  # BLOCK_N interleaved gate/up columns -> 64 of h
+        "down": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
+        "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "tma"),  # BLOCK_N columns of dh (2x of dgu)
+        "dx": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
+        "wgrad": GemmConfig(128, 128, 64, 1, 4, 3),  # BLOCK_K = routed rows per reduction step
         "combine": GemmConfig(16, 256, 16, 1, 4, 1),  # BLOCK_M tokens x BLOCK_N columns
         "dscore": GemmConfig(16, 256, 16, 1, 4, 1),
     },
@@ -517,29 +519,50 @@ def _check_grouped_config(stage: str, config: GemmConfig) -> None:
         raise ValueError(f"{stage}: BLOCK_M {config.block_m} must divide the segment alignment {SEGMENT_ALIGN}")
 
 
+def _weight_storage(b: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """The storage view TMA would describe for the ``[E, L, C]`` weight view ``b`` and whether it is
+    K-major (``[E, C, L]``), or None when TMA cannot address it."""
+    if b.stride(2) == 1:
+        store, k_major = b, False
+    elif b.stride(1) == 1:
+        store, k_major = b.transpose(1, 2), True
+    else:
+        return None
+    item = b.element_size()
+    if any(st * item % 16 for st in store.stride()[:2]) or b.data_ptr() % 16:
+        return None
+    return store, k_major
+
+
 def weight_descriptor(b: torch.Tensor, block_n: int, step_k: int) -> tuple[TensorDescriptor, bool]:
     """A rank-3 TMA descriptor over the storage of the ``[E, L, C]`` weight view ``b`` and whether that
     storage is K-major (``[E, C, L]``); refuses, naming the layout, what TMA cannot address."""
-    if b.stride(2) == 1:
-        store, k_major, box = b, False, [1, step_k, block_n]
-    elif b.stride(1) == 1:
-        store, k_major, box = b.transpose(1, 2), True, [1, block_n, step_k]
-    else:
-        store = None
-    item = b.element_size()
-    if store is None or any(st * item % 16 for st in store.stride()[:2]) or b.data_ptr() % 16:
+    found = _weight_storage(b)
+    if found is None:
         raise ValueError(
             f"variant 'tma' cannot describe the weight (shape {tuple(b.shape)}, strides {b.stride()}, "
             f"data_ptr % 16 = {b.data_ptr() % 16}): TMA needs its last or middle dim with stride 1, the other "
-            f"strides multiples of {16 // item} elements and a 16-byte-aligned base; use a 'ptr' config")
+            f"strides multiples of {16 // b.element_size()} elements and a 16-byte-aligned base; use a 'ptr' config")
+    store, k_major = found
+    box = [1, block_n, step_k] if k_major else [1, step_k, block_n]
     return TensorDescriptor(store, list(store.shape), list(store.stride()), box), k_major
+
+
+def table_moe_config(stage: str, backend: str, b: torch.Tensor) -> GemmConfig:
+    """The table's pick for a grouped ``stage``, as the pointer kernel with the same tile when the pick is
+    "tma" and TMA cannot address the weight view ``b``. The variant changes the load path only (same
+    tile, same K order, same epilogue): an explicit config is never swapped."""
+    config = select_moe_config(stage, backend)
+    if config.variant == "tma" and _weight_storage(b) is None:
+        config = replace(config, variant="ptr")
+    return config
 
 
 def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Tensor, c: torch.Tensor,
              aux: torch.Tensor | None, routing: MoeRouting, n_cols: int, reduced: int, epilogue: int,
              backend: str, config: GemmConfig | None) -> None:
     """b is a [E, L, C] view (strides kept)."""
-    config = config or select_moe_config(stage, backend)
+    config = config or table_moe_config(stage, backend, b)
     _check_grouped_config(stage, config)
     p = routing.padded_rows
     if p == 0:
@@ -580,7 +603,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
 def moe_up_swiglu(x: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backend: str,
                   config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gu [P, 2I] = x[gather] @ W1[e] (BF16, interleaved) and h [P, I] = silu(g) * u (BF16)."""
-    config = config or select_moe_config("up", backend)
+    config = config or table_moe_config("up", backend, w1)
     if config.block_n % 2:
         raise ValueError(f"up: BLOCK_N {config.block_n} must be even (gate/up pairs)")
     two_i = w1.shape[2]

@@ -3,6 +3,8 @@ BF16 PyTorch gold, and their own bits: determinism, batch invariance, config ind
 interpreter, main_grad accumulation, layouts, and every refusal. Tiny shapes (the interpreter is
 slow); runs on the GPU too with DETKIT_TEST_DEVICE=cuda."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from kernels.moe import (
     MOE_CONFIGS, deinterleave_gate_up, interleave_gate_up, moe_down, moe_mlp_fwd, moe_mlp_ref, moe_scale_rows,
     moe_up_swiglu,
 )
+import kernels.moe as km
 from kernels.det_gemm import GemmConfig
 from kernels.moe_routing import build_routing
 from tests.moe_helpers import assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline
@@ -282,3 +285,15 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
         assert report[stage]["cp_async"] > 0, (stage, report[stage])  # the K loop is software-pipelined
     for stage in ("up_tma", "up_tma_kmajor", "dgrad_tma", "dx_tma"):  # weight tiles by TMA, into wgmma
         assert report[stage]["tma"] > 0 and report[stage]["wgmma"] > 0, (stage, report[stage])
+
+
+def test_table_tma_pick_falls_back_to_the_same_tile_when_tma_cannot_address_the_weight():
+    w = torch.zeros((2, 256, 256), dtype=torch.bfloat16)
+    table = km.select_moe_config("up", "cuda_sm90")
+    assert table.variant == "tma"
+    assert km.table_moe_config("up", "cuda_sm90", w) == table
+    assert km.table_moe_config("up", "cuda_sm90", w.transpose(1, 2)) == table  # K-major: TMA too
+    odd = w[:, :, ::2]  # no unit-stride dim: TMA cannot describe it
+    assert km.table_moe_config("up", "cuda_sm90", odd) == replace(table, variant="ptr")
+    with pytest.raises(ValueError, match="variant 'tma' cannot describe the weight"):
+        km.weight_descriptor(odd, table.block_n, table.block_k)

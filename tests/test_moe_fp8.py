@@ -34,6 +34,11 @@ def _case(routing="random", t=24, k=K, e=E, h=H, i=I, seed=3):
     return MoeCase(t, h, i, e, k, routing, seed)
 
 
+def emulation_limit(device: torch.device) -> float:
+    """The emulation bound of the backend that ran on ``device`` (FP32 accumulation on the interpreter)."""
+    return EMULATION_REL_L2["triton_interpreter" if device.type == "cpu" else "cuda_sm90"]
+
+
 @pytest.fixture(scope="module")
 def base():
     """One input set, run twice (forward + backward); shared by the tests that only read it."""
@@ -61,7 +66,7 @@ def test_repeat_bitwise_and_equals_the_fp8_recipe_reference(base):
         assert res.equal, (name, res)
     ref = moe_mlp_fp8_ref(*layer_args(inp), inp["dout"])
     for name in GRAD_NAMES:
-        assert rel_l2(first[name], ref[name]) <= EMULATION_REL_L2, name
+        assert rel_l2(first[name], ref[name]) <= emulation_limit(first[name].device), name
 
 
 def test_block_scales_are_applied_per_row_block_and_weight_block(device):
@@ -78,7 +83,7 @@ def test_block_scales_are_applied_per_row_block_and_weight_block(device):
     got = run_layer(inp)
     ref = moe_mlp_fp8_ref(*layer_args(inp), inp["dout"])
     for name in GRAD_NAMES:
-        assert rel_l2(got[name], ref[name]) <= EMULATION_REL_L2, name
+        assert rel_l2(got[name], ref[name]) <= emulation_limit(got[name].device), name
 
 
 def test_forward_batch_invariance_per_token(device):
@@ -126,7 +131,7 @@ def test_fp8_weight_gradients_match_the_recipe_and_accumulate(base):
     got = run_layer(inp, wgrad="fp8")
     ref = moe_mlp_fp8_ref(*layer_args(inp), inp["dout"], wgrad="fp8")
     for name in GRAD_NAMES:
-        assert rel_l2(got[name], ref[name]) <= EMULATION_REL_L2, name
+        assert rel_l2(got[name], ref[name]) <= emulation_limit(got[name].device), name
     for name in ("out", "dx", "dscores"):  # the weight-gradient mode changes nothing else
         assert compare_bits(got[name], first[name]).equal, name
     zero = tuple(torch.zeros(inp[n].shape, device=inp[n].device) for n in ("w1", "w2"))
