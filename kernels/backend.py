@@ -76,3 +76,40 @@ def check_bf16_matrix(name: str, t: torch.Tensor) -> None:
             f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) spans element offset "
             f"{furthest}; supported: offsets below 2**31 (32-bit kernel indexing)"
         )
+
+
+def ensure_cuda_context(device: torch.device) -> None:
+    """Make ``device``'s primary CUDA context current on this thread if none is.
+
+    Why: Triton (3.6) encodes a host-side TMA descriptor (cuTensorMapEncodeTiled) before its launcher
+    binds a context, so on a thread that has not yet made a CUDA runtime call (autograd's backward
+    worker) the encode fails with "invalid device context". This does what the launcher would do.
+    """
+    import ctypes
+
+    cuda = _libcuda()
+    ctx = ctypes.c_void_p()
+    _cu_check(cuda.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if ctx.value:
+        return
+    dev = ctypes.c_int()
+    _cu_check(cuda.cuDeviceGet(ctypes.byref(dev), torch.cuda._get_device_index(device, optional=True)),
+              "cuDeviceGet")
+    _cu_check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    _cu_check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+_LIBCUDA = []
+
+
+def _libcuda():
+    import ctypes
+
+    if not _LIBCUDA:
+        _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
+    return _LIBCUDA[0]
+
+
+def _cu_check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} failed with CUresult {status}")

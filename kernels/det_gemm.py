@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, resolve_backend
+from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, ensure_cuda_context, resolve_backend
 
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
@@ -464,6 +464,8 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
         a_desc, a_m_major = _tma_descriptor(a_name, a, a_view, (config.block_m, step_k))
         b_desc, b_k_major = _tma_descriptor(b_name, b, b_view, (step_k, config.block_n))
         c = torch.empty((rows, cols), dtype=out_dtype, device=a_view.device)
+        if not interpreted:
+            ensure_cuda_context(a_view.device)
         det_gemm_tma_kernel[grid](
             a_desc, b_desc, c, c if twin_out is None else twin_out,
             rows, cols, reduced,

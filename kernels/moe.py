@@ -57,7 +57,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.backend import (
-    CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, check_bf16_matrix, resolve_backend,
+    CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, check_bf16_matrix, ensure_cuda_context, resolve_backend,
 )
 from kernels.det_gemm import GemmConfig, fp32_to_bf16_rtne, interpreter_step_k
 from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting, build_routing, check_topk
@@ -571,6 +571,8 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
     grid = (triton.cdiv(p, config.block_m) * triton.cdiv(n_cols, config.block_n),)
     flags = _backend_flags(backend, config)
     if config.variant == "tma":
+        if backend == CUDA_SM90:
+            ensure_cuda_context(b.device)
         b_desc, k_major = weight_descriptor(b, config.block_n, flags["STEP_K"])
         moe_grouped_gemm_tma_kernel[grid](
             a, routing.gather_token, b_desc, c, aux_t,

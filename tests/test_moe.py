@@ -297,3 +297,31 @@ def test_table_tma_pick_falls_back_to_the_same_tile_when_tma_cannot_address_the_
     assert km.table_moe_config("up", "cuda_sm90", odd) == replace(table, variant="ptr")
     with pytest.raises(ValueError, match="variant 'tma' cannot describe the weight"):
         km.weight_descriptor(odd, table.block_n, table.block_k)
+
+
+def test_tma_stage_runs_on_a_thread_without_a_cuda_context(device):
+    # Autograd runs the backward on its own worker thread; Triton encodes a TMA descriptor before its
+    # launcher binds a context there, so the launch must bind one first (kernels.backend.ensure_cuda_context).
+    if device.type != "cuda":
+        pytest.skip("GPU property: CUDA contexts and TMA descriptors exist only on the GPU")
+    import threading
+
+    inp = make_inputs(_case(t=16, seed=13), device)
+    r = build_routing(inp["topk_ids"], inp["scores"], E)
+    backend = "cuda_sm90"
+    tma = replace(km.select_moe_config("dgrad", backend), variant="tma")
+    gu, _ = moe_up_swiglu(inp["x"], inp["w1"], r, backend)
+    want = km.moe_dgrad_dswiglu(inp["dout"], inp["w2"], gu, r, backend, config=tma)
+    got, errors = [], []
+
+    def worker():
+        try:
+            got.append(km.moe_dgrad_dswiglu(inp["dout"], inp["w2"], gu, r, backend, config=tma))
+        except Exception as exc:  # re-raised below, in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert compare_bits(got[0], want).equal
