@@ -60,7 +60,7 @@ from kernels.backend import (
     CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, check_bf16_matrix, ensure_cuda_context, resolve_backend,
 )
 from kernels.det_gemm import GemmConfig, fp32_to_bf16_rtne, interpreter_step_k
-from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting, build_routing, check_topk
+from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting, build_routing, check_topk_args
 
 # ---------------------------------------------------------------------------------------------
 # Pinned config tables (no autotune). Bump the version whenever an entry changes.
@@ -484,7 +484,9 @@ def check_moe_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_i
     if tuple(w2.shape) != (experts, two_i // 2, hidden):
         raise ValueError(f"w2 must be [E, I, H] = {(experts, two_i // 2, hidden)} to match x {tuple(x.shape)} "
                          f"and w1 {tuple(w1.shape)}; got {tuple(w2.shape)}")
-    check_topk(topk_ids, scores, experts)
+    # The ids and scores themselves are checked by build_routing's kernels, read back with its one
+    # device-to-host read and refused before any GEMM; here only what needs no data.
+    check_topk_args(topk_ids, scores, experts)
     if topk_ids.shape[0] != t_count:
         raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows but x has T = {t_count} tokens")
     return resolve_backend(moe_grouped_gemm_kernel, {"x": x, "w1": w1, "w2": w2, "topk_ids": topk_ids,

@@ -1,10 +1,13 @@
 """MoE routing metadata against a plain-Python loop reference, at awkward segment sizes, and every
-refusal. Pure torch: no kernels run here."""
+refusal; the fused build (Triton kernels, interpreter on CPU) bit for bit against the pure-torch
+build, with forced small tiles so several chunks, row blocks and expert steps run."""
 
 import pytest
 import torch
 
-from kernels.moe_routing import SEGMENT_ALIGN, build_routing, build_routing_ref
+from kernels.moe_routing import (
+    SEGMENT_ALIGN, _build_routing_fused, build_routing, build_routing_ref, build_routing_torch, check_topk,
+)
 
 
 def _ids(t, e, k, seed, masked=0.0):
@@ -110,3 +113,104 @@ def test_duplicate_ids_name_the_row():
 def test_rejects(ids, scores, experts, exc, match):
     with pytest.raises(exc, match=match):
         build_routing(ids, scores, experts)
+
+
+FIELDS = ("gather_token", "sorted_route", "row_score", "route_row", "expert_counts", "expert_offsets", "tile_expert")
+# (routes per program, padded rows per program, experts per step); None = the backend's defaults
+TILES = {"default": (None, None, None), "small": (16, 256, 32)}
+
+FUSED_CASES = dict(CASES, **{
+    "all_on_one_expert": lambda: (torch.full((70, 3), -1, dtype=torch.int32).index_fill_(
+        1, torch.tensor([1]), 2), 4),
+    "k1": lambda: (_ids(45, 6, 1, 10, masked=0.1), 6),
+    "e1": lambda: (torch.where(torch.rand(33, 1, generator=torch.Generator().manual_seed(11)) < 0.3, -1, 0)
+                   .to(torch.int32), 1),
+    "e128_small_t": lambda: (_ids(6, 128, 8, 12, masked=0.1), 128),
+    "e40_k5": lambda: (_ids(37, 40, 5, 13, masked=0.2), 40),  # T*K = 185: no multiple of any block
+    "chunk_boundary": lambda: (_ids(67, 5, 3, 14), 5),  # 201 routes: rows straddle 16-route chunks
+})
+
+
+def _assert_same(a, b):
+    for name in FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
+    assert a.counts == b.counts and all(type(c) is int for c in a.counts)
+    assert (a.num_tokens, a.top_k, a.num_experts) == (b.num_tokens, b.top_k, b.num_experts)
+
+
+@pytest.mark.parametrize("tiles", sorted(TILES))
+@pytest.mark.parametrize("case", sorted(FUSED_CASES))
+def test_fused_matches_torch_build(case, tiles):
+    ids, experts = FUSED_CASES[case]()
+    block, rows, expert_block = TILES[tiles]
+    for scores in (_scores(ids, 3), _scores(ids, 3).to(torch.bfloat16)):
+        fused = _build_routing_fused(ids, scores, experts, block, rows, expert_block)
+        _assert_same(fused, build_routing_torch(ids, scores, experts))
+
+
+def test_fused_segment_sizes_several_chunks_and_row_blocks():
+    counts = [0, 1, 127, 128, 129, 0, 300]
+    ids = _counts_ids(counts, 15)
+    scores = _scores(ids, 2)
+    ref = build_routing_torch(ids, scores, len(counts))
+    for tiles in ((64, 128, 16), (128, 256, 16), (1024, 512, 16)):
+        _assert_same(_build_routing_fused(ids, scores, len(counts), *tiles), ref)
+    assert build_routing(ids, scores, len(counts)).counts == tuple(counts)
+
+
+def test_fused_strided_inputs_and_special_scores():
+    base = _ids(24, 6, 4, 16, masked=0.2)
+    ids = base.t().contiguous().t()  # column-major [T, K]
+    scores = _scores(base, 4).repeat(1, 2)[:, ::2]  # strided columns
+    scores[0, 0], scores[1, 1], scores[2, 2] = -0.0, 1e-40, -3.5  # sign of zero and subnormals kept
+    _assert_same(_build_routing_fused(ids, scores, 6, 16, 128, 16), build_routing_torch(ids, scores, 6))
+
+
+def test_one_host_read(monkeypatch):
+    """The build reads the device once (the counts and the validation counts together)."""
+    ids = _ids(40, 8, 3, 17, masked=0.1)
+    scores = _scores(ids, 5)
+    reads = []
+    tolist, item = torch.Tensor.tolist, torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append("tolist") or tolist(self))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append("item") or item(self))
+    build_routing(ids, scores, 8)
+    assert reads == ["tolist"]
+
+
+def _check_topk_error(ids, scores, experts):
+    with pytest.raises(Exception) as info:
+        check_topk(ids, scores, experts)
+    return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("tiles", [(16, 128, 16), (None, None, None)])
+def test_fused_refusals_match_check_topk(tiles):
+    ids = _ids(30, 5, 3, 18)
+    scores = _scores(ids, 6)
+    bad_cases = []
+    dup = ids.clone()
+    dup[5] = torch.tensor([4, 1, 4], dtype=torch.int32)  # routes 15..17 straddle a 16-route chunk
+    dup[20] = torch.tensor([2, 2, -1], dtype=torch.int32)
+    bad_cases.append((dup, scores))
+    oob = dup.clone()
+    oob[25, 2] = 5  # out of range wins over the duplicates
+    bad_cases.append((oob, scores))
+    nan = scores.clone()
+    nan[29, 2] = float("nan")
+    bad_cases.append((ids, nan))
+    inf = scores.to(torch.bfloat16)
+    inf[0, 0] = float("-inf")
+    bad_cases.append((ids, inf))
+    for bad_ids, bad_scores in bad_cases:
+        exc, msg = _check_topk_error(bad_ids, bad_scores, 5)
+        with pytest.raises(exc) as info:
+            _build_routing_fused(bad_ids, bad_scores, 5, *tiles)
+        assert str(info.value) == msg
+
+
+def test_refuses_32bit_overflow_before_work():
+    ids = torch.zeros(1, 1, dtype=torch.int32).expand(2**20, 2**11)  # 2**31 routes, stride 0
+    with pytest.raises(ValueError, match="32-bit index arithmetic"):
+        build_routing(ids, torch.ones(1, 1).expand(2**20, 2**11), 4)
