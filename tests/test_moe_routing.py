@@ -1,13 +1,29 @@
 """MoE routing metadata against a plain-Python loop reference, at awkward segment sizes, and every
 refusal; the fused build (Triton kernels, interpreter on CPU) bit for bit against the pure-torch
-build, with forced small tiles so several chunks, row blocks and expert steps run."""
+build, with forced small tiles so several chunks, row blocks and expert steps run. Inputs are made
+on the CPU and moved to the test device (DETKIT_TEST_DEVICE) where the builds run."""
 
 import pytest
 import torch
 
-from kernels.moe_routing import (
-    SEGMENT_ALIGN, _build_routing_fused, build_routing, build_routing_ref, build_routing_torch, check_topk,
-)
+from kernels import moe_routing
+from kernels.moe_routing import SEGMENT_ALIGN, build_routing_ref
+from tests.conftest import TEST_DEVICE
+
+DEV = torch.device(TEST_DEVICE)
+
+
+def _on_device(fn):
+    """``fn(ids, scores, experts, ...)`` with ids and scores on the test device (as is on the CPU)."""
+    def run(ids, scores, experts, *args):
+        return fn(ids.to(DEV), scores.to(DEV), experts, *args)
+    return run
+
+
+build_routing = _on_device(moe_routing.build_routing)
+build_routing_torch = _on_device(moe_routing.build_routing_torch)
+check_topk = _on_device(moe_routing.check_topk)
+_build_routing_fused = _on_device(moe_routing._build_routing_fused)
 
 
 def _ids(t, e, k, seed, masked=0.0):
@@ -66,8 +82,8 @@ def test_segment_sizes_around_alignment():
 
 
 def test_gather_points_into_original_rows_in_stable_order():
-    ids = _ids(40, 4, 3, 5, masked=0.2)
-    scores = _scores(ids, 6)
+    ids = _ids(40, 4, 3, 5, masked=0.2).to(DEV)
+    scores = _scores(ids.cpu(), 6).to(DEV)
     r = build_routing(ids, scores, 4)
     rows = r.sorted_route >= 0
     route = r.sorted_route[rows].long()
@@ -81,7 +97,7 @@ def test_gather_points_into_original_rows_in_stable_order():
     # route_row is the inverse map; masked routes have none
     rr = r.route_row.reshape(-1).long()
     assert ((rr >= 0) == (ids.reshape(-1) >= 0)).all()
-    assert (r.sorted_route.long()[rr[rr >= 0]] == torch.arange(rr.numel())[rr >= 0]).all()
+    assert (r.sorted_route.long()[rr[rr >= 0]] == torch.arange(rr.numel(), device=DEV)[rr >= 0]).all()
 
 
 def test_deterministic():
@@ -161,8 +177,8 @@ def test_fused_segment_sizes_several_chunks_and_row_blocks():
 
 def test_fused_strided_inputs_and_special_scores():
     base = _ids(24, 6, 4, 16, masked=0.2)
-    ids = base.t().contiguous().t()  # column-major [T, K]
-    scores = _scores(base, 4).repeat(1, 2)[:, ::2]  # strided columns
+    ids = base.to(DEV).t().contiguous().t()  # column-major [T, K]
+    scores = _scores(base, 4).to(DEV).repeat(1, 2)[:, ::2]  # strided columns (.to keeps views on DEV)
     scores[0, 0], scores[1, 1], scores[2, 2] = -0.0, 1e-40, -3.5  # sign of zero and subnormals kept
     _assert_same(_build_routing_fused(ids, scores, 6, 16, 128, 16), build_routing_torch(ids, scores, 6))
 
@@ -211,6 +227,6 @@ def test_fused_refusals_match_check_topk(tiles):
 
 
 def test_refuses_32bit_overflow_before_work():
-    ids = torch.zeros(1, 1, dtype=torch.int32).expand(2**20, 2**11)  # 2**31 routes, stride 0
+    ids = torch.zeros(1, 1, dtype=torch.int32, device=DEV).expand(2**20, 2**11)  # 2**31 routes, stride 0
     with pytest.raises(ValueError, match="32-bit index arithmetic"):
-        build_routing(ids, torch.ones(1, 1).expand(2**20, 2**11), 4)
+        build_routing(ids, torch.ones(1, 1, device=DEV).expand(2**20, 2**11), 4)
