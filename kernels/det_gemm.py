@@ -131,7 +131,7 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
     ),
     "db": (
         # M <= 512: a short reduction into a large [K, N] output; 4 warps, BLOCK_K 32, 4 stages won at every
-        # M swept (16-512) on both shapes, 1.11-1.57x the wide tile (reports/2026-11-29-h200-table5/tune-db).
+        # M swept (16-512) on both shapes, 1.09-1.54x the wide tile (reports/2026-11-29-h200-table5/tune-db).
         (512, GemmConfig(128, 128, 32, 8, 4, 4)),
         (2**31, GemmConfig(128, 256, 64, 8, 8, 4)),
     ),
