@@ -75,7 +75,7 @@ STAGES = ("up", "down", "dgrad", "dx", "wgrad", "combine", "dscore")
 MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
     CUDA_SM90: {
         # H200 sweep (bench/moe_tune.py, reports/2026-11-29-h200-moe2/): the TMA weight tile wins every
-        # grouped stage at both presets swept; 96 KiB of stages leaves room for two programs per SM.
+        # grouped stage at both presets swept (3 stages = 96 KiB of shared memory: two programs per SM).
         "up": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),  # BLOCK_N interleaved gate/up columns -> 64 of h
         "down": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
         "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "tma"),  # BLOCK_N columns of dh (2x of dgu)
