@@ -9,6 +9,9 @@ Anything else raises before any work is done; there is no silent fallback.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 
 CUDA_SM90 = "cuda_sm90"
@@ -85,29 +88,21 @@ def ensure_cuda_context(device: torch.device) -> None:
     binds a context, so on a thread that has not yet made a CUDA runtime call (autograd's backward
     worker) the encode fails with "invalid device context". This does what the launcher would do.
     """
-    import ctypes
-
     cuda = _libcuda()
     ctx = ctypes.c_void_p()
     _cu_check(cuda.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
     if ctx.value:
         return
     dev = ctypes.c_int()
-    _cu_check(cuda.cuDeviceGet(ctypes.byref(dev), torch.cuda._get_device_index(device, optional=True)),
-              "cuDeviceGet")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _cu_check(cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
     _cu_check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
     _cu_check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
-_LIBCUDA = []
-
-
-def _libcuda():
-    import ctypes
-
-    if not _LIBCUDA:
-        _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
-    return _LIBCUDA[0]
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def _cu_check(status: int, call: str) -> None:

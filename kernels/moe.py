@@ -238,6 +238,21 @@ def dswiglu_epilogue(acc, score_ptr, gu_ptr, c_ptr, offs_m, pid_n, C, stride_gm,
     return dgu, offs_j, j_ok
 
 
+@triton.jit
+def grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc,
+                     stride_xm, stride_xc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
+    """The BF16 grouped kernels' epilogue (both load paths share it)."""
+    if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
+        store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
+    elif EPILOGUE == 1:  # SwiGLU: gu and h in BF16
+        swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc, stride_xm,
+                        stride_xc, BLOCK_M, BLOCK_N, INTERPRETED)
+    else:  # dSwiGLU: dgu interleaved, BF16
+        dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc, stride_cm,
+                         stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
+
+
 @triton.jit(launch_metadata=_grouped_meta)
 def moe_grouped_gemm_kernel(
     a_ptr, a_rows_ptr, b_ptr, c_ptr, aux_ptr,
@@ -268,14 +283,8 @@ def moe_grouped_gemm_kernel(
                 a_ptrs += STEP_K * stride_al
                 b_ptrs += STEP_K * stride_bl
 
-    if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
-        store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
-    elif EPILOGUE == 1:  # SwiGLU: gu and h in BF16
-        swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc, stride_xm,
-                        stride_xc, BLOCK_M, BLOCK_N, INTERPRETED)
-    else:  # dSwiGLU: dgu interleaved, BF16
-        dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc, stride_cm,
-                         stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
+    grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc,
+                     stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, INTERPRETED)
 
 
 @triton.jit(launch_metadata=_grouped_meta)
@@ -314,14 +323,8 @@ def moe_grouped_gemm_tma_kernel(
                 acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
                 a_ptrs += STEP_K * stride_al
 
-    if EPILOGUE == 0:
-        store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
-    elif EPILOGUE == 1:
-        swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc, stride_xm,
-                        stride_xc, BLOCK_M, BLOCK_N, INTERPRETED)
-    else:
-        dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc, stride_cm,
-                         stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
+    grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc,
+                     stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, INTERPRETED)
 
 
 @triton.jit(launch_metadata=_wgrad_meta)

@@ -30,3 +30,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> torch.device:
     return torch.device(TEST_DEVICE)
+
+
+def backend_of(device: torch.device) -> str:
+    """The backend the kernels run on for tensors on ``device`` in the tests (kernels.backend names)."""
+    return "triton_interpreter" if device.type == "cpu" else "cuda_sm90"

@@ -19,6 +19,7 @@ from kernels.moe import (
 import kernels.moe as km
 from kernels.det_gemm import GemmConfig
 from kernels.moe_routing import build_routing
+from tests.conftest import backend_of
 from tests.moe_helpers import assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline
 from toolkit.contract import compare_bits
 
@@ -107,7 +108,7 @@ def test_tma_weight_variant_gives_the_pointer_kernel_bits(layout, device):
         w1 = w1.transpose(1, 2).contiguous().transpose(1, 2)
         w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
     r = build_routing(inp["topk_ids"], inp["scores"], w1.shape[0])
-    backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
+    backend = backend_of(device)
     ptr = GemmConfig(64, 32, 16, 1, 4, 2)
     tma = replace(ptr, variant="tma")
     gu_a, h_a = moe_up_swiglu(inp["x"], w1, r, backend, config=ptr)
@@ -124,7 +125,7 @@ def test_tma_weight_variant_refuses_a_weight_it_cannot_address(device):
     inp = make_inputs(_case(t=8, h=40, i=24, seed=17), device)
     w1 = torch.zeros((E, 40, 2 * 24 + 1), dtype=torch.bfloat16, device=device)[..., :48]  # 97-element rows
     r = build_routing(inp["topk_ids"], inp["scores"], E)
-    backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
+    backend = backend_of(device)
     with pytest.raises(ValueError, match="variant 'tma' cannot describe the weight"):
         moe_up_swiglu(inp["x"], w1, r, backend, config=GemmConfig(64, 32, 16, 1, 4, 2, variant="tma"))
 
@@ -134,7 +135,7 @@ def test_scaled_rows_are_one_rounding_of_the_fp32_product(device):
     inp = make_inputs(_case("masked", t=20, seed=15), device)
     routing = build_routing(inp["topk_ids"], inp["scores"], inp["w1"].shape[0])
     dout = inp["dout"]
-    backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
+    backend = backend_of(device)
     dy = moe_scale_rows(dout, routing, backend)
     # The kernel's formula in torch: FP32 product (IEEE, rounded once), then RTNE to BF16.
     want = (dout[routing.gather_token.long()].float() * routing.row_score[:, None]).to(torch.bfloat16)

@@ -22,6 +22,7 @@ from kernels.moe_fp8 import (
 )
 from kernels.moe import moe_mlp_ref
 from kernels.moe_routing import build_routing
+from tests.conftest import backend_of
 from tests.moe_helpers import (
     assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline, layer_args,
 )
@@ -36,7 +37,7 @@ def _case(routing="random", t=24, k=K, e=E, h=H, i=I, seed=3):
 
 def emulation_limit(device: torch.device) -> float:
     """The emulation bound of the backend that ran on ``device`` (FP32 accumulation on the interpreter)."""
-    return EMULATION_REL_L2["triton_interpreter" if device.type == "cpu" else "cuda_sm90"]
+    return EMULATION_REL_L2[backend_of(device)]
 
 
 @pytest.fixture(scope="module")
