@@ -150,11 +150,19 @@ def moe_fp8_grouped_gemm_kernel(
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
     b_ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bc + offs_k[None, :] * stride_bl  # [BLOCK_N, STEP_K]
     as_ptrs = as_ptr + a_rows * stride_asm  # [BLOCK_M]
-    bs_ptrs = bs_ptr + expert * stride_bse + (offs_n // QBLOCK) * stride_bsc  # [BLOCK_N]
+    col0 = pid_n * BLOCK_N
+    bs_tile = bs_ptr + expert * stride_bse + (col0 // QBLOCK) * stride_bsc  # the tile's first 128-column block
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if tl.sum(row_ok.to(tl.int32), axis=0) > 0:  # a block of padding only does no work
-        for kb in range(0, L // QBLOCK):  # ascending K blocks: a function of L alone
+        num_kb = L // QBLOCK
+        a_s, b_s = _block_scales(as_ptrs, bs_tile, 0, True, row_ok, col0, C, stride_asl, stride_bsl, stride_bsc,
+                                 BLOCK_N, QBLOCK)
+        for kb in range(0, num_kb):  # ascending K blocks: a function of L alone
+            # The next block's scales are requested before this block's MMAs, so their global-load latency
+            # hides behind them (loaded after the MMA wait, it stalled every block: sm_90 TTGIR).
+            a_s_next, b_s_next = _block_scales(as_ptrs, bs_tile, kb + 1, kb + 1 < num_kb, row_ok, col0, C,
+                                               stride_asl, stride_bsl, stride_bsc, BLOCK_N, QBLOCK)
             blk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in tl.static_range(0, QBLOCK, STEP_K):
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, STEP_K] e4m3
@@ -162,9 +170,8 @@ def moe_fp8_grouped_gemm_kernel(
                 blk = mma_step(blk, a, tl.trans(b), STEP_K, INTERPRETED)
                 a_ptrs += STEP_K * stride_al
                 b_ptrs += STEP_K * stride_bl
-            a_s = tl.load(as_ptrs + kb * stride_asl, mask=row_ok, other=0.0)  # [BLOCK_M]
-            b_s = tl.load(bs_ptrs + kb * stride_bsl, mask=col_ok, other=0.0)  # [BLOCK_N]
-            acc += blk * (a_s[:, None] * b_s[None, :])  # exact scaling: powers of two
+            acc += blk * (a_s[:, None] * b_s)  # exact scaling: powers of two
+            a_s, b_s = a_s_next, b_s_next
 
     if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
         store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
@@ -180,6 +187,21 @@ def moe_fp8_grouped_gemm_kernel(
         dq, ds = quantize_rows(dgu.to(tl.float32), INTERPRETED)  # from the stored BF16 dgu
         tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_j[None, :] * stride_qc, dq, mask=j_ok)
         tl.store(qs_ptr + offs_m * stride_qsm + pid_n * stride_qsc, ds)
+
+
+@triton.jit
+def _block_scales(as_ptrs, bs_tile, kb, present, row_ok, col0, C, stride_asl, stride_bsl, stride_bsc,
+                  BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr):
+    """K block kb's scales (zeros where ``present`` is False): a_s [BLOCK_M] per row, and the weight's for the
+    tile's columns, one value per 128 columns — a scalar when BLOCK_N <= QBLOCK, else [1, 2 * QBLOCK] from two
+    scalars. Scalar loads need no per-block layout conversion, which a [BLOCK_N] vector load did."""
+    a_s = tl.load(as_ptrs + kb * stride_asl, mask=row_ok & present, other=0.0)
+    b_row = bs_tile + kb * stride_bsl
+    b_s = tl.load(b_row, mask=present, other=0.0)
+    if BLOCK_N > QBLOCK:  # two column blocks (the fused-quantization up tile); the second may lie past C
+        b_hi = tl.load(b_row + stride_bsc, mask=present & (col0 + QBLOCK < C), other=0.0)
+        b_s = tl.where(tl.arange(0, BLOCK_N) < QBLOCK, b_s, b_hi)[None, :]
+    return a_s, b_s
 
 
 def _colq_meta(grid, metadata, args):
@@ -257,6 +279,8 @@ def moe_fp8_wgrad_kernel(
             blk = mma_step(blk, a, tl.trans(b), STEP_K, INTERPRETED)  # [BLOCK_M, STEP_K] @ [STEP_K, BLOCK_N]
             a_ptrs += STEP_K * stride_ap
             b_ptrs += STEP_K * stride_bp
+        # Loaded after the MMA wait (an exposed latency per block, unlike the grouped kernel's prefetch, which
+        # spilled 24 bytes here with 8 warps on sm_90: this kernel is the non-default wgrad="fp8" A/B).
         a_s = tl.load(as_ptrs, mask=r_ok, other=0.0)
         b_s = tl.load(bs_ptrs, mask=c_ok, other=0.0)
         acc += blk * (a_s[:, None] * b_s[None, :])  # exact scaling: powers of two
@@ -349,6 +373,8 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
         raise ValueError(f"{stage}: BLOCK_M {config.block_m} must divide the segment alignment {SEGMENT_ALIGN}")
     if QBLOCK % config.block_k:
         raise ValueError(f"{stage}: BLOCK_K {config.block_k} must divide the FP8 block {QBLOCK}")
+    if QBLOCK % config.block_n and config.block_n != 2 * QBLOCK:  # a tile spans one or two weight-scale blocks
+        raise ValueError(f"{stage}: BLOCK_N {config.block_n} must divide the FP8 block {QBLOCK} or be {2 * QBLOCK}")
     want_n = {EPI_SWIGLU_QUANT: 2 * QBLOCK, EPI_DSWIGLU_QUANT: QBLOCK // 2}.get(epilogue)
     if want_n is not None and config.block_n != want_n:
         raise ValueError(f"{stage}: the fused 1x{QBLOCK} quantization needs BLOCK_N = {want_n}; got {config.block_n}")

@@ -229,6 +229,18 @@ def sass_counts(cubin):
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     stack = re.search(r"STACK:(\d+)", usage)
     return {"qgmma": len(re.findall(r"\bQGMMA", sass)), "stack": int(stack.group(1)) if stack else None}
+def k_loop(ttgir):
+    """The K loop (the scf.for around the first wgmma, to its scf.yield): are the FP32 scale loads issued
+    before the wgmma (their latency hidden behind it), and how many layout conversions run per block."""
+    lines = ttgir.splitlines()
+    dot = next((i for i, line in enumerate(lines) if "warp_group_dot " in line), None)
+    if dot is None:  # the quantizers: no K loop
+        return {}
+    start = max(i for i in range(dot) if "scf.for" in lines[i])
+    end = next(i for i in range(dot, len(lines)) if "scf.yield" in lines[i])
+    scale_loads = [i for i in range(start, end) if "tt.load" in lines[i] and "ptr<f32>" in lines[i]]
+    return {"scales_before_mma": bool(scale_loads) and max(scale_loads) < dot,
+            "loop_converts": sum("convert_layout" in lines[i] for i in range(start, end))}
 def build(fn, ptrs, consts, unit, warps, stages):
     consts = {**consts, **{n: 1 for n in unit}}
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
@@ -237,7 +249,7 @@ def build(fn, ptrs, consts, unit, warps, stages):
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=div), target=target,
                        options={"num_warps": warps, "num_stages": stages})
     ptx = k.asm["ptx"]
-    return {"wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
+    return {**k_loop(k.asm["ttgir"]), "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
             "cp_async": ptx.count("cp.async"), "cvt_e4m3": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
             "shared": k.metadata.shared, **sass_counts(k.asm["cubin"])}
 out = {}
@@ -278,6 +290,8 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
         assert report[stage]["stack"] == 0, (stage, report[stage])  # no register spills
         assert report[stage]["cp_async"] > 0, (stage, report[stage])  # the K loop is software-pipelined
         assert report[stage]["shared"] <= 227 * 1024, (stage, report[stage])  # sm_90's per-block limit
+    for stage in ("up", "down", "dgrad", "dx"):  # the per-block promotion does not wait on a global load
+        assert report[stage]["scales_before_mma"] and report[stage]["loop_converts"] == 0, (stage, report[stage])
     for name in ("up", "dgrad", "quant_rowwise", "quant_weight", "quant_colwise"):  # fused and standalone
         assert report[name]["cvt_e4m3"] > 0, (name, report[name])
     assert set(MOE_FP8_CONFIGS["cuda_sm90"]) == {"up", "down", "dgrad", "dx"}
