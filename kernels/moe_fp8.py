@@ -34,7 +34,9 @@ Layouts: every FP8 operand is K-major (the reduced dim contiguous), as Hopper's 
 Activations are row-major with K last. A weight is quantized once into both orientations
 (``Fp8Weight.q`` [E, R, C] and ``q_t`` [E, C, R], the same FP8 values): the forward reads W1q_t
 [E, 2I, H] and W2q_t [E, H, I], the backward W2q [E, I, H] and W1q [E, H, 2I]; the kernel loads a
-[BLOCK_N, BLOCK_K] tile and transposes it in registers (tl.trans). ``Fp8WeightCache`` keeps the
+[BLOCK_N, BLOCK_K] tile (through pointers, or a TMA descriptor with ``variant="tma"``: the same values)
+and transposes it (tl.trans). Each K block's scales are loaded one block ahead, before its MMAs.
+``Fp8WeightCache`` keeps the
 quantized weights keyed on (data_ptr, _version, shape, stride, dtype, device): an in-place optimizer
 step bumps _version and so invalidates the entry.
 
@@ -56,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import CUDA_SM90, TRITON_INTERPRETER
+from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, ensure_cuda_context
 from kernels.det_gemm import GemmConfig, interpreter_step_k
 from kernels.fp8_quant import (
     FP8_DTYPE, QBLOCK, Fp8Weight, dequantize_rowwise, quant_risk_rowwise, quant_risk_weight, quantize_colwise_ref,
@@ -65,7 +67,7 @@ from kernels.fp8_quant import (
 from kernels.moe import (
     MoeGrads, check_dout, check_main_grads, check_moe_inputs, checked_routing, dswiglu_epilogue, grouped_tile,
     layer_stage_names, mma_step, moe_combine, moe_dscores, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
-    pinned_stage_config, stage_name, store_fp32_tile, swiglu_epilogue, to_bf16,
+    pinned_stage_config, stage_name, store_fp32_tile, swiglu_epilogue, to_bf16, weight_descriptor,
 )
 from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 
@@ -143,12 +145,14 @@ def moe_fp8_grouped_gemm_kernel(
     op_id,  # names the launch only
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_K: tl.constexpr, QBLOCK: tl.constexpr,
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
+    B_TMA: tl.constexpr,  # b_ptr is a rank-3 TMA descriptor over B_q [E, C, L], box [1, BLOCK_N, STEP_K]
 ):
     pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
         C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
     offs_k = tl.arange(0, STEP_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bc + offs_k[None, :] * stride_bl  # [BLOCK_N, STEP_K]
+    if not B_TMA:
+        b_ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bc + offs_k[None, :] * stride_bl
     as_ptrs = as_ptr + a_rows * stride_asm  # [BLOCK_M]
     col0 = pid_n * BLOCK_N
     bs_tile = bs_ptr + expert * stride_bse + (col0 // QBLOCK) * stride_bsc  # the tile's first 128-column block
@@ -166,10 +170,13 @@ def moe_fp8_grouped_gemm_kernel(
             blk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in tl.static_range(0, QBLOCK, STEP_K):
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, STEP_K] e4m3
-                b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)  # [BLOCK_N, STEP_K] e4m3
+                if B_TMA:  # zero fill past C and past the expert: the same values as the masked load
+                    b = b_ptr.load([expert, col0, kb * QBLOCK + kk]).reshape(BLOCK_N, STEP_K)
+                else:
+                    b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)  # [BLOCK_N, STEP_K] e4m3
+                    b_ptrs += STEP_K * stride_bl
                 blk = mma_step(blk, a, tl.trans(b), STEP_K, INTERPRETED)
                 a_ptrs += STEP_K * stride_al
-                b_ptrs += STEP_K * stride_bl
             acc += blk * (a_s[:, None] * b_s)  # exact scaling: powers of two
             a_s, b_s = a_s_next, b_s_next
 
@@ -386,9 +393,17 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
     q_t = q if q is not None else a
     qs_t = q_s if q_s is not None else a_s
     interpreted = backend == TRITON_INTERPRETER
+    step_k = interpreter_step_k(config) if interpreted else config.block_k
+    b_arg = b
+    if config.variant == "tma":  # FP8 weights are always K-major and 16-byte aligned: TMA can address them
+        if backend == CUDA_SM90:
+            ensure_cuda_context(b.device)
+        b_arg, k_major = weight_descriptor(b.transpose(1, 2), config.block_n, step_k)
+        if not k_major:
+            raise ValueError(f"{stage}: variant 'tma' needs the K-major FP8 weight [E, C, L]; got strides {b.stride()}")
     grid = (triton.cdiv(p, config.block_m) * triton.cdiv(n_cols, config.block_n),)
     moe_fp8_grouped_gemm_kernel[grid](
-        a, a_s, routing.gather_token, b, b_s, c, aux_t, q_t, qs_t,
+        a, a_s, routing.gather_token, b_arg, b_s, c, aux_t, q_t, qs_t,
         routing.sorted_route, routing.row_score, routing.tile_expert,
         p, n_cols, reduced,
         a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1),
@@ -399,9 +414,8 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
         q_t.stride(0), q_t.stride(1), qs_t.stride(0), qs_t.stride(1),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        STEP_K=interpreter_step_k(config) if interpreted else config.block_k, QBLOCK=QBLOCK,
-        SEGMENT=SEGMENT_ALIGN, GATHER_A=gather, EPILOGUE=epilogue, INTERPRETED=interpreted,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        STEP_K=step_k, QBLOCK=QBLOCK, SEGMENT=SEGMENT_ALIGN, GATHER_A=gather, EPILOGUE=epilogue,
+        INTERPRETED=interpreted, B_TMA=config.variant == "tma", num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 

@@ -5,6 +5,7 @@ invariance, the weight cache's invalidation, main_grad, refusals, the precision 
 compile (wgmma on e4m3). Tiny shapes on the interpreter (H = I = 128: one FP8 block); the `gpu` tests
 run the gate at a moderately large shape with DETKIT_TEST_DEVICE=cuda."""
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -18,7 +19,8 @@ from audits.moe import GRAD_NAMES, MoeCase, rel_l2
 from kernels.det_gemm import GemmConfig
 from kernels.fp8_quant import QBLOCK, quantize_rowwise
 from kernels.moe_fp8 import (
-    MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_down, moe_fp8_risk, moe_fp8_up_swiglu, moe_mlp_fp8_fwd, moe_mlp_fp8_ref,
+    MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_risk,
+    moe_fp8_up_swiglu, moe_mlp_fp8_fwd, moe_mlp_fp8_ref, select_moe_fp8_config,
 )
 from kernels.moe import moe_mlp_ref
 from kernels.moe_routing import build_routing
@@ -111,6 +113,33 @@ def test_interpreter_bits_do_not_depend_on_tile_config(device):
     y_a = moe_fp8_down(up_a[2], up_a[3], w2f, r, b)
     y_b = moe_fp8_down(up_a[2], up_a[3], w2f, r, b, config=GemmConfig(64, 64, 64, 1, 4, 1))
     assert compare_bits(y_a, y_b).equal
+
+
+def test_tma_weight_tile_gives_the_pointer_kernels_bits(device):
+    # The variant changes the weight's load path only (same tile, same K order): same bits on every backend,
+    # including a 256-wide down tile whose upper half lies past C = H = 128 (TMA zero fill vs masked load).
+    inp = make_inputs(_case(t=16, seed=13), device)
+    r = build_routing(inp["topk_ids"], inp["scores"], E)
+    from kernels.fp8_quant import quantize_weight
+
+    b = backend_of(device)
+    x_q, x_s = quantize_rowwise(inp["x"])
+    dout_q, dout_s = quantize_rowwise(inp["x"].flip(0))
+    w1f, w2f = quantize_weight(inp["w1"]), quantize_weight(inp["w2"])
+    gu, _, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, r, b)
+    _, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b)
+    runs = {
+        "up": lambda c: moe_fp8_up_swiglu(x_q, x_s, w1f, r, b, config=c),
+        "down": lambda c: (moe_fp8_down(h_q, h_s, w2f, r, b, config=c),),
+        "dgrad": lambda c: moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b, config=c),
+        "dx": lambda c: (moe_fp8_dx_route(dgu_q, dgu_s, w1f, r, b, config=c),),
+    }
+    wide_down = replace(select_moe_fp8_config("down", b), block_n=2 * QBLOCK)
+    for stage, config in [*((st, select_moe_fp8_config(st, b)) for st in runs), ("down", wide_down)]:
+        ptr_out = runs[stage](replace(config, variant="ptr"))
+        tma_out = runs[stage](replace(config, variant="tma"))
+        for name, (p, t) in enumerate(zip(ptr_out, tma_out)):
+            assert compare_bits(p, t).equal, (stage, config, name)
 
 
 def test_weight_cache_hit_and_invalidated_by_optimizer_step(device):
@@ -213,7 +242,7 @@ def test_every_stage_within_derived_bound_on_gpu(device):
 # with a pipelined (cp.async) K loop and no register spills, and that the E4M3 conversions use the RTNE
 # saturating cvt.
 _SM90_COMPILE = r'''
-import json, os, re, subprocess, sys, tempfile, triton
+import itertools, json, os, re, subprocess, sys, tempfile, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.fp8_quant as fq
@@ -245,24 +274,26 @@ def build(fn, ptrs, consts, unit, warps, stages):
     consts = {**consts, **{n: 1 for n in unit}}
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
     div = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
-           if n not in consts and n != "op_id"}  # model sizes: multiples of 16
+           if n not in consts and n != "op_id" and not sig[n].startswith("tensordesc")}  # model sizes: multiples of 16
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=div), target=target,
                        options={"num_warps": warps, "num_stages": stages})
     ptx = k.asm["ptx"]
     return {**k_loop(k.asm["ttgir"]), "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
-            "cp_async": ptx.count("cp.async"), "cvt_e4m3": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
+            "cp_async": ptx.count("cp.async"), "tma_loads": ptx.count("cp.async.bulk.tensor"), "cvt_e4m3": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
             "shared": k.metadata.shared, **sass_counts(k.asm["cubin"])}
 out = {}
-for stage, epi, gather, c_t in (("up", 1, True, "*bf16"), ("down", 0, False, "*fp32"),
-                                ("dgrad", 2, True, "*bf16"), ("dx", 0, False, "*fp32")):
+for (stage, epi, gather, c_t), tma in itertools.product(
+        (("up", 1, True, "*bf16"), ("down", 0, False, "*fp32"), ("dgrad", 2, True, "*bf16"), ("dx", 0, False, "*fp32")),
+        (False, True)):  # the pinned config, and its tile with the weight through TMA
     c = kf.MOE_FP8_CONFIGS["cuda_sm90"][stage]
-    ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "a_rows_ptr": "*i32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
+    b_t = f"tensordesc<fp8e4nv[1, {c.block_n}, {c.block_k}]>" if tma else "*fp8e4nv"
+    ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "a_rows_ptr": "*i32", "b_ptr": b_t, "bs_ptr": "*fp32",
             "c_ptr": c_t, "aux_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32",
             "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32"}
-    out[stage] = build(kf.moe_fp8_grouped_gemm_kernel, ptrs, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
-                       "STEP_K": c.block_k, "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi,
-                       "INTERPRETED": False}, ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"),
-                       c.num_warps, c.num_stages)
+    out[stage + ("_tma" if tma else "")] = build(
+        kf.moe_fp8_grouped_gemm_kernel, ptrs, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "STEP_K": c.block_k,
+        "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False, "B_TMA": tma},
+        ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"), c.num_warps, c.num_stages)
 c = kf.FP8_WGRAD_CONFIGS["cuda_sm90"]
 for acc in (False, True):
     out[f"wgrad_{acc}"] = build(kf.moe_fp8_wgrad_kernel, {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv",
@@ -291,7 +322,11 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
         assert report[stage]["cp_async"] > 0, (stage, report[stage])  # the K loop is software-pipelined
         assert report[stage]["shared"] <= 227 * 1024, (stage, report[stage])  # sm_90's per-block limit
     for stage in ("up", "down", "dgrad", "dx"):  # the per-block promotion does not wait on a global load
-        assert report[stage]["scales_before_mma"] and report[stage]["loop_converts"] == 0, (stage, report[stage])
+        for name in (stage, stage + "_tma"):
+            assert report[name]["scales_before_mma"] and report[name]["loop_converts"] == 0, (name, report[name])
+        tma = report[stage + "_tma"]  # the weight-tile variant: FP8 wgmma fed by TMA, no spills
+        assert tma["qgmma"] > 0 and tma["stack"] == 0 and tma["tma_loads"] > 0, (stage, tma)
+        assert report[stage]["tma_loads"] == 0, (stage, report[stage])
     for name in ("up", "dgrad", "quant_rowwise", "quant_weight", "quant_colwise"):  # fused and standalone
         assert report[name]["cvt_e4m3"] > 0, (name, report[name])
     assert set(MOE_FP8_CONFIGS["cuda_sm90"]) == {"up", "down", "dgrad", "dx"}

@@ -57,7 +57,9 @@ def test_fp8_stages_sweep_the_fp8_table(monkeypatch):
     from kernels.moe_fp8 import select_moe_fp8_config
 
     other = GemmConfig(128, 128, 64, 1, 4, 1)  # BLOCK_K 64 divides the 128-K scale block
-    monkeypatch.setattr(mt, "FP8_GROUPED", [other])
+    other_tma = GemmConfig(128, 128, 64, 1, 4, 1, variant="tma")  # the weight tile through TMA
+    monkeypatch.setattr(mt, "FP8_GROUPED", [other, other_tma])
     rows = mt.sweep(["tiny-fp8"], ["fp8_down"], torch.device("cpu"), rounds=1)
-    assert [r["config"] for r in rows] == [select_moe_fp8_config("down", "triton_interpreter").label(), other.label()]
+    assert [r["config"] for r in rows] == [select_moe_fp8_config("down", "triton_interpreter").label(), other.label(),
+                                           other_tma.label()]
     assert all(r["bits_equal_pinned"] and r["stage"] == "fp8_down" for r in rows)
