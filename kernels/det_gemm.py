@@ -55,7 +55,7 @@ from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, en
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-11-29.5"
+CONFIG_TABLE_VERSION = "2026-11-29.6"
 
 OPS = ("fwd", "da", "db")
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
@@ -138,21 +138,37 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
 }
 
 
-def select_config(op: str, m: int) -> GemmConfig:
-    """The pinned config for ``op`` at batch size ``m`` (fwd/dA: output rows; dB: the reduced dim)."""
+# Entries that replace CONFIG_TABLE's when the kernel's B view is K-major (its reduced dim contiguous): dA of a
+# weight stored [K, N]. There the pointer kernel at the nn.Linear picks ran at 487-518 TFLOP/s and the TMA
+# variant at 648-741 (H200 sweep reports/2026-11-29-h200x2/tune-tma, M 1024/4096/16384, both shapes, every
+# candidate bit-identical to the table's pick); the M <= 1024 entry also serves M 257-1024 unmeasured.
+CONFIG_TABLE_B_K_MAJOR: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
+    "da": (
+        *CONFIG_TABLE["da"][:3],  # M <= 256: the table's picks (not swept on this layout)
+        (1024, GemmConfig(128, 128, 64, 8, 8, 4, "tma")),
+        (2**31, GemmConfig(256, 128, 64, 8, 8, 4, "tma")),
+    ),
+}
+
+
+def select_config(op: str, m: int, b_k_major: bool = False) -> GemmConfig:
+    """The pinned config for ``op`` at batch size ``m`` (fwd/dA: output rows; dB: the reduced dim);
+    ``b_k_major``: the kernel's B view has its reduced dim contiguous (CONFIG_TABLE_B_K_MAJOR)."""
     if op not in CONFIG_TABLE:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
-    for max_m, config in CONFIG_TABLE[op]:
+    table = CONFIG_TABLE_B_K_MAJOR.get(op, CONFIG_TABLE[op]) if b_k_major else CONFIG_TABLE[op]
+    for max_m, config in table:
         if m <= max_m:
             return config
     raise ValueError(f"M={m} exceeds the config table for {op!r}")
 
 
 def all_configs(op: str) -> list[GemmConfig]:
-    """Every distinct config the table can pick for ``op`` (the cross-config audit runs them all)."""
+    """Every distinct config the tables can pick for ``op`` (the cross-config audit runs them all)."""
     if op not in CONFIG_TABLE:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
-    return list(dict.fromkeys(config for _, config in CONFIG_TABLE[op]))
+    entries = (*CONFIG_TABLE[op], *CONFIG_TABLE_B_K_MAJOR.get(op, ()))
+    return list(dict.fromkeys(config for _, config in entries))
 
 
 def case_name(op: str, m: int, n: int, k: int) -> str:
@@ -413,12 +429,17 @@ def _tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: 
     return TensorDescriptor(tensor, shape, strides, box), transposed
 
 
+def b_is_k_major(b_view: torch.Tensor) -> bool:
+    """The kernel's B [L, C] view has its reduced dim contiguous (the kernels' B_K_MAJOR)."""
+    return b_view.stride(0) == 1 and b_view.stride(1) != 1
+
+
 def table_config(op: str, m: int, views: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> GemmConfig:
-    """The table's pick for ``op`` at batch size ``m``, as the pointer kernel with the same tile when the pick
-    is "tma" and an operand is not TMA-addressable (``views``: (tensor, kernel view) of A and B). The
-    variant changes the load path only, never the bits (same tile, same K order; swept on the H200
-    and checked by the cross-config audit), so this choice cannot change a result."""
-    config = select_config(op, m)
+    """The table's pick for ``op`` at batch size ``m`` and the B view's layout, as the pointer kernel with the
+    same tile when the pick is "tma" and an operand is not TMA-addressable (``views``: (tensor, kernel view)
+    of A and B). Neither the layout nor the variant changes the bits (same K order; every pick swept on the
+    H200 and checked by the cross-config audit), so this choice cannot change a result."""
+    config = select_config(op, m, b_is_k_major(views[1][1]))
     if config.variant == "tma":
         blocks = ((config.block_m, config.block_k), (config.block_k, config.block_n))
         if any(_tma_layout(t, v, blk) is None for (t, v), blk in zip(views, blocks)):
@@ -494,7 +515,7 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
         STEP_K=step_k, GROUP_M=config.group_m,
         INTERPRETED=interpreted, SEGMENTED=seg != reduced, OUT_FP32=out_dtype == torch.float32,
         TWIN=twin_out is not None,
-        B_K_MAJOR=b_view.stride(0) == 1 and b_view.stride(1) != 1,
+        B_K_MAJOR=b_is_k_major(b_view),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)

@@ -10,7 +10,7 @@ import torch
 
 from audits.gemm_contract import oracle
 from kernels.det_gemm import (
-    CONFIG_TABLE, LAUNCHERS, GemmConfig, all_configs, det_gemm_da, det_gemm_db, det_gemm_fwd, det_gemm_fwd_launch,
+    CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, all_configs, det_gemm_da, det_gemm_db, det_gemm_fwd, det_gemm_fwd_launch,
     select_config,
 )
 from kernels.backend import check_bf16_matrix
@@ -61,11 +61,12 @@ def test_segmented_reduction_equals_sum_of_fp32_partials(device):
 
 
 def test_config_table_is_pinned_and_covers_every_size():
-    for op, entries in CONFIG_TABLE.items():
+    for (op, entries), k_major in [*((item, False) for item in CONFIG_TABLE.items()),
+                                   *((item, True) for item in CONFIG_TABLE_B_K_MAJOR.items())]:
         assert [bound for bound, _ in entries] == sorted(bound for bound, _ in entries)
         assert entries[-1][0] >= 2**31 - 1
-        assert select_config(op, 1) == entries[0][1]
-        assert all_configs(op)
+        assert select_config(op, 1, k_major) == entries[0][1]
+        assert set(config for _, config in entries) <= set(all_configs(op))  # the audit runs every pick
 
 
 # ---- fail closed -----------------------------------------------------------------------------

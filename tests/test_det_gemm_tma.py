@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.det_gemm import CONFIG_TABLE, LAUNCHERS, GemmConfig, select_config
+from kernels.det_gemm import CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, all_configs, select_config
 from toolkit.contract import compare_bits
 from tests.test_det_gemm import _operands
 from toolkit.fixtures import bf16_randn, weight_kn
@@ -96,9 +96,24 @@ def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
     assert GemmConfig(128, 128, 64, 8, 8, 3).label() == "BM128_BN128_BK64_G8_w8_s3"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma").label() == "BM128_BN128_BK64_G8_w8_s3_tma"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma") != GemmConfig(128, 128, 64, 8, 8, 3)
-    # The H200 sweep measured TMA at large M for fwd only; every other entry is the pointer kernel.
+    # The H200 sweeps measured TMA ahead at large M for fwd (both layouts) and for dA of a [K, N] weight only.
     tma = [(op, rows) for op, entries in CONFIG_TABLE.items() for rows, config in entries if config.variant == "tma"]
     assert tma == [("fwd", 2**31)]
+    tma_k = [(op, rows) for op, entries in CONFIG_TABLE_B_K_MAJOR.items() for rows, c in entries if c.variant == "tma"]
+    assert tma_k == [("da", 1024), ("da", 2**31)]
+
+
+@pytest.mark.parametrize("layout", ["kn", "linear"])
+def test_da_pick_follows_the_weight_layout_with_the_same_bits(layout, device):
+    # dA of a [K, N] weight reads B K-major: the K-major table's TMA tile; of nn.Linear's weight.t(), the table's.
+    m, n, k = 300, 48, 64
+    dc, b = bf16_randn((m, n), 7, device), weight_kn(k, n, 8, layout, device)
+    out, launch = LAUNCHERS["da"](dc, b)
+    want = select_config("da", m, b_k_major=layout == "kn")
+    assert launch.config == want and want.variant == ("tma" if layout == "kn" else "ptr")
+    assert (want == select_config("da", m)) == (layout == "linear")
+    for other in all_configs("da"):  # every config either table can pick: the same bits
+        _assert_same_bits(out, LAUNCHERS["da"](dc, b, config=other)[0])
 
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
