@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kernels.moe import (
-    moe_dgrad_dswiglu, moe_dx_route, moe_gather_sum, moe_mlp, moe_mlp_bwd, moe_mlp_fwd, moe_mlp_ref, stage_name,
+    moe_dgrad_dswiglu, moe_down, moe_dx_route, moe_gather_sum, moe_mlp, moe_mlp_bwd, moe_mlp_fwd, moe_mlp_ref,
+    stage_name,
 )
 from kernels.moe_routing import MoeRouting, SEGMENT_ALIGN
 from toolkit.contract import (
@@ -207,10 +208,11 @@ def dswiglu_check(dgu: torch.Tensor, gu: torch.Tensor, dh_star: torch.Tensor, e_
 
 
 def combine_checks(r: MoeRouting, scores: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, y: torch.Tensor,
-                   dxr: torch.Tensor, dx: torch.Tensor, dscores: torch.Tensor) -> dict[str, ContractResult]:
+                   dxr: torch.Tensor, dx: torch.Tensor,
+                   dscores: torch.Tensor | None = None) -> dict[str, ContractResult]:
     """The token-side reductions from the kernel's own FP32 y and dx_route: out = bf16(sum_k s_k y_k) and
-    dx = bf16(sum_k dx_route_k), ascending k with one rounding; dscores = dout . y (FP32), rounded to the
-    scores' dtype."""
+    dx = bf16(sum_k dx_route_k), ascending k with one rounding; with ``dscores`` (the FP8 layer's),
+    dscores = dout . y (FP32), rounded to the scores' dtype."""
     f64 = torch.float64
     hidden = dout.shape[1]
     y_tk = torch.zeros(r.num_tokens, r.top_k, hidden, dtype=f64, device=dout.device)
@@ -224,11 +226,37 @@ def combine_checks(r: MoeRouting, scores: torch.Tensor, dout: torch.Tensor, out:
     dxr_tk[m] = dxr.to(f64)[rr[m]]
     dx_star = dxr_tk.sum(1)
     results["dx"] = check_bound(dx, dx_star, round_sum_bound(dx_star, dxr_tk.abs().sum(1), r.top_k))
+    if dscores is None:
+        return results
     dy_t = dout.to(f64)[:, None, :] * y_tk
     ds_star = dy_t.sum(2)
     unit = U_BF16 if scores.dtype == torch.bfloat16 else 0.0
     results["dscores"] = check_bound(dscores, ds_star, round_sum_bound(ds_star, dy_t.abs().sum(2), hidden, unit))
     return results
+
+
+def fused_dscore_check(r: MoeRouting, valid: torch.Tensor, dh_raw: torch.Tensor, dh_ab: torch.Tensor,
+                       h: torch.Tensor, hidden: int, dscores: torch.Tensor, dtype: torch.dtype) -> ContractResult:
+    """dscores from the dgrad accumulator (kernels.moe.moe_dgrad_dswiglu_dscore): per valid row,
+    ds = sum_j acc_j * h_j in FP32 with acc = dout[t] @ W2[e].T accumulated over H in FP32, so
+    |ds - ds*| <= sum_j e_j |h_j| + gamma(I) sum_j (|acc*_j| + e_j) |h_j| with e_j acc's own bound, then one
+    rounding to the scores' dtype. ``dh_raw``/``dh_ab`` [valid rows, I] FP64 from the FP64 oracle."""
+    f64 = torch.float64
+    h64 = h.to(f64)
+    e_acc = fp32_sum_bound(dh_ab, hidden)
+    star_row = (dh_raw * h64).sum(1)
+    terms_row = ((dh_raw.abs() + e_acc) * h64.abs()).sum(1)
+    carried_row = (e_acc * h64.abs()).sum(1)
+    unit = U_BF16 if dtype == torch.bfloat16 else 0.0
+    bound_row = round_sum_bound(star_row, terms_row, h.shape[1], unit) + (1 + unit) * carried_row
+    rr = r.route_row.long()
+    m = rr >= 0
+    star = torch.zeros(rr.shape, dtype=f64, device=dscores.device)
+    bound = torch.full(rr.shape, ETA_BF16, dtype=f64, device=dscores.device)  # a masked route: 0 (as the combine)
+    full_star, full_bound = (torch.zeros(r.padded_rows, dtype=f64, device=dscores.device) for _ in range(2))
+    full_star[valid], full_bound[valid] = star_row, bound_row
+    star[m], bound[m] = full_star[rr[m]], full_bound[rr[m]]
+    return check_bound(dscores, star, bound)
 
 
 def padding_zero(tensors: dict[str, torch.Tensor], pad: torch.Tensor) -> dict[str, bool]:
@@ -243,14 +271,15 @@ def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult
     grads = moe_mlp_bwd(dout, saved)
     r = saved.routing
     backend = saved.backend
+    y = moe_down(saved.h, w2, r, backend)  # the forward's y (same call, same bits): it is not saved
     dgu = moe_dgrad_dswiglu(dout, w2, saved.gu, r, backend)
     dxr = moe_dx_route(dgu, w1, r, backend)
     f64 = torch.float64
     valid, pad, tok, exp, s_row = sorted_rows(r)
     hidden, inter = x.shape[1], w2.shape[1]
     results: dict[str, ContractResult] = {}
-    # combine (out), the dx gather-sum and dscores, from the kernel's FP32 y and dx_route
-    combined = combine_checks(r, scores, dout, out, saved.y, dxr, grads.dx, grads.dscores)
+    # combine (out) and the dx gather-sum, from the kernel's FP32 y and dx_route
+    combined = combine_checks(r, scores, dout, out, y, dxr, grads.dx)
 
     # up: gu = x[token] @ W1[e] (one BF16 rounding)
     gu_star, gu_ab = per_expert(x[tok], lambda e: w1[e], exp, w1.shape[2])
@@ -261,7 +290,7 @@ def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult
     results["h"] = check_bound(saved.h[valid], h_star, U_BF16 * h_star.abs() + (1 + U_BF16) * act * h_star.abs() + ETA_BF16)
     # down: y = h @ W2[e] kept in FP32
     y_star, y_ab = per_expert(saved.h[valid], lambda e: w2[e], exp, hidden)
-    results["y"] = check_bound(saved.y[valid], y_star, fp32_sum_bound(y_ab, inter))
+    results["y"] = check_bound(y[valid], y_star, fp32_sum_bound(y_ab, inter))
     results["out"] = combined["out"]
     # dgrad + dSwiGLU: dh = s * (dout[token] @ W2[e].T); e_h bounds its FP32 error
     dh_raw, dh_ab = per_expert(dout[tok], lambda e: w2[e].t(), exp, inter)
@@ -288,9 +317,11 @@ def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult
         count_bound2[e] = gemm_bound(dw2_star[e], dw2_ab[e], sel.numel())
     results["dw1"] = check_bound(grads.dw1, dw1_star, count_bound1)
     results["dw2"] = check_bound(grads.dw2, dw2_star, count_bound2)
-    results["dscores"] = combined["dscores"]
+    # dscores: fused into dgrad, from its accumulator and the saved h
+    results["dscores"] = fused_dscore_check(r, valid, dh_raw, dh_ab, saved.h[valid], hidden, grads.dscores,
+                                            scores.dtype)
 
-    zero = padding_zero({"gu": saved.gu, "h": saved.h, "y": saved.y, "dgu": dgu, "dx_route": dxr}, pad)
+    zero = padding_zero({"gu": saved.gu, "h": saved.h, "y": y, "dgu": dgu, "dx_route": dxr}, pad)
     composed = compare_bits(grads.dx, moe_gather_sum(dxr, r, backend))
     return results, {"padding_zero": zero, "composed_dx_equal": composed.equal}
 

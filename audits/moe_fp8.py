@@ -137,7 +137,7 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
     g_d = dequantize_rowwise(dgu_q, dgu_s).to(f64)
 
     # out, dx and dscores: the BF16 path's combine, gather-sum and dscores kernels (the BF16 suite's bounds)
-    combined = combine_checks(r, scores, dout, out, saved.y, dxr, grads.dx, grads.dscores)
+    combined = combine_checks(r, scores, dout, out, saved.y, dxr, grads.dx, dscores=grads.dscores)
     results: dict[str, ContractResult] = {}
     gu_star, gu_ab = per_expert(x_d[tok], lambda e: w1_d[e], exp, w1.shape[2])
     results["gu"] = check_bound(saved.gu[valid], gu_star, U_BF16 * gu_star.abs()

@@ -201,8 +201,8 @@ def run_baseline(fn: Callable[[], dict], state: dict, baseline: str) -> tuple[di
 
 def bench_preset(p: MoePreset, device: torch.device, rounds: int, seed: int = 0, stages: bool = True) -> list[dict]:
     from kernels.moe import (
-        MOE_CONFIG_TABLE_VERSION, moe_combine, moe_dgrad_dswiglu, moe_down, moe_dscores, moe_dx_route,
-        moe_gather_sum, moe_mlp_bwd, moe_mlp_fwd, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
+        MOE_CONFIG_TABLE_VERSION, moe_combine, moe_dgrad_dswiglu_dscore, moe_down, moe_dscores_from_partials,
+        moe_dx_route, moe_gather_sum, moe_mlp_bwd, moe_mlp_fwd, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
     )
     from kernels.moe_routing import build_routing
     from toolkit.contract import compare_bits
@@ -275,19 +275,20 @@ def bench_preset(p: MoePreset, device: torch.device, rounds: int, seed: int = 0,
     # Each detkit stage alone (what to tune first), on the same inputs.
     out, saved = moe_mlp_fwd(x, w1, w2, ids, scores)
     b = saved.backend
-    dgu = moe_dgrad_dswiglu(dout, w2, saved.gu, routing, b)
+    y = moe_down(saved.h, w2, routing, b)  # not saved by the layer (dscores are fused into dgrad)
+    dgu, ds_part = moe_dgrad_dswiglu_dscore(dout, w2, saved.gu, saved.h, routing, b)
     dxr = moe_dx_route(dgu, w1, routing, b)
     stages = {
         "routing": (lambda: build_routing(ids, scores, p.e), 0.0),
         "up_swiglu": (lambda: moe_up_swiglu(x, w1, routing, b), 4.0),
         "down": (lambda: moe_down(saved.h, w2, routing, b), 2.0),
-        "combine": (lambda: moe_combine(saved.y, routing, scores, b), 0.0),
-        "dgrad_dswiglu": (lambda: moe_dgrad_dswiglu(dout, w2, saved.gu, routing, b), 2.0),
+        "combine": (lambda: moe_combine(y, routing, scores, b), 0.0),
+        "dgrad_dswiglu": (lambda: moe_dgrad_dswiglu_dscore(dout, w2, saved.gu, saved.h, routing, b), 2.0),
         "dx_route": (lambda: moe_dx_route(dgu, w1, routing, b), 4.0),
         "dx_gather_sum": (lambda: moe_gather_sum(dxr, routing, b), 0.0),
         "wgrad_w1": (lambda: moe_wgrad_w1(x, dgu, routing, b), 4.0),
         "wgrad_w2": (lambda: moe_wgrad_w2(saved.h, dout, routing, b), 2.0),
-        "dscores": (lambda: moe_dscores(dout, saved.y, routing, b), 0.0),
+        "dscores": (lambda: moe_dscores_from_partials(ds_part, routing, b), 0.0),
     }
     for s, row in time_stages(p, p.label, stages, device, rounds, "detkit", common):
         if "detkit_tflops" in row:  # hardware, and a stage with FLOPs

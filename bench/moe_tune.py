@@ -95,7 +95,8 @@ def stage_fns(preset: str, device: torch.device, stages, seed: int = 0) -> tuple
     """stage -> fn(config) -> output tensor, on the preset's inputs (the pinned path's intermediates)."""
     from kernels.fp8_quant import quantize_rowwise, quantize_weight
     from kernels.moe import (
-        moe_dgrad_dswiglu, moe_down, moe_dx_route, moe_mlp_fwd, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
+        moe_dgrad_dswiglu, moe_dgrad_dswiglu_dscore, moe_down, moe_dx_route, moe_mlp_fwd, moe_up_swiglu,
+        moe_wgrad_w1, moe_wgrad_w2,
     )
     from kernels.moe_fp8 import moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_up_swiglu
     from kernels.moe_routing import build_routing
@@ -110,7 +111,8 @@ def stage_fns(preset: str, device: torch.device, stages, seed: int = 0) -> tuple
     fns = {
         "up": lambda c: moe_up_swiglu(x, w1, routing, b, config=c)[1],
         "down": lambda c: moe_down(saved.h, w2, routing, b, config=c),
-        "dgrad": lambda c: moe_dgrad_dswiglu(dout, w2, saved.gu, routing, b, config=c),
+        # the layer's dgrad: dSwiGLU and the fused dscore partials (bits compared on dgu)
+        "dgrad": lambda c: moe_dgrad_dswiglu_dscore(dout, w2, saved.gu, saved.h, routing, b, config=c)[0],
         "dx": lambda c: moe_dx_route(dgu, w1, routing, b, config=c),
         "wgrad_w1": lambda c: moe_wgrad_w1(x, dgu, routing, b, config=c),
         "wgrad_w2": lambda c: moe_wgrad_w2(saved.h, dout, routing, b, config=c),

@@ -9,7 +9,7 @@ Backward, with dy_k = s_k * dout[t]:
     dh_k = s_k * (dout[t] @ W2[e_k].T)  -> dg_k = dh_k * u_k * silu'(g_k), du_k = dh_k * silu(g_k)
     dx[t] = bf16( sum_{k ascending} dgu_k @ W1[e_k].T )
     dW1[e] = sum over e's rows (ascending) x[t]^T dgu_k,  dW2[e] = sum h_k^T bf16(s_k * dout[t])
-    dscores[t, k] = dout[t] . y_k
+    dscores[t, k] = dout[t] . y_k = (dout[t] @ W2[e_k].T) . h_k     (the second form is computed)
 
 Weight convention (the ``b [K, N]`` convention of det_gemm, one matrix per expert):
     W1 [E, H, 2I], column 2j = gate_j and column 2j+1 = up_j (interleaved, so a gate/up pair always
@@ -27,12 +27,15 @@ Stages and tile ownership (kernels/moe_routing.py builds the expert-sorted, 128-
     down   the same kernel: y [P, H] = h @ W2[e] kept in FP32 for the combine.
     combine moe_combine_kernel: one program per (token block, H tile); ascending k; one rounding.
     dgrad  the same grouped kernel with the dSwiGLU epilogue: dh = s * (dout[t] @ W2[e].T) in FP32,
-           then dg/du from the saved gu; stores dgu [P, 2I] BF16.
+           then dg/du from the saved gu; stores dgu [P, 2I] BF16; and, fused, the dscore partials
+           ds_part[p, c] = sum over the 64 columns j of chunk c of (dout[t] @ W2[e].T)[j] * h[p, j] (FP32).
     dx     grouped kernel dgu @ W1[e].T -> [P, H] FP32, then the combine kernel unscaled (ascending
            k gather-sum over the token's routes, one rounding).
     dW     moe_wgrad_kernel: one program per (expert, dW tile); reduces the expert's rows in
            ascending padded-row order; optional FP32 accumulation into a caller's main_grad.
-    dscore moe_dscore_kernel: one program per token block; ascending k, H in fixed blocks.
+    dscore moe_dscore_sum_kernel: one program per token block; per route k, the row's I/64 partials
+           summed (fixed tree). y [P, H] FP32 is not kept for the backward: it is read once by the combine.
+           (moe_dscore_kernel, dout . y in fixed H blocks, serves the FP8 layer.)
 
 Determinism rests on the det_gemm rules: no split-K, no atomics, one program owns each output
 tile and reduces all of its reduced dimension in a fixed ascending order that depends on the
@@ -96,6 +99,7 @@ MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
 }
 
 EPI_FP32, EPI_SWIGLU, EPI_DSWIGLU = 0, 1, 2
+DS_CHUNK = 64  # dh columns per dscore partial (fixed: the partials do not depend on the dgrad tile)
 _GROUPED_OPS = ("moe_up_swiglu", "moe_down", "moe_dgrad_dswiglu", "moe_dx_route")
 _WGRAD_OPS = ("moe_wgrad_w1", "moe_wgrad_w2")
 _COMBINE_OPS = ("moe_combine", "moe_dx_gather_sum")
@@ -239,23 +243,42 @@ def dswiglu_epilogue(acc, score_ptr, gu_ptr, c_ptr, offs_m, pid_n, C, stride_gm,
 
 
 @triton.jit
-def grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc,
-                     stride_xm, stride_xc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr,
-                     INTERPRETED: tl.constexpr):
-    """The BF16 grouped kernels' epilogue (both load paths share it)."""
+def dscore_partials(acc, h_ptr, ds_ptr, offs_m, pid_n, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DS_CHUNK: tl.constexpr):
+    """ds_part[p, c] = sum over the DS_CHUNK columns j of chunk c of acc[p, j] * h[p, j] in FP32 (acc: the
+    unscaled dout @ W2[e].T of the dgrad tile; h: the saved BF16 activation [P, C]; ds_part [P, cdiv(C,
+    DS_CHUNK)]; both contiguous). Chunks of a fixed width, so the partials do not depend on BLOCK_N."""
+    NCH: tl.constexpr = BLOCK_N // DS_CHUNK
+    offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = offs_m[:, None] >= 0
+    h = tl.load(h_ptr + offs_m[:, None] * C + offs_j[None, :], mask=rows_ok & (offs_j < C)[None, :], other=0.0)
+    part = tl.sum(tl.reshape(acc * h.to(tl.float32), (BLOCK_M, NCH, DS_CHUNK)), axis=2)  # [BLOCK_M, NCH]
+    offs_c = pid_n * NCH + tl.arange(0, NCH)
+    n_chunks = tl.cdiv(C, DS_CHUNK)
+    tl.store(ds_ptr + offs_m[:, None] * n_chunks + offs_c[None, :], part, mask=rows_ok & (offs_c < n_chunks)[None, :])
+
+
+@triton.jit
+def grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm,
+                     stride_cc, stride_xm, stride_xc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     EPILOGUE: tl.constexpr, DSCORE: tl.constexpr, DS_CHUNK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The BF16 grouped kernels' epilogue (both load paths share it); DSCORE (dgrad only): the dscore
+    partials from the same accumulator."""
     if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
         store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
     elif EPILOGUE == 1:  # SwiGLU: gu and h in BF16
         swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc, stride_xm,
                         stride_xc, BLOCK_M, BLOCK_N, INTERPRETED)
     else:  # dSwiGLU: dgu interleaved, BF16
+        if DSCORE:  # first: its h tile and products are dead before the dSwiGLU loads gu (no spills on sm_90)
+            dscore_partials(acc, h_ptr, ds_ptr, offs_m, pid_n, C, BLOCK_M, BLOCK_N, DS_CHUNK)
         dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc, stride_cm,
                          stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
 
 
 @triton.jit(launch_metadata=_grouped_meta)
 def moe_grouped_gemm_kernel(
-    a_ptr, a_rows_ptr, b_ptr, c_ptr, aux_ptr,
+    a_ptr, a_rows_ptr, b_ptr, c_ptr, aux_ptr, h_ptr, ds_ptr,  # h, ds: the dscore partials (DSCORE)
     route_ptr, score_ptr, tile_expert_ptr,
     P, C, L,  # C[p, :] = A[row(p), :L] @ B[expert(p)][:L, :C]; P padded rows (multiple of SEGMENT)
     stride_am, stride_al,
@@ -265,6 +288,7 @@ def moe_grouped_gemm_kernel(
     op_id,  # names the launch only
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_K: tl.constexpr,
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
+    DSCORE: tl.constexpr, DS_CHUNK: tl.constexpr,
 ):
     pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
         C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
@@ -283,13 +307,13 @@ def moe_grouped_gemm_kernel(
                 a_ptrs += STEP_K * stride_al
                 b_ptrs += STEP_K * stride_bl
 
-    grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc,
-                     stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, INTERPRETED)
+    grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm,
+                     stride_cc, stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, DSCORE, DS_CHUNK, INTERPRETED)
 
 
 @triton.jit(launch_metadata=_grouped_meta)
 def moe_grouped_gemm_tma_kernel(
-    a_ptr, a_rows_ptr, b_desc, c_ptr, aux_ptr,
+    a_ptr, a_rows_ptr, b_desc, c_ptr, aux_ptr, h_ptr, ds_ptr,
     route_ptr, score_ptr, tile_expert_ptr,
     P, C, L,  # as moe_grouped_gemm_kernel; B through a rank-3 TMA descriptor over the weight's storage
     stride_am, stride_al,
@@ -299,6 +323,7 @@ def moe_grouped_gemm_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_K: tl.constexpr,
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
     B_K_MAJOR: tl.constexpr,  # storage [E, C, L] (e.g. W2[e].T for dgrad): box [1, BLOCK_N, STEP_K]
+    DSCORE: tl.constexpr, DS_CHUNK: tl.constexpr,
 ):
     """moe_grouped_gemm_kernel with the expert's weight tile loaded by TMA (zero fill past the
     expert's own extents, so no other expert's rows leak in): the same tiles, the same ascending K
@@ -323,8 +348,8 @@ def moe_grouped_gemm_tma_kernel(
                 acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
                 a_ptrs += STEP_K * stride_al
 
-    grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc,
-                     stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, INTERPRETED)
+    grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm,
+                     stride_cc, stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, DSCORE, DS_CHUNK, INTERPRETED)
 
 
 @triton.jit(launch_metadata=_wgrad_meta)
@@ -454,6 +479,24 @@ def moe_dscore_kernel(
         tl.store(ds_ptr + offs_t * stride_st + k * stride_sk, acc, mask=t_ok)
 
 
+@triton.jit
+def moe_dscore_sum_kernel(
+    part_ptr, route_row_ptr, ds_ptr,
+    T, K, NCH,  # ds[t, k] = sum_c part[route_row[t, k], c] (FP32, a fixed tree over NCH), 0 when masked
+    stride_rt, stride_rk, stride_st, stride_sk,
+    BLOCK_M: tl.constexpr, NCH_POW2: tl.constexpr,
+):
+    pid_t = tl.program_id(axis=0)
+    offs_t = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    t_ok = offs_t < T
+    offs_c = tl.arange(0, NCH_POW2)
+    for k in range(0, K):
+        rows = tl.load(route_row_ptr + offs_t * stride_rt + k * stride_rk, mask=t_ok, other=-1)
+        part = tl.load(part_ptr + rows[:, None] * NCH + offs_c[None, :],
+                       mask=(rows >= 0)[:, None] & (offs_c < NCH)[None, :], other=0.0)  # [BLOCK_M, NCH_POW2]
+        tl.store(ds_ptr + offs_t * stride_st + k * stride_sk, tl.sum(part, axis=1), mask=t_ok)
+
+
 # ---------------------------------------------------------------------------------------------
 # Input checks (all before any work)
 # ---------------------------------------------------------------------------------------------
@@ -565,14 +608,20 @@ def table_moe_config(stage: str, backend: str, b: torch.Tensor) -> GemmConfig:
 
 def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Tensor, c: torch.Tensor,
              aux: torch.Tensor | None, routing: MoeRouting, n_cols: int, reduced: int, epilogue: int,
-             backend: str, config: GemmConfig | None) -> None:
-    """b is a [E, L, C] view (strides kept)."""
+             backend: str, config: GemmConfig | None,
+             dscore: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """b is a [E, L, C] view (strides kept); ``dscore = (h, ds_part)`` (dgrad only) adds the partials."""
     config = config or table_moe_config(stage, backend, b)
     _check_grouped_config(stage, config)
+    if dscore is not None and config.block_n % DS_CHUNK:
+        raise ValueError(f"{stage}: the fused dscore partials need BLOCK_N a multiple of {DS_CHUNK}; "
+                         f"got {config.block_n}")
     p = routing.padded_rows
     if p == 0:
         return
     aux_t = aux if aux is not None else c
+    h_t, ds_t = dscore if dscore is not None else (c, c)
+    fused = {"DSCORE": dscore is not None, "DS_CHUNK": DS_CHUNK}
     grid = (triton.cdiv(p, config.block_m) * triton.cdiv(n_cols, config.block_n),)
     flags = _backend_flags(backend, config)
     if config.variant == "tma":
@@ -580,7 +629,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
             ensure_cuda_context(b.device)
         b_desc, k_major = weight_descriptor(b, config.block_n, flags["STEP_K"])
         moe_grouped_gemm_tma_kernel[grid](
-            a, routing.gather_token, b_desc, c, aux_t,
+            a, routing.gather_token, b_desc, c, aux_t, h_t, ds_t,
             routing.sorted_route, routing.row_score, routing.tile_expert,
             p, n_cols, reduced,
             a.stride(0), a.stride(1),
@@ -589,11 +638,11 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
             op_id,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SEGMENT=SEGMENT_ALIGN,
             GATHER_A=gather, EPILOGUE=epilogue, B_K_MAJOR=k_major, num_warps=config.num_warps,
-            num_stages=config.num_stages, **flags,
+            num_stages=config.num_stages, **flags, **fused,
         )
         return
     moe_grouped_gemm_kernel[grid](
-        a, routing.gather_token, b, c, aux_t,
+        a, routing.gather_token, b, c, aux_t, h_t, ds_t,
         routing.sorted_route, routing.row_score, routing.tile_expert,
         p, n_cols, reduced,
         a.stride(0), a.stride(1),
@@ -603,7 +652,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SEGMENT=SEGMENT_ALIGN,
         GATHER_A=gather, EPILOGUE=epilogue, num_warps=config.num_warps, num_stages=config.num_stages,
-        **_backend_flags(backend, config),
+        **flags, **fused,
     )
 
 
@@ -636,6 +685,22 @@ def moe_dgrad_dswiglu(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, ro
     _grouped(2, "dgrad", dout, True, w2_t, dgu, gu, routing, w2.shape[1], w2.shape[2], EPI_DSWIGLU,
              backend, config)
     return dgu
+
+
+def moe_dgrad_dswiglu_dscore(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, h: torch.Tensor,
+                             routing: MoeRouting, backend: str,
+                             config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_dgrad_dswiglu`` (the same dgu bits) plus, from the same accumulator, the dscore partials
+    ds_part [P, cdiv(I, 64)] FP32: ds_part[p, c] = sum over chunk c's columns j of (dout[t] @ W2[e].T)[j] *
+    h[p, j], with h [P, I] the forward's saved activation. dout . y_k needs no y: y = h @ W2[e]."""
+    if not h.is_contiguous() or tuple(h.shape) != (gu.shape[0], gu.shape[1] // 2) or h.dtype != torch.bfloat16:
+        raise ValueError(f"h must be the forward's contiguous bf16 [P, I] = {(gu.shape[0], gu.shape[1] // 2)}; "
+                         f"got {h.dtype} {tuple(h.shape)}, contiguous={h.is_contiguous()}")
+    dgu = torch.empty_like(gu)
+    ds_part = torch.empty((gu.shape[0], triton.cdiv(h.shape[1], DS_CHUNK)), dtype=torch.float32, device=gu.device)
+    _grouped(2, "dgrad", dout, True, w2.transpose(1, 2), dgu, gu, routing, w2.shape[1], w2.shape[2], EPI_DSWIGLU,
+             backend, config, dscore=(h, ds_part))
+    return dgu, ds_part
 
 
 def moe_dx_route(dgu: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backend: str,
@@ -732,9 +797,24 @@ def moe_wgrad_w2(h: torch.Tensor, dout: torch.Tensor, routing: MoeRouting, backe
     return None if main_grad is not None else out
 
 
+def moe_dscores_from_partials(ds_part: torch.Tensor, routing: MoeRouting, backend: str,
+                              config: GemmConfig | None = None) -> torch.Tensor:
+    """ds [T, K] FP32 = sum_c ds_part[route_row[t, k], c] (0 for masked routes): the BF16 layer's dscores."""
+    config = config or select_moe_config("dscore", backend)
+    t_count, k_count = routing.num_tokens, routing.top_k
+    ds = torch.empty((t_count, k_count), dtype=torch.float32, device=ds_part.device)
+    n_chunks = ds_part.shape[1]
+    moe_dscore_sum_kernel[(triton.cdiv(t_count, config.block_m),)](
+        ds_part, routing.route_row, ds, t_count, k_count, n_chunks,
+        routing.route_row.stride(0), routing.route_row.stride(1), ds.stride(0), ds.stride(1),
+        BLOCK_M=config.block_m, NCH_POW2=triton.next_power_of_2(n_chunks), num_warps=config.num_warps,
+    )
+    return ds
+
+
 def moe_dscores(dout: torch.Tensor, y: torch.Tensor, routing: MoeRouting, backend: str,
                 config: GemmConfig | None = None) -> torch.Tensor:
-    """ds [T, K] FP32 = dout[t] . y[route_row[t, k]] (0 for masked routes)."""
+    """ds [T, K] FP32 = dout[t] . y[route_row[t, k]] (0 for masked routes): the FP8 layer's dscores."""
     config = config or select_moe_config("dscore", backend)
     t_count, k_count = routing.num_tokens, routing.top_k
     ds = torch.empty((t_count, k_count), dtype=torch.float32, device=dout.device)
@@ -752,7 +832,7 @@ def moe_dscores(dout: torch.Tensor, y: torch.Tensor, routing: MoeRouting, backen
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class MoeSaved:
-    """What the backward needs. gu, h are BF16; y is FP32 (for dscores)."""
+    """What the backward needs: gu, h in BF16 (y is not kept: dscores come from h, fused into dgrad)."""
 
     backend: str
     routing: MoeRouting
@@ -762,7 +842,6 @@ class MoeSaved:
     scores: torch.Tensor  # [T, K]
     gu: torch.Tensor  # [P, 2I] interleaved pre-activations
     h: torch.Tensor  # [P, I]
-    y: torch.Tensor  # [P, H] FP32
 
 
 @dataclass
@@ -819,7 +898,7 @@ def moe_mlp_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: t
         y = moe_down(h, w2, routing, backend)
     with rng(names["combine"]):
         out = moe_combine(y, routing, scores, backend)
-    return out, MoeSaved(backend, routing, x, w1, w2, scores, gu, h, y)
+    return out, MoeSaved(backend, routing, x, w1, w2, scores, gu, h)
 
 
 def moe_mlp_bwd(dout: torch.Tensor, saved: MoeSaved, *, main_grads=None, stage_range=None) -> MoeGrads:
@@ -831,7 +910,7 @@ def moe_mlp_bwd(dout: torch.Tensor, saved: MoeSaved, *, main_grads=None, stage_r
     names = layer_stage_names(saved.x, saved.w1, saved.routing.top_k)
     backend, routing = saved.backend, saved.routing
     with rng(names["dgrad_dswiglu"]):
-        dgu = moe_dgrad_dswiglu(dout, saved.w2, saved.gu, routing, backend)
+        dgu, ds_part = moe_dgrad_dswiglu_dscore(dout, saved.w2, saved.gu, saved.h, routing, backend)
     with rng(names["dx"]):
         dx = moe_gather_sum(moe_dx_route(dgu, saved.w1, routing, backend), routing, backend)
     with rng(names["wgrad"]):
@@ -839,7 +918,7 @@ def moe_mlp_bwd(dout: torch.Tensor, saved: MoeSaved, *, main_grads=None, stage_r
         dw1 = moe_wgrad_w1(saved.x, dgu, routing, backend, mg1)
         dw2 = moe_wgrad_w2(saved.h, dout, routing, backend, mg2)
     with rng(names["dscores"]):
-        ds = moe_dscores(dout, saved.y, routing, backend).to(saved.scores.dtype)
+        ds = moe_dscores_from_partials(ds_part, routing, backend).to(saved.scores.dtype)
     return MoeGrads(dx, dw1, dw2, ds)
 
 
