@@ -46,7 +46,7 @@ WGRAD = [GemmConfig(*c) for c in [
     (128, 128, 64, 1, 4, 2), (128, 128, 32, 1, 4, 3), (128, 64, 64, 1, 4, 3), (64, 128, 64, 1, 4, 3),
 ]]
 # FP8 grouped stages (kernels/moe_fp8.py MOE_FP8_CONFIGS): BLOCK_K divides the 128-K scale block; up's
-# BLOCK_N is 256 and dgrad's 64 (the fused 1x128 quantization); up to 96 KiB of operands per stage
+# BLOCK_N is 256 and dgrad's 64 or 128 (the fused 1x128 quantization); up to 96 KiB of operands per stage
 # count leaves room for two programs per SM, which overlap one's promotion FMAs with the other's MMAs.
 # "tma": the same tile with the weight loaded by TMA (the BF16 stages' winner; not yet timed for FP8).
 FP8_GROUPED = [GemmConfig(*c) for c in [
@@ -61,11 +61,12 @@ FP8_UP = [GemmConfig(*c) for c in [
 ]] + [GemmConfig(*c, variant="tma") for c in [
     (64, 256, 128, 1, 8, 3), (64, 256, 128, 1, 8, 2), (128, 256, 128, 1, 8, 2),
 ]]
+# dgrad: BLOCK_N 64 (one 1x128 dgu block per row) or 128 (two; 64 rows: 128x128 with 8 warps spills on sm_90).
 FP8_DGRAD = [GemmConfig(*c) for c in [
     (128, 64, 128, 1, 8, 4), (128, 64, 128, 1, 8, 3), (128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4),
-    (128, 64, 64, 1, 8, 6),
+    (128, 64, 64, 1, 8, 6), (64, 128, 128, 1, 8, 3), (64, 128, 128, 1, 8, 4),
 ]] + [GemmConfig(*c, variant="tma") for c in [
-    (128, 64, 128, 1, 8, 4), (128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4),
+    (128, 64, 128, 1, 8, 4), (128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (64, 128, 128, 1, 8, 4),
 ]]
 STAGE_KEY = {"up": "up", "down": "down", "dgrad": "dgrad", "dx": "dx", "wgrad_w1": "wgrad", "wgrad_w2": "wgrad",
              "fp8_up": "up", "fp8_down": "down", "fp8_dgrad": "dgrad", "fp8_dx": "dx"}

@@ -100,6 +100,17 @@ def quantize_rows(v, INTERPRETED: tl.constexpr):
     return to_e4m3(v * inv[:, None], INTERPRETED), scale
 
 
+@triton.jit
+def quantize_row_blocks(v, NB: tl.constexpr, QBLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """v [BLOCK_M, NB * QBLOCK] FP32 -> (q [BLOCK_M, NB * QBLOCK] E4M3, scale [BLOCK_M, NB]): NB blocks of 1 x
+    QBLOCK per row, each quantized as ``quantize_rows`` does (an exact max: the same values for any NB)."""
+    BLOCK_M: tl.constexpr = v.shape[0]
+    blocks = tl.reshape(v, (BLOCK_M, NB, QBLOCK))
+    scale, inv = pow2_scale(tl.max(tl.abs(blocks), axis=2))
+    q = to_e4m3(blocks * inv[:, :, None], INTERPRETED)
+    return tl.reshape(q, (BLOCK_M, NB * QBLOCK)), scale
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, ensure_cuda_context
 from kernels.det_gemm import GemmConfig, interpreter_step_k
 from kernels.fp8_quant import (
     FP8_DTYPE, QBLOCK, Fp8Weight, dequantize_rowwise, quant_risk_rowwise, quant_risk_weight, quantize_colwise_ref,
-    quantize_rowwise, quantize_rowwise_ref, quantize_rows, quantize_weight, quantize_weight_ref,
+    quantize_row_blocks, quantize_rowwise, quantize_rowwise_ref, quantize_rows, quantize_weight, quantize_weight_ref,
 )
 from kernels.moe import (
     MoeGrads, check_dout, check_main_grads, check_moe_inputs, checked_routing, dswiglu_epilogue, grouped_tile,
@@ -74,7 +74,7 @@ from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 # ---------------------------------------------------------------------------------------------
 # Pinned config tables (no autotune). block_k is the K step of one tl.dot; it must divide QBLOCK.
 # up: BLOCK_N = 2 * QBLOCK interleaved columns, so a tile's h is exactly one 1x128 block per row;
-# dgrad: BLOCK_N = QBLOCK / 2 columns of dh, so a tile's dgu (2 * BLOCK_N) is one block per row.
+# dgrad: BLOCK_N = QBLOCK / 2 or QBLOCK columns of dh, so a tile's dgu (2 * BLOCK_N) is one or two blocks per row.
 # The sm_90 entries are compile-checked (wgmma on e4m3, shared memory, no spills: dgrad needs 8 warps
 # for its epilogue) but not yet tuned on hardware.
 # ---------------------------------------------------------------------------------------------
@@ -191,9 +191,12 @@ def moe_fp8_grouped_gemm_kernel(
     else:  # dSwiGLU: dgu in BF16 (as the BF16 path), then quantized 1x128 for the dX GEMM
         dgu, offs_j, j_ok = dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc,
                                              stride_cm, stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
-        dq, ds = quantize_rows(dgu.to(tl.float32), INTERPRETED)  # from the stored BF16 dgu
+        NB: tl.constexpr = 2 * BLOCK_N // QBLOCK  # 1x128 blocks per dgu row of the tile
+        dq, ds = quantize_row_blocks(dgu.to(tl.float32), NB, QBLOCK, INTERPRETED)  # from the stored BF16 dgu
         tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_j[None, :] * stride_qc, dq, mask=j_ok)
-        tl.store(qs_ptr + offs_m * stride_qsm + pid_n * stride_qsc, ds)
+        offs_b = pid_n * NB + tl.arange(0, NB)
+        tl.store(qs_ptr + offs_m[:, None] * stride_qsm + offs_b[None, :] * stride_qsc, ds,
+                 mask=(offs_b < 2 * C // QBLOCK)[None, :])
 
 
 @triton.jit
@@ -382,9 +385,9 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
         raise ValueError(f"{stage}: BLOCK_K {config.block_k} must divide the FP8 block {QBLOCK}")
     if QBLOCK % config.block_n and config.block_n != 2 * QBLOCK:  # a tile spans one or two weight-scale blocks
         raise ValueError(f"{stage}: BLOCK_N {config.block_n} must divide the FP8 block {QBLOCK} or be {2 * QBLOCK}")
-    want_n = {EPI_SWIGLU_QUANT: 2 * QBLOCK, EPI_DSWIGLU_QUANT: QBLOCK // 2}.get(epilogue)
-    if want_n is not None and config.block_n != want_n:
-        raise ValueError(f"{stage}: the fused 1x{QBLOCK} quantization needs BLOCK_N = {want_n}; got {config.block_n}")
+    want_n = {EPI_SWIGLU_QUANT: (2 * QBLOCK,), EPI_DSWIGLU_QUANT: (QBLOCK // 2, QBLOCK)}.get(epilogue)
+    if want_n is not None and config.block_n not in want_n:
+        raise ValueError(f"{stage}: the fused 1x{QBLOCK} quantization needs BLOCK_N in {want_n}; got {config.block_n}")
     p = routing.padded_rows
     if p == 0:
         return

@@ -17,7 +17,7 @@ from audits.moe_fp8 import (
 )
 from audits.moe import GRAD_NAMES, MoeCase, rel_l2
 from kernels.det_gemm import GemmConfig
-from kernels.fp8_quant import QBLOCK, quantize_rowwise
+from kernels.fp8_quant import QBLOCK, quantize_rowwise, quantize_rowwise_ref
 from kernels.moe_fp8 import (
     MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_risk,
     moe_fp8_up_swiglu, moe_mlp_fp8_fwd, moe_mlp_fp8_ref, select_moe_fp8_config,
@@ -140,6 +140,28 @@ def test_tma_weight_tile_gives_the_pointer_kernels_bits(device):
         tma_out = runs[stage](replace(config, variant="tma"))
         for name, (p, t) in enumerate(zip(ptr_out, tma_out)):
             assert compare_bits(p, t).equal, (stage, config, name)
+
+
+def test_dgrad_with_two_scale_blocks_per_row_quantizes_like_the_reference(device):
+    # A 128-column dh tile: its dgu row holds two 1x128 blocks, each quantized as quantize_rowwise does.
+    inp = make_inputs(_case(t=16, i=256, seed=14), device)
+    r = build_routing(inp["topk_ids"], inp["scores"], E)
+    from kernels.fp8_quant import quantize_weight
+
+    b = backend_of(device)
+    x_q, x_s = quantize_rowwise(inp["x"])
+    dout_q, dout_s = quantize_rowwise(inp["x"].flip(0))
+    w1f, w2f = quantize_weight(inp["w1"]), quantize_weight(inp["w2"])
+    gu = moe_fp8_up_swiglu(x_q, x_s, w1f, r, b)[0]
+    pinned = select_moe_fp8_config("dgrad", b)
+    wide = moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b, config=replace(pinned, block_n=QBLOCK))
+    q_ref, s_ref = quantize_rowwise_ref(wide[0])
+    assert compare_bits(wide[1], q_ref).equal and compare_bits(wide[2], s_ref).equal
+    if device.type == "cpu":  # the interpreter's sequential accumulation: the pinned tile's bits too
+        for got, want in zip(wide, moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b)):
+            assert compare_bits(got, want).equal
+    with pytest.raises(ValueError, match=r"needs BLOCK_N in \(64, 128\); got 32"):
+        moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b, config=replace(pinned, block_n=32))
 
 
 def test_weight_cache_hit_and_invalidated_by_optimizer_step(device):
@@ -294,6 +316,12 @@ for (stage, epi, gather, c_t), tma in itertools.product(
         kf.moe_fp8_grouped_gemm_kernel, ptrs, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "STEP_K": c.block_k,
         "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False, "B_TMA": tma},
         ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"), c.num_warps, c.num_stages)
+c = kf.GemmConfig(64, 128, 128, 1, 8, 4)  # a tune candidate: two 1x128 dgu blocks per row in the epilogue
+out["dgrad_two_blocks"] = build(
+    kf.moe_fp8_grouped_gemm_kernel, {**ptrs, "b_ptr": "*fp8e4nv", "c_ptr": "*bf16"}, {"BLOCK_M": c.block_m,
+    "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": True, "EPILOGUE": 2,
+    "INTERPRETED": False, "B_TMA": False}, ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"),
+    c.num_warps, c.num_stages)
 c = kf.FP8_WGRAD_CONFIGS["cuda_sm90"]
 for acc in (False, True):
     out[f"wgrad_{acc}"] = build(kf.moe_fp8_wgrad_kernel, {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv",
@@ -327,6 +355,8 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
         tma = report[stage + "_tma"]  # the weight-tile variant: FP8 wgmma fed by TMA, no spills
         assert tma["qgmma"] > 0 and tma["stack"] == 0 and tma["tma_loads"] > 0, (stage, tma)
         assert report[stage]["tma_loads"] == 0, (stage, report[stage])
+    two = report["dgrad_two_blocks"]
+    assert two["qgmma"] > 0 and two["stack"] == 0 and two["cvt_e4m3"] > 0, two
     for name in ("up", "dgrad", "quant_rowwise", "quant_weight", "quant_colwise"):  # fused and standalone
         assert report[name]["cvt_e4m3"] > 0, (name, report[name])
     assert set(MOE_FP8_CONFIGS["cuda_sm90"]) == {"up", "down", "dgrad", "dx"}
