@@ -677,14 +677,19 @@ def moe_down(h: torch.Tensor, w2: torch.Tensor, routing: MoeRouting, backend: st
     return y
 
 
-def moe_dgrad_dswiglu(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, routing: MoeRouting,
-                      backend: str, config: GemmConfig | None = None) -> torch.Tensor:
-    """dgu [P, 2I] (BF16, interleaved): dSwiGLU of dh = s * (dout[gather] @ W2[e].T), fused."""
+def _dgrad(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, routing: MoeRouting, backend: str,
+           config: GemmConfig | None, dscore: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     dgu = torch.empty_like(gu)
     w2_t = w2.transpose(1, 2)  # [E, H, I] view
     _grouped(2, "dgrad", dout, True, w2_t, dgu, gu, routing, w2.shape[1], w2.shape[2], EPI_DSWIGLU,
-             backend, config)
+             backend, config, dscore)
     return dgu
+
+
+def moe_dgrad_dswiglu(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, routing: MoeRouting,
+                      backend: str, config: GemmConfig | None = None) -> torch.Tensor:
+    """dgu [P, 2I] (BF16, interleaved): dSwiGLU of dh = s * (dout[gather] @ W2[e].T), fused."""
+    return _dgrad(dout, w2, gu, routing, backend, config, None)
 
 
 def moe_dgrad_dswiglu_dscore(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, h: torch.Tensor,
@@ -696,11 +701,8 @@ def moe_dgrad_dswiglu_dscore(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Ten
     if not h.is_contiguous() or tuple(h.shape) != (gu.shape[0], gu.shape[1] // 2) or h.dtype != torch.bfloat16:
         raise ValueError(f"h must be the forward's contiguous bf16 [P, I] = {(gu.shape[0], gu.shape[1] // 2)}; "
                          f"got {h.dtype} {tuple(h.shape)}, contiguous={h.is_contiguous()}")
-    dgu = torch.empty_like(gu)
     ds_part = torch.empty((gu.shape[0], triton.cdiv(h.shape[1], DS_CHUNK)), dtype=torch.float32, device=gu.device)
-    _grouped(2, "dgrad", dout, True, w2.transpose(1, 2), dgu, gu, routing, w2.shape[1], w2.shape[2], EPI_DSWIGLU,
-             backend, config, dscore=(h, ds_part))
-    return dgu, ds_part
+    return _dgrad(dout, w2, gu, routing, backend, config, (h, ds_part)), ds_part
 
 
 def moe_dx_route(dgu: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backend: str,
