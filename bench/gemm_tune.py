@@ -44,6 +44,12 @@ SMALL = [GemmConfig(*c) for c in [
     (64, 64, 128, 1, 4, 4), (64, 128, 64, 8, 4, 4),
 ]]
 
+# Mid M (the "<= 1.10x cuBLASLt no-split-K" misses sit at M 128-1024, where one 128x128 tile set leaves
+# most of 132 SMs idle or runs 1.5 waves): narrower tiles, pointer and TMA (all compile to wgmma for sm_90).
+MID = [GemmConfig(*c) for c in [(128, 64, 64, 8, 4, 4)]]
+MID_TMA = [GemmConfig(*c, variant="tma") for c in [
+    (64, 64, 128, 1, 4, 4), (64, 128, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4), (64, 256, 64, 8, 8, 3),
+]]
 
 # dB at small M: the [K, N] output is large and the reduction short, so large output tiles with few
 # K steps (BLOCK_K down to 16) and shallow pipelines; the epilogue's write of the whole gradient dominates.
@@ -61,7 +67,7 @@ def candidates(op: str, m: int, variants=VARIANTS) -> list[GemmConfig]:
     elif m <= 64:
         out = SMALL
     elif m <= 1024:
-        out = SMALL[-6:] + LARGE + LARGE_TMA
+        out = SMALL[-6:] + MID + LARGE + LARGE_TMA + MID_TMA
     else:
         out = LARGE + LARGE_TMA
     return [c for c in out if c.variant in variants]

@@ -180,6 +180,8 @@ def test_db_candidates_follow_m_and_the_table_keys_db_by_m(device):
 
     assert tune.candidates("db", 16) == tune.DB_SMALL_M and tune.candidates("db", 4096) == tune.LARGE + tune.LARGE_TMA
     assert tune.candidates("fwd", 16) == tune.SMALL
+    mid = tune.candidates("da", 512)
+    assert set(tune.MID + tune.MID_TMA) <= set(mid) and len(set(mid)) == len(mid)  # no candidate timed twice
     # dB's launch picks its config by M (its reduced dim), not by its output rows K.
     a, dc = bf16_randn((9, 56), 1, device), bf16_randn((9, 40), 2, device)
     assert LAUNCHERS["db"](a, dc)[1].config == select_config("db", 9)
