@@ -3,8 +3,8 @@
 # the config sweep, the gemm benchmark, and the MoE tests, audit and benchmark. Each step has its own
 # time limit and the run goes on after a failure. Results land in $OUT (default results/gpu-<time>)
 # and in the archive $ARCHIVE (default $OUT.tgz).
-# Usage: bash bench/run_gpu_suite.sh [tests|audit|tune|bench|tma|moe|moetune|moesweep|fp8|all]...
-#   TUNE_ARGS, BENCH_ARGS, MOE_BENCH_ARGS, MOE_TUNE_ARGS, MOE_SWEEP_ARGS, FP8_BENCH_ARGS: extra arguments of those
+# Usage: bash bench/run_gpu_suite.sh [tests|audit|tune|bench|ncu|tma|moe|moetune|moesweep|fp8|all]...
+#   TUNE_ARGS, BENCH_ARGS, NCU_ARGS, MOE_BENCH_ARGS, MOE_TUNE_ARGS, MOE_SWEEP_ARGS, FP8_BENCH_ARGS: extra arguments of those
 #   steps, split on spaces (e.g. TUNE_ARGS="--ops db --m 16 64 128 256 512" for the dB small-M sweep).
 set -uo pipefail
 OUT=${OUT:-results/gpu-$(date +%Y%m%d-%H%M%S)}
@@ -16,6 +16,7 @@ steps=("${@:-all}")
 source "$(dirname "$0")/gpu_steps.sh"
 read -ra TUNE_ARGS <<< "${TUNE_ARGS:-}"
 read -ra BENCH_ARGS <<< "${BENCH_ARGS:-}"
+read -ra NCU_ARGS <<< "${NCU_ARGS:-}"
 read -ra MOE_BENCH_ARGS <<< "${MOE_BENCH_ARGS:-}"
 read -ra MOE_TUNE_ARGS <<< "${MOE_TUNE_ARGS:-}"
 read -ra MOE_SWEEP_ARGS <<< "${MOE_SWEEP_ARGS:---quick --tokens 1024 4096 8192 16384}"
@@ -39,6 +40,9 @@ if want tune; then
 fi
 if want bench; then
   step bench-gemm "${BENCH_LIMIT:-240}" python -m toolkit bench gemm --device cuda --out "$OUT/bench" "${BENCH_ARGS[@]}"
+fi
+if want ncu; then  # Nsight Compute on the worst det_gemm rows vs cuBLAS (bench/gemm_ncu.py)
+  step ncu "${NCU_LIMIT:-420}" python -m bench.gemm_ncu --out "$OUT/ncu" "${NCU_ARGS[@]}"
 fi
 if want moe; then
   step pytest-moe "${MOE_TESTS_LIMIT:-180}" "${gpu_pytest[@]}" tests/test_moe.py tests/test_moe_routing.py
