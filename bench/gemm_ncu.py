@@ -47,7 +47,7 @@ METRICS = {
     "block": "launch__block_size",
 }
 DURATION = "gpu__time_duration.sum"
-TO_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
+TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}  # ncu's duration units
 WARMUP_CALLS = 3
 
 
@@ -156,15 +156,12 @@ def profile(cases: list[BenchCase], out: Path, ncu: str, timeout_s: int) -> list
 
 
 def markdown(rows: list[dict]) -> str:
-    cols = ("name", "impl", "kernel", "duration_us", *METRICS)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        cells = []
-        for c in cols:
-            v = r.get(c, r.get("error", "") if c == "kernel" else "")
-            cells.append(f"{v:.1f}" if isinstance(v, float) else str(v)[:60].replace("|", "/"))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    """A Markdown table of the rows: floats to 4 significant digits, missing cells empty."""
+    from tabulate import tabulate
+
+    cols = ("name", "impl", "kernel", "duration_us", *METRICS, "error")
+    return tabulate([[r.get(c) for c in cols] for r in rows], headers=list(cols), tablefmt="github",
+                    floatfmt=".4g", missingval="") + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -592,6 +592,8 @@ def weight_descriptor(b: torch.Tensor, block_n: int, step_k: int) -> tuple[Tenso
             f"data_ptr % 16 = {b.data_ptr() % 16}): TMA needs its last or middle dim with stride 1, the other "
             f"strides multiples of {16 // b.element_size()} elements and a 16-byte-aligned base; use a 'ptr' config")
     store, k_major = found
+    if b.is_cuda:  # the launch encodes the descriptor; autograd's backward thread may have no context yet
+        ensure_cuda_context(b.device)
     box = [1, block_n, step_k] if k_major else [1, step_k, block_n]
     return TensorDescriptor(store, list(store.shape), list(store.stride()), box), k_major
 
@@ -625,8 +627,6 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
     grid = (triton.cdiv(p, config.block_m) * triton.cdiv(n_cols, config.block_n),)
     flags = _backend_flags(backend, config)
     if config.variant == "tma":
-        if backend == CUDA_SM90:
-            ensure_cuda_context(b.device)
         b_desc, k_major = weight_descriptor(b, config.block_n, flags["STEP_K"])
         moe_grouped_gemm_tma_kernel[grid](
             a, routing.gather_token, b_desc, c, aux_t, h_t, ds_t,

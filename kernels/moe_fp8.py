@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, ensure_cuda_context
+from kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 from kernels.det_gemm import GemmConfig, interpreter_step_k
 from kernels.fp8_quant import (
     FP8_DTYPE, QBLOCK, Fp8Weight, dequantize_rowwise, quant_risk_rowwise, quant_risk_weight, quantize_colwise_ref,
@@ -399,8 +399,6 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
     step_k = interpreter_step_k(config) if interpreted else config.block_k
     b_arg = b
     if config.variant == "tma":  # FP8 weights are always K-major and 16-byte aligned: TMA can address them
-        if backend == CUDA_SM90:
-            ensure_cuda_context(b.device)
         b_arg, k_major = weight_descriptor(b.transpose(1, 2), config.block_n, step_k)
         if not k_major:
             raise ValueError(f"{stage}: variant 'tma' needs the K-major FP8 weight [E, C, L]; got strides {b.stride()}")
