@@ -47,7 +47,8 @@ METRICS = {
     "block": "launch__block_size",
 }
 DURATION = "gpu__time_duration.sum"
-TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}  # ncu's duration units
+# ncu spells its duration units either way, depending on version: "nsecond" (2024.x) or "ns" (2025.x).
+TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 WARMUP_CALLS = 3
 
 

@@ -55,7 +55,7 @@ from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, en
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-11-29.6"
+CONFIG_TABLE_VERSION = "2026-11-29.7"
 
 OPS = ("fwd", "da", "db")
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
@@ -117,7 +117,11 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
     "fwd": (
         (16, GemmConfig(16, 32, 128, 1, 4, 6)),
         (128, GemmConfig(64, 64, 128, 1, 4, 4)),
-        (512, GemmConfig(128, 128, 64, 8, 8, 4)),
+        # M 129-1024 (H200 mid-M sweep reports/2026-11-29-h200-table7/tune-mid, M 192-768, and tune-tma at
+        # M 1024): TMA tiles, 64 rows up to M 256, 128 rows above; geometric mean 1.00-1.07x the best
+        # candidate per (M, shape, layout) against 1.2-1.5x for the pointer 128x128 pick they replace.
+        (256, GemmConfig(64, 128, 64, 8, 4, 4, "tma")),
+        (1024, GemmConfig(128, 128, 64, 8, 8, 4, "tma")),
         # TMA descriptors (H200 sweep reports/2026-11-29-h200x2/tune-tma: 527-745 TFLOP/s on both
         # weight layouts vs 417-626 for the pointer kernel at the same tile, identical bits).
         (2**31, GemmConfig(256, 128, 64, 8, 8, 4, "tma")),
@@ -125,8 +129,8 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
     "da": (
         (16, GemmConfig(16, 64, 128, 1, 4, 6)),
         (128, GemmConfig(64, 64, 128, 1, 4, 4)),
-        (256, GemmConfig(64, 128, 64, 8, 4, 4)),
-        (1024, GemmConfig(128, 128, 64, 8, 8, 4)),
+        (256, GemmConfig(64, 128, 64, 8, 4, 4, "tma")),  # mid-M sweep, as fwd
+        (1024, GemmConfig(128, 128, 64, 8, 8, 4, "tma")),
         (2**31, GemmConfig(128, 256, 64, 16, 8, 4)),
     ),
     "db": (
@@ -141,11 +145,11 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
 # Entries that replace CONFIG_TABLE's when the kernel's B view is K-major (its reduced dim contiguous): dA of a
 # weight stored [K, N]. There the pointer kernel at the nn.Linear picks ran at 487-518 TFLOP/s and the TMA
 # variant at 648-741 (H200 sweep reports/2026-11-29-h200x2/tune-tma, M 1024/4096/16384, both shapes, every
-# candidate bit-identical to the table's pick); the M <= 1024 entry also serves M 257-1024 unmeasured.
+# candidate bit-identical to the table's pick). Up to M 1024 the mid-M sweep's picks are the same on both
+# layouts; only the large-M tile differs.
 CONFIG_TABLE_B_K_MAJOR: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
     "da": (
-        *CONFIG_TABLE["da"][:3],  # M <= 256: the table's picks (not swept on this layout)
-        (1024, GemmConfig(128, 128, 64, 8, 8, 4, "tma")),
+        *CONFIG_TABLE["da"][:4],
         (2**31, GemmConfig(256, 128, 64, 8, 8, 4, "tma")),
     ),
 }
