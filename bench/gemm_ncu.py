@@ -47,7 +47,7 @@ METRICS = {
     "block": "launch__block_size",
 }
 DURATION = "gpu__time_duration.sum"
-# ncu spells its duration units either way, depending on version: "nsecond" (2024.x) or "ns" (2025.x).
+# ncu's duration units, both spellings: "nsecond", "usecond", ... and "ns", "us", ... (the H200 host's ncu).
 TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 WARMUP_CALLS = 3
 

@@ -96,17 +96,20 @@ def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
     assert GemmConfig(128, 128, 64, 8, 8, 3).label() == "BM128_BN128_BK64_G8_w8_s3"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma").label() == "BM128_BN128_BK64_G8_w8_s3_tma"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma") != GemmConfig(128, 128, 64, 8, 8, 3)
-    # The H200 sweeps measured TMA ahead at large M for fwd (both layouts) and for dA of a [K, N] weight only.
+    # The H200 sweeps measured TMA ahead for fwd and dA at M 129-1024 (both layouts), for fwd at large M, and
+    # for dA of a [K, N] weight at large M; dB and dA of nn.Linear's weight at large M stay on pointers.
     tma = [(op, rows) for op, entries in CONFIG_TABLE.items() for rows, config in entries if config.variant == "tma"]
-    assert tma == [("fwd", 2**31)]
+    assert tma == [("fwd", 256), ("fwd", 1024), ("fwd", 2**31), ("da", 256), ("da", 1024)]
     tma_k = [(op, rows) for op, entries in CONFIG_TABLE_B_K_MAJOR.items() for rows, c in entries if c.variant == "tma"]
-    assert tma_k == [("da", 1024), ("da", 2**31)]
+    assert tma_k == [("da", 256), ("da", 1024), ("da", 2**31)]
 
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
 def test_da_pick_follows_the_weight_layout_with_the_same_bits(layout, device):
-    # dA of a [K, N] weight reads B K-major: the K-major table's TMA tile; of nn.Linear's weight.t(), the table's.
-    m, n, k = 300, 48, 64
+    # dA of a [K, N] weight reads B K-major: above M 1024 the K-major table's TMA tile; of nn.Linear's
+    # weight.t(), the table's pointer tile. Up to M 1024 both layouts pick the same TMA tile.
+    assert select_config("da", 300, b_k_major=True) == select_config("da", 300)
+    m, n, k = 1100, 48, 64
     dc, b = bf16_randn((m, n), 7, device), weight_kn(k, n, 8, layout, device)
     out, launch = LAUNCHERS["da"](dc, b)
     want = select_config("da", m, b_k_major=layout == "kn")

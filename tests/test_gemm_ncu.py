@@ -24,6 +24,8 @@ def test_raw_csv_becomes_report_rows():
     assert rows[1]["grid"] == 132 and "dram_throughput_pct" not in rows[0]  # absent metrics stay absent
     ns = NCU_CSV.replace('"usecond"', '"nsecond"')
     assert gemm_ncu.parse_ncu_csv(ns)[0]["duration_us"] == pytest.approx(0.0528)
+    short = NCU_CSV.replace('"usecond"', '"ns"')  # the spelling of the H200 host's ncu (2026-11-29)
+    assert gemm_ncu.parse_ncu_csv(short)[0]["duration_us"] == pytest.approx(0.0528)
     with pytest.raises(ValueError, match=r"ncu duration unit 'furlong' is not known"):
         gemm_ncu.parse_ncu_csv(NCU_CSV.replace('"usecond"', '"furlong"'))
     assert gemm_ncu.parse_ncu_csv("==PROF== No kernels were profiled.\n") == []

@@ -316,18 +316,14 @@ for (stage, epi, gather, c_t), tma in itertools.product(
         kf.moe_fp8_grouped_gemm_kernel, ptrs, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "STEP_K": c.block_k,
         "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False, "B_TMA": tma},
         ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"), c.num_warps, c.num_stages)
-c = kf.GemmConfig(64, 128, 128, 1, 8, 4)  # a tune candidate: two 1x128 dgu blocks per row in the epilogue
-out["dgrad_two_blocks"] = build(
-    kf.moe_fp8_grouped_gemm_kernel, {**ptrs, "b_ptr": "*fp8e4nv", "c_ptr": "*bf16"}, {"BLOCK_M": c.block_m,
-    "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": True, "EPILOGUE": 2,
-    "INTERPRETED": False, "B_TMA": False}, ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"),
-    c.num_warps, c.num_stages)
-c = kf.GemmConfig(128, 64, 128, 1, 8, 4)  # table .1's dgrad tile: the loop properties without the 4-warp pressure
-out["dgrad_w8"] = build(
-    kf.moe_fp8_grouped_gemm_kernel, {**ptrs, "b_ptr": "*fp8e4nv", "c_ptr": "*bf16"}, {"BLOCK_M": c.block_m,
-    "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": True, "EPILOGUE": 2,
-    "INTERPRETED": False, "B_TMA": False}, ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"),
-    c.num_warps, c.num_stages)
+# dgrad tiles beside the pinned one: a tune candidate with two 1x128 dgu blocks per row in the epilogue, and
+# table .1's 8-warp tile (the loop properties without the pinned 4-warp tile's register pressure).
+for name, c in (("dgrad_two_blocks", kf.GemmConfig(64, 128, 128, 1, 8, 4)), ("dgrad_w8", kf.GemmConfig(128, 64, 128, 1, 8, 4))):
+    out[name] = build(
+        kf.moe_fp8_grouped_gemm_kernel, {**ptrs, "b_ptr": "*fp8e4nv", "c_ptr": "*bf16"}, {"BLOCK_M": c.block_m,
+        "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": True, "EPILOGUE": 2,
+        "INTERPRETED": False, "B_TMA": False}, ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"),
+        c.num_warps, c.num_stages)
 c = kf.FP8_WGRAD_CONFIGS["cuda_sm90"]
 for acc in (False, True):
     out[f"wgrad_{acc}"] = build(kf.moe_fp8_wgrad_kernel, {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv",
