@@ -184,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = profile(cases, args.out, find_ncu(args.ncu), args.timeout)
     with open(args.out / "rows.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    (args.out / "report.md").write_text(
-        "# det_gemm vs cuBLAS under Nsight Compute (--clock-control none)\n\n" + markdown(rows))
-    print(markdown(rows))
+    table = markdown(rows)
+    (args.out / "report.md").write_text("# det_gemm vs cuBLAS under Nsight Compute (--clock-control none)\n\n" + table)
+    print(table)
     return 0 if rows and all("error" not in r for r in rows) else 1
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 from dataclasses import dataclass, replace
 
 SASS_OPS = r"\b(HGMMA|HMMA|UTMALDG|LDGSTS|LDSM|LDS|STS|SHFL)[.\w]*"
@@ -44,12 +45,26 @@ CASES = (
 )
 
 
-def _cuobjdump(flag: str, cubin: str) -> str:
-    """Triton's wheel carries cuobjdump; no CUDA toolkit or GPU needed."""
+def cuobjdump(flag: str, cubin: str) -> str:
+    """``cuobjdump flag cubin`` (a file path). Triton's wheel carries cuobjdump; no CUDA toolkit or GPU needed."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     return subprocess.run([tool, flag, cubin], capture_output=True, text=True, check=True).stdout
+
+
+def cuobjdump_bytes(flag: str, cubin: bytes, tmp_dir: str) -> str:
+    """``cuobjdump`` on a compiled kernel's ``asm["cubin"]``, through a temporary file in ``tmp_dir``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", dir=tmp_dir) as f:
+        f.write(cubin)
+        f.flush()
+        return cuobjdump(flag, f.name)
+
+
+def stack_bytes(resources: str) -> int | None:
+    """Per-thread stack from ``--dump-resource-usage`` output: > 0 means register spills."""
+    stack = re.search(r"STACK:(\d+)", resources)
+    return int(stack.group(1)) if stack else None
 
 
 def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = False,
@@ -108,17 +123,16 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
         f.write(kernel.asm["cubin"])
     with open(os.path.join(out_dir, f"{tag}.ttgir"), "w") as f:
         f.write(kernel.asm["ttgir"])
-    sass = _cuobjdump("--dump-sass", cubin)
+    sass = cuobjdump("--dump-sass", cubin)
     with open(os.path.join(out_dir, f"{tag}.sass"), "w") as f:
         f.write(sass)
     counts = {op: 0 for op in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS", "LDSM", "LDS", "STS", "SHFL")}
     for m in re.finditer(SASS_OPS, sass):
         counts[m.group(1)] += 1
-    resources = _cuobjdump("--dump-resource-usage", cubin)
+    resources = cuobjdump("--dump-resource-usage", cubin)
     usage = re.search(r"REG:(\d+)", resources)
-    stack = re.search(r"STACK:(\d+)", resources)  # per-thread stack: > 0 here means register spills
     return {"case": tag, "op": case.op, "layout": case.tag, "variant": variant, "config": cfg.label(),
-            "regs": int(usage.group(1)) if usage else None, "stack_bytes": int(stack.group(1)) if stack else None,
+            "regs": int(usage.group(1)) if usage else None, "stack_bytes": stack_bytes(resources),
             "shared_bytes": kernel.metadata.shared, **counts}
 
 

@@ -118,8 +118,8 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
         (16, GemmConfig(16, 32, 128, 1, 4, 6)),
         (128, GemmConfig(64, 64, 128, 1, 4, 4)),
         # M 129-1024 (H200 mid-M sweep reports/2026-11-29-h200-table7/tune-mid, M 192-768, and tune-tma at
-        # M 1024): TMA tiles, 64 rows up to M 256, 128 rows above; geometric mean 1.00-1.07x the best
-        # candidate per (M, shape, layout) against 1.2-1.5x for the pointer 128x128 pick they replace.
+        # M 1024): TMA tiles, 64 rows up to M 256, 128 rows above; over M 192-768, geometric mean 1.00 / 1.06x
+        # the best candidate per (M, shape, layout) against 1.22 / 1.15x (worst 1.58x) for the table .6 picks.
         (256, GemmConfig(64, 128, 64, 8, 4, 4, "tma")),
         (1024, GemmConfig(128, 128, 64, 8, 8, 4, "tma")),
         # TMA descriptors (H200 sweep reports/2026-11-29-h200x2/tune-tma: 527-745 TFLOP/s on both

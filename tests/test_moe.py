@@ -257,7 +257,8 @@ def test_bench_tiny_runs_end_to_end_labelled_interpreter(device):
 # specialisation a real launch gets (16-divisible pointers and sizes, unit inner strides): catches
 # GPU-only compile errors in CI and checks the GEMMs use wgmma and a pipelined (cp.async) K loop.
 _SM90_COMPILE = r'''
-import json, os, re, subprocess, sys, tempfile, triton
+import json, sys, triton
+from bench.gemm_sass import cuobjdump_bytes, stack_bytes
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.moe as km
@@ -272,15 +273,9 @@ def build(fn, ptrs, consts, unit):
     opts = {"num_warps": cfg.num_warps if cfg else 4, "num_stages": cfg.num_stages if cfg else 1}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=div), target=target, options=opts)
     ptx = k.asm["ptx"]
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", dir=sys.argv[1]) as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    stack = re.search(r"STACK:(\d+)", usage)
     return {"wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async"),
             "tma": ptx.count("cp.async.bulk.tensor"), "shared": k.metadata.shared,
-            "stack": int(stack.group(1)) if stack else None}
+            "stack": stack_bytes(cuobjdump_bytes("--dump-resource-usage", k.asm["cubin"], sys.argv[1]))}
 out = {}
 g = km.moe_grouped_gemm_kernel
 for stage, epi, gather, c_t in (("up", 1, True, "*bf16"), ("down", 0, False, "*fp32"), ("dgrad", 2, True, "*bf16"), ("dx", 0, False, "*fp32")):

@@ -264,22 +264,18 @@ def test_every_stage_within_derived_bound_on_gpu(device):
 # with a pipelined (cp.async) K loop and no register spills, and that the E4M3 conversions use the RTNE
 # saturating cvt.
 _SM90_COMPILE = r'''
-import itertools, json, os, re, subprocess, sys, tempfile, triton
+import itertools, json, re, sys, triton
+from bench.gemm_sass import cuobjdump_bytes, stack_bytes
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.fp8_quant as fq
 import kernels.moe_fp8 as kf
 target = GPUTarget("cuda", 90, 32)
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 def sass_counts(cubin):
-    """QGMMA (FP8 wgmma) in the SASS and the stack frame (register spills) from Triton's bundled cuobjdump."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", dir=sys.argv[1]) as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    stack = re.search(r"STACK:(\d+)", usage)
-    return {"qgmma": len(re.findall(r"\bQGMMA", sass)), "stack": int(stack.group(1)) if stack else None}
+    """QGMMA (FP8 wgmma) in the SASS and the stack frame (register spills), from Triton's bundled cuobjdump."""
+    sass = cuobjdump_bytes("--dump-sass", cubin, sys.argv[1])
+    return {"qgmma": len(re.findall(r"\bQGMMA", sass)),
+            "stack": stack_bytes(cuobjdump_bytes("--dump-resource-usage", cubin, sys.argv[1]))}
 def k_loop(ttgir):
     """The K loop (the scf.for around the first wgmma, to its scf.yield): are the FP32 scale loads issued
     before the wgmma (their latency hidden behind it), and how many layout conversions run per block."""
