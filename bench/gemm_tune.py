@@ -50,6 +50,13 @@ MID = [GemmConfig(*c) for c in [(128, 64, 64, 8, 4, 4)]]
 MID_TMA = [GemmConfig(*c, variant="tma") for c in [
     (64, 64, 128, 1, 4, 4), (64, 128, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4), (64, 256, 64, 8, 8, 3),
 ]]
+# Small M on TMA tiles (the pointer picks at M 32-128 are 1.15-1.80x cuBLASLt no-split-K): the weight stream
+# is the work, so narrow N tiles (more CTAs: N/32 = 128-192 of them) and deeper pipelines (more bytes in flight).
+SMALL_TMA = [GemmConfig(*c, variant="tma") for c in [
+    (64, 32, 128, 1, 4, 4), (64, 32, 128, 1, 4, 6), (64, 32, 256, 1, 4, 4), (64, 64, 128, 1, 4, 6),
+    (64, 64, 64, 1, 4, 8), (64, 64, 256, 1, 4, 3), (64, 128, 128, 1, 4, 4), (64, 128, 64, 8, 4, 6),
+    (128, 64, 64, 8, 4, 6), (64, 128, 128, 8, 8, 3),
+]]
 
 # dB at small M: the [K, N] output is large and the reduction short, so large output tiles with few
 # K steps (BLOCK_K down to 16) and shallow pipelines; the epilogue's write of the whole gradient dominates.
@@ -65,9 +72,9 @@ def candidates(op: str, m: int, variants=VARIANTS) -> list[GemmConfig]:
     if op == "db":
         out = DB_SMALL_M if m <= 512 else LARGE + LARGE_TMA
     elif m <= 64:
-        out = SMALL
+        out = SMALL + SMALL_TMA
     elif m <= 1024:
-        out = SMALL[-6:] + MID + LARGE + LARGE_TMA + MID_TMA
+        out = SMALL[-6:] + MID + LARGE + LARGE_TMA + MID_TMA + SMALL_TMA
     else:
         out = LARGE + LARGE_TMA
     return [c for c in out if c.variant in variants]
@@ -83,8 +90,10 @@ def _time(fns: dict, x, y, op: str, device: torch.device, rounds: int, timing: s
 
 
 def sweep(ops, ms, shapes, layouts, rounds: int, variants=VARIANTS, timing: str = "graphs",
-          device: torch.device = torch.device("cuda")) -> list[dict]:
-    """Rows per (case, config): timing and bits vs the table's pick, or the error that refused it."""
+          device: torch.device = torch.device("cuda"), on_case=None) -> list[dict]:
+    """Rows per (case, config): timing and bits vs the table's pick, or the error that refused it.
+    ``on_case(rows)`` runs after each case (the CLI saves the rows so far: a run stopped by a time limit
+    keeps what it measured)."""
     rows = []
     for op in ops:
         for k, n in shapes:
@@ -124,6 +133,8 @@ def sweep(ops, ms, shapes, layouts, rounds: int, variants=VARIANTS, timing: str 
                     print(f"{case.name}: best {best['config']} {best['median_us']:.1f}us {best['tflops']:.0f} "
                           f"TFLOP/s; table {pick['config']} {pick['tflops']:.0f} TFLOP/s; "
                           f"bits differ from table: {differ or 'none'}", flush=True)
+                    if on_case is not None:
+                        on_case(rows)
     return rows
 
 
@@ -166,18 +177,22 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     start = time.time()
+
+    def save(rows, summary=None):
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "timing": args.timing, "complete": summary is not None,
+                       "seconds": time.time() - start, "ab_summary": summary or [], "rows": rows}, f, indent=1)
+
     rows = sweep(args.ops, args.m, ((4096, 6144), (6144, 4096)), args.layouts, args.rounds,
-                 variants=tuple(args.variants), timing=args.timing)
+                 variants=tuple(args.variants), timing=args.timing, on_case=save)
     summary = ab_summary(rows)
     for r in summary:
         print(f"A/B {r['op']} b={r['layout']} N={r['N']} K={r['K']} M={r['Ms']}: table {r['table_tflops']:.0f}; "
               f"best ptr {r.get('best_ptr')} {r.get('best_ptr_tflops', float('nan')):.0f}; "
               f"best tma {r.get('best_tma')} {r.get('best_tma_tflops', float('nan')):.0f} "
               f"(x{r.get('best_tma_vs_table', float('nan')):.3f} vs table) TFLOP/s, median over M", flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "triton": triton.__version__, "timing": args.timing,
-                   "seconds": time.time() - start, "ab_summary": summary, "rows": rows}, f, indent=1)
+    save(rows, summary)
     differ = [r for r in rows if r.get("bits_equal_table") is False]
     if differ:  # a candidate that changes bits must never be pinned: make the run fail loudly
         raise SystemExit(f"{len(differ)} (case, config) pairs gave bits different from the table's pick; "
