@@ -55,7 +55,7 @@ from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, en
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-11-29.7"
+CONFIG_TABLE_VERSION = "2026-11-30.8"
 
 OPS = ("fwd", "da", "db")
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
@@ -116,11 +116,16 @@ class GemmConfig:
 CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
     "fwd": (
         (16, GemmConfig(16, 32, 128, 1, 4, 6)),
-        (128, GemmConfig(64, 64, 128, 1, 4, 4)),
-        # M 129-1024 (H200 mid-M sweep reports/2026-11-29-h200-table7/tune-mid, M 192-768, and tune-tma at
-        # M 1024): TMA tiles, 64 rows up to M 256, 128 rows above; over M 192-768, geometric mean 1.00 / 1.06x
-        # the best candidate per (M, shape, layout) against 1.22 / 1.15x (worst 1.58x) for the table .6 picks.
-        (256, GemmConfig(64, 128, 64, 8, 4, 4, "tma")),
+        (32, GemmConfig(64, 64, 128, 1, 4, 4)),
+        # M 33-256 (H200 small-M sweep reports/2026-11-30-h200/tune-small, fwd and dA, both shapes and
+        # layouts): TMA tiles with 6 stages (more of the weight stream in flight). Geometric mean over the 8
+        # (op, shape, layout) cases of time / best candidate: M=64 1.01 (table .7's pick 1.18), M=128 1.06
+        # (1.29), M=256 1.09 (1.16).
+        (64, GemmConfig(64, 64, 128, 1, 4, 6, "tma")),
+        (256, GemmConfig(64, 128, 64, 8, 4, 6, "tma")),
+        # M 257-1024 (H200 mid-M sweep reports/2026-11-29-h200-table7/tune-mid, M 192-768, and tune-tma at
+        # M 1024): 128-row TMA tiles; over M 192-768, geometric mean 1.00 / 1.06x the best candidate per
+        # (M, shape, layout) against 1.22 / 1.15x (worst 1.58x) for the table .6 picks.
         (1024, GemmConfig(128, 128, 64, 8, 8, 4, "tma")),
         # TMA descriptors (H200 sweep reports/2026-11-29-h200x2/tune-tma: 527-745 TFLOP/s on both
         # weight layouts vs 417-626 for the pointer kernel at the same tile, identical bits).
@@ -128,8 +133,9 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
     ),
     "da": (
         (16, GemmConfig(16, 64, 128, 1, 4, 6)),
-        (128, GemmConfig(64, 64, 128, 1, 4, 4)),
-        (256, GemmConfig(64, 128, 64, 8, 4, 4, "tma")),  # mid-M sweep, as fwd
+        (32, GemmConfig(64, 64, 128, 1, 4, 4)),
+        (64, GemmConfig(64, 64, 128, 1, 4, 6, "tma")),  # small-M and mid-M sweeps, as fwd
+        (256, GemmConfig(64, 128, 64, 8, 4, 6, "tma")),
         (1024, GemmConfig(128, 128, 64, 8, 8, 4, "tma")),
         (2**31, GemmConfig(128, 256, 64, 16, 8, 4)),
     ),
@@ -149,7 +155,7 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
 # layouts; only the large-M tile differs.
 CONFIG_TABLE_B_K_MAJOR: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
     "da": (
-        *CONFIG_TABLE["da"][:4],
+        *CONFIG_TABLE["da"][:-1],
         (2**31, GemmConfig(256, 128, 64, 8, 8, 4, "tma")),
     ),
 }

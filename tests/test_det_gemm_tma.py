@@ -96,12 +96,12 @@ def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
     assert GemmConfig(128, 128, 64, 8, 8, 3).label() == "BM128_BN128_BK64_G8_w8_s3"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma").label() == "BM128_BN128_BK64_G8_w8_s3_tma"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma") != GemmConfig(128, 128, 64, 8, 8, 3)
-    # The H200 sweeps measured TMA ahead for fwd and dA at M 129-1024 (both layouts), for fwd at large M, and
-    # for dA of a [K, N] weight at large M; dB and dA of nn.Linear's weight at large M stay on pointers.
+    # The H200 sweeps measured TMA ahead for fwd and dA at M 33-1024 (both layouts), for fwd at large M, and
+    # for dA of a [K, N] weight at large M; dB, M <= 32 and dA of nn.Linear's weight at large M stay on pointers.
     tma = [(op, rows) for op, entries in CONFIG_TABLE.items() for rows, config in entries if config.variant == "tma"]
-    assert tma == [("fwd", 256), ("fwd", 1024), ("fwd", 2**31), ("da", 256), ("da", 1024)]
+    assert tma == [("fwd", 64), ("fwd", 256), ("fwd", 1024), ("fwd", 2**31), ("da", 64), ("da", 256), ("da", 1024)]
     tma_k = [(op, rows) for op, entries in CONFIG_TABLE_B_K_MAJOR.items() for rows, c in entries if c.variant == "tma"]
-    assert tma_k == [("da", 256), ("da", 1024), ("da", 2**31)]
+    assert tma_k == [("da", 64), ("da", 256), ("da", 1024), ("da", 2**31)]
 
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
@@ -182,9 +182,9 @@ def test_db_candidates_follow_m_and_the_table_keys_db_by_m(device):
     import bench.gemm_tune as tune
 
     assert tune.candidates("db", 16) == tune.DB_SMALL_M and tune.candidates("db", 4096) == tune.LARGE + tune.LARGE_TMA
-    assert tune.candidates("fwd", 16) == tune.SMALL
+    assert tune.candidates("fwd", 16) == tune.SMALL + tune.SMALL_TMA
     mid = tune.candidates("da", 512)
-    assert set(tune.MID + tune.MID_TMA) <= set(mid) and len(set(mid)) == len(mid)  # no candidate timed twice
+    assert set(tune.MID + tune.MID_TMA + tune.SMALL_TMA) <= set(mid) and len(set(mid)) == len(mid)  # none timed twice
     # dB's launch picks its config by M (its reduced dim), not by its output rows K.
     a, dc = bf16_randn((9, 56), 1, device), bf16_randn((9, 40), 2, device)
     assert LAUNCHERS["db"](a, dc)[1].config == select_config("db", 9)
