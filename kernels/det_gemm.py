@@ -14,7 +14,8 @@ Determinism rests on three rules, audited by ``audits/gemm_*``:
   ``tl.dot`` into the same FP32 accumulator. The order is a function of L alone — never of the row
   count R, the grid, or the tile config — so a row's bits do not depend on the batch it sits in
   (batch invariance for fwd and dA) and appending zero rows to dB adds exact zeros.
-- Configs come from the pinned table below (no autotune). Every entry must give the same bits; the
+- Configs come from the pinned table below (no autotune): by M, and in the small- and mid-M buckets by
+  whether the grid fits one wave on the device (``OneWave``). Every config must give the same bits; the
   cross-config audit checks that on every backend.
 
 Segmented reduction: with ``seg_len`` set, L is cut into contiguous segments; each is accumulated
@@ -30,7 +31,7 @@ depends on L alone (one FP32 rounding per product, strictly sequential). The int
 BF16 cast truncates, so the final rounding there is done in integer arithmetic (nearest-even). Interpreter bits differ from tensor-core bits; each backend is audited on its own.
 
 Two kernels share that tile math (``tile_of_program``, ``segment_boundary``, ``accumulate``, ``mac_step``, ``store_tile``):
-- ``det_gemm_kernel`` (``GemmConfig.variant == "ptr"``, every pinned entry) loads through pointers
+- ``det_gemm_kernel`` (``GemmConfig.variant == "ptr"``) loads through pointers
   (cp.async on sm_90).
 - ``det_gemm_tma_kernel`` (``variant == "tma"``) loads each operand with a host-side TMA descriptor
   over its storage order (a K-major B, e.g. ``weight.t()``, as ``[N, K]`` boxes transposed before
@@ -43,6 +44,7 @@ Shapes: any M, N, K >= 1 whose element offsets fit in 32 bits; any non-negative 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -55,7 +57,7 @@ from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, en
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-11-30.8"
+CONFIG_TABLE_VERSION = "2026-11-30.9"
 
 OPS = ("fwd", "da", "db")
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
@@ -109,24 +111,72 @@ class GemmConfig:
         return label if self.variant == "ptr" else f"{label}_{self.variant}"
 
 
-# (largest M the entry serves, config); M is the batch dimension for all three ops (dB's reduced
+# Hopper SXM (H100, H200): SMs, shared memory per SM, and the shared memory the driver reserves per resident CTA.
+HOPPER_SMS = 132
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_CTA = 1024
+# A kernel's shared memory beyond its operand ring: the mbarriers (the sm_90 compiles of the table's TMA
+# configs use 32-48 bytes; the pointer kernel none).
+SMEM_BARRIER_SLACK = 64
+
+
+def operand_ring_bytes(config: GemmConfig) -> int:
+    """Shared memory of the operand ring (num_stages x one BF16 A tile and one B tile): what the sm_90 compiles
+    of the table's configs allocate, to within the mbarriers (tests/test_det_gemm_tma.py checks it offline)."""
+    return config.num_stages * (config.block_m * config.block_k + config.block_k * config.block_n) * 2
+
+
+def ctas_per_sm(config: GemmConfig) -> int:
+    """How many CTAs of ``config`` one Hopper SM holds at once, as shared memory allows (registers allow more
+    for every table config: at most 155 per thread)."""
+    return max(1, SMEM_PER_SM // (operand_ring_bytes(config) + SMEM_BARRIER_SLACK + SMEM_RESERVED_PER_CTA))
+
+
+def output_tiles(config: GemmConfig, rows: int, cols: int) -> int:
+    """CTAs of the (non-persistent) grid: one per output tile."""
+    return triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n)
+
+
+@dataclass(frozen=True)
+class OneWave:
+    """One M bucket's tile configs in order of preference: the first whose whole grid is resident at once
+    (output tiles <= SMs x CTAs per SM: no second, partly idle wave), or the first if none is. At small and
+    mid M the grid is a few hundred tiles at most, so which config fills the 132 SMs in one wave decides;
+    that depends on the output width as well as M. Every config gives the same bits (same K order; checked
+    by the cross-config audit), so the choice cannot change a result."""
+    configs: tuple[GemmConfig, ...]
+
+    def __post_init__(self):
+        if not self.configs or not all(isinstance(c, GemmConfig) for c in self.configs):
+            raise ValueError(f"OneWave needs one or more GemmConfig; got {self.configs!r}")
+
+    def pick(self, rows: int, cols: int, sms: int) -> GemmConfig:
+        for config in self.configs:
+            if output_tiles(config, rows, cols) <= sms * ctas_per_sm(config):
+                return config
+        return self.configs[0]
+
+
+# (largest M the entry serves, config or OneWave); M is the batch dimension for all three ops (dB's reduced
 # dimension: dB is not batch-invariant by nature, so picking its tile by M costs no property).
-# Entries chosen from bench/gemm_tune.py sweeps on an H200 (reports/2026-11-29-h200/); every candidate
-# swept there gave the same bits as the table's pick.
-CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
+# Entries chosen from bench/gemm_tune.py sweeps on an H200 (reports/2026-11-29-h200/ and later); every
+# candidate swept there gave the same bits as the table's pick.
+_SMALL_64 = GemmConfig(64, 64, 128, 1, 4, 6, "tma")  # 192 KiB ring: 1 CTA per SM
+_SMALL_128 = GemmConfig(64, 128, 64, 8, 4, 6, "tma")  # 144 KiB: 1 CTA per SM
+_SMALL_128_2 = GemmConfig(64, 128, 64, 8, 4, 4, "tma")  # 96 KiB: 2 CTAs per SM
+_MID = GemmConfig(128, 128, 64, 8, 8, 4, "tma")  # 128 KiB: 1 CTA per SM
+_MID_TALL = GemmConfig(256, 128, 64, 8, 8, 4, "tma")  # 192 KiB: 1 CTA per SM, half the tiles of _MID
+CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
     "fwd": (
         (16, GemmConfig(16, 32, 128, 1, 4, 6)),
         (32, GemmConfig(64, 64, 128, 1, 4, 4)),
-        # M 33-256 (H200 small-M sweep reports/2026-11-30-h200/tune-small, fwd and dA, both shapes and
-        # layouts): TMA tiles with 6 stages (more of the weight stream in flight). Geometric mean over the 8
-        # (op, shape, layout) cases of time / best candidate: M=64 1.01 (table .7's pick 1.18), M=128 1.06
-        # (1.29), M=256 1.09 (1.16).
-        (64, GemmConfig(64, 64, 128, 1, 4, 6, "tma")),
-        (256, GemmConfig(64, 128, 64, 8, 4, 6, "tma")),
-        # M 257-1024 (H200 mid-M sweep reports/2026-11-29-h200-table7/tune-mid, M 192-768, and tune-tma at
-        # M 1024): 128-row TMA tiles; over M 192-768, geometric mean 1.00 / 1.06x the best candidate per
-        # (M, shape, layout) against 1.22 / 1.15x (worst 1.58x) for the table .6 picks.
-        (1024, GemmConfig(128, 128, 64, 8, 8, 4, "tma")),
+        # M 33-1024 (H200 sweep reports/2026-11-30-h200/tune-small, M 64-1024, fwd and dA, both shapes and
+        # layouts, 40 (op, M, shape, layout) cases): TMA tiles picked by the one-wave rule; geometric mean of
+        # time / the best candidate per case 1.00-1.01 per M (worst case 1.06), against 1.03-1.09 (worst
+        # 1.20) for one fixed config per M bucket (table .8) and 1.03-1.29 for table .7.
+        (128, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
+        (256, OneWave((_SMALL_128, _SMALL_128_2))),
+        (1024, OneWave((_MID, _MID_TALL))),
         # TMA descriptors (H200 sweep reports/2026-11-29-h200x2/tune-tma: 527-745 TFLOP/s on both
         # weight layouts vs 417-626 for the pointer kernel at the same tile, identical bits).
         (2**31, GemmConfig(256, 128, 64, 8, 8, 4, "tma")),
@@ -134,9 +184,9 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
     "da": (
         (16, GemmConfig(16, 64, 128, 1, 4, 6)),
         (32, GemmConfig(64, 64, 128, 1, 4, 4)),
-        (64, GemmConfig(64, 64, 128, 1, 4, 6, "tma")),  # small-M and mid-M sweeps, as fwd
-        (256, GemmConfig(64, 128, 64, 8, 4, 6, "tma")),
-        (1024, GemmConfig(128, 128, 64, 8, 8, 4, "tma")),
+        (128, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),  # as fwd
+        (256, OneWave((_SMALL_128, _SMALL_128_2))),
+        (1024, OneWave((_MID, _MID_TALL))),
         (2**31, GemmConfig(128, 256, 64, 16, 8, 4)),
     ),
     "db": (
@@ -151,9 +201,9 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
 # Entries that replace CONFIG_TABLE's when the kernel's B view is K-major (its reduced dim contiguous): dA of a
 # weight stored [K, N]. There the pointer kernel at the nn.Linear picks ran at 487-518 TFLOP/s and the TMA
 # variant at 648-741 (H200 sweep reports/2026-11-29-h200x2/tune-tma, M 1024/4096/16384, both shapes, every
-# candidate bit-identical to the table's pick). Up to M 1024 the mid-M sweep's picks are the same on both
+# candidate bit-identical to the table's pick). Up to M 1024 the sweeps' picks are the same on both
 # layouts; only the large-M tile differs.
-CONFIG_TABLE_B_K_MAJOR: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
+CONFIG_TABLE_B_K_MAJOR: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
     "da": (
         *CONFIG_TABLE["da"][:-1],
         (2**31, GemmConfig(256, 128, 64, 8, 8, 4, "tma")),
@@ -161,15 +211,19 @@ CONFIG_TABLE_B_K_MAJOR: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
 }
 
 
-def select_config(op: str, m: int, b_k_major: bool = False) -> GemmConfig:
+def select_config(op: str, m: int, b_k_major: bool = False, cols: int | None = None,
+                  sms: int = HOPPER_SMS) -> GemmConfig:
     """The pinned config for ``op`` at batch size ``m`` (fwd/dA: output rows; dB: the reduced dim);
-    ``b_k_major``: the kernel's B view has its reduced dim contiguous (CONFIG_TABLE_B_K_MAJOR)."""
+    ``b_k_major``: the kernel's B view has its reduced dim contiguous (CONFIG_TABLE_B_K_MAJOR); ``cols``:
+    the output's width, for a OneWave entry on ``sms`` SMs (None: the entry's first choice)."""
     if op not in CONFIG_TABLE:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
     table = CONFIG_TABLE_B_K_MAJOR.get(op, CONFIG_TABLE[op]) if b_k_major else CONFIG_TABLE[op]
-    for max_m, config in table:
+    for max_m, entry in table:
         if m <= max_m:
-            return config
+            if isinstance(entry, OneWave):
+                return entry.configs[0] if cols is None else entry.pick(m, cols, sms)
+            return entry
     raise ValueError(f"M={m} exceeds the config table for {op!r}")
 
 
@@ -178,7 +232,20 @@ def all_configs(op: str) -> list[GemmConfig]:
     if op not in CONFIG_TABLE:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
     entries = (*CONFIG_TABLE[op], *CONFIG_TABLE_B_K_MAJOR.get(op, ()))
-    return list(dict.fromkeys(config for _, config in entries))
+    configs = (c for _, e in entries for c in (e.configs if isinstance(e, OneWave) else (e,)))
+    return list(dict.fromkeys(configs))
+
+
+def device_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; the Hopper count under the interpreter (its pick only decides speed)."""
+    if device.type != "cuda":
+        return HOPPER_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def case_name(op: str, m: int, n: int, k: int) -> str:
@@ -444,12 +511,13 @@ def b_is_k_major(b_view: torch.Tensor) -> bool:
     return b_view.stride(0) == 1 and b_view.stride(1) != 1
 
 
-def table_config(op: str, m: int, views: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> GemmConfig:
-    """The table's pick for ``op`` at batch size ``m`` and the B view's layout, as the pointer kernel with the
+def table_config(op: str, m: int, cols: int, views: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> GemmConfig:
+    """The table's pick for ``op`` at batch size ``m``, output width ``cols`` on the operands' device and the B
+    view's layout, as the pointer kernel with the
     same tile when the pick is "tma" and an operand is not TMA-addressable (``views``: (tensor, kernel view)
     of A and B). Neither the layout nor the variant changes the bits (same K order; every pick swept on the
     H200 and checked by the cross-config audit), so this choice cannot change a result."""
-    config = select_config(op, m, b_is_k_major(views[1][1]))
+    config = select_config(op, m, b_is_k_major(views[1][1]), cols, device_sms(views[0][1].device))
     if config.variant == "tma":
         blocks = ((config.block_m, config.block_k), (config.block_k, config.block_n))
         if any(_tma_layout(t, v, blk) is None for (t, v), blk in zip(views, blocks)):
@@ -484,7 +552,7 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
     cols = b_view.shape[1]
     _check_twin(twin_out, rows, cols, out_dtype, a_view.device)
     if config is None:
-        config = table_config(op, reduced if op == "db" else rows, tuple(zip(tensors.values(), (a_view, b_view))))
+        config = table_config(op, reduced if op == "db" else rows, cols, tuple(zip(tensors.values(), (a_view, b_view))))
     seg = _check_seg_len(seg_len, reduced, config)
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k

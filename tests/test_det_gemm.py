@@ -10,8 +10,8 @@ import torch
 
 from audits.gemm_contract import oracle
 from kernels.det_gemm import (
-    CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, all_configs, det_gemm_da, det_gemm_db, det_gemm_fwd, det_gemm_fwd_launch,
-    select_config,
+    CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, OneWave, all_configs, ctas_per_sm, det_gemm_da, det_gemm_db,
+    det_gemm_fwd, det_gemm_fwd_launch, operand_ring_bytes, output_tiles, select_config,
 )
 from kernels.backend import check_bf16_matrix
 from toolkit.contract import check_bound, compare_bits, gemm_bound
@@ -66,7 +66,40 @@ def test_config_table_is_pinned_and_covers_every_size():
         assert [bound for bound, _ in entries] == sorted(bound for bound, _ in entries)
         assert entries[-1][0] >= 2**31 - 1
         assert select_config(op, 1, k_major) == entries[0][1]
-        assert set(config for _, config in entries) <= set(all_configs(op))  # the audit runs every pick
+        picks = {c for _, e in entries for c in (e.configs if isinstance(e, OneWave) else (e,))}
+        assert picks <= set(all_configs(op))  # the audit runs every pick
+
+
+def test_one_wave_picks_the_first_config_whose_grid_is_resident_at_once():
+    deep, shallow = GemmConfig(64, 128, 64, 8, 4, 6, "tma"), GemmConfig(64, 128, 64, 8, 4, 4, "tma")
+    assert operand_ring_bytes(deep) == 6 * (64 * 64 + 64 * 128) * 2 == 147456
+    assert (ctas_per_sm(deep), ctas_per_sm(shallow)) == (1, 2)  # 144 KiB vs 96 KiB of 228 KiB per SM
+    rule = OneWave((deep, shallow))
+    # M=256 on 132 SMs: 4 x 32 = 128 tiles fit one wave of the deep ring; 4 x 48 = 192 need the 2-per-SM one.
+    assert output_tiles(deep, 256, 4096) == 128 and rule.pick(256, 4096, 132) == deep
+    assert output_tiles(deep, 256, 6144) == 192 and rule.pick(256, 6144, 132) == shallow
+    assert rule.pick(256, 16384, 132) == deep  # 512 tiles: neither fits one wave, so the first
+    assert select_config("fwd", 256) == deep  # no output width: the first choice
+    assert select_config("fwd", 256, cols=6144) == shallow and select_config("fwd", 256, cols=6144, sms=200) == deep
+    with pytest.raises(ValueError, match=r"OneWave needs one or more GemmConfig; got \(\)"):
+        OneWave(())
+
+
+def test_launch_picks_by_the_output_width_on_the_device_sms(device, monkeypatch):
+    import kernels.det_gemm as dg
+
+    # M=130 in the (128, 256] bucket; 128 output columns: 3 tiles of 64x128. With 2 SMs the 6-stage ring
+    # (1 CTA per SM) cannot hold them in one wave, the 4-stage one (2 per SM) can.
+    a, b = bf16_randn((130, 48), 1, device), bf16_randn((48, 128), 2, device)
+    monkeypatch.setattr(dg, "device_sms", lambda dev: 2)
+    out, launch = det_gemm_fwd_launch(a, b)
+    assert launch.config == GemmConfig(64, 128, 64, 8, 4, 4, "tma")
+    monkeypatch.setattr(dg, "device_sms", lambda dev: 3)
+    out3, launch3 = det_gemm_fwd_launch(a, b)
+    assert launch3.config == GemmConfig(64, 128, 64, 8, 4, 6, "tma")
+    assert compare_bits(out, out3).equal
+    c_star, abs_ab = oracle("fwd", a, b)
+    assert check_bound(out, c_star, gemm_bound(c_star, abs_ab, 48)).passed
 
 
 # ---- fail closed -----------------------------------------------------------------------------

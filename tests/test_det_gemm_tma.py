@@ -13,7 +13,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.det_gemm import CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, all_configs, select_config
+from kernels.det_gemm import (
+    CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, OneWave, all_configs, operand_ring_bytes, select_config,
+)
 from toolkit.contract import compare_bits
 from tests.test_det_gemm import _operands
 from toolkit.fixtures import bf16_randn, weight_kn
@@ -98,10 +100,13 @@ def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma") != GemmConfig(128, 128, 64, 8, 8, 3)
     # The H200 sweeps measured TMA ahead for fwd and dA at M 33-1024 (both layouts), for fwd at large M, and
     # for dA of a [K, N] weight at large M; dB, M <= 32 and dA of nn.Linear's weight at large M stay on pointers.
-    tma = [(op, rows) for op, entries in CONFIG_TABLE.items() for rows, config in entries if config.variant == "tma"]
-    assert tma == [("fwd", 64), ("fwd", 256), ("fwd", 1024), ("fwd", 2**31), ("da", 64), ("da", 256), ("da", 1024)]
-    tma_k = [(op, rows) for op, entries in CONFIG_TABLE_B_K_MAJOR.items() for rows, c in entries if c.variant == "tma"]
-    assert tma_k == [("da", 64), ("da", 256), ("da", 1024), ("da", 2**31)]
+    def tma_bounds(table):
+        return [(op, rows) for op, entries in table.items() for rows, e in entries
+                if all(c.variant == "tma" for c in (e.configs if isinstance(e, OneWave) else (e,)))]
+
+    assert tma_bounds(CONFIG_TABLE) == [("fwd", 128), ("fwd", 256), ("fwd", 1024), ("fwd", 2**31),
+                                        ("da", 128), ("da", 256), ("da", 1024)]
+    assert tma_bounds(CONFIG_TABLE_B_K_MAJOR) == [("da", 128), ("da", 256), ("da", 1024), ("da", 2**31)]
 
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
@@ -188,3 +193,36 @@ def test_db_candidates_follow_m_and_the_table_keys_db_by_m(device):
     # dB's launch picks its config by M (its reduced dim), not by its output rows K.
     a, dc = bf16_randn((9, 56), 1, device), bf16_randn((9, 40), 2, device)
     assert LAUNCHERS["db"](a, dc)[1].config == select_config("db", 9)
+
+
+_RING_SCRIPT = """
+import json, sys, tempfile
+from bench.gemm_sass import CASES, build
+from kernels.det_gemm import all_configs
+case = next(c for c in CASES if c.name == "fwd_weight_t")
+configs = {c for op in ("fwd", "da") for c in all_configs(op) if c.variant == "tma"}
+print(json.dumps([build(case, "tma", tempfile.mkdtemp(), config=c) for c in sorted(configs, key=str)]))
+"""
+
+
+def test_one_wave_residency_matches_the_sm90_compiles_shared_memory(tmp_path):
+    # The one-wave rule counts CTAs per SM from operand_ring_bytes; the compiled kernels must agree.
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"Triton's NVIDIA backend is not installed: {exc}")
+    import kernels.det_gemm as dg
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, "-c", _RING_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    by_label = {c.label(): c for op in ("fwd", "da") for c in all_configs(op)}
+    assert len(rows) == 5, [r["config"] for r in rows]
+    for r in rows:
+        config = by_label[r["config"]]
+        ring = operand_ring_bytes(config)
+        assert ring <= r["shared_bytes"] <= ring + dg.SMEM_BARRIER_SLACK, (r["config"], r["shared_bytes"], ring)
+        compiled = dg.SMEM_PER_SM // (r["shared_bytes"] + dg.SMEM_RESERVED_PER_CTA)
+        assert compiled == dg.ctas_per_sm(config), (r["config"], compiled)
