@@ -1,0 +1,165 @@
+"""Where one MoE forward+backward leaves the GPU idle, waiting on the host.
+
+The 2026-11-29 sweep (reports/2026-11-29-h200-table7/moe-bf16/sweep) timed fwd_bwd at 11.58 ms at the
+reference shape while its profiled kernels summed to 9.9 ms: about 15% of the call had no kernel running.
+This profiles one warm ``moe_mlp_fwd`` + ``moe_mlp_bwd`` call (torch.profiler, CPU and CUDA activities,
+host and device clocks aligned by Kineto) and reports:
+
+- ``window_us``: from the host entering the call to the last kernel's end (what an event pair around the
+  call measures); ``busy_us``: the union of the kernels' GPU intervals; ``idle_us`` = window - busy;
+- every gap longer than ``--min-gap-us`` (the host lead before the first kernel included), with the
+  kernels on either side and the stage whose host range launched the next kernel;
+- per stage: the host time of its range and the GPU time of its kernels.
+
+    python -m bench.moe_gaps --preset reference --preset qwen3-30b-a3b --tokens 8192 --out DIR
+
+A CUDA device is required (the interpreter has no device timeline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Span:
+    name: str
+    start_us: float
+    end_us: float
+
+
+def union_us(spans: Sequence[Span]) -> float:
+    """Length of the union of the spans' intervals."""
+    total, reach = 0.0, float("-inf")
+    for s in sorted(spans, key=lambda s: s.start_us):
+        if s.end_us <= reach:
+            continue
+        total += s.end_us - max(s.start_us, reach)
+        reach = s.end_us
+    return total
+
+
+def idle_gaps(call_start_us: float, kernels: Sequence[Span], min_gap_us: float) -> list[dict]:
+    """Gaps in which no kernel runs, from ``call_start_us`` to the last kernel's end, longer than
+    ``min_gap_us``; each with the kernel before it (None for the host lead) and after it."""
+    gaps, reach, before = [], call_start_us, None
+    for k in sorted(kernels, key=lambda s: s.start_us):
+        if k.start_us - reach > min_gap_us:
+            gaps.append({"gap_us": k.start_us - reach, "at_us": reach - call_start_us,
+                         "after": before, "before": k.name})
+        if k.end_us > reach:
+            reach, before = k.end_us, k.name
+    return gaps
+
+
+def stage_of(t_us: float, stages: Sequence[Span]) -> str | None:
+    """The innermost stage span containing ``t_us``."""
+    inside = [s for s in stages if s.start_us <= t_us <= s.end_us]
+    return min(inside, key=lambda s: s.end_us - s.start_us).name if inside else None
+
+
+def profile_call(fn, stage_names: Sequence[str], device: torch.device, min_gap_us: float) -> dict:
+    """One profiled call of ``fn(stage_range)`` (warm): window, busy, idle, the gaps, per-stage times."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("moe_gaps_call"):
+            fn(record_function)
+        torch.cuda.synchronize(device)
+    kernels, host, device_ranges, call = [], [], [], None
+    for ev in prof.events():
+        span = Span(ev.name, float(ev.time_range.start), float(ev.time_range.end))
+        if ev.device_type == DeviceType.CUDA:
+            (device_ranges if ev.is_user_annotation else kernels).append(span)
+        elif ev.name == "moe_gaps_call":
+            call = span
+        elif ev.name in stage_names:
+            host.append(span)
+    if call is None or not kernels:
+        raise RuntimeError("the profile holds no call range or no CUDA kernels; is this a CUDA device?")
+    kernels = [k for k in kernels if k.start_us >= call.start_us]
+    window = max(k.end_us for k in kernels) - call.start_us
+    busy = union_us(kernels)
+    gaps = idle_gaps(call.start_us, kernels, min_gap_us)
+    for g in gaps:  # the stage whose host range launched the kernel after the gap
+        nxt = min((k for k in kernels if k.name == g["before"] and k.start_us - call.start_us >= g["at_us"]),
+                  key=lambda k: k.start_us)
+        g["stage"] = stage_of(nxt.start_us, [s for s in device_ranges if s.name in stage_names])
+    stages = []
+    for name in stage_names:
+        h = [s for s in host if s.name == name]
+        d = [k for k in kernels if stage_of(k.start_us, [s for s in device_ranges if s.name in stage_names]) == name]
+        stages.append({"stage": name, "host_us": sum(s.end_us - s.start_us for s in h),
+                       "gpu_us": sum(k.end_us - k.start_us for k in d), "kernels": len(d)})
+    return {"window_us": window, "busy_us": busy, "idle_us": window - busy, "idle_share": (window - busy) / window,
+            "host_lead_us": min(k.start_us for k in kernels) - call.start_us,
+            "kernel_sum_us": sum(k.end_us - k.start_us for k in kernels), "kernels": len(kernels),
+            "gaps": sorted(gaps, key=lambda g: -g["gap_us"]), "stages": stages}
+
+
+def run(presets: Sequence[str], tokens: Sequence[int], device: torch.device, min_gap_us: float,
+        warmups: int = 3) -> list[dict]:
+    from bench.moe import PRESETS, make_inputs
+    from kernels.moe import layer_stage_names, moe_mlp_bwd, moe_mlp_fwd
+
+    rows = []
+    for name in presets:
+        for t in tokens:
+            p = dataclasses.replace(PRESETS[name], t=t)
+            inp = make_inputs(p, device, seed=0)
+            x, w1, w2, ids, scores, dout = (inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores", "dout"))
+            names = layer_stage_names(x, w1, p.k)
+
+            def call(stage_range):
+                out, saved = moe_mlp_fwd(x, w1, w2, ids, scores, stage_range=stage_range)
+                return out, moe_mlp_bwd(dout, saved, stage_range=stage_range)
+
+            for _ in range(warmups):  # compile, allocator
+                call(None)
+            row = {"preset": name, "T": t, "label": p.label, **profile_call(call, list(names.values()), device,
+                                                                              min_gap_us)}
+            rows.append(row)
+            print(f"{p.label}: window {row['window_us']:.0f} us, busy {row['busy_us']:.0f}, idle "
+                  f"{row['idle_us']:.0f} ({row['idle_share']:.1%}), host lead {row['host_lead_us']:.0f}", flush=True)
+            for g in row["gaps"][:8]:
+                print(f"  gap {g['gap_us']:7.1f} us at {g['at_us']:8.1f}: {g['after']} -> {g['before']} "
+                      f"[{g['stage']}]", flush=True)
+            for s in row["stages"]:
+                print(f"  stage {s['stage']}: host {s['host_us']:.0f} us, gpu {s['gpu_us']:.0f} us "
+                      f"({s['kernels']} kernels)", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", action="append", help="bench.moe preset (repeatable; default: reference)")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[8192])
+    parser.add_argument("--min-gap-us", type=float, default=5.0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    from bench.moe import PRESETS
+
+    presets = args.preset or ["reference"]
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown:
+        raise SystemExit(f"unknown preset(s) {unknown}; supported: {sorted(PRESETS)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.moe_gaps needs a CUDA device: the interpreter has no device timeline")
+    rows = run(presets, args.tokens, torch.device("cuda"), args.min_gap_us)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gaps.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                    "torch": torch.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
