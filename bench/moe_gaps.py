@@ -11,6 +11,11 @@ host and device clocks aligned by Kineto) and reports:
   kernels on either side and the stage whose host range launched the next kernel;
 - per stage: the host time of its range and the GPU time of its kernels.
 
+The profiler slows the host path (CUPTI callbacks per launch), so two numbers are taken without it:
+``event_us`` (median of CUDA-event-timed calls: what the sweep's timing sees, less its L2 flush) and each
+stage's host time by ``time.perf_counter`` (``host_us_unprofiled``; the routing stage includes its one
+device-to-host read, so its GPU wait). The profile is the second of two (the first pays CUPTI's set-up).
+
     python -m bench.moe_gaps --preset reference --preset qwen3-30b-a3b --tokens 8192 --out DIR
 
 A CUDA device is required (the interpreter has no device timeline).
@@ -21,6 +26,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
+import time
+from contextlib import contextmanager
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +114,32 @@ def profile_call(fn, stage_names: Sequence[str], device: torch.device, min_gap_u
             "gaps": sorted(gaps, key=lambda g: -g["gap_us"]), "stages": stages}
 
 
+def unprofiled(call, device: torch.device, reps: int = 10) -> dict:
+    """Event-timed calls (median, p20, p80 in us) and one call's per-stage host time, no profiler."""
+    host: dict[str, float] = {}
+
+    @contextmanager
+    def host_range(name):
+        start = time.perf_counter()
+        yield
+        host[name] = host.get(name, 0.0) + (time.perf_counter() - start) * 1e6
+
+    torch.cuda.synchronize(device)
+    call(host_range)
+    torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call(None)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    q = statistics.quantiles(samples, n=10, method="inclusive")
+    return {"event_us": statistics.median(samples), "event_p20_us": q[1], "event_p80_us": q[7],
+            "host_us_unprofiled": host}
+
+
 def run(presets: Sequence[str], tokens: Sequence[int], device: torch.device, min_gap_us: float,
         warmups: int = 3) -> list[dict]:
     from bench.moe import PRESETS, make_inputs
@@ -125,17 +159,22 @@ def run(presets: Sequence[str], tokens: Sequence[int], device: torch.device, min
 
             for _ in range(warmups):  # compile, allocator
                 call(None)
-            row = {"preset": name, "T": t, "label": p.label, **profile_call(call, list(names.values()), device,
-                                                                              min_gap_us)}
+            plain = unprofiled(call, device)
+            profile_call(call, list(names.values()), device, min_gap_us)  # pays CUPTI's set-up
+            row = {"preset": name, "T": t, "label": p.label, **plain,
+                   **profile_call(call, list(names.values()), device, min_gap_us)}
             rows.append(row)
-            print(f"{p.label}: window {row['window_us']:.0f} us, busy {row['busy_us']:.0f}, idle "
-                  f"{row['idle_us']:.0f} ({row['idle_share']:.1%}), host lead {row['host_lead_us']:.0f}", flush=True)
+            print(f"{p.label}: event-timed {row['event_us']:.0f} us (p20 {row['event_p20_us']:.0f}, p80 "
+                  f"{row['event_p80_us']:.0f}); kernels busy {row['busy_us']:.0f} us; profiled window "
+                  f"{row['window_us']:.0f}, idle {row['idle_us']:.0f} ({row['idle_share']:.1%}), host lead "
+                  f"{row['host_lead_us']:.0f}", flush=True)
             for g in row["gaps"][:8]:
                 print(f"  gap {g['gap_us']:7.1f} us at {g['at_us']:8.1f}: {g['after']} -> {g['before']} "
                       f"[{g['stage']}]", flush=True)
             for s in row["stages"]:
-                print(f"  stage {s['stage']}: host {s['host_us']:.0f} us, gpu {s['gpu_us']:.0f} us "
-                      f"({s['kernels']} kernels)", flush=True)
+                print(f"  stage {s['stage']}: host {row['host_us_unprofiled'].get(s['stage'], float('nan')):.0f} us "
+                      f"unprofiled ({s['host_us']:.0f} profiled), gpu {s['gpu_us']:.0f} us ({s['kernels']} kernels)",
+                      flush=True)
     return rows
 
 
