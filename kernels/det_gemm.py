@@ -172,7 +172,7 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
         (32, GemmConfig(64, 64, 128, 1, 4, 4)),
         # M 33-1024 (H200 sweep reports/2026-11-30-h200/tune-small, M 64-1024, fwd and dA, both shapes and
         # layouts, 40 (op, M, shape, layout) cases): TMA tiles picked by the one-wave rule; geometric mean of
-        # time / the best candidate per case 1.00-1.01 per M (worst case 1.06), against 1.03-1.09 (worst
+        # time / the best candidate per case 1.00-1.01 per M (worst case 1.06), against 1.01-1.09 (worst
         # 1.20) for one fixed config per M bucket (table .8) and 1.03-1.29 for table .7.
         (128, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
         (256, OneWave((_SMALL_128, _SMALL_128_2))),
