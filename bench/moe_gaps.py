@@ -1,8 +1,7 @@
 """Where one MoE forward+backward leaves the GPU idle, waiting on the host.
 
 The 2026-11-29 sweep (reports/2026-11-29-h200-table7/moe-bf16/sweep) timed fwd_bwd at 11.58 ms at the
-reference shape while its profiled kernels summed to 9.9 ms: about 15% of the call had no kernel running.
-This profiles one warm ``moe_mlp_fwd`` + ``moe_mlp_bwd`` call (torch.profiler, CPU and CUDA activities,
+reference shape while one profiled call's kernels summed to 9.9 ms. This profiles one warm ``moe_mlp_fwd`` + ``moe_mlp_bwd`` call (torch.profiler, CPU and CUDA activities,
 host and device clocks aligned by Kineto) and reports:
 
 - ``window_us``: from the host entering the call to the last kernel's end (what an event pair around the
