@@ -128,7 +128,7 @@ def operand_ring_bytes(config: GemmConfig) -> int:
 
 def ctas_per_sm(config: GemmConfig) -> int:
     """How many CTAs of ``config`` one Hopper SM holds at once, as shared memory allows (registers allow no
-    fewer for any table config: the sm_90 compiles use at most 155 per thread)."""
+    fewer for the configs of the OneWave entries: their sm_90 compiles use 58-155 per thread)."""
     return max(1, SMEM_PER_SM // (operand_ring_bytes(config) + SMEM_BARRIER_SLACK + SMEM_RESERVED_PER_CTA))
 
 
