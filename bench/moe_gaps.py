@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 from contextlib import contextmanager
 from collections.abc import Sequence
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from toolkit.timing import Timing
 
 
 @dataclass(frozen=True)
@@ -97,15 +98,14 @@ def profile_call(fn, stage_names: Sequence[str], device: torch.device, min_gap_u
     window = max(k.end_us for k in kernels) - call.start_us
     busy = union_us(kernels)
     gaps = idle_gaps(call.start_us, kernels, min_gap_us)
-    for g in gaps:  # the stage whose host range launched the kernel after the gap
-        nxt = min((k for k in kernels if k.name == g["before"] and k.start_us - call.start_us >= g["at_us"]),
-                  key=lambda k: k.start_us)
-        g["stage"] = stage_of(nxt.start_us, [s for s in device_ranges if s.name in stage_names])
+    stage_spans = [s for s in device_ranges if s.name in stage_names]
+    for g in gaps:  # the stage whose range holds the kernel after the gap (it launched past the gap)
+        g["stage"] = stage_of(call.start_us + g["at_us"] + g["gap_us"], stage_spans)
+    kernel_stage = [stage_of(k.start_us, stage_spans) for k in kernels]
     stages = []
     for name in stage_names:
-        h = [s for s in host if s.name == name]
-        d = [k for k in kernels if stage_of(k.start_us, [s for s in device_ranges if s.name in stage_names]) == name]
-        stages.append({"stage": name, "host_us": sum(s.end_us - s.start_us for s in h),
+        d = [k for k, st in zip(kernels, kernel_stage) if st == name]
+        stages.append({"stage": name, "host_us": sum(s.end_us - s.start_us for s in host if s.name == name),
                        "gpu_us": sum(k.end_us - k.start_us for k in d), "kernels": len(d)})
     return {"window_us": window, "busy_us": busy, "idle_us": window - busy, "idle_share": (window - busy) / window,
             "host_lead_us": min(k.start_us for k in kernels) - call.start_us,
@@ -133,9 +133,9 @@ def unprofiled(call, device: torch.device, reps: int = 10) -> dict:
         call(None)
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    q = statistics.quantiles(samples, n=10, method="inclusive")
-    return {"event_us": statistics.median(samples), "event_p20_us": q[1], "event_p80_us": q[7],
+        samples.append(start.elapsed_time(end))
+    t = Timing.from_samples_ms(samples)
+    return {"event_us": t.median_us, "event_p20_us": t.p20_us, "event_p80_us": t.p80_us,
             "host_us_unprofiled": host}
 
 

@@ -211,6 +211,11 @@ CONFIG_TABLE_B_K_MAJOR: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] 
 }
 
 
+def entry_configs(entry: GemmConfig | OneWave) -> tuple[GemmConfig, ...]:
+    """The configs one table entry can pick."""
+    return entry.configs if isinstance(entry, OneWave) else (entry,)
+
+
 def select_config(op: str, m: int, b_k_major: bool = False, cols: int | None = None,
                   sms: int = HOPPER_SMS) -> GemmConfig:
     """The pinned config for ``op`` at batch size ``m`` (fwd/dA: output rows; dB: the reduced dim);
@@ -232,8 +237,7 @@ def all_configs(op: str) -> list[GemmConfig]:
     if op not in CONFIG_TABLE:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
     entries = (*CONFIG_TABLE[op], *CONFIG_TABLE_B_K_MAJOR.get(op, ()))
-    configs = (c for _, e in entries for c in (e.configs if isinstance(e, OneWave) else (e,)))
-    return list(dict.fromkeys(configs))
+    return list(dict.fromkeys(c for _, e in entries for c in entry_configs(e)))
 
 
 def device_sms(device: torch.device) -> int:

@@ -10,8 +10,8 @@ import torch
 
 from audits.gemm_contract import oracle
 from kernels.det_gemm import (
-    CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, OneWave, all_configs, ctas_per_sm, det_gemm_da, det_gemm_db,
-    det_gemm_fwd, det_gemm_fwd_launch, operand_ring_bytes, output_tiles, select_config,
+    CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, OneWave, all_configs, ctas_per_sm, det_gemm_da,
+    det_gemm_db, det_gemm_fwd, det_gemm_fwd_launch, entry_configs, operand_ring_bytes, output_tiles, select_config,
 )
 from kernels.backend import check_bf16_matrix
 from toolkit.contract import check_bound, compare_bits, gemm_bound
@@ -66,7 +66,7 @@ def test_config_table_is_pinned_and_covers_every_size():
         assert [bound for bound, _ in entries] == sorted(bound for bound, _ in entries)
         assert entries[-1][0] >= 2**31 - 1
         assert select_config(op, 1, k_major) == entries[0][1]
-        picks = {c for _, e in entries for c in (e.configs if isinstance(e, OneWave) else (e,))}
+        picks = {c for _, e in entries for c in entry_configs(e)}
         assert picks <= set(all_configs(op))  # the audit runs every pick
 
 

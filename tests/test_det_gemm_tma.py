@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels.det_gemm import (
-    CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, OneWave, all_configs, operand_ring_bytes, select_config,
+    CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, all_configs, entry_configs, operand_ring_bytes, select_config,
 )
 from toolkit.contract import compare_bits
 from tests.test_det_gemm import _operands
@@ -102,7 +102,7 @@ def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
     # for dA of a [K, N] weight at large M; dB, M <= 32 and dA of nn.Linear's weight at large M stay on pointers.
     def tma_bounds(table):
         return [(op, rows) for op, entries in table.items() for rows, e in entries
-                if all(c.variant == "tma" for c in (e.configs if isinstance(e, OneWave) else (e,)))]
+                if all(c.variant == "tma" for c in entry_configs(e))]
 
     assert tma_bounds(CONFIG_TABLE) == [("fwd", 128), ("fwd", 256), ("fwd", 1024), ("fwd", 2**31),
                                         ("da", 128), ("da", 256), ("da", 1024)]

@@ -20,6 +20,8 @@ def test_idle_gaps_include_the_host_lead_and_skip_short_ones():
         {"gap_us": 30, "at_us": 0, "after": None, "before": "hist"},  # the host lead
         {"gap_us": 55, "at_us": 45, "after": "scan", "before": "up"},
     ]  # 1 us between hist and scan is under the threshold; up and down overlap: no gap
+    starts = {k.name: k.start_us for k in kernels}
+    assert all(0 + g["at_us"] + g["gap_us"] == starts[g["before"]] for g in gaps)  # where profile_call looks up the stage
     window = 1000 - 0
     assert window - union_us(kernels) == 30 + 1 + 55
 
