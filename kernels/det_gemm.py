@@ -57,7 +57,7 @@ from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, en
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-11-30.9"
+CONFIG_TABLE_VERSION = "2026-11-30.10"
 
 OPS = ("fwd", "da", "db")
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
@@ -145,14 +145,22 @@ class OneWave:
     that depends on the output width as well as M. Every config gives the same bits (same K order; checked
     by the cross-config audit), so the choice cannot change a result."""
     configs: tuple[GemmConfig, ...]
+    # None: as many CTAs per SM as shared memory allows. 1 at the smallest M, where the weight stream is the
+    # work and CTAs sharing an SM share its bandwidth (H200 M <= 32 sweep, reports/2026-11-30-h200).
+    max_ctas_per_sm: int | None = None
 
     def __post_init__(self):
         if not self.configs or not all(isinstance(c, GemmConfig) for c in self.configs):
             raise ValueError(f"OneWave needs one or more GemmConfig; got {self.configs!r}")
+        if self.max_ctas_per_sm is not None and (not isinstance(self.max_ctas_per_sm, int) or self.max_ctas_per_sm < 1):
+            raise ValueError(f"OneWave.max_ctas_per_sm must be a positive int or None; got {self.max_ctas_per_sm!r}")
 
     def pick(self, rows: int, cols: int, sms: int) -> GemmConfig:
         for config in self.configs:
-            if output_tiles(config, rows, cols) <= sms * ctas_per_sm(config):
+            per_sm = ctas_per_sm(config)
+            if self.max_ctas_per_sm is not None:
+                per_sm = min(per_sm, self.max_ctas_per_sm)
+            if output_tiles(config, rows, cols) <= sms * per_sm:
                 return config
         return self.configs[0]
 
@@ -166,10 +174,15 @@ _SMALL_128 = GemmConfig(64, 128, 64, 8, 4, 6, "tma")  # 144 KiB: 1 CTA per SM
 _SMALL_128_2 = GemmConfig(64, 128, 64, 8, 4, 4, "tma")  # 96 KiB: 2 CTAs per SM
 _MID = GemmConfig(128, 128, 64, 8, 8, 4, "tma")  # 128 KiB: 1 CTA per SM
 _MID_TALL = GemmConfig(256, 128, 64, 8, 8, 4, "tma")  # 192 KiB: 1 CTA per SM, half the tiles of _MID
+_TINY = OneWave((GemmConfig(16, 32, 128, 1, 4, 6), GemmConfig(16, 64, 128, 1, 4, 6)), max_ctas_per_sm=1)
+_SMALL_32 = OneWave((GemmConfig(64, 32, 128, 1, 4, 4), GemmConfig(64, 64, 128, 1, 4, 4)), max_ctas_per_sm=1)
 CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
     "fwd": (
-        (16, GemmConfig(16, 32, 128, 1, 4, 6)),
-        (32, GemmConfig(64, 64, 128, 1, 4, 4)),
+        # M <= 32 (H200 sweep reports/2026-11-30-h200/tune-small-m32-ncu, M 1/8/16/32): the narrow tile
+        # while its tiles fit the SMs once at one CTA per SM, else the wide one; geometric mean of time / the
+        # best candidate 1.00-1.02 per M (worst case 1.09) against 1.04-1.10 (worst 1.44) for table .9.
+        (16, _TINY),
+        (32, _SMALL_32),
         # M 33-1024 (H200 sweep reports/2026-11-30-h200/tune-small, M 64-1024, fwd and dA, both shapes and
         # layouts, 40 (op, M, shape, layout) cases): TMA tiles picked by the one-wave rule; geometric mean of
         # time / the best candidate per case 1.00-1.01 per M (worst case 1.06), against 1.01-1.09 (worst
@@ -182,9 +195,9 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
         (2**31, GemmConfig(256, 128, 64, 8, 8, 4, "tma")),
     ),
     "da": (
-        (16, GemmConfig(16, 64, 128, 1, 4, 6)),
-        (32, GemmConfig(64, 64, 128, 1, 4, 4)),
-        (128, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),  # as fwd
+        (16, _TINY),  # as fwd
+        (32, _SMALL_32),
+        (128, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
         (256, OneWave((_SMALL_128, _SMALL_128_2))),
         (1024, OneWave((_MID, _MID_TALL))),
         (2**31, GemmConfig(128, 256, 64, 16, 8, 4)),

@@ -65,7 +65,7 @@ def test_config_table_is_pinned_and_covers_every_size():
                                    *((item, True) for item in CONFIG_TABLE_B_K_MAJOR.items())]:
         assert [bound for bound, _ in entries] == sorted(bound for bound, _ in entries)
         assert entries[-1][0] >= 2**31 - 1
-        assert select_config(op, 1, k_major) == entries[0][1]
+        assert select_config(op, 1, k_major) == entry_configs(entries[0][1])[0]
         picks = {c for _, e in entries for c in entry_configs(e)}
         assert picks <= set(all_configs(op))  # the audit runs every pick
 
@@ -83,6 +83,19 @@ def test_one_wave_picks_the_first_config_whose_grid_is_resident_at_once():
     assert select_config("fwd", 256, cols=6144) == shallow and select_config("fwd", 256, cols=6144, sms=200) == deep
     with pytest.raises(ValueError, match=r"OneWave needs one or more GemmConfig; got \(\)"):
         OneWave(())
+    with pytest.raises(ValueError, match=r"OneWave.max_ctas_per_sm must be a positive int or None; got 0"):
+        OneWave((deep,), max_ctas_per_sm=0)
+
+
+def test_one_wave_capped_at_one_cta_per_sm_at_the_smallest_m():
+    narrow, wide = GemmConfig(16, 32, 128, 1, 4, 6), GemmConfig(16, 64, 128, 1, 4, 6)
+    assert ctas_per_sm(narrow) == 3  # a 72 KiB ring: shared memory alone would allow three
+    # M=8 on 132 SMs: a 4096-wide output is 128 narrow tiles (one wave at one per SM); 6144 wide is 192.
+    assert select_config("da", 8, cols=4096) == narrow and select_config("da", 8, cols=6144) == wide
+    assert select_config("fwd", 8, cols=6144) == wide  # the cap decides: uncapped, 192 <= 3 x 132
+    assert OneWave((narrow, wide)).pick(8, 6144, 132) == narrow
+    m32_narrow, m32_wide = GemmConfig(64, 32, 128, 1, 4, 4), GemmConfig(64, 64, 128, 1, 4, 4)
+    assert select_config("fwd", 32, cols=4096) == m32_narrow and select_config("fwd", 32, cols=6144) == m32_wide
 
 
 def test_launch_picks_by_the_output_width_on_the_device_sms(device, monkeypatch):
