@@ -23,7 +23,9 @@ Weight convention (the ``b [K, N]`` convention of det_gemm, one matrix per exper
 Stages and tile ownership (kernels/moe_routing.py builds the expert-sorted, 128-padded rows):
     up     moe_grouped_gemm_kernel: one program per (128-row expert tile slice, N tile of 2I); reads
            x through the gather index (never materialised in expert order); stores gu [P, 2I] and
-           h [P, I] in BF16 (SwiGLU epilogue).
+           h [P, I] in BF16 (SwiGLU epilogue). Queued before the routing's host read, over the
+           largest P the routing can have; each grouped GEMM program first reads the routing's gate
+           (P and the validation counts) and does nothing past P or for a refused batch.
     down   the same kernel: y [P, H] = h @ W2[e] kept in FP32 for the combine.
     combine moe_combine_kernel: one program per (token block, H tile); ascending k; one rounding.
     dgrad  the same grouped kernel with the dSwiGLU epilogue: dh = s * (dout[t] @ W2[e].T) in FP32,
@@ -63,7 +65,9 @@ from kernels.backend import (
     CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, check_bf16_matrix, ensure_cuda_context, resolve_backend,
 )
 from kernels.det_gemm import GemmConfig, fp32_to_bf16_rtne, interpreter_step_k
-from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting, build_routing, check_topk_args
+from kernels.moe_routing import (
+    SEGMENT_ALIGN, MoeRouting, PendingRouting, check_topk_args, launch_routing, max_padded_rows,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Pinned config tables (no autotune). Bump the version whenever an entry changes.
@@ -176,6 +180,16 @@ def _sigmoid(g):
 
 
 @triton.jit
+def tile_is_live(gate_ptr, C, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """False for a tile at or past the routing's P, and for every tile of a batch the routing checks
+    refused (gate: P, then the validation counts). A GEMM queued before the host has read the counts
+    runs over the largest possible P; these tiles do nothing, not even a store."""
+    pid_m = tl.program_id(axis=0) // tl.cdiv(C, BLOCK_N)
+    refused = tl.load(gate_ptr + 1) + tl.load(gate_ptr + 2) + tl.load(gate_ptr + 3)
+    return (pid_m * BLOCK_M < tl.load(gate_ptr)) & (refused == 0)
+
+
+@triton.jit
 def grouped_tile(C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
                  tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A: tl.constexpr):
     """This program's tile of a grouped GEMM over expert-sorted rows: ``(pid_n, expert, offs_m,
@@ -279,8 +293,8 @@ def grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs
 @triton.jit(launch_metadata=_grouped_meta)
 def moe_grouped_gemm_kernel(
     a_ptr, a_rows_ptr, b_ptr, c_ptr, aux_ptr, h_ptr, ds_ptr,  # h, ds: the dscore partials (DSCORE)
-    route_ptr, score_ptr, tile_expert_ptr,
-    P, C, L,  # C[p, :] = A[row(p), :L] @ B[expert(p)][:L, :C]; P padded rows (multiple of SEGMENT)
+    route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
+    P, C, L,  # C[p, :] = A[row(p), :L] @ B[expert(p)][:L, :C]; P padded rows of the grid (multiple of SEGMENT)
     stride_am, stride_al,
     stride_be, stride_bl, stride_bc,
     stride_cm, stride_cc,
@@ -290,31 +304,33 @@ def moe_grouped_gemm_kernel(
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
     DSCORE: tl.constexpr, DS_CHUNK: tl.constexpr,
 ):
-    pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
-        C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
-    offs_k = tl.arange(0, STEP_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
-    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bl + offs_n[None, :] * stride_bc  # [STEP_K, BLOCK_N]
+    if tile_is_live(gate_ptr, C, BLOCK_N, BLOCK_M):
+        pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
+            C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
+        offs_k = tl.arange(0, STEP_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
+        # [STEP_K, BLOCK_N]
+        b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bl + offs_n[None, :] * stride_bc
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if tl.sum(row_ok.to(tl.int32), axis=0) > 0:  # a block of padding only does no work
-        for k0 in range(0, L, BLOCK_K):
-            for kk in tl.static_range(0, BLOCK_K, STEP_K):
-                k_ok = (k0 + kk + offs_k) < L
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
-                acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
-                a_ptrs += STEP_K * stride_al
-                b_ptrs += STEP_K * stride_bl
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if tl.sum(row_ok.to(tl.int32), axis=0) > 0:  # a block of padding only does no work
+            for k0 in range(0, L, BLOCK_K):
+                for kk in tl.static_range(0, BLOCK_K, STEP_K):
+                    k_ok = (k0 + kk + offs_k) < L
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
+                    acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
+                    a_ptrs += STEP_K * stride_al
+                    b_ptrs += STEP_K * stride_bl
 
-    grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm,
-                     stride_cc, stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, DSCORE, DS_CHUNK, INTERPRETED)
+        grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm,
+                         stride_cc, stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, DSCORE, DS_CHUNK, INTERPRETED)
 
 
 @triton.jit(launch_metadata=_grouped_meta)
 def moe_grouped_gemm_tma_kernel(
     a_ptr, a_rows_ptr, b_desc, c_ptr, aux_ptr, h_ptr, ds_ptr,
-    route_ptr, score_ptr, tile_expert_ptr,
+    route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
     P, C, L,  # as moe_grouped_gemm_kernel; B through a rank-3 TMA descriptor over the weight's storage
     stride_am, stride_al,
     stride_cm, stride_cc,
@@ -328,28 +344,29 @@ def moe_grouped_gemm_tma_kernel(
     """moe_grouped_gemm_kernel with the expert's weight tile loaded by TMA (zero fill past the
     expert's own extents, so no other expert's rows leak in): the same tiles, the same ascending K
     steps and epilogues; the gathered activation rows stay pointer loads."""
-    pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
-        C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
-    off_n = pid_n * BLOCK_N
-    offs_k = tl.arange(0, STEP_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
+    if tile_is_live(gate_ptr, C, BLOCK_N, BLOCK_M):
+        pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
+            C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
+        off_n = pid_n * BLOCK_N
+        offs_k = tl.arange(0, STEP_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if tl.sum(row_ok.to(tl.int32), axis=0) > 0:  # a block of padding only does no work
-        for k0 in range(0, L, BLOCK_K):
-            for kk in tl.static_range(0, BLOCK_K, STEP_K):
-                k = k0 + kk
-                k_ok = (k + offs_k) < L
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
-                if B_K_MAJOR:
-                    b = tl.trans(b_desc.load([expert, off_n, k]).reshape(BLOCK_N, STEP_K))  # [STEP_K, BLOCK_N]
-                else:
-                    b = b_desc.load([expert, k, off_n]).reshape(STEP_K, BLOCK_N)
-                acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
-                a_ptrs += STEP_K * stride_al
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if tl.sum(row_ok.to(tl.int32), axis=0) > 0:  # a block of padding only does no work
+            for k0 in range(0, L, BLOCK_K):
+                for kk in tl.static_range(0, BLOCK_K, STEP_K):
+                    k = k0 + kk
+                    k_ok = (k + offs_k) < L
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
+                    if B_K_MAJOR:
+                        b = tl.trans(b_desc.load([expert, off_n, k]).reshape(BLOCK_N, STEP_K))  # [STEP_K, BLOCK_N]
+                    else:
+                        b = b_desc.load([expert, k, off_n]).reshape(STEP_K, BLOCK_N)
+                    acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
+                    a_ptrs += STEP_K * stride_al
 
-    grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm,
-                     stride_cc, stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, DSCORE, DS_CHUNK, INTERPRETED)
+        grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm,
+                         stride_cc, stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, DSCORE, DS_CHUNK, INTERPRETED)
 
 
 @triton.jit(launch_metadata=_wgrad_meta)
@@ -530,8 +547,9 @@ def check_moe_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_i
     if tuple(w2.shape) != (experts, two_i // 2, hidden):
         raise ValueError(f"w2 must be [E, I, H] = {(experts, two_i // 2, hidden)} to match x {tuple(x.shape)} "
                          f"and w1 {tuple(w1.shape)}; got {tuple(w2.shape)}")
-    # The ids and scores themselves are checked by build_routing's kernels, read back with its one
-    # device-to-host read and refused before any GEMM; here only what needs no data.
+    # The ids and scores themselves are checked by the routing kernels, read back with the routing's one
+    # device-to-host read; a GEMM queued before that read computes nothing from a refused batch (the
+    # routing gate). Here only what needs no data.
     check_topk_args(topk_ids, scores, experts)
     if topk_ids.shape[0] != t_count:
         raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows but x has T = {t_count} tokens")
@@ -630,7 +648,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
         b_desc, k_major = weight_descriptor(b, config.block_n, flags["STEP_K"])
         moe_grouped_gemm_tma_kernel[grid](
             a, routing.gather_token, b_desc, c, aux_t, h_t, ds_t,
-            routing.sorted_route, routing.row_score, routing.tile_expert,
+            routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
             p, n_cols, reduced,
             a.stride(0), a.stride(1),
             c.stride(0), c.stride(1),
@@ -643,7 +661,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
         return
     moe_grouped_gemm_kernel[grid](
         a, routing.gather_token, b, c, aux_t, h_t, ds_t,
-        routing.sorted_route, routing.row_score, routing.tile_expert,
+        routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
         p, n_cols, reduced,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
@@ -866,14 +884,21 @@ def layer_stage_names(x: torch.Tensor, w1: torch.Tensor, k: int, stages=LAYER_ST
     return {stage: stage_name(f"moe_{stage}", precision, **dims) for stage in stages}
 
 
-def checked_routing(x: torch.Tensor, w1: torch.Tensor, topk_ids: torch.Tensor, scores: torch.Tensor) -> MoeRouting:
-    """The routing metadata, refusing a batch whose padded intermediates overflow 32-bit offsets."""
-    routing = build_routing(topk_ids, scores, w1.shape[0])
+def launch_checked_routing(x: torch.Tensor, w1: torch.Tensor, topk_ids: torch.Tensor,
+                           scores: torch.Tensor) -> PendingRouting:
+    """``launch_routing``, refusing first a batch whose padded intermediates could overflow 32-bit
+    offsets (at the largest P its routing can have: the up GEMM may run over that bound)."""
+    rows = max_padded_rows(topk_ids.numel(), w1.shape[0])
     widest = max(w1.shape[2], x.shape[1])
-    if routing.padded_rows * widest > MAX_INT32_OFFSET:
-        raise ValueError(f"{routing.padded_rows} padded rows x {widest} columns of intermediates exceed 32-bit "
+    if rows * widest > MAX_INT32_OFFSET:
+        raise ValueError(f"up to {rows} padded rows x {widest} columns of intermediates exceed 32-bit "
                          "kernel offsets; split the batch")
-    return routing
+    return launch_routing(topk_ids, scores, w1.shape[0])
+
+
+def checked_routing(x: torch.Tensor, w1: torch.Tensor, topk_ids: torch.Tensor, scores: torch.Tensor) -> MoeRouting:
+    """The routing metadata (``launch_checked_routing`` and its one host read)."""
+    return launch_checked_routing(x, w1, topk_ids, scores).finish()
 
 
 def check_dout(dout: torch.Tensor, x: torch.Tensor) -> None:
@@ -893,9 +918,12 @@ def moe_mlp_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: t
     rng = stage_range or (lambda name: nullcontext())
     names = layer_stage_names(x, w1, topk_ids.shape[1])
     with rng(names["routing"]):
-        routing = checked_routing(x, w1, topk_ids, scores)
-    with rng(names["up_swiglu"]):
-        gu, h = moe_up_swiglu(x, w1, routing, backend)
+        pending = launch_checked_routing(x, w1, topk_ids, scores)
+    with rng(names["up_swiglu"]):  # queued before the counts are read: over the largest P, gated on the device
+        gu, h = moe_up_swiglu(x, w1, pending.bound, backend)
+    with rng(names["routing"]):
+        routing = pending.finish()  # refuses a bad batch; the up GEMM computed nothing from it
+        gu, h = gu[:routing.padded_rows], h[:routing.padded_rows]
     with rng(names["down"]):
         y = moe_down(h, w2, routing, backend)
     with rng(names["combine"]):

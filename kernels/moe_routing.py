@@ -13,9 +13,9 @@ From the router's top-k choice — ``topk_ids [T, K]`` int32 (``-1`` = masked ro
 - ``route_row[t, k]`` is the padded row of route (t, k), ``-1`` when masked: the combine and the
   dX gather-sum read it in ascending k.
 
-``build_routing`` is three Triton launches and one device-to-host read. Why: the same metadata
-built from ~55 small torch ops (check_topk included), two syncs and two host-to-device copies
-cost 1.1-1.8 ms on an H200 (T=8192, K=8, E=8/128) for ~0.15 ms of kernel time; the rest was
+``build_routing`` is three Triton launches and one device-to-host read, after the third. Why: the
+same metadata built from ~55 small torch ops (check_topk included), two syncs and two host-to-device
+copies cost 1.1-1.8 ms on an H200 (T=8192, K=8, E=8/128) for ~0.15 ms of kernel time; the rest was
 per-op launch overhead and host round trips.
 
 1. ``moe_route_hist_kernel``, one program per chunk of ``ROUTE_BLOCK`` routes in flat order: the
@@ -24,15 +24,20 @@ per-op launch overhead and host round trips.
 2. ``moe_route_scan_kernel``, one program per block of columns: exclusive prefix of ``hist`` over
    the chunks (each chunk's first rank per expert) and the column totals -> ``meta [E+3]``
    (expert counts, then the three validation counts).
-Between 2 and 3, one ``meta.tolist()`` reads the counts and the validation counts together (the
-build's only device-to-host read; there is no host-to-device copy). A bad batch is refused right
-after it with check_topk's messages (the details are looked up with torch only then). The host
-then knows ``P`` (the padded row count) and allocates the ``[P]`` outputs at their exact size.
 3. ``moe_route_scatter_kernel``, one program per chunk of routes and per block of ``ROW_BLOCK``
-   padded rows: every program rebuilds the padded segment offsets from the counts (E integers);
-   a route's row is its expert's offset + its chunk's prefix + its stable rank inside the chunk
-   (an exclusive cumsum of the chunk's one-hot over experts); a padded row's owner is the first
-   expert whose segment ends after it, which gives ``tile_expert`` and the padding rows.
+   padded rows, over buffers sized for the largest possible P (``max_padded_rows``): every program
+   rebuilds the padded segment offsets from the counts (E integers); a route's row is its expert's
+   offset + its chunk's prefix + its stable rank inside the chunk (an exclusive cumsum of the chunk's
+   one-hot over experts); a padded row's owner is the first expert whose segment ends after it, which
+   gives ``tile_expert`` and the padding rows. Program 0 writes the ``gate``: P and the validation
+   counts, which every grouped GEMM reads first.
+Then one read of ``meta`` (the counts and the validation counts together; the build's only
+device-to-host read, no host-to-device copy) refuses a bad batch with check_topk's messages (the
+details are looked up with torch only then) and cuts the outputs at P. ``launch_routing`` queues the
+kernels and returns before that read (``PendingRouting``), so the MoE forward queues its up-projection
+GEMM first; the read then runs on a side stream that waits for the routing kernels only. Why: each
+call on an H200 (T=8192) spent 465-667 µs of host time before its first GEMM was queued, the GPU idle,
+most of it after the read's wait (reports/2026-11-30-h200/moe-gaps, moe-host).
 
 Every step is integer arithmetic with unique store targets (no atomics, no float reduction), so
 the metadata is identical on every run and device, and bit-identical to ``build_routing_torch``
@@ -41,7 +46,7 @@ the metadata is identical on every run and device, and bit-identical to ``build_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -60,10 +65,6 @@ INTERPRETER_BLOCKS = (1024, 4096)  # (routes, rows) per program under the interp
 NUM_CHECKS = 3  # hist/meta columns after the experts: out-of-range ids, duplicate ids, non-finite scores
 
 
-SEGMENT_ALIGN = 128  # rows per expert-segment tile; every grouped-GEMM BLOCK_M must divide it
-SCORE_DTYPES = (torch.float32, torch.bfloat16)
-
-
 @dataclass(frozen=True)
 class MoeRouting:
     """Expert-sorted, 128-padded index space. ``P`` = padded rows, a multiple of SEGMENT_ALIGN."""
@@ -78,7 +79,8 @@ class MoeRouting:
     expert_counts: torch.Tensor  # [E] int32: routed rows per expert (unpadded)
     expert_offsets: torch.Tensor  # [E+1] int32: first padded row of each expert segment
     tile_expert: torch.Tensor  # [P // SEGMENT_ALIGN] int32: expert owning each 128-row tile
-    counts: tuple[int, ...]  # expert_counts on the host (grid sizes and reports)
+    gate: torch.Tensor  # [1 + NUM_CHECKS] int32: P, then the validation counts (all 0 once the host has read them)
+    counts: tuple[int, ...]  # expert_counts on the host (grid sizes and reports); () before the read
 
     @property
     def padded_rows(self) -> int:
@@ -190,17 +192,18 @@ def moe_route_scan_kernel(
 @triton.jit
 def moe_route_scatter_kernel(
     ids_ptr, score_ptr, prefix_ptr, meta_ptr,
-    gather_ptr, sorted_route_ptr, row_score_ptr, route_row_ptr, offsets_ptr, tile_expert_ptr,
-    R, K, E, W, C, P,  # routes, top-k, experts, hist row length, route chunks, padded rows
+    gather_ptr, sorted_route_ptr, row_score_ptr, route_row_ptr, offsets_ptr, tile_expert_ptr, gate_ptr,
+    R, K, E, W, C,  # routes, top-k, experts, hist row length, route chunks
     stride_it, stride_ik, stride_st, stride_sk,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, EXPERT_BLOCK: tl.constexpr, SEGMENT: tl.constexpr,
+    NUM_CHECKS: tl.constexpr,
 ):
     pid = tl.program_id(axis=0)
-    # This program owns routes pid*BLOCK + [0, BLOCK) and padded rows pid*ROWS + [0, ROWS).
+    # This program owns routes pid*BLOCK + [0, BLOCK) and padded rows pid*ROWS + [0, ROWS); the grid
+    # covers the largest possible P, the real P (the padded counts' sum) is found below.
     r = pid * BLOCK + tl.arange(0, BLOCK)
     r_ok = r < R
     p = pid * ROWS + tl.arange(0, ROWS)
-    p_ok = p < P
     t = r // K
     k = r % K
     ids = tl.load(ids_ptr + t * stride_it + k * stride_ik, mask=r_ok, other=-1)
@@ -229,6 +232,12 @@ def moe_route_scatter_kernel(
         p_expert += tl.sum(done.to(tl.int32), axis=0)
         p_start = tl.maximum(p_start, tl.max(tl.where(done, seg_end[:, None], 0), axis=0))
     tl.store(offsets_ptr + E, end, mask=pid == 0)
+    # The gate the grouped GEMMs read: P, then the validation counts (a GEMM queued before the host has
+    # read them does nothing past P or when a count is non-zero).
+    g = tl.arange(0, 1 + NUM_CHECKS)
+    checks = tl.load(meta_ptr + E - 1 + g, mask=g > 0, other=0)
+    tl.store(gate_ptr + g, tl.where(g == 0, end, checks), mask=pid == 0)
+    p_ok = p < end
 
     tl.store(sorted_route_ptr + row, r, mask=valid)
     tl.store(gather_ptr + row, t, mask=valid)
@@ -252,13 +261,80 @@ def _pow2(n: int) -> int:
 def build_routing(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: int) -> MoeRouting:
     """The routing metadata of ``topk_ids [T, K]`` / ``scores [T, K]`` over ``num_experts`` experts:
     three launches and one device-to-host read (module docstring)."""
-    return _build_routing_fused(topk_ids, scores, num_experts)
+    return launch_routing(topk_ids, scores, num_experts).finish()
 
 
 def _build_routing_fused(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: int,
                          block: int | None = None, rows: int | None = None,
                          expert_block: int | None = None) -> MoeRouting:
     """``build_routing`` with its tile sizes exposed (tests force several chunks and expert steps)."""
+    return launch_routing(topk_ids, scores, num_experts, block, rows, expert_block).finish()
+
+
+def max_padded_rows(routes: int, num_experts: int) -> int:
+    """The largest P any routing of ``routes`` routes over ``num_experts`` experts can have: every
+    non-empty expert pads at most SEGMENT_ALIGN - 1 rows, and P is a multiple of SEGMENT_ALIGN."""
+    return (routes + (SEGMENT_ALIGN - 1) * min(num_experts, routes)) // SEGMENT_ALIGN * SEGMENT_ALIGN
+
+
+_READ_STREAMS: dict[int, torch.cuda.Stream] = {}  # per device: the stream the counts are copied on
+
+
+def _read_after(t: torch.Tensor, ready: torch.cuda.Event | None) -> list[int]:
+    """``t.tolist()`` once ``ready`` has fired. On CUDA the copy runs on a side stream that waits for
+    ``ready`` only, so it does not wait for the work queued on the current stream after ``ready``
+    (the up-projection GEMM): the host learns the counts while that GEMM runs."""
+    if ready is None:
+        return t.tolist()
+    index = t.device.index
+    stream = _READ_STREAMS.get(index)
+    if stream is None:
+        stream = _READ_STREAMS.setdefault(index, torch.cuda.Stream(t.device))
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        host.copy_(t, non_blocking=True)
+    t.record_stream(stream)  # the allocator must not hand t's memory out before the copy has read it
+    stream.synchronize()
+    return host.tolist()
+
+
+@dataclass(frozen=True)
+class PendingRouting:
+    """The routing kernels queued, the counts not yet read.
+
+    ``bound`` is a MoeRouting over buffers sized for the largest possible P (``max_padded_rows``; rows
+    past the real P unset, ``counts`` empty). A grouped GEMM may be queued over it before the read: its
+    ``gate`` (P and the validation counts, written by the scatter kernel) makes every CTA past the real P,
+    and every CTA of a batch the checks refuse, do nothing. ``finish()`` is the one device-to-host read:
+    it refuses a bad batch with check_topk's messages and returns the exact routing (views of the same
+    buffers, cut at P)."""
+
+    bound: MoeRouting
+    meta: torch.Tensor  # [E + NUM_CHECKS] int32: expert counts, then the validation counts
+    ready: torch.cuda.Event | None  # recorded after the routing kernels (None on the interpreter)
+    topk_ids: torch.Tensor
+    scores: torch.Tensor
+
+    def finish(self) -> MoeRouting:
+        b = self.bound
+        host = _read_after(self.meta, self.ready)  # the build's one device-to-host read
+        counts_list, checks = host[:b.num_experts], host[b.num_experts:]
+        if any(checks):
+            check_topk(self.topk_ids, self.scores, b.num_experts)  # raises with the details
+            raise RuntimeError(f"routing kernels flagged {checks} (bad ids, duplicates, non-finite) "
+                               "but check_topk found nothing")
+        total = sum(-(-c // SEGMENT_ALIGN) for c in counts_list) * SEGMENT_ALIGN
+        return replace(b, gather_token=b.gather_token[:total], sorted_route=b.sorted_route[:total],
+                       row_score=b.row_score[:total], tile_expert=b.tile_expert[:total // SEGMENT_ALIGN],
+                       counts=tuple(counts_list))
+
+
+def launch_routing(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: int,
+                   block: int | None = None, rows: int | None = None,
+                   expert_block: int | None = None) -> PendingRouting:
+    """Queue the three routing kernels over buffers sized for the largest possible P; no host read
+    (``PendingRouting``). Refuses, before any work, what needs no look at the data."""
     check_topk_args(topk_ids, scores, num_experts)
     backend = resolve_backend(moe_route_scatter_kernel, {"topk_ids": topk_ids, "scores": scores})
     interpreted = backend == TRITON_INTERPRETER
@@ -268,7 +344,7 @@ def _build_routing_fused(topk_ids: torch.Tensor, scores: torch.Tensor, num_exper
     expert_block = max(16, min(expert_block, _pow2(num_experts)))
     t_count, k_count = topk_ids.shape
     routes, experts = t_count * k_count, num_experts
-    max_rows = routes + (SEGMENT_ALIGN - 1) * min(experts, routes)  # the largest possible P
+    max_rows = max_padded_rows(routes, experts)
     chunks = triton.cdiv(routes, block)
     width = experts + NUM_CHECKS
     # 32-bit index math throughout: refuse what would overflow it, before any work.
@@ -294,32 +370,31 @@ def _build_routing_fused(topk_ids: torch.Tensor, scores: torch.Tensor, num_exper
     moe_route_scan_kernel[(triton.cdiv(width, scan_w),)](
         hist, prefix, meta, chunks, width, BLOCK_W=scan_w, BLOCK_C=64, num_warps=4,
     )
-    host = meta.tolist()  # the one device-to-host read: expert counts and validation counts together
-    counts_list, checks = host[:experts], host[experts:]
-    if any(checks):
-        check_topk(topk_ids, scores, num_experts)  # raises with the details
-        raise RuntimeError(f"routing kernels flagged {checks} (bad ids, duplicates, non-finite) "
-                           "but check_topk found nothing")
-    total = sum(-(-c // SEGMENT_ALIGN) for c in counts_list) * SEGMENT_ALIGN
-
-    gather_token = torch.empty((total,), **i32)
-    sorted_route = torch.empty((total,), **i32)
-    row_score = torch.empty((total,), dtype=torch.float32, device=device)
+    gather_token = torch.empty((max_rows,), **i32)
+    sorted_route = torch.empty((max_rows,), **i32)
+    row_score = torch.empty((max_rows,), dtype=torch.float32, device=device)
     route_row = torch.empty((t_count, k_count), **i32)
     offsets = torch.empty((experts + 1,), **i32)
-    tile_expert = torch.empty((total // SEGMENT_ALIGN,), **i32)
-    moe_route_scatter_kernel[(max(chunks, triton.cdiv(total, rows)),)](
+    tile_expert = torch.empty((max_rows // SEGMENT_ALIGN,), **i32)
+    gate = torch.empty((1 + NUM_CHECKS,), **i32)
+    moe_route_scatter_kernel[(max(chunks, triton.cdiv(max_rows, rows)),)](
         topk_ids, scores, prefix, meta,
-        gather_token, sorted_route, row_score, route_row, offsets, tile_expert,
-        routes, k_count, experts, width, chunks, total, *strides,
-        BLOCK=block, ROWS=rows, EXPERT_BLOCK=expert_block, SEGMENT=SEGMENT_ALIGN, num_warps=8,
+        gather_token, sorted_route, row_score, route_row, offsets, tile_expert, gate,
+        routes, k_count, experts, width, chunks, *strides,
+        BLOCK=block, ROWS=rows, EXPERT_BLOCK=expert_block, SEGMENT=SEGMENT_ALIGN, NUM_CHECKS=NUM_CHECKS,
+        num_warps=8,
     )
-    return MoeRouting(
+    ready = None
+    if not interpreted:
+        ready = torch.cuda.Event()
+        ready.record()
+    bound = MoeRouting(
         num_tokens=t_count, top_k=k_count, num_experts=num_experts,
         gather_token=gather_token, sorted_route=sorted_route, row_score=row_score,
         route_row=route_row, expert_counts=meta[:experts], expert_offsets=offsets,
-        tile_expert=tile_expert, counts=tuple(counts_list),
+        tile_expert=tile_expert, gate=gate, counts=(),
     )
+    return PendingRouting(bound, meta, ready, topk_ids, scores)
 
 
 def build_routing_torch(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: int) -> MoeRouting:
@@ -369,7 +444,8 @@ def build_routing_torch(topk_ids: torch.Tensor, scores: torch.Tensor, num_expert
         gather_token=gather_token.to(torch.int32), sorted_route=sorted_route.to(torch.int32),
         row_score=row_score, route_row=route_row.reshape(t_count, k_count).to(torch.int32),
         expert_counts=counts.to(torch.int32), expert_offsets=offsets.to(torch.int32),
-        tile_expert=tile_expert.to(torch.int32), counts=tuple(counts_list),
+        tile_expert=tile_expert.to(torch.int32),
+        gate=torch.tensor([total] + [0] * NUM_CHECKS, dtype=torch.int32, device=device), counts=tuple(counts_list),
     )
 
 

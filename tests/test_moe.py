@@ -18,7 +18,7 @@ from kernels.moe import (
 )
 import kernels.moe as km
 from kernels.det_gemm import GemmConfig
-from kernels.moe_routing import build_routing
+from kernels.moe_routing import build_routing, launch_routing, max_padded_rows
 from tests.conftest import backend_of
 from tests.moe_helpers import assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline
 from toolkit.contract import compare_bits
@@ -281,7 +281,8 @@ g = km.moe_grouped_gemm_kernel
 for stage, epi, gather, c_t in (("up", 1, True, "*bf16"), ("down", 0, False, "*fp32"), ("dgrad", 2, True, "*bf16"), ("dx", 0, False, "*fp32")):
     c = cfgs[stage]
     ptrs = {"a_ptr": "*bf16", "a_rows_ptr": "*i32", "b_ptr": "*bf16", "c_ptr": c_t, "aux_ptr": "*bf16",
-            "h_ptr": "*bf16", "ds_ptr": "*fp32", "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32"}
+            "h_ptr": "*bf16", "ds_ptr": "*fp32", "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32",
+            "gate_ptr": "*i32"}
     out[stage] = build(g, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                        "STEP_K": c.block_k, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False,
                        "DSCORE": stage == "dgrad", "DS_CHUNK": km.DS_CHUNK},
@@ -295,7 +296,7 @@ for name, stage, epi, gather, c_t, k_major in (("up_tma", "up", 1, True, "*bf16"
     box = [1, c.block_n, c.block_k] if k_major else [1, c.block_k, c.block_n]
     ptrs = {"a_ptr": "*bf16", "a_rows_ptr": "*i32", "b_desc": f"tensordesc<bf16{box}>", "c_ptr": c_t,
             "aux_ptr": "*bf16", "h_ptr": "*bf16", "ds_ptr": "*fp32", "route_ptr": "*i32", "score_ptr": "*fp32",
-            "tile_expert_ptr": "*i32"}
+            "tile_expert_ptr": "*i32", "gate_ptr": "*i32"}
     out[name] = build(t, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                       "STEP_K": c.block_k, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False,
                       "B_K_MAJOR": k_major, "DSCORE": stage == "dgrad", "DS_CHUNK": km.DS_CHUNK},
@@ -320,6 +321,16 @@ out["dscore_sum"] = build(km.moe_dscore_sum_kernel, {"part_ptr": "*fp32", "route
                           {"BLOCK_M": c.block_m, "NCH_POW2": 32}, ("stride_rk", "stride_sk"))
 out["dscore"] = build(km.moe_dscore_kernel, {"dout_ptr": "*bf16", "y_ptr": "*fp32", "route_row_ptr": "*i32", "ds_ptr": "*fp32"},
                       {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, ("stride_dn", "stride_yn"))
+import kernels.moe_routing as kr
+blocks = {"BLOCK": kr.ROUTE_BLOCK, "EXPERT_BLOCK": kr.EXPERT_BLOCK}
+out["route_hist"] = build(kr.moe_route_hist_kernel, {"ids_ptr": "*i32", "score_ptr": "*fp32", "hist_ptr": "*i32"},
+                          blocks, ("stride_ik", "stride_sk"))
+out["route_scan"] = build(kr.moe_route_scan_kernel, {"hist_ptr": "*i32", "prefix_ptr": "*i32", "meta_ptr": "*i32"},
+                          {"BLOCK_W": 32, "BLOCK_C": 64}, ())
+out["route_scatter"] = build(kr.moe_route_scatter_kernel, {n: "*fp32" if n in ("score_ptr", "row_score_ptr") else "*i32"
+                             for n in kr.moe_route_scatter_kernel.arg_names if n.endswith("_ptr")},
+                             {**blocks, "ROWS": kr.ROW_BLOCK, "SEGMENT": kr.SEGMENT_ALIGN, "NUM_CHECKS": kr.NUM_CHECKS},
+                             ("stride_ik", "stride_sk"))
 print(json.dumps(out))
 '''
 
@@ -334,6 +345,36 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
         assert report[stage]["tma"] > 0 and report[stage]["wgmma"] > 0, (stage, report[stage])
     for stage in ("dgrad", "dgrad_tma"):  # with the fused dscore partials: no register spills
         assert report[stage]["stack"] == 0, (stage, report[stage])
+    assert {"route_hist", "route_scan", "route_scatter"} <= set(report)  # the routing kernels compile too
+
+
+def test_up_gemm_queued_before_the_read_is_gated_by_the_routing(device):
+    # The forward queues the up GEMM over the largest possible P before the host reads the counts.
+    # Rows below P: the same bits as over the exact routing; rows from P on, and every row of a batch
+    # the checks refuse: not written at all (the sentinel stays).
+    backend = backend_of(device)
+    inp = make_inputs(_case("counts:3,0,130,1", t=134, k=1, e=4, seed=21), device)
+    pending = launch_routing(inp["topk_ids"], inp["scores"], 4)
+    exact = pending.finish()
+    bound = pending.bound
+    p, p_max = exact.padded_rows, bound.padded_rows
+    assert p == 4 * 128 and p_max == max_padded_rows(134, 4) == 5 * 128 and bound.gate.tolist() == [p, 0, 0, 0]
+    want_gu, want_h = moe_up_swiglu(inp["x"], inp["w1"], exact, backend)
+    two_i, hidden = inp["w1"].shape[2], inp["w1"].shape[1]
+
+    def up_over(routing):
+        gu = torch.full((p_max, two_i), float("nan"), dtype=torch.bfloat16, device=device)
+        h = torch.full((p_max, two_i // 2), float("nan"), dtype=torch.bfloat16, device=device)
+        km._grouped(0, "up", inp["x"], True, inp["w1"], gu, h, routing, two_i, hidden, km.EPI_SWIGLU, backend, None)
+        return gu, h
+
+    gu, h = up_over(bound)
+    assert torch.equal(gu[:p], want_gu) and torch.equal(h[:p], want_h)
+    assert gu[p:].isnan().all() and h[p:].isnan().all()
+    refused = bound.gate.clone()
+    refused[2] = 1  # one duplicate id flagged by the routing kernels
+    gu, h = up_over(replace(bound, gate=refused))
+    assert gu.isnan().all() and h.isnan().all()
 
 
 def test_table_tma_pick_falls_back_to_the_same_tile_when_tma_cannot_address_the_weight():

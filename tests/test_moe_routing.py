@@ -230,3 +230,26 @@ def test_refuses_32bit_overflow_before_work():
     ids = torch.zeros(1, 1, dtype=torch.int32, device=DEV).expand(2**20, 2**11)  # 2**31 routes, stride 0
     with pytest.raises(ValueError, match="32-bit index arithmetic"):
         build_routing(ids, torch.ones(1, 1, device=DEV).expand(2**20, 2**11), 4)
+
+
+def test_launch_then_finish_gate_and_bound():
+    # launch_routing queues the kernels over the largest possible P; the gate carries P and the checks;
+    # finish() cuts the same buffers at P.
+    ids = _ids(50, 6, 3, 23, masked=0.1)
+    scores = _scores(ids, 6)
+    pending = _on_device(moe_routing.launch_routing)(ids, scores, 6)
+    exact = pending.finish()
+    _assert_same(exact, build_routing_torch(ids, scores, 6))
+    bound = pending.bound
+    assert bound.padded_rows == moe_routing.max_padded_rows(150, 6) >= exact.padded_rows and bound.counts == ()
+    assert bound.gate.tolist() == [exact.padded_rows, 0, 0, 0] and exact.gate.tolist() == bound.gate.tolist()
+    assert exact.gather_token.data_ptr() == bound.gather_token.data_ptr()
+
+
+def test_refused_batch_is_flagged_in_the_gate_before_the_read():
+    ids = _ids(20, 5, 3, 24)
+    ids[7, 2] = ids[7, 0]  # a duplicate id in row 7
+    pending = _on_device(moe_routing.launch_routing)(ids, _scores(ids, 7), 5)
+    assert pending.bound.gate.tolist()[1:] == [0, 1, 0]  # (out of range, duplicates, non-finite)
+    with pytest.raises(ValueError, match="row 7 routes to expert"):
+        pending.finish()
