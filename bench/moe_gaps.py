@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import threading
 import time
 from contextlib import contextmanager
 from collections.abc import Sequence
@@ -139,8 +140,76 @@ def unprofiled(call, device: torch.device, reps: int = 10) -> dict:
             "host_us_unprofiled": host}
 
 
+FLUSH_BYTES = 256 * 2**20  # the L2 flush between timed calls, as triton.testing.do_bench does it
+
+
+def split_at(kernels: Sequence[Span], is_marker) -> list[list[Span]]:
+    """The kernels between consecutive marker kernels (the markers dropped), in start order."""
+    groups: list[list[Span]] = []
+    for k in sorted(kernels, key=lambda s: s.start_us):
+        if is_marker(k):
+            groups.append([])
+        elif groups:
+            groups[-1].append(k)
+    return [g for g in groups if g]
+
+
+def sustained_calls(fn, device: torch.device, calls: int) -> dict:
+    """``calls`` calls back to back as the sweep times them (L2 flush, call; no host sync between), one
+    profile: per call the window from its first kernel's start to its last kernel's end (the flush
+    excluded), the kernels' busy time and the idle rest; each kernel's median duration; and the SM clock
+    and clock-event reasons NVML reports while the queue is still full."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    import pynvml  # nvidia-ml-py
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)  # one visible GPU: NVML's index = CUDA's
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
+    torch.cuda.synchronize(device)
+    samples, running = [], threading.Event()
+
+    def sample():  # the clocks under this load, every 10 ms while the calls run
+        while running.is_set():
+            samples.append((pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                            pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+                            pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)))
+            time.sleep(0.01)
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        running.set()
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        for _ in range(calls):
+            torch.cuda._sleep(1)  # a marker kernel (ATen's spin_kernel) that starts each call's group
+            flush.zero_()
+            fn(None)
+        torch.cuda.synchronize(device)
+        running.clear()
+        sampler.join()
+    pynvml.nvmlShutdown()
+    clocks = sorted(c for c, _, _ in samples)
+    clock = {"sm_clock_mhz_median": clocks[len(clocks) // 2], "sm_clock_mhz_min": clocks[0],
+             "power_w_max": max(w for _, w, _ in samples), "clock_reasons": sorted({hex(r) for _, _, r in samples})}
+    kernels = [Span(ev.name, float(ev.time_range.start), float(ev.time_range.end))
+               for ev in prof.events() if ev.device_type == DeviceType.CUDA and not ev.is_user_annotation]
+    # Each group: the flush, then the call's kernels; the first call pays the profiler's set-up.
+    per_call = [g[1:] for g in split_at(kernels, lambda k: k.name == "spin_kernel")[1:]]
+    windows = [max(k.end_us for k in g) - min(k.start_us for k in g) for g in per_call]
+    busy = [union_us(g) for g in per_call]
+    durations: dict[str, list[float]] = {}
+    for g in per_call:
+        for k in g:
+            durations.setdefault(k.name, []).append(k.end_us - k.start_us)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"calls": len(per_call), "window_us_median": med(windows), "busy_us_median": med(busy),
+            "idle_us_median": med([w - b for w, b in zip(windows, busy)]), **clock,
+            "kernel_us_median": {name: med(d) for name, d in durations.items()}}
+
+
 def run(presets: Sequence[str], tokens: Sequence[int], device: torch.device, min_gap_us: float,
-        warmups: int = 3) -> list[dict]:
+        warmups: int = 3, sustained: int = 0) -> list[dict]:
     from bench.moe import PRESETS, make_inputs
     from kernels.moe import layer_stage_names, moe_mlp_bwd, moe_mlp_fwd
 
@@ -162,6 +231,12 @@ def run(presets: Sequence[str], tokens: Sequence[int], device: torch.device, min
             profile_call(call, list(names.values()), device, min_gap_us)  # pays CUPTI's set-up
             row = {"preset": name, "T": t, "label": p.label, **plain,
                    **profile_call(call, list(names.values()), device, min_gap_us)}
+            if sustained:
+                row["sustained"] = sustained_calls(call, device, sustained)
+                s = row["sustained"]
+                print(f"{p.label}: {s['calls']} sustained calls: window {s['window_us_median']:.0f} us, busy "
+                      f"{s['busy_us_median']:.0f}, idle {s['idle_us_median']:.0f}; SM clock {s['sm_clock_mhz_median']} MHz "
+                      f"({s['clock_reasons']})", flush=True)
             rows.append(row)
             print(f"{p.label}: event-timed {row['event_us']:.0f} us (p20 {row['event_p20_us']:.0f}, p80 "
                   f"{row['event_p80_us']:.0f}); kernels busy {row['busy_us']:.0f} us; profiled window "
@@ -182,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", action="append", help="bench.moe preset (repeatable; default: reference)")
     parser.add_argument("--tokens", nargs="+", type=int, default=[8192])
     parser.add_argument("--min-gap-us", type=float, default=5.0)
+    parser.add_argument("--sustained", type=int, default=0, metavar="N",
+                        help="also profile N back-to-back calls as the sweep times them (0: skip)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     from bench.moe import PRESETS
@@ -192,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown preset(s) {unknown}; supported: {sorted(PRESETS)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench.moe_gaps needs a CUDA device: the interpreter has no device timeline")
-    rows = run(presets, args.tokens, torch.device("cuda"), args.min_gap_us)
+    rows = run(presets, args.tokens, torch.device("cuda"), args.min_gap_us, sustained=args.sustained)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gaps.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                                     "torch": torch.__version__, "rows": rows}, indent=1))

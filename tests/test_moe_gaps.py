@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from bench.moe_gaps import Span, idle_gaps, main, stage_of, union_us
+from bench.moe_gaps import Span, idle_gaps, main, split_at, stage_of, union_us
 
 
 def test_union_counts_overlap_once_and_skips_nested_spans():
@@ -41,3 +41,9 @@ def test_cli_refuses_without_cuda(tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         main(["--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_split_at_groups_the_kernels_between_markers_in_start_order():
+    ks = [Span("a", 5, 6), Span("m", 0, 1), Span("b", 2, 3), Span("m", 4, 4.5), Span("early", -2, -1), Span("c", 7, 8)]
+    groups = split_at(ks, lambda k: k.name == "m")
+    assert [[k.name for k in g] for g in groups] == [["b"], ["a", "c"]]  # before the first marker: dropped
