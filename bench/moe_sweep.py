@@ -600,7 +600,8 @@ def render_markdown(results: dict, plots: Sequence[str] = ()) -> str:
                      "baseline_us": b.get("median_us"), "speedup": r.get("speedup_vs_baseline")}
             if hw:
                 entry.update({"detkit_tflops": r.get("tflops"), "detkit_mfu_989": r.get("mfu_datasheet"),
-                              "detkit_mfu_ceiling": r.get("mfu_measured"), "baseline_mfu_989": b.get("mfu_datasheet")})
+                              "detkit_mfu_ceiling": r.get("mfu_measured"), "baseline_mfu_989": b.get("mfu_datasheet"),
+                              "detkit_sm_clock_MHz": r.get("sm_clock_mhz"), "baseline_sm_clock_MHz": b.get("sm_clock_mhz")})
             if measure == "fwd_bwd":
                 entry.update({"detkit_peak_MiB": _mib(r.get("peak_memory_bytes")),
                               "baseline_peak_MiB": _mib(b.get("peak_memory_bytes"))})

@@ -1,14 +1,18 @@
 """Kernel timing: interleaved rounds, L2 flushed, warm-up excluded, median with p20/p80.
 
 On CUDA each sample is one call between CUDA events with the L2 flushed before it
-(``triton.testing.do_bench``). On the interpreter backend samples are wall-clock seconds of CPU
+(``triton.testing.do_bench``), and the SM clock NVML reports is polled while the samples run: under a
+power cap an H200's clock falls from 1980 MHz to ~1500 MHz (measured, reports/2026-11-30-h200/moe-gaps),
+so a time is reported with the clock it ran at. On the interpreter backend samples are wall-clock seconds of CPU
 emulation: useful only to prove the plumbing, never a speed result (reports say so).
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
+from contextlib import contextmanager
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,14 +25,55 @@ class Timing:
     p20_us: float
     p80_us: float
     samples: int
+    sm_clock_mhz: float | None = None  # median SM clock polled during the samples; None: CPU or no NVML
 
     @classmethod
-    def from_samples_ms(cls, samples_ms: list[float]) -> "Timing":
+    def from_samples_ms(cls, samples_ms: list[float], clocks_mhz: list[float] | None = None) -> "Timing":
         if not samples_ms:
             raise ValueError("no timing samples")
         us = sorted(s * 1e3 for s in samples_ms)
         q = statistics.quantiles(us, n=10, method="inclusive") if len(us) > 1 else [us[0]] * 9
-        return cls(median_us=statistics.median(us), p20_us=q[1], p80_us=q[7], samples=len(us))
+        clock = statistics.median(clocks_mhz) if clocks_mhz else None
+        return cls(median_us=statistics.median(us), p20_us=q[1], p80_us=q[7], samples=len(us), sm_clock_mhz=clock)
+
+
+class SmClock:
+    """Polls one CUDA device's SM clock through NVML on a thread while ``sampling`` is active."""
+
+    def __init__(self, device: torch.device, period_s: float = 0.005):
+        self.period_s = period_s
+        self.handle = None
+        try:
+            import pynvml  # nvidia-ml-py
+
+            pynvml.nvmlInit()
+            # NVML numbers every GPU, CUDA only the visible ones: find the device by its PCI address.
+            props = torch.cuda.get_device_properties(device)
+            bus_id = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+            self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+        except Exception:  # noqa: BLE001 - no NVML: the timings carry no clock (sm_clock_mhz None)
+            self.handle = None
+
+    @contextmanager
+    def sampling(self, into: list[float]):
+        """Append the SM clock (MHz) to ``into`` every ``period_s`` until the block exits."""
+        if self.handle is None:
+            yield
+            return
+        stop = threading.Event()
+
+        def poll():
+            while not stop.is_set():
+                into.append(float(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)))
+                stop.wait(self.period_s)
+
+        thread = threading.Thread(target=poll, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
 
 def _cpu_samples_ms(fn: Callable[[], object], reps: int) -> list[float]:
@@ -44,22 +89,25 @@ def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device,
                      rep_ms: float = 40.0, cpu_reps: int = 1) -> dict[str, Timing]:
     """Time every function in ``rounds`` alternating rounds so drift (clocks, heat) hits all alike."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    clocks: dict[str, list[float]] = {name: [] for name in fns}
     if device.type == "cuda":
         from triton.testing import do_bench
 
         for fn in fns.values():  # warm-up: compilation, autotuning of baselines, allocator
             fn()
         torch.cuda.synchronize(device)
+        clock = SmClock(device)
         for _ in range(rounds):
             for name, fn in fns.items():
-                samples[name] += do_bench(fn, warmup=5, rep=rep_ms, return_mode="all")
+                with clock.sampling(clocks[name]):
+                    samples[name] += do_bench(fn, warmup=5, rep=rep_ms, return_mode="all")
     else:
         for fn in fns.values():
             fn()
         for _ in range(rounds):
             for name, fn in fns.items():
                 samples[name] += _cpu_samples_ms(fn, cpu_reps)
-    return {name: Timing.from_samples_ms(s) for name, s in samples.items()}
+    return {name: Timing.from_samples_ms(s, clocks[name]) for name, s in samples.items()}
 
 
 def time_graphs(fns: dict[str, Callable[[], object]], device: torch.device, calls_per_fn: int,
@@ -94,15 +142,17 @@ def time_graphs(fns: dict[str, Callable[[], object]], device: torch.device, call
         graphs[name] = graph
     torch.cuda.synchronize(device)
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    clocks: dict[str, list[float]] = {name: [] for name in fns}
+    clock = SmClock(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(rounds):
         for name, graph in graphs.items():
             graph.replay()  # untimed replay: the first after another graph pays for its switch
-            with nvtx_range(names.get(name, name)):
+            with nvtx_range(names.get(name, name)), clock.sampling(clocks[name]):
                 for _ in range(replays):
                     start.record()
                     graph.replay()
                     end.record()
                     end.synchronize()
                     samples[name].append(start.elapsed_time(end) / calls_per_fn)
-    return {name: Timing.from_samples_ms(s) for name, s in samples.items()}
+    return {name: Timing.from_samples_ms(s, clocks[name]) for name, s in samples.items()}

@@ -1,0 +1,34 @@
+"""toolkit.timing: the summary statistics of a timing and the SM clock polled beside it."""
+
+import pytest
+import torch
+
+from toolkit.timing import SmClock, Timing, time_interleaved
+
+
+def test_summary_statistics_and_clock_median():
+    t = Timing.from_samples_ms([0.003, 0.001, 0.002, 0.010, 0.004], clocks_mhz=[1980.0, 1500.0, 1755.0])
+    assert (t.median_us, t.samples, t.sm_clock_mhz) == (pytest.approx(3.0), 5, 1755.0)
+    assert t.p20_us <= t.median_us <= t.p80_us
+    assert Timing.from_samples_ms([0.001]).sm_clock_mhz is None  # no clock polled (CPU, or no NVML)
+    with pytest.raises(ValueError, match="no timing samples"):
+        Timing.from_samples_ms([])
+
+
+def test_cpu_timings_carry_no_clock():
+    timings = time_interleaved({"sum": lambda: sum(range(100))}, torch.device("cpu"), rounds=2, cpu_reps=3)
+    assert timings["sum"].samples == 6 and timings["sum"].sm_clock_mhz is None
+
+
+@pytest.mark.gpu
+def test_sm_clock_is_polled_while_a_gpu_timing_runs():
+    device = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    timings = time_interleaved({"mm": lambda: a @ a}, device, rounds=1, rep_ms=50.0)
+    clock = timings["mm"].sm_clock_mhz
+    assert clock is not None and 200.0 <= clock <= 3000.0, clock  # an H100/H200 SM clock in MHz
+    polled: list[float] = []
+    with SmClock(device, period_s=0.001).sampling(polled):
+        torch.cuda._sleep(50_000_000)
+        torch.cuda.synchronize()
+    assert polled and all(200.0 <= c <= 3000.0 for c in polled)
