@@ -115,25 +115,22 @@ def measure(preset: str, tokens: int, calls: int) -> dict:
         out, saved = moe_mlp_fwd(d["x"], d["w1"], d["w2"], d["topk_ids"], d["scores"])
         moe_mlp_bwd(d["dout"], saved)
 
-    for _ in range(5):
-        call()
-    torch.cuda.synchronize()
-    plain = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        plain.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
-    clock = HostClock()
-    wrapped = []
-    with clock.patched():
+    def host_us_per_call() -> list[float]:  # each call started on an idle GPU, as the event timing does
+        out = []
         for _ in range(calls):
             torch.cuda.synchronize()
             start = time.perf_counter()
             call()
-            wrapped.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
+            out.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+        return out
+
+    for _ in range(5):
+        call()
+    plain = host_us_per_call()
+    clock = HostClock()
+    with clock.patched():
+        wrapped = host_us_per_call()
     per_call = {k: {"us": clock.total[k] / calls * 1e6, "count": clock.count[k] / calls} for k in clock.total}
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     return {"preset": preset, "T": tokens, "calls": calls, "host_call_us_plain": median(plain),
