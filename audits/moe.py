@@ -14,7 +14,9 @@ Checks, each one row:
   and no worse than that gold against FP64 by more than GOLD_SLACK.
 - ``main_grad``: FP32 weight-gradient accumulation equals main_grad + the FP32 dW exactly.
 - ``edge``: experts with 0/1/127/128/129 tokens, all tokens on one expert, masked routes, T = 1.
-- ``rejects``: duplicate ids, bad dtypes and shapes raise before any work.
+- ``rejects``: bad dtypes and shapes raise before any work; bad ids (duplicates, out of range) and
+  non-finite scores, found by the routing kernels, raise at the routing's one host read, before any
+  result is returned (a GEMM queued before that read is gated off on the device).
 """
 
 from __future__ import annotations
