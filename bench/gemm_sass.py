@@ -1,6 +1,6 @@
 """Compile det_gemm for sm_90 without a GPU and count the SASS instructions that matter (HGMMA vs HMMA,
 cp.async LDGSTS vs TMA UTMALDG, shared-memory traffic), registers and shared memory per layout and
-kernel variant ("ptr": det_gemm_kernel; "tma": det_gemm_tma_kernel).
+kernel variant ("ptr": det_gemm_kernel; "tma": det_gemm_tma_kernel; "tma3": det_gemm_tma3_kernel).
 Compile-only evidence: it says which instructions the kernel uses, not how fast they run.
 
     python -m bench.gemm_sass [--out DIR] [--variants ptr tma] [--cases fwd_weight_t ...] [--json]
@@ -70,16 +70,16 @@ def stack_bytes(resources: str) -> int | None:
 def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = False,
                twin: bool = False) -> tuple[object, dict, dict]:
     """(kernel, signature, constexprs) of one launch of ``case`` with ``cfg``."""
-    from kernels.det_gemm import det_gemm_kernel, det_gemm_tma_kernel
+    from kernels.det_gemm import det_gemm_kernel, det_gemm_tma3_kernel, det_gemm_tma_kernel
 
     consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "STEP_K": cfg.block_k,
               "GROUP_M": cfg.group_m, "INTERPRETED": False, "SEGMENTED": segmented, "OUT_FP32": out_fp32,
               "TWIN": twin, "B_K_MAJOR": case.b_k_major}
     c_type = "*fp32" if out_fp32 else "*bf16"
-    if cfg.variant == "tma":
-        fn = det_gemm_tma_kernel
+    if cfg.variant in ("tma", "tma3"):
+        fn = det_gemm_tma_kernel if cfg.variant == "tma" else det_gemm_tma3_kernel
         a_box = [cfg.block_k, cfg.block_m] if case.a_m_major else [cfg.block_m, cfg.block_k]
-        b_box = [cfg.block_n, cfg.block_k] if case.b_k_major else [cfg.block_k, cfg.block_n]
+        b_box = [cfg.box_n, cfg.block_k] if case.b_k_major else [cfg.block_k, cfg.box_n]
         ptrs = {"a_desc": f"tensordesc<bf16{a_box}>", "b_desc": f"tensordesc<bf16{b_box}>", "c_ptr": c_type,
                 "twin_ptr": c_type}
         consts.update(A_M_MAJOR=case.a_m_major, stride_cc=1)

@@ -50,6 +50,12 @@ MID = [GemmConfig(*c) for c in [(128, 64, 64, 8, 4, 4)]]
 MID_TMA = [GemmConfig(*c, variant="tma") for c in [
     (64, 64, 128, 1, 4, 4), (64, 128, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4), (64, 256, 64, 8, 8, 3),
 ]]
+# Three power-of-two sub-tiles per tile (det_gemm_tma3_kernel): 192 columns fill 132 SMs where powers of two
+# do not (a 6144-wide output: 32 tile columns, so M 256 / 512 at 64 / 128 rows is 128 tiles, one wave, the
+# grid cuBLAS runs there; reports/2026-11-30-h200 ncu). Compiled offline: 122 registers, no spills.
+WIDE_TMA3 = [GemmConfig(*c, variant="tma3") for c in [
+    (64, 192, 64, 8, 4, 4), (64, 192, 64, 8, 4, 6), (128, 192, 64, 8, 8, 3), (128, 192, 64, 8, 8, 4),
+]]
 # Small M on TMA tiles (the pointer picks at M 32-128 are 1.15-1.80x cuBLASLt no-split-K): the weight stream
 # is the work, so narrow N tiles (more CTAs: N/32 = 128-192 of them) and deeper pipelines (more bytes in flight).
 SMALL_TMA = [GemmConfig(*c, variant="tma") for c in [
@@ -74,7 +80,7 @@ def candidates(op: str, m: int, variants=VARIANTS) -> list[GemmConfig]:
     elif m <= 64:
         out = SMALL + SMALL_TMA
     elif m <= 1024:
-        out = SMALL[-6:] + MID + LARGE + LARGE_TMA + MID_TMA + SMALL_TMA
+        out = SMALL[-6:] + MID + LARGE + LARGE_TMA + MID_TMA + SMALL_TMA + WIDE_TMA3
     else:
         out = LARGE + LARGE_TMA
     return [c for c in out if c.variant in variants]
@@ -139,8 +145,8 @@ def sweep(ops, ms, shapes, layouts, rounds: int, variants=VARIANTS, timing: str 
 
 
 def ab_summary(rows: list[dict]) -> list[dict]:
-    """Per (op, layout, N, K): median TFLOP/s over M of the table's pick, of the best "ptr" and of the best
-    "tma" candidate (best = highest median over the M values swept), and tma / table."""
+    """Per (op, layout, N, K): median TFLOP/s over M of the table's pick and of the best candidate of each
+    variant ("ptr", "tma", "tma3"; best = highest median over the M values swept), and tma / table."""
     import statistics
 
     out = []
@@ -154,7 +160,7 @@ def ab_summary(rows: list[dict]) -> list[dict]:
         table = statistics.median(r["tflops"] for r in sel if r["is_table"])
         row = {"op": op, "layout": layout, "N": n, "K": k, "Ms": sorted({r["M"] for r in sel}),
                "table_tflops": table}
-        for variant in ("ptr", "tma"):
+        for variant in VARIANTS:
             cands = {key: v for key, v in med.items() if key[1] == variant}
             if cands:
                 best = max(cands, key=cands.get)

@@ -30,7 +30,7 @@ contract's semantics (exact products, FP32 accumulation, one BF16 rounding) with
 depends on L alone (one FP32 rounding per product, strictly sequential). The interpreter's FP32 to
 BF16 cast truncates, so the final rounding there is done in integer arithmetic (nearest-even). Interpreter bits differ from tensor-core bits; each backend is audited on its own.
 
-Two kernels share that tile math (``tile_of_program``, ``segment_boundary``, ``accumulate``, ``mac_step``, ``store_tile``):
+Three kernels share that tile math (``tile_of_program``, ``segment_boundary``, ``accumulate``, ``mac_step``, ``store_tile``):
 - ``det_gemm_kernel`` (``GemmConfig.variant == "ptr"``) loads through pointers
   (cp.async on sm_90).
 - ``det_gemm_tma_kernel`` (``variant == "tma"``) loads each operand with a host-side TMA descriptor
@@ -38,6 +38,8 @@ Two kernels share that tile math (``tile_of_program``, ``segment_boundary``, ``a
   ``tl.dot``) and zero-fills out-of-bounds boxes as the masked loads do. TMA needs a unit stride on one
   dim, the other stride and the base 16-byte aligned; any other operand is refused with an error
   naming it, never handed to the pointer kernel behind the caller's back.
+- ``det_gemm_tma3_kernel`` (``variant == "tma3"``): the TMA kernel with a tile three power-of-two
+  sub-tiles wide (e.g. 192 columns), one accumulator per sub-tile; a tune candidate, in no table yet.
 
 Shapes: any M, N, K >= 1 whose element offsets fit in 32 bits; any non-negative strides ("ptr").
 """
@@ -71,7 +73,7 @@ def interpreter_step_k(config: "GemmConfig") -> int:
     return step
 
 
-VARIANTS = ("ptr", "tma")
+VARIANTS = ("ptr", "tma", "tma3")
 # A TMA box has at most 256 elements per dim (cuTensorMapEncodeTiled's boxDim limit).
 TMA_MAX_BOX = 256
 
@@ -85,7 +87,8 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     # "ptr": det_gemm_kernel (pointer loads, cp.async). "tma": det_gemm_tma_kernel (TMA descriptors over
-    # each operand in its storage order). Same per-tile math; the cross-config audit checks the bits.
+    # each operand in its storage order). "tma3": det_gemm_tma3_kernel, the TMA kernel with block_n made of
+    # three power-of-two sub-tiles (e.g. 192). Same per-element math; the cross-config audit checks the bits.
     variant: str = "ptr"
 
     def __post_init__(self):
@@ -98,12 +101,21 @@ class GemmConfig:
             raise ValueError(f"block_k must be a multiple of 16 (one tensor-core k-step); got {self.block_k}")
         if self.variant not in VARIANTS:
             raise ValueError(f"GemmConfig.variant {self.variant!r} is not supported; supported: {VARIANTS}")
-        if self.variant == "tma":
-            for field in ("block_m", "block_n", "block_k"):
-                value = getattr(self, field)
+        if self.variant == "tma3" and self.block_n % 3:
+            raise ValueError(f"variant 'tma3' needs block_n three sub-tiles wide (a multiple of 3); got {self.block_n}")
+        if self.variant in ("tma", "tma3"):
+            for field, value in (("block_m", self.block_m), ("block_n", self.box_n), ("block_k", self.block_k)):
                 if value > TMA_MAX_BOX or value & (value - 1):
-                    raise ValueError(f"variant 'tma' needs {field} a power of two <= {TMA_MAX_BOX} "
+                    what = "block_n / 3" if field == "block_n" and self.variant == "tma3" else field
+                    raise ValueError(f"variant {self.variant!r} needs {what} a power of two <= {TMA_MAX_BOX} "
                                      f"(one TMA box dim); got {value}")
+        if self.variant == "tma3" and self.box_n < 16:
+            raise ValueError(f"variant 'tma3' needs block_n / 3 >= 16 (one MMA's N); got {self.box_n}")
+
+    @property
+    def box_n(self) -> int:
+        """Columns of one B load: the whole tile, or one of the three sub-tiles of a "tma3" config."""
+        return self.block_n // 3 if self.variant == "tma3" else self.block_n
 
     def label(self) -> str:
         label = (f"BM{self.block_m}_BN{self.block_n}_BK{self.block_k}_G{self.group_m}"
@@ -116,8 +128,8 @@ HOPPER_SMS = 132
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 # A kernel's shared memory beyond its operand ring: the mbarriers (the sm_90 compiles of the table's TMA
-# configs use 32-48 bytes; the pointer kernel none).
-SMEM_BARRIER_SLACK = 64
+# configs use 32-48 bytes, the three-sub-tile "tma3" candidates 96; the pointer kernel none).
+SMEM_BARRIER_SLACK = 128
 
 
 def operand_ring_bytes(config: GemmConfig) -> int:
@@ -422,6 +434,27 @@ def det_gemm_kernel(
     store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
 
 
+@triton.jit
+def tma_a_tile(a_desc, off_m, k, A_M_MAJOR: tl.constexpr):
+    """A's [BLOCK_M, STEP_K] tile at (off_m, k), from a descriptor over A in its storage order."""
+    if A_M_MAJOR:
+        a = tl.trans(a_desc.load([k, off_m]))  # [STEP_K, BLOCK_M] -> [BLOCK_M, STEP_K]
+    else:
+        a = a_desc.load([off_m, k])  # [BLOCK_M, STEP_K]
+    return a
+
+
+@triton.jit
+def tma_b_tile(b_desc, off_n, k, B_K_MAJOR: tl.constexpr):
+    """B's [STEP_K, box columns] tile at (k, off_n), from a descriptor over B in its storage order."""
+    if B_K_MAJOR:
+        # wgmma reads the transposed shared-memory tile as its K-major B operand: no shuffle.
+        b = tl.trans(b_desc.load([off_n, k]))  # [box, STEP_K] -> [STEP_K, box]
+    else:
+        b = b_desc.load([k, off_n])  # [STEP_K, box]
+    return b
+
+
 @triton.jit(launch_metadata=_launch_metadata)
 def det_gemm_tma_kernel(
     a_desc, b_desc, c_ptr, twin_ptr,  # TMA descriptors over A and B in their storage order (see A_M_MAJOR, B_K_MAJOR)
@@ -448,21 +481,70 @@ def det_gemm_tma_kernel(
         acc, seg_acc = segment_boundary(acc, seg_acc, k0, seg_len, SEGMENTED)
         for kk in tl.static_range(0, BLOCK_K, STEP_K):
             k = k0 + kk
-            if A_M_MAJOR:
-                a = tl.trans(a_desc.load([k, off_m]))  # [STEP_K, BLOCK_M] -> [BLOCK_M, STEP_K]
-            else:
-                a = a_desc.load([off_m, k])  # [BLOCK_M, STEP_K]
-            if B_K_MAJOR:
-                # wgmma reads the transposed shared-memory tile as its K-major B operand: no shuffle.
-                b = tl.trans(b_desc.load([off_n, k]))  # [BLOCK_N, STEP_K] -> [STEP_K, BLOCK_N]
-            else:
-                b = b_desc.load([k, off_n])  # [STEP_K, BLOCK_N]
+            a = tma_a_tile(a_desc, off_m, k, A_M_MAJOR)
+            b = tma_b_tile(b_desc, off_n, k, B_K_MAJOR)
             acc, seg_acc = accumulate(acc, seg_acc, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED)
     if SEGMENTED:
         acc += seg_acc
     offs_am = off_m + tl.arange(0, BLOCK_M)
     offs_bn = off_n + tl.arange(0, BLOCK_N)
     store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+
+
+@triton.jit(launch_metadata=_launch_metadata)
+def det_gemm_tma3_kernel(
+    a_desc, b_desc, c_ptr, twin_ptr,  # as det_gemm_tma_kernel; b_desc's box is one sub-tile, BLOCK_N / 3 wide
+    R, C, L,
+    stride_cr, stride_cc,
+    seg_len,
+    op_id,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STEP_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr,
+    A_M_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
+):
+    """det_gemm_tma_kernel with a tile three power-of-two sub-tiles wide (BLOCK_N = 3 x SUB_N, e.g. 192):
+    a width Triton's power-of-two blocks cannot hold in one tensor, which fills 132 SMs where powers of two
+    do not (a 6144-wide output is 32 tile columns of 192, against 48 of 128 or 24 of 256). Each K step loads
+    A once and feeds three MMAs, one per sub-tile accumulator; every output element still sums its K in the
+    same ascending steps, so the bits equal every other config's (checked as for any config)."""
+    SUB_N: tl.constexpr = BLOCK_N // 3
+    pid_m, pid_n = tile_of_program(R, C, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    offs_k = tl.arange(0, STEP_K)
+
+    acc0 = tl.zeros((BLOCK_M, SUB_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, SUB_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, SUB_N), dtype=tl.float32)
+    seg0 = tl.zeros((BLOCK_M, SUB_N), dtype=tl.float32)
+    seg1 = tl.zeros((BLOCK_M, SUB_N), dtype=tl.float32)
+    seg2 = tl.zeros((BLOCK_M, SUB_N), dtype=tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        acc0, seg0 = segment_boundary(acc0, seg0, k0, seg_len, SEGMENTED)
+        acc1, seg1 = segment_boundary(acc1, seg1, k0, seg_len, SEGMENTED)
+        acc2, seg2 = segment_boundary(acc2, seg2, k0, seg_len, SEGMENTED)
+        for kk in tl.static_range(0, BLOCK_K, STEP_K):
+            k = k0 + kk
+            a = tma_a_tile(a_desc, off_m, k, A_M_MAJOR)
+            b0 = tma_b_tile(b_desc, off_n, k, B_K_MAJOR)
+            b1 = tma_b_tile(b_desc, off_n + SUB_N, k, B_K_MAJOR)
+            b2 = tma_b_tile(b_desc, off_n + 2 * SUB_N, k, B_K_MAJOR)
+            acc0, seg0 = accumulate(acc0, seg0, a, b0, offs_k, STEP_K, INTERPRETED, SEGMENTED)
+            acc1, seg1 = accumulate(acc1, seg1, a, b1, offs_k, STEP_K, INTERPRETED, SEGMENTED)
+            acc2, seg2 = accumulate(acc2, seg2, a, b2, offs_k, STEP_K, INTERPRETED, SEGMENTED)
+    if SEGMENTED:
+        acc0 += seg0
+        acc1 += seg1
+        acc2 += seg2
+    offs_am = off_m + tl.arange(0, BLOCK_M)
+    offs_sub = tl.arange(0, SUB_N)
+    store_tile(c_ptr, twin_ptr, acc0, offs_am, off_n + offs_sub, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32,
+               TWIN)
+    store_tile(c_ptr, twin_ptr, acc1, offs_am, off_n + SUB_N + offs_sub, R, C, stride_cr, stride_cc, INTERPRETED,
+               OUT_FP32, TWIN)
+    store_tile(c_ptr, twin_ptr, acc2, offs_am, off_n + 2 * SUB_N + offs_sub, R, C, stride_cr, stride_cc,
+               INTERPRETED, OUT_FP32, TWIN)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,14 +589,15 @@ def _tma_layout(tensor: torch.Tensor, view: torch.Tensor, block: tuple[int, int]
     return transposed, shape, strides, box
 
 
-def _tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: tuple[int, int]):
+def _tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: tuple[int, int],
+                    variant: str = "tma"):
     """A TMA descriptor over ``view`` and whether its storage order is transposed; refuses, naming the
     operand, what TMA cannot address."""
     layout = _tma_layout(tensor, view, block)
     if layout is None:
         item = tensor.element_size()
         raise ValueError(
-            f"variant 'tma' cannot describe {name} (shape {tuple(tensor.shape)}, strides {tensor.stride()}, "
+            f"variant {variant!r} cannot describe {name} (shape {tuple(tensor.shape)}, strides {tensor.stride()}, "
             f"data_ptr % 16 = {tensor.data_ptr() % 16}): TMA needs one dim with stride 1, the other stride a "
             f"multiple of {16 // item} elements (16 bytes) and a 16-byte-aligned base; use a 'ptr' config "
             "for this operand"
@@ -535,9 +618,12 @@ def table_config(op: str, m: int, cols: int, views: tuple[tuple[torch.Tensor, to
     of A and B). Neither the layout nor the variant changes the bits (same K order; every pick swept on the
     H200 and checked by the cross-config audit), so this choice cannot change a result."""
     config = select_config(op, m, b_is_k_major(views[1][1]), cols, device_sms(views[0][1].device))
-    if config.variant == "tma":
-        blocks = ((config.block_m, config.block_k), (config.block_k, config.block_n))
+    if config.variant != "ptr":
+        blocks = ((config.block_m, config.block_k), (config.block_k, config.box_n))
         if any(_tma_layout(t, v, blk) is None for (t, v), blk in zip(views, blocks)):
+            if config.variant == "tma3":  # a 3 x power-of-two tile has no pointer-kernel twin
+                raise ValueError(f"the table's pick {config.label()} for {op} at M={m} needs TMA-addressable "
+                                 "operands (one unit-stride dim, 16-byte-aligned base and other stride)")
             config = replace(config, variant="ptr")
     return config
 
@@ -574,15 +660,16 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k
     grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
-    if config.variant == "tma":
+    if config.variant in ("tma", "tma3"):
         # Descriptors first: an operand TMA cannot address is refused before anything is allocated.
         (a_name, a), (b_name, b) = tensors.items()
-        a_desc, a_m_major = _tma_descriptor(a_name, a, a_view, (config.block_m, step_k))
-        b_desc, b_k_major = _tma_descriptor(b_name, b, b_view, (step_k, config.block_n))
+        a_desc, a_m_major = _tma_descriptor(a_name, a, a_view, (config.block_m, step_k), config.variant)
+        b_desc, b_k_major = _tma_descriptor(b_name, b, b_view, (step_k, config.box_n), config.variant)
         c = torch.empty((rows, cols), dtype=out_dtype, device=a_view.device)
         if not interpreted:
             ensure_cuda_context(a_view.device)
-        det_gemm_tma_kernel[grid](
+        kernel = det_gemm_tma_kernel if config.variant == "tma" else det_gemm_tma3_kernel
+        kernel[grid](
             a_desc, b_desc, c, c if twin_out is None else twin_out,
             rows, cols, reduced,
             c.stride(0), c.stride(1),

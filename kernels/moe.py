@@ -580,7 +580,17 @@ def _backend_flags(backend: str, config: GemmConfig) -> dict:
     return {"STEP_K": interpreter_step_k(config) if interpreted else config.block_k, "INTERPRETED": interpreted}
 
 
+MOE_VARIANTS = ("ptr", "tma")  # det_gemm's three-sub-tile "tma3" has no MoE kernel
+
+
+def check_moe_variant(stage: str, config: GemmConfig) -> None:
+    if config.variant not in MOE_VARIANTS:
+        raise ValueError(f"{stage}: variant {config.variant!r} is not supported by the MoE kernels; "
+                         f"supported: {MOE_VARIANTS}")
+
+
 def _check_grouped_config(stage: str, config: GemmConfig) -> None:
+    check_moe_variant(stage, config)
     if SEGMENT_ALIGN % config.block_m:
         raise ValueError(f"{stage}: BLOCK_M {config.block_m} must divide the segment alignment {SEGMENT_ALIGN}")
 
@@ -764,6 +774,7 @@ def moe_gather_sum(dx_route: torch.Tensor, routing: MoeRouting, backend: str,
 def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing: MoeRouting,
            out: torch.Tensor, accumulate: bool, backend: str, config: GemmConfig | None) -> None:
     config = config or select_moe_config("wgrad", backend)
+    check_moe_variant("wgrad", config)
     experts, r, c = out.shape
     grid = (experts * triton.cdiv(r, config.block_m) * triton.cdiv(c, config.block_n),)
     moe_wgrad_kernel[grid](

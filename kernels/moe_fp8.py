@@ -65,8 +65,8 @@ from kernels.fp8_quant import (
     quantize_row_blocks, quantize_rowwise, quantize_rowwise_ref, quantize_rows, quantize_weight, quantize_weight_ref,
 )
 from kernels.moe import (
-    MoeGrads, check_dout, check_main_grads, check_moe_inputs, checked_routing, dswiglu_epilogue, grouped_tile,
-    layer_stage_names, mma_step, moe_combine, moe_dscores, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
+    MoeGrads, check_dout, check_main_grads, check_moe_inputs, check_moe_variant, checked_routing, dswiglu_epilogue,
+    grouped_tile, layer_stage_names, mma_step, moe_combine, moe_dscores, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
     pinned_stage_config, stage_name, store_fp32_tile, swiglu_epilogue, to_bf16, weight_descriptor,
 )
 from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
@@ -382,6 +382,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
              config: GemmConfig | None) -> None:
     """b: [E, C, L] K-major FP8 view; b_s: [E, L/128, C/128] view (strides kept)."""
     config = config or select_moe_fp8_config(stage, backend)
+    check_moe_variant(stage, config)
     if SEGMENT_ALIGN % config.block_m:
         raise ValueError(f"{stage}: BLOCK_M {config.block_m} must divide the segment alignment {SEGMENT_ALIGN}")
     if QBLOCK % config.block_k:
@@ -493,6 +494,7 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
     """dW[e] [R, C] = sum over e's rows of A^T B from column-wise FP8 operands a_q [R, P], b_q [C, P]
     (scales [R, P/128], [C, P/128]), per-128-row promotion; BF16, or main_grad += it in FP32 (None)."""
     config = config or FP8_WGRAD_CONFIGS[backend]
+    check_moe_variant("wgrad", config)
     if QBLOCK % config.block_k:
         raise ValueError(f"wgrad: BLOCK_K {config.block_k} must divide the FP8 block {QBLOCK}")
     experts, (r, c) = routing.num_experts, (a_q.shape[0], b_q.shape[0])

@@ -59,6 +59,45 @@ def test_tma_segmented_equals_pointer_kernel_and_partials(device):
     _assert_same_bits(seg, (parts[0] + parts[1]) + parts[2])
 
 
+# ---- "tma3": three power-of-two sub-tiles per tile (e.g. 192 columns), a tune candidate ----------------
+# Tiles narrower and wider than the output (n 40: one tile column, the last sub-tiles masked; n 104: three
+# tile columns of 48), a masked K tail, and the same bits as the pointer kernel at another tile.
+@pytest.mark.parametrize("op", ["fwd", "da", "db"])
+@pytest.mark.parametrize("layout", ["kn", "linear"])
+@pytest.mark.parametrize("m,n", [(1, 40), (129, 104)])
+def test_tma3_bits_equal_pointer_kernel(op, layout, m, n, device):
+    x, y = _operands(op, m, n, 56, layout, device)
+    ptr_config = GemmConfig(16, 32, 32, 1, 4, 2)
+    for config in (GemmConfig(16, 48, 32, 1, 4, 2, "tma3"), GemmConfig(32, 96, 64, 1, 4, 2, "tma3")):
+        for out_dtype in (torch.bfloat16, torch.float32):
+            ptr, ptr_launch = LAUNCHERS[op](x, y, config=ptr_config, out_dtype=out_dtype)
+            got, launch = LAUNCHERS[op](x, y, config=config, out_dtype=out_dtype)
+            assert launch.config == config and launch.name == ptr_launch.name
+            _assert_same_bits(got, ptr)
+
+
+def test_tma3_segmented_and_twin_equal_pointer_kernel(device):
+    a, b = bf16_randn((20, 160), 5, device), weight_kn(160, 104, 6, "linear", device)
+    config = GemmConfig(16, 48, 32, 1, 4, 2, "tma3")
+    ptr = LAUNCHERS["fwd"](a, b, config=GemmConfig(16, 32, 32, 1, 4, 2), seg_len=64, out_dtype=torch.float32)[0]
+    twin = torch.full_like(ptr, float("nan"))
+    seg = LAUNCHERS["fwd"](a, b, config=config, seg_len=64, out_dtype=torch.float32, twin_out=twin)[0]
+    _assert_same_bits(seg, ptr)
+    _assert_same_bits(twin, ptr)
+
+
+def test_tma3_config_rules():
+    wide = GemmConfig(128, 192, 64, 8, 8, 4, "tma3")
+    assert wide.box_n == 64 and wide.label().endswith("_tma3") and GemmConfig(128, 192, 64, 8, 8, 4).box_n == 192
+    assert operand_ring_bytes(wide) == 4 * (128 * 64 + 64 * 192) * 2
+    with pytest.raises(ValueError, match=r"variant 'tma3' needs block_n three sub-tiles wide .*; got 128"):
+        GemmConfig(128, 128, 64, 8, 8, 4, "tma3")
+    with pytest.raises(ValueError, match=r"variant 'tma3' needs block_n / 3 a power of two <= 256 .*; got 40"):
+        GemmConfig(128, 120, 64, 8, 8, 4, "tma3")
+    with pytest.raises(ValueError, match=r"variant 'tma3' needs block_n / 3 >= 16 .*; got 8"):
+        GemmConfig(128, 24, 64, 8, 8, 4, "tma3")
+
+
 # ---- fail closed: an operand TMA cannot address is refused, naming it; never a silent fallback --------
 def _unaligned_base(rows, cols, device):
     """A row-major [rows, cols] view starting 2 bytes past a 16-byte boundary."""
@@ -139,7 +178,7 @@ def test_table_pick_is_tma_where_addressable_else_the_same_tile_as_ptr(layout, d
 
 
 def test_rejects_bad_variant_and_tma_box():
-    with pytest.raises(ValueError, match=r"GemmConfig.variant 'wgmma' is not supported; supported: \('ptr', 'tma'\)"):
+    with pytest.raises(ValueError, match=r"GemmConfig.variant 'wgmma' is not supported; supported: \('ptr', 'tma', 'tma3'\)"):
         GemmConfig(128, 128, 64, 8, 8, 3, "wgmma")
     with pytest.raises(ValueError, match=r"variant 'tma' needs block_n a power of two <= 256 .*; got 512"):
         GemmConfig(64, 512, 64, 8, 8, 3, "tma")
@@ -219,3 +258,31 @@ def test_one_wave_residency_matches_the_sm90_compiles_shared_memory(tmp_path):
         assert ring <= r["shared_bytes"] <= ring + dg.SMEM_BARRIER_SLACK, (r["config"], r["shared_bytes"], ring)
         compiled = dg.SMEM_PER_SM // (r["shared_bytes"] + dg.SMEM_RESERVED_PER_CTA)
         assert compiled == dg.ctas_per_sm(config), (r["config"], compiled)
+
+
+_TMA3_SCRIPT = """
+import json, tempfile
+from bench.gemm_sass import CASES, build
+from kernels.det_gemm import GemmConfig
+configs = [GemmConfig(128, 192, 64, 8, 8, 4, "tma3"), GemmConfig(64, 192, 64, 8, 4, 4, "tma3")]
+rows = [build(case, "tma3", tempfile.mkdtemp(), config=c) for c in configs for case in CASES
+        if case.name in ("fwd_weight_t", "fwd_weight_kn", "da_weight_t")]
+print(json.dumps(rows))
+"""
+
+
+def test_tma3_kernel_compiles_for_sm90_offline_to_tma_and_wgmma_without_spills(tmp_path):
+    # The three-sub-tile tune candidates: TMA loads into wgmma, no cp.async or mma.sync, no register
+    # spills, and the shared memory operand_ring_bytes counts (so the one-wave rule can rank them).
+    import kernels.det_gemm as dg
+    from tests.moe_helpers import compile_sm90_offline
+
+    rows = compile_sm90_offline(_TMA3_SCRIPT, tmp_path)
+    assert len(rows) == 6
+    for r in rows:
+        assert r["UTMALDG"] > 0 and r["HGMMA"] > 0 and r["LDGSTS"] == 0 and r["HMMA"] == 0, r
+        assert r["stack_bytes"] == 0, r
+        config = next(c for c in (GemmConfig(128, 192, 64, 8, 8, 4, "tma3"), GemmConfig(64, 192, 64, 8, 4, 4, "tma3"))
+                      if c.label() == r["config"])
+        ring = operand_ring_bytes(config)
+        assert ring <= r["shared_bytes"] <= ring + dg.SMEM_BARRIER_SLACK, (r["config"], r["shared_bytes"], ring)
