@@ -90,12 +90,6 @@ def test_tma3_config_rules():
     wide = GemmConfig(128, 192, 64, 8, 8, 4, "tma3")
     assert wide.box_n == 64 and wide.label().endswith("_tma3") and GemmConfig(128, 192, 64, 8, 8, 4).box_n == 192
     assert operand_ring_bytes(wide) == 4 * (128 * 64 + 64 * 192) * 2
-    with pytest.raises(ValueError, match=r"variant 'tma3' needs block_n three sub-tiles wide .*; got 128"):
-        GemmConfig(128, 128, 64, 8, 8, 4, "tma3")
-    with pytest.raises(ValueError, match=r"variant 'tma3' needs block_n / 3 a power of two <= 256 .*; got 40"):
-        GemmConfig(128, 120, 64, 8, 8, 4, "tma3")
-    with pytest.raises(ValueError, match=r"variant 'tma3' needs block_n / 3 >= 16 .*; got 8"):
-        GemmConfig(128, 24, 64, 8, 8, 4, "tma3")
 
 
 # ---- fail closed: an operand TMA cannot address is refused, naming it; never a silent fallback --------
@@ -177,13 +171,17 @@ def test_table_pick_is_tma_where_addressable_else_the_same_tile_as_ptr(layout, d
     _assert_same_bits(out7, LAUNCHERS["fwd"](a7, b7, config=launch7.config)[0])
 
 
-def test_rejects_bad_variant_and_tma_box():
-    with pytest.raises(ValueError, match=r"GemmConfig.variant 'wgmma' is not supported; supported: \('ptr', 'tma', 'tma3'\)"):
-        GemmConfig(128, 128, 64, 8, 8, 3, "wgmma")
-    with pytest.raises(ValueError, match=r"variant 'tma' needs block_n a power of two <= 256 .*; got 512"):
-        GemmConfig(64, 512, 64, 8, 8, 3, "tma")
-    with pytest.raises(ValueError, match=r"variant 'tma' needs block_m a power of two <= 256 .*; got 48"):
-        GemmConfig(48, 64, 64, 8, 8, 3, "tma")
+@pytest.mark.parametrize("tile,variant,match", [
+    ((128, 128, 64), "wgmma", r"GemmConfig.variant 'wgmma' is not supported; supported: \('ptr', 'tma', 'tma3'\)"),
+    ((64, 512, 64), "tma", r"variant 'tma' needs block_n a power of two <= 256 .*; got 512"),
+    ((48, 64, 64), "tma", r"variant 'tma' needs block_m a power of two <= 256 .*; got 48"),
+    ((128, 128, 64), "tma3", r"variant 'tma3' needs block_n three sub-tiles wide .*; got 128"),
+    ((128, 120, 64), "tma3", r"variant 'tma3' needs block_n / 3 a power of two <= 256 .*; got 40"),
+    ((128, 24, 64), "tma3", r"variant 'tma3' needs block_n / 3 >= 16 .*; got 8"),
+])
+def test_rejects_bad_variant_and_tma_box(tile, variant, match):
+    with pytest.raises(ValueError, match=match):
+        GemmConfig(*tile, 8, 8, 3, variant)
 
 
 def test_tune_sweep_records_a_refused_candidate(device, monkeypatch):
