@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import threading
+import statistics
 import time
 from contextlib import contextmanager
 from collections.abc import Sequence
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.timing import Timing
+from toolkit.timing import SmClock, Timing
 
 
 @dataclass(frozen=True)
@@ -157,40 +157,27 @@ def split_at(kernels: Sequence[Span], is_marker) -> list[list[Span]]:
 def sustained_calls(fn, device: torch.device, calls: int) -> dict:
     """``calls`` calls back to back as the sweep times them (L2 flush, call; no host sync between), one
     profile: per call the window from its first kernel's start to its last kernel's end (the flush
-    excluded), the kernels' busy time and the idle rest; each kernel's median duration; and the SM clock
-    and clock-event reasons NVML reports while the queue is still full."""
+    excluded), the kernels' busy time and the idle rest; each kernel's median duration; and the SM clock,
+    power and clock-event reasons NVML reports every 10 ms while the calls run (toolkit.timing.SmClock)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    import pynvml  # nvidia-ml-py
-
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)  # one visible GPU: NVML's index = CUDA's
+    nvml = SmClock(device, period_s=0.01)
+    if nvml.handle is None:
+        raise RuntimeError("bench.moe_gaps --sustained reads the clocks through NVML (nvidia-ml-py); "
+                           "NVML could not be initialised for this device")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
     torch.cuda.synchronize(device)
-    samples, running = [], threading.Event()
-
-    def sample():  # the clocks under this load, every 10 ms while the calls run
-        while running.is_set():
-            samples.append((pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-                            pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
-                            pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)))
-            time.sleep(0.01)
-
+    samples: list[tuple[float, float, int]] = []  # (SM clock, power, reasons) every 10 ms while the calls run
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        running.set()
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        for _ in range(calls):
-            torch.cuda._sleep(1)  # a marker kernel (ATen's spin_kernel) that starts each call's group
-            flush.zero_()
-            fn(None)
-        torch.cuda.synchronize(device)
-        running.clear()
-        sampler.join()
-    pynvml.nvmlShutdown()
-    clocks = sorted(c for c, _, _ in samples)
-    clock = {"sm_clock_mhz_median": clocks[len(clocks) // 2], "sm_clock_mhz_min": clocks[0],
+        with nvml.sampling(samples, nvml.read_state):
+            for _ in range(calls):
+                torch.cuda._sleep(1)  # a marker kernel (ATen's spin_kernel) that starts each call's group
+                flush.zero_()
+                fn(None)
+            torch.cuda.synchronize(device)
+    clocks = [c for c, _, _ in samples]
+    clock = {"sm_clock_mhz_median": statistics.median(clocks), "sm_clock_mhz_min": min(clocks),
              "power_w_max": max(w for _, w, _ in samples), "clock_reasons": sorted({hex(r) for _, _, r in samples})}
     kernels = [Span(ev.name, float(ev.time_range.start), float(ev.time_range.end))
                for ev in prof.events() if ev.device_type == DeviceType.CUDA and not ev.is_user_annotation]
@@ -205,7 +192,7 @@ def sustained_calls(fn, device: torch.device, calls: int) -> dict:
     for g in per_call:
         for k in g:
             durations.setdefault(k.name, []).append(k.end_us - k.start_us)
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    med = statistics.median
     return {"calls": len(per_call), "window_us_median": med(windows), "busy_us_median": med(busy),
             "idle_us_median": med([w - b for w, b in zip(windows, busy)]), **clock,
             "kernel_us_median": {name: med(d) for name, d in durations.items()}}

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import statistics
 import time
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
@@ -132,9 +133,8 @@ def measure(preset: str, tokens: int, calls: int) -> dict:
     with clock.patched():
         wrapped = host_us_per_call()
     per_call = {k: {"us": clock.total[k] / calls * 1e6, "count": clock.count[k] / calls} for k in clock.total}
-    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return {"preset": preset, "T": tokens, "calls": calls, "host_call_us_plain": median(plain),
-            "host_call_us_wrapped": median(wrapped), "per_call": per_call}
+    return {"preset": preset, "T": tokens, "calls": calls, "host_call_us_plain": statistics.median(plain),
+            "host_call_us_wrapped": statistics.median(wrapped), "per_call": per_call}
 
 
 def main(argv=None) -> int:

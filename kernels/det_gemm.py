@@ -435,24 +435,15 @@ def det_gemm_kernel(
 
 
 @triton.jit
-def tma_a_tile(a_desc, off_m, k, A_M_MAJOR: tl.constexpr):
-    """A's [BLOCK_M, STEP_K] tile at (off_m, k), from a descriptor over A in its storage order."""
-    if A_M_MAJOR:
-        a = tl.trans(a_desc.load([k, off_m]))  # [STEP_K, BLOCK_M] -> [BLOCK_M, STEP_K]
+def tma_tile(desc, row, col, TRANSPOSED: tl.constexpr):
+    """The tile at (row, col) of an operand's logical view, from a TMA descriptor over its storage: the
+    view itself, or its transpose (storage [cols, rows]: dB's a.T, or a K-major B such as nn.Linear's
+    weight.t(), which wgmma then reads from shared memory as its K-major operand: no shuffle)."""
+    if TRANSPOSED:
+        tile = tl.trans(desc.load([col, row]))
     else:
-        a = a_desc.load([off_m, k])  # [BLOCK_M, STEP_K]
-    return a
-
-
-@triton.jit
-def tma_b_tile(b_desc, off_n, k, B_K_MAJOR: tl.constexpr):
-    """B's [STEP_K, box columns] tile at (k, off_n), from a descriptor over B in its storage order."""
-    if B_K_MAJOR:
-        # wgmma reads the transposed shared-memory tile as its K-major B operand: no shuffle.
-        b = tl.trans(b_desc.load([off_n, k]))  # [box, STEP_K] -> [STEP_K, box]
-    else:
-        b = b_desc.load([k, off_n])  # [STEP_K, box]
-    return b
+        tile = desc.load([row, col])
+    return tile
 
 
 @triton.jit(launch_metadata=_launch_metadata)
@@ -481,8 +472,8 @@ def det_gemm_tma_kernel(
         acc, seg_acc = segment_boundary(acc, seg_acc, k0, seg_len, SEGMENTED)
         for kk in tl.static_range(0, BLOCK_K, STEP_K):
             k = k0 + kk
-            a = tma_a_tile(a_desc, off_m, k, A_M_MAJOR)
-            b = tma_b_tile(b_desc, off_n, k, B_K_MAJOR)
+            a = tma_tile(a_desc, off_m, k, A_M_MAJOR)  # [BLOCK_M, STEP_K]
+            b = tma_tile(b_desc, k, off_n, B_K_MAJOR)  # [STEP_K, BLOCK_N]
             acc, seg_acc = accumulate(acc, seg_acc, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED)
     if SEGMENTED:
         acc += seg_acc
@@ -526,25 +517,24 @@ def det_gemm_tma3_kernel(
         acc2, seg2 = segment_boundary(acc2, seg2, k0, seg_len, SEGMENTED)
         for kk in tl.static_range(0, BLOCK_K, STEP_K):
             k = k0 + kk
-            a = tma_a_tile(a_desc, off_m, k, A_M_MAJOR)
-            b0 = tma_b_tile(b_desc, off_n, k, B_K_MAJOR)
-            b1 = tma_b_tile(b_desc, off_n + SUB_N, k, B_K_MAJOR)
-            b2 = tma_b_tile(b_desc, off_n + 2 * SUB_N, k, B_K_MAJOR)
-            acc0, seg0 = accumulate(acc0, seg0, a, b0, offs_k, STEP_K, INTERPRETED, SEGMENTED)
-            acc1, seg1 = accumulate(acc1, seg1, a, b1, offs_k, STEP_K, INTERPRETED, SEGMENTED)
-            acc2, seg2 = accumulate(acc2, seg2, a, b2, offs_k, STEP_K, INTERPRETED, SEGMENTED)
+            a = tma_tile(a_desc, off_m, k, A_M_MAJOR)  # one A tile feeds the three sub-tiles' MMAs
+            b = tma_tile(b_desc, k, off_n, B_K_MAJOR)  # [STEP_K, SUB_N]
+            acc0, seg0 = accumulate(acc0, seg0, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED)
+            b = tma_tile(b_desc, k, off_n + SUB_N, B_K_MAJOR)
+            acc1, seg1 = accumulate(acc1, seg1, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED)
+            b = tma_tile(b_desc, k, off_n + 2 * SUB_N, B_K_MAJOR)
+            acc2, seg2 = accumulate(acc2, seg2, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED)
     if SEGMENTED:
         acc0 += seg0
         acc1 += seg1
         acc2 += seg2
     offs_am = off_m + tl.arange(0, BLOCK_M)
-    offs_sub = tl.arange(0, SUB_N)
-    store_tile(c_ptr, twin_ptr, acc0, offs_am, off_n + offs_sub, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32,
-               TWIN)
-    store_tile(c_ptr, twin_ptr, acc1, offs_am, off_n + SUB_N + offs_sub, R, C, stride_cr, stride_cc, INTERPRETED,
-               OUT_FP32, TWIN)
-    store_tile(c_ptr, twin_ptr, acc2, offs_am, off_n + 2 * SUB_N + offs_sub, R, C, stride_cr, stride_cc,
-               INTERPRETED, OUT_FP32, TWIN)
+    offs_bn = off_n + tl.arange(0, SUB_N)  # the first sub-tile's columns; the others are SUB_N further each
+    store_tile(c_ptr, twin_ptr, acc0, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+    offs_bn += SUB_N
+    store_tile(c_ptr, twin_ptr, acc1, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+    offs_bn += SUB_N
+    store_tile(c_ptr, twin_ptr, acc2, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
 
 
 # ---------------------------------------------------------------------------------------------

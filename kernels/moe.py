@@ -589,7 +589,8 @@ def check_moe_variant(stage: str, config: GemmConfig) -> None:
                          f"supported: {MOE_VARIANTS}")
 
 
-def _check_grouped_config(stage: str, config: GemmConfig) -> None:
+def check_grouped_config(stage: str, config: GemmConfig) -> None:
+    """A grouped-GEMM config the MoE kernels can run: a MoE variant, BLOCK_M dividing the segments."""
     check_moe_variant(stage, config)
     if SEGMENT_ALIGN % config.block_m:
         raise ValueError(f"{stage}: BLOCK_M {config.block_m} must divide the segment alignment {SEGMENT_ALIGN}")
@@ -642,7 +643,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
              dscore: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """b is a [E, L, C] view (strides kept); ``dscore = (h, ds_part)`` (dgrad only) adds the partials."""
     config = config or table_moe_config(stage, backend, b)
-    _check_grouped_config(stage, config)
+    check_grouped_config(stage, config)
     if dscore is not None and config.block_n % DS_CHUNK:
         raise ValueError(f"{stage}: the fused dscore partials need BLOCK_N a multiple of {DS_CHUNK}; "
                          f"got {config.block_n}")

@@ -65,8 +65,8 @@ from kernels.fp8_quant import (
     quantize_row_blocks, quantize_rowwise, quantize_rowwise_ref, quantize_rows, quantize_weight, quantize_weight_ref,
 )
 from kernels.moe import (
-    MoeGrads, check_dout, check_main_grads, check_moe_inputs, check_moe_variant, checked_routing, dswiglu_epilogue,
-    grouped_tile, layer_stage_names, mma_step, moe_combine, moe_dscores, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
+    MoeGrads, check_dout, check_grouped_config, check_main_grads, check_moe_inputs, check_moe_variant, checked_routing,
+    dswiglu_epilogue, grouped_tile, layer_stage_names, mma_step, moe_combine, moe_dscores, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
     pinned_stage_config, stage_name, store_fp32_tile, swiglu_epilogue, to_bf16, weight_descriptor,
 )
 from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
@@ -382,9 +382,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
              config: GemmConfig | None) -> None:
     """b: [E, C, L] K-major FP8 view; b_s: [E, L/128, C/128] view (strides kept)."""
     config = config or select_moe_fp8_config(stage, backend)
-    check_moe_variant(stage, config)
-    if SEGMENT_ALIGN % config.block_m:
-        raise ValueError(f"{stage}: BLOCK_M {config.block_m} must divide the segment alignment {SEGMENT_ALIGN}")
+    check_grouped_config(stage, config)
     if QBLOCK % config.block_k:
         raise ValueError(f"{stage}: BLOCK_K {config.block_k} must divide the FP8 block {QBLOCK}")
     if QBLOCK % config.block_n and config.block_n != 2 * QBLOCK:  # a tile spans one or two weight-scale blocks

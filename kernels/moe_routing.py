@@ -286,10 +286,9 @@ def _read_after(t: torch.Tensor, ready: torch.cuda.Event | None) -> list[int]:
     (the up-projection GEMM): the host learns the counts while that GEMM runs."""
     if ready is None:
         return t.tolist()
-    index = t.device.index
-    stream = _READ_STREAMS.get(index)
-    if stream is None:
-        stream = _READ_STREAMS.setdefault(index, torch.cuda.Stream(t.device))
+    if t.device.index not in _READ_STREAMS:
+        _READ_STREAMS[t.device.index] = torch.cuda.Stream(t.device)
+    stream = _READ_STREAMS[t.device.index]
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     with torch.cuda.stream(stream):
         stream.wait_event(ready)

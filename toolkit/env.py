@@ -291,14 +291,18 @@ def _torch_devices(probe_cuda: bool) -> list[dict[str, Any]] | str:
         )
         uuid = getattr(props, "uuid", None)
         dev["uuid"] = str(uuid) if uuid is not None else not_available("not in torch's properties")
-        if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
-            dev["pci_bus_id"] = (
-                f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
-            )
-        else:
-            dev["pci_bus_id"] = not_available("not in torch's properties")
+        bus_id = cuda_pci_bus_id(props)
+        dev["pci_bus_id"] = bus_id if bus_id is not None else not_available("not in torch's properties")
         devices.append(dev)
     return devices
+
+
+def cuda_pci_bus_id(props: Any) -> str | None:
+    """The PCI address of a CUDA device (torch's device properties) as NVML spells it, or None when
+    torch does not report it. NVML numbers every GPU, CUDA only the visible ones: this joins the two."""
+    if not all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        return None
+    return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
 
 
 class _Nvml:

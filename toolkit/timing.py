@@ -9,6 +9,7 @@ emulation: useful only to prove the plumbing, never a speed result (reports say 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -37,34 +38,51 @@ class Timing:
         return cls(median_us=statistics.median(us), p20_us=q[1], p80_us=q[7], samples=len(us), sm_clock_mhz=clock)
 
 
+@functools.lru_cache(maxsize=None)
+def _nvml_handle(bus_id: str):
+    """(pynvml, the device's NVML handle), NVML initialised once per process; None without NVML."""
+    try:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        return pynvml, pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+    except Exception:  # noqa: BLE001 - no NVML: the timings carry no clock (sm_clock_mhz None)
+        return None
+
+
 class SmClock:
-    """Polls one CUDA device's SM clock through NVML on a thread while ``sampling`` is active."""
+    """Polls one CUDA device through NVML on a thread while ``sampling`` is active: its SM clock
+    (``read_clock``), or its clock, power draw and clock-event reasons (``read_state``)."""
 
     def __init__(self, device: torch.device, period_s: float = 0.005):
-        self.period_s = period_s
-        self.handle = None
-        try:
-            import pynvml  # nvidia-ml-py
+        from toolkit.env import cuda_pci_bus_id
 
-            pynvml.nvmlInit()
-            # NVML numbers every GPU, CUDA only the visible ones: find the device by its PCI address.
-            props = torch.cuda.get_device_properties(device)
-            bus_id = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
-            self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
-        except Exception:  # noqa: BLE001 - no NVML: the timings carry no clock (sm_clock_mhz None)
-            self.handle = None
+        self.period_s = period_s
+        bus_id = cuda_pci_bus_id(torch.cuda.get_device_properties(device))
+        found = _nvml_handle(bus_id) if bus_id is not None else None
+        self.nvml, self.handle = found if found is not None else (None, None)
+
+    def read_clock(self) -> float:
+        return float(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM))
+
+    def read_state(self) -> tuple[float, float, int]:
+        """(SM clock MHz, power draw W, clock-event reasons bitmask: 0x4 is the software power cap)."""
+        return (self.read_clock(), self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0,
+                self.nvml.nvmlDeviceGetCurrentClocksEventReasons(self.handle))
 
     @contextmanager
-    def sampling(self, into: list[float]):
-        """Append the SM clock (MHz) to ``into`` every ``period_s`` until the block exits."""
+    def sampling(self, into: list, read: Callable[[], object] | None = None):
+        """Append ``read()`` (default: the SM clock in MHz) to ``into`` every ``period_s`` until the block
+        exits; nothing without NVML."""
         if self.handle is None:
             yield
             return
+        read = read or self.read_clock
         stop = threading.Event()
 
         def poll():
             while not stop.is_set():
-                into.append(float(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)))
+                into.append(read())
                 stop.wait(self.period_s)
 
         thread = threading.Thread(target=poll, daemon=True)
