@@ -39,7 +39,9 @@ Three kernels share that tile math (``tile_of_program``, ``segment_boundary``, `
   dim, the other stride and the base 16-byte aligned; any other operand is refused with an error
   naming it, never handed to the pointer kernel behind the caller's back.
 - ``det_gemm_tma3_kernel`` (``variant == "tma3"``): the TMA kernel with a tile three power-of-two
-  sub-tiles wide (e.g. 192 columns), one accumulator per sub-tile; a tune candidate, in no table yet.
+  sub-tiles wide (e.g. 192 columns), one accumulator per sub-tile. The table offers it in OneWave entries
+  only, beside tiles with a pointer twin: when an operand is not TMA-addressable the entry picks among
+  those instead (same bits).
 
 Shapes: any M, N, K >= 1 whose element offsets fit in 32 bits; any non-negative strides ("ptr").
 """
@@ -59,7 +61,7 @@ from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, en
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-11-30.10"
+CONFIG_TABLE_VERSION = "2026-11-30.11"
 
 OPS = ("fwd", "da", "db")
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
@@ -128,8 +130,8 @@ HOPPER_SMS = 132
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 # A kernel's shared memory beyond its operand ring: the mbarriers (the sm_90 compiles of the table's TMA
-# configs use 32-48 bytes, the three-sub-tile "tma3" candidates 96; the pointer kernel none).
-SMEM_BARRIER_SLACK = 128
+# configs use 32-48 bytes, the three-sub-tile "tma3" tiles 96-144; the pointer kernel none).
+SMEM_BARRIER_SLACK = 256
 
 
 def operand_ring_bytes(config: GemmConfig) -> int:
@@ -164,17 +166,22 @@ class OneWave:
     def __post_init__(self):
         if not self.configs or not all(isinstance(c, GemmConfig) for c in self.configs):
             raise ValueError(f"OneWave needs one or more GemmConfig; got {self.configs!r}")
+        if all(c.variant == "tma3" for c in self.configs):
+            raise ValueError("OneWave needs a config that is not 'tma3' (the pick for operands TMA cannot "
+                             f"address); got {[c.label() for c in self.configs]}")
         if self.max_ctas_per_sm is not None and (not isinstance(self.max_ctas_per_sm, int) or self.max_ctas_per_sm < 1):
             raise ValueError(f"OneWave.max_ctas_per_sm must be a positive int or None; got {self.max_ctas_per_sm!r}")
 
-    def pick(self, rows: int, cols: int, sms: int) -> GemmConfig:
-        for config in self.configs:
+    def pick(self, rows: int, cols: int, sms: int, tma3: bool = True) -> GemmConfig:
+        """``tma3=False``: among the configs with a pointer twin only (an operand TMA cannot address)."""
+        configs = [c for c in self.configs if tma3 or c.variant != "tma3"]
+        for config in configs:
             per_sm = ctas_per_sm(config)
             if self.max_ctas_per_sm is not None:
                 per_sm = min(per_sm, self.max_ctas_per_sm)
             if output_tiles(config, rows, cols) <= sms * per_sm:
                 return config
-        return self.configs[0]
+        return configs[0]
 
 
 # (largest M the entry serves, config or OneWave); M is the batch dimension for all three ops (dB's reduced
@@ -186,6 +193,13 @@ _SMALL_128 = GemmConfig(64, 128, 64, 8, 4, 6, "tma")  # 144 KiB: 1 CTA per SM
 _SMALL_128_2 = GemmConfig(64, 128, 64, 8, 4, 4, "tma")  # 96 KiB: 2 CTAs per SM
 _MID = GemmConfig(128, 128, 64, 8, 8, 4, "tma")  # 128 KiB: 1 CTA per SM
 _MID_TALL = GemmConfig(256, 128, 64, 8, 8, 4, "tma")  # 192 KiB: 1 CTA per SM, half the tiles of _MID
+# Three 64-column sub-tiles: a 6144-wide output is 32 tile columns, so M 256 (64-row tiles) and M 512
+# (128-row tiles) are 128 tiles, one wave on 132 SMs, where the 128-wide tiles need 192 (H200 sweep
+# reports/2026-11-30-h200/tune-tma3: fwd 489-500 vs 459-483 TFLOP/s at M 256, 551-569 vs 536-549 at M 512;
+# dA 495-500 vs 464-478 at M 256; every candidate bit-equal to the table's pick). At 4096 wide the 128-wide
+# tiles fit one wave first, and win (376 vs 497).
+_SMALL_192 = GemmConfig(64, 192, 64, 8, 4, 6, "tma3")  # 192 KiB: 1 CTA per SM
+_MID_192 = GemmConfig(128, 192, 64, 8, 8, 4, "tma3")  # 160 KiB: 1 CTA per SM
 _TINY = OneWave((GemmConfig(16, 32, 128, 1, 4, 6), GemmConfig(16, 64, 128, 1, 4, 6)), max_ctas_per_sm=1)
 _SMALL_32 = OneWave((GemmConfig(64, 32, 128, 1, 4, 4), GemmConfig(64, 64, 128, 1, 4, 4)), max_ctas_per_sm=1)
 CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
@@ -200,8 +214,8 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
         # time / the best candidate per case 1.00-1.01 per M (worst case 1.06), against 1.01-1.09 (worst
         # 1.20) for one fixed config per M bucket (table .8) and 1.03-1.29 for table .7.
         (128, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
-        (256, OneWave((_SMALL_128, _SMALL_128_2))),
-        (1024, OneWave((_MID, _MID_TALL))),
+        (256, OneWave((_SMALL_128, _SMALL_192, _SMALL_128_2))),
+        (1024, OneWave((_MID, _MID_192, _MID_TALL))),
         # TMA descriptors (H200 sweep reports/2026-11-29-h200x2/tune-tma: 527-745 TFLOP/s on both
         # weight layouts vs 417-626 for the pointer kernel at the same tile, identical bits).
         (2**31, GemmConfig(256, 128, 64, 8, 8, 4, "tma")),
@@ -210,7 +224,9 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
         (16, _TINY),  # as fwd
         (32, _SMALL_32),
         (128, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
-        (256, OneWave((_SMALL_128, _SMALL_128_2))),
+        # M 257-1024 keeps the 128-wide tiles: at M 512 the 192-wide tile gained 3% on one weight layout and
+        # lost 3% on the other (reports/2026-11-30-h200/tune-tma3).
+        (256, OneWave((_SMALL_128, _SMALL_192, _SMALL_128_2))),
         (1024, OneWave((_MID, _MID_TALL))),
         (2**31, GemmConfig(128, 256, 64, 16, 8, 4)),
     ),
@@ -242,17 +258,20 @@ def entry_configs(entry: GemmConfig | OneWave) -> tuple[GemmConfig, ...]:
 
 
 def select_config(op: str, m: int, b_k_major: bool = False, cols: int | None = None,
-                  sms: int = HOPPER_SMS) -> GemmConfig:
+                  sms: int = HOPPER_SMS, tma3: bool = True) -> GemmConfig:
     """The pinned config for ``op`` at batch size ``m`` (fwd/dA: output rows; dB: the reduced dim);
     ``b_k_major``: the kernel's B view has its reduced dim contiguous (CONFIG_TABLE_B_K_MAJOR); ``cols``:
-    the output's width, for a OneWave entry on ``sms`` SMs (None: the entry's first choice)."""
+    the output's width, for a OneWave entry on ``sms`` SMs (None: the entry's first choice); ``tma3=False``:
+    a OneWave entry picks among its configs that have a pointer twin."""
     if op not in CONFIG_TABLE:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
     table = CONFIG_TABLE_B_K_MAJOR.get(op, CONFIG_TABLE[op]) if b_k_major else CONFIG_TABLE[op]
     for max_m, entry in table:
         if m <= max_m:
             if isinstance(entry, OneWave):
-                return entry.configs[0] if cols is None else entry.pick(m, cols, sms)
+                if cols is None:
+                    return next(c for c in entry.configs if tma3 or c.variant != "tma3")
+                return entry.pick(m, cols, sms, tma3)
             return entry
     raise ValueError(f"M={m} exceeds the config table for {op!r}")
 
@@ -603,18 +622,20 @@ def b_is_k_major(b_view: torch.Tensor) -> bool:
 
 def table_config(op: str, m: int, cols: int, views: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> GemmConfig:
     """The table's pick for ``op`` at batch size ``m``, output width ``cols`` on the operands' device and the B
-    view's layout, as the pointer kernel with the
-    same tile when the pick is "tma" and an operand is not TMA-addressable (``views``: (tensor, kernel view)
-    of A and B). Neither the layout nor the variant changes the bits (same K order; every pick swept on the
-    H200 and checked by the cross-config audit), so this choice cannot change a result."""
-    config = select_config(op, m, b_is_k_major(views[1][1]), cols, device_sms(views[0][1].device))
-    if config.variant != "ptr":
+    view's layout. When an operand is not TMA-addressable (``views``: (tensor, kernel view) of A and B), a
+    "tma3" pick gives way to the entry's pick among its other tiles, and a "tma" pick runs as the pointer
+    kernel with the same tile. Neither the tile, the layout nor the variant changes the bits (same K order;
+    every pick swept on the H200 and checked by the cross-config audit), so this choice cannot change a result."""
+    def addressable(config: GemmConfig) -> bool:
         blocks = ((config.block_m, config.block_k), (config.block_k, config.box_n))
-        if any(_tma_layout(t, v, blk) is None for (t, v), blk in zip(views, blocks)):
-            if config.variant == "tma3":  # a 3 x power-of-two tile has no pointer-kernel twin
-                raise ValueError(f"the table's pick {config.label()} for {op} at M={m} needs TMA-addressable "
-                                 "operands (one unit-stride dim, 16-byte-aligned base and other stride)")
-            config = replace(config, variant="ptr")
+        return all(_tma_layout(t, v, blk) is not None for (t, v), blk in zip(views, blocks))
+
+    args = (op, m, b_is_k_major(views[1][1]), cols, device_sms(views[0][1].device))
+    config = select_config(*args)
+    if config.variant == "tma3" and not addressable(config):  # a 3 x power-of-two tile has no pointer twin
+        config = select_config(*args, tma3=False)
+    if config.variant == "tma" and not addressable(config):
+        config = replace(config, variant="ptr")
     return config
 
 

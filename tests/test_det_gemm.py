@@ -80,11 +80,19 @@ def test_one_wave_picks_the_first_config_whose_grid_is_resident_at_once():
     assert output_tiles(deep, 256, 6144) == 192 and rule.pick(256, 6144, 132) == shallow
     assert rule.pick(256, 16384, 132) == deep  # 512 tiles: neither fits one wave, so the first
     assert select_config("fwd", 256) == deep  # no output width: the first choice
-    assert select_config("fwd", 256, cols=6144) == shallow and select_config("fwd", 256, cols=6144, sms=200) == deep
+    # The table's (128, 256] entry ranks a 64x192 "tma3" tile between them: 4 x 32 = 128 tiles at 6144 wide.
+    wide3 = GemmConfig(64, 192, 64, 8, 4, 6, "tma3")
+    assert select_config("fwd", 256, cols=4096) == deep and select_config("fwd", 256, cols=6144) == wide3
+    assert select_config("fwd", 256, cols=6144, sms=200) == deep
+    assert select_config("fwd", 256, cols=6144, tma3=False) == shallow  # operands TMA cannot address
+    assert select_config("fwd", 384, cols=6144) == GemmConfig(128, 192, 64, 8, 8, 4, "tma3")  # 3 x 32 tiles
+    assert select_config("da", 384, cols=6144) == GemmConfig(256, 128, 64, 8, 8, 4, "tma")  # dA: no tma3 there
     with pytest.raises(ValueError, match=r"OneWave needs one or more GemmConfig; got \(\)"):
         OneWave(())
     with pytest.raises(ValueError, match=r"OneWave.max_ctas_per_sm must be a positive int or None; got 0"):
         OneWave((deep,), max_ctas_per_sm=0)
+    with pytest.raises(ValueError, match=r"OneWave needs a config that is not 'tma3' .*\['BM64_BN192_BK64_G8_w4_s6_tma3'\]"):
+        OneWave((wide3,))
 
 
 def test_one_wave_capped_at_one_cta_per_sm_at_the_smallest_m():

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kernels.det_gemm import (
-    CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, all_configs, entry_configs, operand_ring_bytes, select_config,
+    CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, OneWave, all_configs, entry_configs, operand_ring_bytes,
+    select_config,
 )
 from toolkit.contract import compare_bits
 from tests.test_det_gemm import _operands
@@ -135,11 +136,17 @@ def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
     # for dA of a [K, N] weight at large M; dB, M <= 32 and dA of nn.Linear's weight at large M stay on pointers.
     def tma_bounds(table):
         return [(op, rows) for op, entries in table.items() for rows, e in entries
-                if all(c.variant == "tma" for c in entry_configs(e))]
+                if all(c.variant in ("tma", "tma3") for c in entry_configs(e))]
 
     assert tma_bounds(CONFIG_TABLE) == [("fwd", 128), ("fwd", 256), ("fwd", 1024), ("fwd", 2**31),
                                         ("da", 128), ("da", 256), ("da", 1024)]
     assert tma_bounds(CONFIG_TABLE_B_K_MAJOR) == [("da", 128), ("da", 256), ("da", 1024), ("da", 2**31)]
+    # "tma3" only inside OneWave entries (beside tiles with a pointer twin), where the sweep measured it ahead.
+    tma3_bounds = [(op, rows) for table in (CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR) for op, entries in table.items()
+                   for rows, e in entries if any(c.variant == "tma3" for c in entry_configs(e))]
+    assert tma3_bounds == [("fwd", 256), ("fwd", 1024), ("da", 256), ("da", 256)]
+    assert all(isinstance(e, OneWave) for table in (CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR) for entries in table.values()
+               for _, e in entries if any(c.variant == "tma3" for c in entry_configs(e)))
 
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
@@ -169,6 +176,22 @@ def test_table_pick_is_tma_where_addressable_else_the_same_tile_as_ptr(layout, d
     ptr, _ = LAUNCHERS["fwd"](a, b, config=replace(launch.config, variant="ptr"))
     _assert_same_bits(out, ptr)
     _assert_same_bits(out7, LAUNCHERS["fwd"](a7, b7, config=launch7.config)[0])
+
+
+@pytest.mark.parametrize("layout", ["kn", "linear"])
+def test_table_tma3_pick_gives_way_to_a_tile_with_a_pointer_twin_where_tma_cannot_address(layout, device,
+                                                                                          monkeypatch):
+    import kernels.det_gemm as dg
+
+    # M=130 in the (128, 256] bucket, 192 output columns, 3 SMs: the 64x192 "tma3" tile is 3 tiles (one wave),
+    # the 64x128 ones 6. K = 7 (14-byte rows): no TMA descriptor, so the entry's pick among its other tiles
+    # (the 2-per-SM 64x128, 6 <= 3 x 2) as the pointer kernel. Same bits either way.
+    monkeypatch.setattr(dg, "device_sms", lambda dev: 3)
+    for k, want in ((16, GemmConfig(64, 192, 64, 8, 4, 6, "tma3")), (7, GemmConfig(64, 128, 64, 8, 4, 4))):
+        a, b = bf16_randn((130, k), 1, device), weight_kn(k, 192, 2, layout, device)
+        out, launch = LAUNCHERS["fwd"](a, b)
+        assert launch.config == want
+        _assert_same_bits(out, LAUNCHERS["fwd"](a, b, config=GemmConfig(16, 32, 32, 1, 4, 2))[0])
 
 
 @pytest.mark.parametrize("tile,variant,match", [
@@ -261,8 +284,8 @@ def test_one_wave_residency_matches_the_sm90_compiles_shared_memory(tmp_path):
 _TMA3_SCRIPT = """
 import json, tempfile
 from bench.gemm_sass import CASES, build
-from kernels.det_gemm import GemmConfig
-configs = [GemmConfig(128, 192, 64, 8, 8, 4, "tma3"), GemmConfig(64, 192, 64, 8, 4, 4, "tma3")]
+from kernels.det_gemm import all_configs
+configs = sorted({c for op in ("fwd", "da") for c in all_configs(op) if c.variant == "tma3"}, key=str)
 rows = [build(case, "tma3", tempfile.mkdtemp(), config=c) for c in configs for case in CASES
         if case.name in ("fwd_weight_t", "fwd_weight_kn", "da_weight_t")]
 print(json.dumps(rows))
@@ -270,17 +293,19 @@ print(json.dumps(rows))
 
 
 def test_tma3_kernel_compiles_for_sm90_offline_to_tma_and_wgmma_without_spills(tmp_path):
-    # The three-sub-tile tune candidates: TMA loads into wgmma, no cp.async or mma.sync, no register
+    # The table's three-sub-tile tiles: TMA loads into wgmma, no cp.async or mma.sync, no register
     # spills, and the shared memory operand_ring_bytes counts (so the one-wave rule can rank them).
     import kernels.det_gemm as dg
     from tests.moe_helpers import compile_sm90_offline
 
     rows = compile_sm90_offline(_TMA3_SCRIPT, tmp_path)
-    assert len(rows) == 6
+    table3 = {c.label(): c for op in ("fwd", "da") for c in all_configs(op) if c.variant == "tma3"}
+    assert len(table3) == 2 and len(rows) == 6
     for r in rows:
         assert r["UTMALDG"] > 0 and r["HGMMA"] > 0 and r["LDGSTS"] == 0 and r["HMMA"] == 0, r
         assert r["stack_bytes"] == 0, r
-        config = next(c for c in (GemmConfig(128, 192, 64, 8, 8, 4, "tma3"), GemmConfig(64, 192, 64, 8, 4, 4, "tma3"))
-                      if c.label() == r["config"])
+        config = table3[r["config"]]
         ring = operand_ring_bytes(config)
         assert ring <= r["shared_bytes"] <= ring + dg.SMEM_BARRIER_SLACK, (r["config"], r["shared_bytes"], ring)
+        compiled = dg.SMEM_PER_SM // (r["shared_bytes"] + dg.SMEM_RESERVED_PER_CTA)
+        assert compiled == dg.ctas_per_sm(config) == 1, (r["config"], compiled)
