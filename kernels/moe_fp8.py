@@ -15,8 +15,9 @@ every 128 K and adding into the FP32 acc bounds that error to one block (DeepSee
 
 Stages (P = padded expert-sorted rows):
     quant   x [T, H] -> x_q, x_s (1x128 along H); dout likewise in the backward   (fp8_quant_rowwise)
-    up      gu [P, 2I] bf16 = x_q[gather] @ W1q[e]; epilogue: h = silu(g) * u -> h [P, I] bf16 and,
-            fused, h_q / h_s = quantize_rowwise(h) (1x128 along I, the down-projection's K)
+    up      gu [P, 2I] bf16 = x_q[gather] @ W1q[e]; epilogue: h = silu(g) * u -> h [P, I] bf16 and
+            h_q / h_s = quantize_rowwise(h) (1x128 along I, the down-projection's K): fused when the tile
+            is 256 interleaved columns wide, else a row-wise pass over the stored h (the same bits)
     down    y [P, H] fp32 = h_q @ W2q[e]
     combine out = bf16(sum_k s_k y_k)                    (kernels.moe.moe_combine, unchanged)
     dgrad   dh = s * (dout_q[gather] @ W2q[e]^T) fp32; dg, du from the saved gu -> dgu [P, 2I] bf16 and,
@@ -113,7 +114,7 @@ FP8_WGRAD_CONFIGS: dict[str, GemmConfig] = {
 QUANT_COLS = {CUDA_SM90: 64, TRITON_INTERPRETER: 256}
 WGRAD_MODES = ("bf16", "fp8")
 
-EPI_FP32, EPI_SWIGLU_QUANT, EPI_DSWIGLU_QUANT = 0, 1, 2
+EPI_FP32, EPI_SWIGLU_QUANT, EPI_DSWIGLU_QUANT, EPI_SWIGLU = 0, 1, 2, 3
 _OPS = ("moe_fp8_up_swiglu", "moe_fp8_down", "moe_fp8_dgrad_dswiglu", "moe_fp8_dx_route")
 
 
@@ -185,12 +186,13 @@ def moe_fp8_grouped_gemm_kernel(
 
     if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
         store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
-    elif EPILOGUE == 1:  # SwiGLU: gu, h in BF16 (saved), h quantized 1x128 for the down-projection
+    elif EPILOGUE == 1 or EPILOGUE == 3:  # SwiGLU: gu, h in BF16 (saved)
         h, offs_h, h_ok = swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc,
                                           stride_xm, stride_xc, BLOCK_M, BLOCK_N, INTERPRETED)
-        hq, hs = quantize_rows(h.to(tl.float32), INTERPRETED)  # from the stored BF16 h
-        tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_h[None, :] * stride_qc, hq, mask=h_ok)
-        tl.store(qs_ptr + offs_m * stride_qsm + pid_n * stride_qsc, hs)
+        if EPILOGUE == 1:  # and h quantized 1x128 for the down-projection (the tile's h is one block per row)
+            hq, hs = quantize_rows(h.to(tl.float32), INTERPRETED)  # from the stored BF16 h
+            tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_h[None, :] * stride_qc, hq, mask=h_ok)
+            tl.store(qs_ptr + offs_m * stride_qsm + pid_n * stride_qsc, hs)
     else:  # dSwiGLU: dgu in BF16 (as the BF16 path), then quantized 1x128 for the dX GEMM
         dgu, offs_j, j_ok = dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc,
                                              stride_cm, stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
@@ -424,15 +426,24 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
 
 def moe_fp8_up_swiglu(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,
                       config: GemmConfig | None = None):
-    """gu [P, 2I] bf16 = x_q[gather] @ W1q[e]; h [P, I] bf16 = silu(g) * u; h_q [P, I] e4m3, h_s [P, I/128]."""
+    """gu [P, 2I] bf16 = x_q[gather] @ W1q[e]; h [P, I] bf16 = silu(g) * u; h_q [P, I] e4m3, h_s [P, I/128].
+
+    h_q, h_s = quantize_rowwise(h) either way: fused into the epilogue when the tile is 2 x 128 interleaved
+    columns wide (its h is one 1x128 block per row), else by the row-wise quantizer over the stored h."""
+    config = config or select_moe_fp8_config("up", backend)
     p, two_i = routing.padded_rows, w1f.q.shape[2]
     dev = x_q.device
     gu = torch.empty((p, two_i), dtype=torch.bfloat16, device=dev)
     h = torch.empty((p, two_i // 2), dtype=torch.bfloat16, device=dev)
-    h_q = torch.empty((p, two_i // 2), dtype=FP8_DTYPE, device=dev)
-    h_s = torch.empty((p, two_i // 2 // QBLOCK), dtype=torch.float32, device=dev)
-    _grouped(0, "up", x_q, x_s, True, w1f.q_t, w1f.scale, gu, h, h_q, h_s, routing, EPI_SWIGLU_QUANT,
-             backend, config)
+    fused = config.block_n == 2 * QBLOCK
+    h_q = h_s = None
+    if fused or p == 0:
+        h_q = torch.empty((p, two_i // 2), dtype=FP8_DTYPE, device=dev)
+        h_s = torch.empty((p, two_i // 2 // QBLOCK), dtype=torch.float32, device=dev)
+    _grouped(0, "up", x_q, x_s, True, w1f.q_t, w1f.scale, gu, h, h_q if fused else None, h_s if fused else None,
+             routing, EPI_SWIGLU_QUANT if fused else EPI_SWIGLU, backend, config)
+    if h_q is None:
+        h_q, h_s = quantize_rowwise(h)
     return gu, h, h_q, h_s
 
 

@@ -164,6 +164,29 @@ def test_dgrad_with_two_scale_blocks_per_row_quantizes_like_the_reference(device
         moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b, config=replace(pinned, block_n=32))
 
 
+def test_up_tile_narrower_than_a_quant_block_quantizes_h_in_a_row_wise_pass(device):
+    # A 128-column up tile holds 64 h columns, half a 1x128 block: h_q, h_s come from the row-wise quantizer
+    # over the stored h, which is the fused epilogue's definition (quantize_rowwise(h)): the same values.
+    inp = make_inputs(_case(t=16, i=256, seed=15), device)
+    r = build_routing(inp["topk_ids"], inp["scores"], E)
+    from kernels.fp8_quant import quantize_weight
+
+    b = backend_of(device)
+    x_q, x_s = quantize_rowwise(inp["x"])
+    w1f = quantize_weight(inp["w1"])
+    pinned = select_moe_fp8_config("up", b)
+    for variant in ("ptr", "tma"):
+        narrow = moe_fp8_up_swiglu(x_q, x_s, w1f, r, b, config=replace(pinned, block_n=QBLOCK, variant=variant))
+        q_ref, s_ref = quantize_rowwise_ref(narrow[1])
+        assert compare_bits(narrow[2], q_ref).equal and compare_bits(narrow[3], s_ref).equal
+        if device.type == "cpu":  # the interpreter's sequential accumulation: the pinned tile's bits too
+            for got, want in zip(narrow, moe_fp8_up_swiglu(x_q, x_s, w1f, r, b)):
+                assert compare_bits(got, want).equal
+    masked = build_routing(torch.full_like(inp["topk_ids"], -1), inp["scores"], E)  # no routed row: P = 0
+    empty = moe_fp8_up_swiglu(x_q, x_s, w1f, masked, b, config=replace(pinned, block_n=QBLOCK))
+    assert [tuple(t.shape) for t in empty] == [(0, 512), (0, 256), (0, 256), (0, 2)]
+
+
 def test_weight_cache_hit_and_invalidated_by_optimizer_step(device):
     checks = weight_cache_checks(make_inputs(_case(t=4, seed=12), device))
     assert all(checks.values()), checks
