@@ -74,17 +74,20 @@ from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 
 # ---------------------------------------------------------------------------------------------
 # Pinned config tables (no autotune). block_k is the K step of one tl.dot; it must divide QBLOCK.
-# up: BLOCK_N = 2 * QBLOCK interleaved columns, so a tile's h is exactly one 1x128 block per row;
+# up: BLOCK_N = 2 * QBLOCK interleaved columns quantizes h in the epilogue (one 1x128 block per row); a
+# narrower tile leaves it to the row-wise pass over the stored h (same values);
 # dgrad: BLOCK_N = QBLOCK / 2 or QBLOCK columns of dh, so a tile's dgu (2 * BLOCK_N) is one or two blocks per row.
 # The sm_90 entries are compile-checked (wgmma on e4m3, shared memory, no spills) and timed on an H200
 # (bench/moe_tune.py; comments below).
 # ---------------------------------------------------------------------------------------------
-MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-29.2"
+MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.3"
 FP8_STAGES = ("up", "down", "dgrad", "dx")
 
 MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
     CUDA_SM90: {
-        "up": GemmConfig(64, 2 * QBLOCK, 128, 1, 8, 3),  # 40 KiB of FP8 operands per stage
+        # 128 interleaved columns (64 of h: h quantized by the row-wise pass), TMA weight tile, 4 warps: 1590 µs
+        # against 1975 for the fused 64x256 8-warp tile (the pass included; reports/2026-11-30-h200/fp8-up).
+        "up": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
         # H200 sweep reports/2026-11-29-h200-table7/moe-tune-fp8 (reference shape, every candidate bit-equal):
         # TMA weight tiles with 4 warps, 704 / 475 / 831 TFLOP/s against 620 / 367 / 745 for the
         # 8-warp pointer picks they replace (the 4-warp dgrad spills 272 bytes on sm_90 and is still faster).

@@ -327,6 +327,8 @@ for (stage, epi, gather, c_t), tma in itertools.product(
         (("up", 1, True, "*bf16"), ("down", 0, False, "*fp32"), ("dgrad", 2, True, "*bf16"), ("dx", 0, False, "*fp32")),
         (False, True)):  # the pinned tile with the weight through pointers and through TMA
     c = kf.MOE_FP8_CONFIGS["cuda_sm90"][stage]
+    if stage == "up" and c.block_n != 256:  # h quantized by the row-wise pass, not in the epilogue
+        epi = 3
     b_t = f"tensordesc<fp8e4nv[1, {c.block_n}, {c.block_k}]>" if tma else "*fp8e4nv"
     ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "a_rows_ptr": "*i32", "b_ptr": b_t, "bs_ptr": "*fp32",
             "c_ptr": c_t, "aux_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32",
@@ -335,12 +337,14 @@ for (stage, epi, gather, c_t), tma in itertools.product(
         kf.moe_fp8_grouped_gemm_kernel, ptrs, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "STEP_K": c.block_k,
         "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False, "B_TMA": tma},
         ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"), c.num_warps, c.num_stages)
-# dgrad tiles beside the pinned one: a tune candidate with two 1x128 dgu blocks per row in the epilogue, and
-# table .1's 8-warp tile (the loop properties without the pinned 4-warp tile's register pressure).
-for name, c in (("dgrad_two_blocks", kf.GemmConfig(64, 128, 128, 1, 8, 4)), ("dgrad_w8", kf.GemmConfig(128, 64, 128, 1, 8, 4))):
+# Tiles beside the pinned ones: dgrad with two 1x128 dgu blocks per row in the epilogue (a tune candidate) and
+# table .1's 8-warp dgrad tile (the loop properties without the pinned 4-warp tile's register pressure); the up
+# tile that quantizes h in its epilogue (table .2's).
+for name, c, epi in (("dgrad_two_blocks", kf.GemmConfig(64, 128, 128, 1, 8, 4), 2),
+                     ("dgrad_w8", kf.GemmConfig(128, 64, 128, 1, 8, 4), 2), ("up_fused", kf.GemmConfig(64, 256, 128, 1, 8, 3), 1)):
     out[name] = build(
         kf.moe_fp8_grouped_gemm_kernel, {**ptrs, "b_ptr": "*fp8e4nv", "c_ptr": "*bf16"}, {"BLOCK_M": c.block_m,
-        "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": True, "EPILOGUE": 2,
+        "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": True, "EPILOGUE": epi,
         "INTERPRETED": False, "B_TMA": False}, ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"),
         c.num_warps, c.num_stages)
 c = kf.FP8_WGRAD_CONFIGS["cuda_sm90"]
@@ -385,6 +389,7 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
         assert tma["qgmma"] > 0 and tma["tma_loads"] > 0 and ptr["qgmma"] > 0 and ptr["tma_loads"] == 0, (stage, tma, ptr)
     two = report["dgrad_two_blocks"]
     assert two["qgmma"] > 0 and two["stack"] == 0 and two["cvt_e4m3"] > 0, two
-    for name in (pinned["up"], pinned["dgrad"], "quant_rowwise", "quant_weight", "quant_colwise"):  # fused, standalone
+    for name in ("up_fused", pinned["dgrad"], "quant_rowwise", "quant_weight", "quant_colwise"):  # fused, standalone
         assert report[name]["cvt_e4m3"] > 0, (name, report[name])
+    assert report["up_fused"]["qgmma"] > 0 and report["up_fused"]["stack"] == 0, report["up_fused"]
     assert set(MOE_FP8_CONFIGS["cuda_sm90"]) == {"up", "down", "dgrad", "dx"}
