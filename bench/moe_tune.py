@@ -54,6 +54,7 @@ FP8_GROUPED = [GemmConfig(*c) for c in [
     (64, 128, 128, 1, 4, 4), (128, 256, 128, 1, 8, 2), (128, 128, 64, 1, 8, 4),
 ]] + [GemmConfig(*c, variant="tma") for c in [
     (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 3), (128, 128, 128, 1, 4, 3), (64, 128, 128, 1, 4, 4),
+    (64, 128, 128, 1, 4, 3), (64, 128, 128, 1, 4, 2),
 ]]
 # up: BLOCK_N 256 quantizes h in the epilogue (one 1x128 block per row); 128 leaves it to the row-wise pass over
 # the stored h (same values), which frees the tile: the 4-warp 64x128 TMA tile won down and dX.
