@@ -72,6 +72,7 @@ FP8_DGRAD = [GemmConfig(*c) for c in [
     (128, 64, 64, 1, 8, 6), (64, 128, 128, 1, 8, 3), (64, 128, 128, 1, 8, 4),
 ]] + [GemmConfig(*c, variant="tma") for c in [
     (128, 64, 128, 1, 8, 4), (128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (64, 128, 128, 1, 8, 4),
+    (128, 64, 128, 1, 4, 3), (128, 64, 128, 1, 4, 2), (64, 64, 128, 1, 4, 3), (64, 128, 128, 1, 4, 3),
 ]]
 STAGE_KEY = {"up": "up", "down": "down", "dgrad": "dgrad", "dx": "dx", "wgrad_w1": "wgrad", "wgrad_w2": "wgrad",
              "fp8_up": "up", "fp8_down": "down", "fp8_dgrad": "dgrad", "fp8_dx": "dx"}
