@@ -91,9 +91,10 @@ MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         # H200 sweep reports/2026-11-29-h200-table7/moe-tune-fp8 (reference shape, every candidate bit-equal):
         # TMA weight tiles with 4 warps, 704 / 475 / 831 TFLOP/s against 620 / 367 / 745 for the
         # 8-warp pointer picks they replace (the 4-warp dgrad spills 272 bytes on sm_90 and is still faster).
+        # down and dX then on 3 stages instead of 4 (reports/2026-11-30-h200/fp8-down-dx, same bits):
+        # 807 vs 652 and 840 vs 812 TFLOP/s.
         "down": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
         "dgrad": GemmConfig(128, QBLOCK // 2, 128, 1, 4, 4, "tma"),
-        # 3 stages instead of 4 (reports/2026-11-30-h200/fp8-down-dx, same bits): down 807 vs 652, dX 840 vs 812.
         "dx": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
     },
     TRITON_INTERPRETER: {  # few large programs: the interpreter's cost is per op
