@@ -74,10 +74,18 @@ FP8_DGRAD = [GemmConfig(*c) for c in [
     (128, 64, 128, 1, 8, 4), (128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (64, 128, 128, 1, 8, 4),
     (128, 64, 128, 1, 4, 3), (128, 64, 128, 1, 4, 2), (64, 64, 128, 1, 4, 3), (64, 128, 128, 1, 4, 3),
 ]]
+# The FP8 weight gradients (wgrad="fp8", kernels/moe_fp8.py FP8_WGRAD_CONFIGS) on the column-wise operands:
+# the pinned pointer tile, and TMA tiles, whose kernel also requests each 128-row block's scales one block
+# ahead (compiled for sm_90: no spills at 128x128 with 8 warps, where the pointer kernel's prefetch spilled).
+FP8_WGRAD = [GemmConfig(128, 128, 128, 1, 8, 4)] + [GemmConfig(*c, variant="tma") for c in [
+    (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 3), (64, 128, 128, 1, 4, 3), (64, 128, 128, 1, 4, 4),
+    (128, 64, 128, 1, 4, 3), (128, 128, 64, 1, 8, 4),
+]]
 STAGE_KEY = {"up": "up", "down": "down", "dgrad": "dgrad", "dx": "dx", "wgrad_w1": "wgrad", "wgrad_w2": "wgrad",
-             "fp8_up": "up", "fp8_down": "down", "fp8_dgrad": "dgrad", "fp8_dx": "dx"}
+             "fp8_up": "up", "fp8_down": "down", "fp8_dgrad": "dgrad", "fp8_dx": "dx",
+             "fp8_wgrad_w1": "wgrad", "fp8_wgrad_w2": "wgrad"}
 STAGE_FLOPS = {"up": 4.0, "down": 2.0, "dgrad": 2.0, "dx": 4.0, "wgrad_w1": 4.0, "wgrad_w2": 2.0,
-               "fp8_up": 4.0, "fp8_down": 2.0, "fp8_dgrad": 2.0, "fp8_dx": 4.0}
+               "fp8_up": 4.0, "fp8_down": 2.0, "fp8_dgrad": 2.0, "fp8_dx": 4.0, "fp8_wgrad_w1": 4.0, "fp8_wgrad_w2": 2.0}
 BF16_STAGES = ("up", "down", "dgrad", "dx", "wgrad_w1", "wgrad_w2")
 
 
@@ -85,15 +93,18 @@ def candidates(stage: str) -> list[GemmConfig]:
     if stage not in STAGE_KEY:
         raise ValueError(f"stage {stage!r} not known; known: {tuple(STAGE_KEY)}")
     if stage.startswith("fp8_"):
-        return {"up": FP8_UP, "dgrad": FP8_DGRAD}.get(STAGE_KEY[stage], FP8_GROUPED)
+        return {"up": FP8_UP, "dgrad": FP8_DGRAD, "wgrad": FP8_WGRAD}.get(STAGE_KEY[stage], FP8_GROUPED)
     return WGRAD if STAGE_KEY[stage] == "wgrad" else GROUPED
 
 
 def pinned(stage: str, backend: str) -> GemmConfig:
-    """The table's config for ``stage`` (MOE_FP8_CONFIGS for the fp8_ stages, else MOE_CONFIGS)."""
+    """The table's config for ``stage`` (MOE_FP8_CONFIGS / FP8_WGRAD_CONFIGS for the fp8_ stages, else
+    MOE_CONFIGS)."""
     from kernels.moe import select_moe_config
-    from kernels.moe_fp8 import select_moe_fp8_config
+    from kernels.moe_fp8 import FP8_WGRAD_CONFIGS, select_moe_fp8_config
 
+    if stage.startswith("fp8_wgrad"):
+        return FP8_WGRAD_CONFIGS[backend]
     select = select_moe_fp8_config if stage.startswith("fp8_") else select_moe_config
     return select(STAGE_KEY[stage], backend)
 
@@ -105,7 +116,9 @@ def stage_fns(preset: str, device: torch.device, stages, seed: int = 0) -> tuple
         moe_dgrad_dswiglu, moe_dgrad_dswiglu_dscore, moe_down, moe_dx_route, moe_mlp_fwd, moe_up_swiglu,
         moe_wgrad_w1, moe_wgrad_w2,
     )
-    from kernels.moe_fp8 import moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_up_swiglu
+    from kernels.moe_fp8 import (
+        moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_quant_colwise, moe_fp8_up_swiglu, moe_fp8_wgrad,
+    )
     from kernels.moe_routing import build_routing
 
     p = PRESETS[preset]
@@ -127,8 +140,16 @@ def stage_fns(preset: str, device: torch.device, stages, seed: int = 0) -> tuple
     if any(s.startswith("fp8_") for s in stages):  # the FP8 path's operands, quantized once
         (x_q, x_s), (dout_q, dout_s) = quantize_rowwise(x), quantize_rowwise(dout)
         w1f, w2f = quantize_weight(w1), quantize_weight(w2)
-        _, _, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, routing, b)
-        _, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, saved.gu, routing, b)
+        _, h, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, routing, b)
+        dgu8, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, saved.gu, routing, b)
+        if any(s.startswith("fp8_wgrad") for s in stages):  # the column-wise operands of wgrad="fp8"
+            col = {name: moe_fp8_quant_colwise(src, routing, b, gather=gather, scale=scale) for name, src, gather, scale
+                   in (("x", x, True, False), ("dgu", dgu8, False, False), ("h", h, False, False),
+                       ("dy", dout, True, True))}
+            fns.update({
+                "fp8_wgrad_w1": lambda c: moe_fp8_wgrad(*col["x"], *col["dgu"], routing, b, config=c),
+                "fp8_wgrad_w2": lambda c: moe_fp8_wgrad(*col["h"], *col["dy"], routing, b, config=c),
+            })
         fns.update({
             "fp8_up": lambda c: moe_fp8_up_swiglu(x_q, x_s, w1f, routing, b, config=c)[2],
             "fp8_down": lambda c: moe_fp8_down(h_q, h_s, w2f, routing, b, config=c),
@@ -221,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--preset", nargs="+", default=["reference", "qwen3-30b-a3b"], choices=sorted(PRESETS))
     parser.add_argument("--stages", nargs="+", default=list(BF16_STAGES), choices=list(STAGE_KEY),
-                        help="BF16 stages by default; fp8_up, fp8_down, fp8_dgrad, fp8_dx for the FP8 path")
+                        help="BF16 stages by default; fp8_up, fp8_down, fp8_dgrad, fp8_dx, fp8_wgrad_w1, "
+                             "fp8_wgrad_w2 for the FP8 path")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)

@@ -59,7 +59,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import CUDA_SM90, TRITON_INTERPRETER
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, ensure_cuda_context
 from kernels.det_gemm import GemmConfig, interpreter_step_k
 from kernels.fp8_quant import (
     FP8_DTYPE, QBLOCK, Fp8Weight, dequantize_rowwise, quant_risk_rowwise, quant_risk_weight, quantize_colwise_ref,
@@ -270,6 +272,7 @@ def moe_fp8_wgrad_kernel(
     stride_we, stride_wr, stride_wc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_K: tl.constexpr, QBLOCK: tl.constexpr,
     ACCUMULATE: tl.constexpr, INTERPRETED: tl.constexpr,
+    TMA: tl.constexpr,  # a_ptr, b_ptr are TMA descriptors over A_q, B_q (boxes [BLOCK_M | BLOCK_N, STEP_K])
 ):
     pid = tl.program_id(axis=0)
     num_pid_r = tl.cdiv(R, BLOCK_M)
@@ -286,24 +289,39 @@ def moe_fp8_wgrad_kernel(
     offs_k = tl.arange(0, STEP_K)
     r_ok = offs_r < R
     c_ok = offs_c < C
-    a_ptrs = a_ptr + offs_r[:, None] * stride_ar + (start + offs_k)[None, :] * stride_ap  # [BLOCK_M, STEP_K]
-    b_ptrs = b_ptr + offs_c[:, None] * stride_bc + (start + offs_k)[None, :] * stride_bp  # [BLOCK_N, STEP_K]
+    if not TMA:
+        a_ptrs = a_ptr + offs_r[:, None] * stride_ar + (start + offs_k)[None, :] * stride_ap  # [BLOCK_M, STEP_K]
+        b_ptrs = b_ptr + offs_c[:, None] * stride_bc + (start + offs_k)[None, :] * stride_bp  # [BLOCK_N, STEP_K]
     as_ptrs = as_ptr + offs_r * stride_asr + (start // QBLOCK) * stride_asp  # [BLOCK_M]
     bs_ptrs = bs_ptr + offs_c * stride_bsc + (start // QBLOCK) * stride_bsp  # [BLOCK_N]
+    if TMA:  # the next block's scales are requested before this block's MMAs (the grouped kernel's order)
+        a_s = tl.load(as_ptrs, mask=r_ok & (count > 0), other=0.0)
+        b_s = tl.load(bs_ptrs, mask=c_ok & (count > 0), other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for p0 in range(0, count, QBLOCK):  # the expert's 128-row blocks, ascending: a function of count alone
+        if TMA:
+            more = p0 + QBLOCK < count
+            a_s_next = tl.load(as_ptrs + stride_asp, mask=r_ok & more, other=0.0)
+            b_s_next = tl.load(bs_ptrs + stride_bsp, mask=c_ok & more, other=0.0)
         blk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in tl.static_range(0, QBLOCK, STEP_K):
-            a = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=c_ok[:, None], other=0.0)
+            if TMA:  # zero fill past R and C: the same values as the masked loads
+                a = a_ptr.load([pid_r * BLOCK_M, start + p0 + kk])
+                b = b_ptr.load([pid_c * BLOCK_N, start + p0 + kk])
+            else:
+                a = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=c_ok[:, None], other=0.0)
+                a_ptrs += STEP_K * stride_ap
+                b_ptrs += STEP_K * stride_bp
             blk = mma_step(blk, a, tl.trans(b), STEP_K, INTERPRETED)  # [BLOCK_M, STEP_K] @ [STEP_K, BLOCK_N]
-            a_ptrs += STEP_K * stride_ap
-            b_ptrs += STEP_K * stride_bp
-        # Loaded after the MMA wait (an exposed latency per block, unlike the grouped kernel's prefetch, which
-        # spilled 24 bytes here with 8 warps on sm_90: this kernel is the non-default wgrad="fp8" A/B).
-        a_s = tl.load(as_ptrs, mask=r_ok, other=0.0)
-        b_s = tl.load(bs_ptrs, mask=c_ok, other=0.0)
+        if not TMA:
+            # Loaded after the MMA wait (an exposed latency per block; the prefetch spilled 24 bytes here with
+            # 8 warps on sm_90): the pointer variant as first measured on the H200.
+            a_s = tl.load(as_ptrs, mask=r_ok, other=0.0)
+            b_s = tl.load(bs_ptrs, mask=c_ok, other=0.0)
         acc += blk * (a_s[:, None] * b_s[None, :])  # exact scaling: powers of two
+        if TMA:
+            a_s, b_s = a_s_next, b_s_next
         as_ptrs += stride_asp
         bs_ptrs += stride_bsp
     w_ptrs = dw_ptr + expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
@@ -512,17 +530,28 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
     if QBLOCK % config.block_k:
         raise ValueError(f"wgrad: BLOCK_K {config.block_k} must divide the FP8 block {QBLOCK}")
     experts, (r, c) = routing.num_experts, (a_q.shape[0], b_q.shape[0])
-    out = main_grad if main_grad is not None else torch.empty((experts, r, c), dtype=torch.bfloat16, device=a_q.device)
     interpreted = backend == TRITON_INTERPRETER
+    step_k = interpreter_step_k(config) if interpreted else config.block_k
+    a_arg, b_arg = a_q, b_q
+    if config.variant == "tma":  # the column-wise quantizer's [rows, P] row-major outputs: TMA-addressable
+        for name, t in (("a_q", a_q), ("b_q", b_q)):
+            if t.stride(1) != 1 or t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16:
+                raise ValueError(f"wgrad: variant 'tma' cannot describe {name} (shape {tuple(t.shape)}, strides "
+                                 f"{t.stride()}, data_ptr % 16 = {t.data_ptr() % 16}): it needs unit-stride rows, "
+                                 "a 16-byte row stride and base; use a 'ptr' config")
+        if a_q.is_cuda:
+            ensure_cuda_context(a_q.device)
+        a_arg, b_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [blk, step_k])
+                        for t, blk in ((a_q, config.block_m), (b_q, config.block_n)))
+    out = main_grad if main_grad is not None else torch.empty((experts, r, c), dtype=torch.bfloat16, device=a_q.device)
     grid = (experts * triton.cdiv(r, config.block_m) * triton.cdiv(c, config.block_n),)
     moe_fp8_wgrad_kernel[grid](
-        a_q, a_s, b_q, b_s, out, routing.expert_offsets, routing.expert_counts, r, c,
+        a_arg, a_s, b_arg, b_s, out, routing.expert_offsets, routing.expert_counts, r, c,
         a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1),
         b_q.stride(0), b_q.stride(1), b_s.stride(0), b_s.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        STEP_K=interpreter_step_k(config) if interpreted else config.block_k, QBLOCK=QBLOCK,
-        ACCUMULATE=main_grad is not None, INTERPRETED=interpreted,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, STEP_K=step_k, QBLOCK=QBLOCK,
+        ACCUMULATE=main_grad is not None, INTERPRETED=interpreted, TMA=config.variant == "tma",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return None if main_grad is not None else out

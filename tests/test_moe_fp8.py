@@ -217,6 +217,33 @@ def test_fp8_weight_gradients_match_the_recipe_and_accumulate(base):
         run_layer(inp, wgrad="fp16")
 
 
+def test_fp8_wgrad_tma_variant_gives_the_pointer_kernels_bits(device):
+    # The TMA variant loads both column-wise operands by descriptor and requests each 128-row block's scales
+    # one block ahead: the same products in the same order, so the same bits, including experts of two and
+    # three 128-row blocks (T=200, K=2 over 3 experts) and the FP32 main_grad accumulation.
+    from kernels.moe_fp8 import FP8_WGRAD_CONFIGS, moe_fp8_quant_colwise, moe_fp8_wgrad
+
+    inp = make_inputs(_case(t=200, seed=16), device)
+    r = build_routing(inp["topk_ids"], inp["scores"], E)
+    assert int(r.expert_counts.max()) > 128
+    b = backend_of(device)
+    xq, xs = moe_fp8_quant_colwise(inp["x"], r, b, gather=True, scale=False)
+    yq, ys = moe_fp8_quant_colwise(inp["x"].flip(1), r, b, gather=True, scale=True)
+    ptr = replace(FP8_WGRAD_CONFIGS[b], variant="ptr")
+    for config in (replace(ptr, variant="tma"), replace(ptr, block_m=64, block_n=128, num_warps=4, variant="tma")):
+        same = compare_bits(moe_fp8_wgrad(xq, xs, yq, ys, r, b, config=config),
+                            moe_fp8_wgrad(xq, xs, yq, ys, r, b, config=ptr))
+        assert same.equal, (config, same.as_row())
+        acc_ptr, acc_tma = (torch.ones((E, H, H), device=device) for _ in range(2))
+        moe_fp8_wgrad(xq, xs, yq, ys, r, b, acc_ptr, config=ptr)
+        moe_fp8_wgrad(xq, xs, yq, ys, r, b, acc_tma, config=config)
+        assert compare_bits(acc_tma, acc_ptr).equal, config
+    odd = torch.empty((xq.shape[0], xq.shape[1] + 8), dtype=xq.dtype, device=device)[:, 8:]  # base 8 bytes off
+    odd.copy_(xq)
+    with pytest.raises(ValueError, match=r"wgrad: variant 'tma' cannot describe a_q .*data_ptr % 16 = 8"):
+        moe_fp8_wgrad(odd, xs, yq, ys, r, b, config=replace(ptr, variant="tma"))
+
+
 def test_quant_risk_monitor_reports_every_quantized_tensor(base):
     inp, _, _ = base
     _, saved = moe_mlp_fp8_fwd(*layer_args(inp), weight_cache=None)
@@ -348,12 +375,13 @@ for name, c, epi in (("dgrad_two_blocks", kf.GemmConfig(64, 128, 128, 1, 8, 4), 
         "INTERPRETED": False, "B_TMA": False}, ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"),
         c.num_warps, c.num_stages)
 c = kf.FP8_WGRAD_CONFIGS["cuda_sm90"]
-for acc in (False, True):
-    out[f"wgrad_{acc}"] = build(kf.moe_fp8_wgrad_kernel, {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv",
-                                "bs_ptr": "*fp32", "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32",
-                                "counts_ptr": "*i32"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "STEP_K": c.block_k,
-                                "QBLOCK": 128, "ACCUMULATE": acc, "INTERPRETED": False},
-                                ("stride_ap", "stride_bp", "stride_wc"), c.num_warps, c.num_stages)
+for acc, tma in ((False, False), (True, False), (False, True)):  # the pinned tile; its TMA twin (scale prefetch)
+    a_t, b_t = ((f"tensordesc<fp8e4nv[{rows}, {c.block_k}]>" if tma else "*fp8e4nv") for rows in (c.block_m, c.block_n))
+    out["wgrad_tma" if tma else f"wgrad_{acc}"] = build(
+        kf.moe_fp8_wgrad_kernel, {"a_ptr": a_t, "as_ptr": "*fp32", "b_ptr": b_t, "bs_ptr": "*fp32",
+        "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32"},
+        {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "ACCUMULATE": acc,
+         "INTERPRETED": False, "TMA": tma}, ("stride_ap", "stride_bp", "stride_wc"), c.num_warps, c.num_stages)
 out["quant_colwise"] = build(kf.moe_fp8_quant_colwise_kernel, {"src_ptr": "*bf16", "rows_ptr": "*i32", "route_ptr": "*i32",
                              "score_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32"},
                              {"BLOCK_N": kf.QUANT_COLS["cuda_sm90"], "QBLOCK": 128, "GATHER": True, "SCALE": True,
@@ -387,6 +415,10 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
     for stage in pinned:
         tma, ptr = report[stage + "_tma"], report[stage + "_ptr"]  # FP8 wgmma fed by TMA or by cp.async
         assert tma["qgmma"] > 0 and tma["tma_loads"] > 0 and ptr["qgmma"] > 0 and ptr["tma_loads"] == 0, (stage, tma, ptr)
+    # The FP8 wgrad's TMA variant (a tune candidate): both operands by TMA, each block's scales requested before
+    # its MMAs, no spills at the pinned 128x128 8-warp tile (the pointer kernel spilled with that prefetch).
+    wt = report["wgrad_tma"]
+    assert wt["qgmma"] > 0 and wt["tma_loads"] > 0 and wt["stack"] == 0 and wt["scales_before_mma"], wt
     two = report["dgrad_two_blocks"]
     assert two["qgmma"] > 0 and two["stack"] == 0 and two["cvt_e4m3"] > 0, two
     for name in ("up_fused", pinned["dgrad"], "quant_rowwise", "quant_weight", "quant_colwise"):  # fused, standalone

@@ -63,3 +63,15 @@ def test_fp8_stages_sweep_the_fp8_table(monkeypatch):
     assert [r["config"] for r in rows] == [select_moe_fp8_config("down", "triton_interpreter").label(), other.label(),
                                            other_tma.label()]
     assert all(r["bits_equal_pinned"] and r["stage"] == "fp8_down" for r in rows)
+
+
+def test_fp8_wgrad_stages_sweep_the_column_wise_operands(monkeypatch):
+    from kernels.moe_fp8 import FP8_WGRAD_CONFIGS
+
+    tma = GemmConfig(128, 128, 128, 1, 4, 1, variant="tma")  # both operands by TMA, scales one block ahead
+    monkeypatch.setattr(mt, "FP8_WGRAD", [tma])
+    rows = mt.sweep(["tiny-fp8"], ["fp8_wgrad_w1", "fp8_wgrad_w2"], torch.device("cpu"), rounds=1)
+    pinned = FP8_WGRAD_CONFIGS["triton_interpreter"].label()
+    assert [(r["stage"], r["config"]) for r in rows] == [("fp8_wgrad_w1", pinned), ("fp8_wgrad_w1", tma.label()),
+                                                         ("fp8_wgrad_w2", pinned), ("fp8_wgrad_w2", tma.label())]
+    assert all(r["bits_equal_pinned"] and r["median_us"] > 0 for r in rows)
