@@ -172,9 +172,12 @@ class OneWave:
         if self.max_ctas_per_sm is not None and (not isinstance(self.max_ctas_per_sm, int) or self.max_ctas_per_sm < 1):
             raise ValueError(f"OneWave.max_ctas_per_sm must be a positive int or None; got {self.max_ctas_per_sm!r}")
 
+    def choices(self, tma3: bool = True) -> tuple[GemmConfig, ...]:
+        """The configs in order; ``tma3=False``: those with a pointer twin only (an operand TMA cannot address)."""
+        return tuple(c for c in self.configs if tma3 or c.variant != "tma3")
+
     def pick(self, rows: int, cols: int, sms: int, tma3: bool = True) -> GemmConfig:
-        """``tma3=False``: among the configs with a pointer twin only (an operand TMA cannot address)."""
-        configs = [c for c in self.configs if tma3 or c.variant != "tma3"]
+        configs = self.choices(tma3)
         for config in configs:
             per_sm = ctas_per_sm(config)
             if self.max_ctas_per_sm is not None:
@@ -269,9 +272,7 @@ def select_config(op: str, m: int, b_k_major: bool = False, cols: int | None = N
     for max_m, entry in table:
         if m <= max_m:
             if isinstance(entry, OneWave):
-                if cols is None:
-                    return next(c for c in entry.configs if tma3 or c.variant != "tma3")
-                return entry.pick(m, cols, sms, tma3)
+                return entry.choices(tma3)[0] if cols is None else entry.pick(m, cols, sms, tma3)
             return entry
     raise ValueError(f"M={m} exceeds the config table for {op!r}")
 
@@ -598,7 +599,7 @@ def _tma_layout(tensor: torch.Tensor, view: torch.Tensor, block: tuple[int, int]
     return transposed, shape, strides, box
 
 
-def _tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: tuple[int, int],
+def tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: tuple[int, int],
                     variant: str = "tma"):
     """A TMA descriptor over ``view`` and whether its storage order is transposed; refuses, naming the
     operand, what TMA cannot address."""
@@ -674,8 +675,8 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
     if config.variant in ("tma", "tma3"):
         # Descriptors first: an operand TMA cannot address is refused before anything is allocated.
         (a_name, a), (b_name, b) = tensors.items()
-        a_desc, a_m_major = _tma_descriptor(a_name, a, a_view, (config.block_m, step_k), config.variant)
-        b_desc, b_k_major = _tma_descriptor(b_name, b, b_view, (step_k, config.box_n), config.variant)
+        a_desc, a_m_major = tma_descriptor(a_name, a, a_view, (config.block_m, step_k), config.variant)
+        b_desc, b_k_major = tma_descriptor(b_name, b, b_view, (step_k, config.box_n), config.variant)
         c = torch.empty((rows, cols), dtype=out_dtype, device=a_view.device)
         if not interpreted:
             ensure_cuda_context(a_view.device)

@@ -59,10 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.tools.tensor_descriptor import TensorDescriptor
-
 from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, ensure_cuda_context
-from kernels.det_gemm import GemmConfig, interpreter_step_k
+from kernels.det_gemm import GemmConfig, interpreter_step_k, tma_descriptor
 from kernels.fp8_quant import (
     FP8_DTYPE, QBLOCK, Fp8Weight, dequantize_rowwise, quant_risk_rowwise, quant_risk_weight, quantize_colwise_ref,
     quantize_row_blocks, quantize_rowwise, quantize_rowwise_ref, quantize_rows, quantize_weight, quantize_weight_ref,
@@ -465,7 +463,7 @@ def moe_fp8_up_swiglu(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, rout
         h_s = torch.empty((p, two_i // 2 // QBLOCK), dtype=torch.float32, device=dev)
     _grouped(0, "up", x_q, x_s, True, w1f.q_t, w1f.scale, gu, h, h_q if fused else None, h_s if fused else None,
              routing, EPI_SWIGLU_QUANT if fused else EPI_SWIGLU, backend, config)
-    if h_q is None:
+    if h_q is None:  # the row-wise pass (it refuses an empty h: at P = 0 the empty h_q, h_s above stand)
         h_q, h_s = quantize_rowwise(h)
     return gu, h, h_q, h_s
 
@@ -533,16 +531,14 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k
     a_arg, b_arg = a_q, b_q
-    if config.variant == "tma":  # the column-wise quantizer's [rows, P] row-major outputs: TMA-addressable
-        for name, t in (("a_q", a_q), ("b_q", b_q)):
-            if t.stride(1) != 1 or t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16:
-                raise ValueError(f"wgrad: variant 'tma' cannot describe {name} (shape {tuple(t.shape)}, strides "
-                                 f"{t.stride()}, data_ptr % 16 = {t.data_ptr() % 16}): it needs unit-stride rows, "
-                                 "a 16-byte row stride and base; use a 'ptr' config")
+    if config.variant == "tma":  # the column-wise quantizer's [rows, P] outputs; anything else is refused by name
+        (a_arg, a_t), (b_arg, b_t) = (tma_descriptor(name, t, t, (blk, step_k)) for name, t, blk in
+                                      (("a_q", a_q, config.block_m), ("b_q", b_q, config.block_n)))
+        if a_t or b_t:  # the kernel reads [rows, STEP_K] boxes: rows-major storage only
+            raise ValueError(f"wgrad: variant 'tma' needs a_q and b_q with unit-stride rows; got strides "
+                             f"{a_q.stride()} and {b_q.stride()}; use a 'ptr' config")
         if a_q.is_cuda:
             ensure_cuda_context(a_q.device)
-        a_arg, b_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [blk, step_k])
-                        for t, blk in ((a_q, config.block_m), (b_q, config.block_n)))
     out = main_grad if main_grad is not None else torch.empty((experts, r, c), dtype=torch.bfloat16, device=a_q.device)
     grid = (experts * triton.cdiv(r, config.block_m) * triton.cdiv(c, config.block_n),)
     moe_fp8_wgrad_kernel[grid](

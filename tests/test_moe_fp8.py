@@ -240,7 +240,7 @@ def test_fp8_wgrad_tma_variant_gives_the_pointer_kernels_bits(device):
         assert compare_bits(acc_tma, acc_ptr).equal, config
     odd = torch.empty((xq.shape[0], xq.shape[1] + 8), dtype=xq.dtype, device=device)[:, 8:]  # base 8 bytes off
     odd.copy_(xq)
-    with pytest.raises(ValueError, match=r"wgrad: variant 'tma' cannot describe a_q .*data_ptr % 16 = 8"):
+    with pytest.raises(ValueError, match=r"variant 'tma' cannot describe a_q .*data_ptr % 16 = 8"):
         moe_fp8_wgrad(odd, xs, yq, ys, r, b, config=replace(ptr, variant="tma"))
 
 
