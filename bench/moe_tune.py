@@ -76,10 +76,12 @@ FP8_DGRAD = [GemmConfig(*c) for c in [
 ]]
 # The FP8 weight gradients (wgrad="fp8", kernels/moe_fp8.py FP8_WGRAD_CONFIGS, the pinned pointer tile, always
 # timed) on the column-wise operands: TMA tiles, whose kernel also requests each 128-row block's scales one block
-# ahead (compiled for sm_90: no spills at 128x128 with 8 warps, where the pointer kernel's prefetch spilled).
+# ahead. The first sweep (reports/2026-11-30-h200/fp8-wgrad-tma) put 64x128 with 4 warps 3x ahead of the 128x128
+# 8-warp tiles; these are its neighbours.
 FP8_WGRAD = [GemmConfig(*c, variant="tma") for c in [
-    (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 3), (64, 128, 128, 1, 4, 3), (64, 128, 128, 1, 4, 4),
-    (128, 64, 128, 1, 4, 3), (128, 128, 64, 1, 8, 4),
+    (128, 128, 128, 1, 8, 4), (64, 128, 128, 1, 4, 4), (64, 128, 128, 1, 4, 2), (128, 64, 128, 1, 4, 3),
+    (64, 64, 128, 1, 4, 3), (64, 64, 128, 1, 4, 4), (64, 256, 128, 1, 8, 3), (64, 256, 128, 1, 4, 3),
+    (128, 128, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4),
 ]]
 STAGE_KEY = {"up": "up", "down": "down", "dgrad": "dgrad", "dx": "dx", "wgrad_w1": "wgrad", "wgrad_w2": "wgrad",
              "fp8_up": "up", "fp8_down": "down", "fp8_dgrad": "dgrad", "fp8_dx": "dx",

@@ -80,7 +80,7 @@ from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 # The sm_90 entries are compile-checked (wgmma on e4m3, shared memory, no spills) and timed on an H200
 # (bench/moe_tune.py; comments below).
 # ---------------------------------------------------------------------------------------------
-MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.4"
+MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.5"
 FP8_STAGES = ("up", "down", "dgrad", "dx")
 
 MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
@@ -113,7 +113,9 @@ WGRAD_CONFIGS: dict[str, GemmConfig | None] = {CUDA_SM90: None, TRITON_INTERPRET
 # The FP8 weight gradient (wgrad="fp8"): BLOCK_M x BLOCK_N of dW per program, STEP_K rows per dot; the
 # column-wise quantizer: 128 rows x QUANT_COLS columns per program.
 FP8_WGRAD_CONFIGS: dict[str, GemmConfig] = {
-    CUDA_SM90: GemmConfig(128, 128, 128, 1, 8, 4),
+    # Both operands by TMA, 4 warps, 3 stages: 624 TFLOP/s at the reference shape for dW1 and dW2 against ~205 for
+    # table .4's 128x128 8-warp pointer tile (reports/2026-11-30-h200/fp8-wgrad-tma, every candidate bit-equal).
+    CUDA_SM90: GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
     TRITON_INTERPRETER: GemmConfig(128, 256, 128, 1, 4, 1),
 }
 QUANT_COLS = {CUDA_SM90: 64, TRITON_INTERPRETER: 256}
@@ -530,6 +532,8 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
     experts, (r, c) = routing.num_experts, (a_q.shape[0], b_q.shape[0])
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k
+    if a_q.shape[1] == 0:  # no routed rows (T = 0): dW = 0, and TMA cannot describe an empty operand
+        return None if main_grad is not None else torch.zeros((experts, r, c), dtype=torch.bfloat16, device=a_q.device)
     a_arg, b_arg = a_q, b_q
     if config.variant == "tma":  # the column-wise quantizer's [rows, P] outputs; anything else is refused by name
         (a_arg, a_t), (b_arg, b_t) = (tma_descriptor(name, t, t, (blk, step_k)) for name, t, blk in

@@ -242,6 +242,13 @@ def test_fp8_wgrad_tma_variant_gives_the_pointer_kernels_bits(device):
     odd.copy_(xq)
     with pytest.raises(ValueError, match=r"variant 'tma' cannot describe a_q .*data_ptr % 16 = 8"):
         moe_fp8_wgrad(odd, xs, yq, ys, r, b, config=replace(ptr, variant="tma"))
+    masked = build_routing(torch.full_like(inp["topk_ids"], -1), inp["scores"], E)  # no routed row: P = 0
+    xq0, xs0 = moe_fp8_quant_colwise(inp["x"], masked, b, gather=True, scale=False)
+    for config in (ptr, replace(ptr, variant="tma")):
+        assert moe_fp8_wgrad(xq0, xs0, xq0, xs0, masked, b, config=config).eq(0).all(), config
+        acc = torch.ones((E, H, H), device=device)
+        assert moe_fp8_wgrad(xq0, xs0, xq0, xs0, masked, b, acc, config=config) is None
+        assert acc.eq(1).all(), config
 
 
 def test_quant_risk_monitor_reports_every_quantized_tensor(base):
