@@ -1,6 +1,7 @@
 """Compile det_gemm for sm_90 without a GPU and count the SASS instructions that matter (HGMMA vs HMMA,
 cp.async LDGSTS vs TMA UTMALDG, shared-memory traffic), registers and shared memory per layout and
-kernel variant ("ptr": det_gemm_kernel; "tma": det_gemm_tma_kernel; "tma3": det_gemm_tma3_kernel).
+kernel variant ("ptr": det_gemm_kernel; "tma": det_gemm_tma_kernel; "tma3": det_gemm_tma3_kernel; "ws":
+kernels/det_gemm_ws.py, Gluon).
 Compile-only evidence: it says which instructions the kernel uses, not how fast they run.
 
     python -m bench.gemm_sass [--out DIR] [--variants ptr tma] [--cases fwd_weight_t ...] [--json]
@@ -19,7 +20,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, replace
 
-SASS_OPS = r"\b(HGMMA|HMMA|UTMALDG|LDGSTS|LDSM|LDS|STS|SHFL)[.\w]*"
+SASS_OPS = r"\b(HGMMA|HMMA|UTMALDG|LDGSTS|LDSM|LDS|STS|SHFL|USETMAXREG)[.\w]*"
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,20 @@ def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = Fa
               "GROUP_M": cfg.group_m, "INTERPRETED": False, "SEGMENTED": segmented, "OUT_FP32": out_fp32,
               "TWIN": twin, "B_K_MAJOR": case.b_k_major}
     c_type = "*fp32" if out_fp32 else "*bf16"
-    if cfg.variant in ("tma", "tma3"):
+    if cfg.variant == "ws":
+        from kernels.det_gemm_ws import det_gemm_ws_kernel, operand_layout
+
+        if segmented:
+            raise ValueError("variant 'ws' has no segmented form")
+        fn = det_gemm_ws_kernel
+        a_box = [cfg.block_k, cfg.block_m] if case.a_m_major else [cfg.block_m, cfg.block_k]
+        b_box = [cfg.block_n, cfg.block_k] if case.b_k_major else [cfg.block_k, cfg.block_n]
+        ptrs = {"a_desc": f"tensordesc<bf16{a_box},{operand_layout(a_box)!r}>",
+                "b_desc": f"tensordesc<bf16{b_box},{operand_layout(b_box)!r}>", "c_ptr": c_type, "twin_ptr": c_type}
+        consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
+                  "STAGES": cfg.num_stages, "OUT_FP32": out_fp32, "TWIN": twin, "A_M_MAJOR": case.a_m_major,
+                  "B_K_MAJOR": case.b_k_major, "num_warps": cfg.num_warps, "stride_cc": 1}
+    elif cfg.variant in ("tma", "tma3"):
         fn = det_gemm_tma_kernel if cfg.variant == "tma" else det_gemm_tma3_kernel
         a_box = [cfg.block_k, cfg.block_m] if case.a_m_major else [cfg.block_m, cfg.block_k]
         b_box = [cfg.box_n, cfg.block_k] if case.b_k_major else [cfg.block_k, cfg.box_n]
@@ -113,9 +127,17 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     # 16-divisible pointers and sizes (op_id and seg_len excepted), as the specialiser marks a real launch.
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if sig[n] != "constexpr" and not sig[n].startswith("tensordesc") and n not in ("op_id", "seg_len")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.variant == "ws":  # Gluon: the kernel places its own pipeline; the launch caps registers per thread
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        from kernels.det_gemm_ws import max_regs
+
+        source, options = GluonASTSource, {"num_warps": cfg.num_warps, "maxnreg": max_regs(cfg.num_warps)}
+    else:
+        source = ASTSource
+    src = source(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tag = f"{case.name}_{variant}" if config is None else f"{case.name}_{cfg.label()}"
     tag += "".join(f"_{flag}" for flag, on in (("seg", segmented), ("fp32", out_fp32), ("twin", twin)) if on)
     cubin = os.path.join(out_dir, f"{tag}.cubin")
@@ -126,7 +148,7 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     sass = cuobjdump("--dump-sass", cubin)
     with open(os.path.join(out_dir, f"{tag}.sass"), "w") as f:
         f.write(sass)
-    counts = {op: 0 for op in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS", "LDSM", "LDS", "STS", "SHFL")}
+    counts = {op: 0 for op in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS", "LDSM", "LDS", "STS", "SHFL", "USETMAXREG")}
     for m in re.finditer(SASS_OPS, sass):
         counts[m.group(1)] += 1
     resources = cuobjdump("--dump-resource-usage", cubin)

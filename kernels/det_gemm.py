@@ -57,13 +57,14 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, ensure_cuda_context, resolve_backend
+from kernels.det_gemm_ws import det_gemm_ws_kernel, max_regs, ws_descriptor
+from kernels.gemm_names import _OP_IDS, OPS, _launch_metadata, _layer_dims, case_name  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
 CONFIG_TABLE_VERSION = "2026-11-30.11"
 
-OPS = ("fwd", "da", "db")
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
 INTERPRETER_MAX_BLOCK_NUMEL = 2**20
 
@@ -75,7 +76,7 @@ def interpreter_step_k(config: "GemmConfig") -> int:
     return step
 
 
-VARIANTS = ("ptr", "tma", "tma3")
+VARIANTS = ("ptr", "tma", "tma3", "ws")
 # A TMA box has at most 256 elements per dim (cuTensorMapEncodeTiled's boxDim limit).
 TMA_MAX_BOX = 256
 
@@ -90,7 +91,9 @@ class GemmConfig:
     num_stages: int
     # "ptr": det_gemm_kernel (pointer loads, cp.async). "tma": det_gemm_tma_kernel (TMA descriptors over
     # each operand in its storage order). "tma3": det_gemm_tma3_kernel, the TMA kernel with block_n made of
-    # three power-of-two sub-tiles (e.g. 192). Same per-element math; the cross-config audit checks the bits.
+    # three power-of-two sub-tiles (e.g. 192). "ws": kernels/det_gemm_ws.py (Gluon, sm_90 only), persistent and
+    # warp-specialized: one TMA producer warp, num_warps consumer warps (4 or 8), num_stages ring slots.
+    # Same per-element math; the cross-config audit checks the bits.
     variant: str = "ptr"
 
     def __post_init__(self):
@@ -105,7 +108,10 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.variant {self.variant!r} is not supported; supported: {VARIANTS}")
         if self.variant == "tma3" and self.block_n % 3:
             raise ValueError(f"variant 'tma3' needs block_n three sub-tiles wide (a multiple of 3); got {self.block_n}")
-        if self.variant in ("tma", "tma3"):
+        if self.variant == "ws" and (self.num_warps not in (4, 8) or self.block_m < 16 * self.num_warps):
+            raise ValueError(f"variant 'ws' needs 4 or 8 consumer warps and block_m >= 16 per warp (one wgmma row "
+                             f"block each); got num_warps {self.num_warps}, block_m {self.block_m}")
+        if self.variant in ("tma", "tma3", "ws"):
             for field, value in (("block_m", self.block_m), ("block_n", self.box_n), ("block_k", self.block_k)):
                 if value > TMA_MAX_BOX or value & (value - 1):
                     what = "block_n / 3" if field == "block_n" and self.variant == "tma3" else field
@@ -295,29 +301,6 @@ def device_sms(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def case_name(op: str, m: int, n: int, k: int) -> str:
-    """The one name shared by a launch, its NVTX range and its report row."""
-    return f"det_gemm_{op} [M={m}, N={n}, K={k}] bf16"
-
-
-_OP_IDS = {op: i for i, op in enumerate(OPS)}
-
-
-def _layer_dims(op_id: int, rows: int, cols: int, red: int) -> tuple[int, int, int]:
-    """Map the kernel's (rows, cols, reduced) back to the layer's (M, N, K)."""
-    if op_id == _OP_IDS["fwd"]:
-        return rows, cols, red
-    if op_id == _OP_IDS["da"]:
-        return rows, red, cols
-    return red, cols, rows
-
-
-def _launch_metadata(grid, metadata, args):
-    op = OPS[args["op_id"]]
-    m, n, k = _layer_dims(args["op_id"], args["R"], args["C"], args["L"])
-    return {"name": case_name(op, m, n, k), "flops": 2.0 * m * n * k}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,6 +596,8 @@ def tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: t
             "for this operand"
         )
     transposed, shape, strides, box = layout
+    if variant == "ws":  # Gluon's descriptor carries the shared-memory layout of its box
+        return ws_descriptor(tensor, shape, strides, box), transposed
     return TensorDescriptor(tensor, shape, strides, box), transposed
 
 
@@ -672,6 +657,8 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k
     grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
+    if config.variant == "ws":
+        return _run_ws(op, a_view, b_view, tensors, config, backend, seg != reduced, out_dtype, twin_out, grid[0])
     if config.variant in ("tma", "tma3"):
         # Descriptors first: an operand TMA cannot address is refused before anything is allocated.
         (a_name, a), (b_name, b) = tensors.items()
@@ -711,6 +698,37 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
         TWIN=twin_out is not None,
         B_K_MAJOR=b_is_k_major(b_view),
         num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)
+    return c, GemmLaunch(op=op, backend=backend, config=config, name=case_name(op, m, n, k))
+
+
+def _run_ws(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str, torch.Tensor], config: GemmConfig,
+            backend: str, segmented: bool, out_dtype: torch.dtype, twin_out: torch.Tensor | None,
+            tiles: int) -> tuple[torch.Tensor, GemmLaunch]:
+    """The warp-specialized kernel: one persistent program per SM (at most one per tile)."""
+    if backend != CUDA_SM90:
+        raise ValueError(f"variant 'ws' is a Gluon kernel for sm_90 and has no {backend!r} path; use a 'ptr', 'tma' "
+                         "or 'tma3' config there")
+    if segmented:
+        raise ValueError("variant 'ws' keeps one FP32 accumulator (no seg_len segments); use a 'tma' config for "
+                         "segmented calls")
+    rows, reduced = a_view.shape
+    cols = b_view.shape[1]
+    (a_name, a), (b_name, b) = tensors.items()
+    a_desc, a_m_major = tma_descriptor(a_name, a, a_view, (config.block_m, config.block_k), "ws")
+    b_desc, b_k_major = tma_descriptor(b_name, b, b_view, (config.block_k, config.block_n), "ws")
+    c = torch.empty((rows, cols), dtype=out_dtype, device=a_view.device)
+    ensure_cuda_context(a_view.device)
+    det_gemm_ws_kernel[(min(tiles, device_sms(a_view.device)),)](
+        a_desc, b_desc, c, c if twin_out is None else twin_out,
+        rows, cols, reduced,
+        c.stride(0), c.stride(1),
+        _OP_IDS[op],
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        STAGES=config.num_stages, OUT_FP32=out_dtype == torch.float32, TWIN=twin_out is not None,
+        A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major,
+        num_warps=config.num_warps, maxnreg=max_regs(config.num_warps),
     )
     m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)
     return c, GemmLaunch(op=op, backend=backend, config=config, name=case_name(op, m, n, k))

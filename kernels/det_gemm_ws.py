@@ -1,0 +1,157 @@
+"""det_gemm's warp-specialized sm_90 kernel (variant "ws"), written in Gluon.
+
+One producer warp streams A and B tiles into a shared-memory ring by TMA; the consumer warps (one or two
+warpgroups) issue asynchronous wgmma on each ring slot as soon as it lands and hand it back when the MMA that
+read it has finished. The grid is persistent (one program per SM, tiles in det_gemm's grouped order), so
+the producer fills the ring for the next tile while the consumers store the current one.
+
+The math is det_gemm_tma_kernel's: per output tile, BLOCK_K-wide K steps in ascending order, each one
+wgmma chain accumulating into the same FP32 registers, one BF16 rounding (or FP32) at the end. Neither the
+tile shape nor the warp roles change a product or the order of the additions, so the bits equal every
+other det_gemm config's (checked on the H200: tests/test_det_gemm_ws.py, the cross-config audit).
+
+Gluon has no interpreter path: this kernel runs on sm_90 only, and ``det_gemm`` refuses a "ws" config on
+any other backend by name.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kernels.gemm_names import _launch_metadata
+
+# Registers of the producer warp after the hand-off (setmaxnreg); the consumers get the rest of the
+# launch's budget (MAX_REGS per thread for every warp of the CTA, the producer's warpgroup included).
+PRODUCER_REGS = gl.constexpr(40)
+PRODUCER_WARPS = gl.constexpr(1)
+
+
+def max_regs(num_warps: int) -> int:
+    """Launch register cap: the CTA's (num_warps + 4) warps share the SM's 64K registers (one CTA per SM)."""
+    return min(255, (65536 // ((num_warps + 4) * 32)) // 8 * 8)
+
+
+def operand_layout(block: list[int]) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+
+
+def ws_descriptor(tensor, shape, strides, box) -> TensorDescriptor:
+    """A TMA descriptor over ``tensor`` (shape, strides and box as det_gemm.tma_descriptor decided them)."""
+    return TensorDescriptor(tensor, shape, strides, box, operand_layout(box))
+
+
+@gluon.jit
+def _tile(t, R, C, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """Output tile ``t`` in det_gemm's grouped order (tile_of_program with program id t)."""
+    num_pid_m = gl.cdiv(R, BLOCK_M)
+    num_pid_n = gl.cdiv(C, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = t // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = gl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((t % num_pid_in_group) % group_size_m)
+    pid_n = (t % num_pid_in_group) // group_size_m
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, R, C, L,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+              A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr):
+    """TMA loads into the ring: slot s is refilled once the consumers have released it."""
+    STAGES: gl.constexpr = a_ring.type.shape[0]
+    num_tiles = gl.cdiv(R, BLOCK_M) * gl.cdiv(C, BLOCK_N)
+    k_steps = gl.cdiv(L, BLOCK_K)
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile(t, R, C, BLOCK_M, BLOCK_N, GROUP_M)
+        for ks in range(k_steps):
+            slot = count % STAGES
+            # A fresh barrier counts as having completed the phase before phase 0: the first pass waits on nothing.
+            mbarrier.wait(free.index(slot), ((count // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            k = ks * BLOCK_K
+            if A_M_MAJOR:
+                tma.async_copy_global_to_shared(a_desc, [k, off_m], bar, a_ring.index(slot))
+            else:
+                tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a_ring.index(slot))
+            if B_K_MAJOR:
+                tma.async_copy_global_to_shared(b_desc, [off_n, k], bar, b_ring.index(slot))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [k, off_n], bar, b_ring.index(slot))
+            count += 1
+
+
+@gluon.jit
+def _consumer(a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, stride_cc,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+              A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr, OUT_FP32: gl.constexpr, TWIN: gl.constexpr,
+              WARPS: gl.constexpr):
+    """Async wgmma over the ring, at most one MMA in flight behind the newest; then the epilogue."""
+    STAGES: gl.constexpr = a_ring.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    num_tiles = gl.cdiv(R, BLOCK_M) * gl.cdiv(C, BLOCK_N)
+    k_steps = gl.cdiv(L, BLOCK_K)
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile(t, R, C, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        for ks in range(k_steps):
+            slot = count % STAGES
+            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+            a = a_ring.index(slot)
+            if A_M_MAJOR:
+                a = a.permute((1, 0))
+            b = b_ring.index(slot)
+            if B_K_MAJOR:
+                b = b.permute((1, 0))
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+            # The MMA before this one has finished reading its slot: hand that slot back.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1, pred=ks > 0)
+            count += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1)
+
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        offs = gl.expand_dims(offs_m, 1) * stride_cr + gl.expand_dims(offs_n, 0) * stride_cc
+        mask = gl.expand_dims(offs_m < R, 1) & gl.expand_dims(offs_n < C, 0)
+        if OUT_FP32:
+            out = acc
+        else:
+            out = acc.to(gl.bfloat16)
+        gl.store(c_ptr + offs, out, mask=mask)
+        if TWIN:
+            gl.store(twin_ptr + offs, out, mask=mask)
+
+
+@gluon.jit(launch_metadata=_launch_metadata)
+def det_gemm_ws_kernel(
+    a_desc, b_desc, c_ptr, twin_ptr,  # TMA descriptors over A and B in their storage order (A_M_MAJOR, B_K_MAJOR)
+    R, C, L,  # C[R, C] = A[R, L] @ B[L, C]
+    stride_cr, stride_cc,
+    op_id,  # 0 fwd, 1 dA, 2 dB: names the launch only
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr, OUT_FP32: gl.constexpr, TWIN: gl.constexpr,
+    A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, stride_cc,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR, OUT_FP32, TWIN, num_warps)),
+        (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, R, C, L,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])

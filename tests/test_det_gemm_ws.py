@@ -1,0 +1,98 @@
+"""det_gemm's warp-specialized Gluon variant (``GemmConfig(..., variant="ws")``, kernels/det_gemm_ws.py).
+
+On the GPU (DETKIT_TEST_DEVICE=cuda): the same bits as the TMA kernel with the same tile, for fwd/dA/dB on
+both weight layouts, ragged edges, BF16/FP32 outputs and the twin store, and a persistent grid that wraps
+(more tiles than SMs, so the ring's phases carry over tile boundaries). Everywhere: the config rules, the
+refusals (no interpreter path, no segmented form), and an offline sm_90 compile showing the producer's TMA
+loads, wgmma, the register hand-off between the warp roles, and no spills."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kernels.det_gemm import LAUNCHERS, GemmConfig
+from tests.test_det_gemm import _operands
+from toolkit.contract import compare_bits
+from toolkit.fixtures import bf16_randn, weight_kn
+
+WS_TILES = (GemmConfig(128, 128, 64, 8, 8, 4, "ws"), GemmConfig(64, 64, 64, 1, 4, 3, "ws"))
+
+
+def _same_bits(got, want):
+    result = compare_bits(got, want)
+    assert result.equal, result.as_row()
+
+
+def test_ws_config_rules():
+    with pytest.raises(ValueError, match=r"variant 'ws' needs 4 or 8 consumer warps .* num_warps 2"):
+        GemmConfig(128, 128, 64, 8, 2, 4, "ws")
+    with pytest.raises(ValueError, match=r"block_m >= 16 per warp .* block_m 64"):
+        GemmConfig(64, 128, 64, 8, 8, 4, "ws")
+    with pytest.raises(ValueError, match=r"variant 'ws' needs block_n a power of two <= 256 .* got 192"):
+        GemmConfig(128, 192, 64, 8, 8, 4, "ws")
+    assert GemmConfig(128, 256, 64, 8, 8, 4, "ws").label() == "BM128_BN256_BK64_G8_w8_s4_ws"
+
+
+def test_ws_refuses_the_interpreter_and_segments_by_name(device):
+    a, b = bf16_randn((64, 128), 1, device), weight_kn(128, 64, 2, "kn", device)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match=r"variant 'ws' is a Gluon kernel for sm_90 and has no 'triton_interpreter'"):
+            LAUNCHERS["fwd"](a, b, config=WS_TILES[0])
+    else:
+        with pytest.raises(ValueError, match=r"variant 'ws' keeps one FP32 accumulator \(no seg_len segments\)"):
+            LAUNCHERS["fwd"](a, b, config=WS_TILES[0], seg_len=64)
+
+
+@pytest.mark.parametrize("op", ["fwd", "da", "db"])
+@pytest.mark.parametrize("layout", ["kn", "linear"])
+@pytest.mark.parametrize("m", [1, 129, 300])
+def test_ws_bits_equal_tma_kernel(op, layout, m, device):
+    if device.type != "cuda":
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    n, k = 264, 200  # ragged against every tile; 16-byte-aligned rows for TMA
+    x, y = _operands(op, m, n, k, layout, device)
+    for config in WS_TILES:
+        for out_dtype in (torch.bfloat16, torch.float32):
+            want, want_launch = LAUNCHERS[op](x, y, config=replace(config, variant="tma"), out_dtype=out_dtype)
+            got, launch = LAUNCHERS[op](x, y, config=config, out_dtype=out_dtype)
+            assert launch.config == config and launch.name == want_launch.name
+            _same_bits(got, want)
+
+
+def test_ws_persistent_grid_wraps_and_twin_store(device):
+    if device.type != "cuda":
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    # 64x64 tiles of a 2048 x 1024 output: 512 tiles on at most 132 programs, 4 K steps per tile on a
+    # 3-slot ring, so every program crosses tile boundaries mid-ring.
+    a, b = bf16_randn((2048, 256), 3, device), weight_kn(256, 1024, 4, "linear", device)
+    config = WS_TILES[1]
+    want = LAUNCHERS["fwd"](a, b, config=replace(config, variant="tma"))[0]
+    twin = torch.full_like(want, float("nan"))
+    got = LAUNCHERS["fwd"](a, b, config=config, twin_out=twin)[0]
+    _same_bits(got, want)
+    _same_bits(twin, want)
+    for _ in range(3):  # repeatable run to run
+        _same_bits(LAUNCHERS["fwd"](a, b, config=config)[0], want)
+
+
+_WS_SCRIPT = """
+import json, tempfile
+from bench.gemm_sass import CASES, build
+from kernels.det_gemm import GemmConfig
+config = GemmConfig(128, 256, 64, 8, 8, 4, "ws")
+print(json.dumps([build(case, "ws", tempfile.mkdtemp(), config=config) for case in CASES]))
+"""
+
+
+def test_ws_kernel_compiles_for_sm90_offline_to_tma_wgmma_and_register_handoff(tmp_path):
+    from tests.moe_helpers import compile_sm90_offline
+
+    rows = compile_sm90_offline(_WS_SCRIPT, tmp_path)
+    assert len(rows) == 5
+    for r in rows:
+        # TMA loads (producer), wgmma (consumers), setmaxnreg (the warp roles' register split), no cp.async,
+        # no mma.sync, no spills, and the 4-slot ring of 128x64 + 64x256 BF16 tiles in shared memory.
+        assert r["UTMALDG"] > 0 and r["HGMMA"] > 0 and r["USETMAXREG"] > 0, r
+        assert r["LDGSTS"] == 0 and r["HMMA"] == 0 and r["stack_bytes"] == 0, r
+        assert 4 * (128 * 64 + 64 * 256) * 2 <= r["shared_bytes"] < 227 * 1024, r
