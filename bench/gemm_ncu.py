@@ -4,6 +4,7 @@ against peak, achieved occupancy, waves per SM, registers, grid).
 
     python -m bench.gemm_ncu --out results/ncu                        # the default cases, both impls
     python -m bench.gemm_ncu --out results/ncu --case fwd:512:6144:4096:linear --case da:8192:6144:4096:kn
+    python -m bench.gemm_ncu --out results/ncu --case fwd:512:6144:4096:linear --config 128,128,64,8,8,6,ws
 
 Each (case, impl) is its own process under
 ``ncu --clock-control none --nvtx --nvtx-include 'detkit@<row name> | ncu <impl>/' --section ...``:
@@ -40,6 +41,8 @@ METRICS = {
     "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
     "memory_throughput_pct": "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
     "dram_throughput_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "l2_throughput_pct": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "tensor_pipe_active_pct": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
     "achieved_occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "waves_per_sm": "launch__waves_per_multiprocessor",
     "registers": "launch__registers_per_thread",
@@ -74,6 +77,17 @@ def parse_case(text: str) -> BenchCase:
     return BenchCase(op, *dims, layout)
 
 
+def parse_config(spec: str):
+    """``BM,BN,BK,G,warps,stages[,variant]`` -> GemmConfig (a det_gemm config to profile beside the table's pick)."""
+    from kernels.det_gemm import GemmConfig
+
+    parts = spec.split(",")
+    try:
+        return GemmConfig(*(int(v) for v in parts[:6]), *parts[6:7])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"config {spec!r}: expected BM,BN,BK,G,warps,stages[,variant] ({exc})") from None
+
+
 def range_name(case: BenchCase, impl: str) -> str:
     return f"{case.name} | ncu {impl}"
 
@@ -85,11 +99,15 @@ def run_once(case: BenchCase, impl: str, device: str) -> None:
     from kernels.det_gemm import LAUNCHERS
     from toolkit.nvtx_ranges import nvtx_range
 
-    if impl not in IMPLS:
-        raise ValueError(f"impl {impl!r} is not supported; supported: {IMPLS}")
+    config = parse_config(impl.removeprefix("config=")) if impl.startswith("config=") else None
+    if impl not in IMPLS and config is None:
+        raise ValueError(f"impl {impl!r} is not supported; supported: {IMPLS} or config=BM,BN,BK,G,warps,stages[,variant]")
     dev = torch.device(device)
     x, y, baseline = bench_operands(case, dev)
-    call = (lambda: LAUNCHERS[case.op](x, y)) if impl == "detkit" else baseline
+    if config is not None:
+        call = lambda: LAUNCHERS[case.op](x, y, config=config)  # noqa: E731
+    else:
+        call = (lambda: LAUNCHERS[case.op](x, y)) if impl == "detkit" else baseline
     for _ in range(WARMUP_CALLS):
         call()
     if dev.type == "cuda":
@@ -133,18 +151,19 @@ def find_ncu(explicit: str | None) -> str:
     return found
 
 
-def profile(cases: list[BenchCase], out: Path, ncu: str, timeout_s: int) -> list[dict]:
-    """One ncu process per (case, impl); raw CSV kept beside the parsed rows."""
+def profile(cases: list[BenchCase], out: Path, ncu: str, timeout_s: int, configs: tuple[str, ...] = ()) -> list[dict]:
+    """One ncu process per (case, impl); raw CSV kept beside the parsed rows. ``configs``: det_gemm configs
+    profiled beside the table's pick (impl ``config=<spec>``)."""
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for case in cases:
-        for impl in IMPLS:
+        for impl in IMPLS + tuple(f"config={c}" for c in configs):
             cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", f"detkit@{range_name(case, impl)}/",
                    *[arg for s in SECTIONS for arg in ("--section", s)], "--csv", "--page", "raw",
                    sys.executable, "-m", "bench.gemm_ncu", "--run", f"{case.op}:{case.m}:{case.n}:{case.k}:{case.layout}",
                    "--impl", impl]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            stem = f"{case.op}_M{case.m}_N{case.n}_K{case.k}_{case.layout}_{impl}"
+            stem = f"{case.op}_M{case.m}_N{case.n}_K{case.k}_{case.layout}_{impl.replace('=', '_').replace(',', '-')}"
             (out / f"{stem}.csv").write_text(proc.stdout)
             (out / f"{stem}.err").write_text(proc.stderr)
             kernels = parse_ncu_csv(proc.stdout) if proc.returncode == 0 else []
@@ -172,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ncu", help="the ncu binary (default: PATH, then /opt/nvidia/nsight-compute/*/ncu)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per profiled process")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # the profiled process: one case
-    parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
+    parser.add_argument("--config", action="append", default=[],
+                        help="BM,BN,BK,G,warps,stages[,variant]: also profile this det_gemm config (repeatable)")
+    parser.add_argument("--impl", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run:
@@ -181,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         parser.error("--out is required")
     cases = [parse_case(c) for c in (args.case or DEFAULT_CASES)]  # all refused before any profiling
-    rows = profile(cases, args.out, find_ncu(args.ncu), args.timeout)
+    for spec in args.config:
+        parse_config(spec)
+    rows = profile(cases, args.out, find_ncu(args.ncu), args.timeout, tuple(args.config))
     with open(args.out / "rows.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     table = markdown(rows)

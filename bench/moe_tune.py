@@ -83,11 +83,15 @@ FP8_WGRAD = [GemmConfig(*c, variant="tma") for c in [
     (64, 64, 128, 1, 4, 3), (64, 64, 128, 1, 4, 4), (64, 256, 128, 1, 8, 3), (64, 256, 128, 1, 4, 3),
     (128, 128, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4),
 ]]
+# The column-wise quantizer of wgrad="fp8" (kernels/moe_fp8.py QUANT_COLWISE_CONFIGS): 128 rows x block_n columns
+# per program (block_k, group_m, stages unused). Timed on a gathered operand (x) and a plain one (dgu).
+FP8_COLQ = [GemmConfig(128, n, 16, 1, w, 1) for n, w in [(64, 4), (64, 8), (128, 4), (128, 8), (256, 8), (32, 4)]]
 STAGE_KEY = {"up": "up", "down": "down", "dgrad": "dgrad", "dx": "dx", "wgrad_w1": "wgrad", "wgrad_w2": "wgrad",
              "fp8_up": "up", "fp8_down": "down", "fp8_dgrad": "dgrad", "fp8_dx": "dx",
-             "fp8_wgrad_w1": "wgrad", "fp8_wgrad_w2": "wgrad"}
+             "fp8_wgrad_w1": "wgrad", "fp8_wgrad_w2": "wgrad", "fp8_colq_x": "colq", "fp8_colq_dgu": "colq"}
 STAGE_FLOPS = {"up": 4.0, "down": 2.0, "dgrad": 2.0, "dx": 4.0, "wgrad_w1": 4.0, "wgrad_w2": 2.0,
-               "fp8_up": 4.0, "fp8_down": 2.0, "fp8_dgrad": 2.0, "fp8_dx": 4.0, "fp8_wgrad_w1": 4.0, "fp8_wgrad_w2": 2.0}
+               "fp8_up": 4.0, "fp8_down": 2.0, "fp8_dgrad": 2.0, "fp8_dx": 4.0, "fp8_wgrad_w1": 4.0, "fp8_wgrad_w2": 2.0,
+               "fp8_colq_x": 0.0, "fp8_colq_dgu": 0.0}  # the quantizer: no FLOPs, times only
 BF16_STAGES = ("up", "down", "dgrad", "dx", "wgrad_w1", "wgrad_w2")
 
 
@@ -95,7 +99,8 @@ def candidates(stage: str) -> list[GemmConfig]:
     if stage not in STAGE_KEY:
         raise ValueError(f"stage {stage!r} not known; known: {tuple(STAGE_KEY)}")
     if stage.startswith("fp8_"):
-        return {"up": FP8_UP, "dgrad": FP8_DGRAD, "wgrad": FP8_WGRAD}.get(STAGE_KEY[stage], FP8_GROUPED)
+        return {"up": FP8_UP, "dgrad": FP8_DGRAD, "wgrad": FP8_WGRAD, "colq": FP8_COLQ}.get(STAGE_KEY[stage],
+                                                                                          FP8_GROUPED)
     return WGRAD if STAGE_KEY[stage] == "wgrad" else GROUPED
 
 
@@ -103,10 +108,12 @@ def pinned(stage: str, backend: str) -> GemmConfig:
     """The table's config for ``stage`` (MOE_FP8_CONFIGS / FP8_WGRAD_CONFIGS for the fp8_ stages, else
     MOE_CONFIGS)."""
     from kernels.moe import select_moe_config
-    from kernels.moe_fp8 import FP8_WGRAD_CONFIGS, select_moe_fp8_config
+    from kernels.moe_fp8 import FP8_WGRAD_CONFIGS, QUANT_COLWISE_CONFIGS, select_moe_fp8_config
 
     if stage.startswith("fp8_wgrad"):
         return FP8_WGRAD_CONFIGS[backend]
+    if stage.startswith("fp8_colq"):
+        return QUANT_COLWISE_CONFIGS[backend]
     select = select_moe_fp8_config if stage.startswith("fp8_") else select_moe_config
     return select(STAGE_KEY[stage], backend)
 
@@ -144,6 +151,10 @@ def stage_fns(preset: str, device: torch.device, stages, seed: int = 0) -> tuple
         w1f, w2f = quantize_weight(w1), quantize_weight(w2)
         _, h, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, routing, b)
         dgu8, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, saved.gu, routing, b)
+        fns.update({  # the column-wise quantizer on a gathered operand and a plain one (bits compared on q)
+            "fp8_colq_x": lambda c: moe_fp8_quant_colwise(x, routing, b, gather=True, scale=False, config=c)[0],
+            "fp8_colq_dgu": lambda c: moe_fp8_quant_colwise(dgu8, routing, b, gather=False, scale=False, config=c)[0],
+        })
         if any(s.startswith("fp8_wgrad") for s in stages):  # the column-wise operands of wgrad="fp8"
             col = {name: moe_fp8_quant_colwise(src, routing, b, gather=gather, scale=scale) for name, src, gather, scale
                    in (("x", x, True, False), ("dgu", dgu8, False, False), ("h", h, False, False),
@@ -245,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", nargs="+", default=["reference", "qwen3-30b-a3b"], choices=sorted(PRESETS))
     parser.add_argument("--stages", nargs="+", default=list(BF16_STAGES), choices=list(STAGE_KEY),
                         help="BF16 stages by default; fp8_up, fp8_down, fp8_dgrad, fp8_dx, fp8_wgrad_w1, "
-                             "fp8_wgrad_w2 for the FP8 path")
+                             "fp8_wgrad_w2, fp8_colq_x, fp8_colq_dgu for the FP8 path")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)

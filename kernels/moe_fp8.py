@@ -111,14 +111,19 @@ MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
 WGRAD_CONFIGS: dict[str, GemmConfig | None] = {CUDA_SM90: None, TRITON_INTERPRETER: GemmConfig(128, 256, 32, 1, 4, 1)}
 
 # The FP8 weight gradient (wgrad="fp8"): BLOCK_M x BLOCK_N of dW per program, STEP_K rows per dot; the
-# column-wise quantizer: 128 rows x QUANT_COLS columns per program.
+# column-wise quantizer: QUANT_COLWISE_CONFIGS below.
 FP8_WGRAD_CONFIGS: dict[str, GemmConfig] = {
     # Both operands by TMA, 4 warps, 3 stages: 624 TFLOP/s at the reference shape for dW1 and dW2 against ~205 for
     # table .4's 128x128 8-warp pointer tile (reports/2026-11-30-h200/fp8-wgrad-tma, every candidate bit-equal).
     CUDA_SM90: GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
     TRITON_INTERPRETER: GemmConfig(128, 256, 128, 1, 4, 1),
 }
-QUANT_COLS = {CUDA_SM90: 64, TRITON_INTERPRETER: 256}
+# The column-wise quantizer's tile: block_m = QBLOCK rows (one scale block) x block_n columns, num_warps
+# (block_k, group_m, num_stages unused: no K loop).
+QUANT_COLWISE_CONFIGS: dict[str, GemmConfig] = {
+    CUDA_SM90: GemmConfig(QBLOCK, 64, 16, 1, 4, 1),
+    TRITON_INTERPRETER: GemmConfig(QBLOCK, 256, 16, 1, 4, 1),
+}
 WGRAD_MODES = ("bf16", "fp8")
 
 EPI_FP32, EPI_SWIGLU_QUANT, EPI_DSWIGLU_QUANT, EPI_SWIGLU = 0, 1, 2, 3
@@ -501,7 +506,7 @@ def moe_fp8_dx_route(dgu_q: torch.Tensor, dgu_s: torch.Tensor, w1f: Fp8Weight, r
 
 
 def moe_fp8_quant_colwise(src: torch.Tensor, routing: MoeRouting, backend: str, gather: bool,
-                          scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                          scale: bool, config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Column-wise (128x1) quantization of the expert-sorted rows v [P, N] (v[p] = src[gather_token[p]] when
     ``gather``, times row_score[p] when ``scale``): q_t [N, P] e4m3 (K-major for a GEMM over the rows),
     scales [N, P/128]. A 128-row block never straddles two experts (128-aligned segments)."""
@@ -510,12 +515,16 @@ def moe_fp8_quant_colwise(src: torch.Tensor, routing: MoeRouting, backend: str, 
     s = torch.empty((n, p // QBLOCK), dtype=torch.float32, device=src.device)
     if p == 0:
         return q, s
-    cols = QUANT_COLS[backend]
+    config = config or QUANT_COLWISE_CONFIGS[backend]
+    if config.block_m != QBLOCK:
+        raise ValueError(f"quant_colwise: block_m must be the scale block {QBLOCK} (one scale per column per "
+                         f"program); got {config.block_m}")
+    cols = config.block_n
     moe_fp8_quant_colwise_kernel[(routing.num_tiles * triton.cdiv(n, cols),)](
         src, routing.gather_token, routing.sorted_route, routing.row_score, q, s, p, n,
         src.stride(0), src.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         BLOCK_N=cols, QBLOCK=QBLOCK, GATHER=gather, SCALE=scale, INTERPRETED=backend == TRITON_INTERPRETER,
-        num_warps=4,
+        num_warps=config.num_warps,
     )
     return q, s
 

@@ -64,3 +64,16 @@ def test_missing_ncu_is_refused_before_profiling(monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError, match="ncu \\(Nsight Compute\\) not found"):
         gemm_ncu.main(["--out", str(tmp_path / "ncu")])
     assert not (tmp_path / "ncu").exists()
+
+
+def test_a_config_is_profiled_beside_the_table_pick_and_bad_specs_are_refused(tmp_path):
+    # An explicit det_gemm config runs as its own impl in the profiled process; a malformed spec is refused
+    # (naming the expected form) before any profiling.
+    assert gemm_ncu.main(["--run", "fwd:7:40:56:kn", "--impl", "config=16,32,32,1,4,2,tma", "--device", "cpu"]) == 0
+    assert gemm_ncu.parse_config("128,128,64,8,8,6,ws").label() == "BM128_BN128_BK64_G8_w8_s6_ws"
+    for spec, message in (("128,128,64", "expected BM,BN,BK,G,warps,stages"), ("128,128,64,8,8,6,fast", "variant")):
+        with pytest.raises(ValueError, match=message):
+            gemm_ncu.main(["--out", str(tmp_path / "ncu"), "--config", spec])
+    with pytest.raises(ValueError, match="impl 'nvjet' is not supported"):
+        gemm_ncu.run_once(gemm_ncu.parse_case("fwd:7:40:56:kn"), "nvjet", "cpu")
+    assert not (tmp_path / "ncu").exists()

@@ -242,6 +242,8 @@ def test_fp8_wgrad_tma_variant_gives_the_pointer_kernels_bits(device):
     odd.copy_(xq)
     with pytest.raises(ValueError, match=r"variant 'tma' cannot describe a_q .*data_ptr % 16 = 8"):
         moe_fp8_wgrad(odd, xs, yq, ys, r, b, config=replace(ptr, variant="tma"))
+    with pytest.raises(ValueError, match=r"quant_colwise: block_m must be the scale block 128 .* got 64"):
+        moe_fp8_quant_colwise(inp["x"], r, b, gather=True, scale=False, config=GemmConfig(64, 64, 16, 1, 4, 1))
     masked = build_routing(torch.full_like(inp["topk_ids"], -1), inp["scores"], E)  # no routed row: P = 0
     xq0, xs0 = moe_fp8_quant_colwise(inp["x"], masked, b, gather=True, scale=False)
     for config in (ptr, replace(ptr, variant="tma")):
@@ -391,7 +393,7 @@ for acc, tma in ((False, False), (True, False), (False, True)):  # the pinned ti
          "INTERPRETED": False, "TMA": tma}, ("stride_ap", "stride_bp", "stride_wc"), c.num_warps, c.num_stages)
 out["quant_colwise"] = build(kf.moe_fp8_quant_colwise_kernel, {"src_ptr": "*bf16", "rows_ptr": "*i32", "route_ptr": "*i32",
                              "score_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32"},
-                             {"BLOCK_N": kf.QUANT_COLS["cuda_sm90"], "QBLOCK": 128, "GATHER": True, "SCALE": True,
+                             {"BLOCK_N": kf.QUANT_COLWISE_CONFIGS["cuda_sm90"].block_n, "QBLOCK": 128, "GATHER": True, "SCALE": True,
                               "INTERPRETED": False}, ("stride_sn", "stride_qp"), 4, 1)
 out["quant_rowwise"] = build(fq.fp8_quant_rowwise_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                              {"BLOCK_M": 32, "QBLOCK": 128, "INTERPRETED": False}, ("stride_xn", "stride_qn"), 4, 1)

@@ -75,3 +75,15 @@ def test_fp8_wgrad_stages_sweep_the_column_wise_operands(monkeypatch):
     assert [(r["stage"], r["config"]) for r in rows] == [("fp8_wgrad_w1", pinned), ("fp8_wgrad_w1", tma.label()),
                                                          ("fp8_wgrad_w2", pinned), ("fp8_wgrad_w2", tma.label())]
     assert all(r["bits_equal_pinned"] and r["median_us"] > 0 for r in rows)
+
+
+def test_fp8_colq_stages_sweep_the_column_wise_quantizer(monkeypatch):
+    from kernels.moe_fp8 import QUANT_COLWISE_CONFIGS
+
+    narrow = GemmConfig(128, 64, 16, 1, 4, 1)  # a quarter of the interpreter's pinned 256-column tile
+    monkeypatch.setattr(mt, "FP8_COLQ", [narrow])
+    rows = mt.sweep(["tiny-fp8"], ["fp8_colq_x", "fp8_colq_dgu"], torch.device("cpu"), rounds=1)
+    pinned = QUANT_COLWISE_CONFIGS["triton_interpreter"].label()
+    assert [(r["stage"], r["config"]) for r in rows] == [("fp8_colq_x", pinned), ("fp8_colq_x", narrow.label()),
+                                                         ("fp8_colq_dgu", pinned), ("fp8_colq_dgu", narrow.label())]
+    assert all(r["bits_equal_pinned"] and r["median_us"] > 0 for r in rows)
