@@ -78,7 +78,7 @@ def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = Fa
               "TWIN": twin, "B_K_MAJOR": case.b_k_major}
     c_type = "*fp32" if out_fp32 else "*bf16"
     if cfg.variant == "ws":
-        from kernels.det_gemm_ws import det_gemm_ws_kernel, operand_layout
+        from kernels.det_gemm_ws import consumers, det_gemm_ws_kernel, operand_layout
 
         if segmented:
             raise ValueError("variant 'ws' has no segmented form")
@@ -89,7 +89,7 @@ def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = Fa
                 "b_desc": f"tensordesc<bf16{b_box},{operand_layout(b_box)!r}>", "c_ptr": c_type, "twin_ptr": c_type}
         consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
                   "STAGES": cfg.num_stages, "OUT_FP32": out_fp32, "TWIN": twin, "A_M_MAJOR": case.a_m_major,
-                  "B_K_MAJOR": case.b_k_major, "num_warps": cfg.num_warps, "stride_cc": 1}
+                  "B_K_MAJOR": case.b_k_major, "CONSUMERS": consumers(cfg.num_warps), "stride_cc": 1}
     elif cfg.variant in ("tma", "tma3"):
         fn = det_gemm_tma_kernel if cfg.variant == "tma" else det_gemm_tma3_kernel
         a_box = [cfg.block_k, cfg.block_m] if case.a_m_major else [cfg.block_m, cfg.block_k]
@@ -133,7 +133,7 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
 
         from kernels.det_gemm_ws import max_regs
 
-        source, options = GluonASTSource, {"num_warps": cfg.num_warps, "maxnreg": max_regs(cfg.num_warps)}
+        source, options = GluonASTSource, {"num_warps": 4, "maxnreg": max_regs(cfg.num_warps)}
     else:
         source = ASTSource
     src = source(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)

@@ -72,11 +72,12 @@ DB_SMALL_M = [GemmConfig(*c) for c in [
     (64, 256, 64, 8, 4, 3),
 ]] + [GemmConfig(*c, variant="tma") for c in [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)]]
 
-# Warp-specialized, persistent (kernels/det_gemm_ws.py, Gluon): one TMA producer warp feeding 1-2 consumer
-# warpgroups, the ring refilled for the next tile during the epilogue. 128-row tiles on 8 warps are
-# cuBLAS's 384-thread shape. Compiled offline: no spills (168 registers at 8 warps, 255 at 4).
+# Warp-specialized, persistent (kernels/det_gemm_ws.py, Gluon): one TMA producer warp feeding one or two
+# consumer warpgroups (8 warps: each warpgroup its own partition and half of the tile's rows, cuBLAS's
+# 384-thread cooperative shape), the ring refilled for the next tile during the epilogue. Compiled offline:
+# no spills (168 registers at 8 warps, 255 at 4).
 WS = [GemmConfig(*c, variant="ws") for c in [
-    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 6),
+    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 6),
     (128, 128, 64, 8, 4, 4), (64, 128, 64, 8, 4, 6), (64, 256, 64, 8, 4, 4), (128, 64, 64, 8, 4, 6),
 ]]
 

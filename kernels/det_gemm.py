@@ -57,7 +57,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, ensure_cuda_context, resolve_backend
-from kernels.det_gemm_ws import det_gemm_ws_kernel, max_regs, ws_descriptor
+from kernels.det_gemm_ws import consumers, det_gemm_ws_kernel, max_regs, ws_descriptor
 from kernels.gemm_names import _OP_IDS, OPS, _launch_metadata, _layer_dims, case_name  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +92,8 @@ class GemmConfig:
     # "ptr": det_gemm_kernel (pointer loads, cp.async). "tma": det_gemm_tma_kernel (TMA descriptors over
     # each operand in its storage order). "tma3": det_gemm_tma3_kernel, the TMA kernel with block_n made of
     # three power-of-two sub-tiles (e.g. 192). "ws": kernels/det_gemm_ws.py (Gluon, sm_90 only), persistent and
-    # warp-specialized: one TMA producer warp, num_warps consumer warps (4 or 8), num_stages ring slots.
+    # warp-specialized: one TMA producer warp, num_warps / 4 consumer warpgroups (each block_m / (num_warps / 4)
+    # rows of the tile), num_stages ring slots.
     # Same per-element math; the cross-config audit checks the bits.
     variant: str = "ptr"
 
@@ -108,9 +109,9 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.variant {self.variant!r} is not supported; supported: {VARIANTS}")
         if self.variant == "tma3" and self.block_n % 3:
             raise ValueError(f"variant 'tma3' needs block_n three sub-tiles wide (a multiple of 3); got {self.block_n}")
-        if self.variant == "ws" and (self.num_warps not in (4, 8) or self.block_m < 16 * self.num_warps):
-            raise ValueError(f"variant 'ws' needs 4 or 8 consumer warps and block_m >= 16 per warp (one wgmma row "
-                             f"block each); got num_warps {self.num_warps}, block_m {self.block_m}")
+        if self.variant == "ws" and (self.num_warps not in (4, 8) or self.block_m % (16 * self.num_warps)):
+            raise ValueError(f"variant 'ws' needs 4 or 8 consumer warps and block_m a multiple of 64 rows per "
+                             f"consumer warpgroup; got num_warps {self.num_warps}, block_m {self.block_m}")
         if self.variant in ("tma", "tma3", "ws"):
             for field, value in (("block_m", self.block_m), ("block_n", self.box_n), ("block_k", self.block_k)):
                 if value > TMA_MAX_BOX or value & (value - 1):
@@ -727,8 +728,8 @@ def _run_ws(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[s
         _OP_IDS[op],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         STAGES=config.num_stages, OUT_FP32=out_dtype == torch.float32, TWIN=twin_out is not None,
-        A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major,
-        num_warps=config.num_warps, maxnreg=max_regs(config.num_warps),
+        A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, CONSUMERS=consumers(config.num_warps),
+        num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
     m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)
     return c, GemmLaunch(op=op, backend=backend, config=config, name=case_name(op, m, n, k))

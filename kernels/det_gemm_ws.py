@@ -1,8 +1,9 @@
 """det_gemm's warp-specialized sm_90 kernel (variant "ws"), written in Gluon.
 
-One producer warp streams A and B tiles into a shared-memory ring by TMA; the consumer warps (one or two
-warpgroups) issue asynchronous wgmma on each ring slot as soon as it lands and hand it back when the MMA that
-read it has finished. The grid is persistent (one program per SM, tiles in det_gemm's grouped order), so
+One producer warp streams A and B tiles into a shared-memory ring by TMA; one or two consumer warpgroups,
+each its own partition with its own share of the tile's rows, issue asynchronous wgmma on each ring slot as
+soon as it lands and hand it back when the MMA that read it has finished (a slot is free once every consumer
+has handed it back). The grid is persistent (one program per SM, tiles in det_gemm's grouped order), so
 the producer fills the ring for the next tile while the consumers store the current one.
 
 The math is det_gemm_tma_kernel's: per output tile, BLOCK_K-wide K steps in ascending order, each one
@@ -23,15 +24,24 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.gemm_names import _launch_metadata
 
-# Registers of the producer warp after the hand-off (setmaxnreg); the consumers get the rest of the
-# launch's budget (MAX_REGS per thread for every warp of the CTA, the producer's warpgroup included).
+# Partitions: each consumer warpgroup (4 warps) is its own partition, the default one and, for a second, a
+# worker; the producer is one warp (allocated as a warpgroup). Registers after the hand-off (setmaxnreg): 40
+# for the producer, CONSUMER_REGS for a worker consumer; the default consumer gets the rest of the launch's cap.
+CONSUMER_WARPS = gl.constexpr(4)
+CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
 PRODUCER_WARPS = gl.constexpr(1)
 
 
+def consumers(num_warps: int) -> int:
+    """Consumer warpgroups of a config with ``num_warps`` consumer warps (4 or 8)."""
+    return num_warps // 4
+
+
 def max_regs(num_warps: int) -> int:
-    """Launch register cap: the CTA's (num_warps + 4) warps share the SM's 64K registers (one CTA per SM)."""
-    return min(255, (65536 // ((num_warps + 4) * 32)) // 8 * 8)
+    """Launch register cap per thread: the CTA's warpgroups (one per consumer, one for the producer) share the
+    SM's 64K registers (one CTA per SM)."""
+    return min(255, (65536 // ((consumers(num_warps) + 1) * 128)) // 8 * 8)
 
 
 def operand_layout(block: list[int]) -> gl.NVMMASharedLayout:
@@ -90,23 +100,27 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, R, C, L,
 def _consumer(a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, stride_cc,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
               A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr, OUT_FP32: gl.constexpr, TWIN: gl.constexpr,
-              WARPS: gl.constexpr):
-    """Async wgmma over the ring, at most one MMA in flight behind the newest; then the epilogue."""
+              CONSUMERS: gl.constexpr, PART: gl.constexpr):
+    """One consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile. Async wgmma
+    over the ring, at most one MMA in flight behind the newest; a slot goes back to the producer once every
+    consumer has arrived on it; then the epilogue."""
     STAGES: gl.constexpr = a_ring.type.shape[0]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     num_tiles = gl.cdiv(R, BLOCK_M) * gl.cdiv(C, BLOCK_N)
     k_steps = gl.cdiv(L, BLOCK_K)
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n = _tile(t, R, C, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
         for ks in range(k_steps):
             slot = count % STAGES
             mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a = a_ring.index(slot)
-            if A_M_MAJOR:
-                a = a.permute((1, 0))
+            if A_M_MAJOR:  # stored [BLOCK_K, BLOCK_M]: this part's columns, read transposed
+                a = a_ring.index(slot).slice(PART * ROWS, ROWS, dim=1).permute((1, 0))
+            else:
+                a = a_ring.index(slot).slice(PART * ROWS, ROWS, dim=0)
             b = b_ring.index(slot)
             if B_K_MAJOR:
                 b = b.permute((1, 0))
@@ -118,7 +132,7 @@ def _consumer(a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, 
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1)
 
-        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        offs_m = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
         offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         offs = gl.expand_dims(offs_m, 1) * stride_cr + gl.expand_dims(offs_n, 0) * stride_cc
         mask = gl.expand_dims(offs_m < R, 1) & gl.expand_dims(offs_n < C, 0)
@@ -140,7 +154,7 @@ def det_gemm_ws_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, OUT_FP32: gl.constexpr, TWIN: gl.constexpr,
     A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr,
-    num_warps: gl.constexpr,
+    CONSUMERS: gl.constexpr,  # consumer warpgroups, each its own partition: 1 or 2
 ):
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -148,10 +162,20 @@ def det_gemm_ws_kernel(
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=1)
-    gl.warp_specialize([
-        (_consumer, (a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, stride_cc,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR, OUT_FP32, TWIN, num_warps)),
-        (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, R, C, L,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+        mbarrier.init(free.index(i), count=CONSUMERS)
+    if CONSUMERS == 2:  # cooperative: the two warpgroups split each tile's rows and sync only through the ring
+        gl.warp_specialize([
+            (_consumer, (a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, stride_cc, BLOCK_M, BLOCK_N,
+                         BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR, OUT_FP32, TWIN, CONSUMERS, 0)),
+            (_consumer, (a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, stride_cc, BLOCK_M, BLOCK_N,
+                         BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR, OUT_FP32, TWIN, CONSUMERS, 1)),
+            (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, R, C, L, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                         A_M_MAJOR, B_K_MAJOR)),
+        ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, stride_cc, BLOCK_M, BLOCK_N,
+                         BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR, OUT_FP32, TWIN, CONSUMERS, 0)),
+            (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, R, C, L, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                         A_M_MAJOR, B_K_MAJOR)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -27,8 +27,8 @@ def _same_bits(got, want):
 def test_ws_config_rules():
     with pytest.raises(ValueError, match=r"variant 'ws' needs 4 or 8 consumer warps .* num_warps 2"):
         GemmConfig(128, 128, 64, 8, 2, 4, "ws")
-    with pytest.raises(ValueError, match=r"block_m >= 16 per warp .* block_m 64"):
-        GemmConfig(64, 128, 64, 8, 8, 4, "ws")
+    with pytest.raises(ValueError, match=r"block_m a multiple of 64 rows per consumer warpgroup; .* block_m 64"):
+        GemmConfig(64, 128, 64, 8, 8, 4, "ws")  # two warpgroups of 32 rows: below one wgmma's 64
     with pytest.raises(ValueError, match=r"variant 'ws' needs block_n a power of two <= 256 .* got 192"):
         GemmConfig(128, 192, 64, 8, 8, 4, "ws")
     assert GemmConfig(128, 256, 64, 8, 8, 4, "ws").label() == "BM128_BN256_BK64_G8_w8_s4_ws"
@@ -91,8 +91,8 @@ def test_ws_kernel_compiles_for_sm90_offline_to_tma_wgmma_and_register_handoff(t
     rows = compile_sm90_offline(_WS_SCRIPT, tmp_path)
     assert len(rows) == 5
     for r in rows:
-        # TMA loads (producer), wgmma (consumers), setmaxnreg (the warp roles' register split), no cp.async,
-        # no mma.sync, no spills, and the 4-slot ring of 128x64 + 64x256 BF16 tiles in shared memory.
+        # TMA loads (producer), wgmma on 64-row halves (two consumer warpgroups), setmaxnreg (the roles' register
+        # split), no cp.async, no mma.sync, no spills, and the 4-slot ring of 128x64 + 64x256 BF16 tiles.
         assert r["UTMALDG"] > 0 and r["HGMMA"] > 0 and r["USETMAXREG"] > 0, r
         assert r["LDGSTS"] == 0 and r["HMMA"] == 0 and r["stack_bytes"] == 0, r
         assert 4 * (128 * 64 + 64 * 256) * 2 <= r["shared_bytes"] < 227 * 1024, r
