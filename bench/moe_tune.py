@@ -44,9 +44,6 @@ WGRAD = [GemmConfig(*c) for c in [
     (128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 4), (128, 256, 64, 1, 8, 3), (256, 128, 64, 1, 8, 3),
     (128, 128, 32, 1, 4, 4), (128, 128, 128, 1, 8, 3), (64, 256, 64, 1, 8, 3), (128, 128, 64, 1, 4, 3),
     (128, 128, 64, 1, 4, 2), (128, 128, 32, 1, 4, 3), (128, 64, 64, 1, 4, 3), (64, 128, 64, 1, 4, 3),
-]] + [GemmConfig(*c, variant="tma") for c in [  # whole steps of dgu / dy (and dW2's h) by TMA
-    (128, 128, 64, 1, 4, 3), (128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 4), (128, 256, 64, 1, 8, 3),
-    (256, 128, 64, 1, 8, 3), (64, 128, 64, 1, 4, 3), (64, 256, 64, 1, 8, 3), (128, 64, 64, 1, 4, 3),
 ]]
 # FP8 grouped stages (kernels/moe_fp8.py MOE_FP8_CONFIGS): BLOCK_K divides the 128-K scale block; up's
 # BLOCK_N is 256 and dgrad's 64 or 128 (the fused 1x128 quantization); up to 96 KiB of operands per stage

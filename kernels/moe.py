@@ -64,7 +64,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kernels.backend import (
     CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, check_bf16_matrix, ensure_cuda_context, resolve_backend,
 )
-from kernels.det_gemm import GemmConfig, fp32_to_bf16_rtne, interpreter_step_k, tma_descriptor
+from kernels.det_gemm import GemmConfig, fp32_to_bf16_rtne, interpreter_step_k
 from kernels.moe_routing import (
     SEGMENT_ALIGN, MoeRouting, PendingRouting, check_topk_args, launch_routing, max_padded_rows,
 )
@@ -381,8 +381,6 @@ def moe_wgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_K: tl.constexpr,
     GATHER_A: tl.constexpr, ACCUMULATE: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    A_TMA: tl.constexpr = False, B_TMA: tl.constexpr = False,  # a_desc / b_desc: TMA descriptors over A, B [P, *]
-    a_desc=None, b_desc=None,
 ):
     pid = tl.program_id(axis=0)
     num_pid_r = tl.cdiv(R, BLOCK_M)
@@ -396,57 +394,31 @@ def moe_wgrad_kernel(
 
     offs_r = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = pid_c * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The expert's rows, ascending (a function of count alone): whole BLOCK_K steps first, where the TMA
-    # operands need no row mask, then the masked tail. Same steps, same order, same bits as one masked loop.
-    full = count - count % BLOCK_K
-    for k0 in range(0, full, BLOCK_K):
-        acc = _wgrad_block(acc, a_ptr, b_ptr, rows_ptr, a_desc, b_desc, start, k0, count, offs_r, offs_c, R, C,
-                           stride_am, stride_ar, stride_bm, stride_bc, pid_r * BLOCK_M, pid_c * BLOCK_N,
-                           BLOCK_K, STEP_K, GATHER_A, INTERPRETED, A_TMA, B_TMA)
-    for k0 in range(full, count, BLOCK_K):  # at most one step
-        acc = _wgrad_block(acc, a_ptr, b_ptr, rows_ptr, a_desc, b_desc, start, k0, count, offs_r, offs_c, R, C,
-                           stride_am, stride_ar, stride_bm, stride_bc, pid_r * BLOCK_M, pid_c * BLOCK_N,
-                           BLOCK_K, STEP_K, GATHER_A, INTERPRETED, False, False)
-
-    w_ptrs = dw_ptr + expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
-    w_mask = (offs_r < R)[:, None] & (offs_c < C)[None, :]
-    if ACCUMULATE:  # main_grad += dW in FP32; an expert without rows leaves it untouched
-        w_mask = w_mask & (count > 0)
-        tl.store(w_ptrs, tl.load(w_ptrs, mask=w_mask, other=0.0) + acc, mask=w_mask)
-    else:
-        tl.store(w_ptrs, to_bf16(acc, INTERPRETED), mask=w_mask)
-
-
-@triton.jit
-def _wgrad_block(acc, a_ptr, b_ptr, rows_ptr, a_desc, b_desc, start, k0, count, offs_r, offs_c, R, C,
-                 stride_am, stride_ar, stride_bm, stride_bc, off_r, off_c,
-                 BLOCK_K: tl.constexpr, STEP_K: tl.constexpr, GATHER_A: tl.constexpr, INTERPRETED: tl.constexpr,
-                 A_TMA: tl.constexpr, B_TMA: tl.constexpr):
-    """acc += A[rows k0 .. k0 + BLOCK_K of the expert, :]^T B[same rows, :], STEP_K rows per MMA; rows past
-    ``count`` are zeros (masked loads; the TMA paths run only on whole steps)."""
     offs_k = tl.arange(0, STEP_K)
     r_ok = offs_r < R
     c_ok = offs_c < C
-    for kk in tl.static_range(0, BLOCK_K, STEP_K):
-        p_ok = (k0 + kk + offs_k) < count
-        p = start + k0 + kk + offs_k
-        if A_TMA:  # [STEP_K, BLOCK_M] box of A's storage; zero fill past R
-            a = tl.trans(a_desc.load([start + k0 + kk, off_r]))
-        else:
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, count, BLOCK_K):  # the expert's rows, ascending: a function of count alone
+        for kk in tl.static_range(0, BLOCK_K, STEP_K):
+            p_ok = (k0 + kk + offs_k) < count
+            p = start + k0 + kk + offs_k
             if GATHER_A:
                 a_rows = tl.load(rows_ptr + p, mask=p_ok, other=0)
             else:
                 a_rows = p
             a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_r[:, None] * stride_ar  # [BLOCK_M, STEP_K]
             a = tl.load(a_ptrs, mask=r_ok[:, None] & p_ok[None, :], other=0.0)
-        if B_TMA:  # [STEP_K, BLOCK_N] box; zero fill past C
-            b = b_desc.load([start + k0 + kk, off_c])
-        else:
             b_ptrs = b_ptr + p[:, None] * stride_bm + offs_c[None, :] * stride_bc  # [STEP_K, BLOCK_N]
             b = tl.load(b_ptrs, mask=p_ok[:, None] & c_ok[None, :], other=0.0)
-        acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
-    return acc
+            acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
+
+    w_ptrs = dw_ptr + expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
+    w_mask = r_ok[:, None] & c_ok[None, :]
+    if ACCUMULATE:  # main_grad += dW in FP32; an expert without rows leaves it untouched
+        w_mask = w_mask & (count > 0)
+        tl.store(w_ptrs, tl.load(w_ptrs, mask=w_mask, other=0.0) + acc, mask=w_mask)
+    else:
+        tl.store(w_ptrs, to_bf16(acc, INTERPRETED), mask=w_mask)
 
 
 @triton.jit(launch_metadata=_scale_meta)
@@ -608,7 +580,7 @@ def _backend_flags(backend: str, config: GemmConfig) -> dict:
     return {"STEP_K": interpreter_step_k(config) if interpreted else config.block_k, "INTERPRETED": interpreted}
 
 
-MOE_VARIANTS = ("ptr", "tma")  # det_gemm's three-sub-tile "tma3" and Gluon "ws" have no MoE kernel
+MOE_VARIANTS = ("ptr", "tma")  # det_gemm's three-sub-tile "tma3" has no MoE kernel
 
 
 def check_moe_variant(stage: str, config: GemmConfig) -> None:
@@ -805,20 +777,6 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing
     config = config or select_moe_config("wgrad", backend)
     check_moe_variant("wgrad", config)
     experts, r, c = out.shape
-    flags = _backend_flags(backend, config)
-    descs = {}
-    if config.variant == "tma" and routing.padded_rows > 0:  # B always, A unless gathered (TMA cannot gather rows)
-        step_k = flags["STEP_K"]
-        operands = (("b", "dgu" if op_id == 0 else "dy", b, config.block_n),) + (
-            () if gather_a else (("a", "h", a, config.block_m),))
-        for key, name, t, cols in operands:
-            desc, transposed = tma_descriptor(name, t, t, (step_k, cols), "tma")
-            if transposed:  # the kernel reads [STEP_K, cols] boxes of row-major [P, cols] storage
-                raise ValueError(f"wgrad: variant 'tma' needs {name} with unit-stride columns; got strides "
-                                 f"{t.stride()}; use a 'ptr' config")
-            descs[f"{key}_desc"] = desc
-        if b.is_cuda:
-            ensure_cuda_context(b.device)
     grid = (experts * triton.cdiv(r, config.block_m) * triton.cdiv(c, config.block_n),)
     moe_wgrad_kernel[grid](
         a, b, routing.gather_token, routing.row_score, out,
@@ -826,8 +784,8 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing
         r, c, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), out.stride(2), op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GATHER_A=gather_a, ACCUMULATE=accumulate, A_TMA="a_desc" in descs, B_TMA="b_desc" in descs,
-        num_warps=config.num_warps, num_stages=config.num_stages, **flags, **descs,
+        GATHER_A=gather_a, ACCUMULATE=accumulate,
+        num_warps=config.num_warps, num_stages=config.num_stages, **_backend_flags(backend, config),
     )
 
 

@@ -121,36 +121,6 @@ def test_tma_weight_variant_gives_the_pointer_kernel_bits(layout, device):
                         moe_dx_route(dgu_a, w1, r, backend, config=tma)).equal
 
 
-def test_wgrad_tma_variant_gives_the_pointer_kernel_bits(device):
-    # dW1 (gathered x by pointers, dgu by TMA) and dW2 (h and dy by TMA): whole BLOCK_K steps by TMA, the
-    # masked tail by pointers; experts with whole 16-row steps and with a partial last step, the FP32
-    # main_grad path, and no routed row at all (P = 0: no descriptor is built).
-    from dataclasses import replace
-
-    from kernels.moe import moe_dgrad_dswiglu, moe_wgrad_w1, moe_wgrad_w2
-
-    inp = make_inputs(_case("masked", t=60, h=64, i=32, seed=21), device)
-    r = build_routing(inp["topk_ids"], inp["scores"], E)
-    counts = r.expert_counts.tolist()
-    assert max(counts) >= 16 and any(n % 16 for n in counts), counts
-    backend = backend_of(device)
-    ptr = GemmConfig(32, 64, 16, 1, 4, 2)
-    tma = replace(ptr, variant="tma")
-    gu, h = moe_up_swiglu(inp["x"], inp["w1"], r, backend)
-    dgu = moe_dgrad_dswiglu(inp["dout"], inp["w2"], gu, r, backend)
-    assert compare_bits(moe_wgrad_w1(inp["x"], dgu, r, backend, config=tma),
-                        moe_wgrad_w1(inp["x"], dgu, r, backend, config=ptr)).equal
-    assert compare_bits(moe_wgrad_w2(h, inp["dout"], r, backend, config=tma),
-                        moe_wgrad_w2(h, inp["dout"], r, backend, config=ptr)).equal
-    acc_ptr, acc_tma = (torch.ones_like(inp["w2"], dtype=torch.float32) for _ in range(2))
-    moe_wgrad_w2(h, inp["dout"], r, backend, acc_ptr, config=ptr)
-    moe_wgrad_w2(h, inp["dout"], r, backend, acc_tma, config=tma)
-    assert compare_bits(acc_tma, acc_ptr).equal
-    masked = build_routing(torch.full_like(inp["topk_ids"], -1), inp["scores"], E)
-    empty = torch.empty((0, h.shape[1]), dtype=h.dtype, device=device)
-    assert moe_wgrad_w2(empty, inp["dout"], masked, backend, config=tma).eq(0).all()
-
-
 def test_fused_dscores_keep_the_dgrad_bits_and_equal_dout_dot_y(device):
     # dscores from the dgrad accumulator and the saved h: dgu's bits unchanged, y no longer kept, and the
     # same quantity as dout . y (the FP8 layer's kernel) within FP32 noise. I = 96: a full and a partial chunk.
@@ -332,16 +302,12 @@ for name, stage, epi, gather, c_t, k_major in (("up_tma", "up", 1, True, "*bf16"
                       "B_K_MAJOR": k_major, "DSCORE": stage == "dgrad", "DS_CHUNK": km.DS_CHUNK},
                       ("stride_al", "stride_cc", "stride_xc"))
 w, c = km.moe_wgrad_kernel, cfgs["wgrad"]
-for name, ga, acc, a_tma, b_tma in (("wgrad_w1", True, False, False, False), ("wgrad_w2", False, False, False, False),
-                                    ("wgrad_main_grad", True, True, False, False),
-                                    ("wgrad_w1_tma", True, False, False, True), ("wgrad_w2_tma", False, False, True, True)):
+for name, ga, acc in (("wgrad_w1", True, False), ("wgrad_w2", False, False), ("wgrad_main_grad", True, True)):
     ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
-            "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
-            "a_desc": f"tensordesc<bf16[{c.block_k}, {c.block_m}]>", "b_desc": f"tensordesc<bf16[{c.block_k}, {c.block_n}]>"}
-    descs = {k: None for k, on in (("a_desc", a_tma), ("b_desc", b_tma)) if not on}
+            "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32"}
     out[name] = build(w, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
-                      "STEP_K": c.block_k, "GATHER_A": ga, "ACCUMULATE": acc, "INTERPRETED": False,
-                      "A_TMA": a_tma, "B_TMA": b_tma, **descs}, ("stride_ar", "stride_bc", "stride_wc"))
+                      "STEP_K": c.block_k, "GATHER_A": ga, "ACCUMULATE": acc, "INTERPRETED": False},
+                      ("stride_ar", "stride_bc", "stride_wc"))
 c = cfgs["combine"]
 out["scale_rows"] = build(km.moe_scale_rows_kernel, {"src_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
                           "out_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "INTERPRETED": False},
@@ -377,9 +343,6 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
         assert report[stage]["cp_async"] > 0, (stage, report[stage])  # the K loop is software-pipelined
     for stage in ("up_tma", "up_tma_kmajor", "dgrad_tma", "dx_tma"):  # weight tiles by TMA, into wgmma
         assert report[stage]["tma"] > 0 and report[stage]["wgmma"] > 0, (stage, report[stage])
-    for stage in ("wgrad_w1_tma", "wgrad_w2_tma"):  # dgu / dy (and dW2's h) tiles by TMA, into wgmma, no spills
-        assert report[stage]["tma"] > 0 and report[stage]["wgmma"] > 0 and report[stage]["stack"] == 0, report[stage]
-    assert report["wgrad_w1_tma"]["cp_async"] > 0 and report["wgrad_w2"]["tma"] == 0  # dW1's gathered x: pointers
     for stage in ("dgrad", "dgrad_tma"):  # with the fused dscore partials: no register spills
         assert report[stage]["stack"] == 0, (stage, report[stage])
     assert {"route_hist", "route_scan", "route_scatter"} <= set(report)  # the routing kernels compile too
