@@ -580,7 +580,7 @@ def _backend_flags(backend: str, config: GemmConfig) -> dict:
     return {"STEP_K": interpreter_step_k(config) if interpreted else config.block_k, "INTERPRETED": interpreted}
 
 
-MOE_VARIANTS = ("ptr", "tma")  # det_gemm's three-sub-tile "tma3" has no MoE kernel
+MOE_VARIANTS = ("ptr", "tma")  # det_gemm's three-sub-tile "tma3" and Gluon "ws" have no MoE kernel
 
 
 def check_moe_variant(stage: str, config: GemmConfig) -> None:

@@ -423,3 +423,5 @@ def test_moe_kernels_refuse_det_gemms_three_sub_tile_variant():
         km.check_grouped_config("up", wide)
     with pytest.raises(ValueError, match=r"wgrad: variant 'tma3' is not supported by the MoE kernels"):
         km.check_moe_variant("wgrad", wide)
+    with pytest.raises(ValueError, match=r"wgrad: variant 'ws' is not supported by the MoE kernels"):
+        km.check_moe_variant("wgrad", GemmConfig(128, 128, 64, 8, 8, 4, "ws"))
