@@ -56,6 +56,15 @@ MID_TMA = [GemmConfig(*c, variant="tma") for c in [
 WIDE_TMA3 = [GemmConfig(*c, variant="tma3") for c in [
     (64, 192, 64, 8, 4, 4), (64, 192, 64, 8, 4, 6), (128, 192, 64, 8, 8, 3), (128, 192, 64, 8, 8, 4),
 ]]
+# Deeper rings for the one-wave mid-M tiles (more bytes in flight per CTA where one CTA per SM streams all of K;
+# Nsight Compute at fwd M=512 showed the tma3 tile's tensor pipe 66% active against cuBLAS's 79%,
+# reports/2026-11-30-h200/ncu-ws). Compiled offline for sm_90: 131-230 KB of shared memory, no spills.
+DEEP_MID = [GemmConfig(*c, variant="tma3") for c in [
+    (128, 192, 64, 8, 8, 5), (64, 192, 64, 8, 4, 7), (64, 192, 128, 8, 4, 3), (128, 192, 32, 8, 8, 8),
+]] + [GemmConfig(*c, variant="tma") for c in [
+    (128, 128, 64, 8, 8, 5), (128, 128, 64, 8, 8, 6), (64, 128, 64, 8, 4, 8), (128, 128, 32, 8, 8, 8),
+    (64, 128, 128, 8, 4, 4),
+]]
 # Small M on TMA tiles (the pointer picks at M 32-128 are 1.15-1.80x cuBLASLt no-split-K): the weight stream
 # is the work, so narrow N tiles (more CTAs: N/32 = 128-192 of them) and deeper pipelines (more bytes in flight).
 SMALL_TMA = [GemmConfig(*c, variant="tma") for c in [
@@ -89,7 +98,7 @@ def candidates(op: str, m: int, variants=VARIANTS) -> list[GemmConfig]:
     elif m <= 64:
         out = SMALL + SMALL_TMA
     elif m <= 1024:
-        out = SMALL[-6:] + MID + LARGE + LARGE_TMA + MID_TMA + SMALL_TMA + WIDE_TMA3
+        out = SMALL[-6:] + MID + LARGE + LARGE_TMA + MID_TMA + SMALL_TMA + WIDE_TMA3 + DEEP_MID
     else:
         out = LARGE + LARGE_TMA
     if m >= 128:
