@@ -63,7 +63,7 @@ from kernels.gemm_names import _OP_IDS, OPS, _launch_metadata, _layer_dims, case
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-11-30.11"
+CONFIG_TABLE_VERSION = "2026-11-30.12"
 
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
 INTERPRETER_MAX_BLOCK_NUMEL = 2**20
@@ -201,7 +201,12 @@ class OneWave:
 _SMALL_64 = GemmConfig(64, 64, 128, 1, 4, 6, "tma")  # 192 KiB ring: 1 CTA per SM
 _SMALL_128 = GemmConfig(64, 128, 64, 8, 4, 6, "tma")  # 144 KiB: 1 CTA per SM
 _SMALL_128_2 = GemmConfig(64, 128, 64, 8, 4, 4, "tma")  # 96 KiB: 2 CTAs per SM
-_MID = GemmConfig(128, 128, 64, 8, 8, 4, "tma")  # 128 KiB: 1 CTA per SM
+# Table .12: where one CTA per SM streams all of K (one wave), a deeper ring of the same tile keeps more bytes in
+# flight at the same residency (H200 sweep reports/2026-11-30-h200/tune-deep, M 256-1024, every candidate
+# bit-equal): 64x128 on 8 stages at M 129-256, +9-14% over 6 (4 of 4 cases); 128x128 on 6 stages, +3-9% over 4
+# (8 of 8 cases where the table picked it).
+_SMALL_128_DEEP = GemmConfig(64, 128, 64, 8, 4, 8, "tma")  # 192 KiB: 1 CTA per SM
+_MID = GemmConfig(128, 128, 64, 8, 8, 6, "tma")  # 192 KiB: 1 CTA per SM
 _MID_TALL = GemmConfig(256, 128, 64, 8, 8, 4, "tma")  # 192 KiB: 1 CTA per SM, half the tiles of _MID
 # Three 64-column sub-tiles: a 6144-wide output is 32 tile columns, so M 256 (64-row tiles) and M 512
 # (128-row tiles) are 128 tiles, one wave on 132 SMs, where the 128-wide tiles need 192 (H200 sweep
@@ -224,7 +229,7 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
         # time / the best candidate per case 1.00-1.01 per M (worst case 1.06), against 1.01-1.09 (worst
         # 1.20) for one fixed config per M bucket (table .8) and 1.03-1.29 for table .7.
         (128, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
-        (256, OneWave((_SMALL_128, _SMALL_192, _SMALL_128_2))),
+        (256, OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2))),
         (1024, OneWave((_MID, _MID_192, _MID_TALL))),
         # TMA descriptors (H200 sweep reports/2026-11-29-h200x2/tune-tma: 527-745 TFLOP/s on both
         # weight layouts vs 417-626 for the pointer kernel at the same tile, identical bits).
@@ -236,7 +241,7 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
         (128, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
         # M 257-1024 keeps the 128-wide tiles: at M 512 the 192-wide tile gained 3% on one weight layout and
         # lost 3% on the other (reports/2026-11-30-h200/tune-tma3).
-        (256, OneWave((_SMALL_128, _SMALL_192, _SMALL_128_2))),
+        (256, OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2))),
         (1024, OneWave((_MID, _MID_TALL))),
         (2**31, GemmConfig(128, 256, 64, 16, 8, 4)),
     ),
