@@ -79,11 +79,14 @@ def test_one_wave_picks_the_first_config_whose_grid_is_resident_at_once():
     assert output_tiles(deep, 256, 4096) == 128 and rule.pick(256, 4096, 132) == deep
     assert output_tiles(deep, 256, 6144) == 192 and rule.pick(256, 6144, 132) == shallow
     assert rule.pick(256, 16384, 132) == deep  # 512 tiles: neither fits one wave, so the first
-    assert select_config("fwd", 256) == deep  # no output width: the first choice
-    # The table's (128, 256] entry ranks a 64x192 "tma3" tile between them: 4 x 32 = 128 tiles at 6144 wide.
+    # The table's (128, 256] entry (table .12): the same tile on an 8-stage ring (192 KiB, still one CTA per
+    # SM), then a 64x192 "tma3" tile (4 x 32 = 128 tiles at 6144 wide), then the 2-per-SM ring.
+    deeper = GemmConfig(64, 128, 64, 8, 4, 8, "tma")
+    assert ctas_per_sm(deeper) == 1
+    assert select_config("fwd", 256) == deeper  # no output width: the first choice
     wide3 = GemmConfig(64, 192, 64, 8, 4, 6, "tma3")
-    assert select_config("fwd", 256, cols=4096) == deep and select_config("fwd", 256, cols=6144) == wide3
-    assert select_config("fwd", 256, cols=6144, sms=200) == deep
+    assert select_config("fwd", 256, cols=4096) == deeper and select_config("fwd", 256, cols=6144) == wide3
+    assert select_config("fwd", 256, cols=6144, sms=200) == deeper
     assert select_config("fwd", 256, cols=6144, tma3=False) == shallow  # operands TMA cannot address
     assert select_config("fwd", 384, cols=6144) == GemmConfig(128, 192, 64, 8, 8, 4, "tma3")  # 3 x 32 tiles
     assert select_config("da", 384, cols=6144) == GemmConfig(256, 128, 64, 8, 8, 4, "tma")  # dA: no tma3 there
@@ -109,7 +112,7 @@ def test_one_wave_capped_at_one_cta_per_sm_at_the_smallest_m():
 def test_launch_picks_by_the_output_width_on_the_device_sms(device, monkeypatch):
     import kernels.det_gemm as dg
 
-    # M=130 in the (128, 256] bucket; 128 output columns: 3 tiles of 64x128. With 2 SMs the 6-stage ring
+    # M=130 in the (128, 256] bucket; 128 output columns: 3 tiles of 64x128. With 2 SMs the 8-stage ring
     # (1 CTA per SM) cannot hold them in one wave, the 4-stage one (2 per SM) can.
     a, b = bf16_randn((130, 48), 1, device), bf16_randn((48, 128), 2, device)
     monkeypatch.setattr(dg, "device_sms", lambda dev: 2)
@@ -117,7 +120,7 @@ def test_launch_picks_by_the_output_width_on_the_device_sms(device, monkeypatch)
     assert launch.config == GemmConfig(64, 128, 64, 8, 4, 4, "tma")
     monkeypatch.setattr(dg, "device_sms", lambda dev: 3)
     out3, launch3 = det_gemm_fwd_launch(a, b)
-    assert launch3.config == GemmConfig(64, 128, 64, 8, 4, 6, "tma")
+    assert launch3.config == GemmConfig(64, 128, 64, 8, 4, 8, "tma")
     assert compare_bits(out, out3).equal
     c_star, abs_ab = oracle("fwd", a, b)
     assert check_bound(out, c_star, gemm_bound(c_star, abs_ab, 48)).passed
