@@ -195,7 +195,7 @@ def test_table_tma3_pick_gives_way_to_a_tile_with_a_pointer_twin_where_tma_canno
 
 
 @pytest.mark.parametrize("tile,variant,match", [
-    ((128, 128, 64), "wgmma", r"GemmConfig.variant 'wgmma' is not supported; supported: \('ptr', 'tma', 'tma3'\)"),
+    ((128, 128, 64), "wgmma", r"GemmConfig.variant 'wgmma' is not supported; supported: \('ptr', 'tma', 'tma3', 'ws'\)"),
     ((64, 512, 64), "tma", r"variant 'tma' needs block_n a power of two <= 256 .*; got 512"),
     ((48, 64, 64), "tma", r"variant 'tma' needs block_m a power of two <= 256 .*; got 48"),
     ((128, 128, 64), "tma3", r"variant 'tma3' needs block_n three sub-tiles wide .*; got 128"),
@@ -246,10 +246,13 @@ def test_tma_kernel_compiles_for_sm90_offline_with_utmaldg_and_hgmma(tmp_path):
 def test_db_candidates_follow_m_and_the_table_keys_db_by_m(device):
     import bench.gemm_tune as tune
 
-    assert tune.candidates("db", 16) == tune.DB_SMALL_M and tune.candidates("db", 4096) == tune.LARGE + tune.LARGE_TMA
+    assert tune.candidates("db", 16) == tune.DB_SMALL_M  # the warp-specialized tiles only from M = 128
+    assert tune.candidates("db", 4096) == tune.LARGE + tune.LARGE_TMA + tune.WS
+    assert tune.candidates("db", 4096, variants=("ptr", "tma")) == tune.LARGE + tune.LARGE_TMA
     assert tune.candidates("fwd", 16) == tune.SMALL + tune.SMALL_TMA
     mid = tune.candidates("da", 512)
-    assert set(tune.MID + tune.MID_TMA + tune.SMALL_TMA) <= set(mid) and len(set(mid)) == len(mid)  # none timed twice
+    assert set(tune.MID + tune.MID_TMA + tune.SMALL_TMA + tune.DEEP_MID + tune.WS) <= set(mid)
+    assert len(set(mid)) == len(mid)  # none timed twice
     # dB's launch picks its config by M (its reduced dim), not by its output rows K.
     a, dc = bf16_randn((9, 56), 1, device), bf16_randn((9, 40), 2, device)
     assert LAUNCHERS["db"](a, dc)[1].config == select_config("db", 9)
