@@ -559,6 +559,12 @@ class GemmLaunch:
     name: str
 
 
+def _launch_record(op: str, backend: str, config: GemmConfig, rows: int, cols: int, reduced: int) -> GemmLaunch:
+    """What a launch ran, named in the layer's (M, N, K) from the kernel's (rows, cols, reduced)."""
+    m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)
+    return GemmLaunch(op=op, backend=backend, config=config, name=case_name(op, m, n, k))
+
+
 def _check_seg_len(seg_len: int | None, reduced: int, config: GemmConfig) -> int:
     if seg_len is None:
         return reduced
@@ -687,8 +693,7 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
             A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
-        m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)
-        return c, GemmLaunch(op=op, backend=backend, config=config, name=case_name(op, m, n, k))
+        return c, _launch_record(op, backend, config, rows, cols, reduced)
     c = torch.empty((rows, cols), dtype=out_dtype, device=a_view.device)
     det_gemm_kernel[grid](
         a_view, b_view, c, c if twin_out is None else twin_out,
@@ -705,8 +710,7 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
         B_K_MAJOR=b_is_k_major(b_view),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)
-    return c, GemmLaunch(op=op, backend=backend, config=config, name=case_name(op, m, n, k))
+    return c, _launch_record(op, backend, config, rows, cols, reduced)
 
 
 def _run_ws(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str, torch.Tensor], config: GemmConfig,
@@ -736,8 +740,7 @@ def _run_ws(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[s
         A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, CONSUMERS=consumers(config.num_warps),
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
-    m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)
-    return c, GemmLaunch(op=op, backend=backend, config=config, name=case_name(op, m, n, k))
+    return c, _launch_record(op, backend, config, rows, cols, reduced)
 
 
 def _check_pair(names: tuple[str, str], x: torch.Tensor, y: torch.Tensor, x_dim: int, y_dim: int, what: str):

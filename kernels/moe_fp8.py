@@ -296,14 +296,14 @@ def moe_fp8_wgrad_kernel(
     offs_k = tl.arange(0, STEP_K)
     r_ok = offs_r < R
     c_ok = offs_c < C
-    if not TMA:
-        a_ptrs = a_ptr + offs_r[:, None] * stride_ar + (start + offs_k)[None, :] * stride_ap  # [BLOCK_M, STEP_K]
-        b_ptrs = b_ptr + offs_c[:, None] * stride_bc + (start + offs_k)[None, :] * stride_bp  # [BLOCK_N, STEP_K]
     as_ptrs = as_ptr + offs_r * stride_asr + (start // QBLOCK) * stride_asp  # [BLOCK_M]
     bs_ptrs = bs_ptr + offs_c * stride_bsc + (start // QBLOCK) * stride_bsp  # [BLOCK_N]
     if TMA:  # the next block's scales are requested before this block's MMAs (the grouped kernel's order)
         a_s = tl.load(as_ptrs, mask=r_ok & (count > 0), other=0.0)
         b_s = tl.load(bs_ptrs, mask=c_ok & (count > 0), other=0.0)
+    else:
+        a_ptrs = a_ptr + offs_r[:, None] * stride_ar + (start + offs_k)[None, :] * stride_ap  # [BLOCK_M, STEP_K]
+        b_ptrs = b_ptr + offs_c[:, None] * stride_bc + (start + offs_k)[None, :] * stride_bp  # [BLOCK_N, STEP_K]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for p0 in range(0, count, QBLOCK):  # the expert's 128-row blocks, ascending: a function of count alone
         if TMA:

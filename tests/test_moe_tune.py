@@ -65,25 +65,17 @@ def test_fp8_stages_sweep_the_fp8_table(monkeypatch):
     assert all(r["bits_equal_pinned"] and r["stage"] == "fp8_down" for r in rows)
 
 
-def test_fp8_wgrad_stages_sweep_the_column_wise_operands(monkeypatch):
-    from kernels.moe_fp8 import FP8_WGRAD_CONFIGS
+@pytest.mark.parametrize("stages, candidates, pinned_table, other", [
+    # the FP8 weight gradients: both column-wise operands by TMA, scales one block ahead
+    (("fp8_wgrad_w1", "fp8_wgrad_w2"), "FP8_WGRAD", "FP8_WGRAD_CONFIGS", GemmConfig(128, 128, 128, 1, 4, 1, variant="tma")),
+    # the column-wise quantizer: a quarter of the interpreter's pinned 256-column tile
+    (("fp8_colq_x", "fp8_colq_dgu"), "FP8_COLQ", "QUANT_COLWISE_CONFIGS", GemmConfig(128, 64, 16, 1, 4, 1)),
+])
+def test_fp8_wgrad_and_colq_stages_sweep_their_own_tables(monkeypatch, stages, candidates, pinned_table, other):
+    import kernels.moe_fp8 as kf
 
-    tma = GemmConfig(128, 128, 128, 1, 4, 1, variant="tma")  # both operands by TMA, scales one block ahead
-    monkeypatch.setattr(mt, "FP8_WGRAD", [tma])
-    rows = mt.sweep(["tiny-fp8"], ["fp8_wgrad_w1", "fp8_wgrad_w2"], torch.device("cpu"), rounds=1)
-    pinned = FP8_WGRAD_CONFIGS["triton_interpreter"].label()
-    assert [(r["stage"], r["config"]) for r in rows] == [("fp8_wgrad_w1", pinned), ("fp8_wgrad_w1", tma.label()),
-                                                         ("fp8_wgrad_w2", pinned), ("fp8_wgrad_w2", tma.label())]
-    assert all(r["bits_equal_pinned"] and r["median_us"] > 0 for r in rows)
-
-
-def test_fp8_colq_stages_sweep_the_column_wise_quantizer(monkeypatch):
-    from kernels.moe_fp8 import QUANT_COLWISE_CONFIGS
-
-    narrow = GemmConfig(128, 64, 16, 1, 4, 1)  # a quarter of the interpreter's pinned 256-column tile
-    monkeypatch.setattr(mt, "FP8_COLQ", [narrow])
-    rows = mt.sweep(["tiny-fp8"], ["fp8_colq_x", "fp8_colq_dgu"], torch.device("cpu"), rounds=1)
-    pinned = QUANT_COLWISE_CONFIGS["triton_interpreter"].label()
-    assert [(r["stage"], r["config"]) for r in rows] == [("fp8_colq_x", pinned), ("fp8_colq_x", narrow.label()),
-                                                         ("fp8_colq_dgu", pinned), ("fp8_colq_dgu", narrow.label())]
+    monkeypatch.setattr(mt, candidates, [other])
+    rows = mt.sweep(["tiny-fp8"], list(stages), torch.device("cpu"), rounds=1)
+    pinned = getattr(kf, pinned_table)["triton_interpreter"].label()
+    assert [(r["stage"], r["config"]) for r in rows] == [(s, c) for s in stages for c in (pinned, other.label())]
     assert all(r["bits_equal_pinned"] and r["median_us"] > 0 for r in rows)
