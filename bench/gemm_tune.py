@@ -65,6 +65,13 @@ DEEP_MID = [GemmConfig(*c, variant="tma3") for c in [
     (128, 128, 64, 8, 8, 5), (128, 128, 64, 8, 8, 6), (64, 128, 64, 8, 4, 8), (128, 128, 32, 8, 8, 8),
     (64, 128, 128, 8, 4, 4),
 ]]
+# M = 128 (two 64-row tiles or one 128-row tile): deeper rings and 128-row tiles with narrow N, for the fwd / dA
+# rows still 1.15-1.20x cuBLASLt no-split-K with table .12 (64x64x128 s6 and 64x128x64 s6 picks).
+# Shared memory 192-224 KB.
+M128_DEEP = [GemmConfig(*c, variant="tma") for c in [
+    (64, 64, 128, 1, 4, 7), (64, 64, 64, 1, 4, 12), (64, 32, 128, 1, 4, 8), (128, 64, 128, 1, 8, 4),
+    (128, 64, 64, 1, 8, 8), (128, 32, 128, 1, 4, 5), (64, 128, 64, 1, 4, 7),
+]]
 # Small M on TMA tiles (the pointer picks at M 32-128 are 1.15-1.80x cuBLASLt no-split-K): the weight stream
 # is the work, so narrow N tiles (more CTAs: N/32 = 128-192 of them) and deeper pipelines (more bytes in flight).
 SMALL_TMA = [GemmConfig(*c, variant="tma") for c in [
@@ -99,6 +106,8 @@ def candidates(op: str, m: int, variants=VARIANTS) -> list[GemmConfig]:
         out = SMALL + SMALL_TMA
     elif m <= 1024:
         out = SMALL[-6:] + MID + LARGE + LARGE_TMA + MID_TMA + SMALL_TMA + WIDE_TMA3 + DEEP_MID
+        if m <= 256:
+            out = out + M128_DEEP
     else:
         out = LARGE + LARGE_TMA
     if m >= 128:
