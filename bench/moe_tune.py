@@ -56,6 +56,12 @@ FP8_GROUPED = [GemmConfig(*c) for c in [
     (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 3), (128, 128, 128, 1, 4, 3), (64, 128, 128, 1, 4, 4),
     (64, 128, 128, 1, 4, 3), (64, 128, 128, 1, 4, 2),
 ]]
+# "ws": the warp-specialized Gluon kernel of down and dX (kernels/moe_fp8_ws.py): persistent, TMA producer warp,
+# one or two 64-row consumer warpgroups promoting block kb while block kb+1's MMAs run. BLOCK_K is the 128-K block.
+FP8_GROUPED += [GemmConfig(*c, variant="ws") for c in [
+    (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 6), (64, 128, 128, 1, 4, 4), (64, 128, 128, 1, 4, 6),
+    (128, 64, 128, 1, 8, 6), (128, 64, 128, 1, 8, 8),
+]]
 # up: BLOCK_N 256 quantizes h in the epilogue (one 1x128 block per row); 128 leaves it to the row-wise pass over
 # the stored h (same values), which frees the tile: the 4-warp 64x128 TMA tile won down and dX.
 FP8_UP = [GemmConfig(*c) for c in [

@@ -63,7 +63,7 @@ from kernels.gemm_names import _OP_IDS, OPS, _launch_metadata, _layer_dims, case
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-11-30.12"
+CONFIG_TABLE_VERSION = "2026-11-30.13"
 
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
 INTERPRETER_MAX_BLOCK_NUMEL = 2**20
@@ -207,6 +207,11 @@ _SMALL_128_2 = GemmConfig(64, 128, 64, 8, 4, 4, "tma")  # 96 KiB: 2 CTAs per SM
 # (8 of 8 cases where the table picked it).
 _SMALL_128_DEEP = GemmConfig(64, 128, 64, 8, 4, 8, "tma")  # 192 KiB: 1 CTA per SM
 _MID = GemmConfig(128, 128, 64, 8, 8, 6, "tma")  # 192 KiB: 1 CTA per SM
+# Table .13, M 65-128 (H200 sweep reports/2026-11-30-h200/tune-m128, fwd and dA at M 128, both shapes and layouts,
+# every candidate bit-equal): a 4096-wide output on one 128-row tile of 32 columns (128 tiles, one wave),
+# +5-11% over the 64x64 tile (4 of 4 cases); a 6144-wide output on the 8-stage 64x128 ring, +6-12% over 6 stages
+# (4 of 4 cases).
+_NARROW_128 = GemmConfig(128, 32, 128, 1, 4, 5, "tma")  # 200 KiB: 1 CTA per SM
 _MID_TALL = GemmConfig(256, 128, 64, 8, 8, 4, "tma")  # 192 KiB: 1 CTA per SM, half the tiles of _MID
 # Three 64-column sub-tiles: a 6144-wide output is 32 tile columns, so M 256 (64-row tiles) and M 512
 # (128-row tiles) are 128 tiles, one wave on 132 SMs, where the 128-wide tiles need 192 (H200 sweep
@@ -228,7 +233,8 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
         # layouts, 40 (op, M, shape, layout) cases): TMA tiles picked by the one-wave rule; geometric mean of
         # time / the best candidate per case 1.00-1.01 per M (worst case 1.06), against 1.01-1.09 (worst
         # 1.20) for one fixed config per M bucket (table .8) and 1.03-1.29 for table .7.
-        (128, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
+        (64, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
+        (128, OneWave((_NARROW_128, _SMALL_128_DEEP, _SMALL_128_2))),
         (256, OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2))),
         (1024, OneWave((_MID, _MID_192, _MID_TALL))),
         # TMA descriptors (H200 sweep reports/2026-11-29-h200x2/tune-tma: 527-745 TFLOP/s on both
@@ -238,7 +244,8 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
     "da": (
         (16, _TINY),  # as fwd
         (32, _SMALL_32),
-        (128, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
+        (64, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
+        (128, OneWave((_NARROW_128, _SMALL_128_DEEP, _SMALL_128_2))),
         # M 257-1024 keeps the 128-wide tiles: at M 512 the 192-wide tile gained 3% on one weight layout and
         # lost 3% on the other (reports/2026-11-30-h200/tune-tma3).
         (256, OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2))),

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, ensure_cuda_context
-from kernels.det_gemm import GemmConfig, interpreter_step_k, tma_descriptor
+from kernels.det_gemm import GemmConfig, device_sms, interpreter_step_k, tma_descriptor
 from kernels.fp8_quant import (
     FP8_DTYPE, QBLOCK, Fp8Weight, dequantize_rowwise, quant_risk_rowwise, quant_risk_weight, quantize_colwise_ref,
     quantize_row_blocks, quantize_rowwise, quantize_rowwise_ref, quantize_rows, quantize_weight, quantize_weight_ref,
@@ -68,8 +68,9 @@ from kernels.fp8_quant import (
 from kernels.moe import (
     MoeGrads, check_dout, check_grouped_config, check_main_grads, check_moe_inputs, check_moe_variant, checked_routing,
     dswiglu_epilogue, grouped_tile, layer_stage_names, mma_step, moe_combine, moe_dscores, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
-    pinned_stage_config, stage_name, store_fp32_tile, swiglu_epilogue, to_bf16, weight_descriptor,
+    pinned_stage_config, store_fp32_tile, swiglu_epilogue, to_bf16, weight_descriptor,
 )
+from kernels.moe_fp8_ws import fp8_stage_name, grouped_launch_metadata, launch_fp8_ws
 from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 
 # ---------------------------------------------------------------------------------------------
@@ -129,27 +130,16 @@ QUANT_COLWISE_CONFIGS: dict[str, GemmConfig] = {
 WGRAD_MODES = ("bf16", "fp8")
 
 EPI_FP32, EPI_SWIGLU_QUANT, EPI_DSWIGLU_QUANT, EPI_SWIGLU = 0, 1, 2, 3
-_OPS = ("moe_fp8_up_swiglu", "moe_fp8_down", "moe_fp8_dgrad_dswiglu", "moe_fp8_dx_route")
-
-
-def fp8_stage_name(op: str, **dims: int) -> str:
-    """The one name shared by a launch, its NVTX range and its report row."""
-    return stage_name(op, "fp8", **dims)
 
 
 def select_moe_fp8_config(stage: str, backend: str) -> GemmConfig:
     return pinned_stage_config(MOE_FP8_CONFIGS, stage, backend, what="FP8 MoE")
 
 
-def _meta(grid, metadata, args):
-    p, c, l = args["P"], args["C"], args["L"]
-    return {"name": fp8_stage_name(_OPS[args["op_id"]], P=p, N=c, K=l), "flops": 2.0 * p * c * l}
-
-
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
-@triton.jit(launch_metadata=_meta)
+@triton.jit(launch_metadata=grouped_launch_metadata)
 def moe_fp8_grouped_gemm_kernel(
     a_ptr, as_ptr, a_rows_ptr, b_ptr, bs_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr,
     route_ptr, score_ptr, tile_expert_ptr,
@@ -414,7 +404,10 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
              config: GemmConfig | None) -> None:
     """b: [E, C, L] K-major FP8 view; b_s: [E, L/128, C/128] view (strides kept)."""
     config = config or select_moe_fp8_config(stage, backend)
-    check_grouped_config(stage, config)
+    if config.variant == "ws":
+        _check_ws(stage, config, gather, epilogue, backend)
+    else:
+        check_grouped_config(stage, config)
     if QBLOCK % config.block_k:
         raise ValueError(f"{stage}: BLOCK_K {config.block_k} must divide the FP8 block {QBLOCK}")
     if QBLOCK % config.block_n and config.block_n != 2 * QBLOCK:  # a tile spans one or two weight-scale blocks
@@ -431,6 +424,10 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
     qs_t = q_s if q_s is not None else a_s
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k
+    if config.variant == "ws":
+        launch_fp8_ws(op_id, stage, config, a, a_s, b, b_s, c, routing.sorted_route, routing.tile_expert, p,
+                      SEGMENT_ALIGN, device_sms(a.device))
+        return
     b_arg = b
     if config.variant == "tma":  # FP8 weights are always K-major and 16-byte aligned: TMA can address them
         b_arg, k_major = weight_descriptor(b.transpose(1, 2), config.block_n, step_k)
@@ -452,6 +449,19 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
         STEP_K=step_k, QBLOCK=QBLOCK, SEGMENT=SEGMENT_ALIGN, GATHER_A=gather, EPILOGUE=epilogue,
         INTERPRETED=interpreted, B_TMA=config.variant == "tma", num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def _check_ws(stage: str, config: GemmConfig, gather: bool, epilogue: int, backend: str) -> None:
+    """Variant "ws" (kernels/moe_fp8_ws.py): the Gluon kernel of the FP32-output stages on sm_90."""
+    if backend != CUDA_SM90:
+        raise ValueError(f"{stage}: variant 'ws' is a Gluon kernel for sm_90 and has no {backend!r} path; use a "
+                         "'ptr' or 'tma' config there")
+    if gather or epilogue != EPI_FP32:
+        raise ValueError(f"{stage}: variant 'ws' covers the FP32-output stages (down, dx) whose A is not gathered; "
+                         "use a 'ptr' or 'tma' config for up and dgrad")
+    if config.block_m != 64 * (config.num_warps // 4):
+        raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "
+                         f"warps or 128 with 8; got BLOCK_M {config.block_m}, {config.num_warps} warps")
 
 
 def moe_fp8_up_swiglu(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,

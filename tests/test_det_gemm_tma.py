@@ -138,9 +138,9 @@ def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
         return [(op, rows) for op, entries in table.items() for rows, e in entries
                 if all(c.variant in ("tma", "tma3") for c in entry_configs(e))]
 
-    assert tma_bounds(CONFIG_TABLE) == [("fwd", 128), ("fwd", 256), ("fwd", 1024), ("fwd", 2**31),
-                                        ("da", 128), ("da", 256), ("da", 1024)]
-    assert tma_bounds(CONFIG_TABLE_B_K_MAJOR) == [("da", 128), ("da", 256), ("da", 1024), ("da", 2**31)]
+    assert tma_bounds(CONFIG_TABLE) == [("fwd", 64), ("fwd", 128), ("fwd", 256), ("fwd", 1024), ("fwd", 2**31),
+                                        ("da", 64), ("da", 128), ("da", 256), ("da", 1024)]
+    assert tma_bounds(CONFIG_TABLE_B_K_MAJOR) == [("da", 64), ("da", 128), ("da", 256), ("da", 1024), ("da", 2**31)]
     # "tma3" only inside OneWave entries (beside tiles with a pointer twin), where the sweep measured it ahead.
     tma3_bounds = [(op, rows) for table in (CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR) for op, entries in table.items()
                    for rows, e in entries if any(c.variant == "tma3" for c in entry_configs(e))]

@@ -1,0 +1,198 @@
+"""The FP8 MoE grouped GEMM with an FP32 output (down-projection y, per-route dX) as a warp-specialized sm_90
+kernel (MoE FP8 variant "ws"), written in Gluon.
+
+Why: the per-128-K promotion ``acc += blk * (a_s * b_s)`` needs the block's MMAs finished before its FMAs, and
+Triton 3.6 waits for every outstanding wgmma after a dot whose result is not a loop-carried accumulator, so in
+``moe_fp8_grouped_gemm_kernel`` a program's tensor-core work stops during each promotion. Here the consumer
+issues block kb+1's wgmma before it waits for block kb's (two block accumulators in flight), so a promotion
+runs while the next block's MMAs do; one producer warp streams both operand tiles by TMA into a ring, and the
+grid is persistent (one program per SM), so the ring fills for the next tile during a tile's store.
+
+The math is the Triton kernel's, operation for operation: per output tile, K blocks of 128 in ascending order,
+each one zero-initialised wgmma chain over the block (4 x k32 on e4m3), then ``acc + blk * (a_s * b_s)`` in
+FP32 (the scales are powers of two: the product is exact, so a fused multiply-add rounds the same way). A tile
+of padding rows only (segments are padded to 128 rows, so a tile is all padding once its first row is) loads
+nothing and stores zeros, and padding rows store zeros, as the Triton kernel's masked loads give.
+
+Only operands TMA can address: A [P, L] e4m3 row-major (h_q, dgu_q: expert-sorted, no gather), B the K-major
+weight [E, C, L] contiguous, C a multiple of BLOCK_N. Gluon has no interpreter path: sm_90 only.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kernels.det_gemm_ws import CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs
+from kernels.moe import stage_name
+
+QBLOCK_WS = 128  # the FP8 scale block along K: one ring slot holds one block of both operands
+GROUPED_OPS = ("moe_fp8_up_swiglu", "moe_fp8_down", "moe_fp8_dgrad_dswiglu", "moe_fp8_dx_route")
+
+
+def fp8_stage_name(op: str, **dims: int) -> str:
+    """The one name shared by a launch, its NVTX range and its report row."""
+    return stage_name(op, "fp8", **dims)
+
+
+def grouped_launch_metadata(grid, metadata, args):
+    """Launch name and FLOPs of an FP8 grouped GEMM (Triton or Gluon): C[P, C] over the reduced L."""
+    p, c, l = args["P"], args["C"], args["L"]
+    return {"name": fp8_stage_name(GROUPED_OPS[args["op_id"]], P=p, N=c, K=l), "flops": 2.0 * p * c * l}
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr):
+    """TMA loads of each live tile's K blocks into the ring; slot s is refilled once every consumer released it."""
+    STAGES: gl.constexpr = a_ring.type.shape[0]
+    QB: gl.constexpr = a_ring.type.shape[2]
+    num_kb = L // QB
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m = (t // num_n) * BLOCK_M
+        if gl.load(route_ptr + off_m) >= 0:  # a tile whose first row is padding is padding only: no loads
+            b_row = gl.load(tile_expert_ptr + off_m // SEGMENT) * C + (t % num_n) * BLOCK_N
+            for kb in range(num_kb):
+                slot = count % STAGES
+                # A fresh barrier counts as having completed the phase before phase 0: the first pass waits on nothing.
+                mbarrier.wait(free.index(slot), ((count // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [off_m, kb * QB], bar, a_ring.index(slot))
+                tma.async_copy_global_to_shared(b_desc, [b_row, kb * QB], bar, b_ring.index(slot))
+                count += 1
+
+
+@gluon.jit
+def _consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L,
+              stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, CONSUMERS: gl.constexpr,
+              PART: gl.constexpr):
+    """One consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile."""
+    STAGES: gl.constexpr = a_ring.type.shape[0]
+    QB: gl.constexpr = a_ring.type.shape[2]
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    num_kb = L // QB
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m = (t // num_n) * BLOCK_M
+        off_n = (t % num_n) * BLOCK_N
+        rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=row_layout)
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+        if gl.load(route_ptr + off_m) >= 0:
+            as_rows = as_ptr + rows * stride_asm
+            bs_tile = bs_ptr + gl.load(tile_expert_ptr + off_m // SEGMENT) * stride_bse + (off_n // QB) * stride_bsc
+            zero = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+            # Block 0's MMAs, then per block kb >= 1: issue kb's MMAs, wait for kb-1's (at most one group in flight
+            # behind the newest), hand kb-1's slot back, promote kb-1 while kb's MMAs run.
+            slot = count % STAGES
+            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+            prev = warpgroup_mma(a_ring.index(slot).slice(PART * ROWS, ROWS, dim=0), b_ring.index(slot).permute((1, 0)),
+                                 zero, use_acc=False, is_async=True)
+            scale = gl.load(as_rows)[:, None] * gl.load(bs_tile)
+            count += 1
+            for kb in range(1, num_kb):
+                slot = count % STAGES
+                mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+                cur = warpgroup_mma(a_ring.index(slot).slice(PART * ROWS, ROWS, dim=0),
+                                    b_ring.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+                next_scale = gl.load(as_rows + kb * stride_asl)[:, None] * gl.load(bs_tile + kb * stride_bsl)
+                blk = warpgroup_mma_wait(num_outstanding=1, deps=(prev, ))
+                mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1)
+                acc = acc + blk * scale
+                prev = cur
+                scale = next_scale
+                count += 1
+            blk = warpgroup_mma_wait(num_outstanding=0, deps=(prev, ))
+            mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1)
+            acc = acc + blk * scale
+        live = gl.load(route_ptr + rows) >= 0  # padding rows store zeros
+        acc = gl.where(live[:, None], acc, 0.0)
+        cols = off_n + gl.arange(0, BLOCK_N, layout=col_layout)
+        offs = gl.expand_dims(rows, 1) * stride_cm + gl.expand_dims(cols, 0) * stride_cc
+        gl.store(c_ptr + offs, acc)
+
+
+@gluon.jit(launch_metadata=grouped_launch_metadata)
+def moe_fp8_ws_kernel(
+    a_desc, b_desc,  # TMA descriptors: A_q [P, L] (box [BLOCK_M, 128]), B_q K-major as [E * C, L] (box [BLOCK_N, 128])
+    as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr,
+    P, C, L,  # C[p, :C] = sum_kb (A_q[p, kb] @ B_q[e][kb, :C]) * a_s[p, kb] * b_s[e][kb, :]
+    stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
+    op_id,  # names the launch only
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
+    CONSUMERS: gl.constexpr,  # consumer warpgroups, each its own partition and BLOCK_M / CONSUMERS rows: 1 or 2
+):
+    a_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=CONSUMERS)
+    num_n = C // BLOCK_N
+    num_tiles = (P // BLOCK_M) * num_n
+    if CONSUMERS == 2:  # cooperative: the two warpgroups split each tile's rows and sync only through the ring
+        gl.warp_specialize([
+            (_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr, num_tiles,
+                         num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
+                         BLOCK_M, BLOCK_N, SEGMENT, CONSUMERS, 0)),
+            (_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr, num_tiles,
+                         num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
+                         BLOCK_M, BLOCK_N, SEGMENT, CONSUMERS, 1)),
+            (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
+                         L, BLOCK_M, BLOCK_N, SEGMENT)),
+        ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr, num_tiles,
+                         num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
+                         BLOCK_M, BLOCK_N, SEGMENT, CONSUMERS, 0)),
+            (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
+                         L, BLOCK_M, BLOCK_N, SEGMENT)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+def fp8_ws_descriptor(tensor: torch.Tensor, box: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over the row-major e4m3 matrix ``tensor`` with its NVMMA shared layout."""
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, layout)
+
+
+def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor,
+                  b_s: torch.Tensor, c: torch.Tensor, route: torch.Tensor, tile_expert: torch.Tensor, padded_rows: int,
+                  segment: int, sms: int) -> None:
+    """c [P, C] fp32 = the FP8 grouped GEMM of A_q [P, L] and the K-major weight b [E, C, L]; refuses, naming the
+    value, what this kernel does not cover (before any work)."""
+    e, n_cols, reduced = b.shape
+    if config.block_k != QBLOCK_WS:
+        raise ValueError(f"{stage}: variant 'ws' runs one {QBLOCK_WS}-K scale block per ring slot; got BLOCK_K "
+                         f"{config.block_k}")
+    if config.block_n > QBLOCK_WS or n_cols % config.block_n:
+        raise ValueError(f"{stage}: variant 'ws' needs BLOCK_N <= {QBLOCK_WS} dividing the output width {n_cols}; "
+                         f"got BLOCK_N {config.block_n}")
+    if not b.is_contiguous() or not a.stride(1) == 1 or a.stride(0) % 16 or a.data_ptr() % 16:
+        raise ValueError(f"{stage}: variant 'ws' needs A row-major with 16-byte aligned rows and the K-major weight "
+                         f"[E, C, L] contiguous; got A strides {a.stride()}, weight strides {b.stride()}")
+    if reduced % QBLOCK_WS:
+        raise ValueError(f"{stage}: the reduced dim {reduced} must be a multiple of {QBLOCK_WS}")
+    a_desc = fp8_ws_descriptor(a[:padded_rows], [config.block_m, QBLOCK_WS])
+    b_desc = fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS])
+    tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
+    moe_fp8_ws_kernel[(min(tiles, sms),)](
+        a_desc, b_desc, a_s, b_s, c, route, tile_expert,
+        padded_rows, n_cols, reduced,
+        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2), c.stride(0), c.stride(1),
+        op_id,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
+        CONSUMERS=consumers(config.num_warps),
+        num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
+    )

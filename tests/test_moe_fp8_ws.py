@@ -1,0 +1,118 @@
+"""The FP8 MoE grouped GEMM's warp-specialized Gluon kernel (kernels/moe_fp8_ws.py, variant "ws"): the Triton
+kernel's bits for the FP32-output stages (down, dX) on the H200, including padding-only tiles and an expert
+with no rows; refusals by name everywhere; and an offline sm_90 compile (no GPU) showing TMA loads, FP8 wgmma
+with one MMA group in flight behind the newest, the register hand-off and no spills."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from audits.moe import MoeCase
+from audits.moe_fp8 import make_inputs
+from kernels.det_gemm import GemmConfig
+from kernels.fp8_quant import quantize_rowwise, quantize_weight
+from kernels.moe_fp8 import moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_up_swiglu, select_moe_fp8_config
+from kernels.moe_routing import build_routing
+from tests.conftest import backend_of
+from tests.moe_helpers import compile_sm90_offline
+from toolkit.contract import compare_bits
+
+WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws"),
+              GemmConfig(128, 64, 128, 1, 8, 6, "ws")]
+
+
+def _operands(device, t=24, h=128, i=128, e=3, k=2, seed=5):
+    inp = make_inputs(MoeCase(t, h, i, e, k, "random", seed), device)
+    if t > 64:  # expert 0 gets no rows, expert 1 a single one: a padding-only 64-row tile and an almost empty one
+        ids = inp["topk_ids"]
+        ids[ids == 0] = 2
+        ids[0, 0], ids[0, 1] = 1, 2
+        ids[1:][ids[1:] == 1] = 3
+    r = build_routing(inp["topk_ids"], inp["scores"], e)
+    b = backend_of(device)
+    x_q, x_s = quantize_rowwise(inp["x"])
+    dout_q, dout_s = quantize_rowwise(inp["x"].flip(0))
+    w1f, w2f = quantize_weight(inp["w1"]), quantize_weight(inp["w2"])
+    gu, _, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, r, b)
+    _, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b)
+    runs = {"down": lambda c: moe_fp8_down(h_q, h_s, w2f, r, b, config=c),
+            "dx": lambda c: moe_fp8_dx_route(dgu_q, dgu_s, w1f, r, b, config=c)}
+    gathered = {"up": lambda c: moe_fp8_up_swiglu(x_q, x_s, w1f, r, b, config=c),
+                "dgrad": lambda c: moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b, config=c)}
+    return runs, gathered, r
+
+
+def test_ws_refuses_other_backends_and_stages_by_name(device):
+    runs, gathered, _ = _operands(device)
+    ws = WS_CONFIGS[0]
+    if device.type == "cpu":
+        for run in runs.values():
+            with pytest.raises(ValueError, match="variant 'ws' is a Gluon kernel for sm_90"):
+                run(ws)
+        return
+    for run in gathered.values():
+        with pytest.raises(ValueError, match="variant 'ws' covers the FP32-output stages"):
+            run(replace(ws, block_n=256 if run is gathered["up"] else 64))
+    with pytest.raises(ValueError, match="64 rows"):
+        runs["down"](GemmConfig(128, 128, 128, 1, 4, 4, "ws"))
+    with pytest.raises(ValueError, match="one 128-K scale block per ring slot"):
+        runs["down"](replace(ws, block_k=64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(300, 512, 384, 5, 2), (2048, 1024, 768, 16, 4)])
+def test_ws_gives_the_triton_kernels_bits(shape, device):
+    t, h, i, e, k = shape
+    runs, _, r = _operands(device, t, h, i, e, k, seed=11)
+    assert int(r.counts[0]) == 0 and int(r.counts[1]) == 1
+    for stage, run in runs.items():
+        ref = run(select_moe_fp8_config(stage, backend_of(device)))
+        for config in WS_CONFIGS:
+            out = run(config)
+            assert compare_bits(out, ref).equal, (stage, config.label())
+            assert compare_bits(run(config), out).equal, (stage, config.label())  # repeat
+        pad = r.sorted_route < 0
+        assert bool((ref[pad] == 0).all()), stage
+
+
+_COMPILE = r'''
+import json, tempfile, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon import language as gl
+from bench.gemm_sass import cuobjdump_bytes, stack_bytes
+from kernels.det_gemm_ws import consumers, max_regs
+from kernels.moe_fp8_ws import moe_fp8_ws_kernel as fn
+out = {}
+for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6)]:
+    box = lambda rows: f"tensordesc<fp8e4nv[{rows}, 128],{gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)!r}>"
+    ptrs = {"a_desc": box(bm), "b_desc": box(bn), "as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*fp32",
+            "route_ptr": "*i32", "tile_expert_ptr": "*i32"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "CONSUMERS": consumers(warps),
+              "stride_asl": 1, "stride_cc": 1}
+    names = list(fn.arg_names)
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if sig[n] != "constexpr" and not sig[n].startswith("tensordesc") and n != "op_id"}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": max_regs(warps)})
+    d = tempfile.mkdtemp()
+    sass = cuobjdump_bytes("--dump-sass", k.asm["cubin"], d)
+    ptx = k.asm["ptx"]
+    out[f"{bm}x{bn}"] = {"qgmma": len(re.findall(r"\bQGMMA", sass)), "tma": len(re.findall(r"\bUTMALDG", sass)),
+                         "setmaxnreg": len(re.findall(r"\bUSETMAXREG", sass)), "ldgsts": len(re.findall(r"\bLDGSTS", sass)),
+                         "stack": stack_bytes(cuobjdump_bytes("--dump-resource-usage", k.asm["cubin"], d)),
+                         "wait1": ptx.count("wgmma.wait_group.sync.aligned 1;"), "shared": k.metadata.shared}
+print(json.dumps(out))
+'''
+
+
+def test_ws_kernel_compiles_for_sm90_offline(tmp_path):
+    report = compile_sm90_offline(_COMPILE, tmp_path)
+    for name, r in report.items():
+        # FP8 wgmma fed by TMA only, setmaxnreg (the roles' register split), no spills, and a wait that leaves one
+        # MMA group in flight (the next block's, while this one is promoted).
+        assert r["qgmma"] > 0 and r["tma"] > 0 and r["setmaxnreg"] > 0, (name, r)
+        assert r["ldgsts"] == 0 and r["stack"] == 0 and r["wait1"] > 0, (name, r)
