@@ -68,19 +68,42 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_exper
 
 
 @gluon.jit
+def _issue(a_ring, b_ring, ready, count, blk, PART: gl.constexpr, ROWS: gl.constexpr):
+    """Wait for ring slot ``count``'s tiles and issue its 128-K block's MMAs (zero-initialised) into ``blk``'s registers."""
+    STAGES: gl.constexpr = a_ring.type.shape[0]
+    slot = count % STAGES
+    mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+    return warpgroup_mma(a_ring.index(slot).slice(PART * ROWS, ROWS, dim=0), b_ring.index(slot).permute((1, 0)), blk,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _block_scale(as_rows, bs_tile, kb, stride_asl, stride_bsl):
+    """K block kb's scale per row of the part: a_s[row, kb] * b_s[e, kb, the tile's 128 columns] (exact)."""
+    return gl.load(as_rows + kb * stride_asl)[:, None] * gl.load(bs_tile + kb * stride_bsl)
+
+
+@gluon.jit
+def _retire(blk, acc, scale, free, count, PENDING: gl.constexpr):
+    """Wait until PENDING MMA groups remain (ring slot ``count``'s is done), hand that slot back, promote."""
+    STAGES: gl.constexpr = free.type.shape[0]
+    blk = warpgroup_mma_wait(num_outstanding=PENDING, deps=(blk, ))
+    mbarrier.arrive(free.index(count % STAGES), count=1)
+    return blk, acc + blk * scale
+
+
+@gluon.jit
 def _consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L,
               stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, CONSUMERS: gl.constexpr,
-              PART: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
+              CONSUMERS: gl.constexpr, PART: gl.constexpr):
     """One consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile."""
-    STAGES: gl.constexpr = a_ring.type.shape[0]
     QB: gl.constexpr = a_ring.type.shape[2]
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    num_kb = L // QB
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m = (t // num_n) * BLOCK_M
@@ -90,30 +113,24 @@ def _consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, til
         if gl.load(route_ptr + off_m) >= 0:
             as_rows = as_ptr + rows * stride_asm
             bs_tile = bs_ptr + gl.load(tile_expert_ptr + off_m // SEGMENT) * stride_bse + (off_n // QB) * stride_bsc
-            zero = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-            # Block 0's MMAs, then per block kb >= 1: issue kb's MMAs, wait for kb-1's (at most one group in flight
-            # behind the newest), hand kb-1's slot back, promote kb-1 while kb's MMAs run.
-            slot = count % STAGES
-            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            prev = warpgroup_mma(a_ring.index(slot).slice(PART * ROWS, ROWS, dim=0), b_ring.index(slot).permute((1, 0)),
-                                 zero, use_acc=False, is_async=True)
-            scale = gl.load(as_rows)[:, None] * gl.load(bs_tile)
-            count += 1
-            for kb in range(1, num_kb):
-                slot = count % STAGES
-                mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-                cur = warpgroup_mma(a_ring.index(slot).slice(PART * ROWS, ROWS, dim=0),
-                                    b_ring.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-                next_scale = gl.load(as_rows + kb * stride_asl)[:, None] * gl.load(bs_tile + kb * stride_bsl)
-                blk = warpgroup_mma_wait(num_outstanding=1, deps=(prev, ))
-                mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1)
-                acc = acc + blk * scale
-                prev = cur
-                scale = next_scale
-                count += 1
-            blk = warpgroup_mma_wait(num_outstanding=0, deps=(prev, ))
-            mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1)
-            acc = acc + blk * scale
+            # K blocks in groups of KB_GROUP (unrolled): per block kb >= 1 of a group, issue kb's MMAs, then retire
+            # kb-1 (wait until only kb's are in flight, hand its slot back, promote it) while kb's run. Every block
+            # gets fresh accumulator registers and nothing is in flight across the loop's back edge: an in-flight
+            # accumulator carried by a loop is copied there, and ptxas then serializes every wgmma (C7514); unrolled
+            # past 3 blocks the registers ran out and it did the same (C7512).
+            for g in range(0, L // QB, KB_GROUP):
+                prev = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout), PART,
+                              ROWS)
+                s_prev = _block_scale(as_rows, bs_tile, g, stride_asl, stride_bsl)
+                for i in gl.static_range(1, KB_GROUP):
+                    cur = _issue(a_ring, b_ring, ready, count + i, gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout),
+                                 PART, ROWS)
+                    s_cur = _block_scale(as_rows, bs_tile, g + i, stride_asl, stride_bsl)
+                    acc = _retire(prev, acc, s_prev, free, count + i - 1, 1)[1]
+                    prev = cur
+                    s_prev = s_cur
+                acc = _retire(prev, acc, s_prev, free, count + KB_GROUP - 1, 0)[1]
+                count += KB_GROUP
         live = gl.load(route_ptr + rows) >= 0  # padding rows store zeros
         acc = gl.where(live[:, None], acc, 0.0)
         cols = off_n + gl.arange(0, BLOCK_N, layout=col_layout)
@@ -129,6 +146,7 @@ def moe_fp8_ws_kernel(
     stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
     op_id,  # names the launch only
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
+    KB_GROUP: gl.constexpr,  # K blocks per unrolled group of the consumers' loop; divides L / 128
     CONSUMERS: gl.constexpr,  # consumer warpgroups, each its own partition and BLOCK_M / CONSUMERS rows: 1 or 2
 ):
     a_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -144,10 +162,10 @@ def moe_fp8_ws_kernel(
         gl.warp_specialize([
             (_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr, num_tiles,
                          num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
-                         BLOCK_M, BLOCK_N, SEGMENT, CONSUMERS, 0)),
+                         BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
             (_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr, num_tiles,
                          num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
-                         BLOCK_M, BLOCK_N, SEGMENT, CONSUMERS, 1)),
+                         BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
                          L, BLOCK_M, BLOCK_N, SEGMENT)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -155,10 +173,16 @@ def moe_fp8_ws_kernel(
         gl.warp_specialize([
             (_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr, num_tiles,
                          num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
-                         BLOCK_M, BLOCK_N, SEGMENT, CONSUMERS, 0)),
+                         BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
                          L, BLOCK_M, BLOCK_N, SEGMENT)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+def kb_group(num_kb: int) -> int:
+    """The consumers' unrolled group of K blocks: the largest of 3, 2, 1 dividing ``num_kb``. Compiled for sm_90,
+    groups of 2 and 3 keep every accumulator in registers; 4 spilled at 128x128 and ptxas serialized the MMAs."""
+    return next(g for g in (3, 2, 1) if num_kb % g == 0)
 
 
 def fp8_ws_descriptor(tensor: torch.Tensor, box: list[int]) -> TensorDescriptor:
@@ -193,6 +217,6 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2), c.stride(0), c.stride(1),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
-        CONSUMERS=consumers(config.num_warps),
+        KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps),
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )

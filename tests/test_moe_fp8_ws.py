@@ -25,10 +25,10 @@ WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128,
 def _operands(device, t=24, h=128, i=128, e=3, k=2, seed=5):
     inp = make_inputs(MoeCase(t, h, i, e, k, "random", seed), device)
     if t > 64:  # expert 0 gets no rows, expert 1 a single one: a padding-only 64-row tile and an almost empty one
-        ids = inp["topk_ids"]
-        ids[ids == 0] = 2
-        ids[0, 0], ids[0, 1] = 1, 2
-        ids[1:][ids[1:] == 1] = 3
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.stack([torch.randperm(e - 2, generator=gen)[:k] + 2 for _ in range(t)]).to(torch.int32)
+        ids[0, 0] = 1
+        inp["topk_ids"] = ids.to(device)
     r = build_routing(inp["topk_ids"], inp["scores"], e)
     b = backend_of(device)
     x_q, x_s = quantize_rowwise(inp["x"])
@@ -90,7 +90,7 @@ for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6)]:
     box = lambda rows: f"tensordesc<fp8e4nv[{rows}, 128],{gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)!r}>"
     ptrs = {"a_desc": box(bm), "b_desc": box(bn), "as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*fp32",
             "route_ptr": "*i32", "tile_expert_ptr": "*i32"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "CONSUMERS": consumers(warps),
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
               "stride_asl": 1, "stride_cc": 1}
     names = list(fn.arg_names)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
