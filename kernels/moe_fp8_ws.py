@@ -23,7 +23,9 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.det_gemm_ws import CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs
@@ -93,8 +95,8 @@ def _retire(blk, acc, scale, free, count, PENDING: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L,
-              stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
+def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr, num_tiles,
+              num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
               CONSUMERS: gl.constexpr, PART: gl.constexpr):
     """One consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile."""
@@ -103,7 +105,6 @@ def _consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, til
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m = (t // num_n) * BLOCK_M
@@ -133,17 +134,23 @@ def _consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, til
                 count += KB_GROUP
         live = gl.load(route_ptr + rows) >= 0  # padding rows store zeros
         acc = gl.where(live[:, None], acc, 0.0)
-        cols = off_n + gl.arange(0, BLOCK_N, layout=col_layout)
-        offs = gl.expand_dims(rows, 1) * stride_cm + gl.expand_dims(cols, 0) * stride_cc
-        gl.store(c_ptr + offs, acc)
+        # Epilogue through shared memory and a TMA store: this part's slice of the tile buffer, reused once the
+        # previous tile's store has read it; the store runs while the next tile's MMAs do.
+        c_part = c_smem.slice(PART * ROWS, ROWS, dim=0)
+        tma.store_wait(0)
+        c_part.store(acc)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m + PART * ROWS, off_n], c_part)
+    tma.store_wait(0)
 
 
 @gluon.jit(launch_metadata=grouped_launch_metadata)
 def moe_fp8_ws_kernel(
     a_desc, b_desc,  # TMA descriptors: A_q [P, L] (box [BLOCK_M, 128]), B_q K-major as [E * C, L] (box [BLOCK_N, 128])
-    as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr,
+    c_desc,  # TMA descriptor over the FP32 output [P, C], box [BLOCK_M / CONSUMERS, BLOCK_N]
+    as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
     P, C, L,  # C[p, :C] = sum_kb (A_q[p, kb] @ B_q[e][kb, :C]) * a_s[p, kb] * b_s[e][kb, :]
-    stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
+    stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
     op_id,  # names the launch only
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
     KB_GROUP: gl.constexpr,  # K blocks per unrolled group of the consumers' loop; divides L / 128
@@ -153,6 +160,7 @@ def moe_fp8_ws_kernel(
     b_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], c_desc.layout)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(free.index(i), count=CONSUMERS)
@@ -160,20 +168,17 @@ def moe_fp8_ws_kernel(
     num_tiles = (P // BLOCK_M) * num_n
     if CONSUMERS == 2:  # cooperative: the two warpgroups split each tile's rows and sync only through the ring
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr, num_tiles,
-                         num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
-                         BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
-            (_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr, num_tiles,
-                         num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
-                         BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
+            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
+                         num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
+                         num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
                          L, BLOCK_M, BLOCK_N, SEGMENT)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, c_ptr, route_ptr, tile_expert_ptr, num_tiles,
-                         num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_cm, stride_cc,
-                         BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
+                         num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
                          L, BLOCK_M, BLOCK_N, SEGMENT)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -185,9 +190,10 @@ def kb_group(num_kb: int) -> int:
     return next(g for g in (3, 2, 1) if num_kb % g == 0)
 
 
-def fp8_ws_descriptor(tensor: torch.Tensor, box: list[int]) -> TensorDescriptor:
-    """A TMA descriptor over the row-major e4m3 matrix ``tensor`` with its NVMMA shared layout."""
-    layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
+def fp8_ws_descriptor(tensor: torch.Tensor, box: list[int], dtype=gl.float8e4nv) -> TensorDescriptor:
+    """A TMA descriptor over the row-major matrix ``tensor`` (e4m3, or FP32 for the output) with its NVMMA shared
+    layout."""
+    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
     return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, layout)
 
 
@@ -203,18 +209,20 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
     if config.block_n > QBLOCK_WS or n_cols % config.block_n:
         raise ValueError(f"{stage}: variant 'ws' needs BLOCK_N <= {QBLOCK_WS} dividing the output width {n_cols}; "
                          f"got BLOCK_N {config.block_n}")
-    if not b.is_contiguous() or not a.stride(1) == 1 or a.stride(0) % 16 or a.data_ptr() % 16:
+    if not b.is_contiguous() or not c.is_contiguous() or a.stride(1) != 1 or a.stride(0) % 16 or a.data_ptr() % 16:
         raise ValueError(f"{stage}: variant 'ws' needs A row-major with 16-byte aligned rows and the K-major weight "
-                         f"[E, C, L] contiguous; got A strides {a.stride()}, weight strides {b.stride()}")
+                         f"[E, C, L] and the output contiguous; got A strides {a.stride()}, weight strides {b.stride()}, output "
+                         f"strides {c.stride()}")
     if reduced % QBLOCK_WS:
         raise ValueError(f"{stage}: the reduced dim {reduced} must be a multiple of {QBLOCK_WS}")
     a_desc = fp8_ws_descriptor(a[:padded_rows], [config.block_m, QBLOCK_WS])
     b_desc = fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS])
+    c_desc = fp8_ws_descriptor(c, [config.block_m // consumers(config.num_warps), config.block_n], gl.float32)
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
     moe_fp8_ws_kernel[(min(tiles, sms),)](
-        a_desc, b_desc, a_s, b_s, c, route, tile_expert,
+        a_desc, b_desc, c_desc, a_s, b_s, route, tile_expert,
         padded_rows, n_cols, reduced,
-        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2), c.stride(0), c.stride(1),
+        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
         KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps),

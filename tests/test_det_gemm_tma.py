@@ -275,7 +275,7 @@ def test_one_wave_residency_matches_the_sm90_compiles_shared_memory(tmp_path):
 
     rows = compile_sm90_offline(_RING_SCRIPT, tmp_path)
     by_label = {c.label(): c for op in ("fwd", "da") for c in all_configs(op)}
-    assert len(rows) == 6, [r["config"] for r in rows]
+    assert len(rows) == 7, [r["config"] for r in rows]
     for r in rows:
         config = by_label[r["config"]]
         ring = operand_ring_bytes(config)
