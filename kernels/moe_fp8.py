@@ -81,7 +81,7 @@ from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 # The sm_90 entries are compile-checked (wgmma on e4m3, shared memory, no spills) and timed on an H200
 # (bench/moe_tune.py; comments below).
 # ---------------------------------------------------------------------------------------------
-MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.6"
+MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.7"
 FP8_STAGES = ("up", "down", "dgrad", "dx")
 
 MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
@@ -94,9 +94,13 @@ MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         # 8-warp pointer picks they replace (the 4-warp dgrad spills 272 bytes on sm_90 and is still faster).
         # down and dX then on 3 stages instead of 4 (reports/2026-11-30-h200/fp8-down-dx, same bits):
         # 807 vs 652 and 840 vs 812 TFLOP/s.
-        "down": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
+        # Table .7: down and dX on the warp-specialized Gluon kernel (kernels/moe_fp8_ws.py: promotion of block kb
+        # while kb+1's MMAs run, persistent, TMA store), 128x128 with two consumer warpgroups, 5 stages: down 997 vs
+        # 768, dX 1101 vs 831 TFLOP/s at the reference shape, 644 vs 557 and 827 vs 724 at Qwen3-30B-A3B
+        # (reports/2026-11-30-h200/fp8-ws, every candidate bit-equal to the Triton tile).
+        "down": GemmConfig(128, 128, 128, 1, 8, 5, "ws"),
         "dgrad": GemmConfig(128, QBLOCK // 2, 128, 1, 4, 4, "tma"),
-        "dx": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
+        "dx": GemmConfig(128, 128, 128, 1, 8, 5, "ws"),
     },
     TRITON_INTERPRETER: {  # few large programs: the interpreter's cost is per op
         "up": GemmConfig(128, 2 * QBLOCK, 128, 1, 4, 1),
