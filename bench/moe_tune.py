@@ -88,7 +88,12 @@ FP8_DGRAD = [GemmConfig(*c) for c in [
 FP8_WGRAD = [GemmConfig(*c, variant="tma") for c in [
     (128, 128, 128, 1, 8, 4), (64, 128, 128, 1, 4, 4), (64, 128, 128, 1, 4, 2), (128, 64, 128, 1, 4, 3),
     (64, 64, 128, 1, 4, 3), (64, 64, 128, 1, 4, 4), (64, 256, 128, 1, 8, 3), (64, 256, 128, 1, 4, 3),
-    (128, 128, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4),
+    (128, 128, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4), (64, 128, 128, 1, 4, 3),
+]]
+# The Gluon kernel (kernels/moe_fp8_ws.py): persistent, TMA producer warp, promotion of block kb while kb+1's MMAs
+# run; 128x64 compiles without spills, 128x128 spills (the per-column scales) and is timed to see what that costs.
+FP8_WGRAD += [GemmConfig(*c, variant="ws") for c in [
+    (128, 64, 128, 1, 8, 6), (128, 64, 128, 1, 8, 8), (128, 128, 128, 1, 8, 4), (64, 64, 128, 1, 4, 8),
 ]]
 # The column-wise quantizer of wgrad="fp8" (kernels/moe_fp8.py QUANT_COLWISE_CONFIGS): 128 rows x block_n columns
 # per program (block_k, group_m, stages unused). Timed on a gathered operand (x) and a plain one (dgu).

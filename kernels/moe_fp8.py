@@ -70,7 +70,9 @@ from kernels.moe import (
     dswiglu_epilogue, grouped_tile, layer_stage_names, mma_step, moe_combine, moe_dscores, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
     pinned_stage_config, store_fp32_tile, swiglu_epilogue, to_bf16, weight_descriptor,
 )
-from kernels.moe_fp8_ws import fp8_stage_name, grouped_launch_metadata, launch_fp8_ws
+from kernels.moe_fp8_ws import (
+    fp8_stage_name, grouped_launch_metadata, launch_fp8_wgrad_ws, launch_fp8_ws, wgrad_launch_metadata,
+)
 from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +83,7 @@ from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 # The sm_90 entries are compile-checked (wgmma on e4m3, shared memory, no spills) and timed on an H200
 # (bench/moe_tune.py; comments below).
 # ---------------------------------------------------------------------------------------------
-MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.7"
+MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.8"
 FP8_STAGES = ("up", "down", "dgrad", "dx")
 
 MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
@@ -120,7 +122,10 @@ WGRAD_CONFIGS: dict[str, GemmConfig | None] = {CUDA_SM90: None, TRITON_INTERPRET
 FP8_WGRAD_CONFIGS: dict[str, GemmConfig] = {
     # Both operands by TMA, 4 warps, 3 stages: 624 TFLOP/s at the reference shape for dW1 and dW2 against ~205 for
     # table .4's 128x128 8-warp pointer tile (reports/2026-11-30-h200/fp8-wgrad-tma, every candidate bit-equal).
-    CUDA_SM90: GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
+    # Table .8: the warp-specialized Gluon kernel (kernels/moe_fp8_ws.py), 128x64 with two consumer warpgroups
+    # (128x128 spills with the per-column weight-gradient scales), 6 stages: compile-checked (no spills, no MMA
+    # serialization) and bit-equal to the Triton tile; timed in reports/2026-11-30-h200/fp8-table8.
+    CUDA_SM90: GemmConfig(128, 64, 128, 1, 8, 6, "ws"),
     TRITON_INTERPRETER: GemmConfig(128, 256, 128, 1, 4, 1),
 }
 # The column-wise quantizer's tile: block_m = QBLOCK rows (one scale block) x block_n columns, num_warps
@@ -231,10 +236,6 @@ def _colq_meta(grid, metadata, args):
     return {"name": fp8_stage_name("moe_fp8_quant_colwise", P=args["P"], N=args["N"])}
 
 
-def _wgrad_meta(grid, metadata, args):
-    return {"name": fp8_stage_name("moe_fp8_wgrad", R=args["R"], C=args["C"])}
-
-
 @triton.jit(launch_metadata=_colq_meta)
 def moe_fp8_quant_colwise_kernel(
     src_ptr, rows_ptr, route_ptr, score_ptr, q_ptr, qs_ptr,
@@ -264,7 +265,7 @@ def moe_fp8_quant_colwise_kernel(
     tl.store(qs_ptr + offs_n * stride_sn_s + pid_p * stride_sp_s, scale, mask=n_ok)
 
 
-@triton.jit(launch_metadata=_wgrad_meta)
+@triton.jit(launch_metadata=wgrad_launch_metadata)
 def moe_fp8_wgrad_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, dw_ptr, offsets_ptr, counts_ptr,
     R, C,  # dW[e] [R, C] = sum over e's 128-row blocks kb (ascending) of (A_q[:, kb] @ B_q[:, kb]^T) * scales
@@ -461,8 +462,8 @@ def _check_ws(stage: str, config: GemmConfig, gather: bool, epilogue: int, backe
         raise ValueError(f"{stage}: variant 'ws' is a Gluon kernel for sm_90 and has no {backend!r} path; use a "
                          "'ptr' or 'tma' config there")
     if gather or epilogue != EPI_FP32:
-        raise ValueError(f"{stage}: variant 'ws' covers the FP32-output stages (down, dx) whose A is not gathered; "
-                         "use a 'ptr' or 'tma' config for up and dgrad")
+        raise ValueError(f"{stage}: variant 'ws' covers the FP32-output stages (down, dx) whose A is not gathered "
+                         "and the FP8 weight gradient; use a 'ptr' or 'tma' config for up and dgrad")
     if config.block_m != 64 * (config.num_warps // 4):
         raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "
                          f"warps or 128 with 8; got BLOCK_M {config.block_m}, {config.num_warps} warps")
@@ -551,7 +552,10 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
     """dW[e] [R, C] = sum over e's rows of A^T B from column-wise FP8 operands a_q [R, P], b_q [C, P]
     (scales [R, P/128], [C, P/128]), per-128-row promotion; BF16, or main_grad += it in FP32 (None)."""
     config = config or FP8_WGRAD_CONFIGS[backend]
-    check_moe_variant("wgrad", config)
+    if config.variant == "ws":
+        _check_ws("wgrad", config, False, EPI_FP32, backend)
+    else:
+        check_moe_variant("wgrad", config)
     if QBLOCK % config.block_k:
         raise ValueError(f"wgrad: BLOCK_K {config.block_k} must divide the FP8 block {QBLOCK}")
     experts, (r, c) = routing.num_experts, (a_q.shape[0], b_q.shape[0])
@@ -559,6 +563,11 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
     step_k = interpreter_step_k(config) if interpreted else config.block_k
     if a_q.shape[1] == 0:  # no routed rows (T = 0): dW = 0, and TMA cannot describe an empty operand
         return None if main_grad is not None else torch.zeros((experts, r, c), dtype=torch.bfloat16, device=a_q.device)
+    if config.variant == "ws":
+        out = main_grad if main_grad is not None else torch.empty((experts, r, c), dtype=torch.bfloat16, device=a_q.device)
+        launch_fp8_wgrad_ws(config, a_q, a_s, b_q, b_s, out, main_grad is not None, routing.expert_offsets,
+                            routing.expert_counts, experts, device_sms(a_q.device))
+        return None if main_grad is not None else out
     a_arg, b_arg = a_q, b_q
     if config.variant == "tma":  # the column-wise quantizer's [rows, P] outputs; anything else is refused by name
         (a_arg, a_t), (b_arg, b_t) = (tma_descriptor(name, t, t, (blk, step_k)) for name, t, blk in

@@ -47,26 +47,21 @@ def grouped_launch_metadata(grid, metadata, args):
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr):
-    """TMA loads of each live tile's K blocks into the ring; slot s is refilled once every consumer released it."""
+def _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, a_row, b_row, k0, num_kb):
+    """TMA loads of K blocks [k0 + kb * 128, +128) for kb < num_kb, A rows from a_row, B rows from b_row, into the
+    ring from slot ``count`` on; a slot is refilled once every consumer has released it. Returns the next count."""
     STAGES: gl.constexpr = a_ring.type.shape[0]
     QB: gl.constexpr = a_ring.type.shape[2]
-    num_kb = L // QB
-    count = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m = (t // num_n) * BLOCK_M
-        if gl.load(route_ptr + off_m) >= 0:  # a tile whose first row is padding is padding only: no loads
-            b_row = gl.load(tile_expert_ptr + off_m // SEGMENT) * C + (t % num_n) * BLOCK_N
-            for kb in range(num_kb):
-                slot = count % STAGES
-                # A fresh barrier counts as having completed the phase before phase 0: the first pass waits on nothing.
-                mbarrier.wait(free.index(slot), ((count // STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [off_m, kb * QB], bar, a_ring.index(slot))
-                tma.async_copy_global_to_shared(b_desc, [b_row, kb * QB], bar, b_ring.index(slot))
-                count += 1
+    for kb in range(num_kb):
+        slot = count % STAGES
+        # A fresh barrier counts as having completed the phase before phase 0: the first pass waits on nothing.
+        mbarrier.wait(free.index(slot), ((count // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [a_row, k0 + kb * QB], bar, a_ring.index(slot))
+        tma.async_copy_global_to_shared(b_desc, [b_row, k0 + kb * QB], bar, b_ring.index(slot))
+        count += 1
+    return count
 
 
 @gluon.jit
@@ -80,18 +75,84 @@ def _issue(a_ring, b_ring, ready, count, blk, PART: gl.constexpr, ROWS: gl.const
 
 
 @gluon.jit
-def _block_scale(as_rows, bs_tile, kb, stride_asl, stride_bsl):
-    """K block kb's scale per row of the part: a_s[row, kb] * b_s[e, kb, the tile's 128 columns] (exact)."""
-    return gl.load(as_rows + kb * stride_asl)[:, None] * gl.load(bs_tile + kb * stride_bsl)
+def _block_scale(a_scales, b_scales, kb, stride_a, stride_b, B_PER_COLUMN: gl.constexpr):
+    """K block kb's scales (powers of two): a [ROWS, 1] per row of the part, and b, one value for the tile's 128
+    columns (a scalar pointer: the grouped GEMM's weight block) or [1, BLOCK_N] per column (the weight gradient's).
+    Kept apart: their [ROWS, BLOCK_N] product is formed only at the promotion (registers)."""
+    b = gl.load(b_scales + kb * stride_b)
+    if B_PER_COLUMN:
+        b = b[None, :]
+    return gl.load(a_scales + kb * stride_a)[:, None], b
 
 
 @gluon.jit
 def _retire(blk, acc, scale, free, count, PENDING: gl.constexpr):
-    """Wait until PENDING MMA groups remain (ring slot ``count``'s is done), hand that slot back, promote."""
+    """Wait until PENDING MMA groups remain (ring slot ``count``'s is done), hand that slot back, promote:
+    acc + blk * (a_s * b_s), the Triton kernel's operation order (the product of the scales is exact)."""
     STAGES: gl.constexpr = free.type.shape[0]
     blk = warpgroup_mma_wait(num_outstanding=PENDING, deps=(blk, ))
     mbarrier.arrive(free.index(count % STAGES), count=1)
-    return blk, acc + blk * scale
+    return blk, acc + blk * (scale[0] * scale[1])
+
+
+@gluon.jit
+def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scales, stride_a, stride_b,
+              B_PER_COLUMN: gl.constexpr, KB_GROUP: gl.constexpr, TAIL: gl.constexpr, PART: gl.constexpr):
+    """acc + sum over K blocks kb < num_kb (ascending) of blk_kb * scale_kb, blk_kb the zero-initialised MMA chain of
+    ring slot count + kb. Returns (acc, the next count).
+
+    Blocks in groups of KB_GROUP (unrolled), then (TAIL) any remainder one at a time: per block of a group after its first,
+    issue its MMAs, then retire the one before (wait until only the new one is in flight, hand its slot back, promote
+    it) while the new one's run. Every block gets fresh accumulator registers and nothing is in flight across a loop's
+    back edge: an in-flight accumulator carried by a loop is copied there, and ptxas then serializes every wgmma
+    (C7514); unrolled past 3 blocks the registers ran out and it did the same (C7512)."""
+    ROWS: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    layout: gl.constexpr = acc.type.layout
+    full = num_kb - num_kb % KB_GROUP
+    for g in range(0, full, KB_GROUP):
+        prev = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS)
+        s_prev = _block_scale(a_scales, b_scales, g, stride_a, stride_b, B_PER_COLUMN)
+        for i in gl.static_range(1, KB_GROUP):
+            cur = _issue(a_ring, b_ring, ready, count + i, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS)
+            s_cur = _block_scale(a_scales, b_scales, g + i, stride_a, stride_b, B_PER_COLUMN)
+            acc = _retire(prev, acc, s_prev, free, count + i - 1, 1)[1]
+            prev = cur
+            s_prev = s_cur
+        acc = _retire(prev, acc, s_prev, free, count + KB_GROUP - 1, 0)[1]
+        count += KB_GROUP
+    if TAIL:  # (its code costs registers: without it the 128x128 tile compiles without spills)
+        for kb in range(full, num_kb):
+            blk = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS)
+            scale = _block_scale(a_scales, b_scales, kb, stride_a, stride_b, B_PER_COLUMN)
+            acc = _retire(blk, acc, scale, free, count, 0)[1]
+            count += 1
+    return acc, count
+
+
+@gluon.jit
+def _store_part(c_smem, c_desc, acc, row, col, PART: gl.constexpr):
+    """This part's tile rows through its slice of the shared buffer and a TMA store at [row, col]; the slice is
+    reused once the previous tile's store has read it, and the store runs while the next tile's MMAs do."""
+    ROWS: gl.constexpr = acc.type.shape[0]
+    c_part = c_smem.slice(PART * ROWS, ROWS, dim=0)
+    tma.store_wait(0)
+    c_part.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [row, col], c_part)
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr):
+    """The grouped GEMM's loads: every K block of each live tile (a tile whose first row is padding is padding only)."""
+    QB: gl.constexpr = a_ring.type.shape[2]
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m = (t // num_n) * BLOCK_M
+        if gl.load(route_ptr + off_m) >= 0:
+            b_row = gl.load(tile_expert_ptr + off_m // SEGMENT) * C + (t % num_n) * BLOCK_N
+            count = _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, off_m, b_row, 0, L // QB)
 
 
 @gluon.jit
@@ -99,48 +160,23 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route
               num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
               CONSUMERS: gl.constexpr, PART: gl.constexpr):
-    """One consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile."""
+    """The grouped GEMM's consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile."""
     QB: gl.constexpr = a_ring.type.shape[2]
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m = (t // num_n) * BLOCK_M
         off_n = (t % num_n) * BLOCK_N
-        rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=row_layout)
+        rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
         if gl.load(route_ptr + off_m) >= 0:
-            as_rows = as_ptr + rows * stride_asm
             bs_tile = bs_ptr + gl.load(tile_expert_ptr + off_m // SEGMENT) * stride_bse + (off_n // QB) * stride_bsc
-            # K blocks in groups of KB_GROUP (unrolled): per block kb >= 1 of a group, issue kb's MMAs, then retire
-            # kb-1 (wait until only kb's are in flight, hand its slot back, promote it) while kb's run. Every block
-            # gets fresh accumulator registers and nothing is in flight across the loop's back edge: an in-flight
-            # accumulator carried by a loop is copied there, and ptxas then serializes every wgmma (C7514); unrolled
-            # past 3 blocks the registers ran out and it did the same (C7512).
-            for g in range(0, L // QB, KB_GROUP):
-                prev = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout), PART,
-                              ROWS)
-                s_prev = _block_scale(as_rows, bs_tile, g, stride_asl, stride_bsl)
-                for i in gl.static_range(1, KB_GROUP):
-                    cur = _issue(a_ring, b_ring, ready, count + i, gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout),
-                                 PART, ROWS)
-                    s_cur = _block_scale(as_rows, bs_tile, g + i, stride_asl, stride_bsl)
-                    acc = _retire(prev, acc, s_prev, free, count + i - 1, 1)[1]
-                    prev = cur
-                    s_prev = s_cur
-                acc = _retire(prev, acc, s_prev, free, count + KB_GROUP - 1, 0)[1]
-                count += KB_GROUP
+            acc, count = _k_blocks(a_ring, b_ring, ready, free, count, acc, L // QB, as_ptr + rows * stride_asm, bs_tile,
+                                   stride_asl, stride_bsl, False, KB_GROUP, False, PART)
         live = gl.load(route_ptr + rows) >= 0  # padding rows store zeros
-        acc = gl.where(live[:, None], acc, 0.0)
-        # Epilogue through shared memory and a TMA store: this part's slice of the tile buffer, reused once the
-        # previous tile's store has read it; the store runs while the next tile's MMAs do.
-        c_part = c_smem.slice(PART * ROWS, ROWS, dim=0)
-        tma.store_wait(0)
-        c_part.store(acc)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m + PART * ROWS, off_n], c_part)
+        _store_part(c_smem, c_desc, gl.where(live[:, None], acc, 0.0), off_m + PART * ROWS, off_n, PART)
     tma.store_wait(0)
 
 
@@ -181,6 +217,105 @@ def moe_fp8_ws_kernel(
                          num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
                          L, BLOCK_M, BLOCK_N, SEGMENT)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+def wgrad_launch_metadata(grid, metadata, args):
+    """Launch name of an FP8 weight-gradient kernel (Triton or Gluon)."""
+    return {"name": fp8_stage_name("moe_fp8_wgrad", R=args["R"], C=args["C"])}
+
+
+@gluon.jit
+def _wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr):
+    """Weight-gradient tile t: (expert, pid_r, pid_c, the expert's first padded row, its routed rows)."""
+    per_expert = num_r * num_c
+    expert = t // per_expert
+    rem = t % per_expert
+    return expert, rem // num_c, rem % num_c, gl.load(offsets_ptr + expert), gl.load(counts_ptr + expert)
+
+
+@gluon.jit
+def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles, num_r, num_c,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The weight gradient's loads: the expert's 128-row blocks of A_q [R, P] and B_q [C, P] (P is the K dim)."""
+    QB: gl.constexpr = a_ring.type.shape[2]
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        expert, pid_r, pid_c, start, routed = _wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
+        count = _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, pid_r * BLOCK_M, pid_c * BLOCK_N,
+                             start, gl.cdiv(routed, QB))
+
+
+@gluon.jit
+def _wgrad_consumer(a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, as_ptr, bs_ptr, offsets_ptr, counts_ptr,
+                    num_tiles, num_r, num_c, R, stride_asr, stride_asp, stride_bsc, stride_bsp, stride_we, stride_wr,
+                    stride_wc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KB_GROUP: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr):
+    """The weight gradient's consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of dW[e]'s
+    tile; BF16 out by TMA store, or main_grad += it in FP32 (an expert without rows leaves main_grad untouched)."""
+    QB: gl.constexpr = a_ring.type.shape[2]
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        expert, pid_r, pid_c, start, routed = _wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
+        rows = pid_r * BLOCK_M + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        cols = pid_c * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        kb0 = start // QB
+        acc, count = _k_blocks(a_ring, b_ring, ready, free, count, gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout),
+                               gl.cdiv(routed, QB), as_ptr + rows * stride_asr + kb0 * stride_asp,
+                               bs_ptr + cols * stride_bsc + kb0 * stride_bsp, stride_asp, stride_bsp, True, KB_GROUP,
+                               True, PART)
+        if ACCUMULATE:
+            if routed > 0:
+                ptrs = dw_ptr + expert * stride_we + rows[:, None] * stride_wr + cols[None, :] * stride_wc
+                gl.store(ptrs, gl.load(ptrs) + acc)
+        else:
+            _store_part(c_smem, c_desc, acc, expert * R + pid_r * BLOCK_M + PART * ROWS, pid_c * BLOCK_N, PART)
+    tma.store_wait(0)
+
+
+@gluon.jit(launch_metadata=wgrad_launch_metadata)
+def moe_fp8_wgrad_ws_kernel(
+    a_desc, b_desc,  # TMA descriptors: A_q [R, P] (box [BLOCK_M, 128]), B_q [C, P] (box [BLOCK_N, 128]), P contiguous
+    c_desc,  # TMA descriptor over the BF16 dW as [E * R, C], box [BLOCK_M / CONSUMERS, BLOCK_N] (unused: ACCUMULATE)
+    dw_ptr,  # main_grad [E, R, C] FP32 (ACCUMULATE)
+    as_ptr, bs_ptr, offsets_ptr, counts_ptr,
+    R, C, num_experts,  # dW[e] [R, C] = sum over e's 128-row blocks kb (ascending) of (A_q[:, kb] @ B_q[:, kb]^T) * scales
+    stride_asr, stride_asp, stride_bsc, stride_bsp, stride_we, stride_wr, stride_wc,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KB_GROUP: gl.constexpr,
+    ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr,
+):
+    a_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], c_desc.layout)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=CONSUMERS)
+    num_r = R // BLOCK_M
+    num_c = C // BLOCK_N
+    num_tiles = num_experts * num_r * num_c
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, as_ptr, bs_ptr, offsets_ptr,
+                               counts_ptr, num_tiles, num_r, num_c, R, stride_asr, stride_asp, stride_bsc, stride_bsp,
+                               stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
+            (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, as_ptr, bs_ptr, offsets_ptr,
+                               counts_ptr, num_tiles, num_r, num_c, R, stride_asr, stride_asp, stride_bsc, stride_bsp,
+                               stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 1)),
+            (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles, num_r,
+                               num_c, BLOCK_M, BLOCK_N)),
+        ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, as_ptr, bs_ptr, offsets_ptr,
+                               counts_ptr, num_tiles, num_r, num_c, R, stride_asr, stride_asp, stride_bsc, stride_bsp,
+                               stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
+            (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles, num_r,
+                               num_c, BLOCK_M, BLOCK_N)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -227,4 +362,37 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
         KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps),
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
+    )
+
+
+def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
+                        out: torch.Tensor, accumulate: bool, offsets: torch.Tensor, counts: torch.Tensor,
+                        num_experts: int, sms: int) -> None:
+    """dW[e] [R, C] (BF16 into ``out``, or ``out`` += it in FP32 when ``accumulate``) from the column-wise FP8
+    operands a_q [R, P], b_q [C, P]; refuses, naming the value, what this kernel does not cover (before any work)."""
+    r, c = a_q.shape[0], b_q.shape[0]
+    if config.block_k != QBLOCK_WS:
+        raise ValueError(f"wgrad: variant 'ws' runs one {QBLOCK_WS}-row scale block per ring slot; got BLOCK_K "
+                         f"{config.block_k}")
+    if r % config.block_m or c % config.block_n:
+        raise ValueError(f"wgrad: variant 'ws' needs BLOCK_M {config.block_m} dividing R {r} and BLOCK_N "
+                         f"{config.block_n} dividing C {c}")
+    if any(t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16 for t in (a_q, b_q)) or not out.is_contiguous():
+        raise ValueError(f"wgrad: variant 'ws' needs a_q, b_q row-major with 16-byte aligned rows and dW contiguous; "
+                         f"got strides {a_q.stride()}, {b_q.stride()}, {out.stride()}")
+    part_rows = config.block_m // consumers(config.num_warps)
+    # The BF16 dW as [E * R, C] for the TMA store; accumulating into main_grad stores through pointers (the kernel
+    # still takes a descriptor: one over a tile-sized scratch).
+    store = torch.empty((part_rows, config.block_n), dtype=torch.bfloat16, device=out.device) if accumulate else \
+        out.reshape(-1, c)
+    c_desc = fp8_ws_descriptor(store, [part_rows, config.block_n], gl.bfloat16)
+    tiles = num_experts * (r // config.block_m) * (c // config.block_n)
+    moe_fp8_wgrad_ws_kernel[(min(tiles, sms),)](
+        fp8_ws_descriptor(a_q, [config.block_m, QBLOCK_WS]), fp8_ws_descriptor(b_q, [config.block_n, QBLOCK_WS]),
+        c_desc, out, a_s, b_s, offsets, counts,
+        r, c, num_experts,
+        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, KB_GROUP=3,
+        ACCUMULATE=accumulate, CONSUMERS=consumers(config.num_warps),
+        num_warps=4, maxnreg=max_regs(config.num_warps),
     )

@@ -12,7 +12,10 @@ from audits.moe import MoeCase
 from audits.moe_fp8 import make_inputs
 from kernels.det_gemm import GemmConfig
 from kernels.fp8_quant import quantize_rowwise, quantize_weight
-from kernels.moe_fp8 import moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_up_swiglu, select_moe_fp8_config
+from kernels.moe_fp8 import (
+    FP8_WGRAD_CONFIGS, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_quant_colwise, moe_fp8_up_swiglu,
+    moe_fp8_wgrad, select_moe_fp8_config,
+)
 from kernels.moe_routing import build_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import compile_sm90_offline
@@ -20,6 +23,7 @@ from toolkit.contract import compare_bits
 
 WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 5, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws"),
               GemmConfig(128, 64, 128, 1, 8, 8, "ws")]
+WGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(128, 128, 128, 1, 8, 4, "ws")]
 
 
 def _operands(device, t=24, h=128, i=128, e=3, k=2, seed=5):
@@ -34,10 +38,15 @@ def _operands(device, t=24, h=128, i=128, e=3, k=2, seed=5):
     x_q, x_s = quantize_rowwise(inp["x"])
     dout_q, dout_s = quantize_rowwise(inp["x"].flip(0))
     w1f, w2f = quantize_weight(inp["w1"]), quantize_weight(inp["w2"])
-    gu, _, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, r, b)
-    _, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b)
+    gu, h, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, r, b)
+    dgu, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b)
+    col = {name: moe_fp8_quant_colwise(src, r, b, gather=gather, scale=scale) for name, src, gather, scale in
+           (("x", inp["x"], True, False), ("dgu", dgu, False, False), ("h", h, False, False),
+            ("dy", inp["x"].flip(0), True, True))}
     runs = {"down": lambda c: moe_fp8_down(h_q, h_s, w2f, r, b, config=c),
-            "dx": lambda c: moe_fp8_dx_route(dgu_q, dgu_s, w1f, r, b, config=c)}
+            "dx": lambda c: moe_fp8_dx_route(dgu_q, dgu_s, w1f, r, b, config=c),
+            "wgrad_w1": lambda c, mg=None: moe_fp8_wgrad(*col["x"], *col["dgu"], r, b, main_grad=mg, config=c),
+            "wgrad_w2": lambda c, mg=None: moe_fp8_wgrad(*col["h"], *col["dy"], r, b, main_grad=mg, config=c)}
     gathered = {"up": lambda c: moe_fp8_up_swiglu(x_q, x_s, w1f, r, b, config=c),
                 "dgrad": lambda c: moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b, config=c)}
     return runs, gathered, r
@@ -51,6 +60,8 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
             with pytest.raises(ValueError, match="variant 'ws' is a Gluon kernel for sm_90"):
                 run(ws)
         return
+    with pytest.raises(ValueError, match="one 128-row scale block per ring slot"):
+        runs["wgrad_w1"](GemmConfig(128, 64, 64, 1, 8, 6, "ws"))
     for run in gathered.values():
         with pytest.raises(ValueError, match="variant 'ws' covers the FP32-output stages"):
             run(replace(ws, block_n=256 if run is gathered["up"] else 64))
@@ -66,7 +77,8 @@ def test_ws_gives_the_triton_kernels_bits(shape, device):
     t, h, i, e, k = shape
     runs, _, r = _operands(device, t, h, i, e, k, seed=11)
     assert int(r.counts[0]) == 0 and int(r.counts[1]) == 1
-    for stage, run in runs.items():
+    for stage in ("down", "dx"):
+        run = runs[stage]
         ref = run(select_moe_fp8_config(stage, backend_of(device)))
         for config in WS_CONFIGS:
             out = run(config)
@@ -74,6 +86,28 @@ def test_ws_gives_the_triton_kernels_bits(shape, device):
             assert compare_bits(run(config), out).equal, (stage, config.label())  # repeat
         pad = r.sorted_route < 0
         assert bool((ref[pad] == 0).all()), stage
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(300, 512, 384, 5, 2), (2048, 1024, 768, 16, 4)])
+def test_ws_weight_gradient_gives_the_triton_kernels_bits(shape, device):
+    # Experts of 0 and 1 rows and of 2-5 scale blocks (groups of 3 and the one-at-a-time remainder); BF16 out, and
+    # main_grad += dW in FP32 (an expert without rows leaves its slice untouched).
+    t, h, i, e, k = shape
+    runs, _, r = _operands(device, t, h, i, e, k, seed=11)
+    pinned = FP8_WGRAD_CONFIGS[backend_of(device)]
+    for stage in ("wgrad_w1", "wgrad_w2"):
+        run = runs[stage]
+        ref = run(pinned)
+        assert bool((ref[0] == 0).all()), stage
+        for config in WGRAD_WS_CONFIGS:
+            out = run(config)
+            assert compare_bits(out, ref).equal, (stage, config.label())
+            base = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2)).to(device)
+            mg_ref, mg = base.clone(), base.clone()
+            run(pinned, mg_ref)
+            run(config, mg)
+            assert compare_bits(mg, mg_ref).equal and compare_bits(mg[0], base[0]).equal, (stage, config.label())
 
 
 _COMPILE = r'''
@@ -85,15 +119,21 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 from bench.gemm_sass import cuobjdump_bytes, stack_bytes
 from kernels.det_gemm_ws import consumers, max_regs
-from kernels.moe_fp8_ws import moe_fp8_ws_kernel as fn
+from kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_kernel
 out = {}
-for bm, bn, warps, stages in [(128, 128, 8, 5), (64, 128, 4, 6), (128, 64, 8, 8)]:
-    box = lambda rows: f"tensordesc<fp8e4nv[{rows}, 128],{gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)!r}>"
-    out_box = lambda rows, cols: f"tensordesc<fp32[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float32)!r}>"
-    ptrs = {"a_desc": box(bm), "b_desc": box(bn), "c_desc": out_box(bm // consumers(warps), bn), "as_ptr": "*fp32", "bs_ptr": "*fp32",
-            "route_ptr": "*i32", "tile_expert_ptr": "*i32"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-              "stride_asl": 1}
+box = lambda rows, cols=128, dt=gl.float8e4nv: (f"tensordesc<{dt}"
+                                                f"[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], dt)!r}>")
+grouped = [(moe_fp8_ws_kernel, f"grouped_{bm}x{bn}", bm, bn, warps,
+            {"a_desc": box(bm), "b_desc": box(bn), "c_desc": box(bm // consumers(warps), bn, gl.float32), "as_ptr": "*fp32",
+             "bs_ptr": "*fp32", "route_ptr": "*i32", "tile_expert_ptr": "*i32"},
+            {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
+             "stride_asl": 1}) for bm, bn, warps, stages in [(128, 128, 8, 5), (64, 128, 4, 6), (128, 64, 8, 8)]]
+wgrad = [(moe_fp8_wgrad_ws_kernel, f"wgrad_{bm}x{bn}_acc{int(acc)}", bm, bn, warps,
+          {"a_desc": box(bm), "b_desc": box(bn), "c_desc": box(bm // consumers(warps), bn, gl.bfloat16), "dw_ptr": "*fp32",
+           "as_ptr": "*fp32", "bs_ptr": "*fp32", "offsets_ptr": "*i32", "counts_ptr": "*i32"},
+          {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "KB_GROUP": 3, "ACCUMULATE": acc, "CONSUMERS": consumers(warps),
+           "stride_asp": 1, "stride_bsp": 1, "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 64, 8, 6, False), (128, 64, 8, 6, True)]]
+for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad:
     names = list(fn.arg_names)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -108,7 +148,7 @@ for bm, bn, warps, stages in [(128, 128, 8, 5), (64, 128, 4, 6), (128, 64, 8, 8)
     ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
     info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
                           capture_output=True, text=True).stderr
-    out[f"{bm}x{bn}"] = {"qgmma": len(re.findall(r"\bQGMMA", sass)), "tma": len(re.findall(r"\bUTMALDG", sass)),
+    out[name] = {"qgmma": len(re.findall(r"\bQGMMA", sass)), "tma": len(re.findall(r"\bUTMALDG", sass)),
                          "setmaxnreg": len(re.findall(r"\bUSETMAXREG", sass)), "ldgsts": len(re.findall(r"\bLDGSTS", sass)),
                          "stack": stack_bytes(cuobjdump_bytes("--dump-resource-usage", k.asm["cubin"], d)),
                          "wait1": ptx.count("wgmma.wait_group.sync.aligned 1;"), "shared": k.metadata.shared,
