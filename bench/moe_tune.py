@@ -68,7 +68,9 @@ FP8_GROUPED += [GemmConfig(*c, variant="ws") for c in [
 FP8_UP = [GemmConfig(*c) for c in [
     (64, 256, 128, 1, 8, 3), (64, 256, 128, 1, 8, 2), (64, 256, 128, 1, 4, 2), (128, 256, 128, 1, 8, 2),
     (128, 256, 64, 1, 8, 3), (64, 256, 64, 1, 4, 4), (64, 128, 128, 1, 4, 4),
-]] + [GemmConfig(*c, variant="tma") for c in [
+]]
+# The Gluon kernel (kernels/moe_fp8_ws.py) with the gathered rows by cp.async from a 4-warp producer.
+FP8_UP += [GemmConfig(*c, variant="ws") for c in [(128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 5), (64, 128, 128, 1, 4, 6)]] + [GemmConfig(*c, variant="tma") for c in [
     (64, 256, 128, 1, 8, 3), (64, 256, 128, 1, 8, 2), (128, 256, 128, 1, 8, 2),
     (64, 128, 128, 1, 4, 4), (64, 128, 128, 1, 4, 3), (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 3),
     (128, 128, 128, 1, 4, 3),

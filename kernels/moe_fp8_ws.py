@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
@@ -32,6 +33,12 @@ from kernels.det_gemm_ws import CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PR
 from kernels.moe import stage_name
 
 QBLOCK_WS = 128  # the FP8 scale block along K: one ring slot holds one block of both operands
+# The gathered-A producer: one warpgroup issuing 16-byte cp.async copies (8 per thread for a 128x128 e4m3 tile).
+# Registers after the hand-off: 2 x 128 x 232 + 128 x 48 = 64K (with 224 for the consumers ptxas spilled and
+# serialized their wgmma; the producer's copies fit in 48).
+GATHER_PRODUCER_WARPS = gl.constexpr(4)
+GATHER_PRODUCER_REGS = gl.constexpr(48)
+GATHER_CONSUMER_REGS = gl.constexpr(232)
 GROUPED_OPS = ("moe_fp8_up_swiglu", "moe_fp8_down", "moe_fp8_dgrad_dswiglu", "moe_fp8_dx_route")
 
 
@@ -65,11 +72,15 @@ def _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, a_row, b_ro
 
 
 @gluon.jit
-def _issue(a_ring, b_ring, ready, count, blk, PART: gl.constexpr, ROWS: gl.constexpr):
-    """Wait for ring slot ``count``'s tiles and issue its 128-K block's MMAs (zero-initialised) into ``blk``'s registers."""
+def _issue(a_ring, b_ring, ready, count, blk, PART: gl.constexpr, ROWS: gl.constexpr, FENCE: gl.constexpr):
+    """Wait for ring slot ``count``'s tiles and issue its 128-K block's MMAs (zero-initialised) into ``blk``'s
+    registers. FENCE: the A tile was written by cp.async (generic proxy), which wgmma (async proxy) may read only
+    after a proxy fence."""
     STAGES: gl.constexpr = a_ring.type.shape[0]
     slot = count % STAGES
     mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+    if FENCE:
+        fence_async_shared()
     return warpgroup_mma(a_ring.index(slot).slice(PART * ROWS, ROWS, dim=0), b_ring.index(slot).permute((1, 0)), blk,
                          use_acc=False, is_async=True)
 
@@ -97,7 +108,8 @@ def _retire(blk, acc, scale, free, count, PENDING: gl.constexpr):
 
 @gluon.jit
 def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scales, stride_a, stride_b,
-              B_PER_COLUMN: gl.constexpr, KB_GROUP: gl.constexpr, TAIL: gl.constexpr, PART: gl.constexpr):
+              B_PER_COLUMN: gl.constexpr, KB_GROUP: gl.constexpr, TAIL: gl.constexpr, PART: gl.constexpr,
+              FENCE: gl.constexpr = False):
     """acc + sum over K blocks kb < num_kb (ascending) of blk_kb * scale_kb, blk_kb the zero-initialised MMA chain of
     ring slot count + kb. Returns (acc, the next count).
 
@@ -111,10 +123,10 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
     layout: gl.constexpr = acc.type.layout
     full = num_kb - num_kb % KB_GROUP
     for g in range(0, full, KB_GROUP):
-        prev = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS)
+        prev = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS, FENCE)
         s_prev = _block_scale(a_scales, b_scales, g, stride_a, stride_b, B_PER_COLUMN)
         for i in gl.static_range(1, KB_GROUP):
-            cur = _issue(a_ring, b_ring, ready, count + i, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS)
+            cur = _issue(a_ring, b_ring, ready, count + i, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS, FENCE)
             s_cur = _block_scale(a_scales, b_scales, g + i, stride_a, stride_b, B_PER_COLUMN)
             acc = _retire(prev, acc, s_prev, free, count + i - 1, 1)[1]
             prev = cur
@@ -123,7 +135,7 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
         count += KB_GROUP
     if TAIL:  # (its code costs registers: without it the 128x128 tile compiles without spills)
         for kb in range(full, num_kb):
-            blk = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS)
+            blk = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS, FENCE)
             scale = _block_scale(a_scales, b_scales, kb, stride_a, stride_b, B_PER_COLUMN)
             acc = _retire(blk, acc, scale, free, count, 0)[1]
             count += 1
@@ -180,6 +192,22 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route
     tma.store_wait(0)
 
 
+@gluon.jit
+def _allocate(a_desc, b_desc, c_desc, c_dtype: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Shared memory of both kernels: the operand ring (STAGES x one A and one B tile), its ready barriers (the
+    producer's TMA bytes landed) and free barriers (every consumer released the slot), and the output tile buffer."""
+    a_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_smem = gl.allocate_shared_memory(c_dtype, [CONSUMERS * c_desc.block_type.shape[0], c_desc.block_type.shape[1]],
+                                       c_desc.layout)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=CONSUMERS)
+    return a_ring, b_ring, ready, free, c_smem
+
+
 @gluon.jit(launch_metadata=grouped_launch_metadata)
 def moe_fp8_ws_kernel(
     a_desc, b_desc,  # TMA descriptors: A_q [P, L] (box [BLOCK_M, 128]), B_q K-major as [E * C, L] (box [BLOCK_N, 128])
@@ -192,14 +220,7 @@ def moe_fp8_ws_kernel(
     KB_GROUP: gl.constexpr,  # K blocks per unrolled group of the consumers' loop; divides L / 128
     CONSUMERS: gl.constexpr,  # consumer warpgroups, each its own partition and BLOCK_M / CONSUMERS rows: 1 or 2
 ):
-    a_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    c_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], c_desc.layout)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=CONSUMERS)
+    a_ring, b_ring, ready, free, c_smem = _allocate(a_desc, b_desc, c_desc, gl.float32, STAGES, CONSUMERS)
     num_n = C // BLOCK_N
     num_tiles = (P // BLOCK_M) * num_n
     if CONSUMERS == 2:  # cooperative: the two warpgroups split each tile's rows and sync only through the ring
@@ -287,14 +308,7 @@ def moe_fp8_wgrad_ws_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KB_GROUP: gl.constexpr,
     ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
-    a_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], c_desc.layout)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=CONSUMERS)
+    a_ring, b_ring, ready, free, c_smem = _allocate(a_desc, b_desc, c_desc, gl.bfloat16, STAGES, CONSUMERS)
     num_r = R // BLOCK_M
     num_c = C // BLOCK_N
     num_tiles = num_experts * num_r * num_c
@@ -317,6 +331,114 @@ def moe_fp8_wgrad_ws_kernel(
             (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles, num_r,
                                num_c, BLOCK_M, BLOCK_N)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+@gluon.jit
+def _gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr, num_tiles,
+                     num_n, C, L, stride_am, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr):
+    """The up-projection's loads (a 4-warp partition): the A rows x_q[gather[p]] by 16-byte cp.async (Hopper's TMA
+    cannot gather rows), each thread's copies arriving on the slot's ready barrier when they land, and the weight
+    tile by TMA. A padding row reads token 0 (the routing's gather index there); the consumer zeroes those rows."""
+    STAGES: gl.constexpr = a_ring.type.shape[0]
+    QB: gl.constexpr = a_ring.type.shape[2]
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # 16 e4m3 = 16 bytes per copy
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m = (t // num_n) * BLOCK_M
+        if gl.load(route_ptr + off_m) >= 0:
+            b_row = gl.load(tile_expert_ptr + off_m // SEGMENT) * C + (t % num_n) * BLOCK_N
+            tokens = gl.load(gather_ptr + off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout)))
+            a_rows = a_ptr + tokens[:, None].to(gl.int64) * stride_am + \
+                gl.arange(0, QB, layout=gl.SliceLayout(0, rows_layout))[None, :]
+            for kb in range(L // QB):
+                slot = count % STAGES
+                mbarrier.wait(free.index(slot), ((count // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(b_desc, [b_row, kb * QB], bar, b_ring.index(slot))
+                async_copy.async_copy_global_to_shared(a_ring.index(slot), a_rows + kb * QB)
+                async_copy.mbarrier_arrive(bar, increment_count=False)
+                count += 1
+
+
+@gluon.jit
+def _swiglu_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr, gather_ptr,
+                     route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse,
+                     stride_bsl, stride_bsc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr,
+                     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr):
+    """The up-projection's consumer warpgroup: the grouped consumer's K loop over gathered rows (their scales read
+    through the gather index too), then the SwiGLU epilogue of moe_fp8_grouped_gemm_kernel (EPI 3): gu rounded to
+    BF16, h = silu(g) * u from those BF16 values in FP32, rounded once; both stored by TMA."""
+    QB: gl.constexpr = a_ring.type.shape[2]
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m = (t // num_n) * BLOCK_M
+        off_n = (t % num_n) * BLOCK_N
+        rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+        if gl.load(route_ptr + off_m) >= 0:
+            bs_tile = bs_ptr + gl.load(tile_expert_ptr + off_m // SEGMENT) * stride_bse + (off_n // QB) * stride_bsc
+            tokens = gl.load(gather_ptr + rows)
+            acc, count = _k_blocks(a_ring, b_ring, ready, free, count, acc, L // QB, as_ptr + tokens * stride_asm,
+                                   bs_tile, stride_asl, stride_bsl, False, KB_GROUP, False, PART, True)
+        live = gl.load(route_ptr + rows) >= 0  # padding rows (they read token 0) store zeros
+        gu = gl.where(live[:, None], acc, 0.0).to(gl.bfloat16)
+        g, u = gl.split(gl.reshape(gu.to(gl.float32), [ROWS, BLOCK_N // 2, 2]))
+        h = ((g * (1.0 / (1.0 + gl.exp(-g)))) * u).to(gl.bfloat16)
+        row = off_m + PART * ROWS
+        _store_part(gu_smem, gu_desc, gu, row, off_n, PART)
+        _store_part(h_smem, h_desc, h, row, off_n // 2, PART)
+    tma.store_wait(0)
+
+
+@gluon.jit(launch_metadata=grouped_launch_metadata)
+def moe_fp8_ws_up_kernel(
+    a_ptr,  # x_q [T, H] e4m3, rows read through the gather index
+    b_desc,  # TMA descriptor over W1q_t as [E * 2I, H] (box [BLOCK_N, 128])
+    gu_desc, h_desc,  # TMA descriptors over gu [P, 2I] and h [P, I] BF16 (boxes [BLOCK_M / CONSUMERS, BLOCK_N | BLOCK_N / 2])
+    as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr,
+    P, C, L,  # gu[p, :C] = sum_kb (x_q[gather[p], kb] @ W1q[e][kb, :C]) * scales; h = silu(g) * u
+    stride_am, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
+    op_id,  # names the launch only
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
+    KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
+):
+    QB: gl.constexpr = b_desc.block_type.shape[1]
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, QB], gl.float8e4nv)
+    a_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, QB], a_layout)
+    b_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    gu_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], gu_desc.layout)
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N // 2], h_desc.layout)
+    for i in gl.static_range(STAGES):
+        # The weight's expect-tx arrival and one cp.async arrival per producer thread (128).
+        mbarrier.init(ready.index(i), count=1 + GATHER_PRODUCER_WARPS * 32)
+        mbarrier.init(free.index(i), count=CONSUMERS)
+    num_n = C // BLOCK_N
+    num_tiles = (P // BLOCK_M) * num_n
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
+                                gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl,
+                                stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+            (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
+                                gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl,
+                                stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
+            (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+        ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
+                                gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl,
+                                stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+            (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+        ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
 
 
 def kb_group(num_kb: int) -> int:
@@ -394,5 +516,37 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, KB_GROUP=3,
         ACCUMULATE=accumulate, CONSUMERS=consumers(config.num_warps),
+        num_warps=4, maxnreg=max_regs(config.num_warps),
+    )
+
+
+def launch_fp8_ws_up(op_id: int, stage: str, config, x_q: torch.Tensor, x_s: torch.Tensor, b: torch.Tensor,
+                     b_s: torch.Tensor, gu: torch.Tensor, h: torch.Tensor, gather: torch.Tensor, route: torch.Tensor,
+                     tile_expert: torch.Tensor, padded_rows: int, segment: int, sms: int) -> None:
+    """gu [P, 2I] and h [P, I] (BF16) of the up-projection over the gathered rows of x_q [T, H] and the K-major
+    weight b [E, 2I, H]; refuses, naming the value, what this kernel does not cover (before any work)."""
+    e, n_cols, reduced = b.shape
+    if config.block_k != QBLOCK_WS or config.block_n != QBLOCK_WS:
+        raise ValueError(f"{stage}: variant 'ws' of the up-projection runs BLOCK_K = BLOCK_N = {QBLOCK_WS} (h by the "
+                         f"row-wise pass); got BLOCK_K {config.block_k}, BLOCK_N {config.block_n}")
+    if n_cols % config.block_n or reduced % QBLOCK_WS:
+        raise ValueError(f"{stage}: variant 'ws' needs 2I {n_cols} and H {reduced} multiples of {QBLOCK_WS}")
+    if (not b.is_contiguous() or not gu.is_contiguous() or not h.is_contiguous() or x_q.stride(1) != 1
+            or x_q.stride(0) % 16 or x_q.data_ptr() % 16):
+        raise ValueError(f"{stage}: variant 'ws' needs x_q row-major with 16-byte aligned rows (cp.async), the K-major "
+                         f"weight and the outputs contiguous; got x_q strides {x_q.stride()}, weight strides "
+                         f"{b.stride()}")
+    part_rows = config.block_m // consumers(config.num_warps)
+    tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
+    moe_fp8_ws_up_kernel[(min(tiles, sms),)](
+        x_q, fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]),
+        fp8_ws_descriptor(gu, [part_rows, config.block_n], gl.bfloat16),
+        fp8_ws_descriptor(h, [part_rows, config.block_n // 2], gl.bfloat16),
+        x_s, b_s, gather, route, tile_expert,
+        padded_rows, n_cols, reduced,
+        x_q.stride(0), x_s.stride(0), x_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
+        op_id,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
+        KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps),
         num_warps=4, maxnreg=max_regs(config.num_warps),
     )

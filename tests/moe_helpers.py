@@ -55,3 +55,23 @@ def compile_sm90_offline(script: str, tmp_path, *argv: str) -> dict:
     proc = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fp8_stage_runs(inp: dict[str, torch.Tensor], routing, backend: str) -> tuple[dict[str, Callable], dict]:
+    """The four FP8 grouped GEMM stages on one input set (x; its rows reversed as dout), each a function of a
+    config returning a tuple of outputs, and the BF16 intermediates they start from (h, gu, dgu)."""
+    from kernels.fp8_quant import quantize_rowwise, quantize_weight
+    from kernels.moe_fp8 import moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_up_swiglu
+
+    x_q, x_s = quantize_rowwise(inp["x"])
+    dout_q, dout_s = quantize_rowwise(inp["x"].flip(0))
+    w1f, w2f = quantize_weight(inp["w1"]), quantize_weight(inp["w2"])
+    gu, h, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, routing, backend)
+    dgu, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, routing, backend)
+    runs = {
+        "up": lambda c: moe_fp8_up_swiglu(x_q, x_s, w1f, routing, backend, config=c),
+        "down": lambda c: (moe_fp8_down(h_q, h_s, w2f, routing, backend, config=c),),
+        "dgrad": lambda c: moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, routing, backend, config=c),
+        "dx": lambda c: (moe_fp8_dx_route(dgu_q, dgu_s, w1f, routing, backend, config=c),),
+    }
+    return runs, {"h": h, "gu": gu, "dgu": dgu}

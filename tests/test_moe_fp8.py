@@ -19,14 +19,14 @@ from audits.moe import GRAD_NAMES, MoeCase, rel_l2
 from kernels.det_gemm import GemmConfig
 from kernels.fp8_quant import QBLOCK, quantize_rowwise, quantize_rowwise_ref
 from kernels.moe_fp8 import (
-    MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_risk,
+    MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_risk,
     moe_fp8_up_swiglu, moe_mlp_fp8_fwd, moe_mlp_fp8_ref, select_moe_fp8_config,
 )
 from kernels.moe import moe_mlp_ref
 from kernels.moe_routing import build_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import (
-    assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline, layer_args,
+    assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline, fp8_stage_runs, layer_args,
 )
 from toolkit.contract import compare_bits
 
@@ -120,20 +120,8 @@ def test_tma_weight_tile_gives_the_pointer_kernels_bits(device):
     # including a 256-wide down tile whose upper half lies past C = H = 128 (TMA zero fill vs masked load).
     inp = make_inputs(_case(t=16, seed=13), device)
     r = build_routing(inp["topk_ids"], inp["scores"], E)
-    from kernels.fp8_quant import quantize_weight
-
     b = backend_of(device)
-    x_q, x_s = quantize_rowwise(inp["x"])
-    dout_q, dout_s = quantize_rowwise(inp["x"].flip(0))
-    w1f, w2f = quantize_weight(inp["w1"]), quantize_weight(inp["w2"])
-    gu, _, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, r, b)
-    _, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b)
-    runs = {
-        "up": lambda c: moe_fp8_up_swiglu(x_q, x_s, w1f, r, b, config=c),
-        "down": lambda c: (moe_fp8_down(h_q, h_s, w2f, r, b, config=c),),
-        "dgrad": lambda c: moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, r, b, config=c),
-        "dx": lambda c: (moe_fp8_dx_route(dgu_q, dgu_s, w1f, r, b, config=c),),
-    }
+    runs = fp8_stage_runs(inp, r, b)[0]
     # (The pinned "ws" tiles run here as the Triton kernel's tile; 3 stages keep the wide tile within shared memory.)
     down = select_moe_fp8_config("down", b)
     wide_down = replace(down, block_n=2 * QBLOCK, num_stages=min(down.num_stages, 3))
