@@ -79,7 +79,9 @@ FP8_UP += [GemmConfig(*c, variant="ws") for c in [(128, 128, 128, 1, 8, 4), (128
 FP8_DGRAD = [GemmConfig(*c) for c in [
     (128, 64, 128, 1, 8, 4), (128, 64, 128, 1, 8, 3), (128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4),
     (128, 64, 64, 1, 8, 6), (64, 128, 128, 1, 8, 3), (64, 128, 128, 1, 8, 4),
-]] + [GemmConfig(*c, variant="tma") for c in [
+]]
+# The Gluon kernel (kernels/moe_fp8_ws.py): gathered rows by cp.async, the dSwiGLU + 1x128 quantization epilogue.
+FP8_DGRAD += [GemmConfig(*c, variant="ws") for c in [(128, 64, 128, 1, 8, 6), (128, 64, 128, 1, 8, 8), (64, 64, 128, 1, 4, 8)]] + [GemmConfig(*c, variant="tma") for c in [
     (128, 64, 128, 1, 8, 4), (128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (64, 128, 128, 1, 8, 4),
     (128, 64, 128, 1, 4, 3), (128, 64, 128, 1, 4, 2), (64, 64, 128, 1, 4, 3), (64, 128, 128, 1, 4, 3),
 ]]

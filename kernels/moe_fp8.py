@@ -71,7 +71,7 @@ from kernels.moe import (
     pinned_stage_config, store_fp32_tile, swiglu_epilogue, to_bf16, weight_descriptor,
 )
 from kernels.moe_fp8_ws import (
-    fp8_stage_name, grouped_launch_metadata, launch_fp8_wgrad_ws, launch_fp8_ws, launch_fp8_ws_up,
+    fp8_stage_name, grouped_launch_metadata, launch_fp8_wgrad_ws, launch_fp8_ws, launch_fp8_ws_gather,
     wgrad_launch_metadata,
 )
 from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
@@ -431,8 +431,10 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k
     if config.variant == "ws" and gather:
-        launch_fp8_ws_up(op_id, stage, config, a, a_s, b, b_s, c, aux, routing.gather_token, routing.sorted_route,
-                         routing.tile_expert, p, SEGMENT_ALIGN, device_sms(a.device))
+        outputs = ({"gu": c, "h": aux} if epilogue == EPI_SWIGLU else
+                   {"score": routing.row_score, "gu": aux, "dgu": c, "dgu_q": q, "dgu_s": q_s})
+        launch_fp8_ws_gather(op_id, stage, config, epilogue, a, a_s, b, b_s, outputs, routing.gather_token,
+                             routing.sorted_route, routing.tile_expert, p, SEGMENT_ALIGN, device_sms(a.device))
         return
     if config.variant == "ws":
         launch_fp8_ws(op_id, stage, config, a, a_s, b, b_s, c, routing.sorted_route, routing.tile_expert, p,
@@ -466,10 +468,10 @@ def _check_ws(stage: str, config: GemmConfig, gather: bool, epilogue: int, backe
     if backend != CUDA_SM90:
         raise ValueError(f"{stage}: variant 'ws' is a Gluon kernel for sm_90 and has no {backend!r} path; use a "
                          "'ptr' or 'tma' config there")
-    if (gather, epilogue) not in ((False, EPI_FP32), (True, EPI_SWIGLU)):
-        raise ValueError(f"{stage}: variant 'ws' covers the FP32-output stages (down, dx), the up-projection with h "
-                         "quantized by the row-wise pass (BLOCK_N 128) and the FP8 weight gradient; use a 'ptr' or "
-                         "'tma' config for dgrad and the fused up tile")
+    if (gather, epilogue) not in ((False, EPI_FP32), (True, EPI_SWIGLU), (True, EPI_DSWIGLU_QUANT)):
+        raise ValueError(f"{stage}: variant 'ws' covers down, dX, the up-projection with h quantized by the row-wise "
+                         "pass (BLOCK_N 128), dgrad (BLOCK_N 64) and the FP8 weight gradient; use a 'ptr' or 'tma' "
+                         "config for the fused up tile")
     if config.block_m != 64 * (config.num_warps // 4):
         raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "
                          f"warps or 128 with 8; got BLOCK_M {config.block_m}, {config.num_warps} warps")

@@ -394,17 +394,93 @@ def _swiglu_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_de
     tma.store_wait(0)
 
 
+@gluon.jit
+def _bf16_pair_bits(lo, hi):
+    """Two FP32 tensors rounded to BF16 and packed as one int32 per element (lo in the low half): an interleaved
+    (g, u) column pair of a BF16 matrix, as its int32 view stores it."""
+    lo_bits = lo.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    hi_bits = hi.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32)
+    return lo_bits | (hi_bits << 16)
+
+
+@gluon.jit
+def _bf16_pair_values(bits):
+    """The two BF16 values of each packed int32 (low half first) as FP32 (exact)."""
+    return (bits << 16).to(gl.float32, bitcast=True), (bits & -65536).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _e4m3_pow2(amax):
+    """kernels.fp8_quant.pow2_scale: (scale, 1/scale), the smallest power of two 2**k with amax / 2**k <= 448."""
+    bits = amax.to(gl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)  # 448 = 1.75 * 2**8
+    k = gl.where(amax > 0, k, 0)
+    k = gl.minimum(gl.maximum(k, -126), 126)
+    return ((k + 127) << 23).to(gl.float32, bitcast=True), ((127 - k) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _e4m3_bits(x):
+    """kernels.fp8_quant.to_e4m3 on sm_90 (saturate to +-448, NaN kept, cvt.rn.satfinite), as uint8 bits in int32."""
+    q = gl.where(x != x, x, gl.minimum(gl.maximum(x, -448.0), 448.0)).to(gl.float8e4nv)
+    return q.to(gl.int8, bitcast=True).to(gl.int32) & 0xFF
+
+
+@gluon.jit
+def _dswiglu_consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr,
+                      score_ptr, gu_ptr, dgu_ptr, q_ptr, qs_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl,
+                      stride_bse, stride_bsl, stride_bsc, stride_gm, stride_dm, stride_qm, stride_qsm,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
+                      CONSUMERS: gl.constexpr, PART: gl.constexpr):
+    """The dgrad's consumer warpgroup: dh = s * (dout_q[gather] @ W2q^T) over BLOCK_N = 64 columns of I, then
+    moe_fp8_grouped_gemm_kernel's EPI 2: dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
+    rounded once to BF16 and stored, then quantized 1 x 128 from the stored BF16 values (the tile's 128 dgu columns
+    are one scale block per row): dgu_q (e4m3 pairs stored as int16) and its scale."""
+    QB: gl.constexpr = a_ring.type.shape[2]
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m = (t // num_n) * BLOCK_M
+        pid_n = t % num_n
+        rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))  # columns of dh, pairs of dgu
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+        if gl.load(route_ptr + off_m) >= 0:
+            bs_tile = bs_ptr + gl.load(tile_expert_ptr + off_m // SEGMENT) * stride_bse + \
+                ((pid_n * BLOCK_N) // QB) * stride_bsc
+            tokens = gl.load(gather_ptr + rows)
+            acc, count = _k_blocks(a_ring, b_ring, ready, free, count, acc, L // QB, as_ptr + tokens * stride_asm,
+                                   bs_tile, stride_asl, stride_bsl, False, KB_GROUP, False, PART, True)
+        live = gl.load(route_ptr + rows) >= 0  # padding rows (they read token 0) as the Triton kernel's: +0
+        dh = gl.where(live[:, None], acc, 0.0) * gl.load(score_ptr + rows)[:, None]
+        g, u = _bf16_pair_values(gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :]))
+        s = 1.0 / (1.0 + gl.exp(-g))
+        silu = g * s
+        # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
+        pair = _bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
+        gl.store(dgu_ptr + rows[:, None] * stride_dm + cols[None, :], pair)
+        dg, du = _bf16_pair_values(pair)  # the stored BF16 dgu, as the row-wise quantizer would read it
+        scale, inv = _e4m3_pow2(gl.max(gl.maximum(gl.abs(dg), gl.abs(du)), axis=1))
+        q = _e4m3_bits(dg * inv[:, None]) | (_e4m3_bits(du * inv[:, None]) << 8)
+        gl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(gl.int16))
+        gl.store(qs_ptr + rows * stride_qsm + pid_n, scale)
+
+
 @gluon.jit(launch_metadata=grouped_launch_metadata)
-def moe_fp8_ws_up_kernel(
-    a_ptr,  # x_q [T, H] e4m3, rows read through the gather index
-    b_desc,  # TMA descriptor over W1q_t as [E * 2I, H] (box [BLOCK_N, 128])
-    gu_desc, h_desc,  # TMA descriptors over gu [P, 2I] and h [P, I] BF16 (boxes [BLOCK_M / CONSUMERS, BLOCK_N | BLOCK_N / 2])
+def moe_fp8_ws_gather_kernel(
+    a_ptr,  # x_q [T, H] (up) or dout_q [T, H] (dgrad) e4m3, rows read through the gather index
+    b_desc,  # TMA descriptor over the K-major weight as [E * C, L] (box [BLOCK_N, 128])
+    gu_desc, h_desc,  # up: TMA descriptors over gu [P, 2I] and h [P, I] BF16 (boxes [BLOCK_M / CONSUMERS, BLOCK_N | /2])
     as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr,
-    P, C, L,  # gu[p, :C] = sum_kb (x_q[gather[p], kb] @ W1q[e][kb, :C]) * scales; h = silu(g) * u
-    stride_am, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
+    score_ptr, gu_ptr, dgu_ptr, q_ptr, qs_ptr,  # dgrad: scores, gu / dgu as int32 pairs, dgu_q as int16 pairs, scales
+    P, C, L,  # C[p, :C] = sum_kb (A_q[gather[p], kb] @ B_q[e][kb, :C]) * scales, then the epilogue
+    stride_am, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_dm, stride_qm, stride_qsm,
     op_id,  # names the launch only
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
+    EPILOGUE: gl.constexpr,  # 3: SwiGLU (up, h quantized by the row-wise pass); 2: dSwiGLU + 1x128 quantization (dgrad)
 ):
     QB: gl.constexpr = b_desc.block_type.shape[1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, QB], gl.float8e4nv)
@@ -412,33 +488,60 @@ def moe_fp8_ws_up_kernel(
     b_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gu_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], gu_desc.layout)
-    h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N // 2], h_desc.layout)
     for i in gl.static_range(STAGES):
         # The weight's expect-tx arrival and one cp.async arrival per producer thread (128).
         mbarrier.init(ready.index(i), count=1 + GATHER_PRODUCER_WARPS * 32)
         mbarrier.init(free.index(i), count=CONSUMERS)
     num_n = C // BLOCK_N
     num_tiles = (P // BLOCK_M) * num_n
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
-                                gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl,
-                                stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
-            (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
-                                gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl,
-                                stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
-            (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
-        ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
+    if EPILOGUE == 3:
+        gu_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], gu_desc.layout)
+        h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N // 2], h_desc.layout)
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
+                                    gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
+                                    stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
+                                    CONSUMERS, 0)),
+                (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
+                                    gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
+                                    stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
+                                    CONSUMERS, 1)),
+                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+            ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
+                                    gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
+                                    stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
+                                    CONSUMERS, 0)),
+                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+            ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     else:
-        gl.warp_specialize([
-            (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
-                                gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl,
-                                stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
-            (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
-        ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, route_ptr,
+                                     tile_expert_ptr, score_ptr, gu_ptr, dgu_ptr, q_ptr, qs_ptr, num_tiles, num_n, C, L,
+                                     stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_dm,
+                                     stride_qm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, route_ptr,
+                                     tile_expert_ptr, score_ptr, gu_ptr, dgu_ptr, q_ptr, qs_ptr, num_tiles, num_n, C, L,
+                                     stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_dm,
+                                     stride_qm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
+                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+            ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, route_ptr,
+                                     tile_expert_ptr, score_ptr, gu_ptr, dgu_ptr, q_ptr, qs_ptr, num_tiles, num_n, C, L,
+                                     stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_dm,
+                                     stride_qm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+            ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
 
 
 def kb_group(num_kb: int) -> int:
@@ -520,33 +623,46 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
     )
 
 
-def launch_fp8_ws_up(op_id: int, stage: str, config, x_q: torch.Tensor, x_s: torch.Tensor, b: torch.Tensor,
-                     b_s: torch.Tensor, gu: torch.Tensor, h: torch.Tensor, gather: torch.Tensor, route: torch.Tensor,
-                     tile_expert: torch.Tensor, padded_rows: int, segment: int, sms: int) -> None:
-    """gu [P, 2I] and h [P, I] (BF16) of the up-projection over the gathered rows of x_q [T, H] and the K-major
-    weight b [E, 2I, H]; refuses, naming the value, what this kernel does not cover (before any work)."""
+def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: torch.Tensor, a_s: torch.Tensor,
+                         b: torch.Tensor, b_s: torch.Tensor, outputs: dict[str, torch.Tensor], gather: torch.Tensor,
+                         route: torch.Tensor, tile_expert: torch.Tensor, padded_rows: int, segment: int,
+                         sms: int) -> None:
+    """A gathered-A grouped GEMM of a_q [T, L] rows and the K-major weight b [E, C, L] with its epilogue: 3, the
+    up-projection (outputs gu [P, 2I], h [P, I] BF16; h quantized by the row-wise pass); 2, dgrad + dSwiGLU (outputs
+    score, gu in; dgu, dgu_q, dgu_s out). Refuses, naming the value, what this kernel does not cover (before any work)."""
     e, n_cols, reduced = b.shape
-    if config.block_k != QBLOCK_WS or config.block_n != QBLOCK_WS:
-        raise ValueError(f"{stage}: variant 'ws' of the up-projection runs BLOCK_K = BLOCK_N = {QBLOCK_WS} (h by the "
-                         f"row-wise pass); got BLOCK_K {config.block_k}, BLOCK_N {config.block_n}")
+    want_n = QBLOCK_WS if epilogue == 3 else QBLOCK_WS // 2  # dgrad: 64 columns of dh = one 1x128 block of dgu
+    if config.block_k != QBLOCK_WS or config.block_n != want_n:
+        raise ValueError(f"{stage}: variant 'ws' runs BLOCK_K {QBLOCK_WS} and BLOCK_N {want_n} here; got BLOCK_K "
+                         f"{config.block_k}, BLOCK_N {config.block_n}")
     if n_cols % config.block_n or reduced % QBLOCK_WS:
-        raise ValueError(f"{stage}: variant 'ws' needs 2I {n_cols} and H {reduced} multiples of {QBLOCK_WS}")
-    if (not b.is_contiguous() or not gu.is_contiguous() or not h.is_contiguous() or x_q.stride(1) != 1
-            or x_q.stride(0) % 16 or x_q.data_ptr() % 16):
-        raise ValueError(f"{stage}: variant 'ws' needs x_q row-major with 16-byte aligned rows (cp.async), the K-major "
-                         f"weight and the outputs contiguous; got x_q strides {x_q.stride()}, weight strides "
-                         f"{b.stride()}")
+        raise ValueError(f"{stage}: variant 'ws' needs C {n_cols} a multiple of {config.block_n} and L {reduced} of "
+                         f"{QBLOCK_WS}")
+    if (not b.is_contiguous() or not all(t.is_contiguous() for t in outputs.values()) or a_q.stride(1) != 1
+            or a_q.stride(0) % 16 or a_q.data_ptr() % 16):
+        raise ValueError(f"{stage}: variant 'ws' needs the activation row-major with 16-byte aligned rows (cp.async), "
+                         f"the K-major weight and the outputs contiguous; got strides {a_q.stride()} and {b.stride()}")
     part_rows = config.block_m // consumers(config.num_warps)
+    if epilogue == 3:
+        gu, h = outputs["gu"], outputs["h"]
+        descs = (fp8_ws_descriptor(gu, [part_rows, config.block_n], gl.bfloat16),
+                 fp8_ws_descriptor(h, [part_rows, config.block_n // 2], gl.bfloat16))
+        score = gu_bits = dgu_bits = q_bits = q_s = a_s  # unused by this epilogue
+    else:
+        score, q_s = outputs["score"], outputs["dgu_s"]
+        gu_bits, dgu_bits = outputs["gu"].view(torch.int32), outputs["dgu"].view(torch.int32)
+        q_bits = outputs["dgu_q"].view(torch.int16)
+        scratch = torch.empty((part_rows, QBLOCK_WS), dtype=torch.bfloat16, device=a_q.device)  # unused descriptors
+        descs = (fp8_ws_descriptor(scratch, [part_rows, 64], gl.bfloat16),) * 2
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
-    moe_fp8_ws_up_kernel[(min(tiles, sms),)](
-        x_q, fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]),
-        fp8_ws_descriptor(gu, [part_rows, config.block_n], gl.bfloat16),
-        fp8_ws_descriptor(h, [part_rows, config.block_n // 2], gl.bfloat16),
-        x_s, b_s, gather, route, tile_expert,
+    moe_fp8_ws_gather_kernel[(min(tiles, sms),)](
+        a_q, fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]), *descs,
+        a_s, b_s, gather, route, tile_expert, score, gu_bits, dgu_bits, q_bits, q_s,
         padded_rows, n_cols, reduced,
-        x_q.stride(0), x_s.stride(0), x_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
+        a_q.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
+        gu_bits.stride(0), dgu_bits.stride(0), q_bits.stride(0), q_s.stride(0),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
-        KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps),
+        KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps), EPILOGUE=epilogue,
         num_warps=4, maxnreg=max_regs(config.num_warps),
     )

@@ -19,6 +19,7 @@ from toolkit.contract import compare_bits
 
 WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 5, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws"),
               GemmConfig(128, 64, 128, 1, 8, 8, "ws")]
+DGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(64, 64, 128, 1, 4, 8, "ws")]
 UP_WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws")]
 WGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(128, 128, 128, 1, 8, 4, "ws")]
 
@@ -53,9 +54,10 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
         return
     with pytest.raises(ValueError, match="one 128-row scale block per ring slot"):
         runs["wgrad_w1"](GemmConfig(128, 64, 64, 1, 8, 6, "ws"))
-    for run in gathered.values():
-        with pytest.raises(ValueError, match="variant 'ws' covers the FP32-output stages"):
-            run(replace(ws, block_n=256 if run is gathered["up"] else 64))
+    with pytest.raises(ValueError, match="variant 'ws' covers down, dX, the up-projection"):
+        gathered["up"](replace(ws, block_n=256))  # the tile that quantizes h in its epilogue
+    with pytest.raises(ValueError, match="runs BLOCK_K 128 and BLOCK_N 64 here"):
+        gathered["dgrad"](ws)
     with pytest.raises(ValueError, match="64 rows"):
         runs["down"](GemmConfig(128, 128, 128, 1, 4, 4, "ws"))
     with pytest.raises(ValueError, match="one 128-K scale block per ring slot"):
@@ -97,6 +99,22 @@ def test_ws_up_projection_gives_the_triton_kernels_bits(shape, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(300, 512, 384, 5, 2), (2048, 1024, 768, 16, 4)])
+def test_ws_dgrad_gives_the_triton_kernels_bits(shape, device):
+    # The gathered-A form with the dSwiGLU + 1x128 quantization epilogue: dgu, dgu_q, dgu_s equal the Triton
+    # tile's, padding rows zero.
+    t, h, i, e, k = shape
+    _, gathered, r = _operands(device, t, h, i, e, k, seed=11)
+    ref = gathered["dgrad"](select_moe_fp8_config("dgrad", backend_of(device)))
+    for config in DGRAD_WS_CONFIGS:
+        out = gathered["dgrad"](config)
+        for name, a, b in zip(("dgu", "dgu_q", "dgu_s"), out, ref):
+            assert compare_bits(a, b).equal, (name, config.label())
+    pad = r.sorted_route[: r.padded_rows] < 0
+    assert bool((ref[0][pad] == 0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(300, 512, 384, 5, 2), (2048, 1024, 768, 16, 4)])
 def test_ws_weight_gradient_gives_the_triton_kernels_bits(shape, device):
     # Experts of 0 and 1 rows and of 2-5 scale blocks (groups of 3 and the one-at-a-time remainder); BF16 out, and
     # main_grad += dW in FP32 (an expert without rows leaves its slice untouched).
@@ -126,7 +144,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 from bench.gemm_sass import cuobjdump_bytes, stack_bytes
 from kernels.det_gemm_ws import consumers, max_regs
-from kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_kernel, moe_fp8_ws_up_kernel
+from kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_gather_kernel, moe_fp8_ws_kernel
 out = {}
 box = lambda rows, cols=128, dt=gl.float8e4nv: (f"tensordesc<{dt}"
                                                 f"[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], dt)!r}>")
@@ -140,13 +158,21 @@ wgrad = [(moe_fp8_wgrad_ws_kernel, f"wgrad_{bm}x{bn}_acc{int(acc)}", bm, bn, war
            "as_ptr": "*fp32", "bs_ptr": "*fp32", "offsets_ptr": "*i32", "counts_ptr": "*i32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "KB_GROUP": 3, "ACCUMULATE": acc, "CONSUMERS": consumers(warps),
            "stride_asp": 1, "stride_bsp": 1, "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 64, 8, 6, False), (128, 64, 8, 6, True)]]
-up = [(moe_fp8_ws_up_kernel, f"up_{bm}x{bn}", bm, bn, warps,
+up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}", bm, bn, warps,
        {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(bm // consumers(warps), bn, gl.bfloat16),
         "h_desc": box(bm // consumers(warps), bn // 2, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
-        "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32"},
+        "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "score_ptr": "*fp32", "gu_ptr": "*i32",
+        "dgu_ptr": "*i32", "q_ptr": "*i16", "qs_ptr": "*fp32"},
        {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-        "stride_asl": 1}) for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6)]]
-for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up:
+        "EPILOGUE": 3, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6)]]
+dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}", bm, bn, warps,
+          {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(bm // consumers(warps), 64, gl.bfloat16),
+           "h_desc": box(bm // consumers(warps), 64, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
+           "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "score_ptr": "*fp32", "gu_ptr": "*i32",
+           "dgu_ptr": "*i32", "q_ptr": "*i16", "qs_ptr": "*fp32"},
+          {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
+           "EPILOGUE": 2, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 64, 8, 6), (64, 64, 4, 8)]]
+for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
     names = list(fn.arg_names)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -177,7 +203,7 @@ def test_ws_kernel_compiles_for_sm90_offline(tmp_path):
         # (the roles' register split), no spills, and a wait that leaves one MMA group in flight (the next block's,
         # while this one is promoted).
         assert r["qgmma"] > 0 and r["tma"] > 0 and r["setmaxnreg"] > 0, (name, r)
-        assert (r["ldgsts"] > 0) == name.startswith("up"), (name, r)
+        assert (r["ldgsts"] > 0) == name.startswith(("up", "dgrad")), (name, r)
         assert r["stack"] == 0 and r["wait1"] > 0, (name, r)
         # ptxas -v reports no "wgmma.mma_async instructions are serialized" (C7512/C7514): the MMAs pipeline.
         assert not r["serialized"], (name, r)
