@@ -68,23 +68,25 @@ FP8_GROUPED += [GemmConfig(*c, variant="ws") for c in [
 FP8_UP = [GemmConfig(*c) for c in [
     (64, 256, 128, 1, 8, 3), (64, 256, 128, 1, 8, 2), (64, 256, 128, 1, 4, 2), (128, 256, 128, 1, 8, 2),
     (128, 256, 64, 1, 8, 3), (64, 256, 64, 1, 4, 4), (64, 128, 128, 1, 4, 4),
-]]
-# The Gluon kernel (kernels/moe_fp8_ws.py) with the gathered rows by cp.async from a 4-warp producer.
-FP8_UP += [GemmConfig(*c, variant="ws") for c in [(128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 5), (64, 128, 128, 1, 4, 6)]] + [GemmConfig(*c, variant="tma") for c in [
+]] + [GemmConfig(*c, variant="tma") for c in [
     (64, 256, 128, 1, 8, 3), (64, 256, 128, 1, 8, 2), (128, 256, 128, 1, 8, 2),
     (64, 128, 128, 1, 4, 4), (64, 128, 128, 1, 4, 3), (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 3),
     (128, 128, 128, 1, 4, 3),
 ]]
+# The Gluon kernel (kernels/moe_fp8_ws.py) with the gathered rows by cp.async from a 4-warp producer.
+FP8_UP += [GemmConfig(*c, variant="ws") for c in [(128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 5),
+                                                  (64, 128, 128, 1, 4, 6)]]
 # dgrad: BLOCK_N 64 (one 1x128 dgu block per row) or 128 (two; 64 rows: 128x128 with 8 warps spills on sm_90).
 FP8_DGRAD = [GemmConfig(*c) for c in [
     (128, 64, 128, 1, 8, 4), (128, 64, 128, 1, 8, 3), (128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4),
     (128, 64, 64, 1, 8, 6), (64, 128, 128, 1, 8, 3), (64, 128, 128, 1, 8, 4),
-]]
-# The Gluon kernel (kernels/moe_fp8_ws.py): gathered rows by cp.async, the dSwiGLU + 1x128 quantization epilogue.
-FP8_DGRAD += [GemmConfig(*c, variant="ws") for c in [(128, 64, 128, 1, 8, 6), (128, 64, 128, 1, 8, 8), (64, 64, 128, 1, 4, 8)]] + [GemmConfig(*c, variant="tma") for c in [
+]] + [GemmConfig(*c, variant="tma") for c in [
     (128, 64, 128, 1, 8, 4), (128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (64, 128, 128, 1, 8, 4),
     (128, 64, 128, 1, 4, 3), (128, 64, 128, 1, 4, 2), (64, 64, 128, 1, 4, 3), (64, 128, 128, 1, 4, 3),
 ]]
+# The Gluon kernel (kernels/moe_fp8_ws.py): gathered rows by cp.async, the dSwiGLU + 1x128 quantization epilogue.
+FP8_DGRAD += [GemmConfig(*c, variant="ws") for c in [(128, 64, 128, 1, 8, 6), (128, 64, 128, 1, 8, 8),
+                                                     (64, 64, 128, 1, 4, 8)]]
 # The FP8 weight gradients (wgrad="fp8", kernels/moe_fp8.py FP8_WGRAD_CONFIGS, the pinned pointer tile, always
 # timed) on the column-wise operands: TMA tiles, whose kernel also requests each 128-row block's scales one block
 # ahead. The first sweep (reports/2026-11-30-h200/fp8-wgrad-tma) put 64x128 with 4 warps 3x ahead of the 128x128

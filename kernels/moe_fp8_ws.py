@@ -1,21 +1,22 @@
-"""The FP8 MoE grouped GEMM with an FP32 output (down-projection y, per-route dX) as a warp-specialized sm_90
-kernel (MoE FP8 variant "ws"), written in Gluon.
+"""Warp-specialized sm_90 kernels of the FP8 MoE GEMMs (MoE FP8 variant "ws"), written in Gluon.
 
 Why: the per-128-K promotion ``acc += blk * (a_s * b_s)`` needs the block's MMAs finished before its FMAs, and
 Triton 3.6 waits for every outstanding wgmma after a dot whose result is not a loop-carried accumulator, so in
 ``moe_fp8_grouped_gemm_kernel`` a program's tensor-core work stops during each promotion. Here the consumer
 issues block kb+1's wgmma before it waits for block kb's (two block accumulators in flight), so a promotion
-runs while the next block's MMAs do; one producer warp streams both operand tiles by TMA into a ring, and the
-grid is persistent (one program per SM), so the ring fills for the next tile during a tile's store.
+runs while the next block's MMAs do; a producer streams both operand tiles into a ring, and the grid is
+persistent (one program per SM), so the ring fills for the next tile during a tile's store.
 
-The math is the Triton kernel's, operation for operation: per output tile, K blocks of 128 in ascending order,
+The math is the Triton kernels', operation for operation: per output tile, K blocks of 128 in ascending order,
 each one zero-initialised wgmma chain over the block (4 x k32 on e4m3), then ``acc + blk * (a_s * b_s)`` in
-FP32 (the scales are powers of two: the product is exact, so a fused multiply-add rounds the same way). A tile
-of padding rows only (segments are padded to 128 rows, so a tile is all padding once its first row is) loads
-nothing and stores zeros, and padding rows store zeros, as the Triton kernel's masked loads give.
+FP32 (the scales are powers of two: the product is exact). A tile of padding rows only (segments are padded
+to 128 rows, so a tile is all padding once its first row is) loads nothing, and padding rows store zeros, as
+the Triton kernel's masked loads give.
 
-Only operands TMA can address: A [P, L] e4m3 row-major (h_q, dgu_q: expert-sorted, no gather), B the K-major
-weight [E, C, L] contiguous, C a multiple of BLOCK_N. Gluon has no interpreter path: sm_90 only.
+Kernels: ``moe_fp8_ws_kernel``, down and dX (A = h_q, dgu_q: expert-sorted rows, by TMA; FP32 out by TMA store;
+pinned on sm_90); ``moe_fp8_wgrad_ws_kernel``, the FP8 weight gradient (bit-equal, slower than the Triton tile:
+not pinned); ``moe_fp8_ws_gather_kernel``, up and dgrad+dSwiGLU (A rows gathered by cp.async, their epilogues;
+compile-checked, not yet run on a GPU). Gluon has no interpreter path: sm_90 only.
 """
 
 from __future__ import annotations
@@ -113,20 +114,22 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
     """acc + sum over K blocks kb < num_kb (ascending) of blk_kb * scale_kb, blk_kb the zero-initialised MMA chain of
     ring slot count + kb. Returns (acc, the next count).
 
-    Blocks in groups of KB_GROUP (unrolled), then (TAIL) any remainder one at a time: per block of a group after its first,
-    issue its MMAs, then retire the one before (wait until only the new one is in flight, hand its slot back, promote
-    it) while the new one's run. Every block gets fresh accumulator registers and nothing is in flight across a loop's
-    back edge: an in-flight accumulator carried by a loop is copied there, and ptxas then serializes every wgmma
-    (C7514); unrolled past 3 blocks the registers ran out and it did the same (C7512)."""
+    Blocks in groups of KB_GROUP (unrolled), then (TAIL) any remainder one at a time: per block of a group after
+    its first, issue its MMAs, then retire the one before (wait until only the new one is in flight, hand its slot
+    back, promote it) while the new one's run. Every block gets fresh accumulator registers and nothing is in flight
+    across a loop's back edge: an in-flight accumulator carried by a loop is copied there, and ptxas then serializes
+    every wgmma (C7514); unrolled past 3 blocks the registers ran out and it did the same (C7512)."""
     ROWS: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     layout: gl.constexpr = acc.type.layout
     full = num_kb - num_kb % KB_GROUP
     for g in range(0, full, KB_GROUP):
-        prev = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS, FENCE)
+        prev = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS,
+                      FENCE)
         s_prev = _block_scale(a_scales, b_scales, g, stride_a, stride_b, B_PER_COLUMN)
         for i in gl.static_range(1, KB_GROUP):
-            cur = _issue(a_ring, b_ring, ready, count + i, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS, FENCE)
+            cur = _issue(a_ring, b_ring, ready, count + i, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART,
+                         ROWS, FENCE)
             s_cur = _block_scale(a_scales, b_scales, g + i, stride_a, stride_b, B_PER_COLUMN)
             acc = _retire(prev, acc, s_prev, free, count + i - 1, 1)[1]
             prev = cur
@@ -135,7 +138,8 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
         count += KB_GROUP
     if TAIL:  # (its code costs registers: without it the 128x128 tile compiles without spills)
         for kb in range(full, num_kb):
-            blk = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS, FENCE)
+            blk = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS,
+                         FENCE)
             scale = _block_scale(a_scales, b_scales, kb, stride_a, stride_b, B_PER_COLUMN)
             acc = _retire(blk, acc, scale, free, count, 0)[1]
             count += 1
@@ -185,8 +189,8 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
         if gl.load(route_ptr + off_m) >= 0:
             bs_tile = bs_ptr + gl.load(tile_expert_ptr + off_m // SEGMENT) * stride_bse + (off_n // QB) * stride_bsc
-            acc, count = _k_blocks(a_ring, b_ring, ready, free, count, acc, L // QB, as_ptr + rows * stride_asm, bs_tile,
-                                   stride_asl, stride_bsl, False, KB_GROUP, False, PART)
+            acc, count = _k_blocks(a_ring, b_ring, ready, free, count, acc, L // QB, as_ptr + rows * stride_asm,
+                                   bs_tile, stride_asl, stride_bsl, False, KB_GROUP, False, PART)
         live = gl.load(route_ptr + rows) >= 0  # padding rows store zeros
         _store_part(c_smem, c_desc, gl.where(live[:, None], acc, 0.0), off_m + PART * ROWS, off_n, PART)
     tma.store_wait(0)
@@ -226,16 +230,19 @@ def moe_fp8_ws_kernel(
     if CONSUMERS == 2:  # cooperative: the two warpgroups split each tile's rows and sync only through the ring
         gl.warp_specialize([
             (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
-                         num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+                         num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M,
+                         BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
             (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
-                         num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
+                         num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M,
+                         BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
                          L, BLOCK_M, BLOCK_N, SEGMENT)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
-                         num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+                         num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M,
+                         BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
                          L, BLOCK_M, BLOCK_N, SEGMENT)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -303,7 +310,7 @@ def moe_fp8_wgrad_ws_kernel(
     c_desc,  # TMA descriptor over the BF16 dW as [E * R, C], box [BLOCK_M / CONSUMERS, BLOCK_N] (unused: ACCUMULATE)
     dw_ptr,  # main_grad [E, R, C] FP32 (ACCUMULATE)
     as_ptr, bs_ptr, offsets_ptr, counts_ptr,
-    R, C, num_experts,  # dW[e] [R, C] = sum over e's 128-row blocks kb (ascending) of (A_q[:, kb] @ B_q[:, kb]^T) * scales
+    R, C, num_experts,  # dW[e] [R, C] = sum over e's 128-row blocks kb (ascending) of A_q[:, kb] B_q[:, kb]^T s
     stride_asr, stride_asp, stride_bsc, stride_bsp, stride_we, stride_wr, stride_wc,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KB_GROUP: gl.constexpr,
     ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr,
@@ -445,7 +452,8 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, r
         off_m = (t // num_n) * BLOCK_M
         pid_n = t % num_n
         rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))  # columns of dh, pairs of dgu
+        # Columns of dh: (g, u) column pairs of gu and dgu.
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
         if gl.load(route_ptr + off_m) >= 0:
             bs_tile = bs_ptr + gl.load(tile_expert_ptr + off_m // SEGMENT) * stride_bse + \
@@ -472,7 +480,7 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, r
 def moe_fp8_ws_gather_kernel(
     a_ptr,  # x_q [T, H] (up) or dout_q [T, H] (dgrad) e4m3, rows read through the gather index
     b_desc,  # TMA descriptor over the K-major weight as [E * C, L] (box [BLOCK_N, 128])
-    gu_desc, h_desc,  # up: TMA descriptors over gu [P, 2I] and h [P, I] BF16 (boxes [BLOCK_M / CONSUMERS, BLOCK_N | /2])
+    gu_desc, h_desc,  # up: TMA descriptors over gu [P, 2I], h [P, I] BF16, boxes [BLOCK_M / CONSUMERS, BLOCK_N or /2]
     as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr,
     score_ptr, gu_ptr, dgu_ptr, q_ptr, qs_ptr,  # dgrad: scores, gu / dgu as int32 pairs, dgu_q as int16 pairs, scales
     P, C, L,  # C[p, :C] = sum_kb (A_q[gather[p], kb] @ B_q[e][kb, :C]) * scales, then the epilogue
@@ -571,8 +579,8 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
                          f"got BLOCK_N {config.block_n}")
     if not b.is_contiguous() or not c.is_contiguous() or a.stride(1) != 1 or a.stride(0) % 16 or a.data_ptr() % 16:
         raise ValueError(f"{stage}: variant 'ws' needs A row-major with 16-byte aligned rows and the K-major weight "
-                         f"[E, C, L] and the output contiguous; got A strides {a.stride()}, weight strides {b.stride()}, output "
-                         f"strides {c.stride()}")
+                         f"[E, C, L] and the output contiguous; got A strides {a.stride()}, weight strides "
+                         f"{b.stride()}, output strides {c.stride()}")
     if reduced % QBLOCK_WS:
         raise ValueError(f"{stage}: the reduced dim {reduced} must be a multiple of {QBLOCK_WS}")
     a_desc = fp8_ws_descriptor(a[:padded_rows], [config.block_m, QBLOCK_WS])
@@ -629,7 +637,8 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
                          sms: int) -> None:
     """A gathered-A grouped GEMM of a_q [T, L] rows and the K-major weight b [E, C, L] with its epilogue: 3, the
     up-projection (outputs gu [P, 2I], h [P, I] BF16; h quantized by the row-wise pass); 2, dgrad + dSwiGLU (outputs
-    score, gu in; dgu, dgu_q, dgu_s out). Refuses, naming the value, what this kernel does not cover (before any work)."""
+    score, gu in; dgu, dgu_q, dgu_s out). Refuses, naming the value, what this kernel does not cover (before any
+    work)."""
     e, n_cols, reduced = b.shape
     want_n = QBLOCK_WS if epilogue == 3 else QBLOCK_WS // 2  # dgrad: 64 columns of dh = one 1x128 block of dgu
     if config.block_k != QBLOCK_WS or config.block_n != want_n:
