@@ -159,6 +159,33 @@ def _store_part(c_smem, c_desc, acc, row, col, PART: gl.constexpr):
 
 
 @gluon.jit
+def _grouped_tile(t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n,
+                  L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
+                  PART: gl.constexpr, GATHER: gl.constexpr):
+    """One grouped-GEMM tile of this consumer part, before its epilogue: (acc, the next ring count, the tile's
+    first row, first column, this part's rows and whether each is a routed row). A tile of padding only reads
+    nothing; GATHER: the A rows (and their scales) are gather[row] (padding rows read token 0), loaded by cp.async."""
+    QB: gl.constexpr = a_ring.type.shape[2]
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    off_m = (t // num_n) * BLOCK_M
+    off_n = (t % num_n) * BLOCK_N
+    rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+    if gl.load(route_ptr + off_m) >= 0:
+        bs_tile = bs_ptr + gl.load(tile_expert_ptr + off_m // SEGMENT) * stride_bse + (off_n // QB) * stride_bsc
+        if GATHER:
+            a_rows = gl.load(gather_ptr + rows)
+        else:
+            a_rows = rows
+        acc, count = _k_blocks(a_ring, b_ring, ready, free, count, acc, L // QB, as_ptr + a_rows * stride_asm,
+                               bs_tile, stride_asl, stride_bsl, False, KB_GROUP, False, PART, GATHER)
+    return acc, count, off_m, off_n, rows, gl.load(route_ptr + rows) >= 0
+
+
+@gluon.jit
 def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr):
     """The grouped GEMM's loads: every K block of each live tile (a tile whose first row is padding is padding only)."""
@@ -177,21 +204,14 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
               CONSUMERS: gl.constexpr, PART: gl.constexpr):
     """The grouped GEMM's consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile."""
-    QB: gl.constexpr = a_ring.type.shape[2]
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m = (t // num_n) * BLOCK_M
-        off_n = (t % num_n) * BLOCK_N
-        rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-        if gl.load(route_ptr + off_m) >= 0:
-            bs_tile = bs_ptr + gl.load(tile_expert_ptr + off_m // SEGMENT) * stride_bse + (off_n // QB) * stride_bsc
-            acc, count = _k_blocks(a_ring, b_ring, ready, free, count, acc, L // QB, as_ptr + rows * stride_asm,
-                                   bs_tile, stride_asl, stride_bsl, False, KB_GROUP, False, PART)
-        live = gl.load(route_ptr + rows) >= 0  # padding rows store zeros
+        acc, count, off_m, off_n, rows, live = _grouped_tile(
+            t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, route_ptr, route_ptr, tile_expert_ptr, num_n, L,
+            stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
+            PART, False)
+        # Padding rows store zeros.
         _store_part(c_smem, c_desc, gl.where(live[:, None], acc, 0.0), off_m + PART * ROWS, off_n, PART)
     tma.store_wait(0)
 
@@ -376,22 +396,14 @@ def _swiglu_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_de
     """The up-projection's consumer warpgroup: the grouped consumer's K loop over gathered rows (their scales read
     through the gather index too), then the SwiGLU epilogue of moe_fp8_grouped_gemm_kernel (EPI 3): gu rounded to
     BF16, h = silu(g) * u from those BF16 values in FP32, rounded once; both stored by TMA."""
-    QB: gl.constexpr = a_ring.type.shape[2]
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m = (t // num_n) * BLOCK_M
-        off_n = (t % num_n) * BLOCK_N
-        rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-        if gl.load(route_ptr + off_m) >= 0:
-            bs_tile = bs_ptr + gl.load(tile_expert_ptr + off_m // SEGMENT) * stride_bse + (off_n // QB) * stride_bsc
-            tokens = gl.load(gather_ptr + rows)
-            acc, count = _k_blocks(a_ring, b_ring, ready, free, count, acc, L // QB, as_ptr + tokens * stride_asm,
-                                   bs_tile, stride_asl, stride_bsl, False, KB_GROUP, False, PART, True)
-        live = gl.load(route_ptr + rows) >= 0  # padding rows (they read token 0) store zeros
+        acc, count, off_m, off_n, rows, live = _grouped_tile(
+            t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
+            stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
+            PART, True)
+        # Padding rows (they read token 0) store zeros.
         gu = gl.where(live[:, None], acc, 0.0).to(gl.bfloat16)
         g, u = gl.split(gl.reshape(gu.to(gl.float32), [ROWS, BLOCK_N // 2, 2]))
         h = ((g * (1.0 / (1.0 + gl.exp(-g)))) * u).to(gl.bfloat16)
@@ -418,7 +430,8 @@ def _bf16_pair_values(bits):
 
 @gluon.jit
 def _e4m3_pow2(amax):
-    """kernels.fp8_quant.pow2_scale: (scale, 1/scale), the smallest power of two 2**k with amax / 2**k <= 448."""
+    """kernels.fp8_quant.pow2_scale written again in Gluon (which cannot call a Triton function): (scale, 1/scale),
+    the smallest power of two 2**k with amax / 2**k <= 448."""
     bits = amax.to(gl.int32, bitcast=True)
     k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)  # 448 = 1.75 * 2**8
     k = gl.where(amax > 0, k, 0)
@@ -443,25 +456,14 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, r
     moe_fp8_grouped_gemm_kernel's EPI 2: dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
     rounded once to BF16 and stored, then quantized 1 x 128 from the stored BF16 values (the tile's 128 dgu columns
     are one scale block per row): dgu_q (e4m3 pairs stored as int16) and its scale."""
-    QB: gl.constexpr = a_ring.type.shape[2]
-    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m = (t // num_n) * BLOCK_M
-        pid_n = t % num_n
-        rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-        # Columns of dh: (g, u) column pairs of gu and dgu.
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-        if gl.load(route_ptr + off_m) >= 0:
-            bs_tile = bs_ptr + gl.load(tile_expert_ptr + off_m // SEGMENT) * stride_bse + \
-                ((pid_n * BLOCK_N) // QB) * stride_bsc
-            tokens = gl.load(gather_ptr + rows)
-            acc, count = _k_blocks(a_ring, b_ring, ready, free, count, acc, L // QB, as_ptr + tokens * stride_asm,
-                                   bs_tile, stride_asl, stride_bsl, False, KB_GROUP, False, PART, True)
-        live = gl.load(route_ptr + rows) >= 0  # padding rows (they read token 0) as the Triton kernel's: +0
+        acc, count, off_m, off_n, rows, live = _grouped_tile(
+            t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
+            stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
+            PART, True)
+        # Columns of dh: (g, u) column pairs of gu and dgu; padding rows (they read token 0) as the Triton kernel's: +0.
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
         dh = gl.where(live[:, None], acc, 0.0) * gl.load(score_ptr + rows)[:, None]
         g, u = _bf16_pair_values(gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :]))
         s = 1.0 / (1.0 + gl.exp(-g))
@@ -473,7 +475,7 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, r
         scale, inv = _e4m3_pow2(gl.max(gl.maximum(gl.abs(dg), gl.abs(du)), axis=1))
         q = _e4m3_bits(dg * inv[:, None]) | (_e4m3_bits(du * inv[:, None]) << 8)
         gl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(gl.int16))
-        gl.store(qs_ptr + rows * stride_qsm + pid_n, scale)
+        gl.store(qs_ptr + rows * stride_qsm + off_n // BLOCK_N, scale)
 
 
 @gluon.jit(launch_metadata=grouped_launch_metadata)

@@ -19,8 +19,10 @@ from toolkit.contract import compare_bits
 
 WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 5, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws"),
               GemmConfig(128, 64, 128, 1, 8, 8, "ws")]
-DGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(64, 64, 128, 1, 4, 8, "ws")]
-UP_WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws")]
+GATHERED_WS_CONFIGS = {
+    "up": [GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws")],
+    "dgrad": [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(64, 64, 128, 1, 4, 8, "ws")],
+}
 WGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(128, 128, 128, 1, 8, 4, "ws")]
 
 
@@ -83,31 +85,17 @@ def test_ws_gives_the_triton_kernels_bits(shape, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(300, 512, 384, 5, 2), (2048, 1024, 768, 16, 4)])
-def test_ws_up_projection_gives_the_triton_kernels_bits(shape, device):
-    # The gathered-A form (cp.async producer, SwiGLU epilogue by TMA store): gu, h and the row-wise h_q, h_s equal
-    # the Triton tile's, padding rows (which read token 0) zero.
+@pytest.mark.parametrize(("stage", "names"), [("up", ("gu", "h", "h_q", "h_s")), ("dgrad", ("dgu", "dgu_q", "dgu_s"))])
+def test_ws_gathered_stages_give_the_triton_kernels_bits(stage, names, shape, device):
+    # The gathered-A form (cp.async producer) with the up-projection's SwiGLU epilogue (gu, h by TMA store; h_q, h_s
+    # by the row-wise pass) and dgrad's dSwiGLU + 1x128 quantization: every output equals the Triton tile's, and the
+    # padding rows (which read token 0) are zero.
     t, h, i, e, k = shape
     _, gathered, r = _operands(device, t, h, i, e, k, seed=11)
-    ref = gathered["up"](select_moe_fp8_config("up", backend_of(device)))
-    for config in UP_WS_CONFIGS:
-        out = gathered["up"](config)
-        for name, a, b in zip(("gu", "h", "h_q", "h_s"), out, ref):
-            assert compare_bits(a, b).equal, (name, config.label())
-    pad = r.sorted_route[: r.padded_rows] < 0
-    assert bool((ref[0][pad] == 0).all() and (ref[1][pad] == 0).all())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(300, 512, 384, 5, 2), (2048, 1024, 768, 16, 4)])
-def test_ws_dgrad_gives_the_triton_kernels_bits(shape, device):
-    # The gathered-A form with the dSwiGLU + 1x128 quantization epilogue: dgu, dgu_q, dgu_s equal the Triton
-    # tile's, padding rows zero.
-    t, h, i, e, k = shape
-    _, gathered, r = _operands(device, t, h, i, e, k, seed=11)
-    ref = gathered["dgrad"](select_moe_fp8_config("dgrad", backend_of(device)))
-    for config in DGRAD_WS_CONFIGS:
-        out = gathered["dgrad"](config)
-        for name, a, b in zip(("dgu", "dgu_q", "dgu_s"), out, ref):
+    ref = gathered[stage](select_moe_fp8_config(stage, backend_of(device)))
+    for config in GATHERED_WS_CONFIGS[stage]:
+        out = gathered[stage](config)
+        for name, a, b in zip(names, out, ref):
             assert compare_bits(a, b).equal, (name, config.label())
     pad = r.sorted_route[: r.padded_rows] < 0
     assert bool((ref[0][pad] == 0).all())
