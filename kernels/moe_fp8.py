@@ -424,22 +424,23 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
     p = routing.padded_rows
     if p == 0:
         return
+    if config.variant == "ws":  # the Gluon kernels (their descriptors encode on this thread, as TMA's do)
+        ensure_cuda_context(a.device)
+        if gather:
+            outputs = ({"gu": c, "h": aux} if epilogue == EPI_SWIGLU else
+                       {"score": routing.row_score, "gu": aux, "dgu": c, "dgu_q": q, "dgu_s": q_s})
+            launch_fp8_ws_gather(op_id, stage, config, epilogue, a, a_s, b, b_s, outputs, routing.gather_token,
+                                 routing.sorted_route, routing.tile_expert, p, SEGMENT_ALIGN, device_sms(a.device))
+        else:
+            launch_fp8_ws(op_id, stage, config, a, a_s, b, b_s, c, routing.sorted_route, routing.tile_expert, p,
+                          SEGMENT_ALIGN, device_sms(a.device))
+        return
     n_cols, reduced = b.shape[1], b.shape[2]
     aux_t = aux if aux is not None else c
     q_t = q if q is not None else a
     qs_t = q_s if q_s is not None else a_s
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k
-    if config.variant == "ws" and gather:
-        outputs = ({"gu": c, "h": aux} if epilogue == EPI_SWIGLU else
-                   {"score": routing.row_score, "gu": aux, "dgu": c, "dgu_q": q, "dgu_s": q_s})
-        launch_fp8_ws_gather(op_id, stage, config, epilogue, a, a_s, b, b_s, outputs, routing.gather_token,
-                             routing.sorted_route, routing.tile_expert, p, SEGMENT_ALIGN, device_sms(a.device))
-        return
-    if config.variant == "ws":
-        launch_fp8_ws(op_id, stage, config, a, a_s, b, b_s, c, routing.sorted_route, routing.tile_expert, p,
-                      SEGMENT_ALIGN, device_sms(a.device))
-        return
     b_arg = b
     if config.variant == "tma":  # FP8 weights are always K-major and 16-byte aligned: TMA can address them
         b_arg, k_major = weight_descriptor(b.transpose(1, 2), config.block_n, step_k)
@@ -464,7 +465,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
 
 
 def _check_ws(stage: str, config: GemmConfig, gather: bool, epilogue: int, backend: str) -> None:
-    """Variant "ws" (kernels/moe_fp8_ws.py): the Gluon kernel of the FP32-output stages on sm_90."""
+    """Variant "ws" (kernels/moe_fp8_ws.py): the Gluon kernels, sm_90 only, for the stages they cover."""
     if backend != CUDA_SM90:
         raise ValueError(f"{stage}: variant 'ws' is a Gluon kernel for sm_90 and has no {backend!r} path; use a "
                          "'ptr' or 'tma' config there")
@@ -571,8 +572,9 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
     step_k = interpreter_step_k(config) if interpreted else config.block_k
     if a_q.shape[1] == 0:  # no routed rows (T = 0): dW = 0, and TMA cannot describe an empty operand
         return None if main_grad is not None else torch.zeros((experts, r, c), dtype=torch.bfloat16, device=a_q.device)
+    out = main_grad if main_grad is not None else torch.empty((experts, r, c), dtype=torch.bfloat16, device=a_q.device)
     if config.variant == "ws":
-        out = main_grad if main_grad is not None else torch.empty((experts, r, c), dtype=torch.bfloat16, device=a_q.device)
+        ensure_cuda_context(a_q.device)
         launch_fp8_wgrad_ws(config, a_q, a_s, b_q, b_s, out, main_grad is not None, routing.expert_offsets,
                             routing.expert_counts, experts, device_sms(a_q.device))
         return None if main_grad is not None else out
@@ -585,7 +587,6 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
                              f"{a_q.stride()} and {b_q.stride()}; use a 'ptr' config")
         if a_q.is_cuda:
             ensure_cuda_context(a_q.device)
-    out = main_grad if main_grad is not None else torch.empty((experts, r, c), dtype=torch.bfloat16, device=a_q.device)
     grid = (experts * triton.cdiv(r, config.block_m) * triton.cdiv(c, config.block_n),)
     moe_fp8_wgrad_kernel[grid](
         a_arg, a_s, b_arg, b_s, out, routing.expert_offsets, routing.expert_counts, r, c,

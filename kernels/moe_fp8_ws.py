@@ -663,8 +663,8 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         score, q_s = outputs["score"], outputs["dgu_s"]
         gu_bits, dgu_bits = outputs["gu"].view(torch.int32), outputs["dgu"].view(torch.int32)
         q_bits = outputs["dgu_q"].view(torch.int16)
-        scratch = torch.empty((part_rows, QBLOCK_WS), dtype=torch.bfloat16, device=a_q.device)  # unused descriptors
-        descs = (fp8_ws_descriptor(scratch, [part_rows, 64], gl.bfloat16),) * 2
+        # The kernel takes the up epilogue's descriptors too; this one is unused here.
+        descs = (fp8_ws_descriptor(outputs["dgu"], [part_rows, 64], gl.bfloat16),) * 2
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
     moe_fp8_ws_gather_kernel[(min(tiles, sms),)](
         a_q, fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]), *descs,
