@@ -84,14 +84,17 @@ from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 # The sm_90 entries are compile-checked (wgmma on e4m3, shared memory, no spills) and timed on an H200
 # (bench/moe_tune.py; comments below).
 # ---------------------------------------------------------------------------------------------
-MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.7"
+MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.9"
 FP8_STAGES = ("up", "down", "dgrad", "dx")
 
 MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
     CUDA_SM90: {
         # 128 interleaved columns (64 of h: h quantized by the row-wise pass), TMA weight tile, 4 warps: 1590 µs
         # against 1975 for the fused 64x256 8-warp tile (the pass included; reports/2026-11-30-h200/fp8-up).
-        "up": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
+        # Table .9: up on the Gluon kernel with the gathered A (4-warp cp.async producer, two consumer warpgroups,
+        # SwiGLU epilogue through shared memory + TMA store; h quantized by the row-wise pass): 1335 vs 1588 µs at the
+        # reference shape, 656 vs 593 at Qwen3-30B-A3B (reports/2026-11-30-h200/fp8-table9, bit-equal).
+        "up": GemmConfig(128, 128, 128, 1, 8, 4, "ws"),
         # H200 sweep reports/2026-11-29-h200-table7/moe-tune-fp8 (reference shape, every candidate bit-equal):
         # TMA weight tiles with 4 warps, 704 / 475 / 831 TFLOP/s against 620 / 367 / 745 for the
         # 8-warp pointer picks they replace (the 4-warp dgrad spills 272 bytes on sm_90 and is still faster).
@@ -102,7 +105,9 @@ MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         # 768, dX 1101 vs 831 TFLOP/s at the reference shape, 644 vs 557 and 827 vs 724 at Qwen3-30B-A3B
         # (reports/2026-11-30-h200/fp8-ws, every candidate bit-equal to the Triton tile).
         "down": GemmConfig(128, 128, 128, 1, 8, 5, "ws"),
-        "dgrad": GemmConfig(128, QBLOCK // 2, 128, 1, 4, 4, "tma"),
+        # Table .9: dgrad+dSwiGLU+1x128 quantization on the Gluon kernel (gathered dy, 128x64, 6 stages): 1161 vs
+        # 1294 µs at the reference shape, 609 vs 634 at Qwen3-30B-A3B (same report, bit-equal).
+        "dgrad": GemmConfig(128, QBLOCK // 2, 128, 1, 8, 6, "ws"),
         "dx": GemmConfig(128, 128, 128, 1, 8, 5, "ws"),
     },
     TRITON_INTERPRETER: {  # few large programs: the interpreter's cost is per op
