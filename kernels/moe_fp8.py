@@ -476,7 +476,7 @@ def _check_ws(stage: str, config: GemmConfig, gather: bool, epilogue: int, backe
                          "'ptr' or 'tma' config there")
     if (gather, epilogue) not in ((False, EPI_FP32), (True, EPI_SWIGLU), (True, EPI_DSWIGLU_QUANT)):
         raise ValueError(f"{stage}: variant 'ws' covers down, dX, the up-projection with h quantized by the row-wise "
-                         "pass (BLOCK_N 128), dgrad (BLOCK_N 64) and the FP8 weight gradient; use a 'ptr' or 'tma' "
+                         "pass (BLOCK_N 128), dgrad (BLOCK_N 64 or 128) and the FP8 weight gradient; use a 'ptr' or 'tma' "
                          "config for the fused up tile")
     if config.block_m != 64 * (config.num_warps // 4):
         raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "

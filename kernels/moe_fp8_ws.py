@@ -16,7 +16,7 @@ the Triton kernel's masked loads give.
 Kernels: ``moe_fp8_ws_kernel``, down and dX (A = h_q, dgu_q: expert-sorted rows, by TMA; FP32 out by TMA store;
 pinned on sm_90); ``moe_fp8_wgrad_ws_kernel``, the FP8 weight gradient (bit-equal, slower than the Triton tile:
 not pinned); ``moe_fp8_ws_gather_kernel``, up and dgrad+dSwiGLU (A rows gathered by cp.async, their epilogues;
-compile-checked, not yet run on a GPU). Gluon has no interpreter path: sm_90 only.
+pinned on sm_90 since table .9). Gluon has no interpreter path: sm_90 only.
 """
 
 from __future__ import annotations
@@ -452,10 +452,10 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, r
                       stride_bse, stride_bsl, stride_bsc, stride_gm, stride_dm, stride_qm, stride_qsm,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
                       CONSUMERS: gl.constexpr, PART: gl.constexpr):
-    """The dgrad's consumer warpgroup: dh = s * (dout_q[gather] @ W2q^T) over BLOCK_N = 64 columns of I, then
-    moe_fp8_grouped_gemm_kernel's EPI 2: dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
-    rounded once to BF16 and stored, then quantized 1 x 128 from the stored BF16 values (the tile's 128 dgu columns
-    are one scale block per row): dgu_q (e4m3 pairs stored as int16) and its scale."""
+    """The dgrad's consumer warpgroup: dh = s * (dout_q[gather] @ W2q^T) over BLOCK_N = 64 or 128 columns of I,
+    then moe_fp8_grouped_gemm_kernel's EPI 2: dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
+    rounded once to BF16 and stored, then quantized 1 x 128 from the stored BF16 values (64 dh columns = 128 dgu
+    columns = one scale block per row): dgu_q (e4m3 pairs stored as int16) and its scales."""
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         acc, count, off_m, off_n, rows, live = _grouped_tile(
@@ -472,10 +472,21 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, r
         pair = _bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
         gl.store(dgu_ptr + rows[:, None] * stride_dm + cols[None, :], pair)
         dg, du = _bf16_pair_values(pair)  # the stored BF16 dgu, as the row-wise quantizer would read it
-        scale, inv = _e4m3_pow2(gl.max(gl.maximum(gl.abs(dg), gl.abs(du)), axis=1))
-        q = _e4m3_bits(dg * inv[:, None]) | (_e4m3_bits(du * inv[:, None]) << 8)
+        mag = gl.maximum(gl.abs(dg), gl.abs(du))
+        block = off_n // 64  # the scale block of the tile's first 64 dh columns
+        if BLOCK_N == 64:
+            scale, inv = _e4m3_pow2(gl.max(mag, axis=1))
+            inv_cols = inv[:, None]
+            gl.store(qs_ptr + rows * stride_qsm + block, scale)
+        else:  # two scale blocks per row: each half's amax by masking the other (magnitudes are >= 0)
+            first = ((cols - off_n) < 64)[None, :]
+            scale0, inv0 = _e4m3_pow2(gl.max(gl.where(first, mag, 0.0), axis=1))
+            scale1, inv1 = _e4m3_pow2(gl.max(gl.where(first, 0.0, mag), axis=1))
+            inv_cols = gl.where(first, inv0[:, None], inv1[:, None])
+            gl.store(qs_ptr + rows * stride_qsm + block, scale0)
+            gl.store(qs_ptr + rows * stride_qsm + block + 1, scale1)
+        q = _e4m3_bits(dg * inv_cols) | (_e4m3_bits(du * inv_cols) << 8)
         gl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(gl.int16))
-        gl.store(qs_ptr + rows * stride_qsm + off_n // BLOCK_N, scale)
 
 
 @gluon.jit(launch_metadata=grouped_launch_metadata)
@@ -642,9 +653,10 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
     score, gu in; dgu, dgu_q, dgu_s out). Refuses, naming the value, what this kernel does not cover (before any
     work)."""
     e, n_cols, reduced = b.shape
-    want_n = QBLOCK_WS if epilogue == 3 else QBLOCK_WS // 2  # dgrad: 64 columns of dh = one 1x128 block of dgu
-    if config.block_k != QBLOCK_WS or config.block_n != want_n:
-        raise ValueError(f"{stage}: variant 'ws' runs BLOCK_K {QBLOCK_WS} and BLOCK_N {want_n} here; got BLOCK_K "
+    # up: 128 interleaved (g, u) columns; dgrad: 64 or 128 columns of dh = one or two 1x128 blocks of dgu.
+    want_n = (QBLOCK_WS,) if epilogue == 3 else (QBLOCK_WS // 2, QBLOCK_WS)
+    if config.block_k != QBLOCK_WS or config.block_n not in want_n:
+        raise ValueError(f"{stage}: variant 'ws' runs BLOCK_K {QBLOCK_WS} and BLOCK_N in {want_n} here; got BLOCK_K "
                          f"{config.block_k}, BLOCK_N {config.block_n}")
     if n_cols % config.block_n or reduced % QBLOCK_WS:
         raise ValueError(f"{stage}: variant 'ws' needs C {n_cols} a multiple of {config.block_n} and L {reduced} of "

@@ -58,8 +58,8 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
         runs["wgrad_w1"](GemmConfig(128, 64, 64, 1, 8, 6, "ws"))
     with pytest.raises(ValueError, match="variant 'ws' covers down, dX, the up-projection"):
         gathered["up"](replace(ws, block_n=256))  # the tile that quantizes h in its epilogue
-    with pytest.raises(ValueError, match="runs BLOCK_K 128 and BLOCK_N 64 here"):
-        gathered["dgrad"](ws)
+    with pytest.raises(ValueError, match=r"runs BLOCK_K 128 and BLOCK_N in \(128,\) here; got BLOCK_K 128, BLOCK_N 64"):
+        gathered["up"](replace(ws, block_n=64))
     with pytest.raises(ValueError, match="64 rows"):
         runs["down"](GemmConfig(128, 128, 128, 1, 4, 4, "ws"))
     with pytest.raises(ValueError, match="one 128-K scale block per ring slot"):
@@ -159,7 +159,7 @@ dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}", bm, bn, warps,
            "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "score_ptr": "*fp32", "gu_ptr": "*i32",
            "dgu_ptr": "*i32", "q_ptr": "*i16", "qs_ptr": "*fp32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-           "EPILOGUE": 2, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 64, 8, 6), (64, 64, 4, 8)]]
+           "EPILOGUE": 2, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 64, 8, 6), (64, 64, 4, 8), (128, 128, 8, 6)]]
 for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
     names = list(fn.arg_names)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
