@@ -66,9 +66,9 @@ from kernels.fp8_quant import (
     quantize_row_blocks, quantize_rowwise, quantize_rowwise_ref, quantize_rows, quantize_weight, quantize_weight_ref,
 )
 from kernels.moe import (
-    MoeGrads, check_dout, check_grouped_config, check_main_grads, check_moe_inputs, check_moe_variant, checked_routing,
-    dswiglu_epilogue, grouped_tile, layer_stage_names, mma_step, moe_combine, moe_dscores, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
-    pinned_stage_config, store_fp32_tile, swiglu_epilogue, to_bf16, weight_descriptor,
+    MoeGrads, check_dout, check_grouped_config, check_main_grads, check_moe_inputs, check_moe_variant,
+    dswiglu_epilogue, launch_checked_routing, grouped_tile, layer_stage_names, mma_step, moe_combine, moe_dscores, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
+    pinned_stage_config, store_fp32_tile, swiglu_epilogue, tile_is_live, to_bf16, weight_descriptor,
 )
 from kernels.moe_fp8_ws import (
     fp8_stage_name, grouped_launch_metadata, launch_fp8_wgrad_ws, launch_fp8_ws, launch_fp8_ws_gather,
@@ -158,7 +158,7 @@ def select_moe_fp8_config(stage: str, backend: str) -> GemmConfig:
 @triton.jit(launch_metadata=grouped_launch_metadata)
 def moe_fp8_grouped_gemm_kernel(
     a_ptr, as_ptr, a_rows_ptr, b_ptr, bs_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr,
-    route_ptr, score_ptr, tile_expert_ptr,
+    route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
     P, C, L,  # C[p, :C] = sum_kb (A_q[row(p), kb] @ B_q[e][kb, :C]) * a_s[row(p), kb] * b_s[e][kb, :]
     stride_am, stride_al, stride_asm, stride_asl,
     stride_be, stride_bc, stride_bl,  # B_q stored [E, C, L]: K-major
@@ -171,57 +171,60 @@ def moe_fp8_grouped_gemm_kernel(
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
     B_TMA: tl.constexpr,  # b_ptr is a rank-3 TMA descriptor over B_q [E, C, L], box [1, BLOCK_N, STEP_K]
 ):
-    pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
-        C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
-    offs_k = tl.arange(0, STEP_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
-    if not B_TMA:
-        b_ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bc + offs_k[None, :] * stride_bl
-    as_ptrs = as_ptr + a_rows * stride_asm  # [BLOCK_M]
-    col0 = pid_n * BLOCK_N
-    bs_tile = bs_ptr + expert * stride_bse + (col0 // QBLOCK) * stride_bsc  # the tile's first 128-column block
+    # A tile at or past the routing's P (the up GEMM is queued over the largest P before the host has read it) or of
+    # a refused batch does nothing.
+    if tile_is_live(gate_ptr, C, BLOCK_N, BLOCK_M):
+        pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
+            C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
+        offs_k = tl.arange(0, STEP_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
+        if not B_TMA:
+            b_ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bc + offs_k[None, :] * stride_bl
+        as_ptrs = as_ptr + a_rows * stride_asm  # [BLOCK_M]
+        col0 = pid_n * BLOCK_N
+        bs_tile = bs_ptr + expert * stride_bse + (col0 // QBLOCK) * stride_bsc  # the tile's first 128-column block
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if tl.sum(row_ok.to(tl.int32), axis=0) > 0:  # a block of padding only does no work
-        num_kb = L // QBLOCK
-        a_s, b_s = _block_scales(as_ptrs, bs_tile, 0, True, row_ok, col0, C, stride_asl, stride_bsl, stride_bsc,
-                                 BLOCK_N, QBLOCK)
-        for kb in range(0, num_kb):  # ascending K blocks: a function of L alone
-            # The next block's scales are requested before this block's MMAs, so their global-load latency
-            # hides behind them (loaded after the MMA wait, it stalled every block: sm_90 TTGIR).
-            a_s_next, b_s_next = _block_scales(as_ptrs, bs_tile, kb + 1, kb + 1 < num_kb, row_ok, col0, C,
-                                               stride_asl, stride_bsl, stride_bsc, BLOCK_N, QBLOCK)
-            blk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in tl.static_range(0, QBLOCK, STEP_K):
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, STEP_K] e4m3
-                if B_TMA:  # zero fill past C and past the expert: the same values as the masked load
-                    b = b_ptr.load([expert, col0, kb * QBLOCK + kk]).reshape(BLOCK_N, STEP_K)
-                else:
-                    b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)  # [BLOCK_N, STEP_K] e4m3
-                    b_ptrs += STEP_K * stride_bl
-                blk = mma_step(blk, a, tl.trans(b), STEP_K, INTERPRETED)
-                a_ptrs += STEP_K * stride_al
-            acc += blk * (a_s[:, None] * b_s)  # exact scaling: powers of two
-            a_s, b_s = a_s_next, b_s_next
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if tl.sum(row_ok.to(tl.int32), axis=0) > 0:  # a block of padding only does no work
+            num_kb = L // QBLOCK
+            a_s, b_s = _block_scales(as_ptrs, bs_tile, 0, True, row_ok, col0, C, stride_asl, stride_bsl, stride_bsc,
+                                     BLOCK_N, QBLOCK)
+            for kb in range(0, num_kb):  # ascending K blocks: a function of L alone
+                # The next block's scales are requested before this block's MMAs, so their global-load latency
+                # hides behind them (loaded after the MMA wait, it stalled every block: sm_90 TTGIR).
+                a_s_next, b_s_next = _block_scales(as_ptrs, bs_tile, kb + 1, kb + 1 < num_kb, row_ok, col0, C,
+                                                   stride_asl, stride_bsl, stride_bsc, BLOCK_N, QBLOCK)
+                blk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for kk in tl.static_range(0, QBLOCK, STEP_K):
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, STEP_K] e4m3
+                    if B_TMA:  # zero fill past C and past the expert: the same values as the masked load
+                        b = b_ptr.load([expert, col0, kb * QBLOCK + kk]).reshape(BLOCK_N, STEP_K)
+                    else:
+                        b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)  # [BLOCK_N, STEP_K] e4m3
+                        b_ptrs += STEP_K * stride_bl
+                    blk = mma_step(blk, a, tl.trans(b), STEP_K, INTERPRETED)
+                    a_ptrs += STEP_K * stride_al
+                acc += blk * (a_s[:, None] * b_s)  # exact scaling: powers of two
+                a_s, b_s = a_s_next, b_s_next
 
-    if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
-        store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
-    elif EPILOGUE == 1 or EPILOGUE == 3:  # SwiGLU: gu, h in BF16 (saved)
-        h, offs_h, h_ok = swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc,
-                                          stride_xm, stride_xc, BLOCK_M, BLOCK_N, INTERPRETED)
-        if EPILOGUE == 1:  # and h quantized 1x128 for the down-projection (the tile's h is one block per row)
-            hq, hs = quantize_rows(h.to(tl.float32), INTERPRETED)  # from the stored BF16 h
-            tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_h[None, :] * stride_qc, hq, mask=h_ok)
-            tl.store(qs_ptr + offs_m * stride_qsm + pid_n * stride_qsc, hs)
-    else:  # dSwiGLU: dgu in BF16 (as the BF16 path), then quantized 1x128 for the dX GEMM
-        dgu, offs_j, j_ok = dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc,
-                                             stride_cm, stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
-        NB: tl.constexpr = 2 * BLOCK_N // QBLOCK  # 1x128 blocks per dgu row of the tile
-        dq, ds = quantize_row_blocks(dgu.to(tl.float32), NB, QBLOCK, INTERPRETED)  # from the stored BF16 dgu
-        tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_j[None, :] * stride_qc, dq, mask=j_ok)
-        offs_b = pid_n * NB + tl.arange(0, NB)
-        tl.store(qs_ptr + offs_m[:, None] * stride_qsm + offs_b[None, :] * stride_qsc, ds,
-                 mask=(offs_b < 2 * C // QBLOCK)[None, :])
+        if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
+            store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
+        elif EPILOGUE == 1 or EPILOGUE == 3:  # SwiGLU: gu, h in BF16 (saved)
+            h, offs_h, h_ok = swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc,
+                                              stride_xm, stride_xc, BLOCK_M, BLOCK_N, INTERPRETED)
+            if EPILOGUE == 1:  # and h quantized 1x128 for the down-projection (the tile's h is one block per row)
+                hq, hs = quantize_rows(h.to(tl.float32), INTERPRETED)  # from the stored BF16 h
+                tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_h[None, :] * stride_qc, hq, mask=h_ok)
+                tl.store(qs_ptr + offs_m * stride_qsm + pid_n * stride_qsc, hs)
+        else:  # dSwiGLU: dgu in BF16 (as the BF16 path), then quantized 1x128 for the dX GEMM
+            dgu, offs_j, j_ok = dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc,
+                                                 stride_cm, stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
+            NB: tl.constexpr = 2 * BLOCK_N // QBLOCK  # 1x128 blocks per dgu row of the tile
+            dq, ds = quantize_row_blocks(dgu.to(tl.float32), NB, QBLOCK, INTERPRETED)  # from the stored BF16 dgu
+            tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_j[None, :] * stride_qc, dq, mask=j_ok)
+            offs_b = pid_n * NB + tl.arange(0, NB)
+            tl.store(qs_ptr + offs_m[:, None] * stride_qsm + offs_b[None, :] * stride_qsc, ds,
+                     mask=(offs_b < 2 * C // QBLOCK)[None, :])
 
 
 @triton.jit
@@ -436,7 +439,8 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
             outputs = ({"gu": c, "h": aux} if epilogue == EPI_SWIGLU else
                        {"score": routing.row_score, "gu": aux, "dgu": c, "dgu_q": q, "dgu_s": q_s})
             launch_fp8_ws_gather(op_id, stage, config, epilogue, a, a_s, b, b_s, outputs, routing.gather_token,
-                                 routing.sorted_route, routing.tile_expert, p, SEGMENT_ALIGN, device_sms(a.device))
+                                 routing.sorted_route, routing.tile_expert, routing.gate, p, SEGMENT_ALIGN,
+                                 device_sms(a.device))
         else:
             launch_fp8_ws(op_id, stage, config, a, a_s, b, b_s, c, routing.sorted_route, routing.tile_expert, p,
                           SEGMENT_ALIGN, device_sms(a.device))
@@ -455,7 +459,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
     grid = (triton.cdiv(p, config.block_m) * triton.cdiv(n_cols, config.block_n),)
     moe_fp8_grouped_gemm_kernel[grid](
         a, a_s, routing.gather_token, b_arg, b_s, c, aux_t, q_t, qs_t,
-        routing.sorted_route, routing.row_score, routing.tile_expert,
+        routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
         p, n_cols, reduced,
         a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
@@ -490,21 +494,39 @@ def moe_fp8_up_swiglu(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, rout
 
     h_q, h_s = quantize_rowwise(h) either way: fused into the epilogue when the tile is 2 x 128 interleaved
     columns wide (its h is one 1x128 block per row), else by the row-wise quantizer over the stored h."""
+    gu, h, h_q, h_s = _up_gemm(x_q, x_s, w1f, routing, backend, config)
+    return (gu, h, *_quantized_h(h, h_q, h_s))
+
+
+def _up_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,
+             config: GemmConfig | None = None):
+    """The up GEMM of ``moe_fp8_up_swiglu`` over ``routing`` (an exact one, or a PendingRouting's bound: the
+    kernels then skip every tile past the P on the device): gu, h, and h_q, h_s when the tile quantizes h in its
+    epilogue (else None: ``_quantized_h``)."""
     config = config or select_moe_fp8_config("up", backend)
     p, two_i = routing.padded_rows, w1f.q.shape[2]
     dev = x_q.device
     gu = torch.empty((p, two_i), dtype=torch.bfloat16, device=dev)
     h = torch.empty((p, two_i // 2), dtype=torch.bfloat16, device=dev)
-    fused = config.block_n == 2 * QBLOCK
     h_q = h_s = None
-    if fused or p == 0:
+    fused = config.block_n == 2 * QBLOCK
+    if fused:
         h_q = torch.empty((p, two_i // 2), dtype=FP8_DTYPE, device=dev)
         h_s = torch.empty((p, two_i // 2 // QBLOCK), dtype=torch.float32, device=dev)
-    _grouped(0, "up", x_q, x_s, True, w1f.q_t, w1f.scale, gu, h, h_q if fused else None, h_s if fused else None,
-             routing, EPI_SWIGLU_QUANT if fused else EPI_SWIGLU, backend, config)
-    if h_q is None:  # the row-wise pass (it refuses an empty h: at P = 0 the empty h_q, h_s above stand)
-        h_q, h_s = quantize_rowwise(h)
+    _grouped(0, "up", x_q, x_s, True, w1f.q_t, w1f.scale, gu, h, h_q, h_s, routing,
+             EPI_SWIGLU_QUANT if fused else EPI_SWIGLU, backend, config)
     return gu, h, h_q, h_s
+
+
+def _quantized_h(h: torch.Tensor, h_q: torch.Tensor | None, h_s: torch.Tensor | None):
+    """h_q, h_s: the up epilogue's, else the row-wise pass over the stored h (empty at P = 0: the pass refuses an
+    empty h)."""
+    if h_q is not None:
+        return h_q, h_s
+    if h.shape[0] == 0:
+        return (torch.empty(h.shape, dtype=FP8_DTYPE, device=h.device),
+                torch.empty((0, h.shape[1] // QBLOCK), dtype=torch.float32, device=h.device))
+    return quantize_rowwise(h)
 
 
 def moe_fp8_down(h_q: torch.Tensor, h_s: torch.Tensor, w2f: Fp8Weight, routing: MoeRouting, backend: str,
@@ -659,14 +681,21 @@ def moe_mlp_fp8_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
     rng = stage_range or (lambda name: nullcontext())
     names = _names(x, w1, topk_ids.shape[1])
     with rng(names["routing"]):
-        routing = checked_routing(x, w1, topk_ids, scores)
+        pending = launch_checked_routing(x, w1, topk_ids, scores)
     with rng(names["weights"]):
         w1f = weight_cache.get(w1) if weight_cache is not None else quantize_weight(w1)
         w2f = weight_cache.get(w2) if weight_cache is not None else quantize_weight(w2)
     with rng(names["quant_x"]):
         x_q, x_s = quantize_rowwise(x)
+    with rng(names["up_swiglu"]):  # queued before the counts are read: over the largest P, gated on the device
+        gu, h, h_q, h_s = _up_gemm(x_q, x_s, w1f, pending.bound, backend)
+    with rng(names["routing"]):
+        routing = pending.finish()  # refuses a bad batch; the up GEMM computed nothing from it
+        p = routing.padded_rows
+        gu, h = gu[:p], h[:p]
+        h_q, h_s = (None, None) if h_q is None else (h_q[:p], h_s[:p])
     with rng(names["up_swiglu"]):
-        gu, h, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, routing, backend)
+        h_q, h_s = _quantized_h(h, h_q, h_s)
     with rng(names["down"]):
         y = moe_fp8_down(h_q, h_s, w2f, routing, backend)
     with rng(names["combine"]):

@@ -494,7 +494,7 @@ def moe_fp8_ws_gather_kernel(
     a_ptr,  # x_q [T, H] (up) or dout_q [T, H] (dgrad) e4m3, rows read through the gather index
     b_desc,  # TMA descriptor over the K-major weight as [E * C, L] (box [BLOCK_N, 128])
     gu_desc, h_desc,  # up: TMA descriptors over gu [P, 2I], h [P, I] BF16, boxes [BLOCK_M / CONSUMERS, BLOCK_N or /2]
-    as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr,
+    as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, gate_ptr,
     score_ptr, gu_ptr, dgu_ptr, q_ptr, qs_ptr,  # dgrad: scores, gu / dgu as int32 pairs, dgu_q as int16 pairs, scales
     P, C, L,  # C[p, :C] = sum_kb (A_q[gather[p], kb] @ B_q[e][kb, :C]) * scales, then the epilogue
     stride_am, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_dm, stride_qm, stride_qsm,
@@ -514,7 +514,11 @@ def moe_fp8_ws_gather_kernel(
         mbarrier.init(ready.index(i), count=1 + GATHER_PRODUCER_WARPS * 32)
         mbarrier.init(free.index(i), count=CONSUMERS)
     num_n = C // BLOCK_N
-    num_tiles = (P // BLOCK_M) * num_n
+    # The routing's gate (kernels/moe.py tile_is_live): P (the up GEMM is queued over the largest P before the host
+    # has read the counts) and the validation counts (a refused batch: no tile).
+    refused = gl.load(gate_ptr + 1) + gl.load(gate_ptr + 2) + gl.load(gate_ptr + 3)
+    live_rows = gl.where(refused == 0, gl.minimum(gl.load(gate_ptr), P), 0)
+    num_tiles = (live_rows // BLOCK_M) * num_n
     if EPILOGUE == 3:
         gu_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], gu_desc.layout)
         h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N // 2], h_desc.layout)
@@ -646,8 +650,8 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
 
 def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: torch.Tensor, a_s: torch.Tensor,
                          b: torch.Tensor, b_s: torch.Tensor, outputs: dict[str, torch.Tensor], gather: torch.Tensor,
-                         route: torch.Tensor, tile_expert: torch.Tensor, padded_rows: int, segment: int,
-                         sms: int) -> None:
+                         route: torch.Tensor, tile_expert: torch.Tensor, gate: torch.Tensor, padded_rows: int,
+                         segment: int, sms: int) -> None:
     """A gathered-A grouped GEMM of a_q [T, L] rows and the K-major weight b [E, C, L] with its epilogue: 3, the
     up-projection (outputs gu [P, 2I], h [P, I] BF16; h quantized by the row-wise pass); 2, dgrad + dSwiGLU (outputs
     score, gu in; dgu, dgu_q, dgu_s out). Refuses, naming the value, what this kernel does not cover (before any
@@ -680,7 +684,7 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
     moe_fp8_ws_gather_kernel[(min(tiles, sms),)](
         a_q, fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]), *descs,
-        a_s, b_s, gather, route, tile_expert, score, gu_bits, dgu_bits, q_bits, q_s,
+        a_s, b_s, gather, route, tile_expert, gate, score, gu_bits, dgu_bits, q_bits, q_s,
         padded_rows, n_cols, reduced,
         a_q.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
         gu_bits.stride(0), dgu_bits.stride(0), q_bits.stride(0), q_s.stride(0),

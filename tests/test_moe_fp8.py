@@ -354,7 +354,7 @@ def build(fn, ptrs, consts, unit, warps, stages):
 out = {}
 ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "a_rows_ptr": "*i32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
         "c_ptr": "*bf16", "aux_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32",
-        "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32"}
+        "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32"}
 for (stage, epi, gather, c_t), tma in itertools.product(
         (("up", 1, True, "*bf16"), ("down", 0, False, "*fp32"), ("dgrad", 2, True, "*bf16"), ("dx", 0, False, "*fp32")),
         (False, True)):  # the Triton tile with the weight through pointers and through TMA

@@ -149,14 +149,16 @@ wgrad = [(moe_fp8_wgrad_ws_kernel, f"wgrad_{bm}x{bn}_acc{int(acc)}", bm, bn, war
 up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}", bm, bn, warps,
        {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(bm // consumers(warps), bn, gl.bfloat16),
         "h_desc": box(bm // consumers(warps), bn // 2, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
-        "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "score_ptr": "*fp32", "gu_ptr": "*i32",
+        "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
+        "gu_ptr": "*i32",
         "dgu_ptr": "*i32", "q_ptr": "*i16", "qs_ptr": "*fp32"},
        {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
         "EPILOGUE": 3, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6)]]
 dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}", bm, bn, warps,
           {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(bm // consumers(warps), 64, gl.bfloat16),
            "h_desc": box(bm // consumers(warps), 64, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
-           "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "score_ptr": "*fp32", "gu_ptr": "*i32",
+           "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
+           "gu_ptr": "*i32",
            "dgu_ptr": "*i32", "q_ptr": "*i16", "qs_ptr": "*fp32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
            "EPILOGUE": 2, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 64, 8, 6), (64, 64, 4, 8), (128, 128, 8, 6)]]
