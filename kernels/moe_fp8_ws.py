@@ -40,6 +40,7 @@ QBLOCK_WS = 128  # the FP8 scale block along K: one ring slot holds one block of
 GATHER_PRODUCER_WARPS = gl.constexpr(4)
 GATHER_PRODUCER_REGS = gl.constexpr(48)
 GATHER_CONSUMER_REGS = gl.constexpr(232)
+SM90_SHARED_BYTES = 227 * 1024  # the per-block limit (opt-in) on sm_90
 GROUPED_OPS = ("moe_fp8_up_swiglu", "moe_fp8_down", "moe_fp8_dgrad_dswiglu", "moe_fp8_dx_route")
 
 
@@ -447,15 +448,16 @@ def _e4m3_bits(x):
 
 
 @gluon.jit
-def _dswiglu_consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr,
-                      score_ptr, gu_ptr, dgu_ptr, q_ptr, qs_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl,
-                      stride_bse, stride_bsl, stride_bsc, stride_gm, stride_dm, stride_qm, stride_qsm,
+def _dswiglu_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr, gather_ptr,
+                      route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, num_tiles, num_n, C, L, stride_asm,
+                      stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
                       CONSUMERS: gl.constexpr, PART: gl.constexpr):
     """The dgrad's consumer warpgroup: dh = s * (dout_q[gather] @ W2q^T) over BLOCK_N = 64 or 128 columns of I,
     then moe_fp8_grouped_gemm_kernel's EPI 2: dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
-    rounded once to BF16 and stored, then quantized 1 x 128 from the stored BF16 values (64 dh columns = 128 dgu
-    columns = one scale block per row): dgu_q (e4m3 pairs stored as int16) and its scales."""
+    rounded once to BF16 and stored (TMA, as int32 pairs), then quantized 1 x 128 from the stored BF16 values (64 dh
+    columns = 128 dgu columns = one scale block per row): dgu_q (e4m3 pairs, TMA-stored as int16) and its scales."""
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         acc, count, off_m, off_n, rows, live = _grouped_tile(
@@ -470,7 +472,8 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, r
         silu = g * s
         # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
         pair = _bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
-        gl.store(dgu_ptr + rows[:, None] * stride_dm + cols[None, :], pair)
+        row = off_m + PART * ROWS
+        _store_part(dgu_smem, dgu_desc, pair, row, off_n, PART)
         dg, du = _bf16_pair_values(pair)  # the stored BF16 dgu, as the row-wise quantizer would read it
         mag = gl.maximum(gl.abs(dg), gl.abs(du))
         block = off_n // 64  # the scale block of the tile's first 64 dh columns
@@ -486,18 +489,20 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, r
             gl.store(qs_ptr + rows * stride_qsm + block, scale0)
             gl.store(qs_ptr + rows * stride_qsm + block + 1, scale1)
         q = _e4m3_bits(dg * inv_cols) | (_e4m3_bits(du * inv_cols) << 8)
-        gl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(gl.int16))
+        _store_part(q_smem, q_desc, q, row, off_n, PART)
+    tma.store_wait(0)
 
 
 @gluon.jit(launch_metadata=grouped_launch_metadata)
 def moe_fp8_ws_gather_kernel(
     a_ptr,  # x_q [T, H] (up) or dout_q [T, H] (dgrad) e4m3, rows read through the gather index
     b_desc,  # TMA descriptor over the K-major weight as [E * C, L] (box [BLOCK_N, 128])
-    gu_desc, h_desc,  # up: TMA descriptors over gu [P, 2I], h [P, I] BF16, boxes [BLOCK_M / CONSUMERS, BLOCK_N or /2]
+    gu_desc, h_desc,  # up: TMA descriptors over gu [P, 2I], h [P, I] BF16, boxes [BLOCK_M / CONSUMERS, BLOCK_N or /2];
+    # dgrad: over dgu as int32 (g, u) pairs and dgu_q as int16 pairs, [P, I] each, box [BLOCK_M / CONSUMERS, BLOCK_N]
     as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, gate_ptr,
-    score_ptr, gu_ptr, dgu_ptr, q_ptr, qs_ptr,  # dgrad: scores, gu / dgu as int32 pairs, dgu_q as int16 pairs, scales
+    score_ptr, gu_ptr, qs_ptr,  # dgrad: scores, gu as int32 pairs, dgu_q's scales
     P, C, L,  # C[p, :C] = sum_kb (A_q[gather[p], kb] @ B_q[e][kb, :C]) * scales, then the epilogue
-    stride_am, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_dm, stride_qm, stride_qsm,
+    stride_am, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
     op_id,  # names the launch only
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
@@ -545,25 +550,27 @@ def moe_fp8_ws_gather_kernel(
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     else:
+        dgu_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M, BLOCK_N], gu_desc.layout)
+        q_smem = gl.allocate_shared_memory(gl.int16, [BLOCK_M, BLOCK_N], h_desc.layout)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, route_ptr,
-                                     tile_expert_ptr, score_ptr, gu_ptr, dgu_ptr, q_ptr, qs_ptr, num_tiles, num_n, C, L,
-                                     stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_dm,
-                                     stride_qm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, route_ptr,
-                                     tile_expert_ptr, score_ptr, gu_ptr, dgu_ptr, q_ptr, qs_ptr, num_tiles, num_n, C, L,
-                                     stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_dm,
-                                     stride_qm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
+                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, num_tiles,
+                                     num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
+                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
+                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, num_tiles,
+                                     num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
+                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, as_ptr, bs_ptr, gather_ptr, route_ptr,
-                                     tile_expert_ptr, score_ptr, gu_ptr, dgu_ptr, q_ptr, qs_ptr, num_tiles, num_n, C, L,
-                                     stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_dm,
-                                     stride_qm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
+                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, num_tiles,
+                                     num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
+                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
@@ -665,6 +672,14 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
     if n_cols % config.block_n or reduced % QBLOCK_WS:
         raise ValueError(f"{stage}: variant 'ws' needs C {n_cols} a multiple of {config.block_n} and L {reduced} of "
                          f"{QBLOCK_WS}")
+    # Shared memory: the ring (one e4m3 A and B block per stage) and the epilogue's store buffers (up: gu and h
+    # BF16; dgrad: dgu as int32 pairs and dgu_q as int16 pairs).
+    ring = config.num_stages * (config.block_m + config.block_n) * QBLOCK_WS
+    store = config.block_m * config.block_n * (3 if epilogue == 3 else 6)
+    if ring + store > SM90_SHARED_BYTES:
+        raise ValueError(f"{stage}: variant 'ws' {config.label()} needs {ring + store} bytes of shared memory ({ring} "
+                         f"for {config.num_stages} stages, {store} for the epilogue); sm_90 has {SM90_SHARED_BYTES} per "
+                         "block: use fewer stages")
     if (not b.is_contiguous() or not all(t.is_contiguous() for t in outputs.values()) or a_q.stride(1) != 1
             or a_q.stride(0) % 16 or a_q.data_ptr() % 16):
         raise ValueError(f"{stage}: variant 'ws' needs the activation row-major with 16-byte aligned rows (cp.async), "
@@ -674,20 +689,18 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         gu, h = outputs["gu"], outputs["h"]
         descs = (fp8_ws_descriptor(gu, [part_rows, config.block_n], gl.bfloat16),
                  fp8_ws_descriptor(h, [part_rows, config.block_n // 2], gl.bfloat16))
-        score = gu_bits = dgu_bits = q_bits = q_s = a_s  # unused by this epilogue
+        score = gu_bits = q_s = a_s  # unused by this epilogue
     else:
-        score, q_s = outputs["score"], outputs["dgu_s"]
-        gu_bits, dgu_bits = outputs["gu"].view(torch.int32), outputs["dgu"].view(torch.int32)
-        q_bits = outputs["dgu_q"].view(torch.int16)
-        # The kernel takes the up epilogue's descriptors too; this one is unused here.
-        descs = (fp8_ws_descriptor(outputs["dgu"], [part_rows, 64], gl.bfloat16),) * 2
+        score, q_s, gu_bits = outputs["score"], outputs["dgu_s"], outputs["gu"].view(torch.int32)
+        descs = (fp8_ws_descriptor(outputs["dgu"].view(torch.int32), [part_rows, config.block_n], gl.int32),
+                 fp8_ws_descriptor(outputs["dgu_q"].view(torch.int16), [part_rows, config.block_n], gl.int16))
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
     moe_fp8_ws_gather_kernel[(min(tiles, sms),)](
         a_q, fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]), *descs,
-        a_s, b_s, gather, route, tile_expert, gate, score, gu_bits, dgu_bits, q_bits, q_s,
+        a_s, b_s, gather, route, tile_expert, gate, score, gu_bits, q_s,
         padded_rows, n_cols, reduced,
         a_q.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
-        gu_bits.stride(0), dgu_bits.stride(0), q_bits.stride(0), q_s.stride(0),
+        gu_bits.stride(0), q_s.stride(0),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
         KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps), EPILOGUE=epilogue,

@@ -21,8 +21,13 @@ WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 5, "ws"), GemmConfig(64, 128, 128,
               GemmConfig(128, 64, 128, 1, 8, 8, "ws")]
 GATHERED_WS_CONFIGS = {
     "up": [GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws")],
-    "dgrad": [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(64, 64, 128, 1, 4, 8, "ws")],
+    "dgrad": [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(64, 64, 128, 1, 4, 8, "ws"),
+              GemmConfig(128, 128, 128, 1, 8, 4, "ws")],
 }
+# The Triton tiles each stage ran on before its Gluon pin (tables .5-.8): the bit references here (the sm_90 table
+# now names Gluon configs for all four stages).
+TRITON_TILES = {"up": GemmConfig(64, 128, 128, 1, 4, 3, "tma"), "down": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
+                "dgrad": GemmConfig(128, 64, 128, 1, 4, 4, "tma"), "dx": GemmConfig(64, 128, 128, 1, 4, 3, "tma")}
 WGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(128, 128, 128, 1, 8, 4, "ws")]
 
 
@@ -60,6 +65,8 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
         gathered["up"](replace(ws, block_n=256))  # the tile that quantizes h in its epilogue
     with pytest.raises(ValueError, match=r"runs BLOCK_K 128 and BLOCK_N in \(128,\) here; got BLOCK_K 128, BLOCK_N 64"):
         gathered["up"](replace(ws, block_n=64))
+    with pytest.raises(ValueError, match="needs 294912 bytes of shared memory"):  # 6 stages + 96 KB of store buffers
+        gathered["dgrad"](GemmConfig(128, 128, 128, 1, 8, 6, "ws"))
     with pytest.raises(ValueError, match="64 rows"):
         runs["down"](GemmConfig(128, 128, 128, 1, 4, 4, "ws"))
     with pytest.raises(ValueError, match="one 128-K scale block per ring slot"):
@@ -74,8 +81,8 @@ def test_ws_gives_the_triton_kernels_bits(shape, device):
     assert int(r.counts[0]) == 0 and int(r.counts[1]) == 1
     for stage in ("down", "dx"):
         run = runs[stage]
-        ref = run(select_moe_fp8_config(stage, backend_of(device)))
-        for config in WS_CONFIGS:
+        ref = run(TRITON_TILES[stage])
+        for config in [*WS_CONFIGS, select_moe_fp8_config(stage, backend_of(device))]:
             out = run(config)
             assert compare_bits(out, ref).equal, (stage, config.label())
             assert compare_bits(run(config), out).equal, (stage, config.label())  # repeat
@@ -92,8 +99,8 @@ def test_ws_gathered_stages_give_the_triton_kernels_bits(stage, names, shape, de
     # padding rows (which read token 0) are zero.
     t, h, i, e, k = shape
     _, gathered, r = _operands(device, t, h, i, e, k, seed=11)
-    ref = gathered[stage](select_moe_fp8_config(stage, backend_of(device)))
-    for config in GATHERED_WS_CONFIGS[stage]:
+    ref = gathered[stage](TRITON_TILES[stage])
+    for config in [*GATHERED_WS_CONFIGS[stage], select_moe_fp8_config(stage, backend_of(device))]:
         out = gathered[stage](config)
         for name, a, b in zip(names, out, ref):
             assert compare_bits(a, b).equal, (name, config.label())
@@ -134,7 +141,7 @@ from bench.gemm_sass import cuobjdump_bytes, stack_bytes
 from kernels.det_gemm_ws import consumers, max_regs
 from kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_gather_kernel, moe_fp8_ws_kernel
 out = {}
-box = lambda rows, cols=128, dt=gl.float8e4nv: (f"tensordesc<{dt}"
+box = lambda rows, cols=128, dt=gl.float8e4nv: (f"tensordesc<{ {'int32': 'i32', 'int16': 'i16'}.get(str(dt), dt)}"
                                                 f"[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], dt)!r}>")
 grouped = [(moe_fp8_ws_kernel, f"grouped_{bm}x{bn}", bm, bn, warps,
             {"a_desc": box(bm), "b_desc": box(bn), "c_desc": box(bm // consumers(warps), bn, gl.float32), "as_ptr": "*fp32",
@@ -151,17 +158,17 @@ up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}", bm, bn, warps,
         "h_desc": box(bm // consumers(warps), bn // 2, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
         "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
         "gu_ptr": "*i32",
-        "dgu_ptr": "*i32", "q_ptr": "*i16", "qs_ptr": "*fp32"},
+        "qs_ptr": "*fp32"},
        {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
         "EPILOGUE": 3, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6)]]
 dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}", bm, bn, warps,
-          {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(bm // consumers(warps), 64, gl.bfloat16),
-           "h_desc": box(bm // consumers(warps), 64, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
+          {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(bm // consumers(warps), bn, gl.int32),
+           "h_desc": box(bm // consumers(warps), bn, gl.int16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
            "gu_ptr": "*i32",
-           "dgu_ptr": "*i32", "q_ptr": "*i16", "qs_ptr": "*fp32"},
+           "qs_ptr": "*fp32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-           "EPILOGUE": 2, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 64, 8, 6), (64, 64, 4, 8), (128, 128, 8, 6)]]
+           "EPILOGUE": 2, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 64, 8, 6), (64, 64, 4, 8), (128, 128, 8, 4)]]
 for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
     names = list(fn.arg_names)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
@@ -178,6 +185,7 @@ for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
     info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
                           capture_output=True, text=True).stderr
     out[name] = {"qgmma": len(re.findall(r"\bQGMMA", sass)), "tma": len(re.findall(r"\bUTMALDG", sass)),
+                         "tma_store": len(re.findall(r"\bUTMASTG", sass)),
                          "setmaxnreg": len(re.findall(r"\bUSETMAXREG", sass)), "ldgsts": len(re.findall(r"\bLDGSTS", sass)),
                          "stack": stack_bytes(cuobjdump_bytes("--dump-resource-usage", k.asm["cubin"], d)),
                          "wait1": ptx.count("wgmma.wait_group.sync.aligned 1;"), "shared": k.metadata.shared,
@@ -194,6 +202,8 @@ def test_ws_kernel_compiles_for_sm90_offline(tmp_path):
         # while this one is promoted).
         assert r["qgmma"] > 0 and r["tma"] > 0 and r["setmaxnreg"] > 0, (name, r)
         assert (r["ldgsts"] > 0) == name.startswith(("up", "dgrad")), (name, r)
+        # The grouped epilogues go out through shared memory and TMA stores (dgrad's dgu and dgu_q included).
+        assert r["tma_store"] > 0 or name.startswith("wgrad"), (name, r)
         assert r["stack"] == 0 and r["wait1"] > 0, (name, r)
         # ptxas -v reports no "wgmma.mma_async instructions are serialized" (C7512/C7514): the MMAs pipeline.
         assert not r["serialized"], (name, r)
