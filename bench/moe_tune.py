@@ -39,6 +39,12 @@ GROUPED = [GemmConfig(*c) for c in [
     (128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 4), (128, 256, 64, 1, 8, 3), (128, 64, 64, 1, 4, 4),
     (128, 128, 64, 1, 4, 3), (128, 128, 64, 1, 8, 2), (128, 256, 64, 1, 8, 2), (64, 128, 64, 1, 4, 3),
 ]]
+# down and dX (expert-sorted A, FP32 out) also on the warp-specialized Gluon kernel (kernels/moe_ws.py):
+# persistent, TMA producer warp, one or two 64-row consumer warpgroups, the FP32 tile out by TMA store from a
+# 32-64 KiB buffer (so 5 stages at most for 128x128x64).
+GROUPED_WS = [GemmConfig(*c, variant="ws") for c in [
+    (128, 128, 64, 1, 8, 4), (128, 128, 64, 1, 8, 5), (64, 128, 64, 1, 4, 6), (128, 64, 64, 1, 8, 6),
+]]
 # Weight gradients: BLOCK_M x BLOCK_N tile of dW[e], BLOCK_K routed rows per reduction step.
 WGRAD = [GemmConfig(*c) for c in [
     (128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 4), (128, 256, 64, 1, 8, 3), (256, 128, 64, 1, 8, 3),
@@ -122,7 +128,9 @@ def candidates(stage: str) -> list[GemmConfig]:
     if stage.startswith("fp8_"):
         return {"up": FP8_UP, "dgrad": FP8_DGRAD, "wgrad": FP8_WGRAD, "colq": FP8_COLQ}.get(STAGE_KEY[stage],
                                                                                           FP8_GROUPED)
-    return WGRAD if STAGE_KEY[stage] == "wgrad" else GROUPED
+    if STAGE_KEY[stage] == "wgrad":
+        return WGRAD
+    return GROUPED + GROUPED_WS if stage in ("down", "dx") else GROUPED
 
 
 def pinned(stage: str, backend: str) -> GemmConfig:

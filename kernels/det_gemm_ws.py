@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.gemm_names import _launch_metadata
@@ -51,6 +53,18 @@ def operand_layout(block: list[int]) -> gl.NVMMASharedLayout:
 def ws_descriptor(tensor, shape, strides, box) -> TensorDescriptor:
     """A TMA descriptor over ``tensor`` (shape, strides and box as det_gemm.tma_descriptor decided them)."""
     return TensorDescriptor(tensor, shape, strides, box, operand_layout(box))
+
+
+@gluon.jit
+def store_part(c_smem, c_desc, acc, row, col, PART: gl.constexpr):
+    """This part's tile rows through its slice of the shared buffer and a TMA store at [row, col]; the slice is
+    reused once the previous tile's store has read it, and the store runs while the next tile's MMAs do."""
+    ROWS: gl.constexpr = acc.type.shape[0]
+    c_part = c_smem.slice(PART * ROWS, ROWS, dim=0)
+    tma.store_wait(0)
+    c_part.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [row, col], c_part)
 
 
 @gluon.jit

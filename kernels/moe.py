@@ -64,7 +64,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kernels.backend import (
     CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, check_bf16_matrix, ensure_cuda_context, resolve_backend,
 )
-from kernels.det_gemm import GemmConfig, fp32_to_bf16_rtne, interpreter_step_k
+from kernels.det_gemm import GemmConfig, device_sms, fp32_to_bf16_rtne, interpreter_step_k
 from kernels.moe_routing import (
     SEGMENT_ALIGN, MoeRouting, PendingRouting, check_topk_args, launch_routing, max_padded_rows,
 )
@@ -129,7 +129,7 @@ def select_moe_config(stage: str, backend: str) -> GemmConfig:
     return pinned_stage_config(MOE_CONFIGS, stage, backend)
 
 
-def _grouped_meta(grid, metadata, args):
+def grouped_launch_name(grid, metadata, args):
     op = _GROUPED_OPS[args["op_id"]]
     p, c, l = args["P"], args["C"], args["L"]
     return {"name": stage_name(op, P=p, N=c, K=l), "flops": 2.0 * p * c * l}
@@ -290,7 +290,7 @@ def grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs
                          stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
 
 
-@triton.jit(launch_metadata=_grouped_meta)
+@triton.jit(launch_metadata=grouped_launch_name)
 def moe_grouped_gemm_kernel(
     a_ptr, a_rows_ptr, b_ptr, c_ptr, aux_ptr, h_ptr, ds_ptr,  # h, ds: the dscore partials (DSCORE)
     route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
@@ -327,7 +327,7 @@ def moe_grouped_gemm_kernel(
                          stride_cc, stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, DSCORE, DS_CHUNK, INTERPRETED)
 
 
-@triton.jit(launch_metadata=_grouped_meta)
+@triton.jit(launch_metadata=grouped_launch_name)
 def moe_grouped_gemm_tma_kernel(
     a_ptr, a_rows_ptr, b_desc, c_ptr, aux_ptr, h_ptr, ds_ptr,
     route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
@@ -580,7 +580,7 @@ def _backend_flags(backend: str, config: GemmConfig) -> dict:
     return {"STEP_K": interpreter_step_k(config) if interpreted else config.block_k, "INTERPRETED": interpreted}
 
 
-MOE_VARIANTS = ("ptr", "tma")  # det_gemm's three-sub-tile "tma3" and Gluon "ws" have no MoE kernel
+MOE_VARIANTS = ("ptr", "tma")  # det_gemm's "tma3" has no MoE kernel; "ws" (Gluon): down and dX only, _check_ws
 
 
 def check_moe_variant(stage: str, config: GemmConfig) -> None:
@@ -627,6 +627,17 @@ def weight_descriptor(b: torch.Tensor, block_n: int, step_k: int) -> tuple[Tenso
     return TensorDescriptor(store, list(store.shape), list(store.stride()), box), k_major
 
 
+def _check_ws(stage: str, config: GemmConfig, gather: bool, epilogue: int, backend: str) -> None:
+    """Variant "ws" (kernels/moe_ws.py): a Gluon kernel for sm_90, for the stages whose A rows are expert-sorted
+    and whose output is FP32 (down, dX)."""
+    if backend != CUDA_SM90:
+        raise ValueError(f"{stage}: variant 'ws' is a Gluon kernel for sm_90 and has no {backend!r} path; use a "
+                         "'ptr' or 'tma' config there")
+    if gather or epilogue != EPI_FP32:
+        raise ValueError(f"{stage}: variant 'ws' covers down and dX (expert-sorted A, FP32 out); use a 'ptr' or "
+                         "'tma' config for up and dgrad")
+
+
 def table_moe_config(stage: str, backend: str, b: torch.Tensor) -> GemmConfig:
     """The table's pick for a grouped ``stage``, as the pointer kernel with the same tile when the pick is
     "tma" and TMA cannot address the weight view ``b``. The variant changes the load path only (same
@@ -643,6 +654,14 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
              dscore: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """b is a [E, L, C] view (strides kept); ``dscore = (h, ds_part)`` (dgrad only) adds the partials."""
     config = config or table_moe_config(stage, backend, b)
+    if config.variant == "ws":  # the Gluon kernel (kernels/moe_ws.py): sm_90, expert-sorted A, FP32 out
+        _check_ws(stage, config, gather, epilogue, backend)
+        if routing.padded_rows:
+            from kernels.moe_ws import launch_moe_ws  # kernels.moe_ws imports this module
+
+            ensure_cuda_context(a.device)  # the descriptors encode on this thread, as TMA's do
+            launch_moe_ws(op_id, stage, config, a, b, c, routing, device_sms(a.device))
+        return
     check_grouped_config(stage, config)
     if dscore is not None and config.block_n % DS_CHUNK:
         raise ValueError(f"{stage}: the fused dscore partials need BLOCK_N a multiple of {DS_CHUNK}; "

@@ -30,7 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.det_gemm_ws import CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs
+from kernels.det_gemm_ws import (
+    CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs, store_part,
+)
 from kernels.moe import stage_name
 
 QBLOCK_WS = 128  # the FP8 scale block along K: one ring slot holds one block of both operands
@@ -148,18 +150,6 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
 
 
 @gluon.jit
-def _store_part(c_smem, c_desc, acc, row, col, PART: gl.constexpr):
-    """This part's tile rows through its slice of the shared buffer and a TMA store at [row, col]; the slice is
-    reused once the previous tile's store has read it, and the store runs while the next tile's MMAs do."""
-    ROWS: gl.constexpr = acc.type.shape[0]
-    c_part = c_smem.slice(PART * ROWS, ROWS, dim=0)
-    tma.store_wait(0)
-    c_part.store(acc.to(c_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(c_desc, [row, col], c_part)
-
-
-@gluon.jit
 def _grouped_tile(t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n,
                   L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
@@ -213,7 +203,7 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route
             stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
             PART, False)
         # Padding rows store zeros.
-        _store_part(c_smem, c_desc, gl.where(live[:, None], acc, 0.0), off_m + PART * ROWS, off_n, PART)
+        store_part(c_smem, c_desc, gl.where(live[:, None], acc, 0.0), off_m + PART * ROWS, off_n, PART)
     tma.store_wait(0)
 
 
@@ -321,7 +311,7 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, as_ptr,
                 ptrs = dw_ptr + expert * stride_we + rows[:, None] * stride_wr + cols[None, :] * stride_wc
                 gl.store(ptrs, gl.load(ptrs) + acc)
         else:
-            _store_part(c_smem, c_desc, acc, expert * R + pid_r * BLOCK_M + PART * ROWS, pid_c * BLOCK_N, PART)
+            store_part(c_smem, c_desc, acc, expert * R + pid_r * BLOCK_M + PART * ROWS, pid_c * BLOCK_N, PART)
     tma.store_wait(0)
 
 
@@ -409,8 +399,8 @@ def _swiglu_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_de
         g, u = gl.split(gl.reshape(gu.to(gl.float32), [ROWS, BLOCK_N // 2, 2]))
         h = ((g * (1.0 / (1.0 + gl.exp(-g)))) * u).to(gl.bfloat16)
         row = off_m + PART * ROWS
-        _store_part(gu_smem, gu_desc, gu, row, off_n, PART)
-        _store_part(h_smem, h_desc, h, row, off_n // 2, PART)
+        store_part(gu_smem, gu_desc, gu, row, off_n, PART)
+        store_part(h_smem, h_desc, h, row, off_n // 2, PART)
     tma.store_wait(0)
 
 
@@ -473,7 +463,7 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q
         # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
         pair = _bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
         row = off_m + PART * ROWS
-        _store_part(dgu_smem, dgu_desc, pair, row, off_n, PART)
+        store_part(dgu_smem, dgu_desc, pair, row, off_n, PART)
         dg, du = _bf16_pair_values(pair)  # the stored BF16 dgu, as the row-wise quantizer would read it
         mag = gl.maximum(gl.abs(dg), gl.abs(du))
         block = off_n // 64  # the scale block of the tile's first 64 dh columns
@@ -489,7 +479,7 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q
             gl.store(qs_ptr + rows * stride_qsm + block, scale0)
             gl.store(qs_ptr + rows * stride_qsm + block + 1, scale1)
         q = _e4m3_bits(dg * inv_cols) | (_e4m3_bits(du * inv_cols) << 8)
-        _store_part(q_smem, q_desc, q, row, off_n, PART)
+        store_part(q_smem, q_desc, q, row, off_n, PART)
     tma.store_wait(0)
 
 

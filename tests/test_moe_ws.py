@@ -1,0 +1,122 @@
+"""The BF16 MoE grouped GEMM's warp-specialized Gluon kernel (kernels/moe_ws.py, variant "ws", down and dX): the
+Triton tile's bits on the H200 for both weight layouts (down: [E, I, H]; dX: the K-major view of W1), including a
+padding-only tile and an expert with no rows; refusals by name everywhere; and an offline sm_90 compile (no GPU)
+showing TMA loads and stores, BF16 wgmma, the register hand-off, no spills and no MMA serialization by ptxas."""
+
+import pytest
+import torch
+
+from audits.moe import MoeCase, make_inputs
+from kernels.det_gemm import GemmConfig
+from kernels.moe import moe_down, moe_dx_route, moe_up_swiglu, select_moe_config
+from kernels.moe_routing import build_routing
+from tests.conftest import backend_of
+from tests.moe_helpers import compile_sm90_offline
+from toolkit.contract import compare_bits
+
+WS_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 5, "ws"),
+              GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws")]
+
+
+def _runs(device, t=24, h=128, i=128, e=3, k=2, seed=5):
+    """down and dX of one routed batch as functions of the config, and the routing."""
+    inp = make_inputs(MoeCase(t, h, i, e, k, "random", seed), device)
+    if t > 64:  # expert 0 gets no rows, expert 1 a single one: a padding-only tile and an almost empty one
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.stack([torch.randperm(e - 2, generator=gen)[:k] + 2 for _ in range(t)]).to(torch.int32)
+        ids[0, 0] = 1
+        inp["topk_ids"] = ids.to(device)
+    r = build_routing(inp["topk_ids"], inp["scores"], e)
+    b = backend_of(device)
+    gu, hid = moe_up_swiglu(inp["x"], inp["w1"], r, b)
+    return {"down": lambda c: moe_down(hid, inp["w2"], r, b, config=c),
+            "dx": lambda c: moe_dx_route(gu, inp["w1"], r, b, config=c)}, r, inp
+
+
+def test_ws_refuses_other_backends_and_stages_by_name(device):
+    runs, r, inp = _runs(device)
+    b = backend_of(device)
+    ws = WS_CONFIGS[0]
+    if device.type == "cpu":
+        for run in runs.values():
+            with pytest.raises(ValueError, match="variant 'ws' is a Gluon kernel for sm_90"):
+                run(ws)
+        return
+    with pytest.raises(ValueError, match="variant 'ws' covers down and dX"):
+        moe_up_swiglu(inp["x"], inp["w1"], r, b, config=ws)
+    with pytest.raises(ValueError, match="64 rows"):
+        runs["down"](GemmConfig(128, 128, 64, 1, 4, 4, "ws"))
+    with pytest.raises(ValueError, match="needs 294912 bytes of shared memory"):  # 7 stages + the FP32 tile buffer
+        runs["down"](GemmConfig(128, 128, 64, 1, 8, 7, "ws"))
+    with pytest.raises(ValueError, match="dividing C 128"):
+        runs["down"](GemmConfig(128, 96, 64, 1, 8, 4, "ws"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(300, 512, 384, 5, 2), (2048, 1024, 768, 16, 4)])
+def test_ws_gives_the_triton_tiles_bits(shape, device):
+    t, h, i, e, k = shape
+    runs, r, _ = _runs(device, t, h, i, e, k, seed=11)
+    assert int(r.counts[0]) == 0 and int(r.counts[1]) == 1
+    for stage, run in runs.items():
+        ref = run(select_moe_config(stage, backend_of(device)))  # the pinned Triton tile
+        assert select_moe_config(stage, backend_of(device)).variant != "ws"
+        for config in WS_CONFIGS:
+            out = run(config)
+            assert compare_bits(out, ref).equal, (stage, config.label())
+            assert compare_bits(run(config), out).equal, (stage, config.label())  # repeat
+        assert bool((ref[r.sorted_route < 0] == 0).all()), stage
+
+
+_COMPILE = r'''
+import json, os, subprocess, tempfile, re
+import triton
+import triton.backends.nvidia
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon import language as gl
+from bench.gemm_sass import cuobjdump_bytes, stack_bytes
+from kernels.det_gemm_ws import consumers, max_regs
+from kernels.moe_ws import moe_ws_kernel
+out = {}
+box = lambda rows, cols, dt=gl.bfloat16: (f"tensordesc<{dt}"
+                                          f"[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], dt)!r}>")
+fn = moe_ws_kernel
+names = list(fn.arg_names)
+for bm, bn, bk, warps, stages, k_major in [(128, 128, 64, 8, 4, False), (128, 128, 64, 8, 5, True), (64, 128, 64, 4, 6, False)]:
+    ptrs = {"a_desc": box(bm, bk), "b_desc": box(bn, bk) if k_major else box(bk, bn),
+            "c_desc": box(bm // consumers(warps), bn, gl.float32), "route_ptr": "*i32", "tile_expert_ptr": "*i32",
+            "gate_ptr": "*i32"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "B_K_MAJOR": k_major, "CONSUMERS": consumers(warps)}
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if sig[n] != "constexpr" and not sig[n].startswith("tensordesc") and n != "op_id"}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": max_regs(warps)})
+    d = tempfile.mkdtemp()
+    sass = cuobjdump_bytes("--dump-sass", k.asm["cubin"], d)
+    ptx = k.asm["ptx"]
+    with open(os.path.join(d, "k.ptx"), "w") as f:
+        f.write(ptx)
+    ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
+    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
+                          capture_output=True, text=True).stderr
+    out[f"{bm}x{bn}x{bk}_s{stages}_kmajor{int(k_major)}"] = {
+        "hgmma": len(re.findall(r"\bHGMMA", sass)), "tma": len(re.findall(r"\bUTMALDG", sass)),
+        "tma_store": len(re.findall(r"\bUTMASTG", sass)), "setmaxnreg": len(re.findall(r"\bUSETMAXREG", sass)),
+        "stack": stack_bytes(cuobjdump_bytes("--dump-resource-usage", k.asm["cubin"], d)),
+        "wait1": ptx.count("wgmma.wait_group.sync.aligned 1;"), "shared": k.metadata.shared,
+        "serialized": "Performance Loss" in info}
+print(json.dumps(out))
+'''
+
+
+def test_ws_kernel_compiles_for_sm90_offline(tmp_path):
+    report = compile_sm90_offline(_COMPILE, tmp_path)
+    assert len(report) == 3, report
+    for name, r in report.items():
+        # BF16 wgmma fed by TMA, the FP32 tile out by TMA store, setmaxnreg (the roles' register split), no spills, one
+        # MMA left in flight behind the newest, and no "wgmma.mma_async instructions are serialized" from ptxas.
+        assert r["hgmma"] > 0 and r["tma"] > 0 and r["tma_store"] > 0 and r["setmaxnreg"] > 0, (name, r)
+        assert r["stack"] == 0 and r["wait1"] > 0 and not r["serialized"], (name, r)
+        assert r["shared"] <= 227 * 1024, (name, r)
