@@ -68,6 +68,47 @@ def stack_bytes(resources: str) -> int | None:
     return int(stack.group(1)) if stack else None
 
 
+def gluon_desc_type(rows: int, cols: int, dtype) -> str:
+    """The signature type of a Gluon TMA descriptor argument with box [rows, cols] of ``dtype`` (a gl dtype) and
+    its default NVMMA shared layout."""
+    from triton.experimental.gluon import language as gl
+
+    name = {"int32": "i32", "int16": "i16"}.get(str(dtype), str(dtype))
+    return f"tensordesc<{name}[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)!r}>"
+
+
+def gluon_sm90_report(fn, types: dict[str, str], consts: dict, maxnreg: int) -> dict:
+    """Compile the Gluon kernel ``fn`` for sm_90 offline (Triton's bundled ptxas and cuobjdump, no GPU): arguments
+    typed by ``types`` (others i32, assumed multiples of 16), ``consts`` as constexprs, one 4-warp default partition
+    and the launch's register cap ``maxnreg``. Returns SASS counts (QGMMA / HGMMA: FP8 / BF16 wgmma; UTMALDG /
+    UTMASTG: TMA loads / stores; USETMAXREG; LDGSTS: cp.async), the stack frame (spills), the PTX's one-in-flight
+    wgmma waits, shared bytes, and whether ``ptxas -v`` reports serialized wgmma ("Performance Loss")."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = list(fn.arg_names)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if sig[n] != "constexpr" and not sig[n].startswith("tensordesc") and n != "op_id"}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
+    with tempfile.TemporaryDirectory() as d:
+        sass = cuobjdump_bytes("--dump-sass", k.asm["cubin"], d)
+        stack = stack_bytes(cuobjdump_bytes("--dump-resource-usage", k.asm["cubin"], d))
+        ptx_file = os.path.join(d, "k.ptx")
+        with open(ptx_file, "w") as f:
+            f.write(k.asm["ptx"])
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_file, "-o", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True).stderr
+    count = {key: len(re.findall(rf"\b{op}", sass)) for key, op in (
+        ("qgmma", "QGMMA"), ("hgmma", "HGMMA"), ("tma", "UTMALDG"), ("tma_store", "UTMASTG"),
+        ("setmaxnreg", "USETMAXREG"), ("ldgsts", "LDGSTS"))}
+    return {**count, "stack": stack, "wait1": k.asm["ptx"].count("wgmma.wait_group.sync.aligned 1;"),
+            "shared": k.metadata.shared, "serialized": "Performance Loss" in info}
+
+
 def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = False,
                twin: bool = False) -> tuple[object, dict, dict]:
     """(kernel, signature, constexprs) of one launch of ``case`` with ``cfg``."""

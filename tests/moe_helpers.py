@@ -75,3 +75,24 @@ def fp8_stage_runs(inp: dict[str, torch.Tensor], routing, backend: str) -> tuple
         "dx": lambda c: (moe_fp8_dx_route(dgu_q, dgu_s, w1f, routing, backend, config=c),),
     }
     return runs, {"h": h, "gu": gu, "dgu": dgu}
+
+
+def skewed_ids(t: int, e: int, k: int, seed: int) -> torch.Tensor:
+    """top-k ids [t, k] int32 where expert 0 gets no rows and expert 1 a single one (a padding-only tile and an
+    almost empty one), the rest spread over experts 2..e-1."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e - 2, generator=gen)[:k] + 2 for _ in range(t)]).to(torch.int32)
+    ids[0, 0] = 1
+    return ids
+
+
+def refuses_ws_off_sm90(runs: dict[str, Callable], config, device: torch.device) -> bool:
+    """On the interpreter every stage refuses the Gluon "ws" config by name (then True: nothing else to test
+    there); on a GPU, False."""
+    if device.type != "cpu":
+        return False
+    for run in runs.values():
+        with pytest.raises(ValueError, match="variant 'ws' is a Gluon kernel for sm_90"):
+            run(config)
+    return True
+

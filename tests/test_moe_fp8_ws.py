@@ -14,7 +14,7 @@ from kernels.det_gemm import GemmConfig
 from kernels.moe_fp8 import FP8_WGRAD_CONFIGS, moe_fp8_quant_colwise, moe_fp8_wgrad, select_moe_fp8_config
 from kernels.moe_routing import build_routing
 from tests.conftest import backend_of
-from tests.moe_helpers import compile_sm90_offline, fp8_stage_runs
+from tests.moe_helpers import compile_sm90_offline, fp8_stage_runs, refuses_ws_off_sm90, skewed_ids
 from toolkit.contract import compare_bits
 
 WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 5, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws"),
@@ -34,10 +34,7 @@ WGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(128, 128
 def _operands(device, t=24, h=128, i=128, e=3, k=2, seed=5):
     inp = make_inputs(MoeCase(t, h, i, e, k, "random", seed), device)
     if t > 64:  # expert 0 gets no rows, expert 1 a single one: a padding-only 64-row tile and an almost empty one
-        gen = torch.Generator().manual_seed(seed)
-        ids = torch.stack([torch.randperm(e - 2, generator=gen)[:k] + 2 for _ in range(t)]).to(torch.int32)
-        ids[0, 0] = 1
-        inp["topk_ids"] = ids.to(device)
+        inp["topk_ids"] = skewed_ids(t, e, k, seed).to(device)
     r = build_routing(inp["topk_ids"], inp["scores"], e)
     b = backend_of(device)
     stages, saved = fp8_stage_runs(inp, r, b)
@@ -54,10 +51,7 @@ def _operands(device, t=24, h=128, i=128, e=3, k=2, seed=5):
 def test_ws_refuses_other_backends_and_stages_by_name(device):
     runs, gathered, _ = _operands(device)
     ws = WS_CONFIGS[0]
-    if device.type == "cpu":
-        for run in runs.values():
-            with pytest.raises(ValueError, match="variant 'ws' is a Gluon kernel for sm_90"):
-                run(ws)
+    if refuses_ws_off_sm90(runs, ws, device):
         return
     with pytest.raises(ValueError, match="one 128-row scale block per ring slot"):
         runs["wgrad_w1"](GemmConfig(128, 64, 64, 1, 8, 6, "ws"))
@@ -131,18 +125,13 @@ def test_ws_weight_gradient_gives_the_triton_kernels_bits(shape, device):
 
 
 _COMPILE = r'''
-import json, os, subprocess, tempfile, re
-import triton
-import triton.backends.nvidia
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+import json
 from triton.experimental.gluon import language as gl
-from bench.gemm_sass import cuobjdump_bytes, stack_bytes
+from bench.gemm_sass import gluon_desc_type, gluon_sm90_report
 from kernels.det_gemm_ws import consumers, max_regs
 from kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_gather_kernel, moe_fp8_ws_kernel
 out = {}
-box = lambda rows, cols=128, dt=gl.float8e4nv: (f"tensordesc<{ {'int32': 'i32', 'int16': 'i16'}.get(str(dt), dt)}"
-                                                f"[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], dt)!r}>")
+box = lambda rows, cols=128, dt=gl.float8e4nv: gluon_desc_type(rows, cols, dt)
 grouped = [(moe_fp8_ws_kernel, f"grouped_{bm}x{bn}", bm, bn, warps,
             {"a_desc": box(bm), "b_desc": box(bn), "c_desc": box(bm // consumers(warps), bn, gl.float32), "as_ptr": "*fp32",
              "bs_ptr": "*fp32", "route_ptr": "*i32", "tile_expert_ptr": "*i32"},
@@ -170,26 +159,7 @@ dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}", bm, bn, warps,
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
            "EPILOGUE": 2, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 64, 8, 6), (64, 64, 4, 8), (128, 128, 8, 4)]]
 for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
-    names = list(fn.arg_names)
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if sig[n] != "constexpr" and not sig[n].startswith("tensordesc") and n != "op_id"}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": max_regs(warps)})
-    d = tempfile.mkdtemp()
-    sass = cuobjdump_bytes("--dump-sass", k.asm["cubin"], d)
-    ptx = k.asm["ptx"]
-    with open(os.path.join(d, "k.ptx"), "w") as f:
-        f.write(ptx)
-    ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
-    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
-                          capture_output=True, text=True).stderr
-    out[name] = {"qgmma": len(re.findall(r"\bQGMMA", sass)), "tma": len(re.findall(r"\bUTMALDG", sass)),
-                         "tma_store": len(re.findall(r"\bUTMASTG", sass)),
-                         "setmaxnreg": len(re.findall(r"\bUSETMAXREG", sass)), "ldgsts": len(re.findall(r"\bLDGSTS", sass)),
-                         "stack": stack_bytes(cuobjdump_bytes("--dump-resource-usage", k.asm["cubin"], d)),
-                         "wait1": ptx.count("wgmma.wait_group.sync.aligned 1;"), "shared": k.metadata.shared,
-                         "serialized": "Performance Loss" in info}
+    out[name] = gluon_sm90_report(fn, ptrs, consts, max_regs(warps))
 print(json.dumps(out))
 '''
 

@@ -4,14 +4,13 @@ padding-only tile and an expert with no rows; refusals by name everywhere; and a
 showing TMA loads and stores, BF16 wgmma, the register hand-off, no spills and no MMA serialization by ptxas."""
 
 import pytest
-import torch
 
 from audits.moe import MoeCase, make_inputs
 from kernels.det_gemm import GemmConfig
 from kernels.moe import moe_down, moe_dx_route, moe_up_swiglu, select_moe_config
 from kernels.moe_routing import build_routing
 from tests.conftest import backend_of
-from tests.moe_helpers import compile_sm90_offline
+from tests.moe_helpers import compile_sm90_offline, refuses_ws_off_sm90, skewed_ids
 from toolkit.contract import compare_bits
 
 WS_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 5, "ws"),
@@ -22,10 +21,7 @@ def _runs(device, t=24, h=128, i=128, e=3, k=2, seed=5):
     """down and dX of one routed batch as functions of the config, and the routing."""
     inp = make_inputs(MoeCase(t, h, i, e, k, "random", seed), device)
     if t > 64:  # expert 0 gets no rows, expert 1 a single one: a padding-only tile and an almost empty one
-        gen = torch.Generator().manual_seed(seed)
-        ids = torch.stack([torch.randperm(e - 2, generator=gen)[:k] + 2 for _ in range(t)]).to(torch.int32)
-        ids[0, 0] = 1
-        inp["topk_ids"] = ids.to(device)
+        inp["topk_ids"] = skewed_ids(t, e, k, seed).to(device)
     r = build_routing(inp["topk_ids"], inp["scores"], e)
     b = backend_of(device)
     gu, hid = moe_up_swiglu(inp["x"], inp["w1"], r, b)
@@ -37,10 +33,7 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
     runs, r, inp = _runs(device)
     b = backend_of(device)
     ws = WS_CONFIGS[0]
-    if device.type == "cpu":
-        for run in runs.values():
-            with pytest.raises(ValueError, match="variant 'ws' is a Gluon kernel for sm_90"):
-                run(ws)
+    if refuses_ws_off_sm90(runs, ws, device):
         return
     with pytest.raises(ValueError, match="variant 'ws' covers down and dX"):
         moe_up_swiglu(inp["x"], inp["w1"], r, b, config=ws)
@@ -69,44 +62,19 @@ def test_ws_gives_the_triton_tiles_bits(shape, device):
 
 
 _COMPILE = r'''
-import json, os, subprocess, tempfile, re
-import triton
-import triton.backends.nvidia
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+import json
 from triton.experimental.gluon import language as gl
-from bench.gemm_sass import cuobjdump_bytes, stack_bytes
+from bench.gemm_sass import gluon_desc_type, gluon_sm90_report
 from kernels.det_gemm_ws import consumers, max_regs
 from kernels.moe_ws import moe_ws_kernel
 out = {}
-box = lambda rows, cols, dt=gl.bfloat16: (f"tensordesc<{dt}"
-                                          f"[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], dt)!r}>")
-fn = moe_ws_kernel
-names = list(fn.arg_names)
+box = lambda rows, cols, dt=gl.bfloat16: gluon_desc_type(rows, cols, dt)
 for bm, bn, bk, warps, stages, k_major in [(128, 128, 64, 8, 4, False), (128, 128, 64, 8, 5, True), (64, 128, 64, 4, 6, False)]:
-    ptrs = {"a_desc": box(bm, bk), "b_desc": box(bn, bk) if k_major else box(bk, bn),
-            "c_desc": box(bm // consumers(warps), bn, gl.float32), "route_ptr": "*i32", "tile_expert_ptr": "*i32",
-            "gate_ptr": "*i32"}
+    types = {"a_desc": box(bm, bk), "b_desc": box(bn, bk) if k_major else box(bk, bn),
+             "c_desc": box(bm // consumers(warps), bn, gl.float32), "route_ptr": "*i32", "tile_expert_ptr": "*i32",
+             "gate_ptr": "*i32"}
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "B_K_MAJOR": k_major, "CONSUMERS": consumers(warps)}
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if sig[n] != "constexpr" and not sig[n].startswith("tensordesc") and n != "op_id"}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": max_regs(warps)})
-    d = tempfile.mkdtemp()
-    sass = cuobjdump_bytes("--dump-sass", k.asm["cubin"], d)
-    ptx = k.asm["ptx"]
-    with open(os.path.join(d, "k.ptx"), "w") as f:
-        f.write(ptx)
-    ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
-    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
-                          capture_output=True, text=True).stderr
-    out[f"{bm}x{bn}x{bk}_s{stages}_kmajor{int(k_major)}"] = {
-        "hgmma": len(re.findall(r"\bHGMMA", sass)), "tma": len(re.findall(r"\bUTMALDG", sass)),
-        "tma_store": len(re.findall(r"\bUTMASTG", sass)), "setmaxnreg": len(re.findall(r"\bUSETMAXREG", sass)),
-        "stack": stack_bytes(cuobjdump_bytes("--dump-resource-usage", k.asm["cubin"], d)),
-        "wait1": ptx.count("wgmma.wait_group.sync.aligned 1;"), "shared": k.metadata.shared,
-        "serialized": "Performance Loss" in info}
+    out[f"{bm}x{bn}x{bk}_s{stages}_kmajor{int(k_major)}"] = gluon_sm90_report(moe_ws_kernel, types, consts, max_regs(warps))
 print(json.dumps(out))
 '''
 
