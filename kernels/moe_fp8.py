@@ -67,8 +67,9 @@ from kernels.fp8_quant import (
 )
 from kernels.moe import (
     MoeGrads, check_dout, check_grouped_config, check_main_grads, check_moe_inputs, check_moe_variant,
-    dswiglu_epilogue, launch_checked_routing, grouped_tile, layer_stage_names, mma_step, moe_combine, moe_dscores, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
-    pinned_stage_config, store_fp32_tile, swiglu_epilogue, tile_is_live, to_bf16, weight_descriptor,
+    dswiglu_epilogue, grouped_tile, launch_checked_routing, layer_stage_names, mma_step, moe_combine, moe_dscores,
+    moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2, pinned_stage_config, store_fp32_tile, swiglu_epilogue, tile_is_live,
+    to_bf16, weight_descriptor,
 )
 from kernels.moe_fp8_ws import (
     fp8_stage_name, grouped_launch_metadata, launch_fp8_wgrad_ws, launch_fp8_ws, launch_fp8_ws_gather,

@@ -17,13 +17,14 @@ from audits.moe_fp8 import (
 )
 from audits.moe import GRAD_NAMES, MoeCase, rel_l2
 from kernels.det_gemm import GemmConfig
-from kernels.fp8_quant import QBLOCK, quantize_rowwise, quantize_rowwise_ref
+import kernels.moe_fp8 as kf
+from kernels.fp8_quant import QBLOCK, quantize_rowwise, quantize_rowwise_ref, quantize_weight
 from kernels.moe_fp8 import (
     MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_risk,
     moe_fp8_up_swiglu, moe_mlp_fp8_fwd, moe_mlp_fp8_ref, select_moe_fp8_config,
 )
 from kernels.moe import moe_mlp_ref
-from kernels.moe_routing import build_routing
+from kernels.moe_routing import build_routing, launch_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import (
     assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline, fp8_stage_runs, layer_args,
@@ -101,7 +102,6 @@ def test_interpreter_bits_do_not_depend_on_tile_config(device):
         pytest.skip("interpreter property: sequential accumulation makes every config give the same bits")
     inp = make_inputs(_case(t=16, seed=11), device)
     r = build_routing(inp["topk_ids"], inp["scores"], E)
-    from kernels.fp8_quant import quantize_weight
 
     x_q, x_s = quantize_rowwise(inp["x"])
     w1f, w2f = quantize_weight(inp["w1"]), quantize_weight(inp["w2"])
@@ -132,11 +132,44 @@ def test_tma_weight_tile_gives_the_pointer_kernels_bits(device):
             assert compare_bits(p, t).equal, (stage, config, name)
 
 
+def test_up_gemm_queued_before_the_read_is_gated_by_the_routing(device):
+    # The FP8 forward queues its up GEMM over the largest possible P before the host reads the counts (the pinned
+    # tile: the Gluon kernel on sm_90, the Triton kernel on the interpreter). Rows below P: the exact routing's
+    # bits; rows from P on, and every row of a batch the checks refuse: not written at all (the sentinel stays).
+    backend = backend_of(device)
+    inp = make_inputs(_case("counts:3,0,130,1", t=134, k=1, e=4, seed=21), device)
+    pending = launch_routing(inp["topk_ids"], inp["scores"], 4)
+    exact, bound = pending.finish(), pending.bound
+    p, p_max = exact.padded_rows, bound.padded_rows
+    assert p == 4 * 128 and p_max == 5 * 128 and bound.gate.tolist() == [p, 0, 0, 0]
+    x_q, x_s = quantize_rowwise(inp["x"])
+    w1f = quantize_weight(inp["w1"])
+    want_gu, want_h = moe_fp8_up_swiglu(x_q, x_s, w1f, exact, backend)[:2]
+    config = select_moe_fp8_config("up", backend)
+    fused = config.block_n == 2 * QBLOCK
+    two_i = w1f.q.shape[2]
+
+    def up_over(routing):
+        gu, h = (torch.full((p_max, n), float("nan"), dtype=torch.bfloat16, device=device) for n in (two_i, two_i // 2))
+        h_q = torch.empty((p_max, two_i // 2), dtype=torch.float8_e4m3fn, device=device) if fused else None
+        h_s = torch.empty((p_max, two_i // 2 // QBLOCK), dtype=torch.float32, device=device) if fused else None
+        kf._grouped(0, "up", x_q, x_s, True, w1f.q_t, w1f.scale, gu, h, h_q, h_s, routing,
+                    kf.EPI_SWIGLU_QUANT if fused else kf.EPI_SWIGLU, backend, config)
+        return gu, h
+
+    gu, h = up_over(bound)
+    assert compare_bits(gu[:p], want_gu).equal and compare_bits(h[:p], want_h).equal
+    assert gu[p:].isnan().all() and h[p:].isnan().all()
+    refused = bound.gate.clone()
+    refused[2] = 1  # one duplicate id flagged by the routing kernels
+    gu, h = up_over(replace(bound, gate=refused))
+    assert gu.isnan().all() and h.isnan().all()
+
+
 def test_dgrad_with_two_scale_blocks_per_row_quantizes_like_the_reference(device):
     # A 128-column dh tile: its dgu row holds two 1x128 blocks, each quantized as quantize_rowwise does.
     inp = make_inputs(_case(t=16, i=256, seed=14), device)
     r = build_routing(inp["topk_ids"], inp["scores"], E)
-    from kernels.fp8_quant import quantize_weight
 
     b = backend_of(device)
     x_q, x_s = quantize_rowwise(inp["x"])
@@ -159,7 +192,6 @@ def test_up_tile_narrower_than_a_quant_block_quantizes_h_in_a_row_wise_pass(devi
     # over the stored h, which is the fused epilogue's definition (quantize_rowwise(h)): the same values.
     inp = make_inputs(_case(t=16, i=256, seed=15), device)
     r = build_routing(inp["topk_ids"], inp["scores"], E)
-    from kernels.fp8_quant import quantize_weight
 
     b = backend_of(device)
     x_q, x_s = quantize_rowwise(inp["x"])
