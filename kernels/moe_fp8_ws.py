@@ -58,6 +58,15 @@ def grouped_launch_metadata(grid, metadata, args):
 
 
 @gluon.jit
+def live_tiles(gate_ptr, P, num_n, BLOCK_M: gl.constexpr):
+    """Tiles of a persistent grouped grid that hold routed rows, from the routing's gate (kernels/moe.py
+    tile_is_live): up to its P (a GEMM queued over the largest P before the host has read the counts stops at the
+    real one), none for a batch its validation counts refuse."""
+    refused = gl.load(gate_ptr + 1) + gl.load(gate_ptr + 2) + gl.load(gate_ptr + 3)
+    return (gl.where(refused == 0, gl.minimum(gl.load(gate_ptr), P), 0) // BLOCK_M) * num_n
+
+
+@gluon.jit
 def _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, a_row, b_row, k0, num_kb):
     """TMA loads of K blocks [k0 + kb * 128, +128) for kb < num_kb, A rows from a_row, B rows from b_row, into the
     ring from slot ``count`` on; a slot is refilled once every consumer has released it. Returns the next count."""
@@ -509,11 +518,7 @@ def moe_fp8_ws_gather_kernel(
         mbarrier.init(ready.index(i), count=1 + GATHER_PRODUCER_WARPS * 32)
         mbarrier.init(free.index(i), count=CONSUMERS)
     num_n = C // BLOCK_N
-    # The routing's gate (kernels/moe.py tile_is_live): P (the up GEMM is queued over the largest P before the host
-    # has read the counts) and the validation counts (a refused batch: no tile).
-    refused = gl.load(gate_ptr + 1) + gl.load(gate_ptr + 2) + gl.load(gate_ptr + 3)
-    live_rows = gl.where(refused == 0, gl.minimum(gl.load(gate_ptr), P), 0)
-    num_tiles = (live_rows // BLOCK_M) * num_n
+    num_tiles = live_tiles(gate_ptr, P, num_n, BLOCK_M)
     if EPILOGUE == 3:
         gu_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], gu_desc.layout)
         h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N // 2], h_desc.layout)

@@ -28,20 +28,13 @@ from kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs, store_part,
 )
 from kernels.moe import SEGMENT_ALIGN, grouped_launch_name
+from kernels.moe_fp8_ws import SM90_SHARED_BYTES, live_tiles
 
-SM90_SHARED_BYTES = 227 * 1024  # the per-block limit (opt-in) on sm_90
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
 
 
 @gluon.jit
-def _live_tiles(gate_ptr, P, num_n, BLOCK_M: gl.constexpr):
-    """Tiles of the grid that hold routed rows: up to the routing's P (its gate), none for a refused batch."""
-    refused = gl.load(gate_ptr + 1) + gl.load(gate_ptr + 2) + gl.load(gate_ptr + 3)
-    return (gl.where(refused == 0, gl.minimum(gl.load(gate_ptr), P), 0) // BLOCK_M) * num_n
-
-
-@gluon.jit
-def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, gate_ptr, P, C, L,
+def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, C, L,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr):
     """TMA loads of every K step of each live tile into the ring; a slot is refilled once every consumer has
     released it. The weight is [E * C, L] (K-major) or [E * L, C]: an expert's rows start at e * C or e * L."""
@@ -49,7 +42,7 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_exper
     BLOCK_K: gl.constexpr = a_ring.type.shape[2]
     num_n = C // BLOCK_N
     count = 0
-    for t in range(gl.program_id(0), _live_tiles(gate_ptr, P, num_n, BLOCK_M), gl.num_programs(0)):
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m = (t // num_n) * BLOCK_M
         off_n = (t % num_n) * BLOCK_N
         if gl.load(route_ptr + off_m) >= 0:
@@ -69,7 +62,7 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_exper
 
 
 @gluon.jit
-def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, gate_ptr, P, C, L, BLOCK_M: gl.constexpr,
+def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr):
     """One consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile; async wgmma
     over the ring with at most one MMA in flight behind the newest, each slot handed back once the MMA that read it
@@ -81,7 +74,7 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, gate_ptr, 
                                                          instr_shape=[16, BLOCK_N, 16])
     num_n = C // BLOCK_N
     count = 0
-    for t in range(gl.program_id(0), _live_tiles(gate_ptr, P, num_n, BLOCK_M), gl.num_programs(0)):
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m = (t // num_n) * BLOCK_M
         off_n = (t % num_n) * BLOCK_N
         rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
@@ -124,20 +117,21 @@ def moe_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(free.index(i), count=CONSUMERS)
+    num_tiles = live_tiles(gate_ptr, P, C // BLOCK_N, BLOCK_M)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, gate_ptr, P, C, L, BLOCK_M, BLOCK_N,
+            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N,
                          B_K_MAJOR, CONSUMERS, 0)),
-            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, gate_ptr, P, C, L, BLOCK_M, BLOCK_N,
+            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N,
                          B_K_MAJOR, CONSUMERS, 1)),
-            (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, gate_ptr, P, C, L,
+            (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, C, L,
                          BLOCK_M, BLOCK_N, B_K_MAJOR)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, gate_ptr, P, C, L, BLOCK_M, BLOCK_N,
+            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N,
                          B_K_MAJOR, CONSUMERS, 0)),
-            (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, gate_ptr, P, C, L,
+            (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, C, L,
                          BLOCK_M, BLOCK_N, B_K_MAJOR)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
@@ -179,7 +173,7 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
     b_box = [config.block_n, config.block_k] if k_major else [config.block_k, config.block_n]
     part_rows = config.block_m // consumers(config.num_warps)
     tiles = (p // config.block_m) * (n_cols // config.block_n)
-    moe_ws_kernel[(max(1, min(tiles, sms)),)](
+    moe_ws_kernel[(min(tiles, sms),)](
         _descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16), _descriptor(store, b_box, gl.bfloat16),
         _descriptor(c, [part_rows, config.block_n], gl.float32),
         routing.sorted_route, routing.tile_expert, routing.gate,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from audits.moe import MoeCase, invariance_variants
+from kernels.det_gemm import GemmConfig
 from toolkit.contract import compare_bits
 
 
@@ -95,4 +96,12 @@ def refuses_ws_off_sm90(runs: dict[str, Callable], config, device: torch.device)
         with pytest.raises(ValueError, match="variant 'ws' is a Gluon kernel for sm_90"):
             run(config)
     return True
+
+
+# The Triton tiles each FP8 stage ran on before its Gluon pin (FP8 tables .5-.8): the bit references of the Gluon
+# kernels on the GPU and the Triton tiles compiled for sm_90 offline (the sm_90 table names Gluon configs for all four).
+FP8_TRITON_TILES = {
+    "up": GemmConfig(64, 128, 128, 1, 4, 3, "tma"), "down": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
+    "dgrad": GemmConfig(128, 64, 128, 1, 4, 4, "tma"), "dx": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
+}
 

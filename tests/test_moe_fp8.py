@@ -352,9 +352,7 @@ from triton.compiler import ASTSource
 import kernels.fp8_quant as fq
 import kernels.moe_fp8 as kf
 target = GPUTarget("cuda", 90, 32)
-# The Triton tiles of the stages pinned to the Gluon kernel since table .9 (up, dgrad: table .7's picks, the tune's
-# baseline there); down and dX have no Triton tile here since table .7.
-TRITON_TILES = {"up": kf.GemmConfig(64, 128, 128, 1, 4, 3, "tma"), "dgrad": kf.GemmConfig(128, 64, 128, 1, 4, 4, "tma")}
+from tests.moe_helpers import FP8_TRITON_TILES
 def sass_counts(cubin):
     """QGMMA (FP8 wgmma) in the SASS and the stack frame (register spills), from Triton's bundled cuobjdump."""
     sass = cuobjdump_bytes("--dump-sass", cubin, sys.argv[1])
@@ -391,10 +389,8 @@ for (stage, epi, gather, c_t), tma in itertools.product(
         (("up", 1, True, "*bf16"), ("down", 0, False, "*fp32"), ("dgrad", 2, True, "*bf16"), ("dx", 0, False, "*fp32")),
         (False, True)):  # the Triton tile with the weight through pointers and through TMA
     c = kf.MOE_FP8_CONFIGS["cuda_sm90"][stage]
-    if c.variant == "ws":  # the Gluon kernel (tests/test_moe_fp8_ws.py): the Triton tile it was tuned against
-        c = TRITON_TILES.get(stage)
-        if c is None:
-            continue
+    if c.variant == "ws":  # the Gluon kernel (tests/test_moe_fp8_ws.py): the Triton tile it replaced
+        c = FP8_TRITON_TILES[stage]
     if stage == "up" and c.block_n != 256:  # h quantized by the row-wise pass, not in the epilogue
         epi = 3
     b_t = f"tensordesc<fp8e4nv[1, {c.block_n}, {c.block_k}]>" if tma else "*fp8e4nv"
@@ -444,7 +440,7 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
     # The Triton tiles of the four stages (those pinned, else the tile the Gluon kernel was tuned against: the "ws"
     # kernels are compiled by tests/test_moe_fp8_ws.py).
     pinned = {name.rsplit("_", 1)[0]: name for name in report if name.endswith("_tma") and name != "wgrad_tma"}
-    assert set(pinned) >= {"up", "dgrad"}, sorted(report)
+    assert set(pinned) == {"up", "down", "dgrad", "dx"}, sorted(report)
     for name in (*pinned.values(), "wgrad_False", "wgrad_True", "dgrad_w8"):
         stack, converts = MEASURED_PRESSURE.get(name, (0, 0))
         assert report[name]["wgmma_e4m3"] > 0 and report[name]["qgmma"] > 0, (name, report[name])

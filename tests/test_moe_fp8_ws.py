@@ -14,7 +14,9 @@ from kernels.det_gemm import GemmConfig
 from kernels.moe_fp8 import FP8_WGRAD_CONFIGS, moe_fp8_quant_colwise, moe_fp8_wgrad, select_moe_fp8_config
 from kernels.moe_routing import build_routing
 from tests.conftest import backend_of
-from tests.moe_helpers import compile_sm90_offline, fp8_stage_runs, refuses_ws_off_sm90, skewed_ids
+from tests.moe_helpers import (
+    FP8_TRITON_TILES, compile_sm90_offline, fp8_stage_runs, refuses_ws_off_sm90, skewed_ids,
+)
 from toolkit.contract import compare_bits
 
 WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 5, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws"),
@@ -24,10 +26,6 @@ GATHERED_WS_CONFIGS = {
     "dgrad": [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(64, 64, 128, 1, 4, 8, "ws"),
               GemmConfig(128, 128, 128, 1, 8, 4, "ws")],
 }
-# The Triton tiles each stage ran on before its Gluon pin (tables .5-.8): the bit references here (the sm_90 table
-# now names Gluon configs for all four stages).
-TRITON_TILES = {"up": GemmConfig(64, 128, 128, 1, 4, 3, "tma"), "down": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
-                "dgrad": GemmConfig(128, 64, 128, 1, 4, 4, "tma"), "dx": GemmConfig(64, 128, 128, 1, 4, 3, "tma")}
 WGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(128, 128, 128, 1, 8, 4, "ws")]
 
 
@@ -75,7 +73,7 @@ def test_ws_gives_the_triton_kernels_bits(shape, device):
     assert int(r.counts[0]) == 0 and int(r.counts[1]) == 1
     for stage in ("down", "dx"):
         run = runs[stage]
-        ref = run(TRITON_TILES[stage])
+        ref = run(FP8_TRITON_TILES[stage])
         for config in [*WS_CONFIGS, select_moe_fp8_config(stage, backend_of(device))]:
             out = run(config)
             assert compare_bits(out, ref).equal, (stage, config.label())
@@ -93,7 +91,7 @@ def test_ws_gathered_stages_give_the_triton_kernels_bits(stage, names, shape, de
     # padding rows (which read token 0) are zero.
     t, h, i, e, k = shape
     _, gathered, r = _operands(device, t, h, i, e, k, seed=11)
-    ref = gathered[stage](TRITON_TILES[stage])
+    ref = gathered[stage](FP8_TRITON_TILES[stage])
     for config in [*GATHERED_WS_CONFIGS[stage], select_moe_fp8_config(stage, backend_of(device))]:
         out = gathered[stage](config)
         for name, a, b in zip(names, out, ref):
