@@ -75,7 +75,7 @@ from kernels.moe_routing import (
 # On the interpreter every config gives the same bits (sequential accumulation); its table is
 # chosen for emulation speed only.
 # ---------------------------------------------------------------------------------------------
-MOE_CONFIG_TABLE_VERSION = "2026-11-29.2"
+MOE_CONFIG_TABLE_VERSION = "2026-11-30.3"
 
 STAGES = ("up", "down", "dgrad", "dx", "wgrad", "combine", "dscore")
 
@@ -84,9 +84,12 @@ MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         # H200 sweep (bench/moe_tune.py, reports/2026-11-29-h200-moe2/): the TMA weight tile wins every
         # grouped stage at both presets swept (3 stages = 96 KiB of shared memory: two programs per SM).
         "up": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),  # BLOCK_N interleaved gate/up columns -> 64 of h
-        "down": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
+        # down and dX: the warp-specialized Gluon kernel (kernels/moe_ws.py); H200 sweep 2026-11-30
+        # (reports/2026-11-30-h200/moe-ws): down 1052 -> 958 us, dX 1977 -> 1903 us at the reference shape,
+        # bit-equal to the Triton tiles.
+        "down": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),
         "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "tma"),  # BLOCK_N columns of dh (2x of dgu)
-        "dx": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
+        "dx": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),
         "wgrad": GemmConfig(128, 128, 64, 1, 4, 3),  # BLOCK_K = routed rows per reduction step
         "combine": GemmConfig(16, 256, 16, 1, 4, 1),  # BLOCK_M tokens x BLOCK_N columns
         "dscore": GemmConfig(16, 256, 16, 1, 4, 1),
@@ -611,6 +614,19 @@ def _weight_storage(b: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     return store, k_major
 
 
+def ws_weight_rows(b: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """The 2-D ``[E*L, C]`` (K-major: ``[E*C, L]``) view of the ``[E, L, C]`` weight view ``b``'s storage that the
+    "ws" kernel (kernels/moe_ws.py) describes by TMA, and whether it is K-major; None when TMA cannot address the
+    storage or its expert dim does not flatten into rows without a copy."""
+    found = _weight_storage(b)
+    if found is None:
+        return None
+    store, k_major = found
+    if store.stride(0) != store.shape[1] * store.stride(1):
+        return None
+    return store.reshape(-1, store.shape[2]), k_major
+
+
 def weight_descriptor(b: torch.Tensor, block_n: int, step_k: int) -> tuple[TensorDescriptor, bool]:
     """A rank-3 TMA descriptor over the storage of the ``[E, L, C]`` weight view ``b`` and whether that
     storage is K-major (``[E, C, L]``); refuses, naming the layout, what TMA cannot address."""
@@ -639,10 +655,14 @@ def _check_ws(stage: str, config: GemmConfig, gather: bool, epilogue: int, backe
 
 
 def table_moe_config(stage: str, backend: str, b: torch.Tensor) -> GemmConfig:
-    """The table's pick for a grouped ``stage``, as the pointer kernel with the same tile when the pick is
-    "tma" and TMA cannot address the weight view ``b``. The variant changes the load path only (same
-    tile, same K order, same epilogue): an explicit config is never swapped."""
+    """The table's pick for a grouped ``stage``; when the pick's kernel cannot address the weight view ``b``, the
+    same tile one load path down: "ws" -> "tma" (the weight not flattenable into TMA rows, or the tile not
+    dividing its L x C), "tma" -> "ptr" (TMA cannot address it). The variant changes the load path only (same
+    K order per output, same epilogue, so the same bits): an explicit config is never swapped."""
     config = select_moe_config(stage, backend)
+    if config.variant == "ws" and (ws_weight_rows(b) is None or b.shape[1] % config.block_k
+                                   or b.shape[2] % config.block_n):
+        config = replace(config, variant="tma")
     if config.variant == "tma" and _weight_storage(b) is None:
         config = replace(config, variant="ptr")
     return config

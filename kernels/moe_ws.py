@@ -27,7 +27,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs, store_part,
 )
-from kernels.moe import SEGMENT_ALIGN, grouped_launch_name
+from kernels.moe import SEGMENT_ALIGN, grouped_launch_name, ws_weight_rows
 from kernels.moe_fp8_ws import SM90_SHARED_BYTES, live_tiles
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
@@ -146,7 +146,7 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
     """c [P, C] FP32 = the grouped GEMM of the expert-sorted a [P, L] and the ``[E, L, C]`` weight view b (its
     storage [E, L, C] or K-major [E, C, L]); refuses, naming the value, what this kernel does not cover (before
     any work)."""
-    e, reduced, n_cols = b.shape
+    _, reduced, n_cols = b.shape
     if config.block_m != 64 * consumers(config.num_warps) or config.num_warps not in (4, 8):
         raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "
                          f"warps or 128 with 8; got BLOCK_M {config.block_m}, {config.num_warps} warps")
@@ -154,13 +154,8 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
         raise ValueError(f"{stage}: variant 'ws' needs BLOCK_K {config.block_k} dividing L {reduced} and BLOCK_N "
                          f"{config.block_n} dividing C {n_cols} (a weight tile never crosses an expert), both multiples "
                          "of 16")
-    if b.stride(2) == 1:
-        store, k_major = b.reshape(e * reduced, n_cols), False
-    elif b.stride(1) == 1:
-        store, k_major = b.transpose(1, 2).reshape(e * n_cols, reduced), True
-    else:
-        store = None
-    if (store is None or store.data_ptr() != b.data_ptr() or a.stride(1) != 1 or not c.is_contiguous()
+    store, k_major = ws_weight_rows(b) or (None, False)
+    if (store is None or a.stride(1) != 1 or not c.is_contiguous()
             or any(t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16 for t in (a, store))):
         raise ValueError(f"{stage}: variant 'ws' needs the weight stored [E, L, C] or [E, C, L] with 16-byte aligned "
                          f"rows, A row-major with 16-byte aligned rows and the output contiguous; got weight strides "

@@ -389,6 +389,21 @@ def test_table_tma_pick_falls_back_to_the_same_tile_when_tma_cannot_address_the_
         km.weight_descriptor(odd, table.block_n, table.block_k)
 
 
+def test_table_ws_pick_falls_back_to_the_same_tile_when_the_ws_kernel_cannot_address_the_weight():
+    table = km.select_moe_config("down", "cuda_sm90")
+    assert table.variant == "ws"
+    w = torch.zeros((2, 256, 256), dtype=torch.bfloat16)  # [E, L, C]
+    assert km.table_moe_config("down", "cuda_sm90", w) == table
+    assert km.table_moe_config("down", "cuda_sm90", w.transpose(1, 2)) == table  # K-major storage
+    narrow = torch.zeros((2, 256, 192), dtype=torch.bfloat16)  # C = 192: BLOCK_N 128 does not divide it
+    assert km.table_moe_config("down", "cuda_sm90", narrow) == replace(table, variant="tma")
+    sliced = torch.zeros((4, 256, 256), dtype=torch.bfloat16)[::2]  # experts not flattenable into TMA rows
+    assert km.ws_weight_rows(sliced) is None
+    assert km.table_moe_config("down", "cuda_sm90", sliced) == replace(table, variant="tma")
+    odd = w[:, :, ::2]  # no unit-stride dim: TMA cannot describe it at all
+    assert km.table_moe_config("down", "cuda_sm90", odd) == replace(table, variant="ptr")
+
+
 def test_tma_stage_runs_on_a_thread_without_a_cuda_context(device):
     # Autograd runs the backward on its own worker thread; Triton encodes a TMA descriptor before its
     # launcher binds a context there, so the launch must bind one first (kernels.backend.ensure_cuda_context).

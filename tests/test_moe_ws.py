@@ -41,8 +41,8 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
         runs["down"](GemmConfig(128, 128, 64, 1, 4, 4, "ws"))
     with pytest.raises(ValueError, match="needs 294912 bytes of shared memory"):  # 7 stages + the FP32 tile buffer
         runs["down"](GemmConfig(128, 128, 64, 1, 8, 7, "ws"))
-    with pytest.raises(ValueError, match="dividing C 128"):
-        runs["down"](GemmConfig(128, 96, 64, 1, 8, 4, "ws"))
+    with pytest.raises(ValueError, match="dividing C 128"):  # down's C is H = 128
+        runs["down"](GemmConfig(128, 256, 64, 1, 8, 2, "ws"))
 
 
 @pytest.mark.gpu
