@@ -583,7 +583,7 @@ def _backend_flags(backend: str, config: GemmConfig) -> dict:
     return {"STEP_K": interpreter_step_k(config) if interpreted else config.block_k, "INTERPRETED": interpreted}
 
 
-MOE_VARIANTS = ("ptr", "tma")  # det_gemm's "tma3" has no MoE kernel; "ws" (Gluon): down and dX only, _check_ws
+MOE_VARIANTS = ("ptr", "tma")  # det_gemm's "tma3" has no MoE kernel; "ws" (Gluon): down, dgrad, dX, _check_ws
 
 
 def check_moe_variant(stage: str, config: GemmConfig) -> None:
@@ -644,24 +644,29 @@ def weight_descriptor(b: torch.Tensor, block_n: int, step_k: int) -> tuple[Tenso
 
 
 def _check_ws(stage: str, config: GemmConfig, gather: bool, epilogue: int, backend: str) -> None:
-    """Variant "ws" (kernels/moe_ws.py): a Gluon kernel for sm_90, for the stages whose A rows are expert-sorted
-    and whose output is FP32 (down, dX)."""
+    """Variant "ws" (kernels/moe_ws.py): Gluon kernels for sm_90, for down and dX (expert-sorted A, FP32 out) and
+    dgrad (gathered A, the dSwiGLU epilogue)."""
     if backend != CUDA_SM90:
         raise ValueError(f"{stage}: variant 'ws' is a Gluon kernel for sm_90 and has no {backend!r} path; use a "
                          "'ptr' or 'tma' config there")
-    if gather or epilogue != EPI_FP32:
-        raise ValueError(f"{stage}: variant 'ws' covers down and dX (expert-sorted A, FP32 out); use a 'ptr' or "
-                         "'tma' config for up and dgrad")
+    if (gather, epilogue) not in ((False, EPI_FP32), (True, EPI_DSWIGLU)):
+        raise ValueError(f"{stage}: variant 'ws' covers down, dgrad and dX; use a 'ptr' or 'tma' config for up")
+
+
+def _ws_addresses(stage: str, config: GemmConfig, b: torch.Tensor) -> bool:
+    """Whether the ws kernel can take the ``[E, L, C]`` weight view ``b`` with ``config``'s tile: its storage flattens
+    into TMA rows (K-major for dgrad, whose producer loads it so) and the tile divides L x C."""
+    rows = ws_weight_rows(b)
+    return (rows is not None and (rows[1] or stage != "dgrad") and b.shape[1] % config.block_k == 0
+            and b.shape[2] % config.block_n == 0)
 
 
 def table_moe_config(stage: str, backend: str, b: torch.Tensor) -> GemmConfig:
     """The table's pick for a grouped ``stage``; when the pick's kernel cannot address the weight view ``b``, the
-    same tile one load path down: "ws" -> "tma" (the weight not flattenable into TMA rows, or the tile not
-    dividing its L x C), "tma" -> "ptr" (TMA cannot address it). The variant changes the load path only (same
+    same tile one load path down: "ws" -> "tma" (see _ws_addresses), "tma" -> "ptr" (TMA cannot address it). The variant changes the load path only (same
     K order per output, same epilogue, so the same bits): an explicit config is never swapped."""
     config = select_moe_config(stage, backend)
-    if config.variant == "ws" and (ws_weight_rows(b) is None or b.shape[1] % config.block_k
-                                   or b.shape[2] % config.block_n):
+    if config.variant == "ws" and not _ws_addresses(stage, config, b):
         config = replace(config, variant="tma")
     if config.variant == "tma" and _weight_storage(b) is None:
         config = replace(config, variant="ptr")
@@ -674,13 +679,16 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
              dscore: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """b is a [E, L, C] view (strides kept); ``dscore = (h, ds_part)`` (dgrad only) adds the partials."""
     config = config or table_moe_config(stage, backend, b)
-    if config.variant == "ws":  # the Gluon kernel (kernels/moe_ws.py): sm_90, expert-sorted A, FP32 out
+    if config.variant == "ws":  # the Gluon kernels (kernels/moe_ws.py): sm_90, down, dgrad, dX
         _check_ws(stage, config, gather, epilogue, backend)
         if routing.padded_rows:
-            from kernels.moe_ws import launch_moe_ws  # kernels.moe_ws imports this module
+            from kernels.moe_ws import launch_moe_ws, launch_moe_ws_dgrad  # kernels.moe_ws imports this module
 
             ensure_cuda_context(a.device)  # the descriptors encode on this thread, as TMA's do
-            launch_moe_ws(op_id, stage, config, a, b, c, routing, device_sms(a.device))
+            if epilogue == EPI_DSWIGLU:
+                launch_moe_ws_dgrad(op_id, config, a, b, aux, c, routing, dscore, device_sms(a.device))
+            else:
+                launch_moe_ws(op_id, stage, config, a, b, c, routing, device_sms(a.device))
         return
     check_grouped_config(stage, config)
     if dscore is not None and config.block_n % DS_CHUNK:

@@ -565,10 +565,11 @@ def moe_fp8_quant_colwise(src: torch.Tensor, routing: MoeRouting, backend: str, 
                           scale: bool, config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Column-wise (128x1) quantization of the expert-sorted rows v [P, N] (v[p] = src[gather_token[p]] when
     ``gather``, times row_score[p] when ``scale``): q_t [N, P] e4m3 (K-major for a GEMM over the rows),
-    scales [N, P/128]. A 128-row block never straddles two experts (128-aligned segments)."""
+    scales [N, P/128] (stored [P/128, N]: a 128-row block's scales of consecutive columns are adjacent, as the
+    weight gradients read them). A 128-row block never straddles two experts (128-aligned segments)."""
     p, n = routing.padded_rows, src.shape[1]
     q = torch.empty((n, p), dtype=FP8_DTYPE, device=src.device)
-    s = torch.empty((n, p // QBLOCK), dtype=torch.float32, device=src.device)
+    s = torch.empty((p // QBLOCK, n), dtype=torch.float32, device=src.device).t()
     if p == 0:
         return q, s
     config = config or QUANT_COLWISE_CONFIGS[backend]

@@ -363,12 +363,15 @@ def moe_fp8_wgrad_ws_kernel(
 @gluon.jit
 def _gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr, num_tiles,
                      num_n, C, L, stride_am, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr):
-    """The up-projection's loads (a 4-warp partition): the A rows x_q[gather[p]] by 16-byte cp.async (Hopper's TMA
-    cannot gather rows), each thread's copies arriving on the slot's ready barrier when they land, and the weight
-    tile by TMA. A padding row reads token 0 (the routing's gather index there); the consumer zeroes those rows."""
+    """A gathered grouped GEMM's loads (a 4-warp partition; FP8 up and dgrad, and the BF16 dgrad of kernels/moe_ws.py):
+    the A rows a[gather[p]] by 16-byte cp.async (Hopper's TMA cannot gather rows), each thread's copies arriving on
+    the slot's ready barrier when they land, and the K-major weight tile by TMA. A padding row reads token 0 (the
+    routing's gather index there); the consumer zeroes those rows. One pass of the copies covers 16 rows x 8 copies
+    of 16 bytes: 128 e4m3 or 64 BF16 columns, so a ring slot's K width must be a multiple of that."""
     STAGES: gl.constexpr = a_ring.type.shape[0]
     QB: gl.constexpr = a_ring.type.shape[2]
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # 16 e4m3 = 16 bytes per copy
+    VEC: gl.constexpr = 128 // a_ring.dtype.primitive_bitwidth  # elements per 16-byte copy
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m = (t // num_n) * BLOCK_M

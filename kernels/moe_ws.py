@@ -1,5 +1,6 @@
-"""Warp-specialized sm_90 kernel of the BF16 MoE grouped GEMMs whose A rows are expert-sorted (down, dX) and
-whose output is FP32 (MoE variant "ws"), written in Gluon.
+"""Warp-specialized sm_90 kernels of the BF16 MoE grouped GEMMs (MoE variant "ws"), written in Gluon:
+``moe_ws_kernel`` for the stages whose A rows are expert-sorted and whose output is FP32 (down, dX), and
+``moe_ws_dgrad_kernel`` for dgrad + dSwiGLU (+ the dscore partials), whose A rows are gathered.
 
 Why: the Triton grouped kernel writes its FP32 tile (y of the down-projection, dX per route: 800 MB each at the
 reference shape) from registers while nothing else runs in its program. Here the grid is persistent (one
@@ -13,6 +14,12 @@ chain accumulating into the same FP32 registers (k16 instructions in ascending o
 tile stored unrounded; padding rows store zeros and a tile whose first row is padding loads nothing. Every tile
 past the routing's P (the gate) is skipped, so the kernel also runs over a PendingRouting's bound.
 
+The dgrad kernel's A rows (dout[gather[p]]) arrive by cp.async from a 4-warp producer (kernels/moe_fp8_ws.py
+_gather_producer, as in the FP8 up and dgrad), and its epilogue is grouped_epilogue's EPILOGUE 2 with DSCORE, operation
+for operation: the dscore partials from the unscaled accumulator and the saved h in fixed 64-column chunks, dh = s *
+acc, dg and du from the saved gu in kernels/swiglu.py's order, dgu rounded once to BF16 and stored by TMA (as int32
+(g, u) pairs) while the next tile's MMAs run.
+
 Gluon has no interpreter path: sm_90 only; kernels.moe refuses a "ws" config on any other backend by name.
 """
 
@@ -21,14 +28,19 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs, store_part,
 )
-from kernels.moe import SEGMENT_ALIGN, grouped_launch_name, ws_weight_rows
-from kernels.moe_fp8_ws import SM90_SHARED_BYTES, live_tiles
+from kernels.moe import DS_CHUNK, SEGMENT_ALIGN, grouped_launch_name, ws_weight_rows
+from kernels.moe_fp8_ws import (
+    GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, SM90_SHARED_BYTES, _bf16_pair_bits,
+    _bf16_pair_values, _gather_producer, live_tiles,
+)
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
 
@@ -61,17 +73,47 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_exper
                 count += 1
 
 
+@gluon.constexpr_function
+def _acc_layout(BLOCK_N):
+    """A consumer warpgroup's accumulator layout: 64 rows, BF16 wgmma of [16, BLOCK_N, 16] (the Triton kernel's)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1], instr_shape=[16, BLOCK_N, 16])
+
+
+@gluon.jit
+def _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR: gl.constexpr, PART: gl.constexpr,
+             FENCE: gl.constexpr):
+    """acc + this part's rows of one live tile's K steps (ascending) from the ring, from slot ``count`` on: async
+    wgmma with at most one MMA in flight behind the newest, each slot handed back once the MMA that read it has
+    finished. FENCE: the A tile was written by cp.async (generic proxy), which wgmma (async proxy) may read only
+    after a proxy fence. Returns (acc, the next count)."""
+    STAGES: gl.constexpr = a_ring.type.shape[0]
+    BLOCK_K: gl.constexpr = a_ring.type.shape[2]
+    ROWS: gl.constexpr = acc.type.shape[0]
+    for ks in range(L // BLOCK_K):
+        slot = count % STAGES
+        mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+        if FENCE:
+            fence_async_shared()
+        b = b_ring.index(slot)
+        if B_K_MAJOR:
+            b = b.permute((1, 0))
+        acc = warpgroup_mma(a_ring.index(slot).slice(PART * ROWS, ROWS, dim=0), b, acc, is_async=True)
+        # The MMA before this one has finished reading its slot: hand that slot back.
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1, pred=ks > 0)
+        count += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1)
+    return acc, count
+
+
 @gluon.jit
 def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr):
-    """One consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile; async wgmma
-    over the ring with at most one MMA in flight behind the newest, each slot handed back once the MMA that read it
-    has finished; then the FP32 tile (padding rows zero) through shared memory and a TMA store."""
-    STAGES: gl.constexpr = a_ring.type.shape[0]
-    BLOCK_K: gl.constexpr = a_ring.type.shape[2]
+    """One consumer warpgroup of down / dX: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile;
+    then the FP32 tile (padding rows zero) through shared memory and a TMA store."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
     num_n = C // BLOCK_N
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -80,21 +122,48 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles,
         rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
         if gl.load(route_ptr + off_m) >= 0:
-            for ks in range(L // BLOCK_K):
-                slot = count % STAGES
-                mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-                b = b_ring.index(slot)
-                if B_K_MAJOR:
-                    b = b.permute((1, 0))
-                acc = warpgroup_mma(a_ring.index(slot).slice(PART * ROWS, ROWS, dim=0), b, acc, is_async=True)
-                # The MMA before this one has finished reading its slot: hand that slot back.
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1, pred=ks > 0)
-                count += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1)
+            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR, PART, False)
         live = gl.load(route_ptr + rows) >= 0
         store_part(c_smem, c_desc, gl.where(live[:, None], acc, 0.0), off_m + PART * ROWS, off_n, PART)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, score_ptr, gu_ptr, h_ptr, ds_ptr,
+                    num_tiles, C, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr,
+                    PART: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr):
+    """One consumer warpgroup of dgrad: acc = dout[gather] @ W2[e]^T over BLOCK_N columns of dh for this part's rows
+    (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 2: (DSCORE) ds_part[p, c] = the sum
+    over chunk c's DS_CHUNK columns of acc * h, then dh = s * acc, dg and du from the saved gu (each (g, u) pair read
+    as one int32), rounded once to BF16 and TMA-stored as int32 pairs."""
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    num_n = C // BLOCK_N
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m = (t // num_n) * BLOCK_M
+        off_n = (t % num_n) * BLOCK_N
+        row = off_m + PART * ROWS
+        rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+        if gl.load(route_ptr + off_m) >= 0:
+            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L, True, PART, True)
+        acc = gl.where((gl.load(route_ptr + rows) >= 0)[:, None], acc, 0.0)
+        if DSCORE:  # first, as the Triton epilogue: its h tile and products are dead before gu is loaded
+            h = gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32)
+            part = gl.sum(gl.reshape(acc * h, [ROWS, BLOCK_N // DS_CHUNK, DS_CHUNK]), axis=2)
+            p_layout: gl.constexpr = part.type.layout
+            p_rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, p_layout))
+            chunks = off_n // DS_CHUNK + gl.arange(0, BLOCK_N // DS_CHUNK, layout=gl.SliceLayout(0, p_layout))
+            gl.store(ds_ptr + p_rows[:, None] * (C // DS_CHUNK) + chunks[None, :], part)
+        dh = acc * gl.load(score_ptr + rows)[:, None]
+        g, u = _bf16_pair_values(gl.load(gu_ptr + rows[:, None] * C + cols[None, :]))
+        s = 1.0 / (1.0 + gl.exp(-g))
+        silu = g * s
+        # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
+        store_part(dgu_smem, dgu_desc, _bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu), row, off_n,
+                   PART)
     tma.store_wait(0)
 
 
@@ -136,9 +205,70 @@ def moe_ws_kernel(
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
+@gluon.jit(launch_metadata=grouped_launch_name)
+def moe_ws_dgrad_kernel(
+    a_ptr,  # dout [T, L] BF16, rows read through the gather index (cp.async)
+    b_desc,  # over W2's storage as [E * C, L] (K-major: W2[e] is [I, H] = [C, L]), box [BLOCK_N, BLOCK_K]
+    dgu_desc,  # over dgu [P, 2C] BF16 as int32 (g, u) pairs [P, C], box [BLOCK_M / CONSUMERS, BLOCK_N]
+    gather_ptr, route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
+    gu_ptr,  # the forward's gu [P, 2C] as int32 pairs [P, C]
+    h_ptr, ds_ptr,  # DSCORE: the forward's h [P, C] BF16 and the partials ds_part [P, C / DS_CHUNK] FP32
+    P, C, L,  # dh[p, :C] = dout[gather[p], :L] @ W2[expert(p)]^T
+    stride_am,
+    op_id,  # names the launch only
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
+    CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
+):
+    BLOCK_K: gl.constexpr = b_desc.block_type.shape[1]
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+    a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dgu_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M, BLOCK_N], dgu_desc.layout)
+    for i in gl.static_range(STAGES):
+        # The weight's expect-tx arrival and one cp.async arrival per producer thread.
+        mbarrier.init(ready.index(i), count=1 + GATHER_PRODUCER_WARPS * 32)
+        mbarrier.init(free.index(i), count=CONSUMERS)
+    num_n = C // BLOCK_N
+    num_tiles = live_tiles(gate_ptr, P, num_n, BLOCK_M)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_dgrad_consumer, (a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
+                               ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, CONSUMERS, 0, DSCORE, DS_CHUNK)),
+            (_dgrad_consumer, (a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
+                               ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, CONSUMERS, 1, DSCORE, DS_CHUNK)),
+            (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+        ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_dgrad_consumer, (a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
+                               ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, CONSUMERS, 0, DSCORE, DS_CHUNK)),
+            (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+        ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
+
+
 def _descriptor(tensor: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
     return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box,
                             gl.NVMMASharedLayout.get_default_for(box, dtype))
+
+
+def _check_tile(stage: str, config, reduced: int, n_cols: int, store_bytes: int) -> None:
+    """Refuses, naming the value, a tile the ws kernels cannot run on L = ``reduced``, C = ``n_cols`` with an epilogue
+    buffer of ``store_bytes``."""
+    if config.block_m != 64 * consumers(config.num_warps) or config.num_warps not in (4, 8):
+        raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "
+                         f"warps or 128 with 8; got BLOCK_M {config.block_m}, {config.num_warps} warps")
+    if reduced % config.block_k or n_cols % config.block_n or config.block_k % 16 or config.block_n % 16:
+        raise ValueError(f"{stage}: variant 'ws' needs BLOCK_K {config.block_k} dividing L {reduced} and BLOCK_N "
+                         f"{config.block_n} dividing C {n_cols} (a weight tile never crosses an expert), both multiples "
+                         "of 16")
+    ring = config.num_stages * (config.block_m + config.block_n) * config.block_k * 2
+    if ring + store_bytes > SM90_SHARED_BYTES:
+        raise ValueError(f"{stage}: variant 'ws' {config.label()} needs {ring + store_bytes} bytes of shared memory; "
+                         f"sm_90 has {SM90_SHARED_BYTES} per block: use fewer stages")
 
 
 def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -147,23 +277,13 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
     storage [E, L, C] or K-major [E, C, L]); refuses, naming the value, what this kernel does not cover (before
     any work)."""
     _, reduced, n_cols = b.shape
-    if config.block_m != 64 * consumers(config.num_warps) or config.num_warps not in (4, 8):
-        raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "
-                         f"warps or 128 with 8; got BLOCK_M {config.block_m}, {config.num_warps} warps")
-    if reduced % config.block_k or n_cols % config.block_n or config.block_k % 16 or config.block_n % 16:
-        raise ValueError(f"{stage}: variant 'ws' needs BLOCK_K {config.block_k} dividing L {reduced} and BLOCK_N "
-                         f"{config.block_n} dividing C {n_cols} (a weight tile never crosses an expert), both multiples "
-                         "of 16")
+    _check_tile(stage, config, reduced, n_cols, config.block_m * config.block_n * 4)
     store, k_major = ws_weight_rows(b) or (None, False)
     if (store is None or a.stride(1) != 1 or not c.is_contiguous()
             or any(t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16 for t in (a, store))):
         raise ValueError(f"{stage}: variant 'ws' needs the weight stored [E, L, C] or [E, C, L] with 16-byte aligned "
                          f"rows, A row-major with 16-byte aligned rows and the output contiguous; got weight strides "
                          f"{b.stride()}, A strides {a.stride()}, output strides {c.stride()}")
-    ring = config.num_stages * (config.block_m + config.block_n) * config.block_k * 2
-    if ring + config.block_m * config.block_n * 4 > SM90_SHARED_BYTES:
-        raise ValueError(f"{stage}: variant 'ws' {config.label()} needs {ring + config.block_m * config.block_n * 4} "
-                         f"bytes of shared memory; sm_90 has {SM90_SHARED_BYTES} per block: use fewer stages")
     p = routing.padded_rows
     b_box = [config.block_n, config.block_k] if k_major else [config.block_k, config.block_n]
     part_rows = config.block_m // consumers(config.num_warps)
@@ -176,5 +296,41 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, B_K_MAJOR=k_major,
         CONSUMERS=consumers(config.num_warps),
+        num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
+    )
+
+
+def launch_moe_ws_dgrad(op_id: int, config, dout: torch.Tensor, b: torch.Tensor, gu: torch.Tensor, dgu: torch.Tensor,
+                        routing, dscore: tuple[torch.Tensor, torch.Tensor] | None, sms: int) -> None:
+    """dgu [P, 2C] BF16 = dSwiGLU of dh = s * (dout[gather] @ W2[e]^T) from the saved gu, with b the ``[E, L, C]``
+    view of W2 (storage [E, C, L]); ``dscore = (h, ds_part)`` adds the partials. Refuses, naming the value, what this
+    kernel does not cover (before any work)."""
+    _, reduced, n_cols = b.shape
+    _check_tile("dgrad", config, reduced, n_cols, config.block_m * config.block_n * 4)
+    if config.block_k % 64 or (dscore is not None and config.block_n % DS_CHUNK):
+        raise ValueError(f"dgrad: variant 'ws' copies 64 BF16 columns per pass of its gathered rows and sums the dscore "
+                         f"partials over {DS_CHUNK} columns: BLOCK_K a multiple of 64 and BLOCK_N of {DS_CHUNK}; got "
+                         f"BLOCK_K {config.block_k}, BLOCK_N {config.block_n}")
+    store, k_major = ws_weight_rows(b) or (None, False)
+    outputs = (gu, dgu) + (dscore or ())
+    if (store is None or not k_major or dout.stride(1) != 1 or dout.stride(0) * 2 % 16 or dout.data_ptr() % 16
+            or store.stride(0) * 2 % 16 or not all(t.is_contiguous() for t in outputs)):
+        raise ValueError(f"dgrad: variant 'ws' needs W2 stored [E, I, H] with 16-byte aligned rows, dout row-major with "
+                         f"16-byte aligned rows (cp.async) and gu, dgu, h, ds_part contiguous; got W2 view strides "
+                         f"{b.stride()}, dout strides {dout.stride()}")
+    p = routing.padded_rows
+    part_rows = config.block_m // consumers(config.num_warps)
+    h, ds_part = dscore if dscore is not None else (gu, gu)  # unused without DSCORE
+    tiles = (p // config.block_m) * (n_cols // config.block_n)
+    moe_ws_dgrad_kernel[(min(tiles, sms),)](
+        dout, _descriptor(store, [config.block_n, config.block_k], gl.bfloat16),
+        _descriptor(dgu.view(torch.int32), [part_rows, config.block_n], gl.int32),
+        routing.gather_token, routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
+        gu.view(torch.int32), h, ds_part,
+        p, n_cols, reduced,
+        dout.stride(0),
+        op_id,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=SEGMENT_ALIGN,
+        CONSUMERS=consumers(config.num_warps), DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK,
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )

@@ -139,7 +139,7 @@ wgrad = [(moe_fp8_wgrad_ws_kernel, f"wgrad_{bm}x{bn}_acc{int(acc)}", bm, bn, war
           {"a_desc": box(bm), "b_desc": box(bn), "c_desc": box(bm // consumers(warps), bn, gl.bfloat16), "dw_ptr": "*fp32",
            "as_ptr": "*fp32", "bs_ptr": "*fp32", "offsets_ptr": "*i32", "counts_ptr": "*i32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "KB_GROUP": 3, "ACCUMULATE": acc, "CONSUMERS": consumers(warps),
-           "stride_asp": 1, "stride_bsp": 1, "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 64, 8, 6, False), (128, 64, 8, 6, True)]]
+           "stride_asr": 1, "stride_bsc": 1, "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 64, 8, 6, False), (128, 64, 8, 6, True)]]
 up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}", bm, bn, warps,
        {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(bm // consumers(warps), bn, gl.bfloat16),
         "h_desc": box(bm // consumers(warps), bn // 2, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",

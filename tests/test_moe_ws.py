@@ -7,12 +7,17 @@ import pytest
 
 from audits.moe import MoeCase, make_inputs
 from kernels.det_gemm import GemmConfig
-from kernels.moe import moe_down, moe_dx_route, moe_up_swiglu, select_moe_config
+from kernels.moe import moe_dgrad_dswiglu, moe_dgrad_dswiglu_dscore, moe_down, moe_dx_route, moe_up_swiglu
 from kernels.moe_routing import build_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import compile_sm90_offline, refuses_ws_off_sm90, skewed_ids
 from toolkit.contract import compare_bits
 
+# The Triton tiles the ws kernels replaced in the table (MoE table 2026-11-29.2): the reference for their bits.
+TRITON_TILES = {"down": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "dx": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
+                "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "tma"), "dgrad_plain": GemmConfig(128, 128, 64, 1, 8, 4, "tma")}
+WS_DGRAD_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 5, "ws"),
+                    GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws")]
 WS_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 5, "ws"),
               GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws")]
 
@@ -25,8 +30,11 @@ def _runs(device, t=24, h=128, i=128, e=3, k=2, seed=5):
     r = build_routing(inp["topk_ids"], inp["scores"], e)
     b = backend_of(device)
     gu, hid = moe_up_swiglu(inp["x"], inp["w1"], r, b)
-    return {"down": lambda c: moe_down(hid, inp["w2"], r, b, config=c),
-            "dx": lambda c: moe_dx_route(gu, inp["w1"], r, b, config=c)}, r, inp
+    inp["gu"] = gu
+    return {"down": lambda c: (moe_down(hid, inp["w2"], r, b, config=c),),
+            "dx": lambda c: (moe_dx_route(gu, inp["w1"], r, b, config=c),),
+            "dgrad": lambda c: moe_dgrad_dswiglu_dscore(inp["dout"], inp["w2"], gu, hid, r, b, config=c),
+            "dgrad_plain": lambda c: (moe_dgrad_dswiglu(inp["dout"], inp["w2"], gu, r, b, config=c),)}, r, inp
 
 
 def test_ws_refuses_other_backends_and_stages_by_name(device):
@@ -35,7 +43,7 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
     ws = WS_CONFIGS[0]
     if refuses_ws_off_sm90(runs, ws, device):
         return
-    with pytest.raises(ValueError, match="variant 'ws' covers down and dX"):
+    with pytest.raises(ValueError, match="variant 'ws' covers down, dgrad and dX"):
         moe_up_swiglu(inp["x"], inp["w1"], r, b, config=ws)
     with pytest.raises(ValueError, match="64 rows"):
         runs["down"](GemmConfig(128, 128, 64, 1, 4, 4, "ws"))
@@ -43,6 +51,11 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
         runs["down"](GemmConfig(128, 128, 64, 1, 8, 7, "ws"))
     with pytest.raises(ValueError, match="dividing C 128"):  # down's C is H = 128
         runs["down"](GemmConfig(128, 256, 64, 1, 8, 2, "ws"))
+    with pytest.raises(ValueError, match="BLOCK_K a multiple of 64"):  # dgrad's cp.async pass: 64 BF16 columns
+        runs["dgrad"](GemmConfig(128, 128, 32, 1, 8, 4, "ws"))
+    with pytest.raises(ValueError, match="needs W2 stored"):  # its producer loads W2 K-major only
+        moe_dgrad_dswiglu(inp["dout"], inp["w2"].transpose(1, 2).contiguous().transpose(1, 2), inp["gu"], r, b,
+                          config=WS_DGRAD_CONFIGS[0])
 
 
 @pytest.mark.gpu
@@ -52,13 +65,13 @@ def test_ws_gives_the_triton_tiles_bits(shape, device):
     runs, r, _ = _runs(device, t, h, i, e, k, seed=11)
     assert int(r.counts[0]) == 0 and int(r.counts[1]) == 1
     for stage, run in runs.items():
-        ref = run(select_moe_config(stage, backend_of(device)))  # the pinned Triton tile
-        assert select_moe_config(stage, backend_of(device)).variant != "ws"
-        for config in WS_CONFIGS:
+        ref = run(TRITON_TILES[stage])
+        for config in WS_CONFIGS if stage in ("down", "dx") else WS_DGRAD_CONFIGS:
             out = run(config)
-            assert compare_bits(out, ref).equal, (stage, config.label())
-            assert compare_bits(run(config), out).equal, (stage, config.label())  # repeat
-        assert bool((ref[r.sorted_route < 0] == 0).all()), stage
+            for j, (o, want) in enumerate(zip(out, ref)):
+                assert compare_bits(o, want).equal, (stage, j, config.label())
+                assert compare_bits(run(config)[j], o).equal, (stage, j, config.label())  # repeat
+        assert bool((ref[0][r.sorted_route < 0] == 0).all()), stage
 
 
 _COMPILE = r'''
@@ -66,7 +79,7 @@ import json
 from triton.experimental.gluon import language as gl
 from bench.gemm_sass import gluon_desc_type, gluon_sm90_report
 from kernels.det_gemm_ws import consumers, max_regs
-from kernels.moe_ws import moe_ws_kernel
+from kernels.moe_ws import moe_ws_dgrad_kernel, moe_ws_kernel
 out = {}
 box = lambda rows, cols, dt=gl.bfloat16: gluon_desc_type(rows, cols, dt)
 for bm, bn, bk, warps, stages, k_major in [(128, 128, 64, 8, 4, False), (128, 128, 64, 8, 5, True), (64, 128, 64, 4, 6, False)]:
@@ -75,6 +88,14 @@ for bm, bn, bk, warps, stages, k_major in [(128, 128, 64, 8, 4, False), (128, 12
              "gate_ptr": "*i32"}
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "B_K_MAJOR": k_major, "CONSUMERS": consumers(warps)}
     out[f"{bm}x{bn}x{bk}_s{stages}_kmajor{int(k_major)}"] = gluon_sm90_report(moe_ws_kernel, types, consts, max_regs(warps))
+for bm, bn, bk, warps, stages, dscore in [(128, 128, 64, 8, 4, True), (128, 128, 64, 8, 4, False), (64, 128, 64, 4, 6, True)]:
+    types = {"a_ptr": "*bf16", "b_desc": box(bn, bk), "dgu_desc": box(bm // consumers(warps), bn, gl.int32),
+             "gather_ptr": "*i32", "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32",
+             "gate_ptr": "*i32", "gu_ptr": "*i32", "h_ptr": "*bf16", "ds_ptr": "*fp32"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "CONSUMERS": consumers(warps),
+              "DSCORE": dscore, "DS_CHUNK": 64}
+    out[f"dgrad_{bm}x{bn}x{bk}_s{stages}_ds{int(dscore)}"] = gluon_sm90_report(moe_ws_dgrad_kernel, types, consts,
+                                                                             max_regs(warps))
 print(json.dumps(out))
 '''
 
