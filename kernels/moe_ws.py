@@ -79,6 +79,13 @@ def _acc_layout(BLOCK_N):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1], instr_shape=[16, BLOCK_N, 16])
 
 
+@gluon.constexpr_function
+def _chunk_layout(NCH):
+    """The layout the Triton dgrad kernel sums its dscore chunks in (its sm_90 TTGIR: 8 consecutive columns per
+    thread, 8 lanes across a 64-column chunk): the same in-thread order and lane tree, so the same bits."""
+    return gl.BlockedLayout([1, 1, 8], [32 // (8 * NCH), NCH, 8], [CONSUMER_WARPS, 1, 1], [2, 1, 0])
+
+
 @gluon.jit
 def _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR: gl.constexpr, PART: gl.constexpr,
              FENCE: gl.constexpr):
@@ -152,7 +159,9 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, 
         acc = gl.where((gl.load(route_ptr + rows) >= 0)[:, None], acc, 0.0)
         if DSCORE:  # first, as the Triton epilogue: its h tile and products are dead before gu is loaded
             h = gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32)
-            part = gl.sum(gl.reshape(acc * h, [ROWS, BLOCK_N // DS_CHUNK, DS_CHUNK]), axis=2)
+            chunked = gl.convert_layout(gl.reshape(acc * h, [ROWS, BLOCK_N // DS_CHUNK, DS_CHUNK]),
+                                        _chunk_layout(BLOCK_N // DS_CHUNK))
+            part = gl.sum(chunked, axis=2)
             p_layout: gl.constexpr = part.type.layout
             p_rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, p_layout))
             chunks = off_n // DS_CHUNK + gl.arange(0, BLOCK_N // DS_CHUNK, layout=gl.SliceLayout(0, p_layout))
@@ -300,13 +309,20 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
     )
 
 
+def dgrad_store_bytes(config, dscore: bool) -> int:
+    """Shared memory of the dgrad kernel besides its ring: the dgu tile's store buffer (int32 pairs) and, with the
+    dscore partials, each consumer's layout-conversion scratch for the chunk sums (8 KiB: the offline sm_90 compile's
+    shared size at BLOCK_N 64 and 128, tests/test_moe_ws.py)."""
+    return config.block_m * config.block_n * 4 + (consumers(config.num_warps) * 8192 if dscore else 0)
+
+
 def launch_moe_ws_dgrad(op_id: int, config, dout: torch.Tensor, b: torch.Tensor, gu: torch.Tensor, dgu: torch.Tensor,
                         routing, dscore: tuple[torch.Tensor, torch.Tensor] | None, sms: int) -> None:
     """dgu [P, 2C] BF16 = dSwiGLU of dh = s * (dout[gather] @ W2[e]^T) from the saved gu, with b the ``[E, L, C]``
     view of W2 (storage [E, C, L]); ``dscore = (h, ds_part)`` adds the partials. Refuses, naming the value, what this
     kernel does not cover (before any work)."""
     _, reduced, n_cols = b.shape
-    _check_tile("dgrad", config, reduced, n_cols, config.block_m * config.block_n * 4)
+    _check_tile("dgrad", config, reduced, n_cols, dgrad_store_bytes(config, dscore is not None))
     if config.block_k % 64 or (dscore is not None and config.block_n % DS_CHUNK):
         raise ValueError(f"dgrad: variant 'ws' copies 64 BF16 columns per pass of its gathered rows and sums the dscore "
                          f"partials over {DS_CHUNK} columns: BLOCK_K a multiple of 64 and BLOCK_N of {DS_CHUNK}; got "
