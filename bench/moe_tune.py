@@ -39,9 +39,9 @@ GROUPED = [GemmConfig(*c) for c in [
     (128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 4), (128, 256, 64, 1, 8, 3), (128, 64, 64, 1, 4, 4),
     (128, 128, 64, 1, 4, 3), (128, 128, 64, 1, 8, 2), (128, 256, 64, 1, 8, 2), (64, 128, 64, 1, 4, 3),
 ]]
-# down, dX and dgrad also on the warp-specialized Gluon kernels (kernels/moe_ws.py): persistent, a TMA producer warp
-# (dgrad: a 4-warp cp.async producer of the gathered rows), one or two 64-row consumer warpgroups, the tile out by
-# TMA store from a 32-64 KiB buffer (so 5 stages at most for 128x128x64).
+# Every grouped stage also on the warp-specialized Gluon kernels (kernels/moe_ws.py): persistent, a TMA producer warp
+# (up, dgrad: a 4-warp cp.async producer of the gathered rows), one or two 64-row consumer warpgroups, the tile out
+# by TMA store from a 32-64 KiB buffer (so 5 stages at most for 128x128x64; dgrad's dscore sums need 16 KiB more).
 GROUPED_WS = [GemmConfig(*c, variant="ws") for c in [
     (128, 128, 64, 1, 8, 4), (128, 128, 64, 1, 8, 5), (64, 128, 64, 1, 4, 6), (128, 64, 64, 1, 8, 6),
 ]]
@@ -130,7 +130,7 @@ def candidates(stage: str) -> list[GemmConfig]:
                                                                                           FP8_GROUPED)
     if STAGE_KEY[stage] == "wgrad":
         return WGRAD
-    return GROUPED + GROUPED_WS if stage in ("down", "dgrad", "dx") else GROUPED
+    return GROUPED + GROUPED_WS
 
 
 def pinned(stage: str, backend: str) -> GemmConfig:

@@ -75,7 +75,7 @@ from kernels.moe_routing import (
 # On the interpreter every config gives the same bits (sequential accumulation); its table is
 # chosen for emulation speed only.
 # ---------------------------------------------------------------------------------------------
-MOE_CONFIG_TABLE_VERSION = "2026-11-30.3"
+MOE_CONFIG_TABLE_VERSION = "2026-11-30.4"
 
 STAGES = ("up", "down", "dgrad", "dx", "wgrad", "combine", "dscore")
 
@@ -84,11 +84,11 @@ MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         # H200 sweep (bench/moe_tune.py, reports/2026-11-29-h200-moe2/): the TMA weight tile wins every
         # grouped stage at both presets swept (3 stages = 96 KiB of shared memory: two programs per SM).
         "up": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),  # BLOCK_N interleaved gate/up columns -> 64 of h
-        # down and dX: the warp-specialized Gluon kernel (kernels/moe_ws.py); H200 sweep 2026-11-30
-        # (reports/2026-11-30-h200/moe-ws): down 1052 -> 958 us, dX 1977 -> 1903 us at the reference shape,
-        # bit-equal to the Triton tiles.
+        # down, dgrad and dX: the warp-specialized Gluon kernels (kernels/moe_ws.py); H200 sweeps 2026-11-30
+        # (reports/2026-11-30-h200-s7): down 1052 -> 958 us, dX 1977 -> 1903 us, dgrad 1442 -> 1296 us at the
+        # reference shape, every output bit-equal to the Triton tiles.
         "down": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),
-        "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "tma"),  # BLOCK_N columns of dh (2x of dgu)
+        "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),  # BLOCK_N columns of dh (2x of dgu)
         "dx": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),
         "wgrad": GemmConfig(128, 128, 64, 1, 4, 3),  # BLOCK_K = routed rows per reduction step
         "combine": GemmConfig(16, 256, 16, 1, 4, 1),  # BLOCK_M tokens x BLOCK_N columns
@@ -583,7 +583,7 @@ def _backend_flags(backend: str, config: GemmConfig) -> dict:
     return {"STEP_K": interpreter_step_k(config) if interpreted else config.block_k, "INTERPRETED": interpreted}
 
 
-MOE_VARIANTS = ("ptr", "tma")  # det_gemm's "tma3" has no MoE kernel; "ws" (Gluon): down, dgrad, dX, _check_ws
+MOE_VARIANTS = ("ptr", "tma")  # det_gemm's "tma3" has no MoE kernel; "ws" (Gluon, sm_90): _check_ws
 
 
 def check_moe_variant(stage: str, config: GemmConfig) -> None:
@@ -643,30 +643,27 @@ def weight_descriptor(b: torch.Tensor, block_n: int, step_k: int) -> tuple[Tenso
     return TensorDescriptor(store, list(store.shape), list(store.stride()), box), k_major
 
 
-def _check_ws(stage: str, config: GemmConfig, gather: bool, epilogue: int, backend: str) -> None:
-    """Variant "ws" (kernels/moe_ws.py): Gluon kernels for sm_90, for down and dX (expert-sorted A, FP32 out) and
-    dgrad (gathered A, the dSwiGLU epilogue)."""
+def _check_ws(stage: str, config: GemmConfig, backend: str) -> None:
+    """Variant "ws" (kernels/moe_ws.py): Gluon kernels for sm_90, down and dX (expert-sorted A, FP32 out), up and
+    dgrad (gathered A, their epilogues)."""
     if backend != CUDA_SM90:
         raise ValueError(f"{stage}: variant 'ws' is a Gluon kernel for sm_90 and has no {backend!r} path; use a "
                          "'ptr' or 'tma' config there")
-    if (gather, epilogue) not in ((False, EPI_FP32), (True, EPI_DSWIGLU)):
-        raise ValueError(f"{stage}: variant 'ws' covers down, dgrad and dX; use a 'ptr' or 'tma' config for up")
 
 
-def _ws_addresses(stage: str, config: GemmConfig, b: torch.Tensor) -> bool:
-    """Whether the ws kernel can take the ``[E, L, C]`` weight view ``b`` with ``config``'s tile: its storage flattens
-    into TMA rows (K-major for dgrad, whose producer loads it so) and the tile divides L x C."""
-    rows = ws_weight_rows(b)
-    return (rows is not None and (rows[1] or stage != "dgrad") and b.shape[1] % config.block_k == 0
-            and b.shape[2] % config.block_n == 0)
+def _ws_addresses(config: GemmConfig, b: torch.Tensor) -> bool:
+    """Whether the ws kernels can take the ``[E, L, C]`` weight view ``b`` with ``config``'s tile: its storage
+    flattens into TMA rows and the tile divides L x C."""
+    return ws_weight_rows(b) is not None and b.shape[1] % config.block_k == 0 and b.shape[2] % config.block_n == 0
 
 
 def table_moe_config(stage: str, backend: str, b: torch.Tensor) -> GemmConfig:
     """The table's pick for a grouped ``stage``; when the pick's kernel cannot address the weight view ``b``, the
-    same tile one load path down: "ws" -> "tma" (see _ws_addresses), "tma" -> "ptr" (TMA cannot address it). The variant changes the load path only (same
-    K order per output, same epilogue, so the same bits): an explicit config is never swapped."""
+    same tile one load path down: "ws" -> "tma" (see _ws_addresses), "tma" -> "ptr" (TMA cannot address it). The
+    variant changes the load path only (same K order per output, same epilogue, so the same bits): an explicit
+    config is never swapped."""
     config = select_moe_config(stage, backend)
-    if config.variant == "ws" and not _ws_addresses(stage, config, b):
+    if config.variant == "ws" and not _ws_addresses(config, b):
         config = replace(config, variant="tma")
     if config.variant == "tma" and _weight_storage(b) is None:
         config = replace(config, variant="ptr")
@@ -679,14 +676,15 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
              dscore: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """b is a [E, L, C] view (strides kept); ``dscore = (h, ds_part)`` (dgrad only) adds the partials."""
     config = config or table_moe_config(stage, backend, b)
-    if config.variant == "ws":  # the Gluon kernels (kernels/moe_ws.py): sm_90, down, dgrad, dX
-        _check_ws(stage, config, gather, epilogue, backend)
+    if config.variant == "ws":  # the Gluon kernels (kernels/moe_ws.py): sm_90
+        _check_ws(stage, config, backend)
         if routing.padded_rows:
-            from kernels.moe_ws import launch_moe_ws, launch_moe_ws_dgrad  # kernels.moe_ws imports this module
+            from kernels.moe_ws import launch_moe_ws, launch_moe_ws_gather  # kernels.moe_ws imports this module
 
             ensure_cuda_context(a.device)  # the descriptors encode on this thread, as TMA's do
-            if epilogue == EPI_DSWIGLU:
-                launch_moe_ws_dgrad(op_id, config, a, b, aux, c, routing, dscore, device_sms(a.device))
+            if gather:
+                launch_moe_ws_gather(op_id, stage, config, epilogue, a, b, c, aux, routing, dscore,
+                                     device_sms(a.device))
             else:
                 launch_moe_ws(op_id, stage, config, a, b, c, routing, device_sms(a.device))
         return

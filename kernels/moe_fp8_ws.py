@@ -362,12 +362,14 @@ def moe_fp8_wgrad_ws_kernel(
 
 @gluon.jit
 def _gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr, num_tiles,
-                     num_n, C, L, stride_am, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr):
-    """A gathered grouped GEMM's loads (a 4-warp partition; FP8 up and dgrad, and the BF16 dgrad of kernels/moe_ws.py):
-    the A rows a[gather[p]] by 16-byte cp.async (Hopper's TMA cannot gather rows), each thread's copies arriving on
-    the slot's ready barrier when they land, and the K-major weight tile by TMA. A padding row reads token 0 (the
-    routing's gather index there); the consumer zeroes those rows. One pass of the copies covers 16 rows x 8 copies
-    of 16 bytes: 128 e4m3 or 64 BF16 columns, so a ring slot's K width must be a multiple of that."""
+                     num_n, C, L, stride_am, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr,
+                     B_K_MAJOR: gl.constexpr = True):
+    """A gathered grouped GEMM's loads (a 4-warp partition; FP8 up and dgrad, and the BF16 up and dgrad of
+    kernels/moe_ws.py): the A rows a[gather[p]] by 16-byte cp.async (Hopper's TMA cannot gather rows), each thread's
+    copies arriving on the slot's ready barrier when they land, and the weight tile by TMA from its storage as
+    [E * C, L] (B_K_MAJOR) or [E * L, C]. A padding row reads token 0 (the routing's gather index there); the
+    consumer zeroes those rows. One pass of the copies covers 16 rows x 8 copies of 16 bytes: 128 e4m3 or 64 BF16
+    columns, so a ring slot's K width must be a multiple of that."""
     STAGES: gl.constexpr = a_ring.type.shape[0]
     QB: gl.constexpr = a_ring.type.shape[2]
     VEC: gl.constexpr = 128 // a_ring.dtype.primitive_bitwidth  # elements per 16-byte copy
@@ -376,7 +378,8 @@ def _gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, rou
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m = (t // num_n) * BLOCK_M
         if gl.load(route_ptr + off_m) >= 0:
-            b_row = gl.load(tile_expert_ptr + off_m // SEGMENT) * C + (t % num_n) * BLOCK_N
+            expert = gl.load(tile_expert_ptr + off_m // SEGMENT)
+            off_n = (t % num_n) * BLOCK_N
             tokens = gl.load(gather_ptr + off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout)))
             a_rows = a_ptr + tokens[:, None].to(gl.int64) * stride_am + \
                 gl.arange(0, QB, layout=gl.SliceLayout(0, rows_layout))[None, :]
@@ -385,7 +388,10 @@ def _gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, rou
                 mbarrier.wait(free.index(slot), ((count // STAGES) & 1) ^ 1)
                 bar = ready.index(slot)
                 mbarrier.expect(bar, b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(b_desc, [b_row, kb * QB], bar, b_ring.index(slot))
+                if B_K_MAJOR:
+                    tma.async_copy_global_to_shared(b_desc, [expert * C + off_n, kb * QB], bar, b_ring.index(slot))
+                else:
+                    tma.async_copy_global_to_shared(b_desc, [expert * L + kb * QB, off_n], bar, b_ring.index(slot))
                 async_copy.async_copy_global_to_shared(a_ring.index(slot), a_rows + kb * QB)
                 async_copy.mbarrier_arrive(bar, increment_count=False)
                 count += 1

@@ -136,9 +136,36 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles,
 
 
 @gluon.jit
+def _up_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, route_ptr, num_tiles, C, L,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr,
+                 PART: gl.constexpr):
+    """One consumer warpgroup of up: acc = x[gather] @ W1[e] over BLOCK_N interleaved (g, u) columns for this part's
+    rows (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 1: gu rounded to BF16, h =
+    silu(g) * u from those BF16 values in FP32, rounded once; both TMA-stored."""
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    num_n = C // BLOCK_N
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m = (t // num_n) * BLOCK_M
+        off_n = (t % num_n) * BLOCK_N
+        row = off_m + PART * ROWS
+        rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+        if gl.load(route_ptr + off_m) >= 0:
+            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR, PART, True)
+        gu = gl.where((gl.load(route_ptr + rows) >= 0)[:, None], acc, 0.0).to(gl.bfloat16)
+        g, u = gl.split(gl.reshape(gu.to(gl.float32), [ROWS, BLOCK_N // 2, 2]))
+        h = ((g * (1.0 / (1.0 + gl.exp(-g)))) * u).to(gl.bfloat16)
+        store_part(gu_smem, gu_desc, gu, row, off_n, PART)
+        store_part(h_smem, h_desc, h, row, off_n // 2, PART)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, score_ptr, gu_ptr, h_ptr, ds_ptr,
-                    num_tiles, C, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr,
-                    PART: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr):
+                    num_tiles, C, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr,
+                    CONSUMERS: gl.constexpr, PART: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr):
     """One consumer warpgroup of dgrad: acc = dout[gather] @ W2[e]^T over BLOCK_N columns of dh for this part's rows
     (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 2: (DSCORE) ds_part[p, c] = the sum
     over chunk c's DS_CHUNK columns of acc * h, then dh = s * acc, dg and du from the saved gu (each (g, u) pair read
@@ -155,7 +182,7 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, 
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
         if gl.load(route_ptr + off_m) >= 0:
-            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L, True, PART, True)
+            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR, PART, True)
         acc = gl.where((gl.load(route_ptr + rows) >= 0)[:, None], acc, 0.0)
         if DSCORE:  # first, as the Triton epilogue: its h tile and products are dead before gu is loaded
             h = gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32)
@@ -215,48 +242,72 @@ def moe_ws_kernel(
 
 
 @gluon.jit(launch_metadata=grouped_launch_name)
-def moe_ws_dgrad_kernel(
-    a_ptr,  # dout [T, L] BF16, rows read through the gather index (cp.async)
-    b_desc,  # over W2's storage as [E * C, L] (K-major: W2[e] is [I, H] = [C, L]), box [BLOCK_N, BLOCK_K]
-    dgu_desc,  # over dgu [P, 2C] BF16 as int32 (g, u) pairs [P, C], box [BLOCK_M / CONSUMERS, BLOCK_N]
+def moe_ws_gather_kernel(
+    a_ptr,  # x (up) or dout (dgrad) [T, L] BF16, rows read through the gather index (cp.async)
+    b_desc,  # over the weight's storage as [E * C, L] (B_K_MAJOR, box [BLOCK_N, BLOCK_K]) or [E * L, C]
+    out_desc,  # up: over gu [P, C] BF16; dgrad: over dgu [P, 2C] as int32 (g, u) pairs [P, C]; box [BLOCK_M / CONSUMERS, BLOCK_N]
+    h_desc,  # up: over h [P, C / 2] BF16, box [BLOCK_M / CONSUMERS, BLOCK_N / 2] (dgrad: unused)
     gather_ptr, route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
-    gu_ptr,  # the forward's gu [P, 2C] as int32 pairs [P, C]
-    h_ptr, ds_ptr,  # DSCORE: the forward's h [P, C] BF16 and the partials ds_part [P, C / DS_CHUNK] FP32
-    P, C, L,  # dh[p, :C] = dout[gather[p], :L] @ W2[expert(p)]^T
+    gu_ptr,  # dgrad: the forward's gu [P, 2C] as int32 pairs [P, C]
+    h_ptr, ds_ptr,  # dgrad with DSCORE: the forward's h [P, C] BF16 and the partials ds_part [P, C / DS_CHUNK] FP32
+    P, C, L,  # acc[p, :C] = A[gather[p], :L] @ B[expert(p)][:L, :C], then the epilogue
     stride_am,
     op_id,  # names the launch only
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
-    CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
+    CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
+    EPILOGUE: gl.constexpr,  # 1: SwiGLU (up); 2: dSwiGLU (dgrad)
+    DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
 ):
-    BLOCK_K: gl.constexpr = b_desc.block_type.shape[1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    dgu_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M, BLOCK_N], dgu_desc.layout)
+    out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
     for i in gl.static_range(STAGES):
         # The weight's expect-tx arrival and one cp.async arrival per producer thread.
         mbarrier.init(ready.index(i), count=1 + GATHER_PRODUCER_WARPS * 32)
         mbarrier.init(free.index(i), count=CONSUMERS)
     num_n = C // BLOCK_N
     num_tiles = live_tiles(gate_ptr, P, num_n, BLOCK_M)
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_dgrad_consumer, (a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
-                               ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, CONSUMERS, 0, DSCORE, DS_CHUNK)),
-            (_dgrad_consumer, (a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
-                               ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, CONSUMERS, 1, DSCORE, DS_CHUNK)),
-            (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
-        ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
+    if EPILOGUE == 1:
+        h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N // 2], h_desc.layout)
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
+                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0)),
+                (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
+                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1)),
+                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
+            ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
+                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0)),
+                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
+            ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     else:
-        gl.warp_specialize([
-            (_dgrad_consumer, (a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
-                               ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, CONSUMERS, 0, DSCORE, DS_CHUNK)),
-            (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
-        ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
+                                   ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, DSCORE,
+                                   DS_CHUNK)),
+                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
+                                   ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1, DSCORE,
+                                   DS_CHUNK)),
+                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
+            ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
+                                   ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, DSCORE,
+                                   DS_CHUNK)),
+                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
+            ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
 
 
 def _descriptor(tensor: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
@@ -309,44 +360,56 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
     )
 
 
-def dgrad_store_bytes(config, dscore: bool) -> int:
-    """Shared memory of the dgrad kernel besides its ring: the dgu tile's store buffer (int32 pairs) and, with the
-    dscore partials, each consumer's layout-conversion scratch for the chunk sums (8 KiB: the offline sm_90 compile's
-    shared size at BLOCK_N 64 and 128, tests/test_moe_ws.py)."""
+def gather_store_bytes(config, epilogue: int, dscore: bool) -> int:
+    """Shared memory of the gathered kernel besides its ring: up, the gu and h tiles' store buffers (BF16); dgrad, the
+    dgu tile's (int32 pairs) and, with the dscore partials, each consumer's layout-conversion scratch for the chunk
+    sums (8 KiB: the offline sm_90 compile's shared size at BLOCK_N 64 and 128, tests/test_moe_ws.py)."""
+    if epilogue == 1:
+        return config.block_m * config.block_n * 3
     return config.block_m * config.block_n * 4 + (consumers(config.num_warps) * 8192 if dscore else 0)
 
 
-def launch_moe_ws_dgrad(op_id: int, config, dout: torch.Tensor, b: torch.Tensor, gu: torch.Tensor, dgu: torch.Tensor,
-                        routing, dscore: tuple[torch.Tensor, torch.Tensor] | None, sms: int) -> None:
-    """dgu [P, 2C] BF16 = dSwiGLU of dh = s * (dout[gather] @ W2[e]^T) from the saved gu, with b the ``[E, L, C]``
-    view of W2 (storage [E, C, L]); ``dscore = (h, ds_part)`` adds the partials. Refuses, naming the value, what this
-    kernel does not cover (before any work)."""
+def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch.Tensor, b: torch.Tensor,
+                         out: torch.Tensor, aux: torch.Tensor, routing,
+                         dscore: tuple[torch.Tensor, torch.Tensor] | None, sms: int) -> None:
+    """The gathered grouped GEMM of a[gather] [P, L] (BF16) and the ``[E, L, C]`` weight view b with its epilogue:
+    1 (up), out = gu [P, C], aux = h [P, C/2] written; 2 (dgrad), out = dgu [P, 2C] written from aux = the saved gu and
+    dh = s * acc, and ``dscore = (h, ds_part)`` adds the partials. Refuses, naming the value, what this kernel does
+    not cover (before any work)."""
     _, reduced, n_cols = b.shape
-    _check_tile("dgrad", config, reduced, n_cols, dgrad_store_bytes(config, dscore is not None))
+    _check_tile(stage, config, reduced, n_cols, gather_store_bytes(config, epilogue, dscore is not None))
     if config.block_k % 64 or (dscore is not None and config.block_n % DS_CHUNK):
-        raise ValueError(f"dgrad: variant 'ws' copies 64 BF16 columns per pass of its gathered rows and sums the dscore "
-                         f"partials over {DS_CHUNK} columns: BLOCK_K a multiple of 64 and BLOCK_N of {DS_CHUNK}; got "
-                         f"BLOCK_K {config.block_k}, BLOCK_N {config.block_n}")
+        raise ValueError(f"{stage}: variant 'ws' copies 64 BF16 columns per pass of its gathered rows and sums the "
+                         f"dscore partials over {DS_CHUNK} columns: BLOCK_K a multiple of 64 and BLOCK_N of {DS_CHUNK}; "
+                         f"got BLOCK_K {config.block_k}, BLOCK_N {config.block_n}")
     store, k_major = ws_weight_rows(b) or (None, False)
-    outputs = (gu, dgu) + (dscore or ())
-    if (store is None or not k_major or dout.stride(1) != 1 or dout.stride(0) * 2 % 16 or dout.data_ptr() % 16
-            or store.stride(0) * 2 % 16 or not all(t.is_contiguous() for t in outputs)):
-        raise ValueError(f"dgrad: variant 'ws' needs W2 stored [E, I, H] with 16-byte aligned rows, dout row-major with "
-                         f"16-byte aligned rows (cp.async) and gu, dgu, h, ds_part contiguous; got W2 view strides "
-                         f"{b.stride()}, dout strides {dout.stride()}")
+    tensors = (out, aux) + (dscore or ())
+    if (store is None or a.stride(1) != 1 or a.stride(0) * 2 % 16 or a.data_ptr() % 16 or store.stride(0) * 2 % 16
+            or not all(t.is_contiguous() for t in tensors)):
+        raise ValueError(f"{stage}: variant 'ws' needs the weight stored [E, L, C] or [E, C, L] with 16-byte aligned "
+                         f"rows, the activation row-major with 16-byte aligned rows (cp.async) and its other tensors "
+                         f"contiguous; got weight view strides {b.stride()}, activation strides {a.stride()}")
     p = routing.padded_rows
     part_rows = config.block_m // consumers(config.num_warps)
-    h, ds_part = dscore if dscore is not None else (gu, gu)  # unused without DSCORE
+    b_box = [config.block_n, config.block_k] if k_major else [config.block_k, config.block_n]
+    if epilogue == 1:
+        descs = (_descriptor(out, [part_rows, config.block_n], gl.bfloat16),
+                 _descriptor(aux, [part_rows, config.block_n // 2], gl.bfloat16))
+        gu_bits = h = ds_part = out  # unused by this epilogue
+    else:
+        out_desc = _descriptor(out.view(torch.int32), [part_rows, config.block_n], gl.int32)
+        descs, gu_bits = (out_desc, out_desc), aux.view(torch.int32)
+        h, ds_part = dscore if dscore is not None else (out, out)  # unused without DSCORE
     tiles = (p // config.block_m) * (n_cols // config.block_n)
-    moe_ws_dgrad_kernel[(min(tiles, sms),)](
-        dout, _descriptor(store, [config.block_n, config.block_k], gl.bfloat16),
-        _descriptor(dgu.view(torch.int32), [part_rows, config.block_n], gl.int32),
+    moe_ws_gather_kernel[(min(tiles, sms),)](
+        a, _descriptor(store, b_box, gl.bfloat16), *descs,
         routing.gather_token, routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
-        gu.view(torch.int32), h, ds_part,
+        gu_bits, h, ds_part,
         p, n_cols, reduced,
-        dout.stride(0),
+        a.stride(0),
         op_id,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=SEGMENT_ALIGN,
-        CONSUMERS=consumers(config.num_warps), DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
+        SEGMENT=SEGMENT_ALIGN, CONSUMERS=consumers(config.num_warps), B_K_MAJOR=k_major, EPILOGUE=epilogue, DSCORE=dscore is not None,
+        DS_CHUNK=DS_CHUNK,
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )

@@ -17,6 +17,7 @@ def test_sweep_times_candidates_beside_the_pinned_config(monkeypatch):
     odd = GemmConfig(64, 33, 32, 1, 4, 1)  # odd BLOCK_N: up refuses it (gate/up pairs)
     small = GemmConfig(64, 32, 32, 1, 4, 1)
     monkeypatch.setattr(mt, "GROUPED", [small, odd])
+    monkeypatch.setattr(mt, "GROUPED_WS", [])  # Gluon: no interpreter path (refused by name, tests/test_moe_ws.py)
     monkeypatch.setattr(mt, "WGRAD", [GemmConfig(32, 32, 32, 1, 4, 1)])
     rows = mt.sweep(["tiny"], ["up", "wgrad_w2"], torch.device("cpu"), rounds=1)
     errors = [r for r in rows if "error" in r]

@@ -4,6 +4,7 @@ padding-only tile and an expert with no rows; refusals by name everywhere; and a
 showing TMA loads and stores, BF16 wgmma, the register hand-off, no spills and no MMA serialization by ptxas."""
 
 import pytest
+import torch
 
 from audits.moe import MoeCase, make_inputs
 from kernels.det_gemm import GemmConfig
@@ -15,8 +16,9 @@ from toolkit.contract import compare_bits
 
 # The Triton tiles the ws kernels replaced in the table (MoE table 2026-11-29.2): the reference for their bits.
 TRITON_TILES = {"down": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "dx": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
-                "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "tma"), "dgrad_plain": GemmConfig(128, 128, 64, 1, 8, 4, "tma")}
-WS_DGRAD_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 3, "ws"),
+                "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "tma"), "dgrad_plain": GemmConfig(128, 128, 64, 1, 8, 4, "tma"),
+                "up": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "up_kmajor": GemmConfig(128, 128, 64, 1, 8, 3, "tma")}
+WS_GATHER_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 3, "ws"),
                     GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws")]
 WS_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 5, "ws"),
               GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws")]
@@ -30,11 +32,15 @@ def _runs(device, t=24, h=128, i=128, e=3, k=2, seed=5):
     r = build_routing(inp["topk_ids"], inp["scores"], e)
     b = backend_of(device)
     gu, hid = moe_up_swiglu(inp["x"], inp["w1"], r, b)
-    inp["gu"] = gu
+    # The weights' other storage order (nn.Linear stacks as views): W1 K-major, W2 with H innermost for dgrad.
+    w1_kmajor = inp["w1"].transpose(1, 2).contiguous().transpose(1, 2)
+    w2_rows = inp["w2"].transpose(1, 2).contiguous().transpose(1, 2)
     return {"down": lambda c: (moe_down(hid, inp["w2"], r, b, config=c),),
             "dx": lambda c: (moe_dx_route(gu, inp["w1"], r, b, config=c),),
             "dgrad": lambda c: moe_dgrad_dswiglu_dscore(inp["dout"], inp["w2"], gu, hid, r, b, config=c),
-            "dgrad_plain": lambda c: (moe_dgrad_dswiglu(inp["dout"], inp["w2"], gu, r, b, config=c),)}, r, inp
+            "dgrad_plain": lambda c: (moe_dgrad_dswiglu(inp["dout"], w2_rows, gu, r, b, config=c),),
+            "up": lambda c: moe_up_swiglu(inp["x"], inp["w1"], r, b, config=c),
+            "up_kmajor": lambda c: moe_up_swiglu(inp["x"], w1_kmajor, r, b, config=c)}, r, inp
 
 
 def test_ws_refuses_other_backends_and_stages_by_name(device):
@@ -43,19 +49,20 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
     ws = WS_CONFIGS[0]
     if refuses_ws_off_sm90(runs, ws, device):
         return
-    with pytest.raises(ValueError, match="variant 'ws' covers down, dgrad and dX"):
-        moe_up_swiglu(inp["x"], inp["w1"], r, b, config=ws)
     with pytest.raises(ValueError, match="64 rows"):
         runs["down"](GemmConfig(128, 128, 64, 1, 4, 4, "ws"))
     with pytest.raises(ValueError, match="needs 294912 bytes of shared memory"):  # 7 stages + the FP32 tile buffer
         runs["down"](GemmConfig(128, 128, 64, 1, 8, 7, "ws"))
     with pytest.raises(ValueError, match="dividing C 128"):  # down's C is H = 128
         runs["down"](GemmConfig(128, 256, 64, 1, 8, 2, "ws"))
-    with pytest.raises(ValueError, match="BLOCK_K a multiple of 64"):  # dgrad's cp.async pass: 64 BF16 columns
+    with pytest.raises(ValueError, match="BLOCK_K a multiple of 64"):  # the cp.async pass: 64 BF16 columns
         runs["dgrad"](GemmConfig(128, 128, 32, 1, 8, 4, "ws"))
-    with pytest.raises(ValueError, match="needs W2 stored"):  # its producer loads W2 K-major only
-        moe_dgrad_dswiglu(inp["dout"], inp["w2"].transpose(1, 2).contiguous().transpose(1, 2), inp["gu"], r, b,
-                          config=WS_DGRAD_CONFIGS[0])
+    with pytest.raises(ValueError, match="needs 262144 bytes of shared memory"):  # 6 stages + gu and h buffers
+        runs["up"](GemmConfig(128, 128, 64, 1, 8, 6, "ws"))
+    x_odd_rows = torch.zeros((inp["x"].shape[0], inp["x"].shape[1] + 1), dtype=inp["x"].dtype, device=device)
+    x_odd_rows = x_odd_rows[:, :-1].copy_(inp["x"])  # rows 2 * 129 bytes apart: cp.async needs 16-byte alignment
+    with pytest.raises(ValueError, match="activation row-major"):
+        moe_up_swiglu(x_odd_rows, inp["w1"], r, b, config=GemmConfig(128, 64, 64, 1, 8, 4, "ws"))
 
 
 @pytest.mark.gpu
@@ -66,7 +73,7 @@ def test_ws_gives_the_triton_tiles_bits(shape, device):
     assert int(r.counts[0]) == 0 and int(r.counts[1]) == 1
     for stage, run in runs.items():
         ref = run(TRITON_TILES[stage])
-        for config in WS_CONFIGS if stage in ("down", "dx") else WS_DGRAD_CONFIGS:
+        for config in WS_CONFIGS if stage in ("down", "dx") else WS_GATHER_CONFIGS:
             out = run(config)
             for j, (o, want) in enumerate(zip(out, ref)):
                 assert compare_bits(o, want).equal, (stage, j, config.label())
@@ -80,7 +87,7 @@ from triton.experimental.gluon import language as gl
 from bench.gemm_sass import gluon_desc_type, gluon_sm90_report
 from kernels.det_gemm_ws import consumers, max_regs
 from kernels.det_gemm import GemmConfig
-from kernels.moe_ws import dgrad_store_bytes, moe_ws_dgrad_kernel, moe_ws_kernel
+from kernels.moe_ws import gather_store_bytes, moe_ws_gather_kernel, moe_ws_kernel
 out = {}
 box = lambda rows, cols, dt=gl.bfloat16: gluon_desc_type(rows, cols, dt)
 for bm, bn, bk, warps, stages, k_major in [(128, 128, 64, 8, 4, False), (128, 128, 64, 8, 5, True), (64, 128, 64, 4, 6, False)]:
@@ -89,29 +96,32 @@ for bm, bn, bk, warps, stages, k_major in [(128, 128, 64, 8, 4, False), (128, 12
              "gate_ptr": "*i32"}
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "B_K_MAJOR": k_major, "CONSUMERS": consumers(warps)}
     out[f"{bm}x{bn}x{bk}_s{stages}_kmajor{int(k_major)}"] = gluon_sm90_report(moe_ws_kernel, types, consts, max_regs(warps))
-for bm, bn, bk, warps, stages, dscore in [(128, 128, 64, 8, 4, True), (128, 128, 64, 8, 4, False), (64, 128, 64, 4, 6, True),
-                                         (128, 64, 64, 8, 6, True)]:
-    types = {"a_ptr": "*bf16", "b_desc": box(bn, bk), "dgu_desc": box(bm // consumers(warps), bn, gl.int32),
-             "gather_ptr": "*i32", "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32",
-             "gate_ptr": "*i32", "gu_ptr": "*i32", "h_ptr": "*bf16", "ds_ptr": "*fp32"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "CONSUMERS": consumers(warps),
-              "DSCORE": dscore, "DS_CHUNK": 64}
-    r = gluon_sm90_report(moe_ws_dgrad_kernel, types, consts, max_regs(warps))
+for epi, bm, bn, bk, warps, stages, k_major, dscore in [
+        (2, 128, 128, 64, 8, 4, True, True), (2, 128, 128, 64, 8, 4, True, False), (2, 64, 128, 64, 4, 6, False, True),
+        (2, 128, 64, 64, 8, 6, True, True), (1, 128, 128, 64, 8, 4, False, False), (1, 128, 128, 64, 8, 5, True, False)]:
+    out_box = box(bm // consumers(warps), bn, gl.int32 if epi == 2 else gl.bfloat16)
+    types = {"a_ptr": "*bf16", "b_desc": box(bn, bk) if k_major else box(bk, bn), "out_desc": out_box,
+             "h_desc": box(bm // consumers(warps), bn // 2) if epi == 1 else out_box, "gather_ptr": "*i32",
+             "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "gu_ptr": "*i32",
+             "h_ptr": "*bf16", "ds_ptr": "*fp32"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": stages, "SEGMENT": 128, "CONSUMERS": consumers(warps),
+              "B_K_MAJOR": k_major, "EPILOGUE": epi, "DSCORE": dscore, "DS_CHUNK": 64}
+    r = gluon_sm90_report(moe_ws_gather_kernel, types, consts, max_regs(warps))
     cfg = GemmConfig(bm, bn, bk, 1, warps, stages, "ws")
-    r["budget"] = stages * (bm + bn) * bk * 2 + dgrad_store_bytes(cfg, dscore)  # what the launcher checks
-    out[f"dgrad_{bm}x{bn}x{bk}_s{stages}_ds{int(dscore)}"] = r
+    r["budget"] = stages * (bm + bn) * bk * 2 + gather_store_bytes(cfg, epi, dscore)  # what the launcher checks
+    out[f"{'dgrad' if epi == 2 else 'up'}_{bm}x{bn}x{bk}_s{stages}_kmajor{int(k_major)}_ds{int(dscore)}"] = r
 print(json.dumps(out))
 '''
 
 
 def test_ws_kernel_compiles_for_sm90_offline(tmp_path):
     report = compile_sm90_offline(_COMPILE, tmp_path)
-    assert len(report) == 7, report
+    assert len(report) == 9, report
     for name, r in report.items():
         # BF16 wgmma fed by TMA, the FP32 tile out by TMA store, setmaxnreg (the roles' register split), no spills, one
         # MMA left in flight behind the newest, and no "wgmma.mma_async instructions are serialized" from ptxas.
         assert r["hgmma"] > 0 and r["tma"] > 0 and r["tma_store"] > 0 and r["setmaxnreg"] > 0, (name, r)
         assert r["stack"] == 0 and r["wait1"] > 0 and not r["serialized"], (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)
-        if name.startswith("dgrad"):  # the gathered rows by cp.async; the launcher's shared-memory budget holds
+        if name.startswith(("up", "dgrad")):  # the gathered rows by cp.async; the launcher's shared-memory budget holds
             assert r["ldgsts"] > 0 and r["budget"] <= r["shared"] <= r["budget"] + 1024, (name, r)
