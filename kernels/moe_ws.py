@@ -115,23 +115,34 @@ def _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR: gl.constexpr
 
 
 @gluon.jit
-def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr):
-    """One consumer warpgroup of down / dX: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile;
-    then the FP32 tile (padding rows zero) through shared memory and a TMA store."""
+def _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr, FENCE: gl.constexpr):
+    """Tile t's accumulator for this consumer's rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS), zero on
+    padding rows (a tile whose first row is padding is padding only and loads nothing): (acc, the next ring count,
+    the part's first row, its rows, the tile's first column)."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    off_m = (t // num_n) * BLOCK_M
+    row = off_m + PART * ROWS
+    rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+    if gl.load(route_ptr + off_m) >= 0:
+        acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR, PART, FENCE)
+    acc = gl.where((gl.load(route_ptr + rows) >= 0)[:, None], acc, 0.0)
+    return acc, count, row, rows, (t % num_n) * BLOCK_N
+
+
+@gluon.jit
+def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr):
+    """One consumer warpgroup of down / dX: its rows of every tile, then the FP32 tile (padding rows zero) through
+    shared memory and a TMA store."""
     num_n = C // BLOCK_N
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m = (t // num_n) * BLOCK_M
-        off_n = (t % num_n) * BLOCK_N
-        rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-        if gl.load(route_ptr + off_m) >= 0:
-            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR, PART, False)
-        live = gl.load(route_ptr + rows) >= 0
-        store_part(c_smem, c_desc, gl.where(live[:, None], acc, 0.0), off_m + PART * ROWS, off_n, PART)
+        acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M,
+                                                 BLOCK_N, B_K_MAJOR, CONSUMERS, PART, False)
+        store_part(c_smem, c_desc, acc, row, off_n, PART)
     tma.store_wait(0)
 
 
@@ -143,18 +154,12 @@ def _up_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, 
     rows (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 1: gu rounded to BF16, h =
     silu(g) * u from those BF16 values in FP32, rounded once; both TMA-stored."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
-    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
     num_n = C // BLOCK_N
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m = (t // num_n) * BLOCK_M
-        off_n = (t % num_n) * BLOCK_N
-        row = off_m + PART * ROWS
-        rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-        if gl.load(route_ptr + off_m) >= 0:
-            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR, PART, True)
-        gu = gl.where((gl.load(route_ptr + rows) >= 0)[:, None], acc, 0.0).to(gl.bfloat16)
+        acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M,
+                                                 BLOCK_N, B_K_MAJOR, CONSUMERS, PART, True)
+        gu = acc.to(gl.bfloat16)
         g, u = gl.split(gl.reshape(gu.to(gl.float32), [ROWS, BLOCK_N // 2, 2]))
         h = ((g * (1.0 / (1.0 + gl.exp(-g)))) * u).to(gl.bfloat16)
         store_part(gu_smem, gu_desc, gu, row, off_n, PART)
@@ -171,19 +176,12 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, 
     over chunk c's DS_CHUNK columns of acc * h, then dh = s * acc, dg and du from the saved gu (each (g, u) pair read
     as one int32), rounded once to BF16 and TMA-stored as int32 pairs."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
-    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
     num_n = C // BLOCK_N
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m = (t // num_n) * BLOCK_M
-        off_n = (t % num_n) * BLOCK_N
-        row = off_m + PART * ROWS
-        rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-        if gl.load(route_ptr + off_m) >= 0:
-            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR, PART, True)
-        acc = gl.where((gl.load(route_ptr + rows) >= 0)[:, None], acc, 0.0)
+        acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M,
+                                                 BLOCK_N, B_K_MAJOR, CONSUMERS, PART, True)
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
         if DSCORE:  # first, as the Triton epilogue: its h tile and products are dead before gu is loaded
             h = gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32)
             chunked = gl.convert_layout(gl.reshape(acc * h, [ROWS, BLOCK_N // DS_CHUNK, DS_CHUNK]),
