@@ -587,7 +587,8 @@ def kb_group(num_kb: int) -> int:
 
 
 def fp8_ws_descriptor(tensor: torch.Tensor, box: list[int], dtype=gl.float8e4nv) -> TensorDescriptor:
-    """A TMA descriptor over the row-major matrix ``tensor`` (e4m3, or FP32 for the output) with its NVMMA shared
+    """A TMA descriptor over the row-major matrix ``tensor`` of ``dtype`` (e4m3 by default; the epilogues' BF16,
+    FP32 and packed-int outputs, and the BF16 kernels of kernels/moe_ws.py, pass theirs) with its NVMMA shared
     layout."""
     layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
     return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, layout)

@@ -31,7 +31,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs, store_part,
@@ -39,7 +38,7 @@ from kernels.det_gemm_ws import (
 from kernels.moe import DS_CHUNK, SEGMENT_ALIGN, grouped_launch_name, ws_weight_rows
 from kernels.moe_fp8_ws import (
     GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, SM90_SHARED_BYTES, _bf16_pair_bits,
-    _bf16_pair_values, _gather_producer, live_tiles,
+    _bf16_pair_values, _gather_producer, fp8_ws_descriptor, live_tiles,
 )
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
@@ -243,7 +242,8 @@ def moe_ws_kernel(
 def moe_ws_gather_kernel(
     a_ptr,  # x (up) or dout (dgrad) [T, L] BF16, rows read through the gather index (cp.async)
     b_desc,  # over the weight's storage as [E * C, L] (B_K_MAJOR, box [BLOCK_N, BLOCK_K]) or [E * L, C]
-    out_desc,  # up: over gu [P, C] BF16; dgrad: over dgu [P, 2C] as int32 (g, u) pairs [P, C]; box [BLOCK_M / CONSUMERS, BLOCK_N]
+    out_desc,  # up: over gu [P, C] BF16; dgrad: over dgu [P, 2C] as int32 (g, u) pairs [P, C];
+    # box [BLOCK_M / CONSUMERS, BLOCK_N]
     h_desc,  # up: over h [P, C / 2] BF16, box [BLOCK_M / CONSUMERS, BLOCK_N / 2] (dgrad: unused)
     gather_ptr, route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
     gu_ptr,  # dgrad: the forward's gu [P, 2C] as int32 pairs [P, C]
@@ -308,11 +308,6 @@ def moe_ws_gather_kernel(
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
 
 
-def _descriptor(tensor: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
-    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box,
-                            gl.NVMMASharedLayout.get_default_for(box, dtype))
-
-
 def _check_tile(stage: str, config, reduced: int, n_cols: int, store_bytes: int) -> None:
     """Refuses, naming the value, a tile the ws kernels cannot run on L = ``reduced``, C = ``n_cols`` with an epilogue
     buffer of ``store_bytes``."""
@@ -347,8 +342,8 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
     part_rows = config.block_m // consumers(config.num_warps)
     tiles = (p // config.block_m) * (n_cols // config.block_n)
     moe_ws_kernel[(min(tiles, sms),)](
-        _descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16), _descriptor(store, b_box, gl.bfloat16),
-        _descriptor(c, [part_rows, config.block_n], gl.float32),
+        fp8_ws_descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16),
+        fp8_ws_descriptor(store, b_box, gl.bfloat16), fp8_ws_descriptor(c, [part_rows, config.block_n], gl.float32),
         routing.sorted_route, routing.tile_expert, routing.gate,
         p, n_cols, reduced,
         op_id,
@@ -391,23 +386,23 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
     part_rows = config.block_m // consumers(config.num_warps)
     b_box = [config.block_n, config.block_k] if k_major else [config.block_k, config.block_n]
     if epilogue == 1:
-        descs = (_descriptor(out, [part_rows, config.block_n], gl.bfloat16),
-                 _descriptor(aux, [part_rows, config.block_n // 2], gl.bfloat16))
+        descs = (fp8_ws_descriptor(out, [part_rows, config.block_n], gl.bfloat16),
+                 fp8_ws_descriptor(aux, [part_rows, config.block_n // 2], gl.bfloat16))
         gu_bits = h = ds_part = out  # unused by this epilogue
     else:
-        out_desc = _descriptor(out.view(torch.int32), [part_rows, config.block_n], gl.int32)
+        out_desc = fp8_ws_descriptor(out.view(torch.int32), [part_rows, config.block_n], gl.int32)
         descs, gu_bits = (out_desc, out_desc), aux.view(torch.int32)
         h, ds_part = dscore if dscore is not None else (out, out)  # unused without DSCORE
     tiles = (p // config.block_m) * (n_cols // config.block_n)
     moe_ws_gather_kernel[(min(tiles, sms),)](
-        a, _descriptor(store, b_box, gl.bfloat16), *descs,
+        a, fp8_ws_descriptor(store, b_box, gl.bfloat16), *descs,
         routing.gather_token, routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
         gu_bits, h, ds_part,
         p, n_cols, reduced,
         a.stride(0),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
-        SEGMENT=SEGMENT_ALIGN, CONSUMERS=consumers(config.num_warps), B_K_MAJOR=k_major, EPILOGUE=epilogue, DSCORE=dscore is not None,
-        DS_CHUNK=DS_CHUNK,
+        SEGMENT=SEGMENT_ALIGN, CONSUMERS=consumers(config.num_warps), B_K_MAJOR=k_major, EPILOGUE=epilogue,
+        DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK,
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
