@@ -34,7 +34,7 @@ import torch
 
 from audits.moe import (
     GRAD_NAMES, MoeCase, batch_invariance_rows, bits_row, combine_checks, cosine, dswiglu_check, edge_cases,
-    fresh_process_row, grad_digests, layer_grads, make_inputs, padding_zero, per_expert, rejection_cases,
+    fresh_process_row, fused_dscore_check, grad_digests, layer_grads, make_inputs, padding_zero, per_expert, rejection_cases,
     rejection_rows, rel_l2, serve_digests, sorted_rows, stage_rows,
 )
 from kernels.fp8_quant import (
@@ -42,8 +42,9 @@ from kernels.fp8_quant import (
 )
 from kernels.moe import moe_mlp_fwd, moe_mlp_bwd, moe_mlp_ref
 from kernels.moe_fp8 import (
-    Fp8WeightCache, fp8_stage_name, moe_fp8_dgrad_dswiglu, moe_fp8_dx_route, moe_fp8_quant_colwise, moe_fp8_risk,
-    moe_fp8_wgrad, moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd, moe_mlp_fp8_ref,
+    DEFAULT_WGRAD, WGRAD_MODES, Fp8WeightCache, fp8_stage_name, moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down,
+    moe_fp8_dx_route, moe_fp8_quant_colwise, moe_fp8_risk, moe_fp8_wgrad, moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd,
+    moe_mlp_fp8_ref,
 )
 from toolkit.contract import ETA_BF16, U_BF16, U_FP32, U_FP64, ContractResult, check_bound, compare_bits, gamma
 from toolkit.harness import Row, RunContext
@@ -86,7 +87,7 @@ _uncached_fwd = partial(moe_mlp_fp8_fwd, weight_cache=None)  # every call quanti
 
 
 def run_layer(inp: dict[str, torch.Tensor], main_grads=None, weight_cache=None,
-              wgrad: str = "bf16") -> dict[str, torch.Tensor]:
+              wgrad: str = DEFAULT_WGRAD) -> dict[str, torch.Tensor]:
     """Forward and backward through the FP8 autograd Function (no weight cache unless given)."""
     return layer_grads(moe_mlp_fp8, inp, main_grads=main_grads, weight_cache=weight_cache, wgrad=wgrad)
 
@@ -113,6 +114,9 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
     d_q, d_s = quantize_rowwise(dout)
     dgu, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(d_q, d_s, saved.w2f, saved.gu, r, backend)
     dxr = moe_fp8_dx_route(dgu_q, dgu_s, saved.w1f, r, backend)
+    y = moe_fp8_down(saved.h_q, saved.h_s, saved.w2f, r, backend)  # the forward's y (same call, same bits): not saved
+    # The layer's dgrad: with the dscore partials and dgu's column-wise quantization (fused on a "ws" config).
+    fused = moe_fp8_dgrad(d_q, d_s, saved.w2f, saved.gu, r, backend, h=saved.h, colwise=True)
     f64 = torch.float64
     valid, pad, tok, exp, s_row = sorted_rows(r)
     hidden, inter = x.shape[1], w2.shape[1]
@@ -137,13 +141,13 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
     g_d = dequantize_rowwise(dgu_q, dgu_s).to(f64)
 
     # out, dx and dscores: the BF16 path's combine, gather-sum and dscores kernels (the BF16 suite's bounds)
-    combined = combine_checks(r, scores, dout, out, saved.y, dxr, grads.dx, dscores=grads.dscores)
+    combined = combine_checks(r, scores, dout, out, y, dxr, grads.dx)
     results: dict[str, ContractResult] = {}
     gu_star, gu_ab = per_expert(x_d[tok], lambda e: w1_d[e], exp, w1.shape[2])
     results["gu"] = check_bound(saved.gu[valid], gu_star, U_BF16 * gu_star.abs()
                                 + (1 + U_BF16) * block_gemm_error(gu_ab, hidden, unit) + ETA_BF16)
     y_star, y_ab = per_expert(h_d[valid], lambda e: w2_d[e], exp, hidden)
-    results["y"] = check_bound(saved.y[valid], y_star, block_gemm_error(y_ab, inter, unit))
+    results["y"] = check_bound(y[valid], y_star, block_gemm_error(y_ab, inter, unit))
     results["out"] = combined["out"]
     # dgrad + dSwiGLU from the kernel's gu (the BF16 suite's derivation with the block-scaled e_h)
     dh_raw, dh_ab = per_expert(d_d[tok], lambda e: w2_d[e].t(), exp, inter)
@@ -153,7 +157,9 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
     dxr_star, dxr_ab = per_expert(g_d[valid], lambda e: w1_d[e].t(), exp, hidden)
     results["dx_route"] = check_bound(dxr[valid], dxr_star, block_gemm_error(dxr_ab, 2 * inter, unit))
     results["dx"] = combined["dx"]
-    results["dscores"] = combined["dscores"]
+    # dscores: fused into dgrad, from its block-scaled accumulator and the saved h
+    results["dscores"] = fused_dscore_check(r, valid, dh_raw, dh_ab, saved.h[valid], hidden, grads.dscores,
+                                            scores.dtype, e_acc=block_gemm_error(dh_ab, hidden, unit))
 
     # FP8 weight gradients (wgrad="fp8"): 128x1 column-wise operands over each expert's padded rows.
     dense = {name: torch.zeros(r.padded_rows, t.shape[1], dtype=torch.float32, device=x.device)
@@ -169,6 +175,8 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
         qr, sr = quantize_colwise_ref(dense[name])
         bits[f"{name}_colwise"] = compare_bits(q, qr).equal and compare_bits(s_, sr).equal
         cq[name], deq[name] = (q, s_), dequantize_rowwise(q, s_).to(f64)  # [N, P]
+    bits["dgu_colwise_fused"] = all(compare_bits(a, b).equal for a, b in zip(fused.dgu_col, cq["dgu"]))
+    bits["dgu_fused_rowwise"] = compare_bits(fused.dgu_q, dgu_q).equal and compare_bits(fused.dgu_s, dgu_s).equal
     for stage, a, b in (("dw1_fp8", "x", "dgu"), ("dw2_fp8", "h", "dy")):
         got_w = moe_fp8_wgrad(*cq[a], *cq[b], r, backend)
         star = torch.zeros(got_w.shape, dtype=f64, device=x.device)
@@ -182,7 +190,7 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
             bound[e] = U_BF16 * star[e].abs() + (1 + U_BF16) * block_gemm_error(a_e.abs() @ b_e.abs().t(), n, unit)
         results[stage] = check_bound(got_w, star, bound + ETA_BF16)
 
-    zero = padding_zero({"gu": saved.gu, "h": saved.h, "h_q": saved.h_q, "y": saved.y, "dgu": dgu, "dgu_q": dgu_q,
+    zero = padding_zero({"gu": saved.gu, "h": saved.h, "h_q": saved.h_q, "y": y, "dgu": dgu, "dgu_q": dgu_q,
                          "dx_route": dxr}, pad)
     return results, {"quantizers_bitwise": bits, "padding_zero": zero}
 
@@ -281,9 +289,10 @@ def run(ctx: RunContext) -> Iterator[Row]:
         outs = [run_layer(inp) for _ in range(3)]
     for rep, got in enumerate(outs[1:], start=1):
         yield bits_row(NAME, ctx, "repetitions", f"repetitions {name} #{rep}", got, outs[0])
-    with nvtx_range(f"repetitions wgrad=fp8 {name}"):
-        outs_w8 = [run_layer(inp, wgrad="fp8") for _ in range(2)]
-    yield bits_row(NAME, ctx, "repetitions", f"repetitions wgrad=fp8 {name}", outs_w8[1], outs_w8[0])
+    other = next(m for m in WGRAD_MODES if m != DEFAULT_WGRAD)  # the weight-gradient mode not run by default
+    with nvtx_range(f"repetitions wgrad={other} {name}"):
+        outs_other = [run_layer(inp, wgrad=other) for _ in range(2)]
+    yield bits_row(NAME, ctx, "repetitions", f"repetitions wgrad={other} {name}", outs_other[1], outs_other[0])
     yield fresh_process_row(NAME, ctx, "audits.moe_fp8", main, name, outs[0])
 
     yield from batch_invariance_rows(NAME, ctx, _uncached_fwd, inp, main, name, outs[0]["out"])
@@ -307,11 +316,11 @@ def run(ctx: RunContext) -> Iterator[Row]:
             yield Row(suite=NAME, check="emulation", name=f"emulation {n} {case_name(case)}",
                       passed=rel <= EMULATION_REL_L2[ctx.backend], backend=ctx.backend,
                       details={"rel_l2_vs_fp8_reference": rel, "limit": EMULATION_REL_L2[ctx.backend]})
-        if case is main:  # the FP8 weight gradients against the recipe with wgrad="fp8"
-            emu8 = moe_mlp_fp8_ref(*args, wgrad="fp8")
+        if case is main:  # the other mode's weight gradients against the recipe in that mode
+            emu_other = moe_mlp_fp8_ref(*args, wgrad=other)
             for n in ("dw1", "dw2"):
-                rel = rel_l2(outs_w8[0][n], emu8[n])
-                yield Row(suite=NAME, check="emulation", name=f"emulation {n} wgrad=fp8 {case_name(case)}",
+                rel = rel_l2(outs_other[0][n], emu_other[n])
+                yield Row(suite=NAME, check="emulation", name=f"emulation {n} wgrad={other} {case_name(case)}",
                           passed=rel <= EMULATION_REL_L2[ctx.backend], backend=ctx.backend,
                           details={"rel_l2_vs_fp8_reference": rel, "limit": EMULATION_REL_L2[ctx.backend]})
 
@@ -326,7 +335,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
         gold = moe_mlp_ref(*gate_args, dtype=torch.bfloat16)
         gate_oracle = moe_mlp_ref(*gate_args, dtype=torch.float64)
         source = f"moe_mlp_fp8_ref at {case_name(gate_case)} vs FP64 and vs the BF16 PyTorch gold"
-    for mode, got in (("bf16", outs[0]), ("fp8", outs_w8[0])):
+    for mode, got in ((DEFAULT_WGRAD, outs[0]), (other, outs_other[0])):
         kernel_stats = precision_stats(got, inp, bf16_path, oracle)
         if ctx.interpreted:
             gate_stats = precision_stats(moe_mlp_fp8_ref(*gate_args, wgrad=mode), gate_inp, gold, gate_oracle)

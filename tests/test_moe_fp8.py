@@ -20,7 +20,7 @@ from kernels.det_gemm import GemmConfig
 import kernels.moe_fp8 as kf
 from kernels.fp8_quant import QBLOCK, quantize_rowwise, quantize_rowwise_ref, quantize_weight
 from kernels.moe_fp8 import (
-    MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_risk,
+    DEFAULT_WGRAD, MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_risk,
     moe_fp8_up_swiglu, moe_mlp_fp8_fwd, moe_mlp_fp8_ref, select_moe_fp8_config,
 )
 from kernels.moe import moe_mlp_ref
@@ -223,16 +223,19 @@ def test_main_grad_accumulates_fp32(base):
         assert compare_bits(zero[i].to(torch.bfloat16), first[name]).equal, name
 
 
-def test_fp8_weight_gradients_match_the_recipe_and_accumulate(base):
+def test_bf16_weight_gradients_match_the_recipe_and_accumulate(base):
+    # The mode beside the default (wgrad="fp8", which the base run and the tests above cover).
     inp, first, _ = base
-    got = run_layer(inp, wgrad="fp8")
-    ref = moe_mlp_fp8_ref(*layer_args(inp), inp["dout"], wgrad="fp8")
+    assert DEFAULT_WGRAD == "fp8"
+    got = run_layer(inp, wgrad="bf16")
+    ref = moe_mlp_fp8_ref(*layer_args(inp), inp["dout"], wgrad="bf16")
     for name in GRAD_NAMES:
         assert rel_l2(got[name], ref[name]) <= emulation_limit(got[name].device), name
     for name in ("out", "dx", "dscores"):  # the weight-gradient mode changes nothing else
         assert compare_bits(got[name], first[name]).equal, name
+    assert not compare_bits(got["dw1"], first["dw1"]).equal  # the two modes differ where they should
     zero = tuple(torch.zeros(inp[n].shape, device=inp[n].device) for n in ("w1", "w2"))
-    assert run_layer(inp, main_grads=zero, wgrad="fp8")["dw1"] is None
+    assert run_layer(inp, main_grads=zero, wgrad="bf16")["dw1"] is None
     for i, name in enumerate(("dw1", "dw2")):
         assert compare_bits(zero[i].to(torch.bfloat16), got[name]).equal, name
     with pytest.raises(ValueError, match="wgrad"):
