@@ -21,16 +21,13 @@ Stages (P = padded expert-sorted rows):
     down    y [P, H] fp32 = h_q @ W2q[e]
     combine out = bf16(sum_k s_k y_k)                    (kernels.moe.moe_combine, unchanged)
     dgrad   dh = s * (dout_q[gather] @ W2q[e]^T) fp32; dg, du from the saved gu -> dgu [P, 2I] bf16 and,
-            fused, dgu_q / dgu_s = quantize_rowwise(dgu) (1x128 along 2I, dX's K); the dscore partials
-            sum_j (dout_q[gather] @ W2q[e]^T)[p, j] * h[p, j] in 64-column chunks (kernels.moe.dscore_partials);
-            with wgrad="fp8", dgu's 128x1 column-wise quantization (on the ws kernel in the epilogue, and
-            then the BF16 dgu is not written)
+            fused, dgu_q / dgu_s = quantize_rowwise(dgu) (1x128 along 2I, dX's K)
     dx      dx_route [P, H] fp32 = dgu_q @ W1q[e]^T, then the ascending-k gather-sum (kernels.moe)
     wgrad   wgrad="fp8" (default): x[gather], dgu, h and dy = s * dout[gather] quantized 128x1 down the rows
-            (moe_fp8_quant_colwise, transposed to K-major; dgu's by the dgrad), then moe_fp8_wgrad_kernel per
-            expert with promotion every 128 rows; wgrad="bf16": kernels.moe.moe_wgrad_w1(x, dgu),
-            moe_wgrad_w2(h, dout) (docs/moe_fp8.md: which is the default and why)
-    dscore  the partials' fixed-order sum per route (kernels.moe.moe_dscores_from_partials), as the BF16 layer
+            (moe_fp8_quant_colwise, transposed to K-major), then moe_fp8_wgrad_kernel per expert with
+            promotion every 128 rows; wgrad="bf16": kernels.moe.moe_wgrad_w1(x, dgu), moe_wgrad_w2(h, dout)
+            (docs/moe_fp8.md: which is the default and why)
+    dscore  dout . y (kernels.moe.moe_dscores)
 The fused quantizations read the BF16 values that are stored beside them, so h_q == quantize_rowwise(h)
 and dgu_q == quantize_rowwise(dgu) bit for bit (tested): one definition, one reference.
 
@@ -69,10 +66,10 @@ from kernels.fp8_quant import (
     quantize_row_blocks, quantize_rowwise, quantize_rowwise_ref, quantize_rows, quantize_weight, quantize_weight_ref,
 )
 from kernels.moe import (
-    DS_CHUNK, MoeGrads, check_dout, check_grouped_config, check_main_grads, check_moe_inputs, check_moe_variant,
-    dscore_partials, dswiglu_epilogue, grouped_tile, launch_checked_routing, layer_stage_names, mma_step, moe_combine,
-    moe_dscores_from_partials, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2, pinned_stage_config, store_fp32_tile,
-    swiglu_epilogue, tile_is_live, to_bf16, weight_descriptor,
+    MoeGrads, check_dout, check_grouped_config, check_main_grads, check_moe_inputs, check_moe_variant,
+    dswiglu_epilogue, grouped_tile, launch_checked_routing, layer_stage_names, mma_step, moe_combine, moe_dscores,
+    moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2, pinned_stage_config, store_fp32_tile, swiglu_epilogue, tile_is_live,
+    to_bf16, weight_descriptor,
 )
 from kernels.moe_fp8_ws import (
     fp8_stage_name, grouped_launch_metadata, launch_fp8_wgrad_ws, launch_fp8_ws, launch_fp8_ws_gather,
@@ -88,7 +85,7 @@ from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 # The sm_90 entries are compile-checked (wgmma on e4m3, shared memory, no spills) and timed on an H200
 # (bench/moe_tune.py; comments below).
 # ---------------------------------------------------------------------------------------------
-MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.12"
+MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.11"
 FP8_STAGES = ("up", "down", "dgrad", "dx")
 
 MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
@@ -113,9 +110,7 @@ MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         # 1294 µs at the reference shape, 609 vs 634 at Qwen3-30B-A3B (same report, bit-equal). Table .10: 128 columns
         # of dh (two dgu scale blocks per row), 972 vs 1159 and 472 vs 611 µs (reports/2026-11-30-h200/fp8-table10).
         # Table .11: dgu and dgu_q out through shared memory and TMA stores, 4 stages (the store buffers take 96 KB).
-        # Table .12: the dscore partials (both weight-gradient modes) and dgu's column-wise quantization (wgrad="fp8")
-        # fused into the epilogue; 3 stages (with the BF16 dgu's buffer and the partials' scratch, 4 do not fit).
-        "dgrad": GemmConfig(128, QBLOCK, 128, 1, 8, 3, "ws"),
+        "dgrad": GemmConfig(128, QBLOCK, 128, 1, 8, 4, "ws"),
         "dx": GemmConfig(128, 128, 128, 1, 8, 5, "ws"),
     },
     TRITON_INTERPRETER: {  # few large programs: the interpreter's cost is per op
@@ -169,7 +164,6 @@ def select_moe_fp8_config(stage: str, backend: str) -> GemmConfig:
 def moe_fp8_grouped_gemm_kernel(
     a_ptr, as_ptr, a_rows_ptr, b_ptr, bs_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr,
     route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
-    h_ptr, ds_ptr,  # dgrad with DSCORE: the forward's h [P, C] BF16 and the dscore partials [P, C / DS_CHUNK] FP32
     P, C, L,  # C[p, :C] = sum_kb (A_q[row(p), kb] @ B_q[e][kb, :C]) * a_s[row(p), kb] * b_s[e][kb, :]
     stride_am, stride_al, stride_asm, stride_asl,
     stride_be, stride_bc, stride_bl,  # B_q stored [E, C, L]: K-major
@@ -181,7 +175,6 @@ def moe_fp8_grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_K: tl.constexpr, QBLOCK: tl.constexpr,
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
     B_TMA: tl.constexpr,  # b_ptr is a rank-3 TMA descriptor over B_q [E, C, L], box [1, BLOCK_N, STEP_K]
-    DSCORE: tl.constexpr = False, DS_CHUNK: tl.constexpr = 64,
 ):
     # A tile at or past the routing's P (the up GEMM is queued over the largest P before the host has read it) or of
     # a refused batch does nothing.
@@ -229,8 +222,6 @@ def moe_fp8_grouped_gemm_kernel(
                 tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_h[None, :] * stride_qc, hq, mask=h_ok)
                 tl.store(qs_ptr + offs_m * stride_qsm + pid_n * stride_qsc, hs)
         else:  # dSwiGLU: dgu in BF16 (as the BF16 path), then quantized 1x128 for the dX GEMM
-            if DSCORE:  # first, as the BF16 kernels: the partials from the unscaled accumulator (0 on padding rows)
-                dscore_partials(acc, h_ptr, ds_ptr, offs_m, pid_n, C, BLOCK_M, BLOCK_N, DS_CHUNK)
             dgu, offs_j, j_ok = dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc,
                                                  stride_cm, stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
             NB: tl.constexpr = 2 * BLOCK_N // QBLOCK  # 1x128 blocks per dgu row of the tile
@@ -430,11 +421,8 @@ WEIGHT_CACHE = Fp8WeightCache()
 def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather: bool, b: torch.Tensor,
              b_s: torch.Tensor, c: torch.Tensor, aux: torch.Tensor | None, q: torch.Tensor | None,
              q_s: torch.Tensor | None, routing: MoeRouting, epilogue: int, backend: str,
-             config: GemmConfig | None, extra: dict[str, torch.Tensor] | None = None) -> None:
-    """b: [E, C, L] K-major FP8 view; b_s: [E, L/128, C/128] view (strides kept). ``extra`` (dgrad): "h" and
-    "ds_part" add the dscore partials; "dgu_t" and "dgu_ts" (variant "ws" only) take dgu quantized column-wise
-    instead of the BF16 dgu (c is then None)."""
-    extra = extra or {}
+             config: GemmConfig | None) -> None:
+    """b: [E, C, L] K-major FP8 view; b_s: [E, L/128, C/128] view (strides kept)."""
     config = config or select_moe_fp8_config(stage, backend)
     if config.variant == "ws":
         _check_ws(stage, config, gather, epilogue, backend)
@@ -454,9 +442,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
         ensure_cuda_context(a.device)
         if gather:
             outputs = ({"gu": c, "h": aux} if epilogue == EPI_SWIGLU else
-                       {"score": routing.row_score, "gu": aux, "dgu_q": q, "dgu_s": q_s, **extra})
-            if c is not None and epilogue != EPI_SWIGLU:
-                outputs["dgu"] = c
+                       {"score": routing.row_score, "gu": aux, "dgu": c, "dgu_q": q, "dgu_s": q_s})
             launch_fp8_ws_gather(op_id, stage, config, epilogue, a, a_s, b, b_s, outputs, routing.gather_token,
                                  routing.sorted_route, routing.tile_expert, routing.gate, p, SEGMENT_ALIGN,
                                  device_sms(a.device))
@@ -464,12 +450,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
             launch_fp8_ws(op_id, stage, config, a, a_s, b, b_s, c, routing.sorted_route, routing.tile_expert, p,
                           SEGMENT_ALIGN, device_sms(a.device))
         return
-    if "dgu_t" in extra:
-        raise ValueError(f"{stage}: the column-wise quantization of dgu is fused only into variant 'ws'; got "
-                         f"{config.label()}: quantize the stored dgu (moe_fp8_quant_colwise)")
     n_cols, reduced = b.shape[1], b.shape[2]
-    dscore = "ds_part" in extra
-    h_t, ds_t = (extra["h"], extra["ds_part"]) if dscore else (c, c)
     aux_t = aux if aux is not None else c
     q_t = q if q is not None else a
     qs_t = q_s if q_s is not None else a_s
@@ -483,7 +464,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
     grid = (triton.cdiv(p, config.block_m) * triton.cdiv(n_cols, config.block_n),)
     moe_fp8_grouped_gemm_kernel[grid](
         a, a_s, routing.gather_token, b_arg, b_s, c, aux_t, q_t, qs_t,
-        routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate, h_t, ds_t,
+        routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
         p, n_cols, reduced,
         a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
@@ -494,8 +475,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         STEP_K=step_k, QBLOCK=QBLOCK, SEGMENT=SEGMENT_ALIGN, GATHER_A=gather, EPILOGUE=epilogue,
-        INTERPRETED=interpreted, B_TMA=config.variant == "tma", DSCORE=dscore, DS_CHUNK=DS_CHUNK,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        INTERPRETED=interpreted, B_TMA=config.variant == "tma", num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -562,58 +542,17 @@ def moe_fp8_down(h_q: torch.Tensor, h_s: torch.Tensor, w2f: Fp8Weight, routing: 
     return y
 
 
-@dataclass
-class Fp8Dgrad:
-    """The FP8 dgrad's outputs: dgu [P, 2I] BF16 (None when the ws kernel quantized it column-wise instead of
-    storing it); dgu_q e4m3 / dgu_s [P, 2I/128] (1x128 along 2I: dX's operand); with h, the dscore partials ds_part
-    [P, I/64] FP32; with colwise, dgu_col = (q_t [2I, P] e4m3, scales [2I, P/128]): the FP8 weight gradient's
-    operand, moe_fp8_quant_colwise(dgu) bit for bit."""
-
-    dgu: torch.Tensor | None
-    dgu_q: torch.Tensor
-    dgu_s: torch.Tensor
-    ds_part: torch.Tensor | None
-    dgu_col: tuple[torch.Tensor, torch.Tensor] | None
-
-
-def moe_fp8_dgrad(dout_q: torch.Tensor, dout_s: torch.Tensor, w2f: Fp8Weight, gu: torch.Tensor, routing: MoeRouting,
-                  backend: str, *, h: torch.Tensor | None = None, colwise: bool = False,
-                  config: GemmConfig | None = None) -> Fp8Dgrad:
-    """dSwiGLU of dh = s * (dout_q[gather] @ W2q[e]^T) and dgu's quantizations, from one accumulator. ``h`` (the
-    forward's [P, I] BF16) adds the dscore partials ds_part[p, c] = sum over chunk c's 64 columns j of
-    (dout_q[gather] @ W2q[e]^T)[p, j] * h[p, j]; ``colwise`` adds dgu's 128x1 quantization, in the epilogue on a
-    "ws" config (the BF16 dgu is then not written), else by moe_fp8_quant_colwise over the stored dgu."""
-    config = config or select_moe_fp8_config("dgrad", backend)
-    p, two_i = gu.shape
-    dev = gu.device
-    fused_colwise = colwise and config.variant == "ws"
-    dgu = None if fused_colwise else torch.empty_like(gu)
-    dgu_q = torch.empty((p, two_i), dtype=FP8_DTYPE, device=dev)
-    dgu_s = torch.empty((p, two_i // QBLOCK), dtype=torch.float32, device=dev)
-    extra, ds_part, dgu_col = {}, None, None
-    if h is not None:
-        if h.shape != (p, two_i // 2):
-            raise ValueError(f"dgrad: h must be the forward's [P, I] = [{p}, {two_i // 2}]; got {tuple(h.shape)}")
-        ds_part = torch.empty((p, triton.cdiv(two_i // 2, DS_CHUNK)), dtype=torch.float32, device=dev)
-        extra.update(h=h, ds_part=ds_part)
-    if fused_colwise:
-        q_t = torch.empty((two_i, p), dtype=FP8_DTYPE, device=dev)
-        q_ts = torch.empty((p // QBLOCK, two_i), dtype=torch.float32, device=dev)
-        extra.update(dgu_t=q_t, dgu_ts=q_ts)
-        dgu_col = (q_t, q_ts.t())
-    # B = W2[e]^T [K=H, N=I]: K-major storage is W2q itself [E, I, H]; its scales seen as [E, H/128, I/128].
-    _grouped(2, "dgrad", dout_q, dout_s, True, w2f.q, w2f.scale.transpose(1, 2), dgu, gu, dgu_q, dgu_s, routing,
-             EPI_DSWIGLU_QUANT, backend, config, extra)
-    if colwise and not fused_colwise:
-        dgu_col = moe_fp8_quant_colwise(dgu, routing, backend, gather=False, scale=False)
-    return Fp8Dgrad(dgu, dgu_q, dgu_s, ds_part, dgu_col)
-
-
 def moe_fp8_dgrad_dswiglu(dout_q: torch.Tensor, dout_s: torch.Tensor, w2f: Fp8Weight, gu: torch.Tensor,
                           routing: MoeRouting, backend: str, config: GemmConfig | None = None):
     """dgu [P, 2I] bf16: dSwiGLU of dh = s * (dout_q[gather] @ W2q[e]^T); dgu_q e4m3, dgu_s [P, 2I/128]."""
-    d = moe_fp8_dgrad(dout_q, dout_s, w2f, gu, routing, backend, config=config)
-    return d.dgu, d.dgu_q, d.dgu_s
+    p, two_i = gu.shape
+    dgu = torch.empty_like(gu)
+    dgu_q = torch.empty((p, two_i), dtype=FP8_DTYPE, device=gu.device)
+    dgu_s = torch.empty((p, two_i // QBLOCK), dtype=torch.float32, device=gu.device)
+    # B = W2[e]^T [K=H, N=I]: K-major storage is W2q itself [E, I, H]; its scales seen as [E, H/128, I/128].
+    _grouped(2, "dgrad", dout_q, dout_s, True, w2f.q, w2f.scale.transpose(1, 2), dgu, gu, dgu_q, dgu_s, routing,
+             EPI_DSWIGLU_QUANT, backend, config)
+    return dgu, dgu_q, dgu_s
 
 
 def moe_fp8_dx_route(dgu_q: torch.Tensor, dgu_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,
@@ -695,13 +634,12 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
     return None if main_grad is not None else out
 
 
-def moe_fp8_wgrads(x: torch.Tensor, h: torch.Tensor, dgu_col: tuple[torch.Tensor, torch.Tensor], dout: torch.Tensor,
-                   routing: MoeRouting, backend: str, main_grads=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """dW1 = x[gather]^T dgu and dW2 = h^T (s * dout[gather]) with every operand quantized 128x1 along the rows
-    (dgu's given: ``Fp8Dgrad.dgu_col``)."""
+def moe_fp8_wgrads(x: torch.Tensor, h: torch.Tensor, dgu: torch.Tensor, dout: torch.Tensor, routing: MoeRouting,
+                   backend: str, main_grads=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dW1 = x[gather]^T dgu and dW2 = h^T (s * dout[gather]) with every operand quantized 128x1 along the rows."""
     mg1, mg2 = main_grads if main_grads is not None else (None, None)
     xq, xs = moe_fp8_quant_colwise(x, routing, backend, gather=True, scale=False)
-    gq, gs = dgu_col
+    gq, gs = moe_fp8_quant_colwise(dgu, routing, backend, gather=False, scale=False)
     dw1 = moe_fp8_wgrad(xq, xs, gq, gs, routing, backend, mg1)
     hq, hs = moe_fp8_quant_colwise(h, routing, backend, gather=False, scale=False)
     yq, ys = moe_fp8_quant_colwise(dout, routing, backend, gather=True, scale=True)
@@ -714,8 +652,7 @@ def moe_fp8_wgrads(x: torch.Tensor, h: torch.Tensor, dgu_col: tuple[torch.Tensor
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class MoeFp8Saved:
-    """What the backward needs: gu, h bf16 (h for dW2 and the dscores, fused into dgrad: y is not kept); the FP8
-    weights used."""
+    """What the backward needs. gu, h bf16 (h for the BF16 dW2); y fp32 (dscores); the FP8 weights used."""
 
     backend: str
     routing: MoeRouting
@@ -729,6 +666,7 @@ class MoeFp8Saved:
     h: torch.Tensor  # [P, I] bf16
     h_q: torch.Tensor  # [P, I] e4m3 and its scales [P, I/128]: the down-projection's operand (audits)
     h_s: torch.Tensor
+    y: torch.Tensor  # [P, H] fp32
 
 
 FP8_LAYER_STAGES = ("routing", "quant_x", "weights", "up_swiglu", "down", "combine", "quant_dout", "dgrad_dswiglu",
@@ -768,14 +706,14 @@ def moe_mlp_fp8_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
         y = moe_fp8_down(h_q, h_s, w2f, routing, backend)
     with rng(names["combine"]):
         out = moe_combine(y, routing, scores, backend)
-    return out, MoeFp8Saved(backend, routing, x, w1, w2, w1f, w2f, scores, gu, h, h_q, h_s)
+    return out, MoeFp8Saved(backend, routing, x, w1, w2, w1f, w2f, scores, gu, h, h_q, h_s, y)
 
 
 def moe_mlp_fp8_bwd(dout: torch.Tensor, saved: MoeFp8Saved, *, main_grads=None, stage_range=None,
                     wgrad: str = DEFAULT_WGRAD) -> MoeGrads:
     """Gradients of ``moe_mlp_fp8_fwd`` for dout [T, H] bf16: dX through FP8 data GEMMs, dW1/dW2 by the
     ``wgrad`` mode ("fp8", the default: 128x1 column-wise FP8 operands; "bf16": kernels.moe's kernel) as BF16 or
-    FP32 accumulation into ``main_grads``, dscores = (dout_q[t] @ W2q[e]^T) . h from the dgrad's accumulator."""
+    FP32 accumulation into ``main_grads``, dscores = dout . y."""
     check_wgrad_mode(wgrad)
     check_dout(dout, saved.x)
     check_main_grads(main_grads, saved.w1, saved.w2)
@@ -785,18 +723,18 @@ def moe_mlp_fp8_bwd(dout: torch.Tensor, saved: MoeFp8Saved, *, main_grads=None, 
     with rng(names["quant_dout"]):
         dout_q, dout_s = quantize_rowwise(dout)
     with rng(names["dgrad_dswiglu"]):
-        d = moe_fp8_dgrad(dout_q, dout_s, saved.w2f, saved.gu, routing, backend, h=saved.h, colwise=wgrad == "fp8")
+        dgu, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, saved.w2f, saved.gu, routing, backend)
     with rng(names["dx"]):
-        dx = moe_gather_sum(moe_fp8_dx_route(d.dgu_q, d.dgu_s, saved.w1f, routing, backend), routing, backend)
+        dx = moe_gather_sum(moe_fp8_dx_route(dgu_q, dgu_s, saved.w1f, routing, backend), routing, backend)
     with rng(names["wgrad"]):
         if wgrad == "fp8":
-            dw1, dw2 = moe_fp8_wgrads(saved.x, saved.h, d.dgu_col, dout, routing, backend, main_grads)
+            dw1, dw2 = moe_fp8_wgrads(saved.x, saved.h, dgu, dout, routing, backend, main_grads)
         else:
             mg1, mg2 = main_grads if main_grads is not None else (None, None)
-            dw1 = moe_wgrad_w1(saved.x, d.dgu, routing, backend, mg1, config=WGRAD_CONFIGS[backend])
+            dw1 = moe_wgrad_w1(saved.x, dgu, routing, backend, mg1, config=WGRAD_CONFIGS[backend])
             dw2 = moe_wgrad_w2(saved.h, dout, routing, backend, mg2, config=WGRAD_CONFIGS[backend])
     with rng(names["dscores"]):
-        ds = moe_dscores_from_partials(d.ds_part, routing, backend).to(saved.scores.dtype)
+        ds = moe_dscores(dout, saved.y, routing, backend).to(saved.scores.dtype)
     return MoeGrads(dx, dw1, dw2, ds)
 
 
@@ -895,12 +833,9 @@ def moe_mlp_fp8_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
     dx = torch.zeros(t_count, hidden, dtype=f64, device=x.device)
     dw1 = torch.zeros(w1.shape, dtype=f64, device=x.device)
     dw2 = torch.zeros(w2.shape, dtype=f64, device=x.device)
-    dscores = torch.zeros(t_count, k_count, dtype=f64, device=x.device)  # 0 for masked routes
     for e, (tok, kk, gu, h) in saved.items():
         s = s64[tok, kk][:, None]
-        dh_raw = dout_d[tok] @ w2_d[e].t()
-        dscores[tok, kk] = (dh_raw * h.to(f64)).sum(1)  # (dout_q @ W2q^T) . h, as the dgrad's fused partials
-        dh = s * dh_raw
+        dh = s * (dout_d[tok] @ w2_d[e].t())
         g, u = gu[:, 0::2].to(f64), gu[:, 1::2].to(f64)
         sig = torch.sigmoid(g)
         dgu = torch.stack((dh * u * sig * (1 + g * (1 - sig)), dh * g * sig), dim=2).flatten(1).to(bf16)
@@ -913,5 +848,7 @@ def moe_mlp_fp8_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
         else:
             dw1[e] = x[tok].to(f64).t() @ dgu.to(f64)
             dw2[e] = h.to(f64).t() @ (s.float() * dout[tok].float()).to(bf16).to(f64)
+    dscores = (dout.to(f64)[:, None, :] * ys).sum(2)
+    dscores = torch.where(topk_ids >= 0, dscores, torch.zeros_like(dscores))
     result.update({"dx": dx.to(bf16), "dw1": dw1.to(bf16), "dw2": dw2.to(bf16), "dscores": dscores.to(scores.dtype)})
     return result

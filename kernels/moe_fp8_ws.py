@@ -33,7 +33,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs, store_part,
 )
-from kernels.moe import DS_CHUNK, stage_name
+from kernels.moe import stage_name
 
 QBLOCK_WS = 128  # the FP8 scale block along K: one ring slot holds one block of both operands
 # The gathered-A producer: one warpgroup issuing 16-byte cp.async copies (8 per thread for a 128x128 e4m3 tile).
@@ -449,95 +449,24 @@ def _e4m3_pow2(amax):
 
 
 @gluon.jit
-def _e4m3(x):
-    """kernels.fp8_quant.to_e4m3 on sm_90: saturate to +-448 (NaN kept), then cvt.rn.satfinite."""
-    return gl.where(x != x, x, gl.minimum(gl.maximum(x, -448.0), 448.0)).to(gl.float8e4nv)
-
-
-@gluon.jit
 def _e4m3_bits(x):
-    """``_e4m3`` as uint8 bits in int32."""
-    return _e4m3(x).to(gl.int8, bitcast=True).to(gl.int32) & 0xFF
-
-
-@gluon.constexpr_function
-def _chunk_layout(NCH):
-    """The layout the Triton dgrad kernels sum their dscore chunks in (their sm_90 TTGIR: 8 consecutive columns per
-    thread, 8 lanes across a 64-column chunk): the same in-thread order and lane tree, so the same bits."""
-    return gl.BlockedLayout([1, 1, 8], [32 // (8 * NCH), NCH, 8], [CONSUMER_WARPS, 1, 1], [2, 1, 0])
+    """kernels.fp8_quant.to_e4m3 on sm_90 (saturate to +-448, NaN kept, cvt.rn.satfinite), as uint8 bits in int32."""
+    q = gl.where(x != x, x, gl.minimum(gl.maximum(x, -448.0), 448.0)).to(gl.float8e4nv)
+    return q.to(gl.int8, bitcast=True).to(gl.int32) & 0xFF
 
 
 @gluon.jit
-def store_dscore_partials(acc, h_ptr, ds_ptr, rows, cols, row, off_n, C, DS_CHUNK: gl.constexpr):
-    """kernels.moe.dscore_partials for one consumer part (the BF16 and FP8 dgrad kernels): ds_part[p, c] = the sum
-    over chunk c's DS_CHUNK columns of acc * h (acc: the part's unscaled dh, zero on padding rows; h: the forward's
-    BF16 [P, C]), summed in the Triton kernels' layout (``_chunk_layout``)."""
-    ROWS: gl.constexpr = acc.type.shape[0]
-    BLOCK_N: gl.constexpr = acc.type.shape[1]
-    h = gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32)
-    chunked = gl.convert_layout(gl.reshape(acc * h, [ROWS, BLOCK_N // DS_CHUNK, DS_CHUNK]),
-                                _chunk_layout(BLOCK_N // DS_CHUNK))
-    part = gl.sum(chunked, axis=2)
-    p_layout: gl.constexpr = part.type.layout
-    p_rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, p_layout))
-    chunks = off_n // DS_CHUNK + gl.arange(0, BLOCK_N // DS_CHUNK, layout=gl.SliceLayout(0, p_layout))
-    gl.store(ds_ptr + p_rows[:, None] * (C // DS_CHUNK) + chunks[None, :], part)
-
-
-@gluon.jit
-def _colwise_quantize(dg, du, xbuf, xbar, it, qt_smem, qt_desc, ts_ptr, block_row, off_n, row, C, PART: gl.constexpr):
-    """dgu's 128 x 1 column-wise quantization (moe_fp8_quant_colwise_kernel's, from the same BF16 values) of the
-    tile's 128 rows, which the two consumer parts split: each part's column amax of |dg|, |du| goes through shared
-    memory (a buffer per tile parity ``it % 2``; both parts arrive on its barrier, then read each other's), then
-    q_t[2j + (0, 1), p] = e4m3(dg, du * 1/scale) leaves transposed ([2 * BLOCK_N, rows]: the FP8 weight gradient's
-    K-major operand) by TMA store, and part 0 stores the scales of row block ``block_row``, interleaved as dgu's
-    columns."""
-    ROWS: gl.constexpr = dg.type.shape[0]
-    BLOCK_N: gl.constexpr = dg.type.shape[1]
-    par = it % 2
-    mine = (par * 2 + PART) * 2
-    xbuf.index(mine).store(gl.max(gl.abs(dg), axis=0))
-    xbuf.index(mine + 1).store(gl.max(gl.abs(du), axis=0))
-    gl.thread_barrier()  # every thread of this part has written before its one arrival
-    mbarrier.arrive(xbar.index(par), count=1)
-    mbarrier.wait(xbar.index(par), (it // 2) & 1)
-    col_layout: gl.constexpr = gl.SliceLayout(0, dg.type.layout)
-    first = par * 4  # part 0's maxima, then part 1's (max is exact: the order does not matter)
-    cols2 = 2 * (off_n + gl.arange(0, BLOCK_N, layout=col_layout))  # dgu's column of each (g, u) pair's g
-    # g's columns, then u's: one column-scale vector live at a time (each takes 32 registers per thread).
-    scale, inv = _e4m3_pow2(gl.maximum(xbuf.index(first).load(col_layout), xbuf.index(first + 2).load(col_layout)))
-    if PART == 0:
-        gl.store(ts_ptr + block_row * (2 * C) + cols2, scale)
-    q_g = _e4m3(dg * inv[None, :])
-    scale, inv = _e4m3_pow2(gl.maximum(xbuf.index(first + 1).load(col_layout), xbuf.index(first + 3).load(col_layout)))
-    if PART == 0:
-        gl.store(ts_ptr + block_row * (2 * C) + cols2 + 1, scale)
-    q = gl.reshape(gl.join(q_g, _e4m3(du * inv[None, :])), [ROWS, 2 * BLOCK_N])
-    # Written through the transposed view of this part's [2 * BLOCK_N, rows] buffer, then one TMA store.
-    qt_part = qt_smem.slice(PART * 2 * BLOCK_N, 2 * BLOCK_N, dim=0)
-    tma.store_wait(0)
-    qt_part.permute((1, 0)).store(q)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(qt_desc, [2 * off_n, row], qt_part)
-
-
-@gluon.jit
-def _dswiglu_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q_desc, qt_smem, qt_desc, xbuf, xbar,
-                      as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr,
-                      ts_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
-                      stride_gm, stride_qsm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr,
-                      KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
-                      COLWISE: gl.constexpr, PART: gl.constexpr):
+def _dswiglu_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr, gather_ptr,
+                      route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, num_tiles, num_n, C, L, stride_asm,
+                      stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
+                      CONSUMERS: gl.constexpr, PART: gl.constexpr):
     """The dgrad's consumer warpgroup: dh = s * (dout_q[gather] @ W2q^T) over BLOCK_N = 64 or 128 columns of I,
-    then moe_fp8_grouped_gemm_kernel's EPI 2: (DSCORE) the dscore partials from the unscaled accumulator and the
-    forward's h; dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu rounded once to BF16 and
-    stored (TMA, as int32 pairs) or, COLWISE, quantized 128 x 1 down its columns instead (``_colwise_quantize``:
-    the FP8 weight gradient's operand; the BF16 dgu is then not stored), and quantized 1 x 128 from the same BF16
-    values (64 dh columns = 128 dgu columns = one scale block per row): dgu_q (e4m3 pairs, TMA-stored as int16) and
-    its scales."""
+    then moe_fp8_grouped_gemm_kernel's EPI 2: dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
+    rounded once to BF16 and stored (TMA, as int32 pairs), then quantized 1 x 128 from the stored BF16 values (64 dh
+    columns = 128 dgu columns = one scale block per row): dgu_q (e4m3 pairs, TMA-stored as int16) and its scales."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     count = 0
-    it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         acc, count, off_m, off_n, rows, live = _grouped_tile(
             t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
@@ -545,19 +474,15 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q
             PART, True)
         # Columns of dh: (g, u) column pairs of gu and dgu; padding rows (they read token 0) as the Triton kernel's: +0.
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
-        acc = gl.where(live[:, None], acc, 0.0)
-        row = off_m + PART * ROWS
-        if DSCORE:  # first, as the Triton epilogue: its h tile and products are dead before gu is loaded
-            store_dscore_partials(acc, h_ptr, ds_ptr, rows, cols, row, off_n, C, DS_CHUNK)
-        dh = acc * gl.load(score_ptr + rows)[:, None]
+        dh = gl.where(live[:, None], acc, 0.0) * gl.load(score_ptr + rows)[:, None]
         g, u = _bf16_pair_values(gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :]))
         s = 1.0 / (1.0 + gl.exp(-g))
         silu = g * s
         # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
         pair = _bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
-        dg, du = _bf16_pair_values(pair)  # the stored BF16 dgu, as the quantizers would read it
-        if not COLWISE:
-            store_part(dgu_smem, dgu_desc, pair, row, off_n, PART)
+        row = off_m + PART * ROWS
+        store_part(dgu_smem, dgu_desc, pair, row, off_n, PART)
+        dg, du = _bf16_pair_values(pair)  # the stored BF16 dgu, as the row-wise quantizer would read it
         mag = gl.maximum(gl.abs(dg), gl.abs(du))
         block = off_n // 64  # the scale block of the tile's first 64 dh columns
         if BLOCK_N == 64:
@@ -573,9 +498,6 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q
             gl.store(qs_ptr + rows * stride_qsm + block + 1, scale1)
         q = _e4m3_bits(dg * inv_cols) | (_e4m3_bits(du * inv_cols) << 8)
         store_part(q_smem, q_desc, q, row, off_n, PART)
-        if COLWISE:  # last: dg and du die as it quantizes them (their column scales take 32 registers each)
-            _colwise_quantize(dg, du, xbuf, xbar, it, qt_smem, qt_desc, ts_ptr, off_m // BLOCK_M, off_n, row, C, PART)
-        it += 1
     tma.store_wait(0)
 
 
@@ -584,21 +506,15 @@ def moe_fp8_ws_gather_kernel(
     a_ptr,  # x_q [T, H] (up) or dout_q [T, H] (dgrad) e4m3, rows read through the gather index
     b_desc,  # TMA descriptor over the K-major weight as [E * C, L] (box [BLOCK_N, 128])
     gu_desc, h_desc,  # up: TMA descriptors over gu [P, 2I], h [P, I] BF16, boxes [BLOCK_M / CONSUMERS, BLOCK_N or /2];
-    # dgrad: over dgu as int32 (g, u) pairs (unused with COLWISE) and dgu_q as int16 pairs, [P, I] each, box
-    # [BLOCK_M / CONSUMERS, BLOCK_N]
-    t_desc,  # dgrad with COLWISE: over dgu's column-wise q_t [2I, P] e4m3, box [2 * BLOCK_N, BLOCK_M / CONSUMERS]
+    # dgrad: over dgu as int32 (g, u) pairs and dgu_q as int16 pairs, [P, I] each, box [BLOCK_M / CONSUMERS, BLOCK_N]
     as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, gate_ptr,
     score_ptr, gu_ptr, qs_ptr,  # dgrad: scores, gu as int32 pairs, dgu_q's scales
-    h_ptr, ds_ptr,  # dgrad with DSCORE: the forward's h [P, I] BF16 and the partials [P, I / DS_CHUNK] FP32
-    ts_ptr,  # dgrad with COLWISE: q_t's scales stored [P / 128, 2I] FP32
     P, C, L,  # C[p, :C] = sum_kb (A_q[gather[p], kb] @ B_q[e][kb, :C]) * scales, then the epilogue
     stride_am, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
     op_id,  # names the launch only
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
     EPILOGUE: gl.constexpr,  # 3: SwiGLU (up, h quantized by the row-wise pass); 2: dSwiGLU + 1x128 quantization (dgrad)
-    DSCORE: gl.constexpr = False, DS_CHUNK: gl.constexpr = 64,
-    COLWISE: gl.constexpr = False,  # dgrad: dgu quantized 128 x 1 down its columns instead of stored (BLOCK_M 128)
 ):
     QB: gl.constexpr = b_desc.block_type.shape[1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, QB], gl.float8e4nv)
@@ -638,40 +554,27 @@ def moe_fp8_ws_gather_kernel(
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     else:
+        dgu_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M, BLOCK_N], gu_desc.layout)
         q_smem = gl.allocate_shared_memory(gl.int16, [BLOCK_M, BLOCK_N], h_desc.layout)
-        if COLWISE:  # dgu leaves only quantized: its column-wise tiles (transposed) and the parts' column maxima
-            qt_smem = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS * 2 * BLOCK_N, BLOCK_M // CONSUMERS],
-                                                t_desc.layout)
-            xbuf = gl.allocate_shared_memory(gl.float32, [8, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(2):
-                mbarrier.init(xbar.index(i), count=CONSUMERS)
-            dgu_smem = q_smem  # unused
-        else:
-            dgu_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M, BLOCK_N], gu_desc.layout)
-            qt_smem, xbuf, xbar = dgu_smem, q_smem, ready  # unused
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, qt_smem, t_desc,
-                                     xbuf, xbar, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr,
-                                     gu_ptr, qs_ptr, h_ptr, ds_ptr, ts_ptr, num_tiles, num_n, C, L, stride_asm,
-                                     stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm, BLOCK_M,
-                                     BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, DS_CHUNK, COLWISE, 0)),
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, qt_smem, t_desc,
-                                     xbuf, xbar, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr,
-                                     gu_ptr, qs_ptr, h_ptr, ds_ptr, ts_ptr, num_tiles, num_n, C, L, stride_asm,
-                                     stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm, BLOCK_M,
-                                     BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, DS_CHUNK, COLWISE, 1)),
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
+                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, num_tiles,
+                                     num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
+                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
+                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, num_tiles,
+                                     num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
+                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, qt_smem, t_desc,
-                                     xbuf, xbar, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr,
-                                     gu_ptr, qs_ptr, h_ptr, ds_ptr, ts_ptr, num_tiles, num_n, C, L, stride_asm,
-                                     stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm, BLOCK_M,
-                                     BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, DS_CHUNK, COLWISE, 0)),
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
+                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, num_tiles,
+                                     num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
+                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
@@ -763,11 +666,9 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
                          segment: int, sms: int) -> None:
     """A gathered-A grouped GEMM of a_q [T, L] rows and the K-major weight b [E, C, L] with its epilogue: 3, the
     up-projection (outputs gu [P, 2I], h [P, I] BF16; h quantized by the row-wise pass); 2, dgrad + dSwiGLU (outputs
-    score, gu in; dgu, dgu_q, dgu_s out; with "h" and "ds_part", the dscore partials too; with "dgu_t" [2I, P] and
-    "dgu_ts" [P/128, 2I] instead of "dgu", dgu quantized 128 x 1 down its columns instead of stored). Refuses, naming
-    the value, what this kernel does not cover (before any work)."""
+    score, gu in; dgu, dgu_q, dgu_s out). Refuses, naming the value, what this kernel does not cover (before any
+    work)."""
     e, n_cols, reduced = b.shape
-    dscore, colwise = "ds_part" in outputs, "dgu_t" in outputs
     # up: 128 interleaved (g, u) columns; dgrad: 64 or 128 columns of dh = one or two 1x128 blocks of dgu.
     want_n = (QBLOCK_WS,) if epilogue == 3 else (QBLOCK_WS // 2, QBLOCK_WS)
     if config.block_k != QBLOCK_WS or config.block_n not in want_n:
@@ -776,14 +677,10 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
     if n_cols % config.block_n or reduced % QBLOCK_WS:
         raise ValueError(f"{stage}: variant 'ws' needs C {n_cols} a multiple of {config.block_n} and L {reduced} of "
                          f"{QBLOCK_WS}")
-    if colwise and config.block_m != QBLOCK_WS:
-        raise ValueError(f"{stage}: the fused column-wise quantization needs a tile of one {QBLOCK_WS}-row scale block "
-                         f"(BLOCK_M {QBLOCK_WS}, 8 warps); got BLOCK_M {config.block_m}")
-    if dscore and config.block_n % DS_CHUNK:
-        raise ValueError(f"{stage}: the fused dscore partials need BLOCK_N a multiple of {DS_CHUNK}; got "
-                         f"{config.block_n}")
+    # Shared memory: the ring (one e4m3 A and B block per stage) and the epilogue's store buffers (up: gu and h
+    # BF16; dgrad: dgu as int32 pairs and dgu_q as int16 pairs).
     ring = config.num_stages * (config.block_m + config.block_n) * QBLOCK_WS
-    store = gather_store_bytes(config, epilogue, dscore, colwise)
+    store = config.block_m * config.block_n * (3 if epilogue == 3 else 6)
     if ring + store > SM90_SHARED_BYTES:
         raise ValueError(f"{stage}: variant 'ws' {config.label()} needs {ring + store} bytes of shared memory ({ring} "
                          f"for {config.num_stages} stages, {store} for the epilogue); sm_90 has {SM90_SHARED_BYTES} per "
@@ -797,41 +694,20 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         gu, h = outputs["gu"], outputs["h"]
         descs = (fp8_ws_descriptor(gu, [part_rows, config.block_n], gl.bfloat16),
                  fp8_ws_descriptor(h, [part_rows, config.block_n // 2], gl.bfloat16))
-        descs += (descs[0], )  # unused by this epilogue
-        score = gu_bits = q_s = h_in = ds_part = t_s = a_s  # unused by this epilogue
+        score = gu_bits = q_s = a_s  # unused by this epilogue
     else:
         score, q_s, gu_bits = outputs["score"], outputs["dgu_s"], outputs["gu"].view(torch.int32)
-        q_desc = fp8_ws_descriptor(outputs["dgu_q"].view(torch.int16), [part_rows, config.block_n], gl.int16)
-        if colwise:
-            t_desc = fp8_ws_descriptor(outputs["dgu_t"], [2 * config.block_n, part_rows])
-            descs, t_s = (q_desc, q_desc, t_desc), outputs["dgu_ts"]  # the first: unused (dgu is not stored)
-        else:
-            descs = (fp8_ws_descriptor(outputs["dgu"].view(torch.int32), [part_rows, config.block_n], gl.int32),
-                     q_desc, q_desc)  # the last: unused
-            t_s = q_s
-        h_in, ds_part = (outputs["h"], outputs["ds_part"]) if dscore else (q_s, q_s)
+        descs = (fp8_ws_descriptor(outputs["dgu"].view(torch.int32), [part_rows, config.block_n], gl.int32),
+                 fp8_ws_descriptor(outputs["dgu_q"].view(torch.int16), [part_rows, config.block_n], gl.int16))
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
     moe_fp8_ws_gather_kernel[(min(tiles, sms),)](
         a_q, fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]), *descs,
-        a_s, b_s, gather, route, tile_expert, gate, score, gu_bits, q_s, h_in, ds_part, t_s,
+        a_s, b_s, gather, route, tile_expert, gate, score, gu_bits, q_s,
         padded_rows, n_cols, reduced,
         a_q.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
         gu_bits.stride(0), q_s.stride(0),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
         KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps), EPILOGUE=epilogue,
-        DSCORE=dscore, DS_CHUNK=DS_CHUNK, COLWISE=colwise,
         num_warps=4, maxnreg=max_regs(config.num_warps),
     )
-
-
-def gather_store_bytes(config, epilogue: int, dscore: bool, colwise: bool) -> int:
-    """Shared memory of the gathered kernel besides its ring. up: the gu and h store buffers (BF16). dgrad: dgu_q's
-    (int16 pairs); dgu's (int32 pairs) or, COLWISE, the transposed e4m3 tiles and the column maxima exchange (8 x
-    BLOCK_N FP32 and two barriers); DSCORE, each consumer's layout-conversion scratch for the chunk sums (8 KiB, as
-    the BF16 dgrad's: the offline sm_90 compile's shared size, tests/test_moe_fp8_ws.py)."""
-    bm, bn = config.block_m, config.block_n
-    if epilogue == 3:
-        return bm * bn * 3
-    dgu = bm * 2 * bn + 8 * bn * 4 + 16 if colwise else bm * bn * 4
-    return bm * bn * 2 + dgu + (consumers(config.num_warps) * 8192 if dscore else 0)

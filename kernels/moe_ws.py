@@ -38,7 +38,7 @@ from kernels.det_gemm_ws import (
 from kernels.moe import DS_CHUNK, SEGMENT_ALIGN, grouped_launch_name, ws_weight_rows
 from kernels.moe_fp8_ws import (
     GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, SM90_SHARED_BYTES, _bf16_pair_bits,
-    _bf16_pair_values, _gather_producer, fp8_ws_descriptor, live_tiles, store_dscore_partials,
+    _bf16_pair_values, _gather_producer, fp8_ws_descriptor, live_tiles,
 )
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
@@ -76,6 +76,13 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_exper
 def _acc_layout(BLOCK_N):
     """A consumer warpgroup's accumulator layout: 64 rows, BF16 wgmma of [16, BLOCK_N, 16] (the Triton kernel's)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1], instr_shape=[16, BLOCK_N, 16])
+
+
+@gluon.constexpr_function
+def _chunk_layout(NCH):
+    """The layout the Triton dgrad kernel sums its dscore chunks in (its sm_90 TTGIR: 8 consecutive columns per
+    thread, 8 lanes across a 64-column chunk): the same in-thread order and lane tree, so the same bits."""
+    return gl.BlockedLayout([1, 1, 8], [32 // (8 * NCH), NCH, 8], [CONSUMER_WARPS, 1, 1], [2, 1, 0])
 
 
 @gluon.jit
@@ -167,6 +174,7 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, 
     (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 2: (DSCORE) ds_part[p, c] = the sum
     over chunk c's DS_CHUNK columns of acc * h, then dh = s * acc, dg and du from the saved gu (each (g, u) pair read
     as one int32), rounded once to BF16 and TMA-stored as int32 pairs."""
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     num_n = C // BLOCK_N
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -174,7 +182,14 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, 
                                                  BLOCK_N, B_K_MAJOR, CONSUMERS, PART, True)
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
         if DSCORE:  # first, as the Triton epilogue: its h tile and products are dead before gu is loaded
-            store_dscore_partials(acc, h_ptr, ds_ptr, rows, cols, row, off_n, C, DS_CHUNK)
+            h = gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32)
+            chunked = gl.convert_layout(gl.reshape(acc * h, [ROWS, BLOCK_N // DS_CHUNK, DS_CHUNK]),
+                                        _chunk_layout(BLOCK_N // DS_CHUNK))
+            part = gl.sum(chunked, axis=2)
+            p_layout: gl.constexpr = part.type.layout
+            p_rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, p_layout))
+            chunks = off_n // DS_CHUNK + gl.arange(0, BLOCK_N // DS_CHUNK, layout=gl.SliceLayout(0, p_layout))
+            gl.store(ds_ptr + p_rows[:, None] * (C // DS_CHUNK) + chunks[None, :], part)
         dh = acc * gl.load(score_ptr + rows)[:, None]
         g, u = _bf16_pair_values(gl.load(gu_ptr + rows[:, None] * C + cols[None, :]))
         s = 1.0 / (1.0 + gl.exp(-g))
