@@ -34,7 +34,7 @@ import torch
 
 from audits.moe import (
     GRAD_NAMES, MoeCase, batch_invariance_rows, bits_row, combine_checks, cosine, dswiglu_check, edge_cases,
-    fresh_process_row, grad_digests, layer_grads, make_inputs, padding_zero, per_expert, rejection_cases,
+    fresh_process_row, fused_dscore_check, grad_digests, layer_grads, make_inputs, padding_zero, per_expert, rejection_cases,
     rejection_rows, rel_l2, serve_digests, sorted_rows, stage_rows,
 )
 from kernels.fp8_quant import (
@@ -42,7 +42,7 @@ from kernels.fp8_quant import (
 )
 from kernels.moe import moe_mlp_fwd, moe_mlp_bwd, moe_mlp_ref
 from kernels.moe_fp8 import (
-    DEFAULT_WGRAD, WGRAD_MODES, Fp8WeightCache, fp8_stage_name, moe_fp8_dgrad_dswiglu, moe_fp8_dx_route,
+    DEFAULT_WGRAD, WGRAD_MODES, Fp8WeightCache, fp8_stage_name, moe_fp8_dgrad, moe_fp8_down, moe_fp8_dx_route,
     moe_fp8_quant_colwise, moe_fp8_risk, moe_fp8_wgrad, moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd, moe_mlp_fp8_ref,
 )
 from toolkit.contract import ETA_BF16, U_BF16, U_FP32, U_FP64, ContractResult, check_bound, compare_bits, gamma
@@ -111,8 +111,9 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
     unit = BLOCK_ACC_UNIT[backend]
     x_q, x_s = quantize_rowwise(x)
     d_q, d_s = quantize_rowwise(dout)
-    dgu, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(d_q, d_s, saved.w2f, saved.gu, r, backend)
+    dgu, dgu_q, dgu_s, _ = moe_fp8_dgrad(d_q, d_s, saved.w2f, saved.gu, r, backend)
     dxr = moe_fp8_dx_route(dgu_q, dgu_s, saved.w1f, r, backend)
+    y = moe_fp8_down(saved.h_q, saved.h_s, saved.w2f, r, backend)  # the forward's y (same call, same bits): not saved
     f64 = torch.float64
     valid, pad, tok, exp, s_row = sorted_rows(r)
     hidden, inter = x.shape[1], w2.shape[1]
@@ -137,13 +138,13 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
     g_d = dequantize_rowwise(dgu_q, dgu_s).to(f64)
 
     # out, dx and dscores: the BF16 path's combine, gather-sum and dscores kernels (the BF16 suite's bounds)
-    combined = combine_checks(r, scores, dout, out, saved.y, dxr, grads.dx, dscores=grads.dscores)
+    combined = combine_checks(r, scores, dout, out, y, dxr, grads.dx)
     results: dict[str, ContractResult] = {}
     gu_star, gu_ab = per_expert(x_d[tok], lambda e: w1_d[e], exp, w1.shape[2])
     results["gu"] = check_bound(saved.gu[valid], gu_star, U_BF16 * gu_star.abs()
                                 + (1 + U_BF16) * block_gemm_error(gu_ab, hidden, unit) + ETA_BF16)
     y_star, y_ab = per_expert(h_d[valid], lambda e: w2_d[e], exp, hidden)
-    results["y"] = check_bound(saved.y[valid], y_star, block_gemm_error(y_ab, inter, unit))
+    results["y"] = check_bound(y[valid], y_star, block_gemm_error(y_ab, inter, unit))
     results["out"] = combined["out"]
     # dgrad + dSwiGLU from the kernel's gu (the BF16 suite's derivation with the block-scaled e_h)
     dh_raw, dh_ab = per_expert(d_d[tok], lambda e: w2_d[e].t(), exp, inter)
@@ -153,7 +154,9 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
     dxr_star, dxr_ab = per_expert(g_d[valid], lambda e: w1_d[e].t(), exp, hidden)
     results["dx_route"] = check_bound(dxr[valid], dxr_star, block_gemm_error(dxr_ab, 2 * inter, unit))
     results["dx"] = combined["dx"]
-    results["dscores"] = combined["dscores"]
+    # dscores: fused into dgrad, from its block-scaled accumulator and h
+    results["dscores"] = fused_dscore_check(r, valid, dh_raw, dh_ab, saved.h[valid], hidden, grads.dscores,
+                                            scores.dtype, e_acc=block_gemm_error(dh_ab, hidden, unit))
 
     # FP8 weight gradients (wgrad="fp8"): 128x1 column-wise operands over each expert's padded rows.
     dense = {name: torch.zeros(r.padded_rows, t.shape[1], dtype=torch.float32, device=x.device)
@@ -182,7 +185,7 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
             bound[e] = U_BF16 * star[e].abs() + (1 + U_BF16) * block_gemm_error(a_e.abs() @ b_e.abs().t(), n, unit)
         results[stage] = check_bound(got_w, star, bound + ETA_BF16)
 
-    zero = padding_zero({"gu": saved.gu, "h": saved.h, "h_q": saved.h_q, "y": saved.y, "dgu": dgu, "dgu_q": dgu_q,
+    zero = padding_zero({"gu": saved.gu, "h": saved.h, "h_q": saved.h_q, "y": y, "dgu": dgu, "dgu_q": dgu_q,
                          "dx_route": dxr}, pad)
     return results, {"quantizers_bitwise": bits, "padding_zero": zero}
 

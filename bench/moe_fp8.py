@@ -107,10 +107,10 @@ def bench_fp8_preset(p: MoePreset, device: torch.device, rounds: int, seed: int 
                      fp64: bool = True) -> list[dict]:
     from kernels.fp8_quant import quantize_rowwise, quantize_weight
     from kernels.moe import (
-        moe_combine, moe_dscores, moe_gather_sum, moe_mlp_bwd, moe_mlp_fwd, moe_wgrad_w1, moe_wgrad_w2,
+        moe_combine, moe_dscores_from_partials, moe_gather_sum, moe_mlp_bwd, moe_mlp_fwd, moe_wgrad_w1, moe_wgrad_w2,
     )
     from kernels.moe_fp8 import (
-        DEFAULT_WGRAD, MOE_FP8_CONFIG_TABLE_VERSION, WGRAD_CONFIGS, Fp8WeightCache, moe_fp8_dgrad_dswiglu, moe_fp8_down,
+        DEFAULT_WGRAD, MOE_FP8_CONFIG_TABLE_VERSION, WGRAD_CONFIGS, Fp8WeightCache, moe_fp8_dgrad, moe_fp8_down,
         moe_fp8_dx_route, moe_fp8_quant_colwise, moe_fp8_up_swiglu, moe_fp8_wgrad, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd,
     )
     from kernels.moe_routing import build_routing
@@ -177,7 +177,7 @@ def bench_fp8_preset(p: MoePreset, device: torch.device, rounds: int, seed: int 
     gu, h, h_q, h_s = moe_fp8_up_swiglu(x_q, x_s, w1f, routing, b)
     y = moe_fp8_down(h_q, h_s, w2f, routing, b)
     d_q, d_s = quantize_rowwise(dout)
-    dgu, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(d_q, d_s, w2f, gu, routing, b)
+    dgu, dgu_q, dgu_s, ds_part = moe_fp8_dgrad(d_q, d_s, w2f, gu, routing, b, h=h)
     dxr = moe_fp8_dx_route(dgu_q, dgu_s, w1f, routing, b)
     wcfg = WGRAD_CONFIGS[b]
     colq = [((x,), {"gather": True, "scale": False}), ((dgu,), {"gather": False, "scale": False}),
@@ -190,7 +190,7 @@ def bench_fp8_preset(p: MoePreset, device: torch.device, rounds: int, seed: int 
         "down": (lambda: moe_fp8_down(h_q, h_s, w2f, routing, b), 2.0),
         "combine": (lambda: moe_combine(y, routing, scores, b), 0.0),
         "quant_dout": (lambda: quantize_rowwise(dout), 0.0),
-        "dgrad_dswiglu": (lambda: moe_fp8_dgrad_dswiglu(d_q, d_s, w2f, gu, routing, b), 2.0),
+        "dgrad_dswiglu": (lambda: moe_fp8_dgrad(d_q, d_s, w2f, gu, routing, b, h=h), 2.0),
         "dx_route": (lambda: moe_fp8_dx_route(dgu_q, dgu_s, w1f, routing, b), 4.0),
         "dx_gather_sum": (lambda: moe_gather_sum(dxr, routing, b), 0.0),
         "wgrad_w1_bf16": (lambda: moe_wgrad_w1(x, dgu, routing, b, config=wcfg), 4.0),
@@ -198,7 +198,7 @@ def bench_fp8_preset(p: MoePreset, device: torch.device, rounds: int, seed: int 
         "wgrad_fp8_colwise_quant": (lambda: [moe_fp8_quant_colwise(*a, routing, b, **kw) for a, kw in colq], 0.0),
         "wgrad_w1_fp8": (lambda: moe_fp8_wgrad(*cq["x"], *cq["dgu"], routing, b), 4.0),
         "wgrad_w2_fp8": (lambda: moe_fp8_wgrad(*cq["h"], *cq["dy"], routing, b), 2.0),
-        "dscores": (lambda: moe_dscores(dout, y, routing, b), 0.0),
+        "dscores": (lambda: moe_dscores_from_partials(ds_part, routing, b), 0.0),
     }
     for s, row in time_stages(p, label, stage_fns, device, rounds, "fp8", common, {"validated": True}):
         if "fp8_tflops" in row:  # hardware, and a stage with FLOPs

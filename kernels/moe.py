@@ -37,7 +37,7 @@ Stages and tile ownership (kernels/moe_routing.py builds the expert-sorted, 128-
            ascending padded-row order; optional FP32 accumulation into a caller's main_grad.
     dscore moe_dscore_sum_kernel: one program per token block; per route k, the row's I/64 partials
            summed (fixed tree). y [P, H] FP32 is not kept for the backward: it is read once by the combine.
-           (moe_dscore_kernel, dout . y in fixed H blocks, serves the FP8 layer.)
+           (The FP8 layer computes its dscores the same way, from its FP8 dgrad's accumulator.)
 
 Determinism rests on the det_gemm rules: no split-K, no atomics, one program owns each output
 tile and reduces all of its reduced dimension in a fixed ascending order that depends on the
@@ -475,31 +475,6 @@ def moe_combine_kernel(
 
 
 @triton.jit
-def moe_dscore_kernel(
-    dout_ptr, y_ptr, route_row_ptr, ds_ptr,
-    T, H, K,  # ds[t, k] = dout[t, :H] . y[route_row[t, k], :H] (FP32), 0 when masked
-    stride_dt, stride_dn, stride_ym, stride_yn, stride_rt, stride_rk, stride_st, stride_sk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid_t = tl.program_id(axis=0)
-    offs_t = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
-    t_ok = offs_t < T
-    for k in range(0, K):
-        rows = tl.load(route_row_ptr + offs_t * stride_rt + k * stride_rk, mask=t_ok, other=-1)
-        ok = rows >= 0
-        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for n0 in range(0, H, BLOCK_N):  # H in fixed blocks, ascending
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < H
-            d = tl.load(dout_ptr + offs_t[:, None] * stride_dt + offs_n[None, :] * stride_dn,
-                        mask=t_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-            y = tl.load(y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn,
-                        mask=ok[:, None] & n_ok[None, :], other=0.0)
-            acc += tl.sum(d * y, axis=1)
-        tl.store(ds_ptr + offs_t * stride_st + k * stride_sk, acc, mask=t_ok)
-
-
-@triton.jit
 def moe_dscore_sum_kernel(
     part_ptr, route_row_ptr, ds_ptr,
     T, K, NCH,  # ds[t, k] = sum_c part[route_row[t, k], c] (FP32, a fixed tree over NCH), 0 when masked
@@ -885,21 +860,6 @@ def moe_dscores_from_partials(ds_part: torch.Tensor, routing: MoeRouting, backen
         ds_part, routing.route_row, ds, t_count, k_count, n_chunks,
         routing.route_row.stride(0), routing.route_row.stride(1), ds.stride(0), ds.stride(1),
         BLOCK_M=config.block_m, NCH_POW2=triton.next_power_of_2(n_chunks), num_warps=config.num_warps,
-    )
-    return ds
-
-
-def moe_dscores(dout: torch.Tensor, y: torch.Tensor, routing: MoeRouting, backend: str,
-                config: GemmConfig | None = None) -> torch.Tensor:
-    """ds [T, K] FP32 = dout[t] . y[route_row[t, k]] (0 for masked routes): the FP8 layer's dscores."""
-    config = config or select_moe_config("dscore", backend)
-    t_count, k_count = routing.num_tokens, routing.top_k
-    ds = torch.empty((t_count, k_count), dtype=torch.float32, device=dout.device)
-    moe_dscore_kernel[(triton.cdiv(t_count, config.block_m),)](
-        dout, y, routing.route_row, ds, t_count, dout.shape[1], k_count,
-        dout.stride(0), dout.stride(1), y.stride(0), y.stride(1),
-        routing.route_row.stride(0), routing.route_row.stride(1), ds.stride(0), ds.stride(1),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
     )
     return ds
 

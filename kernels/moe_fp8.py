@@ -21,13 +21,14 @@ Stages (P = padded expert-sorted rows):
     down    y [P, H] fp32 = h_q @ W2q[e]
     combine out = bf16(sum_k s_k y_k)                    (kernels.moe.moe_combine, unchanged)
     dgrad   dh = s * (dout_q[gather] @ W2q[e]^T) fp32; dg, du from the saved gu -> dgu [P, 2I] bf16 and,
-            fused, dgu_q / dgu_s = quantize_rowwise(dgu) (1x128 along 2I, dX's K)
+            fused, dgu_q / dgu_s = quantize_rowwise(dgu) (1x128 along 2I, dX's K), and the dscore partials:
+            (dout_q[gather] @ W2q[e]^T) * h summed in fixed groups of 16 columns (fp8_dscore_partials)
     dx      dx_route [P, H] fp32 = dgu_q @ W1q[e]^T, then the ascending-k gather-sum (kernels.moe)
     wgrad   wgrad="fp8" (default): x[gather], dgu, h and dy = s * dout[gather] quantized 128x1 down the rows
             (moe_fp8_quant_colwise, transposed to K-major), then moe_fp8_wgrad_kernel per expert with
             promotion every 128 rows; wgrad="bf16": kernels.moe.moe_wgrad_w1(x, dgu), moe_wgrad_w2(h, dout)
             (docs/moe_fp8.md: which is the default and why)
-    dscore  dout . y (kernels.moe.moe_dscores)
+    dscore  the partials summed per route in a fixed order (kernels.moe.moe_dscores_from_partials); y is not kept
 The fused quantizations read the BF16 values that are stored beside them, so h_q == quantize_rowwise(h)
 and dgu_q == quantize_rowwise(dgu) bit for bit (tested): one definition, one reference.
 
@@ -67,12 +68,12 @@ from kernels.fp8_quant import (
 )
 from kernels.moe import (
     MoeGrads, check_dout, check_grouped_config, check_main_grads, check_moe_inputs, check_moe_variant,
-    dswiglu_epilogue, grouped_tile, launch_checked_routing, layer_stage_names, mma_step, moe_combine, moe_dscores,
-    moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2, pinned_stage_config, store_fp32_tile, swiglu_epilogue, tile_is_live,
-    to_bf16, weight_descriptor,
+    dswiglu_epilogue, grouped_tile, launch_checked_routing, layer_stage_names, mma_step, moe_combine,
+    moe_dscores_from_partials, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2, pinned_stage_config,
+    store_fp32_tile, swiglu_epilogue, tile_is_live, to_bf16, weight_descriptor,
 )
 from kernels.moe_fp8_ws import (
-    fp8_stage_name, grouped_launch_metadata, launch_fp8_wgrad_ws, launch_fp8_ws, launch_fp8_ws_gather,
+    DS_GROUP, fp8_stage_name, grouped_launch_metadata, launch_fp8_wgrad_ws, launch_fp8_ws, launch_fp8_ws_gather,
     wgrad_launch_metadata,
 )
 from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
@@ -164,6 +165,7 @@ def select_moe_fp8_config(stage: str, backend: str) -> GemmConfig:
 def moe_fp8_grouped_gemm_kernel(
     a_ptr, as_ptr, a_rows_ptr, b_ptr, bs_ptr, c_ptr, aux_ptr, q_ptr, qs_ptr,
     route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
+    h_ptr, ds_ptr,  # dgrad with DSCORE: the forward's h [P, C] BF16, the dscore partials [P, C / DS_GROUP] FP32
     P, C, L,  # C[p, :C] = sum_kb (A_q[row(p), kb] @ B_q[e][kb, :C]) * a_s[row(p), kb] * b_s[e][kb, :]
     stride_am, stride_al, stride_asm, stride_asl,
     stride_be, stride_bc, stride_bl,  # B_q stored [E, C, L]: K-major
@@ -175,6 +177,7 @@ def moe_fp8_grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_K: tl.constexpr, QBLOCK: tl.constexpr,
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
     B_TMA: tl.constexpr,  # b_ptr is a rank-3 TMA descriptor over B_q [E, C, L], box [1, BLOCK_N, STEP_K]
+    DSCORE: tl.constexpr = False,
 ):
     # A tile at or past the routing's P (the up GEMM is queued over the largest P before the host has read it) or of
     # a refused batch does nothing.
@@ -222,6 +225,8 @@ def moe_fp8_grouped_gemm_kernel(
                 tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_h[None, :] * stride_qc, hq, mask=h_ok)
                 tl.store(qs_ptr + offs_m * stride_qsm + pid_n * stride_qsc, hs)
         else:  # dSwiGLU: dgu in BF16 (as the BF16 path), then quantized 1x128 for the dX GEMM
+            if DSCORE:  # first, from the unscaled accumulator (0 on padding rows: masked loads) and h
+                fp8_dscore_partials(acc, h_ptr, ds_ptr, offs_m, pid_n, C, BLOCK_M, BLOCK_N)
             dgu, offs_j, j_ok = dswiglu_epilogue(acc, score_ptr, aux_ptr, c_ptr, offs_m, pid_n, C, stride_xm, stride_xc,
                                                  stride_cm, stride_cc, BLOCK_M, BLOCK_N, INTERPRETED)
             NB: tl.constexpr = 2 * BLOCK_N // QBLOCK  # 1x128 blocks per dgu row of the tile
@@ -245,6 +250,26 @@ def _block_scales(as_ptrs, bs_tile, kb, present, row_ok, col0, C, stride_asl, st
         b_hi = tl.load(b_row + stride_bsc, mask=present & (col0 + QBLOCK < C), other=0.0)
         b_s = tl.where(tl.arange(0, BLOCK_N) < QBLOCK, b_s, b_hi)[None, :]
     return a_s, b_s
+
+
+@triton.jit
+def fp8_dscore_partials(acc, h_ptr, ds_ptr, offs_m, pid_n, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The FP8 dgrad's dscore partials (kernels/moe_fp8_ws.py DS_GROUP): x = acc * h with acc the tile's unscaled
+    dout_q @ W2q^T (0 on padding rows) and h the forward's [P, C] BF16; per row, partial 4c + q = the pairwise sum,
+    adjacent first, of x at columns 64c + 8j + 2q + b over (j, b) in ascending order (j < 8, b < 2). ds_part is
+    [P, C / DS_GROUP], 4 per 64 columns. The order is fixed by the reshapes and splits, not by a layout."""
+    NCH: tl.constexpr = BLOCK_N // 64
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.load(h_ptr + offs_m[:, None] * C + offs_n[None, :], mask=(offs_m[:, None] >= 0) & (offs_n < C)[None, :],
+                other=0.0)
+    x = tl.permute(tl.reshape(acc * h.to(tl.float32), (BLOCK_M, NCH, 8, 4, 2)), (0, 1, 3, 2, 4))  # [M, c, q, j, b]
+    lo, hi = tl.split(x)  # b
+    lo, hi = tl.split(tl.reshape(lo + hi, (BLOCK_M, NCH, 4, 4, 2)))  # j = 2m, 2m + 1
+    lo, hi = tl.split(tl.reshape(lo + hi, (BLOCK_M, NCH, 4, 2, 2)))
+    lo, hi = tl.split(lo + hi)
+    part = tl.reshape(lo + hi, (BLOCK_M, NCH * 4))
+    offs_c = pid_n * (NCH * 4) + tl.arange(0, NCH * 4)
+    tl.store(ds_ptr + offs_m[:, None] * (C // DS_GROUP) + offs_c[None, :], part)
 
 
 def _colq_meta(grid, metadata, args):
@@ -421,8 +446,9 @@ WEIGHT_CACHE = Fp8WeightCache()
 def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather: bool, b: torch.Tensor,
              b_s: torch.Tensor, c: torch.Tensor, aux: torch.Tensor | None, q: torch.Tensor | None,
              q_s: torch.Tensor | None, routing: MoeRouting, epilogue: int, backend: str,
-             config: GemmConfig | None) -> None:
-    """b: [E, C, L] K-major FP8 view; b_s: [E, L/128, C/128] view (strides kept)."""
+             config: GemmConfig | None, dscore: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """b: [E, C, L] K-major FP8 view; b_s: [E, L/128, C/128] view (strides kept); ``dscore = (h, ds_part)`` (dgrad):
+    the dscore partials [P, C / DS_GROUP] are written too, from the forward's h [P, C]."""
     config = config or select_moe_fp8_config(stage, backend)
     if config.variant == "ws":
         _check_ws(stage, config, gather, epilogue, backend)
@@ -435,6 +461,9 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
     want_n = {EPI_SWIGLU_QUANT: (2 * QBLOCK,), EPI_DSWIGLU_QUANT: (QBLOCK // 2, QBLOCK)}.get(epilogue)
     if want_n is not None and config.block_n not in want_n:
         raise ValueError(f"{stage}: the fused 1x{QBLOCK} quantization needs BLOCK_N in {want_n}; got {config.block_n}")
+    if dscore is not None and config.block_n % 64:
+        raise ValueError(f"{stage}: the dscore partials sum 64-column chunks: BLOCK_N must be a multiple of 64; got "
+                         f"{config.block_n}")
     p = routing.padded_rows
     if p == 0:
         return
@@ -443,6 +472,8 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
         if gather:
             outputs = ({"gu": c, "h": aux} if epilogue == EPI_SWIGLU else
                        {"score": routing.row_score, "gu": aux, "dgu": c, "dgu_q": q, "dgu_s": q_s})
+            if dscore is not None:
+                outputs["h"], outputs["ds_part"] = dscore
             launch_fp8_ws_gather(op_id, stage, config, epilogue, a, a_s, b, b_s, outputs, routing.gather_token,
                                  routing.sorted_route, routing.tile_expert, routing.gate, p, SEGMENT_ALIGN,
                                  device_sms(a.device))
@@ -465,6 +496,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
     moe_fp8_grouped_gemm_kernel[grid](
         a, a_s, routing.gather_token, b_arg, b_s, c, aux_t, q_t, qs_t,
         routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
+        *(dscore if dscore is not None else (c, c)),
         p, n_cols, reduced,
         a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
@@ -475,7 +507,8 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         STEP_K=step_k, QBLOCK=QBLOCK, SEGMENT=SEGMENT_ALIGN, GATHER_A=gather, EPILOGUE=epilogue,
-        INTERPRETED=interpreted, B_TMA=config.variant == "tma", num_warps=config.num_warps, num_stages=config.num_stages,
+        INTERPRETED=interpreted, B_TMA=config.variant == "tma", DSCORE=dscore is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -542,17 +575,29 @@ def moe_fp8_down(h_q: torch.Tensor, h_s: torch.Tensor, w2f: Fp8Weight, routing: 
     return y
 
 
-def moe_fp8_dgrad_dswiglu(dout_q: torch.Tensor, dout_s: torch.Tensor, w2f: Fp8Weight, gu: torch.Tensor,
-                          routing: MoeRouting, backend: str, config: GemmConfig | None = None):
-    """dgu [P, 2I] bf16: dSwiGLU of dh = s * (dout_q[gather] @ W2q[e]^T); dgu_q e4m3, dgu_s [P, 2I/128]."""
+def moe_fp8_dgrad(dout_q: torch.Tensor, dout_s: torch.Tensor, w2f: Fp8Weight, gu: torch.Tensor, routing: MoeRouting,
+                  backend: str, config: GemmConfig | None = None, h: torch.Tensor | None = None):
+    """dgu [P, 2I] bf16: dSwiGLU of dh = s * (dout_q[gather] @ W2q[e]^T); dgu_q e4m3, dgu_s [P, 2I/128]; with the
+    forward's ``h`` [P, I], from the same accumulator the dscore partials ds_part [P, I/16] FP32
+    (``fp8_dscore_partials``: (dout_q[gather] @ W2q[e]^T) * h in fixed groups of 16 columns), else None."""
     p, two_i = gu.shape
+    if h is not None and (h.shape != (p, two_i // 2) or not h.is_contiguous()):
+        raise ValueError(f"dgrad: h must be the forward's contiguous [P, I] = [{p}, {two_i // 2}]; got "
+                         f"{tuple(h.shape)} with strides {h.stride()}")
     dgu = torch.empty_like(gu)
     dgu_q = torch.empty((p, two_i), dtype=FP8_DTYPE, device=gu.device)
     dgu_s = torch.empty((p, two_i // QBLOCK), dtype=torch.float32, device=gu.device)
+    ds_part = None if h is None else torch.empty((p, two_i // 2 // DS_GROUP.value), dtype=torch.float32, device=gu.device)
     # B = W2[e]^T [K=H, N=I]: K-major storage is W2q itself [E, I, H]; its scales seen as [E, H/128, I/128].
     _grouped(2, "dgrad", dout_q, dout_s, True, w2f.q, w2f.scale.transpose(1, 2), dgu, gu, dgu_q, dgu_s, routing,
-             EPI_DSWIGLU_QUANT, backend, config)
-    return dgu, dgu_q, dgu_s
+             EPI_DSWIGLU_QUANT, backend, config, None if h is None else (h, ds_part))
+    return dgu, dgu_q, dgu_s, ds_part
+
+
+def moe_fp8_dgrad_dswiglu(dout_q: torch.Tensor, dout_s: torch.Tensor, w2f: Fp8Weight, gu: torch.Tensor,
+                          routing: MoeRouting, backend: str, config: GemmConfig | None = None):
+    """``moe_fp8_dgrad`` without the dscore partials: (dgu, dgu_q, dgu_s)."""
+    return moe_fp8_dgrad(dout_q, dout_s, w2f, gu, routing, backend, config)[:3]
 
 
 def moe_fp8_dx_route(dgu_q: torch.Tensor, dgu_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,
@@ -652,7 +697,8 @@ def moe_fp8_wgrads(x: torch.Tensor, h: torch.Tensor, dgu: torch.Tensor, dout: to
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class MoeFp8Saved:
-    """What the backward needs. gu, h bf16 (h for the BF16 dW2); y fp32 (dscores); the FP8 weights used."""
+    """What the backward needs: gu, h bf16 (h for dW2; the dscores come from the dgrad's accumulator and gu, so y is
+    not kept); the FP8 weights used."""
 
     backend: str
     routing: MoeRouting
@@ -666,7 +712,6 @@ class MoeFp8Saved:
     h: torch.Tensor  # [P, I] bf16
     h_q: torch.Tensor  # [P, I] e4m3 and its scales [P, I/128]: the down-projection's operand (audits)
     h_s: torch.Tensor
-    y: torch.Tensor  # [P, H] fp32
 
 
 FP8_LAYER_STAGES = ("routing", "quant_x", "weights", "up_swiglu", "down", "combine", "quant_dout", "dgrad_dswiglu",
@@ -706,14 +751,14 @@ def moe_mlp_fp8_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
         y = moe_fp8_down(h_q, h_s, w2f, routing, backend)
     with rng(names["combine"]):
         out = moe_combine(y, routing, scores, backend)
-    return out, MoeFp8Saved(backend, routing, x, w1, w2, w1f, w2f, scores, gu, h, h_q, h_s, y)
+    return out, MoeFp8Saved(backend, routing, x, w1, w2, w1f, w2f, scores, gu, h, h_q, h_s)
 
 
 def moe_mlp_fp8_bwd(dout: torch.Tensor, saved: MoeFp8Saved, *, main_grads=None, stage_range=None,
                     wgrad: str = DEFAULT_WGRAD) -> MoeGrads:
     """Gradients of ``moe_mlp_fp8_fwd`` for dout [T, H] bf16: dX through FP8 data GEMMs, dW1/dW2 by the
     ``wgrad`` mode ("fp8", the default: 128x1 column-wise FP8 operands; "bf16": kernels.moe's kernel) as BF16 or
-    FP32 accumulation into ``main_grads``, dscores = dout . y."""
+    FP32 accumulation into ``main_grads``, dscores = (dout_q[t] @ W2q[e]^T) . h from the dgrad's accumulator."""
     check_wgrad_mode(wgrad)
     check_dout(dout, saved.x)
     check_main_grads(main_grads, saved.w1, saved.w2)
@@ -723,7 +768,7 @@ def moe_mlp_fp8_bwd(dout: torch.Tensor, saved: MoeFp8Saved, *, main_grads=None, 
     with rng(names["quant_dout"]):
         dout_q, dout_s = quantize_rowwise(dout)
     with rng(names["dgrad_dswiglu"]):
-        dgu, dgu_q, dgu_s = moe_fp8_dgrad_dswiglu(dout_q, dout_s, saved.w2f, saved.gu, routing, backend)
+        dgu, dgu_q, dgu_s, ds_part = moe_fp8_dgrad(dout_q, dout_s, saved.w2f, saved.gu, routing, backend, h=saved.h)
     with rng(names["dx"]):
         dx = moe_gather_sum(moe_fp8_dx_route(dgu_q, dgu_s, saved.w1f, routing, backend), routing, backend)
     with rng(names["wgrad"]):
@@ -734,7 +779,7 @@ def moe_mlp_fp8_bwd(dout: torch.Tensor, saved: MoeFp8Saved, *, main_grads=None, 
             dw1 = moe_wgrad_w1(saved.x, dgu, routing, backend, mg1, config=WGRAD_CONFIGS[backend])
             dw2 = moe_wgrad_w2(saved.h, dout, routing, backend, mg2, config=WGRAD_CONFIGS[backend])
     with rng(names["dscores"]):
-        ds = moe_dscores(dout, saved.y, routing, backend).to(saved.scores.dtype)
+        ds = moe_dscores_from_partials(ds_part, routing, backend).to(saved.scores.dtype)
     return MoeGrads(dx, dw1, dw2, ds)
 
 
@@ -833,9 +878,12 @@ def moe_mlp_fp8_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
     dx = torch.zeros(t_count, hidden, dtype=f64, device=x.device)
     dw1 = torch.zeros(w1.shape, dtype=f64, device=x.device)
     dw2 = torch.zeros(w2.shape, dtype=f64, device=x.device)
+    dscores = torch.zeros(t_count, k_count, dtype=f64, device=x.device)  # 0 for masked routes
     for e, (tok, kk, gu, h) in saved.items():
         s = s64[tok, kk][:, None]
-        dh = s * (dout_d[tok] @ w2_d[e].t())
+        dh_raw = dout_d[tok] @ w2_d[e].t()
+        dscores[tok, kk] = (dh_raw * h.to(f64)).sum(1)  # (dout_q @ W2q^T) . h, as the dgrad's fused partials
+        dh = s * dh_raw
         g, u = gu[:, 0::2].to(f64), gu[:, 1::2].to(f64)
         sig = torch.sigmoid(g)
         dgu = torch.stack((dh * u * sig * (1 + g * (1 - sig)), dh * g * sig), dim=2).flatten(1).to(bf16)
@@ -848,7 +896,5 @@ def moe_mlp_fp8_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
         else:
             dw1[e] = x[tok].to(f64).t() @ dgu.to(f64)
             dw2[e] = h.to(f64).t() @ (s.float() * dout[tok].float()).to(bf16).to(f64)
-    dscores = (dout.to(f64)[:, None, :] * ys).sum(2)
-    dscores = torch.where(topk_ids >= 0, dscores, torch.zeros_like(dscores))
     result.update({"dx": dx.to(bf16), "dw1": dw1.to(bf16), "dw2": dw2.to(bf16), "dscores": dscores.to(scores.dtype)})
     return result

@@ -42,6 +42,9 @@ QBLOCK_WS = 128  # the FP8 scale block along K: one ring slot holds one block of
 GATHER_PRODUCER_WARPS = gl.constexpr(4)
 GATHER_PRODUCER_REGS = gl.constexpr(48)
 GATHER_CONSUMER_REGS = gl.constexpr(232)
+# The FP8 dgrad's dscore partials: per row, one per 16 dh columns (64-column chunk c, q < 4: the columns 64c + 8j + 2q + b
+# one thread of the sm_90 accumulator layout holds), so the epilogue sums them without moving data between threads.
+DS_GROUP = gl.constexpr(16)
 SM90_SHARED_BYTES = 227 * 1024  # the per-block limit (opt-in) on sm_90
 GROUPED_OPS = ("moe_fp8_up_swiglu", "moe_fp8_down", "moe_fp8_dgrad_dswiglu", "moe_fp8_dx_route")
 
@@ -456,13 +459,36 @@ def _e4m3_bits(x):
 
 
 @gluon.jit
+def _dscore_partials(x, ds_ptr, row0, off_n, C):
+    """moe_fp8.fp8_dscore_partials's sums of x = acc * h [ROWS, BLOCK_N] (the accumulator layout): the same
+    reshapes, permutation and pairwise splits, so the same order; the 16 values of a partial are the ones one thread
+    holds (columns 8j + 2q + b of a 64-column chunk for its lane's q), so nothing moves between threads. The store
+    offsets go through the same splits (each keeps its first half: the values of a group share one offset)."""
+    ROWS: gl.constexpr = x.type.shape[0]
+    BLOCK_N: gl.constexpr = x.type.shape[1]
+    NCH: gl.constexpr = BLOCK_N // 64
+    x = gl.permute(gl.reshape(x, [ROWS, NCH, 8, 4, 2]), [0, 1, 3, 2, 4])  # [rows, chunk, q, j, b]
+    lo, hi = gl.split(x)  # b
+    lo, hi = gl.split(gl.reshape(lo + hi, [ROWS, NCH, 4, 4, 2]))  # j = 2m, 2m + 1
+    lo, hi = gl.split(gl.reshape(lo + hi, [ROWS, NCH, 4, 2, 2]))
+    lo, hi = gl.split(lo + hi)
+    layout: gl.constexpr = lo.type.layout  # [rows, chunk, q]
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+    c = gl.arange(0, NCH, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+    offs = ((row0 + r) * (C // DS_GROUP) + (off_n // 16))[:, None, None] + (c * 4)[None, :, None] + q[None, None, :]
+    gl.store(ds_ptr + offs, lo + hi)
+
+
+@gluon.jit
 def _dswiglu_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr, gather_ptr,
-                      route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, num_tiles, num_n, C, L, stride_asm,
+                      route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles, num_n, C, L, stride_asm,
                       stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
-                      CONSUMERS: gl.constexpr, PART: gl.constexpr):
+                      CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, PART: gl.constexpr):
     """The dgrad's consumer warpgroup: dh = s * (dout_q[gather] @ W2q^T) over BLOCK_N = 64 or 128 columns of I,
-    then moe_fp8_grouped_gemm_kernel's EPI 2: dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
+    then moe_fp8_grouped_gemm_kernel's EPI 2: (DSCORE) the dscore partials from the unscaled accumulator and h
+    recomputed from gu (``_dscore_partials``); dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
     rounded once to BF16 and stored (TMA, as int32 pairs), then quantized 1 x 128 from the stored BF16 values (64 dh
     columns = 128 dgu columns = one scale block per row): dgu_q (e4m3 pairs, TMA-stored as int16) and its scales."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
@@ -474,13 +500,17 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q
             PART, True)
         # Columns of dh: (g, u) column pairs of gu and dgu; padding rows (they read token 0) as the Triton kernel's: +0.
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
-        dh = gl.where(live[:, None], acc, 0.0) * gl.load(score_ptr + rows)[:, None]
+        acc = gl.where(live[:, None], acc, 0.0)
+        row = off_m + PART * ROWS
+        if DSCORE:  # first: the h tile and the products are dead before gu is loaded
+            _dscore_partials(acc * gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32), ds_ptr, row,
+                             off_n, C)
         g, u = _bf16_pair_values(gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :]))
         s = 1.0 / (1.0 + gl.exp(-g))
         silu = g * s
+        dh = acc * gl.load(score_ptr + rows)[:, None]
         # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
         pair = _bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
-        row = off_m + PART * ROWS
         store_part(dgu_smem, dgu_desc, pair, row, off_n, PART)
         dg, du = _bf16_pair_values(pair)  # the stored BF16 dgu, as the row-wise quantizer would read it
         mag = gl.maximum(gl.abs(dg), gl.abs(du))
@@ -509,12 +539,14 @@ def moe_fp8_ws_gather_kernel(
     # dgrad: over dgu as int32 (g, u) pairs and dgu_q as int16 pairs, [P, I] each, box [BLOCK_M / CONSUMERS, BLOCK_N]
     as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, gate_ptr,
     score_ptr, gu_ptr, qs_ptr,  # dgrad: scores, gu as int32 pairs, dgu_q's scales
+    h_ptr, ds_ptr,  # dgrad with DSCORE: the forward's h [P, I] BF16 and the dscore partials [P, I / DS_GROUP] FP32
     P, C, L,  # C[p, :C] = sum_kb (A_q[gather[p], kb] @ B_q[e][kb, :C]) * scales, then the epilogue
     stride_am, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
     op_id,  # names the launch only
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
     EPILOGUE: gl.constexpr,  # 3: SwiGLU (up, h quantized by the row-wise pass); 2: dSwiGLU + 1x128 quantization (dgrad)
+    DSCORE: gl.constexpr = False,  # dgrad: the dscore partials too
 ):
     QB: gl.constexpr = b_desc.block_type.shape[1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, QB], gl.float8e4nv)
@@ -559,22 +591,22 @@ def moe_fp8_ws_gather_kernel(
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
-                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, num_tiles,
+                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
                                      num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
-                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, 0)),
                 (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
-                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, num_tiles,
+                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
                                      num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
-                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
+                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, 1)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
-                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, num_tiles,
+                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
                                      num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
-                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, 0)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
@@ -666,7 +698,7 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
                          segment: int, sms: int) -> None:
     """A gathered-A grouped GEMM of a_q [T, L] rows and the K-major weight b [E, C, L] with its epilogue: 3, the
     up-projection (outputs gu [P, 2I], h [P, I] BF16; h quantized by the row-wise pass); 2, dgrad + dSwiGLU (outputs
-    score, gu in; dgu, dgu_q, dgu_s out). Refuses, naming the value, what this kernel does not cover (before any
+    score, gu in; dgu, dgu_q, dgu_s out; with "ds_part" [P, I / DS_GROUP], the dscore partials too). Refuses, naming the value, what this kernel does not cover (before any
     work)."""
     e, n_cols, reduced = b.shape
     # up: 128 interleaved (g, u) columns; dgrad: 64 or 128 columns of dh = one or two 1x128 blocks of dgu.
@@ -694,20 +726,21 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         gu, h = outputs["gu"], outputs["h"]
         descs = (fp8_ws_descriptor(gu, [part_rows, config.block_n], gl.bfloat16),
                  fp8_ws_descriptor(h, [part_rows, config.block_n // 2], gl.bfloat16))
-        score = gu_bits = q_s = a_s  # unused by this epilogue
+        score = gu_bits = q_s = h_in = ds_part = a_s  # unused by this epilogue
     else:
         score, q_s, gu_bits = outputs["score"], outputs["dgu_s"], outputs["gu"].view(torch.int32)
+        h_in, ds_part = outputs.get("h", q_s), outputs.get("ds_part", q_s)  # unused without the dscore partials
         descs = (fp8_ws_descriptor(outputs["dgu"].view(torch.int32), [part_rows, config.block_n], gl.int32),
                  fp8_ws_descriptor(outputs["dgu_q"].view(torch.int16), [part_rows, config.block_n], gl.int16))
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
     moe_fp8_ws_gather_kernel[(min(tiles, sms),)](
         a_q, fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]), *descs,
-        a_s, b_s, gather, route, tile_expert, gate, score, gu_bits, q_s,
+        a_s, b_s, gather, route, tile_expert, gate, score, gu_bits, q_s, h_in, ds_part,
         padded_rows, n_cols, reduced,
         a_q.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
         gu_bits.stride(0), q_s.stride(0),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
         KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps), EPILOGUE=epilogue,
-        num_warps=4, maxnreg=max_regs(config.num_warps),
+        DSCORE="ds_part" in outputs, num_warps=4, maxnreg=max_regs(config.num_warps),
     )

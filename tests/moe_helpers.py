@@ -62,7 +62,7 @@ def fp8_stage_runs(inp: dict[str, torch.Tensor], routing, backend: str) -> tuple
     """The four FP8 grouped GEMM stages on one input set (x; its rows reversed as dout), each a function of a
     config returning a tuple of outputs, and the BF16 intermediates they start from (h, gu, dgu)."""
     from kernels.fp8_quant import quantize_rowwise, quantize_weight
-    from kernels.moe_fp8 import moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_up_swiglu
+    from kernels.moe_fp8 import moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_up_swiglu
 
     x_q, x_s = quantize_rowwise(inp["x"])
     dout_q, dout_s = quantize_rowwise(inp["x"].flip(0))
@@ -72,7 +72,7 @@ def fp8_stage_runs(inp: dict[str, torch.Tensor], routing, backend: str) -> tuple
     runs = {
         "up": lambda c: moe_fp8_up_swiglu(x_q, x_s, w1f, routing, backend, config=c),
         "down": lambda c: (moe_fp8_down(h_q, h_s, w2f, routing, backend, config=c),),
-        "dgrad": lambda c: moe_fp8_dgrad_dswiglu(dout_q, dout_s, w2f, gu, routing, backend, config=c),
+        "dgrad": lambda c: moe_fp8_dgrad(dout_q, dout_s, w2f, gu, routing, backend, config=c, h=h),  # + dscore partials
         "dx": lambda c: (moe_fp8_dx_route(dgu_q, dgu_s, w1f, routing, backend, config=c),),
     }
     return runs, {"h": h, "gu": gu, "dgu": dgu}

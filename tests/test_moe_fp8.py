@@ -18,9 +18,9 @@ from audits.moe_fp8 import (
 from audits.moe import GRAD_NAMES, MoeCase, rel_l2
 from kernels.det_gemm import GemmConfig
 import kernels.moe_fp8 as kf
-from kernels.fp8_quant import QBLOCK, quantize_rowwise, quantize_rowwise_ref, quantize_weight
+from kernels.fp8_quant import QBLOCK, dequantize_rowwise, quantize_rowwise, quantize_rowwise_ref, quantize_weight
 from kernels.moe_fp8 import (
-    DEFAULT_WGRAD, MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_risk,
+    DEFAULT_WGRAD, MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_risk,
     moe_fp8_up_swiglu, moe_mlp_fp8_fwd, moe_mlp_fp8_ref, select_moe_fp8_config,
 )
 from kernels.moe import moe_mlp_ref
@@ -113,6 +113,36 @@ def test_interpreter_bits_do_not_depend_on_tile_config(device):
     y_a = moe_fp8_down(up_a[2], up_a[3], w2f, r, b)
     y_b = moe_fp8_down(up_a[2], up_a[3], w2f, r, b, config=GemmConfig(64, 64, 64, 1, 4, 1))
     assert compare_bits(y_a, y_b).equal
+
+
+def test_dscore_partials_sum_in_a_fixed_order_whatever_the_tile(device):
+    # The FP8 dgrad's dscore partials: groups of 16 columns summed in the order the reshapes and splits fix, so two
+    # tiles (64 and 128 columns wide, different warps) give the same bits on every backend; their per-row sum is
+    # (dout_q @ W2q^T) . h of the FP64 oracle; padding rows' partials are zero.
+    inp = make_inputs(_case(t=24, h=256, i=256, seed=14), device)
+    r = build_routing(inp["topk_ids"], inp["scores"], E)
+    b = backend_of(device)
+    x_q, x_s = quantize_rowwise(inp["x"])
+    d_q, d_s = quantize_rowwise(inp["dout"])
+    w1f, w2f = quantize_weight(inp["w1"]), quantize_weight(inp["w2"])
+    gu, h = moe_fp8_up_swiglu(x_q, x_s, w1f, r, b)[:2]
+    parts = [moe_fp8_dgrad(d_q, d_s, w2f, gu, r, b, config=c, h=h)[3]
+             for c in (GemmConfig(128, 64, 128, 1, 4, 2), GemmConfig(64, 128, 128, 1, 8, 2))]
+    assert parts[0].shape == (r.padded_rows, 256 // 16)
+    assert compare_bits(parts[0], parts[1]).equal
+    valid = r.sorted_route[: r.padded_rows] >= 0
+    assert bool((parts[0][~valid] == 0).all())
+    tok = r.gather_token[: r.padded_rows].long()
+    exp = r.tile_expert.long().repeat_interleave(QBLOCK)[: r.padded_rows]  # 128-row segments
+    w2_d, d_d = w2f.dequantize().double(), dequantize_rowwise(d_q, d_s).double()
+    want = torch.zeros(r.padded_rows, dtype=torch.float64, device=device)
+    for e in range(E):
+        m = valid & (exp == e)
+        want[m] = ((d_d[tok[m]] @ w2_d[e].t()) * h[m].double()).sum(1)
+    torch.testing.assert_close(parts[0].double().sum(1)[valid], want[valid], rtol=1e-5,
+                               atol=1e-5 * float(want.abs().max()))
+    with pytest.raises(ValueError, match="h must be the forward's contiguous"):
+        moe_fp8_dgrad(d_q, d_s, w2f, gu, r, b, h=h[:, :128])
 
 
 def test_tma_weight_tile_gives_the_pointer_kernels_bits(device):

@@ -84,11 +84,13 @@ def test_ws_gives_the_triton_kernels_bits(shape, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(300, 512, 384, 5, 2), (2048, 1024, 768, 16, 4)])
-@pytest.mark.parametrize(("stage", "names"), [("up", ("gu", "h", "h_q", "h_s")), ("dgrad", ("dgu", "dgu_q", "dgu_s"))])
+@pytest.mark.parametrize(("stage", "names"), [("up", ("gu", "h", "h_q", "h_s")),
+                                             ("dgrad", ("dgu", "dgu_q", "dgu_s", "ds_part"))])
 def test_ws_gathered_stages_give_the_triton_kernels_bits(stage, names, shape, device):
     # The gathered-A form (cp.async producer) with the up-projection's SwiGLU epilogue (gu, h by TMA store; h_q, h_s
-    # by the row-wise pass) and dgrad's dSwiGLU + 1x128 quantization: every output equals the Triton tile's, and the
-    # padding rows (which read token 0) are zero.
+    # by the row-wise pass) and dgrad's dSwiGLU + 1x128 quantization + dscore partials (summed in the order the
+    # reshapes and splits fix): every output equals the Triton tile's, and the padding rows (which read token 0) are
+    # zero.
     t, h, i, e, k = shape
     _, gathered, r = _operands(device, t, h, i, e, k, seed=11)
     ref = gathered[stage](FP8_TRITON_TILES[stage])
@@ -148,14 +150,15 @@ up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}", bm, bn, warps,
         "qs_ptr": "*fp32"},
        {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
         "EPILOGUE": 3, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6)]]
-dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}", bm, bn, warps,
+dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}" + "_ds" * ds, bm, bn, warps,
           {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(bm // consumers(warps), bn, gl.int32),
            "h_desc": box(bm // consumers(warps), bn, gl.int16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
-           "gu_ptr": "*i32",
-           "qs_ptr": "*fp32"},
+           "gu_ptr": "*i32", "qs_ptr": "*fp32", "h_ptr": "*bf16", "ds_ptr": "*fp32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-           "EPILOGUE": 2, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 64, 8, 6), (64, 64, 4, 8), (128, 128, 8, 4)]]
+           "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds})
+         for bm, bn, warps, stages, ds in [(128, 64, 8, 6, False), (64, 64, 4, 8, False), (128, 128, 8, 4, False),
+                                           (128, 128, 8, 4, True), (64, 64, 4, 8, True)]]
 for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
     out[name] = gluon_sm90_report(fn, ptrs, consts, max_regs(warps))
 print(json.dumps(out))
