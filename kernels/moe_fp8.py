@@ -521,9 +521,12 @@ def _check_ws(stage: str, config: GemmConfig, gather: bool, epilogue: int, backe
         raise ValueError(f"{stage}: variant 'ws' covers down, dX, the up-projection with h quantized by the row-wise "
                          "pass (BLOCK_N 128), dgrad (BLOCK_N 64 or 128) and the FP8 weight gradient; use a 'ptr' or 'tma' "
                          "config for the fused up tile")
-    if config.block_m != 64 * (config.num_warps // 4):
+    # Two warpgroups on 128-row tiles (64 rows each), one on 64-row tiles, or (the gathered kernel) two taking 64-row
+    # tiles in turn: ping-pong, BLOCK_M 64 with 8 warps.
+    if config.block_m != 64 * (config.num_warps // 4) and not (gather and (config.block_m, config.num_warps) == (64, 8)):
         raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "
-                         f"warps or 128 with 8; got BLOCK_M {config.block_m}, {config.num_warps} warps")
+                         f"warps or 128 with 8 (or, up and dgrad, 64 with 8: ping-pong); got BLOCK_M {config.block_m}, "
+                         f"{config.num_warps} warps")
 
 
 def moe_fp8_up_swiglu(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,

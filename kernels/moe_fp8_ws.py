@@ -404,25 +404,43 @@ def _gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, rou
 def _swiglu_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr, gather_ptr,
                      route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse,
                      stride_bsl, stride_bsc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr,
-                     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr):
+                     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr):
     """The up-projection's consumer warpgroup: the grouped consumer's K loop over gathered rows (their scales read
     through the gather index too), then the SwiGLU epilogue of moe_fp8_grouped_gemm_kernel (EPI 3): gu rounded to
-    BF16, h = silu(g) * u from those BF16 values in FP32, rounded once; both stored by TMA."""
-    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    BF16, h = silu(g) * u from those BF16 values in FP32, rounded once; both stored by TMA. Its tiles: ``_turn``."""
+    PARTS: gl.constexpr = 1 if PINGPONG else CONSUMERS  # warpgroups sharing one tile
+    ROWS: gl.constexpr = BLOCK_M // PARTS
+    P0: gl.constexpr = 0 if PINGPONG else PART  # this warpgroup's part of its tiles
     count = 0
+    i = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        acc, count, off_m, off_n, rows, live = _grouped_tile(
-            t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
-            stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-            PART, True)
-        # Padding rows (they read token 0) store zeros.
-        gu = gl.where(live[:, None], acc, 0.0).to(gl.bfloat16)
-        g, u = gl.split(gl.reshape(gu.to(gl.float32), [ROWS, BLOCK_N // 2, 2]))
-        h = ((g * (1.0 / (1.0 + gl.exp(-g)))) * u).to(gl.bfloat16)
-        row = off_m + PART * ROWS
-        store_part(gu_smem, gu_desc, gu, row, off_n, PART)
-        store_part(h_smem, h_desc, h, row, off_n // 2, PART)
+        mine, blocks = _turn(t, i, route_ptr, num_n, L, BLOCK_M, a_ring.type.shape[2], PINGPONG, PART)
+        if mine:
+            acc, _, off_m, off_n, rows, live = _grouped_tile(
+                t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
+                stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS,
+                P0, True)
+            # Padding rows (they read token 0) store zeros.
+            gu = gl.where(live[:, None], acc, 0.0).to(gl.bfloat16)
+            g, u = gl.split(gl.reshape(gu.to(gl.float32), [ROWS, BLOCK_N // 2, 2]))
+            h = ((g * (1.0 / (1.0 + gl.exp(-g)))) * u).to(gl.bfloat16)
+            row = off_m + P0 * ROWS
+            store_part(gu_smem, gu_desc, gu, row, off_n, PART)
+            store_part(h_smem, h_desc, h, row, off_n // 2, PART)
+        count += blocks
+        i += 1
     tma.store_wait(0)
+
+
+@gluon.jit
+def _turn(t, i, route_ptr, num_n, L, BLOCK_M: gl.constexpr, QB: gl.constexpr, PINGPONG: gl.constexpr,
+          PART: gl.constexpr):
+    """Whose tile t (the program's i-th) is, and how many ring slots it takes. Cooperative: every consumer's, each
+    taking its rows of it. PINGPONG: the warpgroups take the program's tiles in turn (tile i is warpgroup i % 2's), so
+    one's epilogue runs while the other's MMAs do; each counts the other's slots to find its own in the ring. A tile
+    whose first row is padding takes none (the producer loads nothing for it)."""
+    blocks = gl.where(gl.load(route_ptr + (t // num_n) * BLOCK_M) >= 0, L // QB, 0)
+    return ((i % 2) == PART) if PINGPONG else True, blocks
 
 
 @gluon.jit
@@ -485,50 +503,72 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q
                       route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles, num_n, C, L, stride_asm,
                       stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
-                      CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, PART: gl.constexpr):
+                      CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr):
     """The dgrad's consumer warpgroup: dh = s * (dout_q[gather] @ W2q^T) over BLOCK_N = 64 or 128 columns of I,
-    then moe_fp8_grouped_gemm_kernel's EPI 2: (DSCORE) the dscore partials from the unscaled accumulator and h
-    recomputed from gu (``_dscore_partials``); dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
+    then moe_fp8_grouped_gemm_kernel's EPI 2: (DSCORE) the dscore partials from the unscaled accumulator and the
+    forward's h (``_dscore_partials``); dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
     rounded once to BF16 and stored (TMA, as int32 pairs), then quantized 1 x 128 from the stored BF16 values (64 dh
-    columns = 128 dgu columns = one scale block per row): dgu_q (e4m3 pairs, TMA-stored as int16) and its scales."""
-    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    columns = 128 dgu columns = one scale block per row): dgu_q (e4m3 pairs, TMA-stored as int16) and its scales. Its
+    tiles: ``_turn``."""
+    PARTS: gl.constexpr = 1 if PINGPONG else CONSUMERS  # warpgroups sharing one tile
+    P0: gl.constexpr = 0 if PINGPONG else PART  # this warpgroup's part of its tiles
     count = 0
+    i = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        acc, count, off_m, off_n, rows, live = _grouped_tile(
-            t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
-            stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-            PART, True)
-        # Columns of dh: (g, u) column pairs of gu and dgu; padding rows (they read token 0) as the Triton kernel's: +0.
-        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
-        acc = gl.where(live[:, None], acc, 0.0)
-        row = off_m + PART * ROWS
-        if DSCORE:  # first: the h tile and the products are dead before gu is loaded
-            _dscore_partials(acc * gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32), ds_ptr, row,
-                             off_n, C)
-        g, u = _bf16_pair_values(gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :]))
-        s = 1.0 / (1.0 + gl.exp(-g))
-        silu = g * s
-        dh = acc * gl.load(score_ptr + rows)[:, None]
-        # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
-        pair = _bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
-        store_part(dgu_smem, dgu_desc, pair, row, off_n, PART)
-        dg, du = _bf16_pair_values(pair)  # the stored BF16 dgu, as the row-wise quantizer would read it
-        mag = gl.maximum(gl.abs(dg), gl.abs(du))
-        block = off_n // 64  # the scale block of the tile's first 64 dh columns
-        if BLOCK_N == 64:
-            scale, inv = _e4m3_pow2(gl.max(mag, axis=1))
-            inv_cols = inv[:, None]
-            gl.store(qs_ptr + rows * stride_qsm + block, scale)
-        else:  # two scale blocks per row: each half's amax by masking the other (magnitudes are >= 0)
-            first = ((cols - off_n) < 64)[None, :]
-            scale0, inv0 = _e4m3_pow2(gl.max(gl.where(first, mag, 0.0), axis=1))
-            scale1, inv1 = _e4m3_pow2(gl.max(gl.where(first, 0.0, mag), axis=1))
-            inv_cols = gl.where(first, inv0[:, None], inv1[:, None])
-            gl.store(qs_ptr + rows * stride_qsm + block, scale0)
-            gl.store(qs_ptr + rows * stride_qsm + block + 1, scale1)
-        q = _e4m3_bits(dg * inv_cols) | (_e4m3_bits(du * inv_cols) << 8)
-        store_part(q_smem, q_desc, q, row, off_n, PART)
+        mine, blocks = _turn(t, i, route_ptr, num_n, L, BLOCK_M, a_ring.type.shape[2], PINGPONG, PART)
+        if mine:
+            _dswiglu_tile(t, a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
+                          gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n,
+                          C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
+                          BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS, DSCORE, P0, PART)
+        count += blocks
+        i += 1
     tma.store_wait(0)
+
+
+@gluon.jit
+def _dswiglu_tile(t, a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr, gather_ptr,
+                  route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n, C, L, stride_asm,
+                  stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr, PARTS: gl.constexpr,
+                  DSCORE: gl.constexpr, P0: gl.constexpr, BUF: gl.constexpr):
+    """One dgrad tile of ``_dswiglu_consumer``: rows [P0 * BLOCK_M / PARTS, +BLOCK_M / PARTS) of tile t from ring slot
+    ``count`` on, its outputs through store-buffer part BUF."""
+    ROWS: gl.constexpr = BLOCK_M // PARTS
+    acc, _, off_m, off_n, rows, live = _grouped_tile(
+        t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
+        stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS,
+        P0, True)
+    # Columns of dh: (g, u) column pairs of gu and dgu; padding rows (they read token 0) as the Triton kernel's: +0.
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+    acc = gl.where(live[:, None], acc, 0.0)
+    row = off_m + P0 * ROWS
+    if DSCORE:  # first: the h tile and the products are dead before gu is loaded
+        _dscore_partials(acc * gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32), ds_ptr, row,
+                         off_n, C)
+    g, u = _bf16_pair_values(gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :]))
+    s = 1.0 / (1.0 + gl.exp(-g))
+    silu = g * s
+    dh = acc * gl.load(score_ptr + rows)[:, None]
+    # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
+    pair = _bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
+    store_part(dgu_smem, dgu_desc, pair, row, off_n, BUF)
+    dg, du = _bf16_pair_values(pair)  # the stored BF16 dgu, as the row-wise quantizer would read it
+    mag = gl.maximum(gl.abs(dg), gl.abs(du))
+    block = off_n // 64  # the scale block of the tile's first 64 dh columns
+    if BLOCK_N == 64:
+        scale, inv = _e4m3_pow2(gl.max(mag, axis=1))
+        inv_cols = inv[:, None]
+        gl.store(qs_ptr + rows * stride_qsm + block, scale)
+    else:  # two scale blocks per row: each half's amax by masking the other (magnitudes are >= 0)
+        first = ((cols - off_n) < 64)[None, :]
+        scale0, inv0 = _e4m3_pow2(gl.max(gl.where(first, mag, 0.0), axis=1))
+        scale1, inv1 = _e4m3_pow2(gl.max(gl.where(first, 0.0, mag), axis=1))
+        inv_cols = gl.where(first, inv0[:, None], inv1[:, None])
+        gl.store(qs_ptr + rows * stride_qsm + block, scale0)
+        gl.store(qs_ptr + rows * stride_qsm + block + 1, scale1)
+    q = _e4m3_bits(dg * inv_cols) | (_e4m3_bits(du * inv_cols) << 8)
+    store_part(q_smem, q_desc, q, row, off_n, BUF)
 
 
 @gluon.jit(launch_metadata=grouped_launch_metadata)
@@ -547,6 +587,7 @@ def moe_fp8_ws_gather_kernel(
     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
     EPILOGUE: gl.constexpr,  # 3: SwiGLU (up, h quantized by the row-wise pass); 2: dSwiGLU + 1x128 quantization (dgrad)
     DSCORE: gl.constexpr = False,  # dgrad: the dscore partials too
+    PINGPONG: gl.constexpr = False,  # the two consumer warpgroups take whole BLOCK_M-row tiles in turn (``_turn``)
 ):
     QB: gl.constexpr = b_desc.block_type.shape[1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, QB], gl.float8e4nv)
@@ -557,22 +598,23 @@ def moe_fp8_ws_gather_kernel(
     for i in gl.static_range(STAGES):
         # The weight's expect-tx arrival and one cp.async arrival per producer thread (128).
         mbarrier.init(ready.index(i), count=1 + GATHER_PRODUCER_WARPS * 32)
-        mbarrier.init(free.index(i), count=CONSUMERS)
+        mbarrier.init(free.index(i), count=1 if PINGPONG else CONSUMERS)  # a slot's readers
     num_n = C // BLOCK_N
     num_tiles = live_tiles(gate_ptr, P, num_n, BLOCK_M)
+    BUF_ROWS: gl.constexpr = CONSUMERS * BLOCK_M if PINGPONG else BLOCK_M  # one store buffer part per warpgroup
     if EPILOGUE == 3:
-        gu_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], gu_desc.layout)
-        h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N // 2], h_desc.layout)
+        gu_smem = gl.allocate_shared_memory(gl.bfloat16, [BUF_ROWS, BLOCK_N], gu_desc.layout)
+        h_smem = gl.allocate_shared_memory(gl.bfloat16, [BUF_ROWS, BLOCK_N // 2], h_desc.layout)
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
                                     gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
                                     stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
-                                    CONSUMERS, 0)),
+                                    CONSUMERS, PINGPONG, 0)),
                 (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
                                     gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
                                     stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
-                                    CONSUMERS, 1)),
+                                    CONSUMERS, PINGPONG, 1)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
@@ -581,23 +623,25 @@ def moe_fp8_ws_gather_kernel(
                 (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
                                     gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
                                     stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
-                                    CONSUMERS, 0)),
+                                    CONSUMERS, PINGPONG, 0)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     else:
-        dgu_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M, BLOCK_N], gu_desc.layout)
-        q_smem = gl.allocate_shared_memory(gl.int16, [BLOCK_M, BLOCK_N], h_desc.layout)
+        dgu_smem = gl.allocate_shared_memory(gl.int32, [BUF_ROWS, BLOCK_N], gu_desc.layout)
+        q_smem = gl.allocate_shared_memory(gl.int16, [BUF_ROWS, BLOCK_N], h_desc.layout)
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
                                      gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
                                      num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
-                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, 0)),
+                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, PINGPONG,
+                                     0)),
                 (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
                                      gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
                                      num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
-                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, 1)),
+                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, PINGPONG,
+                                     1)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
@@ -606,7 +650,8 @@ def moe_fp8_ws_gather_kernel(
                 (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
                                      gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
                                      num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
-                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, 0)),
+                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, PINGPONG,
+                                     0)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
@@ -698,9 +743,14 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
                          segment: int, sms: int) -> None:
     """A gathered-A grouped GEMM of a_q [T, L] rows and the K-major weight b [E, C, L] with its epilogue: 3, the
     up-projection (outputs gu [P, 2I], h [P, I] BF16; h quantized by the row-wise pass); 2, dgrad + dSwiGLU (outputs
-    score, gu in; dgu, dgu_q, dgu_s out; with "ds_part" [P, I / DS_GROUP], the dscore partials too). Refuses, naming the value, what this kernel does not cover (before any
-    work)."""
+    score, gu in; dgu, dgu_q, dgu_s out; with "h" and "ds_part" [P, I / DS_GROUP], the dscore partials too). Variant
+    "wspp": the two consumer warpgroups take 64-row tiles in turn (ping-pong) instead of sharing 128-row ones.
+    Refuses, naming the value, what this kernel does not cover (before any work)."""
     e, n_cols, reduced = b.shape
+    pingpong = config.variant == "wspp"
+    if pingpong and (config.block_m != 64 or consumers(config.num_warps) != 2):
+        raise ValueError(f"{stage}: variant 'wspp' gives each of two consumer warpgroups whole 64-row tiles: BLOCK_M 64 "
+                         f"with 8 warps; got BLOCK_M {config.block_m}, {config.num_warps} warps")
     # up: 128 interleaved (g, u) columns; dgrad: 64 or 128 columns of dh = one or two 1x128 blocks of dgu.
     want_n = (QBLOCK_WS,) if epilogue == 3 else (QBLOCK_WS // 2, QBLOCK_WS)
     if config.block_k != QBLOCK_WS or config.block_n not in want_n:
@@ -712,7 +762,8 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
     # Shared memory: the ring (one e4m3 A and B block per stage) and the epilogue's store buffers (up: gu and h
     # BF16; dgrad: dgu as int32 pairs and dgu_q as int16 pairs).
     ring = config.num_stages * (config.block_m + config.block_n) * QBLOCK_WS
-    store = config.block_m * config.block_n * (3 if epilogue == 3 else 6)
+    part_rows = config.block_m if pingpong else config.block_m // consumers(config.num_warps)
+    store = consumers(config.num_warps) * part_rows * config.block_n * (3 if epilogue == 3 else 6)
     if ring + store > SM90_SHARED_BYTES:
         raise ValueError(f"{stage}: variant 'ws' {config.label()} needs {ring + store} bytes of shared memory ({ring} "
                          f"for {config.num_stages} stages, {store} for the epilogue); sm_90 has {SM90_SHARED_BYTES} per "
@@ -721,7 +772,6 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
             or a_q.stride(0) % 16 or a_q.data_ptr() % 16):
         raise ValueError(f"{stage}: variant 'ws' needs the activation row-major with 16-byte aligned rows (cp.async), "
                          f"the K-major weight and the outputs contiguous; got strides {a_q.stride()} and {b.stride()}")
-    part_rows = config.block_m // consumers(config.num_warps)
     if epilogue == 3:
         gu, h = outputs["gu"], outputs["h"]
         descs = (fp8_ws_descriptor(gu, [part_rows, config.block_n], gl.bfloat16),
@@ -742,5 +792,5 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
         KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps), EPILOGUE=epilogue,
-        DSCORE="ds_part" in outputs, num_warps=4, maxnreg=max_regs(config.num_warps),
+        DSCORE="ds_part" in outputs, PINGPONG=pingpong, num_warps=4, maxnreg=max_regs(config.num_warps),
     )

@@ -21,10 +21,12 @@ from toolkit.contract import compare_bits
 
 WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 5, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws"),
               GemmConfig(128, 64, 128, 1, 8, 8, "ws")]
-GATHERED_WS_CONFIGS = {
-    "up": [GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws")],
+GATHERED_WS_CONFIGS = {  # BLOCK_M 64 with 8 warps: ping-pong
+    "up": [GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws"),
+           GemmConfig(64, 128, 128, 1, 8, 7, "ws")],
     "dgrad": [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(64, 64, 128, 1, 4, 8, "ws"),
-              GemmConfig(128, 128, 128, 1, 8, 4, "ws")],
+              GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 8, 5, "ws"),
+              GemmConfig(64, 64, 128, 1, 8, 6, "ws")],
 }
 WGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(128, 128, 128, 1, 8, 4, "ws")]
 
@@ -142,23 +144,25 @@ wgrad = [(moe_fp8_wgrad_ws_kernel, f"wgrad_{bm}x{bn}_acc{int(acc)}", bm, bn, war
            "as_ptr": "*fp32", "bs_ptr": "*fp32", "offsets_ptr": "*i32", "counts_ptr": "*i32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "KB_GROUP": 3, "ACCUMULATE": acc, "CONSUMERS": consumers(warps),
            "stride_asr": 1, "stride_bsc": 1, "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 64, 8, 6, False), (128, 64, 8, 6, True)]]
-up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}", bm, bn, warps,
-       {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(bm // consumers(warps), bn, gl.bfloat16),
-        "h_desc": box(bm // consumers(warps), bn // 2, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
+part = lambda bm, warps: 64 if warps == 8 and bm == 64 else bm // consumers(warps)  # a consumer's rows per tile
+up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}_w{warps}", bm, bn, warps,
+       {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(part(bm, warps), bn, gl.bfloat16),
+        "h_desc": box(part(bm, warps), bn // 2, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
         "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
         "gu_ptr": "*i32",
         "qs_ptr": "*fp32"},
        {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-        "EPILOGUE": 3, "stride_asl": 1}) for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6)]]
-dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}" + "_ds" * ds, bm, bn, warps,
-          {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(bm // consumers(warps), bn, gl.int32),
-           "h_desc": box(bm // consumers(warps), bn, gl.int16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
+        "EPILOGUE": 3, "stride_asl": 1, "PINGPONG": (bm, warps) == (64, 8)})
+      for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6), (64, 128, 8, 7)]]
+dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}_w{warps}" + "_ds" * ds, bm, bn, warps,
+          {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(part(bm, warps), bn, gl.int32),
+           "h_desc": box(part(bm, warps), bn, gl.int16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
            "gu_ptr": "*i32", "qs_ptr": "*fp32", "h_ptr": "*bf16", "ds_ptr": "*fp32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-           "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds})
+           "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds, "PINGPONG": (bm, warps) == (64, 8)})
          for bm, bn, warps, stages, ds in [(128, 64, 8, 6, False), (64, 64, 4, 8, False), (128, 128, 8, 4, False),
-                                           (128, 128, 8, 4, True), (64, 64, 4, 8, True)]]
+                                           (128, 128, 8, 4, True), (64, 64, 4, 8, True), (64, 128, 8, 5, True)]]
 for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
     out[name] = gluon_sm90_report(fn, ptrs, consts, max_regs(warps))
 print(json.dumps(out))
