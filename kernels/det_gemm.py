@@ -109,9 +109,10 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.variant {self.variant!r} is not supported; supported: {VARIANTS}")
         if self.variant == "tma3" and self.block_n % 3:
             raise ValueError(f"variant 'tma3' needs block_n three sub-tiles wide (a multiple of 3); got {self.block_n}")
-        if self.variant == "ws" and (self.num_warps not in (4, 8) or self.block_m % (16 * self.num_warps)):
-            raise ValueError(f"variant 'ws' needs 4 or 8 consumer warps and block_m a multiple of 64 rows per "
-                             f"consumer warpgroup; got num_warps {self.num_warps}, block_m {self.block_m}")
+        # (block_m 64 with 8 warps: two warpgroups taking 64-row tiles in turn, the MoE FP8 gathered kernel's ping-pong)
+        if self.variant == "ws" and (self.num_warps not in (4, 8) or self.block_m % 64):
+            raise ValueError(f"variant 'ws' needs 4 or 8 consumer warps and block_m a multiple of 64 rows; got "
+                             f"num_warps {self.num_warps}, block_m {self.block_m}")
         if self.variant in ("tma", "tma3", "ws"):
             for field, value in (("block_m", self.block_m), ("block_n", self.box_n), ("block_k", self.block_k)):
                 if value > TMA_MAX_BOX or value & (value - 1):
@@ -730,6 +731,9 @@ def _run_ws(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[s
     if segmented:
         raise ValueError("variant 'ws' keeps one FP32 accumulator (no seg_len segments); use a 'tma' config for "
                          "segmented calls")
+    if config.block_m % (16 * config.num_warps):
+        raise ValueError(f"det_gemm: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows of a tile: block_m "
+                         f"{16 * config.num_warps} per {config.num_warps} warps; got block_m {config.block_m}")
     rows, reduced = a_view.shape
     cols = b_view.shape[1]
     (a_name, a), (b_name, b) = tensors.items()

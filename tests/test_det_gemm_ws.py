@@ -27,8 +27,9 @@ def _same_bits(got, want):
 def test_ws_config_rules():
     with pytest.raises(ValueError, match=r"variant 'ws' needs 4 or 8 consumer warps .* num_warps 2"):
         GemmConfig(128, 128, 64, 8, 2, 4, "ws")
-    with pytest.raises(ValueError, match=r"block_m a multiple of 64 rows per consumer warpgroup; .* block_m 64"):
-        GemmConfig(64, 128, 64, 8, 8, 4, "ws")  # two warpgroups of 32 rows: below one wgmma's 64
+    with pytest.raises(ValueError, match=r"block_m a multiple of 64 rows; .* block_m 96"):
+        GemmConfig(96, 128, 64, 8, 8, 4, "ws")
+    GemmConfig(64, 128, 64, 8, 8, 4, "ws")  # valid: the MoE FP8 gathered kernel's ping-pong (det_gemm refuses it)
     with pytest.raises(ValueError, match=r"variant 'ws' needs block_n a power of two <= 256 .* got 192"):
         GemmConfig(128, 192, 64, 8, 8, 4, "ws")
     assert GemmConfig(128, 256, 64, 8, 8, 4, "ws").label() == "BM128_BN256_BK64_G8_w8_s4_ws"
@@ -42,6 +43,8 @@ def test_ws_refuses_the_interpreter_and_segments_by_name(device):
     else:
         with pytest.raises(ValueError, match=r"variant 'ws' keeps one FP32 accumulator \(no seg_len segments\)"):
             LAUNCHERS["fwd"](a, b, config=WS_TILES[0], seg_len=64)
+        with pytest.raises(ValueError, match=r"64 rows of a tile: block_m 128 per 8 warps; got block_m 64"):
+            LAUNCHERS["fwd"](a, b, config=GemmConfig(64, 128, 64, 8, 8, 4, "ws"))  # two warpgroups of 32 rows
 
 
 @pytest.mark.parametrize("op", ["fwd", "da", "db"])
