@@ -743,14 +743,11 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
                          segment: int, sms: int) -> None:
     """A gathered-A grouped GEMM of a_q [T, L] rows and the K-major weight b [E, C, L] with its epilogue: 3, the
     up-projection (outputs gu [P, 2I], h [P, I] BF16; h quantized by the row-wise pass); 2, dgrad + dSwiGLU (outputs
-    score, gu in; dgu, dgu_q, dgu_s out; with "h" and "ds_part" [P, I / DS_GROUP], the dscore partials too). Variant
-    "wspp": the two consumer warpgroups take 64-row tiles in turn (ping-pong) instead of sharing 128-row ones.
+    score, gu in; dgu, dgu_q, dgu_s out; with "h" and "ds_part" [P, I / DS_GROUP], the dscore partials too). BLOCK_M
+    64 with 8 warps: the two consumer warpgroups take 64-row tiles in turn (ping-pong) instead of sharing 128-row ones.
     Refuses, naming the value, what this kernel does not cover (before any work)."""
     e, n_cols, reduced = b.shape
-    pingpong = config.variant == "wspp"
-    if pingpong and (config.block_m != 64 or consumers(config.num_warps) != 2):
-        raise ValueError(f"{stage}: variant 'wspp' gives each of two consumer warpgroups whole 64-row tiles: BLOCK_M 64 "
-                         f"with 8 warps; got BLOCK_M {config.block_m}, {config.num_warps} warps")
+    pingpong = config.block_m == 64 and consumers(config.num_warps) == 2
     # up: 128 interleaved (g, u) columns; dgrad: 64 or 128 columns of dh = one or two 1x128 blocks of dgu.
     want_n = (QBLOCK_WS,) if epilogue == 3 else (QBLOCK_WS // 2, QBLOCK_WS)
     if config.block_k != QBLOCK_WS or config.block_n not in want_n:
