@@ -401,7 +401,7 @@ def _gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, rou
 
 
 @gluon.jit
-def _swiglu_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr, gather_ptr,
+def _swiglu_consumer(a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr, gather_ptr,
                      route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse,
                      stride_bsl, stride_bsc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr,
                      KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr):
@@ -416,10 +416,12 @@ def _swiglu_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_de
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         mine, blocks = _turn(t, i, route_ptr, num_n, L, BLOCK_M, a_ring.type.shape[2], PINGPONG, PART)
         if mine:
+            _wait_turn(turn, i, PINGPONG, PART)
             acc, _, off_m, off_n, rows, live = _grouped_tile(
                 t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
                 stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS,
                 P0, True)
+            _pass_turn(turn, PINGPONG, PART)
             # Padding rows (they read token 0) store zeros.
             gu = gl.where(live[:, None], acc, 0.0).to(gl.bfloat16)
             g, u = gl.split(gl.reshape(gu.to(gl.float32), [ROWS, BLOCK_N // 2, 2]))
@@ -441,6 +443,23 @@ def _turn(t, i, route_ptr, num_n, L, BLOCK_M: gl.constexpr, QB: gl.constexpr, PI
     whose first row is padding takes none (the producer loads nothing for it)."""
     blocks = gl.where(gl.load(route_ptr + (t // num_n) * BLOCK_M) >= 0, L // QB, 0)
     return ((i % 2) == PART) if PINGPONG else True, blocks
+
+
+@gluon.jit
+def _wait_turn(turn, i, PINGPONG: gl.constexpr, PART: gl.constexpr):
+    """PINGPONG: before its K loop of the program's i-th tile, a warpgroup waits until the other has finished the K
+    loop of the tile before (``turn.index(PART)``; warpgroup 0's first tile waits on nothing: a fresh barrier counts
+    as having completed the phase before phase 0). The K loops alternate, so a warpgroup never waits on a ring slot
+    more than one fill ahead of the producer (a wait matches a phase's parity only)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(PART), ((i // 2) & 1) ^ (1 - PART))
+
+
+@gluon.jit
+def _pass_turn(turn, PINGPONG: gl.constexpr, PART: gl.constexpr):
+    """PINGPONG: after its K loop, a warpgroup hands the tensor cores to the other (its epilogue runs meanwhile)."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - PART), count=1)
 
 
 @gluon.jit
@@ -499,7 +518,8 @@ def _dscore_partials(x, ds_ptr, row0, off_n, C):
 
 
 @gluon.jit
-def _dswiglu_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr, gather_ptr,
+def _dswiglu_consumer(a_ring, b_ring, ready, free, turn, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
+                      gather_ptr,
                       route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles, num_n, C, L, stride_asm,
                       stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
@@ -517,28 +537,31 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         mine, blocks = _turn(t, i, route_ptr, num_n, L, BLOCK_M, a_ring.type.shape[2], PINGPONG, PART)
         if mine:
-            _dswiglu_tile(t, a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
+            _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
                           gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n,
                           C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
-                          BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS, DSCORE, P0, PART)
+                          BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS, DSCORE, PINGPONG, P0, PART)
         count += blocks
         i += 1
     tma.store_wait(0)
 
 
 @gluon.jit
-def _dswiglu_tile(t, a_ring, b_ring, ready, free, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr, gather_ptr,
+def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
+                  gather_ptr,
                   route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n, C, L, stride_asm,
                   stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr, PARTS: gl.constexpr,
-                  DSCORE: gl.constexpr, P0: gl.constexpr, BUF: gl.constexpr):
+                  DSCORE: gl.constexpr, PINGPONG: gl.constexpr, P0: gl.constexpr, BUF: gl.constexpr):
     """One dgrad tile of ``_dswiglu_consumer``: rows [P0 * BLOCK_M / PARTS, +BLOCK_M / PARTS) of tile t from ring slot
     ``count`` on, its outputs through store-buffer part BUF."""
     ROWS: gl.constexpr = BLOCK_M // PARTS
+    _wait_turn(turn, i, PINGPONG, BUF)
     acc, _, off_m, off_n, rows, live = _grouped_tile(
         t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
         stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS,
         P0, True)
+    _pass_turn(turn, PINGPONG, BUF)
     # Columns of dh: (g, u) column pairs of gu and dgu; padding rows (they read token 0) as the Triton kernel's: +0.
     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
     acc = gl.where(live[:, None], acc, 0.0)
@@ -602,16 +625,19 @@ def moe_fp8_ws_gather_kernel(
     num_n = C // BLOCK_N
     num_tiles = live_tiles(gate_ptr, P, num_n, BLOCK_M)
     BUF_ROWS: gl.constexpr = CONSUMERS * BLOCK_M if PINGPONG else BLOCK_M  # one store buffer part per warpgroup
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: whose K loop is next
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     if EPILOGUE == 3:
         gu_smem = gl.allocate_shared_memory(gl.bfloat16, [BUF_ROWS, BLOCK_N], gu_desc.layout)
         h_smem = gl.allocate_shared_memory(gl.bfloat16, [BUF_ROWS, BLOCK_N // 2], h_desc.layout)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
+                (_swiglu_consumer, (a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
                                     gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
                                     stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
                                     CONSUMERS, PINGPONG, 0)),
-                (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
+                (_swiglu_consumer, (a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
                                     gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
                                     stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
                                     CONSUMERS, PINGPONG, 1)),
@@ -620,7 +646,7 @@ def moe_fp8_ws_gather_kernel(
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_swiglu_consumer, (a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
+                (_swiglu_consumer, (a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
                                     gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
                                     stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
                                     CONSUMERS, PINGPONG, 0)),
@@ -632,12 +658,12 @@ def moe_fp8_ws_gather_kernel(
         q_smem = gl.allocate_shared_memory(gl.int16, [BUF_ROWS, BLOCK_N], h_desc.layout)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
                                      gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
                                      num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
                                      stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, PINGPONG,
                                      0)),
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
                                      gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
                                      num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
                                      stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, PINGPONG,
@@ -647,7 +673,7 @@ def moe_fp8_ws_gather_kernel(
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
                                      gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
                                      num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
                                      stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, PINGPONG,

@@ -21,12 +21,10 @@ from toolkit.contract import compare_bits
 from toolkit.timing import time_interleaved
 
 WS = lambda bm, bn, w, st: GemmConfig(bm, bn, 128, 1, w, st, "ws")  # noqa: E731
-STAGES = {"up": {"coop 128x128 s4": WS(128, 128, 8, 4), "pp 64x128 s7": WS(64, 128, 8, 7),
-                 "pp 64x128 s6": WS(64, 128, 8, 6)},
+STAGES = {"up": {"coop 128x128 s4": WS(128, 128, 8, 4), "pp 64x128 s7": WS(64, 128, 8, 7)},
           "dgrad": {"coop 128x128 s4": WS(128, 128, 8, 4), "pp 64x128 s5": WS(64, 128, 8, 5),
-                    "pp 64x128 s4": WS(64, 128, 8, 4), "pp 64x64 s6": WS(64, 64, 8, 6)}}
-TABLES = {"table .11": {}, "pp up": {"up": WS(64, 128, 8, 7)}, "pp dgrad": {"dgrad": WS(64, 128, 8, 5)},
-          "pp up + dgrad": {"up": WS(64, 128, 8, 7), "dgrad": WS(64, 128, 8, 5)}}
+                    "pp 64x64 s6": WS(64, 64, 8, 6)}}
+TABLES = {"table .11": {}, "pp up + dgrad": {"up": WS(64, 128, 8, 7), "dgrad": WS(64, 128, 8, 5)}}
 
 
 def with_table(stages, fn):
