@@ -34,8 +34,8 @@ import torch
 
 from audits.moe import (
     GRAD_NAMES, MoeCase, batch_invariance_rows, bits_row, combine_checks, cosine, dswiglu_check, edge_cases,
-    fresh_process_row, fused_dscore_check, grad_digests, layer_grads, make_inputs, padding_zero, per_expert, rejection_cases,
-    rejection_rows, rel_l2, serve_digests, sorted_rows, stage_rows,
+    fresh_process_row, fused_dscore_check, grad_digests, layer_grads, make_inputs, padding_zero, per_expert,
+    rejection_cases, rejection_rows, rel_l2, serve_digests, sorted_rows, stage_rows,
 )
 from kernels.fp8_quant import (
     QBLOCK, dequantize_rowwise, quantize_colwise_ref, quantize_rowwise, quantize_rowwise_ref, quantize_weight_ref,

@@ -523,7 +523,8 @@ def _check_ws(stage: str, config: GemmConfig, gather: bool, epilogue: int, backe
                          "config for the fused up tile")
     # Two warpgroups on 128-row tiles (64 rows each), one on 64-row tiles, or (the gathered kernel) two taking 64-row
     # tiles in turn: ping-pong, BLOCK_M 64 with 8 warps.
-    if config.block_m != 64 * (config.num_warps // 4) and not (gather and (config.block_m, config.num_warps) == (64, 8)):
+    ping_pong = gather and (config.block_m, config.num_warps) == (64, 8)
+    if config.block_m != 64 * (config.num_warps // 4) and not ping_pong:
         raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "
                          f"warps or 128 with 8 (or, up and dgrad, 64 with 8: ping-pong); got BLOCK_M {config.block_m}, "
                          f"{config.num_warps} warps")
@@ -590,7 +591,8 @@ def moe_fp8_dgrad(dout_q: torch.Tensor, dout_s: torch.Tensor, w2f: Fp8Weight, gu
     dgu = torch.empty_like(gu)
     dgu_q = torch.empty((p, two_i), dtype=FP8_DTYPE, device=gu.device)
     dgu_s = torch.empty((p, two_i // QBLOCK), dtype=torch.float32, device=gu.device)
-    ds_part = None if h is None else torch.empty((p, two_i // 2 // DS_GROUP.value), dtype=torch.float32, device=gu.device)
+    ds_part = None if h is None else torch.empty((p, two_i // 2 // DS_GROUP.value), dtype=torch.float32,
+                                                 device=gu.device)
     # B = W2[e]^T [K=H, N=I]: K-major storage is W2q itself [E, I, H]; its scales seen as [E, H/128, I/128].
     _grouped(2, "dgrad", dout_q, dout_s, True, w2f.q, w2f.scale.transpose(1, 2), dgu, gu, dgu_q, dgu_s, routing,
              EPI_DSWIGLU_QUANT, backend, config, None if h is None else (h, ds_part))

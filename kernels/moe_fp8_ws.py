@@ -42,8 +42,9 @@ QBLOCK_WS = 128  # the FP8 scale block along K: one ring slot holds one block of
 GATHER_PRODUCER_WARPS = gl.constexpr(4)
 GATHER_PRODUCER_REGS = gl.constexpr(48)
 GATHER_CONSUMER_REGS = gl.constexpr(232)
-# The FP8 dgrad's dscore partials: per row, one per 16 dh columns (64-column chunk c, q < 4: the columns 64c + 8j + 2q + b
-# one thread of the sm_90 accumulator layout holds), so the epilogue sums them without moving data between threads.
+# The FP8 dgrad's dscore partials: per row, one per 16 dh columns (64-column chunk c, q < 4: the columns
+# 64c + 8j + 2q + b one thread of the sm_90 accumulator layout holds), so the epilogue sums them without moving data
+# between threads.
 DS_GROUP = gl.constexpr(16)
 SM90_SHARED_BYTES = 227 * 1024  # the per-block limit (opt-in) on sm_90
 GROUPED_OPS = ("moe_fp8_up_swiglu", "moe_fp8_down", "moe_fp8_dgrad_dswiglu", "moe_fp8_dx_route")
@@ -519,9 +520,8 @@ def _dscore_partials(x, ds_ptr, row0, off_n, C):
 
 @gluon.jit
 def _dswiglu_consumer(a_ring, b_ring, ready, free, turn, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
-                      gather_ptr,
-                      route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles, num_n, C, L, stride_asm,
-                      stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
+                      gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
+                      num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
                       CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr):
     """The dgrad's consumer warpgroup: dh = s * (dout_q[gather] @ W2q^T) over BLOCK_N = 64 or 128 columns of I,
@@ -658,26 +658,26 @@ def moe_fp8_ws_gather_kernel(
         q_smem = gl.allocate_shared_memory(gl.int16, [BUF_ROWS, BLOCK_N], h_desc.layout)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
-                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
-                                     num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
-                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, PINGPONG,
-                                     0)),
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
-                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
-                                     num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
-                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, PINGPONG,
-                                     1)),
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
+                                     bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
+                                     ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
+                                     stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
+                                     DSCORE, PINGPONG, 0)),
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
+                                     bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
+                                     ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
+                                     stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
+                                     DSCORE, PINGPONG, 1)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr, bs_ptr,
-                                     gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
-                                     num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
-                                     stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, DSCORE, PINGPONG,
-                                     0)),
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
+                                     bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
+                                     ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
+                                     stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
+                                     DSCORE, PINGPONG, 0)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
