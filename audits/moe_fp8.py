@@ -10,7 +10,8 @@ Checks, each one row:
   column-wise quantizations of the FP8 weight gradients (x, dgu, h, dy) equal theirs.
 - ``stage_bound``: gu, y, dgu, dx_route and the FP8 dW1, dW2 within a derived bound of an FP64 oracle of
   the kernel's own dequantized FP8 operands (block-scaled GEMM with per-128-K promotion,
-  docs/moe_fp8.md); out, dx (the BF16 path's combine) and dscores within theirs; padding rows exactly zero.
+  docs/moe_fp8.md); out, dx (the BF16 path's combine) and dscores (from the dgrad's accumulator and h, the BF16
+  layer's fused-dscore bound with the block-scaled accumulator's) within theirs; padding rows exactly zero.
 - ``emulation``: the layer within EMULATION_REL_L2[backend] of ``moe_mlp_fp8_ref`` (the recipe in plain torch),
   with either weight-gradient mode (wgrad "bf16" and "fp8").
 - ``precision``: the issue's gate, cosine >= 0.997 and relative RMSE < 7.6% for out, dX, dscores, dW1,
@@ -137,7 +138,7 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
     h_d = dequantize_rowwise(saved.h_q, saved.h_s).to(f64)
     g_d = dequantize_rowwise(dgu_q, dgu_s).to(f64)
 
-    # out, dx and dscores: the BF16 path's combine, gather-sum and dscores kernels (the BF16 suite's bounds)
+    # out and dx: the BF16 path's combine and gather-sum kernels (the BF16 suite's bounds)
     combined = combine_checks(r, scores, dout, out, y, dxr, grads.dx)
     results: dict[str, ContractResult] = {}
     gu_star, gu_ab = per_expert(x_d[tok], lambda e: w1_d[e], exp, w1.shape[2])
