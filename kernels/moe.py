@@ -92,7 +92,7 @@ MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         "dx": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),
         "wgrad": GemmConfig(128, 128, 64, 1, 4, 3),  # BLOCK_K = routed rows per reduction step
         "combine": GemmConfig(16, 256, 16, 1, 4, 1),  # BLOCK_M tokens x BLOCK_N columns
-        "dscore": GemmConfig(16, 256, 16, 1, 4, 1),
+        "dscore": GemmConfig(16, 256, 16, 1, 4, 1),  # moe_dscore_sum_kernel: BLOCK_M tokens (BLOCK_N unused)
     },
     TRITON_INTERPRETER: {
         "up": GemmConfig(128, 128, 32, 1, 4, 1),  # few large programs: the interpreter's cost is per op

@@ -150,6 +150,7 @@ WGRAD_MODES = ("bf16", "fp8")
 # The rule: the weight-gradient GEMMs that pass the precision gate faster. Both pass; the FP8 ones are faster
 # in the layer (docs/moe_fp8.md: measured, with the precision each gives).
 DEFAULT_WGRAD = "fp8"
+OTHER_WGRAD = next(m for m in WGRAD_MODES if m != DEFAULT_WGRAD)  # the mode the bench and the audit run beside it
 
 EPI_FP32, EPI_SWIGLU_QUANT, EPI_DSWIGLU_QUANT, EPI_SWIGLU = 0, 1, 2, 3
 
