@@ -802,7 +802,8 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         score = gu_bits = q_s = h_in = ds_part = a_s  # unused by this epilogue
     else:
         score, q_s, gu_bits = outputs["score"], outputs["dgu_s"], outputs["gu"].view(torch.int32)
-        h_in, ds_part = outputs.get("h", q_s), outputs.get("ds_part", q_s)  # unused without the dscore partials
+        # The dscore partials need both h and ds_part; without them the kernel reads neither (placeholders).
+        h_in, ds_part = (outputs["h"], outputs["ds_part"]) if "ds_part" in outputs else (q_s, q_s)
         descs = (fp8_ws_descriptor(outputs["dgu"].view(torch.int32), [part_rows, config.block_n], gl.int32),
                  fp8_ws_descriptor(outputs["dgu_q"].view(torch.int16), [part_rows, config.block_n], gl.int16))
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
