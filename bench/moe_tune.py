@@ -106,13 +106,14 @@ FP8_WGRAD = [GemmConfig(*c, variant="tma") for c in [
     (128, 128, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4), (64, 128, 128, 1, 4, 3),
 ]]
 # The Gluon kernel (kernels/moe_fp8_ws.py): persistent, TMA producer warp, promotion of block kb while kb+1's MMAs
-# run; 128x64 compiles without spills, 128x128 spills (the per-column scales) and is timed to see what that costs.
+# run, each block's scale rows staged in shared memory beside its operand tiles (so 128x128 compiles without spills).
 FP8_WGRAD += [GemmConfig(*c, variant="ws") for c in [
-    (128, 64, 128, 1, 8, 6), (128, 64, 128, 1, 8, 8), (128, 128, 128, 1, 8, 4), (64, 64, 128, 1, 4, 8),
+    (128, 64, 128, 1, 8, 6), (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 5), (64, 128, 128, 1, 4, 8),
 ]]
 # The column-wise quantizer of wgrad="fp8" (kernels/moe_fp8.py QUANT_COLWISE_CONFIGS): 128 rows x block_n columns
 # per program (block_k, group_m, stages unused). Timed on a gathered operand (x) and a plain one (dgu).
-FP8_COLQ = [GemmConfig(128, n, 16, 1, w, 1) for n, w in [(64, 4), (64, 8), (128, 4), (128, 8), (256, 8), (32, 4)]]
+FP8_COLQ = [GemmConfig(128, n, 16, 1, w, 1) for n, w in [(64, 4), (64, 2), (128, 4), (128, 8), (256, 4), (256, 8),
+                                                         (32, 4)]]
 STAGE_KEY = {"up": "up", "down": "down", "dgrad": "dgrad", "dx": "dx", "wgrad_w1": "wgrad", "wgrad_w2": "wgrad",
              "fp8_up": "up", "fp8_down": "down", "fp8_dgrad": "dgrad", "fp8_dx": "dx",
              "fp8_wgrad_w1": "wgrad", "fp8_wgrad_w2": "wgrad", "fp8_colq_x": "colq", "fp8_colq_dgu": "colq"}

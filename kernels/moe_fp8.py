@@ -86,7 +86,7 @@ from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 # The sm_90 entries are compile-checked (wgmma on e4m3, shared memory, no spills) and timed on an H200
 # (bench/moe_tune.py; comments below).
 # ---------------------------------------------------------------------------------------------
-MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.11"
+MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.13"
 FP8_STAGES = ("up", "down", "dgrad", "dx")
 
 MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
@@ -134,16 +134,19 @@ FP8_WGRAD_CONFIGS: dict[str, GemmConfig] = {
     # table .4's 128x128 8-warp pointer tile (reports/2026-11-30-h200/fp8-wgrad-tma, every candidate bit-equal).
     # The Gluon kernel (variant "ws", 128x64, 8 warps, 6 stages) gives the same bits and ran at 467-469 against 620
     # TFLOP/s (table ".8", tried and not kept: reports/2026-11-30-h200/fp8-wgrad-ws); its per-column scales are
-    # strided loads (the column-wise scales are stored [columns, P/128]).
-    CUDA_SM90: GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
+    # strided loads (the column-wise scales are stored [columns, P/128]). Table .13: the Gluon kernel with each K
+    # block's scale rows staged in shared memory by TMA, 128x128, 8 warps, 5 stages: 838-840 TFLOP/s against 768-775
+    # for the Triton tile above at the reference shape, same bits (reports/2026-11-30-h200-s9).
+    CUDA_SM90: GemmConfig(128, 128, 128, 1, 8, 5, "ws"),
     TRITON_INTERPRETER: GemmConfig(128, 256, 128, 1, 4, 1),
 }
 # The column-wise quantizer's tile: block_m = QBLOCK rows (one scale block) x block_n columns, num_warps
 # (block_k, group_m, num_stages unused: no K loop).
 QUANT_COLWISE_CONFIGS: dict[str, GemmConfig] = {
     # 128 columns, 4 warps: x (gathered) 221 vs 231 us, dgu 222 vs 240 us for the 64-column tile at the reference
-    # shape (reports/2026-11-30-h200/fp8-table5/moe-tune, same bits); 8 warps and 256 columns were slower.
-    CUDA_SM90: GemmConfig(QBLOCK, 128, 16, 1, 4, 1),
+    # shape (reports/2026-11-30-h200/fp8-table5/moe-tune, same bits); 8 warps and 256 columns were slower. Table
+    # .13: 64 columns, 2 warps: x 192 vs 217 us, dgu 192 vs 219 (374 vs 424 at T=16384; reports/2026-11-30-h200-s9).
+    CUDA_SM90: GemmConfig(QBLOCK, 64, 16, 1, 2, 1),
     TRITON_INTERPRETER: GemmConfig(QBLOCK, 256, 16, 1, 4, 1),
 }
 WGRAD_MODES = ("bf16", "fp8")
@@ -301,6 +304,8 @@ def moe_fp8_quant_colwise_kernel(
                 mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # [QBLOCK, BLOCK_N]
     if SCALE:  # dy = s * dout[token] in FP32 (one rounding), quantized directly
         v = v * tl.load(score_ptr + offs_p)[:, None]
+    # (Quantizing in the load's layout and transposing the e4m3 tile instead gave the same bits in the same time on
+    # the H200: reports/2026-11-30-h200-s9/colq_ab.py.)
     q, scale = quantize_rows(tl.trans(v), INTERPRETED)  # [BLOCK_N, QBLOCK]: 128x1 blocks down the columns
     tl.store(q_ptr + offs_n[:, None] * stride_qn + offs_p[None, :] * stride_qp, q, mask=n_ok[:, None])
     tl.store(qs_ptr + offs_n * stride_sn_s + pid_p * stride_sp_s, scale, mask=n_ok)

@@ -71,19 +71,26 @@ def live_tiles(gate_ptr, P, num_n, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, a_row, b_row, k0, num_kb):
+def _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, a_row, b_row, k0, num_kb, scales=None):
     """TMA loads of K blocks [k0 + kb * 128, +128) for kb < num_kb, A rows from a_row, B rows from b_row, into the
-    ring from slot ``count`` on; a slot is refilled once every consumer has released it. Returns the next count."""
+    ring from slot ``count`` on; a slot is refilled once every consumer has released it. Returns the next count.
+    ``scales`` (the weight gradient's, else None): (as_desc, bs_desc, as_ring, bs_ring), each block's scale rows
+    [k0 / 128 + kb, a_row | b_row, +BLOCK) loaded into the same slot of their own rings, on the same barrier."""
     STAGES: gl.constexpr = a_ring.type.shape[0]
     QB: gl.constexpr = a_ring.type.shape[2]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes + (
+        0 if scales is None else scales[0].block_type.nbytes + scales[1].block_type.nbytes)
     for kb in range(num_kb):
         slot = count % STAGES
         # A fresh barrier counts as having completed the phase before phase 0: the first pass waits on nothing.
         mbarrier.wait(free.index(slot), ((count // STAGES) & 1) ^ 1)
         bar = ready.index(slot)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        mbarrier.expect(bar, nbytes)
         tma.async_copy_global_to_shared(a_desc, [a_row, k0 + kb * QB], bar, a_ring.index(slot))
         tma.async_copy_global_to_shared(b_desc, [b_row, k0 + kb * QB], bar, b_ring.index(slot))
+        if scales is not None:
+            tma.async_copy_global_to_shared(scales[0], [k0 // QB + kb, a_row], bar, scales[2].index(slot))
+            tma.async_copy_global_to_shared(scales[1], [k0 // QB + kb, b_row], bar, scales[3].index(slot))
         count += 1
     return count
 
@@ -114,19 +121,46 @@ def _block_scale(a_scales, b_scales, kb, stride_a, stride_b, B_PER_COLUMN: gl.co
 
 
 @gluon.jit
-def _retire(blk, acc, scale, free, count, PENDING: gl.constexpr):
+def _smem_scale(scale_rings, count, PART: gl.constexpr, blk):
+    """Ring slot ``count``'s scales, staged in shared memory by the producer (the weight gradient's): a [ROWS, 1]
+    for this part's rows, b [1, BLOCK_N] per column. Read at the promotion, so no block's per-column scales stay in
+    registers while the next block's MMAs run."""
+    STAGES: gl.constexpr = scale_rings[0].type.shape[0]
+    ROWS: gl.constexpr = blk.type.shape[0]
+    layout: gl.constexpr = blk.type.layout
+    slot = count % STAGES
+    BLOCK_N: gl.constexpr = scale_rings[1].type.shape[2]
+    a_rows: gl.constexpr = scale_rings[0].type.shape[2]
+    a = scale_rings[0].index(slot).reshape([a_rows]).slice(PART * ROWS, ROWS).load(gl.SliceLayout(1, layout))
+    b = scale_rings[1].index(slot).reshape([BLOCK_N]).load(gl.SliceLayout(0, layout))
+    return a[:, None], b[None, :]
+
+
+@gluon.jit
+def _retire(blk, acc, scale, free, count, PENDING: gl.constexpr, PART: gl.constexpr = 0, scale_rings=None):
     """Wait until PENDING MMA groups remain (ring slot ``count``'s is done), hand that slot back, promote:
-    acc + blk * (a_s * b_s), the Triton kernel's operation order (the product of the scales is exact)."""
+    acc + blk * (a_s * b_s), the Triton kernel's operation order (the product of the scales is exact).
+    ``scale_rings``: the scales are read from the slot's shared memory (``_smem_scale``) and used before the slot is
+    handed back, behind a proxy fence: the producer's next TMA write to the slot (async proxy) must not overtake
+    these generic-proxy reads (without it, main_grad runs of the 128x128 tile differed from the Triton kernel's in
+    10 of 20 repeats on the H200; none of 20 with it, reports/2026-11-30-h200-s9)."""
     STAGES: gl.constexpr = free.type.shape[0]
     blk = warpgroup_mma_wait(num_outstanding=PENDING, deps=(blk, ))
-    mbarrier.arrive(free.index(count % STAGES), count=1)
-    return blk, acc + blk * (scale[0] * scale[1])
+    if scale_rings is not None:
+        scale = _smem_scale(scale_rings, count, PART, blk)
+        acc = acc + blk * (scale[0] * scale[1])
+        fence_async_shared()
+        mbarrier.arrive(free.index(count % STAGES), count=1)
+    else:
+        mbarrier.arrive(free.index(count % STAGES), count=1)
+        acc = acc + blk * (scale[0] * scale[1])
+    return blk, acc
 
 
 @gluon.jit
 def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scales, stride_a, stride_b,
               B_PER_COLUMN: gl.constexpr, KB_GROUP: gl.constexpr, TAIL: gl.constexpr, PART: gl.constexpr,
-              FENCE: gl.constexpr = False):
+              FENCE: gl.constexpr = False, scale_rings=None):
     """acc + sum over K blocks kb < num_kb (ascending) of blk_kb * scale_kb, blk_kb the zero-initialised MMA chain of
     ring slot count + kb. Returns (acc, the next count).
 
@@ -134,7 +168,8 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
     its first, issue its MMAs, then retire the one before (wait until only the new one is in flight, hand its slot
     back, promote it) while the new one's run. Every block gets fresh accumulator registers and nothing is in flight
     across a loop's back edge: an in-flight accumulator carried by a loop is copied there, and ptxas then serializes
-    every wgmma (C7514); unrolled past 3 blocks the registers ran out and it did the same (C7512)."""
+    every wgmma (C7514); unrolled past 3 blocks the registers ran out and it did the same (C7512).
+    ``scale_rings``: the scales come from the ring's shared memory at each promotion (a_scales, b_scales unused)."""
     ROWS: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     layout: gl.constexpr = acc.type.layout
@@ -142,22 +177,24 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
     for g in range(0, full, KB_GROUP):
         prev = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS,
                       FENCE)
-        s_prev = _block_scale(a_scales, b_scales, g, stride_a, stride_b, B_PER_COLUMN)
+        s_prev = _block_scale(a_scales, b_scales, g, stride_a, stride_b, B_PER_COLUMN) if scale_rings is None else None
         for i in gl.static_range(1, KB_GROUP):
             cur = _issue(a_ring, b_ring, ready, count + i, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART,
                          ROWS, FENCE)
-            s_cur = _block_scale(a_scales, b_scales, g + i, stride_a, stride_b, B_PER_COLUMN)
-            acc = _retire(prev, acc, s_prev, free, count + i - 1, 1)[1]
+            s_cur = _block_scale(a_scales, b_scales, g + i, stride_a, stride_b, B_PER_COLUMN) if scale_rings is None \
+                else None
+            acc = _retire(prev, acc, s_prev, free, count + i - 1, 1, PART, scale_rings)[1]
             prev = cur
             s_prev = s_cur
-        acc = _retire(prev, acc, s_prev, free, count + KB_GROUP - 1, 0)[1]
+        acc = _retire(prev, acc, s_prev, free, count + KB_GROUP - 1, 0, PART, scale_rings)[1]
         count += KB_GROUP
     if TAIL:  # (its code costs registers: without it the 128x128 tile compiles without spills)
         for kb in range(full, num_kb):
             blk = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS,
                          FENCE)
-            scale = _block_scale(a_scales, b_scales, kb, stride_a, stride_b, B_PER_COLUMN)
-            acc = _retire(blk, acc, scale, free, count, 0)[1]
+            scale = _block_scale(a_scales, b_scales, kb, stride_a, stride_b, B_PER_COLUMN) if scale_rings is None \
+                else None
+            acc = _retire(blk, acc, scale, free, count, 0, PART, scale_rings)[1]
             count += 1
     return acc, count
 
@@ -287,24 +324,26 @@ def _wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr):
 
 
 @gluon.jit
-def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles, num_r, num_c,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The weight gradient's loads: the expert's 128-row blocks of A_q [R, P] and B_q [C, P] (P is the K dim)."""
+def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr, num_tiles, num_r,
+                    num_c, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The weight gradient's loads: the expert's 128-row blocks of A_q [R, P] and B_q [C, P] (P is the K dim) and
+    each block's scale rows (``scales``: their descriptors and rings)."""
     QB: gl.constexpr = a_ring.type.shape[2]
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         expert, pid_r, pid_c, start, routed = _wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
         count = _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, pid_r * BLOCK_M, pid_c * BLOCK_N,
-                             start, gl.cdiv(routed, QB))
+                             start, gl.cdiv(routed, QB), scales)
 
 
 @gluon.jit
-def _wgrad_consumer(a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, as_ptr, bs_ptr, offsets_ptr, counts_ptr,
-                    num_tiles, num_r, num_c, R, stride_asr, stride_asp, stride_bsc, stride_bsp, stride_we, stride_wr,
-                    stride_wc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KB_GROUP: gl.constexpr,
-                    ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr):
+def _wgrad_consumer(a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
+                    num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, KB_GROUP: gl.constexpr, ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr,
+                    PART: gl.constexpr):
     """The weight gradient's consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of dW[e]'s
-    tile; BF16 out by TMA store, or main_grad += it in FP32 (an expert without rows leaves main_grad untouched)."""
+    tile, its scales read from the ring at each promotion; BF16 out by TMA store, or main_grad += it in FP32 (an
+    expert without rows leaves main_grad untouched)."""
     QB: gl.constexpr = a_ring.type.shape[2]
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
@@ -312,15 +351,13 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, as_ptr,
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         expert, pid_r, pid_c, start, routed = _wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
-        rows = pid_r * BLOCK_M + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-        cols = pid_c * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        kb0 = start // QB
         acc, count = _k_blocks(a_ring, b_ring, ready, free, count, gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout),
-                               gl.cdiv(routed, QB), as_ptr + rows * stride_asr + kb0 * stride_asp,
-                               bs_ptr + cols * stride_bsc + kb0 * stride_bsp, stride_asp, stride_bsp, True, KB_GROUP,
-                               True, PART)
+                               gl.cdiv(routed, QB), None, None, 0, 0, True, KB_GROUP, True, PART,
+                               scale_rings=scale_rings)
         if ACCUMULATE:
             if routed > 0:
+                rows = pid_r * BLOCK_M + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+                cols = pid_c * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
                 ptrs = dw_ptr + expert * stride_we + rows[:, None] * stride_wr + cols[None, :] * stride_wc
                 gl.store(ptrs, gl.load(ptrs) + acc)
         else:
@@ -331,36 +368,42 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, as_ptr,
 @gluon.jit(launch_metadata=wgrad_launch_metadata)
 def moe_fp8_wgrad_ws_kernel(
     a_desc, b_desc,  # TMA descriptors: A_q [R, P] (box [BLOCK_M, 128]), B_q [C, P] (box [BLOCK_N, 128]), P contiguous
+    as_desc, bs_desc,  # TMA descriptors over the scales' storage [P/128, R] and [P/128, C] (boxes [1, BLOCK_M | N])
     c_desc,  # TMA descriptor over the BF16 dW as [E * R, C], box [BLOCK_M / CONSUMERS, BLOCK_N] (unused: ACCUMULATE)
     dw_ptr,  # main_grad [E, R, C] FP32 (ACCUMULATE)
-    as_ptr, bs_ptr, offsets_ptr, counts_ptr,
+    offsets_ptr, counts_ptr,
     R, C, num_experts,  # dW[e] [R, C] = sum over e's 128-row blocks kb (ascending) of A_q[:, kb] B_q[:, kb]^T s
-    stride_asr, stride_asp, stride_bsc, stride_bsp, stride_we, stride_wr, stride_wc,
+    stride_we, stride_wr, stride_wc,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KB_GROUP: gl.constexpr,
     ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
     a_ring, b_ring, ready, free, c_smem = _allocate(a_desc, b_desc, c_desc, gl.bfloat16, STAGES, CONSUMERS)
+    # Each ring slot's scale rows beside its operand tiles (one TMA barrier for all four).
+    as_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + as_desc.block_type.shape, as_desc.layout)
+    bs_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + bs_desc.block_type.shape, bs_desc.layout)
     num_r = R // BLOCK_M
     num_c = C // BLOCK_N
     num_tiles = num_experts * num_r * num_c
+    scale_rings = (as_ring, bs_ring)
+    scales = (as_desc, bs_desc, as_ring, bs_ring)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, as_ptr, bs_ptr, offsets_ptr,
-                               counts_ptr, num_tiles, num_r, num_c, R, stride_asr, stride_asp, stride_bsc, stride_bsp,
-                               stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
-            (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, as_ptr, bs_ptr, offsets_ptr,
-                               counts_ptr, num_tiles, num_r, num_c, R, stride_asr, stride_asp, stride_bsc, stride_bsp,
-                               stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 1)),
-            (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles, num_r,
-                               num_c, BLOCK_M, BLOCK_N)),
+            (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
+                               counts_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
+                               KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
+            (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
+                               counts_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
+                               KB_GROUP, ACCUMULATE, CONSUMERS, 1)),
+            (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr, num_tiles,
+                               num_r, num_c, BLOCK_M, BLOCK_N)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, as_ptr, bs_ptr, offsets_ptr,
-                               counts_ptr, num_tiles, num_r, num_c, R, stride_asr, stride_asp, stride_bsc, stride_bsp,
-                               stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
-            (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles, num_r,
-                               num_c, BLOCK_M, BLOCK_N)),
+            (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
+                               counts_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
+                               KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
+            (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr, num_tiles,
+                               num_r, num_c, BLOCK_M, BLOCK_N)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -697,6 +740,13 @@ def fp8_ws_descriptor(tensor: torch.Tensor, box: list[int], dtype=gl.float8e4nv)
     return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, layout)
 
 
+def scale_row_descriptor(scales: torch.Tensor, block: int) -> TensorDescriptor:
+    """A TMA descriptor over FP32 scales [blocks, columns] (row-major) reading boxes of one row x ``block`` columns
+    into unswizzled shared memory (a row is wider than any swizzle span)."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(scales, list(scales.shape), list(scales.stride()), [1, block], layout)
+
+
 def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor,
                   b_s: torch.Tensor, c: torch.Tensor, route: torch.Tensor, tile_expert: torch.Tensor, padded_rows: int,
                   segment: int, sms: int) -> None:
@@ -745,6 +795,17 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
     if any(t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16 for t in (a_q, b_q)) or not out.is_contiguous():
         raise ValueError(f"wgrad: variant 'ws' needs a_q, b_q row-major with 16-byte aligned rows and dW contiguous; "
                          f"got strides {a_q.stride()}, {b_q.stride()}, {out.stride()}")
+    # The scales [rows, P/128] are read through their storage [P/128, rows] (moe_fp8_quant_colwise's), one TMA row
+    # [1, BLOCK] per K block.
+    if any(t.stride(0) != 1 or t.stride(1) % 4 or t.data_ptr() % 16 for t in (a_s, b_s)):
+        raise ValueError(f"wgrad: variant 'ws' needs the scales stored [P/128, rows] with 16-byte aligned rows (a "
+                         f"[rows, P/128] view of it); got strides {a_s.stride()}, {b_s.stride()}")
+    ring = config.num_stages * (config.block_m + config.block_n) * (QBLOCK_WS + 4)  # operand tiles + FP32 scale rows
+    store = 0 if accumulate else config.block_m * config.block_n * 2
+    if ring + store > SM90_SHARED_BYTES:
+        raise ValueError(f"wgrad: variant 'ws' {config.label()} needs {ring + store} bytes of shared memory ({ring} for "
+                         f"{config.num_stages} stages, {store} for the BF16 store); sm_90 has {SM90_SHARED_BYTES} per "
+                         "block: use fewer stages")
     part_rows = config.block_m // consumers(config.num_warps)
     # The BF16 dW as [E * R, C] for the TMA store; accumulating into main_grad stores through pointers (the kernel
     # still takes a descriptor: one over a tile-sized scratch).
@@ -754,9 +815,10 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
     tiles = num_experts * (r // config.block_m) * (c // config.block_n)
     moe_fp8_wgrad_ws_kernel[(min(tiles, sms),)](
         fp8_ws_descriptor(a_q, [config.block_m, QBLOCK_WS]), fp8_ws_descriptor(b_q, [config.block_n, QBLOCK_WS]),
-        c_desc, out, a_s, b_s, offsets, counts,
+        scale_row_descriptor(a_s.t(), config.block_m), scale_row_descriptor(b_s.t(), config.block_n),
+        c_desc, out, offsets, counts,
         r, c, num_experts,
-        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, KB_GROUP=3,
         ACCUMULATE=accumulate, CONSUMERS=consumers(config.num_warps),
         num_warps=4, maxnreg=max_regs(config.num_warps),

@@ -103,5 +103,6 @@ def refuses_ws_off_sm90(runs: dict[str, Callable], config, device: torch.device)
 FP8_TRITON_TILES = {
     "up": GemmConfig(64, 128, 128, 1, 4, 3, "tma"), "down": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
     "dgrad": GemmConfig(128, 64, 128, 1, 4, 4, "tma"), "dx": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
+    "wgrad": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
 }
 

@@ -27,7 +27,8 @@ from kernels.moe import moe_mlp_ref
 from kernels.moe_routing import build_routing, launch_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import (
-    assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline, fp8_stage_runs, layer_args,
+    FP8_TRITON_TILES, assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline,
+    fp8_stage_runs, layer_args,
 )
 from toolkit.contract import compare_bits
 
@@ -287,7 +288,8 @@ def test_fp8_wgrad_tma_variant_gives_the_pointer_kernels_bits(device):
     b = backend_of(device)
     xq, xs = moe_fp8_quant_colwise(inp["x"], r, b, gather=True, scale=False)
     yq, ys = moe_fp8_quant_colwise(inp["x"].flip(1), r, b, gather=True, scale=True)
-    ptr = replace(FP8_WGRAD_CONFIGS[b], variant="ptr")
+    # The Triton kernel's tile on sm_90 (the pinned one is the Gluon kernel's since table .13).
+    ptr = replace(FP8_TRITON_TILES["wgrad"] if b == "cuda_sm90" else FP8_WGRAD_CONFIGS[b], variant="ptr")
     for config in (replace(ptr, variant="tma"), replace(ptr, block_m=64, block_n=128, num_warps=4, variant="tma")):
         same = compare_bits(moe_fp8_wgrad(xq, xs, yq, ys, r, b, config=config),
                             moe_fp8_wgrad(xq, xs, yq, ys, r, b, config=ptr))
@@ -447,8 +449,8 @@ for name, c, epi in (("dgrad_two_blocks", kf.GemmConfig(64, 128, 128, 1, 8, 4), 
         "INTERPRETED": False, "B_TMA": False, "DSCORE": epi == 2}, ("stride_al", "stride_bl", "stride_cc", "stride_xc",
         "stride_qc"),
         c.num_warps, c.num_stages)
-c = kf.FP8_WGRAD_CONFIGS["cuda_sm90"]
-for acc, tma in ((False, False), (True, False), (False, True)):  # the pinned tile; its TMA twin (scale prefetch)
+c = kf.GemmConfig(64, 128, 128, 1, 4, 3)  # the Triton kernel's sm_90 tile (tests/moe_helpers.py FP8_TRITON_TILES)
+for acc, tma in ((False, False), (True, False), (False, True)):  # pointer operands; TMA ones (scale prefetch)
     a_t, b_t = ((f"tensordesc<fp8e4nv[{rows}, {c.block_k}]>" if tma else "*fp8e4nv") for rows in (c.block_m, c.block_n))
     out["wgrad_tma" if tma else f"wgrad_{acc}"] = build(
         kf.moe_fp8_wgrad_kernel, {"a_ptr": a_t, "as_ptr": "*fp32", "b_ptr": b_t, "bs_ptr": "*fp32",

@@ -11,7 +11,7 @@ import torch
 from audits.moe import MoeCase
 from audits.moe_fp8 import make_inputs
 from kernels.det_gemm import GemmConfig
-from kernels.moe_fp8 import FP8_WGRAD_CONFIGS, moe_fp8_quant_colwise, moe_fp8_wgrad, select_moe_fp8_config
+from kernels.moe_fp8 import moe_fp8_quant_colwise, moe_fp8_wgrad, select_moe_fp8_config
 from kernels.moe_routing import build_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import (
@@ -28,7 +28,8 @@ GATHERED_WS_CONFIGS = {  # BLOCK_M 64 with 8 warps: ping-pong
               GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 8, 5, "ws"),
               GemmConfig(64, 64, 128, 1, 8, 6, "ws")],
 }
-WGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(128, 128, 128, 1, 8, 4, "ws")]
+WGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(128, 128, 128, 1, 8, 4, "ws"),
+                    GemmConfig(128, 128, 128, 1, 8, 5, "ws")]
 
 
 def _operands(device, t=24, h=128, i=128, e=3, k=2, seed=5):
@@ -61,6 +62,8 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
         gathered["up"](replace(ws, block_n=64))
     with pytest.raises(ValueError, match="needs 294912 bytes of shared memory"):  # 6 stages + 96 KB of store buffers
         gathered["dgrad"](GemmConfig(128, 128, 128, 1, 8, 6, "ws"))
+    with pytest.raises(ValueError, match="needs 235520 bytes of shared memory"):  # 6 stages + the BF16 store tile
+        runs["wgrad_w1"](GemmConfig(128, 128, 128, 1, 8, 6, "ws"))
     with pytest.raises(ValueError, match="64 rows"):
         runs["down"](GemmConfig(128, 128, 128, 1, 4, 4, "ws"))
     with pytest.raises(ValueError, match="one 128-K scale block per ring slot"):
@@ -111,17 +114,17 @@ def test_ws_weight_gradient_gives_the_triton_kernels_bits(shape, device):
     # main_grad += dW in FP32 (an expert without rows leaves its slice untouched).
     t, h, i, e, k = shape
     runs, _, r = _operands(device, t, h, i, e, k, seed=11)
-    pinned = FP8_WGRAD_CONFIGS[backend_of(device)]
+    triton_tile = FP8_TRITON_TILES["wgrad"]
     for stage in ("wgrad_w1", "wgrad_w2"):
         run = runs[stage]
-        ref = run(pinned)
+        ref = run(triton_tile)
         assert bool((ref[0] == 0).all()), stage
-        for config in WGRAD_WS_CONFIGS:
+        for config in WGRAD_WS_CONFIGS:  # the pinned tile among them
             out = run(config)
             assert compare_bits(out, ref).equal, (stage, config.label())
             base = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2)).to(device)
             mg_ref, mg = base.clone(), base.clone()
-            run(pinned, mg_ref)
+            run(triton_tile, mg_ref)
             run(config, mg)
             assert compare_bits(mg, mg_ref).equal and compare_bits(mg[0], base[0]).equal, (stage, config.label())
 
@@ -134,16 +137,18 @@ from kernels.det_gemm_ws import consumers, max_regs
 from kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_gather_kernel, moe_fp8_ws_kernel
 out = {}
 box = lambda rows, cols=128, dt=gl.float8e4nv: gluon_desc_type(rows, cols, dt)
+scale_box = lambda cols: f"tensordesc<fp32[1, {cols}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)!r}>"
 grouped = [(moe_fp8_ws_kernel, f"grouped_{bm}x{bn}", bm, bn, warps,
             {"a_desc": box(bm), "b_desc": box(bn), "c_desc": box(bm // consumers(warps), bn, gl.float32), "as_ptr": "*fp32",
              "bs_ptr": "*fp32", "route_ptr": "*i32", "tile_expert_ptr": "*i32"},
             {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
              "stride_asl": 1}) for bm, bn, warps, stages in [(128, 128, 8, 5), (64, 128, 4, 6), (128, 64, 8, 8)]]
 wgrad = [(moe_fp8_wgrad_ws_kernel, f"wgrad_{bm}x{bn}_acc{int(acc)}", bm, bn, warps,
-          {"a_desc": box(bm), "b_desc": box(bn), "c_desc": box(bm // consumers(warps), bn, gl.bfloat16), "dw_ptr": "*fp32",
-           "as_ptr": "*fp32", "bs_ptr": "*fp32", "offsets_ptr": "*i32", "counts_ptr": "*i32"},
+          {"a_desc": box(bm), "b_desc": box(bn), "as_desc": scale_box(bm), "bs_desc": scale_box(bn),
+           "c_desc": box(bm // consumers(warps), bn, gl.bfloat16), "dw_ptr": "*fp32", "offsets_ptr": "*i32",
+           "counts_ptr": "*i32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "KB_GROUP": 3, "ACCUMULATE": acc, "CONSUMERS": consumers(warps),
-           "stride_asr": 1, "stride_bsc": 1, "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 64, 8, 6, False), (128, 64, 8, 6, True)]]
+           "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 64, 8, 6, False), (128, 64, 8, 6, True)]]
 part = lambda bm, warps: 64 if warps == 8 and bm == 64 else bm // consumers(warps)  # a consumer's rows per tile
 up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}_w{warps}", bm, bn, warps,
        {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(part(bm, warps), bn, gl.bfloat16),
