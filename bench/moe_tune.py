@@ -63,10 +63,10 @@ FP8_GROUPED = [GemmConfig(*c) for c in [
     (64, 128, 128, 1, 4, 3), (64, 128, 128, 1, 4, 2),
 ]]
 # "ws": the warp-specialized Gluon kernel of down and dX (kernels/moe_fp8_ws.py): persistent, TMA producer warp,
-# one or two 64-row consumer warpgroups promoting block kb while block kb+1's MMAs run, the FP32 tile stored by TMA
-# from a 32-64 KiB buffer (so 5 stages at most for 128x128). BLOCK_K is the 128-K block.
+# one or two 64-row consumer warpgroups promoting block kb while block kb+1's MMAs run, the BF16 tile (FP32 until
+# FP8 table .14) stored by TMA from a 16-32 KiB buffer (6 stages fit for 128x128). BLOCK_K is the 128-K block.
 FP8_GROUPED += [GemmConfig(*c, variant="ws") for c in [
-    (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 5), (64, 128, 128, 1, 4, 4), (64, 128, 128, 1, 4, 6),
+    (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 5), (128, 128, 128, 1, 8, 6), (64, 128, 128, 1, 4, 6),
     (128, 64, 128, 1, 8, 6), (128, 64, 128, 1, 8, 8),
 ]]
 # up: BLOCK_N 256 quantizes h in the epilogue (one 1x128 block per row); 128 leaves it to the row-wise pass over

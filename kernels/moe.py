@@ -215,9 +215,12 @@ def grouped_tile(C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.co
 
 
 @triton.jit
-def store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc):
-    """Epilogue 0: the FP32 tile as is (y of the down-projection, the per-route dX)."""
+def store_c_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc, INTERPRETED: tl.constexpr):
+    """Epilogue 0: the FP32 tile as is (y of the down-projection, the per-route dX), or rounded once to BF16 when C
+    is BF16 (the FP8 path's)."""
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
+    if c_ptr.dtype.element_ty == tl.bfloat16:
+        acc = to_bf16(acc, INTERPRETED)
     tl.store(c_ptrs, acc, mask=(offs_m[:, None] >= 0) & col_ok[None, :])
 
 
@@ -282,7 +285,7 @@ def grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs
     """The BF16 grouped kernels' epilogue (both load paths share it); DSCORE (dgrad only): the dscore
     partials from the same accumulator."""
     if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
-        store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
+        store_c_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc, INTERPRETED)
     elif EPILOGUE == 1:  # SwiGLU: gu and h in BF16
         swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc, stride_xm,
                         stride_xc, BLOCK_M, BLOCK_N, INTERPRETED)
@@ -464,8 +467,9 @@ def moe_combine_kernel(
     for k in range(0, K):
         rows = tl.load(route_row_ptr + offs_t * stride_rt + k * stride_rk, mask=t_ok, other=-1)
         ok = rows >= 0
+        # [BLOCK_M, BLOCK_N]: the BF16 layer's FP32 rows or the FP8 layer's BF16 ones (exact in FP32)
         v = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :] * stride_sn,
-                    mask=ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] FP32
+                    mask=ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         if SCALED:
             w = tl.load(score_ptr + offs_t * stride_st + k * stride_sk, mask=ok, other=0.0).to(tl.float32)
             v = w[:, None] * v
@@ -782,7 +786,7 @@ def _combine(op_id: int, src: torch.Tensor, routing: MoeRouting, scores: torch.T
 
 def moe_combine(y: torch.Tensor, routing: MoeRouting, scores: torch.Tensor, backend: str,
                 config: GemmConfig | None = None) -> torch.Tensor:
-    """out [T, H] = bf16(sum over k ascending of scores[t, k] * y[route_row[t, k]]) (FP32 sum)."""
+    """out [T, H] = bf16(sum over k ascending of scores[t, k] * y[route_row[t, k]]) (FP32 sum; y FP32 or BF16)."""
     return _combine(0, y, routing, scores, backend, config)
 
 

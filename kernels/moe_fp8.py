@@ -18,12 +18,12 @@ Stages (P = padded expert-sorted rows):
     up      gu [P, 2I] bf16 = x_q[gather] @ W1q[e]; epilogue: h = silu(g) * u -> h [P, I] bf16 and
             h_q / h_s = quantize_rowwise(h) (1x128 along I, the down-projection's K): fused when the tile
             is 256 interleaved columns wide, else a row-wise pass over the stored h (the same bits)
-    down    y [P, H] fp32 = h_q @ W2q[e]
-    combine out = bf16(sum_k s_k y_k)                    (kernels.moe.moe_combine, unchanged)
+    down    y [P, H] bf16 = h_q @ W2q[e] (FP32 accumulation, rounded once)
+    combine out = bf16(sum_k s_k y_k) in FP32            (kernels.moe.moe_combine, as the BF16 layer's)
     dgrad   dh = s * (dout_q[gather] @ W2q[e]^T) fp32; dg, du from the saved gu -> dgu [P, 2I] bf16 and,
             fused, dgu_q / dgu_s = quantize_rowwise(dgu) (1x128 along 2I, dX's K), and the dscore partials:
             (dout_q[gather] @ W2q[e]^T) * h summed in fixed groups of 16 columns (fp8_dscore_partials)
-    dx      dx_route [P, H] fp32 = dgu_q @ W1q[e]^T, then the ascending-k gather-sum (kernels.moe)
+    dx      dx_route [P, H] bf16 = dgu_q @ W1q[e]^T, then the ascending-k gather-sum in FP32 (kernels.moe)
     wgrad   wgrad="fp8" (default): x[gather], dgu, h and dy = s * dout[gather] quantized 128x1 down the rows
             (moe_fp8_quant_colwise, transposed to K-major), then moe_fp8_wgrad_kernel per expert with
             promotion every 128 rows; wgrad="bf16": kernels.moe.moe_wgrad_w1(x, dgu), moe_wgrad_w2(h, dout)
@@ -70,7 +70,7 @@ from kernels.moe import (
     MoeGrads, check_dout, check_grouped_config, check_main_grads, check_moe_inputs, check_moe_variant,
     dswiglu_epilogue, grouped_tile, launch_checked_routing, layer_stage_names, mma_step, moe_combine,
     moe_dscores_from_partials, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2, pinned_stage_config,
-    store_fp32_tile, swiglu_epilogue, tile_is_live, to_bf16, weight_descriptor,
+    store_c_tile, swiglu_epilogue, tile_is_live, to_bf16, weight_descriptor,
 )
 from kernels.moe_fp8_ws import (
     DS_GROUP, fp8_stage_name, grouped_launch_metadata, launch_fp8_wgrad_ws, launch_fp8_ws, launch_fp8_ws_gather,
@@ -86,7 +86,7 @@ from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 # The sm_90 entries are compile-checked (wgmma on e4m3, shared memory, no spills) and timed on an H200
 # (bench/moe_tune.py; comments below).
 # ---------------------------------------------------------------------------------------------
-MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.13"
+MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.14"
 FP8_STAGES = ("up", "down", "dgrad", "dx")
 
 MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
@@ -155,7 +155,8 @@ WGRAD_MODES = ("bf16", "fp8")
 DEFAULT_WGRAD = "fp8"
 OTHER_WGRAD = next(m for m in WGRAD_MODES if m != DEFAULT_WGRAD)  # the mode the bench and the audit run beside it
 
-EPI_FP32, EPI_SWIGLU_QUANT, EPI_DSWIGLU_QUANT, EPI_SWIGLU = 0, 1, 2, 3
+# EPI_PLAIN: the accumulator rounded once to C's dtype (BF16: y, dx_route)
+EPI_PLAIN, EPI_SWIGLU_QUANT, EPI_DSWIGLU_QUANT, EPI_SWIGLU = 0, 1, 2, 3
 
 
 def select_moe_fp8_config(stage: str, backend: str) -> GemmConfig:
@@ -219,8 +220,8 @@ def moe_fp8_grouped_gemm_kernel(
                 acc += blk * (a_s[:, None] * b_s)  # exact scaling: powers of two
                 a_s, b_s = a_s_next, b_s_next
 
-        if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
-            store_fp32_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc)
+        if EPILOGUE == 0:  # BF16 out, rounded once (y of the down-projection, the per-route dX)
+            store_c_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc, INTERPRETED)
         elif EPILOGUE == 1 or EPILOGUE == 3:  # SwiGLU: gu, h in BF16 (saved)
             h, offs_h, h_ok = swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc,
                                               stride_xm, stride_xc, BLOCK_M, BLOCK_N, INTERPRETED)
@@ -523,7 +524,7 @@ def _check_ws(stage: str, config: GemmConfig, gather: bool, epilogue: int, backe
     if backend != CUDA_SM90:
         raise ValueError(f"{stage}: variant 'ws' is a Gluon kernel for sm_90 and has no {backend!r} path; use a "
                          "'ptr' or 'tma' config there")
-    if (gather, epilogue) not in ((False, EPI_FP32), (True, EPI_SWIGLU), (True, EPI_DSWIGLU_QUANT)):
+    if (gather, epilogue) not in ((False, EPI_PLAIN), (True, EPI_SWIGLU), (True, EPI_DSWIGLU_QUANT)):
         raise ValueError(f"{stage}: variant 'ws' covers down, dX, the up-projection with h quantized by the row-wise "
                          "pass (BLOCK_N 128), dgrad (BLOCK_N 64 or 128) and the FP8 weight gradient; use a 'ptr' or 'tma' "
                          "config for the fused up tile")
@@ -579,9 +580,10 @@ def _quantized_h(h: torch.Tensor, h_q: torch.Tensor | None, h_s: torch.Tensor | 
 
 def moe_fp8_down(h_q: torch.Tensor, h_s: torch.Tensor, w2f: Fp8Weight, routing: MoeRouting, backend: str,
                  config: GemmConfig | None = None) -> torch.Tensor:
-    """y [P, H] fp32 = h_q @ W2q[e] (unrounded: the combine rounds once)."""
-    y = torch.empty((routing.padded_rows, w2f.q.shape[2]), dtype=torch.float32, device=h_q.device)
-    _grouped(1, "down", h_q, h_s, False, w2f.q_t, w2f.scale, y, None, None, None, routing, EPI_FP32, backend, config)
+    """y [P, H] bf16 = h_q @ W2q[e] (FP32 accumulation, rounded once; the combine sums in FP32 and rounds again:
+    half the bytes of an FP32 y to write and to read back)."""
+    y = torch.empty((routing.padded_rows, w2f.q.shape[2]), dtype=torch.bfloat16, device=h_q.device)
+    _grouped(1, "down", h_q, h_s, False, w2f.q_t, w2f.scale, y, None, None, None, routing, EPI_PLAIN, backend, config)
     return y
 
 
@@ -613,10 +615,10 @@ def moe_fp8_dgrad_dswiglu(dout_q: torch.Tensor, dout_s: torch.Tensor, w2f: Fp8We
 
 def moe_fp8_dx_route(dgu_q: torch.Tensor, dgu_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,
                      config: GemmConfig | None = None) -> torch.Tensor:
-    """dx_route [P, H] fp32 = dgu_q @ W1q[e]^T (the gather-sum rounds once)."""
-    dxr = torch.empty((routing.padded_rows, w1f.q.shape[1]), dtype=torch.float32, device=dgu_q.device)
+    """dx_route [P, H] bf16 = dgu_q @ W1q[e]^T (FP32 accumulation, rounded once; the gather-sum sums in FP32)."""
+    dxr = torch.empty((routing.padded_rows, w1f.q.shape[1]), dtype=torch.bfloat16, device=dgu_q.device)
     _grouped(3, "dx", dgu_q, dgu_s, False, w1f.q, w1f.scale.transpose(1, 2), dxr, None, None, None, routing,
-             EPI_FP32, backend, config)
+             EPI_PLAIN, backend, config)
     return dxr
 
 
@@ -652,7 +654,7 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
     (scales [R, P/128], [C, P/128]), per-128-row promotion; BF16, or main_grad += it in FP32 (None)."""
     config = config or FP8_WGRAD_CONFIGS[backend]
     if config.variant == "ws":
-        _check_ws("wgrad", config, False, EPI_FP32, backend)
+        _check_ws("wgrad", config, False, EPI_PLAIN, backend)
     else:
         check_moe_variant("wgrad", config)
     if QBLOCK % config.block_k:
@@ -855,7 +857,7 @@ def moe_mlp_fp8_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
                     scores: torch.Tensor, dout: torch.Tensor | None = None,
                     wgrad: str = DEFAULT_WGRAD) -> dict[str, torch.Tensor]:
     """The FP8 recipe in plain torch: the same quantizers (references), every GEMM and activation in FP64
-    on the dequantized operands, BF16 roundings where the kernels round (gu, h, dgu, out, dx, dW), and
+    on the dequantized operands, BF16 roundings where the kernels round (gu, h, y, out, dgu, dx_route, dx, dW), and
     h / dgu quantized from their BF16 values. It differs from the kernels only by FP32 accumulation and
     the activation's exp, which can move a BF16 rounding (and then an E4M3 one) by one unit."""
     check_wgrad_mode(wgrad)
@@ -876,7 +878,7 @@ def moe_mlp_fp8_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
         g, u = gu[:, 0::2].to(f64), gu[:, 1::2].to(f64)
         h = (torch.nn.functional.silu(g) * u).to(bf16)
         hq, hs = quantize_rowwise_ref(h)
-        ys[tok, kk] = dequantize_rowwise(hq, hs).to(f64) @ w2_d[e]
+        ys[tok, kk] = (dequantize_rowwise(hq, hs).to(f64) @ w2_d[e]).to(bf16).to(f64)  # y rounded, as the down GEMM
         saved[e] = (tok, kk, gu, h)
     s64 = scores.to(f64)
     for k in range(k_count):  # ascending k, as the combine
@@ -899,7 +901,7 @@ def moe_mlp_fp8_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
         sig = torch.sigmoid(g)
         dgu = torch.stack((dh * u * sig * (1 + g * (1 - sig)), dh * g * sig), dim=2).flatten(1).to(bf16)
         gq, gs = quantize_rowwise_ref(dgu)
-        dx.index_add_(0, tok, dequantize_rowwise(gq, gs).to(f64) @ w1_d[e].t())
+        dx.index_add_(0, tok, (dequantize_rowwise(gq, gs).to(f64) @ w1_d[e].t()).to(bf16).to(f64))  # dx_route rounded
         if wgrad == "fp8":  # every operand 128x1 along the expert's rows; dy = s * dout in FP32
             dy = scores.float()[tok, kk][:, None] * dout[tok].float()
             dw1[e] = _colwise_dequantized(x[tok]).to(f64).t() @ _colwise_dequantized(dgu).to(f64)

@@ -13,7 +13,7 @@ FP32 (the scales are powers of two: the product is exact). A tile of padding row
 to 128 rows, so a tile is all padding once its first row is) loads nothing, and padding rows store zeros, as
 the Triton kernel's masked loads give.
 
-Kernels: ``moe_fp8_ws_kernel``, down and dX (A = h_q, dgu_q: expert-sorted rows, by TMA; FP32 out by TMA store;
+Kernels: ``moe_fp8_ws_kernel``, down and dX (A = h_q, dgu_q: expert-sorted rows, by TMA; BF16 out by TMA store;
 pinned on sm_90); ``moe_fp8_wgrad_ws_kernel``, the FP8 weight gradient (bit-equal, slower than the Triton tile:
 not pinned); ``moe_fp8_ws_gather_kernel``, up and dgrad+dSwiGLU (A rows gathered by cp.async, their epilogues;
 pinned on sm_90 since table .9). Gluon has no interpreter path: sm_90 only.
@@ -276,7 +276,7 @@ def _allocate(a_desc, b_desc, c_desc, c_dtype: gl.constexpr, STAGES: gl.constexp
 @gluon.jit(launch_metadata=grouped_launch_metadata)
 def moe_fp8_ws_kernel(
     a_desc, b_desc,  # TMA descriptors: A_q [P, L] (box [BLOCK_M, 128]), B_q K-major as [E * C, L] (box [BLOCK_N, 128])
-    c_desc,  # TMA descriptor over the FP32 output [P, C], box [BLOCK_M / CONSUMERS, BLOCK_N]
+    c_desc,  # TMA descriptor over the output [P, C] (BF16, or FP32), box [BLOCK_M / CONSUMERS, BLOCK_N]
     as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
     P, C, L,  # C[p, :C] = sum_kb (A_q[p, kb] @ B_q[e][kb, :C]) * a_s[p, kb] * b_s[e][kb, :]
     stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
@@ -285,7 +285,7 @@ def moe_fp8_ws_kernel(
     KB_GROUP: gl.constexpr,  # K blocks per unrolled group of the consumers' loop; divides L / 128
     CONSUMERS: gl.constexpr,  # consumer warpgroups, each its own partition and BLOCK_M / CONSUMERS rows: 1 or 2
 ):
-    a_ring, b_ring, ready, free, c_smem = _allocate(a_desc, b_desc, c_desc, gl.float32, STAGES, CONSUMERS)
+    a_ring, b_ring, ready, free, c_smem = _allocate(a_desc, b_desc, c_desc, c_desc.dtype, STAGES, CONSUMERS)
     num_n = C // BLOCK_N
     num_tiles = (P // BLOCK_M) * num_n
     if CONSUMERS == 2:  # cooperative: the two warpgroups split each tile's rows and sync only through the ring
@@ -750,8 +750,8 @@ def scale_row_descriptor(scales: torch.Tensor, block: int) -> TensorDescriptor:
 def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor,
                   b_s: torch.Tensor, c: torch.Tensor, route: torch.Tensor, tile_expert: torch.Tensor, padded_rows: int,
                   segment: int, sms: int) -> None:
-    """c [P, C] fp32 = the FP8 grouped GEMM of A_q [P, L] and the K-major weight b [E, C, L]; refuses, naming the
-    value, what this kernel does not cover (before any work)."""
+    """c [P, C] (c's dtype: BF16, or FP32) = the FP8 grouped GEMM of A_q [P, L] and the K-major weight b [E, C, L];
+    refuses, naming the value, what this kernel does not cover (before any work)."""
     e, n_cols, reduced = b.shape
     if config.block_k != QBLOCK_WS:
         raise ValueError(f"{stage}: variant 'ws' runs one {QBLOCK_WS}-K scale block per ring slot; got BLOCK_K "
@@ -767,7 +767,8 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
         raise ValueError(f"{stage}: the reduced dim {reduced} must be a multiple of {QBLOCK_WS}")
     a_desc = fp8_ws_descriptor(a[:padded_rows], [config.block_m, QBLOCK_WS])
     b_desc = fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS])
-    c_desc = fp8_ws_descriptor(c, [config.block_m // consumers(config.num_warps), config.block_n], gl.float32)
+    c_desc = fp8_ws_descriptor(c, [config.block_m // consumers(config.num_warps), config.block_n],
+                               {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[c.dtype])
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
     moe_fp8_ws_kernel[(min(tiles, sms),)](
         a_desc, b_desc, c_desc, a_s, b_s, route, tile_expert,

@@ -1,9 +1,9 @@
 """The FP8 column-wise quantizer (wgrad="fp8": x[gather], dgu, h, s * dout[gather], each [P, N] -> K-major e4m3
-[N, P] with 128x1 scales) in two forms, timed in interleaved rounds (toolkit.timing.time_interleaved) with every
-output checked bit-equal: "fp32 transpose" (the kernel until 2026-11-30, copied below: the FP32 tile transposed,
-then quantized along its rows) and "e4m3 transpose" (kernels.moe_fp8.moe_fp8_quant_colwise_kernel since: quantized
-down the columns in the load's layout, then the 1-byte tile transposed), at several tiles. Run from the repository
-root on the GPU:
+[N, P] with 128x1 scales) in two forms, both copied below, timed in interleaved rounds
+(toolkit.timing.time_interleaved) with every output checked bit-equal to the first: "fp32 transpose" (the FP32 tile
+transposed, then quantized along its rows: kernels.moe_fp8.moe_fp8_quant_colwise_kernel's form) and "e4m3 transpose"
+(quantized down the columns in the load's layout, then the 1-byte tile transposed), at several tiles (columns per
+program, warps). Run from the repository root on the GPU:
     python reports/2026-11-30-h200-s9/colq_ab.py [rounds] [out.json]
 """
 
@@ -16,17 +16,17 @@ import triton.language as tl
 
 import kernels.moe_fp8 as kf
 from bench.moe import PRESETS, make_inputs
-from kernels.det_gemm import GemmConfig
-from kernels.fp8_quant import QBLOCK, quantize_rows, quantize_rowwise, quantize_weight
+from kernels.fp8_quant import QBLOCK, pow2_scale, quantize_rows, quantize_rowwise, quantize_weight, to_e4m3
 from kernels.moe_routing import build_routing
 from toolkit.contract import compare_bits
 from toolkit.timing import time_interleaved
 
 
 @triton.jit
-def fp32_transpose_colwise_kernel(src_ptr, rows_ptr, route_ptr, score_ptr, q_ptr, qs_ptr, P, N, stride_sm, stride_sn,
+def colwise_kernel(src_ptr, rows_ptr, route_ptr, score_ptr, q_ptr, qs_ptr, P, N, stride_sm, stride_sn,
                                   stride_qn, stride_qp, stride_sn_s, stride_sp_s, BLOCK_N: tl.constexpr,
-                                  QBLOCK: tl.constexpr, GATHER: tl.constexpr, SCALE: tl.constexpr):
+                                  QBLOCK: tl.constexpr, GATHER: tl.constexpr, SCALE: tl.constexpr,
+                                  QUANT_FIRST: tl.constexpr):
     pid = tl.program_id(axis=0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_p = pid // num_pid_n
@@ -40,26 +40,30 @@ def fp32_transpose_colwise_kernel(src_ptr, rows_ptr, route_ptr, score_ptr, q_ptr
                 mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     if SCALE:
         v = v * tl.load(score_ptr + offs_p)[:, None]
-    q, scale = quantize_rows(tl.trans(v), False)
+    if QUANT_FIRST:  # "e4m3 transpose"
+        scale, inv = pow2_scale(tl.max(tl.abs(v), axis=0))
+        q = tl.trans(to_e4m3(v * inv[None, :], False))
+    else:  # "fp32 transpose"
+        q, scale = quantize_rows(tl.trans(v), False)
     tl.store(q_ptr + offs_n[:, None] * stride_qn + offs_p[None, :] * stride_qp, q, mask=n_ok[:, None])
     tl.store(qs_ptr + offs_n * stride_sn_s + pid_p * stride_sp_s, scale, mask=n_ok)
 
 
-def fp32_transpose_colwise(src, routing, gather, scale, block_n=128, warps=4):
+def colwise(src, routing, gather, scale, quant_first, block_n, warps):
     p, n = routing.padded_rows, src.shape[1]
     q = torch.empty((n, p), dtype=torch.float8_e4m3fn, device=src.device)
     s = torch.empty((p // QBLOCK, n), dtype=torch.float32, device=src.device).t()
-    fp32_transpose_colwise_kernel[(routing.num_tiles * triton.cdiv(n, block_n),)](
+    colwise_kernel[(routing.num_tiles * triton.cdiv(n, block_n),)](
         src, routing.gather_token, routing.sorted_route, routing.row_score, q, s, p, n,
         src.stride(0), src.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-        BLOCK_N=block_n, QBLOCK=QBLOCK, GATHER=gather, SCALE=scale, num_warps=warps)
+        BLOCK_N=block_n, QBLOCK=QBLOCK, GATHER=gather, SCALE=scale, QUANT_FIRST=quant_first, num_warps=warps)
     return q, s
 
 
-COLQ = lambda n, w: GemmConfig(QBLOCK, n, 16, 1, w, 1)  # noqa: E731
-NEW = {"e4m3 transpose 128 cols w4": COLQ(128, 4), "e4m3 transpose 64 cols w2": COLQ(64, 2),
-       "e4m3 transpose 128 cols w2": COLQ(128, 2), "e4m3 transpose 32 cols w2": COLQ(32, 2),
-       "e4m3 transpose 64 cols w1": COLQ(64, 1), "e4m3 transpose 32 cols w1": COLQ(32, 1)}
+VARIANTS = {"fp32 transpose 128 cols w4": (False, 128, 4), "fp32 transpose 64 cols w2": (False, 64, 2),
+            "e4m3 transpose 128 cols w4": (True, 128, 4), "e4m3 transpose 64 cols w2": (True, 64, 2),
+            "e4m3 transpose 128 cols w2": (True, 128, 2), "e4m3 transpose 32 cols w2": (True, 32, 2),
+            "e4m3 transpose 64 cols w1": (True, 64, 1), "e4m3 transpose 32 cols w1": (True, 32, 1)}
 
 
 def main(rounds: int, out_path: str | None) -> None:
@@ -77,10 +81,7 @@ def main(rounds: int, out_path: str | None) -> None:
         operands = {"x": (inp["x"], True, False), "dgu": (dgu, False, False), "h": (h, False, False),
                     "dy": (inp["dout"], True, True)}
         for op, (src, gather, scale) in operands.items():
-            fns = {"fp32 transpose 128 cols w4": lambda: fp32_transpose_colwise(src, r, gather, scale),
-                   "fp32 transpose 64 cols w2": lambda: fp32_transpose_colwise(src, r, gather, scale, 64, 2)}
-            fns.update({k: (lambda c=c: kf.moe_fp8_quant_colwise(src, r, b, gather, scale, config=c))
-                        for k, c in NEW.items()})
+            fns = {k: (lambda v=v: colwise(src, r, gather, scale, *v)) for k, v in VARIANTS.items()}
             outs = {k: fn() for k, fn in fns.items()}
             first = outs["fp32 transpose 128 cols w4"]
             equal = {k: all(compare_bits(a, c).equal for a, c in zip(o, first)) for k, o in outs.items()}
