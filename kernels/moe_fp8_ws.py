@@ -14,8 +14,8 @@ to 128 rows, so a tile is all padding once its first row is) loads nothing, and 
 the Triton kernel's masked loads give.
 
 Kernels: ``moe_fp8_ws_kernel``, down and dX (A = h_q, dgu_q: expert-sorted rows, by TMA; BF16 out by TMA store;
-pinned on sm_90); ``moe_fp8_wgrad_ws_kernel``, the FP8 weight gradient (bit-equal, slower than the Triton tile:
-not pinned); ``moe_fp8_ws_gather_kernel``, up and dgrad+dSwiGLU (A rows gathered by cp.async, their epilogues;
+pinned on sm_90); ``moe_fp8_wgrad_ws_kernel``, the FP8 weight gradient (each block's scale rows staged in shared
+memory; pinned on sm_90 since FP8 table .13); ``moe_fp8_ws_gather_kernel``, up and dgrad+dSwiGLU (A rows gathered by cp.async, their epilogues;
 pinned on sm_90 since table .9). Gluon has no interpreter path: sm_90 only.
 """
 
@@ -110,13 +110,11 @@ def _issue(a_ring, b_ring, ready, count, blk, PART: gl.constexpr, ROWS: gl.const
 
 
 @gluon.jit
-def _block_scale(a_scales, b_scales, kb, stride_a, stride_b, B_PER_COLUMN: gl.constexpr):
-    """K block kb's scales (powers of two): a [ROWS, 1] per row of the part, and b, one value for the tile's 128
-    columns (a scalar pointer: the grouped GEMM's weight block) or [1, BLOCK_N] per column (the weight gradient's).
-    Kept apart: their [ROWS, BLOCK_N] product is formed only at the promotion (registers)."""
+def _block_scale(a_scales, b_scales, kb, stride_a, stride_b):
+    """The grouped GEMM's K block kb scales (powers of two), loaded one block ahead: a [ROWS, 1] per row of the part
+    and b, the weight block's one value for the tile's 128 columns (the weight gradient's per-column scales come
+    from shared memory instead: ``_smem_scale``). Kept apart: their product is formed only at the promotion."""
     b = gl.load(b_scales + kb * stride_b)
-    if B_PER_COLUMN:
-        b = b[None, :]
     return gl.load(a_scales + kb * stride_a)[:, None], b
 
 
@@ -159,7 +157,7 @@ def _retire(blk, acc, scale, free, count, PENDING: gl.constexpr, PART: gl.conste
 
 @gluon.jit
 def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scales, stride_a, stride_b,
-              B_PER_COLUMN: gl.constexpr, KB_GROUP: gl.constexpr, TAIL: gl.constexpr, PART: gl.constexpr,
+              KB_GROUP: gl.constexpr, TAIL: gl.constexpr, PART: gl.constexpr,
               FENCE: gl.constexpr = False, scale_rings=None):
     """acc + sum over K blocks kb < num_kb (ascending) of blk_kb * scale_kb, blk_kb the zero-initialised MMA chain of
     ring slot count + kb. Returns (acc, the next count).
@@ -177,11 +175,11 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
     for g in range(0, full, KB_GROUP):
         prev = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS,
                       FENCE)
-        s_prev = _block_scale(a_scales, b_scales, g, stride_a, stride_b, B_PER_COLUMN) if scale_rings is None else None
+        s_prev = _block_scale(a_scales, b_scales, g, stride_a, stride_b) if scale_rings is None else None
         for i in gl.static_range(1, KB_GROUP):
             cur = _issue(a_ring, b_ring, ready, count + i, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART,
                          ROWS, FENCE)
-            s_cur = _block_scale(a_scales, b_scales, g + i, stride_a, stride_b, B_PER_COLUMN) if scale_rings is None \
+            s_cur = _block_scale(a_scales, b_scales, g + i, stride_a, stride_b) if scale_rings is None \
                 else None
             acc = _retire(prev, acc, s_prev, free, count + i - 1, 1, PART, scale_rings)[1]
             prev = cur
@@ -192,7 +190,7 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
         for kb in range(full, num_kb):
             blk = _issue(a_ring, b_ring, ready, count, gl.zeros([ROWS, BLOCK_N], gl.float32, layout), PART, ROWS,
                          FENCE)
-            scale = _block_scale(a_scales, b_scales, kb, stride_a, stride_b, B_PER_COLUMN) if scale_rings is None \
+            scale = _block_scale(a_scales, b_scales, kb, stride_a, stride_b) if scale_rings is None \
                 else None
             acc = _retire(blk, acc, scale, free, count, 0, PART, scale_rings)[1]
             count += 1
@@ -222,7 +220,7 @@ def _grouped_tile(t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_
         else:
             a_rows = rows
         acc, count = _k_blocks(a_ring, b_ring, ready, free, count, acc, L // QB, as_ptr + a_rows * stride_asm,
-                               bs_tile, stride_asl, stride_bsl, False, KB_GROUP, False, PART, GATHER)
+                               bs_tile, stride_asl, stride_bsl, KB_GROUP, False, PART, GATHER)
     return acc, count, off_m, off_n, rows, gl.load(route_ptr + rows) >= 0
 
 
@@ -352,7 +350,7 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         expert, pid_r, pid_c, start, routed = _wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
         acc, count = _k_blocks(a_ring, b_ring, ready, free, count, gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout),
-                               gl.cdiv(routed, QB), None, None, 0, 0, True, KB_GROUP, True, PART,
+                               gl.cdiv(routed, QB), None, None, 0, 0, KB_GROUP, True, PART,
                                scale_rings=scale_rings)
         if ACCUMULATE:
             if routed > 0:
