@@ -148,7 +148,7 @@ wgrad = [(moe_fp8_wgrad_ws_kernel, f"wgrad_{bm}x{bn}_acc{int(acc)}", bm, bn, war
            "c_desc": box(bm // consumers(warps), bn, gl.bfloat16), "dw_ptr": "*fp32", "offsets_ptr": "*i32",
            "counts_ptr": "*i32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "KB_GROUP": 3, "ACCUMULATE": acc, "CONSUMERS": consumers(warps),
-           "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 64, 8, 6, False), (128, 64, 8, 6, True)]]
+           "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 128, 8, 5, False), (128, 128, 8, 5, True)]]
 part = lambda bm, warps: 64 if warps == 8 and bm == 64 else bm // consumers(warps)  # a consumer's rows per tile
 up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}_w{warps}", bm, bn, warps,
        {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(part(bm, warps), bn, gl.bfloat16),
