@@ -211,8 +211,8 @@ def dswiglu_check(dgu: torch.Tensor, gu: torch.Tensor, dh_star: torch.Tensor, e_
 
 def combine_checks(r: MoeRouting, scores: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, y: torch.Tensor,
                    dxr: torch.Tensor, dx: torch.Tensor) -> dict[str, ContractResult]:
-    """The token-side reductions from the kernel's own FP32 y and dx_route: out = bf16(sum_k s_k y_k) and
-    dx = bf16(sum_k dx_route_k), ascending k with one rounding."""
+    """The token-side reductions from the kernel's own y and dx_route (FP32; the FP8 layer's are BF16):
+    out = bf16(sum_k s_k y_k) and dx = bf16(sum_k dx_route_k), ascending k in FP32 with one rounding."""
     f64 = torch.float64
     hidden = dout.shape[1]
     y_tk = torch.zeros(r.num_tokens, r.top_k, hidden, dtype=f64, device=dout.device)

@@ -25,8 +25,9 @@ Stages (P = padded expert-sorted rows):
             (dout_q[gather] @ W2q[e]^T) * h summed in fixed groups of 16 columns (fp8_dscore_partials)
     dx      dx_route [P, H] bf16 = dgu_q @ W1q[e]^T, then the ascending-k gather-sum in FP32 (kernels.moe)
     wgrad   wgrad="fp8" (default): x[gather], dgu, h and dy = s * dout[gather] quantized 128x1 down the rows
-            (moe_fp8_quant_colwise, transposed to K-major), then moe_fp8_wgrad_kernel per expert with
-            promotion every 128 rows; wgrad="bf16": kernels.moe.moe_wgrad_w1(x, dgu), moe_wgrad_w2(h, dout)
+            (moe_fp8_quant_colwise, transposed to K-major), then the weight gradient per expert with promotion
+            every 128 rows (moe_fp8_wgrad_ws_kernel on sm_90, moe_fp8_wgrad_kernel elsewhere);
+            wgrad="bf16": kernels.moe.moe_wgrad_w1(x, dgu), moe_wgrad_w2(h, dout)
             (docs/moe_fp8.md: which is the default and why)
     dscore  the partials summed per route in a fixed order (kernels.moe.moe_dscores_from_partials); y is not kept
 The fused quantizations read the BF16 values that are stored beside them, so h_q == quantize_rowwise(h)

@@ -15,8 +15,8 @@ the Triton kernel's masked loads give.
 
 Kernels: ``moe_fp8_ws_kernel``, down and dX (A = h_q, dgu_q: expert-sorted rows, by TMA; BF16 out by TMA store;
 pinned on sm_90); ``moe_fp8_wgrad_ws_kernel``, the FP8 weight gradient (each block's scale rows staged in shared
-memory; pinned on sm_90 since FP8 table .13); ``moe_fp8_ws_gather_kernel``, up and dgrad+dSwiGLU (A rows gathered by cp.async, their epilogues;
-pinned on sm_90 since table .9). Gluon has no interpreter path: sm_90 only.
+memory; pinned on sm_90 since FP8 table .13); ``moe_fp8_ws_gather_kernel``, up and dgrad+dSwiGLU (A rows gathered
+by cp.async, their epilogues; pinned on sm_90 since table .9). Gluon has no interpreter path: sm_90 only.
 """
 
 from __future__ import annotations
@@ -387,21 +387,21 @@ def moe_fp8_wgrad_ws_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
-                               counts_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
-                               KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
+                               counts_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
+                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
             (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
-                               counts_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
-                               KB_GROUP, ACCUMULATE, CONSUMERS, 1)),
-            (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr, num_tiles,
-                               num_r, num_c, BLOCK_M, BLOCK_N)),
+                               counts_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
+                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 1)),
+            (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr,
+                               num_tiles, num_r, num_c, BLOCK_M, BLOCK_N)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
-                               counts_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
-                               KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
-            (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr, num_tiles,
-                               num_r, num_c, BLOCK_M, BLOCK_N)),
+                               counts_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
+                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
+            (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr,
+                               num_tiles, num_r, num_c, BLOCK_M, BLOCK_N)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -589,11 +589,11 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, turn, dgu_smem, dgu_desc, q_s
 
 @gluon.jit
 def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
-                  gather_ptr,
-                  route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n, C, L, stride_asm,
-                  stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr, PARTS: gl.constexpr,
-                  DSCORE: gl.constexpr, PINGPONG: gl.constexpr, P0: gl.constexpr, BUF: gl.constexpr):
+                  gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n, C, L,
+                  stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
+                  PARTS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, P0: gl.constexpr,
+                  BUF: gl.constexpr):
     """One dgrad tile of ``_dswiglu_consumer``: rows [P0 * BLOCK_M / PARTS, +BLOCK_M / PARTS) of tile t from ring slot
     ``count`` on, its outputs through store-buffer part BUF."""
     ROWS: gl.constexpr = BLOCK_M // PARTS
@@ -800,11 +800,11 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
         raise ValueError(f"wgrad: variant 'ws' needs the scales stored [P/128, rows] with 16-byte aligned rows (a "
                          f"[rows, P/128] view of it); got strides {a_s.stride()}, {b_s.stride()}")
     ring = config.num_stages * (config.block_m + config.block_n) * (QBLOCK_WS + 4)  # operand tiles + FP32 scale rows
-    store = 0 if accumulate else config.block_m * config.block_n * 2
+    store = config.block_m * config.block_n * 2  # the BF16 store buffer (allocated with main_grad too)
     if ring + store > SM90_SHARED_BYTES:
-        raise ValueError(f"wgrad: variant 'ws' {config.label()} needs {ring + store} bytes of shared memory ({ring} for "
-                         f"{config.num_stages} stages, {store} for the BF16 store); sm_90 has {SM90_SHARED_BYTES} per "
-                         "block: use fewer stages")
+        raise ValueError(f"wgrad: variant 'ws' {config.label()} needs {ring + store} bytes of shared memory "
+                         f"({ring} for {config.num_stages} stages, {store} for the BF16 store buffer); sm_90 has "
+                         f"{SM90_SHARED_BYTES} per block: use fewer stages")
     part_rows = config.block_m // consumers(config.num_warps)
     # The BF16 dW as [E * R, C] for the TMA store; accumulating into main_grad stores through pointers (the kernel
     # still takes a descriptor: one over a tile-sized scratch).
