@@ -98,8 +98,8 @@ FP8_DGRAD += [GemmConfig(*c, variant="ws") for c in [(128, 64, 128, 1, 8, 6), (1
                                                      (128, 128, 128, 1, 8, 3)]]
 # The FP8 weight gradients (wgrad="fp8", kernels/moe_fp8.py FP8_WGRAD_CONFIGS: the pinned tile, always timed; the
 # Gluon 128x128 since FP8 table .13) on the column-wise operands: Triton TMA tiles, whose kernel also requests each
-# 128-row block's scales one block ahead. The first sweep (reports/2026-11-30-h200/fp8-wgrad-tma) put 64x128 with 4 warps 3x ahead of the 128x128
-# 8-warp tiles; these are its neighbours.
+# 128-row block's scales one block ahead. The first sweep (reports/2026-11-30-h200/fp8-wgrad-tma) put 64x128 with
+# 4 warps 3x ahead of the 128x128 8-warp tiles; these are its neighbours.
 FP8_WGRAD = [GemmConfig(*c, variant="tma") for c in [
     (128, 128, 128, 1, 8, 4), (64, 128, 128, 1, 4, 4), (64, 128, 128, 1, 4, 2), (128, 64, 128, 1, 4, 3),
     (64, 64, 128, 1, 4, 3), (64, 64, 128, 1, 4, 4), (64, 256, 128, 1, 8, 3), (64, 256, 128, 1, 4, 3),

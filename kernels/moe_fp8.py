@@ -146,7 +146,8 @@ FP8_WGRAD_CONFIGS: dict[str, GemmConfig] = {
 QUANT_COLWISE_CONFIGS: dict[str, GemmConfig] = {
     # 128 columns, 4 warps: x (gathered) 221 vs 231 us, dgu 222 vs 240 us for the 64-column tile at the reference
     # shape (reports/2026-11-30-h200/fp8-table5/moe-tune, same bits); 8 warps and 256 columns were slower. Table
-    # .13: 64 columns, 2 warps: x 192 vs 217 us, dgu 192 vs 219 (374 vs 424 at T=16384; reports/2026-11-30-h200-s9).
+    # .13: 64 columns, 2 warps: x 192 vs 217 us, dgu 191 vs 219 (T=16384: 378 vs 425, 374 vs 425;
+    # reports/2026-11-30-h200-s9/call1/moe-tune).
     CUDA_SM90: GemmConfig(QBLOCK, 64, 16, 1, 2, 1),
     TRITON_INTERPRETER: GemmConfig(QBLOCK, 256, 16, 1, 4, 1),
 }
