@@ -51,6 +51,13 @@ WGRAD = [GemmConfig(*c) for c in [
     (128, 128, 32, 1, 4, 4), (128, 128, 128, 1, 8, 3), (64, 256, 64, 1, 8, 3), (128, 128, 64, 1, 4, 3),
     (128, 128, 64, 1, 4, 2), (128, 128, 32, 1, 4, 3), (128, 64, 64, 1, 4, 3), (64, 128, 64, 1, 4, 3),
 ]]
+# The Gluon weight gradient (kernels/moe_ws.py moe_ws_wgrad_kernel): persistent, TMA producer warp (dW1: a 4-warp
+# cp.async producer of the gathered x rows), one or two consumer warpgroups of 64 dW rows, the BF16 tile out by TMA
+# store from a 32-64 KiB buffer.
+WGRAD += [GemmConfig(*c, variant="ws") for c in [
+    (128, 128, 64, 1, 8, 4), (128, 128, 64, 1, 8, 5), (128, 128, 64, 1, 8, 6), (64, 128, 64, 1, 4, 6),
+    (128, 256, 64, 1, 8, 3), (64, 256, 64, 1, 4, 4),
+]]
 # FP8 grouped stages (kernels/moe_fp8.py MOE_FP8_CONFIGS): BLOCK_K divides the 128-K scale block; up's
 # BLOCK_N is 256 and dgrad's 64 or 128 (the fused 1x128 quantization); up to 96 KiB of operands per stage
 # count leaves room for two programs per SM, which overlap one's promotion FMAs with the other's MMAs.

@@ -138,7 +138,7 @@ def grouped_launch_name(grid, metadata, args):
     return {"name": stage_name(op, P=p, N=c, K=l), "flops": 2.0 * p * c * l}
 
 
-def _wgrad_meta(grid, metadata, args):
+def wgrad_launch_name(grid, metadata, args):
     return {"name": stage_name(_WGRAD_OPS[args["op_id"]], R=args["R"], C=args["C"])}
 
 
@@ -375,7 +375,7 @@ def moe_grouped_gemm_tma_kernel(
                          stride_cc, stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, DSCORE, DS_CHUNK, INTERPRETED)
 
 
-@triton.jit(launch_metadata=_wgrad_meta)
+@triton.jit(launch_metadata=wgrad_launch_name)
 def moe_wgrad_kernel(
     a_ptr, b_ptr, rows_ptr, score_ptr, dw_ptr,
     offsets_ptr, counts_ptr,
@@ -429,8 +429,8 @@ def moe_wgrad_kernel(
 
 @triton.jit(launch_metadata=_scale_meta)
 def moe_scale_rows_kernel(
-    src_ptr, rows_ptr, score_ptr, out_ptr,
-    P, N,  # out[p, :N] = bf16(score[p] * src[rows[p], :N]), one rounding of the FP32 product
+    src_ptr, rows_ptr, score_ptr, route_ptr, out_ptr,
+    P, N,  # out[p, :N] = bf16(score[p] * src[rows[p], :N]), one rounding of the FP32 product; padding rows 0
     stride_sm, stride_sn, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
@@ -442,7 +442,11 @@ def moe_scale_rows_kernel(
     mask = m_ok[:, None] & (offs_n < N)[None, :]
     rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0)
     s = tl.load(score_ptr + offs_m, mask=m_ok, other=0.0)
-    x = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
+    # A padding row reads nothing and is +0 exactly (not 0 * the row of token 0, which may hold an Inf): a weight
+    # gradient that reads whole row blocks (kernels/moe_ws.py) then adds only zeros for it.
+    routed = tl.load(route_ptr + offs_m, mask=m_ok, other=-1) >= 0
+    x = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :] * stride_sn, mask=mask & routed[:, None],
+                other=0.0)
     y = to_bf16(x.to(tl.float32) * s[:, None], INTERPRETED)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y, mask=mask)
 
@@ -624,7 +628,7 @@ def weight_descriptor(b: torch.Tensor, block_n: int, step_k: int) -> tuple[Tenso
 
 def _check_ws(stage: str, config: GemmConfig, backend: str) -> None:
     """Variant "ws" (kernels/moe_ws.py): Gluon kernels for sm_90, down and dX (expert-sorted A, FP32 out), up and
-    dgrad (gathered A, their epilogues)."""
+    dgrad (gathered A, their epilogues), the weight gradients."""
     if backend != CUDA_SM90:
         raise ValueError(f"{stage}: variant 'ws' is a Gluon kernel for sm_90 and has no {backend!r} path; use a "
                          "'ptr' or 'tma' config there")
@@ -796,9 +800,25 @@ def moe_gather_sum(dx_route: torch.Tensor, routing: MoeRouting, backend: str,
     return _combine(1, dx_route, routing, None, backend, config)
 
 
+def _ws_wgrad_addresses(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the ws weight gradient can read A and B: row-major with 16-byte aligned rows (TMA, cp.async)."""
+    return all(t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (a, b))
+
+
 def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing: MoeRouting,
            out: torch.Tensor, accumulate: bool, backend: str, config: GemmConfig | None) -> None:
-    config = config or select_moe_config("wgrad", backend)
+    if config is None:
+        config = select_moe_config("wgrad", backend)
+        if config.variant == "ws" and not _ws_wgrad_addresses(a, b):
+            config = replace(config, variant="ptr")  # the same tile and K order on the Triton kernel: the same bits
+    if config.variant == "ws":  # the Gluon kernel (kernels/moe_ws.py): sm_90
+        _check_ws("wgrad", config, backend)
+        from kernels.moe_ws import launch_moe_ws_wgrad  # kernels.moe_ws imports this module
+
+        ensure_cuda_context(a.device)  # the descriptors encode on this thread, as TMA's do
+        launch_moe_ws_wgrad(op_id, config, a, gather_a, b, out, accumulate, routing, device_sms(a.device))
+        return
     check_moe_variant("wgrad", config)
     experts, r, c = out.shape
     grid = (experts * triton.cdiv(r, config.block_m) * triton.cdiv(c, config.block_n),)
@@ -815,15 +835,15 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing
 
 def moe_scale_rows(dout: torch.Tensor, routing: MoeRouting, backend: str,
                    config: GemmConfig | None = None) -> torch.Tensor:
-    """dy [P, H] bf16 = bf16(row_score[p] * dout[gather_token[p]]): dW2's B operand in expert-sorted
-    order. Forming it here, not on load inside the dW2 K loop, keeps that loop a plain
+    """dy [P, H] bf16 = bf16(row_score[p] * dout[gather_token[p]]), padding rows +0: dW2's B operand in
+    expert-sorted order. Forming it here, not on load inside the dW2 K loop, keeps that loop a plain
     load-to-shared-memory GEMM; the product and its one rounding are the same."""
     config = config or select_moe_config("combine", backend)
     rows, cols = routing.padded_rows, dout.shape[1]
     dy = torch.empty((rows, cols), dtype=torch.bfloat16, device=dout.device)
     grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
     moe_scale_rows_kernel[grid](
-        dout, routing.gather_token, routing.row_score, dy, rows, cols,
+        dout, routing.gather_token, routing.row_score, routing.sorted_route, dy, rows, cols,
         dout.stride(0), dout.stride(1), dy.stride(0), dy.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, INTERPRETED=backend == TRITON_INTERPRETER,
         num_warps=config.num_warps,

@@ -313,12 +313,22 @@ def wgrad_launch_metadata(grid, metadata, args):
 
 
 @gluon.jit
-def _wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr):
+def wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr):
     """Weight-gradient tile t: (expert, pid_r, pid_c, the expert's first padded row, its routed rows)."""
     per_expert = num_r * num_c
     expert = t // per_expert
     rem = t % per_expert
     return expert, rem // num_c, rem % num_c, gl.load(offsets_ptr + expert), gl.load(counts_ptr + expert)
+
+
+@gluon.jit
+def accumulate_part(dw_ptr, acc, expert, row, col, stride_we, stride_wr, stride_wc):
+    """main_grad[expert, row:+ROWS, col:+BLOCK_N] += acc, in FP32 through pointers (a weight gradient's part)."""
+    layout: gl.constexpr = acc.type.layout
+    rows = row + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = col + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, layout))
+    ptrs = dw_ptr + expert * stride_we + rows[:, None] * stride_wr + cols[None, :] * stride_wc
+    gl.store(ptrs, gl.load(ptrs) + acc)
 
 
 @gluon.jit
@@ -329,7 +339,7 @@ def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets
     QB: gl.constexpr = a_ring.type.shape[2]
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert, pid_r, pid_c, start, routed = _wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
+        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
         count = _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, pid_r * BLOCK_M, pid_c * BLOCK_N,
                              start, gl.cdiv(routed, QB), scales)
 
@@ -348,16 +358,14 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw
                                                          instr_shape=[16, BLOCK_N, 32])
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert, pid_r, pid_c, start, routed = _wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
+        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
         acc, count = _k_blocks(a_ring, b_ring, ready, free, count, gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout),
                                gl.cdiv(routed, QB), None, None, 0, 0, KB_GROUP, True, PART,
                                scale_rings=scale_rings)
         if ACCUMULATE:
             if routed > 0:
-                rows = pid_r * BLOCK_M + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-                cols = pid_c * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-                ptrs = dw_ptr + expert * stride_we + rows[:, None] * stride_wr + cols[None, :] * stride_wc
-                gl.store(ptrs, gl.load(ptrs) + acc)
+                accumulate_part(dw_ptr, acc, expert, pid_r * BLOCK_M + PART * ROWS, pid_c * BLOCK_N, stride_we,
+                                stride_wr, stride_wc)
         else:
             store_part(c_smem, c_desc, acc, expert * R + pid_r * BLOCK_M + PART * ROWS, pid_c * BLOCK_N, PART)
     tma.store_wait(0)

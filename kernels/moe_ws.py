@@ -1,6 +1,7 @@
 """Warp-specialized sm_90 kernels of the BF16 MoE grouped GEMMs (MoE variant "ws"), written in Gluon:
-``moe_ws_kernel`` for the stages whose A rows are expert-sorted and whose output is FP32 (down, dX), and
-``moe_ws_dgrad_kernel`` for dgrad + dSwiGLU (+ the dscore partials), whose A rows are gathered.
+``moe_ws_kernel`` for the stages whose A rows are expert-sorted and whose output is FP32 (down, dX),
+``moe_ws_gather_kernel`` for up + SwiGLU and dgrad + dSwiGLU (+ the dscore partials), whose A rows are gathered, and
+``moe_ws_wgrad_kernel`` for the weight gradients (below).
 
 Why: the Triton grouped kernel writes its FP32 tile (y of the down-projection, dX per route: 800 MB each at the
 reference shape) from registers while nothing else runs in its program. Here the grid is persistent (one
@@ -20,6 +21,14 @@ for operation: the dscore partials from the unscaled accumulator and the saved h
 acc, dg and du from the saved gu in kernels/swiglu.py's order, dgu rounded once to BF16 and stored by TMA (as int32
 (g, u) pairs) while the next tile's MMAs run.
 
+``moe_ws_wgrad_kernel`` is the weight gradient dW[e] = A[rows of e]^T B[rows of e] (dW1: x[gather] and dgu, dW2: h and
+dy), moe_wgrad_kernel's math: per dW tile, the expert's rows in ascending BLOCK_K steps, one wgmma chain into FP32
+registers. The last step's rows past the routed count (inside the expert's padded segment) add exact zeros, as the
+Triton kernel's masked loads do: x's rows there are zero-filled by the copy; h's are zeros from the up epilogue, and
+B's are finite zeros (dgu from the dgrad epilogue's zeroed rows, dy stored +0 by moe_scale_rows). Both operands have
+the output dims contiguous: each consumer's 64 columns of A land in a ring buffer of their own, read transposed by
+wgmma (MN-major, which BF16 wgmma supports).
+
 Gluon has no interpreter path: sm_90 only; kernels.moe refuses a "ws" config on any other backend by name.
 """
 
@@ -28,6 +37,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
@@ -35,10 +45,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs, store_part,
 )
-from kernels.moe import DS_CHUNK, SEGMENT_ALIGN, grouped_launch_name, ws_weight_rows
+from kernels.moe import DS_CHUNK, SEGMENT_ALIGN, grouped_launch_name, wgrad_launch_name, ws_weight_rows
 from kernels.moe_fp8_ws import (
     GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, SM90_SHARED_BYTES, _bf16_pair_bits,
-    _bf16_pair_values, _gather_producer, fp8_ws_descriptor, live_tiles,
+    _bf16_pair_values, _gather_producer, accumulate_part, fp8_ws_descriptor, live_tiles, wgrad_tile,
 )
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
@@ -86,16 +96,16 @@ def _chunk_layout(NCH):
 
 
 @gluon.jit
-def _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR: gl.constexpr, PART: gl.constexpr,
-             FENCE: gl.constexpr):
-    """acc + this part's rows of one live tile's K steps (ascending) from the ring, from slot ``count`` on: async
-    wgmma with at most one MMA in flight behind the newest, each slot handed back once the MMA that read it has
+def _k_steps(a_ring, b_ring, ready, free, count, acc, steps, B_K_MAJOR: gl.constexpr, PART: gl.constexpr,
+             FENCE: gl.constexpr, A_MN_MAJOR: gl.constexpr = False):
+    """acc + this part's rows of ``steps`` K steps of one live tile (ascending) from the ring, from slot ``count`` on:
+    async wgmma with at most one MMA in flight behind the newest, each slot handed back once the MMA that read it has
     finished. FENCE: the A tile was written by cp.async (generic proxy), which wgmma (async proxy) may read only
-    after a proxy fence. Returns (acc, the next count)."""
-    STAGES: gl.constexpr = a_ring.type.shape[0]
-    BLOCK_K: gl.constexpr = a_ring.type.shape[2]
+    after a proxy fence. A_MN_MAJOR (the weight gradient): each part's A tile is its own ring buffer [BLOCK_K, ROWS]
+    (slot * parts + part) with the output rows contiguous, read transposed by wgmma. Returns (acc, the next count)."""
+    STAGES: gl.constexpr = ready.type.shape[0]
     ROWS: gl.constexpr = acc.type.shape[0]
-    for ks in range(L // BLOCK_K):
+    for ks in range(steps):
         slot = count % STAGES
         mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
         if FENCE:
@@ -103,7 +113,11 @@ def _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR: gl.constexpr
         b = b_ring.index(slot)
         if B_K_MAJOR:
             b = b.permute((1, 0))
-        acc = warpgroup_mma(a_ring.index(slot).slice(PART * ROWS, ROWS, dim=0), b, acc, is_async=True)
+        if A_MN_MAJOR:
+            a = a_ring.index(slot * (a_ring.type.shape[0] // STAGES) + PART).permute((1, 0))
+        else:
+            a = a_ring.index(slot).slice(PART * ROWS, ROWS, dim=0)
+        acc = warpgroup_mma(a, b, acc, is_async=True)
         # The MMA before this one has finished reading its slot: hand that slot back.
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1, pred=ks > 0)
@@ -124,9 +138,10 @@ def _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_
     off_m = (t // num_n) * BLOCK_M
     row = off_m + PART * ROWS
     rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    BLOCK_K: gl.constexpr = a_ring.type.shape[2]
     acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
     if gl.load(route_ptr + off_m) >= 0:
-        acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L, B_K_MAJOR, PART, FENCE)
+        acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, FENCE)
     acc = gl.where((gl.load(route_ptr + rows) >= 0)[:, None], acc, 0.0)
     return acc, count, row, rows, (t % num_n) * BLOCK_N
 
@@ -308,6 +323,146 @@ def moe_ws_gather_kernel(
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
 
 
+@gluon.jit
+def _wgrad_producer(a_desc, a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr, counts_ptr,
+                    num_tiles, num_r, num_c, stride_am, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    GATHER_A: gl.constexpr):
+    """The weight gradient's loads, per K step of BLOCK_K expert rows (ascending, up to the step holding the last
+    routed row; the step stays inside the expert's 128-padded segment): each consumer's BLOCK_K x 64 slice of the A
+    rows into its own ring buffer, and the B rows' BLOCK_N columns by TMA. GATHER_A (dW1: x[gather]): the A rows by
+    16-byte cp.async from a 4-warp partition, rows past the routed count zero-filled (the Triton kernel's mask: x of
+    token 0, which padding rows name, never enters a product); else (dW2: h) by TMA, whose padding rows the up
+    epilogue wrote as zeros."""
+    STAGES: gl.constexpr = ready.type.shape[0]
+    PARTS: gl.constexpr = a_ring.type.shape[0] // STAGES
+    BLOCK_K: gl.constexpr = a_ring.type.shape[1]
+    ROWS: gl.constexpr = a_ring.type.shape[2]
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_PRODUCER_WARPS, 1], [1, 0])
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
+        for ks in range(gl.cdiv(routed, BLOCK_K)):
+            slot = count % STAGES
+            # A fresh barrier counts as having completed the phase before phase 0: the first pass waits on nothing.
+            mbarrier.wait(free.index(slot), ((count // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            row = start + ks * BLOCK_K
+            if GATHER_A:
+                mbarrier.expect(bar, b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(b_desc, [row, pid_c * BLOCK_N], bar, b_ring.index(slot))
+                k = ks * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, rows_layout))
+                tokens = gl.load(gather_ptr + start + k)
+                cols = pid_r * BLOCK_M + gl.arange(0, ROWS, layout=gl.SliceLayout(0, rows_layout))
+                ptrs = a_ptr + tokens[:, None].to(gl.int64) * stride_am + cols[None, :]
+                for part in gl.static_range(PARTS):
+                    async_copy.async_copy_global_to_shared(a_ring.index(slot * PARTS + part), ptrs + part * ROWS,
+                                                           mask=(k < routed)[:, None])
+                async_copy.mbarrier_arrive(bar, increment_count=False)
+            else:
+                mbarrier.expect(bar, PARTS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                for part in gl.static_range(PARTS):
+                    tma.async_copy_global_to_shared(a_desc, [row, pid_r * BLOCK_M + part * ROWS], bar,
+                                                    a_ring.index(slot * PARTS + part))
+                tma.async_copy_global_to_shared(b_desc, [row, pid_c * BLOCK_N], bar, b_ring.index(slot))
+            count += 1
+
+
+@gluon.jit
+def _wgrad_consumer(a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr, num_tiles, num_r,
+                    num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr, FENCE: gl.constexpr):
+    """One consumer warpgroup of a BF16 weight gradient: rows [PART * 64, +64) of dW[e]'s tile over the expert's rows
+    (ascending K steps, one wgmma chain, A read transposed from its ring buffer); BF16 out by TMA store, or
+    main_grad += it in FP32 (an expert without rows leaves main_grad untouched and stores a zero tile otherwise)."""
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    BLOCK_K: gl.constexpr = a_ring.type.shape[1]
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, _acc_layout(BLOCK_N))
+        if routed > 0:
+            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, gl.cdiv(routed, BLOCK_K), False, PART, FENCE,
+                                  True)
+        if ACCUMULATE:
+            if routed > 0:
+                accumulate_part(dw_ptr, acc, expert, pid_r * BLOCK_M + PART * ROWS, pid_c * BLOCK_N, stride_we,
+                                stride_wr, stride_wc)
+        else:
+            store_part(c_smem, c_desc, acc, expert * R + pid_r * BLOCK_M + PART * ROWS, pid_c * BLOCK_N, PART)
+    tma.store_wait(0)
+
+
+@gluon.jit(launch_metadata=wgrad_launch_name)
+def moe_ws_wgrad_kernel(
+    a_desc,  # TMA descriptor over A [rows, R] (dW2: h), box [BLOCK_K, 64] (GATHER_A: unused, any valid one)
+    a_ptr,  # GATHER_A: x [T, R] BF16, rows read through the gather index (cp.async)
+    b_desc,  # over B [P, C] (dgu, dy), box [BLOCK_K, BLOCK_N]
+    c_desc,  # over the BF16 dW as [E * R, C], box [64, BLOCK_N] (ACCUMULATE: unused, any valid one)
+    dw_ptr,  # ACCUMULATE: main_grad [E, R, C] FP32
+    gather_ptr, offsets_ptr, counts_ptr,
+    R, C, num_experts,  # dW[e] [R, C] = sum over e's rows p (ascending) of A[arow(p), :R]^T B[p, :C]
+    stride_am, stride_we, stride_wr, stride_wc,
+    op_id,  # names the launch only
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMERS: gl.constexpr, GATHER_A: gl.constexpr, ACCUMULATE: gl.constexpr,
+):
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, ROWS], gl.bfloat16)
+    a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CONSUMERS, BLOCK_K, ROWS], a_layout)
+    b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], c_desc.layout)
+    for i in gl.static_range(STAGES):
+        # The TMA expect-tx arrival, and with GATHER_A one cp.async arrival per producer thread.
+        mbarrier.init(ready.index(i), count=1 + (GATHER_PRODUCER_WARPS * 32 if GATHER_A else 0))
+        mbarrier.init(free.index(i), count=CONSUMERS)
+    num_r = R // BLOCK_M
+    num_c = C // BLOCK_N
+    num_tiles = num_experts * num_r * num_c
+    # GATHER_A: the 4-warp cp.async producer, whose copies the consumers fence before wgmma reads them.
+    if GATHER_A:
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
+                                   num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
+                                   ACCUMULATE, CONSUMERS, 0, True)),
+                (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
+                                   num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
+                                   ACCUMULATE, CONSUMERS, 1, True)),
+                (_wgrad_producer, (a_desc, a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
+                                   counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N, GATHER_A)),
+            ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
+                                   num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
+                                   ACCUMULATE, CONSUMERS, 0, True)),
+                (_wgrad_producer, (a_desc, a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
+                                   counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N, GATHER_A)),
+            ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
+    else:
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
+                                   num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
+                                   ACCUMULATE, CONSUMERS, 0, False)),
+                (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
+                                   num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
+                                   ACCUMULATE, CONSUMERS, 1, False)),
+                (_wgrad_producer, (a_desc, a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
+                                   counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N, GATHER_A)),
+            ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
+                                   num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
+                                   ACCUMULATE, CONSUMERS, 0, False)),
+                (_wgrad_producer, (a_desc, a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
+                                   counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N, GATHER_A)),
+            ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
 def _check_tile(stage: str, config, reduced: int, n_cols: int, store_bytes: int) -> None:
     """Refuses, naming the value, a tile the ws kernels cannot run on L = ``reduced``, C = ``n_cols`` with an epilogue
     buffer of ``store_bytes``."""
@@ -404,5 +559,54 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
         SEGMENT=SEGMENT_ALIGN, CONSUMERS=consumers(config.num_warps), B_K_MAJOR=k_major, EPILOGUE=epilogue,
         DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK,
+        num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
+    )
+
+
+def launch_moe_ws_wgrad(op_id: int, config, a: torch.Tensor, gather_a: bool, b: torch.Tensor, out: torch.Tensor,
+                        accumulate: bool, routing, sms: int) -> None:
+    """dW[e] [R, C] = the expert's rows of A [.., R] (x[gather] when ``gather_a``, else expert-sorted h) transposed
+    times those of B [P, C], into the BF16 ``out`` [E, R, C], or ``out`` += it in FP32 when ``accumulate``; refuses,
+    naming the value, what this kernel does not cover (before any work)."""
+    _, r, c = out.shape
+    parts = consumers(config.num_warps)
+    if config.block_m != 64 * parts or config.num_warps not in (4, 8):
+        raise ValueError(f"wgrad: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows of dW: BLOCK_M 64 with "
+                         f"4 warps or 128 with 8; got BLOCK_M {config.block_m}, {config.num_warps} warps")
+    if r % config.block_m or c % config.block_n or config.block_n % 16:
+        raise ValueError(f"wgrad: variant 'ws' needs BLOCK_M {config.block_m} dividing R {r} and BLOCK_N "
+                         f"{config.block_n} (a multiple of 16) dividing C {c}")
+    if SEGMENT_ALIGN % config.block_k or config.block_k % 16:
+        raise ValueError(f"wgrad: variant 'ws' steps through an expert's {SEGMENT_ALIGN}-padded rows BLOCK_K at a time: "
+                         f"BLOCK_K a multiple of 16 dividing {SEGMENT_ALIGN}; got {config.block_k}")
+    ring = config.num_stages * (config.block_m + config.block_n) * config.block_k * 2
+    store = config.block_m * config.block_n * 2  # the BF16 store buffer (allocated with main_grad too)
+    if ring + store > SM90_SHARED_BYTES:
+        raise ValueError(f"wgrad: variant 'ws' {config.label()} needs {ring + store} bytes of shared memory "
+                         f"({ring} for {config.num_stages} stages, {store} for the BF16 store buffer); sm_90 has "
+                         f"{SM90_SHARED_BYTES} per block: use fewer stages")
+    if (any(t.stride(1) != 1 or t.stride(0) * 2 % 16 or t.data_ptr() % 16 for t in (a, b))
+            or not out.is_contiguous()):
+        raise ValueError(f"wgrad: variant 'ws' needs A and B row-major with 16-byte aligned rows (TMA, cp.async) and "
+                         f"dW contiguous; got strides {a.stride()}, {b.stride()}, {out.stride()}")
+    if routing.padded_rows == 0:  # no routed row anywhere: dW is zero, main_grad untouched
+        if not accumulate:
+            out.zero_()
+        return
+    # The BF16 dW as [E * R, C] for the TMA store; with main_grad the kernel stores through pointers (its
+    # descriptor is one over a tile-sized scratch).
+    store_t = torch.empty((64, config.block_n), dtype=torch.bfloat16, device=out.device) if accumulate else \
+        out.reshape(-1, c)
+    tiles = routing.num_experts * (r // config.block_m) * (c // config.block_n)
+    moe_ws_wgrad_kernel[(min(tiles, sms),)](
+        fp8_ws_descriptor(a, [config.block_k, 64], gl.bfloat16), a,
+        fp8_ws_descriptor(b, [config.block_k, config.block_n], gl.bfloat16),
+        fp8_ws_descriptor(store_t, [64, config.block_n], gl.bfloat16), out,
+        routing.gather_token, routing.expert_offsets, routing.expert_counts,
+        r, c, routing.num_experts,
+        a.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        op_id,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
+        CONSUMERS=parts, GATHER_A=gather_a, ACCUMULATE=accumulate,
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )

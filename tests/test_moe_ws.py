@@ -1,14 +1,18 @@
-"""The BF16 MoE grouped GEMM's warp-specialized Gluon kernel (kernels/moe_ws.py, variant "ws", down and dX): the
-Triton tile's bits on the H200 for both weight layouts (down: [E, I, H]; dX: the K-major view of W1), including a
-padding-only tile and an expert with no rows; refusals by name everywhere; and an offline sm_90 compile (no GPU)
-showing TMA loads and stores, BF16 wgmma, the register hand-off, no spills and no MMA serialization by ptxas."""
+"""The BF16 MoE warp-specialized Gluon kernels (kernels/moe_ws.py, variant "ws": down and dX, the gathered up and
+dgrad, the weight gradients): the Triton tiles' bits on the H200 for both weight layouts (down: [E, I, H]; dX: the
+K-major view of W1), including a padding-only tile and an expert with no rows, and for the weight gradients with BF16
+out or FP32 main_grad accumulation and Inf in the token row padding rows name; refusals by name everywhere; and an
+offline sm_90 compile (no GPU) showing TMA loads and stores, BF16 wgmma, the register hand-off, no spills and no MMA
+serialization by ptxas."""
 
 import pytest
 import torch
 
 from audits.moe import MoeCase, make_inputs
 from kernels.det_gemm import GemmConfig
-from kernels.moe import moe_dgrad_dswiglu, moe_dgrad_dswiglu_dscore, moe_down, moe_dx_route, moe_up_swiglu
+from kernels.moe import (
+    moe_dgrad_dswiglu, moe_dgrad_dswiglu_dscore, moe_down, moe_dx_route, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
+)
 from kernels.moe_routing import build_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import compile_sm90_offline, refuses_ws_off_sm90, skewed_ids
@@ -17,30 +21,61 @@ from toolkit.contract import compare_bits
 # The Triton tiles the ws kernels replaced in the table (MoE table 2026-11-29.2): the reference for their bits.
 TRITON_TILES = {"down": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "dx": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
                 "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "tma"), "dgrad_plain": GemmConfig(128, 128, 64, 1, 8, 4, "tma"),
-                "up": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "up_kmajor": GemmConfig(128, 128, 64, 1, 8, 3, "tma")}
+                "up": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "up_kmajor": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
+                **{s: GemmConfig(128, 128, 64, 1, 4, 3) for s in ("wgrad_w1", "wgrad_w2", "wgrad_w1_acc", "wgrad_w2_acc")}}
 WS_GATHER_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 3, "ws"),
                     GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws")]
 WS_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 5, "ws"),
               GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws")]
+WS_WGRAD_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 32, 1, 8, 6, "ws"),
+                    GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 256, 64, 1, 8, 3, "ws")]
 
 
-def _runs(device, t=24, h=128, i=128, e=3, k=2, seed=5):
-    """down and dX of one routed batch as functions of the config, and the routing."""
+def _ws_configs(stage: str) -> list[GemmConfig]:
+    if stage in ("down", "dx"):
+        return WS_CONFIGS
+    return WS_WGRAD_CONFIGS if stage.startswith("wgrad") else WS_GATHER_CONFIGS
+
+
+def _runs(device, t=24, h=128, i=128, e=3, k=2, seed=5, poison_token0=False):
+    """Every ws stage of one routed batch as a function of the config returning a tuple of outputs, the routing and
+    the inputs. poison_token0: token 0 routed nowhere and Inf in its rows of x and dout (the rows padding rows name)."""
     inp = make_inputs(MoeCase(t, h, i, e, k, "random", seed), device)
     if t > 64:  # expert 0 gets no rows, expert 1 a single one: a padding-only tile and an almost empty one
         inp["topk_ids"] = skewed_ids(t, e, k, seed).to(device)
+    if poison_token0:
+        inp["topk_ids"][0] = -1
+        inp["topk_ids"][1, 0] = 1  # expert 1 keeps its single row
+        inp["x"][0] = float("inf")
+        inp["dout"][0] = float("inf")
     r = build_routing(inp["topk_ids"], inp["scores"], e)
     b = backend_of(device)
     gu, hid = moe_up_swiglu(inp["x"], inp["w1"], r, b)
     # The weights' other storage order (nn.Linear stacks as views): W1 K-major, W2 with H innermost for dgrad.
     w1_kmajor = inp["w1"].transpose(1, 2).contiguous().transpose(1, 2)
     w2_rows = inp["w2"].transpose(1, 2).contiguous().transpose(1, 2)
+    dgu = moe_dgrad_dswiglu(inp["dout"], inp["w2"], gu, r, b)
+    # main_grad's starting values: random, so an add to the wrong element or a skipped expert shows.
+    gen = torch.Generator().manual_seed(seed)
+    g1 = torch.randn(inp["w1"].shape, generator=gen).to(device)
+    g2 = torch.randn(inp["w2"].shape, generator=gen).to(device)
     return {"down": lambda c: (moe_down(hid, inp["w2"], r, b, config=c),),
             "dx": lambda c: (moe_dx_route(gu, inp["w1"], r, b, config=c),),
             "dgrad": lambda c: moe_dgrad_dswiglu_dscore(inp["dout"], inp["w2"], gu, hid, r, b, config=c),
             "dgrad_plain": lambda c: (moe_dgrad_dswiglu(inp["dout"], w2_rows, gu, r, b, config=c),),
             "up": lambda c: moe_up_swiglu(inp["x"], inp["w1"], r, b, config=c),
-            "up_kmajor": lambda c: moe_up_swiglu(inp["x"], w1_kmajor, r, b, config=c)}, r, inp
+            "up_kmajor": lambda c: moe_up_swiglu(inp["x"], w1_kmajor, r, b, config=c),
+            "wgrad_w1": lambda c: (moe_wgrad_w1(inp["x"], dgu, r, b, config=c),),
+            "wgrad_w2": lambda c: (moe_wgrad_w2(hid, inp["dout"], r, b, config=c),),
+            "wgrad_w1_acc": lambda c: (_accumulated(moe_wgrad_w1, g1, inp["x"], dgu, r, b, c),),
+            "wgrad_w2_acc": lambda c: (_accumulated(moe_wgrad_w2, g2, hid, inp["dout"], r, b, c),)}, r, inp
+
+
+def _accumulated(wgrad, start, a, b_op, routing, backend, config):
+    """main_grad after ``wgrad`` added its FP32 dW into a copy of ``start``."""
+    main_grad = start.clone()
+    assert wgrad(a, b_op, routing, backend, main_grad=main_grad, config=config) is None
+    return main_grad
 
 
 def test_ws_refuses_other_backends_and_stages_by_name(device):
@@ -63,6 +98,18 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
     x_odd_rows = x_odd_rows[:, :-1].copy_(inp["x"])  # rows 2 * 129 bytes apart: cp.async needs 16-byte alignment
     with pytest.raises(ValueError, match="activation row-major"):
         moe_up_swiglu(x_odd_rows, inp["w1"], r, b, config=GemmConfig(128, 64, 64, 1, 8, 4, "ws"))
+    # The weight gradients' own limits.
+    with pytest.raises(ValueError, match="64 rows of dW"):
+        runs["wgrad_w1"](GemmConfig(128, 128, 64, 1, 4, 4, "ws"))
+    with pytest.raises(ValueError, match="needs 262144 bytes of shared memory"):  # 7 stages + the BF16 tile buffer
+        runs["wgrad_w2_acc"](GemmConfig(128, 128, 64, 1, 8, 7, "ws"))
+    with pytest.raises(ValueError, match="dividing C 128"):  # dW2's C is H = 128
+        runs["wgrad_w2"](GemmConfig(128, 256, 64, 1, 8, 2, "ws"))
+    with pytest.raises(ValueError, match="BLOCK_K a multiple of 16 dividing 128"):
+        runs["wgrad_w1"](GemmConfig(128, 128, 48, 1, 8, 4, "ws"))
+    with pytest.raises(ValueError, match="A and B row-major"):
+        moe_wgrad_w1(x_odd_rows, torch.zeros((r.padded_rows, 256), dtype=torch.bfloat16, device=device), r, b,
+                     config=WS_WGRAD_CONFIGS[0])
 
 
 @pytest.mark.gpu
@@ -73,12 +120,28 @@ def test_ws_gives_the_triton_tiles_bits(shape, device):
     assert int(r.counts[0]) == 0 and int(r.counts[1]) == 1
     for stage, run in runs.items():
         ref = run(TRITON_TILES[stage])
-        for config in WS_CONFIGS if stage in ("down", "dx") else WS_GATHER_CONFIGS:
+        for config in _ws_configs(stage):
+            if stage.startswith("wgrad") and config.block_n > h:
+                continue  # dW2's C is H
             out = run(config)
             for j, (o, want) in enumerate(zip(out, ref)):
                 assert compare_bits(o, want).equal, (stage, j, config.label())
                 assert compare_bits(run(config)[j], o).equal, (stage, j, config.label())  # repeat
-        assert bool((ref[0][r.sorted_route < 0] == 0).all()), stage
+        if not stage.startswith("wgrad"):
+            assert bool((ref[0][r.sorted_route < 0] == 0).all()), stage
+
+
+@pytest.mark.gpu
+def test_ws_wgrad_padding_rows_add_nothing(device):
+    # Token 0 routed nowhere and Inf in its rows of x and dout: padding rows name token 0, so a weight gradient that
+    # multiplied its rows (or 0 * them) would turn finite sums into NaN. The Triton kernel masks them.
+    runs, r, _ = _runs(device, 300, 256, 128, 5, 2, seed=13, poison_token0=True)
+    assert int(r.counts[0]) == 0 and int(r.counts[1]) == 1
+    for stage in ("wgrad_w1", "wgrad_w2", "wgrad_w1_acc", "wgrad_w2_acc"):
+        ref = runs[stage](TRITON_TILES[stage])[0]
+        assert bool(torch.isfinite(ref).all()), stage
+        for config in WS_WGRAD_CONFIGS[:3]:
+            assert compare_bits(runs[stage](config)[0], ref).equal, (stage, config.label())
 
 
 _COMPILE = r'''
@@ -87,7 +150,7 @@ from triton.experimental.gluon import language as gl
 from bench.gemm_sass import gluon_desc_type, gluon_sm90_report
 from kernels.det_gemm_ws import consumers, max_regs
 from kernels.det_gemm import GemmConfig
-from kernels.moe_ws import gather_store_bytes, moe_ws_gather_kernel, moe_ws_kernel
+from kernels.moe_ws import gather_store_bytes, moe_ws_gather_kernel, moe_ws_kernel, moe_ws_wgrad_kernel
 out = {}
 box = lambda rows, cols, dt=gl.bfloat16: gluon_desc_type(rows, cols, dt)
 for bm, bn, bk, warps, stages, k_major in [(128, 128, 64, 8, 4, False), (128, 128, 64, 8, 5, True), (64, 128, 64, 4, 6, False)]:
@@ -110,18 +173,34 @@ for epi, bm, bn, bk, warps, stages, k_major, dscore in [
     cfg = GemmConfig(bm, bn, bk, 1, warps, stages, "ws")
     r["budget"] = stages * (bm + bn) * bk * 2 + gather_store_bytes(cfg, epi, dscore)  # what the launcher checks
     out[f"{'dgrad' if epi == 2 else 'up'}_{bm}x{bn}x{bk}_s{stages}_kmajor{int(k_major)}_ds{int(dscore)}"] = r
+for bm, bn, bk, warps, stages, gather, acc in [(128, 128, 64, 8, 4, True, False), (128, 128, 64, 8, 4, False, False),
+                                               (128, 128, 64, 8, 4, True, True), (64, 128, 64, 4, 6, False, True),
+                                               (128, 256, 64, 8, 3, True, False)]:
+    types = {"a_desc": box(bk, 64), "a_ptr": "*bf16", "b_desc": box(bk, bn), "c_desc": box(64, bn),
+             "dw_ptr": "*fp32" if acc else "*bf16", "gather_ptr": "*i32", "offsets_ptr": "*i32", "counts_ptr": "*i32"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": stages, "CONSUMERS": consumers(warps),
+              "GATHER_A": gather, "ACCUMULATE": acc}
+    r = gluon_sm90_report(moe_ws_wgrad_kernel, types, consts, max_regs(warps))
+    r["budget"] = stages * (bm + bn) * bk * 2 + bm * bn * 2  # what the launcher checks
+    out[f"wgrad_{bm}x{bn}x{bk}_s{stages}_gather{int(gather)}_acc{int(acc)}"] = r
 print(json.dumps(out))
 '''
 
 
 def test_ws_kernel_compiles_for_sm90_offline(tmp_path):
     report = compile_sm90_offline(_COMPILE, tmp_path)
-    assert len(report) == 9, report
+    assert len(report) == 14, report
     for name, r in report.items():
-        # BF16 wgmma fed by TMA, the FP32 tile out by TMA store, setmaxnreg (the roles' register split), no spills, one
-        # MMA left in flight behind the newest, and no "wgmma.mma_async instructions are serialized" from ptxas.
-        assert r["hgmma"] > 0 and r["tma"] > 0 and r["tma_store"] > 0 and r["setmaxnreg"] > 0, (name, r)
+        # BF16 wgmma fed by TMA, the tile out by TMA store (main_grad: pointer adds), setmaxnreg (the roles' register
+        # split), no spills, one MMA left in flight behind the newest, and no "wgmma.mma_async instructions are
+        # serialized" from ptxas.
+        stores = not name.endswith("_acc1")
+        assert r["hgmma"] > 0 and r["tma"] > 0 and (r["tma_store"] > 0) == stores and r["setmaxnreg"] > 0, (name, r)
         assert r["stack"] == 0 and r["wait1"] > 0 and not r["serialized"], (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)
-        if name.startswith(("up", "dgrad")):  # the gathered rows by cp.async; the launcher's shared-memory budget holds
-            assert r["ldgsts"] > 0 and r["budget"] <= r["shared"] <= r["budget"] + 1024, (name, r)
+        if name.startswith(("up", "dgrad")) or "gather1" in name:  # gathered rows by cp.async
+            assert r["ldgsts"] > 0, (name, r)
+        if name.startswith(("up", "dgrad")) or (name.startswith("wgrad") and stores):  # the launcher's budget holds
+            assert r["budget"] <= r["shared"] <= r["budget"] + 1024, (name, r)
+        elif name.startswith("wgrad"):  # main_grad: the store buffer the launcher counts is compiled away
+            assert r["shared"] <= r["budget"], (name, r)
