@@ -1,0 +1,67 @@
+"""bench/moe_ab.py: variant specs refused by name, the pinned table restored after every variant (also on an error),
+and an interpreter run whose rows compare each variant's bits and time with the pinned table's (interpreter wall
+time: plumbing, not a hardware result)."""
+
+import json
+
+import pytest
+import torch
+
+import bench.moe_ab as ab
+from kernels.det_gemm import GemmConfig
+from kernels.moe import MOE_CONFIGS
+
+
+def test_parse_variant_reads_stages_and_refuses_by_name():
+    name, stages = ab.parse_variant("wg=wgrad:128,128,64,1,8,4,ws;up:64,128,64,1,4,3")
+    assert name == "wg" and stages == {"wgrad": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),
+                                        "up": GemmConfig(64, 128, 64, 1, 4, 3)}
+    for spec, match in [("wgrad:1,2", "expected NAME="), ("x=", "expected NAME="),
+                        ("pinned=up:64,128,64,1,4,3", "the pinned table's"),
+                        ("x=upp:64,128,64,1,4,3", "stage 'upp' is not a MoE stage"),
+                        ("x=up:64,128,64,1,4,3;up:64,128,64,1,4,4", "given twice"),
+                        ("x=up:64,128", "expected BM,BN,BK,G,warps,stages")]:
+        with pytest.raises(ValueError, match=match):
+            ab.parse_variant(spec)
+
+
+def test_with_table_restores_the_pinned_table_after_an_error():
+    backend = "triton_interpreter"
+    kept = dict(MOE_CONFIGS[backend])
+    seen = {}
+
+    def fails():
+        seen["wgrad"] = MOE_CONFIGS[backend]["wgrad"]
+        raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        ab.with_table(backend, {"wgrad": GemmConfig(16, 32, 16, 1, 4, 1)}, fails)()
+    assert seen["wgrad"] == GemmConfig(16, 32, 16, 1, 4, 1)
+    assert MOE_CONFIGS[backend] == kept
+
+
+def test_interpreter_ab_rows_compare_bits_and_time(tmp_path, device):
+    if device.type != "cpu":
+        pytest.skip("the interpreter run; on the GPU bench.moe_ab runs at the real presets")
+    out = tmp_path / "ab"
+    assert ab.main(["--device", "cpu", "--preset", "tiny", "--tokens", "48", "--rounds", "1", "--out", str(out),
+                    "--variant", "small_wgrad=wgrad:16,32,16,1,4,1;combine:16,32,16,1,4,1"]) == 0
+    data = json.loads((out / "rows.json").read_text())
+    rows = {r["table"]: r for r in data["rows"]}
+    assert set(rows) == {"pinned", "small_wgrad"} and rows["pinned"]["ratio_to_pinned"] == 1.0
+    # On the interpreter every tile gives the same bits (sequential accumulation): the check must say so.
+    assert all(r["bits_equal_pinned"] and r["outputs_differing"] == [] for r in rows.values())
+    assert rows["small_wgrad"]["overrides"] == {"wgrad": "BM16_BN32_BK16_G1_w4_s1",
+                                                "combine": "BM16_BN32_BK16_G1_w4_s1"}
+    assert all(r["median_us"] > 0 and r["T"] == 48 and "tflops" not in r for r in rows.values())
+    assert data["meta"]["hardware_result"] is False
+    assert ab.INTERPRETER_NOTE in (out / "report.md").read_text()
+
+
+def test_a_variant_the_backend_refuses_fails_the_run_by_name(tmp_path, device):
+    if device.type != "cpu":
+        pytest.skip("the Gluon kernels run on the GPU; there this variant is a valid one")
+    kept = dict(MOE_CONFIGS["triton_interpreter"])
+    with pytest.raises(ValueError, match="variant 'ws' is a Gluon kernel for sm_90"):
+        ab.run_ab(["tiny"], [16], {"ws": {"wgrad": GemmConfig(128, 128, 64, 1, 8, 4, "ws")}}, torch.device("cpu"), 1)
+    assert MOE_CONFIGS["triton_interpreter"] == kept
