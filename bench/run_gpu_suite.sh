@@ -3,9 +3,10 @@
 # the config sweep, the gemm benchmark, and the MoE tests, audit and benchmark. Each step has its own
 # time limit and the run goes on after a failure. Results land in $OUT (default results/gpu-<time>)
 # and in the archive $ARCHIVE (default $OUT.tgz).
-# Usage: bash bench/run_gpu_suite.sh [tests|audit|tune|bench|ncu|tma|moe|moetune|moesweep|fp8|all]...
-#   TUNE_ARGS, BENCH_ARGS, NCU_ARGS, MOE_BENCH_ARGS, MOE_TUNE_ARGS, MOE_SWEEP_ARGS, FP8_BENCH_ARGS: extra arguments of those
-#   steps, split on spaces (e.g. TUNE_ARGS="--ops db --m 16 64 128 256 512" for the dB small-M sweep).
+# Usage: bash bench/run_gpu_suite.sh [tests|audit|tune|bench|ncu|tma|moe|moews|moetune|moeab|moesweep|fp8|all]...
+#   TUNE_ARGS, BENCH_ARGS, NCU_ARGS, MOE_BENCH_ARGS, MOE_TUNE_ARGS, MOE_AB_ARGS, MOE_SWEEP_ARGS, FP8_BENCH_ARGS: extra
+#   arguments of those steps, split on spaces (e.g. TUNE_ARGS="--ops db --m 16 64 128 256 512" for the dB small-M
+#   sweep; MOE_AB_ARGS names the table variants bench.moe_ab times against the pinned table).
 set -uo pipefail
 OUT=${OUT:-results/gpu-$(date +%Y%m%d-%H%M%S)}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -19,6 +20,7 @@ read -ra BENCH_ARGS <<< "${BENCH_ARGS:-}"
 read -ra NCU_ARGS <<< "${NCU_ARGS:-}"
 read -ra MOE_BENCH_ARGS <<< "${MOE_BENCH_ARGS:-}"
 read -ra MOE_TUNE_ARGS <<< "${MOE_TUNE_ARGS:-}"
+read -ra MOE_AB_ARGS <<< "${MOE_AB_ARGS:---variant wgrad_ws=wgrad:128,128,64,1,8,4,ws --rounds 20}"
 read -ra MOE_SWEEP_ARGS <<< "${MOE_SWEEP_ARGS:---quick --tokens 1024 4096 8192 16384}"
 read -ra FP8_BENCH_ARGS <<< "${FP8_BENCH_ARGS:---preset reference --preset reference-16k}"
 gpu_pytest=(env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra)
@@ -48,6 +50,14 @@ if want moe; then
   step pytest-moe "${MOE_TESTS_LIMIT:-180}" "${gpu_pytest[@]}" tests/test_moe.py tests/test_moe_routing.py
   step audit-moe "${MOE_AUDIT_LIMIT:-180}" python -m toolkit audit --device cuda --suite moe --out "$OUT/audit-moe"
   step bench-moe "${MOE_BENCH_LIMIT:-240}" python -m bench.moe --device cuda --out "$OUT/bench-moe" "${MOE_BENCH_ARGS[@]}"
+fi
+if want moews; then  # the BF16 Gluon kernels (kernels/moe_ws.py): bits vs the Triton tiles, then the wgrad sweep
+  step pytest-moe-ws "${MOE_WS_TESTS_LIMIT:-180}" "${gpu_pytest[@]}" tests/test_moe_ws.py
+  step moe-tune-wgrad "${MOE_TUNE_LIMIT:-300}" python -m bench.moe_tune --device cuda --stages wgrad_w1 wgrad_w2 \
+    --out "$OUT/moe-tune-wgrad"
+fi
+if want moeab; then  # the layer under table variants in one process (bench/moe_ab.py)
+  step moe-ab "${MOE_AB_LIMIT:-240}" python -m bench.moe_ab --device cuda --out "$OUT/moe-ab" "${MOE_AB_ARGS[@]}"
 fi
 if want moetune; then
   step moe-tune "${MOE_TUNE_LIMIT:-300}" python -m bench.moe_tune --device cuda --out "$OUT/moe-tune" "${MOE_TUNE_ARGS[@]}"
