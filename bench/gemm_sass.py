@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, replace
 
-SASS_OPS = r"\b(HGMMA|HMMA|UTMALDG|LDGSTS|LDSM|LDS|STS|SHFL|USETMAXREG)[.\w]*"
+SASS_OPS = r"\b(HGMMA|HMMA|UTMALDG|UTMASTG|LDGSTS|LDSM|LDS|STS|SHFL|USETMAXREG)[.\w]*"
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class SassCase:
     a_m_major: bool  # the kernel's A [R, L] has its row dim contiguous (dB's a.T)
     b_k_major: bool  # the kernel's B [L, C] has its reduced dim contiguous
     rows: int = 4096  # picks the table entry
+    cols: int = 6144  # the output's width (the ws epilogue stores by TMA when its rows are 16-byte aligned)
 
     @property
     def name(self) -> str:
@@ -119,18 +120,27 @@ def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = Fa
               "TWIN": twin, "B_K_MAJOR": case.b_k_major}
     c_type = "*fp32" if out_fp32 else "*bf16"
     if cfg.variant == "ws":
-        from kernels.det_gemm_ws import consumers, det_gemm_ws_kernel, operand_layout
+        from triton.experimental.gluon import language as gl
+
+        from kernels.det_gemm_ws import consumers, det_gemm_ws_kernel, operand_layout, ws_tma_store
 
         if segmented:
             raise ValueError("variant 'ws' has no segmented form")
         fn = det_gemm_ws_kernel
         a_box = [cfg.block_k, cfg.block_m] if case.a_m_major else [cfg.block_m, cfg.block_k]
         b_box = [cfg.block_n, cfg.block_k] if case.b_k_major else [cfg.block_k, cfg.block_n]
+        c_box = [cfg.block_m // consumers(cfg.num_warps), cfg.block_n]
+        c_desc = gluon_desc_type(*c_box, gl.float32 if out_fp32 else gl.bfloat16)
         ptrs = {"a_desc": f"tensordesc<bf16{a_box},{operand_layout(a_box)!r}>",
-                "b_desc": f"tensordesc<bf16{b_box},{operand_layout(b_box)!r}>", "c_ptr": c_type, "twin_ptr": c_type}
+                "b_desc": f"tensordesc<bf16{b_box},{operand_layout(b_box)!r}>", "c_ptr": c_type, "twin_ptr": c_type,
+                "c_desc": c_desc, "twin_desc": c_desc}
+        # The launcher's epilogue choice at the case's output width.
+        tma_store = ws_tma_store(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, case.cols,
+                                 4 if out_fp32 else 2)
         consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
                   "STAGES": cfg.num_stages, "OUT_FP32": out_fp32, "TWIN": twin, "A_M_MAJOR": case.a_m_major,
-                  "B_K_MAJOR": case.b_k_major, "CONSUMERS": consumers(cfg.num_warps), "stride_cc": 1}
+                  "B_K_MAJOR": case.b_k_major, "CONSUMERS": consumers(cfg.num_warps), "TMA_STORE": tma_store,
+                  "stride_cc": 1}
     elif cfg.variant in ("tma", "tma3"):
         fn = det_gemm_tma_kernel if cfg.variant == "tma" else det_gemm_tma3_kernel
         a_box = [cfg.block_k, cfg.block_m] if case.a_m_major else [cfg.block_m, cfg.block_k]
@@ -189,7 +199,8 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     sass = cuobjdump("--dump-sass", cubin)
     with open(os.path.join(out_dir, f"{tag}.sass"), "w") as f:
         f.write(sass)
-    counts = {op: 0 for op in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS", "LDSM", "LDS", "STS", "SHFL", "USETMAXREG")}
+    counts = {op: 0 for op in ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDSM", "LDS", "STS", "SHFL",
+                               "USETMAXREG")}
     for m in re.finditer(SASS_OPS, sass):
         counts[m.group(1)] += 1
     resources = cuobjdump("--dump-resource-usage", cubin)

@@ -57,7 +57,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, ensure_cuda_context, resolve_backend
-from kernels.det_gemm_ws import consumers, det_gemm_ws_kernel, max_regs, ws_descriptor
+from kernels.det_gemm_ws import consumers, det_gemm_ws_kernel, max_regs, ws_descriptor, ws_tma_store
 from kernels.gemm_names import _OP_IDS, OPS, _launch_metadata, _layer_dims, case_name  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------------------------------------
@@ -741,14 +741,22 @@ def _run_ws(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[s
     b_desc, b_k_major = tma_descriptor(b_name, b, b_view, (config.block_k, config.block_n), "ws")
     c = torch.empty((rows, cols), dtype=out_dtype, device=a_view.device)
     ensure_cuda_context(a_view.device)
+    # The epilogue by TMA store when C's rows are 16-byte aligned and its tile buffer fits beside the ring; else
+    # from registers (the same values either way). Without it the kernel still takes descriptors: ones over a
+    # tile-sized scratch.
+    box = [config.block_m // consumers(config.num_warps), config.block_n]
+    tma_store = ws_tma_store(config.block_m, config.block_n, config.block_k, config.num_stages, cols, c.element_size())
+    stores = [c, c if twin_out is None else twin_out] if tma_store else [torch.empty(box, dtype=out_dtype,
+                                                                                      device=c.device)] * 2
+    c_desc, twin_desc = (ws_descriptor(t, list(t.shape), list(t.stride()), box) for t in stores)
     det_gemm_ws_kernel[(min(tiles, device_sms(a_view.device)),)](
-        a_desc, b_desc, c, c if twin_out is None else twin_out,
+        a_desc, b_desc, c, c if twin_out is None else twin_out, c_desc, twin_desc,
         rows, cols, reduced,
         c.stride(0), c.stride(1),
         _OP_IDS[op],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         STAGES=config.num_stages, OUT_FP32=out_dtype == torch.float32, TWIN=twin_out is not None,
-        A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, CONSUMERS=consumers(config.num_warps),
+        A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, CONSUMERS=consumers(config.num_warps), TMA_STORE=tma_store,
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
     return c, _launch_record(op, backend, config, rows, cols, reduced)

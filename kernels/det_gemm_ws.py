@@ -17,6 +17,7 @@ any other backend by name.
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -46,25 +47,43 @@ def max_regs(num_warps: int) -> int:
     return min(255, (65536 // ((consumers(num_warps) + 1) * 128)) // 8 * 8)
 
 
+# The epilogue's tile buffer shares the block's shared memory with the operand ring (227 KiB on sm_90, less the
+# mbarriers and alignment).
+WS_SHARED_BYTES = 227 * 1024 - 1024
+
+
+def ws_tma_store(block_m: int, block_n: int, block_k: int, stages: int, cols: int, out_bytes: int) -> bool:
+    """Whether the ws epilogue stores by TMA: C's rows (``cols`` elements of ``out_bytes``) start 16-byte aligned,
+    as TMA needs, and the tile buffer fits beside the ring. Else it stores from registers; both store the same
+    values, so the choice never changes a bit."""
+    ring = stages * (block_m + block_n) * block_k * 2
+    return cols * out_bytes % 16 == 0 and ring + block_m * block_n * out_bytes <= WS_SHARED_BYTES
+
+
 def operand_layout(block: list[int]) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
 
 
 def ws_descriptor(tensor, shape, strides, box) -> TensorDescriptor:
-    """A TMA descriptor over ``tensor`` (shape, strides and box as det_gemm.tma_descriptor decided them)."""
-    return TensorDescriptor(tensor, shape, strides, box, operand_layout(box))
+    """A TMA descriptor over ``tensor`` (shape, strides and box as det_gemm.tma_descriptor decided them; BF16
+    operands, or the BF16 / FP32 output) with the NVMMA shared layout of its box."""
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[tensor.dtype]
+    return TensorDescriptor(tensor, shape, strides, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
 
 
 @gluon.jit
-def store_part(c_smem, c_desc, acc, row, col, PART: gl.constexpr):
-    """This part's tile rows through its slice of the shared buffer and a TMA store at [row, col]; the slice is
-    reused once the previous tile's store has read it, and the store runs while the next tile's MMAs do."""
+def store_part(c_smem, c_desc, acc, row, col, PART: gl.constexpr, twin_desc=None):
+    """This part's tile rows through its slice of the shared buffer and a TMA store at [row, col] (and the same
+    bytes to ``twin_desc``'s tensor); the slice is reused once the previous tile's stores have read it, and the
+    stores run while the next tile's MMAs do. TMA clips a tile at the tensor's edges."""
     ROWS: gl.constexpr = acc.type.shape[0]
     c_part = c_smem.slice(PART * ROWS, ROWS, dim=0)
     tma.store_wait(0)
     c_part.store(acc.to(c_desc.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(c_desc, [row, col], c_part)
+    if twin_desc is not None:
+        tma.async_copy_shared_to_global(twin_desc, [row, col], c_part)
 
 
 @gluon.jit
@@ -111,13 +130,13 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, R, C, L,
 
 
 @gluon.jit
-def _consumer(a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, stride_cc,
+def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, twin_desc, c_ptr, twin_ptr, R, C, L, stride_cr, stride_cc,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
               A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr, OUT_FP32: gl.constexpr, TWIN: gl.constexpr,
-              CONSUMERS: gl.constexpr, PART: gl.constexpr):
+              TMA_STORE: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr):
     """One consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile. Async wgmma
     over the ring, at most one MMA in flight behind the newest; a slot goes back to the producer once every
-    consumer has arrived on it; then the epilogue."""
+    consumer has arrived on it; then the epilogue (TMA_STORE: by TMA store from shared memory)."""
     STAGES: gl.constexpr = a_ring.type.shape[0]
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
@@ -146,22 +165,31 @@ def _consumer(a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, 
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1)
 
-        offs_m = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        offs = gl.expand_dims(offs_m, 1) * stride_cr + gl.expand_dims(offs_n, 0) * stride_cc
-        mask = gl.expand_dims(offs_m < R, 1) & gl.expand_dims(offs_n < C, 0)
         if OUT_FP32:
             out = acc
         else:
             out = acc.to(gl.bfloat16)
-        gl.store(c_ptr + offs, out, mask=mask)
-        if TWIN:
-            gl.store(twin_ptr + offs, out, mask=mask)
+        if TMA_STORE:  # through shared memory: whole 128-byte lines, overlapped with the next tile's MMAs
+            if TWIN:
+                store_part(c_smem, c_desc, out, off_m + PART * ROWS, off_n, PART, twin_desc)
+            else:
+                store_part(c_smem, c_desc, out, off_m + PART * ROWS, off_n, PART)
+        else:  # from the accumulator's registers (a row stride TMA cannot take, or no room for the buffer)
+            offs_m = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+            offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            offs = gl.expand_dims(offs_m, 1) * stride_cr + gl.expand_dims(offs_n, 0) * stride_cc
+            mask = gl.expand_dims(offs_m < R, 1) & gl.expand_dims(offs_n < C, 0)
+            gl.store(c_ptr + offs, out, mask=mask)
+            if TWIN:
+                gl.store(twin_ptr + offs, out, mask=mask)
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit(launch_metadata=_launch_metadata)
 def det_gemm_ws_kernel(
     a_desc, b_desc, c_ptr, twin_ptr,  # TMA descriptors over A and B in their storage order (A_M_MAJOR, B_K_MAJOR)
+    c_desc, twin_desc,  # TMA_STORE: over C and the twin, box [BLOCK_M / CONSUMERS, BLOCK_N] (else any valid ones)
     R, C, L,  # C[R, C] = A[R, L] @ B[L, C]
     stride_cr, stride_cc,
     op_id,  # 0 fwd, 1 dA, 2 dB: names the launch only
@@ -169,9 +197,12 @@ def det_gemm_ws_kernel(
     STAGES: gl.constexpr, OUT_FP32: gl.constexpr, TWIN: gl.constexpr,
     A_M_MAJOR: gl.constexpr, B_K_MAJOR: gl.constexpr,
     CONSUMERS: gl.constexpr,  # consumer warpgroups, each its own partition: 1 or 2
+    TMA_STORE: gl.constexpr,  # the epilogue through a shared tile buffer and TMA stores (ws_tma_store)
 ):
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    # Compiled away when TMA_STORE is off (nothing reads it).
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -179,17 +210,20 @@ def det_gemm_ws_kernel(
         mbarrier.init(free.index(i), count=CONSUMERS)
     if CONSUMERS == 2:  # cooperative: the two warpgroups split each tile's rows and sync only through the ring
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, stride_cc, BLOCK_M, BLOCK_N,
-                         BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR, OUT_FP32, TWIN, CONSUMERS, 0)),
-            (_consumer, (a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, stride_cc, BLOCK_M, BLOCK_N,
-                         BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR, OUT_FP32, TWIN, CONSUMERS, 1)),
+            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, twin_desc, c_ptr, twin_ptr, R, C, L, stride_cr,
+                         stride_cc, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR, OUT_FP32, TWIN,
+                         TMA_STORE, CONSUMERS, 0)),
+            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, twin_desc, c_ptr, twin_ptr, R, C, L, stride_cr,
+                         stride_cc, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR, OUT_FP32, TWIN,
+                         TMA_STORE, CONSUMERS, 1)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, R, C, L, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                          A_M_MAJOR, B_K_MAJOR)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, ready, free, c_ptr, twin_ptr, R, C, L, stride_cr, stride_cc, BLOCK_M, BLOCK_N,
-                         BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR, OUT_FP32, TWIN, CONSUMERS, 0)),
+            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, twin_desc, c_ptr, twin_ptr, R, C, L, stride_cr,
+                         stride_cc, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_M_MAJOR, B_K_MAJOR, OUT_FP32, TWIN,
+                         TMA_STORE, CONSUMERS, 0)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, R, C, L, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                          A_M_MAJOR, B_K_MAJOR)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -2,9 +2,10 @@
 
 On the GPU (DETKIT_TEST_DEVICE=cuda): the same bits as the TMA kernel with the same tile, for fwd/dA/dB on
 both weight layouts, ragged edges, BF16/FP32 outputs and the twin store, and a persistent grid that wraps
-(more tiles than SMs, so the ring's phases carry over tile boundaries). Everywhere: the config rules, the
-refusals (no interpreter path, no segmented form), and an offline sm_90 compile showing the producer's TMA
-loads, wgmma, the register hand-off between the warp roles, and no spills."""
+(more tiles than SMs, so the ring's phases carry over tile boundaries), through both epilogues (TMA store, and
+registers for output rows TMA cannot address). Everywhere: the config rules, the epilogue rule, the refusals
+(no interpreter path, no segmented form), and an offline sm_90 compile showing the producer's TMA loads,
+wgmma, the register hand-off between the warp roles, the TMA-store epilogue where it fits, and no spills."""
 
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kernels.det_gemm import LAUNCHERS, GemmConfig
+from kernels.det_gemm_ws import WS_SHARED_BYTES, ws_tma_store
 from tests.test_det_gemm import _operands
 from toolkit.contract import compare_bits
 from toolkit.fixtures import bf16_randn, weight_kn
@@ -79,12 +81,43 @@ def test_ws_persistent_grid_wraps_and_twin_store(device):
         _same_bits(LAUNCHERS["fwd"](a, b, config=config)[0], want)
 
 
+def test_ws_epilogue_stores_by_tma_when_rows_align_and_the_buffer_fits():
+    # 128x128x64, 6 stages: a 192 KiB ring + the 32 KiB BF16 tile buffer fit; the FP32 one (64 KiB) does not.
+    assert ws_tma_store(128, 128, 64, 6, 6144, 2) and not ws_tma_store(128, 128, 64, 6, 6144, 4)
+    assert not ws_tma_store(128, 128, 64, 4, 6140, 2)  # rows 12280 bytes apart: not 16-byte aligned
+    assert ws_tma_store(128, 128, 64, 4, 6140, 4)  # 24560 bytes: aligned
+    assert not ws_tma_store(128, 256, 64, 4, 6144, 2)  # 192 KiB ring + 64 KiB buffer
+    assert WS_SHARED_BYTES < 227 * 1024
+
+
+def test_ws_register_epilogue_for_rows_tma_cannot_address(device):
+    if device.type != "cuda":
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    n, k = 262, 200  # C's rows 524 (BF16) / 1048 (FP32) bytes apart; B = weight.t() keeps its 400-byte rows
+    x, y = _operands("fwd", 300, n, k, "linear", device)
+    for config in WS_TILES:
+        for out_dtype in (torch.bfloat16, torch.float32):
+            assert not ws_tma_store(config.block_m, config.block_n, config.block_k, config.num_stages, n,
+                                    out_dtype.itemsize)
+            want = LAUNCHERS["fwd"](x, y, config=replace(config, variant="tma"), out_dtype=out_dtype)[0]
+            twin = torch.full_like(want, float("nan"))
+            _same_bits(LAUNCHERS["fwd"](x, y, config=config, out_dtype=out_dtype, twin_out=twin)[0], want)
+            _same_bits(twin, want)
+
+
 _WS_SCRIPT = """
-import json, tempfile
+import dataclasses, json, tempfile
 from bench.gemm_sass import CASES, build
 from kernels.det_gemm import GemmConfig
 config = GemmConfig(128, 256, 64, 8, 8, 4, "ws")
-print(json.dumps([build(case, "ws", tempfile.mkdtemp(), config=config) for case in CASES]))
+rows = [build(case, "ws", tempfile.mkdtemp(), config=config) for case in CASES]
+# The TMA-store epilogue: 128x128x64 with 6 stages (BF16 out, and with the twin), not for FP32 out (no room) or for
+# output rows that are not 16-byte aligned.
+deep = GemmConfig(128, 128, 64, 8, 8, 6, "ws")
+rows += [build(CASES[0], "ws", tempfile.mkdtemp(), config=deep, **flags)
+         for flags in ({}, {"twin": True}, {"out_fp32": True})]
+rows.append(build(dataclasses.replace(CASES[0], cols=6140), "ws", tempfile.mkdtemp(), config=deep))
+print(json.dumps(rows))
 """
 
 
@@ -92,10 +125,19 @@ def test_ws_kernel_compiles_for_sm90_offline_to_tma_wgmma_and_register_handoff(t
     from tests.moe_helpers import compile_sm90_offline
 
     rows = compile_sm90_offline(_WS_SCRIPT, tmp_path)
-    assert len(rows) == 5
+    assert len(rows) == 9
     for r in rows:
         # TMA loads (producer), wgmma on 64-row halves (two consumer warpgroups), setmaxnreg (the roles' register
-        # split), no cp.async, no mma.sync, no spills, and the 4-slot ring of 128x64 + 64x256 BF16 tiles.
+        # split), no cp.async, no mma.sync, no spills.
         assert r["UTMALDG"] > 0 and r["HGMMA"] > 0 and r["USETMAXREG"] > 0, r
         assert r["LDGSTS"] == 0 and r["HMMA"] == 0 and r["stack_bytes"] == 0, r
-        assert 4 * (128 * 64 + 64 * 256) * 2 <= r["shared_bytes"] < 227 * 1024, r
+        assert r["shared_bytes"] < 227 * 1024, r
+    for r in rows[:5]:  # 4 slots of 128x64 + 64x256 BF16 tiles; no room for the 64 KiB tile buffer: register stores
+        assert r["UTMASTG"] == 0 and 4 * (128 * 64 + 64 * 256) * 2 <= r["shared_bytes"] < 4 * 49152 + 1024, r
+    plain, twin, fp32, unaligned = rows[5:]
+    ring = 6 * (128 * 64 + 64 * 128) * 2
+    # Each consumer stores its half by TMA (the twin: twice) from the 32 KiB buffer beside the ring.
+    assert plain["UTMASTG"] == 2 and twin["UTMASTG"] == 4, (plain, twin)
+    assert ring + 128 * 128 * 2 <= plain["shared_bytes"] <= ring + 128 * 128 * 2 + 1024, plain
+    for r in (fp32, unaligned):  # register stores; the buffer compiled away
+        assert r["UTMASTG"] == 0 and ring <= r["shared_bytes"] <= ring + 1024, r
