@@ -324,20 +324,16 @@ def moe_ws_gather_kernel(
 
 
 @gluon.jit
-def _wgrad_producer(a_desc, a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr, counts_ptr,
-                    num_tiles, num_r, num_c, stride_am, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    GATHER_A: gl.constexpr):
-    """The weight gradient's loads, per K step of BLOCK_K expert rows (ascending, up to the step holding the last
-    routed row; the step stays inside the expert's 128-padded segment): each consumer's BLOCK_K x 64 slice of the A
-    rows into its own ring buffer, and the B rows' BLOCK_N columns by TMA. GATHER_A (dW1: x[gather]): the A rows by
-    16-byte cp.async from a 4-warp partition, rows past the routed count zero-filled (the Triton kernel's mask: x of
-    token 0, which padding rows name, never enters a product); else (dW2: h) by TMA, whose padding rows the up
-    epilogue wrote as zeros."""
+def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles, num_r, num_c,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The weight gradient's TMA loads (dW2: h and dy), per K step of BLOCK_K expert rows (ascending, up to the step
+    holding the last routed row; the step stays inside the expert's 128-padded segment, whose padding rows of h
+    and dy are zeros): each consumer's BLOCK_K x 64 slice of the A rows into its own ring buffer, and the B rows'
+    BLOCK_N columns."""
     STAGES: gl.constexpr = ready.type.shape[0]
     PARTS: gl.constexpr = a_ring.type.shape[0] // STAGES
     BLOCK_K: gl.constexpr = a_ring.type.shape[1]
     ROWS: gl.constexpr = a_ring.type.shape[2]
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_PRODUCER_WARPS, 1], [1, 0])
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
@@ -347,23 +343,47 @@ def _wgrad_producer(a_desc, a_ptr, b_desc, a_ring, b_ring, ready, free, gather_p
             mbarrier.wait(free.index(slot), ((count // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             row = start + ks * BLOCK_K
-            if GATHER_A:
-                mbarrier.expect(bar, b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(b_desc, [row, pid_c * BLOCK_N], bar, b_ring.index(slot))
-                k = ks * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, rows_layout))
-                tokens = gl.load(gather_ptr + start + k)
-                cols = pid_r * BLOCK_M + gl.arange(0, ROWS, layout=gl.SliceLayout(0, rows_layout))
-                ptrs = a_ptr + tokens[:, None].to(gl.int64) * stride_am + cols[None, :]
-                for part in gl.static_range(PARTS):
-                    async_copy.async_copy_global_to_shared(a_ring.index(slot * PARTS + part), ptrs + part * ROWS,
-                                                           mask=(k < routed)[:, None])
-                async_copy.mbarrier_arrive(bar, increment_count=False)
-            else:
-                mbarrier.expect(bar, PARTS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                for part in gl.static_range(PARTS):
-                    tma.async_copy_global_to_shared(a_desc, [row, pid_r * BLOCK_M + part * ROWS], bar,
-                                                    a_ring.index(slot * PARTS + part))
-                tma.async_copy_global_to_shared(b_desc, [row, pid_c * BLOCK_N], bar, b_ring.index(slot))
+            mbarrier.expect(bar, PARTS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            for part in gl.static_range(PARTS):
+                tma.async_copy_global_to_shared(a_desc, [row, pid_r * BLOCK_M + part * ROWS], bar,
+                                                a_ring.index(slot * PARTS + part))
+            tma.async_copy_global_to_shared(b_desc, [row, pid_c * BLOCK_N], bar, b_ring.index(slot))
+            count += 1
+
+
+@gluon.jit
+def _wgrad_gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr, counts_ptr, num_tiles,
+                           num_r, num_c, stride_am, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """dW1's loads (a 4-warp partition): the K steps of _wgrad_producer with the A rows x[gather[p]] copied by
+    16-byte cp.async, rows past the routed count zero-filled (the Triton kernel's mask: x of token 0, which padding
+    rows name, never enters a product), and dgu's rows by TMA. Each step's row indices are loaded one step ahead,
+    so their latency hides behind the wait for a free slot."""
+    STAGES: gl.constexpr = ready.type.shape[0]
+    PARTS: gl.constexpr = a_ring.type.shape[0] // STAGES
+    BLOCK_K: gl.constexpr = a_ring.type.shape[1]
+    ROWS: gl.constexpr = a_ring.type.shape[2]
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_PRODUCER_WARPS, 1], [1, 0])
+    k_offs = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, rows_layout))
+    cols = gl.arange(0, ROWS, layout=gl.SliceLayout(0, rows_layout))
+    count = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
+        a_cols = a_ptr + (pid_r * BLOCK_M + cols)[None, :]
+        tokens = gl.load(gather_ptr + start + k_offs, mask=k_offs < routed, other=0)
+        for ks in range(gl.cdiv(routed, BLOCK_K)):
+            k = ks * BLOCK_K + k_offs
+            upcoming = gl.load(gather_ptr + start + k + BLOCK_K, mask=k + BLOCK_K < routed, other=0)
+            slot = count % STAGES
+            mbarrier.wait(free.index(slot), ((count // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(b_desc, [start + ks * BLOCK_K, pid_c * BLOCK_N], bar, b_ring.index(slot))
+            ptrs = a_cols + tokens[:, None].to(gl.int64) * stride_am
+            for part in gl.static_range(PARTS):
+                async_copy.async_copy_global_to_shared(a_ring.index(slot * PARTS + part), ptrs + part * ROWS,
+                                                       mask=(k < routed)[:, None])
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+            tokens = upcoming
             count += 1
 
 
@@ -430,16 +450,16 @@ def moe_ws_wgrad_kernel(
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
                                    num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
                                    ACCUMULATE, CONSUMERS, 1, True)),
-                (_wgrad_producer, (a_desc, a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
-                                   counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N, GATHER_A)),
+                (_wgrad_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
+                                          counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
                                    num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
                                    ACCUMULATE, CONSUMERS, 0, True)),
-                (_wgrad_producer, (a_desc, a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
-                                   counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N, GATHER_A)),
+                (_wgrad_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
+                                          counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     else:
         if CONSUMERS == 2:
@@ -450,16 +470,16 @@ def moe_ws_wgrad_kernel(
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
                                    num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
                                    ACCUMULATE, CONSUMERS, 1, False)),
-                (_wgrad_producer, (a_desc, a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
-                                   counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N, GATHER_A)),
+                (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles,
+                                   num_r, num_c, BLOCK_M, BLOCK_N)),
             ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
                                    num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
                                    ACCUMULATE, CONSUMERS, 0, False)),
-                (_wgrad_producer, (a_desc, a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
-                                   counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N, GATHER_A)),
+                (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles,
+                                   num_r, num_c, BLOCK_M, BLOCK_N)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
