@@ -112,6 +112,31 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
                      config=WS_WGRAD_CONFIGS[0])
 
 
+def test_a_ws_wgrad_pick_takes_the_triton_tile_for_operands_it_cannot_address(device, monkeypatch):
+    # The table's weight-gradient pick (when it is "ws") runs on the same tile in Triton where TMA / cp.async cannot
+    # read x (rows not 16-byte aligned) or main_grad is not contiguous: the same K order, so the same bits; an
+    # addressable batch goes to the Gluon kernel, which the interpreter refuses by name.
+    if device.type != "cpu":
+        pytest.skip("checked where the Gluon kernel is refused; on the GPU the bit tests cover both paths")
+    from kernels.moe import MOE_CONFIGS
+
+    b = backend_of(device)
+    inp = make_inputs(MoeCase(24, 128, 128, 3, 2, "random", 5), device)
+    r = build_routing(inp["topk_ids"], inp["scores"], 3)
+    dgu = torch.randn((r.padded_rows, 256), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    want = moe_wgrad_w1(inp["x"], dgu, r, b)
+    want_fp32 = torch.zeros((3, 128, 256))
+    moe_wgrad_w1(inp["x"], dgu, r, b, main_grad=want_fp32)
+    monkeypatch.setitem(MOE_CONFIGS[b], "wgrad", WS_WGRAD_CONFIGS[0])
+    x_odd_rows = torch.zeros((24, 129), dtype=torch.bfloat16)[:, :-1].copy_(inp["x"])
+    assert compare_bits(moe_wgrad_w1(x_odd_rows, dgu, r, b), want).equal
+    main_grad = torch.zeros((3, 256, 128)).transpose(1, 2)  # [E, H, 2I] view, not contiguous
+    assert moe_wgrad_w1(inp["x"], dgu, r, b, main_grad=main_grad) is None
+    assert compare_bits(main_grad, want_fp32).equal
+    with pytest.raises(ValueError, match="variant 'ws' is a Gluon kernel for sm_90"):
+        moe_wgrad_w1(inp["x"], dgu, r, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(300, 512, 384, 5, 2), (2048, 1024, 768, 16, 4)])
 def test_ws_gives_the_triton_tiles_bits(shape, device):
