@@ -34,7 +34,8 @@ Stages and tile ownership (kernels/moe_routing.py builds the expert-sorted, 128-
     dx     grouped kernel dgu @ W1[e].T -> [P, H] FP32, then the combine kernel unscaled (ascending
            k gather-sum over the token's routes, one rounding).
     dW     moe_wgrad_kernel: one program per (expert, dW tile); reduces the expert's rows in
-           ascending padded-row order; optional FP32 accumulation into a caller's main_grad.
+           ascending padded-row order; optional FP32 accumulation into a caller's main_grad. (Variant
+           "ws": kernels/moe_ws.py moe_ws_wgrad_kernel, the same order on a persistent Gluon kernel.)
     dscore moe_dscore_sum_kernel: one program per token block; per route k, the row's I/64 partials
            summed (fixed tree). y [P, H] FP32 is not kept for the backward: it is read once by the combine.
            (The FP8 layer computes its dscores the same way, from its FP8 dgrad's accumulator.)
