@@ -3,7 +3,7 @@
 # the config sweep, the gemm benchmark, and the MoE tests, audit and benchmark. Each step has its own
 # time limit and the run goes on after a failure. Results land in $OUT (default results/gpu-<time>)
 # and in the archive $ARCHIVE (default $OUT.tgz).
-# Usage: bash bench/run_gpu_suite.sh [tests|audit|tune|bench|ncu|tma|moe|moews|moetune|moeab|moesweep|fp8|all]...
+# Usage: bash bench/run_gpu_suite.sh [tests|audit|tune|bench|ncu|tma|gemmws|moe|moews|moetune|moeab|moesweep|fp8|all]...
 #   TUNE_ARGS, BENCH_ARGS, NCU_ARGS, MOE_BENCH_ARGS, MOE_TUNE_ARGS, MOE_AB_ARGS, MOE_SWEEP_ARGS, FP8_BENCH_ARGS: extra
 #   arguments of those steps, split on spaces (e.g. TUNE_ARGS="--ops db --m 16 64 128 256 512" for the dB small-M
 #   sweep; MOE_AB_ARGS names the table variants bench.moe_ab times against the pinned table).
@@ -33,6 +33,11 @@ if want tests; then
 fi
 if want tma; then
   step pytest-tma "${TMA_LIMIT:-120}" "${gpu_pytest[@]}" tests/test_det_gemm_tma.py
+fi
+if want gemmws; then  # det_gemm's Gluon variant: its GPU tests (bits vs the TMA kernel), then its tiles swept
+  step pytest-gemm-ws "${GEMM_WS_TESTS_LIMIT:-180}" "${gpu_pytest[@]}" tests/test_det_gemm_ws.py
+  step tune-ws "${TUNE_LIMIT:-300}" python -m bench.gemm_tune --variants ws --m 256 512 1024 4096 \
+    --out "$OUT/tune-ws.json"
 fi
 if want audit; then
   step audit-gemm "${AUDIT_LIMIT:-420}" python -m toolkit audit --device cuda --suite gemm --out "$OUT/audit"
