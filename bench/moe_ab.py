@@ -79,8 +79,12 @@ def run_ab(presets: list[str], tokens: list[int] | None, variants: dict[str, dic
     from toolkit.contract import compare_bits
     from toolkit.timing import time_interleaved
 
-    backend = "cuda_sm90" if device.type == "cuda" else "triton_interpreter"
-    hardware = device.type == "cuda"
+    from kernels.backend import TRITON_INTERPRETER, resolve_backend
+    from kernels.moe import moe_grouped_gemm_kernel
+
+    # The table the kernels will read (refuses a device they cannot run on, by name, before any work).
+    backend = resolve_backend(moe_grouped_gemm_kernel, {"device": torch.empty(0, device=device)})
+    hardware = backend != TRITON_INTERPRETER
     rows = []
     for preset in presets:
         for t in tokens or [PRESETS[preset].t]:

@@ -801,7 +801,7 @@ def moe_gather_sum(dx_route: torch.Tensor, routing: MoeRouting, backend: str,
     return _combine(1, dx_route, routing, None, backend, config)
 
 
-def _ws_wgrad_addresses(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+def ws_wgrad_addresses(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether the ws weight gradient can take A and B (row-major with 16-byte aligned rows: TMA, cp.async) and
     write ``out`` (contiguous)."""
     return out.is_contiguous() and all(
@@ -812,7 +812,7 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing
            out: torch.Tensor, accumulate: bool, backend: str, config: GemmConfig | None) -> None:
     if config is None:
         config = select_moe_config("wgrad", backend)
-        if config.variant == "ws" and not _ws_wgrad_addresses(a, b, out):
+        if config.variant == "ws" and not ws_wgrad_addresses(a, b, out):
             config = replace(config, variant="ptr")  # the same tile and K order on the Triton kernel: the same bits
     if config.variant == "ws":  # the Gluon kernel (kernels/moe_ws.py): sm_90
         _check_ws("wgrad", config, backend)

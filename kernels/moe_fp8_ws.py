@@ -322,13 +322,20 @@ def wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr):
 
 
 @gluon.jit
-def accumulate_part(dw_ptr, acc, expert, row, col, stride_we, stride_wr, stride_wc):
-    """main_grad[expert, row:+ROWS, col:+BLOCK_N] += acc, in FP32 through pointers (a weight gradient's part)."""
-    layout: gl.constexpr = acc.type.layout
-    rows = row + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, layout))
-    cols = col + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, layout))
-    ptrs = dw_ptr + expert * stride_we + rows[:, None] * stride_wr + cols[None, :] * stride_wc
-    gl.store(ptrs, gl.load(ptrs) + acc)
+def store_wgrad_part(c_smem, c_desc, dw_ptr, acc, expert, routed, R, row, col, stride_we, stride_wr, stride_wc,
+                     ACCUMULATE: gl.constexpr, PART: gl.constexpr):
+    """A weight gradient's part of dW[expert][row:+ROWS, col:+BLOCK_N] (BF16 and FP8 kernels): BF16 by TMA store into
+    dW as [E * R, C], or ACCUMULATE: main_grad += acc in FP32 through pointers, untouched for an expert without
+    rows."""
+    if ACCUMULATE:
+        if routed > 0:
+            layout: gl.constexpr = acc.type.layout
+            rows = row + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, layout))
+            cols = col + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, layout))
+            ptrs = dw_ptr + expert * stride_we + rows[:, None] * stride_wr + cols[None, :] * stride_wc
+            gl.store(ptrs, gl.load(ptrs) + acc)
+    else:
+        store_part(c_smem, c_desc, acc, expert * R + row, col, PART)
 
 
 @gluon.jit
@@ -362,12 +369,8 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw
         acc, count = _k_blocks(a_ring, b_ring, ready, free, count, gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout),
                                gl.cdiv(routed, QB), None, None, 0, 0, KB_GROUP, True, PART,
                                scale_rings=scale_rings)
-        if ACCUMULATE:
-            if routed > 0:
-                accumulate_part(dw_ptr, acc, expert, pid_r * BLOCK_M + PART * ROWS, pid_c * BLOCK_N, stride_we,
-                                stride_wr, stride_wc)
-        else:
-            store_part(c_smem, c_desc, acc, expert * R + pid_r * BLOCK_M + PART * ROWS, pid_c * BLOCK_N, PART)
+        store_wgrad_part(c_smem, c_desc, dw_ptr, acc, expert, routed, R, pid_r * BLOCK_M + PART * ROWS,
+                         pid_c * BLOCK_N, stride_we, stride_wr, stride_wc, ACCUMULATE, PART)
     tma.store_wait(0)
 
 

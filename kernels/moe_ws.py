@@ -45,10 +45,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs, store_part,
 )
-from kernels.moe import DS_CHUNK, SEGMENT_ALIGN, grouped_launch_name, wgrad_launch_name, ws_weight_rows
+from kernels.moe import (
+    DS_CHUNK, SEGMENT_ALIGN, grouped_launch_name, wgrad_launch_name, ws_weight_rows, ws_wgrad_addresses,
+)
 from kernels.moe_fp8_ws import (
     GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, SM90_SHARED_BYTES, _bf16_pair_bits,
-    _bf16_pair_values, _gather_producer, accumulate_part, fp8_ws_descriptor, live_tiles, wgrad_tile,
+    _bf16_pair_values, _gather_producer, fp8_ws_descriptor, live_tiles, store_wgrad_part, wgrad_tile,
 )
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
@@ -403,12 +405,8 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets
         if routed > 0:
             acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, gl.cdiv(routed, BLOCK_K), False, PART, FENCE,
                                   True)
-        if ACCUMULATE:
-            if routed > 0:
-                accumulate_part(dw_ptr, acc, expert, pid_r * BLOCK_M + PART * ROWS, pid_c * BLOCK_N, stride_we,
-                                stride_wr, stride_wc)
-        else:
-            store_part(c_smem, c_desc, acc, expert * R + pid_r * BLOCK_M + PART * ROWS, pid_c * BLOCK_N, PART)
+        store_wgrad_part(c_smem, c_desc, dw_ptr, acc, expert, routed, R, pid_r * BLOCK_M + PART * ROWS,
+                         pid_c * BLOCK_N, stride_we, stride_wr, stride_wc, ACCUMULATE, PART)
     tma.store_wait(0)
 
 
@@ -483,12 +481,17 @@ def moe_ws_wgrad_kernel(
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
-def _check_tile(stage: str, config, reduced: int, n_cols: int, store_bytes: int) -> None:
-    """Refuses, naming the value, a tile the ws kernels cannot run on L = ``reduced``, C = ``n_cols`` with an epilogue
-    buffer of ``store_bytes``."""
+def _check_consumer_rows(stage: str, config) -> None:
+    """Refuses a tile whose rows are not 64 per consumer warpgroup (4 warps each), naming it."""
     if config.block_m != 64 * consumers(config.num_warps) or config.num_warps not in (4, 8):
         raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "
                          f"warps or 128 with 8; got BLOCK_M {config.block_m}, {config.num_warps} warps")
+
+
+def _check_tile(stage: str, config, reduced: int, n_cols: int, store_bytes: int) -> None:
+    """Refuses, naming the value, a tile the ws kernels cannot run on L = ``reduced``, C = ``n_cols`` with an epilogue
+    buffer of ``store_bytes``."""
+    _check_consumer_rows(stage, config)
     if reduced % config.block_k or n_cols % config.block_n or config.block_k % 16 or config.block_n % 16:
         raise ValueError(f"{stage}: variant 'ws' needs BLOCK_K {config.block_k} dividing L {reduced} and BLOCK_N "
                          f"{config.block_n} dividing C {n_cols} (a weight tile never crosses an expert), both multiples "
@@ -589,10 +592,8 @@ def launch_moe_ws_wgrad(op_id: int, config, a: torch.Tensor, gather_a: bool, b: 
     times those of B [P, C], into the BF16 ``out`` [E, R, C], or ``out`` += it in FP32 when ``accumulate``; refuses,
     naming the value, what this kernel does not cover (before any work)."""
     _, r, c = out.shape
+    _check_consumer_rows("wgrad", config)
     parts = consumers(config.num_warps)
-    if config.block_m != 64 * parts or config.num_warps not in (4, 8):
-        raise ValueError(f"wgrad: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows of dW: BLOCK_M 64 with "
-                         f"4 warps or 128 with 8; got BLOCK_M {config.block_m}, {config.num_warps} warps")
     if r % config.block_m or c % config.block_n or config.block_n % 16:
         raise ValueError(f"wgrad: variant 'ws' needs BLOCK_M {config.block_m} dividing R {r} and BLOCK_N "
                          f"{config.block_n} (a multiple of 16) dividing C {c}")
@@ -605,8 +606,7 @@ def launch_moe_ws_wgrad(op_id: int, config, a: torch.Tensor, gather_a: bool, b: 
         raise ValueError(f"wgrad: variant 'ws' {config.label()} needs {ring + store} bytes of shared memory "
                          f"({ring} for {config.num_stages} stages, {store} for the BF16 store buffer); sm_90 has "
                          f"{SM90_SHARED_BYTES} per block: use fewer stages")
-    if (any(t.stride(1) != 1 or t.stride(0) * 2 % 16 or t.data_ptr() % 16 for t in (a, b))
-            or not out.is_contiguous()):
+    if not ws_wgrad_addresses(a, b, out):
         raise ValueError(f"wgrad: variant 'ws' needs A and B row-major with 16-byte aligned rows (TMA, cp.async) and "
                          f"dW contiguous; got strides {a.stride()}, {b.stride()}, {out.stride()}")
     if routing.padded_rows == 0:  # no routed row anywhere: dW is zero, main_grad untouched
