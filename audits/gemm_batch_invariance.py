@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import torch
 
 from audits.gemm_common import GemmCase, launch, operands
-from kernels.det_gemm import all_configs
+from kernels.backend import resolve_backend
+from kernels.det_gemm import all_configs, det_gemm_kernel
 from toolkit.contract import compare_bits
 from toolkit.fixtures import LAYOUTS
 from toolkit.harness import Row, RunContext
@@ -61,7 +62,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
                 with nvtx_range(f"chunking {big.name}"):
                     got = torch.cat([launch(op, part, w)[0] for part in torch.split(x, preset.chunk)])
                 yield _row(ctx, "chunking", big, got, out_big, chunk_rows=preset.chunk)
-                for config in all_configs(op):
+                for config in all_configs(op, resolve_backend(det_gemm_kernel, {"x": x})):
                     if config == launch_info.config:
                         continue  # that is the reference itself
                     with nvtx_range(f"config {config.label()} {big.name}"):

@@ -63,7 +63,7 @@ from kernels.gemm_names import _OP_IDS, OPS, _launch_metadata, _layer_dims, case
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-11-30.13"
+CONFIG_TABLE_VERSION = "2026-12-01.14"
 
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
 INTERPRETER_MAX_BLOCK_NUMEL = 2**20
@@ -221,6 +221,13 @@ _MID_TALL = GemmConfig(256, 128, 64, 8, 8, 4, "tma")  # 192 KiB: 1 CTA per SM, h
 # tiles fit one wave first, and win (376 vs 497).
 _SMALL_192 = GemmConfig(64, 192, 64, 8, 4, 6, "tma3")  # 192 KiB: 1 CTA per SM
 _MID_192 = GemmConfig(128, 192, 64, 8, 8, 4, "tma3")  # 160 KiB: 1 CTA per SM
+# Table .14: the warp-specialized Gluon kernel (kernels/det_gemm_ws.py) on a 128x256 tile, 3 stages, its epilogue
+# through a shared tile buffer and TMA stores (208 KiB; at 4 stages the buffer no longer fits and the register
+# epilogue runs at half the speed). H200 sweeps 2026-12-01 (reports/2026-12-01-h200, every candidate bit-equal to
+# the table's pick): dB +20-28% at M 128-1024 and +1-11% at M 2048-16384 (one case -2%), fwd and dA +2-6% at
+# M 2048-16384 (one case -2%). Where Gluon cannot run it (not sm_90, seg_len segments) it runs as the same tile
+# in Triton, "tma" or "ptr" (table_config): the same K order, so the same bits.
+_WS_WIDE = GemmConfig(128, 256, 64, 8, 8, 3, "ws")
 _TINY = OneWave((GemmConfig(16, 32, 128, 1, 4, 6), GemmConfig(16, 64, 128, 1, 4, 6)), max_ctas_per_sm=1)
 _SMALL_32 = OneWave((GemmConfig(64, 32, 128, 1, 4, 4), GemmConfig(64, 64, 128, 1, 4, 4)), max_ctas_per_sm=1)
 CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
@@ -238,9 +245,9 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
         (128, OneWave((_NARROW_128, _SMALL_128_DEEP, _SMALL_128_2))),
         (256, OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2))),
         (1024, OneWave((_MID, _MID_192, _MID_TALL))),
-        # TMA descriptors (H200 sweep reports/2026-11-29-h200x2/tune-tma: 527-745 TFLOP/s on both
-        # weight layouts vs 417-626 for the pointer kernel at the same tile, identical bits).
-        (2**31, GemmConfig(256, 128, 64, 8, 8, 4, "tma")),
+        # M > 1024: the TMA kernel's 256x128 tile (H200 sweep reports/2026-11-29-h200x2/tune-tma: 527-745 TFLOP/s
+        # on both weight layouts vs 417-626 for the pointer kernel) until table .14's ws tile.
+        (2**31, _WS_WIDE),
     ),
     "da": (
         (16, _TINY),  # as fwd
@@ -251,28 +258,23 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
         # lost 3% on the other (reports/2026-11-30-h200/tune-tma3).
         (256, OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2))),
         (1024, OneWave((_MID, _MID_TALL))),
-        (2**31, GemmConfig(128, 256, 64, 16, 8, 4)),
+        (2**31, _WS_WIDE),
     ),
     "db": (
-        # M <= 512: a short reduction into a large [K, N] output; 4 warps, BLOCK_K 32, 4 stages won at every
-        # M swept (16-512) on both shapes, 1.09-1.54x the wide tile (reports/2026-11-29-h200-table5/tune-db).
-        (512, GemmConfig(128, 128, 32, 8, 4, 4)),
-        (2**31, GemmConfig(128, 256, 64, 8, 8, 4)),
+        # M <= 64: a short reduction into a large [K, N] output; 4 warps, BLOCK_K 32, 4 stages won at every
+        # M swept (16-512) on both shapes, 1.09-1.54x the wide tile (reports/2026-11-29-h200-table5/tune-db);
+        # from M 65 the ws tile (table .14: +27% at M 128, +20-26% at 256-1024).
+        (64, GemmConfig(128, 128, 32, 8, 4, 4)),
+        (2**31, _WS_WIDE),
     ),
 }
 
 
 # Entries that replace CONFIG_TABLE's when the kernel's B view is K-major (its reduced dim contiguous): dA of a
-# weight stored [K, N]. There the pointer kernel at the nn.Linear picks ran at 487-518 TFLOP/s and the TMA
-# variant at 648-741 (H200 sweep reports/2026-11-29-h200x2/tune-tma, M 1024/4096/16384, both shapes, every
-# candidate bit-identical to the table's pick). Up to M 1024 the sweeps' picks are the same on both
-# layouts; only the large-M tile differs.
-CONFIG_TABLE_B_K_MAJOR: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
-    "da": (
-        *CONFIG_TABLE["da"][:-1],
-        (2**31, GemmConfig(256, 128, 64, 8, 8, 4, "tma")),
-    ),
-}
+# weight stored [K, N]. Tables .5-.13 had one here (M > 1024: the TMA tile, where the pointer tile of nn.Linear's
+# layout was slower; reports/2026-11-29-h200x2/tune-tma); since table .14 both layouts take the ws tile there, so
+# the picks agree at every M and this table is empty.
+CONFIG_TABLE_B_K_MAJOR: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {}
 
 
 def entry_configs(entry: GemmConfig | OneWave) -> tuple[GemmConfig, ...]:
@@ -297,12 +299,19 @@ def select_config(op: str, m: int, b_k_major: bool = False, cols: int | None = N
     raise ValueError(f"M={m} exceeds the config table for {op!r}")
 
 
-def all_configs(op: str) -> list[GemmConfig]:
-    """Every distinct config the tables can pick for ``op`` (the cross-config audit runs them all)."""
+def all_configs(op: str, backend: str = CUDA_SM90) -> list[GemmConfig]:
+    """Every distinct config the tables can pick for ``op`` on ``backend`` (the cross-config audit runs them
+    all); off sm_90 a "ws" pick runs as its Triton twin (``ws_twin``)."""
     if op not in CONFIG_TABLE:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
     entries = (*CONFIG_TABLE[op], *CONFIG_TABLE_B_K_MAJOR.get(op, ()))
-    return list(dict.fromkeys(c for _, e in entries for c in entry_configs(e)))
+    configs = (c for _, e in entries for c in entry_configs(e))
+    return list(dict.fromkeys(c if backend == CUDA_SM90 else ws_twin(c) for c in configs))
+
+
+def ws_twin(config: GemmConfig) -> GemmConfig:
+    """A "ws" config as the TMA kernel with the same tile (the same K order, so the same bits); others as they are."""
+    return replace(config, variant="tma") if config.variant == "ws" else config
 
 
 def device_sms(device: torch.device) -> int:
@@ -626,21 +635,26 @@ def b_is_k_major(b_view: torch.Tensor) -> bool:
     return b_view.stride(0) == 1 and b_view.stride(1) != 1
 
 
-def table_config(op: str, m: int, cols: int, views: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> GemmConfig:
+def table_config(op: str, m: int, cols: int, views: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+                 backend: str = CUDA_SM90, segmented: bool = False) -> GemmConfig:
     """The table's pick for ``op`` at batch size ``m``, output width ``cols`` on the operands' device and the B
-    view's layout. When an operand is not TMA-addressable (``views``: (tensor, kernel view) of A and B), a
-    "tma3" pick gives way to the entry's pick among its other tiles, and a "tma" pick runs as the pointer
-    kernel with the same tile. Neither the tile, the layout nor the variant changes the bits (same K order;
-    every pick swept on the H200 and checked by the cross-config audit), so this choice cannot change a result."""
+    view's layout. A "ws" pick runs as its TMA twin where the Gluon kernel cannot (``backend`` not sm_90, or
+    ``segmented``: seg_len segments). When an operand is not TMA-addressable (``views``: (tensor, kernel view)
+    of A and B), a "tma3" pick gives way to the entry's pick among its other tiles, and a "tma" or "ws" pick
+    runs as the pointer kernel with the same tile. Neither the tile, the layout nor the variant changes the
+    bits (same K order; every pick swept on the H200 and checked by the cross-config audit), so this choice
+    cannot change a result."""
     def addressable(config: GemmConfig) -> bool:
         blocks = ((config.block_m, config.block_k), (config.block_k, config.box_n))
         return all(_tma_layout(t, v, blk) is not None for (t, v), blk in zip(views, blocks))
 
     args = (op, m, b_is_k_major(views[1][1]), cols, device_sms(views[0][1].device))
     config = select_config(*args)
+    if backend != CUDA_SM90 or segmented:
+        config = ws_twin(config)
     if config.variant == "tma3" and not addressable(config):  # a 3 x power-of-two tile has no pointer twin
         config = select_config(*args, tma3=False)
-    if config.variant == "tma" and not addressable(config):
+    if config.variant in ("tma", "ws") and not addressable(config):
         config = replace(config, variant="ptr")
     return config
 
@@ -672,7 +686,8 @@ def _run(op: str, a_view: torch.Tensor, b_view: torch.Tensor, tensors: dict[str,
     cols = b_view.shape[1]
     _check_twin(twin_out, rows, cols, out_dtype, a_view.device)
     if config is None:
-        config = table_config(op, reduced if op == "db" else rows, cols, tuple(zip(tensors.values(), (a_view, b_view))))
+        config = table_config(op, reduced if op == "db" else rows, cols, tuple(zip(tensors.values(), (a_view, b_view))),
+                              backend, segmented=seg_len is not None and seg_len != reduced)
     seg = _check_seg_len(seg_len, reduced, config)
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k

@@ -76,7 +76,7 @@ from kernels.moe_routing import (
 # On the interpreter every config gives the same bits (sequential accumulation); its table is
 # chosen for emulation speed only.
 # ---------------------------------------------------------------------------------------------
-MOE_CONFIG_TABLE_VERSION = "2026-11-30.4"
+MOE_CONFIG_TABLE_VERSION = "2026-12-01.5"
 
 STAGES = ("up", "down", "dgrad", "dx", "wgrad", "combine", "dscore")
 
@@ -91,7 +91,11 @@ MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         "down": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),
         "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),  # BLOCK_N columns of dh (2x of dgu)
         "dx": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),
-        "wgrad": GemmConfig(128, 128, 64, 1, 4, 3),  # BLOCK_K = routed rows per reduction step
+        # wgrad (BLOCK_K = routed rows per reduction step): the Gluon kernel on a 128x256 tile, 3 stages + the
+        # TMA-store buffer (208 KiB). H200 2026-12-01 (reports/2026-12-01-h200): dW1 2332 -> 1720 us, dW2 1112 ->
+        # 1095 us at the reference shape, the layer 0.926x the time of table .4 in one process (bench.moe_ab),
+        # every output bit-equal. Operands TMA cannot address run the same tile in Triton (same bits).
+        "wgrad": GemmConfig(128, 256, 64, 1, 8, 3, "ws"),
         "combine": GemmConfig(16, 256, 16, 1, 4, 1),  # BLOCK_M tokens x BLOCK_N columns
         "dscore": GemmConfig(16, 256, 16, 1, 4, 1),  # moe_dscore_sum_kernel: BLOCK_M tokens (BLOCK_N unused)
     },

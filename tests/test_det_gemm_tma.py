@@ -15,7 +15,7 @@ import torch
 
 from kernels.det_gemm import (
     CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, OneWave, all_configs, entry_configs, operand_ring_bytes,
-    select_config,
+    select_config, ws_twin,
 )
 from toolkit.contract import compare_bits
 from tests.test_det_gemm import _operands
@@ -39,7 +39,7 @@ def _assert_same_bits(got, want):
 def test_tma_bits_equal_pointer_kernel(op, layout, m, device):
     n, k = 40, 56
     x, y = _operands(op, m, n, k, layout, device)
-    for config in (GemmConfig(16, 32, 32, 1, 4, 2), select_config(op, 4096)):
+    for config in (GemmConfig(16, 32, 32, 1, 4, 2), replace(select_config(op, 4096), variant="ptr")):
         for out_dtype in (torch.bfloat16, torch.float32):
             ptr, ptr_launch = LAUNCHERS[op](x, y, config=config, out_dtype=out_dtype)
             tma, tma_launch = LAUNCHERS[op](x, y, config=_tma(config), out_dtype=out_dtype)
@@ -132,36 +132,53 @@ def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
     assert GemmConfig(128, 128, 64, 8, 8, 3).label() == "BM128_BN128_BK64_G8_w8_s3"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma").label() == "BM128_BN128_BK64_G8_w8_s3_tma"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma") != GemmConfig(128, 128, 64, 8, 8, 3)
-    # The H200 sweeps measured TMA ahead for fwd and dA at M 33-1024 (both layouts), for fwd at large M, and
-    # for dA of a [K, N] weight at large M; dB, M <= 32 and dA of nn.Linear's weight at large M stay on pointers.
-    def tma_bounds(table):
+    # The H200 sweeps measured TMA ahead for fwd and dA at M 33-1024 (both layouts), the Gluon "ws" kernel
+    # (table .14) for fwd and dA at M > 1024 and dB at M > 64; dB at M <= 64 and M <= 32 stay on pointers.
+    def bounds(table, variants):
         return [(op, rows) for op, entries in table.items() for rows, e in entries
-                if all(c.variant in ("tma", "tma3") for c in entry_configs(e))]
+                if all(c.variant in variants for c in entry_configs(e))]
 
-    assert tma_bounds(CONFIG_TABLE) == [("fwd", 64), ("fwd", 128), ("fwd", 256), ("fwd", 1024), ("fwd", 2**31),
-                                        ("da", 64), ("da", 128), ("da", 256), ("da", 1024)]
-    assert tma_bounds(CONFIG_TABLE_B_K_MAJOR) == [("da", 64), ("da", 128), ("da", 256), ("da", 1024), ("da", 2**31)]
+    assert bounds(CONFIG_TABLE, ("tma", "tma3")) == [("fwd", 64), ("fwd", 128), ("fwd", 256), ("fwd", 1024),
+                                                     ("da", 64), ("da", 128), ("da", 256), ("da", 1024)]
+    assert bounds(CONFIG_TABLE, ("ws",)) == [("fwd", 2**31), ("da", 2**31), ("db", 2**31)]
+    assert CONFIG_TABLE_B_K_MAJOR == {}  # since table .14 both weight layouts take the same picks
     # "tma3" only inside OneWave entries (beside tiles with a pointer twin), where the sweep measured it ahead.
     tma3_bounds = [(op, rows) for table in (CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR) for op, entries in table.items()
                    for rows, e in entries if any(c.variant == "tma3" for c in entry_configs(e))]
-    assert tma3_bounds == [("fwd", 256), ("fwd", 1024), ("da", 256), ("da", 256)]
+    assert tma3_bounds == [("fwd", 256), ("fwd", 1024), ("da", 256)]
     assert all(isinstance(e, OneWave) for table in (CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR) for entries in table.values()
                for _, e in entries if any(c.variant == "tma3" for c in entry_configs(e)))
 
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
-def test_da_pick_follows_the_weight_layout_with_the_same_bits(layout, device):
-    # dA of a [K, N] weight reads B K-major: above M 1024 the K-major table's TMA tile; of nn.Linear's
-    # weight.t(), the table's pointer tile. Up to M 1024 both layouts pick the same TMA tile.
-    assert select_config("da", 300, b_k_major=True) == select_config("da", 300)
+def test_da_pick_is_the_same_for_both_weight_layouts_with_the_same_bits(layout, device):
+    # dA above M 1024: the ws tile for a [K, N] weight (B K-major) and nn.Linear's weight.t() alike; it runs as
+    # the Gluon kernel on sm_90 and as its TMA twin under the interpreter.
     m, n, k = 1100, 48, 64
     dc, b = bf16_randn((m, n), 7, device), weight_kn(k, n, 8, layout, device)
     out, launch = LAUNCHERS["da"](dc, b)
-    want = select_config("da", m, b_k_major=layout == "kn")
-    assert launch.config == want and want.variant == ("tma" if layout == "kn" else "ptr")
-    assert (want == select_config("da", m)) == (layout == "linear")
-    for other in all_configs("da"):  # every config either table can pick: the same bits
+    assert select_config("da", m, b_k_major=True) == select_config("da", m) == GemmConfig(128, 256, 64, 8, 8, 3, "ws")
+    assert launch.config == (select_config("da", m) if device.type == "cuda" else ws_twin(select_config("da", m)))
+    backend = "cuda_sm90" if device.type == "cuda" else "triton_interpreter"
+    for other in all_configs("da", backend):  # every config the table can pick there: the same bits
         _assert_same_bits(out, LAUNCHERS["da"](dc, b, config=other)[0])
+
+
+def test_a_ws_pick_runs_as_its_triton_twin_where_the_gluon_kernel_cannot(device):
+    # M > 1024 picks the ws tile. Under the interpreter and for seg_len segments it runs as the TMA kernel with
+    # the same tile; with an operand TMA cannot address (K = 7: 14-byte rows), as the pointer kernel.
+    ws = select_config("fwd", 1100)
+    assert ws.variant == "ws"
+    a, b = bf16_randn((1100, 128), 1, device), weight_kn(128, 40, 2, "linear", device)
+    out, launch = LAUNCHERS["fwd"](a, b)
+    assert launch.config == (ws if device.type == "cuda" else ws_twin(ws))
+    seg, seg_launch = LAUNCHERS["fwd"](a, b, seg_len=64, out_dtype=torch.float32)
+    assert seg_launch.config == replace(ws, variant="tma")
+    a7, b7 = bf16_randn((1100, 7), 3, device), weight_kn(7, 40, 4, "linear", device)
+    out7, launch7 = LAUNCHERS["fwd"](a7, b7)
+    assert launch7.config == replace(ws, variant="ptr")
+    _assert_same_bits(out, LAUNCHERS["fwd"](a, b, config=replace(ws, variant="ptr"))[0])
+    _assert_same_bits(out7, LAUNCHERS["fwd"](a7, b7, config=GemmConfig(16, 32, 32, 1, 4, 2))[0])
 
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
