@@ -812,11 +812,17 @@ def ws_wgrad_addresses(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> b
         t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
 
 
+def _ws_wgrad_takes(config: GemmConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the ws weight gradient can run ``config`` on these operands: addressable, the tile dividing dW."""
+    _, r, c = out.shape
+    return ws_wgrad_addresses(a, b, out) and r % config.block_m == 0 and c % config.block_n == 0
+
+
 def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing: MoeRouting,
            out: torch.Tensor, accumulate: bool, backend: str, config: GemmConfig | None) -> None:
     if config is None:
         config = select_moe_config("wgrad", backend)
-        if config.variant == "ws" and not ws_wgrad_addresses(a, b, out):
+        if config.variant == "ws" and not _ws_wgrad_takes(config, a, b, out):
             config = replace(config, variant="ptr")  # the same tile and K order on the Triton kernel: the same bits
     if config.variant == "ws":  # the Gluon kernel (kernels/moe_ws.py): sm_90
         _check_ws("wgrad", config, backend)

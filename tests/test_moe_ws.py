@@ -5,6 +5,8 @@ out or FP32 main_grad accumulation and Inf in the token row padding rows name; r
 offline sm_90 compile (no GPU) showing TMA loads and stores, BF16 wgmma, the register hand-off, no spills and no MMA
 serialization by ptxas."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -135,6 +137,11 @@ def test_a_ws_wgrad_pick_takes_the_triton_tile_for_operands_it_cannot_address(de
     assert compare_bits(main_grad, want_fp32).equal
     with pytest.raises(ValueError, match="variant 'ws' is a Gluon kernel for sm_90"):
         moe_wgrad_w1(inp["x"], dgu, r, b)
+    # A tile that does not divide dW (dW2 [E, I, H] = [3, 128, 128] under a 256-wide tile): the same tile in Triton.
+    h, dout = dgu[:, :128].contiguous(), torch.randn((24, 128), generator=torch.Generator().manual_seed(3)).to(dgu.dtype)
+    want_w2 = moe_wgrad_w2(h, dout, r, b, config=replace(WS_WGRAD_CONFIGS[3], variant="ptr"))
+    monkeypatch.setitem(MOE_CONFIGS[b], "wgrad", WS_WGRAD_CONFIGS[3])
+    assert compare_bits(moe_wgrad_w2(h, dout, r, b), want_w2).equal
 
 
 @pytest.mark.gpu
