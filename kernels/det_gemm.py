@@ -224,7 +224,7 @@ _MID_192 = GemmConfig(128, 192, 64, 8, 8, 4, "tma3")  # 160 KiB: 1 CTA per SM
 # Table .14: the warp-specialized Gluon kernel (kernels/det_gemm_ws.py) on a 128x256 tile, 3 stages, its epilogue
 # through a shared tile buffer and TMA stores (208 KiB; at 4 stages the buffer no longer fits and the register
 # epilogue runs at half the speed). H200 sweeps 2026-12-01 (reports/2026-12-01-h200, every candidate bit-equal to
-# the table's pick): dB +20-28% at M 128-1024 and +1-11% at M 2048-16384 (one case -2%), fwd and dA +2-6% at
+# the table's pick): dB +16-29% at M 128-1024 and +1-11% at M 2048-16384 (one case -1.5%), fwd and dA +1-6% at
 # M 2048-16384 (one case -2%). Where Gluon cannot run it (not sm_90, seg_len segments) it runs as the same tile
 # in Triton, "tma" or "ptr" (table_config): the same K order, so the same bits.
 _WS_WIDE = GemmConfig(128, 256, 64, 8, 8, 3, "ws")
@@ -263,7 +263,7 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
     "db": (
         # M <= 64: a short reduction into a large [K, N] output; 4 warps, BLOCK_K 32, 4 stages won at every
         # M swept (16-512) on both shapes, 1.09-1.54x the wide tile (reports/2026-11-29-h200-table5/tune-db);
-        # from M 65 the ws tile (table .14: +27% at M 128, +20-26% at 256-1024).
+        # from M 65 the ws tile (table .14: +27-29% at M 128, +16-26% at 256-1024).
         (64, GemmConfig(128, 128, 32, 8, 4, 4)),
         (2**31, _WS_WIDE),
     ),

@@ -94,7 +94,8 @@ MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         # wgrad (BLOCK_K = routed rows per reduction step): the Gluon kernel on a 128x256 tile, 3 stages + the
         # TMA-store buffer (208 KiB). H200 2026-12-01 (reports/2026-12-01-h200): dW1 2332 -> 1720 us, dW2 1112 ->
         # 1095 us at the reference shape, the layer 0.926x the time of table .4 in one process (bench.moe_ab),
-        # every output bit-equal. Operands TMA cannot address run the same tile in Triton (same bits).
+        # every output bit-equal. Operands TMA cannot address, or a dW the tile does not divide, run the same tile in
+        # Triton (same bits).
         "wgrad": GemmConfig(128, 256, 64, 1, 8, 3, "ws"),
         "combine": GemmConfig(16, 256, 16, 1, 4, 1),  # BLOCK_M tokens x BLOCK_N columns
         "dscore": GemmConfig(16, 256, 16, 1, 4, 1),  # moe_dscore_sum_kernel: BLOCK_M tokens (BLOCK_N unused)
