@@ -75,12 +75,10 @@ def run_ab(presets: list[str], tokens: list[int] | None, variants: dict[str, dic
            device: torch.device, rounds: int, seed: int = 0) -> list[dict]:
     """One row per (preset, T, table): the pinned table and every variant, timed interleaved, bits compared."""
     from bench.moe_sweep import make_case_inputs
-    from kernels.moe import moe_mlp_bwd, moe_mlp_fwd
+    from kernels.backend import TRITON_INTERPRETER, resolve_backend
+    from kernels.moe import moe_grouped_gemm_kernel, moe_mlp_bwd, moe_mlp_fwd
     from toolkit.contract import compare_bits
     from toolkit.timing import time_interleaved
-
-    from kernels.backend import TRITON_INTERPRETER, resolve_backend
-    from kernels.moe import moe_grouped_gemm_kernel
 
     # The table the kernels will read (refuses a device they cannot run on, by name, before any work).
     backend = resolve_backend(moe_grouped_gemm_kernel, {"device": torch.empty(0, device=device)})
@@ -101,7 +99,6 @@ def run_ab(presets: list[str], tokens: list[int] | None, variants: dict[str, dic
             bits = {name: [n for n, a, b in zip(OUTPUTS, fn(), first) if not compare_bits(a, b).equal]
                     for name, fn in fns.items()}
             timings = time_interleaved(fns, device, rounds=rounds)
-            flops = 18.0 * p.t * p.k * p.h * p.i
             for name, tm in timings.items():
                 row = {"preset": preset, "T": p.t, "H": p.h, "I": p.i, "E": p.e, "K": p.k, "table": name,
                        "overrides": {s: c.label() for s, c in variants.get(name, {}).items()},
@@ -110,7 +107,7 @@ def run_ab(presets: list[str], tokens: list[int] | None, variants: dict[str, dic
                        "ratio_to_pinned": tm.median_us / timings[PINNED].median_us,
                        "bits_equal_pinned": not bits[name], "outputs_differing": bits[name]}
                 if hardware:
-                    row["tflops"] = flops / (tm.median_us * 1e-6) / 1e12
+                    row["tflops"] = p.flops_fwd_bwd / (tm.median_us * 1e-6) / 1e12
                     row["mfu_989"] = row["tflops"] / DATASHEET_BF16_TFLOPS
                 rows.append(row)
     return rows

@@ -47,9 +47,10 @@ def max_regs(num_warps: int) -> int:
     return min(255, (65536 // ((consumers(num_warps) + 1) * 128)) // 8 * 8)
 
 
-# The epilogue's tile buffer shares the block's shared memory with the operand ring (227 KiB on sm_90, less the
-# mbarriers and alignment).
-WS_SHARED_BYTES = 227 * 1024 - 1024
+SM90_SHARED_BYTES = 227 * 1024  # the per-block limit (opt-in) on sm_90
+# The epilogue's tile buffer shares the block's shared memory with the operand ring (less the mbarriers and
+# alignment).
+WS_SHARED_BYTES = SM90_SHARED_BYTES - 1024
 
 
 def ws_tma_store(block_m: int, block_n: int, block_k: int, stages: int, cols: int, out_bytes: int) -> bool:

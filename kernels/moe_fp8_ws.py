@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.det_gemm_ws import (
-    CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs, store_part,
+    CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, SM90_SHARED_BYTES, consumers, max_regs, store_part,
 )
 from kernels.moe import stage_name
 
@@ -46,7 +46,6 @@ GATHER_CONSUMER_REGS = gl.constexpr(232)
 # 64c + 8j + 2q + b one thread of the sm_90 accumulator layout holds), so the epilogue sums them without moving data
 # between threads.
 DS_GROUP = gl.constexpr(16)
-SM90_SHARED_BYTES = 227 * 1024  # the per-block limit (opt-in) on sm_90
 GROUPED_OPS = ("moe_fp8_up_swiglu", "moe_fp8_down", "moe_fp8_dgrad_dswiglu", "moe_fp8_dx_route")
 
 

@@ -43,13 +43,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.det_gemm_ws import (
-    CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, consumers, max_regs, store_part,
+    CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, SM90_SHARED_BYTES, consumers, max_regs, store_part,
 )
 from kernels.moe import (
     DS_CHUNK, SEGMENT_ALIGN, grouped_launch_name, wgrad_launch_name, ws_weight_rows, ws_wgrad_addresses,
 )
 from kernels.moe_fp8_ws import (
-    GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, SM90_SHARED_BYTES, _bf16_pair_bits,
+    GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, _bf16_pair_bits,
     _bf16_pair_values, _gather_producer, fp8_ws_descriptor, live_tiles, store_wgrad_part, wgrad_tile,
 )
 
