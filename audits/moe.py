@@ -153,6 +153,11 @@ def fp32_sum_bound(abs_terms: torch.Tensor, n: int) -> torch.Tensor:
     return (gamma(n) + gamma(n, U_FP64)) * abs_terms
 
 
+def rounding_unit(dtype: torch.dtype) -> float:
+    """The unit roundoff of a result stored in ``dtype`` after FP32 accumulation: BF16's, or 0 (kept in FP32)."""
+    return U_BF16 if dtype == torch.bfloat16 else 0.0
+
+
 def round_sum_bound(c_star: torch.Tensor, abs_terms: torch.Tensor, n: int, unit: float = U_BF16) -> torch.Tensor:
     """n products/terms summed in FP32 (n roundings at most) and rounded once with ``unit``."""
     return unit * c_star.abs() + (1 + unit) * fp32_sum_bound(abs_terms, n) + ETA_BF16
@@ -211,7 +216,7 @@ def dswiglu_check(dgu: torch.Tensor, gu: torch.Tensor, dh_star: torch.Tensor, e_
 
 def combine_checks(r: MoeRouting, scores: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, y: torch.Tensor,
                    dxr: torch.Tensor, dx: torch.Tensor) -> dict[str, ContractResult]:
-    """The token-side reductions from the kernel's own y and dx_route (FP32; the FP8 layer's are BF16):
+    """The token-side reductions from the kernel's own y and dx_route (BF16, or FP32 with ROUTE_DTYPE float32):
     out = bf16(sum_k s_k y_k) and dx = bf16(sum_k dx_route_k), ascending k in FP32 with one rounding."""
     f64 = torch.float64
     hidden = dout.shape[1]
@@ -243,7 +248,7 @@ def fused_dscore_check(r: MoeRouting, valid: torch.Tensor, dh_raw: torch.Tensor,
     star_row = (dh_raw * h64).sum(1)
     terms_row = ((dh_raw.abs() + e_acc) * h64.abs()).sum(1)
     carried_row = (e_acc * h64.abs()).sum(1)
-    unit = U_BF16 if dtype == torch.bfloat16 else 0.0
+    unit = rounding_unit(dtype)
     bound_row = round_sum_bound(star_row, terms_row, h.shape[1], unit) + (1 + unit) * carried_row
     rr = r.route_row.long()
     m = rr >= 0
@@ -274,7 +279,7 @@ def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult
     valid, pad, tok, exp, s_row = sorted_rows(r)
     hidden, inter = x.shape[1], w2.shape[1]
     results: dict[str, ContractResult] = {}
-    # combine (out) and the dx gather-sum, from the kernel's FP32 y and dx_route
+    # combine (out) and the dx gather-sum, from the kernel's y and dx_route (kernels.moe.ROUTE_DTYPE)
     combined = combine_checks(r, scores, dout, out, y, dxr, grads.dx)
 
     # up: gu = x[token] @ W1[e] (one BF16 rounding)
@@ -284,18 +289,19 @@ def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult
     _, u, _, silu, act = swiglu_parts(saved.gu[valid])
     h_star = silu * u
     results["h"] = check_bound(saved.h[valid], h_star, U_BF16 * h_star.abs() + (1 + U_BF16) * act * h_star.abs() + ETA_BF16)
-    # down: y = h @ W2[e] kept in FP32
+    # down: y = h @ W2[e], the FP32 accumulator in ROUTE_DTYPE (BF16: rounded once, as gu)
     y_star, y_ab = per_expert(saved.h[valid], lambda e: w2[e], exp, hidden)
-    results["y"] = check_bound(y[valid], y_star, fp32_sum_bound(y_ab, inter))
+    results["y"] = check_bound(y[valid], y_star, round_sum_bound(y_star, y_ab, inter, rounding_unit(y.dtype)))
     results["out"] = combined["out"]
     # dgrad + dSwiGLU: dh = s * (dout[token] @ W2[e].T); e_h bounds its FP32 error
     dh_raw, dh_ab = per_expert(dout[tok], lambda e: w2[e].t(), exp, inter)
     dh_star = s_row[:, None] * dh_raw
     e_h = gamma(hidden + 1) * s_row.abs()[:, None] * dh_ab
     results["dgu"] = dswiglu_check(dgu[valid], saved.gu[valid], dh_star, e_h)
-    # dx per route (FP32), then the ascending-k gather-sum with one rounding
+    # dx per route (ROUTE_DTYPE), then the ascending-k gather-sum in FP32 with one rounding
     dxr_star, dxr_ab = per_expert(dgu[valid], lambda e: w1[e].t(), exp, hidden)
-    results["dx_route"] = check_bound(dxr[valid], dxr_star, fp32_sum_bound(dxr_ab, 2 * inter))
+    results["dx_route"] = check_bound(dxr[valid], dxr_star,
+                                      round_sum_bound(dxr_star, dxr_ab, 2 * inter, rounding_unit(dxr.dtype)))
     results["dx"] = combined["dx"]
     # dW1[e] = x[token]^T dgu and dW2[e] = h^T bf16(s * dout[token]) over the expert's rows
     dy = (s_row.float()[:, None] * dout[tok].float()).to(torch.bfloat16)

@@ -8,8 +8,10 @@ single-kernel wins), and each variant's outputs compared bit for bit with the pi
         --variant 'ws_all=wgrad:128,128,64,1,8,4,ws;up:128,128,64,1,8,4,ws' --out results/ab
 
 A variant is NAME=STAGE:CONFIG[;STAGE:CONFIG...], CONFIG as BM,BN,BK,G,warps,stages[,variant] (bench/gemm_ncu.py's
-form). Rows: median / p20 / p80 µs of one forward+backward call (toolkit.timing.time_interleaved: L2-flushed
-do_bench samples), the median SM clock of its samples, the ratio to the pinned table's median in the same run,
+form); ``route:float32`` (or ``route:bfloat16``) in it sets kernels.moe.ROUTE_DTYPE, the dtype y and dx_route leave
+their GEMMs in (a different rounding: its bits differ from the pinned table's, and the row says which outputs do).
+Rows: median / p20 / p80 µs of one forward+backward call (toolkit.timing.time_interleaved: L2-flushed do_bench
+samples), the median SM clock of its samples, the ratio to the pinned table's median in the same run,
 TFLOP/s and MFU against 989 TFLOP/s (FLOPs 18*T*K*H*I), and whether out, dx, dw1, dw2 and dscores have the pinned
 table's bits. On the CPU the times are Triton-interpreter wall time (plumbing only, not a hardware result).
 """
@@ -31,12 +33,15 @@ from bench.moe import DATASHEET_BF16_TFLOPS, PRESETS, markdown_table
 from kernels.det_gemm import GemmConfig
 
 PINNED = "pinned"
+ROUTE = "route"  # the variant key that sets kernels.moe.ROUTE_DTYPE
+ROUTE_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 OUTPUTS = ("out", "dx", "dw1", "dw2", "dscores")
 INTERPRETER_NOTE = "CPU, Triton interpreter: wall time of the emulation, not a hardware result"
 
 
-def parse_variant(spec: str) -> tuple[str, dict[str, GemmConfig]]:
-    """``NAME=STAGE:CONFIG[;STAGE:CONFIG...]`` -> (name, {stage: config}); refuses a malformed spec by name."""
+def parse_variant(spec: str) -> tuple[str, dict[str, GemmConfig | torch.dtype]]:
+    """``NAME=STAGE:CONFIG[;STAGE:CONFIG...]`` -> (name, {stage: config, and "route": dtype when given}); refuses a
+    malformed spec by name."""
     from kernels.moe import STAGES
 
     name, sep, body = spec.partition("=")
@@ -44,34 +49,40 @@ def parse_variant(spec: str) -> tuple[str, dict[str, GemmConfig]]:
         raise ValueError(f"variant {spec!r}: expected NAME=STAGE:BM,BN,BK,G,warps,stages[,variant][;STAGE:...]")
     if name == PINNED:
         raise ValueError(f"variant {spec!r}: the name {PINNED!r} is the pinned table's")
-    stages: dict[str, GemmConfig] = {}
+    stages: dict[str, GemmConfig | torch.dtype] = {}
     for part in body.split(";"):
         stage, sep, config = part.partition(":")
-        if not sep or stage not in STAGES:
-            raise ValueError(f"variant {spec!r}: stage {stage!r} is not a MoE stage; supported: {STAGES}")
+        if not sep or stage not in STAGES + (ROUTE,):
+            raise ValueError(f"variant {spec!r}: stage {stage!r} is not a MoE stage; supported: {STAGES + (ROUTE,)}")
         if stage in stages:
             raise ValueError(f"variant {spec!r}: stage {stage!r} given twice")
-        stages[stage] = parse_config(config)
+        if stage == ROUTE and config not in ROUTE_DTYPE_NAMES:
+            raise ValueError(f"variant {spec!r}: route dtype {config!r}; supported: {tuple(ROUTE_DTYPE_NAMES)}")
+        stages[stage] = ROUTE_DTYPE_NAMES[config] if stage == ROUTE else parse_config(config)
     return name, stages
 
 
-def with_table(backend: str, stages: dict[str, GemmConfig], fn: Callable[[], tuple]) -> Callable[[], tuple]:
-    """``fn`` run with MOE_CONFIGS[backend] overridden by ``stages`` (restored afterwards, also on an error)."""
-    from kernels.moe import MOE_CONFIGS
+def with_table(backend: str, stages: dict[str, GemmConfig | torch.dtype],
+               fn: Callable[[], tuple]) -> Callable[[], tuple]:
+    """``fn`` run with MOE_CONFIGS[backend] overridden by ``stages`` and kernels.moe.ROUTE_DTYPE by ``stages["route"]``
+    when given (both restored afterwards, also on an error)."""
+    import kernels.moe as km
 
     def run():
-        table = MOE_CONFIGS[backend]
-        kept = dict(table)
-        table.update(stages)
+        table = km.MOE_CONFIGS[backend]
+        kept, kept_route = dict(table), km.ROUTE_DTYPE
+        table.update({s: c for s, c in stages.items() if s != ROUTE})
+        km.ROUTE_DTYPE = stages.get(ROUTE, kept_route)
         try:
             return fn()
         finally:
             table.clear()
             table.update(kept)
+            km.ROUTE_DTYPE = kept_route
     return run
 
 
-def run_ab(presets: list[str], tokens: list[int] | None, variants: dict[str, dict[str, GemmConfig]],
+def run_ab(presets: list[str], tokens: list[int] | None, variants: dict[str, dict[str, GemmConfig | torch.dtype]],
            device: torch.device, rounds: int, seed: int = 0) -> list[dict]:
     """One row per (preset, T, table): the pinned table and every variant, timed interleaved, bits compared."""
     from bench.moe_sweep import make_case_inputs
@@ -101,7 +112,7 @@ def run_ab(presets: list[str], tokens: list[int] | None, variants: dict[str, dic
             timings = time_interleaved(fns, device, rounds=rounds)
             for name, tm in timings.items():
                 row = {"preset": preset, "T": p.t, "H": p.h, "I": p.i, "E": p.e, "K": p.k, "table": name,
-                       "overrides": {s: c.label() for s, c in variants.get(name, {}).items()},
+                       "overrides": {s: str(c) if s == ROUTE else c.label() for s, c in variants.get(name, {}).items()},
                        "median_us": tm.median_us, "p20_us": tm.p20_us, "p80_us": tm.p80_us,
                        "sm_clock_mhz": tm.sm_clock_mhz,
                        "ratio_to_pinned": tm.median_us / timings[PINNED].median_us,

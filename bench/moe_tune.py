@@ -42,12 +42,13 @@ GROUPED = [GemmConfig(*c) for c in [
 # Every grouped stage also on the warp-specialized Gluon kernels (kernels/moe_ws.py): persistent, a TMA producer warp
 # (up, dgrad: a 4-warp cp.async producer of the gathered rows), one or two 64-row consumer warpgroups, the tile out
 # by TMA store from a 32-64 KiB buffer (so 5 stages at most for 128x128x64; dgrad's dscore sums need 16 KiB more).
-# 128x256 (the tile that won det_gemm and the weight gradients once their epilogue went through TMA stores): down
-# and dX on 2 stages of BLOCK_K 64 or 4 of 32 beside a 128 KiB FP32 buffer, up on 2 stages beside 96 KiB (offline
-# sm_90 compile 2026-12-01: 192-224 KiB, no spills); dgrad's does not fit (the launcher refuses it by name).
+# 128x256 (the tile that won det_gemm and the weight gradients once their epilogue went through TMA stores): up on 2
+# stages beside its 96 KiB of gu and h buffers; down and dX (BF16 y / dx_route since table .6: a 64 KiB buffer) on 3
+# stages of BLOCK_K 64 or 6 of 32 (208 KiB), or 2 / 4 (160 KiB) (offline sm_90 compile 2026-12-01, no spills); dgrad's
+# does not fit, nor up's 3-stage one (the launcher refuses them by name).
 GROUPED_WS = [GemmConfig(*c, variant="ws") for c in [
     (128, 128, 64, 1, 8, 4), (128, 128, 64, 1, 8, 5), (64, 128, 64, 1, 4, 6), (128, 64, 64, 1, 8, 6),
-    (128, 256, 64, 1, 8, 2), (128, 256, 32, 1, 8, 4),
+    (128, 256, 64, 1, 8, 2), (128, 256, 32, 1, 8, 4), (128, 256, 64, 1, 8, 3), (128, 256, 32, 1, 8, 6),
 ]]
 # Weight gradients: BLOCK_M x BLOCK_N tile of dW[e], BLOCK_K routed rows per reduction step.
 WGRAD = [GemmConfig(*c) for c in [

@@ -3,11 +3,11 @@
 Math, for token t routed to experts e_k with scores s_k (k = 0..K-1, masked routes skipped):
     gu_k  = x[t] @ W1[e_k]                       W1 [E, H, 2I], gate/up columns interleaved
     h_k   = silu(g_k) * u_k                      g_k = gu_k[0::2], u_k = gu_k[1::2]
-    y_k   = h_k @ W2[e_k]                        W2 [E, I, H]
+    y_k   = bf16( h_k @ W2[e_k] )                W2 [E, I, H]; FP32 accumulation, one BF16 rounding
     out[t] = bf16( sum_{k ascending} s_k * y_k ) FP32 sum, one BF16 rounding
 Backward, with dy_k = s_k * dout[t]:
     dh_k = s_k * (dout[t] @ W2[e_k].T)  -> dg_k = dh_k * u_k * silu'(g_k), du_k = dh_k * silu(g_k)
-    dx[t] = bf16( sum_{k ascending} dgu_k @ W1[e_k].T )
+    dx[t] = bf16( sum_{k ascending} dx_k ),  dx_k = bf16( dgu_k @ W1[e_k].T )   FP32 sum, one BF16 rounding
     dW1[e] = sum over e's rows (ascending) x[t]^T dgu_k,  dW2[e] = sum h_k^T bf16(s_k * dout[t])
     dscores[t, k] = dout[t] . y_k = (dout[t] @ W2[e_k].T) . h_k     (the second form is computed)
 
@@ -26,18 +26,18 @@ Stages and tile ownership (kernels/moe_routing.py builds the expert-sorted, 128-
            h [P, I] in BF16 (SwiGLU epilogue). Queued before the routing's host read, over the
            largest P the routing can have; each grouped GEMM program first reads the routing's gate
            (P and the validation counts) and does nothing past P or for a refused batch.
-    down   the same kernel: y [P, H] = h @ W2[e] kept in FP32 for the combine.
+    down   the same kernel: y [P, H] = h @ W2[e], the FP32 accumulator rounded once to ROUTE_DTYPE (BF16).
     combine moe_combine_kernel: one program per (token block, H tile); ascending k; one rounding.
     dgrad  the same grouped kernel with the dSwiGLU epilogue: dh = s * (dout[t] @ W2[e].T) in FP32,
            then dg/du from the saved gu; stores dgu [P, 2I] BF16; and, fused, the dscore partials
            ds_part[p, c] = sum over the 64 columns j of chunk c of (dout[t] @ W2[e].T)[j] * h[p, j] (FP32).
-    dx     grouped kernel dgu @ W1[e].T -> [P, H] FP32, then the combine kernel unscaled (ascending
+    dx     grouped kernel dgu @ W1[e].T -> [P, H] ROUTE_DTYPE, then the combine kernel unscaled (ascending
            k gather-sum over the token's routes, one rounding).
     dW     moe_wgrad_kernel: one program per (expert, dW tile); reduces the expert's rows in
            ascending padded-row order; optional FP32 accumulation into a caller's main_grad. (Variant
            "ws": kernels/moe_ws.py moe_ws_wgrad_kernel, the same order on a persistent Gluon kernel.)
     dscore moe_dscore_sum_kernel: one program per token block; per route k, the row's I/64 partials
-           summed (fixed tree). y [P, H] FP32 is not kept for the backward: it is read once by the combine.
+           summed (fixed tree). y [P, H] is not kept for the backward: it is read once by the combine.
            (The FP8 layer computes its dscores the same way, from its FP8 dgrad's accumulator.)
 
 Determinism rests on the det_gemm rules: no split-K, no atomics, one program owns each output
@@ -76,7 +76,15 @@ from kernels.moe_routing import (
 # On the interpreter every config gives the same bits (sequential accumulation); its table is
 # chosen for emulation speed only.
 # ---------------------------------------------------------------------------------------------
-MOE_CONFIG_TABLE_VERSION = "2026-12-01.5"
+MOE_CONFIG_TABLE_VERSION = "2026-12-01.6"
+
+# The dtype y (down) and dx_route (dX) leave their GEMMs in: the FP32 accumulator rounded once to BF16 (table .6,
+# as the FP8 layer since its table .14 and as an eager BF16 model rounds them); the combine and the gather-sum still
+# sum the K routes in FP32 and round once more. Half the bytes of FP32 to write and to read back (805 MB each at the
+# reference shape). torch.float32 (tables up to .5) is the unrounded form, kept selectable for A/B runs
+# (bench.moe_ab's route variant).
+ROUTE_DTYPE = torch.bfloat16
+ROUTE_DTYPES = (torch.bfloat16, torch.float32)
 
 STAGES = ("up", "down", "dgrad", "dx", "wgrad", "combine", "dscore")
 
@@ -111,7 +119,7 @@ MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
     },
 }
 
-EPI_FP32, EPI_SWIGLU, EPI_DSWIGLU = 0, 1, 2
+EPI_PLAIN, EPI_SWIGLU, EPI_DSWIGLU = 0, 1, 2  # EPI_PLAIN: the accumulator as C's dtype
 DS_CHUNK = 64  # dh columns per dscore partial (fixed: the partials do not depend on the dgrad tile)
 _GROUPED_OPS = ("moe_up_swiglu", "moe_down", "moe_dgrad_dswiglu", "moe_dx_route")
 _WGRAD_OPS = ("moe_wgrad_w1", "moe_wgrad_w2")
@@ -222,8 +230,8 @@ def grouped_tile(C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.co
 
 @triton.jit
 def store_c_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc, INTERPRETED: tl.constexpr):
-    """Epilogue 0: the FP32 tile as is (y of the down-projection, the per-route dX), or rounded once to BF16 when C
-    is BF16 (the FP8 path's)."""
+    """Epilogue 0 (y of the down-projection, the per-route dX): the FP32 tile rounded once to BF16 when C is BF16
+    (ROUTE_DTYPE; the FP8 layer's), else as is."""
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cc  # [BLOCK_M, BLOCK_N]
     if c_ptr.dtype.element_ty == tl.bfloat16:
         acc = to_bf16(acc, INTERPRETED)
@@ -290,7 +298,7 @@ def grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs
                      EPILOGUE: tl.constexpr, DSCORE: tl.constexpr, DS_CHUNK: tl.constexpr, INTERPRETED: tl.constexpr):
     """The BF16 grouped kernels' epilogue (both load paths share it); DSCORE (dgrad only): the dscore
     partials from the same accumulator."""
-    if EPILOGUE == 0:  # FP32 out (y of the down-projection, the per-route dX)
+    if EPILOGUE == 0:  # C's dtype (y of the down-projection, the per-route dX)
         store_c_tile(c_ptr, acc, offs_m, offs_n, col_ok, stride_cm, stride_cc, INTERPRETED)
     elif EPILOGUE == 1:  # SwiGLU: gu and h in BF16
         swiglu_epilogue(acc, c_ptr, aux_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm, stride_cc, stride_xm,
@@ -477,7 +485,7 @@ def moe_combine_kernel(
     for k in range(0, K):
         rows = tl.load(route_row_ptr + offs_t * stride_rt + k * stride_rk, mask=t_ok, other=-1)
         ok = rows >= 0
-        # [BLOCK_M, BLOCK_N]: the BF16 layer's FP32 rows or the FP8 layer's BF16 ones (exact in FP32)
+        # [BLOCK_M, BLOCK_N]: BF16 rows (ROUTE_DTYPE FP32: FP32 rows), exact in FP32
         v = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :] * stride_sn,
                     mask=ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         if SCALED:
@@ -633,7 +641,7 @@ def weight_descriptor(b: torch.Tensor, block_n: int, step_k: int) -> tuple[Tenso
 
 
 def _check_ws(stage: str, config: GemmConfig, backend: str) -> None:
-    """Variant "ws" (kernels/moe_ws.py): Gluon kernels for sm_90, down and dX (expert-sorted A, FP32 out), up and
+    """Variant "ws" (kernels/moe_ws.py): Gluon kernels for sm_90, down and dX (expert-sorted A, FP32 or BF16 out), up and
     dgrad (gathered A, their epilogues), the weight gradients."""
     if backend != CUDA_SM90:
         raise ValueError(f"{stage}: variant 'ws' is a Gluon kernel for sm_90 and has no {backend!r} path; use a "
@@ -732,11 +740,18 @@ def moe_up_swiglu(x: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backen
     return gu, h
 
 
+def route_dtype() -> torch.dtype:
+    """ROUTE_DTYPE, refused by name when set to a dtype the grouped kernels do not write."""
+    if ROUTE_DTYPE not in ROUTE_DTYPES:
+        raise ValueError(f"kernels.moe.ROUTE_DTYPE is {ROUTE_DTYPE}; supported: {ROUTE_DTYPES}")
+    return ROUTE_DTYPE
+
+
 def moe_down(h: torch.Tensor, w2: torch.Tensor, routing: MoeRouting, backend: str,
              config: GemmConfig | None = None) -> torch.Tensor:
-    """y [P, H] = h @ W2[e] in FP32 (unrounded: the combine rounds once)."""
-    y = torch.empty((routing.padded_rows, w2.shape[2]), dtype=torch.float32, device=h.device)
-    _grouped(1, "down", h, False, w2, y, None, routing, w2.shape[2], w2.shape[1], EPI_FP32, backend, config)
+    """y [P, H] = h @ W2[e]: the FP32 accumulator in ROUTE_DTYPE (BF16: rounded once; the combine sums in FP32)."""
+    y = torch.empty((routing.padded_rows, w2.shape[2]), dtype=route_dtype(), device=h.device)
+    _grouped(1, "down", h, False, w2, y, None, routing, w2.shape[2], w2.shape[1], EPI_PLAIN, backend, config)
     return y
 
 
@@ -770,10 +785,10 @@ def moe_dgrad_dswiglu_dscore(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Ten
 
 def moe_dx_route(dgu: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backend: str,
                  config: GemmConfig | None = None) -> torch.Tensor:
-    """dx_route [P, H] = dgu @ W1[e].T in FP32 (the gather-sum rounds once)."""
-    dxr = torch.empty((routing.padded_rows, w1.shape[1]), dtype=torch.float32, device=dgu.device)
+    """dx_route [P, H] = dgu @ W1[e].T: the FP32 accumulator in ROUTE_DTYPE (the gather-sum sums in FP32)."""
+    dxr = torch.empty((routing.padded_rows, w1.shape[1]), dtype=route_dtype(), device=dgu.device)
     _grouped(3, "dx", dgu, False, w1.transpose(1, 2), dxr, None, routing, w1.shape[1], w1.shape[2],
-             EPI_FP32, backend, config)
+             EPI_PLAIN, backend, config)
     return dxr
 
 

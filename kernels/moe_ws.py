@@ -1,19 +1,20 @@
 """Warp-specialized sm_90 kernels of the BF16 MoE grouped GEMMs (MoE variant "ws"), written in Gluon:
-``moe_ws_kernel`` for the stages whose A rows are expert-sorted and whose output is FP32 (down, dX),
+``moe_ws_kernel`` for the stages whose A rows are expert-sorted (down, dX: y and dx_route, BF16 or FP32),
 ``moe_ws_gather_kernel`` for up + SwiGLU and dgrad + dSwiGLU (+ the dscore partials), whose A rows are gathered, and
 ``moe_ws_wgrad_kernel`` for the weight gradients (below).
 
-Why: the Triton grouped kernel writes its FP32 tile (y of the down-projection, dX per route: 800 MB each at the
-reference shape) from registers while nothing else runs in its program. Here the grid is persistent (one
-program per SM), one producer warp streams A and B tiles into a shared-memory ring by TMA, two consumer
+Why: the Triton grouped kernel writes its output tile (y of the down-projection, dX per route: 400 MB each in BF16
+at the reference shape, 800 MB in FP32) from registers while nothing else runs in its program. Here the grid is
+persistent (one program per SM), one producer warp streams A and B tiles into a shared-memory ring by TMA, two consumer
 warpgroups (64 rows each) issue asynchronous wgmma as each slot lands, and the tile leaves through shared memory
 and a TMA store that runs while the next tile's MMAs do (what took the FP8 kernel of the same stages from 854 to
 997 TFLOP/s).
 
 The math is moe_grouped_gemm_tma_kernel's: per output tile, BLOCK_K-wide K steps in ascending order, one wgmma
 chain accumulating into the same FP32 registers (k16 instructions in ascending order, as tl.dot issues them), the
-tile stored unrounded; padding rows store zeros and a tile whose first row is padding loads nothing. Every tile
-past the routing's P (the gate) is skipped, so the kernel also runs over a PendingRouting's bound.
+tile stored in the output's dtype (BF16: rounded once to nearest even, as the Triton epilogue); padding rows store
+zeros and a tile whose first row is padding loads nothing. Every tile past the routing's P (the gate) is skipped, so
+the kernel also runs over a PendingRouting's bound.
 
 The dgrad kernel's A rows (dout[gather[p]]) arrive by cp.async from a 4-warp producer (kernels/moe_fp8_ws.py
 _gather_producer, as in the FP8 up and dgrad), and its epilogue is grouped_epilogue's EPILOGUE 2 with DSCORE, operation
@@ -54,6 +55,7 @@ from kernels.moe_fp8_ws import (
 )
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
+C_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}  # moe_ws_kernel's outputs (kernels.moe.ROUTE_DTYPES)
 
 
 @gluon.jit
@@ -151,8 +153,8 @@ def _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_
 @gluon.jit
 def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr):
-    """One consumer warpgroup of down / dX: its rows of every tile, then the FP32 tile (padding rows zero) through
-    shared memory and a TMA store."""
+    """One consumer warpgroup of down / dX: its rows of every tile, then the tile in the output's dtype (padding rows
+    zero) through shared memory and a TMA store."""
     num_n = C // BLOCK_N
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -221,7 +223,7 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, 
 def moe_ws_kernel(
     a_desc,  # TMA descriptor over the expert-sorted A [P, L] BF16, box [BLOCK_M, BLOCK_K]
     b_desc,  # over the weight's storage as [E * C, L] (B_K_MAJOR, box [BLOCK_N, BLOCK_K]) or [E * L, C] ([BLOCK_K, BLOCK_N])
-    c_desc,  # over the FP32 output [P, C], box [BLOCK_M / CONSUMERS, BLOCK_N]
+    c_desc,  # over the output [P, C] (BF16 / FP32), box [BLOCK_M / CONSUMERS, BLOCK_N]
     route_ptr, tile_expert_ptr, gate_ptr,
     P, C, L,  # C[p, :] = A[p, :L] @ B[expert(p)][:L, :C]
     op_id,  # names the launch only
@@ -232,7 +234,7 @@ def moe_ws_kernel(
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    c_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], c_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(free.index(i), count=CONSUMERS)
@@ -504,11 +506,13 @@ def _check_tile(stage: str, config, reduced: int, n_cols: int, store_bytes: int)
 
 def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                   routing, sms: int) -> None:
-    """c [P, C] FP32 = the grouped GEMM of the expert-sorted a [P, L] and the ``[E, L, C]`` weight view b (its
-    storage [E, L, C] or K-major [E, C, L]); refuses, naming the value, what this kernel does not cover (before
+    """c [P, C] (BF16 or FP32) = the grouped GEMM of the expert-sorted a [P, L] and the ``[E, L, C]`` weight view b
+    (its storage [E, L, C] or K-major [E, C, L]); refuses, naming the value, what this kernel does not cover (before
     any work)."""
     _, reduced, n_cols = b.shape
-    _check_tile(stage, config, reduced, n_cols, config.block_m * config.block_n * 4)
+    if c.dtype not in C_DTYPES:
+        raise ValueError(f"{stage}: variant 'ws' writes {tuple(C_DTYPES)}; got an output of {c.dtype}")
+    _check_tile(stage, config, reduced, n_cols, config.block_m * config.block_n * c.element_size())
     store, k_major = ws_weight_rows(b) or (None, False)
     if (store is None or a.stride(1) != 1 or not c.is_contiguous()
             or any(t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16 for t in (a, store))):
@@ -521,7 +525,8 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
     tiles = (p // config.block_m) * (n_cols // config.block_n)
     moe_ws_kernel[(min(tiles, sms),)](
         fp8_ws_descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16),
-        fp8_ws_descriptor(store, b_box, gl.bfloat16), fp8_ws_descriptor(c, [part_rows, config.block_n], gl.float32),
+        fp8_ws_descriptor(store, b_box, gl.bfloat16),
+        fp8_ws_descriptor(c, [part_rows, config.block_n], C_DTYPES[c.dtype]),
         routing.sorted_route, routing.tile_expert, routing.gate,
         p, n_cols, reduced,
         op_id,

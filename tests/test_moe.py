@@ -18,7 +18,7 @@ from kernels.moe import (
 )
 import kernels.moe as km
 from kernels.det_gemm import GemmConfig
-from kernels.moe_routing import build_routing, launch_routing, max_padded_rows
+from kernels.moe_routing import SEGMENT_ALIGN, build_routing, launch_routing, max_padded_rows
 from tests.conftest import backend_of
 from tests.moe_helpers import assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline
 from toolkit.contract import compare_bits
@@ -133,7 +133,10 @@ def test_fused_dscores_keep_the_dgrad_bits_and_equal_dout_dot_y(device):
     assert compare_bits(dgu_fused, km.moe_dgrad_dswiglu(inp["dout"], inp["w2"], gu, r, backend)).equal
     assert part.shape == (r.padded_rows, 2)
     ds = km.moe_dscores_from_partials(part, r, backend)
-    y, rr = moe_down(h, inp["w2"], r, backend).double(), r.route_row.long()
+    # y = h @ W2[e] per expert-sorted row in FP64 (the layer's own y is rounded to ROUTE_DTYPE)
+    row_expert = r.tile_expert.long().repeat_interleave(SEGMENT_ALIGN)
+    y = torch.einsum("pi,pih->ph", h.double(), inp["w2"].double()[row_expert])
+    rr = r.route_row.long()
     ds_y = torch.where(rr >= 0, (inp["dout"].double()[:, None, :] * y[rr.clamp(min=0)]).sum(2), 0.0).float()
     assert bool((ds[inp["topk_ids"] < 0] == 0).all()) and bool((ds != 0).any())
     torch.testing.assert_close(ds, ds_y, rtol=1e-4, atol=1e-4 * float(ds_y.abs().max()))

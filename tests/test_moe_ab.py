@@ -9,6 +9,7 @@ import torch
 
 import bench.moe_ab as ab
 from kernels.det_gemm import GemmConfig
+import kernels.moe as km
 from kernels.moe import MOE_CONFIGS
 
 
@@ -20,9 +21,12 @@ def test_parse_variant_reads_stages_and_refuses_by_name():
                         ("pinned=up:64,128,64,1,4,3", "the pinned table's"),
                         ("x=upp:64,128,64,1,4,3", "stage 'upp' is not a MoE stage"),
                         ("x=up:64,128,64,1,4,3;up:64,128,64,1,4,4", "given twice"),
-                        ("x=up:64,128", "expected BM,BN,BK,G,warps,stages")]:
+                        ("x=up:64,128", "expected BM,BN,BK,G,warps,stages"),
+                        ("x=route:float16", "route dtype 'float16'")]:
         with pytest.raises(ValueError, match=match):
             ab.parse_variant(spec)
+    assert ab.parse_variant("r=route:float32;down:64,32,32,1,4,1") == (
+        "r", {"route": torch.float32, "down": GemmConfig(64, 32, 32, 1, 4, 1)})
 
 
 def test_with_table_restores_the_pinned_table_after_an_error():
@@ -31,13 +35,14 @@ def test_with_table_restores_the_pinned_table_after_an_error():
     seen = {}
 
     def fails():
-        seen["wgrad"] = MOE_CONFIGS[backend]["wgrad"]
+        seen["wgrad"], seen["route"] = MOE_CONFIGS[backend]["wgrad"], km.ROUTE_DTYPE
         raise RuntimeError("inside")
 
+    pinned_route = km.ROUTE_DTYPE
     with pytest.raises(RuntimeError, match="inside"):
-        ab.with_table(backend, {"wgrad": GemmConfig(16, 32, 16, 1, 4, 1)}, fails)()
-    assert seen["wgrad"] == GemmConfig(16, 32, 16, 1, 4, 1)
-    assert MOE_CONFIGS[backend] == kept
+        ab.with_table(backend, {"wgrad": GemmConfig(16, 32, 16, 1, 4, 1), "route": torch.float32}, fails)()
+    assert seen == {"wgrad": GemmConfig(16, 32, 16, 1, 4, 1), "route": torch.float32}
+    assert MOE_CONFIGS[backend] == kept and km.ROUTE_DTYPE is pinned_route is torch.bfloat16
 
 
 def test_interpreter_ab_rows_compare_bits_and_time(tmp_path, device):
@@ -45,12 +50,17 @@ def test_interpreter_ab_rows_compare_bits_and_time(tmp_path, device):
         pytest.skip("the interpreter run; on the GPU bench.moe_ab runs at the real presets")
     out = tmp_path / "ab"
     assert ab.main(["--device", "cpu", "--preset", "tiny", "--tokens", "48", "--rounds", "1", "--out", str(out),
-                    "--variant", "small_wgrad=wgrad:16,32,16,1,4,1;combine:16,32,16,1,4,1"]) == 0
+                    "--variant", "small_wgrad=wgrad:16,32,16,1,4,1;combine:16,32,16,1,4,1",
+                    "--variant", "fp32_route=route:float32"]) == 0
     data = json.loads((out / "rows.json").read_text())
     rows = {r["table"]: r for r in data["rows"]}
-    assert set(rows) == {"pinned", "small_wgrad"} and rows["pinned"]["ratio_to_pinned"] == 1.0
+    assert set(rows) == {"pinned", "small_wgrad", "fp32_route"} and rows["pinned"]["ratio_to_pinned"] == 1.0
     # On the interpreter every tile gives the same bits (sequential accumulation): the check must say so.
-    assert all(r["bits_equal_pinned"] and r["outputs_differing"] == [] for r in rows.values())
+    assert all(rows[n]["bits_equal_pinned"] and rows[n]["outputs_differing"] == [] for n in ("pinned", "small_wgrad"))
+    # FP32 y and dx_route change out's and dx's rounding only (dscores come from dgrad, dW from dgu and dy).
+    assert "out" in rows["fp32_route"]["outputs_differing"]
+    assert set(rows["fp32_route"]["outputs_differing"]) <= {"out", "dx"}
+    assert rows["fp32_route"]["overrides"] == {"route": "torch.float32"}
     assert rows["small_wgrad"]["overrides"] == {"wgrad": "BM16_BN32_BK16_G1_w4_s1",
                                                 "combine": "BM16_BN32_BK16_G1_w4_s1"}
     assert all(r["median_us"] > 0 and r["T"] == 48 and "tflops" not in r for r in rows.values())
