@@ -55,7 +55,6 @@ from kernels.moe_fp8_ws import (
 )
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
-DGRAD_PREFETCH = True  # the dgrad epilogue's loads issued before each tile's K loop (_dgrad_consumer)
 C_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}  # moe_ws_kernel's outputs (kernels.moe.ROUTE_DTYPES)
 
 
@@ -187,44 +186,22 @@ def _up_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, 
 
 
 @gluon.jit
-def _dgrad_prefetch(t, score_ptr, h_ptr, num_n, C, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
-                    PART: gl.constexpr, DSCORE: gl.constexpr):
-    """The dgrad epilogue's loads for this part's rows of tile t, in the accumulator's layout: (s [ROWS], h [ROWS,
-    BLOCK_N] BF16 with DSCORE, else s again: unused)."""
-    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
-    rows = (t // num_n) * BLOCK_M + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-    cols = (t % num_n) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-    score = gl.load(score_ptr + rows)
-    if DSCORE:
-        h = gl.load(h_ptr + rows[:, None] * C + cols[None, :])
-    else:
-        h = score
-    return score, h
-
-
-@gluon.jit
 def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, score_ptr, gu_ptr, h_ptr, ds_ptr,
                     num_tiles, C, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr,
-                    CONSUMERS: gl.constexpr, PART: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
-                    PREFETCH: gl.constexpr):
+                    CONSUMERS: gl.constexpr, PART: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr):
     """One consumer warpgroup of dgrad: acc = dout[gather] @ W2[e]^T over BLOCK_N columns of dh for this part's rows
     (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 2: (DSCORE) ds_part[p, c] = the sum
     over chunk c's DS_CHUNK columns of acc * h, then dh = s * acc, dg and du from the saved gu (each (g, u) pair read
-    as one int32), rounded once to BF16 and TMA-stored as int32 pairs. PREFETCH: the loads of s and h are issued
-    before the tile's K loop, so they are in flight while its MMAs run (the same values: the same bits); gu's there
-    too, or before the dscore sums, would spill at BLOCK_N 128 (offline sm_90 compile)."""
+    as one int32), rounded once to BF16 and TMA-stored as int32 pairs."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     num_n = C // BLOCK_N
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        if PREFETCH:
-            score, h_bf16 = _dgrad_prefetch(t, score_ptr, h_ptr, num_n, C, BLOCK_M, BLOCK_N, ROWS, PART, DSCORE)
         acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M,
                                                  BLOCK_N, B_K_MAJOR, CONSUMERS, PART, True)
-        if not PREFETCH:
-            score, h_bf16 = _dgrad_prefetch(t, score_ptr, h_ptr, num_n, C, BLOCK_M, BLOCK_N, ROWS, PART, DSCORE)
-        if DSCORE:  # first, as the Triton epilogue: its products are dead before gu is loaded
-            h = h_bf16.to(gl.float32)
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+        if DSCORE:  # first, as the Triton epilogue: its h tile and products are dead before gu is loaded
+            h = gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32)
             chunked = gl.convert_layout(gl.reshape(acc * h, [ROWS, BLOCK_N // DS_CHUNK, DS_CHUNK]),
                                         _chunk_layout(BLOCK_N // DS_CHUNK))
             part = gl.sum(chunked, axis=2)
@@ -232,8 +209,7 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, 
             p_rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, p_layout))
             chunks = off_n // DS_CHUNK + gl.arange(0, BLOCK_N // DS_CHUNK, layout=gl.SliceLayout(0, p_layout))
             gl.store(ds_ptr + p_rows[:, None] * (C // DS_CHUNK) + chunks[None, :], part)
-        dh = acc * score[:, None]
-        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+        dh = acc * gl.load(score_ptr + rows)[:, None]
         g, u = _bf16_pair_values(gl.load(gu_ptr + rows[:, None] * C + cols[None, :]))
         s = 1.0 / (1.0 + gl.exp(-g))
         silu = g * s
@@ -298,7 +274,6 @@ def moe_ws_gather_kernel(
     CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
     EPILOGUE: gl.constexpr,  # 1: SwiGLU (up); 2: dSwiGLU (dgrad)
     DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
-    PREFETCH: gl.constexpr,  # dgrad: the epilogue's loads issued before each tile's K loop (_dgrad_consumer)
 ):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_layout)
@@ -335,10 +310,10 @@ def moe_ws_gather_kernel(
             gl.warp_specialize([
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
                                    ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, DSCORE,
-                                   DS_CHUNK, PREFETCH)),
+                                   DS_CHUNK)),
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
                                    ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1, DSCORE,
-                                   DS_CHUNK, PREFETCH)),
+                                   DS_CHUNK)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
@@ -346,7 +321,7 @@ def moe_ws_gather_kernel(
             gl.warp_specialize([
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
                                    ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, DSCORE,
-                                   DS_CHUNK, PREFETCH)),
+                                   DS_CHUNK)),
                 (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                     num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
@@ -611,7 +586,7 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
         SEGMENT=SEGMENT_ALIGN, CONSUMERS=consumers(config.num_warps), B_K_MAJOR=k_major, EPILOGUE=epilogue,
-        DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK, PREFETCH=DGRAD_PREFETCH,
+        DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK,
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
 

@@ -2,6 +2,7 @@
 loop (kernels.moe_ws.DGRAD_PREFETCH True) or after it (False). Per preset: bits of dgu and the dscore partials
 compared, the dgrad stage and the whole forward+backward timed in interleaved rounds (toolkit.timing).
 
+    git checkout 97783b5   # the flag exists there only: it was removed after this A/B measured it slower
     python reports/2026-12-01-h200-s12/dgrad_prefetch_ab.py ROUNDS OUT.json
 """
 
