@@ -34,6 +34,24 @@ def _assert_stages(inp):
     assert assert_stages(stage_checks, inp)["composed_dx_equal"]
 
 
+def test_route_dtype_float32_keeps_y_unrounded_within_its_bounds(device, monkeypatch):
+    # ROUTE_DTYPE float32 (tables up to .5): y and dx_route stay FP32 and every stage bound (unit 0 for them) holds;
+    # the pinned BF16 y is y's FP32 value rounded once. An unsupported dtype is refused by name before any work.
+    inp = make_inputs(_case("masked", seed=6), device)
+    r = build_routing(inp["topk_ids"], inp["scores"], E)
+    backend = backend_of(device)
+    gu, h = moe_up_swiglu(inp["x"], inp["w1"], r, backend)
+    y_bf16 = moe_down(h, inp["w2"], r, backend)
+    monkeypatch.setattr(km, "ROUTE_DTYPE", torch.float32)
+    y = moe_down(h, inp["w2"], r, backend)
+    assert y.dtype == torch.float32 and y_bf16.dtype == torch.bfloat16
+    assert compare_bits(y.to(torch.bfloat16), y_bf16).equal
+    _assert_stages(inp)
+    monkeypatch.setattr(km, "ROUTE_DTYPE", torch.float16)
+    with pytest.raises(ValueError, match="ROUTE_DTYPE is torch.float16; supported"):
+        moe_down(h, inp["w2"], r, backend)
+
+
 @pytest.mark.parametrize("case", [
     _case("random"),
     _case("masked", seed=4),

@@ -28,7 +28,8 @@ TRITON_TILES = {"down": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "dx": GemmConf
 WS_GATHER_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 3, "ws"),
                     GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws")]
 WS_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 5, "ws"),
-              GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws")]
+              GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws"),
+              GemmConfig(128, 256, 64, 1, 8, 3, "ws")]
 WS_WGRAD_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 32, 1, 8, 6, "ws"),
                     GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 256, 64, 1, 8, 3, "ws")]
 
@@ -159,6 +160,20 @@ def test_ws_gives_the_triton_tiles_bits(shape, device):
                 assert compare_bits(run(config)[j], o).equal, (stage, j, config.label())  # repeat
         if not stage.startswith("wgrad"):
             assert bool((ref[0][r.sorted_route < 0] == 0).all()), stage
+
+
+@pytest.mark.gpu
+def test_ws_down_and_dx_give_the_triton_tiles_bits_in_fp32_too(device, monkeypatch):
+    # ROUTE_DTYPE float32 (tables up to .5, bench.moe_ab's route:float32): the Gluon kernel's FP32 store buffer.
+    import kernels.moe as km
+
+    monkeypatch.setattr(km, "ROUTE_DTYPE", torch.float32)
+    runs, _, _ = _runs(device, 300, 512, 384, 5, 2, seed=12)
+    for stage in ("down", "dx"):
+        ref = runs[stage](TRITON_TILES[stage])[0]
+        assert ref.dtype == torch.float32, stage
+        for config in WS_CONFIGS:
+            assert compare_bits(runs[stage](config)[0], ref).equal, (stage, config.label())
 
 
 @pytest.mark.gpu
