@@ -9,7 +9,9 @@ single-kernel wins), and each variant's outputs compared bit for bit with the pi
 
 A variant is NAME=STAGE:CONFIG[;STAGE:CONFIG...], CONFIG as BM,BN,BK,G,warps,stages[,variant] (bench/gemm_ncu.py's
 form); ``route:float32`` (or ``route:bfloat16``) in it sets kernels.moe.ROUTE_DTYPE, the dtype y and dx_route leave
-their GEMMs in (a different rounding: its bits differ from the pinned table's, and the row says which outputs do).
+their GEMMs in (a different rounding: its bits differ from the pinned table's, and the row says which outputs do;
+with float32 give down a tile whose FP32 store buffer fits, e.g. ``route:float32;down:128,128,64,1,8,4,ws``: table .7's
+128x256 3-stage tile does not, and its launcher refuses it by name).
 Rows: median / p20 / p80 µs of one forward+backward call (toolkit.timing.time_interleaved: L2-flushed do_bench
 samples), the median SM clock of its samples, the ratio to the pinned table's median in the same run,
 TFLOP/s and MFU against 989 TFLOP/s (FLOPs 18*T*K*H*I), and whether out, dx, dw1, dw2 and dscores have the pinned

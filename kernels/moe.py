@@ -82,7 +82,8 @@ MOE_CONFIG_TABLE_VERSION = "2026-12-01.7"
 # as the FP8 layer since its table .14 and as an eager BF16 model rounds them); the combine and the gather-sum still
 # sum the K routes in FP32 and round once more. Half the bytes of FP32 to write and to read back (805 MB each at the
 # reference shape). torch.float32 (tables up to .5) is the unrounded form, kept selectable for A/B runs
-# (bench.moe_ab's route variant).
+# (bench.moe_ab's route variant); its FP32 store buffer does not fit beside down's 128x256 3-stage ring (table .7),
+# which the ws launcher refuses by name: give down a 128x128 tile with it.
 ROUTE_DTYPE = torch.bfloat16
 ROUTE_DTYPES = (torch.bfloat16, torch.float32)
 

@@ -164,7 +164,8 @@ def test_ws_gives_the_triton_tiles_bits(shape, device):
 
 @pytest.mark.gpu
 def test_ws_down_and_dx_give_the_triton_tiles_bits_in_fp32_too(device, monkeypatch):
-    # ROUTE_DTYPE float32 (tables up to .5, bench.moe_ab's route:float32): the Gluon kernel's FP32 store buffer.
+    # ROUTE_DTYPE float32 (tables up to .5, bench.moe_ab's route:float32): the Gluon kernel's FP32 store buffer. The
+    # 128x256 3-stage tile (table .7's down) does not fit beside it: refused by name, before any work.
     import kernels.moe as km
 
     monkeypatch.setattr(km, "ROUTE_DTYPE", torch.float32)
@@ -173,6 +174,10 @@ def test_ws_down_and_dx_give_the_triton_tiles_bits_in_fp32_too(device, monkeypat
         ref = runs[stage](TRITON_TILES[stage])[0]
         assert ref.dtype == torch.float32, stage
         for config in WS_CONFIGS:
+            if config.block_n == 256:
+                with pytest.raises(ValueError, match="needs 278528 bytes of shared memory"):
+                    runs[stage](config)
+                continue
             assert compare_bits(runs[stage](config)[0], ref).equal, (stage, config.label())
 
 
