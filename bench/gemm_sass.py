@@ -20,7 +20,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, replace
 
-SASS_OPS = r"\b(HGMMA|HMMA|UTMALDG|UTMASTG|LDGSTS|LDSM|LDS|STS|SHFL|USETMAXREG)[.\w]*"
+SASS_OP_NAMES = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDSM", "LDS", "STS", "SHFL", "USETMAXREG")
+SASS_OPS = rf"\b({'|'.join(SASS_OP_NAMES)})[.\w]*"
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,7 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     sass = cuobjdump("--dump-sass", cubin)
     with open(os.path.join(out_dir, f"{tag}.sass"), "w") as f:
         f.write(sass)
-    counts = {op: 0 for op in ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDSM", "LDS", "STS", "SHFL",
-                               "USETMAXREG")}
+    counts = dict.fromkeys(SASS_OP_NAMES, 0)
     for m in re.finditer(SASS_OPS, sass):
         counts[m.group(1)] += 1
     resources = cuobjdump("--dump-resource-usage", cubin)

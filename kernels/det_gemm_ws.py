@@ -48,6 +48,16 @@ def max_regs(num_warps: int) -> int:
 
 
 SM90_SHARED_BYTES = 227 * 1024  # the per-block limit (opt-in) on sm_90
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}  # the dtypes the ws epilogues store
+
+
+def check_shared_bytes(stage: str, config, ring: int, store: int, store_what: str) -> None:
+    """Refuses, naming the bytes, a ws config whose operand ring (``ring`` bytes over its stages) and epilogue
+    buffers (``store`` bytes: ``store_what``) exceed sm_90's per-block shared memory, before any work."""
+    if ring + store > SM90_SHARED_BYTES:
+        raise ValueError(f"{stage}: variant 'ws' {config.label()} needs {ring + store} bytes of shared memory "
+                         f"({ring} for {config.num_stages} stages, {store} for {store_what}); sm_90 has "
+                         f"{SM90_SHARED_BYTES} per block: use fewer stages")
 # The epilogue's tile buffer shares the block's shared memory with the operand ring (less the mbarriers and
 # alignment).
 WS_SHARED_BYTES = SM90_SHARED_BYTES - 1024
@@ -68,8 +78,8 @@ def operand_layout(block: list[int]) -> gl.NVMMASharedLayout:
 def ws_descriptor(tensor, shape, strides, box) -> TensorDescriptor:
     """A TMA descriptor over ``tensor`` (shape, strides and box as det_gemm.tma_descriptor decided them; BF16
     operands, or the BF16 / FP32 output) with the NVMMA shared layout of its box."""
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[tensor.dtype]
-    return TensorDescriptor(tensor, shape, strides, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+    layout = gl.NVMMASharedLayout.get_default_for(box, GL_DTYPES[tensor.dtype])
+    return TensorDescriptor(tensor, shape, strides, box, layout)
 
 
 @gluon.jit

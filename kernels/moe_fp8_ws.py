@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.det_gemm_ws import (
-    CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, SM90_SHARED_BYTES, consumers, max_regs, store_part,
+    CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, check_shared_bytes, consumers, max_regs, store_part,
 )
 from kernels.moe import stage_name
 
@@ -810,11 +810,8 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
         raise ValueError(f"wgrad: variant 'ws' needs the scales stored [P/128, rows] with 16-byte aligned rows (a "
                          f"[rows, P/128] view of it); got strides {a_s.stride()}, {b_s.stride()}")
     ring = config.num_stages * (config.block_m + config.block_n) * (QBLOCK_WS + 4)  # operand tiles + FP32 scale rows
-    store = config.block_m * config.block_n * 2  # the BF16 store buffer (allocated with main_grad too)
-    if ring + store > SM90_SHARED_BYTES:
-        raise ValueError(f"wgrad: variant 'ws' {config.label()} needs {ring + store} bytes of shared memory "
-                         f"({ring} for {config.num_stages} stages, {store} for the BF16 store buffer); sm_90 has "
-                         f"{SM90_SHARED_BYTES} per block: use fewer stages")
+    # The BF16 store buffer is allocated with main_grad too.
+    check_shared_bytes("wgrad", config, ring, config.block_m * config.block_n * 2, "the BF16 store buffer")
     part_rows = config.block_m // consumers(config.num_warps)
     # The BF16 dW as [E * R, C] for the TMA store; accumulating into main_grad stores through pointers (the kernel
     # still takes a descriptor: one over a tile-sized scratch).
@@ -858,10 +855,7 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
     ring = config.num_stages * (config.block_m + config.block_n) * QBLOCK_WS
     part_rows = config.block_m if pingpong else config.block_m // consumers(config.num_warps)
     store = consumers(config.num_warps) * part_rows * config.block_n * (3 if epilogue == 3 else 6)
-    if ring + store > SM90_SHARED_BYTES:
-        raise ValueError(f"{stage}: variant 'ws' {config.label()} needs {ring + store} bytes of shared memory ({ring} "
-                         f"for {config.num_stages} stages, {store} for the epilogue); sm_90 has {SM90_SHARED_BYTES} per "
-                         "block: use fewer stages")
+    check_shared_bytes(stage, config, ring, store, "the epilogue")
     if (not b.is_contiguous() or not all(t.is_contiguous() for t in outputs.values()) or a_q.stride(1) != 1
             or a_q.stride(0) % 16 or a_q.data_ptr() % 16):
         raise ValueError(f"{stage}: variant 'ws' needs the activation row-major with 16-byte aligned rows (cp.async), "

@@ -43,8 +43,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from kernels.det_gemm import operand_ring_bytes
 from kernels.det_gemm_ws import (
-    CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, SM90_SHARED_BYTES, consumers, max_regs, store_part,
+    CONSUMER_REGS, CONSUMER_WARPS, GL_DTYPES, PRODUCER_REGS, PRODUCER_WARPS, check_shared_bytes, consumers, max_regs,
+    store_part,
 )
 from kernels.moe import (
     DS_CHUNK, SEGMENT_ALIGN, grouped_launch_name, wgrad_launch_name, ws_weight_rows, ws_wgrad_addresses,
@@ -55,7 +57,6 @@ from kernels.moe_fp8_ws import (
 )
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
-C_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}  # moe_ws_kernel's outputs (kernels.moe.ROUTE_DTYPES)
 
 
 @gluon.jit
@@ -498,10 +499,7 @@ def _check_tile(stage: str, config, reduced: int, n_cols: int, store_bytes: int)
         raise ValueError(f"{stage}: variant 'ws' needs BLOCK_K {config.block_k} dividing L {reduced} and BLOCK_N "
                          f"{config.block_n} dividing C {n_cols} (a weight tile never crosses an expert), both multiples "
                          "of 16")
-    ring = config.num_stages * (config.block_m + config.block_n) * config.block_k * 2
-    if ring + store_bytes > SM90_SHARED_BYTES:
-        raise ValueError(f"{stage}: variant 'ws' {config.label()} needs {ring + store_bytes} bytes of shared memory; "
-                         f"sm_90 has {SM90_SHARED_BYTES} per block: use fewer stages")
+    check_shared_bytes(stage, config, operand_ring_bytes(config), store_bytes, "the epilogue's buffers")
 
 
 def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -510,8 +508,8 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
     (its storage [E, L, C] or K-major [E, C, L]); refuses, naming the value, what this kernel does not cover (before
     any work)."""
     _, reduced, n_cols = b.shape
-    if c.dtype not in C_DTYPES:
-        raise ValueError(f"{stage}: variant 'ws' writes {tuple(C_DTYPES)}; got an output of {c.dtype}")
+    if c.dtype not in GL_DTYPES:
+        raise ValueError(f"{stage}: variant 'ws' writes {tuple(GL_DTYPES)}; got an output of {c.dtype}")
     _check_tile(stage, config, reduced, n_cols, config.block_m * config.block_n * c.element_size())
     store, k_major = ws_weight_rows(b) or (None, False)
     if (store is None or a.stride(1) != 1 or not c.is_contiguous()
@@ -526,7 +524,7 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
     moe_ws_kernel[(min(tiles, sms),)](
         fp8_ws_descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16),
         fp8_ws_descriptor(store, b_box, gl.bfloat16),
-        fp8_ws_descriptor(c, [part_rows, config.block_n], C_DTYPES[c.dtype]),
+        fp8_ws_descriptor(c, [part_rows, config.block_n], GL_DTYPES[c.dtype]),
         routing.sorted_route, routing.tile_expert, routing.gate,
         p, n_cols, reduced,
         op_id,
@@ -605,12 +603,9 @@ def launch_moe_ws_wgrad(op_id: int, config, a: torch.Tensor, gather_a: bool, b: 
     if SEGMENT_ALIGN % config.block_k or config.block_k % 16:
         raise ValueError(f"wgrad: variant 'ws' steps through an expert's {SEGMENT_ALIGN}-padded rows BLOCK_K at a time: "
                          f"BLOCK_K a multiple of 16 dividing {SEGMENT_ALIGN}; got {config.block_k}")
-    ring = config.num_stages * (config.block_m + config.block_n) * config.block_k * 2
-    store = config.block_m * config.block_n * 2  # the BF16 store buffer (allocated with main_grad too)
-    if ring + store > SM90_SHARED_BYTES:
-        raise ValueError(f"wgrad: variant 'ws' {config.label()} needs {ring + store} bytes of shared memory "
-                         f"({ring} for {config.num_stages} stages, {store} for the BF16 store buffer); sm_90 has "
-                         f"{SM90_SHARED_BYTES} per block: use fewer stages")
+    # The BF16 store buffer is allocated with main_grad too.
+    check_shared_bytes("wgrad", config, operand_ring_bytes(config), config.block_m * config.block_n * 2,
+                       "the BF16 store buffer")
     if not ws_wgrad_addresses(a, b, out):
         raise ValueError(f"wgrad: variant 'ws' needs A and B row-major with 16-byte aligned rows (TMA, cp.async) and "
                          f"dW contiguous; got strides {a.stride()}, {b.stride()}, {out.stride()}")
