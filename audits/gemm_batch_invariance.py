@@ -7,14 +7,14 @@ from collections.abc import Iterator
 
 import torch
 
-from audits.gemm_common import GemmCase, launch, operands
-from kernels.backend import resolve_backend
-from kernels.det_gemm import all_configs, det_gemm_kernel
-from toolkit.contract import compare_bits
-from toolkit.fixtures import LAYOUTS
-from toolkit.harness import Row, RunContext
-from toolkit.nvtx_ranges import nvtx_range
-from toolkit.presets import GEMM_PRESETS
+from detkit.audits.gemm_common import GemmCase, launch, operands
+from detkit.kernels.backend import resolve_backend
+from detkit.kernels.det_gemm import all_configs, det_gemm_kernel
+from detkit.toolkit.contract import compare_bits
+from detkit.toolkit.fixtures import LAYOUTS
+from detkit.toolkit.harness import Row, RunContext
+from detkit.toolkit.nvtx_ranges import nvtx_range
+from detkit.toolkit.presets import GEMM_PRESETS
 
 NAME = "gemm_batch_invariance"
 DESCRIPTION = "fwd/dA rows bitwise equal across M, positions, padding, chunking and configs"

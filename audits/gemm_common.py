@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.det_gemm import LAUNCHERS, case_name
-from toolkit.fixtures import bf16_randn, weight_kn
+from detkit.kernels.det_gemm import LAUNCHERS, case_name
+from detkit.toolkit.fixtures import bf16_randn, weight_kn
 
 
 @dataclass(frozen=True)

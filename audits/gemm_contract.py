@@ -7,13 +7,13 @@ from collections.abc import Iterator
 
 import torch
 
-from audits.gemm_common import GemmCase, launch, operands
-from kernels.det_gemm import REFERENCES
-from toolkit.contract import bf16_ordinal, check_bound, drift_stats, gemm_bound
-from toolkit.fixtures import LAYOUTS
-from toolkit.harness import Row, RunContext
-from toolkit.nvtx_ranges import nvtx_range
-from toolkit.presets import GEMM_PRESETS
+from detkit.audits.gemm_common import GemmCase, launch, operands
+from detkit.kernels.det_gemm import REFERENCES
+from detkit.toolkit.contract import bf16_ordinal, check_bound, drift_stats, gemm_bound
+from detkit.toolkit.fixtures import LAYOUTS
+from detkit.toolkit.harness import Row, RunContext
+from detkit.toolkit.nvtx_ranges import nvtx_range
+from detkit.toolkit.presets import GEMM_PRESETS
 
 NAME = "gemm_contract"
 DESCRIPTION = "fwd/dA/dB within the derived per-element bound of an FP64 oracle"

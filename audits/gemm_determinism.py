@@ -12,11 +12,11 @@ from dataclasses import asdict
 
 import torch
 
-from audits.gemm_common import GemmCase, launch, operands
-from toolkit.contract import compare_bits, digest
-from toolkit.harness import Row, RunContext
-from toolkit.nvtx_ranges import nvtx_range
-from toolkit.presets import GEMM_PRESETS
+from detkit.audits.gemm_common import GemmCase, launch, operands
+from detkit.toolkit.contract import compare_bits, digest
+from detkit.toolkit.harness import Row, RunContext
+from detkit.toolkit.nvtx_ranges import nvtx_range
+from detkit.toolkit.presets import GEMM_PRESETS
 
 NAME = "gemm_determinism"
 DESCRIPTION = "fwd/dA/dB: same bits over repetitions and in a fresh process; dB ignores zero rows"
@@ -40,7 +40,7 @@ def case_digest(case: GemmCase, device: torch.device) -> str:
 def _fresh_process_digests(cases: list[GemmCase], device: torch.device) -> dict[str, str]:
     """Compute every case's digest in a new Python process (same environment)."""
     payload = json.dumps({"device": str(device), "cases": [asdict(c) for c in cases]})
-    proc = subprocess.run([sys.executable, "-m", "audits.gemm_determinism"], input=payload,
+    proc = subprocess.run([sys.executable, "-m", "detkit.audits.gemm_determinism"], input=payload,
                           capture_output=True, text=True, timeout=FRESH_PROCESS_TIMEOUT_S, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"fresh-process worker failed (exit {proc.returncode}): {proc.stderr[-2000:]}")

@@ -1,7 +1,7 @@
 """Cross-config invariance of the complete Qwen3 MLP (suite 'invariance'): TP1CP1, TP2CP1, TP1CP2 and
 TP2CP2 on the same global inputs, in both reduction modes.
 
-Started as ranks (``torchrun --nproc-per-node 4 -m toolkit audit --suite invariance``; docs/invariance.md),
+Started as ranks (``torchrun --nproc-per-node 4 -m detkit audit --suite invariance``; docs/invariance.md),
 after ``toolkit.dist.setup_distributed`` built the TP and CP groups. Every rank draws the same
 seeded global fixtures and runs the MLP forward and backward (``kernels.mlp.DetQwen3MLP``) once per
 config and mode; the configs with TP=1 or CP=1 are computed redundantly on every rank that needs
@@ -32,16 +32,16 @@ from collections.abc import Iterator
 
 import torch
 
-from kernels import parallel
-from kernels.invariant import (
+from detkit.kernels import parallel
+from detkit.kernels.invariant import (
     FP32_INVARIANT, INVARIANT_CONFIG_TABLE_VERSION, MODES, cp1_db, layout_config, tp1_da, tp1_fwd,
 )
-from kernels.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_tokens, split_gate_up
-from toolkit.contract import bf16_ordinal, check_bound, compare_bits
-from toolkit.dist import DistSession, RankAudit, observe_collectives, session_for_suite
-from toolkit.harness import Row, RunContext
-from toolkit.nvtx_ranges import nvtx_range
-from toolkit.shard_refs import local_inputs, make_fixtures, operand
+from detkit.kernels.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_tokens, split_gate_up
+from detkit.toolkit.contract import bf16_ordinal, check_bound, compare_bits
+from detkit.toolkit.dist import DistSession, RankAudit, observe_collectives, session_for_suite
+from detkit.toolkit.harness import Row, RunContext
+from detkit.toolkit.nvtx_ranges import nvtx_range
+from detkit.toolkit.shard_refs import local_inputs, make_fixtures, operand
 
 NAME = "invariance"
 DESCRIPTION = "MLP fwd/bwd bits across TP1CP1, TP2CP1, TP1CP2, TP2CP2: fp32_invariant bitwise, bf16 drift"
@@ -57,7 +57,7 @@ def config_label(tp: int, cp: int) -> str:
 
 def run(ctx: RunContext) -> Iterator[Row]:
     session, refusal = session_for_suite(NAME, ctx.backend, (
-        "'torchrun --nproc-per-node 4 --standalone -m toolkit audit --suite invariance' (2 GPUs: "
+        "'torchrun --nproc-per-node 4 --standalone -m detkit audit --suite invariance' (2 GPUs: "
         "DETKIT_TPCP_WORLD=0,1 for TP1CP1 vs TP2CP1, DETKIT_TPCP_WORLD=0,2 for TP1CP1 vs TP1CP2)"))
     if refusal is not None:
         yield refusal
@@ -287,7 +287,7 @@ def tail_of(x: torch.Tensor, y: torch.Tensor, global_n: int) -> dict:
 
 
 def merged_quantile(top: torch.Tensor, n: int, q: float) -> float:
-    """toolkit.contract's quantile (the round(q*n)-th smallest of n values) from a superset of the
+    """detkit.toolkit.contract's quantile (the round(q*n)-th smallest of n values) from a superset of the
     largest n - round(q*n) + 1 of them."""
     if n == 0:
         return 0.0

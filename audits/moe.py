@@ -30,17 +30,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kernels.moe import (
+from detkit.kernels.moe import (
     moe_dgrad_dswiglu, moe_down, moe_dx_route, moe_gather_sum, moe_mlp, moe_mlp_bwd, moe_mlp_fwd, moe_mlp_ref,
     stage_name,
 )
-from kernels.moe_routing import MoeRouting, SEGMENT_ALIGN
-from toolkit.contract import (
+from detkit.kernels.moe_routing import MoeRouting, SEGMENT_ALIGN
+from detkit.toolkit.contract import (
     ETA_BF16, U_BF16, U_FP64, ContractResult, check_bound, compare_bits, digest, gamma, gemm_bound,
 )
-from toolkit.fixtures import bf16_randn
-from toolkit.harness import Row, RunContext
-from toolkit.nvtx_ranges import nvtx_range
+from detkit.toolkit.fixtures import bf16_randn
+from detkit.toolkit.harness import Row, RunContext
+from detkit.toolkit.nvtx_ranges import nvtx_range
 
 NAME = "moe"
 DESCRIPTION = "MoE expert MLP fwd+bwd: determinism, batch invariance, stage contract, precision vs BF16 gold"
@@ -413,7 +413,7 @@ def case_digests(case: MoeCase, device: torch.device) -> dict[str, str]:
 
 
 def fresh_process_digests(cases: list[MoeCase], device: torch.device,
-                          module: str = "audits.moe") -> dict[str, dict[str, str]]:
+                          module: str = "detkit.audits.moe") -> dict[str, dict[str, str]]:
     """{case name: digests} from ``python -m module`` (a worker that calls ``serve_digests``)."""
     payload = json.dumps({"device": str(device), "cases": [asdict(c) for c in cases]})
     proc = subprocess.run([sys.executable, "-m", module], input=payload, capture_output=True, text=True,
@@ -524,7 +524,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
         outs = [run_layer(inp) for _ in range(3)]
     for rep, got in enumerate(outs[1:], start=1):
         yield bits_row(NAME, ctx, "repetitions", f"repetitions {main.name} #{rep}", got, outs[0])
-    yield fresh_process_row(NAME, ctx, "audits.moe", main, main.name, outs[0])
+    yield fresh_process_row(NAME, ctx, "detkit.audits.moe", main, main.name, outs[0])
 
     # Forward batch invariance per token.
     yield from batch_invariance_rows(NAME, ctx, moe_mlp_fwd, inp, main, main.name, outs[0]["out"])

@@ -33,22 +33,22 @@ from functools import partial
 
 import torch
 
-from audits.moe import (
+from detkit.audits.moe import (
     GRAD_NAMES, MoeCase, batch_invariance_rows, bits_row, combine_checks, cosine, dswiglu_check, edge_cases,
     fresh_process_row, fused_dscore_check, grad_digests, layer_grads, make_inputs, padding_zero, per_expert,
     rejection_cases, rejection_rows, rel_l2, serve_digests, sorted_rows, stage_rows,
 )
-from kernels.fp8_quant import (
+from detkit.kernels.fp8_quant import (
     QBLOCK, dequantize_rowwise, quantize_colwise_ref, quantize_rowwise, quantize_rowwise_ref, quantize_weight_ref,
 )
-from kernels.moe import moe_mlp_fwd, moe_mlp_bwd, moe_mlp_ref
-from kernels.moe_fp8 import (
+from detkit.kernels.moe import moe_mlp_fwd, moe_mlp_bwd, moe_mlp_ref
+from detkit.kernels.moe_fp8 import (
     DEFAULT_WGRAD, OTHER_WGRAD, Fp8WeightCache, fp8_stage_name, moe_fp8_dgrad, moe_fp8_down, moe_fp8_dx_route,
     moe_fp8_quant_colwise, moe_fp8_risk, moe_fp8_wgrad, moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd, moe_mlp_fp8_ref,
 )
-from toolkit.contract import ETA_BF16, U_BF16, U_FP32, U_FP64, ContractResult, check_bound, compare_bits, gamma
-from toolkit.harness import Row, RunContext
-from toolkit.nvtx_ranges import nvtx_range
+from detkit.toolkit.contract import ETA_BF16, U_BF16, U_FP32, U_FP64, ContractResult, check_bound, compare_bits, gamma
+from detkit.toolkit.harness import Row, RunContext
+from detkit.toolkit.nvtx_ranges import nvtx_range
 
 NAME = "moe-fp8"
 DESCRIPTION = "FP8 MoE expert MLP fwd+bwd: determinism, batch invariance, block-scaled math, precision gate, risk"
@@ -291,7 +291,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
     with nvtx_range(f"repetitions wgrad={OTHER_WGRAD} {name}"):
         outs_other = [run_layer(inp, wgrad=OTHER_WGRAD) for _ in range(2)]
     yield bits_row(NAME, ctx, "repetitions", f"repetitions wgrad={OTHER_WGRAD} {name}", outs_other[1], outs_other[0])
-    yield fresh_process_row(NAME, ctx, "audits.moe_fp8", main, name, outs[0])
+    yield fresh_process_row(NAME, ctx, "detkit.audits.moe_fp8", main, name, outs[0])
 
     yield from batch_invariance_rows(NAME, ctx, _uncached_fwd, inp, main, name, outs[0]["out"])
 

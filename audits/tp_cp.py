@@ -1,6 +1,6 @@
 """The 4-rank TP=2 x CP=2 validation (suite 'tp-cp'): the reduction operators under real groups.
 
-Started as ranks (``torchrun --nproc-per-node 4 -m toolkit audit --suite tp-cp`` or srun, see
+Started as ranks (``torchrun --nproc-per-node 4 -m detkit audit --suite tp-cp`` or srun, see
 docs/tp_cp.md), after ``toolkit.dist.setup_distributed`` built the TP and CP groups. Every rank
 draws the same seeded global fixtures, cuts its own shards and runs
 
@@ -25,15 +25,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kernels import parallel
-from kernels.det_gemm import det_gemm_fwd_launch
-from toolkit.contract import check_bound, compare_bits, drift_stats, gemm_bound, reduced_bound
-from toolkit.dist import DistSession, RankAudit, gather_group, observe_collectives, session_for_suite
-from toolkit.harness import Row, RunContext
-from toolkit.layout import CP_SIZE, AxisGroup
-from toolkit.nvtx_ranges import nvtx_range
-from toolkit.presets import GEMM_PRESETS
-from toolkit.shard_refs import (
+from detkit.kernels import parallel
+from detkit.kernels.det_gemm import det_gemm_fwd_launch
+from detkit.toolkit.contract import check_bound, compare_bits, drift_stats, gemm_bound, reduced_bound
+from detkit.toolkit.dist import DistSession, RankAudit, gather_group, observe_collectives, session_for_suite
+from detkit.toolkit.harness import Row, RunContext
+from detkit.toolkit.layout import CP_SIZE, AxisGroup
+from detkit.toolkit.nvtx_ranges import nvtx_range
+from detkit.toolkit.presets import GEMM_PRESETS
+from detkit.toolkit.shard_refs import (
     FIXTURE_KINDS, SPECS, Fixtures, ShardedGemm, case_name, local_inputs, local_result, make_fixtures,
     operand, oracle, oracle_is_exact, reduce_v1, reduced_result, unsharded_result,
 )
@@ -57,7 +57,7 @@ NOT_COVERED_V1 = (
 
 def run(ctx: RunContext) -> Iterator[Row]:
     session, refusal = session_for_suite(NAME, ctx.backend, (
-        "'torchrun --nproc-per-node 4 --standalone -m toolkit audit --suite tp-cp' (or "
+        "'torchrun --nproc-per-node 4 --standalone -m detkit audit --suite tp-cp' (or "
         "'srun --distribution=block ... detkit audit --suite tp-cp', slurm/2x2.sh); "
         "'--suite tp-cp-refs' checks the shard references in one process"))
     if refusal is not None:
@@ -341,6 +341,6 @@ class TpCpAudit(RankAudit):
 
 def det_gemm_full(spec: ShardedGemm, fx: Fixtures) -> torch.Tensor:
     """TP=1, CP=1 det_gemm of a non-reduced spec over the global operands ([M, I])."""
-    from kernels.det_gemm import LAUNCHERS
+    from detkit.kernels.det_gemm import LAUNCHERS
 
     return LAUNCHERS[spec.op](operand(fx, spec.x_name, None, None), operand(fx, spec.y_name, None, None))[0]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from toolkit.harness import Row, RunContext
-from toolkit.layout import layout_for_preset
-from toolkit.nvtx_ranges import nvtx_range
-from toolkit.shard_refs import check_all
+from detkit.toolkit.harness import Row, RunContext
+from detkit.toolkit.layout import layout_for_preset
+from detkit.toolkit.nvtx_ranges import nvtx_range
+from detkit.toolkit.shard_refs import check_all
 
 NAME = "tp_cp_refs"
 DESCRIPTION = "TP/CP shard references vs the TP=1 det_gemm, the v1 reduction oracle and the FP64 oracle"

@@ -33,7 +33,7 @@ bytes/s. ratio_vs_raw = operator median / raw median of the same size in the sam
 Validated before timing: every implementation's result equals ``(p0.float() + p1.float()).bfloat16()``
 of the partials gathered from the group, bit for bit (version-1 oracle).
 
-Launch: ``torchrun --nproc-per-node 2 --standalone -m toolkit bench comm --out DIR`` (NCCL on CUDA,
+Launch: ``torchrun --nproc-per-node 2 --standalone -m detkit bench comm --out DIR`` (NCCL on CUDA,
 ``NCCL_NVLS_ENABLE=0``; gloo on CPU with ``--device cpu``, tiny sizes, not a hardware result).
 """
 
@@ -48,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.nvtx_ranges import format_range_name, nvtx_range
-from toolkit.timing import Timing
+from detkit.toolkit.nvtx_ranges import format_range_name, nvtx_range
+from detkit.toolkit.timing import Timing
 
 NAME = "comm"
 GROUP_SIZE = 2
@@ -90,13 +90,13 @@ def start(device: torch.device, environ=None) -> CommSession:
     """Start the process group (torchrun/srun ranks) and the 2-rank group; refuse anything else."""
     import torch.distributed as dist
 
-    from toolkit.dist import launched_as_ranks, timeout_s
-    from toolkit.launch import RankEnv, init_process_group
+    from detkit.toolkit.dist import launched_as_ranks, timeout_s
+    from detkit.toolkit.launch import RankEnv, init_process_group
 
     env = os.environ if environ is None else environ
     if not launched_as_ranks(env):
         raise RuntimeError(
-            "bench comm needs 2 ranks: torchrun --nproc-per-node 2 --standalone -m toolkit bench comm "
+            "bench comm needs 2 ranks: torchrun --nproc-per-node 2 --standalone -m detkit bench comm "
             "[--device cpu] --out DIR")
     rank_env = RankEnv.from_environ(env)
     if rank_env.world_size != GROUP_SIZE:
@@ -141,7 +141,7 @@ def _validate(session: CommSession, fns: dict[str, Callable[[], torch.Tensor]], 
     """Each implementation's result vs the v1 oracle of the gathered partials, bitwise."""
     import torch.distributed as dist
 
-    from toolkit.contract import compare_bits
+    from detkit.toolkit.contract import compare_bits
 
     parts = [torch.empty_like(partial) for _ in session.group_ranks]
     dist.all_gather(parts, partial, group=session.group)
@@ -179,7 +179,7 @@ def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, war
     """Validate, then time raw and every operator's collective at [m, n], interleaved; one row each."""
     import torch.distributed as dist
 
-    from kernels import parallel
+    from detkit.kernels import parallel
 
     partial = _partial(m, n, session.rank, session.device)
     raw_buf = torch.zeros_like(partial)
@@ -235,7 +235,7 @@ def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, war
             "bytes": nbytes, "MiB": nbytes / 2**20, "world_size": session.world_size,
             "group_ranks": list(session.group_ranks), "pg_backend": session.pg_backend,
             "timed": "dist.all_reduce in place (zeros buffer)" if impl == RAW
-            else "kernels.parallel._reduce: all_reduce in place on the GEMM's twin (operator's collective path, "
+            else "detkit.kernels.parallel._reduce: all_reduce in place on the GEMM's twin (operator's collective path, "
                  "zeros buffer, no GEMM)",
             "rounds": rounds, "iters": iters, "warmup": warmup,
             "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us, "samples": t.samples,
@@ -252,9 +252,9 @@ def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, war
 def twin_store_cost(session: CommSession, m_values: list[int], rounds: int) -> list[dict]:
     """Each operator's local det_gemm with and without ``twin_out`` (the copy the collective runs on),
     at the layout's local shapes (Qwen3-8B TP=2 on CUDA, the tiny test dims on the interpreter)."""
-    from kernels.det_gemm import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
-    from toolkit.layout import LAYOUT_PRESETS
-    from toolkit.timing import time_interleaved
+    from detkit.kernels.det_gemm import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
+    from detkit.toolkit.layout import LAYOUT_PRESETS
+    from detkit.toolkit.timing import time_interleaved
 
     interpreted = session.device.type == "cpu"
     model = LAYOUT_PRESETS["tiny" if interpreted else "qwen3-8b-tp2"][0]
@@ -293,10 +293,10 @@ def sizes(interpreted: bool, m_values=None, n: int | None = None) -> list[tuple[
 
 def run(session: CommSession, shapes: list[tuple[int, int]], rounds: int, iters: int, warmup: int,
         ) -> tuple[list[dict], dict]:
-    from kernels import parallel
+    from detkit.kernels import parallel
 
     if not hasattr(parallel, "_reduce"):
-        raise RuntimeError("kernels.parallel._reduce is gone: bench comm times the operators' collective "
+        raise RuntimeError("detkit.kernels.parallel._reduce is gone: bench comm times the operators' collective "
                            "through it; update bench/comm.py with the operators")
     rows = []
     with nvtx_range("bench comm"):
@@ -345,7 +345,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from toolkit.reports import save_figure, style_log2_axes
+    from detkit.toolkit.reports import save_figure, style_log2_axes
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for impl in dict.fromkeys(r["impl"] for r in rows):
@@ -360,8 +360,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def write_outputs(out_dir, rows: list[dict], meta: dict) -> dict:
     from tabulate import tabulate
 
-    from toolkit.harness import atomic_write_text
-    from toolkit.reports import markdown_report, write_row_files
+    from detkit.toolkit.harness import atomic_write_text
+    from detkit.toolkit.reports import markdown_report, write_row_files
 
     paths = write_row_files(out_dir, "comm", rows)
     out = paths["markdown"].parent

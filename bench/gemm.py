@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.det_gemm import LAUNCHERS, case_name
-from toolkit.contract import check_bound, gemm_bound
-from audits import gemm_common
-from audits.gemm_common import GemmCase
-from toolkit.fixtures import LAYOUTS, bf16_randn
-from toolkit.timing import time_graphs, time_interleaved
+from detkit.kernels.det_gemm import LAUNCHERS, case_name
+from detkit.toolkit.contract import check_bound, gemm_bound
+from detkit.audits import gemm_common
+from detkit.audits.gemm_common import GemmCase
+from detkit.toolkit.fixtures import LAYOUTS, bf16_randn
+from detkit.toolkit.timing import time_graphs, time_interleaved
 
 NAME = "gemm"
 DATASHEET_BF16_TFLOPS = 989.0
@@ -87,7 +87,7 @@ def baseline_call(op: str, x: torch.Tensor, y: torch.Tensor):
 
 def _validate(case: BenchCase, x, y) -> dict:
     """Validate before timing: det_gemm's output within the contract bound of the FP64 oracle."""
-    from audits.gemm_contract import oracle
+    from detkit.audits.gemm_contract import oracle
 
     c, launch = LAUNCHERS[case.op](x, y)
     c_star, abs_ab = oracle(case.op, x, y)
@@ -139,7 +139,7 @@ def measured_ceiling_tflops(device: torch.device) -> float:
 def _run_worker(selected: list[BenchCase], rounds: int) -> dict[str, dict]:
     payload = json.dumps({"cases": [vars(c) for c in selected], "rounds": rounds})
     env = {**os.environ, **WORKER_ENV}
-    proc = subprocess.run([sys.executable, "-m", "bench.gemm"], input=payload, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "detkit.bench.gemm"], input=payload, capture_output=True,
                           text=True, env=env, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"cublaslt_nosplitk worker failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
@@ -227,7 +227,7 @@ def plot(rows: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from toolkit.reports import save_figure, style_log2_axes
+    from detkit.toolkit.reports import save_figure, style_log2_axes
 
     panels = list(dict.fromkeys((r["op"], r["N"], r["K"]) for r in rows))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
@@ -246,8 +246,8 @@ def plot(rows: list[dict], path) -> None:
 
 
 def write_outputs(out_dir, rows: list[dict], meta: dict) -> dict:
-    from toolkit.harness import atomic_write_text
-    from toolkit.reports import markdown_report, write_row_files
+    from detkit.toolkit.harness import atomic_write_text
+    from detkit.toolkit.reports import markdown_report, write_row_files
 
     paths = write_row_files(out_dir, "gemm", rows)
     out = paths["markdown"].parent

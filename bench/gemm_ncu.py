@@ -2,9 +2,9 @@
 with the clocks left alone, and a table of what bounds each kernel (duration, SM and memory throughput
 against peak, achieved occupancy, waves per SM, registers, grid).
 
-    python -m bench.gemm_ncu --out results/ncu                        # the default cases, both impls
-    python -m bench.gemm_ncu --out results/ncu --case fwd:512:6144:4096:linear --case da:8192:6144:4096:kn
-    python -m bench.gemm_ncu --out results/ncu --case fwd:512:6144:4096:linear --config 128,128,64,8,8,6,ws
+    python -m detkit.bench.gemm_ncu --out results/ncu                        # the default cases, both impls
+    python -m detkit.bench.gemm_ncu --out results/ncu --case fwd:512:6144:4096:linear --case da:8192:6144:4096:kn
+    python -m detkit.bench.gemm_ncu --out results/ncu --case fwd:512:6144:4096:linear --config 128,128,64,8,8,6,ws
 
 Each (case, impl) is its own process under
 ``ncu --clock-control none --nvtx --nvtx-include 'detkit@<row name> | ncu <impl>/' --section ...``:
@@ -26,8 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.gemm import BenchCase
-from bench.gemm import operands as bench_operands
+from detkit.bench.gemm import BenchCase
+from detkit.bench.gemm import operands as bench_operands
 
 IMPLS = ("detkit", "cublas")
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy")
@@ -57,8 +57,8 @@ WARMUP_CALLS = 3
 
 def parse_case(text: str) -> BenchCase:
     """``op:M:N:K:layout`` -> BenchCase; refuses anything else, naming what is supported."""
-    from kernels.det_gemm import OPS
-    from toolkit.fixtures import LAYOUTS
+    from detkit.kernels.det_gemm import OPS
+    from detkit.toolkit.fixtures import LAYOUTS
 
     parts = text.split(":")
     if len(parts) != 5:
@@ -79,7 +79,7 @@ def parse_case(text: str) -> BenchCase:
 
 def parse_config(spec: str):
     """``BM,BN,BK,G,warps,stages[,variant]`` -> GemmConfig (a det_gemm config to profile beside the table's pick)."""
-    from kernels.det_gemm import GemmConfig
+    from detkit.kernels.det_gemm import GemmConfig
 
     parts = spec.split(",")
     try:
@@ -96,8 +96,8 @@ def run_once(case: BenchCase, impl: str, device: str) -> None:
     """The profiled process: warm the call up, then make it once inside its NVTX range."""
     import torch
 
-    from kernels.det_gemm import LAUNCHERS
-    from toolkit.nvtx_ranges import nvtx_range
+    from detkit.kernels.det_gemm import LAUNCHERS
+    from detkit.toolkit.nvtx_ranges import nvtx_range
 
     config = parse_config(impl.removeprefix("config=")) if impl.startswith("config=") else None
     if impl not in IMPLS and config is None:
@@ -160,7 +160,7 @@ def profile(cases: list[BenchCase], out: Path, ncu: str, timeout_s: int, configs
         for impl in IMPLS + tuple(f"config={c}" for c in configs):
             cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", f"detkit@{range_name(case, impl)}/",
                    *[arg for s in SECTIONS for arg in ("--section", s)], "--csv", "--page", "raw",
-                   sys.executable, "-m", "bench.gemm_ncu", "--run", f"{case.op}:{case.m}:{case.n}:{case.k}:{case.layout}",
+                   sys.executable, "-m", "detkit.bench.gemm_ncu", "--run", f"{case.op}:{case.m}:{case.n}:{case.k}:{case.layout}",
                    "--impl", impl]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             stem = f"{case.op}_M{case.m}_N{case.n}_K{case.k}_{case.layout}_{impl.replace('=', '_').replace(',', '-')}"
@@ -185,7 +185,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gemm_ncu", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m detkit.bench.gemm_ncu", description=__doc__.split("\n")[0])
     parser.add_argument("--case", action="append", help="op:M:N:K:layout (repeatable; default: the worst rows)")
     parser.add_argument("--out", type=Path, help="results folder (profile mode)")
     parser.add_argument("--ncu", help="the ncu binary (default: PATH, then /opt/nvidia/nsight-compute/*/ncu)")

@@ -4,7 +4,7 @@ kernel variant ("ptr": det_gemm_kernel; "tma": det_gemm_tma_kernel; "tma3": det_
 kernels/det_gemm_ws.py, Gluon).
 Compile-only evidence: it says which instructions the kernel uses, not how fast they run.
 
-    python -m bench.gemm_sass [--out DIR] [--variants ptr tma] [--cases fwd_weight_t ...] [--json]
+    python -m detkit.bench.gemm_sass [--out DIR] [--variants ptr tma] [--cases fwd_weight_t ...] [--json]
 
 The compile gets the specialisation a real launch on the Qwen3-8B shapes gets: 16-byte-aligned
 pointers, sizes and outer strides divisible by 16, unit inner strides as constants.
@@ -114,7 +114,7 @@ def gluon_sm90_report(fn, types: dict[str, str], consts: dict, maxnreg: int) -> 
 def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = False,
                twin: bool = False) -> tuple[object, dict, dict]:
     """(kernel, signature, constexprs) of one launch of ``case`` with ``cfg``."""
-    from kernels.det_gemm import det_gemm_kernel, det_gemm_tma3_kernel, det_gemm_tma_kernel
+    from detkit.kernels.det_gemm import det_gemm_kernel, det_gemm_tma3_kernel, det_gemm_tma_kernel
 
     consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "STEP_K": cfg.block_k,
               "GROUP_M": cfg.group_m, "INTERPRETED": False, "SEGMENTED": segmented, "OUT_FP32": out_fp32,
@@ -123,7 +123,7 @@ def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = Fa
     if cfg.variant == "ws":
         from triton.experimental.gluon import language as gl
 
-        from kernels.det_gemm_ws import consumers, det_gemm_ws_kernel, operand_layout, ws_tma_store
+        from detkit.kernels.det_gemm_ws import consumers, det_gemm_ws_kernel, operand_layout, ws_tma_store
 
         if segmented:
             raise ValueError("variant 'ws' has no segmented form")
@@ -168,8 +168,8 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.backend import kernel_is_interpreted
-    from kernels.det_gemm import select_config
+    from detkit.kernels.backend import kernel_is_interpreted
+    from detkit.kernels.det_gemm import select_config
 
     cfg = replace(config or select_config(case.op, case.rows, case.b_k_major), variant=variant)
     fn, sig, consts = _signature(case, cfg, segmented, out_fp32, twin)
@@ -183,7 +183,7 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     if cfg.variant == "ws":  # Gluon: the kernel places its own pipeline; the launch caps registers per thread
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        from kernels.det_gemm_ws import max_regs
+        from detkit.kernels.det_gemm_ws import max_regs
 
         source, options = GluonASTSource, {"num_warps": 4, "maxnreg": max_regs(cfg.num_warps)}
     else:

@@ -2,8 +2,8 @@
 gives the same bits as the current table's pick. Not autotuning: a human reads the output and pins
 entries in kernels/det_gemm.py (bumping CONFIG_TABLE_VERSION); the audits then re-check them.
 
-    python -m bench.gemm_tune --out results/tune.json
-    python -m bench.gemm_tune --ops fwd --m 1024 4096 16384 --variants tma --out results/tune-tma.json
+    python -m detkit.bench.gemm_tune --out results/tune.json
+    python -m detkit.bench.gemm_tune --ops fwd --m 1024 4096 16384 --variants tma --out results/tune-tma.json
 
 The table's pick is always timed beside the candidates (the A/B baseline). A candidate that refuses a
 case (a "tma" config on an operand TMA cannot address) or fails to compile is recorded as an error
@@ -23,10 +23,10 @@ import time
 import torch
 import triton
 
-from bench.gemm import BenchCase, _rotation_sets, operands
-from kernels.det_gemm import LAUNCHERS, VARIANTS, GemmConfig
-from toolkit.contract import compare_bits
-from toolkit.timing import time_graphs, time_interleaved
+from detkit.bench.gemm import BenchCase, _rotation_sets, operands
+from detkit.kernels.det_gemm import LAUNCHERS, VARIANTS, GemmConfig
+from detkit.toolkit.contract import compare_bits
+from detkit.toolkit.timing import time_graphs, time_interleaved
 
 LARGE = [GemmConfig(*c) for c in [
     (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 256, 64, 16, 8, 4), (256, 128, 64, 8, 8, 3),

@@ -14,7 +14,7 @@ each in a tight loop ("hot") and as the first host work after a ``torch.cuda.syn
 on a 2 ms GPU kernel ("after sync"), and the same for a pure-Python check (``check_moe_inputs``) and
 ``torch.empty`` to tell launch cost from a host that is slow after a wait.
 
-    python -m bench.launch_cost --out DIR
+    python -m detkit.bench.launch_cost --out DIR
 
 A CUDA device is required.
 """
@@ -83,12 +83,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench.launch_cost needs a CUDA device")
+        raise SystemExit("detkit.bench.launch_cost needs a CUDA device")
     import triton
 
-    import kernels.moe as moe
-    import kernels.moe_routing as routing
-    from bench.moe import PRESETS, make_inputs
+    import detkit.kernels.moe as moe
+    import detkit.kernels.moe_routing as routing
+    from detkit.bench.moe import PRESETS, make_inputs
 
     d = make_inputs(PRESETS["reference"], torch.device("cuda"))
     x, w1, w2, ids, scores = d["x"], d["w1"], d["w2"], d["topk_ids"], d["scores"]

@@ -3,10 +3,10 @@ against a cuBLAS + NCCL PyTorch baseline of the same math, same run, interleaved
 
 Launch (``toolkit.dist.setup_distributed`` builds the TP/CP groups; docs/invariance.md, section 8)::
 
-    python -m toolkit bench mlp --out DIR                                    # 1 GPU: TP1CP1
-    DETKIT_TPCP_WORLD=0,1 torchrun --nproc-per-node 2 --standalone -m toolkit bench mlp --out DIR  # + TP2CP1
-    DETKIT_TPCP_WORLD=0,2 torchrun --nproc-per-node 2 --standalone -m toolkit bench mlp --out DIR  # + TP1CP2
-    torchrun --nproc-per-node 4 --standalone -m toolkit bench mlp --out DIR  # all four configs
+    python -m detkit bench mlp --out DIR                                    # 1 GPU: TP1CP1
+    DETKIT_TPCP_WORLD=0,1 torchrun --nproc-per-node 2 --standalone -m detkit bench mlp --out DIR  # + TP2CP1
+    DETKIT_TPCP_WORLD=0,2 torchrun --nproc-per-node 2 --standalone -m detkit bench mlp --out DIR  # + TP1CP2
+    torchrun --nproc-per-node 4 --standalone -m detkit bench mlp --out DIR  # all four configs
 
 Configs: those whose groups the world holds (1 process: TP1CP1; world 0,1: TP1CP1, TP2CP1; world 0,2:
 TP1CP1, TP1CP2; 4 ranks: all four), each run by every rank at once on its own shards (a degree-1
@@ -58,14 +58,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from audits.invariance import CONFIGS
-from kernels.invariant import BF16, FP32_INVARIANT, INVARIANT_CONFIG_TABLE_VERSION, MODES
-from kernels.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_tokens, shard_weights, split_gate_up
-from kernels.swiglu import gate_up_views
-from toolkit.contract import check_bound
-from toolkit.layout import AxisGroup, TpCpLayout, layout_for_preset
-from toolkit.nvtx_ranges import format_range_name, nvtx_range
-from toolkit.timing import Timing
+from detkit.audits.invariance import CONFIGS
+from detkit.kernels.invariant import BF16, FP32_INVARIANT, INVARIANT_CONFIG_TABLE_VERSION, MODES
+from detkit.kernels.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_tokens, shard_weights, split_gate_up
+from detkit.kernels.swiglu import gate_up_views
+from detkit.toolkit.contract import check_bound
+from detkit.toolkit.layout import AxisGroup, TpCpLayout, layout_for_preset
+from detkit.toolkit.nvtx_ranges import format_range_name, nvtx_range
+from detkit.toolkit.timing import Timing
 
 NAME = "mlp"
 TOKENS = (4096, 16384)  # global M = B*S on CUDA
@@ -120,8 +120,8 @@ def shapes(interpreted: bool, m_values=None, seq_len: int | None = None) -> list
 def start(ctx, out: Path):
     """The DistSession (every TP/CP group of the world) when started as ranks, else None. Refuses a
     world that cannot hold the layout, and NVLink multicast on CUDA, before any work."""
-    from bench.comm import NVLS_ENV
-    from toolkit import dist as tp_cp_dist
+    from detkit.bench.comm import NVLS_ENV
+    from detkit.toolkit import dist as tp_cp_dist
 
     if ctx.device.type == "cuda" and tp_cp_dist.launched_as_ranks():
         nvls = os.environ.get(NVLS_ENV)
@@ -446,7 +446,7 @@ def _ratios(rows: list[dict]) -> None:
 def run_shape(session, ctx, model_layout: TpCpLayout, m: int, seq_len: int, rounds: int, iters: int,
               warmup: int) -> list[dict]:
     """Validate every (config, impl) at M = m, then time each config's three implementations interleaved."""
-    from toolkit.shard_refs import make_fixtures
+    from detkit.toolkit.shard_refs import make_fixtures
 
     layout = layout_for_tokens(model_layout, m, seq_len)
     h, i = layout.model.hidden_size, layout.model.intermediate_size
@@ -564,7 +564,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from toolkit.reports import save_figure, style_log2_axes
+    from detkit.toolkit.reports import save_figure, style_log2_axes
 
     styles = {IMPLS[0]: ("--", "s"), IMPLS[1]: ("-", "o"), IMPLS[2]: (":", "^")}  # colour = config
     colours = {f"TP{tp}CP{cp}": f"C{n}" for n, (tp, cp) in enumerate(CONFIGS)}
@@ -583,8 +583,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def write_outputs(out_dir, rows: list[dict], meta: dict) -> dict:
     from tabulate import tabulate
 
-    from toolkit.harness import atomic_write_text
-    from toolkit.reports import markdown_report, write_row_files
+    from detkit.toolkit.harness import atomic_write_text
+    from detkit.toolkit.reports import markdown_report, write_row_files
 
     paths = write_row_files(out_dir, NAME, rows)
     out = paths["markdown"].parent

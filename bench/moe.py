@@ -1,7 +1,7 @@
 """Benchmark of the deterministic MoE expert MLP (kernels/moe.py) against a PyTorch baseline.
 
-    python -m bench.moe --device cuda --preset reference --preset qwen3-30b-a3b
-    python -m bench.moe --device cpu --preset tiny          # Triton interpreter: plumbing only
+    python -m detkit.bench.moe --device cuda --preset reference --preset qwen3-30b-a3b
+    python -m detkit.bench.moe --device cpu --preset tiny          # Triton interpreter: plumbing only
 
 Per preset: validate, then time. Validation runs forward + backward twice (bitwise equal) and
 compares every tensor with the baseline (relative L2 <= VALIDATE_REL_L2; both are BF16 pipelines,
@@ -167,8 +167,8 @@ def time_stages(p: MoePreset, label: str, stage_fns: dict[str, tuple[Callable[[]
     """Each stage alone, interleaved, with half the rounds: (stage, row), the row being ``common``, the
     stage's name and FLOPs (stage_fns: name -> (fn, FLOPs per T*K*H*I)), ``extra``, and its timing under
     ``key``."""
-    from toolkit.nvtx_ranges import nvtx_range
-    from toolkit.timing import time_interleaved
+    from detkit.toolkit.nvtx_ranges import nvtx_range
+    from detkit.toolkit.timing import time_interleaved
 
     named = {s: with_range(f"{label} stage {s}", fn, nvtx_range) for s, (fn, _) in stage_fns.items()}
     timings = time_interleaved(named, device, rounds=max(1, rounds // 2))
@@ -200,14 +200,14 @@ def run_baseline(fn: Callable[[], dict], state: dict, baseline: str) -> tuple[di
 
 
 def bench_preset(p: MoePreset, device: torch.device, rounds: int, seed: int = 0, stages: bool = True) -> list[dict]:
-    from kernels.moe import (
+    from detkit.kernels.moe import (
         MOE_CONFIG_TABLE_VERSION, moe_combine, moe_dgrad_dswiglu_dscore, moe_down, moe_dscores_from_partials,
         moe_dx_route, moe_gather_sum, moe_mlp_bwd, moe_mlp_fwd, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
     )
-    from kernels.moe_routing import build_routing
-    from toolkit.contract import compare_bits
-    from toolkit.nvtx_ranges import nvtx_range
-    from toolkit.timing import time_interleaved
+    from detkit.kernels.moe_routing import build_routing
+    from detkit.toolkit.contract import compare_bits
+    from detkit.toolkit.nvtx_ranges import nvtx_range
+    from detkit.toolkit.timing import time_interleaved
 
     interpreted = device.type == "cpu"
     inp = make_inputs(p, device, seed)
@@ -316,8 +316,8 @@ def _git_commit() -> str | None:
 def run(device: torch.device, presets: list[str], rounds: int = 5, seed: int = 0,
         stages: bool = True) -> tuple[list[dict], dict]:
     """Validate and time every preset on ``device``; returns (rows, meta)."""
-    from kernels.backend import resolve_backend
-    from kernels.moe import moe_grouped_gemm_kernel
+    from detkit.kernels.backend import resolve_backend
+    from detkit.kernels.moe import moe_grouped_gemm_kernel
 
     backend = resolve_backend(moe_grouped_gemm_kernel, {"device": torch.empty(0, device=device)})
     unknown = [p for p in presets if p not in PRESETS]
@@ -358,7 +358,7 @@ def markdown_table(rows, cols) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m detkit.bench.moe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS),
                         help="repeat for several (default: every GPU preset on cuda, tiny on cpu)")
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         import os
 
-        if "kernels.moe" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        if "detkit.kernels.moe" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--device cpu needs TRITON_INTERPRET=1 before the kernels are imported")
         os.environ["TRITON_INTERPRET"] = "1"  # the kernels are imported after this (CPU = interpreter)
     elif not torch.cuda.is_available():
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_fp8(args) -> int:
-    from bench import moe_fp8
+    from detkit.bench import moe_fp8
 
     device = torch.device(args.device)
     presets = args.preset or (list(moe_fp8.CPU_PRESETS) if args.device == "cpu" else

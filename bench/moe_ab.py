@@ -3,8 +3,8 @@ variant (stage overrides of kernels.moe.MOE_CONFIGS), timed in interleaved round
 the same clocks (under the H200's power cap the same code's time moved by up to 7% between runs, more than most
 single-kernel wins), and each variant's outputs compared bit for bit with the pinned table's.
 
-    python -m bench.moe_ab --device cuda --variant wgrad_ws=wgrad:128,128,64,1,8,4,ws --rounds 30 --out results/ab
-    python -m bench.moe_ab --device cuda --preset reference --tokens 8192 16384 \\
+    python -m detkit.bench.moe_ab --device cuda --variant wgrad_ws=wgrad:128,128,64,1,8,4,ws --rounds 30 --out results/ab
+    python -m detkit.bench.moe_ab --device cuda --preset reference --tokens 8192 16384 \\
         --variant 'ws_all=wgrad:128,128,64,1,8,4,ws;up:128,128,64,1,8,4,ws' --out results/ab
 
 A variant is NAME=STAGE:CONFIG[;STAGE:CONFIG...], CONFIG as BM,BN,BK,G,warps,stages[,variant] (bench/gemm_ncu.py's
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from bench.gemm_ncu import parse_config
-from bench.moe import DATASHEET_BF16_TFLOPS, PRESETS, markdown_table
-from kernels.det_gemm import GemmConfig
+from detkit.bench.gemm_ncu import parse_config
+from detkit.bench.moe import DATASHEET_BF16_TFLOPS, PRESETS, markdown_table
+from detkit.kernels.det_gemm import GemmConfig
 
 PINNED = "pinned"
 ROUTE = "route"  # the variant key that sets kernels.moe.ROUTE_DTYPE
@@ -44,7 +44,7 @@ INTERPRETER_NOTE = "CPU, Triton interpreter: wall time of the emulation, not a h
 def parse_variant(spec: str) -> tuple[str, dict[str, GemmConfig | torch.dtype]]:
     """``NAME=STAGE:CONFIG[;STAGE:CONFIG...]`` -> (name, {stage: config, and "route": dtype when given}); refuses a
     malformed spec by name."""
-    from kernels.moe import STAGES
+    from detkit.kernels.moe import STAGES
 
     name, sep, body = spec.partition("=")
     if not sep or not name or not body:
@@ -68,7 +68,7 @@ def with_table(backend: str, stages: dict[str, GemmConfig | torch.dtype],
                fn: Callable[[], tuple]) -> Callable[[], tuple]:
     """``fn`` run with MOE_CONFIGS[backend] overridden by ``stages`` and kernels.moe.ROUTE_DTYPE by ``stages["route"]``
     when given (both restored afterwards, also on an error)."""
-    import kernels.moe as km
+    import detkit.kernels.moe as km
 
     def run():
         table = km.MOE_CONFIGS[backend]
@@ -87,11 +87,11 @@ def with_table(backend: str, stages: dict[str, GemmConfig | torch.dtype],
 def run_ab(presets: list[str], tokens: list[int] | None, variants: dict[str, dict[str, GemmConfig | torch.dtype]],
            device: torch.device, rounds: int, seed: int = 0) -> list[dict]:
     """One row per (preset, T, table): the pinned table and every variant, timed interleaved, bits compared."""
-    from bench.moe_sweep import make_case_inputs
-    from kernels.backend import TRITON_INTERPRETER, resolve_backend
-    from kernels.moe import moe_grouped_gemm_kernel, moe_mlp_bwd, moe_mlp_fwd
-    from toolkit.contract import compare_bits
-    from toolkit.timing import time_interleaved
+    from detkit.bench.moe_sweep import make_case_inputs
+    from detkit.kernels.backend import TRITON_INTERPRETER, resolve_backend
+    from detkit.kernels.moe import moe_grouped_gemm_kernel, moe_mlp_bwd, moe_mlp_fwd
+    from detkit.toolkit.contract import compare_bits
+    from detkit.toolkit.timing import time_interleaved
 
     # The table the kernels will read (refuses a device they cannot run on, by name, before any work).
     backend = resolve_backend(moe_grouped_gemm_kernel, {"device": torch.empty(0, device=device)})
@@ -127,7 +127,7 @@ def run_ab(presets: list[str], tokens: list[int] | None, variants: dict[str, dic
 
 
 def report(rows: list[dict], meta: dict) -> str:
-    from toolkit.reports import env_block
+    from detkit.toolkit.reports import env_block
 
     lines = ["# MoE table A/B (one process, interleaved rounds)", ""]
     if not meta["hardware_result"]:
@@ -145,7 +145,7 @@ def report(rows: list[dict], meta: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.moe_ab", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m detkit.bench.moe_ab", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--preset", nargs="+", default=["reference", "qwen3-30b-a3b"], choices=sorted(PRESETS))
     parser.add_argument("--tokens", nargs="+", type=int, help="T values (default: each preset's own)")
@@ -164,13 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if len(variants) != len(args.variant):
         parser.error(f"variant names must be distinct; got {args.variant}")
-    from kernels.moe import MOE_CONFIG_TABLE_VERSION
-    from toolkit.harness import atomic_write_text, env_meta
+    from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION
+    from detkit.toolkit.harness import atomic_write_text, env_meta
 
     device = torch.device(args.device)
     start = time.time()
     rows = run_ab(args.preset, args.tokens, variants, device, args.rounds, args.seed)
-    meta = {"command_line": " ".join(["python -m bench.moe_ab", *(argv if argv is not None else sys.argv[1:])]),
+    meta = {"command_line": " ".join(["python -m detkit.bench.moe_ab", *(argv if argv is not None else sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hardware_result": device.type == "cuda",
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "config_table_version": MOE_CONFIG_TABLE_VERSION, "rounds": args.rounds, "seed": args.seed,

@@ -1,10 +1,10 @@
 """Side-by-side benchmark of the FP8 MoE path (kernels/moe_fp8.py) and the BF16 detkit path (kernels/moe.py):
 same inputs, same run, interleaved.
 
-    python -m bench.moe --device cuda --fp8                          # every FP8 preset + the crossover sweep
-    python -m bench.moe --device cuda --fp8 --preset reference --preset reference-16k --out results/moe_fp8
+    python -m detkit.bench.moe --device cuda --fp8                          # every FP8 preset + the crossover sweep
+    python -m detkit.bench.moe --device cuda --fp8 --preset reference --preset reference-16k --out results/moe_fp8
     detkit bench moe --fp8 --device cuda --out results/moe_fp8
-    python -m bench.moe --device cpu --fp8                           # interpreter: plumbing only
+    python -m detkit.bench.moe --device cpu --fp8                           # interpreter: plumbing only
 
 Per preset: validate, then time. Validation, for each weight-gradient mode (wgrad "fp8", the default,
 and "bf16"): FP8 forward + backward twice, bitwise equal; the issue's precision gate
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from bench.moe import (
+from detkit.bench.moe import (
     DATASHEET_BF16_TFLOPS, INTERPRETER_LABEL, PRESETS, MoePreset, layer_tensors, make_inputs, markdown_table,
     time_stages, timing_fields, with_range,
 )
@@ -55,7 +55,7 @@ CPU_PRESETS = ("tiny-fp8",)
 
 def fp8_presets() -> list[str]:
     """Presets the FP8 path can run: H and I multiples of 128 (the block size)."""
-    from kernels.fp8_quant import QBLOCK
+    from detkit.kernels.fp8_quant import QBLOCK
 
     return [name for name, p in PRESETS.items() if p.h % QBLOCK == 0 and p.i % QBLOCK == 0]
 
@@ -67,10 +67,10 @@ def _fp8_label(p: MoePreset) -> str:
 def validate(p: MoePreset, inp: dict, fp64: bool) -> dict:
     """Repeat bits and the precision gate of the FP8 path, for each weight-gradient mode; the BF16 detkit
     path's tensors are the first comparison, the FP64 oracle (one, shared) the second."""
-    from audits.moe_fp8 import gate_passed, precision_stats
-    from kernels.moe import moe_mlp_bwd, moe_mlp_fwd, moe_mlp_ref
-    from kernels.moe_fp8 import DEFAULT_WGRAD, WGRAD_MODES, moe_fp8_risk, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd
-    from toolkit.contract import compare_bits
+    from detkit.audits.moe_fp8 import gate_passed, precision_stats
+    from detkit.kernels.moe import moe_mlp_bwd, moe_mlp_fwd, moe_mlp_ref
+    from detkit.kernels.moe_fp8 import DEFAULT_WGRAD, WGRAD_MODES, moe_fp8_risk, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd
+    from detkit.toolkit.contract import compare_bits
 
     args = [inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores")]
     out, saved_bf16 = moe_mlp_fwd(*args)
@@ -96,7 +96,7 @@ def validate(p: MoePreset, inp: dict, fp64: bool) -> dict:
 
 def precision_stats_bf16_only(got: dict, bf16: dict) -> dict[str, dict[str, float]]:
     """Cosine and relative RMSE against the BF16 detkit path only (no FP64 oracle: --no-fp64)."""
-    from audits.moe import cosine, rel_l2
+    from detkit.audits.moe import cosine, rel_l2
 
     return {n: {"cosine_bf16_path": cosine(got[n], bf16[n]), "rel_rmse_bf16_path": rel_l2(got[n], bf16[n])}
             for n in got}
@@ -104,18 +104,18 @@ def precision_stats_bf16_only(got: dict, bf16: dict) -> dict[str, dict[str, floa
 
 def bench_fp8_preset(p: MoePreset, device: torch.device, rounds: int, seed: int = 0, stages: bool = True,
                      fp64: bool = True) -> list[dict]:
-    from kernels.fp8_quant import quantize_rowwise, quantize_weight
-    from kernels.moe import (
+    from detkit.kernels.fp8_quant import quantize_rowwise, quantize_weight
+    from detkit.kernels.moe import (
         moe_combine, moe_dscores_from_partials, moe_gather_sum, moe_mlp_bwd, moe_mlp_fwd, moe_wgrad_w1, moe_wgrad_w2,
     )
-    from kernels.moe_fp8 import (
+    from detkit.kernels.moe_fp8 import (
         DEFAULT_WGRAD, MOE_FP8_CONFIG_TABLE_VERSION, OTHER_WGRAD, WGRAD_CONFIGS, Fp8WeightCache, moe_fp8_dgrad,
         moe_fp8_down, moe_fp8_dx_route, moe_fp8_quant_colwise, moe_fp8_up_swiglu, moe_fp8_wgrad, moe_mlp_fp8_bwd,
         moe_mlp_fp8_fwd,
     )
-    from kernels.moe_routing import build_routing
-    from toolkit.nvtx_ranges import nvtx_range
-    from toolkit.timing import time_interleaved
+    from detkit.kernels.moe_routing import build_routing
+    from detkit.toolkit.nvtx_ranges import nvtx_range
+    from detkit.toolkit.timing import time_interleaved
 
     interpreted = device.type == "cpu"
     inp = make_inputs(p, device, seed)
@@ -247,11 +247,11 @@ def crossover(points: list[dict], fp8_key: str = "fp8_cold_median_us") -> dict:
 
 def sweep_crossover(device: torch.device, tokens: tuple[int, ...], rounds: int,
                     seed: int = 0) -> tuple[list[dict], dict]:
-    from audits.moe_fp8 import gate_passed
-    from kernels.moe import moe_mlp_bwd, moe_mlp_fwd
-    from kernels.moe_fp8 import DEFAULT_WGRAD, OTHER_WGRAD, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd
-    from toolkit.nvtx_ranges import nvtx_range
-    from toolkit.timing import time_interleaved
+    from detkit.audits.moe_fp8 import gate_passed
+    from detkit.kernels.moe import moe_mlp_bwd, moe_mlp_fwd
+    from detkit.kernels.moe_fp8 import DEFAULT_WGRAD, OTHER_WGRAD, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd
+    from detkit.toolkit.nvtx_ranges import nvtx_range
+    from detkit.toolkit.timing import time_interleaved
 
     ref = PRESETS["tiny-fp8" if device.type == "cpu" else "reference"]
     rows = []
@@ -298,7 +298,7 @@ def sweep_crossover(device: torch.device, tokens: tuple[int, ...], rounds: int,
 
 def targets(rows: list[dict]) -> list[dict]:
     """The issue's target per reference preset: fwd_bwd speedup (cold and warm cache), gate passing."""
-    from kernels.moe_fp8 import DEFAULT_WGRAD, OTHER_WGRAD
+    from detkit.kernels.moe_fp8 import DEFAULT_WGRAD, OTHER_WGRAD
 
     out = []
     for r in rows:
@@ -318,7 +318,7 @@ def targets(rows: list[dict]) -> list[dict]:
 def run(device: torch.device, presets: list[str], rounds: int = 5, seed: int = 0, stages: bool = True,
         fp64: bool = True, crossover_tokens: tuple[int, ...] | None = None) -> tuple[list[dict], dict]:
     """Validate and time every preset FP8 vs BF16; then the crossover sweep (unless an empty tuple)."""
-    from kernels.moe_fp8 import DEFAULT_WGRAD
+    from detkit.kernels.moe_fp8 import DEFAULT_WGRAD
 
     allowed = fp8_presets()
     bad = [n for n in presets if n not in allowed]
@@ -340,7 +340,7 @@ def run(device: torch.device, presets: list[str], rounds: int = 5, seed: int = 0
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    from kernels.moe_fp8 import OTHER_WGRAD
+    from detkit.kernels.moe_fp8 import OTHER_WGRAD
 
     lines = ["## FP8 vs the BF16 detkit path (same run, interleaved)", ""]
     cols = ("name", "validated", "bf16_median_us", "fp8_cold_median_us", "fp8_warm_median_us",

@@ -15,7 +15,7 @@ The profiler slows the host path (CUPTI callbacks per launch), so two numbers ar
 stage's host time by ``time.perf_counter`` (``host_us_unprofiled``; the routing stage includes its one
 device-to-host read, so its GPU wait). The profile is the second of two (the first pays CUPTI's set-up).
 
-    python -m bench.moe_gaps --preset reference --preset qwen3-30b-a3b --tokens 8192 --out DIR
+    python -m detkit.bench.moe_gaps --preset reference --preset qwen3-30b-a3b --tokens 8192 --out DIR
 
 A CUDA device is required (the interpreter has no device timeline).
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.timing import SmClock, Timing
+from detkit.toolkit.timing import SmClock, Timing
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def sustained_calls(fn, device: torch.device, calls: int) -> dict:
 
     nvml = SmClock(device, period_s=0.01)
     if nvml.handle is None:
-        raise RuntimeError("bench.moe_gaps --sustained reads the clocks through NVML (nvidia-ml-py); "
+        raise RuntimeError("detkit.bench.moe_gaps --sustained reads the clocks through NVML (nvidia-ml-py); "
                            "NVML could not be initialised for this device")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
     torch.cuda.synchronize(device)
@@ -200,8 +200,8 @@ def sustained_calls(fn, device: torch.device, calls: int) -> dict:
 
 def run(presets: Sequence[str], tokens: Sequence[int], device: torch.device, min_gap_us: float,
         warmups: int = 3, sustained: int = 0) -> list[dict]:
-    from bench.moe import PRESETS, make_inputs
-    from kernels.moe import layer_stage_names, moe_mlp_bwd, moe_mlp_fwd
+    from detkit.bench.moe import PRESETS, make_inputs
+    from detkit.kernels.moe import layer_stage_names, moe_mlp_bwd, moe_mlp_fwd
 
     rows = []
     for name in presets:
@@ -244,21 +244,21 @@ def run(presets: Sequence[str], tokens: Sequence[int], device: torch.device, min
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", action="append", help="bench.moe preset (repeatable; default: reference)")
+    parser.add_argument("--preset", action="append", help="detkit.bench.moe preset (repeatable; default: reference)")
     parser.add_argument("--tokens", nargs="+", type=int, default=[8192])
     parser.add_argument("--min-gap-us", type=float, default=5.0)
     parser.add_argument("--sustained", type=int, default=0, metavar="N",
                         help="also profile N back-to-back calls as the sweep times them (0: skip)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    from bench.moe import PRESETS
+    from detkit.bench.moe import PRESETS
 
     presets = args.preset or ["reference"]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         raise SystemExit(f"unknown preset(s) {unknown}; supported: {sorted(PRESETS)}")
     if not torch.cuda.is_available():
-        raise SystemExit("bench.moe_gaps needs a CUDA device: the interpreter has no device timeline")
+        raise SystemExit("detkit.bench.moe_gaps needs a CUDA device: the interpreter has no device timeline")
     rows = run(presets, args.tokens, torch.device("cuda"), args.min_gap_us, sustained=args.sustained)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gaps.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),

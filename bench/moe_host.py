@@ -11,7 +11,7 @@ beside the unwrapped call time so that cost is visible.
 
 It also measures Triton's launch floor on this host: an empty kernel with 2 and with 24 arguments.
 
-    python -m bench.moe_host --preset reference --preset qwen3-30b-a3b --tokens 8192 --out DIR
+    python -m detkit.bench.moe_host --preset reference --preset qwen3-30b-a3b --tokens 8192 --out DIR
 
 A CUDA device is required.
 """
@@ -85,8 +85,8 @@ class HostClock:
 
     @contextmanager
     def patched(self):
-        import kernels.moe as moe
-        import kernels.moe_routing as routing
+        import detkit.kernels.moe as moe
+        import detkit.kernels.moe_routing as routing
         from triton.runtime.jit import JITFunction
 
         named = lambda name: (lambda args: name)  # noqa: E731
@@ -107,8 +107,8 @@ class HostClock:
 
 
 def measure(preset: str, tokens: int, calls: int) -> dict:
-    from bench.moe import PRESETS, make_inputs  # the benchmark's own inputs (uniform routing, seeded)
-    from kernels.moe import moe_mlp_bwd, moe_mlp_fwd
+    from detkit.bench.moe import PRESETS, make_inputs  # the benchmark's own inputs (uniform routing, seeded)
+    from detkit.kernels.moe import moe_mlp_bwd, moe_mlp_fwd
 
     d = make_inputs(dataclasses.replace(PRESETS[preset], t=tokens), torch.device("cuda"))
 
@@ -145,12 +145,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench.moe_host needs a CUDA device")
+        raise SystemExit("detkit.bench.moe_host needs a CUDA device")
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "launch_floor_us": launch_floor_us(), "rows": []}
     print("launch floor (host µs per empty-kernel launch):", result["launch_floor_us"])
-    from bench.moe import PRESETS
+    from detkit.bench.moe import PRESETS
 
     unknown = [p for p in args.preset or [] if p not in PRESETS]
     if unknown:

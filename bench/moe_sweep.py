@@ -1,10 +1,10 @@
 """MoE expert-MLP benchmark report over a token sweep: uniform and skewed routing, forward, backward
 alone and both, peak memory, a per-kernel breakdown and a fitted performance model (issue 8 item 5).
 
-    python -m bench.moe_sweep --device cuda --out results/moe_sweep                  # every GPU preset
-    python -m bench.moe_sweep --device cuda --out results/moe_quick --quick
-    python -m bench.moe_sweep --device cpu --out /tmp/moe_sweep                      # interpreter: plumbing
-    python -m bench.moe_sweep --merge results/a results/b --out results/ab           # re-report saved runs
+    python -m detkit.bench.moe_sweep --device cuda --out results/moe_sweep                  # every GPU preset
+    python -m detkit.bench.moe_sweep --device cuda --out results/moe_quick --quick
+    python -m detkit.bench.moe_sweep --device cpu --out /tmp/moe_sweep                      # interpreter: plumbing
+    python -m detkit.bench.moe_sweep --merge results/a results/b --out results/ab           # re-report saved runs
 
 Each case is (preset, T, routing). Per case: validate, then time (bench.moe's rules: detkit forward +
 backward twice, bitwise equal; every tensor within relative L2 VALIDATE_REL_L2 of the PyTorch
@@ -60,13 +60,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.moe import (
+from detkit.bench.moe import (
     DATASHEET_BF16_TFLOPS, GPU_PRESETS, INTERPRETER_LABEL, PRESETS, VALIDATE_REL_L2, MoePreset, _rel_l2,
     make_inputs, markdown_table, pick_baseline, run_baseline, torch_moe_fwd, with_range,
 )
-from kernels.backend import MAX_INT32_OFFSET
-from kernels.moe_routing import SEGMENT_ALIGN
-from toolkit.nvtx_ranges import nvtx_range
+from detkit.kernels.backend import MAX_INT32_OFFSET
+from detkit.kernels.moe_routing import SEGMENT_ALIGN
+from detkit.toolkit.nvtx_ranges import nvtx_range
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def skewed_topk_ids(t: int, num_experts: int, k: int, seed: int, exponent: float
 
 def make_case_inputs(p: MoePreset, routing: str, device: torch.device, seed: int,
                      exponent: float = ZIPF_EXPONENT) -> dict[str, torch.Tensor]:
-    """bench.moe.make_inputs at ``p``; skewed routing swaps in ``skewed_topk_ids`` (scores keep their
+    """detkit.bench.moe.make_inputs at ``p``; skewed routing swaps in ``skewed_topk_ids`` (scores keep their
     softmax-of-top-k values: they do not depend on which experts were picked)."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing {routing!r} not known; supported: {ROUTINGS}")
@@ -279,10 +279,10 @@ def run_case(p: MoePreset, routing: str, device: torch.device, rounds: int, seed
              baseline_choice: tuple[bool, str], profile: bool = False,
              ceiling_tflops: float | None = None, exponent: float = ZIPF_EXPONENT) -> tuple[list[dict], list[dict]]:
     """(timing rows, breakdown rows) of one (preset at its T, routing) case."""
-    from kernels.moe import MOE_CONFIG_TABLE_VERSION, moe_mlp_bwd, moe_mlp_fwd
-    from kernels.moe_routing import build_routing
-    from toolkit.contract import compare_bits
-    from toolkit.timing import time_interleaved
+    from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION, moe_mlp_bwd, moe_mlp_fwd
+    from detkit.kernels.moe_routing import build_routing
+    from detkit.toolkit.contract import compare_bits
+    from detkit.toolkit.timing import time_interleaved
 
     interpreted = device.type == "cpu"
     inp = make_case_inputs(p, routing, device, seed, exponent)
@@ -393,9 +393,9 @@ def run_case(p: MoePreset, routing: str, device: torch.device, rounds: int, seed
 # ---------------------------------------------------------------------------------------------
 def sweep_meta(device: torch.device, presets, tokens, routings, rounds, seed, profile, command_line,
                exponent) -> dict:
-    from kernels.backend import resolve_backend
-    from kernels.moe import MOE_CONFIG_TABLE_VERSION, moe_grouped_gemm_kernel
-    from toolkit.harness import env_meta
+    from detkit.kernels.backend import resolve_backend
+    from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION, moe_grouped_gemm_kernel
+    from detkit.toolkit.harness import env_meta
 
     backend = resolve_backend(moe_grouped_gemm_kernel, {"device": torch.empty(0, device=device)})
     meta = {
@@ -425,7 +425,7 @@ def run_sweep(device: torch.device, presets: Sequence[str], tokens: Sequence[int
     meta = sweep_meta(device, presets, tokens, routings, rounds, seed, profile,
                       command_line if command_line is not None else shlex.join(sys.argv), zipf_exponent)
     if device.type == "cuda":
-        from bench.gemm import measured_ceiling_tflops
+        from detkit.bench.gemm import measured_ceiling_tflops
 
         with nvtx_range("ceiling cublas bf16 [M=8192, N=8192, K=8192]"):
             meta["measured_ceiling_tflops"] = measured_ceiling_tflops(device)
@@ -550,7 +550,7 @@ def summarize(results: dict) -> dict:
 
 
 def _table(rows: Sequence[Mapping], cols: Sequence[str]) -> str:
-    """bench.moe's table of the columns that some row has."""
+    """detkit.bench.moe's table of the columns that some row has."""
     return "\n".join(markdown_table(rows, [c for c in cols if any(c in r for r in rows)]))
 
 
@@ -559,7 +559,7 @@ def _mib(v) -> object:
 
 
 def render_markdown(results: dict, plots: Sequence[str] = ()) -> str:
-    from toolkit.reports import env_block
+    from detkit.toolkit.reports import env_block
 
     meta, rows = results["meta"], results["rows"]
     hw = bool(meta.get("hardware_result"))
@@ -649,7 +649,7 @@ def plot_preset(rows: Sequence[Mapping], preset: str, hardware_result: bool, pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from toolkit.reports import save_figure, style_log2_axes
+    from detkit.toolkit.reports import save_figure, style_log2_axes
 
     field, ylabel = ("mfu_datasheet", "MFU (of 989 TFLOP/s)") if hardware_result else ("median_us", "wall time (us)")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
@@ -676,8 +676,8 @@ def plot_preset(rows: Sequence[Mapping], preset: str, hardware_result: bool, pat
 
 def write_outputs(out_dir: Path, results: dict) -> dict[str, Path]:
     """rows.jsonl, breakdown.jsonl, rows.json, report.md and one mfu_vs_T_<preset>.png per preset."""
-    from toolkit.harness import atomic_write_text
-    from toolkit.reports import write_jsonl
+    from detkit.toolkit.harness import atomic_write_text
+    from detkit.toolkit.reports import write_jsonl
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -703,7 +703,7 @@ def load_runs(dirs: Sequence[Path], command_line: str) -> dict:
     for d in dirs:
         path = Path(d) / "rows.json"
         if not path.is_file():
-            raise ValueError(f"{path} not found; --merge takes folders written by python -m bench.moe_sweep")
+            raise ValueError(f"{path} not found; --merge takes folders written by python -m detkit.bench.moe_sweep")
         data = json.loads(path.read_text())
         metas.append((str(d), data["meta"]))
         rows += data["rows"]
@@ -734,7 +734,7 @@ def load_runs(dirs: Sequence[Path], command_line: str) -> dict:
 # CLI
 # ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.moe_sweep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m detkit.bench.moe_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--out", type=Path, required=True, help="folder for rows.json(l), report.md and PNGs")
     parser.add_argument("--quick", action="store_true",
@@ -771,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         if on_cpu:
-            if "kernels.moe" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            if "detkit.kernels.moe" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
                 parser.error("--device cpu needs TRITON_INTERPRET=1 before the kernels are imported")
             os.environ["TRITON_INTERPRET"] = "1"  # the kernels are imported after this (CPU = interpreter)
         elif not torch.cuda.is_available():

@@ -3,7 +3,7 @@ stage at the preset shapes and say which config each stage's time is best with. 
 human reads the output, pins entries in MOE_CONFIGS (bumping MOE_CONFIG_TABLE_VERSION), and the MoE
 audit then re-checks the pinned table (its bits are the table's, so a new pin is a new bits version).
 
-    python -m bench.moe_tune --device cuda --preset reference qwen3-30b-a3b --out results/moe-tune
+    python -m detkit.bench.moe_tune --device cuda --preset reference qwen3-30b-a3b --out results/moe-tune
 
 Each stage is timed alone on the same inputs the layer would give it (routing, saved gu/h, dgu from
 the pinned path), every candidate interleaved with the pinned one in ``rounds`` rounds
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from bench.moe import PRESETS, make_inputs, markdown_table
-from kernels.det_gemm import GemmConfig
+from detkit.bench.moe import PRESETS, make_inputs, markdown_table
+from detkit.kernels.det_gemm import GemmConfig
 
 # Grouped stages: BLOCK_M must divide the 128-row segment; dgrad's BLOCK_N counts dh columns (its
 # epilogue tile is 2*BLOCK_N wide), up's counts interleaved gate/up columns (h gets BLOCK_N/2).
@@ -149,8 +149,8 @@ def candidates(stage: str) -> list[GemmConfig]:
 def pinned(stage: str, backend: str) -> GemmConfig:
     """The table's config for ``stage`` (MOE_FP8_CONFIGS / FP8_WGRAD_CONFIGS for the fp8_ stages, else
     MOE_CONFIGS)."""
-    from kernels.moe import select_moe_config
-    from kernels.moe_fp8 import FP8_WGRAD_CONFIGS, QUANT_COLWISE_CONFIGS, select_moe_fp8_config
+    from detkit.kernels.moe import select_moe_config
+    from detkit.kernels.moe_fp8 import FP8_WGRAD_CONFIGS, QUANT_COLWISE_CONFIGS, select_moe_fp8_config
 
     if stage.startswith("fp8_wgrad"):
         return FP8_WGRAD_CONFIGS[backend]
@@ -162,15 +162,15 @@ def pinned(stage: str, backend: str) -> GemmConfig:
 
 def stage_fns(preset: str, device: torch.device, stages, seed: int = 0) -> tuple[dict[str, Callable], str]:
     """stage -> fn(config) -> output tensor, on the preset's inputs (the pinned path's intermediates)."""
-    from kernels.fp8_quant import quantize_rowwise, quantize_weight
-    from kernels.moe import (
+    from detkit.kernels.fp8_quant import quantize_rowwise, quantize_weight
+    from detkit.kernels.moe import (
         moe_dgrad_dswiglu, moe_dgrad_dswiglu_dscore, moe_down, moe_dx_route, moe_mlp_fwd, moe_up_swiglu,
         moe_wgrad_w1, moe_wgrad_w2,
     )
-    from kernels.moe_fp8 import (
+    from detkit.kernels.moe_fp8 import (
         moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_quant_colwise, moe_fp8_up_swiglu, moe_fp8_wgrad,
     )
-    from kernels.moe_routing import build_routing
+    from detkit.kernels.moe_routing import build_routing
 
     p = PRESETS[preset]
     inp = make_inputs(p, device, seed)
@@ -216,10 +216,10 @@ def stage_fns(preset: str, device: torch.device, stages, seed: int = 0) -> tuple
 
 def sweep(presets: list[str], stages: list[str], device: torch.device, rounds: int) -> list[dict]:
     """Rows per (preset, stage, config): timing and bits vs the pinned config, or the error."""
-    from kernels.moe import MOE_CONFIG_TABLE_VERSION
-    from kernels.moe_fp8 import MOE_FP8_CONFIG_TABLE_VERSION
-    from toolkit.contract import compare_bits
-    from toolkit.timing import time_interleaved
+    from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION
+    from detkit.kernels.moe_fp8 import MOE_FP8_CONFIG_TABLE_VERSION
+    from detkit.toolkit.contract import compare_bits
+    from detkit.toolkit.timing import time_interleaved
 
     rows = []
     for preset in presets:
@@ -293,7 +293,7 @@ def report(rows: list[dict], summary: list[dict], meta: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.moe_tune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m detkit.bench.moe_tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--preset", nargs="+", default=["reference", "qwen3-30b-a3b"], choices=sorted(PRESETS))
     parser.add_argument("--stages", nargs="+", default=list(BF16_STAGES), choices=list(STAGE_KEY),

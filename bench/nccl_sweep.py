@@ -99,7 +99,7 @@ def worker(out: Path, device_kind: str, quick: bool, timeout_s: float) -> int:
     import torch
     import torch.distributed as dist
 
-    from toolkit.contract import compare_bits, digest
+    from detkit.toolkit.contract import compare_bits, digest
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != 2:

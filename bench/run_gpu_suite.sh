@@ -26,8 +26,8 @@ read -ra FP8_BENCH_ARGS <<< "${FP8_BENCH_ARGS:---preset reference --preset refer
 gpu_pytest=(env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra)
 
 python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "(detkit not pip-installed; using PYTHONPATH)"
-python -m toolkit env --json > "$OUT/env.json" 2> "$OUT/env.err"
-python -m toolkit env | head -40
+python -m detkit env --json > "$OUT/env.json" 2> "$OUT/env.err"
+python -m detkit env | head -40
 if want tests; then
   step pytest-gemm "${TESTS_LIMIT:-240}" "${gpu_pytest[@]}" tests/test_det_gemm.py tests/test_contract.py
 fi
@@ -36,45 +36,45 @@ if want tma; then
 fi
 if want gemmws; then  # det_gemm's Gluon variant: its GPU tests (bits vs the TMA kernel), then its tiles swept
   step pytest-gemm-ws "${GEMM_WS_TESTS_LIMIT:-180}" "${gpu_pytest[@]}" tests/test_det_gemm_ws.py
-  step tune-ws "${TUNE_LIMIT:-300}" python -m bench.gemm_tune --variants ws --m 256 512 1024 4096 \
+  step tune-ws "${TUNE_LIMIT:-300}" python -m detkit.bench.gemm_tune --variants ws --m 256 512 1024 4096 \
     --out "$OUT/tune-ws.json"
 fi
 if want audit; then
-  step audit-gemm "${AUDIT_LIMIT:-420}" python -m toolkit audit --device cuda --suite gemm --out "$OUT/audit"
+  step audit-gemm "${AUDIT_LIMIT:-420}" python -m detkit audit --device cuda --suite gemm --out "$OUT/audit"
 fi
 if want tune; then
-  step tune "${TUNE_LIMIT:-300}" python -m bench.gemm_tune --out "$OUT/tune.json" "${TUNE_ARGS[@]}"
+  step tune "${TUNE_LIMIT:-300}" python -m detkit.bench.gemm_tune --out "$OUT/tune.json" "${TUNE_ARGS[@]}"
 fi
 if want bench; then
-  step bench-gemm "${BENCH_LIMIT:-240}" python -m toolkit bench gemm --device cuda --out "$OUT/bench" "${BENCH_ARGS[@]}"
+  step bench-gemm "${BENCH_LIMIT:-240}" python -m detkit bench gemm --device cuda --out "$OUT/bench" "${BENCH_ARGS[@]}"
 fi
 if want ncu; then  # Nsight Compute on the worst det_gemm rows vs cuBLAS (bench/gemm_ncu.py)
-  step ncu "${NCU_LIMIT:-420}" python -m bench.gemm_ncu --out "$OUT/ncu" "${NCU_ARGS[@]}"
+  step ncu "${NCU_LIMIT:-420}" python -m detkit.bench.gemm_ncu --out "$OUT/ncu" "${NCU_ARGS[@]}"
 fi
 if want moe; then
   step pytest-moe "${MOE_TESTS_LIMIT:-180}" "${gpu_pytest[@]}" tests/test_moe.py tests/test_moe_routing.py
-  step audit-moe "${MOE_AUDIT_LIMIT:-180}" python -m toolkit audit --device cuda --suite moe --out "$OUT/audit-moe"
-  step bench-moe "${MOE_BENCH_LIMIT:-240}" python -m bench.moe --device cuda --out "$OUT/bench-moe" "${MOE_BENCH_ARGS[@]}"
+  step audit-moe "${MOE_AUDIT_LIMIT:-180}" python -m detkit audit --device cuda --suite moe --out "$OUT/audit-moe"
+  step bench-moe "${MOE_BENCH_LIMIT:-240}" python -m detkit.bench.moe --device cuda --out "$OUT/bench-moe" "${MOE_BENCH_ARGS[@]}"
 fi
 if want moews; then  # the BF16 Gluon kernels (kernels/moe_ws.py): bits vs the Triton tiles, then the wgrad sweep
   step pytest-moe-ws "${MOE_WS_TESTS_LIMIT:-180}" "${gpu_pytest[@]}" tests/test_moe_ws.py
-  step moe-tune-wgrad "${MOE_TUNE_LIMIT:-300}" python -m bench.moe_tune --device cuda --stages wgrad_w1 wgrad_w2 \
+  step moe-tune-wgrad "${MOE_TUNE_LIMIT:-300}" python -m detkit.bench.moe_tune --device cuda --stages wgrad_w1 wgrad_w2 \
     --out "$OUT/moe-tune-wgrad"
 fi
 if want moeab; then  # the layer under table variants in one process (bench/moe_ab.py)
-  step moe-ab "${MOE_AB_LIMIT:-240}" python -m bench.moe_ab --device cuda --out "$OUT/moe-ab" "${MOE_AB_ARGS[@]}"
+  step moe-ab "${MOE_AB_LIMIT:-240}" python -m detkit.bench.moe_ab --device cuda --out "$OUT/moe-ab" "${MOE_AB_ARGS[@]}"
 fi
 if want moetune; then
-  step moe-tune "${MOE_TUNE_LIMIT:-300}" python -m bench.moe_tune --device cuda --out "$OUT/moe-tune" "${MOE_TUNE_ARGS[@]}"
+  step moe-tune "${MOE_TUNE_LIMIT:-300}" python -m detkit.bench.moe_tune --device cuda --out "$OUT/moe-tune" "${MOE_TUNE_ARGS[@]}"
 fi
 if want moesweep; then
-  step moe-sweep "${MOE_SWEEP_LIMIT:-300}" python -m bench.moe_sweep --device cuda --out "$OUT/moe-sweep" \
+  step moe-sweep "${MOE_SWEEP_LIMIT:-300}" python -m detkit.bench.moe_sweep --device cuda --out "$OUT/moe-sweep" \
     "${MOE_SWEEP_ARGS[@]}"
 fi
 if want fp8; then
   step pytest-fp8 "${FP8_TESTS_LIMIT:-180}" "${gpu_pytest[@]}" tests/test_fp8_quant.py tests/test_moe_fp8.py
-  step audit-moe-fp8 "${FP8_AUDIT_LIMIT:-180}" python -m toolkit audit --device cuda --suite moe-fp8 --out "$OUT/audit-moe-fp8"
-  step bench-moe-fp8 "${FP8_BENCH_LIMIT:-300}" python -m bench.moe --fp8 --device cuda --out "$OUT/bench-moe-fp8" \
+  step audit-moe-fp8 "${FP8_AUDIT_LIMIT:-180}" python -m detkit audit --device cuda --suite moe-fp8 --out "$OUT/audit-moe-fp8"
+  step bench-moe-fp8 "${FP8_BENCH_LIMIT:-300}" python -m detkit.bench.moe --fp8 --device cuda --out "$OUT/bench-moe-fp8" \
     "${FP8_BENCH_ARGS[@]}"
 fi
 stamp finished

@@ -15,9 +15,9 @@ source "$(dirname "$0")/gpu_steps.sh"
 # Extra arguments, split on spaces: MLP_ARGS="--tokens 4096", SWEEP_ARGS="--quick".
 read -ra MLP_ARGS <<< "${MLP_ARGS:-}"
 read -ra SWEEP_ARGS <<< "${SWEEP_ARGS:-}"
-two_ranks=(torchrun --nproc-per-node 2 --standalone -m toolkit)
+two_ranks=(torchrun --nproc-per-node 2 --standalone -m detkit)
 
-python -m toolkit env --json > "$OUT/env.json" 2> "$OUT/env.err"
+python -m detkit env --json > "$OUT/env.json" 2> "$OUT/env.err"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 if want tpcp; then
   step tpcp-tp-group "${TPCP_LIMIT:-120}" env DETKIT_TPCP_WORLD=0,1 "${two_ranks[@]}" audit --suite tp-cp --out "$OUT/tp-group"

@@ -56,9 +56,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, ensure_cuda_context, resolve_backend
-from kernels.det_gemm_ws import consumers, det_gemm_ws_kernel, max_regs, ws_descriptor, ws_tma_store
-from kernels.gemm_names import _OP_IDS, OPS, _launch_metadata, _layer_dims, case_name  # noqa: F401 (re-exported)
+from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, ensure_cuda_context, resolve_backend
+from detkit.kernels.det_gemm_ws import consumers, det_gemm_ws_kernel, max_regs, ws_descriptor, ws_tma_store
+from detkit.kernels.gemm_names import _OP_IDS, OPS, _launch_metadata, _layer_dims, case_name  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.

@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.gemm_names import _launch_metadata
+from detkit.kernels.gemm_names import _launch_metadata
 
 # Partitions: each consumer warpgroup (4 warps) is its own partition, the default one and, for a second, a
 # worker; the producer is one warp (allocated as a warpgroup). Registers after the hand-off (setmaxnreg): 40

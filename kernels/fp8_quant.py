@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import MAX_INT32_OFFSET, TRITON_INTERPRETER, resolve_backend
+from detkit.kernels.backend import MAX_INT32_OFFSET, TRITON_INTERPRETER, resolve_backend
 
 E4M3_MAX = 448.0
 QBLOCK = 128  # the SM90 recipe: 1x128 activation blocks, 128x128 weight blocks, promotion every 128 K

@@ -36,15 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import parallel
-from kernels.backend import check_bf16_matrix
-from kernels.det_gemm import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
-from kernels.invariant import (
+from detkit.kernels import parallel
+from detkit.kernels.backend import check_bf16_matrix
+from detkit.kernels.det_gemm import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
+from detkit.kernels.invariant import (
     BF16, DEFAULT_MODE, FP32_INVARIANT, check_mode, cp1_db, gemm_kwargs, layout_config, tp1_da, tp1_fwd,
 )
-from kernels.swiglu import gate_up_views, swiglu_bwd, swiglu_bwd_bound, swiglu_fwd, swiglu_fwd_bound
-from toolkit.contract import gemm_bound, reduced_bound
-from toolkit.layout import AxisGroup, TpCpLayout
+from detkit.kernels.swiglu import gate_up_views, swiglu_bwd, swiglu_bwd_bound, swiglu_fwd, swiglu_fwd_bound
+from detkit.toolkit.contract import gemm_bound, reduced_bound
+from detkit.toolkit.layout import AxisGroup, TpCpLayout
 
 DEGREES = (1, 2)
 

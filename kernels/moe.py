@@ -62,11 +62,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.backend import (
+from detkit.kernels.backend import (
     CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, check_bf16_matrix, ensure_cuda_context, resolve_backend,
 )
-from kernels.det_gemm import GemmConfig, device_sms, fp32_to_bf16_rtne, interpreter_step_k
-from kernels.moe_routing import (
+from detkit.kernels.det_gemm import GemmConfig, device_sms, fp32_to_bf16_rtne, interpreter_step_k
+from detkit.kernels.moe_routing import (
     SEGMENT_ALIGN, MoeRouting, PendingRouting, check_topk_args, launch_routing, max_padded_rows,
 )
 
@@ -680,7 +680,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
     if config.variant == "ws":  # the Gluon kernels (kernels/moe_ws.py): sm_90
         _check_ws(stage, config, backend)
         if routing.padded_rows:
-            from kernels.moe_ws import launch_moe_ws, launch_moe_ws_gather  # kernels.moe_ws imports this module
+            from detkit.kernels.moe_ws import launch_moe_ws, launch_moe_ws_gather  # kernels.moe_ws imports this module
 
             ensure_cuda_context(a.device)  # the descriptors encode on this thread, as TMA's do
             if gather:
@@ -747,7 +747,7 @@ def moe_up_swiglu(x: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backen
 def route_dtype() -> torch.dtype:
     """ROUTE_DTYPE, refused by name when set to a dtype the grouped kernels do not write."""
     if ROUTE_DTYPE not in ROUTE_DTYPES:
-        raise ValueError(f"kernels.moe.ROUTE_DTYPE is {ROUTE_DTYPE}; supported: {ROUTE_DTYPES}")
+        raise ValueError(f"detkit.kernels.moe.ROUTE_DTYPE is {ROUTE_DTYPE}; supported: {ROUTE_DTYPES}")
     return ROUTE_DTYPE
 
 
@@ -846,7 +846,7 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing
             config = replace(config, variant="ptr")  # the same tile and K order on the Triton kernel: the same bits
     if config.variant == "ws":  # the Gluon kernel (kernels/moe_ws.py): sm_90
         _check_ws("wgrad", config, backend)
-        from kernels.moe_ws import launch_moe_ws_wgrad  # kernels.moe_ws imports this module
+        from detkit.kernels.moe_ws import launch_moe_ws_wgrad  # kernels.moe_ws imports this module
 
         ensure_cuda_context(a.device)  # the descriptors encode on this thread, as TMA's do
         launch_moe_ws_wgrad(op_id, config, a, gather_a, b, out, accumulate, routing, device_sms(a.device))

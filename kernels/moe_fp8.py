@@ -61,23 +61,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, ensure_cuda_context
-from kernels.det_gemm import GemmConfig, device_sms, interpreter_step_k, tma_descriptor
-from kernels.fp8_quant import (
+from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER, ensure_cuda_context
+from detkit.kernels.det_gemm import GemmConfig, device_sms, interpreter_step_k, tma_descriptor
+from detkit.kernels.fp8_quant import (
     FP8_DTYPE, QBLOCK, Fp8Weight, dequantize_rowwise, quant_risk_rowwise, quant_risk_weight, quantize_colwise_ref,
     quantize_row_blocks, quantize_rowwise, quantize_rowwise_ref, quantize_rows, quantize_weight, quantize_weight_ref,
 )
-from kernels.moe import (
+from detkit.kernels.moe import (
     MoeGrads, check_dout, check_grouped_config, check_main_grads, check_moe_inputs, check_moe_variant,
     dswiglu_epilogue, grouped_tile, launch_checked_routing, layer_stage_names, mma_step, moe_combine,
     moe_dscores_from_partials, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2, pinned_stage_config,
     store_c_tile, swiglu_epilogue, tile_is_live, to_bf16, weight_descriptor,
 )
-from kernels.moe_fp8_ws import (
+from detkit.kernels.moe_fp8_ws import (
     DS_GROUP, fp8_stage_name, grouped_launch_metadata, launch_fp8_wgrad_ws, launch_fp8_ws, launch_fp8_ws_gather,
     wgrad_launch_metadata,
 )
-from kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
+from detkit.kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 
 # ---------------------------------------------------------------------------------------------
 # Pinned config tables (no autotune). block_k is the K step of one tl.dot; it must divide QBLOCK.

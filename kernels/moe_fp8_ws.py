@@ -30,10 +30,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.det_gemm_ws import (
+from detkit.kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, check_shared_bytes, consumers, max_regs, store_part,
 )
-from kernels.moe import stage_name
+from detkit.kernels.moe import stage_name
 
 QBLOCK_WS = 128  # the FP8 scale block along K: one ring slot holds one block of both operands
 # The gathered-A producer: one warpgroup issuing 16-byte cp.async copies (8 per thread for a 128x128 e4m3 tile).
@@ -531,7 +531,7 @@ def _bf16_pair_values(bits):
 
 @gluon.jit
 def _e4m3_pow2(amax):
-    """kernels.fp8_quant.pow2_scale written again in Gluon (which cannot call a Triton function): (scale, 1/scale),
+    """detkit.kernels.fp8_quant.pow2_scale written again in Gluon (which cannot call a Triton function): (scale, 1/scale),
     the smallest power of two 2**k with amax / 2**k <= 448."""
     bits = amax.to(gl.int32, bitcast=True)
     k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)  # 448 = 1.75 * 2**8
@@ -542,7 +542,7 @@ def _e4m3_pow2(amax):
 
 @gluon.jit
 def _e4m3_bits(x):
-    """kernels.fp8_quant.to_e4m3 on sm_90 (saturate to +-448, NaN kept, cvt.rn.satfinite), as uint8 bits in int32."""
+    """detkit.kernels.fp8_quant.to_e4m3 on sm_90 (saturate to +-448, NaN kept, cvt.rn.satfinite), as uint8 bits in int32."""
     q = gl.where(x != x, x, gl.minimum(gl.maximum(x, -448.0), 448.0)).to(gl.float8e4nv)
     return q.to(gl.int8, bitcast=True).to(gl.int32) & 0xFF
 

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import MAX_INT32_OFFSET, TRITON_INTERPRETER, resolve_backend
+from detkit.kernels.backend import MAX_INT32_OFFSET, TRITON_INTERPRETER, resolve_backend
 
 SEGMENT_ALIGN = 128  # rows per expert-segment tile; every grouped-GEMM BLOCK_M must divide it
 SCORE_DTYPES = (torch.float32, torch.bfloat16)

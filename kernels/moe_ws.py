@@ -43,15 +43,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from kernels.det_gemm import operand_ring_bytes
-from kernels.det_gemm_ws import (
+from detkit.kernels.det_gemm import operand_ring_bytes
+from detkit.kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, GL_DTYPES, PRODUCER_REGS, PRODUCER_WARPS, check_shared_bytes, consumers, max_regs,
     store_part,
 )
-from kernels.moe import (
+from detkit.kernels.moe import (
     DS_CHUNK, SEGMENT_ALIGN, grouped_launch_name, wgrad_launch_name, ws_weight_rows, ws_wgrad_addresses,
 )
-from kernels.moe_fp8_ws import (
+from detkit.kernels.moe_fp8_ws import (
     GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, _bf16_pair_bits,
     _bf16_pair_values, _gather_producer, fp8_ws_descriptor, live_tiles, store_wgrad_part, wgrad_tile,
 )

@@ -50,10 +50,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, resolve_backend
-from kernels.det_gemm import GemmLaunch, det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch, det_gemm_kernel
-from kernels.invariant import DEFAULT_MODE, FP32_INVARIANT, check_mode, collective_dtype, gemm_kwargs
-from toolkit.layout import AxisGroup, TpCpLayout
+from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, resolve_backend
+from detkit.kernels.det_gemm import GemmLaunch, det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch, det_gemm_kernel
+from detkit.kernels.invariant import DEFAULT_MODE, FP32_INVARIANT, check_mode, collective_dtype, gemm_kwargs
+from detkit.toolkit.layout import AxisGroup, TpCpLayout
 
 COLLECTIVE_DTYPE = torch.bfloat16
 # Kernel backend -> the only process-group backend accepted with it.
@@ -134,7 +134,7 @@ def _check_group(op: str, group: AxisGroup, axis: str) -> tuple[object, int]:
     if not isinstance(group, AxisGroup):
         raise TypeError(
             f"{op}: group is a {type(group).__name__}; supported: toolkit.layout.AxisGroup built by "
-            "toolkit.dist.build_groups or toolkit.dist.attach_group (it carries the layout the group and "
+            "detkit.toolkit.dist.build_groups or toolkit.dist.attach_group (it carries the layout the group and "
             "shapes are checked against)"
         )
     if group.axis != axis:

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import TRITON_INTERPRETER, check_bf16_matrix, resolve_backend
-from kernels.det_gemm import fp32_to_bf16_rtne
+from detkit.kernels.backend import TRITON_INTERPRETER, check_bf16_matrix, resolve_backend
+from detkit.kernels.det_gemm import fp32_to_bf16_rtne
 
 U_FP32 = 2.0**-23
 U_BF16 = 2.0**-8

@@ -106,8 +106,8 @@ case $DETKIT_RUNTIME in
     bare)
         command -v "$DETKIT_PYTHON" >/dev/null ||
             die "DETKIT_PYTHON=$DETKIT_PYTHON not found; activate detkit's venv before sbatch or set DETKIT_PYTHON"
-        "$DETKIT_PYTHON" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("toolkit.launch") is None)' 2>/dev/null ||
-            die "'$DETKIT_PYTHON' cannot import toolkit.launch: pip install detkit into it, or submit from the repository root"
+        "$DETKIT_PYTHON" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("detkit.toolkit.launch") is None)' 2>/dev/null ||
+            die "'$DETKIT_PYTHON' cannot import detkit.toolkit.launch: pip install detkit into it, or submit from the repository root"
         if [[ -n $DETKIT_SUITE ]] && ! command -v detkit >/dev/null; then
             die "DETKIT_SUITE=$DETKIT_SUITE needs the 'detkit' command on PATH (pip install -e . in the venv), or set DETKIT_SUITE= to run only the rank check"
         fi
@@ -163,7 +163,7 @@ rank_script='
 set -euo pipefail
 export NCCL_TOPO_DUMP_FILE=${NCCL_TOPO_DUMP_FILE:-$DETKIT_RESULTS_DIR/topo/nccl-topo-rank$SLURM_PROCID.xml}
 echo "detkit rank $SLURM_PROCID: host $(hostname) node $SLURM_NODEID local $SLURM_LOCALID CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-unset} MASTER=$MASTER_ADDR:$MASTER_PORT"
-"$DETKIT_PYTHON" -m toolkit.launch check --out "$DETKIT_RESULTS_DIR" --device "$DETKIT_DEVICE" \
+"$DETKIT_PYTHON" -m detkit.toolkit.launch check --out "$DETKIT_RESULTS_DIR" --device "$DETKIT_DEVICE" \
     --timeout "$DETKIT_DIST_TIMEOUT_S" --expect-nodes "$1" --expect-tasks-per-node "$2"
 if [[ -n $DETKIT_SUITE ]]; then
     read -r -a extra <<<"$DETKIT_AUDIT_ARGS"

@@ -9,9 +9,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from audits.moe import MoeCase, invariance_variants
-from kernels.det_gemm import GemmConfig
-from toolkit.contract import compare_bits
+from detkit.audits.moe import MoeCase, invariance_variants
+from detkit.kernels.det_gemm import GemmConfig
+from detkit.toolkit.contract import compare_bits
 
 
 def assert_stages(stage_checks: Callable[[dict], tuple[dict, dict]], inp: dict) -> dict:
@@ -61,8 +61,8 @@ def compile_sm90_offline(script: str, tmp_path, *argv: str) -> dict:
 def fp8_stage_runs(inp: dict[str, torch.Tensor], routing, backend: str) -> tuple[dict[str, Callable], dict]:
     """The four FP8 grouped GEMM stages on one input set (x; its rows reversed as dout), each a function of a
     config returning a tuple of outputs, and the BF16 intermediates they start from (h, gu, dgu)."""
-    from kernels.fp8_quant import quantize_rowwise, quantize_weight
-    from kernels.moe_fp8 import moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_up_swiglu
+    from detkit.kernels.fp8_quant import quantize_rowwise, quantize_weight
+    from detkit.kernels.moe_fp8 import moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_up_swiglu
 
     x_q, x_s = quantize_rowwise(inp["x"])
     dout_q, dout_s = quantize_rowwise(inp["x"].flip(0))

@@ -25,7 +25,7 @@ def _run_audit(out: Path, device: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     if device == "cuda":
         env.pop("TRITON_INTERPRET", None)
-    return subprocess.run([sys.executable, "-m", "toolkit", "audit", "--device", device, "--suite", "gemm",
+    return subprocess.run([sys.executable, "-m", "detkit", "audit", "--device", device, "--suite", "gemm",
                            "--out", str(out)], capture_output=True, text=True, env=env, timeout=3000)
 
 

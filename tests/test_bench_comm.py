@@ -15,10 +15,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from bench import comm
-from toolkit import cli
+from detkit.bench import comm
+from detkit.toolkit import cli
 from tests.torchrun import run_two_ranks
-from toolkit.nvtx_ranges import parse_injection_log, verify_nvtx_log
+from detkit.toolkit.nvtx_ranges import parse_injection_log, verify_nvtx_log
 
 M_VALUES = (1, 6)
 N = 8
@@ -78,7 +78,7 @@ def test_two_rank_gloo_rows_are_sane(cpu_run):
         else:
             assert r["axis"] == comm.OPERATORS[r["impl"]]
             assert r["operator_path_calls"] == ROUNDS * ITERS and r["operator_path_ok"] is True
-            assert "kernels.parallel._reduce" in r["timed"]
+            assert "detkit.kernels.parallel._reduce" in r["timed"]
     with open(out / "comm.csv", newline="") as f:
         table = list(csv.DictReader(f))
     assert [t["name"] for t in table] == [r["name"] for r in rows] and "busbw_GBps" in table[0]

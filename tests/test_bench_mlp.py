@@ -18,12 +18,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from bench import mlp
-from kernels.mlp import mlp_bounds, mlp_ref_fp64
-from toolkit import cli
-from toolkit.layout import layout_for_preset
+from detkit.bench import mlp
+from detkit.kernels.mlp import mlp_bounds, mlp_ref_fp64
+from detkit.toolkit import cli
+from detkit.toolkit.layout import layout_for_preset
 from tests.torchrun import run_two_ranks
-from toolkit.nvtx_ranges import parse_injection_log, verify_nvtx_log
+from detkit.toolkit.nvtx_ranges import parse_injection_log, verify_nvtx_log
 
 ROUNDS = 2  # the median of two samples is their mean: total == fwd + bwd exactly (checked)
 M, B, S, H, I = 12, 2, 6, 64, 96  # the tiny preset
@@ -57,7 +57,7 @@ def test_usage_errors_before_any_work(tmp_path, monkeypatch):
 def test_validation_catches_a_wrong_baseline(monkeypatch):
     """The baseline's check is real: Gate and Up swapped in its weights fail it (detkit's contract is
     exercised by tests/test_mlp.py)."""
-    from toolkit.shard_refs import make_fixtures
+    from detkit.toolkit.shard_refs import make_fixtures
 
     layout = layout_for_preset("tiny")
     fx = make_fixtures(layout, 1234, "cpu").tensors

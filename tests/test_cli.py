@@ -17,9 +17,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from toolkit import cli, harness
-from toolkit.harness import MULTI_RANK_SUITES, SUITES, Row, select_suites
-from toolkit.reports import DRIFT_PLOT, MAX_FAILED_ROWS_MD, render_audit_markdown
+from detkit.toolkit import cli, harness
+from detkit.toolkit.harness import MULTI_RANK_SUITES, SUITES, Row, select_suites
+from detkit.toolkit.reports import DRIFT_PLOT, MAX_FAILED_ROWS_MD, render_audit_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 ROW_FIELDS = {"suite", "check", "name", "passed", "backend", "details"}
@@ -219,7 +219,7 @@ def test_killed_audit_keeps_every_finished_row(tmp_path):
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
     env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "audit", "--device", "cpu", "--suite", "gemm_contract",
+    proc = subprocess.Popen([sys.executable, "-m", "detkit", "audit", "--device", "cpu", "--suite", "gemm_contract",
                              "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     rows_file = out / "rows.jsonl"

@@ -88,7 +88,7 @@ def rendered(compose_v2) -> dict:
 @pytest.mark.parametrize(
     ("service", "command"),
     [
-        ("audit", ["python", "-m", "toolkit.host_audit", "--out", "/results"]),
+        ("audit", ["python", "-m", "detkit.toolkit.host_audit", "--out", "/results"]),
         ("bench", ["detkit", "bench", "gemm", "--out", "/results"]),
         ("env", ["detkit", "env"]),
     ],

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from audits.gemm_contract import oracle
-from kernels.det_gemm import det_gemm_fwd
-from toolkit.contract import (
+from detkit.audits.gemm_contract import oracle
+from detkit.kernels.det_gemm import det_gemm_fwd
+from detkit.toolkit.contract import (
     U_BF16, bf16_ordinal, check_bound, compare_bits, digest, drift_stats, gamma, gemm_bound, reduced_bound,
 )
-from toolkit.fixtures import bf16_randn
+from detkit.toolkit.fixtures import bf16_randn
 
 M, K, N = 64, 96, 48
 

@@ -8,14 +8,14 @@ import sys
 import pytest
 import torch
 
-from audits.gemm_contract import oracle
-from kernels.det_gemm import (
+from detkit.audits.gemm_contract import oracle
+from detkit.kernels.det_gemm import (
     CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, OneWave, all_configs, ctas_per_sm, det_gemm_da,
     det_gemm_db, det_gemm_fwd, det_gemm_fwd_launch, entry_configs, operand_ring_bytes, output_tiles, select_config,
 )
-from kernels.backend import check_bf16_matrix
-from toolkit.contract import check_bound, compare_bits, gemm_bound
-from toolkit.fixtures import bf16_randn, weight_kn
+from detkit.kernels.backend import check_bf16_matrix
+from detkit.toolkit.contract import check_bound, compare_bits, gemm_bound
+from detkit.toolkit.fixtures import bf16_randn, weight_kn
 
 OPS = {"fwd": det_gemm_fwd, "da": det_gemm_da, "db": det_gemm_db}
 
@@ -110,7 +110,7 @@ def test_one_wave_capped_at_one_cta_per_sm_at_the_smallest_m():
 
 
 def test_launch_picks_by_the_output_width_on_the_device_sms(device, monkeypatch):
-    import kernels.det_gemm as dg
+    import detkit.kernels.det_gemm as dg
 
     # M=130 in the (128, 256] bucket; 128 output columns: 3 tiles of 64x128. With 2 SMs the 8-stage ring
     # (1 CTA per SM) cannot hold them in one wave, the 4-stage one (2 per SM) can.

@@ -13,13 +13,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.det_gemm import (
+from detkit.kernels.det_gemm import (
     CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, OneWave, all_configs, entry_configs, operand_ring_bytes,
     select_config, ws_twin,
 )
-from toolkit.contract import compare_bits
+from detkit.toolkit.contract import compare_bits
 from tests.test_det_gemm import _operands
-from toolkit.fixtures import bf16_randn, weight_kn
+from detkit.toolkit.fixtures import bf16_randn, weight_kn
 
 
 def _tma(config: GemmConfig) -> GemmConfig:
@@ -198,7 +198,7 @@ def test_table_pick_is_tma_where_addressable_else_the_same_tile_as_ptr(layout, d
 @pytest.mark.parametrize("layout", ["kn", "linear"])
 def test_table_tma3_pick_gives_way_to_a_tile_with_a_pointer_twin_where_tma_cannot_address(layout, device,
                                                                                           monkeypatch):
-    import kernels.det_gemm as dg
+    import detkit.kernels.det_gemm as dg
 
     # M=130 in the (128, 256] bucket, 192 output columns, 3 SMs: the 64x192 "tma3" tile is 3 tiles (one wave),
     # the 64x128 ones 6. K = 7 (14-byte rows): no TMA descriptor, so the entry's pick among its other tiles
@@ -225,7 +225,7 @@ def test_rejects_bad_variant_and_tma_box(tile, variant, match):
 
 
 def test_tune_sweep_records_a_refused_candidate(device, monkeypatch):
-    import bench.gemm_tune as tune
+    import detkit.bench.gemm_tune as tune
 
     tma, ptr = GemmConfig(16, 32, 32, 1, 4, 2, variant="tma"), GemmConfig(16, 32, 32, 1, 4, 2)
     monkeypatch.setattr(tune, "candidates", lambda op, m, variants: [c for c in (tma, ptr) if c.variant in variants])
@@ -247,7 +247,7 @@ def test_tma_kernel_compiles_for_sm90_offline_with_utmaldg_and_hgmma(tmp_path):
         pytest.skip(f"Triton's NVIDIA backend is not installed: {exc}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    cmd = [sys.executable, "-m", "bench.gemm_sass", "--out", str(tmp_path / "sass"), "--variants", "tma",
+    cmd = [sys.executable, "-m", "detkit.bench.gemm_sass", "--out", str(tmp_path / "sass"), "--variants", "tma",
            "--cases", "fwd_weight_t", "da_weight_kn", "db_a_dc", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -261,7 +261,7 @@ def test_tma_kernel_compiles_for_sm90_offline_with_utmaldg_and_hgmma(tmp_path):
 
 
 def test_db_candidates_follow_m_and_the_table_keys_db_by_m(device):
-    import bench.gemm_tune as tune
+    import detkit.bench.gemm_tune as tune
 
     assert tune.candidates("db", 16) == tune.DB_SMALL_M  # the warp-specialized tiles only from M = 128
     assert tune.candidates("db", 4096) == tune.LARGE + tune.LARGE_TMA + tune.WS
@@ -277,8 +277,8 @@ def test_db_candidates_follow_m_and_the_table_keys_db_by_m(device):
 
 _RING_SCRIPT = """
 import json, sys, tempfile
-from bench.gemm_sass import CASES, build
-from kernels.det_gemm import all_configs
+from detkit.bench.gemm_sass import CASES, build
+from detkit.kernels.det_gemm import all_configs
 case = next(c for c in CASES if c.name == "fwd_weight_t")
 configs = {c for op in ("fwd", "da") for c in all_configs(op) if c.variant == "tma"}
 print(json.dumps([build(case, "tma", tempfile.mkdtemp(), config=c) for c in sorted(configs, key=str)]))
@@ -287,7 +287,7 @@ print(json.dumps([build(case, "tma", tempfile.mkdtemp(), config=c) for c in sort
 
 def test_one_wave_residency_matches_the_sm90_compiles_shared_memory(tmp_path):
     # The one-wave rule counts CTAs per SM from operand_ring_bytes; the compiled kernels must agree.
-    import kernels.det_gemm as dg
+    import detkit.kernels.det_gemm as dg
     from tests.moe_helpers import compile_sm90_offline
 
     rows = compile_sm90_offline(_RING_SCRIPT, tmp_path)
@@ -303,8 +303,8 @@ def test_one_wave_residency_matches_the_sm90_compiles_shared_memory(tmp_path):
 
 _TMA3_SCRIPT = """
 import json, tempfile
-from bench.gemm_sass import CASES, build
-from kernels.det_gemm import all_configs
+from detkit.bench.gemm_sass import CASES, build
+from detkit.kernels.det_gemm import all_configs
 configs = sorted({c for op in ("fwd", "da") for c in all_configs(op) if c.variant == "tma3"}, key=str)
 rows = [build(case, "tma3", tempfile.mkdtemp(), config=c) for c in configs for case in CASES
         if case.name in ("fwd_weight_t", "fwd_weight_kn", "da_weight_t")]
@@ -315,7 +315,7 @@ print(json.dumps(rows))
 def test_tma3_kernel_compiles_for_sm90_offline_to_tma_and_wgmma_without_spills(tmp_path):
     # The table's three-sub-tile tiles: TMA loads into wgmma, no cp.async or mma.sync, no register
     # spills, and the shared memory operand_ring_bytes counts (so the one-wave rule can rank them).
-    import kernels.det_gemm as dg
+    import detkit.kernels.det_gemm as dg
     from tests.moe_helpers import compile_sm90_offline
 
     rows = compile_sm90_offline(_TMA3_SCRIPT, tmp_path)

@@ -12,11 +12,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.det_gemm import LAUNCHERS, GemmConfig
-from kernels.det_gemm_ws import WS_SHARED_BYTES, ws_tma_store
+from detkit.kernels.det_gemm import LAUNCHERS, GemmConfig
+from detkit.kernels.det_gemm_ws import WS_SHARED_BYTES, ws_tma_store
 from tests.test_det_gemm import _operands
-from toolkit.contract import compare_bits
-from toolkit.fixtures import bf16_randn, weight_kn
+from detkit.toolkit.contract import compare_bits
+from detkit.toolkit.fixtures import bf16_randn, weight_kn
 
 WS_TILES = (GemmConfig(128, 128, 64, 8, 8, 4, "ws"), GemmConfig(64, 64, 64, 1, 4, 3, "ws"))
 
@@ -107,8 +107,8 @@ def test_ws_register_epilogue_for_rows_tma_cannot_address(device):
 
 _WS_SCRIPT = """
 import dataclasses, json, tempfile
-from bench.gemm_sass import CASES, build
-from kernels.det_gemm import GemmConfig
+from detkit.bench.gemm_sass import CASES, build
+from detkit.kernels.det_gemm import GemmConfig
 config = GemmConfig(128, 256, 64, 8, 8, 4, "ws")
 rows = [build(case, "ws", tempfile.mkdtemp(), config=config) for case in CASES]
 # The TMA-store epilogue: 128x128x64 with 6 stages (BF16 out, and with the twin), not for FP32 out (no room) or for

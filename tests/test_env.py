@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import env as envmod
-from toolkit.env import (
+from detkit.toolkit import env as envmod
+from detkit.toolkit.env import (
     NOT_AVAILABLE_PREFIX,
     SECTIONS,
     capture_env,

@@ -4,7 +4,7 @@ is a clear error before any profiling. The profile itself needs ncu on a GPU hos
 
 import pytest
 
-from bench import gemm_ncu
+from detkit.bench import gemm_ncu
 
 # The shape of `ncu --csv --page raw`: ==PROF== log lines, a header row, a units row, one row per kernel.
 NCU_CSV = '''==PROF== Connected to process 123

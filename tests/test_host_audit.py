@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.host_audit import main, plan
+from detkit.toolkit.host_audit import main, plan
 
 
 def _names(gpus):

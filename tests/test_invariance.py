@@ -18,17 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import parallel
-from kernels.det_gemm import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
-from kernels.invariant import (
+from detkit.kernels import parallel
+from detkit.kernels.det_gemm import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
+from detkit.kernels.invariant import (
     FP32_INVARIANT, MODES, check_mode, cp1_db, cp_padded_rows, cp_shard_major, invariant_config, layout_config,
     tp1_da, tp1_fwd,
 )
-from kernels.mlp import MlpPlan
-from toolkit.contract import compare_bits
-from toolkit.fixtures import bf16_randn
+from detkit.kernels.mlp import MlpPlan
+from detkit.toolkit.contract import compare_bits
+from detkit.toolkit.fixtures import bf16_randn
 from tests.torchrun import run_ranks
-from toolkit.layout import CP_SIZE, TINY, AxisGroup, TpCpLayout, layout_for_preset
+from detkit.toolkit.layout import CP_SIZE, TINY, AxisGroup, TpCpLayout, layout_for_preset
 
 CPU_TIMEOUT_S = 240
 GPU_TIMEOUT_S = 900
@@ -170,7 +170,7 @@ def test_mlp_plan_fails_closed():
 
 # ------------------------------------------------------------------------------ the suite on 4 gloo ranks
 def audit_under_torchrun(out: Path, nproc: int, device: str, timeout: float, **extra) -> subprocess.CompletedProcess:
-    return run_ranks(["-m", "toolkit", "audit", "--device", device, "--suite", "invariance", "--out", str(out)],
+    return run_ranks(["-m", "detkit", "audit", "--device", device, "--suite", "invariance", "--out", str(out)],
                      nproc, device, timeout, env_extra=extra)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.launch import (
+from detkit.toolkit.launch import (
     LaunchError,
     RankEnv,
     RankLayoutError,
@@ -266,7 +266,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 def test_check_command_refuses_a_bad_layout_with_exit_2(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "toolkit.launch", "check", "--out", str(tmp_path),
+        [sys.executable, "-m", "detkit.toolkit.launch", "check", "--out", str(tmp_path),
          "--device", "cpu", "--expect-nodes", "2", "--expect-tasks-per-node", "2"],
         env=_clean_env(**srun_env(procid=1, localid=0, nodeid=1)),
         capture_output=True, text=True, timeout=60,
@@ -290,7 +290,7 @@ def test_four_gloo_ranks_under_two_torchrun_agents(tmp_path):
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
              f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
-             "-m", "toolkit.launch", "check", "--out", str(tmp_path), "--device", "cpu",
+             "-m", "detkit.toolkit.launch", "check", "--out", str(tmp_path), "--device", "cpu",
              "--timeout", "60", "--expect-nodes", "2", "--expect-tasks-per-node", "2"],
             cwd=REPO, env=_clean_env(OMP_NUM_THREADS="1"),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from toolkit.layout import (
+from detkit.toolkit.layout import (
     FULL_WORLD, QWEN3_8B, TINY, AxisGroup, ModelDims, TpCpLayout, layout_for_preset,
 )
 

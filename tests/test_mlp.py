@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.invariant import MODES
-from kernels.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_weights, split_gate_up
-from toolkit.contract import check_bound, compare_bits
-from toolkit.layout import TINY, TpCpLayout, layout_for_preset
-from toolkit.shard_refs import make_fixtures
+from detkit.kernels.invariant import MODES
+from detkit.kernels.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_weights, split_gate_up
+from detkit.toolkit.contract import check_bound, compare_bits
+from detkit.toolkit.layout import TINY, TpCpLayout, layout_for_preset
+from detkit.toolkit.shard_refs import make_fixtures
 
 SEED = 1234
 TENSORS = ("y", "dx", "dw_gate", "dw_up", "dw_down")
@@ -89,8 +89,8 @@ def test_fails_closed_on_shapes(device):
 def test_tp2_plan_refuses_an_uninitialised_group_before_any_work(device):
     import torch.distributed as dist
 
-    from kernels import parallel
-    from toolkit.layout import AxisGroup
+    from detkit.kernels import parallel
+    from detkit.toolkit.layout import AxisGroup
 
     if dist.is_initialized():
         pytest.fail("a process group is already initialised in this pytest process")

@@ -8,20 +8,20 @@ from dataclasses import replace
 import pytest
 import torch
 
-from audits.moe import (
+from detkit.audits.moe import (
     E2E_REL_L2_GATE, GOLD_MIN_COSINE, GOLD_SLACK, GRAD_NAMES, MoeCase, make_inputs, precision_stats,
     rejection_cases, run_layer, stage_checks,
 )
-from kernels.moe import (
+from detkit.kernels.moe import (
     MOE_CONFIGS, deinterleave_gate_up, interleave_gate_up, moe_down, moe_mlp_fwd, moe_mlp_ref, moe_scale_rows,
     moe_up_swiglu,
 )
-import kernels.moe as km
-from kernels.det_gemm import GemmConfig
-from kernels.moe_routing import SEGMENT_ALIGN, build_routing, launch_routing, max_padded_rows
+import detkit.kernels.moe as km
+from detkit.kernels.det_gemm import GemmConfig
+from detkit.kernels.moe_routing import SEGMENT_ALIGN, build_routing, launch_routing, max_padded_rows
 from tests.conftest import backend_of
 from tests.moe_helpers import assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline
-from toolkit.contract import compare_bits
+from detkit.toolkit.contract import compare_bits
 
 H, I, E, K = 32, 48, 4, 2
 
@@ -119,7 +119,7 @@ def test_tma_weight_variant_gives_the_pointer_kernel_bits(layout, device):
     # stage, both storage orders of B, K and N tails (H = 40, I = 24 are not multiples of the tiles).
     from dataclasses import replace
 
-    from kernels.moe import moe_dgrad_dswiglu, moe_dx_route
+    from detkit.kernels.moe import moe_dgrad_dswiglu, moe_dx_route
 
     inp = make_inputs(_case("masked", t=24, h=40, i=24, seed=16), device)
     w1, w2 = inp["w1"], inp["w2"]
@@ -263,14 +263,14 @@ def test_rejects_before_any_work(index, device):
 
 
 def test_fresh_process_gives_the_same_bits(device):
-    from audits.moe import case_digests, fresh_process_digests
+    from detkit.audits.moe import case_digests, fresh_process_digests
 
     case = _case(t=8, k=1, e=2, h=16, i=16, seed=15)
     assert fresh_process_digests([case], device)[case.name] == case_digests(case, device)
 
 
 def test_bench_tiny_runs_end_to_end_labelled_interpreter(device):
-    from bench.moe import MoePreset, bench_preset
+    from detkit.bench.moe import MoePreset, bench_preset
 
     rows = bench_preset(MoePreset("t", 8, 16, 16, 2, 1), device, rounds=1, stages=False)
     assert {r["measure"] for r in rows} == {"fwd", "fwd_bwd"}
@@ -286,10 +286,10 @@ def test_bench_tiny_runs_end_to_end_labelled_interpreter(device):
 # GPU-only compile errors in CI and checks the GEMMs use wgmma and a pipelined (cp.async) K loop.
 _SM90_COMPILE = r'''
 import json, sys, triton
-from bench.gemm_sass import cuobjdump_bytes, stack_bytes
+from detkit.bench.gemm_sass import cuobjdump_bytes, stack_bytes
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import kernels.moe as km
+import detkit.kernels.moe as km
 target = GPUTarget("cuda", 90, 32)
 cfgs = km.MOE_CONFIGS["cuda_sm90"]
 def build(fn, ptrs, consts, unit):
@@ -347,7 +347,7 @@ for scaled in (True, False):
 c = cfgs["dscore"]
 out["dscore_sum"] = build(km.moe_dscore_sum_kernel, {"part_ptr": "*fp32", "route_row_ptr": "*i32", "ds_ptr": "*fp32"},
                           {"BLOCK_M": c.block_m, "NCH_POW2": 32}, ("stride_rk", "stride_sk"))
-import kernels.moe_routing as kr
+import detkit.kernels.moe_routing as kr
 blocks = {"BLOCK": kr.ROUTE_BLOCK, "EXPERT_BLOCK": kr.EXPERT_BLOCK}
 out["route_hist"] = build(kr.moe_route_hist_kernel, {"ids_ptr": "*i32", "score_ptr": "*fp32", "hist_ptr": "*i32"},
                           blocks, ("stride_ik", "stride_sk"))

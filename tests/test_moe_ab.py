@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-import bench.moe_ab as ab
-from kernels.det_gemm import GemmConfig
-import kernels.moe as km
-from kernels.moe import MOE_CONFIGS
+import detkit.bench.moe_ab as ab
+from detkit.kernels.det_gemm import GemmConfig
+import detkit.kernels.moe as km
+from detkit.kernels.moe import MOE_CONFIGS
 
 
 def test_parse_variant_reads_stages_and_refuses_by_name():

@@ -11,26 +11,26 @@ from functools import partial
 import pytest
 import torch
 
-from audits.moe_fp8 import (
+from detkit.audits.moe_fp8 import (
     EMULATION_REL_L2, GATE_MAX_REL_RMSE, GATE_MIN_COSINE, GATE_SHAPE, bf16_path_layer, fp8_rejection_cases,
     fp8_stage_checks, gate_passed, make_inputs, precision_stats, run_layer, weight_cache_checks,
 )
-from audits.moe import GRAD_NAMES, MoeCase, rel_l2
-from kernels.det_gemm import GemmConfig
-import kernels.moe_fp8 as kf
-from kernels.fp8_quant import QBLOCK, dequantize_rowwise, quantize_rowwise, quantize_rowwise_ref, quantize_weight
-from kernels.moe_fp8 import (
+from detkit.audits.moe import GRAD_NAMES, MoeCase, rel_l2
+from detkit.kernels.det_gemm import GemmConfig
+import detkit.kernels.moe_fp8 as kf
+from detkit.kernels.fp8_quant import QBLOCK, dequantize_rowwise, quantize_rowwise, quantize_rowwise_ref, quantize_weight
+from detkit.kernels.moe_fp8 import (
     DEFAULT_WGRAD, MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_risk,
     moe_fp8_up_swiglu, moe_mlp_fp8_fwd, moe_mlp_fp8_ref, select_moe_fp8_config,
 )
-from kernels.moe import moe_mlp_ref
-from kernels.moe_routing import build_routing, launch_routing
+from detkit.kernels.moe import moe_mlp_ref
+from detkit.kernels.moe_routing import build_routing, launch_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import (
     FP8_TRITON_TILES, assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline,
     fp8_stage_runs, layer_args,
 )
-from toolkit.contract import compare_bits
+from detkit.toolkit.contract import compare_bits
 
 H, I, E, K = 128, 128, 3, 2
 
@@ -280,7 +280,7 @@ def test_fp8_wgrad_tma_variant_gives_the_pointer_kernels_bits(device):
     # The TMA variant loads both column-wise operands by descriptor and requests each 128-row block's scales
     # one block ahead: the same products in the same order, so the same bits, including experts of two and
     # three 128-row blocks (T=200, K=2 over 3 experts) and the FP32 main_grad accumulation.
-    from kernels.moe_fp8 import FP8_WGRAD_CONFIGS, moe_fp8_quant_colwise, moe_fp8_wgrad
+    from detkit.kernels.moe_fp8 import FP8_WGRAD_CONFIGS, moe_fp8_quant_colwise, moe_fp8_wgrad
 
     inp = make_inputs(_case(t=200, seed=16), device)
     r = build_routing(inp["topk_ids"], inp["scores"], E)
@@ -338,7 +338,7 @@ def test_precision_gate_of_the_fp8_recipe(device):
 
 
 def test_bench_crossover_model_and_fp8_presets():
-    from bench.moe_fp8 import crossover, fit_line, fp8_presets, run
+    from detkit.bench.moe_fp8 import crossover, fit_line, fp8_presets, run
 
     assert fit_line([1, 2, 3], [5.0, 7.0, 9.0]) == pytest.approx((3.0, 2.0))
     # BF16 10 + 2T, FP8 30 + T (microseconds): the lines cross at T = 20; FP8 wins from T = 32 on.
@@ -384,11 +384,11 @@ def test_every_stage_within_derived_bound_on_gpu(device):
 # saturating cvt.
 _SM90_COMPILE = r'''
 import itertools, json, re, sys, triton
-from bench.gemm_sass import cuobjdump_bytes, stack_bytes
+from detkit.bench.gemm_sass import cuobjdump_bytes, stack_bytes
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import kernels.fp8_quant as fq
-import kernels.moe_fp8 as kf
+import detkit.kernels.fp8_quant as fq
+import detkit.kernels.moe_fp8 as kf
 target = GPUTarget("cuda", 90, 32)
 from tests.moe_helpers import FP8_TRITON_TILES
 def sass_counts(cubin):

@@ -8,16 +8,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from audits.moe import MoeCase
-from audits.moe_fp8 import make_inputs
-from kernels.det_gemm import GemmConfig
-from kernels.moe_fp8 import moe_fp8_quant_colwise, moe_fp8_wgrad, select_moe_fp8_config
-from kernels.moe_routing import build_routing
+from detkit.audits.moe import MoeCase
+from detkit.audits.moe_fp8 import make_inputs
+from detkit.kernels.det_gemm import GemmConfig
+from detkit.kernels.moe_fp8 import moe_fp8_quant_colwise, moe_fp8_wgrad, select_moe_fp8_config
+from detkit.kernels.moe_routing import build_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import (
     FP8_TRITON_TILES, compile_sm90_offline, fp8_stage_runs, refuses_ws_off_sm90, skewed_ids,
 )
-from toolkit.contract import compare_bits
+from detkit.toolkit.contract import compare_bits
 
 WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 5, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws"),
               GemmConfig(128, 64, 128, 1, 8, 8, "ws")]
@@ -132,9 +132,9 @@ def test_ws_weight_gradient_gives_the_triton_kernels_bits(shape, device):
 _COMPILE = r'''
 import json
 from triton.experimental.gluon import language as gl
-from bench.gemm_sass import gluon_desc_type, gluon_sm90_report
-from kernels.det_gemm_ws import consumers, max_regs
-from kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_gather_kernel, moe_fp8_ws_kernel
+from detkit.bench.gemm_sass import gluon_desc_type, gluon_sm90_report
+from detkit.kernels.det_gemm_ws import consumers, max_regs
+from detkit.kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_gather_kernel, moe_fp8_ws_kernel
 out = {}
 box = lambda rows, cols=128, dt=gl.float8e4nv: gluon_desc_type(rows, cols, dt)
 scale_box = lambda cols: f"tensordesc<fp32[1, {cols}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)!r}>"

@@ -1,10 +1,10 @@
-"""bench.moe_gaps: the interval arithmetic that turns one profiled MoE call into idle time and gaps
+"""detkit.bench.moe_gaps: the interval arithmetic that turns one profiled MoE call into idle time and gaps
 (checked on hand-made timelines), and its refusals. The profile itself needs a GPU."""
 
 import pytest
 import torch
 
-from bench.moe_gaps import Span, idle_gaps, main, split_at, stage_of, union_us
+from detkit.bench.moe_gaps import Span, idle_gaps, main, split_at, stage_of, union_us
 
 
 def test_union_counts_overlap_once_and_skips_nested_spans():

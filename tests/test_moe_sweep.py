@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from bench import moe_sweep as ms
-from bench.moe import GPU_PRESETS, INTERPRETER_LABEL, PRESETS, VALIDATE_REL_L2
-from kernels.moe import stage_name
-from toolkit import nvtx_ranges
-from toolkit.nvtx_ranges import injection_env, verify_nvtx_log
+from detkit.bench import moe_sweep as ms
+from detkit.bench.moe import GPU_PRESETS, INTERPRETER_LABEL, PRESETS, VALIDATE_REL_L2
+from detkit.kernels.moe import stage_name
+from detkit.toolkit import nvtx_ranges
+from detkit.toolkit.nvtx_ranges import injection_env, verify_nvtx_log
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENS = {"uniform": (16, 32), "skewed": (16,)}
@@ -240,7 +240,7 @@ def test_cli_usage_errors_write_nothing(tmp_path, capsys):
 # The sweep end to end: two CLI processes (uniform / skewed) in parallel, then merged
 # ---------------------------------------------------------------------------------------------
 def _cmd(out: Path, routing: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "bench.moe_sweep", "--device", "cpu", "--out", str(out), "--preset", "tiny",
+    return [sys.executable, "-m", "detkit.bench.moe_sweep", "--device", "cpu", "--out", str(out), "--preset", "tiny",
             "--tokens", *map(str, TOKENS[routing]), "--routing", routing, "--rounds", "1", *extra]
 
 
@@ -322,7 +322,7 @@ def test_sweep_report_files_and_labels(sweep):
     # Each source run records its exact command line, and the merged report lists them.
     sources = results["meta"]["merged_from"]
     assert [s["command_line"] for s in sources] == [
-        " ".join(["python -m bench.moe_sweep", *cmd[3:]]) for cmd in sweep["runs"].values()]
+        " ".join(["python -m detkit.bench.moe_sweep", *cmd[3:]]) for cmd in sweep["runs"].values()]
     assert all(s["command_line"] in report for s in sources)
     single = (sweep["tmp"] / "uniform" / "report.md").read_text()
     assert f"`{sources[0]['command_line']}`" in single and "## Environment" in single
@@ -381,7 +381,7 @@ def _hardware_rows() -> list[dict]:
 
 def test_hardware_report_path_fits_targets_and_plots(tmp_path):
     rows = _hardware_rows()
-    meta = {"command_line": "python -m bench.moe_sweep --device cuda", "backend": "cuda_sm90", "hardware_result": True,
+    meta = {"command_line": "python -m detkit.bench.moe_sweep --device cuda", "backend": "cuda_sm90", "hardware_result": True,
             "measured_ceiling_tflops": 800.0}
     results = ms.summarize({"meta": meta, "rows": rows, "breakdown": []})
     fit = next(f for f in results["fits"] if (f["measure"], f["routing"]) == ("fwd_bwd", "uniform"))

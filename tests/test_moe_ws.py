@@ -10,15 +10,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from audits.moe import MoeCase, make_inputs
-from kernels.det_gemm import GemmConfig
-from kernels.moe import (
+from detkit.audits.moe import MoeCase, make_inputs
+from detkit.kernels.det_gemm import GemmConfig
+from detkit.kernels.moe import (
     moe_dgrad_dswiglu, moe_dgrad_dswiglu_dscore, moe_down, moe_dx_route, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
 )
-from kernels.moe_routing import build_routing
+from detkit.kernels.moe_routing import build_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import compile_sm90_offline, refuses_ws_off_sm90, skewed_ids
-from toolkit.contract import compare_bits
+from detkit.toolkit.contract import compare_bits
 
 # The Triton tiles the ws kernels replaced in the table (MoE table 2026-11-29.2): the reference for their bits.
 TRITON_TILES = {"down": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "dx": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
@@ -121,7 +121,7 @@ def test_a_ws_wgrad_pick_takes_the_triton_tile_for_operands_it_cannot_address(de
     # addressable batch goes to the Gluon kernel, which the interpreter refuses by name.
     if device.type != "cpu":
         pytest.skip("checked where the Gluon kernel is refused; on the GPU the bit tests cover both paths")
-    from kernels.moe import MOE_CONFIGS
+    from detkit.kernels.moe import MOE_CONFIGS
 
     b = backend_of(device)
     inp = make_inputs(MoeCase(24, 128, 128, 3, 2, "random", 5), device)
@@ -166,7 +166,7 @@ def test_ws_gives_the_triton_tiles_bits(shape, device):
 def test_ws_down_and_dx_give_the_triton_tiles_bits_in_fp32_too(device, monkeypatch):
     # ROUTE_DTYPE float32 (tables up to .5, bench.moe_ab's route:float32): the Gluon kernel's FP32 store buffer. The
     # 128x256 3-stage tile (table .7's down) does not fit beside it: refused by name, before any work.
-    import kernels.moe as km
+    import detkit.kernels.moe as km
 
     monkeypatch.setattr(km, "ROUTE_DTYPE", torch.float32)
     runs, _, _ = _runs(device, 300, 512, 384, 5, 2, seed=12)
@@ -197,10 +197,10 @@ def test_ws_wgrad_padding_rows_add_nothing(device):
 _COMPILE = r'''
 import json
 from triton.experimental.gluon import language as gl
-from bench.gemm_sass import gluon_desc_type, gluon_sm90_report
-from kernels.det_gemm_ws import consumers, max_regs
-from kernels.det_gemm import GemmConfig
-from kernels.moe_ws import gather_store_bytes, moe_ws_gather_kernel, moe_ws_kernel, moe_ws_wgrad_kernel
+from detkit.bench.gemm_sass import gluon_desc_type, gluon_sm90_report
+from detkit.kernels.det_gemm_ws import consumers, max_regs
+from detkit.kernels.det_gemm import GemmConfig
+from detkit.kernels.moe_ws import gather_store_bytes, moe_ws_gather_kernel, moe_ws_kernel, moe_ws_wgrad_kernel
 out = {}
 box = lambda rows, cols, dt=gl.bfloat16: gluon_desc_type(rows, cols, dt)
 for bm, bn, bk, warps, stages, k_major, c_dt in [

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import nvtx_ranges
-from toolkit.nvtx_ranges import (
+from detkit.toolkit import nvtx_ranges
+from detkit.toolkit.nvtx_ranges import (
     DOMAIN,
     NvtxEvent,
     check_ranges,
@@ -38,7 +38,7 @@ from toolkit.nvtx_ranges import (
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The real benchmark at one tiny case; "{out}" becomes a temporary results folder.
-WORKLOAD_CMD = [sys.executable, "-m", "toolkit", "bench", "gemm", "--device", "cpu", "--ops", "fwd", "--m", "1",
+WORKLOAD_CMD = [sys.executable, "-m", "detkit", "bench", "gemm", "--device", "cpu", "--ops", "fwd", "--m", "1",
                 "--layouts", "linear", "--rounds", "1", "--out", "{out}"]
 BENCH_ROW = "det_gemm_fwd [M=1, N=56, K=40] bf16 b=linear"  # bench/gemm.py: BenchCase.name
 BENCH_RANGES = [BENCH_ROW, f"{BENCH_ROW} | cublas"]  # the case and its baseline, interleaved
@@ -48,10 +48,10 @@ BENCH_RANGES = [BENCH_ROW, f"{BENCH_ROW} | cublas"]  # the case and its baseline
 _AUDIT = textwrap.dedent(
     """
     import sys
-    from toolkit.presets import GEMM_PRESETS, GemmPreset
+    from detkit.toolkit.presets import GEMM_PRESETS, GemmPreset
     GEMM_PRESETS["nvtx-ci"] = GemmPreset("nvtx-ci", ((40, 56),), (1, 7), chunk=1000, repetitions=2,
                                          determinism_m=(1,))
-    from toolkit.cli import main
+    from detkit.toolkit.cli import main
     main(["audit", "--device", "cpu", "--suite", "gemm_contract", "--preset", "nvtx-ci", "--out", sys.argv[1]],
          prog_name="detkit")
     """
@@ -64,7 +64,7 @@ AUDIT_STAGE = "audit gemm_contract"
 _STANDIN = textwrap.dedent(
     """
     import threading
-    from toolkit.nvtx_ranges import nvtx_range, nvtx_enabled
+    from detkit.toolkit.nvtx_ranges import nvtx_range, nvtx_enabled
 
     assert nvtx_enabled(), "injection library did not attach"
     for m in (1, 7):

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import parallel
-from kernels.parallel import (
+from detkit.kernels import parallel
+from detkit.kernels.parallel import (
     check_collective_backend, column_parallel_dx, replicated_dw, row_parallel_dhidden, row_parallel_fwd,
 )
-from toolkit.contract import compare_bits
-from toolkit.layout import AxisGroup, TpCpLayout, layout_for_preset
-from toolkit.shard_refs import (
+from detkit.toolkit.contract import compare_bits
+from detkit.toolkit.layout import AxisGroup, TpCpLayout, layout_for_preset
+from detkit.toolkit.shard_refs import (
     SPECS, Fixtures, LocalInputs, local_inputs, local_result, make_fixtures, oracle, reduced_result,
     unsharded_result,
 )
@@ -108,7 +108,7 @@ class _LaunchCounter:
 
 def refuses(call: Callable[[], object], exc_type: type[Exception], pattern: str) -> None:
     """``call`` raises ``exc_type`` matching ``pattern`` before any GEMM or collective."""
-    from toolkit.dist import observe_collectives
+    from detkit.toolkit.dist import observe_collectives
 
     collectives_before = parallel.collective_counts()
     with _LaunchCounter() as launches, observe_collectives() as seen:
@@ -129,7 +129,7 @@ def refuses(call: Callable[[], object], exc_type: type[Exception], pattern: str)
 def groups_are_the_layouts(ctx: Ctx) -> None:
     import torch.distributed as dist
 
-    from toolkit.dist import attach_group
+    from detkit.toolkit.dist import attach_group
 
     want = {"tp": [list(g) for g in ctx.layout.groups_present("tp")],
             "cp": [list(g) for g in ctx.layout.groups_present("cp")]}
@@ -216,7 +216,7 @@ def partial_is_returned_untouched(ctx: Ctx) -> None:
 # ---------------------------------------------------------------------------- collective counts
 @check
 def collective_counts_per_operator(ctx: Ctx) -> None:
-    from toolkit.dist import observe_collectives
+    from detkit.toolkit.dist import observe_collectives
 
     loc = ctx.loc["randn"]
     calls = []
@@ -240,7 +240,7 @@ def collective_counts_per_operator(ctx: Ctx) -> None:
 def dhidden_runs_with_every_collective_disabled(ctx: Ctx) -> None:
     import torch.distributed as dist
 
-    from toolkit.dist import COLLECTIVE_FUNCTIONS
+    from detkit.toolkit.dist import COLLECTIVE_FUNCTIONS
 
     def forbidden(*args, **kwargs):
         raise AssertionError("row_parallel_dhidden called a collective")
@@ -427,8 +427,8 @@ def worker(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from toolkit.dist import build_groups, world_from_env
-    from toolkit.launch import RankEnv, init_process_group
+    from detkit.toolkit.dist import build_groups, world_from_env
+    from detkit.toolkit.launch import RankEnv, init_process_group
 
     rank_env = RankEnv.from_environ()
     init_process_group(rank_env, args.device, args.timeout)

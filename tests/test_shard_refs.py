@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from kernels.det_gemm import det_gemm_fwd
-from toolkit.contract import compare_bits
-from toolkit.layout import CP_SIZE, TpCpLayout, layout_for_preset
-from toolkit.shard_refs import (
+from detkit.kernels.det_gemm import det_gemm_fwd
+from detkit.toolkit.contract import compare_bits
+from detkit.toolkit.layout import CP_SIZE, TpCpLayout, layout_for_preset
+from detkit.toolkit.shard_refs import (
     SPECS, check_all, check_spec, local_inputs, local_result, make_fixtures, operand, oracle,
     oracle_is_exact, reduce_v1, reduced_result,
 )
@@ -123,7 +123,7 @@ def test_dw_reduces_over_the_whole_sequence(layout):
 
 def test_checks_fail_on_a_wrong_reduction(layout, monkeypatch):
     """A reduction that is off by one must fail the exact checks: the checks can fail."""
-    import toolkit.shard_refs as refs
+    import detkit.toolkit.shard_refs as refs
 
     def wrong(p0, p1):
         return (p0.float() + p1.float() + 1.0).bfloat16()  # off by one everywhere
@@ -136,7 +136,7 @@ def test_checks_fail_on_a_wrong_reduction(layout, monkeypatch):
 
 def test_checks_fail_on_a_wrong_weight_shard(layout, monkeypatch):
     """TP rank 1 cutting TP rank 0's Gate columns must fail the TP=1 comparison."""
-    import toolkit.shard_refs as refs
+    import detkit.toolkit.shard_refs as refs
 
     real = refs.operand
 

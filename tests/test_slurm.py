@@ -302,7 +302,7 @@ def test_cyclic_srun_step_is_refused_by_every_rank(cluster, tmp_path):
         "set -euo pipefail\n"
         f"export MASTER_ADDR=node1 MASTER_PORT={_free_port()}\n"
         f"srun --distribution=cyclic --kill-on-bad-exit=0 --output={out_dir}/rank-%t.log "
-        f"{sys.executable} -m toolkit.launch check --out {out_dir} --device cpu --timeout 30 "
+        f"{sys.executable} -m detkit.toolkit.launch check --out {out_dir} --device cpu --timeout 30 "
         "--expect-nodes 2 --expect-tasks-per-node 2\n"
     )
     out_dir.mkdir()

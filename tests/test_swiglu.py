@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.swiglu import (
+from detkit.kernels.swiglu import (
     gate_up_views, swiglu_bwd, swiglu_bwd_bound, swiglu_bwd_ref, swiglu_fwd, swiglu_fwd_bound, swiglu_fwd_ref,
 )
-from toolkit.contract import bf16_ordinal, check_bound, compare_bits
+from detkit.toolkit.contract import bf16_ordinal, check_bound, compare_bits
 
 # g = -100 overflows exp(-g) in the interpreter's numpy on purpose (the kernel must give -0, not NaN)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")

@@ -1,9 +1,9 @@
-"""toolkit.timing: the summary statistics of a timing and the SM clock polled beside it."""
+"""detkit.toolkit.timing: the summary statistics of a timing and the SM clock polled beside it."""
 
 import pytest
 import torch
 
-from toolkit.timing import SmClock, Timing, time_interleaved
+from detkit.toolkit.timing import SmClock, Timing, time_interleaved
 
 
 def test_summary_statistics_and_clock_median():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.torchrun import rank_env, run_ranks
-from toolkit.dist import launched_as_ranks, rows_path, timeout_s, world_from_env, writes_report
+from detkit.toolkit.dist import launched_as_ranks, rows_path, timeout_s, world_from_env, writes_report
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_TIMEOUT_S = 240
@@ -26,7 +26,7 @@ CHECKS_4_RANKS = {
 
 
 def audit_under_torchrun(out: Path, nproc: int, device: str, timeout: float, **env) -> subprocess.CompletedProcess:
-    return run_ranks(["-m", "toolkit", "audit", "--device", device, "--suite", "tp-cp", "--out", str(out)],
+    return run_ranks(["-m", "detkit", "audit", "--device", device, "--suite", "tp-cp", "--out", str(out)],
                      nproc, device, timeout, env_extra=env)
 
 
@@ -143,7 +143,7 @@ def test_2_rank_cp_world_reports_what_it_did_not_cover(tmp_path):
 
 # ------------------------------------------------------------------------------ one process
 def test_single_process_refs_pass_and_tp_cp_refuses(tmp_path):
-    cmd = [sys.executable, "-m", "toolkit", "audit", "--device", "cpu", "--suite", "tp-cp-refs", "--suite", "tp-cp",
+    cmd = [sys.executable, "-m", "detkit", "audit", "--device", "cpu", "--suite", "tp-cp-refs", "--suite", "tp-cp",
            "--out", str(tmp_path)]
     env = {k: v for k, v in rank_env("cpu").items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=CPU_TIMEOUT_S)

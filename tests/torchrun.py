@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from toolkit.nvtx_ranges import build_injection_library, injection_env
+from detkit.toolkit.nvtx_ranges import build_injection_library, injection_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,5 +37,5 @@ def run_ranks(target: list[str], nproc: int, device: str, timeout: float, nvtx_l
 
 def run_two_ranks(args: list[str], device: str, nvtx_log: Path | None, timeout: float,
                   env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m toolkit <args>`` on 2 ranks."""
-    return run_ranks(["-m", "toolkit", *args], 2, device, timeout, nvtx_log, env_extra)
+    """``python -m detkit <args>`` on 2 ranks."""
+    return run_ranks(["-m", "detkit", *args], 2, device, timeout, nvtx_log, env_extra)

@@ -27,7 +27,7 @@ DEVICES = ("cuda", "cpu")
 def _select_device(device: str) -> None:
     if device == "cpu":
         # Triton decides interpreter vs compiler when a kernel is defined: set it before importing kernels.
-        if "kernels.det_gemm" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        if "detkit.kernels.det_gemm" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             raise click.UsageError("--device cpu needs TRITON_INTERPRET=1 before detkit kernels are imported")
         os.environ["TRITON_INTERPRET"] = "1"
     elif os.environ.get("TRITON_INTERPRET") == "1":
@@ -66,7 +66,7 @@ def main(verbose: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def env(as_json: bool) -> None:
     """Versions, GPUs, topology, host, Slurm and knobs; every field degrades to 'not available'."""
-    from toolkit.env import capture_env, format_env_table
+    from detkit.toolkit.env import capture_env, format_env_table
 
     captured = capture_env()
     click.echo(json.dumps(captured, indent=2, default=str) if as_json else format_env_table(captured))
@@ -74,7 +74,7 @@ def env(as_json: bool) -> None:
 
 def _world_size_from_env() -> int:
     """The number of ranks this process was launched among (1 outside torchrun/srun)."""
-    from toolkit.dist import launched_as_ranks
+    from detkit.toolkit.dist import launched_as_ranks
 
     if not launched_as_ranks():
         return 1
@@ -96,7 +96,7 @@ def _bind_local_gpu(device: str, world_size: int) -> None:
         return
     import torch
 
-    from toolkit.launch import LaunchError, RankEnv
+    from detkit.toolkit.launch import LaunchError, RankEnv
 
     try:
         local_rank = RankEnv.from_environ().local_rank
@@ -167,7 +167,7 @@ def _failure_summary(failed: list) -> list[str]:
 @shared_options
 def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
     """Run audit suites and write rows.jsonl, report.json, report.md (and plots) to --out."""
-    from toolkit import harness
+    from detkit.toolkit import harness
 
     world_size = _world_size_from_env()
     try:  # unknown names and an unfit host fail here, before any work
@@ -182,7 +182,7 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
     out = out_dir or _default_out("audit")
     # --- tp-cp hook (issue 4, docs/tp_cp.md): start the process group and the TP/CP groups when
     # launched as ranks by torchrun/srun (None otherwise); rank 0 merges the rows and writes the report.
-    from toolkit import dist as tp_cp_dist
+    from detkit.toolkit import dist as tp_cp_dist
 
     session = tp_cp_dist.setup_distributed(ctx, out)
     out = tp_cp_dist.out_dir(session, out)
@@ -231,7 +231,7 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
 
 def _write_bench_report(ctx, command: str, meta: dict, rows: list[dict], write_outputs, out, as_json: bool) -> None:
     """Add the run's metadata and environment, write the bench's files, echo JSON or the markdown."""
-    from toolkit import harness
+    from detkit.toolkit import harness
 
     meta = {**harness.base_meta(ctx, command, shlex.join(sys.argv)), **meta, **harness.env_meta(ctx.device)}
     paths = write_outputs(out, rows, meta)
@@ -257,8 +257,8 @@ def bench() -> None:
 def bench_gemm(ops, m_values, layouts, rounds, device, preset, seed, out_dir, as_json) -> None:
     """det_gemm fwd/dA/dB vs cuBLAS and cuBLASLt without split-K."""
     _select_device(device)
-    from bench import gemm
-    from toolkit import harness
+    from detkit.bench import gemm
+    from detkit.toolkit import harness
 
     if any(m < 1 for m in m_values):
         raise click.BadParameter(f"M values must be >= 1; got {m_values}", param_hint="--m")
@@ -296,7 +296,7 @@ def bench_moe(fp8, rounds, no_stages, no_fp64, no_crossover, device, preset, see
     if (no_fp64 or no_crossover) and not fp8:
         raise click.UsageError("--no-fp64 and --no-crossover apply to --fp8 only")
     _select_device(device)
-    from bench import moe
+    from detkit.bench import moe
 
     argv = ["--device", device, "--rounds", str(rounds), "--seed", str(seed),
             "--out", str(out_dir or _default_out("bench"))]
@@ -321,8 +321,8 @@ def bench_moe(fp8, rounds, no_stages, no_fp64, no_crossover, device, preset, see
 def bench_comm(m_values, n_cols, rounds, iters, warmup, device, preset, seed, out_dir, as_json) -> None:
     """The TP/CP operators' all_reduce vs a raw all_reduce of the same bytes (2 ranks, torchrun)."""
     _select_device(device)
-    from bench import comm
-    from toolkit import harness
+    from detkit.bench import comm
+    from detkit.toolkit import harness
 
     if any(m < 1 for m in m_values) or (n_cols is not None and n_cols < 1):
         raise click.BadParameter(f"M and N must be >= 1; got M {m_values}, N {n_cols}")
@@ -373,9 +373,9 @@ def bench_comm(m_values, n_cols, rounds, iters, warmup, device, preset, seed, ou
 def bench_mlp(m_values, seq_len, rounds, iters, warmup, device, preset, seed, out_dir, as_json) -> None:
     """The Qwen3 MLP fwd+bwd per TP/CP config and mode vs torch.matmul + all_reduce (1, 2 or 4 ranks)."""
     _select_device(device)
-    from bench import mlp
-    from toolkit import dist as tp_cp_dist
-    from toolkit import harness
+    from detkit.bench import mlp
+    from detkit.toolkit import dist as tp_cp_dist
+    from detkit.toolkit import harness
 
     for flag, value in (("--rounds", rounds), ("--iters", iters), ("--warmup", warmup)):
         if value is not None and value < (0 if flag == "--warmup" else 1):

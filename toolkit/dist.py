@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from toolkit.layout import AXES, FULL_WORLD, AxisGroup, TpCpLayout, layout_for_preset
+from detkit.toolkit.layout import AXES, FULL_WORLD, AxisGroup, TpCpLayout, layout_for_preset
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class RankAudit:
 def session_for_suite(suite: str, backend: str, how_to_run: str):
     """The running DistSession for a multi-rank suite, or (None, the failed 'launch' row it yields)
     when the process was not started as ranks or the world does not hold the layout."""
-    from toolkit.harness import Row
+    from detkit.toolkit.harness import Row
 
     session = current_session()
     if session is None:
@@ -144,7 +144,7 @@ def launched_as_ranks(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def timeout_s(environ: Mapping[str, str] | None = None) -> float:
-    from toolkit.launch import DEFAULT_TIMEOUT_S
+    from detkit.toolkit.launch import DEFAULT_TIMEOUT_S
 
     env = os.environ if environ is None else environ
     raw = env.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
@@ -243,7 +243,7 @@ def setup_distributed(ctx, out: Path | None = None,
         return None
     import torch.distributed as dist
 
-    from toolkit.launch import RankEnv, check_slurm_distribution, init_process_group
+    from detkit.toolkit.launch import RankEnv, check_slurm_distribution, init_process_group
 
     rank_env = RankEnv.from_environ(env)
     rank_env.check_layout()
@@ -314,7 +314,7 @@ def gather_group(t: torch.Tensor, group: AxisGroup, session: DistSession | None 
 
 
 def _capture_env_summary(device: torch.device) -> dict[str, Any]:
-    from toolkit.env import capture_env, env_summary
+    from detkit.toolkit.env import capture_env, env_summary
 
     captured = capture_env(probe_cuda=device.type == "cuda")
     return {"env": env_summary(captured), "topology": captured.get("topology"),
@@ -337,7 +337,7 @@ def merge_rows(session: DistSession | None, rows: list, out: Path | None = None)
         return rows, {}
     import torch.distributed as dist
 
-    from toolkit.harness import Row, RowWriter
+    from detkit.toolkit.harness import Row, RowWriter
 
     payload = [r.as_dict() for r in rows]
     gathered: list[Any] = [None] * session.world_size

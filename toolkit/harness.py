@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.nvtx_ranges import nvtx_range
+from detkit.toolkit.nvtx_ranges import nvtx_range
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,11 @@ INTERPRETER_BANNER = (
 
 # Suite name -> plug-in modules, in run order. A plug-in's own NAME is also accepted as a suite.
 SUITES: dict[str, tuple[str, ...]] = {
-    "gemm": ("audits.gemm_batch_invariance", "audits.gemm_determinism", "audits.gemm_contract"),
-    "tp-cp": ("audits.tp_cp",), "tp-cp-refs": ("audits.tp_cp_refs",),  # issue 4 (docs/tp_cp.md)
-    "invariance": ("audits.invariance",),  # issue 7 (docs/invariance.md)
-    "moe": ("audits.moe",),  # issue 8 (docs/moe.md)
-    "moe-fp8": ("audits.moe_fp8",),  # issue 9 (docs/moe_fp8.md)
+    "gemm": ("detkit.audits.gemm_batch_invariance", "detkit.audits.gemm_determinism", "detkit.audits.gemm_contract"),
+    "tp-cp": ("detkit.audits.tp_cp",), "tp-cp-refs": ("detkit.audits.tp_cp_refs",),  # issue 4 (docs/tp_cp.md)
+    "invariance": ("detkit.audits.invariance",),  # issue 7 (docs/invariance.md)
+    "moe": ("detkit.audits.moe",),  # issue 8 (docs/moe.md)
+    "moe-fp8": ("detkit.audits.moe_fp8",),  # issue 9 (docs/moe_fp8.md)
 }
 # Suites that need several ranks (torchrun/srun); every other suite runs in one process.
 MULTI_RANK_SUITES = ("tp-cp", "invariance")
@@ -48,7 +48,7 @@ SELECTORS = ("auto", "all")
 
 
 def launch_hint(suite: str) -> str:
-    return (f"torchrun --nproc-per-node 2 --standalone -m toolkit audit --suite {suite} "
+    return (f"torchrun --nproc-per-node 2 --standalone -m detkit audit --suite {suite} "
             "(2 GPUs: one TP or CP group, DETKIT_TPCP_WORLD; 4 ranks: the full TP=2 x CP=2 layout; docs/tp_cp.md)")
 
 
@@ -82,9 +82,9 @@ class RunContext:
 
 def resolve_context(device: str, preset: str | None, seed: int, out_dir: Path | None) -> RunContext:
     """Decide the backend for ``device`` through the kernel's own check (fails closed)."""
-    from kernels.backend import resolve_backend
-    from kernels.det_gemm import det_gemm_kernel
-    from toolkit.presets import GEMM_PRESETS, default_gemm_preset
+    from detkit.kernels.backend import resolve_backend
+    from detkit.kernels.det_gemm import det_gemm_kernel
+    from detkit.toolkit.presets import GEMM_PRESETS, default_gemm_preset
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -269,14 +269,14 @@ def summarize(rows: list[Row]) -> list[dict]:
 
 def render_markdown(meta: dict, rows: list[Row]) -> str:
     """The human report: see ``toolkit.reports.render_audit_markdown`` (all rows stay in JSON)."""
-    from toolkit.reports import render_audit_markdown
+    from detkit.toolkit.reports import render_audit_markdown
 
     return render_audit_markdown(meta, rows)
 
 
 def write_report(out_dir: Path, meta: dict, rows: list[Row]) -> tuple[Path, Path]:
     """Plots first (the markdown links them), then report.json and report.md, each atomically."""
-    from toolkit.reports import write_audit_plots
+    from detkit.toolkit.reports import write_audit_plots
 
     meta["plots"] = [p.name for p in write_audit_plots(out_dir, rows)]
     report = {"meta": meta, "summary": summarize(rows), "rows": [r.as_dict() for r in rows]}
@@ -287,7 +287,7 @@ def write_report(out_dir: Path, meta: dict, rows: list[Row]) -> tuple[Path, Path
 
 
 def base_meta(ctx: RunContext, command: str, command_line: str) -> dict:
-    from kernels.det_gemm import CONFIG_TABLE_VERSION
+    from detkit.kernels.det_gemm import CONFIG_TABLE_VERSION
 
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     return {
@@ -306,7 +306,7 @@ def base_meta(ctx: RunContext, command: str, command_line: str) -> dict:
 def env_meta(device: torch.device) -> dict:
     """The environment capture for a report's meta: ``env`` (full ``toolkit.env.capture_env``, in
     report.json) and ``env_summary`` (the flat fields report.md shows)."""
-    from toolkit.env import capture_env, env_summary
+    from detkit.toolkit.env import capture_env, env_summary
 
     captured = capture_env(probe_cuda=device.type == "cuda")
     return {"env": captured, "env_summary": env_summary(captured)}

@@ -6,7 +6,7 @@ run holding a TP group (ranks 0,1: Down forward and Gate/Up dX) and one holding 
 its own report folder under --out; the paths are printed at the end and the exit code is non-zero
 when any run failed. ``--dry-run`` prints the plan only.
 
-    python -m toolkit.host_audit --out /results [--dry-run]
+    python -m detkit.toolkit.host_audit --out /results [--dry-run]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Step:
 
 def _torchrun(nproc: int) -> tuple[str, ...]:
     return (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "toolkit")
+            "-m", "detkit")
 
 
 def plan(gpus: int, out: Path) -> list[Step]:
@@ -37,7 +37,7 @@ def plan(gpus: int, out: Path) -> list[Step]:
     if gpus < 1:
         raise RuntimeError("no CUDA GPU is visible: the host audit needs a Hopper GPU "
                            "(for the interpreter audits without a GPU: detkit audit --device cpu)")
-    steps = [Step("gemm", (sys.executable, "-m", "toolkit", "audit", "--suite", "gemm", "--out", str(out / "gemm")))]
+    steps = [Step("gemm", (sys.executable, "-m", "detkit", "audit", "--suite", "gemm", "--out", str(out / "gemm")))]
     if gpus >= 4:
         steps.append(Step("tp-cp-4rank", _torchrun(4) + ("audit", "--suite", "tp-cp", "--out", str(out / "tp-cp-4rank"))))
     elif gpus >= 2:

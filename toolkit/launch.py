@@ -17,7 +17,7 @@ Reusable pieces (``detkit audit --suite tp-cp`` starts ranks through them):
 
 Command line (one process per rank; rank 0 writes ``rank_map.json``)::
 
-    python -m toolkit.launch check --out DIR [--device cpu|cuda] [--timeout S]
+    python -m detkit.toolkit.launch check --out DIR [--device cpu|cuda] [--timeout S]
                                    [--expect-nodes N] [--expect-tasks-per-node T]
 
 Exit status: 0 when every check passed, 2 for a wrong environment or layout (nothing was
@@ -433,7 +433,7 @@ def run_check(
     expect_tasks_per_node: int | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> RankEnv:
-    """The per-rank check behind ``python -m toolkit.launch check``.
+    """The per-rank check behind ``python -m detkit.toolkit.launch check``.
 
     Layout checks run before anything is started. Each rank then writes
     ``OUT/ranks/rank-R.json``; rank 0 merges the gathered records into ``OUT/rank_map.json``
@@ -472,7 +472,7 @@ def run_check(
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m toolkit.launch", description=__doc__.split("\n")[0]
+        prog="python -m detkit.toolkit.launch", description=__doc__.split("\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from tabulate import tabulate
 
-from toolkit.harness import INTERPRETER_BANNER, atomic_write_text, summarize
+from detkit.toolkit.harness import INTERPRETER_BANNER, atomic_write_text, summarize
 
 if TYPE_CHECKING:
-    from toolkit.harness import Row
+    from detkit.toolkit.harness import Row
 
 DRIFT_PLOT = "drift_hist.png"
 MAX_FAILED_ROWS_MD = 100  # report.md lists at most this many failed rows; rows.jsonl has them all

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.det_gemm import LAUNCHERS, REFERENCES, GemmLaunch
-from toolkit.contract import check_bound, compare_bits, drift_stats, gemm_bound, reduced_bound
-from toolkit.layout import CP_SIZE, TP_SIZE, TpCpLayout
+from detkit.kernels.det_gemm import LAUNCHERS, REFERENCES, GemmLaunch
+from detkit.toolkit.contract import check_bound, compare_bits, drift_stats, gemm_bound, reduced_bound
+from detkit.toolkit.layout import CP_SIZE, TP_SIZE, TpCpLayout
 
 FIXTURE_KINDS = ("randn", "exact")
 ACTIVATIONS = ("x", "hidden", "d_gate", "d_up", "d_out")

@@ -55,7 +55,7 @@ class SmClock:
     (``read_clock``), or its clock, power draw and clock-event reasons (``read_state``)."""
 
     def __init__(self, device: torch.device, period_s: float = 0.005):
-        from toolkit.env import cuda_pci_bus_id
+        from detkit.toolkit.env import cuda_pci_bus_id
 
         self.period_s = period_s
         bus_id = cuda_pci_bus_id(torch.cuda.get_device_properties(device))
@@ -137,7 +137,7 @@ def time_graphs(fns: dict[str, Callable[[], object]], device: torch.device, call
     samples are replay time / calls_per_fn, interleaved across fns for ``rounds`` rounds. Each
     replay runs inside the NVTX range ``range_names[name]`` when given.
     """
-    from toolkit.nvtx_ranges import nvtx_range
+    from detkit.toolkit.nvtx_ranges import nvtx_range
 
     names = range_names or {}
     if device.type != "cuda":

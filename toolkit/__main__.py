@@ -1,3 +1,0 @@
-from toolkit.cli import main
-
-main()
