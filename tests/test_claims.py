@@ -1,0 +1,95 @@
+"""The README's claims table and reports/INDEX.md are what the committed reports give (tools/claims.py)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tools import claims
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_committed_readme_and_index_match_the_reports(capsys):
+    assert claims.main(["--check"]) == 0, capsys.readouterr().out
+
+
+def test_every_claim_links_a_committed_report_and_no_report_is_code():
+    for rel in claims.SOURCES.values():
+        assert (REPO / "reports" / rel).is_file(), rel
+    code = [p for p in (REPO / "reports").rglob("*") if p.suffix in (".py", ".sh")]
+    assert code == []
+
+
+@pytest.fixture
+def reports_copy(tmp_path):
+    """A copy of reports/ and README.md that passes the check before a test edits it."""
+    shutil.copytree(REPO / "reports", tmp_path / "reports")
+    shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    argv = ["--check", "--reports", str(tmp_path / "reports"), "--readme", str(tmp_path / "README.md")]
+    assert claims.main(argv) == 0
+    return tmp_path, argv
+
+
+def _edit_json(path: Path, edit) -> None:
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+def test_a_tampered_ratio_fails_the_check(reports_copy, capsys):
+    tmp, argv = reports_copy
+    path = tmp / "reports" / claims.SOURCES["moe_fp8_bench"]
+
+    def raise_speedup(doc):
+        for t in doc["meta"]["fp8_targets"]:
+            t["speedup_fp8_cold"] = 1.45
+
+    _edit_json(path, raise_speedup)
+    assert claims.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "+| MoE FP8 fwd+bwd speed-up" in out and "1.450x (T=8192)" in out and "| yes |" in out
+
+
+def test_a_tampered_audit_count_fails_the_check(reports_copy, capsys):
+    tmp, argv = reports_copy
+    path = tmp / "reports" / claims.SOURCES["moe_audit"]
+
+    def drop_one_reject(doc):  # a consistent report of one check fewer: summary and rows agree
+        doc["rows"].remove(next(r for r in doc["rows"] if r["check"] == "rejects"))
+        next(s for s in doc["summary"] if s["check"] == "rejects")["passed"] -= 1
+
+    _edit_json(path, drop_one_reject)
+    assert claims.main(argv) == 1
+    assert "68 passed, 0 failed" in capsys.readouterr().out
+
+
+def test_a_report_whose_summary_disagrees_with_its_rows_is_refused(reports_copy, capsys):
+    tmp, argv = reports_copy
+    path = tmp / "reports" / claims.SOURCES["gemm_audit"]
+    _edit_json(path, lambda doc: doc["summary"][0].update(passed=doc["summary"][0]["passed"] + 1))
+    assert claims.main(argv) == 2
+    err = capsys.readouterr().err
+    assert claims.SOURCES["gemm_audit"] in err and "rows say" in err
+
+
+def test_a_kept_run_listed_at_another_commit_than_its_report_declares_is_refused(reports_copy, capsys):
+    tmp, argv = reports_copy
+    readme = tmp / "reports" / "2026-12-01-h200" / "README.md"
+    readme.write_text(readme.read_text().replace("- `call3/audit/` at `1332ec8`", "- `call3/audit/` at `81c32b0`"))
+    assert claims.main(argv) == 2
+    assert "declares 1332ec8" in capsys.readouterr().err
+
+
+def test_gemm_medians_use_the_target_layouts():
+    rows = [
+        {"op": "fwd", "N": 8, "K": 4, "layout": "linear", "M": 2048, "ratio_vs_cublas": 1.0},
+        {"op": "fwd", "N": 8, "K": 4, "layout": "linear", "M": 4096, "ratio_vs_cublas": 1.2},
+        {"op": "fwd", "N": 8, "K": 4, "layout": "linear", "M": 8192, "ratio_vs_cublas": 1.1},
+        {"op": "fwd", "N": 8, "K": 4, "layout": "kn", "M": 2048, "ratio_vs_cublas": 9.0},
+        {"op": "db", "N": 8, "K": 4, "layout": "kn", "M": 2048, "ratio_vs_cublas": 0.9},
+        {"op": "db", "N": 8, "K": 4, "layout": "linear", "M": 2048, "ratio_vs_cublas": 9.0},
+        {"op": "fwd", "N": 8, "K": 4, "layout": "linear", "M": 16, "ratio_vs_cublas": 9.0},
+    ]
+    assert sorted(claims.gemm_target_medians(rows, lambda m: m >= 1024)) == [0.9, 1.1]

@@ -1,0 +1,500 @@
+"""The claims table in README.md and reports/INDEX.md, generated from the committed reports.
+
+    python -m tools.claims            # rewrite both from reports/
+    python -m tools.claims --check    # exit 1 when README.md's table or reports/INDEX.md differs
+
+Every number in the table is read from a committed report file (report.json, rows.json, a rows
+.jsonl) by a small function below, and every "met" is a rule applied to that number, so a count or a
+ratio cannot drift from the run it names. Which run backs which claim is the SOURCES map: pointing a
+claim at a newer run is a one-line edit there, then `python -m tools.claims`.
+
+reports/INDEX.md has one line per report folder: its dates and device (from the reports' meta), and
+the runs kept in the tree with the command (from the reports' meta) and the commit whose files ran
+(from the folder README's "Kept in the tree" list, checked against the commit a report declares).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BEGIN = "<!-- claims:begin -->"
+END = "<!-- claims:end -->"
+
+# Which committed run backs each claim (paths under reports/). To move a claim to a newer run, change
+# its line here and run `python -m tools.claims`.
+SOURCES = {
+    "gemm_audit": "2026-12-01-h200/call3/audit/report.json",
+    "gemm_bench": "2026-12-01-h200/call3/bench/gemm.jsonl",
+    "tp_group": "2026-11-29-h200x2/tp-group/report.json",
+    "cp_group": "2026-11-29-h200x2/cp-group/report.json",
+    "nccl_sweep": "2026-11-29-h200x2/nccl-sweep/sweep.json",
+    "comm": "2026-11-29-h200x2/comm/comm.jsonl",
+    "inv_tp": "2026-11-29-h200x2/inv-tp/report.json",
+    "inv_cp": "2026-11-29-h200x2/inv-cp/report.json",
+    "mlp_tp": "2026-11-29-h200x2/mlp-tp/mlp.jsonl",
+    "mlp_cp": "2026-11-29-h200x2/mlp-cp/mlp.jsonl",
+    "moe_audit": "2026-12-01-h200-s12/call3/audit-moe/report.json",
+    "moe_sweep": "2026-12-01-h200-s12/call5/moe-sweep/rows.json",
+    "moe_fp8_audit": "2026-11-30-h200-s9/call6/audit-moe-fp8/report.json",
+    "moe_fp8_bench": "2026-12-01-h200-s12/call3/bench-moe-fp8/fp8_rows.json",
+}
+
+
+class ClaimError(Exception):
+    """A report is missing, malformed, or inconsistent with itself."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    value: Any  # what the claim's rule judges
+    text: str  # what the table shows
+
+
+@dataclass(frozen=True)
+class Claim:
+    claim: str
+    target: str
+    sources: tuple[str, ...]  # keys of SOURCES, passed to `measure` in this order
+    measure: Callable[..., Measured]
+    met: Callable[[Any], bool]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def load(path: Path) -> Any:
+    """A .json file, or a .jsonl file as a list of its rows."""
+    if not path.is_file():
+        raise ClaimError(f"{path}: no such report file")
+    try:
+        if path.suffix == ".jsonl":
+            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ClaimError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def human_report(reports: Path, rel: str) -> str:
+    """The file a reader should open for a source: the run's markdown report beside it, else the source."""
+    src = reports / rel
+    stem = src.stem.removesuffix("_rows")
+    for name in ("report.md", f"{stem}.md", f"{stem}_report.md"):
+        if (src.parent / name).is_file():
+            return str(Path(rel).parent / name)
+    return rel
+
+
+# ---------------------------------------------------------------------------------------------
+# Measures: one small function per kind of evidence
+# ---------------------------------------------------------------------------------------------
+def _span(values: list[float], fmt: str, unit: str = "") -> str:
+    lo, hi = min(values), max(values)
+    if format(lo, fmt) == format(hi, fmt):
+        return f"{lo:{fmt}}{unit}"
+    return f"{lo:{fmt}}-{hi:{fmt}}{unit}"
+
+
+def audit_counts(report: dict) -> tuple[int, int]:
+    """Passed and failed checks of an audit report.json; its summary must agree with its rows."""
+    passed = sum(s["passed"] for s in report["summary"])
+    failed = sum(s["failed"] for s in report["summary"])
+    rows_passed = sum(1 for r in report["rows"] if r["passed"])
+    if (passed, failed) != (rows_passed, len(report["rows"]) - rows_passed):
+        raise ClaimError(f"summary says {passed} passed, {failed} failed; rows say {rows_passed} passed, "
+                         f"{len(report['rows']) - rows_passed} failed")
+    return passed, failed
+
+
+def audit(report: dict) -> Measured:
+    passed, failed = audit_counts(report)
+    return Measured((passed, failed), f"{passed} passed, {failed} failed")
+
+
+def all_pass(value: tuple[int, int]) -> bool:
+    passed, failed = value
+    return passed > 0 and failed == 0
+
+
+def gemm_target_medians(rows: list[dict], select: Callable[[int], bool]) -> list[float]:
+    """Median ratio detkit / cuBLAS over the selected M, per (op, N, K): the nn.Linear weight layout for
+    fwd and dA, the [K, N] layout for dB (dB's operands are activations)."""
+    ratios: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r["layout"] == ("kn" if r["op"] == "db" else "linear") and select(r["M"]):
+            ratios.setdefault((r["op"], r["N"], r["K"]), []).append(r["ratio_vs_cublas"])
+    if not ratios:
+        raise ClaimError("no bench gemm rows in the selected M range")
+    return [statistics.median(v) for v in ratios.values()]
+
+
+def gemm_vs_cublas(select: Callable[[int], bool]) -> Callable[[list[dict]], Measured]:
+    def measure(rows: list[dict]) -> Measured:
+        medians = gemm_target_medians(rows, select)
+        return Measured(max(medians), f"{_span(medians, '.3f', 'x')} over {len(medians)} (op, shape)")
+    return measure
+
+
+def gemm_vs_nosplitk(limit: float) -> Callable[[list[dict]], Measured]:
+    def measure(rows: list[dict]) -> Measured:
+        ratios = [r["ratio_vs_cublaslt_nosplitk"] for r in rows]
+        over = sum(1 for x in ratios if x > limit)
+        return Measured(max(ratios), f"worst {max(ratios):.2f}x; {over} of {len(ratios)} rows above {limit:.2f}x")
+    return measure
+
+
+def nccl_sweep(sweep: dict) -> Measured:
+    inputs = {name for per_setting in sweep["results"].values() for name in per_setting}
+    ok = bool(sweep["all_settings_agree"] and sweep["all_equal_v1_oracle"] and not sweep["failures"])
+    text = (f"{len(sweep['results'])} settings x {len(inputs)} inputs: "
+            + ("one digest per input, each equal to the oracle" if ok else f"{len(sweep['failures'])} failures"))
+    return Measured(ok, text)
+
+
+def comm_vs_raw(rows: list[dict]) -> Measured:
+    per_op: dict[str, list[float]] = {}
+    for r in rows:
+        if r["target_applies"]:
+            per_op.setdefault(r["impl"], []).append(r["ratio_vs_raw"])
+    if not per_op:
+        raise ClaimError("no bench comm rows at the target sizes")
+    worst = max(max(v) for v in per_op.values())
+    medians = [statistics.median(v) for v in per_op.values()]
+    return Measured(worst, f"worst {worst:.3f}x; median {_span(medians, '.3f', 'x')} per operator")
+
+
+def invariance(inv_tp: dict, inv_cp: dict) -> Measured:
+    entries = [e for rep in (inv_tp, inv_cp) for e in rep["meta"]["invariance_drift_table"]
+               if e["mode"] == "fp32_invariant"]
+    if not entries:
+        raise ClaimError("no fp32_invariant entries in the invariance drift tables")
+    mismatched = sum(e["mismatched_bytes"] for e in entries)
+    (p_tp, f_tp), (p_cp, f_cp) = audit_counts(inv_tp), audit_counts(inv_cp)
+    pairs = sorted({e["pair"] for e in entries})
+    text = (f"{mismatched} mismatched bytes in {len(entries)} tensors ({'; '.join(pairs)}); "
+            f"audits {p_tp} + {p_cp} passed, {f_tp + f_cp} failed")
+    return Measured((mismatched, f_tp + f_cp), text)
+
+
+def mlp_ratio(field: str) -> Callable[..., Measured]:
+    def measure(*sources: list[dict]) -> Measured:
+        values = [r[field] for rows in sources for r in rows if r.get(field) is not None]
+        if not values:
+            raise ClaimError(f"no bench mlp rows carry {field}")
+        return Measured(max(values), f"{_span(values, '.2f', 'x')} over {len(values)} (config, M)")
+    return measure
+
+
+def moe_sweep_target(preset: str, tokens: int, kind: str) -> Callable[[dict], Measured]:
+    """One entry of bench moe_sweep's targets list: kind "MFU" (of 989 TFLOP/s) or "speedup" (vs torch)."""
+    def measure(sweep: dict) -> Measured:
+        hits = [t for t in sweep["targets"]
+                if t["preset"] == preset and t["T"] == tokens and t["target"].startswith(kind)]
+        if len(hits) != 1:
+            raise ClaimError(f"{len(hits)} moe_sweep targets match {kind} at {preset} T={tokens}")
+        value = hits[0]["value"]
+        return Measured(value, f"{value:.1%}" if kind == "MFU" else f"{value:.2f}x")
+    return measure
+
+
+def fp8_speedup(bench: dict) -> Measured:
+    """Forward+backward FP8 / BF16 detkit layer with the default weight gradients, per T."""
+    by_t: dict[int, list[float]] = {}
+    for t in bench["meta"]["fp8_targets"]:
+        by_t.setdefault(t["T"], []).append(t["speedup_fp8_cold"])
+    if not by_t:
+        raise ClaimError("no fp8_targets in the bench's meta")
+    text = ", ".join(f"{_span(v, '.3f', 'x')} (T={t})" for t, v in sorted(by_t.items()))
+    return Measured(min(min(v) for v in by_t.values()), text)
+
+
+FP8_GATE = (0.997, 0.076)  # cosine >= 0.997 and relative RMSE < 7.6% against FP64, every output
+
+
+def fp8_gate(bench: dict) -> Measured:
+    cases = [r for r in bench["rows"] if r.get("measure") == "fwd_bwd" and "wgrad_bf16" in r]
+    if not cases:
+        raise ClaimError("no validated fwd_bwd rows in the FP8 bench")
+    checks = [r[mode] for r in cases for mode in ("wgrad_bf16", "wgrad_fp8")]
+    precision = [p for c in checks for p in c["precision"].values()]
+    cos = min(p["cosine_fp64"] for p in precision)
+    rmse = max(p["rel_rmse_fp64"] for p in precision)
+    passed = sum(1 for c in checks if c["gate_passed"])
+    text = (f"{passed} of {len(checks)} passed ({len(cases)} cases x 2 weight-gradient modes); "
+            f"worst cosine {cos:.4f}, relative RMSE {rmse:.2%}")
+    return Measured((passed == len(checks), cos, rmse), text)
+
+
+def fp8_gate_met(value: tuple[bool, float, float]) -> bool:
+    all_passed, cos, rmse = value
+    return all_passed and cos >= FP8_GATE[0] and rmse < FP8_GATE[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The claims
+# ---------------------------------------------------------------------------------------------
+CLAIMS = [
+    Claim("det_gemm audit on an H200: batch invariance, determinism (repeats, fresh process), contract; "
+          "Qwen3-8B TP=2 shapes, fwd/dA/dB, both weight layouts",
+          "every check passes", ("gemm_audit",), audit, all_pass),
+    Claim("det_gemm vs cuBLAS, M ≥ 1024: median time ratio per (op, shape)",
+          "≤ 1.05x", ("gemm_bench",), gemm_vs_cublas(lambda m: m >= 1024), lambda v: v <= 1.05),
+    Claim("det_gemm vs cuBLAS, M ≤ 256: median time ratio per (op, shape)",
+          "≤ 1.25x", ("gemm_bench",), gemm_vs_cublas(lambda m: m <= 256), lambda v: v <= 1.25),
+    Claim("det_gemm vs cuBLASLt without split-K, every (op, shape, layout, M) row",
+          "≤ 1.10x", ("gemm_bench",), gemm_vs_nosplitk(1.10), lambda v: v <= 1.10),
+    Claim("TP operators on one TP group of two H200s (NCCL): bitwise vs shard references, contract, "
+          "repeatability, collective counts",
+          "every check passes", ("tp_group",), audit, all_pass),
+    Claim("dW operators on one CP group of two H200s (NCCL): the same checks, CP offsets and rebuild",
+          "every check passes", ("cp_group",), audit, all_pass),
+    Claim("Two-rank BF16 all_reduce bits across NCCL algorithms (default, Ring Simple/LL/LL128, Tree)",
+          "one digest per input, equal to (p0 + p1) rounded once", ("nccl_sweep",), nccl_sweep, bool),
+    Claim("Each operator's collective vs a raw NCCL all_reduce, ≥ 8 MiB, two H200s",
+          "≤ 1.05x", ("comm",), comm_vs_raw, lambda v: v <= 1.05),
+    Claim("fp32_invariant mode: TP=1 vs TP=2 and CP=1 vs CP=2 bit for bit (y, dX, dW_gate, dW_up, dW_down), "
+          "two H200s",
+          "0 mismatched bytes", ("inv_tp", "inv_cp"), invariance, lambda v: v == (0, 0)),
+    Claim("Composed Qwen3 MLP fwd+bwd, default mode vs cuBLAS + NCCL",
+          "≤ 1.10x", ("mlp_tp", "mlp_cp"), mlp_ratio("default_vs_baseline_total"), lambda v: v <= 1.10),
+    Claim("Composed Qwen3 MLP fwd+bwd, fp32_invariant vs default mode",
+          "≤ 1.15x", ("mlp_tp", "mlp_cp"), mlp_ratio("invariant_vs_default_total"), lambda v: v <= 1.15),
+    Claim("MoE BF16 audit on an H200: repeats, fresh process, batch invariance, stage bounds, end to end, "
+          "precision, main_grad, edges, rejects",
+          "every check passes", ("moe_audit",), audit, all_pass),
+    Claim("MoE BF16 fwd+bwd MFU (of 989 TFLOP/s), reference shape T=8192",
+          "≥ 55%", ("moe_sweep",), moe_sweep_target("reference", 8192, "MFU"), lambda v: v >= 0.55),
+    Claim("MoE BF16 fwd+bwd MFU (of 989 TFLOP/s), Qwen3-30B-A3B T=16384",
+          "≥ 40%", ("moe_sweep",), moe_sweep_target("qwen3-30b-a3b", 16384, "MFU"), lambda v: v >= 0.40),
+    Claim("MoE BF16 fwd+bwd vs torch._grouped_mm, reference shape T=8192",
+          "≥ 1.3x", ("moe_sweep",), moe_sweep_target("reference", 8192, "speedup"), lambda v: v >= 1.3),
+    Claim("MoE BF16 fwd+bwd vs torch._grouped_mm, Qwen3-30B-A3B T=16384",
+          "≥ 1.3x", ("moe_sweep",), moe_sweep_target("qwen3-30b-a3b", 16384, "speedup"), lambda v: v >= 1.3),
+    Claim("MoE FP8 audit on an H200: the BF16 checks plus quantizers, emulation, quantization risk, weight cache",
+          "every check passes", ("moe_fp8_audit",), audit, all_pass),
+    Claim("MoE FP8 precision gate vs FP64: out, dX, dscores, dW1, dW2",
+          "cosine ≥ 0.997, relative RMSE < 7.6%", ("moe_fp8_bench",), fp8_gate, fp8_gate_met),
+    Claim("MoE FP8 fwd+bwd speed-up over the BF16 detkit layer timed in the same run, reference shape",
+          "≥ 1.4x", ("moe_fp8_bench",), fp8_speedup, lambda v: v >= 1.4),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def claims_table(reports: Path, link_prefix: str = "reports/") -> str:
+    """The markdown table, one row per claim (rows are joined by hand, unpadded, so that each claim is
+    one line of README.md and a changed claim is a one-line diff)."""
+    loaded = {key: load(reports / rel) for key, rel in SOURCES.items()}
+    lines = ["| claim | target | measured | met | report |", "|---|---|---|---|---|"]
+    for c in CLAIMS:
+        try:
+            m = c.measure(*(loaded[k] for k in c.sources))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ClaimError(f"claim {c.claim!r}: {', '.join(SOURCES[k] for k in c.sources)} "
+                             f"lacks what the claim reads ({type(exc).__name__}: {exc})") from exc
+        except ClaimError as exc:
+            raise ClaimError(f"claim {c.claim!r}: {', '.join(SOURCES[k] for k in c.sources)}: {exc}") from exc
+        links = ", ".join(f"[{Path(SOURCES[k]).parent}]({link_prefix}{human_report(reports, SOURCES[k])})"
+                          for k in c.sources)
+        met = "yes" if c.met(m.value) else "**no**"
+        lines.append(f"| {_cell(c.claim)} | {_cell(c.target)} | {_cell(m.text)} | {met} | {links} |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_block(reports: Path) -> str:
+    return (f"{BEGIN}\n<!-- generated by `python -m tools.claims` from the reports it links; do not edit -->\n"
+            f"{claims_table(reports)}{END}")
+
+
+def replace_block(readme: str, block: str) -> str:
+    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
+        raise ClaimError(f"README must hold exactly one {BEGIN} ... {END} block")
+    return readme[:readme.index(BEGIN)] + block + readme[readme.index(END) + len(END):]
+
+
+# ---------------------------------------------------------------------------------------------
+# reports/INDEX.md
+# ---------------------------------------------------------------------------------------------
+KEPT = re.compile(r"^- `([^`]+)` at `([0-9a-f]{7,40})`(?::\s*([^\n]*))?", re.M)
+DECLARED = re.compile(r"DETKIT_GIT_COMMIT says ([0-9a-f]{7,40})")
+MD_COMMAND = re.compile(r"^- command_line: (.+)$", re.M)
+MD_COMMIT = re.compile(r"^\| git_commit\s*\| ([^|]+?)\s*\|", re.M)
+
+
+def kept_runs(readme: str) -> list[tuple[str, str, str]]:
+    """The (run folder, commit, what it holds) of each line of a report README's "Kept in the tree" section:
+    ``- `run/` at `commit`: what it holds`` (the description runs to the end of its line)."""
+    section = readme.split("## Kept in the tree", 1)
+    if len(section) != 2:
+        return []
+    return KEPT.findall(section[1].split("\n## ", 1)[0])
+
+
+def run_meta(run: Path) -> list[dict]:
+    """The meta of every report in a run folder: JSON files with a "meta" object, and markdown reports
+    (bench rows written as .jsonl carry their meta only in the .md beside them)."""
+    metas = []
+    for f in sorted(run.rglob("*.json")):
+        try:
+            doc = json.loads(f.read_text())
+        except json.JSONDecodeError as exc:
+            raise ClaimError(f"{f}: not valid JSON ({exc})") from exc
+        if isinstance(doc, dict) and isinstance(doc.get("meta"), dict) and "command_line" in doc["meta"]:
+            metas.append(doc["meta"])
+    if not metas:
+        for f in sorted(run.glob("*.md")):
+            text = f.read_text()
+            if cmd := MD_COMMAND.search(text):
+                commit = MD_COMMIT.search(text)
+                metas.append({"command_line": cmd.group(1).strip(),
+                              "env_summary": {"git_commit": commit.group(1) if commit else ""}})
+    return metas
+
+
+def short_command(command_line: str) -> str:
+    """A report's recorded command without the GPU host's paths and the output folder."""
+    words = command_line.split()
+    if words and words[0].endswith("toolkit/__main__.py"):
+        words = ["detkit"] + words[1:]
+    elif words and words[0].endswith(".py"):
+        words = [re.sub(r"^.*?/(bench|toolkit|audits|tools)/", r"\1/", words[0])] + words[1:]
+    out, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+        elif w == "--out":
+            skip = True
+        elif w != "--no-progress":
+            out.append(w)
+    return " ".join(out)
+
+
+def _recorded_commits(meta: dict) -> tuple[set[str], set[str]]:
+    """(declared, recorded) commits in a meta: DETKIT_GIT_COMMIT, and what the tree's .git said."""
+    blob = json.dumps({k: meta.get(k) for k in ("env", "env_summary", "commit")})
+    declared = set(DECLARED.findall(blob))
+    recorded = set(re.findall(r'"(?:git_commit|commit)": "([0-9a-f]{7,40})', blob))
+    return declared, recorded
+
+
+def _device(metas: list[dict]) -> str:
+    best = (0, "")
+    for m in metas:
+        summary = m.get("env_summary") or {}
+        gpus = (m.get("env") or {}).get("gpus") or {}
+        names = [d.get("name", "") for d in gpus.get("devices", [])]
+        count = summary.get("gpu_count") or gpus.get("visible_count") or (1 if m.get("device_name") else 0)
+        name = summary.get("gpu_name") or (names[0] if names else m.get("device_name", ""))
+        if count and name and count > best[0]:
+            best = (count, name)
+    return f"{best[0]}x {best[1]}" if best[0] else "not recorded"
+
+
+def index_markdown(reports: Path) -> str:
+    rows = []
+    for folder in sorted(p for p in reports.iterdir() if p.is_dir()):
+        readme = folder / "README.md"
+        if not readme.is_file():
+            raise ClaimError(f"{folder}: a report folder needs a README.md (device, versions, commands)")
+        runs = kept_runs(readme.read_text())
+        if not runs:
+            raise ClaimError(f"{readme}: no \"## Kept in the tree\" list (- `run/` at `commit`)")
+        all_metas, cells, dates = [], [], set()
+        for run, commit, holds in runs:
+            path = folder / run
+            if not path.exists():
+                raise ClaimError(f"{readme}: kept run {run} is not in the tree")
+            metas = run_meta(path) if path.is_dir() else []
+            all_metas += metas
+            declared, recorded = set(), set()
+            for m in metas:
+                d, r = _recorded_commits(m)
+                declared |= d
+                recorded |= r
+                if m.get("date"):
+                    dates.add(str(m["date"])[:10])
+            if any(not commit.startswith(d) and not d.startswith(commit) for d in declared):
+                raise ClaimError(f"{readme}: {run} is listed at {commit} but its report declares "
+                                 f"{', '.join(sorted(declared))}")
+            note = ""
+            stale = sorted(r[:7] for r in recorded if not (r.startswith(commit) or commit.startswith(r)))
+            if stale and not declared:
+                note = f" (the report's .git said {', '.join(stale)})"
+            cmds = sorted({short_command(m["command_line"]) for m in metas})
+            cmd = f": {'; '.join(f'`{c}`' for c in cmds)}" if cmds else ""
+            holds = re.sub(r"\s*\(.*$", "", holds).strip()  # the line's first clause, without its remarks
+            cells.append(f"`{run}`{f' ({holds})' if holds else ''} at `{commit}`{note}{cmd}")
+        date = ", ".join(sorted(dates)) or folder.name[:10]
+        rows.append(f"| [{folder.name}]({folder.name}/README.md) | {date} | {_device(all_metas)} | "
+                    + "<br>".join(_cell(c) for c in cells) + " |")
+    return ("# Reports\n\n"
+            "Hardware runs behind the claims in the README, one folder per GPU session, each with a README\n"
+            "naming the device, the versions, the commit whose files ran and the exact commands. A folder keeps\n"
+            "only the runs a claim or a document cites; older runs and the scripts they used are in the git\n"
+            "history (the last tree holding all of them is commit d00a2d7).\n\n"
+            "Generated by `python -m tools.claims` (`--check` in the tests); do not edit.\n\n"
+            "| folder | date | device | runs kept: folder (what it holds) at commit: command |\n|---|---|---|---|\n"
+            + "\n".join(rows) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+def _diff(old: str, new: str, name: str) -> str:
+    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"{name} (committed)",
+                                        f"{name} (from the reports)"))
+
+
+def problems(reports: Path, readme: Path) -> list[str]:
+    """What differs between the committed README table / INDEX.md and what the reports give."""
+    out = []
+    text = readme.read_text()
+    want = replace_block(text, readme_block(reports))
+    if want != text:
+        out.append(_diff(text, want, str(readme)))
+    index = reports / "INDEX.md"
+    have = index.read_text() if index.is_file() else ""
+    want_index = index_markdown(reports)
+    if have != want_index:
+        out.append(_diff(have, want_index, str(index)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.claims", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 when README.md or INDEX.md differs")
+    ap.add_argument("--reports", type=Path, default=REPO / "reports", help="the reports folder (default: reports/)")
+    ap.add_argument("--readme", type=Path, default=REPO / "README.md", help="the README holding the table")
+    args = ap.parse_args(argv)
+    try:
+        if args.check:
+            found = problems(args.reports, args.readme)
+            for p in found:
+                print(p, end="" if p.endswith("\n") else "\n")
+            if found:
+                print("claims: out of date with the reports; run `python -m tools.claims`", file=sys.stderr)
+            return 1 if found else 0
+        args.readme.write_text(replace_block(args.readme.read_text(), readme_block(args.reports)))
+        (args.reports / "INDEX.md").write_text(index_markdown(args.reports))
+        return 0
+    except ClaimError as exc:
+        print(f"claims: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
