@@ -108,7 +108,10 @@ def model_source(device: torch.device) -> tuple[object, Path | None, str]:
 
 
 def build_model(device: torch.device, seed: int):
-    from transformers import AutoModelForCausalLM
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as exc:
+        raise RuntimeError("the model audit needs transformers: pip install 'detkit[models]'") from exc
 
     config, weights, description = model_source(device)
     torch.manual_seed(seed)
