@@ -245,9 +245,13 @@ def first_divergence(model, run_a: Callable[[], None], select_a, run_b: Callable
             "note": "every module output equal (the difference is after the model, or in ops outside modules)"}
 
 
-def _batch_select(index: int, seq: slice | int = slice(None)):
+def _batch_select(index: int, batch: int, seq: slice | int = slice(None)):
+    """Cut row ``index`` of a batch of ``batch`` (a tensor broadcast over the batch, leading dim 1: its only
+    row) at sequence positions ``seq``; None for tensors without a batch dim."""
     def select(t):
-        return t[index, seq] if t.dim() >= 2 else None
+        if t.dim() < 2 or t.shape[0] not in (batch, 1):
+            return None
+        return t[index if t.shape[0] == batch else 0, seq]
     return select
 
 
@@ -279,7 +283,8 @@ class Audit:
                 cmp = compare("batch_invariance", f"batch {bs} position {pos}", got, alone)
                 if locate and not cmp.equal:
                     cmp.extra.update(first_divergence(
-                        self.model, lambda: self.lp(seq), _batch_select(0), lambda: self.lp(batch), _batch_select(pos)))
+                        self.model, lambda: self.lp(seq), _batch_select(0, 1), lambda: self.lp(batch),
+                        _batch_select(pos, bs)))
                 out.append(cmp)
         return out
 
@@ -318,8 +323,8 @@ class Audit:
             row = cmp.first_mismatch[0]
             part, idx = divmod(row, self.plan.micro_batch)
             micro = torch.split(ids, self.plan.micro_batch)[part]
-            cmp.extra.update(first_divergence(self.model, lambda: self.lp(ids), _batch_select(row),
-                                              lambda: self.lp(micro, grad=True), _batch_select(idx)))
+            cmp.extra.update(first_divergence(self.model, lambda: self.lp(ids), _batch_select(row, len(ids)),
+                                              lambda: self.lp(micro, grad=True), _batch_select(idx, len(micro))))
         return [cmp]
 
     def rollout(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,8 +367,8 @@ class Audit:
                     self.rollout(prompts)
 
                 cmp.extra.update(first_divergence(
-                    self.model, run_rollout, _batch_select(0, p - 1 if step == 0 else 0),
-                    lambda: self.lp(seq, grad=True), _batch_select(0, p - 1 + step), call_a=step, call_b=0))
+                    self.model, run_rollout, _batch_select(0, 1, p - 1 if step == 0 else 0),
+                    lambda: self.lp(seq, grad=True), _batch_select(0, 1, p - 1 + step), call_a=step, call_b=0))
                 cmp.extra["located_step"] = step
             out.append(cmp)
         return out
