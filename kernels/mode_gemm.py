@@ -56,25 +56,30 @@ def device_reason(device: torch.device) -> str | None:
     return f"device type {device.type}"
 
 
-def _furthest(t: torch.Tensor) -> int:
-    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+def _dtype_reason(tensors) -> str:
+    return "dtype " + "/".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors}))
 
 
 def operands_reason(*tensors: torch.Tensor) -> str | None:
-    """None when det_gemm can take these operands (BF16, one supported device, 32-bit offsets)."""
-    dtypes = {t.dtype for t in tensors}
-    if dtypes != {torch.bfloat16}:
-        return "dtype " + "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        return f"operands on several devices {sorted(map(str, devices))}"
-    reason = device_reason(next(iter(devices)))
+    """None when det_gemm can take these operands (BF16, one supported device, 32-bit offsets). Runs on every
+    GEMM in the mode: one pass, no allocation."""
+    device = tensors[0].device
+    for t in tensors:
+        if t.dtype is not torch.bfloat16:
+            return _dtype_reason(tensors)
+        if t.device != device:
+            return f"operands on several devices {sorted({str(x.device) for x in tensors})}"
+    reason = device_reason(device)
     if reason is not None:
         return reason
-    if any(s < 0 for t in tensors for s in t.stride()):
-        return "negative strides"
-    if any(_furthest(t) > MAX_INT32_OFFSET for t in tensors):
-        return "element offsets beyond 2**31 (32-bit kernel indexing)"
+    for t in tensors:
+        furthest = 0
+        for size, stride in zip(t.shape, t.stride()):
+            if stride < 0:
+                return "negative strides"
+            furthest += (size - 1) * stride
+        if furthest > MAX_INT32_OFFSET:
+            return "element offsets beyond 2**31 (32-bit kernel indexing)"
     return None
 
 
