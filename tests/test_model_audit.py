@@ -91,7 +91,7 @@ def test_the_plugin_yields_its_rows_and_writes_the_model_report(device, config_f
     counters = by_check["counters"][0].details
     assert counters["routed"]["mm -> det_gemm_fwd"] > 0 and counters["gemm_not_routed"] == {}
     report = (tmp_path / "model.md").read_text()
-    assert "## Log-prob drift" in report and "mm -> det_gemm_fwd" in report
+    assert "## Drift" in report and "mm -> det_gemm_fwd" in report
     assert json.loads((tmp_path / "model.json").read_text())["counters"] == {
         k: v for k, v in counters.items() if k in ("routed", "not_routed")}
 
