@@ -33,6 +33,13 @@ _PUBLIC = {
     "row_parallel_dhidden": "detkit.kernels.parallel",
     "moe_mlp": "detkit.kernels.moe",
     "moe_mlp_fp8": "detkit.kernels.moe_fp8",
+    "batch_invariant_mode": "detkit.kernels.mode",
+    "enable_batch_invariant_mode": "detkit.kernels.mode",
+    "disable_batch_invariant_mode": "detkit.kernels.mode",
+    "is_batch_invariant_mode_enabled": "detkit.kernels.mode",
+    "mode_counters": "detkit.kernels.mode",
+    "reset_mode_counters": "detkit.kernels.mode",
+    "ModeNotRoutedError": "detkit.kernels.mode",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -1,0 +1,597 @@
+"""Model audit: a transformers causal LM's log-probabilities in default mode and in
+``detkit.batch_invariant_mode()`` -- what an RL pipeline needs to be bitwise equal.
+
+The model: transformers' Qwen3 built from a config with random weights in BF16 -- on cuda the Qwen3-8B widths
+with 2 layers, on cpu a tiny config for the Triton interpreter -- or the config / local checkpoint named by
+``DETKIT_MODEL_CONFIG`` (a JSON config file, or a checkpoint directory read with local_files_only: nothing is
+ever downloaded). Checks, each run in both modes (detkit mode's rows pass or fail; default mode's rows are the
+drift table, informational):
+
+- ``batch_invariance``: a sequence's log-probs alone vs in batches of several sizes at several positions;
+- ``padding``: the same with right and left padding (attention masks; left padding with position ids);
+- ``trainer_vs_rollout``: a training forward (grad on, micro-batches) vs an inference forward of the batch;
+- ``decode_vs_trainer``: prompt prefill then token-by-token greedy decode with transformers' DynamicCache, alone
+  and in a batch, vs the trainer's one forward over prompt + generation, per generated token. It fails while
+  any attention call of the check ran on torch (e.g. no ``detkit.kernels.attention`` in the tree);
+- ``backward_repeat``: every parameter gradient of a cross-entropy backward, bitwise across two runs;
+- when a detkit-mode comparison differs, forward hooks on every module name the first module whose outputs
+  differ (``first_divergence``);
+- ``counters``: which ops ran on detkit kernels and which on torch, with the reasons;
+- ``speed`` (cuda only): prefill, decode step (eager and CUDA graph) and forward+backward, detkit / default.
+Log-probs are compared as FP32 bits (``toolkit.contract.compare_bits``). Besides the rows, ``model.md`` and
+``model.json`` in the output folder hold the drift table, the counters and the speed ratios.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from detkit.toolkit.contract import compare_bits
+from detkit.toolkit.harness import Row, RunContext, atomic_write_text
+
+NAME = "model"
+DESCRIPTION = ("transformers model log-probs, default vs detkit mode: batch invariance, padding, trainer vs rollout, "
+               "KV-cache decode vs trainer, backward repeat, drift, routed ops, speed")
+CONFIG_ENV = "DETKIT_MODEL_CONFIG"
+MODES = ("default", "detkit")
+GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
+ATTENTION_OPS = ("sdpa", "attention (transformers)")
+
+# Qwen3-8B's widths (hidden 4096, intermediate 12288, 32 query / 8 KV heads of 128, vocab 151936), 2 layers.
+QWEN3_8B_WIDTHS = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151936, num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=1e6,
+                       max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu",
+                       attention_bias=False)
+# The CPU config (Triton interpreter): the same structure, tiny; head_dim 64 is one the attention kernel supports.
+QWEN3_TINY = dict(QWEN3_8B_WIDTHS, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, vocab_size=256, max_position_embeddings=512)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of one audit run."""
+
+    seq_len: int  # tokens per sequence (batch invariance, trainer vs rollout, backward)
+    batch_sizes: tuple[int, ...]
+    pad: int  # padding tokens of the padded sequence
+    train_batch: int
+    micro_batch: int  # the trainer's micro-batch size
+    prompt_len: int
+    gen_len: int
+    decode_batch: int
+    timing: bool
+    prefill: tuple[int, int] = (4, 512)  # (batch, tokens) timed
+    decode: tuple[int, int] = (8, 1024)  # (batch, cache length) timed
+    train: tuple[int, int] = (4, 512)  # (batch, tokens) of the timed forward+backward
+    timing_reps: int = 10
+
+
+CPU_PLAN = Plan(seq_len=10, batch_sizes=(2, 5), pad=3, train_batch=4, micro_batch=2, prompt_len=5, gen_len=4,
+                decode_batch=3, timing=False)
+CUDA_PLAN = Plan(seq_len=256, batch_sizes=(4, 16), pad=37, train_batch=8, micro_batch=2, prompt_len=64, gen_len=24,
+                 decode_batch=8, timing=True)
+NOT_COVERED = (
+    "attention kernels other than detkit.kernels.attention (torch SDPA backends, split-KV decode kernels) and "
+    "transformers' eager attention (its softmax spans the key count)",
+    "TP > 1 inside the model (collectives are not rewritten), FP8 / FP16 / FP32 GEMMs (counted)",
+    "reductions other than the last-dim mean (softmax / log_softmax are per-row in torch: not overridden)",
+    "the first-divergence hooks compare module outputs; differences in ops between modules show as the next module",
+)
+# Speed targets (detkit time / default time).
+TARGETS = {"prefill": 1.05, "decode_eager": 1.15, "decode_cuda_graph": 1.05, "forward_backward": 1.05}
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+def model_source(device: torch.device) -> tuple[object, Path | None, str]:
+    """(config, checkpoint dir with weights or None, description) from DETKIT_MODEL_CONFIG or the default."""
+    from transformers import AutoConfig, Qwen3Config
+
+    spec = os.environ.get(CONFIG_ENV)
+    if not spec:
+        widths = QWEN3_8B_WIDTHS if device.type == "cuda" else QWEN3_TINY
+        return Qwen3Config(**widths), None, f"Qwen3 {'8B widths' if device.type == 'cuda' else 'tiny'}, random init"
+    path = Path(spec)
+    if path.is_dir():
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+        return config, path if weights else None, f"{path} ({'weights' if weights else 'config only, random init'})"
+    if path.is_file():
+        fields = json.loads(path.read_text())
+        model_type = fields.pop("model_type", "qwen3")
+        return AutoConfig.for_model(model_type, **fields), None, f"{path} (random init)"
+    raise ValueError(f"{CONFIG_ENV}={spec!r} is neither a JSON config file nor a checkpoint directory")
+
+
+def build_model(device: torch.device, seed: int):
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as exc:
+        raise RuntimeError("the model audit needs transformers: pip install 'detkit[models]'") from exc
+
+    config, weights, description = model_source(device)
+    torch.manual_seed(seed)
+    if weights is not None:
+        model = AutoModelForCausalLM.from_pretrained(weights, local_files_only=True, dtype=torch.bfloat16,
+                                                     attn_implementation="sdpa").to(device)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval(), description
+
+
+def _cache_kwarg(model) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` (5.2x); take the name this version's model declares."""
+    params = inspect.signature(model.model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def mode_context(mode: str):
+    if mode == "detkit":
+        from detkit.kernels.mode import batch_invariant_mode
+
+        return batch_invariant_mode()
+    return contextlib.nullcontext()
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[B, S-1] FP32 log-probability of token t+1 under the logits at t."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def forward_logits(model, ids, mask=None, position_ids=None, grad=False) -> torch.Tensor:
+    with (torch.enable_grad() if grad else torch.inference_mode()):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+    return out.logits.detach() if grad else out.logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparisons
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Comparison:
+    check: str
+    case: str
+    equal: bool
+    elements: int
+    mismatches: int
+    max_abs: float
+    p99_abs: float | None
+    first_mismatch: tuple[int, ...] | None
+    extra: dict
+
+    def details(self) -> dict:
+        return {"case": self.case, "elements": self.elements, "mismatches": self.mismatches,
+                "max_abs_diff": self.max_abs, "p99_abs_diff": self.p99_abs,
+                "first_mismatch": self.first_mismatch, **self.extra}
+
+
+QUANTILE_MAX = 2**24  # torch.quantile's input limit; larger differences are sampled at a fixed stride
+
+
+def _p99(diff: torch.Tensor) -> float:
+    flat = diff.reshape(-1).float()
+    if flat.numel() == 0:
+        return 0.0
+    if flat.numel() > QUANTILE_MAX:
+        flat = flat[:: -(-flat.numel() // QUANTILE_MAX)]
+    return float(torch.quantile(flat, 0.99))
+
+
+def compare(check: str, case: str, got: torch.Tensor, want: torch.Tensor, **extra) -> Comparison:
+    bits = compare_bits(got.contiguous(), want.contiguous())
+    diff = (got.double() - want.double()).abs()
+    return Comparison(check, case, bits.equal, bits.elements, bits.mismatches,
+                      float(diff.max()) if diff.numel() else 0.0, _p99(diff), bits.first_mismatch, extra)
+
+
+class Recorder:
+    """Forward hooks on every module: the first tensor of each call's output, cut by ``select``, in call order."""
+
+    def __init__(self, model, select: Callable[[torch.Tensor], torch.Tensor | None], call: int | None = None):
+        self.records: list[tuple[str, torch.Tensor]] = []
+        self.select, self.call, self.calls = select, call, -1
+        self.handles = [model.register_forward_pre_hook(self._count)]
+        for name, module in model.named_modules():
+            if name and not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                self.handles.append(module.register_forward_hook(self._hook(name)))
+
+    def _count(self, module, args):
+        self.calls += 1
+
+    def _hook(self, name):
+        def hook(module, args, output):
+            if self.call is not None and self.calls != self.call:
+                return
+            tensor = _first_tensor(output)
+            if tensor is not None:
+                cut = self.select(tensor)
+                if cut is not None:
+                    self.records.append((name, cut.detach().clone()))
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _first_tensor(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((t for t in output if isinstance(t, torch.Tensor)), None)
+    for key in ("logits", "last_hidden_state"):
+        if getattr(output, key, None) is not None:
+            return getattr(output, key)
+    return None
+
+
+def first_divergence(model, run_a: Callable[[], None], select_a, run_b: Callable[[], None], select_b,
+                     call_a: int | None = None, call_b: int | None = None) -> dict:
+    """Run both, recording every module's output; the first module (in call order) whose outputs differ."""
+    recorders = []
+    for run, select, call in ((run_a, select_a, call_a), (run_b, select_b, call_b)):
+        rec = Recorder(model, select, call)
+        try:
+            run()
+        finally:
+            rec.close()
+        recorders.append(rec.records)
+    a, b = recorders
+    for (name_a, ta), (name_b, tb) in zip(a, b):
+        if name_a != name_b:
+            return {"first_divergence": None, "note": f"call order differs at {name_a} / {name_b}"}
+        if ta.shape != tb.shape or ta.dtype != tb.dtype or not compare_bits(ta, tb).equal:
+            return {"first_divergence": name_a, "modules_compared": len(a)}
+    return {"first_divergence": None, "modules_compared": min(len(a), len(b)),
+            "note": "every module output equal (the difference is after the model, or in ops outside modules)"}
+
+
+def _batch_select(index: int, batch: int, seq: slice | int = slice(None)):
+    """Cut row ``index`` of a batch of ``batch`` (a tensor broadcast over the batch, leading dim 1: its only
+    row) at sequence positions ``seq``; None for tensors without a batch dim."""
+    def select(t):
+        if t.dim() < 2 or t.shape[0] not in (batch, 1):
+            return None
+        return t[index if t.shape[0] == batch else 0, seq]
+    return select
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks (each returns Comparisons; ``mode`` decides only the context)
+# ---------------------------------------------------------------------------------------------
+class Audit:
+    def __init__(self, model, device: torch.device, plan: Plan, seed: int):
+        self.model, self.device, self.plan = model, device, plan
+        self.vocab = model.config.vocab_size
+        gen = torch.Generator().manual_seed(seed)
+        self.seqs = torch.randint(3, self.vocab, (max(max(plan.batch_sizes), plan.train_batch) + 1, plan.seq_len),
+                                  generator=gen).to(device)
+        self.prompts = torch.randint(3, self.vocab, (plan.decode_batch, plan.prompt_len), generator=gen).to(device)
+        self.cache_kwarg = _cache_kwarg(model)
+
+    def lp(self, ids, mask=None, position_ids=None, grad=False):
+        return token_logprobs(forward_logits(self.model, ids, mask, position_ids, grad), ids)
+
+    def batch_invariance(self, locate: bool) -> list[Comparison]:
+        seq = self.seqs[:1]
+        alone = self.lp(seq)
+        out = []
+        for bs in self.plan.batch_sizes:
+            for pos in sorted({0, bs // 2, bs - 1}):
+                others = self.seqs[1:bs]
+                batch = torch.cat([others[:pos], seq, others[pos:]])
+                got = self.lp(batch)[pos:pos + 1]
+                cmp = compare("batch_invariance", f"batch {bs} position {pos}", got, alone)
+                if locate and not cmp.equal:
+                    cmp.extra.update(first_divergence(
+                        self.model, lambda: self.lp(seq), _batch_select(0, 1), lambda: self.lp(batch),
+                        _batch_select(pos, bs)))
+                out.append(cmp)
+        return out
+
+    def padding(self) -> list[Comparison]:
+        n, pad = self.plan.seq_len, self.plan.pad
+        short = self.seqs[:1, : n - pad]
+        alone = self.lp(short)
+        others = self.seqs[1:3]
+        out = []
+        for side in ("right", "left"):
+            pad_ids = torch.zeros(1, pad, dtype=short.dtype, device=self.device)
+            row = torch.cat([short, pad_ids], 1) if side == "right" else torch.cat([pad_ids, short], 1)
+            ids = torch.cat([row, others])
+            mask = torch.ones_like(ids)
+            if side == "right":
+                mask[0, n - pad:] = 0
+            else:
+                mask[0, :pad] = 0
+            position_ids = positions_from_mask(mask)
+            lp = self.lp(ids, mask, position_ids)[:1]
+            got = lp[:, : n - pad - 1] if side == "right" else lp[:, pad:]
+            out.append(compare("padding", f"{side} padding {pad} of {n} tokens, batch 3", got, alone))
+        return out
+
+    def trainer_vs_rollout(self, locate: bool) -> list[Comparison]:
+        ids = self.seqs[: self.plan.train_batch]
+        rollout = self.lp(ids)
+        self.model.train()
+        try:
+            trainer = torch.cat([self.lp(part, grad=True) for part in torch.split(ids, self.plan.micro_batch)])
+        finally:
+            self.model.eval()
+        cmp = compare("trainer_vs_rollout", f"batch {len(ids)}: inference forward vs training forward (grad on, "
+                      f"micro-batches of {self.plan.micro_batch})", trainer, rollout)
+        if locate and not cmp.equal:
+            row = cmp.first_mismatch[0]
+            part, idx = divmod(row, self.plan.micro_batch)
+            micro = torch.split(ids, self.plan.micro_batch)[part]
+            cmp.extra.update(first_divergence(self.model, lambda: self.lp(ids), _batch_select(row, len(ids)),
+                                              lambda: self.lp(micro, grad=True), _batch_select(idx, len(micro))))
+        return [cmp]
+
+    def rollout(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy prefill + decode with a DynamicCache: (generated tokens [B, G], their log-probs [B, G])."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        tokens, lps = [], []
+        with torch.inference_mode():
+            logits = self.model(input_ids=prompts, use_cache=True, **{self.cache_kwarg: cache}).logits[:, -1]
+            for step in range(self.plan.gen_len):
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                nxt = logp.argmax(-1)
+                tokens.append(nxt)
+                lps.append(logp.gather(-1, nxt[:, None])[:, 0])
+                if step + 1 < self.plan.gen_len:
+                    logits = self.model(input_ids=nxt[:, None], use_cache=True,
+                                        **{self.cache_kwarg: cache}).logits[:, -1]
+        return torch.stack(tokens, 1), torch.stack(lps, 1)
+
+    def decode_vs_trainer(self, locate: bool) -> list[Comparison]:
+        p, g = self.plan.prompt_len, self.plan.gen_len
+        alone_tokens, alone_lp = self.rollout(self.prompts[:1])
+        batch_tokens, batch_lp = self.rollout(self.prompts)
+        seqs = torch.cat([torch.cat([self.prompts, batch_tokens], 1), torch.cat([self.prompts[:1], alone_tokens], 1)])
+        self.model.train()
+        try:
+            trainer = self.lp(seqs, grad=True)[:, p - 1: p - 1 + g]
+        finally:
+            self.model.eval()
+        out = []
+        for case, got, rows in (("alone", alone_lp, slice(len(seqs) - 1, None)), ("batch", batch_lp, slice(0, -1))):
+            cmp = compare("decode_vs_trainer", f"{case}: prefill {p} + {g} decode steps (DynamicCache) vs one "
+                          f"training forward over {p + g} tokens", got, trainer[rows])
+            if locate and not cmp.equal and case == "alone":
+                step = cmp.first_mismatch[1]
+                prompts, seq = self.prompts[:1], seqs[-1:]
+
+                def run_rollout():
+                    self.rollout(prompts)
+
+                cmp.extra.update(first_divergence(
+                    self.model, run_rollout, _batch_select(0, 1, p - 1 if step == 0 else 0),
+                    lambda: self.lp(seq, grad=True), _batch_select(0, 1, p - 1 + step), call_a=step, call_b=0))
+                cmp.extra["located_step"] = step
+            out.append(cmp)
+        return out
+
+    def backward_repeat(self) -> list[Comparison]:
+        ids = self.seqs[: self.plan.train_batch]
+        runs = []
+        for _ in range(2):
+            self.model.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                logits = self.model(input_ids=ids, use_cache=False).logits
+                loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, self.vocab), ids[:, 1:].reshape(-1))
+                loss.backward()
+            runs.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
+        self.model.zero_grad(set_to_none=True)
+        differing, mismatches, elements, max_abs = [], 0, 0, 0.0
+        for name, grad in runs[0].items():
+            bits = compare_bits(grad, runs[1][name])
+            elements += bits.elements
+            if not bits.equal:
+                differing.append(name)
+                mismatches += bits.mismatches
+                max_abs = max(max_abs, float((grad.double() - runs[1][name].double()).abs().max()))
+        cmp = Comparison("backward_repeat", f"every parameter gradient, batch {len(ids)}, two runs", not differing,
+                         elements, mismatches, max_abs, None, None,
+                         {"parameters": len(runs[0]), "parameters_differing": len(differing),
+                          "first_parameter_differing": differing[0] if differing else None})
+        return [cmp]
+
+    def all_checks(self, locate: bool) -> Iterator[Comparison]:
+        yield from self.batch_invariance(locate)
+        yield from self.padding()
+        yield from self.trainer_vs_rollout(locate)
+        yield from self.decode_vs_trainer(locate)
+        yield from self.backward_repeat()
+
+
+# ---------------------------------------------------------------------------------------------
+# Speed (cuda)
+# ---------------------------------------------------------------------------------------------
+def _median_ms(fn: Callable[[], None], reps: int, before: Callable[[], None] | None = None) -> float:
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def speed(audit: Audit) -> dict[str, dict[str, float | str]]:
+    """Median ms per case and mode (interleaved: default then detkit, twice), and the ratio detkit / default."""
+    from transformers import DynamicCache
+
+    model, plan, device = audit.model, audit.plan, audit.device
+    gen = torch.Generator().manual_seed(7)
+    vocab = audit.vocab
+
+    def ids(batch, tokens):
+        return torch.randint(3, vocab, (batch, tokens), generator=gen).to(device)
+
+    prefill_ids, train_ids = ids(*plan.prefill), ids(*plan.train)
+    decode_batch, cache_len = plan.decode
+    decode_prompt, decode_tok = ids(decode_batch, cache_len), ids(decode_batch, 1)
+
+    def prefill():
+        with torch.inference_mode():
+            model(input_ids=prefill_ids, use_cache=False)
+
+    def fwd_bwd():
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=train_ids, use_cache=False).logits
+        F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), train_ids[:, 1:].reshape(-1)).backward()
+
+    def decode_cases():
+        cache = DynamicCache(config=model.config)
+        kw = {audit.cache_kwarg: cache, "use_cache": True}
+        with torch.inference_mode():
+            model(input_ids=decode_prompt, **kw)
+            step = lambda: model(input_ids=decode_tok, **kw)  # noqa: E731 (one decode step; the cache grows by one)
+            eager = _median_ms(step, plan.timing_reps)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    step()
+            except Exception as exc:  # noqa: BLE001 (reported in the row, not hidden)
+                return eager, f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            return eager, _median_ms(graph.replay, plan.timing_reps)
+
+    results: dict[str, dict[str, list[float]]] = {}
+    errors: dict[str, str] = {}
+    for _ in range(2):
+        for mode in MODES:
+            with mode_context(mode):
+                timings = {"prefill": _median_ms(prefill, plan.timing_reps)}
+                eager, graph = decode_cases()
+                timings["decode_eager"] = eager
+                if isinstance(graph, str):
+                    errors[f"decode_cuda_graph {mode}"] = graph
+                else:
+                    timings["decode_cuda_graph"] = graph
+                timings["forward_backward"] = _median_ms(fwd_bwd, max(3, plan.timing_reps // 2))
+                model.zero_grad(set_to_none=True)
+            for case, ms in timings.items():
+                results.setdefault(case, {}).setdefault(mode, []).append(ms)
+    table = {}
+    for case, by_mode in results.items():
+        ms = {mode: min(v) for mode, v in by_mode.items()}
+        ratio = ms["detkit"] / ms["default"] if len(ms) == 2 else float("nan")
+        table[case] = {"default_ms": ms.get("default", float("nan")), "detkit_ms": ms.get("detkit", float("nan")),
+                       "ratio": ratio, "target": TARGETS[case], "meets_target": ratio <= TARGETS[case]}
+    for case, error in errors.items():
+        table.setdefault(case.split()[0], {})["error"] = error
+    table["_shapes"] = {"prefill": plan.prefill, "decode (batch, cache length)": plan.decode, "train": plan.train}
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# The plug-in
+# ---------------------------------------------------------------------------------------------
+def _row(ctx: RunContext, check: str, name: str, passed: bool, details: dict) -> Row:
+    return Row(suite=NAME, check=check, name=name, passed=passed, backend=ctx.backend, details=details)
+
+
+def _attention_kernel_present() -> bool:
+    from detkit.kernels.mode_attention import attention_module
+
+    return attention_module() is not None
+
+
+def run(ctx: RunContext) -> Iterator[Row]:
+    from detkit.kernels.mode import mode_counters
+
+    plan = CPU_PLAN if ctx.device.type == "cpu" else CUDA_PLAN
+    model, description = build_model(ctx.device, ctx.seed)
+    audit = Audit(model, ctx.device, plan, ctx.seed)
+    meta = {"model": description, "layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size,
+            "plan": plan.__dict__, "attention_kernel_present": _attention_kernel_present()}
+    yield _row(ctx, "model", f"model {description}", True, meta)
+    drift: list[dict] = []
+    detkit_counters = None
+    for mode in MODES:
+        start = mode_counters()
+        with mode_context(mode):
+            for cmp in audit.all_checks(locate=True):
+                entry = {"mode": mode, "check": cmp.check, **cmp.details()}
+                drift.append(entry)
+                if mode == "default":
+                    yield _row(ctx, "default_drift", f"default {cmp.check} {cmp.case}", True,
+                               {"informational": "torch's kernels; the drift the mode removes", **entry})
+                    continue
+                passed = cmp.equal
+                if cmp.check == "decode_vs_trainer":
+                    attention = {k: n for k, n in (mode_counters() - start).not_routed.items() if k[0] in ATTENTION_OPS}
+                    if attention:
+                        passed = False
+                        entry["reason"] = "attention ran on torch's kernels, whose reduction over the keys depends on q_len"
+                        entry["attention_not_routed"] = {f"{op}: {reason}": n for (op, reason), n in attention.items()}
+                yield _row(ctx, cmp.check, f"detkit {cmp.check} {cmp.case}", passed, entry)
+        if mode == "detkit":
+            detkit_counters = mode_counters() - start
+    counters = detkit_counters.as_dict()
+    gemm_misses = {k: n for k, n in counters["not_routed"].items() if k.split(":", 1)[0] in GEMM_OPS}
+    yield _row(ctx, "counters", "detkit mode: ops on detkit kernels and on torch", not gemm_misses,
+               {**counters, "gemm_not_routed": gemm_misses})
+    timing = None
+    if plan.timing and ctx.device.type == "cuda":
+        timing = speed(audit)
+        for case, entry in timing.items():
+            if not case.startswith("_"):
+                yield _row(ctx, "speed", f"speed {case} detkit / default", True,
+                           {"informational": "time ratio; target in 'target'", **entry})
+    if ctx.out_dir is not None:
+        write_model_report(Path(ctx.out_dir), meta, drift, counters, timing)
+
+
+def write_model_report(out_dir: Path, meta: dict, drift: list[dict], counters: dict, timing: dict | None) -> None:
+    from tabulate import tabulate
+
+    table = [{k: e.get(k) for k in ("mode", "check", "case", "mismatches", "elements", "max_abs_diff",
+                                    "p99_abs_diff", "first_divergence")} for e in drift]
+    lines = ["# Model audit: default vs detkit mode", "", f"- model: {meta['model']}",
+             f"- detkit.kernels.attention present: {meta['attention_kernel_present']}", "",
+             "## Drift (FP32 log-prob bits; max / p99 |difference|: log-probs, or gradients for backward_repeat)",
+             "",
+             tabulate(table, headers="keys", tablefmt="github", floatfmt=".3g"), "",
+             "## Ops in detkit mode", "", "On detkit kernels (op -> kernel: calls):", ""]
+    lines += [f"- {k}: {n}" for k, n in counters["routed"].items()] or ["- none"]
+    lines += ["", "On torch (op: reason: calls):", ""]
+    lines += [f"- {k}: {n}" for k, n in counters["not_routed"].items()] or ["- none"]
+    lines += ["", "## Not covered", ""] + [f"- {item}" for item in NOT_COVERED]
+    if timing:
+        rows = [{"case": c, **{k: v for k, v in e.items()}} for c, e in timing.items() if not c.startswith("_")]
+        lines += ["", "## Speed (median ms, detkit / default)", "", tabulate(rows, headers="keys", tablefmt="github",
+                                                                              floatfmt=".3g"),
+                  "", f"shapes: {timing['_shapes']}"]
+    atomic_write_text(out_dir / "model.md", "\n".join(lines) + "\n")
+    atomic_write_text(out_dir / "model.json", json.dumps({"meta": meta, "drift": drift, "counters": counters,
+                                                           "speed": timing}, indent=2, default=str) + "\n")

@@ -1,0 +1,114 @@
+"""detkit's batch-invariant mode: one switch that puts a PyTorch model -- forward and backward, eager
+and compiled -- on detkit's kernels.
+
+    with detkit.batch_invariant_mode():          # or @detkit.batch_invariant_mode()
+        logits = model(input_ids).logits         # every BF16 mm/addmm/bmm on det_gemm
+        loss.backward()                          # grad_input / grad_weight GEMMs too
+
+What it routes while entered (process-wide, every thread; docs/mode.md):
+- aten mm / addmm / bmm / baddbmm on BF16 tensors (CUDA sm_90, or CPU under TRITON_INTERPRET=1) ->
+  det_gemm, by operand layout to fwd / dA / dB (``mode_gemm``); so nn.Linear, F.linear,
+  torch.matmul and ``@``, forward and backward.
+- aten mean.dim over the last dim (RMSNorm's variance) -> a fixed-order row mean
+  (``mode_reductions``: torch's CUDA reduction changes its order with the row count).
+- compiled graphs: an Inductor post-grad pass puts the same ops on detkit's custom ops
+  (``mode_compile``), whose kernels and configs are chosen at run time from the actual shapes.
+- attention: F.scaled_dot_product_attention and transformers' "sdpa" attention go to
+  ``detkit.kernels.attention`` when it covers the call (``mode_attention``); "detkit" is registered
+  as a transformers attention implementation.
+
+Everything it does not route is counted with the reason (``mode_counters()``); with
+``strict=True`` such a call raises ``ModeNotRoutedError`` instead. Never a silent fallback.
+
+Re-entrant: a depth counter; the outermost entry installs the overrides, the matching exit removes
+them (so outside the mode torch runs untouched). ``strict`` holds while any enclosing entry asked for it.
+Backward passes must run inside the mode too (they call the same aten ops).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+from detkit.kernels import mode_state
+from detkit.kernels.mode_state import ModeCounters, ModeNotRoutedError
+
+__all__ = [
+    "ModeCounters", "ModeNotRoutedError", "batch_invariant_mode", "disable_batch_invariant_mode",
+    "enable_batch_invariant_mode", "is_batch_invariant_mode_enabled", "mode_counters", "reset_mode_counters",
+]
+
+log = logging.getLogger(__name__)
+_TRANSITION = threading.RLock()
+
+
+def _install() -> None:
+    from detkit.kernels import mode_aten, mode_attention, mode_compile
+
+    mode_aten.install()
+    mode_compile.install()
+    mode_attention.install()
+
+
+def _uninstall() -> None:
+    from detkit.kernels import mode_aten, mode_attention, mode_compile
+
+    mode_attention.uninstall()
+    mode_compile.uninstall()
+    mode_aten.uninstall()
+
+
+def enable_batch_invariant_mode(strict: bool = False) -> None:
+    """Enter the mode (process-wide); pair each call with ``disable_batch_invariant_mode()``."""
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool; got {type(strict).__name__}")
+    with _TRANSITION:
+        if mode_state.STATE.depth == 0:
+            _install()
+        mode_state.STATE.strict_stack.append(strict)
+        mode_state.STATE.depth += 1
+
+
+def disable_batch_invariant_mode() -> None:
+    """Leave the innermost entry; the outermost exit restores torch's kernels."""
+    with _TRANSITION:
+        if mode_state.STATE.depth == 0:
+            raise RuntimeError("disable_batch_invariant_mode() called while the mode is not enabled")
+        mode_state.STATE.depth -= 1
+        mode_state.STATE.strict_stack.pop()
+        if mode_state.STATE.depth == 0:
+            _uninstall()
+
+
+def is_batch_invariant_mode_enabled() -> bool:
+    return mode_state.active()
+
+
+class batch_invariant_mode(contextlib.ContextDecorator):
+    """Context manager and decorator for the batch-invariant mode; re-entrant (see the module docstring).
+
+    ``strict=True``: a call the mode cannot run on detkit's kernels raises ``ModeNotRoutedError``
+    (before any work) instead of running on torch's kernel and being counted."""
+
+    def __init__(self, strict: bool = False):
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be a bool; got {type(strict).__name__}")
+        self.strict = strict
+
+    def __enter__(self) -> "batch_invariant_mode":
+        enable_batch_invariant_mode(self.strict)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        disable_batch_invariant_mode()
+        return False
+
+
+def mode_counters() -> ModeCounters:
+    """Calls routed per (op, kernel) and not routed per (op, reason) since the last reset."""
+    return mode_state.counters()
+
+
+def reset_mode_counters() -> None:
+    mode_state.reset_counters()

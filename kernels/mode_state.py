@@ -1,0 +1,89 @@
+"""The batch-invariant mode's process-wide state: how deep it is entered, whether it is strict, and the
+counters of what it routed and what it did not.
+
+Every routing point (the aten overrides, the compiled-graph ops, the attention routes) asks
+``active()`` and reports each call with ``routed(op, kernel)`` or ``not_routed(op, reason)``. A call
+that is not routed is never silent: it is counted with its reason, and under ``strict`` it raises
+``ModeNotRoutedError`` before any work. No torch state lives here, so importing it costs nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+class ModeNotRoutedError(RuntimeError):
+    """A call inside a strict batch-invariant mode that detkit cannot run on its own kernels."""
+
+
+@dataclass
+class _State:
+    depth: int = 0
+    strict_stack: list[bool] = field(default_factory=list)
+    routed: Counter = field(default_factory=Counter)  # (op, kernel) -> calls
+    not_routed: Counter = field(default_factory=Counter)  # (op, reason) -> calls
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+STATE = _State()
+
+
+def active() -> bool:
+    """True while the mode is entered anywhere in the process (autograd's worker threads included)."""
+    return STATE.depth > 0
+
+
+def strict() -> bool:
+    """True when any enclosing entry asked for ``strict``."""
+    return any(STATE.strict_stack)
+
+
+def routed(op: str, kernel: str, calls: int = 1) -> None:
+    with STATE.lock:
+        STATE.routed[(op, kernel)] += calls
+
+
+def not_routed(op: str, reason: str) -> None:
+    """Count a call that runs on torch's kernel; under ``strict``, raise instead (before any work)."""
+    if strict():
+        raise ModeNotRoutedError(f"batch_invariant_mode(strict=True): {op} cannot run on a detkit kernel: {reason}")
+    with STATE.lock:
+        STATE.not_routed[(op, reason)] += 1
+
+
+@dataclass(frozen=True)
+class ModeCounters:
+    """A snapshot of the counters: ``routed[(op, kernel)]`` and ``not_routed[(op, reason)]`` call counts."""
+
+    routed: dict[tuple[str, str], int]
+    not_routed: dict[tuple[str, str], int]
+
+    def as_dict(self) -> dict:
+        """JSON-friendly: ``{"routed": {"op -> kernel": n}, "not_routed": {"op: reason": n}}``."""
+        return {"routed": {f"{op} -> {kernel}": n for (op, kernel), n in sorted(self.routed.items())},
+                "not_routed": {f"{op}: {reason}": n for (op, reason), n in sorted(self.not_routed.items())}}
+
+    def routed_ops(self) -> set[str]:
+        return {op for op, _ in self.routed}
+
+    def not_routed_ops(self) -> set[str]:
+        return {op for op, _ in self.not_routed}
+
+    def __sub__(self, before: "ModeCounters") -> "ModeCounters":
+        """The calls counted since ``before`` was taken."""
+        def diff(now: dict, then: dict) -> dict:
+            return {k: n - then.get(k, 0) for k, n in now.items() if n - then.get(k, 0)}
+        return ModeCounters(diff(self.routed, before.routed), diff(self.not_routed, before.not_routed))
+
+
+def counters() -> ModeCounters:
+    with STATE.lock:
+        return ModeCounters(dict(STATE.routed), dict(STATE.not_routed))
+
+
+def reset_counters() -> None:
+    with STATE.lock:
+        STATE.routed.clear()
+        STATE.not_routed.clear()

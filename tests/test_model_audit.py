@@ -1,0 +1,112 @@
+"""audits/model.py: the model audit's comparisons can fail and say where (a batch-dependent perturbation in one
+module is caught and named by the first-divergence hooks), the model comes from DETKIT_MODEL_CONFIG or the
+default, and the plug-in run yields its rows (decode vs trainer FAILED with the reason while the attention
+kernel is absent) and writes model.md / model.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is the optional extra detkit[models]")
+
+from detkit.audits import model as audit_model  # noqa: E402
+from detkit.kernels.mode_attention import attention_module  # noqa: E402
+from detkit.toolkit.harness import RunContext  # noqa: E402
+
+ONE_LAYER = dict(audit_model.QWEN3_TINY, num_hidden_layers=1)
+SMALL_PLAN = audit_model.Plan(seq_len=6, batch_sizes=(3,), pad=2, train_batch=2, micro_batch=1, prompt_len=3,
+                              gen_len=2, decode_batch=2, timing=False)
+
+
+@pytest.fixture
+def config_file(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"model_type": "qwen3", **ONE_LAYER}))
+    monkeypatch.setenv(audit_model.CONFIG_ENV, str(path))
+    return path
+
+
+def test_model_source_reads_a_json_config_or_a_directory_and_refuses_anything_else(config_file, tmp_path,
+                                                                                  monkeypatch):
+    config, weights, description = audit_model.model_source(torch.device("cpu"))
+    assert (config.hidden_size, config.num_hidden_layers, weights) == (128, 1, None)
+    assert description.endswith("(random init)")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    config.save_pretrained(checkpoint)
+    monkeypatch.setenv(audit_model.CONFIG_ENV, str(checkpoint))
+    config, weights, description = audit_model.model_source(torch.device("cpu"))
+    assert config.num_hidden_layers == 1 and weights is None and "config only" in description
+    monkeypatch.setenv(audit_model.CONFIG_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="neither a JSON config file nor a checkpoint directory"):
+        audit_model.model_source(torch.device("cpu"))
+
+
+def test_default_configs_are_qwen3_8b_widths_on_cuda_and_tiny_on_cpu(monkeypatch):
+    monkeypatch.delenv(audit_model.CONFIG_ENV, raising=False)
+    cuda, _, _ = audit_model.model_source(torch.device("cuda"))
+    cpu, _, _ = audit_model.model_source(torch.device("cpu"))
+    assert (cuda.hidden_size, cuda.intermediate_size, cuda.num_attention_heads, cuda.num_key_value_heads,
+            cuda.head_dim, cuda.vocab_size, cuda.num_hidden_layers) == (4096, 12288, 32, 8, 128, 151936, 2)
+    assert cpu.hidden_size <= 128 and cpu.num_hidden_layers == 2 and cpu.head_dim in (64, 128)
+
+
+def test_a_batch_dependent_module_is_caught_and_named(device, config_file):
+    """A perturbation that depends on the batch size in one module: batch invariance fails in the audit's
+    comparison and the first-divergence hooks name that module, not an earlier one."""
+    model, _ = audit_model.build_model(device, seed=1)
+    target = model.model.layers[0].mlp.up_proj
+    handle = target.register_forward_hook(lambda m, args, out: out + 0.01 * (out.shape[0] - 1))
+    try:
+        audit = audit_model.Audit(model, device, SMALL_PLAN, seed=1)
+        results = audit.batch_invariance(locate=True)
+    finally:
+        handle.remove()
+    assert results and all(not r.equal for r in results)
+    assert {r.extra["first_divergence"] for r in results} == {"model.layers.0.mlp.up_proj"}
+
+
+def test_the_plugin_yields_its_rows_and_writes_the_model_report(device, config_file, tmp_path, monkeypatch):
+    monkeypatch.setattr(audit_model, "CPU_PLAN", SMALL_PLAN)
+    monkeypatch.setattr(audit_model, "CUDA_PLAN", SMALL_PLAN)
+    backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
+    ctx = RunContext(device=device, backend=backend, preset="tiny", seed=3, out_dir=tmp_path)
+    rows = list(audit_model.run(ctx))
+    by_check: dict[str, list] = {}
+    for row in rows:
+        by_check.setdefault(row.check, []).append(row)
+    assert set(by_check) == {"model", "default_drift", "batch_invariance", "padding", "trainer_vs_rollout",
+                             "decode_vs_trainer", "backward_repeat", "counters"}
+    assert all(r.passed for r in by_check["default_drift"])  # informational
+    for check in ("batch_invariance", "trainer_vs_rollout", "backward_repeat", "counters"):
+        assert all(r.passed for r in by_check[check]), [r.details for r in by_check[check]]
+    decode = by_check["decode_vs_trainer"]
+    assert len(decode) == 2
+    if attention_module() is None:
+        assert not any(r.passed for r in decode)
+        assert all("no detkit attention kernel" in json.dumps(r.details["attention_not_routed"]) for r in decode)
+    counters = by_check["counters"][0].details
+    assert counters["routed"]["mm -> det_gemm_fwd"] > 0 and counters["gemm_not_routed"] == {}
+    report = (tmp_path / "model.md").read_text()
+    assert "## Drift" in report and "mm -> det_gemm_fwd" in report
+    assert json.loads((tmp_path / "model.json").read_text())["counters"] == {
+        k: v for k, v in counters.items() if k in ("routed", "not_routed")}
+
+
+def test_a_decode_only_difference_is_located_at_its_step_and_module(device, config_file):
+    """A perturbation only in one-token forwards (decode steps): decode vs trainer fails from the first decode
+    step on, and the hooks, comparing that step's forward with the trainer's position, name the module."""
+    model, _ = audit_model.build_model(device, seed=2)
+    target = model.model.layers[0].self_attn.o_proj
+    handle = target.register_forward_hook(lambda m, args, out: out + 0.01 * (out.shape[1] == 1))
+    try:
+        audit = audit_model.Audit(model, device, SMALL_PLAN, seed=2)
+        alone, batch = audit.decode_vs_trainer(locate=True)
+    finally:
+        handle.remove()
+    assert not alone.equal and not batch.equal
+    assert alone.extra["located_step"] == 1  # token 0 comes from the prefill, unperturbed
+    assert alone.extra["first_divergence"] == "model.layers.0.self_attn.o_proj"

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The batch-invariant mode on one H200, in one call of about 5 minutes: the model audit at the Qwen3-8B widths
+# (2 layers; batch invariance, padding, trainer vs rollout, KV-cache decode vs trainer, backward repeat, the
+# default-mode drift table, routed ops, and the speed ratios prefill / decode eager / decode CUDA graph /
+# forward+backward), then the mode's GPU tests (eager, torch.compile, CUDA-graph capture, attention wiring,
+# the audit's own tests). Each step has a time limit; the run goes on after a failure and exits non-zero if
+# any step failed. Everything lands under $OUT: versions.txt, steps.txt, <step>.log, model-audit/ (report.md,
+# report.json, rows.jsonl, model.md, model.json).
+# Usage: OUT=/path/to/results bash tools/gpu/mode.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to the results folder}"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+mkdir -p "$OUT"
+failed=0
+
+# step NAME LIMIT_S CMD...: log to $OUT/NAME.log, exit status to $OUT/steps.txt; a failure does not stop the run.
+step() {
+  local name=$1 limit=$2 rc=0
+  shift 2
+  echo "== $(date -u +%H:%M:%S) $name (limit ${limit}s): $*"
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  echo "$name rc=$rc" | tee -a "$OUT/steps.txt"
+  tail -6 "$OUT/$name.log"
+  if [[ $rc -ne 0 ]]; then failed=1; fi
+}
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  git rev-parse HEAD 2>/dev/null || echo "no git"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+  python - <<'PY'
+import torch, triton, transformers
+print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")
+PY
+} > "$OUT/versions.txt" 2>&1 || true
+cat "$OUT/versions.txt"
+
+step model-audit "${MODEL_AUDIT_LIMIT:-200}" python -m detkit audit --device cuda --suite model --no-progress \
+  --out "$OUT/model-audit"
+step pytest-mode "${MODE_TESTS_LIMIT:-150}" env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra \
+  tests/test_mode.py tests/test_mode_compile.py tests/test_mode_attention.py tests/test_model_audit.py
+echo "== $(date -u +%H:%M:%S) finished (failed=$failed)"
+exit "$failed"
