@@ -134,7 +134,9 @@ def bench_preset(p: MoePreset, group: list[BenchCase], ctx, baseline_choice: tup
         named = {impl: with_range(f"{case.name} | {impl}", fn) for impl, fn in layer[case.measure].items()}
         flops = p.flops(case.measure)
         row = {**common, "name": case.name, "measure": case.measure, "flops": flops, "passed": True}
-        for impl, t in time_interleaved(named, device, rounds=rounds).items():
+        with nvtx_range(case.name):
+            timings = time_interleaved(named, device, rounds=rounds)
+        for impl, t in timings.items():
             key = "detkit" if impl == "detkit" else "baseline"
             row.update(timing_fields(key, t, flops, not interpreted))
             if not interpreted:

@@ -199,7 +199,8 @@ def bench_fp8_preset(p: MoePreset, group: list[BenchCase], ctx, fp64: bool) -> I
             fns[f"fp8_cold_wgrad_{OTHER_WGRAD}"] = lambda: fp8_fwd_bwd(None, OTHER_WGRAD)
         named = {impl: with_range(f"{case.name} | {impl}", fn) for impl, fn in fns.items()}
         flops = p.flops(case.measure)
-        timings = time_interleaved(named, device, rounds=rounds)
+        with nvtx_range(case.name):
+            timings = time_interleaved(named, device, rounds=rounds)
         row = {**common, "name": case.name, "measure": case.measure, "flops": flops, "validated": True,
                "weight_cache_hits": cache.hits, "passed": True}
         for impl, t in timings.items():
@@ -272,6 +273,7 @@ def crossover_point(p: MoePreset, case: BenchCase, ctx) -> dict:
     from detkit.audits.moe_fp8 import gate_passed
     from detkit.kernels.moe import moe_mlp_bwd, moe_mlp_fwd
     from detkit.kernels.moe_fp8 import DEFAULT_WGRAD, OTHER_WGRAD, WGRAD_MODES, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd
+    from detkit.toolkit.nvtx_ranges import nvtx_range
     from detkit.toolkit.timing import time_interleaved
 
     inp = make_inputs(p, ctx.device, ctx.seed)
@@ -300,7 +302,9 @@ def crossover_point(p: MoePreset, case: BenchCase, ctx) -> dict:
     if ok[OTHER_WGRAD]:
         fns[f"fp8_cold_wgrad_{OTHER_WGRAD}"] = lambda: f8(OTHER_WGRAD)
     named = {impl: with_range(f"{case.name} | {impl}", fn) for impl, fn in fns.items()}
-    for impl, tm in time_interleaved(named, ctx.device, rounds=max(1, ctx.rounds // 2)).items():
+    with nvtx_range(case.name):
+        timings = time_interleaved(named, ctx.device, rounds=max(1, ctx.rounds // 2))
+    for impl, tm in timings.items():
         row.update(timing_fields(impl, tm))
     if not ctx.interpreted:
         row.update(speedups(row, fns))

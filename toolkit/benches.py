@@ -317,6 +317,12 @@ def _merge_command(plugin, dirs, out, as_json, command_line) -> None:
     if given:
         raise click.UsageError(f"--merge re-reports earlier runs; it takes only --out and --json, not {given}")
     rows, meta = _usage(merge_reports, plugin, dirs, command_line)
+    writer = RowWriter(out / "rows.jsonl")
+    try:
+        for row in rows:
+            writer.write(row)
+    finally:
+        writer.close()
     json_path, md_path = write_bench_report(plugin, out, meta, rows)
     _echo(json_path, md_path, as_json)
     _exit(bool(rows) and all(r["passed"] for r in rows), rows, True)
