@@ -1,5 +1,5 @@
-"""What the MoE benchmarks share (``moe``, its FP8 half ``moe_fp8``, ``moe-sweep``): the shape presets,
-seeded inputs, the PyTorch baseline, and the timing-row helpers.
+"""What the MoE benchmarks share (``moe``, its FP8 half ``moe_fp8``, ``moe-sweep``): the shape presets
+(toolkit.presets), seeded inputs, the PyTorch baseline, and the timing-row helpers.
 
 Baseline: ``torch._grouped_mm`` over the expert-sorted, materialised input when it runs forward and
 backward on the device (probed on a small case first), otherwise a per-expert matmul loop; the row
@@ -22,52 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
+from detkit.toolkit.presets import MOE_GPU_PRESETS as GPU_PRESETS
+from detkit.toolkit.presets import MOE_PRESETS as PRESETS
+from detkit.toolkit.presets import MoePreset
+
+__all__ = ["GPU_PRESETS", "PRESETS", "MoePreset"]  # the shape presets, re-exported beside the helpers below
+
 DATASHEET_BF16_TFLOPS = 989.0
 DATASHEET_FP8_TFLOPS = 1979.0
 # Both paths are BF16 pipelines a few BF16 roundings apart: ~2^-8 relative L2; a wrong route or weight is O(1).
 VALIDATE_REL_L2 = 2.0**-5
 INTERPRETER_LABEL = "triton_interpreter: CPU emulation at tiny shapes; NOT a hardware result (no MFU)"
-FLOPS_PER_TKHI = {"fwd": 6.0, "bwd": 12.0, "fwd_bwd": 18.0}
-
-
-@dataclass(frozen=True)
-class MoePreset:
-    name: str
-    t: int  # tokens
-    h: int  # hidden
-    i: int  # expert intermediate
-    e: int  # experts
-    k: int  # routes per token
-
-    def flops(self, measure: str) -> float:
-        return FLOPS_PER_TKHI[measure] * self.t * self.k * self.h * self.i
-
-    @property
-    def flops_fwd(self) -> float:
-        return self.flops("fwd")
-
-    @property
-    def flops_fwd_bwd(self) -> float:
-        return self.flops("fwd_bwd")
-
-    @property
-    def label(self) -> str:
-        return f"moe_mlp [T={self.t}, H={self.h}, I={self.i}, E={self.e}, K={self.k}] bf16"
-
-
-PRESETS = {
-    "reference": MoePreset("reference", 8192, 3072, 1536, 8, 8),
-    "qwen3-30b-a3b": MoePreset("qwen3-30b-a3b", 8192, 2048, 768, 128, 8),
-    "qwen3-235b-a22b": MoePreset("qwen3-235b-a22b", 8192, 4096, 1536, 128, 8),
-    "olmoe": MoePreset("olmoe", 8192, 2048, 1024, 64, 8),
-    "mixtral-8x7b": MoePreset("mixtral-8x7b", 8192, 4096, 14336, 8, 2),
-    "tiny": MoePreset("tiny", 64, 32, 48, 4, 2),  # interpreter scale
-    # The reference shape at the FP8 target's second T, and an interpreter shape with H, I multiples of 128
-    # (the FP8 quantization block).
-    "reference-16k": MoePreset("reference-16k", 16384, 3072, 1536, 8, 8),
-    "tiny-fp8": MoePreset("tiny-fp8", 64, 128, 128, 3, 2),
-}
-GPU_PRESETS = ("reference", "qwen3-30b-a3b", "qwen3-235b-a22b", "olmoe", "mixtral-8x7b")
 
 
 def make_inputs(p: MoePreset, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:

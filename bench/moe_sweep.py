@@ -76,7 +76,7 @@ ROUTINGS = ("uniform", "skewed")
 ZIPF_EXPONENT = 1.0  # expert popularity ~ 1 / (rank + 1), the classic Zipf law
 SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384)
 QUICK_PRESETS = ("reference", "qwen3-30b-a3b")
-QUICK_TOKENS = (1024, 4096, 16384)
+QUICK_TOKENS = (1024, 8192, 16384)  # T = 8192 and 16384: every target's case
 CPU_PRESETS = ("tiny",)
 CPU_TOKENS = (16, 64)
 MEASURES = ("fwd", "bwd", "fwd_bwd")

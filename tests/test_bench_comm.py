@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from detkit.bench import comm
 from detkit.toolkit import cli
+from tests.bench_helpers import bench_ctx, one_process, read_rows, torchrun_env
 from tests.torchrun import run_two_ranks
 from detkit.toolkit.nvtx_ranges import parse_injection_log, verify_nvtx_log
 
@@ -32,10 +33,8 @@ def test_formulas_and_names():
 
 
 def test_cases_and_refusals():
-    from types import SimpleNamespace
-
-    ranks = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}
-    ctx = SimpleNamespace(presets=(), interpreted=True)
+    ranks = torchrun_env(2)
+    ctx = bench_ctx()
     got = comm.cases(ctx, m_values=(1, 6), n_cols=8, environ=ranks)
     collectives = [(c.impl, c.m, c.n) for c in got if c.kind == comm.COLLECTIVE]
     assert collectives == [(i, m, 8) for m in (1, 6) for i in IMPLS]
@@ -46,16 +45,15 @@ def test_cases_and_refusals():
                                  ({"iters": 0}, ranks, "--iters must be >= 1"),
                                  ({"warmup": -1}, ranks, "--warmup must be >= 0"),
                                  ({}, {}, "needs 2 ranks: torchrun --nproc-per-node 2"),
-                                 ({}, {**ranks, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, "runs on 4 ranks")):
+                                 ({}, torchrun_env(4), "runs on 4 ranks")):
         with pytest.raises(ValueError, match=message):
             comm.cases(ctx, environ=env, **kwargs)
     with pytest.raises(ValueError, match="takes no --preset"):
-        comm.cases(SimpleNamespace(presets=("tiny",), interpreted=True), environ=ranks)
+        comm.cases(bench_ctx(["tiny"]), environ=ranks)
 
 
 def test_refused_outside_a_two_rank_launch(tmp_path, monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
-        monkeypatch.delenv(var, raising=False)
+    one_process(monkeypatch)
     result = CliRunner().invoke(cli.main, ["bench", "comm", "--device", "cpu", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "needs 2 ranks: torchrun --nproc-per-node 2" in result.output
     assert not (tmp_path / "o").exists()
@@ -80,7 +78,7 @@ def cpu_run(tmp_path_factory):
 def test_two_rank_gloo_rows_are_sane(cpu_run):
     tmp, proc = cpu_run
     out = tmp / "out"
-    all_rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    all_rows = read_rows(out)
     assert json.loads((out / "report.json").read_text())["rows"] == all_rows
     rows = [r for r in all_rows if r["kind"] == comm.COLLECTIVE]
     assert [(r["impl"], r["M"]) for r in rows] == [(i, m) for m in M_VALUES for i in IMPLS]
@@ -118,8 +116,7 @@ def test_each_row_is_an_nvtx_range_on_both_ranks(cpu_run):
     logs = sorted(tmp.glob("nvtx.*.log"))
     if not logs:
         pytest.skip("gcc not found: no NVTX injection library")
-    names = [r["name"] for r in map(json.loads, (tmp / "out" / "rows.jsonl").read_text().splitlines())
-             if r["kind"] == comm.COLLECTIVE]
+    names = [r["name"] for r in read_rows(tmp / "out") if r["kind"] == comm.COLLECTIVE]
     ranked = [log for log in logs if any(e.message in names for e in parse_injection_log(log))]
     assert len(ranked) == 2, logs  # one log per rank (the torchrun agent logs nothing of ours)
     for log in ranked:
@@ -143,8 +140,7 @@ def _two_gpus() -> bool:
 def test_nccl_two_gpus(tmp_path):
     proc = _run_two_ranks(tmp_path, None, device="cuda", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = [r for r in map(json.loads, (tmp_path / "rows.jsonl").read_text().splitlines())
-            if r["kind"] == comm.COLLECTIVE]
+    rows = [r for r in read_rows(tmp_path) if r["kind"] == comm.COLLECTIVE]
     assert {r["pg_backend"] for r in rows} == {"nccl"} and all(r["validated"] for r in rows)
     assert {r["M"] for r in rows} == set(comm.M_VALUES) and {r["N"] for r in rows} == {4096}
     assert (tmp_path / "comm_busbw.png").is_file()

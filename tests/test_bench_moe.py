@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -20,12 +19,10 @@ from detkit.bench import moe, moe_fp8
 from detkit.bench.moe_common import GPU_PRESETS, PRESETS, VALIDATE_REL_L2
 from detkit.toolkit import nvtx_ranges
 from detkit.toolkit.nvtx_ranges import injection_env, parse_injection_log, verify_nvtx_log
+from tests.bench_helpers import bench_ctx as _ctx
+from tests.bench_helpers import read_rows
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _ctx(presets=(), interpreted=True):
-    return SimpleNamespace(presets=tuple(presets), interpreted=interpreted)
 
 
 def test_bf16_cases():
@@ -105,7 +102,7 @@ def bf16_run(tmp_path_factory):
 def test_bf16_rows_validated_timed_and_reported(bf16_run):
     tmp, _ = bf16_run
     out = tmp / "out"
-    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     assert [r["name"] for r in rows] == [c.name for c in moe.cases(_ctx(), no_stages=True)]
     p = PRESETS["tiny"]
     for r in rows:
@@ -127,7 +124,7 @@ def test_bf16_rows_are_nvtx_ranges(bf16_run):
     tmp, log = bf16_run
     if log is None:
         pytest.skip("gcc not found: no NVTX injection library")
-    rows = [json.loads(line) for line in (tmp / "out" / "rows.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp / "out")
     names = [r["name"] for r in rows]
     timed = [f"{r['name']} | {impl}" for r in rows for impl in ("detkit", r["baseline"])]
     nesting = [("bench moe", n) for n in names] + [(n, f"{n} | detkit") for n in names]

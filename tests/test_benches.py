@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from detkit.toolkit import benches
+from tests.bench_helpers import one_process, read_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,8 +78,7 @@ def standin(name: str = "standin", fail_at: int | None = None, rows_override=Non
 @pytest.fixture
 def invoke(monkeypatch):
     """Run ``detkit bench <name>`` for a stand-in plug-in in-process; returns (result, prepare calls)."""
-    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
-        monkeypatch.delenv(var, raising=False)
+    one_process(monkeypatch)
 
     def run(mod: ModuleType, args: list[str]):
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
@@ -91,16 +92,12 @@ def invoke(monkeypatch):
     return run
 
 
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
-
-
 def test_rows_report_and_plots(invoke, tmp_path):
     mod = standin()
     result, prepared = invoke(mod, ["--device", "cpu", "--preset", "p2", "--rounds", "2", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert prepared == [("cpu", False)]
-    rows = _rows(tmp_path)
+    rows = read_rows(tmp_path)
     assert [r["name"] for r in rows] == [f"standin case {i} [p2]" for i in range(3)]
     assert [r["rows_on_disk"] for r in rows] == [0, 1, 2]  # each row on disk before the next was made
     report = json.loads((tmp_path / "report.json").read_text())
@@ -125,7 +122,7 @@ def test_a_failed_row_fails_the_run_with_its_reason(invoke, tmp_path):
     assert "FAILED: 1 of 3 row(s)" in result.stderr
     assert "FAILED standin case 1 [default]: case 1 was told to fail" in result.stderr
     assert "**FAIL**: 2 row(s) passed, 1 failed" in (tmp_path / "report.md").read_text()
-    assert len(_rows(tmp_path)) == 3
+    assert len(read_rows(tmp_path)) == 3
 
 
 def test_no_rows_is_a_failure(invoke, tmp_path):
@@ -172,7 +169,7 @@ def test_ranks_hooks_frame_the_run(invoke, tmp_path):
     mod = standin(ranks=True, raise_at=2)
     with pytest.raises(RuntimeError, match="boom"):
         invoke(mod, ["--device", "cpu", "--out", str(tmp_path / "c")])
-    assert mod.calls[-1] == ("finish", False) and len(_rows(tmp_path / "c")) == 2
+    assert mod.calls[-1] == ("finish", False) and len(read_rows(tmp_path / "c")) == 2
 
 
 def test_merge_reports_runs_together_and_refuses_what_does_not_fit(invoke, tmp_path):
@@ -186,7 +183,7 @@ def test_merge_reports_runs_together_and_refuses_what_does_not_fit(invoke, tmp_p
     report = json.loads((tmp_path / "m" / "report.json").read_text())
     assert [r["name"] for r in report["rows"]] == [f"standin case {i} [{p}]" for p in ("p1", "p2") for i in range(3)]
     assert [s["dir"] for s in report["meta"]["merged_from"]] == [str(tmp_path / "p1"), str(tmp_path / "p2")]
-    assert _rows(tmp_path / "m") == report["rows"]
+    assert read_rows(tmp_path / "m") == report["rows"]
     assert report["meta"]["derived"] == {"total": 6} and "merged from" in (tmp_path / "m" / "report.md").read_text()
     for args, message in (
             (["--merge", str(tmp_path / "p1"), "--merge", str(tmp_path / "p1")], "appears in more than one merged run"),
@@ -230,3 +227,12 @@ def test_the_product_plugins_load_and_building_the_cli_imports_no_kernel():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_no_package_module_imports_the_tools():
+    """tools/ holds tuning and profiling scripts run from a checkout; the installed package must not need them."""
+    pattern = re.compile(r"^\s*(from\s+tools[.\s]|import\s+tools\b)", re.M)
+    offenders = [str(p.relative_to(REPO)) for part in ("kernels", "toolkit", "audits", "bench", "detkit")
+                 for p in (REPO / part).rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []
+    assert pattern.search("from tools.gemm_sass import build\n") and pattern.search("import tools.moe_tune as mt\n")

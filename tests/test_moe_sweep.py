@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,6 +28,7 @@ from detkit.kernels.moe import stage_name
 from detkit.toolkit import cli, nvtx_ranges
 from detkit.toolkit.nvtx_ranges import injection_env, verify_nvtx_log
 from detkit.toolkit.records import INTERPRETER_BANNER
+from tests.bench_helpers import bench_ctx as _ctx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENS = {"uniform": (16, 32), "skewed": (16,)}
@@ -183,7 +183,7 @@ def _target_row(preset, t, **fields):
             "validated": True, **fields}
 
 
-def test_target_verdicts_compare_against_the_issue_thresholds():
+def test_target_verdicts_compare_against_the_thresholds():
     rows = [_target_row("reference", 8192, mfu_datasheet=0.56, speedup_vs_baseline=1.29),
             {**_target_row("reference", 8192, mfu_datasheet=0.9), "routing": "skewed"}]
     got = {v["target"]: v for v in ms.target_verdicts(rows, hardware_result=True)}
@@ -199,10 +199,6 @@ def test_target_verdicts_compare_against_the_issue_thresholds():
 # ---------------------------------------------------------------------------------------------
 # Refusals before any work
 # ---------------------------------------------------------------------------------------------
-def _ctx(presets=(), interpreted=True):
-    return SimpleNamespace(presets=tuple(presets), interpreted=interpreted)
-
-
 @pytest.mark.parametrize("presets, tokens, routings, message", [
     (["tiny"], [0], ["uniform"], "T=\\[0\\] not supported"),
     (["tiny"], [16, -3], ["uniform"], "T=\\[-3\\] not supported"),

@@ -67,7 +67,7 @@ def config_tables(modules: Mapping[str, object] | None = None) -> list[dict]:
 
 
 def format_config_tables(tables: list[dict]) -> str:
-    """``det_gemm 2026-12-01.14, moe_bf16 ...`` for report.md."""
+    """``det_gemm <version>, moe_bf16 <version>, ...`` for report.md."""
     return ", ".join(f"{t['name']} {t['version']}" + (" (CONFLICT)" if t.get("conflict") else "")
                      for t in tables) or "none loaded"
 

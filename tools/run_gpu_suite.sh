@@ -20,7 +20,7 @@ read -ra BENCH_ARGS <<< "${BENCH_ARGS:-}"
 read -ra NCU_ARGS <<< "${NCU_ARGS:-}"
 read -ra MOE_BENCH_ARGS <<< "${MOE_BENCH_ARGS:-}"
 read -ra MOE_TUNE_ARGS <<< "${MOE_TUNE_ARGS:-}"
-read -ra MOE_SWEEP_ARGS <<< "${MOE_SWEEP_ARGS:---quick --tokens 1024 --tokens 4096 --tokens 8192 --tokens 16384}"
+read -ra MOE_SWEEP_ARGS <<< "${MOE_SWEEP_ARGS:---quick}"
 read -ra FP8_BENCH_ARGS <<< "${FP8_BENCH_ARGS:---preset reference --preset reference-16k}"
 gpu_pytest=(env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra)
 
