@@ -23,10 +23,10 @@ import torch
 
 from detkit.bench import moe_fp8
 from detkit.bench.moe_common import (
-    DATASHEET_BF16_TFLOPS, GPU_PRESETS, INTERPRETER_LABEL, VALIDATE_REL_L2, BenchCase, MoePreset, layer_tensors,
-    make_inputs, pick_baseline, run_baseline, stage_row_name, time_stages, timing_fields, torch_moe_fwd, with_range,
+    DATASHEET_BF16_TFLOPS, INTERPRETER_LABEL, VALIDATE_REL_L2, BenchCase, layer_tensors, make_inputs, pick_baseline,
+    run_baseline, stage_row_name, time_stages, timing_fields, torch_moe_fwd, with_range,
 )
-from detkit.bench.moe_common import PRESETS as MOE_PRESETS
+from detkit.toolkit.presets import MOE_GPU_PRESETS, MOE_PRESETS, MoePreset
 from detkit.toolkit.reports import markdown_table
 
 NAME = "moe"
@@ -53,7 +53,7 @@ def cases(ctx, fp8: bool = False, no_stages: bool = False, no_fp64: bool = False
     if no_fp64 or no_crossover:
         raise ValueError("--no-fp64 and --no-crossover apply to --fp8 only")
     out = []
-    for name in ctx.presets or (("tiny",) if ctx.interpreted else GPU_PRESETS):
+    for name in ctx.presets or (("tiny",) if ctx.interpreted else MOE_GPU_PRESETS):
         p = MOE_PRESETS[name]
         measures = [*LAYER_MEASURES, *(() if no_stages else (f"stage {s}" for s in STAGES))]
         out += [BenchCase(stage_row_name(p.label, m[6:]) if m.startswith("stage ") else f"{p.label} {m}",

@@ -1,5 +1,5 @@
-"""What the MoE benchmarks share (``moe``, its FP8 half ``moe_fp8``, ``moe-sweep``): the shape presets
-(toolkit.presets), seeded inputs, the PyTorch baseline, and the timing-row helpers.
+"""What the MoE benchmarks share (``moe``, its FP8 half ``moe_fp8``, ``moe-sweep``): seeded inputs, the PyTorch
+baseline, and the timing-row helpers. Their shape presets are toolkit.presets' MOE_PRESETS.
 
 Baseline: ``torch._grouped_mm`` over the expert-sorted, materialised input when it runs forward and
 backward on the device (probed on a small case first), otherwise a per-expert matmul loop; the row
@@ -22,11 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from detkit.toolkit.presets import MOE_GPU_PRESETS as GPU_PRESETS
-from detkit.toolkit.presets import MOE_PRESETS as PRESETS
 from detkit.toolkit.presets import MoePreset
-
-__all__ = ["GPU_PRESETS", "PRESETS", "MoePreset"]  # the shape presets, re-exported beside the helpers below
 
 DATASHEET_BF16_TFLOPS = 989.0
 DATASHEET_FP8_TFLOPS = 1979.0

@@ -36,9 +36,12 @@ from itertools import groupby
 import torch
 
 from detkit.bench.moe_common import (
-    DATASHEET_BF16_TFLOPS, DATASHEET_FP8_TFLOPS, GPU_PRESETS, INTERPRETER_LABEL, PRESETS, BenchCase, MoePreset,
-    layer_tensors, make_inputs, stage_row_name, time_stages, timing_fields, with_range,
+    DATASHEET_BF16_TFLOPS, DATASHEET_FP8_TFLOPS, INTERPRETER_LABEL, BenchCase, layer_tensors, make_inputs,
+    stage_row_name, time_stages, timing_fields, with_range,
 )
+from detkit.toolkit.presets import MOE_GPU_PRESETS as GPU_PRESETS
+from detkit.toolkit.presets import MOE_PRESETS as PRESETS
+from detkit.toolkit.presets import MoePreset
 from detkit.toolkit.reports import markdown_table
 
 TARGET_SPEEDUP = 1.4

@@ -60,10 +60,11 @@ import numpy as np
 import torch
 
 from detkit.bench.moe_common import (
-    DATASHEET_BF16_TFLOPS, GPU_PRESETS, INTERPRETER_LABEL, VALIDATE_REL_L2, BenchCase, MoePreset,
-    make_inputs, pick_baseline, run_baseline, torch_moe_fwd, with_range,
+    DATASHEET_BF16_TFLOPS, INTERPRETER_LABEL, VALIDATE_REL_L2, BenchCase, make_inputs, pick_baseline, run_baseline,
+    torch_moe_fwd, with_range,
 )
-from detkit.bench.moe_common import PRESETS as MOE_PRESETS
+from detkit.toolkit.presets import MOE_GPU_PRESETS as GPU_PRESETS
+from detkit.toolkit.presets import MOE_PRESETS, MoePreset
 from detkit.toolkit.nvtx_ranges import nvtx_range
 from detkit.toolkit.reports import markdown_table
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from detkit.bench import moe, moe_fp8
-from detkit.bench.moe_common import GPU_PRESETS, PRESETS, VALIDATE_REL_L2
+from detkit.bench.moe_common import VALIDATE_REL_L2
+from detkit.toolkit.presets import MOE_GPU_PRESETS as GPU_PRESETS
+from detkit.toolkit.presets import MOE_PRESETS as PRESETS
 from detkit.toolkit import nvtx_ranges
 from detkit.toolkit.nvtx_ranges import injection_env, parse_injection_log, verify_nvtx_log
 from tests.bench_helpers import bench_ctx as _ctx

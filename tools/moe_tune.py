@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from detkit.bench.moe_common import PRESETS, make_inputs
+from detkit.bench.moe_common import make_inputs
+from detkit.toolkit.presets import MOE_PRESETS as PRESETS
 from detkit.toolkit.reports import markdown_table
 from detkit.kernels.det_gemm import GemmConfig
 
