@@ -51,7 +51,7 @@ NOT_COVERED_V1 = (
     "the dX sum over Gate and Up (four operands; no fixed order is defined in version 1)",
     "load-balanced (zigzag) CP token order: CP shards are contiguous halves of each sequence",
     "parallelism-invariance of reduced tensors (TP=1 vs TP=2 bits): a later mode",
-    "NCCL algorithm/protocol sweep: run bench/nccl_sweep.py (one process per setting)",
+    "NCCL algorithm/protocol sweep: run python -m tools.nccl_sweep (one process per setting)",
 )
 
 

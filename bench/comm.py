@@ -34,7 +34,8 @@ Validated before timing: every implementation's result equals ``(p0.float() + p1
 of the partials gathered from the group, bit for bit (version-1 oracle).
 
 Launch: ``torchrun --nproc-per-node 2 --standalone -m detkit bench comm --out DIR`` (NCCL on CUDA,
-``NCCL_NVLS_ENABLE=0``; gloo on CPU with ``--device cpu``, tiny sizes, not a hardware result).
+``NCCL_NVLS_ENABLE=0``; gloo on CPU with ``--device cpu``, tiny sizes, not a hardware result). Rows: one per
+(size, implementation), then one ``twin_store`` row per (operator, M); rank 0 writes them.
 """
 
 from __future__ import annotations
@@ -42,16 +43,30 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
+import click
 import torch
 
 from detkit.toolkit.nvtx_ranges import format_range_name, nvtx_range
+from detkit.toolkit.reports import markdown_table
 from detkit.toolkit.timing import Timing
 
 NAME = "comm"
+DESCRIPTION = "The TP/CP operators' all_reduce vs a raw all_reduce of the same bytes (2 ranks, torchrun)."
+RANKS = "ranks"
+# --m-local / --n-cols: torchrun's argument parser takes '--m' and '--n' after the module for
+# abbreviations of its own options and refuses them as ambiguous.
+OPTIONS = (
+    click.option("--m-local", "--m", "m_values", multiple=True, type=int,
+                 help="M_local values of the [M, N] BF16 messages (default 1..16384; tiny on cpu)."),
+    click.option("--n-cols", "--n", "n_cols", type=int, default=None, help="N (default 4096; 64 on cpu)."),
+    click.option("--iters", type=int, default=None, help="Back-to-back calls per sample (default 20; 2 on cpu)."),
+    click.option("--warmup", type=int, default=5, show_default=True, help="Untimed calls per implementation."),
+)
 GROUP_SIZE = 2
 N_HIDDEN = 4096
 M_VALUES = (1, 64, 1024, 4096, 8192, 16384)
@@ -63,6 +78,22 @@ RAW = "raw"
 TARGET_RATIO = 1.05
 TARGET_MIN_BYTES = 8 * 2**20
 NVLS_ENV = "NCCL_NVLS_ENABLE"
+COLLECTIVE, TWIN_STORE = "collective", "twin_store"
+
+
+def default_rounds(interpreted: bool) -> int:
+    return 3 if interpreted else 10
+
+
+@dataclass(frozen=True)
+class CommCase:
+    name: str
+    kind: str  # COLLECTIVE or TWIN_STORE
+    impl: str  # RAW or an operator
+    m: int
+    n: int
+    iters: int
+    warmup: int
 
 
 @dataclass
@@ -86,22 +117,58 @@ def row_name(impl: str, m: int, n: int) -> str:
     return format_range_name(f"{impl} all_reduce", {"M": m, "N": n}, "bf16")
 
 
-def start(device: torch.device, environ=None) -> CommSession:
-    """Start the process group (torchrun/srun ranks) and the 2-rank group; refuse anything else."""
-    import torch.distributed as dist
+def twin_row_name(operator: str, m: int) -> str:
+    """Row name and NVTX range of a twin-store cost row: ``row_parallel_fwd twin_store [M=1024] bf16``."""
+    return format_range_name(f"{operator} twin_store", {"M": m}, "bf16")
 
-    from detkit.toolkit.dist import launched_as_ranks, timeout_s
-    from detkit.toolkit.launch import RankEnv, init_process_group
+
+def check_launch(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a launch that is not 2 torchrun/srun ranks (from the environment alone: nothing started)."""
+    from detkit.toolkit.dist import launched_as_ranks
+    from detkit.toolkit.launch import RankEnv
 
     env = os.environ if environ is None else environ
     if not launched_as_ranks(env):
-        raise RuntimeError(
-            "bench comm needs 2 ranks: torchrun --nproc-per-node 2 --standalone -m detkit bench comm "
-            "[--device cpu] --out DIR")
+        raise ValueError("bench comm needs 2 ranks: torchrun --nproc-per-node 2 --standalone -m detkit bench comm "
+                         "[--device cpu] --out DIR")
+    world_size = RankEnv.from_environ(env).world_size
+    if world_size != GROUP_SIZE:
+        raise ValueError(f"bench comm runs on {world_size} ranks; supported: {GROUP_SIZE} (the operators' TP and "
+                         "CP groups have 2 ranks)")
+
+
+def cases(ctx, m_values=(), n_cols: int | None = None, iters: int | None = None, warmup: int = 5,
+          environ: Mapping[str, str] | None = None) -> list[CommCase]:
+    """Every (size, implementation) collective row, then every (operator, M) twin-store row."""
+    if ctx.presets:
+        raise ValueError(f"bench comm takes no --preset (got {list(ctx.presets)}); its sizes are --m-local and "
+                         "--n-cols")
+    if any(m < 1 for m in m_values) or (n_cols is not None and n_cols < 1):
+        raise ValueError(f"M and N must be >= 1; got M {list(m_values)}, N {n_cols}")
+    if iters is not None and iters < 1:
+        raise ValueError(f"--iters must be >= 1; got {iters}")
+    if warmup < 0:
+        raise ValueError(f"--warmup must be >= 0; got {warmup}")
+    check_launch(environ)
+    iters = iters or (2 if ctx.interpreted else 20)
+    shapes = sizes(ctx.interpreted, tuple(m_values) or None, n_cols)
+    out = [CommCase(row_name(impl, m, n), COLLECTIVE, impl, m, n, iters, warmup)
+           for m, n in shapes for impl in (RAW, *OPERATORS)]
+    return out + [CommCase(twin_row_name(op, m), TWIN_STORE, op, m, n, iters, warmup)
+                  for m, n in shapes for op in OPERATORS]
+
+
+def start(ctx, out: Path | None = None, environ: Mapping[str, str] | None = None) -> CommSession:
+    """Start the process group (torchrun/srun ranks) and the 2-rank group; refuse anything else."""
+    import torch.distributed as dist
+
+    from detkit.toolkit.dist import timeout_s
+    from detkit.toolkit.launch import RankEnv, init_process_group
+
+    env = os.environ if environ is None else environ
+    check_launch(env)
     rank_env = RankEnv.from_environ(env)
-    if rank_env.world_size != GROUP_SIZE:
-        raise ValueError(f"bench comm runs on {rank_env.world_size} ranks; supported: {GROUP_SIZE} (the "
-                         "operators' TP and CP groups have 2 ranks)")
+    device = ctx.device
     if device.type == "cuda":
         nvls = env.get(NVLS_ENV)
         if nvls not in (None, "0"):
@@ -230,8 +297,10 @@ def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, war
         calls = None if key is None else counts1.get(key, 0) - counts0.get(key, 0)
         ratio = t.median_us / raw_t.median_us
         applies = impl != RAW and nbytes >= TARGET_MIN_BYTES
-        rows.append({
-            "name": names[impl], "impl": impl, "axis": OPERATORS.get(impl), "M": m, "N": n, "dtype": "bf16",
+        validated, path_ok = checks[impl]["equal"], True if impl == RAW else calls == rounds * iters
+        row = {
+            "name": names[impl], "kind": COLLECTIVE, "impl": impl, "axis": OPERATORS.get(impl), "M": m, "N": n,
+            "dtype": "bf16",
             "bytes": nbytes, "MiB": nbytes / 2**20, "world_size": session.world_size,
             "group_ranks": list(session.group_ranks), "pg_backend": session.pg_backend,
             "timed": "dist.all_reduce in place (zeros buffer)" if impl == RAW
@@ -242,10 +311,14 @@ def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, war
             "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(session.world_size),
             "raw_median_us": raw_t.median_us, "ratio_vs_raw": ratio, "overhead_pct": (ratio - 1.0) * 100.0,
             "target_applies": applies, "within_target": (ratio <= TARGET_RATIO) if applies else None,
-            "validated": checks[impl]["equal"], "mismatches": checks[impl]["mismatches"],
-            "operator_path_calls": calls,
-            "operator_path_ok": True if impl == RAW else calls == rounds * iters,
-        })
+            "validated": validated, "mismatches": checks[impl]["mismatches"],
+            "operator_path_calls": calls, "operator_path_ok": path_ok,
+            "hardware_result": session.device.type == "cuda", "passed": validated and path_ok,
+        }
+        if not row["passed"]:
+            row["failure"] = (f"bitwise equal to the v1 oracle: {validated} ({checks[impl]['mismatches']} mismatches); "
+                              f"operator path calls {calls}, expected {rounds * iters}")
+        rows.append(row)
     return rows
 
 
@@ -275,14 +348,17 @@ def twin_store_cost(session: CommSession, m_values: list[int], rounds: int) -> l
             with_twin, plain = launch(*args, twin_out=twin)[0], launch(*args)[0]
             same = bool(torch.equal(with_twin.view(torch.int16), plain.view(torch.int16))
                         and torch.equal(twin.view(torch.int16), plain.view(torch.int16)))
-            name = format_range_name(f"{op} twin_store", {"M": m}, "bf16")
+            name = twin_row_name(op, m)
             with nvtx_range(name):
                 t = time_interleaved({"twin": lambda: launch(*args, twin_out=twin), "plain": lambda: launch(*args)},
                                      session.device, rounds=rounds)
-            rows.append({"name": name, "operator": op, "M": m, "out_shape": list(shape), "bits_equal": same,
-                         "plain_median_us": t["plain"].median_us, "twin_median_us": t["twin"].median_us,
-                         "twin_cost_ratio": t["twin"].median_us / t["plain"].median_us,
-                         "rank": session.rank, "interpreted": interpreted})
+            row = {"name": name, "kind": TWIN_STORE, "operator": op, "M": m, "out_shape": list(shape),
+                   "bits_equal": same, "plain_median_us": t["plain"].median_us, "twin_median_us": t["twin"].median_us,
+                   "twin_cost_ratio": t["twin"].median_us / t["plain"].median_us, "rank": session.rank,
+                   "interpreted": interpreted, "hardware_result": not interpreted, "passed": same}
+            if not same:
+                row["failure"] = "det_gemm with twin_out gave other bits (output or twin) than without"
+            rows.append(row)
     return rows
 
 
@@ -291,19 +367,28 @@ def sizes(interpreted: bool, m_values=None, n: int | None = None) -> list[tuple[
     return [(m, n or (TINY_N if interpreted else N_HIDDEN)) for m in ms]
 
 
-def run(session: CommSession, shapes: list[tuple[int, int]], rounds: int, iters: int, warmup: int,
-        ) -> tuple[list[dict], dict]:
+def run(ctx, cases: list[CommCase], session: CommSession, **options) -> Iterator[dict]:
+    """Each size: validate, then time raw and every operator's collective interleaved; then the twin-store
+    cost of every operator's GEMM (one rank, no collective)."""
     from detkit.kernels import parallel
 
     if not hasattr(parallel, "_reduce"):
         raise RuntimeError("detkit.kernels.parallel._reduce is gone: bench comm times the operators' collective "
                            "through it; update bench/comm.py with the operators")
-    rows = []
-    with nvtx_range("bench comm"):
-        for m, n in shapes:
-            rows += time_size(session, m, n, rounds, iters, warmup)
-        twin = twin_store_cost(session, [m for m, _ in shapes], rounds=min(rounds, 3))
-    meta = {
+    collectives = [c for c in cases if c.kind == COLLECTIVE]
+    for (m, n), group in groupby(collectives, key=lambda c: (c.m, c.n)):
+        group = list(group)
+        rows = {r["impl"]: r for r in time_size(session, m, n, ctx.rounds, group[0].iters, group[0].warmup)}
+        yield from (rows[c.impl] for c in group)
+    twins = [c for c in cases if c.kind == TWIN_STORE]
+    if twins:
+        rows = {r["name"]: r for r in twin_store_cost(session, list(dict.fromkeys(c.m for c in twins)),
+                                                      rounds=min(ctx.rounds, 3))}
+        yield from (rows[c.name] for c in twins)
+
+
+def describe(ctx, cases, rows, session: CommSession) -> dict:
+    return {
         "world_size": session.world_size, "pg_backend": session.pg_backend,
         "nccl_nvls_enable": os.environ.get(NVLS_ENV) if session.pg_backend == "nccl" else None,
         "nccl_version": _nccl_version() if session.pg_backend == "nccl" else None,
@@ -315,9 +400,7 @@ def run(session: CommSession, shapes: list[tuple[int, int]], rounds: int, iters:
                    "perf_counter on CPU; max over ranks; median, p20, p80 over rounds; order alternates"),
         "formulas": "bytes = M*N*2; algbw = bytes/time; busbw = algbw*2(n-1)/n (nccl-tests); GB/s = 1e9 B/s",
         "target": f"ratio_vs_raw <= {TARGET_RATIO} at >= {TARGET_MIN_BYTES // 2**20} MiB (reported, not asserted)",
-        "twin_store": twin,
     }
-    return rows, meta
 
 
 def _nccl_version() -> str | None:
@@ -329,7 +412,7 @@ def target_summary(rows: list[dict]) -> list[dict]:
     """Per operator: worst and median ratio to raw over the sizes >= 8 MiB."""
     out = []
     for op in OPERATORS:
-        sel = [r for r in rows if r["impl"] == op and r["target_applies"]]
+        sel = [r for r in rows if r.get("impl") == op and r.get("target_applies")]
         if not sel:
             continue
         ratios = [r["ratio_vs_raw"] for r in sel]
@@ -339,7 +422,11 @@ def target_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plots(out_dir: Path, rows: list[dict]) -> list[Path]:
+    """busbw vs message size per implementation (hardware runs only)."""
+    collectives = [r for r in rows if r.get("kind") == COLLECTIVE and "busbw_GBps" in r]
+    if not collectives or not all(r["hardware_result"] for r in collectives):
+        return []
     import matplotlib
 
     matplotlib.use("Agg")
@@ -348,41 +435,32 @@ def plot(rows: list[dict], path: Path) -> None:
     from detkit.toolkit.reports import save_figure, style_log2_axes
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for impl in dict.fromkeys(r["impl"] for r in rows):
-        sel = sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["bytes"])
+    for impl in dict.fromkeys(r["impl"] for r in collectives):
+        sel = sorted((r for r in collectives if r["impl"] == impl), key=lambda r: r["bytes"])
         ax.plot([r["MiB"] for r in sel], [r["busbw_GBps"] for r in sel], marker="o",
                 linestyle="--" if impl == RAW else "-", label=impl)
     style_log2_axes(ax, "all_reduce: operators' collective vs raw", "message size (MiB, BF16 [M, N])", "busbw (GB/s)")
+    path = Path(out_dir) / "comm_busbw.png"
     save_figure(fig, path)
     plt.close(fig)
+    return [path]
 
 
-def write_outputs(out_dir, rows: list[dict], meta: dict) -> dict:
-    from tabulate import tabulate
-
-    from detkit.toolkit.harness import atomic_write_text
-    from detkit.toolkit.reports import markdown_report, write_row_files
-
-    paths = write_row_files(out_dir, "comm", rows)
-    out = paths["markdown"].parent
-    cols = ["impl", "M", "N", "MiB", "validated", "median_us", "p20_us", "p80_us", "algbw_GBps", "busbw_GBps",
-            "ratio_vs_raw", "within_target"]
-    table = [{c: r.get(c) for c in cols} for r in rows]
-    twin = meta.get("twin_store") or []
-    text = markdown_report("detkit bench comm", {k: v for k, v in meta.items() if k != "twin_store"}, table)
+def summarize(rows: list[dict], meta: dict) -> str:
+    lines = [f"- {key}: {meta[key]}" for key in ("world_size", "pg_backend", "nccl_version", "nccl_nvls_enable",
+                                                 "timed", "timing", "formulas", "target") if meta.get(key) is not None]
+    cols = ["impl", "M", "N", "MiB", "validated", "operator_path_ok", "median_us", "p20_us", "p80_us", "algbw_GBps",
+            "busbw_GBps", "ratio_vs_raw", "within_target"]
+    lines += ["", "## Operators' collective vs raw all_reduce (same run, interleaved)", "",
+              markdown_table([r for r in rows if r.get("kind") == COLLECTIVE], cols), ""]
+    twin = [r for r in rows if r.get("kind") == TWIN_STORE]
     if twin:
         cols = ["operator", "M", "out_shape", "bits_equal", "plain_median_us", "twin_median_us", "twin_cost_ratio"]
-        text += ("\n## Twin store: each operator's GEMM with / without the copy its collective runs on "
-                 f"(rank {twin[0]['rank']}, no collective)\n\n"
-                 + tabulate([{c: r[c] for c in cols} for r in twin], headers="keys", tablefmt="github",
-                            floatfmt=".3f") + "\n")
+        lines += [f"## Twin store: each operator's GEMM with / without the copy its collective runs on "
+                  f"(rank {twin[0]['rank']}, no collective)", "", markdown_table(twin, cols), ""]
     summary = target_summary(rows)
     if summary:
-        text += ("\n## Target: operator collective within 5% of raw all_reduce at >= 8 MiB (not asserted)\n\n"
-                 + tabulate(summary, headers="keys", tablefmt="github", floatfmt=".3f") + "\n")
-    if meta.get("backend") != "triton_interpreter":
-        plot(rows, out / "comm_busbw.png")
-        paths["plot"] = out / "comm_busbw.png"
-        text += "\n![busbw](comm_busbw.png)\n"
-    atomic_write_text(paths["markdown"], text)
-    return paths
+        lines += [f"## Target: operator collective within {TARGET_RATIO - 1:.0%} of raw all_reduce at >= "
+                  f"{TARGET_MIN_BYTES // 2**20} MiB (reported, not asserted)", "",
+                  markdown_table(summary, list(summary[0])), ""]
+    return "\n".join(lines)

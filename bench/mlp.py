@@ -1,7 +1,7 @@
 """The composed Qwen3 MLP (kernels/mlp.py) forward and backward per TP/CP config and reduction mode,
 against a cuBLAS + NCCL PyTorch baseline of the same math, same run, interleaved.
 
-Launch (``toolkit.dist.setup_distributed`` builds the TP/CP groups; docs/invariance.md, section 8)::
+Launch (``toolkit.dist.setup_distributed`` builds the TP/CP groups; docs/invariance.md)::
 
     python -m detkit bench mlp --out DIR                                    # 1 GPU: TP1CP1
     DETKIT_TPCP_WORLD=0,1 torchrun --nproc-per-node 2 --standalone -m detkit bench mlp --out DIR  # + TP2CP1
@@ -51,23 +51,40 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import click
 import torch
 import torch.nn.functional as F
 
-from detkit.audits.invariance import CONFIGS
-from detkit.kernels.invariant import BF16, FP32_INVARIANT, INVARIANT_CONFIG_TABLE_VERSION, MODES
-from detkit.kernels.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_tokens, shard_weights, split_gate_up
-from detkit.kernels.swiglu import gate_up_views
-from detkit.toolkit.contract import check_bound
 from detkit.toolkit.layout import AxisGroup, TpCpLayout, layout_for_preset
 from detkit.toolkit.nvtx_ranges import format_range_name, nvtx_range
+from detkit.toolkit.reports import markdown_table
 from detkit.toolkit.timing import Timing
 
+if TYPE_CHECKING:
+    from detkit.kernels.mlp import MlpPlan
+
 NAME = "mlp"
+DESCRIPTION = "The Qwen3 MLP fwd+bwd per TP/CP config and mode vs torch.matmul + all_reduce (1, 2 or 4 ranks)."
+RANKS = "ranks"
+OPTIONS = (
+    click.option("--tokens", "m_values", multiple=True, type=int,
+                 help="Global tokens M = B*S (default 4096 and 16384; 12 on cpu)."),
+    click.option("--seq-len", type=int, default=None, help="Tokens per sequence S; B = M / S (default 4096; 6 on cpu)."),
+    click.option("--iters", type=int, default=None, help="Back-to-back steps per sample (default 5; 1 on cpu)."),
+    click.option("--warmup", type=int, default=None, help="Untimed steps per implementation (default 3; 0 on cpu)."),
+)
+# kernels.invariant's modes, and audits.invariance's (tp, cp) configs: named here so that importing this
+# plug-in imports no kernel (the CLI builds its options before --device selects the interpreter);
+# tests/test_bench_mlp.py checks them against their sources.
+BF16, FP32_INVARIANT = "bf16", "fp32_invariant"
+MODES = (BF16, FP32_INVARIANT)
+CONFIGS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (tp, cp)
 TOKENS = (4096, 16384)  # global M = B*S on CUDA
 SEQ_LEN = 4096
 TINY_TOKENS = (12,)  # the tiny preset's B=2, S=6
@@ -88,6 +105,58 @@ INTERPRETER_LABEL = ("triton_interpreter: wall clock of CPU emulation at tiny sh
 def row_name(config: str, impl: str, mode: str, m: int, h: int, i: int) -> str:
     """Row name and NVTX range: ``mlp TP2CP1 detkit fp32_invariant [M=4096, H=4096, I=12288] fwd+bwd``."""
     return format_range_name(f"mlp {config} {impl} {mode}", {"M": m, "H": h, "I": i}, "fwd+bwd")
+
+
+def config_label(tp: int, cp: int) -> str:
+    return f"TP{tp}CP{cp}"
+
+
+def default_rounds(interpreted: bool) -> int:
+    return 3 if interpreted else 10
+
+
+@dataclass(frozen=True)
+class MlpCase:
+    name: str
+    m: int
+    seq_len: int
+    tp: int
+    cp: int
+    impl: str
+    mode: str
+    iters: int
+    warmup: int
+
+
+def held_configs(preset: str, environ=None) -> list[tuple[int, int]]:
+    """(tp, cp) of every config whose groups this launch's world holds, from the environment alone: one
+    process holds TP1CP1; ranks hold the groups their layout world (DETKIT_TPCP_WORLD) holds."""
+    from detkit.toolkit.dist import launched_as_ranks, world_from_env
+    from detkit.toolkit.launch import RankEnv
+
+    env = os.environ if environ is None else environ
+    if not launched_as_ranks(env):
+        return [(1, 1)]
+    layout = layout_for_preset(preset, world_from_env(RankEnv.from_environ(env).world_size, env))
+    tp, cp = bool(layout.groups_present("tp")), bool(layout.groups_present("cp"))
+    return [(t, c) for t, c in CONFIGS if (t == 1 or tp) and (c == 1 or cp)]
+
+
+def cases(ctx, m_values=(), seq_len: int | None = None, iters: int | None = None, warmup: int | None = None,
+          environ=None) -> list[MlpCase]:
+    """One case per (M, config held by this launch, implementation), checked before any work."""
+    if iters is not None and iters < 1:
+        raise ValueError(f"--iters must be >= 1; got {iters}")
+    if warmup is not None and warmup < 0:
+        raise ValueError(f"--warmup must be >= 0; got {warmup}")
+    model = layout_for_preset(ctx.preset)
+    h, i = model.model.hidden_size, model.model.intermediate_size
+    iters = iters or (1 if ctx.interpreted else 5)
+    warmup = warmup if warmup is not None else (0 if ctx.interpreted else 3)
+    configs = held_configs(ctx.preset, environ)
+    return [MlpCase(row_name(config_label(tp, cp), impl, mode, m, h, i), m, s, tp, cp, impl, mode, iters, warmup)
+            for m, s in shapes(ctx.interpreted, tuple(m_values) or None, seq_len) for tp, cp in configs
+            for impl, mode in IMPLS]
 
 
 def flops(phase: str, m_loc: int, h: int, i_loc: int) -> float:
@@ -117,7 +186,7 @@ def shapes(interpreted: bool, m_values=None, seq_len: int | None = None) -> list
 # ---------------------------------------------------------------------------------------------
 # Session: toolkit.dist's TP/CP groups when launched as ranks, None in one process (TP1CP1)
 # ---------------------------------------------------------------------------------------------
-def start(ctx, out: Path):
+def start(ctx, out: Path | None = None):
     """The DistSession (every TP/CP group of the world) when started as ranks, else None. Refuses a
     world that cannot hold the layout, and NVLink multicast on CUDA, before any work."""
     from detkit.bench.comm import NVLS_ENV
@@ -135,8 +204,15 @@ def start(ctx, out: Path):
     return session
 
 
+def finish(session, passed: bool) -> bool:
+    """Every rank's verdict combined; destroys the process group (one process: ``passed``)."""
+    from detkit.toolkit import dist as tp_cp_dist
+
+    return tp_cp_dist.finish(session, passed)
+
+
 def configs(session) -> list[tuple[int, int]]:
-    """(tp, cp) of every config whose groups the world holds (TP1CP1 only in one process)."""
+    """(tp, cp) of every config whose groups the session's world holds (TP1CP1 only in one process)."""
     if session is None:
         return [(1, 1)]
     groups = session.groups
@@ -148,6 +224,8 @@ def configs(session) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------------------------------
 def torch_mlp_fwd(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, plan: MlpPlan):
     """``(y [M_loc, H], saved)``: torch.matmul, F.silu, a BF16 all_reduce over the TP group at TP=2."""
+    from detkit.kernels.swiglu import gate_up_views
+
     gu = torch.matmul(x, w_gate_up.t())  # [M_loc, 2*I_loc], columns [gate I_t | up I_t] per held shard
     gate, up = gate_up_views(gu, plan.tp_shards)
     h = (F.silu(gate) * up).view(plan.m_loc, plan.i_loc)  # natural intermediate order
@@ -161,6 +239,8 @@ def torch_mlp_bwd(dy: torch.Tensor, saved: tuple, plan: MlpPlan):
     """``(dx, dW_gate_up, dW_down)``: the ops autograd runs for ``F.silu(g) * u``, written into one Gate|Up
     gradient buffer; BF16 all_reduces over the TP group (dX) and the CP group (both dW)."""
     import torch.distributed as dist
+
+    from detkit.kernels.swiglu import gate_up_views
 
     x, w_gate_up, w_down, gu, h = saved
     dh = torch.matmul(dy, w_down).view(plan.m_loc * plan.tp_shards, plan.layout.i_local)
@@ -210,7 +290,9 @@ class TorchQwen3MLP(torch.nn.Module):
 # One (M, config, impl) case on this rank
 # ---------------------------------------------------------------------------------------------
 @dataclass
-class Case:
+class Built:
+    """One implementation of one config, built on this rank: its module and its token shards."""
+
     name: str
     config: str
     impl: str
@@ -235,6 +317,8 @@ class Case:
         return y
 
     def outputs(self) -> dict[str, torch.Tensor]:
+        from detkit.kernels.mlp import split_gate_up
+
         y = self.step(lambda: None)
         dw_gate, dw_up = split_gate_up(self.module.w_gate_up.grad, self.plan)
         return {"y": y.detach(), "dx": self.x.grad, "dw_gate": dw_gate, "dw_up": dw_up,
@@ -243,6 +327,8 @@ class Case:
 
 def plan_for(session, layout: TpCpLayout, tp: int, cp: int, mode: str) -> MlpPlan:
     """This rank's plan; the session's process groups re-attached to ``layout`` (same model and world)."""
+    from detkit.kernels.mlp import MlpPlan
+
     if session is None:
         return MlpPlan(layout, mode=mode)
     my_cp, my_tp = layout.coords(session.layout_rank)
@@ -252,15 +338,17 @@ def plan_for(session, layout: TpCpLayout, tp: int, cp: int, mode: str) -> MlpPla
                    groups["tp"] if tp == 2 else None, groups["cp"] if cp == 2 else None, mode)
 
 
-def build_cases(session, layout: TpCpLayout, tensors: dict[str, torch.Tensor], tp: int, cp: int) -> list[Case]:
+def build_cases(session, layout: TpCpLayout, tensors: dict[str, torch.Tensor], tp: int, cp: int) -> list[Built]:
     """The three implementations of one config on this rank, sharing its weight and token shards."""
+    from detkit.kernels.mlp import DetQwen3MLP, shard_tokens, shard_weights
+
     h, i = layout.model.hidden_size, layout.model.intermediate_size
     cases = []
     for impl, mode in IMPLS:
         plan = plan_for(session, layout, tp, cp, mode)
         w_gate_up, w_down = shard_weights(tensors["w_gate"], tensors["w_up"], tensors["w_down"], plan)
         module = (TorchQwen3MLP if impl == TORCH else DetQwen3MLP)(w_gate_up, w_down, plan)
-        cases.append(Case(row_name(plan.label, impl, mode, layout.m, h, i), plan.label, impl, mode, plan, module,
+        cases.append(Built(row_name(plan.label, impl, mode, layout.m, h, i), plan.label, impl, mode, plan, module,
                           shard_tokens(tensors["x"], plan).detach().clone().requires_grad_(True),
                           shard_tokens(tensors["d_out"], plan)))
     return cases
@@ -279,19 +367,13 @@ def local_region(tensor: str, t: torch.Tensor, plan: MlpPlan) -> torch.Tensor:
     return t[:, layout.i_shard(plan.tp_rank)] if plan.tp == 2 else t  # dw_down [H, I]
 
 
-def rel_l2(c: torch.Tensor, ref: torch.Tensor) -> float:
-    c64 = c.to(device=ref.device, dtype=torch.float64)
-    if not bool(torch.isfinite(c64).all()):
-        return float("inf")
-    n = float(torch.linalg.vector_norm(ref))
-    err = float(torch.linalg.vector_norm(c64 - ref))
-    return err / n if n else err
-
-
-def validate(case: Case, ref: dict[str, torch.Tensor], bounds: dict[str, torch.Tensor]) -> dict:
+def validate(case: Built, ref: dict[str, torch.Tensor], bounds: dict[str, torch.Tensor]) -> dict:
     """One step of ``case`` against the FP64 reference cut to its region: the contract per tensor
     (required for detkit, reported for torch) and the relative L2 error (required <= BASELINE_REL_L2
     for torch)."""
+    from detkit.audits.moe import rel_l2
+    from detkit.toolkit.contract import check_bound
+
     with nvtx_range(case.name), nvtx_range("validate"):
         out = case.outputs()
     contract, rel = {}, {}
@@ -354,7 +436,7 @@ def _barrier(session) -> None:
         dist.barrier()
 
 
-def time_sample(session, case: Case, device: torch.device, iters: int) -> tuple[float, float, float]:
+def time_sample(session, case: Built, device: torch.device, iters: int) -> tuple[float, float, float]:
     """(fwd, bwd, total) milliseconds per step of ``iters`` back-to-back steps on this rank."""
     _barrier(session)
     _sync(device)
@@ -381,7 +463,7 @@ def time_sample(session, case: Case, device: torch.device, iters: int) -> tuple[
     return fwd, bwd, fwd + bwd
 
 
-def time_cases(session, cases: list[Case], device: torch.device, rounds: int, iters: int,
+def time_cases(session, cases: list[Built], device: torch.device, rounds: int, iters: int,
                warmup: int) -> dict[str, dict[str, Timing]]:
     """Interleaved rounds (order alternating) of every case; per sample the slowest rank's time."""
     for case in cases:  # warm-up, excluded (the validation step was the first call)
@@ -446,6 +528,7 @@ def _ratios(rows: list[dict]) -> None:
 def run_shape(session, ctx, model_layout: TpCpLayout, m: int, seq_len: int, rounds: int, iters: int,
               warmup: int) -> list[dict]:
     """Validate every (config, impl) at M = m, then time each config's three implementations interleaved."""
+    from detkit.kernels.mlp import mlp_bounds, mlp_ref_fp64
     from detkit.toolkit.shard_refs import make_fixtures
 
     layout = layout_for_tokens(model_layout, m, seq_len)
@@ -490,20 +573,38 @@ def run_shape(session, ctx, model_layout: TpCpLayout, m: int, seq_len: int, roun
                 row[f"{phase}_tflops_per_rank"] = (
                     flops(phase, plan.m_loc, h, plan.i_loc) / (t[phase].median_us * 1e-6) / 1e12
                     if t and not ctx.interpreted else None)
+            row["passed"] = bool(row["validated"])
+            if not row["passed"]:
+                row["failure"] = (f"validation failed before timing (not timed): {row['validation']}; worst contract "
+                                  f"ratio {row['contract_worst_ratio']:.3g}, relative L2 {row['rel_l2_max']:.3g}, "
+                                  f"valid on layout ranks {row['validated_layout_ranks']}")
+            elif not ok:
+                row["failure"] = "not timed: another implementation of its config failed validation"
             rows.append(row)
     _ratios(rows)
     return rows
 
 
-def run(session, ctx, shape_list: list[tuple[int, int]], rounds: int, iters: int, warmup: int,
-        ) -> tuple[list[dict], dict]:
+def run(ctx, cases: list[MlpCase], session, **options) -> Iterator[dict]:
+    """Per M: validate every held (config, impl) on every rank, then time each config interleaved."""
     model_layout = session.layout if session is not None else layout_for_preset(ctx.preset)
-    rows = []
-    with nvtx_range("bench mlp"):
-        for m, s in shape_list:
-            rows += run_shape(session, ctx, model_layout, m, s, rounds, iters, warmup)
-    held = [f"TP{tp}CP{cp}" for tp, cp in configs(session)]
-    missing = [f"TP{tp}CP{cp}" for tp, cp in CONFIGS if f"TP{tp}CP{cp}" not in held]
+    held = configs(session)
+    planned = list(dict.fromkeys((c.tp, c.cp) for c in cases))
+    if planned != held:
+        raise RuntimeError(f"the launch's environment gave configs {planned} but the process group holds {held}")
+    for (m, seq_len), group in groupby(cases, key=lambda c: (c.m, c.seq_len)):
+        group = list(group)
+        rows = {r["name"]: r for r in run_shape(session, ctx, model_layout, m, seq_len, ctx.rounds,
+                                                  group[0].iters, group[0].warmup)}
+        yield from (rows[c.name] for c in group)
+
+
+def describe(ctx, cases, rows, session) -> dict:
+    from detkit.kernels.invariant import INVARIANT_CONFIG_TABLE_VERSION
+
+    model_layout = session.layout if session is not None else layout_for_preset(ctx.preset)
+    held = [config_label(tp, cp) for tp, cp in configs(session)]
+    missing = [config_label(tp, cp) for tp, cp in CONFIGS if config_label(tp, cp) not in held]
     not_covered = []
     if missing:
         not_covered.append(f"configs {missing}: their TP/CP groups are not held by this world "
@@ -537,7 +638,7 @@ def run(session, ctx, shape_list: list[tuple[int, int]], rounds: int, iters: int
         meta["note"] = INTERPRETER_LABEL
     if session is not None:
         meta["rank_map"] = session.rank_records
-    return rows, meta
+    return meta
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,7 +659,11 @@ def target_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plots(out_dir: Path, rows: list[dict]) -> list[Path]:
+    """Time per step vs M per (config, impl, mode): hardware runs with timed rows only."""
+    timed = [r for r in rows if r["timed"]]
+    if not timed or not all(r["hardware_result"] for r in timed):
+        return []
     import matplotlib
 
     matplotlib.use("Agg")
@@ -567,40 +672,29 @@ def plot(rows: list[dict], path: Path) -> None:
     from detkit.toolkit.reports import save_figure, style_log2_axes
 
     styles = {IMPLS[0]: ("--", "s"), IMPLS[1]: ("-", "o"), IMPLS[2]: (":", "^")}  # colour = config
-    colours = {f"TP{tp}CP{cp}": f"C{n}" for n, (tp, cp) in enumerate(CONFIGS)}
+    colours = {config_label(tp, cp): f"C{n}" for n, (tp, cp) in enumerate(CONFIGS)}
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for config, impl, mode in dict.fromkeys((r["config"], r["impl"], r["mode"]) for r in rows if r["timed"]):
-        sel = sorted((r for r in rows if (r["config"], r["impl"], r["mode"]) == (config, impl, mode) and r["timed"]),
+    for config, impl, mode in dict.fromkeys((r["config"], r["impl"], r["mode"]) for r in timed):
+        sel = sorted((r for r in timed if (r["config"], r["impl"], r["mode"]) == (config, impl, mode)),
                      key=lambda r: r["M"])
         linestyle, marker = styles[(impl, mode)]
         ax.plot([r["M"] for r in sel], [r["total_median_us"] / 1e3 for r in sel], color=colours[config],
                 linestyle=linestyle, marker=marker, label=f"{config} {impl} {mode}")
     style_log2_axes(ax, "Qwen3 MLP forward + backward per rank", "tokens M = B*S", "time per step (ms)")
+    path = Path(out_dir) / "mlp_time.png"
     save_figure(fig, path)
     plt.close(fig)
+    return [path]
 
 
-def write_outputs(out_dir, rows: list[dict], meta: dict) -> dict:
-    from tabulate import tabulate
-
-    from detkit.toolkit.harness import atomic_write_text
-    from detkit.toolkit.reports import markdown_report, write_row_files
-
-    paths = write_row_files(out_dir, NAME, rows)
-    out = paths["markdown"].parent
+def summarize(rows: list[dict], meta: dict) -> str:
+    lines = [f"- {key}: {meta[key]}" for key in ("model", "world_size", "world", "pg_backend", "configs", "modes",
+                                                 "invariant_config_table_version", "baseline", "validation", "timing",
+                                                 "formulas", "targets") if meta.get(key) is not None]
     cols = ["config", "impl", "mode", "M", "M_local", "validated", "contract_worst_ratio", "fwd_median_us",
             "bwd_median_us", "total_median_us", "total_p20_us", "total_p80_us", "invariant_vs_default_total",
             "default_vs_baseline_total", "total_tflops_per_rank"]
-    table = [{c: r.get(c) for c in cols} for r in rows]
-    text = markdown_report("detkit bench mlp", meta, table)
-    text += ("\n## Targets (total time; reported, not asserted)\n\n"
-             + tabulate(target_summary(rows), headers="keys", tablefmt="github", floatfmt=".3f") + "\n")
-    if meta.get("not_covered"):
-        text += "\n## NOT COVERED\n\n" + "".join(f"- {item}\n" for item in meta["not_covered"])
-    if meta.get("backend") != "triton_interpreter" and any(r["timed"] for r in rows):
-        plot(rows, out / "mlp_time.png")
-        paths["plot"] = out / "mlp_time.png"
-        text += "\n![time per step](mlp_time.png)\n"
-    atomic_write_text(paths["markdown"], text)
-    return paths
-
+    lines += ["", "## Per (config, implementation, mode)", "", markdown_table(rows, cols), "",
+              "## Targets (total time; reported, not asserted)", "",
+              markdown_table(target_summary(rows), list(target_summary(rows)[0]) if rows else ()), ""]
+    return "\n".join(lines)

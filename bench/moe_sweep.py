@@ -1,26 +1,28 @@
-"""MoE expert-MLP benchmark report over a token sweep: uniform and skewed routing, forward, backward
-alone and both, peak memory, a per-kernel breakdown and a fitted performance model (issue 8 item 5).
+"""``detkit bench moe-sweep``: the MoE expert MLP over a token sweep, uniform and skewed routing: forward,
+backward alone and both, peak memory, a per-kernel breakdown, a fitted performance model and the MoE
+speed targets.
 
-    python -m detkit.bench.moe_sweep --device cuda --out results/moe_sweep                  # every GPU preset
-    python -m detkit.bench.moe_sweep --device cuda --out results/moe_quick --quick
-    python -m detkit.bench.moe_sweep --device cpu --out /tmp/moe_sweep                      # interpreter: plumbing
-    python -m detkit.bench.moe_sweep --merge results/a results/b --out results/ab           # re-report saved runs
+    detkit bench moe-sweep --device cuda --out results/moe_sweep                 # every GPU preset
+    detkit bench moe-sweep --device cuda --quick --out results/moe_quick
+    detkit bench moe-sweep --device cpu --out /tmp/moe_sweep                     # interpreter: plumbing
+    detkit bench moe-sweep --merge results/a --merge results/b --out results/ab  # re-report saved runs
 
-Each case is (preset, T, routing). Per case: validate, then time (bench.moe's rules: detkit forward +
+Each case is (preset, T, routing). Per case: validate, then time (bench moe's rules: detkit forward +
 backward twice, bitwise equal; every tensor within relative L2 VALIDATE_REL_L2 of the PyTorch
-baseline; the backward-alone calls reproduce those gradients), then time three measures interleaved
-with the baseline (toolkit.timing: CUDA events, L2 flushed, warm-up excluded, median with p20/p80):
+baseline; the baseline's backward-alone calls reproduce its gradients), then time three measures
+interleaved with the baseline (toolkit.timing: CUDA events, L2 flushed, warm-up excluded, median with
+p20/p80), one row per (measure, implementation):
     fwd       the whole layer forward, routing metadata included
     bwd       the backward alone on saved activations: detkit ``moe_mlp_bwd(dout, saved)``; the
               baseline ``torch.autograd.grad(out, leaves, dout, retain_graph=True)`` on one forward
               graph kept alive (fresh gradient tensors, no ``.grad`` accumulation, like detkit's)
     fwd_bwd   forward then backward
-Then peak memory of one fwd_bwd per implementation (torch.cuda.max_memory_allocated after a reset;
-"delta" is the peak over what was allocated before the call), and, at one T per preset
-(PROFILE_T when swept, else the largest T; uniform routing when swept), a torch.profiler breakdown
-of one fwd_bwd per implementation: CUDA kernels on a GPU, CPU self time on the CPU.
+The fwd_bwd rows carry the peak memory of one call per implementation (torch.cuda.max_memory_allocated
+after a reset; "delta" is the peak over what was allocated before the call) and, at one T per preset
+(PROFILE_T when swept, else the largest T; uniform routing when swept), a torch.profiler breakdown of
+one call (``breakdown``): CUDA kernels on a GPU, CPU self time on the CPU.
 
-Routing. uniform: ``bench.moe.make_inputs`` (top-k of Gaussian logits, balanced in expectation).
+Routing. uniform: ``moe_common.make_inputs`` (top-k of Gaussian logits, balanced in expectation).
 skewed: the same tensors with topk_ids replaced by K distinct experts per token drawn without
 replacement from a Zipf law, P(expert of popularity rank r) ~ (r + 1)^-s with s = ZIPF_EXPONENT
 (1.0, the classic law; ``--zipf-exponent``), the ranks a seeded permutation of the experts. Drawing
@@ -32,59 +34,71 @@ skewed equals uniform in per-expert rows there and differs only in the order of 
 Formulas (T tokens, K routes, hidden H, expert intermediate I, E experts):
     FLOPs fwd 6*T*K*H*I, bwd 12*T*K*H*I, fwd_bwd 18*T*K*H*I (padding rows and masked routes excluded)
     TFLOP/s = FLOPs / median time; mfu_datasheet = TFLOP/s / 989; mfu_measured = TFLOP/s / the cuBLAS
-    BF16 8192^3 ceiling measured at the start of this run (bench.gemm.measured_ceiling_tflops)
+    BF16 8192^3 ceiling measured at the start of this run (toolkit.timing.measured_ceiling_tflops)
     speedup_vs_baseline = baseline median / detkit median (> 1: detkit faster)
 Performance model, fitted to the detkit cases of one measure and routing by linear least squares:
     time = F / (989e12 * eta) + a * T*K*max(H, 2I) + b * E*T*K + c
 the unknowns (1/eta, a, b, c). Within one preset all three non-constant features grow with T, so
 the fit needs at least three presets whose shapes differ; fewer (or fewer than four cases) are
-refused with the reason. On the CPU every time is Triton-interpreter wall time: rows and report say
-so, no TFLOP/s, MFU or target verdicts are given, and the fit is only the plumbing.
+refused with the reason. Targets (TARGETS) are checked on the uniform fwd_bwd detkit rows and
+reported; a row fails only when its case fails validation. On the CPU every time is
+Triton-interpreter wall time: rows and report say so, no TFLOP/s, MFU or target verdicts are given,
+and the fit is only the plumbing.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import logging
 import math
-import os
-import shlex
-import sys
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
+from itertools import groupby
 from pathlib import Path
 
+import click
 import numpy as np
 import torch
 
-from detkit.bench.moe import (
-    DATASHEET_BF16_TFLOPS, GPU_PRESETS, INTERPRETER_LABEL, PRESETS, VALIDATE_REL_L2, MoePreset, _rel_l2,
-    make_inputs, markdown_table, pick_baseline, run_baseline, torch_moe_fwd, with_range,
+from detkit.bench.moe_common import (
+    DATASHEET_BF16_TFLOPS, INTERPRETER_LABEL, VALIDATE_REL_L2, BenchCase, make_inputs, pick_baseline, run_baseline,
+    torch_moe_fwd, with_range,
 )
-from detkit.kernels.backend import MAX_INT32_OFFSET
-from detkit.kernels.moe_routing import SEGMENT_ALIGN
+from detkit.toolkit.presets import MOE_GPU_PRESETS as GPU_PRESETS
+from detkit.toolkit.presets import MOE_PRESETS, MoePreset
 from detkit.toolkit.nvtx_ranges import nvtx_range
+from detkit.toolkit.reports import markdown_table
 
-log = logging.getLogger(__name__)
-
+NAME = "moe-sweep"
+DESCRIPTION = ("The MoE expert MLP over a token sweep (uniform and skewed routing): fwd, bwd, fwd_bwd, memory, "
+               "kernel breakdown, performance model and the MoE speed targets.")
+RANKS = "single"
+PRESETS = tuple(MOE_PRESETS)
 ROUTINGS = ("uniform", "skewed")
 ZIPF_EXPONENT = 1.0  # expert popularity ~ 1 / (rank + 1), the classic Zipf law
 SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384)
 QUICK_PRESETS = ("reference", "qwen3-30b-a3b")
-QUICK_TOKENS = (1024, 4096, 16384)
+QUICK_TOKENS = (1024, 8192, 16384)  # T = 8192 and 16384: every target's case
 CPU_PRESETS = ("tiny",)
 CPU_TOKENS = (16, 64)
 MEASURES = ("fwd", "bwd", "fwd_bwd")
-FLOPS_PER_TKHI = {"fwd": 6.0, "bwd": 12.0, "fwd_bwd": 18.0}
 IMPLS = ("detkit", "baseline")
 PROFILE_T = 8192
 TOP_KERNELS = 10
 MODEL_PARAMS = ("inv_eta", "a", "b", "c")
 RANK_RTOL = 1e-9  # singular values below this fraction of the largest (columns scaled to 1) are zero
 NOT_ON_CPU = "not available (cpu)"
+OPTIONS = (
+    click.option("--tokens", multiple=True, type=int,
+                 help=f"T values; repeat (default {SWEEP_TOKENS} on cuda, {QUICK_TOKENS} with --quick, {CPU_TOKENS} "
+                      "on cpu)."),
+    click.option("--routing", "routings", multiple=True, type=click.Choice(ROUTINGS),
+                 help=f"Routing kinds; repeat (default: {', '.join(ROUTINGS)})."),
+    click.option("--zipf-exponent", type=float, default=ZIPF_EXPONENT, show_default=True,
+                 help="s of the skewed routing's popularity law (rank + 1)^-s."),
+    click.option("--quick", is_flag=True,
+                 help=f"Short GPU run: presets {', '.join(QUICK_PRESETS)}, T {QUICK_TOKENS} unless --preset/--tokens say."),
+    click.option("--no-profile", is_flag=True, help="Skip the torch.profiler breakdown."),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +110,7 @@ class Target:
     minimum: float
 
 
-# Issue 8 (H200, forward+backward, deterministic). The issue's third target ("1.3x the PyTorch
-# baseline at both") is the last two lines.
+# The MoE layer's speed targets on an H200, forward+backward, deterministic.
 TARGETS = (
     Target("MFU (of 989) at the reference shape >= 55%", "reference", 8192, "mfu_datasheet", 0.55),
     Target("MFU (of 989) at Qwen3-30B-A3B, T=16384 >= 40%", "qwen3-30b-a3b", 16384, "mfu_datasheet", 0.40),
@@ -133,7 +146,7 @@ def skewed_topk_ids(t: int, num_experts: int, k: int, seed: int, exponent: float
 
 def make_case_inputs(p: MoePreset, routing: str, device: torch.device, seed: int,
                      exponent: float = ZIPF_EXPONENT) -> dict[str, torch.Tensor]:
-    """detkit.bench.moe.make_inputs at ``p``; skewed routing swaps in ``skewed_topk_ids`` (scores keep their
+    """moe_common.make_inputs at ``p``; skewed routing swaps in ``skewed_topk_ids`` (scores keep their
     softmax-of-top-k values: they do not depend on which experts were picked)."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing {routing!r} not known; supported: {ROUTINGS}")
@@ -155,17 +168,20 @@ def routing_stats(topk_ids: torch.Tensor, num_experts: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Selection checks (before any work)
 # ---------------------------------------------------------------------------------------------
-def check_selection(presets: Sequence[str], tokens: Sequence[int], routings: Sequence[str], rounds: int,
+def check_selection(presets: Sequence[str], tokens: Sequence[int], routings: Sequence[str],
                     zipf_exponent: float = ZIPF_EXPONENT) -> None:
     """Refuse a bad selection with the value and what is supported; nothing has run yet."""
+    from detkit.kernels.backend import MAX_INT32_OFFSET
+    from detkit.kernels.moe_routing import SEGMENT_ALIGN
+
     if not (isinstance(zipf_exponent, (int, float)) and math.isfinite(zipf_exponent) and zipf_exponent > 0):
         raise ValueError(f"zipf exponent {zipf_exponent!r} not supported; it must be a finite number > 0 "
                          "(uniform routing is the 'uniform' kind)")
     if not presets:
-        raise ValueError(f"no preset selected; known: {sorted(PRESETS)}")
-    unknown = [p for p in presets if p not in PRESETS]
+        raise ValueError(f"no preset selected; known: {sorted(MOE_PRESETS)}")
+    unknown = [p for p in presets if p not in MOE_PRESETS]
     if unknown:
-        raise ValueError(f"preset(s) {unknown} not known; known: {sorted(PRESETS)}")
+        raise ValueError(f"preset(s) {unknown} not known; known: {sorted(MOE_PRESETS)}")
     if not tokens:
         raise ValueError("no token count (T) selected")
     bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or t < 1]
@@ -179,10 +195,8 @@ def check_selection(presets: Sequence[str], tokens: Sequence[int], routings: Seq
     bad_routing = [r for r in routings if r not in ROUTINGS]
     if bad_routing:
         raise ValueError(f"routing(s) {bad_routing} not known; supported: {ROUTINGS}")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds={rounds!r}; must be an int >= 1")
     for name in presets:
-        p = PRESETS[name]
+        p = MOE_PRESETS[name]
         for t in tokens:
             # Padded rows are at most T*K plus 127 per expert; the kernels index them in int32.
             worst = (t * p.k + p.e * (SEGMENT_ALIGN - 1)) * max(p.h, 2 * p.i)
@@ -273,18 +287,64 @@ def aggregate_events(events, cuda: bool) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# One case: validate, then time, memory, profile
+# Cases and the run
 # ---------------------------------------------------------------------------------------------
-def run_case(p: MoePreset, routing: str, device: torch.device, rounds: int, seed: int,
-             baseline_choice: tuple[bool, str], profile: bool = False,
-             ceiling_tflops: float | None = None, exponent: float = ZIPF_EXPONENT) -> tuple[list[dict], list[dict]]:
-    """(timing rows, breakdown rows) of one (preset at its T, routing) case."""
+def cases(ctx, tokens: Sequence[int] = (), routings: Sequence[str] = (), zipf_exponent: float = ZIPF_EXPONENT,
+          quick: bool = False, no_profile: bool = False) -> list[BenchCase]:
+    """One case per (preset, T, routing, measure, implementation), in run order; the selection is checked
+    first (nothing has run)."""
+    if quick and ctx.interpreted:
+        raise ValueError("--quick is a GPU run (reference and qwen3-30b-a3b shapes); on cpu use the defaults")
+    presets = list(ctx.presets or (QUICK_PRESETS if quick else CPU_PRESETS if ctx.interpreted else GPU_PRESETS))
+    tokens = list(tokens or (QUICK_TOKENS if quick else CPU_TOKENS if ctx.interpreted else SWEEP_TOKENS))
+    routings = list(routings or ROUTINGS)
+    check_selection(presets, tokens, routings, zipf_exponent)
+    out = []
+    for name in presets:
+        for t in tokens:
+            p = dataclasses.replace(MOE_PRESETS[name], t=t)
+            for routing in routings:
+                group = f"{name} T={t} {routing}"
+                out += [BenchCase(row_name(p, routing, m, impl), group, name, m, t, routing, impl)
+                        for m in MEASURES for impl in IMPLS]
+    return out
+
+
+def run(ctx, cases: list[BenchCase], tokens=(), routings=(), zipf_exponent: float = ZIPF_EXPONENT,
+        quick: bool = False, no_profile: bool = False) -> Iterator[dict]:
+    device = ctx.device
+    if device.type == "cuda":
+        from detkit.toolkit.timing import CEILING_SHAPE, measured_ceiling_tflops
+
+        n = CEILING_SHAPE
+        with nvtx_range(f"ceiling cublas bf16 [M={n}, N={n}, K={n}]"):
+            ceiling = measured_ceiling_tflops(device)
+    else:
+        ceiling = None
+    baseline_choice = pick_baseline(device)
+    prof_t, prof_routing = profile_case(sorted({c.t for c in cases}), list(dict.fromkeys(c.routing for c in cases)))
+    for _, group in groupby(cases, key=lambda c: c.group):
+        group = list(group)
+        first = group[0]
+        p = dataclasses.replace(MOE_PRESETS[first.preset], t=first.t)
+        yield from run_case(p, first.routing, group, ctx, baseline_choice,
+                            profile=not no_profile and (first.t, first.routing) == (prof_t, prof_routing),
+                            ceiling_tflops=ceiling, exponent=zipf_exponent)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # each case starts from the same allocator state
+
+
+def run_case(p: MoePreset, routing: str, group: list[BenchCase], ctx, baseline_choice: tuple[bool, str],
+             profile: bool = False, ceiling_tflops: float | None = None,
+             exponent: float = ZIPF_EXPONENT) -> Iterator[dict]:
+    """The rows of one (preset at its T, routing) case, one per (measure, implementation) in ``group``."""
+    from detkit.audits.moe import rel_l2
     from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION, moe_mlp_bwd, moe_mlp_fwd
     from detkit.kernels.moe_routing import build_routing
     from detkit.toolkit.contract import compare_bits
     from detkit.toolkit.timing import time_interleaved
 
-    interpreted = device.type == "cpu"
+    device, interpreted, rounds, seed = ctx.device, ctx.interpreted, ctx.rounds, ctx.seed
     inp = make_case_inputs(p, routing, device, seed, exponent)
     x, w1, w2, ids, scores, dout = (inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores", "dout"))
     grouped, baseline = baseline_choice
@@ -321,17 +381,16 @@ def run_case(p: MoePreset, routing: str, device: torch.device, rounds: int, seed
         base_bwd_grads = torch.autograd.grad(*base_graph(), dout)
 
     repeat_equal = all(compare_bits(first[n], second[n]).equal for n in first)
-    rel = {f"rel_l2_vs_baseline_{n}": _rel_l2(first[n], base[n]) for n in first}
-    base_bwd_rel = max(_rel_l2(g, base[f"d{n}"]) for n, g in zip(grad_names, base_bwd_grads))
+    rel = {f"rel_l2_vs_baseline_{n}": rel_l2(first[n], base[n]) for n in first}
+    base_bwd_rel = max(rel_l2(g, base[f"d{n}"]) for n, g in zip(grad_names, base_bwd_grads))
     valid = (repeat_equal and base_bwd_rel <= VALIDATE_REL_L2
              and all(v <= VALIDATE_REL_L2 for v in rel.values()))
     routing_meta = build_routing(ids, scores, p.e)
     common = {
         "preset": p.name, "T": p.t, "H": p.h, "I": p.i, "E": p.e, "K": p.k, "routing": routing,
         "zipf_exponent": exponent if routing == "skewed" else None, "seed": seed, "baseline": baseline,
-        "config_table_version": MOE_CONFIG_TABLE_VERSION,
-        "backend": "triton_interpreter" if interpreted else "cuda_sm90", "hardware_result": not interpreted,
-        "validated": valid, "repeat_bitwise_equal": repeat_equal,
+        "config_table_version": MOE_CONFIG_TABLE_VERSION, "backend": ctx.backend, "hardware_result": not interpreted,
+        "measured_ceiling_tflops": ceiling_tflops, "validated": valid, "repeat_bitwise_equal": repeat_equal,
         "baseline_bwd_only_rel_l2": base_bwd_rel, **rel, "padded_rows": routing_meta.padded_rows,
         **routing_stats(ids, p.e),
     }
@@ -340,8 +399,12 @@ def run_case(p: MoePreset, routing: str, device: torch.device, rounds: int, seed
     # Freed before the memory measurement, so each peak starts from the inputs alone.
     del first, second, base, base_bwd_grads
     if not valid:
-        return [{**common, "name": f"validate {p.label} {routing}", "measure": "validation_failed",
-                 "impl": "detkit"}], []
+        failure = (f"validation failed, not timed: repeat bitwise equal {repeat_equal}, worst relative L2 vs the "
+                   f"baseline {max([*rel.values(), base_bwd_rel]):.3g} (limit {VALIDATE_REL_L2:.3g})")
+        for case in group:
+            yield {**common, "name": case.name, "measure": case.measure, "impl": case.impl, "passed": False,
+                   "failure": failure}
+        return
     memory = {"detkit": peak_memory(det_fwd_bwd, device), "baseline": peak_memory(base_fwd_bwd, device)}
 
     # Saved activations (detkit) and one kept forward graph (baseline) for the backward alone.
@@ -357,98 +420,31 @@ def run_case(p: MoePreset, routing: str, device: torch.device, rounds: int, seed
     fns = {"fwd": {"detkit": det_fwd, "baseline": base_fwd},
            "bwd": {"detkit": det_bwd, "baseline": base_bwd},
            "fwd_bwd": {"detkit": det_fwd_bwd, "baseline": base_fwd_bwd}}
-    rows = []
-    for measure in MEASURES:
-        names = {impl: row_name(p, routing, measure, impl) for impl in IMPLS}
-        timings = time_interleaved({names[i]: with_range(names[i], fn, nvtx_range) for i, fn in fns[measure].items()},
-                                   device, rounds=rounds)
-        flops = FLOPS_PER_TKHI[measure] * p.t * p.k * p.h * p.i
-        det_us, base_us = timings[names["detkit"]].median_us, timings[names["baseline"]].median_us
-        for impl in IMPLS:
-            t = timings[names[impl]]
-            row = {**common, "name": names[impl], "measure": measure, "impl": impl, "flops": flops, **vars(t)}
+    for measure, sel in groupby(group, key=lambda c: c.measure):
+        names = {c.impl: c.name for c in sel}
+        timings = time_interleaved({names[i]: with_range(names[i], fns[measure][i]) for i in names}, device,
+                                   rounds=rounds)
+        flops = p.flops(measure)
+        breakdown = {}
+        if profile and measure == "fwd_bwd":  # after timing: compiled, allocator primed
+            profiled = {"detkit": lambda: det_fwd_bwd(_stage_range), "baseline": base_fwd_bwd}
+            breakdown = {i: kernel_breakdown(profiled[i], device, f"{names[i]} profile") for i in names}
+        medians = {i: timings[names[i]].median_us for i in names}
+        for impl, name in names.items():
+            t = timings[name]
+            row = {**common, "name": name, "measure": measure, "impl": impl, "flops": flops, **vars(t), "passed": True}
             if not interpreted:
                 tflops = flops / (t.median_us * 1e-6) / 1e12
                 row.update({"tflops": tflops, "mfu_datasheet": tflops / DATASHEET_BF16_TFLOPS,
                             "mfu_measured": tflops / ceiling_tflops if ceiling_tflops else None})
-            if impl == "detkit":
-                row.update({"ratio_vs_baseline": det_us / base_us, "speedup_vs_baseline": base_us / det_us})
+            if impl == "detkit" and "baseline" in medians:
+                row.update({"ratio_vs_baseline": medians["detkit"] / medians["baseline"],
+                            "speedup_vs_baseline": medians["baseline"] / medians["detkit"]})
             if measure == "fwd_bwd":
                 row.update(memory[impl])
-            rows.append(row)
-
-    breakdown = []
-    if profile:
-        profiled = {"detkit": lambda: det_fwd_bwd(_stage_range), "baseline": base_fwd_bwd}
-        for impl, fn in profiled.items():
-            name = row_name(p, routing, "fwd_bwd", impl)
-            for entry in kernel_breakdown(fn, device, f"{name} profile"):
-                breakdown.append({"name": f"{name} profile", "preset": p.name, "T": p.t, "routing": routing,
-                                  "impl": impl, "hardware_result": not interpreted, **entry})
-    return rows, breakdown
-
-
-# ---------------------------------------------------------------------------------------------
-# The sweep
-# ---------------------------------------------------------------------------------------------
-def sweep_meta(device: torch.device, presets, tokens, routings, rounds, seed, profile, command_line,
-               exponent) -> dict:
-    from detkit.kernels.backend import resolve_backend
-    from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION, moe_grouped_gemm_kernel
-    from detkit.toolkit.harness import env_meta
-
-    backend = resolve_backend(moe_grouped_gemm_kernel, {"device": torch.empty(0, device=device)})
-    meta = {
-        "command": "bench moe_sweep", "command_line": command_line, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "backend": backend, "hardware_result": backend != "triton_interpreter",
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "presets": list(presets), "tokens": list(tokens), "routings": list(routings), "rounds": rounds,
-        "seed": seed, "profile": profile, "zipf_exponent": exponent,
-        "config_table_version": MOE_CONFIG_TABLE_VERSION, "datasheet_bf16_tflops": DATASHEET_BF16_TFLOPS,
-        "flops_formula": "fwd 6*T*K*H*I; bwd 12*T*K*H*I; fwd_bwd 18*T*K*H*I",
-        **env_meta(device),
-    }
-    if not meta["hardware_result"]:
-        meta["note"] = INTERPRETER_LABEL
-    return meta
-
-
-def run_sweep(device: torch.device, presets: Sequence[str], tokens: Sequence[int], routings: Sequence[str],
-              rounds: int = 5, seed: int = 0, profile: bool = True, command_line: str | None = None,
-              zipf_exponent: float = ZIPF_EXPONENT) -> dict:
-    """Validate and time every (preset, T, routing) case; returns {"meta", "rows", "breakdown"}.
-
-    The selection is checked before anything runs. Fits and target verdicts: ``summarize``."""
-    check_selection(presets, tokens, routings, rounds, zipf_exponent)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda requested but torch sees no CUDA GPU; use cpu (interpreter, not hardware)")
-    meta = sweep_meta(device, presets, tokens, routings, rounds, seed, profile,
-                      command_line if command_line is not None else shlex.join(sys.argv), zipf_exponent)
-    if device.type == "cuda":
-        from detkit.bench.gemm import measured_ceiling_tflops
-
-        with nvtx_range("ceiling cublas bf16 [M=8192, N=8192, K=8192]"):
-            meta["measured_ceiling_tflops"] = measured_ceiling_tflops(device)
-    else:
-        meta["measured_ceiling_tflops"] = "skipped on cpu (interpreter, not a hardware result)"
-    ceiling = meta["measured_ceiling_tflops"] if isinstance(meta["measured_ceiling_tflops"], float) else None
-    baseline_choice = pick_baseline(device)
-    meta["baseline"] = baseline_choice[1]
-    prof_t, prof_routing = profile_case(tokens, routings)
-    rows, breakdown = [], []
-    for name in presets:
-        for t in tokens:
-            for routing in routings:
-                p = dataclasses.replace(PRESETS[name], t=t)
-                log.info("case %s %s", p.label, routing)  # a full GPU sweep takes minutes: show progress
-                r, b = run_case(p, routing, device, rounds, seed, baseline_choice,
-                                profile=profile and (t, routing) == (prof_t, prof_routing), ceiling_tflops=ceiling,
-                                exponent=zipf_exponent)
-                rows += r
-                breakdown += b
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()  # each case starts from the same allocator state
-    return {"meta": meta, "rows": rows, "breakdown": breakdown}
+            if impl in breakdown:
+                row["breakdown"] = breakdown[impl]
+            yield row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,11 +520,12 @@ def model_fits(rows: Sequence[Mapping]) -> list[dict]:
 # Targets and the report
 # ---------------------------------------------------------------------------------------------
 def target_verdicts(rows: Sequence[Mapping], hardware_result: bool) -> list[dict]:
+    """Each target's value and verdict from the uniform fwd_bwd detkit row at its preset and T."""
     out = []
     for tg in TARGETS:
         entry = {"target": tg.label, "preset": tg.preset, "T": tg.t, "minimum": tg.minimum, "value": None}
         match = [r for r in rows if (r.get("preset"), r.get("T"), r.get("routing")) == (tg.preset, tg.t, "uniform")
-                 and r.get("impl") == "detkit" and r.get("measure") in ("fwd_bwd", "validation_failed")]
+                 and r.get("impl") == "detkit" and r.get("measure") == "fwd_bwd"]
         if not hardware_result:
             entry["verdict"] = "not evaluated (interpreter, not a hardware result)"
         elif not match:
@@ -543,50 +540,37 @@ def target_verdicts(rows: Sequence[Mapping], hardware_result: bool) -> list[dict
     return out
 
 
-def summarize(results: dict) -> dict:
-    """Add the model fits and the target verdicts to {"meta", "rows", "breakdown"}."""
-    return {**results, "fits": model_fits(results["rows"]),
-            "targets": target_verdicts(results["rows"], bool(results["meta"].get("hardware_result")))}
+def derive(rows: list[dict], meta: dict) -> dict:
+    """The performance-model fits and the target verdicts over every row of the run."""
+    return {"fits": model_fits(rows), "targets": target_verdicts(rows, bool(meta.get("hardware_result")))}
 
 
-def _table(rows: Sequence[Mapping], cols: Sequence[str]) -> str:
-    """detkit.bench.moe's table of the columns that some row has."""
-    return "\n".join(markdown_table(rows, [c for c in cols if any(c in r for r in rows)]))
+def describe(ctx, cases, rows, session) -> dict:
+    first = rows[0] if rows else {}
+    meta = {"presets": list(dict.fromkeys(c.preset for c in cases)), "tokens": sorted({c.t for c in cases}),
+            "routings": list(dict.fromkeys(c.routing for c in cases)), "baseline": first.get("baseline"),
+            "measured_ceiling_tflops": first.get("measured_ceiling_tflops") if ctx.device.type == "cuda"
+            else "skipped on cpu (interpreter, not a hardware result)",
+            "datasheet_bf16_tflops": DATASHEET_BF16_TFLOPS,
+            "flops_formula": "fwd 6*T*K*H*I; bwd 12*T*K*H*I; fwd_bwd 18*T*K*H*I"}
+    if ctx.interpreted:
+        meta["note"] = INTERPRETER_LABEL
+    return meta
 
 
 def _mib(v) -> object:
     return v / 2**20 if isinstance(v, (int, float)) else v
 
 
-def render_markdown(results: dict, plots: Sequence[str] = ()) -> str:
-    from detkit.toolkit.reports import env_block
-
-    meta, rows = results["meta"], results["rows"]
+def summarize(rows: list[dict], meta: dict) -> str:
     hw = bool(meta.get("hardware_result"))
-    lines = ["# detkit bench moe sweep", ""]
-    if not hw:
-        lines += [f"> **{INTERPRETER_LABEL}**", ""]
-    failed = [r for r in rows if not r.get("validated")]
-    lines += [f"**{'validated' if rows and not failed else 'VALIDATION FAILED'}**: "
-              f"{len({(r['preset'], r['T'], r['routing']) for r in rows}) - len(failed)} case(s) validated, "
-              f"{len(failed)} failed", ""]
-    for key in ("command_line", "date", "backend", "hardware_result", "device_name", "baseline",
-                "measured_ceiling_tflops", "datasheet_bf16_tflops", "presets", "tokens", "routings", "zipf_exponent",
-                "rounds", "seed", "config_table_version", "flops_formula"):
-        if key in meta:
-            lines.append(f"- {key}: `{meta[key]}`" if key == "command_line" else f"- {key}: {meta[key]}")
-    for src in meta.get("merged_from", []):
-        lines.append(f"- merged from {src['dir']}: `{src['command_line']}` ({src['date']}, {src['device_name']}, "
-                     f"commit {src['commit']}, ceiling {src['measured_ceiling_tflops']}, baseline {src['baseline']})")
-    lines.append("")
-    if isinstance(meta.get("env_summary"), dict):
-        lines += env_block(meta["env_summary"])
-
-    lines += ["## Targets (H200, forward+backward, deterministic, uniform routing)", "",
-              _table(results["targets"], ("target", "value", "minimum", "verdict")), ""]
-
+    derived = meta.get("derived") or derive(rows, meta)
+    lines = [f"- {key}: {meta[key]}" for key in ("presets", "tokens", "routings", "baseline", "measured_ceiling_tflops",
+                                                 "datasheet_bf16_tflops", "flops_formula") if key in meta]
+    lines += ["", "## Targets (H200, forward+backward, deterministic, uniform routing)", "",
+              markdown_table(derived["targets"], ("target", "value", "minimum", "verdict")), ""]
     for measure, title in (("fwd_bwd", "Forward + backward"), ("fwd", "Forward"), ("bwd", "Backward alone")):
-        sel = [r for r in rows if r.get("measure") == measure]
+        sel = [r for r in rows if r.get("measure") == measure and "median_us" in r]
         if not sel:
             continue
         by = {(r["preset"], r["T"], r["routing"], r["impl"]): r for r in sel}
@@ -607,38 +591,41 @@ def render_markdown(results: dict, plots: Sequence[str] = ()) -> str:
                               "baseline_peak_MiB": _mib(b.get("peak_memory_bytes"))})
             table.append(entry)
         lines += [f"## {title}" + ("" if hw else " (interpreter wall time, not a hardware result)"), "",
-                  _table(table, list(table[0]) if table else ()), ""]
-    if failed:
-        cols = ("name", "repeat_bitwise_equal", "baseline_bwd_only_rel_l2", "rel_l2_vs_baseline_out")
-        lines += ["## Failed validation", "", _table(failed, cols), ""]
+                  markdown_table(table, list(table[0]) if table else ()), ""]
 
+    fit_cols = ("measure", "routing", "cases", "eta", "a_s_per_elem", "b_s_per_route_expert", "c_s", "r2", "error")
     lines += ["## Performance model", "",
               "time = F / (989e12 * eta) + a * T*K*max(H, 2I) + b * E*T*K + c, least squares over the validated "
               "detkit cases of each measure and routing.", ""]
     if not hw:
         lines += ["(interpreter wall time: the fit below only proves the plumbing)", ""]
-    lines += [_table([{k: f.get(k) for k in ("measure", "routing", "cases", "eta", "a_s_per_elem",
-                                             "b_s_per_route_expert", "c_s", "r2", "error")} for f in results["fits"]],
-                     ("measure", "routing", "cases", "eta", "a_s_per_elem", "b_s_per_route_expert", "c_s", "r2",
-                      "error")), ""]
-    for f in results["fits"]:
+    lines += [markdown_table([{k: f.get(k) for k in fit_cols} for f in derived["fits"]], fit_cols), ""]
+    for f in derived["fits"]:
         if "residuals" in f:
             lines += [f"### Residuals: {f['measure']}, routing {f['routing']}", "",
-                      _table(f["residuals"], ("name", "measured_us", "predicted_us", "residual_us",
-                                              "rel_residual")), ""]
-
-    if results["breakdown"]:
+                      markdown_table(f["residuals"], ("name", "measured_us", "predicted_us", "residual_us",
+                                                      "rel_residual")), ""]
+    profiled = [r for r in rows if r.get("breakdown")]
+    if profiled:
         lines += [f"## Per-kernel time, one fwd_bwd (top {TOP_KERNELS} per implementation)", ""]
-        for name in dict.fromkeys(b["name"] for b in results["breakdown"]):
-            sel = [b for b in results["breakdown"] if b["name"] == name][:TOP_KERNELS]
-            what = ("CUDA kernels" if sel[0]["activity"] == "cuda"
+        for r in profiled:
+            sel = r["breakdown"][:TOP_KERNELS]
+            what = ("CUDA kernels" if sel and sel[0]["activity"] == "cuda"
                     else "CPU self time, interpreter, not a hardware result")
-            lines += [f"### {name} ({what})", "", _table(sel, ("rank", "kernel", "calls", "total_us", "share")), ""]
-    for plot in plots:
-        lines += [f"![{plot}]({plot})", ""]
-    lines += ["Every row: `rows.jsonl` (timings), `breakdown.jsonl` (profiles), `rows.json` (all, with meta, fits, "
-              "targets).", ""]
+            lines += [f"### {r['name']} ({what})", "",
+                      markdown_table(sel, ("rank", "kernel", "calls", "total_us", "share")), ""]
     return "\n".join(lines)
+
+
+def plots(out_dir: Path, rows: list[dict]) -> list[Path]:
+    """One mfu_vs_T_<preset>.png per preset with timed rows."""
+    paths = []
+    hw = any(r.get("hardware_result") for r in rows)
+    for preset in dict.fromkeys(r["preset"] for r in rows if "median_us" in r):
+        path = Path(out_dir) / f"mfu_vs_T_{preset}.png"
+        plot_preset(rows, preset, hw, path)
+        paths.append(path)
+    return paths
 
 
 def plot_preset(rows: Sequence[Mapping], preset: str, hardware_result: bool, path: Path) -> None:
@@ -672,118 +659,3 @@ def plot_preset(rows: Sequence[Mapping], preset: str, hardware_result: bool, pat
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
-
-
-def write_outputs(out_dir: Path, results: dict) -> dict[str, Path]:
-    """rows.jsonl, breakdown.jsonl, rows.json, report.md and one mfu_vs_T_<preset>.png per preset."""
-    from detkit.toolkit.harness import atomic_write_text
-    from detkit.toolkit.reports import write_jsonl
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"rows_jsonl": out / "rows.jsonl", "breakdown_jsonl": out / "breakdown.jsonl",
-             "rows_json": out / "rows.json", "report": out / "report.md"}
-    write_jsonl(paths["rows_jsonl"], results["rows"])
-    write_jsonl(paths["breakdown_jsonl"], results["breakdown"])
-    hw = bool(results["meta"].get("hardware_result"))
-    plots = []
-    for preset in dict.fromkeys(r["preset"] for r in results["rows"] if r.get("measure") in MEASURES):
-        path = out / f"mfu_vs_T_{preset}.png"
-        plot_preset(results["rows"], preset, hw, path)
-        paths[f"plot_{preset}"] = path
-        plots.append(path.name)
-    atomic_write_text(paths["rows_json"], json.dumps(results, indent=2, default=str) + "\n")
-    atomic_write_text(paths["report"], render_markdown(results, plots))
-    return paths
-
-
-def load_runs(dirs: Sequence[Path], command_line: str) -> dict:
-    """Merge the rows.json of earlier runs (e.g. one per preset) into one result for re-reporting."""
-    metas, rows, breakdown = [], [], []
-    for d in dirs:
-        path = Path(d) / "rows.json"
-        if not path.is_file():
-            raise ValueError(f"{path} not found; --merge takes folders written by python -m detkit.bench.moe_sweep")
-        data = json.loads(path.read_text())
-        metas.append((str(d), data["meta"]))
-        rows += data["rows"]
-        breakdown += data["breakdown"]
-    kinds = {bool(m.get("hardware_result")) for _, m in metas}
-    if len(kinds) > 1:
-        raise ValueError("refusing to merge interpreter runs with hardware runs: "
-                         f"{[(d, m.get('backend')) for d, m in metas]}")
-    seen = set()
-    for r in rows:
-        if r["name"] in seen:
-            raise ValueError(f"row {r['name']!r} appears in more than one merged run; merge disjoint runs")
-        seen.add(r["name"])
-    first = metas[0][1]
-    meta = {"command": "bench moe_sweep", "command_line": command_line, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "backend": first.get("backend"), "hardware_result": first.get("hardware_result"),
-            "merged_from": [{"dir": d, "command_line": m.get("command_line"), "date": m.get("date"),
-                             "device_name": m.get("device_name"), "commit": m.get("env_summary", {}).get("git_commit"),
-                             "measured_ceiling_tflops": m.get("measured_ceiling_tflops"),
-                             "baseline": m.get("baseline")} for d, m in metas],
-            "env_summary": first.get("env_summary")}
-    if not meta["hardware_result"]:
-        meta["note"] = INTERPRETER_LABEL
-    return {"meta": meta, "rows": rows, "breakdown": breakdown}
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m detkit.bench.moe_sweep", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    parser.add_argument("--out", type=Path, required=True, help="folder for rows.json(l), report.md and PNGs")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"short GPU run: presets {QUICK_PRESETS}, T {QUICK_TOKENS} unless --preset/--tokens say")
-    parser.add_argument("--preset", nargs="+", help=f"default: {GPU_PRESETS} on cuda, {CPU_PRESETS} on cpu")
-    parser.add_argument("--tokens", nargs="+", type=int,
-                        help=f"T values; default {SWEEP_TOKENS} on cuda, {CPU_TOKENS} on cpu")
-    parser.add_argument("--routing", nargs="+", default=list(ROUTINGS), help=f"subset of {ROUTINGS}")
-    parser.add_argument("--zipf-exponent", type=float, default=ZIPF_EXPONENT,
-                        help="s of the skewed routing's popularity law (rank + 1)^-s")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler breakdown")
-    parser.add_argument("--merge", nargs="+", type=Path, metavar="DIR",
-                        help="re-report the rows.json of earlier runs together (no new measurements)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the report")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    command_line = f"{parser.prog} {shlex.join(sys.argv[1:] if argv is None else argv)}"
-
-    if args.merge:
-        try:
-            results = load_runs(args.merge, command_line)
-        except ValueError as exc:
-            parser.error(str(exc))
-    else:
-        if args.quick and args.device == "cpu":
-            parser.error("--quick is a GPU run (reference and qwen3-30b-a3b shapes); on cpu use the defaults")
-        on_cpu = args.device == "cpu"
-        presets = args.preset or list(QUICK_PRESETS if args.quick else CPU_PRESETS if on_cpu else GPU_PRESETS)
-        tokens = args.tokens or list(QUICK_TOKENS if args.quick else CPU_TOKENS if on_cpu else SWEEP_TOKENS)
-        try:
-            check_selection(presets, tokens, args.routing, args.rounds, args.zipf_exponent)
-        except ValueError as exc:
-            parser.error(str(exc))
-        if on_cpu:
-            if "detkit.kernels.moe" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-                parser.error("--device cpu needs TRITON_INTERPRET=1 before the kernels are imported")
-            os.environ["TRITON_INTERPRET"] = "1"  # the kernels are imported after this (CPU = interpreter)
-        elif not torch.cuda.is_available():
-            parser.error("--device cuda but torch sees no CUDA GPU; use --device cpu (interpreter, not hardware)")
-        results = run_sweep(torch.device(args.device), presets, tokens, args.routing, rounds=args.rounds,
-                            seed=args.seed, profile=not args.no_profile, command_line=command_line,
-                            zipf_exponent=args.zipf_exponent)
-    results = summarize(results)
-    paths = write_outputs(args.out, results)
-    print(json.dumps(results, indent=2, default=str) if args.json else paths["report"].read_text())
-    return 0 if results["rows"] and all(r.get("validated") for r in results["rows"]) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,13 +1,12 @@
 """``detkit bench mlp`` on the CPU: one process (TP1CP1) and 2 gloo ranks holding one TP group
-(torchrun, ``DETKIT_TPCP_WORLD=0,1``: TP1CP1 and TP2CP1) at the tiny dims write JSONL, CSV and markdown
-rows per (config, implementation, mode), every one validated against the FP64 MLP before timing,
+(torchrun, ``DETKIT_TPCP_WORLD=0,1``: TP1CP1 and TP2CP1) at the tiny dims write rows.jsonl, report.json
+and report.md, one row per (config, implementation, mode), every one validated against the FP64 MLP before timing,
 with medians / p20 / p80, the two ratios and their targets, and one NVTX range per row name on both
 ranks. The torch baseline's validation fails on a wrong weight order. Not a hardware result: the
 NCCL paths (``-m multigpu``, ``-m gpu``) are written and skipped here."""
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -22,13 +21,13 @@ from detkit.bench import mlp
 from detkit.kernels.mlp import mlp_bounds, mlp_ref_fp64
 from detkit.toolkit import cli
 from detkit.toolkit.layout import layout_for_preset
+from tests.bench_helpers import bench_ctx, one_process, read_rows, torchrun_env
 from tests.torchrun import run_two_ranks
 from detkit.toolkit.nvtx_ranges import parse_injection_log, verify_nvtx_log
 
 ROUNDS = 2  # the median of two samples is their mean: total == fwd + bwd exactly (checked)
 M, B, S, H, I = 12, 2, 6, 64, 96  # the tiny preset
 IMPLS = [("torch", "bf16"), ("detkit", "bf16"), ("detkit", "fp32_invariant")]
-RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "DETKIT_TPCP_WORLD")
 
 
 def test_names_formulas_and_shapes():
@@ -45,10 +44,34 @@ def test_names_formulas_and_shapes():
     assert mlp.configs(None) == [(1, 1)]
 
 
+def test_modes_and_configs_are_the_kernels_and_the_audits():
+    """Named in the plug-in so that the CLI imports no kernel; they must stay those of their sources."""
+    from detkit.audits.invariance import CONFIGS
+    from detkit.kernels.invariant import BF16, FP32_INVARIANT, MODES
+
+    assert (mlp.BF16, mlp.FP32_INVARIANT, mlp.MODES, mlp.CONFIGS) == (BF16, FP32_INVARIANT, MODES, CONFIGS)
+
+
+@pytest.mark.parametrize("env, held", [
+    ({}, [(1, 1)]),
+    (torchrun_env(2, DETKIT_TPCP_WORLD="0,1"), [(1, 1), (2, 1)]),
+    (torchrun_env(2, DETKIT_TPCP_WORLD="0,2"), [(1, 1), (1, 2)]),
+    (torchrun_env(4), [(1, 1), (2, 1), (1, 2), (2, 2)]),
+])
+def test_cases_follow_the_world_of_the_launch(env, held):
+    ctx = bench_ctx()
+    got = mlp.cases(ctx, environ=env)
+    assert [(c.tp, c.cp, c.impl, c.mode) for c in got] == [(tp, cp, i, m) for tp, cp in held for i, m in IMPLS]
+    assert [c.name for c in got] == [mlp.row_name(f"TP{tp}CP{cp}", i, m, M, H, I) for tp, cp in held for i, m in IMPLS]
+    assert {(c.m, c.seq_len, c.iters, c.warmup) for c in got} == {(M, S, 1, 0)}
+    with pytest.raises(ValueError, match="cannot hold the TP=2 x CP=2 layout"):
+        mlp.cases(ctx, environ=torchrun_env(3))
+
+
 def test_usage_errors_before_any_work(tmp_path, monkeypatch):
-    for var in RANK_VARS:
-        monkeypatch.delenv(var, raising=False)
-    for args, message in ((["--tokens", "13"], "M must be B*S"), (["--rounds", "0"], "--rounds must be >= 1")):
+    one_process(monkeypatch)
+    for args, message in ((["--tokens", "13"], "M must be B*S"), (["--rounds", "0"], "--rounds must be an int >= 1"),
+                          (["--iters", "0"], "--iters must be >= 1"), (["--warmup", "-1"], "--warmup must be >= 0")):
         result = CliRunner().invoke(cli.main, ["bench", "mlp", "--device", "cpu", "--out", str(tmp_path / "o"), *args])
         assert result.exit_code == 2 and message in result.output, result.output
     assert not (tmp_path / "o").exists()
@@ -116,26 +139,23 @@ def _check_rows(rows: list[dict], configs: list[str], world_size: int, pg_backen
 
 
 def _check_files(out: Path, rows: list[dict], configs: list[str]) -> str:
-    with open(out / "mlp.csv", newline="") as f:
-        table = list(csv.DictReader(f))
-    assert [t["name"] for t in table] == [r["name"] for r in rows] and "invariant_vs_default_total" in table[0]
-    md = (out / "mlp.md").read_text()
+    assert json.loads((out / "report.json").read_text())["rows"] == rows
+    md = (out / "report.md").read_text()
     assert "NOT a hardware result" in md and "## Environment" in md and "## Targets" in md
     targets = md.split("## Targets", 1)[1].split("## NOT COVERED", 1)[0]
     assert all(re.search(rf"\|\s+{M} \| {c}\s+\|", targets) for c in configs), targets  # a line per (M, config)
-    assert "## NOT COVERED" in md and "inter-node groups: one host" in md
+    assert "## NOT COVERED" in md and "inter-node groups: one host" in md and "**PASS**" in md
     assert not (out / "mlp_time.png").exists()  # no plot of interpreter wall time
     return md
 
 
 def test_one_process_tp1cp1(tmp_path, monkeypatch):
-    for var in RANK_VARS:
-        monkeypatch.delenv(var, raising=False)
+    one_process(monkeypatch)
     out = tmp_path / "out"
     result = CliRunner().invoke(cli.main, ["bench", "mlp", "--device", "cpu", "--out", str(out), "--rounds",
                                            str(ROUNDS), "--json"])
     assert result.exit_code == 0, result.output
-    rows = [json.loads(line) for line in (out / "mlp.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     _check_rows(rows, ["TP1CP1"], 1, None)
     md = _check_files(out, rows, ["TP1CP1"])
     assert "['TP2CP1', 'TP1CP2', 'TP2CP2']: their TP/CP groups are not held by this world (one process)" in md
@@ -144,15 +164,15 @@ def test_one_process_tp1cp1(tmp_path, monkeypatch):
 
 
 def test_a_failed_validation_is_not_timed_and_exits_1(tmp_path, monkeypatch):
-    for var in RANK_VARS:
-        monkeypatch.delenv(var, raising=False)
+    one_process(monkeypatch)
     monkeypatch.setattr(mlp, "IMPLS", (("torch", "bf16"),))  # the cheap implementation only
     monkeypatch.setattr(mlp, "BASELINE_REL_L2", 0.0)  # no BF16 result is that close to FP64
     result = CliRunner().invoke(cli.main, ["bench", "mlp", "--device", "cpu", "--out", str(tmp_path)])
     assert result.exit_code == 1
-    assert "FAILED validation before timing (not timed): mlp TP1CP1 torch bf16" in result.output
-    (row,) = [json.loads(line) for line in (tmp_path / "mlp.jsonl").read_text().splitlines()]
-    assert row["validated"] is False and row["timed"] is False and row["validated_layout_ranks"] == []
+    assert (f"FAILED {mlp.row_name('TP1CP1', 'torch', 'bf16', M, H, I)}: validation failed before timing "
+            "(not timed)") in result.output
+    (row,) = read_rows(tmp_path)
+    assert row["passed"] is row["validated"] is row["timed"] is False and row["validated_layout_ranks"] == []
     assert row["samples"] == 0 and row["total_median_us"] is None
 
 
@@ -173,13 +193,15 @@ def two_rank_run(tmp_path_factory):
 def test_two_rank_gloo_tp_group(two_rank_run):
     tmp, proc = two_rank_run
     out = tmp / "out"
-    rows = [json.loads(line) for line in (out / "mlp.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     _check_rows(rows, ["TP1CP1", "TP2CP1"], 2, "gloo")
     assert all(r["layout_ranks"] == [0, 1] for r in rows)
     md = _check_files(out, rows, ["TP1CP1", "TP2CP1"])
     assert "['TP1CP2', 'TP2CP2']: their TP/CP groups are not held by this world ([0, 1])" in md
     assert "pg_backend: gloo" in md and "world_size: 2" in md
-    assert proc.stdout.count("# detkit bench mlp") == 1  # rank 0 reports
+    assert proc.stdout.count("# detkit bench mlp report") == 1  # rank 0 reports
+    assert not (out / "ranks").exists() and sorted(p.name for p in out.iterdir()) == ["report.json", "report.md",
+                                                                                       "rows.jsonl"]
 
 
 def test_each_row_is_an_nvtx_range_on_both_ranks(two_rank_run):
@@ -187,7 +209,7 @@ def test_each_row_is_an_nvtx_range_on_both_ranks(two_rank_run):
     logs = sorted(tmp.glob("nvtx.*.log"))
     if not logs:
         pytest.skip("gcc not found: no NVTX injection library")
-    names = [json.loads(line)["name"] for line in (tmp / "out" / "mlp.jsonl").read_text().splitlines()]
+    names = [r["name"] for r in read_rows(tmp / "out")]
     ranked = [log for log in logs if any(e.message in names for e in parse_injection_log(log))]
     assert len(ranked) == 2, logs
     nesting = [("bench mlp", n) for n in names] + [(n, s) for n in names for s in ("fwd", "bwd")]
@@ -208,12 +230,11 @@ def _gpus() -> int:
 
 @pytest.mark.gpu
 def test_one_gpu_qwen3_8b(tmp_path, monkeypatch):
-    for var in RANK_VARS:
-        monkeypatch.delenv(var, raising=False)
+    one_process(monkeypatch)
     result = CliRunner().invoke(cli.main, ["bench", "mlp", "--device", "cuda", "--out", str(tmp_path), "--tokens",
                                            "4096", "--rounds", "3"])
     assert result.exit_code == 0, result.output
-    rows = [json.loads(line) for line in (tmp_path / "mlp.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path)
     assert [r["config"] for r in rows] == ["TP1CP1"] * 3 and all(r["validated"] and r["timed"] for r in rows)
     assert all(r["hardware_result"] and r["total_tflops_per_rank"] > 0 for r in rows)
     assert (tmp_path / "mlp_time.png").is_file()
@@ -225,7 +246,7 @@ def test_one_gpu_qwen3_8b(tmp_path, monkeypatch):
 def test_nccl_two_gpus(tmp_path, world, config):
     proc = _torchrun(tmp_path, None, "cuda", world, ["--tokens", "4096", "--rounds", "3"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = [json.loads(line) for line in (tmp_path / "mlp.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path)
     assert {r["config"] for r in rows} == {"TP1CP1", config} and {r["pg_backend"] for r in rows} == {"nccl"}
     assert all(r["validated"] and r["timed"] and r["hardware_result"] for r in rows)
     assert (tmp_path / "mlp_time.png").is_file()

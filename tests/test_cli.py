@@ -173,11 +173,19 @@ def test_report_carries_env_and_writes_the_drift_plot(tmp_path, monkeypatch):
     assert set(meta["env"]) >= {"detkit", "python", "packages", "gpus", "host", "env_knobs"}  # the full capture
     assert meta["env_summary"]["torch"] == torch.__version__
     assert meta["plots"] == [DRIFT_PLOT]
+    # Provenance: the tables of the kernel modules loaded (the backend check loads det_gemm) and the sources.
+    from detkit.kernels.det_gemm import CONFIG_TABLE_VERSION
+
+    assert {"name": "det_gemm", "version": CONFIG_TABLE_VERSION, "module": "detkit.kernels.det_gemm"} in \
+        meta["config_tables"] and "config_table_version" not in meta
+    assert meta["source"]["digest"].startswith("sha256:")
+    assert meta["source"]["status"] in ("clean", "dirty", "unverified", "unknown")
     png = (tmp_path / DRIFT_PLOT).read_bytes()
     assert png.startswith(b"\x89PNG")
     md = (tmp_path / "report.md").read_text()
     assert "## Environment" in md and "NOT a hardware result" in md and f"![{DRIFT_PLOT}]({DRIFT_PLOT})" in md
     assert "| det_gemm_fwd |" in md  # the drift table per op
+    assert f"- config tables: det_gemm {CONFIG_TABLE_VERSION}" in md and "- source: " in md
     lines = (tmp_path / "rows.jsonl").read_text().splitlines()
     assert [json.loads(line)["name"] for line in lines] == [r.name for r in rows]
 

@@ -225,7 +225,7 @@ def test_rejects_bad_variant_and_tma_box(tile, variant, match):
 
 
 def test_tune_sweep_records_a_refused_candidate(device, monkeypatch):
-    import detkit.bench.gemm_tune as tune
+    import tools.gemm_tune as tune
 
     tma, ptr = GemmConfig(16, 32, 32, 1, 4, 2, variant="tma"), GemmConfig(16, 32, 32, 1, 4, 2)
     monkeypatch.setattr(tune, "candidates", lambda op, m, variants: [c for c in (tma, ptr) if c.variant in variants])
@@ -247,7 +247,7 @@ def test_tma_kernel_compiles_for_sm90_offline_with_utmaldg_and_hgmma(tmp_path):
         pytest.skip(f"Triton's NVIDIA backend is not installed: {exc}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    cmd = [sys.executable, "-m", "detkit.bench.gemm_sass", "--out", str(tmp_path / "sass"), "--variants", "tma",
+    cmd = [sys.executable, "-m", "tools.gemm_sass", "--out", str(tmp_path / "sass"), "--variants", "tma",
            "--cases", "fwd_weight_t", "da_weight_kn", "db_a_dc", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -261,7 +261,7 @@ def test_tma_kernel_compiles_for_sm90_offline_with_utmaldg_and_hgmma(tmp_path):
 
 
 def test_db_candidates_follow_m_and_the_table_keys_db_by_m(device):
-    import detkit.bench.gemm_tune as tune
+    import tools.gemm_tune as tune
 
     assert tune.candidates("db", 16) == tune.DB_SMALL_M  # the warp-specialized tiles only from M = 128
     assert tune.candidates("db", 4096) == tune.LARGE + tune.LARGE_TMA + tune.WS
@@ -277,7 +277,7 @@ def test_db_candidates_follow_m_and_the_table_keys_db_by_m(device):
 
 _RING_SCRIPT = """
 import json, sys, tempfile
-from detkit.bench.gemm_sass import CASES, build
+from tools.gemm_sass import CASES, build
 from detkit.kernels.det_gemm import all_configs
 case = next(c for c in CASES if c.name == "fwd_weight_t")
 configs = {c for op in ("fwd", "da") for c in all_configs(op) if c.variant == "tma"}
@@ -303,7 +303,7 @@ def test_one_wave_residency_matches_the_sm90_compiles_shared_memory(tmp_path):
 
 _TMA3_SCRIPT = """
 import json, tempfile
-from detkit.bench.gemm_sass import CASES, build
+from tools.gemm_sass import CASES, build
 from detkit.kernels.det_gemm import all_configs
 configs = sorted({c for op in ("fwd", "da") for c in all_configs(op) if c.variant == "tma3"}, key=str)
 rows = [build(case, "tma3", tempfile.mkdtemp(), config=c) for c in configs for case in CASES

@@ -107,7 +107,7 @@ def test_ws_register_epilogue_for_rows_tma_cannot_address(device):
 
 _WS_SCRIPT = """
 import dataclasses, json, tempfile
-from detkit.bench.gemm_sass import CASES, build
+from tools.gemm_sass import CASES, build
 from detkit.kernels.det_gemm import GemmConfig
 config = GemmConfig(128, 256, 64, 8, 8, 4, "ws")
 rows = [build(case, "ws", tempfile.mkdtemp(), config=config) for case in CASES]

@@ -1,10 +1,10 @@
-"""bench/gemm_ncu.py without a GPU: the case parser refuses bad input, ncu's raw CSV is parsed into report rows
+"""tools/gemm_ncu.py without a GPU: the case parser refuses bad input, ncu's raw CSV is parsed into report rows
 (units converted, log lines skipped), the profiled process runs a case on the interpreter, and a missing ncu
-is a clear error before any profiling. The profile itself needs ncu on a GPU host (docs/gpu_runs.md)."""
+is a clear error before any profiling. The profile itself needs ncu on a GPU host (tools/run_gpu_suite.sh ncu)."""
 
 import pytest
 
-from detkit.bench import gemm_ncu
+import tools.gemm_ncu as gemm_ncu
 
 # The shape of `ncu --csv --page raw`: ==PROF== log lines, a header row, a units row, one row per kernel.
 NCU_CSV = '''==PROF== Connected to process 123
@@ -24,7 +24,7 @@ def test_raw_csv_becomes_report_rows():
     assert rows[1]["grid"] == 132 and "dram_throughput_pct" not in rows[0]  # absent metrics stay absent
     ns = NCU_CSV.replace('"usecond"', '"nsecond"')
     assert gemm_ncu.parse_ncu_csv(ns)[0]["duration_us"] == pytest.approx(0.0528)
-    short = NCU_CSV.replace('"usecond"', '"ns"')  # the spelling of the H200 host's ncu (2026-11-29)
+    short = NCU_CSV.replace('"usecond"', '"ns"')  # the spelling of the H200 host's ncu
     assert gemm_ncu.parse_ncu_csv(short)[0]["duration_us"] == pytest.approx(0.0528)
     with pytest.raises(ValueError, match=r"ncu duration unit 'furlong' is not known"):
         gemm_ncu.parse_ncu_csv(NCU_CSV.replace('"usecond"', '"furlong"'))

@@ -286,7 +286,7 @@ def test_bench_tiny_runs_end_to_end_labelled_interpreter(device):
 # GPU-only compile errors in CI and checks the GEMMs use wgmma and a pipelined (cp.async) K loop.
 _SM90_COMPILE = r'''
 import json, sys, triton
-from detkit.bench.gemm_sass import cuobjdump_bytes, stack_bytes
+from tools.gemm_sass import cuobjdump_bytes, stack_bytes
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import detkit.kernels.moe as km

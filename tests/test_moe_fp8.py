@@ -337,23 +337,6 @@ def test_precision_gate_of_the_fp8_recipe(device):
             assert st["rel_rmse_fp64"] > 2.0**-5, (wgrad, name, st)  # not vacuous: E4M3-level, not BF16's 2**-8
 
 
-def test_bench_crossover_model_and_fp8_presets():
-    from detkit.bench.moe_fp8 import crossover, fit_line, fp8_presets, run
-
-    assert fit_line([1, 2, 3], [5.0, 7.0, 9.0]) == pytest.approx((3.0, 2.0))
-    # BF16 10 + 2T, FP8 30 + T (microseconds): the lines cross at T = 20; FP8 wins from T = 32 on.
-    pts = [{"T": t, "validated": True, "bf16_median_us": 10.0 + 2 * t, "fp8_cold_median_us": 30.0 + t}
-           for t in (8, 16, 32, 64)]
-    got = crossover(pts)
-    assert got["crossover_T_fit"] == pytest.approx(20.0) and got["crossover_T_measured"] == 32
-    never = [{**p, "fp8_cold_median_us": 30.0 + 3 * p["T"]} for p in pts]
-    assert crossover(never)["crossover_T_fit"] is None and crossover(never)["crossover_T_measured"] is None
-    assert "error" in crossover(pts[:1])
-    assert {"reference", "reference-16k", "tiny-fp8"} <= set(fp8_presets()) and "tiny" not in fp8_presets()
-    with pytest.raises(ValueError, match="multiples of 128"):
-        run(torch.device("cpu"), ["tiny"])
-
-
 @pytest.mark.parametrize("index", range(len(fp8_rejection_cases(make_inputs(_case(t=8), "cpu")))))
 def test_rejects_before_any_work(index, device):
     inp = make_inputs(_case(t=8), device)
@@ -384,7 +367,7 @@ def test_every_stage_within_derived_bound_on_gpu(device):
 # saturating cvt.
 _SM90_COMPILE = r'''
 import itertools, json, re, sys, triton
-from detkit.bench.gemm_sass import cuobjdump_bytes, stack_bytes
+from tools.gemm_sass import cuobjdump_bytes, stack_bytes
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import detkit.kernels.fp8_quant as fq

@@ -132,7 +132,7 @@ def test_ws_weight_gradient_gives_the_triton_kernels_bits(shape, device):
 _COMPILE = r'''
 import json
 from triton.experimental.gluon import language as gl
-from detkit.bench.gemm_sass import gluon_desc_type, gluon_sm90_report
+from tools.gemm_sass import gluon_desc_type, gluon_sm90_report
 from detkit.kernels.det_gemm_ws import consumers, max_regs
 from detkit.kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_gather_kernel, moe_fp8_ws_kernel
 out = {}

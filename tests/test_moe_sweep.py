@@ -1,16 +1,16 @@
-"""bench/moe_sweep.py on the CPU: the skewed routing law, the performance-model fit on synthetic data
-with known parameters, the kernel breakdown, the target verdicts, every refusal, and the whole sweep
-at the tiny preset (uniform at two T, skewed at one: three cases, the most 2 CPU cores run in
-about 30 s) run as two CLI processes in parallel under the NVTX injection library and merged into
-one report. Interpreter timings are plumbing, not hardware
-results; the GPU-only paths (TFLOP/s, MFU, peak memory, the cuBLAS ceiling, CUDA kernel rows) run
-only on a GPU."""
+"""``detkit bench moe-sweep`` (bench/moe_sweep.py) on the CPU: the skewed routing law, the performance-model
+fit on synthetic data with known parameters, the kernel breakdown, the target verdicts, every refusal, and
+the whole sweep at the tiny preset (uniform at two T, skewed at one: three cases, the most 2 CPU cores run
+in about 30 s) run as two CLI processes in parallel under the NVTX injection library and merged into one
+report (``--merge``). Interpreter timings are plumbing, not hardware results; the report's hardware path
+is checked on rows shaped as a GPU run writes them (TFLOP/s, MFU, peak memory, fits, targets)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,11 +20,17 @@ import numpy as np
 import pytest
 import torch
 
+from click.testing import CliRunner
+
 from detkit.bench import moe_sweep as ms
-from detkit.bench.moe import GPU_PRESETS, INTERPRETER_LABEL, PRESETS, VALIDATE_REL_L2
+from detkit.bench.moe_common import INTERPRETER_LABEL, VALIDATE_REL_L2
+from detkit.toolkit.presets import MOE_GPU_PRESETS as GPU_PRESETS
+from detkit.toolkit.presets import MOE_PRESETS as PRESETS
 from detkit.kernels.moe import stage_name
-from detkit.toolkit import nvtx_ranges
+from detkit.toolkit import cli, nvtx_ranges
 from detkit.toolkit.nvtx_ranges import injection_env, verify_nvtx_log
+from detkit.toolkit.records import INTERPRETER_BANNER
+from tests.bench_helpers import bench_ctx as _ctx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENS = {"uniform": (16, 32), "skewed": (16,)}
@@ -179,7 +185,7 @@ def _target_row(preset, t, **fields):
             "validated": True, **fields}
 
 
-def test_target_verdicts_compare_against_the_issue_thresholds():
+def test_target_verdicts_compare_against_the_thresholds():
     rows = [_target_row("reference", 8192, mfu_datasheet=0.56, speedup_vs_baseline=1.29),
             {**_target_row("reference", 8192, mfu_datasheet=0.9), "routing": "skewed"}]
     got = {v["target"]: v for v in ms.target_verdicts(rows, hardware_result=True)}
@@ -187,7 +193,7 @@ def test_target_verdicts_compare_against_the_issue_thresholds():
     assert got[labels[0]]["verdict"] == "PASS" and got[labels[0]]["value"] == 0.56
     assert got[labels[2]]["verdict"] == "FAIL" and got[labels[2]]["value"] == 1.29
     assert got[labels[1]]["verdict"].startswith("NOT RUN") and got[labels[3]]["verdict"].startswith("NOT RUN")
-    failed = [{**_target_row("qwen3-30b-a3b", 16384), "measure": "validation_failed", "validated": False}]
+    failed = [{**_target_row("qwen3-30b-a3b", 16384), "validated": False, "passed": False}]
     assert ms.target_verdicts(failed, True)[1]["verdict"] == "FAIL (validation failed)"
     assert all(v["verdict"].startswith("not evaluated (interpreter") for v in ms.target_verdicts(rows, False))
 
@@ -195,44 +201,45 @@ def test_target_verdicts_compare_against_the_issue_thresholds():
 # ---------------------------------------------------------------------------------------------
 # Refusals before any work
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("presets, tokens, routings, rounds, message", [
-    (["tiny"], [0], ["uniform"], 1, "T=\\[0\\] not supported"),
-    (["tiny"], [16, -3], ["uniform"], 1, "T=\\[-3\\] not supported"),
-    (["tiny"], [16.0], ["uniform"], 1, "T=\\[16.0\\] not supported"),
-    (["tiny"], [], ["uniform"], 1, "no token count"),
-    (["nope"], [16], ["uniform"], 1, "preset\\(s\\) \\['nope'\\] not known; known: "),
-    (["tiny"], [16], ["zipf"], 1, "routing\\(s\\) \\['zipf'\\] not known; supported: \\('uniform', 'skewed'\\)"),
-    (["tiny"], [16, 16], ["uniform"], 1, "T values repeat"),
-    (["tiny"], [16], ["uniform"], 0, "rounds=0"),
-    (["mixtral-8x7b"], [2**20], ["uniform"], 1, "beyond the kernels' 32-bit offsets"),
+@pytest.mark.parametrize("presets, tokens, routings, message", [
+    (["tiny"], [0], ["uniform"], "T=\\[0\\] not supported"),
+    (["tiny"], [16, -3], ["uniform"], "T=\\[-3\\] not supported"),
+    (["tiny"], [16.0], ["uniform"], "T=\\[16.0\\] not supported"),
+    (["nope"], [16], ["uniform"], "preset\\(s\\) \\['nope'\\] not known; known: "),
+    (["tiny"], [16], ["zipf"], "routing\\(s\\) \\['zipf'\\] not known; supported: \\('uniform', 'skewed'\\)"),
+    (["tiny"], [16, 16], ["uniform"], "T values repeat"),
+    (["mixtral-8x7b"], [2**20], ["uniform"], "beyond the kernels' 32-bit offsets"),
 ])
-def test_bad_selection_refused_before_any_work(presets, tokens, routings, rounds, message, monkeypatch):
-    def no_work(*args, **kwargs):
-        raise AssertionError("work started before the selection was checked")
-
-    monkeypatch.setattr(ms, "sweep_meta", no_work)
-    monkeypatch.setattr(ms, "run_case", no_work)
+def test_bad_selection_refused_by_cases(presets, tokens, routings, message):
     with pytest.raises(ValueError, match=message):
-        ms.run_sweep(torch.device("cpu"), presets, tokens, routings, rounds=rounds)
+        ms.cases(_ctx(presets), tokens=tokens, routings=routings)
+
+
+def test_cases_defaults_and_names():
+    got = ms.cases(_ctx(), tokens=(), routings=())
+    p = PRESETS["tiny"]
+    assert [c.name for c in got] == [ms.row_name(ms.dataclasses.replace(p, t=t), r, m, i) for t in ms.CPU_TOKENS
+                                     for r in ms.ROUTINGS for m in ms.MEASURES for i in ms.IMPLS]
+    quick = ms.cases(_ctx(interpreted=False), quick=True)
+    assert {(c.preset, c.t) for c in quick} == {(n, t) for n in ms.QUICK_PRESETS for t in ms.QUICK_TOKENS}
+    with pytest.raises(ValueError, match="--quick is a GPU run"):
+        ms.cases(_ctx(), quick=True)
 
 
 @pytest.mark.parametrize("exponent", [0.0, -1.0, float("nan"), float("inf")])
 def test_bad_zipf_exponent_refused(exponent):
     with pytest.raises(ValueError, match="zipf exponent .* not supported; it must be a finite number > 0"):
-        ms.check_selection(["tiny"], [16], ["skewed"], 1, exponent)
+        ms.check_selection(["tiny"], [16], ["skewed"], exponent)
 
 
-def test_cli_usage_errors_write_nothing(tmp_path, capsys):
+def test_cli_usage_errors_write_nothing(tmp_path, monkeypatch):
     out = tmp_path / "o"
     for args, message in ((["--tokens", "0"], "T=[0] not supported"), (["--preset", "nope"], "not known"),
-                          (["--routing", "zipf"], "not known"), (["--quick"], "--quick is a GPU run"),
-                          (["--zipf-exponent", "0"], "zipf exponent 0.0 not supported")):
-        with pytest.raises(SystemExit) as exc:
-            ms.main(["--device", "cpu", "--out", str(out), *args])
-        assert exc.value.code == 2 and message in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        ms.main(["--merge", str(tmp_path / "missing"), "--out", str(out)])
-    assert "rows.json not found" in capsys.readouterr().err
+                          (["--routing", "zipf"], "'zipf' is not one of"), (["--quick"], "--quick is a GPU run"),
+                          (["--zipf-exponent", "0"], "zipf exponent 0.0 not supported"),
+                          (["--rounds", "0"], "--rounds must be an int >= 1")):
+        result = CliRunner().invoke(cli.main, ["bench", "moe-sweep", "--device", "cpu", "--out", str(out), *args])
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
     assert not out.exists()
 
 
@@ -240,8 +247,9 @@ def test_cli_usage_errors_write_nothing(tmp_path, capsys):
 # The sweep end to end: two CLI processes (uniform / skewed) in parallel, then merged
 # ---------------------------------------------------------------------------------------------
 def _cmd(out: Path, routing: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "detkit.bench.moe_sweep", "--device", "cpu", "--out", str(out), "--preset", "tiny",
-            "--tokens", *map(str, TOKENS[routing]), "--routing", routing, "--rounds", "1", *extra]
+    return [sys.executable, "-m", "detkit", "bench", "moe-sweep", "--device", "cpu", "--out", str(out), "--preset",
+            "tiny", *(a for t in TOKENS[routing] for a in ("--tokens", str(t))), "--routing", routing, "--rounds", "1",
+            *extra]
 
 
 @pytest.fixture(scope="module")
@@ -262,8 +270,10 @@ def sweep(tmp_path_factory):
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"{name} sweep failed (rc={proc.returncode}):\n{err[-4000:]}"
     merged = tmp / "merged"
-    assert ms.main(["--merge", str(tmp / "uniform"), str(tmp / "skewed"), "--out", str(merged)]) == 0
-    return {"tmp": tmp, "runs": runs, "merged": merged, "results": json.loads((merged / "rows.json").read_text())}
+    result = CliRunner().invoke(cli.main, ["bench", "moe-sweep", "--merge", str(tmp / "uniform"), "--merge",
+                                           str(tmp / "skewed"), "--out", str(merged)])
+    assert result.exit_code == 0, result.output
+    return {"tmp": tmp, "runs": runs, "merged": merged, "results": json.loads((merged / "report.json").read_text())}
 
 
 def test_sweep_rows_complete_validated_and_consistent(sweep):
@@ -274,15 +284,15 @@ def test_sweep_rows_complete_validated_and_consistent(sweep):
     assert sorted(r["name"] for r in rows) == sorted(expect)
     jsonl = [json.loads(line) for name in ("uniform", "skewed")
              for line in (sweep["tmp"] / name / "rows.jsonl").read_text().splitlines()]
-    assert sorted(r["name"] for r in jsonl) == sorted(expect)
+    assert jsonl == rows  # the merged report holds every row of its runs, as they wrote them
     by = {(r["T"], r["routing"], r["measure"], r["impl"]): r for r in rows}
     for r in rows:
-        assert r["validated"] and r["repeat_bitwise_equal"], r["name"]
+        assert r["passed"] and r["validated"] and r["repeat_bitwise_equal"], r["name"]
         assert r["baseline_bwd_only_rel_l2"] <= VALIDATE_REL_L2
         assert r["hardware_result"] is False and r["backend"] == "triton_interpreter"
         assert r["note"] == INTERPRETER_LABEL
         assert not any(k in r for k in ("tflops", "mfu_datasheet", "mfu_measured")), r["name"]
-        assert r["flops"] == ms.FLOPS_PER_TKHI[r["measure"]] * r["T"] * p.k * p.h * p.i
+        assert r["flops"] == {"fwd": 6, "bwd": 12, "fwd_bwd": 18}[r["measure"]] * r["T"] * p.k * p.h * p.i  # documented
         assert r["p20_us"] <= r["median_us"] <= r["p80_us"] and r["samples"] >= 1
         if r["measure"] == "fwd_bwd":
             assert r["peak_memory_bytes"] == ms.NOT_ON_CPU
@@ -311,19 +321,21 @@ def test_sweep_nvtx_ranges_are_the_row_names(sweep):
 
 def test_sweep_report_files_and_labels(sweep):
     merged, results = sweep["merged"], sweep["results"]
-    for name in ("rows.jsonl", "breakdown.jsonl", "rows.json", "report.md", "mfu_vs_T_tiny.png"):
+    for name in ("rows.jsonl", "report.json", "report.md", "mfu_vs_T_tiny.png"):
         assert (merged / name).is_file(), name
     assert (merged / "mfu_vs_T_tiny.png").read_bytes()[:8] == PNG_MAGIC
     report = (merged / "report.md").read_text()
-    assert INTERPRETER_LABEL in report and "interpreter wall time, not a hardware result" in report
+    assert INTERPRETER_BANNER in report and "interpreter wall time, not a hardware result" in report
     assert "MFU" not in report.split("## Forward + backward")[1].split("## Performance model")[0]
-    for v in results["targets"]:
+    derived = results["meta"]["derived"]
+    for v in derived["targets"]:
         assert v["verdict"] == "not evaluated (interpreter, not a hardware result)" and v["verdict"] in report
-    # Each source run records its exact command line, and the merged report lists them.
+    # Each source run records its exact command line and its sources, and the merged report lists them.
     sources = results["meta"]["merged_from"]
-    assert [s["command_line"] for s in sources] == [
-        " ".join(["python -m detkit.bench.moe_sweep", *cmd[3:]]) for cmd in sweep["runs"].values()]
-    assert all(s["command_line"] in report for s in sources)
+    assert [shlex.split(s["command_line"])[1:] for s in sources] == [cmd[3:] for cmd in sweep["runs"].values()]
+    assert all(s["command_line"] in report and s["source"]["digest"].startswith("sha256:") for s in sources)
+    assert results["meta"]["config_tables"] == json.loads((sweep["tmp"] / "uniform" / "report.json").read_text())[
+        "meta"]["config_tables"]
     single = (sweep["tmp"] / "uniform" / "report.md").read_text()
     assert f"`{sources[0]['command_line']}`" in single and "## Environment" in single
     assert (sweep["tmp"] / "skewed" / "mfu_vs_T_tiny.png").read_bytes()[:8] == PNG_MAGIC
@@ -332,26 +344,22 @@ def test_sweep_report_files_and_labels(sweep):
 
 
 def test_sweep_fits_refused_with_reasons_and_breakdown_shares(sweep):
-    fits = {(f["measure"], f["routing"]): f for f in sweep["results"]["fits"]}
+    fits = {(f["measure"], f["routing"]): f for f in sweep["results"]["meta"]["derived"]["fits"]}
     assert set(fits) == {(m, r) for m in ("fwd_bwd", "fwd") for r in ("uniform", "skewed", "all")}
     for (measure, routing), fit in fits.items():  # 2, 1 and 3 cases: fewer than the 4 parameters
         n = len(TOKENS[routing]) if routing != "all" else sum(map(len, TOKENS.values()))
         assert f"got {n} case(s), need at least 4" in fit["error"] and "eta" not in fit, (measure, routing)
-    breakdown = sweep["results"]["breakdown"]
-    # Only the skewed run profiled (no uniform case in it; the uniform one ran --no-profile), at its largest T.
+    profiled = [r for r in sweep["results"]["rows"] if "breakdown" in r]
+    # Only the skewed run profiled (no uniform case in it; the uniform one ran --no-profile), at its largest T,
+    # one fwd_bwd call per implementation.
     t = max(TOKENS["skewed"])
-    assert {(b["T"], b["routing"], b["impl"]) for b in breakdown} == {(t, "skewed", i) for i in ms.IMPLS}
-    for impl in ms.IMPLS:
-        sel = [b for b in breakdown if b["impl"] == impl]
-        assert sum(b["share"] for b in sel) == pytest.approx(1.0, abs=1e-9)
-        assert all(b["activity"] == "cpu" for b in sel)
-    detkit = {b["kernel"] for b in breakdown if b["impl"] == "detkit"}
+    assert {(r["T"], r["routing"], r["measure"], r["impl"]) for r in profiled} == {
+        (t, "skewed", "fwd_bwd", i) for i in ms.IMPLS}
+    for r in profiled:
+        assert sum(b["share"] for b in r["breakdown"]) == pytest.approx(1.0, abs=1e-9)
+        assert all(b["activity"] == "cpu" for b in r["breakdown"])
+    detkit = {b["kernel"] for r in profiled if r["impl"] == "detkit" for b in r["breakdown"]}
     assert stage_name("moe_wgrad", T=t, H=32, I=48, E=4, K=2) in detkit  # the stage ranges
-
-
-def test_merge_refuses_overlapping_runs(sweep, tmp_path):
-    with pytest.raises(ValueError, match="appears in more than one merged run"):
-        ms.load_runs([sweep["tmp"] / "uniform", sweep["tmp"] / "uniform"], "merge")
 
 
 def _hardware_rows() -> list[dict]:
@@ -363,7 +371,7 @@ def _hardware_rows() -> list[dict]:
         p = ms.dataclasses.replace(PRESETS[preset], t=case["T"])
         for routing in ms.ROUTINGS:
             for measure in ms.MEASURES:
-                flops = ms.FLOPS_PER_TKHI[measure] * p.t * p.k * p.h * p.i
+                flops = p.flops(measure)
                 det_us = case["median_us"] * flops / case["flops"] if measure != "fwd_bwd" else case["median_us"]
                 for impl, us in (("detkit", det_us), ("baseline", 1.4 * det_us)):
                     tflops = flops / (us * 1e-6) / 1e12
@@ -372,7 +380,7 @@ def _hardware_rows() -> list[dict]:
                            "flops": flops, "median_us": us, "p20_us": us, "p80_us": us, "samples": 5,
                            "validated": True, "hardware_result": True, "tflops": tflops,
                            "mfu_datasheet": tflops / 989.0, "mfu_measured": tflops / 800.0,
-                           "peak_memory_bytes": 2**30, "imbalance": 1.0}
+                           "peak_memory_bytes": 2**30, "imbalance": 1.0, "passed": True}
                     if impl == "detkit":
                         row.update({"ratio_vs_baseline": 1 / 1.4, "speedup_vs_baseline": 1.4})
                     rows.append(row)
@@ -381,19 +389,18 @@ def _hardware_rows() -> list[dict]:
 
 def test_hardware_report_path_fits_targets_and_plots(tmp_path):
     rows = _hardware_rows()
-    meta = {"command_line": "python -m detkit.bench.moe_sweep --device cuda", "backend": "cuda_sm90", "hardware_result": True,
-            "measured_ceiling_tflops": 800.0}
-    results = ms.summarize({"meta": meta, "rows": rows, "breakdown": []})
-    fit = next(f for f in results["fits"] if (f["measure"], f["routing"]) == ("fwd_bwd", "uniform"))
+    meta = {"hardware_result": True, "measured_ceiling_tflops": 800.0}
+    derived = ms.derive(rows, meta)
+    fit = next(f for f in derived["fits"] if (f["measure"], f["routing"]) == ("fwd_bwd", "uniform"))
     assert fit["cases"] == 15 and fit["eta"] == pytest.approx(TRUE["eta"], rel=1e-6) and fit["r2"] > 1 - 1e-12
     by = {(r["preset"], r["T"], r["routing"], r["measure"], r["impl"]): r for r in rows}
-    for v in results["targets"]:
+    for v in derived["targets"]:
         got = by[(v["preset"], v["T"], "uniform", "fwd_bwd", "detkit")]
         field = "mfu_datasheet" if "MFU" in v["target"] else "speedup_vs_baseline"
         assert v["value"] == got[field] and v["verdict"] == ("PASS" if got[field] >= v["minimum"] else "FAIL")
-    paths = ms.write_outputs(tmp_path, results)
-    report = paths["report"].read_text()
+    report = ms.summarize(rows, {**meta, "derived": derived})
     assert "detkit_mfu_989" in report and "detkit_mfu_ceiling" in report and "not a hardware result" not in report
     assert "NOT RUN" not in report and "baseline_peak_MiB" in report
-    for preset in ("reference", "qwen3-30b-a3b", "olmoe"):
-        assert paths[f"plot_{preset}"].read_bytes()[:8] == PNG_MAGIC
+    paths = ms.plots(tmp_path, rows)
+    assert [p.name for p in paths] == [f"mfu_vs_T_{p}.png" for p in ("reference", "qwen3-30b-a3b", "olmoe")]
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in paths)

@@ -197,7 +197,7 @@ def test_ws_wgrad_padding_rows_add_nothing(device):
 _COMPILE = r'''
 import json
 from triton.experimental.gluon import language as gl
-from detkit.bench.gemm_sass import gluon_desc_type, gluon_sm90_report
+from tools.gemm_sass import gluon_desc_type, gluon_sm90_report
 from detkit.kernels.det_gemm_ws import consumers, max_regs
 from detkit.kernels.det_gemm import GemmConfig
 from detkit.kernels.moe_ws import gather_store_bytes, moe_ws_gather_kernel, moe_ws_kernel, moe_ws_wgrad_kernel

@@ -303,7 +303,7 @@ def test_without_the_injection_path_nothing_is_logged(tmp_path):
     env = _subprocess_env()
     env["DETKIT_NVTX_LOG"] = str(log)
     script = (
-        "from toolkit.nvtx_ranges import nvtx_range, nvtx_enabled\n"
+        "from detkit.toolkit.nvtx_ranges import nvtx_range, nvtx_enabled\n"
         "with nvtx_range('det_gemm_fwd [M=1, N=64, K=32] bf16'):\n"
         "    print(nvtx_enabled())\n"
     )
@@ -323,7 +323,7 @@ def test_without_the_injection_path_nothing_is_logged(tmp_path):
 
 def test_messages_with_tabs_and_newlines_round_trip(inject_lib, tmp_path):
     name = "odd\tname\nwith\\escapes"
-    script = f"from toolkit.nvtx_ranges import nvtx_range\nwith nvtx_range({name!r}):\n    pass\n"
+    script = f"from detkit.toolkit.nvtx_ranges import nvtx_range\nwith nvtx_range({name!r}):\n    pass\n"
     log = tmp_path / "odd.log"
     proc = run_with_injection(
         [sys.executable, "-c", script], log, inject_lib, env=_subprocess_env(), cwd=REPO_ROOT

@@ -533,7 +533,7 @@ def test_collective_backend_pairing_is_accepted(kernel_backend, pg_backend):
 
 def test_nccl_sweep_plumbing_with_gloo(tmp_path):
     """The sweep driver end to end on 2 gloo ranks (not an NCCL result): fresh job, hashes, oracle."""
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "nccl_sweep.py"), "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "tools.nccl_sweep", "--device", "cpu",
                            "--settings", "default", "--quick", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=CPU_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -545,7 +545,7 @@ def test_nccl_sweep_plumbing_with_gloo(tmp_path):
 
 
 def test_nccl_sweep_dry_run_lists_every_setting():
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "nccl_sweep.py"), "--dry-run"],
+    proc = subprocess.run([sys.executable, "-m", "tools.nccl_sweep", "--dry-run"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -600,7 +600,7 @@ def test_nccl_dw_on_a_2_rank_cp_group_qwen3_shapes(nccl_cp_group, name):
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs of one host with NCCL")
 def test_nccl_algorithm_sweep(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "nccl_sweep.py"), "--quick", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "tools.nccl_sweep", "--quick", "--out", str(tmp_path)],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=GPU_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "sweep.json").read_text())

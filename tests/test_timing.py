@@ -3,13 +3,15 @@
 import pytest
 import torch
 
-from detkit.toolkit.timing import SmClock, Timing, time_interleaved
+from detkit.toolkit.timing import SmClock, Timing, measured_ceiling_tflops, time_interleaved
 
 
 def test_summary_statistics_and_clock_median():
     t = Timing.from_samples_ms([0.003, 0.001, 0.002, 0.010, 0.004], clocks_mhz=[1980.0, 1500.0, 1755.0])
     assert (t.median_us, t.samples, t.sm_clock_mhz) == (pytest.approx(3.0), 5, 1755.0)
-    assert t.p20_us <= t.median_us <= t.p80_us
+    # Inclusive quantiles of the sorted samples 1, 2, 3, 4, 10 us: p20 at rank 0.8 (1 + 0.8 * (2 - 1)) and
+    # p80 at rank 3.2 (4 + 0.2 * (10 - 4)).
+    assert (t.p20_us, t.p80_us) == (pytest.approx(1.8), pytest.approx(5.2))
     assert Timing.from_samples_ms([0.001]).sm_clock_mhz is None  # no clock polled (CPU, or no NVML)
     with pytest.raises(ValueError, match="no timing samples"):
         Timing.from_samples_ms([])
@@ -32,3 +34,9 @@ def test_sm_clock_is_polled_while_a_gpu_timing_runs():
         torch.cuda._sleep(50_000_000)
         torch.cuda.synchronize()
     assert polled and all(200.0 <= c <= 3000.0 for c in polled)
+
+
+@pytest.mark.gpu
+def test_measured_ceiling_is_a_hopper_dense_bf16_rate():
+    # H100/H200 dense BF16: 989 TFLOP/s on the datasheet, 650-800 measured by cuBLAS at 8192^3.
+    assert 300.0 < measured_ceiling_tflops(torch.device("cuda")) < 1000.0

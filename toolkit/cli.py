@@ -1,4 +1,4 @@
-"""The ``detkit`` command: ``detkit env``, ``detkit audit``, ``detkit bench gemm|moe|comm|mlp``.
+"""The ``detkit`` command: ``detkit env``, ``detkit audit``, ``detkit bench <NAME>`` (toolkit.benches).
 
 Every subcommand shares --device/--preset/--seed/--out/--json and exits non-zero when a check fails.
 ``--device cpu`` selects the Triton interpreter (TRITON_INTERPRET=1, set here before any kernel is
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import click
 from tabulate import tabulate
+
+from detkit.toolkit import benches
 
 DEVICES = ("cuda", "cpu")
 
@@ -229,27 +231,25 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
         raise SystemExit(1)
 
 
-def _write_bench_report(ctx, command: str, meta: dict, rows: list[dict], write_outputs, out, as_json: bool) -> None:
-    """Add the run's metadata and environment, write the bench's files, echo JSON or the markdown."""
-    from detkit.toolkit import harness
-
-    meta = {**harness.base_meta(ctx, command, shlex.join(sys.argv)), **meta, **harness.env_meta(ctx.device)}
-    paths = write_outputs(out, rows, meta)
-    if as_json:
-        click.echo(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str))
-    else:
-        click.echo(paths["markdown"].read_text())
-
-
 @main.group()
 def bench() -> None:
     """Benchmarks against their baselines in the same run (ratios, medians with p20/p80)."""
 
 
+def _prepare_bench_device(device: str, ranks: bool) -> None:
+    """Before a benchmark imports a kernel: the interpreter for --device cpu; under ranks, this rank's GPU."""
+    _select_device(device)
+    if ranks:
+        _bind_local_gpu(device, _world_size_from_env())
+
+
+benches.add_commands(bench, prepare=_prepare_bench_device)  # every plug-in of benches.PLUGINS
+
+
 @bench.command("gemm")
 @click.option("--ops", multiple=True, type=click.Choice(["fwd", "da", "db"]), default=("fwd", "da", "db"),
               show_default=True)
-@click.option("--m", "m_values", multiple=True, type=int, help="M values (default: the issue's sweep; tiny on cpu).")
+@click.option("--m", "m_values", multiple=True, type=int, help="M values (default: the bench's M sweep; tiny on cpu).")
 @click.option("--layouts", multiple=True, type=click.Choice(["kn", "linear"]), default=("kn", "linear"),
               show_default=True)
 @click.option("--rounds", type=int, default=5, show_default=True, help="Interleaved timing rounds.")
@@ -278,137 +278,4 @@ def bench_gemm(ops, m_values, layouts, rounds, device, preset, seed, out_dir, as
     if bad:
         for row in bad:
             click.echo(f"FAILED contract before timing: {row['name']}", err=True)
-        raise SystemExit(1)
-
-
-@bench.command("moe")
-@click.option("--fp8", is_flag=True, help="The FP8 path vs the BF16 detkit path side by side, with the crossover "
-                                          "sweep over T (bench/moe_fp8.py, docs/moe_fp8.md).")
-@click.option("--rounds", type=int, default=5, show_default=True, help="Interleaved timing rounds.")
-@click.option("--no-stages", is_flag=True, help="Skip the per-stage timings.")
-@click.option("--no-fp64", is_flag=True, help="--fp8: gate against the BF16 path only (no FP64 oracle).")
-@click.option("--no-crossover", is_flag=True, help="--fp8: skip the crossover sweep.")
-@shared_options
-def bench_moe(fp8, rounds, no_stages, no_fp64, no_crossover, device, preset, seed, out_dir, as_json) -> None:
-    """The MoE expert MLP vs PyTorch (BF16); with --fp8, the FP8 path vs the BF16 detkit path."""
-    if rounds < 1:
-        raise click.BadParameter(f"--rounds must be >= 1; got {rounds}", param_hint="--rounds")
-    if (no_fp64 or no_crossover) and not fp8:
-        raise click.UsageError("--no-fp64 and --no-crossover apply to --fp8 only")
-    _select_device(device)
-    from detkit.bench import moe
-
-    argv = ["--device", device, "--rounds", str(rounds), "--seed", str(seed),
-            "--out", str(out_dir or _default_out("bench"))]
-    argv += ["--preset", preset] if preset else []
-    flags = {"--fp8": fp8, "--no-stages": no_stages, "--no-fp64": no_fp64, "--no-crossover": no_crossover,
-             "--json": as_json}
-    argv += [flag for flag, on in flags.items() if on]
-    if moe.main(argv) != 0:
-        raise SystemExit(1)
-
-
-@bench.command("comm")
-# --m-local / --n-cols: torchrun's argument parser takes '--m' and '--n' after the module for
-# abbreviations of its own options and refuses them as ambiguous.
-@click.option("--m-local", "--m", "m_values", multiple=True, type=int,
-              help="M_local values of the [M, N] BF16 messages (default 1..16384; tiny on cpu).")
-@click.option("--n-cols", "--n", "n_cols", type=int, default=None, help="N (default 4096; 64 on cpu).")
-@click.option("--rounds", type=int, default=None, help="Interleaved timing rounds (default 10; 3 on cpu).")
-@click.option("--iters", type=int, default=None, help="Back-to-back calls per sample (default 20; 2 on cpu).")
-@click.option("--warmup", type=int, default=5, show_default=True, help="Untimed calls per implementation.")
-@shared_options
-def bench_comm(m_values, n_cols, rounds, iters, warmup, device, preset, seed, out_dir, as_json) -> None:
-    """The TP/CP operators' all_reduce vs a raw all_reduce of the same bytes (2 ranks, torchrun)."""
-    _select_device(device)
-    from detkit.bench import comm
-    from detkit.toolkit import harness
-
-    if any(m < 1 for m in m_values) or (n_cols is not None and n_cols < 1):
-        raise click.BadParameter(f"M and N must be >= 1; got M {m_values}, N {n_cols}")
-    for flag, value in (("--rounds", rounds), ("--iters", iters)):
-        if value is not None and value < 1:
-            raise click.BadParameter(f"{flag} must be >= 1; got {value}", param_hint=flag)
-    import torch
-
-    try:  # ranks first: on CUDA each rank then holds its own GPU before the backend probe touches one
-        session = comm.start(torch.device(device))
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    except RuntimeError as exc:
-        if "needs 2 ranks" in str(exc):
-            raise click.UsageError(str(exc)) from None
-        raise
-    ctx = harness.resolve_context(device, preset, seed, out_dir)
-    reporting = session.rank == 0
-    if ctx.interpreted and reporting:
-        click.secho(harness.INTERPRETER_BANNER, fg="yellow", err=True)
-    out = out_dir or _default_out("bench")
-    rounds = rounds or (3 if ctx.interpreted else 10)
-    iters = iters or (2 if ctx.interpreted else 20)
-    ok = False
-    try:
-        rows, meta = comm.run(session, comm.sizes(ctx.interpreted, m_values or None, n_cols), rounds, iters, warmup)
-        bad = [r for r in rows if not (r["validated"] and r["operator_path_ok"])]
-        ok = not bad
-        if reporting:
-            _write_bench_report(ctx, "bench comm", meta, rows, comm.write_outputs, out, as_json)
-            for row in bad:
-                click.echo(f"FAILED validation before timing: {row['name']} (bitwise equal to the v1 oracle: "
-                           f"{row['validated']}, operator path calls: {row['operator_path_calls']})", err=True)
-    finally:
-        ok = comm.finish(session, ok)
-    if not ok:
-        raise SystemExit(1)
-
-
-@bench.command("mlp")
-@click.option("--tokens", "m_values", multiple=True, type=int,
-              help="Global tokens M = B*S (default 4096 and 16384; 12 on cpu).")
-@click.option("--seq-len", type=int, default=None, help="Tokens per sequence S; B = M / S (default 4096; 6 on cpu).")
-@click.option("--rounds", type=int, default=None, help="Interleaved timing rounds (default 10; 3 on cpu).")
-@click.option("--iters", type=int, default=None, help="Back-to-back steps per sample (default 5; 1 on cpu).")
-@click.option("--warmup", type=int, default=None, help="Untimed steps per implementation (default 3; 0 on cpu).")
-@shared_options
-def bench_mlp(m_values, seq_len, rounds, iters, warmup, device, preset, seed, out_dir, as_json) -> None:
-    """The Qwen3 MLP fwd+bwd per TP/CP config and mode vs torch.matmul + all_reduce (1, 2 or 4 ranks)."""
-    _select_device(device)
-    from detkit.bench import mlp
-    from detkit.toolkit import dist as tp_cp_dist
-    from detkit.toolkit import harness
-
-    for flag, value in (("--rounds", rounds), ("--iters", iters), ("--warmup", warmup)):
-        if value is not None and value < (0 if flag == "--warmup" else 1):
-            raise click.BadParameter(f"{flag} must be >= {0 if flag == '--warmup' else 1}; got {value}",
-                                     param_hint=flag)
-    _bind_local_gpu(device, _world_size_from_env())
-    ctx = harness.resolve_context(device, preset, seed, out_dir)
-    out = out_dir or _default_out("bench")
-    try:
-        shapes = mlp.shapes(ctx.interpreted, m_values or None, seq_len)
-        session = mlp.start(ctx, out)  # ranks agree on rank 0's folder
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    out = tp_cp_dist.out_dir(session, out)
-    reporting = tp_cp_dist.writes_report(session)
-    if ctx.interpreted and reporting:
-        click.secho(harness.INTERPRETER_BANNER, fg="yellow", err=True)
-    rounds = rounds or (3 if ctx.interpreted else 10)
-    iters = iters or (1 if ctx.interpreted else 5)
-    warmup = warmup if warmup is not None else (0 if ctx.interpreted else 3)
-    ok = False
-    try:
-        rows, meta = mlp.run(session, ctx, shapes, rounds, iters, warmup)
-        bad = [r for r in rows if not r["validated"]]
-        ok = not bad
-        if reporting:
-            _write_bench_report(ctx, "bench mlp", meta, rows, mlp.write_outputs, out, as_json)
-            for row in bad:
-                click.echo(f"FAILED validation before timing (not timed): {row['name']} ({row['validation']}; "
-                           f"worst contract ratio {row['contract_worst_ratio']:.3g}, relative L2 "
-                           f"{row['rel_l2_max']:.3g}, valid on layout ranks {row['validated_layout_ranks']})",
-                           err=True)
-    finally:
-        ok = tp_cp_dist.finish(session, ok)
-    if not ok:
         raise SystemExit(1)

@@ -1,10 +1,11 @@
-"""The one harness every audit and benchmark suite plugs into.
+"""The one harness every audit suite plugs into.
 
 A plug-in is a module with ``NAME`` (str), ``DESCRIPTION`` (str) and ``run(ctx) -> Iterable[Row]``.
 The harness runs plug-ins in order, appends each row to ``rows.jsonl`` as soon as it exists
 (flushed and fsynced, so a killed run keeps every finished case) and, at the end, writes
 ``report.json`` and ``report.md`` atomically (temp file + rename), plus the PNG plots the rows
-support (``drift_hist.png`` from contract rows). Formats: docs/reports.md.
+support (``drift_hist.png`` from contract rows). Formats: docs/reports.md. The benchmarks' runner
+(``toolkit.benches``) writes the same files through the same pieces.
 
 Suite selection (``select_suites``): names are suites (``SUITES``), plug-in names, or the selectors
 ``auto`` (the suites that fit this host) and ``all`` (every suite that can run in this launch).
@@ -16,32 +17,31 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from detkit.toolkit.nvtx_ranges import nvtx_range
+from detkit.toolkit.provenance import config_tables, source_state
+from detkit.toolkit.records import INTERPRETER_BANNER, Row, RowWriter, atomic_write_text, summarize
+from detkit.toolkit.reports import render_audit_markdown, write_audit_plots
+
+__all__ = ["INTERPRETER_BANNER", "Row", "RowWriter", "RunContext", "atomic_write_text", "base_meta", "env_meta",
+           "resolve_context", "run_plugins", "select_suites", "summarize", "write_report"]
 
 log = logging.getLogger(__name__)
-
-INTERPRETER_BANNER = (
-    "BACKEND triton_interpreter: CPU emulation of the Triton kernels at tiny shapes. "
-    "This is NOT a hardware result and says nothing about speed or Hopper tensor-core bits."
-)
 
 # Suite name -> plug-in modules, in run order. A plug-in's own NAME is also accepted as a suite.
 SUITES: dict[str, tuple[str, ...]] = {
     "gemm": ("detkit.audits.gemm_batch_invariance", "detkit.audits.gemm_determinism", "detkit.audits.gemm_contract"),
-    "tp-cp": ("detkit.audits.tp_cp",), "tp-cp-refs": ("detkit.audits.tp_cp_refs",),  # issue 4 (docs/tp_cp.md)
-    "invariance": ("detkit.audits.invariance",),  # issue 7 (docs/invariance.md)
-    "moe": ("detkit.audits.moe",),  # issue 8 (docs/moe.md)
-    "moe-fp8": ("detkit.audits.moe_fp8",),  # issue 9 (docs/moe_fp8.md)
-    "model": ("detkit.audits.model",),
+    "tp-cp": ("detkit.audits.tp_cp",), "tp-cp-refs": ("detkit.audits.tp_cp_refs",),  # docs/tp_cp.md
+    "invariance": ("detkit.audits.invariance",),  # docs/invariance.md
+    "moe": ("detkit.audits.moe",),  # docs/moe.md
+    "moe-fp8": ("detkit.audits.moe_fp8",),  # docs/moe_fp8.md
+    "model": ("detkit.audits.model",),  # docs/mode.md
 }
 # Suites that need several ranks (torchrun/srun); every other suite runs in one process.
 MULTI_RANK_SUITES = ("tp-cp", "invariance")
@@ -53,49 +53,46 @@ def launch_hint(suite: str) -> str:
             "(2 GPUs: one TP or CP group, DETKIT_TPCP_WORLD; 4 ranks: the full TP=2 x CP=2 layout; docs/tp_cp.md)")
 
 
-@dataclass
-class Row:
-    """One checked case. ``name`` is the case's NVTX range name too."""
-
-    suite: str
-    check: str
-    name: str
-    passed: bool
-    backend: str
-    details: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
 @dataclass(frozen=True)
 class RunContext:
+    """What a plug-in runs with. ``preset``: the shape preset (a benchmark with presets of its own gets the
+    names given on the command line in ``presets``, joined here). ``rounds``: a benchmark's timing rounds."""
+
     device: torch.device
     backend: str
     preset: str
     seed: int = 1234
     out_dir: Path | None = None
+    rounds: int | None = None
+    presets: tuple[str, ...] = ()
 
     @property
     def interpreted(self) -> bool:
         return self.backend == "triton_interpreter"
 
 
-def resolve_context(device: str, preset: str | None, seed: int, out_dir: Path | None) -> RunContext:
-    """Decide the backend for ``device`` through the kernel's own check (fails closed)."""
+def resolve_device(device: str) -> tuple[torch.device, str]:
+    """(device, backend) for ``device``, the backend decided by the kernel's own check (fails closed)."""
     from detkit.kernels.backend import resolve_backend
     from detkit.kernels.det_gemm import det_gemm_kernel
-    from detkit.toolkit.presets import GEMM_PRESETS, default_gemm_preset
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for but torch sees no CUDA GPU; "
-                           "use --device cpu for the Triton-interpreter audits (not a hardware result)")
-    backend = resolve_backend(det_gemm_kernel, {"device": torch.empty(0, device=dev)})
+                           "use --device cpu for the Triton interpreter (not a hardware result)")
+    return dev, resolve_backend(det_gemm_kernel, {"device": torch.empty(0, device=dev)})
+
+
+def resolve_context(device: str, preset: str | None, seed: int, out_dir: Path | None,
+                    rounds: int | None = None) -> RunContext:
+    """The context of a run at a GEMM shape preset (default: the backend's); unknown presets fail closed."""
+    from detkit.toolkit.presets import GEMM_PRESETS, default_gemm_preset
+
+    dev, backend = resolve_device(device)
     preset = preset or default_gemm_preset(backend)
     if preset not in GEMM_PRESETS:
         raise ValueError(f"preset {preset!r} is not supported; supported: {sorted(GEMM_PRESETS)}")
-    return RunContext(device=dev, backend=backend, preset=preset, seed=seed, out_dir=out_dir)
+    return RunContext(device=dev, backend=backend, preset=preset, seed=seed, out_dir=out_dir, rounds=rounds)
 
 
 def known_suite_names() -> list[str]:
@@ -194,31 +191,6 @@ def _is_known(name: str) -> bool:
     return True
 
 
-class RowWriter:
-    """Appends rows to a JSONL file, one fsynced line each.
-
-    The file is truncated when the writer opens it: a results folder reused by a later run
-    (``--out /results`` in compose.yaml) holds that run's rows only, matching its report."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self._file = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "w", encoding="utf-8")
-
-    def write(self, row: Row) -> None:
-        if self._file is None:
-            return
-        self._file.write(json.dumps(row.as_dict(), default=str) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
 def suite_modules(suites: Iterable[str]) -> list[str]:
     """The plug-in modules of ``suites``, in run order, each once."""
     return list(dict.fromkeys(m for suite in suites for m in plugin_modules(suite)))
@@ -244,52 +216,19 @@ def run_plugins(suites: Iterable[str], ctx: RunContext, writer: RowWriter,
     return rows
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def summarize(rows: list[Row]) -> list[dict]:
-    """One line per (suite, check): counts of passed and failed rows."""
-    table: dict[tuple[str, str], dict] = {}
-    for row in rows:
-        entry = table.setdefault((row.suite, row.check), {"suite": row.suite, "check": row.check,
-                                                           "passed": 0, "failed": 0})
-        entry["passed" if row.passed else "failed"] += 1
-    return list(table.values())
-
-
-def render_markdown(meta: dict, rows: list[Row]) -> str:
-    """The human report: see ``toolkit.reports.render_audit_markdown`` (all rows stay in JSON)."""
-    from detkit.toolkit.reports import render_audit_markdown
-
-    return render_audit_markdown(meta, rows)
-
-
 def write_report(out_dir: Path, meta: dict, rows: list[Row]) -> tuple[Path, Path]:
     """Plots first (the markdown links them), then report.json and report.md, each atomically."""
-    from detkit.toolkit.reports import write_audit_plots
-
     meta["plots"] = [p.name for p in write_audit_plots(out_dir, rows)]
     report = {"meta": meta, "summary": summarize(rows), "rows": [r.as_dict() for r in rows]}
     json_path, md_path = out_dir / "report.json", out_dir / "report.md"
     atomic_write_text(json_path, json.dumps(report, indent=2, default=str) + "\n")
-    atomic_write_text(md_path, render_markdown(meta, rows))
+    atomic_write_text(md_path, render_audit_markdown(meta, rows))
     return json_path, md_path
 
 
 def base_meta(ctx: RunContext, command: str, command_line: str) -> dict:
-    from detkit.kernels.det_gemm import CONFIG_TABLE_VERSION
-
+    """The run's identity, taken at report time: command, date, backend, preset, seed, the config tables of
+    the kernel modules that were loaded and the source files checked against git (``toolkit.provenance``)."""
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     return {
         "command": command,
@@ -300,7 +239,9 @@ def base_meta(ctx: RunContext, command: str, command_line: str) -> dict:
         "preset": ctx.preset,
         "device_name": device_name,
         "seed": ctx.seed,
-        "config_table_version": CONFIG_TABLE_VERSION,
+        **({"rounds": ctx.rounds} if ctx.rounds is not None else {}),
+        "config_tables": config_tables(),
+        "source": source_state(),
     }
 
 

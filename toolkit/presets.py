@@ -1,5 +1,7 @@
-"""Shape presets the suites run at. ``qwen3-8b-tp2`` is the production preset; ``tiny`` is for the
-Triton interpreter on the CPU and is labelled as such in every report."""
+"""Shape presets the suites run at. GEMM: ``qwen3-8b-tp2`` is the production preset; ``tiny`` is for the
+Triton interpreter on the CPU and is labelled as such in every report. MoE expert MLP (the MoE
+benchmarks): ``reference`` and the MoE models' layers at T = 8192 tokens; ``tiny`` and ``tiny-fp8`` for
+the interpreter."""
 
 from __future__ import annotations
 
@@ -41,3 +43,51 @@ GEMM_PRESETS = {
 
 def default_gemm_preset(backend: str) -> str:
     return "tiny" if backend == "triton_interpreter" else "qwen3-8b-tp2"
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE expert MLP
+# ---------------------------------------------------------------------------------------------
+# FLOPs per T*K*H*I (T tokens, K routes each, hidden H, expert intermediate I): forward 6 (up 4, down 2),
+# the backward alone 12 (each GEMM once more for dgrad and wgrad), both 18.
+MOE_FLOPS_PER_TKHI = {"fwd": 6.0, "bwd": 12.0, "fwd_bwd": 18.0}
+
+
+@dataclass(frozen=True)
+class MoePreset:
+    name: str
+    t: int  # tokens
+    h: int  # hidden
+    i: int  # expert intermediate
+    e: int  # experts
+    k: int  # routes per token
+
+    def flops(self, measure: str) -> float:
+        return MOE_FLOPS_PER_TKHI[measure] * self.t * self.k * self.h * self.i
+
+    @property
+    def flops_fwd(self) -> float:
+        return self.flops("fwd")
+
+    @property
+    def flops_fwd_bwd(self) -> float:
+        return self.flops("fwd_bwd")
+
+    @property
+    def label(self) -> str:
+        return f"moe_mlp [T={self.t}, H={self.h}, I={self.i}, E={self.e}, K={self.k}] bf16"
+
+
+MOE_PRESETS = {
+    "reference": MoePreset("reference", 8192, 3072, 1536, 8, 8),
+    "qwen3-30b-a3b": MoePreset("qwen3-30b-a3b", 8192, 2048, 768, 128, 8),
+    "qwen3-235b-a22b": MoePreset("qwen3-235b-a22b", 8192, 4096, 1536, 128, 8),
+    "olmoe": MoePreset("olmoe", 8192, 2048, 1024, 64, 8),
+    "mixtral-8x7b": MoePreset("mixtral-8x7b", 8192, 4096, 14336, 8, 2),
+    "tiny": MoePreset("tiny", 64, 32, 48, 4, 2),  # interpreter scale
+    # The reference shape at the FP8 target's second T, and an interpreter shape with H, I multiples of 128
+    # (the FP8 quantization block).
+    "reference-16k": MoePreset("reference-16k", 16384, 3072, 1536, 8, 8),
+    "tiny-fp8": MoePreset("tiny-fp8", 64, 128, 128, 3, 2),
+}
+MOE_GPU_PRESETS = ("reference", "qwen3-30b-a3b", "qwen3-235b-a22b", "olmoe", "mixtral-8x7b")

@@ -1,4 +1,4 @@
-"""Report outputs: the audit report's markdown and plots, and benchmark JSONL/CSV/markdown/PNG.
+"""Report outputs: the markdown and plots of audit and benchmark reports.
 
 Every file is written atomically (temp file + rename), so a reader never sees half a report.
 Formats and where each file goes: docs/reports.md.
@@ -11,14 +11,12 @@ import io
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tabulate import tabulate
 
-from detkit.toolkit.harness import INTERPRETER_BANNER, atomic_write_text, summarize
-
-if TYPE_CHECKING:
-    from detkit.toolkit.harness import Row
+from detkit.toolkit.provenance import format_config_tables, format_source
+from detkit.toolkit.records import INTERPRETER_BANNER, Row, atomic_write_text, summarize
 
 DRIFT_PLOT = "drift_hist.png"
 MAX_FAILED_ROWS_MD = 100  # report.md lists at most this many failed rows; rows.jsonl has them all
@@ -46,6 +44,7 @@ def markdown_report(title: str, meta: dict, table_rows: list[dict]) -> str:
     if meta.get("backend") == "triton_interpreter":
         lines += [f"> **{INTERPRETER_BANNER}**", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items() if not isinstance(value, (dict, list))]
+    lines += provenance_lines(meta)
     if isinstance(meta.get("env_summary"), dict):
         lines += ["", *env_block(meta["env_summary"])]
     lines += ["", tabulate(table_rows, headers="keys", tablefmt="github", floatfmt=".3g"), ""]
@@ -68,6 +67,16 @@ def env_block(summary: dict) -> list[str]:
     return ["## Environment", "", tabulate([[k, v] for k, v in summary.items()], headers=["field", "value"],
                                            tablefmt="github"),
             "", "(full capture: `meta.env` in report.json; `detkit env` prints the same)", ""]
+
+
+def provenance_lines(meta: dict) -> list[str]:
+    """The config tables that ran and the source state, one line each (``toolkit.provenance``)."""
+    lines = []
+    if isinstance(meta.get("config_tables"), list):
+        lines.append(f"- config tables: {format_config_tables(meta['config_tables'])}")
+    if isinstance(meta.get("source"), dict):
+        lines.append(f"- source: {format_source(meta['source'])}")
+    return lines
 
 
 def _short(value: Any) -> str:
@@ -170,7 +179,8 @@ def render_audit_markdown(meta: dict, rows: Sequence[Row]) -> str:
     lines += [f"**{verdict}**: {len(rows) - len(failed)} passed, {len(failed)} failed"
               + ("" if rows else " (no rows were produced)"), ""]
     lines += [f"- {key}: {meta[key]}" for key in ("date", "backend", "hardware_result", "preset", "device_name",
-                                                   "seed", "config_table_version", "command_line") if key in meta]
+                                                   "seed", "command_line") if key in meta]
+    lines += provenance_lines(meta)
     selection = meta.get("suite_selection")
     if isinstance(selection, dict):
         lines.append(f"- suites: {', '.join(selection.get('resolved', []))} "
@@ -199,6 +209,54 @@ def render_audit_markdown(meta: dict, rows: Sequence[Row]) -> str:
         lines += [f"![{plot}]({plot})", ""]
     lines += ["All rows, passed and failed, with every detail: `report.json` (`rows`) and `rows.jsonl`.", ""]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark report.md
+# ---------------------------------------------------------------------------------------------
+def render_bench_markdown(meta: dict, rows: Sequence[dict], body: str) -> str:
+    """report.md of a benchmark: verdict, run identity, provenance, environment, the bench's own body
+    (``summarize``), failed rows, not-covered list and plots. Every row stays in report.json / rows.jsonl."""
+    failed = [r for r in rows if not r.get("passed")]
+    lines = [f"# detkit {meta['command']} report", ""]
+    if meta.get("backend") == "triton_interpreter":
+        lines += [f"> **{INTERPRETER_BANNER}**", ""]
+    verdict = "PASS" if rows and not failed else "FAIL"
+    lines += [f"**{verdict}**: {len(rows) - len(failed)} row(s) passed, {len(failed)} failed"
+              + ("" if rows else " (no rows were produced)"), ""]
+    lines += [f"- {key}: {meta[key]}" for key in ("date", "backend", "hardware_result", "preset", "presets",
+                                                   "device_name", "seed", "rounds") if key in meta]
+    if "command_line" in meta:
+        lines.append(f"- command_line: `{meta['command_line']}`")
+    lines += provenance_lines(meta)
+    for src in meta.get("merged_from", []):
+        source = src.get("source") or {}
+        lines.append(f"- merged from {src['dir']}: `{src.get('command_line')}` ({src.get('date')}, "
+                     f"{src.get('device_name')}, source {format_source(source) if source else 'not recorded'})")
+    lines.append("")
+    if isinstance(meta.get("env_summary"), dict):
+        lines += env_block(meta["env_summary"])
+    lines += [body.rstrip(), ""]
+    if failed:
+        shown = [{"name": r["name"], "failure": _short(r.get("failure", "passed is false"))}
+                 for r in failed[:MAX_FAILED_ROWS_MD]]
+        lines += [f"## Failed rows ({len(failed)})", "", tabulate(shown, headers="keys", tablefmt="github"), ""]
+        if len(failed) > MAX_FAILED_ROWS_MD:
+            lines += [f"... {len(failed) - MAX_FAILED_ROWS_MD} more failed rows in rows.jsonl / report.json", ""]
+    if meta.get("not_covered"):
+        lines += ["## NOT COVERED", ""] + [f"- {item}" for item in meta["not_covered"]] + [""]
+    for plot in meta.get("plots", []):
+        lines += [f"![{plot}]({plot})", ""]
+    lines += ["All rows, passed and failed, with every field: `report.json` (`rows`) and `rows.jsonl`.", ""]
+    return "\n".join(lines)
+
+
+def markdown_table(rows: Sequence[dict], cols: Sequence[str]) -> str:
+    """A GitHub table of the columns some row has, one line per row; floats to 4 significant digits,
+    missing cells empty."""
+    cols = [c for c in cols if any(c in r for r in rows)]
+    return tabulate([[r.get(c) for c in cols] for r in rows], headers=cols, tablefmt="github", floatfmt=".4g",
+                    missingval="")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Kernel timing: interleaved rounds, L2 flushed, warm-up excluded, median with p20/p80.
 
 On CUDA each sample is one call between CUDA events with the L2 flushed before it
-(``triton.testing.do_bench``), and the SM clock NVML reports is polled while the samples run: under a
-power cap an H200's clock falls from 1980 MHz to ~1500 MHz (measured, reports/2026-11-30-h200/moe-gaps),
-so a time is reported with the clock it ran at. On the interpreter backend samples are wall-clock seconds of CPU
+(``triton.testing.do_bench``), and the SM clock NVML reports is polled while the samples run: under its
+power cap an H200's SM clock falls from 1980 MHz to about 1500 MHz, so a time is reported with the clock
+it ran at. On the interpreter backend samples are wall-clock seconds of CPU
 emulation: useful only to prove the plumbing, never a speed result (reports say so).
 """
 
@@ -174,3 +174,17 @@ def time_graphs(fns: dict[str, Callable[[], object]], device: torch.device, call
                     end.synchronize()
                     samples[name].append(start.elapsed_time(end) / calls_per_fn)
     return {name: Timing.from_samples_ms(s, clocks[name]) for name, s in samples.items()}
+
+
+CEILING_SHAPE = 8192  # dense BF16 ceiling: one M = N = K = 8192 cuBLAS matmul on random data
+
+
+def measured_ceiling_tflops(device: torch.device, rounds: int = 3) -> float:
+    """The dense BF16 ceiling of this GPU in this run: cuBLAS (torch.matmul) at 8192^3, random data,
+    TFLOP/s = 2*8192^3 / median time."""
+    from detkit.toolkit.fixtures import bf16_randn
+
+    n = CEILING_SHAPE
+    a, b = bf16_randn((n, n), 5, device), bf16_randn((n, n), 6, device)
+    t = time_interleaved({"ceiling": lambda: a @ b}, device, rounds=rounds)["ceiling"]
+    return 2 * n**3 / (t.median_us * 1e-6) / 1e12

@@ -2,15 +2,15 @@
 gives the same bits as the current table's pick. Not autotuning: a human reads the output and pins
 entries in kernels/det_gemm.py (bumping CONFIG_TABLE_VERSION); the audits then re-check them.
 
-    python -m detkit.bench.gemm_tune --out results/tune.json
-    python -m detkit.bench.gemm_tune --ops fwd --m 1024 4096 16384 --variants tma --out results/tune-tma.json
+    python -m tools.gemm_tune --out results/tune.json            # from a checkout's root
+    python -m tools.gemm_tune --ops fwd --m 1024 4096 16384 --variants tma --out results/tune-tma.json
 
 The table's pick is always timed beside the candidates (the A/B baseline). A candidate that refuses a
 case (a "tma" config on an operand TMA cannot address) or fails to compile is recorded as an error
 row, never fatal. Timing (``--timing graphs``, the default): CUDA graphs of back-to-back calls over
-rotating operand copies larger than the L2, as ``bench/gemm.py`` does, so Python launch overhead
+rotating operand copies larger than the L2, as ``detkit bench gemm`` does, so Python launch overhead
 (larger for "tma" configs, which build host-side descriptors per call) does not enter the numbers;
-``--timing do_bench`` is the single-call L2-flushed timing of the earlier sweeps.
+``--timing do_bench`` times single calls, L2 flushed (launch overhead included).
 Formulas: FLOPs = 2*M*N*K; TFLOP/s = FLOPs / median per-call time.
 """
 
@@ -52,13 +52,13 @@ MID_TMA = [GemmConfig(*c, variant="tma") for c in [
 ]]
 # Three power-of-two sub-tiles per tile (det_gemm_tma3_kernel): 192 columns fill 132 SMs where powers of two
 # do not (a 6144-wide output: 32 tile columns, so M 256 / 512 at 64 / 128 rows is 128 tiles, one wave, the
-# grid cuBLAS runs there; reports/2026-11-30-h200 ncu). Compiled offline: 122 registers, no spills.
+# grid cuBLAS runs there, per Nsight Compute). Compiled offline: 122 registers, no spills.
 WIDE_TMA3 = [GemmConfig(*c, variant="tma3") for c in [
     (64, 192, 64, 8, 4, 4), (64, 192, 64, 8, 4, 6), (128, 192, 64, 8, 8, 3), (128, 192, 64, 8, 8, 4),
 ]]
 # Deeper rings for the one-wave mid-M tiles (more bytes in flight per CTA where one CTA per SM streams all of K;
-# Nsight Compute at fwd M=512 showed the tma3 tile's tensor pipe 66% active against cuBLAS's 79%,
-# reports/2026-11-30-h200/ncu-ws). Compiled offline for sm_90: 131-230 KB of shared memory, no spills.
+# Nsight Compute at fwd M=512 shows the tma3 tile's tensor pipe 66% active against cuBLAS's 79%).
+# Compiled offline for sm_90: 131-230 KB of shared memory, no spills.
 DEEP_MID = [GemmConfig(*c, variant="tma3") for c in [
     (128, 192, 64, 8, 8, 5), (64, 192, 64, 8, 4, 7), (64, 192, 128, 8, 4, 3), (128, 192, 32, 8, 8, 8),
 ]] + [GemmConfig(*c, variant="tma") for c in [
@@ -66,7 +66,7 @@ DEEP_MID = [GemmConfig(*c, variant="tma3") for c in [
     (64, 128, 128, 8, 4, 4),
 ]]
 # M = 128 (two 64-row tiles or one 128-row tile): deeper rings and 128-row tiles with narrow N, for the fwd / dA
-# rows still 1.15-1.20x cuBLASLt no-split-K with table .12 (64x64x128 s6 and 64x128x64 s6 picks).
+# rows 1.15-1.20x cuBLASLt no-split-K on 64x64x128 s6 and 64x128x64 s6 tiles.
 # Shared memory 192-224 KB.
 M128_DEEP = [GemmConfig(*c, variant="tma") for c in [
     (64, 64, 128, 1, 4, 7), (64, 64, 64, 1, 4, 12), (64, 32, 128, 1, 4, 8), (128, 64, 128, 1, 8, 4),

@@ -14,8 +14,8 @@ Inputs: BF16 ``[M, 4096]`` partials drawn on the CPU from a per-input seed (both
 partials; rank r contributes partial r): Gaussian at several M, values spread over 2**-40..2**40,
 near-cancelling pairs, exact round-to-even ties and signed zeros.
 
-    python bench/nccl_sweep.py [--out DIR] [--quick] [--settings default,tree] [--dry-run]
-    python bench/nccl_sweep.py --device cpu --settings default --quick   # gloo plumbing check only
+    python -m tools.nccl_sweep [--out DIR] [--quick] [--settings default,tree] [--dry-run]   # checkout root
+    python -m tools.nccl_sweep --device cpu --settings default --quick   # gloo plumbing check only
 
 Prints one line per (setting, input): the SHA-256 of the reduced tensor (rank 0; rank 1 must agree)
 and whether it equals the v1 oracle, then a table of inputs x settings. Writes ``OUT/sweep.json`` and
@@ -146,7 +146,7 @@ def setting_env(name: str, device_kind: str) -> dict[str, str]:
 
 def setting_cmd(out: Path, device_kind: str, quick: bool, timeout_s: float) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(Path(__file__).resolve()), "--worker", "--out", str(out), "--device", device_kind,
+           "-m", "tools.nccl_sweep", "--worker", "--out", str(out), "--device", device_kind,
            "--timeout", str(timeout_s)]
     return cmd + (["--quick"] if quick else [])
 
@@ -208,7 +208,7 @@ def drive(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/nccl_sweep.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.nccl_sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="results folder (default results/nccl-sweep-<time>)")
     parser.add_argument("--settings", default="", help=f"comma-separated subset of {list(SETTINGS)}")
     parser.add_argument("--quick", action="store_true", help=f"M in {QUICK_M} instead of {FULL_M}")

@@ -4,7 +4,7 @@ kernel variant ("ptr": det_gemm_kernel; "tma": det_gemm_tma_kernel; "tma3": det_
 kernels/det_gemm_ws.py, Gluon).
 Compile-only evidence: it says which instructions the kernel uses, not how fast they run.
 
-    python -m detkit.bench.gemm_sass [--out DIR] [--variants ptr tma] [--cases fwd_weight_t ...] [--json]
+    python -m tools.gemm_sass [--out DIR] [--variants ptr tma] [--cases fwd_weight_t ...] [--json]   # checkout root
 
 The compile gets the specialisation a real launch on the Qwen3-8B shapes gets: 16-byte-aligned
 pointers, sizes and outer strides divisible by 16, unit inner strides as constants.

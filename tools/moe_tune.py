@@ -3,7 +3,7 @@ stage at the preset shapes and say which config each stage's time is best with. 
 human reads the output, pins entries in MOE_CONFIGS (bumping MOE_CONFIG_TABLE_VERSION), and the MoE
 audit then re-checks the pinned table (its bits are the table's, so a new pin is a new bits version).
 
-    python -m detkit.bench.moe_tune --device cuda --preset reference qwen3-30b-a3b --out results/moe-tune
+    python -m tools.moe_tune --device cuda --preset reference qwen3-30b-a3b --out results/moe-tune   # checkout root
 
 Each stage is timed alone on the same inputs the layer would give it (routing, saved gu/h, dgu from
 the pinned path), every candidate interleaved with the pinned one in ``rounds`` rounds
@@ -13,7 +13,8 @@ candidate's output has the pinned config's bits (on tensor cores a different BLO
 may change the FP32 summation inside an MMA, which is why the table is versioned).
 The fp8_ stages sweep kernels/moe_fp8.py's grouped GEMMs (MOE_FP8_CONFIGS) on operands quantized once.
 Formulas: TFLOP/s = stage FLOPs / median time; stage FLOPs per T*K*H*I: up 4, down 2, dgrad 2, dx 4,
-wgrad_w1 4, wgrad_w2 2 (the same split as bench/moe.py's stage rows; the same for the fp8_ stages).
+wgrad_w1 4, wgrad_w2 2 (the same split as ``detkit bench moe``'s stage rows; the same for the fp8_ stages).
+Candidates are passed to the stages' launchers as ``config=`` arguments; no table is changed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-from detkit.bench.moe import PRESETS, make_inputs, markdown_table
+from detkit.bench.moe_common import make_inputs
+from detkit.toolkit.presets import MOE_PRESETS as PRESETS
+from detkit.toolkit.reports import markdown_table
 from detkit.kernels.det_gemm import GemmConfig
 
 # Grouped stages: BLOCK_M must divide the 128-row segment; dgrad's BLOCK_N counts dh columns (its
@@ -42,10 +45,10 @@ GROUPED = [GemmConfig(*c) for c in [
 # Every grouped stage also on the warp-specialized Gluon kernels (kernels/moe_ws.py): persistent, a TMA producer warp
 # (up, dgrad: a 4-warp cp.async producer of the gathered rows), one or two 64-row consumer warpgroups, the tile out
 # by TMA store from a 32-64 KiB buffer (so 5 stages at most for 128x128x64; dgrad's dscore sums need 16 KiB more).
-# 128x256 (the tile that won det_gemm and the weight gradients once their epilogue went through TMA stores): up on 2
-# stages beside its 96 KiB of gu and h buffers; down and dX (BF16 y / dx_route since table .6: a 64 KiB buffer) on 3
-# stages of BLOCK_K 64 or 6 of 32 (208 KiB), or 2 / 4 (160 KiB) (offline sm_90 compile 2026-12-01, no spills); dgrad's
-# does not fit, nor up's 3-stage one (the launcher refuses them by name).
+# 128x256 (the tile det_gemm and the weight gradients run with TMA-store epilogues): up on 2 stages beside its
+# 96 KiB of gu and h buffers; down and dX (BF16 y / dx_route: a 64 KiB buffer) on 3 stages of BLOCK_K 64 or 6 of 32
+# (208 KiB), or 2 / 4 (160 KiB) (offline sm_90 compile, no spills); dgrad's does not fit, nor up's 3-stage one (the
+# launcher refuses them by name).
 GROUPED_WS = [GemmConfig(*c, variant="ws") for c in [
     (128, 128, 64, 1, 8, 4), (128, 128, 64, 1, 8, 5), (64, 128, 64, 1, 4, 6), (128, 64, 64, 1, 8, 6),
     (128, 256, 64, 1, 8, 2), (128, 256, 32, 1, 8, 4), (128, 256, 64, 1, 8, 3), (128, 256, 32, 1, 8, 6),
@@ -75,8 +78,8 @@ FP8_GROUPED = [GemmConfig(*c) for c in [
     (64, 128, 128, 1, 4, 3), (64, 128, 128, 1, 4, 2),
 ]]
 # "ws": the warp-specialized Gluon kernel of down and dX (kernels/moe_fp8_ws.py): persistent, TMA producer warp,
-# one or two 64-row consumer warpgroups promoting block kb while block kb+1's MMAs run, the BF16 tile (FP32 until
-# FP8 table .14) stored by TMA from a 16-32 KiB buffer (6 stages fit for 128x128). BLOCK_K is the 128-K block.
+# one or two 64-row consumer warpgroups promoting block kb while block kb+1's MMAs run, the BF16 tile
+# stored by TMA from a 16-32 KiB buffer (6 stages fit for 128x128). BLOCK_K is the 128-K block.
 FP8_GROUPED += [GemmConfig(*c, variant="ws") for c in [
     (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 5), (128, 128, 128, 1, 8, 6), (64, 128, 128, 1, 4, 6),
     (128, 64, 128, 1, 8, 6), (128, 64, 128, 1, 8, 8),
@@ -108,10 +111,9 @@ FP8_DGRAD = [GemmConfig(*c) for c in [
 FP8_DGRAD += [GemmConfig(*c, variant="ws") for c in [(128, 64, 128, 1, 8, 6), (128, 64, 128, 1, 8, 7),
                                                      (64, 64, 128, 1, 4, 8), (128, 128, 128, 1, 8, 4),
                                                      (128, 128, 128, 1, 8, 3)]]
-# The FP8 weight gradients (wgrad="fp8", kernels/moe_fp8.py FP8_WGRAD_CONFIGS: the pinned tile, always timed; the
-# Gluon 128x128 since FP8 table .13) on the column-wise operands: Triton TMA tiles, whose kernel also requests each
-# 128-row block's scales one block ahead. The first sweep (reports/2026-11-30-h200/fp8-wgrad-tma) put 64x128 with
-# 4 warps 3x ahead of the 128x128 8-warp tiles; these are its neighbours.
+# The FP8 weight gradients (wgrad="fp8", kernels/moe_fp8.py FP8_WGRAD_CONFIGS: the pinned tile, always timed) on the
+# column-wise operands: Triton TMA tiles, whose kernel also requests each 128-row block's scales one block ahead.
+# 64x128 with 4 warps ran 3x faster than the 128x128 8-warp tiles on the H200; these are its neighbours.
 FP8_WGRAD = [GemmConfig(*c, variant="tma") for c in [
     (128, 128, 128, 1, 8, 4), (64, 128, 128, 1, 4, 4), (64, 128, 128, 1, 4, 2), (128, 64, 128, 1, 4, 3),
     (64, 64, 128, 1, 4, 3), (64, 64, 128, 1, 4, 4), (64, 256, 128, 1, 8, 3), (64, 256, 128, 1, 4, 3),
@@ -285,15 +287,16 @@ def best_per_stage(rows: list[dict]) -> list[dict]:
 
 def report(rows: list[dict], summary: list[dict], meta: dict) -> str:
     lines = ["# detkit MoE config sweep", ""] + [f"- {k}: {v}" for k, v in meta.items()] + ["", "## Best per stage", ""]
-    lines += markdown_table(summary, ("stage", "pinned", "best", "best_time_vs_pinned", "pinned_tflops", "best_tflops"))
+    lines += [markdown_table(summary, ("stage", "pinned", "best", "best_time_vs_pinned", "pinned_tflops",
+                                       "best_tflops"))]
     lines += ["", "## All rows", ""]
-    lines += markdown_table(rows, ("preset", "stage", "config", "median_us", "p20_us", "p80_us", "tflops",
-                                   "bits_equal_pinned", "error"))
+    lines += [markdown_table(rows, ("preset", "stage", "config", "median_us", "p20_us", "p80_us", "tflops",
+                                    "bits_equal_pinned", "error"))]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m detkit.bench.moe_tune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.moe_tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--preset", nargs="+", default=["reference", "qwen3-30b-a3b"], choices=sorted(PRESETS))
     parser.add_argument("--stages", nargs="+", default=list(BF16_STAGES), choices=list(STAGE_KEY),

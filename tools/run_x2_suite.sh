@@ -3,14 +3,14 @@
 # operators (one TP group, one CP group), the invariance pairs, bench comm, bench mlp, the NCCL
 # algorithm sweep and the multigpu tests. Each step has its own time limit and the run goes on
 # after a failure, so one call shows every outcome. Results land in $OUT (default results/x2-<time>).
-# Usage: bash bench/run_x2_suite.sh [tpcp|inv|comm|mlp|sweep|pytest|all]...
+# Usage (from a checkout's root): bash tools/run_x2_suite.sh [tpcp|inv|comm|mlp|sweep|pytest|all]...
 set -uo pipefail
 OUT=${OUT:-results/x2-$(date +%Y%m%d-%H%M%S)}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 mkdir -p "$OUT"
 steps=("${@:-all}")
-# shellcheck source=bench/gpu_steps.sh
+# shellcheck source=tools/gpu_steps.sh
 source "$(dirname "$0")/gpu_steps.sh"
 # Extra arguments, split on spaces: MLP_ARGS="--tokens 4096", SWEEP_ARGS="--quick".
 read -ra MLP_ARGS <<< "${MLP_ARGS:-}"
@@ -35,7 +35,7 @@ if want mlp; then
   step mlp-cp "${MLP_LIMIT:-150}" env DETKIT_TPCP_WORLD=0,2 "${two_ranks[@]}" bench mlp --out "$OUT/mlp-cp" "${MLP_ARGS[@]}"
 fi
 if want sweep; then
-  step nccl-sweep "${SWEEP_LIMIT:-200}" python bench/nccl_sweep.py --out "$OUT/nccl-sweep" "${SWEEP_ARGS[@]}"
+  step nccl-sweep "${SWEEP_LIMIT:-200}" python -m tools.nccl_sweep --out "$OUT/nccl-sweep" "${SWEEP_ARGS[@]}"
 fi
 if want pytest; then
   step pytest-multigpu "${PYTEST_LIMIT:-300}" env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider \

@@ -2,16 +2,18 @@
 with the clocks left alone, and a table of what bounds each kernel (duration, SM and memory throughput
 against peak, achieved occupancy, waves per SM, registers, grid).
 
-    python -m detkit.bench.gemm_ncu --out results/ncu                        # the default cases, both impls
-    python -m detkit.bench.gemm_ncu --out results/ncu --case fwd:512:6144:4096:linear --case da:8192:6144:4096:kn
-    python -m detkit.bench.gemm_ncu --out results/ncu --case fwd:512:6144:4096:linear --config 128,128,64,8,8,6,ws
+    python -m tools.gemm_ncu --out results/ncu                        # the default cases, both impls
+    python -m tools.gemm_ncu --out results/ncu --case fwd:512:6144:4096:linear --case da:8192:6144:4096:kn
+    python -m tools.gemm_ncu --out results/ncu --case fwd:512:6144:4096:linear --config 128,128,64,8,8,6,ws
+
+Run from a checkout's root (each profiled process runs ``python -m tools.gemm_ncu --run ...`` there).
 
 Each (case, impl) is its own process under
 ``ncu --clock-control none --nvtx --nvtx-include 'detkit@<row name> | ncu <impl>/' --section ...``:
 the process warms the call up outside the range (Triton compile, cuBLAS heuristics), then makes it once
 inside it, so ncu profiles exactly that call's kernels (cuBLAS may launch more than one). Operands are
 the benchmark's (bench/gemm.py), so rows join the bench report on the case name. Compile-only evidence
-(SASS, registers) is bench/gemm_sass.py; this is the hardware-counter side.
+(SASS, registers) is tools/gemm_sass.py; this is the hardware-counter side.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from detkit.bench.gemm import operands as bench_operands
 
 IMPLS = ("detkit", "cublas")
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy")
-# The worst rows of reports/2026-11-29-h200-table5 against cuBLASLt no-split-K, and one row that meets it.
+# Rows where det_gemm trailed cuBLASLt no-split-K most on the H200, and one row that meets it.
 DEFAULT_CASES = (
     "fwd:256:4096:6144:linear", "fwd:512:6144:4096:linear", "da:256:6144:4096:linear",
     "da:8192:6144:4096:kn", "fwd:4096:6144:4096:linear",
@@ -160,7 +162,7 @@ def profile(cases: list[BenchCase], out: Path, ncu: str, timeout_s: int, configs
         for impl in IMPLS + tuple(f"config={c}" for c in configs):
             cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", f"detkit@{range_name(case, impl)}/",
                    *[arg for s in SECTIONS for arg in ("--section", s)], "--csv", "--page", "raw",
-                   sys.executable, "-m", "detkit.bench.gemm_ncu", "--run", f"{case.op}:{case.m}:{case.n}:{case.k}:{case.layout}",
+                   sys.executable, "-m", "tools.gemm_ncu", "--run", f"{case.op}:{case.m}:{case.n}:{case.k}:{case.layout}",
                    "--impl", impl]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             stem = f"{case.op}_M{case.m}_N{case.n}_K{case.k}_{case.layout}_{impl.replace('=', '_').replace(',', '-')}"
@@ -185,7 +187,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m detkit.bench.gemm_ncu", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.gemm_ncu", description=__doc__.split("\n")[0])
     parser.add_argument("--case", action="append", help="op:M:N:K:layout (repeatable; default: the worst rows)")
     parser.add_argument("--out", type=Path, help="results folder (profile mode)")
     parser.add_argument("--ncu", help="the ncu binary (default: PATH, then /opt/nvidia/nsight-compute/*/ncu)")

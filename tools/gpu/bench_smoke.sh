@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The product benchmarks' runner on one H200: `detkit bench moe` at the reference preset (BF16 with its stages,
+# then --fp8 with its stages and the crossover sweep over T) and `detkit bench moe-sweep --quick` (the reference
+# and Qwen3-30B-A3B shapes at T 1024/8192/16384, both routings: every MoE speed target is evaluated). Each run
+# writes rows.jsonl, report.json, report.md (and plots) under $OUT/<step>/, its log to $OUT/<step>.log and its
+# exit status to $OUT/steps.txt; a failed step does not stop the next. About 3-4 minutes with a cold Triton cache.
+# Usage, from a checkout's root: OUT=/path/to/results bash tools/gpu/bench_smoke.sh
+set -euo pipefail
+: "${OUT:?set OUT to the results folder}"
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+failed=0
+
+# step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.log, record the exit status.
+step() {
+  local name=$1 limit=$2 rc=0
+  shift 2
+  echo "== $(date -u +%H:%M:%S) $name (limit ${limit}s): $*"
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  echo "$name rc=$rc" | tee -a "$OUT/steps.txt"
+  grep -m1 -E '^\*\*(PASS|FAIL)\*\*' "$OUT/$name/report.md" 2>/dev/null || tail -5 "$OUT/$name.log"
+  if [[ $rc -ne 0 ]]; then failed=1; fi
+}
+
+python -m detkit env --json > "$OUT/env.json" 2> "$OUT/env.err" || true
+step moe-bf16 70 python -m detkit bench moe --device cuda --preset reference --rounds 3 --out "$OUT/moe-bf16"
+step moe-fp8 80 python -m detkit bench moe --device cuda --fp8 --preset reference --rounds 3 --out "$OUT/moe-fp8"
+step moe-sweep 100 python -m detkit bench moe-sweep --device cuda --quick --rounds 2 --out "$OUT/moe-sweep"
+python - "$OUT" <<'PY' || failed=1
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for step in ("moe-bf16", "moe-fp8", "moe-sweep"):
+    path = out / step / "report.json"
+    if not path.is_file():
+        print(f"{step}: no report.json"); continue
+    report = json.loads(path.read_text())
+    meta, rows = report["meta"], report["rows"]
+    print(f"{step}: {sum(r['passed'] for r in rows)}/{len(rows)} rows passed; tables "
+          f"{[(t['name'], t['version']) for t in meta['config_tables']]}; source {meta['source'].get('status')}")
+    for target in meta.get("derived", {}).get("targets", []):
+        print(f"  {target['target']}: {target['value']} -> {target['verdict']}")
+    for target in meta.get("derived", {}).get("fp8_targets", []):
+        print(f"  fp8 speedup at {target['preset']}: {target.get('speedup_fp8_cold')} (met: {target.get('met_wgrad_fp8')})")
+PY
+exit "$failed"
