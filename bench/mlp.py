@@ -62,7 +62,7 @@ from detkit.audits.invariance import CONFIGS
 from detkit.kernels.invariant import BF16, FP32_INVARIANT, INVARIANT_CONFIG_TABLE_VERSION, MODES
 from detkit.kernels.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_tokens, shard_weights, split_gate_up
 from detkit.kernels.swiglu import gate_up_views
-from detkit.toolkit.contract import check_bound
+from detkit.toolkit.contract import check_bound, rel_l2
 from detkit.toolkit.layout import AxisGroup, TpCpLayout, layout_for_preset
 from detkit.toolkit.nvtx_ranges import format_range_name, nvtx_range
 from detkit.toolkit.timing import Timing
@@ -277,15 +277,6 @@ def local_region(tensor: str, t: torch.Tensor, plan: MlpPlan) -> torch.Tensor:
     if tensor in ("dw_gate", "dw_up"):  # [I, H]: the rank's TP rows
         return t[layout.i_shard(plan.tp_rank)] if plan.tp == 2 else t
     return t[:, layout.i_shard(plan.tp_rank)] if plan.tp == 2 else t  # dw_down [H, I]
-
-
-def rel_l2(c: torch.Tensor, ref: torch.Tensor) -> float:
-    c64 = c.to(device=ref.device, dtype=torch.float64)
-    if not bool(torch.isfinite(c64).all()):
-        return float("inf")
-    n = float(torch.linalg.vector_norm(ref))
-    err = float(torch.linalg.vector_norm(c64 - ref))
-    return err / n if n else err
 
 
 def validate(case: Case, ref: dict[str, torch.Tensor], bounds: dict[str, torch.Tensor]) -> dict:

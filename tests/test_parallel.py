@@ -302,7 +302,7 @@ def refuses_unconfigured_shapes(ctx: Ctx) -> None:
     refuses(lambda: row_parallel_dhidden(loc["d_out"], loc["w_down"][:, :-1], layout=ctx.layout), ValueError,
             rf"w_local has shape \({il}, {h - 1}\)")
     refuses(lambda: row_parallel_dhidden(loc["d_out"], loc["w_down"], layout="tiny"), TypeError,
-            r"layout is a str; supported: toolkit.layout.TpCpLayout or None")
+            r"layout is a str; supported: kernels.layout.TpCpLayout or None")
 
 
 @check
@@ -310,7 +310,7 @@ def refuses_a_raw_process_group(ctx: Ctx) -> None:
     loc = ctx.loc["randn"]
     pg = (ctx.groups.tp or ctx.groups.cp).group
     refuses(lambda: row_parallel_fwd(loc["hidden"], loc["w_down"], pg), TypeError,
-            r"group is a \w+; supported: toolkit.layout.AxisGroup")
+            r"group is a \w+; supported: kernels.layout.AxisGroup")
     refuses(lambda: replicated_dw(loc["x"], loc["d_gate"], None), TypeError, r"group is a NoneType")
 
 
