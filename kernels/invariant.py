@@ -1,4 +1,4 @@
-"""Reduction modes and the parallelism-invariant reduction tree (issue 7). No process group here.
+"""Reduction modes and the parallelism-invariant reduction tree. No process group here.
 
 Two modes, chosen per operator call (``mode=``); anything else raises ``ValueError``:
 

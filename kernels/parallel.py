@@ -20,7 +20,7 @@ all-reduce is synchronous, in place on a copy of the partial that the GEMM epilo
 (det_gemm ``twin_out``: no copy kernel before the collective; the partial is returned untouched),
 in BF16 over a group of exactly two ranks: the sum of two BF16 operands is formed once in FP32 and
 rounded once to BF16, so it equals ``(p0.float() + p1.float()).bfloat16()`` whatever NCCL's
-algorithm or protocol (version-1 oracle, DESIGN.md). Groups of more than two are refused.
+algorithm or protocol (the version-1 oracle, docs/tp_cp.md). Groups of more than two are refused.
 
 Failing closed: every check runs before any work and raises TypeError / ValueError /
 NotImplementedError / RuntimeError naming the value received and what is supported: dtype,
