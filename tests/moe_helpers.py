@@ -43,6 +43,16 @@ def assert_rejected(fwd: Callable[..., tuple], inp: dict, change: dict, exc_type
         fwd(*layer_args(bad))
 
 
+def forbid_kernels(monkeypatch, module, *names: str) -> None:
+    """Makes each of ``module``'s functions ``names`` (the first kernel launches of a layer call) fail the test: a
+    refusal that is checked with these forbidden happens before any kernel is queued."""
+    def queued(*args, **kwargs):
+        raise AssertionError("a kernel was queued before the refusal")
+
+    for name in names:
+        monkeypatch.setattr(module, name, queued)
+
+
 def compile_sm90_offline(script: str, tmp_path, *argv: str) -> dict:
     """Runs ``script`` (which compiles kernels for sm_90 with Triton's bundled ptxas and prints a JSON report
     as its last line) in a fresh interpreter without TRITON_INTERPRET; skips when Triton has no NVIDIA

@@ -24,7 +24,9 @@ from detkit.kernels.moe_launch import _grouped
 from detkit.kernels.moe_routing import SEGMENT_ALIGN, build_routing, launch_routing, max_padded_rows
 from detkit.toolkit.contract import compare_bits
 from tests.conftest import backend_of
-from tests.moe_helpers import assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline
+from tests.moe_helpers import (
+    assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline, forbid_kernels,
+)
 
 H, I, E, K = 32, 48, 4, 2
 
@@ -249,12 +251,8 @@ def test_rejects_before_any_work(index, device):
 
 @pytest.fixture
 def no_kernel_queued(monkeypatch):
-    """Fails the test if the layer queues its first kernel (the routing) or, in a backward, its first GEMM."""
-    def queued(*args, **kwargs):
-        raise AssertionError("a kernel was queued before the refusal")
-
-    for name in ("launch_checked_routing", "moe_dgrad_dswiglu_dscore"):
-        monkeypatch.setattr(km, name, queued)
+    """The layer's first kernel (the routing) and, in a backward, its first GEMM fail the test."""
+    forbid_kernels(monkeypatch, km, "launch_checked_routing", "moe_dgrad_dswiglu_dscore")
 
 
 @pytest.mark.parametrize(("kwargs", "exc_type", "match"), [
@@ -284,7 +282,7 @@ def test_moe_mlp_fwd_refuses_a_stage_range_that_is_not_callable(device, no_kerne
 def test_moe_mlp_bwd_refuses_bad_keywords_before_any_kernel(kwargs, exc_type, match, device, monkeypatch):
     inp = make_inputs(_case(t=8), device)
     _, saved = moe_mlp_fwd(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])
-    monkeypatch.setattr(km, "moe_dgrad_dswiglu_dscore", lambda *a, **k: pytest.fail("a kernel was queued"))
+    forbid_kernels(monkeypatch, km, "moe_dgrad_dswiglu_dscore")
     with pytest.raises(exc_type, match=match):
         km.moe_mlp_bwd(inp["dout"], saved, **kwargs)
     with pytest.raises(TypeError, match="saved must be the MoeSaved of moe_mlp_fwd; got dict"):
@@ -305,7 +303,7 @@ def test_inputs_whose_storage_does_not_cover_the_view_are_refused(name, device, 
 def test_a_main_grad_or_dout_whose_storage_does_not_cover_the_view_is_refused(device, monkeypatch):
     inp = make_inputs(_case(t=8), device)
     _, saved = moe_mlp_fwd(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])
-    monkeypatch.setattr(km, "moe_dgrad_dswiglu_dscore", lambda *a, **k: pytest.fail("a kernel was queued"))
+    forbid_kernels(monkeypatch, km, "moe_dgrad_dswiglu_dscore")
     shrunk = torch.zeros(inp["w1"].shape, device=device)
     shrunk.untyped_storage().resize_(4 * 10)
     with pytest.raises(ValueError, match=r"main_grad_w1 \(shape .*\) addresses \d+ bytes but its storage holds 40"):

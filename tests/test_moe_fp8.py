@@ -31,7 +31,7 @@ from detkit.toolkit.contract import compare_bits, rel_l2
 from tests.conftest import backend_of
 from tests.moe_helpers import (
     FP8_TRITON_TILES, assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline,
-    fp8_stage_runs, layer_args,
+    fp8_stage_runs, forbid_kernels, layer_args,
 )
 
 H, I, E, K = 128, 128, 3, 2
@@ -368,12 +368,8 @@ def test_the_default_weight_gradients_are_the_fp8_ones(base):
 
 @pytest.fixture
 def no_kernel_queued(monkeypatch):
-    """Fails the test if the FP8 layer queues its first kernel (the routing) or, in a backward, a quantization."""
-    def queued(*args, **kwargs):
-        raise AssertionError("a kernel was queued before the refusal")
-
-    for name in ("launch_checked_routing", "quantize_rowwise"):
-        monkeypatch.setattr(kf, name, queued)
+    """The FP8 layer's first kernel (the routing) and, in a backward, its first (dout's quantization) fail the test."""
+    forbid_kernels(monkeypatch, kf, "launch_checked_routing", "quantize_rowwise")
 
 
 @pytest.mark.parametrize(("kwargs", "exc_type", "match"), [
@@ -406,7 +402,7 @@ def test_moe_mlp_fp8_fwd_refuses_bad_keywords_before_any_kernel(kwargs, match, d
 def test_moe_mlp_fp8_bwd_refuses_bad_keywords_before_any_kernel(kwargs, exc_type, match, device, monkeypatch):
     inp = make_inputs(_case(t=8), device)
     _, saved = moe_mlp_fp8_fwd(*layer_args(inp), weight_cache=None)
-    monkeypatch.setattr(kf, "quantize_rowwise", lambda *a, **k: pytest.fail("a kernel was queued"))
+    forbid_kernels(monkeypatch, kf, "quantize_rowwise")
     with pytest.raises(exc_type, match=match):
         moe_mlp_fp8_bwd(inp["dout"], saved, **kwargs)
     with pytest.raises(TypeError, match="saved must be the MoeFp8Saved of moe_mlp_fp8_fwd; got tuple"):

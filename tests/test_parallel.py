@@ -79,6 +79,8 @@ def check(fn):
 
 
 def bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """tests/conftest.py's assert_bits_equal for the ranks, which run this file outside pytest: importing conftest
+    there would switch the Triton interpreter on for the NCCL ranks too."""
     result = compare_bits(got, want)
     if not result.equal:
         raise AssertionError(f"{what}: {result.mismatches}/{result.elements} elements differ, "
