@@ -14,9 +14,9 @@ From the router's top-k choice — ``topk_ids [T, K]`` int32 (``-1`` = masked ro
   dX gather-sum read it in ascending k.
 
 ``build_routing`` is three Triton launches and one device-to-host read, after the third. Why: the
-same metadata built from ~55 small torch ops (check_topk included), two syncs and two host-to-device
-copies cost 1.1-1.8 ms on an H200 (T=8192, K=8, E=8/128) for ~0.15 ms of kernel time; the rest was
-per-op launch overhead and host round trips.
+same metadata built from ~55 small torch ops (``build_routing_torch``, check_topk included), two syncs
+and two host-to-device copies costs 1.1-1.8 ms on an H200 (T=8192, K=8, E=8/128) for ~0.15 ms of
+kernel time; the rest is per-op launch overhead and host round trips.
 
 1. ``moe_route_hist_kernel``, one program per chunk of ``ROUTE_BLOCK`` routes in flat order: the
    chunk's per-expert histogram and its validation counts (out-of-range ids, duplicate ids in a

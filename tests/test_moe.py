@@ -484,11 +484,10 @@ def test_table_ws_pick_falls_back_to_the_same_tile_when_the_ws_kernel_cannot_add
     assert km.table_moe_config("down", "cuda_sm90", odd) == replace(table, variant="ptr")
 
 
+@pytest.mark.gpu
 def test_tma_stage_runs_on_a_thread_without_a_cuda_context(device):
     # Autograd runs the backward on its own worker thread; Triton encodes a TMA descriptor before its
     # launcher binds a context there, so the launch must bind one first (kernels.backend.ensure_cuda_context).
-    if device.type != "cuda":
-        pytest.skip("GPU property: CUDA contexts and TMA descriptors exist only on the GPU")
     import threading
 
     inp = make_inputs(_case(t=16, seed=13), device)

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The MoE layers on one H200: the GPU tests of the BF16 and FP8 layers (the Gluon kernels against the Triton tiles'
-# bits, the precision gate, the per-stage bounds, the refusals) and the moe / moe-fp8 audits, whose pass counts are
-# compared with the committed reports. About 4 minutes (time limits: 170 s for the tests, 110 s for the audits).
+# The MoE layers on one H200: the GPU-only tests of the BF16 and FP8 layers (-m gpu: the Gluon kernels against the
+# Triton tiles' bits for every stage, both weight layouts, main_grad and padding rows; the FP8 precision gate and
+# per-stage bounds at GPU shapes; a TMA launch on autograd's backward thread) and the moe / moe-fp8 audits on cuda,
+# whose pass counts are compared with the committed reports. The tests that also run on the CPU interpreter are CI's.
+# About 3-4 minutes (time limits: 170 s for the tests, 100 s for the audits).
 #
 #   OUT=/path/to/results tools/gpu/moe_bits.sh
 #
 # Writes $OUT/pytest-moe.log (+ pytest-moe.xml), $OUT/audit-moe/ (rows.jsonl, report.json, report.md) with
 # $OUT/audit-moe.log, and $OUT/steps.txt (each step's exit status: 0 passed, 124 stopped at its time limit).
-# Exits non-zero if any step failed. The offline sm_90 compile tests are left to the CPU CI (they need no GPU).
+# Exits non-zero if any step failed.
 set -euo pipefail
 
 : "${OUT:?set OUT to the folder for the results}"
@@ -29,9 +31,9 @@ step() {
   if [[ $rc -ne 0 ]]; then failed=1; fi
 }
 
-step pytest-moe 170 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -ra -p no:cacheprovider \
-  -k "not sm90_offline" --junitxml "$OUT/pytest-moe.xml" \
+step pytest-moe 170 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -ra -p no:cacheprovider -m gpu \
+  --junitxml "$OUT/pytest-moe.xml" \
   tests/test_moe.py tests/test_moe_ws.py tests/test_moe_fp8.py tests/test_moe_fp8_ws.py
-step audit-moe 110 python -m detkit audit --device cuda --suite moe --suite moe-fp8 --no-progress --out "$OUT/audit-moe"
+step audit-moe 100 python -m detkit audit --device cuda --suite moe --suite moe-fp8 --no-progress --out "$OUT/audit-moe"
 
 exit "$failed"
