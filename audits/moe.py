@@ -36,7 +36,7 @@ from detkit.kernels.moe import (
 )
 from detkit.kernels.moe_routing import MoeRouting, SEGMENT_ALIGN
 from detkit.toolkit.contract import (
-    ETA_BF16, U_BF16, U_FP64, ContractResult, check_bound, compare_bits, digest, gamma, gemm_bound,
+    ETA_BF16, U_BF16, U_FP64, ContractResult, check_bound, compare_bits, digest, gamma, gemm_bound, rel_l2,
 )
 from detkit.toolkit.fixtures import bf16_randn
 from detkit.toolkit.harness import Row, RunContext
@@ -326,13 +326,6 @@ def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult
     zero = padding_zero({"gu": saved.gu, "h": saved.h, "y": y, "dgu": dgu, "dx_route": dxr}, pad)
     composed = compare_bits(grads.dx, moe_gather_sum(dxr, r, backend))
     return results, {"padding_zero": zero, "composed_dx_equal": composed.equal}
-
-
-def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.to(torch.float64)
-    norm = float(torch.linalg.vector_norm(ref))
-    diff = float(torch.linalg.vector_norm(got.to(device=ref.device, dtype=torch.float64) - ref))
-    return diff / norm if norm else diff
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

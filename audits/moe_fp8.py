@@ -36,7 +36,7 @@ import torch
 from detkit.audits.moe import (
     GRAD_NAMES, MoeCase, batch_invariance_rows, bits_row, combine_checks, cosine, dswiglu_check, edge_cases,
     fresh_process_row, fused_dscore_check, grad_digests, layer_grads, make_inputs, padding_zero, per_expert,
-    rejection_cases, rejection_rows, rel_l2, serve_digests, sorted_rows, stage_rows,
+    rejection_cases, rejection_rows, serve_digests, sorted_rows, stage_rows,
 )
 from detkit.kernels.fp8_quant import (
     QBLOCK, dequantize_rowwise, quantize_colwise_ref, quantize_rowwise, quantize_rowwise_ref, quantize_weight_ref,
@@ -46,7 +46,9 @@ from detkit.kernels.moe_fp8 import (
     DEFAULT_WGRAD, OTHER_WGRAD, Fp8WeightCache, fp8_stage_name, moe_fp8_dgrad, moe_fp8_down, moe_fp8_dx_route,
     moe_fp8_quant_colwise, moe_fp8_risk, moe_fp8_wgrad, moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd, moe_mlp_fp8_ref,
 )
-from detkit.toolkit.contract import ETA_BF16, U_BF16, U_FP32, U_FP64, ContractResult, check_bound, compare_bits, gamma
+from detkit.toolkit.contract import (
+    ETA_BF16, U_BF16, U_FP32, U_FP64, ContractResult, check_bound, compare_bits, gamma, rel_l2,
+)
 from detkit.toolkit.harness import Row, RunContext
 from detkit.toolkit.nvtx_ranges import nvtx_range
 

@@ -371,8 +371,7 @@ def validate(case: Built, ref: dict[str, torch.Tensor], bounds: dict[str, torch.
     """One step of ``case`` against the FP64 reference cut to its region: the contract per tensor
     (required for detkit, reported for torch) and the relative L2 error (required <= BASELINE_REL_L2
     for torch)."""
-    from detkit.audits.moe import rel_l2
-    from detkit.toolkit.contract import check_bound
+    from detkit.toolkit.contract import check_bound, rel_l2
 
     with nvtx_range(case.name), nvtx_range("validate"):
         out = case.outputs()

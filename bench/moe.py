@@ -24,7 +24,7 @@ import torch
 from detkit.bench import moe_fp8
 from detkit.bench.moe_common import (
     DATASHEET_BF16_TFLOPS, INTERPRETER_LABEL, VALIDATE_REL_L2, BenchCase, layer_tensors, make_inputs, pick_baseline,
-    run_baseline, stage_row_name, time_stages, timing_fields, torch_moe_fwd, with_range,
+    rel_l2_fp32, run_baseline, stage_row_name, time_stages, timing_fields, torch_moe_fwd, with_range,
 )
 from detkit.toolkit.presets import MOE_GPU_PRESETS, MOE_PRESETS, MoePreset
 from detkit.toolkit.reports import markdown_table
@@ -73,7 +73,6 @@ def run(ctx, cases: list[BenchCase], fp8: bool = False, no_stages: bool = False,
 
 def bench_preset(p: MoePreset, group: list[BenchCase], ctx, baseline_choice: tuple[bool, str]) -> Iterator[dict]:
     """Validate ``p``, then time its layer and stage cases; one row per case."""
-    from detkit.audits.moe import rel_l2
     from detkit.kernels.moe import (
         MOE_CONFIG_TABLE_VERSION, moe_combine, moe_dgrad_dswiglu_dscore, moe_down, moe_dscores_from_partials,
         moe_dx_route, moe_gather_sum, moe_mlp_bwd, moe_mlp_fwd, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
@@ -110,7 +109,7 @@ def bench_preset(p: MoePreset, group: list[BenchCase], ctx, baseline_choice: tup
         first, second = det_fwd_bwd(), det_fwd_bwd()
         base, baseline = run_baseline(base_fwd_bwd, state, baseline)
     repeat_equal = all(compare_bits(first[n], second[n]).equal for n in first)
-    rel = {f"rel_l2_vs_baseline_{n}": rel_l2(first[n], base[n]) for n in first}
+    rel = {f"rel_l2_vs_baseline_{n}": rel_l2_fp32(first[n], base[n]) for n in first}
     valid = repeat_equal and all(v <= VALIDATE_REL_L2 for v in rel.values())
     routing = build_routing(ids, scores, p.e)
     counts = torch.tensor(routing.counts)

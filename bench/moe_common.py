@@ -170,3 +170,11 @@ def time_stages(p: MoePreset, label: str, stage_fns: dict[str, tuple[Callable[[]
         flops = stage_fns[s][1] * p.t * p.k * p.h * p.i
         out[s] = (timing_fields(key, t, flops, device.type != "cpu"), flops)
     return out
+
+
+def rel_l2_fp32(a: torch.Tensor, b: torch.Tensor) -> float:
+    """toolkit.contract.rel_l2 with FP32 norms: the benchmark's tensors at the model presets are too large to copy
+    to FP64 beside the layer on the GPU."""
+    from detkit.toolkit.contract import rel_l2
+
+    return rel_l2(a, b, dtype=torch.float32)

@@ -139,7 +139,8 @@ def validate(inp: dict, fp64: bool) -> dict:
 
 def precision_stats_bf16_only(got: dict, bf16: dict) -> dict[str, dict[str, float]]:
     """Cosine and relative RMSE against the BF16 detkit path only (no FP64 oracle: --no-fp64)."""
-    from detkit.audits.moe import cosine, rel_l2
+    from detkit.audits.moe import cosine
+    from detkit.toolkit.contract import rel_l2
 
     return {n: {"cosine_bf16_path": cosine(got[n], bf16[n]), "rel_rmse_bf16_path": rel_l2(got[n], bf16[n])}
             for n in got}

@@ -60,8 +60,8 @@ import numpy as np
 import torch
 
 from detkit.bench.moe_common import (
-    DATASHEET_BF16_TFLOPS, INTERPRETER_LABEL, VALIDATE_REL_L2, BenchCase, make_inputs, pick_baseline, run_baseline,
-    torch_moe_fwd, with_range,
+    DATASHEET_BF16_TFLOPS, INTERPRETER_LABEL, VALIDATE_REL_L2, BenchCase, make_inputs, pick_baseline, rel_l2_fp32,
+    run_baseline, torch_moe_fwd, with_range,
 )
 from detkit.toolkit.presets import MOE_GPU_PRESETS as GPU_PRESETS
 from detkit.toolkit.presets import MOE_PRESETS, MoePreset
@@ -338,7 +338,6 @@ def run_case(p: MoePreset, routing: str, group: list[BenchCase], ctx, baseline_c
              profile: bool = False, ceiling_tflops: float | None = None,
              exponent: float = ZIPF_EXPONENT) -> Iterator[dict]:
     """The rows of one (preset at its T, routing) case, one per (measure, implementation) in ``group``."""
-    from detkit.audits.moe import rel_l2
     from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION, moe_mlp_bwd, moe_mlp_fwd
     from detkit.kernels.moe_routing import build_routing
     from detkit.toolkit.contract import compare_bits
@@ -381,8 +380,8 @@ def run_case(p: MoePreset, routing: str, group: list[BenchCase], ctx, baseline_c
         base_bwd_grads = torch.autograd.grad(*base_graph(), dout)
 
     repeat_equal = all(compare_bits(first[n], second[n]).equal for n in first)
-    rel = {f"rel_l2_vs_baseline_{n}": rel_l2(first[n], base[n]) for n in first}
-    base_bwd_rel = max(rel_l2(g, base[f"d{n}"]) for n, g in zip(grad_names, base_bwd_grads))
+    rel = {f"rel_l2_vs_baseline_{n}": rel_l2_fp32(first[n], base[n]) for n in first}
+    base_bwd_rel = max(rel_l2_fp32(g, base[f"d{n}"]) for n, g in zip(grad_names, base_bwd_grads))
     valid = (repeat_equal and base_bwd_rel <= VALIDATE_REL_L2
              and all(v <= VALIDATE_REL_L2 for v in rel.values()))
     routing_meta = build_routing(ids, scores, p.e)

@@ -1,4 +1,4 @@
-"""Reduction modes and the parallelism-invariant reduction tree (issue 7). No process group here.
+"""Reduction modes and the parallelism-invariant reduction tree. No process group here.
 
 Two modes, chosen per operator call (``mode=``); anything else raises ``ValueError``:
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from detkit.kernels.det_gemm import GemmConfig, det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
-from detkit.toolkit.layout import CP_SIZE, TP_SIZE, TpCpLayout
+from detkit.kernels.layout import CP_SIZE, TP_SIZE, TpCpLayout
 
 BF16 = "bf16"
 FP32_INVARIANT = "fp32_invariant"

@@ -38,13 +38,13 @@ import torch
 
 from detkit.kernels import parallel
 from detkit.kernels.backend import check_bf16_matrix
+from detkit.kernels.bounds import gemm_bound, reduced_bound
 from detkit.kernels.det_gemm import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
 from detkit.kernels.invariant import (
     BF16, DEFAULT_MODE, FP32_INVARIANT, check_mode, cp1_db, gemm_kwargs, layout_config, tp1_da, tp1_fwd,
 )
+from detkit.kernels.layout import AxisGroup, TpCpLayout
 from detkit.kernels.swiglu import gate_up_views, swiglu_bwd, swiglu_bwd_bound, swiglu_fwd, swiglu_fwd_bound
-from detkit.toolkit.contract import gemm_bound, reduced_bound
-from detkit.toolkit.layout import AxisGroup, TpCpLayout
 
 DEGREES = (1, 2)
 
@@ -65,7 +65,7 @@ class MlpPlan:
 
     def __post_init__(self):
         if not isinstance(self.layout, TpCpLayout):
-            raise TypeError(f"layout is a {type(self.layout).__name__}; supported: toolkit.layout.TpCpLayout")
+            raise TypeError(f"layout is a {type(self.layout).__name__}; supported: kernels.layout.TpCpLayout")
         check_mode(self.mode)
         for axis in ("tp", "cp"):
             degree, rank, group = getattr(self, axis), getattr(self, f"{axis}_rank"), getattr(self, f"{axis}_group")
@@ -78,7 +78,7 @@ class MlpPlan:
                                  f"{group!r}")
             if group is not None:
                 if not isinstance(group, AxisGroup) or group.axis != axis:
-                    raise TypeError(f"{axis}_group must be a {axis.upper()} toolkit.layout.AxisGroup; got {group!r}")
+                    raise TypeError(f"{axis}_group must be a {axis.upper()} kernels.layout.AxisGroup; got {group!r}")
                 if group.layout.model != self.layout.model:
                     raise ValueError(f"{axis}_group's layout has model {group.layout.model}; the plan has "
                                      f"{self.layout.model}")

@@ -1,4 +1,7 @@
-"""Warp-specialized sm_90 kernels of the FP8 MoE GEMMs (MoE FP8 variant "ws"), written in Gluon.
+"""Warp-specialized sm_90 kernels of the FP8 MoE GEMMs (MoE FP8 variant "ws"), written in Gluon, with their
+launchers: ``moe_fp8_ws_kernel``, down and dX (A = h_q, dgu_q: expert-sorted rows, by TMA; BF16 out by TMA store);
+``moe_fp8_wgrad_ws_kernel``, the FP8 weight gradient (each block's scale rows staged in shared memory); and the K-block
+pipeline both share with the gathered up and dgrad kernel (kernels/moe_fp8_ws_gather.py).
 
 Why: the per-128-K promotion ``acc += blk * (a_s * b_s)`` needs the block's MMAs finished before its FMAs, and
 Triton 3.6 waits for every outstanding wgmma after a dot whose result is not a loop-carried accumulator, so in
@@ -11,12 +14,8 @@ The math is the Triton kernels', operation for operation: per output tile, K blo
 each one zero-initialised wgmma chain over the block (4 x k32 on e4m3), then ``acc + blk * (a_s * b_s)`` in
 FP32 (the scales are powers of two: the product is exact). A tile of padding rows only (segments are padded
 to 128 rows, so a tile is all padding once its first row is) loads nothing, and padding rows store zeros, as
-the Triton kernel's masked loads give.
-
-Kernels: ``moe_fp8_ws_kernel``, down and dX (A = h_q, dgu_q: expert-sorted rows, by TMA; BF16 out by TMA store;
-pinned on sm_90); ``moe_fp8_wgrad_ws_kernel``, the FP8 weight gradient (each block's scale rows staged in shared
-memory; pinned on sm_90 since FP8 table .13); ``moe_fp8_ws_gather_kernel``, up and dgrad+dSwiGLU (A rows gathered
-by cp.async, their epilogues; pinned on sm_90 since table .9). Gluon has no interpreter path: sm_90 only.
+the Triton kernel's masked loads give. Gluon has no interpreter path: sm_90 only (the launchers refuse any other
+backend by name, after the checks of the config itself).
 """
 
 from __future__ import annotations
@@ -24,49 +23,20 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from detkit.kernels.backend import ensure_cuda_context
+from detkit.kernels.det_gemm import device_sms
 from detkit.kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, check_shared_bytes, consumers, max_regs, store_part,
 )
-from detkit.kernels.moe import stage_name
+from detkit.kernels.moe_common import fp8_grouped_launch_name, fp8_wgrad_launch_name
+from detkit.kernels.moe_gluon_blocks import check_ws_backend, nvmma_descriptor, store_wgrad_part, wgrad_tile
 
 QBLOCK_WS = 128  # the FP8 scale block along K: one ring slot holds one block of both operands
-# The gathered-A producer: one warpgroup issuing 16-byte cp.async copies (8 per thread for a 128x128 e4m3 tile).
-# Registers after the hand-off: 2 x 128 x 232 + 128 x 48 = 64K (with 224 for the consumers ptxas spilled and
-# serialized their wgmma; the producer's copies fit in 48).
-GATHER_PRODUCER_WARPS = gl.constexpr(4)
-GATHER_PRODUCER_REGS = gl.constexpr(48)
-GATHER_CONSUMER_REGS = gl.constexpr(232)
-# The FP8 dgrad's dscore partials: per row, one per 16 dh columns (64-column chunk c, q < 4: the columns
-# 64c + 8j + 2q + b one thread of the sm_90 accumulator layout holds), so the epilogue sums them without moving data
-# between threads.
-DS_GROUP = gl.constexpr(16)
-GROUPED_OPS = ("moe_fp8_up_swiglu", "moe_fp8_down", "moe_fp8_dgrad_dswiglu", "moe_fp8_dx_route")
-
-
-def fp8_stage_name(op: str, **dims: int) -> str:
-    """The one name shared by a launch, its NVTX range and its report row."""
-    return stage_name(op, "fp8", **dims)
-
-
-def grouped_launch_metadata(grid, metadata, args):
-    """Launch name and FLOPs of an FP8 grouped GEMM (Triton or Gluon): C[P, C] over the reduced L."""
-    p, c, l = args["P"], args["C"], args["L"]
-    return {"name": fp8_stage_name(GROUPED_OPS[args["op_id"]], P=p, N=c, K=l), "flops": 2.0 * p * c * l}
-
-
-@gluon.jit
-def live_tiles(gate_ptr, P, num_n, BLOCK_M: gl.constexpr):
-    """Tiles of a persistent grouped grid that hold routed rows, from the routing's gate (kernels/moe.py
-    tile_is_live): up to its P (a GEMM queued over the largest P before the host has read the counts stops at the
-    real one), none for a batch its validation counts refuse."""
-    refused = gl.load(gate_ptr + 1) + gl.load(gate_ptr + 2) + gl.load(gate_ptr + 3)
-    return (gl.where(refused == 0, gl.minimum(gl.load(gate_ptr), P), 0) // BLOCK_M) * num_n
 
 
 @gluon.jit
@@ -139,8 +109,8 @@ def _retire(blk, acc, scale, free, count, PENDING: gl.constexpr, PART: gl.conste
     acc + blk * (a_s * b_s), the Triton kernel's operation order (the product of the scales is exact).
     ``scale_rings``: the scales are read from the slot's shared memory (``_smem_scale``) and used before the slot is
     handed back, behind a proxy fence: the producer's next TMA write to the slot (async proxy) must not overtake
-    these generic-proxy reads (without it, main_grad runs of the 128x128 tile differed from the Triton kernel's in
-    10 of 20 repeats on the H200; none of 20 with it, reports/2026-11-30-h200-s9)."""
+    these generic-proxy reads (without the fence, main_grad runs of the 128x128 tile differ from the Triton kernel's
+    from run to run on the H200)."""
     STAGES: gl.constexpr = free.type.shape[0]
     blk = warpgroup_mma_wait(num_outstanding=PENDING, deps=(blk, ))
     if scale_rings is not None:
@@ -165,7 +135,7 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
     its first, issue its MMAs, then retire the one before (wait until only the new one is in flight, hand its slot
     back, promote it) while the new one's run. Every block gets fresh accumulator registers and nothing is in flight
     across a loop's back edge: an in-flight accumulator carried by a loop is copied there, and ptxas then serializes
-    every wgmma (C7514); unrolled past 3 blocks the registers ran out and it did the same (C7512).
+    every wgmma (C7514); unrolled past 3 blocks the registers run out and it does the same (C7512).
     ``scale_rings``: the scales come from the ring's shared memory at each promotion (a_scales, b_scales unused)."""
     ROWS: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
@@ -197,10 +167,10 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
 
 
 @gluon.jit
-def _grouped_tile(t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n,
-                  L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
-                  PART: gl.constexpr, GATHER: gl.constexpr):
+def fp8_tile_acc(t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n,
+                 L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
+                 PART: gl.constexpr, GATHER: gl.constexpr):
     """One grouped-GEMM tile of this consumer part, before its epilogue: (acc, the next ring count, the tile's
     first row, first column, this part's rows and whether each is a routed row). A tile of padding only reads
     nothing; GATHER: the A rows (and their scales) are gather[row] (padding rows read token 0), loaded by cp.async."""
@@ -245,7 +215,7 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        acc, count, off_m, off_n, rows, live = _grouped_tile(
+        acc, count, off_m, off_n, rows, live = fp8_tile_acc(
             t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, route_ptr, route_ptr, tile_expert_ptr, num_n, L,
             stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
             PART, False)
@@ -270,7 +240,7 @@ def _allocate(a_desc, b_desc, c_desc, c_dtype: gl.constexpr, STAGES: gl.constexp
     return a_ring, b_ring, ready, free, c_smem
 
 
-@gluon.jit(launch_metadata=grouped_launch_metadata)
+@gluon.jit(launch_metadata=fp8_grouped_launch_name)
 def moe_fp8_ws_kernel(
     a_desc, b_desc,  # TMA descriptors: A_q [P, L] (box [BLOCK_M, 128]), B_q K-major as [E * C, L] (box [BLOCK_N, 128])
     c_desc,  # TMA descriptor over the output [P, C] (BF16, or FP32), box [BLOCK_M / CONSUMERS, BLOCK_N]
@@ -304,37 +274,6 @@ def moe_fp8_ws_kernel(
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
                          L, BLOCK_M, BLOCK_N, SEGMENT)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
-
-
-def wgrad_launch_metadata(grid, metadata, args):
-    """Launch name of an FP8 weight-gradient kernel (Triton or Gluon)."""
-    return {"name": fp8_stage_name("moe_fp8_wgrad", R=args["R"], C=args["C"])}
-
-
-@gluon.jit
-def wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr):
-    """Weight-gradient tile t: (expert, pid_r, pid_c, the expert's first padded row, its routed rows)."""
-    per_expert = num_r * num_c
-    expert = t // per_expert
-    rem = t % per_expert
-    return expert, rem // num_c, rem % num_c, gl.load(offsets_ptr + expert), gl.load(counts_ptr + expert)
-
-
-@gluon.jit
-def store_wgrad_part(c_smem, c_desc, dw_ptr, acc, expert, routed, R, row, col, stride_we, stride_wr, stride_wc,
-                     ACCUMULATE: gl.constexpr, PART: gl.constexpr):
-    """A weight gradient's part of dW[expert][row:+ROWS, col:+BLOCK_N] (BF16 and FP8 kernels): BF16 by TMA store into
-    dW as [E * R, C], or ACCUMULATE: main_grad += acc in FP32 through pointers, untouched for an expert without
-    rows."""
-    if ACCUMULATE:
-        if routed > 0:
-            layout: gl.constexpr = acc.type.layout
-            rows = row + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, layout))
-            cols = col + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, layout))
-            ptrs = dw_ptr + expert * stride_we + rows[:, None] * stride_wr + cols[None, :] * stride_wc
-            gl.store(ptrs, gl.load(ptrs) + acc)
-    else:
-        store_part(c_smem, c_desc, acc, expert * R + row, col, PART)
 
 
 @gluon.jit
@@ -373,7 +312,7 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw
     tma.store_wait(0)
 
 
-@gluon.jit(launch_metadata=wgrad_launch_metadata)
+@gluon.jit(launch_metadata=fp8_wgrad_launch_name)
 def moe_fp8_wgrad_ws_kernel(
     a_desc, b_desc,  # TMA descriptors: A_q [R, P] (box [BLOCK_M, 128]), B_q [C, P] (box [BLOCK_N, 128]), P contiguous
     as_desc, bs_desc,  # TMA descriptors over the scales' storage [P/128, R] and [P/128, C] (boxes [1, BLOCK_M | N])
@@ -415,337 +354,10 @@ def moe_fp8_wgrad_ws_kernel(
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
-@gluon.jit
-def _gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr, num_tiles,
-                     num_n, C, L, stride_am, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr,
-                     B_K_MAJOR: gl.constexpr = True):
-    """A gathered grouped GEMM's loads (a 4-warp partition; FP8 up and dgrad, and the BF16 up and dgrad of
-    kernels/moe_ws.py): the A rows a[gather[p]] by 16-byte cp.async (Hopper's TMA cannot gather rows), each thread's
-    copies arriving on the slot's ready barrier when they land, and the weight tile by TMA from its storage as
-    [E * C, L] (B_K_MAJOR) or [E * L, C]. A padding row reads token 0 (the routing's gather index there); the
-    consumer zeroes those rows. One pass of the copies covers 16 rows x 8 copies of 16 bytes: 128 e4m3 or 64 BF16
-    columns, so a ring slot's K width must be a multiple of that."""
-    STAGES: gl.constexpr = a_ring.type.shape[0]
-    QB: gl.constexpr = a_ring.type.shape[2]
-    VEC: gl.constexpr = 128 // a_ring.dtype.primitive_bitwidth  # elements per 16-byte copy
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
-    count = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m = (t // num_n) * BLOCK_M
-        if gl.load(route_ptr + off_m) >= 0:
-            expert = gl.load(tile_expert_ptr + off_m // SEGMENT)
-            off_n = (t % num_n) * BLOCK_N
-            tokens = gl.load(gather_ptr + off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout)))
-            a_rows = a_ptr + tokens[:, None].to(gl.int64) * stride_am + \
-                gl.arange(0, QB, layout=gl.SliceLayout(0, rows_layout))[None, :]
-            for kb in range(L // QB):
-                slot = count % STAGES
-                mbarrier.wait(free.index(slot), ((count // STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, b_desc.block_type.nbytes)
-                if B_K_MAJOR:
-                    tma.async_copy_global_to_shared(b_desc, [expert * C + off_n, kb * QB], bar, b_ring.index(slot))
-                else:
-                    tma.async_copy_global_to_shared(b_desc, [expert * L + kb * QB, off_n], bar, b_ring.index(slot))
-                async_copy.async_copy_global_to_shared(a_ring.index(slot), a_rows + kb * QB)
-                async_copy.mbarrier_arrive(bar, increment_count=False)
-                count += 1
-
-
-@gluon.jit
-def _swiglu_consumer(a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr, gather_ptr,
-                     route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse,
-                     stride_bsl, stride_bsc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr,
-                     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr):
-    """The up-projection's consumer warpgroup: the grouped consumer's K loop over gathered rows (their scales read
-    through the gather index too), then the SwiGLU epilogue of moe_fp8_grouped_gemm_kernel (EPI 3): gu rounded to
-    BF16, h = silu(g) * u from those BF16 values in FP32, rounded once; both stored by TMA. Its tiles: ``_turn``."""
-    PARTS: gl.constexpr = 1 if PINGPONG else CONSUMERS  # warpgroups sharing one tile
-    ROWS: gl.constexpr = BLOCK_M // PARTS
-    P0: gl.constexpr = 0 if PINGPONG else PART  # this warpgroup's part of its tiles
-    count = 0
-    i = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        mine, blocks = _turn(t, i, route_ptr, num_n, L, BLOCK_M, a_ring.type.shape[2], PINGPONG, PART)
-        if mine:
-            _wait_turn(turn, i, PINGPONG, PART)
-            acc, _, off_m, off_n, rows, live = _grouped_tile(
-                t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
-                stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS,
-                P0, True)
-            _pass_turn(turn, PINGPONG, PART)
-            # Padding rows (they read token 0) store zeros.
-            gu = gl.where(live[:, None], acc, 0.0).to(gl.bfloat16)
-            g, u = gl.split(gl.reshape(gu.to(gl.float32), [ROWS, BLOCK_N // 2, 2]))
-            h = ((g * (1.0 / (1.0 + gl.exp(-g)))) * u).to(gl.bfloat16)
-            row = off_m + P0 * ROWS
-            store_part(gu_smem, gu_desc, gu, row, off_n, PART)
-            store_part(h_smem, h_desc, h, row, off_n // 2, PART)
-        count += blocks
-        i += 1
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _turn(t, i, route_ptr, num_n, L, BLOCK_M: gl.constexpr, QB: gl.constexpr, PINGPONG: gl.constexpr,
-          PART: gl.constexpr):
-    """Whose tile t (the program's i-th) is, and how many ring slots it takes. Cooperative: every consumer's, each
-    taking its rows of it. PINGPONG: the warpgroups take the program's tiles in turn (tile i is warpgroup i % 2's), so
-    one's epilogue runs while the other's MMAs do; each counts the other's slots to find its own in the ring. A tile
-    whose first row is padding takes none (the producer loads nothing for it)."""
-    blocks = gl.where(gl.load(route_ptr + (t // num_n) * BLOCK_M) >= 0, L // QB, 0)
-    return ((i % 2) == PART) if PINGPONG else True, blocks
-
-
-@gluon.jit
-def _wait_turn(turn, i, PINGPONG: gl.constexpr, PART: gl.constexpr):
-    """PINGPONG: before its K loop of the program's i-th tile, a warpgroup waits until the other has finished the K
-    loop of the tile before (``turn.index(PART)``; warpgroup 0's first tile waits on nothing: a fresh barrier counts
-    as having completed the phase before phase 0). The K loops alternate, so a warpgroup never waits on a ring slot
-    more than one fill ahead of the producer (a wait matches a phase's parity only)."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(PART), ((i // 2) & 1) ^ (1 - PART))
-
-
-@gluon.jit
-def _pass_turn(turn, PINGPONG: gl.constexpr, PART: gl.constexpr):
-    """PINGPONG: after its K loop, a warpgroup hands the tensor cores to the other (its epilogue runs meanwhile)."""
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - PART), count=1)
-
-
-@gluon.jit
-def _bf16_pair_bits(lo, hi):
-    """Two FP32 tensors rounded to BF16 and packed as one int32 per element (lo in the low half): an interleaved
-    (g, u) column pair of a BF16 matrix, as its int32 view stores it."""
-    lo_bits = lo.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    hi_bits = hi.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32)
-    return lo_bits | (hi_bits << 16)
-
-
-@gluon.jit
-def _bf16_pair_values(bits):
-    """The two BF16 values of each packed int32 (low half first) as FP32 (exact)."""
-    return (bits << 16).to(gl.float32, bitcast=True), (bits & -65536).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _e4m3_pow2(amax):
-    """detkit.kernels.fp8_quant.pow2_scale written again in Gluon (which cannot call a Triton function): (scale, 1/scale),
-    the smallest power of two 2**k with amax / 2**k <= 448."""
-    bits = amax.to(gl.int32, bitcast=True)
-    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)  # 448 = 1.75 * 2**8
-    k = gl.where(amax > 0, k, 0)
-    k = gl.minimum(gl.maximum(k, -126), 126)
-    return ((k + 127) << 23).to(gl.float32, bitcast=True), ((127 - k) << 23).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _e4m3_bits(x):
-    """detkit.kernels.fp8_quant.to_e4m3 on sm_90 (saturate to +-448, NaN kept, cvt.rn.satfinite), as uint8 bits in int32."""
-    q = gl.where(x != x, x, gl.minimum(gl.maximum(x, -448.0), 448.0)).to(gl.float8e4nv)
-    return q.to(gl.int8, bitcast=True).to(gl.int32) & 0xFF
-
-
-@gluon.jit
-def _dscore_partials(x, ds_ptr, row0, off_n, C):
-    """moe_fp8.fp8_dscore_partials's sums of x = acc * h [ROWS, BLOCK_N] (the accumulator layout): the same
-    reshapes, permutation and pairwise splits, so the same order; the 16 values of a partial are the ones one thread
-    holds (columns 8j + 2q + b of a 64-column chunk for its lane's q), so nothing moves between threads. The store
-    offsets go through the same splits (each keeps its first half: the values of a group share one offset)."""
-    ROWS: gl.constexpr = x.type.shape[0]
-    BLOCK_N: gl.constexpr = x.type.shape[1]
-    NCH: gl.constexpr = BLOCK_N // 64
-    x = gl.permute(gl.reshape(x, [ROWS, NCH, 8, 4, 2]), [0, 1, 3, 2, 4])  # [rows, chunk, q, j, b]
-    lo, hi = gl.split(x)  # b
-    lo, hi = gl.split(gl.reshape(lo + hi, [ROWS, NCH, 4, 4, 2]))  # j = 2m, 2m + 1
-    lo, hi = gl.split(gl.reshape(lo + hi, [ROWS, NCH, 4, 2, 2]))
-    lo, hi = gl.split(lo + hi)
-    layout: gl.constexpr = lo.type.layout  # [rows, chunk, q]
-    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
-    c = gl.arange(0, NCH, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
-    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
-    offs = ((row0 + r) * (C // DS_GROUP) + (off_n // 16))[:, None, None] + (c * 4)[None, :, None] + q[None, None, :]
-    gl.store(ds_ptr + offs, lo + hi)
-
-
-@gluon.jit
-def _dswiglu_consumer(a_ring, b_ring, ready, free, turn, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
-                      gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
-                      num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
-                      CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr):
-    """The dgrad's consumer warpgroup: dh = s * (dout_q[gather] @ W2q^T) over BLOCK_N = 64 or 128 columns of I,
-    then moe_fp8_grouped_gemm_kernel's EPI 2: (DSCORE) the dscore partials from the unscaled accumulator and the
-    forward's h (``_dscore_partials``); dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
-    rounded once to BF16 and stored (TMA, as int32 pairs), then quantized 1 x 128 from the stored BF16 values (64 dh
-    columns = 128 dgu columns = one scale block per row): dgu_q (e4m3 pairs, TMA-stored as int16) and its scales. Its
-    tiles: ``_turn``."""
-    PARTS: gl.constexpr = 1 if PINGPONG else CONSUMERS  # warpgroups sharing one tile
-    P0: gl.constexpr = 0 if PINGPONG else PART  # this warpgroup's part of its tiles
-    count = 0
-    i = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        mine, blocks = _turn(t, i, route_ptr, num_n, L, BLOCK_M, a_ring.type.shape[2], PINGPONG, PART)
-        if mine:
-            _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
-                          gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n,
-                          C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
-                          BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS, DSCORE, PINGPONG, P0, PART)
-        count += blocks
-        i += 1
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
-                  gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n, C, L,
-                  stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
-                  PARTS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, P0: gl.constexpr,
-                  BUF: gl.constexpr):
-    """One dgrad tile of ``_dswiglu_consumer``: rows [P0 * BLOCK_M / PARTS, +BLOCK_M / PARTS) of tile t from ring slot
-    ``count`` on, its outputs through store-buffer part BUF."""
-    ROWS: gl.constexpr = BLOCK_M // PARTS
-    _wait_turn(turn, i, PINGPONG, BUF)
-    acc, _, off_m, off_n, rows, live = _grouped_tile(
-        t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
-        stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS,
-        P0, True)
-    _pass_turn(turn, PINGPONG, BUF)
-    # Columns of dh: (g, u) column pairs of gu and dgu; padding rows (they read token 0) as the Triton kernel's: +0.
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
-    acc = gl.where(live[:, None], acc, 0.0)
-    row = off_m + P0 * ROWS
-    if DSCORE:  # first: the h tile and the products are dead before gu is loaded
-        _dscore_partials(acc * gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32), ds_ptr, row,
-                         off_n, C)
-    g, u = _bf16_pair_values(gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :]))
-    s = 1.0 / (1.0 + gl.exp(-g))
-    silu = g * s
-    dh = acc * gl.load(score_ptr + rows)[:, None]
-    # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
-    pair = _bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
-    store_part(dgu_smem, dgu_desc, pair, row, off_n, BUF)
-    dg, du = _bf16_pair_values(pair)  # the stored BF16 dgu, as the row-wise quantizer would read it
-    mag = gl.maximum(gl.abs(dg), gl.abs(du))
-    block = off_n // 64  # the scale block of the tile's first 64 dh columns
-    if BLOCK_N == 64:
-        scale, inv = _e4m3_pow2(gl.max(mag, axis=1))
-        inv_cols = inv[:, None]
-        gl.store(qs_ptr + rows * stride_qsm + block, scale)
-    else:  # two scale blocks per row: each half's amax by masking the other (magnitudes are >= 0)
-        first = ((cols - off_n) < 64)[None, :]
-        scale0, inv0 = _e4m3_pow2(gl.max(gl.where(first, mag, 0.0), axis=1))
-        scale1, inv1 = _e4m3_pow2(gl.max(gl.where(first, 0.0, mag), axis=1))
-        inv_cols = gl.where(first, inv0[:, None], inv1[:, None])
-        gl.store(qs_ptr + rows * stride_qsm + block, scale0)
-        gl.store(qs_ptr + rows * stride_qsm + block + 1, scale1)
-    q = _e4m3_bits(dg * inv_cols) | (_e4m3_bits(du * inv_cols) << 8)
-    store_part(q_smem, q_desc, q, row, off_n, BUF)
-
-
-@gluon.jit(launch_metadata=grouped_launch_metadata)
-def moe_fp8_ws_gather_kernel(
-    a_ptr,  # x_q [T, H] (up) or dout_q [T, H] (dgrad) e4m3, rows read through the gather index
-    b_desc,  # TMA descriptor over the K-major weight as [E * C, L] (box [BLOCK_N, 128])
-    gu_desc, h_desc,  # up: TMA descriptors over gu [P, 2I], h [P, I] BF16, boxes [BLOCK_M / CONSUMERS, BLOCK_N or /2];
-    # dgrad: over dgu as int32 (g, u) pairs and dgu_q as int16 pairs, [P, I] each, box [BLOCK_M / CONSUMERS, BLOCK_N]
-    as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, gate_ptr,
-    score_ptr, gu_ptr, qs_ptr,  # dgrad: scores, gu as int32 pairs, dgu_q's scales
-    h_ptr, ds_ptr,  # dgrad with DSCORE: the forward's h [P, I] BF16 and the dscore partials [P, I / DS_GROUP] FP32
-    P, C, L,  # C[p, :C] = sum_kb (A_q[gather[p], kb] @ B_q[e][kb, :C]) * scales, then the epilogue
-    stride_am, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
-    op_id,  # names the launch only
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
-    KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
-    EPILOGUE: gl.constexpr,  # 3: SwiGLU (up, h quantized by the row-wise pass); 2: dSwiGLU + 1x128 quantization (dgrad)
-    DSCORE: gl.constexpr = False,  # dgrad: the dscore partials too
-    PINGPONG: gl.constexpr = False,  # the two consumer warpgroups take whole BLOCK_M-row tiles in turn (``_turn``)
-):
-    QB: gl.constexpr = b_desc.block_type.shape[1]
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, QB], gl.float8e4nv)
-    a_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, QB], a_layout)
-    b_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        # The weight's expect-tx arrival and one cp.async arrival per producer thread (128).
-        mbarrier.init(ready.index(i), count=1 + GATHER_PRODUCER_WARPS * 32)
-        mbarrier.init(free.index(i), count=1 if PINGPONG else CONSUMERS)  # a slot's readers
-    num_n = C // BLOCK_N
-    num_tiles = live_tiles(gate_ptr, P, num_n, BLOCK_M)
-    BUF_ROWS: gl.constexpr = CONSUMERS * BLOCK_M if PINGPONG else BLOCK_M  # one store buffer part per warpgroup
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: whose K loop is next
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    if EPILOGUE == 3:
-        gu_smem = gl.allocate_shared_memory(gl.bfloat16, [BUF_ROWS, BLOCK_N], gu_desc.layout)
-        h_smem = gl.allocate_shared_memory(gl.bfloat16, [BUF_ROWS, BLOCK_N // 2], h_desc.layout)
-        if CONSUMERS == 2:
-            gl.warp_specialize([
-                (_swiglu_consumer, (a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
-                                    gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
-                                    stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
-                                    CONSUMERS, PINGPONG, 0)),
-                (_swiglu_consumer, (a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
-                                    gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
-                                    stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
-                                    CONSUMERS, PINGPONG, 1)),
-                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
-            ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_swiglu_consumer, (a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
-                                    gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
-                                    stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
-                                    CONSUMERS, PINGPONG, 0)),
-                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
-            ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
-    else:
-        dgu_smem = gl.allocate_shared_memory(gl.int32, [BUF_ROWS, BLOCK_N], gu_desc.layout)
-        q_smem = gl.allocate_shared_memory(gl.int16, [BUF_ROWS, BLOCK_N], h_desc.layout)
-        if CONSUMERS == 2:
-            gl.warp_specialize([
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
-                                     bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
-                                     ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
-                                     stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-                                     DSCORE, PINGPONG, 0)),
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
-                                     bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
-                                     ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
-                                     stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-                                     DSCORE, PINGPONG, 1)),
-                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
-            ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
-                                     bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
-                                     ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
-                                     stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-                                     DSCORE, PINGPONG, 0)),
-                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
-            ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
-
-
 def kb_group(num_kb: int) -> int:
     """The consumers' unrolled group of K blocks: the largest of 3, 2, 1 dividing ``num_kb``. Compiled for sm_90,
     groups of 2 and 3 keep every accumulator in registers; 4 spilled at 128x128 and ptxas serialized the MMAs."""
     return next(g for g in (3, 2, 1) if num_kb % g == 0)
-
-
-def fp8_ws_descriptor(tensor: torch.Tensor, box: list[int], dtype=gl.float8e4nv) -> TensorDescriptor:
-    """A TMA descriptor over the row-major matrix ``tensor`` of ``dtype`` (e4m3 by default; the epilogues' BF16,
-    FP32 and packed-int outputs, and the BF16 kernels of kernels/moe_ws.py, pass theirs) with its NVMMA shared
-    layout."""
-    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
-    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, layout)
 
 
 def scale_row_descriptor(scales: torch.Tensor, block: int) -> TensorDescriptor:
@@ -757,9 +369,9 @@ def scale_row_descriptor(scales: torch.Tensor, block: int) -> TensorDescriptor:
 
 def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor,
                   b_s: torch.Tensor, c: torch.Tensor, route: torch.Tensor, tile_expert: torch.Tensor, padded_rows: int,
-                  segment: int, sms: int) -> None:
+                  segment: int, backend: str) -> None:
     """c [P, C] (c's dtype: BF16, or FP32) = the FP8 grouped GEMM of A_q [P, L] and the K-major weight b [E, C, L];
-    refuses, naming the value, what this kernel does not cover (before any work)."""
+    refuses, naming the value, what this kernel does not cover, then a backend other than sm_90 (before any work)."""
     e, n_cols, reduced = b.shape
     if config.block_k != QBLOCK_WS:
         raise ValueError(f"{stage}: variant 'ws' runs one {QBLOCK_WS}-K scale block per ring slot; got BLOCK_K "
@@ -773,12 +385,16 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
                          f"{b.stride()}, output strides {c.stride()}")
     if reduced % QBLOCK_WS:
         raise ValueError(f"{stage}: the reduced dim {reduced} must be a multiple of {QBLOCK_WS}")
-    a_desc = fp8_ws_descriptor(a[:padded_rows], [config.block_m, QBLOCK_WS])
-    b_desc = fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS])
-    c_desc = fp8_ws_descriptor(c, [config.block_m // consumers(config.num_warps), config.block_n],
-                               {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[c.dtype])
+    check_ws_backend(stage, backend)
+    if padded_rows == 0:
+        return
+    ensure_cuda_context(a.device)  # the descriptors encode on this thread (autograd's backward has its own)
+    a_desc = nvmma_descriptor(a[:padded_rows], [config.block_m, QBLOCK_WS])
+    b_desc = nvmma_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS])
+    c_desc = nvmma_descriptor(c, [config.block_m // consumers(config.num_warps), config.block_n],
+                              {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[c.dtype])
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
-    moe_fp8_ws_kernel[(min(tiles, sms),)](
+    moe_fp8_ws_kernel[(min(tiles, device_sms(a.device)),)](
         a_desc, b_desc, c_desc, a_s, b_s, route, tile_expert,
         padded_rows, n_cols, reduced,
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
@@ -791,9 +407,10 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
 
 def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
                         out: torch.Tensor, accumulate: bool, offsets: torch.Tensor, counts: torch.Tensor,
-                        num_experts: int, sms: int) -> None:
+                        num_experts: int, backend: str) -> None:
     """dW[e] [R, C] (BF16 into ``out``, or ``out`` += it in FP32 when ``accumulate``) from the column-wise FP8
-    operands a_q [R, P], b_q [C, P]; refuses, naming the value, what this kernel does not cover (before any work)."""
+    operands a_q [R, P], b_q [C, P] (P > 0); refuses, naming the value, what this kernel does not cover, then a backend
+    other than sm_90 (before any work)."""
     r, c = a_q.shape[0], b_q.shape[0]
     if config.block_k != QBLOCK_WS:
         raise ValueError(f"wgrad: variant 'ws' runs one {QBLOCK_WS}-row scale block per ring slot; got BLOCK_K "
@@ -812,15 +429,17 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
     ring = config.num_stages * (config.block_m + config.block_n) * (QBLOCK_WS + 4)  # operand tiles + FP32 scale rows
     # The BF16 store buffer is allocated with main_grad too.
     check_shared_bytes("wgrad", config, ring, config.block_m * config.block_n * 2, "the BF16 store buffer")
+    check_ws_backend("wgrad", backend)
+    ensure_cuda_context(a_q.device)  # the descriptors encode on this thread (autograd's backward has its own)
     part_rows = config.block_m // consumers(config.num_warps)
     # The BF16 dW as [E * R, C] for the TMA store; accumulating into main_grad stores through pointers (the kernel
     # still takes a descriptor: one over a tile-sized scratch).
     store = torch.empty((part_rows, config.block_n), dtype=torch.bfloat16, device=out.device) if accumulate else \
         out.reshape(-1, c)
-    c_desc = fp8_ws_descriptor(store, [part_rows, config.block_n], gl.bfloat16)
+    c_desc = nvmma_descriptor(store, [part_rows, config.block_n], gl.bfloat16)
     tiles = num_experts * (r // config.block_m) * (c // config.block_n)
-    moe_fp8_wgrad_ws_kernel[(min(tiles, sms),)](
-        fp8_ws_descriptor(a_q, [config.block_m, QBLOCK_WS]), fp8_ws_descriptor(b_q, [config.block_n, QBLOCK_WS]),
+    moe_fp8_wgrad_ws_kernel[(min(tiles, device_sms(a_q.device)),)](
+        nvmma_descriptor(a_q, [config.block_m, QBLOCK_WS]), nvmma_descriptor(b_q, [config.block_n, QBLOCK_WS]),
         scale_row_descriptor(a_s.t(), config.block_m), scale_row_descriptor(b_s.t(), config.block_n),
         c_desc, out, offsets, counts,
         r, c, num_experts,
@@ -828,58 +447,4 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, KB_GROUP=3,
         ACCUMULATE=accumulate, CONSUMERS=consumers(config.num_warps),
         num_warps=4, maxnreg=max_regs(config.num_warps),
-    )
-
-
-def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: torch.Tensor, a_s: torch.Tensor,
-                         b: torch.Tensor, b_s: torch.Tensor, outputs: dict[str, torch.Tensor], gather: torch.Tensor,
-                         route: torch.Tensor, tile_expert: torch.Tensor, gate: torch.Tensor, padded_rows: int,
-                         segment: int, sms: int) -> None:
-    """A gathered-A grouped GEMM of a_q [T, L] rows and the K-major weight b [E, C, L] with its epilogue: 3, the
-    up-projection (outputs gu [P, 2I], h [P, I] BF16; h quantized by the row-wise pass); 2, dgrad + dSwiGLU (outputs
-    score, gu in; dgu, dgu_q, dgu_s out; with "h" and "ds_part" [P, I / DS_GROUP], the dscore partials too). BLOCK_M
-    64 with 8 warps: the two consumer warpgroups take 64-row tiles in turn (ping-pong) instead of sharing 128-row ones.
-    Refuses, naming the value, what this kernel does not cover (before any work)."""
-    e, n_cols, reduced = b.shape
-    pingpong = config.block_m == 64 and consumers(config.num_warps) == 2
-    # up: 128 interleaved (g, u) columns; dgrad: 64 or 128 columns of dh = one or two 1x128 blocks of dgu.
-    want_n = (QBLOCK_WS,) if epilogue == 3 else (QBLOCK_WS // 2, QBLOCK_WS)
-    if config.block_k != QBLOCK_WS or config.block_n not in want_n:
-        raise ValueError(f"{stage}: variant 'ws' runs BLOCK_K {QBLOCK_WS} and BLOCK_N in {want_n} here; got BLOCK_K "
-                         f"{config.block_k}, BLOCK_N {config.block_n}")
-    if n_cols % config.block_n or reduced % QBLOCK_WS:
-        raise ValueError(f"{stage}: variant 'ws' needs C {n_cols} a multiple of {config.block_n} and L {reduced} of "
-                         f"{QBLOCK_WS}")
-    # Shared memory: the ring (one e4m3 A and B block per stage) and the epilogue's store buffers (up: gu and h
-    # BF16; dgrad: dgu as int32 pairs and dgu_q as int16 pairs).
-    ring = config.num_stages * (config.block_m + config.block_n) * QBLOCK_WS
-    part_rows = config.block_m if pingpong else config.block_m // consumers(config.num_warps)
-    store = consumers(config.num_warps) * part_rows * config.block_n * (3 if epilogue == 3 else 6)
-    check_shared_bytes(stage, config, ring, store, "the epilogue")
-    if (not b.is_contiguous() or not all(t.is_contiguous() for t in outputs.values()) or a_q.stride(1) != 1
-            or a_q.stride(0) % 16 or a_q.data_ptr() % 16):
-        raise ValueError(f"{stage}: variant 'ws' needs the activation row-major with 16-byte aligned rows (cp.async), "
-                         f"the K-major weight and the outputs contiguous; got strides {a_q.stride()} and {b.stride()}")
-    if epilogue == 3:
-        gu, h = outputs["gu"], outputs["h"]
-        descs = (fp8_ws_descriptor(gu, [part_rows, config.block_n], gl.bfloat16),
-                 fp8_ws_descriptor(h, [part_rows, config.block_n // 2], gl.bfloat16))
-        score = gu_bits = q_s = h_in = ds_part = a_s  # unused by this epilogue
-    else:
-        score, q_s, gu_bits = outputs["score"], outputs["dgu_s"], outputs["gu"].view(torch.int32)
-        # The dscore partials need both h and ds_part; without them the kernel reads neither (placeholders).
-        h_in, ds_part = (outputs["h"], outputs["ds_part"]) if "ds_part" in outputs else (q_s, q_s)
-        descs = (fp8_ws_descriptor(outputs["dgu"].view(torch.int32), [part_rows, config.block_n], gl.int32),
-                 fp8_ws_descriptor(outputs["dgu_q"].view(torch.int16), [part_rows, config.block_n], gl.int16))
-    tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
-    moe_fp8_ws_gather_kernel[(min(tiles, sms),)](
-        a_q, fp8_ws_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]), *descs,
-        a_s, b_s, gather, route, tile_expert, gate, score, gu_bits, q_s, h_in, ds_part,
-        padded_rows, n_cols, reduced,
-        a_q.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
-        gu_bits.stride(0), q_s.stride(0),
-        op_id,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
-        KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps), EPILOGUE=epilogue,
-        DSCORE="ds_part" in outputs, PINGPONG=pingpong, num_warps=4, maxnreg=max_regs(config.num_warps),
     )

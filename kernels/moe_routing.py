@@ -14,9 +14,9 @@ From the router's top-k choice — ``topk_ids [T, K]`` int32 (``-1`` = masked ro
   dX gather-sum read it in ascending k.
 
 ``build_routing`` is three Triton launches and one device-to-host read, after the third. Why: the
-same metadata built from ~55 small torch ops (check_topk included), two syncs and two host-to-device
-copies cost 1.1-1.8 ms on an H200 (T=8192, K=8, E=8/128) for ~0.15 ms of kernel time; the rest was
-per-op launch overhead and host round trips.
+same metadata built from ~55 small torch ops (``build_routing_torch``, check_topk included), two syncs
+and two host-to-device copies costs 1.1-1.8 ms on an H200 (T=8192, K=8, E=8/128) for ~0.15 ms of
+kernel time; the rest is per-op launch overhead and host round trips.
 
 1. ``moe_route_hist_kernel``, one program per chunk of ``ROUTE_BLOCK`` routes in flat order: the
    chunk's per-expert histogram and its validation counts (out-of-range ids, duplicate ids in a
@@ -35,9 +35,9 @@ Then one read of ``meta`` (the counts and the validation counts together; the bu
 device-to-host read, no host-to-device copy) refuses a bad batch with check_topk's messages (the
 details are looked up with torch only then) and cuts the outputs at P. ``launch_routing`` queues the
 kernels and returns before that read (``PendingRouting``), so the MoE forward queues its up-projection
-GEMM first; the read then runs on a side stream that waits for the routing kernels only. Why: each
-call on an H200 (T=8192) spent 465-667 µs of host time before its first GEMM was queued, the GPU idle,
-most of it after the read's wait (reports/2026-11-30-h200/moe-gaps, moe-host).
+GEMM first; the read then runs on a side stream that waits for the routing kernels only. Why: a host that
+waited for the read before queueing any GEMM left the GPU idle for hundreds of microseconds per call on an
+H200, most of it after the read's wait.
 
 Every step is integer arithmetic with unique store targets (no atomics, no float reduction), so
 the metadata is identical on every run and device, and bit-identical to ``build_routing_torch``

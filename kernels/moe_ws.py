@@ -1,14 +1,13 @@
-"""Warp-specialized sm_90 kernels of the BF16 MoE grouped GEMMs (MoE variant "ws"), written in Gluon:
-``moe_ws_kernel`` for the stages whose A rows are expert-sorted (down, dX: y and dx_route, BF16 or FP32),
-``moe_ws_gather_kernel`` for up + SwiGLU and dgrad + dSwiGLU (+ the dscore partials), whose A rows are gathered, and
-``moe_ws_wgrad_kernel`` for the weight gradients (below).
+"""Warp-specialized sm_90 kernels of the BF16 MoE grouped GEMMs (MoE variant "ws"), written in Gluon, with their
+launchers: ``moe_ws_kernel`` for the stages whose A rows are expert-sorted (down, dX), ``moe_ws_gather_kernel`` for
+up + SwiGLU and dgrad + dSwiGLU (+ the dscore partials), whose A rows are gathered, and ``moe_ws_wgrad_kernel`` for
+the weight gradients.
 
-Why: the Triton grouped kernel writes its output tile (y of the down-projection, dX per route: 400 MB each in BF16
-at the reference shape, 800 MB in FP32) from registers while nothing else runs in its program. Here the grid is
+Why: the Triton grouped kernel (kernels/moe_kernels.py) writes its output tile (y of the down-projection, dX per route:
+400 MB each at the reference shape) from registers while nothing else runs in its program. Here the grid is
 persistent (one program per SM), one producer warp streams A and B tiles into a shared-memory ring by TMA, two consumer
-warpgroups (64 rows each) issue asynchronous wgmma as each slot lands, and the tile leaves through shared memory
-and a TMA store that runs while the next tile's MMAs do (what took the FP8 kernel of the same stages from 854 to
-997 TFLOP/s).
+warpgroups (64 rows each) issue asynchronous wgmma as each slot lands, and the tile leaves through shared memory and a
+TMA store that runs while the next tile's MMAs do.
 
 The math is moe_grouped_gemm_tma_kernel's: per output tile, BLOCK_K-wide K steps in ascending order, one wgmma
 chain accumulating into the same FP32 registers (k16 instructions in ascending order, as tl.dot issues them), the
@@ -16,11 +15,12 @@ tile stored in the output's dtype (BF16: rounded once to nearest even, as the Tr
 zeros and a tile whose first row is padding loads nothing. Every tile past the routing's P (the gate) is skipped, so
 the kernel also runs over a PendingRouting's bound.
 
-The dgrad kernel's A rows (dout[gather[p]]) arrive by cp.async from a 4-warp producer (kernels/moe_fp8_ws.py
-_gather_producer, as in the FP8 up and dgrad), and its epilogue is grouped_epilogue's EPILOGUE 2 with DSCORE, operation
-for operation: the dscore partials from the unscaled accumulator and the saved h in fixed 64-column chunks, dh = s *
-acc, dg and du from the saved gu in kernels/swiglu.py's order, dgu rounded once to BF16 and stored by TMA (as int32
-(g, u) pairs) while the next tile's MMAs run.
+The gathered kernel's A rows (x or dout at gather[p]) arrive by cp.async from a 4-warp producer
+(kernels/moe_gluon_blocks.py gather_producer, shared with the FP8 up and dgrad), and its epilogues are the Triton
+kernel's, operation for operation: SwiGLU (gu, then h from the BF16 gu); dSwiGLU with DSCORE, the dscore partials from
+the unscaled accumulator and the saved h in fixed 64-column chunks, dh = s * acc, dg and du from the saved gu in
+kernels/swiglu.py's order, dgu rounded once to BF16 and stored by TMA (as int32 (g, u) pairs) while the next tile's
+MMAs run.
 
 ``moe_ws_wgrad_kernel`` is the weight gradient dW[e] = A[rows of e]^T B[rows of e] (dW1: x[gather] and dgu, dW2: h and
 dy), moe_wgrad_kernel's math: per dW tile, the expert's rows in ascending BLOCK_K steps, one wgmma chain into FP32
@@ -30,7 +30,8 @@ B's are finite zeros (dgu from the dgrad epilogue's zeroed rows, dy stored +0 by
 the output dims contiguous: each consumer's 64 columns of A land in a ring buffer of their own, read transposed by
 wgmma (MN-major, which BF16 wgmma supports).
 
-Gluon has no interpreter path: sm_90 only; kernels.moe refuses a "ws" config on any other backend by name.
+Gluon has no interpreter path: the launchers refuse a "ws" config on any other backend by name, after the checks
+of the config itself (so those run on every backend).
 """
 
 from __future__ import annotations
@@ -43,18 +44,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from detkit.kernels.det_gemm import operand_ring_bytes
+from detkit.kernels.backend import ensure_cuda_context
+from detkit.kernels.det_gemm import device_sms, operand_ring_bytes
 from detkit.kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, GL_DTYPES, PRODUCER_REGS, PRODUCER_WARPS, check_shared_bytes, consumers, max_regs,
     store_part,
 )
-from detkit.kernels.moe import (
-    DS_CHUNK, SEGMENT_ALIGN, grouped_launch_name, wgrad_launch_name, ws_weight_rows, ws_wgrad_addresses,
+from detkit.kernels.moe_common import DS_CHUNK, EPI_SWIGLU, grouped_launch_name, wgrad_launch_name
+from detkit.kernels.moe_gluon_blocks import (
+    GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, bf16_pair_bits, bf16_pair_values,
+    check_ws_backend, gather_producer, live_tiles, nvmma_descriptor, store_wgrad_part, wgrad_tile,
 )
-from detkit.kernels.moe_fp8_ws import (
-    GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, _bf16_pair_bits,
-    _bf16_pair_values, _gather_producer, fp8_ws_descriptor, live_tiles, store_wgrad_part, wgrad_tile,
-)
+from detkit.kernels.moe_operands import ws_weight_rows, ws_wgrad_addresses
+from detkit.kernels.moe_routing import SEGMENT_ALIGN
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
 
@@ -211,11 +213,11 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, 
             chunks = off_n // DS_CHUNK + gl.arange(0, BLOCK_N // DS_CHUNK, layout=gl.SliceLayout(0, p_layout))
             gl.store(ds_ptr + p_rows[:, None] * (C // DS_CHUNK) + chunks[None, :], part)
         dh = acc * gl.load(score_ptr + rows)[:, None]
-        g, u = _bf16_pair_values(gl.load(gu_ptr + rows[:, None] * C + cols[None, :]))
+        g, u = bf16_pair_values(gl.load(gu_ptr + rows[:, None] * C + cols[None, :]))
         s = 1.0 / (1.0 + gl.exp(-g))
         silu = g * s
         # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
-        store_part(dgu_smem, dgu_desc, _bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu), row, off_n,
+        store_part(dgu_smem, dgu_desc, bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu), row, off_n,
                    PART)
     tma.store_wait(0)
 
@@ -296,15 +298,15 @@ def moe_ws_gather_kernel(
                                 L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0)),
                 (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
                                 L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1)),
-                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
+                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
                                 L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0)),
-                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
+                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     else:
         if CONSUMERS == 2:
@@ -315,16 +317,16 @@ def moe_ws_gather_kernel(
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
                                    ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1, DSCORE,
                                    DS_CHUNK)),
-                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
+                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
                                    ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, DSCORE,
                                    DS_CHUNK)),
-                (_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
+                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
 
 
@@ -503,10 +505,10 @@ def _check_tile(stage: str, config, reduced: int, n_cols: int, store_bytes: int)
 
 
 def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                  routing, sms: int) -> None:
-    """c [P, C] (BF16 or FP32) = the grouped GEMM of the expert-sorted a [P, L] and the ``[E, L, C]`` weight view b
-    (its storage [E, L, C] or K-major [E, C, L]); refuses, naming the value, what this kernel does not cover (before
-    any work)."""
+                  routing, backend: str) -> None:
+    """c [P, C] (BF16) = the grouped GEMM of the expert-sorted a [P, L] and the ``[E, L, C]`` weight view b (its
+    storage [E, L, C] or K-major [E, C, L]); refuses, naming the value, what this kernel does not cover, then a
+    backend other than sm_90 (before any work)."""
     _, reduced, n_cols = b.shape
     if c.dtype not in GL_DTYPES:
         raise ValueError(f"{stage}: variant 'ws' writes {tuple(GL_DTYPES)}; got an output of {c.dtype}")
@@ -517,14 +519,18 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
         raise ValueError(f"{stage}: variant 'ws' needs the weight stored [E, L, C] or [E, C, L] with 16-byte aligned "
                          f"rows, A row-major with 16-byte aligned rows and the output contiguous; got weight strides "
                          f"{b.stride()}, A strides {a.stride()}, output strides {c.stride()}")
+    check_ws_backend(stage, backend)
     p = routing.padded_rows
+    if p == 0:
+        return
+    ensure_cuda_context(a.device)  # the descriptors encode on this thread (autograd's backward has its own)
     b_box = [config.block_n, config.block_k] if k_major else [config.block_k, config.block_n]
     part_rows = config.block_m // consumers(config.num_warps)
     tiles = (p // config.block_m) * (n_cols // config.block_n)
-    moe_ws_kernel[(min(tiles, sms),)](
-        fp8_ws_descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16),
-        fp8_ws_descriptor(store, b_box, gl.bfloat16),
-        fp8_ws_descriptor(c, [part_rows, config.block_n], GL_DTYPES[c.dtype]),
+    moe_ws_kernel[(min(tiles, device_sms(a.device)),)](
+        nvmma_descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16),
+        nvmma_descriptor(store, b_box, gl.bfloat16),
+        nvmma_descriptor(c, [part_rows, config.block_n], GL_DTYPES[c.dtype]),
         routing.sorted_route, routing.tile_expert, routing.gate,
         p, n_cols, reduced,
         op_id,
@@ -538,18 +544,18 @@ def gather_store_bytes(config, epilogue: int, dscore: bool) -> int:
     """Shared memory of the gathered kernel besides its ring: up, the gu and h tiles' store buffers (BF16); dgrad, the
     dgu tile's (int32 pairs) and, with the dscore partials, each consumer's layout-conversion scratch for the chunk
     sums (8 KiB: the offline sm_90 compile's shared size at BLOCK_N 64 and 128, tests/test_moe_ws.py)."""
-    if epilogue == 1:
+    if epilogue == EPI_SWIGLU:
         return config.block_m * config.block_n * 3
     return config.block_m * config.block_n * 4 + (consumers(config.num_warps) * 8192 if dscore else 0)
 
 
 def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch.Tensor, b: torch.Tensor,
                          out: torch.Tensor, aux: torch.Tensor, routing,
-                         dscore: tuple[torch.Tensor, torch.Tensor] | None, sms: int) -> None:
+                         dscore: tuple[torch.Tensor, torch.Tensor] | None, backend: str) -> None:
     """The gathered grouped GEMM of a[gather] [P, L] (BF16) and the ``[E, L, C]`` weight view b with its epilogue:
-    1 (up), out = gu [P, C], aux = h [P, C/2] written; 2 (dgrad), out = dgu [P, 2C] written from aux = the saved gu and
-    dh = s * acc, and ``dscore = (h, ds_part)`` adds the partials. Refuses, naming the value, what this kernel does
-    not cover (before any work)."""
+    EPI_SWIGLU (up), out = gu [P, C], aux = h [P, C/2] written; EPI_DSWIGLU (dgrad), out = dgu [P, 2C] written from
+    aux = the saved gu and dh = s * acc, and ``dscore = (h, ds_part)`` adds the partials. Refuses, naming the value,
+    what this kernel does not cover, then a backend other than sm_90 (before any work)."""
     _, reduced, n_cols = b.shape
     _check_tile(stage, config, reduced, n_cols, gather_store_bytes(config, epilogue, dscore is not None))
     if config.block_k % 64 or (dscore is not None and config.block_n % DS_CHUNK):
@@ -563,20 +569,24 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
         raise ValueError(f"{stage}: variant 'ws' needs the weight stored [E, L, C] or [E, C, L] with 16-byte aligned "
                          f"rows, the activation row-major with 16-byte aligned rows (cp.async) and its other tensors "
                          f"contiguous; got weight view strides {b.stride()}, activation strides {a.stride()}")
+    check_ws_backend(stage, backend)
     p = routing.padded_rows
+    if p == 0:
+        return
+    ensure_cuda_context(a.device)  # the descriptors encode on this thread (autograd's backward has its own)
     part_rows = config.block_m // consumers(config.num_warps)
     b_box = [config.block_n, config.block_k] if k_major else [config.block_k, config.block_n]
-    if epilogue == 1:
-        descs = (fp8_ws_descriptor(out, [part_rows, config.block_n], gl.bfloat16),
-                 fp8_ws_descriptor(aux, [part_rows, config.block_n // 2], gl.bfloat16))
+    if epilogue == EPI_SWIGLU:
+        descs = (nvmma_descriptor(out, [part_rows, config.block_n], gl.bfloat16),
+                 nvmma_descriptor(aux, [part_rows, config.block_n // 2], gl.bfloat16))
         gu_bits = h = ds_part = out  # unused by this epilogue
     else:
-        out_desc = fp8_ws_descriptor(out.view(torch.int32), [part_rows, config.block_n], gl.int32)
+        out_desc = nvmma_descriptor(out.view(torch.int32), [part_rows, config.block_n], gl.int32)
         descs, gu_bits = (out_desc, out_desc), aux.view(torch.int32)
         h, ds_part = dscore if dscore is not None else (out, out)  # unused without DSCORE
     tiles = (p // config.block_m) * (n_cols // config.block_n)
-    moe_ws_gather_kernel[(min(tiles, sms),)](
-        a, fp8_ws_descriptor(store, b_box, gl.bfloat16), *descs,
+    moe_ws_gather_kernel[(min(tiles, device_sms(a.device)),)](
+        a, nvmma_descriptor(store, b_box, gl.bfloat16), *descs,
         routing.gather_token, routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
         gu_bits, h, ds_part,
         p, n_cols, reduced,
@@ -590,10 +600,10 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
 
 
 def launch_moe_ws_wgrad(op_id: int, config, a: torch.Tensor, gather_a: bool, b: torch.Tensor, out: torch.Tensor,
-                        accumulate: bool, routing, sms: int) -> None:
+                        accumulate: bool, routing, backend: str) -> None:
     """dW[e] [R, C] = the expert's rows of A [.., R] (x[gather] when ``gather_a``, else expert-sorted h) transposed
     times those of B [P, C], into the BF16 ``out`` [E, R, C], or ``out`` += it in FP32 when ``accumulate``; refuses,
-    naming the value, what this kernel does not cover (before any work)."""
+    naming the value, what this kernel does not cover, then a backend other than sm_90 (before any work)."""
     _, r, c = out.shape
     _check_consumer_rows("wgrad", config)
     parts = consumers(config.num_warps)
@@ -609,19 +619,21 @@ def launch_moe_ws_wgrad(op_id: int, config, a: torch.Tensor, gather_a: bool, b: 
     if not ws_wgrad_addresses(a, b, out):
         raise ValueError(f"wgrad: variant 'ws' needs A and B row-major with 16-byte aligned rows (TMA, cp.async) and "
                          f"dW contiguous; got strides {a.stride()}, {b.stride()}, {out.stride()}")
+    check_ws_backend("wgrad", backend)
     if routing.padded_rows == 0:  # no routed row anywhere: dW is zero, main_grad untouched
         if not accumulate:
             out.zero_()
         return
+    ensure_cuda_context(a.device)  # the descriptors encode on this thread (autograd's backward has its own)
     # The BF16 dW as [E * R, C] for the TMA store; with main_grad the kernel stores through pointers (its
     # descriptor is one over a tile-sized scratch).
     store_t = torch.empty((64, config.block_n), dtype=torch.bfloat16, device=out.device) if accumulate else \
         out.reshape(-1, c)
     tiles = routing.num_experts * (r // config.block_m) * (c // config.block_n)
-    moe_ws_wgrad_kernel[(min(tiles, sms),)](
-        fp8_ws_descriptor(a, [config.block_k, 64], gl.bfloat16), a,
-        fp8_ws_descriptor(b, [config.block_k, config.block_n], gl.bfloat16),
-        fp8_ws_descriptor(store_t, [64, config.block_n], gl.bfloat16), out,
+    moe_ws_wgrad_kernel[(min(tiles, device_sms(a.device)),)](
+        nvmma_descriptor(a, [config.block_k, 64], gl.bfloat16), a,
+        nvmma_descriptor(b, [config.block_k, config.block_n], gl.bfloat16),
+        nvmma_descriptor(store_t, [64, config.block_n], gl.bfloat16), out,
         routing.gather_token, routing.expert_offsets, routing.expert_counts,
         r, c, routing.num_experts,
         a.stride(0), out.stride(0), out.stride(1), out.stride(2),

@@ -1,6 +1,6 @@
 """TP/CP reduction operators: a det_gemm joined to (at most) one BF16 all-reduce, both sides returned.
 
-Math (local shapes of the Qwen3-8B TP=2, CP=2 layout, ``toolkit.layout``):
+Math (local shapes of the Qwen3-8B TP=2, CP=2 layout, ``kernels.layout``):
 
     row_parallel_fwd(hidden_local [M_l, I/2], w_local [I/2, H], tp_group)
         partial = det_gemm_fwd(hidden_local, w_local)             [M_l, H]   Down forward
@@ -20,12 +20,12 @@ all-reduce is synchronous, in place on a copy of the partial that the GEMM epilo
 (det_gemm ``twin_out``: no copy kernel before the collective; the partial is returned untouched),
 in BF16 over a group of exactly two ranks: the sum of two BF16 operands is formed once in FP32 and
 rounded once to BF16, so it equals ``(p0.float() + p1.float()).bfloat16()`` whatever NCCL's
-algorithm or protocol (version-1 oracle, DESIGN.md). Groups of more than two are refused.
+algorithm or protocol (the version-1 oracle, docs/tp_cp.md). Groups of more than two are refused.
 
 Failing closed: every check runs before any work and raises TypeError / ValueError /
 NotImplementedError / RuntimeError naming the value received and what is supported: dtype,
 2-D shape, the configured local shapes, devices and kernel backend (``kernels.backend``), an
-uninitialised process group, a group that is not a ``toolkit.layout.AxisGroup`` built by the
+uninitialised process group, a group that is not a ``kernels.layout.AxisGroup`` built by the
 launcher (``toolkit.dist.build_groups``), of the wrong axis, size or membership for this rank, and
 the process-group backend: NCCL for CUDA tensors (``cuda_sm90``), gloo only for CPU tensors under
 the Triton interpreter (``triton_interpreter``, not a hardware result). Operators never create,
@@ -53,7 +53,7 @@ import torch.distributed as dist
 from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER, check_bf16_matrix, resolve_backend
 from detkit.kernels.det_gemm import GemmLaunch, det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch, det_gemm_kernel
 from detkit.kernels.invariant import DEFAULT_MODE, FP32_INVARIANT, check_mode, collective_dtype, gemm_kwargs
-from detkit.toolkit.layout import AxisGroup, TpCpLayout
+from detkit.kernels.layout import AxisGroup, TpCpLayout
 
 COLLECTIVE_DTYPE = torch.bfloat16
 # Kernel backend -> the only process-group backend accepted with it.
@@ -133,7 +133,7 @@ def _check_group(op: str, group: AxisGroup, axis: str) -> tuple[object, int]:
     """Return (torch process group, this process's layout rank) or raise."""
     if not isinstance(group, AxisGroup):
         raise TypeError(
-            f"{op}: group is a {type(group).__name__}; supported: toolkit.layout.AxisGroup built by "
+            f"{op}: group is a {type(group).__name__}; supported: kernels.layout.AxisGroup built by "
             "detkit.toolkit.dist.build_groups or toolkit.dist.attach_group (it carries the layout the group and "
             "shapes are checked against)"
         )
@@ -309,7 +309,7 @@ def row_parallel_dhidden_launch(d_out_local: torch.Tensor, w_local: torch.Tensor
     _check_bf16(tensors)
     if layout is not None:
         if not isinstance(layout, TpCpLayout):
-            raise TypeError(f"{op}: layout is a {type(layout).__name__}; supported: toolkit.layout.TpCpLayout or None")
+            raise TypeError(f"{op}: layout is a {type(layout).__name__}; supported: kernels.layout.TpCpLayout or None")
         shapes = layout.local_shapes()
         _check_shapes(op, layout, tensors, {"d_out_local": shapes["d_out"], "w_local": shapes["w_down"]})
     kwargs = gemm_kwargs("da", layout, mode) if mode == FP32_INVARIANT else {}

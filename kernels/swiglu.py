@@ -38,11 +38,8 @@ import triton
 import triton.language as tl
 
 from detkit.kernels.backend import TRITON_INTERPRETER, check_bf16_matrix, resolve_backend
+from detkit.kernels.bounds import ETA_BF16, U_BF16, U_FP32
 from detkit.kernels.det_gemm import fp32_to_bf16_rtne
-
-U_FP32 = 2.0**-23
-U_BF16 = 2.0**-8
-ETA_BF16 = 2.0**-134
 
 
 @dataclass(frozen=True)

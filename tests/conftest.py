@@ -35,3 +35,16 @@ def device() -> torch.device:
 def backend_of(device: torch.device) -> str:
     """The backend the kernels run on for tensors on ``device`` in the tests (kernels.backend names)."""
     return "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
+
+
+def two_cuda_gpus() -> bool:
+    """Two CUDA GPUs on this host (the NCCL tests' pair)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Raw bits equal (+0 and -0 differ, NaN fails), naming ``what``, the mismatch count and the first index."""
+    from detkit.toolkit.contract import compare_bits
+
+    result = compare_bits(got, want)
+    assert result.equal, f"{what}: {result.mismatches}/{result.elements} differ, first at {result.first_mismatch}"

@@ -43,6 +43,16 @@ def assert_rejected(fwd: Callable[..., tuple], inp: dict, change: dict, exc_type
         fwd(*layer_args(bad))
 
 
+def forbid_kernels(monkeypatch, module, *names: str) -> None:
+    """Makes each of ``module``'s functions ``names`` (the first kernel launches of a layer call) fail the test: a
+    refusal that is checked with these forbidden happens before any kernel is queued."""
+    def queued(*args, **kwargs):
+        raise AssertionError("a kernel was queued before the refusal")
+
+    for name in names:
+        monkeypatch.setattr(module, name, queued)
+
+
 def compile_sm90_offline(script: str, tmp_path, *argv: str) -> dict:
     """Runs ``script`` (which compiles kernels for sm_90 with Triton's bundled ptxas and prints a JSON report
     as its last line) in a fresh interpreter without TRITON_INTERPRET; skips when Triton has no NVIDIA
@@ -87,19 +97,18 @@ def skewed_ids(t: int, e: int, k: int, seed: int) -> torch.Tensor:
     return ids
 
 
-def refuses_ws_off_sm90(runs: dict[str, Callable], config, device: torch.device) -> bool:
-    """On the interpreter every stage refuses the Gluon "ws" config by name (then True: nothing else to test
-    there); on a GPU, False."""
+def assert_ws_refused_off_sm90(runs: dict[str, Callable], config, device: torch.device) -> None:
+    """Off sm_90 (the interpreter) every stage refuses the valid Gluon "ws" ``config`` by name, after its host-side
+    checks passed; on the GPU the bit tests run the same stages."""
     if device.type != "cpu":
-        return False
+        return
     for run in runs.values():
-        with pytest.raises(ValueError, match="variant 'ws' is a Gluon kernel for sm_90"):
+        with pytest.raises(ValueError, match="variant 'ws' is a Gluon kernel for sm_90 and has no 'triton_interpreter'"):
             run(config)
-    return True
 
 
-# The Triton tiles each FP8 stage ran on before its Gluon pin (FP8 tables .5-.8): the bit references of the Gluon
-# kernels on the GPU and the Triton tiles compiled for sm_90 offline (the sm_90 table names Gluon configs for all four).
+# The Triton tiles of the FP8 stages whose sm_90 picks are Gluon configs: the bit references of the Gluon kernels on
+# the GPU, and what the offline sm_90 compile checks for the Triton kernels.
 FP8_TRITON_TILES = {
     "up": GemmConfig(64, 128, 128, 1, 4, 3, "tma"), "down": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
     "dgrad": GemmConfig(128, 64, 128, 1, 4, 4, "tma"), "dx": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),

@@ -8,7 +8,7 @@ import torch
 from detkit.audits.gemm_contract import oracle
 from detkit.kernels.det_gemm import det_gemm_fwd
 from detkit.toolkit.contract import (
-    U_BF16, bf16_ordinal, check_bound, compare_bits, digest, drift_stats, gamma, gemm_bound, reduced_bound,
+    U_BF16, bf16_ordinal, check_bound, compare_bits, digest, drift_stats, gamma, gemm_bound, reduced_bound, rel_l2,
 )
 from detkit.toolkit.fixtures import bf16_randn
 
@@ -126,3 +126,27 @@ def test_digest_sees_every_bit():
     x = torch.tensor([0.0, 1.0], dtype=torch.bfloat16)
     y = torch.tensor([-0.0, 1.0], dtype=torch.bfloat16)
     assert digest(x) == digest(x.clone()) and digest(x) != digest(y)
+
+
+def test_rel_l2_is_the_norm_of_the_error_over_the_norm_of_the_reference():
+    ref = torch.tensor([[3.0, 0.0], [0.0, 4.0]], dtype=torch.float64)  # ||ref|| = 5
+    got = torch.tensor([[3.0, 0.5], [1.0, 4.0]], dtype=torch.bfloat16)  # error (0.5, 1): ||err||^2 = 1.25
+    assert rel_l2(got, ref) == math.sqrt(1.25) / 5
+    assert rel_l2(got, ref, dtype=torch.float32) == pytest.approx(math.sqrt(1.25) / 5, rel=2**-22)
+    assert rel_l2(ref, ref) == 0.0
+    # Nothing to be relative to: the absolute error.
+    assert rel_l2(torch.tensor([3.0, 4.0]), torch.zeros(2)) == 5.0
+    # A non-finite result fails every gate as inf (a NaN would compare false with the gate instead).
+    for bad in (float("nan"), float("inf")):
+        assert rel_l2(torch.tensor([1.0, bad]), torch.tensor([1.0, 1.0])) == float("inf")
+    assert drift_stats(got, ref, "x")["x_rel_l2"] == rel_l2(got, ref)
+
+
+def test_the_harness_applies_the_kernels_bounds_not_a_copy():
+    import detkit.kernels.bounds as bounds
+    import detkit.kernels.swiglu as swiglu
+    import detkit.toolkit.contract as contract
+
+    for name in ("ETA_BF16", "U_BF16", "U_FP32", "U_FP64", "U_REDUCE", "gamma", "gemm_bound", "reduced_bound"):
+        assert getattr(contract, name) is getattr(bounds, name), name
+    assert swiglu.U_FP32 is bounds.U_FP32 and swiglu.U_BF16 is bounds.U_BF16 and swiglu.ETA_BF16 is bounds.ETA_BF16

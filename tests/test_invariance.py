@@ -27,6 +27,7 @@ from detkit.kernels.invariant import (
 from detkit.kernels.mlp import MlpPlan
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.fixtures import bf16_randn
+from tests.conftest import assert_bits_equal, two_cuda_gpus
 from tests.torchrun import run_ranks
 from detkit.toolkit.layout import CP_SIZE, TINY, AxisGroup, TpCpLayout, layout_for_preset
 
@@ -35,11 +36,6 @@ GPU_TIMEOUT_S = 900
 
 TINY_LAYOUT = layout_for_preset("tiny")  # B=2, S=6: M_local 6 (CP shards padded to BLOCK_K), I/2 = 48
 ALIGNED_LAYOUT = TpCpLayout(TINY, 3, 32)  # B=3, S=32: M_local 48, a multiple of BLOCK_K (no padding)
-
-
-def bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    result = compare_bits(got, want)
-    assert result.equal, f"{what}: {result.mismatches}/{result.elements} differ, first at {result.first_mismatch}"
 
 
 def two_shard_sum(p0: torch.Tensor, p1: torch.Tensor) -> torch.Tensor:
@@ -59,10 +55,10 @@ def test_down_fwd_tp1_segments_equal_two_tp_shards(device, m):
     shards = [det_gemm_fwd_launch(hidden[:, layout.i_shard(t)], w_down[layout.i_shard(t)], config=config,
                                   out_dtype=torch.float32)[0] for t in range(2)]
     tp2 = two_shard_sum(*shards)
-    bits_equal(tp1_fwd(hidden, w_down, layout, FP32_INVARIANT), tp2, "TP=1 seg_len=I/2 vs TP=2 FP32 sum")
+    assert_bits_equal(tp1_fwd(hidden, w_down, layout, FP32_INVARIANT), tp2, "TP=1 seg_len=I/2 vs TP=2 FP32 sum")
     # already before the BF16 rounding: the kernel's (0 + seg0) + seg1 is the all-reduce's fl32(p0 + p1)
     seg = det_gemm_fwd_launch(hidden, w_down, config=config, seg_len=i_l, out_dtype=torch.float32)[0]
-    bits_equal(seg, shards[0] + shards[1], "FP32 segments vs FP32 sum of the shards")
+    assert_bits_equal(seg, shards[0] + shards[1], "FP32 segments vs FP32 sum of the shards")
     # the segments are what makes it equal: one FP32 accumulation over all of I rounds differently
     whole = det_gemm_fwd_launch(hidden, w_down, config=config, out_dtype=torch.float32)[0]
     if m == 129:
@@ -82,7 +78,7 @@ def test_gate_up_dx_tp1_segments_equal_two_tp_shards(device, m):
     config = layout_config("da", layout)
     shards = [det_gemm_da_launch(d_gu[:, 2 * i_l * t:2 * i_l * (t + 1)], w_gu[:, 2 * i_l * t:2 * i_l * (t + 1)],
                                  config=config, out_dtype=torch.float32)[0] for t in range(2)]
-    bits_equal(tp1_da(d_gu, w_gu, 2 * i_l, layout, FP32_INVARIANT), two_shard_sum(*shards), "Gate|Up dX")
+    assert_bits_equal(tp1_da(d_gu, w_gu, 2 * i_l, layout, FP32_INVARIANT), two_shard_sum(*shards), "Gate|Up dX")
 
 
 # ------------------------------------------------------------------------------ CP: dW over permuted rows
@@ -97,7 +93,7 @@ def test_dw_cp1_shard_major_rows_equal_two_cp_shards(device, layout):
     locals_ = [det_gemm_db_launch(layout.shard_rows(a, c), layout.shard_rows(dc, c), config=config,
                                   out_dtype=torch.float32)[0] for c in range(CP_SIZE)]
     cp2 = two_shard_sum(*locals_)
-    bits_equal(cp1_db(a, dc, layout, FP32_INVARIANT), cp2, "CP=1 shard-major segments vs CP=2 FP32 sum")
+    assert_bits_equal(cp1_db(a, dc, layout, FP32_INVARIANT), cp2, "CP=1 shard-major segments vs CP=2 FP32 sum")
     # the global row order as one FP32 accumulation is a different order: it differs before rounding
     plain = det_gemm_db_launch(a, dc, config=config, out_dtype=torch.float32)[0]
     assert compare_bits(plain, locals_[0] + locals_[1]).mismatches > 0
@@ -110,7 +106,7 @@ def test_cp_shard_major_rows(device):
     got = cp_shard_major(rows, layout, 16)
     assert got.shape == (CP_SIZE * pad, 1) and pad == 16
     for c in range(CP_SIZE):
-        bits_equal(got[c * pad:c * pad + layout.m_local], layout.shard_rows(rows, c), f"shard {c}")
+        assert_bits_equal(got[c * pad:c * pad + layout.m_local], layout.shard_rows(rows, c), f"shard {c}")
         assert not got[c * pad + layout.m_local:(c + 1) * pad].any()
     assert layout.global_rows(0).tolist() == [0, 1, 2, 6, 7, 8]  # B=2: not one contiguous range
 
@@ -119,7 +115,7 @@ def test_bf16_mode_at_tp1_is_the_plain_det_gemm(device):
     layout = TINY_LAYOUT
     hidden = bf16_randn((7, layout.model.intermediate_size), 7, device)
     w = bf16_randn((layout.model.intermediate_size, layout.model.hidden_size), 8, device)
-    bits_equal(tp1_fwd(hidden, w, layout), det_gemm_fwd_launch(hidden, w)[0], "v1 TP=1")
+    assert_bits_equal(tp1_fwd(hidden, w, layout), det_gemm_fwd_launch(hidden, w)[0], "v1 TP=1")
 
 
 # ------------------------------------------------------------------------------ modes and configs
@@ -222,12 +218,8 @@ def test_4_rank_drift_table(four_rank_report):
 
 
 # ------------------------------------------------------------------------------ 2 GPUs, NCCL, Qwen3-8B shapes
-def _two_gpus() -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
-
-
 @pytest.mark.multigpu
-@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs of one host with NCCL (H200 pair)")
+@pytest.mark.skipif(not two_cuda_gpus(), reason="needs 2 CUDA GPUs of one host with NCCL (H200 pair)")
 @pytest.mark.parametrize(("world", "pair"), [("0,1", "TP1CP1 vs TP2CP1"), ("0,2", "TP1CP1 vs TP1CP2")])
 def test_nccl_2_gpu_invariance_qwen3_shapes(tmp_path, world, pair):
     proc = audit_under_torchrun(tmp_path, 2, "cuda", GPU_TIMEOUT_S, DETKIT_TPCP_WORLD=world)

@@ -1,4 +1,5 @@
-"""toolkit/layout.py: the TP=2 x CP=2 rank mapping, groups, shard offsets and CP token order."""
+"""kernels/layout.py: the TP=2 x CP=2 rank mapping, groups, shard offsets and CP token order; toolkit/layout.py:
+the shape presets on it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from detkit.toolkit.layout import (
-    FULL_WORLD, QWEN3_8B, TINY, AxisGroup, ModelDims, TpCpLayout, layout_for_preset,
-)
+from detkit.kernels.layout import FULL_WORLD, QWEN3_8B, TINY, AxisGroup, ModelDims, TpCpLayout
+from detkit.toolkit.layout import layout_for_preset
 
 
 def test_rank_mapping_is_cp_times_two_plus_tp():
@@ -155,3 +155,12 @@ def test_describe_is_json_ready():
     assert json.loads(json.dumps(d)) == d
     assert d["tp_groups"] == [[0, 1], [2, 3]] and d["cp_groups"] == [[0, 2], [1, 3]]
     assert d["i_shards"] == [[0, 48], [48, 96]]
+
+
+def test_the_harness_uses_the_kernels_layout_not_a_copy():
+    import detkit.kernels.layout as kernels_layout
+    import detkit.toolkit.layout as toolkit_layout
+
+    for name in ("AXES", "CP_SIZE", "FULL_WORLD", "QWEN3_8B", "TINY", "TP_SIZE", "AxisGroup", "ModelDims", "TpCpLayout"):
+        assert getattr(toolkit_layout, name) is getattr(kernels_layout, name), name
+    assert isinstance(layout_for_preset("tiny"), kernels_layout.TpCpLayout)

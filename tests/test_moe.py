@@ -18,10 +18,15 @@ from detkit.kernels.moe import (
 )
 import detkit.kernels.moe as km
 from detkit.kernels.det_gemm import GemmConfig
+from detkit.kernels.moe_common import EPI_SWIGLU
+from detkit.kernels.moe_configs import check_grouped_config, check_moe_variant
+from detkit.kernels.moe_launch import _grouped
 from detkit.kernels.moe_routing import SEGMENT_ALIGN, build_routing, launch_routing, max_padded_rows
-from tests.conftest import backend_of
-from tests.moe_helpers import assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline
 from detkit.toolkit.contract import compare_bits
+from tests.conftest import backend_of
+from tests.moe_helpers import (
+    assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline, forbid_kernels,
+)
 
 H, I, E, K = 32, 48, 4, 2
 
@@ -32,24 +37,6 @@ def _case(routing="random", t=64, k=K, e=E, h=H, i=I, seed=3):
 
 def _assert_stages(inp):
     assert assert_stages(stage_checks, inp)["composed_dx_equal"]
-
-
-def test_route_dtype_float32_keeps_y_unrounded_within_its_bounds(device, monkeypatch):
-    # ROUTE_DTYPE float32 (tables up to .5): y and dx_route stay FP32 and every stage bound (unit 0 for them) holds;
-    # the pinned BF16 y is y's FP32 value rounded once. An unsupported dtype is refused by name before any work.
-    inp = make_inputs(_case("masked", seed=6), device)
-    r = build_routing(inp["topk_ids"], inp["scores"], E)
-    backend = backend_of(device)
-    gu, h = moe_up_swiglu(inp["x"], inp["w1"], r, backend)
-    y_bf16 = moe_down(h, inp["w2"], r, backend)
-    monkeypatch.setattr(km, "ROUTE_DTYPE", torch.float32)
-    y = moe_down(h, inp["w2"], r, backend)
-    assert y.dtype == torch.float32 and y_bf16.dtype == torch.bfloat16
-    assert compare_bits(y.to(torch.bfloat16), y_bf16).equal
-    _assert_stages(inp)
-    monkeypatch.setattr(km, "ROUTE_DTYPE", torch.float16)
-    with pytest.raises(ValueError, match="ROUTE_DTYPE is torch.float16; supported"):
-        moe_down(h, inp["w2"], r, backend)
 
 
 @pytest.mark.parametrize("case", [
@@ -151,7 +138,7 @@ def test_fused_dscores_keep_the_dgrad_bits_and_equal_dout_dot_y(device):
     assert compare_bits(dgu_fused, km.moe_dgrad_dswiglu(inp["dout"], inp["w2"], gu, r, backend)).equal
     assert part.shape == (r.padded_rows, 2)
     ds = km.moe_dscores_from_partials(part, r, backend)
-    # y = h @ W2[e] per expert-sorted row in FP64 (the layer's own y is rounded to ROUTE_DTYPE)
+    # y = h @ W2[e] per expert-sorted row in FP64 (the layer's own y is rounded to BF16)
     row_expert = r.tile_expert.long().repeat_interleave(SEGMENT_ALIGN)
     y = torch.einsum("pi,pih->ph", h.double(), inp["w2"].double()[row_expert])
     rr = r.route_row.long()
@@ -262,6 +249,71 @@ def test_rejects_before_any_work(index, device):
     assert_rejected(moe_mlp_fwd, inp, change, exc_type)
 
 
+@pytest.fixture
+def no_kernel_queued(monkeypatch):
+    """The layer's first kernel (the routing) and, in a backward, its first GEMM fail the test."""
+    forbid_kernels(monkeypatch, km, "launch_checked_routing", "moe_dgrad_dswiglu_dscore")
+
+
+@pytest.mark.parametrize(("kwargs", "exc_type", "match"), [
+    ({"main_grads": 1}, TypeError, r"main_grads must be a pair \(main_grad_w1, main_grad_w2\) or None; got int"),
+    ({"main_grads": (None, None, None)}, TypeError, "main_grads must be a pair .* got tuple"),
+    ({"main_grads": ("a", "b")}, TypeError, "main_grad_w1 must be a float32 tensor; got str"),
+    ({"main_grads": "wrong"}, TypeError, "main_grads must be a pair .* got str"),
+], ids=["int", "triple", "strings", "str"])
+def test_moe_mlp_refuses_a_bad_main_grads_before_any_kernel(kwargs, exc_type, match, device, no_kernel_queued):
+    inp = make_inputs(_case(t=8), device)
+    with pytest.raises(exc_type, match=match):
+        km.moe_mlp(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"], **kwargs)
+
+
+def test_moe_mlp_fwd_refuses_a_stage_range_that_is_not_callable(device, no_kernel_queued):
+    inp = make_inputs(_case(t=8), device)
+    with pytest.raises(TypeError, match=r"stage_range must be a callable \(stage name -> context manager\) or None; "
+                                        "got str"):
+        moe_mlp_fwd(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"], stage_range="nvtx")
+
+
+@pytest.mark.parametrize(("kwargs", "exc_type", "match"), [
+    ({"main_grads": 1}, TypeError, "main_grads must be a pair .* got int"),
+    ({"main_grads": (torch.zeros(3), torch.zeros(3))}, ValueError, r"main_grad_w1 must match its weight's shape"),
+    ({"stage_range": 5}, TypeError, "stage_range must be a callable .* got int"),
+], ids=["main_grads-int", "main_grads-shape", "stage_range"])
+def test_moe_mlp_bwd_refuses_bad_keywords_before_any_kernel(kwargs, exc_type, match, device, monkeypatch):
+    inp = make_inputs(_case(t=8), device)
+    _, saved = moe_mlp_fwd(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])
+    forbid_kernels(monkeypatch, km, "moe_dgrad_dswiglu_dscore")
+    with pytest.raises(exc_type, match=match):
+        km.moe_mlp_bwd(inp["dout"], saved, **kwargs)
+    with pytest.raises(TypeError, match="saved must be the MoeSaved of moe_mlp_fwd; got dict"):
+        km.moe_mlp_bwd(inp["dout"], {"x": inp["x"]})
+
+
+@pytest.mark.parametrize("name", ["x", "w1", "w2", "topk_ids", "scores"])
+def test_inputs_whose_storage_does_not_cover_the_view_are_refused(name, device, no_kernel_queued):
+    # A freed storage (resize_(0)) under an intact view: the kernels would read outside it.
+    inp = make_inputs(_case(t=8), device)
+    inp[name] = inp[name].clone()
+    inp[name].untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match=rf"{name} \(shape .*\) addresses \d+ bytes but its storage holds 0; "
+                                         "supported: a storage that covers the view"):
+        km.moe_mlp(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])
+
+
+def test_a_main_grad_or_dout_whose_storage_does_not_cover_the_view_is_refused(device, monkeypatch):
+    inp = make_inputs(_case(t=8), device)
+    _, saved = moe_mlp_fwd(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])
+    forbid_kernels(monkeypatch, km, "moe_dgrad_dswiglu_dscore")
+    shrunk = torch.zeros(inp["w1"].shape, device=device)
+    shrunk.untyped_storage().resize_(4 * 10)
+    with pytest.raises(ValueError, match=r"main_grad_w1 \(shape .*\) addresses \d+ bytes but its storage holds 40"):
+        km.moe_mlp_bwd(inp["dout"], saved, main_grads=(shrunk, torch.zeros(inp["w2"].shape, device=device)))
+    dout = inp["dout"].clone()
+    dout.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match=r"dout \(shape .*\) addresses \d+ bytes but its storage holds 0"):
+        km.moe_mlp_bwd(dout, saved)
+
+
 def test_fresh_process_gives_the_same_bits(device):
     from detkit.audits.moe import case_digests, fresh_process_digests
 
@@ -289,9 +341,11 @@ import json, sys, triton
 from tools.gemm_sass import cuobjdump_bytes, stack_bytes
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import detkit.kernels.moe as km
+import detkit.kernels.moe_kernels as km
+from detkit.kernels.moe_common import DS_CHUNK
+from detkit.kernels.moe_configs import MOE_CONFIGS
 target = GPUTarget("cuda", 90, 32)
-cfgs = km.MOE_CONFIGS["cuda_sm90"]
+cfgs = MOE_CONFIGS["cuda_sm90"]
 def build(fn, ptrs, consts, unit):
     consts = {**consts, **{n: 1 for n in unit}}
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
@@ -313,7 +367,7 @@ for stage, epi, gather, c_t in (("up", 1, True, "*bf16"), ("down", 0, False, "*f
             "gate_ptr": "*i32"}
     out[stage] = build(g, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                        "STEP_K": c.block_k, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False,
-                       "DSCORE": stage == "dgrad", "DS_CHUNK": km.DS_CHUNK},
+                       "DSCORE": stage == "dgrad", "DS_CHUNK": DS_CHUNK},
                        ("stride_al", "stride_bl" if stage in ("dgrad", "dx") else "stride_bc", "stride_cc", "stride_xc"))
 t = km.moe_grouped_gemm_tma_kernel
 for name, stage, epi, gather, c_t, k_major in (("up_tma", "up", 1, True, "*bf16", False),
@@ -327,7 +381,7 @@ for name, stage, epi, gather, c_t, k_major in (("up_tma", "up", 1, True, "*bf16"
             "tile_expert_ptr": "*i32", "gate_ptr": "*i32"}
     out[name] = build(t, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                       "STEP_K": c.block_k, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False,
-                      "B_K_MAJOR": k_major, "DSCORE": stage == "dgrad", "DS_CHUNK": km.DS_CHUNK},
+                      "B_K_MAJOR": k_major, "DSCORE": stage == "dgrad", "DS_CHUNK": DS_CHUNK},
                       ("stride_al", "stride_cc", "stride_xc"))
 w, c = km.moe_wgrad_kernel, cfgs["wgrad"]
 for name, ga, acc in (("wgrad_w1", True, False), ("wgrad_w2", False, False), ("wgrad_main_grad", True, True)):
@@ -391,7 +445,7 @@ def test_up_gemm_queued_before_the_read_is_gated_by_the_routing(device):
     def up_over(routing):
         gu = torch.full((p_max, two_i), float("nan"), dtype=torch.bfloat16, device=device)
         h = torch.full((p_max, two_i // 2), float("nan"), dtype=torch.bfloat16, device=device)
-        km._grouped(0, "up", inp["x"], True, inp["w1"], gu, h, routing, two_i, hidden, km.EPI_SWIGLU, backend, None)
+        _grouped(0, "up", inp["x"], True, inp["w1"], gu, h, routing, two_i, hidden, EPI_SWIGLU, backend, None)
         return gu, h
 
     gu, h = up_over(bound)
@@ -430,11 +484,10 @@ def test_table_ws_pick_falls_back_to_the_same_tile_when_the_ws_kernel_cannot_add
     assert km.table_moe_config("down", "cuda_sm90", odd) == replace(table, variant="ptr")
 
 
+@pytest.mark.gpu
 def test_tma_stage_runs_on_a_thread_without_a_cuda_context(device):
     # Autograd runs the backward on its own worker thread; Triton encodes a TMA descriptor before its
     # launcher binds a context there, so the launch must bind one first (kernels.backend.ensure_cuda_context).
-    if device.type != "cuda":
-        pytest.skip("GPU property: CUDA contexts and TMA descriptors exist only on the GPU")
     import threading
 
     inp = make_inputs(_case(t=16, seed=13), device)
@@ -461,8 +514,8 @@ def test_tma_stage_runs_on_a_thread_without_a_cuda_context(device):
 def test_moe_kernels_refuse_det_gemms_three_sub_tile_variant():
     wide = GemmConfig(128, 192, 64, 8, 8, 4, "tma3")
     with pytest.raises(ValueError, match=r"up: variant 'tma3' is not supported by the MoE kernels; supported: \('ptr', 'tma'\)"):
-        km.check_grouped_config("up", wide)
+        check_grouped_config("up", wide)
     with pytest.raises(ValueError, match=r"wgrad: variant 'tma3' is not supported by the MoE kernels"):
-        km.check_moe_variant("wgrad", wide)
+        check_moe_variant("wgrad", wide)
     with pytest.raises(ValueError, match=r"wgrad: variant 'ws' is not supported by the MoE kernels"):
-        km.check_moe_variant("wgrad", GemmConfig(128, 128, 64, 8, 8, 4, "ws"))
+        check_moe_variant("wgrad", GemmConfig(128, 128, 64, 8, 8, 4, "ws"))

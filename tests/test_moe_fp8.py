@@ -15,22 +15,24 @@ from detkit.audits.moe_fp8 import (
     EMULATION_REL_L2, GATE_MAX_REL_RMSE, GATE_MIN_COSINE, GATE_SHAPE, bf16_path_layer, fp8_rejection_cases,
     fp8_stage_checks, gate_passed, make_inputs, precision_stats, run_layer, weight_cache_checks,
 )
-from detkit.audits.moe import GRAD_NAMES, MoeCase, rel_l2
+from detkit.audits.moe import GRAD_NAMES, MoeCase
 from detkit.kernels.det_gemm import GemmConfig
 import detkit.kernels.moe_fp8 as kf
 from detkit.kernels.fp8_quant import QBLOCK, dequantize_rowwise, quantize_rowwise, quantize_rowwise_ref, quantize_weight
+from detkit.kernels.moe_common import EPI_FP8_SWIGLU, EPI_FP8_SWIGLU_QUANT
 from detkit.kernels.moe_fp8 import (
-    DEFAULT_WGRAD, MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_risk,
-    moe_fp8_up_swiglu, moe_mlp_fp8_fwd, moe_mlp_fp8_ref, select_moe_fp8_config,
+    MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_risk,
+    moe_fp8_up_swiglu, moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd, moe_mlp_fp8_ref, select_moe_fp8_config,
 )
+from detkit.kernels.moe_fp8_launch import _grouped
 from detkit.kernels.moe import moe_mlp_ref
 from detkit.kernels.moe_routing import build_routing, launch_routing
+from detkit.toolkit.contract import compare_bits, rel_l2
 from tests.conftest import backend_of
 from tests.moe_helpers import (
     FP8_TRITON_TILES, assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline,
-    fp8_stage_runs, layer_args,
+    fp8_stage_runs, forbid_kernels, layer_args,
 )
-from detkit.toolkit.contract import compare_bits
 
 H, I, E, K = 128, 128, 3, 2
 
@@ -187,8 +189,8 @@ def test_up_gemm_queued_before_the_read_is_gated_by_the_routing(device):
         gu, h = (torch.full((p_max, n), float("nan"), dtype=torch.bfloat16, device=device) for n in (two_i, two_i // 2))
         h_q = torch.empty((p_max, two_i // 2), dtype=torch.float8_e4m3fn, device=device) if fused else None
         h_s = torch.empty((p_max, two_i // 2 // QBLOCK), dtype=torch.float32, device=device) if fused else None
-        kf._grouped(0, "up", x_q, x_s, True, w1f.q_t, w1f.scale, gu, h, h_q, h_s, routing,
-                    kf.EPI_SWIGLU_QUANT if fused else kf.EPI_SWIGLU, backend, config)
+        _grouped(0, "up", x_q, x_s, True, w1f.q_t, w1f.scale, gu, h, h_q, h_s, routing,
+                 EPI_FP8_SWIGLU_QUANT if fused else EPI_FP8_SWIGLU, backend, config)
         return gu, h
 
     gu, h = up_over(bound)
@@ -260,7 +262,6 @@ def test_main_grad_accumulates_fp32(base):
 def test_bf16_weight_gradients_match_the_recipe_and_accumulate(base):
     # The mode beside the default (wgrad="fp8", which the base run and the tests above cover).
     inp, first, _ = base
-    assert DEFAULT_WGRAD == "fp8"
     got = run_layer(inp, wgrad="bf16")
     ref = moe_mlp_fp8_ref(*layer_args(inp), inp["dout"], wgrad="bf16")
     for name in GRAD_NAMES:
@@ -288,7 +289,7 @@ def test_fp8_wgrad_tma_variant_gives_the_pointer_kernels_bits(device):
     b = backend_of(device)
     xq, xs = moe_fp8_quant_colwise(inp["x"], r, b, gather=True, scale=False)
     yq, ys = moe_fp8_quant_colwise(inp["x"].flip(1), r, b, gather=True, scale=True)
-    # The Triton kernel's tile on sm_90 (the pinned one is the Gluon kernel's since table .13).
+    # The Triton kernel's tile on sm_90 (the pinned one is the Gluon kernel's).
     ptr = replace(FP8_TRITON_TILES["wgrad"] if b == "cuda_sm90" else FP8_WGRAD_CONFIGS[b], variant="ptr")
     for config in (replace(ptr, variant="tma"), replace(ptr, block_m=64, block_n=128, num_warps=4, variant="tma")):
         same = compare_bits(moe_fp8_wgrad(xq, xs, yq, ys, r, b, config=config),
@@ -324,7 +325,7 @@ def test_quant_risk_monitor_reports_every_quantized_tensor(base):
 
 
 def test_precision_gate_of_the_fp8_recipe(device):
-    # The kernels equal moe_mlp_fp8_ref (tests above); the recipe passes the issue's gate against FP64 at
+    # The kernels equal moe_mlp_fp8_ref (tests above); the recipe passes the precision gate against FP64 at
     # a shape with enough values for a stable RMSE (CPU torch, a few seconds; the audit adds the BF16 gold).
     t, h, i, e, k = GATE_SHAPE
     inp = make_inputs(MoeCase(t, h, i, e, k, "random", 30), torch.device("cpu"))
@@ -335,6 +336,68 @@ def test_precision_gate_of_the_fp8_recipe(device):
         for name, st in stats.items():
             assert gate_passed(st), (wgrad, name, st)
             assert st["rel_rmse_fp64"] > 2.0**-5, (wgrad, name, st)  # not vacuous: E4M3-level, not BF16's 2**-8
+
+
+def test_the_default_weight_gradients_are_the_fp8_ones(base):
+    # A backward without ``wgrad`` runs the FP8 weight-gradient GEMMs: the same bits as wgrad="fp8", not the BF16 ones.
+    inp, _, _ = base
+    _, saved = moe_mlp_fp8_fwd(*layer_args(inp), weight_cache=None)
+    default = moe_mlp_fp8_bwd(inp["dout"], saved)
+    fp8 = moe_mlp_fp8_bwd(inp["dout"], saved, wgrad="fp8")
+    bf16 = moe_mlp_fp8_bwd(inp["dout"], saved, wgrad="bf16")
+    assert compare_bits(default.dw1, fp8.dw1).equal and compare_bits(default.dw2, fp8.dw2).equal
+    assert not compare_bits(default.dw1, bf16.dw1).equal
+
+
+@pytest.fixture
+def no_kernel_queued(monkeypatch):
+    """The FP8 layer's first kernel (the routing) and, in a backward, its first (dout's quantization) fail the test."""
+    forbid_kernels(monkeypatch, kf, "launch_checked_routing", "quantize_rowwise")
+
+
+@pytest.mark.parametrize(("kwargs", "exc_type", "match"), [
+    ({"weight_cache": "lru"}, TypeError, "weight_cache must be an Fp8WeightCache or None; got str"),
+    ({"wgrad": 3}, TypeError, r"wgrad must be a str, one of \('bf16', 'fp8'\); got int"),
+    ({"wgrad": "fp16"}, ValueError, r"wgrad 'fp16' is not supported; supported: \('bf16', 'fp8'\)"),
+    ({"main_grads": 1}, TypeError, r"main_grads must be a pair \(main_grad_w1, main_grad_w2\) or None; got int"),
+], ids=["weight_cache", "wgrad-int", "wgrad-str", "main_grads"])
+def test_moe_mlp_fp8_refuses_bad_keywords_before_any_kernel(kwargs, exc_type, match, device, no_kernel_queued):
+    inp = make_inputs(_case(t=8), device)
+    with pytest.raises(exc_type, match=match):
+        moe_mlp_fp8(*layer_args(inp), **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"weight_cache": {}}, "weight_cache must be an Fp8WeightCache or None; got dict"),
+    ({"stage_range": "nvtx"}, "stage_range must be a callable .* got str"),
+], ids=["weight_cache", "stage_range"])
+def test_moe_mlp_fp8_fwd_refuses_bad_keywords_before_any_kernel(kwargs, match, device, no_kernel_queued):
+    inp = make_inputs(_case(t=8), device)
+    with pytest.raises(TypeError, match=match):
+        moe_mlp_fp8_fwd(*layer_args(inp), **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "exc_type", "match"), [
+    ({"wgrad": None}, TypeError, "wgrad must be a str"),
+    ({"main_grads": [1, 2]}, TypeError, "main_grad_w1 must be a float32 tensor; got int"),
+    ({"stage_range": 1}, TypeError, "stage_range must be a callable"),
+], ids=["wgrad", "main_grads", "stage_range"])
+def test_moe_mlp_fp8_bwd_refuses_bad_keywords_before_any_kernel(kwargs, exc_type, match, device, monkeypatch):
+    inp = make_inputs(_case(t=8), device)
+    _, saved = moe_mlp_fp8_fwd(*layer_args(inp), weight_cache=None)
+    forbid_kernels(monkeypatch, kf, "quantize_rowwise")
+    with pytest.raises(exc_type, match=match):
+        moe_mlp_fp8_bwd(inp["dout"], saved, **kwargs)
+    with pytest.raises(TypeError, match="saved must be the MoeFp8Saved of moe_mlp_fp8_fwd; got tuple"):
+        moe_mlp_fp8_bwd(inp["dout"], (saved,))
+
+
+def test_fp8_inputs_whose_storage_does_not_cover_the_view_are_refused(device, no_kernel_queued):
+    inp = make_inputs(_case(t=8), device)
+    w2 = inp["w2"].clone()
+    w2.untyped_storage().resize_(2 * 100)
+    with pytest.raises(ValueError, match=r"w2 \(shape .*\) addresses \d+ bytes but its storage holds 200"):
+        moe_mlp_fp8(inp["x"], inp["w1"], w2, inp["topk_ids"], inp["scores"], weight_cache=None)
 
 
 @pytest.mark.parametrize("index", range(len(fp8_rejection_cases(make_inputs(_case(t=8), "cpu")))))
@@ -371,7 +434,9 @@ from tools.gemm_sass import cuobjdump_bytes, stack_bytes
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import detkit.kernels.fp8_quant as fq
-import detkit.kernels.moe_fp8 as kf
+import detkit.kernels.moe_fp8_kernels as kf
+from detkit.kernels.det_gemm import GemmConfig
+from detkit.kernels.moe_configs import MOE_FP8_CONFIGS, QUANT_COLWISE_CONFIGS
 target = GPUTarget("cuda", 90, 32)
 from tests.moe_helpers import FP8_TRITON_TILES
 def sass_counts(cubin):
@@ -410,7 +475,7 @@ ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "a_rows_ptr": "*i32", "b_ptr": "
 for (stage, epi, gather, c_t), tma in itertools.product(
         (("up", 1, True, "*bf16"), ("down", 0, False, "*fp32"), ("dgrad", 2, True, "*bf16"), ("dx", 0, False, "*fp32")),
         (False, True)):  # the Triton tile with the weight through pointers and through TMA
-    c = kf.MOE_FP8_CONFIGS["cuda_sm90"][stage]
+    c = MOE_FP8_CONFIGS["cuda_sm90"][stage]
     if c.variant == "ws":  # the Gluon kernel (tests/test_moe_fp8_ws.py): the Triton tile it replaced
         c = FP8_TRITON_TILES[stage]
     if stage == "up" and c.block_n != 256:  # h quantized by the row-wise pass, not in the epilogue
@@ -422,17 +487,17 @@ for (stage, epi, gather, c_t), tma in itertools.product(
         "DSCORE": epi == 2},  # the layer's dgrad writes the dscore partials
         ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"), c.num_warps, c.num_stages)
 # Tiles beside the pinned ones: dgrad with two 1x128 dgu blocks per row in the epilogue (a tune candidate) and
-# table .1's 8-warp dgrad tile (the loop properties without the pinned 4-warp tile's register pressure); the up
-# tile that quantizes h in its epilogue (table .2's).
-for name, c, epi in (("dgrad_two_blocks", kf.GemmConfig(64, 128, 128, 1, 8, 4), 2),
-                     ("dgrad_w8", kf.GemmConfig(128, 64, 128, 1, 8, 4), 2), ("up_fused", kf.GemmConfig(64, 256, 128, 1, 8, 3), 1)):
+# an 8-warp dgrad tile (the loop properties without the 4-warp tile's register pressure); the up tile that quantizes h
+# in its epilogue.
+for name, c, epi in (("dgrad_two_blocks", GemmConfig(64, 128, 128, 1, 8, 4), 2),
+                     ("dgrad_w8", GemmConfig(128, 64, 128, 1, 8, 4), 2), ("up_fused", GemmConfig(64, 256, 128, 1, 8, 3), 1)):
     out[name] = build(
         kf.moe_fp8_grouped_gemm_kernel, {**ptrs, "b_ptr": "*fp8e4nv", "c_ptr": "*bf16"}, {"BLOCK_M": c.block_m,
         "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": True, "EPILOGUE": epi,
         "INTERPRETED": False, "B_TMA": False, "DSCORE": epi == 2}, ("stride_al", "stride_bl", "stride_cc", "stride_xc",
         "stride_qc"),
         c.num_warps, c.num_stages)
-c = kf.GemmConfig(64, 128, 128, 1, 4, 3)  # the Triton kernel's sm_90 tile (tests/moe_helpers.py FP8_TRITON_TILES)
+c = GemmConfig(64, 128, 128, 1, 4, 3)  # the Triton kernel's sm_90 tile (tests/moe_helpers.py FP8_TRITON_TILES)
 for acc, tma in ((False, False), (True, False), (False, True)):  # pointer operands; TMA ones (scale prefetch)
     a_t, b_t = ((f"tensordesc<fp8e4nv[{rows}, {c.block_k}]>" if tma else "*fp8e4nv") for rows in (c.block_m, c.block_n))
     out["wgrad_tma" if tma else f"wgrad_{acc}"] = build(
@@ -442,7 +507,7 @@ for acc, tma in ((False, False), (True, False), (False, True)):  # pointer opera
          "INTERPRETED": False, "TMA": tma}, ("stride_ap", "stride_bp", "stride_wc"), c.num_warps, c.num_stages)
 out["quant_colwise"] = build(kf.moe_fp8_quant_colwise_kernel, {"src_ptr": "*bf16", "rows_ptr": "*i32", "route_ptr": "*i32",
                              "score_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32"},
-                             {"BLOCK_N": kf.QUANT_COLWISE_CONFIGS["cuda_sm90"].block_n, "QBLOCK": 128, "GATHER": True, "SCALE": True,
+                             {"BLOCK_N": QUANT_COLWISE_CONFIGS["cuda_sm90"].block_n, "QBLOCK": 128, "GATHER": True, "SCALE": True,
                               "INTERPRETED": False}, ("stride_sn", "stride_qp"), 4, 1)
 out["quant_rowwise"] = build(fq.fp8_quant_rowwise_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                              {"BLOCK_M": 32, "QBLOCK": 128, "INTERPRETED": False}, ("stride_xn", "stride_qn"), 4, 1)
@@ -453,9 +518,9 @@ print(json.dumps(out))
 '''
 
 
-# The pinned 4-warp FP8 dgrad tile spills 272 bytes and converts one layout per K block (sm_90, Triton 3.6)
-# and still ran 1.29x as fast as the 8-warp tile that has neither (H200: 475 vs 367 TFLOP/s,
-# reports/2026-11-29-h200-table7/moe-tune-fp8); "dgrad_w8" keeps the strict check of the loop.
+# The 4-warp Triton FP8 dgrad tile (FP8_TRITON_TILES) spills 272 bytes and converts one layout per K block (sm_90,
+# Triton 3.6) and is still faster on the H200 than the 8-warp tile that has neither; "dgrad_w8" keeps the strict
+# check of the loop.
 MEASURED_PRESSURE = {"dgrad_tma": (272, 1)}
 
 

@@ -1,7 +1,8 @@
-"""The FP8 MoE grouped GEMM's warp-specialized Gluon kernel (kernels/moe_fp8_ws.py, variant "ws"): the Triton
-kernel's bits for the FP32-output stages (down, dX) on the H200, including padding-only tiles and an expert
-with no rows; refusals by name everywhere; and an offline sm_90 compile (no GPU) showing TMA loads, FP8 wgmma
-with one MMA group in flight behind the newest, the register hand-off, no spills and no MMA serialization by ptxas."""
+"""The FP8 MoE warp-specialized Gluon kernels (kernels/moe_fp8_ws.py, kernels/moe_fp8_ws_gather.py, variant "ws"):
+the Triton kernel's bits on the H200 for down and dX, the gathered up and dgrad and the weight gradient, including
+padding-only tiles and an expert with no rows; refusals by name everywhere (the host-side ones on every backend); and
+an offline sm_90 compile (no GPU) showing TMA loads, FP8 wgmma with one MMA group in flight behind the newest, the
+register hand-off, no spills and no MMA serialization by ptxas."""
 
 from dataclasses import replace
 
@@ -15,18 +16,16 @@ from detkit.kernels.moe_fp8 import moe_fp8_quant_colwise, moe_fp8_wgrad, select_
 from detkit.kernels.moe_routing import build_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import (
-    FP8_TRITON_TILES, compile_sm90_offline, fp8_stage_runs, refuses_ws_off_sm90, skewed_ids,
+    FP8_TRITON_TILES, assert_ws_refused_off_sm90, compile_sm90_offline, fp8_stage_runs, skewed_ids,
 )
 from detkit.toolkit.contract import compare_bits
 
 WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 5, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws"),
               GemmConfig(128, 64, 128, 1, 8, 8, "ws")]
-GATHERED_WS_CONFIGS = {  # BLOCK_M 64 with 8 warps: ping-pong
-    "up": [GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws"),
-           GemmConfig(64, 128, 128, 1, 8, 7, "ws")],
+GATHERED_WS_CONFIGS = {
+    "up": [GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws")],
     "dgrad": [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(64, 64, 128, 1, 4, 8, "ws"),
-              GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 8, 5, "ws"),
-              GemmConfig(64, 64, 128, 1, 8, 6, "ws")],
+              GemmConfig(128, 128, 128, 1, 8, 4, "ws")],
 }
 WGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(128, 128, 128, 1, 8, 4, "ws"),
                     GemmConfig(128, 128, 128, 1, 8, 5, "ws")]
@@ -50,10 +49,11 @@ def _operands(device, t=24, h=128, i=128, e=3, k=2, seed=5):
 
 
 def test_ws_refuses_other_backends_and_stages_by_name(device):
+    # The config checks run before the backend's (sm_90 only), so all of them run on the interpreter too.
     runs, gathered, _ = _operands(device)
     ws = WS_CONFIGS[0]
-    if refuses_ws_off_sm90(runs, ws, device):
-        return
+    assert_ws_refused_off_sm90(runs, ws, device)
+    assert_ws_refused_off_sm90(gathered, GATHERED_WS_CONFIGS["dgrad"][2], device)  # 4 stages: dgrad's buffers fit
     with pytest.raises(ValueError, match="one 128-row scale block per ring slot"):
         runs["wgrad_w1"](GemmConfig(128, 64, 64, 1, 8, 6, "ws"))
     with pytest.raises(ValueError, match="variant 'ws' covers down, dX, the up-projection"):
@@ -66,6 +66,9 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
         runs["wgrad_w1"](GemmConfig(128, 128, 128, 1, 8, 6, "ws"))
     with pytest.raises(ValueError, match="64 rows"):
         runs["down"](GemmConfig(128, 128, 128, 1, 4, 4, "ws"))
+    for stage in ("up", "dgrad"):  # BLOCK_M 64 with 8 warps: the kernel's ping-pong form, which is not launched
+        with pytest.raises(ValueError, match="BLOCK_M 64 with 4 warps or 128 with 8; got BLOCK_M 64, 8 warps"):
+            gathered[stage](GemmConfig(64, 128, 128, 1, 8, 5, "ws"))
     with pytest.raises(ValueError, match="one 128-K scale block per ring slot"):
         runs["down"](replace(ws, block_k=64))
 
@@ -134,7 +137,8 @@ import json
 from triton.experimental.gluon import language as gl
 from tools.gemm_sass import gluon_desc_type, gluon_sm90_report
 from detkit.kernels.det_gemm_ws import consumers, max_regs
-from detkit.kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_gather_kernel, moe_fp8_ws_kernel
+from detkit.kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_kernel
+from detkit.kernels.moe_fp8_ws_gather import moe_fp8_ws_gather_kernel
 out = {}
 box = lambda rows, cols=128, dt=gl.float8e4nv: gluon_desc_type(rows, cols, dt)
 scale_box = lambda cols: f"tensordesc<fp32[1, {cols}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)!r}>"
@@ -149,7 +153,8 @@ wgrad = [(moe_fp8_wgrad_ws_kernel, f"wgrad_{bm}x{bn}_acc{int(acc)}", bm, bn, war
            "counts_ptr": "*i32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "KB_GROUP": 3, "ACCUMULATE": acc, "CONSUMERS": consumers(warps),
            "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 128, 8, 5, False), (128, 128, 8, 5, True)]]
-part = lambda bm, warps: 64 if warps == 8 and bm == 64 else bm // consumers(warps)  # a consumer's rows per tile
+part = lambda bm, warps: bm // consumers(warps)  # a consumer's rows per tile
+# PINGPONG: the launcher leaves it at its default, False (a constexpr; unset here it would be a runtime argument).
 up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}_w{warps}", bm, bn, warps,
        {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(part(bm, warps), bn, gl.bfloat16),
         "h_desc": box(part(bm, warps), bn // 2, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
@@ -157,17 +162,17 @@ up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}_w{warps}", bm, bn, warps,
         "gu_ptr": "*i32",
         "qs_ptr": "*fp32"},
        {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-        "EPILOGUE": 3, "stride_asl": 1, "PINGPONG": (bm, warps) == (64, 8)})
-      for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6), (64, 128, 8, 7)]]
+        "EPILOGUE": 3, "stride_asl": 1, "PINGPONG": False})
+      for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6)]]
 dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}_w{warps}" + "_ds" * ds, bm, bn, warps,
           {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(part(bm, warps), bn, gl.int32),
            "h_desc": box(part(bm, warps), bn, gl.int16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
            "gu_ptr": "*i32", "qs_ptr": "*fp32", "h_ptr": "*bf16", "ds_ptr": "*fp32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-           "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds, "PINGPONG": (bm, warps) == (64, 8)})
+           "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds, "PINGPONG": False})
          for bm, bn, warps, stages, ds in [(128, 64, 8, 6, False), (64, 64, 4, 8, False), (128, 128, 8, 4, False),
-                                           (128, 128, 8, 4, True), (64, 64, 4, 8, True), (64, 128, 8, 5, True)]]
+                                           (128, 128, 8, 4, True), (64, 64, 4, 8, True)]]
 for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
     out[name] = gluon_sm90_report(fn, ptrs, consts, max_regs(warps))
 print(json.dumps(out))

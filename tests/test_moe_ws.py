@@ -1,9 +1,9 @@
 """The BF16 MoE warp-specialized Gluon kernels (kernels/moe_ws.py, variant "ws": down and dX, the gathered up and
 dgrad, the weight gradients): the Triton tiles' bits on the H200 for both weight layouts (down: [E, I, H]; dX: the
 K-major view of W1), including a padding-only tile and an expert with no rows, and for the weight gradients with BF16
-out or FP32 main_grad accumulation and Inf in the token row padding rows name; refusals by name everywhere; and an
-offline sm_90 compile (no GPU) showing TMA loads and stores, BF16 wgmma, the register hand-off, no spills and no MMA
-serialization by ptxas."""
+out or FP32 main_grad accumulation and Inf in the token row padding rows name; refusals by name everywhere (the
+host-side ones on every backend); and an offline sm_90 compile (no GPU) showing TMA loads and stores, BF16 wgmma, the
+register hand-off, no spills and no MMA serialization by ptxas."""
 
 from dataclasses import replace
 
@@ -17,10 +17,10 @@ from detkit.kernels.moe import (
 )
 from detkit.kernels.moe_routing import build_routing
 from tests.conftest import backend_of
-from tests.moe_helpers import compile_sm90_offline, refuses_ws_off_sm90, skewed_ids
+from tests.moe_helpers import assert_ws_refused_off_sm90, compile_sm90_offline, skewed_ids
 from detkit.toolkit.contract import compare_bits
 
-# The Triton tiles the ws kernels replaced in the table (MoE table 2026-11-29.2): the reference for their bits.
+# Triton tiles of the ws stages: the reference for the ws kernels' bits.
 TRITON_TILES = {"down": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "dx": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
                 "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "tma"), "dgrad_plain": GemmConfig(128, 128, 64, 1, 8, 4, "tma"),
                 "up": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "up_kmajor": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
@@ -82,11 +82,10 @@ def _accumulated(wgrad, start, a, b_op, routing, backend, config):
 
 
 def test_ws_refuses_other_backends_and_stages_by_name(device):
+    # The config checks run before the backend's (sm_90 only), so all of them run on the interpreter too.
     runs, r, inp = _runs(device)
     b = backend_of(device)
-    ws = WS_CONFIGS[0]
-    if refuses_ws_off_sm90(runs, ws, device):
-        return
+    assert_ws_refused_off_sm90(runs, WS_CONFIGS[0], device)
     with pytest.raises(ValueError, match="64 rows"):
         runs["down"](GemmConfig(128, 128, 64, 1, 4, 4, "ws"))
     with pytest.raises(ValueError, match="needs 262144 bytes of shared memory"):  # 7 stages + the BF16 tile buffer
@@ -160,25 +159,6 @@ def test_ws_gives_the_triton_tiles_bits(shape, device):
                 assert compare_bits(run(config)[j], o).equal, (stage, j, config.label())  # repeat
         if not stage.startswith("wgrad"):
             assert bool((ref[0][r.sorted_route < 0] == 0).all()), stage
-
-
-@pytest.mark.gpu
-def test_ws_down_and_dx_give_the_triton_tiles_bits_in_fp32_too(device, monkeypatch):
-    # ROUTE_DTYPE float32 (tables up to .5, bench.moe_ab's route:float32): the Gluon kernel's FP32 store buffer. The
-    # 128x256 3-stage tile (table .7's down) does not fit beside it: refused by name, before any work.
-    import detkit.kernels.moe as km
-
-    monkeypatch.setattr(km, "ROUTE_DTYPE", torch.float32)
-    runs, _, _ = _runs(device, 300, 512, 384, 5, 2, seed=12)
-    for stage in ("down", "dx"):
-        ref = runs[stage](TRITON_TILES[stage])[0]
-        assert ref.dtype == torch.float32, stage
-        for config in WS_CONFIGS:
-            if config.block_n == 256:
-                with pytest.raises(ValueError, match="needs 278528 bytes of shared memory"):
-                    runs[stage](config)
-                continue
-            assert compare_bits(runs[stage](config)[0], ref).equal, (stage, config.label())
 
 
 @pytest.mark.gpu

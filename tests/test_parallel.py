@@ -79,6 +79,8 @@ def check(fn):
 
 
 def bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """tests/conftest.py's assert_bits_equal for the ranks, which run this file outside pytest: importing conftest
+    there would switch the Triton interpreter on for the NCCL ranks too."""
     result = compare_bits(got, want)
     if not result.equal:
         raise AssertionError(f"{what}: {result.mismatches}/{result.elements} elements differ, "
@@ -302,7 +304,7 @@ def refuses_unconfigured_shapes(ctx: Ctx) -> None:
     refuses(lambda: row_parallel_dhidden(loc["d_out"], loc["w_down"][:, :-1], layout=ctx.layout), ValueError,
             rf"w_local has shape \({il}, {h - 1}\)")
     refuses(lambda: row_parallel_dhidden(loc["d_out"], loc["w_down"], layout="tiny"), TypeError,
-            r"layout is a str; supported: toolkit.layout.TpCpLayout or None")
+            r"layout is a str; supported: kernels.layout.TpCpLayout or None")
 
 
 @check
@@ -310,7 +312,7 @@ def refuses_a_raw_process_group(ctx: Ctx) -> None:
     loc = ctx.loc["randn"]
     pg = (ctx.groups.tp or ctx.groups.cp).group
     refuses(lambda: row_parallel_fwd(loc["hidden"], loc["w_down"], pg), TypeError,
-            r"group is a \w+; supported: toolkit.layout.AxisGroup")
+            r"group is a \w+; supported: kernels.layout.AxisGroup")
     refuses(lambda: replicated_dw(loc["x"], loc["d_gate"], None), TypeError, r"group is a NoneType")
 
 

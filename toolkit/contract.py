@@ -1,16 +1,8 @@
-"""The numerical contract and the raw-bit comparators. Derivation: docs/contract.md.
+"""The numerical contract's checks and the raw-bit comparators. Derivation: docs/contract.md.
 
-A detkit GEMM computes c = bf16(fl32(sum_k a_k * b_k)) from BF16 inputs. Against the exact product
-c* of the same BF16 inputs (an FP64 oracle), every element must satisfy
-
-    |c - c*| <= U_BF16 * |c*| + (1 + U_BF16) * gamma(K) * (|A| @ |B|) + ETA_BF16
-
-where gamma(K) = K*U_FP32 / (1 - K*U_FP32) and U_FP32 = 2**-23 (not 2**-24) so truncating
-tensor-core adds are covered. ETA_BF16 covers rounding into BF16's subnormal range. The FP64 oracle's
-own error, gamma(K) in FP64 units, is added so the bound is a bound against the true product.
-
-A TP/CP-reduced tensor r = bf16(fl32(p0 + p1)), p_i = bf16(fl32(partial_i)), obeys
-``reduced_bound`` (docs/contract.md derives it).
+The bounds themselves (``gemm_bound``, ``reduced_bound`` and the unit roundoffs) are what the operators'
+references compose, so they live with the kernels in kernels/bounds.py; they are re-exported here beside the
+checks that apply them (``check_bound``), the drift statistics and the bitwise comparison.
 """
 
 from __future__ import annotations
@@ -20,42 +12,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-U_BF16 = 2.0**-8
-U_FP32 = 2.0**-23
-U_FP64 = 2.0**-53
-ETA_BF16 = 2.0**-134  # half the spacing of BF16 subnormals (2**-133)
-
-
-def gamma(n: int, unit: float = U_FP32) -> float:
-    """Higham's gamma_n = n*u / (1 - n*u): the relative error bound of an n-term recursive sum."""
-    if n < 0:
-        raise ValueError(f"gamma needs n >= 0; got {n}")
-    if n * unit >= 1.0:
-        raise ValueError(f"gamma({n}) is undefined for unit {unit}: n*u = {n * unit} >= 1")
-    return n * unit / (1.0 - n * unit)
-
-
-def gemm_bound(c_star: torch.Tensor, abs_ab: torch.Tensor, k: int) -> torch.Tensor:
-    """Per-element bound for one FP32-accumulated GEMM over ``k`` terms with one BF16 rounding."""
-    oracle_err = gamma(k, U_FP64) * abs_ab
-    return U_BF16 * c_star.abs() + (1.0 + U_BF16) * gamma(k) * abs_ab + ETA_BF16 + oracle_err
-
-
-# Rounding p0 + p1 to FP32 and then to BF16: (1 + U_FP32)(1 + U_BF16) - 1.
-U_REDUCE = U_BF16 + U_FP32 * (1.0 + U_BF16)
-
-
-def reduced_bound(c_star: torch.Tensor, partial_abs_sum: torch.Tensor, abs_ab: torch.Tensor,
-                  k_local: int) -> torch.Tensor:
-    """Bound for r = bf16(fl32(p0 + p1)) with p_i = bf16(fl32(partial_i)), each over ``k_local`` terms.
-
-    ``partial_abs_sum`` = |p0*| + |p1*| (exact partials), ``abs_ab`` = |A| @ |B| over the full K.
-    Each partial contributes U_BF16*|p_i*| + (1+U_BF16)*gamma(k_local)*(|A_i||B_i|); the final two
-    roundings add U_REDUCE relative to the rounded sum (docs/contract.md).
-    """
-    partial_err = U_BF16 * partial_abs_sum + (1.0 + U_BF16) * gamma(k_local) * abs_ab + 2 * ETA_BF16
-    oracle_err = gamma(2 * k_local, U_FP64) * abs_ab
-    return U_REDUCE * c_star.abs() + (1.0 + U_REDUCE) * partial_err + ETA_BF16 + oracle_err
+from detkit.kernels.bounds import (  # noqa: F401 (re-exported)
+    ETA_BF16, U_BF16, U_FP32, U_FP64, U_REDUCE, gamma, gemm_bound, reduced_bound,
+)
 
 
 @dataclass(frozen=True)
@@ -117,6 +76,24 @@ def _quantile(x: torch.Tensor, q: float) -> float:
     return float(flat.kthvalue(k).values)
 
 
+def rel_l2(got: torch.Tensor, ref: torch.Tensor, *, dtype: torch.dtype = torch.float64) -> float:
+    """The relative L2 error ||got - ref||_2 / ||ref||_2 over all elements, both taken to ``dtype`` on ref's device.
+
+    ``dtype`` float64 (the default) makes the norms exact enough for any gate in detkit; float32 halves the memory of
+    the copies for tensors too large to copy to FP64 on the device (the norms are then rounded to FP32). A
+    non-finite element in ``got`` gives inf (a NaN would compare false against every gate, silently passing a
+    ``>`` check). When ``ref`` is all zeros there is nothing to be relative to: the result is the absolute error
+    ||got||_2 (0 for got == ref). The same number as the relative RMSE, sqrt(mean (got - ref)^2) / sqrt(mean ref^2).
+    """
+    ref = ref.to(dtype)
+    got = got.to(device=ref.device, dtype=dtype)
+    if not bool(torch.isfinite(got).all()):
+        return float("inf")
+    err = float(torch.linalg.vector_norm(got - ref))
+    norm = float(torch.linalg.vector_norm(ref))
+    return err / norm if norm else err
+
+
 def drift_stats(c: torch.Tensor, oracle: torch.Tensor, prefix: str) -> dict[str, float]:
     """max/p95/p99 absolute and relative error, relative L2 and BF16 ULP distance of ``c`` vs ``oracle``."""
     ref = oracle.to(torch.float64)
@@ -125,7 +102,6 @@ def drift_stats(c: torch.Tensor, oracle: torch.Tensor, prefix: str) -> dict[str,
     nonzero = ref != 0
     rel = err[nonzero] / ref.abs()[nonzero]
     ulp = (bf16_ordinal(c.to(ref.device)) - bf16_ordinal(ref.to(torch.bfloat16))).abs().double()
-    norm = float(torch.linalg.vector_norm(ref))
     return {
         f"{prefix}_abs_max": float(err.max()),
         f"{prefix}_abs_p95": _quantile(err, 0.95),
@@ -133,7 +109,7 @@ def drift_stats(c: torch.Tensor, oracle: torch.Tensor, prefix: str) -> dict[str,
         f"{prefix}_rel_max": float(rel.max()) if rel.numel() else 0.0,
         f"{prefix}_rel_p95": _quantile(rel, 0.95),
         f"{prefix}_rel_p99": _quantile(rel, 0.99),
-        f"{prefix}_rel_l2": float(torch.linalg.vector_norm(c64 - ref)) / norm if norm else 0.0,
+        f"{prefix}_rel_l2": rel_l2(c64, ref),
         f"{prefix}_ulp_max": float(ulp.max()),
         f"{prefix}_ulp_p99": _quantile(ulp, 0.99),
         f"{prefix}_ulp0_fraction": float((ulp == 0).double().mean()),

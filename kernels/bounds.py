@@ -1,0 +1,56 @@
+"""Error bounds of the numerical contract (derivation: docs/contract.md): what a detkit GEMM or TP/CP-reduced
+tensor may differ by from an FP64 oracle of the same BF16 inputs. The operators' references (kernels/mlp.py,
+kernels/swiglu.py) compose them; the harness (toolkit/contract.py) checks results against them.
+
+A detkit GEMM computes c = bf16(fl32(sum_k a_k * b_k)) from BF16 inputs. Against the exact product
+c* of the same BF16 inputs (an FP64 oracle), every element must satisfy
+
+    |c - c*| <= U_BF16 * |c*| + (1 + U_BF16) * gamma(K) * (|A| @ |B|) + ETA_BF16
+
+where gamma(K) = K*U_FP32 / (1 - K*U_FP32) and U_FP32 = 2**-23 (not 2**-24) so truncating
+tensor-core adds are covered. ETA_BF16 covers rounding into BF16's subnormal range. The FP64 oracle's
+own error, gamma(K) in FP64 units, is added so the bound is a bound against the true product.
+
+A TP/CP-reduced tensor r = bf16(fl32(p0 + p1)), p_i = bf16(fl32(partial_i)), obeys ``reduced_bound``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+U_BF16 = 2.0**-8
+U_FP32 = 2.0**-23
+U_FP64 = 2.0**-53
+ETA_BF16 = 2.0**-134  # half the spacing of BF16 subnormals (2**-133)
+
+
+def gamma(n: int, unit: float = U_FP32) -> float:
+    """Higham's gamma_n = n*u / (1 - n*u): the relative error bound of an n-term recursive sum."""
+    if n < 0:
+        raise ValueError(f"gamma needs n >= 0; got {n}")
+    if n * unit >= 1.0:
+        raise ValueError(f"gamma({n}) is undefined for unit {unit}: n*u = {n * unit} >= 1")
+    return n * unit / (1.0 - n * unit)
+
+
+def gemm_bound(c_star: torch.Tensor, abs_ab: torch.Tensor, k: int) -> torch.Tensor:
+    """Per-element bound for one FP32-accumulated GEMM over ``k`` terms with one BF16 rounding."""
+    oracle_err = gamma(k, U_FP64) * abs_ab
+    return U_BF16 * c_star.abs() + (1.0 + U_BF16) * gamma(k) * abs_ab + ETA_BF16 + oracle_err
+
+
+# Rounding p0 + p1 to FP32 and then to BF16: (1 + U_FP32)(1 + U_BF16) - 1.
+U_REDUCE = U_BF16 + U_FP32 * (1.0 + U_BF16)
+
+
+def reduced_bound(c_star: torch.Tensor, partial_abs_sum: torch.Tensor, abs_ab: torch.Tensor,
+                  k_local: int) -> torch.Tensor:
+    """Bound for r = bf16(fl32(p0 + p1)) with p_i = bf16(fl32(partial_i)), each over ``k_local`` terms.
+
+    ``partial_abs_sum`` = |p0*| + |p1*| (exact partials), ``abs_ab`` = |A| @ |B| over the full K.
+    Each partial contributes U_BF16*|p_i*| + (1+U_BF16)*gamma(k_local)*(|A_i||B_i|); the final two
+    roundings add U_REDUCE relative to the rounded sum (docs/contract.md).
+    """
+    partial_err = U_BF16 * partial_abs_sum + (1.0 + U_BF16) * gamma(k_local) * abs_ab + 2 * ETA_BF16
+    oracle_err = gamma(2 * k_local, U_FP64) * abs_ab
+    return U_REDUCE * c_star.abs() + (1.0 + U_REDUCE) * partial_err + ETA_BF16 + oracle_err
