@@ -2,15 +2,17 @@
 fail-closed path. Runs on the interpreter in CI and on the GPU with DETKIT_TEST_DEVICE=cuda."""
 
 import os
+import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from detkit.audits.gemm_contract import oracle
 from detkit.kernels.det_gemm import (
-    CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, OneWave, all_configs, ctas_per_sm, det_gemm_da,
+    CONFIG_TABLE, LAUNCHERS, GemmConfig, OneWave, all_configs, clear_launch_plans, ctas_per_sm, det_gemm_da,
     det_gemm_db, det_gemm_fwd, det_gemm_fwd_launch, entry_configs, operand_ring_bytes, output_tiles, select_config,
 )
 from detkit.kernels.backend import check_bf16_matrix
@@ -61,11 +63,11 @@ def test_segmented_reduction_equals_sum_of_fp32_partials(device):
 
 
 def test_config_table_is_pinned_and_covers_every_size():
-    for (op, entries), k_major in [*((item, False) for item in CONFIG_TABLE.items()),
-                                   *((item, True) for item in CONFIG_TABLE_B_K_MAJOR.items())]:
+    assert set(CONFIG_TABLE) == {"fwd", "da", "db"}
+    for op, entries in CONFIG_TABLE.items():
         assert [bound for bound, _ in entries] == sorted(bound for bound, _ in entries)
         assert entries[-1][0] >= 2**31 - 1
-        assert select_config(op, 1, k_major) == entry_configs(entries[0][1])[0]
+        assert select_config(op, 1) == entry_configs(entries[0][1])[0]
         picks = {c for _, e in entries for c in entry_configs(e)}
         assert picks <= set(all_configs(op))  # the audit runs every pick
 
@@ -109,7 +111,16 @@ def test_one_wave_capped_at_one_cta_per_sm_at_the_smallest_m():
     assert select_config("fwd", 32, cols=4096) == m32_narrow and select_config("fwd", 32, cols=6144) == m32_wide
 
 
-def test_launch_picks_by_the_output_width_on_the_device_sms(device, monkeypatch):
+@pytest.fixture
+def fresh_plans():
+    """Launch plans read the device's SMs once per call signature: a test that patches them starts and ends with
+    no plans (so none picked on patched SMs outlives it)."""
+    clear_launch_plans()
+    yield clear_launch_plans
+    clear_launch_plans()
+
+
+def test_launch_picks_by_the_output_width_on_the_device_sms(device, monkeypatch, fresh_plans):
     import detkit.kernels.det_gemm as dg
 
     # M=130 in the (128, 256] bucket; 128 output columns: 3 tiles of 64x128. With 2 SMs the 8-stage ring
@@ -119,6 +130,7 @@ def test_launch_picks_by_the_output_width_on_the_device_sms(device, monkeypatch)
     out, launch = det_gemm_fwd_launch(a, b)
     assert launch.config == GemmConfig(64, 128, 64, 8, 4, 4, "tma")
     monkeypatch.setattr(dg, "device_sms", lambda dev: 3)
+    fresh_plans()  # the plan of this signature was picked on 2 SMs
     out3, launch3 = det_gemm_fwd_launch(a, b)
     assert launch3.config == GemmConfig(64, 128, 64, 8, 4, 8, "tma")
     assert compare_bits(out, out3).equal
@@ -190,7 +202,7 @@ def test_rejects_bad_config():
 
 
 def test_cpu_tensors_without_interpreter_fail_closed(tmp_path):
-    code = ("import torch\nfrom kernels.det_gemm import det_gemm_fwd\n"
+    code = ("import torch\nfrom detkit.kernels.det_gemm import det_gemm_fwd\n"
             "a = torch.zeros(4, 8, dtype=torch.bfloat16)\n"
             "det_gemm_fwd(a, torch.zeros(8, 4, dtype=torch.bfloat16))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -232,3 +244,141 @@ def test_rejects_a_bad_twin_before_any_work(device):
             det_gemm_fwd_launch(a, b, twin_out=twin)
     with pytest.raises(TypeError, match="twin_out must be a torch.Tensor or None; got list"):
         det_gemm_fwd_launch(a, b, twin_out=[])
+
+
+# ---- fail closed: what a new user may pass ------------------------------------------------------------
+def test_rejects_a_config_of_the_wrong_type(device):
+    a, b = bf16_randn((4, 64), 1, device), bf16_randn((64, 8), 2, device)
+    with pytest.raises(TypeError, match=r"config must be a GemmConfig or None \(the table's pick\); got str 'fast'"):
+        det_gemm_fwd_launch(a, b, config="fast")
+    with pytest.raises(TypeError, match=r"config must be a GemmConfig or None .*; got dict \{'block_m': 64\}"):
+        LAUNCHERS["db"](a.t().contiguous().t(), bf16_randn((4, 8), 3, device), config={"block_m": 64})
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.parametrize("which", [0, 1])
+def test_rejects_sparse_layouts_by_name(layout, which, device):
+    dense = [torch.zeros(4, 8, dtype=torch.bfloat16, device=device), torch.zeros(8, 4, dtype=torch.bfloat16, device=device)]
+    dense[which] = dense[which].to_sparse() if layout == "coo" else dense[which].to_sparse_csr()
+    name, kind = ("a", "b")[which], {"coo": "torch.sparse_coo", "csr": "torch.sparse_csr"}[layout]
+    for call in (lambda: det_gemm_fwd(*dense), lambda: det_gemm_fwd_launch(*dense)):
+        with pytest.raises(TypeError, match=rf"{name} has layout {kind}; supported: torch.strided \(dense tensors\)"):
+            call()
+
+
+@pytest.mark.parametrize("op", ["fwd", "da", "db"])
+def test_rejects_a_view_past_the_end_of_its_storage(op, device):
+    # As torch.matmul refuses a tensor whose storage was freed, a view reaching past its storage is refused before
+    # any work, on every call (the plan of the signature is cached after the first call; the storage is not).
+    x, y = _operands(op, 9, 40, 56, "linear", device)
+    want = LAUNCHERS[op](x, y)[0]
+    name = {"fwd": "a", "da": "dc", "db": "a"}[op]
+    x.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match=rf"{name} \(shape \({x.shape[0]}, {x.shape[1]}\), strides \({x.stride(0)}, 1\), "
+                                         rf"storage offset 0\) reaches byte {2 * x.numel()} of a storage that holds "
+                                         r"0 bytes; supported: views inside their storage"):
+        LAUNCHERS[op](x, y)
+    x.untyped_storage().resize_(2 * x.numel() - 2)  # one element short
+    with pytest.raises(ValueError, match=rf"reaches byte {2 * x.numel()} of a storage that holds {2 * x.numel() - 2} "):
+        OPS[op](x, y)
+    x.untyped_storage().resize_(2 * x.numel())
+    x.zero_()
+    assert want.shape == LAUNCHERS[op](x, y)[0].shape  # whole again: accepted
+
+
+def test_rejects_a_twin_past_the_end_of_its_storage(device):
+    a, b = bf16_randn((4, 64), 1, device), bf16_randn((64, 8), 2, device)
+    twin = torch.empty((4, 8), dtype=torch.bfloat16, device=device)
+    det_gemm_fwd_launch(a, b, twin_out=twin)
+    twin.untyped_storage().resize_(32)
+    with pytest.raises(ValueError, match=r"twin_out \(shape \(4, 8\), .* reaches byte 64 of a storage that holds 32"):
+        det_gemm_fwd_launch(a, b, twin_out=twin)
+
+
+def test_rejects_dims_of_2_30_and_more_before_anything_else():
+    # Element offsets are 64-bit, tile indices and TMA coordinates 32-bit: a dim of 2**30 is refused by name.
+    a = torch.empty((2**30, 8), dtype=torch.bfloat16, device="meta")
+    b = torch.empty((8, 16), dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=r"a has shape \(1073741824, 8\); supported: every dim below 2\*\*30"):
+        det_gemm_fwd(a, b)
+
+
+def test_operand_check_has_no_32bit_offset_limit():
+    # An lm_head's logits at M 16384 (16384 x 151936 = 2.49e9 elements) are an operand of dA and dB: accepted (the
+    # kernels compute 64-bit offsets); the same tensor is refused by the 32-bit check other kernels use.
+    import detkit.kernels.det_gemm as dg
+
+    dc = dg._Operand("dc", torch.Tensor, (16384, 151936), (151936, 1), torch.bfloat16, torch.strided,
+                     torch.device("cuda"), 0)
+    assert dg._check_operand(dc) == 16384 * 151936
+    with pytest.raises(ValueError, match=r"spans element offset 2489319423; supported: offsets below 2\*\*31"):
+        check_bf16_matrix("dc", torch.empty((16384, 151936), dtype=torch.bfloat16, device="meta"))
+
+
+# ---- the host path: one plan per call signature -----------------------------------------------------------
+def test_a_plan_is_built_once_per_signature_and_reused(device, fresh_plans):
+    import detkit.kernels.det_gemm as dg
+
+    a, b = bf16_randn((9, 64), 1, device), weight_kn(64, 40, 2, "linear", device)
+    first = det_gemm_fwd_launch(a, b)
+    info = dg.launch_plans_info()
+    assert (info.misses, info.hits) == (1, 0)
+    second = det_gemm_fwd_launch(a.clone(), b)  # new storage, same signature: the same plan
+    assert compare_bits(det_gemm_fwd(a, b), first[0]).equal  # the plain call shares the plan too
+    info = dg.launch_plans_info()
+    assert (info.misses, info.hits) == (1, 2) and second[1] is first[1]
+    assert compare_bits(second[0], first[0]).equal
+
+
+def test_the_plan_key_holds_the_base_alignment(device, fresh_plans):
+    # Same shape and strides, base 2 bytes past a 16-byte boundary: TMA cannot address it, so another plan
+    # (the pointer kernel with the same tile) and the same bits.
+    base = bf16_randn((600 * 64 + 8,), 1, device)
+    aligned, shifted = base[:600 * 64].view(600, 64), base[1:600 * 64 + 1].view(600, 64)
+    b = weight_kn(64, 40, 2, "linear", device)
+    got, launch = det_gemm_fwd_launch(aligned, b)
+    got_shifted, launch_shifted = det_gemm_fwd_launch(shifted, b)
+    assert launch.config.variant == "tma" and launch_shifted.config == replace(launch.config, variant="ptr")
+    assert compare_bits(got_shifted, det_gemm_fwd_launch(shifted.clone(), b)[0]).equal
+    assert compare_bits(got, det_gemm_fwd_launch(aligned.clone(), b, config=launch_shifted.config)[0]).equal
+
+
+def test_the_plan_cache_is_bounded(fresh_plans):
+    import detkit.kernels.det_gemm as dg
+
+    b = torch.zeros((8, 16), dtype=torch.bfloat16)
+    for m in range(1, dg.MAX_PLANS + 11):  # plans only: no launch
+        dg._lookup("fwd", torch.zeros((m, 8), dtype=torch.bfloat16), b, None, None, torch.bfloat16, None)
+    info = dg.launch_plans_info()
+    assert info.maxsize == dg.MAX_PLANS and info.currsize == dg.MAX_PLANS and info.misses == dg.MAX_PLANS + 10
+
+
+_ADDPTR_SCRIPT = """
+import json, re, sys, tempfile, glob
+from dataclasses import replace
+from detkit.bench.gemm_sass import CASES, build
+from detkit.kernels.det_gemm import GemmConfig
+out = {}
+for cfg in (GemmConfig(16, 64, 128, 1, 4, 6), GemmConfig(64, 64, 128, 1, 4, 6, "tma"),
+            GemmConfig(64, 192, 64, 8, 4, 6, "tma3"), GemmConfig(128, 256, 64, 8, 8, 3, "ws")):
+    for case in (CASES[0], CASES[1], CASES[4]):
+        d = tempfile.mkdtemp()
+        build(replace(case, cols=6140), cfg.variant, d, config=cfg)  # 6140: the ws epilogue from registers
+        ttgir = open(glob.glob(d + "/*.ttgir")[0]).read()
+        # each tt.addptr's offset element type: "..., tensor<16x128xi64, #blocked> loc(...)" or "..., i64 loc(...)"
+        out[f"{case.name} {cfg.label()}"] = [re.search(r", (?:tensor<[0-9x]+)?(i\\d+)(?:, #\\w+>)? loc", line).group(1)
+                                             for line in ttgir.splitlines() if "tt.addptr" in line]
+print(json.dumps(out))
+"""
+
+
+def test_every_variant_computes_64bit_element_offsets(tmp_path):
+    # An lm_head's dA/dB operand or logits (16384 x 151936) hold more than 2**31 - 1 elements: every pointer the
+    # kernels form (operand loads of the pointer kernel, the stores of the Triton kernels, the ws register
+    # epilogue) adds a 64-bit offset. Checked on the sm_90 compiles' TTGIR (no GPU needed).
+    from tests.moe_helpers import compile_sm90_offline
+
+    offsets = compile_sm90_offline(_ADDPTR_SCRIPT, tmp_path)
+    assert len(offsets) == 12
+    for case, types in offsets.items():
+        assert types and set(types) == {"i64"}, (case, types)
