@@ -10,7 +10,6 @@ import torch
 from detkit.audits.gemm_common import GemmCase, launch, operands
 from detkit.kernels.det_gemm import REFERENCES
 from detkit.toolkit.contract import bf16_ordinal, check_bound, drift_stats, gemm_bound
-from detkit.toolkit.fixtures import LAYOUTS
 from detkit.toolkit.harness import Row, RunContext
 from detkit.toolkit.nvtx_ranges import nvtx_range
 from detkit.toolkit.presets import GEMM_PRESETS
@@ -61,7 +60,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
     for op in OPS:
         for k, n in preset.kn_shapes:
             for m in preset.m_values:
-                for layout in (LAYOUTS if op != "db" else ("kn",)):
+                for layout in (preset.layouts if op != "db" else ("kn",)):
                     case = GemmCase(op, m, n, k, layout, ctx.seed)
                     x, y = operands(case, ctx.device)
                     with nvtx_range(f"contract {case.name}"):

@@ -43,7 +43,14 @@ Three kernels share that tile math (``tile_of_program``, ``segment_boundary``, `
   only, beside tiles with a pointer twin: when an operand is not TMA-addressable the entry picks among
   those instead (same bits).
 
-Shapes: any M, N, K >= 1 whose element offsets fit in 32 bits; any non-negative strides ("ptr").
+Shapes: any M, N, K >= 1 below 2**30 (element offsets are 64-bit: an lm_head's logits may hold more than
+2**31 - 1 elements); any non-negative strides ("ptr").
+
+Host path: a call's signature (op, options, and each tensor's type, shape, strides, dtype, layout, device and
+base alignment) keys a launch plan, built once and kept in a bounded LRU: the signature checks, the table's pick,
+the variant, the grid and the static launch arguments. Per call: one cache lookup, the checks that depend on the
+tensors themselves (storage), the output's allocation and the launch, straight into the compiled kernel's
+launcher after the plan's first launch (kernels/backend.py DirectLaunch).
 """
 
 from __future__ import annotations
@@ -172,7 +179,7 @@ class OneWave:
     by the cross-config audit), so the choice cannot change a result."""
     configs: tuple[GemmConfig, ...]
     # None: as many CTAs per SM as shared memory allows. 1 at the smallest M, where the weight stream is the
-    # work and CTAs sharing an SM share its bandwidth (H200 M <= 32 sweep, reports/2026-11-30-h200).
+    # work and CTAs sharing an SM share its bandwidth.
     max_ctas_per_sm: int | None = None
 
     def __post_init__(self):
@@ -200,57 +207,51 @@ class OneWave:
 
 
 # (largest M the entry serves, config or OneWave); M is the batch dimension for all three ops (dB's reduced
-# dimension: dB is not batch-invariant by nature, so picking its tile by M costs no property).
-# Entries chosen from bench/gemm_tune.py sweeps on an H200 (reports/2026-11-29-h200/ and later); every
-# candidate swept there gave the same bits as the table's pick.
+# dimension: dB is not batch-invariant by nature, so picking its tile by M costs no property). Every entry was
+# timed against the other candidates on an H200 (tools' tune sweeps; every candidate gave the table pick's bits),
+# and the cross-config audit checks the bits of every config the table can pick.
+#
+# Shared memory decides residency (ctas_per_sm); the comment beside each tile gives its ring and CTAs per SM.
 _SMALL_64 = GemmConfig(64, 64, 128, 1, 4, 6, "tma")  # 192 KiB ring: 1 CTA per SM
 _SMALL_128 = GemmConfig(64, 128, 64, 8, 4, 6, "tma")  # 144 KiB: 1 CTA per SM
-_SMALL_128_2 = GemmConfig(64, 128, 64, 8, 4, 4, "tma")  # 96 KiB: 2 CTAs per SM
-# Table .12: where one CTA per SM streams all of K (one wave), a deeper ring of the same tile keeps more bytes in
-# flight at the same residency (H200 sweep reports/2026-11-30-h200/tune-deep, M 256-1024, every candidate
-# bit-equal): 64x128 on 8 stages at M 129-256, +9-14% over 6 (4 of 4 cases); 128x128 on 6 stages, +3-9% over 4
-# (8 of 8 cases where the table picked it).
+_SMALL_128_2 = GemmConfig(64, 128, 64, 8, 4, 4, "tma")  # 96 KiB: 2 CTAs per SM, for grids that need two per SM
+# Where one CTA per SM streams all of K in one wave, the deepest ring that still fits keeps the most bytes in
+# flight at the same residency: 64x128 on 8 stages measured 9-14% ahead of 6 stages at M 129-256, 128x128 on 6
+# stages 3-9% ahead of 4 at M 257-1024.
 _SMALL_128_DEEP = GemmConfig(64, 128, 64, 8, 4, 8, "tma")  # 192 KiB: 1 CTA per SM
 _MID = GemmConfig(128, 128, 64, 8, 8, 6, "tma")  # 192 KiB: 1 CTA per SM
-# Table .13, M 65-128 (H200 sweep reports/2026-11-30-h200/tune-m128, fwd and dA at M 128, both shapes and layouts,
-# every candidate bit-equal): a 4096-wide output on one 128-row tile of 32 columns (128 tiles, one wave),
-# +5-11% over the 64x64 tile (4 of 4 cases); a 6144-wide output on the 8-stage 64x128 ring, +6-12% over 6 stages
-# (4 of 4 cases).
+# At M 65-128 a 4096-wide output is 128 tiles of 128x32: one wave on 132 SMs with every CTA streaming the whole of
+# K (5-11% ahead of 64x64 tiles).
 _NARROW_128 = GemmConfig(128, 32, 128, 1, 4, 5, "tma")  # 200 KiB: 1 CTA per SM
 _MID_TALL = GemmConfig(256, 128, 64, 8, 8, 4, "tma")  # 192 KiB: 1 CTA per SM, half the tiles of _MID
-# Three 64-column sub-tiles: a 6144-wide output is 32 tile columns, so M 256 (64-row tiles) and M 512
-# (128-row tiles) are 128 tiles, one wave on 132 SMs, where the 128-wide tiles need 192 (H200 sweep
-# reports/2026-11-30-h200/tune-tma3: fwd 489-500 vs 459-483 TFLOP/s at M 256, 551-569 vs 536-549 at M 512;
-# dA 495-500 vs 464-478 at M 256; every candidate bit-equal to the table's pick). At 4096 wide the 128-wide
-# tiles fit one wave first, and win (376 vs 497).
+# Three 64-column sub-tiles ("tma3"): a 6144-wide output is 32 tile columns of 192, so M 256 (64-row tiles) and
+# M 512 (128-row tiles) are 128 tiles, one wave on 132 SMs, where 128-wide tiles need 192 (fwd 489-500 against
+# 459-483 TFLOP/s at M 256, 551-569 against 536-549 at M 512). Where the 128-wide tiles fit one wave first (a
+# 4096-wide output) the OneWave rule picks them, and they win.
 _SMALL_192 = GemmConfig(64, 192, 64, 8, 4, 6, "tma3")  # 192 KiB: 1 CTA per SM
 _MID_192 = GemmConfig(128, 192, 64, 8, 8, 4, "tma3")  # 160 KiB: 1 CTA per SM
-# Table .14: the warp-specialized Gluon kernel (kernels/det_gemm_ws.py) on a 128x256 tile, 3 stages, its epilogue
-# through a shared tile buffer and TMA stores (208 KiB; at 4 stages the buffer no longer fits and the register
-# epilogue runs at half the speed). H200 sweeps 2026-12-01 (reports/2026-12-01-h200, every candidate bit-equal to
-# the table's pick): dB +16-29% at M 128-1024 and +1-11% at M 2048-16384 (one case -1.5%), fwd and dA +1-6% at
-# M 2048-16384 (one case -2%). Where Gluon cannot run it (not sm_90, seg_len segments) it runs as the same tile
-# in Triton, "tma" or "ptr" (_table_pick): the same K order, so the same bits.
+# The warp-specialized Gluon kernel (kernels/det_gemm_ws.py) on a 128x256 tile, 3 stages, its epilogue through a
+# shared tile buffer and TMA stores (208 KiB; with 4 stages the buffer no longer fits and the register epilogue
+# runs at half the speed): the producer warp keeps the ring full across tile boundaries of the persistent grid,
+# which is what large grids need (fwd and dA 1-6% ahead of the best Triton tile at M 2048-16384; dB 16-29% at
+# M 128-1024, 1-11% above). Where Gluon cannot run it (not sm_90, seg_len segments) the same tile runs in Triton,
+# "tma" or "ptr" (_table_pick): the same K order, so the same bits.
 _WS_WIDE = GemmConfig(128, 256, 64, 8, 8, 3, "ws")
+# M <= 32: the weight stream is the work. The narrow tile while its tiles fit the SMs once at one CTA per SM (CTAs
+# sharing an SM share its bandwidth), else the wide one: within 2% of the best candidate per M (worst case 9%).
 _TINY = OneWave((GemmConfig(16, 32, 128, 1, 4, 6), GemmConfig(16, 64, 128, 1, 4, 6)), max_ctas_per_sm=1)
 _SMALL_32 = OneWave((GemmConfig(64, 32, 128, 1, 4, 4), GemmConfig(64, 64, 128, 1, 4, 4)), max_ctas_per_sm=1)
 CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
     "fwd": (
-        # M <= 32 (H200 sweep reports/2026-11-30-h200/tune-small-m32-ncu, M 1/8/16/32): the narrow tile
-        # while its tiles fit the SMs once at one CTA per SM, else the wide one; geometric mean of time / the
-        # best candidate 1.00-1.02 per M (worst case 1.09) against 1.04-1.10 (worst 1.44) for table .9.
         (16, _TINY),
         (32, _SMALL_32),
-        # M 33-1024 (H200 sweep reports/2026-11-30-h200/tune-small, M 64-1024, fwd and dA, both shapes and
-        # layouts, 40 (op, M, shape, layout) cases): TMA tiles picked by the one-wave rule; geometric mean of
-        # time / the best candidate per case 1.00-1.01 per M (worst case 1.06), against 1.01-1.09 (worst
-        # 1.20) for one fixed config per M bucket (table .8) and 1.03-1.29 for table .7.
+        # M 33-1024: TMA tiles, the first whose grid is one wave (OneWave): within 1% of the best candidate per
+        # M (worst case 6%) over both Qwen3-8B TP=2 shapes and both weight layouts; a fixed tile per M bucket
+        # was 1-9% off (worst 20%), because the best tile depends on the output width.
         (64, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
         (128, OneWave((_NARROW_128, _SMALL_128_DEEP, _SMALL_128_2))),
         (256, OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2))),
         (1024, OneWave((_MID, _MID_192, _MID_TALL))),
-        # M > 1024: the TMA kernel's 256x128 tile (H200 sweep reports/2026-11-29-h200x2/tune-tma: 527-745 TFLOP/s
-        # on both weight layouts vs 417-626 for the pointer kernel) until table .14's ws tile.
         (2**31, _WS_WIDE),
     ),
     "da": (
@@ -258,16 +259,15 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
         (32, _SMALL_32),
         (64, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
         (128, OneWave((_NARROW_128, _SMALL_128_DEEP, _SMALL_128_2))),
-        # M 257-1024 keeps the 128-wide tiles: at M 512 the 192-wide tile gained 3% on one weight layout and
-        # lost 3% on the other (reports/2026-11-30-h200/tune-tma3).
         (256, OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2))),
+        # M 257-1024 without the 192-wide tile: at M 512 it was 3% ahead on one weight layout and 3% behind on
+        # the other.
         (1024, OneWave((_MID, _MID_TALL))),
         (2**31, _WS_WIDE),
     ),
     "db": (
-        # M <= 64: a short reduction into a large [K, N] output; 4 warps, BLOCK_K 32, 4 stages won at every
-        # M swept (16-512) on both shapes, 1.09-1.54x the wide tile (reports/2026-11-29-h200-table5/tune-db);
-        # from M 65 the ws tile (table .14: +27-29% at M 128, +16-26% at 256-1024).
+        # M <= 64: a short reduction into a large [K, N] output, where small pointer tiles with a short BLOCK_K
+        # keep many CTAs busy: 1.09-1.54x faster than the wide tile at every M swept on both shapes.
         (64, GemmConfig(128, 128, 32, 8, 4, 4)),
         (2**31, _WS_WIDE),
     ),
