@@ -34,7 +34,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
     for op in OPS:
         for k, n in preset.kn_shapes:
             for layout in preset.layouts:
-                big = GemmCase(op, m_max, n, k, layout, ctx.seed)
+                big = GemmCase(op, m_max, n, k, layout, ctx.seed, preset.device_draws)
                 x, w = operands(big, ctx.device)
                 with nvtx_range(f"reference {big.name}"):
                     out_big, launch_info = launch(op, x, w)

@@ -69,10 +69,11 @@ MAX_DIM = 2**30
 # Targets: ratio of detkit's time to cuBLAS's (torch.matmul), per row or as a median over M per (op, shape, layout).
 TARGETS = {"host_max": 1.2, "eager_max": 1.10, "large_m": (1024, 1.05), "small_m": (256, 1.25), "graph_max": 1.5}
 
-HOST_CALLS = 16  # calls per host-timing burst: far below the launch queue's depth
+HOST_CALLS = 16  # calls per host-timing burst at most: far below the launch queue's depth
 HOST_SLEEP_S = 0.01  # the GPU sleep each burst queues behind (longer than a burst's host time)
-EAGER_MIN_CALLS = 32  # calls per eager sample: passes over the rotating sets until at least this many
+EAGER_MIN_CALLS = 32  # calls per eager sample at most: passes over the rotating sets until this many
 EAGER_SAMPLES_PER_ROUND = 3
+BURST_GPU_S = 5e-3  # host and eager bursts: calls for about this much estimated GPU time (2 at least)
 GRAPH_MIN_REPLAY_S = 2e-3  # replays per graph sample: enough for about this much GPU time, 3 to 10
 
 OPTIONS = (
@@ -180,7 +181,9 @@ def cases(ctx, ops=OPS, m_values=(), layouts=(), kn_shapes=(), zoo=False, layers
 def operands(case: BenchCase, device: torch.device):
     """Seeded operands of det_gemm's launcher for ``case`` (the audits' fixtures) and the matching
     torch.matmul baseline call."""
-    x, y = gemm_common.operands(GemmCase(case.op, case.m, case.n, case.k, case.layout, BENCH_SEED), device)
+    # On the GPU every operand is drawn there: a zoo run has hundreds of cases, each drawing up to 2.5e9 elements.
+    x, y = gemm_common.operands(GemmCase(case.op, case.m, case.n, case.k, case.layout, BENCH_SEED,
+                                         device_draws=True), device)
     return x, y, baseline_call(case.op, x, y)
 
 
@@ -249,15 +252,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_host(fns: dict, device: torch.device, rounds: int, names: dict[str, str]) -> dict[str, Timing]:
-    """Host time per call: each call timed alone, in bursts of HOST_CALLS queued behind a GPU sleep (so the queue
+def estimated_call_s(case: BenchCase) -> float:
+    """A rough GPU time per call (600 TFLOP/s, 3 TB/s): how many calls a burst or a replay needs."""
+    return case.flops / 600e12 + 2 * (case.m * case.k + case.k * case.n + case.m * case.n) / 3e12
+
+
+def burst_calls(case: BenchCase, most: int) -> int:
+    """Calls per host or eager burst: about BURST_GPU_S of GPU work, 2 to ``most``."""
+    return max(2, min(most, math.ceil(BURST_GPU_S / estimated_call_s(case))))
+
+
+def time_host(fns: dict, device: torch.device, rounds: int, names: dict[str, str],
+              calls: int = HOST_CALLS) -> dict[str, Timing]:
+    """Host time per call: each call timed alone, in bursts of ``calls`` queued behind a GPU sleep (so the queue
     is never full and no call waits for the GPU), bursts interleaved across implementations."""
     samples = {name: [] for name in fns}
     for fn in fns.values():  # plans, compilation, the allocator's blocks
         fn()
         fn()
     _sync(device)
-    calls = HOST_CALLS if device.type == "cuda" else 1  # the interpreter's calls take ~0.1 s: plumbing only
+    calls = calls if device.type == "cuda" else 1  # the interpreter's calls take ~0.1 s: plumbing only
     for _ in range(rounds):
         for name, fn in fns.items():
             if device.type == "cuda":
@@ -271,11 +285,12 @@ def time_host(fns: dict, device: torch.device, rounds: int, names: dict[str, str
     return {name: Timing.from_samples_ms(s) for name, s in samples.items()}
 
 
-def time_eager(fns: dict, device: torch.device, calls_per_fn: int, rounds: int, names: dict[str, str]) -> dict[str, Timing]:
-    """Per-call time of back-to-back calls: bursts of whole passes over the rotating sets (at least
-    EAGER_MIN_CALLS calls), CUDA events around each burst (wall time on the CPU), started on an idle GPU."""
+def time_eager(fns: dict, device: torch.device, calls_per_fn: int, rounds: int, names: dict[str, str],
+               min_calls: int = EAGER_MIN_CALLS) -> dict[str, Timing]:
+    """Per-call time of back-to-back calls: bursts of whole passes over the rotating sets (at least ``min_calls``
+    calls), CUDA events around each burst (wall time on the CPU), started on an idle GPU."""
     cuda = device.type == "cuda"
-    passes = max(1, -(-EAGER_MIN_CALLS // calls_per_fn)) if cuda else 1  # interpreter: plumbing only
+    passes = max(1, -(-min_calls // calls_per_fn)) if cuda else 1  # interpreter: plumbing only
     samples = {name: [] for name in fns}
     for fn in fns.values():
         fn()
@@ -304,8 +319,7 @@ def time_eager(fns: dict, device: torch.device, calls_per_fn: int, rounds: int, 
 
 def graph_replays(case: BenchCase, sets: int) -> int:
     """Replays per graph sample: about GRAPH_MIN_REPLAY_S of estimated GPU time (3 to 10)."""
-    per_call_s = case.flops / 600e12 + 2 * (case.m * case.k + case.k * case.n + case.m * case.n) / 3e12
-    return max(3, min(10, math.ceil(GRAPH_MIN_REPLAY_S / (per_call_s * sets))))
+    return max(3, min(10, math.ceil(GRAPH_MIN_REPLAY_S / (estimated_call_s(case) * sets))))
 
 
 def _stats(prefix: str, t: Timing) -> dict:
@@ -325,12 +339,12 @@ def time_case(case: BenchCase, device: torch.device, baseline: str, timings: tup
     if "host" in timings:
         one = base_calls[0]
         fns = {"detkit": lambda: public(x, y), baseline: one}
-        out.update({k: v for impl, t in time_host(fns, device, rounds, names).items()
-                    for k, v in _stats(f"{impl}_host", t).items()})
+        host = time_host(fns, device, rounds, names, calls=burst_calls(case, HOST_CALLS))
+        out.update({k: v for impl, t in host.items() for k, v in _stats(f"{impl}_host", t).items()})
     passes = {"detkit": lambda: [public(a, b) for a, b in sets], baseline: lambda: [call() for call in base_calls]}
     if "eager" in timings:
-        out.update({k: v for impl, t in time_eager(passes, device, len(sets), rounds, names).items()
-                    for k, v in _stats(f"{impl}_eager", t).items()})
+        eager = time_eager(passes, device, len(sets), rounds, names, min_calls=burst_calls(case, EAGER_MIN_CALLS))
+        out.update({k: v for impl, t in eager.items() for k, v in _stats(f"{impl}_eager", t).items()})
     if "graph" in timings:
         replays = graph_replays(case, len(sets)) if device.type == "cuda" else 1
         timed = time_graphs(passes, device, calls_per_fn=len(sets), rounds=rounds, replays=replays, range_names=names)

@@ -896,26 +896,34 @@ def _storage_check(g: _Geometry):
     return check
 
 
-def _arg_list(kernel, values: dict) -> tuple[list, dict[str, int]]:
-    """``values`` in the kernel's parameter order (what Triton's binder would bind), and each name's position."""
+def _arg_list(kernel, values: dict, dynamic: tuple[str, ...]) -> tuple[list, tuple[int, ...]]:
+    """The kernel's arguments in its parameter order, as Triton's binder binds them (constexprs included): the
+    plan's ``values``, with a None slot for each per-call argument in ``dynamic``; and those slots' positions."""
     names = list(kernel.arg_names)
-    return [values.get(name) for name in names], {name: i for i, name in enumerate(names)}
+    unknown = set(values) - set(names) | set(dynamic) - set(names)
+    missing = [n for n in names if n not in values and n not in dynamic]
+    if unknown or missing or set(values) & set(dynamic):
+        raise RuntimeError(f"{kernel.fn.__name__}: a launch plan's arguments do not match the kernel's parameters "
+                           f"(unknown {sorted(unknown)}, missing {missing})")
+    return [values.get(name) for name in names], tuple(names.index(n) for n in dynamic)
 
 
 def _ptr_launch(g: _Geometry, interpreted: bool, static: dict, constexprs: dict, options: dict, grid):
     """det_gemm_kernel: pointer loads over the caller's strides."""
     check, out_shape, out_dtype, device, a_t, b_t = _storage_check(g), (g.rows, g.cols), g.out_dtype, g.device, g.a_t, g.b_t
+    template, (i_a, i_b, i_c, i_twin) = _arg_list(det_gemm_kernel, {**static, **constexprs},
+                                                  ("a_ptr", "b_ptr", "c_ptr", "twin_ptr"))
     if interpreted:
         def launch(x, y, twin):
             check(x, y, twin)
             c = torch.empty(out_shape, dtype=out_dtype, device=device)
-            det_gemm_kernel[grid](x.t() if a_t else x, y.t() if b_t else y, c, c if twin is None else twin,
-                                  **static, **constexprs, **options)
+            args = template.copy()
+            args[i_a], args[i_b] = x.t() if a_t else x, y.t() if b_t else y
+            args[i_c], args[i_twin] = c, c if twin is None else twin
+            det_gemm_kernel[grid](*args, **options)
             return c
         return launch
     # Triton reads a tensor argument's data pointer (and dtype) only: the caller's tensors stand for their views.
-    template, slots = _arg_list(det_gemm_kernel, {**static, **constexprs})
-    i_a, i_b, i_c, i_twin = (slots[n] for n in ("a_ptr", "b_ptr", "c_ptr", "twin_ptr"))
     direct = DirectLaunch(det_gemm_kernel, grid, options, device)
 
     def launch(x, y, twin):
@@ -938,17 +946,18 @@ def _tma_launch(g: _Geometry, config: GemmConfig, step_k: int, interpreted: bool
     kernel = det_gemm_tma_kernel if config.variant == "tma" else det_gemm_tma3_kernel
     constexprs = {**constexprs, "A_M_MAJOR": a_m_major, "B_K_MAJOR": b_k_major}
     check, out_shape, out_dtype, device = _storage_check(g), (g.rows, g.cols), g.out_dtype, g.device
+    template, (i_a, i_b, i_c, i_twin) = _arg_list(kernel, {**static, **constexprs},
+                                                  ("a_desc", "b_desc", "c_ptr", "twin_ptr"))
     if interpreted:
         def launch(x, y, twin):
             check(x, y, twin)
-            a_desc = TensorDescriptor(x, a_shape, a_strides, a_box)
-            b_desc = TensorDescriptor(y, b_shape, b_strides, b_box)
             c = torch.empty(out_shape, dtype=out_dtype, device=device)
-            kernel[grid](a_desc, b_desc, c, c if twin is None else twin, **static, **constexprs, **options)
+            args = template.copy()
+            args[i_a], args[i_b] = TensorDescriptor(x, a_shape, a_strides, a_box), TensorDescriptor(y, b_shape, b_strides, b_box)
+            args[i_c], args[i_twin] = c, c if twin is None else twin
+            kernel[grid](*args, **options)
             return c
         return launch
-    template, slots = _arg_list(kernel, {**static, **constexprs})
-    i_a, i_b, i_c, i_twin = (slots[n] for n in ("a_desc", "b_desc", "c_ptr", "twin_ptr"))
     direct = DirectLaunch(kernel, grid, options, device)
 
     def launch(x, y, twin):
@@ -999,9 +1008,8 @@ def _ws_launch(g: _Geometry, config: GemmConfig, twin_on: bool, programs: int):
                   A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, CONSUMERS=consumers(config.num_warps), TMA_STORE=tma_store)
     # num_warps: the default partition (one consumer warpgroup); maxnreg: the register cap the roles share.
     options = dict(num_warps=4, maxnreg=max_regs(config.num_warps))
-    template, slots = _arg_list(det_gemm_ws_kernel, static)
-    i_a, i_b, i_c, i_twin, i_cd, i_td = (slots[n] for n in ("a_desc", "b_desc", "c_ptr", "twin_ptr", "c_desc",
-                                                            "twin_desc"))
+    template, (i_a, i_b, i_c, i_twin, i_cd, i_td) = _arg_list(
+        det_gemm_ws_kernel, static, ("a_desc", "b_desc", "c_ptr", "twin_ptr", "c_desc", "twin_desc"))
     direct = DirectLaunch(det_gemm_ws_kernel, (programs,), options, device)
     check = _storage_check(g)
 

@@ -3,6 +3,7 @@ from the models' published configs, validation that can fail, the target arithme
 the interpreter (plumbing, not speed). On the GPU (DETKIT_TEST_DEVICE=cuda): host, eager and graph timings and the
 cuBLASLt no-split-K worker at a small shape."""
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -13,6 +14,10 @@ import torch
 import detkit.bench.gemm as bench
 from detkit.toolkit.harness import RunContext
 from detkit.toolkit.presets import GEMM_PRESETS, MODELS, ZOO_M_VALUES, ModelDims, model_layers, zoo_shapes
+from tests.conftest import TEST_DEVICE
+
+interpreter_only = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="runs the Triton interpreter (CI); the GPU "
+                                      "host's numpy does not run it")
 
 CPU = RunContext(device=torch.device("cpu"), backend="triton_interpreter", preset="tiny")
 # cases() does no GPU work: a CUDA context object is enough to plan the zoo on any machine.
@@ -157,16 +162,17 @@ def test_per_row_targets_and_the_summary_text():
     assert "Validation (contract bound of the FP64 oracle, before timing): 2 of 2 rows passed" in text
 
 
-def test_graph_replays_scale_with_the_case():
+def test_replays_and_bursts_scale_with_the_case():
+    big, small = bench.BenchCase("fwd", 16384, 151936, 4096, "linear"), bench.BenchCase("fwd", 1, 128, 512, "linear")
     assert bench.graph_replays(bench.BenchCase("fwd", 1, 1024, 4096, "linear"), 16) >= 3
-    assert bench.graph_replays(bench.BenchCase("fwd", 16384, 151936, 4096, "linear"), 1) == 3
-    assert bench.graph_replays(bench.BenchCase("fwd", 1, 128, 512, "linear"), 1) == 10
+    assert bench.graph_replays(big, 1) == 3 and bench.graph_replays(small, 1) == 10
+    # An lm_head call at M=16384 is ~30 ms of GPU work: two calls a burst; a tiny one: the most.
+    assert bench.burst_calls(big, 16) == 2 and bench.burst_calls(small, 16) == 16
 
 
 # ---- a tiny run end to end -------------------------------------------------------------------------------------
+@interpreter_only
 def test_run_yields_validated_rows_with_every_timing_and_a_report(tmp_path):
-    if torch.device(CPU.device).type != "cpu":
-        pytest.skip("interpreter plumbing")
     selected = bench.cases(CPU, ops=("fwd", "db"), m_values=(7,), layouts=("linear",))
     rows = list(bench.run(CPU, selected, rounds=1))
     assert [r["name"] for r in rows] == [c.name for c in selected]
@@ -184,6 +190,7 @@ def test_run_yields_validated_rows_with_every_timing_and_a_report(tmp_path):
     assert [p.name for p in paths] == ["gemm_tflops.png"] and paths[0].stat().st_size > 0
 
 
+@interpreter_only
 def test_the_runner_tool_writes_rows_report_and_plots(tmp_path):
     import subprocess
     import sys
@@ -193,8 +200,6 @@ def test_the_runner_tool_writes_rows_report_and_plots(tmp_path):
                            "--ops", "da", "--m", "1", "--layouts", "kn", "--timings", "graph", "--rounds", "1"],
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
     assert [r["name"] for r in rows] == ["det_gemm_da [M=1, N=56, K=40] bf16 b=kn"] and rows[0]["passed"]
     report = json.loads((out / "report.json").read_text())
@@ -217,3 +222,50 @@ def test_gpu_run_times_host_eager_graph_and_the_nosplitk_worker():
         assert r["detkit_eager_median_us"] >= 0.5 * r["detkit_median_us"] > 0
         assert r["cublaslt_nosplitk_median_us"] > 0 and r["ratio_vs_cublaslt_nosplitk"] > 0
         assert r["measured_ceiling_tflops"] > 100
+
+
+# ---- the GPU-run tools: candidate sweep and parallel warm-up ----------------------------------------------------
+def test_candidate_configs_parse_and_refuse_by_name():
+    from detkit.kernels.det_gemm import GemmConfig
+    from tools.gemm_candidates import parse_config
+
+    assert parse_config("64,16,128,1,4,6,tma") == GemmConfig(64, 16, 128, 1, 4, 6, "tma")
+    assert parse_config("16,16,128,1,4,6") == GemmConfig(16, 16, 128, 1, 4, 6)
+    with pytest.raises(ValueError, match=r"--config '16,16': expected BM,BN,BK,GROUP_M,warps,stages\[,variant\]"):
+        parse_config("16,16")
+    with pytest.raises(ValueError, match="GemmConfig.variant 'wgmma' is not supported"):
+        parse_config("64,64,64,1,4,3,wgmma")
+
+
+@interpreter_only
+def test_candidate_sweep_times_every_candidate_and_records_refusals():
+    from detkit.kernels.det_gemm import GemmConfig
+    from tools.gemm_candidates import summary, sweep
+
+    configs = [GemmConfig(16, 32, 32, 1, 4, 2), GemmConfig(16, 16, 64, 1, 4, 2, "tma"),
+               GemmConfig(64, 64, 64, 1, 4, 2, "ws")]  # ws: no interpreter path, refused by name
+    rows = list(sweep(["fwd"], [(40, 56)], [7], configs, rounds=1, device=torch.device("cpu")))
+    timed = [r for r in rows if "median_us" in r]
+    assert [r["is_table"] for r in timed].count(True) == 1 and len(timed) == 3
+    assert all(r["bits_equal_table"] for r in timed if not r["is_table"])
+    (refused,) = [r for r in rows if "error" in r]
+    assert refused["config"] == configs[2].label() and "has no 'triton_interpreter' path" in refused["error"]
+    text = summary(rows)
+    assert "| fwd  |  40 |  56 |   7 |" in text and "geomean_vs_table" in text
+
+
+def test_warm_specs_follow_the_table_and_the_size_classes():
+    import tools.gemm_warm as warm
+    from detkit.kernels.det_gemm import select_config
+
+    assert [warm.size_class(v) for v in (1, 7, 16, 4096, 151936, 1000, 3000)] == [1, 7, 16, 16, 16, 24, 24]
+    specs = warm.bench_specs(("fwd", "db"), [(4096, 151936)], (1, 16, 16384), ("linear",))
+    ops_configs = {(s[0], s[1], s[5]) for s in specs}
+    assert len(specs) == 6  # fwd and dB at three M classes, one pick each
+    pick = select_config("fwd", 16384)
+    assert ("fwd", 16, json.dumps(pick.__dict__)) in ops_configs and pick.variant == "ws"
+    # An audit preset: its M values, the padded and zero-row batches, and every config at the cross-config rows.
+    from detkit.kernels.det_gemm import all_configs
+
+    zoo = warm.preset_specs("zoo")
+    assert {json.dumps(c.__dict__) for c in all_configs("fwd")} <= {s[5] for s in zoo if s[0] == "fwd"}

@@ -17,6 +17,11 @@ class GemmPreset:
     determinism_m: tuple[int, ...]  # M values the repetition and fresh-process checks run at
     layouts: tuple[str, ...] = ("kn", "linear")  # weight layouts of fwd/dA (toolkit.fixtures.LAYOUTS)
     config_m: int | None = None  # rows the cross-config check runs at (None: the largest M)
+    determinism_kn: tuple[tuple[int, int], ...] | None = None  # shapes of the determinism checks (None: kn_shapes)
+    # Outputs with more elements are contract-checked on their first and last columns, this many elements in all
+    # (the bound is per element; the drift statistics' quantiles over billions of elements cost seconds each).
+    contract_max_elements: int | None = None
+    device_draws: bool = False  # operands drawn on the GPU (audits.gemm_common.HOST_DRAW_MAX_ELEMENTS)
 
     def __post_init__(self):
         if not self.kn_shapes or not self.m_values:
@@ -113,11 +118,15 @@ GEMM_PRESETS = {
     "qwen3-8b-tp2": GemmPreset("qwen3-8b-tp2", ((4096, 6144), (6144, 4096)),
                                (1, 7, 16, 128, 129, 1024, 4095, 4096, 16384), chunk=1000, repetitions=5,
                                determinism_m=(1, 129, 4096, 16384)),
-    # Every zoo shape, sized for a few minutes on an H200: nn.Linear weights only, the M values of each table
-    # bucket's edges up to 4096, the cross-config check at 1024 rows (a row's bits do not depend on M, so every
-    # config the table can pick is compared on the first 1024 rows of the batch).
-    "zoo": GemmPreset("zoo", tuple((s.k, s.n) for s in zoo_shapes()), (1, 7, 33, 129, 1000, 4096), chunk=1500,
-                      repetitions=3, determinism_m=(1, 129, 4096), layouts=("linear",), config_m=1024),
+    # Every zoo shape, sized for a few minutes on an H200: nn.Linear weights only, operands drawn on the GPU, M
+    # values from one token to 4096, the cross-config check at 1024 rows (a row's bits do not depend on M, so
+    # every config the table can pick is compared on the first 1024 rows of the batch), the determinism checks on
+    # the shapes below 2**26 weight elements (the lm_heads' outputs would take seconds per digest) and the contract
+    # on at most 2**24 elements of each output.
+    "zoo": GemmPreset("zoo", tuple((s.k, s.n) for s in zoo_shapes()), (1, 7, 129, 1000, 4096), chunk=1500,
+                      repetitions=3, determinism_m=(1, 129, 4096), layouts=("linear",), config_m=1024,
+                      determinism_kn=tuple((s.k, s.n) for s in zoo_shapes() if s.k * s.n <= 2**26),
+                      contract_max_elements=2**24, device_draws=True),
     # Interpreter scale: both orientations (N > K and K > N), reduced extents below BLOCK_K and not
     # multiples of 16, so masked tails are exercised; the largest M (1025) lands in the large-M entries of the
     # tables, as 4095 did, at a quarter of the interpreted cost (CI time).

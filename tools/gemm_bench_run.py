@@ -3,6 +3,9 @@
 same files (rows.jsonl as rows come, then report.json and report.md, plots beside them).
 
     python -m tools.gemm_bench_run --device cuda --out results/bench-gemm [bench gemm's options]
+    python -m tools.gemm_bench_run --device cuda --out results/bench-gemm --report-only [the same options]
+
+Stopped by SIGINT (a time limit), it writes the report of the rows measured so far and exits 1.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def _runner():
     return benches if "detkit.bench.gemm" in getattr(benches, "PLUGINS", ()) else None
 
 
-def _run_here(device, preset, seed, out_dir, rounds, options) -> int:
+def _run_here(device, preset, seed, out_dir, rounds, report_only, options) -> int:
     from detkit.bench import gemm
     from detkit.toolkit import harness
 
@@ -36,24 +39,32 @@ def _run_here(device, preset, seed, out_dir, rounds, options) -> int:
 
     base = harness.resolve_context(device, preset, seed, out_dir)
     ctx = Context(base.device, base.backend, base.preset, base.seed, base.out_dir, rounds=rounds)
-    selected = gemm.cases(ctx, **options)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    with open(out_dir / "rows.jsonl", "w", encoding="utf-8") as f:
-        for row in gemm.run(ctx, selected, **options):
-            rows.append(row)
-            f.write(json.dumps(row, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-            print(("passed " if row["passed"] else "FAILED ") + row["name"], file=sys.stderr, flush=True)
-    meta = {**harness.base_meta(ctx, "bench gemm", shlex.join(sys.argv)), "options": options, "cases": len(selected),
-            **harness.env_meta(ctx.device)}
+    meta = {**harness.base_meta(ctx, "bench gemm", shlex.join(sys.argv)), "options": options}
+    if report_only:  # the report of rows an earlier (possibly stopped) run wrote
+        rows = [json.loads(line) for line in (out_dir / "rows.jsonl").read_text().splitlines() if line.strip()]
+        meta["report_only"] = True
+    else:
+        selected = gemm.cases(ctx, **options)
+        meta.update(cases=len(selected), **harness.env_meta(ctx.device))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        rows = []
+        try:
+            with open(out_dir / "rows.jsonl", "w", encoding="utf-8") as f:
+                for row in gemm.run(ctx, selected, **options):
+                    rows.append(row)
+                    f.write(json.dumps(row, default=str) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                    print(("passed " if row["passed"] else "FAILED ") + row["name"], file=sys.stderr, flush=True)
+        except KeyboardInterrupt:  # stopped at a time limit: report what was measured
+            meta["interrupted_after_rows"] = len(rows)
     meta["plots"] = [p.name for p in gemm.plots(out_dir, rows)]
     harness.atomic_write_text(out_dir / "report.json", json.dumps({"meta": meta, "rows": rows}, indent=2,
                                                                    default=str) + "\n")
     head = [f"# detkit bench gemm", ""] + [f"- {k}: {v}" for k, v in meta.items() if not isinstance(v, (dict, list))]
     harness.atomic_write_text(out_dir / "report.md", "\n".join(head) + "\n\n" + gemm.summarize(rows, meta) + "\n")
-    return 0 if rows and all(r["passed"] for r in rows) else 1
+    complete = "interrupted_after_rows" not in meta
+    return 0 if rows and complete and all(r["passed"] for r in rows) else 1
 
 
 def main(argv=None) -> int:
@@ -69,8 +80,8 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     from detkit.bench import gemm
 
-    def command(device, preset, seed, out_dir, rounds, **options):
-        raise SystemExit(_run_here(device, preset, seed, out_dir, rounds, options))
+    def command(device, preset, seed, out_dir, rounds, report_only, **options):
+        raise SystemExit(_run_here(device, preset, seed, out_dir, rounds, report_only, options))
 
     for option in reversed((
         click.option("--device", type=click.Choice(("cuda", "cpu")), default="cuda", show_default=True),
@@ -78,6 +89,7 @@ def main(argv=None) -> int:
         click.option("--seed", type=int, default=1234, show_default=True),
         click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True),
         click.option("--rounds", type=int, default=None),
+        click.option("--report-only", is_flag=True, help="Only render the report of --out's rows.jsonl."),
         *gemm.OPTIONS,
     )):
         command = option(command)
