@@ -87,7 +87,8 @@ def run(ctx: RunContext) -> Iterator[Row]:
                         c = torch.cat([c[:, a:b] for a, b in spans], dim=1)
                         parts = [column_operands(op, x, y, a, b) for a, b in spans]
                         c_star = torch.cat([REFERENCES[op](*p, torch.float64) for p in parts], dim=1)
-                        abs_ab = torch.cat([REFERENCES[op](p[0].abs(), p[1].abs(), torch.float64) for p in parts], dim=1)
+                        abs_ab = torch.cat([REFERENCES[op](p[0].abs(), p[1].abs(), torch.float64) for p in parts],
+                                           dim=1)
                         c_fp32 = torch.cat([REFERENCES[op](*p) for p in parts], dim=1)
                     else:
                         c_star, abs_ab = oracle(op, x, y)

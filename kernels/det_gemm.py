@@ -592,7 +592,8 @@ OUT_DTYPES = (torch.bfloat16, torch.float32)
 _OPERAND_NAMES = {"fwd": ("a", "b"), "da": ("dc", "b"), "db": ("a", "dc")}
 _TRANSPOSED = {"fwd": (False, False), "da": (False, True), "db": (True, False)}
 # (x dim, y dim, what) of the dimension the two operands share.
-_SHARED_DIM = {"fwd": (1, 0, "det_gemm_fwd needs a [M,K], b [K,N]"), "da": (1, 1, "det_gemm_da needs dc [M,N], b [K,N]"),
+_SHARED_DIM = {"fwd": (1, 0, "det_gemm_fwd needs a [M,K], b [K,N]"),
+               "da": (1, 1, "det_gemm_da needs dc [M,N], b [K,N]"),
                "db": (0, 0, "det_gemm_db needs a [M,K], dc [M,N]")}
 
 
@@ -910,7 +911,8 @@ def _arg_list(kernel, values: dict, dynamic: tuple[str, ...]) -> tuple[list, tup
 
 def _ptr_launch(g: _Geometry, interpreted: bool, static: dict, constexprs: dict, options: dict, grid):
     """det_gemm_kernel: pointer loads over the caller's strides."""
-    check, out_shape, out_dtype, device, a_t, b_t = _storage_check(g), (g.rows, g.cols), g.out_dtype, g.device, g.a_t, g.b_t
+    check, out_shape, out_dtype, device = _storage_check(g), (g.rows, g.cols), g.out_dtype, g.device
+    a_t, b_t = g.a_t, g.b_t
     template, (i_a, i_b, i_c, i_twin) = _arg_list(det_gemm_kernel, {**static, **constexprs},
                                                   ("a_ptr", "b_ptr", "c_ptr", "twin_ptr"))
     if interpreted:
@@ -939,10 +941,12 @@ def _ptr_launch(g: _Geometry, interpreted: bool, static: dict, constexprs: dict,
 def _tma_launch(g: _Geometry, config: GemmConfig, step_k: int, interpreted: bool, static: dict, constexprs: dict,
                 options: dict, grid):
     """det_gemm_tma_kernel / det_gemm_tma3_kernel: TMA descriptors over each operand in its storage order."""
-    a_m_major, a_shape, a_strides, a_box = _descriptor_layout(
-        g.x.name, g.x.shape, g.x.stride, 2, g.x.misalign, g.a_shape, g.a_stride, (config.block_m, step_k), config.variant)
-    b_k_major, b_shape, b_strides, b_box = _descriptor_layout(
-        g.y.name, g.y.shape, g.y.stride, 2, g.y.misalign, g.b_shape, g.b_stride, (step_k, config.box_n), config.variant)
+    a_m_major, a_shape, a_strides, a_box = _descriptor_layout(g.x.name, g.x.shape, g.x.stride, 2, g.x.misalign,
+                                                              g.a_shape, g.a_stride, (config.block_m, step_k),
+                                                              config.variant)
+    b_k_major, b_shape, b_strides, b_box = _descriptor_layout(g.y.name, g.y.shape, g.y.stride, 2, g.y.misalign,
+                                                              g.b_shape, g.b_stride, (step_k, config.box_n),
+                                                              config.variant)
     kernel = det_gemm_tma_kernel if config.variant == "tma" else det_gemm_tma3_kernel
     constexprs = {**constexprs, "A_M_MAJOR": a_m_major, "B_K_MAJOR": b_k_major}
     check, out_shape, out_dtype, device = _storage_check(g), (g.rows, g.cols), g.out_dtype, g.device
@@ -953,7 +957,8 @@ def _tma_launch(g: _Geometry, config: GemmConfig, step_k: int, interpreted: bool
             check(x, y, twin)
             c = torch.empty(out_shape, dtype=out_dtype, device=device)
             args = template.copy()
-            args[i_a], args[i_b] = TensorDescriptor(x, a_shape, a_strides, a_box), TensorDescriptor(y, b_shape, b_strides, b_box)
+            args[i_a] = TensorDescriptor(x, a_shape, a_strides, a_box)
+            args[i_b] = TensorDescriptor(y, b_shape, b_strides, b_box)
             args[i_c], args[i_twin] = c, c if twin is None else twin
             kernel[grid](*args, **options)
             return c
@@ -966,7 +971,8 @@ def _tma_launch(g: _Geometry, config: GemmConfig, step_k: int, interpreted: bool
         if direct.ready:  # the launcher encodes each descriptor from base, shape and strides
             a_desc, b_desc = HostDescriptor(x, a_shape, a_strides), HostDescriptor(y, b_shape, b_strides)
         else:  # the first launch specializes on real descriptors (their block shapes)
-            a_desc, b_desc = TensorDescriptor(x, a_shape, a_strides, a_box), TensorDescriptor(y, b_shape, b_strides, b_box)
+            a_desc = TensorDescriptor(x, a_shape, a_strides, a_box)
+            b_desc = TensorDescriptor(y, b_shape, b_strides, b_box)
         c = torch.empty(out_shape, dtype=out_dtype, device=device)
         args = template.copy()
         args[i_a], args[i_b], args[i_c], args[i_twin] = a_desc, b_desc, c, c if twin is None else twin
@@ -1025,11 +1031,13 @@ def _ws_launch(g: _Geometry, config: GemmConfig, twin_on: bool, programs: int):
         else:  # the first launch specializes on real descriptors (block shapes and shared layouts)
             a_desc, b_desc = ws_descriptor(x, a_shape, a_strides, a_box), ws_descriptor(y, b_shape, b_strides, b_box)
             if scratch is None:
-                c_desc, twin_desc = ws_descriptor(c, c_shape, c_strides, box), ws_descriptor(store, c_shape, c_strides, box)
+                c_desc = ws_descriptor(c, c_shape, c_strides, box)
+                twin_desc = ws_descriptor(store, c_shape, c_strides, box)
         if scratch is not None:
             c_desc = twin_desc = scratch
         args = template.copy()
-        args[i_a], args[i_b], args[i_c], args[i_twin], args[i_cd], args[i_td] = a_desc, b_desc, c, store, c_desc, twin_desc
+        args[i_a], args[i_b], args[i_c], args[i_twin] = a_desc, b_desc, c, store
+        args[i_cd], args[i_td] = c_desc, twin_desc
         direct(args)
         return c
     return launch

@@ -189,7 +189,8 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, twin_desc, c_ptr, twi
             offs_m = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
             offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
             # 64-bit offsets: C may hold more than 2**31 - 1 elements
-            offs = gl.expand_dims(offs_m.to(gl.int64), 1) * stride_cr + gl.expand_dims(offs_n.to(gl.int64), 0) * stride_cc
+            offs = (gl.expand_dims(offs_m.to(gl.int64), 1) * stride_cr
+                    + gl.expand_dims(offs_n.to(gl.int64), 0) * stride_cc)
             mask = gl.expand_dims(offs_m < R, 1) & gl.expand_dims(offs_n < C, 0)
             gl.store(c_ptr + offs, out, mask=mask)
             if TWIN:

@@ -18,7 +18,7 @@ from detkit.kernels.det_gemm import (
     select_config, ws_twin,
 )
 from detkit.toolkit.contract import compare_bits
-from tests.test_det_gemm import _operands, fresh_plans  # noqa: F401 (a fixture)
+from tests.test_det_gemm import _operands, fresh_plans  # noqa: F401,F811 (a fixture)
 from detkit.toolkit.fixtures import bf16_randn, weight_kn
 
 

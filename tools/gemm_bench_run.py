@@ -61,7 +61,7 @@ def _run_here(device, preset, seed, out_dir, rounds, report_only, options) -> in
     meta["plots"] = [p.name for p in gemm.plots(out_dir, rows)]
     harness.atomic_write_text(out_dir / "report.json", json.dumps({"meta": meta, "rows": rows}, indent=2,
                                                                    default=str) + "\n")
-    head = [f"# detkit bench gemm", ""] + [f"- {k}: {v}" for k, v in meta.items() if not isinstance(v, (dict, list))]
+    head = ["# detkit bench gemm", ""] + [f"- {k}: {v}" for k, v in meta.items() if not isinstance(v, (dict, list))]
     harness.atomic_write_text(out_dir / "report.md", "\n".join(head) + "\n\n" + gemm.summarize(rows, meta) + "\n")
     complete = "interrupted_after_rows" not in meta
     return 0 if rows and complete and all(r["passed"] for r in rows) else 1

@@ -80,7 +80,7 @@ def sweep(ops, kn_shapes, m_values, configs, rounds: int, layout: str = "linear"
                 for label, v in info.items():
                     if "error" in v:
                         yield {"op": op, "K": k, "N": n, "M": m, "name": case.name, "config": label, **v}
-                del x, y, sets, want
+                del x, y, want
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 print(f"{case.name}: table {table.config.label()} {timed['table'].median_us:.1f} us, "
