@@ -535,6 +535,13 @@ def summarize(rows: list[dict], meta: dict) -> str:
                      f"{TARGETS['small_m'][1]}, no row above {TARGETS['graph_max']}: "
                      f"{'met' if met == len(summary) else 'NOT met'} in {met} of {len(summary)}")
         lines += ["", _table(summary, list(summary[0].keys())), ""]
+    nosplitk = [r for r in rows if "ratio_vs_cublaslt_nosplitk" in r]
+    if nosplitk:
+        worst = max(nosplitk, key=lambda r: r["ratio_vs_cublaslt_nosplitk"])
+        lines.append(f"- GPU time against cuBLASLt without split-K (one worker process times both): worst "
+                     f"{worst['ratio_vs_cublaslt_nosplitk']:.3f} ({worst['name']}); median "
+                     f"{statistics.median(r['ratio_vs_cublaslt_nosplitk'] for r in nosplitk):.3f}")
+    lines.append("")
     for timing, cols in (
         ("host", ["op", "layout", "M", "N", "K", "detkit_host_median_us", "cublas_host_median_us", "ratio_host"]),
         ("eager", ["op", "layout", "M", "N", "K", "detkit_eager_median_us", "cublas_eager_median_us", "ratio_eager"]),
@@ -547,6 +554,10 @@ def summarize(rows: list[dict], meta: dict) -> str:
             title = {"host": "Host time per call (us)", "eager": "Eager time per call (us, back-to-back)",
                      "graph": "GPU time per call (us, CUDA-graph replay, L2-cold operands)"}[timing]
             lines += [f"## {title}", "", _table(sel, [c for c in cols if any(c in r for r in sel)]), ""]
+    if nosplitk and not any("ratio_graph" in r for r in nosplitk):
+        lines += ["## GPU time against cuBLASLt without split-K (us, CUDA-graph replay, worker process)", "",
+                  _table(nosplitk, ["op", "layout", "M", "N", "K", "detkit_median_us_worker",
+                                    "cublaslt_nosplitk_median_us", "ratio_vs_cublaslt_nosplitk"]), ""]
     return "\n".join(lines)
 
 

@@ -182,6 +182,14 @@ class HostDescriptor(NamedTuple):
     padding: str = "zero"
 
 
+def host_descriptor(base: torch.Tensor, shape: list[int], strides: list[int]) -> HostDescriptor:
+    """``HostDescriptor(base, shape, strides)`` without the generated ``__new__``'s Python frame (the hot path)."""
+    return _new_tuple(HostDescriptor, (base, shape, strides, "zero"))
+
+
+_new_tuple = tuple.__new__
+
+
 class DirectLaunch:
     """One compiled kernel's launches with a fixed grid and launch options on one CUDA device.
 

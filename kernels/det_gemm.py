@@ -65,8 +65,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from detkit.kernels.backend import (
-    CUDA_SM90, TRITON_INTERPRETER, DirectLaunch, HostDescriptor, check_bf16_matrix, check_bf16_signature, check_layout,
-    check_storage, ensure_thread_cuda_context, resolve_backend_of_devices,
+    CUDA_SM90, TRITON_INTERPRETER, DirectLaunch, check_bf16_matrix, check_bf16_signature, check_layout,
+    check_storage, ensure_thread_cuda_context, host_descriptor, resolve_backend_of_devices,
 )
 from detkit.kernels.det_gemm_ws import consumers, det_gemm_ws_kernel, max_regs, ws_descriptor, ws_tma_store
 from detkit.kernels.gemm_names import _OP_IDS, OPS, _launch_metadata, _layer_dims, case_name  # noqa: F401 (re-exported)
@@ -969,7 +969,7 @@ def _tma_launch(g: _Geometry, config: GemmConfig, step_k: int, interpreted: bool
         check(x, y, twin)
         ensure_thread_cuda_context(device)
         if direct.ready:  # the launcher encodes each descriptor from base, shape and strides
-            a_desc, b_desc = HostDescriptor(x, a_shape, a_strides), HostDescriptor(y, b_shape, b_strides)
+            a_desc, b_desc = host_descriptor(x, a_shape, a_strides), host_descriptor(y, b_shape, b_strides)
         else:  # the first launch specializes on real descriptors (their block shapes)
             a_desc = TensorDescriptor(x, a_shape, a_strides, a_box)
             b_desc = TensorDescriptor(y, b_shape, b_strides, b_box)
@@ -1025,9 +1025,9 @@ def _ws_launch(g: _Geometry, config: GemmConfig, twin_on: bool, programs: int):
         c = torch.empty((rows, cols), dtype=out_dtype, device=device)
         store = c if twin is None else twin
         if direct.ready:  # the launcher encodes each descriptor from base, shape and strides
-            a_desc, b_desc = HostDescriptor(x, a_shape, a_strides), HostDescriptor(y, b_shape, b_strides)
+            a_desc, b_desc = host_descriptor(x, a_shape, a_strides), host_descriptor(y, b_shape, b_strides)
             if scratch is None:
-                c_desc, twin_desc = HostDescriptor(c, c_shape, c_strides), HostDescriptor(store, c_shape, c_strides)
+                c_desc, twin_desc = host_descriptor(c, c_shape, c_strides), host_descriptor(store, c_shape, c_strides)
         else:  # the first launch specializes on real descriptors (block shapes and shared layouts)
             a_desc, b_desc = ws_descriptor(x, a_shape, a_strides, a_box), ws_descriptor(y, b_shape, b_strides, b_box)
             if scratch is None:

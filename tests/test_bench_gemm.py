@@ -270,3 +270,12 @@ def test_warm_specs_follow_the_table_and_the_size_classes():
 
     zoo = warm.preset_specs("zoo")
     assert {json.dumps(c.__dict__) for c in all_configs("fwd")} <= {s[5] for s in zoo if s[0] == "fwd"}
+
+
+def test_summary_reports_the_nosplitk_worker_rows_without_graph_timing():
+    rows = [{"name": "da 7", "passed": True, "op": "da", "M": 7, "N": 56, "K": 40, "layout": "linear",
+             "ratio_host": 1.0, "detkit_median_us_worker": 11.0, "cublaslt_nosplitk_median_us": 10.0,
+             "ratio_vs_cublaslt_nosplitk": 1.1}]
+    text = bench.summarize(rows, {})
+    assert "worst 1.100 (da 7); median 1.100" in text
+    assert "## GPU time against cuBLASLt without split-K" in text
