@@ -279,3 +279,19 @@ def test_summary_reports_the_nosplitk_worker_rows_without_graph_timing():
     text = bench.summarize(rows, {})
     assert "worst 1.100 (da 7); median 1.100" in text
     assert "## GPU time against cuBLASLt without split-K" in text
+
+
+@pytest.mark.parametrize("op,bad", [("fwd", (-1, 3)), ("da", (-1, 5)), ("db", (4, -1))])
+def test_validation_of_a_large_output_checks_its_first_and_last_rows_or_columns(op, bad, device, monkeypatch):
+    case = bench.BenchCase(op, 37, 40, 56, "linear")
+    x, y, _ = bench.operands(case, device)
+    c = bench.LAUNCHERS[op](x, y)[0]
+    monkeypatch.setattr(bench, "VALIDATE_MAX_ELEMENTS", 4 * 40)  # two rows (columns) at each end
+    assert bench._spans(37, 40, 160) == [(0, 2), (35, 37)]
+    assert bench.validate(op, x, y, c)[0]
+    wrong = c.clone()
+    wrong[bad] = wrong[bad] * 2 + 1  # the last row (fwd, dA) or column (dB): inside the checked part
+    assert bench.validate(op, x, y, wrong)[0] is False
+    hidden = c.clone()
+    hidden[10, 3] = hidden[10, 3] * 2 + 1  # outside the checked part: not seen
+    assert bench.validate(op, x, y, hidden)[0] is True
