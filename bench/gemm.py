@@ -420,7 +420,7 @@ def _worker() -> None:
 # Run
 # ---------------------------------------------------------------------------------------------
 def _rounds(ctx, options: dict) -> int:
-    rounds = getattr(ctx, "rounds", None) or options.get("rounds") or DEFAULT_ROUNDS
+    rounds = getattr(ctx, "rounds", None) or options.get("rounds") or default_rounds(ctx.interpreted)
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"--rounds must be a positive int; got {rounds!r}")
     return rounds
@@ -574,6 +574,23 @@ def summarize(rows: list[dict], meta: dict) -> str:
                   _table(nosplitk, ["op", "layout", "M", "N", "K", "detkit_median_us_worker",
                                     "cublaslt_nosplitk_median_us", "ratio_vs_cublaslt_nosplitk"]), ""]
     return "\n".join(lines)
+
+
+def derive(rows: list[dict], meta: dict) -> dict:
+    """The targets over all rows, for report.json's meta (a claims table reads them there)."""
+    graph = target_summary(rows)
+    return {
+        "host": per_row_summary(rows, "host", TARGETS["host_max"]),
+        "eager": per_row_summary(rows, "eager", TARGETS["eager_max"]),
+        "graph": {"groups": len(graph), "met": sum(s["met"] for s in graph),
+                  "not_met": [f"{s['op']} K={s['K']} N={s['N']} {s['layout']}" for s in graph if not s["met"]]},
+        "validated": sum(r["passed"] for r in rows), "rows": len(rows),
+    }
+
+
+def default_rounds(interpreted: bool) -> int:
+    """Interleaved rounds unless --rounds says otherwise: one on the interpreter (plumbing, not speed)."""
+    return 1 if interpreted else DEFAULT_ROUNDS
 
 
 def plots(out_dir: Path, rows: list[dict]) -> list[Path]:

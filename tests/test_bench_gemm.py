@@ -295,3 +295,11 @@ def test_validation_of_a_large_output_checks_its_first_and_last_rows_or_columns(
     hidden = c.clone()
     hidden[10, 3] = hidden[10, 3] * 2 + 1  # outside the checked part: not seen
     assert bench.validate(op, x, y, hidden)[0] is True
+
+
+def test_derive_counts_the_targets_for_the_report_meta():
+    rows = [_row("fwd", m, r, ratio_host=h) for m, r, h in ((1, 1.0, 1.1), (4096, 1.2, 1.3))]
+    derived = bench.derive(rows, {})
+    assert derived["graph"] == {"groups": 1, "met": 0, "not_met": ["fwd K=4096 N=6144 linear"]}
+    assert derived["host"]["met"] == 1 and derived["eager"] is None and derived["validated"] == 2
+    assert bench.default_rounds(True) == 1 and bench.default_rounds(False) == 5

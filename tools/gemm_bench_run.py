@@ -58,6 +58,7 @@ def _run_here(device, preset, seed, out_dir, rounds, report_only, options) -> in
                     print(("passed " if row["passed"] else "FAILED ") + row["name"], file=sys.stderr, flush=True)
         except KeyboardInterrupt:  # stopped at a time limit: report what was measured
             meta["interrupted_after_rows"] = len(rows)
+    meta["derived"] = gemm.derive(rows, meta)
     meta["plots"] = [p.name for p in gemm.plots(out_dir, rows)]
     harness.atomic_write_text(out_dir / "report.json", json.dumps({"meta": meta, "rows": rows}, indent=2,
                                                                    default=str) + "\n")
