@@ -11,7 +11,6 @@ from detkit.audits.gemm_common import GemmCase, launch, operands
 from detkit.kernels.backend import resolve_backend
 from detkit.kernels.det_gemm import all_configs, det_gemm_kernel
 from detkit.toolkit.contract import compare_bits
-from detkit.toolkit.fixtures import LAYOUTS
 from detkit.toolkit.harness import Row, RunContext
 from detkit.toolkit.nvtx_ranges import nvtx_range
 from detkit.toolkit.presets import GEMM_PRESETS
@@ -34,8 +33,8 @@ def run(ctx: RunContext) -> Iterator[Row]:
     m_max = preset.m_max
     for op in OPS:
         for k, n in preset.kn_shapes:
-            for layout in LAYOUTS:
-                big = GemmCase(op, m_max, n, k, layout, ctx.seed)
+            for layout in preset.layouts:
+                big = GemmCase(op, m_max, n, k, layout, ctx.seed, preset.device_draws)
                 x, w = operands(big, ctx.device)
                 with nvtx_range(f"reference {big.name}"):
                     out_big, launch_info = launch(op, x, w)
@@ -62,10 +61,14 @@ def run(ctx: RunContext) -> Iterator[Row]:
                 with nvtx_range(f"chunking {big.name}"):
                     got = torch.cat([launch(op, part, w)[0] for part in torch.split(x, preset.chunk)])
                 yield _row(ctx, "chunking", big, got, out_big, chunk_rows=preset.chunk)
+                # Every config the table can pick, on the first config_m rows of the batch (a row's bits do not
+                # depend on M, so the reference is the batch's output).
+                rows = preset.config_m or m_max
+                cut = GemmCase(op, rows, n, k, layout, ctx.seed)
                 for config in all_configs(op, resolve_backend(det_gemm_kernel, {"x": x})):
-                    if config == launch_info.config:
+                    if config == launch_info.config and rows == m_max:
                         continue  # that is the reference itself
-                    with nvtx_range(f"config {config.label()} {big.name}"):
-                        got = launch(op, x, w, config=config)[0]
-                    yield _row(ctx, "config", big, got, out_big, config=config.label(),
-                               reference_config=launch_info.config.label())
+                    with nvtx_range(f"config {config.label()} {cut.name}"):
+                        got = launch(op, x[:rows], w, config=config)[0]
+                    yield _row(ctx, "config", cut, got, out_big[:rows], config=config.label(),
+                               reference_config=launch_info.config.label(), reference_m=m_max)

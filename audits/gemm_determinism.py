@@ -28,9 +28,9 @@ FRESH_PROCESS_TIMEOUT_S = 1800
 def _cases(ctx: RunContext) -> list[GemmCase]:
     preset = GEMM_PRESETS[ctx.preset]
     ms = preset.determinism_m
-    layouts = {"fwd": ("kn", "linear"), "da": ("kn", "linear"), "db": ("kn",)}
-    return [GemmCase(op, m, n, k, layout, ctx.seed)
-            for op in OPS for k, n in preset.kn_shapes for m in ms for layout in layouts[op]]
+    layouts = {"fwd": preset.layouts, "da": preset.layouts, "db": ("kn",)}
+    return [GemmCase(op, m, n, k, layout, ctx.seed, preset.device_draws)
+            for op in OPS for k, n in (preset.determinism_kn or preset.kn_shapes) for m in ms for layout in layouts[op]]
 
 
 def case_digest(case: GemmCase, device: torch.device) -> str:

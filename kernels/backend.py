@@ -1,16 +1,24 @@
-"""Which backend a detkit kernel runs on, decided from the tensors and Triton's own mode.
+"""Which backend a detkit kernel runs on, decided from the tensors and Triton's own mode, and how a compiled
+kernel is launched there.
 
 Two backends exist and every result names the one it ran on:
 - ``cuda_sm90``: compiled Triton on a Hopper GPU (compute capability 9.0).
 - ``triton_interpreter``: CPU tensors under ``TRITON_INTERPRET=1`` (used by CI).
 
 Anything else raises before any work is done; there is no silent fallback.
+
+``DirectLaunch`` is the host side of a launch whose arguments a caller has already worked out once (a
+launch plan): its first call is Triton's own ``kernel[grid](...)``, which compiles (or loads) the kernel and
+returns the compiled handle; every later call hands the argument list straight to that handle's launcher,
+skipping Triton's per-call argument binding, specialization key and cache lookup.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import threading
+from typing import NamedTuple
 
 import torch
 
@@ -18,7 +26,8 @@ CUDA_SM90 = "cuda_sm90"
 TRITON_INTERPRETER = "triton_interpreter"
 BACKENDS = (CUDA_SM90, TRITON_INTERPRETER)
 
-# Offsets inside the kernels are 32-bit; refuse tensors whose furthest element is beyond them.
+# Offsets inside most kernels are 32-bit; check_bf16_matrix refuses tensors whose furthest element is beyond
+# them unless the caller's kernel computes 64-bit offsets (max_offset=None).
 MAX_INT32_OFFSET = 2**31 - 1
 
 
@@ -31,7 +40,11 @@ def kernel_is_interpreted(jit_fn) -> bool:
 
 def resolve_backend(jit_fn, tensors: dict[str, torch.Tensor]) -> str:
     """Return the backend ``jit_fn`` will run ``tensors`` on, or raise naming what is unsupported."""
-    devices = {name: t.device for name, t in tensors.items()}
+    return resolve_backend_of_devices(jit_fn, {name: t.device for name, t in tensors.items()})
+
+
+def resolve_backend_of_devices(jit_fn, devices: dict[str, torch.device]) -> str:
+    """``resolve_backend`` from the tensors' devices alone (what a launch plan keeps of them)."""
     if len(set(devices.values())) != 1:
         raise ValueError(f"all tensors must be on one device; got {devices}")
     device = next(iter(devices.values()))
@@ -61,26 +74,63 @@ def resolve_backend(jit_fn, tensors: dict[str, torch.Tensor]) -> str:
     raise NotImplementedError(f"device type {device.type!r} is not supported; supported: cuda (sm_90), cpu (interpreter)")
 
 
-def check_bf16_matrix(name: str, t: torch.Tensor) -> None:
-    """Refuse anything but a non-empty 2-D bf16 tensor whose offsets fit 32-bit kernel arithmetic."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.dtype != torch.bfloat16:
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: torch.bfloat16")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D; got shape {tuple(t.shape)}")
-    if t.shape[0] == 0 or t.shape[1] == 0:
-        raise ValueError(f"{name} has an empty dimension (shape {tuple(t.shape)}); supported: every dim >= 1")
-    if any(s < 0 for s in t.stride()):
-        raise ValueError(f"{name} has negative strides {t.stride()}; supported: non-negative strides")
-    furthest = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    if furthest > MAX_INT32_OFFSET:
+# ---------------------------------------------------------------------------------------------
+# Operand checks
+# ---------------------------------------------------------------------------------------------
+def check_layout(name: str, layout: torch.layout) -> None:
+    """Refuse a non-strided tensor (sparse COO/CSR/..., mkldnn): the kernels read dense strided memory."""
+    if layout != torch.strided:
+        raise TypeError(f"{name} has layout {layout}; supported: torch.strided (dense tensors)")
+
+
+def check_bf16_signature(name: str, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
+                         max_offset: int | None = MAX_INT32_OFFSET) -> int:
+    """Refuse anything but a non-empty 2-D bf16 matrix with non-negative strides whose furthest element offset is
+    at most ``max_offset`` (None: no limit). Returns the elements the view spans from its first element (the
+    storage it needs beyond its storage offset)."""
+    if dtype != torch.bfloat16:
+        raise TypeError(f"{name} has dtype {dtype}; supported: torch.bfloat16")
+    if len(shape) != 2:
+        raise ValueError(f"{name} must be 2-D; got shape {tuple(shape)}")
+    if shape[0] == 0 or shape[1] == 0:
+        raise ValueError(f"{name} has an empty dimension (shape {tuple(shape)}); supported: every dim >= 1")
+    if any(s < 0 for s in stride):
+        raise ValueError(f"{name} has negative strides {tuple(stride)}; supported: non-negative strides")
+    furthest = sum((size - 1) * s for size, s in zip(shape, stride))
+    if max_offset is not None and furthest > max_offset:
         raise ValueError(
-            f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) spans element offset "
+            f"{name} (shape {tuple(shape)}, strides {tuple(stride)}) spans element offset "
             f"{furthest}; supported: offsets below 2**31 (32-bit kernel indexing)"
+        )
+    return furthest + 1
+
+
+def check_storage(name: str, t: torch.Tensor, span: int) -> None:
+    """Refuse a view that reaches past the end of its storage (e.g. after ``untyped_storage().resize_(0)``): the
+    kernel would read or write memory the tensor does not own. ``span``: elements the view covers from its
+    storage offset (check_bf16_signature's result)."""
+    need = (t.storage_offset() + span) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    if need > have:
+        raise ValueError(
+            f"{name} (shape {tuple(t.shape)}, strides {t.stride()}, storage offset {t.storage_offset()}) reaches "
+            f"byte {need} of a storage that holds {have} bytes; supported: views inside their storage"
         )
 
 
+def check_bf16_matrix(name: str, t: torch.Tensor, max_offset: int | None = MAX_INT32_OFFSET) -> None:
+    """Refuse anything but a dense, non-empty 2-D bf16 tensor inside its storage whose offsets fit the kernel's
+    indexing (``max_offset``; None for kernels with 64-bit offsets)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    check_layout(name, t.layout)
+    span = check_bf16_signature(name, tuple(t.shape), t.stride(), t.dtype, max_offset)
+    check_storage(name, t, span)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching a compiled kernel
+# ---------------------------------------------------------------------------------------------
 def ensure_cuda_context(device: torch.device) -> None:
     """Make ``device``'s primary CUDA context current on this thread if none is.
 
@@ -100,6 +150,16 @@ def ensure_cuda_context(device: torch.device) -> None:
     _cu_check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+_THREAD = threading.local()
+
+
+def ensure_thread_cuda_context(device: torch.device) -> None:
+    """``ensure_cuda_context`` once per thread: a context made current stays current on its thread."""
+    if not getattr(_THREAD, "cuda_context", False):
+        ensure_cuda_context(device)
+        _THREAD.cuda_context = True
+
+
 @functools.cache
 def _libcuda() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
@@ -108,3 +168,84 @@ def _libcuda() -> ctypes.CDLL:
 def _cu_check(status: int, call: str) -> None:
     if status != 0:
         raise RuntimeError(f"{call} failed with CUresult {status}")
+
+
+class HostDescriptor(NamedTuple):
+    """What Triton's launcher reads of a host-side TMA descriptor (``TensorDescriptor``: its base tensor, shape,
+    strides and padding); it encodes the CUtensorMap from them at every launch. The block shape and (Gluon) the
+    shared layout are part of the compiled kernel, so a launch plan fixes them once with a real descriptor on
+    its first launch and passes this per call."""
+
+    base: torch.Tensor
+    shape: list[int]
+    strides: list[int]
+    padding: str = "zero"
+
+
+def host_descriptor(base: torch.Tensor, shape: list[int], strides: list[int]) -> HostDescriptor:
+    """``HostDescriptor(base, shape, strides)`` without the generated ``__new__``'s Python frame (the hot path)."""
+    return _new_tuple(HostDescriptor, (base, shape, strides, "zero"))
+
+
+_new_tuple = tuple.__new__
+
+
+class DirectLaunch:
+    """One compiled kernel's launches with a fixed grid and launch options on one CUDA device.
+
+    The caller passes the kernel's full argument list in its parameter order (constexprs included, as Triton's
+    binder would bind them) and guarantees that every call of this object specializes the same way (same
+    dtypes, pointer alignments, integer values' 1 / multiple-of-16 classes, descriptor block shapes): a launch
+    plan keyed on the call's signature does. The first call is Triton's ``kernel[grid](...)`` (with the real
+    descriptors ``first_args`` gives); it returns the compiled kernel, whose launcher every later call runs
+    directly with ``args``, on the device's current stream, passing Triton's launch hooks (profilers) when any
+    are set."""
+
+    __slots__ = ("kernel", "grid", "options", "index", "compiled", "run", "function", "packed")
+
+    def __init__(self, kernel, grid: tuple[int, ...], options: dict, device: torch.device):
+        self.kernel, self.grid, self.options = kernel, grid, options
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.compiled = self.run = self.function = self.packed = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the kernel is compiled (later calls launch directly)."""
+        return self.run is not None
+
+    def __call__(self, args: list) -> None:
+        if _current_device() != self.index:
+            with torch.cuda.device(self.index):
+                return self._launch(args)
+        return self._launch(args)
+
+    def _launch(self, args: list) -> None:
+        if self.run is None:
+            compiled = self.kernel[self.grid](*args, **self.options)
+            self.function, self.packed = compiled.function, compiled.packed_metadata
+            self.compiled, self.run = compiled, compiled.run
+            return
+        grid = self.grid
+        stream = _raw_stream(self.index)
+        enter = _RUNTIME_KNOBS.launch_enter_hook
+        if getattr(enter, "calls", True):  # a hook is set: name the launch for it, as Triton does
+            metadata = self.compiled.launch_metadata(grid, stream, *args)
+            self.run(grid[0], 1, 1, stream, self.function, self.packed, metadata, enter,
+                     _RUNTIME_KNOBS.launch_exit_hook, *args)
+        else:
+            self.run(grid[0], 1, 1, stream, self.function, self.packed, None, None, None, *args)
+
+
+# What Triton's own launch calls for the current device and stream (torch's C entry points; the public
+# torch.cuda functions around them cost a Python frame and a Stream object more per call).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
+_raw_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
+               or (lambda index: torch.cuda.current_stream(index).cuda_stream))
+
+
+try:  # the runtime knobs Triton's own launch reads its launch hooks from
+    from triton import knobs as _knobs
+
+    _RUNTIME_KNOBS = _knobs.runtime
+except ImportError:  # pragma: no cover - Triton without knobs has no hooks to pass
+    _RUNTIME_KNOBS = None

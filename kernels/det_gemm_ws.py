@@ -188,7 +188,9 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, twin_desc, c_ptr, twi
         else:  # from the accumulator's registers (a row stride TMA cannot take, or no room for the buffer)
             offs_m = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
             offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-            offs = gl.expand_dims(offs_m, 1) * stride_cr + gl.expand_dims(offs_n, 0) * stride_cc
+            # 64-bit offsets: C may hold more than 2**31 - 1 elements
+            offs = (gl.expand_dims(offs_m.to(gl.int64), 1) * stride_cr
+                    + gl.expand_dims(offs_n.to(gl.int64), 0) * stride_cc)
             mask = gl.expand_dims(offs_m < R, 1) & gl.expand_dims(offs_n < C, 0)
             gl.store(c_ptr + offs, out, mask=mask)
             if TWIN:

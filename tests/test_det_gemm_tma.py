@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from detkit.kernels.det_gemm import (
-    CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR, LAUNCHERS, GemmConfig, OneWave, all_configs, entry_configs, operand_ring_bytes,
+    CONFIG_TABLE, LAUNCHERS, GemmConfig, OneWave, all_configs, entry_configs, operand_ring_bytes,
     select_config, ws_twin,
 )
 from detkit.toolkit.contract import compare_bits
-from tests.test_det_gemm import _operands
+from tests.test_det_gemm import _operands, fresh_plans  # noqa: F401,F811 (a fixture)
 from detkit.toolkit.fixtures import bf16_randn, weight_kn
 
 
@@ -141,12 +141,11 @@ def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
     assert bounds(CONFIG_TABLE, ("tma", "tma3")) == [("fwd", 64), ("fwd", 128), ("fwd", 256), ("fwd", 1024),
                                                      ("da", 64), ("da", 128), ("da", 256), ("da", 1024)]
     assert bounds(CONFIG_TABLE, ("ws",)) == [("fwd", 2**31), ("da", 2**31), ("db", 2**31)]
-    assert CONFIG_TABLE_B_K_MAJOR == {}  # since table .14 both weight layouts take the same picks
     # "tma3" only inside OneWave entries (beside tiles with a pointer twin), where the sweep measured it ahead.
-    tma3_bounds = [(op, rows) for table in (CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR) for op, entries in table.items()
+    tma3_bounds = [(op, rows) for op, entries in CONFIG_TABLE.items()
                    for rows, e in entries if any(c.variant == "tma3" for c in entry_configs(e))]
     assert tma3_bounds == [("fwd", 256), ("fwd", 1024), ("da", 256)]
-    assert all(isinstance(e, OneWave) for table in (CONFIG_TABLE, CONFIG_TABLE_B_K_MAJOR) for entries in table.values()
+    assert all(isinstance(e, OneWave) for entries in CONFIG_TABLE.values()
                for _, e in entries if any(c.variant == "tma3" for c in entry_configs(e)))
 
 
@@ -157,7 +156,7 @@ def test_da_pick_is_the_same_for_both_weight_layouts_with_the_same_bits(layout, 
     m, n, k = 1100, 48, 64
     dc, b = bf16_randn((m, n), 7, device), weight_kn(k, n, 8, layout, device)
     out, launch = LAUNCHERS["da"](dc, b)
-    assert select_config("da", m, b_k_major=True) == select_config("da", m) == GemmConfig(128, 256, 64, 8, 8, 3, "ws")
+    assert select_config("da", m) == GemmConfig(128, 256, 64, 8, 8, 3, "ws")
     assert launch.config == (select_config("da", m) if device.type == "cuda" else ws_twin(select_config("da", m)))
     backend = "cuda_sm90" if device.type == "cuda" else "triton_interpreter"
     for other in all_configs("da", backend):  # every config the table can pick there: the same bits
@@ -197,7 +196,7 @@ def test_table_pick_is_tma_where_addressable_else_the_same_tile_as_ptr(layout, d
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
 def test_table_tma3_pick_gives_way_to_a_tile_with_a_pointer_twin_where_tma_cannot_address(layout, device,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, fresh_plans):
     import detkit.kernels.det_gemm as dg
 
     # M=130 in the (128, 256] bucket, 192 output columns, 3 SMs: the 64x192 "tma3" tile is 3 tiles (one wave),

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 # The benchmark plug-ins, in `detkit bench --help` order.
 PLUGINS: tuple[str, ...] = (
+    "detkit.bench.gemm",
     "detkit.bench.comm",
     "detkit.bench.mlp",
     "detkit.bench.moe",

@@ -244,38 +244,3 @@ def _prepare_bench_device(device: str, ranks: bool) -> None:
 
 
 benches.add_commands(bench, prepare=_prepare_bench_device)  # every plug-in of benches.PLUGINS
-
-
-@bench.command("gemm")
-@click.option("--ops", multiple=True, type=click.Choice(["fwd", "da", "db"]), default=("fwd", "da", "db"),
-              show_default=True)
-@click.option("--m", "m_values", multiple=True, type=int, help="M values (default: the bench's M sweep; tiny on cpu).")
-@click.option("--layouts", multiple=True, type=click.Choice(["kn", "linear"]), default=("kn", "linear"),
-              show_default=True)
-@click.option("--rounds", type=int, default=5, show_default=True, help="Interleaved timing rounds.")
-@shared_options
-def bench_gemm(ops, m_values, layouts, rounds, device, preset, seed, out_dir, as_json) -> None:
-    """det_gemm fwd/dA/dB vs cuBLAS and cuBLASLt without split-K."""
-    _select_device(device)
-    from detkit.bench import gemm
-    from detkit.toolkit import harness
-
-    if any(m < 1 for m in m_values):
-        raise click.BadParameter(f"M values must be >= 1; got {m_values}", param_hint="--m")
-    ctx = harness.resolve_context(device, preset, seed, out_dir)
-    if ctx.interpreted:
-        click.secho(harness.INTERPRETER_BANNER, fg="yellow", err=True)
-    out = out_dir or _default_out("bench")
-    selected = gemm.cases(ctx.interpreted, ops=ops, m_values=m_values or None, layouts=layouts)
-    rows, meta = gemm.run(ctx.device, ctx.interpreted, selected, rounds=rounds)
-    meta = {**harness.base_meta(ctx, "bench gemm", shlex.join(sys.argv)), **meta, **harness.env_meta(ctx.device)}
-    paths = gemm.write_outputs(out, rows, meta)
-    bad = [r for r in rows if not r["contract_passed"]]
-    if as_json:
-        click.echo(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str))
-    else:
-        click.echo(paths["markdown"].read_text())
-    if bad:
-        for row in bad:
-            click.echo(f"FAILED contract before timing: {row['name']}", err=True)
-        raise SystemExit(1)

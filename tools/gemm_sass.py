@@ -171,7 +171,7 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     from detkit.kernels.backend import kernel_is_interpreted
     from detkit.kernels.det_gemm import select_config
 
-    cfg = replace(config or select_config(case.op, case.rows, case.b_k_major), variant=variant)
+    cfg = replace(config or select_config(case.op, case.rows), variant=variant)
     fn, sig, consts = _signature(case, cfg, segmented, out_fp32, twin)
     if kernel_is_interpreted(fn):
         raise RuntimeError("detkit kernels were imported under TRITON_INTERPRET=1; compile in a process without it")

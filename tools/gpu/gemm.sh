@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# det_gemm on one H200, from a checkout root without installing (PYTHONPATH=$PWD): the GPU tests of the det_gemm
+# files, the gemm audit at the qwen3-8b-tp2 and zoo presets, the benchmark's host/eager/GPU-time rows at the
+# Qwen3-8B TP=2 shapes, the zoo's GPU times and a sweep of candidate tiles for the zoo's narrow outputs.
+#
+#   OUT=/path tools/gpu/gemm.sh tests   # <= 7 min: pytest (DETKIT_TEST_DEVICE=cuda) of the det_gemm test files
+#   OUT=/path tools/gpu/gemm.sh bench   # <= 6 min: zoo GPU times, Qwen3-8B TP=2 host/eager + no-split-K, candidates
+#   OUT=/path tools/gpu/gemm.sh audit   # <= 7.5 min: gemm audit, qwen3-8b-tp2 preset then zoo preset
+#   OUT=/path tools/gpu/gemm.sh all     # the three in turn
+#
+# Each step writes under $OUT/<step>/: a log per command, env.json, steps.txt (exit status and seconds per
+# command). A command past its time limit is stopped (SIGINT, then SIGKILL) and keeps what it wrote: benchmark
+# rows stream to rows.jsonl (python -m tools.gemm_bench_run --report-only --out DIR renders their report).
+# Kernels compile into TRITON_CACHE_DIR (default results/triton-cache, kept between calls on the same machine),
+# filled by parallel processes (tools.gemm_warm) before the long runs.
+set -euo pipefail
+
+STEP=${1:?usage: OUT=DIR tools/gpu/gemm.sh tests|bench|audit|all}
+: "${OUT:?set OUT to the results folder}"
+export PYTHONPATH=${PYTHONPATH:-$PWD} NCCL_NVLS_ENABLE=0
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/results/triton-cache}
+unset TRITON_INTERPRET
+PY=${PYTHON:-python}
+WORKERS=${WORKERS:-12}
+ZOO_M=(1 16 128 256 1024 4096 16384)
+status=0
+
+# run NAME LIMIT_S CMD...: a command with a time limit, its log, its status line; the step goes on after a failure.
+run() {
+  local name=$1 limit=$2 rc=0 t0=$SECONDS
+  shift 2
+  echo "== $(date -u +%H:%M:%S) $name (limit ${limit}s): $*"
+  timeout --signal=INT --kill-after=20 "$limit" "$@" > "$DIR/$name.log" 2>&1 || rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$DIR/steps.txt"
+  tail -4 "$DIR/$name.log"
+  if [ "$rc" -ne 0 ]; then status=1; fi
+}
+
+# left TOTAL_S LIMIT_S: LIMIT_S, or what is left of TOTAL_S since the step began (10 s at least).
+left() { local rest=$(($1 - (SECONDS - STEP_T0))); echo $((rest < $2 ? (rest > 10 ? rest : 10) : $2)); }
+
+begin() {
+  DIR="$OUT/$1"
+  STEP_T0=$SECONDS
+  mkdir -p "$DIR"
+  "$PY" -m detkit env --json > "$DIR/env.json" 2> "$DIR/env.err" || true
+  git rev-parse HEAD > "$DIR/commit.txt" 2>/dev/null || echo "${DETKIT_GIT_COMMIT:-unknown}" > "$DIR/commit.txt"
+}
+
+step_tests() {
+  begin tests
+  # Four pytest processes at once: the tests are compile-bound, and each process compiles its own kernels.
+  local pids=() names=() files=(
+    "det_gemm tests/test_det_gemm.py"
+    "det_gemm_tma tests/test_det_gemm_tma.py"
+    "det_gemm_ws tests/test_det_gemm_ws.py"
+    "bench_audits tests/test_bench_gemm.py tests/test_audits.py"
+  )
+  for entry in "${files[@]}"; do
+    read -r name paths <<< "$entry"
+    # shellcheck disable=SC2086  # paths is a list of files
+    (run "pytest_$name" 420 env DETKIT_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider -ra --maxfail=25 \
+        -k "not gemm_suite_passes_on_hopper" $paths) &
+    pids+=($!)
+    names+=("$name")
+  done
+  for i in "${!pids[@]}"; do wait "${pids[$i]}" || true; done
+  grep -q "rc=[^0]" "$DIR/steps.txt" && status=1
+  return 0
+}
+
+step_bench() {
+  begin bench
+  # shellcheck disable=SC2054  # a candidate config is one comma-separated word
+  local margs=() narrow=() cands=(
+    16,16,128,1,4,6 16,16,256,1,4,4 32,32,128,1,4,6,tma 64,16,128,1,4,6,tma 64,32,128,1,4,5,tma
+    64,64,128,1,4,6,tma 64,128,64,8,4,6,tma 128,128,64,8,8,5,ws
+  )
+  local cargs=()
+  for m in "${ZOO_M[@]}"; do margs+=(--m "$m"); done
+  for c in "${cands[@]}"; do cargs+=(--config "$c"); done
+  mapfile -t narrow < <("$PY" -c 'from detkit.toolkit.presets import zoo_shapes
+for s in zoo_shapes():
+    if s.narrow: print(f"{s.k},{s.n}")')
+  local kargs=()
+  for kn in "${narrow[@]}"; do kargs+=(--kn "$kn"); done
+  # Compile the zoo's table picks and the candidates in parallel processes first.
+  (run warm_zoo 90 "$PY" -m tools.gemm_warm --workers "$WORKERS" --zoo --m "${ZOO_M[@]}") &
+  (run warm_candidates 90 "$PY" -m tools.gemm_warm --workers 4 --ops fwd --zoo --narrow --m "${ZOO_M[@]}" \
+      "${cargs[@]}") &
+  wait || true
+  # The zoo: every shape, all three ops, GPU time (CUDA-graph replay) against cuBLAS.
+  run bench_zoo "$(left 350 170)" "$PY" -m tools.gemm_bench_run --device cuda --out "$DIR/zoo" --zoo "${margs[@]}" \
+      --rounds 3
+  # Qwen3-8B TP=2 (every linear layer): host and eager time against torch.matmul, GPU time against cuBLASLt
+  # without split-K (its worker times both by graph replay).
+  run bench_tp2 "$(left 350 110)" "$PY" -m tools.gemm_bench_run --device cuda --out "$DIR/tp2" --zoo \
+      --layers "Qwen3-8B tp2" "${margs[@]}" --timings host --timings eager --nosplitk --rounds 3
+  # Candidate tiles for the narrow outputs (fwd), against the table's pick and cuBLAS.
+  run candidates "$(left 350 90)" "$PY" -m tools.gemm_candidates --out "$DIR/candidates" --ops fwd "${kargs[@]}" \
+      --m 1 16 128 256 1024 4096 --rounds 3 "${cargs[@]}"
+  grep -q "rc=[^0]" "$DIR/steps.txt" && status=1
+  return 0
+}
+
+step_audit() {
+  begin audit
+  (run warm_default 90 "$PY" -m tools.gemm_warm --workers 6 --preset qwen3-8b-tp2) &
+  (run warm_zoo 90 "$PY" -m tools.gemm_warm --workers 6 --preset zoo) &
+  wait || true
+  run audit_qwen3_8b_tp2 "$(left 450 180)" "$PY" -m detkit audit --device cuda --suite gemm --out "$DIR/qwen3-8b-tp2"
+  run audit_zoo "$(left 450 260)" "$PY" -m detkit audit --device cuda --suite gemm --preset zoo --out "$DIR/zoo"
+  grep -q "rc=[^0]" "$DIR/steps.txt" && status=1
+  return 0
+}
+
+case "$STEP" in
+  tests) step_tests ;;
+  bench) step_bench ;;
+  audit) step_audit ;;
+  all) step_tests; step_bench; step_audit ;;
+  *) echo "unknown step $STEP; steps: tests bench audit all" >&2; exit 2 ;;
+esac
+exit "$status"
