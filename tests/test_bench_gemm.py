@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import detkit.bench.gemm as bench
+from detkit.kernels.det_gemm import LAUNCHERS
 from detkit.toolkit.harness import RunContext
 from detkit.toolkit.presets import GEMM_PRESETS, MODELS, ZOO_M_VALUES, ModelDims, model_layers, zoo_shapes
 from tests.conftest import TEST_DEVICE
@@ -125,7 +126,7 @@ def test_option_defaults():
 def test_validation_passes_the_kernel_and_fails_a_wrong_element(op, device, monkeypatch):
     case = bench.BenchCase(op, 37, 40, 56, "linear")
     x, y, _ = bench.operands(case, device)
-    c = bench.LAUNCHERS[op](x, y)[0]
+    c = LAUNCHERS[op](x, y)[0]
     # Blocks of 16 output rows/columns: the oracle in many pieces gives the whole-output verdict.
     monkeypatch.setattr(bench, "ORACLE_ELEMENTS", 16)
     passed, worst = bench.validate(op, x, y, c)
@@ -285,7 +286,7 @@ def test_summary_reports_the_nosplitk_worker_rows_without_graph_timing():
 def test_validation_of_a_large_output_checks_its_first_and_last_rows_or_columns(op, bad, device, monkeypatch):
     case = bench.BenchCase(op, 37, 40, 56, "linear")
     x, y, _ = bench.operands(case, device)
-    c = bench.LAUNCHERS[op](x, y)[0]
+    c = LAUNCHERS[op](x, y)[0]
     monkeypatch.setattr(bench, "VALIDATE_MAX_ELEMENTS", 4 * 40)  # two rows (columns) at each end
     assert bench._spans(37, 40, 160) == [(0, 2), (35, 37)]
     assert bench.validate(op, x, y, c)[0]

@@ -42,6 +42,7 @@ WORKLOAD_CMD = [sys.executable, "-m", "detkit", "bench", "gemm", "--device", "cp
                 "--layouts", "linear", "--rounds", "1", "--out", "{out}"]
 BENCH_ROW = "det_gemm_fwd [M=1, N=56, K=40] bf16 b=linear"  # bench/gemm.py: BenchCase.name
 BENCH_RANGES = [BENCH_ROW, f"{BENCH_ROW} | cublas"]  # the case and its baseline, interleaved
+BENCH_STAGE = "bench gemm"  # the runner's range around the whole benchmark (toolkit/benches.py)
 
 # The real audit (contract plug-in) at a test preset of two M values (10 rows; the tiny preset's
 # M=4095 cases cost ~30 s in the interpreter). The preset is registered before the CLI runs.
@@ -198,16 +199,18 @@ def _jsonl_names(path: Path) -> list[str]:
 
 def test_bench_rows_are_ranges_in_the_detkit_domain(workload_log):
     log, out = workload_log
-    rows = _jsonl_names(out / "gemm.jsonl")
+    rows = _jsonl_names(out / "rows.jsonl")
     assert rows == [BENCH_ROW]  # the row name is the range name (docs/nvtx.md)
-    problems = verify_nvtx_log(log, [*rows, *BENCH_RANGES])
+    problems = verify_nvtx_log(log, [BENCH_STAGE, *rows, *BENCH_RANGES],
+                               nesting=[(BENCH_STAGE, r) for r in BENCH_RANGES])
     assert problems == [], "\n".join(problems)
     pushes = [e for e in parse_injection_log(log) if e.kind == "push" and e.domain == DOMAIN]
+    assert [e.depth for e in pushes if e.message == BENCH_STAGE] == [1]
     for name in BENCH_RANGES:
         mine = [e for e in pushes if e.message == name]
-        # Timed calls only (warm-up included), each a top-level range: nothing else encloses them.
-        assert mine and all(e.depth == 1 for e in mine), (name, mine)
-    assert {e.message for e in pushes} == set(BENCH_RANGES)
+        # Timed calls only (warm-up included), each directly inside the runner's range.
+        assert mine and all(e.depth == 2 for e in mine), (name, mine)
+    assert {e.message for e in pushes} == {BENCH_STAGE, *BENCH_RANGES}
 
 
 def test_audit_stage_encloses_one_range_per_contract_row(audit_log):
