@@ -155,6 +155,11 @@ def _metadata(op: str, flops_per_pair: int):
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
+# Triton specialises integer arguments equal to 1 or divisible by 16; these would make a decode step (Sq = 1,
+# B = 1) run a different binary from a prefill. Not specialising them keeps one binary per (config, head_dim,
+# layout flags) for every q_len, batch and cache length.
+_NOT_SPECIALIZED = ["batch", "seq_q", "seq_k"]
+
 @triton.jit
 def _dot(a, b, acc, K: tl.constexpr, INTERPRETED: tl.constexpr):
     """``acc + a @ b`` (a [M, K], b [K, N]): one tl.dot on the GPU; in the interpreter exact products added in
@@ -204,7 +209,7 @@ def _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k,
     return q_begin, q_len, k_begin, k_first, k_end, bad
 
 
-@triton.jit(launch_metadata=_metadata("fwd", 4))
+@triton.jit(launch_metadata=_metadata("fwd", 4), do_not_specialize=_NOT_SPECIALIZED)
 def attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     kv_start_ptr, kv_end_ptr,  # int32 [B] (padded) or cu_seqlens_q / cu_seqlens_k (varlen)
@@ -307,7 +312,7 @@ def attention_bwd_delta_kernel(
     tl.store(delta_ptr + b * stride_lb + h * stride_lh + offs, tl.sum(o * do, 1), mask=ok)
 
 
-@triton.jit(launch_metadata=_metadata("bwd_dkdv", 8))
+@triton.jit(launch_metadata=_metadata("bwd_dkdv", 8), do_not_specialize=_NOT_SPECIALIZED)
 def attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     kv_start_ptr, kv_end_ptr,
@@ -384,7 +389,7 @@ def attention_bwd_dkdv_kernel(
     tl.store(dv_ptr + out + offs, _to_bf16(dv, INTERPRETED), mask=key_ok[:, None])
 
 
-@triton.jit(launch_metadata=_metadata("bwd_dq", 6))
+@triton.jit(launch_metadata=_metadata("bwd_dq", 6), do_not_specialize=_NOT_SPECIALIZED)
 def attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     kv_start_ptr, kv_end_ptr,

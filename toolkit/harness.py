@@ -41,6 +41,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "invariance": ("detkit.audits.invariance",),  # issue 7 (docs/invariance.md)
     "moe": ("detkit.audits.moe",),  # issue 8 (docs/moe.md)
     "moe-fp8": ("detkit.audits.moe_fp8",),  # issue 9 (docs/moe_fp8.md)
+    "attention": ("detkit.audits.attention",),
 }
 # Suites that need several ranks (torchrun/srun); every other suite runs in one process.
 MULTI_RANK_SUITES = ("tp-cp", "invariance")
