@@ -101,13 +101,13 @@ class AttnConfigs:
         return f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}"
 
 
-# Keyed by backend, then head_dim. The sm_90 entries are starting points to be replaced by the H200 sweep
-# (tools/gpu/attention.sh); the interpreter entries are small so CPU tests at a few dozen keys cross several
-# key tiles and query tiles.
+# Keyed by backend, then head_dim. The sm_90 entries are starting points chosen from offline sm_90 compiles (wgmma,
+# no register spills, shared memory within one SM), to be replaced by the H200 sweep (tools/gpu/attention.sh);
+# the interpreter entries are small so CPU tests at a few dozen keys cross several key tiles and query tiles.
 CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     CUDA_SM90: {
         64: AttnConfigs(fwd=AttnConfig(128, 64, 4, 3), dkdv=AttnConfig(64, 128, 8, 2), dq=AttnConfig(128, 64, 8, 2)),
-        128: AttnConfigs(fwd=AttnConfig(128, 64, 8, 2), dkdv=AttnConfig(64, 128, 8, 2), dq=AttnConfig(128, 64, 8, 2)),
+        128: AttnConfigs(fwd=AttnConfig(128, 64, 8, 2), dkdv=AttnConfig(32, 128, 8, 2), dq=AttnConfig(128, 64, 8, 2)),
     },
     TRITON_INTERPRETER: {
         64: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1)),
@@ -155,10 +155,11 @@ def _metadata(op: str, flops_per_pair: int):
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
-# Triton specialises integer arguments equal to 1 or divisible by 16; these would make a decode step (Sq = 1,
-# B = 1) run a different binary from a prefill. Not specialising them keeps one binary per (config, head_dim,
-# layout flags) for every q_len, batch and cache length.
-_NOT_SPECIALIZED = ["batch", "seq_q", "seq_k"]
+# Triton specialises integer arguments equal to 1 or divisible by 16 and pointers on 16-byte alignment; these
+# would make a decode step (Sq = 1, B = 1; lse's head stride is Sq) run a different binary from a prefill. Not
+# specialising them keeps one binary per (config, head_dim, layout flags) for every q_len, batch and cache length
+# (the other strides are multiples of head_dim).
+_NOT_SPECIALIZED = ["batch", "seq_q", "seq_k", "stride_lb", "stride_lh", "kv_start_ptr", "kv_end_ptr"]
 
 @triton.jit
 def _dot(a, b, acc, K: tl.constexpr, INTERPRETED: tl.constexpr):
