@@ -157,9 +157,10 @@ def _metadata(op: str, flops_per_pair: int):
 # ---------------------------------------------------------------------------------------------
 # Triton specialises integer arguments equal to 1 or divisible by 16 and pointers on 16-byte alignment; these
 # would make a decode step (Sq = 1, B = 1; lse's head stride is Sq) run a different binary from a prefill. Not
-# specialising them keeps one binary per (config, head_dim, layout flags) for every q_len, batch and cache length
-# (the other strides are multiples of head_dim).
-_NOT_SPECIALIZED = ["batch", "seq_q", "seq_k", "stride_lb", "stride_lh", "kv_start_ptr", "kv_end_ptr"]
+# specialising them keeps one binary per (config, head_dim, heads per tile, layout flags) for every q_len, batch,
+# cache length and head count (the other strides are multiples of head_dim).
+_NOT_SPECIALIZED = ["batch", "heads_q", "heads_kv", "seq_q", "seq_k", "stride_lb", "stride_lh", "kv_start_ptr",
+                    "kv_end_ptr"]
 
 @triton.jit
 def _dot(a, b, acc, K: tl.constexpr, INTERPRETED: tl.constexpr):

@@ -442,3 +442,25 @@ def test_gpu_sdpa_matches_flash_sdpa_within_bound(device):
                                                              is_causal=True)
     assert (ours.float() - flash.float()).abs().max() <= 2 ** -5
     assert math.isfinite(float(ours.float().abs().max()))
+
+
+# ---- compile for sm_90 without a GPU ------------------------------------------------------------------
+_SM90_SCRIPT = """
+import json
+from detkit.bench.attention import compile_sm90
+from detkit.kernels.attention import CONFIG_TABLE
+rows = [compile_sm90(kernel, getattr(cfgs, kernel), d) for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()
+        for kernel in ("fwd", "dkdv", "dq")]
+print(json.dumps(rows))
+"""
+
+
+def test_pinned_sm90_tiles_compile_offline_to_wgmma_without_spills(tmp_path):
+    from tests.moe_helpers import compile_sm90_offline
+
+    rows = compile_sm90_offline(_SM90_SCRIPT, tmp_path)
+    assert len(rows) == 6
+    for r in rows:
+        assert r["HGMMA"] > 0 and r["HMMA"] == 0, r  # wgmma, no mma.sync fallback
+        assert r["stack_bytes"] == 0, r  # no register spills
+        assert r["shared_bytes"] <= 227 * 1024, r  # sm_90's per-block shared-memory limit
