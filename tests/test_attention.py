@@ -59,6 +59,30 @@ def test_forward_within_contract_bound(heads_q, heads_kv, seq, head_dim, q_scale
     assert check_bound(attention_ref(q, k, v, kv_start=kv_start), o_star, bound).passed
 
 
+@pytest.mark.parametrize("heads_q,heads_kv", [(6, 2), (32, 1)])  # a group of 3; a group wider than the tile
+def test_awkward_group_sizes_forward_backward_and_decode(heads_q, heads_kv, device):
+    q, k, v = _qkv(2, heads_q, heads_kv, 20, 20, 64, 13, device)
+    do = bf16_randn(q.shape, 17, device)
+    kv_start = _i32([0, 4], device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = attention(*leaves, kv_start=kv_start)
+    o.backward(do)
+    assert check_bound(o, *attention_fwd_bound(q, k, v, kv_start=kv_start)).passed
+    bounds = attention_bwd_bound(q, k, v, do, kv_start=kv_start)
+    for name, leaf in zip(("dq", "dk", "dv"), leaves):
+        assert check_bound(leaf.grad, *bounds[name]).passed, name
+    for i in (4, 7, 16, 19):  # decode steps after sequence 1's left padding of 4
+        _bits(attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], kv_start=kv_start), o[:, :, i:i + 1])
+
+
+def test_more_queries_than_keys_gives_zeros_for_queries_before_the_first_key(device):
+    q, k, v = _qkv(1, 4, 2, 10, 6, 64, 19, device)
+    o = attention(q, k, v)
+    assert torch.all(o[:, :, :4] == 0)
+    _bits(o[:, :, 4:], attention(q[:, :, 4:], k, v))
+    assert (o.float() - attention_ref(q, k, v).float()).abs().max() <= 2 ** -6
+
+
 def test_bound_rejects_a_wrong_mask_and_a_wrong_scale(device):
     # The bound is tight enough to fail realistic bugs: one key too many, a scale without its square root.
     q, k, v = _qkv(1, 4, 2, 24, 24, 64, 5, device, q_scale=2.0)
@@ -237,6 +261,11 @@ def test_sdpa_with_a_padding_mask_matches_f_sdpa_on_valid_rows(kind, device):
         rows = slice(seq - n, seq) if kind == "left" else slice(0, n)
         assert check_bound(o[b, :, rows], o_star[b, :, rows], bound[b, :, rows]).passed
         assert torch.allclose(o_star[b, :, rows], expected[b, :, rows], atol=1e-12)
+    # A static cache's decode mask (one query, the cache filled to position 13 of 24) gives the decode bits.
+    static = torch.zeros(3, 1, 1, seq, dtype=torch.bool, device=device)
+    static[:, :, :, :14] = True
+    _bits(sdpa(q[:, :, 13:14], k, v, static, enable_gqa=True),
+          attention(q[:, :, 13:14], k[:, :, :14], v[:, :, :14]))
     # The additive form of the same mask (transformers' eager mask) gives the same bits.
     additive = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
     _bits(sdpa(q, k, v, additive, enable_gqa=True), o)
