@@ -384,6 +384,7 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
         sass = cuobjdump_bytes("--dump-sass", compiled.asm["cubin"], tmp)
         resources = cuobjdump_bytes("--dump-resource-usage", compiled.asm["cubin"], tmp)
     regs = re.search(r"REG:(\d+)", resources)
-    return {"kernel": kernel, "head_dim": head_dim, "config": config.label(), "regs": int(regs.group(1)) if regs else None,
+    return {"kernel": kernel, "head_dim": head_dim, "config": config.label(),
+            "regs": int(regs.group(1)) if regs else None,
             "stack_bytes": stack_bytes(resources), "shared_bytes": compiled.metadata.shared,
             **{op: len(re.findall(rf"\b{op}", sass)) for op in ("HGMMA", "HMMA", "LDGSTS")}}

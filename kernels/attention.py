@@ -133,7 +133,8 @@ def heads_per_tile(group: int, block_m: int) -> int:
 
 def case_name(op: str, batch: int, heads_q: int, heads_kv: int, seq_q: int, seq_k: int, head_dim: int) -> str:
     """The one name shared by a launch (launch_metadata), its NVTX range and its report row."""
-    return f"detkit_attention_{op} [B={batch}, Hq={heads_q}, Hkv={heads_kv}, Sq={seq_q}, Skv={seq_k}, D={head_dim}] bf16"
+    dims = f"B={batch}, Hq={heads_q}, Hkv={heads_kv}, Sq={seq_q}, Skv={seq_k}, D={head_dim}"
+    return f"detkit_attention_{op} [{dims}] bf16"
 
 
 def causal_pairs(seq_q: int, seq_k: int) -> int:
@@ -265,7 +266,8 @@ def attention_fwd_kernel(
     for t in range(0, n_tiles):
         kj = k_first + t * BLOCK_N + offs_n  # key index within the sequence
         key_ok = kj < k_end
-        k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        # [BLOCK_N, HEAD_DIM]
+        k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), HEAD_DIM, INTERPRETED)
         if t >= n_full:
             visible = (kj[None, :] <= pos[:, None]) & key_ok[None, :]
@@ -276,7 +278,8 @@ def attention_fwd_kernel(
         p = tl.math.exp2(qk * qk_scale - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_ref))
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None]
         acc = _dot(_to_bf16(p, INTERPRETED), v, acc, BLOCK_N, INTERPRETED)
         m_i = m_new
@@ -350,7 +353,8 @@ def attention_bwd_dkdv_kernel(
     b64 = b.to(tl.int64)
     k_base = k_ptr + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_begin.to(tl.int64) * stride_ks
     v_base = v_ptr + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_begin.to(tl.int64) * stride_vs
-    k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+    # [BLOCK_N, HEAD_DIM], resident for the whole program
+    k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
 
     shift = k_end - q_len  # query i sits at key position shift + i
@@ -369,7 +373,8 @@ def attention_bwd_dkdv_kernel(
             q_off = b64 * stride_qb + head * stride_qh + (q_begin + qi) * stride_qs
             do_off = b64 * stride_db + head * stride_dh + (q_begin + qi) * stride_ds
             l_off = b64 * stride_lb + head * stride_lh + q_begin + qi
-            q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+            # [BLOCK_M, HEAD_DIM]
+            q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             do = tl.load(do_ptr + do_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             lse = tl.load(lse_ptr + l_off, mask=row_ok, other=float("inf"))
             delta = tl.load(delta_ptr + l_off, mask=row_ok, other=0.0)
@@ -447,7 +452,8 @@ def attention_bwd_dq_kernel(
     for t in range(0, n_tiles):
         kj = k_first + t * BLOCK_N + offs_n
         key_ok = kj < k_end
-        k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        # [BLOCK_N, HEAD_DIM]
+        k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), HEAD_DIM, INTERPRETED)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])  # [BLOCK_M, BLOCK_N]
@@ -575,7 +581,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(cu).__name__}")
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2 or cu.device != q.device or not cu.is_contiguous():
+        if (cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2 or cu.device != q.device
+                or not cu.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous int32 tensor [n + 1] (n >= 1) on {q.device}; got "
                              f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
         values = cu.tolist()

@@ -267,7 +267,8 @@ def test_sdpa_with_a_padding_mask_matches_f_sdpa_on_valid_rows(kind, device):
     _bits(sdpa(q[:, :, 13:14], k, v, static, enable_gqa=True),
           attention(q[:, :, 13:14], k[:, :, :14], v[:, :, :14]))
     # The additive form of the same mask (transformers' eager mask) gives the same bits.
-    additive = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    lowest = torch.finfo(torch.float32).min
+    additive = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill(~mask, lowest)
     _bits(sdpa(q, k, v, additive, enable_gqa=True), o)
 
 
@@ -288,7 +289,8 @@ def test_hf_attention_forward_matches_transformers_sdpa_forward(device):
     lengths = [20, 13, 4]
     mask = _padding_mask("left", lengths, 20, device)
     ours, weights = hf_attention_forward(Attn(), q, k, v, mask, scaling=0.125)
-    theirs, _ = transformers_sdpa.sdpa_attention_forward(Attn(), q.double(), k.double(), v.double(), mask, scaling=0.125)
+    theirs, _ = transformers_sdpa.sdpa_attention_forward(Attn(), q.double(), k.double(), v.double(), mask,
+                                                         scaling=0.125)
     assert weights is None and ours.shape == theirs.shape == (3, 20, 4, 64) and ours.is_contiguous()
     for b, n in enumerate(lengths):
         assert (ours[b, 20 - n:].double() - theirs[b, 20 - n:]).abs().max() <= 2 ** -6
@@ -340,7 +342,8 @@ def test_sdpa_reasons_and_refusals(device):
     q, k, v = _qkv(1, 4, 2, 8, 8, 64, 3, device)
     mask = _padding_mask("left", [8], 8, device)
     reasons = {
-        "dtype torch.float32": sdpa_unsupported_reason(q.float(), k.float(), v.float(), enable_gqa=True, is_causal=True),
+        "dtype torch.float32": sdpa_unsupported_reason(q.float(), k.float(), v.float(), enable_gqa=True,
+                                                       is_causal=True),
         "head_dim 32": sdpa_unsupported_reason(q[..., :32], k[..., :32], v[..., :32], is_causal=True, enable_gqa=True),
         "dropout_p 0.1": sdpa_unsupported_reason(q, k, v, dropout_p=0.1, is_causal=True, enable_gqa=True),
         "without enable_gqa": sdpa_unsupported_reason(q, k, v, is_causal=True),
@@ -418,7 +421,8 @@ def test_gpu_decode_prefill_chunked_bitwise_at_qwen3_shapes(head_dim, device):
     for i in (0, 63, 64, 127, 128, 129, 700, seq - 1):
         _bits(attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1]), prefill[:, :, i:i + 1])
     for chunk in (96, 256, 512):
-        parts = [attention(q[:, :, s:s + chunk], k[:, :, :s + chunk], v[:, :, :s + chunk]) for s in range(0, seq, chunk)]
+        parts = [attention(q[:, :, s:s + chunk], k[:, :, :s + chunk], v[:, :, :s + chunk])
+                 for s in range(0, seq, chunk)]
         _bits(torch.cat(parts, 2), prefill)
     _bits(attention(q[1:], k[1:], v[1:]), prefill[1:])
     o_star, bound = attention_fwd_bound(q[:1, :8], k[:1, :2], v[:1, :2], block_n=_block_n(device, head_dim))
