@@ -181,6 +181,17 @@ def _to_bf16(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _token(q_begin, qi, VARLEN: tl.constexpr):
+    """Each row's query index in q's token dim: within a sequence (32-bit offsets, checked on the host), or in a
+    packed tensor (64-bit: the packing may exceed 2**31 elements)."""
+    if VARLEN:
+        tok = (q_begin + qi).to(tl.int64)
+    else:
+        tok = q_begin + qi
+    return tok
+
+
+@triton.jit
 def _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k,
               VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr):
     """(q_begin, q_len, k_begin, k_first, k_end, bad) of sequence ``b``: its queries are rows q_begin.. of q, its
@@ -249,7 +260,8 @@ def attention_fwd_kernel(
     head = head0 + h_loc
     pos = k_end - q_len + qi  # each row's own key position
     b64 = b.to(tl.int64)
-    q_rows = q_ptr + b64 * stride_qb + head * stride_qh + (q_begin + qi) * stride_qs
+    tok = _token(q_begin, qi, VARLEN)
+    q_rows = q_ptr + b64 * stride_qb + head * stride_qh + tok * stride_qs
     q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
     k_base = k_ptr + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_begin.to(tl.int64) * stride_ks
     v_base = v_ptr + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_begin.to(tl.int64) * stride_vs
@@ -290,7 +302,7 @@ def attention_fwd_kernel(
     # lse in log2 units; +inf for rows that see no key, so the backward's exp2(s - lse) is 0 there.
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
     lse = tl.where(bad, float("nan"), lse)
-    o_rows = o_ptr + b64 * stride_ob + head * stride_oh + (q_begin + qi) * stride_os
+    o_rows = o_ptr + b64 * stride_ob + head * stride_oh + tok * stride_os
     tl.store(o_rows[:, None] + offs_d[None, :], _to_bf16(out, INTERPRETED), mask=row_ok[:, None])
     tl.store(lse_ptr + b64 * stride_lb + head * stride_lh + q_begin + qi, lse, mask=row_ok)
 
@@ -307,7 +319,7 @@ def attention_bwd_delta_kernel(
     """delta = rowsum(o * do) in FP32 (o the BF16 forward output), one row per (sequence, query head, query)."""
     b = tl.program_id(2).to(tl.int64)
     h = tl.program_id(1)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)  # rows may be a packed tensor's tokens
     offs_d = tl.arange(0, HEAD_DIM)
     ok = offs < rows
     o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs[:, None] * stride_os + offs_d[None, :],
@@ -370,8 +382,9 @@ def attention_bwd_dkdv_kernel(
         for t in range(t_first, n_qt):
             qi = t * BQ + offs_r % BQ
             row_ok = (h_loc < HEADS) & (qi < q_len)
-            q_off = b64 * stride_qb + head * stride_qh + (q_begin + qi) * stride_qs
-            do_off = b64 * stride_db + head * stride_dh + (q_begin + qi) * stride_ds
+            tok = _token(q_begin, qi, VARLEN)
+            q_off = b64 * stride_qb + head * stride_qh + tok * stride_qs
+            do_off = b64 * stride_db + head * stride_dh + tok * stride_ds
             l_off = b64 * stride_lb + head * stride_lh + q_begin + qi
             # [BLOCK_M, HEAD_DIM]
             q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -435,8 +448,9 @@ def attention_bwd_dq_kernel(
     head = head0 + h_loc
     pos = k_end - q_len + qi
     b64 = b.to(tl.int64)
-    q_off = b64 * stride_qb + head * stride_qh + (q_begin + qi) * stride_qs
-    do_off = b64 * stride_db + head * stride_dh + (q_begin + qi) * stride_ds
+    tok = _token(q_begin, qi, VARLEN)
+    q_off = b64 * stride_qb + head * stride_qh + tok * stride_qs
+    do_off = b64 * stride_db + head * stride_dh + tok * stride_ds
     l_off = b64 * stride_lb + head * stride_lh + q_begin + qi
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
     do = tl.load(do_ptr + do_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -465,7 +479,7 @@ def attention_bwd_dq_kernel(
         dq = _dot(_to_bf16(ds, INTERPRETED), k, dq, BLOCK_N, INTERPRETED)
     dq = dq * scale
     dq = tl.where(bad, float("nan"), dq)
-    dq_rows = dq_ptr + b64 * stride_dqb + head * stride_dqh + (q_begin + qi) * stride_dqs
+    dq_rows = dq_ptr + b64 * stride_dqb + head * stride_dqh + tok * stride_dqs
     tl.store(dq_rows[:, None] + offs_d[None, :], _to_bf16(dq, INTERPRETED), mask=row_ok[:, None])
 
 
