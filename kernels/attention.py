@@ -48,6 +48,7 @@ truncates). Interpreter bits differ from tensor-core bits; each backend is audit
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -125,6 +126,7 @@ def select_configs(backend: str, head_dim: int) -> AttnConfigs:
     return CONFIG_TABLE[backend][head_dim]
 
 
+@functools.lru_cache(maxsize=None)
 def heads_per_tile(group: int, block_m: int) -> int:
     """Query heads of one KV group packed into a tile's rows: the largest divisor of ``group`` <= block_m. A
     function of the model (group size) and the pinned tile only."""
@@ -524,20 +526,21 @@ def _check_tensor(name: str, t, dim: int) -> None:
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if t.dtype != torch.bfloat16:
         raise TypeError(f"{name} has dtype {t.dtype}; supported: torch.bfloat16")
-    if t.dim() != dim:
-        raise ValueError(f"{name} must be {dim}-D; got shape {tuple(t.shape)}")
-    if any(s == 0 for s in t.shape):
-        raise ValueError(f"{name} has an empty dimension (shape {tuple(t.shape)}); supported: every dim >= 1")
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} has stride {t.stride(-1)} on its head dim (shape {tuple(t.shape)}, strides "
-                         f"{t.stride()}); supported: a contiguous head dim (stride 1)")
-    if any(s < 0 for s in t.stride()):
-        raise ValueError(f"{name} has negative strides {t.stride()}; supported: non-negative strides")
+    shape, strides = tuple(t.shape), t.stride()  # read once: this runs on every decode step's host path
+    if len(shape) != dim:
+        raise ValueError(f"{name} must be {dim}-D; got shape {shape}")
+    if 0 in shape:
+        raise ValueError(f"{name} has an empty dimension (shape {shape}); supported: every dim >= 1")
+    if strides[-1] != 1:
+        raise ValueError(f"{name} has stride {strides[-1]} on its head dim (shape {shape}, strides {strides}); "
+                         "supported: a contiguous head dim (stride 1)")
+    if min(strides) < 0:
+        raise ValueError(f"{name} has negative strides {strides}; supported: non-negative strides")
     # The kernels offset whole sequences in 64 bits and index within one in 32 bits.
-    furthest = sum((size - 1) * stride for size, stride in zip(t.shape[1:], t.stride()[1:]))
+    furthest = sum((size - 1) * stride for size, stride in zip(shape[1:], strides[1:]))
     if furthest > MAX_INT32_OFFSET:
-        raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) spans element offset {furthest} "
-                         "within one sequence; supported: below 2**31 (32-bit indexing within a sequence)")
+        raise ValueError(f"{name} (shape {shape}, strides {strides}) spans element offset {furthest} within one "
+                         "sequence; supported: below 2**31 (32-bit indexing within a sequence)")
 
 
 def _check_bounds_tensor(name: str, t, batch: int, device: torch.device) -> None:
