@@ -97,9 +97,26 @@ class AttnConfigs:
     fwd: AttnConfig
     dkdv: AttnConfig
     dq: AttnConfig
+    # A speed option, off in the table until measured: when the forward grid would have fewer programs than this
+    # (a small-batch decode step: B x Hkv programs), each program takes one query head instead of the group's
+    # (the group's K/V tiles are then read by G programs, through the L2). A row's arithmetic is unchanged (same
+    # tile, same key tiles, same update sequence; rows are independent), so its bits must be too; the sweep checks.
+    split_heads_below: int = 0
 
     def label(self) -> str:
-        return f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}"
+        split = f" split<{self.split_heads_below}" if self.split_heads_below else ""
+        return f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}{split}"
+
+
+def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q: int) -> int:
+    """Query heads per forward tile: the whole group (``heads_per_tile``), or one when ``split_heads_below`` asks
+    for more programs."""
+    heads = heads_per_tile(group, configs.fwd.block_m)
+    if configs.split_heads_below and heads > 1:
+        programs = triton.cdiv(seq_q, configs.fwd.block_m // heads) * heads_kv * (group // heads) * batch
+        if programs < configs.split_heads_below:
+            heads = 1
+    return heads
 
 
 # Keyed by backend, then head_dim. The sm_90 entries are starting points chosen from offline sm_90 compiles (wgmma,
@@ -651,7 +668,7 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
     head_dim = q.shape[-1]
     heads_q, heads_kv = q.shape[1], k.shape[1]  # [B, H, S, D] and [T, H, D] alike
     group = heads_q // heads_kv
-    heads = heads_per_tile(group, cfg.block_m)
+    heads = fwd_heads(configs, group, heads_kv, seqs.batch, seqs.seq_q)
     if seqs.varlen:
         rows = q.shape[0]
         o = torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -411,6 +411,17 @@ def test_explicit_tiles_keep_the_bits_of_the_key_tile(device):
     _bits(attention(q, k, v, configs=wide), attention(q, k, v))
 
 
+def test_split_heads_option_keeps_the_bits(device):
+    # The speed option: a small grid takes one query head per program; a row's bits must not change.
+    q, k, v = _qkv(2, 4, 2, 24, 24, 64, 101, device)
+    base = select_configs(backend_of(device), 64)
+    split = type(base)(fwd=base.fwd, dkdv=base.dkdv, dq=base.dq, split_heads_below=10**6)
+    prefill = attention(q, k, v)
+    for i in (0, 15, 16, 23):
+        _bits(attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], configs=split), prefill[:, :, i:i + 1])
+    _bits(attention(q, k, v, configs=split), prefill)
+
+
 # ---- GPU: real shapes ---------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [128, 64])

@@ -47,7 +47,7 @@ shapes: lengths, batch and head counts are not specialised, strides are multiple
 import sys
 import torch
 from detkit.kernels.attention import AttnConfigs, attention, attention_varlen, select_configs
-from sweep_candidates import CANDIDATES
+from sweep_candidates import CANDIDATES, SPLIT
 
 worker, workers = int(sys.argv[1]), int(sys.argv[2])
 dev = torch.device("cuda")
@@ -59,8 +59,11 @@ for d in (128, 64):
             jobs.append(("fwd", d, hq, hkv, flags, pinned))
         for flags in ("plain", "start", "varlen"):
             jobs.append(("bwd", d, hq, hkv, flags, pinned))
+    for hq, hkv in ((6, 2), (32, 1)):  # the tests' awkward groups (3 heads; more heads than a tile's rows)
+        jobs += [("fwd", d, hq, hkv, "start", pinned), ("bwd", d, hq, hkv, "start", pinned)]
     for cfg in CANDIDATES["fwd"][d]:
         jobs.append(("fwd", d, 32, 8, "plain", AttnConfigs(cfg, pinned.dkdv, pinned.dq)))
+        jobs.append(("fwd", d, 32, 8, "plain", AttnConfigs(cfg, pinned.dkdv, pinned.dq, SPLIT)))
     for cfg in CANDIDATES["dkdv"][d]:
         jobs.append(("bwd", d, 32, 8, "plain", AttnConfigs(pinned.fwd, cfg, pinned.dq)))
     for cfg in CANDIDATES["dq"][d]:
@@ -94,8 +97,11 @@ print(f"worker {worker}: done")
 EOF
 
 cat > "$WORK/sweep_candidates.py" <<'EOF'
-"""The tiles the sweep times (spill-free in the offline sm_90 compile unless noted)."""
+"""The tiles the sweep times (spill-free in the offline sm_90 compile unless noted), and the split-heads option's
+threshold (one query head per program when the forward grid is smaller: small-batch decode)."""
 from detkit.kernels.attention import AttnConfig as C
+
+SPLIT = 2 * 132
 
 CANDIDATES = {
     "fwd": {
@@ -131,7 +137,7 @@ from detkit.bench.attention import BenchCase, _graph_sets, detkit_call, make_inp
 from detkit.kernels.attention import attention, select_configs
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.timing import time_graphs
-from sweep_candidates import CANDIDATES
+from sweep_candidates import CANDIDATES, SPLIT
 
 out = Path(sys.argv[1])
 dev = torch.device("cuda")
@@ -196,10 +202,12 @@ def time_shape(label, mode, shape, d, variants):
 for d in (128, 64):
     pinned = select_configs("cuda_sm90", d)
     fwd = {c.label(): replace(pinned, fwd=c) for c in CANDIDATES["fwd"][d]}
+    fwd.update({f"{c.label()} split<{SPLIT}": replace(pinned, fwd=c, split_heads_below=SPLIT)
+                for c in CANDIDATES["fwd"][d]})
     per_shape = {label: time_shape(label, "decode" if shape[1] == 1 else "prefill", shape, d, fwd)
                  for label, shape in FWD_SHAPES.items()}
     for name, cfgs in fwd.items():
-        row = {"kernel": "fwd", "head_dim": d, "config": name, "pinned": cfgs.fwd == pinned.fwd}
+        row = {"kernel": "fwd", "head_dim": d, "config": name, "pinned": cfgs == pinned}
         try:
             row["bit_mismatches"] = bits_ok(cfgs, d)
         except Exception as exc:
