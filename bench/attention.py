@@ -278,7 +278,12 @@ def run(ctx, cases: list[BenchCase], **options) -> Iterator[dict]:
     for case in cases:
         row = {"name": case.name, **asdict(case), "configs": table.label(), "config_table": CONFIG_TABLE_VERSION,
                "target": TARGETS[case.mode]}
-        row.update(measure(ctx, case, rounds))
+        try:
+            row.update(measure(ctx, case, rounds))
+        except (RuntimeError, ValueError, NotImplementedError) as exc:  # e.g. out of memory: a failed row, not a crash
+            row.update(validated=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
         for kind in ("eager", "graph"):
             ours, theirs = row.get(f"detkit_{kind}_us"), row.get(f"sdpa_{kind}_us")
             row[f"ratio_{kind}"] = ours / theirs if ours and theirs else None
