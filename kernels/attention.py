@@ -257,9 +257,11 @@ def attention_fwd_kernel(
     VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     BQ: tl.constexpr = BLOCK_M // HEADS  # query positions per tile
+    # Grid (heads, query tiles, sequences), heads fastest: the latest (longest) query tiles of every head start
+    # first, so the short ones fill the tail of the causal triangle.
     b = tl.program_id(2)
-    pid_h = tl.program_id(1)
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the latest (longest) query tiles start first
+    pid_h = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     group = heads_q // heads_kv
     chunks = group // HEADS
     kv_head = pid_h // chunks
@@ -367,8 +369,8 @@ def attention_bwd_dkdv_kernel(
     inside each tile's MMA (head chunks in ascending order); no atomics."""
     BQ: tl.constexpr = BLOCK_M // HEADS
     b = tl.program_id(2)
-    kv_head = tl.program_id(1)
-    pid_n = tl.program_id(0)
+    kv_head = tl.program_id(0)  # grid (KV heads, key tiles, sequences): the first key tiles (most queries) first
+    pid_n = tl.program_id(1)
     group = heads_q // heads_kv
     chunks = group // HEADS
     q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k,
@@ -446,8 +448,8 @@ def attention_bwd_dq_kernel(
     """dq of one query tile (HEADS heads x BLOCK_M / HEADS queries): key tiles in ascending order from kv_start."""
     BQ: tl.constexpr = BLOCK_M // HEADS
     b = tl.program_id(2)
-    pid_h = tl.program_id(1)
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_h = tl.program_id(0)  # grid (heads, query tiles, sequences) as the forward's
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     group = heads_q // heads_kv
     chunks = group // HEADS
     kv_head = pid_h // chunks
@@ -679,7 +681,7 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         lse = torch.empty((seqs.batch, heads_q, rows), dtype=torch.float32, device=q.device)
     if not interpreted:
         ensure_cuda_context(q.device)
-    grid = (triton.cdiv(seqs.seq_q, cfg.block_m // heads), heads_kv * (group // heads), seqs.batch)
+    grid = (heads_kv * (group // heads), triton.cdiv(seqs.seq_q, cfg.block_m // heads), seqs.batch)
     attention_fwd_kernel[grid](
         q, k, v, o, lse, *_bound_args(seqs, q),
         *_strides3(q, seqs.varlen), *_strides3(k, seqs.varlen), *_strides3(v, seqs.varlen), *_strides3(o, seqs.varlen),
@@ -727,14 +729,14 @@ def attention_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     sizes = (seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, scale * LOG2E, scale)
     cfg = configs.dkdv
     heads = heads_per_tile(group, cfg.block_m)
-    attention_bwd_dkdv_kernel[(triton.cdiv(seqs.seq_k, cfg.block_n), heads_kv, seqs.batch)](
+    attention_bwd_dkdv_kernel[(heads_kv, triton.cdiv(seqs.seq_k, cfg.block_n), seqs.batch)](
         q, k, v, do, lse, delta, dk, dv, *_bound_args(seqs, q), *common, *_strides3(dk, seqs.varlen), *sizes,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     cfg = configs.dq
     heads = heads_per_tile(group, cfg.block_m)
-    attention_bwd_dq_kernel[(triton.cdiv(seqs.seq_q, cfg.block_m // heads), heads_kv * (group // heads), seqs.batch)](
+    attention_bwd_dq_kernel[(heads_kv * (group // heads), triton.cdiv(seqs.seq_q, cfg.block_m // heads), seqs.batch)](
         q, k, v, do, lse, delta, dq, *_bound_args(seqs, q), *common, *_strides3(dq, seqs.varlen), *sizes,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
