@@ -42,6 +42,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "moe": ("detkit.audits.moe",),  # docs/moe.md
     "moe-fp8": ("detkit.audits.moe_fp8",),  # docs/moe_fp8.md
     "model": ("detkit.audits.model",),  # docs/mode.md
+    "attention": ("detkit.audits.attention",),  # docs/attention.md
 }
 # Suites that need several ranks (torchrun/srun); every other suite runs in one process.
 MULTI_RANK_SUITES = ("tp-cp", "invariance")

@@ -1,0 +1,395 @@
+"""detkit attention against PyTorch SDPA's flash backend, in one run, at Qwen3-8B attention shapes (32 query heads on
+8 KV heads, head_dim 128). A bench plug-in (BENCH_PROTOCOL): ``detkit bench attention``.
+
+Modes, each case one row (its name is the launch's name and the NVTX range of its detkit calls; the SDPA calls run
+in ``sdpa_flash <name>`` ranges):
+- ``prefill``: causal forward, S in {1k, 4k, 16k} at batch 1 and 8;
+- ``decode``: one query per sequence against a KV cache of {1k, 8k, 32k} keys at batch {1, 8, 64} (the same
+  cache tensors for both; SDPA gets ``is_causal=False`` and no mask, which for one query is the causal answer);
+- ``fwd_bwd``: forward and backward (torch.autograd.grad of q, k, v) at S in {4k, 16k}, batch 1.
+
+Validated, then timed: each case first compares detkit's output with SDPA's (all finite, max |diff| below
+``VALIDATION_ATOL``; the audit, not this, checks the bits and the FP64 bound); a row's ``passed`` is that
+validation. Timings (toolkit.timing): eager (``do_bench``: L2 flushed, one call between CUDA events; a call whose
+host path exceeds the flush shows its host latency) and CUDA-graph replay (operand sets rotated so a call never
+finds them in L2), both interleaved with the baseline in rounds: median, p20, p80. Host time per call: Python time
+until the call returns with an idle GPU queue (median of ``HOST_CALLS`` calls). The SDPA backend that ran is
+recorded from the profiler's kernel names.
+
+Formulas: visible (query, key) pairs P = B * Hq * sum over queries of the keys each sees;
+    FLOPs fwd = 4 * D * P;  FLOPs fwd+bwd = 3.5 * FLOPs fwd (2.5x for the backward, FlashAttention's convention;
+    detkit's atomic-free backward does 3.5x, recomputing QK^T and dP once more for dq);
+    decode bytes = K + V = 2 * 2 * B * Hkv * Skv * D (+ q and o, negligible);
+    ratio = detkit time / SDPA time (the graph time is the kernel time the targets are stated on).
+Targets on the H200 (reported, not asserted): prefill <= 1.10, decode <= 1.20, fwd+bwd <= 1.20.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import click
+import torch
+import torch.nn.functional as F
+
+from detkit.kernels.attention import CONFIG_TABLE_VERSION, attention, case_name, causal_pairs, select_configs
+from detkit.toolkit.nvtx_ranges import nvtx_range
+from detkit.toolkit.timing import Timing, time_graphs, time_interleaved
+
+NAME = "attention"
+DESCRIPTION = "attention prefill / decode / fwd+bwd vs SDPA flash at Qwen3-8B shapes (eager, CUDA graph, host time)"
+MODES = ("prefill", "decode", "fwd_bwd")
+TARGETS = {"prefill": 1.10, "decode": 1.20, "fwd_bwd": 1.20}
+VALIDATION_ATOL = 2.0**-6
+HOST_CALLS = 30
+L2_BYTES = 60 * 2**20  # H200
+MAX_GRAPH_SETS = 32
+OPTIONS = (
+    click.option("--modes", default=",".join(MODES), show_default=True,
+                 help="Comma-separated modes: prefill, decode, fwd_bwd."),
+    click.option("--quick", is_flag=True, help="One case per mode (the smallest), e.g. to check the plumbing."),
+)
+RANKS = "single"
+INTERPRETER_LABEL = ("triton_interpreter: wall clock of CPU emulation at tiny shapes against torch's CPU SDPA; NOT a "
+                     "hardware result, ratios say nothing about GPU speed")
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    mode: str  # prefill | decode | fwd_bwd
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    seed: int = 1234
+
+    @property
+    def name(self) -> str:
+        op = "fwd_bwd" if self.mode == "fwd_bwd" else "fwd"  # a decode step is the forward kernel at Sq = 1
+        return case_name(op, self.batch, self.heads_q, self.heads_kv, self.seq_q, self.seq_k, self.head_dim)
+
+    @property
+    def flops(self) -> float:
+        fwd = 4.0 * self.head_dim * causal_pairs(self.seq_q, self.seq_k) * self.batch * self.heads_q
+        return 3.5 * fwd if self.mode == "fwd_bwd" else fwd
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * 2 * self.batch * self.heads_kv * self.seq_k * self.head_dim
+
+
+def _grid(interpreted: bool) -> dict[str, list[tuple[int, int, int]]]:
+    """(batch, seq_q, seq_k) per mode."""
+    if interpreted:
+        return {"prefill": [(1, 24, 24), (2, 24, 24)], "decode": [(1, 1, 40), (2, 1, 40)], "fwd_bwd": [(1, 24, 24)]}
+    return {
+        "prefill": [(b, s, s) for s in (1024, 4096, 16384) for b in (1, 8)],
+        "decode": [(b, 1, s) for s in (1024, 8192, 32768) for b in (1, 8, 64)],
+        "fwd_bwd": [(1, s, s) for s in (4096, 16384)],
+    }
+
+
+def cases(ctx, modes: str = ",".join(MODES), quick: bool = False, **_) -> list[BenchCase]:
+    wanted = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = [m for m in wanted if m not in MODES]
+    if not wanted or unknown:
+        raise ValueError(f"--modes {modes!r} is not supported; supported: a comma-separated subset of {MODES}")
+    heads = (4, 2, 64) if ctx.interpreted else (32, 8, 128)
+    out = []
+    for mode in wanted:
+        grid = _grid(ctx.interpreted)[mode]
+        for batch, seq_q, seq_k in (grid[:1] if quick else grid):
+            out.append(BenchCase(mode, batch, seq_q, seq_k, *heads, seed=ctx.seed))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The two implementations
+# ---------------------------------------------------------------------------------------------
+def _randn(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+
+
+def make_inputs(case: BenchCase, device: torch.device, sets: int = 1) -> list[dict[str, torch.Tensor]]:
+    """``sets`` independent operand sets (the CUDA-graph timing rotates them past the L2), drawn on the device
+    (gigabytes at the decode shapes; the bench needs no cross-device bits)."""
+    gen = torch.Generator(device=device).manual_seed(case.seed)
+    grad = case.mode == "fwd_bwd"
+    q_shape = (case.batch, case.heads_q, case.seq_q, case.head_dim)
+    kv_shape = (case.batch, case.heads_kv, case.seq_k, case.head_dim)
+    out = []
+    for _ in range(sets):
+        entry = {"q": _randn(q_shape, gen, device).requires_grad_(grad),
+                 "k": _randn(kv_shape, gen, device).requires_grad_(grad),
+                 "v": _randn(kv_shape, gen, device).requires_grad_(grad)}
+        if grad:
+            entry["do"] = _randn(q_shape, gen, device)
+        out.append(entry)
+    return out
+
+
+def _sdpa_context(device: torch.device):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION) if device.type == "cuda" else sdpa_kernel(SDPBackend.MATH)
+
+
+def detkit_call(case: BenchCase, inp: dict, configs=None) -> Callable[[], object]:
+    q, k, v = inp["q"], inp["k"], inp["v"]
+    if case.mode == "fwd_bwd":
+        def step():
+            o = attention(q, k, v, configs=configs)
+            return torch.autograd.grad(o, (q, k, v), inp["do"])
+        return step
+    return lambda: attention(q, k, v, configs=configs)
+
+
+def sdpa_call(case: BenchCase, inp: dict, gqa: str) -> Callable[[], object]:
+    """SDPA on the same tensors: ``gqa`` "native" (enable_gqa=True) or "expanded" (K/V repeated per query head
+    beforehand, outside the timed call, when the backend refuses enable_gqa)."""
+    q, k, v = inp["q"], inp["k"], inp["v"]
+    if gqa == "expanded":
+        rep = case.heads_q // case.heads_kv
+        k, v = (t.detach().repeat_interleave(rep, 1).requires_grad_(t.requires_grad) for t in (k, v))
+    kwargs = {"is_causal": case.mode != "decode", "enable_gqa": gqa == "native" and case.heads_q != case.heads_kv}
+    device = q.device
+
+    if case.mode == "fwd_bwd":
+        def step():
+            with _sdpa_context(device):
+                o = F.scaled_dot_product_attention(q, k, v, **kwargs)
+            return torch.autograd.grad(o, (q, k, v), inp["do"])
+        return step
+
+    def call():
+        with _sdpa_context(device):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return call
+
+
+def _first_output(result) -> torch.Tensor:
+    return result if isinstance(result, torch.Tensor) else result[0]
+
+
+def sdpa_gqa_mode(case: BenchCase, inp: dict) -> str:
+    """'native' when the flash backend runs enable_gqa on these shapes, else 'expanded'."""
+    try:
+        sdpa_call(case, inp, "native")()
+        return "native"
+    except RuntimeError:
+        return "expanded"
+
+
+def kernel_names(fn: Callable[[], object], device: torch.device) -> list[str]:
+    """The GPU kernels one call of ``fn`` launches (profiler), to record which SDPA backend ran."""
+    if device.type != "cuda":
+        return ["cpu"]
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(dict.fromkeys(n[:80] for n in names))
+
+
+def host_us(fn: Callable[[], object], device: torch.device, calls: int = HOST_CALLS) -> float:
+    """Median Python time of one call with an idle GPU queue (synchronised before each call)."""
+    calls = calls if device.type == "cuda" else 2  # the interpreter's calls are seconds of emulation
+    samples = []
+    for _ in range(calls):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(samples)
+
+
+def _graph_sets(case: BenchCase) -> int:
+    per_call = case.kv_bytes + 2 * 2 * case.batch * case.heads_q * case.seq_q * case.head_dim
+    return max(1, min(MAX_GRAPH_SETS, math.ceil(2 * L2_BYTES / per_call)))
+
+
+def validate(case: BenchCase, ours, theirs) -> dict:
+    a, b = _first_output(ours).float(), _first_output(theirs).float()
+    diff = float((a - b).abs().max())
+    finite = bool(torch.isfinite(a).all())
+    return {"validated": finite and diff <= VALIDATION_ATOL, "max_abs_diff_vs_sdpa": diff, "finite": finite}
+
+
+def _timing(prefix: str, t: Timing | None) -> dict:
+    if t is None:
+        return {f"{prefix}_us": None}
+    return {f"{prefix}_us": t.median_us, f"{prefix}_p20_us": t.p20_us, f"{prefix}_p80_us": t.p80_us,
+            f"{prefix}_sm_clock_mhz": t.sm_clock_mhz}
+
+
+def _ranged(fn: Callable[[], object], label: str) -> Callable[[], object]:
+    def call():
+        with nvtx_range(label):
+            return fn()
+    return call
+
+
+def measure(ctx, case: BenchCase, rounds: int, configs=None) -> dict:
+    """One case: validate, then eager, CUDA-graph and host timings of detkit and SDPA, interleaved."""
+    device = ctx.device
+    sets = _graph_sets(case) if device.type == "cuda" else 1
+    inputs = make_inputs(case, device, sets)
+    gqa = sdpa_gqa_mode(case, inputs[0])
+    ours, theirs = detkit_call(case, inputs[0], configs), sdpa_call(case, inputs[0], gqa)
+    with nvtx_range(case.name):
+        row = validate(case, ours(), theirs())
+    row.update(sdpa_gqa=gqa, sdpa_kernels=kernel_names(theirs, device), graph_sets=sets)
+    if not row["validated"]:
+        return row
+    names = {"detkit": case.name, "sdpa": f"sdpa_flash {case.name}"}
+    eager = time_interleaved({"detkit": _ranged(ours, names["detkit"]), "sdpa": _ranged(theirs, names["sdpa"])},
+                             device, rounds=rounds)
+    row.update(_timing("detkit_eager", eager["detkit"]), **_timing("sdpa_eager", eager["sdpa"]))
+    try:
+        ours_all = [detkit_call(case, inp, configs) for inp in inputs]
+        theirs_all = [sdpa_call(case, inp, gqa) for inp in inputs]
+        graph = time_graphs({"detkit": lambda: [f() for f in ours_all], "sdpa": lambda: [f() for f in theirs_all]},
+                            device, calls_per_fn=sets, rounds=rounds, range_names=names)
+        row.update(_timing("detkit_graph", graph["detkit"]), **_timing("sdpa_graph", graph["sdpa"]))
+    except RuntimeError as exc:  # a capture failure is reported, not hidden
+        row.update(_timing("detkit_graph", None), **_timing("sdpa_graph", None), graph_error=str(exc)[:300])
+    slow = (row.get("sdpa_eager_us") or 0) > 2000  # host time matters for short calls; a few samples suffice here
+    row["host_detkit_us"] = host_us(ours, device, 5 if slow else HOST_CALLS)
+    row["host_sdpa_us"] = host_us(theirs, device, 5 if slow else HOST_CALLS)
+    return row
+
+
+def run(ctx, cases: list[BenchCase], **options) -> Iterator[dict]:
+    rounds = options.get("rounds") or getattr(ctx, "rounds", None) or 3
+    table = select_configs(ctx.backend, 128 if not ctx.interpreted else 64)
+    for case in cases:
+        row = {"name": case.name, **asdict(case), "configs": table.label(), "config_table": CONFIG_TABLE_VERSION,
+               "target": TARGETS[case.mode]}
+        try:
+            row.update(measure(ctx, case, rounds))
+        except (RuntimeError, ValueError, NotImplementedError) as exc:  # e.g. out of memory: a failed row, not a crash
+            row.update(validated=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+        for kind in ("eager", "graph"):
+            ours, theirs = row.get(f"detkit_{kind}_us"), row.get(f"sdpa_{kind}_us")
+            row[f"ratio_{kind}"] = ours / theirs if ours and theirs else None
+        gpu_us = row.get("detkit_graph_us") or row.get("detkit_eager_us")
+        sdpa_us = row.get("sdpa_graph_us") or row.get("sdpa_eager_us")
+        row["detkit_tflops"] = case.flops / gpu_us / 1e6 if gpu_us else None
+        row["sdpa_tflops"] = case.flops / sdpa_us / 1e6 if sdpa_us else None
+        if case.mode == "decode":
+            row["detkit_kv_gbps"] = case.kv_bytes / gpu_us / 1e3 if gpu_us else None
+            row["sdpa_kv_gbps"] = case.kv_bytes / sdpa_us / 1e3 if sdpa_us else None
+        ratio = row.get("ratio_graph") or row.get("ratio_eager")
+        row["meets_target"] = None if ratio is None or ctx.interpreted else ratio <= TARGETS[case.mode]
+        row["passed"] = bool(row["validated"])
+        if ctx.interpreted:
+            row["label"] = INTERPRETER_LABEL
+        yield row
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+def target_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for mode in MODES:
+        sel = [r for r in rows if r["mode"] == mode and (r.get("ratio_graph") or r.get("ratio_eager"))]
+        if not sel:
+            continue
+        ratios = [r.get("ratio_graph") or r.get("ratio_eager") for r in sel]
+        worst = max(ratios)
+        met = sum(x <= TARGETS[mode] for x in ratios)
+        verdict = "met" if worst <= TARGETS[mode] else f"missed by {100 * (worst / TARGETS[mode] - 1):.1f}% at worst"
+        lines.append(f"- {mode}: {met}/{len(sel)} cases <= {TARGETS[mode]:.2f}x SDPA flash (graph time); worst "
+                     f"{worst:.3f}x, median {statistics.median(ratios):.3f}x: {verdict}")
+    return lines
+
+
+def summarize(rows: list[dict], meta: dict) -> str:
+    from tabulate import tabulate
+
+    text = ""
+    if meta.get("backend") == "triton_interpreter" or any(r.get("label") for r in rows):
+        text += f"**{INTERPRETER_LABEL}**\n\n"
+    cols = ("B", "Sq", "Skv", "detkit graph us", "SDPA graph us", "ratio graph", "ratio eager", "host us detkit",
+            "host us SDPA", "detkit TFLOP/s", "SDPA TFLOP/s", "valid")
+    for mode in MODES:
+        sel = [r for r in rows if r["mode"] == mode]
+        if not sel:
+            continue
+        table = [(r["batch"], r["seq_q"], r["seq_k"], r.get("detkit_graph_us"), r.get("sdpa_graph_us"),
+                  r.get("ratio_graph"), r.get("ratio_eager"), r.get("host_detkit_us"), r.get("host_sdpa_us"),
+                  r.get("detkit_tflops"), r.get("sdpa_tflops"), r["validated"]) for r in sel]
+        text += f"## {mode} (target <= {TARGETS[mode]:.2f}x)\n\n"
+        text += tabulate(table, headers=cols, tablefmt="github", floatfmt=".3f") + "\n\n"
+        kernels = sorted({k for r in sel for k in r.get("sdpa_kernels", [])})
+        gqa = sorted({r.get("sdpa_gqa") for r in sel})
+        text += f"SDPA ran: {', '.join(kernels) or 'n/a'} (GQA: {', '.join(str(g) for g in gqa)})\n\n"
+    lines = [] if meta.get("backend") == "triton_interpreter" else target_lines(rows)
+    if lines:
+        text += "## Targets (reported, not asserted)\n\n" + "\n".join(lines) + "\n"
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile-only evidence (no GPU): the sm_90 build of a kernel and tile
+# ---------------------------------------------------------------------------------------------
+_POINTERS = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "kv_start_ptr": "*i32", "kv_end_ptr": "*i32"}
+
+
+def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: bool = False,
+                 kv_start: bool = True, kv_end: bool = False) -> dict:
+    """Compile one attention kernel ("fwd", "dkdv", "dq") with ``config`` for sm_90 with Triton's bundled ptxas,
+    without a GPU: registers, stack (spills), shared memory and the SASS counts of wgmma (HGMMA), mma.sync (HMMA)
+    and cp.async (LDGSTS). Run in a process without TRITON_INTERPRET."""
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import detkit.kernels.attention as attn
+    from detkit.bench.gemm_sass import cuobjdump_bytes, stack_bytes
+    from detkit.kernels.backend import kernel_is_interpreted
+
+    fn = {"fwd": attn.attention_fwd_kernel, "dkdv": attn.attention_bwd_dkdv_kernel,
+          "dq": attn.attention_bwd_dq_kernel}[kernel]
+    if kernel_is_interpreted(fn):
+        raise RuntimeError("detkit kernels were imported under TRITON_INTERPRET=1; compile in a process without it")
+    names = list(fn.arg_names)
+    consts = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HEADS": heads,
+              "INTERPRETED": False, "VARLEN": varlen, "HAS_KV_START": kv_start, "HAS_KV_END": kv_end}
+    sig = {n: "constexpr" if n in consts else ("fp32" if n in ("qk_scale", "scale") else
+                                              _POINTERS.get(n, "*bf16" if n.endswith("_ptr") else "i32"))
+           for n in names}
+    # What a launch at the real shapes specialises: 16-byte-aligned tensors, strides multiples of 16.
+    aligned = [n for n in names if sig[n] not in ("constexpr", "fp32") and n not in attn._NOT_SPECIALIZED
+               and (n.endswith("_ptr") or n.startswith("stride"))]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        sass = cuobjdump_bytes("--dump-sass", compiled.asm["cubin"], tmp)
+        resources = cuobjdump_bytes("--dump-resource-usage", compiled.asm["cubin"], tmp)
+    regs = re.search(r"REG:(\d+)", resources)
+    return {"kernel": kernel, "head_dim": head_dim, "config": config.label(),
+            "regs": int(regs.group(1)) if regs else None,
+            "stack_bytes": stack_bytes(resources), "shared_bytes": compiled.metadata.shared,
+            **{op: len(re.findall(rf"\b{op}", sass)) for op in ("HGMMA", "HMMA", "LDGSTS")}}

@@ -1,0 +1,56 @@
+"""The attention bench plug-in (BENCH_PROTOCOL): its case list, its validation and rows, its report. The timings
+themselves mean something only on the GPU (tools/gpu/attention.sh runs it there)."""
+
+import pytest
+import torch
+
+import detkit.bench.attention as bench
+from detkit.toolkit.harness import RunContext
+
+
+def _ctx(backend: str) -> RunContext:
+    device = torch.device("cpu" if backend == "triton_interpreter" else "cuda")
+    return RunContext(device=device, backend=backend, preset="tiny", seed=7)
+
+
+def test_cases_cover_the_issue_grid_and_refuse_unknown_modes():
+    full = bench.cases(_ctx("cuda_sm90"))
+    by_mode = {m: [(c.batch, c.seq_q, c.seq_k) for c in full if c.mode == m] for m in bench.MODES}
+    assert by_mode["prefill"] == [(b, s, s) for s in (1024, 4096, 16384) for b in (1, 8)]
+    assert by_mode["decode"] == [(b, 1, s) for s in (1024, 8192, 32768) for b in (1, 8, 64)]
+    assert by_mode["fwd_bwd"] == [(1, 4096, 4096), (1, 16384, 16384)]
+    assert all((c.heads_q, c.heads_kv, c.head_dim) == (32, 8, 128) for c in full)
+    assert len({c.name for c in full}) == len(full)
+    assert [c.mode for c in bench.cases(_ctx("cuda_sm90"), modes="decode", quick=True)] == ["decode"]
+    with pytest.raises(ValueError, match="--modes 'prefill,foo' is not supported"):
+        bench.cases(_ctx("cuda_sm90"), modes="prefill,foo")
+    # FLOPs: 4 D per visible pair; fwd+bwd 3.5x; decode bytes are the cache's K and V.
+    case = bench.BenchCase("prefill", 1, 4, 4, 2, 1, 64)
+    assert case.flops == 4 * 64 * 10 * 2
+    assert bench.BenchCase("fwd_bwd", 1, 4, 4, 2, 1, 64).flops == 3.5 * case.flops
+    assert bench.BenchCase("decode", 2, 1, 100, 2, 1, 64).kv_bytes == 2 * 2 * 2 * 1 * 100 * 64
+
+
+def test_run_validates_against_sdpa_and_reports_every_mode(device):
+    if device.type != "cpu":
+        pytest.skip("the CPU plumbing; the GPU run is tools/gpu/attention.sh")
+    ctx = _ctx("triton_interpreter")
+    rows = list(bench.run(ctx, bench.cases(ctx, quick=True), rounds=1))
+    assert [r["mode"] for r in rows] == list(bench.MODES)
+    for row in rows:
+        assert row["passed"] and row["validated"] and row["max_abs_diff_vs_sdpa"] <= bench.VALIDATION_ATOL, row
+        assert row["detkit_eager_us"] > 0 and row["sdpa_eager_us"] > 0 and row["ratio_eager"] > 0
+        assert row["name"].startswith("detkit_attention_") and row["meets_target"] is None  # no target off the GPU
+    text = bench.summarize(rows, {"backend": "triton_interpreter"})
+    assert "NOT a hardware result" in text and "## decode" in text and "## Targets" not in text
+
+
+def test_validation_fails_a_wrong_result():
+    case = bench.BenchCase("prefill", 1, 4, 4, 2, 1, 64)
+    good = torch.zeros(1, 2, 4, 64)
+    assert bench.validate(case, good, good)["validated"]
+    assert not bench.validate(case, good + 0.1, good)["validated"]
+    assert not bench.validate(case, good + float("nan"), good)["validated"]
+    lines = bench.target_lines([{"mode": "decode", "ratio_graph": 1.5}, {"mode": "decode", "ratio_graph": 1.0}])
+    assert lines == ["- decode: 1/2 cases <= 1.20x SDPA flash (graph time); worst 1.500x, median 1.250x: "
+                     "missed by 25.0% at worst"]
