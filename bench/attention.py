@@ -36,7 +36,6 @@ import click
 import torch
 import torch.nn.functional as F
 
-from detkit.kernels.attention import CONFIG_TABLE_VERSION, attention, case_name, causal_pairs, select_configs
 from detkit.toolkit.nvtx_ranges import nvtx_range
 from detkit.toolkit.timing import Timing, time_graphs, time_interleaved
 
@@ -71,11 +70,15 @@ class BenchCase:
 
     @property
     def name(self) -> str:
+        from detkit.kernels.attention import case_name  # kernels load when a benchmark runs, not with the CLI
+
         op = "fwd_bwd" if self.mode == "fwd_bwd" else "fwd"  # a decode step is the forward kernel at Sq = 1
         return case_name(op, self.batch, self.heads_q, self.heads_kv, self.seq_q, self.seq_k, self.head_dim)
 
     @property
     def flops(self) -> float:
+        from detkit.kernels.attention import causal_pairs
+
         fwd = 4.0 * self.head_dim * causal_pairs(self.seq_q, self.seq_k) * self.batch * self.heads_q
         return 3.5 * fwd if self.mode == "fwd_bwd" else fwd
 
@@ -141,6 +144,8 @@ def _sdpa_context(device: torch.device):
 
 
 def detkit_call(case: BenchCase, inp: dict, configs=None) -> Callable[[], object]:
+    from detkit.kernels.attention import attention
+
     q, k, v = inp["q"], inp["k"], inp["v"]
     if case.mode == "fwd_bwd":
         def step():
@@ -273,10 +278,12 @@ def measure(ctx, case: BenchCase, rounds: int, configs=None) -> dict:
 
 
 def run(ctx, cases: list[BenchCase], **options) -> Iterator[dict]:
+    from detkit.kernels.attention import ATTENTION_CONFIG_TABLE_VERSION, select_configs
+
     rounds = options.get("rounds") or getattr(ctx, "rounds", None) or 3
     table = select_configs(ctx.backend, 128 if not ctx.interpreted else 64)
     for case in cases:
-        row = {"name": case.name, **asdict(case), "configs": table.label(), "config_table": CONFIG_TABLE_VERSION,
+        row = {"name": case.name, **asdict(case), "configs": table.label(), "config_table": ATTENTION_CONFIG_TABLE_VERSION,
                "target": TARGETS[case.mode]}
         try:
             row.update(measure(ctx, case, rounds))

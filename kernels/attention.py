@@ -65,7 +65,7 @@ HEAD_DIMS = (64, 128)
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-12-02.1"
+ATTENTION_CONFIG_TABLE_VERSION = "2026-12-01.1"
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ PLUGINS: tuple[str, ...] = (
     "detkit.bench.mlp",
     "detkit.bench.moe",
     "detkit.bench.moe_sweep",
+    "detkit.bench.attention",
 )
 REQUIRED = ("NAME", "DESCRIPTION", "OPTIONS", "cases", "run", "summarize")
 RANKS_KINDS = ("single", "ranks")

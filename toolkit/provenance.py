@@ -35,6 +35,7 @@ CONFIG_TABLES = (
     ("moe_bf16", "MOE_CONFIG_TABLE_VERSION"),
     ("moe_fp8", "MOE_FP8_CONFIG_TABLE_VERSION"),
     ("invariant", "INVARIANT_CONFIG_TABLE_VERSION"),
+    ("attention", "ATTENTION_CONFIG_TABLE_VERSION"),
 )
 KERNELS_PACKAGE = "detkit.kernels"
 PARTS = ("kernels", "toolkit", "audits", "bench")  # folders of a checkout; sub-packages of detkit installed

@@ -253,35 +253,6 @@ for kernel, shapes in (("fwd", FWD_SHAPES), ("dkdv", BWD_SHAPES), ("dq", BWD_SHA
 print("\n".join(lines))
 EOF
 
-cat > "$WORK/bench_driver.py" <<'EOF'
-"""The attention bench plug-in run directly (when `detkit bench attention` is not yet wired): rows.jsonl,
-report.json and report.md as the runner writes them."""
-import json
-import shlex
-import sys
-from pathlib import Path
-
-from detkit.toolkit import harness
-import detkit.bench.attention as plugin
-
-out = Path(sys.argv[1])
-out.mkdir(parents=True, exist_ok=True)
-ctx = harness.resolve_context("cuda", None, 1234, out)
-rows = []
-with open(out / "rows.jsonl", "w") as f:
-    for row in plugin.run(ctx, plugin.cases(ctx), rounds=3):
-        f.write(json.dumps(row, default=str) + "\n")
-        f.flush()
-        rows.append(row)
-        print(row["name"], "ratio graph", row.get("ratio_graph"), "eager", row.get("ratio_eager"), flush=True)
-meta = {**harness.base_meta(ctx, "bench attention", shlex.join(sys.argv)), **harness.env_meta(ctx.device),
-        "attention_config_table": plugin.CONFIG_TABLE_VERSION}
-harness.atomic_write_text(out / "report.json", json.dumps({"meta": meta, "rows": rows}, indent=2, default=str) + "\n")
-harness.atomic_write_text(out / "report.md", "# detkit bench attention\n\n" + plugin.summarize(rows, meta))
-print(plugin.summarize(rows, meta))
-sys.exit(0 if all(r["passed"] for r in rows) else 1)
-EOF
-
 cat > "$WORK/warm.sh" <<'EOF'
 # The workers share TRITON_CACHE_DIR; each compiles its share of the variants. Args: OUT WORKERS.
 set -uo pipefail
@@ -313,11 +284,7 @@ if want audit; then
   step audit "${AUDIT_LIMIT:-110}" python -m detkit audit --suite attention --device cuda --out "$OUT/audit" --no-progress
 fi
 if want bench; then
-  if python -m detkit bench attention --help > /dev/null 2>&1; then
-    step bench "${BENCH_LIMIT:-100}" python -m detkit bench attention --device cuda --out "$OUT/bench"
-  else
-    step bench "${BENCH_LIMIT:-100}" python "$WORK/bench_driver.py" "$OUT/bench"
-  fi
+  step bench "${BENCH_LIMIT:-100}" python -m detkit bench attention --device cuda --out "$OUT/bench"
 fi
 if want sweep; then
   step sweep "${SWEEP_LIMIT:-100}" python "$WORK/sweep.py" "$OUT"
