@@ -134,20 +134,23 @@ def _mask_key(mask: torch.Tensor, batch: int, seq_q: int, seq_k: int) -> tuple:
 def checked_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mask_windows`` with the check enforced: a ValueError (one host sync, once per mask tensor and version), or
-    under CUDA-graph capture a device-side assert."""
-    capturing = attn_mask.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not capturing:
+    a device-side assert on every call, without a sync, under CUDA-graph capture and for inference tensors (they
+    have no version counter, so an in-place change could not be told from a cache hit)."""
+    device_assert = attn_mask.is_cuda and (torch.cuda.is_current_stream_capturing() or attn_mask.is_inference())
+    if not device_assert and not attn_mask.is_inference():
         hit = _mask_cache.get(id(attn_mask))
         if hit is not None and hit[0]() is attn_mask and hit[1] == _mask_key(attn_mask, batch, seq_q, seq_k):
             return hit[2], hit[3]
     kv_start, kv_end, ok = mask_windows(attn_mask, batch, seq_q, seq_k)
-    if capturing:
+    if device_assert:
         torch._assert_async(ok, "detkit attention: attn_mask is not causal + padding")
         return kv_start, kv_end
-    if not bool(ok):
+    if not bool(ok):  # one host sync
         raise ValueError(f"attn_mask (shape {tuple(attn_mask.shape)}, dtype {attn_mask.dtype}) is not causal + "
                          "padding: supported are masks where each sequence sees one window of keys and query i its "
                          "window up to its own position, with masked values False, -inf or the dtype's minimum")
+    if attn_mask.is_inference():
+        return kv_start, kv_end
     if len(_mask_cache) >= _MASK_CACHE_SIZE:
         _mask_cache.pop(next(iter(_mask_cache)))
     _mask_cache[id(attn_mask)] = (weakref.ref(attn_mask), _mask_key(attn_mask, batch, seq_q, seq_k), kv_start, kv_end)

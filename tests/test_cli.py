@@ -58,7 +58,7 @@ def test_auto_refuses_a_host_without_gpu_unless_cpu():
 
 
 def test_unknown_suite_lists_known_names():
-    with pytest.raises(ValueError, match=r"\['bogus'\] not known; known: \['auto', 'all', 'gemm'"):
+    with pytest.raises(ValueError, match=r"\['bogus'\] not known; known: \['auto', 'all', 'attention', 'gemm'"):
         select_suites(["gemm", "bogus"], device="cpu", gpu_count=0, world_size=1)
 
 
