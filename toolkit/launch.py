@@ -499,7 +499,7 @@ class LocalRanks:
     ``log_dir/rank-R.log``."""
 
     def __init__(self, target: list[str], nproc: int, env: Mapping[str, str], log_dir: Path,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, cwd: Path | None = None):
         import subprocess
 
         import torch.distributed as dist
@@ -521,7 +521,7 @@ class LocalRanks:
                 with open(self.logs[rank], "wb") as log:
                     self.procs.append(subprocess.Popen(
                         [sys.executable, *target], env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd))
         except BaseException:
             self.kill()
             raise
