@@ -315,8 +315,9 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
         writer.close()
         if session is None:
             raise
-        # A rank stopped answering (or failed): name it, merge what finished into an INCOMPLETE report.
-        click.echo(tp_cp_dist.end_incomplete(session, exc, out, {**meta, **env}), err=True)
+        # A rank stopped answering (or failed): name it (one line), merge what finished into an
+        # INCOMPLETE report.
+        tp_cp_dist.end_incomplete(session, exc, out, {**meta, **env})
         raise SystemExit(1) from None
     launch_lines: list[str] = []
     if selection.launched:  # the multi-rank suites, on ranks started here; their rows join this report

@@ -711,20 +711,26 @@ def _destroy_group_quietly(limit_s: float = 5.0) -> None:
 
 def _account(session: DistSession, out: Path, meta: dict[str, Any], diagnosis: Diagnosis, how: str,
              error: str) -> str:
-    """Have the lowest surviving rank write the INCOMPLETE report; return this rank's one line."""
+    """Print this rank's one line, then have the lowest surviving rank write the INCOMPLETE report
+    while the others wait for it (the first rank to exit may end them all: torchrun, srun
+    --kill-on-bad-exit); return the line."""
     session.watch.end("gave-up", error[:300])
     survivors = [r for r in range(session.world_size) if r not in diagnosis.silent and r not in diagnosis.failed]
     writer = min(survivors)
+    md = out / "report.md"
+    line = (f"detkit audit: rank {session.rank}: INCOMPLETE: {diagnosis.culprits()}; this rank gave up in stage "
+            f"'{diagnosis.my_stage}' ({how}); INCOMPLETE report: {md} (written by rank {writer})")
+    print(line, file=sys.stderr, flush=True)
     if session.rank == writer:
         try:
-            md = str(write_incomplete_report(session, out, meta, diagnosis, error))
-        except Exception as exc:  # noqa: BLE001 -- the account must still be printed
-            md = f"not written ({type(exc).__name__}: {exc})"
-    else:
-        marker = _wait_for_incomplete_marker(out, limit_s=30 + 3 * session.watch.interval)
-        md = marker["report"] if marker else f"not seen: rank {writer} was to write it"
-    return (f"detkit audit: rank {session.rank}: INCOMPLETE: {diagnosis.culprits()}; this rank gave up "
-            f"in stage '{diagnosis.my_stage}' ({how}); INCOMPLETE report: {md}")
+            write_incomplete_report(session, out, meta, diagnosis, error)
+        except Exception as exc:  # noqa: BLE001 -- say so, the line is out already
+            print(f"detkit audit: rank {session.rank}: the INCOMPLETE report was not written: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    elif _wait_for_incomplete_marker(out, limit_s=30 + 3 * session.watch.interval) is None:
+        print(f"detkit audit: rank {session.rank}: rank {writer} did not write the INCOMPLETE report within "
+              f"{30 + 3 * session.watch.interval:g} s", file=sys.stderr, flush=True)
+    return line
 
 
 def arm_stall_exit(session: DistSession | None, out: Path, meta: dict[str, Any]) -> None:
@@ -736,9 +742,8 @@ def arm_stall_exit(session: DistSession | None, out: Path, meta: dict[str, Any])
 
     def on_stall(diagnosis: Diagnosis) -> None:
         try:
-            line = _account(session, out, meta, diagnosis, "seen by its heartbeat watch",
-                            f"no heartbeat from rank(s) {sorted(diagnosis.silent) or sorted(diagnosis.failed)}")
-            print(line, file=sys.stderr, flush=True)
+            _account(session, out, meta, diagnosis, "seen by its heartbeat watch",
+                     f"no heartbeat from rank(s) {sorted(diagnosis.silent) or sorted(diagnosis.failed)}")
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -748,9 +753,9 @@ def arm_stall_exit(session: DistSession | None, out: Path, meta: dict[str, Any])
 
 
 def end_incomplete(session: DistSession, error: BaseException, out: Path, meta: dict[str, Any]) -> str:
-    """After a collective failed on this rank (timeout, closed connection): name the rank that
-    stopped answering, have the lowest surviving rank write the INCOMPLETE report, and return this
-    rank's one-line account.
+    """After a collective failed on this rank (timeout, closed connection): print one line naming
+    the rank that stopped answering, have the lowest surviving rank write the INCOMPLETE report, and
+    return the line.
 
     Re-raises ``error`` when no other rank is at fault (this rank's own failure): it records the
     error first, closes its connections so the others fail fast and name it, and waits for their
