@@ -152,18 +152,22 @@ up() {
         local work
         work=$(mktemp -d "$state/standin.XXXXXX")
         build_standin "$tag" "$work"
+        step "remove the stand-in's work folder"
         # Never delete through a mount that debootstrap may have left (proc, sys) in the rootfs.
         if grep -q " $work/" /proc/mounts; then
             say "mounts remain under $work; leaving it in place"
         else
             rm -rf "$work"
         fi
+        step_done cleanup
     fi
+    step "prune older stand-ins, dangling images and build cache"
     # Keep the cache bounded: older stand-ins, dangling images, build cache beyond 4 GB.
     "$DOCKER" images --format '{{.Repository}}:{{.Tag}}' detkit-standin | grep -vx "$tag" |
         xargs -r "$DOCKER" rmi -f >/dev/null 2>&1 || true
     "$DOCKER" image prune -f >/dev/null 2>&1 || true
     "$DOCKER" builder prune -f --keep-storage 4gb >/dev/null 2>&1 || true
+    step_done prune
     printf 'DOCKER_HOST=%s\nDETKIT_STANDIN_IMAGE=%s\n' "$DOCKER_HOST" "$tag" >"$state/env"
     say "up: DOCKER_HOST=$DOCKER_HOST, stand-in base $tag"
 }

@@ -31,6 +31,9 @@ SCRIPT = REPO / ".ci" / "docker.sh"
 CPU_FILES = ("-f", "compose.yaml", "-f", "compose.cpu.yaml", "-f", ".ci/compose.standin.yaml")
 INVOKER = 4242  # uid and gid of the unprivileged user who runs compose
 IMAGE = "detkit:ci-standin"
+# What compose reads: its files and the build context (.dockerignore keeps only the package).
+PROJECT_FILES = ("compose.yaml", "compose.cpu.yaml", ".ci/compose.standin.yaml", "Dockerfile", ".dockerignore",
+                 "pyproject.toml", "README.md", "LICENSE", "detkit", "toolkit", "kernels", "audits", "bench")
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -42,6 +45,7 @@ class Engine:
     home: Path
     results: Path
     compose: str
+    project: Path  # a copy of the project files the unprivileged user can read, wherever the checkout is
     timings: dict[str, float] = field(default_factory=dict)
 
     def compose_run(self, *args: str, files=CPU_FILES, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
@@ -55,7 +59,8 @@ class Engine:
         cmd = ["setpriv", f"--reuid={INVOKER}", f"--regid={INVOKER}", "--clear-groups", "--",
                self.compose, *files, *args]
         started = time.monotonic()
-        proc = subprocess.run(cmd, cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=self.project, env={**base, **env}, capture_output=True, text=True,
+                              timeout=timeout)
         label = " ".join(args) + "".join(f" [{k}={v}]" for k, v in env.items() if k == "DETKIT_SUITE")
         self.timings[label] = round(time.monotonic() - started, 1)
         return proc
@@ -71,6 +76,22 @@ def _git_commit() -> str:
                               timeout=30).stdout.strip()
     except OSError:
         return ""
+
+
+def _readable_copy(dest: Path) -> Path:
+    """The project files compose reads, copied where the unprivileged user can read them (a CI
+    checkout under a private home folder would not be)."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for name in PROJECT_FILES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        elif src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    for path in [dest, *dest.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return dest
 
 
 def _tail(proc: subprocess.CompletedProcess, n: int = 4000) -> str:
@@ -100,9 +121,13 @@ def engine():
         for path in (home, results):  # the invoking user's own folders, as `mkdir -p results` makes it
             path.mkdir()
             os.chown(path, INVOKER, INVOKER)
+        project = _readable_copy(state / "project")
+        bin_dir = state / "bin"
+        bin_dir.mkdir()
+        shutil.copy2(compose, bin_dir / "docker-compose")  # the checkout's venv may be closed to others
         timings = {f"up: {k}": float(v) for k, v in re.findall(r"^time (\w+): (\d+) s$", up.stdout, re.M)}
         timings["up (total)"] = round(time.monotonic() - started, 1)
-        eng = Engine(state, env, home, results, compose, timings)
+        eng = Engine(state, env, home, results, str(bin_dir / "docker-compose"), project, timings)
         yield eng
         print("container CI timings (s):", json.dumps(eng.timings))
     finally:
@@ -136,9 +161,9 @@ def test_image_records_its_stand_in_base_and_both_relaxations(built):
 
 def test_the_dockerfile_checks_stay_real_without_the_stand_in_flags(engine):
     # Only the build network (the engine has no bridge); the relaxation flags are left out.
-    plain = engine.home / "compose.network-none.yaml"
+    plain = engine.project / "compose.network-none.yaml"
     plain.write_text("services:\n  audit:\n    build:\n      network: none\n")
-    files = ("-f", "compose.yaml", "-f", str(plain))
+    files = ("-f", "compose.yaml", "-f", plain.name)
     proc = engine.compose_run("build", "audit", files=files, DETKIT_IMAGE="detkit:ci-refused")
     assert proc.returncode != 0 and "BASE_DIGEST is empty: pin detkit-standin:" in proc.stdout + proc.stderr, \
         _tail(proc)

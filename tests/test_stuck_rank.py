@@ -73,7 +73,7 @@ def test_survivors_end_within_the_timeout_naming_the_stopped_rank_and_its_stage(
         lines = [ln for ln in logs[rank].splitlines() if "INCOMPLETE" in ln]
         assert len(lines) == 1, logs[rank][-3000:]
         assert lines[0].startswith(f"detkit audit: rank {rank}: INCOMPLETE: rank {STOPPED} (pid ")
-        assert f"stopped answering in stage 'tp_cp: " in lines[0] and " rows done, last '" in lines[0]
+        assert "stopped answering in stage 'tp_cp: " in lines[0] and ' rows done, last "' in lines[0]
         assert f"INCOMPLETE report: {out / 'report.md'} (written by rank 0)" in lines[0]
         assert "Traceback" not in logs[rank], logs[rank][-3000:]
 

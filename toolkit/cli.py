@@ -48,8 +48,8 @@ def _debug_requested(args: list[str]) -> bool:
 
 
 def _set_debug(ctx, param, value) -> None:
-    if value:
-        logging.getLogger().setLevel(logging.DEBUG)
+    if value:  # detkit's own loggers only: libraries stay at their level
+        logging.getLogger("detkit").setLevel(logging.DEBUG)
 
 
 def _device_option(ctx, param, value: str) -> str:
@@ -140,8 +140,9 @@ class _Detkit(click.Group):
 @click.option("--debug", is_flag=True, help="Show the traceback of a failure (also DETKIT_LOG_LEVEL=DEBUG).")
 def main(verbose: bool, debug: bool) -> None:
     """detkit: deterministic GEMMs and TP/CP reductions for Hopper, with audits and benchmarks."""
-    level = logging.DEBUG if debug or _debug_requested([]) else logging.INFO if verbose else logging.WARNING
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if debug or _debug_requested([]):
+        logging.getLogger("detkit").setLevel(logging.DEBUG)
 
 
 @main.command()
@@ -300,7 +301,7 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
 
     def on_row(row) -> None:
         progress["rows"] += 1
-        tp_cp_dist.note_stage(session, f"{progress['plugin']}: {progress['rows']} rows done, last '{row.name}'")
+        tp_cp_dist.note_stage(session, f'{progress["plugin"]}: {progress["rows"]} rows done, last "{row.name}"')
         bar.on_row(row)
 
     writer = harness.RowWriter(tp_cp_dist.rows_path(session, out))  # one rows file per rank
