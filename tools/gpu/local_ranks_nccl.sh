@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 DETKIT_DIST_TIMEOUT_S=${DETKIT_DIST_TI
 unset TRITON_INTERPRET
 nvidia-smi -L >"$OUT/gpus.txt" 2>&1 || true
 rc=0
-timeout 420 python - "$OUT" <<'PY' >"$OUT/run.log" 2>&1 || rc=$?
+timeout 240 python - "$OUT" <<'PY' >"$OUT/run.log" 2>&1 || rc=$?
 import json, sys, time
 from pathlib import Path
 
