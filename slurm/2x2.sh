@@ -6,7 +6,7 @@
 #SBATCH --time=01:00:00
 #
 # detkit on 2 nodes x 2 GPUs: 4 ranks, rank = node * 2 + local_rank (TP pairs inside a node,
-# CP pairs across nodes, DESIGN.md). Submit from the repository root:
+# CP pairs across nodes). Submit from the repository root:
 #
 #   sbatch slurm/2x2.sh                                   # bare: the submitting env's python
 #   DETKIT_RUNTIME=pyxis DETKIT_CONTAINER_IMAGE=... sbatch slurm/2x2.sh

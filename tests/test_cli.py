@@ -27,28 +27,38 @@ SINGLE = tuple(s for s in SUITES if s not in MULTI_RANK_SUITES)  # gemm, tp-cp-r
 
 
 # ------------------------------------------------------------------------------ suite selection
-@pytest.mark.parametrize(("requested", "device", "gpus", "world", "suites", "skipped"), [
-    (("auto",), "cpu", 0, 1, ("gemm",), ()),
-    (("auto",), "cpu", 0, 4, ("gemm", "tp-cp"), ()),
-    (("auto",), "cuda", 1, 1, ("gemm",), ("tp-cp",)),
-    (("auto",), "cuda", 2, 1, ("gemm",), ("tp-cp",)),
-    (("auto",), "cuda", 2, 2, ("gemm", "tp-cp"), ()),
-    (("all",), "cpu", 0, 1, SINGLE, MULTI_RANK_SUITES),
-    (("all",), "cuda", 2, 2, SINGLE + MULTI_RANK_SUITES, ()),
-    (("gemm_contract", "tp-cp"), "cpu", 0, 1, ("gemm_contract", "tp-cp"), ()),  # explicit names run as asked
-    (("auto", "gemm", "tp-cp-refs"), "cuda", 1, 1, ("gemm", "tp-cp-refs"), ("tp-cp",)),
+@pytest.mark.parametrize(("requested", "device", "gpus", "world", "local", "suites", "skipped", "launched"), [
+    (("auto",), "cpu", 0, 1, 4, ("gemm",), (), ()),
+    (("auto",), "cpu", 0, 4, 0, ("gemm", "tp-cp"), (), ()),
+    (("auto",), "cuda", 1, 1, 0, ("gemm",), ("tp-cp",), ()),
+    (("auto",), "cuda", 2, 1, 2, ("gemm",), ("tp-cp",), ()),
+    (("auto",), "cuda", 2, 2, 0, ("gemm", "tp-cp"), (), ()),
+    (("all",), "cpu", 0, 1, 0, SINGLE, MULTI_RANK_SUITES, ()),  # a caller that cannot start ranks
+    (("all",), "cpu", 0, 1, 4, SINGLE, (), MULTI_RANK_SUITES),  # detkit audit: 4 gloo ranks on loopback
+    (("all",), "cuda", 1, 1, 0, SINGLE, MULTI_RANK_SUITES, ()),  # one GPU: skipped with the reason
+    (("all",), "cuda", 2, 1, 2, SINGLE, (), MULTI_RANK_SUITES),
+    (("all",), "cuda", 2, 2, 0, SINGLE + MULTI_RANK_SUITES, (), ()),
+    (("gemm_contract", "tp-cp"), "cpu", 0, 1, 4, ("gemm_contract", "tp-cp"), (), ()),  # explicit: run as asked
+    (("auto", "gemm", "tp-cp-refs"), "cuda", 1, 1, 0, ("gemm", "tp-cp-refs"), ("tp-cp",), ()),
 ])
-def test_select_suites(requested, device, gpus, world, suites, skipped):
-    sel = select_suites(requested, device=device, gpu_count=gpus, world_size=world)
+def test_select_suites(requested, device, gpus, world, local, suites, skipped, launched):
+    sel = select_suites(requested, device=device, gpu_count=gpus, world_size=world, local_ranks=local)
     assert sel.suites == suites
     assert tuple(s.split(":", 1)[0] for s in sel.skipped) == skipped
+    assert sel.launched == launched
     assert sel.reasons or not set(requested) & {"auto", "all"}
+
+
+def test_all_on_one_gpu_names_why_the_multi_rank_suites_are_skipped():
+    sel = select_suites(["all"], device="cuda", gpu_count=1, world_size=1, local_ranks=0)
+    assert sel.skipped[0].startswith("tp-cp: needs at least 2 GPUs of one host to start its ranks (1 visible)")
 
 
 def test_all_never_fails_in_one_process():
     sel = select_suites(["all"], device="cpu", gpu_count=0, world_size=1)
     assert {"gemm", "tp-cp-refs"} <= set(sel.suites) and not set(sel.suites) & set(MULTI_RANK_SUITES)
     assert "tp-cp" in MULTI_RANK_SUITES and "torchrun --nproc-per-node 2" in sel.skipped[0]
+    assert sel.launched == ()
 
 
 def test_auto_refuses_a_host_without_gpu_unless_cpu():
@@ -99,16 +109,58 @@ def test_auto_without_gpu_is_refused_before_any_work(tmp_path, monkeypatch):
     assert result.exit_code == 2 and "--device cpu" in result.output and calls == []
 
 
-def test_all_in_one_process_runs_single_process_suites_and_reports_the_skip(tmp_path, monkeypatch):
-    calls = []
+def _rank_result(tmp_path, rows, status="COMPLETE", codes=(0, 0, 0, 0), incomplete=None):
+    from detkit.toolkit.dist import RankRunResult
+
+    meta = {"distributed": {"world_size": 4}, "rank_map": [{"rank": r} for r in range(4)],
+            "covered": ["TP groups [[0, 1], [2, 3]]"], "not_covered": ["inter-node groups"], "status": status}
+    if incomplete:
+        meta["incomplete"] = incomplete
+    report = {"meta": meta, "rows": [r.as_dict() for r in rows]}
+    return RankRunResult("4-rank", 4, "0,1,2,3", tmp_path / "ranks-4-rank", list(codes), [], report, rows, 1.0)
+
+
+def test_all_in_one_process_starts_the_multi_rank_suites_and_merges_them(tmp_path, monkeypatch):
+    from detkit.toolkit import dist
+
+    calls, started = [], []
+    ranked = [Row("tp_cp", "post_reduce", f"down_fwd [{r}]", True, "triton_interpreter", {"rank": r})
+              for r in range(4)]
+
+    def fake_ranks(runs, suites, ctx, out, echo=None):
+        started.append(([(r.label, r.nproc, r.world) for r in runs], list(suites), ctx.device.type))
+        return [_rank_result(out, ranked)]
+
+    monkeypatch.setattr(dist, "run_on_local_ranks", fake_ranks)
     result = _invoke(["--device", "cpu", "--suite", "all", "--out", str(tmp_path)], monkeypatch, rows=[_row()],
                      calls=calls)
     assert result.exit_code == 0, result.output
     assert calls == [SINGLE]
+    assert started == [([("4-rank", 4, "0,1,2,3")], list(MULTI_RANK_SUITES), "cpu")]
+    report = json.loads((tmp_path / "report.json").read_text())
+    meta = report["meta"]
+    assert meta["suite_selection"]["launched_on_local_ranks"] == list(MULTI_RANK_SUITES)
+    assert meta["suites"] == [*SINGLE, *MULTI_RANK_SUITES]
+    assert [r["name"] for r in report["rows"]] == [_row().name, *(r.name for r in ranked)]
+    assert meta["distributed"] == {"world_size": 4} and len(meta["rank_map"]) == 4
+    assert "inter-node groups" in meta["not_covered"] and meta["rank_runs"][0]["status"] == "COMPLETE"
+    assert not any(s.startswith("suite tp-cp") for s in meta["not_covered"])
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 5
+
+
+def test_all_reports_an_incomplete_rank_run_as_failed(tmp_path, monkeypatch):
+    from detkit.toolkit import dist
+
+    why = "rank 2 (pid 7 on h) stopped answering in stage 'tp_cp: 4 rows done'"
+    done = [Row("tp_cp", "post_reduce", "x", True, "triton_interpreter", {"rank": 0})]
+    monkeypatch.setattr(dist, "run_on_local_ranks", lambda runs, suites, ctx, out, echo=None: [
+        _rank_result(out, done, "INCOMPLETE", (1, 1, -9, 1), {"reason": why, "silent_ranks": [2]})])
+    result = _invoke(["--device", "cpu", "--suite", "all", "--out", str(tmp_path)], monkeypatch, rows=[_row()])
+    assert result.exit_code == 1
+    assert f"FAILED ranks 4-rank: INCOMPLETE: {why}" in result.stderr
     meta = json.loads((tmp_path / "report.json").read_text())["meta"]
-    assert meta["suite_selection"]["resolved"] == list(SINGLE)
-    assert any(s.startswith("suite tp-cp: needs more than one rank") for s in meta["not_covered"])
-    assert "skipped tp-cp" in result.stderr
+    assert meta["status"] == "INCOMPLETE" and meta["incomplete"]["silent_ranks"] == [2]
+    assert (tmp_path / "report.md").read_text().startswith(f"# INCOMPLETE report: {why}")
 
 
 def test_failed_rows_exit_nonzero_with_a_summary(tmp_path, monkeypatch):

@@ -59,12 +59,12 @@ def compose_v2(tmp_path_factory) -> str:
     return exe
 
 
-def _compose(exe: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def _compose(exe: str, *args: str, files: tuple[Path, ...] = (COMPOSE,), **env: str) -> subprocess.CompletedProcess[str]:
     # Only the variables under test: the host's own UID/DETKIT_* must not leak in.
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("DETKIT_", "NCCL_")) and k not in ("UID", "GID")}
     return subprocess.run(
-        [exe, "-f", str(COMPOSE), *args], cwd=REPO, env={**base, **env},
+        [exe, *(a for f in files for a in ("-f", str(f))), *args], cwd=REPO, env={**base, **env},
         capture_output=True, text=True, timeout=60,
     )
 
@@ -109,13 +109,43 @@ def test_compose_services(rendered, service, command):
     assert "DETKIT_IMAGE" not in env  # the image's own ENV must win
     [volume] = svc["volumes"]
     assert (volume["type"], volume["source"], volume["target"]) == (
-        "bind", str(REPO / "results"), "/results"
+        "bind", str(REPO / "results"), "/results"  # DETKIT_RESULTS_DIR unset: ./results
     )
     assert not volume.get("bind", {}).get("create_host_path", False)
     args = svc["build"]["args"]
     assert args["BASE_IMAGE"].startswith("nvcr.io/nvidia/pytorch:")
     assert args["BASE_DIGEST"] == "sha256:" + "0" * 64
     assert args["DETKIT_IMAGE"] == svc["image"]
+    assert "ALLOW_CPU_BASE" not in args  # only the CI stand-in build names it (.ci/compose.standin.yaml)
+
+
+CPU_OVERRIDE = REPO / "compose.cpu.yaml"
+STANDIN_OVERRIDE = REPO / ".ci" / "compose.standin.yaml"
+
+
+@pytest.mark.parametrize("service", ["audit", "bench", "env"])
+def test_cpu_override_drops_the_gpu_and_the_network(compose_v2, service, tmp_path):
+    proc = _compose(compose_v2, "config", "--format", "json", files=(COMPOSE, CPU_OVERRIDE), UID="4242", GID="4343",
+                    DETKIT_RESULTS_DIR=str(tmp_path))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    svc = json.loads(proc.stdout)["services"][service]
+    assert "deploy" not in svc  # no GPU reservation
+    assert svc["network_mode"] == "none"
+    assert svc["hostname"] == "detkit-cpu" and svc["extra_hosts"] == ["detkit-cpu=127.0.0.1"]
+    assert "ulimits" not in svc  # NCCL's memlock is not needed by gloo (and an engine without CAP_SYS_RESOURCE refuses it)
+    assert svc["environment"]["DETKIT_DEVICE"] == "cpu"
+    assert svc["user"] == "4242:4343" and svc["volumes"][0]["source"] == str(tmp_path)
+    assert svc["build"]["args"]["ALLOW_UNPINNED_BASE"] == "0"  # a CPU run of the real image keeps every check
+
+
+def test_standin_override_names_its_relaxations_and_builds_offline(compose_v2):
+    proc = _compose(compose_v2, "config", "--format", "json", files=(COMPOSE, CPU_OVERRIDE, STANDIN_OVERRIDE),
+                    DETKIT_BASE_IMAGE="detkit-standin:abc")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    for name, svc in json.loads(proc.stdout)["services"].items():
+        build = svc["build"]
+        assert build["args"]["ALLOW_UNPINNED_BASE"] == "1" and build["args"]["ALLOW_CPU_BASE"] == "1", name
+        assert build["args"]["BASE_IMAGE"] == "detkit-standin:abc" and build["network"] == "none", name
 
 
 def test_compose_defaults(compose_v2):
@@ -140,6 +170,11 @@ def test_hadolint_is_clean():
 
 def test_dockerfile_pins_and_records_its_base():
     text = DOCKERFILE.read_text()
+    assert not re.search(r"^# *syntax=", text, re.M)  # it would pull a frontend image from a registry
+    assert re.search(r"^ARG ALLOW_CPU_BASE=0$", text, re.M) and re.search(r"^ARG ALLOW_UNPINNED_BASE=0$", text, re.M)
+    checks = '"ALLOW_UNPINNED_BASE=${ALLOW_UNPINNED_BASE} ALLOW_CPU_BASE=${ALLOW_CPU_BASE}"'
+    assert f"io.detkit.build.checks={checks}" in text and f"DETKIT_BUILD_CHECKS={checks}" in text
+    assert "cpu_ok = cuda == 'none' and '${ALLOW_CPU_BASE}' == '1'" in text
     assert re.search(r"^FROM \$\{BASE_IMAGE\}\$\{BASE_DIGEST:\+@\$\{BASE_DIGEST\}\}$", text, re.M)
     assert re.search(r"^ARG BASE_IMAGE=nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3$", text, re.M)
     assert 'if [[ -z "${BASE_DIGEST}" && "${ALLOW_UNPINNED_BASE}" != 1 ]]' in text

@@ -146,6 +146,21 @@ def test_git_commit_of_this_checkout():
     assert isinstance(info["git_dirty"], bool)
 
 
+def test_container_records_how_the_image_was_built(monkeypatch):
+    monkeypatch.setenv("DETKIT_IMAGE", "detkit:ci")
+    monkeypatch.setenv("DETKIT_BASE_IMAGE", "detkit-standin:0123")
+    monkeypatch.setenv("DETKIT_BUILD_CHECKS", "ALLOW_UNPINNED_BASE=1 ALLOW_CPU_BASE=0")
+    env = capture_env(probe_cuda=False)
+    container = env["container"]
+    assert container["base_image"] == "detkit-standin:0123"
+    assert container["build_checks"] == "ALLOW_UNPINNED_BASE=1 ALLOW_CPU_BASE=0"
+    assert container["relaxed_checks"] == ["ALLOW_UNPINNED_BASE"]
+    table = format_env_table(env)
+    assert "ALLOW_UNPINNED_BASE=1 ALLOW_CPU_BASE=0" in table and "detkit-standin:0123" in table
+    monkeypatch.delenv("DETKIT_IMAGE")
+    assert "base_image" not in capture_env(probe_cuda=False)["container"]  # outside the image: nothing to say
+
+
 def test_slurm_container_and_knobs_are_recorded(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_NTASKS", "4")

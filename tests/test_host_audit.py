@@ -35,3 +35,31 @@ def test_dry_run_prints_the_plan(capsys):
     assert main(["--gpus", "2", "--dry-run", "--out", "/r"]) == 0
     out = capsys.readouterr().out
     assert "[gemm]" in out and "DETKIT_TPCP_WORLD=0,2" in out and "--suite tp-cp" in out
+
+
+def test_cpu_plan_is_one_interpreter_audit_of_the_requested_suites():
+    [step] = plan(0, Path("/r"), device="cpu")
+    assert step.argv[1:] == ("-m", "detkit", "audit", "--device", "cpu", "--suite", "all", "--out", "/r/cpu")
+    [step] = plan(0, Path("/r"), device="cpu", suites=("gemm_contract", "tp-cp-refs"))
+    assert step.argv[6:10] == ("--suite", "gemm_contract", "--suite", "tp-cp-refs")
+
+
+def test_suite_knob_replaces_gemm_on_cuda_and_bad_device_is_refused():
+    assert plan(1, Path("/r"), suites=("gemm_contract",))[0].argv[4:8] == ("--device", "cuda", "--suite",
+                                                                           "gemm_contract")
+    with pytest.raises(ValueError, match="device 'tpu' is not supported"):
+        plan(1, Path("/r"), device="tpu")
+
+
+def test_env_knobs_choose_device_and_suites(capsys, monkeypatch):
+    monkeypatch.setenv("DETKIT_DEVICE", "cpu")
+    monkeypatch.setenv("DETKIT_SUITE", "gemm_contract, tp-cp")
+    assert main(["--dry-run", "--out", "/r"]) == 0
+    out = capsys.readouterr().out
+    assert "[cpu]" in out and "--device cpu --suite gemm_contract --suite tp-cp --out /r/host-audit-" in out
+
+
+def test_no_gpu_on_cuda_is_one_line_and_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("DETKIT_DEVICE", raising=False)
+    assert main(["--gpus", "0", "--out", "/r"]) == 2
+    assert capsys.readouterr().err.startswith("host audit: error: no CUDA GPU is visible")

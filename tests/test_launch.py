@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,40 @@ def test_four_gloo_ranks_under_two_torchrun_agents(tmp_path):
         assert (r["node_rank"], r["local_rank"]) == divmod(r["rank"], 2)
         on_disk = json.loads((tmp_path / "ranks" / f"rank-{r['rank']}.json").read_text())
         assert on_disk == r
+
+
+# ------------------------------------------------------------------------------ ranks started on this host
+def test_local_rank_runs_fit_the_host():
+    from detkit.toolkit.launch import RankRun, local_rank_runs
+
+    assert local_rank_runs("cpu", 0) == [RankRun("4-rank", 4, "0,1,2,3")]
+    assert local_rank_runs("cuda", 8) == [RankRun("4-rank", 4, "0,1,2,3")]
+    assert local_rank_runs("cuda", 2) == local_rank_runs("cuda", 3) == [
+        RankRun("tp-group", 2, "0,1"), RankRun("cp-group", 2, "0,2")]
+    assert local_rank_runs("cuda", 1) == []
+
+
+def test_local_ranks_get_torchrun_variables_and_an_outside_store(tmp_path):
+    from detkit.toolkit.launch import LocalRanks
+
+    script = ("import os, json; print(json.dumps({k: os.environ.get(k) for k in ('RANK', 'WORLD_SIZE', "
+              "'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_ADDR', 'TORCHELASTIC_USE_AGENT_STORE', "
+              "'SLURM_PROCID')}))")
+    ranks = LocalRanks(["-c", script], 3, {**os.environ, "SLURM_PROCID": "5"}, tmp_path / "logs", 30)
+    assert ranks.wait() == [0, 0, 0] and ranks.killed == []
+    seen = [json.loads(log.read_text()) for log in ranks.logs]
+    assert [s["RANK"] for s in seen] == ["0", "1", "2"] == [s["LOCAL_RANK"] for s in seen]
+    assert {(s["WORLD_SIZE"], s["LOCAL_WORLD_SIZE"], s["GROUP_RANK"], s["MASTER_ADDR"],
+             s["TORCHELASTIC_USE_AGENT_STORE"], s["SLURM_PROCID"]) for s in seen} == {
+        ("3", "3", "0", "127.0.0.1", "True", None)}
+
+
+def test_local_ranks_kill_the_ones_named_stalled_once_the_others_ended(tmp_path):
+    from detkit.toolkit.launch import LocalRanks
+
+    ranks = LocalRanks(["-c", "import os, sys, time; r = int(os.environ['RANK']); time.sleep(600 if r == 1 else 0); "
+                        "sys.exit(1)"], 3, dict(os.environ), tmp_path / "logs", 600)
+    started = time.monotonic()
+    codes = ranks.wait(stalled=lambda: [1], poll_s=0.05)
+    assert codes[0] == codes[2] == 1 and codes[1] == -9 and ranks.killed == [1]
+    assert time.monotonic() - started < 60

@@ -9,10 +9,12 @@ and the files the job leaves. Skipped with a reason when the Slurm packages are 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -334,11 +336,54 @@ def test_rank_failure_fails_the_job_with_the_rank_logs(cluster, tmp_path):
     assert not (results / "rank_map.json").exists()
 
 
+def test_a_stopped_rank_under_srun_ends_the_job_with_an_incomplete_report(cluster, tmp_path):
+    """The tp-cp suite on the 4 ranks of the job; rank 2 (node2) is stopped with SIGSTOP after a few
+    rows. The three others end within the collective timeout, each naming rank 2 and its stage in one
+    line; srun then ends the stopped rank; the report in results/.../audit is marked INCOMPLETE."""
+    timeout_s = 20
+    results, out = tmp_path / "results", tmp_path / "job.out"
+    job_id = _submit(cluster, out, DETKIT_RESULTS_DIR=str(results), DETKIT_SUITE="tp-cp",
+                     DETKIT_DIST_TIMEOUT_S=str(timeout_s))
+    audit = results / "audit"
+    rows2, alive2 = audit / "ranks" / "rows-rank2.jsonl", audit / "ranks" / "alive-rank2.json"
+    deadline = time.monotonic() + 180
+    pid = None
+    try:
+        while not (rows2.is_file() and rows2.read_text().count("\n") >= 3):
+            assert time.monotonic() < deadline, f"rank 2 wrote no 3 rows: {out.read_text() if out.exists() else ''}"
+            time.sleep(0.05)
+        pid = json.loads(alive2.read_text())["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        job = _wait(cluster, job_id, out, timeout_s=timeout_s + 60)
+        ended_after = time.monotonic() - stopped_at
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert job.state == "FAILED" and "detkit 2x2: rank step failed" in job.output, job.output
+    assert ended_after < timeout_s + 10, ended_after  # survivors at about timeout/2, then srun ends rank 2
+    for rank in (0, 1, 3):
+        log = (results / "logs" / f"rank-{rank}.log").read_text()
+        lines = [ln for ln in log.splitlines() if "INCOMPLETE:" in ln]
+        assert len(lines) == 1, log[-3000:]
+        assert lines[0].startswith(f"detkit audit: rank {rank}: INCOMPLETE: rank 2 (pid {pid} on node2) stopped "
+                                   "answering in stage 'tp_cp: "), lines[0]
+        assert "Traceback" not in log, log[-3000:]
+    report = json.loads((audit / "report.json").read_text())
+    assert report["meta"]["status"] == "INCOMPLETE" and report["meta"]["incomplete"]["silent_ranks"] == [2]
+    counts = [(audit / "ranks" / f"rows-rank{r}.jsonl").read_text().count("\n") for r in range(4)]
+    assert report["meta"]["incomplete"]["rows_per_rank"] == counts
+    assert len([r for r in report["rows"] if r["suite"] == "tp_cp"]) == sum(counts)
+    assert report["meta"]["distributed"]["source"] == "slurm"
+
+
 GPU_RUN_SCRIPTS = [REPO / "bench" / name for name in ("run_gpu_suite.sh", "run_x2_suite.sh", "gpu_steps.sh")]
 
 
 @pytest.mark.parametrize(
-    "script", [SCRIPT, CLUSTER_SH, CLUSTER_SH.with_name("install.sh"), *GPU_RUN_SCRIPTS], ids=lambda p: p.name
+    "script", [SCRIPT, CLUSTER_SH, CLUSTER_SH.with_name("install.sh"), REPO / ".ci" / "docker.sh",
+               REPO / ".ci" / "setup.sh", *GPU_RUN_SCRIPTS], ids=lambda p: p.name
 )
 def test_shell_scripts_pass_shellcheck(script):
     shellcheck = shutil.which("shellcheck")

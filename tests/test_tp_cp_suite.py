@@ -218,3 +218,42 @@ def test_nccl_2_gpu_suite_qwen3_shapes(tmp_path, world, missing):
     assert meta["tp_cp_layout"]["model"].startswith("qwen3-8b")
     assert all(r["pci_bus_id"] for r in meta["rank_map"])
     assert missing in " | ".join(meta["not_covered"])
+
+
+# ------------------------------------------------------------------------------ ranks started by audit --suite all
+def test_all_in_one_process_runs_tp_cp_and_invariance_on_4_local_gloo_ranks(tmp_path, monkeypatch):
+    """The main job's command on a host without GPU: the single-process suites are replaced here (they have
+    their own tests); tp-cp and invariance run for real on the 4 ranks the audit starts itself."""
+    from click.testing import CliRunner
+
+    from detkit.toolkit import cli, harness
+    from detkit.toolkit.harness import Row
+
+    single = Row("gemm_contract", "bound", "stand-in single-process row", True, "triton_interpreter", {})
+    def run_single(names, ctx, writer, on_row=None, on_plugin=None):
+        writer.write(single)
+        return [single]
+
+    monkeypatch.setattr(harness, "run_plugins", run_single)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "DETKIT_TPCP_WORLD"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DETKIT_DIST_TIMEOUT_S", "100")
+    result = CliRunner().invoke(cli.main, ["audit", "--device", "cpu", "--suite", "all", "--out", str(tmp_path)],
+                                catch_exceptions=False)
+    logs = "".join(p.read_text()[-2000:] for p in sorted((tmp_path / "ranks-4-rank" / "logs").glob("*.log")))
+    assert result.exit_code == 0, result.output + logs
+    assert "starting tp-cp, invariance on 4 ranks of this host" in result.stderr
+    report = _load(tmp_path)
+    meta = report["meta"]
+    assert meta["suite_selection"]["launched_on_local_ranks"] == ["tp-cp", "invariance"]
+    assert not [s for s in meta["not_covered"] if s.startswith("suite ")]  # nothing skipped
+    ranked = [r for r in report["rows"] if r["suite"] in ("tp_cp", "invariance")]
+    assert {r["suite"] for r in ranked} == {"tp_cp", "invariance"}
+    assert {r["details"]["rank"] for r in ranked} == {0, 1, 2, 3}
+    assert all(r["passed"] for r in report["rows"]) and report["rows"][0]["name"] == single.name
+    assert {r["check"] for r in ranked if r["suite"] == "tp_cp"} == CHECKS_4_RANKS
+    assert meta["distributed"]["world_size"] == 4 and meta["distributed"]["pg_backend"] == "gloo"
+    assert meta["groups"] == {"tp": [[0, 1], [2, 3]], "cp": [[0, 2], [1, 3]]}
+    [run] = meta["rank_runs"]
+    assert run["status"] == "COMPLETE" and run["exit_codes"] == [0, 0, 0, 0] and run["rows"] == len(ranked)
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == len(report["rows"])

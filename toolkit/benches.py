@@ -43,7 +43,7 @@ from types import ModuleType
 
 import click
 
-from detkit.toolkit import harness
+from detkit.toolkit import harness, preflight
 from detkit.toolkit.nvtx_ranges import nvtx_range
 from detkit.toolkit.records import INTERPRETER_BANNER, RowWriter, atomic_write_text
 from detkit.toolkit.reports import render_bench_markdown
@@ -233,6 +233,16 @@ def merge_reports(plugin: ModuleType, dirs: Sequence[Path], command_line: str) -
 # ---------------------------------------------------------------------------------------------
 # The click commands
 # ---------------------------------------------------------------------------------------------
+def _checked(check: Callable, *args):
+    """A click callback running a preflight check as the option is parsed (before any work)."""
+    def callback(ctx, param, value):
+        if ctx.resilient_parsing or value is None:
+            return value
+        check(*args, value)
+        return value
+    return callback
+
+
 def _shared_options(plugin: ModuleType) -> list[Callable]:
     import os
 
@@ -240,15 +250,17 @@ def _shared_options(plugin: ModuleType) -> list[Callable]:
     preset_help = (f"Shape preset; repeat for several (default: the bench's own; known: {', '.join(own)})."
                    if own is not None else "Shape preset (default: qwen3-8b-tp2 on cuda, tiny on cpu).")
     return [
-        click.option("--device", type=click.Choice(("cuda", "cpu")),
+        click.option("--device", type=click.Choice(preflight.DEVICES), callback=_checked(preflight.check_device),
                      default=lambda: os.environ.get("DETKIT_DEVICE", "cuda"), show_default="cuda (env DETKIT_DEVICE)",
                      help="cuda: compiled Triton on Hopper; cpu: Triton interpreter (not a hardware result)."),
         click.option("--preset", "presets", multiple=True, help=preset_help),
         click.option("--seed", type=int, default=1234, show_default=True),
         click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
+                     callback=_checked(preflight.check_out_dir),
                      help=f"Results folder (default: results/bench-{plugin.NAME}-<timestamp>)."),
         click.option("--json", "as_json", is_flag=True, help="Print report.json on stdout instead of report.md."),
-        click.option("--rounds", type=int, default=None, help="Interleaved timing rounds (>= 1; default: the bench's)."),
+        click.option("--rounds", type=int, default=None, callback=_checked(preflight.check_count, "--rounds"),
+                     help="Interleaved timing rounds (>= 1; default: the bench's)."),
         click.option("--merge", "merge", multiple=True, type=click.Path(path_type=Path, file_okay=False),
                      help="Re-report the rows of earlier runs' folders together (no new measurements); repeat."),
     ]

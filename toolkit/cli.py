@@ -5,7 +5,12 @@ Every subcommand shares --device/--preset/--seed/--out/--json and exits non-zero
 imported); its results are labelled as not being hardware results everywhere they appear.
 
 ``detkit audit --suite auto`` picks the suites that fit the host (``toolkit.harness.select_suites``);
-suite names are checked before any work. Output formats and folders: docs/reports.md.
+``--suite all`` in one process also starts the ranks that tp-cp and invariance need on this host.
+
+Mistakes on the command line (a device that is not there, an unknown preset or suite, an unwritable
+--out, counts below 1) are found before any work (``toolkit.preflight``) and reported as one line
+with exit status 2; other failures as one line with exit status 1. ``--debug`` (or
+DETKIT_LOG_LEVEL=DEBUG) shows the traceback instead. Output formats and folders: docs/reports.md.
 """
 
 from __future__ import annotations
@@ -22,8 +27,7 @@ import click
 from tabulate import tabulate
 
 from detkit.toolkit import benches
-
-DEVICES = ("cuda", "cpu")
+from detkit.toolkit.preflight import DEVICES, UsageError, check_device, check_out_dir
 
 
 def _select_device(device: str) -> None:
@@ -40,28 +44,106 @@ def _default_out(command: str) -> Path:
     return Path("results") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _debug_requested(args: list[str]) -> bool:
+    return "--debug" in args or os.environ.get("DETKIT_LOG_LEVEL", "").strip().upper() == "DEBUG"
+
+
+def _set_debug(ctx, param, value) -> None:
+    if value:  # detkit's own loggers only: libraries stay at their level
+        logging.getLogger("detkit").setLevel(logging.DEBUG)
+
+
+def _device_option(ctx, param, value: str) -> str:
+    if ctx.resilient_parsing:
+        return value
+    return check_device(value)
+
+
+def _out_option(ctx, param, value: Path | None) -> Path | None:
+    if ctx.resilient_parsing:
+        return value
+    check_out_dir(value if value is not None else Path("results"))  # the default lands under ./results
+    return value
+
+
 def shared_options(fn):
-    """Flags every run subcommand takes."""
+    """Flags every run subcommand takes. --device and --out are checked as they are parsed, before
+    any work: a device that is not there and a results folder that cannot be written are refused."""
     options = [
         click.option("--device", type=click.Choice(DEVICES), default=lambda: os.environ.get("DETKIT_DEVICE", "cuda"),
-                     show_default="cuda (env DETKIT_DEVICE)",
+                     show_default="cuda (env DETKIT_DEVICE)", callback=_device_option,
                      help="cuda: compiled Triton on Hopper; cpu: Triton interpreter (not a hardware result)."),
         click.option("--preset", default=None, help="Shape preset (default: qwen3-8b-tp2 on cuda, tiny on cpu)."),
         click.option("--seed", type=int, default=1234, show_default=True),
-        click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
+        click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None, callback=_out_option,
                      help="Results folder (default: results/<command>-<timestamp>)."),
         click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
+        click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug,
+                     help="Show the traceback of a failure (also DETKIT_LOG_LEVEL=DEBUG)."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-@click.group()
+def _command_name(group: click.Group, args: list[str]) -> str:
+    """'detkit audit', 'detkit bench gemm': the command words at the front of ``args``."""
+    words, cmd = ["detkit"], group
+    for arg in args:
+        if not isinstance(cmd, click.Group) or arg.startswith("-") or arg not in cmd.commands:
+            break
+        cmd = cmd.commands[arg]
+        words.append(arg)
+    return " ".join(words)
+
+
+class _Detkit(click.Group):
+    """The top-level handler: a usage mistake is one line on stderr and exit status 2 (click's own
+    errors, UsageError, ValueError and TypeError); any other exception one line and status 1; with
+    --debug or DETKIT_LOG_LEVEL=DEBUG the traceback is shown instead."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        argv = list(sys.argv[1:] if args is None else args)
+        name = _command_name(self, argv)
+        try:
+            code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+            code = code if isinstance(code, int) else 0
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()
+            code = exc.exit_code
+        except click.UsageError as exc:
+            click.echo(f"{name}: error: {exc.format_message()} (see '{name} --help')", err=True)
+            code = exc.exit_code
+        except click.ClickException as exc:
+            click.echo(f"{name}: error: {exc.format_message()}", err=True)
+            code = exc.exit_code
+        except click.Abort:
+            click.echo(f"{name}: aborted", err=True)
+            code = 130
+        except (ValueError, TypeError) as exc:
+            if _debug_requested(argv):
+                raise
+            click.echo(f"{name}: error: {exc}", err=True)
+            code = 2
+        except Exception as exc:  # noqa: BLE001 -- one line unless debugging
+            if _debug_requested(argv):
+                raise
+            click.echo(f"{name}: failed: {type(exc).__name__}: {exc} (--debug or DETKIT_LOG_LEVEL=DEBUG shows "
+                       "the traceback)", err=True)
+            code = 1
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+@click.group(cls=_Detkit)
 @click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr.")
-def main(verbose: bool) -> None:
+@click.option("--debug", is_flag=True, help="Show the traceback of a failure (also DETKIT_LOG_LEVEL=DEBUG).")
+def main(verbose: bool, debug: bool) -> None:
     """detkit: deterministic GEMMs and TP/CP reductions for Hopper, with audits and benchmarks."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if debug or _debug_requested([]):
+        logging.getLogger("detkit").setLevel(logging.DEBUG)
 
 
 @main.command()
@@ -163,18 +245,32 @@ def _failure_summary(failed: list) -> list[str]:
 @click.option("--suite", "suites", multiple=True, default=("gemm",), show_default=True,
               help="Suite or plug-in name; repeat for several. 'auto': the suites that fit this host "
                    "(no GPU: refused unless --device cpu; 1 GPU: gemm; >=2 GPUs: gemm, plus tp-cp when "
-                   "launched as >1 ranks). 'all': every single-process suite, plus tp-cp with >1 ranks.")
+                   "launched as >1 ranks). 'all': every suite; in one process the multi-rank ones (tp-cp, "
+                   "invariance) run on ranks it starts on this host (cpu: 4 gloo ranks on loopback; cuda: "
+                   "with >= 2 GPUs, else skipped with the reason).")
 @click.option("--no-progress", "no_progress", is_flag=True,
               help="No progress bar (there is one on stderr only when it is a terminal, on rank 0).")
 @shared_options
 def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
     """Run audit suites and write rows.jsonl, report.json, report.md (and plots) to --out."""
+    from detkit.toolkit import dist as tp_cp_dist
     from detkit.toolkit import harness
+    from detkit.toolkit.launch import local_rank_runs
+    from detkit.toolkit.preflight import check_preset
+    from detkit.toolkit.presets import GEMM_PRESETS
 
+    # Every check before any work: device and --out (option callbacks), preset, timeout, suites.
+    check_preset(preset, GEMM_PRESETS)
+    try:
+        tp_cp_dist.timeout_s()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     world_size = _world_size_from_env()
+    gpus = _gpu_count() if device == "cuda" else 0
+    rank_runs = local_rank_runs(device, gpus) if world_size == 1 else []
     try:  # unknown names and an unfit host fail here, before any work
-        selection = harness.select_suites(suites, device=device, gpu_count=_gpu_count() if device == "cuda" else 0,
-                                          world_size=world_size)
+        selection = harness.select_suites(suites, device=device, gpu_count=gpus, world_size=world_size,
+                                          local_ranks=max((r.nproc for r in rank_runs), default=0))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     _select_device(device)
@@ -182,14 +278,14 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
     _bind_local_gpu(device, world_size)
     ctx = harness.resolve_context(device, preset, seed, out_dir)
     out = out_dir or _default_out("audit")
-    # --- tp-cp hook (issue 4, docs/tp_cp.md): start the process group and the TP/CP groups when
-    # launched as ranks by torchrun/srun (None otherwise); rank 0 merges the rows and writes the report.
-    from detkit.toolkit import dist as tp_cp_dist
-
+    # Launched as ranks by torchrun/srun: start the process group and the TP/CP groups (None
+    # otherwise); rank 0 merges the rows and writes the report (docs/tp_cp.md).
     session = tp_cp_dist.setup_distributed(ctx, out)
     out = tp_cp_dist.out_dir(session, out)
-    # --- end tp-cp hook
     reporting = tp_cp_dist.writes_report(session)
+    meta = harness.base_meta(ctx, "audit", shlex.join(sys.argv))
+    meta["suites"] = [*names, *selection.launched]
+    meta["suite_selection"] = selection.as_meta()
     env = harness.env_meta(ctx.device) if reporting else {}  # captured before the work, on the reporting rank
     if ctx.interpreted and reporting:
         click.secho(harness.INTERPRETER_BANNER, fg="yellow", err=True)
@@ -197,30 +293,65 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
         if reporting:
             click.secho(f"skipped {skipped}", fg="yellow", err=True)
     bar = _Progress(len(harness.suite_modules(names)), enabled=sys.stderr.isatty() and reporting and not no_progress)
-    writer = harness.RowWriter(tp_cp_dist.rows_path(session, out))  # tp-cp hook: one rows file per rank
+    progress = {"plugin": "", "rows": 0}
+
+    def on_plugin(name: str) -> None:
+        progress.update(plugin=name, rows=0)
+        tp_cp_dist.note_stage(session, f"{name}: starting")
+        bar.on_plugin(name)
+
+    def on_row(row) -> None:
+        progress["rows"] += 1
+        tp_cp_dist.note_stage(session, f'{progress["plugin"]}: {progress["rows"]} rows done, last "{row.name}"')
+        bar.on_row(row)
+
+    writer = harness.RowWriter(tp_cp_dist.rows_path(session, out))  # one rows file per rank
+    tp_cp_dist.arm_stall_exit(session, out, {**meta, **env})  # a rank that stops answering ends the run
     try:
-        rows = harness.run_plugins(names, ctx, writer, on_row=bar.on_row, on_plugin=bar.on_plugin)
-    finally:
+        try:
+            rows = harness.run_plugins(names, ctx, writer, on_row=on_row, on_plugin=on_plugin) if names else []
+        finally:
+            bar.close()
+        rows, dist_meta = tp_cp_dist.merge_rows(session, rows, out)  # rank 0 gets every rank's rows
+    except Exception as exc:
         writer.close()
-        bar.close()
-    rows, dist_meta = tp_cp_dist.merge_rows(session, rows, out)  # tp-cp hook: rank 0 gets every rank's rows
-    meta = harness.base_meta(ctx, "audit", shlex.join(sys.argv))
-    meta["suites"] = list(names)
-    meta["suite_selection"] = selection.as_meta()
-    meta.update(dist_meta)  # tp-cp hook
+        if session is None:
+            raise
+        # A rank stopped answering (or failed): name it (one line), merge what finished into an
+        # INCOMPLETE report.
+        tp_cp_dist.end_incomplete(session, exc, out, {**meta, **env})
+        raise SystemExit(1) from None
+    launch_lines: list[str] = []
+    if selection.launched:  # the multi-rank suites, on ranks started here; their rows join this report
+        results = tp_cp_dist.run_on_local_ranks(rank_runs, list(selection.launched), ctx, out,
+                                                echo=lambda line: click.echo(line, err=True))
+        launched_meta, launch_rows, launch_lines = tp_cp_dist.rank_run_meta(results, ctx.backend)
+        for row in [*(row for res in results for row in res.rows), *launch_rows]:
+            writer.write(row)
+            rows.append(row)
+        dist_meta = {**launched_meta, **dist_meta}
+        dist_meta["covered"] = launched_meta["covered"]
+        dist_meta["not_covered"] = launched_meta["not_covered"]
+    writer.close()
+    meta.update(dist_meta)
     meta.update(env)  # the full capture replaces the summary dist_meta carries under "env"
     if selection.skipped:
         meta["not_covered"] = [*meta.get("not_covered", []), *(f"suite {s}" for s in selection.skipped)]
     failed = [r for r in rows if not r.passed]
-    if reporting:  # tp-cp hook: only rank 0 (or a single process) writes
+    if reporting:  # only rank 0 (or a single process) writes
         json_path, md_path = harness.write_report(out, meta, rows)
+        if meta.get("status") == "INCOMPLETE":
+            harness.atomic_write_text(md_path, f"{tp_cp_dist.INCOMPLETE_BANNER}: {meta['incomplete'].get('reason')}"
+                                               f".\n\n{md_path.read_text()}")
         if as_json:
             click.echo(json_path.read_text())
         else:
             click.echo(tabulate(harness.summarize(rows), headers="keys", tablefmt="simple"))
             click.echo(f"report: {md_path}")
-    ok = tp_cp_dist.finish(session, bool(rows) and not failed)  # tp-cp hook: all ranks agree; group destroyed
+    ok = tp_cp_dist.finish(session, bool(rows) and not failed)  # all ranks agree; group destroyed
     if not ok:
+        for line in launch_lines:
+            click.echo(f"FAILED {line}", err=True)
         if not rows:
             click.echo("FAILED: no rows were produced", err=True)
         elif failed:

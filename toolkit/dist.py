@@ -17,6 +17,19 @@ Start-up goes through ``toolkit.launch`` (rank discovery, the block-layout check
 NCCL on cuda after ``set_device(local_rank)``). Every collective has a timeout
 (``DETKIT_DIST_TIMEOUT_S``, default 300 s) so a missing rank fails the run instead of hanging it.
 
+A rank that stops answering: every rank keeps ``out/ranks/alive-rank<R>.json`` up to date from a
+heartbeat thread (a beat counter and the stage it is in: plug-in, rows done, last row). When a
+collective fails (timeout, closed connection), ``end_incomplete`` reads those files twice a few
+beats apart: a rank whose counter did not move is the one that stopped answering (a stopped or
+hung process), a rank that recorded an error ended with it. The lowest surviving rank merges
+every finished row from ``ranks/rows-rank*.jsonl`` into a report marked INCOMPLETE, and every
+survivor prints one line naming the rank and its stage. Counters, not clocks: nodes need not
+agree on the time, only share the results folder (which the rows files need already).
+
+Ranks started here (``run_on_local_ranks``): ``detkit audit --suite all`` in one process starts
+the multi-rank suites on ranks of this host (``toolkit.launch.LocalRanks``) and merges their rows
+and meta into its own report.
+
 Knobs:
 - ``DETKIT_DIST_TIMEOUT_S``: seconds for rendezvous and every collective (default 300).
 - ``DETKIT_TPCP_WORLD``: the layout ranks the processes hold, comma-separated (default: 0,1,2,3 with
@@ -27,9 +40,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import logging
 import os
 import socket
+import sys
+import tempfile
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -88,6 +106,7 @@ class DistSession:
     out_dir: Path | None = None
     meta: dict[str, Any] = field(default_factory=dict)  # filled by plug-ins, rank 0's is reported
     harness_collectives: Counter[str] = field(default_factory=Counter)
+    watch: RankWatch | None = None  # this rank's heartbeat file (started once the folder is agreed)
 
     @property
     def layout_rank(self) -> int | None:
@@ -280,6 +299,9 @@ def setup_distributed(ctx, out: Path | None = None,
         rank_records=sorted(records, key=lambda r: r["rank"]),
         out_dir=Path(agreed[0]) if agreed[0] is not None else None,
     )
+    if _SESSION.out_dir is not None:
+        _SESSION.watch = RankWatch(_SESSION.out_dir / "ranks", rank_env.rank, heartbeat_s(timeout),
+                                   rank_env.world_size, stale_s=timeout / 2).start()
     log.info("rank %d/%d started (%s, %s)", rank_env.rank, rank_env.world_size, pg_backend, rank_env.source)
     return _SESSION
 
@@ -341,6 +363,7 @@ def merge_rows(session: DistSession | None, rows: list, out: Path | None = None)
 
     payload = [r.as_dict() for r in rows]
     gathered: list[Any] = [None] * session.world_size
+    note_stage(session, f"merging the rows of every rank ({len(rows)} rows here)")
     dist.all_gather_object(gathered, payload)
     if session.rank != 0:
         return rows, {}
@@ -382,11 +405,14 @@ def finish(session: DistSession | None, passed: bool) -> bool:
     import torch.distributed as dist
 
     verdicts: list[Any] = [None] * session.world_size
+    note_stage(session, "agreeing on the verdict")
     try:
         dist.all_gather_object(verdicts, bool(passed))
     finally:
         dist.destroy_process_group()
         _SESSION = None
+    if session.watch is not None:
+        session.watch.end("finished")
     return all(verdicts)
 
 
@@ -421,3 +447,447 @@ def observe_collectives() -> Iterator[Counter[str]]:
         for module, name, fn in reversed(saved):
             setattr(module, name, fn)
 
+
+
+# ----------------------------------------------------------------------------- a rank that stops answering
+ALIVE_FILE = "alive-rank{rank}.json"
+INCOMPLETE_FILE = "incomplete.json"  # in out/ranks/: written by the rank that wrote the INCOMPLETE report
+
+
+def heartbeat_s(timeout: float) -> float:
+    """Seconds between beats: 1 s, or a tenth of a shorter collective timeout."""
+    return max(0.1, min(1.0, timeout / 10))
+
+
+def _atomic_json(path: Path, payload: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class RankWatch:
+    """This rank's ``alive-rank<R>.json`` and its watch over the other ranks' files.
+
+    A daemon thread advances a beat counter every ``interval`` seconds and writes it with the stage
+    the rank is in and its state (running, finished, error, gave-up); a stopped or hung process
+    stops beating, a rank that ends says how. The same thread reads the other ranks' files: once
+    ``on_stall`` is armed, a rank whose counter has not moved for ``stale_s`` seconds (or that
+    recorded an error) makes it call ``on_stall(diagnosis)`` once -- while the main thread may still
+    be blocked in a collective that will only time out later."""
+
+    def __init__(self, directory: Path, rank: int, interval: float, world_size: int = 1,
+                 stale_s: float | None = None):
+        self.directory = Path(directory)
+        self.path = self.directory / ALIVE_FILE.format(rank=rank)
+        self.rank, self.interval, self.world_size = rank, interval, world_size
+        self.stale_s = stale_s
+        self.stage, self.state, self.error, self.beat = "starting", "running", None, 0
+        self.on_stall = None
+        self._claimed = False
+        self._seen: dict[int, tuple[Any, float]] = {}  # peer -> (beat, monotonic time it last moved)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"detkit-heartbeat-rank{rank}", daemon=True)
+
+    def start(self) -> RankWatch:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._write()
+        self._thread.start()
+        return self
+
+    def set_stage(self, stage: str) -> None:
+        with self._lock:
+            self.stage = stage
+        self._write()
+
+    def end(self, state: str, error: str | None = None) -> None:
+        self._stop.set()
+        with self._lock:
+            self.state, self.error = state, error
+        self._write()
+
+    def claim(self) -> bool:
+        """True for the first caller only: the one that handles this rank's failure."""
+        with self._lock:
+            first, self._claimed = not self._claimed, True
+        return first
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._write(beat=True)
+            if self.on_stall is not None and self.stale_s is not None:
+                diagnosis = self._look()
+                if diagnosis is not None and self.claim():
+                    self.on_stall(diagnosis)
+                    return
+
+    def _look(self) -> Diagnosis | None:
+        now = time.monotonic()
+        silent, failed = {}, {}
+        for rank, rec in read_watch(self.directory, self.world_size).items():
+            if rank == self.rank:
+                continue
+            beat = None if rec is None else (rec.get("beat"), rec.get("state"))
+            last = self._seen.get(rank)
+            if last is None or last[0] != beat:
+                self._seen[rank] = (beat, now)
+                last = self._seen[rank]
+            if rec is not None and rec.get("state") == "error":
+                failed[rank] = rec
+            elif (rec is None or rec.get("state") == "running") and now - last[1] >= self.stale_s:
+                silent[rank] = rec or {}
+        if not silent and not failed:
+            return None
+        return Diagnosis(self.rank, self.stage, silent, failed, self.stale_s)
+
+    def _write(self, beat: bool = False) -> None:
+        with self._lock:
+            if beat:
+                self.beat += 1
+            record = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "beat": self.beat,
+                      "stage": self.stage, "state": self.state, "error": self.error}
+            with contextlib.suppress(OSError):  # a full or vanished folder must not kill the rank
+                _atomic_json(self.path, record)
+
+
+def note_stage(session: DistSession | None, stage: str) -> None:
+    """Record what this rank is doing (shown when another rank has to name where it stopped)."""
+    if session is not None and session.watch is not None:
+        session.watch.set_stage(stage)
+
+
+def read_watch(directory: Path, world_size: int) -> dict[int, dict[str, Any] | None]:
+    """Every rank's last heartbeat record (None: missing or unreadable)."""
+    records: dict[int, dict[str, Any] | None] = {}
+    for rank in range(world_size):
+        try:
+            records[rank] = json.loads((Path(directory) / ALIVE_FILE.format(rank=rank)).read_text())
+        except (OSError, ValueError):
+            records[rank] = None
+    return records
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Who did not answer, as this rank saw it."""
+
+    me: int
+    my_stage: str
+    silent: dict[int, dict[str, Any]]  # no beat for a while: stopped, hung, or gone without a word
+    failed: dict[int, dict[str, Any]]  # ended with an error it recorded
+    looked_s: float  # how long the silent ranks were watched without a beat
+
+    @property
+    def peers_at_fault(self) -> bool:
+        return bool(self.silent or self.failed)
+
+    def culprits(self) -> str:
+        parts = []
+        for rank, rec in sorted(self.silent.items()):
+            where = f" (pid {rec['pid']} on {rec['host']})" if rec.get("pid") else ""
+            stage = rec.get("stage", "unknown: no heartbeat file")
+            parts.append(f"rank {rank}{where} stopped answering in stage '{stage}' (no heartbeat for "
+                         f"{self.looked_s:.0f} s)")
+        for rank, rec in sorted(self.failed.items()):
+            parts.append(f"rank {rank} ended with an error in stage '{rec.get('stage')}': {rec.get('error')}")
+        return "; ".join(parts)
+
+
+def diagnose(session: DistSession, directory: Path) -> Diagnosis:
+    """After a failed collective: read every rank's heartbeat twice, three beats apart."""
+    interval = session.watch.interval if session.watch is not None else heartbeat_s(session.timeout_s)
+    first = read_watch(directory, session.world_size)
+    time.sleep(3 * interval + 0.2)
+    second = read_watch(directory, session.world_size)
+    silent, failed = {}, {}
+    for rank in range(session.world_size):
+        if rank == session.rank:
+            continue
+        before, now = first.get(rank), second.get(rank)
+        if now is None:
+            silent[rank] = {}
+        elif now.get("state") == "error":
+            failed[rank] = now
+        elif now.get("state") == "running" and before is not None and now.get("beat") == before.get("beat"):
+            silent[rank] = now
+    my_stage = session.watch.stage if session.watch is not None else "unknown"
+    return Diagnosis(session.rank, my_stage, silent, failed, 3 * interval + 0.2)
+
+
+def rows_from_rank_files(out: Path, world_size: int) -> tuple[list, list[int]]:
+    """Every complete row in ``out/ranks/rows-rank<R>.jsonl``, rank order, each tagged with its
+    rank; and the count per rank. A line cut short by a stopped writer is left out."""
+    from detkit.toolkit.harness import Row
+
+    rows, counts = [], []
+    for rank in range(world_size):
+        n = 0
+        path = out / "ranks" / f"rows-rank{rank}.jsonl"
+        lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+        for line in lines:
+            try:
+                d = json.loads(line)
+                d["details"].setdefault("rank", rank)
+                rows.append(Row(**d))
+                n += 1
+            except (ValueError, TypeError, KeyError):
+                continue
+        counts.append(n)
+    return rows, counts
+
+
+INCOMPLETE_BANNER = "# INCOMPLETE report"
+
+
+def write_incomplete_report(session: DistSession, out: Path, meta: dict[str, Any], diagnosis: Diagnosis,
+                            error: str) -> Path:
+    """Merge every finished row of every rank into ``out/report.json``/``report.md`` marked
+    INCOMPLETE (and ``out/rows.jsonl``); return report.md's path."""
+    from detkit.toolkit.harness import Row, RowWriter, atomic_write_text, write_report
+
+    rows, counts = rows_from_rank_files(out, session.world_size)
+    what = diagnosis.culprits()
+    backend = meta.get("backend", "unknown")
+    for rank, rec in sorted({**diagnosis.silent, **diagnosis.failed}.items()):
+        how = "ended with an error" if rank in diagnosis.failed else "stopped answering"
+        rows.append(Row("distributed", "rank_answered", f"rank {rank} {how}", False, backend, {
+            "rank": rank, "stage": rec.get("stage"), "error": rec.get("error"), "pid": rec.get("pid"),
+            "host": rec.get("host"), "detected_by_rank": session.rank, "rows_finished": counts[rank]}))
+    incomplete = {
+        "reason": what, "detected_by_rank": session.rank, "stage_of_detecting_rank": diagnosis.my_stage,
+        "silent_ranks": sorted(diagnosis.silent), "failed_ranks": sorted(diagnosis.failed),
+        "stages": {str(r): rec.get("stage") for r, rec in {**diagnosis.silent, **diagnosis.failed}.items()},
+        "timeout_s": session.timeout_s, "error": error[:500], "rows_per_rank": counts,
+    }
+    meta = {**meta, "status": "INCOMPLETE", "incomplete": incomplete,
+            "distributed": {"world_size": session.world_size, "source": session.source,
+                            "pg_backend": session.pg_backend, "timeout_s": session.timeout_s,
+                            "hosts": session.hosts, "inter_node": len(session.hosts) > 1, "rows_per_rank": counts},
+            "rank_map": session.rank_records}
+    meta["not_covered"] = [f"INCOMPLETE: {what}; only the rows the ranks finished before that are here",
+                           *meta.get("not_covered", [])]
+    merged = out / "rows.jsonl"
+    merged.unlink(missing_ok=True)
+    writer = RowWriter(merged)
+    try:
+        for row in rows:
+            writer.write(row)
+    finally:
+        writer.close()
+    _, md_path = write_report(out, meta, rows)
+    atomic_write_text(md_path, f"{INCOMPLETE_BANNER}: {what}. Rows per rank: {counts}.\n\n" + md_path.read_text())
+    _atomic_json(out / "ranks" / INCOMPLETE_FILE, {**incomplete, "report": str(md_path)})
+    return md_path
+
+
+def _wait_for_incomplete_marker(out: Path, limit_s: float) -> dict[str, Any] | None:
+    deadline = time.monotonic() + limit_s
+    path = out / "ranks" / INCOMPLETE_FILE
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(path.read_text())
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
+
+
+def _destroy_group_quietly(limit_s: float = 5.0) -> None:
+    import torch.distributed as dist
+
+    def destroy() -> None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+    thread = threading.Thread(target=destroy, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+
+
+def _account(session: DistSession, out: Path, meta: dict[str, Any], diagnosis: Diagnosis, how: str,
+             error: str) -> str:
+    """Print this rank's one line, then have the lowest surviving rank write the INCOMPLETE report
+    while the others wait for it (the first rank to exit may end them all: torchrun, srun
+    --kill-on-bad-exit); return the line."""
+    session.watch.end("gave-up", error[:300])
+    survivors = [r for r in range(session.world_size) if r not in diagnosis.silent and r not in diagnosis.failed]
+    writer = min(survivors)
+    md = out / "report.md"
+    line = (f"detkit audit: rank {session.rank}: INCOMPLETE: {diagnosis.culprits()}; this rank gave up in stage "
+            f"'{diagnosis.my_stage}' ({how}); INCOMPLETE report: {md} (written by rank {writer})")
+    print(line, file=sys.stderr, flush=True)
+    if session.rank == writer:
+        try:
+            write_incomplete_report(session, out, meta, diagnosis, error)
+        except Exception as exc:  # noqa: BLE001 -- say so, the line is out already
+            print(f"detkit audit: rank {session.rank}: the INCOMPLETE report was not written: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    elif _wait_for_incomplete_marker(out, limit_s=30 + 3 * session.watch.interval) is None:
+        print(f"detkit audit: rank {session.rank}: rank {writer} did not write the INCOMPLETE report within "
+              f"{30 + 3 * session.watch.interval:g} s", file=sys.stderr, flush=True)
+    return line
+
+
+def arm_stall_exit(session: DistSession | None, out: Path, meta: dict[str, Any]) -> None:
+    """From now on, a rank that stops beating for half the collective timeout (or records an error)
+    ends this rank without waiting for the timeout: the INCOMPLETE report is written by the lowest
+    survivor, this rank prints its one line and exits with status 1."""
+    if session is None or session.watch is None:
+        return
+
+    def on_stall(diagnosis: Diagnosis) -> None:
+        try:
+            _account(session, out, meta, diagnosis, "seen by its heartbeat watch",
+                     f"no heartbeat from rank(s) {sorted(diagnosis.silent) or sorted(diagnosis.failed)}")
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)  # the main thread may be blocked in a collective until the timeout
+
+    session.watch.on_stall = on_stall
+
+
+def end_incomplete(session: DistSession, error: BaseException, out: Path, meta: dict[str, Any]) -> str:
+    """After a collective failed on this rank (timeout, closed connection): print one line naming
+    the rank that stopped answering, have the lowest surviving rank write the INCOMPLETE report, and
+    return the line.
+
+    Re-raises ``error`` when no other rank is at fault (this rank's own failure): it records the
+    error first, closes its connections so the others fail fast and name it, and waits for their
+    report before it lets the process end (torchrun and srun --kill-on-bad-exit end every rank once
+    one has ended)."""
+    global _SESSION
+    watch = session.watch
+    if watch is None:
+        raise error
+    if not watch.claim():  # the heartbeat watch is handling it and will end the process
+        time.sleep(session.timeout_s + 60)
+        raise error
+    _SESSION = None
+    diagnosis = diagnose(session, out / "ranks")
+    if not diagnosis.peers_at_fault:
+        watch.end("error", f"{type(error).__name__}: {str(error)[:300]}")
+        _destroy_group_quietly()
+        _wait_for_incomplete_marker(out, limit_s=session.timeout_s + 30)
+        raise error
+    return _account(session, out, meta, diagnosis, f"{type(error).__name__} in a collective",
+                    f"{type(error).__name__}: {error}")
+
+
+def stalled_ranks(out: Path) -> list[int]:
+    """The ranks named in ``out/ranks/incomplete.json`` (empty while there is none)."""
+    try:
+        marker = json.loads((out / "ranks" / INCOMPLETE_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    return [*marker.get("silent_ranks", []), *marker.get("failed_ranks", [])]
+
+
+# ----------------------------------------------------------------------------- multi-rank suites started here
+@dataclass
+class RankRunResult:
+    """What one job of ranks started by ``run_on_local_ranks`` left."""
+
+    label: str
+    nproc: int
+    world: str
+    out: Path
+    exit_codes: list[int]
+    killed: list[int]
+    report: dict[str, Any] | None
+    rows: list
+    seconds: float
+
+    @property
+    def incomplete(self) -> dict[str, Any] | None:
+        return (self.report or {}).get("meta", {}).get("incomplete")
+
+    def summary(self) -> dict[str, Any]:
+        meta = (self.report or {}).get("meta", {})
+        return {"label": self.label, "ranks": self.nproc, "world": self.world, "out": str(self.out),
+                "exit_codes": self.exit_codes, "killed_ranks": self.killed, "rows": len(self.rows),
+                "status": meta.get("status", "COMPLETE" if self.report else "NO REPORT"),
+                "seconds": round(self.seconds, 1), "incomplete": self.incomplete}
+
+
+def run_on_local_ranks(runs, suites: list[str], ctx, out: Path, echo=None) -> list[RankRunResult]:
+    """Run ``detkit audit --suite <suites>`` as each job in ``runs`` (``toolkit.launch.RankRun``)
+    on ranks of this host, one job after another, each writing its own report under
+    ``out/ranks-<label>``; return their rows (tagged with the job's label) and reports."""
+    from detkit.toolkit.harness import Row
+    from detkit.toolkit.launch import LocalRanks
+
+    timeout = timeout_s()
+    results = []
+    for run in runs:
+        run_out = out / f"ranks-{run.label}"
+        argv = ["-m", "detkit", "audit", "--device", ctx.device.type, "--preset", ctx.preset, "--seed",
+                str(ctx.seed), "--out", str(run_out), "--no-progress"]
+        for suite in suites:
+            argv += ["--suite", suite]
+        env = {**os.environ, WORLD_ENV: run.world, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
+        if ctx.device.type == "cpu":
+            # The ranks share the cores; gloo stays on the loopback interface.
+            env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"))
+        if echo is not None:
+            echo(f"starting {', '.join(suites)} on {run.nproc} ranks of this host ({run.label}, layout ranks "
+                 f"{run.world}); per-rank logs: {run_out / 'logs'}")
+        started = time.monotonic()
+        ranks = LocalRanks(argv, run.nproc, env, run_out / "logs", timeout)
+        try:
+            codes = ranks.wait(stalled=lambda: stalled_ranks(run_out))
+        finally:
+            ranks.kill()
+        report = None
+        with contextlib.suppress(OSError, ValueError):
+            report = json.loads((run_out / "report.json").read_text())
+        rows = []
+        if report is not None:
+            for d in report["rows"]:
+                d["details"].setdefault("rank_run", run.label)
+                rows.append(Row(**d))
+        results.append(RankRunResult(run.label, run.nproc, run.world, run_out, codes, list(ranks.killed), report,
+                                     rows, time.monotonic() - started))
+    return results
+
+
+_RANK_RUN_META_KEYS = ("distributed", "rank_map", "groups")
+
+
+def rank_run_meta(results: list[RankRunResult], backend: str) -> tuple[dict[str, Any], list, list[str]]:
+    """(meta to merge into the report, failed 'launch' rows, one-line accounts of failed jobs) for
+    the jobs ``run_on_local_ranks`` ran. With one job its distributed meta (rank map, groups) and
+    suite meta are carried over as if the report were its own; covered / not-covered lists of
+    every job are added, prefixed by the job's label when there are several."""
+    from detkit.toolkit.harness import Row
+
+    meta: dict[str, Any] = {"rank_runs": [r.summary() for r in results], "covered": [], "not_covered": []}
+    failed_rows, lines = [], []
+    several = len(results) > 1
+    for res in results:
+        child = (res.report or {}).get("meta", {})
+        prefix = f"[{res.label}] " if several else ""
+        meta["covered"] += [prefix + c for c in child.get("covered", [])]
+        meta["not_covered"] += [prefix + c for c in child.get("not_covered", [])]
+        skip = {"covered", "not_covered", "env", "env_summary", "command", "command_line", "date", "plots",
+                "suites", "suite_selection", "status", "incomplete", *(() if not several else _RANK_RUN_META_KEYS)}
+        for key, value in child.items():
+            if key not in skip:
+                meta.setdefault(key, value)
+        if res.report is not None and res.incomplete is None:
+            continue  # its failed checks, if any, are among its rows
+        if res.incomplete is not None:
+            why = f"INCOMPLETE: {res.incomplete.get('reason')}"
+            meta["status"] = "INCOMPLETE"
+            meta.setdefault("incomplete", res.incomplete)
+        else:
+            why = f"no report (exit codes {res.exit_codes}); see {res.out / 'logs'}"
+        lines.append(f"ranks {res.label}: {why}")
+        failed_rows.append(Row("launch", "ranks", f"{res.label}: {res.nproc} ranks started on this host", False,
+                               backend, {"reason": why, **res.summary()}))
+    return meta, failed_rows, lines

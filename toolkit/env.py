@@ -526,11 +526,19 @@ def _container_section(environ: Mapping[str, str]) -> dict[str, Any]:
     if environ.get("container"):
         markers.append(f"$container={environ['container']}")
     image = environ.get("DETKIT_IMAGE", "").strip()
-    return {
+    section: dict[str, Any] = {
         "image": image or not_available("DETKIT_IMAGE is not set (set by the detkit Dockerfile)"),
         "in_container": bool(markers),
         "container_markers": markers,
     }
+    if image:  # what the Dockerfile recorded about its own build
+        base = environ.get("DETKIT_BASE_IMAGE", "").strip()
+        checks = environ.get("DETKIT_BUILD_CHECKS", "").strip()
+        section["base_image"] = base or not_available("DETKIT_BASE_IMAGE is not set")
+        section["build_checks"] = checks or not_available("DETKIT_BUILD_CHECKS is not set")
+        flags = dict(item.split("=", 1) for item in checks.split() if "=" in item)
+        section["relaxed_checks"] = sorted(name for name, value in flags.items() if value == "1")
+    return section
 
 
 def _knobs_section(environ: Mapping[str, str]) -> dict[str, str]:

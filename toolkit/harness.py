@@ -117,22 +117,26 @@ class SuiteSelection:
     """What ``--suite`` resolved to on this host, and why (recorded in the report's meta)."""
 
     requested: tuple[str, ...]
-    suites: tuple[str, ...]  # suite or plug-in names, run order, no duplicates
+    suites: tuple[str, ...]  # suite or plug-in names run in this process, run order, no duplicates
     reasons: tuple[str, ...]
     skipped: tuple[str, ...]  # "<suite>: <why>", for the report's not-covered list
+    launched: tuple[str, ...] = ()  # multi-rank suites to run on ranks this process starts itself
 
     def as_meta(self) -> dict:
         return {"requested": list(self.requested), "resolved": list(self.suites), "reasons": list(self.reasons),
-                "skipped": list(self.skipped)}
+                "skipped": list(self.skipped), "launched_on_local_ranks": list(self.launched)}
 
 
-def select_suites(requested: Iterable[str], *, device: str, gpu_count: int, world_size: int) -> SuiteSelection:
+def select_suites(requested: Iterable[str], *, device: str, gpu_count: int, world_size: int,
+                  local_ranks: int = 0) -> SuiteSelection:
     """Resolve ``--suite`` names for this host before any work.
 
     ``auto``: no GPU -> refused unless ``device == "cpu"`` (then gemm under the Triton interpreter);
     one GPU -> gemm; two or more -> gemm, plus tp-cp when launched as more than one rank. On the
     CPU, tp-cp joins gemm when launched as ranks (gloo). ``all``: every single-process suite, plus
-    the ``MULTI_RANK_SUITES`` when launched as more than one rank. A suite named explicitly runs as
+    the ``MULTI_RANK_SUITES``: in this launch when it has more than one rank, else on
+    ``local_ranks`` ranks that the caller starts itself on this host (``launched``; 0: it cannot,
+    e.g. fewer than 2 GPUs, and they are skipped with the reason). A suite named explicitly runs as
     asked (tp-cp in one process yields its failed ``launch`` row). Raises ValueError naming the
     known names.
     """
@@ -144,6 +148,7 @@ def select_suites(requested: Iterable[str], *, device: str, gpu_count: int, worl
     suites: list[str] = []
     reasons: list[str] = []
     skipped: list[str] = []
+    launched: list[str] = []
     ranks_note = f"launched as {world_size} ranks" if multi else "one process (not launched as ranks)"
     for name in requested:
         if name == "auto":
@@ -175,13 +180,21 @@ def select_suites(requested: Iterable[str], *, device: str, gpu_count: int, worl
                 if multi:
                     suites.append(s)
                     reasons.append(f"all: {ranks_note} -> {s}")
+                elif local_ranks >= 2:
+                    launched.append(s)
+                    backend = "gloo on loopback" if device == "cpu" else "NCCL"
+                    reasons.append(f"all: {s} on {local_ranks} ranks started on this host ({backend})")
+                elif device == "cuda":
+                    skipped.append(f"{s}: needs at least 2 GPUs of one host to start its ranks ({gpu_count} "
+                                   f"visible), or a launch as ranks: {launch_hint(s)}")
                 else:
                     skipped.append(f"{s}: needs more than one rank ({ranks_note}); run {launch_hint(s)}")
         else:
             suites.append(name)
     suites = list(dict.fromkeys(suites))
-    skipped = [s for s in dict.fromkeys(skipped) if s.split(":", 1)[0] not in suites]
-    return SuiteSelection(requested, tuple(suites), tuple(reasons), tuple(skipped))
+    launched = [s for s in dict.fromkeys(launched) if s not in suites]
+    skipped = [s for s in dict.fromkeys(skipped) if s.split(":", 1)[0] not in suites + launched]
+    return SuiteSelection(requested, tuple(suites), tuple(reasons), tuple(skipped), tuple(launched))
 
 
 def _is_known(name: str) -> bool:

@@ -1,6 +1,6 @@
 """Rank discovery, layout check and process-group start-up under srun and torchrun.
 
-detkit's TP/CP layout (DESIGN.md) needs ``rank = node * tasks_per_node + local_rank``: the TP
+detkit's TP/CP layout needs ``rank = node * tasks_per_node + local_rank``: the TP
 pair of a node holds consecutive ranks and the CP pairs cross nodes. Slurm gives that only with
 block distribution (``srun --distribution=block``); torchrun gives it by construction. Nothing
 here repairs a wrong mapping: every check raises with the values it saw and what it needs.
@@ -468,6 +468,97 @@ def run_check(
     finally:
         dist.destroy_process_group()
     return rank_env
+
+
+# ----------------------------------------------------------------------------- ranks started here
+@dataclass(frozen=True)
+class RankRun:
+    """One job of ``nproc`` ranks started on this host, holding the layout ranks ``world``."""
+
+    label: str
+    nproc: int
+    world: str  # DETKIT_TPCP_WORLD
+
+
+def local_rank_runs(device: str, gpu_count: int) -> list[RankRun]:
+    """The rank jobs this host can start for the multi-rank suites: 4 gloo ranks on loopback on the
+    CPU; on CUDA 4 ranks with >= 4 GPUs, one TP group and one CP group (2 ranks each) with 2-3 GPUs,
+    none with fewer."""
+    if device == "cpu" or gpu_count >= 4:
+        return [RankRun("4-rank", 4, "0,1,2,3")]
+    if gpu_count >= 2:
+        return [RankRun("tp-group", 2, "0,1"), RankRun("cp-group", 2, "0,2")]
+    return []
+
+
+class LocalRanks:
+    """``nproc`` processes started as the ranks of one job on this host, the way torchrun starts
+    its workers: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, and a rendezvous
+    store that this process hosts on 127.0.0.1 (TORCHELASTIC_USE_AGENT_STORE=True: every rank is a
+    client), so the store outlives any one rank. Each rank's stdout and stderr go to
+    ``log_dir/rank-R.log``."""
+
+    def __init__(self, target: list[str], nproc: int, env: Mapping[str, str], log_dir: Path,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, cwd: Path | None = None):
+        import subprocess
+
+        import torch.distributed as dist
+
+        if nproc < 1:
+            raise ValueError(f"nproc={nproc}; need >= 1")
+        self.nproc, self.timeout_s, self.log_dir = nproc, float(timeout_s), Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=_as_timedelta(timeout_s))
+        base = {k: v for k, v in env.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self._store.port), WORLD_SIZE=str(nproc),
+                    LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True")
+        self.killed: list[int] = []
+        self.procs = []
+        self.logs = [self.log_dir / f"rank-{rank}.log" for rank in range(nproc)]
+        try:
+            for rank in range(nproc):
+                with open(self.logs[rank], "wb") as log:
+                    self.procs.append(subprocess.Popen(
+                        [sys.executable, *target], env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd))
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def wait(self, stalled: Any = None, poll_s: float = 0.2) -> list[int]:
+        """Wait for every rank; return the exit codes (negative: killed by that signal).
+
+        Once a rank has failed, the others get the collective timeout plus 30 s to end, then are
+        killed. ``stalled()`` (optional) returns the ranks the survivors named as not answering;
+        they are killed as soon as every other rank has ended."""
+        import time
+
+        deadline = None
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                return codes
+            now = time.monotonic()
+            if deadline is None and any(c not in (None, 0) for c in codes):
+                deadline = now + self.timeout_s + 30
+            silent = set(stalled() if stalled is not None and deadline is not None else ())
+            others_done = all(c is not None for r, c in enumerate(codes) if r not in silent)
+            if (silent and others_done) or (deadline is not None and now > deadline):
+                self.kill()
+            time.sleep(poll_s)
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running (it also ends a stopped one)."""
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                self.killed.append(rank)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
