@@ -132,7 +132,7 @@ def test_no_rows_is_a_failure(invoke, tmp_path):
 
 @pytest.mark.parametrize("args, message, prepared", [
     (["--cases", "-1"], "--cases must be >= 0; got -1", True),
-    (["--rounds", "0"], "--rounds must be an int >= 1; got 0", False),
+    (["--rounds", "0"], "--rounds must be >= 1; got 0", False),
     (["--preset", "nope"], "preset(s) ['nope'] not known to bench standin; known: ['p1', 'p2']", True),
     (["--preset", "p1", "--preset", "p1"], "--preset values repeat: ['p1', 'p1']", True),
 ])

@@ -93,7 +93,7 @@ def test_unknown_preset(no_work, tmp_path):
 
 def test_unknown_suite(no_work, tmp_path):
     _refused(["audit", "--device", "cpu", "--suite", "gemmm", "--out", str(tmp_path / "o")], no_work,
-             "detkit audit: error: suite(s) ['gemmm'] not known; known: ['auto', 'all', 'gemm'")
+             "detkit audit: error: suite(s) ['gemmm'] not known; known: ['auto', 'all', 'attention', 'gemm'")
 
 
 # ------------------------------------------------------------------------------ --out

@@ -238,7 +238,10 @@ def _checked(check: Callable, *args):
     def callback(ctx, param, value):
         if ctx.resilient_parsing or value is None:
             return value
-        check(*args, value)
+        try:
+            check(*args, value)
+        except preflight.UsageError as exc:
+            raise click.UsageError(str(exc)) from None
         return value
     return callback
 
@@ -250,7 +253,7 @@ def _shared_options(plugin: ModuleType) -> list[Callable]:
     preset_help = (f"Shape preset; repeat for several (default: the bench's own; known: {', '.join(own)})."
                    if own is not None else "Shape preset (default: qwen3-8b-tp2 on cuda, tiny on cpu).")
     return [
-        click.option("--device", type=click.Choice(preflight.DEVICES), callback=_checked(preflight.check_device),
+        click.option("--device", type=click.Choice(preflight.DEVICES),
                      default=lambda: os.environ.get("DETKIT_DEVICE", "cuda"), show_default="cuda (env DETKIT_DEVICE)",
                      help="cuda: compiled Triton on Hopper; cpu: Triton interpreter (not a hardware result)."),
         click.option("--preset", "presets", multiple=True, help=preset_help),
@@ -311,6 +314,7 @@ def _usage(fn, *args, **kwargs):
 
 def _run_command(plugin, prepare, device, presets, seed, out, as_json, rounds, options, command_line) -> None:
     _usage(check_rounds, rounds)
+    _usage(preflight.check_device, device)  # not at parse time: --merge measures nothing and needs no device
     prepare(device, ranks_of(plugin))
     try:
         ctx = bench_context(plugin, device, presets, seed, out, rounds)
