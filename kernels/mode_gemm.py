@@ -20,7 +20,9 @@ bits are those of its own mm, so they do not depend on the batch count or positi
 Everything else on these ops -- another dtype, a device det_gemm does not run on, CPU tensors
 without the Triton interpreter -- runs on torch's kernel and is counted with the reason
 (``mode_state``). Empty operands are exact without a GEMM (a sum of no terms is 0) and are counted
-as routed to "exact (empty)". The functions here run below autograd (aten CPU/CUDA kernels) and
+as routed to "exact (empty)". So are products whose reduced dim K is 1, in any dtype (a rotary
+embedding's inv_freq @ positions in FP32 is one): each output element is one product rounded once, with no
+order to fix, and runs as an elementwise multiply counted as routed to "exact (K=1)". The functions here run below autograd (aten CPU/CUDA kernels) and
 inside the compiled-graph ops (``mode_compile``); they never see requires_grad.
 """
 
@@ -34,6 +36,7 @@ from detkit.kernels import mode_state
 from detkit.kernels.backend import MAX_INT32_OFFSET, kernel_is_interpreted
 
 EMPTY = "exact (empty)"
+K1 = "exact (K=1)"
 ROUTES = ("det_gemm_fwd", "det_gemm_da", "det_gemm_db")
 
 
@@ -124,7 +127,19 @@ def _empty(*tensors: torch.Tensor) -> bool:
 # The computations, shared by the eager aten overrides and the compiled-graph ops. Each returns
 # None when it did not route (the caller runs torch's kernel), after counting why.
 # ---------------------------------------------------------------------------------------------
+def _k1_product(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor | None:
+    """``a @ b`` when the reduced dim is 1 (2-D or batched, one dtype and device): the elementwise product, which
+    is what any GEMM computes there (one product per element, rounded once)."""
+    if a.shape[-1] != 1 or a.dtype != b.dtype or a.device != b.device or _empty(a, b):
+        return None
+    mode_state.routed(op, K1)
+    return a * b
+
+
 def mm(a: torch.Tensor, b: torch.Tensor, op: str = "mm") -> torch.Tensor | None:
+    exact = _k1_product(a, b, op)
+    if exact is not None:
+        return exact
     reason = operands_reason(a, b)
     if reason is not None:
         mode_state.not_routed(op, reason)
@@ -157,6 +172,9 @@ def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1,
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, op: str = "bmm") -> torch.Tensor | None:
+    exact = _k1_product(a, b, op)
+    if exact is not None:
+        return exact
     reason = operands_reason(a, b)
     if reason is not None:
         mode_state.not_routed(op, reason)

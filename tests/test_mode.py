@@ -136,6 +136,20 @@ def test_other_dtypes_run_on_torch_and_are_counted(device):
         a @ b
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_over_one_element_are_exact_in_any_dtype(device, dtype):
+    # A rotary embedding's inv_freq [B, D/2, 1] @ positions [B, 1, S] in FP32: one product per element, no order.
+    inv_freq = torch.rand(3, 8, 1, device=device).to(dtype)
+    positions = torch.arange(5, device=device, dtype=torch.float32).expand(3, 1, 5).to(dtype)
+    a, b = torch.randn(7, 1, device=device).to(dtype), torch.randn(1, 4, device=device).to(dtype)
+    want_bmm, want_mm = torch.bmm(inv_freq, positions), a @ b
+    with detkit.batch_invariant_mode(strict=True):
+        got_bmm, got_mm = torch.bmm(inv_freq, positions), a @ b
+    assert_bits(got_bmm, want_bmm, f"{dtype} bmm with K=1")
+    assert_bits(got_mm, want_mm, f"{dtype} mm with K=1")
+    assert routed(detkit.mode_counters()) == {"bmm -> exact (K=1)": 1, "mm -> exact (K=1)": 1}
+
+
 def test_empty_operands_are_exact_zeros(device):
     a = torch.empty(4, 0, dtype=torch.bfloat16, device=device)
     b = torch.empty(0, 3, dtype=torch.bfloat16, device=device)

@@ -105,7 +105,10 @@ def test_unsupported_sdpa_calls_run_on_torch_counted_or_raise_under_strict(devic
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert standin == []
     assert compare_bits(out, TORCH_SDPA(q, k, v, is_causal=True, enable_gqa=True)).equal
-    assert counts()["not_routed"] == {"sdpa: dtype torch.float32": 1}
+    not_routed = counts()["not_routed"]
+    assert not_routed.pop("sdpa: dtype torch.float32") == 1
+    # torch's fallback may itself run GEMMs (its math backend on CUDA): counted as what they are, FP32.
+    assert all(key.endswith("dtype float32") for key in not_routed), not_routed
     with pytest.raises(detkit.ModeNotRoutedError, match="dtype torch.float32"), \
             detkit.batch_invariant_mode(strict=True):
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
