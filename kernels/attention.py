@@ -65,7 +65,7 @@ HEAD_DIMS = (64, 128)
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-ATTENTION_CONFIG_TABLE_VERSION = "2026-12-01.1"
+ATTENTION_CONFIG_TABLE_VERSION = "2026-12-01.2"
 
 
 @dataclass(frozen=True)
@@ -119,13 +119,16 @@ def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q
     return heads
 
 
-# Keyed by backend, then head_dim. The sm_90 entries are starting points chosen from offline sm_90 compiles (wgmma,
-# no register spills, shared memory within one SM), to be replaced by the H200 sweep (tools/gpu/attention.sh);
-# the interpreter entries are small so CPU tests at a few dozen keys cross several key tiles and query tiles.
+# Keyed by backend, then head_dim. The sm_90 entries are the fastest spill-free candidates of the H200 sweep
+# (tools/gpu/attention.sh; CUDA-graph time beside SDPA flash, geometric mean over prefill B1 S4096, prefill B8 S1024,
+# decode at B1 K32768, B8 K8192, B64 K8192, and fwd+bwd B1 S4096; 0 decode-vs-prefill bit mismatches): the forward
+# on 64x64 tiles, 4 warps, 3 stages (twice the programs of 128-row tiles: a decode step is grid-bound); dk/dv on
+# 32x128 (D=128) and 64x64 (D=64) query x key tiles, 3 stages; dq on 128x64, 3 stages. The interpreter entries are
+# small so CPU tests at a few dozen keys cross several key tiles and query tiles.
 CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     CUDA_SM90: {
-        64: AttnConfigs(fwd=AttnConfig(128, 64, 4, 3), dkdv=AttnConfig(64, 128, 8, 2), dq=AttnConfig(128, 64, 8, 2)),
-        128: AttnConfigs(fwd=AttnConfig(128, 64, 8, 2), dkdv=AttnConfig(32, 128, 8, 2), dq=AttnConfig(128, 64, 8, 2)),
+        64: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(64, 64, 4, 3), dq=AttnConfig(128, 64, 4, 3)),
+        128: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(32, 128, 8, 3), dq=AttnConfig(128, 64, 8, 3)),
     },
     TRITON_INTERPRETER: {
         64: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1)),

@@ -491,7 +491,7 @@ def test_gpu_sdpa_matches_flash_sdpa_within_bound(device):
 # ---- compile for sm_90 without a GPU ------------------------------------------------------------------
 _SM90_SCRIPT = """
 import json
-from detkit.bench.attention import compile_sm90
+from tools.attention_sass import compile_sm90
 from detkit.kernels.attention import CONFIG_TABLE
 rows = [compile_sm90(kernel, getattr(cfgs, kernel), d) for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()
         for kernel in ("fwd", "dkdv", "dq")]

@@ -1,0 +1,54 @@
+"""Offline sm_90 compiles of the attention kernels (no GPU needed): registers, spills, shared memory and the SASS
+counts of wgmma, mma.sync and cp.async for a config, as tests/test_attention.py checks the pinned tiles and the
+attention sweep screens its candidates.
+
+    python -c "from tools.attention_sass import compile_sm90; ..."   (in a process without TRITON_INTERPRET)
+"""
+
+from __future__ import annotations
+
+from tools.gemm_sass import cuobjdump_bytes, stack_bytes
+
+_POINTERS = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "kv_start_ptr": "*i32", "kv_end_ptr": "*i32"}
+
+
+def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: bool = False,
+                 kv_start: bool = True, kv_end: bool = False) -> dict:
+    """Compile one attention kernel ("fwd", "dkdv", "dq") with ``config`` for sm_90 with Triton's bundled ptxas,
+    without a GPU: registers, stack (spills), shared memory and the SASS counts of wgmma (HGMMA), mma.sync (HMMA)
+    and cp.async (LDGSTS). Run in a process without TRITON_INTERPRET."""
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import detkit.kernels.attention as attn
+    from detkit.kernels.backend import kernel_is_interpreted
+
+    fn = {"fwd": attn.attention_fwd_kernel, "dkdv": attn.attention_bwd_dkdv_kernel,
+          "dq": attn.attention_bwd_dq_kernel}[kernel]
+    if kernel_is_interpreted(fn):
+        raise RuntimeError("detkit kernels were imported under TRITON_INTERPRET=1; compile in a process without it")
+    names = list(fn.arg_names)
+    consts = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HEADS": heads,
+              "INTERPRETED": False, "VARLEN": varlen, "HAS_KV_START": kv_start, "HAS_KV_END": kv_end}
+    sig = {n: "constexpr" if n in consts else ("fp32" if n in ("qk_scale", "scale") else
+                                              _POINTERS.get(n, "*bf16" if n.endswith("_ptr") else "i32"))
+           for n in names}
+    # What a launch at the real shapes specialises: 16-byte-aligned tensors, strides multiples of 16.
+    aligned = [n for n in names if sig[n] not in ("constexpr", "fp32") and n not in attn._NOT_SPECIALIZED
+               and (n.endswith("_ptr") or n.startswith("stride"))]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        sass = cuobjdump_bytes("--dump-sass", compiled.asm["cubin"], tmp)
+        resources = cuobjdump_bytes("--dump-resource-usage", compiled.asm["cubin"], tmp)
+    regs = re.search(r"REG:(\d+)", resources)
+    return {"kernel": kernel, "head_dim": head_dim, "config": config.label(),
+            "regs": int(regs.group(1)) if regs else None,
+            "stack_bytes": stack_bytes(resources), "shared_bytes": compiled.metadata.shared,
+            **{op: len(re.findall(rf"\b{op}", sass)) for op in ("HGMMA", "HMMA", "LDGSTS")}}
