@@ -552,15 +552,15 @@ def summarize(rows: list[dict], meta: dict) -> str:
         s = per_row_summary(rows, timing, target)
         if s:
             state = "met" if s["met"] == s["rows"] else "NOT met"
-            lines.append(f"- {timing} <= {target} on every row: {state} ({s['met']} of {s['rows']} rows; worst "
-                         f"{s['worst']:.3f}, {s['worst_row']})")
+            lines.append(f"- {timing} <= {target} on every row: {state} (within the target on {s['met']} of "
+                         f"{s['rows']} rows; worst {s['worst']:.3f}, {s['worst_row']})")
     summary = target_summary(rows)
     if summary:
         met = sum(s["met"] for s in summary)
         lines.append(f"- GPU time (graph replay) per (op, shape, layout): median over M >= {TARGETS['large_m'][0]} "
                      f"<= {TARGETS['large_m'][1]}, median over M <= {TARGETS['small_m'][0]} <= "
                      f"{TARGETS['small_m'][1]}, no row above {TARGETS['graph_max']}: "
-                     f"{'met' if met == len(summary) else 'NOT met'} in {met} of {len(summary)}")
+                     f"{'met' if met == len(summary) else 'NOT met'} (met by {met} of {len(summary)})")
         lines += ["", _table(summary, list(summary[0].keys())), ""]
     nosplitk = [r for r in rows if "ratio_vs_cublaslt_nosplitk" in r]
     if nosplitk:

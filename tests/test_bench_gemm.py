@@ -159,7 +159,7 @@ def test_per_row_targets_and_the_summary_text():
     host = bench.per_row_summary(rows, "host", 1.2)
     assert (host["met"], host["rows"], host["worst"], host["worst_row"]) == (1, 2, 1.3, "fwd 2")
     text = bench.summarize(rows, {})
-    assert "- host <= 1.2 on every row: NOT met (1 of 2 rows; worst 1.300, fwd 2)" in text
+    assert "- host <= 1.2 on every row: NOT met (within the target on 1 of 2 rows; worst 1.300, fwd 2)" in text
     assert "- eager <= 1.1 on every row: NOT met" in text
     assert "Validation (contract bound of the FP64 oracle, before timing): 2 of 2 rows passed" in text
 
