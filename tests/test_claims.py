@@ -56,13 +56,29 @@ def test_a_tampered_audit_count_fails_the_check(reports_copy, capsys):
     tmp, argv = reports_copy
     path = tmp / "reports" / claims.SOURCES["moe_audit"]
 
-    def drop_one_reject(doc):  # a consistent report of one check fewer: summary and rows agree
-        doc["rows"].remove(next(r for r in doc["rows"] if r["check"] == "rejects"))
-        next(s for s in doc["summary"] if s["check"] == "rejects")["passed"] -= 1
+    def drop_one_reject(doc):  # a consistent report of one BF16 check fewer: summary and rows agree
+        doc["rows"].remove(next(r for r in doc["rows"] if r["suite"] == "moe" and r["check"] == "rejects"))
+        next(s for s in doc["summary"] if s["suite"] == "moe" and s["check"] == "rejects")["passed"] -= 1
 
     _edit_json(path, drop_one_reject)
     assert claims.main(argv) == 1
-    assert "68 passed, 0 failed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "+| MoE BF16 audit" in out and "68 passed, 0 failed (suite moe)" in out
+    assert "+| MoE FP8 audit" not in out  # the other suite of the same report is counted apart
+
+
+def test_a_decode_log_prob_that_differs_fails_the_mode_claim(reports_copy, capsys):
+    tmp, argv = reports_copy
+    path = tmp / "reports" / claims.SOURCES["model_audit"]
+
+    def one_mismatch(doc):  # the row still says passed: the claim reads the comparison itself
+        row = next(r for r in doc["rows"] if r["check"] == "decode_vs_trainer")
+        row["details"]["mismatches"] = 1
+
+    _edit_json(path, one_mismatch)
+    assert claims.main(argv) == 1
+    added = [line for line in capsys.readouterr().out.splitlines() if line.startswith("+| detkit mode (")]
+    assert len(added) == 1 and "1 of 216 log-probs differ" in added[0] and "| **no** |" in added[0]
 
 
 def test_a_report_whose_summary_disagrees_with_its_rows_is_refused(reports_copy, capsys):
@@ -93,3 +109,15 @@ def test_gemm_medians_use_the_target_layouts():
         {"op": "fwd", "N": 8, "K": 4, "layout": "linear", "M": 16, "ratio_vs_cublas": 9.0},
     ]
     assert sorted(claims.gemm_target_medians(rows, lambda m: m >= 1024)) == [0.9, 1.1]
+
+
+def test_gemm_graph_targets_judge_each_group_by_its_medians_and_worst_row():
+    def row(op, n, m, ratio):
+        return {"op": op, "K": 4, "N": n, "layout": "linear", "M": m, "ratio_graph": ratio}
+
+    rows = [row("fwd", 8, 1024, 1.04), row("fwd", 8, 4096, 1.06), row("fwd", 8, 16384, 1.05),  # median 1.05: met
+            row("fwd", 8, 16, 1.2),
+            row("da", 8, 1024, 1.0), row("da", 8, 16, 1.6),  # a row above 1.5: not met
+            row("db", 8, 128, 1.3), row("db", 8, 256, 1.3), row("db", 8, 4096, 1.0)]  # small-M median 1.3: not met
+    assert claims.gemm_graph_groups(rows) == {("fwd", 4, 8, "linear"): True, ("da", 4, 8, "linear"): False,
+                                              ("db", 4, 8, "linear"): False}

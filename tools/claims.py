@@ -33,8 +33,10 @@ END = "<!-- claims:end -->"
 # Which committed run backs each claim (paths under reports/). To move a claim to a newer run, change
 # its line here and run `python -m tools.claims`.
 SOURCES = {
-    "gemm_audit": "2026-12-01-h200/call3/audit/report.json",
+    "gemm_audit": "2026-12-01-h200-s13/call2/audit-gemm/report.json",
     "gemm_bench": "2026-12-01-h200/call3/bench/gemm.jsonl",
+    "gemm_tp2": "2026-12-01-h200-s13/call3/tp2/report.json",
+    "gemm_zoo": "2026-12-01-h200-s13/call3/zoo/report.json",
     "tp_group": "2026-11-29-h200x2/tp-group/report.json",
     "cp_group": "2026-11-29-h200x2/cp-group/report.json",
     "nccl_sweep": "2026-11-29-h200x2/nccl-sweep/sweep.json",
@@ -43,10 +45,12 @@ SOURCES = {
     "inv_cp": "2026-11-29-h200x2/inv-cp/report.json",
     "mlp_tp": "2026-11-29-h200x2/mlp-tp/mlp.jsonl",
     "mlp_cp": "2026-11-29-h200x2/mlp-cp/mlp.jsonl",
-    "moe_audit": "2026-12-01-h200-s12/call3/audit-moe/report.json",
+    "moe_audit": "2026-12-01-h200-s13/call2/audit-moe/report.json",  # suites moe and moe-fp8 in one report
     "moe_sweep": "2026-12-01-h200-s12/call5/moe-sweep/rows.json",
-    "moe_fp8_audit": "2026-11-30-h200-s9/call6/audit-moe-fp8/report.json",
     "moe_fp8_bench": "2026-12-01-h200-s12/call3/bench-moe-fp8/fp8_rows.json",
+    "model_audit": "2026-12-01-h200-s13/call3/audit-model/report.json",
+    "attn_audit": "2026-12-01-h200-s13/call4/attn-audit/report.json",
+    "attn_bench": "2026-12-01-h200-s13/call4/attn-bench/report.json",
 }
 
 
@@ -104,20 +108,33 @@ def _span(values: list[float], fmt: str, unit: str = "") -> str:
     return f"{lo:{fmt}}-{hi:{fmt}}{unit}"
 
 
-def audit_counts(report: dict) -> tuple[int, int]:
-    """Passed and failed checks of an audit report.json; its summary must agree with its rows."""
-    passed = sum(s["passed"] for s in report["summary"])
-    failed = sum(s["failed"] for s in report["summary"])
-    rows_passed = sum(1 for r in report["rows"] if r["passed"])
-    if (passed, failed) != (rows_passed, len(report["rows"]) - rows_passed):
+def audit_counts(report: dict, suite: str | None = None) -> tuple[int, int]:
+    """Passed and failed checks of an audit report.json, of one suite when ``suite`` is given (a report of
+    several suites counts each apart); its summary must agree with its rows."""
+    summary = [s for s in report["summary"] if suite is None or s["suite"] == suite]
+    rows = [r for r in report["rows"] if suite is None or r["suite"] == suite]
+    if not rows:
+        raise ClaimError(f"no rows of suite {suite!r} (the report holds {sorted({r['suite'] for r in report['rows']})})")
+    passed = sum(s["passed"] for s in summary)
+    failed = sum(s["failed"] for s in summary)
+    rows_passed = sum(1 for r in rows if r["passed"])
+    if (passed, failed) != (rows_passed, len(rows) - rows_passed):
         raise ClaimError(f"summary says {passed} passed, {failed} failed; rows say {rows_passed} passed, "
-                         f"{len(report['rows']) - rows_passed} failed")
+                         f"{len(rows) - rows_passed} failed")
     return passed, failed
 
 
 def audit(report: dict) -> Measured:
     passed, failed = audit_counts(report)
     return Measured((passed, failed), f"{passed} passed, {failed} failed")
+
+
+def audit_suite(suite: str) -> Callable[[dict], Measured]:
+    """The checks of one suite of an audit report that ran several (``--suite moe --suite moe-fp8``)."""
+    def measure(report: dict) -> Measured:
+        passed, failed = audit_counts(report, suite)
+        return Measured((passed, failed), f"{passed} passed, {failed} failed (suite {suite})")
+    return measure
 
 
 def all_pass(value: tuple[int, int]) -> bool:
@@ -239,6 +256,126 @@ def fp8_gate_met(value: tuple[bool, float, float]) -> bool:
     return all_passed and cos >= FP8_GATE[0] and rmse < FP8_GATE[1]
 
 
+# bench gemm's targets (detkit / cuBLAS), as bench/gemm.py states them: the host and eager ratio on every row;
+# per (op, K, N, layout), the GPU-time (CUDA-graph) median over M >= 1024 and over M <= 256, and the worst row.
+GEMM_HOST_MAX, GEMM_EAGER_MAX = 1.2, 1.10
+GEMM_GRAPH = {"large_m": (1024, 1.05), "small_m": (256, 1.25), "worst": 1.5}
+
+
+def _derived(report: dict, key: str) -> dict | None:
+    return ((report.get("meta") or {}).get("derived") or {}).get(key)
+
+
+def gemm_per_row(timing: str, limit: float) -> Callable[[dict], Measured]:
+    """bench gemm's ``ratio_<timing>`` (host: Python time per call; eager: back-to-back time per call) on every
+    row; the run's own count (meta.derived) must agree."""
+    def measure(report: dict) -> Measured:
+        key = f"ratio_{timing}"
+        rows = [r for r in report["rows"] if key in r]
+        if not rows:
+            raise ClaimError(f"no bench gemm rows carry {key}")
+        within = sum(1 for r in rows if r[key] <= limit)
+        worst = max(rows, key=lambda r: r[key])
+        derived = _derived(report, timing)
+        if derived and (derived["met"], derived["rows"]) != (within, len(rows)):
+            raise ClaimError(f"meta.derived.{timing} says {derived['met']} of {derived['rows']} rows within "
+                             f"{limit}x; the rows say {within} of {len(rows)}")
+        text = f"within on {within} of {len(rows)} rows, worst {worst[key]:.2f}x (M={worst['M']})"
+        if timing == "host":  # a call's host time hardly depends on M: the spans say what a call costs
+            det = [r["detkit_host_median_us"] for r in rows]
+            ref = [r["cublas_host_median_us"] for r in rows]
+            text = f"{_span(det, '.0f', ' µs')} vs {_span(ref, '.0f', ' µs')}; {text}"
+        return Measured(within == len(rows), text)
+    return measure
+
+
+def gemm_graph_groups(rows: list[dict]) -> dict[tuple, bool]:
+    """Per (op, K, N, layout): whether its GPU-time ratios meet GEMM_GRAPH."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "ratio_graph" in r:
+            groups.setdefault((r["op"], r["K"], r["N"], r["layout"]), []).append(r)
+    if not groups:
+        raise ClaimError("no bench gemm rows carry ratio_graph")
+    met = {}
+    for key, sel in groups.items():
+        ok = max(r["ratio_graph"] for r in sel) <= GEMM_GRAPH["worst"]
+        for m_limit, target, pick in ((*GEMM_GRAPH["large_m"], lambda m, lim: m >= lim),
+                                      (*GEMM_GRAPH["small_m"], lambda m, lim: m <= lim)):
+            ratios = [r["ratio_graph"] for r in sel if pick(r["M"], m_limit)]
+            ok = ok and (not ratios or statistics.median(ratios) <= target)
+        met[key] = ok
+    return met
+
+
+def gemm_graph_targets(report: dict) -> Measured:
+    met = gemm_graph_groups(report["rows"])
+    n_met = sum(met.values())
+    derived = _derived(report, "graph")
+    if derived and (derived["met"], derived["groups"]) != (n_met, len(met)):
+        raise ClaimError(f"meta.derived.graph says {derived['met']} of {derived['groups']} met; "
+                         f"the rows say {n_met} of {len(met)}")
+    ratios = [r["ratio_graph"] for r in report["rows"] if "ratio_graph" in r]
+    worst = max(report["rows"], key=lambda r: r.get("ratio_graph", 0.0))
+    text = (f"met by {n_met} of {len(met)} (op, K, N) over {len(ratios)} rows; worst row {worst['ratio_graph']:.2f}x "
+            f"({worst['op']} M={worst['M']} N={worst['N']} K={worst['K']})")
+    return Measured((n_met, len(met)), text)
+
+
+def model_audit(report: dict) -> Measured:
+    """The model audit's counts, and what its decode_vs_trainer rows compared in detkit mode (rows whose
+    ``details`` say ``informational`` record default mode's drift and the speed ratios: they pass by design)."""
+    passed, failed = audit_counts(report)
+    informational = sum(1 for r in report["rows"] if (r.get("details") or {}).get("informational"))
+    decode = [r for r in report["rows"] if r["check"] == "decode_vs_trainer"]
+    if not decode:
+        raise ClaimError("no decode_vs_trainer rows")
+    compared = sum(r["details"]["elements"] for r in decode)
+    differing = sum(r["details"]["mismatches"] for r in decode)
+    text = (f"{passed} passed, {failed} failed ({informational} informational: default mode's drift, speed); "
+            f"KV-cache decode vs trainer: {differing} of {compared} log-probs differ")
+    return Measured((passed, failed, differing, all(r["passed"] for r in decode)), text)
+
+
+def model_audit_met(value: tuple[int, int, int, bool]) -> bool:
+    passed, failed, differing, decode_passed = value
+    return passed > 0 and failed == 0 and differing == 0 and decode_passed
+
+
+def model_speed(case: str, target: float) -> Callable[[dict], Measured]:
+    """One speed row of the model audit: detkit-mode time / default-mode time; its recorded target must be the
+    claim's."""
+    def measure(report: dict) -> Measured:
+        hits = [r["details"] for r in report["rows"] if r["check"] == "speed" and r["name"] == f"speed {case} detkit / default"]
+        if len(hits) != 1:
+            raise ClaimError(f"{len(hits)} speed rows for {case!r}")
+        d = hits[0]
+        if d["target"] != target:
+            raise ClaimError(f"the report's {case} target is {d['target']}, the claim's {target}")
+        return Measured(d["ratio"], f"{d['ratio']:.2f}x ({d['detkit_ms']:.2f} vs {d['default_ms']:.2f} ms)")
+    return measure
+
+
+def attention_vs_sdpa(mode: str, target: float) -> Callable[[dict], Measured]:
+    """bench attention's CUDA-graph time ratio, detkit / SDPA flash, on every case of one mode; every case
+    validated against SDPA before timing."""
+    def measure(report: dict) -> Measured:
+        rows = [r for r in report["rows"] if r["mode"] == mode]
+        if not rows:
+            raise ClaimError(f"no bench attention rows of mode {mode!r}")
+        if any(r["target"] != target for r in rows):
+            raise ClaimError(f"the report's {mode} target is {sorted({r['target'] for r in rows})}, the claim's {target}")
+        if not all(r["validated"] for r in rows):
+            raise ClaimError(f"{mode}: a case failed validation; its time is not a result")
+        ratios = [r["ratio_graph"] for r in rows]
+        within = sum(1 for x in ratios if x <= target)
+        worst = max(rows, key=lambda r: r["ratio_graph"])
+        text = (f"within on {within} of {len(rows)} cases; median {statistics.median(ratios):.2f}x, worst "
+                f"{worst['ratio_graph']:.2f}x (B={worst['batch']}, Skv={worst['seq_k']})")
+        return Measured(max(ratios), text)
+    return measure
+
+
 # ---------------------------------------------------------------------------------------------
 # The claims
 # ---------------------------------------------------------------------------------------------
@@ -246,6 +383,18 @@ CLAIMS = [
     Claim("det_gemm audit on an H200: batch invariance, determinism (repeats, fresh process), contract; "
           "Qwen3-8B TP=2 shapes, fwd/dA/dB, both weight layouts",
           "every check passes", ("gemm_audit",), audit, all_pass),
+    Claim("det_gemm host time per call vs torch.matmul (cached launch plans), Qwen3-8B TP=2 shapes, M 1-16384, "
+          "every (op, shape, M) row",
+          "≤ 1.2x", ("gemm_tp2",), gemm_per_row("host", GEMM_HOST_MAX), bool),
+    Claim("det_gemm eager (back-to-back) time vs torch.matmul, the same rows",
+          "≤ 1.10x", ("gemm_tp2",), gemm_per_row("eager", GEMM_EAGER_MAX), bool),
+    Claim("det_gemm GPU time (CUDA graph) vs cuBLAS, Qwen3-8B TP=2 shapes, per (op, shape): median over M ≥ 1024, "
+          "median over M ≤ 256, worst row",
+          "≤ 1.05x, ≤ 1.25x, ≤ 1.5x for every (op, shape)", ("gemm_tp2",), gemm_graph_targets,
+          lambda v: v[0] == v[1]),
+    Claim("det_gemm GPU time vs cuBLAS, shape zoo (every linear layer of Qwen3-8B at TP 1-8, Qwen3-32B and "
+          "Llama-3.1-70B at TP 8, Qwen3-30B-A3B attention; M 1-16384): the same targets per (op, K, N)",
+          "every (op, K, N)", ("gemm_zoo",), gemm_graph_targets, lambda v: v[0] == v[1]),
     Claim("det_gemm vs cuBLAS, M ≥ 1024: median time ratio per (op, shape)",
           "≤ 1.05x", ("gemm_bench",), gemm_vs_cublas(lambda m: m >= 1024), lambda v: v <= 1.05),
     Claim("det_gemm vs cuBLAS, M ≤ 256: median time ratio per (op, shape)",
@@ -270,7 +419,7 @@ CLAIMS = [
           "≤ 1.15x", ("mlp_tp", "mlp_cp"), mlp_ratio("invariant_vs_default_total"), lambda v: v <= 1.15),
     Claim("MoE BF16 audit on an H200: repeats, fresh process, batch invariance, stage bounds, end to end, "
           "precision, main_grad, edges, rejects",
-          "every check passes", ("moe_audit",), audit, all_pass),
+          "every check passes", ("moe_audit",), audit_suite("moe"), all_pass),
     Claim("MoE BF16 fwd+bwd MFU (of 989 TFLOP/s), reference shape T=8192",
           "≥ 55%", ("moe_sweep",), moe_sweep_target("reference", 8192, "MFU"), lambda v: v >= 0.55),
     Claim("MoE BF16 fwd+bwd MFU (of 989 TFLOP/s), Qwen3-30B-A3B T=16384",
@@ -280,11 +429,32 @@ CLAIMS = [
     Claim("MoE BF16 fwd+bwd vs torch._grouped_mm, Qwen3-30B-A3B T=16384",
           "≥ 1.3x", ("moe_sweep",), moe_sweep_target("qwen3-30b-a3b", 16384, "speedup"), lambda v: v >= 1.3),
     Claim("MoE FP8 audit on an H200: the BF16 checks plus quantizers, emulation, quantization risk, weight cache",
-          "every check passes", ("moe_fp8_audit",), audit, all_pass),
+          "every check passes", ("moe_audit",), audit_suite("moe-fp8"), all_pass),
     Claim("MoE FP8 precision gate vs FP64: out, dX, dscores, dW1, dW2",
           "cosine ≥ 0.997, relative RMSE < 7.6%", ("moe_fp8_bench",), fp8_gate, fp8_gate_met),
     Claim("MoE FP8 fwd+bwd speed-up over the BF16 detkit layer timed in the same run, reference shape",
           "≥ 1.4x", ("moe_fp8_bench",), fp8_speedup, lambda v: v >= 1.4),
+    Claim("detkit mode (`detkit.batch_invariant_mode()`), transformers Qwen3 (8B widths, 2 layers, random init) "
+          "on an H200: rollout ≡ trainer bitwise, KV-cache decode (24 steps, alone and in a batch) vs one trainer "
+          "forward; batch sizes, left/right padding, inference vs training forward, gradient repeats, every op routed",
+          "every check passes; 0 log-probs differ", ("model_audit",), model_audit, model_audit_met),
+    Claim("detkit mode speed, detkit / default mode, the same model: prefill (batch 4 x 512 tokens)",
+          "≤ 1.05x", ("model_audit",), model_speed("prefill", 1.05), lambda v: v <= 1.05),
+    Claim("detkit mode speed: decode step, eager (batch 8, 1024-token cache)",
+          "≤ 1.15x", ("model_audit",), model_speed("decode_eager", 1.15), lambda v: v <= 1.15),
+    Claim("detkit mode speed: decode step under a CUDA graph (batch 8, 1024-token cache)",
+          "≤ 1.05x", ("model_audit",), model_speed("decode_cuda_graph", 1.05), lambda v: v <= 1.05),
+    Claim("detkit mode speed: forward+backward (batch 4 x 512 tokens)",
+          "≤ 1.05x", ("model_audit",), model_speed("forward_backward", 1.05), lambda v: v <= 1.05),
+    Claim("Attention audit on an H200: decode ≡ prefill ≡ chunked prefill, batch size and position, padding, "
+          "varlen, bitwise; repeats, fresh process; FP64 bound",
+          "every check passes", ("attn_audit",), audit, all_pass),
+    Claim("Attention vs SDPA flash, CUDA-graph time, Qwen3-8B heads (32 q, 8 kv, D=128): prefill, every case",
+          "≤ 1.10x", ("attn_bench",), attention_vs_sdpa("prefill", 1.10), lambda v: v <= 1.10),
+    Claim("Attention vs SDPA flash: decode step, every case (batch 1-64, cache 1k-32k tokens)",
+          "≤ 1.20x", ("attn_bench",), attention_vs_sdpa("decode", 1.20), lambda v: v <= 1.20),
+    Claim("Attention vs SDPA flash: forward+backward, every case",
+          "≤ 1.20x", ("attn_bench",), attention_vs_sdpa("fwd_bwd", 1.20), lambda v: v <= 1.20),
 ]
 
 
@@ -368,8 +538,10 @@ def run_meta(run: Path) -> list[dict]:
 def short_command(command_line: str) -> str:
     """A report's recorded command without the GPU host's paths and the output folder."""
     words = command_line.split()
-    if words and words[0].endswith("toolkit/__main__.py"):
+    if words and words[0].endswith(("toolkit/__main__.py", "detkit/__main__.py")):
         words = ["detkit"] + words[1:]
+    elif words and (tool := re.search(r"(?:^|/)tools/(\w+)\.py$", words[0])):  # tools run as `python -m tools.X`
+        words = ["python", "-m", f"tools.{tool.group(1)}"] + words[1:]
     elif words and words[0].endswith(".py"):
         words = [re.sub(r"^.*?/(bench|toolkit|audits|tools)/", r"\1/", words[0])] + words[1:]
     out, skip = [], False
