@@ -98,19 +98,6 @@ def test_a_kept_run_listed_at_another_commit_than_its_report_declares_is_refused
     assert "declares 1332ec8" in capsys.readouterr().err
 
 
-def test_gemm_medians_use_the_target_layouts():
-    rows = [
-        {"op": "fwd", "N": 8, "K": 4, "layout": "linear", "M": 2048, "ratio_vs_cublas": 1.0},
-        {"op": "fwd", "N": 8, "K": 4, "layout": "linear", "M": 4096, "ratio_vs_cublas": 1.2},
-        {"op": "fwd", "N": 8, "K": 4, "layout": "linear", "M": 8192, "ratio_vs_cublas": 1.1},
-        {"op": "fwd", "N": 8, "K": 4, "layout": "kn", "M": 2048, "ratio_vs_cublas": 9.0},
-        {"op": "db", "N": 8, "K": 4, "layout": "kn", "M": 2048, "ratio_vs_cublas": 0.9},
-        {"op": "db", "N": 8, "K": 4, "layout": "linear", "M": 2048, "ratio_vs_cublas": 9.0},
-        {"op": "fwd", "N": 8, "K": 4, "layout": "linear", "M": 16, "ratio_vs_cublas": 9.0},
-    ]
-    assert sorted(claims.gemm_target_medians(rows, lambda m: m >= 1024)) == [0.9, 1.1]
-
-
 def test_gemm_graph_targets_judge_each_group_by_its_medians_and_worst_row():
     def row(op, n, m, ratio):
         return {"op": op, "K": 4, "N": n, "layout": "linear", "M": m, "ratio_graph": ratio}
