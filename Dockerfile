@@ -27,7 +27,7 @@ ARG ALLOW_CPU_BASE=0
 # own digest, so reports read it from DETKIT_IMAGE.
 ARG DETKIT_IMAGE=detkit:0.1.0
 ARG DETKIT_GIT_COMMIT=
-# The versions detkit is developed and tested with (NOTES.md: torch 2.11, triton 3.6, CUDA 13).
+# The versions detkit is developed and tested with (the H200 reports: torch 2.11, triton 3.6, CUDA 13).
 ARG MIN_TORCH=2.11
 ARG MIN_TRITON=3.6
 ARG CUDA_MAJOR=13

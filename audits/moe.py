@@ -216,7 +216,7 @@ def dswiglu_check(dgu: torch.Tensor, gu: torch.Tensor, dh_star: torch.Tensor, e_
 
 def combine_checks(r: MoeRouting, scores: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, y: torch.Tensor,
                    dxr: torch.Tensor, dx: torch.Tensor) -> dict[str, ContractResult]:
-    """The token-side reductions from the kernel's own y and dx_route (BF16, or FP32 with ROUTE_DTYPE float32):
+    """The token-side reductions from the kernel's own y and dx_route (BF16; the bounds take their dtype's unit):
     out = bf16(sum_k s_k y_k) and dx = bf16(sum_k dx_route_k), ascending k in FP32 with one rounding."""
     f64 = torch.float64
     hidden = dout.shape[1]
@@ -279,7 +279,7 @@ def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult
     valid, pad, tok, exp, s_row = sorted_rows(r)
     hidden, inter = x.shape[1], w2.shape[1]
     results: dict[str, ContractResult] = {}
-    # combine (out) and the dx gather-sum, from the kernel's y and dx_route (kernels.moe.ROUTE_DTYPE)
+    # combine (out) and the dx gather-sum, from the kernel's y and dx_route
     combined = combine_checks(r, scores, dout, out, y, dxr, grads.dx)
 
     # up: gu = x[token] @ W1[e] (one BF16 rounding)
@@ -289,7 +289,7 @@ def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult
     _, u, _, silu, act = swiglu_parts(saved.gu[valid])
     h_star = silu * u
     results["h"] = check_bound(saved.h[valid], h_star, U_BF16 * h_star.abs() + (1 + U_BF16) * act * h_star.abs() + ETA_BF16)
-    # down: y = h @ W2[e], the FP32 accumulator in ROUTE_DTYPE (BF16: rounded once, as gu)
+    # down: y = h @ W2[e], the FP32 accumulator rounded once to y's dtype (BF16, as gu)
     y_star, y_ab = per_expert(saved.h[valid], lambda e: w2[e], exp, hidden)
     results["y"] = check_bound(y[valid], y_star, round_sum_bound(y_star, y_ab, inter, rounding_unit(y.dtype)))
     results["out"] = combined["out"]
@@ -298,7 +298,7 @@ def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult
     dh_star = s_row[:, None] * dh_raw
     e_h = gamma(hidden + 1) * s_row.abs()[:, None] * dh_ab
     results["dgu"] = dswiglu_check(dgu[valid], saved.gu[valid], dh_star, e_h)
-    # dx per route (ROUTE_DTYPE), then the ascending-k gather-sum in FP32 with one rounding
+    # dx per route (rounded once, as y), then the ascending-k gather-sum in FP32 with one rounding
     dxr_star, dxr_ab = per_expert(dgu[valid], lambda e: w1[e].t(), exp, hidden)
     results["dx_route"] = check_bound(dxr[valid], dxr_star,
                                       round_sum_bound(dxr_star, dxr_ab, 2 * inter, rounding_unit(dxr.dtype)))

@@ -14,7 +14,7 @@ Checks, each one row:
   layer's fused-dscore bound with the block-scaled accumulator's) within theirs; padding rows exactly zero.
 - ``emulation``: the layer within EMULATION_REL_L2[backend] of ``moe_mlp_fp8_ref`` (the recipe in plain torch),
   with either weight-gradient mode (wgrad "bf16" and "fp8").
-- ``precision``: the issue's gate, cosine >= 0.997 and relative RMSE < 7.6% for out, dX, dscores, dW1,
+- ``precision``: the FP8 precision gate, cosine >= 0.997 and relative RMSE < 7.6% for out, dX, dscores, dW1,
   dW2 against the FP64 oracle and against the BF16 detkit path, for each weight-gradient mode. On a GPU:
   the kernels at the GPU shape.
   On the interpreter: the kernels at the tiny shape are too few values for a stable RMSE (dscores has
@@ -55,7 +55,7 @@ from detkit.toolkit.nvtx_ranges import nvtx_range
 NAME = "moe-fp8"
 DESCRIPTION = "FP8 MoE expert MLP fwd+bwd: determinism, batch invariance, block-scaled math, precision gate, risk"
 
-# The precision gate, for out, dX, dscores, dW1, dW2 against FP64 and against the BF16 path.
+# The FP8 precision gate, for out, dX, dscores, dW1, dW2 against FP64 and against the BF16 path.
 GATE_MIN_COSINE = 0.997
 GATE_MAX_REL_RMSE = 0.076
 # Kernels vs moe_mlp_fp8_ref, per backend. Both differ only by accumulation order and the activation's exp,

@@ -5,7 +5,7 @@ BF16 (kernels/moe.py) and FP8 (kernels/moe_fp8.py) each have a table per backend
 divide SEGMENT_ALIGN, so no tile straddles two experts. On the Triton interpreter every config gives the same bits
 (sequential accumulation), so its tables are chosen for emulation speed only: few large programs, since the
 interpreter's cost is per operation. The sm_90 entries are compile-checked offline (tests/test_moe*.py: wgmma,
-shared memory, no spills) and were the fastest bit-equal candidates of H200 sweeps (bench/moe_tune.py) at the
+shared memory, no spills) and were the fastest bit-equal candidates of H200 sweeps (tools/moe_tune.py) at the
 reference shape and at Qwen3-30B-A3B; every candidate of a stage gives the same bits, so a pick changes speed only.
 """
 

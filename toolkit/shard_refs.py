@@ -2,8 +2,8 @@
 
 From seeded, independent BF16 fixtures of the global tensors (``x``, ``hidden``, ``d_gate``,
 ``d_up``, ``d_out`` and the three weights) this module cuts every rank's local operands exactly as
-``toolkit.layout`` places them, runs the local det_gemm of each of the nine sharded GEMMs of
-DESIGN.md and forms the reductions with the version-1 oracle::
+``toolkit.layout`` places them, runs the local det_gemm of each of the nine sharded GEMMs of the
+Qwen3 MLP (table below) and forms the reductions with the version-1 oracle::
 
     reduced = (p0.float() + p1.float()).bfloat16()        # p_i in group-rank order
 

@@ -11,7 +11,7 @@
 # character devices made with mknod and listed with File= in gres.conf, so Slurm allocates them
 # and sets CUDA_VISIBLE_DEVICES like on a GPU cluster. Daemons bind loopback addresses only.
 # All state, config and logs live in STATE_DIR. Needs root (namespaces, mount, mknod) and the
-# packages from .ci/slurm/install.sh. Settings that matter are explained in shared SLURM_NOTES.md.
+# packages from .ci/slurm/install.sh. The settings that matter are explained where they are set.
 set -euo pipefail
 
 # slurmctld listens on PORT_BASE, the slurmd of node N on PORT_BASE + N.
