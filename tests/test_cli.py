@@ -90,6 +90,28 @@ def _invoke(args, monkeypatch, rows=None, calls=None):
     return CliRunner().invoke(cli.main, ["audit", *args], catch_exceptions=False)
 
 
+def test_an_audit_report_names_the_tables_its_suites_loaded(tmp_path, monkeypatch):
+    """The tables are read after the suites ran: a suite that imports the MoE layers puts their tables in the
+    report, though the backend check before the work loads only det_gemm's."""
+    import sys
+
+    for name in [m for m in sys.modules if m.startswith("detkit.kernels.moe")]:
+        monkeypatch.delitem(sys.modules, name)
+
+    def loads_moe(names, ctx, writer, on_row=None, on_plugin=None):
+        from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION  # noqa: F401 (what a MoE suite imports)
+
+        return []
+
+    monkeypatch.setattr(harness, "run_plugins", loads_moe)
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(var, raising=False)
+    CliRunner().invoke(cli.main, ["audit", "--device", "cpu", "--suite", "moe", "--out", str(tmp_path)],
+                       catch_exceptions=False)
+    tables = {t["name"] for t in json.loads((tmp_path / "report.json").read_text())["meta"]["config_tables"]}
+    assert {"det_gemm", "moe_bf16"} <= tables, tables
+
+
 def _row(passed=True, check="bound", name="contract det_gemm_fwd [M=1, N=56, K=40] bf16 b=kn", **details):
     return Row("gemm_contract", check, name, passed, "triton_interpreter", details)
 

@@ -28,6 +28,7 @@ from tabulate import tabulate
 
 from detkit.toolkit import benches
 from detkit.toolkit.preflight import DEVICES, UsageError, check_device, check_out_dir
+from detkit.toolkit.provenance import config_tables
 
 
 def _select_device(device: str) -> None:
@@ -333,6 +334,7 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
         dist_meta["covered"] = launched_meta["covered"]
         dist_meta["not_covered"] = launched_meta["not_covered"]
     writer.close()
+    meta["config_tables"] = config_tables()  # the kernel modules the suites loaded (base_meta saw only det_gemm)
     meta.update(dist_meta)
     meta.update(env)  # the full capture replaces the summary dist_meta carries under "env"
     if selection.skipped:
