@@ -1,6 +1,6 @@
 """Config sweep for the pinned table: time candidate configs per (op, shape, M) on the GPU and check each
 gives the same bits as the current table's pick. Not autotuning: a human reads the output and pins
-entries in kernels/det_gemm.py (bumping CONFIG_TABLE_VERSION); the audits then re-check them.
+entries in kernels/det_gemm_configs.py (bumping CONFIG_TABLE_VERSION); the audits then re-check them.
 
     python -m tools.gemm_tune --out results/tune.json            # from a checkout's root
     python -m tools.gemm_tune --ops fwd --m 1024 4096 16384 --variants tma --out results/tune-tma.json
