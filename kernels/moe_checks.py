@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from detkit.kernels.backend import MAX_INT32_OFFSET, check_bf16_matrix, resolve_backend
+from detkit.kernels.backend import check_storage
 from detkit.kernels.fp8_quant import QBLOCK
 from detkit.kernels.moe_configs import WGRAD_MODES
 from detkit.kernels.moe_kernels import moe_grouped_gemm_kernel
@@ -15,15 +16,11 @@ from detkit.kernels.moe_routing import check_topk_args
 
 def check_storage_covers(name: str, t: torch.Tensor) -> None:
     """Refuses a tensor whose storage does not hold every element its view addresses (e.g. after
-    ``t.untyped_storage().resize_(0)``): a kernel would read or write outside the storage."""
+    ``t.untyped_storage().resize_(0)``): a kernel would read or write outside the storage. The check and its
+    message are det_gemm's (kernels.backend.check_storage)."""
     if t.numel() == 0:
         return
-    end = (t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1)
-    need, have = end * t.element_size(), t.untyped_storage().nbytes()
-    if need > have:
-        raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}, storage offset {t.storage_offset()}) "
-                         f"addresses {need} bytes but its storage holds {have}; supported: a storage that covers the "
-                         "view")
+    check_storage(name, t, sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1)
 
 
 def _check_bf16_3d(name: str, t: torch.Tensor) -> None:

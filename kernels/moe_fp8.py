@@ -51,9 +51,10 @@ from detkit.kernels.moe_checks import (
     check_dout, check_main_grads, check_moe_fp8_inputs, check_stage_range, check_wgrad_mode,
 )
 from detkit.kernels.moe_common import FP8_LAYER_STAGES, MoeGrads, fp8_stage_name, layer_stage_names
-from detkit.kernels.moe_configs import (
-    DEFAULT_WGRAD, FP8_STAGES, FP8_WGRAD_CONFIGS, MOE_FP8_CONFIG_TABLE_VERSION, MOE_FP8_CONFIGS, OTHER_WGRAD,
-    QUANT_COLWISE_CONFIGS, WGRAD_CONFIGS, WGRAD_MODES, select_moe_fp8_config,
+from detkit.kernels.moe_configs import DEFAULT_WGRAD, OTHER_WGRAD, WGRAD_MODES
+from detkit.kernels.moe_fp8_configs import (
+    FP8_STAGES, FP8_WGRAD_CONFIGS, MOE_FP8_CONFIG_TABLE_VERSION, MOE_FP8_CONFIGS, QUANT_COLWISE_CONFIGS, WGRAD_CONFIGS,
+    select_moe_fp8_config,
 )
 from detkit.kernels.moe_fp8_kernels import moe_fp8_grouped_gemm_kernel
 from detkit.kernels.moe_fp8_launch import (
@@ -69,7 +70,7 @@ __all__ = [
     # the layer
     "WEIGHT_CACHE", "Fp8WeightCache", "MoeFp8Saved", "MoeMlpFp8Function", "moe_fp8_risk", "moe_mlp_fp8",
     "moe_mlp_fp8_bwd", "moe_mlp_fp8_fwd", "moe_mlp_fp8_ref",
-    # its stages, configs and names (kernels/moe_fp8_launch.py, moe_configs.py, moe_common.py)
+    # its stages, configs and names (kernels/moe_fp8_launch.py, moe_fp8_configs.py, moe_common.py)
     "DEFAULT_WGRAD", "FP8_LAYER_STAGES", "FP8_STAGES", "FP8_WGRAD_CONFIGS", "MOE_FP8_CONFIGS",
     "MOE_FP8_CONFIG_TABLE_VERSION", "OTHER_WGRAD", "QUANT_COLWISE_CONFIGS", "WGRAD_CONFIGS", "WGRAD_MODES",
     "fp8_stage_name", "moe_fp8_dgrad", "moe_fp8_dgrad_dswiglu", "moe_fp8_down", "moe_fp8_dx_route",

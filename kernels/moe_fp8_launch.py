@@ -1,5 +1,5 @@
 """The FP8 MoE stages' launch wrappers: check, allocate, launch (kernels/moe_fp8_kernels.py for Triton,
-kernels/moe_fp8_ws*.py for the Gluon "ws" kernels), with the table's pick per stage (kernels/moe_configs.py) unless
+kernels/moe_fp8_ws*.py for the Gluon "ws" kernels), with the table's pick per stage (kernels/moe_fp8_configs.py) unless
 an explicit config is given. The FP8 layer (kernels/moe_fp8.py) runs these for its four data GEMMs and its FP8
 weight gradients; routing, combine, gather-sum and dscores are the BF16 layer's (kernels/moe_launch.py).
 
@@ -17,9 +17,8 @@ from detkit.kernels.backend import TRITON_INTERPRETER, ensure_cuda_context
 from detkit.kernels.det_gemm import GemmConfig, interpreter_step_k, tma_descriptor
 from detkit.kernels.fp8_quant import FP8_DTYPE, QBLOCK, Fp8Weight, quantize_rowwise
 from detkit.kernels.moe_common import DS_GROUP, EPI_FP8_DSWIGLU_QUANT, EPI_FP8_SWIGLU, EPI_FP8_SWIGLU_QUANT, EPI_PLAIN
-from detkit.kernels.moe_configs import (
-    FP8_WGRAD_CONFIGS, QUANT_COLWISE_CONFIGS, check_grouped_config, check_moe_variant, select_moe_fp8_config,
-)
+from detkit.kernels.moe_configs import check_grouped_config, check_moe_variant
+from detkit.kernels.moe_fp8_configs import FP8_WGRAD_CONFIGS, QUANT_COLWISE_CONFIGS, select_moe_fp8_config
 from detkit.kernels.moe_fp8_kernels import (
     moe_fp8_grouped_gemm_kernel, moe_fp8_quant_colwise_kernel, moe_fp8_wgrad_kernel,
 )

@@ -70,7 +70,7 @@ def test_cases_follow_the_world_of_the_launch(env, held):
 
 def test_usage_errors_before_any_work(tmp_path, monkeypatch):
     one_process(monkeypatch)
-    for args, message in ((["--tokens", "13"], "M must be B*S"), (["--rounds", "0"], "--rounds must be an int >= 1"),
+    for args, message in ((["--tokens", "13"], "M must be B*S"), (["--rounds", "0"], "--rounds must be >= 1; got 0"),
                           (["--iters", "0"], "--iters must be >= 1"), (["--warmup", "-1"], "--warmup must be >= 0")):
         result = CliRunner().invoke(cli.main, ["bench", "mlp", "--device", "cpu", "--out", str(tmp_path / "o"), *args])
         assert result.exit_code == 2 and message in result.output, result.output
@@ -200,8 +200,9 @@ def test_two_rank_gloo_tp_group(two_rank_run):
     assert "['TP1CP2', 'TP2CP2']: their TP/CP groups are not held by this world ([0, 1])" in md
     assert "pg_backend: gloo" in md and "world_size: 2" in md
     assert proc.stdout.count("# detkit bench mlp report") == 1  # rank 0 reports
-    assert not (out / "ranks").exists() and sorted(p.name for p in out.iterdir()) == ["report.json", "report.md",
-                                                                                       "rows.jsonl"]
+    # Beside the report only the ranks' heartbeats (toolkit.dist's stuck-rank watch), no per-rank rows.
+    assert sorted(p.name for p in out.iterdir()) == ["ranks", "report.json", "report.md", "rows.jsonl"]
+    assert sorted(p.name for p in (out / "ranks").iterdir()) == ["alive-rank0.json", "alive-rank1.json"]
 
 
 def test_each_row_is_an_nvtx_range_on_both_ranks(two_rank_run):

@@ -295,8 +295,8 @@ def test_inputs_whose_storage_does_not_cover_the_view_are_refused(name, device, 
     inp = make_inputs(_case(t=8), device)
     inp[name] = inp[name].clone()
     inp[name].untyped_storage().resize_(0)
-    with pytest.raises(ValueError, match=rf"{name} \(shape .*\) addresses \d+ bytes but its storage holds 0; "
-                                         "supported: a storage that covers the view"):
+    with pytest.raises(ValueError, match=rf"{name} \(shape .*\) reaches byte \d+ of a storage that holds 0 bytes; "
+                                         "supported: views inside their storage"):
         km.moe_mlp(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])
 
 
@@ -306,11 +306,11 @@ def test_a_main_grad_or_dout_whose_storage_does_not_cover_the_view_is_refused(de
     forbid_kernels(monkeypatch, km, "moe_dgrad_dswiglu_dscore")
     shrunk = torch.zeros(inp["w1"].shape, device=device)
     shrunk.untyped_storage().resize_(4 * 10)
-    with pytest.raises(ValueError, match=r"main_grad_w1 \(shape .*\) addresses \d+ bytes but its storage holds 40"):
+    with pytest.raises(ValueError, match=r"main_grad_w1 \(shape .*\) reaches byte \d+ of a storage that holds 40 bytes"):
         km.moe_mlp_bwd(inp["dout"], saved, main_grads=(shrunk, torch.zeros(inp["w2"].shape, device=device)))
     dout = inp["dout"].clone()
     dout.untyped_storage().resize_(0)
-    with pytest.raises(ValueError, match=r"dout \(shape .*\) addresses \d+ bytes but its storage holds 0"):
+    with pytest.raises(ValueError, match=r"dout \(shape .*\) reaches byte \d+ of a storage that holds 0 bytes"):
         km.moe_mlp_bwd(dout, saved)
 
 
@@ -319,18 +319,6 @@ def test_fresh_process_gives_the_same_bits(device):
 
     case = _case(t=8, k=1, e=2, h=16, i=16, seed=15)
     assert fresh_process_digests([case], device)[case.name] == case_digests(case, device)
-
-
-def test_bench_tiny_runs_end_to_end_labelled_interpreter(device):
-    from detkit.bench.moe import MoePreset, bench_preset
-
-    rows = bench_preset(MoePreset("t", 8, 16, 16, 2, 1), device, rounds=1, stages=False)
-    assert {r["measure"] for r in rows} == {"fwd", "fwd_bwd"}
-    for r in rows:
-        assert r["validated"] and r["repeat_bitwise_equal"], r
-        assert r["flops"] == (6 if r["measure"] == "fwd" else 18) * 8 * 1 * 16 * 16
-        if device.type == "cpu":
-            assert r["backend"] == "triton_interpreter" and not r["hardware_result"] and "detkit_mfu" not in r
 
 
 # Compiles every kernel variant for sm_90 without a GPU (Triton's bundled ptxas), with the

@@ -396,7 +396,7 @@ def test_fp8_inputs_whose_storage_does_not_cover_the_view_are_refused(device, no
     inp = make_inputs(_case(t=8), device)
     w2 = inp["w2"].clone()
     w2.untyped_storage().resize_(2 * 100)
-    with pytest.raises(ValueError, match=r"w2 \(shape .*\) addresses \d+ bytes but its storage holds 200"):
+    with pytest.raises(ValueError, match=r"w2 \(shape .*\) reaches byte \d+ of a storage that holds 200 bytes"):
         moe_mlp_fp8(inp["x"], inp["w1"], w2, inp["topk_ids"], inp["scores"], weight_cache=None)
 
 
@@ -436,7 +436,7 @@ from triton.compiler import ASTSource
 import detkit.kernels.fp8_quant as fq
 import detkit.kernels.moe_fp8_kernels as kf
 from detkit.kernels.det_gemm import GemmConfig
-from detkit.kernels.moe_configs import MOE_FP8_CONFIGS, QUANT_COLWISE_CONFIGS
+from detkit.kernels.moe_fp8_configs import MOE_FP8_CONFIGS, QUANT_COLWISE_CONFIGS
 target = GPUTarget("cuda", 90, 32)
 from tests.moe_helpers import FP8_TRITON_TILES
 def sass_counts(cubin):

@@ -237,7 +237,7 @@ def test_cli_usage_errors_write_nothing(tmp_path, monkeypatch):
     for args, message in ((["--tokens", "0"], "T=[0] not supported"), (["--preset", "nope"], "not known"),
                           (["--routing", "zipf"], "'zipf' is not one of"), (["--quick"], "--quick is a GPU run"),
                           (["--zipf-exponent", "0"], "zipf exponent 0.0 not supported"),
-                          (["--rounds", "0"], "--rounds must be an int >= 1")):
+                          (["--rounds", "0"], "--rounds must be >= 1; got 0")):
         result = CliRunner().invoke(cli.main, ["bench", "moe-sweep", "--device", "cpu", "--out", str(out), *args])
         assert result.exit_code == 2 and message in result.output, (args, result.output)
     assert not out.exists()

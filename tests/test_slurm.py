@@ -378,7 +378,8 @@ def test_a_stopped_rank_under_srun_ends_the_job_with_an_incomplete_report(cluste
     assert report["meta"]["distributed"]["source"] == "slurm"
 
 
-GPU_RUN_SCRIPTS = [REPO / "bench" / name for name in ("run_gpu_suite.sh", "run_x2_suite.sh", "gpu_steps.sh")]
+GPU_RUN_SCRIPTS = [REPO / "tools" / name for name in ("run_gpu_suite.sh", "run_x2_suite.sh", "gpu_steps.sh")] + sorted(
+    (REPO / "tools" / "gpu").glob("*.sh"))
 
 
 @pytest.mark.parametrize(

@@ -274,6 +274,7 @@ if [[ ${DRY_RUN:-0} != 1 ]]; then
 fi
 export PYTHONPATH=$PYTHONPATH:$WORK
 if want warm; then
+  # shellcheck disable=SC2016  # $1..$3 are the inner shell's arguments, expanded there
   step warm "${WARM_LIMIT:-60}" bash -c 'cd "$1" && bash warm.sh "$2" "$3"' warm "$WORK" "$OUT" "${WARM_WORKERS:-14}"
 fi
 if want tests; then
