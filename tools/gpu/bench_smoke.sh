@@ -10,18 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-failed=0
 
-# step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.log, record the exit status.
-step() {
-  local name=$1 limit=$2 rc=0
-  shift 2
-  echo "== $(date -u +%H:%M:%S) $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
-  echo "$name rc=$rc" | tee -a "$OUT/steps.txt"
-  grep -m1 -E '^\*\*(PASS|FAIL)\*\*' "$OUT/$name/report.md" 2>/dev/null || tail -5 "$OUT/$name.log"
-  if [[ $rc -ne 0 ]]; then failed=1; fi
-}
+# shellcheck source=tools/gpu_steps.sh
+source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, steps.txt, failed=1 on failure
 
 python -m detkit env --json > "$OUT/env.json" 2> "$OUT/env.err" || true
 step moe-bf16 70 python -m detkit bench moe --device cuda --preset reference --rounds 3 --out "$OUT/moe-bf16"

@@ -12,18 +12,9 @@ cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the results folder}"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"
-failed=0
 
-# step NAME LIMIT_S CMD...: log to $OUT/NAME.log, exit status to $OUT/steps.txt; a failure does not stop the run.
-step() {
-  local name=$1 limit=$2 rc=0
-  shift 2
-  echo "== $(date -u +%H:%M:%S) $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
-  echo "$name rc=$rc" | tee -a "$OUT/steps.txt"
-  tail -6 "$OUT/$name.log"
-  if [[ $rc -ne 0 ]]; then failed=1; fi
-}
+# shellcheck source=tools/gpu_steps.sh
+source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, steps.txt, failed=1 on failure
 
 {
   date -u +%Y-%m-%dT%H:%M:%SZ

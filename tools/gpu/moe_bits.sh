@@ -18,18 +18,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"
 : > "$OUT/steps.txt"
-failed=0
 
-# step NAME LIMIT_S CMD...: runs CMD with a time limit, its output in $OUT/NAME.log, its status in $OUT/steps.txt.
-step() {
-  local name=$1 limit=$2 rc=0
-  shift 2
-  echo "== $(date -u +%H:%M:%S) $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
-  echo "$name rc=$rc" | tee -a "$OUT/steps.txt"
-  tail -5 "$OUT/$name.log"
-  if [[ $rc -ne 0 ]]; then failed=1; fi
-}
+# shellcheck source=tools/gpu_steps.sh
+source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, steps.txt, failed=1 on failure
 
 step pytest-moe 170 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -ra -p no:cacheprovider -m gpu \
   --junitxml "$OUT/pytest-moe.xml" \
