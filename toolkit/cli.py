@@ -334,8 +334,12 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
         dist_meta["covered"] = launched_meta["covered"]
         dist_meta["not_covered"] = launched_meta["not_covered"]
     writer.close()
-    meta["config_tables"] = config_tables()  # the kernel modules the suites loaded (base_meta saw only det_gemm)
+    tables = config_tables()  # the kernel modules the suites loaded (base_meta saw only det_gemm)
     meta.update(dist_meta)
+    for table in dist_meta.get("config_tables", []):  # and those of the ranks started here, each once
+        if table not in tables:
+            tables.append(table)
+    meta["config_tables"] = tables
     meta.update(env)  # the full capture replaces the summary dist_meta carries under "env"
     if selection.skipped:
         meta["not_covered"] = [*meta.get("not_covered", []), *(f"suite {s}" for s in selection.skipped)]
