@@ -41,10 +41,10 @@ import click
 import torch
 
 from detkit.toolkit.contract import check_bound, gemm_bound
-from detkit.toolkit.fixtures import LAYOUTS, bf16_randn
+from detkit.toolkit.fixtures import LAYOUTS
 from detkit.toolkit.nvtx_ranges import nvtx_range
 from detkit.toolkit.presets import ZOO_M_VALUES, zoo_shapes
-from detkit.toolkit.timing import Timing, time_graphs, time_interleaved
+from detkit.toolkit.timing import Timing, measured_ceiling_tflops, time_graphs
 
 NAME = "gemm"
 DESCRIPTION = ("det_gemm fwd/dA/dB vs cuBLAS in one run: host us per call, eager and CUDA-graph GPU time "
@@ -376,13 +376,6 @@ def time_case(case: BenchCase, device: torch.device, baseline: str, timings: tup
         out["graph_replays"] = replays
         out.update({k: v for impl, t in timed.items() for k, v in _stats(impl, t).items()})
     return out
-
-
-def measured_ceiling_tflops(device: torch.device) -> float:
-    """cuBLAS BF16 8192^3 on random data: the dense ceiling of this GPU in this run."""
-    a, b = bf16_randn((8192, 8192), 5, device), bf16_randn((8192, 8192), 6, device)
-    t = time_interleaved({"ceiling": lambda: a @ b}, device, rounds=3)["ceiling"]
-    return 2 * 8192**3 / (t.median_us * 1e-6) / 1e12
 
 
 class NoSplitKWorker:

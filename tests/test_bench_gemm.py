@@ -193,12 +193,12 @@ def test_run_yields_validated_rows_with_every_timing_and_a_report(tmp_path):
 
 
 @interpreter_only
-def test_the_runner_tool_writes_rows_report_and_plots(tmp_path):
+def test_detkit_bench_gemm_writes_rows_report_and_plots(tmp_path):
     import subprocess
     import sys
 
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "tools.gemm_bench_run", "--device", "cpu", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "detkit", "bench", "gemm", "--device", "cpu", "--out", str(out),
                            "--ops", "da", "--m", "1", "--layouts", "kn", "--timings", "graph", "--rounds", "1"],
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def standin(name: str = "standin", fail_at: int | None = None, rows_override=None, ranks: bool = False,
-            finish_ok: bool | None = None, raise_at: int | None = None) -> ModuleType:
+            finish_ok: bool | None = None, raise_at: int | None = None,
+            interrupt_at: int | None = None) -> ModuleType:
     """A plug-in whose rows record how many rows the runner had written to rows.jsonl before each was made."""
     mod = ModuleType(f"detkit_test_{name}")
     mod.NAME, mod.DESCRIPTION, mod.RANKS = name, "A stand-in benchmark.", "ranks" if ranks else "single"
@@ -43,6 +44,8 @@ def standin(name: str = "standin", fail_at: int | None = None, rows_override=Non
         for i, case in enumerate(cases):
             if i == raise_at:
                 raise RuntimeError("boom")
+            if i == interrupt_at:
+                raise KeyboardInterrupt  # what SIGINT (a time limit) raises in the running benchmark
             on_disk = len(rows_file.read_text().splitlines()) if rows_file.exists() else None
             row = {"name": case, "passed": i != fail_at, "rows_on_disk": on_disk, "rounds": ctx.rounds,
                    "preset": ctx.preset}
@@ -123,6 +126,16 @@ def test_a_failed_row_fails_the_run_with_its_reason(invoke, tmp_path):
     assert "FAILED standin case 1 [default]: case 1 was told to fail" in result.stderr
     assert "**FAIL**: 2 row(s) passed, 1 failed" in (tmp_path / "report.md").read_text()
     assert len(read_rows(tmp_path)) == 3
+
+
+def test_an_interrupted_run_reports_the_rows_it_measured_and_fails(invoke, tmp_path):
+    result, _ = invoke(standin(interrupt_at=2), ["--device", "cpu", "--out", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "FAILED: interrupted after 2 of 3 case(s); the report holds those" in result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [r["name"] for r in report["rows"]] == [r["name"] for r in read_rows(tmp_path)] and len(report["rows"]) == 2
+    assert report["meta"]["interrupted_after_rows"] == 2
+    assert "**FAIL**: 2 row(s) passed, 0 failed; INTERRUPTED after 2 of 3 case(s)" in (tmp_path / "report.md").read_text()
 
 
 def test_no_rows_is_a_failure(invoke, tmp_path):

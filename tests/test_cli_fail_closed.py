@@ -57,7 +57,7 @@ def test_cuda_without_gpu_is_one_line_and_exit_2_before_any_work(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"detkit audit: error: --device cuda: torch {torch.__version__} sees no CUDA GPU (CUDA_VISIBLE_DEVICES="
         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --device cpu for the Triton-interpreter runs "
-        "(not a hardware result)"]
+        "(not a hardware result) (see 'detkit audit --help')"]
     assert "Traceback" not in proc.stderr and not out.exists()
 
 

@@ -83,15 +83,10 @@ def ranks_of(plugin: ModuleType) -> bool:
     return getattr(plugin, "RANKS", "single") == "ranks"
 
 
-def check_rounds(rounds: int | None) -> None:
-    if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1):
-        raise ValueError(f"--rounds must be an int >= 1; got {rounds!r}")
-
-
 def bench_context(plugin: ModuleType, device: str, presets: Sequence[str], seed: int, out_dir: Path | None,
                   rounds: int | None) -> harness.RunContext:
     """The RunContext of one benchmark run; bad presets or rounds raise ValueError before any work."""
-    check_rounds(rounds)
+    preflight.check_count("--rounds", rounds)
     presets = tuple(presets)
     own = getattr(plugin, "PRESETS", None)
     if own is not None:
@@ -124,6 +119,7 @@ class BenchRun:
     meta: dict = field(default_factory=dict)
     ok: bool = False
     reporting: bool = True
+    interrupted: bool = False  # stopped by SIGINT: the report holds the rows measured until then
     json_path: Path | None = None
     md_path: Path | None = None
 
@@ -159,12 +155,18 @@ def run_bench(plugin: ModuleType, ctx: harness.RunContext, cases: list, options:
                     result.rows.append(check_row(plugin, row))
                     writer.write(row)
                     log.info("%s: %s", "passed" if row["passed"] else "FAILED", row["name"])
+        except KeyboardInterrupt:  # SIGINT, e.g. a time limit: report the rows measured so far, and fail
+            if ranks_of(plugin):
+                raise
+            result.interrupted = True
         finally:
             writer.close()
-        passed_locally = bool(result.rows) and all(r["passed"] for r in result.rows)
+        passed_locally = bool(result.rows) and not result.interrupted and all(r["passed"] for r in result.rows)
         if result.reporting:
             meta = harness.base_meta(ctx, f"bench {plugin.NAME}", command_line)
             meta.update(bench=plugin.NAME, options=options, cases=len(cases))
+            if result.interrupted:
+                meta["interrupted_after_rows"] = len(result.rows)
             if hasattr(plugin, "describe"):
                 meta.update(plugin.describe(ctx, cases, result.rows, session))
             meta.update(env)
@@ -233,19 +235,6 @@ def merge_reports(plugin: ModuleType, dirs: Sequence[Path], command_line: str) -
 # ---------------------------------------------------------------------------------------------
 # The click commands
 # ---------------------------------------------------------------------------------------------
-def _checked(check: Callable, *args):
-    """A click callback running a preflight check as the option is parsed (before any work)."""
-    def callback(ctx, param, value):
-        if ctx.resilient_parsing or value is None:
-            return value
-        try:
-            check(*args, value)
-        except preflight.UsageError as exc:
-            raise click.UsageError(str(exc)) from None
-        return value
-    return callback
-
-
 def _shared_options(plugin: ModuleType) -> list[Callable]:
     import os
 
@@ -259,10 +248,10 @@ def _shared_options(plugin: ModuleType) -> list[Callable]:
         click.option("--preset", "presets", multiple=True, help=preset_help),
         click.option("--seed", type=int, default=1234, show_default=True),
         click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
-                     callback=_checked(preflight.check_out_dir),
+                     callback=preflight.click_check(preflight.check_out_dir),
                      help=f"Results folder (default: results/bench-{plugin.NAME}-<timestamp>)."),
         click.option("--json", "as_json", is_flag=True, help="Print report.json on stdout instead of report.md."),
-        click.option("--rounds", type=int, default=None, callback=_checked(preflight.check_count, "--rounds"),
+        click.option("--rounds", type=int, default=None, callback=preflight.click_check(preflight.check_count, "--rounds"),
                      help="Interleaved timing rounds (>= 1; default: the bench's)."),
         click.option("--merge", "merge", multiple=True, type=click.Path(path_type=Path, file_okay=False),
                      help="Re-report the rows of earlier runs' folders together (no new measurements); repeat."),
@@ -313,7 +302,7 @@ def _usage(fn, *args, **kwargs):
 
 
 def _run_command(plugin, prepare, device, presets, seed, out, as_json, rounds, options, command_line) -> None:
-    _usage(check_rounds, rounds)
+    _usage(preflight.check_count, "--rounds", rounds)
     _usage(preflight.check_device, device)  # not at parse time: --merge measures nothing and needs no device
     prepare(device, ranks_of(plugin))
     try:
@@ -325,6 +314,10 @@ def _run_command(plugin, prepare, device, presets, seed, out, as_json, rounds, o
     result = run_bench(plugin, ctx, cases, options, out, command_line, session)
     if result.reporting:
         _echo(result.json_path, result.md_path, as_json)
+    if result.interrupted:
+        click.echo(f"FAILED: interrupted after {len(result.rows)} of {len(cases)} case(s); the report holds those",
+                   err=True)
+        raise SystemExit(1)
     _exit(result.ok, result.rows, result.reporting)
 
 

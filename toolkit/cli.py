@@ -27,7 +27,7 @@ import click
 from tabulate import tabulate
 
 from detkit.toolkit import benches
-from detkit.toolkit.preflight import DEVICES, UsageError, check_device, check_out_dir
+from detkit.toolkit.preflight import DEVICES, UsageError, check_device, check_out_dir, click_check
 from detkit.toolkit.provenance import config_tables
 
 
@@ -54,29 +54,16 @@ def _set_debug(ctx, param, value) -> None:
         logging.getLogger("detkit").setLevel(logging.DEBUG)
 
 
-def _device_option(ctx, param, value: str) -> str:
-    if ctx.resilient_parsing:
-        return value
-    return check_device(value)
-
-
-def _out_option(ctx, param, value: Path | None) -> Path | None:
-    if ctx.resilient_parsing:
-        return value
-    check_out_dir(value if value is not None else Path("results"))  # the default lands under ./results
-    return value
-
-
 def shared_options(fn):
     """Flags every run subcommand takes. --device and --out are checked as they are parsed, before
     any work: a device that is not there and a results folder that cannot be written are refused."""
     options = [
         click.option("--device", type=click.Choice(DEVICES), default=lambda: os.environ.get("DETKIT_DEVICE", "cuda"),
-                     show_default="cuda (env DETKIT_DEVICE)", callback=_device_option,
+                     show_default="cuda (env DETKIT_DEVICE)", callback=click_check(check_device),
                      help="cuda: compiled Triton on Hopper; cpu: Triton interpreter (not a hardware result)."),
         click.option("--preset", default=None, help="Shape preset (default: qwen3-8b-tp2 on cuda, tiny on cpu)."),
         click.option("--seed", type=int, default=1234, show_default=True),
-        click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None, callback=_out_option,
+        click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None, callback=click_check(check_out_dir, default=Path("results")),
                      help="Results folder (default: results/<command>-<timestamp>)."),
         click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
         click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug,

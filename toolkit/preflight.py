@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 DEVICES = ("cuda", "cpu")
@@ -107,3 +107,21 @@ def check_run(*, device: str, preset: str | None = None, presets: Iterable[str] 
     check_count("--rounds", rounds)
     if out_dir is not None:
         check_out_dir(out_dir)
+
+
+def click_check(check: Callable, *args, default=None) -> Callable:
+    """A click option callback that runs ``check(*args, value)`` as the option is parsed, before any work;
+    a missing value is checked as ``default`` (None: not checked). A refusal is a click usage error."""
+    import click
+
+    def callback(ctx, param, value):
+        if ctx.resilient_parsing:
+            return value
+        checked = value if value is not None else default
+        if checked is not None:
+            try:
+                check(*args, checked)
+            except UsageError as exc:
+                raise click.UsageError(str(exc)) from None
+        return value
+    return callback

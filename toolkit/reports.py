@@ -6,7 +6,6 @@ Formats and where each file goes: docs/reports.md.
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 from collections.abc import Iterable, Sequence
@@ -16,39 +15,11 @@ from typing import Any
 from tabulate import tabulate
 
 from detkit.toolkit.provenance import format_config_tables, format_source
-from detkit.toolkit.records import INTERPRETER_BANNER, Row, atomic_write_text, summarize
+from detkit.toolkit.records import INTERPRETER_BANNER, Row, summarize
 
 DRIFT_PLOT = "drift_hist.png"
 MAX_FAILED_ROWS_MD = 100  # report.md lists at most this many failed rows; rows.jsonl has them all
 _DETAIL_CHARS = 160
-
-
-# ---------------------------------------------------------------------------------------------
-# Benchmarks
-# ---------------------------------------------------------------------------------------------
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    fields = list(dict.fromkeys(key for row in rows for key in row))
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=fields)
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(path, buf.getvalue())
-
-
-def markdown_report(title: str, meta: dict, table_rows: list[dict]) -> str:
-    lines = [f"# {title}", ""]
-    if meta.get("backend") == "triton_interpreter":
-        lines += [f"> **{INTERPRETER_BANNER}**", ""]
-    lines += [f"- {key}: {value}" for key, value in meta.items() if not isinstance(value, (dict, list))]
-    lines += provenance_lines(meta)
-    if isinstance(meta.get("env_summary"), dict):
-        lines += ["", *env_block(meta["env_summary"])]
-    lines += ["", tabulate(table_rows, headers="keys", tablefmt="github", floatfmt=".3g"), ""]
-    return "\n".join(lines)
 
 
 def save_figure(fig, path: Path) -> None:
@@ -221,9 +192,12 @@ def render_bench_markdown(meta: dict, rows: Sequence[dict], body: str) -> str:
     lines = [f"# detkit {meta['command']} report", ""]
     if meta.get("backend") == "triton_interpreter":
         lines += [f"> **{INTERPRETER_BANNER}**", ""]
-    verdict = "PASS" if rows and not failed else "FAIL"
+    interrupted = meta.get("interrupted_after_rows")
+    verdict = "PASS" if rows and not failed and interrupted is None else "FAIL"
     lines += [f"**{verdict}**: {len(rows) - len(failed)} row(s) passed, {len(failed)} failed"
-              + ("" if rows else " (no rows were produced)"), ""]
+              + ("" if rows else " (no rows were produced)")
+              + ("" if interrupted is None else f"; INTERRUPTED after {interrupted} of {meta.get('cases')} case(s)"),
+              ""]
     lines += [f"- {key}: {meta[key]}" for key in ("date", "backend", "hardware_result", "preset", "presets",
                                                    "device_name", "seed", "rounds") if key in meta]
     if "command_line" in meta:
@@ -304,16 +278,6 @@ def plot_drift_histogram(ulp: dict[str, dict[str, int]], rel: dict[str, dict[str
     fig.suptitle("det_gemm drift per op (all contract cases)", fontsize=10)
     save_figure(fig, path)
     plt.close(fig)
-
-
-def write_row_files(out_dir, stem: str, rows: list[dict]) -> dict[str, Path]:
-    """``<stem>.jsonl`` and ``<stem>.csv`` under ``out_dir``; returns their paths and the markdown's."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"jsonl": out / f"{stem}.jsonl", "csv": out / f"{stem}.csv", "markdown": out / f"{stem}.md"}
-    write_jsonl(paths["jsonl"], rows)
-    write_csv(paths["csv"], rows)
-    return paths
 
 
 def style_log2_axes(ax, title: str, xlabel: str, ylabel: str) -> None:

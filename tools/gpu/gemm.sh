@@ -10,7 +10,7 @@
 #
 # Each step writes under $OUT/<step>/: a log per command, env.json, steps.txt (exit status and seconds per
 # command). A command past its time limit is stopped (SIGINT, then SIGKILL) and keeps what it wrote: benchmark
-# rows stream to rows.jsonl (python -m tools.gemm_bench_run --report-only --out DIR renders their report).
+# rows stream to rows.jsonl, and `detkit bench gemm` (SIGINT) writes the report of the rows it measured.
 # Kernels compile into TRITON_CACHE_DIR (default results/triton-cache, kept between calls on the same machine),
 # filled by parallel processes (tools.gemm_warm) before the long runs.
 set -euo pipefail
@@ -90,11 +90,11 @@ for s in zoo_shapes():
       "${cargs[@]}") &
   wait || true
   # The zoo: every shape, all three ops, GPU time (CUDA-graph replay) against cuBLAS.
-  run bench_zoo "$(left 350 170)" "$PY" -m tools.gemm_bench_run --device cuda --out "$DIR/zoo" --zoo "${margs[@]}" \
+  run bench_zoo "$(left 350 170)" "$PY" -m detkit bench gemm --device cuda --out "$DIR/zoo" --zoo "${margs[@]}" \
       --rounds 3
   # Qwen3-8B TP=2 (every linear layer): host and eager time against torch.matmul, GPU time against cuBLASLt
   # without split-K (its worker times both by graph replay).
-  run bench_tp2 "$(left 350 110)" "$PY" -m tools.gemm_bench_run --device cuda --out "$DIR/tp2" --zoo \
+  run bench_tp2 "$(left 350 110)" "$PY" -m detkit bench gemm --device cuda --out "$DIR/tp2" --zoo \
       --layers "Qwen3-8B tp2" "${margs[@]}" --timings host --timings eager --nosplitk --rounds 3
   # Candidate tiles for the narrow outputs (fwd), against the table's pick and cuBLAS.
   run candidates "$(left 350 90)" "$PY" -m tools.gemm_candidates --out "$DIR/candidates" --ops fwd "${kargs[@]}" \
