@@ -136,14 +136,8 @@ def _k1_product(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor | Non
     return a * b
 
 
-def mm(a: torch.Tensor, b: torch.Tensor, op: str = "mm") -> torch.Tensor | None:
-    exact = _k1_product(a, b, op)
-    if exact is not None:
-        return exact
-    reason = operands_reason(a, b)
-    if reason is not None:
-        mode_state.not_routed(op, reason)
-        return None
+def _gemm(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor:
+    """``a @ b`` of operands the mode takes (checked by the caller) on det_gemm, counted."""
     if _empty(a, b):
         mode_state.routed(op, EMPTY)
         return a.new_zeros((a.shape[0], b.shape[1]))
@@ -153,19 +147,24 @@ def mm(a: torch.Tensor, b: torch.Tensor, op: str = "mm") -> torch.Tensor | None:
     return out
 
 
+def mm(a: torch.Tensor, b: torch.Tensor, op: str = "mm") -> torch.Tensor | None:
+    exact = _k1_product(a, b, op)
+    if exact is not None:
+        return exact
+    reason = operands_reason(a, b)
+    if reason is not None:
+        mode_state.not_routed(op, reason)
+        return None
+    return _gemm(a, b, op)
+
+
 def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1,
           op: str = "addmm") -> torch.Tensor | None:
     reason = operands_reason(bias, a, b) or scalars_reason(beta, alpha)
     if reason is not None:
         mode_state.not_routed(op, reason)
         return None
-    if _empty(a, b):
-        mode_state.routed(op, EMPTY)
-        out = a.new_zeros((a.shape[0], b.shape[1]))
-    else:
-        route = route_of(a, b)
-        out = run_route(route, a, b)
-        mode_state.routed(op, route)
+    out = _gemm(a, b, op)
     if beta == 1:
         out = out + bias  # one BF16 rounding of (gemm + bias), elementwise: no batch dependence
     return out

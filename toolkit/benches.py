@@ -45,7 +45,7 @@ import click
 
 from detkit.toolkit import harness, preflight
 from detkit.toolkit.nvtx_ranges import nvtx_range
-from detkit.toolkit.records import INTERPRETER_BANNER, RowWriter, atomic_write_text
+from detkit.toolkit.records import INTERPRETER_BANNER, RowWriter, atomic_write_text, write_rows
 from detkit.toolkit.reports import render_bench_markdown
 
 log = logging.getLogger(__name__)
@@ -328,12 +328,7 @@ def _merge_command(plugin, dirs, out, as_json, command_line) -> None:
     if given:
         raise click.UsageError(f"--merge re-reports earlier runs; it takes only --out and --json, not {given}")
     rows, meta = _usage(merge_reports, plugin, dirs, command_line)
-    writer = RowWriter(out / "rows.jsonl")
-    try:
-        for row in rows:
-            writer.write(row)
-    finally:
-        writer.close()
+    write_rows(out / "rows.jsonl", rows)
     json_path, md_path = write_bench_report(plugin, out, meta, rows)
     _echo(json_path, md_path, as_json)
     _exit(bool(rows) and all(r["passed"] for r in rows), rows, True)

@@ -359,7 +359,8 @@ def merge_rows(session: DistSession | None, rows: list, out: Path | None = None)
         return rows, {}
     import torch.distributed as dist
 
-    from detkit.toolkit.harness import Row, RowWriter
+    from detkit.toolkit.harness import Row
+    from detkit.toolkit.records import write_rows
 
     payload = [r.as_dict() for r in rows]
     gathered: list[Any] = [None] * session.world_size
@@ -373,14 +374,7 @@ def merge_rows(session: DistSession | None, rows: list, out: Path | None = None)
             d["details"].setdefault("rank", rank)
             merged.append(Row(**d))
     if out is not None:
-        merged_path = out / "rows.jsonl"
-        merged_path.unlink(missing_ok=True)
-        writer = RowWriter(merged_path)
-        try:
-            for row in merged:
-                writer.write(row)
-        finally:
-            writer.close()
+        write_rows(out / "rows.jsonl", merged)
     meta: dict[str, Any] = {
         "distributed": {
             "world_size": session.world_size, "source": session.source, "pg_backend": session.pg_backend,
@@ -649,7 +643,8 @@ def write_incomplete_report(session: DistSession, out: Path, meta: dict[str, Any
                             error: str) -> Path:
     """Merge every finished row of every rank into ``out/report.json``/``report.md`` marked
     INCOMPLETE (and ``out/rows.jsonl``); return report.md's path."""
-    from detkit.toolkit.harness import Row, RowWriter, atomic_write_text, write_report
+    from detkit.toolkit.harness import Row, atomic_write_text, write_report
+    from detkit.toolkit.records import write_rows
 
     rows, counts = rows_from_rank_files(out, session.world_size)
     what = diagnosis.culprits()
@@ -672,14 +667,7 @@ def write_incomplete_report(session: DistSession, out: Path, meta: dict[str, Any
             "rank_map": session.rank_records}
     meta["not_covered"] = [f"INCOMPLETE: {what}; only the rows the ranks finished before that are here",
                            *meta.get("not_covered", [])]
-    merged = out / "rows.jsonl"
-    merged.unlink(missing_ok=True)
-    writer = RowWriter(merged)
-    try:
-        for row in rows:
-            writer.write(row)
-    finally:
-        writer.close()
+    write_rows(out / "rows.jsonl", rows)
     _, md_path = write_report(out, meta, rows)
     atomic_write_text(md_path, f"{INCOMPLETE_BANNER}: {what}. Rows per rank: {counts}.\n\n" + md_path.read_text())
     _atomic_json(out / "ranks" / INCOMPLETE_FILE, {**incomplete, "report": str(md_path)})

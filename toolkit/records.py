@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -64,6 +65,16 @@ class RowWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def write_rows(path: Path, rows: Iterable[Row | dict]) -> None:
+    """``rows`` as ``path``'s whole content, through ``RowWriter`` (one fsynced line each)."""
+    writer = RowWriter(path)
+    try:
+        for row in rows:
+            writer.write(row)
+    finally:
+        writer.close()
 
 
 def atomic_write_text(path: Path, text: str) -> None:
