@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from detkit.kernels.backend import CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, ensure_cuda_context, resolve_backend
-from detkit.kernels.det_gemm import fp32_to_bf16_rtne, mac_step
+from detkit.kernels.det_gemm_kernels import mac_step, to_bf16
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
@@ -193,16 +193,6 @@ def _dot(a, b, acc, K: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _to_bf16(x, INTERPRETED: tl.constexpr):
-    """FP32 -> BF16, round to nearest even on both backends."""
-    if INTERPRETED:
-        y = fp32_to_bf16_rtne(x)
-    else:
-        y = x.to(tl.bfloat16)
-    return y
-
-
-@triton.jit
 def _token(q_begin, qi, VARLEN: tl.constexpr):
     """Each row's query index in q's token dim: within a sequence (32-bit offsets, checked on the host), or in a
     packed tensor (64-bit: the packing may exceed 2**31 elements)."""
@@ -317,7 +307,7 @@ def attention_fwd_kernel(
         # [BLOCK_N, HEAD_DIM]
         v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None]
-        acc = _dot(_to_bf16(p, INTERPRETED), v, acc, BLOCK_N, INTERPRETED)
+        acc = _dot(to_bf16(p, INTERPRETED), v, acc, BLOCK_N, INTERPRETED)
         m_i = m_new
 
     seen = l_i > 0.0
@@ -327,7 +317,7 @@ def attention_fwd_kernel(
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
     lse = tl.where(bad, float("nan"), lse)
     o_rows = o_ptr + b64 * stride_ob + head * stride_oh + tok * stride_os
-    tl.store(o_rows[:, None] + offs_d[None, :], _to_bf16(out, INTERPRETED), mask=row_ok[:, None])
+    tl.store(o_rows[:, None] + offs_d[None, :], to_bf16(out, INTERPRETED), mask=row_ok[:, None])
     tl.store(lse_ptr + b64 * stride_lb + head * stride_lh + q_begin + qi, lse, mask=row_ok)
 
 
@@ -420,17 +410,17 @@ def attention_bwd_dkdv_kernel(
             if t < full_from:
                 visible = (kj[:, None] <= (shift + qi)[None, :]) & key_ok[:, None]
                 p_t = tl.where(visible, p_t, 0.0)
-            dv = _dot(_to_bf16(p_t, INTERPRETED), do, dv, BLOCK_M, INTERPRETED)
+            dv = _dot(to_bf16(p_t, INTERPRETED), do, dv, BLOCK_M, INTERPRETED)
             dp_t = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), HEAD_DIM, INTERPRETED)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk = _dot(_to_bf16(ds_t, INTERPRETED), q, dk, BLOCK_M, INTERPRETED)
+            dk = _dot(to_bf16(ds_t, INTERPRETED), q, dk, BLOCK_M, INTERPRETED)
     dk = dk * scale
     dk = tl.where(bad, float("nan"), dk)
     dv = tl.where(bad, float("nan"), dv)
     out = b64 * stride_dkb + kv_head.to(tl.int64) * stride_dkh + k_begin.to(tl.int64) * stride_dks
     offs = kj[:, None] * stride_dks + offs_d[None, :]
-    tl.store(dk_ptr + out + offs, _to_bf16(dk, INTERPRETED), mask=key_ok[:, None])
-    tl.store(dv_ptr + out + offs, _to_bf16(dv, INTERPRETED), mask=key_ok[:, None])
+    tl.store(dk_ptr + out + offs, to_bf16(dk, INTERPRETED), mask=key_ok[:, None])
+    tl.store(dv_ptr + out + offs, to_bf16(dv, INTERPRETED), mask=key_ok[:, None])
 
 
 @triton.jit(launch_metadata=_metadata("bwd_dq", 6), do_not_specialize=_NOT_SPECIALIZED)
@@ -500,11 +490,11 @@ def attention_bwd_dq_kernel(
             p = tl.where(visible, p, 0.0)
         dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), HEAD_DIM, INTERPRETED)
         ds = p * (dp - delta[:, None])
-        dq = _dot(_to_bf16(ds, INTERPRETED), k, dq, BLOCK_N, INTERPRETED)
+        dq = _dot(to_bf16(ds, INTERPRETED), k, dq, BLOCK_N, INTERPRETED)
     dq = dq * scale
     dq = tl.where(bad, float("nan"), dq)
     dq_rows = dq_ptr + b64 * stride_dqb + head * stride_dqh + tok * stride_dqs
-    tl.store(dq_rows[:, None] + offs_d[None, :], _to_bf16(dq, INTERPRETED), mask=row_ok[:, None])
+    tl.store(dq_rows[:, None] + offs_d[None, :], to_bf16(dq, INTERPRETED), mask=row_ok[:, None])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,16 @@ def fp32_to_bf16_rtne(x):
 
 
 @triton.jit
+def to_bf16(x, INTERPRETED: tl.constexpr):
+    """FP32 -> BF16, round to nearest even on both backends (the hardware cast on the GPU)."""
+    if INTERPRETED:
+        y = fp32_to_bf16_rtne(x)
+    else:
+        y = x.to(tl.bfloat16)
+    return y
+
+
+@triton.jit
 def tile_of_program(R, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of this program's output tile. Grouped tile order for L2 reuse: it changes which
     program owns a tile, never the tile's math."""

@@ -1,7 +1,8 @@
 """Triton building blocks of the MoE grouped GEMMs, shared by the BF16 kernels (kernels/moe_kernels.py) and the FP8
-kernels (kernels/moe_fp8_kernels.py): the BF16 rounding and the FP32 MMA step of both backends, the routing gate
-that lets a GEMM be queued before the host has read the routing, the tile a program owns over expert-sorted rows,
-and the epilogues (C stored rounded once, SwiGLU, dSwiGLU) both precisions apply to their FP32 accumulator.
+kernels (kernels/moe_fp8_kernels.py): the FP32 MMA step of both backends (the BF16 rounding is det_gemm's
+``to_bf16``), the routing gate that lets a GEMM be queued before the host has read the routing, the tile a program
+owns over expert-sorted rows, and the epilogues (C stored rounded once, SwiGLU, dSwiGLU) both precisions apply to
+their FP32 accumulator.
 
 On the Triton interpreter (CPU): exact FP32 products added one at a time in ascending order (``tl.dot`` on BF16 is
 broken there) and FP32 -> BF16 rounding in integer arithmetic (``fp32_to_bf16_rtne``; the interpreter's cast
@@ -12,16 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from detkit.kernels.det_gemm import fp32_to_bf16_rtne
-
-
-@triton.jit
-def to_bf16(x, INTERPRETED: tl.constexpr):
-    if INTERPRETED:
-        y = fp32_to_bf16_rtne(x)
-    else:
-        y = x.to(tl.bfloat16)
-    return y
+from detkit.kernels.det_gemm_kernels import to_bf16
 
 
 @triton.jit
