@@ -80,7 +80,7 @@ def test_one_wave_picks_the_first_config_whose_grid_is_resident_at_once():
     assert output_tiles(deep, 256, 4096) == 128 and rule.pick(256, 4096, 132) == deep
     assert output_tiles(deep, 256, 6144) == 192 and rule.pick(256, 6144, 132) == shallow
     assert rule.pick(256, 16384, 132) == deep  # 512 tiles: neither fits one wave, so the first
-    # The table's (128, 256] entry (table .12): the same tile on an 8-stage ring (192 KiB, still one CTA per
+    # The table's (128, 256] entry: the same tile on an 8-stage ring (192 KiB, still one CTA per
     # SM), then a 64x192 "tma3" tile (4 x 32 = 128 tiles at 6144 wide), then the 2-per-SM ring.
     deeper = GemmConfig(64, 128, 64, 8, 4, 8, "tma")
     assert ctas_per_sm(deeper) == 1

@@ -133,7 +133,7 @@ def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma").label() == "BM128_BN128_BK64_G8_w8_s3_tma"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma") != GemmConfig(128, 128, 64, 8, 8, 3)
     # The H200 sweeps measured TMA ahead for fwd and dA at M 33-1024 (both layouts), the Gluon "ws" kernel
-    # (table .14) for fwd and dA at M > 1024 and dB at M > 64; dB at M <= 64 and M <= 32 stay on pointers.
+    # for fwd and dA at M > 1024 and dB at M > 64; dB at M <= 64 and M <= 32 stay on pointers.
     def bounds(table, variants):
         return [(op, rows) for op, entries in table.items() for rows, e in entries
                 if all(c.variant in variants for c in entry_configs(e))]
