@@ -195,18 +195,22 @@ class DirectLaunch:
 
     The caller passes the kernel's full argument list in its parameter order (constexprs included, as Triton's
     binder would bind them) and guarantees that every call of this object specializes the same way (same
-    dtypes, pointer alignments, integer values' 1 / multiple-of-16 classes, descriptor block shapes): a launch
-    plan keyed on the call's signature does. The first call is Triton's ``kernel[grid](...)`` (with the real
-    descriptors ``first_args`` gives); it returns the compiled kernel, whose launcher every later call runs
-    directly with ``args``, on the device's current stream, passing Triton's launch hooks (profilers) when any
-    are set."""
+    dtypes, pointer alignments, integer values' 1 / multiple-of-16 classes, descriptor block shapes) and that only
+    the arguments at ``dynamic`` (positions) change between calls: a launch plan keyed on the call's signature
+    does. The first call is Triton's ``kernel[grid](...)`` (with real descriptors); it returns the compiled
+    kernel. Later calls pass ``HostDescriptor``s for descriptor arguments and run on the device's current stream:
+    - with no launch hook set, straight into the launcher's C entry point (``RawLaunch``), the arguments expanded
+      as Triton's launcher expands them, pointers passed as addresses and each descriptor's encoded CUtensorMap
+      cached per base address;
+    - with a hook set (profilers), through the compiled kernel's launcher with the hook, as Triton does."""
 
-    __slots__ = ("kernel", "grid", "options", "index", "compiled", "run", "function", "packed")
+    __slots__ = ("kernel", "grid", "options", "index", "dynamic", "compiled", "run", "function", "packed", "raw")
 
-    def __init__(self, kernel, grid: tuple[int, ...], options: dict, device: torch.device):
-        self.kernel, self.grid, self.options = kernel, grid, options
+    def __init__(self, kernel, grid: tuple[int, ...], options: dict, device: torch.device,
+                 dynamic: tuple[int, ...] | None = None):
+        self.kernel, self.grid, self.options, self.dynamic = kernel, grid, options, dynamic
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.compiled = self.run = self.function = self.packed = None
+        self.compiled = self.run = self.function = self.packed = self.raw = None
 
     @property
     def ready(self) -> bool:
@@ -224,6 +228,7 @@ class DirectLaunch:
             compiled = self.kernel[self.grid](*args, **self.options)
             self.function, self.packed = compiled.function, compiled.packed_metadata
             self.compiled, self.run = compiled, compiled.run
+            self.raw = RawLaunch.of(compiled, self.grid, args, self.dynamic)
             return
         grid = self.grid
         stream = _raw_stream(self.index)
@@ -232,8 +237,112 @@ class DirectLaunch:
             metadata = self.compiled.launch_metadata(grid, stream, *args)
             self.run(grid[0], 1, 1, stream, self.function, self.packed, metadata, enter,
                      _RUNTIME_KNOBS.launch_exit_hook, *args)
+        elif self.raw is not None:
+            self.raw(args, stream)
         else:
             self.run(grid[0], 1, 1, stream, self.function, self.packed, None, None, None, *args)
+
+
+# The launcher's leading arguments (Triton 3.6's _BASE_ARGS_FORMAT "iiiKKppOOOOOO"): grid x, y, z, stream, function,
+# cooperative grid, PDL, global scratch, profile scratch, packed metadata, launch metadata, enter hook, exit hook.
+_BASE_ARGS = 13
+_STREAM_AT = 3
+# Encoded descriptors kept per descriptor argument (base addresses: a weight's is fixed, an activation's cycles
+# through the allocator's few blocks); the cache is emptied when full.
+MAX_CACHED_DESCRIPTORS = 64
+
+
+class RawLaunch:
+    """A compiled kernel's launches through its launcher's C entry point, as Triton's own launcher would make them
+    with no hooks set, minus its per-call Python: the kernel's arguments expanded once (a host descriptor becomes
+    the encoded CUtensorMap, its shape and its strides), and per call only the ``dynamic`` arguments filled in:
+    a pointer as its address, a descriptor as the CUtensorMap encoded for its base address (cached: the encoding
+    depends on nothing else, the plan fixing shape, strides and block). ``of`` returns None where this Triton's
+    launcher is not the one this mirrors (then the caller keeps Triton's launcher)."""
+
+    __slots__ = ("entry", "template", "pointers", "descriptors")
+
+    def __init__(self, entry, template: list, pointers: tuple, descriptors: tuple):
+        self.entry, self.template, self.pointers, self.descriptors = entry, template, pointers, descriptors
+
+    @classmethod
+    def of(cls, compiled, grid: tuple[int, ...], args: list, dynamic=None) -> "RawLaunch | None":
+        """``dynamic``: the positions that change between calls (None: every pointer and descriptor)."""
+        parts = _launcher_parts(compiled)
+        if parts is None:
+            return None
+        entry, make_descriptor, launcher = parts
+        signature = list(compiled.src.signature.values())
+        if len(signature) != len(args):
+            return None
+        metas = list(getattr(compiled.metadata, "tensordesc_meta", None) or [])
+        is_pointer = [isinstance(sig, str) and sig.startswith("*") for sig in signature]
+        is_descriptor = [isinstance(sig, str) and sig.startswith("tensordesc") for sig in signature]
+        if dynamic is None:
+            dynamic = [i for i in range(len(args)) if is_pointer[i] or is_descriptor[i]]
+        dynamic = set(dynamic)
+        template = [grid[0], 1, 1, 0, compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                    None, None, compiled.packed_metadata, None, None, None]
+        pointers, descriptors, desc_index = [], [], 0
+        for index, (sig, arg) in enumerate(zip(signature, args)):
+            if is_descriptor[index]:
+                meta = metas[desc_index] if desc_index < len(metas) else None
+                desc_index += 1
+                if meta is None:  # not lowered to a CUtensorMap: Triton's own launcher handles it
+                    return None
+                expanded = make_descriptor(arg, meta)
+                if index in dynamic:
+                    descriptors.append((index, len(template), len(expanded), meta, {}))
+                template.extend(expanded)
+            else:
+                if index in dynamic and is_pointer[index]:
+                    pointers.append((index, len(template)))
+                elif index in dynamic and sig != "constexpr":
+                    return None  # a dynamic scalar: not what a launch plan passes
+                template.append(arg)
+        return cls(entry, template, tuple(pointers), tuple(descriptors))
+
+    def __call__(self, args: list, stream: int) -> None:
+        out = self.template.copy()
+        out[_STREAM_AT] = stream
+        for index, at in self.pointers:
+            out[at] = args[index].data_ptr()
+        for index, at, width, meta, cache in self.descriptors:
+            desc = args[index]
+            key = (desc.base.data_ptr(), *desc.shape, *desc.strides)
+            encoded = cache.get(key)
+            if encoded is None:
+                if len(cache) >= MAX_CACHED_DESCRIPTORS:
+                    cache.clear()
+                encoded = cache[key] = _make_descriptor(desc, meta)
+            out[at:at + width] = encoded
+        self.entry(*out)
+
+
+def _make_descriptor(desc, meta) -> list:
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return make_tensordesc_arg(desc, meta)
+
+
+def _launcher_parts(compiled):
+    """(the launcher's C entry point, Triton's descriptor expansion, the launcher) of a compiled kernel, or None
+    where its launcher is not Triton 3.6's CudaLauncher with no scratch buffers."""
+    try:
+        from triton.backends.nvidia.driver import _BASE_ARGS_FORMAT_LEN, CudaLauncher, make_tensordesc_arg
+    except ImportError:
+        return None
+    launcher = compiled.run
+    if (_BASE_ARGS_FORMAT_LEN != _BASE_ARGS or not isinstance(launcher, CudaLauncher)
+            or launcher.global_scratch_size or launcher.profile_scratch_size or launcher.num_ctas != 1):
+        return None
+    entry = launcher.launch
+    if getattr(entry, "__closure__", None):  # wrap_handle_tensordesc's inner: the C entry is its `launcher`
+        cells = dict(zip(entry.__code__.co_freevars, (c.cell_contents for c in entry.__closure__)))
+        entry = cells.get("launcher")
+    if entry is None or not callable(entry) or hasattr(entry, "__closure__"):  # not a C function
+        return None
+    return entry, make_tensordesc_arg, launcher
 
 
 # What Triton's own launch calls for the current device and stream (torch's C entry points; the public

@@ -444,7 +444,7 @@ def _ptr_launch(g: _Geometry, interpreted: bool, static: dict, constexprs: dict,
             return c
         return launch
     # Triton reads a tensor argument's data pointer (and dtype) only: the caller's tensors stand for their views.
-    direct = DirectLaunch(det_gemm_kernel, grid, options, device)
+    direct = DirectLaunch(det_gemm_kernel, grid, options, device, dynamic=(i_a, i_b, i_c, i_twin))
 
     def launch(x, y, twin):
         check(x, y, twin)
@@ -481,7 +481,7 @@ def _tma_launch(g: _Geometry, config: GemmConfig, step_k: int, interpreted: bool
             kernel[grid](*args, **options)
             return c
         return launch
-    direct = DirectLaunch(kernel, grid, options, device)
+    direct = DirectLaunch(kernel, grid, options, device, dynamic=(i_a, i_b, i_c, i_twin))
 
     def launch(x, y, twin):
         check(x, y, twin)
@@ -534,7 +534,8 @@ def _ws_launch(g: _Geometry, config: GemmConfig, twin_on: bool, programs: int):
     options = dict(num_warps=4, maxnreg=max_regs(config.num_warps))
     template, (i_a, i_b, i_c, i_twin, i_cd, i_td) = _arg_list(
         det_gemm_ws_kernel, static, ("a_desc", "b_desc", "c_ptr", "twin_ptr", "c_desc", "twin_desc"))
-    direct = DirectLaunch(det_gemm_ws_kernel, (programs,), options, device)
+    direct = DirectLaunch(det_gemm_ws_kernel, (programs,), options, device,
+                          dynamic=(i_a, i_b, i_c, i_twin, i_cd, i_td))
     check = _storage_check(g)
 
     def launch(x, y, twin):

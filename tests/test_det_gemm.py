@@ -398,11 +398,14 @@ def test_a_cuda_plan_passes_every_kernel_parameter_to_its_launches(op, config, m
     calls = []
 
     class Recorder:
-        def __init__(self, kernel, grid, options, device):
+        def __init__(self, kernel, grid, options, device, dynamic):
             self.kernel, self.grid, self.options, self.ready = kernel, grid, options, False
+            self.dynamic = [kernel.arg_names[i] for i in dynamic]
 
         def __call__(self, args):
             calls.append((self.kernel, self.grid, self.options, self.ready, dict(zip(self.kernel.arg_names, args))))
+            tensors = [n for n, a in zip(self.kernel.arg_names, args) if isinstance(a, torch.Tensor) or hasattr(a, "base")]
+            assert sorted(self.dynamic) == sorted(tensors)  # every per-call tensor or descriptor is a dynamic slot
             self.ready = True
 
     monkeypatch.setattr(dg, "DirectLaunch", Recorder)
