@@ -6,7 +6,8 @@
 #   OUT=/path tools/gpu/gemm.sh tests   # <= 7 min: pytest (DETKIT_TEST_DEVICE=cuda) of the det_gemm test files
 #   OUT=/path tools/gpu/gemm.sh bench   # <= 6 min: zoo GPU times, Qwen3-8B TP=2 host/eager + no-split-K, candidates
 #   OUT=/path tools/gpu/gemm.sh audit   # <= 7.5 min: gemm audit, qwen3-8b-tp2 preset then zoo preset
-#   OUT=/path tools/gpu/gemm.sh all     # the three in turn
+#   OUT=/path tools/gpu/gemm.sh sweep   # <= 6 min: candidate tiles at the zoo's missed (op, K, N), fwd, dA and dB
+#   OUT=/path tools/gpu/gemm.sh all     # tests, bench and audit in turn
 #
 # Each step writes under $OUT/<step>/: a log per command, env.json, steps.txt (exit status and seconds per
 # command). A command past its time limit is stopped (SIGINT, then SIGKILL) and keeps what it wrote: benchmark
@@ -15,7 +16,7 @@
 # filled by parallel processes (tools.gemm_warm) before the long runs.
 set -euo pipefail
 
-STEP=${1:?usage: OUT=DIR tools/gpu/gemm.sh tests|bench|audit|all}
+STEP=${1:?usage: OUT=DIR tools/gpu/gemm.sh tests|bench|audit|sweep|all}
 : "${OUT:?set OUT to the results folder}"
 export PYTHONPATH=${PYTHONPATH:-$PWD} NCCL_NVLS_ENABLE=0
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/results/triton-cache}
@@ -51,7 +52,7 @@ step_tests() {
   begin tests
   # Four pytest processes at once: the tests are compile-bound, and each process compiles its own kernels.
   local pids=() names=() files=(
-    "det_gemm tests/test_det_gemm.py"
+    "det_gemm tests/test_det_gemm.py tests/test_raw_launch.py"
     "det_gemm_tma tests/test_det_gemm_tma.py"
     "det_gemm_ws tests/test_det_gemm_ws.py"
     "bench_audits tests/test_bench_gemm.py tests/test_audits.py"
@@ -114,11 +115,53 @@ step_audit() {
   return 0
 }
 
+# candidates NAME LIMIT_S OPS KN_LIST M_LIST CONFIG_LIST: tools.gemm_candidates at those (op, K, N, M).
+candidates() {
+  local name=$1 limit=$2 args=()
+  read -ra ops <<< "$3"; read -ra kns <<< "$4"; read -ra ms <<< "$5"; read -ra cfgs <<< "$6"
+  for kn in "${kns[@]}"; do args+=(--kn "$kn"); done
+  for c in "${cfgs[@]}"; do args+=(--config "$c"); done
+  run "$name" "$limit" "$PY" -m tools.gemm_candidates --out "$DIR/$name" --ops "${ops[@]}" "${args[@]}" \
+      --m "${ms[@]}" --rounds 3
+}
+
+step_sweep() {
+  begin "sweep${SWEEP_WARM_ONLY:+_warm}"
+  # Tiles for small M (weight-streaming) and for large M (compute), big to small; the table's own are among them.
+  local small="16,32,128,1,4,6 16,64,128,1,4,6 64,16,128,1,4,6,tma 64,32,128,1,4,5,tma 64,64,128,1,4,6,tma
+64,128,64,8,4,6,tma 64,128,64,8,4,8,tma 128,32,128,1,4,5,tma 128,128,64,8,8,6,tma 64,192,64,8,4,6,tma3
+128,256,64,8,8,3,ws"
+  local large="64,16,128,1,4,6,tma 64,32,128,1,4,5,tma 64,64,128,1,4,6,tma 64,128,64,8,4,6,tma
+128,128,64,8,8,6,tma 256,128,64,8,8,4,tma 128,192,64,8,8,4,tma3 128,256,64,8,8,3,ws 128,128,64,8,8,4,ws
+128,128,64,8,8,5,ws 128,128,32,8,4,4"
+  small=${small//$'\n'/ }; large=${large//$'\n'/ }
+  local narrow_fwd="4096,128 4096,256 4096,512 4096,1024 4096,1536 4096,2048 8192,128 8192,1024 8192,3584 2048,512"
+  local narrow_da="512,4096 1024,4096 1536,4096 2048,4096 1024,8192 8192,128"
+  local narrow_db="4096,128 4096,512 512,4096 4096,1536 1536,4096 5120,1024 1024,5120 2048,512"
+  if [ "${SWEEP_WARM_ONLY:-0}" = 1 ]; then  # compile the candidates in parallel processes (another step may run)
+    read -ra all_small <<< "$small"; read -ra all_large <<< "$large"
+    local warm=()
+    for c in "${all_small[@]}" "${all_large[@]}"; do warm+=(--config "$c"); done
+    run warm 200 "$PY" -m tools.gemm_warm --workers "$WORKERS" --zoo --layouts linear --m 1 16 128 1024 4096 \
+        "${warm[@]}"
+    return 0
+  fi
+  candidates fwd_small "$(left 330 60)" fwd "$narrow_fwd" "1 16 64 128 256" "$small"
+  candidates fwd_large "$(left 330 70)" fwd "$narrow_fwd" "512 1024 2048 4096 16384" "$large"
+  candidates da_small "$(left 330 40)" da "$narrow_da" "1 16 64 128 256" "$small"
+  candidates da_large "$(left 330 50)" da "$narrow_da" "512 1024 2048 4096 16384" "$large"
+  candidates db_all "$(left 330 50)" db "$narrow_db" "128 256 1024 4096 16384" "$large"
+  candidates lm_head "$(left 330 40)" "fwd da" "4096,151936 8192,128256" "1 16 128 256 1024" "$small"
+  grep -q "rc=[^0]" "$DIR/steps.txt" && status=1
+  return 0
+}
+
 case "$STEP" in
   tests) step_tests ;;
   bench) step_bench ;;
   audit) step_audit ;;
+  sweep) step_sweep ;;
   all) step_tests; step_bench; step_audit ;;
-  *) echo "unknown step $STEP; steps: tests bench audit all" >&2; exit 2 ;;
+  *) echo "unknown step $STEP; steps: tests bench audit sweep all" >&2; exit 2 ;;
 esac
 exit "$status"
