@@ -69,7 +69,7 @@ from detkit.kernels.backend import (
     check_storage, ensure_thread_cuda_context, host_descriptor, resolve_backend_of_devices,
 )
 from detkit.kernels.det_gemm_configs import (  # noqa: F401 (the table and its arithmetic, re-exported)
-    CONFIG_TABLE, CONFIG_TABLE_VERSION, HOPPER_SMS, INTERPRETER_MAX_BLOCK_NUMEL, SMEM_BARRIER_SLACK, SMEM_PER_SM,
+    CONFIG_TABLE, CONFIG_TABLE_VERSION, HOPPER_SMS, ByWidth, FewestWaves, INTERPRETER_MAX_BLOCK_NUMEL, SMEM_BARRIER_SLACK, SMEM_PER_SM,
     SMEM_RESERVED_PER_CTA, TMA_MAX_BOX, VARIANTS, GemmConfig, OneWave, all_configs, ctas_per_sm, device_sms,
     entry_configs, interpreter_step_k, operand_ring_bytes, output_tiles, select_config, ws_twin,
 )
@@ -235,8 +235,9 @@ def tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: t
     return TensorDescriptor(tensor, shape, strides, box), transposed
 
 
-def _table_pick(op: str, m: int, cols: int, views, device: torch.device, backend: str, segmented: bool) -> GemmConfig:
-    """The table's pick for ``op`` at batch size ``m``, output width ``cols`` on ``device``'s SMs. A "ws" pick runs
+def _table_pick(op: str, m: int, rows: int, cols: int, views, device: torch.device, backend: str,
+                segmented: bool) -> GemmConfig:
+    """The table's pick for ``op`` at batch size ``m``, output ``rows`` x ``cols`` on ``device``'s SMs. A "ws" pick runs
     as its TMA twin where the Gluon kernel cannot (``backend`` not sm_90, or ``segmented``: seg_len segments). When
     an operand is not TMA-addressable (``views``: (view shape, view strides, misalign) of A and B), a "tma3" pick
     gives way to the entry's pick among its other tiles, and a "tma" or "ws" pick runs as the pointer kernel with the
@@ -248,11 +249,13 @@ def _table_pick(op: str, m: int, cols: int, views, device: torch.device, backend
                    for (shape, stride, misalign), blk in zip(views, blocks))
 
     sms = device_sms(device)
-    config = select_config(op, m, cols=cols, sms=sms)
+    config = select_config(op, m, cols=cols, rows=rows, sms=sms)
     if backend != CUDA_SM90 or segmented:
         config = ws_twin(config)
     if config.variant == "tma3" and not addressable(config):  # a 3 x power-of-two tile has no pointer twin
-        config = select_config(op, m, cols=cols, sms=sms, tma3=False)
+        config = select_config(op, m, cols=cols, rows=rows, sms=sms, tma3=False)
+        if backend != CUDA_SM90 or segmented:
+            config = ws_twin(config)
     if config.variant in ("tma", "ws") and not addressable(config):
         config = replace(config, variant="ptr")
     return config
@@ -334,7 +337,7 @@ def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, se
     _check_twin(twin, rows, cols, out_dtype, device)
     if config is None:
         views = ((a_shape, a_stride, x.misalign), (b_shape, b_stride, y.misalign))
-        config = _table_pick(op, reduced if op == "db" else rows, cols, views, device, backend,
+        config = _table_pick(op, reduced if op == "db" else rows, rows, cols, views, device, backend,
                              segmented=seg_len is not None and seg_len != reduced)
     elif not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a GemmConfig or None (the table's pick); got {type(config).__name__} "

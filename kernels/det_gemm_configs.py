@@ -19,7 +19,7 @@ from detkit.kernels.gemm_names import OPS
 # ---------------------------------------------------------------------------------------------
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
-CONFIG_TABLE_VERSION = "2026-12-01.14"
+CONFIG_TABLE_VERSION = "2026-12-01.15"
 
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
 INTERPRETER_MAX_BLOCK_NUMEL = 2**20
@@ -126,6 +126,9 @@ class OneWave:
     # None: as many CTAs per SM as shared memory allows. 1 at the smallest M, where the weight stream is the
     # work and CTAs sharing an SM share its bandwidth.
     max_ctas_per_sm: int | None = None
+    # The pick when no config's grid fits one wave (None: the first): an lm_head's output is many waves of any tile,
+    # where a large tile reads the activations the fewest times.
+    many: GemmConfig | None = None
 
     def __post_init__(self):
         if not self.configs or not all(isinstance(c, GemmConfig) for c in self.configs):
@@ -135,10 +138,16 @@ class OneWave:
                              f"address); got {[c.label() for c in self.configs]}")
         if self.max_ctas_per_sm is not None and (not isinstance(self.max_ctas_per_sm, int) or self.max_ctas_per_sm < 1):
             raise ValueError(f"OneWave.max_ctas_per_sm must be a positive int or None; got {self.max_ctas_per_sm!r}")
+        if self.many is not None and (not isinstance(self.many, GemmConfig) or self.many.variant == "tma3"):
+            raise ValueError(f"OneWave.many must be a GemmConfig with a pointer twin (not 'tma3') or None; got "
+                             f"{self.many!r}")
 
     def choices(self, tma3: bool = True) -> tuple[GemmConfig, ...]:
         """The configs in order; ``tma3=False``: those with a pointer twin only (an operand TMA cannot address)."""
         return tuple(c for c in self.configs if tma3 or c.variant != "tma3")
+
+    def every_config(self) -> tuple[GemmConfig, ...]:
+        return self.configs + (() if self.many is None else (self.many,))
 
     def pick(self, rows: int, cols: int, sms: int, tma3: bool = True) -> GemmConfig:
         configs = self.choices(tma3)
@@ -148,7 +157,78 @@ class OneWave:
                 per_sm = min(per_sm, self.max_ctas_per_sm)
             if output_tiles(config, rows, cols) <= sms * per_sm:
                 return config
-        return configs[0]
+        return configs[0] if self.many is None else self.many
+
+
+@dataclass(frozen=True)
+class FewestWaves:
+    """Large outputs: the config whose grid costs least, counted as waves x tile area / the tile's measured rate
+    (its throughput per output element relative to the widest tile's, where both run full waves), ties to the
+    first. A grid of 192 128x256 tiles is two waves on 132 SMs, the second three-quarters idle; 384 128x128 tiles
+    are three full ones. A narrow output (N = 128: one 128x256 tile per 128 rows, half of it padding) takes small
+    tiles that still fill the SMs. Every config gives the same bits (same K order; the cross-config audit)."""
+
+    rated: tuple[tuple[GemmConfig, float], ...]  # (config, rate), rate in (0, 1]
+
+    def __post_init__(self):
+        if not self.rated or not all(isinstance(c, GemmConfig) and isinstance(r, (int, float)) and 0 < r <= 1
+                                     for c, r in self.rated):
+            raise ValueError(f"FewestWaves needs (GemmConfig, rate in (0, 1]) pairs; got {self.rated!r}")
+        if all(c.variant == "tma3" for c, _ in self.rated):
+            raise ValueError("FewestWaves needs a config that is not 'tma3' (the pick for operands TMA cannot address)")
+
+    @property
+    def configs(self) -> tuple[GemmConfig, ...]:
+        return tuple(c for c, _ in self.rated)
+
+    def every_config(self) -> tuple[GemmConfig, ...]:
+        return self.configs
+
+    def choices(self, tma3: bool = True) -> tuple[GemmConfig, ...]:
+        return tuple(c for c in self.configs if tma3 or c.variant != "tma3")
+
+    def cost(self, config: GemmConfig, rate: float, rows: int, cols: int, sms: int) -> float:
+        per_sm = ctas_per_sm(config)
+        waves = -(-output_tiles(config, rows, cols) // (sms * per_sm))
+        return waves * per_sm * config.block_m * config.block_n / rate
+
+    def pick(self, rows: int, cols: int, sms: int, tma3: bool = True) -> GemmConfig:
+        best = None
+        for config, rate in self.rated:
+            if not tma3 and config.variant == "tma3":
+                continue
+            cost = self.cost(config, rate, rows, cols, sms)
+            if best is None or cost < best[0]:
+                best = (cost, config)
+        return best[1]
+
+
+@dataclass(frozen=True)
+class ByWidth:
+    """An M bucket's entry chosen by the output's width: the first ``(max_cols, entry)`` with cols <= max_cols,
+    else ``wide``. Narrow outputs (an attention's k and v projections: N = 128-1024) have few tiles per row of the
+    grid, so they take narrower tiles than wide ones at the same M."""
+
+    narrow: tuple[tuple[int, "GemmConfig | OneWave"], ...]
+    wide: "GemmConfig | OneWave"
+
+    def __post_init__(self):
+        widths = [w for w, _ in self.narrow]
+        if not self.narrow or widths != sorted(set(widths)) or not all(
+                isinstance(e, (GemmConfig, OneWave)) for _, e in self.narrow) or not isinstance(self.wide,
+                                                                                                (GemmConfig, OneWave)):
+            raise ValueError(f"ByWidth needs increasing (max_cols, GemmConfig | OneWave) pairs and a wide entry; got "
+                             f"{self.narrow!r}, {self.wide!r}")
+
+    def entry(self, cols: int | None):
+        if cols is not None:
+            for max_cols, entry in self.narrow:
+                if cols <= max_cols:
+                    return entry
+        return self.wide
+
+    def every_config(self) -> tuple[GemmConfig, ...]:
+        return tuple(dict.fromkeys(c for _, e in self.narrow + ((0, self.wide),) for c in entry_configs(e)))
 
 
 # (largest M the entry serves, config or OneWave); M is the batch dimension for all three ops (dB's reduced
@@ -186,56 +266,63 @@ _WS_WIDE = GemmConfig(128, 256, 64, 8, 8, 3, "ws")
 # sharing an SM share its bandwidth), else the wide one: within 2% of the best candidate per M (worst case 9%).
 _TINY = OneWave((GemmConfig(16, 32, 128, 1, 4, 6), GemmConfig(16, 64, 128, 1, 4, 6)), max_ctas_per_sm=1)
 _SMALL_32 = OneWave((GemmConfig(64, 32, 128, 1, 4, 4), GemmConfig(64, 64, 128, 1, 4, 4)), max_ctas_per_sm=1)
-CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave], ...]] = {
-    "fwd": (
-        (16, _TINY),
-        (32, _SMALL_32),
-        # M 33-1024: TMA tiles, the first whose grid is one wave (OneWave): within 1% of the best candidate per
-        # M (worst case 6%) over both Qwen3-8B TP=2 shapes and both weight layouts; a fixed tile per M bucket
-        # was 1-9% off (worst 20%), because the best tile depends on the output width.
-        (64, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
-        (128, OneWave((_NARROW_128, _SMALL_128_DEEP, _SMALL_128_2))),
-        (256, OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2))),
-        (1024, OneWave((_MID, _MID_192, _MID_TALL))),
-        (2**31, _WS_WIDE),
-    ),
-    "da": (
-        (16, _TINY),  # as fwd
-        (32, _SMALL_32),
-        (64, OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2))),
-        (128, OneWave((_NARROW_128, _SMALL_128_DEEP, _SMALL_128_2))),
-        (256, OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2))),
-        # M 257-1024 without the 192-wide tile: at M 512 it was 3% ahead on one weight layout and 3% behind on
-        # the other.
-        (1024, OneWave((_MID, _MID_TALL))),
-        (2**31, _WS_WIDE),
-    ),
+# Narrow outputs (k/v projections, N 128-2048): 16 columns per tile give the most CTAs streaming the weight at M <= 256
+# (fwd and dA 10-40% ahead of the wide-output picks at N <= 512, M 1-256).
+_NARROW_16 = GemmConfig(64, 16, 128, 1, 4, 6, "tma")  # 120 KiB: 1 CTA per SM
+# The warp-specialized kernel on a 128x128 tile: the large-M tile where 128x256 tiles leave the last wave partly idle
+# (N 512-1536 at M 2048-16384: 1.00-1.05x cuBLAS against 1.24-1.71x).
+_WS_128 = GemmConfig(128, 128, 64, 8, 8, 5, "ws")  # 160 KiB ring and its store buffer: 1 CTA per SM
+# M > 256 (dB: its reduced M > 64): the cheapest grid in waves x tile area / rate. The rates are each tile's speed
+# relative to 128x256's at full waves, fitted to the H200 sweep of every candidate at the zoo's narrow outputs (fwd and
+# dA M 512-16384, dB M 128-16384; 123 cases): the rule's pick is within 1.005x of the best candidate (geometric mean),
+# 1.09x at worst.
+_LARGE = FewestWaves(((_WS_WIDE, 1.0), (_MID_192, 0.9), (_WS_128, 1.0), (_SMALL_128, 0.6), (_SMALL_64, 0.4),
+                      (_NARROW_16, 0.15)))
+# M <= 256 by output width (fwd and dA alike): the fastest candidate of the sweep per width class and M bucket. Wide
+# outputs keep the one-wave rule; an output no tile fits in one wave (an lm_head) takes a large tile.
+_BY_WIDTH = (
+    (16, ByWidth(((512, _NARROW_16), (1024, _SMALL_64)), _TINY)),
+    (32, ByWidth(((512, _NARROW_16),), _SMALL_32)),
+    (64, ByWidth(((2048, _NARROW_16),), OneWave((_SMALL_64, _SMALL_128, _SMALL_128_2)))),
+    (128, ByWidth(((1024, _NARROW_16), (2048, _SMALL_64)),
+                  OneWave((_NARROW_128, _SMALL_128_DEEP, _SMALL_128_2), many=_MID))),
+    (256, ByWidth(((512, _NARROW_16), (1536, _SMALL_64), (2048, _NARROW_128)),
+                  OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2), many=_WS_WIDE))),
+)
+CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave | ByWidth | FewestWaves], ...]] = {
+    "fwd": (*_BY_WIDTH, (2**31, _LARGE)),
+    "da": (*_BY_WIDTH, (2**31, _LARGE)),
     "db": (
         # M <= 64: a short reduction into a large [K, N] output, where small pointer tiles with a short BLOCK_K
         # keep many CTAs busy: 1.09-1.54x faster than the wide tile at every M swept on both shapes.
         (64, GemmConfig(128, 128, 32, 8, 4, 4)),
-        (2**31, _WS_WIDE),
+        (2**31, _LARGE),
     ),
 }
 
 
-def entry_configs(entry: GemmConfig | OneWave) -> tuple[GemmConfig, ...]:
+def entry_configs(entry) -> tuple[GemmConfig, ...]:
     """The configs one table entry can pick."""
-    return entry.configs if isinstance(entry, OneWave) else (entry,)
+    return (entry,) if isinstance(entry, GemmConfig) else entry.every_config()
 
 
-def select_config(op: str, m: int, *, cols: int | None = None, sms: int = HOPPER_SMS,
+def select_config(op: str, m: int, *, cols: int | None = None, rows: int | None = None, sms: int = HOPPER_SMS,
                   tma3: bool = True) -> GemmConfig:
-    """The pinned config for ``op`` at batch size ``m`` (fwd/dA: output rows; dB: the reduced dim); ``cols``:
-    the output's width, for a OneWave entry on ``sms`` SMs (None: the entry's first choice); ``tma3=False``:
-    a OneWave entry picks among its configs that have a pointer twin. Both weight layouts take the same pick."""
+    """The pinned config for ``op`` at batch size ``m`` (fwd/dA: output rows; dB: the reduced dim); ``cols``,
+    ``rows``: the output's width and height (rows defaults to ``m``; dB's output rows are its K) for the entries that
+    depend on them, on ``sms`` SMs (cols None: an entry's first choice); ``tma3=False``: the pick among configs that
+    have a pointer twin. Both weight layouts take the same pick."""
     if op not in CONFIG_TABLE:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
     for max_m, entry in CONFIG_TABLE[op]:
         if m <= max_m:
-            if isinstance(entry, OneWave):
-                return entry.choices(tma3)[0] if cols is None else entry.pick(m, cols, sms, tma3)
-            return entry
+            if isinstance(entry, ByWidth):
+                entry = entry.entry(cols)
+            if isinstance(entry, GemmConfig):
+                return entry
+            if cols is None:
+                return entry.choices(tma3)[0]
+            return entry.pick(m if rows is None else rows, cols, sms, tma3)
     raise ValueError(f"M={m} exceeds the config table for {op!r}")
 
 

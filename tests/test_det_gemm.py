@@ -11,7 +11,7 @@ import torch
 
 from detkit.audits.gemm_contract import oracle
 from detkit.kernels.det_gemm import (
-    CONFIG_TABLE, LAUNCHERS, GemmConfig, OneWave, all_configs, clear_launch_plans, ctas_per_sm, det_gemm_da,
+    CONFIG_TABLE, LAUNCHERS, ByWidth, FewestWaves, GemmConfig, OneWave, all_configs, clear_launch_plans, ctas_per_sm, det_gemm_da,
     det_gemm_db, det_gemm_fwd, det_gemm_fwd_launch, entry_configs, operand_ring_bytes, output_tiles, select_config,
 )
 from detkit.kernels.backend import check_bf16_matrix
@@ -66,7 +66,8 @@ def test_config_table_is_pinned_and_covers_every_size():
     for op, entries in CONFIG_TABLE.items():
         assert [bound for bound, _ in entries] == sorted(bound for bound, _ in entries)
         assert entries[-1][0] >= 2**31 - 1
-        assert select_config(op, 1) == entry_configs(entries[0][1])[0]
+        first = entries[0][1].wide if isinstance(entries[0][1], ByWidth) else entries[0][1]
+        assert select_config(op, 1) == entry_configs(first)[0]  # no output width: the wide outputs' first choice
         picks = {c for _, e in entries for c in entry_configs(e)}
         assert picks <= set(all_configs(op))  # the audit runs every pick
 
@@ -90,13 +91,43 @@ def test_one_wave_picks_the_first_config_whose_grid_is_resident_at_once():
     assert select_config("fwd", 256, cols=6144, sms=200) == deeper
     assert select_config("fwd", 256, cols=6144, tma3=False) == shallow  # operands TMA cannot address
     assert select_config("fwd", 384, cols=6144) == GemmConfig(128, 192, 64, 8, 8, 4, "tma3")  # 3 x 32 tiles
-    assert select_config("da", 384, cols=6144) == GemmConfig(256, 128, 64, 8, 8, 4, "tma")  # dA: no tma3 there
     with pytest.raises(ValueError, match=r"OneWave needs one or more GemmConfig; got \(\)"):
         OneWave(())
     with pytest.raises(ValueError, match=r"OneWave.max_ctas_per_sm must be a positive int or None; got 0"):
         OneWave((deep,), max_ctas_per_sm=0)
     with pytest.raises(ValueError, match=r"OneWave needs a config that is not 'tma3' .*\['BM64_BN192_BK64_G8_w4_s6_tma3'\]"):
         OneWave((wide3,))
+
+
+def test_narrow_outputs_take_narrow_tiles_below_m_256():
+    narrow16, square64 = GemmConfig(64, 16, 128, 1, 4, 6, "tma"), GemmConfig(64, 64, 128, 1, 4, 6, "tma")
+    for op in ("fwd", "da"):
+        assert select_config(op, 1, cols=128) == narrow16 and select_config(op, 16, cols=1024) == square64
+        assert select_config(op, 1, cols=4096) == GemmConfig(16, 32, 128, 1, 4, 6)  # wide: the one-wave rule
+        assert select_config(op, 64, cols=2048) == narrow16 and select_config(op, 128, cols=2048) == square64
+        assert select_config(op, 256, cols=2048) == GemmConfig(128, 32, 128, 1, 4, 5, "tma")
+    # An lm_head at M 128 / 256: no tile fits one wave; the large tile reads the activations the fewest times.
+    assert select_config("fwd", 128, cols=151936) == GemmConfig(128, 128, 64, 8, 8, 6, "tma")
+    assert select_config("fwd", 256, cols=151936) == GemmConfig(128, 256, 64, 8, 8, 3, "ws")
+    with pytest.raises(ValueError, match="ByWidth needs increasing"):
+        ByWidth(((1024, narrow16), (512, square64)), square64)
+    with pytest.raises(ValueError, match="OneWave.many must be a GemmConfig with a pointer twin"):
+        OneWave((square64,), many=GemmConfig(64, 192, 64, 8, 4, 6, "tma3"))
+
+
+def test_fewest_waves_counts_waves_times_tile_area_over_rate():
+    wide, ws128 = GemmConfig(128, 256, 64, 8, 8, 3, "ws"), GemmConfig(128, 128, 64, 8, 8, 5, "ws")
+    sq64 = GemmConfig(64, 64, 128, 1, 4, 6, "tma")
+    rule = FewestWaves(((wide, 1.0), (ws128, 1.0), (sq64, 0.4)))
+    # N=1536, M=4096: 32 x 6 = 192 wide tiles are 2 waves on 132 SMs (cost 2 x 32768); 384 128x128 tiles 3 (3 x 16384).
+    assert rule.cost(wide, 1.0, 4096, 1536, 132) == 2 * 32768 and rule.cost(ws128, 1.0, 4096, 1536, 132) == 3 * 16384
+    assert rule.pick(4096, 1536, 132) == ws128
+    assert rule.pick(4096, 6144, 132) == wide  # 6 vs 12 waves of half the area: a tie goes to the first
+    assert rule.pick(4096, 128, 132) == sq64  # 128 tiles of 64x64: one wave; 64x64 at rate 0.4 beats 128x128's 32 tiles
+    assert select_config("fwd", 4096, cols=128) == sq64 and select_config("db", 4096, cols=128, rows=4096) == sq64
+    assert select_config("db", 16384, cols=512, rows=4096) == ws128
+    with pytest.raises(ValueError, match=r"FewestWaves needs \(GemmConfig, rate in \(0, 1\]\) pairs"):
+        FewestWaves(((wide, 1.5),))
 
 
 def test_one_wave_capped_at_one_cta_per_sm_at_the_smallest_m():

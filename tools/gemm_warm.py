@@ -37,7 +37,7 @@ def table_pick(op: str, m: int, n: int, k: int):
     from detkit.kernels.det_gemm import HOPPER_SMS, select_config
 
     rows, cols = {"fwd": (m, n), "da": (m, k), "db": (k, n)}[op]
-    return select_config(op, m, cols=cols, sms=HOPPER_SMS)
+    return select_config(op, m, cols=cols, rows=rows, sms=HOPPER_SMS)
 
 
 def bench_specs(ops, kn_shapes, m_values, layouts, extra_configs=()) -> set:
