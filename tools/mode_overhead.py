@@ -7,12 +7,14 @@ mode; ``mode - direct`` is what the mode itself adds (the override's dispatch, t
     python -m tools.mode_overhead --device cuda      # CUDA BF16 with the real det_gemm (host time until queued)
 
 On the CPU the kernels run under the Triton interpreter, whose cost would hide the mode's; the stand-ins
-(``standin_kernels``) replace det_gemm_fwd/da/db, the row mean and the attention kernel with a ``torch.empty`` of
-the right shape, so ``direct`` is the stand-in's own cost and ``mode - direct`` the mode's. On CUDA the real
+(``standin_kernels``) replace det_gemm_fwd/da/db and the attention kernel with a ``torch.empty`` of the right shape
+and the row mean's Triton launch with nothing, so ``direct`` is the stand-in's own cost (for the row mean: its
+wrapper's) and ``mode - direct`` the mode's. On CUDA the real
 kernels run; a call's time is the Python time until its launch is queued (no synchronisation inside the timed
 calls, the queue drained between batches, the GPU work small enough to keep up). Timing: batches of ``--calls``
 calls per variant, interleaved over ``--rounds`` rounds (the mode entered for its variants only), median of the
-per-call means of the batches.
+per-call means of the batches; on the CPU by default in this thread's CPU time (others' load on a shared machine
+does not count), with torch on one thread.
 """
 
 from __future__ import annotations
@@ -57,8 +59,22 @@ def _fake_db(a, dc):
     return a.new_empty((a.shape[1], dc.shape[1]))
 
 
-def _fake_row_mean(x):
-    return x.new_empty(x.shape[0])
+def _fake_kernel(kernel):
+    """A copy of the Triton kernel ``kernel`` (still its class for backend checks) whose launch (``kernel[grid](...)``)
+    does nothing: the output stays as allocated."""
+    import copy
+
+    class Fake(type(kernel)):
+        def __getitem__(self, grid):
+            return _no_launch
+
+    fake = copy.copy(kernel)
+    fake.__class__ = Fake
+    return fake
+
+
+def _no_launch(*args, **kwargs):
+    return None
 
 
 def _fake_attention(q, k, v, *, scale=None, kv_start=None, kv_end=None, configs=None):
@@ -67,7 +83,7 @@ def _fake_attention(q, k, v, *, scale=None, kv_start=None, kv_end=None, configs=
 
 
 STANDINS = {"det_gemm_fwd": _fake_fwd, "det_gemm_da": _fake_da, "det_gemm_db": _fake_db,
-            "row_mean": _fake_row_mean, "attention": _fake_attention}
+            "row_mean_kernel": _fake_kernel, "attention": _fake_attention}
 # Modules whose attributes of those names are the kernels the mode calls (where a module binds them).
 STANDIN_MODULES = ("detkit.kernels.det_gemm", "detkit.kernels.mode_reductions", "detkit.kernels.attention_sdpa",
                    "detkit.kernels.mode_gemm", "detkit.kernels.mode_aten", "detkit.kernels.mode_compile")
@@ -75,8 +91,8 @@ STANDIN_MODULES = ("detkit.kernels.det_gemm", "detkit.kernels.mode_reductions", 
 
 @contextlib.contextmanager
 def standin_kernels():
-    """det_gemm_fwd/da/db, row_mean and the attention kernel replaced by ``torch.empty`` of the right shape, in every
-    module that holds them, for the duration."""
+    """det_gemm_fwd/da/db and the attention kernel replaced by ``torch.empty`` of the right shape and the row mean's
+    launch by nothing, in every module that holds them, for the duration."""
     import importlib
 
     saved = []
@@ -84,8 +100,9 @@ def standin_kernels():
         module = importlib.import_module(module_name)
         for name, fake in STANDINS.items():
             if name in vars(module):
-                saved.append((module, name, vars(module)[name]))
-                setattr(module, name, fake)
+                original = vars(module)[name]
+                saved.append((module, name, original))
+                setattr(module, name, fake(original) if name.endswith("_kernel") else fake)
     try:
         yield
     finally:
@@ -109,6 +126,8 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
         return torch.randn(*shape, device=device).to(dtype)
 
     x, weight, bias, grad = randn(m, k), randn(n, k), randn(n), randn(m, n)
+    m_db = max(m, 16)  # grad_weight reduces over M: at M = 1 it is a product over one element (the exact K=1 route)
+    x_db, grad_db = randn(m_db, k), randn(m_db, n)
     wt = weight.t()  # the Linear's [K, N] view: the forward's second operand
     ba, bb = randn(batch, m, 64), randn(batch, 64, m)
     rms = randn(m, k, dtype=torch.float32)
@@ -120,8 +139,8 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
              lambda: dg.det_gemm_fwd(x, wt) + bias),
         Case("mm dA (grad_input)", f"[{m},{n}]@[{n},{k}]", lambda: torch.mm(grad, weight),
              lambda: dg.det_gemm_da(grad, weight.t())),
-        Case("mm dB (grad_weight)", f"[{m},{n}].t()@[{m},{k}]", lambda: torch.mm(grad.t(), x),
-             lambda: dg.det_gemm_db(grad, x)),
+        Case("mm dB (grad_weight)", f"[{m_db},{n}].t()@[{m_db},{k}]", lambda: torch.mm(grad_db.t(), x_db),
+             lambda: dg.det_gemm_db(grad_db, x_db)),
         Case("bmm", f"[{batch},{m},64]@[{batch},64,{m}]", lambda: torch.bmm(ba, bb),
              lambda: [dg.det_gemm_da(ba[i], bb[i].t()) for i in range(batch)]),
         Case("mean.dim (RMSNorm, fp32)", f"[{m},{k}].mean(-1)", lambda: rms.mean(-1, keepdim=True),
@@ -149,17 +168,17 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-def _batch_us(fn, calls: int, sync) -> float:
+def _batch_us(fn, calls: int, sync, clock) -> float:
     sync()
-    start = time.perf_counter()
+    start = clock()
     for _ in range(calls):
         fn()
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     sync()
     return elapsed / calls * 1e6
 
 
-def measure(cases: list[Case], calls: int, rounds: int, sync, warmup: int = 3) -> list[dict]:
+def measure(cases: list[Case], calls: int, rounds: int, sync, clock=time.perf_counter, warmup: int = 3) -> list[dict]:
     """Median µs per call of each case's torch op outside the mode, its direct detkit calls, and the op in the mode;
     the variants interleaved round by round."""
     import detkit
@@ -168,12 +187,12 @@ def measure(cases: list[Case], calls: int, rounds: int, sync, warmup: int = 3) -
     for r in range(warmup + rounds):
         for c in cases:
             for variant, fn in (("torch", c.torch_call), ("direct", c.direct_call)):
-                t = _batch_us(fn, calls, sync)
+                t = _batch_us(fn, calls, sync, clock)
                 if r >= warmup:
                     samples[(c.name, variant)].append(t)
         with detkit.batch_invariant_mode(strict=True):  # strict: a call the mode does not route fails the tool
             for c in cases:
-                t = _batch_us(c.torch_call, calls, sync)
+                t = _batch_us(c.torch_call, calls, sync, clock)
                 if r >= warmup:
                     samples[(c.name, "mode")].append(t)
     rows = []
@@ -248,6 +267,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4, help="bmm elements")
     parser.add_argument("--calls", type=int, default=200, help="calls per timed batch")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--clock", choices=["thread", "wall"], default=None,
+                        help="thread: this thread's CPU time (default on the CPU: robust to a shared machine; torch runs "
+                             "one thread); wall: elapsed time (default on CUDA)")
     parser.add_argument("--profile", action="store_true", help="also cProfile a tiny Qwen3 decode step in the mode")
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--profile-top", type=int, default=30)
@@ -263,6 +285,10 @@ def main(argv=None) -> int:
     from tabulate import tabulate
 
     device = torch.device(args.device)
+    clock_name = args.clock or ("thread" if device.type == "cpu" else "wall")
+    clock = time.thread_time if clock_name == "thread" else time.perf_counter
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # every variant's work on this thread, which the thread clock sees
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible")
     k = args.k or (256 if device.type == "cpu" else 4096)
@@ -277,11 +303,11 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     stand_in = device.type == "cpu"
     with standin_kernels() if stand_in else contextlib.nullcontext():
-        rows = measure(cases, args.calls, args.rounds, sync)
+        rows = measure(cases, args.calls, args.rounds, sync, clock)
         profile = profile_decode(device, args.profile_steps, args.profile_top, args.layers) if args.profile else None
     kernels = "stand-in kernels (torch.empty)" if stand_in else "real kernels (host time until queued)"
     title = (f"batch-invariant mode, host time per call on {device.type.upper()} BF16, {kernels}; torch "
-             f"{torch.__version__}; median of {args.rounds} rounds x {args.calls} calls")
+             f"{torch.__version__}; {clock_name} clock, median of {args.rounds} rounds x {args.calls} calls")
     print(title)
     print(tabulate(rows, headers={"op": "op", "shape": "shape", "torch_us": "torch (us)",
                                   "direct_us": "detkit direct (us)", "mode_us": "in mode (us)",
