@@ -71,8 +71,8 @@ def _launcher(rows: int, h: int, stride_r: int, dtype: torch.dtype, device: torc
     interpreted = backend == TRITON_INTERPRETER
     block_r = 16 if interpreted else 1
     grid = (triton.cdiv(rows, block_r),)
-    values = dict(R=rows, H=h, stride_xr=stride_r, BLOCK_R=block_r, BLOCK_H=block_h(h), OUT_BF16=dtype == torch.bfloat16,
-                  INTERPRETED=interpreted)
+    values = dict(R=rows, H=h, stride_xr=stride_r, BLOCK_R=block_r, BLOCK_H=block_h(h),
+                  OUT_BF16=dtype == torch.bfloat16, INTERPRETED=interpreted)
     if interpreted:
         def launch(x):
             out = torch.empty(out_shape, dtype=dtype, device=device)

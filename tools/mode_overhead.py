@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import importlib.util
 import io
 import json
 import os
@@ -93,7 +94,6 @@ STANDIN_MODULES = ("detkit.kernels.det_gemm", "detkit.kernels.mode_reductions", 
 def standin_kernels():
     """det_gemm_fwd/da/db and the attention kernel replaced by ``torch.empty`` of the right shape and the row mean's
     launch by nothing, in every module that holds them, for the duration."""
-    import importlib
 
     saved = []
     for module_name in STANDIN_MODULES:
@@ -150,7 +150,6 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
              lambda: attention_sdpa.sdpa(q, kv, kv, enable_gqa=True)),
     ]
     if with_transformers:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.modeling_utils import AttentionInterface
 
         class _Module(torch.nn.Module):  # what transformers' attention functions read of the layer
@@ -161,7 +160,6 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
         cases.append(Case("attention (transformers, decode)", "q [1,8,1,64], kv [1,4,32,64]",
                           lambda: AttentionInterface._global_mapping["sdpa"](module, q, kv, kv, None, scaling=0.125),
                           lambda: attention_sdpa.hf_attention_forward(module, q, kv, kv, None, scaling=0.125)))
-        del sdpa_attention_forward
     return cases
 
 
@@ -180,23 +178,36 @@ def _batch_us(fn, calls: int, sync, clock) -> float:
 
 def measure(cases: list[Case], calls: int, rounds: int, sync, clock=time.perf_counter, warmup: int = 3) -> list[dict]:
     """Median µs per call of each case's torch op outside the mode, its direct detkit calls, and the op in the mode;
-    the variants interleaved round by round."""
+    the variants interleaved round by round. A case whose call raises (in the mode: strict, so a call the mode does
+    not route raises) gets its error in its row and is not timed further."""
     import detkit
 
     samples = {(c.name, v): [] for c in cases for v in ("torch", "direct", "mode")}
+    errors: dict[str, str] = {}
+
+    def timed(c: Case, variant: str, fn, r: int) -> None:
+        if c.name in errors:
+            return
+        try:
+            t = _batch_us(fn, calls, sync, clock)
+        except Exception as exc:  # reported in the row: the other cases still run
+            errors[c.name] = f"{variant}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            return
+        if r >= warmup:
+            samples[(c.name, variant)].append(t)
+
     for r in range(warmup + rounds):
         for c in cases:
-            for variant, fn in (("torch", c.torch_call), ("direct", c.direct_call)):
-                t = _batch_us(fn, calls, sync, clock)
-                if r >= warmup:
-                    samples[(c.name, variant)].append(t)
-        with detkit.batch_invariant_mode(strict=True):  # strict: a call the mode does not route fails the tool
+            timed(c, "torch", c.torch_call, r)
+            timed(c, "direct", c.direct_call, r)
+        with detkit.batch_invariant_mode(strict=True):
             for c in cases:
-                t = _batch_us(c.torch_call, calls, sync, clock)
-                if r >= warmup:
-                    samples[(c.name, "mode")].append(t)
+                timed(c, "mode", c.torch_call, r)
     rows = []
     for c in cases:
+        if c.name in errors:
+            rows.append({"op": c.name, "shape": c.shape, "error": errors[c.name]})
+            continue
         med = {v: statistics.median(samples[(c.name, v)]) for v in ("torch", "direct", "mode")}
         rows.append({"op": c.name, "shape": c.shape, "torch_us": med["torch"], "direct_us": med["direct"],
                      "mode_us": med["mode"], "mode_minus_direct_us": med["mode"] - med["direct"]})
@@ -218,9 +229,9 @@ def tiny_qwen3(device, layers: int = 4):
     return Qwen3ForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
 
 
-def profile_decode(device, steps: int, top: int, layers: int) -> str:
-    """cProfile of ``steps`` decode steps (one token, KV cache) of ``tiny_qwen3`` in the mode: the totals per step
-    and the functions with the most own time."""
+def profile_decode(device, steps: int, top: int, layers: int, clock=time.perf_counter, sync=lambda: None) -> str:
+    """``steps`` decode steps (one token, KV cache) of ``tiny_qwen3`` in the mode: the time per step (``clock``),
+    then under cProfile the totals per step and the functions with the most own time."""
     import torch
     from transformers import DynamicCache
 
@@ -234,6 +245,12 @@ def profile_decode(device, steps: int, top: int, layers: int) -> str:
         token = ids[:, -1:]
         for _ in range(3):  # warm: plans, caches, first-call imports
             model(token, past_key_values=cache, use_cache=True)
+        sync()
+        start = clock()
+        for _ in range(steps):
+            model(token, past_key_values=cache, use_cache=True)
+        sync()
+        step_us = (clock() - start) / steps * 1e6
         detkit.reset_mode_counters()
         profiler = cProfile.Profile()
         start = time.perf_counter()
@@ -247,8 +264,8 @@ def profile_decode(device, steps: int, top: int, layers: int) -> str:
     out = io.StringIO()
     routed = sum(counters["routed"].values()) // steps
     out.write(f"decode step of a {layers}-layer Qwen3 (hidden 256) in the mode, stand-in kernels: "
-              f"{stats.total_calls / steps:.0f} Python function calls and {routed} routed ops per step, "
-              f"{wall:.0f} us per step under cProfile\n")
+              f"{stats.total_calls / steps:.0f} Python function calls and {routed} routed ops per step; "
+              f"{step_us:.0f} us per step ({wall:.0f} us under cProfile)\n")
     out.write(f"routed per step: { {k: v // steps for k, v in counters['routed'].items()} }\n")
     stats.stream = out
     stats.sort_stats("tottime").print_stats(top)
@@ -268,8 +285,8 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=200, help="calls per timed batch")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--clock", choices=["thread", "wall"], default=None,
-                        help="thread: this thread's CPU time (default on the CPU: robust to a shared machine; torch runs "
-                             "one thread); wall: elapsed time (default on CUDA)")
+                        help="thread: this thread's CPU time (default on the CPU: robust to a shared machine; torch "
+                             "runs one thread); wall: elapsed time (default on CUDA)")
     parser.add_argument("--profile", action="store_true", help="also cProfile a tiny Qwen3 decode step in the mode")
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--profile-top", type=int, default=30)
@@ -293,25 +310,21 @@ def main(argv=None) -> int:
         parser.error("--device cuda: no CUDA device visible")
     k = args.k or (256 if device.type == "cpu" else 4096)
     n = args.n or (256 if device.type == "cpu" else 4096)
-    try:
-        import transformers  # noqa: F401
-
-        with_transformers = True
-    except ModuleNotFoundError:
-        with_transformers = False
+    with_transformers = importlib.util.find_spec("transformers") is not None
     cases = build_cases(device, args.m, k, n, args.batch, with_transformers)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     stand_in = device.type == "cpu"
     with standin_kernels() if stand_in else contextlib.nullcontext():
         rows = measure(cases, args.calls, args.rounds, sync, clock)
-        profile = profile_decode(device, args.profile_steps, args.profile_top, args.layers) if args.profile else None
+        profile = (profile_decode(device, args.profile_steps, args.profile_top, args.layers, clock, sync)
+                   if args.profile else None)
     kernels = "stand-in kernels (torch.empty)" if stand_in else "real kernels (host time until queued)"
     title = (f"batch-invariant mode, host time per call on {device.type.upper()} BF16, {kernels}; torch "
              f"{torch.__version__}; {clock_name} clock, median of {args.rounds} rounds x {args.calls} calls")
     print(title)
     print(tabulate(rows, headers={"op": "op", "shape": "shape", "torch_us": "torch (us)",
                                   "direct_us": "detkit direct (us)", "mode_us": "in mode (us)",
-                                  "mode_minus_direct_us": "mode - direct (us)"},
+                                  "mode_minus_direct_us": "mode - direct (us)", "error": "error"},
                    tablefmt="github", floatfmt=".1f"))
     if profile:
         print()
