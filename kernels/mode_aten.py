@@ -63,7 +63,7 @@ def _mean_plan(x: torch.Tensor, dim, keepdim: bool, dtype, op: str):
         except RuntimeError:
             reason = "leading dims not viewable as one row dim"
     if reason is not None:
-        return mode_gemm._refusal(op, reason)
+        return mode_gemm.refusal_plan(op, reason)
     launch, counted, state = mode_reductions.last_dim_launcher(x, keepdim), (op, "row_mean"), mode_state.STATE
 
     def plan(x):

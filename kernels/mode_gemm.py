@@ -165,7 +165,8 @@ def clear_plans() -> None:
     _PLANS.clear()
 
 
-def _refusal(op: str, reason: str):
+def refusal_plan(op: str, reason: str):
+    """The plan of a signature the mode does not route: counted with ``reason`` (or raised under strict) per call."""
     def plan(*operands):
         mode_state.not_routed(op, reason)  # counts, or raises under strict: per call
         return None
@@ -248,7 +249,7 @@ def _mm_plan(a: torch.Tensor, b: torch.Tensor, op: str):
         return _k1_plan(op)
     reason = operands_reason(a, b)
     if reason is not None:
-        return _refusal(op, reason)
+        return refusal_plan(op, reason)
     if _empty(a, b):
         return _zeros_plan(op, (a.shape[0], b.shape[1]))
     return _gemm_plan(op, route_of(a, b))
@@ -259,7 +260,7 @@ def _bmm_plan(a: torch.Tensor, b: torch.Tensor, op: str):
         return _k1_plan(op)
     reason = operands_reason(a, b)
     if reason is not None:
-        return _refusal(op, reason)
+        return refusal_plan(op, reason)
     if _empty(a, b):
         return _zeros_plan(op, (a.shape[0], a.shape[1], b.shape[2]))
     return _batched_plan(op, route_of(a[0], b[0]))
@@ -303,7 +304,7 @@ def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1,
     if plan is None:
         reason = operands_reason(bias, a, b)
         if reason is not None:
-            plan = _refusal(op, reason)
+            plan = refusal_plan(op, reason)
         elif _empty(a, b):
             plan = _with_bias(_zeros_plan(op, (a.shape[0], b.shape[1])), beta_one)
         else:
@@ -322,6 +323,6 @@ def baddbmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=
     plan = _PLANS.get(key)
     if plan is None:
         reason = operands_reason(bias, a, b)
-        plan = _remember(key, _refusal(op, reason) if reason is not None
+        plan = _remember(key, refusal_plan(op, reason) if reason is not None
                          else _with_bias(_bmm_plan(a, b, op), beta_one))
     return plan(bias, a, b)
