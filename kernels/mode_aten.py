@@ -23,6 +23,7 @@ import torch
 from detkit.kernels import mode_gemm, mode_reductions, mode_state
 
 aten = torch.ops.aten
+_PLANS = mode_gemm._PLANS
 DISPATCH_KEYS = ("CPU", "CUDA")
 
 _LIBRARY: torch.library.Library | None = None
@@ -54,42 +55,56 @@ def torch_mean(x, dim, keepdim=False, dtype=None):
     return aten.mean.out(x, dim, keepdim, dtype=dtype, out=_empty_like_out(x, dtype))
 
 
-def row_mean_dim(x: torch.Tensor, dim, keepdim: bool = False, dtype=None, op: str = "mean.dim") -> torch.Tensor | None:
-    """``x.mean(dim, keepdim)`` over the last dim on ``row_mean``, or None (counted) when not routed."""
+def _mean_plan(x: torch.Tensor, dim, keepdim: bool, dtype, op: str):
     reason = mode_reductions.last_dim_reason(x, dim, keepdim, dtype) or mode_gemm.device_reason(x.device)
-    rows = None
     if reason is None:
         try:
-            rows = x.view(-1, x.shape[-1])
+            x.view(-1, x.shape[-1])
         except RuntimeError:
             reason = "leading dims not viewable as one row dim"
     if reason is not None:
-        mode_state.not_routed(op, reason)
-        return None
-    out = mode_reductions.row_mean(rows)
-    mode_state.routed(op, "row_mean")
-    shape = (*x.shape[:-1], 1) if keepdim else x.shape[:-1]
-    return out.view(shape)
+        return mode_gemm.refusal_plan(op, reason)
+    launch, counted, state = mode_reductions.last_dim_launcher(x, keepdim), (op, "row_mean"), mode_state.STATE
+
+    def plan(x):
+        out = launch(x)
+        with state.lock:
+            state.routed[counted] += 1
+        return out
+    return plan
+
+
+def row_mean_dim(x: torch.Tensor, dim, keepdim: bool = False, dtype=None, op: str = "mean.dim") -> torch.Tensor | None:
+    """``x.mean(dim, keepdim)`` over the last dim on ``row_mean``, or None (counted) when not routed. The decision
+    is made once per signature (``mode_gemm``'s plans)."""
+    key = (op, x.dtype, x.device, x.shape, x.stride(), tuple(dim) if isinstance(dim, list) else dim, keepdim, dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = mode_gemm._remember(key, _mean_plan(x, dim, keepdim, dtype, op))
+    return plan(x)
 
 
 # The aten kernels (schemas as aten declares them).
+_gemm_mm, _gemm_addmm, _gemm_bmm, _gemm_baddbmm = mode_gemm.mm, mode_gemm.addmm, mode_gemm.bmm, mode_gemm.baddbmm
+
+
 def _mm(self, mat2):
-    out = mode_gemm.mm(self, mat2)
+    out = _gemm_mm(self, mat2)
     return torch_mm(self, mat2) if out is None else out
 
 
 def _addmm(self, mat1, mat2, *, beta=1, alpha=1):
-    out = mode_gemm.addmm(self, mat1, mat2, beta, alpha)
+    out = _gemm_addmm(self, mat1, mat2, beta, alpha)
     return torch_addmm(self, mat1, mat2, beta, alpha) if out is None else out
 
 
 def _bmm(self, mat2):
-    out = mode_gemm.bmm(self, mat2)
+    out = _gemm_bmm(self, mat2)
     return torch_bmm(self, mat2) if out is None else out
 
 
 def _baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
-    out = mode_gemm.baddbmm(self, batch1, batch2, beta, alpha)
+    out = _gemm_baddbmm(self, batch1, batch2, beta, alpha)
     return torch_baddbmm(self, batch1, batch2, beta, alpha) if out is None else out
 
 

@@ -55,12 +55,31 @@ _saved_hf_sdpa = None
 
 def attention_module():
     """``detkit.kernels.attention``, or None while it does not exist (any other import error propagates)."""
+    module = sys.modules.get(ATTENTION_MODULE)  # the per-call path: imported already
+    if module is not None:
+        return module
     try:
         return importlib.import_module(ATTENTION_MODULE)
     except ModuleNotFoundError as exc:
         if exc.name in (ATTENTION_MODULE, "detkit.kernels"):
             return None
         raise
+
+
+_resolved: tuple = (None, {})  # (module, {name: function}): the interface functions of the module last seen
+
+
+def _function(module, name: str):
+    """``getattr(module, name)``, remembered while ``module`` stays the attention module (its names resolve through
+    a module ``__getattr__``, an import lookup per access otherwise)."""
+    global _resolved
+    seen, functions = _resolved
+    if seen is not module:
+        _resolved = seen, functions = module, {}
+    function = functions.get(name)
+    if function is None:
+        function = functions[name] = getattr(module, name)
+    return function
 
 
 def _mask_reason(query: torch.Tensor, attn_mask) -> str | None:
@@ -80,15 +99,16 @@ def sdpa_route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     if module is None:
         reason = NO_KERNEL
     else:
-        reason = module.sdpa_unsupported_reason(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        reason = _function(module, "sdpa_unsupported_reason")(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa)
         reason = reason or _mask_reason(query, attn_mask)
     if reason is not None:
         mode_state.not_routed(SDPA_OP, reason)
         return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa)
-    out = module.sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                      scale=scale, enable_gqa=enable_gqa)
+    out = _function(module, "sdpa")(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                    scale=scale, enable_gqa=enable_gqa)
     mode_state.routed(SDPA_OP, KERNEL)
     return out
 
@@ -109,7 +129,7 @@ def transformers_sdpa_route(module, query, key, value, attention_mask, **kwargs)
     reason = NO_KERNEL
     if attention is not None:
         try:
-            out = attention.hf_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            out = _function(attention, "hf_attention_forward")(module, query, key, value, attention_mask, **kwargs)
         except NotImplementedError as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         else:
@@ -129,7 +149,7 @@ def detkit_attention(module, query, key, value, attention_mask, **kwargs):
     attention = attention_module()
     if attention is None:
         raise NotImplementedError(f"attn_implementation='detkit': {NO_KERNEL}")
-    out = attention.hf_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = _function(attention, "hf_attention_forward")(module, query, key, value, attention_mask, **kwargs)
     mode_state.routed(HF_OP, KERNEL)
     return out
 

@@ -34,6 +34,7 @@ import torch
 
 from detkit.kernels import mode_state
 from detkit.kernels.backend import MAX_INT32_OFFSET, kernel_is_interpreted
+from detkit.kernels.det_gemm import det_gemm_da, det_gemm_db, det_gemm_fwd
 
 EMPTY = "exact (empty)"
 K1 = "exact (K=1)"
@@ -100,17 +101,27 @@ def route_of(a: torch.Tensor, b: torch.Tensor) -> str:
     return "det_gemm_da"
 
 
+def _fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return det_gemm_fwd(a, b)
+
+
+def _da(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return det_gemm_da(a, b.t())
+
+
+def _db(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return det_gemm_db(a.t(), b)
+
+
+_RUNS = {"det_gemm_fwd": _fwd, "det_gemm_da": _da, "det_gemm_db": _db}
+
+
 def run_route(route: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` [M, N] in BF16 on det_gemm through ``route`` (no copies: views only)."""
-    from detkit.kernels.det_gemm import det_gemm_da, det_gemm_db, det_gemm_fwd
-
-    if route == "det_gemm_fwd":
-        return det_gemm_fwd(a, b)
-    if route == "det_gemm_da":
-        return det_gemm_da(a, b.t())
-    if route == "det_gemm_db":
-        return det_gemm_db(a.t(), b)
-    raise ValueError(f"route {route!r} is not supported; supported: {ROUTES}")
+    run = _RUNS.get(route)
+    if run is None:
+        raise ValueError(f"route {route!r} is not supported; supported: {ROUTES}")
+    return run(a, b)
 
 
 def scalars_reason(beta, alpha) -> str | None:
@@ -123,80 +134,195 @@ def _empty(*tensors: torch.Tensor) -> bool:
     return any(t.numel() == 0 for t in tensors)
 
 
+def _k1(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a @ b`` reduces over one element (2-D or batched, one dtype and device, not empty): the elementwise
+    product is what any GEMM computes there (one product per element, rounded once)."""
+    return a.shape[-1] == 1 and a.dtype == b.dtype and a.device == b.device and not _empty(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans. Every decision above depends on the operands' signature alone -- dtype, device, shape, strides (and
+# for addmm / baddbmm whether beta is 1) -- never on their values or addresses. So each op keeps a plan per
+# signature: a function ``plan(*operands) -> Tensor | None`` that does only the per-call work (the det_gemm call,
+# the count) and returns None (after counting why, or raising under strict) when the call is not routed. The
+# strict check stays per call (strict changes with the mode's entries); det_gemm does its own per-signature
+# checks once per signature too and its per-tensor checks on every call.
+# ---------------------------------------------------------------------------------------------
+MAX_PLANS = 4096  # signatures remembered (all ops); past it the table starts over (dynamic shapes)
+_PLANS: dict[tuple, object] = {}
+_STATE = mode_state.STATE
+
+
+def _remember(key: tuple, plan):
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def clear_plans() -> None:
+    """Forget every routing plan (rebuilt on the next calls)."""
+    _PLANS.clear()
+
+
+def refusal_plan(op: str, reason: str):
+    """The plan of a signature the mode does not route: counted with ``reason`` (or raised under strict) per call."""
+    def plan(*operands):
+        mode_state.not_routed(op, reason)  # counts, or raises under strict: per call
+        return None
+    return plan
+
+
+def _k1_plan(op: str):
+    counted = (op, K1)
+
+    def plan(a, b):
+        out = a * b
+        with _STATE.lock:
+            _STATE.routed[counted] += 1
+        return out
+    return plan
+
+
+def _zeros_plan(op: str, shape: tuple[int, ...]):
+    counted = (op, EMPTY)
+
+    def plan(a, b):
+        with _STATE.lock:
+            _STATE.routed[counted] += 1
+        return a.new_zeros(shape)
+    return plan
+
+
+def _gemm_plan(op: str, route: str):
+    """``a @ b`` of 2-D operands the mode takes on det_gemm through ``route``, counted."""
+    counted = (op, route)
+    # One body per route (no route dispatch per call); each looks det_gemm up at call time.
+    if route == "det_gemm_fwd":
+        def plan(a, b):
+            out = det_gemm_fwd(a, b)
+            with _STATE.lock:
+                _STATE.routed[counted] += 1
+            return out
+    elif route == "det_gemm_da":
+        def plan(a, b):
+            out = det_gemm_da(a, b.t())
+            with _STATE.lock:
+                _STATE.routed[counted] += 1
+            return out
+    else:
+        def plan(a, b):
+            out = det_gemm_db(a.t(), b)
+            with _STATE.lock:
+                _STATE.routed[counted] += 1
+            return out
+    return plan
+
+
+def _batched_plan(op: str, route: str):
+    """One det_gemm per batch element through ``route`` (one layout for every element: the batch stride is
+    shared), stacked into a new [B, M, N] tensor; counted once per call."""
+    counted, run = (op, route), _RUNS[route]
+
+    def plan(a, b):
+        out = torch.stack([run(x, y) for x, y in zip(a.unbind(0), b.unbind(0))])
+        with _STATE.lock:
+            _STATE.routed[counted] += 1
+        return out
+    return plan
+
+
+def _with_bias(gemm, beta_one: bool):
+    """addmm / baddbmm: the GEMM's BF16 result, then ``+ input`` in BF16 (beta 1; one rounding, elementwise, so no
+    batch dependence) or nothing (beta 0)."""
+    if not beta_one:
+        return lambda bias, a, b: gemm(a, b)
+
+    def plan(bias, a, b):
+        out = gemm(a, b)
+        return None if out is None else out + bias
+    return plan
+
+
+def _mm_plan(a: torch.Tensor, b: torch.Tensor, op: str):
+    if _k1(a, b):
+        return _k1_plan(op)
+    reason = operands_reason(a, b)
+    if reason is not None:
+        return refusal_plan(op, reason)
+    if _empty(a, b):
+        return _zeros_plan(op, (a.shape[0], b.shape[1]))
+    return _gemm_plan(op, route_of(a, b))
+
+
+def _bmm_plan(a: torch.Tensor, b: torch.Tensor, op: str):
+    if _k1(a, b):
+        return _k1_plan(op)
+    reason = operands_reason(a, b)
+    if reason is not None:
+        return refusal_plan(op, reason)
+    if _empty(a, b):
+        return _zeros_plan(op, (a.shape[0], a.shape[1], b.shape[2]))
+    return _batched_plan(op, route_of(a[0], b[0]))
+
+
 # ---------------------------------------------------------------------------------------------
 # The computations, shared by the eager aten overrides and the compiled-graph ops. Each returns
 # None when it did not route (the caller runs torch's kernel), after counting why.
 # ---------------------------------------------------------------------------------------------
-def _k1_product(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor | None:
-    """``a @ b`` when the reduced dim is 1 (2-D or batched, one dtype and device): the elementwise product, which
-    is what any GEMM computes there (one product per element, rounded once)."""
-    if a.shape[-1] != 1 or a.dtype != b.dtype or a.device != b.device or _empty(a, b):
-        return None
-    mode_state.routed(op, K1)
-    return a * b
-
-
-def _gemm(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor:
-    """``a @ b`` of operands the mode takes (checked by the caller) on det_gemm, counted."""
-    if _empty(a, b):
-        mode_state.routed(op, EMPTY)
-        return a.new_zeros((a.shape[0], b.shape[1]))
-    route = route_of(a, b)
-    out = run_route(route, a, b)
-    mode_state.routed(op, route)
-    return out
-
-
 def mm(a: torch.Tensor, b: torch.Tensor, op: str = "mm") -> torch.Tensor | None:
-    exact = _k1_product(a, b, op)
-    if exact is not None:
-        return exact
-    reason = operands_reason(a, b)
-    if reason is not None:
-        mode_state.not_routed(op, reason)
-        return None
-    return _gemm(a, b, op)
+    key = (op, a.dtype, b.dtype, a.device, b.device, a.shape, b.shape, a.stride(), b.stride())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _remember(key, _mm_plan(a, b, op))
+    return plan(a, b)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, op: str = "bmm") -> torch.Tensor | None:
+    key = (op, a.dtype, b.dtype, a.device, b.device, a.shape, b.shape, a.stride(), b.stride())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _remember(key, _bmm_plan(a, b, op))
+    return plan(a, b)
+
+
+def _refuse_scalars(op: str, bias, a, b, beta, alpha) -> None:
+    """addmm / baddbmm with scalars the mode does not take (never cached: they are rare, and their reason names
+    the values as given)."""
+    mode_state.not_routed(op, operands_reason(bias, a, b) or scalars_reason(beta, alpha))
+    return None
 
 
 def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1,
           op: str = "addmm") -> torch.Tensor | None:
-    reason = operands_reason(bias, a, b) or scalars_reason(beta, alpha)
-    if reason is not None:
-        mode_state.not_routed(op, reason)
-        return None
-    out = _gemm(a, b, op)
-    if beta == 1:
-        out = out + bias  # one BF16 rounding of (gemm + bias), elementwise: no batch dependence
-    return out
-
-
-def bmm(a: torch.Tensor, b: torch.Tensor, op: str = "bmm") -> torch.Tensor | None:
-    exact = _k1_product(a, b, op)
-    if exact is not None:
-        return exact
-    reason = operands_reason(a, b)
-    if reason is not None:
-        mode_state.not_routed(op, reason)
-        return None
-    batch, m, n = a.shape[0], a.shape[1], b.shape[2]
-    if _empty(a, b):
-        mode_state.routed(op, EMPTY)
-        return a.new_zeros((batch, m, n))
-    route = route_of(a[0], b[0])  # one layout for every element: the batch stride is shared
-    out = torch.empty((batch, m, n), dtype=a.dtype, device=a.device)
-    for i in range(batch):
-        out[i] = run_route(route, a[i], b[i])
-    mode_state.routed(op, route, calls=1)
-    return out
+    if alpha != 1 or beta not in (0, 1):
+        return _refuse_scalars(op, bias, a, b, beta, alpha)
+    beta_one = beta == 1
+    key = (op, beta_one, bias.dtype, a.dtype, b.dtype, bias.device, a.device, b.device, bias.shape, a.shape, b.shape,
+           bias.stride(), a.stride(), b.stride())
+    plan = _PLANS.get(key)
+    if plan is None:
+        reason = operands_reason(bias, a, b)
+        if reason is not None:
+            plan = refusal_plan(op, reason)
+        elif _empty(a, b):
+            plan = _with_bias(_zeros_plan(op, (a.shape[0], b.shape[1])), beta_one)
+        else:
+            plan = _with_bias(_gemm_plan(op, route_of(a, b)), beta_one)
+        plan = _remember(key, plan)
+    return plan(bias, a, b)
 
 
 def baddbmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1,
             op: str = "baddbmm") -> torch.Tensor | None:
-    reason = operands_reason(bias, a, b) or scalars_reason(beta, alpha)
-    if reason is not None:
-        mode_state.not_routed(op, reason)
-        return None
-    out = bmm(a, b, op=op)
-    if beta == 1:
-        out = out + bias
-    return out
+    if alpha != 1 or beta not in (0, 1):
+        return _refuse_scalars(op, bias, a, b, beta, alpha)
+    beta_one = beta == 1
+    key = (op, beta_one, bias.dtype, a.dtype, b.dtype, bias.device, a.device, b.device, bias.shape, a.shape, b.shape,
+           bias.stride(), a.stride(), b.stride())
+    plan = _PLANS.get(key)
+    if plan is None:
+        reason = operands_reason(bias, a, b)
+        plan = _remember(key, refusal_plan(op, reason) if reason is not None
+                         else _with_bias(_bmm_plan(a, b, op), beta_one))
+    return plan(bias, a, b)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from detkit.kernels.backend import TRITON_INTERPRETER, resolve_backend
+from detkit.kernels.backend import TRITON_INTERPRETER, DirectLaunch, resolve_backend_of_devices
 from detkit.kernels.det_gemm import fp32_to_bf16_rtne
 
 MAX_BLOCK_H = 1024
@@ -59,24 +59,79 @@ def row_mean_kernel(x_ptr, out_ptr, R, H, stride_xr, BLOCK_R: tl.constexpr, BLOC
     tl.store(out_ptr + rows, out, mask=row_mask)
 
 
-def row_mean(x: torch.Tensor) -> torch.Tensor:
-    """The mean of each row of ``x`` [R, H] (last dim contiguous) -> [R], in x's dtype."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
+MAX_PLANS = 1024  # launch plans remembered; past it the table starts over
+_PLANS: dict[tuple, object] = {}
+
+
+def _launcher(rows: int, h: int, stride_r: int, dtype: torch.dtype, device: torch.device, out_shape: tuple[int, ...]):
+    """The launch of ``row_mean_kernel`` for one signature: ``launch(x) -> out``, where x's data holds ``rows`` rows
+    of ``h`` contiguous elements ``stride_r`` apart (a tensor of any rank: the kernel reads its data pointer) and
+    ``out`` is a new contiguous tensor of ``out_shape`` (``rows`` elements). Checked by the caller."""
+    backend = resolve_backend_of_devices(row_mean_kernel, {"x": device})
+    interpreted = backend == TRITON_INTERPRETER
+    block_r = 16 if interpreted else 1
+    grid = (triton.cdiv(rows, block_r),)
+    values = dict(R=rows, H=h, stride_xr=stride_r, BLOCK_R=block_r, BLOCK_H=block_h(h),
+                  OUT_BF16=dtype == torch.bfloat16, INTERPRETED=interpreted)
+    if interpreted:
+        def launch(x):
+            out = torch.empty(out_shape, dtype=dtype, device=device)
+            row_mean_kernel[grid](x, out, **values, num_warps=4)
+            return out
+        return launch
+    # Triton specializes a pointer on its 16-byte alignment: one compiled launch for each (the output, new from
+    # the caching allocator, is always aligned; the integers are fixed by the signature).
+    names = list(row_mean_kernel.arg_names)
+    template = [values.get(name) for name in names]
+    i_x, i_out = names.index("x_ptr"), names.index("out_ptr")
+    aligned, misaligned = (DirectLaunch(row_mean_kernel, grid, {"num_warps": 4}, device) for _ in range(2))
+
+    def launch(x):
+        out = torch.empty(out_shape, dtype=dtype, device=device)
+        args = template.copy()
+        args[i_x], args[i_out] = x, out
+        (misaligned if x.data_ptr() & 15 else aligned)(args)
+        return out
+    return launch
+
+
+def _row_mean_plan(x: torch.Tensor):
     if x.dtype not in DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; supported: {DTYPES}")
     if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1 or x.stride(1) != 1:
         raise ValueError(f"x must be a non-empty [R, H] tensor with a contiguous last dim; got shape "
                          f"{tuple(x.shape)}, strides {x.stride()}")
-    backend = resolve_backend(row_mean_kernel, {"x": x})
-    interpreted = backend == TRITON_INTERPRETER
     rows, h = x.shape
-    block_r = 16 if interpreted else 1
-    out = torch.empty(rows, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(rows, block_r),)
-    row_mean_kernel[grid](x, out, rows, h, x.stride(0), BLOCK_R=block_r, BLOCK_H=block_h(h),
-                          OUT_BF16=x.dtype == torch.bfloat16, INTERPRETED=interpreted, num_warps=4)
-    return out
+    return _launcher(rows, h, x.stride(0), x.dtype, x.device, (rows,))
+
+
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean of each row of ``x`` [R, H] (last dim contiguous) -> [R], in x's dtype. The checks run once per
+    signature (dtype, device, shape, strides)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
+    key = (x.dtype, x.device, x.shape, x.stride())
+    launch = _PLANS.get(key)
+    if launch is None:
+        launch = _remember(key, _row_mean_plan(x))
+    return launch(x)
+
+
+def _remember(key: tuple, launch):
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = launch
+    return launch
+
+
+def last_dim_launcher(x: torch.Tensor, keepdim: bool):
+    """``launch(t) -> t.mean(-1, keepdim)`` on ``row_mean_kernel`` for tensors of x's signature, whose
+    ``last_dim_reason`` is None and whose leading dims view as one row dim (checked by the caller): no views per
+    call, the kernel reads the rows through x's own strides."""
+    h = x.shape[-1]
+    rows = x.view(-1, h)
+    out_shape = (*x.shape[:-1], 1) if keepdim else tuple(x.shape[:-1])
+    return _launcher(rows.shape[0], h, rows.stride(0), x.dtype, x.device, out_shape)
 
 
 def row_mean_ref(x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ Every routing point (the aten overrides, the compiled-graph ops, the attention r
 ``active()`` and reports each call with ``routed(op, kernel)`` or ``not_routed(op, reason)``. A call
 that is not routed is never silent: it is counted with its reason, and under ``strict`` it raises
 ``ModeNotRoutedError`` before any work. No torch state lives here, so importing it costs nothing.
+The eager per-call paths (``mode_gemm``'s plans) add to ``STATE.routed`` under ``STATE.lock`` themselves, with
+the ``(op, kernel)`` key made once per plan: the same count, without a call and a key per GEMM.
 """
 
 from __future__ import annotations

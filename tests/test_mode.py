@@ -228,3 +228,68 @@ def test_outside_the_mode_torch_runs_unseen(device):
         pass
     a @ b
     assert detkit.mode_counters().routed == {} and detkit.mode_counters().not_routed == {}
+
+
+def _mode_frames(fn) -> list[str]:
+    """The Python frames of the mode's own modules (kernels/mode_*.py) that one call of ``fn`` enters (not the Triton
+    kernels' bodies, which the interpreter runs as Python)."""
+    import sys
+
+    frames = []
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and "/kernels/mode_" in code.co_filename.replace("\\", "/") and not code.co_name.endswith(
+                "_kernel"):
+            frames.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return frames
+
+
+# The per-call path of a routed op, once its signature's plan exists: the aten override, the op's plan lookup, the
+# plan (addmm: the bias step around the GEMM's plan; bmm: one frame per element and the loop's), then the kernel's
+# own entry point. The routing checks run once per signature, so a repeated call never re-enters them; a frame
+# more here is host time on every GEMM of an eager decode step.
+FRAME_BOUNDS = {"mm fwd": 3, "mm dA": 3, "mm dB": 3, "addmm": 4, "bmm (3 elements)": 8, "mean.dim": 4}
+
+
+def test_a_repeated_routed_call_takes_a_bounded_number_of_mode_frames(device):
+    w, x, g = bf16_randn((16, 32), 18, device), bf16_randn((4, 32), 19, device), bf16_randn((4, 16), 20, device)
+    bias = bf16_randn((16,), 21, device)
+    a3, b3 = bf16_randn((3, 4, 8), 22, device), bf16_randn((3, 8, 5), 23, device)
+    r = bf16_randn((2, 3, 32), 24, device).float()
+    calls = {"mm fwd": lambda: x @ w.t(), "mm dA": lambda: g @ w, "mm dB": lambda: g.t() @ x,
+             "addmm": lambda: torch.addmm(bias, x, w.t()), "bmm (3 elements)": lambda: torch.bmm(a3, b3),
+             "mean.dim": lambda: r.mean(-1, keepdim=True)}
+    with detkit.batch_invariant_mode(strict=True):
+        for name, fn in calls.items():
+            fn()  # the signature's first call builds its plan
+            frames = _mode_frames(fn)
+            assert len(frames) <= FRAME_BOUNDS[name], f"{name}: {len(frames)} mode frames per call: {frames}"
+    assert routed(detkit.mode_counters()) == {
+        "mm -> det_gemm_fwd": 2, "mm -> det_gemm_da": 2, "mm -> det_gemm_db": 2, "addmm -> det_gemm_fwd": 2,
+        "bmm -> det_gemm_da": 2, "mean.dim -> row_mean": 2}
+
+
+def test_decisions_are_per_signature_and_strict_is_per_call(device):
+    """One shape, two layouts: two routes; a refused signature is counted on every call and raises once strict."""
+    w = bf16_randn((24, 24), 25, device)
+    x = bf16_randn((5, 24), 26, device)
+    f32 = x.float()
+    with detkit.batch_invariant_mode():
+        fwd, da = x @ w.t(), x @ w
+        for _ in range(3):
+            f32 @ f32.t()
+        with pytest.raises(detkit.ModeNotRoutedError, match="dtype float32"), detkit.batch_invariant_mode(strict=True):
+            f32 @ f32.t()
+        f32 @ f32.t()
+    assert_bits(fwd, det_gemm_fwd(x, w.t()), "transposed weight: fwd")
+    assert_bits(da, det_gemm_da(x, w.t()), "row-major weight: dA")
+    counters = detkit.mode_counters().as_dict()
+    assert counters["routed"] == {"mm -> det_gemm_fwd": 1, "mm -> det_gemm_da": 1}
+    assert counters["not_routed"] == {"mm: dtype float32": 4}
