@@ -290,15 +290,16 @@ class RawLaunch:
                 desc_index += 1
                 if meta is None:  # not lowered to a CUtensorMap: Triton's own launcher handles it
                     return None
-                expanded = make_descriptor(arg, meta)
+                expanded = make_descriptor(arg, meta)  # the encoded map holds no reference to the tensor
                 if index in dynamic:
                     descriptors.append((index, len(template), len(expanded), meta, {}))
                 template.extend(expanded)
+            elif index in dynamic and is_pointer[index]:
+                pointers.append((index, len(template)))
+                template.append(None)  # filled per call: the template keeps no caller's tensor alive
+            elif index in dynamic and sig != "constexpr":
+                return None  # a dynamic scalar: not what a launch plan passes
             else:
-                if index in dynamic and is_pointer[index]:
-                    pointers.append((index, len(template)))
-                elif index in dynamic and sig != "constexpr":
-                    return None  # a dynamic scalar: not what a launch plan passes
                 template.append(arg)
         return cls(entry, template, tuple(pointers), tuple(descriptors))
 

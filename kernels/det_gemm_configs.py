@@ -127,8 +127,8 @@ class OneWave:
     # work and CTAs sharing an SM share its bandwidth.
     max_ctas_per_sm: int | None = None
     # The pick when no config's grid fits one wave (None: the first): an lm_head's output is many waves of any tile,
-    # where a large tile reads the activations the fewest times.
-    many: GemmConfig | None = None
+    # where a large tile reads the activations the fewest times (a FewestWaves entry: its pick).
+    many: "GemmConfig | FewestWaves | None" = None
 
     def __post_init__(self):
         if not self.configs or not all(isinstance(c, GemmConfig) for c in self.configs):
@@ -138,16 +138,18 @@ class OneWave:
                              f"address); got {[c.label() for c in self.configs]}")
         if self.max_ctas_per_sm is not None and (not isinstance(self.max_ctas_per_sm, int) or self.max_ctas_per_sm < 1):
             raise ValueError(f"OneWave.max_ctas_per_sm must be a positive int or None; got {self.max_ctas_per_sm!r}")
-        if self.many is not None and (not isinstance(self.many, GemmConfig) or self.many.variant == "tma3"):
-            raise ValueError(f"OneWave.many must be a GemmConfig with a pointer twin (not 'tma3') or None; got "
-                             f"{self.many!r}")
+        if self.many is not None and not isinstance(self.many, FewestWaves) and (
+                not isinstance(self.many, GemmConfig) or self.many.variant == "tma3"):
+            raise ValueError(f"OneWave.many must be a GemmConfig with a pointer twin (not 'tma3'), a FewestWaves or "
+                             f"None; got {self.many!r}")
 
     def choices(self, tma3: bool = True) -> tuple[GemmConfig, ...]:
         """The configs in order; ``tma3=False``: those with a pointer twin only (an operand TMA cannot address)."""
         return tuple(c for c in self.configs if tma3 or c.variant != "tma3")
 
     def every_config(self) -> tuple[GemmConfig, ...]:
-        return self.configs + (() if self.many is None else (self.many,))
+        many = () if self.many is None else entry_configs(self.many)
+        return tuple(dict.fromkeys(self.configs + many))
 
     def pick(self, rows: int, cols: int, sms: int, tma3: bool = True) -> GemmConfig:
         configs = self.choices(tma3)
@@ -157,7 +159,9 @@ class OneWave:
                 per_sm = min(per_sm, self.max_ctas_per_sm)
             if output_tiles(config, rows, cols) <= sms * per_sm:
                 return config
-        return configs[0] if self.many is None else self.many
+        if self.many is None:
+            return configs[0]
+        return self.many.pick(rows, cols, sms, tma3) if isinstance(self.many, FewestWaves) else self.many
 
 
 @dataclass(frozen=True)
@@ -275,9 +279,10 @@ _WS_128 = GemmConfig(128, 128, 64, 8, 8, 5, "ws")  # 160 KiB ring and its store 
 # M > 256 (dB: its reduced M > 64): the cheapest grid in waves x tile area / rate. The rates are each tile's speed
 # relative to 128x256's at full waves, fitted to the H200 sweep of every candidate at the zoo's narrow outputs (fwd and
 # dA M 512-16384, dB M 128-16384; 123 cases): the rule's pick is within 1.005x of the best candidate (geometric mean),
-# 1.09x at worst.
-_LARGE = FewestWaves(((_WS_WIDE, 1.0), (_MID_192, 0.9), (_WS_128, 1.0), (_SMALL_128, 0.6), (_SMALL_64, 0.4),
-                      (_NARROW_16, 0.15)))
+# 1.09x at worst. 128x128's rate below 128x256's keeps the wide tile on grids of many waves, where the zoo measured it
+# 3-15% ahead.
+_LARGE = FewestWaves(((_WS_WIDE, 1.0), (_MID_192, 0.8), (_WS_128, 0.9), (_SMALL_128, 0.5), (_SMALL_64, 0.3),
+                      (_NARROW_16, 0.1)))
 # M <= 256 by output width (fwd and dA alike): the fastest candidate of the sweep per width class and M bucket. Wide
 # outputs keep the one-wave rule; an output no tile fits in one wave (an lm_head) takes a large tile.
 _BY_WIDTH = (
@@ -287,7 +292,7 @@ _BY_WIDTH = (
     (128, ByWidth(((1024, _NARROW_16), (2048, _SMALL_64)),
                   OneWave((_NARROW_128, _SMALL_128_DEEP, _SMALL_128_2), many=_MID))),
     (256, ByWidth(((512, _NARROW_16), (1536, _SMALL_64), (2048, _NARROW_128)),
-                  OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2), many=_WS_WIDE))),
+                  OneWave((_SMALL_128_DEEP, _SMALL_192, _SMALL_128_2), many=_LARGE))),
 )
 CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave | ByWidth | FewestWaves], ...]] = {
     "fwd": (*_BY_WIDTH, (2**31, _LARGE)),

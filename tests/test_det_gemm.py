@@ -108,7 +108,8 @@ def test_narrow_outputs_take_narrow_tiles_below_m_256():
         assert select_config(op, 256, cols=2048) == GemmConfig(128, 32, 128, 1, 4, 5, "tma")
     # An lm_head at M 128 / 256: no tile fits one wave; the large tile reads the activations the fewest times.
     assert select_config("fwd", 128, cols=151936) == GemmConfig(128, 128, 64, 8, 8, 6, "tma")
-    assert select_config("fwd", 256, cols=151936) == GemmConfig(128, 256, 64, 8, 8, 3, "ws")
+    assert select_config("fwd", 256, cols=151936) == GemmConfig(128, 256, 64, 8, 8, 3, "ws")  # the fewest waves
+    assert select_config("fwd", 256, cols=18992) == GemmConfig(128, 128, 64, 8, 8, 5, "ws")  # 150 wide tiles: 2 waves
     with pytest.raises(ValueError, match="ByWidth needs increasing"):
         ByWidth(((1024, narrow16), (512, square64)), square64)
     with pytest.raises(ValueError, match="OneWave.many must be a GemmConfig with a pointer twin"):
@@ -118,12 +119,13 @@ def test_narrow_outputs_take_narrow_tiles_below_m_256():
 def test_fewest_waves_counts_waves_times_tile_area_over_rate():
     wide, ws128 = GemmConfig(128, 256, 64, 8, 8, 3, "ws"), GemmConfig(128, 128, 64, 8, 8, 5, "ws")
     sq64 = GemmConfig(64, 64, 128, 1, 4, 6, "tma")
-    rule = FewestWaves(((wide, 1.0), (ws128, 1.0), (sq64, 0.4)))
-    # N=1536, M=4096: 32 x 6 = 192 wide tiles are 2 waves on 132 SMs (cost 2 x 32768); 384 128x128 tiles 3 (3 x 16384).
+    rule = FewestWaves(((wide, 1.0), (ws128, 0.9), (sq64, 0.3)))
+    # N=1536, M=4096: 32 x 6 = 192 wide tiles are 2 waves on 132 SMs (cost 2 x 32768); 384 128x128 tiles 3 (3 x 16384
+    # / 0.9).
     assert rule.cost(wide, 1.0, 4096, 1536, 132) == 2 * 32768 and rule.cost(ws128, 1.0, 4096, 1536, 132) == 3 * 16384
     assert rule.pick(4096, 1536, 132) == ws128
-    assert rule.pick(4096, 6144, 132) == wide  # 6 vs 12 waves of half the area: a tie goes to the first
-    assert rule.pick(4096, 128, 132) == sq64  # 128 tiles of 64x64: one wave; 64x64 at rate 0.4 beats 128x128's 32 tiles
+    assert rule.pick(4096, 6144, 132) == wide  # 6 vs 12 waves of half the area at a lower rate
+    assert rule.pick(4096, 128, 132) == sq64  # 128 tiles of 64x64: one wave at rate 0.3 beats 128x128's 32 tiles
     assert select_config("fwd", 4096, cols=128) == sq64 and select_config("db", 4096, cols=128, rows=4096) == sq64
     assert select_config("db", 16384, cols=512, rows=4096) == ws128
     with pytest.raises(ValueError, match=r"FewestWaves needs \(GemmConfig, rate in \(0, 1\]\) pairs"):

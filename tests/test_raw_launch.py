@@ -142,3 +142,16 @@ def test_raw_launches_give_the_bits_of_tritons_own_launch(op, config, monkeypatc
         want = LAUNCHERS[op](x, y, config=cfg)[0]
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     clear_launch_plans()
+
+
+def test_raw_launch_keeps_no_reference_to_the_first_calls_tensors(encodes):
+    import gc
+    import weakref
+
+    entry = Recorder()
+    tensors = _tensors()
+    refs = [weakref.ref(t) for t in tensors]
+    raw = RawLaunch.of(_compiled(entry), (7,), _args(*tensors), dynamic=(0, 1, 4, 5))
+    del tensors
+    gc.collect()
+    assert raw is not None and all(r() is None for r in refs)  # a plan must not pin a batch's operands in memory
