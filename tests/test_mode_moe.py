@@ -253,6 +253,21 @@ def test_what_the_layer_does_not_cover_is_counted_or_raised(device):
     assert detkit.mode_counters().as_dict()["not_routed"][f"{EXPERTS}: dtype float32"] == 1
 
 
+def test_a_block_compiled_before_the_mode_runs_the_routes_inside_it(device):
+    """torch.compile: the routes run as graph breaks, so a block compiled outside the mode reaches detkit's layer
+    inside it, with the eager routes' bits."""
+    block = tiny_model(device, seed=15).model.layers[0].mlp
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(16)).to(device=device, dtype=torch.bfloat16)
+    compiled = torch.compile(block)
+    with torch.no_grad():
+        compiled(x)
+        with detkit.batch_invariant_mode(strict=True):
+            got = compiled(x)
+            want = block(x)
+    assert_bits(got, want, "compiled vs eager inside the mode")
+    assert routed()[f"{EXPERTS} -> detkit.moe_mlp"] == 2
+
+
 @pytest.mark.gpu
 def test_router_choice_is_batch_invariant_at_qwen3_30b_a3b_widths(device):
     """128 experts, top-8, hidden 2048, BF16 logits (ties are common): a token's ids and scores alone and inside
