@@ -203,8 +203,8 @@ def test_router_logits_and_aux_loss_are_the_ones_transformers_computes(device):
     w_gate = model.model.layers[0].mlp.gate.weight.detach()
     assert_bits(out.router_logits[0], det_gemm_fwd(h, w_gate.t()), "router logits")
     star = h.double() @ w_gate.double().t()
-    assert check_bound(out.router_logits[0].double(), star, gemm_bound(star, h.double().abs() @ w_gate.double().abs().t(),
-                                                                      64)).passed
+    bound = gemm_bound(star, h.double().abs() @ w_gate.double().abs().t(), 64)
+    assert check_bound(out.router_logits[0].double(), star, bound).passed
     # Against default mode: with the same top-k choice, the loss differs only through the logits' rounding: each
     # probability within a factor exp(+-2m) for m = max |logit difference|, and so the loss.
     for a, b in zip(out.router_logits, default.router_logits):
