@@ -2,10 +2,11 @@
 ``detkit.batch_invariant_mode()`` -- what an RL pipeline needs to be bitwise equal.
 
 The model: transformers' Qwen3 built from a config with random weights in BF16 -- on cuda the Qwen3-8B widths
-with 2 layers, on cpu a tiny config for the Triton interpreter -- or the config / local checkpoint named by
-``DETKIT_MODEL_CONFIG`` (a JSON config file, or a checkpoint directory read with local_files_only: nothing is
-ever downloaded). Checks, each run in both modes (detkit mode's rows pass or fail; default mode's rows are the
-drift table, informational):
+with 2 layers, on cpu a tiny config for the Triton interpreter -- or the model named by ``DETKIT_MODEL_CONFIG``:
+a preset name (``MODEL_PRESETS``: the dense Qwen3 8B widths and tiny config, and the Qwen3-MoE ones, Qwen3-30B-A3B
+widths with 2 layers and a tiny MoE config), a JSON config file, or a checkpoint directory read with
+local_files_only (nothing is ever downloaded). Checks, each run in both modes (detkit mode's rows pass or fail;
+default mode's rows are the drift table, informational):
 
 - ``batch_invariance``: a sequence's log-probs alone vs in batches of several sizes at several positions;
 - ``padding``: the same with right and left padding (attention masks; left padding with position ids);
@@ -13,11 +14,15 @@ drift table, informational):
 - ``decode_vs_trainer``: prompt prefill then token-by-token greedy decode with transformers' DynamicCache, alone
   and in a batch, vs the trainer's one forward over prompt + generation, per generated token. It fails while
   any attention call of the check ran on torch (e.g. no ``detkit.kernels.attention`` in the tree);
-- ``backward_repeat``: every parameter gradient of a cross-entropy backward, bitwise across two runs;
+- ``backward_repeat``: every parameter gradient of a cross-entropy backward (plus the router's load-balancing
+  loss for a MoE model), bitwise across two runs;
 - when a detkit-mode comparison differs, forward hooks on every module name the first module whose outputs
   differ (``first_divergence``);
-- ``counters``: which ops ran on detkit kernels and which on torch, with the reasons;
-- ``speed`` (cuda only): prefill, decode step (eager and CUDA graph) and forward+backward, detkit / default.
+- ``counters``: which ops ran on detkit kernels and which on torch, with the reasons (a GEMM or a MoE block
+  on torch fails the row);
+- ``speed`` (cuda only): prefill, decode step (eager and CUDA graph) and forward+backward, detkit / default; for
+  a MoE model also one MoE block alone (prefill, decode and forward+backward token counts) on detkit's layer vs
+  transformers' own block (the experts implementation the model was built with, e.g. ``grouped_mm``).
 Log-probs are compared as FP32 bits (``toolkit.contract.compare_bits``). Besides the rows, ``model.md`` and
 ``model.json`` in the output folder hold the drift table, the counters and the speed ratios.
 """
@@ -45,6 +50,7 @@ DESCRIPTION = ("transformers model log-probs, default vs detkit mode: batch inva
 CONFIG_ENV = "DETKIT_MODEL_CONFIG"
 MODES = ("default", "detkit")
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
+MOE_OPS = ("moe experts (transformers)", "moe router (transformers)")
 ATTENTION_OPS = ("sdpa", "attention (transformers)")
 
 # Qwen3-8B's widths (hidden 4096, intermediate 12288, 32 query / 8 KV heads of 128, vocab 151936), 2 layers.
@@ -55,6 +61,25 @@ QWEN3_8B_WIDTHS = dict(hidden_size=4096, intermediate_size=12288, num_attention_
 # The CPU config (Triton interpreter): the same structure, tiny; head_dim 64 is one the attention kernel supports.
 QWEN3_TINY = dict(QWEN3_8B_WIDTHS, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, vocab_size=256, max_position_embeddings=512)
+# Qwen3-30B-A3B's widths (hidden 2048, 128 experts of moe_intermediate 768, top-8 normalised, 32 query / 4 KV heads
+# of 128, vocab 151936), 2 layers, every layer a sparse MoE block.
+QWEN3_MOE_30B_A3B_WIDTHS = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                                num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                                num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+                                tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+                                router_aux_loss_coef=0.001)
+# The CPU MoE config (Triton interpreter): 8 experts, top-2, 2 layers.
+QWEN3_MOE_TINY = dict(QWEN3_MOE_30B_A3B_WIDTHS, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      num_experts=8, num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                      vocab_size=256, max_position_embeddings=512)
+# DETKIT_MODEL_CONFIG=<name>: (model_type, config fields, description).
+MODEL_PRESETS = {
+    "qwen3-8b": ("qwen3", QWEN3_8B_WIDTHS, "Qwen3 8B widths"),
+    "qwen3-tiny": ("qwen3", QWEN3_TINY, "Qwen3 tiny"),
+    "qwen3-moe-30b-a3b": ("qwen3_moe", QWEN3_MOE_30B_A3B_WIDTHS, "Qwen3-MoE 30B-A3B widths"),
+    "qwen3-moe-tiny": ("qwen3_moe", QWEN3_MOE_TINY, "Qwen3-MoE tiny"),
+}
 
 
 @dataclass(frozen=True)
@@ -85,6 +110,9 @@ NOT_COVERED = (
     "transformers' eager attention (its softmax spans the key count)",
     "TP > 1 inside the model (collectives are not rewritten), FP8 / FP16 / FP32 GEMMs (counted)",
     "reductions other than the last-dim mean (softmax / log_softmax are per-row in torch: not overridden)",
+    "MoE: transformers' Qwen3-MoE block only (other MoE classes run transformers' experts; torch._grouped_mm is not "
+    "seen by the mode); BF16 experts; expert parallelism (counted); the router's softmax / top-k stay on torch "
+    "(row-wise); the load-balancing loss is a batch statistic (run to run, not batch-invariant)",
     "the first-divergence hooks compare module outputs; differences in ops between modules show as the next module",
 )
 # Speed targets (detkit time / default time).
@@ -96,12 +124,12 @@ TARGETS = {"prefill": 1.05, "decode_eager": 1.15, "decode_cuda_graph": 1.05, "fo
 # ---------------------------------------------------------------------------------------------
 def model_source(device: torch.device) -> tuple[object, Path | None, str]:
     """(config, checkpoint dir with weights or None, description) from DETKIT_MODEL_CONFIG or the default."""
-    from transformers import AutoConfig, Qwen3Config
+    from transformers import AutoConfig
 
-    spec = os.environ.get(CONFIG_ENV)
-    if not spec:
-        widths = QWEN3_8B_WIDTHS if device.type == "cuda" else QWEN3_TINY
-        return Qwen3Config(**widths), None, f"Qwen3 {'8B widths' if device.type == 'cuda' else 'tiny'}, random init"
+    spec = os.environ.get(CONFIG_ENV) or ("qwen3-8b" if device.type == "cuda" else "qwen3-tiny")
+    if spec in MODEL_PRESETS:
+        model_type, fields, description = MODEL_PRESETS[spec]
+        return AutoConfig.for_model(model_type, **fields), None, f"{description} ({spec}), random init"
     path = Path(spec)
     if path.is_dir():
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -111,7 +139,8 @@ def model_source(device: torch.device) -> tuple[object, Path | None, str]:
         fields = json.loads(path.read_text())
         model_type = fields.pop("model_type", "qwen3")
         return AutoConfig.for_model(model_type, **fields), None, f"{path} (random init)"
-    raise ValueError(f"{CONFIG_ENV}={spec!r} is neither a JSON config file nor a checkpoint directory")
+    raise ValueError(f"{CONFIG_ENV}={spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}), a JSON config file "
+                     "nor a checkpoint directory")
 
 
 def build_model(device: torch.device, seed: int):
@@ -129,6 +158,24 @@ def build_model(device: torch.device, seed: int):
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     return model.eval(), description
+
+
+def moe_blocks(model) -> list:
+    """The model's transformers Qwen3-MoE sparse MoE blocks (empty for a dense model)."""
+    return [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
+
+
+def is_moe(model) -> bool:
+    return bool(getattr(model.config, "num_experts", 0)) and bool(moe_blocks(model))
+
+
+def moe_meta(model) -> dict | None:
+    if not is_moe(model):
+        return None
+    c = model.config
+    return {"experts": c.num_experts, "top_k": c.num_experts_per_tok, "moe_intermediate": c.moe_intermediate_size,
+            "norm_topk_prob": c.norm_topk_prob, "moe_blocks": len(moe_blocks(model)),
+            "transformers_experts_implementation": getattr(c, "_experts_implementation", None)}
 
 
 def _cache_kwarg(model) -> str:
@@ -393,12 +440,15 @@ class Audit:
 
     def backward_repeat(self) -> list[Comparison]:
         ids = self.seqs[: self.plan.train_batch]
+        moe = is_moe(self.model)
         runs = []
         for _ in range(2):
             self.model.zero_grad(set_to_none=True)
             with torch.enable_grad():
-                logits = self.model(input_ids=ids, use_cache=False).logits
-                loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, self.vocab), ids[:, 1:].reshape(-1))
+                out = self.model(input_ids=ids, use_cache=False, **({"output_router_logits": True} if moe else {}))
+                loss = F.cross_entropy(out.logits[:, :-1].float().reshape(-1, self.vocab), ids[:, 1:].reshape(-1))
+                if moe:  # the router's load-balancing loss, as transformers adds it to the loss
+                    loss = loss + self.model.config.router_aux_loss_coef * out.aux_loss
                 loss.backward()
             runs.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
         self.model.zero_grad(set_to_none=True)
@@ -410,7 +460,9 @@ class Audit:
                 differing.append(name)
                 mismatches += bits.mismatches
                 max_abs = max(max_abs, float((grad.double() - runs[1][name].double()).abs().max()))
-        cmp = Comparison("backward_repeat", f"every parameter gradient, batch {len(ids)}, two runs", not differing,
+        what = "cross-entropy + router aux loss" if moe else "cross-entropy"
+        cmp = Comparison("backward_repeat", f"every parameter gradient ({what}), batch {len(ids)}, two runs",
+                         not differing,
                          elements, mismatches, max_abs, None, None,
                          {"parameters": len(runs[0]), "parameters_differing": len(differing),
                           "first_parameter_differing": differing[0] if differing else None})
@@ -513,6 +565,48 @@ def speed(audit: Audit) -> dict[str, dict[str, float | str]]:
     return table
 
 
+def moe_block_speed(audit: Audit) -> dict[str, dict[str, float | str]]:
+    """One MoE block alone (the first), median ms per case and mode, interleaved: detkit's layer vs transformers'
+    own block (the experts implementation the model was built with), at the token counts of the model's cases."""
+    block = moe_blocks(audit.model)[0]
+    plan, device = audit.plan, audit.device
+    hidden = audit.model.config.hidden_size
+    gen = torch.Generator().manual_seed(11)
+
+    def x_of(tokens):
+        return torch.randn(1, tokens, hidden, generator=gen).to(device=device, dtype=torch.bfloat16)
+
+    cases = {"moe_block_prefill": (x_of(plan.prefill[0] * plan.prefill[1]), False),
+             "moe_block_decode": (x_of(plan.decode[0]), False),
+             "moe_block_forward_backward": (x_of(plan.train[0] * plan.train[1]), True)}
+
+    def run(x, grad):
+        if not grad:
+            with torch.inference_mode():
+                block(x)
+            return
+        xg = x.detach().requires_grad_(True)
+        block(xg).backward(x)
+        block.zero_grad(set_to_none=True)
+
+    results: dict[str, dict[str, list[float]]] = {}
+    for _ in range(2):
+        for mode in MODES:
+            with mode_context(mode):
+                for case, (x, grad) in cases.items():
+                    run(x, grad)  # warm-up (compilation, allocator)
+                    ms = _median_ms(lambda: run(x, grad), plan.timing_reps)  # noqa: B023 (called at once)
+                    results.setdefault(case, {}).setdefault(mode, []).append(ms)
+    baseline = f"transformers' block ({getattr(audit.model.config, '_experts_implementation', None)})"
+    table = {}
+    for case, by_mode in results.items():
+        ms = {mode: min(v) for mode, v in by_mode.items()}
+        table[case] = {"default_ms": ms["default"], "detkit_ms": ms["detkit"], "ratio": ms["detkit"] / ms["default"],
+                       "target": None, "meets_target": None, "baseline": baseline,
+                       "tokens": int(cases[case][0].shape[1])}
+    return table
+
+
 # ---------------------------------------------------------------------------------------------
 # The plug-in
 # ---------------------------------------------------------------------------------------------
@@ -533,7 +627,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
     model, description = build_model(ctx.device, ctx.seed)
     audit = Audit(model, ctx.device, plan, ctx.seed)
     meta = {"model": description, "layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size,
-            "plan": plan.__dict__, "attention_kernel_present": _attention_kernel_present()}
+            "moe": moe_meta(model), "plan": plan.__dict__, "attention_kernel_present": _attention_kernel_present()}
     yield _row(ctx, "model", f"model {description}", True, meta)
     drift: list[dict] = []
     detkit_counters = None
@@ -559,11 +653,19 @@ def run(ctx: RunContext) -> Iterator[Row]:
             detkit_counters = mode_counters() - start
     counters = detkit_counters.as_dict()
     gemm_misses = {k: n for k, n in counters["not_routed"].items() if k.split(":", 1)[0] in GEMM_OPS}
-    yield _row(ctx, "counters", "detkit mode: ops on detkit kernels and on torch", not gemm_misses,
-               {**counters, "gemm_not_routed": gemm_misses})
+    moe_misses = {k: n for k, n in counters["not_routed"].items() if k.split(":", 1)[0] in MOE_OPS}
+    details = {**counters, "gemm_not_routed": gemm_misses}
+    passed = not gemm_misses
+    if meta["moe"] is not None:  # every MoE block on detkit's layer, and at least one call seen
+        moe_routed = sum(n for k, n in counters["routed"].items() if k.startswith(MOE_OPS[0] + " -> "))
+        details.update(moe_not_routed=moe_misses, moe_experts_routed=moe_routed)
+        passed = passed and not moe_misses and moe_routed > 0
+    yield _row(ctx, "counters", "detkit mode: ops on detkit kernels and on torch", passed, details)
     timing = None
     if plan.timing and ctx.device.type == "cuda":
         timing = speed(audit)
+        if meta["moe"] is not None:
+            timing.update(moe_block_speed(audit))
         for case, entry in timing.items():
             if not case.startswith("_"):
                 yield _row(ctx, "speed", f"speed {case} detkit / default", True,
@@ -578,7 +680,8 @@ def write_model_report(out_dir: Path, meta: dict, drift: list[dict], counters: d
     table = [{k: e.get(k) for k in ("mode", "check", "case", "mismatches", "elements", "max_abs_diff",
                                     "p99_abs_diff", "first_divergence")} for e in drift]
     lines = ["# Model audit: default vs detkit mode", "", f"- model: {meta['model']}",
-             f"- detkit.kernels.attention present: {meta['attention_kernel_present']}", "",
+             f"- detkit.kernels.attention present: {meta['attention_kernel_present']}",
+             *([f"- MoE: {meta['moe']}"] if meta.get("moe") else []), "",
              "## Drift (FP32 log-prob bits; max / p99 |difference|: log-probs, or gradients for backward_repeat)",
              "",
              tabulate(table, headers="keys", tablefmt="github", floatfmt=".3g"), "",

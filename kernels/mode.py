@@ -16,6 +16,8 @@ What it routes while entered (process-wide, every thread; docs/mode.md):
 - attention: F.scaled_dot_product_attention and transformers' "sdpa" attention go to
   ``detkit.kernels.attention`` when it covers the call (``mode_attention``); "detkit" is registered
   as a transformers attention implementation.
+- transformers' Qwen3-MoE sparse MoE block: its experts on detkit's MoE layer (``moe_mlp``) and its
+  router's top-k normalisation in a fixed order (``mode_moe``); parameters and state dicts unchanged.
 
 Everything it does not route is counted with the reason (``mode_counters()``); with
 ``strict=True`` such a call raises ``ModeNotRoutedError`` instead. Never a silent fallback.
@@ -44,16 +46,18 @@ _TRANSITION = threading.RLock()
 
 
 def _install() -> None:
-    from detkit.kernels import mode_aten, mode_attention, mode_compile
+    from detkit.kernels import mode_aten, mode_attention, mode_compile, mode_moe
 
     mode_aten.install()
     mode_compile.install()
     mode_attention.install()
+    mode_moe.install()
 
 
 def _uninstall() -> None:
-    from detkit.kernels import mode_aten, mode_attention, mode_compile
+    from detkit.kernels import mode_aten, mode_attention, mode_compile, mode_moe
 
+    mode_moe.uninstall()
     mode_attention.uninstall()
     mode_compile.uninstall()
     mode_aten.uninstall()

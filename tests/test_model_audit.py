@@ -41,7 +41,7 @@ def test_model_source_reads_a_json_config_or_a_directory_and_refuses_anything_el
     config, weights, description = audit_model.model_source(torch.device("cpu"))
     assert config.num_hidden_layers == 1 and weights is None and "config only" in description
     monkeypatch.setenv(audit_model.CONFIG_ENV, str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match="neither a JSON config file nor a checkpoint directory"):
+    with pytest.raises(ValueError, match="neither a preset .*, a JSON config file nor a checkpoint directory"):
         audit_model.model_source(torch.device("cpu"))
 
 
@@ -52,6 +52,18 @@ def test_default_configs_are_qwen3_8b_widths_on_cuda_and_tiny_on_cpu(monkeypatch
     assert (cuda.hidden_size, cuda.intermediate_size, cuda.num_attention_heads, cuda.num_key_value_heads,
             cuda.head_dim, cuda.vocab_size, cuda.num_hidden_layers) == (4096, 12288, 32, 8, 128, 151936, 2)
     assert cpu.hidden_size <= 128 and cpu.num_hidden_layers == 2 and cpu.head_dim in (64, 128)
+
+
+def test_the_moe_presets_are_qwen3_30b_a3b_widths_and_a_tiny_moe(monkeypatch):
+    monkeypatch.setenv(audit_model.CONFIG_ENV, "qwen3-moe-30b-a3b")
+    big, weights, description = audit_model.model_source(torch.device("cuda"))
+    assert big.model_type == "qwen3_moe" and weights is None and "30B-A3B" in description
+    assert (big.hidden_size, big.moe_intermediate_size, big.num_experts, big.num_experts_per_tok, big.norm_topk_prob,
+            big.num_attention_heads, big.num_key_value_heads, big.head_dim, big.vocab_size,
+            big.decoder_sparse_step, big.mlp_only_layers) == (2048, 768, 128, 8, True, 32, 4, 128, 151936, 1, [])
+    monkeypatch.setenv(audit_model.CONFIG_ENV, "qwen3-moe-tiny")
+    tiny, _, _ = audit_model.model_source(torch.device("cpu"))
+    assert tiny.model_type == "qwen3_moe" and tiny.hidden_size <= 64 and tiny.num_experts <= 8
 
 
 def test_a_batch_dependent_module_is_caught_and_named(device, config_file):
@@ -94,6 +106,33 @@ def test_the_plugin_yields_its_rows_and_writes_the_model_report(device, config_f
     assert "## Drift" in report and "mm -> det_gemm_fwd" in report
     assert json.loads((tmp_path / "model.json").read_text())["counters"] == {
         k: v for k, v in counters.items() if k in ("routed", "not_routed")}
+
+
+def test_the_plugin_runs_every_check_on_a_tiny_moe_model(device, tmp_path, monkeypatch):
+    """CI's MoE run: the Qwen3-MoE tiny preset (8 experts, top-2; one layer to keep the interpreter under a minute)
+    through every detkit-mode check, each MoE block on detkit's layer (counted), the backward with the router's aux
+    loss."""
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps({"model_type": "qwen3_moe", **audit_model.QWEN3_MOE_TINY, "num_hidden_layers": 1}))
+    monkeypatch.setenv(audit_model.CONFIG_ENV, str(path))
+    monkeypatch.setattr(audit_model, "CPU_PLAN", SMALL_PLAN)
+    monkeypatch.setattr(audit_model, "CUDA_PLAN", SMALL_PLAN)
+    backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
+    ctx = RunContext(device=device, backend=backend, preset="tiny", seed=5, out_dir=tmp_path)
+    rows = list(audit_model.run(ctx))
+    by_check: dict[str, list] = {}
+    for row in rows:
+        by_check.setdefault(row.check, []).append(row)
+    assert by_check["model"][0].details["moe"]["experts"] == 8
+    checks = ["batch_invariance", "padding", "trainer_vs_rollout", "backward_repeat", "counters"]
+    if attention_module() is not None:
+        checks.append("decode_vs_trainer")
+    for check in checks:
+        assert by_check[check] and all(r.passed for r in by_check[check]), [r.details for r in by_check[check]]
+    assert "router aux loss" in by_check["backward_repeat"][0].details["case"]
+    counters = by_check["counters"][0].details
+    assert counters["moe_experts_routed"] > 0 and counters["moe_not_routed"] == {}
+    assert "MoE:" in (tmp_path / "model.md").read_text()
 
 
 def test_a_decode_only_difference_is_located_at_its_step_and_module(device, config_file):

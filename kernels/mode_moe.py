@@ -1,0 +1,202 @@
+"""The batch-invariant mode's MoE routing: transformers' Qwen3-MoE sparse MoE block on detkit's MoE layer.
+
+transformers' block (``Qwen3MoeSparseMoeBlock``) is ``experts(x, *gate(x)[1:])`` over the tokens [T, H]:
+
+    gate (Qwen3MoeTopKRouter):  logits = x @ W_gate.T  (BF16, [T, E])
+                                probs  = softmax(logits) in FP32;  top, ids = topk(probs, K)  (row-wise)
+                                top   /= top.sum(-1)  when config.norm_topk_prob;  scores = bf16(top)
+    experts (Qwen3MoeExperts):  gate_up_proj [E, 2I, H] (rows [gate; up], split halves), down_proj [E, H, I]
+                                out[t] = sum_k scores[t, k] * down(silu(gate) * up)  for expert ids[t, k]
+
+While the mode is entered both classes' ``forward`` are replaced (class attributes; the modules, their
+parameters and state dicts are untouched), so every Qwen3-MoE model in the process is covered and the
+module calls -- and the forward hooks on them, which transformers' ``output_router_logits`` recorder uses --
+happen as before:
+
+- the router (``router_route``): the same ops, with the top-k normalisation summed in a fixed order
+  (ascending k, elementwise adds) instead of torch's row reduction, whose order may depend on the number of
+  rows on CUDA (the reduction config is picked from the output count). The linear is an aten mm the mode
+  already routes to det_gemm; softmax over the last dim and topk are row-wise in torch (one row per
+  warp/block, a launch shape from the row length; topk's ties go to the lower index in the row), so a
+  token's ids and scores do not depend on the batch. Counted as ``moe router (transformers)``.
+- the experts (``experts_route``) run on ``detkit.kernels.moe.moe_mlp`` (forward and backward, its own
+  autograd): w1 = the gate/up halves interleaved ([E, H, 2I], one copy of gate_up_proj per call, made by a
+  differentiable reshape so the gradient reaches gate_up_proj in transformers' layout), w2 = down_proj
+  viewed as [E, I, H] (no copy). Route ids >= E (transformers' expert-parallel sentinel) are masked (-1).
+  Counted as ``moe experts (transformers) -> detkit.moe_mlp``; a call the layer does not cover (dtype,
+  device, expert parallelism, another activation or weight layout) runs transformers' own implementation
+  and is counted with the reason, or raises ``ModeNotRoutedError`` under strict.
+
+Under torch.compile both routes run as graph breaks (eagerly, with the same kernels and counting).
+transformers' load-balancing loss is computed outside the block from the recorded router logits, as
+transformers does. Other transformers MoE classes are not routed here (their GEMMs reach the mode's aten
+overrides when they run on mm/bmm; ``torch._grouped_mm`` does not).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from detkit.kernels import mode_gemm, mode_state
+
+EXPERTS_OP = "moe experts (transformers)"
+ROUTER_OP = "moe router (transformers)"
+EXPERTS_KERNEL = "detkit.moe_mlp"
+ROUTER_KERNEL = "row-wise softmax/top-k, fixed-order top-k sum"
+QWEN3_MOE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
+
+_saved: dict[str, object] = {}  # "experts" / "router" -> the class's forward before install
+
+
+# ---------------------------------------------------------------------------------------------
+# The math (usable on its own; the routes below add the mode's checks and counting)
+# ---------------------------------------------------------------------------------------------
+def gate_up_as_w1(gate_up_proj: torch.Tensor) -> torch.Tensor:
+    """transformers' gate_up_proj [E, 2I, H] (rows [gate; up]) -> the layer's w1 [E, H, 2I], gate/up interleaved
+    (column 2j = gate_j, 2j+1 = up_j): ``interleave_gate_up(gate_up_proj, dim=1).transpose(1, 2)``. One copy,
+    differentiable (the gradient comes back in gate_up_proj's layout)."""
+    experts, two_i, hidden = gate_up_proj.shape
+    pairs = gate_up_proj.view(experts, 2, two_i // 2, hidden).transpose(1, 2)  # [E, I, 2, H]
+    return pairs.reshape(experts, two_i, hidden).transpose(1, 2)
+
+
+def down_as_w2(down_proj: torch.Tensor) -> torch.Tensor:
+    """transformers' down_proj [E, H, I] -> the layer's w2 [E, I, H] (a view)."""
+    return down_proj.transpose(1, 2)
+
+
+def route_ids(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """transformers' expert ids [T, K] (int64; ids >= E are expert-parallel sentinels) -> int32, -1 masked."""
+    ids = top_k_index.to(torch.int32)
+    return ids.masked_fill(ids >= num_experts, -1)
+
+
+def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Qwen3MoeExperts.forward on ``moe_mlp``: hidden [T, H] bf16, ids [T, K], weights [T, K] -> [T, H] bf16."""
+    from detkit.kernels.moe import moe_mlp
+
+    ids = route_ids(top_k_index, module.num_experts)
+    return moe_mlp(hidden_states, gate_up_as_w1(module.gate_up_proj), down_as_w2(module.down_proj), ids,
+                   top_k_weights)
+
+
+def fixed_order_sum(values: torch.Tensor) -> torch.Tensor:
+    """values [T, K] -> [T, 1]: ((v0 + v1) + v2) + ..., elementwise adds, so a row's bits depend on its K values
+    alone."""
+    total = values[:, :1]
+    for k in range(1, values.shape[1]):
+        total = total + values[:, k:k + 1]
+    return total
+
+
+def router_forward(module, hidden_states: torch.Tensor):
+    """Qwen3MoeTopKRouter.forward with the top-k normalisation in a fixed order: (logits, scores, ids)."""
+    hidden_states = hidden_states.reshape(-1, module.hidden_dim)
+    router_logits = F.linear(hidden_states, module.weight)  # [T, E]
+    router_probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    top, ids = torch.topk(router_probs, module.top_k, dim=-1)  # [T, K]
+    if module.norm_topk_prob:
+        top = top / fixed_order_sum(top)
+    return router_logits, top.to(router_logits.dtype), ids
+
+
+# ---------------------------------------------------------------------------------------------
+# What the experts route covers
+# ---------------------------------------------------------------------------------------------
+def _flag_reason(module) -> str | None:
+    """None when ``module`` computes what ``moe_mlp`` does (transformers' use_experts_implementation flags)."""
+    wanted = {"has_gate": True, "has_bias": False, "is_concatenated": True, "is_transposed": False,
+              "has_post_expert_norm": False, "_is_expert_parallel": False}
+    for flag, value in wanted.items():
+        if getattr(module, flag, value) != value:
+            return f"{type(module).__name__}.{flag} = {getattr(module, flag)} (supported: {value})"
+    act = getattr(module.config, "hidden_act", None)
+    if act != "silu":
+        return f"activation {act!r} (supported: 'silu', the layer's SwiGLU)"
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if apply_gate is not None and apply_gate is not _saved.get("apply_gate"):
+        return f"{type(module).__name__} overrides _apply_gate (supported: silu(gate) * up)"
+    return None
+
+
+def experts_unsupported_reason(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                               top_k_weights: torch.Tensor) -> str | None:
+    """None when ``experts_forward`` runs this call; else why not (one line)."""
+    reason = _flag_reason(module)
+    if reason is not None:
+        return reason
+    if hidden_states.dim() != 2:
+        return f"hidden_states has shape {tuple(hidden_states.shape)} (supported: [T, H])"
+    if top_k_weights.dtype not in (torch.bfloat16, torch.float32):
+        return f"routing weights dtype {str(top_k_weights.dtype).removeprefix('torch.')}"
+    reason = mode_gemm.operands_reason(hidden_states, module.gate_up_proj, module.down_proj)
+    if reason is not None:
+        return reason
+    if top_k_index.device != hidden_states.device or top_k_weights.device != hidden_states.device:
+        return "routing tensors on another device than hidden_states"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The routes (class forwards while the mode is entered)
+# ---------------------------------------------------------------------------------------------
+@torch._dynamo.disable
+def experts_route(self, hidden_states, top_k_index, top_k_weights):
+    """Qwen3MoeExperts.forward while the mode is entered (see the module docstring)."""
+    original = _saved["experts"]
+    if not mode_state.active():
+        return original(self, hidden_states, top_k_index, top_k_weights)
+    reason = experts_unsupported_reason(self, hidden_states, top_k_index, top_k_weights)
+    if reason is not None:
+        mode_state.not_routed(EXPERTS_OP, reason)
+        return original(self, hidden_states, top_k_index, top_k_weights)
+    if hidden_states.shape[0] == 0:  # no tokens: the sum of no terms
+        mode_state.routed(EXPERTS_OP, mode_gemm.EMPTY)
+        return torch.zeros_like(hidden_states)
+    out = experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    mode_state.routed(EXPERTS_OP, EXPERTS_KERNEL)
+    return out
+
+
+@torch._dynamo.disable
+def router_route(self, hidden_states):
+    """Qwen3MoeTopKRouter.forward while the mode is entered."""
+    if not mode_state.active():
+        return _saved["router"](self, hidden_states)
+    out = router_forward(self, hidden_states)
+    mode_state.routed(ROUTER_OP, ROUTER_KERNEL)
+    return out
+
+
+def install() -> None:
+    """Replace the Qwen3-MoE router's and experts' forward (only when transformers is imported: a model can only
+    be built after it is; importing its Qwen3-MoE module is then cheap)."""
+    if "transformers" not in sys.modules or _saved:
+        return
+    import importlib
+
+    module = importlib.import_module(QWEN3_MOE_MODULE)
+    _saved["experts"] = module.Qwen3MoeExperts.forward
+    _saved["router"] = module.Qwen3MoeTopKRouter.forward
+    from transformers.integrations.moe import _default_apply_gate
+
+    _saved["apply_gate"] = _default_apply_gate
+    module.Qwen3MoeExperts.forward = experts_route
+    module.Qwen3MoeTopKRouter.forward = router_route
+
+
+def uninstall() -> None:
+    if not _saved:
+        return
+    module = sys.modules[QWEN3_MOE_MODULE]
+    module.Qwen3MoeExperts.forward = _saved["experts"]
+    module.Qwen3MoeTopKRouter.forward = _saved["router"]
+    _saved.clear()
+
+
+def installed() -> bool:
+    return bool(_saved)
