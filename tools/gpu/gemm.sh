@@ -4,8 +4,8 @@
 # Qwen3-8B TP=2 shapes, the zoo's GPU times and a sweep of candidate tiles for the zoo's narrow outputs.
 #
 #   OUT=/path tools/gpu/gemm.sh tests   # <= 7 min: pytest (DETKIT_TEST_DEVICE=cuda) of the det_gemm test files
-#   OUT=/path tools/gpu/gemm.sh bench   # <= 6 min: zoo GPU times, Qwen3-8B TP=2 host/eager + no-split-K, candidates
-#   OUT=/path tools/gpu/gemm.sh audit   # <= 7.5 min: gemm audit, qwen3-8b-tp2 preset then zoo preset
+#   OUT=/path tools/gpu/gemm.sh bench   # <= 5.5 min: zoo GPU times, Qwen3-8B TP=2 host/eager + no-split-K
+#   OUT=/path tools/gpu/gemm.sh audit   # <= 7.5 min: gemm audit, the qwen3-8b-tp2 and zoo presets at once
 #   OUT=/path tools/gpu/gemm.sh sweep   # <= 6 min: candidate tiles at the zoo's missed (op, K, N), fwd, dA and dB
 #   OUT=/path tools/gpu/gemm.sh all     # tests, bench and audit in turn
 #
@@ -72,34 +72,17 @@ step_tests() {
 
 step_bench() {
   begin bench
-  # shellcheck disable=SC2054  # a candidate config is one comma-separated word
-  local margs=() narrow=() cands=(
-    16,16,128,1,4,6 16,16,256,1,4,4 32,32,128,1,4,6,tma 64,16,128,1,4,6,tma 64,32,128,1,4,5,tma
-    64,64,128,1,4,6,tma 64,128,64,8,4,6,tma 128,128,64,8,8,5,ws
-  )
-  local cargs=()
+  local margs=()
   for m in "${ZOO_M[@]}"; do margs+=(--m "$m"); done
-  for c in "${cands[@]}"; do cargs+=(--config "$c"); done
-  mapfile -t narrow < <("$PY" -c 'from detkit.toolkit.presets import zoo_shapes
-for s in zoo_shapes():
-    if s.narrow: print(f"{s.k},{s.n}")')
-  local kargs=()
-  for kn in "${narrow[@]}"; do kargs+=(--kn "$kn"); done
-  # Compile the zoo's table picks and the candidates in parallel processes first.
-  (run warm_zoo 90 "$PY" -m tools.gemm_warm --workers "$WORKERS" --zoo --m "${ZOO_M[@]}") &
-  (run warm_candidates 90 "$PY" -m tools.gemm_warm --workers 4 --ops fwd --zoo --narrow --m "${ZOO_M[@]}" \
-      "${cargs[@]}") &
-  wait || true
+  # Compile the zoo's table picks in parallel processes first.
+  run warm_zoo 90 "$PY" -m tools.gemm_warm --workers "$WORKERS" --zoo --m "${ZOO_M[@]}" 64 512
   # The zoo: every shape, all three ops, GPU time (CUDA-graph replay) against cuBLAS.
-  run bench_zoo "$(left 350 170)" "$PY" -m detkit bench gemm --device cuda --out "$DIR/zoo" --zoo "${margs[@]}" \
+  run bench_zoo "$(left 330 170)" "$PY" -m detkit bench gemm --device cuda --out "$DIR/zoo" --zoo "${margs[@]}" \
       --rounds 3
   # Qwen3-8B TP=2 (every linear layer): host and eager time against torch.matmul, GPU time against cuBLASLt
   # without split-K (its worker times both by graph replay).
-  run bench_tp2 "$(left 350 110)" "$PY" -m detkit bench gemm --device cuda --out "$DIR/tp2" --zoo \
-      --layers "Qwen3-8B tp2" "${margs[@]}" --timings host --timings eager --nosplitk --rounds 3
-  # Candidate tiles for the narrow outputs (fwd), against the table's pick and cuBLAS.
-  run candidates "$(left 350 90)" "$PY" -m tools.gemm_candidates --out "$DIR/candidates" --ops fwd "${kargs[@]}" \
-      --m 1 16 128 256 1024 4096 --rounds 3 "${cargs[@]}"
+  run bench_tp2 "$(left 330 110)" "$PY" -m detkit bench gemm --device cuda --out "$DIR/tp2" --zoo \
+      --layers "Qwen3-8B tp2" "${margs[@]}" --m 64 --m 512 --timings host --timings eager --nosplitk --rounds 3
   grep -q "rc=[^0]" "$DIR/steps.txt" && status=1
   return 0
 }
@@ -109,8 +92,11 @@ step_audit() {
   (run warm_default 90 "$PY" -m tools.gemm_warm --workers 6 --preset qwen3-8b-tp2) &
   (run warm_zoo 90 "$PY" -m tools.gemm_warm --workers 6 --preset zoo) &
   wait || true
-  run audit_qwen3_8b_tp2 "$(left 450 180)" "$PY" -m detkit audit --device cuda --suite gemm --out "$DIR/qwen3-8b-tp2"
-  run audit_zoo "$(left 450 260)" "$PY" -m detkit audit --device cuda --suite gemm --preset zoo --out "$DIR/zoo"
+  # The two presets at once (correctness runs, not timings).
+  (run audit_qwen3_8b_tp2 "$(left 450 300)" "$PY" -m detkit audit --device cuda --suite gemm \
+      --out "$DIR/qwen3-8b-tp2") &
+  (run audit_zoo "$(left 450 300)" "$PY" -m detkit audit --device cuda --suite gemm --preset zoo --out "$DIR/zoo") &
+  wait || true
   grep -q "rc=[^0]" "$DIR/steps.txt" && status=1
   return 0
 }
