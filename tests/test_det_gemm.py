@@ -155,19 +155,28 @@ def fresh_plans():
 def test_launch_picks_by_the_output_width_on_the_device_sms(device, monkeypatch, fresh_plans):
     import detkit.kernels.det_gemm as dg
 
-    # M=130 in the (128, 256] bucket; 128 output columns: 3 tiles of 64x128. With 2 SMs the 8-stage ring
-    # (1 CTA per SM) cannot hold them in one wave, the 4-stage one (2 per SM) can.
-    a, b = bf16_randn((130, 48), 1, device), bf16_randn((48, 128), 2, device)
-    monkeypatch.setattr(dg, "device_sms", lambda dev: 2)
-    out, launch = det_gemm_fwd_launch(a, b)
-    assert launch.config == GemmConfig(64, 128, 64, 8, 4, 4, "tma")
-    monkeypatch.setattr(dg, "device_sms", lambda dev: 3)
-    fresh_plans()  # the plan of this signature was picked on 2 SMs
-    out3, launch3 = det_gemm_fwd_launch(a, b)
-    assert launch3.config == GemmConfig(64, 128, 64, 8, 4, 8, "tma")
-    assert compare_bits(out, out3).equal
-    c_star, abs_ab = oracle("fwd", a, b)
-    assert check_bound(out, c_star, gemm_bound(c_star, abs_ab, 48)).passed
+    # M=130 in the (128, 256] bucket. A narrow output (128 columns) takes the 64x16 tile whatever the SMs. A wide one
+    # (2056 columns, past the bucket's narrow widths) takes the one-wave rule: 51 tiles of 64x128 or 33 of 64x192. On
+    # 51 SMs the 8-stage 64x128 ring (1 CTA per SM) holds them in one wave; on 33 only the 64x192 "tma3" tile does;
+    # on 26 neither does, and the 4-stage 64x128 ring (2 CTAs per SM) does. Each launch runs the table's pick for
+    # its exact call (output rows and cols on the patched SMs); every pick gives the same bits.
+    k = 48
+    a = bf16_randn((130, k), 1, device)
+    narrow, wide = bf16_randn((k, 128), 2, device), bf16_randn((k, 2056), 3, device)
+    cases = ((narrow, 2, GemmConfig(64, 16, 128, 1, 4, 6, "tma")), (narrow, 51, GemmConfig(64, 16, 128, 1, 4, 6, "tma")),
+             (wide, 26, GemmConfig(64, 128, 64, 8, 4, 4, "tma")), (wide, 33, GemmConfig(64, 192, 64, 8, 4, 6, "tma3")),
+             (wide, 51, GemmConfig(64, 128, 64, 8, 4, 8, "tma")))
+    outs = {}
+    for b, sms, want in cases:
+        monkeypatch.setattr(dg, "device_sms", lambda dev, sms=sms: sms)
+        fresh_plans()  # a plan of this signature picked on other SMs would be reused
+        out, launch = det_gemm_fwd_launch(a, b)
+        assert launch.config == select_config("fwd", 130, cols=b.shape[1], rows=130, sms=sms) == want
+        if b.shape[1] in outs:
+            assert compare_bits(out, outs[b.shape[1]]).equal
+        outs[b.shape[1]] = out
+        c_star, abs_ab = oracle("fwd", a, b)
+        assert check_bound(out, c_star, gemm_bound(c_star, abs_ab, k)).passed
 
 
 # ---- fail closed -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from detkit.kernels.det_gemm import (
-    CONFIG_TABLE, LAUNCHERS, GemmConfig, OneWave, all_configs, entry_configs, operand_ring_bytes,
+    CONFIG_TABLE, LAUNCHERS, ByWidth, FewestWaves, GemmConfig, OneWave, all_configs, entry_configs, operand_ring_bytes,
     select_config, ws_twin,
 )
 from detkit.toolkit.contract import compare_bits
@@ -132,48 +132,84 @@ def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
     assert GemmConfig(128, 128, 64, 8, 8, 3).label() == "BM128_BN128_BK64_G8_w8_s3"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma").label() == "BM128_BN128_BK64_G8_w8_s3_tma"
     assert GemmConfig(128, 128, 64, 8, 8, 3, "tma") != GemmConfig(128, 128, 64, 8, 8, 3)
-    # The H200 sweeps measured TMA ahead for fwd and dA at M 33-1024 (both layouts), the Gluon "ws" kernel
-    # for fwd and dA at M > 1024 and dB at M > 64; dB at M <= 64 and M <= 32 stay on pointers.
-    def bounds(table, variants):
-        return [(op, rows) for op, entries in table.items() for rows, e in entries
-                if all(c.variant in variants for c in entry_configs(e))]
 
-    assert bounds(CONFIG_TABLE, ("tma", "tma3")) == [("fwd", 64), ("fwd", 128), ("fwd", 256), ("fwd", 1024),
-                                                     ("da", 64), ("da", 128), ("da", 256), ("da", 1024)]
-    assert bounds(CONFIG_TABLE, ("ws",)) == [("fwd", 2**31), ("da", 2**31), ("db", 2**31)]
-    # "tma3" only inside OneWave entries (beside tiles with a pointer twin), where the sweep measured it ahead.
-    tma3_bounds = [(op, rows) for op, entries in CONFIG_TABLE.items()
-                   for rows, e in entries if any(c.variant == "tma3" for c in entry_configs(e))]
-    assert tma3_bounds == [("fwd", 256), ("fwd", 1024), ("da", 256)]
-    assert all(isinstance(e, OneWave) for entries in CONFIG_TABLE.values()
-               for _, e in entries if any(c.variant == "tma3" for c in entry_configs(e)))
+    def holding(variant):
+        return [(op, rows) for op, entries in CONFIG_TABLE.items() for rows, e in entries
+                if any(c.variant == variant for c in entry_configs(e))]
+
+    # Pointer tiles only where the H200 sweeps measured them ahead: the one-wave tiles of wide outputs at M <= 32
+    # (fwd, dA), where the weight stream is the work, and dB's short reductions (M <= 64). Everything else is TMA.
+    assert holding("ptr") == [("fwd", 16), ("fwd", 32), ("da", 16), ("da", 32), ("db", 64)]
+    # TMA tiles: the narrow-output tiles (64x16, 64x64, 128x32) of every fwd/dA bucket up to M 256, the one-wave
+    # tiles of wide outputs at M 33-256, and the large-M fewest-waves entry (64x128, 64x64, 64x16) of all three ops.
+    assert holding("tma") == [("fwd", 16), ("fwd", 32), ("fwd", 64), ("fwd", 128), ("fwd", 256), ("fwd", 2**31),
+                              ("da", 16), ("da", 32), ("da", 64), ("da", 128), ("da", 256), ("da", 2**31),
+                              ("db", 2**31)]
+    # The Gluon "ws" tiles (128x256, 128x128) are in the fewest-waves entry (M > 256; dB M > 64), which fwd/dA at
+    # M 129-256 also take for an output no tile fits in one wave (an lm_head).
+    assert holding("ws") == [("fwd", 256), ("fwd", 2**31), ("da", 256), ("da", 2**31), ("db", 2**31)]
+    # "tma3" (64x192, 128x192): the one-wave tile of wide outputs at M 129-256 and a fewest-waves candidate, so the
+    # same entries as "ws".
+    assert holding("tma3") == holding("ws")
+    # Only TMA-kernel tiles (no pointer or Gluon tile): fwd/dA at M 33-128, narrow and wide outputs alike.
+    assert [(op, rows) for op, entries in CONFIG_TABLE.items() for rows, e in entries
+            if all(c.variant in ("tma", "tma3") for c in entry_configs(e))] == [("fwd", 64), ("fwd", 128),
+                                                                                ("da", 64), ("da", 128)]
+
+    # A "tma3" tile has no pointer twin, so it is never a pick without an alternative: never an entry of its own
+    # or a ByWidth width class, only a choice of a OneWave or FewestWaves that also holds a tile with a pointer
+    # twin (the pick where TMA cannot address an operand).
+    def leaves(entry):
+        if isinstance(entry, ByWidth):
+            return [leaf for _, e in entry.narrow + ((None, entry.wide),) for leaf in leaves(e)]
+        if isinstance(entry, OneWave) and entry.many is not None:
+            return [entry] + leaves(entry.many)
+        return [entry]
+
+    for entries in CONFIG_TABLE.values():
+        for _, e in entries:
+            for leaf in leaves(e):
+                if isinstance(leaf, GemmConfig):
+                    assert leaf.variant != "tma3", leaf
+                else:
+                    assert isinstance(leaf, (OneWave, FewestWaves)) and leaf.choices(tma3=False), leaf
 
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
-def test_da_pick_is_the_same_for_both_weight_layouts_with_the_same_bits(layout, device):
-    # dA above M 1024: the ws tile for a [K, N] weight (B K-major) and nn.Linear's weight.t() alike; it runs as
-    # the Gluon kernel on sm_90 and as its TMA twin under the interpreter.
-    m, n, k = 1100, 48, 64
+def test_da_pick_is_the_same_for_both_weight_layouts_with_the_same_bits(layout, device, monkeypatch, fresh_plans):
+    import detkit.kernels.det_gemm as dg
+
+    # dA above M 256, output 1100 x 64 (K) on 12 SMs: the fewest-waves pick is the ws 128x128 tile (9 tiles, one
+    # wave; 64x64 takes two), for a [K, N] weight (B K-major) and nn.Linear's weight.t() alike; it runs as the Gluon
+    # kernel on sm_90 and as its TMA twin under the interpreter.
+    m, n, k, sms = 1100, 48, 64, 12
+    monkeypatch.setattr(dg, "device_sms", lambda dev: sms)
     dc, b = bf16_randn((m, n), 7, device), weight_kn(k, n, 8, layout, device)
     out, launch = LAUNCHERS["da"](dc, b)
-    assert select_config("da", m) == GemmConfig(128, 256, 64, 8, 8, 3, "ws")
-    assert launch.config == (select_config("da", m) if device.type == "cuda" else ws_twin(select_config("da", m)))
+    pick = select_config("da", m, cols=k, rows=m, sms=sms)
+    assert pick == GemmConfig(128, 128, 64, 8, 8, 5, "ws")
+    assert launch.config == (pick if device.type == "cuda" else ws_twin(pick))
     backend = "cuda_sm90" if device.type == "cuda" else "triton_interpreter"
     for other in all_configs("da", backend):  # every config the table can pick there: the same bits
         _assert_same_bits(out, LAUNCHERS["da"](dc, b, config=other)[0])
 
 
-def test_a_ws_pick_runs_as_its_triton_twin_where_the_gluon_kernel_cannot(device):
-    # M > 1024 picks the ws tile. Under the interpreter and for seg_len segments it runs as the TMA kernel with
-    # the same tile; with an operand TMA cannot address (K = 7: 14-byte rows), as the pointer kernel.
-    ws = select_config("fwd", 1100)
-    assert ws.variant == "ws"
-    a, b = bf16_randn((1100, 128), 1, device), weight_kn(128, 40, 2, "linear", device)
+def test_a_ws_pick_runs_as_its_triton_twin_where_the_gluon_kernel_cannot(device, monkeypatch, fresh_plans):
+    import detkit.kernels.det_gemm as dg
+
+    # M 1100, 40 output columns on 12 SMs: the fewest-waves pick is the ws 128x128 tile (9 tiles, one wave). Under
+    # the interpreter and for seg_len segments it runs as the TMA kernel with the same tile; with an operand TMA
+    # cannot address (K = 7: 14-byte rows), as the pointer kernel.
+    m, n, sms = 1100, 40, 12
+    monkeypatch.setattr(dg, "device_sms", lambda dev: sms)
+    ws = select_config("fwd", m, cols=n, rows=m, sms=sms)
+    assert ws == GemmConfig(128, 128, 64, 8, 8, 5, "ws")
+    a, b = bf16_randn((m, 128), 1, device), weight_kn(128, n, 2, "linear", device)
     out, launch = LAUNCHERS["fwd"](a, b)
     assert launch.config == (ws if device.type == "cuda" else ws_twin(ws))
     seg, seg_launch = LAUNCHERS["fwd"](a, b, seg_len=64, out_dtype=torch.float32)
     assert seg_launch.config == replace(ws, variant="tma")
-    a7, b7 = bf16_randn((1100, 7), 3, device), weight_kn(7, 40, 4, "linear", device)
+    a7, b7 = bf16_randn((m, 7), 3, device), weight_kn(7, n, 4, "linear", device)
     out7, launch7 = LAUNCHERS["fwd"](a7, b7)
     assert launch7.config == replace(ws, variant="ptr")
     _assert_same_bits(out, LAUNCHERS["fwd"](a, b, config=replace(ws, variant="ptr"))[0])
@@ -182,32 +218,46 @@ def test_a_ws_pick_runs_as_its_triton_twin_where_the_gluon_kernel_cannot(device)
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
 def test_table_pick_is_tma_where_addressable_else_the_same_tile_as_ptr(layout, device):
-    a, b = bf16_randn((600, 56), 1, device), weight_kn(56, 40, 2, layout, device)
+    import detkit.kernels.det_gemm as dg
+
+    # M 600, 40 output columns: the fewest-waves pick is the 64x16 TMA tile (30 tiles, one wave).
+    m, n = 600, 40
+    pick = select_config("fwd", m, cols=n, rows=m, sms=dg.device_sms(device))
+    a, b = bf16_randn((m, 56), 1, device), weight_kn(56, n, 2, layout, device)
     out, launch = LAUNCHERS["fwd"](a, b)
-    assert launch.config == select_config("fwd", 600) and launch.config.variant == "tma"
+    assert launch.config == pick and launch.config.variant == "tma"
     # K = 7: a row of A is 14 bytes, no TMA descriptor can describe it; same tile, pointer kernel.
-    a7, b7 = bf16_randn((600, 7), 3, device), weight_kn(7, 40, 4, layout, device)
+    a7, b7 = bf16_randn((m, 7), 3, device), weight_kn(7, n, 4, layout, device)
     out7, launch7 = LAUNCHERS["fwd"](a7, b7)
-    assert launch7.config == replace(select_config("fwd", 600), variant="ptr")
+    assert launch7.config == replace(pick, variant="ptr")
     ptr, _ = LAUNCHERS["fwd"](a, b, config=replace(launch.config, variant="ptr"))
     _assert_same_bits(out, ptr)
     _assert_same_bits(out7, LAUNCHERS["fwd"](a7, b7, config=launch7.config)[0])
 
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
-def test_table_tma3_pick_gives_way_to_a_tile_with_a_pointer_twin_where_tma_cannot_address(layout, device,
-                                                                                          monkeypatch, fresh_plans):
+@pytest.mark.parametrize("m,n,sms,tma3,fallback", [
+    # The one-wave entry of wide outputs at M 129-256: on 33 SMs the 64x192 "tma3" tile is 33 tiles (one wave), the
+    # 8-stage 64x128 ones 51; without tma3, the 2-per-SM 64x128 (51 <= 33 x 2).
+    (130, 2112, 33, GemmConfig(64, 192, 64, 8, 4, 6, "tma3"), GemmConfig(64, 128, 64, 8, 4, 4, "tma")),
+    # The fewest-waves entry above M 256: on 3 SMs the 128x192 "tma3" tile is 3 tiles (one wave, cost 24576 / 0.8);
+    # without tma3, the ws 128x256 (3 tiles, 32768 / 1.0; 128x128 takes two waves).
+    (300, 192, 3, GemmConfig(128, 192, 64, 8, 8, 4, "tma3"), GemmConfig(128, 256, 64, 8, 8, 3, "ws")),
+])
+def test_table_tma3_pick_gives_way_to_a_tile_with_a_pointer_twin_where_tma_cannot_address(
+        layout, m, n, sms, tma3, fallback, device, monkeypatch, fresh_plans):
     import detkit.kernels.det_gemm as dg
 
-    # M=130 in the (128, 256] bucket, 192 output columns, 3 SMs: the 64x192 "tma3" tile is 3 tiles (one wave),
-    # the 64x128 ones 6. K = 7 (14-byte rows): no TMA descriptor, so the entry's pick among its other tiles
-    # (the 2-per-SM 64x128, 6 <= 3 x 2) as the pointer kernel. Same bits either way.
-    monkeypatch.setattr(dg, "device_sms", lambda dev: 3)
-    for k, want in ((16, GemmConfig(64, 192, 64, 8, 4, 6, "tma3")), (7, GemmConfig(64, 128, 64, 8, 4, 4))):
-        a, b = bf16_randn((130, k), 1, device), weight_kn(k, 192, 2, layout, device)
+    # K = 16: TMA addresses both operands, the "tma3" pick runs. K = 7 (14-byte rows): no TMA descriptor, so the
+    # entry's pick among its tiles with a pointer twin, as the pointer kernel. Same bits either way.
+    monkeypatch.setattr(dg, "device_sms", lambda dev: sms)
+    assert select_config("fwd", m, cols=n, rows=m, sms=sms) == tma3
+    assert select_config("fwd", m, cols=n, rows=m, sms=sms, tma3=False) == fallback
+    for k, want in ((16, tma3), (7, replace(fallback, variant="ptr"))):
+        a, b = bf16_randn((m, k), 1, device), weight_kn(k, n, 2, layout, device)
         out, launch = LAUNCHERS["fwd"](a, b)
         assert launch.config == want
-        _assert_same_bits(out, LAUNCHERS["fwd"](a, b, config=GemmConfig(16, 32, 32, 1, 4, 2))[0])
+        _assert_same_bits(out, LAUNCHERS["fwd"](a, b, config=GemmConfig(64, 64, 32, 1, 4, 2))[0])
 
 
 @pytest.mark.parametrize("tile,variant,match", [
