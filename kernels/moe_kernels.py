@@ -17,8 +17,10 @@ kernels/moe_routing.py; P is the padded row count.
                                  unscaled dX gather-sum)
     moe_dscore_sum_kernel        ds[t, k] = the row's dscore partials summed (a fixed tree)
 
-Each grouped GEMM is queued before the host has read the routing, over the largest P it can have: every program
-first reads the routing's gate (P and the validation counts) and does nothing past P or for a refused batch.
+Every kernel runs over the routing's bound (the largest P it can have; the host never reads the real one): a grouped
+GEMM program first reads the routing's gate (P and the validation counts) and does nothing past P or for a refused
+batch; the weight gradients read the expert counts on the device; the combines, the dscore sum and the weight
+gradients write NaN for a refused batch (``poisoned``).
 
 Determinism rests on the det_gemm rules: no split-K, no atomics, one program owns each output tile and reduces
 all of its reduced dimension in a fixed ascending order that depends on the shapes alone (H or I for the grouped

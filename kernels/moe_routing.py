@@ -29,15 +29,14 @@ kernel time; the rest is per-op launch overhead and host round trips.
    rebuilds the padded segment offsets from the counts (E integers); a route's row is its expert's
    offset + its chunk's prefix + its stable rank inside the chunk (an exclusive cumsum of the chunk's
    one-hot over experts); a padded row's owner is the first expert whose segment ends after it, which
-   gives ``tile_expert`` and the padding rows. Program 0 writes the ``gate``: P and the validation
-   counts, which every grouped GEMM reads first.
-Then one read of ``meta`` (the counts and the validation counts together; the build's only
-device-to-host read, no host-to-device copy) refuses a bad batch with check_topk's messages (the
-details are looked up with torch only then) and cuts the outputs at P. ``launch_routing`` queues the
-kernels and returns before that read (``PendingRouting``), so the MoE forward queues its up-projection
-GEMM first; the read then runs on a side stream that waits for the routing kernels only. Why: a host that
-waited for the read before queueing any GEMM left the GPU idle for hundreds of microseconds per call on an
-H200, most of it after the read's wait.
+   gives ``tile_expert`` and the padding rows (rows from P to the bound are padding too). Program 0
+   writes the ``gate``: P and the validation counts, which every gated kernel reads first, and sets the
+   device's sticky error flags (``error_flags``) for a refused batch.
+``launch_routing`` queues the kernels and returns (``PendingRouting``) with no host read: the MoE layers run
+every stage over its ``bound``, gated on the device (kernels/moe.py). ``finish()`` (``build_routing``, the
+validating mode ``sync_checks()``) is one read of ``meta`` (the counts and the validation counts together, on a
+side stream that waits for the routing kernels only; no host-to-device copy): it refuses a bad batch with
+check_topk's messages (the details are looked up with torch only then) and cuts the outputs at P.
 
 Every step is integer arithmetic with unique store targets (no atomics, no float reduction), so
 the metadata is identical on every run and device, and bit-identical to ``build_routing_torch``
@@ -460,7 +459,7 @@ def launch_routing(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: in
         num_warps=8,
     )
     ready = None
-    if not interpreted:
+    if not interpreted and not torch.cuda.is_current_stream_capturing():  # finish() cannot run inside a capture
         ready = torch.cuda.Event()
         ready.record()
     bound = MoeRouting(

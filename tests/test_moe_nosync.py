@@ -102,7 +102,7 @@ def _run(inp, fp8, main_grads=None):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_forward_and_backward_read_nothing_back(fp8, device):
     inp = _inputs(device, fp8)
-    fwd, bwd = _layer(fp8)
+    fwd, bwd = (moe_mlp_fp8_fwd, moe_mlp_fp8_bwd) if fp8 else (moe_mlp_fwd, moe_mlp_bwd)  # FP8: the weight cache
     error_flags(device)  # allocated once per device, before the first call (as before a graph capture)
     with no_host_reads() as reads:
         out, saved = fwd(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])
@@ -261,3 +261,19 @@ def test_forward_backward_capture_in_a_cuda_graph(fp8, device):
             assert_bits_equal(g, w, f"{name} (replay, seed {seed})")
             assert bool(g.isfinite().all()), name
     check_moe_errors(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_refused_batch_poisons_the_sm90_kernels_outputs(fp8, device):
+    # At a shape the Gluon "ws" kernels take (their gated tile loops and their weight gradients' NaN stores).
+    inp = make_inputs(MoeCase(512, 256, 256, 8, 2, "random", 21), device)
+    inp["topk_ids"][5, 1] = inp["topk_ids"][5, 0]
+    check_moe_errors(device)
+    inits = [torch.zeros(inp[n].shape, device=device) for n in ("w1", "w2")]
+    got, saved = _run(inp, fp8)
+    _run(inp, fp8, main_grads=inits)
+    for name, t in {**got, "main_grad_w1": inits[0], "main_grad_w2": inits[1]}.items():
+        assert bool(t.isnan().all()), f"{name}: not all NaN"
+    with pytest.raises(ValueError, match="duplicate topk id"):
+        check_moe_errors(device)
