@@ -15,8 +15,10 @@ Checks, each one row:
 - ``main_grad``: FP32 weight-gradient accumulation equals main_grad + the FP32 dW exactly.
 - ``edge``: experts with 0/1/127/128/129 tokens, all tokens on one expert, masked routes, T = 1.
 - ``rejects``: bad dtypes and shapes raise before any work; bad ids (duplicates, out of range) and
-  non-finite scores, found by the routing kernels, raise at the routing's one host read, before any
-  result is returned (a GEMM queued before that read is gated off on the device).
+  non-finite scores, found by the routing kernels, raise in the validating mode (``sync_checks``) at the
+  routing's one host read, before any result is returned (a GEMM queued before that read is gated off on the
+  device). The stage checks run in that mode too (they read the exact routing's counts); every other row runs
+  the default path, which reads nothing back (tests/test_moe_nosync.py checks its poisoning of a refused batch).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from detkit.kernels.moe import (
     moe_dgrad_dswiglu, moe_down, moe_dx_route, moe_gather_sum, moe_mlp, moe_mlp_bwd, moe_mlp_fwd, moe_mlp_ref,
     stage_name,
 )
-from detkit.kernels.moe_routing import MoeRouting, SEGMENT_ALIGN
+from detkit.kernels.moe_routing import MoeRouting, SEGMENT_ALIGN, sync_checks
 from detkit.toolkit.contract import (
     ETA_BF16, U_BF16, U_FP64, ContractResult, check_bound, compare_bits, digest, gamma, gemm_bound, rel_l2,
 )
@@ -268,7 +270,8 @@ def padding_zero(tensors: dict[str, torch.Tensor], pad: torch.Tensor) -> dict[st
 def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult], dict]:
     """Every stage against its FP64 oracle from its own inputs. Returns results and bit checks."""
     x, w1, w2, scores, dout = inp["x"], inp["w1"], inp["w2"], inp["scores"], inp["dout"]
-    out, saved = moe_mlp_fwd(x, w1, w2, inp["topk_ids"], scores)
+    with sync_checks():  # the exact routing (its counts on the host, P rows): the same bits as the default path
+        out, saved = moe_mlp_fwd(x, w1, w2, inp["topk_ids"], scores)
     grads = moe_mlp_bwd(dout, saved)
     r = saved.routing
     backend = saved.backend
@@ -498,7 +501,8 @@ def rejection_rows(suite: str, ctx: RunContext, fwd: Forward, inp: dict,
     for label, exc_type, change in cases:
         bad = {**inp, **change}
         try:
-            fwd(bad["x"], bad["w1"], bad["w2"], bad["topk_ids"], bad["scores"])
+            with sync_checks():  # the validating mode refuses bad ids and scores; by default they poison the outputs
+                fwd(bad["x"], bad["w1"], bad["w2"], bad["topk_ids"], bad["scores"])
             raised, message = None, "no error"
         except (TypeError, ValueError) as exc:
             raised, message = type(exc), str(exc)

@@ -41,7 +41,7 @@ from detkit.audits.moe import (
 from detkit.kernels.fp8_quant import (
     QBLOCK, dequantize_rowwise, quantize_colwise_ref, quantize_rowwise, quantize_rowwise_ref, quantize_weight_ref,
 )
-from detkit.kernels.moe import moe_mlp_fwd, moe_mlp_bwd, moe_mlp_ref
+from detkit.kernels.moe import moe_mlp_fwd, moe_mlp_bwd, moe_mlp_ref, sync_checks
 from detkit.kernels.moe_fp8 import (
     DEFAULT_WGRAD, OTHER_WGRAD, Fp8WeightCache, fp8_stage_name, moe_fp8_dgrad, moe_fp8_down, moe_fp8_dx_route,
     moe_fp8_quant_colwise, moe_fp8_risk, moe_fp8_wgrad, moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd, moe_mlp_fp8_ref,
@@ -108,7 +108,8 @@ def block_gemm_error(abs_ab: torch.Tensor, reduced: int, unit: float) -> torch.T
 def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult], dict]:
     """Every stage against its FP64 oracle from its own (dequantized) inputs; bitwise quantizer checks."""
     x, w1, w2, scores, dout = inp["x"], inp["w1"], inp["w2"], inp["scores"], inp["dout"]
-    out, saved = moe_mlp_fp8_fwd(x, w1, w2, inp["topk_ids"], scores, weight_cache=None)
+    with sync_checks():  # the exact routing (its counts on the host, P rows): the same bits as the default path
+        out, saved = moe_mlp_fp8_fwd(x, w1, w2, inp["topk_ids"], scores, weight_cache=None)
     grads = moe_mlp_fp8_bwd(dout, saved)
     r, backend = saved.routing, saved.backend
     unit = BLOCK_ACC_UNIT[backend]

@@ -124,10 +124,11 @@ def _weight_meta(grid, metadata, args):
 
 @triton.jit(launch_metadata=_rowwise_meta)
 def fp8_quant_rowwise_kernel(
-    x_ptr, q_ptr, s_ptr,
+    x_ptr, q_ptr, s_ptr, limit_ptr,
     M, N,  # q[m, n] = e4m3(x[m, n] / s[m, n // QBLOCK]); N a multiple of QBLOCK
     stride_xm, stride_xn, stride_qm, stride_qn, stride_sm, stride_sn,
     BLOCK_M: tl.constexpr, QBLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+    LIMITED: tl.constexpr = False,  # only the rows below the int32 at limit_ptr (read on the device)
 ):
     pid = tl.program_id(axis=0)
     num_pid_n = N // QBLOCK
@@ -135,7 +136,10 @@ def fp8_quant_rowwise_kernel(
     pid_n = pid % num_pid_n
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * QBLOCK + tl.arange(0, QBLOCK)
-    m_ok = offs_m < M
+    rows = M
+    if LIMITED:
+        rows = tl.minimum(M, tl.load(limit_ptr))
+    m_ok = offs_m < rows
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn,
                 mask=m_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_M, QBLOCK]
     q, scale = quantize_rows(x, INTERPRETED)
@@ -191,9 +195,16 @@ def _check_quant_input(name: str, t: torch.Tensor, dims: int, blocked: tuple[int
         raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) exceeds 32-bit kernel offsets")
 
 
-def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, N] (bf16/fp32, any strides) -> q [M, N] e4m3 row-major, scale [M, N/128] fp32 (powers of two)."""
+def quantize_rowwise(x: torch.Tensor, row_limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, N] (bf16/fp32, any strides) -> q [M, N] e4m3 row-major, scale [M, N/128] fp32 (powers of two).
+
+    ``row_limit``: an int32 tensor on x's device whose first element bounds the rows quantized, read on the device
+    (no host read): rows from it on are left unset (the MoE layer's rows past its routing's P)."""
     _check_quant_input("x", x, 2, (1,))
+    if row_limit is not None and (not isinstance(row_limit, torch.Tensor) or row_limit.dtype != torch.int32
+                                  or row_limit.numel() < 1 or row_limit.device != x.device):
+        raise ValueError(f"row_limit must be an int32 tensor of at least one element on {x.device}; got "
+                         f"{getattr(row_limit, 'dtype', type(row_limit).__name__)}")
     backend = resolve_backend(fp8_quant_rowwise_kernel, {"x": x})
     m, n = x.shape
     q = torch.empty((m, n), dtype=FP8_DTYPE, device=x.device)
@@ -201,8 +212,10 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block_m = QUANT_BLOCK_M[backend]
     grid = (triton.cdiv(m, block_m) * (n // QBLOCK),)
     fp8_quant_rowwise_kernel[grid](
-        x, q, s, m, n, x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-        BLOCK_M=block_m, QBLOCK=QBLOCK, INTERPRETED=backend == TRITON_INTERPRETER, num_warps=4,
+        x, q, s, row_limit if row_limit is not None else s, m, n,
+        x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+        BLOCK_M=block_m, QBLOCK=QBLOCK, INTERPRETED=backend == TRITON_INTERPRETER, LIMITED=row_limit is not None,
+        num_warps=4,
     )
     return q, s
 

@@ -22,11 +22,19 @@ Weight convention (the ``b [K, N]`` convention of det_gemm, one matrix per exper
     ``fc2.transpose(1, 2)`` (views; no copy at call time).
 
 Where the parts live:
-    kernels/moe_routing.py   the expert-sorted, 128-padded rows (one device-to-host read per layer call)
+    kernels/moe_routing.py   the expert-sorted, 128-padded rows, built on the device (no host read)
     kernels/moe_kernels.py   the Triton kernels (grouped GEMMs with their epilogues, weight gradients, combines)
     kernels/moe_ws.py        the Gluon "ws" kernels for sm_90 (down, dX, up, dgrad, weight gradients)
     kernels/moe_launch.py    the stage launch wrappers;  kernels/moe_configs.py  the pinned config tables
     kernels/moe_checks.py    the input checks;  kernels/moe_common.py  names and codes shared with the FP8 layer
+
+No host synchronization (forward and backward): every stage runs over the routing's bound (the largest P its T*K
+routes can have over E experts); the grouped GEMMs skip every tile past the real P on the device (the routing's
+gate), the weight gradients read the expert counts and offsets on the device. A batch the routing's checks refuse
+(ids out of range, duplicate ids in a row, non-finite scores) is not refused on the host: every GEMM tile skips, out,
+dX, dW1, dW2 and the dscores come out NaN, ``MoeRouting.refused`` / ``check()`` and the device's sticky
+``error_flags`` / ``check_moe_errors`` say so when the caller reads them. Inside ``sync_checks()`` the forward reads
+the counts back once, refuses a bad batch with check_topk's messages and runs over the exact P (the same bits).
 
 Determinism rests on the det_gemm rules: no split-K, no atomics, one program owns each output tile and reduces
 all of its reduced dimension in a fixed ascending order that depends on the shapes alone. Batch invariance
@@ -52,12 +60,14 @@ from detkit.kernels.moe_launch import (
     moe_wgrad_w2, table_moe_config,
 )
 from detkit.kernels.moe_operands import weight_descriptor, ws_weight_rows
-from detkit.kernels.moe_routing import MoeRouting
+from detkit.kernels.moe_routing import MoeRouting, check_moe_errors, error_flags, sync_checks, sync_checks_enabled
 
 __all__ = [
     # the layer
     "MoeGrads", "MoeMlpFunction", "MoeSaved", "deinterleave_gate_up", "interleave_gate_up", "moe_mlp", "moe_mlp_bwd",
     "moe_mlp_fwd", "moe_mlp_ref",
+    # failing closed without a host read (kernels/moe_routing.py)
+    "check_moe_errors", "error_flags", "sync_checks",
     # its stages, configs and names (kernels/moe_launch.py, moe_configs.py, moe_common.py)
     "LAYER_STAGES", "MOE_CONFIGS", "MOE_CONFIG_TABLE_VERSION", "STAGES", "check_moe_inputs", "checked_routing",
     "launch_checked_routing", "layer_stage_names", "moe_combine", "moe_dgrad_dswiglu", "moe_dgrad_dswiglu_dscore",
@@ -77,7 +87,7 @@ class MoeSaved:
     w1: torch.Tensor  # [E, H, 2I]
     w2: torch.Tensor  # [E, I, H]
     scores: torch.Tensor  # [T, K]
-    gu: torch.Tensor  # [P, 2I] interleaved pre-activations
+    gu: torch.Tensor  # [P, 2I] interleaved pre-activations (P: the routing's bound, or the exact P in sync_checks)
     h: torch.Tensor  # [P, I]
 
 
@@ -94,11 +104,13 @@ def moe_mlp_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: t
     names = layer_stage_names(x, w1, topk_ids.shape[1])
     with rng(names["routing"]):
         pending = launch_checked_routing(x, w1, topk_ids, scores)
-    with rng(names["up_swiglu"]):  # queued before the counts are read: over the largest P, gated on the device
+    with rng(names["up_swiglu"]):  # over the largest P, gated on the device
         gu, h = moe_up_swiglu(x, w1, pending.bound, backend)
-    with rng(names["routing"]):
-        routing = pending.finish()  # refuses a bad batch; the up GEMM computed nothing from it
-        gu, h = gu[:routing.padded_rows], h[:routing.padded_rows]
+    routing = pending.bound  # every stage runs over the bound, gated on the device: no host read
+    if sync_checks_enabled():  # the validating mode: one host read refuses a bad batch, then the exact P
+        with rng(names["routing"]):
+            routing = pending.finish()  # the up GEMM computed nothing from a refused batch
+            gu, h = gu[:routing.padded_rows], h[:routing.padded_rows]
     with rng(names["down"]):
         y = moe_down(h, w2, routing, backend)
     with rng(names["combine"]):

@@ -33,7 +33,7 @@ from detkit.kernels.moe_common import (
     DS_GROUP, colwise_quant_launch_name, fp8_grouped_launch_name, fp8_wgrad_launch_name,
 )
 from detkit.kernels.moe_triton_blocks import (
-    dswiglu_epilogue, grouped_tile, mma_step, store_c_tile, swiglu_epilogue, tile_is_live, to_bf16,
+    dswiglu_epilogue, grouped_tile, mma_step, store_c_tile, store_wgrad_tile, swiglu_epilogue, tile_is_live, to_bf16,
 )
 
 
@@ -150,7 +150,7 @@ def fp8_dscore_partials(acc, h_ptr, ds_ptr, offs_m, pid_n, C, BLOCK_M: tl.conste
 
 @triton.jit(launch_metadata=colwise_quant_launch_name)
 def moe_fp8_quant_colwise_kernel(
-    src_ptr, rows_ptr, route_ptr, score_ptr, q_ptr, qs_ptr,
+    src_ptr, rows_ptr, route_ptr, score_ptr, gate_ptr, q_ptr, qs_ptr,
     P, N,  # q[n, p] = e4m3(v[p, n] / s[n, p // QBLOCK]), v[p, :] = src[row(p), :] (* score[p]); 0 on padding
     stride_sm, stride_sn, stride_qn, stride_qp, stride_sn_s, stride_sp_s,
     BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, GATHER: tl.constexpr, SCALE: tl.constexpr,
@@ -160,26 +160,27 @@ def moe_fp8_quant_colwise_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_p = pid // num_pid_n
     pid_n = pid % num_pid_n
-    offs_p = pid_p * QBLOCK + tl.arange(0, QBLOCK)  # one 128-row block: inside one expert segment
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    row_ok = tl.load(route_ptr + offs_p) >= 0
-    if GATHER:
-        rows = tl.load(rows_ptr + offs_p)
-    else:
-        rows = offs_p
-    v = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :] * stride_sn,
-                mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # [QBLOCK, BLOCK_N]
-    if SCALE:  # dy = s * dout[token] in FP32 (one rounding), quantized directly
-        v = v * tl.load(score_ptr + offs_p)[:, None]
-    q, scale = quantize_rows(tl.trans(v), INTERPRETED)  # [BLOCK_N, QBLOCK]: 128x1 blocks down the columns
-    tl.store(q_ptr + offs_n[:, None] * stride_qn + offs_p[None, :] * stride_qp, q, mask=n_ok[:, None])
-    tl.store(qs_ptr + offs_n * stride_sn_s + pid_p * stride_sp_s, scale, mask=n_ok)
+    if pid_p * QBLOCK < tl.load(gate_ptr):  # a block past the routing's P: not read by the weight gradients
+        offs_p = pid_p * QBLOCK + tl.arange(0, QBLOCK)  # one 128-row block: inside one expert segment
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        row_ok = tl.load(route_ptr + offs_p) >= 0
+        if GATHER:
+            rows = tl.load(rows_ptr + offs_p)
+        else:
+            rows = offs_p
+        v = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :] * stride_sn,
+                    mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # [QBLOCK, BLOCK_N]
+        if SCALE:  # dy = s * dout[token] in FP32 (one rounding), quantized directly
+            v = v * tl.load(score_ptr + offs_p)[:, None]
+        q, scale = quantize_rows(tl.trans(v), INTERPRETED)  # [BLOCK_N, QBLOCK]: 128x1 blocks down the columns
+        tl.store(q_ptr + offs_n[:, None] * stride_qn + offs_p[None, :] * stride_qp, q, mask=n_ok[:, None])
+        tl.store(qs_ptr + offs_n * stride_sn_s + pid_p * stride_sp_s, scale, mask=n_ok)
 
 
 @triton.jit(launch_metadata=fp8_wgrad_launch_name)
 def moe_fp8_wgrad_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, dw_ptr, offsets_ptr, counts_ptr,
+    a_ptr, as_ptr, b_ptr, bs_ptr, dw_ptr, offsets_ptr, counts_ptr, gate_ptr,
     R, C,  # dW[e] [R, C] = sum over e's 128-row blocks kb (ascending) of (A_q[:, kb] @ B_q[:, kb]^T) * scales
     stride_ar, stride_ap, stride_asr, stride_asp,  # A_q [R, P] (K = P contiguous), scales [R, P/QBLOCK]
     stride_bc, stride_bp, stride_bsc, stride_bsp,  # B_q [C, P], scales [C, P/QBLOCK]
@@ -238,10 +239,5 @@ def moe_fp8_wgrad_kernel(
             a_s, b_s = a_s_next, b_s_next
         as_ptrs += stride_asp
         bs_ptrs += stride_bsp
-    w_ptrs = dw_ptr + expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
-    w_mask = r_ok[:, None] & c_ok[None, :]
-    if ACCUMULATE:  # main_grad += dW in FP32; an expert without rows leaves it untouched
-        w_mask = w_mask & (count > 0)
-        tl.store(w_ptrs, tl.load(w_ptrs, mask=w_mask, other=0.0) + acc, mask=w_mask)
-    else:
-        tl.store(w_ptrs, to_bf16(acc, INTERPRETED), mask=w_mask)
+    store_wgrad_tile(dw_ptr, acc, expert, count, gate_ptr, offs_r, offs_c, r_ok, c_ok, stride_we, stride_wr, stride_wc,
+                     ACCUMULATE, INTERPRETED)

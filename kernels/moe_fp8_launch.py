@@ -60,8 +60,8 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
             launch_fp8_ws_gather(op_id, stage, config, epilogue, a, a_s, b, b_s, outputs, routing.gather_token,
                                  routing.sorted_route, routing.tile_expert, routing.gate, p, SEGMENT_ALIGN, backend)
         else:
-            launch_fp8_ws(op_id, stage, config, a, a_s, b, b_s, c, routing.sorted_route, routing.tile_expert, p,
-                          SEGMENT_ALIGN, backend)
+            launch_fp8_ws(op_id, stage, config, a, a_s, b, b_s, c, routing.sorted_route, routing.tile_expert,
+                          routing.gate, p, SEGMENT_ALIGN, backend)
         return
     if p == 0:
         return
@@ -116,7 +116,7 @@ def moe_fp8_up_swiglu(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, rout
     h_q, h_s = quantize_rowwise(h) either way: fused into the epilogue when the tile is 2 x 128 interleaved
     columns wide (its h is one 1x128 block per row), else by the row-wise quantizer over the stored h."""
     gu, h, h_q, h_s = moe_fp8_up_gemm(x_q, x_s, w1f, routing, backend, config)
-    return (gu, h, *quantized_h(h, h_q, h_s))
+    return (gu, h, *quantized_h(h, h_q, h_s, routing))
 
 
 def moe_fp8_up_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,
@@ -139,15 +139,16 @@ def moe_fp8_up_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, routin
     return gu, h, h_q, h_s
 
 
-def quantized_h(h: torch.Tensor, h_q: torch.Tensor | None, h_s: torch.Tensor | None):
+def quantized_h(h: torch.Tensor, h_q: torch.Tensor | None, h_s: torch.Tensor | None,
+                routing: MoeRouting | None = None):
     """h_q, h_s: the up epilogue's, else the row-wise pass over the stored h (empty at P = 0: the pass refuses an
-    empty h)."""
+    empty h); with ``routing``, only its rows below P (the gate, read on the device)."""
     if h_q is not None:
         return h_q, h_s
     if h.shape[0] == 0:
         return (torch.empty(h.shape, dtype=FP8_DTYPE, device=h.device),
                 torch.empty((0, h.shape[1] // QBLOCK), dtype=torch.float32, device=h.device))
-    return quantize_rowwise(h)
+    return quantize_rowwise(h, None if routing is None else routing.gate)
 
 
 def moe_fp8_down(h_q: torch.Tensor, h_s: torch.Tensor, w2f: Fp8Weight, routing: MoeRouting, backend: str,
@@ -211,7 +212,7 @@ def moe_fp8_quant_colwise(src: torch.Tensor, routing: MoeRouting, backend: str, 
                          f"program); got {config.block_m}")
     cols = config.block_n
     moe_fp8_quant_colwise_kernel[(routing.num_tiles * triton.cdiv(n, cols),)](
-        src, routing.gather_token, routing.sorted_route, routing.row_score, q, s, p, n,
+        src, routing.gather_token, routing.sorted_route, routing.row_score, routing.gate, q, s, p, n,
         src.stride(0), src.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         BLOCK_N=cols, QBLOCK=QBLOCK, GATHER=gather, SCALE=scale, INTERPRETED=backend == TRITON_INTERPRETER,
         num_warps=config.num_warps,
@@ -241,7 +242,7 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
     out = main_grad if main_grad is not None else torch.empty((experts, r, c), dtype=torch.bfloat16, device=a_q.device)
     if config.variant == "ws":
         launch_fp8_wgrad_ws(config, a_q, a_s, b_q, b_s, out, main_grad is not None, routing.expert_offsets,
-                            routing.expert_counts, experts, backend)
+                            routing.expert_counts, routing.gate, experts, backend)
         return None if main_grad is not None else out
     a_arg, b_arg = a_q, b_q
     if config.variant == "tma":  # the column-wise quantizer's [rows, P] outputs; anything else is refused by name
@@ -254,7 +255,7 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
             ensure_cuda_context(a_q.device)
     grid = (experts * triton.cdiv(r, config.block_m) * triton.cdiv(c, config.block_n),)
     moe_fp8_wgrad_kernel[grid](
-        a_arg, a_s, b_arg, b_s, out, routing.expert_offsets, routing.expert_counts, r, c,
+        a_arg, a_s, b_arg, b_s, out, routing.expert_offsets, routing.expert_counts, routing.gate, r, c,
         a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1),
         b_q.stride(0), b_q.stride(1), b_s.stride(0), b_s.stride(1),
         out.stride(0), out.stride(1), out.stride(2),

@@ -34,7 +34,9 @@ from detkit.kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, check_shared_bytes, consumers, max_regs, store_part,
 )
 from detkit.kernels.moe_common import fp8_grouped_launch_name, fp8_wgrad_launch_name
-from detkit.kernels.moe_gluon_blocks import check_ws_backend, nvmma_descriptor, store_wgrad_part, wgrad_tile
+from detkit.kernels.moe_gluon_blocks import (
+    check_ws_backend, live_tiles, nvmma_descriptor, refused_batch, store_wgrad_part, wgrad_tile,
+)
 
 QBLOCK_WS = 128  # the FP8 scale block along K: one ring slot holds one block of both operands
 
@@ -244,7 +246,7 @@ def _allocate(a_desc, b_desc, c_desc, c_dtype: gl.constexpr, STAGES: gl.constexp
 def moe_fp8_ws_kernel(
     a_desc, b_desc,  # TMA descriptors: A_q [P, L] (box [BLOCK_M, 128]), B_q K-major as [E * C, L] (box [BLOCK_N, 128])
     c_desc,  # TMA descriptor over the output [P, C] (BF16, or FP32), box [BLOCK_M / CONSUMERS, BLOCK_N]
-    as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
+    as_ptr, bs_ptr, route_ptr, tile_expert_ptr, gate_ptr,
     P, C, L,  # C[p, :C] = sum_kb (A_q[p, kb] @ B_q[e][kb, :C]) * a_s[p, kb] * b_s[e][kb, :]
     stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
     op_id,  # names the launch only
@@ -254,7 +256,7 @@ def moe_fp8_ws_kernel(
 ):
     a_ring, b_ring, ready, free, c_smem = _allocate(a_desc, b_desc, c_desc, c_desc.dtype, STAGES, CONSUMERS)
     num_n = C // BLOCK_N
-    num_tiles = (P // BLOCK_M) * num_n
+    num_tiles = live_tiles(gate_ptr, P, num_n, BLOCK_M)  # none past the routing's P, none for a refused batch
     if CONSUMERS == 2:  # cooperative: the two warpgroups split each tile's rows and sync only through the ring
         gl.warp_specialize([
             (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
@@ -291,7 +293,7 @@ def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets
 
 @gluon.jit
 def _wgrad_consumer(a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
-                    num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M: gl.constexpr,
+                    gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, KB_GROUP: gl.constexpr, ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr,
                     PART: gl.constexpr):
     """The weight gradient's consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of dW[e]'s
@@ -302,12 +304,13 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     count = 0
+    refused = refused_batch(gate_ptr)
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
         acc, count = _k_blocks(a_ring, b_ring, ready, free, count, gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout),
                                gl.cdiv(routed, QB), None, None, 0, 0, KB_GROUP, True, PART,
                                scale_rings=scale_rings)
-        store_wgrad_part(c_smem, c_desc, dw_ptr, acc, expert, routed, R, pid_r * BLOCK_M + PART * ROWS,
+        store_wgrad_part(c_smem, c_desc, dw_ptr, acc, expert, routed, refused, R, pid_r * BLOCK_M + PART * ROWS,
                          pid_c * BLOCK_N, stride_we, stride_wr, stride_wc, ACCUMULATE, PART)
     tma.store_wait(0)
 
@@ -318,7 +321,7 @@ def moe_fp8_wgrad_ws_kernel(
     as_desc, bs_desc,  # TMA descriptors over the scales' storage [P/128, R] and [P/128, C] (boxes [1, BLOCK_M | N])
     c_desc,  # TMA descriptor over the BF16 dW as [E * R, C], box [BLOCK_M / CONSUMERS, BLOCK_N] (unused: ACCUMULATE)
     dw_ptr,  # main_grad [E, R, C] FP32 (ACCUMULATE)
-    offsets_ptr, counts_ptr,
+    offsets_ptr, counts_ptr, gate_ptr,
     R, C, num_experts,  # dW[e] [R, C] = sum over e's 128-row blocks kb (ascending) of A_q[:, kb] B_q[:, kb]^T s
     stride_we, stride_wr, stride_wc,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KB_GROUP: gl.constexpr,
@@ -336,10 +339,10 @@ def moe_fp8_wgrad_ws_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
-                               counts_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
+                               counts_ptr, gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
                                BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
             (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
-                               counts_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
+                               counts_ptr, gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
                                BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 1)),
             (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr,
                                num_tiles, num_r, num_c, BLOCK_M, BLOCK_N)),
@@ -347,7 +350,7 @@ def moe_fp8_wgrad_ws_kernel(
     else:
         gl.warp_specialize([
             (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
-                               counts_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
+                               counts_ptr, gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
                                BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
             (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr,
                                num_tiles, num_r, num_c, BLOCK_M, BLOCK_N)),
@@ -368,7 +371,8 @@ def scale_row_descriptor(scales: torch.Tensor, block: int) -> TensorDescriptor:
 
 
 def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor,
-                  b_s: torch.Tensor, c: torch.Tensor, route: torch.Tensor, tile_expert: torch.Tensor, padded_rows: int,
+                  b_s: torch.Tensor, c: torch.Tensor, route: torch.Tensor, tile_expert: torch.Tensor, gate: torch.Tensor,
+                  padded_rows: int,
                   segment: int, backend: str) -> None:
     """c [P, C] (c's dtype: BF16, or FP32) = the FP8 grouped GEMM of A_q [P, L] and the K-major weight b [E, C, L];
     refuses, naming the value, what this kernel does not cover, then a backend other than sm_90 (before any work)."""
@@ -395,7 +399,7 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
                               {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[c.dtype])
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
     moe_fp8_ws_kernel[(min(tiles, device_sms(a.device)),)](
-        a_desc, b_desc, c_desc, a_s, b_s, route, tile_expert,
+        a_desc, b_desc, c_desc, a_s, b_s, route, tile_expert, gate,
         padded_rows, n_cols, reduced,
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
         op_id,
@@ -406,7 +410,7 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
 
 
 def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
-                        out: torch.Tensor, accumulate: bool, offsets: torch.Tensor, counts: torch.Tensor,
+                        out: torch.Tensor, accumulate: bool, offsets: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor,
                         num_experts: int, backend: str) -> None:
     """dW[e] [R, C] (BF16 into ``out``, or ``out`` += it in FP32 when ``accumulate``) from the column-wise FP8
     operands a_q [R, P], b_q [C, P] (P > 0); refuses, naming the value, what this kernel does not cover, then a backend
@@ -441,7 +445,7 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
     moe_fp8_wgrad_ws_kernel[(min(tiles, device_sms(a_q.device)),)](
         nvmma_descriptor(a_q, [config.block_m, QBLOCK_WS]), nvmma_descriptor(b_q, [config.block_n, QBLOCK_WS]),
         scale_row_descriptor(a_s.t(), config.block_m), scale_row_descriptor(b_s.t(), config.block_n),
-        c_desc, out, offsets, counts,
+        c_desc, out, offsets, counts, gate,
         r, c, num_experts,
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, KB_GROUP=3,

@@ -30,8 +30,13 @@ def live_tiles(gate_ptr, P, num_n, BLOCK_M: gl.constexpr):
     """Tiles of a persistent grouped grid that hold routed rows, from the routing's gate (as the Triton kernels'
     tile_is_live): up to its P (a GEMM queued over the largest P before the host has read the counts stops at the
     real one), none for a batch its validation counts refuse."""
-    refused = gl.load(gate_ptr + 1) + gl.load(gate_ptr + 2) + gl.load(gate_ptr + 3)
-    return (gl.where(refused == 0, gl.minimum(gl.load(gate_ptr), P), 0) // BLOCK_M) * num_n
+    return (gl.where(refused_batch(gate_ptr), 0, gl.minimum(gl.load(gate_ptr), P)) // BLOCK_M) * num_n
+
+
+@gluon.jit
+def refused_batch(gate_ptr):
+    """Whether the routing's validation counts (gate[1:]) refused the batch (as the Triton kernels' refusals)."""
+    return (gl.load(gate_ptr + 1) + gl.load(gate_ptr + 2) + gl.load(gate_ptr + 3)) > 0
 
 
 @gluon.jit
@@ -44,13 +49,15 @@ def wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr):
 
 
 @gluon.jit
-def store_wgrad_part(c_smem, c_desc, dw_ptr, acc, expert, routed, R, row, col, stride_we, stride_wr, stride_wc,
-                     ACCUMULATE: gl.constexpr, PART: gl.constexpr):
+def store_wgrad_part(c_smem, c_desc, dw_ptr, acc, expert, routed, refused, R, row, col, stride_we, stride_wr,
+                     stride_wc, ACCUMULATE: gl.constexpr, PART: gl.constexpr):
     """A weight gradient's part of dW[expert][row:+ROWS, col:+BLOCK_N] (BF16 and FP8 kernels): BF16 by TMA store into
     dW as [E * R, C], or ACCUMULATE: main_grad += acc in FP32 through pointers, untouched for an expert without
-    rows."""
+    rows; NaN (stored, or added) for a ``refused`` batch (as the Triton kernels' store_wgrad_tile)."""
+    if refused:
+        acc = gl.full(acc.type.shape, float("nan"), gl.float32, acc.type.layout)
     if ACCUMULATE:
-        if routed > 0:
+        if (routed > 0) | refused:
             layout: gl.constexpr = acc.type.layout
             rows = row + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, layout))
             cols = col + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, layout))

@@ -17,8 +17,10 @@ kernels/moe_routing.py; P is the padded row count.
                                  unscaled dX gather-sum)
     moe_dscore_sum_kernel        ds[t, k] = the row's dscore partials summed (a fixed tree)
 
-Each grouped GEMM is queued before the host has read the routing, over the largest P it can have: every program
-first reads the routing's gate (P and the validation counts) and does nothing past P or for a refused batch.
+Every kernel runs over the routing's bound (the largest P it can have; the host never reads the real one): a grouped
+GEMM program first reads the routing's gate (P and the validation counts) and does nothing past P or for a refused
+batch; the weight gradients read the expert counts on the device; the combines, the dscore sum and the weight
+gradients write NaN for a refused batch (``poisoned``).
 
 Determinism rests on the det_gemm rules: no split-K, no atomics, one program owns each output tile and reduces
 all of its reduced dimension in a fixed ascending order that depends on the shapes alone (H or I for the grouped
@@ -34,7 +36,8 @@ import triton.language as tl
 
 from detkit.kernels.moe_common import combine_launch_name, grouped_launch_name, scale_rows_launch_name, wgrad_launch_name
 from detkit.kernels.moe_triton_blocks import (
-    dswiglu_epilogue, grouped_tile, mma_step, store_c_tile, swiglu_epilogue, tile_is_live, to_bf16,
+    dswiglu_epilogue, grouped_tile, mma_step, poisoned, store_c_tile, store_wgrad_tile, swiglu_epilogue, tile_is_live,
+    to_bf16,
 )
 
 
@@ -154,7 +157,7 @@ def moe_grouped_gemm_tma_kernel(
 @triton.jit(launch_metadata=wgrad_launch_name)
 def moe_wgrad_kernel(
     a_ptr, b_ptr, rows_ptr, score_ptr, dw_ptr,
-    offsets_ptr, counts_ptr,
+    offsets_ptr, counts_ptr, gate_ptr,
     R, C,  # dW[e] [R, C] = sum over e's rows p (ascending) of A[arow(p), :R]^T B[brow(p), :C]
     stride_am, stride_ar,
     stride_bm, stride_bc,
@@ -194,18 +197,13 @@ def moe_wgrad_kernel(
             b = tl.load(b_ptrs, mask=p_ok[:, None] & c_ok[None, :], other=0.0)
             acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
 
-    w_ptrs = dw_ptr + expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
-    w_mask = r_ok[:, None] & c_ok[None, :]
-    if ACCUMULATE:  # main_grad += dW in FP32; an expert without rows leaves it untouched
-        w_mask = w_mask & (count > 0)
-        tl.store(w_ptrs, tl.load(w_ptrs, mask=w_mask, other=0.0) + acc, mask=w_mask)
-    else:
-        tl.store(w_ptrs, to_bf16(acc, INTERPRETED), mask=w_mask)
+    store_wgrad_tile(dw_ptr, acc, expert, count, gate_ptr, offs_r, offs_c, r_ok, c_ok, stride_we, stride_wr, stride_wc,
+                     ACCUMULATE, INTERPRETED)
 
 
 @triton.jit(launch_metadata=scale_rows_launch_name)
 def moe_scale_rows_kernel(
-    src_ptr, rows_ptr, score_ptr, route_ptr, out_ptr,
+    src_ptr, rows_ptr, score_ptr, route_ptr, gate_ptr, out_ptr,
     P, N,  # out[p, :N] = bf16(score[p] * src[rows[p], :N]), one rounding of the FP32 product; padding rows 0
     stride_sm, stride_sn, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -214,7 +212,7 @@ def moe_scale_rows_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     offs_m = (pid // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (pid % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < P
+    m_ok = offs_m < tl.minimum(P, tl.load(gate_ptr))  # rows past the routing's P: not read by the weight gradients
     mask = m_ok[:, None] & (offs_n < N)[None, :]
     rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0)
     s = tl.load(score_ptr + offs_m, mask=m_ok, other=0.0)
@@ -229,7 +227,7 @@ def moe_scale_rows_kernel(
 
 @triton.jit(launch_metadata=combine_launch_name)
 def moe_combine_kernel(
-    src_ptr, route_row_ptr, score_ptr, out_ptr,
+    src_ptr, route_row_ptr, score_ptr, gate_ptr, out_ptr,
     T, N, K,  # out[t, :N] = bf16(sum_{k ascending, route valid} w[t, k] * src[route_row[t, k], :N])
     stride_sm, stride_sn, stride_rt, stride_rk, stride_st, stride_sk, stride_ot, stride_on,
     op_id,  # names the launch only
@@ -255,12 +253,12 @@ def moe_combine_kernel(
             v = w[:, None] * v
         acc = tl.where(ok[:, None], acc + v, acc)  # a masked route contributes nothing, not even +0
     out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, to_bf16(acc, INTERPRETED), mask=t_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptrs, to_bf16(poisoned(acc, gate_ptr), INTERPRETED), mask=t_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def moe_dscore_sum_kernel(
-    part_ptr, route_row_ptr, ds_ptr,
+    part_ptr, route_row_ptr, gate_ptr, ds_ptr,
     T, K, NCH,  # ds[t, k] = sum_c part[route_row[t, k], c] (FP32, a fixed tree over NCH), 0 when masked
     stride_rt, stride_rk, stride_st, stride_sk,
     BLOCK_M: tl.constexpr, NCH_POW2: tl.constexpr,
@@ -273,4 +271,4 @@ def moe_dscore_sum_kernel(
         rows = tl.load(route_row_ptr + offs_t * stride_rt + k * stride_rk, mask=t_ok, other=-1)
         part = tl.load(part_ptr + rows[:, None] * NCH + offs_c[None, :],
                        mask=(rows >= 0)[:, None] & (offs_c < NCH)[None, :], other=0.0)  # [BLOCK_M, NCH_POW2]
-        tl.store(ds_ptr + offs_t * stride_st + k * stride_sk, tl.sum(part, axis=1), mask=t_ok)
+        tl.store(ds_ptr + offs_t * stride_st + k * stride_sk, poisoned(tl.sum(part, axis=1), gate_ptr), mask=t_ok)

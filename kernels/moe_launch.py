@@ -169,7 +169,7 @@ def _combine(op_id: int, src: torch.Tensor, routing: MoeRouting, scores: torch.T
     sc = scores if scores is not None else routing.route_row  # unused when unscaled
     grid = (triton.cdiv(t_count, config.block_m) * triton.cdiv(n, config.block_n),)
     moe_combine_kernel[grid](
-        src, routing.route_row, sc, out, t_count, n, k_count,
+        src, routing.route_row, sc, routing.gate, out, t_count, n, k_count,
         src.stride(0), src.stride(1), routing.route_row.stride(0), routing.route_row.stride(1),
         sc.stride(0), sc.stride(1), out.stride(0), out.stride(1), op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, SCALED=scores is not None,
@@ -210,7 +210,7 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing
     grid = (experts * triton.cdiv(r, config.block_m) * triton.cdiv(c, config.block_n),)
     moe_wgrad_kernel[grid](
         a, b, routing.gather_token, routing.row_score, out,
-        routing.expert_offsets, routing.expert_counts,
+        routing.expert_offsets, routing.expert_counts, routing.gate,
         r, c, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), out.stride(2), op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -229,7 +229,7 @@ def moe_scale_rows(dout: torch.Tensor, routing: MoeRouting, backend: str,
     dy = torch.empty((rows, cols), dtype=torch.bfloat16, device=dout.device)
     grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
     moe_scale_rows_kernel[grid](
-        dout, routing.gather_token, routing.row_score, routing.sorted_route, dy, rows, cols,
+        dout, routing.gather_token, routing.row_score, routing.sorted_route, routing.gate, dy, rows, cols,
         dout.stride(0), dout.stride(1), dy.stride(0), dy.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, INTERPRETED=backend == TRITON_INTERPRETER,
         num_warps=config.num_warps,
@@ -267,7 +267,7 @@ def moe_dscores_from_partials(ds_part: torch.Tensor, routing: MoeRouting, backen
     ds = torch.empty((t_count, k_count), dtype=torch.float32, device=ds_part.device)
     n_chunks = ds_part.shape[1]
     moe_dscore_sum_kernel[(triton.cdiv(t_count, config.block_m),)](
-        ds_part, routing.route_row, ds, t_count, k_count, n_chunks,
+        ds_part, routing.route_row, routing.gate, ds, t_count, k_count, n_chunks,
         routing.route_row.stride(0), routing.route_row.stride(1), ds.stride(0), ds.stride(1),
         BLOCK_M=config.block_m, NCH_POW2=triton.next_power_of_2(n_chunks), num_warps=config.num_warps,
     )

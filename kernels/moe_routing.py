@@ -29,15 +29,14 @@ kernel time; the rest is per-op launch overhead and host round trips.
    rebuilds the padded segment offsets from the counts (E integers); a route's row is its expert's
    offset + its chunk's prefix + its stable rank inside the chunk (an exclusive cumsum of the chunk's
    one-hot over experts); a padded row's owner is the first expert whose segment ends after it, which
-   gives ``tile_expert`` and the padding rows. Program 0 writes the ``gate``: P and the validation
-   counts, which every grouped GEMM reads first.
-Then one read of ``meta`` (the counts and the validation counts together; the build's only
-device-to-host read, no host-to-device copy) refuses a bad batch with check_topk's messages (the
-details are looked up with torch only then) and cuts the outputs at P. ``launch_routing`` queues the
-kernels and returns before that read (``PendingRouting``), so the MoE forward queues its up-projection
-GEMM first; the read then runs on a side stream that waits for the routing kernels only. Why: a host that
-waited for the read before queueing any GEMM left the GPU idle for hundreds of microseconds per call on an
-H200, most of it after the read's wait.
+   gives ``tile_expert`` and the padding rows (rows from P to the bound are padding too). Program 0
+   writes the ``gate``: P and the validation counts, which every gated kernel reads first, and sets the
+   device's sticky error flags (``error_flags``) for a refused batch.
+``launch_routing`` queues the kernels and returns (``PendingRouting``) with no host read: the MoE layers run
+every stage over its ``bound``, gated on the device (kernels/moe.py). ``finish()`` (``build_routing``, the
+validating mode ``sync_checks()``) is one read of ``meta`` (the counts and the validation counts together, on a
+side stream that waits for the routing kernels only; no host-to-device copy): it refuses a bad batch with
+check_topk's messages (the details are looked up with torch only then) and cuts the outputs at P.
 
 Every step is integer arithmetic with unique store targets (no atomics, no float reduction), so
 the metadata is identical on every run and device, and bit-identical to ``build_routing_torch``
@@ -46,6 +45,7 @@ the metadata is identical on every run and device, and bit-identical to ``build_
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -89,6 +89,72 @@ class MoeRouting:
     @property
     def num_tiles(self) -> int:
         return self.padded_rows // SEGMENT_ALIGN
+
+    @property
+    def refused(self) -> torch.Tensor:
+        """A 0-d bool tensor on the routing's device, True when the routing kernels' checks refused the batch (its
+        outputs are NaN). No host read: the caller reads it when it chooses."""
+        return self.gate[1:].sum() > 0
+
+    def check(self) -> None:
+        """Raises ValueError naming the checks that refused this batch (one device-to-host read of the gate)."""
+        raise_refused(self.gate[1:].tolist(), "this batch")
+
+
+CHECK_NAMES = ("topk id(s) out of range", "row(s) with a duplicate topk id", "non-finite score(s)")
+
+
+def raise_refused(checks: list[int], what: str) -> None:
+    """The one-line refusal of a batch whose validation counts (or error flags) ``checks`` are not all zero."""
+    if any(checks):
+        found = ", ".join(f"{n} {name}" if what == "this batch" else name
+                          for n, name in zip(checks, CHECK_NAMES) if n)
+        raise ValueError(f"the MoE routing refused {what}: {found}; its outputs are NaN. Supported: ids -1 (masked) "
+                         "or 0..E-1, distinct per row, finite scores (sync_checks() names the first bad entry)")
+
+
+_ERROR_FLAGS: dict[torch.device, torch.Tensor] = {}  # per device: the sticky error flags
+
+
+def error_flags(device: torch.device | str) -> torch.Tensor:
+    """The device's sticky MoE error flags [NUM_CHECKS] int32 (out-of-range ids, duplicate ids, non-finite scores):
+    the routing kernels set a flag for every batch they refuse and never clear it. Allocated on first use (before a
+    CUDA graph capture: a warm-up call does it); ``check_moe_errors`` reads and clears them."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _ERROR_FLAGS:
+        _ERROR_FLAGS[device] = torch.zeros((NUM_CHECKS,), dtype=torch.int32, device=device)
+    return _ERROR_FLAGS[device]
+
+
+def check_moe_errors(device: torch.device | str) -> None:
+    """Raises ValueError when a batch routed on ``device`` since the last call was refused (its outputs were NaN);
+    clears the flags. One device-to-host read, when the caller chooses (e.g. once per step)."""
+    flags = error_flags(device)
+    checks = flags.tolist()
+    flags.zero_()
+    raise_refused(checks, "a batch since the last check")
+
+
+_SYNC_CHECKS = [False]
+
+
+@contextmanager
+def sync_checks(enabled: bool = True):
+    """The synchronous validating mode: inside it, the MoE layers read the routing's counts back to the host once per
+    forward (as ``PendingRouting.finish``), refuse a bad batch with check_topk's one-line messages before the work
+    after the routing, and run over the exact P. Outside it (the default) they never synchronize."""
+    previous = _SYNC_CHECKS[0]
+    _SYNC_CHECKS[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _SYNC_CHECKS[0] = previous
+
+
+def sync_checks_enabled() -> bool:
+    return _SYNC_CHECKS[0]
 
 
 def check_topk_args(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: int) -> None:
@@ -192,8 +258,8 @@ def moe_route_scan_kernel(
 @triton.jit
 def moe_route_scatter_kernel(
     ids_ptr, score_ptr, prefix_ptr, meta_ptr,
-    gather_ptr, sorted_route_ptr, row_score_ptr, route_row_ptr, offsets_ptr, tile_expert_ptr, gate_ptr,
-    R, K, E, W, C,  # routes, top-k, experts, hist row length, route chunks
+    gather_ptr, sorted_route_ptr, row_score_ptr, route_row_ptr, offsets_ptr, tile_expert_ptr, gate_ptr, error_ptr,
+    R, K, E, W, C, MAX_ROWS,  # routes, top-k, experts, hist row length, route chunks, rows of the bound buffers
     stride_it, stride_ik, stride_st, stride_sk,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, EXPERT_BLOCK: tl.constexpr, SEGMENT: tl.constexpr,
     NUM_CHECKS: tl.constexpr,
@@ -237,6 +303,8 @@ def moe_route_scatter_kernel(
     g = tl.arange(0, 1 + NUM_CHECKS)
     checks = tl.load(meta_ptr + E - 1 + g, mask=g > 0, other=0)
     tl.store(gate_ptr + g, tl.where(g == 0, end, checks), mask=pid == 0)
+    # The sticky error flags (one per check): set, never cleared here, by a refused batch.
+    tl.store(error_ptr + g - 1, tl.full((1 + NUM_CHECKS,), 1, tl.int32), mask=(pid == 0) & (g > 0) & (checks > 0))
     p_ok = p < end
 
     tl.store(sorted_route_ptr + row, r, mask=valid)
@@ -252,6 +320,13 @@ def moe_route_scatter_kernel(
     tl.store(gather_ptr + p, tl.zeros((ROWS,), dtype=tl.int32), mask=pad)
     tl.store(row_score_ptr + p, tl.zeros((ROWS,), dtype=tl.float32), mask=pad)
     tl.store(tile_expert_ptr + p // SEGMENT, p_expert, mask=p_ok & (p % SEGMENT == 0))
+    # Rows from P to the bound: padding too (no route, token 0, score 0, tile of expert 0), so that every row of the
+    # bound buffers is defined; the gated kernels never read them, the others read padding.
+    past = (p >= end) & (p < MAX_ROWS)
+    tl.store(sorted_route_ptr + p, tl.full((ROWS,), -1, tl.int32), mask=past)
+    tl.store(gather_ptr + p, tl.zeros((ROWS,), dtype=tl.int32), mask=past)
+    tl.store(row_score_ptr + p, tl.zeros((ROWS,), dtype=tl.float32), mask=past)
+    tl.store(tile_expert_ptr + p // SEGMENT, tl.zeros((ROWS,), dtype=tl.int32), mask=past & (p % SEGMENT == 0))
 
 
 def _pow2(n: int) -> int:
@@ -378,13 +453,13 @@ def launch_routing(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: in
     gate = torch.empty((1 + NUM_CHECKS,), **i32)
     moe_route_scatter_kernel[(max(chunks, triton.cdiv(max_rows, rows)),)](
         topk_ids, scores, prefix, meta,
-        gather_token, sorted_route, row_score, route_row, offsets, tile_expert, gate,
-        routes, k_count, experts, width, chunks, *strides,
+        gather_token, sorted_route, row_score, route_row, offsets, tile_expert, gate, error_flags(device),
+        routes, k_count, experts, width, chunks, max_rows, *strides,
         BLOCK=block, ROWS=rows, EXPERT_BLOCK=expert_block, SEGMENT=SEGMENT_ALIGN, NUM_CHECKS=NUM_CHECKS,
         num_warps=8,
     )
     ready = None
-    if not interpreted:
+    if not interpreted and not torch.cuda.is_current_stream_capturing():  # finish() cannot run inside a capture
         ready = torch.cuda.Event()
         ready.record()
     bound = MoeRouting(

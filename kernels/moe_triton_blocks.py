@@ -42,8 +42,35 @@ def tile_is_live(gate_ptr, C, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     refused (gate: P, then the validation counts). A GEMM queued before the host has read the counts
     runs over the largest possible P; these tiles do nothing, not even a store."""
     pid_m = tl.program_id(axis=0) // tl.cdiv(C, BLOCK_N)
-    refused = tl.load(gate_ptr + 1) + tl.load(gate_ptr + 2) + tl.load(gate_ptr + 3)
-    return (pid_m * BLOCK_M < tl.load(gate_ptr)) & (refused == 0)
+    return (pid_m * BLOCK_M < tl.load(gate_ptr)) & (refusals(gate_ptr) == 0)
+
+
+@triton.jit
+def refusals(gate_ptr):
+    """The routing kernels' validation counts summed (gate: P, then the counts): non-zero for a refused batch."""
+    return tl.load(gate_ptr + 1) + tl.load(gate_ptr + 2) + tl.load(gate_ptr + 3)
+
+
+@triton.jit
+def poisoned(v, gate_ptr):
+    """``v``, or NaN everywhere when the batch was refused: a refused batch's outputs (the combine's out and dX, the
+    dscores, the weight gradients) are NaN, never a silent wrong value (docs/moe.md)."""
+    return tl.where(refusals(gate_ptr) > 0, float("nan"), v)
+
+
+@triton.jit
+def store_wgrad_tile(dw_ptr, acc, expert, count, gate_ptr, offs_r, offs_c, r_ok, c_ok, stride_we, stride_wr, stride_wc,
+                     ACCUMULATE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A weight-gradient tile of dW[expert] (BF16 and FP8 Triton kernels): BF16, or ACCUMULATE: main_grad += acc in
+    FP32, untouched for an expert without rows; NaN (stored, or added) for a refused batch."""
+    w_ptrs = dw_ptr + expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
+    w_mask = r_ok[:, None] & c_ok[None, :]
+    acc = poisoned(acc, gate_ptr)
+    if ACCUMULATE:
+        w_mask = w_mask & ((count > 0) | (refusals(gate_ptr) > 0))
+        tl.store(w_ptrs, tl.load(w_ptrs, mask=w_mask, other=0.0) + acc, mask=w_mask)
+    else:
+        tl.store(w_ptrs, to_bf16(acc, INTERPRETED), mask=w_mask)
 
 
 @triton.jit

@@ -53,7 +53,7 @@ from detkit.kernels.det_gemm_ws import (
 from detkit.kernels.moe_common import DS_CHUNK, EPI_SWIGLU, grouped_launch_name, wgrad_launch_name
 from detkit.kernels.moe_gluon_blocks import (
     GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, bf16_pair_bits, bf16_pair_values,
-    check_ws_backend, gather_producer, live_tiles, nvmma_descriptor, store_wgrad_part, wgrad_tile,
+    check_ws_backend, gather_producer, live_tiles, nvmma_descriptor, refused_batch, store_wgrad_part, wgrad_tile,
 )
 from detkit.kernels.moe_operands import ws_weight_rows, ws_wgrad_addresses
 from detkit.kernels.moe_routing import SEGMENT_ALIGN
@@ -395,8 +395,8 @@ def _wgrad_gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_pt
 
 
 @gluon.jit
-def _wgrad_consumer(a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr, num_tiles, num_r,
-                    num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _wgrad_consumer(a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr, gate_ptr, num_tiles,
+                    num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr, FENCE: gl.constexpr):
     """One consumer warpgroup of a BF16 weight gradient: rows [PART * 64, +64) of dW[e]'s tile over the expert's rows
     (ascending K steps, one wgmma chain, A read transposed from its ring buffer); BF16 out by TMA store, or
@@ -404,13 +404,14 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     BLOCK_K: gl.constexpr = a_ring.type.shape[1]
     count = 0
+    refused = refused_batch(gate_ptr)
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, _acc_layout(BLOCK_N))
         if routed > 0:
             acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, gl.cdiv(routed, BLOCK_K), False, PART, FENCE,
                                   True)
-        store_wgrad_part(c_smem, c_desc, dw_ptr, acc, expert, routed, R, pid_r * BLOCK_M + PART * ROWS,
+        store_wgrad_part(c_smem, c_desc, dw_ptr, acc, expert, routed, refused, R, pid_r * BLOCK_M + PART * ROWS,
                          pid_c * BLOCK_N, stride_we, stride_wr, stride_wc, ACCUMULATE, PART)
     tma.store_wait(0)
 
@@ -422,7 +423,7 @@ def moe_ws_wgrad_kernel(
     b_desc,  # over B [P, C] (dgu, dy), box [BLOCK_K, BLOCK_N]
     c_desc,  # over the BF16 dW as [E * R, C], box [64, BLOCK_N] (ACCUMULATE: unused, any valid one)
     dw_ptr,  # ACCUMULATE: main_grad [E, R, C] FP32
-    gather_ptr, offsets_ptr, counts_ptr,
+    gather_ptr, offsets_ptr, counts_ptr, gate_ptr,
     R, C, num_experts,  # dW[e] [R, C] = sum over e's rows p (ascending) of A[arow(p), :R]^T B[p, :C]
     stride_am, stride_we, stride_wr, stride_wc,
     op_id,  # names the launch only
@@ -448,19 +449,19 @@ def moe_ws_wgrad_kernel(
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
-                                   num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
-                                   ACCUMULATE, CONSUMERS, 0, True)),
+                                   gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
+                                   BLOCK_N, ACCUMULATE, CONSUMERS, 0, True)),
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
-                                   num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
-                                   ACCUMULATE, CONSUMERS, 1, True)),
+                                   gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
+                                   BLOCK_N, ACCUMULATE, CONSUMERS, 1, True)),
                 (_wgrad_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
                                           counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
-                                   num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
-                                   ACCUMULATE, CONSUMERS, 0, True)),
+                                   gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
+                                   BLOCK_N, ACCUMULATE, CONSUMERS, 0, True)),
                 (_wgrad_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
                                           counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
@@ -468,19 +469,19 @@ def moe_ws_wgrad_kernel(
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
-                                   num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
-                                   ACCUMULATE, CONSUMERS, 0, False)),
+                                   gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
+                                   BLOCK_N, ACCUMULATE, CONSUMERS, 0, False)),
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
-                                   num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
-                                   ACCUMULATE, CONSUMERS, 1, False)),
+                                   gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
+                                   BLOCK_N, ACCUMULATE, CONSUMERS, 1, False)),
                 (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles,
                                    num_r, num_c, BLOCK_M, BLOCK_N)),
             ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
-                                   num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M, BLOCK_N,
-                                   ACCUMULATE, CONSUMERS, 0, False)),
+                                   gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
+                                   BLOCK_N, ACCUMULATE, CONSUMERS, 0, False)),
                 (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles,
                                    num_r, num_c, BLOCK_M, BLOCK_N)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -634,7 +635,7 @@ def launch_moe_ws_wgrad(op_id: int, config, a: torch.Tensor, gather_a: bool, b: 
         nvmma_descriptor(a, [config.block_k, 64], gl.bfloat16), a,
         nvmma_descriptor(b, [config.block_k, config.block_n], gl.bfloat16),
         nvmma_descriptor(store_t, [64, config.block_n], gl.bfloat16), out,
-        routing.gather_token, routing.expert_offsets, routing.expert_counts,
+        routing.gather_token, routing.expert_offsets, routing.expert_counts, routing.gate,
         r, c, routing.num_experts,
         a.stride(0), out.stride(0), out.stride(1), out.stride(2),
         op_id,

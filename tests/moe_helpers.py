@@ -11,6 +11,7 @@ import torch
 
 from detkit.audits.moe import MoeCase, invariance_variants
 from detkit.kernels.det_gemm import GemmConfig
+from detkit.kernels.moe_routing import sync_checks
 from detkit.toolkit.contract import compare_bits
 
 
@@ -38,8 +39,10 @@ def assert_forward_batch_invariant(fwd: Callable[..., tuple], inp: dict, case: M
 
 
 def assert_rejected(fwd: Callable[..., tuple], inp: dict, change: dict, exc_type: type) -> None:
+    """``fwd`` raises ``exc_type`` in the validating mode (bad ids and scores; outside it they poison the outputs:
+    tests/test_moe_nosync.py)."""
     bad = {**inp, **change}
-    with pytest.raises(exc_type):
+    with sync_checks(), pytest.raises(exc_type):
         fwd(*layer_args(bad))
 
 

@@ -374,20 +374,22 @@ for name, stage, epi, gather, c_t, k_major in (("up_tma", "up", 1, True, "*bf16"
 w, c = km.moe_wgrad_kernel, cfgs["wgrad"]
 for name, ga, acc in (("wgrad_w1", True, False), ("wgrad_w2", False, False), ("wgrad_main_grad", True, True)):
     ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
-            "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32"}
+            "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
+            "gate_ptr": "*i32"}
     out[name] = build(w, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                       "STEP_K": c.block_k, "GATHER_A": ga, "ACCUMULATE": acc, "INTERPRETED": False},
                       ("stride_ar", "stride_bc", "stride_wc"))
 c = cfgs["combine"]
 out["scale_rows"] = build(km.moe_scale_rows_kernel, {"src_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
-                          "route_ptr": "*i32", "out_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "INTERPRETED": False},
+                          "route_ptr": "*i32", "gate_ptr": "*i32", "out_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "INTERPRETED": False},
                           ("stride_sn", "stride_on"))
 for scaled in (True, False):
-    out[f"combine_{scaled}"] = build(km.moe_combine_kernel, {"src_ptr": "*fp32", "route_row_ptr": "*i32", "score_ptr": "*fp32",
+    out[f"combine_{scaled}"] = build(km.moe_combine_kernel, {"src_ptr": "*fp32", "route_row_ptr": "*i32", "score_ptr": "*fp32", "gate_ptr": "*i32",
                                      "out_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "SCALED": scaled,
                                      "INTERPRETED": False}, ("stride_sn", "stride_on"))
 c = cfgs["dscore"]
-out["dscore_sum"] = build(km.moe_dscore_sum_kernel, {"part_ptr": "*fp32", "route_row_ptr": "*i32", "ds_ptr": "*fp32"},
+out["dscore_sum"] = build(km.moe_dscore_sum_kernel, {"part_ptr": "*fp32", "route_row_ptr": "*i32", "gate_ptr": "*i32",
+                                                    "ds_ptr": "*fp32"},
                           {"BLOCK_M": c.block_m, "NCH_POW2": 32}, ("stride_rk", "stride_sk"))
 import detkit.kernels.moe_routing as kr
 blocks = {"BLOCK": kr.ROUTE_BLOCK, "EXPERT_BLOCK": kr.EXPERT_BLOCK}

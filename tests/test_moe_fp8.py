@@ -502,15 +502,15 @@ for acc, tma in ((False, False), (True, False), (False, True)):  # pointer opera
     a_t, b_t = ((f"tensordesc<fp8e4nv[{rows}, {c.block_k}]>" if tma else "*fp8e4nv") for rows in (c.block_m, c.block_n))
     out["wgrad_tma" if tma else f"wgrad_{acc}"] = build(
         kf.moe_fp8_wgrad_kernel, {"a_ptr": a_t, "as_ptr": "*fp32", "b_ptr": b_t, "bs_ptr": "*fp32",
-        "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32"},
+        "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32", "gate_ptr": "*i32"},
         {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "ACCUMULATE": acc,
          "INTERPRETED": False, "TMA": tma}, ("stride_ap", "stride_bp", "stride_wc"), c.num_warps, c.num_stages)
 out["quant_colwise"] = build(kf.moe_fp8_quant_colwise_kernel, {"src_ptr": "*bf16", "rows_ptr": "*i32", "route_ptr": "*i32",
-                             "score_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32"},
+                             "score_ptr": "*fp32", "gate_ptr": "*i32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32"},
                              {"BLOCK_N": QUANT_COLWISE_CONFIGS["cuda_sm90"].block_n, "QBLOCK": 128, "GATHER": True, "SCALE": True,
                               "INTERPRETED": False}, ("stride_sn", "stride_qp"), 4, 1)
-out["quant_rowwise"] = build(fq.fp8_quant_rowwise_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-                             {"BLOCK_M": 32, "QBLOCK": 128, "INTERPRETED": False}, ("stride_xn", "stride_qn"), 4, 1)
+out["quant_rowwise"] = build(fq.fp8_quant_rowwise_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                             "limit_ptr": "*i32"}, {"BLOCK_M": 32, "LIMITED": True, "QBLOCK": 128, "INTERPRETED": False}, ("stride_xn", "stride_qn"), 4, 1)
 out["quant_weight"] = build(fq.fp8_quant_weight_kernel, {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv",
                             "s_ptr": "*fp32"}, {"QBLOCK": 128, "INTERPRETED": False},
                             ("stride_wc", "stride_qc", "stride_tr"), 8, 1)

@@ -144,13 +144,13 @@ box = lambda rows, cols=128, dt=gl.float8e4nv: gluon_desc_type(rows, cols, dt)
 scale_box = lambda cols: f"tensordesc<fp32[1, {cols}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)!r}>"
 grouped = [(moe_fp8_ws_kernel, f"grouped_{bm}x{bn}", bm, bn, warps,
             {"a_desc": box(bm), "b_desc": box(bn), "c_desc": box(bm // consumers(warps), bn, gl.bfloat16), "as_ptr": "*fp32",
-             "bs_ptr": "*fp32", "route_ptr": "*i32", "tile_expert_ptr": "*i32"},
+             "bs_ptr": "*fp32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32"},
             {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
              "stride_asl": 1}) for bm, bn, warps, stages in [(128, 128, 8, 5), (64, 128, 4, 6), (128, 64, 8, 8)]]
 wgrad = [(moe_fp8_wgrad_ws_kernel, f"wgrad_{bm}x{bn}_acc{int(acc)}", bm, bn, warps,
           {"a_desc": box(bm), "b_desc": box(bn), "as_desc": scale_box(bm), "bs_desc": scale_box(bn),
            "c_desc": box(bm // consumers(warps), bn, gl.bfloat16), "dw_ptr": "*fp32", "offsets_ptr": "*i32",
-           "counts_ptr": "*i32"},
+           "counts_ptr": "*i32", "gate_ptr": "*i32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "KB_GROUP": 3, "ACCUMULATE": acc, "CONSUMERS": consumers(warps),
            "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 128, 8, 5, False), (128, 128, 8, 5, True)]]
 part = lambda bm, warps: bm // consumers(warps)  # a consumer's rows per tile

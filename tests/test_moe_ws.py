@@ -213,7 +213,8 @@ for bm, bn, bk, warps, stages, gather, acc in [(128, 128, 64, 8, 4, True, False)
                                                (128, 128, 64, 8, 4, True, True), (64, 128, 64, 4, 6, False, True),
                                                (128, 256, 64, 8, 3, True, False)]:
     types = {"a_desc": box(bk, 64), "a_ptr": "*bf16", "b_desc": box(bk, bn), "c_desc": box(64, bn),
-             "dw_ptr": "*fp32" if acc else "*bf16", "gather_ptr": "*i32", "offsets_ptr": "*i32", "counts_ptr": "*i32"}
+             "dw_ptr": "*fp32" if acc else "*bf16", "gather_ptr": "*i32", "offsets_ptr": "*i32", "counts_ptr": "*i32",
+             "gate_ptr": "*i32"}
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": stages, "CONSUMERS": consumers(warps),
               "GATHER_A": gather, "ACCUMULATE": acc}
     r = gluon_sm90_report(moe_ws_wgrad_kernel, types, consts, max_regs(warps))
