@@ -260,10 +260,11 @@ class RawLaunch:
     depends on nothing else, the plan fixing shape, strides and block). ``of`` returns None where this Triton's
     launcher is not the one this mirrors (then the caller keeps Triton's launcher)."""
 
-    __slots__ = ("entry", "template", "pointers", "descriptors")
+    __slots__ = ("entry", "encode", "template", "pointers", "descriptors")
 
-    def __init__(self, entry, template: list, pointers: tuple, descriptors: tuple):
-        self.entry, self.template, self.pointers, self.descriptors = entry, template, pointers, descriptors
+    def __init__(self, entry, encode, template: list, pointers: tuple, descriptors: tuple):
+        self.entry, self.encode, self.template = entry, encode, template
+        self.pointers, self.descriptors = pointers, descriptors
 
     @classmethod
     def of(cls, compiled, grid: tuple[int, ...], args: list, dynamic=None) -> "RawLaunch | None":
@@ -271,7 +272,7 @@ class RawLaunch:
         parts = _launcher_parts(compiled)
         if parts is None:
             return None
-        entry, make_descriptor, launcher = parts
+        entry, encode, launcher = parts
         signature = list(compiled.src.signature.values())
         if len(signature) != len(args):
             return None
@@ -290,7 +291,7 @@ class RawLaunch:
                 desc_index += 1
                 if meta is None:  # not lowered to a CUtensorMap: Triton's own launcher handles it
                     return None
-                expanded = make_descriptor(arg, meta)  # the encoded map holds no reference to the tensor
+                expanded = encode(arg, meta)  # the encoded map holds no reference to the tensor
                 if index in dynamic:
                     descriptors.append((index, len(template), len(expanded), meta, {}))
                 template.extend(expanded)
@@ -301,7 +302,7 @@ class RawLaunch:
                 return None  # a dynamic scalar: not what a launch plan passes
             else:
                 template.append(arg)
-        return cls(entry, template, tuple(pointers), tuple(descriptors))
+        return cls(entry, encode, template, tuple(pointers), tuple(descriptors))
 
     def __call__(self, args: list, stream: int) -> None:
         out = self.template.copy()
@@ -315,15 +316,9 @@ class RawLaunch:
             if encoded is None:
                 if len(cache) >= MAX_CACHED_DESCRIPTORS:
                     cache.clear()
-                encoded = cache[key] = _make_descriptor(desc, meta)
+                encoded = cache[key] = self.encode(desc, meta)
             out[at:at + width] = encoded
         self.entry(*out)
-
-
-def _make_descriptor(desc, meta) -> list:
-    from triton.backends.nvidia.driver import make_tensordesc_arg
-
-    return make_tensordesc_arg(desc, meta)
 
 
 def _launcher_parts(compiled):

@@ -69,8 +69,8 @@ from detkit.kernels.backend import (
     check_storage, ensure_thread_cuda_context, host_descriptor, resolve_backend_of_devices,
 )
 from detkit.kernels.det_gemm_configs import (  # noqa: F401 (the table and its arithmetic, re-exported)
-    CONFIG_TABLE, CONFIG_TABLE_VERSION, HOPPER_SMS, ByWidth, FewestWaves, INTERPRETER_MAX_BLOCK_NUMEL, SMEM_BARRIER_SLACK, SMEM_PER_SM,
-    SMEM_RESERVED_PER_CTA, TMA_MAX_BOX, VARIANTS, GemmConfig, OneWave, all_configs, ctas_per_sm, device_sms,
+    CONFIG_TABLE, CONFIG_TABLE_VERSION, HOPPER_SMS, INTERPRETER_MAX_BLOCK_NUMEL, SMEM_BARRIER_SLACK, SMEM_PER_SM,
+    SMEM_RESERVED_PER_CTA, TMA_MAX_BOX, ByWidth, FewestWaves, VARIANTS, GemmConfig, OneWave, all_configs, ctas_per_sm, device_sms,
     entry_configs, interpreter_step_k, operand_ring_bytes, output_tiles, select_config, ws_twin,
 )
 from detkit.kernels.det_gemm_kernels import (  # noqa: F401 (the kernels and their tile math, re-exported)
@@ -250,12 +250,10 @@ def _table_pick(op: str, m: int, rows: int, cols: int, views, device: torch.devi
 
     sms = device_sms(device)
     config = select_config(op, m, cols=cols, rows=rows, sms=sms)
-    if backend != CUDA_SM90 or segmented:
-        config = ws_twin(config)
     if config.variant == "tma3" and not addressable(config):  # a 3 x power-of-two tile has no pointer twin
         config = select_config(op, m, cols=cols, rows=rows, sms=sms, tma3=False)
-        if backend != CUDA_SM90 or segmented:
-            config = ws_twin(config)
+    if backend != CUDA_SM90 or segmented:
+        config = ws_twin(config)
     if config.variant in ("tma", "ws") and not addressable(config):
         config = replace(config, variant="ptr")
     return config

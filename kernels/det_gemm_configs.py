@@ -232,7 +232,8 @@ class ByWidth:
         return self.wide
 
     def every_config(self) -> tuple[GemmConfig, ...]:
-        return tuple(dict.fromkeys(c for _, e in self.narrow + ((0, self.wide),) for c in entry_configs(e)))
+        entries = [e for _, e in self.narrow] + [self.wide]
+        return tuple(dict.fromkeys(c for e in entries for c in entry_configs(e)))
 
 
 # (largest M the entry serves, config or OneWave); M is the batch dimension for all three ops (dB's reduced

@@ -293,28 +293,9 @@ def _refuse_scalars(op: str, bias, a, b, beta, alpha) -> None:
     return None
 
 
-def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1,
-          op: str = "addmm") -> torch.Tensor | None:
-    if alpha != 1 or beta not in (0, 1):
-        return _refuse_scalars(op, bias, a, b, beta, alpha)
-    beta_one = beta == 1
-    key = (op, beta_one, bias.dtype, a.dtype, b.dtype, bias.device, a.device, b.device, bias.shape, a.shape, b.shape,
-           bias.stride(), a.stride(), b.stride())
-    plan = _PLANS.get(key)
-    if plan is None:
-        reason = operands_reason(bias, a, b)
-        if reason is not None:
-            plan = refusal_plan(op, reason)
-        elif _empty(a, b):
-            plan = _with_bias(_zeros_plan(op, (a.shape[0], b.shape[1])), beta_one)
-        else:
-            plan = _with_bias(_gemm_plan(op, route_of(a, b)), beta_one)
-        plan = _remember(key, plan)
-    return plan(bias, a, b)
-
-
-def baddbmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1,
-            op: str = "baddbmm") -> torch.Tensor | None:
+def _biased(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1, *, op: str, product_plan):
+    """addmm / baddbmm: ``product_plan(a, b, op)``'s product plus ``bias`` (beta 1) or the product alone (beta 0),
+    one plan per signature."""
     if alpha != 1 or beta not in (0, 1):
         return _refuse_scalars(op, bias, a, b, beta, alpha)
     beta_one = beta == 1
@@ -324,5 +305,14 @@ def baddbmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=
     if plan is None:
         reason = operands_reason(bias, a, b)
         plan = _remember(key, refusal_plan(op, reason) if reason is not None
-                         else _with_bias(_bmm_plan(a, b, op), beta_one))
+                         else _with_bias(product_plan(a, b, op), beta_one))
     return plan(bias, a, b)
+
+
+def _addmm_product_plan(a: torch.Tensor, b: torch.Tensor, op: str):
+    return _zeros_plan(op, (a.shape[0], b.shape[1])) if _empty(a, b) else _gemm_plan(op, route_of(a, b))
+
+
+# addmm(bias, a, b, beta=1, alpha=1) and baddbmm(...): partials, so a routed call costs no extra Python frame.
+addmm = functools.partial(_biased, op="addmm", product_plan=_addmm_product_plan)
+baddbmm = functools.partial(_biased, op="baddbmm", product_plan=_bmm_plan)

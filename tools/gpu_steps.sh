@@ -19,3 +19,16 @@ step() {
   if [[ $rc -ne 0 ]]; then failed=1; fi
   pack
 }
+# record_versions: the date, commit, GPU and torch / triton / transformers versions into $OUT/versions.txt (and stdout).
+record_versions() {
+  {
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    git rev-parse HEAD 2>/dev/null || echo "no git"
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+    python - <<'PY'
+import torch, triton, transformers
+print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")
+PY
+  } > "$OUT/versions.txt" 2>&1 || true
+  cat "$OUT/versions.txt"
+}

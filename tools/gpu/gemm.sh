@@ -112,7 +112,9 @@ candidates() {
 }
 
 step_sweep() {
-  begin "sweep${SWEEP_WARM_ONLY:+_warm}"
+  local warm_only=0
+  [ "${SWEEP_WARM_ONLY:-0}" = 1 ] && warm_only=1
+  if [ "$warm_only" = 1 ]; then begin sweep_warm; else begin sweep; fi
   # Tiles for small M (weight-streaming) and for large M (compute), big to small; the table's own are among them.
   local small="16,32,128,1,4,6 16,64,128,1,4,6 64,16,128,1,4,6,tma 64,32,128,1,4,5,tma 64,64,128,1,4,6,tma
 64,128,64,8,4,6,tma 64,128,64,8,4,8,tma 128,32,128,1,4,5,tma 128,128,64,8,8,6,tma 64,192,64,8,4,6,tma3
@@ -124,7 +126,7 @@ step_sweep() {
   local narrow_fwd="4096,128 4096,256 4096,512 4096,1024 4096,1536 4096,2048 8192,128 8192,1024 8192,3584 2048,512"
   local narrow_da="512,4096 1024,4096 1536,4096 2048,4096 1024,8192 8192,128"
   local narrow_db="4096,128 4096,512 512,4096 4096,1536 1536,4096 5120,1024 1024,5120 2048,512"
-  if [ "${SWEEP_WARM_ONLY:-0}" = 1 ]; then  # compile the candidates in parallel processes (another step may run)
+  if [ "$warm_only" = 1 ]; then  # compile the candidates in parallel processes (another step may run)
     read -ra all_small <<< "$small"; read -ra all_large <<< "$large"
     local warm=()
     for c in "${all_small[@]}" "${all_large[@]}"; do warm+=(--config "$c"); done

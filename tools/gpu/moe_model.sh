@@ -21,16 +21,7 @@ mkdir -p "$OUT"
 # shellcheck source=tools/gpu_steps.sh
 source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, steps.txt, failed=1 on failure
 
-{
-  date -u +%Y-%m-%dT%H:%M:%SZ
-  git rev-parse HEAD 2>/dev/null || echo "no git"
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
-  python - <<'PY'
-import torch, triton, transformers
-print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")
-PY
-} > "$OUT/versions.txt" 2>&1 || true
-cat "$OUT/versions.txt"
+record_versions  # $OUT/versions.txt: date, commit, GPU, torch / triton / transformers
 
 step model-audit-moe "${MOE_MODEL_AUDIT_LIMIT:-150}" env DETKIT_MODEL_CONFIG=qwen3-moe-30b-a3b \
   python -m detkit audit --device cuda --suite model --no-progress --out "$OUT/model-audit"
