@@ -5,7 +5,7 @@
 #
 #   OUT=/path tools/gpu/gemm.sh tests   # <= 7 min: pytest (DETKIT_TEST_DEVICE=cuda) of the det_gemm test files
 #   OUT=/path tools/gpu/gemm.sh bench   # <= 5.5 min: zoo GPU times, Qwen3-8B TP=2 host/eager + no-split-K
-#   OUT=/path tools/gpu/gemm.sh audit   # <= 7.5 min: gemm audit, the qwen3-8b-tp2 and zoo presets at once
+#   OUT=/path tools/gpu/gemm.sh audit   # <= 9.5 min: gemm audit, the qwen3-8b-tp2 and zoo presets at once
 #   OUT=/path tools/gpu/gemm.sh sweep   # <= 6 min: candidate tiles at the zoo's missed (op, K, N), fwd, dA and dB
 #   OUT=/path tools/gpu/gemm.sh all     # tests, bench and audit in turn
 #
@@ -93,9 +93,9 @@ step_audit() {
   (run warm_zoo 90 "$PY" -m tools.gemm_warm --workers 6 --preset zoo) &
   wait || true
   # The two presets at once (correctness runs, not timings).
-  (run audit_qwen3_8b_tp2 "$(left 450 300)" "$PY" -m detkit audit --device cuda --suite gemm \
+  (run audit_qwen3_8b_tp2 "$(left 560 520)" "$PY" -m detkit audit --device cuda --suite gemm \
       --out "$DIR/qwen3-8b-tp2") &
-  (run audit_zoo "$(left 450 300)" "$PY" -m detkit audit --device cuda --suite gemm --preset zoo --out "$DIR/zoo") &
+  (run audit_zoo "$(left 560 520)" "$PY" -m detkit audit --device cuda --suite gemm --preset zoo --out "$DIR/zoo") &
   wait || true
   grep -q "rc=[^0]" "$DIR/steps.txt" && status=1
   return 0
