@@ -150,3 +150,11 @@ def test_the_harness_applies_the_kernels_bounds_not_a_copy():
     for name in ("ETA_BF16", "U_BF16", "U_FP32", "U_FP64", "U_REDUCE", "gamma", "gemm_bound", "reduced_bound"):
         assert getattr(contract, name) is getattr(bounds, name), name
     assert swiglu.U_FP32 is bounds.U_FP32 and swiglu.U_BF16 is bounds.U_BF16 and swiglu.ETA_BF16 is bounds.ETA_BF16
+
+
+def test_drift_quantiles_are_the_kth_smallest_elements():
+    x = torch.randn(10_001, dtype=torch.float64)
+    stats = drift_stats(x.to(torch.bfloat16), torch.zeros_like(x), "z")  # err = |c|
+    err = x.to(torch.bfloat16).double().abs()
+    for q, key in ((0.95, "z_abs_p95"), (0.99, "z_abs_p99")):
+        assert stats[key] == float(err.kthvalue(round(q * err.numel())).values)
