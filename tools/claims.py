@@ -33,7 +33,8 @@ END = "<!-- claims:end -->"
 # Which committed run backs each claim (paths under reports/). To move a claim to a newer run, change
 # its line here and run `python -m tools.claims`.
 SOURCES = {
-    "gemm_audit": "2026-12-01-h200-s13/call2/audit-gemm/report.json",
+    "gemm_audit": "2026-12-02-h200-s15/call1/audit-gemm-tp2/report.json",
+    "gemm_audit_zoo": "2026-12-02-h200-s15/call2/audit-gemm-zoo/report.json",
     "gemm_bench": "2026-12-01-h200/call3/bench/gemm.jsonl",
     "gemm_tp2": "2026-12-01-h200-s14/call4/tp2/report.json",
     "gemm_zoo": "2026-12-01-h200-s14/call4/zoo/report.json",
@@ -380,6 +381,9 @@ CLAIMS = [
     Claim("det_gemm audit on an H200: batch invariance, determinism (repeats, fresh process), contract; "
           "Qwen3-8B TP=2 shapes, fwd/dA/dB, both weight layouts",
           "every check passes", ("gemm_audit",), audit, all_pass),
+    Claim("det_gemm audit at the shape zoo's (K, N) (nn.Linear layout; M 1-4096): the same checks, and every config "
+          "the table can pick gives the same bits",
+          "every check passes", ("gemm_audit_zoo",), audit, all_pass),
     Claim("det_gemm host time per call vs torch.matmul (cached launch plans, the launcher's C entry point), Qwen3-8B "
           "TP=2 layers, M 1-16384, every (op, shape, M) row",
           "≤ 1.2x", ("gemm_tp2",), gemm_per_row("host", GEMM_HOST_MAX), bool),
