@@ -3,7 +3,9 @@
 While the mode is entered, a ``torch.library.Library("aten", "IMPL")`` holds Python kernels for
 mm, addmm, bmm, baddbmm (routed to det_gemm, ``mode_gemm``) and mean.dim (routed to the invariant
 row mean, ``mode_reductions``), plus counting kernels for the other matrix products (mv, addmv,
-dot, addbmm) that detkit has no route for, so none of them runs unseen. The overrides sit below
+dot, addbmm) that detkit has no route for, so none of them runs unseen. ``torch._grouped_mm`` (which
+``torch.nn.functional.grouped_mm`` calls) has no ``.out`` overload to fall back to, so it is counted at
+its Python entry point instead, swapped for the mode's duration. The overrides sit below
 autograd, so autograd records torch's own backward formulas and their GEMMs reach the same
 overrides (grad_input and grad_weight are plain mm calls). Overriding composite ops (aten::linear,
 aten::matmul) instead would break autograd.
@@ -16,6 +18,7 @@ through the op's ``.out`` overload (the same kernel as the functional op, which 
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -142,10 +145,25 @@ KERNELS = {
 }
 
 
+# The grouped GEMM's Python entry point while the mode is installed (its original kept to restore).
+_GROUPED_MM_ORIGINAL = None
+
+
+def _counting_grouped_mm(original):
+    @functools.wraps(original)
+    def grouped_mm(*args, **kwargs):
+        mode_state.not_routed("_grouped_mm", NO_ROUTE)
+        return original(*args, **kwargs)
+    return grouped_mm
+
+
 def install() -> None:
-    global _LIBRARY
+    global _LIBRARY, _GROUPED_MM_ORIGINAL
     if _LIBRARY is not None:
         return
+    if hasattr(torch, "_grouped_mm"):
+        _GROUPED_MM_ORIGINAL = torch._grouped_mm
+        torch._grouped_mm = _counting_grouped_mm(_GROUPED_MM_ORIGINAL)
     library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         # torch warns once that an aten kernel is overridden: that is the point here.
@@ -157,10 +175,13 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    global _LIBRARY
+    global _LIBRARY, _GROUPED_MM_ORIGINAL
     if _LIBRARY is not None:
         _LIBRARY._destroy()
         _LIBRARY = None
+    if _GROUPED_MM_ORIGINAL is not None:
+        torch._grouped_mm = _GROUPED_MM_ORIGINAL
+        _GROUPED_MM_ORIGINAL = None
 
 
 def installed() -> bool:
