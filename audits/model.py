@@ -50,7 +50,7 @@ from detkit.toolkit.harness import Row, RunContext, atomic_write_text
 
 NAME = "model"
 DESCRIPTION = ("transformers model log-probs, default vs detkit mode: batch invariance, padding, trainer vs rollout, "
-               "KV-cache decode vs trainer, backward repeat, drift, routed ops, speed")
+               "KV-cache decode vs trainer, backward repeat, drift, routed ops, FP8 experts' precision, speed")
 CONFIG_ENV = "DETKIT_MODEL_CONFIG"
 EXPERTS_ENV = "DETKIT_MODEL_MOE_EXPERTS"  # the mode's moe_experts for the audit: bf16 (default) or fp8
 MODES = ("default", "detkit")
