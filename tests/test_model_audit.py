@@ -164,6 +164,16 @@ def test_the_plugin_runs_every_check_on_a_tiny_moe_model_with_fp8_experts(device
     assert "MoE precision: FP8 vs BF16 experts" in (tmp_path / "model.md").read_text()
 
 
+def test_the_precision_check_reports_a_block_the_fp8_layer_refuses(device, monkeypatch):
+    """The tiny MoE preset (H = 64, I = 32) with FP8 experts: the check's strict FP8 run is refused by name, and the
+    row says so instead of comparing transformers' own experts."""
+    monkeypatch.setenv(audit_model.CONFIG_ENV, "qwen3-moe-tiny")
+    model, _ = audit_model.build_model(device, seed=8)
+    audit = audit_model.Audit(model, device, SMALL_PLAN, seed=8, moe_experts="fp8")
+    result = audit_model.moe_precision(audit)
+    assert set(result) == {"error"} and "FP8 experts need H and I multiples of 128; got H = 64, I = 32" in result["error"]
+
+
 def test_an_unsupported_experts_precision_is_refused_before_the_model_is_built(monkeypatch):
     monkeypatch.setenv(audit_model.EXPERTS_ENV, "fp4")
 
