@@ -8,7 +8,8 @@
 # 2. tests/test_mode_moe_fp8.py on cuda (the route bitwise against a direct moe_mlp_fp8 call, gradients in
 #    transformers' layout, log-probs alone vs in a batch, the weight cache's invalidation, refusals; gpu-marked: a
 #    captured block reads the weights of each replay, and a Qwen3-30B-A3B-width block's tokens alone vs in 2048,
-#    its backward run to run and its precision against BF16 experts).
+#    its backward run to run and its precision against BF16 experts), and the model audit's FP8 tests on cuda (the
+#    tiny FP8-capable MoE preset through every check; a block the FP8 layer refuses).
 # Each step has a time limit; the run goes on after a failure and exits non-zero if any step failed. Everything
 # lands under $OUT: versions.txt, steps.txt, <step>.log, pytest-moe-fp8.xml, model-audit-fp8/ (report.md,
 # report.json, rows.jsonl, model.md, model.json).
@@ -29,6 +30,6 @@ step model-audit-moe-fp8 "${MOE_FP8_MODEL_AUDIT_LIMIT:-130}" env DETKIT_MODEL_CO
   DETKIT_MODEL_MOE_EXPERTS=fp8 python -m detkit audit --device cuda --suite model --no-progress \
   --out "$OUT/model-audit-fp8"
 step pytest-moe-fp8 "${MOE_FP8_MODEL_TESTS_LIMIT:-50}" env DETKIT_TEST_DEVICE=cuda python -m pytest -q -ra \
-  -p no:cacheprovider --junitxml "$OUT/pytest-moe-fp8.xml" tests/test_mode_moe_fp8.py
+  -p no:cacheprovider --junitxml "$OUT/pytest-moe-fp8.xml" tests/test_mode_moe_fp8.py tests/test_model_audit.py -k fp8
 echo "== $(date -u +%H:%M:%S) finished (failed=$failed)"
 exit "$failed"
