@@ -5,8 +5,9 @@ The model: transformers' Qwen3 built from a config with random weights in BF16 -
 with 2 layers, on cpu a tiny config for the Triton interpreter -- or the model named by ``DETKIT_MODEL_CONFIG``:
 a preset name (``MODEL_PRESETS``: the dense Qwen3 8B widths and tiny config, and the Qwen3-MoE ones, Qwen3-30B-A3B
 widths with 2 layers and a tiny MoE config), a JSON config file, or a checkpoint directory read with
-local_files_only (nothing is ever downloaded). Checks, each run in both modes (detkit mode's rows pass or fail;
-default mode's rows are the drift table, informational):
+local_files_only (nothing is ever downloaded). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the default, or ``fp8``) is
+the mode's ``moe_experts``: the precision of detkit's layer under a MoE model's experts. Checks, each run in both
+modes (detkit mode's rows pass or fail; default mode's rows are the drift table, informational):
 
 - ``batch_invariance``: a sequence's log-probs alone vs in batches of several sizes at several positions;
 - ``padding``: the same with right and left padding (attention masks; left padding with position ids);
@@ -19,7 +20,10 @@ default mode's rows are the drift table, informational):
 - when a detkit-mode comparison differs, forward hooks on every module name the first module whose outputs
   differ (``first_divergence``);
 - ``counters``: which ops ran on detkit kernels and which on torch, with the reasons (a GEMM or a MoE block
-  on torch fails the row);
+  on torch, or a MoE block on the other precision's layer, fails the row);
+- ``moe_precision`` (a MoE model with FP8 experts): the first MoE block's output and gradients (x, router,
+  gate_up_proj, down_proj) in detkit mode with FP8 experts against detkit mode with BF16 experts, the same
+  tokens and routing: the FP8 layer's precision gate (cosine and relative RMSE, audits/moe_fp8.py);
 - ``speed`` (cuda only): prefill, decode step (eager and CUDA graph) and forward+backward, detkit / default; for
   a MoE model also one MoE block alone (prefill, decode and forward+backward token counts) on detkit's layer vs
   transformers' own block (the experts implementation the model was built with, e.g. ``grouped_mm``).
@@ -46,8 +50,9 @@ from detkit.toolkit.harness import Row, RunContext, atomic_write_text
 
 NAME = "model"
 DESCRIPTION = ("transformers model log-probs, default vs detkit mode: batch invariance, padding, trainer vs rollout, "
-               "KV-cache decode vs trainer, backward repeat, drift, routed ops, speed")
+               "KV-cache decode vs trainer, backward repeat, drift, routed ops, FP8 experts' precision, speed")
 CONFIG_ENV = "DETKIT_MODEL_CONFIG"
+EXPERTS_ENV = "DETKIT_MODEL_MOE_EXPERTS"  # the mode's moe_experts for the audit: bf16 (default) or fp8
 MODES = ("default", "detkit")
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
 MOE_OPS = ("moe experts (transformers)", "moe router (transformers)")
@@ -73,12 +78,16 @@ QWEN3_MOE_30B_A3B_WIDTHS = dict(hidden_size=2048, intermediate_size=6144, moe_in
 QWEN3_MOE_TINY = dict(QWEN3_MOE_30B_A3B_WIDTHS, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                       num_experts=8, num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                       vocab_size=256, max_position_embeddings=512)
+# The CPU MoE config for FP8 experts (H and I multiples of 128): hidden 128, 4 experts of 128, top-2, 1 layer.
+QWEN3_MOE_TINY_128 = dict(QWEN3_MOE_TINY, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                          num_experts=4, num_experts_per_tok=2, num_hidden_layers=1)
 # DETKIT_MODEL_CONFIG=<name>: (model_type, config fields, description).
 MODEL_PRESETS = {
     "qwen3-8b": ("qwen3", QWEN3_8B_WIDTHS, "Qwen3 8B widths"),
     "qwen3-tiny": ("qwen3", QWEN3_TINY, "Qwen3 tiny"),
     "qwen3-moe-30b-a3b": ("qwen3_moe", QWEN3_MOE_30B_A3B_WIDTHS, "Qwen3-MoE 30B-A3B widths"),
     "qwen3-moe-tiny": ("qwen3_moe", QWEN3_MOE_TINY, "Qwen3-MoE tiny"),
+    "qwen3-moe-tiny-128": ("qwen3_moe", QWEN3_MOE_TINY_128, "Qwen3-MoE tiny, H = I = 128 (FP8-capable)"),
 }
 
 
@@ -99,10 +108,11 @@ class Plan:
     decode: tuple[int, int] = (8, 1024)  # (batch, cache length) timed
     train: tuple[int, int] = (4, 512)  # (batch, tokens) of the timed forward+backward
     timing_reps: int = 10
+    precision_tokens: int = 2048  # tokens through one MoE block for the FP8-vs-BF16 precision check
 
 
 CPU_PLAN = Plan(seq_len=10, batch_sizes=(2, 5), pad=3, train_batch=4, micro_batch=2, prompt_len=5, gen_len=4,
-                decode_batch=3, timing=False)
+                decode_batch=3, timing=False, precision_tokens=64)
 CUDA_PLAN = Plan(seq_len=256, batch_sizes=(4, 16), pad=37, train_batch=8, micro_batch=2, prompt_len=64, gen_len=24,
                  decode_batch=8, timing=True)
 NOT_COVERED = (
@@ -111,8 +121,10 @@ NOT_COVERED = (
     "TP > 1 inside the model (collectives are not rewritten), FP8 / FP16 / FP32 GEMMs (counted)",
     "reductions other than the last-dim mean (softmax / log_softmax are per-row in torch: not overridden)",
     "MoE: transformers' Qwen3-MoE block only (other MoE classes run transformers' experts; torch._grouped_mm is not "
-    "seen by the mode); BF16 experts; expert parallelism (counted); the router's softmax / top-k stay on torch "
-    "(row-wise); the load-balancing loss is a batch statistic (run to run, not batch-invariant)",
+    "seen by the mode); FP8 experts only where H and I are multiples of 128 (else counted); expert parallelism "
+    "(counted); the router's softmax / top-k stay on torch (row-wise); the load-balancing loss is a batch statistic "
+    "(run to run, not batch-invariant); FP8 weight gradients are not batch-invariant (their 128-row scale blocks "
+    "span tokens; run to run they repeat)",
     "the first-divergence hooks compare module outputs; differences in ops between modules show as the next module",
 )
 # Speed targets (detkit time / default time).
@@ -184,11 +196,22 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def mode_context(mode: str):
+def moe_experts_choice() -> str:
+    """The mode's moe_experts for the audit, from DETKIT_MODEL_MOE_EXPERTS (default "bf16"); refused before any
+    work when it is not one the mode supports."""
+    from detkit.kernels.mode_state import MOE_EXPERTS
+
+    value = os.environ.get(EXPERTS_ENV) or MOE_EXPERTS[0]
+    if value not in MOE_EXPERTS:
+        raise ValueError(f"{EXPERTS_ENV}={value!r} is not supported; supported: {', '.join(MOE_EXPERTS)}")
+    return value
+
+
+def mode_context(mode: str, moe_experts: str | None = None):
     if mode == "detkit":
         from detkit.kernels.mode import batch_invariant_mode
 
-        return batch_invariant_mode()
+        return batch_invariant_mode(moe_experts=moe_experts)
     return contextlib.nullcontext()
 
 
@@ -324,8 +347,9 @@ def _batch_select(index: int, batch: int, seq: slice | int = slice(None)):
 # The checks (each returns Comparisons; ``mode`` decides only the context)
 # ---------------------------------------------------------------------------------------------
 class Audit:
-    def __init__(self, model, device: torch.device, plan: Plan, seed: int):
+    def __init__(self, model, device: torch.device, plan: Plan, seed: int, moe_experts: str = "bf16"):
         self.model, self.device, self.plan = model, device, plan
+        self.moe_experts, self.seed = moe_experts, seed
         self.vocab = model.config.vocab_size
         gen = torch.Generator().manual_seed(seed)
         self.seqs = torch.randint(3, self.vocab, (max(max(plan.batch_sizes), plan.train_batch) + 1, plan.seq_len),
@@ -541,7 +565,7 @@ def speed(audit: Audit) -> dict[str, dict[str, float | str]]:
     errors: dict[str, str] = {}
     for _ in range(2):
         for mode in MODES:
-            with mode_context(mode):
+            with mode_context(mode, audit.moe_experts):
                 timings = {"prefill": _median_ms(prefill, plan.timing_reps)}
                 eager, graph = decode_cases()
                 timings["decode_eager"] = eager
@@ -592,7 +616,7 @@ def moe_block_speed(audit: Audit) -> dict[str, dict[str, float | str]]:
     results: dict[str, dict[str, list[float]]] = {}
     for _ in range(2):
         for mode in MODES:
-            with mode_context(mode):
+            with mode_context(mode, audit.moe_experts):
                 for case, (x, grad) in cases.items():
                     run(x, grad)  # warm-up (compilation, allocator)
                     ms = _median_ms(lambda: run(x, grad), plan.timing_reps)  # noqa: B023 (called at once)
@@ -603,8 +627,64 @@ def moe_block_speed(audit: Audit) -> dict[str, dict[str, float | str]]:
         ms = {mode: min(v) for mode, v in by_mode.items()}
         table[case] = {"default_ms": ms["default"], "detkit_ms": ms["detkit"], "ratio": ms["detkit"] / ms["default"],
                        "target": None, "meets_target": None, "baseline": baseline,
-                       "tokens": int(cases[case][0].shape[1])}
+                       "detkit_experts": audit.moe_experts, "tokens": int(cases[case][0].shape[1])}
     return table
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 experts: precision against BF16 experts
+# ---------------------------------------------------------------------------------------------
+PRECISION_TENSORS = ("out", "dx", "d_router", "d_gate_up_proj", "d_down_proj")
+
+
+def moe_block_grads(block, x: torch.Tensor, dout: torch.Tensor, moe_experts: str) -> tuple[dict, torch.Tensor]:
+    """One MoE block's output and gradients (x, router weight, gate_up_proj, down_proj) in strict detkit mode with
+    ``moe_experts``, and the ids its router chose."""
+    chosen = []
+    handle = block.gate.register_forward_hook(lambda m, args, out: chosen.append(out[2]))
+    block.zero_grad(set_to_none=True)
+    xg = x.detach().clone().requires_grad_(True)
+    try:
+        from detkit.kernels.mode import batch_invariant_mode
+
+        with torch.enable_grad(), batch_invariant_mode(strict=True, moe_experts=moe_experts):
+            out = block(xg)
+            out.backward(dout)
+    finally:
+        handle.remove()
+    grads = {"out": out.detach(), "dx": xg.grad, "d_router": block.gate.weight.grad,
+             "d_gate_up_proj": block.experts.gate_up_proj.grad, "d_down_proj": block.experts.down_proj.grad}
+    block.zero_grad(set_to_none=True)
+    return grads, chosen[0]
+
+
+def moe_precision(audit: Audit) -> dict:
+    """The first MoE block, the same tokens and output gradient in detkit mode with FP8 and with BF16 experts
+    (the router is the same in both, so is the routing): per tensor, cosine and relative RMSE of FP8 against BF16,
+    and whether they pass the FP8 layer's precision gate. A block the FP8 layer refuses is an error entry."""
+    from detkit.audits.moe import cosine
+    from detkit.audits.moe_fp8 import GATE_MAX_REL_RMSE, GATE_MIN_COSINE
+    from detkit.kernels.mode_state import ModeNotRoutedError
+    from detkit.toolkit.contract import rel_l2
+
+    block = moe_blocks(audit.model)[0]
+    gen = torch.Generator().manual_seed(audit.seed + 17)
+    shape = (1, audit.plan.precision_tokens, audit.model.config.hidden_size)
+    x = torch.randn(shape, generator=gen).to(device=audit.device, dtype=torch.bfloat16)
+    dout = torch.randn(shape, generator=gen).to(device=audit.device, dtype=torch.bfloat16)
+    try:
+        bf16, ids_bf16 = moe_block_grads(block, x, dout, "bf16")
+        fp8, ids_fp8 = moe_block_grads(block, x, dout, "fp8")
+    except ModeNotRoutedError as exc:
+        return {"error": str(exc)}
+    same_routing = torch.equal(ids_bf16, ids_fp8)
+    stats = {}
+    for name in PRECISION_TENSORS:
+        cos, rel = cosine(fp8[name], bf16[name]), rel_l2(fp8[name], bf16[name])
+        stats[name] = {"cosine_vs_bf16_experts": cos, "rel_rmse_vs_bf16_experts": rel,
+                       "passed": same_routing and cos >= GATE_MIN_COSINE and rel < GATE_MAX_REL_RMSE}
+    return {"tokens": shape[1], "same_routing": same_routing, "min_cosine": GATE_MIN_COSINE,
+            "max_rel_rmse": GATE_MAX_REL_RMSE, "tensors": stats}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,17 +703,22 @@ def _attention_kernel_present() -> bool:
 def run(ctx: RunContext) -> Iterator[Row]:
     from detkit.kernels.mode import mode_counters
 
+    from detkit.kernels.mode_moe import EXPERTS_KERNELS
+
     plan = CPU_PLAN if ctx.device.type == "cpu" else CUDA_PLAN
+    experts = moe_experts_choice()  # refused here, before the model is built
     model, description = build_model(ctx.device, ctx.seed)
-    audit = Audit(model, ctx.device, plan, ctx.seed)
+    audit = Audit(model, ctx.device, plan, ctx.seed, experts)
     meta = {"model": description, "layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size,
             "moe": moe_meta(model), "plan": plan.__dict__, "attention_kernel_present": _attention_kernel_present()}
+    if meta["moe"] is not None:
+        meta["moe"]["detkit_experts"] = experts
     yield _row(ctx, "model", f"model {description}", True, meta)
     drift: list[dict] = []
     detkit_counters = None
     for mode in MODES:
         start = mode_counters()
-        with mode_context(mode):
+        with mode_context(mode, experts):
             for cmp in audit.all_checks(locate=True):
                 entry = {"mode": mode, "check": cmp.check, **cmp.details()}
                 drift.append(entry)
@@ -656,11 +741,23 @@ def run(ctx: RunContext) -> Iterator[Row]:
     moe_misses = {k: n for k, n in counters["not_routed"].items() if k.split(":", 1)[0] in MOE_OPS}
     details = {**counters, "gemm_not_routed": gemm_misses}
     passed = not gemm_misses
-    if meta["moe"] is not None:  # every MoE block on detkit's layer, and at least one call seen
+    precision = None
+    if meta["moe"] is not None:  # every MoE block on detkit's layer of the chosen precision, at least one call seen
         moe_routed = sum(n for k, n in counters["routed"].items() if k.startswith(MOE_OPS[0] + " -> "))
-        details.update(moe_not_routed=moe_misses, moe_experts_routed=moe_routed)
-        passed = passed and not moe_misses and moe_routed > 0
+        other_kernels = {f"{MOE_OPS[0]} -> {kernel}" for e, kernel in EXPERTS_KERNELS.items() if e != experts}
+        other = {k: n for k, n in counters["routed"].items() if k in other_kernels}
+        details.update(moe_not_routed=moe_misses, moe_experts_routed=moe_routed, moe_experts=experts,
+                       moe_other_precision=other)
+        passed = passed and not moe_misses and moe_routed > 0 and not other
     yield _row(ctx, "counters", "detkit mode: ops on detkit kernels and on torch", passed, details)
+    if meta["moe"] is not None and experts == "fp8":
+        precision = moe_precision(audit)
+        if "error" in precision:
+            yield _row(ctx, "moe_precision", "moe_precision first MoE block: FP8 vs BF16 experts", False, precision)
+        for name, st in precision.get("tensors", {}).items():
+            yield _row(ctx, "moe_precision", f"moe_precision {name} first MoE block, {precision['tokens']} tokens: "
+                       "FP8 vs BF16 experts", st["passed"],
+                       {**{k: v for k, v in precision.items() if k != "tensors"}, **st})
     timing = None
     if plan.timing and ctx.device.type == "cuda":
         timing = speed(audit)
@@ -671,10 +768,11 @@ def run(ctx: RunContext) -> Iterator[Row]:
                 yield _row(ctx, "speed", f"speed {case} detkit / default", True,
                            {"informational": "time ratio; target in 'target'", **entry})
     if ctx.out_dir is not None:
-        write_model_report(Path(ctx.out_dir), meta, drift, counters, timing)
+        write_model_report(Path(ctx.out_dir), meta, drift, counters, timing, precision)
 
 
-def write_model_report(out_dir: Path, meta: dict, drift: list[dict], counters: dict, timing: dict | None) -> None:
+def write_model_report(out_dir: Path, meta: dict, drift: list[dict], counters: dict, timing: dict | None,
+                       precision: dict | None = None) -> None:
     from tabulate import tabulate
 
     table = [{k: e.get(k) for k in ("mode", "check", "case", "mismatches", "elements", "max_abs_diff",
@@ -689,6 +787,15 @@ def write_model_report(out_dir: Path, meta: dict, drift: list[dict], counters: d
     lines += [f"- {k}: {n}" for k, n in counters["routed"].items()] or ["- none"]
     lines += ["", "On torch (op: reason: calls):", ""]
     lines += [f"- {k}: {n}" for k, n in counters["not_routed"].items()] or ["- none"]
+    if precision is not None:
+        lines += ["", "## MoE precision: FP8 vs BF16 experts (first MoE block, detkit mode)", ""]
+        if "error" in precision:
+            lines += [f"- error: {precision['error']}"]
+        else:
+            lines += [f"{precision['tokens']} tokens, same routing: {precision['same_routing']}; gate: cosine >= "
+                      f"{precision['min_cosine']}, relative RMSE < {precision['max_rel_rmse']}", "",
+                      tabulate([{"tensor": n, **st} for n, st in precision["tensors"].items()], headers="keys",
+                               tablefmt="github", floatfmt=".4g")]
     lines += ["", "## Not covered", ""] + [f"- {item}" for item in NOT_COVERED]
     if timing:
         rows = [{"case": c, **{k: v for k, v in e.items()}} for c, e in timing.items() if not c.startswith("_")]
@@ -697,4 +804,5 @@ def write_model_report(out_dir: Path, meta: dict, drift: list[dict], counters: d
                   "", f"shapes: {timing['_shapes']}"]
     atomic_write_text(out_dir / "model.md", "\n".join(lines) + "\n")
     atomic_write_text(out_dir / "model.json", json.dumps({"meta": meta, "drift": drift, "counters": counters,
-                                                           "speed": timing}, indent=2, default=str) + "\n")
+                                                           "speed": timing, "moe_precision": precision},
+                                                          indent=2, default=str) + "\n")

@@ -16,14 +16,16 @@ What it routes while entered (process-wide, every thread; docs/mode.md):
 - attention: F.scaled_dot_product_attention and transformers' "sdpa" attention go to
   ``detkit.kernels.attention`` when it covers the call (``mode_attention``); "detkit" is registered
   as a transformers attention implementation.
-- transformers' Qwen3-MoE sparse MoE block: its experts on detkit's MoE layer (``moe_mlp``) and its
-  router's top-k normalisation in a fixed order (``mode_moe``); parameters and state dicts unchanged.
+- transformers' Qwen3-MoE sparse MoE block: its experts on detkit's MoE layer -- ``moe_mlp`` (BF16, the
+  default) or, with ``moe_experts="fp8"``, ``moe_mlp_fp8`` -- and its router's top-k normalisation in a fixed
+  order (``mode_moe``); parameters and state dicts unchanged.
 
 Everything it does not route is counted with the reason (``mode_counters()``); with
 ``strict=True`` such a call raises ``ModeNotRoutedError`` instead. Never a silent fallback.
 
 Re-entrant: a depth counter; the outermost entry installs the overrides, the matching exit removes
-them (so outside the mode torch runs untouched). ``strict`` holds while any enclosing entry asked for it.
+them (so outside the mode torch runs untouched). ``strict`` holds while any enclosing entry asked for it;
+``moe_experts`` is the innermost entry's explicit choice (None keeps the enclosing one; "bf16" outermost).
 Backward passes must run inside the mode too (they call the same aten ops).
 """
 
@@ -34,10 +36,10 @@ import logging
 import threading
 
 from detkit.kernels import mode_state
-from detkit.kernels.mode_state import ModeCounters, ModeNotRoutedError
+from detkit.kernels.mode_state import MOE_EXPERTS, ModeCounters, ModeNotRoutedError, check_moe_experts
 
 __all__ = [
-    "ModeCounters", "ModeNotRoutedError", "batch_invariant_mode", "disable_batch_invariant_mode",
+    "MOE_EXPERTS", "ModeCounters", "ModeNotRoutedError", "batch_invariant_mode", "disable_batch_invariant_mode",
     "enable_batch_invariant_mode", "is_batch_invariant_mode_enabled", "mode_counters", "reset_mode_counters",
 ]
 
@@ -63,14 +65,21 @@ def _uninstall() -> None:
     mode_aten.uninstall()
 
 
-def enable_batch_invariant_mode(strict: bool = False) -> None:
-    """Enter the mode (process-wide); pair each call with ``disable_batch_invariant_mode()``."""
+def _check_args(strict, moe_experts) -> None:
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool; got {type(strict).__name__}")
+    check_moe_experts(moe_experts)
+
+
+def enable_batch_invariant_mode(strict: bool = False, moe_experts: str | None = None) -> None:
+    """Enter the mode (process-wide); pair each call with ``disable_batch_invariant_mode()``. ``moe_experts``:
+    "bf16" or "fp8" (see ``batch_invariant_mode``)."""
+    _check_args(strict, moe_experts)
     with _TRANSITION:
         if mode_state.STATE.depth == 0:
             _install()
         mode_state.STATE.strict_stack.append(strict)
+        mode_state.STATE.experts_stack.append(moe_experts)
         mode_state.STATE.depth += 1
 
 
@@ -81,6 +90,7 @@ def disable_batch_invariant_mode() -> None:
             raise RuntimeError("disable_batch_invariant_mode() called while the mode is not enabled")
         mode_state.STATE.depth -= 1
         mode_state.STATE.strict_stack.pop()
+        mode_state.STATE.experts_stack.pop()
         if mode_state.STATE.depth == 0:
             _uninstall()
 
@@ -93,15 +103,20 @@ class batch_invariant_mode(contextlib.ContextDecorator):
     """Context manager and decorator for the batch-invariant mode; re-entrant (see the module docstring).
 
     ``strict=True``: a call the mode cannot run on detkit's kernels raises ``ModeNotRoutedError``
-    (before any work) instead of running on torch's kernel and being counted."""
+    (before any work) instead of running on torch's kernel and being counted.
 
-    def __init__(self, strict: bool = False):
-        if not isinstance(strict, bool):
-            raise TypeError(f"strict must be a bool; got {type(strict).__name__}")
+    ``moe_experts``: the layer transformers' Qwen3-MoE experts run on -- "bf16" (``moe_mlp``, the default) or
+    "fp8" (``moe_mlp_fp8``: block-scaled E4M3, H and I multiples of 128; a block that does not meet that runs
+    transformers' own experts, counted, or raises under strict -- never the BF16 layer instead). None keeps the
+    enclosing entry's choice. Anything else: ValueError before the mode is entered."""
+
+    def __init__(self, strict: bool = False, moe_experts: str | None = None):
+        _check_args(strict, moe_experts)
         self.strict = strict
+        self.moe_experts = moe_experts
 
     def __enter__(self) -> "batch_invariant_mode":
-        enable_batch_invariant_mode(self.strict)
+        enable_batch_invariant_mode(self.strict, self.moe_experts)
         return self
 
     def __exit__(self, *exc) -> bool:

@@ -19,13 +19,21 @@ happen as before:
   already routes to det_gemm; softmax over the last dim and topk are row-wise in torch (one row per
   warp/block, a launch shape from the row length; topk's ties go to the lower index in the row), so a
   token's ids and scores do not depend on the batch. Counted as ``moe router (transformers)``.
-- the experts (``experts_route``) run on ``detkit.kernels.moe.moe_mlp`` (forward and backward, its own
+- the experts (``experts_route``) run on ``detkit.kernels.moe.moe_mlp`` (BF16, the default) or, with the mode's
+  ``moe_experts="fp8"``, on ``detkit.kernels.moe_fp8.moe_mlp_fp8`` (forward and backward, the layer's own
   autograd): w1 = the gate/up halves interleaved ([E, H, 2I], one copy of gate_up_proj per call, made by a
   differentiable reshape so the gradient reaches gate_up_proj in transformers' layout), w2 = down_proj
   viewed as [E, I, H] (no copy). Route ids >= E (transformers' expert-parallel sentinel) are masked (-1).
-  Counted as ``moe experts (transformers) -> detkit.moe_mlp``; a call the layer does not cover (dtype,
-  device, expert parallelism, another activation or weight layout) runs transformers' own implementation
-  and is counted with the reason, or raises ``ModeNotRoutedError`` under strict.
+  Counted as ``moe experts (transformers) -> detkit.moe_mlp`` or ``-> detkit.moe_mlp_fp8``; a call the chosen
+  layer does not cover (dtype, device, expert parallelism, another activation or weight layout; for FP8, H or I
+  not a multiple of 128) runs transformers' own implementation and is counted with the reason, or raises
+  ``ModeNotRoutedError`` under strict -- never the other precision's layer.
+- FP8 weights: the layer quantizes w1 and w2 in 128x128 blocks. w1 is a fresh copy on every call, so the
+  layer's own cache (keyed on the tensor it is given) would miss every time and keep each copy alive; the mode
+  keeps ``FP8_WEIGHT_CACHE`` instead, keyed on the parameters themselves (gate_up_proj, down_proj) and valid for
+  their ``_version``: an optimizer step (in place) invalidates the entry, and the next call re-quantizes from the
+  new values. While a CUDA graph is being captured the weights are quantized inside the graph (no cache), so a
+  replay after a weight update reads the new weights.
 
 Under torch.compile both routes run as graph breaks (eagerly, with the same kernels and counting).
 transformers' load-balancing loss is computed outside the block from the recorded router logits, as
@@ -35,7 +43,9 @@ overrides when they run on mm/bmm; ``torch._grouped_mm`` does not).
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +55,9 @@ from detkit.kernels import mode_gemm, mode_state
 EXPERTS_OP = "moe experts (transformers)"
 ROUTER_OP = "moe router (transformers)"
 EXPERTS_KERNEL = "detkit.moe_mlp"
+EXPERTS_KERNEL_FP8 = "detkit.moe_mlp_fp8"
+EXPERTS_KERNELS = {"bf16": EXPERTS_KERNEL, "fp8": EXPERTS_KERNEL_FP8}  # the mode's moe_experts -> counted kernel
+FP8_BLOCK = 128  # the FP8 layer's quantization block: H and I must be multiples of it
 ROUTER_KERNEL = "row-wise softmax/top-k, fixed-order top-k sum"
 QWEN3_MOE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 
@@ -105,6 +118,102 @@ def router_forward(module, hidden_states: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------
+# FP8 experts: the same w1, w2 and ids on moe_mlp_fp8, with the weights cached per parameter
+# ---------------------------------------------------------------------------------------------
+class ExpertsFp8WeightCache:
+    """The FP8 experts' quantized weights, one slot per parameter (gate_up_proj, down_proj), keyed on the
+    parameter's (data_ptr, shape, stride, dtype, device) and on the shape of the weight made from it, valid for
+    the parameter's ``_version``. An in-place update (optimizer.step, ``p.add_`` under no_grad,
+    ``load_state_dict``) bumps ``_version``: the next call misses and re-quantizes into the same slot. Writes
+    through ``p.data`` bypass the version counter: call ``clear()`` after those. A slot holds a reference to its
+    parameter (so its memory cannot be reused while cached); least recently used slots beyond ``capacity`` are
+    dropped (two per MoE layer: 256 covers 128 layers). Inference tensors have no version counter: their weights
+    are quantized on every call."""
+
+    def __init__(self, capacity: int = 256):
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int; got {capacity!r}")
+        self.capacity = capacity
+        self._slots: OrderedDict[tuple, tuple[torch.Tensor, int, object]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, source: torch.Tensor, w: torch.Tensor):
+        """The Fp8Weight of ``w`` (made from ``source`` on this call: a view of it or a converted copy)."""
+        from detkit.kernels.fp8_quant import quantize_weight
+
+        if source.is_inference():
+            self.misses += 1
+            with torch.no_grad():
+                return quantize_weight(w.detach())
+        slot = (source.data_ptr(), tuple(source.shape), tuple(source.stride()), source.dtype, str(source.device),
+                tuple(w.shape))
+        entry = self._slots.get(slot)
+        if entry is not None and entry[1] == source._version:
+            self._slots.move_to_end(slot)
+            self.hits += 1
+            return entry[2]
+        self.misses += 1
+        with torch.no_grad():
+            fw = quantize_weight(w.detach())
+        self._slots[slot] = (source, source._version, fw)
+        self._slots.move_to_end(slot)
+        while len(self._slots) > self.capacity:
+            self._slots.popitem(last=False)
+        return fw
+
+    def clear(self) -> None:
+        self._slots.clear()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+
+FP8_WEIGHT_CACHE = ExpertsFp8WeightCache()
+
+
+@functools.cache
+def _call_weights_class() -> type:
+    """``CallWeights(cache, sources)``: the ``weight_cache`` of one ``moe_mlp_fp8`` call. The layer's lookup of
+    w1 or w2 (the tensors it was given, by identity) answers from ``cache``'s slot of the parameter each was made
+    from, where the layer asks: after its input checks. (Built on first use: importing the FP8 layer imports its
+    kernels.)"""
+    from detkit.kernels.moe_fp8 import Fp8WeightCache
+
+    class CallWeights(Fp8WeightCache):
+        def __init__(self, cache: ExpertsFp8WeightCache, sources: tuple[tuple[torch.Tensor, torch.Tensor], ...]):
+            super().__init__(capacity=len(sources))
+            self.cache, self.sources = cache, sources
+
+        def get(self, w):
+            for weight, source in self.sources:
+                if w is weight:
+                    return self.cache.get(source, w)
+            raise RuntimeError("the FP8 layer asked for a weight this call did not hand it")
+
+    return CallWeights
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def experts_forward_fp8(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        cache: ExpertsFp8WeightCache | None = FP8_WEIGHT_CACHE) -> torch.Tensor:
+    """Qwen3MoeExperts.forward on ``moe_mlp_fp8`` (the same w1, w2 and ids as ``experts_forward``; H and I
+    multiples of 128): hidden [T, H] bf16 -> [T, H] bf16. ``cache=None`` (and any call while a CUDA graph is
+    captured) quantizes the weights in the call."""
+    from detkit.kernels.moe_fp8 import moe_mlp_fp8
+
+    ids = route_ids(top_k_index, module.num_experts)
+    w1, w2 = gate_up_as_w1(module.gate_up_proj), down_as_w2(module.down_proj)
+    weight_cache = None
+    if cache is not None and not _capturing(hidden_states):
+        weight_cache = _call_weights_class()(cache, ((w1, module.gate_up_proj), (w2, module.down_proj)))
+    return moe_mlp_fp8(hidden_states, w1, w2, ids, top_k_weights, weight_cache=weight_cache)
+
+
+# ---------------------------------------------------------------------------------------------
 # What the experts route covers
 # ---------------------------------------------------------------------------------------------
 def _flag_reason(module) -> str | None:
@@ -124,8 +233,9 @@ def _flag_reason(module) -> str | None:
 
 
 def experts_unsupported_reason(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                               top_k_weights: torch.Tensor) -> str | None:
-    """None when ``experts_forward`` runs this call; else why not (one line)."""
+                               top_k_weights: torch.Tensor, experts: str = "bf16") -> str | None:
+    """None when the ``experts`` ("bf16": ``experts_forward``, "fp8": ``experts_forward_fp8``) runs this call;
+    else why not (one line)."""
     reason = _flag_reason(module)
     if reason is not None:
         return reason
@@ -138,6 +248,11 @@ def experts_unsupported_reason(module, hidden_states: torch.Tensor, top_k_index:
         return reason
     if top_k_index.device != hidden_states.device or top_k_weights.device != hidden_states.device:
         return "routing tensors on another device than hidden_states"
+    if experts == "fp8":
+        hidden, inter = hidden_states.shape[1], module.down_proj.shape[2]
+        if hidden % FP8_BLOCK or inter % FP8_BLOCK:
+            return (f"FP8 experts need H and I multiples of {FP8_BLOCK}; got H = {hidden}, I = {inter} "
+                    "(moe_experts='fp8')")
     return None
 
 
@@ -150,15 +265,17 @@ def experts_route(self, hidden_states, top_k_index, top_k_weights):
     original = _saved["experts"]
     if not mode_state.active():
         return original(self, hidden_states, top_k_index, top_k_weights)
-    reason = experts_unsupported_reason(self, hidden_states, top_k_index, top_k_weights)
+    experts = mode_state.moe_experts()
+    reason = experts_unsupported_reason(self, hidden_states, top_k_index, top_k_weights, experts)
     if reason is not None:
         mode_state.not_routed(EXPERTS_OP, reason)
         return original(self, hidden_states, top_k_index, top_k_weights)
     if hidden_states.shape[0] == 0:  # no tokens: the sum of no terms
         mode_state.routed(EXPERTS_OP, mode_gemm.EMPTY)
         return torch.zeros_like(hidden_states)
-    out = experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    mode_state.routed(EXPERTS_OP, EXPERTS_KERNEL)
+    forward = experts_forward_fp8 if experts == "fp8" else experts_forward
+    out = forward(self, hidden_states, top_k_index, top_k_weights)
+    mode_state.routed(EXPERTS_OP, EXPERTS_KERNELS[experts])
     return out
 
 

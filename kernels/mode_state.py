@@ -1,5 +1,5 @@
 """The batch-invariant mode's process-wide state: how deep it is entered, whether it is strict, and the
-counters of what it routed and what it did not.
+counters of what it routed and what it did not, and the precision of the MoE experts it routes.
 
 Every routing point (the aten overrides, the compiled-graph ops, the attention routes) asks
 ``active()`` and reports each call with ``routed(op, kernel)`` or ``not_routed(op, reason)``. A call
@@ -16,6 +16,22 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+# The MoE experts' precision (``batch_invariant_mode(moe_experts=...)``): the layer the mode runs transformers'
+# Qwen3-MoE experts on. None on an entry keeps the enclosing entry's choice; the outermost default is the first.
+MOE_EXPERTS = ("bf16", "fp8")
+
+
+def check_moe_experts(value) -> None:
+    """Refuses anything but None or one of ``MOE_EXPERTS`` (one line, before the mode is entered)."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"moe_experts must be a str, one of {MOE_EXPERTS}, or None; got {type(value).__name__}")
+    if value not in MOE_EXPERTS:
+        raise ValueError(f"moe_experts {value!r} is not supported; supported: {', '.join(map(repr, MOE_EXPERTS))} "
+                         "(None: the enclosing entry's)")
+
+
 class ModeNotRoutedError(RuntimeError):
     """A call inside a strict batch-invariant mode that detkit cannot run on its own kernels."""
 
@@ -24,6 +40,7 @@ class ModeNotRoutedError(RuntimeError):
 class _State:
     depth: int = 0
     strict_stack: list[bool] = field(default_factory=list)
+    experts_stack: list[str | None] = field(default_factory=list)  # each entry's moe_experts
     routed: Counter = field(default_factory=Counter)  # (op, kernel) -> calls
     not_routed: Counter = field(default_factory=Counter)  # (op, reason) -> calls
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -40,6 +57,11 @@ def active() -> bool:
 def strict() -> bool:
     """True when any enclosing entry asked for ``strict``."""
     return any(STATE.strict_stack)
+
+
+def moe_experts() -> str:
+    """The innermost entry's explicit ``moe_experts``, else the default ("bf16")."""
+    return next((v for v in reversed(STATE.experts_stack) if v is not None), MOE_EXPERTS[0])
 
 
 def routed(op: str, kernel: str, calls: int = 1) -> None:

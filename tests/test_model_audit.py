@@ -18,7 +18,7 @@ from detkit.toolkit.harness import RunContext  # noqa: E402
 
 ONE_LAYER = dict(audit_model.QWEN3_TINY, num_hidden_layers=1)
 SMALL_PLAN = audit_model.Plan(seq_len=6, batch_sizes=(3,), pad=2, train_batch=2, micro_batch=1, prompt_len=3,
-                              gen_len=2, decode_batch=2, timing=False)
+                              gen_len=2, decode_batch=2, timing=False, precision_tokens=64)
 
 
 @pytest.fixture
@@ -133,6 +133,57 @@ def test_the_plugin_runs_every_check_on_a_tiny_moe_model(device, tmp_path, monke
     counters = by_check["counters"][0].details
     assert counters["moe_experts_routed"] > 0 and counters["moe_not_routed"] == {}
     assert "MoE:" in (tmp_path / "model.md").read_text()
+
+
+def test_the_plugin_runs_every_check_on_a_tiny_moe_model_with_fp8_experts(device, tmp_path, monkeypatch):
+    """DETKIT_MODEL_MOE_EXPERTS=fp8 on the FP8-capable tiny MoE preset (H = I = 128, 4 experts, top-2, 1 layer):
+    every detkit-mode check passes with the experts on the FP8 layer (counted as such, none on BF16), and the
+    first block's output and gradients pass the FP8 precision gate against BF16 experts."""
+    monkeypatch.setenv(audit_model.CONFIG_ENV, "qwen3-moe-tiny-128")
+    monkeypatch.setenv(audit_model.EXPERTS_ENV, "fp8")
+    monkeypatch.setattr(audit_model, "CPU_PLAN", SMALL_PLAN)
+    monkeypatch.setattr(audit_model, "CUDA_PLAN", SMALL_PLAN)
+    backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
+    ctx = RunContext(device=device, backend=backend, preset="tiny", seed=7, out_dir=tmp_path)
+    by_check: dict[str, list] = {}
+    for row in audit_model.run(ctx):
+        by_check.setdefault(row.check, []).append(row)
+    moe = by_check["model"][0].details["moe"]
+    assert (moe["experts"], moe["detkit_experts"]) == (4, "fp8")
+    checks = ["batch_invariance", "padding", "trainer_vs_rollout", "backward_repeat", "counters", "moe_precision"]
+    if attention_module() is not None:
+        checks.append("decode_vs_trainer")
+    for check in checks:
+        assert by_check[check] and all(r.passed for r in by_check[check]), [r.details for r in by_check[check]]
+    counters = by_check["counters"][0].details
+    assert counters["routed"]["moe experts (transformers) -> detkit.moe_mlp_fp8"] == counters["moe_experts_routed"] > 0
+    assert counters["moe_other_precision"] == {} and counters["moe_not_routed"] == {}
+    precision = {r.name.split()[1]: r.details for r in by_check["moe_precision"]}
+    assert set(precision) == set(audit_model.PRECISION_TENSORS)
+    assert all(d["same_routing"] and 0.997 <= d["cosine_vs_bf16_experts"] < 1 for d in precision.values())
+    assert "MoE precision: FP8 vs BF16 experts" in (tmp_path / "model.md").read_text()
+
+
+def test_the_precision_check_reports_a_block_the_fp8_layer_refuses(device, monkeypatch):
+    """The tiny MoE preset (H = 64, I = 32) with FP8 experts: the check's strict FP8 run is refused by name, and the
+    row says so instead of comparing transformers' own experts."""
+    monkeypatch.setenv(audit_model.CONFIG_ENV, "qwen3-moe-tiny")
+    model, _ = audit_model.build_model(device, seed=8)
+    audit = audit_model.Audit(model, device, SMALL_PLAN, seed=8, moe_experts="fp8")
+    result = audit_model.moe_precision(audit)
+    assert set(result) == {"error"} and "FP8 experts need H and I multiples of 128; got H = 64, I = 32" in result["error"]
+
+
+def test_an_unsupported_experts_precision_is_refused_before_the_model_is_built(monkeypatch):
+    monkeypatch.setenv(audit_model.EXPERTS_ENV, "fp4")
+
+    def build_model(*args):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(audit_model, "build_model", build_model)
+    ctx = RunContext(device=torch.device("cpu"), backend="triton_interpreter", preset="tiny")
+    with pytest.raises(ValueError, match="DETKIT_MODEL_MOE_EXPERTS='fp4' is not supported; supported: bf16, fp8"):
+        list(audit_model.run(ctx))
 
 
 def test_a_decode_only_difference_is_located_at_its_step_and_module(device, config_file):

@@ -1,0 +1,314 @@
+"""kernels/mode_moe.py with ``batch_invariant_mode(moe_experts="fp8")``: transformers' Qwen3-MoE experts run on
+detkit's FP8 layer (``moe_mlp_fp8``), bit for bit what a direct call on the converted weights gives, forward and
+backward, gradients in transformers' layout; a model's log-probs keep their bits alone and in a batch; the mode's
+FP8 weight cache is keyed on the parameters and invalidated by an in-place update; a bad ``moe_experts`` is refused
+before the mode is entered, and a block the FP8 layer does not cover is counted (transformers' own experts) or
+raised, never run on the BF16 layer. CPU under the Triton interpreter (conftest); the `gpu`-marked tests with
+DETKIT_TEST_DEVICE=cuda on an H200."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is the optional extra detkit[models]")
+
+import detkit  # noqa: E402
+from detkit.audits.moe import cosine  # noqa: E402
+from detkit.audits.moe_fp8 import GATE_MAX_REL_RMSE, GATE_MIN_COSINE  # noqa: E402
+from detkit.kernels import mode_moe, mode_state  # noqa: E402
+from detkit.kernels.moe import deinterleave_gate_up, interleave_gate_up  # noqa: E402
+from detkit.kernels.moe_fp8 import moe_mlp_fp8  # noqa: E402
+from detkit.toolkit.contract import compare_bits, rel_l2  # noqa: E402
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe  # noqa: E402
+
+# The smallest config the FP8 layer takes: H and I multiples of 128.
+TINY_128 = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_experts=4,
+                num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                vocab_size=128, norm_topk_prob=True, max_position_embeddings=256, router_aux_loss_coef=0.01)
+EXPERTS = mode_moe.EXPERTS_OP
+FP8_ROUTE = f"{EXPERTS} -> {mode_moe.EXPERTS_KERNEL_FP8}"
+BF16_ROUTE = f"{EXPERTS} -> {mode_moe.EXPERTS_KERNEL}"
+
+
+def assert_bits(got, want, what):
+    result = compare_bits(got, want)
+    assert result.equal, f"{what}: {result.mismatches}/{result.elements} differ, first at {result.first_mismatch}"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state():
+    detkit.reset_mode_counters()
+    cache = mode_moe.FP8_WEIGHT_CACHE
+    cache.clear()
+    cache.hits = cache.misses = 0
+    yield
+    assert not detkit.is_batch_invariant_mode_enabled(), "a test left the mode entered"
+    assert not mode_moe.installed(), "the MoE routes outlived the mode"
+    assert mode_state.STATE.experts_stack == []
+
+
+def tiny_model(device, seed=0, **overrides):
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_128, **overrides})).to(torch.bfloat16)
+    return model.eval()
+
+
+def routed() -> dict[str, int]:
+    return detkit.mode_counters().as_dict()["routed"]
+
+
+def routing_inputs(device, t=10, seed=1, hidden=128, sentinel=True):
+    """x [t, H], ids [t, 2] over 4 experts (with ``sentinel``, one route on transformers' expert-parallel sentinel
+    id E = 4), weights [t, 2]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, hidden, generator=gen).to(device=device, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(t)])
+    if sentinel:
+        ids[3, 1] = 4
+    weights = torch.rand(t, 2, generator=gen).to(device=device, dtype=torch.bfloat16)
+    return x, ids.to(device), weights
+
+
+def direct_fp8(experts, x, ids, weights):
+    """moe_mlp_fp8 on transformers' weights converted by hand (fresh quantization), with leaves for the gradients:
+    (out, w1 leaf [E, H, 2I], w2 leaf [E, I, H]; leaves that require grad while grad is enabled)."""
+    grad = torch.is_grad_enabled()
+    w1 = interleave_gate_up(experts.gate_up_proj.detach(), dim=1).transpose(1, 2).requires_grad_(grad)
+    w2 = experts.down_proj.detach().transpose(1, 2).requires_grad_(grad)
+    layer_ids = torch.where(ids >= experts.num_experts, -1, ids).to(torch.int32)
+    return moe_mlp_fp8(x, w1, w2, layer_ids, weights, weight_cache=None), w1, w2
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the precision
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, exc", [("fp16", ValueError), ("FP8", ValueError), ("", ValueError), (8, TypeError)])
+def test_an_unsupported_moe_experts_is_refused_before_the_mode_is_entered(bad, exc):
+    with pytest.raises(exc, match="moe_experts") as info:
+        detkit.batch_invariant_mode(moe_experts=bad)
+    assert "\n" not in str(info.value)
+    if exc is ValueError:
+        assert str(info.value) == (f"moe_experts {bad!r} is not supported; supported: 'bf16', 'fp8' "
+                                   "(None: the enclosing entry's)")
+    with pytest.raises(exc, match="moe_experts"):
+        detkit.enable_batch_invariant_mode(moe_experts=bad)
+    assert not detkit.is_batch_invariant_mode_enabled() and not mode_moe.installed()
+    assert mode_state.STATE.strict_stack == [] and mode_state.STATE.experts_stack == []
+
+
+def test_the_innermost_explicit_choice_holds_and_none_keeps_the_enclosing_one(device):
+    experts = tiny_model(device, seed=2).model.layers[0].mlp.experts
+    x, ids, weights = routing_inputs(device, t=4, seed=3)
+
+    def kernels_of(**kw):
+        before = detkit.mode_counters()
+        with detkit.batch_invariant_mode(**kw):
+            experts(x, ids, weights)
+        return {k[1] for k in (detkit.mode_counters() - before).routed if k[0] == EXPERTS}
+
+    with torch.no_grad():
+        assert kernels_of() == {mode_moe.EXPERTS_KERNEL}  # the default: BF16
+        with detkit.batch_invariant_mode(moe_experts="fp8"):
+            assert kernels_of() == {mode_moe.EXPERTS_KERNEL_FP8}  # None: the enclosing entry's
+            assert kernels_of(moe_experts="bf16") == {mode_moe.EXPERTS_KERNEL}
+            assert kernels_of(strict=True) == {mode_moe.EXPERTS_KERNEL_FP8}  # back to FP8 after the inner exit
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward and backward against a direct call
+# ---------------------------------------------------------------------------------------------
+def test_fp8_experts_are_counted_and_bitwise_a_direct_moe_mlp_fp8_call(device):
+    experts = tiny_model(device, seed=4).model.layers[0].mlp.experts
+    x, ids, weights = routing_inputs(device, seed=5)
+    with torch.no_grad():
+        with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+            got = experts(x, ids, weights)
+        want = direct_fp8(experts, x, ids, weights)[0]
+    assert_bits(got, want, "mode (FP8) vs moe_mlp_fp8 on the converted weights")
+    assert routed() == {FP8_ROUTE: 1}
+    assert detkit.mode_counters().not_routed == {}
+
+
+def test_gradients_reach_transformers_parameters_and_equal_a_direct_call(device):
+    """x, routing weights, gate_up_proj [E, 2I, H] and down_proj [E, H, I]: the gradients of the mode's FP8 route
+    are bitwise those of moe_mlp_fp8 on the converted weights, in transformers' layout. The first call runs under
+    inference_mode (a rollout) and fills the cache that the training call then uses."""
+    experts = tiny_model(device, seed=6).model.layers[0].mlp.experts
+    x, ids, weights = routing_inputs(device, t=12, seed=7)
+    dout = (torch.randn(12, 128, generator=torch.Generator().manual_seed(8)) * 0.5).to(device=device,
+                                                                                       dtype=torch.bfloat16)
+    with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+        with torch.inference_mode():
+            rollout = experts(x, ids, weights)
+        xg, sg = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        out = experts(xg, ids, sg)
+        out.backward(dout)
+    assert mode_moe.FP8_WEIGHT_CACHE.hits == 2 and mode_moe.FP8_WEIGHT_CACHE.misses == 2
+    assert_bits(out, rollout, "training forward vs inference forward")
+    xd, sd = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+    want, w1, w2 = direct_fp8(experts, xd, ids, sd)
+    want.backward(dout)
+    assert_bits(out.detach(), want.detach(), "out")
+    assert_bits(xg.grad, xd.grad, "dx")
+    assert_bits(sg.grad, sd.grad, "d routing weights")
+    for param, grad, name in ((experts.gate_up_proj, deinterleave_gate_up(w1.grad.transpose(1, 2), dim=1), "gate_up"),
+                              (experts.down_proj, w2.grad.transpose(1, 2), "down")):
+        assert param.grad.shape == param.shape and param.grad.stride() == param.stride(), name
+        assert_bits(param.grad, grad, f"d {name}_proj")
+    assert routed() == {FP8_ROUTE: 2}
+
+
+def test_a_models_log_probs_keep_their_bits_alone_and_in_a_batch_with_fp8_experts(device):
+    model = tiny_model(device, seed=9)
+    seqs = torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(10)).to(device)
+
+    def logprobs(ids):
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    with torch.inference_mode(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+        alone = logprobs(seqs[1:2])
+        batch = logprobs(seqs)
+    assert_bits(batch[1:2], alone, "log-probs alone vs in a batch of 3")
+    assert routed()[FP8_ROUTE] == 2 and BF16_ROUTE not in routed()
+
+
+# ---------------------------------------------------------------------------------------------
+# The weight cache
+# ---------------------------------------------------------------------------------------------
+def test_a_weight_update_invalidates_the_fp8_weights_and_changes_the_output(device):
+    """Repeat: hits, same bits. optimizer.step (in place on both parameters): both miss, the slots are replaced, the
+    output changes and equals a fresh quantization of the new weights. An in-place update of down_proj alone: only
+    its slot misses."""
+    experts = tiny_model(device, seed=11).model.layers[0].mlp.experts
+    x, ids, weights = routing_inputs(device, seed=12)
+    cache = mode_moe.FP8_WEIGHT_CACHE
+
+    def run():
+        with torch.no_grad(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+            return experts(x, ids, weights)
+
+    first, again = run(), run()
+    assert (cache.misses, cache.hits, len(cache)) == (2, 2, 2)
+    assert_bits(again, first, "repeat")
+    gen = torch.Generator().manual_seed(13)
+    for p in (experts.gate_up_proj, experts.down_proj):
+        p.grad = (torch.randn(p.shape, generator=gen) * 0.02).to(device=device, dtype=p.dtype)
+    torch.optim.SGD([experts.gate_up_proj, experts.down_proj], lr=1.0).step()
+    stepped = run()
+    assert (cache.misses, cache.hits, len(cache)) == (4, 2, 2)
+    assert not compare_bits(stepped, first).equal, "the output did not change after the optimizer step"
+    with torch.no_grad():
+        assert_bits(stepped, direct_fp8(experts, x, ids, weights)[0], "after the step vs a fresh quantization")
+        experts.down_proj.mul_(2)
+    doubled = run()
+    assert (cache.misses, cache.hits, len(cache)) == (5, 3, 2)
+    with torch.no_grad():
+        assert_bits(doubled, direct_fp8(experts, x, ids, weights)[0], "after down_proj *= 2")
+
+
+def test_inference_tensor_weights_are_quantized_on_every_call(device):
+    """Parameters made under inference_mode have no version counter: nothing is cached for them."""
+    with torch.inference_mode():
+        experts = tiny_model(device, seed=14).model.layers[0].mlp.experts
+        x, ids, weights = routing_inputs(device, seed=15)
+        with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+            got = [experts(x, ids, weights) for _ in range(2)]
+        want = direct_fp8(experts, x, ids, weights)[0]
+    assert len(mode_moe.FP8_WEIGHT_CACHE) == 0 and mode_moe.FP8_WEIGHT_CACHE.misses == 4
+    for out in got:
+        assert_bits(out, want, "inference-tensor weights")
+
+
+def test_the_cache_refuses_a_bad_capacity():
+    with pytest.raises(ValueError, match="capacity must be a positive int; got 0"):
+        mode_moe.ExpertsFp8WeightCache(capacity=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the FP8 layer does not cover
+# ---------------------------------------------------------------------------------------------
+def test_a_block_the_fp8_layer_does_not_cover_runs_transformers_experts_counted_or_raises(device):
+    """H = 64, I = 32: not multiples of 128. Not strict: transformers' own experts (not detkit's BF16 layer),
+    counted with the reason; strict: ModeNotRoutedError before any work."""
+    experts = tiny_model(device, seed=16, hidden_size=64, moe_intermediate_size=32,
+                         num_experts=4).model.layers[0].mlp.experts
+    x, ids, weights = routing_inputs(device, seed=17, hidden=64, sentinel=False)
+    reason = "FP8 experts need H and I multiples of 128; got H = 64, I = 32 (moe_experts='fp8')"
+    with torch.no_grad():
+        want = experts(x, ids, weights)  # transformers' own implementation
+        with detkit.batch_invariant_mode(moe_experts="fp8"):
+            got = experts(x, ids, weights)
+        assert_bits(got, want, "not routed: transformers' own experts")
+        assert detkit.mode_counters().as_dict() == {"routed": {}, "not_routed": {f"{EXPERTS}: {reason}": 1}}
+        with pytest.raises(detkit.ModeNotRoutedError, match="multiples of 128"), \
+                detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+            experts(x, ids, weights)
+    assert mode_moe.FP8_WEIGHT_CACHE.misses == 0  # nothing was quantized
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_a_captured_fp8_block_reads_the_weights_of_each_replay(device):
+    """While a CUDA graph is captured the mode quantizes the weights inside the graph (no cache): a replay after an
+    in-place weight update gives the new weights' output."""
+    experts = tiny_model(device, seed=18, hidden_size=256, moe_intermediate_size=256,
+                         num_experts=8).model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(19)
+    x = torch.randn(64, 256, generator=gen).to(device=device, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(64)]).to(device)
+    weights = torch.rand(64, 2, generator=gen).to(device=device, dtype=torch.bfloat16)
+    with torch.inference_mode(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            experts(x, ids, weights)  # warm-up: compiles, allocates the error flags
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = experts(x, ids, weights)
+        graph.replay()
+        before = captured.clone()
+        experts.down_proj.mul_(2)
+        experts.gate_up_proj.mul_(0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = experts(x, ids, weights)
+    assert not compare_bits(captured, before).equal
+    assert_bits(captured, eager, "replay after the update vs eager")
+
+
+@pytest.mark.gpu
+def test_fp8_block_at_qwen3_30b_a3b_widths(device):
+    """One Qwen3-30B-A3B-width block with FP8 experts: a token's output alone vs in 2048 tokens bitwise, the
+    backward bitwise across two runs, and output and gradients within the FP8 precision gate of BF16 experts."""
+    config = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                            norm_topk_prob=True)
+    torch.manual_seed(20)
+    with torch.device(device):
+        block = hf_moe.Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(1, 2048, 2048, device=device).to(torch.bfloat16)
+    dout = torch.randn_like(x)
+    from detkit.audits.model import moe_block_grads
+
+    with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+        with torch.no_grad():
+            full = block(x)
+            for t in (0, 777, 2047):
+                assert_bits(block(x[:, t:t + 1]), full[:, t:t + 1], f"token {t}")
+    runs = [moe_block_grads(block, x, dout, "fp8") for _ in range(2)]
+    for name in runs[0][0]:
+        assert_bits(runs[1][0][name], runs[0][0][name], name)
+    bf16 = moe_block_grads(block, x, dout, "bf16")
+    assert torch.equal(bf16[1], runs[0][1])
+    for name, got in runs[0][0].items():
+        want = bf16[0][name]
+        assert cosine(got, want) >= GATE_MIN_COSINE and rel_l2(got, want) < GATE_MAX_REL_RMSE, name
+    assert routed()[FP8_ROUTE] > 0
