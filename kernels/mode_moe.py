@@ -38,7 +38,7 @@ happen as before:
 Under torch.compile both routes run as graph breaks (eagerly, with the same kernels and counting).
 transformers' load-balancing loss is computed outside the block from the recorded router logits, as
 transformers does. Other transformers MoE classes are not routed here (their GEMMs reach the mode's aten
-overrides when they run on mm/bmm; ``torch._grouped_mm`` does not).
+overrides when they run on mm/bmm; ``torch._grouped_mm`` is counted as not routed, ``mode_aten``).
 """
 
 from __future__ import annotations
