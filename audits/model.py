@@ -54,7 +54,7 @@ DESCRIPTION = ("transformers model log-probs, default vs detkit mode: batch inva
 CONFIG_ENV = "DETKIT_MODEL_CONFIG"
 EXPERTS_ENV = "DETKIT_MODEL_MOE_EXPERTS"  # the mode's moe_experts for the audit: bf16 (default) or fp8
 MODES = ("default", "detkit")
-GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
+GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
 MOE_OPS = ("moe experts (transformers)", "moe router (transformers)")
 ATTENTION_OPS = ("sdpa", "attention (transformers)")
 
