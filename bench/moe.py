@@ -104,9 +104,11 @@ OPTIONS = (
                                                "shape (the default presets are then skipped unless --preset)."),
     click.option("--sweep-width", "sweep_widths", multiple=True,
                  help="HxI widths of the sweep, e.g. 2048x768; repeat (default 3072x1536 and 2048x768)."),
-    click.option("--sweep-e", "sweep_experts", multiple=True, type=int, help=f"E values; repeat (default {SWEEP_EXPERTS})."),
+    click.option("--sweep-e", "sweep_experts", multiple=True, type=int,
+                 help=f"E values; repeat (default {SWEEP_EXPERTS})."),
     click.option("--sweep-k", "sweep_topk", multiple=True, type=int, help=f"K values; repeat (default {SWEEP_TOPK})."),
-    click.option("--sweep-t", "sweep_tokens", multiple=True, type=int, help=f"T values; repeat (default {SWEEP_TOKENS})."),
+    click.option("--sweep-t", "sweep_tokens", multiple=True, type=int,
+                 help=f"T values; repeat (default {SWEEP_TOKENS})."),
 )
 
 
@@ -276,12 +278,6 @@ def skip_reason(p: MoePreset, impl: str) -> str | None:
     return None
 
 
-def _mode():
-    from detkit.kernels.mode import batch_invariant_mode
-
-    return batch_invariant_mode()
-
-
 def implementations(p: MoePreset, inp: dict, impls: list[str], ctx, plan: Plan, baseline: tuple[bool, str] | None):
     """impl -> {"fwd": fn, "fwd_bwd": fn} on ``inp``, and the state the validation needs (the blocks, the
     baseline's choice)."""
@@ -385,8 +381,7 @@ def validate(p: MoePreset, sweep: bool, inp: dict, fns: dict, state: dict) -> di
         checks["grouped_mm"] = _bf16_check([base], oracle)
     if "block" in state:
         checks["hf"] = moe_hf.check_block(state["block"], inp["x"], inp["dout"])
-        with _mode():
-            checks["hf_detkit"] = moe_hf.check_block(state["block"], inp["x"], inp["dout"])
+        checks["hf_detkit"] = moe_hf.check_block_in_mode(state["block"], inp["x"], inp["dout"])
     return checks
 
 
@@ -420,7 +415,8 @@ def bench_group(p: MoePreset, sweep: bool, group: list[BenchCase], ctx, plan: Pl
     with nvtx_range(f"validate {shape_label(p)}"):
         checks = validate(p, sweep, inp, fns, state)
     common = {"preset": p.name, "sweep": sweep, "T": p.t, "H": p.h, "I": p.i, "E": p.e, "K": p.k,
-              "backend": ctx.backend, "hardware_result": not interpreted, "config_table_version": MOE_CONFIG_TABLE_VERSION,
+              "backend": ctx.backend, "hardware_result": not interpreted,
+              "config_table_version": MOE_CONFIG_TABLE_VERSION,
               **routing_fields(inp["topk_ids"], p.e)}
     if interpreted:
         common["note"] = INTERPRETER_LABEL
@@ -431,6 +427,8 @@ def bench_group(p: MoePreset, sweep: bool, group: list[BenchCase], ctx, plan: Pl
 
     def impl_fields(impl: str) -> dict:
         fields = {"impl": impl, "scope": "block (router + experts)" if impl in HF_IMPLS else "layer (given routes)"}
+        if impl in HF_IMPLS:
+            fields["mode"] = "detkit.batch_invariant_mode()" if impl == "hf_detkit" else "default"
         if impl == "grouped_mm":
             fields["baseline"] = state["baseline"]
         if impl in HF_IMPLS and "block" in state:
@@ -442,7 +440,7 @@ def bench_group(p: MoePreset, sweep: bool, group: list[BenchCase], ctx, plan: Pl
     for (measure, timing), members in groupby(layer_cases, key=lambda c: (c.measure, c.timing)):
         members = list(members)
         timed = [c for c in members if c.impl in runnable and checks[c.impl]["validated"]]
-        contexts = {c.name: _mode for c in timed if c.impl == "hf_detkit"}
+        contexts = {c.name: moe_hf.mode for c in timed if c.impl == "hf_detkit"}
         errors: dict[str, str] = {}
         with nvtx_range(f"{shape_label(p)} {measure} {timing}"):
             if timing == "eager":
@@ -454,8 +452,8 @@ def bench_group(p: MoePreset, sweep: bool, group: list[BenchCase], ctx, plan: Pl
                 from detkit.toolkit.timing import time_graphs
 
                 timings = time_graphs({c.name: fns[c.impl][measure] for c in timed}, device, calls_per_fn=1,
-                                      rounds=ctx.rounds, replays=GRAPH_REPLAYS, range_names={c.name: c.name for c in timed},
-                                      contexts=contexts, errors=errors)
+                                      rounds=ctx.rounds, replays=GRAPH_REPLAYS,
+                                      range_names={c.name: c.name for c in timed}, contexts=contexts, errors=errors)
         rows = {}
         for c in members:
             row = {**common, "name": c.name, "measure": measure, "timing": timing, "flops": p.flops(measure),
@@ -524,7 +522,8 @@ def bf16_stage_fns(p: MoePreset, inp: dict, backend: str) -> dict[str, tuple[Cal
     return {s: (fns[s], STAGES[s]) for s in STAGES}
 
 
-def stage_rows(p: MoePreset, stage_cases: list[BenchCase], inp: dict, ctx, checks: dict, common: dict) -> Iterator[dict]:
+def stage_rows(p: MoePreset, stage_cases: list[BenchCase], inp: dict, ctx, checks: dict,
+               common: dict) -> Iterator[dict]:
     """Each BF16 / FP8 stage alone (eager), on the implementation's validated inputs."""
     for impl, members in groupby(stage_cases, key=lambda c: c.impl):
         members = list(members)
@@ -570,7 +569,8 @@ def sweep_summary(rows: list[dict]) -> list[dict]:
         fit = moe_fp8.crossover(points, "fp8_median_us")
         below = [pt for pt in points if pt["T"] < SWEEP_TARGET_MIN_T and "speedup_fp8" in pt]
         out.append({"H": h, "I": i, "E": e, "K": k, "timing": timing,
-                    "crossover_T_fit": fit.get("crossover_T_fit"), "crossover_T_measured": fit.get("crossover_T_measured"),
+                    "crossover_T_fit": fit.get("crossover_T_fit"),
+                    "crossover_T_measured": fit.get("crossover_T_measured"),
                     "fp8_slower_at_T": [pt["T"] for pt in points if pt.get("speedup_fp8", 2.0) < 1.0],
                     "fp8_slower_below_8192": any(pt["speedup_fp8"] < 1.0 for pt in below),
                     "points": points, "fit": {k2: v for k2, v in fit.items() if k2 != "points"}})
@@ -591,9 +591,10 @@ def verdicts(rows: list[dict]) -> list[dict]:
         r = picked[0]
         entry["row"] = r["name"]
         if not r.get("passed") or not r.get("validated"):
-            entry["verdict"] = "FAIL (row failed: " + str(r.get("failure") or r.get("skipped"))[:160] + ")"
+            entry["verdict"] = f"FAIL (row failed: {str(r.get('failure') or r.get('skipped'))[:160]})"
         elif target.field not in r:
-            entry["verdict"] = "NOT MEASURED (" + str(r.get("graph_error") or r.get("skipped") or "no value")[:160] + ")"
+            why = r.get("graph_error") or r.get("skipped") or "no value"
+            entry["verdict"] = f"NOT MEASURED ({str(why)[:160]})"
         else:
             entry["value"] = r[target.field]
             entry["verdict"] = "PASS" if r[target.field] >= target.minimum else "FAIL"
@@ -694,8 +695,9 @@ def summarize(rows: list[dict], meta: dict) -> str:
     stages = [r for r in rows if r["measure"].startswith("stage ")]
     if stages:
         lines += ["## Stages alone (eager)", "",
-                  markdown_table(stages, ("name", "median_us", "p20_us", "p80_us", "tflops", "mfu_bf16_peak",
-                                          "mfu_fp8_peak", "note")), ""]
+                  markdown_table([{**r, "note": _note(r)} for r in stages],
+                                 ("name", "median_us", "p20_us", "p80_us", "tflops", "mfu_bf16_peak", "mfu_fp8_peak",
+                                  "sm_clock_mhz", "note")), ""]
     gates = [r for r in layer if r.get("impl") == "fp8" and r.get("measure") == "fwd_bwd" and r.get("timing") == "eager"
              and "validation" in r]
     if gates:

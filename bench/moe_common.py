@@ -1,5 +1,6 @@
 """What the MoE benchmarks share (``moe`` with its FP8 half ``moe_fp8`` and its transformers block ``moe_hf``,
-``moe-sweep``): seeded inputs, the PyTorch baseline, and the timing-row helpers. Their shape presets are toolkit.presets' MOE_PRESETS.
+``moe-sweep``): seeded inputs, the PyTorch baseline, and the timing-row helpers. Their shape presets are
+toolkit.presets' MOE_PRESETS.
 
 Baseline: ``torch._grouped_mm`` over the expert-sorted, materialised input when it runs forward and
 backward on the device (probed on a small case first), otherwise a per-expert matmul loop; the row

@@ -120,3 +120,29 @@ def check_block(block, x: torch.Tensor, dout: torch.Tensor) -> dict:
     want = block_reference(block, x, dout, ids)
     rel = {f"rel_l2_fp64_{n}": rel_l2_fp32(got[n], want[n]) for n in TENSORS}
     return {"validated": all(v <= VALIDATE_REL_L2 for v in rel.values()), "limit": VALIDATE_REL_L2, **rel}
+
+
+def mode():
+    """``detkit.batch_invariant_mode()`` (imported when entered: it selects the kernels' backend)."""
+    from detkit.kernels.mode import batch_invariant_mode
+
+    return batch_invariant_mode()
+
+
+def check_block_in_mode(block, x: torch.Tensor, dout: torch.Tensor) -> dict:
+    """``check_block`` inside the mode, which must route the block's router and experts (its counters say so): a
+    block the mode leaves on transformers' code is not the ``hf_detkit`` implementation."""
+    from detkit.kernels.mode import mode_counters
+    from detkit.kernels.mode_moe import EXPERTS_KERNEL, EXPERTS_OP, ROUTER_KERNEL, ROUTER_OP
+
+    before = mode_counters()
+    with mode():
+        check = check_block(block, x, dout)
+    seen = mode_counters() - before
+    check.update(mode_counters=seen.as_dict())
+    missing = [f"{op} -> {kernel}" for op, kernel in ((EXPERTS_OP, EXPERTS_KERNEL), (ROUTER_OP, ROUTER_KERNEL))
+               if not seen.routed.get((op, kernel))]
+    if missing:
+        check.update(validated=False, failure=f"validation failed, not timed: the mode did not route {missing}; "
+                                              f"not routed: {seen.as_dict()['not_routed']}")
+    return check

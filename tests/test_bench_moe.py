@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from detkit.bench import moe, moe_fp8
 from detkit.bench.moe_common import VALIDATE_REL_L2, torch_moe_fwd
@@ -32,7 +31,8 @@ LAYER = [(m, tm, impl) for m in moe.MEASURES for tm in moe.TIMINGS for impl in m
 def test_cases_per_preset_measure_timing_and_implementation():
     p = PRESETS["tiny-all"]
     got = moe.cases(_ctx())
-    stages = [f"{p.label} stage {s}" for s in moe.STAGES] + [f"{moe_fp8.fp8_label(p)} stage {s}" for s in moe_fp8.STAGES]
+    stages = ([f"{p.label} stage {s}" for s in moe.STAGES]
+              + [f"{moe_fp8.fp8_label(p)} stage {s}" for s in moe_fp8.STAGES])
     assert [c.name for c in got] == [moe.case_name(p, *key) for key in LAYER] + stages
     assert [(c.measure, c.timing, c.impl) for c in got[:len(LAYER)]] == LAYER
     assert {c.group for c in got} == {"tiny-all"}
@@ -79,7 +79,8 @@ def test_crossover_model():
     got = moe_fp8.crossover(pts)
     assert got["crossover_T_fit"] == pytest.approx(20.0) and got["crossover_T_measured"] == 32
     never = [{**p, "fp8_median_us": 30.0 + 3 * p["T"]} for p in pts]
-    assert moe_fp8.crossover(never)["crossover_T_fit"] is None and moe_fp8.crossover(never)["crossover_T_measured"] is None
+    assert moe_fp8.crossover(never)["crossover_T_fit"] is None
+    assert moe_fp8.crossover(never)["crossover_T_measured"] is None
     assert "error" in moe_fp8.crossover(pts[:1])
 
 
@@ -168,6 +169,8 @@ def test_every_implementation_eager_and_graph_with_same_run_ratios(cpu_run):
         v = by[("fwd", "eager", impl)]
         assert v["hf_experts_implementation"] == "grouped_mm" and v["scope"].startswith("block")
         assert max(x for k, x in v["validation"].items() if k.startswith("rel_l2_fp64_")) <= VALIDATE_REL_L2
+    routed = by[("fwd", "eager", "hf_detkit")]["validation"]["mode_counters"]["routed"]
+    assert routed["moe experts (transformers) -> detkit.moe_mlp"] >= 1  # the mode's block is on detkit's layer
     md = (out / "report.md").read_text()
     assert "**PASS**" in md and "## Side by side" in md and "capture failed (cpu stand-in)" in md
 
@@ -214,7 +217,8 @@ def test_a_perturbed_implementation_fails_its_own_rows(monkeypatch):
     ctx = bench_context(moe, "cpu", ["tiny"], 1234, None, 1)
     options = {"impls": ("fp8", "grouped_mm"), "measures": ("fwd",), "no_stages": True}
     rows = list(moe.run(ctx, moe.cases(ctx, **options), **options))
-    assert [(r["timing"], r["impl"]) for r in rows] == [(tm, i) for tm in moe.TIMINGS for i in ("bf16", "fp8", "grouped_mm")]
+    impls = ("bf16", "fp8", "grouped_mm")
+    assert [(r["timing"], r["impl"]) for r in rows] == [(tm, i) for tm in moe.TIMINGS for i in impls]
     for r in rows:
         if r["impl"] == "grouped_mm":
             assert r["passed"] is r["validated"] is False and "median_us" not in r
