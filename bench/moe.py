@@ -23,8 +23,8 @@ Per preset: validate every implementation, then time it; an implementation that 
 each of its rows fails (the others still run). Validation: the BF16 layer twice, bitwise equal, and within relative L2
 VALIDATE_REL_L2 of the FP64 oracle (kernels.moe.moe_mlp_ref) for out, dX, dW1, dW2, dscores; the FP8 layers twice,
 bitwise equal, and the precision gate (bench/moe_fp8.py); fp8_warm with fp8's bits; the baseline within
-VALIDATE_REL_L2 of the oracle; the blocks within VALIDATE_REL_L2 of an FP64 block with their own routes
-(bench/moe_hf.py). Timing (toolkit.timing), interleaved across implementations:
+VALIDATE_REL_L2 of the oracle; the blocks within VALIDATE_REL_L2 of an FP64 block with their own routes, and
+hf_detkit's router and experts routed by the mode (its counters; bench/moe_hf.py). Timing (toolkit.timing), interleaved across implementations:
     eager   calls back to back between CUDA events, L2 flushed before each (what an eager user sees, host path
             included when it is longer than the GPU's work), median with p20/p80
     graph   the call captured in a CUDA graph and replayed GRAPH_REPLAYS times per round (GPU time, no host path;
@@ -60,8 +60,8 @@ import torch
 from detkit.bench import moe_fp8, moe_hf
 from detkit.bench.moe_common import (
     DATASHEET_BF16_TFLOPS, DATASHEET_FP8_TFLOPS, INTERPRETER_LABEL, VALIDATE_REL_L2, BenchCase, layer_tensors,
-    make_inputs, pick_baseline, rel_l2_fp32, run_baseline, stage_row_name, time_stages, timing_fields, torch_moe_fwd,
-    with_range,
+    make_inputs, offsets_reason, pick_baseline, rel_l2_fp32, run_baseline, stage_row_name, time_stages, timing_fields,
+    torch_moe_fwd, with_range,
 )
 from detkit.toolkit.presets import MOE_GPU_PRESETS, MOE_PRESETS, MoePreset
 from detkit.toolkit.reports import markdown_table
@@ -207,7 +207,7 @@ def make_plan(ctx, impls=(), measures=(), no_stages=False, hf_experts=moe_hf.DEF
     given = [f for f, v in (("--sweep-width", sweep_widths), ("--sweep-e", sweep_experts), ("--sweep-k", sweep_topk),
                             ("--sweep-t", sweep_tokens)) if v]
     if given and not sweep:
-        raise ValueError(f"{', '.join(given)} select sweep points; add --sweep")
+        raise ValueError(f"{', '.join(given)}: sweep point selection, only with --sweep")
     points: list[MoePreset] = []
     if sweep:
         cpu = CPU_SWEEP if ctx.interpreted else None
@@ -232,6 +232,9 @@ def make_plan(ctx, impls=(), measures=(), no_stages=False, hf_experts=moe_hf.DEF
                     points += [sweep_point(h, i, e, k, t) for t in sorted(tokens)]
         if not points:
             raise ValueError(f"no sweep point has K <= E (E {list(experts)}, K {list(topk)})")
+        bad = [r for r in map(offsets_reason, points) if r]
+        if bad:
+            raise ValueError(f"sweep point {bad[0]}")
     presets = tuple(ctx.presets) or (() if sweep else (CPU_PRESETS if ctx.interpreted else MOE_GPU_PRESETS))
     return Plan(chosen, measures, presets, tuple(points), not no_stages, hf_experts)
 

@@ -178,6 +178,19 @@ def time_stages(p: MoePreset, label: str, stage_fns: dict[str, tuple[Callable[[]
     return out
 
 
+def offsets_reason(p: MoePreset) -> str | None:
+    """None when the kernels' 32-bit offsets cover ``p``; else why not (one line). Padded rows are at most T*K plus
+    127 per expert, each max(H, 2I) wide."""
+    from detkit.kernels.backend import MAX_INT32_OFFSET
+    from detkit.kernels.moe_routing import SEGMENT_ALIGN
+
+    worst = (p.t * p.k + p.e * (SEGMENT_ALIGN - 1)) * max(p.h, 2 * p.i)
+    if worst > MAX_INT32_OFFSET:
+        return (f"T={p.t} at H={p.h}, I={p.i}, E={p.e}, K={p.k} may need {worst} intermediate elements, beyond the "
+                f"kernels' 32-bit offsets ({MAX_INT32_OFFSET}); use a smaller T")
+    return None
+
+
 def rel_l2_fp32(a: torch.Tensor, b: torch.Tensor) -> float:
     """toolkit.contract.rel_l2 with FP32 norms: the benchmark's tensors at the model presets are too large to copy
     to FP64 beside the layer on the GPU."""

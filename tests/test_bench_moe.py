@@ -58,11 +58,12 @@ def test_sweep_points_and_refusals():
     assert {c.measure for c in sweep} == {"fwd_bwd"} and reduced[0].preset == "reference"
     point = moe.sweep_point(2048, 768, 128, 8, 16384)
     assert moe.preset_of(point.name) == (point, True) and moe.preset_of("reference") == (PRESETS["reference"], False)
-    refusals = [({"sweep_tokens": (8192,)}, "add --sweep"),
+    refusals = [({"sweep_tokens": (8192,)}, "only with --sweep"),
                 ({"sweep": True, "sweep_widths": ("2048",)}, "write HxI"),
                 ({"sweep": True, "sweep_widths": ("2048x700",)}, "multiples of 128"),
                 ({"sweep": True, "sweep_experts": (2,), "sweep_topk": (4,)}, "no sweep point has K <= E"),
                 ({"sweep": True, "sweep_tokens": (8192, 8192)}, "repeat"),
+                ({"sweep": True, "sweep_tokens": (2**20,)}, "32-bit offsets"),
                 ({"impls": ("fp8", "fp8")}, "repeat")]
     for options, message in refusals:
         with pytest.raises(ValueError, match=message):
