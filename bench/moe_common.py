@@ -1,5 +1,6 @@
-"""What the MoE benchmarks share (``moe``, its FP8 half ``moe_fp8``, ``moe-sweep``): seeded inputs, the PyTorch
-baseline, and the timing-row helpers. Their shape presets are toolkit.presets' MOE_PRESETS.
+"""What the MoE benchmarks share (``moe`` with its FP8 half ``moe_fp8`` and its transformers block ``moe_hf``,
+``moe-sweep``): seeded inputs, the PyTorch baseline, and the timing-row helpers. Their shape presets are
+toolkit.presets' MOE_PRESETS.
 
 Baseline: ``torch._grouped_mm`` over the expert-sorted, materialised input when it runs forward and
 backward on the device (probed on a small case first), otherwise a per-expert matmul loop; the row
@@ -9,7 +10,8 @@ Formulas (T tokens, K routes each, hidden H, expert intermediate I):
     FLOPs forward          6 * T * K * H * I      (up 4*T*K*H*I, down 2*T*K*H*I)
     FLOPs backward alone   12 * T * K * H * I     (each GEMM once more for dgrad and wgrad)
     FLOPs forward+backward 18 * T * K * H * I
-    TFLOP/s = FLOPs / median time;  MFU = TFLOP/s / 989 (H100/H200 datasheet dense BF16)
+    TFLOP/s = FLOPs / median time;  MFU = TFLOP/s / 989 (H100/H200 datasheet dense BF16), and for the FP8 layer
+    also TFLOP/s / 1979 (dense FP8)
 Padding rows (each expert's segment rounded up to 128) and masked routes are not counted.
 On the CPU every number is wall time of the Triton interpreter: rows say so and carry no MFU.
 Nothing here imports a kernel module at import time (``--device cpu`` selects the interpreter first).
@@ -119,12 +121,15 @@ def layer_tensors(out: torch.Tensor, grads) -> dict[str, torch.Tensor]:
     return {"out": out, "dx": grads.dx, "dw1": grads.dw1, "dw2": grads.dw2, "dscores": grads.dscores}
 
 
-def timing_fields(key: str, t, flops: float = 0.0, hardware: bool = False) -> dict[str, float]:
-    """A timing's statistics as ``key``_median_us, ...; with ``hardware`` and FLOPs, also
-    ``key``_tflops = FLOPs / median time."""
-    fields = {f"{key}_{f}": v for f, v in vars(t).items()}
+def timing_fields(t, flops: float = 0.0, hardware: bool = False, fp8: bool = False) -> dict[str, float]:
+    """A timing's statistics (median_us, p20_us, p80_us, samples, sm_clock_mhz); on hardware with FLOPs also
+    tflops = FLOPs / median time and mfu_bf16_peak = tflops / 989, and with ``fp8`` mfu_fp8_peak = tflops / 1979."""
+    fields = dict(vars(t))
     if hardware and flops:
-        fields[f"{key}_tflops"] = flops / (t.median_us * 1e-6) / 1e12
+        tflops = flops / (t.median_us * 1e-6) / 1e12
+        fields.update(tflops=tflops, mfu_bf16_peak=tflops / DATASHEET_BF16_TFLOPS)
+        if fp8:
+            fields["mfu_fp8_peak"] = tflops / DATASHEET_FP8_TFLOPS
     return fields
 
 
@@ -146,10 +151,11 @@ class BenchCase:
     name: str
     group: str
     preset: str
-    measure: str  # "fwd", "bwd", "fwd_bwd", "stage <s>", "crossover fwd_bwd"
+    measure: str  # "fwd", "bwd", "fwd_bwd", "stage <s>"
     t: int
     routing: str = "uniform"
     impl: str = "detkit"
+    timing: str = "eager"  # "eager" (CUDA events around each call) or "graph" (CUDA-graph replays)
 
 
 def stage_row_name(label: str, stage: str) -> str:
@@ -157,19 +163,32 @@ def stage_row_name(label: str, stage: str) -> str:
 
 
 def time_stages(p: MoePreset, label: str, stage_fns: dict[str, tuple[Callable[[], object], float]],
-                device: torch.device, rounds: int, key: str) -> dict[str, tuple[dict, float]]:
-    """Each stage alone, interleaved, with half the rounds (at least one): stage -> (timing fields under
-    ``key``, FLOPs), the stage's FLOPs being its factor (stage_fns: name -> (fn, FLOPs per T*K*H*I)) times
-    T*K*H*I. Each timed call runs in the NVTX range of the stage's row name."""
+                device: torch.device, rounds: int, fp8: bool = False) -> dict[str, tuple[dict, float]]:
+    """Each stage alone, interleaved, with half the rounds (at least one): stage -> (timing_fields, FLOPs), the
+    stage's FLOPs being its factor (stage_fns: name -> (fn, FLOPs per T*K*H*I)) times T*K*H*I. Each timed call runs
+    in the NVTX range of the stage's row name."""
     from detkit.toolkit.timing import time_interleaved
 
     named = {s: with_range(stage_row_name(label, s), fn) for s, (fn, _) in stage_fns.items()}
-    timings = time_interleaved(named, device, rounds=max(1, rounds // 2))
+    timings = time_interleaved(named, device, rounds=max(1, rounds // 2), cpu_warmup=device.type == "cuda")
     out = {}
     for s, t in timings.items():
         flops = stage_fns[s][1] * p.t * p.k * p.h * p.i
-        out[s] = (timing_fields(key, t, flops, device.type != "cpu"), flops)
+        out[s] = (timing_fields(t, flops, device.type != "cpu", fp8), flops)
     return out
+
+
+def offsets_reason(p: MoePreset) -> str | None:
+    """None when the kernels' 32-bit offsets cover ``p``; else why not (one line). Padded rows are at most T*K plus
+    127 per expert, each max(H, 2I) wide."""
+    from detkit.kernels.backend import MAX_INT32_OFFSET
+    from detkit.kernels.moe_routing import SEGMENT_ALIGN
+
+    worst = (p.t * p.k + p.e * (SEGMENT_ALIGN - 1)) * max(p.h, 2 * p.i)
+    if worst > MAX_INT32_OFFSET:
+        return (f"T={p.t} at H={p.h}, I={p.i}, E={p.e}, K={p.k} may need {worst} intermediate elements, beyond the "
+                f"kernels' 32-bit offsets ({MAX_INT32_OFFSET}); use a smaller T")
+    return None
 
 
 def rel_l2_fp32(a: torch.Tensor, b: torch.Tensor) -> float:

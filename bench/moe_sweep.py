@@ -60,8 +60,8 @@ import numpy as np
 import torch
 
 from detkit.bench.moe_common import (
-    DATASHEET_BF16_TFLOPS, INTERPRETER_LABEL, VALIDATE_REL_L2, BenchCase, make_inputs, pick_baseline, rel_l2_fp32,
-    run_baseline, torch_moe_fwd, with_range,
+    DATASHEET_BF16_TFLOPS, INTERPRETER_LABEL, VALIDATE_REL_L2, BenchCase, make_inputs, offsets_reason, pick_baseline,
+    rel_l2_fp32, run_baseline, torch_moe_fwd, with_range,
 )
 from detkit.toolkit.presets import MOE_GPU_PRESETS as GPU_PRESETS
 from detkit.toolkit.presets import MOE_PRESETS, MoePreset
@@ -171,9 +171,6 @@ def routing_stats(topk_ids: torch.Tensor, num_experts: int) -> dict:
 def check_selection(presets: Sequence[str], tokens: Sequence[int], routings: Sequence[str],
                     zipf_exponent: float = ZIPF_EXPONENT) -> None:
     """Refuse a bad selection with the value and what is supported; nothing has run yet."""
-    from detkit.kernels.backend import MAX_INT32_OFFSET
-    from detkit.kernels.moe_routing import SEGMENT_ALIGN
-
     if not (isinstance(zipf_exponent, (int, float)) and math.isfinite(zipf_exponent) and zipf_exponent > 0):
         raise ValueError(f"zipf exponent {zipf_exponent!r} not supported; it must be a finite number > 0 "
                          "(uniform routing is the 'uniform' kind)")
@@ -196,13 +193,10 @@ def check_selection(presets: Sequence[str], tokens: Sequence[int], routings: Seq
     if bad_routing:
         raise ValueError(f"routing(s) {bad_routing} not known; supported: {ROUTINGS}")
     for name in presets:
-        p = MOE_PRESETS[name]
         for t in tokens:
-            # Padded rows are at most T*K plus 127 per expert; the kernels index them in int32.
-            worst = (t * p.k + p.e * (SEGMENT_ALIGN - 1)) * max(p.h, 2 * p.i)
-            if worst > MAX_INT32_OFFSET:
-                raise ValueError(f"T={t} at preset {name!r} may need {worst} intermediate elements, beyond the "
-                                 f"kernels' 32-bit offsets ({MAX_INT32_OFFSET}); use a smaller T")
+            reason = offsets_reason(dataclasses.replace(MOE_PRESETS[name], t=t))
+            if reason:
+                raise ValueError(f"preset {name!r}: {reason}")
 
 
 def profile_case(tokens: Sequence[int], routings: Sequence[str]) -> tuple[int, str]:

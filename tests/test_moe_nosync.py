@@ -10,65 +10,13 @@ import contextlib
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from detkit.audits.moe import MoeCase, make_inputs
 from detkit.kernels.moe import check_moe_errors, error_flags, moe_mlp, moe_mlp_bwd, moe_mlp_fwd, sync_checks
 from detkit.kernels.moe_fp8 import moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd
 from detkit.kernels.moe_routing import max_padded_rows
+from detkit.toolkit.host_reads import host_reads as no_host_reads
 from tests.conftest import assert_bits_equal
-
-aten = torch.ops.aten
-
-# Ops whose result the host must wait for (a value, or an output shape that depends on the data).
-SYNCING_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-               aten.is_nonzero.default, aten.equal.default, aten._unique2.default, aten.unique_consecutive.default,
-               aten.unique_dim.default, aten.bincount.default}
-
-
-class HostReads(TorchDispatchMode):
-    """Records every op that reads device data back to the host: the syncing ops above, copies from a device to the
-    CPU, and (patched while active) Tensor.tolist / numpy and the CUDA synchronize calls, which do not dispatch."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in SYNCING_OPS:
-            self.reads.append(str(func))
-        elif func in (aten._to_copy.default, aten.copy_.default):
-            src = args[1] if func is aten.copy_.default else args[0]
-            dst = args[0].device if func is aten.copy_.default else kwargs.get("device") or src.device
-            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and torch.device(dst).type == "cpu":
-                self.reads.append(f"{func} {src.device} -> cpu")
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def no_host_reads():
-    """Fails the test when the block reads device data on the host (HostReads)."""
-    mode = HostReads()
-    patched = [(torch.Tensor, "tolist"), (torch.Tensor, "numpy"), (torch.cuda, "synchronize"),
-               (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name in patched]
-
-    def recorder(owner, name, original):
-        def call(*args, **kwargs):
-            mode.reads.append(f"{getattr(owner, '__name__', owner)}.{name}")
-            return original(*args, **kwargs)
-        return call
-
-    for owner, name, original in saved:
-        setattr(owner, name, recorder(owner, name, original))
-    try:
-        with mode:
-            yield mode.reads
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
-
 
 H, I, E, K = 32, 48, 8, 2
 H8 = I8 = 128  # the FP8 layer needs multiples of 128

@@ -40,3 +40,27 @@ def test_sm_clock_is_polled_while_a_gpu_timing_runs():
 def test_measured_ceiling_is_a_hopper_dense_bf16_rate():
     # H100/H200 dense BF16: 989 TFLOP/s on the datasheet, 650-800 measured by cuBLAS at 8192^3.
     assert 300.0 < measured_ceiling_tflops(torch.device("cuda")) < 1000.0
+
+
+def test_cpu_graph_stand_in_refuses_a_host_read_and_enters_contexts():
+    # On the CPU there are no CUDA graphs: a call that reads a value back (what a capture refuses) is left out with
+    # the reason, the others are timed (their first call is the checked one), each inside its context.
+    from contextlib import contextmanager
+
+    from detkit.toolkit.timing import time_graphs
+
+    entered = []
+
+    @contextmanager
+    def mode():
+        entered.append(True)
+        yield
+
+    x = torch.arange(6.0)
+    errors: dict[str, str] = {}
+    timings = time_graphs({"reads": lambda: int(x.sum()), "plain": lambda: x * 2}, torch.device("cpu"),
+                          calls_per_fn=1, rounds=3, contexts={"plain": mode}, errors=errors)
+    assert list(timings) == ["plain"] and timings["plain"].samples == 3 and len(entered) == 3
+    assert list(errors) == ["reads"] and "aten._local_scalar_dense" in errors["reads"]
+    plain = time_graphs({"reads": lambda: int(x.sum())}, torch.device("cpu"), calls_per_fn=1, rounds=1)
+    assert plain["reads"].samples == 1  # without ``errors``: timed eagerly, nothing checked

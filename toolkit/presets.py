@@ -1,7 +1,7 @@
 """Shape presets the suites run at. GEMM: ``qwen3-8b-tp2`` is the production preset; ``zoo`` covers every
 linear layer of the models in ``MODELS`` (``zoo_shapes``); ``tiny`` is for the Triton interpreter on the CPU
 and is labelled as such in every report. MoE expert MLP (the MoE benchmarks): ``reference`` and the MoE
-models' layers at T = 8192 tokens; ``tiny`` and ``tiny-fp8`` for the interpreter."""
+models' layers at T = 8192 tokens; ``tiny``, ``tiny-fp8`` and ``tiny-all`` for the interpreter."""
 
 from __future__ import annotations
 
@@ -184,5 +184,7 @@ MOE_PRESETS = {
     # (the FP8 quantization block).
     "reference-16k": MoePreset("reference-16k", 16384, 3072, 1536, 8, 8),
     "tiny-fp8": MoePreset("tiny-fp8", 64, 128, 128, 3, 2),
+    # The interpreter's cheapest shape at which every implementation of `bench moe` runs (FP8 included).
+    "tiny-all": MoePreset("tiny-all", 32, 128, 128, 2, 2),
 }
 MOE_GPU_PRESETS = ("reference", "qwen3-30b-a3b", "qwen3-235b-a22b", "olmoe", "mixtral-8x7b")

@@ -13,7 +13,7 @@ import functools
 import statistics
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -103,64 +103,100 @@ def _cpu_samples_ms(fn: Callable[[], object], reps: int) -> list[float]:
     return out
 
 
+def _entered(contexts: dict[str, Callable[[], AbstractContextManager]] | None, name: str) -> AbstractContextManager:
+    return contexts[name]() if contexts and name in contexts else nullcontext()
+
+
 def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 5,
-                     rep_ms: float = 40.0, cpu_reps: int = 1) -> dict[str, Timing]:
-    """Time every function in ``rounds`` alternating rounds so drift (clocks, heat) hits all alike."""
+                     rep_ms: float = 40.0, cpu_reps: int = 1,
+                     contexts: dict[str, Callable[[], AbstractContextManager]] | None = None,
+                     cpu_warmup: bool = True) -> dict[str, Timing]:
+    """Time every function in ``rounds`` alternating rounds so drift (clocks, heat) hits all alike.
+
+    ``contexts[name]()`` (optional) is entered around the function's warm-up and around each round's samples, not
+    around each call: a state a user enters once (a mode) is not timed. ``cpu_warmup=False`` skips the CPU warm-up
+    call (interpreter wall time is plumbing; its calls are slow)."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     clocks: dict[str, list[float]] = {name: [] for name in fns}
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        for fn in fns.values():  # warm-up: compilation, autotuning of baselines, allocator
-            fn()
+        for name, fn in fns.items():  # warm-up: compilation, autotuning of baselines, allocator
+            with _entered(contexts, name):
+                fn()
         torch.cuda.synchronize(device)
         clock = SmClock(device)
         for _ in range(rounds):
             for name, fn in fns.items():
-                with clock.sampling(clocks[name]):
+                with _entered(contexts, name), clock.sampling(clocks[name]):
                     samples[name] += do_bench(fn, warmup=5, rep=rep_ms, return_mode="all")
     else:
-        for fn in fns.values():
-            fn()
+        if cpu_warmup:
+            for name, fn in fns.items():
+                with _entered(contexts, name):
+                    fn()
         for _ in range(rounds):
             for name, fn in fns.items():
-                samples[name] += _cpu_samples_ms(fn, cpu_reps)
+                with _entered(contexts, name):
+                    samples[name] += _cpu_samples_ms(fn, cpu_reps)
     return {name: Timing.from_samples_ms(s, clocks[name]) for name, s in samples.items()}
 
 
+def capture_refusal(exc: BaseException) -> str:
+    """The one-line reason a CUDA-graph capture failed."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"capture failed: {type(exc).__name__}: {first[:200]}"
+
+
 def time_graphs(fns: dict[str, Callable[[], object]], device: torch.device, calls_per_fn: int,
-                rounds: int = 5, replays: int = 10, range_names: dict[str, str] | None = None) -> dict[str, Timing]:
+                rounds: int = 5, replays: int = 10, range_names: dict[str, str] | None = None,
+                contexts: dict[str, Callable[[], AbstractContextManager]] | None = None,
+                errors: dict[str, str] | None = None) -> dict[str, Timing]:
     """Per-call kernel time from CUDA-graph replays, free of Python launch overhead.
 
     Each ``fn`` issues ``calls_per_fn`` calls over rotating operand sets whose total size exceeds
-    the L2, so no call finds its operands cached. One graph per fn is captured after a warm-up;
-    samples are replay time / calls_per_fn, interleaved across fns for ``rounds`` rounds. Each
-    replay runs inside the NVTX range ``range_names[name]`` when given.
+    the L2, so no call finds its operands cached. One graph per fn is captured after a warm-up, each inside
+    ``contexts[name]()`` when given (a mode the calls need; replays need nothing); samples are replay time /
+    calls_per_fn, interleaved across fns for ``rounds`` rounds. Each replay runs inside the NVTX range
+    ``range_names[name]`` when given.
+
+    ``errors``: None, a failed capture raises; a dict, a fn whose capture fails is left out of the result and
+    ``errors[name]`` says why in one line (``capture_refusal``). On the CPU there are no CUDA graphs: the calls
+    are timed eagerly (wall time); with ``errors`` each fn's first call runs under ``toolkit.host_reads`` and
+    one that reads device data on the host, which a capture refuses, is refused so.
     """
     from detkit.toolkit.nvtx_ranges import nvtx_range
 
     names = range_names or {}
     if device.type != "cuda":
-        def ranged(fn, label):
-            def call():
-                with nvtx_range(label):
-                    return fn()
-            return call
-        return time_interleaved({n: ranged(f, names.get(n, n)) for n, f in fns.items()}, device, rounds=rounds)
+        return _cpu_graph_stand_in(fns, device, rounds, names, contexts, errors)
     graphs = {}
     stream = torch.cuda.Stream(device)
     for name, fn in fns.items():
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm-up off the capture stream, as torch recommends
-            fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        first: list[BaseException] = []  # the call's own error: ending a broken capture raises another one
+        try:
+            with _entered(contexts, name):
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):  # warm-up off the capture stream, as torch recommends
+                    fn()
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    try:
+                        fn()
+                    except Exception as exc:
+                        first.append(exc)
+                        raise
+        except Exception as exc:  # noqa: BLE001 - reported by name when the caller asks (errors), else raised
+            if errors is None:
+                raise
+            errors[name] = capture_refusal(first[0] if first else exc)
+            torch.cuda.synchronize(device)
+            continue
         graphs[name] = graph
     torch.cuda.synchronize(device)
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    clocks: dict[str, list[float]] = {name: [] for name in fns}
+    samples: dict[str, list[float]] = {name: [] for name in graphs}
+    clocks: dict[str, list[float]] = {name: [] for name in graphs}
     clock = SmClock(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(rounds):
@@ -174,6 +210,38 @@ def time_graphs(fns: dict[str, Callable[[], object]], device: torch.device, call
                     end.synchronize()
                     samples[name].append(start.elapsed_time(end) / calls_per_fn)
     return {name: Timing.from_samples_ms(s, clocks[name]) for name, s in samples.items()}
+
+
+def _cpu_graph_stand_in(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int,
+                        names: dict[str, str], contexts, errors: dict[str, str] | None) -> dict[str, Timing]:
+    """time_graphs on the CPU: eager wall time. With ``errors`` the first call of each fn runs under
+    ``toolkit.host_reads`` and is its first sample (a refused fn has none); without, time_interleaved's warm-up."""
+    from detkit.toolkit.host_reads import host_reads
+    from detkit.toolkit.nvtx_ranges import nvtx_range
+
+    def ranged(fn, label):
+        def call():
+            with nvtx_range(label):
+                return fn()
+        return call
+
+    calls = {n: ranged(f, names.get(n, n)) for n, f in fns.items()}
+    if errors is None:
+        return time_interleaved(calls, device, rounds=rounds, contexts=contexts)
+    samples: dict[str, list[float]] = {}
+    for name, call in calls.items():
+        with _entered(contexts, name), host_reads() as reads:
+            ms = _cpu_samples_ms(call, 1)
+        if reads:
+            errors[name] = ("capture failed (cpu stand-in): reads device data on the host: "
+                            + ", ".join(dict.fromkeys(reads)))[:240]
+        else:
+            samples[name] = ms
+    for _ in range(rounds - 1):
+        for name in samples:
+            with _entered(contexts, name):
+                samples[name] += _cpu_samples_ms(calls[name], 1)
+    return {name: Timing.from_samples_ms(s) for name, s in samples.items()}
 
 
 CEILING_SHAPE = 8192  # dense BF16 ceiling: one M = N = K = 8192 cuBLAS matmul on random data

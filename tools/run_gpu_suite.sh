@@ -70,8 +70,8 @@ fi
 if want fp8; then
   step pytest-fp8 "${FP8_TESTS_LIMIT:-180}" "${gpu_pytest[@]}" tests/test_fp8_quant.py tests/test_moe_fp8.py
   step audit-moe-fp8 "${FP8_AUDIT_LIMIT:-180}" python -m detkit audit --device cuda --suite moe-fp8 --out "$OUT/audit-moe-fp8"
-  step bench-moe-fp8 "${FP8_BENCH_LIMIT:-300}" python -m detkit bench moe --fp8 --device cuda --out "$OUT/bench-moe-fp8" \
-    "${FP8_BENCH_ARGS[@]}"
+  step bench-moe-fp8 "${FP8_BENCH_LIMIT:-300}" python -m detkit bench moe --device cuda --impl fp8_warm \
+    --impl fp8_wgrad_bf16 --out "$OUT/bench-moe-fp8" "${FP8_BENCH_ARGS[@]}"
 fi
 stamp finished
 pack

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The product benchmarks' runner on one H200: `detkit bench moe` at the reference preset (BF16 with its stages,
-# then --fp8 with its stages and the crossover sweep over T) and `detkit bench moe-sweep --quick` (the reference
+# The product benchmarks' runner on one H200: `detkit bench moe` at the reference preset (BF16, FP8, torch and
+# transformers side by side, with the stages) and `detkit bench moe-sweep --quick` (the reference
 # and Qwen3-30B-A3B shapes at T 1024/8192/16384, both routings: every MoE speed target is evaluated). Each run
 # writes rows.jsonl, report.json, report.md (and plots) under $OUT/<step>/, its log to $OUT/<step>.log and its
 # exit status to $OUT/steps.txt; a failed step does not stop the next. About 3-4 minutes with a cold Triton cache.
@@ -15,14 +15,13 @@ mkdir -p "$OUT"
 source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, steps.txt, failed=1 on failure
 
 python -m detkit env --json > "$OUT/env.json" 2> "$OUT/env.err" || true
-step moe-bf16 70 python -m detkit bench moe --device cuda --preset reference --rounds 3 --out "$OUT/moe-bf16"
-step moe-fp8 80 python -m detkit bench moe --device cuda --fp8 --preset reference --rounds 3 --out "$OUT/moe-fp8"
+step moe 150 python -m detkit bench moe --device cuda --preset reference --rounds 3 --out "$OUT/moe"
 step moe-sweep 100 python -m detkit bench moe-sweep --device cuda --quick --rounds 2 --out "$OUT/moe-sweep"
 python - "$OUT" <<'PY' || failed=1
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-for step in ("moe-bf16", "moe-fp8", "moe-sweep"):
+for step in ("moe", "moe-sweep"):
     path = out / step / "report.json"
     if not path.is_file():
         print(f"{step}: no report.json"); continue
@@ -32,7 +31,7 @@ for step in ("moe-bf16", "moe-fp8", "moe-sweep"):
           f"{[(t['name'], t['version']) for t in meta['config_tables']]}; source {meta['source'].get('status')}")
     for target in meta.get("derived", {}).get("targets", []):
         print(f"  {target['target']}: {target['value']} -> {target['verdict']}")
-    for target in meta.get("derived", {}).get("fp8_targets", []):
-        print(f"  fp8 speedup at {target['preset']}: {target.get('speedup_fp8_cold')} (met: {target.get('met_wgrad_fp8')})")
+    for v in meta.get("derived", {}).get("verdicts", []):
+        print(f"  {v['target']} {v['timing']} {v['case']}: {v['value']} -> {v['verdict']}")
 PY
 exit "$failed"
