@@ -30,7 +30,7 @@ happen as before:
   ``ModeNotRoutedError`` under strict -- never the other precision's layer.
 - FP8 weights: the layer quantizes w1 and w2 in 128x128 blocks. w1 is a fresh copy on every call, so the
   layer's own cache (keyed on the tensor it is given) would miss every time and keep each copy alive; the mode
-  keeps ``FP8_WEIGHT_CACHE`` instead, keyed on the parameters themselves (gate_up_proj, down_proj) and valid for
+  keeps ``fp8_weight_cache()`` instead, keyed on the parameters themselves (gate_up_proj, down_proj) and valid for
   their ``_version``: an optimizer step (in place) invalidates the entry, and the next call re-quantizes from the
   new values. While a CUDA graph is being captured the weights are quantized inside the graph (no cache), so a
   replay after a weight update reads the new weights.
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -120,75 +119,32 @@ def router_forward(module, hidden_states: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 # FP8 experts: the same w1, w2 and ids on moe_mlp_fp8, with the weights cached per parameter
 # ---------------------------------------------------------------------------------------------
-class ExpertsFp8WeightCache:
-    """The FP8 experts' quantized weights, one slot per parameter (gate_up_proj, down_proj), keyed on the
-    parameter's (data_ptr, shape, stride, dtype, device) and on the shape of the weight made from it, valid for
-    the parameter's ``_version``. An in-place update (optimizer.step, ``p.add_`` under no_grad,
-    ``load_state_dict``) bumps ``_version``: the next call misses and re-quantizes into the same slot. Writes
-    through ``p.data`` bypass the version counter: call ``clear()`` after those. A slot holds a reference to its
-    parameter (so its memory cannot be reused while cached); least recently used slots beyond ``capacity`` are
-    dropped (two per MoE layer: 256 covers 128 layers). Inference tensors have no version counter: their weights
-    are quantized on every call."""
+@functools.cache
+def fp8_weight_cache():
+    """The FP8 experts' quantized weights: an ``Fp8WeightCache`` whose slots are keyed on the parameters
+    (gate_up_proj, down_proj; w1 is a fresh copy on every call) and valid for their ``_version``; 256 slots, two per
+    MoE layer. Built on first use (importing the FP8 layer imports its kernels)."""
+    from detkit.kernels.moe_fp8 import Fp8WeightCache
 
-    def __init__(self, capacity: int = 256):
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-            raise ValueError(f"capacity must be a positive int; got {capacity!r}")
-        self.capacity = capacity
-        self._slots: OrderedDict[tuple, tuple[torch.Tensor, int, object]] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, source: torch.Tensor, w: torch.Tensor):
-        """The Fp8Weight of ``w`` (made from ``source`` on this call: a view of it or a converted copy)."""
-        from detkit.kernels.fp8_quant import quantize_weight
-
-        if source.is_inference():
-            self.misses += 1
-            with torch.no_grad():
-                return quantize_weight(w.detach())
-        slot = (source.data_ptr(), tuple(source.shape), tuple(source.stride()), source.dtype, str(source.device),
-                tuple(w.shape))
-        entry = self._slots.get(slot)
-        if entry is not None and entry[1] == source._version:
-            self._slots.move_to_end(slot)
-            self.hits += 1
-            return entry[2]
-        self.misses += 1
-        with torch.no_grad():
-            fw = quantize_weight(w.detach())
-        self._slots[slot] = (source, source._version, fw)
-        self._slots.move_to_end(slot)
-        while len(self._slots) > self.capacity:
-            self._slots.popitem(last=False)
-        return fw
-
-    def clear(self) -> None:
-        self._slots.clear()
-
-    def __len__(self) -> int:
-        return len(self._slots)
-
-
-FP8_WEIGHT_CACHE = ExpertsFp8WeightCache()
+    return Fp8WeightCache(capacity=256)
 
 
 @functools.cache
 def _call_weights_class() -> type:
     """``CallWeights(cache, sources)``: the ``weight_cache`` of one ``moe_mlp_fp8`` call. The layer's lookup of
     w1 or w2 (the tensors it was given, by identity) answers from ``cache``'s slot of the parameter each was made
-    from, where the layer asks: after its input checks. (Built on first use: importing the FP8 layer imports its
-    kernels.)"""
+    from, where the layer asks: after its input checks."""
     from detkit.kernels.moe_fp8 import Fp8WeightCache
 
     class CallWeights(Fp8WeightCache):
-        def __init__(self, cache: ExpertsFp8WeightCache, sources: tuple[tuple[torch.Tensor, torch.Tensor], ...]):
+        def __init__(self, cache: Fp8WeightCache, sources: tuple[tuple[torch.Tensor, torch.Tensor], ...]):
             super().__init__(capacity=len(sources))
             self.cache, self.sources = cache, sources
 
-        def get(self, w):
-            for weight, source in self.sources:
+        def get(self, w, source=None):
+            for weight, parameter in self.sources:
                 if w is weight:
-                    return self.cache.get(source, w)
+                    return self.cache.get(w, source=parameter)
             raise RuntimeError("the FP8 layer asked for a weight this call did not hand it")
 
     return CallWeights
@@ -199,17 +155,18 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 def experts_forward_fp8(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                        cache: ExpertsFp8WeightCache | None = FP8_WEIGHT_CACHE) -> torch.Tensor:
+                        cached: bool = True) -> torch.Tensor:
     """Qwen3MoeExperts.forward on ``moe_mlp_fp8`` (the same w1, w2 and ids as ``experts_forward``; H and I
-    multiples of 128): hidden [T, H] bf16 -> [T, H] bf16. ``cache=None`` (and any call while a CUDA graph is
-    captured) quantizes the weights in the call."""
+    multiples of 128): hidden [T, H] bf16 -> [T, H] bf16. The weights come from ``fp8_weight_cache()``;
+    ``cached=False`` (and any call while a CUDA graph is captured) quantizes them in the call."""
     from detkit.kernels.moe_fp8 import moe_mlp_fp8
 
     ids = route_ids(top_k_index, module.num_experts)
     w1, w2 = gate_up_as_w1(module.gate_up_proj), down_as_w2(module.down_proj)
     weight_cache = None
-    if cache is not None and not _capturing(hidden_states):
-        weight_cache = _call_weights_class()(cache, ((w1, module.gate_up_proj), (w2, module.down_proj)))
+    if cached and not _capturing(hidden_states):
+        weight_cache = _call_weights_class()(fp8_weight_cache(),
+                                             ((w1, module.gate_up_proj), (w2, module.down_proj)))
     return moe_mlp_fp8(hidden_states, w1, w2, ids, top_k_weights, weight_cache=weight_cache)
 
 

@@ -80,36 +80,40 @@ __all__ = [
 
 
 class Fp8WeightCache:
-    """Quantized weights, valid for (data_ptr, _version, shape, stride, dtype, device). An in-place update
-    through autograd-visible ops (optimizer.step, ``w.add_`` under no_grad) bumps ``_version``: the next
-    lookup misses and re-quantizes into the same slot (one slot per weight, so stale versions never pile
-    up); least recently used slots beyond ``capacity`` are dropped (size it to 2 x the MoE layers of a
-    model). Writes through ``w.data`` bypass the version counter: call ``clear()`` after those. A slot
-    holds a reference to its tensor, so its memory (and data_ptr) cannot be reused by another tensor."""
+    """Quantized weights, one slot per weight, valid for the weight's (data_ptr, _version, shape, stride, dtype,
+    device). ``get(w, source=p)`` keys the slot on ``p`` instead (and on w's shape): the tensor ``w`` was made from on
+    this call, a view or a converted copy of ``p`` (a fresh copy has a new address every call). An in-place update
+    through autograd-visible ops (optimizer.step, ``w.add_`` under no_grad, ``load_state_dict``) bumps ``_version``:
+    the next lookup misses and re-quantizes into the same slot (so stale versions never pile up); least recently
+    used slots beyond ``capacity`` are dropped (size it to 2 x the MoE layers of a model). Writes through ``w.data``
+    bypass the version counter: call ``clear()`` after those. Inference tensors have no version counter: they are
+    quantized on every lookup. A slot holds a reference to its tensor, so its memory (and data_ptr) cannot be reused
+    by another tensor."""
 
     def __init__(self, capacity: int = 128):
-        if not isinstance(capacity, int) or capacity < 1:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"capacity must be a positive int; got {capacity!r}")
         self.capacity = capacity
         self._slots: OrderedDict[tuple, tuple[torch.Tensor, int, Fp8Weight]] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
-    @staticmethod
-    def slot(w: torch.Tensor) -> tuple:
-        return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, str(w.device))
-
-    def get(self, w: torch.Tensor) -> Fp8Weight:
-        slot = self.slot(w)
+    def get(self, w: torch.Tensor, source: torch.Tensor | None = None) -> Fp8Weight:
+        src = w if source is None else source
+        if src.is_inference():
+            self.misses += 1
+            with torch.no_grad():
+                return quantize_weight(w.detach())
+        slot = (src.data_ptr(), tuple(src.shape), tuple(src.stride()), src.dtype, str(src.device), tuple(w.shape))
         entry = self._slots.get(slot)
-        if entry is not None and entry[1] == w._version:
+        if entry is not None and entry[1] == src._version:
             self._slots.move_to_end(slot)
             self.hits += 1
             return entry[2]
         self.misses += 1
         with torch.no_grad():
             fw = quantize_weight(w.detach())
-        self._slots[slot] = (w, w._version, fw)
+        self._slots[slot] = (src, src._version, fw)
         self._slots.move_to_end(slot)
         while len(self._slots) > self.capacity:
             self._slots.popitem(last=False)

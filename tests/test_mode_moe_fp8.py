@@ -40,7 +40,7 @@ def assert_bits(got, want, what):
 @pytest.fixture(autouse=True)
 def _fresh_state():
     detkit.reset_mode_counters()
-    cache = mode_moe.FP8_WEIGHT_CACHE
+    cache = mode_moe.fp8_weight_cache()
     cache.clear()
     cache.hits = cache.misses = 0
     yield
@@ -146,7 +146,7 @@ def test_gradients_reach_transformers_parameters_and_equal_a_direct_call(device)
         xg, sg = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
         out = experts(xg, ids, sg)
         out.backward(dout)
-    assert mode_moe.FP8_WEIGHT_CACHE.hits == 2 and mode_moe.FP8_WEIGHT_CACHE.misses == 2
+    assert mode_moe.fp8_weight_cache().hits == 2 and mode_moe.fp8_weight_cache().misses == 2
     assert_bits(out, rollout, "training forward vs inference forward")
     xd, sd = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
     want, w1, w2 = direct_fp8(experts, xd, ids, sd)
@@ -185,7 +185,7 @@ def test_a_weight_update_invalidates_the_fp8_weights_and_changes_the_output(devi
     its slot misses."""
     experts = tiny_model(device, seed=11).model.layers[0].mlp.experts
     x, ids, weights = routing_inputs(device, seed=12)
-    cache = mode_moe.FP8_WEIGHT_CACHE
+    cache = mode_moe.fp8_weight_cache()
 
     def run():
         with torch.no_grad(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
@@ -218,14 +218,16 @@ def test_inference_tensor_weights_are_quantized_on_every_call(device):
         with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
             got = [experts(x, ids, weights) for _ in range(2)]
         want = direct_fp8(experts, x, ids, weights)[0]
-    assert len(mode_moe.FP8_WEIGHT_CACHE) == 0 and mode_moe.FP8_WEIGHT_CACHE.misses == 4
+    assert len(mode_moe.fp8_weight_cache()) == 0 and mode_moe.fp8_weight_cache().misses == 4
     for out in got:
         assert_bits(out, want, "inference-tensor weights")
 
 
 def test_the_cache_refuses_a_bad_capacity():
+    from detkit.kernels.moe_fp8 import Fp8WeightCache
+
     with pytest.raises(ValueError, match="capacity must be a positive int; got 0"):
-        mode_moe.ExpertsFp8WeightCache(capacity=0)
+        Fp8WeightCache(capacity=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +252,7 @@ def test_a_block_the_fp8_layer_does_not_cover_runs_transformers_experts_counted_
         with pytest.raises(detkit.ModeNotRoutedError, match="multiples of 128"), \
                 detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
             experts(x, ids, weights)
-    assert mode_moe.FP8_WEIGHT_CACHE.misses == 0  # nothing was quantized
+    assert mode_moe.fp8_weight_cache().misses == 0  # nothing was quantized
 
 
 # ---------------------------------------------------------------------------------------------
