@@ -24,6 +24,8 @@ from detkit.toolkit.contract import check_bound, compare_bits, gemm_bound, rel_l
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe  # noqa: E402
 
+from tests.mode_moe_helpers import qwen3_30b_a3b_block  # noqa: E402
+
 TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=128,
             norm_topk_prob=True, max_position_embeddings=256, router_aux_loss_coef=0.01)
@@ -297,13 +299,7 @@ def test_router_choice_is_batch_invariant_at_qwen3_30b_a3b_widths(device):
 def test_block_tokens_and_gradients_repeat_at_qwen3_30b_a3b_widths(device):
     """One Qwen3-30B-A3B-width block (BF16): a token's output alone vs in 2048 tokens bitwise, and the backward
     (dx and every weight gradient) bitwise across two runs."""
-    config = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                            norm_topk_prob=True)
-    torch.manual_seed(14)
-    with torch.device(device):
-        block = hf_moe.Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+    block = qwen3_30b_a3b_block(device, seed=14)
     x = torch.randn(1, 2048, 2048, device=device).to(torch.bfloat16)
     dout = torch.randn_like(x)
     with detkit.batch_invariant_mode(strict=True):

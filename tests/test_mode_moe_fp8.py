@@ -21,7 +21,8 @@ from detkit.kernels.moe import deinterleave_gate_up, interleave_gate_up  # noqa:
 from detkit.kernels.moe_fp8 import moe_mlp_fp8  # noqa: E402
 from detkit.toolkit.contract import compare_bits, rel_l2  # noqa: E402
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
-from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe  # noqa: E402
+
+from tests.mode_moe_helpers import qwen3_30b_a3b_block  # noqa: E402
 
 # The smallest config the FP8 layer takes: H and I multiples of 128.
 TINY_128 = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_experts=4,
@@ -292,13 +293,7 @@ def test_a_captured_fp8_block_reads_the_weights_of_each_replay(device):
 def test_fp8_block_at_qwen3_30b_a3b_widths(device):
     """One Qwen3-30B-A3B-width block with FP8 experts: a token's output alone vs in 2048 tokens bitwise, the
     backward bitwise across two runs, and output and gradients within the FP8 precision gate of BF16 experts."""
-    config = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                            norm_topk_prob=True)
-    torch.manual_seed(20)
-    with torch.device(device):
-        block = hf_moe.Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+    block = qwen3_30b_a3b_block(device, seed=20)
     x = torch.randn(1, 2048, 2048, device=device).to(torch.bfloat16)
     dout = torch.randn_like(x)
     from detkit.audits.model import moe_block_grads
