@@ -40,16 +40,29 @@ def _edit_json(path: Path, edit) -> None:
 
 def test_a_tampered_ratio_fails_the_check(reports_copy, capsys):
     tmp, argv = reports_copy
-    path = tmp / "reports" / claims.SOURCES["moe_fp8_bench"]
+    path = tmp / "reports" / claims.SOURCES["moe_bench"]
 
     def raise_speedup(doc):
-        for t in doc["meta"]["fp8_targets"]:
-            t["speedup_fp8_cold"] = 1.45
+        for v in doc["meta"]["derived"]["verdicts"]:
+            if v["target"] == "fp8_reference":
+                v["value"], v["verdict"] = 1.45, "PASS"
 
     _edit_json(path, raise_speedup)
     assert claims.main(argv) == 1
     out = capsys.readouterr().out
-    assert "+| MoE FP8 fwd+bwd speed-up" in out and "1.450x (T=8192)" in out and "| yes |" in out
+    assert "+| MoE FP8 fwd+bwd speed-up" in out and "1.450x; met by 2 of 2" in out and "| yes |" in out
+
+
+def test_a_verdict_that_disagrees_with_its_value_is_refused(reports_copy, capsys):
+    tmp, argv = reports_copy
+    path = tmp / "reports" / claims.SOURCES["moe_bench"]
+
+    def pass_a_failing_value(doc):
+        next(v for v in doc["meta"]["derived"]["verdicts"] if v["target"] == "fp8_reference")["verdict"] = "PASS"
+
+    _edit_json(path, pass_a_failing_value)
+    assert claims.main(argv) == 2
+    assert "verdict PASS disagrees with value" in capsys.readouterr().err
 
 
 def test_a_tampered_audit_count_fails_the_check(reports_copy, capsys):
