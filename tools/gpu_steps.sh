@@ -32,3 +32,12 @@ PY
   } > "$OUT/versions.txt" 2>&1 || true
   cat "$OUT/versions.txt"
 }
+# begin_run: what every GPU run sets up: the checkout on PYTHONPATH, unbuffered Python, NVLink multicast off, kernels
+# compiled (not interpreted), $OUT made with a fresh steps.txt, and versions.txt.
+begin_run() {
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+  unset TRITON_INTERPRET
+  mkdir -p "$OUT"
+  : > "$OUT/steps.txt"
+  record_versions
+}

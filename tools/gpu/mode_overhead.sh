@@ -10,14 +10,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the results folder}"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-unset TRITON_INTERPRET
-mkdir -p "$OUT"
 
 # shellcheck source=tools/gpu_steps.sh
 source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, steps.txt, failed=1 on failure
 
-record_versions  # $OUT/versions.txt: date, commit, GPU, torch / triton / transformers
+begin_run  # PYTHONPATH and the run's environment, $OUT, steps.txt, versions.txt
 
 step overhead-m1 "${OVERHEAD_LIMIT:-45}" python -m tools.mode_overhead --device cuda --m 1 --json "$OUT/overhead-m1.json"
 step overhead-m16 "${OVERHEAD_LIMIT:-45}" python -m tools.mode_overhead --device cuda --m 16 --rounds 9 \

@@ -14,14 +14,11 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 : "${OUT:?set OUT to the results folder}"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-mkdir -p "$OUT"
-: > "$OUT/steps.txt"
 
 # shellcheck source=tools/gpu_steps.sh
 source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, steps.txt, failed=1 on failure
 
-record_versions  # $OUT/versions.txt: date, commit, GPU, torch / triton / transformers
+begin_run  # PYTHONPATH and the run's environment, $OUT, steps.txt, versions.txt
 
 presets_limit=${MOE_BENCH_PRESETS_LIMIT:-150}
 sweep_limit=${MOE_BENCH_SWEEP_LIMIT:-120}

@@ -17,14 +17,11 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 : "${OUT:?set OUT to the results folder}"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-mkdir -p "$OUT"
-: > "$OUT/steps.txt"
 
 # shellcheck source=tools/gpu_steps.sh
 source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, steps.txt, failed=1 on failure
 
-record_versions  # $OUT/versions.txt: date, commit, GPU, torch / triton / transformers
+begin_run  # PYTHONPATH and the run's environment, $OUT, steps.txt, versions.txt
 
 step model-audit-moe-fp8 "${MOE_FP8_MODEL_AUDIT_LIMIT:-130}" env DETKIT_MODEL_CONFIG=qwen3-moe-30b-a3b \
   DETKIT_MODEL_MOE_EXPERTS=fp8 python -m detkit audit --device cuda --suite model --no-progress \
