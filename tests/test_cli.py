@@ -327,3 +327,16 @@ def test_killed_audit_keeps_every_finished_row(tmp_path):
     report = out / "report.json"
     if report.exists():  # written atomically or not at all
         assert json.loads(report.read_text())["rows"]
+
+
+@pytest.mark.parametrize("suites, named", [
+    (["gemm"], True), (["gemm_contract"], True), (["tp-cp"], True), (["model", "gemm"], True),
+    (["model"], False), (["moe", "moe-fp8", "attention"], False), (["invariance"], False),
+])
+def test_a_report_names_the_shape_preset_only_when_a_suite_uses_it(suites, named):
+    # The plug-ins that read ctx.preset, found in their sources: the reports of the others would name a preset
+    # nothing ran at.
+    readers = {m for m in harness.suite_modules(list(SUITES))
+               if "ctx.preset" in Path(__import__(m, fromlist=["_"]).__file__).read_text()}
+    assert readers == set(harness.PRESET_MODULES)
+    assert harness.uses_preset(suites) is named

@@ -274,6 +274,8 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
     reporting = tp_cp_dist.writes_report(session)
     meta = harness.base_meta(ctx, "audit", shlex.join(sys.argv))
     meta["suites"] = [*names, *selection.launched]
+    if not harness.uses_preset(meta["suites"]):  # e.g. the model audit: its model is in model.json, no shape preset
+        meta.pop("preset")
     meta["suite_selection"] = selection.as_meta()
     env = harness.env_meta(ctx.device) if reporting else {}  # captured before the work, on the reporting rank
     if ctx.interpreted and reporting:

@@ -44,6 +44,8 @@ SUITES: dict[str, tuple[str, ...]] = {
     "model": ("detkit.audits.model",),  # docs/mode.md
     "attention": ("detkit.audits.attention",),  # docs/attention.md
 }
+# The plug-ins whose cases come from the shape preset (--preset): a report names the preset only when one ran.
+PRESET_MODULES = (*SUITES["gemm"], "detkit.audits.tp_cp", "detkit.audits.tp_cp_refs")
 # Suites that need several ranks (torchrun/srun); every other suite runs in one process.
 MULTI_RANK_SUITES = ("tp-cp", "invariance")
 SELECTORS = ("auto", "all")
@@ -208,6 +210,11 @@ def _is_known(name: str) -> bool:
 def suite_modules(suites: Iterable[str]) -> list[str]:
     """The plug-in modules of ``suites``, in run order, each once."""
     return list(dict.fromkeys(m for suite in suites for m in plugin_modules(suite)))
+
+
+def uses_preset(suites: Iterable[str]) -> bool:
+    """Whether any plug-in of ``suites`` takes its cases from the shape preset."""
+    return any(m in PRESET_MODULES for m in suite_modules(suites))
 
 
 def run_plugins(suites: Iterable[str], ctx: RunContext, writer: RowWriter,
