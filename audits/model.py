@@ -634,28 +634,34 @@ def moe_block_speed(audit: Audit) -> dict[str, dict[str, float | str]]:
 # ---------------------------------------------------------------------------------------------
 # FP8 experts: precision against BF16 experts
 # ---------------------------------------------------------------------------------------------
-PRECISION_TENSORS = ("out", "dx", "d_router", "d_gate_up_proj", "d_down_proj")
+BLOCK_TENSORS = ("out", "dx", "d_router", "d_gate_up_proj", "d_down_proj")
 
 
-def moe_block_grads(block, x: torch.Tensor, dout: torch.Tensor, moe_experts: str) -> tuple[dict, torch.Tensor]:
-    """One MoE block's output and gradients (x, router weight, gate_up_proj, down_proj) in strict detkit mode with
-    ``moe_experts``, and the ids its router chose."""
+def block_grads(block, x: torch.Tensor, dout: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """One forward and backward of a transformers MoE block ``x`` [B, T, H] in whatever mode is entered: its output
+    and the gradients of x, the router weight, gate_up_proj and down_proj as ``.backward()`` leaves them in ``.grad``
+    (``BLOCK_TENSORS``; the block's ``.grad`` are cleared before and after), and the ids its router chose."""
     chosen = []
     handle = block.gate.register_forward_hook(lambda m, args, out: chosen.append(out[2]))
     block.zero_grad(set_to_none=True)
-    xg = x.detach().clone().requires_grad_(True)
+    xg = x.detach().requires_grad_(True)
     try:
-        from detkit.kernels.mode import batch_invariant_mode
-
-        with torch.enable_grad(), batch_invariant_mode(strict=True, moe_experts=moe_experts):
+        with torch.enable_grad():
             out = block(xg)
             out.backward(dout)
     finally:
         handle.remove()
-    grads = {"out": out.detach(), "dx": xg.grad, "d_router": block.gate.weight.grad,
-             "d_gate_up_proj": block.experts.gate_up_proj.grad, "d_down_proj": block.experts.down_proj.grad}
+    grads = (xg.grad, block.gate.weight.grad, block.experts.gate_up_proj.grad, block.experts.down_proj.grad)
     block.zero_grad(set_to_none=True)
-    return grads, chosen[0]
+    return dict(zip(BLOCK_TENSORS, (out.detach(), *grads))), chosen[0]
+
+
+def moe_block_grads(block, x: torch.Tensor, dout: torch.Tensor, moe_experts: str) -> tuple[dict, torch.Tensor]:
+    """``block_grads`` in strict detkit mode with ``moe_experts``."""
+    from detkit.kernels.mode import batch_invariant_mode
+
+    with batch_invariant_mode(strict=True, moe_experts=moe_experts):
+        return block_grads(block, x, dout)
 
 
 def moe_precision(audit: Audit) -> dict:
@@ -679,7 +685,7 @@ def moe_precision(audit: Audit) -> dict:
         return {"error": str(exc)}
     same_routing = torch.equal(ids_bf16, ids_fp8)
     stats = {}
-    for name in PRECISION_TENSORS:
+    for name in BLOCK_TENSORS:
         cos, rel = cosine(fp8[name], bf16[name]), rel_l2(fp8[name], bf16[name])
         stats[name] = {"cosine_vs_bf16_experts": cos, "rel_rmse_vs_bf16_experts": rel,
                        "passed": same_routing and cos >= GATE_MIN_COSINE and rel < GATE_MAX_REL_RMSE}

@@ -20,12 +20,12 @@ from collections.abc import Callable
 
 import torch
 
+from detkit.audits.model import BLOCK_TENSORS, block_grads
 from detkit.bench.moe_common import VALIDATE_REL_L2, rel_l2_fp32, torch_moe_fwd
 from detkit.toolkit.presets import MoePreset
 
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
 DEFAULT_EXPERTS = "grouped_mm"
-TENSORS = ("out", "dx", "dgate", "dgate_up", "ddown")
 ROUTER_STD = 0.02
 
 
@@ -84,19 +84,6 @@ def block_fns(block, x: torch.Tensor, dout: torch.Tensor) -> dict[str, Callable[
     return {"fwd": fwd, "fwd_bwd": fwd_bwd}
 
 
-def block_run(block, x: torch.Tensor, dout: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """out and the gradients of one forward + backward (in whatever mode is entered), and the ids its router chose."""
-    chosen = []
-    handle = block.gate.register_forward_hook(lambda module, args, out: chosen.append(out[2]))
-    try:
-        xl = x.detach().reshape(1, *x.shape).requires_grad_(True)
-        out = block(xl)
-        grads = torch.autograd.grad(out, [xl, *weights(block)], dout.reshape(1, *dout.shape))
-    finally:
-        handle.remove()
-    return dict(zip(TENSORS, (out.detach().reshape(x.shape), grads[0].reshape(x.shape), *grads[1:]))), chosen[0]
-
-
 def block_reference(block, x: torch.Tensor, dout: torch.Tensor, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The block in FP64 with the top-k ``ids`` fixed: out and the gradients (x, router weight, gate_up_proj,
     down_proj). The experts are the PyTorch baseline's per-expert loop (bench/moe_common.py)."""
@@ -111,14 +98,15 @@ def block_reference(block, x: torch.Tensor, dout: torch.Tensor, ids: torch.Tenso
         top = top / top.sum(-1, keepdim=True)
     out = torch_moe_fwd(x64, gate_up_as_w1(gate_up), down_as_w2(down), ids.to(torch.int32), top, grouped=False)
     grads = torch.autograd.grad(out, leaves, dout.to(f64))
-    return dict(zip(TENSORS, (out.detach(), *grads)))
+    return dict(zip(BLOCK_TENSORS, (out.detach(), *grads)))
 
 
 def check_block(block, x: torch.Tensor, dout: torch.Tensor) -> dict:
     """One forward + backward against the FP64 reference with the same ids: relative L2 per tensor (FP32 norms)."""
-    got, ids = block_run(block, x, dout)
+    got, ids = block_grads(block, x[None], dout[None])  # the block takes [B, T, H]
+    got = {**got, "out": got["out"][0], "dx": got["dx"][0]}
     want = block_reference(block, x, dout, ids)
-    rel = {f"rel_l2_fp64_{n}": rel_l2_fp32(got[n], want[n]) for n in TENSORS}
+    rel = {f"rel_l2_fp64_{n}": rel_l2_fp32(got[n], want[n]) for n in BLOCK_TENSORS}
     return {"validated": all(v <= VALIDATE_REL_L2 for v in rel.values()), "limit": VALIDATE_REL_L2, **rel}
 
 

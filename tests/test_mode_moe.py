@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("transformers", reason="transformers is the optional extra detkit[models]")
 
 import detkit  # noqa: E402
+from detkit.audits.model import BLOCK_TENSORS, block_grads  # noqa: E402
 from detkit.audits.moe import E2E_REL_L2_GATE, GOLD_SLACK  # noqa: E402
 from detkit.kernels import mode_moe  # noqa: E402
 from detkit.kernels.det_gemm import det_gemm_fwd  # noqa: E402
@@ -79,24 +80,7 @@ def block_oracle(block, x: torch.Tensor, ids: torch.Tensor, dout: torch.Tensor) 
     y = torch.einsum("tkj,tkhj->tkh", torch.nn.functional.silu(g) * u, down[ids])
     out = (top[..., None] * y).sum(1).reshape(x.shape)
     out.backward(dout.to(f64))
-    return {"out": out.detach(), **{name: t.grad for name, t in zip(("dx", "dgate", "dgate_up", "ddown"), leaves)}}
-
-
-def block_run(block, x: torch.Tensor, dout: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """out and gradients of the block (in whatever mode is entered) and the ids its router chose."""
-    chosen = []
-    handle = block.gate.register_forward_hook(lambda m, args, out: chosen.append(out[2]))
-    block.zero_grad(set_to_none=True)
-    xg = x.detach().clone().requires_grad_(True)
-    try:
-        out = block(xg)
-        out.backward(dout)
-    finally:
-        handle.remove()
-    grads = {"out": out.detach(), "dx": xg.grad, "dgate": block.gate.weight.grad,
-             "dgate_up": block.experts.gate_up_proj.grad, "ddown": block.experts.down_proj.grad}
-    block.zero_grad(set_to_none=True)
-    return grads, chosen[0]
+    return dict(zip(BLOCK_TENSORS, (out.detach(), *(t.grad for t in leaves))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,13 +113,13 @@ def test_block_output_and_gradients_obey_the_layer_gate_against_an_fp64_oracle(d
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 13, 64, generator=gen).to(device=device, dtype=torch.bfloat16)
     dout = (torch.randn(2, 13, 64, generator=gen) * 0.5).to(device=device, dtype=torch.bfloat16)
-    hf, hf_ids = block_run(block, x, dout)
+    hf, hf_ids = block_grads(block, x, dout)
     with detkit.batch_invariant_mode(strict=True):
-        dk, dk_ids = block_run(block, x, dout)
+        dk, dk_ids = block_grads(block, x, dout)
     assert routed()[f"{EXPERTS} -> detkit.moe_mlp"] == 1
     hf_oracle = block_oracle(block, x, hf_ids, dout)
     dk_oracle = hf_oracle if torch.equal(hf_ids, dk_ids) else block_oracle(block, x, dk_ids, dout)
-    for name in ("out", "dx", "dgate", "dgate_up", "ddown"):
+    for name in BLOCK_TENSORS:
         got, theirs = rel_l2(dk[name], dk_oracle[name]), rel_l2(hf[name], hf_oracle[name])
         assert got <= E2E_REL_L2_GATE, f"{name}: relative L2 {got:.3g} vs FP64 > gate {E2E_REL_L2_GATE:.3g}"
         assert got <= GOLD_SLACK * theirs + REL_FLOOR, f"{name}: detkit {got:.3g} vs transformers' own {theirs:.3g}"
@@ -307,6 +291,6 @@ def test_block_tokens_and_gradients_repeat_at_qwen3_30b_a3b_widths(device):
             full = block(x)
             for t in (0, 777, 2047):
                 assert_bits(block(x[:, t:t + 1]), full[:, t:t + 1], f"token {t}")
-        runs = [block_run(block, x, dout)[0] for _ in range(2)]
+        runs = [block_grads(block, x, dout)[0] for _ in range(2)]
     for name in runs[0]:
         assert_bits(runs[1][name], runs[0][name], name)

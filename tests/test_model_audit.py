@@ -159,7 +159,7 @@ def test_the_plugin_runs_every_check_on_a_tiny_moe_model_with_fp8_experts(device
     assert counters["routed"]["moe experts (transformers) -> detkit.moe_mlp_fp8"] == counters["moe_experts_routed"] > 0
     assert counters["moe_other_precision"] == {} and counters["moe_not_routed"] == {}
     precision = {r.name.split()[1]: r.details for r in by_check["moe_precision"]}
-    assert set(precision) == set(audit_model.PRECISION_TENSORS)
+    assert set(precision) == set(audit_model.BLOCK_TENSORS)
     assert all(d["same_routing"] and 0.997 <= d["cosine_vs_bf16_experts"] < 1 for d in precision.values())
     assert "MoE precision: FP8 vs BF16 experts" in (tmp_path / "model.md").read_text()
 
