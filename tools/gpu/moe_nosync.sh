@@ -9,19 +9,17 @@
 #   OUT=/path/to/results tools/gpu/moe_nosync.sh
 #
 # Writes $OUT/pytest-moe-gpu.log (+ .xml), $OUT/pytest-nosync-cuda.log (+ .xml), $OUT/audit-moe/ (rows.jsonl,
-# report.json, report.md) with $OUT/audit-moe.log, and $OUT/steps.txt (each step's exit status: 0 passed, 124
+# report.json, report.md) with $OUT/audit-moe.log, $OUT/versions.txt and $OUT/steps.txt (each step's exit status: 0 passed, 124
 # stopped at its time limit). Exits non-zero if any step failed.
 set -euo pipefail
 
 : "${OUT:?set OUT to the folder for the results}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export NCCL_NVLS_ENABLE=0
-mkdir -p "$OUT"
-: > "$OUT/steps.txt"
 
 # shellcheck source=tools/gpu_steps.sh
 source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, steps.txt, failed=1 on failure
+
+begin_run  # PYTHONPATH and the run's environment, $OUT, steps.txt, versions.txt
 
 step pytest-moe-gpu 120 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -ra -p no:cacheprovider -m gpu \
   --junitxml "$OUT/pytest-moe-gpu.xml" \
