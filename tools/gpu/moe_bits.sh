@@ -8,7 +8,8 @@
 #   OUT=/path/to/results tools/gpu/moe_bits.sh
 #
 # Writes $OUT/pytest-moe.log (+ pytest-moe.xml), $OUT/audit-moe/ (rows.jsonl, report.json, report.md) with
-# $OUT/audit-moe.log, $OUT/versions.txt and $OUT/steps.txt (each step's exit status: 0 passed, 124 stopped at its time limit).
+# $OUT/audit-moe.log, $OUT/versions.txt and $OUT/steps.txt (each step's exit status: 0 passed, 124 stopped at its
+# time limit).
 # Exits non-zero if any step failed.
 set -euo pipefail
 

@@ -9,8 +9,8 @@
 #   OUT=/path/to/results tools/gpu/moe_nosync.sh
 #
 # Writes $OUT/pytest-moe-gpu.log (+ .xml), $OUT/pytest-nosync-cuda.log (+ .xml), $OUT/audit-moe/ (rows.jsonl,
-# report.json, report.md) with $OUT/audit-moe.log, $OUT/versions.txt and $OUT/steps.txt (each step's exit status: 0 passed, 124
-# stopped at its time limit). Exits non-zero if any step failed.
+# report.json, report.md) with $OUT/audit-moe.log, $OUT/versions.txt and $OUT/steps.txt (each step's exit status:
+# 0 passed, 124 stopped at its time limit). Exits non-zero if any step failed.
 set -euo pipefail
 
 : "${OUT:?set OUT to the folder for the results}"
