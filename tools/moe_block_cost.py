@@ -123,7 +123,7 @@ def render(result: dict) -> str:
                  for row, t in rows.items()]
         lines += [f"\n{name}", tabulate(table, headers=["row", "median", "p20-p80", "/ layer"], tablefmt="github")]
     stages = result["stages"]
-    names = sorted({n.split(" ", 1)[1] for n in stages}, key=list(stages).index)
+    names = list(dict.fromkeys(n.split(" ", 1)[1] for n in stages))
     table = [[s, f"{stages[f'layer {s}']['median_us']:.0f}", f"{stages[f'layer_linear {s}']['median_us']:.0f}",
               f"{stages[f'layer_linear {s}']['median_us'] / stages[f'layer {s}']['median_us']:.2f}"] for s in names]
     lines += ["\nstages (the layer's layout vs transformers' storage)",
@@ -147,10 +147,10 @@ def main(argv=None) -> int:
     results = []
     for preset in args.preset or ["reference", "qwen3-30b-a3b"]:
         results.append(measure(preset, args.rounds, args.seed))
+        if args.json:  # after every preset: a run stopped at its time limit keeps what finished
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
         print(render(results[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
     return 0
 
 
