@@ -21,9 +21,11 @@ happen as before:
   token's ids and scores do not depend on the batch. Counted as ``moe router (transformers)``.
 - the experts (``experts_route``) run on ``detkit.kernels.moe.moe_mlp`` (BF16, the default) or, with the mode's
   ``moe_experts="fp8"``, on ``detkit.kernels.moe_fp8.moe_mlp_fp8`` (forward and backward, the layer's own
-  autograd): w1 = the gate/up halves interleaved ([E, H, 2I], one copy of gate_up_proj per call, made by a
-  differentiable reshape so the gradient reaches gate_up_proj in transformers' layout), w2 = down_proj
-  viewed as [E, I, H] (no copy). Route ids >= E (transformers' expert-parallel sentinel) are masked (-1).
+  autograd). BF16: w1 = gate_up_proj viewed as [E, H, 2I] with ``gate_up="split"`` and w2 = down_proj viewed as
+  [E, I, H]: no copy; the layer reads the split halves as interleaved pairs (the same bits as on an interleaved
+  copy) and writes dW1, dW2 in the parameters' own layouts, so autograd keeps them as .grad without a copy. FP8:
+  w1 = the gate/up halves interleaved ([E, H, 2I], one copy of gate_up_proj per call, made by a differentiable
+  reshape so the gradient reaches gate_up_proj in transformers' layout), w2 the same view. Route ids >= E (transformers' expert-parallel sentinel) are masked (-1).
   Counted as ``moe experts (transformers) -> detkit.moe_mlp`` or ``-> detkit.moe_mlp_fp8``; a call the chosen
   layer does not cover (dtype, device, expert parallelism, another activation or weight layout; for FP8, H or I
   not a multiple of 128) runs transformers' own implementation and is counted with the reason, or raises
@@ -92,8 +94,8 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     from detkit.kernels.moe import moe_mlp
 
     ids = route_ids(top_k_index, module.num_experts)
-    return moe_mlp(hidden_states, gate_up_as_w1(module.gate_up_proj), down_as_w2(module.down_proj), ids,
-                   top_k_weights)
+    return moe_mlp(hidden_states, module.gate_up_proj.transpose(1, 2), down_as_w2(module.down_proj), ids,
+                   top_k_weights, gate_up="split")
 
 
 def fixed_order_sum(values: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,11 @@ Weight convention (the ``b [K, N]`` convention of det_gemm, one matrix per exper
     lands in one output tile and SwiGLU runs in the up-projection's epilogue). ``interleave_gate_up``
     and ``deinterleave_gate_up`` convert from/to the usual split-half [gate; up] layout.
     W2 [E, I, H].
-    Any non-negative strides are accepted: nn.Linear-style stacks ``fc1 [E, 2I, H]`` and
-    ``fc2 [E, H, I]`` are passed as ``interleave_gate_up(fc1, dim=1).transpose(1, 2)`` and
-    ``fc2.transpose(1, 2)`` (views; no copy at call time).
+    ``gate_up="split"``: W1's columns are [gate (I) | up (I)] instead, read in place as interleaved pairs (the same
+    bits: every kernel addresses column 2j + half at j + half * I). Any non-negative strides are accepted: transformers'
+    and nn.Linear-style stacks ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` are passed as
+    ``gate_up_proj.transpose(1, 2)`` with ``gate_up="split"`` and ``down_proj.transpose(1, 2)`` (views: no copy), and
+    dW1, dW2 come back with the weights' strides (autograd keeps them as .grad without a layout copy).
 
 Where the parts live:
     kernels/moe_routing.py   the expert-sorted, 128-padded rows, built on the device (no host read)
@@ -59,7 +61,7 @@ from detkit.kernels.moe_launch import (
     moe_dscores_from_partials, moe_dx_route, moe_gather_sum, moe_scale_rows, moe_up_swiglu, moe_wgrad_w1,
     moe_wgrad_w2, table_moe_config,
 )
-from detkit.kernels.moe_operands import weight_descriptor, ws_weight_rows
+from detkit.kernels.moe_operands import GATE_UP_LAYOUTS, check_gate_up, weight_descriptor, ws_weight_rows
 from detkit.kernels.moe_routing import MoeRouting, check_moe_errors, error_flags, sync_checks, sync_checks_enabled
 
 __all__ = [
@@ -69,7 +71,7 @@ __all__ = [
     # failing closed without a host read (kernels/moe_routing.py)
     "check_moe_errors", "error_flags", "sync_checks",
     # its stages, configs and names (kernels/moe_launch.py, moe_configs.py, moe_common.py)
-    "LAYER_STAGES", "MOE_CONFIGS", "MOE_CONFIG_TABLE_VERSION", "STAGES", "check_moe_inputs", "checked_routing",
+    "GATE_UP_LAYOUTS", "LAYER_STAGES", "MOE_CONFIGS", "MOE_CONFIG_TABLE_VERSION", "STAGES", "check_moe_inputs", "checked_routing",
     "launch_checked_routing", "layer_stage_names", "moe_combine", "moe_dgrad_dswiglu", "moe_dgrad_dswiglu_dscore",
     "moe_down", "moe_dscores_from_partials", "moe_dx_route", "moe_gather_sum", "moe_grouped_gemm_kernel",
     "moe_grouped_gemm_tma_kernel", "moe_scale_rows", "moe_up_swiglu", "moe_wgrad_w1", "moe_wgrad_w2",
@@ -89,23 +91,25 @@ class MoeSaved:
     scores: torch.Tensor  # [T, K]
     gu: torch.Tensor  # [P, 2I] interleaved pre-activations (P: the routing's bound, or the exact P in sync_checks)
     h: torch.Tensor  # [P, I]
+    gate_up: str = "interleaved"  # w1's column layout
 
 
 def moe_mlp_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                scores: torch.Tensor, *, stage_range=None) -> tuple[torch.Tensor, MoeSaved]:
+                scores: torch.Tensor, *, stage_range=None, gate_up: str = "interleaved") -> tuple[torch.Tensor, MoeSaved]:
     """out [T, H] bf16 and the saved state for ``moe_mlp_bwd``.
 
-    x [T, H] bf16; w1 [E, H, 2I] bf16 interleaved; w2 [E, I, H] bf16; topk_ids [T, K] int32 (-1 masked);
-    scores [T, K] float32 or bf16. ``stage_range(name)`` (e.g. an NVTX range) wraps each stage.
+    x [T, H] bf16; w1 [E, H, 2I] bf16, columns in the ``gate_up`` layout; w2 [E, I, H] bf16; topk_ids [T, K] int32
+    (-1 masked); scores [T, K] float32 or bf16. ``stage_range(name)`` (e.g. an NVTX range) wraps each stage.
     """
     check_stage_range(stage_range)
+    check_gate_up(gate_up)
     backend = check_moe_inputs(x, w1, w2, topk_ids, scores)
     rng = stage_range or (lambda name: nullcontext())
     names = layer_stage_names(x, w1, topk_ids.shape[1])
     with rng(names["routing"]):
         pending = launch_checked_routing(x, w1, topk_ids, scores)
     with rng(names["up_swiglu"]):  # over the largest P, gated on the device
-        gu, h = moe_up_swiglu(x, w1, pending.bound, backend)
+        gu, h = moe_up_swiglu(x, w1, pending.bound, backend, gate_up=gate_up)
     routing = pending.bound  # every stage runs over the bound, gated on the device: no host read
     if sync_checks_enabled():  # the validating mode: one host read refuses a bad batch, then the exact P
         with rng(names["routing"]):
@@ -115,7 +119,7 @@ def moe_mlp_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: t
         y = moe_down(h, w2, routing, backend)
     with rng(names["combine"]):
         out = moe_combine(y, routing, scores, backend)
-    return out, MoeSaved(backend, routing, x, w1, w2, scores, gu, h)
+    return out, MoeSaved(backend, routing, x, w1, w2, scores, gu, h, gate_up)
 
 
 def moe_mlp_bwd(dout: torch.Tensor, saved: MoeSaved, *, main_grads=None, stage_range=None) -> MoeGrads:
@@ -132,24 +136,24 @@ def moe_mlp_bwd(dout: torch.Tensor, saved: MoeSaved, *, main_grads=None, stage_r
     with rng(names["dgrad_dswiglu"]):
         dgu, ds_part = moe_dgrad_dswiglu_dscore(dout, saved.w2, saved.gu, saved.h, routing, backend)
     with rng(names["dx"]):
-        dx = moe_gather_sum(moe_dx_route(dgu, saved.w1, routing, backend), routing, backend)
+        dx = moe_gather_sum(moe_dx_route(dgu, saved.w1, routing, backend, gate_up=saved.gate_up), routing, backend)
     with rng(names["wgrad"]):
         mg1, mg2 = main_grads if main_grads is not None else (None, None)
-        dw1 = moe_wgrad_w1(saved.x, dgu, routing, backend, mg1)
-        dw2 = moe_wgrad_w2(saved.h, dout, routing, backend, mg2)
+        dw1 = moe_wgrad_w1(saved.x, dgu, routing, backend, mg1, gate_up=saved.gate_up, like=saved.w1)
+        dw2 = moe_wgrad_w2(saved.h, dout, routing, backend, mg2, like=saved.w2)
     with rng(names["dscores"]):
         ds = moe_dscores_from_partials(ds_part, routing, backend).to(saved.scores.dtype)
     return MoeGrads(dx, dw1, dw2, ds)
 
 
 class MoeMlpFunction(torch.autograd.Function):
-    """autograd wrapper: (x, w1, w2, topk_ids, scores, main_grad_w1, main_grad_w2) -> out."""
+    """autograd wrapper: (x, w1, w2, topk_ids, scores, main_grad_w1, main_grad_w2, gate_up) -> out."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, topk_ids, scores, main_grad_w1=None, main_grad_w2=None):
+    def forward(ctx, x, w1, w2, topk_ids, scores, main_grad_w1=None, main_grad_w2=None, gate_up="interleaved"):
         main_grads = None if main_grad_w1 is None and main_grad_w2 is None else (main_grad_w1, main_grad_w2)
         check_main_grads(main_grads, w1, w2)
-        out, saved = moe_mlp_fwd(x, w1, w2, topk_ids, scores)
+        out, saved = moe_mlp_fwd(x, w1, w2, topk_ids, scores, gate_up=gate_up)
         ctx.saved = saved
         ctx.main_grads = main_grads
         return out
@@ -158,17 +162,19 @@ class MoeMlpFunction(torch.autograd.Function):
     def backward(ctx, dout):
         grads = moe_mlp_bwd(dout, ctx.saved, main_grads=ctx.main_grads)  # any strides, no copy
         ctx.saved = None
-        return grads.dx, grads.dw1, grads.dw2, None, grads.dscores, None, None
+        return grads.dx, grads.dw1, grads.dw2, None, grads.dscores, None, None, None
 
 
 def moe_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, scores: torch.Tensor,
-            main_grads: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            main_grads: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+            gate_up: str = "interleaved") -> torch.Tensor:
     """Differentiable deterministic MoE expert MLP. With ``main_grads`` the weight gradients are
     accumulated into those FP32 buffers (Megatron's gradient-accumulation fusion) and w1.grad /
-    w2.grad stay None."""
+    w2.grad stay None. ``gate_up``: w1's column layout, "interleaved" or "split" (read in place; the same bits)."""
+    check_gate_up(gate_up)
     check_main_grads(main_grads, w1, w2)
     mg1, mg2 = main_grads if main_grads is not None else (None, None)
-    return MoeMlpFunction.apply(x, w1, w2, topk_ids, scores, mg1, mg2)
+    return MoeMlpFunction.apply(x, w1, w2, topk_ids, scores, mg1, mg2, gate_up)
 
 
 def interleave_gate_up(w: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -190,10 +196,14 @@ def deinterleave_gate_up(w: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def moe_mlp_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, scores: torch.Tensor,
-                dout: torch.Tensor | None = None, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+                dout: torch.Tensor | None = None, dtype: torch.dtype = torch.float64,
+                gate_up: str = "interleaved") -> dict[str, torch.Tensor]:
     """The layer in plain torch, every op in ``dtype`` (float64: the oracle; bfloat16: a PyTorch gold
     whose intermediates round to BF16 as an eager model would). Per-expert matmuls, autograd for the
-    backward. Returns out and, with ``dout``, dx, dw1, dw2, dscores (all in ``dtype``)."""
+    backward. Returns out and, with ``dout``, dx, dw1, dw2, dscores (all in ``dtype``; dw1 in w1's ``gate_up``
+    layout)."""
+    check_gate_up(gate_up)
+    half = w1.shape[2] // 2
     xr = x.detach().to(dtype).requires_grad_(dout is not None)
     w1r = w1.detach().to(dtype).requires_grad_(dout is not None)
     w2r = w2.detach().to(dtype).requires_grad_(dout is not None)
@@ -206,8 +216,8 @@ def moe_mlp_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: t
         if tok.numel() == 0:
             continue
         gu = xr[tok] @ w1r[e]
-        h = torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]
-        ys[e] = (tok, kk, h @ w2r[e])
+        gate, up = (gu[:, :half], gu[:, half:]) if gate_up == "split" else (gu[:, 0::2], gu[:, 1::2])
+        ys[e] = (tok, kk, (torch.nn.functional.silu(gate) * up) @ w2r[e])
     for k in range(k_count):  # ascending k, like the kernel
         for e, (tok, kk, y) in ys.items():
             sel = kk == k

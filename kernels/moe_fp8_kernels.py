@@ -240,4 +240,4 @@ def moe_fp8_wgrad_kernel(
         as_ptrs += stride_asp
         bs_ptrs += stride_bsp
     store_wgrad_tile(dw_ptr, acc, expert, count, gate_ptr, offs_r, offs_c, r_ok, c_ok, stride_we, stride_wr, stride_wc,
-                     ACCUMULATE, INTERPRETED)
+                     stride_wc, ACCUMULATE, INTERPRETED, False)

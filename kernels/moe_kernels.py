@@ -36,8 +36,8 @@ import triton.language as tl
 
 from detkit.kernels.moe_common import combine_launch_name, grouped_launch_name, scale_rows_launch_name, wgrad_launch_name
 from detkit.kernels.moe_triton_blocks import (
-    dswiglu_epilogue, grouped_tile, mma_step, poisoned, store_c_tile, store_wgrad_tile, swiglu_epilogue, tile_is_live,
-    to_bf16,
+    dim_offsets, dswiglu_epilogue, grouped_tile, mma_step, poisoned, store_c_tile, store_wgrad_tile, swiglu_epilogue,
+    tile_is_live, to_bf16,
 )
 
 
@@ -81,21 +81,21 @@ def moe_grouped_gemm_kernel(
     route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
     P, C, L,  # C[p, :] = A[row(p), :L] @ B[expert(p)][:L, :C]; P padded rows of the grid (multiple of SEGMENT)
     stride_am, stride_al,
-    stride_be, stride_bl, stride_bc,
+    stride_be, stride_bl, stride_bc, stride_b_odd,  # stride_b_odd: B_SPLIT's half offset (dim_offsets)
     stride_cm, stride_cc,
     stride_xm, stride_xc,  # aux: h out [P, C/2] (SWIGLU) or gu in [P, 2C] (DSWIGLU)
     op_id,  # names the launch only
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_K: tl.constexpr,
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
     DSCORE: tl.constexpr, DS_CHUNK: tl.constexpr,
+    B_SPLIT: tl.constexpr,  # 0, or which of B's dims holds split gate/up halves: 1 = L (dX), 2 = C (up)
 ):
     if tile_is_live(gate_ptr, C, BLOCK_N, BLOCK_M):
         pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
             C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
         offs_k = tl.arange(0, STEP_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
-        # [STEP_K, BLOCK_N]
-        b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bl + offs_n[None, :] * stride_bc
+        b_cols = b_ptr + expert * stride_be + dim_offsets(offs_n, stride_bc, stride_b_odd, B_SPLIT == 2)[None, :]
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if tl.sum(row_ok.to(tl.int32), axis=0) > 0:  # a block of padding only does no work
@@ -103,13 +103,23 @@ def moe_grouped_gemm_kernel(
                 for kk in tl.static_range(0, BLOCK_K, STEP_K):
                     k_ok = (k0 + kk + offs_k) < L
                     a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
+                    b_ptrs = b_cols + dim_offsets(k0 + kk + offs_k, stride_bl, stride_b_odd, B_SPLIT == 1)[:, None]
                     b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
                     acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
                     a_ptrs += STEP_K * stride_al
-                    b_ptrs += STEP_K * stride_bl
 
         grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm,
                          stride_cc, stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, DSCORE, DS_CHUNK, INTERPRETED)
+
+
+@triton.jit
+def weight_box(b_desc, expert, off_n, k, WIDTH: tl.constexpr, STEP_K: tl.constexpr, B_K_MAJOR: tl.constexpr):
+    """The [STEP_K, WIDTH] weight tile at (k, off_n) of the expert, by TMA (zero fill past the storage's extents)."""
+    if B_K_MAJOR:
+        b = tl.trans(b_desc.load([expert, off_n, k]).reshape(WIDTH, STEP_K))
+    else:
+        b = b_desc.load([expert, k, off_n]).reshape(STEP_K, WIDTH)
+    return b
 
 
 @triton.jit(launch_metadata=grouped_launch_name)
@@ -125,6 +135,7 @@ def moe_grouped_gemm_tma_kernel(
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
     B_K_MAJOR: tl.constexpr,  # storage [E, C, L] (e.g. W2[e].T for dgrad): box [1, BLOCK_N, STEP_K]
     DSCORE: tl.constexpr, DS_CHUNK: tl.constexpr,
+    B_SPLIT_HALVES: tl.constexpr,  # C is gate/up pairs kept as split halves: two half-width boxes (up only)
 ):
     """moe_grouped_gemm_kernel with the expert's weight tile loaded by TMA (zero fill past the
     expert's own extents, so no other expert's rows leak in): the same tiles, the same ascending K
@@ -137,18 +148,25 @@ def moe_grouped_gemm_tma_kernel(
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
         if tl.sum(row_ok.to(tl.int32), axis=0) > 0:  # a block of padding only does no work
             for k0 in range(0, L, BLOCK_K):
                 for kk in tl.static_range(0, BLOCK_K, STEP_K):
                     k = k0 + kk
                     k_ok = (k + offs_k) < L
                     a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, STEP_K]
-                    if B_K_MAJOR:
-                        b = tl.trans(b_desc.load([expert, off_n, k]).reshape(BLOCK_N, STEP_K))  # [STEP_K, BLOCK_N]
+                    if B_SPLIT_HALVES:  # the gate and up columns of this tile's pairs, one MMA each
+                        b_gate = weight_box(b_desc, expert, off_n // 2, k, BLOCK_N // 2, STEP_K, B_K_MAJOR)
+                        b_up = weight_box(b_desc, expert, C // 2 + off_n // 2, k, BLOCK_N // 2, STEP_K, B_K_MAJOR)
+                        acc_gate = mma_step(acc_gate, a, b_gate, STEP_K, INTERPRETED)
+                        acc_up = mma_step(acc_up, a, b_up, STEP_K, INTERPRETED)
                     else:
-                        b = b_desc.load([expert, k, off_n]).reshape(STEP_K, BLOCK_N)
-                    acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
+                        b = weight_box(b_desc, expert, off_n, k, BLOCK_N, STEP_K, B_K_MAJOR)
+                        acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
                     a_ptrs += STEP_K * stride_al
+            if B_SPLIT_HALVES:  # the interleaved tile: a column's value does not depend on its place in the MMA
+                acc = tl.reshape(tl.join(acc_gate, acc_up), (BLOCK_M, BLOCK_N))
 
         grouped_epilogue(acc, c_ptr, aux_ptr, score_ptr, h_ptr, ds_ptr, offs_m, offs_n, col_ok, pid_n, C, stride_cm,
                          stride_cc, stride_xm, stride_xc, BLOCK_M, BLOCK_N, EPILOGUE, DSCORE, DS_CHUNK, INTERPRETED)
@@ -161,10 +179,10 @@ def moe_wgrad_kernel(
     R, C,  # dW[e] [R, C] = sum over e's rows p (ascending) of A[arow(p), :R]^T B[brow(p), :C]
     stride_am, stride_ar,
     stride_bm, stride_bc,
-    stride_we, stride_wr, stride_wc,
+    stride_we, stride_wr, stride_wc, stride_wc_odd,  # stride_wc_odd: SPLIT_C's half offset (dim_offsets)
     op_id,  # names the launch only
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_K: tl.constexpr,
-    GATHER_A: tl.constexpr, ACCUMULATE: tl.constexpr,
+    GATHER_A: tl.constexpr, ACCUMULATE: tl.constexpr, SPLIT_C: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     pid = tl.program_id(axis=0)
@@ -198,7 +216,7 @@ def moe_wgrad_kernel(
             acc = mma_step(acc, a, b, STEP_K, INTERPRETED)
 
     store_wgrad_tile(dw_ptr, acc, expert, count, gate_ptr, offs_r, offs_c, r_ok, c_ok, stride_we, stride_wr, stride_wc,
-                     ACCUMULATE, INTERPRETED)
+                     stride_wc_odd, ACCUMULATE, INTERPRETED, SPLIT_C)
 
 
 @triton.jit(launch_metadata=scale_rows_launch_name)

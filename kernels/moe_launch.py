@@ -20,7 +20,9 @@ from detkit.kernels.moe_kernels import (
     moe_combine_kernel, moe_dscore_sum_kernel, moe_grouped_gemm_kernel, moe_grouped_gemm_tma_kernel,
     moe_scale_rows_kernel, moe_wgrad_kernel,
 )
-from detkit.kernels.moe_operands import weight_descriptor, weight_storage, ws_weight_rows, ws_wgrad_addresses
+from detkit.kernels.moe_operands import (
+    check_gate_up, weight_descriptor, weight_storage, ws_weight_rows, ws_wgrad_addresses,
+)
 from detkit.kernels.moe_routing import SEGMENT_ALIGN, MoeRouting, PendingRouting, launch_routing, max_padded_rows
 from detkit.kernels.moe_ws import launch_moe_ws, launch_moe_ws_gather, launch_moe_ws_wgrad
 
@@ -36,25 +38,39 @@ def _ws_addresses(config: GemmConfig, b: torch.Tensor) -> bool:
     return ws_weight_rows(b) is not None and b.shape[1] % config.block_k == 0 and b.shape[2] % config.block_n == 0
 
 
-def table_moe_config(stage: str, backend: str, b: torch.Tensor) -> GemmConfig:
+def table_moe_config(stage: str, backend: str, b: torch.Tensor, split: str | None = None) -> GemmConfig:
     """The table's pick for a grouped ``stage``; when the pick's kernel cannot address the weight view ``b``, the
     same tile one load path down: "ws" -> "tma" (see _ws_addresses), "tma" -> "ptr" (TMA cannot address it). The
     variant changes the load path only (same K order per output, same epilogue, so the same bits): an explicit
-    config is never swapped."""
+    config is never swapped. ``split`` ("c" or "l"): b's C or L dim holds gate/up pairs as split halves, which the
+    "ws" kernels do not read and "tma" reads along C only (``_split_variant_reason``)."""
     config = select_moe_config(stage, backend)
-    if config.variant == "ws" and not _ws_addresses(config, b):
+    if config.variant == "ws" and (split is not None or not _ws_addresses(config, b)):
         config = replace(config, variant="tma")
-    if config.variant == "tma" and weight_storage(b) is None:
+    if config.variant == "tma" and (weight_storage(b) is None or split == "l"):
         config = replace(config, variant="ptr")
     return config
+
+
+def _split_variant_reason(config: GemmConfig, split: str | None) -> str | None:
+    if split is None or config.variant == "ptr" or (config.variant == "tma" and split == "c"):
+        return None
+    where = "the output columns (up)" if split == "c" else "the reduced dim (dX)"
+    supported = ("ptr", "tma") if split == "c" else ("ptr",)
+    return (f"variant {config.variant!r} cannot read split gate/up halves along {where}; supported there: "
+            f"{supported}")
 
 
 def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Tensor, c: torch.Tensor,
              aux: torch.Tensor | None, routing: MoeRouting, n_cols: int, reduced: int, epilogue: int,
              backend: str, config: GemmConfig | None,
-             dscore: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """b is a [E, L, C] view (strides kept); ``dscore = (h, ds_part)`` (dgrad only) adds the partials."""
-    config = config or table_moe_config(stage, backend, b)
+             dscore: tuple[torch.Tensor, torch.Tensor] | None = None, split: str | None = None) -> None:
+    """b is a [E, L, C] view (strides kept); ``dscore = (h, ds_part)`` (dgrad only) adds the partials; ``split``
+    ("c" or "l"): b's C or L dim holds gate/up pairs as split halves, read as interleaved pairs."""
+    config = config or table_moe_config(stage, backend, b, split)
+    reason = _split_variant_reason(config, split)
+    if reason is not None:
+        raise ValueError(f"{stage}: {reason}")
     if config.variant == "ws":  # the Gluon kernels (kernels/moe_ws.py): sm_90
         if gather:
             launch_moe_ws_gather(op_id, stage, config, epilogue, a, b, c, aux, routing, dscore, backend)
@@ -74,7 +90,9 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
     grid = (triton.cdiv(p, config.block_m) * triton.cdiv(n_cols, config.block_n),)
     flags = _backend_flags(backend, config)
     if config.variant == "tma":
-        b_desc, k_major = weight_descriptor(b, config.block_n, flags["STEP_K"])
+        if split and config.block_n % 2:
+            raise ValueError(f"{stage}: split gate/up halves need an even BLOCK_N; got {config.block_n}")
+        b_desc, k_major = weight_descriptor(b, config.block_n // 2 if split else config.block_n, flags["STEP_K"])
         moe_grouped_gemm_tma_kernel[grid](
             a, routing.gather_token, b_desc, c, aux_t, h_t, ds_t,
             routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
@@ -85,7 +103,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
             op_id,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SEGMENT=SEGMENT_ALIGN,
             GATHER_A=gather, EPILOGUE=epilogue, B_K_MAJOR=k_major, num_warps=config.num_warps,
-            num_stages=config.num_stages, **flags, **fused,
+            num_stages=config.num_stages, B_SPLIT_HALVES=split == "c", **flags, **fused,
         )
         return
     moe_grouped_gemm_kernel[grid](
@@ -93,26 +111,37 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
         routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
         p, n_cols, reduced,
         a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1), b.stride(2),
+        b.stride(0), b.stride(1), b.stride(2), _half_stride(b, split),
         c.stride(0), c.stride(1),
         aux_t.stride(0), aux_t.stride(1),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SEGMENT=SEGMENT_ALIGN,
         GATHER_A=gather, EPILOGUE=epilogue, num_warps=config.num_warps, num_stages=config.num_stages,
-        **flags, **fused,
+        B_SPLIT={None: 0, "l": 1, "c": 2}[split], **flags, **fused,
     )
 
 
+def _half_stride(b: torch.Tensor, split: str | None) -> int:
+    """The offset of a pair's second half along b's split dim ("l": 1, "c": 2): I of its indices on (0 unsplit)."""
+    if split is None:
+        return 0
+    dim = 1 if split == "l" else 2
+    return b.shape[dim] // 2 * b.stride(dim)
+
+
 def moe_up_swiglu(x: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backend: str,
-                  config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """gu [P, 2I] = x[gather] @ W1[e] (BF16, interleaved) and h [P, I] = silu(g) * u (BF16)."""
-    config = config or table_moe_config("up", backend, w1)
+                  config: GemmConfig | None = None, gate_up: str = "interleaved") -> tuple[torch.Tensor, torch.Tensor]:
+    """gu [P, 2I] = x[gather] @ W1[e] (BF16, interleaved whatever w1's ``gate_up`` layout) and h [P, I] = silu(g) * u
+    (BF16)."""
+    check_gate_up(gate_up)
+    split = "c" if gate_up == "split" else None
+    config = config or table_moe_config("up", backend, w1, split)
     if config.block_n % 2:
         raise ValueError(f"up: BLOCK_N {config.block_n} must be even (gate/up pairs)")
     two_i = w1.shape[2]
     gu = torch.empty((routing.padded_rows, two_i), dtype=torch.bfloat16, device=x.device)
     h = torch.empty((routing.padded_rows, two_i // 2), dtype=torch.bfloat16, device=x.device)
-    _grouped(0, "up", x, True, w1, gu, h, routing, two_i, x.shape[1], EPI_SWIGLU, backend, config)
+    _grouped(0, "up", x, True, w1, gu, h, routing, two_i, x.shape[1], EPI_SWIGLU, backend, config, split=split)
     return gu, h
 
 
@@ -153,11 +182,13 @@ def moe_dgrad_dswiglu_dscore(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Ten
 
 
 def moe_dx_route(dgu: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backend: str,
-                 config: GemmConfig | None = None) -> torch.Tensor:
-    """dx_route [P, H] bf16 = dgu @ W1[e].T: the FP32 accumulator rounded once (the gather-sum sums in FP32)."""
+                 config: GemmConfig | None = None, gate_up: str = "interleaved") -> torch.Tensor:
+    """dx_route [P, H] bf16 = dgu @ W1[e].T: the FP32 accumulator rounded once (the gather-sum sums in FP32); the
+    reduction runs over the interleaved columns whatever w1's ``gate_up`` layout (the same bits)."""
+    check_gate_up(gate_up)
     dxr = torch.empty((routing.padded_rows, w1.shape[1]), dtype=torch.bfloat16, device=dgu.device)
     _grouped(3, "dx", dgu, False, w1.transpose(1, 2), dxr, None, routing, w1.shape[1], w1.shape[2],
-             EPI_PLAIN, backend, config)
+             EPI_PLAIN, backend, config, split="l" if gate_up == "split" else None)
     return dxr
 
 
@@ -197,12 +228,23 @@ def _ws_wgrad_takes(config: GemmConfig, a: torch.Tensor, b: torch.Tensor, out: t
 
 
 def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing: MoeRouting,
-           out: torch.Tensor, accumulate: bool, backend: str, config: GemmConfig | None) -> None:
+           out: torch.Tensor, accumulate: bool, backend: str, config: GemmConfig | None,
+           split_cols: bool = False) -> None:
+    """dW = A^T B over each expert's rows into ``out`` [E, R, C] (any strides); ``split_cols``: out's C dim holds
+    gate/up pairs as split halves (B's columns are interleaved)."""
     if config is None:
         config = select_moe_config("wgrad", backend)
-        if config.variant == "ws" and not _ws_wgrad_takes(config, a, b, out):
+        if config.variant == "ws" and not (split_cols or gather_a or out.is_contiguous()) and _ws_wgrad_takes(
+                config, b, a, out.transpose(1, 2)):
+            # dW stored transposed (e.g. down_proj's [E, H, I] under w2's [E, I, H] view): dW^T = B^T A, the same
+            # products summed over the same rows in the same order, on the ws kernel.
+            launch_moe_ws_wgrad(op_id, config, b, False, a, out.transpose(1, 2), accumulate, routing, backend)
+            return
+        if config.variant == "ws" and (split_cols or not _ws_wgrad_takes(config, a, b, out)):
             config = replace(config, variant="ptr")  # the same tile and K order on the Triton kernel: the same bits
     if config.variant == "ws":  # the Gluon kernel (kernels/moe_ws.py): sm_90
+        if split_cols:
+            raise ValueError("wgrad: variant 'ws' cannot store split gate/up halves; supported there: ('ptr',)")
         launch_moe_ws_wgrad(op_id, config, a, gather_a, b, out, accumulate, routing, backend)
         return
     check_moe_variant("wgrad", config)
@@ -212,9 +254,9 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing
         a, b, routing.gather_token, routing.row_score, out,
         routing.expert_offsets, routing.expert_counts, routing.gate,
         r, c, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), op_id,
+        out.stride(0), out.stride(1), out.stride(2), c // 2 * out.stride(2) if split_cols else 0, op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GATHER_A=gather_a, ACCUMULATE=accumulate,
+        GATHER_A=gather_a, ACCUMULATE=accumulate, SPLIT_C=split_cols,
         num_warps=config.num_warps, num_stages=config.num_stages, **_backend_flags(backend, config),
     )
 
@@ -237,23 +279,46 @@ def moe_scale_rows(dout: torch.Tensor, routing: MoeRouting, backend: str,
     return dy
 
 
+def weight_grad_buffer(shape: tuple[int, ...], like: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """A BF16 weight gradient with ``like``'s strides when it is dense (the weight it belongs to: autograd then
+    keeps it as .grad without a layout copy), else contiguous."""
+    if like is not None and tuple(like.shape) == tuple(shape) and _dense(like):
+        return torch.empty_strided(shape, like.stride(), dtype=torch.bfloat16, device=device)
+    return torch.empty(shape, dtype=torch.bfloat16, device=device)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s strides are a permutation of a contiguous layout's (no gaps, no overlap)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def moe_wgrad_w1(x: torch.Tensor, dgu: torch.Tensor, routing: MoeRouting, backend: str,
-                 main_grad: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor | None:
-    """dW1[e] [H, 2I] = x[gather]^T @ dgu over e's rows (BF16), or main_grad += it in FP32 (returns None)."""
+                 main_grad: torch.Tensor | None = None, config: GemmConfig | None = None,
+                 gate_up: str = "interleaved", like: torch.Tensor | None = None) -> torch.Tensor | None:
+    """dW1[e] [H, 2I] = x[gather]^T @ dgu over e's rows (BF16), or main_grad += it in FP32 (returns None); its columns
+    in w1's ``gate_up`` layout, a new dW1 with the strides of ``like`` (w1) when dense."""
+    check_gate_up(gate_up)
     experts = routing.num_experts
-    out = main_grad if main_grad is not None else torch.empty(
-        (experts, x.shape[1], dgu.shape[1]), dtype=torch.bfloat16, device=x.device)
-    _wgrad(0, x, True, dgu, routing, out, main_grad is not None, backend, config)
+    out = main_grad if main_grad is not None else weight_grad_buffer(
+        (experts, x.shape[1], dgu.shape[1]), like, x.device)
+    _wgrad(0, x, True, dgu, routing, out, main_grad is not None, backend, config, split_cols=gate_up == "split")
     return None if main_grad is not None else out
 
 
 def moe_wgrad_w2(h: torch.Tensor, dout: torch.Tensor, routing: MoeRouting, backend: str,
-                 main_grad: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor | None:
+                 main_grad: torch.Tensor | None = None, config: GemmConfig | None = None,
+                 like: torch.Tensor | None = None) -> torch.Tensor | None:
     """dW2[e] [I, H] = h^T @ dy over e's rows (BF16), or main_grad += it in FP32, with
-    dy = bf16(s * dout[gather]) formed once per expert-sorted row by ``moe_scale_rows``."""
+    dy = bf16(s * dout[gather]) formed once per expert-sorted row by ``moe_scale_rows``; a new dW2 with the strides
+    of ``like`` (w2) when dense."""
     experts = routing.num_experts
-    out = main_grad if main_grad is not None else torch.empty(
-        (experts, h.shape[1], dout.shape[1]), dtype=torch.bfloat16, device=h.device)
+    out = main_grad if main_grad is not None else weight_grad_buffer(
+        (experts, h.shape[1], dout.shape[1]), like, h.device)
     dy = moe_scale_rows(dout, routing, backend)
     _wgrad(1, h, False, dy, routing, out, main_grad is not None, backend, config)
     return None if main_grad is not None else out

@@ -1,4 +1,5 @@
-"""How the MoE grouped GEMMs address their weight operands: the ``[E, L, C]`` weight view's storage as a rank-3 TMA
+"""How the MoE grouped GEMMs address their weight operands: w1's gate/up column layout (interleaved, or split halves
+read in place as interleaved pairs),  the ``[E, L, C]`` weight view's storage as a rank-3 TMA
 descriptor (variant "tma"), as the 2-D TMA rows the Gluon kernels read (variant "ws"), and whether the ws weight
 gradient can take its operands. A view the descriptors cannot address makes the table's pick fall back to the
 same tile one load path down (kernels/moe_launch.py), which gives the same bits."""
@@ -9,6 +10,15 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from detkit.kernels.backend import ensure_cuda_context
+
+# w1's [E, H, 2I] columns: "interleaved" (2j = gate_j, 2j+1 = up_j; the layer's own layout) or "split" ([gate (I) |
+# up (I)], as transformers' gate_up_proj and nn.Linear stacks hold them), read in place as interleaved pairs.
+GATE_UP_LAYOUTS = ("interleaved", "split")
+
+
+def check_gate_up(gate_up: str) -> None:
+    if gate_up not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up {gate_up!r} is not supported; supported: {GATE_UP_LAYOUTS}")
 
 
 def weight_storage(b: torch.Tensor) -> tuple[torch.Tensor, bool] | None:

@@ -59,11 +59,23 @@ def poisoned(v, gate_ptr):
 
 
 @triton.jit
+def dim_offsets(offs, stride, stride_odd, SPLIT: tl.constexpr):
+    """Offsets of the indices ``offs`` along a dim of ``stride``; SPLIT: the dim holds gate/up pairs as split halves
+    [gate (I) | up (I)] read as interleaved pairs, index n = 2 j + half at j * stride + half * stride_odd (= I
+    stride)."""
+    if SPLIT:
+        return (offs // 2) * stride + (offs % 2) * stride_odd
+    return offs * stride
+
+
+@triton.jit
 def store_wgrad_tile(dw_ptr, acc, expert, count, gate_ptr, offs_r, offs_c, r_ok, c_ok, stride_we, stride_wr, stride_wc,
-                     ACCUMULATE: tl.constexpr, INTERPRETED: tl.constexpr):
+                     stride_wc_odd, ACCUMULATE: tl.constexpr, INTERPRETED: tl.constexpr, SPLIT_C: tl.constexpr):
     """A weight-gradient tile of dW[expert] (BF16 and FP8 Triton kernels): BF16, or ACCUMULATE: main_grad += acc in
-    FP32, untouched for an expert without rows; NaN (stored, or added) for a refused batch."""
-    w_ptrs = dw_ptr + expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
+    FP32, untouched for an expert without rows; NaN (stored, or added) for a refused batch. SPLIT_C: dW's columns are
+    split gate/up halves (``dim_offsets``)."""
+    w_ptrs = (dw_ptr + expert * stride_we + offs_r[:, None] * stride_wr
+              + dim_offsets(offs_c, stride_wc, stride_wc_odd, SPLIT_C)[None, :])
     w_mask = r_ok[:, None] & c_ok[None, :]
     acc = poisoned(acc, gate_ptr)
     if ACCUMULATE:

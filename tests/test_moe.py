@@ -234,6 +234,68 @@ def test_linear_style_weight_views_and_converters(device):
         assert compare_bits(got[name], want[name]).equal, name
 
 
+def _split_views_case(routing: str, device: torch.device) -> dict:
+    """Inputs whose weights are also held as transformers holds them: gate_up_proj [E, 2I, H] (rows [gate; up]) and
+    down_proj [E, H, I]. On the GPU at widths the sm_90 table's tiles divide, so the interleaved run takes the ws and
+    TMA kernels and the split run their fallbacks."""
+    cuda = device.type == "cuda"
+    inp = make_inputs(_case(routing, t=96 if cuda else 40, h=256 if cuda else H, i=128 if cuda else I, seed=21),
+                      device)
+    inp["gate_up_proj"] = deinterleave_gate_up(inp["w1"]).transpose(1, 2).contiguous()
+    inp["down_proj"] = inp["w2"].transpose(1, 2).contiguous()
+    return inp
+
+
+def _run_on_parameters(inp: dict, split: bool, main_grads: bool = False) -> dict:
+    """The layer as a model calls it (``split``: gate_up_proj and down_proj as views read in place, gradients as the
+    parameters' .grad) or on its own contiguous layout (w1 interleaved, w2 [E, I, H]; gradients converted to the
+    parameters' layouts); with ``main_grads`` the FP32 accumulators instead, in the parameters' layouts."""
+    x, s = inp["x"].clone().requires_grad_(), inp["scores"].clone().requires_grad_()
+    if split:
+        g, d = (inp[n].clone().requires_grad_() for n in ("gate_up_proj", "down_proj"))
+        w1, w2 = g.transpose(1, 2), d.transpose(1, 2)
+    else:
+        w1, w2 = (inp[n].clone().requires_grad_() for n in ("w1", "w2"))
+    mg = (torch.zeros_like(w1, dtype=torch.float32), torch.zeros_like(w2, dtype=torch.float32)) if main_grads else None
+    out = km.moe_mlp(x, w1, w2, inp["topk_ids"], s, mg, gate_up="split" if split else "interleaved")
+    out.backward(inp["dout"])
+    dw1, dw2 = mg if main_grads else (w1.grad, w2.grad)
+    if split:
+        d_gate_up, d_down = (mg[0].transpose(1, 2), mg[1].transpose(1, 2)) if main_grads else (g.grad, d.grad)
+    else:
+        d_gate_up, d_down = deinterleave_gate_up(dw1).transpose(1, 2), dw2.transpose(1, 2)
+    return {"out": out, "dx": x.grad, "dscores": s.grad, "d_gate_up_proj": d_gate_up, "d_down_proj": d_down}
+
+
+@pytest.mark.parametrize("routing", ["random", "masked"])
+def test_split_gate_up_views_give_the_interleaved_copy_bits_and_grads_in_the_parameters_layout(routing, device):
+    inp = _split_views_case(routing, device)
+    want, got = _run_on_parameters(inp, split=False), _run_on_parameters(inp, split=True)
+    for name in want:
+        assert compare_bits(got[name], want[name]).equal, name
+    # dW1 and dW2 were written in the parameters' own layouts: autograd kept them as .grad without a layout copy.
+    assert got["d_gate_up_proj"].is_contiguous() and got["d_down_proj"].is_contiguous()
+    assert not want["d_gate_up_proj"].is_contiguous()  # the layer's own layout is another one
+
+
+def test_split_gate_up_views_accumulate_main_grads_with_the_interleaved_copy_bits(device):
+    inp = _split_views_case("random", device)
+    want, got = (_run_on_parameters(inp, split=s, main_grads=True) for s in (False, True))
+    for name in want:
+        assert compare_bits(got[name], want[name]).equal, name
+
+
+def test_split_gate_up_views_refuse_an_explicit_config_that_cannot_read_them(device):
+    from detkit.kernels.moe_launch import moe_dx_route
+
+    inp = _split_views_case("random", device)
+    r = build_routing(inp["topk_ids"], inp["scores"], E)
+    w1 = inp["gate_up_proj"].transpose(1, 2)
+    dgu = torch.zeros((r.padded_rows, w1.shape[2]), dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match=r"dx: variant 'tma' cannot read split gate/up halves along the reduced dim"):
+        moe_dx_route(dgu, w1, r, backend_of(device), config=GemmConfig(64, 32, 16, 1, 4, 2, "tma"), gate_up="split")
+
+
 def test_all_routes_masked_gives_zeros(device):
     inp = make_inputs(_case(t=5, seed=14), device)
     inp["topk_ids"] = torch.full_like(inp["topk_ids"], -1)
@@ -260,7 +322,8 @@ def no_kernel_queued(monkeypatch):
     ({"main_grads": (None, None, None)}, TypeError, "main_grads must be a pair .* got tuple"),
     ({"main_grads": ("a", "b")}, TypeError, "main_grad_w1 must be a float32 tensor; got str"),
     ({"main_grads": "wrong"}, TypeError, "main_grads must be a pair .* got str"),
-], ids=["int", "triple", "strings", "str"])
+    ({"gate_up": "halves"}, ValueError, r"gate_up 'halves' is not supported; supported: \('interleaved', 'split'\)"),
+], ids=["int", "triple", "strings", "str", "gate_up"])
 def test_moe_mlp_refuses_a_bad_main_grads_before_any_kernel(kwargs, exc_type, match, device, no_kernel_queued):
     inp = make_inputs(_case(t=8), device)
     with pytest.raises(exc_type, match=match):
@@ -355,30 +418,33 @@ for stage, epi, gather, c_t in (("up", 1, True, "*bf16"), ("down", 0, False, "*f
             "gate_ptr": "*i32"}
     out[stage] = build(g, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                        "STEP_K": c.block_k, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False,
-                       "DSCORE": stage == "dgrad", "DS_CHUNK": DS_CHUNK},
+                       "DSCORE": stage == "dgrad", "DS_CHUNK": DS_CHUNK, "B_SPLIT": 0},
                        ("stride_al", "stride_bl" if stage in ("dgrad", "dx") else "stride_bc", "stride_cc", "stride_xc"))
 t = km.moe_grouped_gemm_tma_kernel
-for name, stage, epi, gather, c_t, k_major in (("up_tma", "up", 1, True, "*bf16", False),
-                                               ("up_tma_kmajor", "up", 1, True, "*bf16", True),
-                                               ("dgrad_tma", "dgrad", 2, True, "*bf16", True),
-                                               ("dx_tma", "dx", 0, False, "*fp32", True)):
+for name, stage, epi, gather, c_t, k_major, split in (("up_tma", "up", 1, True, "*bf16", False, False),
+                                                      ("up_tma_kmajor", "up", 1, True, "*bf16", True, False),
+                                                      ("up_tma_split", "up", 1, True, "*bf16", True, True),
+                                                      ("dgrad_tma", "dgrad", 2, True, "*bf16", True, False),
+                                                      ("dx_tma", "dx", 0, False, "*fp32", True, False)):
     c = cfgs[stage]
-    box = [1, c.block_n, c.block_k] if k_major else [1, c.block_k, c.block_n]
+    width = c.block_n // 2 if split else c.block_n
+    box = [1, width, c.block_k] if k_major else [1, c.block_k, width]
     ptrs = {"a_ptr": "*bf16", "a_rows_ptr": "*i32", "b_desc": f"tensordesc<bf16{box}>", "c_ptr": c_t,
             "aux_ptr": "*bf16", "h_ptr": "*bf16", "ds_ptr": "*fp32", "route_ptr": "*i32", "score_ptr": "*fp32",
             "tile_expert_ptr": "*i32", "gate_ptr": "*i32"}
     out[name] = build(t, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                       "STEP_K": c.block_k, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False,
-                      "B_K_MAJOR": k_major, "DSCORE": stage == "dgrad", "DS_CHUNK": DS_CHUNK},
+                      "B_K_MAJOR": k_major, "DSCORE": stage == "dgrad", "DS_CHUNK": DS_CHUNK, "B_SPLIT_HALVES": split},
                       ("stride_al", "stride_cc", "stride_xc"))
 w, c = km.moe_wgrad_kernel, cfgs["wgrad"]
-for name, ga, acc in (("wgrad_w1", True, False), ("wgrad_w2", False, False), ("wgrad_main_grad", True, True)):
+for name, ga, acc, split in (("wgrad_w1", True, False, False), ("wgrad_w2", False, False, False),
+                             ("wgrad_main_grad", True, True, False), ("wgrad_w1_split", True, False, True)):
     ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
             "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
             "gate_ptr": "*i32"}
     out[name] = build(w, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
-                      "STEP_K": c.block_k, "GATHER_A": ga, "ACCUMULATE": acc, "INTERPRETED": False},
-                      ("stride_ar", "stride_bc", "stride_wc"))
+                      "STEP_K": c.block_k, "GATHER_A": ga, "ACCUMULATE": acc, "INTERPRETED": False, "SPLIT_C": split},
+                      ("stride_ar", "stride_bc", "stride_wr" if split else "stride_wc"))
 c = cfgs["combine"]
 out["scale_rows"] = build(km.moe_scale_rows_kernel, {"src_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
                           "route_ptr": "*i32", "gate_ptr": "*i32", "out_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "INTERPRETED": False},
@@ -407,11 +473,11 @@ print(json.dumps(out))
 
 def test_kernels_compile_for_sm90_offline(tmp_path):
     report = compile_sm90_offline(_SM90_COMPILE, tmp_path, str(tmp_path))
-    for stage in ("up", "down", "dgrad", "dx", "wgrad_w1", "wgrad_w2", "wgrad_main_grad"):
+    for stage in ("up", "down", "dgrad", "dx", "wgrad_w1", "wgrad_w2", "wgrad_main_grad", "wgrad_w1_split"):
         assert report[stage]["wgmma"] > 0, (stage, report[stage])
     for stage in ("up", "down", "dgrad", "dx"):
         assert report[stage]["cp_async"] > 0, (stage, report[stage])  # the K loop is software-pipelined
-    for stage in ("up_tma", "up_tma_kmajor", "dgrad_tma", "dx_tma"):  # weight tiles by TMA, into wgmma
+    for stage in ("up_tma", "up_tma_kmajor", "up_tma_split", "dgrad_tma", "dx_tma"):  # weight tiles by TMA, into wgmma
         assert report[stage]["tma"] > 0 and report[stage]["wgmma"] > 0, (stage, report[stage])
     for stage in ("dgrad", "dgrad_tma"):  # with the fused dscore partials: no register spills
         assert report[stage]["stack"] == 0, (stage, report[stage])

@@ -7,18 +7,21 @@ eager, interleaved in one process at a preset's shape:
     layer            moe_mlp on the layer's layout (the bench's ``bf16`` row)
     layer_linear     moe_mlp on transformers' storage: w1 = the interleaved copy of gate_up_proj (K-major, made
                      once, outside the timing), w2 = down_proj.transpose(1, 2) (a K-major view)
-    interleave       the per-call copy gate_up_proj -> w1 (kernels/mode_moe.gate_up_as_w1) and, forward+backward,
-                     its gradient back to gate_up_proj's layout
+    layer_split      moe_mlp on gate_up_proj.transpose(1, 2) with gate_up="split" and down_proj.transpose(1, 2):
+                     transformers' parameters read in place
+    interleave       a per-call copy gate_up_proj -> interleaved w1 (kernels/mode_moe.gate_up_as_w1) and,
+                     forward+backward, its gradient back to gate_up_proj's layout
     experts          the mode's experts path (mode_moe.experts_forward on the block's experts module), gradients
                      by torch.autograd.grad (as bench moe's hf_detkit row)
-    experts_accum    the same through .backward(): gradients accumulated into .grad (set to None before each call),
-                     as a training step does
+    experts_copy     the same on an interleaved copy made per call (the path before gate_up="split")
+    experts_accum    ``experts`` through .backward(): gradients accumulated into .grad (set to None before each
+                     call), as a training step does
     router           the mode's router (mode_moe.router_forward)
     block            the whole block under batch_invariant_mode() (bench moe's hf_detkit row)
 
 The layer rows use the bench's uniform routing; the block rows its own router's. Also the stages of the layer on
-transformers' storage (``bench.moe.bf16_stage_fns``) beside the layer's own, to show which kernels the K-major
-weights slow. GPU only (CUDA BF16).
+transformers' storage (``bench.moe.bf16_stage_fns``) and the stages that read or write w1, w2 as split views
+beside the layer's own. GPU only (CUDA BF16).
 
     python -m tools.moe_block_cost --preset qwen3-30b-a3b --json out.json
 """
@@ -32,7 +35,8 @@ import sys
 import torch
 from tabulate import tabulate
 
-ROWS = ("layer", "layer_linear", "interleave", "experts", "experts_accum", "router", "block")
+ROWS = ("layer", "layer_linear", "layer_split", "interleave", "experts", "experts_copy", "experts_accum", "router",
+        "block")
 
 
 def fwd_bwd(fn, leaves, dout, accumulate: bool = False):
@@ -67,20 +71,31 @@ def build(preset: str, device: torch.device, seed: int):
     ids64, scores_bf16 = ids.long(), scores.to(torch.bfloat16)
     grad_w1 = torch.randn_like(w1k)
 
+    def layer_split():
+        return moe_mlp(x, gate_up.transpose(1, 2), down.transpose(1, 2), ids, scores, gate_up="split")
+
+    def experts_copy():
+        return moe_mlp(x, mode_moe.gate_up_as_w1(gate_up), down.transpose(1, 2), mode_moe.route_ids(ids64, p.e),
+                       scores_bf16)
+
     fns = {
         "fwd": {
             "layer": lambda: moe_mlp(x, w1n, w2n, ids, scores),
             "layer_linear": lambda: moe_mlp(x, w1k, w2k, ids, scores),
+            "layer_split": layer_split,
             "interleave": lambda: mode_moe.gate_up_as_w1(gate_up),
             "experts": lambda: mode_moe.experts_forward(experts, x, ids64, scores_bf16),
+            "experts_copy": experts_copy,
             "router": lambda: mode_moe.router_forward(block.gate, x),
         },
         "fwd_bwd": {
             "layer": fwd_bwd(lambda: moe_mlp(x, w1n, w2n, ids, scores), [x, w1n, w2n], dout),
             "layer_linear": fwd_bwd(lambda: moe_mlp(x, w1k, w2k, ids, scores), [x, w1k, w2k], dout),
+            "layer_split": fwd_bwd(layer_split, [x, gate_up, down], dout),
             "interleave": lambda: torch.autograd.grad(mode_moe.gate_up_as_w1(gate_up), [gate_up], grad_w1),
             "experts": fwd_bwd(lambda: mode_moe.experts_forward(experts, x, ids64, scores_bf16),
                                [x, gate_up, down], dout),
+            "experts_copy": fwd_bwd(experts_copy, [x, gate_up, down], dout),
             "experts_accum": fwd_bwd(lambda: mode_moe.experts_forward(experts, x, ids64, scores_bf16),
                                      [x, gate_up, down], dout, accumulate=True),
         },
@@ -88,8 +103,27 @@ def build(preset: str, device: torch.device, seed: int):
     block_fns = moe_hf.block_fns(block, inp["x"], dout)
     for measure in fns:
         fns[measure]["block"] = block_fns[measure]
-    stage_inputs = {"layer": inp, "layer_linear": dict(inp, w1=w1k.detach(), w2=w2k.detach())}
+    stage_inputs = {"layer": inp, "layer_linear": dict(inp, w1=w1k.detach(), w2=w2k.detach()),
+                    "split": dict(inp, w1=gate_up.detach().transpose(1, 2), w2=down.detach().transpose(1, 2))}
     return p, fns, stage_inputs
+
+
+def split_stage_fns(p, inp: dict, backend: str) -> dict:
+    """The stages that read or write w1, w2 on split views (gate_up="split", gradients in the weights' layouts)."""
+    from detkit.kernels import moe_launch as ml
+    from detkit.kernels.moe import moe_mlp_fwd
+    from detkit.kernels.moe_routing import build_routing
+
+    x, w1, w2, ids, scores, dout = (inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores", "dout"))
+    routing = build_routing(ids, scores, p.e)
+    _, saved = moe_mlp_fwd(x, w1, w2, ids, scores, gate_up="split")
+    dgu = ml.moe_dgrad_dswiglu(dout, w2, saved.gu, routing, backend)
+    return {
+        "up_swiglu": lambda: ml.moe_up_swiglu(x, w1, routing, backend, gate_up="split"),
+        "dx_route": lambda: ml.moe_dx_route(dgu, w1, routing, backend, gate_up="split"),
+        "wgrad_w1": lambda: ml.moe_wgrad_w1(x, dgu, routing, backend, gate_up="split", like=w1),
+        "wgrad_w2": lambda: ml.moe_wgrad_w2(saved.h, dout, routing, backend, like=w2),
+    }
 
 
 def measure(preset: str, rounds: int, seed: int) -> dict:
@@ -106,9 +140,11 @@ def measure(preset: str, rounds: int, seed: int) -> dict:
             timings = time_interleaved(measure_fns, device, rounds=rounds)
             out["rows"][name] = {row: vars(t) for row, t in timings.items()}
     stage_fns = {}
-    for layout, inp in stage_inputs.items():
-        for stage, (fn, _) in bf16_stage_fns(p, inp, CUDA_SM90).items():
+    for layout in ("layer", "layer_linear"):
+        for stage, (fn, _) in bf16_stage_fns(p, stage_inputs[layout], CUDA_SM90).items():
             stage_fns[f"{layout} {stage}"] = fn
+    for stage, fn in split_stage_fns(p, stage_inputs["split"], CUDA_SM90).items():
+        stage_fns[f"split {stage}"] = fn
     timings = time_interleaved(stage_fns, device, rounds=max(1, rounds // 2))
     out["stages"] = {name: vars(t) for name, t in timings.items()}
     return out
@@ -124,10 +160,15 @@ def render(result: dict) -> str:
         lines += [f"\n{name}", tabulate(table, headers=["row", "median", "p20-p80", "/ layer"], tablefmt="github")]
     stages = result["stages"]
     names = list(dict.fromkeys(n.split(" ", 1)[1] for n in stages))
-    table = [[s, f"{stages[f'layer {s}']['median_us']:.0f}", f"{stages[f'layer_linear {s}']['median_us']:.0f}",
-              f"{stages[f'layer_linear {s}']['median_us'] / stages[f'layer {s}']['median_us']:.2f}"] for s in names]
-    lines += ["\nstages (the layer's layout vs transformers' storage)",
-              tabulate(table, headers=["stage", "layer µs", "linear µs", "ratio"], tablefmt="github")]
+    layouts = ("layer", "layer_linear", "split")
+    table = []
+    for s in names:
+        base = stages[f"layer {s}"]["median_us"]
+        cells = [stages.get(f"{lay} {s}") for lay in layouts]
+        table.append([s] + [f"{c['median_us']:.0f} ({c['median_us'] / base:.2f})" if c else "" for c in cells])
+    lines += ["\nstages, µs (/ the layer's layout): the layer's layout, transformers' storage with an interleaved copy, "
+              "split views",
+              tabulate(table, headers=["stage", *layouts], tablefmt="github")]
     return "\n".join(lines)
 
 
