@@ -10,6 +10,7 @@ kernels/moe_routing.py; P is the padded row count.
                                           of chunk c of (dout[t] @ W2[e].T)[j] * h[p, j] (FP32)
                                    dx     dgu @ W1[e].T -> dx_route [P, H], rounded once to BF16
     moe_grouped_gemm_tma_kernel  the same tiles, K steps and epilogues with the weight tile loaded by TMA
+    moe_split_copy_kernel        a weight gradient of interleaved columns copied into a split-halves layout
     moe_wgrad_kernel             one program per (expert, dW tile): dW[e] = A[rows of e]^T B[rows of e] over the
                                  expert's rows in ascending order; BF16 out, or main_grad += it in FP32
     moe_scale_rows_kernel        dy [P, H] = bf16(s * dout[gather]) (dW2's B operand), padding rows +0
@@ -217,6 +218,27 @@ def moe_wgrad_kernel(
 
     store_wgrad_tile(dw_ptr, acc, expert, count, gate_ptr, offs_r, offs_c, r_ok, c_ok, stride_we, stride_wr, stride_wc,
                      stride_wc_odd, ACCUMULATE, INTERPRETED, SPLIT_C)
+
+
+@triton.jit
+def moe_split_copy_kernel(
+    src_ptr, dst_ptr,
+    R, C,  # dst[e][r, c] = src[e][r, c] for the [E, R, C] views; dst's C holds gate/up pairs as split halves
+    stride_se, stride_sr, stride_sc, stride_de, stride_dr, stride_dc, stride_dc_odd,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """A weight gradient computed with interleaved columns, copied into the weight's split-halves layout (any strides;
+    the compiler stages the tile through shared memory when dst is contiguous along R). Exact: a copy."""
+    pid = tl.program_id(axis=0)
+    num_r = tl.cdiv(R, BLOCK_R)
+    num_c = tl.cdiv(C, BLOCK_C)
+    expert = pid // (num_r * num_c)
+    offs_r = ((pid // num_c) % num_r) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = (pid % num_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (offs_r < R)[:, None] & (offs_c < C)[None, :]
+    v = tl.load(src_ptr + expert * stride_se + offs_r[:, None] * stride_sr + offs_c[None, :] * stride_sc, mask=mask)
+    tl.store(dst_ptr + expert * stride_de + offs_r[:, None] * stride_dr
+             + dim_offsets(offs_c, stride_dc, stride_dc_odd, True)[None, :], v, mask=mask)
 
 
 @triton.jit(launch_metadata=scale_rows_launch_name)

@@ -18,7 +18,7 @@ from detkit.kernels.moe_common import DS_CHUNK, EPI_DSWIGLU, EPI_PLAIN, EPI_SWIG
 from detkit.kernels.moe_configs import check_grouped_config, check_moe_variant, select_moe_config
 from detkit.kernels.moe_kernels import (
     moe_combine_kernel, moe_dscore_sum_kernel, moe_grouped_gemm_kernel, moe_grouped_gemm_tma_kernel,
-    moe_scale_rows_kernel, moe_wgrad_kernel,
+    moe_scale_rows_kernel, moe_split_copy_kernel, moe_wgrad_kernel,
 )
 from detkit.kernels.moe_operands import (
     check_gate_up, weight_descriptor, weight_storage, ws_weight_rows, ws_wgrad_addresses,
@@ -301,13 +301,33 @@ def moe_wgrad_w1(x: torch.Tensor, dgu: torch.Tensor, routing: MoeRouting, backen
                  main_grad: torch.Tensor | None = None, config: GemmConfig | None = None,
                  gate_up: str = "interleaved", like: torch.Tensor | None = None) -> torch.Tensor | None:
     """dW1[e] [H, 2I] = x[gather]^T @ dgu over e's rows (BF16), or main_grad += it in FP32 (returns None); its columns
-    in w1's ``gate_up`` layout, a new dW1 with the strides of ``like`` (w1) when dense."""
+    in w1's ``gate_up`` layout. A new dW1 is contiguous when interleaved (autograd converts it to w1's layout where
+    they differ); of split columns it takes the strides of ``like`` (w1) when dense, so autograd keeps it as is:
+    the table's kernel computes it interleaved into a scratch copied into place by ``moe_split_copy_kernel`` when it
+    is the ws kernel (which does not store split halves), else the Triton kernel stores the halves directly."""
     check_gate_up(gate_up)
     experts = routing.num_experts
-    out = main_grad if main_grad is not None else weight_grad_buffer(
-        (experts, x.shape[1], dgu.shape[1]), like, x.device)
-    _wgrad(0, x, True, dgu, routing, out, main_grad is not None, backend, config, split_cols=gate_up == "split")
+    shape = (experts, x.shape[1], dgu.shape[1])
+    split = gate_up == "split"
+    out = main_grad if main_grad is not None else weight_grad_buffer(shape, like if split else None, x.device)
+    if split and main_grad is None and config is None:
+        table = select_moe_config("wgrad", backend)
+        scratch = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
+        if table.variant == "ws" and _ws_wgrad_takes(table, x, dgu, scratch):
+            _wgrad(0, x, True, dgu, routing, scratch, False, backend, table)
+            _split_copy(scratch, out, backend)
+            return out
+    _wgrad(0, x, True, dgu, routing, out, main_grad is not None, backend, config, split_cols=split)
     return None if main_grad is not None else out
+
+
+def _split_copy(src: torch.Tensor, dst: torch.Tensor, backend: str) -> None:
+    """dst [E, R, C] (split gate/up columns, any strides) = src (interleaved columns), exactly."""
+    experts, r, c = src.shape
+    block_r, block_c = (64, 64) if backend == TRITON_INTERPRETER else (64, 128)
+    grid = (experts * triton.cdiv(r, block_r) * triton.cdiv(c, block_c),)
+    moe_split_copy_kernel[grid](src, dst, r, c, *src.stride(), *dst.stride(), c // 2 * dst.stride(2),
+                                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
 
 
 def moe_wgrad_w2(h: torch.Tensor, dout: torch.Tensor, routing: MoeRouting, backend: str,

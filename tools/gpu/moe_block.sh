@@ -6,7 +6,7 @@
 # layer and the block (default and under the mode); then the layer's eager host path at small T (tools/moe_host.py,
 # BF16 and FP8, with a cProfile). About 6-8 minutes.
 #
-#   OUT=/path/to/results tools/gpu/moe_block.sh
+#   OUT=/path/to/results tools/gpu/moe_block.sh   (ARCHIVE=... puts the refreshed .tgz elsewhere than $OUT.tgz)
 #
 # Writes $OUT/pytest-split.log (+ .xml), $OUT/pytest-mode-moe.log (+ .xml), $OUT/block-cost.log (+ .json),
 # $OUT/bench-block/ (report.json, report.md) with $OUT/bench-block.log, $OUT/host-bf16.log (+ .json), $OUT/host-fp8.log (+ .json), $OUT/versions.txt
