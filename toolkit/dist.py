@@ -674,6 +674,18 @@ def write_incomplete_report(session: DistSession, out: Path, meta: dict[str, Any
     return md_path
 
 
+def _wait_for_states(session: DistSession, ranks: list[int], limit_s: float) -> bool:
+    """Whether every rank of ``ranks`` left the running state (its line printed) within ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        records = read_watch(session.watch.directory, session.world_size)
+        if all(records.get(r) is not None and records[r].get("state") != "running" for r in ranks):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 def _wait_for_incomplete_marker(out: Path, limit_s: float) -> dict[str, Any] | None:
     deadline = time.monotonic() + limit_s
     path = out / "ranks" / INCOMPLETE_FILE
@@ -701,20 +713,24 @@ def _account(session: DistSession, out: Path, meta: dict[str, Any], diagnosis: D
              error: str) -> str:
     """Print this rank's one line, then have the lowest surviving rank write the INCOMPLETE report
     while the others wait for it (the first rank to exit may end them all: torchrun, srun
-    --kill-on-bad-exit); return the line."""
-    session.watch.end("gave-up", error[:300])
+    --kill-on-bad-exit), and the writer wait for the other survivors to have printed theirs; return
+    the line."""
     survivors = [r for r in range(session.world_size) if r not in diagnosis.silent and r not in diagnosis.failed]
     writer = min(survivors)
     md = out / "report.md"
     line = (f"detkit audit: rank {session.rank}: INCOMPLETE: {diagnosis.culprits()}; this rank gave up in stage "
             f"'{diagnosis.my_stage}' ({how}); INCOMPLETE report: {md} (written by rank {writer})")
     print(line, file=sys.stderr, flush=True)
+    session.watch.end("gave-up", error[:300])  # after the line: the writer waits for this state
     if session.rank == writer:
         try:
             write_incomplete_report(session, out, meta, diagnosis, error)
         except Exception as exc:  # noqa: BLE001 -- say so, the line is out already
             print(f"detkit audit: rank {session.rank}: the INCOMPLETE report was not written: "
                   f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        # The other survivors see the stall up to a beat later; this rank's exit may end them.
+        _wait_for_states(session, [r for r in survivors if r != session.rank],
+                         limit_s=(session.watch.stale_s or 0) + 3 * session.watch.interval + 5)
     elif _wait_for_incomplete_marker(out, limit_s=30 + 3 * session.watch.interval) is None:
         print(f"detkit audit: rank {session.rank}: rank {writer} did not write the INCOMPLETE report within "
               f"{30 + 3 * session.watch.interval:g} s", file=sys.stderr, flush=True)
