@@ -151,11 +151,12 @@ def fp8_quant_rowwise_kernel(
 def fp8_quant_weight_kernel(
     w_ptr, q_ptr, qt_ptr, s_ptr,
     R, C,  # per expert: q[e, r, c] = qt[e, c, r] = e4m3(w[e, r, c] / s[e, r // QBLOCK, c // QBLOCK])
-    stride_we, stride_wr, stride_wc,
+    stride_we, stride_wr, stride_wc, stride_wc_odd,
     stride_qe, stride_qr, stride_qc,
     stride_te, stride_tc, stride_tr,
     stride_se, stride_sr, stride_sc,
     QBLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+    SPLIT_C: tl.constexpr,  # w's columns are gate/up pairs held as split halves: column 2j + h at j + h * (C / 2)
 ):
     pid = tl.program_id(axis=0)
     num_r = R // QBLOCK
@@ -165,8 +166,11 @@ def fp8_quant_weight_kernel(
     pid_c = pid % num_c
     offs_r = pid_r * QBLOCK + tl.arange(0, QBLOCK)
     offs_c = pid_c * QBLOCK + tl.arange(0, QBLOCK)
-    w = tl.load(w_ptr + expert * stride_we + offs_r[:, None] * stride_wr
-                + offs_c[None, :] * stride_wc).to(tl.float32)  # [QBLOCK, QBLOCK]
+    if SPLIT_C:
+        w_cols = (offs_c // 2) * stride_wc + (offs_c % 2) * stride_wc_odd
+    else:
+        w_cols = offs_c * stride_wc
+    w = tl.load(w_ptr + expert * stride_we + offs_r[:, None] * stride_wr + w_cols[None, :]).to(tl.float32)
     scale, inv = pow2_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0))
     q = to_e4m3(w * inv, INTERPRETED)
     tl.store(q_ptr + expert * stride_qe + offs_r[:, None] * stride_qr + offs_c[None, :] * stride_qc, q)
@@ -242,8 +246,10 @@ class Fp8Weight:
         return self.q.float() * s
 
 
-def quantize_weight(w: torch.Tensor) -> Fp8Weight:
-    """w [E, R, C] (bf16/fp32, any strides; R, C multiples of 128) -> Fp8Weight."""
+def quantize_weight(w: torch.Tensor, split_pairs: bool = False) -> Fp8Weight:
+    """w [E, R, C] (bf16/fp32, any strides; R, C multiples of 128) -> Fp8Weight. ``split_pairs``: w's columns are
+    gate/up pairs held as split halves ([gate (C/2) | up (C/2)]), quantized as their interleaved order (column
+    2j + h read at j + h * C/2): the Fp8Weight of the interleaved copy, without the copy."""
     _check_quant_input("w", w, 3, (1, 2))
     backend = resolve_backend(fp8_quant_weight_kernel, {"w": w})
     e, r, c = w.shape
@@ -251,8 +257,8 @@ def quantize_weight(w: torch.Tensor) -> Fp8Weight:
     q_t = torch.empty((e, c, r), dtype=FP8_DTYPE, device=w.device)
     s = torch.empty((e, r // QBLOCK, c // QBLOCK), dtype=torch.float32, device=w.device)
     fp8_quant_weight_kernel[(e * (r // QBLOCK) * (c // QBLOCK),)](
-        w, q, q_t, s, r, c, *w.stride(), *q.stride(), *q_t.stride(), *s.stride(),
-        QBLOCK=QBLOCK, INTERPRETED=backend == TRITON_INTERPRETER, num_warps=8,
+        w, q, q_t, s, r, c, *w.stride(), c // 2 * w.stride(2), *q.stride(), *q_t.stride(), *s.stride(),
+        QBLOCK=QBLOCK, INTERPRETED=backend == TRITON_INTERPRETER, SPLIT_C=split_pairs, num_warps=8,
     )
     return Fp8Weight(q, q_t, s)
 

@@ -21,19 +21,17 @@ happen as before:
   token's ids and scores do not depend on the batch. Counted as ``moe router (transformers)``.
 - the experts (``experts_route``) run on ``detkit.kernels.moe.moe_mlp`` (BF16, the default) or, with the mode's
   ``moe_experts="fp8"``, on ``detkit.kernels.moe_fp8.moe_mlp_fp8`` (forward and backward, the layer's own
-  autograd). BF16: w1 = gate_up_proj viewed as [E, H, 2I] with ``gate_up="split"`` and w2 = down_proj viewed as
-  [E, I, H]: no copy; the layer reads the split halves as interleaved pairs (the same bits as on an interleaved
-  copy) and writes dW1, dW2 in the parameters' own layouts, so autograd keeps them as .grad without a copy. FP8:
-  w1 = the gate/up halves interleaved ([E, H, 2I], one copy of gate_up_proj per call, made by a differentiable
-  reshape so the gradient reaches gate_up_proj in transformers' layout), w2 the same view. Route ids >= E (transformers' expert-parallel sentinel) are masked (-1).
+  autograd), both with w1 = gate_up_proj viewed as [E, H, 2I] with ``gate_up="split"`` and w2 = down_proj viewed
+  as [E, I, H]: no copy; the layers read the split halves as interleaved pairs (the same bits as on an interleaved
+  copy; FP8: the weight quantizer reads them so) and write dW1, dW2 in the parameters' own layouts, so autograd
+  keeps them as .grad without a copy. Route ids >= E (transformers' expert-parallel sentinel) are masked (-1).
   Counted as ``moe experts (transformers) -> detkit.moe_mlp`` or ``-> detkit.moe_mlp_fp8``; a call the chosen
   layer does not cover (dtype, device, expert parallelism, another activation or weight layout; for FP8, H or I
   not a multiple of 128) runs transformers' own implementation and is counted with the reason, or raises
   ``ModeNotRoutedError`` under strict -- never the other precision's layer.
-- FP8 weights: the layer quantizes w1 and w2 in 128x128 blocks. w1 is a fresh copy on every call, so the
-  layer's own cache (keyed on the tensor it is given) would miss every time and keep each copy alive; the mode
-  keeps ``fp8_weight_cache()`` instead, keyed on the parameters themselves (gate_up_proj, down_proj) and valid for
-  their ``_version``: an optimizer step (in place) invalidates the entry, and the next call re-quantizes from the
+- FP8 weights: the layer quantizes w1 and w2 in 128x128 blocks. The mode keeps its own ``fp8_weight_cache()``
+  (sized for a model's MoE layers, apart from the layer's default cache), keyed on the parameters themselves
+  (gate_up_proj, down_proj) and valid for their ``_version``: an optimizer step (in place) invalidates the entry, and the next call re-quantizes from the
   new values. While a CUDA graph is being captured the weights are quantized inside the graph (no cache), so a
   replay after a weight update reads the new weights.
 
@@ -124,8 +122,8 @@ def router_forward(module, hidden_states: torch.Tensor):
 @functools.cache
 def fp8_weight_cache():
     """The FP8 experts' quantized weights: an ``Fp8WeightCache`` whose slots are keyed on the parameters
-    (gate_up_proj, down_proj; w1 is a fresh copy on every call) and valid for their ``_version``; 256 slots, two per
-    MoE layer. Built on first use (importing the FP8 layer imports its kernels)."""
+    (gate_up_proj, down_proj; w1, w2 are views made on every call) and valid for their ``_version``; 256 slots,
+    two per MoE layer. Built on first use (importing the FP8 layer imports its kernels)."""
     from detkit.kernels.moe_fp8 import Fp8WeightCache
 
     return Fp8WeightCache(capacity=256)
@@ -143,10 +141,10 @@ def _call_weights_class() -> type:
             super().__init__(capacity=len(sources))
             self.cache, self.sources = cache, sources
 
-        def get(self, w, source=None):
+        def get(self, w, source=None, gate_up="interleaved"):
             for weight, parameter in self.sources:
                 if w is weight:
-                    return self.cache.get(w, source=parameter)
+                    return self.cache.get(w, source=parameter, gate_up=gate_up)
             raise RuntimeError("the FP8 layer asked for a weight this call did not hand it")
 
     return CallWeights
@@ -164,12 +162,12 @@ def experts_forward_fp8(module, hidden_states: torch.Tensor, top_k_index: torch.
     from detkit.kernels.moe_fp8 import moe_mlp_fp8
 
     ids = route_ids(top_k_index, module.num_experts)
-    w1, w2 = gate_up_as_w1(module.gate_up_proj), down_as_w2(module.down_proj)
+    w1, w2 = module.gate_up_proj.transpose(1, 2), down_as_w2(module.down_proj)
     weight_cache = None
     if cached and not _capturing(hidden_states):
         weight_cache = _call_weights_class()(fp8_weight_cache(),
                                              ((w1, module.gate_up_proj), (w2, module.down_proj)))
-    return moe_mlp_fp8(hidden_states, w1, w2, ids, top_k_weights, weight_cache=weight_cache)
+    return moe_mlp_fp8(hidden_states, w1, w2, ids, top_k_weights, weight_cache=weight_cache, gate_up="split")
 
 
 # ---------------------------------------------------------------------------------------------

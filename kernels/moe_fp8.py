@@ -64,6 +64,7 @@ from detkit.kernels.moe_fp8_launch import (
 from detkit.kernels.moe_launch import (
     launch_checked_routing, moe_combine, moe_dscores_from_partials, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
 )
+from detkit.kernels.moe_operands import check_gate_up
 from detkit.kernels.moe_routing import MoeRouting, sync_checks_enabled
 
 __all__ = [
@@ -98,13 +99,16 @@ class Fp8WeightCache:
         self.hits = 0
         self.misses = 0
 
-    def get(self, w: torch.Tensor, source: torch.Tensor | None = None) -> Fp8Weight:
+    def get(self, w: torch.Tensor, source: torch.Tensor | None = None, gate_up: str = "interleaved") -> Fp8Weight:
+        """w's Fp8Weight (``gate_up="split"``: w1 held as split gate/up halves, quantized in the interleaved order)."""
         src = w if source is None else source
+        split = gate_up == "split"
         if src.is_inference():
             self.misses += 1
             with torch.no_grad():
-                return quantize_weight(w.detach())
-        slot = (src.data_ptr(), tuple(src.shape), tuple(src.stride()), src.dtype, str(src.device), tuple(w.shape))
+                return quantize_weight(w.detach(), split)
+        slot = (src.data_ptr(), tuple(src.shape), tuple(src.stride()), src.dtype, str(src.device), tuple(w.shape),
+                tuple(w.stride()), split)
         entry = self._slots.get(slot)
         if entry is not None and entry[1] == src._version:
             self._slots.move_to_end(slot)
@@ -112,7 +116,7 @@ class Fp8WeightCache:
             return entry[2]
         self.misses += 1
         with torch.no_grad():
-            fw = quantize_weight(w.detach())
+            fw = quantize_weight(w.detach(), split)
         self._slots[slot] = (src, src._version, fw)
         self._slots.move_to_end(slot)
         while len(self._slots) > self.capacity:
@@ -151,6 +155,7 @@ class MoeFp8Saved:
     h: torch.Tensor  # [P, I] bf16
     h_q: torch.Tensor  # [P, I] e4m3 and its scales [P, I/128]: the down-projection's operand (audits)
     h_s: torch.Tensor
+    gate_up: str = "interleaved"  # w1's column layout
 
 
 def _names(x: torch.Tensor, w1: torch.Tensor, k: int) -> dict[str, str]:
@@ -159,19 +164,22 @@ def _names(x: torch.Tensor, w1: torch.Tensor, k: int) -> dict[str, str]:
 
 def moe_mlp_fp8_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                     scores: torch.Tensor, *, stage_range=None,
-                    weight_cache: Fp8WeightCache | None = WEIGHT_CACHE) -> tuple[torch.Tensor, MoeFp8Saved]:
+                    weight_cache: Fp8WeightCache | None = WEIGHT_CACHE,
+                    gate_up: str = "interleaved") -> tuple[torch.Tensor, MoeFp8Saved]:
     """out [T, H] bf16 and the saved state for ``moe_mlp_fp8_bwd``. Inputs as ``kernels.moe.moe_mlp_fwd``
-    (BF16 x and weights), with H and I multiples of 128. ``weight_cache=None`` quantizes the weights
-    on every call."""
+    (BF16 x and weights, w1's columns in the ``gate_up`` layout), with H and I multiples of 128.
+    ``weight_cache=None`` quantizes the weights on every call."""
     check_stage_range(stage_range)
     check_weight_cache(weight_cache)
+    check_gate_up(gate_up)
     backend = check_moe_fp8_inputs(x, w1, w2, topk_ids, scores)
     rng = stage_range or (lambda name: nullcontext())
     names = _names(x, w1, topk_ids.shape[1])
     with rng(names["routing"]):
         pending = launch_checked_routing(x, w1, topk_ids, scores)
     with rng(names["weights"]):
-        w1f = weight_cache.get(w1) if weight_cache is not None else quantize_weight(w1)
+        split = gate_up == "split"
+        w1f = weight_cache.get(w1, gate_up=gate_up) if weight_cache is not None else quantize_weight(w1, split)
         w2f = weight_cache.get(w2) if weight_cache is not None else quantize_weight(w2)
     with rng(names["quant_x"]):
         x_q, x_s = quantize_rowwise(x)
@@ -190,7 +198,7 @@ def moe_mlp_fp8_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
         y = moe_fp8_down(h_q, h_s, w2f, routing, backend)
     with rng(names["combine"]):
         out = moe_combine(y, routing, scores, backend)
-    return out, MoeFp8Saved(backend, routing, x, w1, w2, w1f, w2f, scores, gu, h, h_q, h_s)
+    return out, MoeFp8Saved(backend, routing, x, w1, w2, w1f, w2f, scores, gu, h, h_q, h_s, gate_up)
 
 
 def moe_mlp_fp8_bwd(dout: torch.Tensor, saved: MoeFp8Saved, *, main_grads=None, stage_range=None,
@@ -215,28 +223,31 @@ def moe_mlp_fp8_bwd(dout: torch.Tensor, saved: MoeFp8Saved, *, main_grads=None, 
         dx = moe_gather_sum(moe_fp8_dx_route(dgu_q, dgu_s, saved.w1f, routing, backend), routing, backend)
     with rng(names["wgrad"]):
         if wgrad == "fp8":
-            dw1, dw2 = moe_fp8_wgrads(saved.x, saved.h, dgu, dout, routing, backend, main_grads)
+            dw1, dw2 = moe_fp8_wgrads(saved.x, saved.h, dgu, dout, routing, backend, main_grads,
+                                      gate_up=saved.gate_up, like=(saved.w1, saved.w2))
         else:
             mg1, mg2 = main_grads if main_grads is not None else (None, None)
-            dw1 = moe_wgrad_w1(saved.x, dgu, routing, backend, mg1, config=WGRAD_CONFIGS[backend])
-            dw2 = moe_wgrad_w2(saved.h, dout, routing, backend, mg2, config=WGRAD_CONFIGS[backend])
+            dw1 = moe_wgrad_w1(saved.x, dgu, routing, backend, mg1, config=WGRAD_CONFIGS[backend],
+                               gate_up=saved.gate_up, like=saved.w1)
+            dw2 = moe_wgrad_w2(saved.h, dout, routing, backend, mg2, config=WGRAD_CONFIGS[backend], like=saved.w2)
     with rng(names["dscores"]):
         ds = moe_dscores_from_partials(ds_part, routing, backend).to(saved.scores.dtype)
     return MoeGrads(dx, dw1, dw2, ds)
 
 
 class MoeMlpFp8Function(torch.autograd.Function):
-    """autograd wrapper: (x, w1, w2, topk_ids, scores, main_grad_w1, main_grad_w2, weight_cache, wgrad) -> out."""
+    """autograd wrapper: (x, w1, w2, topk_ids, scores, main_grad_w1, main_grad_w2, weight_cache, wgrad, gate_up) ->
+    out."""
 
     @staticmethod
     def forward(ctx, x, w1, w2, topk_ids, scores, main_grad_w1=None, main_grad_w2=None, weight_cache=WEIGHT_CACHE,
-                wgrad=DEFAULT_WGRAD):
+                wgrad=DEFAULT_WGRAD, gate_up="interleaved"):
         main_grads = None if main_grad_w1 is None and main_grad_w2 is None else (main_grad_w1, main_grad_w2)
         check_main_grads(main_grads, w1, w2)
         check_wgrad_mode(wgrad)
         check_weight_cache(weight_cache)
         ctx.wgrad = wgrad
-        out, saved = moe_mlp_fp8_fwd(x, w1, w2, topk_ids, scores, weight_cache=weight_cache)
+        out, saved = moe_mlp_fp8_fwd(x, w1, w2, topk_ids, scores, weight_cache=weight_cache, gate_up=gate_up)
         ctx.saved = saved
         ctx.main_grads = main_grads
         return out
@@ -245,20 +256,23 @@ class MoeMlpFp8Function(torch.autograd.Function):
     def backward(ctx, dout):
         grads = moe_mlp_fp8_bwd(dout, ctx.saved, main_grads=ctx.main_grads, wgrad=ctx.wgrad)
         ctx.saved = None
-        return grads.dx, grads.dw1, grads.dw2, None, grads.dscores, None, None, None, None
+        return grads.dx, grads.dw1, grads.dw2, None, grads.dscores, None, None, None, None, None
 
 
 def moe_mlp_fp8(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, scores: torch.Tensor,
                 main_grads: tuple[torch.Tensor, torch.Tensor] | None = None,
-                weight_cache: Fp8WeightCache | None = WEIGHT_CACHE, wgrad: str = DEFAULT_WGRAD) -> torch.Tensor:
-    """Differentiable deterministic FP8 MoE expert MLP (the BF16 path's API, ``kernels.moe.moe_mlp``);
+                weight_cache: Fp8WeightCache | None = WEIGHT_CACHE, wgrad: str = DEFAULT_WGRAD, *,
+                gate_up: str = "interleaved") -> torch.Tensor:
+    """Differentiable deterministic FP8 MoE expert MLP (the BF16 path's API, ``kernels.moe.moe_mlp``, ``gate_up``
+    included: split halves are quantized in the interleaved order, the same bits as on an interleaved copy);
     ``wgrad`` picks the weight-gradient GEMMs: "fp8" (default: it passes the precision gate and is faster,
     docs/moe_fp8.md) or "bf16"."""
+    check_gate_up(gate_up)
     check_main_grads(main_grads, w1, w2)
     check_weight_cache(weight_cache)
     check_wgrad_mode(wgrad)
     mg1, mg2 = main_grads if main_grads is not None else (None, None)
-    return MoeMlpFp8Function.apply(x, w1, w2, topk_ids, scores, mg1, mg2, weight_cache, wgrad)
+    return MoeMlpFp8Function.apply(x, w1, w2, topk_ids, scores, mg1, mg2, weight_cache, wgrad, gate_up)
 
 
 def moe_fp8_risk(saved: MoeFp8Saved, dout: torch.Tensor | None = None) -> dict[str, dict]:

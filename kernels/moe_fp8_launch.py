@@ -25,6 +25,7 @@ from detkit.kernels.moe_fp8_kernels import (
 from detkit.kernels.moe_fp8_ws import launch_fp8_wgrad_ws, launch_fp8_ws
 from detkit.kernels.moe_fp8_ws_gather import launch_fp8_ws_gather
 from detkit.kernels.moe_gluon_blocks import check_ws_backend
+from detkit.kernels.moe_launch import split_copy, weight_grad_buffer
 from detkit.kernels.moe_operands import weight_descriptor
 from detkit.kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
 
@@ -267,13 +268,49 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
 
 
 def moe_fp8_wgrads(x: torch.Tensor, h: torch.Tensor, dgu: torch.Tensor, dout: torch.Tensor, routing: MoeRouting,
-                   backend: str, main_grads=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """dW1 = x[gather]^T dgu and dW2 = h^T (s * dout[gather]) with every operand quantized 128x1 along the rows."""
+                   backend: str, main_grads=None, gate_up: str = "interleaved",
+                   like: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dW1 = x[gather]^T dgu and dW2 = h^T (s * dout[gather]) with every operand quantized 128x1 along the rows; dW1's
+    columns in w1's ``gate_up`` layout, and a new dW1 / dW2 in the layout of ``like`` (w1, w2) where that is split
+    halves or the transpose of a contiguous one (``_fp8_wgrad_w1``, ``_fp8_wgrad_w2``)."""
     mg1, mg2 = main_grads if main_grads is not None else (None, None)
     xq, xs = moe_fp8_quant_colwise(x, routing, backend, gather=True, scale=False)
     gq, gs = moe_fp8_quant_colwise(dgu, routing, backend, gather=False, scale=False)
-    dw1 = moe_fp8_wgrad(xq, xs, gq, gs, routing, backend, mg1)
+    dw1 = _fp8_wgrad_w1(xq, xs, gq, gs, routing, backend, mg1, gate_up == "split", like[0])
     hq, hs = moe_fp8_quant_colwise(h, routing, backend, gather=False, scale=False)
     yq, ys = moe_fp8_quant_colwise(dout, routing, backend, gather=True, scale=True)
-    dw2 = moe_fp8_wgrad(hq, hs, yq, ys, routing, backend, mg2)
+    dw2 = _fp8_wgrad_w2(hq, hs, yq, ys, routing, backend, mg2, like[1])
     return dw1, dw2
+
+
+def _fp8_wgrad_w1(xq, xs, gq, gs, routing: MoeRouting, backend: str, main_grad: torch.Tensor | None, split: bool,
+                  like: torch.Tensor | None) -> torch.Tensor | None:
+    """dW1 with interleaved columns; split: copied into split halves (``like``'s strides), or, into a main_grad of
+    split halves, accumulated from an FP32 scratch of zeros (0 + acc is acc: the same one FP32 add per element)."""
+    if not split:
+        return moe_fp8_wgrad(xq, xs, gq, gs, routing, backend, main_grad)
+    if main_grad is None:
+        scratch = moe_fp8_wgrad(xq, xs, gq, gs, routing, backend)
+        out = weight_grad_buffer(tuple(scratch.shape), like, scratch.device)
+        split_copy(scratch, out, backend)
+        return out
+    scratch = torch.zeros(main_grad.shape, dtype=torch.float32, device=main_grad.device)
+    moe_fp8_wgrad(xq, xs, gq, gs, routing, backend, scratch)
+    half = main_grad.shape[2] // 2
+    main_grad[..., :half] += scratch[..., 0::2]
+    main_grad[..., half:] += scratch[..., 1::2]
+    return None
+
+
+def _fp8_wgrad_w2(hq, hs, yq, ys, routing: MoeRouting, backend: str, main_grad: torch.Tensor | None,
+                  like: torch.Tensor | None) -> torch.Tensor | None:
+    """dW2; into the transpose of a contiguous layout (w2 = down_proj.transpose(1, 2)) as dW2^T = dy^T h: the same
+    products summed over the same rows in the same order, with the operands swapped."""
+    target = main_grad if main_grad is not None else like
+    if target is not None and not target.is_contiguous() and target.transpose(1, 2).is_contiguous():
+        if main_grad is not None:
+            moe_fp8_wgrad(yq, ys, hq, hs, routing, backend, main_grad.transpose(1, 2))
+            return None
+        return moe_fp8_wgrad(yq, ys, hq, hs, routing, backend).transpose(1, 2)
+    return moe_fp8_wgrad(hq, hs, yq, ys, routing, backend, main_grad)

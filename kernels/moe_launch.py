@@ -310,18 +310,18 @@ def moe_wgrad_w1(x: torch.Tensor, dgu: torch.Tensor, routing: MoeRouting, backen
     shape = (experts, x.shape[1], dgu.shape[1])
     split = gate_up == "split"
     out = main_grad if main_grad is not None else weight_grad_buffer(shape, like if split else None, x.device)
-    if split and main_grad is None and config is None:
-        table = select_moe_config("wgrad", backend)
+    if split and main_grad is None:
+        chosen = config or select_moe_config("wgrad", backend)
         scratch = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
-        if table.variant == "ws" and _ws_wgrad_takes(table, x, dgu, scratch):
-            _wgrad(0, x, True, dgu, routing, scratch, False, backend, table)
-            _split_copy(scratch, out, backend)
+        if chosen.variant == "ws" and _ws_wgrad_takes(chosen, x, dgu, scratch):
+            _wgrad(0, x, True, dgu, routing, scratch, False, backend, chosen)
+            split_copy(scratch, out, backend)
             return out
     _wgrad(0, x, True, dgu, routing, out, main_grad is not None, backend, config, split_cols=split)
     return None if main_grad is not None else out
 
 
-def _split_copy(src: torch.Tensor, dst: torch.Tensor, backend: str) -> None:
+def split_copy(src: torch.Tensor, dst: torch.Tensor, backend: str) -> None:
     """dst [E, R, C] (split gate/up columns, any strides) = src (interleaved columns), exactly."""
     experts, r, c = src.shape
     block_r, block_c = (64, 64) if backend == TRITON_INTERPRETER else (64, 128)

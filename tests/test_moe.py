@@ -285,13 +285,13 @@ def test_split_gate_up_views_accumulate_main_grads_with_the_interleaved_copy_bit
         assert compare_bits(got[name], want[name]).equal, name
 
 
-def test_split_copy_puts_interleaved_columns_into_split_halves_exactly(device):
+def testsplit_copy_puts_interleaved_columns_into_split_halves_exactly(device):
     # The copy after the ws weight gradient (sm_90): dW1 of interleaved columns into gate_up_proj's layout.
-    from detkit.kernels.moe_launch import _split_copy
+    from detkit.kernels.moe_launch import split_copy
 
     src = torch.randn(3, 72, 2 * 40, device=device).to(torch.bfloat16)  # R, C not multiples of the copy's tile
     dst = torch.empty(3, 2 * 40, 72, dtype=torch.bfloat16, device=device).transpose(1, 2)
-    _split_copy(src, dst, backend_of(device))
+    split_copy(src, dst, backend_of(device))
     assert torch.equal(dst, deinterleave_gate_up(src))
 
 

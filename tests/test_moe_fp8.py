@@ -25,7 +25,7 @@ from detkit.kernels.moe_fp8 import (
     moe_fp8_up_swiglu, moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd, moe_mlp_fp8_ref, select_moe_fp8_config,
 )
 from detkit.kernels.moe_fp8_launch import _grouped
-from detkit.kernels.moe import moe_mlp_ref
+from detkit.kernels.moe import deinterleave_gate_up, moe_mlp_ref
 from detkit.kernels.moe_routing import build_routing, launch_routing
 from detkit.toolkit.contract import compare_bits, rel_l2
 from tests.conftest import backend_of
@@ -512,8 +512,11 @@ out["quant_colwise"] = build(kf.moe_fp8_quant_colwise_kernel, {"src_ptr": "*bf16
 out["quant_rowwise"] = build(fq.fp8_quant_rowwise_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                              "limit_ptr": "*i32"}, {"BLOCK_M": 32, "LIMITED": True, "QBLOCK": 128, "INTERPRETED": False}, ("stride_xn", "stride_qn"), 4, 1)
 out["quant_weight"] = build(fq.fp8_quant_weight_kernel, {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv",
-                            "s_ptr": "*fp32"}, {"QBLOCK": 128, "INTERPRETED": False},
+                            "s_ptr": "*fp32"}, {"QBLOCK": 128, "INTERPRETED": False, "SPLIT_C": False},
                             ("stride_wc", "stride_qc", "stride_tr"), 8, 1)
+out["quant_weight_split"] = build(fq.fp8_quant_weight_kernel, {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv",
+                                  "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {"QBLOCK": 128, "INTERPRETED": False,
+                                  "SPLIT_C": True}, ("stride_wr", "stride_qc", "stride_tr"), 8, 1)
 print(json.dumps(out))
 '''
 
@@ -551,3 +554,66 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
         assert report[name]["cvt_e4m3"] > 0, (name, report[name])
     assert report["up_fused"]["qgmma"] > 0 and report["up_fused"]["stack"] == 0, report["up_fused"]
     assert set(MOE_FP8_CONFIGS["cuda_sm90"]) == {"up", "down", "dgrad", "dx"}
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' layout read in place (gate_up="split")
+# ---------------------------------------------------------------------------------------------
+def _run_fp8_on_parameters(inp: dict, split: bool, wgrad: str, main_grads: bool = False) -> dict:
+    """The FP8 layer as a model calls it (``split``: gate_up_proj [E, 2I, H] and down_proj [E, H, I] as views read in
+    place, gradients as their .grad) or on its own layout (gradients converted to the parameters' layouts); with
+    ``main_grads`` the FP32 accumulators (in w1's, w2's layouts) instead."""
+    x, s = inp["x"].clone().requires_grad_(), inp["scores"].clone().requires_grad_()
+    if split:
+        g = deinterleave_gate_up(inp["w1"]).transpose(1, 2).contiguous().requires_grad_()
+        d = inp["w2"].transpose(1, 2).contiguous().requires_grad_()
+        w1, w2 = g.transpose(1, 2), d.transpose(1, 2)
+    else:
+        w1, w2 = (inp[n].clone().requires_grad_() for n in ("w1", "w2"))
+    mg = (torch.full_like(w1, 0.5, dtype=torch.float32), torch.full_like(w2, 0.5, dtype=torch.float32)) \
+        if main_grads else None
+    out = kf.moe_mlp_fp8(x, w1, w2, inp["topk_ids"], s, mg, weight_cache=None, wgrad=wgrad,
+                         gate_up="split" if split else "interleaved")
+    out.backward(inp["dout"])
+    dw1, dw2 = mg if main_grads else (w1.grad, w2.grad)
+    if split:
+        d_gate_up, d_down = (mg[0].transpose(1, 2), mg[1].transpose(1, 2)) if main_grads else (g.grad, d.grad)
+    else:
+        d_gate_up, d_down = deinterleave_gate_up(dw1).transpose(1, 2), dw2.transpose(1, 2)
+    return {"out": out, "dx": x.grad, "dscores": s.grad, "d_gate_up_proj": d_gate_up, "d_down_proj": d_down}
+
+
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+def test_split_gate_up_views_give_the_interleaved_copy_bits(wgrad, device):
+    # The weight quantizer reads the split halves in the interleaved order, so every FP8 operand is the same; dW1 comes
+    # back in gate_up_proj's layout and dW2 in down_proj's (by the swapped-operand weight gradient).
+    inp = make_inputs(_case("masked", seed=31), device)
+    want, got = (_run_fp8_on_parameters(inp, split, wgrad) for split in (False, True))
+    for name in want:
+        assert compare_bits(got[name], want[name]).equal, name
+    assert got["d_gate_up_proj"].is_contiguous() and got["d_down_proj"].is_contiguous()
+
+
+def test_split_gate_up_views_accumulate_main_grads_with_the_interleaved_copy_bits(device):
+    inp = make_inputs(_case(seed=32), device)
+    want, got = (_run_fp8_on_parameters(inp, split, "fp8", main_grads=True) for split in (False, True))
+    for name in want:
+        assert compare_bits(got[name], want[name]).equal, name
+
+
+def test_quantize_weight_reads_split_halves_as_the_interleaved_copy(device):
+    w1 = make_inputs(_case(seed=33), device)["w1"]
+    split = deinterleave_gate_up(w1).transpose(1, 2).contiguous().transpose(1, 2)  # gate_up_proj's storage
+    want, got = quantize_weight(w1), quantize_weight(split, split_pairs=True)
+    for name in ("q", "q_t", "scale"):
+        assert torch.equal(getattr(got, name).float(), getattr(want, name).float()), name
+
+
+def test_weight_cache_keys_the_gate_up_layout(device):
+    w1 = make_inputs(_case(seed=34), device)["w1"]
+    cache = kf.Fp8WeightCache()
+    interleaved = cache.get(w1)
+    split = cache.get(w1, gate_up="split")  # the same tensor read as split halves: another slot, other values
+    assert len(cache) == 2 and cache.misses == 2
+    assert not torch.equal(split.q.float(), interleaved.q.float())
+    assert cache.get(w1, gate_up="split") is split and cache.hits == 1
