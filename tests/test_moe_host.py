@@ -23,3 +23,15 @@ def test_counts_the_layers_launches_and_restores_triton(tmp_path):
     assert fwd_bwd["by_kernel"]["moe_wgrad_kernel"] == 2 and "moe_wgrad_kernel" not in fwd["by_kernel"]
     assert fwd["launches"] == sum(fwd["by_kernel"].values()) < fwd_bwd["launches"]
     assert fwd["host_us_median"] > 0 and fwd_bwd["host_us_median"] > 0
+
+
+def test_block_mode_times_transformers_block_under_the_mode(tmp_path):
+    out = tmp_path / "block.json"
+    assert moe_host.main(["--block", "--calls", "2", "--rounds", "1", "--shape", "4", "64", "32", "4", "2",
+                          "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    infer = results["measures"]["infer"]
+    assert results["layer"] == "block bf16" and list(results["measures"]) == ["infer"]
+    # The router's linear (det_gemm) and the layer's forward: routing, up, down, combine.
+    assert infer["by_kernel"]["moe_grouped_gemm_kernel"] == 2 and infer["launches"] > 2
+    assert infer["host_us_median"] > 0

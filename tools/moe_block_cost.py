@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 import torch
 from tabulate import tabulate
@@ -50,14 +51,14 @@ def fwd_bwd(fn, leaves, dout, accumulate: bool = False):
     return lambda: torch.autograd.grad(fn(), leaves, dout)
 
 
-def build(preset: str, device: torch.device, seed: int):
+def build(preset: str, device: torch.device, seed: int, tokens: int | None = None):
     from detkit.bench import moe_hf
     from detkit.bench.moe_common import make_inputs
     from detkit.kernels import mode_moe
     from detkit.kernels.moe import moe_mlp
     from detkit.toolkit.presets import MOE_PRESETS
 
-    p = MOE_PRESETS[preset]
+    p = MOE_PRESETS[preset] if tokens is None else replace(MOE_PRESETS[preset], t=tokens)
     inp = make_inputs(p, device, seed)
     block = moe_hf.build_block(p, device, seed)
     experts = block.experts
@@ -126,14 +127,14 @@ def split_stage_fns(p, inp: dict, backend: str) -> dict:
     }
 
 
-def measure(preset: str, rounds: int, seed: int) -> dict:
+def measure(preset: str, rounds: int, seed: int, tokens: int | None = None) -> dict:
     import detkit
     from detkit.bench.moe import bf16_stage_fns
     from detkit.kernels.backend import CUDA_SM90
     from detkit.toolkit.timing import time_interleaved
 
     device = torch.device("cuda")
-    p, fns, stage_inputs = build(preset, device, seed)
+    p, fns, stage_inputs = build(preset, device, seed, tokens)
     out = {"preset": preset, "shape": dict(zip("THIEK", (p.t, p.h, p.i, p.e, p.k))), "rows": {}, "stages": {}}
     with detkit.batch_invariant_mode():
         for name, measure_fns in fns.items():
@@ -179,15 +180,18 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", action="append", choices=sorted(MOE_PRESETS), help="repeatable")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--tokens", type=int, help="T instead of the preset's (e.g. a prefill's 2048)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("a CUDA device is needed (the block's costs are GPU time)")
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1; got {args.rounds}")
+    if args.tokens is not None and args.tokens < 1:
+        parser.error(f"--tokens must be >= 1; got {args.tokens}")
     results = []
     for preset in args.preset or ["reference", "qwen3-30b-a3b"]:
-        results.append(measure(preset, args.rounds, args.seed))
+        results.append(measure(preset, args.rounds, args.seed, args.tokens))
         if args.json:  # after every preset: a run stopped at its time limit keeps what finished
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)

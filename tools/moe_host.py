@@ -5,9 +5,14 @@ this times the Python of a call until its work is queued, counts what it launche
     python -m tools.moe_host --device cuda                  # BF16 layer at T=2048, H=2048, I=768, E=8, K=2
     python -m tools.moe_host --device cuda --fp8 --profile  # the FP8 layer, with a cProfile (top by own time)
     python -m tools.moe_host                                # CPU: every Triton launch a no-op (the Python alone)
+    python -m tools.moe_host --device cuda --block --shape 8 2048 768 128 8 --profile
+                                                            # transformers' Qwen3-MoE block under the mode, inference
 
 Measures: ``fwd`` (the layer's forward with autograd recording) and ``fwd_bwd`` (forward, then
-``torch.autograd.grad`` of x, w1, w2: nothing accumulates between calls). A measure's host time: batches of
+``torch.autograd.grad`` of x, w1, w2: nothing accumulates between calls); with ``--block``, ``infer``: transformers'
+Qwen3-MoE sparse MoE block (bench/moe_hf.py) under ``batch_invariant_mode()`` (``--fp8``: FP8 experts) in
+``torch.no_grad()``, as a rollout engine calls it, with the router's own routing; on CUDA with ``--profile`` also
+torch.profiler's table of host-side ops by self CPU time. A measure's host time: batches of
 ``--calls`` back-to-back calls with no synchronisation inside a batch (the queue drained between batches; at these
 sizes the GPU keeps up), the per-call mean of each batch, median and range over ``--rounds`` batches. Launches per
 call: on CUDA the GPU kernels of one call in torch.profiler (the layer's and torch's own: copies, fills); on the CPU
@@ -34,6 +39,7 @@ import torch
 from tabulate import tabulate
 
 MEASURES = ("fwd", "fwd_bwd")
+BLOCK_MEASURES = ("infer",)
 CUDA_SHAPE = (2048, 2048, 768, 8, 2)  # T, H, I, E, K: host-bound in eager use on an H200 (bench moe --sweep)
 CPU_SHAPE = (256, 256, 128, 8, 2)
 
@@ -79,6 +85,31 @@ def layer_call(measure: str, fp8: bool, shape: tuple[int, ...], device: torch.de
     return lambda: torch.autograd.grad(layer(*leaves, ids, scores), leaves, dout)
 
 
+def block_call(fp8: bool, shape: tuple[int, ...], device: torch.device) -> Callable[[], object]:
+    """One inference call of transformers' Qwen3-MoE block under the mode at ``shape`` = (T, H, I, E, K)."""
+    import detkit
+    from detkit.bench import moe_hf
+    from detkit.toolkit.presets import MoePreset
+
+    block = moe_hf.build_block(MoePreset("host", *shape), device, seed=0)
+    x = torch.randn(1, shape[0], shape[1], device=device).to(torch.bfloat16)
+
+    def call():
+        with torch.no_grad(), detkit.batch_invariant_mode(moe_experts="fp8" if fp8 else "bf16"):
+            return block(x)
+    return call
+
+
+def host_op_table(fn: Callable[[], object], calls: int, top: int) -> str:
+    """torch.profiler's host-side ops of ``calls`` calls, by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+
+
 def host_us(fn: Callable[[], object], calls: int, rounds: int, sync: Callable[[], None]) -> list[float]:
     """Per-call host time of each batch, µs."""
     samples = []
@@ -115,15 +146,15 @@ def profile_text(fn: Callable[[], object], calls: int, top: int) -> str:
 
 
 def measure_all(device: torch.device, fp8: bool, shape: tuple[int, ...], calls: int, rounds: int,
-                profile: bool, top: int) -> dict:
+                profile: bool, top: int, block: bool = False) -> dict:
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    results = {"device": str(device), "layer": "fp8" if fp8 else "bf16", "shape": dict(zip("THIEK", shape)),
-               "calls": calls, "rounds": rounds, "measures": {}, "profiles": {}}
+    results = {"device": str(device), "layer": ("block " if block else "") + ("fp8" if fp8 else "bf16"),
+               "shape": dict(zip("THIEK", shape)), "calls": calls, "rounds": rounds, "measures": {}, "profiles": {}}
     counts: Counter = Counter()
     with contextlib.nullcontext() if cuda else noop_launches(counts):
-        for measure in MEASURES:
-            fn = layer_call(measure, fp8, shape, device)
+        for measure in BLOCK_MEASURES if block else MEASURES:
+            fn = block_call(fp8, shape, device) if block else layer_call(measure, fp8, shape, device)
             for _ in range(3):  # compile and warm the caches
                 fn()
             sync()
@@ -139,6 +170,8 @@ def measure_all(device: torch.device, fp8: bool, shape: tuple[int, ...], calls: 
                 "host_us_max": max(samples), "launches": sum(launches.values()), "by_kernel": dict(launches)}
             if profile:
                 results["profiles"][measure] = profile_text(fn, calls, top)
+                if cuda:
+                    results["profiles"][f"{measure} host ops"] = host_op_table(fn, calls, top)
     return results
 
 
@@ -154,7 +187,8 @@ def render(results: dict) -> str:
     for m, r in results["measures"].items():
         lines.append(f"\n{m} launches: " + ", ".join(f"{k} {v}" for k, v in sorted(r["by_kernel"].items())))
     for m, text in results["profiles"].items():
-        lines.append(f"\n## cProfile, {m} ({results['calls']} calls, by own time)\n{text}")
+        what = "torch.profiler, host-side ops by self CPU time" if m.endswith(" host ops") else "cProfile, by own time"
+        lines.append(f"\n## {m}: {what} ({results['calls']} calls)\n{text}")
     return "\n".join(lines)
 
 
@@ -162,6 +196,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--fp8", action="store_true", help="the FP8 layer (kernels/moe_fp8.py) instead of BF16")
+    parser.add_argument("--block", action="store_true",
+                        help="transformers' Qwen3-MoE block under the mode (inference) instead of the layer")
     parser.add_argument("--shape", type=int, nargs=5, metavar=("T", "H", "I", "E", "K"),
                         help=f"default {CUDA_SHAPE} on cuda, {CPU_SHAPE} on cpu")
     parser.add_argument("--calls", type=int, default=20)
@@ -178,7 +214,7 @@ def main(argv=None) -> int:
     if device.type == "cpu":  # detkit's kernels take CPU tensors under the interpreter (read when they are defined)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     shape = tuple(args.shape) if args.shape else (CUDA_SHAPE if device.type == "cuda" else CPU_SHAPE)
-    results = measure_all(device, args.fp8, shape, args.calls, args.rounds, args.profile, args.top)
+    results = measure_all(device, args.fp8, shape, args.calls, args.rounds, args.profile, args.top, args.block)
     print(render(results))
     if args.json:
         with open(args.json, "w") as f:
