@@ -85,8 +85,10 @@ def layer_call(measure: str, fp8: bool, shape: tuple[int, ...], device: torch.de
     return lambda: torch.autograd.grad(layer(*leaves, ids, scores), leaves, dout)
 
 
-def block_call(fp8: bool, shape: tuple[int, ...], device: torch.device) -> Callable[[], object]:
-    """One inference call of transformers' Qwen3-MoE block under the mode at ``shape`` = (T, H, I, E, K)."""
+@contextlib.contextmanager
+def block_call(fp8: bool, shape: tuple[int, ...], device: torch.device):
+    """Yields one inference call of transformers' Qwen3-MoE block at ``shape`` = (T, H, I, E, K), with the mode
+    entered once around all of them (as a rollout engine enters it; entering registers the mode's overrides)."""
     import detkit
     from detkit.bench import moe_hf
     from detkit.toolkit.presets import MoePreset
@@ -95,9 +97,10 @@ def block_call(fp8: bool, shape: tuple[int, ...], device: torch.device) -> Calla
     x = torch.randn(1, shape[0], shape[1], device=device).to(torch.bfloat16)
 
     def call():
-        with torch.no_grad(), detkit.batch_invariant_mode(moe_experts="fp8" if fp8 else "bf16"):
+        with torch.no_grad():
             return block(x)
-    return call
+    with detkit.batch_invariant_mode(moe_experts="fp8" if fp8 else "bf16"):
+        yield call
 
 
 def host_op_table(fn: Callable[[], object], calls: int, top: int) -> str:
@@ -154,25 +157,32 @@ def measure_all(device: torch.device, fp8: bool, shape: tuple[int, ...], calls: 
     counts: Counter = Counter()
     with contextlib.nullcontext() if cuda else noop_launches(counts):
         for measure in BLOCK_MEASURES if block else MEASURES:
-            fn = block_call(fp8, shape, device) if block else layer_call(measure, fp8, shape, device)
-            for _ in range(3):  # compile and warm the caches
-                fn()
-            sync()
-            samples = host_us(fn, calls, rounds, sync)
-            if cuda:
-                launches = cuda_kernels_per_call(fn)
-            else:
-                counts.clear()
-                fn()
-                launches = Counter(counts)
-            results["measures"][measure] = {
-                "host_us_median": statistics.median(samples), "host_us_min": min(samples),
-                "host_us_max": max(samples), "launches": sum(launches.values()), "by_kernel": dict(launches)}
-            if profile:
-                results["profiles"][measure] = profile_text(fn, calls, top)
-                if cuda:
-                    results["profiles"][f"{measure} host ops"] = host_op_table(fn, calls, top)
+            with block_call(fp8, shape, device) if block else \
+                    contextlib.nullcontext(layer_call(measure, fp8, shape, device)) as fn:
+                _measure_one(results, measure, fn, cuda, sync, counts, calls, rounds, profile, top)
     return results
+
+
+def _measure_one(results: dict, measure: str, fn: Callable[[], object], cuda: bool, sync, counts: Counter,
+                 calls: int, rounds: int, profile: bool, top: int) -> None:
+    """One measure's host time, launches and (``profile``) profiles into ``results``."""
+    for _ in range(3):  # compile and warm the caches
+        fn()
+    sync()
+    samples = host_us(fn, calls, rounds, sync)
+    if cuda:
+        launches = cuda_kernels_per_call(fn)
+    else:
+        counts.clear()
+        fn()
+        launches = Counter(counts)
+    results["measures"][measure] = {
+        "host_us_median": statistics.median(samples), "host_us_min": min(samples),
+        "host_us_max": max(samples), "launches": sum(launches.values()), "by_kernel": dict(launches)}
+    if profile:
+        results["profiles"][measure] = profile_text(fn, calls, top)
+        if cuda:
+            results["profiles"][f"{measure} host ops"] = host_op_table(fn, calls, top)
 
 
 def render(results: dict) -> str:
