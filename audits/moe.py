@@ -13,6 +13,9 @@ Checks, each one row:
 - ``precision``: cosine and relative RMSE against a BF16 PyTorch gold (eager per-expert matmuls),
   and no worse than that gold against FP64 by more than GOLD_SLACK.
 - ``main_grad``: FP32 weight-gradient accumulation equals main_grad + the FP32 dW exactly.
+- ``split_layout``: the layer on the weights as transformers holds them (gate_up_proj [E, 2I, H], down_proj
+  [E, H, I]) passed as views with ``gate_up="split"`` gives the bits of its own layout (dW1 de-interleaved), and
+  dW1, dW2 come back with those views' strides (no layout copy in autograd).
 - ``edge``: experts with 0/1/127/128/129 tokens, all tokens on one expert, masked routes, T = 1.
 - ``rejects``: bad dtypes and shapes raise before any work; bad ids (duplicates, out of range) and
   non-finite scores, found by the routing kernels, raise in the validating mode (``sync_checks``) at the
@@ -33,8 +36,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from detkit.kernels.moe import (
-    moe_dgrad_dswiglu, moe_down, moe_dx_route, moe_gather_sum, moe_mlp, moe_mlp_bwd, moe_mlp_fwd, moe_mlp_ref,
-    stage_name,
+    deinterleave_gate_up, moe_dgrad_dswiglu, moe_down, moe_dx_route, moe_gather_sum, moe_mlp, moe_mlp_bwd,
+    moe_mlp_fwd, moe_mlp_ref, stage_name,
 )
 from detkit.kernels.moe_routing import MoeRouting, SEGMENT_ALIGN, sync_checks
 from detkit.toolkit.contract import (
@@ -136,6 +139,23 @@ def layer_grads(layer: Callable[..., torch.Tensor], inp: dict[str, torch.Tensor]
 def run_layer(inp: dict[str, torch.Tensor], main_grads=None) -> dict[str, torch.Tensor]:
     """Forward and backward through the autograd Function; returns out and every gradient."""
     return layer_grads(moe_mlp, inp, main_grads=main_grads)
+
+
+def split_layout_row(suite: str, ctx: RunContext, layer: Callable[..., torch.Tensor], inp: dict[str, torch.Tensor],
+                     want: dict[str, torch.Tensor], name: str, **kwargs) -> Row:
+    """``layer`` on gate_up_proj [E, 2I, H] and down_proj [E, H, I] (the weights of ``inp`` as transformers holds
+    them) passed as views with ``gate_up="split"``, against ``want`` (its results on its own layout): every tensor
+    bit for bit, dW1 de-interleaved; and dW1, dW2 with the views' strides."""
+    gate_up_proj = deinterleave_gate_up(inp["w1"]).transpose(1, 2).contiguous()
+    down_proj = inp["w2"].transpose(1, 2).contiguous()
+    views = {"w1": gate_up_proj.transpose(1, 2), "w2": down_proj.transpose(1, 2)}
+    got = layer_grads(layer, {**inp, **views}, gate_up="split", **kwargs)
+    layouts = {f"d{n}_strides": list(got[f"d{n}"].stride()) for n in views}
+    in_place = all(got[f"d{n}"].stride() == v.stride() for n, v in views.items())
+    row = bits_row(suite, ctx, "split_layout", f"split_layout {name}", got,
+                   {**want, "dw1": deinterleave_gate_up(want["dw1"])}, grads_in_the_views_layouts=in_place, **layouts)
+    row.passed = row.passed and in_place
+    return row
 
 
 def bits_row(suite: str, ctx: RunContext, check: str, name: str, got: dict, want: dict, **details) -> Row:
@@ -561,6 +581,10 @@ def run(ctx: RunContext) -> Iterator[Row]:
     }
     yield Row(suite=NAME, check="main_grad", name=f"main_grad {main.name}", passed=all(checks.values()),
               backend=ctx.backend, details=checks)
+
+    # transformers' weight layout read in place.
+    with nvtx_range(f"split_layout {main.name}"):
+        yield split_layout_row(NAME, ctx, moe_mlp, inp, outs[0], main.name)
 
     # Edge cases: segment sizes around the 128-row alignment, one expert, masked routes, T = 1.
     for case in edge_cases(t, h, i, e, k, ctx.seed):

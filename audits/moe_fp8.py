@@ -22,6 +22,7 @@ Checks, each one row:
   row ties to the kernels; the kernels' own tiny-shape numbers are in the row's details.
 - ``quant_risk``: per quantized tensor, log2(row or matrix amax / block amax) p95 and max, and the
   fraction of non-zero values flushed to zero; fails above FLUSH_ALARM or on non-finite values.
+- ``split_layout``: the BF16 suite's check (transformers' weight layout read in place, the same bits).
 - ``main_grad``, ``weight_cache``, ``edge`` (expert segments of 0/1/127/128/129 rows, one expert, T = 1),
   ``rejects`` (malformed inputs, H or I not a multiple of 128).
 """
@@ -36,7 +37,7 @@ import torch
 from detkit.audits.moe import (
     GRAD_NAMES, MoeCase, batch_invariance_rows, bits_row, combine_checks, cosine, dswiglu_check, edge_cases,
     fresh_process_row, fused_dscore_check, grad_digests, layer_grads, make_inputs, padding_zero, per_expert,
-    rejection_cases, rejection_rows, serve_digests, sorted_rows, stage_rows,
+    rejection_cases, rejection_rows, serve_digests, sorted_rows, split_layout_row, stage_rows,
 )
 from detkit.kernels.fp8_quant import (
     QBLOCK, dequantize_rowwise, quantize_colwise_ref, quantize_rowwise, quantize_rowwise_ref, quantize_weight_ref,
@@ -357,6 +358,10 @@ def run(ctx: RunContext) -> Iterator[Row]:
               "dw2_bf16_of_fp32": compare_bits(zeros[1].to(torch.bfloat16), outs[0]["dw2"]).equal}
     yield Row(suite=NAME, check="main_grad", name=f"main_grad {name}", passed=all(checks.values()),
               backend=ctx.backend, details=checks)
+
+    # transformers' weight layout read in place (the quantizer reads the split halves in the interleaved order).
+    with nvtx_range(f"split_layout {name}"):
+        yield split_layout_row(NAME, ctx, moe_mlp_fp8, inp, outs[0], name, weight_cache=None)
 
     checks = weight_cache_checks(inp)
     yield Row(suite=NAME, check="weight_cache", name=f"weight_cache {name}", passed=all(checks.values()),

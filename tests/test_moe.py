@@ -295,6 +295,21 @@ def testsplit_copy_puts_interleaved_columns_into_split_halves_exactly(device):
     assert torch.equal(dst, deinterleave_gate_up(src))
 
 
+def test_split_layout_audit_row_passes_and_fails_on_one_changed_bit(device):
+    from types import SimpleNamespace
+
+    from detkit.audits.moe import run_layer, split_layout_row
+
+    inp = make_inputs(_case(t=16, seed=41), device)
+    want = run_layer(inp)
+    ctx = SimpleNamespace(backend=backend_of(device))
+    row = split_layout_row("moe", ctx, km.moe_mlp, inp, want, "case")
+    assert row.passed and row.check == "split_layout" and row.details["grads_in_the_views_layouts"]
+    changed = want["dx"].clone()
+    changed.view(torch.int16).view(-1)[0] ^= 1  # one bit of one element
+    assert not split_layout_row("moe", ctx, km.moe_mlp, inp, {**want, "dx": changed}, "case").passed
+
+
 def test_split_gate_up_views_refuse_an_explicit_config_that_cannot_read_them(device):
     from detkit.kernels.moe_launch import moe_dx_route
 
