@@ -121,3 +121,21 @@ def test_gemm_graph_targets_judge_each_group_by_its_medians_and_worst_row():
             row("db", 8, 128, 1.3), row("db", 8, 256, 1.3), row("db", 8, 4096, 1.0)]  # small-M median 1.3: not met
     assert claims.gemm_graph_groups(rows) == {("fwd", 4, 8, "linear"): True, ("da", 4, 8, "linear"): False,
                                               ("db", 4, 8, "linear"): False}
+
+
+def test_a_slower_moe_block_row_turns_the_block_claim_to_no_and_a_forged_ratio_is_refused(reports_copy, capsys):
+    tmp, argv = reports_copy
+    path = tmp / "reports" / claims.SOURCES["moe_block_bench"]
+
+    def slow_down(doc):
+        row = next(r for r in doc["rows"] if r.get("impl") == "hf_detkit" and "speedup_vs_hf" in r)
+        row["median_us"] = row["hf_median_us"] * 1.25
+        row["speedup_vs_hf"] = row["hf_median_us"] / row["median_us"]
+
+    _edit_json(path, slow_down)
+    assert claims.main(argv) == 1
+    assert "faster in 7 of 8" in capsys.readouterr().out
+
+    _edit_json(path, lambda doc: next(r for r in doc["rows"] if r.get("impl") == "hf_detkit").update(speedup_vs_hf=3.0))
+    assert claims.main(argv) == 2
+    assert "speedup_vs_hf disagrees with its medians" in capsys.readouterr().err

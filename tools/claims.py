@@ -52,6 +52,9 @@ SOURCES = {
     "moe_bench": "2026-12-02-h200-s15/call3/moe-bench/moe/report.json",
     "moe_bench_sweep": "2026-12-02-h200-s15/call3/moe-bench/moe-sweep/report.json",
     "model_audit": "2026-12-01-h200-s14/call4/model-audit/report.json",
+    "model_audit_moe": "2026-12-02-h200-s16/call6/moe-model/model-audit/report.json",
+    "model_audit_moe_fp8": "2026-12-02-h200-s16/call7/moe-model-fp8/model-audit-fp8/report.json",
+    "moe_block_bench": "2026-12-02-h200-s16/call5/moe-block/bench-block/report.json",
     "attn_audit": "2026-12-01-h200-s13/call4/attn-audit/report.json",
     "attn_bench": "2026-12-01-h200-s13/call4/attn-bench/report.json",
 }
@@ -130,6 +133,32 @@ def audit_counts(report: dict, suite: str | None = None) -> tuple[int, int]:
 def audit(report: dict) -> Measured:
     passed, failed = audit_counts(report)
     return Measured((passed, failed), f"{passed} passed, {failed} failed")
+
+
+def audits_named(*names: str) -> Callable[..., Measured]:
+    """The checks of several audit reports, one ``name`` each (in SOURCES order): summed, and shown per report."""
+    def measure(*reports: dict) -> Measured:
+        counts = [audit_counts(r) for r in reports]
+        text = "; ".join(f"{name} {p} passed, {f} failed" for name, (p, f) in zip(names, counts))
+        return Measured((sum(p for p, _ in counts), sum(f for _, f in counts)), text)
+    return measure
+
+
+def moe_block_speedups(report: dict) -> Measured:
+    """bench moe's speedup_vs_hf of transformers' block under the mode (hf_detkit) against its own block (hf), every
+    (preset, measure, timing) row: the lowest, and how many are faster."""
+    rows = [r for r in report["rows"] if r.get("impl") == "hf_detkit" and "speedup_vs_hf" in r]
+    if not rows:
+        raise ClaimError("no hf_detkit rows with speedup_vs_hf")
+    for r in rows:
+        if abs(r["hf_median_us"] / r["median_us"] - r["speedup_vs_hf"]) > 1e-6 * r["speedup_vs_hf"]:
+            raise ClaimError(f"{r['name']}: speedup_vs_hf disagrees with its medians")
+    values = [r["speedup_vs_hf"] for r in rows]
+    faster = sum(v > 1 for v in values)
+    worst = min(rows, key=lambda r: r["speedup_vs_hf"])
+    text = (f"{_span(values, '.2f', 'x')}; faster in {faster} of {len(rows)} (preset, fwd or fwd+bwd, eager or "
+            f"graph); lowest {worst['preset']} {worst['measure']} ({worst['timing']})")
+    return Measured((faster, len(rows)), text)
 
 
 def audit_suite(suite: str) -> Callable[[dict], Measured]:
@@ -450,6 +479,13 @@ CLAIMS = [
           "on an H200: rollout ≡ trainer bitwise, KV-cache decode (24 steps, alone and in a batch) vs one trainer "
           "forward; batch sizes, left/right padding, inference vs training forward, gradient repeats, every op routed",
           "every check passes; 0 log-probs differ", ("model_audit",), model_audit, model_audit_met),
+    Claim("detkit mode, transformers Qwen3-MoE (Qwen3-30B-A3B widths: 128 experts, top-8; 2 layers, random init) on "
+          "an H200, BF16 and FP8 experts: rollout ≡ trainer, KV-cache decode ≡ trainer, batch sizes, padding, "
+          "backward repeats bitwise, every expert call on detkit's MoE layer",
+          "every check passes", ("model_audit_moe", "model_audit_moe_fp8"), audits_named("BF16", "FP8"), all_pass),
+    Claim("transformers' Qwen3-MoE block under detkit mode vs transformers' own block (grouped_mm experts), "
+          "fwd and fwd+bwd, eager and CUDA graph, reference shape and Qwen3-30B-A3B widths, T=8192",
+          "faster (> 1x)", ("moe_block_bench",), moe_block_speedups, lambda v: v[0] == v[1]),
     Claim("detkit mode speed, detkit / default mode, the same model: prefill (batch 4 x 512 tokens); decode step "
           "eager; decode step under a CUDA graph (batch 8, 1024-token cache); forward+backward (4 x 512)",
           "≤ 1.05x; 1.15x; 1.05x; 1.05x", ("model_audit",), model_speeds, bool),
