@@ -280,21 +280,11 @@ def moe_scale_rows(dout: torch.Tensor, routing: MoeRouting, backend: str,
 
 
 def weight_grad_buffer(shape: tuple[int, ...], like: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """A BF16 weight gradient with ``like``'s strides when it is dense (the weight it belongs to: autograd then
-    keeps it as .grad without a layout copy), else contiguous."""
-    if like is not None and tuple(like.shape) == tuple(shape) and _dense(like):
-        return torch.empty_strided(shape, like.stride(), dtype=torch.bfloat16, device=device)
+    """A BF16 weight gradient with ``like``'s strides when it is dense (torch.empty_like's preserve_format: the weight it
+    belongs to, so autograd keeps it as .grad without a layout copy), else contiguous."""
+    if like is not None and tuple(like.shape) == tuple(shape):
+        return torch.empty_like(like, dtype=torch.bfloat16, device=device)
     return torch.empty(shape, dtype=torch.bfloat16, device=device)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s strides are a permutation of a contiguous layout's (no gaps, no overlap)."""
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
-        if size > 1 and stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def moe_wgrad_w1(x: torch.Tensor, dgu: torch.Tensor, routing: MoeRouting, backend: str,
@@ -310,10 +300,10 @@ def moe_wgrad_w1(x: torch.Tensor, dgu: torch.Tensor, routing: MoeRouting, backen
     shape = (experts, x.shape[1], dgu.shape[1])
     split = gate_up == "split"
     out = main_grad if main_grad is not None else weight_grad_buffer(shape, like if split else None, x.device)
-    if split and main_grad is None:
-        chosen = config or select_moe_config("wgrad", backend)
+    chosen = config or select_moe_config("wgrad", backend)
+    if split and main_grad is None and chosen.variant == "ws":
         scratch = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
-        if chosen.variant == "ws" and _ws_wgrad_takes(chosen, x, dgu, scratch):
+        if _ws_wgrad_takes(chosen, x, dgu, scratch):
             _wgrad(0, x, True, dgu, routing, scratch, False, backend, chosen)
             split_copy(scratch, out, backend)
             return out

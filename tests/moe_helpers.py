@@ -11,6 +11,7 @@ import torch
 
 from detkit.audits.moe import MoeCase, invariance_variants
 from detkit.kernels.det_gemm import GemmConfig
+from detkit.kernels.moe import deinterleave_gate_up
 from detkit.kernels.moe_routing import sync_checks
 from detkit.toolkit.contract import compare_bits
 
@@ -118,3 +119,28 @@ FP8_TRITON_TILES = {
     "wgrad": GemmConfig(64, 128, 128, 1, 4, 3, "tma"),
 }
 
+
+
+def run_on_parameters(layer: Callable[..., torch.Tensor], inp: dict, split: bool, main_grads: bool = False,
+                      **kwargs) -> dict[str, torch.Tensor]:
+    """``layer`` (moe_mlp or moe_mlp_fp8) forward and backward as a model calls it, ``split``: inp's weights held as
+    transformers holds them (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and passed as views with gate_up="split",
+    gradients as their .grad; else on the layer's own layout (w1 interleaved, w2 [E, I, H]), gradients converted to
+    the parameters' layouts. ``main_grads``: FP32 accumulators starting at 0.5, in w1's and w2's layouts, instead of
+    .grad. Returns out, dx, dscores, d_gate_up_proj, d_down_proj."""
+    x, s = inp["x"].clone().requires_grad_(), inp["scores"].clone().requires_grad_()
+    if split:
+        g = deinterleave_gate_up(inp["w1"]).transpose(1, 2).contiguous().requires_grad_()
+        d = inp["w2"].transpose(1, 2).contiguous().requires_grad_()
+        w1, w2 = g.transpose(1, 2), d.transpose(1, 2)
+    else:
+        w1, w2 = (inp[n].clone().requires_grad_() for n in ("w1", "w2"))
+    mg = tuple(torch.full_like(w, 0.5, dtype=torch.float32) for w in (w1, w2)) if main_grads else None
+    out = layer(x, w1, w2, inp["topk_ids"], s, mg, gate_up="split" if split else "interleaved", **kwargs)
+    out.backward(inp["dout"])
+    if split:
+        d_gate_up, d_down = (mg[0].transpose(1, 2), mg[1].transpose(1, 2)) if main_grads else (g.grad, d.grad)
+    else:
+        dw1, dw2 = mg if main_grads else (w1.grad, w2.grad)
+        d_gate_up, d_down = deinterleave_gate_up(dw1).transpose(1, 2), dw2.transpose(1, 2)
+    return {"out": out, "dx": x.grad, "dscores": s.grad, "d_gate_up_proj": d_gate_up, "d_down_proj": d_down}

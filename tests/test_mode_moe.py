@@ -21,10 +21,11 @@ from detkit.audits.moe import E2E_REL_L2_GATE, GOLD_SLACK  # noqa: E402
 from detkit.kernels import mode_moe  # noqa: E402
 from detkit.kernels.det_gemm import det_gemm_fwd  # noqa: E402
 from detkit.kernels.moe import deinterleave_gate_up, interleave_gate_up, moe_mlp  # noqa: E402
-from detkit.toolkit.contract import check_bound, compare_bits, gemm_bound, rel_l2  # noqa: E402
+from detkit.toolkit.contract import check_bound, gemm_bound, rel_l2  # noqa: E402
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe  # noqa: E402
 
+from tests.conftest import assert_bits_equal  # noqa: E402
 from tests.mode_moe_helpers import qwen3_30b_a3b_block  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
@@ -33,11 +34,6 @@ TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num
 # The floor under which a relative error counts as exact (audits/moe.py's precision check uses the same).
 REL_FLOOR = 2.0**-12
 EXPERTS = "moe experts (transformers)"
-
-
-def assert_bits(got, want, what):
-    result = compare_bits(got, want)
-    assert result.equal, f"{what}: {result.mismatches}/{result.elements} differ, first at {result.first_mismatch}"
 
 
 @pytest.fixture(autouse=True)
@@ -90,10 +86,10 @@ def test_gate_up_becomes_the_layers_interleaved_w1_and_its_gradient_returns_in_t
     gate_up = torch.randn(3, 8, 5, device=device).to(torch.bfloat16).requires_grad_(True)  # [E, 2I, H]
     w1 = mode_moe.gate_up_as_w1(gate_up)
     assert w1.shape == (3, 5, 8)
-    assert_bits(w1, interleave_gate_up(gate_up.detach(), dim=1).transpose(1, 2), "w1")
+    assert_bits_equal(w1, interleave_gate_up(gate_up.detach(), dim=1).transpose(1, 2), "w1")
     dw1 = torch.randn(3, 5, 8, device=device).to(torch.bfloat16)
     w1.backward(dw1)
-    assert_bits(gate_up.grad, deinterleave_gate_up(dw1.transpose(1, 2), dim=1), "gradient in [E, 2I, H]")
+    assert_bits_equal(gate_up.grad, deinterleave_gate_up(dw1.transpose(1, 2), dim=1), "gradient in [E, 2I, H]")
     down = torch.randn(3, 5, 4, device=device)
     assert mode_moe.down_as_w2(down).data_ptr() == down.data_ptr()  # a view, no copy
     ids = torch.tensor([[0, 2], [3, 1]], device=device)
@@ -140,7 +136,7 @@ def test_a_models_log_probs_keep_their_bits_alone_and_in_a_batch(device):
     with torch.inference_mode(), detkit.batch_invariant_mode(strict=True):
         alone = logprobs(seqs[1:2])
         batch = logprobs(seqs)
-    assert_bits(batch[1:2], alone, "log-probs alone vs in a batch of 3")
+    assert_bits_equal(batch[1:2], alone, "log-probs alone vs in a batch of 3")
     counts = routed()
     assert counts[f"{EXPERTS} -> detkit.moe_mlp"] == 4  # 2 layers x 2 forwards
     assert counts[f"{mode_moe.ROUTER_OP} -> {mode_moe.ROUTER_KERNEL}"] == 4
@@ -157,7 +153,7 @@ def test_parameters_and_state_dict_are_untouched(device):
     assert list(after) == list(before)
     for key, value in before.items():
         assert after[key].shape == value.shape and after[key].stride() == value.stride(), key
-        assert_bits(after[key], value, key)
+        assert_bits_equal(after[key], value, key)
     assert {n: p for n, p in model.named_parameters()} == params
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.grad.shape == experts.gate_up_proj.shape  # [E, 2I, H], transformers' layout
@@ -183,12 +179,12 @@ def test_router_logits_and_aux_loss_are_the_ones_transformers_computes(device):
     assert len(out.router_logits) == 2
     with torch.no_grad(), detkit.batch_invariant_mode():  # as the model computed it: its mean runs in the mode
         want = hf_moe.load_balancing_loss_func(out.router_logits, num_experts, top_k)
-    assert_bits(out.aux_loss, want, "aux loss")
-    assert_bits(out.loss, plain.loss + model.config.router_aux_loss_coef * want, "loss + aux")
+    assert_bits_equal(out.aux_loss, want, "aux loss")
+    assert_bits_equal(out.loss, plain.loss + model.config.router_aux_loss_coef * want, "loss + aux")
     # The recorded logits are the routed linear's: det_gemm of the router's input, within the GEMM bound of FP64.
     h = gate_inputs[1].reshape(-1, 64)
     w_gate = model.model.layers[0].mlp.gate.weight.detach()
-    assert_bits(out.router_logits[0], det_gemm_fwd(h, w_gate.t()), "router logits")
+    assert_bits_equal(out.router_logits[0], det_gemm_fwd(h, w_gate.t()), "router logits")
     star = h.double() @ w_gate.double().t()
     bound = gemm_bound(star, h.double().abs() @ w_gate.double().abs().t(), 64)
     assert check_bound(out.router_logits[0].double(), star, bound).passed
@@ -213,7 +209,7 @@ def test_masked_routes_stay_masked(device):
             got = experts(x, ids, weights)
         want = moe_mlp(x, interleave_gate_up(experts.gate_up_proj, dim=1).transpose(1, 2),
                        experts.down_proj.transpose(1, 2), torch.where(ids == 8, -1, ids).to(torch.int32), weights)
-    assert_bits(got, want, "sentinel routes masked")
+    assert_bits_equal(got, want, "sentinel routes masked")
     assert bool((got[2] == 0).all())
 
 
@@ -225,7 +221,7 @@ def test_what_the_layer_does_not_cover_is_counted_or_raised(device):
         want = block(x)  # transformers' own implementation
         with detkit.batch_invariant_mode():
             got = block(x)
-        assert_bits(got, want, "not routed: transformers' own block")
+        assert_bits_equal(got, want, "not routed: transformers' own block")
         reason = "Qwen3MoeExperts._is_expert_parallel = True (supported: False)"
         not_routed = detkit.mode_counters().as_dict()["not_routed"]
         assert not_routed.pop(f"{EXPERTS}: {reason}") == 1
@@ -255,7 +251,7 @@ def test_a_block_compiled_before_the_mode_runs_the_routes_inside_it(device):
         with detkit.batch_invariant_mode(strict=True):
             got = compiled(x)
             want = block(x)
-    assert_bits(got, want, "compiled vs eager inside the mode")
+    assert_bits_equal(got, want, "compiled vs eager inside the mode")
     assert routed()[f"{EXPERTS} -> detkit.moe_mlp"] == 2
 
 
@@ -274,8 +270,8 @@ def test_router_choice_is_batch_invariant_at_qwen3_30b_a3b_widths(device):
         logits, scores, ids = router(x)
         for rows in (slice(0, 1), slice(100, 101), slice(4095, 4096), slice(7, 40)):
             one_logits, one_scores, one_ids = router(x[rows])
-            assert_bits(one_logits, logits[rows], f"logits {rows}")
-            assert_bits(one_scores, scores[rows], f"scores {rows}")
+            assert_bits_equal(one_logits, logits[rows], f"logits {rows}")
+            assert_bits_equal(one_scores, scores[rows], f"scores {rows}")
             assert torch.equal(one_ids, ids[rows]), f"ids {rows}"
 
 
@@ -290,7 +286,7 @@ def test_block_tokens_and_gradients_repeat_at_qwen3_30b_a3b_widths(device):
         with torch.no_grad():
             full = block(x)
             for t in (0, 777, 2047):
-                assert_bits(block(x[:, t:t + 1]), full[:, t:t + 1], f"token {t}")
+                assert_bits_equal(block(x[:, t:t + 1]), full[:, t:t + 1], f"token {t}")
         runs = [block_grads(block, x, dout)[0] for _ in range(2)]
     for name in runs[0]:
-        assert_bits(runs[1][name], runs[0][name], name)
+        assert_bits_equal(runs[1][name], runs[0][name], name)

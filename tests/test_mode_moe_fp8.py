@@ -22,6 +22,7 @@ from detkit.kernels.moe_fp8 import moe_mlp_fp8  # noqa: E402
 from detkit.toolkit.contract import compare_bits, rel_l2  # noqa: E402
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
+from tests.conftest import assert_bits_equal  # noqa: E402
 from tests.mode_moe_helpers import qwen3_30b_a3b_block  # noqa: E402
 
 # The smallest config the FP8 layer takes: H and I multiples of 128.
@@ -31,11 +32,6 @@ TINY_128 = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=12
 EXPERTS = mode_moe.EXPERTS_OP
 FP8_ROUTE = f"{EXPERTS} -> {mode_moe.EXPERTS_KERNEL_FP8}"
 BF16_ROUTE = f"{EXPERTS} -> {mode_moe.EXPERTS_KERNEL}"
-
-
-def assert_bits(got, want, what):
-    result = compare_bits(got, want)
-    assert result.equal, f"{what}: {result.mismatches}/{result.elements} differ, first at {result.first_mismatch}"
 
 
 @pytest.fixture(autouse=True)
@@ -128,7 +124,7 @@ def test_fp8_experts_are_counted_and_bitwise_a_direct_moe_mlp_fp8_call(device):
         with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
             got = experts(x, ids, weights)
         want = direct_fp8(experts, x, ids, weights)[0]
-    assert_bits(got, want, "mode (FP8) vs moe_mlp_fp8 on the converted weights")
+    assert_bits_equal(got, want, "mode (FP8) vs moe_mlp_fp8 on the converted weights")
     assert routed() == {FP8_ROUTE: 1}
     assert detkit.mode_counters().not_routed == {}
 
@@ -148,17 +144,17 @@ def test_gradients_reach_transformers_parameters_and_equal_a_direct_call(device)
         out = experts(xg, ids, sg)
         out.backward(dout)
     assert mode_moe.fp8_weight_cache().hits == 2 and mode_moe.fp8_weight_cache().misses == 2
-    assert_bits(out, rollout, "training forward vs inference forward")
+    assert_bits_equal(out, rollout, "training forward vs inference forward")
     xd, sd = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
     want, w1, w2 = direct_fp8(experts, xd, ids, sd)
     want.backward(dout)
-    assert_bits(out.detach(), want.detach(), "out")
-    assert_bits(xg.grad, xd.grad, "dx")
-    assert_bits(sg.grad, sd.grad, "d routing weights")
+    assert_bits_equal(out.detach(), want.detach(), "out")
+    assert_bits_equal(xg.grad, xd.grad, "dx")
+    assert_bits_equal(sg.grad, sd.grad, "d routing weights")
     for param, grad, name in ((experts.gate_up_proj, deinterleave_gate_up(w1.grad.transpose(1, 2), dim=1), "gate_up"),
                               (experts.down_proj, w2.grad.transpose(1, 2), "down")):
         assert param.grad.shape == param.shape and param.grad.stride() == param.stride(), name
-        assert_bits(param.grad, grad, f"d {name}_proj")
+        assert_bits_equal(param.grad, grad, f"d {name}_proj")
     assert routed() == {FP8_ROUTE: 2}
 
 
@@ -173,7 +169,7 @@ def test_a_models_log_probs_keep_their_bits_alone_and_in_a_batch_with_fp8_expert
     with torch.inference_mode(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
         alone = logprobs(seqs[1:2])
         batch = logprobs(seqs)
-    assert_bits(batch[1:2], alone, "log-probs alone vs in a batch of 3")
+    assert_bits_equal(batch[1:2], alone, "log-probs alone vs in a batch of 3")
     assert routed()[FP8_ROUTE] == 2 and BF16_ROUTE not in routed()
 
 
@@ -194,7 +190,7 @@ def test_a_weight_update_invalidates_the_fp8_weights_and_changes_the_output(devi
 
     first, again = run(), run()
     assert (cache.misses, cache.hits, len(cache)) == (2, 2, 2)
-    assert_bits(again, first, "repeat")
+    assert_bits_equal(again, first, "repeat")
     gen = torch.Generator().manual_seed(13)
     for p in (experts.gate_up_proj, experts.down_proj):
         p.grad = (torch.randn(p.shape, generator=gen) * 0.02).to(device=device, dtype=p.dtype)
@@ -203,12 +199,12 @@ def test_a_weight_update_invalidates_the_fp8_weights_and_changes_the_output(devi
     assert (cache.misses, cache.hits, len(cache)) == (4, 2, 2)
     assert not compare_bits(stepped, first).equal, "the output did not change after the optimizer step"
     with torch.no_grad():
-        assert_bits(stepped, direct_fp8(experts, x, ids, weights)[0], "after the step vs a fresh quantization")
+        assert_bits_equal(stepped, direct_fp8(experts, x, ids, weights)[0], "after the step vs a fresh quantization")
         experts.down_proj.mul_(2)
     doubled = run()
     assert (cache.misses, cache.hits, len(cache)) == (5, 3, 2)
     with torch.no_grad():
-        assert_bits(doubled, direct_fp8(experts, x, ids, weights)[0], "after down_proj *= 2")
+        assert_bits_equal(doubled, direct_fp8(experts, x, ids, weights)[0], "after down_proj *= 2")
 
 
 def test_inference_tensor_weights_are_quantized_on_every_call(device):
@@ -221,7 +217,7 @@ def test_inference_tensor_weights_are_quantized_on_every_call(device):
         want = direct_fp8(experts, x, ids, weights)[0]
     assert len(mode_moe.fp8_weight_cache()) == 0 and mode_moe.fp8_weight_cache().misses == 4
     for out in got:
-        assert_bits(out, want, "inference-tensor weights")
+        assert_bits_equal(out, want, "inference-tensor weights")
 
 
 def test_the_cache_refuses_a_bad_capacity():
@@ -245,7 +241,7 @@ def test_a_block_the_fp8_layer_does_not_cover_runs_transformers_experts_counted_
         want = experts(x, ids, weights)  # transformers' own implementation
         with detkit.batch_invariant_mode(moe_experts="fp8"):
             got = experts(x, ids, weights)
-        assert_bits(got, want, "not routed: transformers' own experts")
+        assert_bits_equal(got, want, "not routed: transformers' own experts")
         counters = detkit.mode_counters().as_dict()
         assert counters["routed"] == {} and counters["not_routed"].pop(f"{EXPERTS}: {reason}") == 1
         # what transformers' experts ran on: torch's grouped GEMM (counted too) or nothing else
@@ -286,7 +282,7 @@ def test_a_captured_fp8_block_reads_the_weights_of_each_replay(device):
         torch.cuda.synchronize()
         eager = experts(x, ids, weights)
     assert not compare_bits(captured, before).equal
-    assert_bits(captured, eager, "replay after the update vs eager")
+    assert_bits_equal(captured, eager, "replay after the update vs eager")
 
 
 @pytest.mark.gpu
@@ -302,10 +298,10 @@ def test_fp8_block_at_qwen3_30b_a3b_widths(device):
         with torch.no_grad():
             full = block(x)
             for t in (0, 777, 2047):
-                assert_bits(block(x[:, t:t + 1]), full[:, t:t + 1], f"token {t}")
+                assert_bits_equal(block(x[:, t:t + 1]), full[:, t:t + 1], f"token {t}")
     runs = [moe_block_grads(block, x, dout, "fp8") for _ in range(2)]
     for name in runs[0][0]:
-        assert_bits(runs[1][0][name], runs[0][0][name], name)
+        assert_bits_equal(runs[1][0][name], runs[0][0][name], name)
     bf16 = moe_block_grads(block, x, dout, "bf16")
     assert torch.equal(bf16[1], runs[0][1])
     for name, got in runs[0][0].items():

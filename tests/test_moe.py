@@ -26,6 +26,7 @@ from detkit.toolkit.contract import compare_bits
 from tests.conftest import backend_of
 from tests.moe_helpers import (
     assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline, forbid_kernels,
+    run_on_parameters,
 )
 
 H, I, E, K = 32, 48, 4, 2
@@ -235,42 +236,17 @@ def test_linear_style_weight_views_and_converters(device):
 
 
 def _split_views_case(routing: str, device: torch.device) -> dict:
-    """Inputs whose weights are also held as transformers holds them: gate_up_proj [E, 2I, H] (rows [gate; up]) and
-    down_proj [E, H, I]. On the GPU at widths the sm_90 table's tiles divide, so the interleaved run takes the ws and
-    TMA kernels and the split run their fallbacks."""
+    """On the GPU at widths the sm_90 table's tiles divide, so the layer's own layout takes the ws and TMA kernels and
+    the split views their fallbacks."""
     cuda = device.type == "cuda"
-    inp = make_inputs(_case(routing, t=96 if cuda else 40, h=256 if cuda else H, i=128 if cuda else I, seed=21),
-                      device)
-    inp["gate_up_proj"] = deinterleave_gate_up(inp["w1"]).transpose(1, 2).contiguous()
-    inp["down_proj"] = inp["w2"].transpose(1, 2).contiguous()
-    return inp
-
-
-def _run_on_parameters(inp: dict, split: bool, main_grads: bool = False) -> dict:
-    """The layer as a model calls it (``split``: gate_up_proj and down_proj as views read in place, gradients as the
-    parameters' .grad) or on its own contiguous layout (w1 interleaved, w2 [E, I, H]; gradients converted to the
-    parameters' layouts); with ``main_grads`` the FP32 accumulators instead, in the parameters' layouts."""
-    x, s = inp["x"].clone().requires_grad_(), inp["scores"].clone().requires_grad_()
-    if split:
-        g, d = (inp[n].clone().requires_grad_() for n in ("gate_up_proj", "down_proj"))
-        w1, w2 = g.transpose(1, 2), d.transpose(1, 2)
-    else:
-        w1, w2 = (inp[n].clone().requires_grad_() for n in ("w1", "w2"))
-    mg = (torch.zeros_like(w1, dtype=torch.float32), torch.zeros_like(w2, dtype=torch.float32)) if main_grads else None
-    out = km.moe_mlp(x, w1, w2, inp["topk_ids"], s, mg, gate_up="split" if split else "interleaved")
-    out.backward(inp["dout"])
-    dw1, dw2 = mg if main_grads else (w1.grad, w2.grad)
-    if split:
-        d_gate_up, d_down = (mg[0].transpose(1, 2), mg[1].transpose(1, 2)) if main_grads else (g.grad, d.grad)
-    else:
-        d_gate_up, d_down = deinterleave_gate_up(dw1).transpose(1, 2), dw2.transpose(1, 2)
-    return {"out": out, "dx": x.grad, "dscores": s.grad, "d_gate_up_proj": d_gate_up, "d_down_proj": d_down}
+    return make_inputs(_case(routing, t=96 if cuda else 40, h=256 if cuda else H, i=128 if cuda else I, seed=21),
+                       device)
 
 
 @pytest.mark.parametrize("routing", ["random", "masked"])
 def test_split_gate_up_views_give_the_interleaved_copy_bits_and_grads_in_the_parameters_layout(routing, device):
     inp = _split_views_case(routing, device)
-    want, got = _run_on_parameters(inp, split=False), _run_on_parameters(inp, split=True)
+    want, got = (run_on_parameters(km.moe_mlp, inp, split) for split in (False, True))
     for name in want:
         assert compare_bits(got[name], want[name]).equal, name
     # dW1 and dW2 were written in the parameters' own layouts: autograd kept them as .grad without a layout copy.
@@ -280,12 +256,12 @@ def test_split_gate_up_views_give_the_interleaved_copy_bits_and_grads_in_the_par
 
 def test_split_gate_up_views_accumulate_main_grads_with_the_interleaved_copy_bits(device):
     inp = _split_views_case("random", device)
-    want, got = (_run_on_parameters(inp, split=s, main_grads=True) for s in (False, True))
+    want, got = (run_on_parameters(km.moe_mlp, inp, split, main_grads=True) for split in (False, True))
     for name in want:
         assert compare_bits(got[name], want[name]).equal, name
 
 
-def testsplit_copy_puts_interleaved_columns_into_split_halves_exactly(device):
+def test_split_copy_puts_interleaved_columns_into_split_halves_exactly(device):
     # The copy after the ws weight gradient (sm_90): dW1 of interleaved columns into gate_up_proj's layout.
     from detkit.kernels.moe_launch import split_copy
 
@@ -315,7 +291,7 @@ def test_split_gate_up_views_refuse_an_explicit_config_that_cannot_read_them(dev
 
     inp = _split_views_case("random", device)
     r = build_routing(inp["topk_ids"], inp["scores"], E)
-    w1 = inp["gate_up_proj"].transpose(1, 2)
+    w1 = deinterleave_gate_up(inp["w1"])  # split halves
     dgu = torch.zeros((r.padded_rows, w1.shape[2]), dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match=r"dx: variant 'tma' cannot read split gate/up halves along the reduced dim"):
         moe_dx_route(dgu, w1, r, backend_of(device), config=GemmConfig(64, 32, 16, 1, 4, 2, "tma"), gate_up="split")

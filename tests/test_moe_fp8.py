@@ -31,7 +31,7 @@ from detkit.toolkit.contract import compare_bits, rel_l2
 from tests.conftest import backend_of
 from tests.moe_helpers import (
     FP8_TRITON_TILES, assert_forward_batch_invariant, assert_rejected, assert_stages, compile_sm90_offline,
-    fp8_stage_runs, forbid_kernels, layer_args,
+    fp8_stage_runs, forbid_kernels, layer_args, run_on_parameters,
 )
 
 H, I, E, K = 128, 128, 3, 2
@@ -559,36 +559,13 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # transformers' layout read in place (gate_up="split")
 # ---------------------------------------------------------------------------------------------
-def _run_fp8_on_parameters(inp: dict, split: bool, wgrad: str, main_grads: bool = False) -> dict:
-    """The FP8 layer as a model calls it (``split``: gate_up_proj [E, 2I, H] and down_proj [E, H, I] as views read in
-    place, gradients as their .grad) or on its own layout (gradients converted to the parameters' layouts); with
-    ``main_grads`` the FP32 accumulators (in w1's, w2's layouts) instead."""
-    x, s = inp["x"].clone().requires_grad_(), inp["scores"].clone().requires_grad_()
-    if split:
-        g = deinterleave_gate_up(inp["w1"]).transpose(1, 2).contiguous().requires_grad_()
-        d = inp["w2"].transpose(1, 2).contiguous().requires_grad_()
-        w1, w2 = g.transpose(1, 2), d.transpose(1, 2)
-    else:
-        w1, w2 = (inp[n].clone().requires_grad_() for n in ("w1", "w2"))
-    mg = (torch.full_like(w1, 0.5, dtype=torch.float32), torch.full_like(w2, 0.5, dtype=torch.float32)) \
-        if main_grads else None
-    out = kf.moe_mlp_fp8(x, w1, w2, inp["topk_ids"], s, mg, weight_cache=None, wgrad=wgrad,
-                         gate_up="split" if split else "interleaved")
-    out.backward(inp["dout"])
-    dw1, dw2 = mg if main_grads else (w1.grad, w2.grad)
-    if split:
-        d_gate_up, d_down = (mg[0].transpose(1, 2), mg[1].transpose(1, 2)) if main_grads else (g.grad, d.grad)
-    else:
-        d_gate_up, d_down = deinterleave_gate_up(dw1).transpose(1, 2), dw2.transpose(1, 2)
-    return {"out": out, "dx": x.grad, "dscores": s.grad, "d_gate_up_proj": d_gate_up, "d_down_proj": d_down}
-
-
 @pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
 def test_split_gate_up_views_give_the_interleaved_copy_bits(wgrad, device):
     # The weight quantizer reads the split halves in the interleaved order, so every FP8 operand is the same; dW1 comes
     # back in gate_up_proj's layout and dW2 in down_proj's (by the swapped-operand weight gradient).
     inp = make_inputs(_case("masked", seed=31), device)
-    want, got = (_run_fp8_on_parameters(inp, split, wgrad) for split in (False, True))
+    want, got = (run_on_parameters(kf.moe_mlp_fp8, inp, split, weight_cache=None, wgrad=wgrad)
+                 for split in (False, True))
     for name in want:
         assert compare_bits(got[name], want[name]).equal, name
     assert got["d_gate_up_proj"].is_contiguous() and got["d_down_proj"].is_contiguous()
@@ -596,7 +573,8 @@ def test_split_gate_up_views_give_the_interleaved_copy_bits(wgrad, device):
 
 def test_split_gate_up_views_accumulate_main_grads_with_the_interleaved_copy_bits(device):
     inp = make_inputs(_case(seed=32), device)
-    want, got = (_run_fp8_on_parameters(inp, split, "fp8", main_grads=True) for split in (False, True))
+    want, got = (run_on_parameters(kf.moe_mlp_fp8, inp, split, main_grads=True, weight_cache=None)
+                 for split in (False, True))
     for name in want:
         assert compare_bits(got[name], want[name]).equal, name
 
