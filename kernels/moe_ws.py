@@ -59,6 +59,7 @@ from detkit.kernels.moe_operands import ws_weight_rows, ws_wgrad_addresses
 from detkit.kernels.moe_routing import SEGMENT_ALIGN
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
+DGRAD_PREFETCH = 2  # the dgrad epilogue's operand loads (_dgrad_consumer's PREFETCH)
 
 
 @gluon.jit
@@ -104,12 +105,16 @@ def _chunk_layout(NCH):
 
 @gluon.jit
 def _k_steps(a_ring, b_ring, ready, free, count, acc, steps, B_K_MAJOR: gl.constexpr, PART: gl.constexpr,
-             FENCE: gl.constexpr, A_MN_MAJOR: gl.constexpr = False):
+             FENCE: gl.constexpr, A_MN_MAJOR: gl.constexpr = False, side_desc=None, side_bar=None, side_smem=None,
+             side_row=0, side_col=0):
     """acc + this part's rows of ``steps`` K steps of one live tile (ascending) from the ring, from slot ``count`` on:
     async wgmma with at most one MMA in flight behind the newest, each slot handed back once the MMA that read it has
     finished. FENCE: the A tile was written by cp.async (generic proxy), which wgmma (async proxy) may read only
     after a proxy fence. A_MN_MAJOR (the weight gradient): each part's A tile is its own ring buffer [BLOCK_K, ROWS]
-    (slot * parts + part) with the output rows contiguous, read transposed by wgmma. Returns (acc, the next count)."""
+    (slot * parts + part) with the output rows contiguous, read transposed by wgmma. ``side_desc``: halfway through
+    the steps, once the previous tile's TMA store has read ``side_smem``, a TMA load of ``side_desc`` at
+    [side_row, side_col] into it, arriving on ``side_bar`` (the epilogue's operand lands while the MMAs run).
+    Returns (acc, the next count)."""
     STAGES: gl.constexpr = ready.type.shape[0]
     ROWS: gl.constexpr = acc.type.shape[0]
     for ks in range(steps):
@@ -125,6 +130,9 @@ def _k_steps(a_ring, b_ring, ready, free, count, acc, steps, B_K_MAJOR: gl.const
         else:
             a = a_ring.index(slot).slice(PART * ROWS, ROWS, dim=0)
         acc = warpgroup_mma(a, b, acc, is_async=True)
+        if side_desc is not None:
+            if ks == steps // 2:
+                _side_load(side_desc, side_bar, side_smem, side_row, side_col)
         # The MMA before this one has finished reading its slot: hand that slot back.
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1, pred=ks > 0)
@@ -132,6 +140,15 @@ def _k_steps(a_ring, b_ring, ready, free, count, acc, steps, B_K_MAJOR: gl.const
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(free.index((count + STAGES - 1) % STAGES), count=1)
     return acc, count
+
+
+@gluon.jit
+def _side_load(desc, bar, smem, row, col):
+    """A TMA load of desc's box at [row, col] into smem, arriving on bar, once the TMA stores issued before it have
+    read smem."""
+    tma.store_wait(0)
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], bar, smem)
 
 
 @gluon.jit
@@ -189,36 +206,74 @@ def _up_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, 
 
 
 @gluon.jit
-def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, route_ptr, score_ptr, gu_ptr, h_ptr, ds_ptr,
-                    num_tiles, C, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr,
-                    CONSUMERS: gl.constexpr, PART: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr):
+def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, gu_desc, gu_bars, route_ptr, score_ptr, gu_ptr,
+                    h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr, DSCORE: gl.constexpr,
+                    DS_CHUNK: gl.constexpr, PREFETCH: gl.constexpr):
     """One consumer warpgroup of dgrad: acc = dout[gather] @ W2[e]^T over BLOCK_N columns of dh for this part's rows
     (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 2: (DSCORE) ds_part[p, c] = the sum
     over chunk c's DS_CHUNK columns of acc * h, then dh = s * acc, dg and du from the saved gu (each (g, u) pair read
-    as one int32), rounded once to BF16 and TMA-stored as int32 pairs."""
+    as one int32), rounded once to BF16 and TMA-stored as int32 pairs. PREFETCH (where the epilogue's operands come
+    from; the same values, so the same bits): 0, loaded after the MMAs; 1, the scores, h and gu loaded into registers
+    before the MMAs; 2, the scores and h so, and gu's tile by TMA into this part's dgu store buffer halfway through the
+    MMAs, dgu then written over it."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    BLOCK_K: gl.constexpr = a_ring.type.shape[2]
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    dgu_part = dgu_smem.slice(PART * ROWS, ROWS, dim=0)
+    gu_bar = gu_bars.index(PART)
     num_n = C // BLOCK_N
     count = 0
+    it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M,
-                                                 BLOCK_N, B_K_MAJOR, CONSUMERS, PART, True)
-        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+        off_m = (t // num_n) * BLOCK_M
+        off_n = (t % num_n) * BLOCK_N
+        row = off_m + PART * ROWS
+        rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        if PREFETCH >= 1:
+            routed = gl.load(route_ptr + rows) >= 0
+            score = gl.load(score_ptr + rows)
+            if DSCORE:
+                h = gl.load(h_ptr + rows[:, None] * C + cols[None, :])
+        if PREFETCH == 1:
+            gu_bits = gl.load(gu_ptr + rows[:, None] * C + cols[None, :])
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+        if gl.load(route_ptr + off_m) >= 0:
+            if PREFETCH == 2:
+                acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, True,
+                                      False, gu_desc, gu_bar, dgu_part, row, off_n)
+            else:
+                acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, True)
+        elif PREFETCH == 2:  # a padding-only tile: no MMAs to hide the load behind
+            _side_load(gu_desc, gu_bar, dgu_part, row, off_n)
+        if PREFETCH == 0:
+            routed = gl.load(route_ptr + rows) >= 0
+        acc = gl.where(routed[:, None], acc, 0.0)
         if DSCORE:  # first, as the Triton epilogue: its h tile and products are dead before gu is loaded
-            h = gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32)
-            chunked = gl.convert_layout(gl.reshape(acc * h, [ROWS, BLOCK_N // DS_CHUNK, DS_CHUNK]),
+            if PREFETCH == 0:
+                h = gl.load(h_ptr + rows[:, None] * C + cols[None, :])
+            chunked = gl.convert_layout(gl.reshape(acc * h.to(gl.float32), [ROWS, BLOCK_N // DS_CHUNK, DS_CHUNK]),
                                         _chunk_layout(BLOCK_N // DS_CHUNK))
             part = gl.sum(chunked, axis=2)
             p_layout: gl.constexpr = part.type.layout
             p_rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, p_layout))
             chunks = off_n // DS_CHUNK + gl.arange(0, BLOCK_N // DS_CHUNK, layout=gl.SliceLayout(0, p_layout))
             gl.store(ds_ptr + p_rows[:, None] * (C // DS_CHUNK) + chunks[None, :], part)
-        dh = acc * gl.load(score_ptr + rows)[:, None]
-        g, u = bf16_pair_values(gl.load(gu_ptr + rows[:, None] * C + cols[None, :]))
+        if PREFETCH == 0:
+            score = gl.load(score_ptr + rows)
+            gu_bits = gl.load(gu_ptr + rows[:, None] * C + cols[None, :])
+        if PREFETCH == 2:
+            mbarrier.wait(gu_bar, it & 1)
+            gu_bits = dgu_part.load(acc_layout)
+        dh = acc * score[:, None]
+        g, u = bf16_pair_values(gu_bits)
         s = 1.0 / (1.0 + gl.exp(-g))
         silu = g * s
         # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
         store_part(dgu_smem, dgu_desc, bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu), row, off_n,
                    PART)
+        it += 1
     tma.store_wait(0)
 
 
@@ -266,7 +321,8 @@ def moe_ws_gather_kernel(
     b_desc,  # over the weight's storage as [E * C, L] (B_K_MAJOR, box [BLOCK_N, BLOCK_K]) or [E * L, C]
     out_desc,  # up: over gu [P, C] BF16; dgrad: over dgu [P, 2C] as int32 (g, u) pairs [P, C];
     # box [BLOCK_M / CONSUMERS, BLOCK_N]
-    h_desc,  # up: over h [P, C / 2] BF16, box [BLOCK_M / CONSUMERS, BLOCK_N / 2] (dgrad: unused)
+    h_desc,  # up: over h [P, C / 2] BF16, box [BLOCK_M / CONSUMERS, BLOCK_N / 2]; dgrad: over the saved gu as
+    # int32 pairs [P, C], box [BLOCK_M / CONSUMERS, BLOCK_N] (read by PREFETCH 2)
     gather_ptr, route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
     gu_ptr,  # dgrad: the forward's gu [P, 2C] as int32 pairs [P, C]
     h_ptr, ds_ptr,  # dgrad with DSCORE: the forward's h [P, C] BF16 and the partials ds_part [P, C / DS_CHUNK] FP32
@@ -277,6 +333,7 @@ def moe_ws_gather_kernel(
     CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
     EPILOGUE: gl.constexpr,  # 1: SwiGLU (up); 2: dSwiGLU (dgrad)
     DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
+    PREFETCH: gl.constexpr,  # dgrad: where the epilogue's operands come from (_dgrad_consumer)
 ):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_layout)
@@ -309,22 +366,25 @@ def moe_ws_gather_kernel(
                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     else:
+        gu_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(CONSUMERS):
+            mbarrier.init(gu_bars.index(i), count=1)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
-                                   ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, DSCORE,
-                                   DS_CHUNK)),
-                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
-                                   ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1, DSCORE,
-                                   DS_CHUNK)),
+                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr, score_ptr,
+                                   gu_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
+                                   DSCORE, DS_CHUNK, PREFETCH)),
+                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr, score_ptr,
+                                   gu_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1,
+                                   DSCORE, DS_CHUNK, PREFETCH)),
                 (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, route_ptr, score_ptr, gu_ptr, h_ptr,
-                                   ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, DSCORE,
-                                   DS_CHUNK)),
+                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr, score_ptr,
+                                   gu_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
+                                   DSCORE, DS_CHUNK, PREFETCH)),
                 (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
@@ -582,8 +642,9 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
                  nvmma_descriptor(aux, [part_rows, config.block_n // 2], gl.bfloat16))
         gu_bits = h = ds_part = out  # unused by this epilogue
     else:
-        out_desc = nvmma_descriptor(out.view(torch.int32), [part_rows, config.block_n], gl.int32)
-        descs, gu_bits = (out_desc, out_desc), aux.view(torch.int32)
+        gu_bits = aux.view(torch.int32)
+        descs = (nvmma_descriptor(out.view(torch.int32), [part_rows, config.block_n], gl.int32),
+                 nvmma_descriptor(gu_bits, [part_rows, config.block_n], gl.int32))
         h, ds_part = dscore if dscore is not None else (out, out)  # unused without DSCORE
     tiles = (p // config.block_m) * (n_cols // config.block_n)
     moe_ws_gather_kernel[(min(tiles, device_sms(a.device)),)](
@@ -595,7 +656,7 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
         SEGMENT=SEGMENT_ALIGN, CONSUMERS=consumers(config.num_warps), B_K_MAJOR=k_major, EPILOGUE=epilogue,
-        DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK,
+        DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK, PREFETCH=DGRAD_PREFETCH,
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
 
