@@ -13,7 +13,8 @@ kernels/moe_routing.py; P is the padded row count.
     moe_split_copy_kernel        a weight gradient of interleaved columns copied into a split-halves layout
     moe_wgrad_kernel             one program per (expert, dW tile): dW[e] = A[rows of e]^T B[rows of e] over the
                                  expert's rows in ascending order; BF16 out, or main_grad += it in FP32
-    moe_scale_rows_kernel        dy [P, H] = bf16(s * dout[gather]) (dW2's B operand), padding rows +0
+    moe_scale_rows_kernel        dy [P, H] = bf16(s * dout[gather]) (dW2's B operand), padding rows +0; with COPY
+                                 also dout[gather] itself (dgrad's A operand, read by TMA)
     moe_combine_kernel           out[t] = bf16(sum over k ascending of s_k * y[route_row[t, k]]) in FP32 (and the
                                  unscaled dX gather-sum)
     moe_dscore_sum_kernel        ds[t, k] = the row's dscore partials summed (a fixed tree)
@@ -243,10 +244,12 @@ def moe_split_copy_kernel(
 
 @triton.jit(launch_metadata=scale_rows_launch_name)
 def moe_scale_rows_kernel(
-    src_ptr, rows_ptr, score_ptr, route_ptr, gate_ptr, out_ptr,
+    src_ptr, rows_ptr, score_ptr, route_ptr, gate_ptr, out_ptr, copy_ptr,
     P, N,  # out[p, :N] = bf16(score[p] * src[rows[p], :N]), one rounding of the FP32 product; padding rows 0
-    stride_sm, stride_sn, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
+    stride_sm, stride_sn, stride_om, stride_on, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    COPY: tl.constexpr,  # copy[p, :N] = src[rows[p], :N] too (padding rows 0)
+    INTERPRETED: tl.constexpr,
 ):
     pid = tl.program_id(axis=0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -263,6 +266,8 @@ def moe_scale_rows_kernel(
                 other=0.0)
     y = to_bf16(x.to(tl.float32) * s[:, None], INTERPRETED)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y, mask=mask)
+    if COPY:
+        tl.store(copy_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, x, mask=mask)
 
 
 @triton.jit(launch_metadata=combine_launch_name)

@@ -72,8 +72,8 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
     if reason is not None:
         raise ValueError(f"{stage}: {reason}")
     if config.variant == "ws":  # the Gluon kernels (kernels/moe_ws.py): sm_90
-        if gather:
-            launch_moe_ws_gather(op_id, stage, config, epilogue, a, b, c, aux, routing, dscore, backend)
+        if gather or epilogue != EPI_PLAIN:
+            launch_moe_ws_gather(op_id, stage, config, epilogue, a, b, c, aux, routing, dscore, backend, gather)
         else:
             launch_moe_ws(op_id, stage, config, a, b, c, routing, backend)
         return
@@ -154,23 +154,33 @@ def moe_down(h: torch.Tensor, w2: torch.Tensor, routing: MoeRouting, backend: st
 
 
 def _dgrad(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, routing: MoeRouting, backend: str,
-           config: GemmConfig | None, dscore: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+           config: GemmConfig | None, dscore: tuple[torch.Tensor, torch.Tensor] | None,
+           sorted_dout: torch.Tensor | None) -> torch.Tensor:
     dgu = torch.empty_like(gu)
     w2_t = w2.transpose(1, 2)  # [E, H, I] view
-    _grouped(2, "dgrad", dout, True, w2_t, dgu, gu, routing, w2.shape[1], w2.shape[2], EPI_DSWIGLU,
+    if sorted_dout is not None and (sorted_dout.shape[0] < routing.padded_rows
+                                    or sorted_dout.shape[1:] != dout.shape[1:] or sorted_dout.dtype != dout.dtype):
+        raise ValueError(f"sorted_dout must be dout's rows in expert order, [>= {routing.padded_rows}, "
+                         f"{dout.shape[1]}] {dout.dtype} (moe_scale_rows' copy); got {sorted_dout.dtype} "
+                         f"{tuple(sorted_dout.shape)}")
+    a, gather = (dout, True) if sorted_dout is None else (sorted_dout, False)
+    _grouped(2, "dgrad", a, gather, w2_t, dgu, gu, routing, w2.shape[1], w2.shape[2], EPI_DSWIGLU,
              backend, config, dscore)
     return dgu
 
 
 def moe_dgrad_dswiglu(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, routing: MoeRouting,
-                      backend: str, config: GemmConfig | None = None) -> torch.Tensor:
-    """dgu [P, 2I] (BF16, interleaved): dSwiGLU of dh = s * (dout[gather] @ W2[e].T), fused."""
-    return _dgrad(dout, w2, gu, routing, backend, config, None)
+                      backend: str, config: GemmConfig | None = None,
+                      sorted_dout: torch.Tensor | None = None) -> torch.Tensor:
+    """dgu [P, 2I] (BF16, interleaved): dSwiGLU of dh = s * (dout[gather] @ W2[e].T), fused. ``sorted_dout``: those
+    rows already in expert order (``moe_scale_rows(..., sorted_copy=True)``), read in place of the gather (the same
+    values, so the same bits)."""
+    return _dgrad(dout, w2, gu, routing, backend, config, None, sorted_dout)
 
 
 def moe_dgrad_dswiglu_dscore(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, h: torch.Tensor,
-                             routing: MoeRouting, backend: str,
-                             config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             routing: MoeRouting, backend: str, config: GemmConfig | None = None,
+                             sorted_dout: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_dgrad_dswiglu`` (the same dgu bits) plus, from the same accumulator, the dscore partials
     ds_part [P, cdiv(I, 64)] FP32: ds_part[p, c] = sum over chunk c's columns j of (dout[t] @ W2[e].T)[j] *
     h[p, j], with h [P, I] the forward's saved activation. dout . y_k needs no y: y = h @ W2[e]."""
@@ -178,7 +188,7 @@ def moe_dgrad_dswiglu_dscore(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Ten
         raise ValueError(f"h must be the forward's contiguous bf16 [P, I] = {(gu.shape[0], gu.shape[1] // 2)}; "
                          f"got {h.dtype} {tuple(h.shape)}, contiguous={h.is_contiguous()}")
     ds_part = torch.empty((gu.shape[0], triton.cdiv(h.shape[1], DS_CHUNK)), dtype=torch.float32, device=gu.device)
-    return _dgrad(dout, w2, gu, routing, backend, config, (h, ds_part)), ds_part
+    return _dgrad(dout, w2, gu, routing, backend, config, (h, ds_part), sorted_dout), ds_part
 
 
 def moe_dx_route(dgu: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backend: str,
@@ -261,22 +271,25 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing
     )
 
 
-def moe_scale_rows(dout: torch.Tensor, routing: MoeRouting, backend: str,
-                   config: GemmConfig | None = None) -> torch.Tensor:
+def moe_scale_rows(dout: torch.Tensor, routing: MoeRouting, backend: str, config: GemmConfig | None = None,
+                   sorted_copy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """dy [P, H] bf16 = bf16(row_score[p] * dout[gather_token[p]]), padding rows +0: dW2's B operand in
     expert-sorted order. Forming it here, not on load inside the dW2 K loop, keeps that loop a plain
-    load-to-shared-memory GEMM; the product and its one rounding are the same."""
+    load-to-shared-memory GEMM; the product and its one rounding are the same. ``sorted_copy``: also the rows
+    dout[gather_token[p]] themselves (padding rows +0), in the same pass: returns (dy, that copy), which the dgrad
+    GEMM reads by TMA instead of gathering them."""
     config = config or select_moe_config("combine", backend)
     rows, cols = routing.padded_rows, dout.shape[1]
     dy = torch.empty((rows, cols), dtype=torch.bfloat16, device=dout.device)
+    copy = torch.empty((rows, cols), dtype=dout.dtype, device=dout.device) if sorted_copy else dy
     grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
     moe_scale_rows_kernel[grid](
-        dout, routing.gather_token, routing.row_score, routing.sorted_route, routing.gate, dy, rows, cols,
-        dout.stride(0), dout.stride(1), dy.stride(0), dy.stride(1),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, INTERPRETED=backend == TRITON_INTERPRETER,
+        dout, routing.gather_token, routing.row_score, routing.sorted_route, routing.gate, dy, copy, rows, cols,
+        dout.stride(0), dout.stride(1), dy.stride(0), dy.stride(1), copy.stride(0), copy.stride(1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, COPY=sorted_copy, INTERPRETED=backend == TRITON_INTERPRETER,
         num_warps=config.num_warps,
     )
-    return dy
+    return (dy, copy) if sorted_copy else dy
 
 
 def weight_grad_buffer(shape: tuple[int, ...], like: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -322,14 +335,18 @@ def split_copy(src: torch.Tensor, dst: torch.Tensor, backend: str) -> None:
 
 def moe_wgrad_w2(h: torch.Tensor, dout: torch.Tensor, routing: MoeRouting, backend: str,
                  main_grad: torch.Tensor | None = None, config: GemmConfig | None = None,
-                 like: torch.Tensor | None = None) -> torch.Tensor | None:
+                 like: torch.Tensor | None = None, dy: torch.Tensor | None = None) -> torch.Tensor | None:
     """dW2[e] [I, H] = h^T @ dy over e's rows (BF16), or main_grad += it in FP32, with
-    dy = bf16(s * dout[gather]) formed once per expert-sorted row by ``moe_scale_rows``; a new dW2 with the strides
-    of ``like`` (w2) when dense."""
+    dy = bf16(s * dout[gather]) formed once per expert-sorted row by ``moe_scale_rows`` (``dy``: already formed);
+    a new dW2 with the strides of ``like`` (w2) when dense."""
     experts = routing.num_experts
     out = main_grad if main_grad is not None else weight_grad_buffer(
         (experts, h.shape[1], dout.shape[1]), like, h.device)
-    dy = moe_scale_rows(dout, routing, backend)
+    if dy is None:
+        dy = moe_scale_rows(dout, routing, backend)
+    elif tuple(dy.shape) != (routing.padded_rows, dout.shape[1]) or dy.dtype != torch.bfloat16:
+        raise ValueError(f"dy must be moe_scale_rows' bf16 [{routing.padded_rows}, {dout.shape[1]}]; got {dy.dtype} "
+                         f"{tuple(dy.shape)}")
     _wgrad(1, h, False, dy, routing, out, main_grad is not None, backend, config)
     return None if main_grad is not None else out
 

@@ -90,6 +90,21 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_exper
                 count += 1
 
 
+@gluon.jit
+def _gathered_kernel_producer(a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
+                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, B_K_MAJOR: gl.constexpr,
+                              GATHER_A: gl.constexpr):
+    """moe_ws_gather_kernel's loads (a 4-warp partition): A rows a[gather[p]] by cp.async (gather_producer), or, when
+    the caller has copied them into expert order (GATHER_A False), row p of A by TMA (_producer)."""
+    if GATHER_A:
+        gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr, num_tiles,
+                        num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)
+    else:
+        _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, C, L, BLOCK_M,
+                  BLOCK_N, B_K_MAJOR)
+
+
 @gluon.constexpr_function
 def _acc_layout(BLOCK_N):
     """A consumer warpgroup's accumulator layout: 64 rows, BF16 wgmma of [16, BLOCK_N, 16] (the Triton kernel's)."""
@@ -187,7 +202,7 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles,
 @gluon.jit
 def _up_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, route_ptr, num_tiles, C, L,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr,
-                 PART: gl.constexpr):
+                 PART: gl.constexpr, FENCE: gl.constexpr):
     """One consumer warpgroup of up: acc = x[gather] @ W1[e] over BLOCK_N interleaved (g, u) columns for this part's
     rows (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 1: gu rounded to BF16, h =
     silu(g) * u from those BF16 values in FP32, rounded once; both TMA-stored."""
@@ -196,7 +211,7 @@ def _up_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, 
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M,
-                                                 BLOCK_N, B_K_MAJOR, CONSUMERS, PART, True)
+                                                 BLOCK_N, B_K_MAJOR, CONSUMERS, PART, FENCE)
         gu = acc.to(gl.bfloat16)
         g, u = gl.split(gl.reshape(gu.to(gl.float32), [ROWS, BLOCK_N // 2, 2]))
         h = ((g * (1.0 / (1.0 + gl.exp(-g)))) * u).to(gl.bfloat16)
@@ -209,7 +224,7 @@ def _up_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, 
 def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, gu_desc, gu_bars, route_ptr, score_ptr, gu_ptr,
                     h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr, DSCORE: gl.constexpr,
-                    DS_CHUNK: gl.constexpr, PREFETCH: gl.constexpr):
+                    DS_CHUNK: gl.constexpr, PREFETCH: gl.constexpr, FENCE: gl.constexpr):
     """One consumer warpgroup of dgrad: acc = dout[gather] @ W2[e]^T over BLOCK_N columns of dh for this part's rows
     (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 2: (DSCORE) ds_part[p, c] = the sum
     over chunk c's DS_CHUNK columns of acc * h, then dh = s * acc, dg and du from the saved gu (each (g, u) pair read
@@ -241,10 +256,10 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, gu_desc, gu
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
         if gl.load(route_ptr + off_m) >= 0:
             if PREFETCH == 2:
-                acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, True,
+                acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, FENCE,
                                       False, gu_desc, gu_bar, dgu_part, row, off_n)
             else:
-                acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, True)
+                acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, FENCE)
         elif PREFETCH == 2:  # a padding-only tile: no MMAs to hide the load behind
             _side_load(gu_desc, gu_bar, dgu_part, row, off_n)
         if PREFETCH == 0:
@@ -318,6 +333,7 @@ def moe_ws_kernel(
 @gluon.jit(launch_metadata=grouped_launch_name)
 def moe_ws_gather_kernel(
     a_ptr,  # x (up) or dout (dgrad) [T, L] BF16, rows read through the gather index (cp.async)
+    a_desc,  # GATHER_A False: over those rows copied into expert order [P, L], box [BLOCK_M, BLOCK_K] (else unused)
     b_desc,  # over the weight's storage as [E * C, L] (B_K_MAJOR, box [BLOCK_N, BLOCK_K]) or [E * L, C]
     out_desc,  # up: over gu [P, C] BF16; dgrad: over dgu [P, 2C] as int32 (g, u) pairs [P, C];
     # box [BLOCK_M / CONSUMERS, BLOCK_N]
@@ -334,6 +350,7 @@ def moe_ws_gather_kernel(
     EPILOGUE: gl.constexpr,  # 1: SwiGLU (up); 2: dSwiGLU (dgrad)
     DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
     PREFETCH: gl.constexpr,  # dgrad: where the epilogue's operands come from (_dgrad_consumer)
+    GATHER_A: gl.constexpr,  # A rows through the gather index (cp.async), or already in expert order (TMA)
 ):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_layout)
@@ -342,8 +359,8 @@ def moe_ws_gather_kernel(
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
     for i in gl.static_range(STAGES):
-        # The weight's expect-tx arrival and one cp.async arrival per producer thread.
-        mbarrier.init(ready.index(i), count=1 + GATHER_PRODUCER_WARPS * 32)
+        # The TMA expect-tx arrival and, gathering, one cp.async arrival per producer thread.
+        mbarrier.init(ready.index(i), count=1 + (GATHER_PRODUCER_WARPS * 32 if GATHER_A else 0))
         mbarrier.init(free.index(i), count=CONSUMERS)
     num_n = C // BLOCK_N
     num_tiles = live_tiles(gate_ptr, P, num_n, BLOCK_M)
@@ -352,18 +369,20 @@ def moe_ws_gather_kernel(
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
-                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0)),
+                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, GATHER_A)),
                 (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
-                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1)),
-                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
+                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1, GATHER_A)),
+                (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
+                                             tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
+                                             SEGMENT, B_K_MAJOR, GATHER_A)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
-                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0)),
-                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
+                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, GATHER_A)),
+                (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
+                                             tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
+                                             SEGMENT, B_K_MAJOR, GATHER_A)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     else:
         gu_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -373,20 +392,22 @@ def moe_ws_gather_kernel(
             gl.warp_specialize([
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr, score_ptr,
                                    gu_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
-                                   DSCORE, DS_CHUNK, PREFETCH)),
+                                   DSCORE, DS_CHUNK, PREFETCH, GATHER_A)),
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr, score_ptr,
                                    gu_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1,
-                                   DSCORE, DS_CHUNK, PREFETCH)),
-                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
+                                   DSCORE, DS_CHUNK, PREFETCH, GATHER_A)),
+                (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
+                                             tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
+                                             SEGMENT, B_K_MAJOR, GATHER_A)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr, score_ptr,
                                    gu_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
-                                   DSCORE, DS_CHUNK, PREFETCH)),
-                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)),
+                                   DSCORE, DS_CHUNK, PREFETCH, GATHER_A)),
+                (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
+                                             tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
+                                             SEGMENT, B_K_MAJOR, GATHER_A)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
 
 
@@ -612,8 +633,9 @@ def gather_store_bytes(config, epilogue: int, dscore: bool) -> int:
 
 def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch.Tensor, b: torch.Tensor,
                          out: torch.Tensor, aux: torch.Tensor, routing,
-                         dscore: tuple[torch.Tensor, torch.Tensor] | None, backend: str) -> None:
-    """The gathered grouped GEMM of a[gather] [P, L] (BF16) and the ``[E, L, C]`` weight view b with its epilogue:
+                         dscore: tuple[torch.Tensor, torch.Tensor] | None, backend: str, gather: bool = True) -> None:
+    """The grouped GEMM of a[gather] [P, L] (BF16; ``gather`` False: ``a`` holds those rows in expert order, [P, L],
+    read by TMA) and the ``[E, L, C]`` weight view b with its epilogue:
     EPI_SWIGLU (up), out = gu [P, C], aux = h [P, C/2] written; EPI_DSWIGLU (dgrad), out = dgu [P, 2C] written from
     aux = the saved gu and dh = s * acc, and ``dscore = (h, ds_part)`` adds the partials. Refuses, naming the value,
     what this kernel does not cover, then a backend other than sm_90 (before any work)."""
@@ -646,9 +668,14 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
         descs = (nvmma_descriptor(out.view(torch.int32), [part_rows, config.block_n], gl.int32),
                  nvmma_descriptor(gu_bits, [part_rows, config.block_n], gl.int32))
         h, ds_part = dscore if dscore is not None else (out, out)  # unused without DSCORE
+    a_desc = b_desc = nvmma_descriptor(store, b_box, gl.bfloat16)
+    if not gather:
+        if a.shape[0] < p:
+            raise ValueError(f"{stage}: the expert-ordered activation has {a.shape[0]} rows; the routing has {p}")
+        a_desc = nvmma_descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16)
     tiles = (p // config.block_m) * (n_cols // config.block_n)
     moe_ws_gather_kernel[(min(tiles, device_sms(a.device)),)](
-        a, nvmma_descriptor(store, b_box, gl.bfloat16), *descs,
+        a, a_desc, b_desc, *descs,
         routing.gather_token, routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
         gu_bits, h, ds_part,
         p, n_cols, reduced,
@@ -656,7 +683,7 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
         SEGMENT=SEGMENT_ALIGN, CONSUMERS=consumers(config.num_warps), B_K_MAJOR=k_major, EPILOGUE=epilogue,
-        DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK, PREFETCH=DGRAD_PREFETCH,
+        DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK, PREFETCH=DGRAD_PREFETCH, GATHER_A=gather,
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
 

@@ -197,6 +197,34 @@ def test_scaled_rows_are_one_rounding_of_the_fp32_product(device):
     dout_inf = dout.clone()
     dout_inf[0] = float("inf")  # 0 * Inf would be NaN in a padding row
     assert (moe_scale_rows(dout_inf, routing, backend)[padding].view(torch.int16) == 0).all()
+    # The same pass's copy of dout's rows in expert order (dgrad's A by TMA): the rows exactly, padding rows +0.
+    dy_too, copy = moe_scale_rows(dout_inf, routing, backend, sorted_copy=True)
+    want_copy = dout_inf[routing.gather_token.long()]
+    want_copy[padding] = 0.0
+    assert torch.equal(copy.view(torch.int16), want_copy.view(torch.int16))
+    assert torch.equal(dy_too.view(torch.int16), moe_scale_rows(dout_inf, routing, backend).view(torch.int16))
+
+
+def test_dgrad_on_expert_ordered_dout_has_the_gathered_bits(device):
+    # The backward hands dgrad dout's rows in expert order (read by TMA on sm_90) instead of the gather index: the same
+    # A values in the same K order, so dgu and the dscore partials keep their bits: on the table's kernel and on the
+    # Triton tiles (pointer and TMA weight loads).
+    from detkit.kernels.moe import moe_dgrad_dswiglu_dscore
+    inp = make_inputs(_case("masked", t=40, seed=21), device)
+    e = inp["w1"].shape[0]
+    routing = build_routing(inp["topk_ids"], inp["scores"], e)
+    backend = backend_of(device)
+    _, saved = moe_mlp_fwd(inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"])
+    gu, h = saved.gu[:routing.padded_rows], saved.h[:routing.padded_rows]
+    _, sorted_dout = moe_scale_rows(inp["dout"], routing, backend, sorted_copy=True)
+    want = moe_dgrad_dswiglu_dscore(inp["dout"], inp["w2"], gu, h, routing, backend)
+    for config in (None, GemmConfig(128, 64, 32, 1, 4, 2, "ptr"), GemmConfig(128, 64, 32, 1, 4, 2, "tma")):
+        got = moe_dgrad_dswiglu_dscore(inp["dout"], inp["w2"], gu, h, routing, backend, config=config,
+                                       sorted_dout=sorted_dout)
+        for g, w in zip(got, want):
+            assert compare_bits(g, w).equal, config
+    with pytest.raises(ValueError, match="sorted_dout must be dout's rows in expert order"):
+        moe_dgrad_dswiglu_dscore(inp["dout"], inp["w2"], gu, h, routing, backend, sorted_dout=sorted_dout[:-128])
 
 
 def test_main_grad_accumulates_fp32_exactly(device):
@@ -447,9 +475,11 @@ for name, ga, acc, split in (("wgrad_w1", True, False, False), ("wgrad_w2", Fals
                       "STEP_K": c.block_k, "GATHER_A": ga, "ACCUMULATE": acc, "INTERPRETED": False, "SPLIT_C": split},
                       ("stride_ar", "stride_bc", "stride_wr" if split else "stride_wc"))
 c = cfgs["combine"]
-out["scale_rows"] = build(km.moe_scale_rows_kernel, {"src_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
-                          "route_ptr": "*i32", "gate_ptr": "*i32", "out_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "INTERPRETED": False},
-                          ("stride_sn", "stride_on"))
+for copy in (False, True):
+    out[f"scale_rows_{copy}"] = build(km.moe_scale_rows_kernel, {"src_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
+                                      "route_ptr": "*i32", "gate_ptr": "*i32", "out_ptr": "*bf16", "copy_ptr": "*bf16"},
+                                      {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "COPY": copy, "INTERPRETED": False},
+                                      ("stride_sn", "stride_on", "stride_cn"))
 for scaled in (True, False):
     out[f"combine_{scaled}"] = build(km.moe_combine_kernel, {"src_ptr": "*fp32", "route_row_ptr": "*i32", "score_ptr": "*fp32", "gate_ptr": "*i32",
                                      "out_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "SCALED": scaled,
