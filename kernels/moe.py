@@ -122,9 +122,6 @@ def moe_mlp_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: t
     return out, MoeSaved(backend, routing, x, w1, w2, scores, gu, h, gate_up)
 
 
-SORTED_DOUT = True  # the backward copies dout's rows into expert order once (with dy) for dgrad's TMA loads
-
-
 def moe_mlp_bwd(dout: torch.Tensor, saved: MoeSaved, *, main_grads=None, stage_range=None) -> MoeGrads:
     """Gradients of ``moe_mlp_fwd`` for dout [T, H] bf16. With ``main_grads = (g1, g2)`` (FP32, the
     weights' shapes) dW1/dW2 are added into them in FP32 and returned as None."""
@@ -136,13 +133,13 @@ def moe_mlp_bwd(dout: torch.Tensor, saved: MoeSaved, *, main_grads=None, stage_r
     rng = stage_range or (lambda name: nullcontext())
     names = layer_stage_names(saved.x, saved.w1, saved.routing.top_k)
     backend, routing = saved.backend, saved.routing
-    dy = sorted_dout = None
     with rng(names["dgrad_dswiglu"]):
-        if SORTED_DOUT:  # dW2's dy and dout's rows in expert order in one pass; dgrad reads the latter by TMA
-            dy, sorted_dout = moe_scale_rows(dout, routing, backend, sorted_copy=True)
+        # dW2's dy and dout's rows in expert order, in one pass: dgrad reads the latter by TMA rather than gathering
+        # them (docs/moe.md: faster for one more P x H pass and buffer)
+        dy, sorted_dout = moe_scale_rows(dout, routing, backend, sorted_copy=True)
         dgu, ds_part = moe_dgrad_dswiglu_dscore(dout, saved.w2, saved.gu, saved.h, routing, backend,
                                                 sorted_dout=sorted_dout)
-        sorted_dout = None  # freed before dX
+        del sorted_dout
     with rng(names["dx"]):
         dx = moe_gather_sum(moe_dx_route(dgu, saved.w1, routing, backend, gate_up=saved.gate_up), routing, backend)
     with rng(names["wgrad"]):

@@ -16,11 +16,13 @@ zeros and a tile whose first row is padding loads nothing. Every tile past the r
 the kernel also runs over a PendingRouting's bound.
 
 The gathered kernel's A rows (x or dout at gather[p]) arrive by cp.async from a 4-warp producer
-(kernels/moe_gluon_blocks.py gather_producer, shared with the FP8 up and dgrad), and its epilogues are the Triton
-kernel's, operation for operation: SwiGLU (gu, then h from the BF16 gu); dSwiGLU with DSCORE, the dscore partials from
-the unscaled accumulator and the saved h in fixed 64-column chunks, dh = s * acc, dg and du from the saved gu in
-kernels/swiglu.py's order, dgu rounded once to BF16 and stored by TMA (as int32 (g, u) pairs) while the next tile's
-MMAs run.
+(kernels/moe_gluon_blocks.py gather_producer, shared with the FP8 up and dgrad), or by TMA when the caller has copied
+them into expert order (GATHER_A False: the layer's backward hands dgrad dout's rows so, ncu on the H200 showing the
+cp.async-fed dgrad's tensor pipe idle about half the time). Its epilogues are the Triton kernel's, operation for
+operation: SwiGLU (gu, then h from the BF16 gu); dSwiGLU with DSCORE, the dscore partials from the unscaled accumulator
+and the saved h in fixed 64-column chunks, dh = s * acc, dg and du from the saved gu (its tile loaded by TMA into the
+dgu store buffer while the MMAs run) in kernels/swiglu.py's order, dgu rounded once to BF16 and stored by TMA (as int32
+(g, u) pairs) while the next tile's MMAs run.
 
 ``moe_ws_wgrad_kernel`` is the weight gradient dW[e] = A[rows of e]^T B[rows of e] (dW1: x[gather] and dgu, dW2: h and
 dy), moe_wgrad_kernel's math: per dW tile, the expert's rows in ascending BLOCK_K steps, one wgmma chain into FP32
@@ -59,7 +61,6 @@ from detkit.kernels.moe_operands import ws_weight_rows, ws_wgrad_addresses
 from detkit.kernels.moe_routing import SEGMENT_ALIGN
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
-DGRAD_PREFETCH = 2  # the dgrad epilogue's operand loads (_dgrad_consumer's PREFETCH)
 
 
 @gluon.jit
@@ -221,17 +222,16 @@ def _up_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, 
 
 
 @gluon.jit
-def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, gu_desc, gu_bars, route_ptr, score_ptr, gu_ptr,
-                    h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr, DSCORE: gl.constexpr,
-                    DS_CHUNK: gl.constexpr, PREFETCH: gl.constexpr, FENCE: gl.constexpr):
+def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, gu_desc, gu_bars, route_ptr, score_ptr, h_ptr,
+                    ds_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr,
+                    CONSUMERS: gl.constexpr, PART: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
+                    FENCE: gl.constexpr):
     """One consumer warpgroup of dgrad: acc = dout[gather] @ W2[e]^T over BLOCK_N columns of dh for this part's rows
     (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 2: (DSCORE) ds_part[p, c] = the sum
     over chunk c's DS_CHUNK columns of acc * h, then dh = s * acc, dg and du from the saved gu (each (g, u) pair read
-    as one int32), rounded once to BF16 and TMA-stored as int32 pairs. PREFETCH (where the epilogue's operands come
-    from; the same values, so the same bits): 0, loaded after the MMAs; 1, the scores, h and gu loaded into registers
-    before the MMAs; 2, the scores and h so, and gu's tile by TMA into this part's dgu store buffer halfway through the
-    MMAs, dgu then written over it."""
+    as one int32), rounded once to BF16 and TMA-stored as int32 pairs. The epilogue's operands arrive during the MMAs:
+    the scores and h loaded into registers before them, gu's tile by TMA into this part's dgu store buffer halfway
+    through them (dgu is then written over it)."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     BLOCK_K: gl.constexpr = a_ring.type.shape[2]
     acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
@@ -246,28 +246,18 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, gu_desc, gu
         row = off_m + PART * ROWS
         rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        if PREFETCH >= 1:
-            routed = gl.load(route_ptr + rows) >= 0
-            score = gl.load(score_ptr + rows)
-            if DSCORE:
-                h = gl.load(h_ptr + rows[:, None] * C + cols[None, :])
-        if PREFETCH == 1:
-            gu_bits = gl.load(gu_ptr + rows[:, None] * C + cols[None, :])
+        routed = gl.load(route_ptr + rows) >= 0
+        score = gl.load(score_ptr + rows)
+        if DSCORE:
+            h = gl.load(h_ptr + rows[:, None] * C + cols[None, :])
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
         if gl.load(route_ptr + off_m) >= 0:
-            if PREFETCH == 2:
-                acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, FENCE,
-                                      False, gu_desc, gu_bar, dgu_part, row, off_n)
-            else:
-                acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, FENCE)
-        elif PREFETCH == 2:  # a padding-only tile: no MMAs to hide the load behind
+            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, FENCE,
+                                  False, gu_desc, gu_bar, dgu_part, row, off_n)
+        else:  # a padding-only tile: no MMAs to hide the load behind
             _side_load(gu_desc, gu_bar, dgu_part, row, off_n)
-        if PREFETCH == 0:
-            routed = gl.load(route_ptr + rows) >= 0
         acc = gl.where(routed[:, None], acc, 0.0)
-        if DSCORE:  # first, as the Triton epilogue: its h tile and products are dead before gu is loaded
-            if PREFETCH == 0:
-                h = gl.load(h_ptr + rows[:, None] * C + cols[None, :])
+        if DSCORE:  # first, as the Triton epilogue
             chunked = gl.convert_layout(gl.reshape(acc * h.to(gl.float32), [ROWS, BLOCK_N // DS_CHUNK, DS_CHUNK]),
                                         _chunk_layout(BLOCK_N // DS_CHUNK))
             part = gl.sum(chunked, axis=2)
@@ -275,14 +265,9 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, gu_desc, gu
             p_rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, p_layout))
             chunks = off_n // DS_CHUNK + gl.arange(0, BLOCK_N // DS_CHUNK, layout=gl.SliceLayout(0, p_layout))
             gl.store(ds_ptr + p_rows[:, None] * (C // DS_CHUNK) + chunks[None, :], part)
-        if PREFETCH == 0:
-            score = gl.load(score_ptr + rows)
-            gu_bits = gl.load(gu_ptr + rows[:, None] * C + cols[None, :])
-        if PREFETCH == 2:
-            mbarrier.wait(gu_bar, it & 1)
-            gu_bits = dgu_part.load(acc_layout)
+        mbarrier.wait(gu_bar, it & 1)
+        g, u = bf16_pair_values(dgu_part.load(acc_layout))
         dh = acc * score[:, None]
-        g, u = bf16_pair_values(gu_bits)
         s = 1.0 / (1.0 + gl.exp(-g))
         silu = g * s
         # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
@@ -337,10 +322,9 @@ def moe_ws_gather_kernel(
     b_desc,  # over the weight's storage as [E * C, L] (B_K_MAJOR, box [BLOCK_N, BLOCK_K]) or [E * L, C]
     out_desc,  # up: over gu [P, C] BF16; dgrad: over dgu [P, 2C] as int32 (g, u) pairs [P, C];
     # box [BLOCK_M / CONSUMERS, BLOCK_N]
-    h_desc,  # up: over h [P, C / 2] BF16, box [BLOCK_M / CONSUMERS, BLOCK_N / 2]; dgrad: over the saved gu as
-    # int32 pairs [P, C], box [BLOCK_M / CONSUMERS, BLOCK_N] (read by PREFETCH 2)
+    h_desc,  # up: over h [P, C / 2] BF16, box [BLOCK_M / CONSUMERS, BLOCK_N / 2]; dgrad: over the forward's gu
+    # [P, 2C] as int32 pairs [P, C], box [BLOCK_M / CONSUMERS, BLOCK_N]
     gather_ptr, route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
-    gu_ptr,  # dgrad: the forward's gu [P, 2C] as int32 pairs [P, C]
     h_ptr, ds_ptr,  # dgrad with DSCORE: the forward's h [P, C] BF16 and the partials ds_part [P, C / DS_CHUNK] FP32
     P, C, L,  # acc[p, :C] = A[gather[p], :L] @ B[expert(p)][:L, :C], then the epilogue
     stride_am,
@@ -349,7 +333,6 @@ def moe_ws_gather_kernel(
     CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
     EPILOGUE: gl.constexpr,  # 1: SwiGLU (up); 2: dSwiGLU (dgrad)
     DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
-    PREFETCH: gl.constexpr,  # dgrad: where the epilogue's operands come from (_dgrad_consumer)
     GATHER_A: gl.constexpr,  # A rows through the gather index (cp.async), or already in expert order (TMA)
 ):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
@@ -391,11 +374,11 @@ def moe_ws_gather_kernel(
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr, score_ptr,
-                                   gu_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
-                                   DSCORE, DS_CHUNK, PREFETCH, GATHER_A)),
+                                   h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
+                                   DSCORE, DS_CHUNK, GATHER_A)),
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr, score_ptr,
-                                   gu_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1,
-                                   DSCORE, DS_CHUNK, PREFETCH, GATHER_A)),
+                                   h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1,
+                                   DSCORE, DS_CHUNK, GATHER_A)),
                 (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
                                              SEGMENT, B_K_MAJOR, GATHER_A)),
@@ -403,8 +386,8 @@ def moe_ws_gather_kernel(
         else:
             gl.warp_specialize([
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr, score_ptr,
-                                   gu_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
-                                   DSCORE, DS_CHUNK, PREFETCH, GATHER_A)),
+                                   h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
+                                   DSCORE, DS_CHUNK, GATHER_A)),
                 (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
                                              SEGMENT, B_K_MAJOR, GATHER_A)),
@@ -662,11 +645,10 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
     if epilogue == EPI_SWIGLU:
         descs = (nvmma_descriptor(out, [part_rows, config.block_n], gl.bfloat16),
                  nvmma_descriptor(aux, [part_rows, config.block_n // 2], gl.bfloat16))
-        gu_bits = h = ds_part = out  # unused by this epilogue
+        h = ds_part = out  # unused by this epilogue
     else:
-        gu_bits = aux.view(torch.int32)
         descs = (nvmma_descriptor(out.view(torch.int32), [part_rows, config.block_n], gl.int32),
-                 nvmma_descriptor(gu_bits, [part_rows, config.block_n], gl.int32))
+                 nvmma_descriptor(aux.view(torch.int32), [part_rows, config.block_n], gl.int32))
         h, ds_part = dscore if dscore is not None else (out, out)  # unused without DSCORE
     a_desc = b_desc = nvmma_descriptor(store, b_box, gl.bfloat16)
     if not gather:
@@ -677,13 +659,13 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
     moe_ws_gather_kernel[(min(tiles, device_sms(a.device)),)](
         a, a_desc, b_desc, *descs,
         routing.gather_token, routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
-        gu_bits, h, ds_part,
+        h, ds_part,
         p, n_cols, reduced,
         a.stride(0),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
         SEGMENT=SEGMENT_ALIGN, CONSUMERS=consumers(config.num_warps), B_K_MAJOR=k_major, EPILOGUE=epilogue,
-        DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK, PREFETCH=DGRAD_PREFETCH, GATHER_A=gather,
+        DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK, GATHER_A=gather,
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
 

@@ -180,7 +180,7 @@ from triton.experimental.gluon import language as gl
 from tools.gemm_sass import gluon_desc_type, gluon_sm90_report
 from detkit.kernels.det_gemm_ws import consumers, max_regs
 from detkit.kernels.det_gemm import GemmConfig
-from detkit.kernels.moe_ws import DGRAD_PREFETCH, gather_store_bytes, moe_ws_gather_kernel, moe_ws_kernel, moe_ws_wgrad_kernel
+from detkit.kernels.moe_ws import gather_store_bytes, moe_ws_gather_kernel, moe_ws_kernel, moe_ws_wgrad_kernel
 out = {}
 box = lambda rows, cols, dt=gl.bfloat16: gluon_desc_type(rows, cols, dt)
 for bm, bn, bk, warps, stages, k_major, c_dt in [
@@ -203,11 +203,10 @@ for epi, bm, bn, bk, warps, stages, k_major, dscore, gather in [
     out_box = box(bm // consumers(warps), bn, gl.int32 if epi == 2 else gl.bfloat16)
     types = {"a_ptr": "*bf16", "a_desc": box(bm, bk), "b_desc": box(bn, bk) if k_major else box(bk, bn), "out_desc": out_box,
              "h_desc": box(bm // consumers(warps), bn // 2) if epi == 1 else out_box, "gather_ptr": "*i32",
-             "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "gu_ptr": "*i32",
+             "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32",
              "h_ptr": "*bf16", "ds_ptr": "*fp32"}
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": stages, "SEGMENT": 128, "CONSUMERS": consumers(warps),
-              "B_K_MAJOR": k_major, "EPILOGUE": epi, "DSCORE": dscore, "DS_CHUNK": 64,
-              "PREFETCH": DGRAD_PREFETCH, "GATHER_A": gather}
+              "B_K_MAJOR": k_major, "EPILOGUE": epi, "DSCORE": dscore, "DS_CHUNK": 64, "GATHER_A": gather}
     r = gluon_sm90_report(moe_ws_gather_kernel, types, consts, max_regs(warps))
     cfg = GemmConfig(bm, bn, bk, 1, warps, stages, "ws")
     r["budget"] = stages * (bm + bn) * bk * 2 + gather_store_bytes(cfg, epi, dscore)  # what the launcher checks
