@@ -46,10 +46,10 @@ SOURCES = {
     "inv_cp": "2026-11-29-h200x2/inv-cp/report.json",
     "mlp_tp": "2026-11-29-h200x2/mlp-tp/mlp.jsonl",
     "mlp_cp": "2026-11-29-h200x2/mlp-cp/mlp.jsonl",
-    "moe_audit": "2026-12-01-h200-s14/call5/moe-nosync/audit-moe/report.json",  # suites moe and moe-fp8 in one report
+    "moe_audit": "2026-12-02-h200-s17/call6/moe-bits/audit-moe/report.json",  # suites moe and moe-fp8 in one report
     "moe_sweep": "2026-12-01-h200-s12/call5/moe-sweep/rows.json",
     "moe_fp8_bench": "2026-12-01-h200-s12/call3/bench-moe-fp8/fp8_rows.json",
-    "moe_bench": "2026-12-02-h200-s15/call3/moe-bench/moe/report.json",
+    "moe_bench": "2026-12-02-h200-s17/call6/bench/report.json",
     "moe_bench_sweep": "2026-12-02-h200-s15/call3/moe-bench/moe-sweep/report.json",
     "model_audit": "2026-12-01-h200-s14/call4/model-audit/report.json",
     "model_audit_moe": "2026-12-02-h200-s16/call6/moe-model/model-audit/report.json",
