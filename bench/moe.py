@@ -496,10 +496,11 @@ def add_ratios(rows: dict[str, dict]) -> None:
 
 
 def bf16_stage_fns(p: MoePreset, inp: dict, backend: str) -> dict[str, tuple[Callable[[], object], float]]:
-    """Each BF16 stage alone on the layer's own intermediates: name -> (fn, FLOPs per T*K*H*I)."""
+    """Each BF16 stage alone on the layer's own intermediates, split as the layer's backward splits them (dgrad with
+    the pass that forms dW2's dy and dout's expert-ordered copy; dW2 on that dy): name -> (fn, FLOPs per T*K*H*I)."""
     from detkit.kernels.moe import (
         moe_combine, moe_dgrad_dswiglu_dscore, moe_down, moe_dscores_from_partials, moe_dx_route, moe_gather_sum,
-        moe_mlp_fwd, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
+        moe_mlp_fwd, moe_scale_rows, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
     )
     from detkit.kernels.moe_routing import build_routing
 
@@ -508,18 +509,24 @@ def bf16_stage_fns(p: MoePreset, inp: dict, backend: str) -> dict[str, tuple[Cal
     _, saved = moe_mlp_fwd(x, w1, w2, ids, scores)
     b = backend
     y = moe_down(saved.h, w2, routing, b)  # not saved by the layer (dscores are fused into dgrad)
-    dgu, ds_part = moe_dgrad_dswiglu_dscore(dout, w2, saved.gu, saved.h, routing, b)
+    dy, sorted_dout = moe_scale_rows(dout, routing, b, sorted_copy=True)
+    dgu, ds_part = moe_dgrad_dswiglu_dscore(dout, w2, saved.gu, saved.h, routing, b, sorted_dout=sorted_dout)
     dxr = moe_dx_route(dgu, w1, routing, b)
+
+    def dgrad():
+        dy_again, copy = moe_scale_rows(dout, routing, b, sorted_copy=True)
+        return moe_dgrad_dswiglu_dscore(dout, w2, saved.gu, saved.h, routing, b, sorted_dout=copy), dy_again
+
     fns = {
         "routing": lambda: build_routing(ids, scores, p.e),
         "up_swiglu": lambda: moe_up_swiglu(x, w1, routing, b),
         "down": lambda: moe_down(saved.h, w2, routing, b),
         "combine": lambda: moe_combine(y, routing, scores, b),
-        "dgrad_dswiglu": lambda: moe_dgrad_dswiglu_dscore(dout, w2, saved.gu, saved.h, routing, b),
+        "dgrad_dswiglu": dgrad,
         "dx_route": lambda: moe_dx_route(dgu, w1, routing, b),
         "dx_gather_sum": lambda: moe_gather_sum(dxr, routing, b),
         "wgrad_w1": lambda: moe_wgrad_w1(x, dgu, routing, b),
-        "wgrad_w2": lambda: moe_wgrad_w2(saved.h, dout, routing, b),
+        "wgrad_w2": lambda: moe_wgrad_w2(saved.h, dout, routing, b, dy=dy),
         "dscores": lambda: moe_dscores_from_partials(ds_part, routing, b),
     }
     return {s: (fns[s], STAGES[s]) for s in STAGES}
