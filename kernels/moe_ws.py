@@ -18,11 +18,11 @@ the kernel also runs over a PendingRouting's bound.
 The gathered kernel's A rows (x or dout at gather[p]) arrive by cp.async from a 4-warp producer
 (kernels/moe_gluon_blocks.py gather_producer, shared with the FP8 up and dgrad), or by TMA when the caller has copied
 them into expert order (GATHER_A False: the layer's backward hands dgrad dout's rows so; on the H200, ncu put the
-cp.async-fed dgrad at 52-58% SM throughput against 87% for dX, whose A comes by TMA). Its epilogues are the Triton kernel's, operation for
-operation: SwiGLU (gu, then h from the BF16 gu); dSwiGLU with DSCORE, the dscore partials from the unscaled accumulator
-and the saved h in fixed 64-column chunks, dh = s * acc, dg and du from the saved gu (its tile loaded by TMA into the
-dgu store buffer while the MMAs run) in kernels/swiglu.py's order, dgu rounded once to BF16 and stored by TMA (as int32
-(g, u) pairs) while the next tile's MMAs run.
+cp.async-fed dgrad at 52-58% SM throughput against 87% for dX, whose A comes by TMA). Its epilogues are the Triton
+kernel's, operation for operation: SwiGLU (gu, then h from the BF16 gu); dSwiGLU with DSCORE, the dscore partials from
+the unscaled accumulator and the saved h in fixed 64-column chunks, dh = s * acc, dg and du from the saved gu (its tile
+loaded by TMA into the dgu store buffer while the MMAs run) in kernels/swiglu.py's order, dgu rounded once to BF16 and
+stored by TMA (as int32 (g, u) pairs) while the next tile's MMAs run.
 
 ``moe_ws_wgrad_kernel`` is the weight gradient dW[e] = A[rows of e]^T B[rows of e] (dW1: x[gather] and dgu, dW2: h and
 dy), moe_wgrad_kernel's math: per dW tile, the expert's rows in ascending BLOCK_K steps, one wgmma chain into FP32
@@ -373,11 +373,11 @@ def moe_ws_gather_kernel(
             mbarrier.init(gu_bars.index(i), count=1)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr, score_ptr,
-                                   h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
+                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr,
+                                   score_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
                                    DSCORE, DS_CHUNK, GATHER_A)),
-                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr, score_ptr,
-                                   h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1,
+                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr,
+                                   score_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1,
                                    DSCORE, DS_CHUNK, GATHER_A)),
                 (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
@@ -385,8 +385,8 @@ def moe_ws_gather_kernel(
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr, score_ptr,
-                                   h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
+                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr,
+                                   score_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
                                    DSCORE, DS_CHUNK, GATHER_A)),
                 (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
