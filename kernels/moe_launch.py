@@ -156,13 +156,13 @@ def moe_down(h: torch.Tensor, w2: torch.Tensor, routing: MoeRouting, backend: st
 def _dgrad(dout: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, routing: MoeRouting, backend: str,
            config: GemmConfig | None, dscore: tuple[torch.Tensor, torch.Tensor] | None,
            sorted_dout: torch.Tensor | None) -> torch.Tensor:
-    dgu = torch.empty_like(gu)
-    w2_t = w2.transpose(1, 2)  # [E, H, I] view
     if sorted_dout is not None and (sorted_dout.shape[0] < routing.padded_rows
                                     or sorted_dout.shape[1:] != dout.shape[1:] or sorted_dout.dtype != dout.dtype):
         raise ValueError(f"sorted_dout must be dout's rows in expert order, [>= {routing.padded_rows}, "
                          f"{dout.shape[1]}] {dout.dtype} (moe_scale_rows' copy); got {sorted_dout.dtype} "
                          f"{tuple(sorted_dout.shape)}")
+    dgu = torch.empty_like(gu)
+    w2_t = w2.transpose(1, 2)  # [E, H, I] view
     a, gather = (dout, True) if sorted_dout is None else (sorted_dout, False)
     _grouped(2, "dgrad", a, gather, w2_t, dgu, gu, routing, w2.shape[1], w2.shape[2], EPI_DSWIGLU,
              backend, config, dscore)
@@ -339,14 +339,14 @@ def moe_wgrad_w2(h: torch.Tensor, dout: torch.Tensor, routing: MoeRouting, backe
     """dW2[e] [I, H] = h^T @ dy over e's rows (BF16), or main_grad += it in FP32, with
     dy = bf16(s * dout[gather]) formed once per expert-sorted row by ``moe_scale_rows`` (``dy``: already formed);
     a new dW2 with the strides of ``like`` (w2) when dense."""
+    if dy is not None and (tuple(dy.shape) != (routing.padded_rows, dout.shape[1]) or dy.dtype != torch.bfloat16):
+        raise ValueError(f"dy must be moe_scale_rows' bf16 [{routing.padded_rows}, {dout.shape[1]}]; got {dy.dtype} "
+                         f"{tuple(dy.shape)}")
     experts = routing.num_experts
     out = main_grad if main_grad is not None else weight_grad_buffer(
         (experts, h.shape[1], dout.shape[1]), like, h.device)
     if dy is None:
         dy = moe_scale_rows(dout, routing, backend)
-    elif tuple(dy.shape) != (routing.padded_rows, dout.shape[1]) or dy.dtype != torch.bfloat16:
-        raise ValueError(f"dy must be moe_scale_rows' bf16 [{routing.padded_rows}, {dout.shape[1]}]; got {dy.dtype} "
-                         f"{tuple(dy.shape)}")
     _wgrad(1, h, False, dy, routing, out, main_grad is not None, backend, config)
     return None if main_grad is not None else out
 

@@ -635,8 +635,10 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
         raise ValueError(f"{stage}: variant 'ws' needs the weight stored [E, L, C] or [E, C, L] with 16-byte aligned "
                          f"rows, the activation row-major with 16-byte aligned rows (cp.async) and its other tensors "
                          f"contiguous; got weight view strides {b.stride()}, activation strides {a.stride()}")
-    check_ws_backend(stage, backend)
     p = routing.padded_rows
+    if not gather and a.shape[0] < p:
+        raise ValueError(f"{stage}: the expert-ordered activation has {a.shape[0]} rows; the routing has {p}")
+    check_ws_backend(stage, backend)
     if p == 0:
         return
     ensure_cuda_context(a.device)  # the descriptors encode on this thread (autograd's backward has its own)
@@ -650,11 +652,9 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
         descs = (nvmma_descriptor(out.view(torch.int32), [part_rows, config.block_n], gl.int32),
                  nvmma_descriptor(aux.view(torch.int32), [part_rows, config.block_n], gl.int32))
         h, ds_part = dscore if dscore is not None else (out, out)  # unused without DSCORE
-    a_desc = b_desc = nvmma_descriptor(store, b_box, gl.bfloat16)
-    if not gather:
-        if a.shape[0] < p:
-            raise ValueError(f"{stage}: the expert-ordered activation has {a.shape[0]} rows; the routing has {p}")
-        a_desc = nvmma_descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16)
+    b_desc = nvmma_descriptor(store, b_box, gl.bfloat16)
+    # Gathering, the kernel reads A through pointers and never touches a_desc: any valid descriptor.
+    a_desc = b_desc if gather else nvmma_descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16)
     tiles = (p // config.block_m) * (n_cols // config.block_n)
     moe_ws_gather_kernel[(min(tiles, device_sms(a.device)),)](
         a, a_desc, b_desc, *descs,

@@ -14,7 +14,7 @@ from detkit.audits.moe import (
 )
 from detkit.kernels.moe import (
     MOE_CONFIGS, deinterleave_gate_up, interleave_gate_up, moe_down, moe_mlp_fwd, moe_mlp_ref, moe_scale_rows,
-    moe_up_swiglu,
+    moe_up_swiglu, moe_wgrad_w2,
 )
 import detkit.kernels.moe as km
 from detkit.kernels.det_gemm import GemmConfig
@@ -203,6 +203,12 @@ def test_scaled_rows_are_one_rounding_of_the_fp32_product(device):
     want_copy[padding] = 0.0
     assert torch.equal(copy.view(torch.int16), want_copy.view(torch.int16))
     assert torch.equal(dy_too.view(torch.int16), moe_scale_rows(dout_inf, routing, backend).view(torch.int16))
+    # dW2 on a dy formed elsewhere: the same bits as forming it itself; a dy of another shape is refused by name.
+    h = torch.randn((routing.padded_rows, inp["w2"].shape[1])).to(device=dout.device, dtype=torch.bfloat16)
+    want_dw2 = moe_wgrad_w2(h, dout, routing, backend)
+    assert compare_bits(moe_wgrad_w2(h, dout, routing, backend, dy=dy), want_dw2).equal
+    with pytest.raises(ValueError, match=r"dy must be moe_scale_rows' bf16"):
+        moe_wgrad_w2(h, dout, routing, backend, dy=dy[:-1])
 
 
 def test_dgrad_on_expert_ordered_dout_has_the_gathered_bits(device):

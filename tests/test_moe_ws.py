@@ -15,7 +15,9 @@ from detkit.kernels.det_gemm import GemmConfig
 from detkit.kernels.moe import (
     moe_dgrad_dswiglu, moe_dgrad_dswiglu_dscore, moe_down, moe_dx_route, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
 )
+from detkit.kernels.moe_common import EPI_DSWIGLU
 from detkit.kernels.moe_routing import build_routing
+from detkit.kernels.moe_ws import launch_moe_ws_gather
 from tests.conftest import backend_of
 from tests.moe_helpers import assert_ws_refused_off_sm90, compile_sm90_offline, skewed_ids
 from detkit.toolkit.contract import compare_bits
@@ -100,6 +102,11 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
     x_odd_rows = x_odd_rows[:, :-1].copy_(inp["x"])  # rows 2 * 129 bytes apart: cp.async needs 16-byte alignment
     with pytest.raises(ValueError, match="activation row-major"):
         moe_up_swiglu(x_odd_rows, inp["w1"], r, b, config=GemmConfig(128, 64, 64, 1, 8, 4, "ws"))
+    # dgrad's A in expert order (read by TMA) must hold every padded row of the routing.
+    gu, _ = moe_up_swiglu(inp["x"], inp["w1"], r, b)
+    with pytest.raises(ValueError, match=f"dgrad: the expert-ordered activation has 1 rows; the routing has {r.padded_rows}"):
+        launch_moe_ws_gather(2, "dgrad", WS_GATHER_CONFIGS[0], EPI_DSWIGLU, inp["dout"][:1], inp["w2"].transpose(1, 2),
+                             torch.empty_like(gu), gu, r, None, b, gather=False)
     # The weight gradients' own limits.
     with pytest.raises(ValueError, match="wgrad: variant 'ws' gives each consumer warpgroup .* 64 rows"):
         runs["wgrad_w1"](GemmConfig(128, 128, 64, 1, 4, 4, "ws"))
