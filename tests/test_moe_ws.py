@@ -27,11 +27,14 @@ TRITON_TILES = {"down": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "dx": GemmConf
                 "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "tma"), "dgrad_plain": GemmConfig(128, 128, 64, 1, 8, 4, "tma"),
                 "up": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "up_kmajor": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
                 **{s: GemmConfig(128, 128, 64, 1, 4, 3) for s in ("wgrad_w1", "wgrad_w2", "wgrad_w1_acc", "wgrad_w2_acc")}}
+# BLOCK_M 64 with 8 warps: the two consumer warpgroups take turns at tiles (kernels/moe_ws.py alternating).
 WS_GATHER_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 3, "ws"),
-                    GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws")]
+                    GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws"),
+                    GemmConfig(64, 128, 64, 1, 8, 5, "ws")]
 WS_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 5, "ws"),
               GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws"),
-              GemmConfig(128, 256, 64, 1, 8, 3, "ws")]
+              GemmConfig(128, 256, 64, 1, 8, 3, "ws"), GemmConfig(64, 256, 64, 1, 8, 4, "ws"),
+              GemmConfig(64, 128, 64, 1, 8, 6, "ws")]
 WS_WGRAD_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 32, 1, 8, 6, "ws"),
                     GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 256, 64, 1, 8, 3, "ws")]
 
@@ -88,8 +91,10 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
     runs, r, inp = _runs(device)
     b = backend_of(device)
     assert_ws_refused_off_sm90(runs, WS_CONFIGS[0], device)
-    with pytest.raises(ValueError, match="64 rows"):
+    with pytest.raises(ValueError, match=r"64 rows: .* or 64 with 8 \(two consumers taking turns\)"):
         runs["down"](GemmConfig(128, 128, 64, 1, 4, 4, "ws"))
+    with pytest.raises(ValueError, match="needs 253952 bytes of shared memory"):  # 9 stages + both consumers' buffers
+        runs["down"](GemmConfig(64, 128, 64, 1, 8, 9, "ws"))
     with pytest.raises(ValueError, match="needs 262144 bytes of shared memory"):  # 7 stages + the BF16 tile buffer
         runs["down"](GemmConfig(128, 128, 64, 1, 8, 7, "ws"))
     with pytest.raises(ValueError, match="dividing C 128"):  # down's C is H = 128
@@ -110,6 +115,8 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
     # The weight gradients' own limits.
     with pytest.raises(ValueError, match="wgrad: variant 'ws' gives each consumer warpgroup .* 64 rows"):
         runs["wgrad_w1"](GemmConfig(128, 128, 64, 1, 4, 4, "ws"))
+    with pytest.raises(ValueError, match=r"wgrad: .* 128 with 8; got BLOCK_M 64, 8 warps"):  # no alternating wgrad
+        runs["wgrad_w2"](GemmConfig(64, 128, 64, 1, 8, 4, "ws"))
     with pytest.raises(ValueError, match="needs 262144 bytes of shared memory"):  # 7 stages + the BF16 tile buffer
         runs["wgrad_w2_acc"](GemmConfig(128, 128, 64, 1, 8, 7, "ws"))
     with pytest.raises(ValueError, match="dividing C 128"):  # dW2's C is H = 128
@@ -187,37 +194,50 @@ from triton.experimental.gluon import language as gl
 from tools.gemm_sass import gluon_desc_type, gluon_sm90_report
 from detkit.kernels.det_gemm_ws import consumers, max_regs
 from detkit.kernels.det_gemm import GemmConfig
-from detkit.kernels.moe_ws import gather_store_bytes, moe_ws_gather_kernel, moe_ws_kernel, moe_ws_wgrad_kernel
+from detkit.kernels.moe_ws import (
+    alternating, consumer_rows, gather_store_bytes, moe_ws_gather_kernel, moe_ws_kernel, moe_ws_wgrad_kernel,
+)
 out = {}
 box = lambda rows, cols, dt=gl.bfloat16: gluon_desc_type(rows, cols, dt)
+# BLOCK_M 64 with 8 warps: two consumers taking turns at tiles ("alt" in the name).
 for bm, bn, bk, warps, stages, k_major, c_dt in [
         (128, 128, 64, 8, 4, False, gl.bfloat16), (128, 128, 64, 8, 5, True, gl.bfloat16),
         (64, 128, 64, 4, 6, False, gl.bfloat16), (128, 256, 64, 8, 3, False, gl.bfloat16),
-        (128, 256, 32, 8, 6, True, gl.bfloat16), (128, 128, 64, 8, 4, False, gl.float32)]:
+        (128, 256, 32, 8, 6, True, gl.bfloat16), (128, 128, 64, 8, 4, False, gl.float32),
+        (64, 256, 64, 8, 4, False, gl.bfloat16), (64, 128, 64, 8, 6, True, gl.bfloat16)]:
+    cfg = GemmConfig(bm, bn, bk, 1, warps, stages, "ws")
+    rows = consumer_rows(cfg)
     types = {"a_desc": box(bm, bk), "b_desc": box(bn, bk) if k_major else box(bk, bn),
-             "c_desc": box(bm // consumers(warps), bn, c_dt), "route_ptr": "*i32", "tile_expert_ptr": "*i32",
-             "gate_ptr": "*i32"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "B_K_MAJOR": k_major, "CONSUMERS": consumers(warps)}
+             "c_desc": box(rows, bn, c_dt), "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "B_K_MAJOR": k_major, "CONSUMERS": consumers(warps),
+              "ALTERNATE": alternating(cfg)}
     r = gluon_sm90_report(moe_ws_kernel, types, consts, max_regs(warps))
-    r["budget"] = stages * (bm + bn) * bk * 2 + bm * bn * (4 if c_dt == gl.float32 else 2)  # what the launcher checks
-    out[f"plain_{bm}x{bn}x{bk}_s{stages}_kmajor{int(k_major)}_{c_dt}"] = r
+    # what the launcher checks
+    r["budget"] = stages * (bm + bn) * bk * 2 + consumers(warps) * rows * bn * (4 if c_dt == gl.float32 else 2)
+    alt = "_alt" if alternating(cfg) else ""
+    out[f"plain_{bm}x{bn}x{bk}_s{stages}{alt}_kmajor{int(k_major)}_{c_dt}"] = r
 for epi, bm, bn, bk, warps, stages, k_major, dscore, gather in [
         (2, 128, 128, 64, 8, 4, True, True, True), (2, 128, 128, 64, 8, 4, True, False, True),
         (2, 64, 128, 64, 4, 6, False, True, True), (2, 128, 64, 64, 8, 6, True, True, True),
         (2, 128, 128, 64, 8, 4, True, True, False), (2, 64, 128, 64, 4, 6, False, True, False),
+        (2, 64, 128, 64, 8, 5, True, True, False), (2, 64, 128, 64, 8, 5, True, True, True),
         (1, 128, 128, 64, 8, 4, False, False, True), (1, 128, 128, 64, 8, 5, True, False, True),
-        (1, 128, 256, 64, 8, 2, False, False, True), (1, 128, 128, 64, 8, 4, False, False, False)]:
-    out_box = box(bm // consumers(warps), bn, gl.int32 if epi == 2 else gl.bfloat16)
+        (1, 128, 256, 64, 8, 2, False, False, True), (1, 128, 128, 64, 8, 4, False, False, False),
+        (1, 64, 128, 64, 8, 6, False, False, True)]:
+    cfg = GemmConfig(bm, bn, bk, 1, warps, stages, "ws")
+    rows = consumer_rows(cfg)
+    out_box = box(rows, bn, gl.int32 if epi == 2 else gl.bfloat16)
     types = {"a_ptr": "*bf16", "a_desc": box(bm, bk), "b_desc": box(bn, bk) if k_major else box(bk, bn), "out_desc": out_box,
-             "h_desc": box(bm // consumers(warps), bn // 2) if epi == 1 else out_box, "gather_ptr": "*i32",
+             "h_desc": box(rows, bn // 2) if epi == 1 else out_box, "gather_ptr": "*i32",
              "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32",
              "h_ptr": "*bf16", "ds_ptr": "*fp32"}
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": stages, "SEGMENT": 128, "CONSUMERS": consumers(warps),
-              "B_K_MAJOR": k_major, "EPILOGUE": epi, "DSCORE": dscore, "DS_CHUNK": 64, "GATHER_A": gather}
+              "B_K_MAJOR": k_major, "EPILOGUE": epi, "DSCORE": dscore, "DS_CHUNK": 64, "GATHER_A": gather,
+              "ALTERNATE": alternating(cfg)}
     r = gluon_sm90_report(moe_ws_gather_kernel, types, consts, max_regs(warps))
-    cfg = GemmConfig(bm, bn, bk, 1, warps, stages, "ws")
     r["budget"] = stages * (bm + bn) * bk * 2 + gather_store_bytes(cfg, epi, dscore)  # what the launcher checks
-    out[f"{'dgrad' if epi == 2 else 'up'}_{bm}x{bn}x{bk}_s{stages}_kmajor{int(k_major)}_ds{int(dscore)}_gather{int(gather)}"] = r
+    alt = "_alt" if alternating(cfg) else ""
+    out[f"{'dgrad' if epi == 2 else 'up'}_{bm}x{bn}x{bk}_s{stages}{alt}_kmajor{int(k_major)}_ds{int(dscore)}_gather{int(gather)}"] = r
 for bm, bn, bk, warps, stages, gather, acc in [(128, 128, 64, 8, 4, True, False), (128, 128, 64, 8, 4, False, False),
                                                (128, 128, 64, 8, 4, True, True), (64, 128, 64, 4, 6, False, True),
                                                (128, 256, 64, 8, 3, True, False)]:
@@ -235,7 +255,7 @@ print(json.dumps(out))
 
 def test_ws_kernel_compiles_for_sm90_offline(tmp_path):
     report = compile_sm90_offline(_COMPILE, tmp_path)
-    assert len(report) == 21, report
+    assert len(report) == 26, report
     for name, r in report.items():
         # BF16 wgmma fed by TMA, the tile out by TMA store (main_grad: pointer adds), setmaxnreg (the roles' register
         # split), no spills, one MMA left in flight behind the newest, and no "wgmma.mma_async instructions are
