@@ -65,9 +65,10 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.variant {self.variant!r} is not supported; supported: {VARIANTS}")
         if self.variant == "tma3" and self.block_n % 3:
             raise ValueError(f"variant 'tma3' needs block_n three sub-tiles wide (a multiple of 3); got {self.block_n}")
-        # (block_m 64 with 8 warps: two warpgroups taking 64-row tiles in turn, the MoE FP8 gathered kernel's ping-pong)
-        if self.variant == "ws" and (self.num_warps not in (4, 8) or self.block_m % 64):
-            raise ValueError(f"variant 'ws' needs 4 or 8 consumer warps and block_m a multiple of 64 rows; got "
+        # (block_m 64 with 8 warps: two warpgroups taking 64-row tiles in turn, the MoE FP8 gathered kernel's ping-pong;
+        # 12 warps: the BF16 MoE dgrad's two MMA warpgroups and an epilogue warpgroup)
+        if self.variant == "ws" and (self.num_warps not in (4, 8, 12) or self.block_m % 64):
+            raise ValueError(f"variant 'ws' needs 4, 8 or 12 warps and block_m a multiple of 64 rows; got "
                              f"num_warps {self.num_warps}, block_m {self.block_m}")
         if self.variant in ("tma", "tma3", "ws"):
             for field, value in (("block_m", self.block_m), ("block_n", self.box_n), ("block_k", self.block_k)):

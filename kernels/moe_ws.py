@@ -61,6 +61,8 @@ from detkit.kernels.moe_operands import ws_weight_rows, ws_wgrad_addresses
 from detkit.kernels.moe_routing import SEGMENT_ALIGN
 
 SEGMENT = gl.constexpr(SEGMENT_ALIGN)  # an expert's rows start on a multiple of this (kernels/moe_routing.py)
+# dgrad with an epilogue warpgroup: the MMA warpgroups hold only their accumulators (64 FP32 registers per thread).
+HANDOFF_MMA_REGS = gl.constexpr(112)
 
 
 @gluon.jit
@@ -122,7 +124,7 @@ def _chunk_layout(NCH):
 @gluon.jit
 def _k_steps(a_ring, b_ring, ready, free, count, acc, steps, B_K_MAJOR: gl.constexpr, PART: gl.constexpr,
              FENCE: gl.constexpr, A_MN_MAJOR: gl.constexpr = False, side_desc=None, side_bar=None, side_smem=None,
-             side_row=0, side_col=0, turn_bar=None):
+             side_row=0, side_col=0):
     """acc + this part's rows of ``steps`` K steps of one live tile (ascending) from the ring, from slot ``count`` on:
     async wgmma with at most one MMA in flight behind the newest, each slot handed back once the MMA that read it has
     finished. FENCE: the A tile was written by cp.async (generic proxy), which wgmma (async proxy) may read only
@@ -130,15 +132,12 @@ def _k_steps(a_ring, b_ring, ready, free, count, acc, steps, B_K_MAJOR: gl.const
     (slot * parts + part) with the output rows contiguous, read transposed by wgmma. ``side_desc``: halfway through
     the steps, once the previous tile's TMA store has read ``side_smem``, a TMA load of ``side_desc`` at
     [side_row, side_col] into it, arriving on ``side_bar`` (the epilogue's operand lands while the MMAs run).
-    ``turn_bar`` (alternating consumers): arrived on once the last step's slot has landed (every slot of the tile
-    has), so the other consumer may start its tile. Returns (acc, the next count)."""
+    Returns (acc, the next count)."""
     STAGES: gl.constexpr = ready.type.shape[0]
     ROWS: gl.constexpr = acc.type.shape[0]
     for ks in range(steps):
         slot = count % STAGES
         mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-        if turn_bar is not None:
-            mbarrier.arrive(turn_bar, count=1, pred=ks == steps - 1)
         if FENCE:
             fence_async_shared()
         b = b_ring.index(slot)
@@ -162,33 +161,6 @@ def _k_steps(a_ring, b_ring, ready, free, count, acc, steps, B_K_MAJOR: gl.const
 
 
 @gluon.jit
-def _my_tiles(PART: gl.constexpr, ALTERNATE: gl.constexpr):
-    """(first, stride) of this consumer's tiles in the persistent grid: every tile of the program (the consumers
-    split its rows), or ALTERNATE every other one (the consumers take turns: one's epilogue runs while the other's
-    MMAs do)."""
-    first = gl.program_id(0)
-    stride = gl.num_programs(0)
-    if ALTERNATE:
-        first += PART * stride
-        stride *= 2
-    return first, stride
-
-
-@gluon.jit
-def _await_turn(t, i, count, turns, route_ptr, num_n, steps, BLOCK_M: gl.constexpr, PART: gl.constexpr):
-    """Alternating consumers, before this one's i-th tile t: the other's tile just before it (t - programs, if the
-    program has one) must have had all its ring slots land (the producer fills slots in order, so every slot
-    phase this consumer then waits on is the current one, never one a lap behind); the ring count skips that tile's
-    slots. Returns the count."""
-    prev = t - gl.num_programs(0)
-    if prev >= gl.program_id(0):
-        mbarrier.wait(turns.index(1 - PART), (i + PART + 1) & 1)
-        if gl.load(route_ptr + (prev // num_n) * BLOCK_M) >= 0:
-            count += steps
-    return count
-
-
-@gluon.jit
 def _side_load(desc, bar, smem, row, col):
     """A TMA load of desc's box at [row, col] into smem, arriving on bar, once the TMA stores issued before it have
     read smem."""
@@ -198,103 +170,82 @@ def _side_load(desc, bar, smem, row, col):
 
 
 @gluon.jit
-def _tile_acc(t, i, a_ring, b_ring, ready, free, turns, count, route_ptr, num_n, L, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr,
-              FENCE: gl.constexpr, ALTERNATE: gl.constexpr):
-    """Tile t's accumulator for this consumer's rows: [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS), or with
-    ALTERNATE all BLOCK_M rows of its i-th tile; zero on padding rows (a tile whose first row is padding is padding
-    only and loads nothing): (acc, the next ring count, the part's first row, its rows, the tile's first column)."""
-    ROWS: gl.constexpr = BLOCK_M if ALTERNATE else BLOCK_M // CONSUMERS
-    A_PART: gl.constexpr = 0 if ALTERNATE else PART
+def _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr, FENCE: gl.constexpr):
+    """Tile t's accumulator for this consumer's rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS), zero on
+    padding rows (a tile whose first row is padding is padding only and loads nothing): (acc, the next ring count,
+    the part's first row, its rows, the tile's first column)."""
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
     off_m = (t // num_n) * BLOCK_M
-    row = off_m + A_PART * ROWS
+    row = off_m + PART * ROWS
     rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     BLOCK_K: gl.constexpr = a_ring.type.shape[2]
-    steps = L // BLOCK_K
     acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-    if ALTERNATE:
-        count = _await_turn(t, i, count, turns, route_ptr, num_n, steps, BLOCK_M, PART)
-        if gl.load(route_ptr + off_m) >= 0:
-            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, steps, B_K_MAJOR, A_PART, FENCE,
-                                  turn_bar=turns.index(PART))
-        else:
-            mbarrier.arrive(turns.index(PART), count=1)
-    else:
-        if gl.load(route_ptr + off_m) >= 0:
-            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, steps, B_K_MAJOR, PART, FENCE)
+    if gl.load(route_ptr + off_m) >= 0:
+        acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, FENCE)
     acc = gl.where((gl.load(route_ptr + rows) >= 0)[:, None], acc, 0.0)
     return acc, count, row, rows, (t % num_n) * BLOCK_N
 
 
 @gluon.jit
-def _consumer(a_ring, b_ring, ready, free, turns, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr,
-              ALTERNATE: gl.constexpr):
-    """One consumer warpgroup of down / dX: its rows of every tile (or ALTERNATE its tiles), then the tile in the
-    output's dtype (padding rows zero) through its part of shared memory and a TMA store."""
+def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr):
+    """One consumer warpgroup of down / dX: its rows of every tile, then the tile in the output's dtype (padding rows
+    zero) through shared memory and a TMA store."""
     num_n = C // BLOCK_N
     count = 0
-    i = 0
-    first, stride = _my_tiles(PART, ALTERNATE)
-    for t in range(first, num_tiles, stride):
-        acc, count, row, rows, off_n = _tile_acc(t, i, a_ring, b_ring, ready, free, turns, count, route_ptr, num_n, L,
-                                                 BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, PART, False, ALTERNATE)
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M,
+                                                 BLOCK_N, B_K_MAJOR, CONSUMERS, PART, False)
         store_part(c_smem, c_desc, acc, row, off_n, PART)
-        i += 1
     tma.store_wait(0)
 
 
 @gluon.jit
-def _up_consumer(a_ring, b_ring, ready, free, turns, gu_smem, gu_desc, h_smem, h_desc, route_ptr, num_tiles, C, L,
+def _up_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, route_ptr, num_tiles, C, L,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr,
-                 PART: gl.constexpr, FENCE: gl.constexpr, ALTERNATE: gl.constexpr):
+                 PART: gl.constexpr, FENCE: gl.constexpr):
     """One consumer warpgroup of up: acc = x[gather] @ W1[e] over BLOCK_N interleaved (g, u) columns for this part's
-    rows (or ALTERNATE its tiles; padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 1: gu
-    rounded to BF16, h = silu(g) * u from those BF16 values in FP32, rounded once; both TMA-stored."""
-    ROWS: gl.constexpr = BLOCK_M if ALTERNATE else BLOCK_M // CONSUMERS
+    rows (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 1: gu rounded to BF16, h =
+    silu(g) * u from those BF16 values in FP32, rounded once; both TMA-stored."""
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     num_n = C // BLOCK_N
     count = 0
-    i = 0
-    first, stride = _my_tiles(PART, ALTERNATE)
-    for t in range(first, num_tiles, stride):
-        acc, count, row, rows, off_n = _tile_acc(t, i, a_ring, b_ring, ready, free, turns, count, route_ptr, num_n, L,
-                                                 BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, PART, FENCE, ALTERNATE)
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M,
+                                                 BLOCK_N, B_K_MAJOR, CONSUMERS, PART, FENCE)
         gu = acc.to(gl.bfloat16)
         g, u = gl.split(gl.reshape(gu.to(gl.float32), [ROWS, BLOCK_N // 2, 2]))
         h = ((g * (1.0 / (1.0 + gl.exp(-g)))) * u).to(gl.bfloat16)
         store_part(gu_smem, gu_desc, gu, row, off_n, PART)
         store_part(h_smem, h_desc, h, row, off_n // 2, PART)
-        i += 1
     tma.store_wait(0)
 
 
 @gluon.jit
-def _dgrad_consumer(a_ring, b_ring, ready, free, turns, dgu_smem, dgu_desc, gu_desc, gu_bars, route_ptr, score_ptr,
-                    h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr, DSCORE: gl.constexpr,
-                    DS_CHUNK: gl.constexpr, FENCE: gl.constexpr, ALTERNATE: gl.constexpr):
+def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, gu_desc, gu_bars, route_ptr, score_ptr, h_ptr,
+                    ds_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr,
+                    CONSUMERS: gl.constexpr, PART: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
+                    FENCE: gl.constexpr):
     """One consumer warpgroup of dgrad: acc = dout[gather] @ W2[e]^T over BLOCK_N columns of dh for this part's rows
-    (or ALTERNATE its tiles; padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 2: (DSCORE) ds_part[p, c] = the sum
+    (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 2: (DSCORE) ds_part[p, c] = the sum
     over chunk c's DS_CHUNK columns of acc * h, then dh = s * acc, dg and du from the saved gu (each (g, u) pair read
     as one int32), rounded once to BF16 and TMA-stored as int32 pairs. The epilogue's operands arrive during the MMAs:
     the scores and h loaded into registers before them, gu's tile by TMA into this part's dgu store buffer halfway
     through them (dgu is then written over it)."""
-    ROWS: gl.constexpr = BLOCK_M if ALTERNATE else BLOCK_M // CONSUMERS
-    A_PART: gl.constexpr = 0 if ALTERNATE else PART
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     BLOCK_K: gl.constexpr = a_ring.type.shape[2]
-    steps = L // BLOCK_K
     acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
     dgu_part = dgu_smem.slice(PART * ROWS, ROWS, dim=0)
     gu_bar = gu_bars.index(PART)
     num_n = C // BLOCK_N
     count = 0
     it = 0
-    first, stride = _my_tiles(PART, ALTERNATE)
-    for t in range(first, num_tiles, stride):
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m = (t // num_n) * BLOCK_M
         off_n = (t % num_n) * BLOCK_N
-        row = off_m + A_PART * ROWS
+        row = off_m + PART * ROWS
         rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         routed = gl.load(route_ptr + rows) >= 0
@@ -302,54 +253,103 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, turns, dgu_smem, dgu_desc, gu_d
         if DSCORE:
             h = gl.load(h_ptr + rows[:, None] * C + cols[None, :])
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-        if ALTERNATE:
-            count = _await_turn(t, it, count, turns, route_ptr, num_n, steps, BLOCK_M, PART)
-            if gl.load(route_ptr + off_m) >= 0:
-                acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, steps, B_K_MAJOR, A_PART, FENCE,
-                                      False, gu_desc, gu_bar, dgu_part, row, off_n, turns.index(PART))
-            else:  # a padding-only tile: no MMAs to hide the load behind
-                mbarrier.arrive(turns.index(PART), count=1)
-                _side_load(gu_desc, gu_bar, dgu_part, row, off_n)
-        else:
-            if gl.load(route_ptr + off_m) >= 0:
-                acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, steps, B_K_MAJOR, PART, FENCE,
-                                      False, gu_desc, gu_bar, dgu_part, row, off_n)
-            else:  # a padding-only tile: no MMAs to hide the load behind
-                _side_load(gu_desc, gu_bar, dgu_part, row, off_n)
+        if gl.load(route_ptr + off_m) >= 0:
+            acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, FENCE,
+                                  False, gu_desc, gu_bar, dgu_part, row, off_n)
+        else:  # a padding-only tile: no MMAs to hide the load behind
+            _side_load(gu_desc, gu_bar, dgu_part, row, off_n)
         acc = gl.where(routed[:, None], acc, 0.0)
         if DSCORE:  # first, as the Triton epilogue
-            chunked = gl.convert_layout(gl.reshape(acc * h.to(gl.float32), [ROWS, BLOCK_N // DS_CHUNK, DS_CHUNK]),
-                                        _chunk_layout(BLOCK_N // DS_CHUNK))
-            part = gl.sum(chunked, axis=2)
-            p_layout: gl.constexpr = part.type.layout
-            p_rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, p_layout))
-            chunks = off_n // DS_CHUNK + gl.arange(0, BLOCK_N // DS_CHUNK, layout=gl.SliceLayout(0, p_layout))
-            gl.store(ds_ptr + p_rows[:, None] * (C // DS_CHUNK) + chunks[None, :], part)
+            _dscore_partials(acc, h, ds_ptr, row, off_n, C, DS_CHUNK)
         mbarrier.wait(gu_bar, it & 1)
-        g, u = bf16_pair_values(dgu_part.load(acc_layout))
-        dh = acc * score[:, None]
-        s = 1.0 / (1.0 + gl.exp(-g))
-        silu = g * s
-        # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
-        store_part(dgu_smem, dgu_desc, bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu), row, off_n,
-                   PART)
+        store_part(dgu_smem, dgu_desc, _dswiglu_bits(acc, score, dgu_part.load(acc_layout)), row, off_n, PART)
         it += 1
     tma.store_wait(0)
 
 
 @gluon.jit
-def _turn_barriers(ready, free, CONSUMERS: gl.constexpr, ALTERNATE: gl.constexpr, COPY_ARRIVALS: gl.constexpr):
-    """Initializes the ring's barriers (ready: the TMA expect-tx arrival plus ``COPY_ARRIVALS`` cp.async ones; free:
-    one arrival per consumer reading the slot, a single one when the consumers alternate) and returns the
-    alternating consumers' turn barriers (one per consumer, arrived on once per tile)."""
-    STAGES: gl.constexpr = ready.type.shape[0]
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1 + COPY_ARRIVALS)
-        mbarrier.init(free.index(i), count=1 if ALTERNATE else CONSUMERS)
-    for i in gl.static_range(2):
-        mbarrier.init(turns.index(i), count=1)
-    return turns
+def _dscore_partials(acc, h, ds_ptr, row, off_n, C, DS_CHUNK: gl.constexpr):
+    """ds_part[p, c] for this part's rows: the sum over chunk c's DS_CHUNK columns of acc * h, in the Triton dgrad
+    kernel's order (_chunk_layout)."""
+    ROWS: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    chunked = gl.convert_layout(gl.reshape(acc * h.to(gl.float32), [ROWS, BLOCK_N // DS_CHUNK, DS_CHUNK]),
+                                _chunk_layout(BLOCK_N // DS_CHUNK))
+    part = gl.sum(chunked, axis=2)
+    p_layout: gl.constexpr = part.type.layout
+    p_rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, p_layout))
+    chunks = off_n // DS_CHUNK + gl.arange(0, BLOCK_N // DS_CHUNK, layout=gl.SliceLayout(0, p_layout))
+    gl.store(ds_ptr + p_rows[:, None] * (C // DS_CHUNK) + chunks[None, :], part)
+
+
+@gluon.jit
+def _dswiglu_bits(acc, score, gu_bits):
+    """dgu as int32 (g, u) pairs from the unscaled accumulator: dh = s * acc, then dg and du from the saved gu's
+    pairs in the operation order of kernels/swiglu.py (as dswiglu_epilogue), each rounded once to BF16."""
+    g, u = bf16_pair_values(gu_bits)
+    dh = acc * score[:, None]
+    s = 1.0 / (1.0 + gl.exp(-g))
+    silu = g * s
+    return bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
+
+
+@gluon.jit
+def _handoff_consumer(a_ring, b_ring, ready, free, acc_smem, acc_ready, acc_free, route_ptr, num_tiles, C, L,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, PART: gl.constexpr,
+                      FENCE: gl.constexpr):
+    """One MMA warpgroup of dgrad with an epilogue warpgroup of its own (EPI_WARPGROUP): its 64 rows of every
+    tile's FP32 accumulator (padding rows zero) into its part of the shared hand-off buffer, once the epilogue's
+    store of the previous tile has read that part; then straight on to the next tile's MMAs."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    part = acc_smem.slice(PART * ROWS, ROWS, dim=0)
+    num_n = C // BLOCK_N
+    count = 0
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M,
+                                                 BLOCK_N, B_K_MAJOR, 2, PART, FENCE)
+        # A fresh barrier counts as having completed the phase before phase 0: the first tile waits on nothing.
+        mbarrier.wait(acc_free.index(PART), (it & 1) ^ 1)
+        part.store(acc)
+        mbarrier.arrive(acc_ready.index(PART), count=1)
+        it += 1
+
+
+@gluon.jit
+def _dgrad_epilogue(acc_smem, dgu_smem, acc_ready, acc_free, dgu_desc, gu_ptr, score_ptr, h_ptr, ds_ptr, num_tiles, C,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr):
+    """dgrad's epilogue warpgroup (EPI_WARPGROUP): for each tile, each MMA warpgroup's 64 rows in turn from the
+    hand-off buffer, the epilogue of _dgrad_consumer (the same operations in the same layout, so the same bits;
+    gu, h and the scores loaded while the MMAs run), dgu written over those rows of the buffer (``dgu_smem``: the
+    same bytes as int32) and TMA-stored; the parts are handed back once the stores have read them."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    num_n = C // BLOCK_N
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_n = (t % num_n) * BLOCK_N
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        for PART in gl.static_range(2):
+            row = (t // num_n) * BLOCK_M + PART * ROWS
+            rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+            offs = rows[:, None] * C + cols[None, :]
+            score = gl.load(score_ptr + rows)
+            gu_bits = gl.load(gu_ptr + offs)
+            if DSCORE:
+                h = gl.load(h_ptr + offs)
+            mbarrier.wait(acc_ready.index(PART), it & 1)
+            acc = acc_smem.slice(PART * ROWS, ROWS, dim=0).load(acc_layout)
+            gl.thread_barrier()  # every thread has read the accumulator before dgu is written over it
+            if DSCORE:  # first, as the Triton epilogue
+                _dscore_partials(acc, h, ds_ptr, row, off_n, C, DS_CHUNK)
+            dgu_part = dgu_smem.slice(PART * ROWS, ROWS, dim=0)
+            dgu_part.store(_dswiglu_bits(acc, score, gu_bits))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dgu_desc, [row, off_n], dgu_part)
+        tma.store_wait(0)
+        for PART in gl.static_range(2):
+            mbarrier.arrive(acc_free.index(PART), count=1)
+        it += 1
 
 
 @gluon.jit(launch_metadata=grouped_launch_name)
@@ -362,28 +362,29 @@ def moe_ws_kernel(
     op_id,  # names the launch only
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, B_K_MAJOR: gl.constexpr,
     CONSUMERS: gl.constexpr,  # consumer warpgroups, each its own partition: 1 or 2
-    ALTERNATE: gl.constexpr,  # 2 consumers taking turns at BLOCK_M-row tiles, or splitting each tile's rows
 ):
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS * c_desc.block_type.shape[0], BLOCK_N], c_desc.layout)
-    turns = _turn_barriers(ready, free, CONSUMERS, ALTERNATE, 0)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=CONSUMERS)
     num_tiles = live_tiles(gate_ptr, P, C // BLOCK_N, BLOCK_M)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, ready, free, turns, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N,
-                         B_K_MAJOR, CONSUMERS, 0, ALTERNATE)),
-            (_consumer, (a_ring, b_ring, ready, free, turns, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N,
-                         B_K_MAJOR, CONSUMERS, 1, ALTERNATE)),
+            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N,
+                         B_K_MAJOR, CONSUMERS, 0)),
+            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N,
+                         B_K_MAJOR, CONSUMERS, 1)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, C, L,
                          BLOCK_M, BLOCK_N, B_K_MAJOR)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, ready, free, turns, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N,
-                         B_K_MAJOR, CONSUMERS, 0, ALTERNATE)),
+            (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N,
+                         B_K_MAJOR, CONSUMERS, 0)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, C, L,
                          BLOCK_M, BLOCK_N, B_K_MAJOR)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -400,6 +401,7 @@ def moe_ws_gather_kernel(
     # [P, 2C] as int32 pairs [P, C], box [BLOCK_M / CONSUMERS, BLOCK_N]
     gather_ptr, route_ptr, score_ptr, tile_expert_ptr, gate_ptr,
     h_ptr, ds_ptr,  # dgrad with DSCORE: the forward's h [P, C] BF16 and the partials ds_part [P, C / DS_CHUNK] FP32
+    gu_ptr,  # dgrad with EPI_WARPGROUP: the forward's gu as int32 (g, u) pairs [P, C]
     P, C, L,  # acc[p, :C] = A[gather[p], :L] @ B[expert(p)][:L, :C], then the epilogue
     stride_am,
     op_id,  # names the launch only
@@ -408,60 +410,82 @@ def moe_ws_gather_kernel(
     EPILOGUE: gl.constexpr,  # 1: SwiGLU (up); 2: dSwiGLU (dgrad)
     DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
     GATHER_A: gl.constexpr,  # A rows through the gather index (cp.async), or already in expert order (TMA)
-    ALTERNATE: gl.constexpr,  # 2 consumers taking turns at BLOCK_M-row tiles, or splitting each tile's rows
+    EPI_WARPGROUP: gl.constexpr,  # dgrad: an epilogue warpgroup beside the 2 MMA ones (their tiles' epilogues overlap
+    # the next tile's MMAs), or the MMA warpgroups run their epilogues
 ):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ROWS: gl.constexpr = out_desc.block_type.shape[0]  # a consumer's rows per tile
-    out_smem = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS * ROWS, BLOCK_N], out_desc.layout)
-    # The TMA expect-tx arrival and, gathering, one cp.async arrival per producer thread.
-    turns = _turn_barriers(ready, free, CONSUMERS, ALTERNATE, GATHER_PRODUCER_WARPS * 32 if GATHER_A else 0)
+    out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
+    for i in gl.static_range(STAGES):
+        # The TMA expect-tx arrival and, gathering, one cp.async arrival per producer thread.
+        mbarrier.init(ready.index(i), count=1 + (GATHER_PRODUCER_WARPS * 32 if GATHER_A else 0))
+        mbarrier.init(free.index(i), count=CONSUMERS)
     num_n = C // BLOCK_N
     num_tiles = live_tiles(gate_ptr, P, num_n, BLOCK_M)
     if EPILOGUE == 1:
-        h_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS * ROWS, BLOCK_N // 2], h_desc.layout)
+        h_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N // 2], h_desc.layout)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_up_consumer, (a_ring, b_ring, ready, free, turns, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
-                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, GATHER_A, ALTERNATE)),
-                (_up_consumer, (a_ring, b_ring, ready, free, turns, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
-                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1, GATHER_A, ALTERNATE)),
+                (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
+                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, GATHER_A)),
+                (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
+                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1, GATHER_A)),
                 (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
                                              SEGMENT, B_K_MAJOR, GATHER_A)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_up_consumer, (a_ring, b_ring, ready, free, turns, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
-                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, GATHER_A, ALTERNATE)),
+                (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
+                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, GATHER_A)),
                 (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
                                              SEGMENT, B_K_MAJOR, GATHER_A)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
+    elif EPI_WARPGROUP:
+        acc_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        acc_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(acc_ready.index(i), count=1)
+            mbarrier.init(acc_free.index(i), count=1)
+        # The hand-off buffer: the accumulator (FP32) in, dgu (int32 pairs, the same 32-bit swizzle) out.
+        acc_smem = out_smem._reinterpret(gl.float32, [BLOCK_M, BLOCK_N], out_desc.layout)
+        gl.warp_specialize([
+            (_dgrad_epilogue, (acc_smem, out_smem, acc_ready, acc_free, out_desc, gu_ptr, score_ptr, h_ptr, ds_ptr,
+                               num_tiles, C, BLOCK_M, BLOCK_N, DSCORE, DS_CHUNK)),
+            (_handoff_consumer, (a_ring, b_ring, ready, free, acc_smem, acc_ready, acc_free, route_ptr, num_tiles, C, L,
+                                 BLOCK_M, BLOCK_N, B_K_MAJOR, 0, GATHER_A)),
+            (_handoff_consumer, (a_ring, b_ring, ready, free, acc_smem, acc_ready, acc_free, route_ptr, num_tiles, C, L,
+                                 BLOCK_M, BLOCK_N, B_K_MAJOR, 1, GATHER_A)),
+            (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
+                                         tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
+                                         SEGMENT, B_K_MAJOR, GATHER_A)),
+        ], [CONSUMER_WARPS, CONSUMER_WARPS, GATHER_PRODUCER_WARPS if GATHER_A else PRODUCER_WARPS],
+            [HANDOFF_MMA_REGS, HANDOFF_MMA_REGS, GATHER_PRODUCER_REGS if GATHER_A else PRODUCER_REGS])
     else:
         gu_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(CONSUMERS):
             mbarrier.init(gu_bars.index(i), count=1)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_dgrad_consumer, (a_ring, b_ring, ready, free, turns, out_smem, out_desc, h_desc, gu_bars, route_ptr,
+                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr,
                                    score_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
-                                   DSCORE, DS_CHUNK, GATHER_A, ALTERNATE)),
-                (_dgrad_consumer, (a_ring, b_ring, ready, free, turns, out_smem, out_desc, h_desc, gu_bars, route_ptr,
+                                   DSCORE, DS_CHUNK, GATHER_A)),
+                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr,
                                    score_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1,
-                                   DSCORE, DS_CHUNK, GATHER_A, ALTERNATE)),
+                                   DSCORE, DS_CHUNK, GATHER_A)),
                 (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
                                              SEGMENT, B_K_MAJOR, GATHER_A)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_dgrad_consumer, (a_ring, b_ring, ready, free, turns, out_smem, out_desc, h_desc, gu_bars, route_ptr,
+                (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr,
                                    score_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
-                                   DSCORE, DS_CHUNK, GATHER_A, ALTERNATE)),
+                                   DSCORE, DS_CHUNK, GATHER_A)),
                 (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
                                              SEGMENT, B_K_MAJOR, GATHER_A)),
@@ -625,34 +649,31 @@ def moe_ws_wgrad_kernel(
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
-def alternating(config) -> bool:
-    """Whether a grouped ws config's two consumer warpgroups take turns at whole 64-row tiles (BLOCK_M 64 with 8
-    warps: one's epilogue runs while the other's MMAs do) rather than splitting each tile's rows. Each consumer's
-    wgmma chain is the same 64-row one either way, so the bits are too."""
-    return config.num_warps == 8 and config.block_m == 64
+def epilogue_warpgroup(config) -> bool:
+    """Whether a dgrad ws config runs its epilogue on a warpgroup of its own (12 warps: two MMA warpgroups of 64 rows
+    each hand their accumulators over through shared memory and go on to the next tile's MMAs)."""
+    return config.num_warps == 12
 
 
-def consumer_rows(config) -> int:
-    """Rows of a tile one consumer warpgroup computes (and stores): 64."""
-    return config.block_m if alternating(config) else config.block_m // consumers(config.num_warps)
+def mma_warpgroups(config) -> int:
+    """The config's MMA (consumer) warpgroups, 64 rows of the tile each."""
+    return 2 if epilogue_warpgroup(config) else consumers(config.num_warps)
 
 
-def _check_consumer_rows(stage: str, config, alternate: bool = True) -> None:
-    """Refuses a tile whose rows are not 64 per consumer warpgroup (4 warps each), naming it; ``alternate``: the
-    kernel also takes two consumers alternating at 64-row tiles."""
-    if config.num_warps in (4, 8) and config.block_m == 64 * consumers(config.num_warps):
-        return
-    if alternate and alternating(config):
-        return
-    also = ", or 64 with 8 (two consumers taking turns)" if alternate else ""
-    raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "
-                     f"warps or 128 with 8{also}; got BLOCK_M {config.block_m}, {config.num_warps} warps")
+def _check_consumer_rows(stage: str, config, epilogue_group: bool = False) -> None:
+    """Refuses a tile whose rows are not 64 per MMA warpgroup (4 warps each), naming it; ``epilogue_group``: the
+    kernel also takes 12 warps (an epilogue warpgroup beside two MMA ones)."""
+    warps = (4, 8, 12) if epilogue_group else (4, 8)
+    if config.num_warps not in warps or config.block_m != 64 * mma_warpgroups(config):
+        also = " or 128 with 12 (an epilogue warpgroup beside two MMA ones)" if epilogue_group else ""
+        raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "
+                         f"warps or 128 with 8{also}; got BLOCK_M {config.block_m}, {config.num_warps} warps")
 
 
-def _check_tile(stage: str, config, reduced: int, n_cols: int, store_bytes: int) -> None:
+def _check_tile(stage: str, config, reduced: int, n_cols: int, store_bytes: int, epilogue_group: bool = False) -> None:
     """Refuses, naming the value, a tile the ws kernels cannot run on L = ``reduced``, C = ``n_cols`` with an epilogue
-    buffer of ``store_bytes``."""
-    _check_consumer_rows(stage, config)
+    buffer of ``store_bytes`` (``epilogue_group``: 12 warps taken, see _check_consumer_rows)."""
+    _check_consumer_rows(stage, config, epilogue_group)
     if reduced % config.block_k or n_cols % config.block_n or config.block_k % 16 or config.block_n % 16:
         raise ValueError(f"{stage}: variant 'ws' needs BLOCK_K {config.block_k} dividing L {reduced} and BLOCK_N "
                          f"{config.block_n} dividing C {n_cols} (a weight tile never crosses an expert), both multiples "
@@ -668,7 +689,7 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
     _, reduced, n_cols = b.shape
     if c.dtype not in GL_DTYPES:
         raise ValueError(f"{stage}: variant 'ws' writes {tuple(GL_DTYPES)}; got an output of {c.dtype}")
-    _check_tile(stage, config, reduced, n_cols, _store_rows(config) * config.block_n * c.element_size())
+    _check_tile(stage, config, reduced, n_cols, config.block_m * config.block_n * c.element_size())
     store, k_major = ws_weight_rows(b) or (None, False)
     if (store is None or a.stride(1) != 1 or not c.is_contiguous()
             or any(t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16 for t in (a, store))):
@@ -681,16 +702,17 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
         return
     ensure_cuda_context(a.device)  # the descriptors encode on this thread (autograd's backward has its own)
     b_box = [config.block_n, config.block_k] if k_major else [config.block_k, config.block_n]
+    part_rows = config.block_m // consumers(config.num_warps)
     tiles = (p // config.block_m) * (n_cols // config.block_n)
     moe_ws_kernel[(min(tiles, device_sms(a.device)),)](
         nvmma_descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16),
         nvmma_descriptor(store, b_box, gl.bfloat16),
-        nvmma_descriptor(c, [consumer_rows(config), config.block_n], GL_DTYPES[c.dtype]),
+        nvmma_descriptor(c, [part_rows, config.block_n], GL_DTYPES[c.dtype]),
         routing.sorted_route, routing.tile_expert, routing.gate,
         p, n_cols, reduced,
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, B_K_MAJOR=k_major,
-        CONSUMERS=consumers(config.num_warps), ALTERNATE=alternating(config),
+        CONSUMERS=consumers(config.num_warps),
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
 
@@ -700,13 +722,9 @@ def gather_store_bytes(config, epilogue: int, dscore: bool) -> int:
     dgu tile's (int32 pairs) and, with the dscore partials, each consumer's layout-conversion scratch for the chunk
     sums (8 KiB: the offline sm_90 compile's shared size at BLOCK_N 64 and 128, tests/test_moe_ws.py)."""
     if epilogue == EPI_SWIGLU:
-        return _store_rows(config) * config.block_n * 3
-    return _store_rows(config) * config.block_n * 4 + (consumers(config.num_warps) * 8192 if dscore else 0)
-
-
-def _store_rows(config) -> int:
-    """Rows of a ws kernel's epilogue buffers: each consumer's own rows."""
-    return consumers(config.num_warps) * consumer_rows(config)
+        return config.block_m * config.block_n * 3
+    dscore_groups = 1 if epilogue_warpgroup(config) else consumers(config.num_warps)
+    return config.block_m * config.block_n * 4 + (dscore_groups * 8192 if dscore else 0)
 
 
 def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch.Tensor, b: torch.Tensor,
@@ -718,7 +736,9 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
     aux = the saved gu and dh = s * acc, and ``dscore = (h, ds_part)`` adds the partials. Refuses, naming the value,
     what this kernel does not cover, then a backend other than sm_90 (before any work)."""
     _, reduced, n_cols = b.shape
-    _check_tile(stage, config, reduced, n_cols, gather_store_bytes(config, epilogue, dscore is not None))
+    if epilogue_warpgroup(config) and epilogue == EPI_SWIGLU:
+        raise ValueError(f"{stage}: an epilogue warpgroup (12 warps) is dgrad's only; up takes 4 or 8 warps")
+    _check_tile(stage, config, reduced, n_cols, gather_store_bytes(config, epilogue, dscore is not None), True)
     if config.block_k % 64 or (dscore is not None and config.block_n % DS_CHUNK):
         raise ValueError(f"{stage}: variant 'ws' copies 64 BF16 columns per pass of its gathered rows and sums the "
                          f"dscore partials over {DS_CHUNK} columns: BLOCK_K a multiple of 64 and BLOCK_N of {DS_CHUNK}; "
@@ -737,7 +757,7 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
     if p == 0:
         return
     ensure_cuda_context(a.device)  # the descriptors encode on this thread (autograd's backward has its own)
-    part_rows = consumer_rows(config)
+    part_rows = config.block_m // mma_warpgroups(config)
     b_box = [config.block_n, config.block_k] if k_major else [config.block_k, config.block_n]
     if epilogue == EPI_SWIGLU:
         descs = (nvmma_descriptor(out, [part_rows, config.block_n], gl.bfloat16),
@@ -754,14 +774,13 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
     moe_ws_gather_kernel[(min(tiles, device_sms(a.device)),)](
         a, a_desc, b_desc, *descs,
         routing.gather_token, routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
-        h, ds_part,
+        h, ds_part, aux.view(torch.int32) if epilogue != EPI_SWIGLU else out,
         p, n_cols, reduced,
         a.stride(0),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
-        SEGMENT=SEGMENT_ALIGN, CONSUMERS=consumers(config.num_warps), ALTERNATE=alternating(config), B_K_MAJOR=k_major,
-        EPILOGUE=epilogue,
-        DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK, GATHER_A=gather,
+        SEGMENT=SEGMENT_ALIGN, CONSUMERS=mma_warpgroups(config), B_K_MAJOR=k_major, EPILOGUE=epilogue,
+        DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK, GATHER_A=gather, EPI_WARPGROUP=epilogue_warpgroup(config),
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
 
@@ -772,7 +791,7 @@ def launch_moe_ws_wgrad(op_id: int, config, a: torch.Tensor, gather_a: bool, b: 
     times those of B [P, C], into the BF16 ``out`` [E, R, C], or ``out`` += it in FP32 when ``accumulate``; refuses,
     naming the value, what this kernel does not cover, then a backend other than sm_90 (before any work)."""
     _, r, c = out.shape
-    _check_consumer_rows("wgrad", config, alternate=False)
+    _check_consumer_rows("wgrad", config)
     parts = consumers(config.num_warps)
     if r % config.block_m or c % config.block_n or config.block_n % 16:
         raise ValueError(f"wgrad: variant 'ws' needs BLOCK_M {config.block_m} dividing R {r} and BLOCK_N "

@@ -27,7 +27,7 @@ def _same_bits(got, want):
 
 
 def test_ws_config_rules():
-    with pytest.raises(ValueError, match=r"variant 'ws' needs 4 or 8 consumer warps .* num_warps 2"):
+    with pytest.raises(ValueError, match=r"variant 'ws' needs 4, 8 or 12 warps .* num_warps 2"):
         GemmConfig(128, 128, 64, 8, 2, 4, "ws")
     with pytest.raises(ValueError, match=r"block_m a multiple of 64 rows; .* block_m 96"):
         GemmConfig(96, 128, 64, 8, 8, 4, "ws")

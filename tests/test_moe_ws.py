@@ -27,14 +27,13 @@ TRITON_TILES = {"down": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "dx": GemmConf
                 "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "tma"), "dgrad_plain": GemmConfig(128, 128, 64, 1, 8, 4, "tma"),
                 "up": GemmConfig(128, 128, 64, 1, 8, 3, "tma"), "up_kmajor": GemmConfig(128, 128, 64, 1, 8, 3, "tma"),
                 **{s: GemmConfig(128, 128, 64, 1, 4, 3) for s in ("wgrad_w1", "wgrad_w2", "wgrad_w1_acc", "wgrad_w2_acc")}}
-# BLOCK_M 64 with 8 warps: the two consumer warpgroups take turns at tiles (kernels/moe_ws.py alternating).
 WS_GATHER_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 3, "ws"),
-                    GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws"),
-                    GemmConfig(64, 128, 64, 1, 8, 5, "ws")]
+                    GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws")]
 WS_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 64, 1, 8, 5, "ws"),
               GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 64, 64, 1, 8, 6, "ws"),
-              GemmConfig(128, 256, 64, 1, 8, 3, "ws"), GemmConfig(64, 256, 64, 1, 8, 4, "ws"),
-              GemmConfig(64, 128, 64, 1, 8, 6, "ws")]
+              GemmConfig(128, 256, 64, 1, 8, 3, "ws")]
+# 12 warps: dgrad's epilogue on a warpgroup of its own beside the two MMA warpgroups.
+WS_DGRAD_CONFIGS = WS_GATHER_CONFIGS + [GemmConfig(128, 128, 64, 1, 12, 4, "ws"), GemmConfig(128, 64, 64, 1, 12, 6, "ws")]
 WS_WGRAD_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128, 32, 1, 8, 6, "ws"),
                     GemmConfig(64, 128, 64, 1, 4, 6, "ws"), GemmConfig(128, 256, 64, 1, 8, 3, "ws")]
 
@@ -42,6 +41,8 @@ WS_WGRAD_CONFIGS = [GemmConfig(128, 128, 64, 1, 8, 4, "ws"), GemmConfig(128, 128
 def _ws_configs(stage: str) -> list[GemmConfig]:
     if stage in ("down", "dx"):
         return WS_CONFIGS
+    if stage.startswith("dgrad"):
+        return WS_DGRAD_CONFIGS
     return WS_WGRAD_CONFIGS if stage.startswith("wgrad") else WS_GATHER_CONFIGS
 
 
@@ -91,10 +92,8 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
     runs, r, inp = _runs(device)
     b = backend_of(device)
     assert_ws_refused_off_sm90(runs, WS_CONFIGS[0], device)
-    with pytest.raises(ValueError, match=r"64 rows: .* or 64 with 8 \(two consumers taking turns\)"):
+    with pytest.raises(ValueError, match="64 rows"):
         runs["down"](GemmConfig(128, 128, 64, 1, 4, 4, "ws"))
-    with pytest.raises(ValueError, match="needs 253952 bytes of shared memory"):  # 9 stages + both consumers' buffers
-        runs["down"](GemmConfig(64, 128, 64, 1, 8, 9, "ws"))
     with pytest.raises(ValueError, match="needs 262144 bytes of shared memory"):  # 7 stages + the BF16 tile buffer
         runs["down"](GemmConfig(128, 128, 64, 1, 8, 7, "ws"))
     with pytest.raises(ValueError, match="dividing C 128"):  # down's C is H = 128
@@ -103,6 +102,15 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
         runs["dgrad"](GemmConfig(128, 128, 32, 1, 8, 4, "ws"))
     with pytest.raises(ValueError, match="needs 245760 bytes of shared memory"):  # 6 stages + gu and h buffers
         runs["up"](GemmConfig(128, 128, 64, 1, 8, 6, "ws"))
+    with pytest.raises(ValueError, match="an epilogue warpgroup \\(12 warps\\) is dgrad's only"):
+        runs["up"](GemmConfig(128, 128, 64, 1, 12, 4, "ws"))
+    with pytest.raises(ValueError, match=r"down: .* 128 with 8; got BLOCK_M 128, 12 warps"):
+        runs["down"](GemmConfig(128, 128, 64, 1, 12, 4, "ws"))
+    with pytest.raises(ValueError, match=r"dgrad: .* or 128 with 12 .*; got BLOCK_M 64, 12 warps"):
+        runs["dgrad"](GemmConfig(64, 128, 64, 1, 12, 4, "ws"))
+    # 5 stages + the hand-off buffer + the epilogue warpgroup's dscore scratch
+    with pytest.raises(ValueError, match="needs 237568 bytes of shared memory"):
+        runs["dgrad"](GemmConfig(128, 128, 64, 1, 12, 5, "ws"))
     x_odd_rows = torch.zeros((inp["x"].shape[0], inp["x"].shape[1] + 1), dtype=inp["x"].dtype, device=device)
     x_odd_rows = x_odd_rows[:, :-1].copy_(inp["x"])  # rows 2 * 129 bytes apart: cp.async needs 16-byte alignment
     with pytest.raises(ValueError, match="activation row-major"):
@@ -115,8 +123,6 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
     # The weight gradients' own limits.
     with pytest.raises(ValueError, match="wgrad: variant 'ws' gives each consumer warpgroup .* 64 rows"):
         runs["wgrad_w1"](GemmConfig(128, 128, 64, 1, 4, 4, "ws"))
-    with pytest.raises(ValueError, match=r"wgrad: .* 128 with 8; got BLOCK_M 64, 8 warps"):  # no alternating wgrad
-        runs["wgrad_w2"](GemmConfig(64, 128, 64, 1, 8, 4, "ws"))
     with pytest.raises(ValueError, match="needs 262144 bytes of shared memory"):  # 7 stages + the BF16 tile buffer
         runs["wgrad_w2_acc"](GemmConfig(128, 128, 64, 1, 8, 7, "ws"))
     with pytest.raises(ValueError, match="dividing C 128"):  # dW2's C is H = 128
@@ -195,49 +201,42 @@ from tools.gemm_sass import gluon_desc_type, gluon_sm90_report
 from detkit.kernels.det_gemm_ws import consumers, max_regs
 from detkit.kernels.det_gemm import GemmConfig
 from detkit.kernels.moe_ws import (
-    alternating, consumer_rows, gather_store_bytes, moe_ws_gather_kernel, moe_ws_kernel, moe_ws_wgrad_kernel,
+    epilogue_warpgroup, gather_store_bytes, mma_warpgroups, moe_ws_gather_kernel, moe_ws_kernel, moe_ws_wgrad_kernel,
 )
 out = {}
 box = lambda rows, cols, dt=gl.bfloat16: gluon_desc_type(rows, cols, dt)
-# BLOCK_M 64 with 8 warps: two consumers taking turns at tiles ("alt" in the name).
 for bm, bn, bk, warps, stages, k_major, c_dt in [
         (128, 128, 64, 8, 4, False, gl.bfloat16), (128, 128, 64, 8, 5, True, gl.bfloat16),
         (64, 128, 64, 4, 6, False, gl.bfloat16), (128, 256, 64, 8, 3, False, gl.bfloat16),
-        (128, 256, 32, 8, 6, True, gl.bfloat16), (128, 128, 64, 8, 4, False, gl.float32),
-        (64, 256, 64, 8, 4, False, gl.bfloat16), (64, 128, 64, 8, 6, True, gl.bfloat16)]:
-    cfg = GemmConfig(bm, bn, bk, 1, warps, stages, "ws")
-    rows = consumer_rows(cfg)
+        (128, 256, 32, 8, 6, True, gl.bfloat16), (128, 128, 64, 8, 4, False, gl.float32)]:
     types = {"a_desc": box(bm, bk), "b_desc": box(bn, bk) if k_major else box(bk, bn),
-             "c_desc": box(rows, bn, c_dt), "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "B_K_MAJOR": k_major, "CONSUMERS": consumers(warps),
-              "ALTERNATE": alternating(cfg)}
+             "c_desc": box(bm // consumers(warps), bn, c_dt), "route_ptr": "*i32", "tile_expert_ptr": "*i32",
+             "gate_ptr": "*i32"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "B_K_MAJOR": k_major, "CONSUMERS": consumers(warps)}
     r = gluon_sm90_report(moe_ws_kernel, types, consts, max_regs(warps))
-    # what the launcher checks
-    r["budget"] = stages * (bm + bn) * bk * 2 + consumers(warps) * rows * bn * (4 if c_dt == gl.float32 else 2)
-    alt = "_alt" if alternating(cfg) else ""
-    out[f"plain_{bm}x{bn}x{bk}_s{stages}{alt}_kmajor{int(k_major)}_{c_dt}"] = r
+    r["budget"] = stages * (bm + bn) * bk * 2 + bm * bn * (4 if c_dt == gl.float32 else 2)  # what the launcher checks
+    out[f"plain_{bm}x{bn}x{bk}_s{stages}_kmajor{int(k_major)}_{c_dt}"] = r
 for epi, bm, bn, bk, warps, stages, k_major, dscore, gather in [
         (2, 128, 128, 64, 8, 4, True, True, True), (2, 128, 128, 64, 8, 4, True, False, True),
         (2, 64, 128, 64, 4, 6, False, True, True), (2, 128, 64, 64, 8, 6, True, True, True),
         (2, 128, 128, 64, 8, 4, True, True, False), (2, 64, 128, 64, 4, 6, False, True, False),
-        (2, 64, 128, 64, 8, 5, True, True, False), (2, 64, 128, 64, 8, 5, True, True, True),
         (1, 128, 128, 64, 8, 4, False, False, True), (1, 128, 128, 64, 8, 5, True, False, True),
         (1, 128, 256, 64, 8, 2, False, False, True), (1, 128, 128, 64, 8, 4, False, False, False),
-        (1, 64, 128, 64, 8, 6, False, False, True)]:
+        (2, 128, 128, 64, 12, 4, True, True, False), (2, 128, 128, 64, 12, 4, True, True, True),
+        (2, 128, 64, 64, 12, 6, False, False, False)]:
     cfg = GemmConfig(bm, bn, bk, 1, warps, stages, "ws")
-    rows = consumer_rows(cfg)
+    rows = bm // mma_warpgroups(cfg)
     out_box = box(rows, bn, gl.int32 if epi == 2 else gl.bfloat16)
     types = {"a_ptr": "*bf16", "a_desc": box(bm, bk), "b_desc": box(bn, bk) if k_major else box(bk, bn), "out_desc": out_box,
              "h_desc": box(rows, bn // 2) if epi == 1 else out_box, "gather_ptr": "*i32",
              "route_ptr": "*i32", "score_ptr": "*fp32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32",
-             "h_ptr": "*bf16", "ds_ptr": "*fp32"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": stages, "SEGMENT": 128, "CONSUMERS": consumers(warps),
-              "B_K_MAJOR": k_major, "EPILOGUE": epi, "DSCORE": dscore, "DS_CHUNK": 64, "GATHER_A": gather,
-              "ALTERNATE": alternating(cfg)}
+             "h_ptr": "*bf16", "ds_ptr": "*fp32", "gu_ptr": "*i32"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": stages, "SEGMENT": 128,
+              "CONSUMERS": mma_warpgroups(cfg), "B_K_MAJOR": k_major, "EPILOGUE": epi, "DSCORE": dscore, "DS_CHUNK": 64,
+              "GATHER_A": gather, "EPI_WARPGROUP": epilogue_warpgroup(cfg)}
     r = gluon_sm90_report(moe_ws_gather_kernel, types, consts, max_regs(warps))
     r["budget"] = stages * (bm + bn) * bk * 2 + gather_store_bytes(cfg, epi, dscore)  # what the launcher checks
-    alt = "_alt" if alternating(cfg) else ""
-    out[f"{'dgrad' if epi == 2 else 'up'}_{bm}x{bn}x{bk}_s{stages}{alt}_kmajor{int(k_major)}_ds{int(dscore)}_gather{int(gather)}"] = r
+    out[f"{'dgrad' if epi == 2 else 'up'}_{bm}x{bn}x{bk}_s{stages}_w{warps}_kmajor{int(k_major)}_ds{int(dscore)}_gather{int(gather)}"] = r
 for bm, bn, bk, warps, stages, gather, acc in [(128, 128, 64, 8, 4, True, False), (128, 128, 64, 8, 4, False, False),
                                                (128, 128, 64, 8, 4, True, True), (64, 128, 64, 4, 6, False, True),
                                                (128, 256, 64, 8, 3, True, False)]:
@@ -255,7 +254,7 @@ print(json.dumps(out))
 
 def test_ws_kernel_compiles_for_sm90_offline(tmp_path):
     report = compile_sm90_offline(_COMPILE, tmp_path)
-    assert len(report) == 26, report
+    assert len(report) == 24, report
     for name, r in report.items():
         # BF16 wgmma fed by TMA, the tile out by TMA store (main_grad: pointer adds), setmaxnreg (the roles' register
         # split), no spills, one MMA left in flight behind the newest, and no "wgmma.mma_async instructions are
