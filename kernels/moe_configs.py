@@ -19,7 +19,7 @@ from detkit.kernels.moe_routing import SEGMENT_ALIGN
 # ---------------------------------------------------------------------------------------------
 # BF16
 # ---------------------------------------------------------------------------------------------
-MOE_CONFIG_TABLE_VERSION = "2026-12-01.7"
+MOE_CONFIG_TABLE_VERSION = "2026-12-02.1"
 STAGES = ("up", "down", "dgrad", "dx", "wgrad", "combine", "dscore")
 
 MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
@@ -31,7 +31,9 @@ MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         # while the next tile's MMAs do. down's 128x256 tile halves the A reloads per output column; 3 stages fit
         # beside its 64 KiB BF16 store buffer (208 KiB).
         "down": GemmConfig(128, 256, 64, 1, 8, 3, "ws"),
-        "dgrad": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),  # BLOCK_N columns of dh (2x of dgu)
+        # dgrad: BLOCK_N columns of dh (2x of dgu); 12 warps: its epilogue (dSwiGLU, the dscore partials) on a warpgroup
+        # of its own, so it overlaps the next tile's MMAs.
+        "dgrad": GemmConfig(128, 128, 64, 1, 12, 4, "ws"),
         # dX keeps the 128x128 tile with 4 stages: down's 128x256 tile is slower there on the H200.
         "dx": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),
         # wgrad (BLOCK_K = routed rows per reduction step): the Gluon kernel on a 128x256 tile, 3 stages + the

@@ -575,6 +575,10 @@ def test_table_ws_pick_falls_back_to_the_same_tile_when_the_ws_kernel_cannot_add
     assert km.table_moe_config("down", "cuda_sm90", sliced) == replace(table, variant="tma")
     odd = w[:, :, ::2]  # no unit-stride dim: TMA cannot describe it at all
     assert km.table_moe_config("down", "cuda_sm90", odd) == replace(table, variant="ptr")
+    # dgrad's 12-warp tile (an epilogue warpgroup beside two MMA ones) falls back on the Triton tile of 8 warps.
+    dgrad = km.select_moe_config("dgrad", "cuda_sm90")
+    assert (dgrad.variant, dgrad.num_warps) == ("ws", 12)
+    assert km.table_moe_config("dgrad", "cuda_sm90", sliced) == replace(dgrad, variant="tma", num_warps=8)
 
 
 @pytest.mark.gpu
