@@ -22,7 +22,10 @@ cp.async-fed dgrad at 52-58% SM throughput against 87% for dX, whose A comes by 
 kernel's, operation for operation: SwiGLU (gu, then h from the BF16 gu); dSwiGLU with DSCORE, the dscore partials from
 the unscaled accumulator and the saved h in fixed 64-column chunks, dh = s * acc, dg and du from the saved gu (its tile
 loaded by TMA into the dgu store buffer while the MMAs run) in kernels/swiglu.py's order, dgu rounded once to BF16 and
-stored by TMA (as int32 (g, u) pairs) while the next tile's MMAs run.
+stored by TMA (as int32 (g, u) pairs) while the next tile's MMAs run. That epilogue is heavy enough that dgrad's pinned
+tile runs it on a warpgroup of its own (EPI_WARPGROUP, 12 warps): the two MMA warpgroups hand their FP32 accumulators
+over through the store buffer and go on to the next tile's MMAs while it runs (the same operations and layouts, so the
+same bits).
 
 ``moe_ws_wgrad_kernel`` is the weight gradient dW[e] = A[rows of e]^T B[rows of e] (dW1: x[gather] and dgu, dW2: h and
 dy), moe_wgrad_kernel's math: per dW tile, the expert's rows in ascending BLOCK_K steps, one wgmma chain into FP32
