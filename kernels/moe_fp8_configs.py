@@ -16,7 +16,7 @@ from detkit.kernels.moe_configs import pinned_stage_config
 # values). dgrad: BLOCK_N = QBLOCK / 2 or QBLOCK columns of dh, so a tile's dgu (2 * BLOCK_N) is one or two 1x128
 # blocks per row.
 # ---------------------------------------------------------------------------------------------
-MOE_FP8_CONFIG_TABLE_VERSION = "2026-12-02.1"
+MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.14"
 FP8_STAGES = ("up", "down", "dgrad", "dx")
 
 MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
@@ -28,11 +28,9 @@ MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         "up": GemmConfig(128, 128, 128, 1, 8, 4, "ws"),
         # down and dX: 128x128 with two consumer warpgroups; 5 stages of 32 KiB fit beside the BF16 store buffer.
         "down": GemmConfig(128, 128, 128, 1, 8, 5, "ws"),
-        # dgrad + dSwiGLU + 1x128 quantization: 12 warps, its epilogue on a warpgroup of its own beside the two MMA
-        # warpgroups (they hand it their accumulators through the dgu buffer), so it overlaps the next tile's K
-        # blocks; 64 columns of dh (one dgu scale block per row: at 128 the MMA warpgroups' registers spill), 6 stages
-        # beside the 48 KiB of dgu and dgu_q buffers.
-        "dgrad": GemmConfig(128, QBLOCK // 2, 128, 1, 12, 6, "ws"),
+        # dgrad + dSwiGLU + 1x128 quantization: 128 columns of dh (two dgu scale blocks per row, half the A reloads
+        # of 64); dgu and dgu_q leave through shared memory and TMA stores (96 KiB of buffers), so 4 stages.
+        "dgrad": GemmConfig(128, QBLOCK, 128, 1, 8, 4, "ws"),
         "dx": GemmConfig(128, 128, 128, 1, 8, 5, "ws"),
     },
     TRITON_INTERPRETER: {

@@ -25,8 +25,7 @@ WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 5, "ws"), GemmConfig(64, 128, 128,
 GATHERED_WS_CONFIGS = {
     "up": [GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws")],
     "dgrad": [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(64, 64, 128, 1, 4, 8, "ws"),
-              GemmConfig(128, 128, 128, 1, 8, 4, "ws"),
-              GemmConfig(128, 64, 128, 1, 12, 6, "ws")],  # 12 warps: an epilogue warpgroup beside two MMA ones
+              GemmConfig(128, 128, 128, 1, 8, 4, "ws")],
 }
 WGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(128, 128, 128, 1, 8, 4, "ws"),
                     GemmConfig(128, 128, 128, 1, 8, 5, "ws")]
@@ -68,13 +67,8 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
     with pytest.raises(ValueError, match="64 rows"):
         runs["down"](GemmConfig(128, 128, 128, 1, 4, 4, "ws"))
     for stage in ("up", "dgrad"):  # BLOCK_M 64 with 8 warps: the kernel's ping-pong form, which is not launched
-        with pytest.raises(ValueError, match="BLOCK_M 64 with 4 warps or 128 with 8 .*; got BLOCK_M 64, 8 warps"):
+        with pytest.raises(ValueError, match="BLOCK_M 64 with 4 warps or 128 with 8; got BLOCK_M 64, 8 warps"):
             gathered[stage](GemmConfig(64, 128, 128, 1, 8, 5, "ws"))
-    # 12 warps (an epilogue warpgroup beside two MMA ones): dgrad's, at BLOCK_N 64 only.
-    with pytest.raises(ValueError, match="got BLOCK_M 128, 12 warps"):
-        gathered["up"](GemmConfig(128, 128, 128, 1, 12, 4, "ws"))
-    with pytest.raises(ValueError, match="an epilogue warpgroup \\(12 warps\\) is dgrad's with BLOCK_N 64 only"):
-        gathered["dgrad"](GemmConfig(128, 128, 128, 1, 12, 4, "ws"))
     with pytest.raises(ValueError, match="one 128-K scale block per ring slot"):
         runs["down"](replace(ws, block_k=64))
 
@@ -159,8 +153,7 @@ wgrad = [(moe_fp8_wgrad_ws_kernel, f"wgrad_{bm}x{bn}_acc{int(acc)}", bm, bn, war
            "counts_ptr": "*i32", "gate_ptr": "*i32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "KB_GROUP": 3, "ACCUMULATE": acc, "CONSUMERS": consumers(warps),
            "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 128, 8, 5, False), (128, 128, 8, 5, True)]]
-mma_groups = lambda warps: 2 if warps == 12 else consumers(warps)  # 12 warps: 2 MMA warpgroups + an epilogue one
-part = lambda bm, warps: bm // mma_groups(warps)  # a consumer's rows per tile
+part = lambda bm, warps: bm // consumers(warps)  # a consumer's rows per tile
 # PINGPONG: the launcher leaves it at its default, False (a constexpr; unset here it would be a runtime argument).
 up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}_w{warps}", bm, bn, warps,
        {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(part(bm, warps), bn, gl.bfloat16),
@@ -176,10 +169,10 @@ dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}_w{warps}" + "_ds" * ds, bm
            "h_desc": box(part(bm, warps), bn, gl.int16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
            "gu_ptr": "*i32", "qs_ptr": "*fp32", "h_ptr": "*bf16", "ds_ptr": "*fp32"},
-          {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": mma_groups(warps),
-           "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds, "PINGPONG": False, "EPI_WARPGROUP": warps == 12})
+          {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
+           "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds, "PINGPONG": False})
          for bm, bn, warps, stages, ds in [(128, 64, 8, 6, False), (64, 64, 4, 8, False), (128, 128, 8, 4, False),
-                                           (128, 128, 8, 4, True), (64, 64, 4, 8, True), (128, 64, 12, 6, True)]]
+                                           (128, 128, 8, 4, True), (64, 64, 4, 8, True)]]
 for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
     out[name] = gluon_sm90_report(fn, ptrs, consts, max_regs(warps))
 print(json.dumps(out))
