@@ -38,16 +38,24 @@ def _ws_addresses(config: GemmConfig, b: torch.Tensor) -> bool:
     return ws_weight_rows(b) is not None and b.shape[1] % config.block_k == 0 and b.shape[2] % config.block_n == 0
 
 
+def triton_tile(config: GemmConfig) -> GemmConfig:
+    """The Triton tile of a "ws" config (the same tile, so the same bits): the TMA kernel on at most 8 warps, the
+    MMA warpgroups of a 12-warp tile (whose 4 extra warps run its epilogue). Other configs are their own."""
+    if config.variant != "ws":
+        return config
+    return replace(config, variant="tma", num_warps=min(config.num_warps, 8))
+
+
 def table_moe_config(stage: str, backend: str, b: torch.Tensor, split: str | None = None) -> GemmConfig:
     """The table's pick for a grouped ``stage``; when the pick's kernel cannot address the weight view ``b``, the
-    same tile one load path down: "ws" -> "tma" (see _ws_addresses; a 12-warp ws tile, whose 4 extra warps run the
-    epilogue, on 8 warps: two 64-row warpgroups, as its MMA warpgroups), "tma" -> "ptr" (TMA cannot address it). The
+    same tile one load path down: "ws" -> its ``triton_tile`` (see _ws_addresses), "tma" -> "ptr" (TMA cannot
+    address it). The
     variant changes the load path only (same K order per output, same epilogue, so the same bits): an explicit
     config is never swapped. ``split`` ("c" or "l"): b's C or L dim holds gate/up pairs as split halves, which the
     "ws" kernels do not read and "tma" reads along C only (``_split_variant_reason``)."""
     config = select_moe_config(stage, backend)
     if config.variant == "ws" and (split is not None or not _ws_addresses(config, b)):
-        config = replace(config, variant="tma", num_warps=min(config.num_warps, 8))
+        config = triton_tile(config)
     if config.variant == "tma" and (weight_storage(b) is None or split == "l"):
         config = replace(config, variant="ptr")
     return config

@@ -309,8 +309,8 @@ def _handoff_consumer(a_ring, b_ring, ready, free, acc_smem, acc_ready, acc_free
     count = 0
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M,
-                                                 BLOCK_N, B_K_MAJOR, 2, PART, FENCE)
+        acc, count, _, _, _ = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M, BLOCK_N,
+                                        B_K_MAJOR, 2, PART, FENCE)
         # A fresh barrier counts as having completed the phase before phase 0: the first tile waits on nothing.
         mbarrier.wait(acc_free.index(PART), (it & 1) ^ 1)
         part.store(acc)
@@ -722,8 +722,9 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
 
 def gather_store_bytes(config, epilogue: int, dscore: bool) -> int:
     """Shared memory of the gathered kernel besides its ring: up, the gu and h tiles' store buffers (BF16); dgrad, the
-    dgu tile's (int32 pairs) and, with the dscore partials, each consumer's layout-conversion scratch for the chunk
-    sums (8 KiB: the offline sm_90 compile's shared size at BLOCK_N 64 and 128, tests/test_moe_ws.py)."""
+    dgu tile's (int32 pairs) and, with the dscore partials, the layout-conversion scratch for the chunk sums of each
+    warpgroup running the epilogue (8 KiB: the offline sm_90 compile's shared size at BLOCK_N 64 and 128,
+    tests/test_moe_ws.py)."""
     if epilogue == EPI_SWIGLU:
         return config.block_m * config.block_n * 3
     dscore_groups = 1 if epilogue_warpgroup(config) else consumers(config.num_warps)
@@ -784,7 +785,8 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
         SEGMENT=SEGMENT_ALIGN, CONSUMERS=mma_warpgroups(config), B_K_MAJOR=k_major, EPILOGUE=epilogue,
         DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK, GATHER_A=gather, EPI_WARPGROUP=epilogue_warpgroup(config),
-        num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
+        # num_warps: the default partition (a consumer warpgroup, or the epilogue warpgroup)
+        num_warps=4, maxnreg=max_regs(config.num_warps),
     )
 
 

@@ -430,10 +430,9 @@ from triton.compiler import ASTSource
 import detkit.kernels.moe_kernels as km
 from detkit.kernels.moe_common import DS_CHUNK
 from detkit.kernels.moe_configs import MOE_CONFIGS
-from dataclasses import replace
+from detkit.kernels.moe_launch import triton_tile
 target = GPUTarget("cuda", 90, 32)
-# The Triton tiles of the table's picks (a 12-warp ws pick falls back on the same tile with 8 warps).
-cfgs = {k: replace(v, num_warps=min(v.num_warps, 8)) for k, v in MOE_CONFIGS["cuda_sm90"].items()}
+cfgs = {k: triton_tile(v) for k, v in MOE_CONFIGS["cuda_sm90"].items()}  # the Triton tiles of the table's picks
 def build(fn, ptrs, consts, unit):
     consts = {**consts, **{n: 1 for n in unit}}
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
@@ -592,7 +591,7 @@ def test_tma_stage_runs_on_a_thread_without_a_cuda_context(device):
     inp = make_inputs(_case(t=16, seed=13), device)
     r = build_routing(inp["topk_ids"], inp["scores"], E)
     backend = "cuda_sm90"
-    tma = replace(km.select_moe_config("dgrad", backend), variant="tma", num_warps=8)  # the ws pick's Triton tile
+    tma = km.triton_tile(km.select_moe_config("dgrad", backend))
     gu, _ = moe_up_swiglu(inp["x"], inp["w1"], r, backend)
     want = km.moe_dgrad_dswiglu(inp["dout"], inp["w2"], gu, r, backend, config=tma)
     got, errors = [], []
