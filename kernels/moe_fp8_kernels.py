@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from detkit.kernels.fp8_quant import pow2_scale, quantize_row_blocks, quantize_rows, to_e4m3
+from detkit.kernels.fp8_quant import quantize_row_blocks, quantize_rows
 from detkit.kernels.moe_common import (
     DS_GROUP, colwise_quant_launch_name, fp8_grouped_launch_name, fp8_wgrad_launch_name,
 )
@@ -173,11 +173,8 @@ def moe_fp8_quant_colwise_kernel(
                     mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # [QBLOCK, BLOCK_N]
         if SCALE:  # dy = s * dout[token] in FP32 (one rounding), quantized directly
             v = v * tl.load(score_ptr + offs_p)[:, None]
-        # 128x1 blocks down the columns, quantized in the loaded layout (the max is exact: the same bits as the
-        # transposed rows' quantize_rows); only the E4M3 tile is transposed for the K-major store
-        scale, inv = pow2_scale(tl.max(tl.abs(v), axis=0))
-        q = to_e4m3(v * inv[None, :], INTERPRETED)
-        tl.store(q_ptr + offs_n[:, None] * stride_qn + offs_p[None, :] * stride_qp, tl.trans(q), mask=n_ok[:, None])
+        q, scale = quantize_rows(tl.trans(v), INTERPRETED)  # [BLOCK_N, QBLOCK]: 128x1 blocks down the columns
+        tl.store(q_ptr + offs_n[:, None] * stride_qn + offs_p[None, :] * stride_qp, q, mask=n_ok[:, None])
         tl.store(qs_ptr + offs_n * stride_sn_s + pid_p * stride_sp_s, scale, mask=n_ok)
 
 

@@ -127,7 +127,7 @@ FP8_WGRAD += [GemmConfig(*c, variant="ws") for c in [
 # The column-wise quantizer of wgrad="fp8" (kernels/moe_fp8.py QUANT_COLWISE_CONFIGS): 128 rows x block_n columns
 # per program (block_k, group_m, stages unused). Timed on a gathered operand (x) and a plain one (dgu).
 FP8_COLQ = [GemmConfig(128, n, 16, 1, w, 1) for n, w in [(64, 4), (64, 2), (128, 4), (128, 8), (256, 4), (256, 8),
-                                                         (32, 4), (32, 2), (128, 2)]]
+                                                         (32, 4)]]
 STAGE_KEY = {"up": "up", "down": "down", "dgrad": "dgrad", "dx": "dx", "wgrad_w1": "wgrad", "wgrad_w2": "wgrad",
              "fp8_up": "up", "fp8_down": "down", "fp8_dgrad": "dgrad", "fp8_dx": "dx",
              "fp8_wgrad_w1": "wgrad", "fp8_wgrad_w2": "wgrad", "fp8_colq_x": "colq", "fp8_colq_dgu": "colq"}
