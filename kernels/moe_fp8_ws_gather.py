@@ -263,38 +263,35 @@ def _dswiglu_epilogue_group(acc_smem, dgu_smem, acc_ready, acc_free, dgu_desc, q
                             gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles, num_n, C, stride_gm, stride_qsm,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DSCORE: gl.constexpr):
     """dgrad's epilogue warpgroup (EPI_WARPGROUP): for each tile, each MMA warpgroup's 64 rows in turn from the
-    hand-off buffer, 64 columns of dh at a time (one dgu scale block per row; the 128-register cap of a 16-warp CTA
-    holds one such chunk's operands, not a 128-column tile's): _dswiglu_tile's epilogue, the same operations (the
-    dscore sums' pairwise splits, the exact block max), so the same bits; dgu written over those rows and columns of
-    the buffer (``dgu_smem``: the same bytes as int32), dgu_q beside it, both TMA-stored per part, the scales by
-    pointer; the parts are handed back once the stores have read them."""
+    hand-off buffer, then _dswiglu_tile's epilogue (the same operations in the same layout, so the same bits; gu, h
+    and the scores loaded while the K blocks run): dgu written over those rows of the buffer (``dgu_smem``: the same
+    bytes as int32) and TMA-stored, dgu_q TMA-stored, the scales by pointer; the parts are handed back once the
+    stores have read them."""
     ROWS: gl.constexpr = BLOCK_M // 2
-    CHUNK: gl.constexpr = 64
-    chunk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                           instr_shape=[16, CHUNK, 32])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_n = (t % num_n) * BLOCK_N
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         for PART in gl.static_range(2):
             row = (t // num_n) * BLOCK_M + PART * ROWS
-            rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, chunk_layout))
+            rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
             score = gl.load(score_ptr + rows)
-            dgu_part = dgu_smem.slice(PART * ROWS, ROWS, dim=0)
-            q_part = q_smem.slice(PART * ROWS, ROWS, dim=0)
+            gu_pairs = gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :])
+            if DSCORE:
+                h = gl.load(h_ptr + rows[:, None] * C + cols[None, :])
             mbarrier.wait(acc_ready.index(PART), it & 1)
-            for c in gl.static_range(BLOCK_N // CHUNK):
-                col = off_n + c * CHUNK
-                cols = col + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_layout))
-                acc = acc_smem.slice(PART * ROWS, ROWS, dim=0).slice(c * CHUNK, CHUNK, dim=1).load(chunk_layout)
-                gl.thread_barrier()  # every thread has read these accumulator columns before dgu is written over them
-                if DSCORE:  # first, as _dswiglu_tile
-                    h = gl.load(h_ptr + rows[:, None] * C + cols[None, :])
-                    _dscore_partials(acc * h.to(gl.float32), ds_ptr, row, col, C)
-                g, u = bf16_pair_values(gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :]))
-                pair = _dswiglu_pairs(acc, score, g, u)
-                dgu_part.slice(c * CHUNK, CHUNK, dim=1).store(pair)
-                q_part.slice(c * CHUNK, CHUNK, dim=1).store(
-                    _quantize_pairs(pair, rows, col, qs_ptr, stride_qsm).to(q_desc.dtype))
+            acc = acc_smem.slice(PART * ROWS, ROWS, dim=0).load(acc_layout)
+            gl.thread_barrier()  # every thread has read the accumulator before dgu is written over it
+            if DSCORE:  # first, as _dswiglu_tile
+                _dscore_partials(acc * h.to(gl.float32), ds_ptr, row, off_n, C)
+            g, u = bf16_pair_values(gu_pairs)
+            pair = _dswiglu_pairs(acc, score, g, u)
+            dgu_part = dgu_smem.slice(PART * ROWS, ROWS, dim=0)
+            dgu_part.store(pair)
+            q_part = q_smem.slice(PART * ROWS, ROWS, dim=0)
+            q_part.store(_quantize_pairs(pair, rows, off_n, qs_ptr, stride_qsm).to(q_desc.dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(dgu_desc, [row, off_n], dgu_part)
             tma.async_copy_shared_to_global(q_desc, [row, off_n], q_part)
@@ -480,8 +477,7 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
 
 
 def epilogue_group_regs() -> int:
-    """The 12-warp dgrad's launch register cap, which its epilogue warpgroup (the default partition) keeps: the SM's 64K
-    registers over the CTA's 16 warps (a launch asks for cap x threads); the MMA warpgroups raise theirs to
-    FP8_HANDOFF_MMA_REGS from what the 4-warp gather producer gives back (GATHER_PRODUCER_REGS)."""
-    warps = 3 * CONSUMER_WARPS.value + GATHER_PRODUCER_WARPS.value
-    return min(255, 65536 // (warps * 32) // 8 * 8)
+    """The register cap of dgrad's epilogue warpgroup (the default partition of the 12-warp kernel): what the two MMA
+    warpgroups and the 4-warp gather producer leave of the SM's 64K registers (one CTA per SM)."""
+    used = 2 * 128 * FP8_HANDOFF_MMA_REGS.value + GATHER_PRODUCER_WARPS.value * 32 * GATHER_PRODUCER_REGS.value
+    return min(255, (65536 - used) // 128 // 8 * 8)
