@@ -16,7 +16,7 @@ from detkit.kernels.moe_configs import pinned_stage_config
 # values). dgrad: BLOCK_N = QBLOCK / 2 or QBLOCK columns of dh, so a tile's dgu (2 * BLOCK_N) is one or two 1x128
 # blocks per row.
 # ---------------------------------------------------------------------------------------------
-MOE_FP8_CONFIG_TABLE_VERSION = "2026-12-02.2"
+MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.14"
 FP8_STAGES = ("up", "down", "dgrad", "dx")
 
 MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
@@ -29,10 +29,8 @@ MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         # down and dX: 128x128 with two consumer warpgroups; 5 stages of 32 KiB fit beside the BF16 store buffer.
         "down": GemmConfig(128, 128, 128, 1, 8, 5, "ws"),
         # dgrad + dSwiGLU + 1x128 quantization: 128 columns of dh (two dgu scale blocks per row, half the A reloads
-        # of 64); 12 warps: the epilogue on a warpgroup of its own beside the two MMA warpgroups, which hand it their
-        # accumulators through the dgu buffer and retire each K block before the next (the registers it needs); dgu
-        # and dgu_q leave through shared memory and TMA stores (96 KiB of buffers), so 4 stages.
-        "dgrad": GemmConfig(128, QBLOCK, 128, 1, 12, 4, "ws"),
+        # of 64); dgu and dgu_q leave through shared memory and TMA stores (96 KiB of buffers), so 4 stages.
+        "dgrad": GemmConfig(128, QBLOCK, 128, 1, 8, 4, "ws"),
         "dx": GemmConfig(128, 128, 128, 1, 8, 5, "ws"),
     },
     TRITON_INTERPRETER: {

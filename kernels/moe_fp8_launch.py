@@ -104,13 +104,10 @@ def _check_ws_stage(stage: str, config: GemmConfig, gather: bool, epilogue: int)
         raise ValueError(f"{stage}: variant 'ws' covers down, dX, the up-projection with h quantized by the row-wise "
                          "pass (BLOCK_N 128), dgrad (BLOCK_N 64 or 128) and the FP8 weight gradient; use a 'ptr' or 'tma' "
                          "config for the fused up tile")
-    # Two warpgroups on 128-row tiles (64 rows each), or one on 64-row tiles; dgrad also takes 12 warps (two MMA
-    # warpgroups and an epilogue warpgroup on 128-row tiles).
-    epi_group = epilogue == EPI_FP8_DSWIGLU_QUANT and config.num_warps == 12
-    if config.block_m != (128 if epi_group else 64 * (config.num_warps // 4)):
+    # Two warpgroups on 128-row tiles (64 rows each), or one on 64-row tiles.
+    if config.block_m != 64 * (config.num_warps // 4):
         raise ValueError(f"{stage}: variant 'ws' gives each consumer warpgroup (4 warps) 64 rows: BLOCK_M 64 with 4 "
-                         f"warps or 128 with 8 (dgrad: or 128 with 12, an epilogue warpgroup beside two MMA ones); got "
-                         f"BLOCK_M {config.block_m}, {config.num_warps} warps")
+                         f"warps or 128 with 8; got BLOCK_M {config.block_m}, {config.num_warps} warps")
 
 
 def moe_fp8_up_swiglu(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,

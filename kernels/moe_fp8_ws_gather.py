@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from detkit.kernels.backend import ensure_cuda_context
 from detkit.kernels.det_gemm import device_sms
@@ -30,11 +30,6 @@ from detkit.kernels.moe_gluon_blocks import (
     GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, bf16_pair_bits, bf16_pair_values,
     check_ws_backend, gather_producer, live_tiles, nvmma_descriptor,
 )
-
-
-# dgrad with an epilogue warpgroup: the MMA warpgroups hold the accumulator and one K block's partial product (each
-# block retired before the next is issued, KB_GROUP 1); the epilogue warpgroup takes the rest of the register file.
-FP8_HANDOFF_MMA_REGS = gl.constexpr(152)
 
 
 @gluon.jit
@@ -191,28 +186,12 @@ def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q
         _dscore_partials(acc * gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32), ds_ptr, row,
                          off_n, C)
     g, u = bf16_pair_values(gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :]))
-    pair = _dswiglu_pairs(acc, gl.load(score_ptr + rows), g, u)
-    store_part(dgu_smem, dgu_desc, pair, row, off_n, BUF)
-    q = _quantize_pairs(pair, rows, off_n, qs_ptr, stride_qsm)
-    store_part(q_smem, q_desc, q, row, off_n, BUF)
-
-
-@gluon.jit
-def _dswiglu_pairs(acc, score, g, u):
-    """dgu as int32 (g, u) pairs: dh = s * acc, then dg and du in the operation order of kernels/swiglu.py (as
-    dswiglu_epilogue), each rounded once to BF16."""
     s = 1.0 / (1.0 + gl.exp(-g))
     silu = g * s
-    dh = acc * score[:, None]
-    return bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
-
-
-@gluon.jit
-def _quantize_pairs(pair, rows, off_n, qs_ptr, stride_qsm):
-    """dgu_q (e4m3 (g, u) pairs as int16) of the stored BF16 dgu pairs, quantized 1 x 128 (64 dh columns = 128 dgu
-    columns = one scale block per row), its scales stored by pointer."""
-    BLOCK_N: gl.constexpr = pair.type.shape[1]
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, pair.type.layout))
+    dh = acc * gl.load(score_ptr + rows)[:, None]
+    # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
+    pair = bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
+    store_part(dgu_smem, dgu_desc, pair, row, off_n, BUF)
     dg, du = bf16_pair_values(pair)  # the stored BF16 dgu, as the row-wise quantizer would read it
     mag = gl.maximum(gl.abs(dg), gl.abs(du))
     block = off_n // 64  # the scale block of the tile's first 64 dh columns
@@ -227,78 +206,8 @@ def _quantize_pairs(pair, rows, off_n, qs_ptr, stride_qsm):
         inv_cols = gl.where(first, inv0[:, None], inv1[:, None])
         gl.store(qs_ptr + rows * stride_qsm + block, scale0)
         gl.store(qs_ptr + rows * stride_qsm + block + 1, scale1)
-    return _e4m3_bits(dg * inv_cols) | (_e4m3_bits(du * inv_cols) << 8)
-
-
-@gluon.jit
-def _dswiglu_handoff_mma(a_ring, b_ring, ready, free, acc_smem, acc_ready, acc_free, as_ptr, bs_ptr, gather_ptr,
-                         route_ptr, tile_expert_ptr, num_tiles, num_n, L, stride_asm, stride_asl, stride_bse,
-                         stride_bsl, stride_bsc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr,
-                         KB_GROUP: gl.constexpr, PART: gl.constexpr):
-    """One MMA warpgroup of dgrad with an epilogue warpgroup of its own (EPI_WARPGROUP): its 64 rows of every tile's
-    FP32 accumulator (padding rows +0) into its part of the hand-off buffer, once the epilogue's stores of the
-    previous tile have read that part; then straight on to the next tile's K blocks. KB_GROUP 1 (the launcher's):
-    each K block's MMAs retired before the next block's are issued, so one block accumulator is live, not two; the
-    other warpgroup's MMAs run during this one's promotions."""
-    ROWS: gl.constexpr = BLOCK_M // 2
-    part = acc_smem.slice(PART * ROWS, ROWS, dim=0)
-    count = 0
-    i = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        _, blocks = _turn(t, i, route_ptr, num_n, L, BLOCK_M, a_ring.type.shape[2], False, PART)
-        acc, _, _, _, _, live = fp8_tile_acc(
-            t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
-            stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, 2,
-            PART, True)
-        # A fresh barrier counts as having completed the phase before phase 0: the first tile waits on nothing.
-        mbarrier.wait(acc_free.index(PART), (i & 1) ^ 1)
-        part.store(gl.where(live[:, None], acc, 0.0))
-        mbarrier.arrive(acc_ready.index(PART), count=1)
-        count += blocks
-        i += 1
-
-
-@gluon.jit
-def _dswiglu_epilogue_group(acc_smem, dgu_smem, acc_ready, acc_free, dgu_desc, q_smem, q_desc, route_ptr, score_ptr,
-                            gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles, num_n, C, stride_gm, stride_qsm,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DSCORE: gl.constexpr):
-    """dgrad's epilogue warpgroup (EPI_WARPGROUP): for each tile, each MMA warpgroup's 64 rows in turn from the
-    hand-off buffer, then _dswiglu_tile's epilogue (the same operations in the same layout, so the same bits; gu, h
-    and the scores loaded while the K blocks run): dgu written over those rows of the buffer (``dgu_smem``: the same
-    bytes as int32) and TMA-stored, dgu_q TMA-stored, the scales by pointer; the parts are handed back once the
-    stores have read them."""
-    ROWS: gl.constexpr = BLOCK_M // 2
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
-    it = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_n = (t % num_n) * BLOCK_N
-        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        for PART in gl.static_range(2):
-            row = (t // num_n) * BLOCK_M + PART * ROWS
-            rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-            score = gl.load(score_ptr + rows)
-            gu_pairs = gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :])
-            if DSCORE:
-                h = gl.load(h_ptr + rows[:, None] * C + cols[None, :])
-            mbarrier.wait(acc_ready.index(PART), it & 1)
-            acc = acc_smem.slice(PART * ROWS, ROWS, dim=0).load(acc_layout)
-            gl.thread_barrier()  # every thread has read the accumulator before dgu is written over it
-            if DSCORE:  # first, as _dswiglu_tile
-                _dscore_partials(acc * h.to(gl.float32), ds_ptr, row, off_n, C)
-            g, u = bf16_pair_values(gu_pairs)
-            pair = _dswiglu_pairs(acc, score, g, u)
-            dgu_part = dgu_smem.slice(PART * ROWS, ROWS, dim=0)
-            dgu_part.store(pair)
-            q_part = q_smem.slice(PART * ROWS, ROWS, dim=0)
-            q_part.store(_quantize_pairs(pair, rows, off_n, qs_ptr, stride_qsm).to(q_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dgu_desc, [row, off_n], dgu_part)
-            tma.async_copy_shared_to_global(q_desc, [row, off_n], q_part)
-        tma.store_wait(0)
-        for PART in gl.static_range(2):
-            mbarrier.arrive(acc_free.index(PART), count=1)
-        it += 1
+    q = _e4m3_bits(dg * inv_cols) | (_e4m3_bits(du * inv_cols) << 8)
+    store_part(q_smem, q_desc, q, row, off_n, BUF)
 
 
 @gluon.jit(launch_metadata=fp8_grouped_launch_name)
@@ -318,7 +227,6 @@ def moe_fp8_ws_gather_kernel(
     EPILOGUE: gl.constexpr,  # EPI_FP8_SWIGLU (3): up, h quantized by the row-wise pass; EPI_FP8_DSWIGLU_QUANT (2): dgrad
     DSCORE: gl.constexpr = False,  # dgrad: the dscore partials too
     PINGPONG: gl.constexpr = False,  # launched False (cooperative); True: warpgroups take whole tiles in turn (``_turn``)
-    EPI_WARPGROUP: gl.constexpr = False,  # dgrad: an epilogue warpgroup beside the 2 MMA ones (cooperative)
 ):
     QB: gl.constexpr = b_desc.block_type.shape[1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, QB], gl.float8e4nv)
@@ -364,31 +272,7 @@ def moe_fp8_ws_gather_kernel(
     else:
         dgu_smem = gl.allocate_shared_memory(gl.int32, [BUF_ROWS, BLOCK_N], gu_desc.layout)
         q_smem = gl.allocate_shared_memory(gl.int16, [BUF_ROWS, BLOCK_N], h_desc.layout)
-        if EPI_WARPGROUP:
-            acc_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            acc_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(2):
-                mbarrier.init(acc_ready.index(i), count=1)
-                mbarrier.init(acc_free.index(i), count=1)
-            # The hand-off buffer: the accumulator (FP32) in, dgu (int32 pairs, the same 32-bit swizzle) out.
-            acc_smem = dgu_smem._reinterpret(gl.float32, [BUF_ROWS, BLOCK_N], gu_desc.layout)
-            gl.warp_specialize([
-                (_dswiglu_epilogue_group, (acc_smem, dgu_smem, acc_ready, acc_free, gu_desc, q_smem, h_desc, route_ptr,
-                                           score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles, num_n, C, stride_gm,
-                                           stride_qsm, BLOCK_M, BLOCK_N, DSCORE)),
-                (_dswiglu_handoff_mma, (a_ring, b_ring, ready, free, acc_smem, acc_ready, acc_free, as_ptr, bs_ptr,
-                                        gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, L, stride_asm,
-                                        stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT,
-                                        KB_GROUP, 0)),
-                (_dswiglu_handoff_mma, (a_ring, b_ring, ready, free, acc_smem, acc_ready, acc_free, as_ptr, bs_ptr,
-                                        gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, L, stride_asm,
-                                        stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT,
-                                        KB_GROUP, 1)),
-                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
-            ], [CONSUMER_WARPS, CONSUMER_WARPS, GATHER_PRODUCER_WARPS],
-                [FP8_HANDOFF_MMA_REGS, FP8_HANDOFF_MMA_REGS, GATHER_PRODUCER_REGS])
-        elif CONSUMERS == 2:
+        if CONSUMERS == 2:
             gl.warp_specialize([
                 (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
                                      bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
@@ -435,12 +319,9 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
                          f"{QBLOCK_WS}")
     # Shared memory: the ring (one e4m3 A and B block per stage) and the epilogue's store buffers (up: gu and h
     # BF16; dgrad: dgu as int32 pairs and dgu_q as int16 pairs).
-    # 12 warps (dgrad): two MMA warpgroups and an epilogue warpgroup, the dgu buffer the accumulators' hand-off too.
-    epi_group = config.num_warps == 12  # dgrad's only (_check_ws_stage)
-    mma_groups = 2 if epi_group else consumers(config.num_warps)
     ring = config.num_stages * (config.block_m + config.block_n) * QBLOCK_WS
-    part_rows = config.block_m // mma_groups
-    store = mma_groups * part_rows * config.block_n * (3 if epilogue == EPI_FP8_SWIGLU else 6)
+    part_rows = config.block_m // consumers(config.num_warps)
+    store = consumers(config.num_warps) * part_rows * config.block_n * (3 if epilogue == EPI_FP8_SWIGLU else 6)
     check_shared_bytes(stage, config, ring, store, "the epilogue")
     if (not b.is_contiguous() or not all(t.is_contiguous() for t in outputs.values()) or a_q.stride(1) != 1
             or a_q.stride(0) % 16 or a_q.data_ptr() % 16):
@@ -470,14 +351,6 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         gu_bits.stride(0), q_s.stride(0),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
-        KB_GROUP=1 if epi_group else kb_group(reduced // QBLOCK_WS), CONSUMERS=mma_groups, EPILOGUE=epilogue,
-        DSCORE="ds_part" in outputs, EPI_WARPGROUP=epi_group, num_warps=4,
-        maxnreg=epilogue_group_regs() if epi_group else max_regs(config.num_warps),
+        KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps), EPILOGUE=epilogue,
+        DSCORE="ds_part" in outputs, num_warps=4, maxnreg=max_regs(config.num_warps),
     )
-
-
-def epilogue_group_regs() -> int:
-    """The register cap of dgrad's epilogue warpgroup (the default partition of the 12-warp kernel): what the two MMA
-    warpgroups and the 4-warp gather producer leave of the SM's 64K registers (one CTA per SM)."""
-    used = 2 * 128 * FP8_HANDOFF_MMA_REGS.value + GATHER_PRODUCER_WARPS.value * 32 * GATHER_PRODUCER_REGS.value
-    return min(255, (65536 - used) // 128 // 8 * 8)

@@ -25,9 +25,7 @@ WS_CONFIGS = [GemmConfig(128, 128, 128, 1, 8, 5, "ws"), GemmConfig(64, 128, 128,
 GATHERED_WS_CONFIGS = {
     "up": [GemmConfig(128, 128, 128, 1, 8, 4, "ws"), GemmConfig(64, 128, 128, 1, 4, 6, "ws")],
     "dgrad": [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(64, 64, 128, 1, 4, 8, "ws"),
-              GemmConfig(128, 128, 128, 1, 8, 4, "ws"),
-              # 12 warps: an epilogue warpgroup beside two MMA ones
-              GemmConfig(128, 128, 128, 1, 12, 4, "ws"), GemmConfig(128, 64, 128, 1, 12, 6, "ws")],
+              GemmConfig(128, 128, 128, 1, 8, 4, "ws")],
 }
 WGRAD_WS_CONFIGS = [GemmConfig(128, 64, 128, 1, 8, 6, "ws"), GemmConfig(128, 128, 128, 1, 8, 4, "ws"),
                     GemmConfig(128, 128, 128, 1, 8, 5, "ws")]
@@ -69,13 +67,8 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
     with pytest.raises(ValueError, match="64 rows"):
         runs["down"](GemmConfig(128, 128, 128, 1, 4, 4, "ws"))
     for stage in ("up", "dgrad"):  # BLOCK_M 64 with 8 warps: the kernel's ping-pong form, which is not launched
-        with pytest.raises(ValueError, match="BLOCK_M 64 with 4 warps or 128 with 8 .*; got BLOCK_M 64, 8 warps"):
+        with pytest.raises(ValueError, match="BLOCK_M 64 with 4 warps or 128 with 8; got BLOCK_M 64, 8 warps"):
             gathered[stage](GemmConfig(64, 128, 128, 1, 8, 5, "ws"))
-    # 12 warps (an epilogue warpgroup beside two MMA ones): dgrad's only, on 128-row tiles.
-    with pytest.raises(ValueError, match="got BLOCK_M 128, 12 warps"):
-        gathered["up"](GemmConfig(128, 128, 128, 1, 12, 4, "ws"))
-    with pytest.raises(ValueError, match="or 128 with 12, an epilogue warpgroup .*; got BLOCK_M 64, 12 warps"):
-        gathered["dgrad"](GemmConfig(64, 128, 128, 1, 12, 4, "ws"))
     with pytest.raises(ValueError, match="one 128-K scale block per ring slot"):
         runs["down"](replace(ws, block_k=64))
 
@@ -145,7 +138,7 @@ from triton.experimental.gluon import language as gl
 from tools.gemm_sass import gluon_desc_type, gluon_sm90_report
 from detkit.kernels.det_gemm_ws import consumers, max_regs
 from detkit.kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_kernel
-from detkit.kernels.moe_fp8_ws_gather import epilogue_group_regs, moe_fp8_ws_gather_kernel
+from detkit.kernels.moe_fp8_ws_gather import moe_fp8_ws_gather_kernel
 out = {}
 box = lambda rows, cols=128, dt=gl.float8e4nv: gluon_desc_type(rows, cols, dt)
 scale_box = lambda cols: f"tensordesc<fp32[1, {cols}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)!r}>"
@@ -160,8 +153,7 @@ wgrad = [(moe_fp8_wgrad_ws_kernel, f"wgrad_{bm}x{bn}_acc{int(acc)}", bm, bn, war
            "counts_ptr": "*i32", "gate_ptr": "*i32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "KB_GROUP": 3, "ACCUMULATE": acc, "CONSUMERS": consumers(warps),
            "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 128, 8, 5, False), (128, 128, 8, 5, True)]]
-mma_groups = lambda warps: 2 if warps == 12 else consumers(warps)  # 12 warps: 2 MMA warpgroups + an epilogue one
-part = lambda bm, warps: bm // mma_groups(warps)  # a consumer's rows per tile
+part = lambda bm, warps: bm // consumers(warps)  # a consumer's rows per tile
 # PINGPONG: the launcher leaves it at its default, False (a constexpr; unset here it would be a runtime argument).
 up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}_w{warps}", bm, bn, warps,
        {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(part(bm, warps), bn, gl.bfloat16),
@@ -177,14 +169,12 @@ dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}_w{warps}" + "_ds" * ds, bm
            "h_desc": box(part(bm, warps), bn, gl.int16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
            "gu_ptr": "*i32", "qs_ptr": "*fp32", "h_ptr": "*bf16", "ds_ptr": "*fp32"},
-          {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 1 if warps == 12 else 3,
-           "CONSUMERS": mma_groups(warps), "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds, "PINGPONG": False,
-           "EPI_WARPGROUP": warps == 12})
+          {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
+           "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds, "PINGPONG": False})
          for bm, bn, warps, stages, ds in [(128, 64, 8, 6, False), (64, 64, 4, 8, False), (128, 128, 8, 4, False),
-                                           (128, 128, 8, 4, True), (64, 64, 4, 8, True), (128, 128, 12, 4, True),
-                                           (128, 64, 12, 6, True)]]
+                                           (128, 128, 8, 4, True), (64, 64, 4, 8, True)]]
 for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
-    out[name] = gluon_sm90_report(fn, ptrs, consts, epilogue_group_regs() if warps == 12 else max_regs(warps))
+    out[name] = gluon_sm90_report(fn, ptrs, consts, max_regs(warps))
 print(json.dumps(out))
 '''
 
@@ -199,8 +189,6 @@ def test_ws_kernel_compiles_for_sm90_offline(tmp_path):
         assert (r["ldgsts"] > 0) == name.startswith(("up", "dgrad")), (name, r)
         # The grouped epilogues go out through shared memory and TMA stores (dgrad's dgu and dgu_q included).
         assert r["tma_store"] > 0 or name.startswith("wgrad"), (name, r)
-        # 12 warps (dgrad's epilogue warpgroup): each K block retired before the next is issued, so no wait leaves
-        # one group in flight; the other MMA warpgroup's blocks run during a promotion.
-        assert r["stack"] == 0 and (r["wait1"] == 0 if "_w12" in name else r["wait1"] > 0), (name, r)
+        assert r["stack"] == 0 and r["wait1"] > 0, (name, r)
         # ptxas -v reports no "wgmma.mma_async instructions are serialized" (C7512/C7514): the MMAs pipeline.
         assert not r["serialized"], (name, r)
