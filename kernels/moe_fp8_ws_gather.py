@@ -107,9 +107,8 @@ def _e4m3_pow2(amax):
 
 @gluon.jit
 def _e4m3_bits(x):
-    """detkit.kernels.fp8_quant.to_e4m3 on sm_90 (cvt.rn.satfinite: NaN kept, saturated to +-448), as uint8 bits in
-    int32."""
-    q = x.to(gl.float8e4nv)
+    """detkit.kernels.fp8_quant.to_e4m3 on sm_90 (saturate to +-448, NaN kept, cvt.rn.satfinite), as uint8 bits in int32."""
+    q = gl.where(x != x, x, gl.minimum(gl.maximum(x, -448.0), 448.0)).to(gl.float8e4nv)
     return q.to(gl.int8, bitcast=True).to(gl.int32) & 0xFF
 
 
