@@ -53,17 +53,24 @@ def profile(fn, calls: int, warmup: int) -> dict:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return summarize([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA], calls)
+
+
+def summarize(kernels: list[tuple[str, float, float]], calls: int) -> dict:
+    """(name, start µs, end µs) of every kernel of ``calls`` calls -> per name launches and µs per call (largest
+    first), the kernels' summed time per call (busy) and the first start to the last end per call (wall)."""
+    if not kernels or calls < 1:
+        raise ValueError(f"no kernels to summarize ({len(kernels)} kernels over {calls} calls)")
     per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        per_name[e.name][0] += 1
-        per_name[e.name][1] += e.time_range.end - e.time_range.start
-    start = min(e.time_range.start for e in kernels)
-    end = max(e.time_range.end for e in kernels)
-    busy = sum(v[1] for v in per_name.values()) / calls
+    for name, start, end in kernels:
+        per_name[name][0] += 1
+        per_name[name][1] += end - start
+    wall = max(k[2] for k in kernels) - min(k[1] for k in kernels)
     rows = sorted(({"kernel": k, "launches_per_call": v[0] / calls, "us_per_call": v[1] / calls}
                    for k, v in per_name.items()), key=lambda r: -r["us_per_call"])
-    return {"calls": calls, "busy_us_per_call": busy, "wall_us_per_call": (end - start) / calls, "kernels": rows}
+    return {"calls": calls, "busy_us_per_call": sum(v[1] for v in per_name.values()) / calls,
+            "wall_us_per_call": wall / calls, "kernels": rows}
 
 
 def main(argv=None) -> int:

@@ -12,6 +12,8 @@ layer up (compiles, caches) outside the range and makes one call inside it. The 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import subprocess
 import sys
@@ -51,9 +53,6 @@ def run_once(preset: str, impl: str) -> None:
 
 def stalls(csv_text: str, top: int = 5) -> list[dict[str, float]]:
     """Per profiled kernel (in order), its ``top`` largest stall reasons: reason -> cycles per issued instruction."""
-    import csv
-    import io
-
     lines = [line for line in csv_text.splitlines() if line.startswith('"')]
     if len(lines) < 3:
         return []
