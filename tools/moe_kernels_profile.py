@@ -27,7 +27,7 @@ IMPLS = ("bf16", "fp8", "fp8_warm")
 
 def layer_call(impl: str, inp: dict):
     """The fwd+bwd callable of ``impl`` on ``inp`` (the bench's own)."""
-    from bench import moe_fp8
+    from detkit.bench import moe_fp8
     from detkit.kernels.moe import moe_mlp_bwd, moe_mlp_fwd
     from detkit.kernels.moe_fp8 import Fp8WeightCache
 
@@ -74,7 +74,7 @@ def summarize(kernels: list[tuple[str, float, float]], calls: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from bench.moe_common import make_inputs
+    from detkit.bench.moe_common import make_inputs
     from detkit.toolkit.presets import MOE_PRESETS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

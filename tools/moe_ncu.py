@@ -37,7 +37,7 @@ def run_once(preset: str, impl: str) -> None:
     """The profiled process: the layer's fwd+bwd warmed up, then once inside its NVTX range."""
     import torch
 
-    from bench.moe_common import make_inputs
+    from detkit.bench.moe_common import make_inputs
     from detkit.toolkit.nvtx_ranges import nvtx_range
     from detkit.toolkit.presets import MOE_PRESETS
     from tools.moe_kernels_profile import layer_call
