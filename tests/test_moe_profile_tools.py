@@ -33,6 +33,10 @@ def test_kernel_profile_refuses_unknown_presets_and_impls(tmp_path, capsys):
         with pytest.raises(SystemExit):
             kp.main([*argv, "--out", str(tmp_path)])
         assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # before any work, GPU or not
+        kp.main(["--preset", "tiny", "--impl", "bf16", "--calls", "0", "--out", str(tmp_path)])
+    assert "--calls must be >= 1 and --warmup >= 0; got 0 and 3" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
 
 
 # The shape of `ncu --csv --page raw` with stall columns (cycles per issued instruction).
@@ -55,4 +59,7 @@ def test_ncu_tool_needs_its_arguments_and_names_its_ranges(capsys):
     with pytest.raises(SystemExit):
         moe_ncu.main(["--preset", "reference"])
     assert "--out, --preset and --impl are required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        moe_ncu.main(["--preset", "nope", "--impl", "fp8", "--out", "x"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
     assert moe_ncu.range_name("reference", "fp8") == "moe ncu fp8 reference"

@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from tabulate import tabulate
+from detkit.toolkit.reports import markdown_table
 
 IMPLS = ("bf16", "fp8", "fp8_warm")
 
@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.calls < 1 or args.warmup < 0:
+        ap.error(f"--calls must be >= 1 and --warmup >= 0; got {args.calls} and {args.warmup}")
     if not torch.cuda.is_available():
         raise SystemExit("moe_kernels_profile: needs a CUDA device (it profiles GPU kernels); none is available")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -96,9 +98,7 @@ def main(argv=None) -> int:
             results.append(r)
             lines += [f"## {name} ({p.label}), {impl}: busy {r['busy_us_per_call']:.0f} µs, "
                       f"wall {r['wall_us_per_call']:.0f} µs per call", "",
-                      tabulate([[k["kernel"][:90], f"{k['launches_per_call']:g}", f"{k['us_per_call']:.1f}"]
-                                for k in r["kernels"]], headers=["kernel", "launches", "µs/call"],
-                               tablefmt="github"), ""]
+                      markdown_table(r["kernels"], ("kernel", "launches_per_call", "us_per_call")), ""]
     (args.out / "profile.json").write_text(json.dumps(results, indent=1))
     (args.out / "profile.md").write_text("\n".join(lines))
     print("\n".join(lines))

@@ -19,7 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.gemm_ncu import METRICS, find_ncu, parse_ncu_csv
+from detkit.toolkit.presets import MOE_PRESETS
+from detkit.toolkit.reports import markdown_table
+from tools.gemm_ncu import find_ncu, parse_ncu_csv
 
 IMPLS = ("bf16", "fp8")
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "ComputeWorkloadAnalysis",
@@ -39,7 +41,6 @@ def run_once(preset: str, impl: str) -> None:
 
     from detkit.bench.moe_common import make_inputs
     from detkit.toolkit.nvtx_ranges import nvtx_range
-    from detkit.toolkit.presets import MOE_PRESETS
     from tools.moe_kernels_profile import layer_call
 
     call = layer_call(impl, make_inputs(MOE_PRESETS[preset], torch.device("cuda"), seed=1234))
@@ -69,7 +70,7 @@ def stalls(csv_text: str, top: int = 5) -> list[dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.moe_ncu", description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", action="append", default=[])
+    ap.add_argument("--preset", action="append", default=[], choices=sorted(MOE_PRESETS))
     ap.add_argument("--impl", action="append", default=[], choices=IMPLS)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--ncu", help="the ncu binary (default: PATH, then /opt/nvidia/nsight-compute/*/ncu)")
@@ -81,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out or not args.preset or not args.impl:
         ap.error("--out, --preset and --impl are required")
-    from tabulate import tabulate
-
     ncu = find_ncu(args.ncu)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -103,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "ncu.json").write_text(json.dumps(rows, indent=1))
     cols = ("preset", "impl", "kernel", "duration_us", "sm_throughput_pct", "tensor_pipe_active_pct",
             "dram_throughput_pct", "l2_throughput_pct", "registers", "top_stalls", "error")
-    table = tabulate([[r.get(c) for c in cols] for r in rows], headers=list(cols), tablefmt="github",
-                     floatfmt=".4g", missingval="")
+    table = markdown_table(rows, cols)
     (args.out / "ncu.md").write_text(table + "\n")
     print(table)
     return 0 if all("error" not in r for r in rows) else 1
