@@ -177,13 +177,15 @@ def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q
     ROWS: gl.constexpr = BLOCK_M // PARTS
     gu_part = dgu_smem.slice(BUF * ROWS, ROWS, dim=0)
     q_part = q_smem.slice(BUF * ROWS, ROWS, dim=0)
+    H_TOO: gl.constexpr = DSCORE and PREFETCH == 2
     if PREFETCH:
         bar = epi[2].index(BUF)
         row0 = (t // num_n) * BLOCK_M + P0 * ROWS
-        tma.store_wait(0)  # the previous tile's dgu and dgu_q stores have read both parts
-        mbarrier.expect(bar, epi[0].block_type.nbytes + (epi[1].block_type.nbytes if DSCORE else 0))
+        # The previous tile's dgu store (the older of its two) has read gu's part; H_TOO: its dgu_q store has too.
+        tma.store_wait(0 if H_TOO else 1)
+        mbarrier.expect(bar, epi[0].block_type.nbytes + (epi[1].block_type.nbytes if H_TOO else 0))
         tma.async_copy_global_to_shared(epi[0], [row0, (t % num_n) * BLOCK_N], bar, gu_part)
-        if DSCORE:
+        if H_TOO:
             tma.async_copy_global_to_shared(epi[1], [row0, (t % num_n) * BLOCK_N], bar, q_part)
     _wait_turn(turn, i, PINGPONG, BUF)
     acc, _, off_m, off_n, rows, live = fp8_tile_acc(
@@ -198,7 +200,7 @@ def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q
     if PREFETCH:
         mbarrier.wait(epi[2].index(BUF), ((i // 2) if PINGPONG else i) & 1)  # this part's barrier completes once per tile it takes
     if DSCORE:  # first: the h tile and the products are dead before gu is loaded
-        if PREFETCH:
+        if H_TOO:
             h = q_part.load(acc.type.layout).to(gl.bfloat16, bitcast=True)
         else:
             h = gl.load(h_ptr + rows[:, None] * C + cols[None, :])
@@ -232,7 +234,10 @@ def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q
         gl.store(qs_ptr + rows * stride_qsm + block, scale0)
         gl.store(qs_ptr + rows * stride_qsm + block + 1, scale1)
     q = _e4m3_bits(dg * inv_cols) | (_e4m3_bits(du * inv_cols) << 8)
-    if PREFETCH:
+    if H_TOO:
+        _store_now(q_part, q_desc, q, row, off_n)
+    elif PREFETCH:  # the previous tile's dgu_q store has read this part (this tile's dgu store may still be reading)
+        tma.store_wait(1)
         _store_now(q_part, q_desc, q, row, off_n)
     else:
         store_part(q_smem, q_desc, q, row, off_n, BUF)
@@ -265,7 +270,7 @@ def moe_fp8_ws_gather_kernel(
     EPILOGUE: gl.constexpr,  # EPI_FP8_SWIGLU (3): up, h quantized by the row-wise pass; EPI_FP8_DSWIGLU_QUANT (2): dgrad
     DSCORE: gl.constexpr = False,  # dgrad: the dscore partials too
     PINGPONG: gl.constexpr = False,  # launched False (cooperative); True: warpgroups take whole tiles in turn (``_turn``)
-    PREFETCH: gl.constexpr = True,  # dgrad: gu and h by TMA during the K loop (``_dswiglu_tile``)
+    PREFETCH: gl.constexpr = 1,  # dgrad: 1 gu, 2 gu and h by TMA during the K loop, 0 neither (``_dswiglu_tile``)
 ):
     QB: gl.constexpr = b_desc.block_type.shape[1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, QB], gl.float8e4nv)
@@ -345,7 +350,7 @@ def moe_fp8_ws_gather_kernel(
 def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: torch.Tensor, a_s: torch.Tensor,
                          b: torch.Tensor, b_s: torch.Tensor, outputs: dict[str, torch.Tensor], gather: torch.Tensor,
                          route: torch.Tensor, tile_expert: torch.Tensor, gate: torch.Tensor, padded_rows: int,
-                         segment: int, backend: str, prefetch: bool = True) -> None:
+                         segment: int, backend: str, prefetch: int = 1) -> None:
     """A gathered-A grouped GEMM of a_q [T, L] rows and the K-major weight b [E, C, L] with its epilogue:
     EPI_FP8_SWIGLU, the up-projection (outputs gu [P, 2I], h [P, I] BF16; h quantized by the row-wise pass);
     EPI_FP8_DSWIGLU_QUANT, dgrad + dSwiGLU (outputs score, gu in; dgu, dgu_q, dgu_s out; with "h" and "ds_part"
