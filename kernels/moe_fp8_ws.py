@@ -42,8 +42,7 @@ QBLOCK_WS = 128  # the FP8 scale block along K: one ring slot holds one block of
 
 
 @gluon.jit
-def _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, a_row, b_row, k0, num_kb, scales=None,
-                 FENCE: gl.constexpr = False):
+def _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, a_row, b_row, k0, num_kb, scales=None):
     """TMA loads of K blocks [k0 + kb * 128, +128) for kb < num_kb, A rows from a_row, B rows from b_row, into the
     ring from slot ``count`` on; a slot is refilled once every consumer has released it. Returns the next count.
     ``scales`` (the weight gradient's, else None): (as_desc, bs_desc, as_ring, bs_ring), each block's scale rows
@@ -56,8 +55,6 @@ def _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, a_row, b_ro
         slot = count % STAGES
         # A fresh barrier counts as having completed the phase before phase 0: the first pass waits on nothing.
         mbarrier.wait(free.index(slot), ((count // STAGES) & 1) ^ 1)
-        if FENCE:  # the consumers' generic-proxy scale reads of this slot before this TMA write (SCALE_FENCE 1)
-            fence_async_shared()
         bar = ready.index(slot)
         mbarrier.expect(bar, nbytes)
         tma.async_copy_global_to_shared(a_desc, [a_row, k0 + kb * QB], bar, a_ring.index(slot))
@@ -109,8 +106,7 @@ def _smem_scale(scale_rings, count, PART: gl.constexpr, blk):
 
 
 @gluon.jit
-def _retire(blk, acc, scale, free, count, PENDING: gl.constexpr, PART: gl.constexpr = 0, scale_rings=None,
-            SCALE_FENCE: gl.constexpr = 0):
+def _retire(blk, acc, scale, free, count, PENDING: gl.constexpr, PART: gl.constexpr = 0, scale_rings=None):
     """Wait until PENDING MMA groups remain (ring slot ``count``'s is done), hand that slot back, promote:
     acc + blk * (a_s * b_s), the Triton kernel's operation order (the product of the scales is exact).
     ``scale_rings``: the scales are read from the slot's shared memory (``_smem_scale``) and used before the slot is
@@ -122,8 +118,7 @@ def _retire(blk, acc, scale, free, count, PENDING: gl.constexpr, PART: gl.conste
     if scale_rings is not None:
         scale = _smem_scale(scale_rings, count, PART, blk)
         acc = acc + blk * (scale[0] * scale[1])
-        if SCALE_FENCE == 0:
-            fence_async_shared()
+        fence_async_shared()
         mbarrier.arrive(free.index(count % STAGES), count=1)
     else:
         mbarrier.arrive(free.index(count % STAGES), count=1)
@@ -134,7 +129,7 @@ def _retire(blk, acc, scale, free, count, PENDING: gl.constexpr, PART: gl.conste
 @gluon.jit
 def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scales, stride_a, stride_b,
               KB_GROUP: gl.constexpr, TAIL: gl.constexpr, PART: gl.constexpr,
-              FENCE: gl.constexpr = False, scale_rings=None, SCALE_FENCE: gl.constexpr = 0):
+              FENCE: gl.constexpr = False, scale_rings=None):
     """acc + sum over K blocks kb < num_kb (ascending) of blk_kb * scale_kb, blk_kb the zero-initialised MMA chain of
     ring slot count + kb. Returns (acc, the next count).
 
@@ -157,10 +152,10 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
                          ROWS, FENCE)
             s_cur = _block_scale(a_scales, b_scales, g + i, stride_a, stride_b) if scale_rings is None \
                 else None
-            acc = _retire(prev, acc, s_prev, free, count + i - 1, 1, PART, scale_rings, SCALE_FENCE)[1]
+            acc = _retire(prev, acc, s_prev, free, count + i - 1, 1, PART, scale_rings)[1]
             prev = cur
             s_prev = s_cur
-        acc = _retire(prev, acc, s_prev, free, count + KB_GROUP - 1, 0, PART, scale_rings, SCALE_FENCE)[1]
+        acc = _retire(prev, acc, s_prev, free, count + KB_GROUP - 1, 0, PART, scale_rings)[1]
         count += KB_GROUP
     if TAIL:  # (its code costs registers: without it the 128x128 tile compiles without spills)
         for kb in range(full, num_kb):
@@ -168,7 +163,7 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
                          FENCE)
             scale = _block_scale(a_scales, b_scales, kb, stride_a, stride_b) if scale_rings is None \
                 else None
-            acc = _retire(blk, acc, scale, free, count, 0, PART, scale_rings, SCALE_FENCE)[1]
+            acc = _retire(blk, acc, scale, free, count, 0, PART, scale_rings)[1]
             count += 1
     return acc, count
 
@@ -285,7 +280,7 @@ def moe_fp8_ws_kernel(
 
 @gluon.jit
 def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr, num_tiles, num_r,
-                    num_c, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SCALE_FENCE: gl.constexpr):
+                    num_c, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The weight gradient's loads: the expert's 128-row blocks of A_q [R, P] and B_q [C, P] (P is the K dim) and
     each block's scale rows (``scales``: their descriptors and rings)."""
     QB: gl.constexpr = a_ring.type.shape[2]
@@ -293,14 +288,14 @@ def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
         count = _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, pid_r * BLOCK_M, pid_c * BLOCK_N,
-                             start, gl.cdiv(routed, QB), scales, SCALE_FENCE == 1)
+                             start, gl.cdiv(routed, QB), scales)
 
 
 @gluon.jit
 def _wgrad_consumer(a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
                     gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, KB_GROUP: gl.constexpr, ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr,
-                    PART: gl.constexpr, SCALE_FENCE: gl.constexpr):
+                    PART: gl.constexpr):
     """The weight gradient's consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of dW[e]'s
     tile, its scales read from the ring at each promotion; BF16 out by TMA store, or main_grad += it in FP32 (an
     expert without rows leaves main_grad untouched)."""
@@ -314,7 +309,7 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw
         expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
         acc, count = _k_blocks(a_ring, b_ring, ready, free, count, gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout),
                                gl.cdiv(routed, QB), None, None, 0, 0, KB_GROUP, True, PART,
-                               scale_rings=scale_rings, SCALE_FENCE=SCALE_FENCE)
+                               scale_rings=scale_rings)
         store_wgrad_part(c_smem, c_desc, dw_ptr, acc, expert, routed, refused, R, pid_r * BLOCK_M + PART * ROWS,
                          pid_c * BLOCK_N, stride_we, stride_wr, stride_wc, ACCUMULATE, PART)
     tma.store_wait(0)
@@ -331,8 +326,6 @@ def moe_fp8_wgrad_ws_kernel(
     stride_we, stride_wr, stride_wc,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KB_GROUP: gl.constexpr,
     ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr,
-    SCALE_FENCE: gl.constexpr = 0,  # the proxy fence between the scale reads and the slot's next TMA write: 0 the
-    # consumers' before handing the slot back, 1 the producer's after taking it, 2 none (timing only)
 ):
     a_ring, b_ring, ready, free, c_smem = _allocate(a_desc, b_desc, c_desc, gl.bfloat16, STAGES, CONSUMERS)
     # Each ring slot's scale rows beside its operand tiles (one TMA barrier for all four).
@@ -347,20 +340,20 @@ def moe_fp8_wgrad_ws_kernel(
         gl.warp_specialize([
             (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
                                counts_ptr, gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
-                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0, SCALE_FENCE)),
+                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
             (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
                                counts_ptr, gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
-                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 1, SCALE_FENCE)),
+                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 1)),
             (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr,
-                               num_tiles, num_r, num_c, BLOCK_M, BLOCK_N, SCALE_FENCE)),
+                               num_tiles, num_r, num_c, BLOCK_M, BLOCK_N)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
                                counts_ptr, gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
-                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0, SCALE_FENCE)),
+                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
             (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr,
-                               num_tiles, num_r, num_c, BLOCK_M, BLOCK_N, SCALE_FENCE)),
+                               num_tiles, num_r, num_c, BLOCK_M, BLOCK_N)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -418,7 +411,7 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
 
 def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
                         out: torch.Tensor, accumulate: bool, offsets: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor,
-                        num_experts: int, backend: str, scale_fence: int = 0) -> None:
+                        num_experts: int, backend: str) -> None:
     """dW[e] [R, C] (BF16 into ``out``, or ``out`` += it in FP32 when ``accumulate``) from the column-wise FP8
     operands a_q [R, P], b_q [C, P] (P > 0); refuses, naming the value, what this kernel does not cover, then a backend
     other than sm_90 (before any work)."""
@@ -456,6 +449,6 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
         r, c, num_experts,
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, KB_GROUP=3,
-        ACCUMULATE=accumulate, CONSUMERS=consumers(config.num_warps), SCALE_FENCE=scale_fence,
+        ACCUMULATE=accumulate, CONSUMERS=consumers(config.num_warps),
         num_warps=4, maxnreg=max_regs(config.num_warps),
     )

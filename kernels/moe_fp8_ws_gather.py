@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from detkit.kernels.backend import ensure_cuda_context
 from detkit.kernels.det_gemm import device_sms
@@ -135,12 +135,11 @@ def _dscore_partials(x, ds_ptr, row0, off_n, C):
 
 
 @gluon.jit
-def _dswiglu_consumer(a_ring, b_ring, ready, free, turn, dgu_smem, dgu_desc, q_smem, q_desc, epi, as_ptr, bs_ptr,
+def _dswiglu_consumer(a_ring, b_ring, ready, free, turn, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
                       gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
                       num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
-                      CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr,
-                      PREFETCH: gl.constexpr):
+                      CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr):
     """The dgrad's consumer warpgroup: dh = s * (dout_q[gather] @ W2q^T) over BLOCK_N = 64 or 128 columns of I,
     then moe_fp8_grouped_gemm_kernel's EPI_FP8_DSWIGLU_QUANT: (DSCORE) the dscore partials from the unscaled accumulator and the
     forward's h (``_dscore_partials``); dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
@@ -154,39 +153,25 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, turn, dgu_smem, dgu_desc, q_s
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         mine, blocks = _turn(t, i, route_ptr, num_n, L, BLOCK_M, a_ring.type.shape[2], PINGPONG, PART)
         if mine:
-            _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q_smem, q_desc, epi, as_ptr, bs_ptr,
+            _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
                           gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n,
                           C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
-                          BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS, DSCORE, PINGPONG, P0, PART, PREFETCH)
+                          BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS, DSCORE, PINGPONG, P0, PART)
         count += blocks
         i += 1
     tma.store_wait(0)
 
 
 @gluon.jit
-def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q_smem, q_desc, epi, as_ptr, bs_ptr,
+def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
                   gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n, C, L,
                   stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
                   PARTS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, P0: gl.constexpr,
-                  BUF: gl.constexpr, PREFETCH: gl.constexpr):
+                  BUF: gl.constexpr):
     """One dgrad tile of ``_dswiglu_consumer``: rows [P0 * BLOCK_M / PARTS, +BLOCK_M / PARTS) of tile t from ring slot
-    ``count`` on, its outputs through store-buffer part BUF. PREFETCH: the tile's gu (and h) rows arrive by TMA into
-    that part of the store buffers (dgu's and dgu_q's: the same shapes and byte widths) while the K loop runs, so the
-    epilogue reads them from shared memory; ``epi`` holds their descriptors and this part's barrier."""
+    ``count`` on, its outputs through store-buffer part BUF."""
     ROWS: gl.constexpr = BLOCK_M // PARTS
-    gu_part = dgu_smem.slice(BUF * ROWS, ROWS, dim=0)
-    q_part = q_smem.slice(BUF * ROWS, ROWS, dim=0)
-    H_TOO: gl.constexpr = DSCORE and PREFETCH == 2
-    if PREFETCH:
-        bar = epi[2].index(BUF)
-        row0 = (t // num_n) * BLOCK_M + P0 * ROWS
-        # The previous tile's dgu store (the older of its two) has read gu's part; H_TOO: its dgu_q store has too.
-        tma.store_wait(0 if H_TOO else 1)
-        mbarrier.expect(bar, epi[0].block_type.nbytes + (epi[1].block_type.nbytes if H_TOO else 0))
-        tma.async_copy_global_to_shared(epi[0], [row0, (t % num_n) * BLOCK_N], bar, gu_part)
-        if H_TOO:
-            tma.async_copy_global_to_shared(epi[1], [row0, (t % num_n) * BLOCK_N], bar, q_part)
     _wait_turn(turn, i, PINGPONG, BUF)
     acc, _, off_m, off_n, rows, live = fp8_tile_acc(
         t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
@@ -197,28 +182,16 @@ def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q
     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
     acc = gl.where(live[:, None], acc, 0.0)
     row = off_m + P0 * ROWS
-    if PREFETCH:
-        mbarrier.wait(epi[2].index(BUF), ((i // 2) if PINGPONG else i) & 1)  # this part's barrier completes once per tile it takes
     if DSCORE:  # first: the h tile and the products are dead before gu is loaded
-        if H_TOO:
-            h = q_part.load(acc.type.layout).to(gl.bfloat16, bitcast=True)
-        else:
-            h = gl.load(h_ptr + rows[:, None] * C + cols[None, :])
-        _dscore_partials(acc * h.to(gl.float32), ds_ptr, row, off_n, C)
-    if PREFETCH:
-        gu_bits = gu_part.load(acc.type.layout)
-    else:
-        gu_bits = gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :])
-    g, u = bf16_pair_values(gu_bits)
+        _dscore_partials(acc * gl.load(h_ptr + rows[:, None] * C + cols[None, :]).to(gl.float32), ds_ptr, row,
+                         off_n, C)
+    g, u = bf16_pair_values(gl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :]))
     s = 1.0 / (1.0 + gl.exp(-g))
     silu = g * s
     dh = acc * gl.load(score_ptr + rows)[:, None]
     # The operation order of kernels/swiglu.py (as dswiglu_epilogue).
     pair = bf16_pair_bits((dh * u) * (s + silu * (1.0 - s)), dh * silu)
-    if PREFETCH:  # every read of both parts is done (the tile start waited for their stores): no wait
-        _store_now(gu_part, dgu_desc, pair, row, off_n)
-    else:
-        store_part(dgu_smem, dgu_desc, pair, row, off_n, BUF)
+    store_part(dgu_smem, dgu_desc, pair, row, off_n, BUF)
     dg, du = bf16_pair_values(pair)  # the stored BF16 dgu, as the row-wise quantizer would read it
     mag = gl.maximum(gl.abs(dg), gl.abs(du))
     block = off_n // 64  # the scale block of the tile's first 64 dh columns
@@ -234,22 +207,7 @@ def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q
         gl.store(qs_ptr + rows * stride_qsm + block, scale0)
         gl.store(qs_ptr + rows * stride_qsm + block + 1, scale1)
     q = _e4m3_bits(dg * inv_cols) | (_e4m3_bits(du * inv_cols) << 8)
-    if H_TOO:
-        _store_now(q_part, q_desc, q, row, off_n)
-    elif PREFETCH:  # the previous tile's dgu_q store has read this part (this tile's dgu store may still be reading)
-        tma.store_wait(1)
-        _store_now(q_part, q_desc, q, row, off_n)
-    else:
-        store_part(q_smem, q_desc, q, row, off_n, BUF)
-
-
-@gluon.jit
-def _store_now(part, desc, x, row, col):
-    """x through ``part`` of a store buffer and a TMA store at [row, col], without waiting for earlier stores (the
-    caller has: PREFETCH's tile start)."""
-    part.store(x.to(desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(desc, [row, col], part)
+    store_part(q_smem, q_desc, q, row, off_n, BUF)
 
 
 @gluon.jit(launch_metadata=fp8_grouped_launch_name)
@@ -258,7 +216,6 @@ def moe_fp8_ws_gather_kernel(
     b_desc,  # TMA descriptor over the K-major weight as [E * C, L] (box [BLOCK_N, 128])
     gu_desc, h_desc,  # up: TMA descriptors over gu [P, 2I], h [P, I] BF16, boxes [BLOCK_M / CONSUMERS, BLOCK_N or /2];
     # dgrad: over dgu as int32 (g, u) pairs and dgu_q as int16 pairs, [P, I] each, box [BLOCK_M / CONSUMERS, BLOCK_N]
-    gu_in_desc, h_in_desc,  # dgrad with PREFETCH: over gu as int32 pairs and h as int16, the same boxes (up: unused)
     as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, gate_ptr,
     score_ptr, gu_ptr, qs_ptr,  # dgrad: scores, gu as int32 pairs, dgu_q's scales
     h_ptr, ds_ptr,  # dgrad with DSCORE: the forward's h [P, I] BF16 and the dscore partials [P, I / DS_GROUP] FP32
@@ -270,7 +227,6 @@ def moe_fp8_ws_gather_kernel(
     EPILOGUE: gl.constexpr,  # EPI_FP8_SWIGLU (3): up, h quantized by the row-wise pass; EPI_FP8_DSWIGLU_QUANT (2): dgrad
     DSCORE: gl.constexpr = False,  # dgrad: the dscore partials too
     PINGPONG: gl.constexpr = False,  # launched False (cooperative); True: warpgroups take whole tiles in turn (``_turn``)
-    PREFETCH: gl.constexpr = 1,  # dgrad: 1 gu, 2 gu and h by TMA during the K loop, 0 neither (``_dswiglu_tile``)
 ):
     QB: gl.constexpr = b_desc.block_type.shape[1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, QB], gl.float8e4nv)
@@ -316,32 +272,28 @@ def moe_fp8_ws_gather_kernel(
     else:
         dgu_smem = gl.allocate_shared_memory(gl.int32, [BUF_ROWS, BLOCK_N], gu_desc.layout)
         q_smem = gl.allocate_shared_memory(gl.int16, [BUF_ROWS, BLOCK_N], h_desc.layout)
-        epi_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # per part: its gu (and h) landed
-        for i in gl.static_range(2):
-            mbarrier.init(epi_bar.index(i), count=1)
-        epi = (gu_in_desc, h_in_desc, epi_bar)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, epi, as_ptr,
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
                                      bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
                                      ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
                                      stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-                                     DSCORE, PINGPONG, 0, PREFETCH)),
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, epi, as_ptr,
+                                     DSCORE, PINGPONG, 0)),
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
                                      bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
                                      ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
                                      stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-                                     DSCORE, PINGPONG, 1, PREFETCH)),
+                                     DSCORE, PINGPONG, 1)),
                 (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, epi, as_ptr,
+                (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
                                      bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
                                      ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
                                      stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-                                     DSCORE, PINGPONG, 0, PREFETCH)),
+                                     DSCORE, PINGPONG, 0)),
                 (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
                                    num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
@@ -350,7 +302,7 @@ def moe_fp8_ws_gather_kernel(
 def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: torch.Tensor, a_s: torch.Tensor,
                          b: torch.Tensor, b_s: torch.Tensor, outputs: dict[str, torch.Tensor], gather: torch.Tensor,
                          route: torch.Tensor, tile_expert: torch.Tensor, gate: torch.Tensor, padded_rows: int,
-                         segment: int, backend: str, prefetch: int = 1) -> None:
+                         segment: int, backend: str) -> None:
     """A gathered-A grouped GEMM of a_q [T, L] rows and the K-major weight b [E, C, L] with its epilogue:
     EPI_FP8_SWIGLU, the up-projection (outputs gu [P, 2I], h [P, I] BF16; h quantized by the row-wise pass);
     EPI_FP8_DSWIGLU_QUANT, dgrad + dSwiGLU (outputs score, gu in; dgu, dgu_q, dgu_s out; with "h" and "ds_part"
@@ -384,20 +336,15 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         descs = (nvmma_descriptor(gu, [part_rows, config.block_n], gl.bfloat16),
                  nvmma_descriptor(h, [part_rows, config.block_n // 2], gl.bfloat16))
         score = gu_bits = q_s = h_in = ds_part = a_s  # unused by this epilogue
-        prefetched = descs
     else:
         score, q_s, gu_bits = outputs["score"], outputs["dgu_s"], outputs["gu"].view(torch.int32)
         # The dscore partials need both h and ds_part; without them the kernel reads neither (placeholders).
         h_in, ds_part = (outputs["h"], outputs["ds_part"]) if "ds_part" in outputs else (q_s, q_s)
         descs = (nvmma_descriptor(outputs["dgu"].view(torch.int32), [part_rows, config.block_n], gl.int32),
                  nvmma_descriptor(outputs["dgu_q"].view(torch.int16), [part_rows, config.block_n], gl.int16))
-        # gu and h read into those buffers: the same boxes, element widths and layouts.
-        prefetched = (nvmma_descriptor(gu_bits, [part_rows, config.block_n], gl.int32),
-                      nvmma_descriptor(h_in.view(torch.int16), [part_rows, config.block_n], gl.int16)
-                      if "ds_part" in outputs else descs[1])
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
     moe_fp8_ws_gather_kernel[(min(tiles, device_sms(a_q.device)),)](
-        a_q, nvmma_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]), *descs, *prefetched,
+        a_q, nvmma_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]), *descs,
         a_s, b_s, gather, route, tile_expert, gate, score, gu_bits, q_s, h_in, ds_part,
         padded_rows, n_cols, reduced,
         a_q.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
@@ -405,5 +352,5 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
         KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps), EPILOGUE=epilogue,
-        DSCORE="ds_part" in outputs, PREFETCH=prefetch, num_warps=4, maxnreg=max_regs(config.num_warps),
+        DSCORE="ds_part" in outputs, num_warps=4, maxnreg=max_regs(config.num_warps),
     )

@@ -157,22 +157,20 @@ part = lambda bm, warps: bm // consumers(warps)  # a consumer's rows per tile
 # PINGPONG: the launcher leaves it at its default, False (a constexpr; unset here it would be a runtime argument).
 up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}_w{warps}", bm, bn, warps,
        {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(part(bm, warps), bn, gl.bfloat16),
-        "h_desc": box(part(bm, warps), bn // 2, gl.bfloat16), "gu_in_desc": box(part(bm, warps), bn, gl.bfloat16),
-        "h_in_desc": box(part(bm, warps), bn // 2, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
+        "h_desc": box(part(bm, warps), bn // 2, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
         "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
         "gu_ptr": "*i32",
         "qs_ptr": "*fp32"},
        {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-        "EPILOGUE": 3, "stride_asl": 1, "PINGPONG": False, "PREFETCH": 1})
+        "EPILOGUE": 3, "stride_asl": 1, "PINGPONG": False})
       for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6)]]
 dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}_w{warps}" + "_ds" * ds, bm, bn, warps,
           {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(part(bm, warps), bn, gl.int32),
-           "h_desc": box(part(bm, warps), bn, gl.int16), "gu_in_desc": box(part(bm, warps), bn, gl.int32),
-           "h_in_desc": box(part(bm, warps), bn, gl.int16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
+           "h_desc": box(part(bm, warps), bn, gl.int16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
            "gu_ptr": "*i32", "qs_ptr": "*fp32", "h_ptr": "*bf16", "ds_ptr": "*fp32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-           "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds, "PINGPONG": False, "PREFETCH": 1})
+           "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds, "PINGPONG": False})
          for bm, bn, warps, stages, ds in [(128, 64, 8, 6, False), (64, 64, 4, 8, False), (128, 128, 8, 4, False),
                                            (128, 128, 8, 4, True), (64, 64, 4, 8, True)]]
 for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
