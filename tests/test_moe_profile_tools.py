@@ -63,3 +63,17 @@ def test_ncu_tool_needs_its_arguments_and_names_its_ranges(capsys):
         moe_ncu.main(["--preset", "nope", "--impl", "fp8", "--out", "x"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
     assert moe_ncu.range_name("reference", "fp8") == "moe ncu fp8 reference"
+
+
+def test_kernel_profile_shape_option_builds_the_sweep_point_and_refuses_bad_ones(tmp_path, capsys):
+    p = kp.parse_shape("8192,3072,1536,128,2")
+    assert (p.t, p.h, p.i, p.e, p.k, p.name) == (8192, 3072, 1536, 128, 2, "T8192-H3072-I1536-E128-K2")
+    for bad, why in (("8192,3072,1536,128", "five positive integers"), ("8192,3072,0,8,2", "five positive integers"),
+                     ("64,128,128,2,4", "need at least K experts")):
+        with pytest.raises(SystemExit):
+            kp.main(["--shape", bad, "--impl", "bf16", "--out", str(tmp_path)])
+        assert why in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # neither a preset nor a shape
+        kp.main(["--impl", "bf16", "--out", str(tmp_path)])
+    assert "name at least one --preset or --shape" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -6,6 +6,9 @@ a caller runs it (the layer's own kernels and torch's: fills, copies), so the st
 call and the idle time between kernels seen.
 
     python -m tools.moe_kernels_profile --preset reference --impl bf16 --impl fp8 --out results/profile
+    python -m tools.moe_kernels_profile --shape 8192,3072,1536,128,2 --impl bf16 --impl fp8 --out results/profile
+
+``--shape T,H,I,E,K`` profiles a shape that is not a preset (a sweep point of ``detkit bench moe --sweep``).
 
 Per (preset, impl): ``--warmup`` calls, then ``--calls`` calls under torch.profiler (CUDA activity). Kernel time per
 call = the sum of the kernel's device durations / calls; busy = all kernels' sum / calls; wall = the profiled span
@@ -73,25 +76,41 @@ def summarize(kernels: list[tuple[str, float, float]], calls: int) -> dict:
             "wall_us_per_call": wall / calls, "kernels": rows}
 
 
+def parse_shape(text: str):
+    """``T,H,I,E,K`` -> a MoePreset named after it; refuses anything but five positive integers with K <= E."""
+    from detkit.toolkit.presets import MoePreset
+
+    parts = text.split(",")
+    if len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--shape takes T,H,I,E,K (five positive integers); got {text!r}")
+    t, h, i, e, k = (int(p) for p in parts)
+    if k > e:
+        raise argparse.ArgumentTypeError(f"--shape: K {k} routes per token need at least K experts; got E {e}")
+    return MoePreset(f"T{t}-H{h}-I{i}-E{e}-K{k}", t, h, i, e, k)
+
+
 def main(argv=None) -> int:
     from detkit.bench.moe_common import make_inputs
     from detkit.toolkit.presets import MOE_PRESETS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", action="append", choices=sorted(MOE_PRESETS), required=True)
+    ap.add_argument("--preset", action="append", choices=sorted(MOE_PRESETS), default=[])
+    ap.add_argument("--shape", action="append", type=parse_shape, default=[], metavar="T,H,I,E,K")
     ap.add_argument("--impl", action="append", choices=IMPLS, required=True)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    if not args.preset and not args.shape:
+        ap.error("name at least one --preset or --shape")
     if args.calls < 1 or args.warmup < 0:
         ap.error(f"--calls must be >= 1 and --warmup >= 0; got {args.calls} and {args.warmup}")
     if not torch.cuda.is_available():
         raise SystemExit("moe_kernels_profile: needs a CUDA device (it profiles GPU kernels); none is available")
     args.out.mkdir(parents=True, exist_ok=True)
     results, lines = [], []
-    for name in args.preset:
-        p = MOE_PRESETS[name]
+    for p in [MOE_PRESETS[name] for name in args.preset] + args.shape:
+        name = p.name
         inp = make_inputs(p, torch.device("cuda"), seed=1234)
         for impl in args.impl:
             r = {"preset": name, "impl": impl, **profile(layer_call(impl, inp), args.calls, args.warmup)}
