@@ -260,9 +260,11 @@ def quantize_weight(w: torch.Tensor, split_pairs: bool = False) -> Fp8Weight:
     q = torch.empty((e, r, c), dtype=FP8_DTYPE, device=w.device)
     q_t = torch.empty((e, c, r), dtype=FP8_DTYPE, device=w.device)
     s = torch.empty((e, r // QBLOCK, c // QBLOCK), dtype=torch.float32, device=w.device)
+    # One 128x128 block per program on 4 warps: a DRAM-bound pass, and more programs per SM keep more loads in
+    # flight than 8 warps do (docs/decisions.md).
     fp8_quant_weight_kernel[(e * (r // QBLOCK) * (c // QBLOCK),)](
         w, q, q_t, s, r, c, *w.stride(), c // 2 * w.stride(2), *q.stride(), *q_t.stride(), *s.stride(),
-        QBLOCK=QBLOCK, INTERPRETED=backend == TRITON_INTERPRETER, SPLIT_C=split_pairs, num_warps=8,
+        QBLOCK=QBLOCK, INTERPRETED=backend == TRITON_INTERPRETER, SPLIT_C=split_pairs, num_warps=4,
     )
     return Fp8Weight(q, q_t, s)
 
