@@ -174,9 +174,11 @@ def fp8_quant_weight_kernel(
         w_cols = (offs_c // 2) * stride_wc + (offs_c % 2) * stride_wc_odd
     else:
         w_cols = offs_c * stride_wc
-    w = tl.load(w_ptr + expert * stride_we + offs_r[:, None] * stride_wr + w_cols[None, :]).to(tl.float32)
-    scale, inv = pow2_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0))
-    q = to_e4m3(w * inv, INTERPRETED, EXPLICIT_CLAMP=True)
+    # The block stays in its input dtype until it is scaled: its amax is exact there, and half the registers of
+    # FP32 let more programs share an SM (more loads in flight in this DRAM-bound pass).
+    w = tl.load(w_ptr + expert * stride_we + offs_r[:, None] * stride_wr + w_cols[None, :])
+    scale, inv = pow2_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0).to(tl.float32))
+    q = to_e4m3(w.to(tl.float32) * inv, INTERPRETED, EXPLICIT_CLAMP=True)
     tl.store(q_ptr + expert * stride_qe + offs_r[:, None] * stride_qr + offs_c[None, :] * stride_qc, q)
     tl.store(qt_ptr + expert * stride_te + offs_r[:, None] * stride_tr + offs_c[None, :] * stride_tc, q)
     tl.store(s_ptr + expert * stride_se + pid_r * stride_sr + pid_c * stride_sc, scale)
@@ -260,11 +262,9 @@ def quantize_weight(w: torch.Tensor, split_pairs: bool = False) -> Fp8Weight:
     q = torch.empty((e, r, c), dtype=FP8_DTYPE, device=w.device)
     q_t = torch.empty((e, c, r), dtype=FP8_DTYPE, device=w.device)
     s = torch.empty((e, r // QBLOCK, c // QBLOCK), dtype=torch.float32, device=w.device)
-    # One 128x128 block per program on 4 warps: a DRAM-bound pass, and more programs per SM keep more loads in
-    # flight than 8 warps do (docs/decisions.md).
     fp8_quant_weight_kernel[(e * (r // QBLOCK) * (c // QBLOCK),)](
         w, q, q_t, s, r, c, *w.stride(), c // 2 * w.stride(2), *q.stride(), *q_t.stride(), *s.stride(),
-        QBLOCK=QBLOCK, INTERPRETED=backend == TRITON_INTERPRETER, SPLIT_C=split_pairs, num_warps=4,
+        QBLOCK=QBLOCK, INTERPRETED=backend == TRITON_INTERPRETER, SPLIT_C=split_pairs, num_warps=8,
     )
     return Fp8Weight(q, q_t, s)
 

@@ -140,6 +140,22 @@ def test_weight_blocks_match_reference_in_both_orientations(device):
         assert fw.scale.shape == (3, 2, 1)
 
 
+def test_weight_blocks_with_zero_infinite_and_extreme_values_match_reference(device):
+    # The kernel takes a block's amax in the input dtype (BF16 or FP32) before scaling in FP32: a zero block (scale
+    # 1), an infinity (its block saturates), the largest finite values, in both input dtypes.
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(2, 2 * QBLOCK, 2 * QBLOCK, generator=gen) * 0.02
+    base[0, :QBLOCK, :QBLOCK] = 0.0
+    base[0, 5, QBLOCK + 7] = float("inf")
+    base[1, QBLOCK + 3, 9] = -3.0e38
+    base[1, 200, 200] = 1.0e-30
+    for w in (base.to(torch.bfloat16).to(device), base.to(device)):
+        fw, ref = quantize_weight(w), quantize_weight_ref(w)
+        _assert_bits(fw.q, ref.q, f"q ({w.dtype})")
+        _assert_bits(fw.q_t, ref.q_t, f"q_t ({w.dtype})")
+        _assert_bits(fw.scale, ref.scale, f"scale ({w.dtype})")
+
+
 def test_dequantization_error_bound(device):
     # Derived: a normal E4M3 value is within 2**-4 relative (half of 3 mantissa bits' spacing); below the
     # smallest normal (2**-6 * scale) the spacing is 2**-9 * scale, so the error is <= 2**-10 * scale.
