@@ -174,8 +174,8 @@ def fp8_quant_weight_kernel(
         w_cols = (offs_c // 2) * stride_wc + (offs_c % 2) * stride_wc_odd
     else:
         w_cols = offs_c * stride_wc
-    # The block stays in its input dtype until it is scaled: its amax is exact there, and half the registers of
-    # FP32 let more programs share an SM (more loads in flight in this DRAM-bound pass).
+    # The block stays in its input dtype until it is scaled: its amax is exact there, and a BF16 block's half of
+    # FP32's registers lets more programs share an SM (more loads in flight in this DRAM-bound pass).
     w = tl.load(w_ptr + expert * stride_we + offs_r[:, None] * stride_wr + w_cols[None, :])
     scale, inv = pow2_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0).to(tl.float32))
     q = to_e4m3(w.to(tl.float32) * inv, INTERPRETED, EXPLICIT_CLAMP=True)
