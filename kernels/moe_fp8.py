@@ -38,6 +38,7 @@ is per row, rows are never reduced together, and nothing depends on T or the rou
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -158,7 +159,7 @@ class MoeFp8Saved:
     gate_up: str = "interleaved"  # w1's column layout
 
 
-def _names(x: torch.Tensor, w1: torch.Tensor, k: int) -> dict[str, str]:
+def _names(x: torch.Tensor, w1: torch.Tensor, k: int) -> Mapping[str, str]:
     return layer_stage_names(x, w1, k, FP8_LAYER_STAGES, "fp8")
 
 

@@ -617,3 +617,18 @@ def test_moe_kernels_refuse_det_gemms_three_sub_tile_variant():
         check_moe_variant("wgrad", wide)
     with pytest.raises(ValueError, match=r"wgrad: variant 'ws' is not supported by the MoE kernels"):
         check_moe_variant("wgrad", GemmConfig(128, 128, 64, 8, 8, 4, "ws"))
+
+
+def test_layer_stage_names_are_built_once_per_shape_and_read_only():
+    from detkit.kernels.moe_common import FP8_LAYER_STAGES, LAYER_STAGES, layer_stage_names, stage_name
+
+    x, w1 = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(4, 32, 96, dtype=torch.bfloat16)
+    names = layer_stage_names(x, w1, 2)
+    assert list(names) == list(LAYER_STAGES)
+    assert names["down"] == stage_name("moe_down", T=64, H=32, I=48, E=4, K=2)
+    assert layer_stage_names(x, w1, 2) is names  # the same shape: the names are not formatted again
+    fp8 = layer_stage_names(x, w1, 2, FP8_LAYER_STAGES, "fp8")
+    assert fp8["down"] == stage_name("moe_down", "fp8", T=64, H=32, I=48, E=4, K=2)
+    assert layer_stage_names(x, w1, 1)["down"] == stage_name("moe_down", T=64, H=32, I=48, E=4, K=1)
+    with pytest.raises(TypeError):  # shared between calls, so nobody may change them
+        names["down"] = "other"
