@@ -67,9 +67,9 @@ def test_ncu_tool_needs_its_arguments_and_names_its_ranges(capsys):
 
 def test_kernel_profile_shape_option_builds_the_sweep_point_and_refuses_bad_ones(tmp_path, capsys):
     p = kp.parse_shape("8192,3072,1536,128,2")
-    assert (p.t, p.h, p.i, p.e, p.k, p.name) == (8192, 3072, 1536, 128, 2, "T8192-H3072-I1536-E128-K2")
+    assert (p.t, p.h, p.i, p.e, p.k, p.name) == (8192, 3072, 1536, 128, 2, "sweep-H3072-I1536-E128-K2-T8192")
     for bad, why in (("8192,3072,1536,128", "five positive integers"), ("8192,3072,0,8,2", "five positive integers"),
-                     ("64,128,128,2,4", "need at least K experts")):
+                     ("64,128,128,2,4", "need at least K experts"), ("1048576,8192,8192,8,8", "32-bit offsets")):
         with pytest.raises(SystemExit):
             kp.main(["--shape", bad, "--impl", "bf16", "--out", str(tmp_path)])
         assert why in capsys.readouterr().err

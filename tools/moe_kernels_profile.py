@@ -77,8 +77,10 @@ def summarize(kernels: list[tuple[str, float, float]], calls: int) -> dict:
 
 
 def parse_shape(text: str):
-    """``T,H,I,E,K`` -> a MoePreset named after it; refuses anything but five positive integers with K <= E."""
-    from detkit.toolkit.presets import MoePreset
+    """``T,H,I,E,K`` -> the bench's sweep point of that shape (named as the sweep's rows are); refuses anything but
+    five positive integers with K <= E that the kernels' 32-bit offsets cover."""
+    from detkit.bench.moe import sweep_point
+    from detkit.bench.moe_common import offsets_reason
 
     parts = text.split(",")
     if len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
@@ -86,7 +88,11 @@ def parse_shape(text: str):
     t, h, i, e, k = (int(p) for p in parts)
     if k > e:
         raise argparse.ArgumentTypeError(f"--shape: K {k} routes per token need at least K experts; got E {e}")
-    return MoePreset(f"T{t}-H{h}-I{i}-E{e}-K{k}", t, h, i, e, k)
+    point = sweep_point(h, i, e, k, t)
+    reason = offsets_reason(point)
+    if reason:
+        raise argparse.ArgumentTypeError(f"--shape: {reason}")
+    return point
 
 
 def main(argv=None) -> int:
