@@ -243,6 +243,96 @@ class DirectLaunch:
             self.run(grid[0], 1, 1, stream, self.function, self.packed, None, None, None, *args)
 
 
+# Launch plans kept per PlannedKernel (one per call signature: shapes of a size bound, grids, configs); emptied when
+# full.
+MAX_PLANS = 256
+
+
+class PlannedKernel:
+    """``planned[grid](*args, **kwargs)`` does what ``kernel[grid](*args, **kwargs)`` does, with the same arguments,
+    through a ``DirectLaunch`` per call signature on a GPU (Triton's own launch under the interpreter).
+
+    The signature is everything Triton specializes on, taken conservatively: every non-tensor argument's value
+    (integers, floats, constexprs), each tensor's dtype and 16-byte alignment, each TMA descriptor's type, dtype,
+    block shape, layout and padding, the grid, the launch options and the current device. Tensors and descriptors
+    are the plan's per-call arguments (a descriptor's base, shape and strides are encoded per call, cached per base
+    address by ``RawLaunch``). One-dimensional grids only (the MoE kernels' persistent and tiled grids)."""
+
+    __slots__ = ("kernel", "names", "defaults", "plans", "interpreted")
+
+    def __init__(self, kernel):
+        import inspect
+
+        self.kernel = kernel
+        self.names = tuple(kernel.arg_names)
+        self.defaults = {p.name: p.default for p in inspect.signature(kernel.fn).parameters.values()
+                         if p.default is not inspect.Parameter.empty}
+        self.plans: dict = {}
+        self.interpreted = kernel_is_interpreted(kernel)
+
+    def __getitem__(self, grid):
+        if self.interpreted:
+            return self.kernel[grid]
+        if len(grid) != 1:
+            raise ValueError(f"{self.kernel.fn.__name__}: a planned launch takes a one-dimensional grid; got {grid}")
+        return functools.partial(self._launch, (grid[0],))
+
+    def _launch(self, grid, *args, **kwargs):
+        names = self.names
+        values = list(args)
+        for name in names[len(args):]:
+            if name in kwargs:
+                values.append(kwargs.pop(name))
+            elif name in self.defaults:
+                values.append(self.defaults[name])
+            else:
+                raise TypeError(f"{self.kernel.fn.__name__}: missing argument {name!r}")
+        index = _current_device()
+        key = (index, grid, *sorted(kwargs.items()), *map(_signature_of, values))
+        plan = self.plans.get(key)
+        if plan is None:
+            if len(self.plans) >= MAX_PLANS:
+                self.plans.clear()
+            dynamic = tuple(i for i, v in enumerate(values) if isinstance(v, torch.Tensor) or _is_descriptor(v))
+            plan = self.plans[key] = DirectLaunch(self.kernel, grid, kwargs, torch.device("cuda", index), dynamic)
+        plan(values)
+
+
+def _descriptor_types() -> tuple[type, ...]:
+    types = []
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        types.append(TensorDescriptor)
+    except ImportError:  # pragma: no cover - every supported Triton has it
+        pass
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+        types.append(GluonTensorDescriptor)
+    except ImportError:  # pragma: no cover - a Triton without Gluon has no Gluon descriptors to pass
+        pass
+    return tuple(types)
+
+
+_DESCRIPTOR_TYPES = _descriptor_types()
+
+
+def _is_descriptor(value) -> bool:
+    return isinstance(value, _DESCRIPTOR_TYPES)
+
+
+def _signature_of(value):
+    """What of one argument a plan is keyed on (a superset of what Triton specializes on). Integers, the most
+    common, stand for themselves; other values carry their type (True == 1 == 1.0 as keys)."""
+    kind = type(value)
+    if kind is int:
+        return value
+    if kind is torch.Tensor or isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, _DESCRIPTOR_TYPES):
+        return kind, value.base.dtype, tuple(value.block_shape), getattr(value, "layout", None), value.padding
+    return kind, value
+
+
 # The launcher's leading arguments (Triton 3.6's _BASE_ARGS_FORMAT "iiiKKppOOOOOO"): grid x, y, z, stream, function,
 # cooperative grid, PDL, global scratch, profile scratch, packed metadata, launch metadata, enter hook, exit hook.
 _BASE_ARGS = 13

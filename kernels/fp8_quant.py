@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from detkit.kernels.backend import MAX_INT32_OFFSET, TRITON_INTERPRETER, resolve_backend
+from detkit.kernels.backend import MAX_INT32_OFFSET, TRITON_INTERPRETER, PlannedKernel, resolve_backend
 
 E4M3_MAX = 448.0
 QBLOCK = 128  # the SM90 recipe: 1x128 activation blocks, 128x128 weight blocks, promotion every 128 K
@@ -205,6 +205,9 @@ def _check_quant_input(name: str, t: torch.Tensor, dims: int, blocked: tuple[int
         raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) exceeds 32-bit kernel offsets")
 
 
+_fp8_quant_rowwise_kernel_planned = PlannedKernel(fp8_quant_rowwise_kernel)
+
+
 def quantize_rowwise(x: torch.Tensor, row_limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, N] (bf16/fp32, any strides) -> q [M, N] e4m3 row-major, scale [M, N/128] fp32 (powers of two).
 
@@ -221,7 +224,7 @@ def quantize_rowwise(x: torch.Tensor, row_limit: torch.Tensor | None = None) -> 
     s = torch.empty((m, n // QBLOCK), dtype=torch.float32, device=x.device)
     block_m = QUANT_BLOCK_M[backend]
     grid = (triton.cdiv(m, block_m) * (n // QBLOCK),)
-    fp8_quant_rowwise_kernel[grid](
+    _fp8_quant_rowwise_kernel_planned[grid](
         x, q, s, row_limit if row_limit is not None else s, m, n,
         x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         BLOCK_M=block_m, QBLOCK=QBLOCK, INTERPRETED=backend == TRITON_INTERPRETER, LIMITED=row_limit is not None,
@@ -252,6 +255,9 @@ class Fp8Weight:
         return self.q.float() * s
 
 
+_fp8_quant_weight_kernel_planned = PlannedKernel(fp8_quant_weight_kernel)
+
+
 def quantize_weight(w: torch.Tensor, split_pairs: bool = False) -> Fp8Weight:
     """w [E, R, C] (bf16/fp32, any strides; R, C multiples of 128) -> Fp8Weight. ``split_pairs``: w's columns are
     gate/up pairs held as split halves ([gate (C/2) | up (C/2)]), quantized as their interleaved order (column
@@ -262,7 +268,7 @@ def quantize_weight(w: torch.Tensor, split_pairs: bool = False) -> Fp8Weight:
     q = torch.empty((e, r, c), dtype=FP8_DTYPE, device=w.device)
     q_t = torch.empty((e, c, r), dtype=FP8_DTYPE, device=w.device)
     s = torch.empty((e, r // QBLOCK, c // QBLOCK), dtype=torch.float32, device=w.device)
-    fp8_quant_weight_kernel[(e * (r // QBLOCK) * (c // QBLOCK),)](
+    _fp8_quant_weight_kernel_planned[(e * (r // QBLOCK) * (c // QBLOCK),)](
         w, q, q_t, s, r, c, *w.stride(), c // 2 * w.stride(2), *q.stride(), *q_t.stride(), *s.stride(),
         QBLOCK=QBLOCK, INTERPRETED=backend == TRITON_INTERPRETER, SPLIT_C=split_pairs, num_warps=8,
     )

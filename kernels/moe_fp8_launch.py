@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from detkit.kernels.backend import TRITON_INTERPRETER, ensure_cuda_context
+from detkit.kernels.backend import TRITON_INTERPRETER, PlannedKernel, ensure_cuda_context
 from detkit.kernels.det_gemm import GemmConfig, interpreter_step_k, tma_descriptor
 from detkit.kernels.fp8_quant import FP8_DTYPE, QBLOCK, Fp8Weight, quantize_rowwise
 from detkit.kernels.moe_common import DS_GROUP, EPI_FP8_DSWIGLU_QUANT, EPI_FP8_SWIGLU, EPI_FP8_SWIGLU_QUANT, EPI_PLAIN
@@ -28,6 +28,9 @@ from detkit.kernels.moe_gluon_blocks import check_ws_backend
 from detkit.kernels.moe_launch import split_copy, weight_grad_buffer
 from detkit.kernels.moe_operands import weight_descriptor
 from detkit.kernels.moe_routing import SEGMENT_ALIGN, MoeRouting
+
+
+_moe_fp8_grouped_gemm_kernel_planned = PlannedKernel(moe_fp8_grouped_gemm_kernel)
 
 
 def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather: bool, b: torch.Tensor,
@@ -78,7 +81,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
         if not k_major:
             raise ValueError(f"{stage}: variant 'tma' needs the K-major FP8 weight [E, C, L]; got strides {b.stride()}")
     grid = (triton.cdiv(p, config.block_m) * triton.cdiv(n_cols, config.block_n),)
-    moe_fp8_grouped_gemm_kernel[grid](
+    _moe_fp8_grouped_gemm_kernel_planned[grid](
         a, a_s, routing.gather_token, b_arg, b_s, c, aux_t, q_t, qs_t,
         routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
         *(dscore if dscore is not None else (c, c)),
@@ -196,6 +199,9 @@ def moe_fp8_dx_route(dgu_q: torch.Tensor, dgu_s: torch.Tensor, w1f: Fp8Weight, r
     return dxr
 
 
+_moe_fp8_quant_colwise_kernel_planned = PlannedKernel(moe_fp8_quant_colwise_kernel)
+
+
 def moe_fp8_quant_colwise(src: torch.Tensor, routing: MoeRouting, backend: str, gather: bool,
                           scale: bool, config: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Column-wise (128x1) quantization of the expert-sorted rows v [P, N] (v[p] = src[gather_token[p]] when
@@ -212,13 +218,16 @@ def moe_fp8_quant_colwise(src: torch.Tensor, routing: MoeRouting, backend: str, 
         raise ValueError(f"quant_colwise: block_m must be the scale block {QBLOCK} (one scale per column per "
                          f"program); got {config.block_m}")
     cols = config.block_n
-    moe_fp8_quant_colwise_kernel[(routing.num_tiles * triton.cdiv(n, cols),)](
+    _moe_fp8_quant_colwise_kernel_planned[(routing.num_tiles * triton.cdiv(n, cols),)](
         src, routing.gather_token, routing.sorted_route, routing.row_score, routing.gate, q, s, p, n,
         src.stride(0), src.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         BLOCK_N=cols, QBLOCK=QBLOCK, GATHER=gather, SCALE=scale, INTERPRETED=backend == TRITON_INTERPRETER,
         num_warps=config.num_warps,
     )
     return q, s
+
+
+_moe_fp8_wgrad_kernel_planned = PlannedKernel(moe_fp8_wgrad_kernel)
 
 
 def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
@@ -255,7 +264,7 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
         if a_q.is_cuda:
             ensure_cuda_context(a_q.device)
     grid = (experts * triton.cdiv(r, config.block_m) * triton.cdiv(c, config.block_n),)
-    moe_fp8_wgrad_kernel[grid](
+    _moe_fp8_wgrad_kernel_planned[grid](
         a_arg, a_s, b_arg, b_s, out, routing.expert_offsets, routing.expert_counts, routing.gate, r, c,
         a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1),
         b_q.stride(0), b_q.stride(1), b_s.stride(0), b_s.stride(1),

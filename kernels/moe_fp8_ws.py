@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from detkit.kernels.backend import ensure_cuda_context
+from detkit.kernels.backend import PlannedKernel, ensure_cuda_context
 from detkit.kernels.det_gemm import device_sms
 from detkit.kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, check_shared_bytes, consumers, max_regs, store_part,
@@ -366,8 +366,13 @@ def kb_group(num_kb: int) -> int:
 def scale_row_descriptor(scales: torch.Tensor, block: int) -> TensorDescriptor:
     """A TMA descriptor over FP32 scales [blocks, columns] (row-major) reading boxes of one row x ``block`` columns
     into unswizzled shared memory (a row is wider than any swizzle span)."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor(scales, list(scales.shape), list(scales.stride()), [1, block], layout)
+    return TensorDescriptor(scales, list(scales.shape), list(scales.stride()), [1, block], _SCALE_ROW_LAYOUT)
+
+
+_SCALE_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+_moe_fp8_ws_kernel_planned = PlannedKernel(moe_fp8_ws_kernel)
 
 
 def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor,
@@ -398,7 +403,7 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
     c_desc = nvmma_descriptor(c, [config.block_m // consumers(config.num_warps), config.block_n],
                               {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[c.dtype])
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
-    moe_fp8_ws_kernel[(min(tiles, device_sms(a.device)),)](
+    _moe_fp8_ws_kernel_planned[(min(tiles, device_sms(a.device)),)](
         a_desc, b_desc, c_desc, a_s, b_s, route, tile_expert, gate,
         padded_rows, n_cols, reduced,
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
@@ -407,6 +412,9 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
         KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps),
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
+
+
+_moe_fp8_wgrad_ws_kernel_planned = PlannedKernel(moe_fp8_wgrad_ws_kernel)
 
 
 def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
@@ -442,7 +450,7 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
         out.reshape(-1, c)
     c_desc = nvmma_descriptor(store, [part_rows, config.block_n], gl.bfloat16)
     tiles = num_experts * (r // config.block_m) * (c // config.block_n)
-    moe_fp8_wgrad_ws_kernel[(min(tiles, device_sms(a_q.device)),)](
+    _moe_fp8_wgrad_ws_kernel_planned[(min(tiles, device_sms(a_q.device)),)](
         nvmma_descriptor(a_q, [config.block_m, QBLOCK_WS]), nvmma_descriptor(b_q, [config.block_n, QBLOCK_WS]),
         scale_row_descriptor(a_s.t(), config.block_m), scale_row_descriptor(b_s.t(), config.block_n),
         c_desc, out, offsets, counts, gate,

@@ -21,7 +21,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from detkit.kernels.backend import ensure_cuda_context
+from detkit.kernels.backend import PlannedKernel, ensure_cuda_context
 from detkit.kernels.det_gemm import device_sms
 from detkit.kernels.det_gemm_ws import CONSUMER_WARPS, check_shared_bytes, consumers, max_regs, store_part
 from detkit.kernels.moe_common import DS_GROUP, EPI_FP8_SWIGLU, fp8_grouped_launch_name
@@ -299,6 +299,9 @@ def moe_fp8_ws_gather_kernel(
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
 
 
+_moe_fp8_ws_gather_kernel_planned = PlannedKernel(moe_fp8_ws_gather_kernel)
+
+
 def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: torch.Tensor, a_s: torch.Tensor,
                          b: torch.Tensor, b_s: torch.Tensor, outputs: dict[str, torch.Tensor], gather: torch.Tensor,
                          route: torch.Tensor, tile_expert: torch.Tensor, gate: torch.Tensor, padded_rows: int,
@@ -343,7 +346,7 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         descs = (nvmma_descriptor(outputs["dgu"].view(torch.int32), [part_rows, config.block_n], gl.int32),
                  nvmma_descriptor(outputs["dgu_q"].view(torch.int16), [part_rows, config.block_n], gl.int16))
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
-    moe_fp8_ws_gather_kernel[(min(tiles, device_sms(a_q.device)),)](
+    _moe_fp8_ws_gather_kernel_planned[(min(tiles, device_sms(a_q.device)),)](
         a_q, nvmma_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]), *descs,
         a_s, b_s, gather, route, tile_expert, gate, score, gu_bits, q_s, h_in, ds_part,
         padded_rows, n_cols, reduced,

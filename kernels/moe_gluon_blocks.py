@@ -6,6 +6,8 @@ descriptor with its NVMMA shared layout. Gluon has no interpreter path: sm_90 on
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -118,11 +120,17 @@ def bf16_pair_values(bits):
     return (bits << 16).to(gl.float32, bitcast=True), (bits & -65536).to(gl.float32, bitcast=True)
 
 
+@functools.lru_cache(maxsize=None)
+def nvmma_layout(box: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
+    """The NVMMA shared layout of a ``box`` of ``dtype``, built once (an immutable value; building it is most of a
+    descriptor's host time)."""
+    return gl.NVMMASharedLayout.get_default_for(list(box), dtype)
+
+
 def nvmma_descriptor(tensor: torch.Tensor, box: list[int], dtype=gl.float8e4nv) -> TensorDescriptor:
     """A TMA descriptor over the row-major matrix ``tensor`` of ``dtype`` (e4m3 by default: the FP8 operands; the BF16
     operands and the epilogues' BF16, FP32 and packed-int outputs pass theirs) with its NVMMA shared layout."""
-    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
-    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, layout)
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, nvmma_layout(tuple(box), dtype))
 
 
 def check_ws_backend(stage: str, backend: str) -> None:

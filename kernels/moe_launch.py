@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 import triton
 
-from detkit.kernels.backend import MAX_INT32_OFFSET, TRITON_INTERPRETER
+from detkit.kernels.backend import MAX_INT32_OFFSET, TRITON_INTERPRETER, PlannedKernel
 from detkit.kernels.det_gemm import GemmConfig, interpreter_step_k
 from detkit.kernels.moe_common import DS_CHUNK, EPI_DSWIGLU, EPI_PLAIN, EPI_SWIGLU
 from detkit.kernels.moe_configs import check_grouped_config, check_moe_variant, select_moe_config
@@ -70,6 +70,10 @@ def _split_variant_reason(config: GemmConfig, split: str | None) -> str | None:
             f"{supported}")
 
 
+_moe_grouped_gemm_tma_kernel_planned = PlannedKernel(moe_grouped_gemm_tma_kernel)
+_moe_grouped_gemm_kernel_planned = PlannedKernel(moe_grouped_gemm_kernel)
+
+
 def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Tensor, c: torch.Tensor,
              aux: torch.Tensor | None, routing: MoeRouting, n_cols: int, reduced: int, epilogue: int,
              backend: str, config: GemmConfig | None,
@@ -102,7 +106,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
         if split and config.block_n % 2:
             raise ValueError(f"{stage}: split gate/up halves need an even BLOCK_N; got {config.block_n}")
         b_desc, k_major = weight_descriptor(b, config.block_n // 2 if split else config.block_n, flags["STEP_K"])
-        moe_grouped_gemm_tma_kernel[grid](
+        _moe_grouped_gemm_tma_kernel_planned[grid](
             a, routing.gather_token, b_desc, c, aux_t, h_t, ds_t,
             routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
             p, n_cols, reduced,
@@ -115,7 +119,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
             num_stages=config.num_stages, B_SPLIT_HALVES=split == "c", **flags, **fused,
         )
         return
-    moe_grouped_gemm_kernel[grid](
+    _moe_grouped_gemm_kernel_planned[grid](
         a, routing.gather_token, b, c, aux_t, h_t, ds_t,
         routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
         p, n_cols, reduced,
@@ -211,6 +215,9 @@ def moe_dx_route(dgu: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backe
     return dxr
 
 
+_moe_combine_kernel_planned = PlannedKernel(moe_combine_kernel)
+
+
 def _combine(op_id: int, src: torch.Tensor, routing: MoeRouting, scores: torch.Tensor | None,
              backend: str, config: GemmConfig | None) -> torch.Tensor:
     config = config or select_moe_config("combine", backend)
@@ -218,7 +225,7 @@ def _combine(op_id: int, src: torch.Tensor, routing: MoeRouting, scores: torch.T
     out = torch.empty((t_count, n), dtype=torch.bfloat16, device=src.device)
     sc = scores if scores is not None else routing.route_row  # unused when unscaled
     grid = (triton.cdiv(t_count, config.block_m) * triton.cdiv(n, config.block_n),)
-    moe_combine_kernel[grid](
+    _moe_combine_kernel_planned[grid](
         src, routing.route_row, sc, routing.gate, out, t_count, n, k_count,
         src.stride(0), src.stride(1), routing.route_row.stride(0), routing.route_row.stride(1),
         sc.stride(0), sc.stride(1), out.stride(0), out.stride(1), op_id,
@@ -246,6 +253,9 @@ def _ws_wgrad_takes(config: GemmConfig, a: torch.Tensor, b: torch.Tensor, out: t
     return ws_wgrad_addresses(a, b, out) and r % config.block_m == 0 and c % config.block_n == 0
 
 
+_moe_wgrad_kernel_planned = PlannedKernel(moe_wgrad_kernel)
+
+
 def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing: MoeRouting,
            out: torch.Tensor, accumulate: bool, backend: str, config: GemmConfig | None,
            split_cols: bool = False) -> None:
@@ -269,7 +279,7 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing
     check_moe_variant("wgrad", config)
     experts, r, c = out.shape
     grid = (experts * triton.cdiv(r, config.block_m) * triton.cdiv(c, config.block_n),)
-    moe_wgrad_kernel[grid](
+    _moe_wgrad_kernel_planned[grid](
         a, b, routing.gather_token, routing.row_score, out,
         routing.expert_offsets, routing.expert_counts, routing.gate,
         r, c, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
@@ -278,6 +288,9 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing
         GATHER_A=gather_a, ACCUMULATE=accumulate, SPLIT_C=split_cols,
         num_warps=config.num_warps, num_stages=config.num_stages, **_backend_flags(backend, config),
     )
+
+
+_moe_scale_rows_kernel_planned = PlannedKernel(moe_scale_rows_kernel)
 
 
 def moe_scale_rows(dout: torch.Tensor, routing: MoeRouting, backend: str, config: GemmConfig | None = None,
@@ -292,7 +305,7 @@ def moe_scale_rows(dout: torch.Tensor, routing: MoeRouting, backend: str, config
     dy = torch.empty((rows, cols), dtype=torch.bfloat16, device=dout.device)
     copy = torch.empty((rows, cols), dtype=dout.dtype, device=dout.device) if sorted_copy else dy
     grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
-    moe_scale_rows_kernel[grid](
+    _moe_scale_rows_kernel_planned[grid](
         dout, routing.gather_token, routing.row_score, routing.sorted_route, routing.gate, dy, copy, rows, cols,
         dout.stride(0), dout.stride(1), dy.stride(0), dy.stride(1), copy.stride(0), copy.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, COPY=sorted_copy, INTERPRETED=backend == TRITON_INTERPRETER,
@@ -333,13 +346,16 @@ def moe_wgrad_w1(x: torch.Tensor, dgu: torch.Tensor, routing: MoeRouting, backen
     return None if main_grad is not None else out
 
 
+_moe_split_copy_kernel_planned = PlannedKernel(moe_split_copy_kernel)
+
+
 def split_copy(src: torch.Tensor, dst: torch.Tensor, backend: str) -> None:
     """dst [E, R, C] (split gate/up columns, any strides) = src (interleaved columns), exactly."""
     experts, r, c = src.shape
     block_r, block_c = (64, 64) if backend == TRITON_INTERPRETER else (64, 128)
     grid = (experts * triton.cdiv(r, block_r) * triton.cdiv(c, block_c),)
-    moe_split_copy_kernel[grid](src, dst, r, c, *src.stride(), *dst.stride(), c // 2 * dst.stride(2),
-                                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    _moe_split_copy_kernel_planned[grid](src, dst, r, c, *src.stride(), *dst.stride(), c // 2 * dst.stride(2),
+                                         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
 
 
 def moe_wgrad_w2(h: torch.Tensor, dout: torch.Tensor, routing: MoeRouting, backend: str,
@@ -360,6 +376,9 @@ def moe_wgrad_w2(h: torch.Tensor, dout: torch.Tensor, routing: MoeRouting, backe
     return None if main_grad is not None else out
 
 
+_moe_dscore_sum_kernel_planned = PlannedKernel(moe_dscore_sum_kernel)
+
+
 def moe_dscores_from_partials(ds_part: torch.Tensor, routing: MoeRouting, backend: str,
                               config: GemmConfig | None = None) -> torch.Tensor:
     """ds [T, K] FP32 = sum_c ds_part[route_row[t, k], c] (0 for masked routes): the BF16 layer's dscores."""
@@ -367,7 +386,7 @@ def moe_dscores_from_partials(ds_part: torch.Tensor, routing: MoeRouting, backen
     t_count, k_count = routing.num_tokens, routing.top_k
     ds = torch.empty((t_count, k_count), dtype=torch.float32, device=ds_part.device)
     n_chunks = ds_part.shape[1]
-    moe_dscore_sum_kernel[(triton.cdiv(t_count, config.block_m),)](
+    _moe_dscore_sum_kernel_planned[(triton.cdiv(t_count, config.block_m),)](
         ds_part, routing.route_row, routing.gate, ds, t_count, k_count, n_chunks,
         routing.route_row.stride(0), routing.route_row.stride(1), ds.stride(0), ds.stride(1),
         BLOCK_M=config.block_m, NCH_POW2=triton.next_power_of_2(n_chunks), num_warps=config.num_warps,

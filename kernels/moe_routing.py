@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from detkit.kernels.backend import MAX_INT32_OFFSET, TRITON_INTERPRETER, resolve_backend
+from detkit.kernels.backend import MAX_INT32_OFFSET, TRITON_INTERPRETER, PlannedKernel, resolve_backend
 
 SEGMENT_ALIGN = 128  # rows per expert-segment tile; every grouped-GEMM BLOCK_M must divide it
 SCORE_DTYPES = (torch.float32, torch.bfloat16)
@@ -404,6 +404,11 @@ class PendingRouting:
                        counts=tuple(counts_list))
 
 
+_moe_route_hist_kernel_planned = PlannedKernel(moe_route_hist_kernel)
+_moe_route_scan_kernel_planned = PlannedKernel(moe_route_scan_kernel)
+_moe_route_scatter_kernel_planned = PlannedKernel(moe_route_scatter_kernel)
+
+
 def launch_routing(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: int,
                    block: int | None = None, rows: int | None = None,
                    expert_block: int | None = None) -> PendingRouting:
@@ -436,12 +441,12 @@ def launch_routing(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: in
     hist = torch.empty((chunks, width), **i32)
     prefix = torch.empty((chunks, width), **i32)
     meta = torch.empty((width,), **i32)
-    moe_route_hist_kernel[(chunks,)](
+    _moe_route_hist_kernel_planned[(chunks,)](
         topk_ids, scores, hist, routes, k_count, experts, width, *strides,
         BLOCK=block, EXPERT_BLOCK=expert_block, num_warps=4,
     )
     scan_w = 32
-    moe_route_scan_kernel[(triton.cdiv(width, scan_w),)](
+    _moe_route_scan_kernel_planned[(triton.cdiv(width, scan_w),)](
         hist, prefix, meta, chunks, width, BLOCK_W=scan_w, BLOCK_C=64, num_warps=4,
     )
     gather_token = torch.empty((max_rows,), **i32)
@@ -451,7 +456,7 @@ def launch_routing(topk_ids: torch.Tensor, scores: torch.Tensor, num_experts: in
     offsets = torch.empty((experts + 1,), **i32)
     tile_expert = torch.empty((max_rows // SEGMENT_ALIGN,), **i32)
     gate = torch.empty((1 + NUM_CHECKS,), **i32)
-    moe_route_scatter_kernel[(max(chunks, triton.cdiv(max_rows, rows)),)](
+    _moe_route_scatter_kernel_planned[(max(chunks, triton.cdiv(max_rows, rows)),)](
         topk_ids, scores, prefix, meta,
         gather_token, sorted_route, row_score, route_row, offsets, tile_expert, gate, error_flags(device),
         routes, k_count, experts, width, chunks, max_rows, *strides,

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from detkit.kernels.backend import ensure_cuda_context
+from detkit.kernels.backend import PlannedKernel, ensure_cuda_context
 from detkit.kernels.det_gemm import device_sms, operand_ring_bytes
 from detkit.kernels.det_gemm_ws import (
     CONSUMER_REGS, CONSUMER_WARPS, GL_DTYPES, PRODUCER_REGS, PRODUCER_WARPS, check_shared_bytes, consumers, max_regs,
@@ -684,6 +684,9 @@ def _check_tile(stage: str, config, reduced: int, n_cols: int, store_bytes: int,
     check_shared_bytes(stage, config, operand_ring_bytes(config), store_bytes, "the epilogue's buffers")
 
 
+_moe_ws_kernel_planned = PlannedKernel(moe_ws_kernel)
+
+
 def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                   routing, backend: str) -> None:
     """c [P, C] (BF16) = the grouped GEMM of the expert-sorted a [P, L] and the ``[E, L, C]`` weight view b (its
@@ -707,7 +710,7 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
     b_box = [config.block_n, config.block_k] if k_major else [config.block_k, config.block_n]
     part_rows = config.block_m // consumers(config.num_warps)
     tiles = (p // config.block_m) * (n_cols // config.block_n)
-    moe_ws_kernel[(min(tiles, device_sms(a.device)),)](
+    _moe_ws_kernel_planned[(min(tiles, device_sms(a.device)),)](
         nvmma_descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16),
         nvmma_descriptor(store, b_box, gl.bfloat16),
         nvmma_descriptor(c, [part_rows, config.block_n], GL_DTYPES[c.dtype]),
@@ -729,6 +732,9 @@ def gather_store_bytes(config, epilogue: int, dscore: bool) -> int:
         return config.block_m * config.block_n * 3
     dscore_groups = 1 if epilogue_warpgroup(config) else consumers(config.num_warps)
     return config.block_m * config.block_n * 4 + (dscore_groups * 8192 if dscore else 0)
+
+
+_moe_ws_gather_kernel_planned = PlannedKernel(moe_ws_gather_kernel)
 
 
 def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch.Tensor, b: torch.Tensor,
@@ -775,7 +781,7 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
     # Gathering, the kernel reads A through pointers and never touches a_desc: any valid descriptor.
     a_desc = b_desc if gather else nvmma_descriptor(a[:p], [config.block_m, config.block_k], gl.bfloat16)
     tiles = (p // config.block_m) * (n_cols // config.block_n)
-    moe_ws_gather_kernel[(min(tiles, device_sms(a.device)),)](
+    _moe_ws_gather_kernel_planned[(min(tiles, device_sms(a.device)),)](
         a, a_desc, b_desc, *descs,
         routing.gather_token, routing.sorted_route, routing.row_score, routing.tile_expert, routing.gate,
         h, ds_part, aux.view(torch.int32) if epilogue != EPI_SWIGLU else out,
@@ -788,6 +794,9 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
         # num_warps: the default partition (a consumer warpgroup, or the epilogue warpgroup)
         num_warps=4, maxnreg=max_regs(config.num_warps),
     )
+
+
+_moe_ws_wgrad_kernel_planned = PlannedKernel(moe_ws_wgrad_kernel)
 
 
 def launch_moe_ws_wgrad(op_id: int, config, a: torch.Tensor, gather_a: bool, b: torch.Tensor, out: torch.Tensor,
@@ -821,7 +830,7 @@ def launch_moe_ws_wgrad(op_id: int, config, a: torch.Tensor, gather_a: bool, b: 
     store_t = torch.empty((64, config.block_n), dtype=torch.bfloat16, device=out.device) if accumulate else \
         out.reshape(-1, c)
     tiles = routing.num_experts * (r // config.block_m) * (c // config.block_n)
-    moe_ws_wgrad_kernel[(min(tiles, device_sms(a.device)),)](
+    _moe_ws_wgrad_kernel_planned[(min(tiles, device_sms(a.device)),)](
         nvmma_descriptor(a, [config.block_k, 64], gl.bfloat16), a,
         nvmma_descriptor(b, [config.block_k, config.block_n], gl.bfloat16),
         nvmma_descriptor(store_t, [64, config.block_n], gl.bfloat16), out,
