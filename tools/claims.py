@@ -61,6 +61,8 @@ SOURCES = {
     "moe_bench_s20": "2026-12-02-h200-s20/call7/bench/report.json",
     "moe_bench_bf16_s20": "2026-12-02-h200-s20/call3/moe-bench/moe/report.json",
     "moe_bench_bf16_s20_again": "2026-12-02-h200-s20/call6/bench/report.json",
+    # s21: the same kernels launched through launch plans (a host-path change).
+    "moe_bench_s21": "2026-12-02-h200-s21/call2/bench/report.json",
     # The Qwen3-30B-A3B T=16384 sweep point, twice (the same layer code as the two above).
     "moe_bench_30b16k": "2026-12-02-h200-s18/call3/bench-30b16k/report.json",
     "moe_bench_30b16k_again": "2026-12-02-h200-s18/call4/bench-30b16k/report.json",
@@ -490,7 +492,8 @@ CLAIMS = [
           "and 8)", "≥ 1.2x", ("moe_bench_sweep",), moe_bench_verdicts("fp8_sweep"), lambda v: v[0] == v[1]),
     Claim("MoE BF16 fwd+bwd MFU (of 989 TFLOP/s), reference shape, `detkit bench moe`",
           "≥ 60%", ("moe_bench", "moe_bench_bf16", "moe_bench_bf16_third", "moe_bench_bf16_s19",
-                    "moe_bench_bf16_s19_again", "moe_bench_bf16_s20", "moe_bench_bf16_s20_again", "moe_bench_s20"),
+                    "moe_bench_bf16_s19_again", "moe_bench_bf16_s20", "moe_bench_bf16_s20_again", "moe_bench_s20",
+                    "moe_bench_s21"),
           moe_bench_verdicts("bf16_mfu_reference"),
           lambda v: v[0] == v[1]),
     Claim("MoE BF16 fwd+bwd MFU, Qwen3-30B-A3B widths T=16384 (sweep point)",
