@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import inspect
 import threading
 from typing import NamedTuple
 
@@ -261,8 +262,6 @@ class PlannedKernel:
     __slots__ = ("kernel", "names", "defaults", "plans", "interpreted")
 
     def __init__(self, kernel):
-        import inspect
-
         self.kernel = kernel
         self.names = tuple(kernel.arg_names)
         self.defaults = {p.name: p.default for p in inspect.signature(kernel.fn).parameters.values()
@@ -293,7 +292,7 @@ class PlannedKernel:
         if plan is None:
             if len(self.plans) >= MAX_PLANS:
                 self.plans.clear()
-            dynamic = tuple(i for i, v in enumerate(values) if isinstance(v, torch.Tensor) or _is_descriptor(v))
+            dynamic = tuple(i for i, v in enumerate(values) if isinstance(v, (torch.Tensor, *_DESCRIPTOR_TYPES)))
             plan = self.plans[key] = DirectLaunch(self.kernel, grid, kwargs, torch.device("cuda", index), dynamic)
         plan(values)
 
@@ -314,10 +313,6 @@ def _descriptor_types() -> tuple[type, ...]:
 
 
 _DESCRIPTOR_TYPES = _descriptor_types()
-
-
-def _is_descriptor(value) -> bool:
-    return isinstance(value, _DESCRIPTOR_TYPES)
 
 
 def _signature_of(value):

@@ -363,13 +363,13 @@ def kb_group(num_kb: int) -> int:
     return next(g for g in (3, 2, 1) if num_kb % g == 0)
 
 
+_SCALE_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
 def scale_row_descriptor(scales: torch.Tensor, block: int) -> TensorDescriptor:
     """A TMA descriptor over FP32 scales [blocks, columns] (row-major) reading boxes of one row x ``block`` columns
     into unswizzled shared memory (a row is wider than any swizzle span)."""
     return TensorDescriptor(scales, list(scales.shape), list(scales.stride()), [1, block], _SCALE_ROW_LAYOUT)
-
-
-_SCALE_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 _moe_fp8_ws_kernel_planned = PlannedKernel(moe_fp8_ws_kernel)

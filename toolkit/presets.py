@@ -131,8 +131,7 @@ GEMM_PRESETS = {
     # Interpreter scale: both orientations (N > K and K > N), reduced extents below BLOCK_K and not
     # multiples of 16, so masked tails are exercised; the largest M (1025) lands in the large-M entries of the
     # tables, as 4095 did, at a quarter of the interpreted cost (CI time). Every config is compared on the batch's
-    # first 129 rows (a partial tile for every BLOCK_M; a row's bits do not depend on M), at an eighth of the cost
-    # of all 1025.
+    # first 129 rows (a partial tile for every BLOCK_M; a row's bits do not depend on M): an eighth of the rows.
     "tiny": GemmPreset("tiny", ((40, 56), (56, 40)), (1, 7, 128, 129, 1025), chunk=300, repetitions=3,
                        determinism_m=(1, 129), config_m=129),
 }
