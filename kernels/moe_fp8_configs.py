@@ -16,7 +16,7 @@ from detkit.kernels.moe_configs import pinned_stage_config
 # values). dgrad: BLOCK_N = QBLOCK / 2 or QBLOCK columns of dh, so a tile's dgu (2 * BLOCK_N) is one or two 1x128
 # blocks per row.
 # ---------------------------------------------------------------------------------------------
-MOE_FP8_CONFIG_TABLE_VERSION = "2026-11-30.14"
+MOE_FP8_CONFIG_TABLE_VERSION = "2026-12-02.1"
 FP8_STAGES = ("up", "down", "dgrad", "dx")
 
 MOE_FP8_CONFIGS: dict[str, dict[str, GemmConfig]] = {
@@ -56,10 +56,10 @@ FP8_WGRAD_CONFIGS: dict[str, GemmConfig] = {
 }
 
 # The column-wise quantizer's tile: block_m = QBLOCK rows (one scale block) x block_n columns, num_warps
-# (block_k, group_m, num_stages unused: no K loop). 64 columns on 2 warps: wider tiles and more warps are slower on
-# the H200.
+# (block_k, group_m, num_stages unused: no K loop). sm_90: the Gluon kernel (kernels/moe_fp8_colwise_sm90.py), 32
+# columns per warp.
 QUANT_COLWISE_CONFIGS: dict[str, GemmConfig] = {
-    CUDA_SM90: GemmConfig(QBLOCK, 64, 16, 1, 2, 1),
+    CUDA_SM90: GemmConfig(QBLOCK, 128, 16, 1, 4, 1, "ws"),
     TRITON_INTERPRETER: GemmConfig(QBLOCK, 256, 16, 1, 4, 1),
 }
 

@@ -18,6 +18,7 @@ from detkit.kernels.det_gemm import GemmConfig, interpreter_step_k, tma_descript
 from detkit.kernels.fp8_quant import FP8_DTYPE, QBLOCK, Fp8Weight, quantize_rowwise
 from detkit.kernels.moe_common import DS_GROUP, EPI_FP8_DSWIGLU_QUANT, EPI_FP8_SWIGLU, EPI_FP8_SWIGLU_QUANT, EPI_PLAIN
 from detkit.kernels.moe_configs import check_grouped_config, check_moe_variant
+from detkit.kernels.moe_fp8_colwise_sm90 import launch_quant_colwise_sm90
 from detkit.kernels.moe_fp8_configs import FP8_WGRAD_CONFIGS, QUANT_COLWISE_CONFIGS, select_moe_fp8_config
 from detkit.kernels.moe_fp8_kernels import (
     moe_fp8_grouped_gemm_kernel, moe_fp8_quant_colwise_kernel, moe_fp8_wgrad_kernel,
@@ -217,6 +218,11 @@ def moe_fp8_quant_colwise(src: torch.Tensor, routing: MoeRouting, backend: str, 
     if config.block_m != QBLOCK:
         raise ValueError(f"quant_colwise: block_m must be the scale block {QBLOCK} (one scale per column per "
                          f"program); got {config.block_m}")
+    if config.variant == "ws":
+        launch_quant_colwise_sm90(config, src, routing.gather_token, routing.sorted_route, routing.row_score,
+                                  routing.gate, q, s, routing.num_tiles, gather, scale, backend)
+        return q, s
+    check_moe_variant("quant_colwise", config)
     cols = config.block_n
     _moe_fp8_quant_colwise_kernel_planned[(routing.num_tiles * triton.cdiv(n, cols),)](
         src, routing.gather_token, routing.sorted_route, routing.row_score, routing.gate, q, s, p, n,

@@ -13,6 +13,7 @@ from detkit.audits.moe import MoeCase
 from detkit.audits.moe_fp8 import make_inputs
 from detkit.kernels.det_gemm import GemmConfig
 from detkit.kernels.moe_fp8 import moe_fp8_quant_colwise, moe_fp8_wgrad, select_moe_fp8_config
+from detkit.kernels.fp8_quant import quantize_colwise_ref
 from detkit.kernels.moe_routing import build_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import (
@@ -71,6 +72,62 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
             gathered[stage](GemmConfig(64, 128, 128, 1, 8, 5, "ws"))
     with pytest.raises(ValueError, match="one 128-K scale block per ring slot"):
         runs["down"](replace(ws, block_k=64))
+
+
+COLWISE_WS = GemmConfig(128, 128, 16, 1, 4, 1, "ws")  # the Gluon column-wise quantizer's tile
+COLWISE_TRITON = GemmConfig(128, 64, 16, 1, 2, 1)  # the Triton kernel's sm_90 tile before the Gluon one
+
+
+def _colwise_sources(device, t=300, h=512, e=5, k=2, seed=13):
+    """A batch whose x holds NaN, +-inf, values near FP32's and BF16's extremes, subnormals and an all-zero column
+    block (the amax and scale corner cases), with its routing; experts of 0 and 1 rows (padding-only blocks)."""
+    inp = make_inputs(MoeCase(t, h, h, e, k, "random", seed), device)
+    inp["topk_ids"] = skewed_ids(t, e, k, seed).to(device)
+    x = inp["x"].clone()
+    x[:, :128] = 0  # every block of these columns: amax 0, scale 1
+    x[3, 130], x[5, 131], x[7, 132] = float("nan"), float("inf"), float("-inf")
+    x[9, 133], x[11, 134] = 3.0e38, -1.0e-40
+    x[:, 256:384] *= 1e-38  # blocks whose scale clamps at 2**-126
+    return x, build_routing(inp["topk_ids"], inp["scores"], e)
+
+
+def test_colwise_ws_config_is_refused_off_sm90_and_checked_by_name(device):
+    # The Gluon quantizer's own checks run first (on every backend); then, off sm_90, the backend's refusal.
+    x, r = _colwise_sources(device)
+    b = backend_of(device)
+    with pytest.raises(ValueError, match=r"block_n a power of two and a multiple of 32 columns per warp \(128 for 4 "
+                                         r"warps\); got 64"):
+        moe_fp8_quant_colwise(x, r, b, gather=True, scale=False, config=replace(COLWISE_WS, block_n=64))
+    with pytest.raises(ValueError, match="N a multiple of block_n 256; got N=384"):
+        moe_fp8_quant_colwise(x[:, :384].contiguous(), r, b, gather=True, scale=False,
+                              config=replace(COLWISE_WS, block_n=256))
+    if b != "cuda_sm90":
+        with pytest.raises(ValueError, match="quant_colwise: variant 'ws' is a Gluon kernel for sm_90"):
+            moe_fp8_quant_colwise(x, r, b, gather=True, scale=False, config=COLWISE_WS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("gather", "scale"), [(True, False), (False, False), (True, True)])
+def test_colwise_ws_gives_the_triton_kernels_bits(gather, scale, device):
+    # Every code and scale of the Gluon quantizer equals the Triton kernel's, NaN, infinities and the scale's clamp
+    # included; and, on the same input without its NaN (torch's amax propagates NaN, the kernels' maximum skips it),
+    # the pure-torch reference's. Padding rows quantize to 0.
+    x, r = _colwise_sources(device)
+    b = backend_of(device)
+    # Not gathered (dgu, h): the source is already [P, N] in expert order.
+    src = x if gather else x.repeat(-(-r.padded_rows // x.shape[0]), 1)[: r.padded_rows]
+    got = moe_fp8_quant_colwise(src, r, b, gather=gather, scale=scale, config=COLWISE_WS)
+    ref = moe_fp8_quant_colwise(src, r, b, gather=gather, scale=scale, config=COLWISE_TRITON)
+    for a, c in zip(got, ref):
+        assert compare_bits(a, c).equal, (gather, scale)
+    assert bool((got[0][:, r.sorted_route < 0].view(torch.uint8) == 0).all())
+    clean = torch.where(src.isnan(), 0.0, src)
+    v = torch.where((r.sorted_route >= 0)[:, None], (clean[r.gather_token.long()] if gather else clean).float(), 0.0)
+    if scale:
+        v = v * r.row_score[:, None]
+    q_ref, s_ref = quantize_colwise_ref(v)
+    q, s_ = moe_fp8_quant_colwise(clean, r, b, gather=gather, scale=scale, config=COLWISE_WS)
+    assert compare_bits(q.view(torch.uint8), q_ref.view(torch.uint8)).equal and compare_bits(s_, s_ref).equal
 
 
 @pytest.mark.gpu
@@ -139,6 +196,7 @@ from tools.gemm_sass import gluon_desc_type, gluon_sm90_report
 from detkit.kernels.det_gemm_ws import consumers, max_regs
 from detkit.kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_kernel
 from detkit.kernels.moe_fp8_ws_gather import moe_fp8_ws_gather_kernel
+from detkit.kernels.moe_fp8_colwise_sm90 import moe_fp8_quant_colwise_sm90_kernel
 out = {}
 box = lambda rows, cols=128, dt=gl.float8e4nv: gluon_desc_type(rows, cols, dt)
 scale_box = lambda cols: f"tensordesc<fp32[1, {cols}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)!r}>"
@@ -175,12 +233,23 @@ dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}_w{warps}" + "_ds" * ds, bm
                                            (128, 128, 8, 4, True), (64, 64, 4, 8, True)]]
 for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
     out[name] = gluon_sm90_report(fn, ptrs, consts, max_regs(warps))
+col_ptrs = {"src_ptr": "*bf16", "rows_ptr": "*i32", "route_ptr": "*i32", "score_ptr": "*fp32", "gate_ptr": "*i32",
+            "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32"}
+for gather, scale in ((True, True), (False, False)):  # the unit strides the layer's operands have
+    out[f"colwise_{int(gather)}{int(scale)}"] = gluon_sm90_report(
+        moe_fp8_quant_colwise_sm90_kernel, col_ptrs, {"BLOCK_N": 128, "GATHER": gather, "SCALE": scale, "stride_sn": 1,
+        "stride_qp": 1, "stride_sn_s": 1}, 255)
 print(json.dumps(out))
 '''
 
 
 def test_ws_kernel_compiles_for_sm90_offline(tmp_path):
     report = compile_sm90_offline(_COMPILE, tmp_path)
+    for name in [n for n in report if n.startswith("colwise")]:
+        # The column-wise quantizer: 16-byte loads along the rows and 16-byte stores down the columns, the change of
+        # layout between them moving no data (no shared memory), and no spills.
+        r = report.pop(name)
+        assert r["ldg128"] > 0 and r["stg128"] > 0 and r["shared_ld_st"] == 0 and r["stack"] == 0, (name, r)
     for name, r in report.items():
         # FP8 wgmma fed by TMA (the weight; A too, but for the up-projection's gathered rows: cp.async), setmaxnreg
         # (the roles' register split), no spills, and a wait that leaves one MMA group in flight (the next block's,

@@ -83,7 +83,8 @@ def gluon_sm90_report(fn, types: dict[str, str], consts: dict, maxnreg: int) -> 
     """Compile the Gluon kernel ``fn`` for sm_90 offline (Triton's bundled ptxas and cuobjdump, no GPU): arguments
     typed by ``types`` (others i32, assumed multiples of 16), ``consts`` as constexprs, one 4-warp default partition
     and the launch's register cap ``maxnreg``. Returns SASS counts (QGMMA / HGMMA: FP8 / BF16 wgmma; UTMALDG /
-    UTMASTG: TMA loads / stores; USETMAXREG; LDGSTS: cp.async), the stack frame (spills), the PTX's one-in-flight
+    UTMASTG: TMA loads / stores; USETMAXREG; LDGSTS: cp.async; 16-byte global loads and stores; shared-memory loads
+    and stores), the stack frame (spills), the PTX's one-in-flight
     wgmma waits, shared bytes, and whether ``ptxas -v`` reports serialized wgmma ("Performance Loss")."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -106,7 +107,8 @@ def gluon_sm90_report(fn, types: dict[str, str], consts: dict, maxnreg: int) -> 
                               capture_output=True, text=True).stderr
     count = {key: len(re.findall(rf"\b{op}", sass)) for key, op in (
         ("qgmma", "QGMMA"), ("hgmma", "HGMMA"), ("tma", "UTMALDG"), ("tma_store", "UTMASTG"),
-        ("setmaxnreg", "USETMAXREG"), ("ldgsts", "LDGSTS"))}
+        ("setmaxnreg", "USETMAXREG"), ("ldgsts", "LDGSTS"), ("ldg128", r"LDG\.E\.128"), ("stg128", r"STG\.E\.128"),
+        ("shared_ld_st", r"(?:LDS|STS)\b"))}
     return {**count, "stack": stack, "wait1": k.asm["ptx"].count("wgmma.wait_group.sync.aligned 1;"),
             "shared": k.metadata.shared, "serialized": "Performance Loss" in info}
 
