@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-from detkit.audits.moe import MoeCase
-from detkit.audits.moe_fp8 import make_inputs
+from detkit.bench.moe_common import MoePreset, make_inputs
 from detkit.kernels.det_gemm import GemmConfig
 from detkit.kernels.moe_fp8 import moe_fp8_quant_colwise
 from detkit.kernels.moe_routing import build_routing
@@ -33,7 +32,7 @@ def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for preset, (t, h, i, e, k) in SHAPES.items():
-        inp = make_inputs(MoeCase(t, h, i, e, k, "uniform", 1), torch.device("cuda"))
+        inp = make_inputs(MoePreset(preset, t, h, i, e, k), torch.device("cuda"), seed=1)
         r = build_routing(inp["topk_ids"], inp["scores"], e)
         p = r.padded_rows
         gen = torch.Generator(device="cuda").manual_seed(3)
