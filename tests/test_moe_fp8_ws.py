@@ -119,7 +119,7 @@ def test_colwise_ws_gives_the_triton_kernels_bits(gather, scale, device):
     got = moe_fp8_quant_colwise(src, r, b, gather=gather, scale=scale, config=COLWISE_WS)
     ref = moe_fp8_quant_colwise(src, r, b, gather=gather, scale=scale, config=COLWISE_TRITON)
     # The codes as bytes: compare_bits counts every NaN as a mismatch, and the NaN inputs must give NaN codes.
-    assert compare_bits(got[0].view(torch.uint8), ref[0].view(torch.uint8)).equal, (gather, scale)
+    assert torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8)), (gather, scale)
     assert compare_bits(got[1], ref[1]).equal, (gather, scale)
     assert bool(got[0][130].float().isnan().any())  # the NaN input's column keeps a NaN code
     assert bool((got[0][:, r.sorted_route < 0].view(torch.uint8) == 0).all())
@@ -129,7 +129,7 @@ def test_colwise_ws_gives_the_triton_kernels_bits(gather, scale, device):
         v = v * r.row_score[:, None]
     q_ref, s_ref = quantize_colwise_ref(v)
     q, s_ = moe_fp8_quant_colwise(clean, r, b, gather=gather, scale=scale, config=COLWISE_WS)
-    assert compare_bits(q.view(torch.uint8), q_ref.view(torch.uint8)).equal and compare_bits(s_, s_ref).equal
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and compare_bits(s_, s_ref).equal
 
 
 @pytest.mark.gpu
