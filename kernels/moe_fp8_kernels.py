@@ -205,17 +205,16 @@ def moe_fp8_quant_to_routes_kernel(
             tl.store(q_ptr + dest[:, None] * stride_qm + offs_n[None, :], q, mask=ok[:, None])
             tl.store(qs_ptr + dest * stride_sm + pid_n, scale, mask=ok)
     else:  # the padding rows of a 128-row block below P (the gate): a zero row, as quantizing zeros gives
-        pid_p = pid - token_programs
+        pid_p = (pid - token_programs) // num_pid_n
+        pid_n = (pid - token_programs) % num_pid_n
         if pid_p * QBLOCK < tl.load(gate_ptr):
             offs_p = pid_p * QBLOCK + tl.arange(0, QBLOCK)
+            offs_n = pid_n * QBLOCK + tl.arange(0, QBLOCK)
             pad = tl.load(route_ptr + offs_p) < 0
-            if tl.sum(pad.to(tl.int32), axis=0) > 0:  # only an expert's last block has padding rows
-                zero = to_e4m3(tl.zeros((QBLOCK, QBLOCK), dtype=tl.float32), INTERPRETED)
-                one = tl.full((QBLOCK,), 1.0, tl.float32)
-                for pid_n in range(num_pid_n):
-                    offs_n = pid_n * QBLOCK + tl.arange(0, QBLOCK)
-                    tl.store(q_ptr + offs_p[:, None] * stride_qm + offs_n[None, :], zero, mask=pad[:, None])
-                    tl.store(qs_ptr + offs_p * stride_sm + pid_n, one, mask=pad)
+            zero = tl.zeros((QBLOCK, QBLOCK), dtype=tl.float32)
+            tl.store(q_ptr + offs_p[:, None] * stride_qm + offs_n[None, :], to_e4m3(zero, INTERPRETED),
+                     mask=pad[:, None])
+            tl.store(qs_ptr + offs_p * stride_sm + pid_n, tl.full((QBLOCK,), 1.0, tl.float32), mask=pad)
 
 
 @triton.jit(launch_metadata=fp8_wgrad_launch_name)

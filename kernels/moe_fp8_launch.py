@@ -231,7 +231,7 @@ def moe_fp8_quant_to_routes(x: torch.Tensor, routing: MoeRouting, backend: str) 
         return q, s
     interpreted = backend == TRITON_INTERPRETER
     block_m = QUANT_TO_ROUTES_BLOCK_M[backend]
-    grid = (triton.cdiv(t, block_m) * (n // QBLOCK) + p // QBLOCK,)  # token blocks x column blocks, then padding
+    grid = ((triton.cdiv(t, block_m) + p // QBLOCK) * (n // QBLOCK),)
     _moe_fp8_quant_to_routes_kernel_planned[grid](
         x, routing.route_row, routing.sorted_route, routing.gate, q, s, t, n, routing.top_k, p,
         x.stride(0), x.stride(1), q.stride(0), s.stride(0),
