@@ -69,10 +69,6 @@ def colwise_quant_launch_name(grid, metadata, args):
     return {"name": fp8_stage_name("moe_fp8_quant_colwise", P=args["P"], N=args["N"])}
 
 
-def routes_quant_launch_name(grid, metadata, args):
-    return {"name": fp8_stage_name("moe_fp8_quant_to_routes", T=args["T"], N=args["N"], K=args["K"])}
-
-
 LAYER_STAGES = ("routing", "up_swiglu", "down", "combine", "dgrad_dswiglu", "dx", "wgrad", "dscores")
 FP8_LAYER_STAGES = ("routing", "quant_x", "weights", "up_swiglu", "down", "combine", "quant_dout", "dgrad_dswiglu",
                     "dx", "wgrad", "dscores")

@@ -8,10 +8,8 @@ expert segments from kernels/moe_routing.py); the four data GEMMs run on FP8 ope
 FP32 scales, and the accumulator promoted to FP32 every 128 K (kernels/moe_fp8_kernels.py).
 
 Stages (P = padded expert-sorted rows):
-    quant   x [T, H] -> x_q, x_s (1x128 along H), each token row quantized once and stored at its routes' rows
-            [P, H] (moe_fp8_quant_to_routes, padding rows zero); dout likewise in the backward
-    up      gu [P, 2I] bf16 = x_q[gather] @ W1q[e] (those rows read in order); epilogue: h = silu(g) * u ->
-            h [P, I] bf16 and
+    quant   x [T, H] -> x_q, x_s (1x128 along H); dout likewise in the backward   (fp8_quant_rowwise)
+    up      gu [P, 2I] bf16 = x_q[gather] @ W1q[e]; epilogue: h = silu(g) * u -> h [P, I] bf16 and
             h_q / h_s = quantize_rowwise(h) (1x128 along I, the down-projection's K): fused when the tile
             is 256 interleaved columns wide, else a row-wise pass over the stored h (the same bits)
     down    y [P, H] bf16 = h_q @ W2q[e] (FP32 accumulation, rounded once)
@@ -61,8 +59,8 @@ from detkit.kernels.moe_fp8_configs import (
 )
 from detkit.kernels.moe_fp8_kernels import moe_fp8_grouped_gemm_kernel
 from detkit.kernels.moe_fp8_launch import (
-    moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_quant_colwise,
-    moe_fp8_quant_to_routes, moe_fp8_up_gemm, moe_fp8_up_swiglu, moe_fp8_wgrad, moe_fp8_wgrads, quantized_h,
+    moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_quant_colwise, moe_fp8_up_gemm,
+    moe_fp8_up_swiglu, moe_fp8_wgrad, moe_fp8_wgrads, quantized_h,
 )
 from detkit.kernels.moe_launch import (
     launch_checked_routing, moe_combine, moe_dscores_from_partials, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2,
@@ -78,8 +76,7 @@ __all__ = [
     "DEFAULT_WGRAD", "FP8_LAYER_STAGES", "FP8_STAGES", "FP8_WGRAD_CONFIGS", "MOE_FP8_CONFIGS",
     "MOE_FP8_CONFIG_TABLE_VERSION", "OTHER_WGRAD", "QUANT_COLWISE_CONFIGS", "WGRAD_CONFIGS", "WGRAD_MODES",
     "fp8_stage_name", "moe_fp8_dgrad", "moe_fp8_dgrad_dswiglu", "moe_fp8_down", "moe_fp8_dx_route",
-    "moe_fp8_grouped_gemm_kernel", "moe_fp8_quant_colwise", "moe_fp8_quant_to_routes", "moe_fp8_up_swiglu",
-    "moe_fp8_wgrad", "moe_fp8_wgrads",
+    "moe_fp8_grouped_gemm_kernel", "moe_fp8_quant_colwise", "moe_fp8_up_swiglu", "moe_fp8_wgrad", "moe_fp8_wgrads",
     "select_moe_fp8_config",
 ]
 
@@ -185,11 +182,10 @@ def moe_mlp_fp8_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_id
         split = gate_up == "split"
         w1f = weight_cache.get(w1, gate_up=gate_up) if weight_cache is not None else quantize_weight(w1, split)
         w2f = weight_cache.get(w2) if weight_cache is not None else quantize_weight(w2)
-    with rng(names["quant_x"]):  # each token row once, stored at its routes' rows (the up GEMM reads them in order)
-        x_q, x_s = moe_fp8_quant_to_routes(x, pending.bound, backend)
+    with rng(names["quant_x"]):
+        x_q, x_s = quantize_rowwise(x)
     with rng(names["up_swiglu"]):  # over the largest P, gated on the device
-        gu, h, h_q, h_s = moe_fp8_up_gemm(x_q, x_s, w1f, pending.bound, backend, a_sorted=True)
-    del x_q, x_s
+        gu, h, h_q, h_s = moe_fp8_up_gemm(x_q, x_s, w1f, pending.bound, backend)
     routing = pending.bound  # every stage runs over the bound, gated on the device: no host read
     if sync_checks_enabled():  # the validating mode: one host read refuses a bad batch, then the exact P
         with rng(names["routing"]):
@@ -220,12 +216,10 @@ def moe_mlp_fp8_bwd(dout: torch.Tensor, saved: MoeFp8Saved, *, main_grads=None, 
     rng = stage_range or (lambda name: nullcontext())
     names = _names(saved.x, saved.w1, saved.routing.top_k)
     backend, routing = saved.backend, saved.routing
-    with rng(names["quant_dout"]):  # as x in the forward: at its routes' rows, for dgrad's in-order reads
-        dout_q, dout_s = moe_fp8_quant_to_routes(dout, routing, backend)
+    with rng(names["quant_dout"]):
+        dout_q, dout_s = quantize_rowwise(dout)
     with rng(names["dgrad_dswiglu"]):
-        dgu, dgu_q, dgu_s, ds_part = moe_fp8_dgrad(dout_q, dout_s, saved.w2f, saved.gu, routing, backend, h=saved.h,
-                                                   a_sorted=True)
-    del dout_q, dout_s
+        dgu, dgu_q, dgu_s, ds_part = moe_fp8_dgrad(dout_q, dout_s, saved.w2f, saved.gu, routing, backend, h=saved.h)
     with rng(names["dx"]):
         dx = moe_gather_sum(moe_fp8_dx_route(dgu_q, dgu_s, saved.w1f, routing, backend), routing, backend)
     with rng(names["wgrad"]):

@@ -64,9 +64,5 @@ QUANT_COLWISE_CONFIGS: dict[str, GemmConfig] = {
 }
 
 
-# The quantizer of x and dout into their routes' rows (kernels/moe_fp8_launch.py moe_fp8_quant_to_routes): token rows
-# per program (a 1x128 column block each), 4 warps.
-QUANT_TO_ROUTES_BLOCK_M: dict[str, int] = {CUDA_SM90: 32, TRITON_INTERPRETER: 64}
-
 def select_moe_fp8_config(stage: str, backend: str) -> GemmConfig:
     return pinned_stage_config(MOE_FP8_CONFIGS, stage, backend, what="FP8 MoE")

@@ -14,8 +14,6 @@ every 128 K and adding into the FP32 acc bounds that error to one block (DeepSee
                                   1x128 when the tile is 256 interleaved columns wide); dgu and dgu quantized 1x128,
                                   with the dscore partials (fp8_dscore_partials)
     moe_fp8_quant_colwise_kernel  expert-sorted rows quantized in 128x1 blocks down the columns, stored K-major
-    moe_fp8_quant_to_routes_kernel  token rows quantized 1x128 once and stored at each of their routes' padded rows
-                                  (x for up, dout for dgrad: their A rows in expert order, read by TMA)
     moe_fp8_wgrad_kernel          dW[e] from column-wise FP8 operands, promotion every 128 rows
 
 Every FP8 operand is K-major (the reduced dim contiguous), as Hopper's FP8 wgmma requires; the kernel loads a
@@ -30,9 +28,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from detkit.kernels.fp8_quant import quantize_row_blocks, quantize_rows, to_e4m3
+from detkit.kernels.fp8_quant import quantize_row_blocks, quantize_rows
 from detkit.kernels.moe_common import (
-    DS_GROUP, colwise_quant_launch_name, fp8_grouped_launch_name, fp8_wgrad_launch_name, routes_quant_launch_name,
+    DS_GROUP, colwise_quant_launch_name, fp8_grouped_launch_name, fp8_wgrad_launch_name,
 )
 from detkit.kernels.moe_triton_blocks import (
     dswiglu_epilogue, grouped_tile, mma_step, store_c_tile, store_wgrad_tile, swiglu_epilogue, tile_is_live, to_bf16,
@@ -178,43 +176,6 @@ def moe_fp8_quant_colwise_kernel(
         q, scale = quantize_rows(tl.trans(v), INTERPRETED)  # [BLOCK_N, QBLOCK]: 128x1 blocks down the columns
         tl.store(q_ptr + offs_n[:, None] * stride_qn + offs_p[None, :] * stride_qp, q, mask=n_ok[:, None])
         tl.store(qs_ptr + offs_n * stride_sn_s + pid_p * stride_sp_s, scale, mask=n_ok)
-
-
-@triton.jit(launch_metadata=routes_quant_launch_name)
-def moe_fp8_quant_to_routes_kernel(
-    x_ptr, route_row_ptr, route_ptr, gate_ptr, q_ptr, qs_ptr,
-    T, N, K, P,  # q[route_row[t, k], :] = e4m3(x[t] / s) with 1x128 row scales; padding rows below P: q = 0, s = 1
-    stride_xm, stride_xn, stride_qm, stride_sm,
-    BLOCK_M: tl.constexpr, QBLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
-):
-    pid = tl.program_id(axis=0)
-    num_pid_n = N // QBLOCK
-    token_programs = tl.cdiv(T, BLOCK_M) * num_pid_n
-    if pid < token_programs:  # a token block's row-wise quantization, stored at each of its routes' rows
-        pid_m = pid // num_pid_n
-        pid_n = pid % num_pid_n
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * QBLOCK + tl.arange(0, QBLOCK)
-        m_ok = offs_m < T
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=m_ok[:, None],
-                    other=0.0).to(tl.float32)
-        q, scale = quantize_rows(x, INTERPRETED)
-        for k in range(K):
-            dest = tl.load(route_row_ptr + offs_m * K + k, mask=m_ok, other=-1)  # -1: a masked route
-            ok = dest >= 0
-            tl.store(q_ptr + dest[:, None] * stride_qm + offs_n[None, :], q, mask=ok[:, None])
-            tl.store(qs_ptr + dest * stride_sm + pid_n, scale, mask=ok)
-    else:  # the padding rows of a 128-row block below P (the gate): a zero row, as quantizing zeros gives
-        pid_p = (pid - token_programs) // num_pid_n
-        pid_n = (pid - token_programs) % num_pid_n
-        if pid_p * QBLOCK < tl.load(gate_ptr):
-            offs_p = pid_p * QBLOCK + tl.arange(0, QBLOCK)
-            offs_n = pid_n * QBLOCK + tl.arange(0, QBLOCK)
-            pad = tl.load(route_ptr + offs_p) < 0
-            zero = tl.zeros((QBLOCK, QBLOCK), dtype=tl.float32)
-            tl.store(q_ptr + offs_p[:, None] * stride_qm + offs_n[None, :], to_e4m3(zero, INTERPRETED),
-                     mask=pad[:, None])
-            tl.store(qs_ptr + offs_p * stride_sm + pid_n, tl.full((QBLOCK,), 1.0, tl.float32), mask=pad)
 
 
 @triton.jit(launch_metadata=fp8_wgrad_launch_name)

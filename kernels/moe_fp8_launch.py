@@ -19,12 +19,9 @@ from detkit.kernels.fp8_quant import FP8_DTYPE, QBLOCK, Fp8Weight, quantize_roww
 from detkit.kernels.moe_common import DS_GROUP, EPI_FP8_DSWIGLU_QUANT, EPI_FP8_SWIGLU, EPI_FP8_SWIGLU_QUANT, EPI_PLAIN
 from detkit.kernels.moe_configs import check_grouped_config, check_moe_variant
 from detkit.kernels.moe_fp8_colwise_sm90 import launch_quant_colwise_sm90
-from detkit.kernels.moe_fp8_configs import (
-    FP8_WGRAD_CONFIGS, QUANT_COLWISE_CONFIGS, QUANT_TO_ROUTES_BLOCK_M, select_moe_fp8_config,
-)
+from detkit.kernels.moe_fp8_configs import FP8_WGRAD_CONFIGS, QUANT_COLWISE_CONFIGS, select_moe_fp8_config
 from detkit.kernels.moe_fp8_kernels import (
-    moe_fp8_grouped_gemm_kernel, moe_fp8_quant_colwise_kernel, moe_fp8_quant_to_routes_kernel,
-    moe_fp8_wgrad_kernel,
+    moe_fp8_grouped_gemm_kernel, moe_fp8_quant_colwise_kernel, moe_fp8_wgrad_kernel,
 )
 from detkit.kernels.moe_fp8_ws import launch_fp8_wgrad_ws, launch_fp8_ws
 from detkit.kernels.moe_fp8_ws_gather import launch_fp8_ws_gather
@@ -40,12 +37,9 @@ _moe_fp8_grouped_gemm_kernel_planned = PlannedKernel(moe_fp8_grouped_gemm_kernel
 def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather: bool, b: torch.Tensor,
              b_s: torch.Tensor, c: torch.Tensor, aux: torch.Tensor | None, q: torch.Tensor | None,
              q_s: torch.Tensor | None, routing: MoeRouting, epilogue: int, backend: str,
-             config: GemmConfig | None, dscore: tuple[torch.Tensor, torch.Tensor] | None = None,
-             sorted_a: bool = False) -> None:
+             config: GemmConfig | None, dscore: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """b: [E, C, L] K-major FP8 view; b_s: [E, L/128, C/128] view (strides kept); ``dscore = (h, ds_part)`` (dgrad):
-    the dscore partials [P, C / DS_GROUP] are written too, from the forward's h [P, C]. ``gather``: A's rows are
-    token rows read through the routing's gather index; else the routing's padded rows in expert order
-    (``sorted_a`` for up and dgrad: ``moe_fp8_quant_to_routes``'s rows, checked to be [P, L])."""
+    the dscore partials [P, C / DS_GROUP] are written too, from the forward's h [P, C]."""
     config = config or select_moe_fp8_config(stage, backend)
     if config.variant == "ws":
         _check_ws_stage(stage, config, gather, epilogue)
@@ -62,18 +56,14 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
         raise ValueError(f"{stage}: the dscore partials sum 64-column chunks: BLOCK_N must be a multiple of 64; got "
                          f"{config.block_n}")
     p = routing.padded_rows
-    if sorted_a and tuple(a.shape) != (p, b.shape[2]):
-        raise ValueError(f"{stage}: a_sorted needs A as the routing's [P, L] = [{p}, {b.shape[2]}] rows; got "
-                         f"{tuple(a.shape)}")
     if config.variant == "ws":  # the Gluon kernels (kernels/moe_fp8_ws*.py): sm_90
-        if epilogue != EPI_PLAIN:
+        if gather:
             outputs = ({"gu": c, "h": aux} if epilogue == EPI_FP8_SWIGLU else
                        {"score": routing.row_score, "gu": aux, "dgu": c, "dgu_q": q, "dgu_s": q_s})
             if dscore is not None:
                 outputs["h"], outputs["ds_part"] = dscore
             launch_fp8_ws_gather(op_id, stage, config, epilogue, a, a_s, b, b_s, outputs, routing.gather_token,
-                                 routing.sorted_route, routing.tile_expert, routing.gate, p, SEGMENT_ALIGN, backend,
-                                 gather_a=gather)
+                                 routing.sorted_route, routing.tile_expert, routing.gate, p, SEGMENT_ALIGN, backend)
         else:
             launch_fp8_ws(op_id, stage, config, a, a_s, b, b_s, c, routing.sorted_route, routing.tile_expert,
                           routing.gate, p, SEGMENT_ALIGN, backend)
@@ -114,7 +104,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
 def _check_ws_stage(stage: str, config: GemmConfig, gather: bool, epilogue: int) -> None:
     """Variant "ws" (kernels/moe_fp8_ws*.py): the stages the Gluon kernels cover, with 64 rows per consumer
     warpgroup. The launchers check the rest, then the backend (sm_90 only)."""
-    if epilogue not in (EPI_PLAIN, EPI_FP8_SWIGLU, EPI_FP8_DSWIGLU_QUANT) or (gather and epilogue == EPI_PLAIN):
+    if (gather, epilogue) not in ((False, EPI_PLAIN), (True, EPI_FP8_SWIGLU), (True, EPI_FP8_DSWIGLU_QUANT)):
         raise ValueError(f"{stage}: variant 'ws' covers down, dX, the up-projection with h quantized by the row-wise "
                          "pass (BLOCK_N 128), dgrad (BLOCK_N 64 or 128) and the FP8 weight gradient; use a 'ptr' or 'tma' "
                          "config for the fused up tile")
@@ -125,21 +115,20 @@ def _check_ws_stage(stage: str, config: GemmConfig, gather: bool, epilogue: int)
 
 
 def moe_fp8_up_swiglu(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,
-                      config: GemmConfig | None = None, a_sorted: bool = False):
+                      config: GemmConfig | None = None):
     """gu [P, 2I] bf16 = x_q[gather] @ W1q[e]; h [P, I] bf16 = silu(g) * u; h_q [P, I] e4m3, h_s [P, I/128].
 
     h_q, h_s = quantize_rowwise(h) either way: fused into the epilogue when the tile is 2 x 128 interleaved
     columns wide (its h is one 1x128 block per row), else by the row-wise quantizer over the stored h."""
-    gu, h, h_q, h_s = moe_fp8_up_gemm(x_q, x_s, w1f, routing, backend, config, a_sorted)
+    gu, h, h_q, h_s = moe_fp8_up_gemm(x_q, x_s, w1f, routing, backend, config)
     return (gu, h, *quantized_h(h, h_q, h_s, routing))
 
 
 def moe_fp8_up_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, routing: MoeRouting, backend: str,
-                    config: GemmConfig | None = None, a_sorted: bool = False):
+                    config: GemmConfig | None = None):
     """The up GEMM of ``moe_fp8_up_swiglu`` over ``routing`` (an exact one, or a PendingRouting's bound: the
     kernels then skip every tile past the P on the device): gu, h, and h_q, h_s when the tile quantizes h in its
-    epilogue (else None: ``quantized_h``). x_q, x_s: token rows [T, H] (read through the gather index), or with
-    ``a_sorted`` the routing's rows [P, H] from ``moe_fp8_quant_to_routes`` (read in order: TMA on sm_90)."""
+    epilogue (else None: ``quantized_h``)."""
     config = config or select_moe_fp8_config("up", backend)
     p, two_i = routing.padded_rows, w1f.q.shape[2]
     dev = x_q.device
@@ -150,8 +139,8 @@ def moe_fp8_up_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w1f: Fp8Weight, routin
     if fused:
         h_q = torch.empty((p, two_i // 2), dtype=FP8_DTYPE, device=dev)
         h_s = torch.empty((p, two_i // 2 // QBLOCK), dtype=torch.float32, device=dev)
-    _grouped(0, "up", x_q, x_s, not a_sorted, w1f.q_t, w1f.scale, gu, h, h_q, h_s, routing,
-             EPI_FP8_SWIGLU_QUANT if fused else EPI_FP8_SWIGLU, backend, config, sorted_a=a_sorted)
+    _grouped(0, "up", x_q, x_s, True, w1f.q_t, w1f.scale, gu, h, h_q, h_s, routing,
+             EPI_FP8_SWIGLU_QUANT if fused else EPI_FP8_SWIGLU, backend, config)
     return gu, h, h_q, h_s
 
 
@@ -177,12 +166,10 @@ def moe_fp8_down(h_q: torch.Tensor, h_s: torch.Tensor, w2f: Fp8Weight, routing: 
 
 
 def moe_fp8_dgrad(dout_q: torch.Tensor, dout_s: torch.Tensor, w2f: Fp8Weight, gu: torch.Tensor, routing: MoeRouting,
-                  backend: str, config: GemmConfig | None = None, h: torch.Tensor | None = None,
-                  a_sorted: bool = False):
+                  backend: str, config: GemmConfig | None = None, h: torch.Tensor | None = None):
     """dgu [P, 2I] bf16: dSwiGLU of dh = s * (dout_q[gather] @ W2q[e]^T); dgu_q e4m3, dgu_s [P, 2I/128]; with the
     forward's ``h`` [P, I], from the same accumulator the dscore partials ds_part [P, I/16] FP32
-    (``fp8_dscore_partials``: (dout_q[gather] @ W2q[e]^T) * h in fixed groups of 16 columns), else None. With
-    ``a_sorted``, dout_q, dout_s are the routing's rows [P, H] (``moe_fp8_quant_to_routes``), read in order."""
+    (``fp8_dscore_partials``: (dout_q[gather] @ W2q[e]^T) * h in fixed groups of 16 columns), else None."""
     p, two_i = gu.shape
     if h is not None and (h.shape != (p, two_i // 2) or not h.is_contiguous()):
         raise ValueError(f"dgrad: h must be the forward's contiguous [P, I] = [{p}, {two_i // 2}]; got "
@@ -193,8 +180,8 @@ def moe_fp8_dgrad(dout_q: torch.Tensor, dout_s: torch.Tensor, w2f: Fp8Weight, gu
     ds_part = None if h is None else torch.empty((p, two_i // 2 // DS_GROUP.value), dtype=torch.float32,
                                                  device=gu.device)
     # B = W2[e]^T [K=H, N=I]: K-major storage is W2q itself [E, I, H]; its scales seen as [E, H/128, I/128].
-    _grouped(2, "dgrad", dout_q, dout_s, not a_sorted, w2f.q, w2f.scale.transpose(1, 2), dgu, gu, dgu_q, dgu_s,
-             routing, EPI_FP8_DSWIGLU_QUANT, backend, config, None if h is None else (h, ds_part), sorted_a=a_sorted)
+    _grouped(2, "dgrad", dout_q, dout_s, True, w2f.q, w2f.scale.transpose(1, 2), dgu, gu, dgu_q, dgu_s, routing,
+             EPI_FP8_DSWIGLU_QUANT, backend, config, None if h is None else (h, ds_part))
     return dgu, dgu_q, dgu_s, ds_part
 
 
@@ -211,33 +198,6 @@ def moe_fp8_dx_route(dgu_q: torch.Tensor, dgu_s: torch.Tensor, w1f: Fp8Weight, r
     _grouped(3, "dx", dgu_q, dgu_s, False, w1f.q, w1f.scale.transpose(1, 2), dxr, None, None, None, routing,
              EPI_PLAIN, backend, config)
     return dxr
-
-
-_moe_fp8_quant_to_routes_kernel_planned = PlannedKernel(moe_fp8_quant_to_routes_kernel)
-
-
-def moe_fp8_quant_to_routes(x: torch.Tensor, routing: MoeRouting, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, N] (N a multiple of 128) quantized 1x128 per token row, stored at each of the token's routes' padded
-    rows: q [P, N] e4m3, s [P, N/128] FP32, equal to ``quantize_rowwise`` of the expert-ordered rows x[gather[p]]
-    with the padding rows (below the routing's P) zero (q 0, s 1). The up and dgrad GEMMs read these rows by TMA
-    (``a_sorted=True``): the same A values and scales as gathering x_q's rows, so the same bits."""
-    t, n = x.shape
-    if n % QBLOCK:
-        raise ValueError(f"quant_to_routes: x has {n} columns; supported: multiples of the FP8 block {QBLOCK}")
-    p = routing.padded_rows
-    q = torch.empty((p, n), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((p, n // QBLOCK), dtype=torch.float32, device=x.device)
-    if p == 0:
-        return q, s
-    interpreted = backend == TRITON_INTERPRETER
-    block_m = QUANT_TO_ROUTES_BLOCK_M[backend]
-    grid = ((triton.cdiv(t, block_m) + p // QBLOCK) * (n // QBLOCK),)
-    _moe_fp8_quant_to_routes_kernel_planned[grid](
-        x, routing.route_row, routing.sorted_route, routing.gate, q, s, t, n, routing.top_k, p,
-        x.stride(0), x.stride(1), q.stride(0), s.stride(0),
-        BLOCK_M=block_m, QBLOCK=QBLOCK, INTERPRETED=interpreted, num_warps=4,
-    )
-    return q, s
 
 
 _moe_fp8_quant_colwise_kernel_planned = PlannedKernel(moe_fp8_quant_colwise_kernel)

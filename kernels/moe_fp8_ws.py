@@ -196,10 +196,9 @@ def fp8_tile_acc(t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_p
 
 
 @gluon.jit
-def tma_producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L,
+def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr):
-    """The grouped GEMM's loads by TMA, A rows in expert order (down, dX; up and dgrad on rows already in that order):
-    every K block of each live tile (a tile whose first row is padding is padding only)."""
+    """The grouped GEMM's loads: every K block of each live tile (a tile whose first row is padding is padding only)."""
     QB: gl.constexpr = a_ring.type.shape[2]
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -266,16 +265,16 @@ def moe_fp8_ws_kernel(
             (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
                          num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M,
                          BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
-            (tma_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n,
-                            C, L, BLOCK_M, BLOCK_N, SEGMENT)),
+            (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
+                         L, BLOCK_M, BLOCK_N, SEGMENT)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
                          num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M,
                          BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
-            (tma_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n,
-                            C, L, BLOCK_M, BLOCK_N, SEGMENT)),
+            (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
+                         L, BLOCK_M, BLOCK_N, SEGMENT)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 

@@ -10,9 +10,7 @@ moe_fp8_grouped_gemm_kernel's epilogues, operation for operation:
                            dg and du from the saved gu; dgu rounded once to BF16 and TMA-stored as int32 pairs; dgu
                            quantized 1x128 from those stored BF16 values (dgu_q as int16 pairs, its scales by pointer)
 
-When the caller has stored the A rows in expert order (``moe_fp8_quant_to_routes``: each token row quantized once and
-written at its routes' rows), GATHER_A False loads them by TMA from one producer warp, as the down kernel does: the
-same A values and scales, so the same bits. The two consumer warpgroups share each tile's rows (cooperative). The kernel also has a ping-pong form (PINGPONG: the
+The two consumer warpgroups share each tile's rows (cooperative). The kernel also has a ping-pong form (PINGPONG: the
 warpgroups take whole tiles in turn) that the launcher does not run. Gluon has no interpreter path: sm_90 only.
 """
 
@@ -25,11 +23,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from detkit.kernels.backend import PlannedKernel, ensure_cuda_context
 from detkit.kernels.det_gemm import device_sms
-from detkit.kernels.det_gemm_ws import (
-    CONSUMER_WARPS, PRODUCER_REGS, PRODUCER_WARPS, check_shared_bytes, consumers, max_regs, store_part,
-)
+from detkit.kernels.det_gemm_ws import CONSUMER_WARPS, check_shared_bytes, consumers, max_regs, store_part
 from detkit.kernels.moe_common import DS_GROUP, EPI_FP8_SWIGLU, fp8_grouped_launch_name
-from detkit.kernels.moe_fp8_ws import QBLOCK_WS, fp8_tile_acc, kb_group, tma_producer
+from detkit.kernels.moe_fp8_ws import QBLOCK_WS, fp8_tile_acc, kb_group
 from detkit.kernels.moe_gluon_blocks import (
     GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, bf16_pair_bits, bf16_pair_values,
     check_ws_backend, gather_producer, live_tiles, nvmma_descriptor,
@@ -40,8 +36,7 @@ from detkit.kernels.moe_gluon_blocks import (
 def _swiglu_consumer(a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr, gather_ptr,
                      route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse,
                      stride_bsl, stride_bsc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr,
-                     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr,
-                     GATHER_A: gl.constexpr):
+                     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr):
     """The up-projection's consumer warpgroup: the grouped consumer's K loop over gathered rows (their scales read
     through the gather index too), then the SwiGLU epilogue of moe_fp8_grouped_gemm_kernel (EPI_FP8_SWIGLU): gu rounded to
     BF16, h = silu(g) * u from those BF16 values in FP32, rounded once; both stored by TMA. Its tiles: ``_turn``."""
@@ -57,7 +52,7 @@ def _swiglu_consumer(a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem
             acc, _, off_m, off_n, rows, live = fp8_tile_acc(
                 t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
                 stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS,
-                P0, GATHER_A)
+                P0, True)
             _pass_turn(turn, PINGPONG, PART)
             # Padding rows (they read token 0) store zeros.
             gu = gl.where(live[:, None], acc, 0.0).to(gl.bfloat16)
@@ -69,20 +64,6 @@ def _swiglu_consumer(a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem
         count += blocks
         i += 1
     tma.store_wait(0)
-
-
-@gluon.jit
-def _operand_producer(a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                      num_tiles, num_n, C, L, stride_am, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      SEGMENT: gl.constexpr, GATHER_A: gl.constexpr):
-    """The loads: A rows a[gather[p]] by cp.async (4 warps) and the weight by TMA, or, with A already in expert order
-    (``moe_fp8_quant_to_routes``), both by TMA from one warp (the down and dX kernels' producer)."""
-    if GATHER_A:
-        gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr, num_tiles,
-                        num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)
-    else:
-        tma_producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L,
-                     BLOCK_M, BLOCK_N, SEGMENT)
 
 
 @gluon.jit
@@ -160,8 +141,7 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, turn, dgu_smem, dgu_desc, q_s
                       gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
                       num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
-                      CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr,
-                      GATHER_A: gl.constexpr):
+                      CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr):
     """The dgrad's consumer warpgroup: dh = s * (dout_q[gather] @ W2q^T) over BLOCK_N = 64 or 128 columns of I,
     then moe_fp8_grouped_gemm_kernel's EPI_FP8_DSWIGLU_QUANT: (DSCORE) the dscore partials from the unscaled accumulator and the
     forward's h (``_dscore_partials``); dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
@@ -178,7 +158,7 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, turn, dgu_smem, dgu_desc, q_s
             _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
                           gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n,
                           C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
-                          BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS, DSCORE, PINGPONG, P0, PART, GATHER_A)
+                          BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS, DSCORE, PINGPONG, P0, PART)
         count += blocks
         i += 1
     tma.store_wait(0)
@@ -190,7 +170,7 @@ def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q
                   stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
                   PARTS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, P0: gl.constexpr,
-                  BUF: gl.constexpr, GATHER_A: gl.constexpr):
+                  BUF: gl.constexpr):
     """One dgrad tile of ``_dswiglu_consumer``: rows [P0 * BLOCK_M / PARTS, +BLOCK_M / PARTS) of tile t from ring slot
     ``count`` on, its outputs through store-buffer part BUF."""
     ROWS: gl.constexpr = BLOCK_M // PARTS
@@ -198,7 +178,7 @@ def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q
     acc, _, off_m, off_n, rows, live = fp8_tile_acc(
         t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
         stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS,
-        P0, GATHER_A)
+        P0, True)
     _pass_turn(turn, PINGPONG, BUF)
     # Columns of dh: (g, u) column pairs of gu and dgu; padding rows (they read token 0) as the Triton kernel's: +0.
     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
@@ -234,8 +214,7 @@ def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q
 
 @gluon.jit(launch_metadata=fp8_grouped_launch_name)
 def moe_fp8_ws_gather_kernel(
-    a_ptr,  # x_q [T, H] (up) or dout_q [T, H] (dgrad) e4m3, rows read through the gather index (GATHER_A)
-    a_desc,  # not GATHER_A: TMA descriptor over those rows in expert order [P, H] (box [BLOCK_M, 128]); else unused
+    a_ptr,  # x_q [T, H] (up) or dout_q [T, H] (dgrad) e4m3, rows read through the gather index
     b_desc,  # TMA descriptor over the K-major weight as [E * C, L] (box [BLOCK_N, 128])
     gu_desc, h_desc,  # up: TMA descriptors over gu [P, 2I], h [P, I] BF16, boxes [BLOCK_M / CONSUMERS, BLOCK_N or /2];
     # dgrad: over dgu as int32 (g, u) pairs and dgu_q as int16 pairs, [P, I] each, box [BLOCK_M / CONSUMERS, BLOCK_N]
@@ -250,7 +229,6 @@ def moe_fp8_ws_gather_kernel(
     EPILOGUE: gl.constexpr,  # EPI_FP8_SWIGLU (3): up, h quantized by the row-wise pass; EPI_FP8_DSWIGLU_QUANT (2): dgrad
     DSCORE: gl.constexpr = False,  # dgrad: the dscore partials too
     PINGPONG: gl.constexpr = False,  # launched False (cooperative); True: warpgroups take whole tiles in turn (``_turn``)
-    GATHER_A: gl.constexpr = True,  # A rows by cp.async through the gather index (a 4-warp producer), or by TMA
 ):
     QB: gl.constexpr = b_desc.block_type.shape[1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, QB], gl.float8e4nv)
@@ -259,13 +237,11 @@ def moe_fp8_ws_gather_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        # The TMA expect-tx arrival and, gathering, one cp.async arrival per producer thread (128).
-        mbarrier.init(ready.index(i), count=1 + (GATHER_PRODUCER_WARPS * 32 if GATHER_A else 0))
+        # The weight's expect-tx arrival and one cp.async arrival per producer thread (128).
+        mbarrier.init(ready.index(i), count=1 + GATHER_PRODUCER_WARPS * 32)
         mbarrier.init(free.index(i), count=1 if PINGPONG else CONSUMERS)  # a slot's readers
     num_n = C // BLOCK_N
     num_tiles = live_tiles(gate_ptr, P, num_n, BLOCK_M)
-    A_WARPS: gl.constexpr = GATHER_PRODUCER_WARPS if GATHER_A else PRODUCER_WARPS
-    A_REGS: gl.constexpr = GATHER_PRODUCER_REGS if GATHER_A else PRODUCER_REGS
     BUF_ROWS: gl.constexpr = CONSUMERS * BLOCK_M if PINGPONG else BLOCK_M  # one store buffer part per warpgroup
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: whose K loop is next
     for i in gl.static_range(2):
@@ -278,25 +254,23 @@ def moe_fp8_ws_gather_kernel(
                 (_swiglu_consumer, (a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
                                     gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
                                     stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
-                                    CONSUMERS, PINGPONG, 0, GATHER_A)),
+                                    CONSUMERS, PINGPONG, 0)),
                 (_swiglu_consumer, (a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
                                     gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
                                     stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
-                                    CONSUMERS, PINGPONG, 1, GATHER_A)),
-                (_operand_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
-                                     tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT,
-                                     GATHER_A)),
-            ], [CONSUMER_WARPS, A_WARPS], [GATHER_CONSUMER_REGS, A_REGS])
+                                    CONSUMERS, PINGPONG, 1)),
+                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+            ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_swiglu_consumer, (a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
                                     gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
                                     stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
-                                    CONSUMERS, PINGPONG, 0, GATHER_A)),
-                (_operand_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
-                                     tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT,
-                                     GATHER_A)),
-            ], [A_WARPS], [A_REGS])
+                                    CONSUMERS, PINGPONG, 0)),
+                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+            ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     else:
         dgu_smem = gl.allocate_shared_memory(gl.int32, [BUF_ROWS, BLOCK_N], gu_desc.layout)
         q_smem = gl.allocate_shared_memory(gl.int16, [BUF_ROWS, BLOCK_N], h_desc.layout)
@@ -306,27 +280,25 @@ def moe_fp8_ws_gather_kernel(
                                      bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
                                      ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
                                      stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-                                     DSCORE, PINGPONG, 0, GATHER_A)),
+                                     DSCORE, PINGPONG, 0)),
                 (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
                                      bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
                                      ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
                                      stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-                                     DSCORE, PINGPONG, 1, GATHER_A)),
-                (_operand_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
-                                     tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT,
-                                     GATHER_A)),
-            ], [CONSUMER_WARPS, A_WARPS], [GATHER_CONSUMER_REGS, A_REGS])
+                                     DSCORE, PINGPONG, 1)),
+                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+            ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
                                      bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
                                      ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
                                      stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-                                     DSCORE, PINGPONG, 0, GATHER_A)),
-                (_operand_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
-                                     tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT,
-                                     GATHER_A)),
-            ], [A_WARPS], [A_REGS])
+                                     DSCORE, PINGPONG, 0)),
+                (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
+                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+            ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
 
 
 _moe_fp8_ws_gather_kernel_planned = PlannedKernel(moe_fp8_ws_gather_kernel)
@@ -335,9 +307,8 @@ _moe_fp8_ws_gather_kernel_planned = PlannedKernel(moe_fp8_ws_gather_kernel)
 def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: torch.Tensor, a_s: torch.Tensor,
                          b: torch.Tensor, b_s: torch.Tensor, outputs: dict[str, torch.Tensor], gather: torch.Tensor,
                          route: torch.Tensor, tile_expert: torch.Tensor, gate: torch.Tensor, padded_rows: int,
-                         segment: int, backend: str, gather_a: bool = True) -> None:
-    """A grouped GEMM of a_q [T, L] rows read through ``gather`` (or, not ``gather_a``, a_q [P, L] already in expert
-    order, read by TMA) and the K-major weight b [E, C, L] with its epilogue:
+                         segment: int, backend: str) -> None:
+    """A gathered-A grouped GEMM of a_q [T, L] rows and the K-major weight b [E, C, L] with its epilogue:
     EPI_FP8_SWIGLU, the up-projection (outputs gu [P, 2I], h [P, I] BF16; h quantized by the row-wise pass);
     EPI_FP8_DSWIGLU_QUANT, dgrad + dSwiGLU (outputs score, gu in; dgu, dgu_q, dgu_s out; with "h" and "ds_part"
     [P, I / DS_GROUP], the dscore partials too). The consumer warpgroups share each tile's rows (cooperative).
@@ -377,11 +348,8 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         descs = (nvmma_descriptor(outputs["dgu"].view(torch.int32), [part_rows, config.block_n], gl.int32),
                  nvmma_descriptor(outputs["dgu_q"].view(torch.int16), [part_rows, config.block_n], gl.int16))
     tiles = (padded_rows // config.block_m) * (n_cols // config.block_n)
-    b_desc = nvmma_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS])
-    # Gathering, the kernel reads A through pointers and never touches a_desc: any valid descriptor.
-    a_desc = b_desc if gather_a else nvmma_descriptor(a_q, [config.block_m, QBLOCK_WS])
     _moe_fp8_ws_gather_kernel_planned[(min(tiles, device_sms(a_q.device)),)](
-        a_q, a_desc, b_desc, *descs,
+        a_q, nvmma_descriptor(b.reshape(e * n_cols, reduced), [config.block_n, QBLOCK_WS]), *descs,
         a_s, b_s, gather, route, tile_expert, gate, score, gu_bits, q_s, h_in, ds_part,
         padded_rows, n_cols, reduced,
         a_q.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
@@ -389,5 +357,5 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
         KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps), EPILOGUE=epilogue,
-        DSCORE="ds_part" in outputs, GATHER_A=gather_a, num_warps=4, maxnreg=max_regs(config.num_warps),
+        DSCORE="ds_part" in outputs, num_warps=4, maxnreg=max_regs(config.num_warps),
     )

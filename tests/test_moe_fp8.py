@@ -277,40 +277,6 @@ def test_bf16_weight_gradients_match_the_recipe_and_accumulate(base):
         run_layer(inp, wgrad="fp16")
 
 
-def test_quant_to_routes_is_the_row_wise_quantization_of_the_expert_ordered_rows(device):
-    # Each token row quantized once and stored at its routes' padded rows equals quantizing the expert-ordered rows
-    # x[gather[p]] (padding rows zero: code 0, scale 1), masked routes (-1) included; the up and dgrad GEMMs then give
-    # the gathered form's bits on those rows (the same A values and scales).
-    from detkit.kernels.moe_fp8 import moe_fp8_quant_to_routes
-
-    inp = make_inputs(_case(t=40, h=256, seed=21), device)
-    ids = inp["topk_ids"].clone()
-    ids[3, 1] = -1  # a masked route: its row is never allocated
-    r = build_routing(ids, inp["scores"], E)
-    b = backend_of(device)
-    q, s = moe_fp8_quant_to_routes(inp["x"], r, b)
-    v = torch.where((r.sorted_route >= 0)[:, None], inp["x"][r.gather_token.long()].float(), 0.0)
-    q_ref, s_ref = quantize_rowwise_ref(v)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and compare_bits(s, s_ref).equal
-    assert bool((s[r.sorted_route < 0] == 1).all()) and int((r.sorted_route < 0).sum()) > 0
-    x_q, x_s = quantize_rowwise(inp["x"])
-    w1f = quantize_weight(inp["w1"])
-    gathered = moe_fp8_up_swiglu(x_q, x_s, w1f, r, b)
-    in_order = moe_fp8_up_swiglu(q, s, w1f, r, b, a_sorted=True)
-    for name, a, c in zip(("gu", "h", "h_q", "h_s"), in_order, gathered):
-        assert compare_bits(a, c).equal, name
-    w2f = quantize_weight(inp["w2"])
-    dq, ds = moe_fp8_quant_to_routes(inp["dout"], r, b)
-    d_q, d_s = quantize_rowwise(inp["dout"])
-    gathered = moe_fp8_dgrad(d_q, d_s, w2f, gathered[0], r, b, h=gathered[1])
-    in_order = moe_fp8_dgrad(dq, ds, w2f, in_order[0], r, b, h=in_order[1], a_sorted=True)
-    for name, a, c in zip(("dgu", "dgu_q", "dgu_s", "ds_part"), in_order, gathered):
-        assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), name
-    with pytest.raises(ValueError, match=r"up: a_sorted needs A as the routing's \[P, L\] = \[\d+, 256\] rows; got "
-                                         r"\(40, 256\)"):
-        moe_fp8_up_swiglu(x_q, x_s, w1f, r, b, a_sorted=True)
-
-
 def test_fp8_wgrad_tma_variant_gives_the_pointer_kernels_bits(device):
     # The TMA variant loads both column-wise operands by descriptor and requests each 128-row block's scales
     # one block ahead: the same products in the same order, so the same bits, including experts of two and
@@ -386,7 +352,7 @@ def test_the_default_weight_gradients_are_the_fp8_ones(base):
 @pytest.fixture
 def no_kernel_queued(monkeypatch):
     """The FP8 layer's first kernel (the routing) and, in a backward, its first (dout's quantization) fail the test."""
-    forbid_kernels(monkeypatch, kf, "launch_checked_routing", "moe_fp8_quant_to_routes")
+    forbid_kernels(monkeypatch, kf, "launch_checked_routing", "quantize_rowwise")
 
 
 @pytest.mark.parametrize(("kwargs", "exc_type", "match"), [
