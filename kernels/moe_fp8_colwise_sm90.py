@@ -24,7 +24,7 @@ from triton.experimental.gluon import language as gl
 from detkit.kernels.backend import PlannedKernel, ensure_cuda_context
 from detkit.kernels.fp8_quant import QBLOCK
 from detkit.kernels.moe_common import colwise_quant_launch_name
-from detkit.kernels.moe_gluon_blocks import check_ws_backend
+from detkit.kernels.moe_gluon_blocks import check_ws_backend, e4m3_codes, e4m3_pow2_scale
 
 BLOCK_P = gl.constexpr(QBLOCK)  # rows per program: one scale block
 THREAD_ROWS = 16  # rows per thread: one 16-byte E4M3 store down a column
@@ -53,17 +53,6 @@ def _tile_layout(BLOCK_N, WARPS, ROWS_FIRST):
                                       shape=[BLOCK_P, BLOCK_N])
 
 
-@gluon.jit
-def _pow2_scale(amax):
-    """detkit.kernels.fp8_quant.pow2_scale written again in Gluon (which cannot call a Triton function): (scale,
-    1/scale), the smallest power of two 2**k with amax / 2**k <= 448 (1 for amax 0)."""
-    bits = amax.to(gl.int32, bitcast=True)
-    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)  # 448 = 1.75 * 2**8
-    k = gl.where(amax > 0, k, 0)
-    k = gl.minimum(gl.maximum(k, -126), 126)
-    return ((k + 127) << 23).to(gl.float32, bitcast=True), ((127 - k) << 23).to(gl.float32, bitcast=True)
-
-
 @gluon.jit(launch_metadata=colwise_quant_launch_name)
 def moe_fp8_quant_colwise_sm90_kernel(
     src_ptr, rows_ptr, route_ptr, score_ptr, gate_ptr, q_ptr, qs_ptr,
@@ -89,10 +78,9 @@ def moe_fp8_quant_colwise_sm90_kernel(
                     other=0.0).to(gl.float32)
         if SCALE:  # dy = s * dout[token] in FP32 (one rounding), quantized directly
             v = v * gl.load(score_ptr + offs_p)[:, None]
-        scale, inv = _pow2_scale(gl.max(gl.abs(v), axis=0))
+        scale, inv = e4m3_pow2_scale(gl.max(gl.abs(v), axis=0))
         x = gl.convert_layout(v * inv[None, :], store_layout)  # the same registers, reordered
-        q = gl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r", [x], dtype=gl.int8,
-                                      is_pure=True, pack=2)
+        q = e4m3_codes(x)  # two rows per conversion
         store_p = pid_p * BLOCK_P + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, store_layout))
         store_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
         gl.store(q_ptr + store_n[None, :] * stride_qn + store_p[:, None] * stride_qp, q.to(gl.float8e4nv, bitcast=True))

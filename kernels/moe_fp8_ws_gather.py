@@ -28,7 +28,7 @@ from detkit.kernels.moe_common import DS_GROUP, EPI_FP8_SWIGLU, fp8_grouped_laun
 from detkit.kernels.moe_fp8_ws import QBLOCK_WS, fp8_tile_acc, kb_group
 from detkit.kernels.moe_gluon_blocks import (
     GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, bf16_pair_bits, bf16_pair_values,
-    check_ws_backend, gather_producer, live_tiles, nvmma_descriptor,
+    check_ws_backend, e4m3_pow2_scale, e4m3x2, gather_producer, live_tiles, nvmma_descriptor,
 )
 
 
@@ -92,26 +92,6 @@ def _pass_turn(turn, PINGPONG: gl.constexpr, PART: gl.constexpr):
     """PINGPONG: after its K loop, a warpgroup hands the tensor cores to the other (its epilogue runs meanwhile)."""
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - PART), count=1)
-
-
-@gluon.jit
-def _e4m3_pow2(amax):
-    """detkit.kernels.fp8_quant.pow2_scale written again in Gluon (which cannot call a Triton function): (scale, 1/scale),
-    the smallest power of two 2**k with amax / 2**k <= 448."""
-    bits = amax.to(gl.int32, bitcast=True)
-    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)  # 448 = 1.75 * 2**8
-    k = gl.where(amax > 0, k, 0)
-    k = gl.minimum(gl.maximum(k, -126), 126)
-    return ((k + 127) << 23).to(gl.float32, bitcast=True), ((127 - k) << 23).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _e4m3x2(lo, hi):
-    """detkit.kernels.fp8_quant.to_e4m3 of two FP32 tensors as one int16 of codes (lo's in the low byte): sm_90's
-    ``cvt.rn.satfinite.e4m3x2.f32`` (nearest even, saturating to +-448, NaN kept), the instruction the Triton
-    quantizers compile to, issued once per pair (its first source lands in the high byte)."""
-    return gl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,f,f", [lo, hi], dtype=gl.int16,
-                                     is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -198,17 +178,17 @@ def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q
     mag = gl.maximum(gl.abs(dg), gl.abs(du))
     block = off_n // 64  # the scale block of the tile's first 64 dh columns
     if BLOCK_N == 64:
-        scale, inv = _e4m3_pow2(gl.max(mag, axis=1))
+        scale, inv = e4m3_pow2_scale(gl.max(mag, axis=1))
         inv_cols = inv[:, None]
         gl.store(qs_ptr + rows * stride_qsm + block, scale)
     else:  # two scale blocks per row: each half's amax by masking the other (magnitudes are >= 0)
         first = ((cols - off_n) < 64)[None, :]
-        scale0, inv0 = _e4m3_pow2(gl.max(gl.where(first, mag, 0.0), axis=1))
-        scale1, inv1 = _e4m3_pow2(gl.max(gl.where(first, 0.0, mag), axis=1))
+        scale0, inv0 = e4m3_pow2_scale(gl.max(gl.where(first, mag, 0.0), axis=1))
+        scale1, inv1 = e4m3_pow2_scale(gl.max(gl.where(first, 0.0, mag), axis=1))
         inv_cols = gl.where(first, inv0[:, None], inv1[:, None])
         gl.store(qs_ptr + rows * stride_qsm + block, scale0)
         gl.store(qs_ptr + rows * stride_qsm + block + 1, scale1)
-    q = _e4m3x2(dg * inv_cols, du * inv_cols)
+    q = e4m3x2(dg * inv_cols, du * inv_cols)
     store_part(q_smem, q_desc, q, row, off_n, BUF)
 
 

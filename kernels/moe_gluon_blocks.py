@@ -1,8 +1,8 @@
 """Gluon building blocks shared by the BF16 (kernels/moe_ws.py) and FP8 (kernels/moe_fp8_ws.py,
 kernels/moe_fp8_ws_gather.py) warp-specialized MoE kernels: the routing gate of a persistent grouped grid, the
 weight-gradient tile order and its store (BF16 by TMA, or FP32 main_grad accumulation), the gathered-A producer
-(cp.async rows through the gather index, the weight by TMA), BF16 (g, u) pairs packed as int32, and the host's TMA
-descriptor with its NVMMA shared layout. Gluon has no interpreter path: sm_90 only."""
+(cp.async rows through the gather index, the weight by TMA), BF16 (g, u) pairs packed as int32, the E4M3 scale and
+conversion of the FP8 kernels' quantizations, and the host's TMA descriptor with its NVMMA shared layout. Gluon has no interpreter path: sm_90 only."""
 
 from __future__ import annotations
 
@@ -103,6 +103,35 @@ def gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, rout
                 async_copy.async_copy_global_to_shared(a_ring.index(slot), a_rows + kb * QB)
                 async_copy.mbarrier_arrive(bar, increment_count=False)
                 count += 1
+
+
+@gluon.jit
+def e4m3_pow2_scale(amax):
+    """detkit.kernels.fp8_quant.pow2_scale written again in Gluon (which cannot call a Triton function): (scale,
+    1/scale), the smallest power of two 2**k with amax / 2**k <= 448 (1 for amax 0)."""
+    bits = amax.to(gl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)  # 448 = 1.75 * 2**8
+    k = gl.where(amax > 0, k, 0)
+    k = gl.minimum(gl.maximum(k, -126), 126)
+    return ((k + 127) << 23).to(gl.float32, bitcast=True), ((127 - k) << 23).to(gl.float32, bitcast=True)
+
+
+# detkit.kernels.fp8_quant.to_e4m3 on sm_90: the instruction Triton's FP32 -> E4M3 conversion compiles to (nearest
+# even, saturating to +-448, NaN kept), issued once per pair of values; its first source lands in the high byte.
+E4M3X2 = gl.constexpr("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;")
+
+
+@gluon.jit
+def e4m3x2(lo, hi):
+    """Two FP32 tensors as one int16 of E4M3 codes per element, lo's in the low byte (one conversion per pair)."""
+    return gl.inline_asm_elementwise(E4M3X2, "=h,f,f", [lo, hi], dtype=gl.int16, is_pure=True, pack=1)
+
+
+@gluon.jit
+def e4m3_codes(x):
+    """An FP32 tensor's E4M3 codes as int8, each two consecutive registers of a thread converted together (so a
+    layout whose registers run along the stored dim gives byte pairs already in memory order)."""
+    return gl.inline_asm_elementwise(E4M3X2, "=h,r,r", [x], dtype=gl.int8, is_pure=True, pack=2)
 
 
 @gluon.jit
