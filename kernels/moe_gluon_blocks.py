@@ -1,8 +1,9 @@
 """Gluon building blocks shared by the BF16 (kernels/moe_ws.py) and FP8 (kernels/moe_fp8_ws.py,
-kernels/moe_fp8_ws_gather.py) warp-specialized MoE kernels: the routing gate of a persistent grouped grid, the
-weight-gradient tile order and its store (BF16 by TMA, or FP32 main_grad accumulation), the gathered-A producer
-(cp.async rows through the gather index, the weight by TMA), BF16 (g, u) pairs packed as int32, the E4M3 scale and
-conversion of the FP8 kernels' quantizations, and the host's TMA descriptor with its NVMMA shared layout. Gluon has no interpreter path: sm_90 only."""
+kernels/moe_fp8_ws_gather.py, kernels/moe_fp8_colwise_sm90.py) MoE kernels: the routing gate of a persistent grouped
+grid, the weight-gradient tile order and its store (BF16 by TMA, or FP32 main_grad accumulation), the gathered-A
+producer (cp.async rows through the gather index, the weight by TMA), BF16 (g, u) pairs packed as int32, the E4M3
+scale and conversion of the FP8 kernels' quantizations, and the host's TMA descriptor with its NVMMA shared layout.
+Gluon has no interpreter path: sm_90 only."""
 
 from __future__ import annotations
 
