@@ -75,7 +75,7 @@ def test_ws_refuses_other_backends_and_stages_by_name(device):
 
 
 COLWISE_WS = GemmConfig(128, 128, 16, 1, 4, 1, "ws")  # the Gluon column-wise quantizer's tile
-COLWISE_TRITON = GemmConfig(128, 64, 16, 1, 2, 1)  # the Triton kernel's sm_90 tile before the Gluon one
+COLWISE_TRITON = GemmConfig(128, 64, 16, 1, 2, 1)  # a Triton tile on sm_90: the reference of the Gluon kernel's bits
 
 
 def _colwise_sources(device, t=300, h=512, e=5, k=2, seed=13):
