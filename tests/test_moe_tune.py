@@ -79,3 +79,18 @@ def test_fp8_wgrad_and_colq_stages_sweep_their_own_tables(monkeypatch, stages, c
     pinned = getattr(kf, pinned_table)["triton_interpreter"].label()
     assert [(r["stage"], r["config"]) for r in rows] == [(s, c) for s in stages for c in (pinned, other.label())]
     assert all(r["bits_equal_pinned"] and r["median_us"] > 0 for r in rows)
+
+
+def test_config_labels_parse_back_to_their_configs_and_bad_labels_are_refused():
+    every = mt.GROUPED + mt.GROUPED_WS + mt.WGRAD + mt.FP8_GROUPED + mt.FP8_UP + mt.FP8_DGRAD + mt.FP8_WGRAD
+    assert all(mt.parse_config(c.label()) == c for c in every)
+    with pytest.raises(mt.argparse.ArgumentTypeError, match="'BM128_BN256' is not a GemmConfig label"):
+        mt.parse_config("BM128_BN256")
+
+
+def test_only_the_given_configs_are_timed_beside_the_pinned_one(monkeypatch):
+    small = GemmConfig(64, 32, 32, 1, 4, 1)
+    monkeypatch.setattr(mt, "GROUPED", [GemmConfig(32, 32, 32, 1, 4, 1)])  # not timed: --config replaces the list
+    rows = mt.sweep(["tiny"], ["up"], torch.device("cpu"), rounds=1, only=[small])
+    assert sorted((r["config"], r["is_pinned"]) for r in rows) == sorted(
+        [(mt.pinned("up", "triton_interpreter").label(), True), (small.label(), False)])

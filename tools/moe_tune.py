@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -216,8 +217,20 @@ def stage_fns(preset: str, device: torch.device, stages, seed: int = 0) -> tuple
     return fns, b
 
 
-def sweep(presets: list[str], stages: list[str], device: torch.device, rounds: int) -> list[dict]:
-    """Rows per (preset, stage, config): timing and bits vs the pinned config, or the error."""
+def parse_config(label: str) -> GemmConfig:
+    """A config from its ``GemmConfig.label()`` (``BM128_BN256_BK64_G1_w16_s3_tma``), or a one-line error."""
+    m = re.fullmatch(r"BM(\d+)_BN(\d+)_BK(\d+)_G(\d+)_w(\d+)_s(\d+)(?:_(tma|ws))?", label)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"config {label!r} is not a GemmConfig label; expected e.g. "
+                                         "BM128_BN256_BK64_G1_w16_s3_tma (variant ptr, tma or ws)")
+    *ints, variant = m.groups()
+    return GemmConfig(*map(int, ints), variant=variant or "ptr")
+
+
+def sweep(presets: list[str], stages: list[str], device: torch.device, rounds: int,
+          only: list[GemmConfig] | None = None) -> list[dict]:
+    """Rows per (preset, stage, config): timing and bits vs the pinned config, or the error. ``only``: these
+    configs instead of the stage's candidate list (the pinned one is always timed)."""
     from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION
     from detkit.kernels.moe_fp8 import MOE_FP8_CONFIG_TABLE_VERSION
     from detkit.toolkit.contract import compare_bits
@@ -236,7 +249,7 @@ def sweep(presets: list[str], stages: list[str], device: torch.device, rounds: i
             ref = fn(pick).clone()
             timed = {pick.label(): pick}
             same = {pick.label(): True}
-            for cfg in candidates(stage):
+            for cfg in (only if only is not None else candidates(stage)):
                 if cfg == pick:
                     continue
                 try:
@@ -302,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", nargs="+", default=list(BF16_STAGES), choices=list(STAGE_KEY),
                         help="BF16 stages by default; fp8_up, fp8_down, fp8_dgrad, fp8_dx, fp8_wgrad_w1, "
                              "fp8_wgrad_w2, fp8_colq_x, fp8_colq_dgu for the FP8 path")
+    parser.add_argument("--config", type=parse_config, action="append", default=None,
+                        help="time only this config (a GemmConfig label) beside the pinned one; repeatable")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -309,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda but torch sees no CUDA GPU; use --device cpu (interpreter, not hardware)")
     device = torch.device(args.device)
     start = time.time()
-    rows = sweep(args.preset, args.stages, device, args.rounds)
+    rows = sweep(args.preset, args.stages, device, args.rounds, args.config)
     summary = best_per_stage(rows)
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter, "
