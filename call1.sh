@@ -12,7 +12,7 @@ python -m tools.moe_tune $P --stages dgrad dx --config BM128_BN128_BK64_G1_w16_s
   --out $O/dgrad-dx > $O/dgrad-dx.log 2>&1
 python -m tools.moe_tune $P --stages fp8_up --config BM128_BN256_BK128_G1_w16_s3_tma --config BM128_BN256_BK128_G1_w16_s2_tma \
   --out $O/fp8-up > $O/fp8-up.log 2>&1
-python -m tools.moe_tune $P --stages fp8_dgrad --config BM128_BN128_BK128_G1_w16_s3_tma --config BM128_BN128_BK128_G1_w16_s4_tma \
+python -m tools.moe_tune $P --stages fp8_dgrad --config BM128_BN128_BK128_G1_w16_s3_tma --config BM128_BN64_BK128_G1_w16_s4_tma \
   --out $O/fp8-dgrad > $O/fp8-dgrad.log 2>&1
 python -m tools.moe_tune $P --stages fp8_wgrad_w1 fp8_wgrad_w2 --config BM128_BN256_BK128_G1_w16_s3_tma \
   --config BM128_BN128_BK128_G1_w16_s4_tma --out $O/fp8-wgrad > $O/fp8-wgrad.log 2>&1
