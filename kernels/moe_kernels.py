@@ -14,7 +14,8 @@ kernels/moe_routing.py; P is the padded row count.
     moe_wgrad_kernel             one program per (expert, dW tile): dW[e] = A[rows of e]^T B[rows of e] over the
                                  expert's rows in ascending order; BF16 out, or main_grad += it in FP32
     moe_scale_rows_kernel        dy [P, H] = bf16(s * dout[gather]) (dW2's B operand), padding rows +0; with COPY
-                                 also dout[gather] itself (dgrad's A operand, read by TMA)
+                                 also dout[gather] itself (dgrad's A operand, read by TMA); token-major: each
+                                 dout row read once and written to its K rows
     moe_combine_kernel           out[t] = bf16(sum over k ascending of s_k * y[route_row[t, k]]) in FP32 (and the
                                  unscaled dX gather-sum)
     moe_dscore_sum_kernel        ds[t, k] = the row's dscore partials summed (a fixed tree)
@@ -244,30 +245,51 @@ def moe_split_copy_kernel(
 
 @triton.jit(launch_metadata=scale_rows_launch_name)
 def moe_scale_rows_kernel(
-    src_ptr, rows_ptr, score_ptr, route_ptr, gate_ptr, out_ptr, copy_ptr,
-    P, N,  # out[p, :N] = bf16(score[p] * src[rows[p], :N]), one rounding of the FP32 product; padding rows 0
-    stride_sm, stride_sn, stride_om, stride_on, stride_cm, stride_cn,
+    src_ptr, route_row_ptr, row_score_ptr, route_ptr, gate_ptr, out_ptr, copy_ptr,
+    T, N, K, P,  # out[route_row[t, k], :N] = bf16(row_score[that row] * src[t, :N]), one rounding of the FP32 product
+    stride_sm, stride_sn, stride_rt, stride_rk, stride_om, stride_on, stride_cm, stride_cn,
+    TOKEN_PROGRAMS,  # cdiv(T, BLOCK_M) * cdiv(N, BLOCK_N) programs scatter token rows; the rest zero padding rows
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    COPY: tl.constexpr,  # copy[p, :N] = src[rows[p], :N] too (padding rows 0)
+    PAD_ROWS: tl.constexpr,  # expert-sorted rows per padding program (all N columns)
+    COPY: tl.constexpr,  # copy[route_row[t, k], :N] = src[t, :N] too (padding rows 0)
     INTERPRETED: tl.constexpr,
 ):
     pid = tl.program_id(axis=0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    offs_m = (pid // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (pid % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < tl.minimum(P, tl.load(gate_ptr))  # rows past the routing's P: not read by the weight gradients
-    mask = m_ok[:, None] & (offs_n < N)[None, :]
-    rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0)
-    s = tl.load(score_ptr + offs_m, mask=m_ok, other=0.0)
-    # A padding row reads nothing and is +0 exactly (not 0 * the row of token 0, which may hold an Inf): a weight
-    # gradient that reads whole row blocks (kernels/moe_ws.py) then adds only zeros for it.
-    routed = tl.load(route_ptr + offs_m, mask=m_ok, other=-1) >= 0
-    x = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :] * stride_sn, mask=mask & routed[:, None],
-                other=0.0)
-    y = to_bf16(x.to(tl.float32) * s[:, None], INTERPRETED)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y, mask=mask)
-    if COPY:
-        tl.store(copy_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, x, mask=mask)
+    limit = tl.minimum(P, tl.load(gate_ptr))  # rows past the routing's P: not read by the weight gradients
+    cols = tl.arange(0, BLOCK_N)
+    if pid < TOKEN_PROGRAMS:
+        # Token-major: each token row is read once and written to its K expert-sorted rows (a row-major pass would
+        # read it K times, from DRAM once the rows of one expert outgrow L2).
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        offs_t = (pid // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = (pid % num_pid_n) * BLOCK_N + cols
+        t_ok = offs_t < T
+        n_ok = offs_n < N
+        x = tl.load(src_ptr + offs_t[:, None] * stride_sm + offs_n[None, :] * stride_sn,
+                    mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+        for k in range(0, K):
+            rows = tl.load(route_row_ptr + offs_t * stride_rt + k * stride_rk, mask=t_ok, other=-1)
+            ok = (rows >= 0) & (rows < limit)  # a masked route has no row
+            s = tl.load(row_score_ptr + rows, mask=ok, other=0.0)
+            mask = ok[:, None] & n_ok[None, :]
+            tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on,
+                     to_bf16(x.to(tl.float32) * s[:, None], INTERPRETED), mask=mask)
+            if COPY:
+                tl.store(copy_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn, x, mask=mask)
+    else:
+        # A padding row is +0 exactly (not 0 * some token's row, which may hold an Inf): a weight gradient that reads
+        # whole row blocks (kernels/moe_ws.py) then adds only zeros for it.
+        offs_m = (pid - TOKEN_PROGRAMS) * PAD_ROWS + tl.arange(0, PAD_ROWS)
+        m_ok = offs_m < limit
+        pad = m_ok & (tl.load(route_ptr + offs_m, mask=m_ok, other=0) < 0)
+        if tl.max(pad.to(tl.int32), axis=0) > 0:
+            zero = tl.zeros((PAD_ROWS, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+            for n0 in range(0, N, BLOCK_N):
+                offs_n = n0 + cols
+                mask = pad[:, None] & (offs_n < N)[None, :]
+                tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, zero, mask=mask)
+                if COPY:
+                    tl.store(copy_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, zero, mask=mask)
 
 
 @triton.jit(launch_metadata=combine_launch_name)

@@ -291,6 +291,7 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing
 
 
 _moe_scale_rows_kernel_planned = PlannedKernel(moe_scale_rows_kernel)
+SCALE_ROWS_PAD_ROWS = 128  # one segment's rows per padding program of moe_scale_rows_kernel
 
 
 def moe_scale_rows(dout: torch.Tensor, routing: MoeRouting, backend: str, config: GemmConfig | None = None,
@@ -304,12 +305,15 @@ def moe_scale_rows(dout: torch.Tensor, routing: MoeRouting, backend: str, config
     rows, cols = routing.padded_rows, dout.shape[1]
     dy = torch.empty((rows, cols), dtype=torch.bfloat16, device=dout.device)
     copy = torch.empty((rows, cols), dtype=dout.dtype, device=dout.device) if sorted_copy else dy
-    grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block_n),)
+    t_count, route_row = routing.num_tokens, routing.route_row
+    token_programs = triton.cdiv(t_count, config.block_m) * triton.cdiv(cols, config.block_n)
+    grid = (token_programs + triton.cdiv(rows, SCALE_ROWS_PAD_ROWS),)
     _moe_scale_rows_kernel_planned[grid](
-        dout, routing.gather_token, routing.row_score, routing.sorted_route, routing.gate, dy, copy, rows, cols,
-        dout.stride(0), dout.stride(1), dy.stride(0), dy.stride(1), copy.stride(0), copy.stride(1),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, COPY=sorted_copy, INTERPRETED=backend == TRITON_INTERPRETER,
-        num_warps=config.num_warps,
+        dout, route_row, routing.row_score, routing.sorted_route, routing.gate, dy, copy, t_count, cols,
+        routing.top_k, rows, dout.stride(0), dout.stride(1), route_row.stride(0), route_row.stride(1),
+        dy.stride(0), dy.stride(1), copy.stride(0), copy.stride(1), token_programs,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAD_ROWS=SCALE_ROWS_PAD_ROWS, COPY=sorted_copy,
+        INTERPRETED=backend == TRITON_INTERPRETER, num_warps=config.num_warps,
     )
     return (dy, copy) if sorted_copy else dy
 

@@ -211,6 +211,27 @@ def test_scaled_rows_are_one_rounding_of_the_fp32_product(device):
         moe_wgrad_w2(h, dout, routing, backend, dy=dy[:-1])
 
 
+def test_scaled_rows_over_the_routing_bound_have_the_exact_routings_bits(device):
+    # The backward forms dy and dout's copy over the routing's bound (no host read): the token-major pass writes each
+    # routed row and zeroes each padding row below the real P; with tiles that divide neither T nor H, the same bits
+    # as over the exact routing.
+    inp = make_inputs(_case("counts:3,0,130,1", t=134, k=1, e=4, seed=23), device)
+    pending = launch_routing(inp["topk_ids"], inp["scores"], 4)
+    exact, bound = pending.finish(), pending.bound
+    p = exact.padded_rows
+    assert p < bound.padded_rows
+    backend = backend_of(device)
+    want_dy = (inp["dout"][exact.gather_token.long()].float() * exact.row_score[:, None]).to(torch.bfloat16)
+    want_copy = inp["dout"][exact.gather_token.long()]
+    padding = exact.sorted_route < 0
+    want_dy[padding], want_copy[padding] = 0.0, 0.0
+    assert padding.any()
+    dy, copy = moe_scale_rows(inp["dout"], bound, backend, sorted_copy=True,
+                              config=GemmConfig(16, 32, 16, 1, 4, 1))  # 134 tokens, 40 columns: tails
+    assert torch.equal(dy[:p].view(torch.int16), want_dy.view(torch.int16))
+    assert torch.equal(copy[:p].view(torch.int16), want_copy.view(torch.int16))
+
+
 def test_dgrad_on_expert_ordered_dout_has_the_gathered_bits(device):
     # The backward hands dgrad dout's rows in expert order (read by TMA on sm_90) instead of the gather index: the same
     # A values in the same K order, so dgu and the dscore partials keep their bits: on the table's kernel and on the
@@ -483,10 +504,10 @@ for name, ga, acc, split in (("wgrad_w1", True, False, False), ("wgrad_w2", Fals
                       ("stride_ar", "stride_bc", "stride_wr" if split else "stride_wc"))
 c = cfgs["combine"]
 for copy in (False, True):
-    out[f"scale_rows_{copy}"] = build(km.moe_scale_rows_kernel, {"src_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
-                                      "route_ptr": "*i32", "gate_ptr": "*i32", "out_ptr": "*bf16", "copy_ptr": "*bf16"},
-                                      {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "COPY": copy, "INTERPRETED": False},
-                                      ("stride_sn", "stride_on", "stride_cn"))
+    out[f"scale_rows_{copy}"] = build(km.moe_scale_rows_kernel, {"src_ptr": "*bf16", "route_row_ptr": "*i32",
+                                      "row_score_ptr": "*fp32", "route_ptr": "*i32", "gate_ptr": "*i32", "out_ptr": "*bf16",
+                                      "copy_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "PAD_ROWS": 128,
+                                      "COPY": copy, "INTERPRETED": False}, ("stride_sn", "stride_rk", "stride_on", "stride_cn"))
 for scaled in (True, False):
     out[f"combine_{scaled}"] = build(km.moe_combine_kernel, {"src_ptr": "*fp32", "route_row_ptr": "*i32", "score_ptr": "*fp32", "gate_ptr": "*i32",
                                      "out_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "SCALED": scaled,
