@@ -67,6 +67,9 @@ SOURCES = {
     # call 6: the same BF16 code again (its FP8 rows: expert-ordered A rows for up and dgrad, not kept).
     "moe_bench_s22": "2026-12-02-h200-s22/call2/bench/report.json",
     "moe_bench_bf16_s22": "2026-12-02-h200-s22/call6/bench/report.json",
+    # s23: the token-major scale pass (BF16 backward); its FP8 rows are the s22 FP8 code against that BF16 layer.
+    "moe_bench_s23": "2026-12-02-h200-s23/call3/bench/report.json",
+    "moe_bench_30b16k_s23": "2026-12-02-h200-s23/call3/bench-30b16k/report.json",
     # The Qwen3-30B-A3B T=16384 sweep point, twice (the same layer code as the two above).
     "moe_bench_30b16k": "2026-12-02-h200-s18/call3/bench-30b16k/report.json",
     "moe_bench_30b16k_again": "2026-12-02-h200-s18/call4/bench-30b16k/report.json",
@@ -493,20 +496,20 @@ CLAIMS = [
     Claim("MoE FP8 precision gate vs FP64: out, dX, dscores, dW1, dW2",
           "cosine ≥ 0.997, relative RMSE < 7.6%", ("moe_fp8_bench",), fp8_gate, fp8_gate_met),
     Claim("MoE FP8 fwd+bwd speed-up over the BF16 detkit layer timed in the same run, reference shape",
-          "≥ 1.4x", ("moe_bench_s22",), moe_bench_verdicts("fp8_reference"), lambda v: v[0] == v[1]),
+          "≥ 1.4x", ("moe_bench_s23",), moe_bench_verdicts("fp8_reference"), lambda v: v[0] == v[1]),
     Claim("MoE FP8 / BF16 fwd+bwd, GPU presets run with H and I multiples of 128 (reference, Qwen3-30B-A3B)",
-          "≥ 1.2x", ("moe_bench_s22",), moe_bench_verdicts("fp8_presets"), lambda v: v[0] == v[1]),
+          "≥ 1.2x", ("moe_bench_s23",), moe_bench_verdicts("fp8_presets"), lambda v: v[0] == v[1]),
     Claim("MoE FP8 / BF16 fwd+bwd, sweep points with T ≥ 8192 (H x I 3072x1536 and 2048x768, E 8 and 128, K 2 "
           "and 8)", "≥ 1.2x", ("moe_bench_sweep_s22",), moe_bench_verdicts("fp8_sweep"), lambda v: v[0] == v[1]),
     Claim("MoE BF16 fwd+bwd MFU (of 989 TFLOP/s), reference shape, `detkit bench moe`",
           "≥ 60%", ("moe_bench", "moe_bench_bf16", "moe_bench_bf16_third", "moe_bench_bf16_s19",
                     "moe_bench_bf16_s19_again", "moe_bench_bf16_s20", "moe_bench_bf16_s20_again", "moe_bench_s20",
-                    "moe_bench_s21", "moe_bench_s22", "moe_bench_bf16_s22"),
+                    "moe_bench_s21", "moe_bench_s22", "moe_bench_bf16_s22", "moe_bench_s23"),
           moe_bench_verdicts("bf16_mfu_reference"),
           lambda v: v[0] == v[1]),
     Claim("MoE BF16 fwd+bwd MFU, Qwen3-30B-A3B widths T=16384 (sweep point)",
           "≥ 50%", ("moe_bench_30b16k", "moe_bench_30b16k_again", "moe_bench_sweep", "moe_bench_sweep_s21",
-                    "moe_bench_sweep_s22"),
+                    "moe_bench_sweep_s22", "moe_bench_30b16k_s23"),
           moe_bench_verdicts("bf16_mfu_qwen3_30b_a3b_16k"),
           lambda v: v[0] == v[1]),
     Claim("detkit mode (`detkit.batch_invariant_mode()`), transformers Qwen3 (8B widths, 2 layers, random init) "
