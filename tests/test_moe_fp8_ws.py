@@ -14,7 +14,7 @@ from detkit.audits.moe_fp8 import make_inputs
 from detkit.kernels.det_gemm import GemmConfig
 from detkit.kernels.moe_fp8 import moe_fp8_quant_colwise, moe_fp8_wgrad, select_moe_fp8_config
 from detkit.kernels.fp8_quant import quantize_colwise_ref
-from detkit.kernels.moe_routing import build_routing
+from detkit.kernels.moe_routing import build_routing, launch_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import (
     FP8_TRITON_TILES, assert_ws_refused_off_sm90, compile_sm90_offline, fp8_stage_runs, skewed_ids,
@@ -130,6 +130,27 @@ def test_colwise_ws_gives_the_triton_kernels_bits(gather, scale, device):
     q_ref, s_ref = quantize_colwise_ref(v)
     q, s_ = moe_fp8_quant_colwise(clean, r, b, gather=gather, scale=scale, config=COLWISE_WS)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and compare_bits(s_, s_ref).equal
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", [5, 64])
+def test_colwise_ws_over_the_routing_bound_gives_the_exact_routings_bits(experts, device):
+    # The layer quantizes over the routing's bound (no host read); gathering, the Gluon kernel visits the experts'
+    # blocks side by side, its grid sized from the bound and its block order from the real P on the device. Skewed
+    # routings (empty experts, padding-only blocks): every block below P once, the exact routing's codes and scales.
+    t, h, k = 300, 512, 2
+    inp = make_inputs(MoeCase(t, h, h, experts, k, "random", 19), device)
+    ids = skewed_ids(t, experts, k, 19).to(device)
+    pending = launch_routing(ids, inp["scores"], experts)
+    exact, bound = pending.finish(), pending.bound
+    p = exact.padded_rows
+    assert p < bound.padded_rows
+    b = backend_of(device)
+    for scale in (False, True):
+        got_q, got_s = moe_fp8_quant_colwise(inp["x"], bound, b, gather=True, scale=scale, config=COLWISE_WS)
+        want_q, want_s = moe_fp8_quant_colwise(inp["x"], exact, b, gather=True, scale=scale, config=COLWISE_TRITON)
+        assert torch.equal(got_q[:, :p].view(torch.uint8), want_q.view(torch.uint8)), scale
+        assert compare_bits(got_s[:, : p // 128], want_s).equal, scale
 
 
 @pytest.mark.gpu
