@@ -57,6 +57,7 @@ def _tile_layout(BLOCK_N, WARPS, ROWS_FIRST):
 def moe_fp8_quant_colwise_sm90_kernel(
     src_ptr, rows_ptr, route_ptr, score_ptr, gate_ptr, q_ptr, qs_ptr,
     P, N,  # q[n, p] = e4m3(v[p, n] / s[n, p // QBLOCK]), v[p, :] = src[row(p), :] (* score[p]); 0 on padding
+    GROUPS,  # GATHER: the block order's groups (the experts), see below
     stride_sm, stride_sn, stride_qn, stride_qp, stride_sn_s, stride_sp_s,
     BLOCK_N: gl.constexpr, GATHER: gl.constexpr, SCALE: gl.constexpr,
 ):
@@ -64,9 +65,22 @@ def moe_fp8_quant_colwise_sm90_kernel(
     store_layout: gl.constexpr = _tile_layout(BLOCK_N, gl.num_warps(), True)
     pid = gl.program_id(0)
     num_pid_n = N // BLOCK_N
-    pid_p = pid // num_pid_n
+    visit = pid // num_pid_n
     pid_n = pid % num_pid_n
-    if pid_p * BLOCK_P < gl.load(gate_ptr):  # a block past the routing's P: not read by the weight gradients
+    live_rows = gl.load(gate_ptr)  # the routing's P: blocks past it are not read by the weight gradients
+    if GATHER:
+        # The P/128 blocks cut into GROUPS runs of R and visited side by side (block r of every run, then r + 1):
+        # with GROUPS = E each run is about one expert's segment, whose rows ascend by token, so a token's K rows
+        # are quantized close together in time and its source row is re-read from L2 rather than DRAM. Any order
+        # gives the same bits (each program owns its block); the grid has GROUPS - 1 programs more than blocks.
+        num_blocks = live_rows // BLOCK_P
+        run = (num_blocks + GROUPS - 1) // GROUPS
+        pid_p = (visit % GROUPS) * run + visit // GROUPS
+        live = (visit // GROUPS < run) & (pid_p < num_blocks)
+    else:
+        pid_p = visit
+        live = pid_p * BLOCK_P < live_rows
+    if live:
         offs_p = pid_p * BLOCK_P + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, load_layout))
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, load_layout))
         row_ok = gl.load(route_ptr + offs_p) >= 0
@@ -103,14 +117,16 @@ def check_colwise_sm90_config(config, n: int) -> None:
 
 def launch_quant_colwise_sm90(config, src: torch.Tensor, gather_token: torch.Tensor, sorted_route: torch.Tensor,
                               row_score: torch.Tensor, gate: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
-                              num_blocks: int, gather: bool, scale: bool, backend: str) -> None:
-    """``num_blocks`` 128-row blocks (the routing's bound; those past its P exit at once) x N / block_n programs."""
+                              num_blocks: int, gather: bool, scale: bool, backend: str, experts: int = 1) -> None:
+    """``num_blocks`` 128-row blocks (the routing's bound; those past its P exit at once) x N / block_n programs;
+    gathering, the blocks are visited in ``experts`` runs side by side (``experts - 1`` more programs per column)."""
     p, n = q.shape[1], src.shape[1]
     check_colwise_sm90_config(config, n)
     check_ws_backend("quant_colwise", backend)
     ensure_cuda_context(src.device)
-    _moe_fp8_quant_colwise_sm90_kernel_planned[(num_blocks * (n // config.block_n),)](
-        src, gather_token, sorted_route, row_score, gate, q, s, p, n,
+    groups = max(int(experts), 1) if gather else 1
+    _moe_fp8_quant_colwise_sm90_kernel_planned[((num_blocks + groups - 1) * (n // config.block_n),)](
+        src, gather_token, sorted_route, row_score, gate, q, s, p, n, groups,
         src.stride(0), src.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         BLOCK_N=config.block_n, GATHER=gather, SCALE=scale, num_warps=config.num_warps,
     )

@@ -220,7 +220,8 @@ def moe_fp8_quant_colwise(src: torch.Tensor, routing: MoeRouting, backend: str, 
                          f"program); got {config.block_m}")
     if config.variant == "ws":
         launch_quant_colwise_sm90(config, src, routing.gather_token, routing.sorted_route, routing.row_score,
-                                  routing.gate, q, s, routing.num_tiles, gather, scale, backend)
+                                  routing.gate, q, s, routing.num_tiles, gather, scale, backend,
+                                  experts=routing.num_experts)
         return q, s
     check_moe_variant("quant_colwise", config)
     cols = config.block_n

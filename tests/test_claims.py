@@ -40,7 +40,7 @@ def _edit_json(path: Path, edit) -> None:
 
 def test_a_tampered_ratio_fails_the_check(reports_copy, capsys):
     tmp, argv = reports_copy
-    path = tmp / "reports" / claims.SOURCES["moe_bench_s23"]
+    path = tmp / "reports" / claims.SOURCES["moe_bench_s23_landed"]
 
     def raise_speedup(doc):
         for v in doc["meta"]["derived"]["verdicts"]:
@@ -55,7 +55,7 @@ def test_a_tampered_ratio_fails_the_check(reports_copy, capsys):
 
 def test_a_verdict_that_disagrees_with_its_value_is_refused(reports_copy, capsys):
     tmp, argv = reports_copy
-    path = tmp / "reports" / claims.SOURCES["moe_bench_s23"]
+    path = tmp / "reports" / claims.SOURCES["moe_bench_s23_landed"]
 
     def pass_a_failing_value(doc):
         next(v for v in doc["meta"]["derived"]["verdicts"] if v["target"] == "fp8_reference")["verdict"] = "PASS"

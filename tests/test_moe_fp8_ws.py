@@ -135,9 +135,9 @@ def test_colwise_ws_gives_the_triton_kernels_bits(gather, scale, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts", [5, 64])
 def test_colwise_ws_over_the_routing_bound_gives_the_exact_routings_bits(experts, device):
-    # The layer quantizes over the routing's bound (no host read): the Gluon kernel's grid is sized from the bound and
-    # its blocks past the real P (read on the device) exit. Skewed routings (empty experts, padding-only blocks): the
-    # exact routing's codes and scales below P.
+    # The layer quantizes over the routing's bound (no host read); gathering, the Gluon kernel visits the experts'
+    # blocks side by side, its grid sized from the bound and its block order from the real P on the device. Skewed
+    # routings (empty experts, padding-only blocks): every block below P once, the exact routing's codes and scales.
     t, h, k = 300, 512, 2
     inp = make_inputs(MoeCase(t, h, h, experts, k, "random", 19), device)
     ids = skewed_ids(t, experts, k, 19).to(device)
