@@ -69,8 +69,8 @@ def moe_fp8_quant_colwise_sm90_kernel(
     pid_n = pid % num_pid_n
     live_rows = gl.load(gate_ptr)  # the routing's P: blocks past it are not read by the weight gradients
     if GATHER:
-        # The P/128 blocks cut into GROUPS runs of R and visited side by side (block r of every run, then r + 1):
-        # with GROUPS = E each run is about one expert's segment, whose rows ascend by token, so a token's K rows
+        # The P/128 blocks cut into GROUPS runs of ``run`` blocks, visited side by side (block r of every run, then
+        # r + 1): with GROUPS = E each run is about one expert's segment, whose rows ascend by token, so a token's K rows
         # are quantized close together in time and its source row is re-read from L2 rather than DRAM. Any order
         # gives the same bits (each program owns its block); the grid has GROUPS - 1 programs more than blocks.
         num_blocks = live_rows // BLOCK_P
