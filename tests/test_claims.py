@@ -40,17 +40,17 @@ def _edit_json(path: Path, edit) -> None:
 
 def test_a_tampered_ratio_fails_the_check(reports_copy, capsys):
     tmp, argv = reports_copy
-    path = tmp / "reports" / claims.SOURCES["moe_bench_s23_landed"]
 
     def raise_speedup(doc):
         for v in doc["meta"]["derived"]["verdicts"]:
             if v["target"] == "fp8_reference":
                 v["value"], v["verdict"] = 1.45, "PASS"
 
-    _edit_json(path, raise_speedup)
+    for source in ("moe_bench_s23_landed", "moe_bench_s24"):  # every run of the claim
+        _edit_json(tmp / "reports" / claims.SOURCES[source], raise_speedup)
     assert claims.main(argv) == 1
     out = capsys.readouterr().out
-    assert "+| MoE FP8 fwd+bwd speed-up" in out and "1.450x; met by 2 of 2" in out and "| yes |" in out
+    assert "+| MoE FP8 fwd+bwd speed-up" in out and "1.450x; met by 4 of 4" in out and "| yes |" in out
 
 
 def test_a_verdict_that_disagrees_with_its_value_is_refused(reports_copy, capsys):

@@ -72,6 +72,11 @@ SOURCES = {
     "moe_bench_30b16k_s23": "2026-12-02-h200-s23/call3/bench-30b16k/report.json",
     # ... and the landed s23 layer: the FP8 column-wise quantizer visiting the experts' blocks side by side.
     "moe_bench_s23_landed": "2026-12-02-h200-s23/call5/bench/report.json",
+    # s24: the same layer code as s23's landed run (only comments changed): every GPU preset, and the full sweep
+    # (E 8/32/64/128, K 2/4/8, T 2048/8192/16384) one width per report.
+    "moe_bench_s24": "2026-12-03-h200-s24/call1/bench/report.json",
+    "moe_bench_sweep_s24_3072": "2026-12-03-h200-s24/call1/sweep-3072/report.json",
+    "moe_bench_sweep_s24_2048": "2026-12-03-h200-s24/call1/sweep-2048/report.json",
     # The Qwen3-30B-A3B T=16384 sweep point, twice (the same layer code as the two above).
     "moe_bench_30b16k": "2026-12-02-h200-s18/call3/bench-30b16k/report.json",
     "moe_bench_30b16k_again": "2026-12-02-h200-s18/call4/bench-30b16k/report.json",
@@ -498,21 +503,24 @@ CLAIMS = [
     Claim("MoE FP8 precision gate vs FP64: out, dX, dscores, dW1, dW2",
           "cosine ≥ 0.997, relative RMSE < 7.6%", ("moe_fp8_bench",), fp8_gate, fp8_gate_met),
     Claim("MoE FP8 fwd+bwd speed-up over the BF16 detkit layer timed in the same run, reference shape",
-          "≥ 1.4x", ("moe_bench_s23_landed",), moe_bench_verdicts("fp8_reference"), lambda v: v[0] == v[1]),
-    Claim("MoE FP8 / BF16 fwd+bwd, GPU presets run with H and I multiples of 128 (reference, Qwen3-30B-A3B)",
-          "≥ 1.2x", ("moe_bench_s23_landed",), moe_bench_verdicts("fp8_presets"), lambda v: v[0] == v[1]),
-    Claim("MoE FP8 / BF16 fwd+bwd, sweep points with T ≥ 8192 (H x I 3072x1536 and 2048x768, E 8 and 128, K 2 "
-          "and 8)", "≥ 1.2x", ("moe_bench_sweep_s22",), moe_bench_verdicts("fp8_sweep"), lambda v: v[0] == v[1]),
+          "≥ 1.4x", ("moe_bench_s23_landed", "moe_bench_s24"), moe_bench_verdicts("fp8_reference"),
+          lambda v: v[0] == v[1]),
+    Claim("MoE FP8 / BF16 fwd+bwd, every GPU preset (reference, Qwen3-30B-A3B, Qwen3-235B-A22B, OLMoE, "
+          "Mixtral-8x7B: H and I multiples of 128)",
+          "≥ 1.2x", ("moe_bench_s24",), moe_bench_verdicts("fp8_presets"), lambda v: v[0] == v[1]),
+    Claim("MoE FP8 / BF16 fwd+bwd, sweep points with T ≥ 8192 (H x I 3072x1536 and 2048x768, E 8, 32, 64, 128, "
+          "K 2, 4, 8)", "≥ 1.2x", ("moe_bench_sweep_s24_3072", "moe_bench_sweep_s24_2048"),
+          moe_bench_verdicts("fp8_sweep"), lambda v: v[0] == v[1]),
     Claim("MoE BF16 fwd+bwd MFU (of 989 TFLOP/s), reference shape, `detkit bench moe`",
           "≥ 60%", ("moe_bench", "moe_bench_bf16", "moe_bench_bf16_third", "moe_bench_bf16_s19",
                     "moe_bench_bf16_s19_again", "moe_bench_bf16_s20", "moe_bench_bf16_s20_again", "moe_bench_s20",
                     "moe_bench_s21", "moe_bench_s22", "moe_bench_bf16_s22", "moe_bench_s23",
-                    "moe_bench_s23_landed"),
+                    "moe_bench_s23_landed", "moe_bench_s24", "moe_bench_sweep_s24_3072"),
           moe_bench_verdicts("bf16_mfu_reference"),
           lambda v: v[0] == v[1]),
     Claim("MoE BF16 fwd+bwd MFU, Qwen3-30B-A3B widths T=16384 (sweep point)",
           "≥ 50%", ("moe_bench_30b16k", "moe_bench_30b16k_again", "moe_bench_sweep", "moe_bench_sweep_s21",
-                    "moe_bench_sweep_s22", "moe_bench_30b16k_s23"),
+                    "moe_bench_sweep_s22", "moe_bench_30b16k_s23", "moe_bench_sweep_s24_2048"),
           moe_bench_verdicts("bf16_mfu_qwen3_30b_a3b_16k"),
           lambda v: v[0] == v[1]),
     Claim("detkit mode (`detkit.batch_invariant_mode()`), transformers Qwen3 (8B widths, 2 layers, random init) "
