@@ -58,8 +58,8 @@ from detkit.kernels.moe_configs import MOE_CONFIG_TABLE_VERSION, MOE_CONFIGS, ST
 from detkit.kernels.moe_kernels import moe_grouped_gemm_kernel, moe_grouped_gemm_tma_kernel
 from detkit.kernels.moe_launch import (
     checked_routing, launch_checked_routing, moe_combine, moe_dgrad_dswiglu, moe_dgrad_dswiglu_dscore, moe_down,
-    moe_dscores_from_partials, moe_dx_route, moe_gather_sum, moe_scale_rows, moe_sorted_rows, moe_up_swiglu,
-    moe_wgrad_w1, moe_wgrad_w2, table_moe_config, triton_tile,
+    moe_dscores_from_partials, moe_dx_route, moe_gather_sum, moe_scale_rows, moe_up_swiglu, moe_wgrad_w1,
+    moe_wgrad_w2, table_moe_config, triton_tile,
 )
 from detkit.kernels.moe_operands import GATE_UP_LAYOUTS, check_gate_up, weight_descriptor, ws_weight_rows
 from detkit.kernels.moe_routing import MoeRouting, check_moe_errors, error_flags, sync_checks, sync_checks_enabled
@@ -74,7 +74,7 @@ __all__ = [
     "GATE_UP_LAYOUTS", "LAYER_STAGES", "MOE_CONFIGS", "MOE_CONFIG_TABLE_VERSION", "STAGES", "check_moe_inputs", "checked_routing",
     "launch_checked_routing", "layer_stage_names", "moe_combine", "moe_dgrad_dswiglu", "moe_dgrad_dswiglu_dscore",
     "moe_down", "moe_dscores_from_partials", "moe_dx_route", "moe_gather_sum", "moe_grouped_gemm_kernel",
-    "moe_grouped_gemm_tma_kernel", "moe_scale_rows", "moe_sorted_rows", "moe_up_swiglu", "moe_wgrad_w1", "moe_wgrad_w2",
+    "moe_grouped_gemm_tma_kernel", "moe_scale_rows", "moe_up_swiglu", "moe_wgrad_w1", "moe_wgrad_w2",
     "select_moe_config", "stage_name", "table_moe_config", "triton_tile", "weight_descriptor", "ws_weight_rows",
 ]
 

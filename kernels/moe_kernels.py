@@ -14,9 +14,8 @@ kernels/moe_routing.py; P is the padded row count.
     moe_wgrad_kernel             one program per (expert, dW tile): dW[e] = A[rows of e]^T B[rows of e] over the
                                  expert's rows in ascending order; BF16 out, or main_grad += it in FP32
     moe_scale_rows_kernel        dy [P, H] = bf16(s * dout[gather]) (dW2's B operand), padding rows +0; with COPY
-                                 also dout[gather] itself (dgrad's A operand, read by TMA); without SCALE the
-                                 rows themselves (up's x in expert order); token-major: each source row read once
-                                 and written to its K rows
+                                 also dout[gather] itself (dgrad's A operand, read by TMA); token-major: each
+                                 dout row read once and written to its K rows
     moe_combine_kernel           out[t] = bf16(sum over k ascending of s_k * y[route_row[t, k]]) in FP32 (and the
                                  unscaled dX gather-sum)
     moe_dscore_sum_kernel        ds[t, k] = the row's dscore partials summed (a fixed tree)
@@ -254,7 +253,6 @@ def moe_scale_rows_kernel(
     PAD_ROWS: tl.constexpr,  # expert-sorted rows per padding program (all N columns)
     COPY: tl.constexpr,  # copy[route_row[t, k], :N] = src[t, :N] too (padding rows 0)
     INTERPRETED: tl.constexpr,
-    SCALE: tl.constexpr = True,  # False: out[route_row[t, k], :N] = src[t, :N], the rows as they are
 ):
     pid = tl.program_id(axis=0)
     limit = tl.minimum(P, tl.load(gate_ptr))  # rows past the routing's P: not read by the weight gradients
@@ -272,13 +270,10 @@ def moe_scale_rows_kernel(
         for k in range(0, K):
             rows = tl.load(route_row_ptr + offs_t * stride_rt + k * stride_rk, mask=t_ok, other=-1)
             ok = (rows >= 0) & (rows < limit)  # a masked route has no row
+            s = tl.load(row_score_ptr + rows, mask=ok, other=0.0)
             mask = ok[:, None] & n_ok[None, :]
-            if SCALE:
-                s = tl.load(row_score_ptr + rows, mask=ok, other=0.0)
-                tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on,
-                         to_bf16(x.to(tl.float32) * s[:, None], INTERPRETED), mask=mask)
-            else:
-                tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on, x, mask=mask)
+            tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on,
+                     to_bf16(x.to(tl.float32) * s[:, None], INTERPRETED), mask=mask)
             if COPY:
                 tl.store(copy_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn, x, mask=mask)
     else:

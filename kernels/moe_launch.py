@@ -16,7 +16,6 @@ from detkit.kernels.backend import MAX_INT32_OFFSET, TRITON_INTERPRETER, Planned
 from detkit.kernels.det_gemm import GemmConfig, interpreter_step_k
 from detkit.kernels.moe_common import DS_CHUNK, EPI_DSWIGLU, EPI_PLAIN, EPI_SWIGLU
 from detkit.kernels.moe_configs import check_grouped_config, check_moe_variant, select_moe_config
-from detkit.kernels.moe_gluon_blocks import check_ws_backend
 from detkit.kernels.moe_kernels import (
     moe_combine_kernel, moe_dscore_sum_kernel, moe_grouped_gemm_kernel, moe_grouped_gemm_tma_kernel,
     moe_scale_rows_kernel, moe_split_copy_kernel, moe_wgrad_kernel,
@@ -25,7 +24,7 @@ from detkit.kernels.moe_operands import (
     check_gate_up, weight_descriptor, weight_storage, ws_weight_rows, ws_wgrad_addresses,
 )
 from detkit.kernels.moe_routing import SEGMENT_ALIGN, MoeRouting, PendingRouting, launch_routing, max_padded_rows
-from detkit.kernels.moe_ws import check_ws_gather_config, launch_moe_ws, launch_moe_ws_gather, launch_moe_ws_wgrad
+from detkit.kernels.moe_ws import launch_moe_ws, launch_moe_ws_gather, launch_moe_ws_wgrad
 
 
 def _backend_flags(backend: str, config: GemmConfig) -> dict:
@@ -155,17 +154,7 @@ def moe_up_swiglu(x: torch.Tensor, w1: torch.Tensor, routing: MoeRouting, backen
     two_i = w1.shape[2]
     gu = torch.empty((routing.padded_rows, two_i), dtype=torch.bfloat16, device=x.device)
     h = torch.empty((routing.padded_rows, two_i // 2), dtype=torch.bfloat16, device=x.device)
-    reason = _split_variant_reason(config, split)
-    if reason is not None:
-        raise ValueError(f"up: {reason}")
-    a, gather = x, True
-    if config.variant == "ws":
-        # The Gluon kernel reads x's rows in expert order by TMA (its cp.async gather is slower), from a copy made
-        # by one token-major pass: the same A values in the same K order, so the same bits.
-        check_ws_gather_config("up", config, EPI_SWIGLU, w1, False)
-        check_ws_backend("up", backend)
-        a, gather = moe_sorted_rows(x, routing, backend), False
-    _grouped(0, "up", a, gather, w1, gu, h, routing, two_i, x.shape[1], EPI_SWIGLU, backend, config, split=split)
+    _grouped(0, "up", x, True, w1, gu, h, routing, two_i, x.shape[1], EPI_SWIGLU, backend, config, split=split)
     return gu, h
 
 
@@ -312,40 +301,21 @@ def moe_scale_rows(dout: torch.Tensor, routing: MoeRouting, backend: str, config
     load-to-shared-memory GEMM; the product and its one rounding are the same. ``sorted_copy``: also the rows
     dout[gather_token[p]] themselves (padding rows +0), in the same pass: returns (dy, that copy), which the dgrad
     GEMM reads by TMA instead of gathering them."""
-    dy = torch.empty((routing.padded_rows, dout.shape[1]), dtype=torch.bfloat16, device=dout.device)
-    copy = torch.empty_like(dy) if sorted_copy else dy
-    _scatter_rows(dout, routing, backend, config, dy, copy if sorted_copy else None)
-    return (dy, copy) if sorted_copy else dy
-
-
-def moe_sorted_rows(src: torch.Tensor, routing: MoeRouting, backend: str,
-                    config: GemmConfig | None = None) -> torch.Tensor:
-    """src [T, N] bf16 -> [P, N]: src[gather_token[p]] in expert order, padding rows +0 (moe_scale_rows' pass
-    without the scaling): the up GEMM's A rows read by TMA instead of gathered."""
-    out = torch.empty((routing.padded_rows, src.shape[1]), dtype=torch.bfloat16, device=src.device)
-    _scatter_rows(src, routing, backend, config, out, None, scale=False)
-    return out
-
-
-def _scatter_rows(src: torch.Tensor, routing: MoeRouting, backend: str, config: GemmConfig | None,
-                  out: torch.Tensor, copy: torch.Tensor | None, scale: bool = True) -> None:
-    """moe_scale_rows_kernel: each src row read once and stored to its K expert-sorted rows of ``out`` (scaled by
-    its route's score with ``scale``) and of ``copy`` (as it is); padding rows below the routing's P zeroed."""
     config = config or select_moe_config("combine", backend)
-    rows, cols = out.shape
-    if src.dtype != torch.bfloat16:
-        raise ValueError(f"the rows scattered into expert order must be bf16; got {src.dtype}")
+    rows, cols = routing.padded_rows, dout.shape[1]
+    dy = torch.empty((rows, cols), dtype=torch.bfloat16, device=dout.device)
+    copy = torch.empty((rows, cols), dtype=dout.dtype, device=dout.device) if sorted_copy else dy
     t_count, route_row = routing.num_tokens, routing.route_row
     token_programs = triton.cdiv(t_count, config.block_m) * triton.cdiv(cols, config.block_n)
     grid = (token_programs + triton.cdiv(rows, SCALE_ROWS_PAD_ROWS),)
-    dst = copy if copy is not None else out
     _moe_scale_rows_kernel_planned[grid](
-        src, route_row, routing.row_score, routing.sorted_route, routing.gate, out, dst, t_count, cols,
-        routing.top_k, rows, src.stride(0), src.stride(1), route_row.stride(0), route_row.stride(1),
-        out.stride(0), out.stride(1), dst.stride(0), dst.stride(1), token_programs,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAD_ROWS=SCALE_ROWS_PAD_ROWS, COPY=copy is not None,
-        INTERPRETED=backend == TRITON_INTERPRETER, SCALE=scale, num_warps=config.num_warps,
+        dout, route_row, routing.row_score, routing.sorted_route, routing.gate, dy, copy, t_count, cols,
+        routing.top_k, rows, dout.stride(0), dout.stride(1), route_row.stride(0), route_row.stride(1),
+        dy.stride(0), dy.stride(1), copy.stride(0), copy.stride(1), token_programs,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAD_ROWS=SCALE_ROWS_PAD_ROWS, COPY=sorted_copy,
+        INTERPRETED=backend == TRITON_INTERPRETER, num_warps=config.num_warps,
     )
+    return (dy, copy) if sorted_copy else dy
 
 
 def weight_grad_buffer(shape: tuple[int, ...], like: torch.Tensor | None, device: torch.device) -> torch.Tensor:

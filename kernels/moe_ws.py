@@ -737,23 +737,6 @@ def gather_store_bytes(config, epilogue: int, dscore: bool) -> int:
 _moe_ws_gather_kernel_planned = PlannedKernel(moe_ws_gather_kernel)
 
 
-def check_ws_gather_config(stage: str, config, epilogue: int, b: torch.Tensor, dscore: bool) -> None:
-    """moe_ws_gather_kernel's checks of the config and the ``[E, L, C]`` weight view b (those that do not depend on the
-    activation), refusing by name: every backend runs them before its own refusal of "ws"."""
-    _, reduced, n_cols = b.shape
-    if epilogue_warpgroup(config) and epilogue == EPI_SWIGLU:
-        raise ValueError(f"{stage}: an epilogue warpgroup (12 warps) is dgrad's only; up takes 4 or 8 warps")
-    _check_tile(stage, config, reduced, n_cols, gather_store_bytes(config, epilogue, dscore), True)
-    if config.block_k % 64 or (dscore and config.block_n % DS_CHUNK):
-        raise ValueError(f"{stage}: variant 'ws' copies 64 BF16 columns per pass of its gathered rows and sums the "
-                         f"dscore partials over {DS_CHUNK} columns: BLOCK_K a multiple of 64 and BLOCK_N of {DS_CHUNK}; "
-                         f"got BLOCK_K {config.block_k}, BLOCK_N {config.block_n}")
-    store = (ws_weight_rows(b) or (None, False))[0]
-    if store is None or store.stride(0) * 2 % 16:
-        raise ValueError(f"{stage}: variant 'ws' needs the weight stored [E, L, C] or [E, C, L] with 16-byte aligned "
-                         f"rows; got weight view strides {b.stride()}")
-
-
 def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch.Tensor, b: torch.Tensor,
                          out: torch.Tensor, aux: torch.Tensor, routing,
                          dscore: tuple[torch.Tensor, torch.Tensor] | None, backend: str, gather: bool = True) -> None:
@@ -763,13 +746,20 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
     aux = the saved gu and dh = s * acc, and ``dscore = (h, ds_part)`` adds the partials. Refuses, naming the value,
     what this kernel does not cover, then a backend other than sm_90 (before any work)."""
     _, reduced, n_cols = b.shape
-    check_ws_gather_config(stage, config, epilogue, b, dscore is not None)
-    store, k_major = ws_weight_rows(b)
+    if epilogue_warpgroup(config) and epilogue == EPI_SWIGLU:
+        raise ValueError(f"{stage}: an epilogue warpgroup (12 warps) is dgrad's only; up takes 4 or 8 warps")
+    _check_tile(stage, config, reduced, n_cols, gather_store_bytes(config, epilogue, dscore is not None), True)
+    if config.block_k % 64 or (dscore is not None and config.block_n % DS_CHUNK):
+        raise ValueError(f"{stage}: variant 'ws' copies 64 BF16 columns per pass of its gathered rows and sums the "
+                         f"dscore partials over {DS_CHUNK} columns: BLOCK_K a multiple of 64 and BLOCK_N of {DS_CHUNK}; "
+                         f"got BLOCK_K {config.block_k}, BLOCK_N {config.block_n}")
+    store, k_major = ws_weight_rows(b) or (None, False)
     tensors = (out, aux) + (dscore or ())
-    if (a.stride(1) != 1 or a.stride(0) * 2 % 16 or a.data_ptr() % 16
+    if (store is None or a.stride(1) != 1 or a.stride(0) * 2 % 16 or a.data_ptr() % 16 or store.stride(0) * 2 % 16
             or not all(t.is_contiguous() for t in tensors)):
-        raise ValueError(f"{stage}: variant 'ws' needs the activation row-major with 16-byte aligned rows (cp.async, "
-                         f"TMA) and its other tensors contiguous; got activation strides {a.stride()}")
+        raise ValueError(f"{stage}: variant 'ws' needs the weight stored [E, L, C] or [E, C, L] with 16-byte aligned "
+                         f"rows, the activation row-major with 16-byte aligned rows (cp.async) and its other tensors "
+                         f"contiguous; got weight view strides {b.stride()}, activation strides {a.stride()}")
     p = routing.padded_rows
     if not gather and a.shape[0] < p:
         raise ValueError(f"{stage}: the expert-ordered activation has {a.shape[0]} rows; the routing has {p}")

@@ -14,7 +14,7 @@ from detkit.audits.moe import (
 )
 from detkit.kernels.moe import (
     MOE_CONFIGS, deinterleave_gate_up, interleave_gate_up, moe_down, moe_mlp_fwd, moe_mlp_ref, moe_scale_rows,
-    moe_sorted_rows, moe_up_swiglu, moe_wgrad_w2,
+    moe_up_swiglu, moe_wgrad_w2,
 )
 import detkit.kernels.moe as km
 from detkit.kernels.det_gemm import GemmConfig
@@ -203,8 +203,6 @@ def test_scaled_rows_are_one_rounding_of_the_fp32_product(device):
     want_copy[padding] = 0.0
     assert torch.equal(copy.view(torch.int16), want_copy.view(torch.int16))
     assert torch.equal(dy_too.view(torch.int16), moe_scale_rows(dout_inf, routing, backend).view(torch.int16))
-    # The pass without the scaling (the up GEMM's x in expert order): the same rows as that copy.
-    assert torch.equal(moe_sorted_rows(dout_inf, routing, backend).view(torch.int16), want_copy.view(torch.int16))
     # dW2 on a dy formed elsewhere: the same bits as forming it itself; a dy of another shape is refused by name.
     h = torch.randn((routing.padded_rows, inp["w2"].shape[1])).to(device=dout.device, dtype=torch.bfloat16)
     want_dw2 = moe_wgrad_w2(h, dout, routing, backend)
@@ -232,11 +230,6 @@ def test_scaled_rows_over_the_routing_bound_have_the_exact_routings_bits(device)
                               config=GemmConfig(16, 32, 16, 1, 4, 1))  # 134 tokens, 40 columns: tails
     assert torch.equal(dy[:p].view(torch.int16), want_dy.view(torch.int16))
     assert torch.equal(copy[:p].view(torch.int16), want_copy.view(torch.int16))
-    rows = moe_sorted_rows(inp["x"], bound, backend, config=GemmConfig(16, 32, 16, 1, 4, 1))
-    want_rows = inp["x"][exact.gather_token.long()]
-    want_rows[padding] = 0.0
-    assert rows.shape == (bound.padded_rows, inp["x"].shape[1])
-    assert torch.equal(rows[:p].view(torch.int16), want_rows.view(torch.int16))
 
 
 def test_dgrad_on_expert_ordered_dout_has_the_gathered_bits(device):
@@ -510,12 +503,11 @@ for name, ga, acc, split in (("wgrad_w1", True, False, False), ("wgrad_w2", Fals
                       "STEP_K": c.block_k, "GATHER_A": ga, "ACCUMULATE": acc, "INTERPRETED": False, "SPLIT_C": split},
                       ("stride_ar", "stride_bc", "stride_wr" if split else "stride_wc"))
 c = cfgs["combine"]
-for copy, scale in ((False, True), (True, True), (False, False)):
-    out[f"scale_rows_{copy}_{scale}"] = build(km.moe_scale_rows_kernel, {"src_ptr": "*bf16", "route_row_ptr": "*i32",
+for copy in (False, True):
+    out[f"scale_rows_{copy}"] = build(km.moe_scale_rows_kernel, {"src_ptr": "*bf16", "route_row_ptr": "*i32",
                                       "row_score_ptr": "*fp32", "route_ptr": "*i32", "gate_ptr": "*i32", "out_ptr": "*bf16",
                                       "copy_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "PAD_ROWS": 128,
-                                      "COPY": copy, "INTERPRETED": False, "SCALE": scale},
-                                      ("stride_sn", "stride_rk", "stride_on", "stride_cn"))
+                                      "COPY": copy, "INTERPRETED": False}, ("stride_sn", "stride_rk", "stride_on", "stride_cn"))
 for scaled in (True, False):
     out[f"combine_{scaled}"] = build(km.moe_combine_kernel, {"src_ptr": "*fp32", "route_row_ptr": "*i32", "score_ptr": "*fp32", "gate_ptr": "*i32",
                                      "out_ptr": "*bf16"}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "SCALED": scaled,
