@@ -38,6 +38,7 @@ _PUBLIC = {
     "disable_batch_invariant_mode": "detkit.kernels.mode",
     "is_batch_invariant_mode_enabled": "detkit.kernels.mode",
     "mode_counters": "detkit.kernels.mode",
+    "refresh_fp8_weights": "detkit.kernels.mode",
     "reset_mode_counters": "detkit.kernels.mode",
     "ModeNotRoutedError": "detkit.kernels.mode",
 }

@@ -258,21 +258,30 @@ class Fp8Weight:
 _fp8_quant_weight_kernel_planned = PlannedKernel(fp8_quant_weight_kernel)
 
 
-def quantize_weight(w: torch.Tensor, split_pairs: bool = False) -> Fp8Weight:
+def quantize_weight(w: torch.Tensor, split_pairs: bool = False, out: Fp8Weight | None = None) -> Fp8Weight:
     """w [E, R, C] (bf16/fp32, any strides; R, C multiples of 128) -> Fp8Weight. ``split_pairs``: w's columns are
     gate/up pairs held as split halves ([gate (C/2) | up (C/2)]), quantized as their interleaved order (column
-    2j + h read at j + h * C/2): the Fp8Weight of the interleaved copy, without the copy."""
+    2j + h read at j + h * C/2): the Fp8Weight of the interleaved copy, without the copy. ``out``: an Fp8Weight of
+    w's shape on w's device, overwritten in place and returned (its buffers keep their addresses)."""
     _check_quant_input("w", w, 3, (1, 2))
     backend = resolve_backend(fp8_quant_weight_kernel, {"w": w})
     e, r, c = w.shape
-    q = torch.empty((e, r, c), dtype=FP8_DTYPE, device=w.device)
-    q_t = torch.empty((e, c, r), dtype=FP8_DTYPE, device=w.device)
-    s = torch.empty((e, r // QBLOCK, c // QBLOCK), dtype=torch.float32, device=w.device)
+    want = {"q": ((e, r, c), FP8_DTYPE), "q_t": ((e, c, r), FP8_DTYPE),
+            "scale": ((e, r // QBLOCK, c // QBLOCK), torch.float32)}
+    if out is not None:
+        for name, (shape, dtype) in want.items():
+            t = getattr(out, name)
+            if tuple(t.shape) != shape or t.dtype != dtype or t.device != w.device or not t.is_contiguous():
+                raise ValueError(f"out.{name} must be a contiguous {dtype} {shape} on {w.device}; got {t.dtype} "
+                                 f"{tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}")
+    else:
+        out = Fp8Weight(*(torch.empty(shape, dtype=dtype, device=w.device) for shape, dtype in want.values()))
+    q, q_t, s = out.q, out.q_t, out.scale
     _fp8_quant_weight_kernel_planned[(e * (r // QBLOCK) * (c // QBLOCK),)](
         w, q, q_t, s, r, c, *w.stride(), c // 2 * w.stride(2), *q.stride(), *q_t.stride(), *s.stride(),
         QBLOCK=QBLOCK, INTERPRETED=backend == TRITON_INTERPRETER, SPLIT_C=split_pairs, num_warps=8,
     )
-    return Fp8Weight(q, q_t, s)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ Everything it does not route is counted with the reason (``mode_counters()``); w
 
 Re-entrant: a depth counter; the outermost entry installs the overrides, the matching exit removes
 them (so outside the mode torch runs untouched). ``strict`` holds while any enclosing entry asked for it;
-``moe_experts`` is the innermost entry's explicit choice (None keeps the enclosing one; "bf16" outermost).
+``moe_experts`` and ``fp8_graph_weights`` are the innermost entry's explicit choices (None keeps the enclosing one;
+"bf16" and "quantize" outermost).
 Backward passes must run inside the mode too (they call the same aten ops).
 """
 
@@ -36,11 +37,14 @@ import logging
 import threading
 
 from detkit.kernels import mode_state
-from detkit.kernels.mode_state import MOE_EXPERTS, ModeCounters, ModeNotRoutedError, check_moe_experts
+from detkit.kernels.mode_state import (
+    FP8_GRAPH_WEIGHTS, MOE_EXPERTS, ModeCounters, ModeNotRoutedError, check_choice, check_moe_experts,
+)
 
 __all__ = [
-    "MOE_EXPERTS", "ModeCounters", "ModeNotRoutedError", "batch_invariant_mode", "disable_batch_invariant_mode",
-    "enable_batch_invariant_mode", "is_batch_invariant_mode_enabled", "mode_counters", "reset_mode_counters",
+    "FP8_GRAPH_WEIGHTS", "MOE_EXPERTS", "ModeCounters", "ModeNotRoutedError", "batch_invariant_mode",
+    "disable_batch_invariant_mode", "enable_batch_invariant_mode", "is_batch_invariant_mode_enabled", "mode_counters",
+    "refresh_fp8_weights", "reset_mode_counters",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,21 +69,24 @@ def _uninstall() -> None:
     mode_aten.uninstall()
 
 
-def _check_args(strict, moe_experts) -> None:
+def _check_args(strict, moe_experts, fp8_graph_weights) -> None:
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool; got {type(strict).__name__}")
     check_moe_experts(moe_experts)
+    check_choice("fp8_graph_weights", fp8_graph_weights, FP8_GRAPH_WEIGHTS)
 
 
-def enable_batch_invariant_mode(strict: bool = False, moe_experts: str | None = None) -> None:
+def enable_batch_invariant_mode(strict: bool = False, moe_experts: str | None = None,
+                                fp8_graph_weights: str | None = None) -> None:
     """Enter the mode (process-wide); pair each call with ``disable_batch_invariant_mode()``. ``moe_experts``:
-    "bf16" or "fp8" (see ``batch_invariant_mode``)."""
-    _check_args(strict, moe_experts)
+    "bf16" or "fp8"; ``fp8_graph_weights``: "quantize" or "static" (see ``batch_invariant_mode``)."""
+    _check_args(strict, moe_experts, fp8_graph_weights)
     with _TRANSITION:
         if mode_state.STATE.depth == 0:
             _install()
         mode_state.STATE.strict_stack.append(strict)
         mode_state.STATE.experts_stack.append(moe_experts)
+        mode_state.STATE.graph_weights_stack.append(fp8_graph_weights)
         mode_state.STATE.depth += 1
 
 
@@ -91,6 +98,7 @@ def disable_batch_invariant_mode() -> None:
         mode_state.STATE.depth -= 1
         mode_state.STATE.strict_stack.pop()
         mode_state.STATE.experts_stack.pop()
+        mode_state.STATE.graph_weights_stack.pop()
         if mode_state.STATE.depth == 0:
             _uninstall()
 
@@ -108,20 +116,36 @@ class batch_invariant_mode(contextlib.ContextDecorator):
     ``moe_experts``: the layer transformers' Qwen3-MoE experts run on -- "bf16" (``moe_mlp``, the default) or
     "fp8" (``moe_mlp_fp8``: block-scaled E4M3, H and I multiples of 128; a block that does not meet that runs
     transformers' own experts, counted, or raises under strict -- never the BF16 layer instead). None keeps the
-    enclosing entry's choice. Anything else: ValueError before the mode is entered."""
+    enclosing entry's choice. Anything else: ValueError before the mode is entered.
 
-    def __init__(self, strict: bool = False, moe_experts: str | None = None):
-        _check_args(strict, moe_experts)
+    ``fp8_graph_weights``: how FP8 experts get their quantized weights while a CUDA graph is captured --
+    "quantize" (the default: quantized inside the graph, so every replay reads the weights as they are then) or
+    "static" (the graph reads the weights the mode quantized outside it, which a warm-up call must have done; after
+    a weight update call ``refresh_fp8_weights()`` before the next replay, which otherwise reads the old weights).
+    None keeps the enclosing entry's choice."""
+
+    def __init__(self, strict: bool = False, moe_experts: str | None = None, fp8_graph_weights: str | None = None):
+        _check_args(strict, moe_experts, fp8_graph_weights)
         self.strict = strict
         self.moe_experts = moe_experts
+        self.fp8_graph_weights = fp8_graph_weights
 
     def __enter__(self) -> "batch_invariant_mode":
-        enable_batch_invariant_mode(self.strict, self.moe_experts)
+        enable_batch_invariant_mode(self.strict, self.moe_experts, self.fp8_graph_weights)
         return self
 
     def __exit__(self, *exc) -> bool:
         disable_batch_invariant_mode()
         return False
+
+
+def refresh_fp8_weights() -> int:
+    """Re-quantize, in place, the mode's FP8 expert weights that CUDA graphs captured with
+    ``fp8_graph_weights="static"`` read and whose parameters changed since (an optimizer step, load_state_dict);
+    returns how many. Call after each weight update, before replaying those graphs."""
+    from detkit.kernels import mode_moe
+
+    return mode_moe.fp8_weight_cache().refresh()
 
 
 def mode_counters() -> ModeCounters:

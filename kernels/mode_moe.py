@@ -33,7 +33,9 @@ happen as before:
   (sized for a model's MoE layers, apart from the layer's default cache), keyed on the parameters themselves
   (gate_up_proj, down_proj) and valid for their ``_version``: an optimizer step (in place) invalidates the entry, and the next call re-quantizes from the
   new values. While a CUDA graph is being captured the weights are quantized inside the graph (no cache), so a
-  replay after a weight update reads the new weights.
+  replay after a weight update reads the new weights; with ``batch_invariant_mode(fp8_graph_weights="static")`` the
+  graph reads the cache's buffers instead (a warm-up call must have filled them), and ``refresh_fp8_weights()``
+  re-quantizes them in place after an update, before the next replay.
 
 Under torch.compile both routes run as graph breaks (eagerly, with the same kernels and counting).
 transformers' load-balancing loss is computed outside the block from the recorded router logits, as
@@ -137,14 +139,17 @@ def _call_weights_class() -> type:
     from detkit.kernels.moe_fp8 import Fp8WeightCache
 
     class CallWeights(Fp8WeightCache):
-        def __init__(self, cache: Fp8WeightCache, sources: tuple[tuple[torch.Tensor, torch.Tensor], ...]):
+        def __init__(self, cache: Fp8WeightCache, sources: tuple[tuple[torch.Tensor, torch.Tensor, str], ...],
+                     for_graph: bool = False):
             super().__init__(capacity=len(sources))
             self.cache, self.sources = cache, sources
+            # For a graph: every weight's static slot taken now, so a missing one refuses the call before any work.
+            self.static = [cache.get_for_graph(w, source=p, gate_up=g) for w, p, g in sources] if for_graph else None
 
         def get(self, w, source=None, gate_up="interleaved"):
-            for weight, parameter in self.sources:
+            for i, (weight, parameter, _) in enumerate(self.sources):
                 if w is weight:
-                    return self.cache.get(w, source=parameter, gate_up=gate_up)
+                    return self.static[i] if self.static is not None else self.cache.get(w, parameter, gate_up)
             raise RuntimeError("the FP8 layer asked for a weight this call did not hand it")
 
     return CallWeights
@@ -158,15 +163,19 @@ def experts_forward_fp8(module, hidden_states: torch.Tensor, top_k_index: torch.
                         cached: bool = True) -> torch.Tensor:
     """Qwen3MoeExperts.forward on ``moe_mlp_fp8`` (the same w1, w2 and ids as ``experts_forward``; H and I
     multiples of 128): hidden [T, H] bf16 -> [T, H] bf16. The weights come from ``fp8_weight_cache()``;
-    ``cached=False`` (and any call while a CUDA graph is captured) quantizes them in the call."""
+    ``cached=False`` quantizes them in the call. While a CUDA graph is captured: quantized in the graph, or with
+    ``fp8_graph_weights="static"`` the cache's buffers, which must hold the current weights (a warm-up call)."""
     from detkit.kernels.moe_fp8 import moe_mlp_fp8
 
     ids = route_ids(top_k_index, module.num_experts)
     w1, w2 = module.gate_up_proj.transpose(1, 2), down_as_w2(module.down_proj)
+    sources = ((w1, module.gate_up_proj, "split"), (w2, module.down_proj, "interleaved"))
     weight_cache = None
-    if cached and not _capturing(hidden_states):
-        weight_cache = _call_weights_class()(fp8_weight_cache(),
-                                             ((w1, module.gate_up_proj), (w2, module.down_proj)))
+    if not _capturing(hidden_states):
+        if cached:
+            weight_cache = _call_weights_class()(fp8_weight_cache(), sources)
+    elif mode_state.fp8_graph_weights() == "static":
+        weight_cache = _call_weights_class()(fp8_weight_cache(), sources, for_graph=True)
     return moe_mlp_fp8(hidden_states, w1, w2, ids, top_k_weights, weight_cache=weight_cache, gate_up="split")
 
 

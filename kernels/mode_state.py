@@ -23,12 +23,24 @@ MOE_EXPERTS = ("bf16", "fp8")
 
 def check_moe_experts(value) -> None:
     """Refuses anything but None or one of ``MOE_EXPERTS`` (one line, before the mode is entered)."""
+    check_choice("moe_experts", value, MOE_EXPERTS)
+
+
+# How the FP8 experts get their weights inside a CUDA graph being captured (``batch_invariant_mode(
+# fp8_graph_weights=...)``): "quantize" (the default) quantizes them in the graph, so every replay reads the weights
+# as they are then; "static" reads the mode's cached quantized weights, which ``refresh_fp8_weights()`` must
+# re-quantize after a weight update before a replay. None on an entry keeps the enclosing entry's choice.
+FP8_GRAPH_WEIGHTS = ("quantize", "static")
+
+
+def check_choice(name: str, value, supported: tuple[str, ...]) -> None:
+    """Refuses anything but None or one of ``supported`` (one line, before the mode is entered)."""
     if value is None:
         return
     if not isinstance(value, str):
-        raise TypeError(f"moe_experts must be a str, one of {MOE_EXPERTS}, or None; got {type(value).__name__}")
-    if value not in MOE_EXPERTS:
-        raise ValueError(f"moe_experts {value!r} is not supported; supported: {', '.join(map(repr, MOE_EXPERTS))} "
+        raise TypeError(f"{name} must be a str, one of {supported}, or None; got {type(value).__name__}")
+    if value not in supported:
+        raise ValueError(f"{name} {value!r} is not supported; supported: {', '.join(map(repr, supported))} "
                          "(None: the enclosing entry's)")
 
 
@@ -41,6 +53,7 @@ class _State:
     depth: int = 0
     strict_stack: list[bool] = field(default_factory=list)
     experts_stack: list[str | None] = field(default_factory=list)  # each entry's moe_experts
+    graph_weights_stack: list[str | None] = field(default_factory=list)  # each entry's fp8_graph_weights
     routed: Counter = field(default_factory=Counter)  # (op, kernel) -> calls
     not_routed: Counter = field(default_factory=Counter)  # (op, reason) -> calls
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -62,6 +75,11 @@ def strict() -> bool:
 def moe_experts() -> str:
     """The innermost entry's explicit ``moe_experts``, else the default ("bf16")."""
     return next((v for v in reversed(STATE.experts_stack) if v is not None), MOE_EXPERTS[0])
+
+
+def fp8_graph_weights() -> str:
+    """The innermost entry's explicit ``fp8_graph_weights``, else the default ("quantize")."""
+    return next((v for v in reversed(STATE.graph_weights_stack) if v is not None), FP8_GRAPH_WEIGHTS[0])
 
 
 def routed(op: str, kernel: str, calls: int = 1) -> None:

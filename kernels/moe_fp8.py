@@ -28,7 +28,8 @@ The fused quantizations read the BF16 values that are stored beside them, so h_q
 and dgu_q == quantize_rowwise(dgu) bit for bit (tested): one definition, one reference.
 
 ``Fp8WeightCache`` keeps the quantized weights keyed on (data_ptr, _version, shape, stride, dtype, device): an
-in-place optimizer step bumps _version and so invalidates the entry.
+in-place optimizer step bumps _version and so invalidates the entry. For CUDA graphs it also hands out static slots,
+re-quantized in place by ``refresh()`` after an update.
 
 Determinism: no split-K, no atomics, each output tile owned by one program, K blocks in ascending
 order, configs pinned per backend (no autotune). Batch invariance (forward, per token): quantization
@@ -81,6 +82,20 @@ __all__ = [
 ]
 
 
+def _shares_memory(w: torch.Tensor, src: torch.Tensor) -> bool:
+    return w.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+
+
+@dataclass
+class _Slot:
+    source: torch.Tensor  # the tensor the slot is keyed on (a reference: its memory cannot be reused meanwhile)
+    version: int  # source._version when fw was quantized
+    fw: Fp8Weight
+    weight: torch.Tensor | None  # the tensor quantized when it shares the source's memory (None: a copy, not kept)
+    split: bool
+    static: bool = False  # a captured CUDA graph reads fw's buffers: re-quantized in place, never evicted
+
+
 class Fp8WeightCache:
     """Quantized weights, one slot per weight, valid for the weight's (data_ptr, _version, shape, stride, dtype,
     device). ``get(w, source=p)`` keys the slot on ``p`` instead (and on w's shape): the tensor ``w`` was made from on
@@ -90,15 +105,26 @@ class Fp8WeightCache:
     used slots beyond ``capacity`` are dropped (size it to 2 x the MoE layers of a model). Writes through ``w.data``
     bypass the version counter: call ``clear()`` after those. Inference tensors have no version counter: they are
     quantized on every lookup. A slot holds a reference to its tensor, so its memory (and data_ptr) cannot be reused
-    by another tensor."""
+    by another tensor.
+
+    CUDA graphs: ``get_for_graph`` hands a graph being captured a slot's buffers (the weights quantized outside the
+    graph) and marks the slot static. A replay reads those buffers as they are, so after a weight update call
+    ``refresh()`` before replaying: it re-quantizes every stale static slot in place (same addresses). A lookup that
+    misses on a static slot re-quantizes it in place too. ``clear()`` drops static slots as well: graphs captured on
+    them must not be replayed afterwards."""
 
     def __init__(self, capacity: int = 128):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"capacity must be a positive int; got {capacity!r}")
         self.capacity = capacity
-        self._slots: OrderedDict[tuple, tuple[torch.Tensor, int, Fp8Weight]] = OrderedDict()
+        self._slots: OrderedDict[tuple, _Slot] = OrderedDict()
         self.hits = 0
         self.misses = 0
+
+    @staticmethod
+    def _key(w: torch.Tensor, src: torch.Tensor, split: bool) -> tuple:
+        return (src.data_ptr(), tuple(src.shape), tuple(src.stride()), src.dtype, str(src.device), tuple(w.shape),
+                tuple(w.stride()), split)
 
     def get(self, w: torch.Tensor, source: torch.Tensor | None = None, gate_up: str = "interleaved") -> Fp8Weight:
         """w's Fp8Weight (``gate_up="split"``: w1 held as split gate/up halves, quantized in the interleaved order)."""
@@ -108,21 +134,67 @@ class Fp8WeightCache:
             self.misses += 1
             with torch.no_grad():
                 return quantize_weight(w.detach(), split)
-        slot = (src.data_ptr(), tuple(src.shape), tuple(src.stride()), src.dtype, str(src.device), tuple(w.shape),
-                tuple(w.stride()), split)
-        entry = self._slots.get(slot)
-        if entry is not None and entry[1] == src._version:
-            self._slots.move_to_end(slot)
+        key = self._key(w, src, split)
+        slot = self._slots.get(key)
+        if slot is not None and slot.version == src._version:
+            self._slots.move_to_end(key)
             self.hits += 1
-            return entry[2]
+            return slot.fw
         self.misses += 1
+        static = slot is not None and slot.static
         with torch.no_grad():
-            fw = quantize_weight(w.detach(), split)
-        self._slots[slot] = (src, src._version, fw)
-        self._slots.move_to_end(slot)
-        while len(self._slots) > self.capacity:
-            self._slots.popitem(last=False)
+            fw = quantize_weight(w.detach(), split, out=slot.fw if static else None)
+        view = w if _shares_memory(w, src) else None
+        self._slots[key] = _Slot(src, src._version, fw, view, split, static)
+        self._slots.move_to_end(key)
+        evictable = [k for k, v in self._slots.items() if not v.static]
+        while len(self._slots) > self.capacity and evictable:
+            del self._slots[evictable.pop(0)]
         return fw
+
+    def get_for_graph(self, w: torch.Tensor, source: torch.Tensor | None = None,
+                      gate_up: str = "interleaved") -> Fp8Weight:
+        """The slot's buffers, for a CUDA graph being captured to read instead of quantizing in the graph: the slot
+        must hold the current version of the weights (quantized outside the graph, e.g. by a warm-up call), and w
+        must share its source's memory (``refresh`` re-quantizes from it). Marks the slot static. Raises, naming
+        what is missing, otherwise."""
+        src = w if source is None else source
+        split = gate_up == "split"
+        if src.is_inference():
+            raise ValueError(f"static FP8 weights need a weight with a version counter; the {tuple(src.shape)} source "
+                             "is an inference tensor (made under torch.inference_mode)")
+        if not _shares_memory(w, src):
+            raise ValueError(f"static FP8 weights need w {tuple(w.shape)} to be a view of its source "
+                             f"{tuple(src.shape)} (a copy would go stale unseen)")
+        slot = self._slots.get(self._key(w, src, split))
+        if slot is None or slot.version != src._version:
+            state = "not quantized" if slot is None else "quantized at an older version"
+            raise RuntimeError(f"the FP8 weights of a {tuple(src.shape)} weight are {state}: run the block once "
+                               "outside the graph (a warm-up call) before capturing it")
+        slot.static, slot.weight = True, w
+        self.hits += 1
+        return slot.fw
+
+    def stale(self) -> int:
+        """How many static slots (read by captured graphs) hold an older version than their weights."""
+        return sum(1 for v in self._slots.values() if v.static and v.version != v.source._version)
+
+    def refresh(self) -> int:
+        """Re-quantize every stale static slot in place (its buffers keep their addresses, so captured graphs read
+        the new weights) and drop the other stale slots; returns how many were re-quantized. Call after a weight
+        update and before replaying a graph captured on static slots."""
+        refreshed = 0
+        for key, slot in list(self._slots.items()):
+            if slot.version == slot.source._version:
+                continue
+            if not slot.static:
+                del self._slots[key]
+                continue
+            with torch.no_grad():
+                quantize_weight(slot.weight.detach(), slot.split, out=slot.fw)
+            slot.version = slot.source._version
+            refreshed += 1
+        return refreshed
 
     def clear(self) -> None:
         self._slots.clear()

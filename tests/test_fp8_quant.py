@@ -140,6 +140,20 @@ def test_weight_blocks_match_reference_in_both_orientations(device):
         assert fw.scale.shape == (3, 2, 1)
 
 
+def test_a_weight_quantized_into_existing_buffers_has_the_fresh_bits_at_the_same_addresses(device):
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(2, QBLOCK, 2 * QBLOCK, generator=gen).to(torch.bfloat16).to(device)
+    fw = quantize_weight(torch.zeros_like(w))
+    addresses = [t.data_ptr() for t in (fw.q, fw.q_t, fw.scale)]
+    assert quantize_weight(w, out=fw) is fw
+    assert [t.data_ptr() for t in (fw.q, fw.q_t, fw.scale)] == addresses
+    want = quantize_weight(w)
+    for name in ("q", "q_t", "scale"):
+        _assert_bits(getattr(fw, name), getattr(want, name), name)
+    with pytest.raises(ValueError, match=r"out.q must be a contiguous torch.float8_e4m3fn \(2, 256, 128\)"):
+        quantize_weight(w.transpose(1, 2), out=fw)
+
+
 def test_weight_blocks_with_zero_infinite_and_extreme_values_match_reference(device):
     # The kernel takes a block's amax in the input dtype (BF16 or FP32) before scaling in FP32: a zero block (scale
     # 1), an infinity (its block saturates), the largest finite values, in both input dtypes.

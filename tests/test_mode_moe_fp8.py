@@ -43,7 +43,7 @@ def _fresh_state():
     yield
     assert not detkit.is_batch_invariant_mode_enabled(), "a test left the mode entered"
     assert not mode_moe.installed(), "the MoE routes outlived the mode"
-    assert mode_state.STATE.experts_stack == []
+    assert mode_state.STATE.experts_stack == [] and mode_state.STATE.graph_weights_stack == []
 
 
 def tiny_model(device, seed=0, **overrides):
@@ -227,6 +227,80 @@ def test_the_cache_refuses_a_bad_capacity():
         Fp8WeightCache(capacity=0)
 
 
+@pytest.mark.parametrize("bad, exc", [("cached", ValueError), ("Static", ValueError), (1, TypeError)])
+def test_an_unsupported_fp8_graph_weights_is_refused_before_the_mode_is_entered(bad, exc):
+    with pytest.raises(exc, match="fp8_graph_weights") as info:
+        detkit.batch_invariant_mode(moe_experts="fp8", fp8_graph_weights=bad)
+    assert "\n" not in str(info.value)
+    if exc is ValueError:
+        assert str(info.value) == (f"fp8_graph_weights {bad!r} is not supported; supported: 'quantize', 'static' "
+                                   "(None: the enclosing entry's)")
+    with pytest.raises(exc, match="fp8_graph_weights"):
+        detkit.enable_batch_invariant_mode(fp8_graph_weights=bad)
+    assert not detkit.is_batch_invariant_mode_enabled() and mode_state.STATE.graph_weights_stack == []
+
+
+def test_static_slots_are_handed_out_current_and_refreshed_in_place(device):
+    """get_for_graph: refused before the weights were quantized (no warm-up), then the slot's own buffers; after an
+    in-place update the slot is stale and refused until refresh(), which re-quantizes it into the same buffers (the
+    bits of a fresh quantization) and drops a stale slot no graph reads."""
+    from detkit.kernels.fp8_quant import quantize_weight
+    from detkit.kernels.moe_fp8 import Fp8WeightCache
+
+    experts = tiny_model(device, seed=30).model.layers[0].mlp.experts
+    cache = Fp8WeightCache()
+    w1, w2 = experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
+    with pytest.raises(RuntimeError, match=r"weight are not quantized: run the block once outside the graph"):
+        cache.get_for_graph(w1, source=experts.gate_up_proj, gate_up="split")
+    fw1 = cache.get(w1, source=experts.gate_up_proj, gate_up="split")
+    cache.get(w2, source=experts.down_proj)
+    assert cache.get_for_graph(w1, source=experts.gate_up_proj, gate_up="split") is fw1
+    with pytest.raises(ValueError, match=r"need w \(4, 128, 256\) to be a view of its source"):
+        cache.get_for_graph(w1.contiguous(), source=experts.gate_up_proj, gate_up="split")
+    addresses = [t.data_ptr() for t in (fw1.q, fw1.q_t, fw1.scale)]
+    with torch.no_grad():
+        experts.gate_up_proj.mul_(0.5)
+        experts.down_proj.mul_(2)
+    assert cache.stale() == 1  # only the static slot counts
+    with pytest.raises(RuntimeError, match="quantized at an older version"):
+        cache.get_for_graph(w1, source=experts.gate_up_proj, gate_up="split")
+    assert cache.refresh() == 1 and cache.stale() == 0 and len(cache) == 1  # w2's stale slot is dropped
+    assert [t.data_ptr() for t in (fw1.q, fw1.q_t, fw1.scale)] == addresses
+    want = quantize_weight(w1.detach(), split_pairs=True)
+    for name in ("q", "q_t", "scale"):
+        assert torch.equal(getattr(fw1, name).view(torch.uint8), getattr(want, name).view(torch.uint8)), name
+    assert cache.get_for_graph(w1, source=experts.gate_up_proj, gate_up="split") is fw1
+    with torch.no_grad():  # a lookup that misses on a static slot re-quantizes it in place too
+        experts.gate_up_proj.mul_(2)
+    assert cache.get(w1, source=experts.gate_up_proj, gate_up="split") is fw1 and cache.stale() == 0
+
+
+def test_a_captured_call_reads_the_static_weights_only_when_asked(device, monkeypatch):
+    """The mode's FP8 experts while a CUDA graph is captured (simulated: the capture check answers True): by default
+    the weights are quantized in the call (the cache is not read); with fp8_graph_weights="static" the cache's
+    buffers are read (no quantization, the same bits as eager), after a warm-up call only."""
+    experts = tiny_model(device, seed=31).model.layers[0].mlp.experts
+    x, ids, weights = routing_inputs(device, seed=32)
+    cache = mode_moe.fp8_weight_cache()
+    monkeypatch.setattr(mode_moe, "_capturing", lambda t: True)
+    with torch.no_grad(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+        quantized = experts(x, ids, weights)
+        assert (cache.misses, cache.hits, len(cache)) == (0, 0, 0)
+        with detkit.batch_invariant_mode(fp8_graph_weights="static"):
+            with pytest.raises(RuntimeError, match="run the block once outside the graph"):
+                experts(x, ids, weights)
+            monkeypatch.setattr(mode_moe, "_capturing", lambda t: False)
+            eager = experts(x, ids, weights)  # the warm-up fills the slots
+            monkeypatch.setattr(mode_moe, "_capturing", lambda t: True)
+            static = experts(x, ids, weights)
+        assert (cache.misses, cache.hits, cache.stale()) == (2, 2, 0)
+    assert_bits_equal(static, eager, "static weights vs eager")
+    assert_bits_equal(quantized, eager, "quantized in the call vs eager")
+    with torch.no_grad():
+        experts.down_proj.mul_(2)
+    assert cache.stale() == 1 and detkit.refresh_fp8_weights() == 1 and cache.stale() == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # What the FP8 layer does not cover
 # ---------------------------------------------------------------------------------------------
@@ -283,6 +357,40 @@ def test_a_captured_fp8_block_reads_the_weights_of_each_replay(device):
         eager = experts(x, ids, weights)
     assert not compare_bits(captured, before).equal
     assert_bits_equal(captured, eager, "replay after the update vs eager")
+
+
+@pytest.mark.gpu
+def test_a_graph_captured_on_static_fp8_weights_reads_them_until_refreshed(device):
+    """fp8_graph_weights="static": the graph reads the weights the warm-up quantized (no quantization in the graph):
+    a replay gives eager's bits; after an in-place update it still reads the old weights (the documented contract)
+    until refresh_fp8_weights() re-quantizes both in place, and then gives eager's bits on the new weights."""
+    experts = tiny_model(device, seed=21, hidden_size=256, moe_intermediate_size=256,
+                         num_experts=8).model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(16, 256, generator=gen).to(device=device, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(16)]).to(device)
+    weights = torch.rand(16, 2, generator=gen).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8", fp8_graph_weights="static"):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager = experts(x, ids, weights)  # warm-up: quantizes the weights into the cache
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = experts(x, ids, weights)
+        graph.replay()
+        assert_bits_equal(captured, eager, "replay vs eager")
+        experts.down_proj.mul_(2)
+        experts.gate_up_proj.mul_(0.5)
+        graph.replay()
+        assert_bits_equal(captured, eager, "replay before refresh: the old weights")
+        assert detkit.refresh_fp8_weights() == 2
+        graph.replay()
+        torch.cuda.synchronize()
+        updated = experts(x, ids, weights)
+    assert not compare_bits(updated, eager).equal
+    assert_bits_equal(captured, updated, "replay after refresh vs eager on the new weights")
 
 
 @pytest.mark.gpu
