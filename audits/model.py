@@ -6,7 +6,9 @@ with 2 layers, on cpu a tiny config for the Triton interpreter -- or the model n
 a preset name (``MODEL_PRESETS``: the dense Qwen3 8B widths and tiny config, and the Qwen3-MoE ones, Qwen3-30B-A3B
 widths with 2 layers and a tiny MoE config), a JSON config file, or a checkpoint directory read with
 local_files_only (nothing is ever downloaded). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the default, or ``fp8``) is
-the mode's ``moe_experts``: the precision of detkit's layer under a MoE model's experts. Checks, each run in both
+the mode's ``moe_experts``: the precision of detkit's layer under a MoE model's experts; with FP8 experts
+``DETKIT_MODEL_FP8_GRAPH_WEIGHTS`` (``quantize``, the default, or ``static``) is the mode's ``fp8_graph_weights``, how
+the speed check's captured decode step gets the quantized weights. Checks, each run in both
 modes (detkit mode's rows pass or fail; default mode's rows are the drift table, informational):
 
 - ``batch_invariance``: a sequence's log-probs alone vs in batches of several sizes at several positions;
@@ -53,6 +55,7 @@ DESCRIPTION = ("transformers model log-probs, default vs detkit mode: batch inva
                "KV-cache decode vs trainer, backward repeat, drift, routed ops, FP8 experts' precision, speed")
 CONFIG_ENV = "DETKIT_MODEL_CONFIG"
 EXPERTS_ENV = "DETKIT_MODEL_MOE_EXPERTS"  # the mode's moe_experts for the audit: bf16 (default) or fp8
+GRAPH_WEIGHTS_ENV = "DETKIT_MODEL_FP8_GRAPH_WEIGHTS"  # the mode's fp8_graph_weights: quantize (default) or static
 MODES = ("default", "detkit")
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
 MOE_OPS = ("moe experts (transformers)", "moe router (transformers)")
@@ -207,11 +210,22 @@ def moe_experts_choice() -> str:
     return value
 
 
-def mode_context(mode: str, moe_experts: str | None = None):
+def fp8_graph_weights_choice() -> str:
+    """The mode's fp8_graph_weights for the audit, from DETKIT_MODEL_FP8_GRAPH_WEIGHTS (default "quantize");
+    refused before any work when it is not one the mode supports."""
+    from detkit.kernels.mode_state import FP8_GRAPH_WEIGHTS
+
+    value = os.environ.get(GRAPH_WEIGHTS_ENV) or FP8_GRAPH_WEIGHTS[0]
+    if value not in FP8_GRAPH_WEIGHTS:
+        raise ValueError(f"{GRAPH_WEIGHTS_ENV}={value!r} is not supported; supported: {', '.join(FP8_GRAPH_WEIGHTS)}")
+    return value
+
+
+def mode_context(mode: str, moe_experts: str | None = None, fp8_graph_weights: str | None = None):
     if mode == "detkit":
         from detkit.kernels.mode import batch_invariant_mode
 
-        return batch_invariant_mode(moe_experts=moe_experts)
+        return batch_invariant_mode(moe_experts=moe_experts, fp8_graph_weights=fp8_graph_weights)
     return contextlib.nullcontext()
 
 
@@ -347,9 +361,10 @@ def _batch_select(index: int, batch: int, seq: slice | int = slice(None)):
 # The checks (each returns Comparisons; ``mode`` decides only the context)
 # ---------------------------------------------------------------------------------------------
 class Audit:
-    def __init__(self, model, device: torch.device, plan: Plan, seed: int, moe_experts: str = "bf16"):
+    def __init__(self, model, device: torch.device, plan: Plan, seed: int, moe_experts: str = "bf16",
+                 fp8_graph_weights: str = "quantize"):
         self.model, self.device, self.plan = model, device, plan
-        self.moe_experts, self.seed = moe_experts, seed
+        self.moe_experts, self.fp8_graph_weights, self.seed = moe_experts, fp8_graph_weights, seed
         self.vocab = model.config.vocab_size
         gen = torch.Generator().manual_seed(seed)
         self.seqs = torch.randint(3, self.vocab, (max(max(plan.batch_sizes), plan.train_batch) + 1, plan.seq_len),
@@ -565,7 +580,7 @@ def speed(audit: Audit) -> dict[str, dict[str, float | str]]:
     errors: dict[str, str] = {}
     for _ in range(2):
         for mode in MODES:
-            with mode_context(mode, audit.moe_experts):
+            with mode_context(mode, audit.moe_experts, audit.fp8_graph_weights):
                 timings = {"prefill": _median_ms(prefill, plan.timing_reps)}
                 eager, graph = decode_cases()
                 timings["decode_eager"] = eager
@@ -616,7 +631,7 @@ def moe_block_speed(audit: Audit) -> dict[str, dict[str, float | str]]:
     results: dict[str, dict[str, list[float]]] = {}
     for _ in range(2):
         for mode in MODES:
-            with mode_context(mode, audit.moe_experts):
+            with mode_context(mode, audit.moe_experts, audit.fp8_graph_weights):
                 for case, (x, grad) in cases.items():
                     run(x, grad)  # warm-up (compilation, allocator)
                     ms = _median_ms(lambda: run(x, grad), plan.timing_reps)  # noqa: B023 (called at once)
@@ -713,18 +728,20 @@ def run(ctx: RunContext) -> Iterator[Row]:
 
     plan = CPU_PLAN if ctx.device.type == "cpu" else CUDA_PLAN
     experts = moe_experts_choice()  # refused here, before the model is built
+    graph_weights = fp8_graph_weights_choice()
     model, description = build_model(ctx.device, ctx.seed)
-    audit = Audit(model, ctx.device, plan, ctx.seed, experts)
+    audit = Audit(model, ctx.device, plan, ctx.seed, experts, graph_weights)
     meta = {"model": description, "layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size,
             "moe": moe_meta(model), "plan": plan.__dict__, "attention_kernel_present": _attention_kernel_present()}
     if meta["moe"] is not None:
         meta["moe"]["detkit_experts"] = experts
+        meta["moe"]["fp8_graph_weights"] = graph_weights
     yield _row(ctx, "model", f"model {description}", True, meta)
     drift: list[dict] = []
     detkit_counters = None
     for mode in MODES:
         start = mode_counters()
-        with mode_context(mode, experts):
+        with mode_context(mode, experts, graph_weights):
             for cmp in audit.all_checks(locate=True):
                 entry = {"mode": mode, "check": cmp.check, **cmp.details()}
                 drift.append(entry)

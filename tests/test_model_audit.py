@@ -186,6 +186,19 @@ def test_an_unsupported_experts_precision_is_refused_before_the_model_is_built(m
         list(audit_model.run(ctx))
 
 
+def test_an_unsupported_fp8_graph_weights_is_refused_before_the_model_is_built(monkeypatch):
+    monkeypatch.setenv(audit_model.GRAPH_WEIGHTS_ENV, "cached")
+
+    def build_model(*args):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(audit_model, "build_model", build_model)
+    ctx = RunContext(device=torch.device("cpu"), backend="triton_interpreter", preset="tiny")
+    with pytest.raises(ValueError, match="DETKIT_MODEL_FP8_GRAPH_WEIGHTS='cached' is not supported; supported: "
+                                         "quantize, static"):
+        list(audit_model.run(ctx))
+
+
 def test_a_decode_only_difference_is_located_at_its_step_and_module(device, config_file):
     """A perturbation only in one-token forwards (decode steps): decode vs trainer fails from the first decode
     step on, and the hooks, comparing that step's forward with the trainer's position, name the module."""
