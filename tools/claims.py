@@ -89,6 +89,8 @@ SOURCES = {
     "model_audit": "2026-12-01-h200-s14/call4/model-audit/report.json",
     "model_audit_moe": "2026-12-02-h200-s16/call6/moe-model/model-audit/report.json",
     "model_audit_moe_fp8": "2026-12-02-h200-s16/call7/moe-model-fp8/model-audit-fp8/report.json",
+    # The FP8 model audit with the captured decode step on static FP8 weights (s24, fp8_graph_weights="static").
+    "model_audit_moe_fp8_static": "2026-12-03-h200-s24/call5/model-audit-fp8-static/report.json",
     "moe_block_bench": "2026-12-02-h200-s16/call5/moe-block/bench-block/report.json",
     "attn_audit": "2026-12-01-h200-s13/call4/attn-audit/report.json",
     "attn_bench": "2026-12-01-h200-s13/call4/attn-bench/report.json",
@@ -537,6 +539,9 @@ CLAIMS = [
     Claim("detkit mode speed, detkit / default mode, the same model: prefill (batch 4 x 512 tokens); decode step "
           "eager; decode step under a CUDA graph (batch 8, 1024-token cache); forward+backward (4 x 512)",
           "≤ 1.05x; 1.15x; 1.05x; 1.05x", ("model_audit",), model_speeds, bool),
+    Claim("detkit mode speed with FP8 experts, transformers Qwen3-MoE (Qwen3-30B-A3B widths, 2 layers), the captured "
+          "decode step on static FP8 weights (`fp8_graph_weights=\"static\"`): the same four cases",
+          "≤ 1.05x; 1.15x; 1.05x; 1.05x", ("model_audit_moe_fp8_static",), model_speeds, bool),
     Claim("Attention audit on an H200: decode ≡ prefill ≡ chunked prefill, batch size and position, padding, "
           "varlen, bitwise; repeats, fresh process; FP64 bound",
           "every check passes", ("attn_audit",), audit, all_pass),
