@@ -199,26 +199,27 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _env_choice(env: str, supported: tuple[str, ...]) -> str:
+    """The value of ``env`` (default: the first of ``supported``); refused by name before any work when it is not
+    one the mode supports."""
+    value = os.environ.get(env) or supported[0]
+    if value not in supported:
+        raise ValueError(f"{env}={value!r} is not supported; supported: {', '.join(supported)}")
+    return value
+
+
 def moe_experts_choice() -> str:
-    """The mode's moe_experts for the audit, from DETKIT_MODEL_MOE_EXPERTS (default "bf16"); refused before any
-    work when it is not one the mode supports."""
+    """The mode's moe_experts for the audit, from DETKIT_MODEL_MOE_EXPERTS (default "bf16")."""
     from detkit.kernels.mode_state import MOE_EXPERTS
 
-    value = os.environ.get(EXPERTS_ENV) or MOE_EXPERTS[0]
-    if value not in MOE_EXPERTS:
-        raise ValueError(f"{EXPERTS_ENV}={value!r} is not supported; supported: {', '.join(MOE_EXPERTS)}")
-    return value
+    return _env_choice(EXPERTS_ENV, MOE_EXPERTS)
 
 
 def fp8_graph_weights_choice() -> str:
-    """The mode's fp8_graph_weights for the audit, from DETKIT_MODEL_FP8_GRAPH_WEIGHTS (default "quantize");
-    refused before any work when it is not one the mode supports."""
+    """The mode's fp8_graph_weights for the audit, from DETKIT_MODEL_FP8_GRAPH_WEIGHTS (default "quantize")."""
     from detkit.kernels.mode_state import FP8_GRAPH_WEIGHTS
 
-    value = os.environ.get(GRAPH_WEIGHTS_ENV) or FP8_GRAPH_WEIGHTS[0]
-    if value not in FP8_GRAPH_WEIGHTS:
-        raise ValueError(f"{GRAPH_WEIGHTS_ENV}={value!r} is not supported; supported: {', '.join(FP8_GRAPH_WEIGHTS)}")
-    return value
+    return _env_choice(GRAPH_WEIGHTS_ENV, FP8_GRAPH_WEIGHTS)
 
 
 def mode_context(mode: str, moe_experts: str | None = None, fp8_graph_weights: str | None = None):

@@ -144,7 +144,8 @@ class Fp8WeightCache:
         static = slot is not None and slot.static
         with torch.no_grad():
             fw = quantize_weight(w.detach(), split, out=slot.fw if static else None)
-        view = w if _shares_memory(w, src) else None
+        # A static slot keeps the view refresh() re-quantizes from, even when this lookup came through a copy.
+        view = w if _shares_memory(w, src) else (slot.weight if static else None)
         self._slots[key] = _Slot(src, src._version, fw, view, split, static)
         self._slots.move_to_end(key)
         evictable = [k for k, v in self._slots.items() if not v.static]

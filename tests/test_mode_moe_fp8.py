@@ -82,18 +82,23 @@ def direct_fp8(experts, x, ids, weights):
 # ---------------------------------------------------------------------------------------------
 # Choosing the precision
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad, exc", [("fp16", ValueError), ("FP8", ValueError), ("", ValueError), (8, TypeError)])
-def test_an_unsupported_moe_experts_is_refused_before_the_mode_is_entered(bad, exc):
-    with pytest.raises(exc, match="moe_experts") as info:
-        detkit.batch_invariant_mode(moe_experts=bad)
+@pytest.mark.parametrize("arg, bad, exc, supported", [
+    ("moe_experts", "fp16", ValueError, "'bf16', 'fp8'"), ("moe_experts", "FP8", ValueError, "'bf16', 'fp8'"),
+    ("moe_experts", "", ValueError, "'bf16', 'fp8'"), ("moe_experts", 8, TypeError, None),
+    ("fp8_graph_weights", "cached", ValueError, "'quantize', 'static'"),
+    ("fp8_graph_weights", "Static", ValueError, "'quantize', 'static'"), ("fp8_graph_weights", 1, TypeError, None),
+])
+def test_an_unsupported_mode_choice_is_refused_before_the_mode_is_entered(arg, bad, exc, supported):
+    with pytest.raises(exc, match=arg) as info:
+        detkit.batch_invariant_mode(**{arg: bad})
     assert "\n" not in str(info.value)
     if exc is ValueError:
-        assert str(info.value) == (f"moe_experts {bad!r} is not supported; supported: 'bf16', 'fp8' "
-                                   "(None: the enclosing entry's)")
-    with pytest.raises(exc, match="moe_experts"):
-        detkit.enable_batch_invariant_mode(moe_experts=bad)
+        assert str(info.value) == f"{arg} {bad!r} is not supported; supported: {supported} (None: the enclosing entry's)"
+    with pytest.raises(exc, match=arg):
+        detkit.enable_batch_invariant_mode(**{arg: bad})
     assert not detkit.is_batch_invariant_mode_enabled() and not mode_moe.installed()
     assert mode_state.STATE.strict_stack == [] and mode_state.STATE.experts_stack == []
+    assert mode_state.STATE.graph_weights_stack == []
 
 
 def test_the_innermost_explicit_choice_holds_and_none_keeps_the_enclosing_one(device):
@@ -227,19 +232,6 @@ def test_the_cache_refuses_a_bad_capacity():
         Fp8WeightCache(capacity=0)
 
 
-@pytest.mark.parametrize("bad, exc", [("cached", ValueError), ("Static", ValueError), (1, TypeError)])
-def test_an_unsupported_fp8_graph_weights_is_refused_before_the_mode_is_entered(bad, exc):
-    with pytest.raises(exc, match="fp8_graph_weights") as info:
-        detkit.batch_invariant_mode(moe_experts="fp8", fp8_graph_weights=bad)
-    assert "\n" not in str(info.value)
-    if exc is ValueError:
-        assert str(info.value) == (f"fp8_graph_weights {bad!r} is not supported; supported: 'quantize', 'static' "
-                                   "(None: the enclosing entry's)")
-    with pytest.raises(exc, match="fp8_graph_weights"):
-        detkit.enable_batch_invariant_mode(fp8_graph_weights=bad)
-    assert not detkit.is_batch_invariant_mode_enabled() and mode_state.STATE.graph_weights_stack == []
-
-
 def test_static_slots_are_handed_out_current_and_refreshed_in_place(device):
     """get_for_graph: refused before the weights were quantized (no warm-up), then the slot's own buffers; after an
     in-place update the slot is stale and refused until refresh(), which re-quantizes it into the same buffers (the
@@ -273,6 +265,15 @@ def test_static_slots_are_handed_out_current_and_refreshed_in_place(device):
     with torch.no_grad():  # a lookup that misses on a static slot re-quantizes it in place too
         experts.gate_up_proj.mul_(2)
     assert cache.get(w1, source=experts.gate_up_proj, gate_up="split") is fw1 and cache.stale() == 0
+    # A miss through a copy of the same layout keeps the view refresh() re-quantizes from.
+    with torch.no_grad():
+        experts.gate_up_proj.mul_(0.5)
+        copy = torch.empty_strided(w1.shape, w1.stride(), dtype=w1.dtype, device=w1.device).copy_(w1)
+        assert cache.get(copy, source=experts.gate_up_proj, gate_up="split") is fw1
+        experts.gate_up_proj.mul_(2)
+    assert cache.stale() == 1 and cache.refresh() == 1 and cache.stale() == 0
+    want = quantize_weight(w1.detach(), split_pairs=True)
+    assert torch.equal(fw1.q.view(torch.uint8), want.q.view(torch.uint8))
 
 
 def test_a_captured_call_reads_the_static_weights_only_when_asked(device, monkeypatch):

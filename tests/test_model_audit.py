@@ -174,28 +174,18 @@ def test_the_precision_check_reports_a_block_the_fp8_layer_refuses(device, monke
     assert set(result) == {"error"} and "FP8 experts need H and I multiples of 128; got H = 64, I = 32" in result["error"]
 
 
-def test_an_unsupported_experts_precision_is_refused_before_the_model_is_built(monkeypatch):
-    monkeypatch.setenv(audit_model.EXPERTS_ENV, "fp4")
+@pytest.mark.parametrize("env, value, supported", [("EXPERTS_ENV", "fp4", "bf16, fp8"),
+                                                    ("GRAPH_WEIGHTS_ENV", "cached", "quantize, static")])
+def test_an_unsupported_mode_choice_is_refused_before_the_model_is_built(monkeypatch, env, value, supported):
+    name = getattr(audit_model, env)
+    monkeypatch.setenv(name, value)
 
     def build_model(*args):
         raise AssertionError("the model was built")
 
     monkeypatch.setattr(audit_model, "build_model", build_model)
     ctx = RunContext(device=torch.device("cpu"), backend="triton_interpreter", preset="tiny")
-    with pytest.raises(ValueError, match="DETKIT_MODEL_MOE_EXPERTS='fp4' is not supported; supported: bf16, fp8"):
-        list(audit_model.run(ctx))
-
-
-def test_an_unsupported_fp8_graph_weights_is_refused_before_the_model_is_built(monkeypatch):
-    monkeypatch.setenv(audit_model.GRAPH_WEIGHTS_ENV, "cached")
-
-    def build_model(*args):
-        raise AssertionError("the model was built")
-
-    monkeypatch.setattr(audit_model, "build_model", build_model)
-    ctx = RunContext(device=torch.device("cpu"), backend="triton_interpreter", preset="tiny")
-    with pytest.raises(ValueError, match="DETKIT_MODEL_FP8_GRAPH_WEIGHTS='cached' is not supported; supported: "
-                                         "quantize, static"):
+    with pytest.raises(ValueError, match=f"^{name}='{value}' is not supported; supported: {supported}$"):
         list(audit_model.run(ctx))
 
 
