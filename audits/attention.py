@@ -25,8 +25,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from detkit.kernels.attention import (
-    HEAD_DIMS, attention, attention_bwd_bound, attention_fwd_bound, attention_varlen, case_name, sdpa, select_configs,
+    HEAD_DIMS, attention, attention_bwd_bound, attention_fwd_bound, attention_varlen, sdpa,
 )
+from detkit.kernels.attention.configs import select_configs
+from detkit.kernels.attention.names import case_name
 from detkit.toolkit.contract import check_bound, compare_bits, digest, drift_stats
 from detkit.toolkit.fixtures import bf16_randn
 from detkit.toolkit.harness import Row, RunContext

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from detkit.kernels.det_gemm import LAUNCHERS, case_name
+from detkit.kernels.det_gemm.launch import LAUNCHERS, case_name
 from detkit.toolkit.fixtures import bf16_randn, weight_kn
 
 # Operands with more elements than this are drawn on their device (seeded: the same bits in every process on the

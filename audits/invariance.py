@@ -32,11 +32,11 @@ from collections.abc import Iterator
 
 import torch
 
-from detkit.kernels import parallel
-from detkit.kernels.invariant import (
+from detkit.kernels.parallel import operators as parallel
+from detkit.kernels.parallel.invariant import (
     FP32_INVARIANT, INVARIANT_CONFIG_TABLE_VERSION, MODES, cp1_db, layout_config, tp1_da, tp1_fwd,
 )
-from detkit.kernels.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_tokens, split_gate_up
+from detkit.kernels.parallel.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_tokens, split_gate_up
 from detkit.toolkit.contract import bf16_ordinal, check_bound, compare_bits
 from detkit.toolkit.dist import DistSession, RankAudit, observe_collectives, session_for_suite
 from detkit.toolkit.harness import Row, RunContext

@@ -210,21 +210,21 @@ def _env_choice(env: str, supported: tuple[str, ...]) -> str:
 
 def moe_experts_choice() -> str:
     """The mode's moe_experts for the audit, from DETKIT_MODEL_MOE_EXPERTS (default "bf16")."""
-    from detkit.kernels.mode_state import MOE_EXPERTS
+    from detkit.mode.state import MOE_EXPERTS
 
     return _env_choice(EXPERTS_ENV, MOE_EXPERTS)
 
 
 def fp8_graph_weights_choice() -> str:
     """The mode's fp8_graph_weights for the audit, from DETKIT_MODEL_FP8_GRAPH_WEIGHTS (default "quantize")."""
-    from detkit.kernels.mode_state import FP8_GRAPH_WEIGHTS
+    from detkit.mode.state import FP8_GRAPH_WEIGHTS
 
     return _env_choice(GRAPH_WEIGHTS_ENV, FP8_GRAPH_WEIGHTS)
 
 
 def mode_context(mode: str, moe_experts: str | None = None, fp8_graph_weights: str | None = None):
     if mode == "detkit":
-        from detkit.kernels.mode import batch_invariant_mode
+        from detkit.mode.switch import batch_invariant_mode
 
         return batch_invariant_mode(moe_experts=moe_experts, fp8_graph_weights=fp8_graph_weights)
     return contextlib.nullcontext()
@@ -674,7 +674,7 @@ def block_grads(block, x: torch.Tensor, dout: torch.Tensor) -> tuple[dict, torch
 
 def moe_block_grads(block, x: torch.Tensor, dout: torch.Tensor, moe_experts: str) -> tuple[dict, torch.Tensor]:
     """``block_grads`` in strict detkit mode with ``moe_experts``."""
-    from detkit.kernels.mode import batch_invariant_mode
+    from detkit.mode.switch import batch_invariant_mode
 
     with batch_invariant_mode(strict=True, moe_experts=moe_experts):
         return block_grads(block, x, dout)
@@ -686,7 +686,7 @@ def moe_precision(audit: Audit) -> dict:
     and whether they pass the FP8 layer's precision gate. A block the FP8 layer refuses is an error entry."""
     from detkit.audits.moe import cosine
     from detkit.audits.moe_fp8 import GATE_MAX_REL_RMSE, GATE_MIN_COSINE
-    from detkit.kernels.mode_state import ModeNotRoutedError
+    from detkit.mode.state import ModeNotRoutedError
     from detkit.toolkit.contract import rel_l2
 
     block = moe_blocks(audit.model)[0]
@@ -717,15 +717,15 @@ def _row(ctx: RunContext, check: str, name: str, passed: bool, details: dict) ->
 
 
 def _attention_kernel_present() -> bool:
-    from detkit.kernels.mode_attention import attention_module
+    from detkit.mode.attention import attention_module
 
     return attention_module() is not None
 
 
 def run(ctx: RunContext) -> Iterator[Row]:
-    from detkit.kernels.mode import mode_counters
+    from detkit.mode.switch import mode_counters
 
-    from detkit.kernels.mode_moe import EXPERTS_KERNELS
+    from detkit.mode.moe import EXPERTS_KERNELS
 
     plan = CPU_PLAN if ctx.device.type == "cpu" else CUDA_PLAN
     experts = moe_experts_choice()  # refused here, before the model is built

@@ -35,11 +35,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from detkit.kernels.moe import (
+from detkit.kernels.moe.layer import (
     deinterleave_gate_up, moe_dgrad_dswiglu, moe_down, moe_dx_route, moe_gather_sum, moe_mlp, moe_mlp_bwd,
     moe_mlp_fwd, moe_mlp_ref, stage_name,
 )
-from detkit.kernels.moe_routing import MoeRouting, SEGMENT_ALIGN, sync_checks
+from detkit.kernels.moe.routing import MoeRouting, SEGMENT_ALIGN, sync_checks
 from detkit.toolkit.contract import (
     ETA_BF16, U_BF16, U_FP64, ContractResult, check_bound, compare_bits, digest, gamma, gemm_bound, rel_l2,
 )

@@ -39,11 +39,11 @@ from detkit.audits.moe import (
     fresh_process_row, fused_dscore_check, grad_digests, layer_grads, make_inputs, padding_zero, per_expert,
     rejection_cases, rejection_rows, serve_digests, sorted_rows, split_layout_row, stage_rows,
 )
-from detkit.kernels.fp8_quant import (
+from detkit.kernels.moe.fp8.quant import (
     QBLOCK, dequantize_rowwise, quantize_colwise_ref, quantize_rowwise, quantize_rowwise_ref, quantize_weight_ref,
 )
-from detkit.kernels.moe import moe_mlp_fwd, moe_mlp_bwd, moe_mlp_ref, sync_checks
-from detkit.kernels.moe_fp8 import (
+from detkit.kernels.moe.layer import moe_mlp_fwd, moe_mlp_bwd, moe_mlp_ref, sync_checks
+from detkit.kernels.moe.fp8.layer import (
     DEFAULT_WGRAD, OTHER_WGRAD, Fp8WeightCache, fp8_stage_name, moe_fp8_dgrad, moe_fp8_down, moe_fp8_dx_route,
     moe_fp8_quant_colwise, moe_fp8_risk, moe_fp8_wgrad, moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd, moe_mlp_fp8_ref,
 )

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from detkit.kernels import parallel
-from detkit.kernels.det_gemm import det_gemm_fwd_launch
+from detkit.kernels.parallel import operators as parallel
+from detkit.kernels.det_gemm.launch import det_gemm_fwd_launch
 from detkit.toolkit.contract import check_bound, compare_bits, drift_stats, gemm_bound, reduced_bound
 from detkit.toolkit.dist import DistSession, RankAudit, gather_group, observe_collectives, session_for_suite
 from detkit.toolkit.harness import Row, RunContext
@@ -341,6 +341,6 @@ class TpCpAudit(RankAudit):
 
 def det_gemm_full(spec: ShardedGemm, fx: Fixtures) -> torch.Tensor:
     """TP=1, CP=1 det_gemm of a non-reduced spec over the global operands ([M, I])."""
-    from detkit.kernels.det_gemm import LAUNCHERS
+    from detkit.kernels.det_gemm.launch import LAUNCHERS
 
     return LAUNCHERS[spec.op](operand(fx, spec.x_name, None, None), operand(fx, spec.y_name, None, None))[0]

@@ -70,14 +70,14 @@ class BenchCase:
 
     @property
     def name(self) -> str:
-        from detkit.kernels.attention import case_name  # kernels load when a benchmark runs, not with the CLI
+        from detkit.kernels.attention.names import case_name  # kernels load when a benchmark runs, not with the CLI
 
         op = "fwd_bwd" if self.mode == "fwd_bwd" else "fwd"  # a decode step is the forward kernel at Sq = 1
         return case_name(op, self.batch, self.heads_q, self.heads_kv, self.seq_q, self.seq_k, self.head_dim)
 
     @property
     def flops(self) -> float:
-        from detkit.kernels.attention import causal_pairs
+        from detkit.kernels.attention.names import causal_pairs
 
         fwd = 4.0 * self.head_dim * causal_pairs(self.seq_q, self.seq_k) * self.batch * self.heads_q
         return 3.5 * fwd if self.mode == "fwd_bwd" else fwd
@@ -278,7 +278,7 @@ def measure(ctx, case: BenchCase, rounds: int, configs=None) -> dict:
 
 
 def run(ctx, cases: list[BenchCase], **options) -> Iterator[dict]:
-    from detkit.kernels.attention import ATTENTION_CONFIG_TABLE_VERSION, select_configs
+    from detkit.kernels.attention.configs import ATTENTION_CONFIG_TABLE_VERSION, select_configs
 
     rounds = options.get("rounds") or getattr(ctx, "rounds", None) or 3
     table = select_configs(ctx.backend, 128 if not ctx.interpreted else 64)

@@ -1,6 +1,6 @@
 """The reduction operators' collectives against a raw torch.distributed all_reduce, same run, interleaved.
 
-``row_parallel_fwd``, ``column_parallel_dx`` and ``replicated_dw`` (kernels/parallel.py) each run a
+``row_parallel_fwd``, ``column_parallel_dx`` and ``replicated_dw`` (kernels/parallel/operators.py) each run a
 det_gemm whose epilogue writes the partial twice (det_gemm ``twin_out``) and then
 ``kernels.parallel._reduce(op, twin, pg, axis)``: a synchronous BF16 all_reduce SUM in place on the
 twin over a 2-rank group, so the operator returns the partial untouched without a copy kernel
@@ -72,7 +72,7 @@ N_HIDDEN = 4096
 M_VALUES = (1, 64, 1024, 4096, 8192, 16384)
 TINY_M_VALUES = (1, 6, 64)
 TINY_N = 64
-# operator -> the group axis its collective runs on (kernels/parallel.py)
+# operator -> the group axis its collective runs on (kernels/parallel/operators.py)
 OPERATORS = {"row_parallel_fwd": "tp", "column_parallel_dx": "tp", "replicated_dw": "cp"}
 RAW = "raw"
 TARGET_RATIO = 1.05
@@ -246,7 +246,7 @@ def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, war
     """Validate, then time raw and every operator's collective at [m, n], interleaved; one row each."""
     import torch.distributed as dist
 
-    from detkit.kernels import parallel
+    from detkit.kernels.parallel import operators as parallel
 
     partial = _partial(m, n, session.rank, session.device)
     raw_buf = torch.zeros_like(partial)
@@ -304,7 +304,7 @@ def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, war
             "bytes": nbytes, "MiB": nbytes / 2**20, "world_size": session.world_size,
             "group_ranks": list(session.group_ranks), "pg_backend": session.pg_backend,
             "timed": "dist.all_reduce in place (zeros buffer)" if impl == RAW
-            else "detkit.kernels.parallel._reduce: all_reduce in place on the GEMM's twin (operator's collective path, "
+            else "detkit.kernels.parallel.operators._reduce: all_reduce in place on the GEMM's twin (operator's collective path, "
                  "zeros buffer, no GEMM)",
             "rounds": rounds, "iters": iters, "warmup": warmup,
             "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us, "samples": t.samples,
@@ -325,7 +325,7 @@ def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, war
 def twin_store_cost(session: CommSession, m_values: list[int], rounds: int) -> list[dict]:
     """Each operator's local det_gemm with and without ``twin_out`` (the copy the collective runs on),
     at the layout's local shapes (Qwen3-8B TP=2 on CUDA, the tiny test dims on the interpreter)."""
-    from detkit.kernels.det_gemm import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
+    from detkit.kernels.det_gemm.launch import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
     from detkit.toolkit.layout import LAYOUT_PRESETS
     from detkit.toolkit.timing import time_interleaved
 
@@ -339,7 +339,7 @@ def twin_store_cost(session: CommSession, m_values: list[int], rounds: int) -> l
 
     rows = []
     for m in m_values:
-        # op -> (launch, operands, output shape): the operators' GEMMs (kernels/parallel.py)
+        # op -> (launch, operands, output shape): the operators' GEMMs (kernels/parallel/operators.py)
         gemms = {"row_parallel_fwd": (det_gemm_fwd_launch, (rand(m, i_loc), rand(i_loc, h)), (m, h)),
                  "column_parallel_dx": (det_gemm_da_launch, (rand(m, i_loc), rand(h, i_loc)), (m, h)),
                  "replicated_dw": (det_gemm_db_launch, (rand(m, h), rand(m, i_loc)), (h, i_loc))}
@@ -370,10 +370,10 @@ def sizes(interpreted: bool, m_values=None, n: int | None = None) -> list[tuple[
 def run(ctx, cases: list[CommCase], session: CommSession, **options) -> Iterator[dict]:
     """Each size: validate, then time raw and every operator's collective interleaved; then the twin-store
     cost of every operator's GEMM (one rank, no collective)."""
-    from detkit.kernels import parallel
+    from detkit.kernels.parallel import operators as parallel
 
     if not hasattr(parallel, "_reduce"):
-        raise RuntimeError("detkit.kernels.parallel._reduce is gone: bench comm times the operators' collective "
+        raise RuntimeError("detkit.kernels.parallel.operators._reduce is gone: bench comm times the operators' collective "
                            "through it; update bench/comm.py with the operators")
     collectives = [c for c in cases if c.kind == COLLECTIVE]
     for (m, n), group in groupby(collectives, key=lambda c: (c.m, c.n)):

@@ -102,7 +102,7 @@ class BenchCase:
 
     @property
     def name(self) -> str:
-        from detkit.kernels.gemm_names import case_name
+        from detkit.kernels.det_gemm.names import case_name
 
         return f"{case_name(self.op, self.m, self.n, self.k)} b={self.layout}"
 
@@ -203,7 +203,7 @@ def baseline_call(op: str, x: torch.Tensor, y: torch.Tensor):
 def public_op(op: str):
     """detkit's public function for ``op``. Kernel modules are imported when a benchmark runs, not when the CLI
     lists its commands: --device cpu must switch the Triton interpreter on first."""
-    from detkit.kernels.det_gemm import det_gemm_da, det_gemm_db, det_gemm_fwd
+    from detkit.kernels.det_gemm.launch import det_gemm_da, det_gemm_db, det_gemm_fwd
 
     return {"fwd": det_gemm_fwd, "da": det_gemm_da, "db": det_gemm_db}[op]
 
@@ -230,7 +230,7 @@ def validate(op: str, x: torch.Tensor, y: torch.Tensor, c: torch.Tensor) -> tupl
     block = max(16, min(8192, ORACLE_ELEMENTS // reduced))
     row_spans = _spans(rows, cols, VALIDATE_MAX_ELEMENTS) if op != "db" else [(0, rows)]
     col_spans = _spans(cols, rows, VALIDATE_MAX_ELEMENTS) if op == "db" else [(0, cols)]
-    from detkit.kernels.det_gemm import REFERENCES
+    from detkit.kernels.det_gemm.launch import REFERENCES
 
     ref = REFERENCES[op]
     passed, worst = True, 0.0
@@ -431,7 +431,7 @@ def _rounds(ctx, options: dict) -> int:
 
 def run(ctx, cases: list[BenchCase], **options) -> Iterator[dict]:
     """Validate, then time; one row per case as soon as it is measured."""
-    from detkit.kernels.det_gemm import LAUNCHERS as launchers
+    from detkit.kernels.det_gemm.launch import LAUNCHERS as launchers
 
     device = ctx.device
     timings, nosplitk = resolve_options(options.get("zoo", False), options.get("timings", ()), options.get("nosplitk"))

@@ -1,4 +1,4 @@
-"""The composed Qwen3 MLP (kernels/mlp.py) forward and backward per TP/CP config and reduction mode,
+"""The composed Qwen3 MLP (kernels/parallel/mlp.py) forward and backward per TP/CP config and reduction mode,
 against a cuBLAS + NCCL PyTorch baseline of the same math, same run, interleaved.
 
 Launch (``toolkit.dist.setup_distributed`` builds the TP/CP groups; docs/invariance.md)::
@@ -67,7 +67,7 @@ from detkit.toolkit.reports import markdown_table
 from detkit.toolkit.timing import Timing
 
 if TYPE_CHECKING:
-    from detkit.kernels.mlp import MlpPlan
+    from detkit.kernels.parallel.mlp import MlpPlan
 
 NAME = "mlp"
 DESCRIPTION = "The Qwen3 MLP fwd+bwd per TP/CP config and mode vs torch.matmul + all_reduce (1, 2 or 4 ranks)."
@@ -224,7 +224,7 @@ def configs(session) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------------------------------
 def torch_mlp_fwd(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, plan: MlpPlan):
     """``(y [M_loc, H], saved)``: torch.matmul, F.silu, a BF16 all_reduce over the TP group at TP=2."""
-    from detkit.kernels.swiglu import gate_up_views
+    from detkit.kernels.parallel.swiglu import gate_up_views
 
     gu = torch.matmul(x, w_gate_up.t())  # [M_loc, 2*I_loc], columns [gate I_t | up I_t] per held shard
     gate, up = gate_up_views(gu, plan.tp_shards)
@@ -240,7 +240,7 @@ def torch_mlp_bwd(dy: torch.Tensor, saved: tuple, plan: MlpPlan):
     gradient buffer; BF16 all_reduces over the TP group (dX) and the CP group (both dW)."""
     import torch.distributed as dist
 
-    from detkit.kernels.swiglu import gate_up_views
+    from detkit.kernels.parallel.swiglu import gate_up_views
 
     x, w_gate_up, w_down, gu, h = saved
     dh = torch.matmul(dy, w_down).view(plan.m_loc * plan.tp_shards, plan.layout.i_local)
@@ -317,7 +317,7 @@ class Built:
         return y
 
     def outputs(self) -> dict[str, torch.Tensor]:
-        from detkit.kernels.mlp import split_gate_up
+        from detkit.kernels.parallel.mlp import split_gate_up
 
         y = self.step(lambda: None)
         dw_gate, dw_up = split_gate_up(self.module.w_gate_up.grad, self.plan)
@@ -327,7 +327,7 @@ class Built:
 
 def plan_for(session, layout: TpCpLayout, tp: int, cp: int, mode: str) -> MlpPlan:
     """This rank's plan; the session's process groups re-attached to ``layout`` (same model and world)."""
-    from detkit.kernels.mlp import MlpPlan
+    from detkit.kernels.parallel.mlp import MlpPlan
 
     if session is None:
         return MlpPlan(layout, mode=mode)
@@ -340,7 +340,7 @@ def plan_for(session, layout: TpCpLayout, tp: int, cp: int, mode: str) -> MlpPla
 
 def build_cases(session, layout: TpCpLayout, tensors: dict[str, torch.Tensor], tp: int, cp: int) -> list[Built]:
     """The three implementations of one config on this rank, sharing its weight and token shards."""
-    from detkit.kernels.mlp import DetQwen3MLP, shard_tokens, shard_weights
+    from detkit.kernels.parallel.mlp import DetQwen3MLP, shard_tokens, shard_weights
 
     h, i = layout.model.hidden_size, layout.model.intermediate_size
     cases = []
@@ -527,7 +527,7 @@ def _ratios(rows: list[dict]) -> None:
 def run_shape(session, ctx, model_layout: TpCpLayout, m: int, seq_len: int, rounds: int, iters: int,
               warmup: int) -> list[dict]:
     """Validate every (config, impl) at M = m, then time each config's three implementations interleaved."""
-    from detkit.kernels.mlp import mlp_bounds, mlp_ref_fp64
+    from detkit.kernels.parallel.mlp import mlp_bounds, mlp_ref_fp64
     from detkit.toolkit.shard_refs import make_fixtures
 
     layout = layout_for_tokens(model_layout, m, seq_len)
@@ -599,7 +599,7 @@ def run(ctx, cases: list[MlpCase], session, **options) -> Iterator[dict]:
 
 
 def describe(ctx, cases, rows, session) -> dict:
-    from detkit.kernels.invariant import INVARIANT_CONFIG_TABLE_VERSION
+    from detkit.kernels.parallel.invariant import INVARIANT_CONFIG_TABLE_VERSION
 
     model_layout = session.layout if session is not None else layout_for_preset(ctx.preset)
     held = [config_label(tp, cp) for tp, cp in configs(session)]

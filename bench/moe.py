@@ -1,5 +1,5 @@
 """``detkit bench moe``: the MoE expert MLP side by side in one run, per preset: the BF16 detkit layer
-(kernels/moe.py), the FP8 detkit layer (kernels/moe_fp8.py, default weight gradients), torch._grouped_mm and
+(kernels/moe/layer.py), the FP8 detkit layer (kernels/moe/fp8/layer.py, default weight gradients), torch._grouped_mm and
 transformers' Qwen3-MoE block as transformers runs it and inside ``detkit.batch_invariant_mode()`` (bench/moe_hf.py),
 forward and forward+backward, each eager and as a CUDA-graph replay, as ratios against the BF16 layer of the same run;
 with ``--sweep``, FP8 against BF16 over E, K, T at two widths with the crossover T per shape.
@@ -284,8 +284,8 @@ def skip_reason(p: MoePreset, impl: str) -> str | None:
 def implementations(p: MoePreset, inp: dict, impls: list[str], ctx, plan: Plan, baseline: tuple[bool, str] | None):
     """impl -> {"fwd": fn, "fwd_bwd": fn} on ``inp``, and the state the validation needs (the blocks, the
     baseline's choice)."""
-    from detkit.kernels.moe import moe_mlp_bwd, moe_mlp_fwd
-    from detkit.kernels.moe_fp8 import Fp8WeightCache
+    from detkit.kernels.moe.layer import moe_mlp_bwd, moe_mlp_fwd
+    from detkit.kernels.moe.fp8.layer import Fp8WeightCache
     from detkit.toolkit.nvtx_ranges import nvtx_range
 
     x, w1, w2, ids, scores, dout = (inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores", "dout"))
@@ -347,7 +347,7 @@ def _bf16_check(runs: list[dict], oracle: dict | None) -> dict:
 def validate(p: MoePreset, sweep: bool, inp: dict, fns: dict, state: dict) -> dict[str, dict]:
     """impl -> {"validated": bool, ...details}. A preset: everything against the FP64 oracle (module docstring). A
     sweep point: the BF16 layer once (finite; it is the reference) and the FP8 layer gated against it."""
-    from detkit.kernels.moe import moe_mlp_ref
+    from detkit.kernels.moe.layer import moe_mlp_ref
     from detkit.toolkit.contract import compare_bits
 
     checks: dict[str, dict] = {}
@@ -405,7 +405,7 @@ def routing_fields(ids: torch.Tensor, num_experts: int) -> dict:
 def bench_group(p: MoePreset, sweep: bool, group: list[BenchCase], ctx, plan: Plan,
                 baseline: tuple[bool, str] | None) -> Iterator[dict]:
     """Validate the group's implementations at ``p``, then time its cases; one row per case."""
-    from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION
+    from detkit.kernels.moe.layer import MOE_CONFIG_TABLE_VERSION
     from detkit.toolkit.nvtx_ranges import nvtx_range
 
     device, interpreted = ctx.device, ctx.interpreted
@@ -424,7 +424,7 @@ def bench_group(p: MoePreset, sweep: bool, group: list[BenchCase], ctx, plan: Pl
     if interpreted:
         common["note"] = INTERPRETER_LABEL
     if any(i in FP8_IMPLS for i in runnable):
-        from detkit.kernels.moe_fp8 import DEFAULT_WGRAD, MOE_FP8_CONFIG_TABLE_VERSION
+        from detkit.kernels.moe.fp8.layer import DEFAULT_WGRAD, MOE_FP8_CONFIG_TABLE_VERSION
 
         common.update(fp8_config_table_version=MOE_FP8_CONFIG_TABLE_VERSION, default_wgrad=DEFAULT_WGRAD)
 
@@ -498,11 +498,11 @@ def add_ratios(rows: dict[str, dict]) -> None:
 def bf16_stage_fns(p: MoePreset, inp: dict, backend: str) -> dict[str, tuple[Callable[[], object], float]]:
     """Each BF16 stage alone on the layer's own intermediates, split as the layer's backward splits them (dgrad with
     the pass that forms dW2's dy and dout's expert-ordered copy; dW2 on that dy): name -> (fn, FLOPs per T*K*H*I)."""
-    from detkit.kernels.moe import (
+    from detkit.kernels.moe.layer import (
         moe_combine, moe_dgrad_dswiglu_dscore, moe_down, moe_dscores_from_partials, moe_dx_route, moe_gather_sum,
         moe_mlp_fwd, moe_scale_rows, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
     )
-    from detkit.kernels.moe_routing import build_routing
+    from detkit.kernels.moe.routing import build_routing
 
     x, w1, w2, ids, scores, dout = (inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores", "dout"))
     routing = build_routing(ids, scores, p.e)

@@ -182,7 +182,7 @@ def offsets_reason(p: MoePreset) -> str | None:
     """None when the kernels' 32-bit offsets cover ``p``; else why not (one line). Padded rows are at most T*K plus
     127 per expert, each max(H, 2I) wide."""
     from detkit.kernels.backend import MAX_INT32_OFFSET
-    from detkit.kernels.moe_routing import SEGMENT_ALIGN
+    from detkit.kernels.moe.routing import SEGMENT_ALIGN
 
     worst = (p.t * p.k + p.e * (SEGMENT_ALIGN - 1)) * max(p.h, 2 * p.i)
     if worst > MAX_INT32_OFFSET:

@@ -1,4 +1,4 @@
-"""The FP8 half of ``detkit bench moe``: the FP8 MoE layer's (kernels/moe_fp8.py) validation, its stage breakdown,
+"""The FP8 half of ``detkit bench moe``: the FP8 MoE layer's (kernels/moe/fp8/layer.py) validation, its stage breakdown,
 and the crossover model over T.
 
 Validation of an FP8 implementation (bench/moe.py runs it per preset, after the BF16 layer's): its forward + backward
@@ -29,7 +29,7 @@ STAGES = {"quant_weights": 0.0, "quant_x": 0.0, "up_swiglu": 4.0, "down": 2.0, "
 
 def unfit_reason(p: MoePreset) -> str | None:
     """None when the FP8 layer runs at ``p``; else why not (one line)."""
-    from detkit.kernels.fp8_quant import QBLOCK
+    from detkit.kernels.moe.fp8.quant import QBLOCK
 
     if p.h % QBLOCK or p.i % QBLOCK:
         return f"H={p.h} and I={p.i} must be multiples of {QBLOCK} (the FP8 quantization block)"
@@ -43,7 +43,7 @@ def fp8_label(p: MoePreset) -> str:
 def layer_fns(inp: dict, wgrad: str | None = None, weight_cache=None, stage_range=None) -> dict[str, Callable]:
     """{"fwd", "fwd_bwd"} of the FP8 layer on ``inp``: weights quantized in each call unless ``weight_cache``,
     the weight gradients by ``wgrad`` (None: the layer's default)."""
-    from detkit.kernels.moe_fp8 import DEFAULT_WGRAD, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd
+    from detkit.kernels.moe.fp8.layer import DEFAULT_WGRAD, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd
 
     args = [inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores")]
     mode = wgrad or DEFAULT_WGRAD
@@ -90,7 +90,7 @@ def run_tensors(fns: dict[str, Callable]) -> dict[str, torch.Tensor]:
 
 
 def quant_risk(inp: dict) -> dict:
-    from detkit.kernels.moe_fp8 import moe_fp8_risk, moe_mlp_fp8_fwd
+    from detkit.kernels.moe.fp8.layer import moe_fp8_risk, moe_mlp_fp8_fwd
 
     _, saved = moe_mlp_fp8_fwd(*[inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores")], weight_cache=None)
     return moe_fp8_risk(saved, inp["dout"])
@@ -99,13 +99,13 @@ def quant_risk(inp: dict) -> dict:
 def stage_fns(p: MoePreset, inp: dict, backend: str) -> dict[str, tuple[Callable[[], object], float]]:
     """Each FP8 stage alone on ``inp``, its operands quantized once (the breakdown: what to tune first):
     name -> (fn, FLOPs per T*K*H*I)."""
-    from detkit.kernels.fp8_quant import quantize_rowwise, quantize_weight
-    from detkit.kernels.moe import moe_combine, moe_dscores_from_partials, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2
-    from detkit.kernels.moe_fp8 import (
+    from detkit.kernels.moe.fp8.quant import quantize_rowwise, quantize_weight
+    from detkit.kernels.moe.layer import moe_combine, moe_dscores_from_partials, moe_gather_sum, moe_wgrad_w1, moe_wgrad_w2
+    from detkit.kernels.moe.fp8.layer import (
         WGRAD_CONFIGS, moe_fp8_dgrad, moe_fp8_down, moe_fp8_dx_route, moe_fp8_quant_colwise, moe_fp8_up_swiglu,
         moe_fp8_wgrad,
     )
-    from detkit.kernels.moe_routing import build_routing
+    from detkit.kernels.moe.routing import build_routing
 
     x, w1, w2, ids, scores, dout = (inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores", "dout"))
     b = backend

@@ -1,6 +1,6 @@
 """transformers' Qwen3-MoE sparse MoE block in ``detkit bench moe``: what a model's MoE layer costs as transformers
 runs it (``hf``) and inside ``detkit.batch_invariant_mode()`` (``hf_detkit``: the router's fixed-order top-k sum and
-the experts on detkit's BF16 MoE layer, kernels/mode_moe.py), so the swap's price or gain is measured on one module.
+the experts on detkit's BF16 MoE layer, mode/moe.py), so the swap's price or gain is measured on one module.
 
 The block (``Qwen3MoeSparseMoeBlock``) is built from a ``Qwen3MoeConfig`` at a preset's H, I, E, K (norm_topk_prob,
 SiLU), BF16, random init: router weight N(0, 0.02^2), gate_up_proj N(0, 1/H), down_proj N(0, 1/I); its experts run
@@ -87,7 +87,7 @@ def block_reference(block, x: torch.Tensor, dout: torch.Tensor, ids: torch.Tenso
     """The block in FP64 with the top-k ``ids`` fixed: out and the gradients (x, router weight, gate_up_proj,
     down_proj). The experts are the PyTorch baseline's per-expert loop (bench/moe_common.py)."""
     from detkit.audits.model import BLOCK_TENSORS
-    from detkit.kernels.mode_moe import down_as_w2, gate_up_as_w1
+    from detkit.mode.moe import down_as_w2, gate_up_as_w1
 
     f64 = torch.float64
     leaves = [t.detach().to(f64).requires_grad_(True) for t in (x, *weights(block))]
@@ -114,7 +114,7 @@ def check_block(block, x: torch.Tensor, dout: torch.Tensor) -> dict:
 
 def mode():
     """``detkit.batch_invariant_mode()`` (imported when entered: it selects the kernels' backend)."""
-    from detkit.kernels.mode import batch_invariant_mode
+    from detkit.mode.switch import batch_invariant_mode
 
     return batch_invariant_mode()
 
@@ -122,8 +122,8 @@ def mode():
 def check_block_in_mode(block, x: torch.Tensor, dout: torch.Tensor) -> dict:
     """``check_block`` inside the mode, which must route the block's router and experts (its counters say so): a
     block the mode leaves on transformers' code is not the ``hf_detkit`` implementation."""
-    from detkit.kernels.mode import mode_counters
-    from detkit.kernels.mode_moe import EXPERTS_KERNEL, EXPERTS_OP, ROUTER_KERNEL, ROUTER_OP
+    from detkit.mode.switch import mode_counters
+    from detkit.mode.moe import EXPERTS_KERNEL, EXPERTS_OP, ROUTER_KERNEL, ROUTER_OP
 
     before = mode_counters()
     with mode():

@@ -332,8 +332,8 @@ def run_case(p: MoePreset, routing: str, group: list[BenchCase], ctx, baseline_c
              profile: bool = False, ceiling_tflops: float | None = None,
              exponent: float = ZIPF_EXPONENT) -> Iterator[dict]:
     """The rows of one (preset at its T, routing) case, one per (measure, implementation) in ``group``."""
-    from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION, moe_mlp_bwd, moe_mlp_fwd
-    from detkit.kernels.moe_routing import build_routing
+    from detkit.kernels.moe.layer import MOE_CONFIG_TABLE_VERSION, moe_mlp_bwd, moe_mlp_fwd
+    from detkit.kernels.moe.routing import build_routing
     from detkit.toolkit.contract import compare_bits
     from detkit.toolkit.timing import time_interleaved
 

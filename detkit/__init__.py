@@ -1,8 +1,8 @@
 """detkit: deterministic, batch-invariant GEMMs for Hopper, the reductions around them, and the
 audits and benchmarks that prove their properties.
 
-The repository keeps one folder per part (kernels/, toolkit/, audits/, bench/); installed, they
-are ``detkit.kernels``, ``detkit.toolkit``, ``detkit.audits`` and ``detkit.bench``. The public
+The repository keeps one folder per part (kernels/, mode/, toolkit/, audits/, bench/); installed, they
+are ``detkit.kernels``, ``detkit.mode``, ``detkit.toolkit``, ``detkit.audits`` and ``detkit.bench``. The public
 names below are resolved on first use, not at import: importing a kernel module fixes Triton's
 interpreter-or-compiler choice, which ``detkit audit --device cpu`` must make first.
 """
@@ -32,15 +32,15 @@ _PUBLIC = {
     "replicated_dw": "detkit.kernels.parallel",
     "row_parallel_dhidden": "detkit.kernels.parallel",
     "moe_mlp": "detkit.kernels.moe",
-    "moe_mlp_fp8": "detkit.kernels.moe_fp8",
-    "batch_invariant_mode": "detkit.kernels.mode",
-    "enable_batch_invariant_mode": "detkit.kernels.mode",
-    "disable_batch_invariant_mode": "detkit.kernels.mode",
-    "is_batch_invariant_mode_enabled": "detkit.kernels.mode",
-    "mode_counters": "detkit.kernels.mode",
-    "refresh_fp8_weights": "detkit.kernels.mode",
-    "reset_mode_counters": "detkit.kernels.mode",
-    "ModeNotRoutedError": "detkit.kernels.mode",
+    "moe_mlp_fp8": "detkit.kernels.moe",
+    "batch_invariant_mode": "detkit.mode",
+    "enable_batch_invariant_mode": "detkit.mode",
+    "disable_batch_invariant_mode": "detkit.mode",
+    "is_batch_invariant_mode_enabled": "detkit.mode",
+    "mode_counters": "detkit.mode",
+    "refresh_fp8_weights": "detkit.mode",
+    "reset_mode_counters": "detkit.mode",
+    "ModeNotRoutedError": "detkit.mode",
 }
 
 __all__ = sorted(_PUBLIC)

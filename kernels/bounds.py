@@ -1,6 +1,6 @@
 """Error bounds of the numerical contract (derivation: docs/contract.md): what a detkit GEMM or TP/CP-reduced
-tensor may differ by from an FP64 oracle of the same BF16 inputs. The operators' references (kernels/mlp.py,
-kernels/swiglu.py) compose them; the harness (toolkit/contract.py) checks results against them.
+tensor may differ by from an FP64 oracle of the same BF16 inputs. The operators' references (kernels/parallel/mlp.py,
+kernels/parallel/swiglu.py) compose them; the harness (toolkit/contract.py) checks results against them.
 
 A detkit GEMM computes c = bf16(fl32(sum_k a_k * b_k)) from BF16 inputs. Against the exact product
 c* of the same BF16 inputs (an FP64 oracle), every element must satisfy

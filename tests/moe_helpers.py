@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from detkit.audits.moe import MoeCase, invariance_variants
-from detkit.kernels.det_gemm import GemmConfig
-from detkit.kernels.moe import deinterleave_gate_up
-from detkit.kernels.moe_routing import sync_checks
+from detkit.kernels.det_gemm.launch import GemmConfig
+from detkit.kernels.moe.layer import deinterleave_gate_up
+from detkit.kernels.moe.routing import sync_checks
 from detkit.toolkit.contract import compare_bits
 
 
@@ -75,8 +75,8 @@ def compile_sm90_offline(script: str, tmp_path, *argv: str) -> dict:
 def fp8_stage_runs(inp: dict[str, torch.Tensor], routing, backend: str) -> tuple[dict[str, Callable], dict]:
     """The four FP8 grouped GEMM stages on one input set (x; its rows reversed as dout), each a function of a
     config returning a tuple of outputs, and the BF16 intermediates they start from (h, gu, dgu)."""
-    from detkit.kernels.fp8_quant import quantize_rowwise, quantize_weight
-    from detkit.kernels.moe_fp8 import moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_up_swiglu
+    from detkit.kernels.moe.fp8.quant import quantize_rowwise, quantize_weight
+    from detkit.kernels.moe.fp8.layer import moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_up_swiglu
 
     x_q, x_s = quantize_rowwise(inp["x"])
     dout_q, dout_s = quantize_rowwise(inp["x"].flip(0))

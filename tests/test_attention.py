@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from detkit.kernels.attention import (
-    CONFIG_TABLE, HEAD_DIMS, AttnConfig, attention, attention_bwd_bound, attention_fwd_bound, attention_ref,
-    attention_varlen, attention_varlen_ref, heads_per_tile, hf_attention_forward, sdpa, sdpa_unsupported_reason,
-    select_configs,
+    HEAD_DIMS, AttnConfig, attention, attention_bwd_bound, attention_fwd_bound, attention_ref, attention_varlen,
+    attention_varlen_ref, hf_attention_forward, sdpa, sdpa_unsupported_reason,
 )
-from detkit.kernels.attention_sdpa import mask_windows
+from detkit.kernels.attention.configs import CONFIG_TABLE, heads_per_tile, select_configs
+from detkit.kernels.attention.sdpa import mask_windows
 from detkit.toolkit.contract import check_bound, compare_bits
 from detkit.toolkit.fixtures import bf16_randn
 from tests.conftest import backend_of
@@ -492,7 +492,7 @@ def test_gpu_sdpa_matches_flash_sdpa_within_bound(device):
 _SM90_SCRIPT = """
 import json
 from tools.attention_sass import compile_sm90
-from detkit.kernels.attention import CONFIG_TABLE
+from detkit.kernels.attention.configs import CONFIG_TABLE
 rows = [compile_sm90(kernel, getattr(cfgs, kernel), d) for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()
         for kernel in ("fwd", "dkdv", "dq")]
 print(json.dumps(rows))

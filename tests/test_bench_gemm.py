@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import detkit.bench.gemm as bench
-from detkit.kernels.det_gemm import LAUNCHERS
+from detkit.kernels.det_gemm.launch import LAUNCHERS
 from detkit.toolkit.harness import RunContext
 from detkit.toolkit.presets import GEMM_PRESETS, MODELS, ZOO_M_VALUES, ModelDims, model_layers, zoo_shapes
 from tests.conftest import TEST_DEVICE
@@ -228,7 +228,7 @@ def test_gpu_run_times_host_eager_graph_and_the_nosplitk_worker():
 
 # ---- the GPU-run tools: candidate sweep and parallel warm-up ----------------------------------------------------
 def test_candidate_configs_parse_and_refuse_by_name():
-    from detkit.kernels.det_gemm import GemmConfig
+    from detkit.kernels.det_gemm.launch import GemmConfig
     from tools.gemm_candidates import parse_config
 
     assert parse_config("64,16,128,1,4,6,tma") == GemmConfig(64, 16, 128, 1, 4, 6, "tma")
@@ -241,7 +241,7 @@ def test_candidate_configs_parse_and_refuse_by_name():
 
 @interpreter_only
 def test_candidate_sweep_times_every_candidate_and_records_refusals():
-    from detkit.kernels.det_gemm import GemmConfig
+    from detkit.kernels.det_gemm.launch import GemmConfig
     from tools.gemm_candidates import summary, sweep
 
     configs = [GemmConfig(16, 32, 32, 1, 4, 2), GemmConfig(16, 16, 64, 1, 4, 2, "tma"),
@@ -258,7 +258,7 @@ def test_candidate_sweep_times_every_candidate_and_records_refusals():
 
 def test_warm_specs_follow_the_table_and_the_size_classes():
     import tools.gemm_warm as warm
-    from detkit.kernels.det_gemm import select_config
+    from detkit.kernels.det_gemm.launch import select_config
 
     assert [warm.size_class(v) for v in (1, 7, 16, 4096, 151936, 1000, 3000)] == [1, 7, 16, 16, 16, 24, 24]
     specs = warm.bench_specs(("fwd", "db"), [(4096, 151936)], (1, 16, 16384), ("linear",))
@@ -267,7 +267,7 @@ def test_warm_specs_follow_the_table_and_the_size_classes():
     pick = select_config("fwd", 16384)
     assert ("fwd", 16, json.dumps(pick.__dict__)) in ops_configs and pick.variant == "ws"
     # An audit preset: its M values, the padded and zero-row batches, and every config at the cross-config rows.
-    from detkit.kernels.det_gemm import all_configs
+    from detkit.kernels.det_gemm.launch import all_configs
 
     zoo = warm.preset_specs("zoo")
     assert {json.dumps(c.__dict__) for c in all_configs("fwd")} <= {s[5] for s in zoo if s[0] == "fwd"}

@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from detkit.bench import mlp
-from detkit.kernels.mlp import mlp_bounds, mlp_ref_fp64
+from detkit.kernels.parallel.mlp import mlp_bounds, mlp_ref_fp64
 from detkit.toolkit import cli
 from detkit.toolkit.layout import layout_for_preset
 from tests.bench_helpers import bench_ctx, one_process, read_rows, torchrun_env
@@ -47,7 +47,7 @@ def test_names_formulas_and_shapes():
 def test_modes_and_configs_are_the_kernels_and_the_audits():
     """Named in the plug-in so that the CLI imports no kernel; they must stay those of their sources."""
     from detkit.audits.invariance import CONFIGS
-    from detkit.kernels.invariant import BF16, FP32_INVARIANT, MODES
+    from detkit.kernels.parallel.invariant import BF16, FP32_INVARIANT, MODES
 
     assert (mlp.BF16, mlp.FP32_INVARIANT, mlp.MODES, mlp.CONFIGS) == (BF16, FP32_INVARIANT, MODES, CONFIGS)
 

@@ -95,11 +95,11 @@ def test_an_audit_report_names_the_tables_its_suites_loaded(tmp_path, monkeypatc
     report, though the backend check before the work loads only det_gemm's."""
     import sys
 
-    for name in [m for m in sys.modules if m.startswith("detkit.kernels.moe")]:
+    for name in [m for m in sys.modules if m.startswith("detkit.kernels.moe.layer")]:
         monkeypatch.delitem(sys.modules, name)
 
     def loads_moe(names, ctx, writer, on_row=None, on_plugin=None):
-        from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION  # noqa: F401 (what a MoE suite imports)
+        from detkit.kernels.moe.layer import MOE_CONFIG_TABLE_VERSION  # noqa: F401 (what a MoE suite imports)
 
         return []
 
@@ -248,9 +248,9 @@ def test_report_carries_env_and_writes_the_drift_plot(tmp_path, monkeypatch):
     assert meta["env_summary"]["torch"] == torch.__version__
     assert meta["plots"] == [DRIFT_PLOT]
     # Provenance: the tables of the kernel modules loaded (the backend check loads det_gemm) and the sources.
-    from detkit.kernels.det_gemm import CONFIG_TABLE_VERSION
+    from detkit.kernels.det_gemm.launch import CONFIG_TABLE_VERSION
 
-    assert {"name": "det_gemm", "version": CONFIG_TABLE_VERSION, "module": "detkit.kernels.det_gemm"} in \
+    assert {"name": "det_gemm", "version": CONFIG_TABLE_VERSION, "module": "detkit.kernels.det_gemm.launch"} in \
         meta["config_tables"] and "config_table_version" not in meta
     assert meta["source"]["digest"].startswith("sha256:")
     assert meta["source"]["status"] in ("clean", "dirty", "unverified", "unknown")

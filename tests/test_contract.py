@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from detkit.audits.gemm_contract import oracle
-from detkit.kernels.det_gemm import det_gemm_fwd
+from detkit.kernels.det_gemm.launch import det_gemm_fwd
 from detkit.toolkit.contract import (
     U_BF16, bf16_ordinal, check_bound, compare_bits, digest, drift_stats, gamma, gemm_bound, reduced_bound, rel_l2,
 )
@@ -144,7 +144,7 @@ def test_rel_l2_is_the_norm_of_the_error_over_the_norm_of_the_reference():
 
 def test_the_harness_applies_the_kernels_bounds_not_a_copy():
     import detkit.kernels.bounds as bounds
-    import detkit.kernels.swiglu as swiglu
+    import detkit.kernels.parallel.swiglu as swiglu
     import detkit.toolkit.contract as contract
 
     for name in ("ETA_BF16", "U_BF16", "U_FP32", "U_FP64", "U_REDUCE", "gamma", "gemm_bound", "reduced_bound"):

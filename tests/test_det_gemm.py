@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from detkit.audits.gemm_contract import oracle
-from detkit.kernels.det_gemm import (
+from detkit.kernels.det_gemm.launch import (
     CONFIG_TABLE, LAUNCHERS, ByWidth, FewestWaves, GemmConfig, OneWave, all_configs, clear_launch_plans, ctas_per_sm, det_gemm_da,
     det_gemm_db, det_gemm_fwd, det_gemm_fwd_launch, entry_configs, operand_ring_bytes, output_tiles, select_config,
 )
@@ -153,7 +153,7 @@ def fresh_plans():
 
 
 def test_launch_picks_by_the_output_width_on_the_device_sms(device, monkeypatch, fresh_plans):
-    import detkit.kernels.det_gemm as dg
+    import detkit.kernels.det_gemm.launch as dg
 
     # M=130 in the (128, 256] bucket. A narrow output (128 columns) takes the 64x16 tile whatever the SMs. A wide one
     # (2056 columns, past the bucket's narrow widths) takes the one-wave rule: 51 tiles of 64x128 or 33 of 64x192. On
@@ -243,7 +243,7 @@ def test_rejects_bad_config():
 
 
 def test_cpu_tensors_without_interpreter_fail_closed(tmp_path):
-    code = ("import torch\nfrom detkit.kernels.det_gemm import det_gemm_fwd\n"
+    code = ("import torch\nfrom detkit.kernels.det_gemm.launch import det_gemm_fwd\n"
             "a = torch.zeros(4, 8, dtype=torch.bfloat16)\n"
             "det_gemm_fwd(a, torch.zeros(8, 4, dtype=torch.bfloat16))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -348,7 +348,7 @@ def test_rejects_dims_of_2_30_and_more_before_anything_else():
 def test_operand_check_has_no_32bit_offset_limit():
     # An lm_head's logits at M 16384 (16384 x 151936 = 2.49e9 elements) are an operand of dA and dB: accepted (the
     # kernels compute 64-bit offsets); the same tensor is refused by the 32-bit check other kernels use.
-    import detkit.kernels.det_gemm as dg
+    import detkit.kernels.det_gemm.launch as dg
 
     dc = dg._Operand("dc", torch.Tensor, (16384, 151936), (151936, 1), torch.bfloat16, torch.strided,
                      torch.device("cuda"), 0)
@@ -359,7 +359,7 @@ def test_operand_check_has_no_32bit_offset_limit():
 
 # ---- the host path: one plan per call signature -----------------------------------------------------------
 def test_a_plan_is_built_once_per_signature_and_reused(device, fresh_plans):
-    import detkit.kernels.det_gemm as dg
+    import detkit.kernels.det_gemm.launch as dg
 
     a, b = bf16_randn((9, 64), 1, device), weight_kn(64, 40, 2, "linear", device)
     first = det_gemm_fwd_launch(a, b)
@@ -386,7 +386,7 @@ def test_the_plan_key_holds_the_base_alignment(device, fresh_plans):
 
 
 def test_the_plan_cache_is_bounded(device, fresh_plans):
-    import detkit.kernels.det_gemm as dg
+    import detkit.kernels.det_gemm.launch as dg
 
     b = torch.zeros((8, 16), dtype=torch.bfloat16, device=device)
     for m in range(1, dg.MAX_PLANS + 11):  # plans only: no launch
@@ -400,7 +400,7 @@ _ADDPTR_SCRIPT = """
 import json, re, sys, tempfile, glob
 from dataclasses import replace
 from tools.gemm_sass import CASES, build
-from detkit.kernels.det_gemm import GemmConfig
+from detkit.kernels.det_gemm.launch import GemmConfig
 out = {}
 for cfg in (GemmConfig(16, 64, 128, 1, 4, 6), GemmConfig(64, 64, 128, 1, 4, 6, "tma"),
             GemmConfig(64, 192, 64, 8, 4, 6, "tma3"), GemmConfig(128, 256, 64, 8, 8, 3, "ws")):
@@ -434,7 +434,7 @@ def test_every_variant_computes_64bit_element_offsets(tmp_path):
 def test_a_cuda_plan_passes_every_kernel_parameter_to_its_launches(op, config, monkeypatch, fresh_plans):
     # The sm_90 launch path, its launcher recorded instead of run (CPU tensors): the first call hands Triton real
     # descriptors, later ones HostDescriptors of the same shapes and strides; every parameter has its value.
-    import detkit.kernels.det_gemm as dg
+    import detkit.kernels.det_gemm.launch as dg
     from detkit.kernels.backend import HostDescriptor
 
     calls = []
@@ -537,7 +537,7 @@ def test_gpu_direct_launches_give_the_bits_of_tritons_own_launch(op, config, fre
 def test_gpu_direct_launch_is_captured_by_cuda_graphs_and_names_itself_to_launch_hooks(fresh_plans):
     from triton import knobs
 
-    from detkit.kernels.det_gemm import case_name
+    from detkit.kernels.det_gemm.launch import case_name
 
     a, w = bf16_randn((256, 512), 1, "cuda"), weight_kn(512, 1024, 2, "linear", "cuda")
     det_gemm_fwd(a, w)  # the plan and its compiled kernel
@@ -588,7 +588,7 @@ LM_HEAD = (16384, 151936, 4096)  # M, N (Qwen3's vocabulary), K: the logits hold
 
 
 def _lm_head_configs(op: str) -> list:
-    from detkit.kernels.det_gemm import ws_twin
+    from detkit.kernels.det_gemm.launch import ws_twin
 
     pick = select_config(op, LM_HEAD[0])
     return [None, ws_twin(pick), replace(pick, variant="ptr")]

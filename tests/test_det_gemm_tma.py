@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from detkit.kernels.det_gemm import (
+from detkit.kernels.det_gemm.launch import (
     CONFIG_TABLE, LAUNCHERS, ByWidth, FewestWaves, GemmConfig, OneWave, all_configs, entry_configs, operand_ring_bytes,
     select_config, ws_twin,
 )
@@ -177,7 +177,7 @@ def test_variant_field_defaults_to_ptr_and_table_pins_tma_only_where_measured():
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
 def test_da_pick_is_the_same_for_both_weight_layouts_with_the_same_bits(layout, device, monkeypatch, fresh_plans):
-    import detkit.kernels.det_gemm as dg
+    import detkit.kernels.det_gemm.launch as dg
 
     # dA above M 256, output 1100 x 64 (K) on 12 SMs: the fewest-waves pick is the ws 128x128 tile (9 tiles, one
     # wave; 64x64 takes two), for a [K, N] weight (B K-major) and nn.Linear's weight.t() alike; it runs as the Gluon
@@ -195,7 +195,7 @@ def test_da_pick_is_the_same_for_both_weight_layouts_with_the_same_bits(layout, 
 
 
 def test_a_ws_pick_runs_as_its_triton_twin_where_the_gluon_kernel_cannot(device, monkeypatch, fresh_plans):
-    import detkit.kernels.det_gemm as dg
+    import detkit.kernels.det_gemm.launch as dg
 
     # M 1100, 40 output columns on 12 SMs: the fewest-waves pick is the ws 128x128 tile (9 tiles, one wave). Under
     # the interpreter and for seg_len segments it runs as the TMA kernel with the same tile; with an operand TMA
@@ -218,7 +218,7 @@ def test_a_ws_pick_runs_as_its_triton_twin_where_the_gluon_kernel_cannot(device,
 
 @pytest.mark.parametrize("layout", ["kn", "linear"])
 def test_table_pick_is_tma_where_addressable_else_the_same_tile_as_ptr(layout, device):
-    import detkit.kernels.det_gemm as dg
+    import detkit.kernels.det_gemm.launch as dg
 
     # M 600, 40 output columns: the fewest-waves pick is the 64x16 TMA tile (30 tiles, one wave).
     m, n = 600, 40
@@ -246,7 +246,7 @@ def test_table_pick_is_tma_where_addressable_else_the_same_tile_as_ptr(layout, d
 ])
 def test_table_tma3_pick_gives_way_to_a_tile_with_a_pointer_twin_where_tma_cannot_address(
         layout, m, n, sms, tma3, fallback, device, monkeypatch, fresh_plans):
-    import detkit.kernels.det_gemm as dg
+    import detkit.kernels.det_gemm.launch as dg
 
     # K = 16: TMA addresses both operands, the "tma3" pick runs. K = 7 (14-byte rows): no TMA descriptor, so the
     # entry's pick among its tiles with a pointer twin, as the pointer kernel. Same bits either way.
@@ -327,7 +327,7 @@ def test_db_candidates_follow_m_and_the_table_keys_db_by_m(device):
 _RING_SCRIPT = """
 import json, sys, tempfile
 from tools.gemm_sass import CASES, build
-from detkit.kernels.det_gemm import all_configs
+from detkit.kernels.det_gemm.launch import all_configs
 case = next(c for c in CASES if c.name == "fwd_weight_t")
 configs = {c for op in ("fwd", "da") for c in all_configs(op) if c.variant == "tma"}
 print(json.dumps([build(case, "tma", tempfile.mkdtemp(), config=c) for c in sorted(configs, key=str)]))
@@ -336,7 +336,7 @@ print(json.dumps([build(case, "tma", tempfile.mkdtemp(), config=c) for c in sort
 
 def test_one_wave_residency_matches_the_sm90_compiles_shared_memory(tmp_path):
     # The one-wave rule counts CTAs per SM from operand_ring_bytes; the compiled kernels must agree.
-    import detkit.kernels.det_gemm as dg
+    import detkit.kernels.det_gemm.launch as dg
     from tests.moe_helpers import compile_sm90_offline
 
     rows = compile_sm90_offline(_RING_SCRIPT, tmp_path)
@@ -353,7 +353,7 @@ def test_one_wave_residency_matches_the_sm90_compiles_shared_memory(tmp_path):
 _TMA3_SCRIPT = """
 import json, tempfile
 from tools.gemm_sass import CASES, build
-from detkit.kernels.det_gemm import all_configs
+from detkit.kernels.det_gemm.launch import all_configs
 configs = sorted({c for op in ("fwd", "da") for c in all_configs(op) if c.variant == "tma3"}, key=str)
 rows = [build(case, "tma3", tempfile.mkdtemp(), config=c) for c in configs for case in CASES
         if case.name in ("fwd_weight_t", "fwd_weight_kn", "da_weight_t")]
@@ -364,7 +364,7 @@ print(json.dumps(rows))
 def test_tma3_kernel_compiles_for_sm90_offline_to_tma_and_wgmma_without_spills(tmp_path):
     # The table's three-sub-tile tiles: TMA loads into wgmma, no cp.async or mma.sync, no register
     # spills, and the shared memory operand_ring_bytes counts (so the one-wave rule can rank them).
-    import detkit.kernels.det_gemm as dg
+    import detkit.kernels.det_gemm.launch as dg
     from tests.moe_helpers import compile_sm90_offline
 
     rows = compile_sm90_offline(_TMA3_SCRIPT, tmp_path)

@@ -1,4 +1,4 @@
-"""det_gemm's warp-specialized Gluon variant (``GemmConfig(..., variant="ws")``, kernels/det_gemm_ws.py).
+"""det_gemm's warp-specialized Gluon variant (``GemmConfig(..., variant="ws")``, kernels/det_gemm/ws.py).
 
 On the GPU (DETKIT_TEST_DEVICE=cuda): the same bits as the TMA kernel with the same tile, for fwd/dA/dB on
 both weight layouts, ragged edges, BF16/FP32 outputs and the twin store, and a persistent grid that wraps
@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from detkit.kernels.det_gemm import LAUNCHERS, GemmConfig
-from detkit.kernels.det_gemm_ws import WS_SHARED_BYTES, ws_tma_store
+from detkit.kernels.det_gemm.launch import LAUNCHERS, GemmConfig
+from detkit.kernels.det_gemm.ws import WS_SHARED_BYTES, ws_tma_store
 from tests.test_det_gemm import _operands
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.fixtures import bf16_randn, weight_kn
@@ -108,7 +108,7 @@ def test_ws_register_epilogue_for_rows_tma_cannot_address(device):
 _WS_SCRIPT = """
 import dataclasses, json, tempfile
 from tools.gemm_sass import CASES, build
-from detkit.kernels.det_gemm import GemmConfig
+from detkit.kernels.det_gemm.launch import GemmConfig
 config = GemmConfig(128, 256, 64, 8, 8, 4, "ws")
 rows = [build(case, "ws", tempfile.mkdtemp(), config=config) for case in CASES]
 # The TMA-store epilogue: 128x128x64 with 6 stages (BF16 out, and with the twin), not for FP32 out (no room) or for

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from detkit.kernels.fp8_quant import (
+from detkit.kernels.moe.fp8.quant import (
     E4M3_MAX, FP8_DTYPE, QBLOCK, e4m3_ref, pow2_scale, pow2_scale_ref, quant_risk_rowwise, quant_risk_weight,
     quantize_colwise, quantize_colwise_ref, quantize_rowwise, quantize_rowwise_ref, quantize_weight,
     quantize_weight_ref, to_e4m3,

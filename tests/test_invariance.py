@@ -1,4 +1,4 @@
-"""fp32_invariant mode (kernels/invariant.py, docs/invariance.md): the TP=1 / CP=1 segmented kernels
+"""fp32_invariant mode (kernels/parallel/invariant.py, docs/invariance.md): the TP=1 / CP=1 segmented kernels
 against two-shard FP32 sums, bit for bit, in one process; the modes failing closed; and the
 'invariance' suite on 4 gloo ranks (torchrun, interpreter, tiny layout) through the CLI. On 2 GPUs
 (``multigpu``): TP1CP1 vs TP2CP1 (world 0,1) and TP1CP1 vs TP1CP2 (world 0,2) at Qwen3-8B shapes.
@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from detkit.kernels import parallel
-from detkit.kernels.det_gemm import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
-from detkit.kernels.invariant import (
+from detkit.kernels.parallel import operators as parallel
+from detkit.kernels.det_gemm.launch import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
+from detkit.kernels.parallel.invariant import (
     FP32_INVARIANT, MODES, check_mode, cp1_db, cp_padded_rows, cp_shard_major, invariant_config, layout_config,
     tp1_da, tp1_fwd,
 )
-from detkit.kernels.mlp import MlpPlan
+from detkit.kernels.parallel.mlp import MlpPlan
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.fixtures import bf16_randn
 from tests.conftest import assert_bits_equal, two_cuda_gpus

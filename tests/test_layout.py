@@ -1,4 +1,4 @@
-"""kernels/layout.py: the TP=2 x CP=2 rank mapping, groups, shard offsets and CP token order; toolkit/layout.py:
+"""kernels/parallel/layout.py: the TP=2 x CP=2 rank mapping, groups, shard offsets and CP token order; toolkit/layout.py:
 the shape presets on it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from detkit.kernels.layout import FULL_WORLD, QWEN3_8B, TINY, AxisGroup, ModelDims, TpCpLayout
+from detkit.kernels.parallel.layout import FULL_WORLD, QWEN3_8B, TINY, AxisGroup, ModelDims, TpCpLayout
 from detkit.toolkit.layout import layout_for_preset
 
 
@@ -158,7 +158,7 @@ def test_describe_is_json_ready():
 
 
 def test_the_harness_uses_the_kernels_layout_not_a_copy():
-    import detkit.kernels.layout as kernels_layout
+    import detkit.kernels.parallel.layout as kernels_layout
     import detkit.toolkit.layout as toolkit_layout
 
     for name in ("AXES", "CP_SIZE", "FULL_WORLD", "QWEN3_8B", "TINY", "TP_SIZE", "AxisGroup", "ModelDims", "TpCpLayout"):

@@ -1,4 +1,4 @@
-"""kernels/mlp.py: the complete Qwen3 MLP as a torch.autograd.Function / nn.Module (TP=1, CP=1, one
+"""kernels/parallel/mlp.py: the complete Qwen3 MLP as a torch.autograd.Function / nn.Module (TP=1, CP=1, one
 process) against the pure-torch FP64 reference within the MLP contract (``mlp_bounds``,
 docs/invariance.md "MLP contract"), in both modes; the contract catches a wrong weight order; the
 module is deterministic and fails closed. The TP=2 / CP=2 configs run in tests/test_invariance.py."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detkit.kernels.invariant import MODES
-from detkit.kernels.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_weights, split_gate_up
+from detkit.kernels.parallel.invariant import MODES
+from detkit.kernels.parallel.mlp import DetQwen3MLP, MlpPlan, mlp_bounds, mlp_ref_fp64, shard_weights, split_gate_up
 from detkit.toolkit.contract import check_bound, compare_bits
 from detkit.toolkit.layout import TINY, TpCpLayout, layout_for_preset
 from detkit.toolkit.shard_refs import make_fixtures
@@ -89,7 +89,7 @@ def test_fails_closed_on_shapes(device):
 def test_tp2_plan_refuses_an_uninitialised_group_before_any_work(device):
     import torch.distributed as dist
 
-    from detkit.kernels import parallel
+    from detkit.kernels.parallel import operators as parallel
     from detkit.toolkit.layout import AxisGroup
 
     if dist.is_initialized():

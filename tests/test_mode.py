@@ -1,4 +1,4 @@
-"""kernels/mode.py, eager path: inside ``batch_invariant_mode`` every BF16 mm / addmm / bmm / baddbmm runs on
+"""mode/switch.py, eager path: inside ``batch_invariant_mode`` every BF16 mm / addmm / bmm / baddbmm runs on
 det_gemm (the route read from the layout), forward and backward, with the bits of the det_gemm op it names;
 rows keep their bits whatever the batch; the last-dim mean runs on the fixed-order row mean; what is not routed
 is counted with its reason or, under strict, raises; the mode is re-entrant, a decorator, and leaves torch
@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import detkit
-from detkit.kernels import mode_aten, mode_state
-from detkit.kernels.det_gemm import det_gemm_da, det_gemm_db, det_gemm_fwd
-from detkit.kernels.mode_reductions import row_mean, row_mean_ref
+from detkit.mode import aten as mode_aten
+from detkit.mode import state as mode_state
+from detkit.kernels.det_gemm.launch import det_gemm_da, det_gemm_db, det_gemm_fwd
+from detkit.kernels.reductions import row_mean, row_mean_ref
 from detkit.toolkit.contract import U_BF16, U_FP32, check_bound, compare_bits, gamma, gemm_bound
 from detkit.toolkit.fixtures import bf16_randn
 
@@ -231,7 +232,7 @@ def test_outside_the_mode_torch_runs_unseen(device):
 
 
 def _mode_frames(fn) -> list[str]:
-    """The Python frames of the mode's own modules (kernels/mode_*.py) that one call of ``fn`` enters (not the Triton
+    """The Python frames of the mode's own modules (mode/*.py) that one call of ``fn`` enters (not the Triton
     kernels' bodies, which the interpreter runs as Python)."""
     import sys
 

@@ -1,4 +1,4 @@
-"""kernels/mode_attention.py: inside ``batch_invariant_mode`` F.scaled_dot_product_attention and transformers'
+"""mode/attention.py: inside ``batch_invariant_mode`` F.scaled_dot_product_attention and transformers'
 "sdpa" attention reach ``detkit.kernels.attention`` (its interface: ATTENTION_API) when it covers the call, are
 counted with the reason (or raise under strict) when it does not or while the module is absent, and everything
 is restored on exit; "detkit" is a transformers attention implementation.
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import detkit
-from detkit.kernels import mode_attention
+from detkit.mode import attention as mode_attention
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.fixtures import bf16_randn
 

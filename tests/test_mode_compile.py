@@ -1,4 +1,4 @@
-"""kernels/mode_compile.py: a torch.compile'd model inside ``batch_invariant_mode`` runs its GEMMs and last-dim
+"""mode/compile.py: a torch.compile'd model inside ``batch_invariant_mode`` runs its GEMMs and last-dim
 means on detkit's kernels (the post-grad pass puts them on ``detkit::mode_*`` ops), with the bits eager mode
 gives, the config chosen from each call's M (one dynamic graph, rows invariant), and torch's kernels when the
 same graph runs outside the mode; the ops' own autograd; CUDA-graph capture and replay (GPU)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import detkit
-from detkit.kernels import mode_compile
+from detkit.mode import compile as mode_compile
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.fixtures import bf16_randn
 

@@ -1,4 +1,4 @@
-"""kernels/mode_moe.py: inside ``batch_invariant_mode`` transformers' Qwen3-MoE block runs its experts on detkit's MoE
+"""mode/moe.py: inside ``batch_invariant_mode`` transformers' Qwen3-MoE block runs its experts on detkit's MoE
 layer and its router with a fixed-order top-k sum. The block's output and gradients obey the MoE layer's end-to-end
 gate against an FP64 oracle of the block (and are no worse than transformers' own block against the same oracle), a
 real Qwen3MoeForCausalLM's log-probs keep their bits alone and in a batch, parameters and state dict are untouched,
@@ -18,9 +18,9 @@ pytest.importorskip("transformers", reason="transformers is the optional extra d
 import detkit  # noqa: E402
 from detkit.audits.model import BLOCK_TENSORS, block_grads  # noqa: E402
 from detkit.audits.moe import E2E_REL_L2_GATE, GOLD_SLACK  # noqa: E402
-from detkit.kernels import mode_moe  # noqa: E402
-from detkit.kernels.det_gemm import det_gemm_fwd  # noqa: E402
-from detkit.kernels.moe import deinterleave_gate_up, interleave_gate_up, moe_mlp  # noqa: E402
+from detkit.mode import moe as mode_moe  # noqa: E402
+from detkit.kernels.det_gemm.launch import det_gemm_fwd  # noqa: E402
+from detkit.kernels.moe.layer import deinterleave_gate_up, interleave_gate_up, moe_mlp  # noqa: E402
 from detkit.toolkit.contract import check_bound, gemm_bound, rel_l2  # noqa: E402
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe  # noqa: E402

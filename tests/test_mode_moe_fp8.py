@@ -1,4 +1,4 @@
-"""kernels/mode_moe.py with ``batch_invariant_mode(moe_experts="fp8")``: transformers' Qwen3-MoE experts run on
+"""mode/moe.py with ``batch_invariant_mode(moe_experts="fp8")``: transformers' Qwen3-MoE experts run on
 detkit's FP8 layer (``moe_mlp_fp8``), bit for bit what a direct call on the converted weights gives, forward and
 backward, gradients in transformers' layout; a model's log-probs keep their bits alone and in a batch; the mode's
 FP8 weight cache is keyed on the parameters and invalidated by an in-place update; a bad ``moe_experts`` is refused
@@ -16,9 +16,10 @@ pytest.importorskip("transformers", reason="transformers is the optional extra d
 import detkit  # noqa: E402
 from detkit.audits.moe import cosine  # noqa: E402
 from detkit.audits.moe_fp8 import GATE_MAX_REL_RMSE, GATE_MIN_COSINE  # noqa: E402
-from detkit.kernels import mode_moe, mode_state  # noqa: E402
-from detkit.kernels.moe import deinterleave_gate_up, interleave_gate_up  # noqa: E402
-from detkit.kernels.moe_fp8 import moe_mlp_fp8  # noqa: E402
+from detkit.mode import moe as mode_moe
+from detkit.mode import state as mode_state  # noqa: E402
+from detkit.kernels.moe.layer import deinterleave_gate_up, interleave_gate_up  # noqa: E402
+from detkit.kernels.moe.fp8.layer import moe_mlp_fp8  # noqa: E402
 from detkit.toolkit.contract import compare_bits, rel_l2  # noqa: E402
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
@@ -226,7 +227,7 @@ def test_inference_tensor_weights_are_quantized_on_every_call(device):
 
 
 def test_the_cache_refuses_a_bad_capacity():
-    from detkit.kernels.moe_fp8 import Fp8WeightCache
+    from detkit.kernels.moe.fp8.layer import Fp8WeightCache
 
     with pytest.raises(ValueError, match="capacity must be a positive int; got 0"):
         Fp8WeightCache(capacity=0)
@@ -236,8 +237,8 @@ def test_static_slots_are_handed_out_current_and_refreshed_in_place(device):
     """get_for_graph: refused before the weights were quantized (no warm-up), then the slot's own buffers; after an
     in-place update the slot is stale and refused until refresh(), which re-quantizes it into the same buffers (the
     bits of a fresh quantization) and drops a stale slot no graph reads."""
-    from detkit.kernels.fp8_quant import quantize_weight
-    from detkit.kernels.moe_fp8 import Fp8WeightCache
+    from detkit.kernels.moe.fp8.quant import quantize_weight
+    from detkit.kernels.moe.fp8.layer import Fp8WeightCache
 
     experts = tiny_model(device, seed=30).model.layers[0].mlp.experts
     cache = Fp8WeightCache()

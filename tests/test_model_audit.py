@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers", reason="transformers is the optional extra detkit[models]")
 
 from detkit.audits import model as audit_model  # noqa: E402
-from detkit.kernels.mode_attention import attention_module  # noqa: E402
+from detkit.mode.attention import attention_module  # noqa: E402
 from detkit.toolkit.harness import RunContext  # noqa: E402
 
 ONE_LAYER = dict(audit_model.QWEN3_TINY, num_hidden_layers=1)

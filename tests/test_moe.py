@@ -12,16 +12,16 @@ from detkit.audits.moe import (
     E2E_REL_L2_GATE, GOLD_MIN_COSINE, GOLD_SLACK, GRAD_NAMES, MoeCase, make_inputs, precision_stats,
     rejection_cases, run_layer, stage_checks,
 )
-from detkit.kernels.moe import (
+from detkit.kernels.moe.layer import (
     MOE_CONFIGS, deinterleave_gate_up, interleave_gate_up, moe_down, moe_mlp_fwd, moe_mlp_ref, moe_scale_rows,
     moe_up_swiglu, moe_wgrad_w2,
 )
-import detkit.kernels.moe as km
-from detkit.kernels.det_gemm import GemmConfig
-from detkit.kernels.moe_common import EPI_SWIGLU
-from detkit.kernels.moe_configs import check_grouped_config, check_moe_variant
-from detkit.kernels.moe_launch import _grouped
-from detkit.kernels.moe_routing import SEGMENT_ALIGN, build_routing, launch_routing, max_padded_rows
+import detkit.kernels.moe.layer as km
+from detkit.kernels.det_gemm.launch import GemmConfig
+from detkit.kernels.moe.common import EPI_SWIGLU
+from detkit.kernels.moe.configs import check_grouped_config, check_moe_variant
+from detkit.kernels.moe.launch import _grouped
+from detkit.kernels.moe.routing import SEGMENT_ALIGN, build_routing, launch_routing, max_padded_rows
 from detkit.toolkit.contract import compare_bits
 from tests.conftest import backend_of
 from tests.moe_helpers import (
@@ -107,7 +107,7 @@ def test_tma_weight_variant_gives_the_pointer_kernel_bits(layout, device):
     # stage, both storage orders of B, K and N tails (H = 40, I = 24 are not multiples of the tiles).
     from dataclasses import replace
 
-    from detkit.kernels.moe import moe_dgrad_dswiglu, moe_dx_route
+    from detkit.kernels.moe.layer import moe_dgrad_dswiglu, moe_dx_route
 
     inp = make_inputs(_case("masked", t=24, h=40, i=24, seed=16), device)
     w1, w2 = inp["w1"], inp["w2"]
@@ -236,7 +236,7 @@ def test_dgrad_on_expert_ordered_dout_has_the_gathered_bits(device):
     # The backward hands dgrad dout's rows in expert order (read by TMA on sm_90) instead of the gather index: the same
     # A values in the same K order, so dgu and the dscore partials keep their bits: on the table's kernel and on the
     # Triton tiles (pointer and TMA weight loads).
-    from detkit.kernels.moe import moe_dgrad_dswiglu_dscore
+    from detkit.kernels.moe.layer import moe_dgrad_dswiglu_dscore
     inp = make_inputs(_case("masked", t=40, seed=21), device)
     e = inp["w1"].shape[0]
     routing = build_routing(inp["topk_ids"], inp["scores"], e)
@@ -318,7 +318,7 @@ def test_split_gate_up_views_accumulate_main_grads_with_the_interleaved_copy_bit
 
 def test_split_copy_puts_interleaved_columns_into_split_halves_exactly(device):
     # The copy after the ws weight gradient (sm_90): dW1 of interleaved columns into gate_up_proj's layout.
-    from detkit.kernels.moe_launch import split_copy
+    from detkit.kernels.moe.launch import split_copy
 
     src = torch.randn(3, 72, 2 * 40, device=device).to(torch.bfloat16)  # R, C not multiples of the copy's tile
     dst = torch.empty(3, 2 * 40, 72, dtype=torch.bfloat16, device=device).transpose(1, 2)
@@ -342,7 +342,7 @@ def test_split_layout_audit_row_passes_and_fails_on_one_changed_bit(device):
 
 
 def test_split_gate_up_views_refuse_an_explicit_config_that_cannot_read_them(device):
-    from detkit.kernels.moe_launch import moe_dx_route
+    from detkit.kernels.moe.launch import moe_dx_route
 
     inp = _split_views_case("random", device)
     r = build_routing(inp["topk_ids"], inp["scores"], E)
@@ -448,10 +448,10 @@ import json, sys, triton
 from tools.gemm_sass import cuobjdump_bytes, stack_bytes
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import detkit.kernels.moe_kernels as km
-from detkit.kernels.moe_common import DS_CHUNK
-from detkit.kernels.moe_configs import MOE_CONFIGS
-from detkit.kernels.moe_launch import triton_tile
+import detkit.kernels.moe.kernels as km
+from detkit.kernels.moe.common import DS_CHUNK
+from detkit.kernels.moe.configs import MOE_CONFIGS
+from detkit.kernels.moe.launch import triton_tile
 target = GPUTarget("cuda", 90, 32)
 cfgs = {k: triton_tile(v) for k, v in MOE_CONFIGS["cuda_sm90"].items()}  # the Triton tiles of the table's picks
 def build(fn, ptrs, consts, unit):
@@ -516,7 +516,7 @@ c = cfgs["dscore"]
 out["dscore_sum"] = build(km.moe_dscore_sum_kernel, {"part_ptr": "*fp32", "route_row_ptr": "*i32", "gate_ptr": "*i32",
                                                     "ds_ptr": "*fp32"},
                           {"BLOCK_M": c.block_m, "NCH_POW2": 32}, ("stride_rk", "stride_sk"))
-import detkit.kernels.moe_routing as kr
+import detkit.kernels.moe.routing as kr
 blocks = {"BLOCK": kr.ROUTE_BLOCK, "EXPERT_BLOCK": kr.EXPERT_BLOCK}
 out["route_hist"] = build(kr.moe_route_hist_kernel, {"ids_ptr": "*i32", "score_ptr": "*fp32", "hist_ptr": "*i32"},
                           blocks, ("stride_ik", "stride_sk"))
@@ -641,7 +641,7 @@ def test_moe_kernels_refuse_det_gemms_three_sub_tile_variant():
 
 
 def test_layer_stage_names_are_built_once_per_shape_and_read_only():
-    from detkit.kernels.moe_common import FP8_LAYER_STAGES, LAYER_STAGES, layer_stage_names, stage_name
+    from detkit.kernels.moe.common import FP8_LAYER_STAGES, LAYER_STAGES, layer_stage_names, stage_name
 
     x, w1 = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(4, 32, 96, dtype=torch.bfloat16)
     names = layer_stage_names(x, w1, 2)

@@ -3,7 +3,7 @@ the split-view stages give the layer's own bits, and its table renders; the timi
 
 import torch
 
-from detkit.kernels.moe import deinterleave_gate_up
+from detkit.kernels.moe.layer import deinterleave_gate_up
 from tools import moe_block_cost
 
 

@@ -16,17 +16,17 @@ from detkit.audits.moe_fp8 import (
     fp8_stage_checks, gate_passed, make_inputs, precision_stats, run_layer, weight_cache_checks,
 )
 from detkit.audits.moe import GRAD_NAMES, MoeCase
-from detkit.kernels.det_gemm import GemmConfig
-import detkit.kernels.moe_fp8 as kf
-from detkit.kernels.fp8_quant import QBLOCK, dequantize_rowwise, quantize_rowwise, quantize_rowwise_ref, quantize_weight
-from detkit.kernels.moe_common import EPI_FP8_SWIGLU, EPI_FP8_SWIGLU_QUANT
-from detkit.kernels.moe_fp8 import (
+from detkit.kernels.det_gemm.launch import GemmConfig
+import detkit.kernels.moe.fp8.layer as kf
+from detkit.kernels.moe.fp8.quant import QBLOCK, dequantize_rowwise, quantize_rowwise, quantize_rowwise_ref, quantize_weight
+from detkit.kernels.moe.common import EPI_FP8_SWIGLU, EPI_FP8_SWIGLU_QUANT
+from detkit.kernels.moe.fp8.layer import (
     MOE_FP8_CONFIGS, Fp8WeightCache, moe_fp8_dgrad, moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_risk,
     moe_fp8_up_swiglu, moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd, moe_mlp_fp8_ref, select_moe_fp8_config,
 )
-from detkit.kernels.moe_fp8_launch import _grouped
-from detkit.kernels.moe import deinterleave_gate_up, moe_mlp_ref
-from detkit.kernels.moe_routing import build_routing, launch_routing
+from detkit.kernels.moe.fp8.launch import _grouped
+from detkit.kernels.moe.layer import deinterleave_gate_up, moe_mlp_ref
+from detkit.kernels.moe.routing import build_routing, launch_routing
 from detkit.toolkit.contract import compare_bits, rel_l2
 from tests.conftest import backend_of
 from tests.moe_helpers import (
@@ -281,7 +281,7 @@ def test_fp8_wgrad_tma_variant_gives_the_pointer_kernels_bits(device):
     # The TMA variant loads both column-wise operands by descriptor and requests each 128-row block's scales
     # one block ahead: the same products in the same order, so the same bits, including experts of two and
     # three 128-row blocks (T=200, K=2 over 3 experts) and the FP32 main_grad accumulation.
-    from detkit.kernels.moe_fp8 import FP8_WGRAD_CONFIGS, moe_fp8_quant_colwise, moe_fp8_wgrad
+    from detkit.kernels.moe.fp8.layer import FP8_WGRAD_CONFIGS, moe_fp8_quant_colwise, moe_fp8_wgrad
 
     inp = make_inputs(_case(t=200, seed=16), device)
     r = build_routing(inp["topk_ids"], inp["scores"], E)
@@ -433,10 +433,10 @@ import itertools, json, re, sys, triton
 from tools.gemm_sass import cuobjdump_bytes, stack_bytes
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import detkit.kernels.fp8_quant as fq
-import detkit.kernels.moe_fp8_kernels as kf
-from detkit.kernels.det_gemm import GemmConfig
-from detkit.kernels.moe_fp8_configs import MOE_FP8_CONFIGS, QUANT_COLWISE_CONFIGS
+import detkit.kernels.moe.fp8.quant as fq
+import detkit.kernels.moe.fp8.kernels as kf
+from detkit.kernels.det_gemm.launch import GemmConfig
+from detkit.kernels.moe.fp8.configs import MOE_FP8_CONFIGS, QUANT_COLWISE_CONFIGS
 target = GPUTarget("cuda", 90, 32)
 from tests.moe_helpers import FP8_TRITON_TILES
 def sass_counts(cubin):

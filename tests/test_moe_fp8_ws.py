@@ -1,4 +1,4 @@
-"""The FP8 MoE warp-specialized Gluon kernels (kernels/moe_fp8_ws.py, kernels/moe_fp8_ws_gather.py, variant "ws"):
+"""The FP8 MoE warp-specialized Gluon kernels (kernels/moe/fp8/ws.py, kernels/moe/fp8/ws_gather.py, variant "ws"):
 the Triton kernel's bits on the H200 for down and dX, the gathered up and dgrad and the weight gradient, including
 padding-only tiles and an expert with no rows; refusals by name everywhere (the host-side ones on every backend); and
 an offline sm_90 compile (no GPU) showing TMA loads, FP8 wgmma with one MMA group in flight behind the newest, the
@@ -11,10 +11,10 @@ import torch
 
 from detkit.audits.moe import MoeCase
 from detkit.audits.moe_fp8 import make_inputs
-from detkit.kernels.det_gemm import GemmConfig
-from detkit.kernels.moe_fp8 import moe_fp8_quant_colwise, moe_fp8_wgrad, select_moe_fp8_config
-from detkit.kernels.fp8_quant import quantize_colwise_ref
-from detkit.kernels.moe_routing import build_routing, launch_routing
+from detkit.kernels.det_gemm.launch import GemmConfig
+from detkit.kernels.moe.fp8.layer import moe_fp8_quant_colwise, moe_fp8_wgrad, select_moe_fp8_config
+from detkit.kernels.moe.fp8.quant import quantize_colwise_ref
+from detkit.kernels.moe.routing import build_routing, launch_routing
 from tests.conftest import backend_of
 from tests.moe_helpers import (
     FP8_TRITON_TILES, assert_ws_refused_off_sm90, compile_sm90_offline, fp8_stage_runs, skewed_ids,
@@ -216,10 +216,10 @@ _COMPILE = r'''
 import json
 from triton.experimental.gluon import language as gl
 from tools.gemm_sass import gluon_desc_type, gluon_sm90_report
-from detkit.kernels.det_gemm_ws import consumers, max_regs
-from detkit.kernels.moe_fp8_ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_kernel
-from detkit.kernels.moe_fp8_ws_gather import moe_fp8_ws_gather_kernel
-from detkit.kernels.moe_fp8_colwise_sm90 import moe_fp8_quant_colwise_sm90_kernel
+from detkit.kernels.det_gemm.ws import consumers, max_regs
+from detkit.kernels.moe.fp8.ws import moe_fp8_wgrad_ws_kernel, moe_fp8_ws_kernel
+from detkit.kernels.moe.fp8.ws_gather import moe_fp8_ws_gather_kernel
+from detkit.kernels.moe.fp8.colwise_sm90 import moe_fp8_quant_colwise_sm90_kernel
 out = {}
 box = lambda rows, cols=128, dt=gl.float8e4nv: gluon_desc_type(rows, cols, dt)
 scale_box = lambda cols: f"tensordesc<fp32[1, {cols}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)!r}>"

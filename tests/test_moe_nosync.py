@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from detkit.audits.moe import MoeCase, make_inputs
-from detkit.kernels.moe import check_moe_errors, error_flags, moe_mlp, moe_mlp_bwd, moe_mlp_fwd, sync_checks
-from detkit.kernels.moe_fp8 import moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd
-from detkit.kernels.moe_routing import max_padded_rows
+from detkit.kernels.moe.layer import check_moe_errors, error_flags, moe_mlp, moe_mlp_bwd, moe_mlp_fwd, sync_checks
+from detkit.kernels.moe.fp8.layer import moe_mlp_fp8, moe_mlp_fp8_bwd, moe_mlp_fp8_fwd
+from detkit.kernels.moe.routing import max_padded_rows
 from detkit.toolkit.host_reads import host_reads as no_host_reads
 from tests.conftest import assert_bits_equal
 

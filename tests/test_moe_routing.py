@@ -6,8 +6,8 @@ on the CPU and moved to the test device (DETKIT_TEST_DEVICE) where the builds ru
 import pytest
 import torch
 
-from detkit.kernels import moe_routing
-from detkit.kernels.moe_routing import SEGMENT_ALIGN, build_routing_ref
+from detkit.kernels.moe import routing as moe_routing
+from detkit.kernels.moe.routing import SEGMENT_ALIGN, build_routing_ref
 from tests.conftest import TEST_DEVICE
 
 DEV = torch.device(TEST_DEVICE)

@@ -26,7 +26,7 @@ from detkit.bench import moe_sweep as ms
 from detkit.bench.moe_common import INTERPRETER_LABEL, VALIDATE_REL_L2
 from detkit.toolkit.presets import MOE_GPU_PRESETS as GPU_PRESETS
 from detkit.toolkit.presets import MOE_PRESETS as PRESETS
-from detkit.kernels.moe import stage_name
+from detkit.kernels.moe.layer import stage_name
 from detkit.toolkit import cli, nvtx_ranges
 from detkit.toolkit.nvtx_ranges import injection_env, verify_nvtx_log
 from detkit.toolkit.records import INTERPRETER_BANNER

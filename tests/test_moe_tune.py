@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tools.moe_tune as mt
-from detkit.kernels.det_gemm import GemmConfig
+from detkit.kernels.det_gemm.launch import GemmConfig
 
 
 def test_sweep_times_candidates_beside_the_pinned_config(monkeypatch):
@@ -54,7 +54,7 @@ def test_unknown_stage_is_refused():
 
 
 def test_fp8_stages_sweep_the_fp8_table(monkeypatch):
-    from detkit.kernels.moe_fp8 import select_moe_fp8_config
+    from detkit.kernels.moe.fp8.layer import select_moe_fp8_config
 
     other = GemmConfig(128, 128, 64, 1, 4, 1)  # BLOCK_K 64 divides the 128-K scale block
     other_tma = GemmConfig(128, 128, 64, 1, 4, 1, variant="tma")  # the weight tile through TMA
@@ -72,7 +72,7 @@ def test_fp8_stages_sweep_the_fp8_table(monkeypatch):
     (("fp8_colq_x", "fp8_colq_dgu"), "FP8_COLQ", "QUANT_COLWISE_CONFIGS", GemmConfig(128, 64, 16, 1, 4, 1)),
 ])
 def test_fp8_wgrad_and_colq_stages_sweep_their_own_tables(monkeypatch, stages, candidates, pinned_table, other):
-    import detkit.kernels.moe_fp8 as kf
+    import detkit.kernels.moe.fp8.layer as kf
 
     monkeypatch.setattr(mt, candidates, [other])
     rows = mt.sweep(["tiny-fp8"], list(stages), torch.device("cpu"), rounds=1)

@@ -1,4 +1,4 @@
-"""The BF16 MoE warp-specialized Gluon kernels (kernels/moe_ws.py, variant "ws": down and dX, the gathered up and
+"""The BF16 MoE warp-specialized Gluon kernels (kernels/moe/ws.py, variant "ws": down and dX, the gathered up and
 dgrad, the weight gradients): the Triton tiles' bits on the H200 for both weight layouts (down: [E, I, H]; dX: the
 K-major view of W1), including a padding-only tile and an expert with no rows, and for the weight gradients with BF16
 out or FP32 main_grad accumulation and Inf in the token row padding rows name; refusals by name everywhere (the
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from detkit.audits.moe import MoeCase, make_inputs
-from detkit.kernels.det_gemm import GemmConfig
-from detkit.kernels.moe import (
+from detkit.kernels.det_gemm.launch import GemmConfig
+from detkit.kernels.moe.layer import (
     moe_dgrad_dswiglu, moe_dgrad_dswiglu_dscore, moe_down, moe_dx_route, moe_up_swiglu, moe_wgrad_w1, moe_wgrad_w2,
 )
-from detkit.kernels.moe_common import EPI_DSWIGLU
-from detkit.kernels.moe_routing import build_routing
-from detkit.kernels.moe_ws import launch_moe_ws_gather
+from detkit.kernels.moe.common import EPI_DSWIGLU
+from detkit.kernels.moe.routing import build_routing
+from detkit.kernels.moe.ws import launch_moe_ws_gather
 from tests.conftest import backend_of
 from tests.moe_helpers import assert_ws_refused_off_sm90, compile_sm90_offline, skewed_ids
 from detkit.toolkit.contract import compare_bits
@@ -140,7 +140,7 @@ def test_a_ws_wgrad_pick_takes_the_triton_tile_for_operands_it_cannot_address(de
     # addressable batch goes to the Gluon kernel, which the interpreter refuses by name.
     if device.type != "cpu":
         pytest.skip("checked where the Gluon kernel is refused; on the GPU the bit tests cover both paths")
-    from detkit.kernels.moe import MOE_CONFIGS
+    from detkit.kernels.moe.layer import MOE_CONFIGS
 
     b = backend_of(device)
     inp = make_inputs(MoeCase(24, 128, 128, 3, 2, "random", 5), device)
@@ -198,9 +198,9 @@ _COMPILE = r'''
 import json
 from triton.experimental.gluon import language as gl
 from tools.gemm_sass import gluon_desc_type, gluon_sm90_report
-from detkit.kernels.det_gemm_ws import consumers, max_regs
-from detkit.kernels.det_gemm import GemmConfig
-from detkit.kernels.moe_ws import (
+from detkit.kernels.det_gemm.ws import consumers, max_regs
+from detkit.kernels.det_gemm.launch import GemmConfig
+from detkit.kernels.moe.ws import (
     epilogue_warpgroup, gather_store_bytes, mma_warpgroups, moe_ws_gather_kernel, moe_ws_kernel, moe_ws_wgrad_kernel,
 )
 out = {}

@@ -21,9 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # What pyproject.toml packages (its package-dir map) plus the files the build reads.
-PACKAGE_FOLDERS = ("detkit", "kernels", "toolkit", "audits", "bench")
+PACKAGE_FOLDERS = ("detkit", "kernels", "mode", "toolkit", "audits", "bench")
 BUILD_FILES = ("pyproject.toml", "README.md")
-GENERIC_NAMES = ("kernels", "toolkit", "audits", "bench")
+GENERIC_NAMES = ("kernels", "mode", "toolkit", "audits", "bench")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_installed_wheel_in_a_fresh_venv(wheel, tmp_path):
     # entry: its .pth files (among them this checkout's editable install) are not processed.
     (purelib / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    probe = ("import importlib.util as u, pathlib, sys, detkit, detkit.kernels.det_gemm as dg; "
+    probe = ("import importlib.util as u, pathlib, sys, detkit, detkit.kernels.det_gemm.launch as dg; "
              "from detkit import det_gemm_fwd; "
              f"print(pathlib.Path(detkit.__file__).parent); print(pathlib.Path(dg.__file__).parent.parent); "
              f"print([n for n in {GENERIC_NAMES!r} if u.find_spec(n) is not None])")

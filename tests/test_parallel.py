@@ -1,4 +1,4 @@
-"""kernels/parallel.py: the TP/CP operators on real process groups, their collective counts and every
+"""kernels/parallel/operators.py: the TP/CP operators on real process groups, their collective counts and every
 fail-closed path.
 
 The multi-rank tests start their own ranks: ``torchrun`` runs this file as a script (``worker``), one
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from detkit.kernels import parallel
-from detkit.kernels.parallel import (
+from detkit.kernels.parallel import operators as parallel
+from detkit.kernels.parallel.operators import (
     check_collective_backend, column_parallel_dx, replicated_dw, row_parallel_dhidden, row_parallel_fwd,
 )
 from detkit.toolkit.contract import compare_bits

@@ -140,14 +140,14 @@ def test_this_checkout_is_recorded():
 # ---------------------------------------------------------------------------------------------- config tables
 def test_config_tables_come_from_the_loaded_kernel_modules():
     modules = {
-        "detkit.kernels.det_gemm": SimpleNamespace(CONFIG_TABLE_VERSION="g.1"),
-        "detkit.kernels.moe": SimpleNamespace(MOE_CONFIG_TABLE_VERSION="m.7"),
-        "detkit.kernels.moe_ws": SimpleNamespace(MOE_CONFIG_TABLE_VERSION="m.7"),  # a re-export: listed once
+        "detkit.kernels.det_gemm.launch": SimpleNamespace(CONFIG_TABLE_VERSION="g.1"),
+        "detkit.kernels.moe.layer": SimpleNamespace(MOE_CONFIG_TABLE_VERSION="m.7"),
+        "detkit.kernels.moe.ws": SimpleNamespace(MOE_CONFIG_TABLE_VERSION="m.7"),  # a re-export: listed once
         "detkit.audits.moe": SimpleNamespace(MOE_FP8_CONFIG_TABLE_VERSION="not a kernel module"),
-        "detkit.kernels.moe_fp8": None,  # a failed import leaves None in sys.modules
+        "detkit.kernels.moe.fp8.layer": None,  # a failed import leaves None in sys.modules
     }
-    assert pv.config_tables(modules) == [{"name": "det_gemm", "version": "g.1", "module": "detkit.kernels.det_gemm"},
-                                         {"name": "moe_bf16", "version": "m.7", "module": "detkit.kernels.moe"}]
+    assert pv.config_tables(modules) == [{"name": "det_gemm", "version": "g.1", "module": "detkit.kernels.det_gemm.launch"},
+                                         {"name": "moe_bf16", "version": "m.7", "module": "detkit.kernels.moe.layer"}]
     clash = {**modules, "detkit.kernels.moe_tables": SimpleNamespace(MOE_CONFIG_TABLE_VERSION="m.8")}
     moe = [t for t in pv.config_tables(clash) if t["name"] == "moe_bf16"]
     assert [(t["version"], t.get("conflict")) for t in moe] == [("m.7", True), ("m.8", True)]
@@ -166,7 +166,7 @@ def test_the_tables_of_a_run_are_those_it_imported(tmp_path):
     """In a fresh process: nothing loaded, nothing listed; importing the FP8 MoE kernels lists its table and the
     BF16 one it builds on, with the versions the modules define."""
     script = ("import json, sys\nfrom detkit.toolkit.provenance import config_tables\nbefore = config_tables()\n"
-              "import detkit.kernels.moe_fp8 as f, detkit.kernels.moe as m\n"
+              "import detkit.kernels.moe.fp8.layer as f, detkit.kernels.moe.layer as m\n"
               "print(json.dumps([before, config_tables(), m.MOE_CONFIG_TABLE_VERSION, f.MOE_FP8_CONFIG_TABLE_VERSION]))")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TRITON_INTERPRET": "1"})

@@ -125,7 +125,7 @@ def test_raw_launch_declines_what_it_does_not_mirror(encodes):
 def test_raw_launches_give_the_bits_of_tritons_own_launch(op, config, monkeypatch):
     # Every call after a plan's first goes through RawLaunch; each must equal a first call (Triton's own launch,
     # plans cleared), on new operands and on the same ones (cached descriptors).
-    from detkit.kernels.det_gemm import LAUNCHERS, GemmConfig, clear_launch_plans
+    from detkit.kernels.det_gemm.launch import LAUNCHERS, GemmConfig, clear_launch_plans
 
     bm, bn, bk, g, w, s, variant = config.split(",")
     cfg = GemmConfig(int(bm), int(bn), int(bk), int(g), int(w), int(s), variant)

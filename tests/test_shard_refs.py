@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from detkit.kernels.det_gemm import det_gemm_fwd
+from detkit.kernels.det_gemm.launch import det_gemm_fwd
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.layout import CP_SIZE, TpCpLayout, layout_for_preset
 from detkit.toolkit.shard_refs import (

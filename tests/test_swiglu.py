@@ -1,4 +1,4 @@
-"""kernels/swiglu.py: forward and backward against the FP64 reference within the derived bound
+"""kernels/parallel/swiglu.py: forward and backward against the FP64 reference within the derived bound
 (docs/invariance.md, "SwiGLU contract"), batch invariance, strided Gate/Up views, fail-closed checks."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detkit.kernels.swiglu import (
+from detkit.kernels.parallel.swiglu import (
     gate_up_views, swiglu_bwd, swiglu_bwd_bound, swiglu_bwd_ref, swiglu_fwd, swiglu_fwd_bound, swiglu_fwd_ref,
 )
 from detkit.toolkit.contract import bf16_ordinal, check_bound, compare_bits

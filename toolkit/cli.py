@@ -34,7 +34,7 @@ from detkit.toolkit.provenance import config_tables
 def _select_device(device: str) -> None:
     if device == "cpu":
         # Triton decides interpreter vs compiler when a kernel is defined: set it before importing kernels.
-        if "detkit.kernels.det_gemm" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        if "detkit.kernels.det_gemm.launch" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             raise click.UsageError("--device cpu needs TRITON_INTERPRET=1 before detkit kernels are imported")
         os.environ["TRITON_INTERPRET"] = "1"
     elif os.environ.get("TRITON_INTERPRET") == "1":

@@ -77,7 +77,7 @@ class RunContext:
 def resolve_device(device: str) -> tuple[torch.device, str]:
     """(device, backend) for ``device``, the backend decided by the kernel's own check (fails closed)."""
     from detkit.kernels.backend import resolve_backend
-    from detkit.kernels.det_gemm import det_gemm_kernel
+    from detkit.kernels.det_gemm.launch import det_gemm_kernel
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """The shape presets of the TP=2 x CP=2 layout (``--preset``) and the layout names the harness uses.
 
 The layout itself (rank mapping, groups, shard offsets, CP token order, the AxisGroup handle) is data the
-operators check against, so it lives with them in kernels/layout.py; it is re-exported here for the launcher,
+operators check against, so it lives with them in kernels/parallel/layout.py; it is re-exported here for the launcher,
 the audits and the benchmarks.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from detkit.kernels.layout import (  # noqa: F401 (re-exported)
+from detkit.kernels.parallel.layout import (  # noqa: F401 (re-exported)
     AXES, CP_SIZE, FULL_WORLD, QWEN3_8B, TINY, TP_SIZE, AxisGroup, ModelDims, TpCpLayout,
 )
 

@@ -38,7 +38,7 @@ CONFIG_TABLES = (
     ("attention", "ATTENTION_CONFIG_TABLE_VERSION"),
 )
 KERNELS_PACKAGE = "detkit.kernels"
-PARTS = ("kernels", "toolkit", "audits", "bench")  # folders of a checkout; sub-packages of detkit installed
+PARTS = ("kernels", "mode", "toolkit", "audits", "bench")  # folders of a checkout; sub-packages of detkit installed
 PACKAGE_DIRS = (*PARTS, "detkit")  # what `git status` checks in a checkout
 COMMIT_ENV = "DETKIT_GIT_COMMIT"
 GIT_TIMEOUT_S = 20
@@ -114,7 +114,7 @@ def _git(root: Path, *args: str, stdin: bytes | None = None) -> bytes:
 
 
 def logical_path(repo_path: str) -> str | None:
-    """A checkout path's logical path (``kernels/moe.py`` -> ``detkit/kernels/moe.py``), None when it is not a
+    """A checkout path's logical path (``kernels/moe/layer.py`` -> ``detkit/kernels/moe/layer.py``), None when it is not a
     package source file."""
     parts = repo_path.split("/")
     if not repo_path.endswith(".py") or "__pycache__" in parts:

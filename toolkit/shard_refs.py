@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from detkit.kernels.det_gemm import LAUNCHERS, REFERENCES, GemmLaunch
+from detkit.kernels.det_gemm.launch import LAUNCHERS, REFERENCES, GemmLaunch
 from detkit.toolkit.contract import check_bound, compare_bits, drift_stats, gemm_bound, reduced_bound
 from detkit.toolkit.layout import CP_SIZE, TP_SIZE, TpCpLayout
 

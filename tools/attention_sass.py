@@ -24,7 +24,7 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import detkit.kernels.attention as attn
+    import detkit.kernels.attention.kernels as attn
     from detkit.kernels.backend import kernel_is_interpreted
 
     fn = {"fwd": attn.attention_fwd_kernel, "dkdv": attn.attention_bwd_dkdv_kernel,

@@ -26,7 +26,7 @@ VARIANTS = ("ptr", "tma", "tma3", "ws")
 
 def parse_config(text: str):
     """``BM,BN,BK,G,warps,stages[,variant]`` -> GemmConfig; a bad one raises ValueError naming it."""
-    from detkit.kernels.det_gemm import GemmConfig
+    from detkit.kernels.det_gemm.launch import GemmConfig
 
     parts = text.split(",")
     if len(parts) not in (6, 7):
@@ -42,7 +42,7 @@ def sweep(ops, kn_shapes, m_values, configs, rounds: int, layout: str = "linear"
           device: torch.device = torch.device("cuda")):
     """Rows as each (op, K, N, M) is measured: one per timed config (the table's pick included), one per refusal."""
     from detkit.bench.gemm import BenchCase, _rotation_sets, baseline_call, operands
-    from detkit.kernels.det_gemm import LAUNCHERS
+    from detkit.kernels.det_gemm.launch import LAUNCHERS
     from detkit.toolkit.contract import compare_bits
     from detkit.toolkit.timing import time_graphs
 

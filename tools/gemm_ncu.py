@@ -59,7 +59,7 @@ WARMUP_CALLS = 3
 
 def parse_case(text: str) -> BenchCase:
     """``op:M:N:K:layout`` -> BenchCase; refuses anything else, naming what is supported."""
-    from detkit.kernels.det_gemm import OPS
+    from detkit.kernels.det_gemm.launch import OPS
     from detkit.toolkit.fixtures import LAYOUTS
 
     parts = text.split(":")
@@ -81,7 +81,7 @@ def parse_case(text: str) -> BenchCase:
 
 def parse_config(spec: str):
     """``BM,BN,BK,G,warps,stages[,variant]`` -> GemmConfig (a det_gemm config to profile beside the table's pick)."""
-    from detkit.kernels.det_gemm import GemmConfig
+    from detkit.kernels.det_gemm.launch import GemmConfig
 
     parts = spec.split(",")
     try:
@@ -98,7 +98,7 @@ def run_once(case: BenchCase, impl: str, device: str) -> None:
     """The profiled process: warm the call up, then make it once inside its NVTX range."""
     import torch
 
-    from detkit.kernels.det_gemm import LAUNCHERS
+    from detkit.kernels.det_gemm.launch import LAUNCHERS
     from detkit.toolkit.nvtx_ranges import nvtx_range
 
     config = parse_config(impl.removeprefix("config=")) if impl.startswith("config=") else None

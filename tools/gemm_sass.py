@@ -1,7 +1,7 @@
 """Compile det_gemm for sm_90 without a GPU and count the SASS instructions that matter (HGMMA vs HMMA,
 cp.async LDGSTS vs TMA UTMALDG, shared-memory traffic), registers and shared memory per layout and
 kernel variant ("ptr": det_gemm_kernel; "tma": det_gemm_tma_kernel; "tma3": det_gemm_tma3_kernel; "ws":
-kernels/det_gemm_ws.py, Gluon).
+kernels/det_gemm/ws.py, Gluon).
 Compile-only evidence: it says which instructions the kernel uses, not how fast they run.
 
     python -m tools.gemm_sass [--out DIR] [--variants ptr tma] [--cases fwd_weight_t ...] [--json]   # checkout root
@@ -116,7 +116,7 @@ def gluon_sm90_report(fn, types: dict[str, str], consts: dict, maxnreg: int) -> 
 def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = False,
                twin: bool = False) -> tuple[object, dict, dict]:
     """(kernel, signature, constexprs) of one launch of ``case`` with ``cfg``."""
-    from detkit.kernels.det_gemm import det_gemm_kernel, det_gemm_tma3_kernel, det_gemm_tma_kernel
+    from detkit.kernels.det_gemm.launch import det_gemm_kernel, det_gemm_tma3_kernel, det_gemm_tma_kernel
 
     consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "STEP_K": cfg.block_k,
               "GROUP_M": cfg.group_m, "INTERPRETED": False, "SEGMENTED": segmented, "OUT_FP32": out_fp32,
@@ -125,7 +125,7 @@ def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = Fa
     if cfg.variant == "ws":
         from triton.experimental.gluon import language as gl
 
-        from detkit.kernels.det_gemm_ws import consumers, det_gemm_ws_kernel, operand_layout, ws_tma_store
+        from detkit.kernels.det_gemm.ws import consumers, det_gemm_ws_kernel, operand_layout, ws_tma_store
 
         if segmented:
             raise ValueError("variant 'ws' has no segmented form")
@@ -171,7 +171,7 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     from triton.compiler import ASTSource
 
     from detkit.kernels.backend import kernel_is_interpreted
-    from detkit.kernels.det_gemm import select_config
+    from detkit.kernels.det_gemm.launch import select_config
 
     cfg = replace(config or select_config(case.op, case.rows), variant=variant)
     fn, sig, consts = _signature(case, cfg, segmented, out_fp32, twin)
@@ -185,7 +185,7 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     if cfg.variant == "ws":  # Gluon: the kernel places its own pipeline; the launch caps registers per thread
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        from detkit.kernels.det_gemm_ws import max_regs
+        from detkit.kernels.det_gemm.ws import max_regs
 
         source, options = GluonASTSource, {"num_warps": 4, "maxnreg": max_regs(cfg.num_warps)}
     else:

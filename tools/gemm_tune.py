@@ -1,6 +1,6 @@
 """Config sweep for the pinned table: time candidate configs per (op, shape, M) on the GPU and check each
 gives the same bits as the current table's pick. Not autotuning: a human reads the output and pins
-entries in kernels/det_gemm_configs.py (bumping CONFIG_TABLE_VERSION); the audits then re-check them.
+entries in kernels/det_gemm/configs.py (bumping CONFIG_TABLE_VERSION); the audits then re-check them.
 
     python -m tools.gemm_tune --out results/tune.json            # from a checkout's root
     python -m tools.gemm_tune --ops fwd --m 1024 4096 16384 --variants tma --out results/tune-tma.json
@@ -24,7 +24,7 @@ import torch
 import triton
 
 from detkit.bench.gemm import BenchCase, _rotation_sets, operands
-from detkit.kernels.det_gemm import LAUNCHERS, VARIANTS, GemmConfig
+from detkit.kernels.det_gemm.launch import LAUNCHERS, VARIANTS, GemmConfig
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.timing import time_graphs, time_interleaved
 
@@ -88,7 +88,7 @@ DB_SMALL_M = [GemmConfig(*c) for c in [
     (64, 256, 64, 8, 4, 3),
 ]] + [GemmConfig(*c, variant="tma") for c in [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)]]
 
-# Warp-specialized, persistent (kernels/det_gemm_ws.py, Gluon): one TMA producer warp feeding one or two
+# Warp-specialized, persistent (kernels/det_gemm/ws.py, Gluon): one TMA producer warp feeding one or two
 # consumer warpgroups (8 warps: each warpgroup its own partition and half of the tile's rows, cuBLAS's
 # 384-thread cooperative shape), the ring refilled for the next tile during the epilogue. Compiled offline:
 # no spills (168 registers at 8 warps, 255 at 4).

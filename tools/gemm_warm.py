@@ -34,7 +34,7 @@ def spec(op: str, m: int, n: int, k: int, layout: str, config) -> tuple:
 
 def table_pick(op: str, m: int, n: int, k: int):
     """The table's pick at the real sizes for TMA-addressable operands (16-byte-aligned rows) on 132 SMs."""
-    from detkit.kernels.det_gemm import HOPPER_SMS, select_config
+    from detkit.kernels.det_gemm.launch import HOPPER_SMS, select_config
 
     rows, cols = {"fwd": (m, n), "da": (m, k), "db": (k, n)}[op]
     return select_config(op, m, cols=cols, rows=rows, sms=HOPPER_SMS)
@@ -54,7 +54,7 @@ def bench_specs(ops, kn_shapes, m_values, layouts, extra_configs=()) -> set:
 def preset_specs(name: str) -> set:
     """An audit preset's launches: the table picks at its M values (and the padded and zero-row variants' sizes)
     and every config the table can pick at the cross-config rows."""
-    from detkit.kernels.det_gemm import all_configs
+    from detkit.kernels.det_gemm.launch import all_configs
     from detkit.toolkit.presets import GEMM_PRESETS
 
     preset = GEMM_PRESETS[name]
@@ -71,7 +71,7 @@ def preset_specs(name: str) -> set:
 
 
 def _warm(specs: list) -> None:
-    from detkit.kernels.det_gemm import LAUNCHERS, GemmConfig
+    from detkit.kernels.det_gemm.launch import LAUNCHERS, GemmConfig
     from detkit.toolkit.fixtures import bf16_randn, weight_kn
 
     device = torch.device("cuda")

@@ -86,8 +86,8 @@ def _fake_attention(q, k, v, *, scale=None, kv_start=None, kv_end=None, configs=
 STANDINS = {"det_gemm_fwd": _fake_fwd, "det_gemm_da": _fake_da, "det_gemm_db": _fake_db,
             "row_mean_kernel": _fake_kernel, "attention": _fake_attention}
 # Modules whose attributes of those names are the kernels the mode calls (where a module binds them).
-STANDIN_MODULES = ("detkit.kernels.det_gemm", "detkit.kernels.mode_reductions", "detkit.kernels.attention_sdpa",
-                   "detkit.kernels.mode_gemm", "detkit.kernels.mode_aten", "detkit.kernels.mode_compile")
+STANDIN_MODULES = ("detkit.kernels.det_gemm.launch", "detkit.kernels.reductions.row_mean", "detkit.kernels.attention.sdpa",
+                   "detkit.mode.gemm", "detkit.mode.aten", "detkit.mode.compile")
 
 
 @contextlib.contextmanager
@@ -119,8 +119,9 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
     import torch
     import torch.nn.functional as F
 
-    from detkit.kernels import attention_sdpa, mode_reductions
-    from detkit.kernels import det_gemm as dg
+    from detkit.kernels.attention import sdpa as attention_sdpa
+    from detkit.kernels import reductions
+    from detkit.kernels.det_gemm import launch as dg
 
     def randn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device=device).to(dtype)
@@ -144,7 +145,7 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
         Case("bmm", f"[{batch},{m},64]@[{batch},64,{m}]", lambda: torch.bmm(ba, bb),
              lambda: [dg.det_gemm_da(ba[i], bb[i].t()) for i in range(batch)]),
         Case("mean.dim (RMSNorm, fp32)", f"[{m},{k}].mean(-1)", lambda: rms.mean(-1, keepdim=True),
-             lambda: mode_reductions.row_mean(rms)),
+             lambda: reductions.row_mean(rms)),
         Case("sdpa (decode)", "q [1,8,1,64], kv [1,4,32,64]",
              lambda: F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True),
              lambda: attention_sdpa.sdpa(q, kv, kv, enable_gqa=True)),

@@ -54,8 +54,8 @@ def fwd_bwd(fn, leaves, dout, accumulate: bool = False):
 def build(preset: str, device: torch.device, seed: int, tokens: int | None = None):
     from detkit.bench import moe_hf
     from detkit.bench.moe_common import make_inputs
-    from detkit.kernels import mode_moe
-    from detkit.kernels.moe import moe_mlp
+    from detkit.mode import moe as mode_moe
+    from detkit.kernels.moe.layer import moe_mlp
     from detkit.toolkit.presets import MOE_PRESETS
 
     p = MOE_PRESETS[preset] if tokens is None else replace(MOE_PRESETS[preset], t=tokens)
@@ -111,9 +111,9 @@ def build(preset: str, device: torch.device, seed: int, tokens: int | None = Non
 
 def split_stage_fns(p, inp: dict, backend: str) -> dict:
     """The stages that read or write w1, w2 on split views (gate_up="split", gradients in the weights' layouts)."""
-    from detkit.kernels import moe_launch as ml
-    from detkit.kernels.moe import moe_mlp_fwd
-    from detkit.kernels.moe_routing import build_routing
+    from detkit.kernels.moe import launch as ml
+    from detkit.kernels.moe.layer import moe_mlp_fwd
+    from detkit.kernels.moe.routing import build_routing
 
     x, w1, w2, ids, scores, dout = (inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores", "dout"))
     routing = build_routing(ids, scores, p.e)

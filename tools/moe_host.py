@@ -75,9 +75,9 @@ def layer_call(measure: str, fp8: bool, shape: tuple[int, ...], device: torch.de
 
     inp = make_inputs(MoePreset("host", *shape), device)
     if fp8:
-        from detkit.kernels.moe_fp8 import moe_mlp_fp8 as layer
+        from detkit.kernels.moe.fp8.layer import moe_mlp_fp8 as layer
     else:
-        from detkit.kernels.moe import moe_mlp as layer
+        from detkit.kernels.moe.layer import moe_mlp as layer
     leaves = [inp[name].requires_grad_() for name in ("x", "w1", "w2")]
     ids, scores, dout = inp["topk_ids"], inp["scores"], inp["dout"]
     if measure == "fwd":
@@ -205,7 +205,7 @@ def render(results: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--fp8", action="store_true", help="the FP8 layer (kernels/moe_fp8.py) instead of BF16")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 layer (kernels/moe/fp8/layer.py) instead of BF16")
     parser.add_argument("--block", action="store_true",
                         help="transformers' Qwen3-MoE block under the mode (inference) instead of the layer")
     parser.add_argument("--shape", type=int, nargs=5, metavar=("T", "H", "I", "E", "K"),

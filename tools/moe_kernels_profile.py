@@ -31,8 +31,8 @@ IMPLS = ("bf16", "fp8", "fp8_warm")
 def layer_call(impl: str, inp: dict):
     """The fwd+bwd callable of ``impl`` on ``inp`` (the bench's own)."""
     from detkit.bench import moe_fp8
-    from detkit.kernels.moe import moe_mlp_bwd, moe_mlp_fwd
-    from detkit.kernels.moe_fp8 import Fp8WeightCache
+    from detkit.kernels.moe.layer import moe_mlp_bwd, moe_mlp_fwd
+    from detkit.kernels.moe.fp8.layer import Fp8WeightCache
 
     if impl == "bf16":
         args = [inp[n] for n in ("x", "w1", "w2", "topk_ids", "scores")]

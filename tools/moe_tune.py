@@ -1,4 +1,4 @@
-"""Config sweep for the MoE grouped GEMMs (kernels/moe.py MOE_CONFIGS): time candidate tile configs per
+"""Config sweep for the MoE grouped GEMMs (kernels/moe/layer.py MOE_CONFIGS): time candidate tile configs per
 stage at the preset shapes and say which config each stage's time is best with. Not autotuning: a
 human reads the output, pins entries in MOE_CONFIGS (bumping MOE_CONFIG_TABLE_VERSION), and the MoE
 audit then re-checks the pinned table (its bits are the table's, so a new pin is a new bits version).
@@ -11,7 +11,7 @@ the pinned path), every candidate interleaved with the pinned one in ``rounds`` 
 is refused (shared memory, a TMA box) is an error row, never fatal. Each row also says whether the
 candidate's output has the pinned config's bits (on tensor cores a different BLOCK_K or warp layout
 may change the FP32 summation inside an MMA, which is why the table is versioned).
-The fp8_ stages sweep kernels/moe_fp8.py's grouped GEMMs (MOE_FP8_CONFIGS) on operands quantized once.
+The fp8_ stages sweep kernels/moe/fp8/layer.py's grouped GEMMs (MOE_FP8_CONFIGS) on operands quantized once.
 Formulas: TFLOP/s = stage FLOPs / median time; stage FLOPs per T*K*H*I: up 4, down 2, dgrad 2, dx 4,
 wgrad_w1 4, wgrad_w2 2 (the same split as ``detkit bench moe``'s stage rows; the same for the fp8_ stages).
 Candidates are passed to the stages' launchers as ``config=`` arguments; no table is changed.
@@ -32,7 +32,7 @@ import torch
 from detkit.bench.moe_common import make_inputs
 from detkit.toolkit.presets import MOE_PRESETS as PRESETS
 from detkit.toolkit.reports import markdown_table
-from detkit.kernels.det_gemm import GemmConfig
+from detkit.kernels.det_gemm.launch import GemmConfig
 
 # Grouped stages: BLOCK_M must divide the 128-row segment; dgrad's BLOCK_N counts dh columns (its
 # epilogue tile is 2*BLOCK_N wide), up's counts interleaved gate/up columns (h gets BLOCK_N/2).
@@ -43,7 +43,7 @@ GROUPED = [GemmConfig(*c) for c in [
     (128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 4), (128, 256, 64, 1, 8, 3), (128, 64, 64, 1, 4, 4),
     (128, 128, 64, 1, 4, 3), (128, 128, 64, 1, 8, 2), (128, 256, 64, 1, 8, 2), (64, 128, 64, 1, 4, 3),
 ]]
-# Every grouped stage also on the warp-specialized Gluon kernels (kernels/moe_ws.py): persistent, a TMA producer warp
+# Every grouped stage also on the warp-specialized Gluon kernels (kernels/moe/ws.py): persistent, a TMA producer warp
 # (up, dgrad: a 4-warp cp.async producer of the gathered rows), one or two 64-row consumer warpgroups, the tile out
 # by TMA store from a 32-64 KiB buffer (so 5 stages at most for 128x128x64; dgrad's dscore sums need 16 KiB more).
 # 128x256 (the tile det_gemm and the weight gradients run with TMA-store epilogues): up on 2 stages beside its
@@ -60,14 +60,14 @@ WGRAD = [GemmConfig(*c) for c in [
     (128, 128, 32, 1, 4, 4), (128, 128, 128, 1, 8, 3), (64, 256, 64, 1, 8, 3), (128, 128, 64, 1, 4, 3),
     (128, 128, 64, 1, 4, 2), (128, 128, 32, 1, 4, 3), (128, 64, 64, 1, 4, 3), (64, 128, 64, 1, 4, 3),
 ]]
-# The Gluon weight gradient (kernels/moe_ws.py moe_ws_wgrad_kernel): persistent, TMA producer warp (dW1: a 4-warp
+# The Gluon weight gradient (kernels/moe/ws.py moe_ws_wgrad_kernel): persistent, TMA producer warp (dW1: a 4-warp
 # cp.async producer of the gathered x rows), one or two consumer warpgroups of 64 dW rows, the BF16 tile out by TMA
 # store from a 32-64 KiB buffer.
 WGRAD += [GemmConfig(*c, variant="ws") for c in [
     (128, 128, 64, 1, 8, 4), (128, 128, 64, 1, 8, 5), (128, 128, 64, 1, 8, 6), (64, 128, 64, 1, 4, 6),
     (128, 256, 64, 1, 8, 3), (64, 256, 64, 1, 4, 4),
 ]]
-# FP8 grouped stages (kernels/moe_fp8.py MOE_FP8_CONFIGS): BLOCK_K divides the 128-K scale block; up's
+# FP8 grouped stages (kernels/moe/fp8/layer.py MOE_FP8_CONFIGS): BLOCK_K divides the 128-K scale block; up's
 # BLOCK_N is 256 and dgrad's 64 or 128 (the fused 1x128 quantization); up to 96 KiB of operands per stage
 # count leaves room for two programs per SM, which overlap one's promotion FMAs with the other's MMAs.
 # "tma": the same tile with the weight loaded by TMA (won down, dgrad and dX on the H200 with 4 warps).
@@ -78,7 +78,7 @@ FP8_GROUPED = [GemmConfig(*c) for c in [
     (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 3), (128, 128, 128, 1, 4, 3), (64, 128, 128, 1, 4, 4),
     (64, 128, 128, 1, 4, 3), (64, 128, 128, 1, 4, 2),
 ]]
-# "ws": the warp-specialized Gluon kernel of down and dX (kernels/moe_fp8_ws.py): persistent, TMA producer warp,
+# "ws": the warp-specialized Gluon kernel of down and dX (kernels/moe/fp8/ws.py): persistent, TMA producer warp,
 # one or two 64-row consumer warpgroups promoting block kb while block kb+1's MMAs run, the BF16 tile
 # stored by TMA from a 16-32 KiB buffer (6 stages fit for 128x128). BLOCK_K is the 128-K block.
 FP8_GROUPED += [GemmConfig(*c, variant="ws") for c in [
@@ -95,7 +95,7 @@ FP8_UP = [GemmConfig(*c) for c in [
     (64, 128, 128, 1, 4, 4), (64, 128, 128, 1, 4, 3), (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 3),
     (128, 128, 128, 1, 4, 3),
 ]]
-# The Gluon kernel (kernels/moe_fp8_ws.py) with the gathered rows by cp.async from a 4-warp producer.
+# The Gluon kernel (kernels/moe/fp8/ws.py) with the gathered rows by cp.async from a 4-warp producer.
 FP8_UP += [GemmConfig(*c, variant="ws") for c in [(128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 5),
                                                   (64, 128, 128, 1, 4, 6)]]
 # dgrad: BLOCK_N 64 (one 1x128 dgu block per row) or 128 (two; 64 rows: 128x128 with 8 warps spills on sm_90).
@@ -106,13 +106,13 @@ FP8_DGRAD = [GemmConfig(*c) for c in [
     (128, 64, 128, 1, 8, 4), (128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (64, 128, 128, 1, 8, 4),
     (128, 64, 128, 1, 4, 3), (128, 64, 128, 1, 4, 2), (64, 64, 128, 1, 4, 3), (64, 128, 128, 1, 4, 3),
 ]]
-# The Gluon kernel (kernels/moe_fp8_ws.py): gathered rows by cp.async, the dSwiGLU + 1x128 quantization epilogue
+# The Gluon kernel (kernels/moe/fp8/ws.py): gathered rows by cp.async, the dSwiGLU + 1x128 quantization epilogue
 # (dgu and dgu_q out by TMA stores); 128x128 (two consumer warpgroups of 64 rows, two dgu scale blocks per row)
 # fits without spills there, and with its 96 KB of store buffers in shared memory at most 4 stages.
 FP8_DGRAD += [GemmConfig(*c, variant="ws") for c in [(128, 64, 128, 1, 8, 6), (128, 64, 128, 1, 8, 7),
                                                      (64, 64, 128, 1, 4, 8), (128, 128, 128, 1, 8, 4),
                                                      (128, 128, 128, 1, 8, 3)]]
-# The FP8 weight gradients (wgrad="fp8", kernels/moe_fp8.py FP8_WGRAD_CONFIGS: the pinned tile, always timed) on the
+# The FP8 weight gradients (wgrad="fp8", kernels/moe/fp8/layer.py FP8_WGRAD_CONFIGS: the pinned tile, always timed) on the
 # column-wise operands: Triton TMA tiles, whose kernel also requests each 128-row block's scales one block ahead.
 # 64x128 with 4 warps ran 3x faster than the 128x128 8-warp tiles on the H200; these are its neighbours.
 FP8_WGRAD = [GemmConfig(*c, variant="tma") for c in [
@@ -120,12 +120,12 @@ FP8_WGRAD = [GemmConfig(*c, variant="tma") for c in [
     (64, 64, 128, 1, 4, 3), (64, 64, 128, 1, 4, 4), (64, 256, 128, 1, 8, 3), (64, 256, 128, 1, 4, 3),
     (128, 128, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4), (64, 128, 128, 1, 4, 3),
 ]]
-# The Gluon kernel (kernels/moe_fp8_ws.py): persistent, TMA producer warp, promotion of block kb while kb+1's MMAs
+# The Gluon kernel (kernels/moe/fp8/ws.py): persistent, TMA producer warp, promotion of block kb while kb+1's MMAs
 # run, each block's scale rows staged in shared memory beside its operand tiles (so 128x128 compiles without spills).
 FP8_WGRAD += [GemmConfig(*c, variant="ws") for c in [
     (128, 64, 128, 1, 8, 6), (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 8, 5), (64, 128, 128, 1, 4, 8),
 ]]
-# The column-wise quantizer of wgrad="fp8" (kernels/moe_fp8.py QUANT_COLWISE_CONFIGS): 128 rows x block_n columns
+# The column-wise quantizer of wgrad="fp8" (kernels/moe/fp8/layer.py QUANT_COLWISE_CONFIGS): 128 rows x block_n columns
 # per program (block_k, group_m, stages unused). Timed on a gathered operand (x) and a plain one (dgu).
 FP8_COLQ = [GemmConfig(128, n, 16, 1, w, 1) for n, w in [(64, 4), (64, 2), (128, 4), (128, 8), (256, 4), (256, 8),
                                                          (32, 4)]]
@@ -152,8 +152,8 @@ def candidates(stage: str) -> list[GemmConfig]:
 def pinned(stage: str, backend: str) -> GemmConfig:
     """The table's config for ``stage`` (MOE_FP8_CONFIGS / FP8_WGRAD_CONFIGS for the fp8_ stages, else
     MOE_CONFIGS)."""
-    from detkit.kernels.moe import select_moe_config
-    from detkit.kernels.moe_fp8 import FP8_WGRAD_CONFIGS, QUANT_COLWISE_CONFIGS, select_moe_fp8_config
+    from detkit.kernels.moe.layer import select_moe_config
+    from detkit.kernels.moe.fp8.layer import FP8_WGRAD_CONFIGS, QUANT_COLWISE_CONFIGS, select_moe_fp8_config
 
     if stage.startswith("fp8_wgrad"):
         return FP8_WGRAD_CONFIGS[backend]
@@ -165,15 +165,15 @@ def pinned(stage: str, backend: str) -> GemmConfig:
 
 def stage_fns(preset: str, device: torch.device, stages, seed: int = 0) -> tuple[dict[str, Callable], str]:
     """stage -> fn(config) -> output tensor, on the preset's inputs (the pinned path's intermediates)."""
-    from detkit.kernels.fp8_quant import quantize_rowwise, quantize_weight
-    from detkit.kernels.moe import (
+    from detkit.kernels.moe.fp8.quant import quantize_rowwise, quantize_weight
+    from detkit.kernels.moe.layer import (
         moe_dgrad_dswiglu, moe_dgrad_dswiglu_dscore, moe_down, moe_dx_route, moe_mlp_fwd, moe_up_swiglu,
         moe_wgrad_w1, moe_wgrad_w2,
     )
-    from detkit.kernels.moe_fp8 import (
+    from detkit.kernels.moe.fp8.layer import (
         moe_fp8_dgrad_dswiglu, moe_fp8_down, moe_fp8_dx_route, moe_fp8_quant_colwise, moe_fp8_up_swiglu, moe_fp8_wgrad,
     )
-    from detkit.kernels.moe_routing import build_routing
+    from detkit.kernels.moe.routing import build_routing
 
     p = PRESETS[preset]
     inp = make_inputs(p, device, seed)
@@ -231,8 +231,8 @@ def sweep(presets: list[str], stages: list[str], device: torch.device, rounds: i
           only: list[GemmConfig] | None = None) -> list[dict]:
     """Rows per (preset, stage, config): timing and bits vs the pinned config, or the error. ``only``: these
     configs instead of the stage's candidate list (the pinned one is always timed)."""
-    from detkit.kernels.moe import MOE_CONFIG_TABLE_VERSION
-    from detkit.kernels.moe_fp8 import MOE_FP8_CONFIG_TABLE_VERSION
+    from detkit.kernels.moe.layer import MOE_CONFIG_TABLE_VERSION
+    from detkit.kernels.moe.fp8.layer import MOE_FP8_CONFIG_TABLE_VERSION
     from detkit.toolkit.contract import compare_bits
     from detkit.toolkit.timing import time_interleaved
 

@@ -55,7 +55,7 @@ if want moe; then
   step audit-moe "${MOE_AUDIT_LIMIT:-180}" python -m detkit audit --device cuda --suite moe --out "$OUT/audit-moe"
   step bench-moe "${MOE_BENCH_LIMIT:-240}" python -m detkit bench moe --device cuda --out "$OUT/bench-moe" "${MOE_BENCH_ARGS[@]}"
 fi
-if want moews; then  # the BF16 Gluon kernels (kernels/moe_ws.py): bits vs the Triton tiles, then the wgrad sweep
+if want moews; then  # the BF16 Gluon kernels (kernels/moe/ws.py): bits vs the Triton tiles, then the wgrad sweep
   step pytest-moe-ws "${MOE_WS_TESTS_LIMIT:-180}" "${gpu_pytest[@]}" tests/test_moe_ws.py
   step moe-tune-wgrad "${MOE_TUNE_LIMIT:-300}" python -m tools.moe_tune --device cuda --stages wgrad_w1 wgrad_w2 \
     --out "$OUT/moe-tune-wgrad"

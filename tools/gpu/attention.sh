@@ -46,7 +46,8 @@ cat > "$WORK/warm.py" <<'EOF'
 shapes: lengths, batch and head counts are not specialised, strides are multiples of 16)."""
 import sys
 import torch
-from detkit.kernels.attention import AttnConfigs, attention, attention_varlen, select_configs
+from detkit.kernels.attention import AttnConfigs, attention, attention_varlen
+from detkit.kernels.attention.configs import select_configs
 from sweep_candidates import CANDIDATES, SPLIT
 
 worker, workers = int(sys.argv[1]), int(sys.argv[2])
@@ -134,7 +135,8 @@ import torch
 from tabulate import tabulate
 
 from detkit.bench.attention import BenchCase, _graph_sets, detkit_call, make_inputs, sdpa_call, sdpa_gqa_mode
-from detkit.kernels.attention import attention, select_configs
+from detkit.kernels.attention import attention
+from detkit.kernels.attention.configs import select_configs
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.timing import time_graphs
 from sweep_candidates import CANDIDATES, SPLIT

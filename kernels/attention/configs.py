@@ -1,0 +1,101 @@
+"""The attention family's pinned config table: one set of tiles per (backend, head_dim), never a function of
+the sequence lengths, the batch or the padding (the invariance rule in kernels.py rests on it). Bump the version
+whenever an entry changes; reports record it."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import triton
+
+from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
+
+HEAD_DIMS = (64, 128)
+
+ATTENTION_CONFIG_TABLE_VERSION = "2026-12-01.2"
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    block_m: int  # query rows per tile: HEADS query heads x block_m / HEADS query positions
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for field, value in vars(self).items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"AttnConfig.{field} must be a positive int; got {value!r}")
+        for field in ("block_m", "block_n"):
+            value = getattr(self, field)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"AttnConfig.{field} must be a power of two >= 16 (one MMA); got {value}")
+
+    def label(self) -> str:
+        return f"BM{self.block_m}_BN{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+
+
+@dataclass(frozen=True)
+class AttnConfigs:
+    """The three kernels' tiles for one head_dim. fwd: block_m query rows x block_n keys per step. dkdv: a
+    program owns block_n keys and steps over block_m query rows. dq: a program owns block_m query rows and
+    steps over block_n keys. Only fwd's tile decides the forward bits (and so the invariance); the backward
+    tiles decide the gradients' fixed reduction order."""
+    fwd: AttnConfig
+    dkdv: AttnConfig
+    dq: AttnConfig
+    # A speed option, off in the table until measured: when the forward grid would have fewer programs than this
+    # (a small-batch decode step: B x Hkv programs), each program takes one query head instead of the group's
+    # (the group's K/V tiles are then read by G programs, through the L2). A row's arithmetic is unchanged (same
+    # tile, same key tiles, same update sequence; rows are independent), so its bits must be too; the sweep checks.
+    split_heads_below: int = 0
+
+    def label(self) -> str:
+        split = f" split<{self.split_heads_below}" if self.split_heads_below else ""
+        return f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}{split}"
+
+
+def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q: int) -> int:
+    """Query heads per forward tile: the whole group (``heads_per_tile``), or one when ``split_heads_below`` asks
+    for more programs."""
+    heads = heads_per_tile(group, configs.fwd.block_m)
+    if configs.split_heads_below and heads > 1:
+        programs = triton.cdiv(seq_q, configs.fwd.block_m // heads) * heads_kv * (group // heads) * batch
+        if programs < configs.split_heads_below:
+            heads = 1
+    return heads
+
+
+# Keyed by backend, then head_dim. The sm_90 entries are the fastest spill-free candidates of the H200 sweep
+# (tools/gpu/attention.sh; CUDA-graph time beside SDPA flash, geometric mean over prefill B1 S4096, prefill B8 S1024,
+# decode at B1 K32768, B8 K8192, B64 K8192, and fwd+bwd B1 S4096; 0 decode-vs-prefill bit mismatches): the forward
+# on 64x64 tiles, 4 warps, 3 stages (twice the programs of 128-row tiles: a decode step is grid-bound); dk/dv on
+# 32x128 (D=128) and 64x64 (D=64) query x key tiles, 3 stages; dq on 128x64, 3 stages. The interpreter entries are
+# small so CPU tests at a few dozen keys cross several key tiles and query tiles.
+CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
+    CUDA_SM90: {
+        64: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(64, 64, 4, 3), dq=AttnConfig(128, 64, 4, 3)),
+        128: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(32, 128, 8, 3), dq=AttnConfig(128, 64, 8, 3)),
+    },
+    TRITON_INTERPRETER: {
+        64: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1)),
+        128: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1)),
+    },
+}
+
+
+def select_configs(backend: str, head_dim: int) -> AttnConfigs:
+    """The pinned tiles for ``head_dim`` on ``backend``: never a function of the sequence lengths or the batch."""
+    if backend not in CONFIG_TABLE:
+        raise ValueError(f"backend {backend!r} is not supported; supported: {tuple(CONFIG_TABLE)}")
+    if head_dim not in CONFIG_TABLE[backend]:
+        raise ValueError(f"head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
+    return CONFIG_TABLE[backend][head_dim]
+
+
+@functools.lru_cache(maxsize=None)
+def heads_per_tile(group: int, block_m: int) -> int:
+    """Query heads of one KV group packed into a tile's rows: the largest divisor of ``group`` <= block_m. A
+    function of the model (group size) and the pinned tile only."""
+    return max(h for h in range(1, min(group, block_m) + 1) if group % h == 0)

@@ -1,0 +1,376 @@
+"""Deterministic, batch-invariant causal attention for Hopper: forward (prefill, chunked prefill, KV-cache
+decode, packed variable-length sequences) and backward (dq, dk, dv), BF16 in, FP32 online softmax, BF16 out.
+
+Math, per query row (a query head h, a query i) with visible keys j:
+    z_j = scale * (q . k_j)        o = sum_j softmax(z)_j v_j        lse = log2 sum_j 2^(z_j log2 e)
+computed as FlashAttention does: key tiles streamed through an FP32 running max m, running sum l and
+accumulator acc, exp2 with scale * log2(e) folded into one multiplier, P rounded to BF16 for the P @ V MMA,
+o = acc / l rounded once to BF16. The backward recomputes P from the saved lse.
+
+Layout (as transformers passes it): q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D], Hq a multiple of Hkv (GQA),
+D in {64, 128}, the last dim contiguous, BF16. Causal, aligned bottom-right: query i sits at key position
+kv_end - Sq + i (kv_end defaults to Skv), so a KV-cache decode (Sq = 1) and a chunked prefill (Sq new queries
+after a cache) are the same call as a prefill. Sequence b sees keys [kv_start[b], kv_end[b]); keys before
+kv_start (left padding) and after the query's own position are not visible. Packed sequences
+(``attention_varlen``) are the same kernels with per-sequence offsets (kv_start 0, kv_end the sequence's
+key count).
+
+GQA: one program owns one KV head and packs the query heads of its group into the M dimension of its tile
+(rows = HEADS heads x BLOCK_M / HEADS query positions), so each K/V tile is loaded once for the whole group
+and a decode step (one query per head) still feeds the tensor cores.
+
+THE INVARIANCE RULE. A query's output depends only on its own q and on K, V of its visible keys, reduced over
+fixed-size key tiles (BLOCK_N keys) in ascending order from the sequence's first valid key (kv_start), with
+the same online-softmax update sequence in every path — whatever q_len, chunk boundaries, batch size,
+batch position or padding. No split-KV. It holds by construction:
+- One kernel and one config per head_dim (BLOCK_M, BLOCK_N, num_warps, num_stages, instruction path) for
+  every call: the config never depends on Sq, Skv, B or padding (``CONFIG_TABLE``, pinned, no autotune).
+- Key tiles start at the sequence's first valid key, so the same logical keys sit in the same lanes of the
+  same tiles whatever the padding; a row's MMA results depend on its own row only.
+- Masking selects -inf into the raw scores (before the shared arithmetic), so a masked tile and a fully
+  visible tile run the same update code on the same values; keys past the sequence's end are loaded as exact
+  zeros. A row whose tile is entirely masked (it shares the program with later queries) sees p = exp2(-inf) = 0
+  and alpha = 1 exactly (selected, not computed), so the extra tile changes none of its bits.
+Backward: no atomics. dk, dv: one program per (sequence, KV head, key tile) loops over the query tiles in
+ascending order and sums the query heads of the group inside each tile's MMA, head chunks in ascending
+order; dq: one program per query tile loops over key tiles in ascending order from kv_start. Every gradient
+is reduced in an order fixed by the shapes.
+
+Sequence bounds that do not make sense (kv_start < 0, kv_start > kv_end, kv_end > Skv) are checked in the
+kernel, without a host sync: that sequence's outputs (and gradients) are NaN and nothing out of bounds is
+read. Varlen cu_seqlens are read on the host and refused with a message.
+
+On the Triton interpreter (CPU) ``tl.dot`` on BF16 is wrong and its FP32 dot is numpy's matmul, whose
+summation order depends on the tile shape, so every dot there adds exact products one at a time in ascending
+order (``det_gemm.mac_step``), and FP32 -> BF16 rounds in integer arithmetic (the interpreter's cast
+truncates). Interpreter bits differ from tensor-core bits; each backend is audited on its own.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from detkit.kernels.attention.names import launch_metadata_of
+from detkit.kernels.det_gemm.kernels import mac_step, to_bf16
+
+LOG2E = 1.4426950408889634
+
+# Triton specialises integer arguments equal to 1 or divisible by 16 and pointers on 16-byte alignment; these
+# would make a decode step (Sq = 1, B = 1; lse's head stride is Sq) run a different binary from a prefill. Not
+# specialising them keeps one binary per (config, head_dim, heads per tile, layout flags) for every q_len, batch,
+# cache length and head count (the other strides are multiples of head_dim).
+_NOT_SPECIALIZED = ["batch", "heads_q", "heads_kv", "seq_q", "seq_k", "stride_lb", "stride_lh", "kv_start_ptr",
+                    "kv_end_ptr"]
+
+@triton.jit
+def _dot(a, b, acc, K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``acc + a @ b`` (a [M, K], b [K, N]): one tl.dot on the GPU; in the interpreter exact products added in
+    ascending k order (det_gemm.mac_step)."""
+    return mac_step(acc, a, b, tl.arange(0, K), K, INTERPRETED)
+
+
+@triton.jit
+def _token(q_begin, qi, VARLEN: tl.constexpr):
+    """Each row's query index in q's token dim: within a sequence (32-bit offsets, checked on the host), or in a
+    packed tensor (64-bit: the packing may exceed 2**31 elements)."""
+    if VARLEN:
+        tok = (q_begin + qi).to(tl.int64)
+    else:
+        tok = q_begin + qi
+    return tok
+
+
+@triton.jit
+def _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k,
+              VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr):
+    """(q_begin, q_len, k_begin, k_first, k_end, bad) of sequence ``b``: its queries are rows q_begin.. of q, its
+    keys rows k_begin.. of k; it sees keys [k_first, k_end) of its own and query i sits at k_end - q_len + i.
+    Padded layout: kv_start_ptr / kv_end_ptr are the int32 [B] bounds (or unused); varlen: they are cu_seqlens_q
+    and cu_seqlens_k (checked on the host). ``bad``: bounds that do not make sense (outputs NaN, no keys read)."""
+    if VARLEN:
+        q_begin = tl.load(kv_start_ptr + b)
+        q_len = tl.load(kv_start_ptr + b + 1) - q_begin
+        k_begin = tl.load(kv_end_ptr + b)
+        k_end = tl.load(kv_end_ptr + b + 1) - k_begin
+        k_first = 0
+        bad = False
+    else:
+        q_begin = 0
+        q_len = seq_q
+        k_begin = 0
+        if HAS_KV_START:
+            k_first = tl.load(kv_start_ptr + b)
+        else:
+            k_first = 0
+        if HAS_KV_END:
+            k_end = tl.load(kv_end_ptr + b)
+        else:
+            k_end = seq_k
+        bad = (k_first < 0) | (k_first > k_end) | (k_end > seq_k)
+        k_first = tl.where(bad, 0, k_first)
+        k_end = tl.where(bad, 0, k_end)
+    return q_begin, q_len, k_begin, k_first, k_end, bad
+
+
+@triton.jit(launch_metadata=launch_metadata_of("fwd", 4), do_not_specialize=_NOT_SPECIALIZED)
+def attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    kv_start_ptr, kv_end_ptr,  # int32 [B] (padded) or cu_seqlens_q / cu_seqlens_k (varlen)
+    stride_qb, stride_qh, stride_qs,  # q [B, Hq, Sq, D] (varlen: [Tq, Hq, D], stride_qb unused)
+    stride_kb, stride_kh, stride_ks,  # k [B, Hkv, Skv, D]
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,  # lse [B, Hq, Sq] fp32 (varlen: [Hq, Tq])
+    batch, heads_q, heads_kv, seq_q, seq_k,  # varlen: seq_q / seq_k are max_seqlen_q / max_seqlen_k
+    qk_scale,  # scale * log2(e)
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    BQ: tl.constexpr = BLOCK_M // HEADS  # query positions per tile
+    # Grid (heads, query tiles, sequences), heads fastest: the latest (longest) query tiles of every head start
+    # first, so the short ones fill the tail of the causal triangle.
+    b = tl.program_id(2)
+    pid_h = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    group = heads_q // heads_kv
+    chunks = group // HEADS
+    kv_head = pid_h // chunks
+    head0 = kv_head * group + (pid_h % chunks) * HEADS
+    q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k,
+                                                             VARLEN, HAS_KV_START, HAS_KV_END)
+    q_lo = pid_m * BQ
+    if q_lo >= q_len:
+        return
+
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_loc = offs_r // BQ
+    qi = q_lo + offs_r % BQ
+    row_ok = (h_loc < HEADS) & (qi < q_len)
+    head = head0 + h_loc
+    pos = k_end - q_len + qi  # each row's own key position
+    b64 = b.to(tl.int64)
+    tok = _token(q_begin, qi, VARLEN)
+    q_rows = q_ptr + b64 * stride_qb + head * stride_qh + tok * stride_qs
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    k_base = k_ptr + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_begin.to(tl.int64) * stride_ks
+    v_base = v_ptr + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_begin.to(tl.int64) * stride_vs
+
+    # Key tiles [k_first + t * BLOCK_N, ...): tiles 0..n_full-1 are visible to every row of this tile in full,
+    # tiles n_full..n_tiles-1 reach the diagonal (or the sequence's end) and are masked.
+    last_q = tl.minimum(q_lo + BQ, q_len) - 1
+    n_tiles = tl.cdiv(tl.maximum(k_end - q_len + last_q + 1 - k_first, 0), BLOCK_N)
+    n_full = tl.maximum(k_end - q_len + q_lo + 1 - k_first, 0) // BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for t in range(0, n_tiles):
+        kj = k_first + t * BLOCK_N + offs_n  # key index within the sequence
+        key_ok = kj < k_end
+        # [BLOCK_N, HEAD_DIM]
+        k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), HEAD_DIM, INTERPRETED)
+        if t >= n_full:
+            visible = (kj[None, :] <= pos[:, None]) & key_ok[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+        # The shared update: the same code for every tile, masked or not.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk * qk_scale - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_ref))
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = _dot(to_bf16(p, INTERPRETED), v, acc, BLOCK_N, INTERPRETED)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that see no key: 0
+    out = tl.where(bad, float("nan"), out)
+    # lse in log2 units; +inf for rows that see no key, so the backward's exp2(s - lse) is 0 there.
+    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    lse = tl.where(bad, float("nan"), lse)
+    o_rows = o_ptr + b64 * stride_ob + head * stride_oh + tok * stride_os
+    tl.store(o_rows[:, None] + offs_d[None, :], to_bf16(out, INTERPRETED), mask=row_ok[:, None])
+    tl.store(lse_ptr + b64 * stride_lb + head * stride_lh + q_begin + qi, lse, mask=row_ok)
+
+
+@triton.jit
+def attention_bwd_delta_kernel(
+    o_ptr, do_ptr, delta_ptr,
+    stride_ob, stride_oh, stride_os,
+    stride_db, stride_dh, stride_ds,
+    stride_lb, stride_lh,
+    rows,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """delta = rowsum(o * do) in FP32 (o the BF16 forward output), one row per (sequence, query head, query)."""
+    b = tl.program_id(2).to(tl.int64)
+    h = tl.program_id(1)
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)  # rows may be a packed tensor's tokens
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs < rows
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs[:, None] * stride_os + offs_d[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + b * stride_db + h * stride_dh + offs[:, None] * stride_ds + offs_d[None, :],
+                 mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(delta_ptr + b * stride_lb + h * stride_lh + offs, tl.sum(o * do, 1), mask=ok)
+
+
+@triton.jit(launch_metadata=launch_metadata_of("bwd_dkdv", 8), do_not_specialize=_NOT_SPECIALIZED)
+def attention_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    kv_start_ptr, kv_end_ptr,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_db, stride_dh, stride_ds,  # do, laid out as q
+    stride_lb, stride_lh,  # lse and delta
+    stride_dkb, stride_dkh, stride_dks,  # dk and dv [B, Hkv, Skv, D]
+    batch, heads_q, heads_kv, seq_q, seq_k,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """dk and dv of BLOCK_N keys of one KV head: query tiles in ascending order, the group's query heads summed
+    inside each tile's MMA (head chunks in ascending order); no atomics."""
+    BQ: tl.constexpr = BLOCK_M // HEADS
+    b = tl.program_id(2)
+    kv_head = tl.program_id(0)  # grid (KV heads, key tiles, sequences): the first key tiles (most queries) first
+    pid_n = tl.program_id(1)
+    group = heads_q // heads_kv
+    chunks = group // HEADS
+    q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k,
+                                                             VARLEN, HAS_KV_START, HAS_KV_END)
+    n_lo = k_first + pid_n * BLOCK_N
+    if n_lo >= k_end:
+        return
+
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kj = n_lo + tl.arange(0, BLOCK_N)
+    key_ok = kj < k_end
+    b64 = b.to(tl.int64)
+    k_base = k_ptr + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_begin.to(tl.int64) * stride_ks
+    v_base = v_ptr + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_begin.to(tl.int64) * stride_vs
+    # [BLOCK_N, HEAD_DIM], resident for the whole program
+    k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+
+    shift = k_end - q_len  # query i sits at key position shift + i
+    # Query tiles before t_first see none of these keys; from full_from on, every row sees all of them.
+    t_first = tl.maximum(n_lo - shift, 0) // BQ
+    full_from = tl.cdiv(tl.maximum(n_lo + BLOCK_N - 1 - shift, 0), BQ)
+    n_qt = tl.cdiv(q_len, BQ)
+    h_loc = offs_r // BQ
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    for c in range(0, chunks):
+        head = kv_head * group + c * HEADS + h_loc
+        for t in range(t_first, n_qt):
+            qi = t * BQ + offs_r % BQ
+            row_ok = (h_loc < HEADS) & (qi < q_len)
+            tok = _token(q_begin, qi, VARLEN)
+            q_off = b64 * stride_qb + head * stride_qh + tok * stride_qs
+            do_off = b64 * stride_db + head * stride_dh + tok * stride_ds
+            l_off = b64 * stride_lb + head * stride_lh + q_begin + qi
+            # [BLOCK_M, HEAD_DIM]
+            q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptr + do_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            lse = tl.load(lse_ptr + l_off, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_ptr + l_off, mask=row_ok, other=0.0)
+            qk_t = _dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), HEAD_DIM, INTERPRETED)
+            p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])  # [BLOCK_N, BLOCK_M]
+            if t < full_from:
+                visible = (kj[:, None] <= (shift + qi)[None, :]) & key_ok[:, None]
+                p_t = tl.where(visible, p_t, 0.0)
+            dv = _dot(to_bf16(p_t, INTERPRETED), do, dv, BLOCK_M, INTERPRETED)
+            dp_t = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), HEAD_DIM, INTERPRETED)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = _dot(to_bf16(ds_t, INTERPRETED), q, dk, BLOCK_M, INTERPRETED)
+    dk = dk * scale
+    dk = tl.where(bad, float("nan"), dk)
+    dv = tl.where(bad, float("nan"), dv)
+    out = b64 * stride_dkb + kv_head.to(tl.int64) * stride_dkh + k_begin.to(tl.int64) * stride_dks
+    offs = kj[:, None] * stride_dks + offs_d[None, :]
+    tl.store(dk_ptr + out + offs, to_bf16(dk, INTERPRETED), mask=key_ok[:, None])
+    tl.store(dv_ptr + out + offs, to_bf16(dv, INTERPRETED), mask=key_ok[:, None])
+
+
+@triton.jit(launch_metadata=launch_metadata_of("bwd_dq", 6), do_not_specialize=_NOT_SPECIALIZED)
+def attention_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    kv_start_ptr, kv_end_ptr,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_db, stride_dh, stride_ds,
+    stride_lb, stride_lh,
+    stride_dqb, stride_dqh, stride_dqs,
+    batch, heads_q, heads_kv, seq_q, seq_k,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """dq of one query tile (HEADS heads x BLOCK_M / HEADS queries): key tiles in ascending order from kv_start."""
+    BQ: tl.constexpr = BLOCK_M // HEADS
+    b = tl.program_id(2)
+    pid_h = tl.program_id(0)  # grid (heads, query tiles, sequences) as the forward's
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    group = heads_q // heads_kv
+    chunks = group // HEADS
+    kv_head = pid_h // chunks
+    head0 = kv_head * group + (pid_h % chunks) * HEADS
+    q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k,
+                                                             VARLEN, HAS_KV_START, HAS_KV_END)
+    q_lo = pid_m * BQ
+    if q_lo >= q_len:
+        return
+
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_loc = offs_r // BQ
+    qi = q_lo + offs_r % BQ
+    row_ok = (h_loc < HEADS) & (qi < q_len)
+    head = head0 + h_loc
+    pos = k_end - q_len + qi
+    b64 = b.to(tl.int64)
+    tok = _token(q_begin, qi, VARLEN)
+    q_off = b64 * stride_qb + head * stride_qh + tok * stride_qs
+    do_off = b64 * stride_db + head * stride_dh + tok * stride_ds
+    l_off = b64 * stride_lb + head * stride_lh + q_begin + qi
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    do = tl.load(do_ptr + do_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(lse_ptr + l_off, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + l_off, mask=row_ok, other=0.0)
+    k_base = k_ptr + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_begin.to(tl.int64) * stride_ks
+    v_base = v_ptr + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_begin.to(tl.int64) * stride_vs
+
+    last_q = tl.minimum(q_lo + BQ, q_len) - 1
+    n_tiles = tl.cdiv(tl.maximum(k_end - q_len + last_q + 1 - k_first, 0), BLOCK_N)
+    n_full = tl.maximum(k_end - q_len + q_lo + 1 - k_first, 0) // BLOCK_N
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for t in range(0, n_tiles):
+        kj = k_first + t * BLOCK_N + offs_n
+        key_ok = kj < k_end
+        # [BLOCK_N, HEAD_DIM]
+        k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), HEAD_DIM, INTERPRETED)
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])  # [BLOCK_M, BLOCK_N]
+        if t >= n_full:
+            visible = (kj[None, :] <= pos[:, None]) & key_ok[None, :]
+            p = tl.where(visible, p, 0.0)
+        dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), HEAD_DIM, INTERPRETED)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(to_bf16(ds, INTERPRETED), k, dq, BLOCK_N, INTERPRETED)
+    dq = dq * scale
+    dq = tl.where(bad, float("nan"), dq)
+    dq_rows = dq_ptr + b64 * stride_dqb + head * stride_dqh + tok * stride_dqs
+    tl.store(dq_rows[:, None] + offs_d[None, :], to_bf16(dq, INTERPRETED), mask=row_ok[:, None])
+

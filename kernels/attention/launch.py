@@ -1,0 +1,303 @@
+"""Attention launch wrappers (check, allocate, launch) and the autograd function: ``attention`` for padded batches
+(prefill, chunked prefill, KV-cache decode) and ``attention_varlen`` for packed sequences. The kernels, their math
+and the invariance rule are in kernels.py; the tiles in configs.py."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from detkit.kernels.attention.configs import HEAD_DIMS, AttnConfigs, fwd_heads, heads_per_tile, select_configs
+from detkit.kernels.attention.kernels import (
+    LOG2E, attention_bwd_delta_kernel, attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_fwd_kernel,
+)
+from detkit.kernels.attention.names import case_name
+from detkit.kernels.backend import CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, ensure_cuda_context, resolve_backend
+
+@dataclass(frozen=True)
+class Sequences:
+    """How the rows of q and k form sequences. Padded: q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D] and per-sequence
+    bounds kv_start / kv_end (int32 [B] or None). Varlen: q [Tq, Hq, D], k/v [Tk, Hkv, D] and cu_seqlens."""
+    varlen: bool
+    batch: int
+    seq_q: int  # Sq, or max_seqlen_q
+    seq_k: int  # Skv, or max_seqlen_k
+    bound0: torch.Tensor | None  # kv_start, or cu_seqlens_q
+    bound1: torch.Tensor | None  # kv_end, or cu_seqlens_k
+
+    @property
+    def padding(self) -> bool:
+        """Keys outside every sequence's [kv_start, kv_end) may exist (their gradients must be zero-filled)."""
+        return not self.varlen and (self.bound0 is not None or self.bound1 is not None)
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """What ran: the backend, the tiles and the launch's name."""
+    backend: str
+    configs: AttnConfigs
+    name: str
+
+
+def _scale_of(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale {scale!r} is not supported; supported: a finite float > 0, or None (1/sqrt(head_dim))")
+    return float(scale)
+
+
+def _check_tensor(name: str, t, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: torch.bfloat16")
+    shape, strides = tuple(t.shape), t.stride()  # read once: this runs on every decode step's host path
+    if len(shape) != dim:
+        raise ValueError(f"{name} must be {dim}-D; got shape {shape}")
+    if 0 in shape:
+        raise ValueError(f"{name} has an empty dimension (shape {shape}); supported: every dim >= 1")
+    if strides[-1] != 1:
+        raise ValueError(f"{name} has stride {strides[-1]} on its head dim (shape {shape}, strides {strides}); "
+                         "supported: a contiguous head dim (stride 1)")
+    if min(strides) < 0:
+        raise ValueError(f"{name} has negative strides {strides}; supported: non-negative strides")
+    # The kernels offset whole sequences in 64 bits and index within one in 32 bits.
+    furthest = sum((size - 1) * stride for size, stride in zip(shape[1:], strides[1:]))
+    if furthest > MAX_INT32_OFFSET:
+        raise ValueError(f"{name} (shape {shape}, strides {strides}) spans element offset {furthest} within one "
+                         "sequence; supported: below 2**31 (32-bit indexing within a sequence)")
+
+
+def _check_bounds_tensor(name: str, t, batch: int, device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None; got {type(t).__name__}")
+    if t.dtype != torch.int32 or tuple(t.shape) != (batch,) or t.device != device:
+        raise ValueError(f"{name} must be an int32 tensor of shape ({batch},) on {device}; got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous; got strides {t.stride()}")
+
+
+def check_padded(q, k, v, kv_start=None, kv_end=None) -> tuple[int, int, int, int, int, int]:
+    """Refuse what the padded layout does not support; returns (B, Hq, Hkv, Sq, Skv, D)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 4)
+    batch, heads_q, seq_q, head_dim = q.shape
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape [B, Hkv, Skv, D]")
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)}: need k [B, Hkv, Skv, D] with q's "
+                         "B and D")
+    heads_kv, seq_k = k.shape[1], k.shape[2]
+    if heads_q % heads_kv:
+        raise ValueError(f"query heads {heads_q} are not a multiple of key/value heads {heads_kv} (GQA needs "
+                         "Hq % Hkv == 0)")
+    if len({q.device, k.device, v.device}) != 1:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    _check_bounds_tensor("kv_start", kv_start, batch, q.device)
+    _check_bounds_tensor("kv_end", kv_end, batch, q.device)
+    return batch, heads_q, heads_kv, seq_q, seq_k, head_dim
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple[int, int, int, int]:
+    """Refuse what the packed layout does not support; reads cu_seqlens on the host (one sync). Returns
+    (n sequences, Hq, Hkv, D)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 3)
+    total_q, heads_q, head_dim = q.shape
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
+    if k.shape != v.shape or k.shape[2] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [Tk, Hkv, D] with q's D {head_dim}")
+    total_k, heads_kv = k.shape[0], k.shape[1]
+    if heads_q % heads_kv:
+        raise ValueError(f"query heads {heads_q} are not a multiple of key/value heads {heads_kv} (GQA needs "
+                         "Hq % Hkv == 0)")
+    if len({q.device, k.device, v.device}) != 1:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    lens = {}
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(cu).__name__}")
+        if (cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2 or cu.device != q.device
+                or not cu.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous int32 tensor [n + 1] (n >= 1) on {q.device}; got "
+                             f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
+        values = cu.tolist()
+        steps = [b - a for a, b in zip(values, values[1:])]
+        if values[0] != 0 or min(steps) < 0 or values[-1] != total:
+            raise ValueError(f"{name} must start at 0, never decrease and end at the packed length {total}; got "
+                             f"{values[:8]}{'...' if len(values) > 8 else ''}")
+        lens[name] = steps
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q ({cu_seqlens_q.numel()}) and cu_seqlens_k ({cu_seqlens_k.numel()}) must "
+                         "describe the same number of sequences")
+    for name, value, need in (("max_seqlen_q", max_seqlen_q, max(lens["cu_seqlens_q"])),
+                              ("max_seqlen_k", max_seqlen_k, max(lens["cu_seqlens_k"]))):
+        if isinstance(value, bool) or not isinstance(value, int) or value < max(need, 1):
+            raise ValueError(f"{name} {value!r} is not supported; supported: an int >= the longest sequence "
+                             f"({need}) and >= 1")
+    return cu_seqlens_q.numel() - 1, heads_q, heads_kv, head_dim
+
+
+def _strides3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, sequence) strides of a [B, H, S, D] tensor, or (0, head, token) of a [T, H, D] one."""
+    if varlen:
+        return 0, t.stride(1), t.stride(0)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _lse_strides(seqs: Sequences, heads_q: int, rows: int) -> tuple[int, int]:
+    return (0, rows) if seqs.varlen else (heads_q * rows, rows)
+
+
+def _flags(seqs: Sequences, interpreted: bool) -> dict:
+    return {"VARLEN": seqs.varlen, "HAS_KV_START": seqs.bound0 is not None and not seqs.varlen,
+            "HAS_KV_END": seqs.bound1 is not None and not seqs.varlen, "INTERPRETED": interpreted}
+
+
+def _bound_args(seqs: Sequences, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dummy = q  # never read: HAS_KV_START / HAS_KV_END are off
+    return (seqs.bound0 if seqs.bound0 is not None else dummy, seqs.bound1 if seqs.bound1 is not None else dummy)
+
+
+def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Sequences, scale: float,
+                         configs: AttnConfigs | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionLaunch]:
+    """Run the forward on checked inputs: (o, lse, launch). o has q's logical shape, stored [B, Sq, Hq, D] (or
+    [Tq, Hq, D]) so transformers' [B, Sq, Hq, D] output is a free transpose; lse [B, Hq, Sq] (or [Hq, Tq]) FP32."""
+    backend = resolve_backend(attention_fwd_kernel, {"q": q, "k": k, "v": v})
+    configs = configs or select_configs(backend, q.shape[-1])
+    cfg = configs.fwd
+    interpreted = backend == TRITON_INTERPRETER
+    head_dim = q.shape[-1]
+    heads_q, heads_kv = q.shape[1], k.shape[1]  # [B, H, S, D] and [T, H, D] alike
+    group = heads_q // heads_kv
+    heads = fwd_heads(configs, group, heads_kv, seqs.batch, seqs.seq_q)
+    if seqs.varlen:
+        rows = q.shape[0]
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((heads_q, rows), dtype=torch.float32, device=q.device)
+    else:
+        rows = q.shape[2]
+        o = torch.empty((seqs.batch, rows, heads_q, head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)
+        lse = torch.empty((seqs.batch, heads_q, rows), dtype=torch.float32, device=q.device)
+    if not interpreted:
+        ensure_cuda_context(q.device)
+    grid = (heads_kv * (group // heads), triton.cdiv(seqs.seq_q, cfg.block_m // heads), seqs.batch)
+    attention_fwd_kernel[grid](
+        q, k, v, o, lse, *_bound_args(seqs, q),
+        *_strides3(q, seqs.varlen), *_strides3(k, seqs.varlen), *_strides3(v, seqs.varlen), *_strides3(o, seqs.varlen),
+        *_lse_strides(seqs, heads_q, rows),
+        seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k,
+        scale * LOG2E,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **_flags(seqs, interpreted),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    name = case_name("fwd", seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, head_dim)
+    return o, lse, AttentionLaunch(backend, configs, name)
+
+
+DELTA_BLOCK = 64
+
+
+def attention_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                         lse: torch.Tensor, seqs: Sequences, scale: float, configs: AttnConfigs | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) for the saved forward (o, lse). Keys outside every sequence's window get exact zeros."""
+    backend = resolve_backend(attention_fwd_kernel, {"q": q, "k": k, "v": v, "do": do})
+    configs = configs or select_configs(backend, q.shape[-1])
+    interpreted = backend == TRITON_INTERPRETER
+    if do.stride(-1) != 1:  # autograd may hand an expanded gradient (e.g. of a sum): the kernels index D densely
+        do = do.contiguous()
+    head_dim = q.shape[-1]
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    group = heads_q // heads_kv
+    rows = q.shape[0] if seqs.varlen else q.shape[2]
+    batch = 1 if seqs.varlen else seqs.batch
+    if not interpreted:
+        ensure_cuda_context(q.device)
+    delta = torch.empty_like(lse)
+    attention_bwd_delta_kernel[(triton.cdiv(rows, DELTA_BLOCK), heads_q, batch)](
+        o, do, delta, *_strides3(o, seqs.varlen), *_strides3(do, seqs.varlen), *_lse_strides(seqs, heads_q, rows),
+        rows, HEAD_DIM=head_dim, BLOCK=DELTA_BLOCK,
+    )
+    dq = torch.empty_like(q)
+    alloc = torch.zeros_like if seqs.padding else torch.empty_like
+    dk = alloc(k)
+    dv = alloc(dk)  # dk's strides: the kernel stores both through one set
+    flags = _flags(seqs, interpreted)
+    common = (*_strides3(q, seqs.varlen), *_strides3(k, seqs.varlen), *_strides3(v, seqs.varlen),
+              *_strides3(do, seqs.varlen), *_lse_strides(seqs, heads_q, rows))
+    sizes = (seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, scale * LOG2E, scale)
+    cfg = configs.dkdv
+    heads = heads_per_tile(group, cfg.block_m)
+    attention_bwd_dkdv_kernel[(heads_kv, triton.cdiv(seqs.seq_k, cfg.block_n), seqs.batch)](
+        q, k, v, do, lse, delta, dk, dv, *_bound_args(seqs, q), *common, *_strides3(dk, seqs.varlen), *sizes,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    cfg = configs.dq
+    heads = heads_per_tile(group, cfg.block_m)
+    attention_bwd_dq_kernel[(heads_kv * (group // heads), triton.cdiv(seqs.seq_q, cfg.block_m // heads), seqs.batch)](
+        q, k, v, do, lse, delta, dq, *_bound_args(seqs, q), *common, *_strides3(dq, seqs.varlen), *sizes,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dq, dk, dv
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None):
+        o, lse, _ = attention_fwd_launch(q, k, v, seqs, scale, configs)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.seqs, ctx.scale, ctx.configs = seqs, scale, configs
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_bwd_launch(do, q, k, v, o, lse, ctx.seqs, ctx.scale, ctx.configs)
+        return dq, dk, dv, None, None, None
+
+
+def _run(q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None) -> torch.Tensor:
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _AttentionFunction.apply(q, k, v, seqs, scale, configs)
+    return attention_fwd_launch(q, k, v, seqs, scale, configs)[0]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+              kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None,
+              configs: AttnConfigs | None = None) -> torch.Tensor:
+    """Causal GQA attention: q [B, Hq, Sq, D], k, v [B, Hkv, Skv, D] (BF16, head dim contiguous) -> [B, Hq, Sq, D]
+    (stored [B, Sq, Hq, D]). Query i sits at key position kv_end - Sq + i (kv_end = Skv when None) and sees keys
+    kv_start..its own position (kv_start int32 [B], the first valid key: left padding; None = 0). ``kv_end``
+    (int32 [B], one past each sequence's last key: a static cache's filled length) is an extension; queries of
+    padded positions give finite values nobody should read. Autograd gives dq, dk, dv (no atomics). ``configs``:
+    tiles other than the pinned table's (tests and sweeps)."""
+    batch, _, _, seq_q, seq_k, head_dim = check_padded(q, k, v, kv_start, kv_end)
+    seqs = Sequences(False, batch, seq_q, seq_k, kv_start, kv_end)
+    return _run(q, k, v, seqs, _scale_of(scale, head_dim), configs)
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, scale: float | None = None,
+                     configs: AttnConfigs | None = None) -> torch.Tensor:
+    """Packed sequences: q [Tq, Hq, D], k, v [Tk, Hkv, D]; sequence n is rows cu_seqlens_q[n]..cu_seqlens_q[n+1] of
+    q and cu_seqlens_k[n]..cu_seqlens_k[n+1] of k, its queries the last of its keys (causal, bottom-right). The
+    same bits per token as the padded layout. cu_seqlens are read on the host (checked; one sync)."""
+    n, _, _, head_dim = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seqs = Sequences(True, n, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k)
+    return _run(q, k, v, seqs, _scale_of(scale, head_dim), configs)
+
+
+SUPPORTED_BACKENDS = (CUDA_SM90, TRITON_INTERPRETER)

@@ -1,0 +1,242 @@
+"""Pure-torch references for kernels/attention/launch.py and its numerical contract against an FP64 oracle.
+
+``attention_ref`` computes what the kernels compute, in plain torch: FP32 scores and softmax from the same BF16
+inputs, one BF16 rounding of the output (the reference tests and audits compare to). ``attention_oracle`` is the
+same math in FP64 with the exact gradients; ``attention_fwd_bound`` and ``attention_bwd_bound`` give the
+per-element bounds derived in docs/attention.md: every element of the kernels' o, dq, dk, dv lies within them of
+the FP64 oracle. Shapes and semantics as ``attention``: q [B, Hq, Sq, D], k, v [B, Hkv, Skv, D], causal with query
+i at key position kv_end - Sq + i, keys [kv_start, kv_end) visible. Dense [B, Hq, Sq, Skv] intermediates: for
+test and audit shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Unit roundoffs and the approximate-instruction errors the bound allows (docs/attention.md).
+U_BF16 = 2.0**-8
+U_FP32 = 2.0**-23  # a full FP32 ulp: tensor-core adds may truncate
+U_FP64 = 2.0**-53
+ETA_BF16 = 2.0**-134  # half the spacing of BF16 subnormals
+E_EXP2 = 2.0**-21  # relative error of ex2.approx.f32 (with margin)
+E_LOG2 = 2.0**-21  # absolute error of lg2.approx.f32 per unit of |log2 x| + 1 (with margin)
+E_DIV = 2.0**-22  # relative error of FP32 division (div.full.f32: 2 ulp)
+FLUSH = 2.0**-125  # what flushing a subnormal FP32 weight to zero can lose, per term
+
+
+def gamma(n: int, unit: float = U_FP32) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative error bound of an n-term recursive sum."""
+    if n < 0 or n * unit >= 1.0:
+        raise ValueError(f"gamma({n}) is undefined for unit {unit}")
+    return n * unit / (1.0 - n * unit)
+
+
+def visibility(batch: int, seq_q: int, seq_k: int, kv_start: torch.Tensor | None, kv_end: torch.Tensor | None,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(visible [B, 1, Sq, Skv] bool, bad [B] bool): query i of sequence b sees keys kv_start[b] <= j <= kv_end[b] -
+    Sq + i; ``bad`` marks bounds the kernels refuse in-band (NaN outputs)."""
+    start = torch.zeros(batch, dtype=torch.int64, device=device) if kv_start is None else kv_start.to(device).long()
+    end = torch.full((batch,), seq_k, dtype=torch.int64, device=device) if kv_end is None else kv_end.to(device).long()
+    bad = (start < 0) | (start > end) | (end > seq_k)
+    j = torch.arange(seq_k, device=device)
+    pos = end[:, None] - seq_q + torch.arange(seq_q, device=device)[None, :]  # [B, Sq]
+    visible = (j >= start[:, None, None]) & (j <= pos[:, :, None]) & (j < end[:, None, None])
+    return visible[:, None], bad
+
+
+def _expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
+    return t.repeat_interleave(heads_q // t.shape[1], dim=1)
+
+
+def _softmax_weights(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """softmax over the visible keys; rows with none give all-zero weights (and a finite gradient)."""
+    any_visible = visible.any(-1, keepdim=True)
+    masked = scores.masked_fill(~visible, float("-inf"))
+    masked = torch.where(any_visible, masked, torch.zeros_like(masked))
+    return torch.where(visible, torch.softmax(masked, dim=-1), torch.zeros_like(masked))
+
+
+def _scale(scale, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def attention_math(q, k, v, scale, kv_start, kv_end, dtype: torch.dtype) -> torch.Tensor:
+    """Unrounded attention in ``dtype`` (float32 or float64): [B, Hq, Sq, D]; NaN rows for bad bounds."""
+    batch, heads_q, seq_q, head_dim = q.shape
+    visible, bad = visibility(batch, seq_q, k.shape[2], kv_start, kv_end, q.device)
+    qd, kd, vd = q.to(dtype), _expand_kv(k.to(dtype), heads_q), _expand_kv(v.to(dtype), heads_q)
+    w = _softmax_weights((qd @ kd.transpose(-1, -2)) * _scale(scale, head_dim), visible)
+    out = w @ vd
+    return torch.where(bad[:, None, None, None], torch.full_like(out, float("nan")), out)
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                  kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None) -> torch.Tensor:
+    """``attention`` in pure torch: FP32 scores and softmax, one BF16 rounding. [B, Hq, Sq, D]."""
+    return attention_math(q, k, v, scale, kv_start, kv_end, torch.float32).to(torch.bfloat16)
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                         scale: float | None = None) -> torch.Tensor:
+    """``attention_varlen`` in pure torch, one sequence at a time: [Tq, Hq, D] BF16."""
+    out = torch.empty_like(q)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for n in range(len(cq) - 1):
+        qs = q[cq[n]:cq[n + 1]].transpose(0, 1)[None]
+        ks, vs = (t[ck[n]:ck[n + 1]].transpose(0, 1)[None] for t in (k, v))
+        if qs.shape[2] == 0:
+            continue
+        if ks.shape[2] == 0:
+            out[cq[n]:cq[n + 1]] = 0
+            continue
+        out[cq[n]:cq[n + 1]] = attention_ref(qs, ks, vs, scale=scale)[0].transpose(0, 1)
+    return out
+
+
+def attention_oracle(q, k, v, *, scale=None, kv_start=None, kv_end=None, do=None) -> dict[str, torch.Tensor]:
+    """FP64 from the same BF16 inputs: ``o`` [B, Hq, Sq, D], and with ``do`` the exact ``dq``, ``dk``, ``dv``
+    (the gradients of sum(o * do)), plus the intermediates the bounds use."""
+    batch, heads_q, seq_q, head_dim = q.shape
+    heads_kv, seq_k = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    s = _scale(scale, head_dim)
+    visible, _ = visibility(batch, seq_q, seq_k, kv_start, kv_end, q.device)
+    q64, k64, v64 = q.double(), _expand_kv(k.double(), heads_q), _expand_kv(v.double(), heads_q)
+    z = (q64 @ k64.transpose(-1, -2)) * s  # exact logits (to FP64 rounding)
+    w = _softmax_weights(z, visible)
+    out = {"o": w @ v64, "w": w, "z": z, "visible": visible.expand_as(w)}
+    if do is not None:
+        do64 = do.double()
+        d = do64 @ v64.transpose(-1, -2) - (do64 * out["o"]).sum(-1, keepdim=True)  # dP* - delta*
+        ds = w * d
+        per_kv = (batch, heads_kv, group * seq_q)
+        out.update(
+            d=d, ds=ds,
+            dq=s * (ds @ k64),
+            dk=s * (ds.transpose(-1, -2).reshape(batch, heads_kv, group, seq_k, seq_q).transpose(2, 3)
+                    .reshape(batch, heads_kv, seq_k, group * seq_q) @ q64.reshape(*per_kv, head_dim)),
+            dv=(w.transpose(-1, -2).reshape(batch, heads_kv, group, seq_k, seq_q).transpose(2, 3)
+                .reshape(batch, heads_kv, seq_k, group * seq_q) @ do64.reshape(*per_kv, head_dim)),
+        )
+    return out
+
+
+def _row_terms(q, k, oracle: dict, scale: float, block_n: int) -> dict[str, torch.Tensor]:
+    """Per-row quantities of the bound: visible count n, key tiles T, max |q|.|k| (A_max), logit range R."""
+    heads_q = q.shape[1]
+    vis = oracle["visible"]
+    a = q.double().abs() @ _expand_kv(k.double().abs(), heads_q).transpose(-1, -2)
+    a_max = torch.where(vis, a, torch.zeros_like(a)).amax(-1, keepdim=True)
+    z = oracle["z"]
+    z_hi = torch.where(vis, z, torch.full_like(z, float("-inf"))).amax(-1, keepdim=True)
+    z_lo = torch.where(vis, z, torch.full_like(z, float("inf"))).amin(-1, keepdim=True)
+    n = vis.sum(-1, keepdim=True).double()
+    any_visible = n > 0
+    return {"n": n, "tiles": torch.ceil(n / block_n), "a_max": a_max, "any": any_visible,
+            "range": torch.where(any_visible, z_hi - z_lo, torch.zeros_like(n)),
+            "z_abs": torch.where(any_visible, torch.maximum(z_hi.abs(), z_lo.abs()), torch.zeros_like(n))}
+
+
+def _gamma_t(n: torch.Tensor, unit: float = U_FP32) -> torch.Tensor:
+    return n * unit / (1.0 - n * unit)
+
+
+def _forward_terms(q, k, v, oracle: dict, scale: float, block_n: int) -> dict[str, torch.Tensor]:
+    """The forward's error terms (docs/attention.md): per-term weight errors eta (acc) and eta' (l), and the
+    bound of |o - o*| before and after the BF16 rounding."""
+    head_dim = q.shape[-1]
+    rows = _row_terms(q, k, oracle, scale, block_n)
+    u, sa = U_FP32, scale * rows["a_max"]
+    kappa = (1 + gamma(head_dim)) * (1 + u) ** 2 - 1
+    e_exp = kappa * sa + 2 * u * (rows["range"] + 2 * kappa * sa)
+    t = rows["tiles"]
+    eta_l = torch.exp(e_exp) * (1 + E_EXP2) ** (t + 1) * (1 + u) ** t - 1
+    eta_acc = (1 + eta_l) * (1 + U_BF16) - 1
+    g = _gamma_t(rows["n"] + t)
+    rho, rho_l = (1 + eta_acc) * (1 + g) - 1, (1 + eta_l) * (1 + g) - 1
+    o_star = oracle["o"]
+    w = oracle["w"]
+    v_abs = _expand_kv(v.double().abs(), q.shape[1])
+    a_sum = w @ v_abs  # sum_j w_j |v_jd|
+    delta = (rho * a_sum + rho_l * o_star.abs()) / (1 - rho_l)
+    delta = delta + E_DIV * (o_star.abs() + delta)
+    flush = (rows["n"] + t) * FLUSH * (v_abs.amax(-2, keepdim=True) + o_star.abs())
+    oracle_err = _gamma_t(2 * rows["n"] + head_dim + 8, U_FP64) * (1 + sa + rows["range"]) * (a_sum + o_star.abs())
+    bound = U_BF16 * o_star.abs() + (1 + U_BF16) * (delta + flush) + ETA_BF16 + oracle_err
+    return {**rows, "eta_l": eta_l, "rho_l": rho_l, "e_exp": e_exp, "bound": torch.where(rows["any"], bound, ETA_BF16)}
+
+
+def attention_fwd_bound(q, k, v, *, scale=None, kv_start=None, kv_end=None, block_n: int = 16
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o*, bound), both FP64 [B, Hq, Sq, D]: every element of the kernels' o must satisfy |o - o*| <= bound.
+    ``block_n``: the forward's key tile (fewer keys per tile means more rescales; 16 is the most conservative)."""
+    s = _scale(scale, q.shape[-1])
+    oracle = attention_oracle(q, k, v, scale=s, kv_start=kv_start, kv_end=kv_end)
+    return oracle["o"], _forward_terms(q, k, v, oracle, s, block_n)["bound"]
+
+
+def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, block_n: int = 16,
+                        block_m: int = 16) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{"dq": (dq*, bound), "dk": ..., "dv": ...} in FP64: the exact gradients of sum(o * do) and the per-element
+    bounds the kernels' gradients must satisfy (docs/attention.md). ``block_n`` / ``block_m``: the smallest key and
+    query tiles of the backward (more tiles means more accumulations; 16 is the most conservative)."""
+    batch, heads_q, seq_q, head_dim = q.shape
+    heads_kv, seq_k = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    s = _scale(scale, head_dim)
+    oracle = attention_oracle(q, k, v, scale=s, kv_start=kv_start, kv_end=kv_end, do=do)
+    fwd = _forward_terms(q, k, v, oracle, s, block_n)
+    u, ub = U_FP32, U_BF16
+    sa = s * fwd["a_max"]
+    w, vis = oracle["w"], oracle["visible"]
+    # Recomputed P = exp2(s c - lse): the logit's error, lse's (its terms' errors, l's, lg2's, the add), the
+    # subtraction's and exp2's.
+    lse_nat = torch.where(fwd["any"], torch.logsumexp(oracle["z"].masked_fill(~vis, float("-inf")), -1, keepdim=True),
+                          torch.zeros_like(fwd["n"]))
+    e_p = (2 * fwd["e_exp"] + fwd["rho_l"] + math.log(2) * E_LOG2 * (1 + torch.log2(fwd["n"].clamp(min=1)) + 1)
+           + 3 * u * (lse_nat.abs() + sa + 1))
+    eps_p = torch.exp(e_p) * (1 + E_EXP2) - 1  # [B, Hq, Sq, 1]
+    do64 = do.double()
+    v_abs, k_abs = _expand_kv(v.double().abs(), heads_q), _expand_kv(k.double().abs(), heads_q)
+    b_dp = do64.abs() @ v_abs.transpose(-1, -2)  # sum_d |do||v|
+    b_o = fwd["bound"]
+    beta = gamma(head_dim) * ((oracle["o"].abs() + b_o) * do64.abs()).sum(-1, keepdim=True) \
+        + (do64.abs() * b_o).sum(-1, keepdim=True)
+    d_abs = oracle["d"].abs()
+    e_d = gamma(head_dim) * b_dp + beta
+    e_d = e_d + u * (d_abs + e_d)
+    r = (1 + u) * (1 + ub)
+    sigma = r * (w * (1 + eps_p) * e_d + eps_p * w * d_abs) + (r - 1) * w * d_abs + FLUSH * (d_abs + e_d)
+    sigma = torch.where(vis, sigma, torch.zeros_like(sigma))
+    ds_mag = w * d_abs + sigma
+
+    def scaled_grad(star, e_acc):
+        e1 = s * e_acc + u * (star.abs() + s * e_acc)
+        return ub * star.abs() + (1 + ub) * e1 + ETA_BF16
+
+    def per_kv(x):  # [B, Hq, Sq, Skv] -> [B, Hkv, Skv, G*Sq]: the rows one key's gradient sums
+        return x.transpose(-1, -2).reshape(batch, heads_kv, group, seq_k, seq_q).transpose(2, 3) \
+            .reshape(batch, heads_kv, seq_k, group * seq_q)
+
+    n_q = fwd["n"]
+    g_q = _gamma_t(n_q + torch.ceil(n_q / block_n))
+    dq_acc = sigma @ k_abs + g_q * (ds_mag @ k_abs)
+    rows_kv = per_kv(vis.double()).sum(-1, keepdim=True)
+    g_kv = _gamma_t(rows_kv + torch.ceil(rows_kv / block_m))
+    q_abs = q.double().abs().reshape(batch, heads_kv, group * seq_q, head_dim)
+    do_abs = do64.abs().reshape(batch, heads_kv, group * seq_q, head_dim)
+    dk_acc = per_kv(sigma) @ q_abs + g_kv * (per_kv(ds_mag) @ q_abs)
+    eps_v = (1 + eps_p) * (1 + ub)
+    dv_err = per_kv(w * eps_v - w) @ do_abs + g_kv * (per_kv(w * eps_v) @ do_abs) \
+        + per_kv(FLUSH * vis.double()) @ do_abs
+    mags = {"dq": ds_mag @ k_abs, "dk": per_kv(ds_mag) @ q_abs, "dv": per_kv(w) @ do_abs}
+    n_all = seq_k + group * seq_q + head_dim
+    oracle_err = {key: _gamma_t(torch.tensor(4.0 * n_all + 16), U_FP64) * (1 + sa.amax() + fwd["range"].amax()) * 4
+                  * (m * (s if key != "dv" else 1.0)) for key, m in mags.items()}
+    return {
+        "dq": (oracle["dq"], scaled_grad(oracle["dq"], dq_acc) + oracle_err["dq"]),
+        "dk": (oracle["dk"], scaled_grad(oracle["dk"], dk_acc) + oracle_err["dk"]),
+        "dv": (oracle["dv"], ub * oracle["dv"].abs() + (1 + ub) * dv_err + ETA_BF16 + oracle_err["dv"]),
+    }

@@ -1,0 +1,24 @@
+"""detkit mode: one switch (``batch_invariant_mode``) that puts a PyTorch / transformers model on detkit's kernels.
+
+An integration layer above every kernel family: it imports detkit.kernels, and nothing in detkit.kernels imports
+it. Inside, one module per route family and the switch with its state:
+- ``switch``: enter / exit, re-entrancy, the public calls below;
+- ``state``: the process-wide state, counters and the strict refusal;
+- ``aten``: the aten overrides that dispatch mm / addmm / bmm / baddbmm / mean.dim to the routes;
+- ``gemm``: the GEMM route (operand layout -> det_gemm fwd / dA / dB, launch plans, refusal reasons);
+- ``reductions``: the mean.dim route onto detkit.kernels.reductions;
+- ``attention``: torch SDPA and transformers' attention onto detkit.kernels.attention;
+- ``moe``: transformers' MoE blocks onto detkit.kernels.moe;
+- ``compile``: the Inductor graph pass that puts compiled graphs on the same routes.
+docs/mode.md says what is routed and why.
+"""
+
+from detkit.mode.state import ModeCounters, ModeNotRoutedError
+from detkit.mode.switch import (
+    batch_invariant_mode, disable_batch_invariant_mode, enable_batch_invariant_mode, is_batch_invariant_mode_enabled,
+    mode_counters, refresh_fp8_weights, reset_mode_counters,
+)
+
+__all__ = ["batch_invariant_mode", "enable_batch_invariant_mode", "disable_batch_invariant_mode",
+           "is_batch_invariant_mode_enabled", "mode_counters", "reset_mode_counters", "refresh_fp8_weights",
+           "ModeCounters", "ModeNotRoutedError"]

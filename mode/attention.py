@@ -1,0 +1,186 @@
+"""The batch-invariant mode's attention routing: SDPA calls and transformers' attention onto
+``detkit.kernels.attention`` (its interface: q [B, Hq, Sq, D], causal, the Sq queries the last Sq
+key positions, padding as transformers builds it; one reduction order over the keys for prefill,
+chunked prefill and decode alike).
+
+Two routes, both installed on the mode's entry and removed on its exit:
+
+- ``torch.nn.functional.scaled_dot_product_attention`` is replaced by ``sdpa_route`` (process-wide,
+  for every caller that looks the function up at call time, as transformers does). A call goes to
+  ``attention.sdpa`` when ``attention.sdpa_unsupported_reason(...)`` is None and the mask, if any, has
+  one row per query; otherwise it runs on torch's SDPA and is counted with the reason (strict raises).
+  Why a Python-level route and not aten overrides of SDPA's backend ops: the backend ops take no
+  padding mask (flash), return backend-specific state (logsumexp, RNG offsets) their backward ops
+  consume, and are chosen inside a composite op; detkit's ``sdpa`` carries its own autograd.
+- transformers' "sdpa" attention function is replaced by ``transformers_sdpa_route``, which calls
+  ``attention.hf_attention_forward`` (same arguments: q [B, Hq, Sq, D] before transformers' GQA
+  packing, the 4-D boolean mask or None) and falls back to transformers' own function, counted, when
+  that raises NotImplementedError for what it does not cover. For a single decode query with a
+  padding mask transformers' SDPA path packs the query heads into the query-length dim
+  (``pack_gqa``); the causal-position rule of detkit's kernel does not hold for such a packed call,
+  which is why transformers models are routed one level up, at the attention function.
+
+``register_transformers_attention()`` also registers ``"detkit"`` with transformers'
+AttentionInterface (and its mask interface, with SDPA's boolean mask), so a model can be built with
+``attn_implementation="detkit"`` and use the kernel in or out of the mode; that name never falls back.
+
+Under torch.compile both routes run as graph breaks (``torch._dynamo.disable``): the attention call
+runs eagerly, with the same kernel, autograd and counting as in eager mode.
+
+``detkit.kernels.attention`` is imported when first needed; until it exists in the tree every
+attention call is counted as not routed ("no detkit attention kernel"), never silently.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from detkit.mode import state as mode_state
+
+ATTENTION_MODULE = "detkit.kernels.attention"
+NO_KERNEL = "no detkit attention kernel (detkit.kernels.attention is not in this tree)"
+SDPA_OP = "sdpa"
+HF_OP = "attention (transformers)"
+KERNEL = "detkit.attention"
+
+_ORIGINAL_SDPA = F.scaled_dot_product_attention
+_local = threading.local()
+_saved_hf_sdpa = None
+
+
+def attention_module():
+    """``detkit.kernels.attention``, or None while it does not exist (any other import error propagates)."""
+    module = sys.modules.get(ATTENTION_MODULE)  # the per-call path: imported already
+    if module is not None:
+        return module
+    try:
+        return importlib.import_module(ATTENTION_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name in (ATTENTION_MODULE, "detkit.kernels"):
+            return None
+        raise
+
+
+_resolved: tuple = (None, {})  # (module, {name: function}): the interface functions of the module last seen
+
+
+def _function(module, name: str):
+    """``getattr(module, name)``, remembered while ``module`` stays the attention module (its names resolve through
+    a module ``__getattr__``, an import lookup per access otherwise)."""
+    global _resolved
+    seen, functions = _resolved
+    if seen is not module:
+        _resolved = seen, functions = module, {}
+    function = functions.get(name)
+    if function is None:
+        function = functions[name] = getattr(module, name)
+    return function
+
+
+def _mask_reason(query: torch.Tensor, attn_mask) -> str | None:
+    if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] != query.shape[-2]:
+        return (f"attn_mask has {attn_mask.shape[-2]} row(s) for {query.shape[-2]} queries (a mask broadcast over "
+                "queries is not causal + padding)")
+    return None
+
+
+@torch._dynamo.disable
+def sdpa_route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention while the mode is entered (see the module docstring)."""
+    if not mode_state.active() or getattr(_local, "passthrough", False):
+        return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa)
+    module = attention_module()
+    if module is None:
+        reason = NO_KERNEL
+    else:
+        reason = _function(module, "sdpa_unsupported_reason")(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa)
+        reason = reason or _mask_reason(query, attn_mask)
+    if reason is not None:
+        mode_state.not_routed(SDPA_OP, reason)
+        return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa)
+    out = _function(module, "sdpa")(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                    scale=scale, enable_gqa=enable_gqa)
+    mode_state.routed(SDPA_OP, KERNEL)
+    return out
+
+
+def _original_hf_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+@torch._dynamo.disable
+def transformers_sdpa_route(module, query, key, value, attention_mask, **kwargs):
+    """transformers' "sdpa" attention function while the mode is entered."""
+    fallback = _saved_hf_sdpa or _original_hf_sdpa()
+    if not mode_state.active():
+        return fallback(module, query, key, value, attention_mask, **kwargs)
+    attention = attention_module()
+    reason = NO_KERNEL
+    if attention is not None:
+        try:
+            out = _function(attention, "hf_attention_forward")(module, query, key, value, attention_mask, **kwargs)
+        except NotImplementedError as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        else:
+            mode_state.routed(HF_OP, KERNEL)
+            return out
+    mode_state.not_routed(HF_OP, reason)
+    _local.passthrough = True  # counted once, here: its SDPA call is not counted again
+    try:
+        return fallback(module, query, key, value, attention_mask, **kwargs)
+    finally:
+        _local.passthrough = False
+
+
+@torch._dynamo.disable
+def detkit_attention(module, query, key, value, attention_mask, **kwargs):
+    """The "detkit" attention implementation for transformers: detkit's kernel or an error, never torch's."""
+    attention = attention_module()
+    if attention is None:
+        raise NotImplementedError(f"attn_implementation='detkit': {NO_KERNEL}")
+    out = _function(attention, "hf_attention_forward")(module, query, key, value, attention_mask, **kwargs)
+    mode_state.routed(HF_OP, KERNEL)
+    return out
+
+
+def register_transformers_attention() -> None:
+    """Register ``"detkit"`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register("detkit", detkit_attention)
+    AttentionMaskInterface.register("detkit", sdpa_mask)
+
+
+def install() -> None:
+    global _saved_hf_sdpa
+    F.scaled_dot_product_attention = sdpa_route
+    if "transformers" in sys.modules:  # a model can only be built after transformers is imported
+        from transformers.modeling_utils import AttentionInterface
+
+        register_transformers_attention()
+        mapping = AttentionInterface._global_mapping
+        if mapping.get("sdpa") is not transformers_sdpa_route:
+            _saved_hf_sdpa = mapping.get("sdpa")
+            mapping["sdpa"] = transformers_sdpa_route
+
+
+def uninstall() -> None:
+    global _saved_hf_sdpa
+    F.scaled_dot_product_attention = _ORIGINAL_SDPA
+    if _saved_hf_sdpa is not None:
+        from transformers.modeling_utils import AttentionInterface
+
+        AttentionInterface._global_mapping["sdpa"] = _saved_hf_sdpa
+        _saved_hf_sdpa = None
