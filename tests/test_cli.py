@@ -250,7 +250,7 @@ def test_report_carries_env_and_writes_the_drift_plot(tmp_path, monkeypatch):
     # Provenance: the tables of the kernel modules loaded (the backend check loads det_gemm) and the sources.
     from detkit.kernels.det_gemm.launch import CONFIG_TABLE_VERSION
 
-    assert {"name": "det_gemm", "version": CONFIG_TABLE_VERSION, "module": "detkit.kernels.det_gemm.launch"} in \
+    assert {"name": "det_gemm", "version": CONFIG_TABLE_VERSION, "module": "detkit.kernels.det_gemm.configs"} in \
         meta["config_tables"] and "config_table_version" not in meta
     assert meta["source"]["digest"].startswith("sha256:")
     assert meta["source"]["status"] in ("clean", "dirty", "unverified", "unknown")

@@ -6,7 +6,7 @@ the FP64 bounds), ``sdpa`` (adapters: torch's ``scaled_dot_product_attention`` s
 attention-function signature).
 """
 
-from detkit.kernels.attention.configs import ATTENTION_CONFIG_TABLE_VERSION, HEAD_DIMS, AttnConfig, AttnConfigs
+from detkit.kernels.attention.configs import HEAD_DIMS, AttnConfig, AttnConfigs
 from detkit.kernels.attention.launch import attention, attention_varlen
 from detkit.kernels.attention.reference import (
     attention_bwd_bound, attention_fwd_bound, attention_oracle, attention_ref, attention_varlen_ref,
@@ -15,4 +15,4 @@ from detkit.kernels.attention.sdpa import hf_attention_forward, sdpa, sdpa_unsup
 
 __all__ = ["attention", "attention_varlen", "attention_ref", "attention_varlen_ref", "attention_oracle",
            "attention_fwd_bound", "attention_bwd_bound", "sdpa", "sdpa_unsupported_reason", "hf_attention_forward",
-           "HEAD_DIMS", "AttnConfig", "AttnConfigs", "ATTENTION_CONFIG_TABLE_VERSION"]
+           "HEAD_DIMS", "AttnConfig", "AttnConfigs"]
