@@ -69,14 +69,14 @@ def test_installed_wheel_in_a_fresh_venv(wheel, tmp_path):
     (purelib / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
     probe = ("import importlib.util as u, pathlib, sys, detkit, detkit.kernels.det_gemm.launch as dg; "
-             "from detkit import det_gemm_fwd; "
+             "from detkit import det_gemm_fwd, batch_invariant_mode, moe_mlp_fp8; "
              f"print(pathlib.Path(detkit.__file__).parent); print(pathlib.Path(dg.__file__).parent.parent); "
              f"print([n for n in {GENERIC_NAMES!r} if u.find_spec(n) is not None])")
     proc = subprocess.run([str(py), "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     pkg_dir, kernels_parent, generic = proc.stdout.strip().splitlines()
     assert Path(pkg_dir) == purelib / "detkit"
-    assert Path(kernels_parent) == purelib / "detkit"
+    assert Path(kernels_parent) == purelib / "detkit" / "kernels"  # det_gemm is a family sub-package
     assert generic == "[]", f"generic top-level names importable from the installed wheel: {generic}"
     # python -m detkit, and the console script as installers generate it (entry point detkit = ...:main).
     script = ("import sys; from importlib.metadata import entry_points; "
