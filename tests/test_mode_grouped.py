@@ -1,0 +1,153 @@
+"""mode/grouped.py: inside ``batch_invariant_mode`` every BF16 ``torch._grouped_mm`` / ``F.grouped_mm`` call of the
+forms transformers' "grouped_mm" experts and their backward make runs on detkit.kernels.grouped -- the forward and
+grad_input (2-D x 3-D with offsets) on ``grouped_mm``, grad_weight (2-D x 2-D, offsets along the reduced dim) on
+``grouped_wgrad`` -- with those kernels' bits; a token's expert output keeps its bits whatever the batch; 3-D x 3-D
+runs on det_gemm; what is not routed is counted with its reason or, under strict, raised naming the value; and tiny
+transformers Mixtral and gpt-oss models run with no grouped GEMM on torch. CPU under the Triton interpreter
+(conftest); everything with DETKIT_TEST_DEVICE=cuda on an H100/H200, plus the `gpu`-marked tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import detkit
+from detkit.kernels.bounds import gemm_bound
+from detkit.kernels.det_gemm.launch import det_gemm_fwd
+from detkit.kernels.grouped import (
+    grouped_mm, grouped_mm_ref, grouped_mm_sequential, grouped_wgrad, grouped_wgrad_sequential,
+)
+from detkit.toolkit.contract import check_bound
+from detkit.toolkit.fixtures import bf16_randn
+
+from tests.conftest import assert_bits_equal
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped GEMM")
+OP = "_grouped_mm"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_counters():
+    detkit.reset_mode_counters()
+    yield
+    assert not detkit.is_batch_invariant_mode_enabled(), "a test left the mode entered"
+
+
+def counters() -> dict:
+    return detkit.mode_counters().as_dict()
+
+
+def offsets(sizes, device) -> torch.Tensor:
+    return torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+
+def expert_weights(e, k, n, seed, layout, device):
+    """transformers' two layouts: ``is_transposed=False`` keeps [E, N, K] and passes ``w.transpose(-2, -1)``;
+    ``is_transposed=True`` keeps [E, K, N] and passes it as is."""
+    if layout == "transposed":
+        w = bf16_randn((e, n, k), seed, device, scale=k**-0.5)
+        return w, lambda w: w.transpose(-2, -1)
+    return bf16_randn((e, k, n), seed, device, scale=k**-0.5), lambda w: w
+
+
+@pytest.mark.parametrize("layout", ["transposed", "kn"])
+def test_forward_and_backward_run_detkits_grouped_kernels(device, layout):
+    """One grouped linear forward and backward: the forward and grad_input on grouped_mm, grad_weight on
+    grouped_wgrad, each with those kernels' bits (and, under the interpreter, the sequential reference's)."""
+    sizes = (5, 0, 14, 3)
+    m, k, n = sum(sizes) + 2, 16, 24  # two rows past the last offset (transformers' expert-parallel sentinels)
+    w, view = expert_weights(len(sizes), k, n, 1, layout, device)
+    w.requires_grad_(True)
+    x = bf16_randn((m, k), 2, device).requires_grad_(True)
+    dy = bf16_randn((m, n), 3, device)
+    offs = offsets(sizes, device)
+    with detkit.batch_invariant_mode(strict=True):
+        y = F.grouped_mm(x, view(w), offs=offs)
+        y.backward(dy)
+    assert counters()["routed"] == {f"{OP} -> detkit.grouped_mm": 2, f"{OP} -> detkit.grouped_wgrad": 1}
+    wd, xd = view(w.detach()), x.detach()
+    assert_bits_equal(y.detach(), grouped_mm(xd, wd, offs), "forward")
+    assert_bits_equal(x.grad, grouped_mm(dy, wd.transpose(-2, -1), offs), "grad_input")
+    assert_bits_equal(view(w.grad), grouped_wgrad(dy.t(), xd, offs).transpose(-2, -1), "grad_weight")
+    if device.type == "cpu":
+        assert_bits_equal(y.detach(), grouped_mm_sequential(xd, wd, offs), "forward vs the sequential reference")
+        assert_bits_equal(view(w.grad), grouped_wgrad_sequential(dy.t(), xd, offs).transpose(-2, -1),
+                          "grad_weight vs the sequential reference")
+    star = grouped_mm_ref(xd.cpu(), wd.cpu(), offs.cpu())
+    result = check_bound(y.detach().cpu(), star, gemm_bound(star, grouped_mm_ref(xd.cpu().abs(), wd.cpu().abs(),
+                                                                                   offs.cpu()), k))
+    assert result.passed, result
+
+
+def test_a_tokens_expert_output_keeps_its_bits_whatever_the_batch(device):
+    """A token routed to expert 2, alone, then among 30 other routes with different counts for every expert."""
+    k, n = 32, 16
+    w, view = expert_weights(4, k, n, 4, "transposed", device)
+    token = bf16_randn((1, k), 5, device)
+    others = bf16_randn((30, k), 6, device)
+    with detkit.batch_invariant_mode(strict=True):
+        alone = F.grouped_mm(token, view(w), offs=offsets([0, 0, 1, 0], device))
+        batch = F.grouped_mm(torch.cat([others[:19], token, others[19:]]), view(w), offs=offsets([7, 12, 5, 7], device))
+    assert_bits_equal(batch[19:20], alone, "a token alone vs at row 3 of its expert's 5 in a batch of 31")
+
+
+def test_batched_3d_form_is_one_det_gemm_per_group(device):
+    a, b = bf16_randn((3, 5, 16), 7, device), bf16_randn((3, 24, 16), 8, device).transpose(-2, -1)
+    with detkit.batch_invariant_mode(strict=True):
+        out = torch._grouped_mm(a, b)
+    for g in range(3):
+        assert_bits_equal(out[g], det_gemm_fwd(a[g], b[g]), f"group {g}")
+    assert counters()["routed"] == {f"{OP} -> det_gemm_fwd": 1}
+
+
+def _unsupported(device):
+    x, w = bf16_randn((8, 16), 9, device), bf16_randn((2, 16, 8), 10, device)
+    offs = offsets([3, 5], device)
+    return {
+        "fp32": ((x.float(), w.float()), {"offs": offs}, "dtype float32"),
+        "3-D x 2-D": ((x.view(2, 4, 16), w[0]), {"offs": offs}, "3-D x 2-D operands"),
+        "offs int64": ((x, w), {"offs": offs.long()}, "offs dtype int64"),
+        "no offs": ((x, w), {}, "offs is None"),
+    }
+
+
+@pytest.mark.parametrize("case", ["fp32", "3-D x 2-D", "offs int64", "no offs"])
+def test_what_is_not_routed_runs_on_torch_counted_or_raises_under_strict(device, case):
+    args, kwargs, reason = _unsupported(device)[case]
+    try:
+        want, error = torch._grouped_mm(*args, **kwargs), None
+    except RuntimeError as exc:  # torch refuses some of these itself: the mode must raise the same
+        want, error = None, type(exc)
+    with detkit.batch_invariant_mode():
+        if error is None:
+            assert_bits_equal(torch._grouped_mm(*args, **kwargs), want, f"{case}: torch's result")
+        else:
+            with pytest.raises(error):
+                torch._grouped_mm(*args, **kwargs)
+    (counted, calls), = counters()["not_routed"].items()
+    assert counted.startswith(f"{OP}: {reason}") and calls == 1, counters()
+    with pytest.raises(detkit.ModeNotRoutedError, match=f"{OP} cannot run on a detkit kernel: {reason}"), \
+            detkit.batch_invariant_mode(strict=True):
+        torch._grouped_mm(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, reason", [({"out_dtype": torch.float32}, "out_dtype float32"),
+                                            ({"bias": "bias"}, "bias")])
+def test_bias_and_out_dtype_are_refused_by_name(device, kwargs, reason):
+    x, w = bf16_randn((8, 16), 11, device), bf16_randn((2, 16, 8), 12, device)
+    if "bias" in kwargs:
+        kwargs = {"bias": bf16_randn((2, 8), 13, device)}
+    with pytest.raises(detkit.ModeNotRoutedError, match=f"{OP} cannot run on a detkit kernel: {reason}"), \
+            detkit.batch_invariant_mode(strict=True):
+        torch._grouped_mm(x, w, offs=offsets([3, 5], device), **kwargs)
+
+
+def test_outside_the_mode_torch_runs_unseen(device):
+    x, w = bf16_randn((8, 16), 14, device), bf16_randn((2, 16, 8), 15, device)
+    offs = offsets([3, 5], device)
+    with detkit.batch_invariant_mode():
+        pass
+    want = torch._grouped_mm(x, w, offs=offs)
+    assert counters() == {"routed": {}, "not_routed": {}}
+    assert_bits_equal(want[:8], torch._grouped_mm(x, w, offs=offs)[:8], "torch's kernel, twice")
