@@ -151,3 +151,90 @@ def test_outside_the_mode_torch_runs_unseen(device):
     want = torch._grouped_mm(x, w, offs=offs)
     assert counters() == {"routed": {}, "not_routed": {}}
     assert_bits_equal(want[:8], torch._grouped_mm(x, w, offs=offs)[:8], "torch's kernel, twice")
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' MoE models whose experts run transformers' "grouped_mm" implementation
+# ---------------------------------------------------------------------------------------------
+TINY = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=64, vocab_size=128, max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2)
+
+
+def tiny_moe_model(kind: str, device, seed: int = 0):
+    transformers = pytest.importorskip("transformers", reason="transformers is the optional extra detkit[models]")
+    torch.manual_seed(seed)
+    if kind == "mixtral":
+        model_cls, config = transformers.MixtralForCausalLM, transformers.MixtralConfig(**TINY)
+    else:  # gpt-oss: clamped SwiGLU gate with biases, sinks in its (eager) attention
+        model_cls = transformers.GptOssForCausalLM
+        config = transformers.GptOssConfig(**TINY, layer_types=["full_attention"] * 2)
+    with torch.device(device):
+        model = model_cls(config).to(torch.bfloat16)
+    assert model.config._experts_implementation == "grouped_mm"
+    return model.eval()
+
+
+def logprobs(model, ids, **kwargs):
+    logits = model(input_ids=ids, use_cache=False, **kwargs).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_a_moe_models_log_probs_keep_their_bits_alone_and_in_a_batch(device, kind):
+    """Strict: nothing runs on torch (every grouped GEMM on detkit's kernel); a sequence's log-probs alone and at
+    position 1 of a batch of 3 are bitwise equal."""
+    model = tiny_moe_model(kind, device, seed=1)
+    seqs = torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.inference_mode(), detkit.batch_invariant_mode(strict=True):
+        alone = logprobs(model, seqs[1:2])
+        batch = logprobs(model, seqs)
+    assert_bits_equal(batch[1:2], alone, f"{kind}: log-probs alone vs in a batch of 3")
+    assert counters()["routed"][f"{OP} -> detkit.grouped_mm"] == 8  # 2 layers x 2 projections x 2 forwards
+    assert counters()["not_routed"] == {}
+
+
+def test_mixtral_padded_batch_prefill_and_decode_route_every_grouped_gemm(device):
+    """The audit's path on a tiny Mixtral: a left-padded batch forward, then prefill + 3 KV-cache decode steps; every
+    grouped GEMM routed, and the last decode step's log-probs equal the trainer's forward over the same tokens."""
+    from transformers import DynamicCache
+
+    model = tiny_moe_model("mixtral", device, seed=3)
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(4)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with torch.inference_mode(), detkit.batch_invariant_mode():
+        model(input_ids=ids, attention_mask=mask)
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids[:1], past_key_values=cache, use_cache=True)
+        tokens = ids[:1]
+        for _ in range(3):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, nxt], 1)
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        trainer = model(input_ids=tokens, use_cache=False).logits[:, -1]
+    assert_bits_equal(out.logits[:, -1], trainer, "last decode step vs the trainer's forward")
+    assert counters()["routed"][f"{OP} -> detkit.grouped_mm"] == 4 * 6  # 2 layers x 2 projections x 6 forwards
+    assert not any(k.startswith(OP) for k in counters()["not_routed"]), counters()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_a_moe_models_backward_runs_its_grouped_gemms_on_detkit_and_repeats(device, kind):
+    """Training step: the experts' grad_input and grad_weight grouped GEMMs are routed, and every parameter
+    gradient repeats bitwise."""
+    model = tiny_moe_model(kind, device, seed=5)
+    model.train()
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(6)).to(device)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        with detkit.batch_invariant_mode():
+            model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    first, second = grads(), grads()
+    for name, g in first.items():
+        assert_bits_equal(second[name], g, f"{kind}: {name}.grad, two runs")
+    routed = counters()["routed"]
+    assert routed[f"{OP} -> detkit.grouped_mm"] == 2 * (4 + 4)  # 2 runs x (4 forward + 4 grad_input)
+    assert routed[f"{OP} -> detkit.grouped_wgrad"] == 2 * 4
+    assert not any(k.startswith(OP) for k in counters()["not_routed"]), counters()
