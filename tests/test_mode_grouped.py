@@ -114,9 +114,13 @@ def _unsupported(device):
 
 @pytest.mark.parametrize("case", ["fp32", "3-D x 2-D", "offs int64", "no offs"])
 def test_what_is_not_routed_runs_on_torch_counted_or_raises_under_strict(device, case):
+    """Unrouted calls run torch's CompositeExplicitAutograd kernel (the override hides torch's CUDA kernel while the
+    mode is entered): the same result, or the same refusal, as that kernel outside the mode."""
+    from detkit.mode.aten import torch_grouped_mm
+
     args, kwargs, reason = _unsupported(device)[case]
     try:
-        want, error = torch._grouped_mm(*args, **kwargs), None
+        want, error = torch_grouped_mm(*args, **kwargs), None
     except RuntimeError as exc:  # torch refuses some of these itself: the mode must raise the same
         want, error = None, type(exc)
     with detkit.batch_invariant_mode():
@@ -238,3 +242,35 @@ def test_a_moe_models_backward_runs_its_grouped_gemms_on_detkit_and_repeats(devi
     assert routed[f"{OP} -> detkit.grouped_mm"] == 2 * (4 + 4)  # 2 runs x (4 forward + 4 grad_input)
     assert routed[f"{OP} -> detkit.grouped_wgrad"] == 2 * 4
     assert not any(k.startswith(OP) for k in counters()["not_routed"]), counters()
+
+
+# ---------------------------------------------------------------------------------------------
+# The reductions transformers' experts and routers do around the grouped GEMMs, left on torch: measured here
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("h", [2048, 2880, 4096])
+def test_torchs_combine_sum_keeps_a_tokens_bits_at_any_batch(device, k, h):
+    """transformers' combine, ``weighted_out.view(T, K, H).sum(dim=1)`` in BF16, is left on torch: a token's row
+    must have the same bits at T = 1 and inside batches of 7, 64 and 4096 tokens (torch's reduction over a non-last
+    dim picks its block shape from K and the output count; this checks that the order per output stays put)."""
+    rows = bf16_randn((4096, k, h), 20 + k, device)
+    want = {t: rows[t:t + 1].sum(dim=1) for t in (0, 3, 4095)}
+    for batch in (7, 64, 4096):
+        got = rows[:batch].sum(dim=1)
+        for t, w in want.items():
+            if t < batch:
+                assert_bits_equal(got[t:t + 1], w, f"K={k} H={h}: token {t} alone vs in a batch of {batch}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_torchs_router_normalisation_keeps_a_tokens_bits_at_any_batch(device, k):
+    """Mixtral's / gpt-oss's ``w / w.sum(dim=-1, keepdim=True)`` over the top-k weights (FP32 and BF16), left on torch:
+    a token's normalised weights alone vs in batches of 7, 64 and 8192 tokens."""
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.rand(8192, k, generator=torch.Generator().manual_seed(k)).to(device=device, dtype=dtype)
+        alone = w[5:6] / w[5:6].sum(dim=-1, keepdim=True)
+        for batch in (7, 64, 8192):
+            got = w[:batch] / w[:batch].sum(dim=-1, keepdim=True)
+            assert_bits_equal(got[5:6], alone, f"K={k} {dtype}: token 5 alone vs in a batch of {batch}")
