@@ -28,6 +28,7 @@ class GroupedConfig:
     block_k: int  # reduced elements per step: K (mm) or the group's rows (wgrad)
     num_warps: int
     num_stages: int
+    group_m: int = 8  # row tiles per band of the program order (L2 reuse; mm only): never the math
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from detkit.kernels.det_gemm.kernels import mac_step, to_bf16
+from detkit.kernels.det_gemm.kernels import mac_step, tile_of_program, to_bf16
 from detkit.kernels.grouped.names import _mm_launch_metadata, _wgrad_launch_metadata
 
 
@@ -47,7 +47,9 @@ def grouped_mm_kernel(
     stride_am, stride_ak,
     stride_bg, stride_bk, stride_bn,
     stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
+    TILES,  # row tiles the grid covers: the bound of any grouping, ceil(M / BLOCK_M) + G + 1
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    G_POW2: tl.constexpr,
     B_K_MAJOR: tl.constexpr,  # B's reduced dim is contiguous (transformers' weight.transpose(-2, -1))
     INTERPRETED: tl.constexpr,
 ):
@@ -55,9 +57,10 @@ def grouped_mm_kernel(
     row, groups in order, then the tail) and output columns n*BLOCK_N... A row is reduced over K in ascending steps
     of BLOCK_K, the same steps whatever its group holds: a row's bits depend on its values, its group's matrix and
     K, never on the other rows (batch invariance). Invalid offsets: every row NaN (fail closed without a host read).
+    Programs take (t, n) in det_gemm's grouped order (GROUP_M row tiles share the column tiles in flight, for L2
+    reuse of both operands): which program owns a tile, never the tile's math.
     """
-    pid_t = tl.program_id(axis=0)
-    pid_n = tl.program_id(axis=1)
+    pid_t, pid_n = tile_of_program(TILES * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_bn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_bn < N
     cols64 = offs_bn.to(tl.int64)

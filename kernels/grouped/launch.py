@@ -113,12 +113,14 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *,
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m == 0 or n == 0:
         return out
-    grid = (triton.cdiv(m, cfg.block_m) + groups + 1, triton.cdiv(n, cfg.block_n))
+    tiles = triton.cdiv(m, cfg.block_m) + groups + 1  # any grouping's row tiles: each group adds at most one partial
+    grid = (tiles * triton.cdiv(n, cfg.block_n),)
     b_k_major = b.stride(1) == 1 and b.stride(2) != 1
     grouped_mm_kernel[grid](
         a, b, out, offs, m, n, k, groups,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, G_POW2=triton.next_power_of_2(groups + 1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1), tiles,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        G_POW2=triton.next_power_of_2(groups + 1),
         B_K_MAJOR=b_k_major, INTERPRETED=backend == TRITON_INTERPRETER, **_launch_options(cfg, backend),
     )
     return out
