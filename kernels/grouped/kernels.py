@@ -119,9 +119,10 @@ def grouped_wgrad_kernel(
     """Program (tile, g) owns one [BLOCK_M, BLOCK_N] tile of group g's output and reduces over exactly the group's
     rows, in ascending steps of BLOCK_K rows from its first row: the order is a function of the group's row count
     alone (no split, no atomics). An empty group is exact zeros; invalid offsets give NaN."""
-    pid = tl.program_id(axis=0)
-    group = tl.program_id(axis=1)
     num_n = tl.cdiv(Q, BLOCK_N)
+    num_tiles = tl.cdiv(P, BLOCK_M) * num_n
+    group = tl.program_id(axis=0) // num_tiles  # a 1-D grid, groups outermost: a group's tiles run together
+    pid = tl.program_id(axis=0) % num_tiles
     offs_p = (pid // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_q = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     p_ok = offs_p < P
