@@ -2,7 +2,7 @@
 torch._grouped_mm takes with offsets and that an MoE block's experts and their backward call:
 
     grouped_mm(a [M, K], b [G, K, N], offs [G]) -> [M, N]
-        rows offs[g-1]:offs[g] of a times b[g] (offs[-1] = 0 before group 0); rows past offs[G-1] are 0.
+        rows offs[g-1]:offs[g] of a times b[g] (group 0 starts at row 0); rows past offs[G-1] are written 0.
         The forward (x @ W[g]) and the input gradient (dy @ W[g].T, b a transposed view).
     grouped_wgrad(a [P, R], b [R, Q], offs [G]) -> [G, P, Q]
         out[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]: offsets along the reduced dim (the weight
