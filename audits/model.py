@@ -123,8 +123,9 @@ NOT_COVERED = (
     "transformers' eager attention (its softmax spans the key count)",
     "TP > 1 inside the model (collectives are not rewritten), FP8 / FP16 / FP32 GEMMs (counted)",
     "reductions other than the last-dim mean (softmax / log_softmax are per-row in torch: not overridden)",
-    "MoE: transformers' Qwen3-MoE block only (other MoE classes run transformers' experts; torch._grouped_mm is not "
-    "seen by the mode); FP8 experts only where H and I are multiples of 128 (else counted); expert parallelism "
+    "MoE: transformers' Qwen3-MoE block on detkit's MoE layer; other MoE classes run transformers' experts, their "
+    "torch._grouped_mm calls (forward and backward) on detkit's grouped GEMM and their combine / router sums on "
+    "torch; FP8 experts only where H and I are multiples of 128 (else counted); expert parallelism "
     "(counted); the router's softmax / top-k stay on torch (row-wise); the load-balancing loss is a batch statistic "
     "(run to run, not batch-invariant); FP8 weight gradients are not batch-invariant (their 128-row scale blocks "
     "span tokens; run to run they repeat)",

@@ -4,8 +4,9 @@ An integration layer above every kernel family: it imports detkit.kernels, and n
 it. Inside, one module per route family and the switch with its state:
 - ``switch``: enter / exit, re-entrancy, the public calls below;
 - ``state``: the process-wide state, counters and the strict refusal;
-- ``aten``: the aten overrides that dispatch mm / addmm / bmm / baddbmm / mean.dim to the routes;
+- ``aten``: the aten overrides that dispatch mm / addmm / bmm / baddbmm / mean.dim / _grouped_mm to the routes;
 - ``gemm``: the GEMM route (operand layout -> det_gemm fwd / dA / dB, launch plans, refusal reasons);
+- ``grouped``: the grouped GEMM route (``_grouped_mm`` -> detkit.kernels.grouped);
 - ``reductions``: the mean.dim route onto detkit.kernels.reductions;
 - ``attention``: torch SDPA and transformers' attention onto detkit.kernels.attention;
 - ``moe``: transformers' MoE blocks onto detkit.kernels.moe;

@@ -3,27 +3,29 @@
 While the mode is entered, a ``torch.library.Library("aten", "IMPL")`` holds Python kernels for
 mm, addmm, bmm, baddbmm (routed to det_gemm, ``mode_gemm``) and mean.dim (routed to the invariant
 row mean, ``mode_reductions``), plus counting kernels for the other matrix products (mv, addmv,
-dot, addbmm) that detkit has no route for, so none of them runs unseen. ``torch._grouped_mm`` (which
-``torch.nn.functional.grouped_mm`` calls) has no ``.out`` overload to fall back to, so it is counted at
-its Python entry point instead, swapped for the mode's duration. The overrides sit below
-autograd, so autograd records torch's own backward formulas and their GEMMs reach the same
-overrides (grad_input and grad_weight are plain mm calls). Overriding composite ops (aten::linear,
-aten::matmul) instead would break autograd.
+dot, addbmm) that detkit has no route for, so none of them runs unseen, and ``_grouped_mm`` (which
+``torch.nn.functional.grouped_mm`` calls; transformers' "grouped_mm" experts) routed to detkit's grouped GEMM
+(``mode_grouped``). The overrides sit below autograd, so autograd records torch's own backward formulas and
+their GEMMs reach the same overrides (grad_input and grad_weight are plain mm calls; a grouped GEMM's are
+``_grouped_mm`` calls). Overriding composite ops (aten::linear, aten::matmul) instead would break autograd.
 
 Installed on entry and destroyed on exit (``install`` / ``uninstall``) rather than installed once
 behind a flag: outside the mode torch's kernels run with no Python in the way, and an entry costs one
 registration (about 0.1 ms). When an override does not route a call, it runs torch's kernel
-through the op's ``.out`` overload (the same kernel as the functional op, which is not overridden).
+through the op's ``.out`` overload (the same kernel as the functional op, which is not overridden);
+``_grouped_mm`` has none, so its unrouted calls redispatch to torch's CompositeExplicitAutograd kernel
+(on the CPU the kernel torch runs anyway; on CUDA torch's per-group mm loop, not its CUTLASS kernel, which
+the override hides while the mode is entered).
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
 
 from detkit.mode import gemm as mode_gemm
+from detkit.mode import grouped as mode_grouped
 from detkit.mode import reductions as mode_reductions
 from detkit.mode import state as mode_state
 
@@ -141,31 +143,32 @@ def _addbmm(self, batch1, batch2, *, beta=1, alpha=1):
     return aten.addbmm.out(self, batch1, batch2, beta=beta, alpha=alpha, out=_empty_like_out(batch1))
 
 
+# torch's own _grouped_mm below the override (it has no .out overload): the CompositeExplicitAutograd kernel.
+_GROUPED_MM = aten._grouped_mm.default if hasattr(aten, "_grouped_mm") else None
+_TORCH_GROUPED_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+def torch_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+    return _GROUPED_MM.redispatch(_TORCH_GROUPED_KEYS, a, b, offs, bias, out_dtype)
+
+
+def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
+    out = mode_grouped.grouped_mm(self, mat2, offs, bias, out_dtype)
+    return torch_grouped_mm(self, mat2, offs, bias, out_dtype) if out is None else out
+
+
 KERNELS = {
     "mm": _mm, "addmm": _addmm, "bmm": _bmm, "baddbmm": _baddbmm, "mean.dim": _mean_dim,
     "mv": _mv, "addmv": _addmv, "dot": _dot, "addbmm": _addbmm,
 }
-
-
-# The grouped GEMM's Python entry point while the mode is installed (its original kept to restore).
-_GROUPED_MM_ORIGINAL = None
-
-
-def _counting_grouped_mm(original):
-    @functools.wraps(original)
-    def grouped_mm(*args, **kwargs):
-        mode_state.not_routed("_grouped_mm", NO_ROUTE)
-        return original(*args, **kwargs)
-    return grouped_mm
+if _GROUPED_MM is not None:
+    KERNELS["_grouped_mm"] = _grouped_mm
 
 
 def install() -> None:
-    global _LIBRARY, _GROUPED_MM_ORIGINAL
+    global _LIBRARY
     if _LIBRARY is not None:
         return
-    if hasattr(torch, "_grouped_mm"):
-        _GROUPED_MM_ORIGINAL = torch._grouped_mm
-        torch._grouped_mm = _counting_grouped_mm(_GROUPED_MM_ORIGINAL)
     library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         # torch warns once that an aten kernel is overridden: that is the point here.
@@ -177,13 +180,10 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    global _LIBRARY, _GROUPED_MM_ORIGINAL
+    global _LIBRARY
     if _LIBRARY is not None:
         _LIBRARY._destroy()
         _LIBRARY = None
-    if _GROUPED_MM_ORIGINAL is not None:
-        torch._grouped_mm = _GROUPED_MM_ORIGINAL
-        _GROUPED_MM_ORIGINAL = None
 
 
 def installed() -> bool:

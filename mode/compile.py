@@ -5,7 +5,7 @@ Inductor does not call aten kernel overrides (it generates or picks its own kern
 overrides of ``mode_aten`` cannot reach a compiled graph. Instead, from the first time the mode is
 entered, ``torch._inductor.config.post_grad_custom_pre_pass`` holds ``ModeGraphPass``: in every
 graph Inductor compiles (forward and backward), each ``aten.mm`` / ``addmm`` / ``bmm`` /
-``mean.dim`` node becomes the matching ``detkit::mode_*`` op. Dynamo keeps custom ops opaque, and
+``mean.dim`` / ``_grouped_mm`` node becomes the matching ``detkit::mode_*`` op. Dynamo keeps custom ops opaque, and
 their fake impls give Inductor the shapes. At run time each op asks the mode: entered, it runs the
 same routing as eager (``mode_gemm`` / ``mode_reductions``: det_gemm's config chosen from the actual
 M of that call, never frozen at trace time; counted); not entered, torch's kernel. So one compiled
@@ -31,11 +31,12 @@ import torch
 
 from detkit.mode import aten as mode_aten
 from detkit.mode import gemm as mode_gemm
+from detkit.mode import grouped as mode_grouped
 from detkit.mode import state as mode_state
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
-PASS_VERSION = "detkit.mode_compile 1"
+PASS_VERSION = "detkit.mode_compile 2"  # bumped with every change to the rewrite (cached graphs key on it)
 _LAYOUT_TAGS = (torch.Tag.needs_exact_strides,) if hasattr(torch.Tag, "needs_exact_strides") else (
     torch.Tag.needs_fixed_stride_order,)
 # Inductor options set while the mode is entered (when this torch has them).
@@ -87,6 +88,31 @@ def mode_mean_dim(x: torch.Tensor, dim: list[int] | None, keepdim: bool, dtype: 
 @mode_mean_dim.register_fake
 def _mode_mean_dim_fake(x, dim, keepdim, dtype):
     return aten.mean.dim(x, dim, keepdim, dtype=dtype)
+
+
+@torch.library.custom_op("detkit::mode_grouped_mm", mutates_args=(), tags=_LAYOUT_TAGS)
+def mode_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype | None) -> torch.Tensor:
+    if mode_state.active():
+        out = mode_grouped.grouped_mm(a, b, offs, bias, out_dtype)
+        if out is None:
+            out = mode_aten.torch_grouped_mm(a, b, offs, bias, out_dtype)
+    else:
+        out = aten._grouped_mm.default(a, b, offs, bias, out_dtype)
+    # torch's CUDA kernel pads the output's rows to 16 bytes; the fake impl promises a contiguous tensor
+    return out if out.is_contiguous() else out.contiguous()
+
+
+@mode_grouped_mm.register_fake
+def _mode_grouped_mm_fake(a, b, offs, bias, out_dtype):
+    dtype = out_dtype or a.dtype
+    if a.dim() == 2 and b.dim() == 2:
+        return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]), dtype=dtype)
+    if a.dim() == 2:
+        return a.new_empty((a.shape[0], b.shape[-1]), dtype=dtype)
+    if b.dim() == 2:
+        return a.new_empty((a.shape[1], b.shape[1]), dtype=dtype)
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[-1]), dtype=dtype)
 
 
 # Autograd: aten's formulas, on the same ops (grad_weight keeps the weight's layout, as aten does).
@@ -148,7 +174,33 @@ def _mode_mean_dim_backward(ctx, grad):
     return (grad.expand(ctx.shape).to(ctx.in_dtype) / count, None, None, None)
 
 
+def _grouped_setup(ctx, inputs, output):
+    a, b, offs, bias, out_dtype = inputs
+    ctx.save_for_backward(a, b, offs)
+    ctx.has_bias, ctx.out_dtype = bias is not None, out_dtype
+
+
+def _mode_grouped_mm_backward(ctx, grad):
+    """torch's derivative of _grouped_mm for the forms an experts forward uses (2-D x 3-D with offsets, 3-D x 3-D);
+    others are refused, as they are not differentiable through this op."""
+    a, b, offs = ctx.saved_tensors
+    if ctx.has_bias or ctx.out_dtype is not None or b.dim() != 3:
+        raise NotImplementedError(f"detkit::mode_grouped_mm differentiates {a.dim()}-D x {b.dim()}-D with bias "
+                                  f"{ctx.has_bias} and out_dtype {ctx.out_dtype}; supported: 2-D x 3-D and 3-D x 3-D, "
+                                  "no bias, no out_dtype")
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = mode_grouped_mm(grad, b.transpose(-2, -1), offs if a.dim() == 2 else None, None, None)
+    if ctx.needs_input_grad[1]:
+        if a.dim() == 2:
+            grad_b = mode_grouped_mm(grad.t(), a, offs, None, None).transpose(-2, -1)
+        else:
+            grad_b = mode_grouped_mm(a.transpose(-2, -1), grad, None, None, None)
+    return grad_a, grad_b, None, None, None
+
+
 mode_mm.register_autograd(_mode_mm_backward, setup_context=_save_all)
+mode_grouped_mm.register_autograd(_mode_grouped_mm_backward, setup_context=_grouped_setup)
 mode_addmm.register_autograd(_mode_addmm_backward, setup_context=_addmm_setup)
 mode_bmm.register_autograd(_mode_bmm_backward, setup_context=_save_all)
 mode_mean_dim.register_autograd(_mode_mean_dim_backward, setup_context=_mean_setup)
@@ -172,16 +224,24 @@ def _mean_args(node):
     return (x, None if dim is None else list(dim), bool(keepdim), node.kwargs.get("dtype"))
 
 
+def _grouped_args(node):
+    names = ("offs", "bias", "out_dtype")
+    rest = list(node.args[2:]) + [node.kwargs.get(name) for name in names[len(node.args) - 2:]]
+    return (node.args[0], node.args[1], *rest)
+
+
 REWRITES = {
     aten.mm.default: (torch.ops.detkit.mode_mm.default, _mm_args),
     aten.addmm.default: (torch.ops.detkit.mode_addmm.default, _addmm_args),
     aten.bmm.default: (torch.ops.detkit.mode_bmm.default, _mm_args),
     aten.mean.dim: (torch.ops.detkit.mode_mean_dim.default, _mean_args),
 }
+if hasattr(aten, "_grouped_mm"):
+    REWRITES[aten._grouped_mm.default] = (torch.ops.detkit.mode_grouped_mm.default, _grouped_args)
 
 
 def rewrite_graph(graph: torch.fx.Graph) -> int:
-    """Replace every aten mm / addmm / bmm / mean.dim node of ``graph`` with its detkit op; returns
+    """Replace every aten mm / addmm / bmm / mean.dim / _grouped_mm node of ``graph`` with its detkit op; returns
     how many were replaced."""
     replaced = 0
     for node in list(graph.nodes):

@@ -9,6 +9,8 @@ What it routes while entered (process-wide, every thread; docs/mode.md):
 - aten mm / addmm / bmm / baddbmm on BF16 tensors (CUDA sm_90, or CPU under TRITON_INTERPRET=1) ->
   det_gemm, by operand layout to fwd / dA / dB (``gemm``); so nn.Linear, F.linear,
   torch.matmul and ``@``, forward and backward.
+- aten _grouped_mm (torch._grouped_mm, F.grouped_mm: transformers' "grouped_mm" MoE experts, forward and
+  backward) -> detkit.kernels.grouped (``grouped``).
 - aten mean.dim over the last dim (RMSNorm's variance) -> a fixed-order row mean
   (``reductions``, on
   detkit.kernels.reductions: torch's CUDA reduction changes its order with the row count).

@@ -16,3 +16,15 @@ def qwen3_30b_a3b_block(device, seed: int) -> "hf_moe.Qwen3MoeSparseMoeBlock":
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
     return block
+
+
+def grouped_mm_on_detkit(monkeypatch) -> None:
+    """transformers' "grouped_mm" experts with each grouped GEMM on detkit's grouped kernel, outside the mode: what
+    the mode runs when it leaves an experts call to transformers (its ``_grouped_mm`` calls are routed)."""
+    from detkit.kernels.grouped import grouped_mm
+
+    def detkit_grouped_mm(a, b, *, offs=None, bias=None, out_dtype=None):
+        if bias is not None or out_dtype not in (None, torch.bfloat16):
+            raise NotImplementedError("the reference takes no bias and no out_dtype")
+        return grouped_mm(a, b, offs)
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", detkit_grouped_mm)

@@ -33,7 +33,7 @@ FORBIDDEN = {KERNELS: (MODE, *HARNESS), MODE: HARNESS}
 # plumbing (det_gemm's tile math and launch helpers are the building blocks of the other families' GEMMs).
 PLUMBING = ("detkit.kernels.backend", "detkit.kernels.bounds")
 FAMILY_MAY_IMPORT = {"det_gemm": (), "attention": ("det_gemm",), "moe": ("det_gemm",), "parallel": ("det_gemm",),
-                     "reductions": ("det_gemm",)}
+                     "reductions": ("det_gemm",), "grouped": ("det_gemm",)}
 
 
 def _within(module: str, package: str) -> bool:

@@ -294,20 +294,3 @@ def test_decisions_are_per_signature_and_strict_is_per_call(device):
     counters = detkit.mode_counters().as_dict()
     assert counters["routed"] == {"mm -> det_gemm_fwd": 1, "mm -> det_gemm_da": 1}
     assert counters["not_routed"] == {"mm: dtype float32": 4}
-
-
-@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped GEMM")
-def test_grouped_gemm_is_counted_not_routed_and_restored_on_exit():
-    # transformers' MoE experts ("grouped_mm") call torch.nn.functional.grouped_mm / torch._grouped_mm.
-    x = torch.randn(8, 16, dtype=torch.bfloat16)
-    w = torch.randn(2, 16, 16, dtype=torch.bfloat16)
-    offs = torch.tensor([3, 8], dtype=torch.int32)
-    original = torch._grouped_mm
-    want = original(x, w, offs=offs)
-    with detkit.batch_invariant_mode():
-        got = torch.nn.functional.grouped_mm(x, w, offs=offs)
-    assert_bits(got, want, "torch's grouped GEMM")
-    assert detkit.mode_counters().as_dict()["not_routed"] == {"_grouped_mm: no detkit route for this op": 1}
-    with pytest.raises(detkit.ModeNotRoutedError, match="_grouped_mm"), detkit.batch_invariant_mode(strict=True):
-        torch._grouped_mm(x, w, offs=offs)
-    assert torch._grouped_mm is original

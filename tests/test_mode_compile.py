@@ -166,3 +166,68 @@ def test_compiled_reduce_overhead_runs_detkit_kernels(device):
         torch.cuda.synchronize()
     assert_bits(got, eager, "compiled + CUDA graphs vs eager")
     assert detkit.mode_counters().as_dict()["routed"]["addmm -> det_gemm_fwd"] >= 2
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped GEMM")
+def test_rewrite_graph_puts_grouped_gemms_on_the_mode_op():
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    a, b, offs = graph.placeholder("a"), graph.placeholder("b"), graph.placeholder("offs")
+    fwd = graph.call_function(aten._grouped_mm.default, (a, b, offs))
+    wgrad = graph.call_function(aten._grouped_mm.default, (a, b), {"offs": offs, "out_dtype": torch.bfloat16})
+    graph.output((fwd, wgrad))
+    assert mode_compile.rewrite_graph(graph) == 2
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    assert [n.target for n in nodes] == [torch.ops.detkit.mode_grouped_mm.default] * 2
+    assert [n.args[2:] for n in nodes] == [(offs, None, None), (offs, None, torch.bfloat16)]
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped GEMM")
+def test_a_compiled_grouped_linear_runs_detkits_grouped_kernels_with_eager_bits(device):
+    """Forward and backward of a compiled grouped linear: in the mode the eager route's bits and counts (the backward
+    graph's grad_input and grad_weight included); outside it torch's kernel through the same graph."""
+    import torch.nn.functional as F
+
+    def grouped_linear(x, w, offs):
+        return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+    x, w = bf16_randn((21, 16), 9, device), bf16_randn((3, 24, 16), 10, device)
+    offs = torch.tensor([5, 5, 19], dtype=torch.int32, device=device)
+    dy = bf16_randn((21, 24), 11, device)
+
+    def run_once(fn):
+        xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = fn(xl, wl, offs)
+        y.backward(dy)
+        return y.detach(), xl.grad, wl.grad
+
+    with detkit.batch_invariant_mode(strict=True):
+        eager = run_once(grouped_linear)
+        detkit.reset_mode_counters()
+        compiled = run_once(torch.compile(grouped_linear))
+    for name, got, want in zip(("y", "x.grad", "w.grad"), compiled, eager):
+        assert_bits(got, want, name)
+    assert detkit.mode_counters().as_dict()["routed"] == {"_grouped_mm -> detkit.grouped_mm": 2,
+                                                          "_grouped_mm -> detkit.grouped_wgrad": 1}
+    detkit.reset_mode_counters()
+    outside = run_once(torch.compile(grouped_linear))
+    assert detkit.mode_counters().as_dict() == {"routed": {}, "not_routed": {}}
+    assert_bits(outside[0][:19], grouped_linear(x, w, offs)[:19], "outside the mode: torch's kernel")
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped GEMM")
+def test_the_grouped_ops_autograd_matches_aten_in_the_mode(device):
+    x, w = bf16_randn((13, 16), 12, device), bf16_randn((2, 8, 16), 13, device)
+    offs = torch.tensor([6, 13], dtype=torch.int32, device=device)
+    dy = bf16_randn((13, 8), 14, device)
+
+    def grads(fn):
+        xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        fn(xl, wl.transpose(-2, -1)).backward(dy)
+        return xl.grad, wl.grad
+
+    with detkit.batch_invariant_mode():
+        ours = grads(lambda a, b: torch.ops.detkit.mode_grouped_mm(a, b, offs, None, None))
+        theirs = grads(lambda a, b: torch._grouped_mm(a, b, offs=offs))
+    assert_bits(ours[0], theirs[0], "grad_input")
+    assert_bits(ours[1], theirs[1], "grad_weight")

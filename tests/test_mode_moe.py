@@ -26,7 +26,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe  # noqa: E402
 
 from tests.conftest import assert_bits_equal  # noqa: E402
-from tests.mode_moe_helpers import qwen3_30b_a3b_block  # noqa: E402
+from tests.mode_moe_helpers import grouped_mm_on_detkit, qwen3_30b_a3b_block  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=128,
@@ -213,20 +213,23 @@ def test_masked_routes_stay_masked(device):
     assert bool((got[2] == 0).all())
 
 
-def test_what_the_layer_does_not_cover_is_counted_or_raised(device):
+def test_what_the_layer_does_not_cover_is_counted_or_raised(device, monkeypatch):
     block = tiny_model(device, seed=11).model.layers[0].mlp
     x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(12)).to(device=device, dtype=torch.bfloat16)
     block.experts._is_expert_parallel = True
     with torch.no_grad():
-        want = block(x)  # transformers' own implementation
+        with monkeypatch.context() as patch:
+            grouped_mm_on_detkit(patch)
+            want = block(x)  # transformers' own implementation, its grouped GEMMs on detkit's grouped kernel
         with detkit.batch_invariant_mode():
             got = block(x)
         assert_bits_equal(got, want, "not routed: transformers' own block")
         reason = "Qwen3MoeExperts._is_expert_parallel = True (supported: False)"
         not_routed = detkit.mode_counters().as_dict()["not_routed"]
-        assert not_routed.pop(f"{EXPERTS}: {reason}") == 1
-        # what transformers' experts ran on: torch's grouped GEMM (counted too) or nothing else
-        assert set(not_routed) <= {"_grouped_mm: no detkit route for this op"}
+        assert not_routed == {f"{EXPERTS}: {reason}": 1}
+        # what transformers' experts ran on: the mode's grouped GEMM route (CPU and GPU run transformers' grouped_mm)
+        assert {k: v for k, v in routed().items() if k.startswith("_grouped_mm")} == {
+            "_grouped_mm -> detkit.grouped_mm": 2}
         with pytest.raises(detkit.ModeNotRoutedError, match="expert_parallel"), \
                 detkit.batch_invariant_mode(strict=True):
             block(x)

@@ -24,7 +24,7 @@ from detkit.toolkit.contract import compare_bits, rel_l2  # noqa: E402
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 from tests.conftest import assert_bits_equal  # noqa: E402
-from tests.mode_moe_helpers import qwen3_30b_a3b_block  # noqa: E402
+from tests.mode_moe_helpers import grouped_mm_on_detkit, qwen3_30b_a3b_block  # noqa: E402
 
 # The smallest config the FP8 layer takes: H and I multiples of 128.
 TINY_128 = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_experts=4,
@@ -306,22 +306,25 @@ def test_a_captured_call_reads_the_static_weights_only_when_asked(device, monkey
 # ---------------------------------------------------------------------------------------------
 # What the FP8 layer does not cover
 # ---------------------------------------------------------------------------------------------
-def test_a_block_the_fp8_layer_does_not_cover_runs_transformers_experts_counted_or_raises(device):
-    """H = 64, I = 32: not multiples of 128. Not strict: transformers' own experts (not detkit's BF16 layer),
-    counted with the reason; strict: ModeNotRoutedError before any work."""
+def test_a_block_the_fp8_layer_does_not_cover_runs_transformers_experts_counted_or_raises(device, monkeypatch):
+    """H = 64, I = 32: not multiples of 128. Not strict: transformers' own experts (not detkit's BF16 layer; their
+    grouped GEMMs on the mode's grouped GEMM route), counted with the reason; strict: ModeNotRoutedError before any
+    work."""
     experts = tiny_model(device, seed=16, hidden_size=64, moe_intermediate_size=32,
                          num_experts=4).model.layers[0].mlp.experts
     x, ids, weights = routing_inputs(device, seed=17, hidden=64, sentinel=False)
     reason = "FP8 experts need H and I multiples of 128; got H = 64, I = 32 (moe_experts='fp8')"
     with torch.no_grad():
-        want = experts(x, ids, weights)  # transformers' own implementation
+        with monkeypatch.context() as patch:
+            grouped_mm_on_detkit(patch)
+            want = experts(x, ids, weights)  # transformers' own implementation, grouped GEMMs on detkit's kernel
         with detkit.batch_invariant_mode(moe_experts="fp8"):
             got = experts(x, ids, weights)
         assert_bits_equal(got, want, "not routed: transformers' own experts")
         counters = detkit.mode_counters().as_dict()
-        assert counters["routed"] == {} and counters["not_routed"].pop(f"{EXPERTS}: {reason}") == 1
-        # what transformers' experts ran on: torch's grouped GEMM (counted too) or nothing else
-        assert set(counters["not_routed"]) <= {"_grouped_mm: no detkit route for this op"}
+        assert counters["not_routed"] == {f"{EXPERTS}: {reason}": 1}
+        # what transformers' experts ran on: the mode's grouped GEMM route, nothing else
+        assert counters["routed"] == {"_grouped_mm -> detkit.grouped_mm": 2}
         with pytest.raises(detkit.ModeNotRoutedError, match="multiples of 128"), \
                 detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
             experts(x, ids, weights)

@@ -1,0 +1,59 @@
+"""Pure-torch references of the grouped GEMM family, what every test and audit compares the kernels to.
+
+``*_ref``: the exact products accumulated in FP64 (or FP32) and left unrounded, for the contract's error bound.
+``*_sequential``: the interpreter's semantics, bit for bit: each output element the exact BF16 products added one
+at a time in FP32 in ascending order of the reduced index, then rounded once to BF16 (nearest-even). Both read the
+offsets on the host (they are references, not a route).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    ends = [int(v) for v in offs.tolist()]
+    return list(zip([0] + ends[:-1], ends))
+
+
+def grouped_mm_ref(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype = torch.float64):
+    """``a [M, K]``, ``b [G, K, N]``, ``offs [G]``: rows ``offs[g-1]:offs[g]`` times ``b[g]``, unrounded in ``dtype``;
+    rows past ``offs[-1]`` are 0 (as the kernel writes them)."""
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=dtype, device=a.device)
+    for g, (s, e) in enumerate(_bounds(offs)):
+        out[s:e] = a[s:e].to(dtype) @ b[g].to(dtype)
+    return out
+
+
+def grouped_wgrad_ref(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype = torch.float64):
+    """``a [P, R]``, ``b [R, Q]``, ``offs [G]`` along R: ``[G, P, Q]`` with ``out[g] = a[:, s:e] @ b[s:e]``,
+    unrounded in ``dtype`` (0 for an empty group)."""
+    out = torch.zeros(offs.shape[0], a.shape[0], b.shape[1], dtype=dtype, device=a.device)
+    for g, (s, e) in enumerate(_bounds(offs)):
+        out[g] = a[:, s:e].to(dtype) @ b[s:e].to(dtype)
+    return out
+
+
+def _sequential(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [M, L] @ b [L, N]``: one FP32 add per exact product, ascending in L, rounded once to BF16."""
+    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    a32, b32 = a.float(), b.float()
+    for i in range(a.shape[1]):
+        acc = acc + a32[:, i:i + 1] * b32[i:i + 1, :]  # BF16 x BF16 is exact in FP32; separate ops: no FMA
+    return acc.to(torch.bfloat16)
+
+
+def grouped_mm_sequential(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm_ref``'s product with the interpreter's rounding (module docstring), in BF16."""
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.bfloat16, device=a.device)
+    for g, (s, e) in enumerate(_bounds(offs)):
+        out[s:e] = _sequential(a[s:e], b[g])
+    return out
+
+
+def grouped_wgrad_sequential(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grouped_wgrad_ref``'s product with the interpreter's rounding, in BF16: each group's rows ascending."""
+    out = torch.zeros(offs.shape[0], a.shape[0], b.shape[1], dtype=torch.bfloat16, device=a.device)
+    for g, (s, e) in enumerate(_bounds(offs)):
+        out[g] = _sequential(a[:, s:e], b[s:e])
+    return out

@@ -1,0 +1,248 @@
+"""detkit's grouped GEMMs (kernels/grouped, what detkit mode routes ``torch._grouped_mm`` to) against
+``torch._grouped_mm`` at MoE shapes: validate, then time, one long-format row per (case, op, impl).
+
+    python -m tools.grouped_mm_bench --device cuda --json OUT/grouped.json          # the default sweep
+    python -m tools.grouped_mm_bench --device cuda --case 8 4096 14336 4096          # E H I ROWS (repeatable)
+    python -m tools.grouped_mm_bench --device cuda --configs                          # + candidate configs' bits/time
+    python -m tools.grouped_mm_bench --device cpu --case 4 64 32 64 --rounds 1       # the plumbing (interpreter)
+
+A case is an MoE layer's expert GEMMs: E experts, hidden H, expert width I, ROWS = T*K routes spread over the experts
+by seeded uniform routing (expert-sorted, offsets int32 cumulative, as transformers' "grouped_mm" experts build
+them). The ops, in transformers' layouts (weights stored [E, N, K] and passed as ``w.transpose(-2, -1)``):
+``up`` x [ROWS, H] @ gate_up [E, 2I, H]^T -> [ROWS, 2I]; ``down`` h [ROWS, I] @ down [E, H, I]^T -> [ROWS, H];
+``up_dgrad`` dy [ROWS, 2I] @ gate_up [E, 2I, H] -> [ROWS, H] (autograd's grad_input); ``up_wgrad``
+dy^T [2I, ROWS] @ x [ROWS, H] -> [E, 2I, H] (autograd's grad_weight, offsets along ROWS).
+
+Impls: ``torch`` (torch._grouped_mm), ``detkit`` (the kernel called directly), ``detkit_mode`` (``torch._grouped_mm``
+inside ``detkit.batch_invariant_mode()``: the route's host path included). Validation before timing: detkit's
+result within the GEMM contract's bound against FP64 on three groups (first, largest, last non-empty), and a token's
+row alone equal bit for bit to its row in the batch (up); torch's result against the same oracle, reported
+(relative L2). Timing (toolkit.timing's protocol): ``eager_us`` back-to-back calls with L2 flushed (do_bench,
+interleaved rounds, median), ``graph_us`` the median CUDA-graph replay of one call (no host path); TFLOP/s = 2 *
+ROWS * N * K / time. ``ratio`` = detkit impl / torch in the same run, same rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+OPS = ("up", "down", "up_dgrad", "up_wgrad")
+# (E, H, I, ROWS): Mixtral-8x7B (top-2), gpt-oss-20b (E 32, top-4), DeepSeek-V2-Lite-like (E 64, top-6),
+# Qwen3-30B-A3B (E 128, top-8), Qwen3-235B-A22B (E 128, H 4096, I 1536, top-8); ROWS = T*K from 2048 to 65536.
+SWEEP = [
+    (8, 4096, 14336, 4096), (8, 4096, 14336, 16384),
+    (32, 2880, 2880, 8192),
+    (64, 2048, 1408, 12288),
+    (128, 2048, 768, 2048), (128, 2048, 768, 16384), (128, 2048, 768, 65536),
+    (128, 4096, 1536, 65536),
+]
+
+
+def routing(e: int, rows: int, seed: int, device) -> tuple[torch.Tensor, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, e, (rows,), generator=gen)
+    sizes = torch.bincount(ids, minlength=e).tolist()
+    return torch.tensor(sizes).cumsum(0).to(torch.int32).to(device), sizes
+
+
+def operands(case, device):
+    from detkit.toolkit.fixtures import bf16_randn
+
+    e, h, i, rows = case
+    offs, sizes = routing(e, rows, 0, device)
+    gate_up = bf16_randn((e, 2 * i, h), 1, device, scale=h**-0.5)
+    down = bf16_randn((e, h, i), 2, device, scale=i**-0.5)
+    x = bf16_randn((rows, h), 3, device)
+    hid = bf16_randn((rows, i), 4, device)
+    dy = bf16_randn((rows, 2 * i), 5, device)
+    # (a, b, dims for the FLOP count: N, K) per op, in the layouts transformers and autograd pass
+    return offs, sizes, {
+        "up": (x, gate_up.transpose(-2, -1), 2 * i, h),
+        "down": (hid, down.transpose(-2, -1), h, i),
+        "up_dgrad": (dy, gate_up, h, 2 * i),
+        "up_wgrad": (dy.t(), x, h, rows),
+    }
+
+
+def detkit_call(a, b, offs, config=None):
+    from detkit.kernels.grouped import grouped_mm, grouped_wgrad
+
+    return grouped_wgrad(a, b, offs, config=config) if b.dim() == 2 else grouped_mm(a, b, offs, config=config)
+
+
+def validate(op, a, b, offs, sizes, k_len, device) -> dict:
+    """detkit within the bound on three groups; torch's and detkit's relative L2 there; batch invariance (up). The FP64
+    oracle runs on the operands' device (FP64 GEMMs of an expert's rows take seconds on a GPU, minutes on a CPU)."""
+    from detkit.kernels.bounds import gemm_bound
+    from detkit.kernels.grouped import grouped_mm, grouped_mm_ref, grouped_wgrad_ref
+    from detkit.toolkit.contract import check_bound
+
+    ours, theirs = detkit_call(a, b, offs), torch._grouped_mm(a, b, offs=offs)
+    nonempty = [g for g, s in enumerate(sizes) if s]
+    groups = sorted({nonempty[0], max(nonempty, key=lambda g: sizes[g]), nonempty[-1]})
+    ends = offs.tolist()
+    passed, worst, err_ours, err_theirs, norm = True, 0.0, 0.0, 0.0, 0.0
+    for g in groups:
+        s, e = (ends[g - 1] if g else 0), ends[g]
+        one = torch.tensor([e - s], dtype=torch.int32)
+        if b.dim() == 2:
+            ga, gb = a[:, s:e], b[s:e]
+            star = grouped_wgrad_ref(ga, gb, one)[0]
+            abs_ab = grouped_wgrad_ref(ga.abs(), gb.abs(), one)[0]
+            got, their, k = ours[g], theirs[g], e - s
+        else:
+            ga, gb = a[s:e], b[g:g + 1]
+            star = grouped_mm_ref(ga, gb, one)
+            abs_ab = grouped_mm_ref(ga.abs(), gb.abs(), one)
+            got, their, k = ours[s:e], theirs[s:e], k_len
+        result = check_bound(got, star, gemm_bound(star, abs_ab, k))
+        passed &= result.passed
+        worst = max(worst, float(((got.double() - star).abs() / gemm_bound(star, abs_ab, k)).max()))
+        err_ours += float(((got.double() - star) ** 2).sum())
+        err_theirs += float(((their.double() - star) ** 2).sum())
+        norm += float((star**2).sum())
+    out = {"within_bound": bool(passed), "worst_err_over_bound": worst,
+           "rel_l2_detkit": (err_ours / norm) ** 0.5, "rel_l2_torch": (err_theirs / norm) ** 0.5}
+    if op == "up":
+        g = max(range(len(sizes)), key=lambda j: sizes[j])
+        row = (ends[g - 1] if g else 0) + sizes[g] // 2
+        alone = [0] * len(sizes)
+        alone[g] = 1
+        single = grouped_mm(a[row:row + 1], b, torch.tensor(alone, dtype=torch.int32).cumsum(0).to(torch.int32)
+                            .to(device))
+        out["row_alone_equals_batch"] = bool(torch.equal(single.view(torch.int16), ours[row:row + 1].view(torch.int16)))
+    return out
+
+
+def graph_time_us(fn, device, rounds: int, replays: int = 20) -> float:
+    """Median CUDA-graph replay time of one call (no host path in it)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(rounds):
+        graph.replay()
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3)
+    return sorted(samples)[len(samples) // 2]
+
+
+def candidate_configs(op, device):
+    """Configs to time beside the pinned one (each must give the pinned one's bits); small ones on the interpreter,
+    whose [BLOCK_M, BLOCK_K, BLOCK_N] products must stay under Triton's tensor limit."""
+    from detkit.kernels.grouped.configs import GroupedConfig
+
+    if device.type != "cuda":
+        return [GroupedConfig(16, 16, 16, 4, 1), GroupedConfig(32, 16, 32, 4, 1)]
+    if op == "up_wgrad":
+        return [GroupedConfig(128, 128, 64, 8, 3), GroupedConfig(128, 256, 64, 8, 3), GroupedConfig(64, 128, 64, 4, 4),
+                GroupedConfig(128, 128, 32, 8, 4)]
+    return [GroupedConfig(64, 128, 64, 4, 4), GroupedConfig(128, 128, 64, 8, 3), GroupedConfig(128, 256, 64, 8, 3),
+            GroupedConfig(64, 256, 64, 8, 3), GroupedConfig(32, 128, 64, 4, 4)]
+
+
+def run_case(case, device, rounds: int, configs: bool) -> list[dict]:
+    import detkit
+    from detkit.toolkit.timing import time_interleaved
+
+    e, h, i, rows = case
+    offs, sizes, ops = operands(case, device)
+    out = []
+    for op in OPS:
+        a, b, n, k = ops[op]
+        flops = 2.0 * rows * n * k if op != "up_wgrad" else 2.0 * n * k * rows
+        check = validate(op, a, b, offs, sizes, k if op != "up_wgrad" else None, device)
+        fns = {"torch": lambda: torch._grouped_mm(a, b, offs=offs), "detkit": lambda: detkit_call(a, b, offs),
+               "detkit_mode": lambda: torch._grouped_mm(a, b, offs=offs)}
+        contexts = {"detkit_mode": detkit.batch_invariant_mode}
+        if configs:
+            for j, cfg in enumerate(candidate_configs(op, device)):
+                fns[f"config{j}"] = (lambda cfg=cfg: detkit_call(a, b, offs, cfg))
+        eager = time_interleaved(fns, device, rounds=rounds, contexts=contexts)
+        graph = {}
+        if device.type == "cuda":
+            for name, fn in fns.items():
+                if name == "detkit_mode":
+                    with detkit.batch_invariant_mode():
+                        graph[name] = graph_time_us(fn, device, rounds)
+                else:
+                    graph[name] = graph_time_us(fn, device, rounds)
+        bits = {}
+        if configs:
+            want = detkit_call(a, b, offs).view(torch.int16)
+            for j, cfg in enumerate(candidate_configs(op, device)):
+                bits[f"config{j}"] = bool(torch.equal(detkit_call(a, b, offs, cfg).view(torch.int16), want))
+        for name, t in eager.items():
+            row = {"case": f"E={e} H={h} I={i} rows={rows}", "op": op, "impl": name, "E": e, "H": h, "I": i,
+                   "rows": rows, "groups_min": min(sizes), "groups_max": max(sizes), "eager_us": t.median_us,
+                   "eager_p20_us": t.p20_us, "eager_p80_us": t.p80_us, "sm_clock_mhz": t.sm_clock_mhz,
+                   "graph_us": graph.get(name), "validation": check if name == "detkit" else None}
+            row["tflops_graph"] = flops / (row["graph_us"] * 1e-6) / 1e12 if row["graph_us"] else None
+            row["eager_ratio_vs_torch"] = t.median_us / eager["torch"].median_us
+            row["graph_ratio_vs_torch"] = (graph[name] / graph["torch"]) if graph else None
+            if name.startswith("config"):
+                cfg = candidate_configs(op, device)[int(name[6:])]
+                row["config"] = cfg.__dict__
+                row["same_bits_as_pinned"] = bits[name]
+            out.append(row)
+        print(f"{row['case']:>34} {op:>9}: " + "  ".join(
+            f"{r['impl']} {r['eager_us']:.0f}/{(r['graph_us'] or 0):.0f}us" for r in out[-len(eager):])
+            + f"  [{'ok' if check['within_bound'] else 'OUT OF BOUND'}"
+            + (f", row invariant {check['row_alone_equals_batch']}" if "row_alone_equals_batch" in check else "")
+            + "]", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--case", nargs=4, type=int, action="append", metavar=("E", "H", "I", "ROWS"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--configs", action="store_true", help="also time candidate configs and compare their bits")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cases = [tuple(c) for c in args.case] if args.case else SWEEP
+    rows, failures = [], []
+    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
+            "python": platform.python_version(), "device": (torch.cuda.get_device_name(device)
+                                                             if device.type == "cuda" else "cpu (interpreter)")}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    for case in cases:
+        try:
+            rows += run_case(case, device, args.rounds, args.configs)
+        except torch.OutOfMemoryError as exc:
+            failures.append({"case": case, "error": f"out of memory: {str(exc).splitlines()[0]}"})
+            torch.cuda.empty_cache()
+        if args.json:  # after every case: a run stopped at its time limit keeps what finished
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows, "failures": failures}, f, indent=1)
+    bad = [r for r in rows if r["validation"] and (not r["validation"]["within_bound"]
+                                                   or r["validation"].get("row_alone_equals_batch") is False)]
+    bad += [r for r in rows if r.get("same_bits_as_pinned") is False]
+    print(f"{len(rows)} rows, {len(bad)} failed checks, {len(failures)} cases not run", file=sys.stderr)
+    return 1 if bad or failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
