@@ -163,7 +163,10 @@ def _tagged_mask(builder):
         mask = builder(*args, **kwargs)
         attention = attention_module()
         tag = getattr(attention, "tag_mask_anchor", None) if attention is not None else None
-        if tag is not None and isinstance(mask, torch.Tensor) and not args:
+        # Keyword arguments only, as transformers calls its mask interface; a call this wrapper cannot read (another
+        # transformers version's signature) leaves the mask untagged, and a sliding mask that needs the tag is then
+        # refused by name, never guessed.
+        if tag is not None and isinstance(mask, torch.Tensor) and not args and "batch_size" in kwargs:
             tag(mask, kwargs.get("attention_mask"), kwargs.get("kv_offset", 0), kwargs["batch_size"])
         return mask
 

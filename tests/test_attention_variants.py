@@ -434,3 +434,17 @@ def test_gpu_window_matches_sdpa_with_a_sliding_mask(device):
     mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
     theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert (ours.float() - theirs.float()).abs().max() <= 2 ** -5
+
+
+def test_a_mask_the_kernels_do_not_cover_is_refused_by_name_and_falls_back_in_transformers_route(device):
+    """A bidirectional block inside a sliding mask (Gemma-3's image tokens): a ValueError for a direct call and a
+    NotImplementedError for transformers' route (which then runs transformers' own function, counted)."""
+    from detkit.kernels.attention import hf_attention_forward
+
+    q, k, v = _qkv(1, 4, 2, 12, 12, 64, 109, device)
+    mask = _sliding_mask(torch.ones(1, 12, dtype=torch.bool, device=device), 12, 12, 0, 6)
+    mask[..., 3:6, 3:6] = True  # three tokens that see each other both ways
+    with pytest.raises(ValueError, match="is not causal \\+ padding \\+ sliding window 6"):
+        hf_attention_forward(_Attn(), q, k, v, mask, sliding_window=6)
+    with pytest.raises(NotImplementedError, match="is not causal \\+ padding"):
+        hf_attention_forward(_Attn(), q, k, v, mask, sliding_window=6)

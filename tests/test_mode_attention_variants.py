@@ -1,7 +1,7 @@
-"""transformers models with sliding windows under detkit mode and with attn_implementation="detkit": the rollout
-(left-padded prefill + token-by-token decode with transformers' cache, whose sliding-window layers drop keys) gives
-the trainer's logits bit for bit (one forward over prompt + completion, right padding), every attention call on
-the kernel. Tiny random configs on the CPU interpreter (the kernels' 16-key tiles; a window of 4 or 6 keys, so the
+"""transformers models with sliding windows (Mistral, Gemma-3), softcapping (Gemma-2) and sinks (gpt-oss) under
+detkit mode and with attn_implementation="detkit": the rollout (left-padded prefill + token-by-token decode with
+transformers' cache, whose sliding-window layers drop keys) gives the trainer's logits bit for bit (one forward over
+each sequence alone, unpadded), every attention call on the kernel. Tiny random configs on the CPU interpreter (the kernels' 16-key tiles; a window of 4 or 6 keys, so the
 decode steps run past it)."""
 
 from __future__ import annotations
@@ -52,19 +52,31 @@ def _rollout_vs_trainer(model, device, width=9, gen=5, pads=(0, 3)):
     return torch.stack(steps, 1), torch.stack(trainer)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "detkit"])
-def test_sliding_window_rollout_equals_trainer_bitwise_every_call_routed(attn, device):
+def _gemma3(device, attn):
+    config = transformers.Gemma3TextConfig(**TINY, num_hidden_layers=2, sliding_window=4, query_pre_attn_scalar=64,
+                                           layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                             attn_implementation=attn).eval()
+
+
+@pytest.mark.parametrize("model_name,attn", [("mistral", "sdpa"), ("mistral", "detkit"), ("gemma3", "sdpa")])
+def test_sliding_window_rollout_equals_trainer_bitwise_every_call_routed(model_name, attn, device):
+    """Mistral (every layer sliding) and Gemma-3 (sliding and global layers mixed) through transformers' "sdpa"
+    under the mode (their calls were refused before: "sliding_window is not supported"), and Mistral on "detkit"."""
     if attn == "detkit":
         mode_attention.register_transformers_attention()
-    model = _mistral(device, attn)
+    model = _mistral(device, attn) if model_name == "mistral" else _gemma3(device, attn)
     detkit.reset_mode_counters()
-    with detkit.batch_invariant_mode(strict=True):
+    # Gemma-3's norms take a mean the mode does not route yet (counted): strict only where everything is routed.
+    with detkit.batch_invariant_mode(strict=model_name == "mistral"):
         rollout, trainer = _rollout_vs_trainer(model, device)
     result = compare_bits(rollout, trainer)
     assert result.equal, result
     counters = detkit.mode_counters().as_dict()
     assert counters["routed"]["attention (transformers) -> detkit.attention"] > 0
-    assert counters["not_routed"] == {}
+    assert not [key for key in counters["not_routed"] if key.startswith(("attention", "sdpa"))], counters
 
 
 def _gemma2(device):

@@ -82,9 +82,10 @@ def _check_sinks(sinks, heads_q: int, device: torch.device) -> None:
 def _window_of(window) -> int | None:
     if window is None:
         return None
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1 or window > MAX_INT32_OFFSET:
-        raise ValueError(f"window {window!r} is not supported; supported: an int >= 1 (a query at position p sees keys "
-                         "(p - window, p]), or None")
+    # At most 2**30: the kernels add the window to 32-bit key positions (a key tile's last query, n + window).
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1 or window > 2**30:
+        raise ValueError(f"window {window!r} is not supported; supported: an int in [1, 2**30] (a query at position p "
+                         "sees keys (p - window, p]), or None")
     return window
 
 

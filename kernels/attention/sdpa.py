@@ -92,6 +92,12 @@ def sdpa_unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is
 # ---------------------------------------------------------------------------------------------
 # Mask -> per-sequence key windows
 # ---------------------------------------------------------------------------------------------
+class MaskNotCovered(ValueError, NotImplementedError):
+    """A mask whose values are not causal + padding (+ the call's window): a ValueError for a direct call (the
+    values are wrong for what was asked), a NotImplementedError for transformers' attention route, which then runs
+    transformers' own function, counted (e.g. Gemma-3's bidirectional image-token masks, packed-sequence masks)."""
+
+
 MASK_ANCHOR_ATTR = "detkit_kv_start"  # int32 [B] on a mask tensor: each sequence's first key, in key indices
 
 
@@ -200,7 +206,7 @@ def checked_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int,
         return kv_start, kv_end
     ok, hidden = bool(ok), bool(hidden)  # one host sync
     if not ok:
-        raise ValueError(f"attn_mask (shape {tuple(attn_mask.shape)}, dtype {attn_mask.dtype}) is not causal + "
+        raise MaskNotCovered(f"attn_mask (shape {tuple(attn_mask.shape)}, dtype {attn_mask.dtype}) is not causal + "
                          "padding" + (f" + sliding window {window}" if window is not None else "") + ": supported are "
                          "masks where each sequence sees one window of keys and query i its window up to its own "
                          "position, with masked values False, -inf or the dtype's minimum")
