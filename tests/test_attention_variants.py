@@ -448,3 +448,15 @@ def test_a_mask_the_kernels_do_not_cover_is_refused_by_name_and_falls_back_in_tr
         hf_attention_forward(_Attn(), q, k, v, mask, sliding_window=6)
     with pytest.raises(NotImplementedError, match="is not causal \\+ padding"):
         hf_attention_forward(_Attn(), q, k, v, mask, sliding_window=6)
+
+
+def test_varlen_with_softcap_sinks_and_window_matches_padded(device):
+    q, k, v = _qkv(2, 4, 2, 18, 18, 64, 113, device, q_scale=2.0)
+    kw = {"softcap": 5.0, "sinks": _sinks(device), "window": 5}
+    padded = attention(q, k, v, **kw)
+    packed = [t.transpose(1, 2).reshape(36, t.shape[1], 64) for t in (q, k, v)]
+    cu = _i32([0, 18, 36], device)
+    out = attention_varlen(*packed, cu, cu, 18, 18, **kw)
+    _bits(out, padded.transpose(1, 2).reshape(36, 4, 64), "packed")
+    ref = attention_varlen_ref(*packed, cu, cu, **kw)
+    assert (out.float() - ref.float()).abs().max() <= 2 ** -6
