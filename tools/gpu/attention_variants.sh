@@ -29,7 +29,7 @@ if [[ ${DRY_RUN:-0} == 1 ]]; then
   begin_run() { mkdir -p "$OUT"; }
 fi
 begin_run  # PYTHONPATH and the run's environment, $OUT, steps.txt, versions.txt
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$OUT/../triton-cache-attention-variants}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}  # shared by the steps: compiles once
 
 SASS_PY='
 import json, sys
