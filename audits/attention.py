@@ -11,6 +11,9 @@ Checks, each one row (names as the launches', docs/attention.md):
 - ``repetitions`` / ``fresh_process``: forward and backward (o, dq, dk, dv) give the same bits on every call and
   in a new Python process.
 - ``bound``: o, dq, dk, dv within the per-element bound of the FP64 oracle (drift statistics beside it).
+- ``variant_*``: the variants (sliding window; softcap; sinks + window; all three): decode against the full cache
+  and against a sliding-window cache that dropped keys (a negative kv_start), chunked prefill, batch position and
+  left padding bit for bit against the variant's prefill; and o, dq, dk, dv (dsinks) within the FP64 bound.
 """
 
 from __future__ import annotations
@@ -260,6 +263,83 @@ def bound_rows(ctx: RunContext, shape: AuditShape) -> Iterator[Row]:
             torch.cuda.empty_cache()
 
 
+def variant_specs(ctx: RunContext, heads_q: int) -> dict[str, dict]:
+    """The variants' arguments: windows that the audit's sequences cross (the interpreter's 16-key tiles; 300 keys
+    on the GPU), Gemma-2's softcap (50; 5 on the interpreter's small logits), per-head sinks."""
+    window, softcap = (7, 5.0) if ctx.interpreted else (300, 50.0)
+    sinks = torch.linspace(-2.0, 3.0, heads_q, device=ctx.device).to(torch.bfloat16)
+    return {"window": {"window": window}, "softcap": {"softcap": softcap},
+            "sinks+window": {"sinks": sinks, "window": window},
+            "window+softcap+sinks": {"window": window, "softcap": softcap, "sinks": sinks}}
+
+
+def variant_rows(ctx: RunContext, shape: AuditShape, head_dim: int) -> Iterator[Row]:
+    case = AttnCase(shape.batch, shape.heads_q, shape.heads_kv, shape.seq, head_dim, ctx.seed + 300)
+    q, k, v, _ = qkv(case, ctx.device)
+    cfg = select_configs(ctx.backend, head_dim).fwd
+    for label, kw in variant_specs(ctx, case.heads_q).items():
+        name = f"{case.name} {label}"
+        with nvtx_range(f"prefill {name}"):
+            prefill = attention(q, k, v, **kw)
+        window = kw.get("window", case.seq)
+        positions = _decode_positions(case.seq, shape.decode_stride * 7, cfg.block_n, cfg.block_m)
+        positions = sorted({*positions, *(p for p in (window - 1, window, window + 1) if p < case.seq)})
+        pairs, sliding = [], []
+        with nvtx_range(f"variant_decode {name}"):
+            for i in positions:
+                pairs.append((attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], **kw),
+                              prefill[:, :, i:i + 1]))
+                if "window" in kw:
+                    first = max(i - window + 1, 0)
+                    start = torch.full((case.batch,), -first, dtype=torch.int32, device=ctx.device)
+                    sliding.append((attention(q[:, :, i:i + 1], k[:, :, first:i + 1], v[:, :, first:i + 1],
+                                              kv_start=start, **kw), prefill[:, :, i:i + 1]))
+        yield bits_row(ctx, "variant_decode", f"variant_decode {name}", pairs, positions=len(positions))
+        if sliding:
+            yield bits_row(ctx, "variant_decode", f"variant_decode_sliding_cache {name}", sliding,
+                           positions=len(positions))
+        chunk = shape.chunks[len(shape.chunks) // 2]
+        with nvtx_range(f"variant_chunked_prefill {name}"):
+            parts = [attention(q[:, :, s:s + chunk], k[:, :, :s + chunk], v[:, :, :s + chunk], **kw)
+                     for s in range(0, case.seq, chunk)]
+            perm = list(range(case.batch))[::-1]
+            batch = attention(q[perm], k[perm], v[perm], **kw)
+            pad = shape.pad
+            padded = attention(*(torch.cat([torch.zeros_like(t[:, :, :pad]), t], 2) for t in (q, k, v)),
+                               kv_start=_i32([pad] * case.batch, ctx.device), **kw)
+        yield bits_row(ctx, "variant_chunked_prefill", f"variant_chunked_prefill {name} chunk={chunk}",
+                       [(torch.cat(parts, 2), prefill)], chunk=chunk)
+        yield bits_row(ctx, "variant_batch_position", f"variant_batch_position {name}", [(batch, prefill[perm])])
+        yield bits_row(ctx, "variant_padding", f"variant_padding {name} left={pad}", [(padded[:, :, pad:], prefill)])
+    yield from variant_bound_rows(ctx, shape, head_dim)
+
+
+def variant_bound_rows(ctx: RunContext, shape: AuditShape, head_dim: int) -> Iterator[Row]:
+    group = shape.heads_q // shape.heads_kv
+    case = AttnCase(1, group, 1, min(shape.bound_seq, 640), head_dim, ctx.seed + 400 + head_dim)
+    q, k, v, do = qkv(case, ctx.device)
+    cfg = select_configs(ctx.backend, head_dim)
+    for label, kw in variant_specs(ctx, case.heads_q).items():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        sinks = kw["sinks"].clone().requires_grad_() if "sinks" in kw else None
+        run_kw = {**kw, "sinks": sinks} if sinks is not None else kw
+        with nvtx_range(f"variant_contract {case.name} {label}"):
+            o = attention(*leaves, **run_kw)
+            o.backward(do)
+        got = {"o": o.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+        if sinks is not None:
+            got["dsinks"] = sinks.grad
+        o_star, o_bound = attention_fwd_bound(q, k, v, block_n=cfg.fwd.block_n, **kw)
+        bwd = attention_bwd_bound(q, k, v, do, block_n=min(cfg.fwd.block_n, cfg.dq.block_n),
+                                  block_m=cfg.dkdv.block_m, **kw)
+        for key, (star, bound) in (("o", (o_star, o_bound)), *bwd.items()):
+            result = check_bound(got[key], star, bound)
+            details = {"tensor": key, "variant": label, "configs": cfg.label(), **result.as_row(),
+                       **drift_stats(got[key], star, "fp64")}
+            yield Row(suite=NAME, check="variant_bound", name=f"variant_contract {case.name} {label} {key}",
+                      passed=result.passed, backend=ctx.backend, details=details)
+
+
 def run(ctx: RunContext) -> Iterator[Row]:
     shape = audit_shape(ctx)
     for head_dim in (128, 64):
@@ -268,6 +348,8 @@ def run(ctx: RunContext) -> Iterator[Row]:
         yield from invariance_rows(ctx, shape, head_dim)
     yield from determinism_rows(ctx, shape)
     yield from bound_rows(ctx, shape)
+    for head_dim in (64,) if ctx.interpreted else HEAD_DIMS:
+        yield from variant_rows(ctx, shape, head_dim)
 
 
 def _worker() -> None:

@@ -22,6 +22,14 @@ Formulas: visible (query, key) pairs P = B * Hq * sum over queries of the keys e
     decode bytes = K + V = 2 * 2 * B * Hkv * Skv * D (+ q and o, negligible);
     ratio = detkit time / SDPA time (the graph time is the kernel time the targets are stated on).
 Targets on the H200 (reported, not asserted): prefill <= 1.10, decode <= 1.20, fwd+bwd <= 1.20.
+
+Variants (``--variants``, default ``plain``): ``window`` (Mistral-7B heads, a 1024-key sliding window) against SDPA
+with the sliding-window boolean mask (flash takes no mask: torch picks its backend, recorded; for decode a mask of
+the last ``window`` keys), ``softcap`` (Gemma-2-9B heads, head_dim 256, softcap 50, with a 4096-key window) and
+``sinks`` (gpt-oss-20b heads, 64 on 8 of 64, a 128-key window) against the best torch path that has them: the eager
+formulation transformers' Gemma-2 and gpt-oss use (matmul, tanh or the sink column, FP32 softmax, matmul; window as
+a mask), since SDPA supports neither. The row's ``baseline`` says which. Their FLOPs count the causal pairs (the
+window's skipped keys included), so TFLOP/s compare like with like between the two columns only.
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ from detkit.toolkit.timing import Timing, time_graphs, time_interleaved
 NAME = "attention"
 DESCRIPTION = "attention prefill / decode / fwd+bwd vs SDPA flash at Qwen3-8B shapes (eager, CUDA graph, host time)"
 MODES = ("prefill", "decode", "fwd_bwd")
+VARIANTS = ("plain", "window", "softcap", "sinks")
+# (heads_q, heads_kv, head_dim, window, softcap, sinks) per variant on the GPU; the interpreter uses (4, 2, 64).
+VARIANT_SPECS = {"plain": (32, 8, 128, None, None, False), "window": (32, 8, 128, 1024, None, False),
+                 "softcap": (16, 8, 256, 4096, 50.0, False), "sinks": (64, 8, 64, 128, None, True)}
 TARGETS = {"prefill": 1.10, "decode": 1.20, "fwd_bwd": 1.20}
 VALIDATION_ATOL = 2.0**-6
 HOST_CALLS = 30
@@ -51,6 +63,8 @@ OPTIONS = (
     click.option("--modes", default=",".join(MODES), show_default=True,
                  help="Comma-separated modes: prefill, decode, fwd_bwd."),
     click.option("--quick", is_flag=True, help="One case per mode (the smallest), e.g. to check the plumbing."),
+    click.option("--variants", default="plain", show_default=True,
+                 help="Comma-separated: plain, window, softcap, sinks (see the module docstring for baselines)."),
 )
 RANKS = "single"
 INTERPRETER_LABEL = ("triton_interpreter: wall clock of CPU emulation at tiny shapes against torch's CPU SDPA; NOT a "
@@ -67,13 +81,30 @@ class BenchCase:
     heads_kv: int
     head_dim: int
     seed: int = 1234
+    variant: str = "plain"
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
 
     @property
     def name(self) -> str:
         from detkit.kernels.attention.names import case_name  # kernels load when a benchmark runs, not with the CLI
 
         op = "fwd_bwd" if self.mode == "fwd_bwd" else "fwd"  # a decode step is the forward kernel at Sq = 1
-        return case_name(op, self.batch, self.heads_q, self.heads_kv, self.seq_q, self.seq_k, self.head_dim)
+        name = case_name(op, self.batch, self.heads_q, self.heads_kv, self.seq_q, self.seq_k, self.head_dim)
+        return name if self.variant == "plain" else f"{name} {self.variant_label}"
+
+    @property
+    def variant_label(self) -> str:
+        parts = [f"window={self.window}" if self.window else "", f"softcap={self.softcap:g}" if self.softcap else "",
+                 "sinks" if self.sinks else ""]
+        return " ".join(p for p in parts if p) or "plain"
+
+    @property
+    def baseline(self) -> str:
+        if self.variant == "plain":
+            return "sdpa_flash"
+        return "sdpa_mask" if self.variant == "window" else "torch_eager"
 
     @property
     def flops(self) -> float:
@@ -98,17 +129,35 @@ def _grid(interpreted: bool) -> dict[str, list[tuple[int, int, int]]]:
     }
 
 
-def cases(ctx, modes: str = ",".join(MODES), quick: bool = False, **_) -> list[BenchCase]:
+def _variant_grid(interpreted: bool) -> dict[str, list[tuple[int, int, int]]]:
+    """(batch, seq_q, seq_k) per mode for the variants: fewer cases than plain's."""
+    if interpreted:
+        return {"prefill": [(1, 24, 24)], "decode": [(2, 1, 40)], "fwd_bwd": [(1, 24, 24)]}
+    return {"prefill": [(1, 4096, 4096), (8, 1024, 1024)], "decode": [(b, 1, 8192) for b in (1, 8, 64)],
+            "fwd_bwd": [(1, 4096, 4096)]}
+
+
+def cases(ctx, modes: str = ",".join(MODES), quick: bool = False, variants: str = "plain", **_) -> list[BenchCase]:
     wanted = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = [m for m in wanted if m not in MODES]
     if not wanted or unknown:
         raise ValueError(f"--modes {modes!r} is not supported; supported: a comma-separated subset of {MODES}")
-    heads = (4, 2, 64) if ctx.interpreted else (32, 8, 128)
+    kinds = [v.strip() for v in variants.split(",") if v.strip()]
+    if not kinds or [v for v in kinds if v not in VARIANTS]:
+        raise ValueError(f"--variants {variants!r} is not supported; supported: a comma-separated subset of {VARIANTS}")
     out = []
-    for mode in wanted:
-        grid = _grid(ctx.interpreted)[mode]
-        for batch, seq_q, seq_k in (grid[:1] if quick else grid):
-            out.append(BenchCase(mode, batch, seq_q, seq_k, *heads, seed=ctx.seed))
+    for variant in kinds:
+        heads_q, heads_kv, head_dim, window, softcap, sinks = VARIANT_SPECS[variant]
+        if ctx.interpreted:
+            heads_q, heads_kv, head_dim = 4, 2, 64
+            window = 7 if window else None
+            softcap = 5.0 if softcap else None
+        grids = _grid(ctx.interpreted) if variant == "plain" else _variant_grid(ctx.interpreted)
+        for mode in wanted:
+            grid = grids[mode]
+            for batch, seq_q, seq_k in (grid[:1] if quick else grid):
+                out.append(BenchCase(mode, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, seed=ctx.seed,
+                                     variant=variant, window=window, softcap=softcap, sinks=sinks))
     return out
 
 
@@ -133,8 +182,58 @@ def make_inputs(case: BenchCase, device: torch.device, sets: int = 1) -> list[di
                  "v": _randn(kv_shape, gen, device).requires_grad_(grad)}
         if grad:
             entry["do"] = _randn(q_shape, gen, device)
+        if case.sinks:
+            entry["sinks"] = torch.linspace(-2.0, 3.0, case.heads_q, device=device).to(torch.bfloat16)
         out.append(entry)
     return out
+
+
+def _variant_kwargs(case: BenchCase, inp: dict) -> dict:
+    kw = {}
+    if case.window:
+        kw["window"] = case.window
+    if case.softcap:
+        kw["softcap"] = case.softcap
+    if case.sinks:
+        kw["sinks"] = inp["sinks"]
+    return kw
+
+
+def _window_mask(case: BenchCase, device: torch.device) -> torch.Tensor | None:
+    """The sliding-window causal mask [Sq, Skv] (queries the last Sq keys), or None without a window."""
+    if not case.window:
+        return None
+    pos = case.seq_k - case.seq_q + torch.arange(case.seq_q, device=device)
+    j = torch.arange(case.seq_k, device=device)
+    return (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - case.window)
+
+
+def eager_call(case: BenchCase, inp: dict) -> Callable[[], object]:
+    """transformers' eager formulation (Gemma-2, gpt-oss): K/V repeated per head (outside the timed call), scores
+    by matmul, softcap, the window as an additive mask, the sink column, FP32 softmax, matmul. Dense [B, Hq, Sq,
+    Skv] scores: the memory-bound baseline those models run without detkit."""
+    q, k, v = inp["q"], inp["k"], inp["v"]
+    rep = case.heads_q // case.heads_kv
+    k, v = (t.detach().repeat_interleave(rep, 1).requires_grad_(t.requires_grad) for t in (k, v))
+    scale = 1.0 / math.sqrt(case.head_dim)
+    mask = _window_mask(case, q.device)
+    bias = None if mask is None else torch.zeros(mask.shape, device=q.device).masked_fill(~mask, float("-inf"))
+
+    def forward():
+        s = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if case.softcap:
+            s = torch.tanh(s / case.softcap) * case.softcap
+        s = s.float() if bias is None else s.float() + bias
+        if case.sinks:
+            sink = inp["sinks"].float().reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)
+            p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+        else:
+            p = torch.softmax(s, -1)
+        return torch.matmul(p.to(v.dtype), v)
+
+    if case.mode == "fwd_bwd":
+        return lambda: torch.autograd.grad(forward(), (q, k, v), inp["do"])
+    return forward
 
 
 def _sdpa_context(device: torch.device):
@@ -147,23 +246,35 @@ def detkit_call(case: BenchCase, inp: dict, configs=None) -> Callable[[], object
     from detkit.kernels.attention import attention
 
     q, k, v = inp["q"], inp["k"], inp["v"]
+    kw = _variant_kwargs(case, inp)
     if case.mode == "fwd_bwd":
         def step():
-            o = attention(q, k, v, configs=configs)
+            o = attention(q, k, v, configs=configs, **kw)
             return torch.autograd.grad(o, (q, k, v), inp["do"])
         return step
-    return lambda: attention(q, k, v, configs=configs)
+    return lambda: attention(q, k, v, configs=configs, **kw)
 
 
 def sdpa_call(case: BenchCase, inp: dict, gqa: str) -> Callable[[], object]:
     """SDPA on the same tensors: ``gqa`` "native" (enable_gqa=True) or "expanded" (K/V repeated per query head
     beforehand, outside the timed call, when the backend refuses enable_gqa)."""
+    if case.baseline == "torch_eager":
+        return eager_call(case, inp)
     q, k, v = inp["q"], inp["k"], inp["v"]
     if gqa == "expanded":
         rep = case.heads_q // case.heads_kv
         k, v = (t.detach().repeat_interleave(rep, 1).requires_grad_(t.requires_grad) for t in (k, v))
     kwargs = {"is_causal": case.mode != "decode", "enable_gqa": gqa == "native" and case.heads_q != case.heads_kv}
     device = q.device
+    mask = _window_mask(case, device)
+    if mask is not None:  # a sliding window: SDPA with its boolean mask, backend chosen by torch
+        kwargs = {"attn_mask": mask, "enable_gqa": kwargs["enable_gqa"]}
+
+        def masked():
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        if case.mode == "fwd_bwd":
+            return lambda: torch.autograd.grad(masked(), (q, k, v), inp["do"])
+        return masked
 
     if case.mode == "fwd_bwd":
         def step():
@@ -184,6 +295,8 @@ def _first_output(result) -> torch.Tensor:
 
 def sdpa_gqa_mode(case: BenchCase, inp: dict) -> str:
     """'native' when the flash backend runs enable_gqa on these shapes, else 'expanded'."""
+    if case.baseline == "torch_eager":
+        return "expanded"
     try:
         sdpa_call(case, inp, "native")()
         return "native"
@@ -259,7 +372,7 @@ def measure(ctx, case: BenchCase, rounds: int, configs=None) -> dict:
     row.update(sdpa_gqa=gqa, sdpa_kernels=kernel_names(theirs, device), graph_sets=sets)
     if not row["validated"]:
         return row
-    names = {"detkit": case.name, "sdpa": f"sdpa_flash {case.name}"}
+    names = {"detkit": case.name, "sdpa": f"{case.baseline} {case.name}"}
     eager = time_interleaved({"detkit": _ranged(ours, names["detkit"]), "sdpa": _ranged(theirs, names["sdpa"])},
                              device, rounds=rounds)
     row.update(_timing("detkit_eager", eager["detkit"]), **_timing("sdpa_eager", eager["sdpa"]))
@@ -281,10 +394,10 @@ def run(ctx, cases: list[BenchCase], **options) -> Iterator[dict]:
     from detkit.kernels.attention.configs import ATTENTION_CONFIG_TABLE_VERSION, select_configs
 
     rounds = options.get("rounds") or getattr(ctx, "rounds", None) or 3
-    table = select_configs(ctx.backend, 128 if not ctx.interpreted else 64)
     for case in cases:
+        table = select_configs(ctx.backend, case.head_dim)
         row = {"name": case.name, **asdict(case), "configs": table.label(), "config_table": ATTENTION_CONFIG_TABLE_VERSION,
-               "target": TARGETS[case.mode]}
+               "target": TARGETS[case.mode], "baseline": case.baseline}
         try:
             row.update(measure(ctx, case, rounds))
         except (RuntimeError, ValueError, NotImplementedError) as exc:  # e.g. out of memory: a failed row, not a crash
@@ -315,7 +428,8 @@ def run(ctx, cases: list[BenchCase], **options) -> Iterator[dict]:
 def target_lines(rows: list[dict]) -> list[str]:
     lines = []
     for mode in MODES:
-        sel = [r for r in rows if r["mode"] == mode and (r.get("ratio_graph") or r.get("ratio_eager"))]
+        sel = [r for r in rows if r["mode"] == mode and r.get("variant", "plain") == "plain"
+               and (r.get("ratio_graph") or r.get("ratio_eager"))]
         if not sel:
             continue
         ratios = [r.get("ratio_graph") or r.get("ratio_eager") for r in sel]
@@ -335,18 +449,24 @@ def summarize(rows: list[dict], meta: dict) -> str:
         text += f"**{INTERPRETER_LABEL}**\n\n"
     cols = ("B", "Sq", "Skv", "detkit graph us", "SDPA graph us", "ratio graph", "ratio eager", "host us detkit",
             "host us SDPA", "detkit TFLOP/s", "SDPA TFLOP/s", "valid")
-    for mode in MODES:
-        sel = [r for r in rows if r["mode"] == mode]
-        if not sel:
-            continue
-        table = [(r["batch"], r["seq_q"], r["seq_k"], r.get("detkit_graph_us"), r.get("sdpa_graph_us"),
-                  r.get("ratio_graph"), r.get("ratio_eager"), r.get("host_detkit_us"), r.get("host_sdpa_us"),
-                  r.get("detkit_tflops"), r.get("sdpa_tflops"), r["validated"]) for r in sel]
-        text += f"## {mode} (target <= {TARGETS[mode]:.2f}x)\n\n"
-        text += tabulate(table, headers=cols, tablefmt="github", floatfmt=".3f") + "\n\n"
-        kernels = sorted({k for r in sel for k in r.get("sdpa_kernels", [])})
-        gqa = sorted({r.get("sdpa_gqa") for r in sel})
-        text += f"SDPA ran: {', '.join(kernels) or 'n/a'} (GQA: {', '.join(str(g) for g in gqa)})\n\n"
+    for variant in VARIANTS:
+        for mode in MODES:
+            sel = [r for r in rows if r["mode"] == mode and r.get("variant", "plain") == variant]
+            if not sel:
+                continue
+            table = [(r["batch"], r["seq_q"], r["seq_k"], r.get("detkit_graph_us"), r.get("sdpa_graph_us"),
+                      r.get("ratio_graph"), r.get("ratio_eager"), r.get("host_detkit_us"), r.get("host_sdpa_us"),
+                      r.get("detkit_tflops"), r.get("sdpa_tflops"), r["validated"]) for r in sel]
+            if variant == "plain":
+                text += f"## {mode} (target <= {TARGETS[mode]:.2f}x)\n\n"
+            else:
+                first = sel[0]
+                text += (f"## {mode}, {variant}: Hq={first['heads_q']} Hkv={first['heads_kv']} D={first['head_dim']} "
+                         f"{first['name'].split('] bf16 ')[-1]} (baseline {first['baseline']}: the 'SDPA' columns)\n\n")
+            text += tabulate(table, headers=cols, tablefmt="github", floatfmt=".3f") + "\n\n"
+            kernels = sorted({k for r in sel for k in r.get("sdpa_kernels", [])})
+            gqa = sorted({r.get("sdpa_gqa") for r in sel})
+            text += f"Baseline ran: {', '.join(kernels) or 'n/a'} (GQA: {', '.join(str(g) for g in gqa)})\n\n"
     lines = [] if meta.get("backend") == "triton_interpreter" else target_lines(rows)
     if lines:
         text += "## Targets (reported, not asserted)\n\n" + "\n".join(lines) + "\n"

@@ -51,6 +51,7 @@ KERNEL = "detkit.attention"
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 _local = threading.local()
 _saved_hf_sdpa = None
+_saved_hf_sdpa_mask = None
 
 
 def attention_module():
@@ -154,19 +155,40 @@ def detkit_attention(module, query, key, value, attention_mask, **kwargs):
     return out
 
 
+def _tagged_mask(builder):
+    """transformers' mask builder ``builder`` (its mask-interface signature, keyword arguments), the mask it returns
+    tagged with each sequence's first key in the key tensor's indices (``tag_mask_anchor``): under a sliding window
+    a decode step's mask hides it, and the kernel anchors its key tiles there. The mask's values are unchanged."""
+    def mask_with_anchor(*args, **kwargs):
+        mask = builder(*args, **kwargs)
+        attention = attention_module()
+        tag = getattr(attention, "tag_mask_anchor", None) if attention is not None else None
+        # Keyword arguments only, as transformers calls its mask interface; a call this wrapper cannot read (another
+        # transformers version's signature) leaves the mask untagged, and a sliding mask that needs the tag is then
+        # refused by name, never guessed.
+        if tag is not None and isinstance(mask, torch.Tensor) and not args and "batch_size" in kwargs:
+            tag(mask, kwargs.get("attention_mask"), kwargs.get("kv_offset", 0), kwargs["batch_size"])
+        return mask
+
+    mask_with_anchor.detkit_builder = builder
+    return mask_with_anchor
+
+
 def register_transformers_attention() -> None:
-    """Register ``"detkit"`` with transformers' attention and mask interfaces (idempotent)."""
+    """Register ``"detkit"`` with transformers' attention and mask interfaces (idempotent): the mask is SDPA's
+    boolean mask, tagged with each sequence's first key."""
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register("detkit", detkit_attention)
-    AttentionMaskInterface.register("detkit", sdpa_mask)
+    AttentionMaskInterface.register("detkit", _tagged_mask(sdpa_mask))
 
 
 def install() -> None:
-    global _saved_hf_sdpa
+    global _saved_hf_sdpa, _saved_hf_sdpa_mask
     F.scaled_dot_product_attention = sdpa_route
     if "transformers" in sys.modules:  # a model can only be built after transformers is imported
+        from transformers.masking_utils import AttentionMaskInterface
         from transformers.modeling_utils import AttentionInterface
 
         register_transformers_attention()
@@ -174,13 +196,22 @@ def install() -> None:
         if mapping.get("sdpa") is not transformers_sdpa_route:
             _saved_hf_sdpa = mapping.get("sdpa")
             mapping["sdpa"] = transformers_sdpa_route
+        masks = AttentionMaskInterface._global_mapping
+        if masks.get("sdpa") is not None and not hasattr(masks["sdpa"], "detkit_builder"):
+            _saved_hf_sdpa_mask = masks["sdpa"]
+            masks["sdpa"] = _tagged_mask(_saved_hf_sdpa_mask)
 
 
 def uninstall() -> None:
-    global _saved_hf_sdpa
+    global _saved_hf_sdpa, _saved_hf_sdpa_mask
     F.scaled_dot_product_attention = _ORIGINAL_SDPA
     if _saved_hf_sdpa is not None:
         from transformers.modeling_utils import AttentionInterface
 
         AttentionInterface._global_mapping["sdpa"] = _saved_hf_sdpa
         _saved_hf_sdpa = None
+    if _saved_hf_sdpa_mask is not None:
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionMaskInterface._global_mapping["sdpa"] = _saved_hf_sdpa_mask
+        _saved_hf_sdpa_mask = None

@@ -376,8 +376,8 @@ def test_hf_attention_forward_refuses_what_it_does_not_cover(device):
 
     q, k, v = _qkv(1, 4, 2, 8, 8, 64, 3, device)
     cases = [
-        (lambda: hf_attention_forward(Attn(), q, k, v, None, sliding_window=4), "sliding_window is not supported"),
-        (lambda: hf_attention_forward(Attn(), q, k, v, None, softcap=30.0), "softcap is not supported"),
+        (lambda: hf_attention_forward(Attn(), q, k, v, None, sliding_window=0), "sliding_window 0 is not supported"),
+        (lambda: hf_attention_forward(Attn(), q, k, v, None, softcap=-1.0), "softcap -1.0 is not supported"),
         (lambda: hf_attention_forward(Attn(), q, k, v, None, dropout=0.1), "dropout 0.1 is not supported"),
         (lambda: hf_attention_forward(Encoder(), q, k, v, None), "non-causal attention is not supported"),
         (lambda: hf_attention_forward(Attn(), q.float(), k.float(), v.float(), None), "dtype torch.float32"),
@@ -503,8 +503,9 @@ def test_pinned_sm90_tiles_compile_offline_to_wgmma_without_spills(tmp_path):
     from tests.moe_helpers import compile_sm90_offline
 
     rows = compile_sm90_offline(_SM90_SCRIPT, tmp_path)
-    assert len(rows) == 6
+    assert len(rows) == 3 * len(CONFIG_TABLE["cuda_sm90"])
     for r in rows:
         assert r["HGMMA"] > 0 and r["HMMA"] == 0, r  # wgmma, no mma.sync fallback
-        assert r["stack_bytes"] == 0, r  # no register spills
+        # No register spills, except head_dim 256's dk/dv, where every wgmma tile spills (configs.py): bounded here.
+        assert r["stack_bytes"] <= (256 if (r["head_dim"], r["kernel"]) == (256, "dkdv") else 0), r
         assert r["shared_bytes"] <= 227 * 1024, r  # sm_90's per-block shared-memory limit

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from detkit.audits.attention import _decode_positions, bits_row
+from detkit.kernels.attention import HEAD_DIMS
 from detkit.toolkit.harness import SUITES, RunContext
 from tests.conftest import TEST_DEVICE
 
 EXPECTED_CHECKS = {"decode", "chunked_prefill", "batch_size", "batch_position", "padding", "varlen", "repetitions",
-                   "fresh_process", "bound"}
+                   "fresh_process", "bound", "variant_decode", "variant_chunked_prefill", "variant_batch_position",
+                   "variant_padding", "variant_bound"}
 
 
 def test_attention_suite_passes_on_interpreter(tmp_path):
@@ -32,7 +34,9 @@ def test_attention_suite_passes_on_interpreter(tmp_path):
     assert {r["check"] for r in rows} == EXPECTED_CHECKS
     assert all(r["suite"] == "attention" and r["backend"] == "triton_interpreter" for r in rows)
     bounds = [r for r in rows if r["check"] == "bound"]
-    assert {r["details"]["tensor"] for r in bounds} == {"o", "dq", "dk", "dv"} and len(bounds) == 8
+    assert {r["details"]["tensor"] for r in bounds} == {"o", "dq", "dk", "dv"} and len(bounds) == 4 * len(HEAD_DIMS)
+    variant_bounds = [r for r in rows if r["check"] == "variant_bound"]
+    assert {r["details"]["tensor"] for r in variant_bounds} == {"o", "dq", "dk", "dv", "dsinks"}
     assert all(0 < r["details"]["worst_ratio"] <= 1 for r in bounds)
     streamed = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert [r["name"] for r in streamed] == [r["name"] for r in rows]

@@ -54,3 +54,25 @@ def test_validation_fails_a_wrong_result():
     lines = bench.target_lines([{"mode": "decode", "ratio_graph": 1.5}, {"mode": "decode", "ratio_graph": 1.0}])
     assert lines == ["- decode: 1/2 cases <= 1.20x SDPA flash (graph time); worst 1.500x, median 1.250x: "
                      "missed by 25.0% at worst"]
+
+
+def test_variants_validate_against_their_named_baselines(device):
+    if device.type != "cpu":
+        pytest.skip("the CPU plumbing; the GPU run is tools/gpu/attention_variants.sh")
+    gpu = bench.cases(_ctx("cuda_sm90"), variants="window,softcap,sinks")
+    specs = {(c.variant, c.heads_q, c.heads_kv, c.head_dim, c.window, c.softcap, c.sinks, c.baseline) for c in gpu}
+    assert specs == {("window", 32, 8, 128, 1024, None, False, "sdpa_mask"),
+                     ("softcap", 16, 8, 256, 4096, 50.0, False, "torch_eager"),
+                     ("sinks", 64, 8, 64, 128, None, True, "torch_eager")}
+    assert len({c.name for c in gpu}) == len(gpu)
+    with pytest.raises(ValueError, match="--variants 'foo' is not supported"):
+        bench.cases(_ctx("cuda_sm90"), variants="foo")
+    ctx = _ctx("triton_interpreter")
+    rows = list(bench.run(ctx, bench.cases(ctx, modes="prefill,decode", quick=True, variants="window,softcap,sinks"),
+                          rounds=1))
+    assert len(rows) == 6
+    for row in rows:
+        assert row["passed"] and row["max_abs_diff_vs_sdpa"] <= bench.VALIDATION_ATOL, row
+        assert row["baseline"] == ("sdpa_mask" if row["variant"] == "window" else "torch_eager")
+    text = bench.summarize(rows, {"backend": "triton_interpreter"})
+    assert "baseline torch_eager" in text and "baseline sdpa_mask" in text

@@ -13,7 +13,8 @@ _POINTERS = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "kv_start_ptr": "*i32", "
 
 
 def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: bool = False,
-                 kv_start: bool = True, kv_end: bool = False) -> dict:
+                 kv_start: bool = True, kv_end: bool = False, windowed: bool = False, softcap: bool = False,
+                 sinks: bool = False) -> dict:
     """Compile one attention kernel ("fwd", "dkdv", "dq") with ``config`` for sm_90 with Triton's bundled ptxas,
     without a GPU: registers, stack (spills), shared memory and the SASS counts of wgmma (HGMMA), mma.sync (HMMA)
     and cp.async (LDGSTS). Run in a process without TRITON_INTERPRET."""
@@ -33,8 +34,10 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
         raise RuntimeError("detkit kernels were imported under TRITON_INTERPRET=1; compile in a process without it")
     names = list(fn.arg_names)
     consts = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HEADS": heads,
-              "INTERPRETED": False, "VARLEN": varlen, "HAS_KV_START": kv_start, "HAS_KV_END": kv_end}
-    sig = {n: "constexpr" if n in consts else ("fp32" if n in ("qk_scale", "scale") else
+              "INTERPRETED": False, "VARLEN": varlen, "HAS_KV_START": kv_start, "HAS_KV_END": kv_end,
+              "WINDOWED": windowed, "SOFTCAP": softcap, "HAS_SINKS": sinks}
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}  # HAS_SINKS: the forward only
+    sig = {n: "constexpr" if n in consts else ("fp32" if n in ("qk_scale", "scale", "tanh_scale") else
                                               _POINTERS.get(n, "*bf16" if n.endswith("_ptr") else "i32"))
            for n in names}
     # What a launch at the real shapes specialises: 16-byte-aligned tensors, strides multiples of 16.
@@ -49,6 +52,7 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
         resources = cuobjdump_bytes("--dump-resource-usage", compiled.asm["cubin"], tmp)
     regs = re.search(r"REG:(\d+)", resources)
     return {"kernel": kernel, "head_dim": head_dim, "config": config.label(),
+            "variant": "+".join(n for n, on in (("window", windowed), ("softcap", softcap), ("sinks", sinks)) if on),
             "regs": int(regs.group(1)) if regs else None,
             "stack_bytes": stack_bytes(resources), "shared_bytes": compiled.metadata.shared,
             **{op: len(re.findall(rf"\b{op}", sass)) for op in ("HGMMA", "HMMA", "LDGSTS")}}

@@ -11,9 +11,9 @@ import triton
 
 from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 
-ATTENTION_CONFIG_TABLE_VERSION = "2026-12-01.2"
+ATTENTION_CONFIG_TABLE_VERSION = "2026-12-06.1"
 
 
 @dataclass(frozen=True)
@@ -71,16 +71,22 @@ def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q
 # (tools/gpu/attention.sh; CUDA-graph time beside SDPA flash, geometric mean over prefill B1 S4096, prefill B8 S1024,
 # decode at B1 K32768, B8 K8192, B64 K8192, and fwd+bwd B1 S4096; 0 decode-vs-prefill bit mismatches): the forward
 # on 64x64 tiles, 4 warps, 3 stages (twice the programs of 128-row tiles: a decode step is grid-bound); dk/dv on
-# 32x128 (D=128) and 64x64 (D=64) query x key tiles, 3 stages; dq on 128x64, 3 stages. The interpreter entries are
-# small so CPU tests at a few dozen keys cross several key tiles and query tiles.
+# 32x128 (D=128) and 64x64 (D=64) query x key tiles, 3 stages; dq on 128x64, 3 stages. D=256 (Gemma-2/3), chosen
+# offline (tools/attention_sass.py; not yet timed on a GPU): register pressure halves the key tile. fwd 64x32, 8 warps,
+# 2 stages (152 registers, no spill, also with window + softcap + sinks); dq 128x32, 8 warps, 2 stages (no spill);
+# dk/dv 32x64, 8 warps, 2 stages: every wgmma candidate spills there (the program holds dk and dv [64, 256] in FP32),
+# this one least (176 bytes; 64x32 would run mma.sync). The interpreter entries are small so CPU tests at a few
+# dozen keys cross several key tiles and query tiles.
 CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     CUDA_SM90: {
         64: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(64, 64, 4, 3), dq=AttnConfig(128, 64, 4, 3)),
         128: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(32, 128, 8, 3), dq=AttnConfig(128, 64, 8, 3)),
+        256: AttnConfigs(fwd=AttnConfig(64, 32, 8, 2), dkdv=AttnConfig(32, 64, 8, 2), dq=AttnConfig(128, 32, 8, 2)),
     },
     TRITON_INTERPRETER: {
         64: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1)),
         128: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1)),
+        256: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1)),
     },
 }
 

@@ -7,8 +7,19 @@ computed as FlashAttention does: key tiles streamed through an FP32 running max 
 accumulator acc, exp2 with scale * log2(e) folded into one multiplier, P rounded to BF16 for the P @ V MMA,
 o = acc / l rounded once to BF16. The backward recomputes P from the saved lse.
 
+Variants (constexpr flags; without them the arithmetic is the plain kernel's, bit for bit):
+- WINDOWED: a sliding window, query at position p sees keys (p - window, p] (key positions, so decode and prefill
+  agree). Key tiles before every row's window are skipped (``_key_tiles`` says why no row's bits can change), the
+  window's edge tiles are masked as the diagonal's are. The tiles stay anchored at the sequence's first key, which
+  may lie before k's first row (a negative kv_start: a sliding-window cache dropped it).
+- SOFTCAP: z = c * tanh(scale q.k / c) (Gemma-2): tanh(q.k * scale / c) times c * log2(e); the backward multiplies
+  dS by 1 - tanh^2.
+- HAS_SINKS: a per-head logit s joined to every row's denominator (gpt-oss): one more online-softmax update after
+  the key tiles, with p = 2^(s log2(e) - m) and no value; lse includes it, so the backward kernels are unchanged
+  (the sink's gradient, -sum p_sink * delta, is taken in torch by the launcher).
+
 Layout (as transformers passes it): q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D], Hq a multiple of Hkv (GQA),
-D in {64, 128}, the last dim contiguous, BF16. Causal, aligned bottom-right: query i sits at key position
+D in {64, 128, 256}, the last dim contiguous, BF16. Causal, aligned bottom-right: query i sits at key position
 kv_end - Sq + i (kv_end defaults to Skv), so a KV-cache decode (Sq = 1) and a chunked prefill (Sq new queries
 after a cache) are the same call as a prefill. Sequence b sees keys [kv_start[b], kv_end[b]); keys before
 kv_start (left padding) and after the query's own position are not visible. Packed sequences
@@ -61,7 +72,7 @@ LOG2E = 1.4426950408889634
 # specialising them keeps one binary per (config, head_dim, heads per tile, layout flags) for every q_len, batch,
 # cache length and head count (the other strides are multiples of head_dim).
 _NOT_SPECIALIZED = ["batch", "heads_q", "heads_kv", "seq_q", "seq_k", "stride_lb", "stride_lh", "kv_start_ptr",
-                    "kv_end_ptr"]
+                    "kv_end_ptr", "window"]
 
 @triton.jit
 def _dot(a, b, acc, K: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -82,12 +93,14 @@ def _token(q_begin, qi, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k,
-              VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr):
+def _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k, window,
+              VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, WINDOWED: tl.constexpr):
     """(q_begin, q_len, k_begin, k_first, k_end, bad) of sequence ``b``: its queries are rows q_begin.. of q, its
     keys rows k_begin.. of k; it sees keys [k_first, k_end) of its own and query i sits at k_end - q_len + i.
     Padded layout: kv_start_ptr / kv_end_ptr are the int32 [B] bounds (or unused); varlen: they are cu_seqlens_q
-    and cu_seqlens_k (checked on the host). ``bad``: bounds that do not make sense (outputs NaN, no keys read)."""
+    and cu_seqlens_k (checked on the host). ``bad``: bounds that do not make sense (outputs NaN, no keys read).
+    WINDOWED: k_first may be negative (a sliding-window cache dropped the sequence's first keys; the key tiles stay
+    anchored at the sequence's first key) as long as no query's window reaches a dropped key."""
     if VARLEN:
         q_begin = tl.load(kv_start_ptr + b)
         q_len = tl.load(kv_start_ptr + b + 1) - q_begin
@@ -107,10 +120,74 @@ def _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k,
             k_end = tl.load(kv_end_ptr + b)
         else:
             k_end = seq_k
-        bad = (k_first < 0) | (k_first > k_end) | (k_end > seq_k)
+        if WINDOWED:
+            dropped_visible = (k_first < 0) & (k_end - q_len - window + 1 < 0)
+            bad = dropped_visible | (k_first > k_end) | (k_end > seq_k)
+        else:
+            bad = (k_first < 0) | (k_first > k_end) | (k_end > seq_k)
         k_first = tl.where(bad, 0, k_first)
         k_end = tl.where(bad, 0, k_end)
     return q_begin, q_len, k_begin, k_first, k_end, bad
+
+
+@triton.jit
+def _tanh(x):
+    """tanh(x) = sign(x) (1 - e) / (1 + e) with e = 2^(-2 log2(e) |x|): exp2 (ex2.approx on the GPU) and IEEE FP32
+    ops, one formula on both backends. Its absolute error is derived in docs/attention.md (softcap)."""
+    e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)  # -2 log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _logits(qk, tanh_scale, SOFTCAP: tl.constexpr):
+    """The logits in the units the kernels multiply by ``qk_scale``: q.k itself, or with a softcap c,
+    tanh(q.k * scale / c) (qk_scale is then c * log2(e), so qk * qk_scale = c tanh(scale q.k / c) log2(e))."""
+    if SOFTCAP:
+        qk = _tanh(qk * tanh_scale)
+    return qk
+
+
+@triton.jit
+def _key_tiles(k_first, k_end, q_len, q_lo, last_q, window, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+    """The key tiles [k_first + t * BLOCK_N, ...) a query tile with rows q_lo..last_q walks: t in [t_lo, n_tiles);
+    tiles in [n_win, n_full) are visible to every row in full (no mask), the others are masked. Without a window
+    t_lo = n_win = 0. With one, the tiles before t_lo lie before every row's window and are skipped: for each row
+    they are fully masked and come before its first visible key, so walking them would leave its state at the
+    start values exactly (m = -inf, l = +0, acc = +0: p = exp2(-inf) = +0, alpha selected as 1 since m does not
+    change, +0 * 1 + (+-0) = +0). A row's bits therefore depend on the tiles holding its visible keys only, and
+    those tiles are the same (anchored at k_first) in every path; which leading masked tiles a program skips can
+    not change any row's bits."""
+    n_tiles = tl.cdiv(tl.maximum(k_end - q_len + last_q + 1 - k_first, 0), BLOCK_N)
+    n_full = tl.maximum(k_end - q_len + q_lo + 1 - k_first, 0) // BLOCK_N
+    if WINDOWED:
+        lo_first = k_end - q_len + q_lo - window + 1  # the lowest key any row of the tile sees
+        lo_last = k_end - q_len + last_q - window + 1  # from here on every row of the tile sees every key
+        t_lo = tl.maximum(lo_first - k_first, 0) // BLOCK_N
+        n_win = tl.cdiv(tl.maximum(lo_last - k_first, 0), BLOCK_N)
+    else:
+        t_lo = 0
+        n_win = 0
+    return t_lo, n_win, n_full, n_tiles
+
+
+@triton.jit
+def _visible(kj, key_ok, pos, window, WINDOWED: tl.constexpr):
+    """[rows, keys] visibility: causal (key <= the row's position), inside the sequence, inside the window."""
+    visible = (kj[None, :] <= pos[:, None]) & key_ok[None, :]
+    if WINDOWED:
+        visible = visible & (kj[None, :] > (pos - window)[:, None])
+    return visible
+
+
+@triton.jit
+def _key_ok(kj, k_end, WINDOWED: tl.constexpr):
+    """Keys that exist in the tensor: below the sequence's end, and (WINDOWED, the anchor may be negative) >= 0."""
+    if WINDOWED:
+        ok = (kj < k_end) & (kj >= 0)
+    else:
+        ok = kj < k_end
+    return ok
 
 
 @triton.jit(launch_metadata=launch_metadata_of("fwd", 4), do_not_specialize=_NOT_SPECIALIZED)
@@ -123,9 +200,13 @@ def attention_fwd_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,  # lse [B, Hq, Sq] fp32 (varlen: [Hq, Tq])
     batch, heads_q, heads_kv, seq_q, seq_k,  # varlen: seq_q / seq_k are max_seqlen_q / max_seqlen_k
-    qk_scale,  # scale * log2(e)
+    qk_scale,  # scale * log2(e); SOFTCAP: softcap * log2(e)
+    window,  # WINDOWED: query at position p sees keys (p - window, p]
+    tanh_scale,  # SOFTCAP: scale / softcap
+    sinks_ptr,  # HAS_SINKS: [Hq] per-head sink logits (natural units), joined to every row's softmax denominator
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
     VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     BQ: tl.constexpr = BLOCK_M // HEADS  # query positions per tile
     # Grid (heads, query tiles, sequences), heads fastest: the latest (longest) query tiles of every head start
@@ -137,8 +218,8 @@ def attention_fwd_kernel(
     chunks = group // HEADS
     kv_head = pid_h // chunks
     head0 = kv_head * group + (pid_h % chunks) * HEADS
-    q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k,
-                                                             VARLEN, HAS_KV_START, HAS_KV_END)
+    q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k, window,
+                                                             VARLEN, HAS_KV_START, HAS_KV_END, WINDOWED)
     q_lo = pid_m * BQ
     if q_lo >= q_len:
         return
@@ -161,21 +242,20 @@ def attention_fwd_kernel(
     # Key tiles [k_first + t * BLOCK_N, ...): tiles 0..n_full-1 are visible to every row of this tile in full,
     # tiles n_full..n_tiles-1 reach the diagonal (or the sequence's end) and are masked.
     last_q = tl.minimum(q_lo + BQ, q_len) - 1
-    n_tiles = tl.cdiv(tl.maximum(k_end - q_len + last_q + 1 - k_first, 0), BLOCK_N)
-    n_full = tl.maximum(k_end - q_len + q_lo + 1 - k_first, 0) // BLOCK_N
+    t_lo, n_win, n_full, n_tiles = _key_tiles(k_first, k_end, q_len, q_lo, last_q, window, BLOCK_N, WINDOWED)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for t in range(0, n_tiles):
+    for t in range(t_lo, n_tiles):
         kj = k_first + t * BLOCK_N + offs_n  # key index within the sequence
-        key_ok = kj < k_end
+        key_ok = _key_ok(kj, k_end, WINDOWED)
         # [BLOCK_N, HEAD_DIM]
         k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), HEAD_DIM, INTERPRETED)
-        if t >= n_full:
-            visible = (kj[None, :] <= pos[:, None]) & key_ok[None, :]
-            qk = tl.where(visible, qk, float("-inf"))
+        qk = _logits(qk, tanh_scale, SOFTCAP)
+        if (t >= n_full) | (t < n_win):
+            qk = tl.where(_visible(kj, key_ok, pos, window, WINDOWED), qk, float("-inf"))
         # The shared update: the same code for every tile, masked or not.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -188,6 +268,16 @@ def attention_fwd_kernel(
         acc = _dot(to_bf16(p, INTERPRETED), v, acc, BLOCK_N, INTERPRETED)
         m_i = m_new
 
+    if HAS_SINKS:
+        # The sink joins the denominator after the key tiles, the same step in every path (a row's bits still
+        # depend on its visible keys and its head's sink only): one more online-softmax update with p = 2^(s - m)
+        # and no value.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.where(m_fin == m_i, 1.0, tl.math.exp2(m_i - m_fin))
+        l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that see no key: 0
     out = tl.where(bad, float("nan"), out)
@@ -232,9 +322,10 @@ def attention_bwd_dkdv_kernel(
     stride_lb, stride_lh,  # lse and delta
     stride_dkb, stride_dkh, stride_dks,  # dk and dv [B, Hkv, Skv, D]
     batch, heads_q, heads_kv, seq_q, seq_k,
-    qk_scale, scale,
+    qk_scale, scale, window, tanh_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
     VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """dk and dv of BLOCK_N keys of one KV head: query tiles in ascending order, the group's query heads summed
     inside each tile's MMA (head chunks in ascending order); no atomics."""
@@ -244,16 +335,21 @@ def attention_bwd_dkdv_kernel(
     pid_n = tl.program_id(1)
     group = heads_q // heads_kv
     chunks = group // HEADS
-    q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k,
-                                                             VARLEN, HAS_KV_START, HAS_KV_END)
-    n_lo = k_first + pid_n * BLOCK_N
+    q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k, window,
+                                                             VARLEN, HAS_KV_START, HAS_KV_END, WINDOWED)
+    if WINDOWED:
+        # A negative anchor (keys dropped by a sliding-window cache): the first program takes the tile holding key 0.
+        t0 = tl.maximum(-k_first, 0) // BLOCK_N
+    else:
+        t0 = 0
+    n_lo = k_first + (t0 + pid_n) * BLOCK_N
     if n_lo >= k_end:
         return
 
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     kj = n_lo + tl.arange(0, BLOCK_N)
-    key_ok = kj < k_end
+    key_ok = _key_ok(kj, k_end, WINDOWED)
     b64 = b.to(tl.int64)
     k_base = k_ptr + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_begin.to(tl.int64) * stride_ks
     v_base = v_ptr + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_begin.to(tl.int64) * stride_vs
@@ -266,6 +362,14 @@ def attention_bwd_dkdv_kernel(
     t_first = tl.maximum(n_lo - shift, 0) // BQ
     full_from = tl.cdiv(tl.maximum(n_lo + BLOCK_N - 1 - shift, 0), BQ)
     n_qt = tl.cdiv(q_len, BQ)
+    if WINDOWED:
+        # The last query that sees one of these keys sits at n_lo + BLOCK_N - 1 + window - 1; tiles whose last
+        # query sits at n_lo + window or later have rows whose window starts past n_lo (masked from win_from on).
+        reach = n_lo + BLOCK_N + window - 2 - shift
+        n_qt = tl.minimum(n_qt, tl.where(reach < 0, 0, reach // BQ + 1))
+        win_from = tl.maximum(n_lo + window - shift - BQ + 1, 0) // BQ
+    else:
+        win_from = n_qt
     h_loc = offs_r // BQ
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -284,13 +388,18 @@ def attention_bwd_dkdv_kernel(
             lse = tl.load(lse_ptr + l_off, mask=row_ok, other=float("inf"))
             delta = tl.load(delta_ptr + l_off, mask=row_ok, other=0.0)
             qk_t = _dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), HEAD_DIM, INTERPRETED)
+            qk_t = _logits(qk_t, tanh_scale, SOFTCAP)
             p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])  # [BLOCK_N, BLOCK_M]
-            if t < full_from:
+            if (t < full_from) | (t >= win_from):
                 visible = (kj[:, None] <= (shift + qi)[None, :]) & key_ok[:, None]
+                if WINDOWED:
+                    visible = visible & (kj[:, None] > (shift + qi - window)[None, :])
                 p_t = tl.where(visible, p_t, 0.0)
             dv = _dot(to_bf16(p_t, INTERPRETED), do, dv, BLOCK_M, INTERPRETED)
             dp_t = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), HEAD_DIM, INTERPRETED)
             ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:  # through the cap: d tanh(x) / dx = 1 - tanh(x)^2 (qk_t holds tanh)
+                ds_t = ds_t * (1.0 - qk_t * qk_t)
             dk = _dot(to_bf16(ds_t, INTERPRETED), q, dk, BLOCK_M, INTERPRETED)
     dk = dk * scale
     dk = tl.where(bad, float("nan"), dk)
@@ -312,9 +421,10 @@ def attention_bwd_dq_kernel(
     stride_lb, stride_lh,
     stride_dqb, stride_dqh, stride_dqs,
     batch, heads_q, heads_kv, seq_q, seq_k,
-    qk_scale, scale,
+    qk_scale, scale, window, tanh_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
     VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """dq of one query tile (HEADS heads x BLOCK_M / HEADS queries): key tiles in ascending order from kv_start."""
     BQ: tl.constexpr = BLOCK_M // HEADS
@@ -325,8 +435,8 @@ def attention_bwd_dq_kernel(
     chunks = group // HEADS
     kv_head = pid_h // chunks
     head0 = kv_head * group + (pid_h % chunks) * HEADS
-    q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k,
-                                                             VARLEN, HAS_KV_START, HAS_KV_END)
+    q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k, window,
+                                                             VARLEN, HAS_KV_START, HAS_KV_END, WINDOWED)
     q_lo = pid_m * BQ
     if q_lo >= q_len:
         return
@@ -352,22 +462,23 @@ def attention_bwd_dq_kernel(
     v_base = v_ptr + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_begin.to(tl.int64) * stride_vs
 
     last_q = tl.minimum(q_lo + BQ, q_len) - 1
-    n_tiles = tl.cdiv(tl.maximum(k_end - q_len + last_q + 1 - k_first, 0), BLOCK_N)
-    n_full = tl.maximum(k_end - q_len + q_lo + 1 - k_first, 0) // BLOCK_N
+    t_lo, n_win, n_full, n_tiles = _key_tiles(k_first, k_end, q_len, q_lo, last_q, window, BLOCK_N, WINDOWED)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for t in range(0, n_tiles):
+    for t in range(t_lo, n_tiles):
         kj = k_first + t * BLOCK_N + offs_n
-        key_ok = kj < k_end
+        key_ok = _key_ok(kj, k_end, WINDOWED)
         # [BLOCK_N, HEAD_DIM]
         k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), HEAD_DIM, INTERPRETED)
+        qk = _logits(qk, tanh_scale, SOFTCAP)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])  # [BLOCK_M, BLOCK_N]
-        if t >= n_full:
-            visible = (kj[None, :] <= pos[:, None]) & key_ok[None, :]
-            p = tl.where(visible, p, 0.0)
+        if (t >= n_full) | (t < n_win):
+            p = tl.where(_visible(kj, key_ok, pos, window, WINDOWED), p, 0.0)
         dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), HEAD_DIM, INTERPRETED)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - qk * qk)
         dq = _dot(to_bf16(ds, INTERPRETED), k, dq, BLOCK_N, INTERPRETED)
     dq = dq * scale
     dq = tl.where(bad, float("nan"), dq)

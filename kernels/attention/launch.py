@@ -27,6 +27,7 @@ class Sequences:
     seq_k: int  # Skv, or max_seqlen_k
     bound0: torch.Tensor | None  # kv_start, or cu_seqlens_q
     bound1: torch.Tensor | None  # kv_end, or cu_seqlens_k
+    window: int | None = None  # sliding window: a query at position p sees keys (p - window, p]
 
     @property
     def padding(self) -> bool:
@@ -48,6 +49,44 @@ def _scale_of(scale, head_dim: int) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale {scale!r} is not supported; supported: a finite float > 0, or None (1/sqrt(head_dim))")
     return float(scale)
+
+
+@dataclass(frozen=True)
+class Logits:
+    """What the scores go through besides the scale: ``softcap`` (z = softcap * tanh(z / softcap), Gemma-2) and
+    ``sinks`` ([Hq] per-head logits joined to each row's softmax denominator, gpt-oss's learned sinks)."""
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+
+def _softcap_of(softcap) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap {softcap!r} is not supported; supported: a finite float > 0, or None")
+    return float(softcap)
+
+
+def _check_sinks(sinks, heads_q: int, device: torch.device) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None; got {type(sinks).__name__}")
+    if sinks.dtype not in (torch.bfloat16, torch.float32) or tuple(sinks.shape) != (heads_q,) or sinks.device != device:
+        raise ValueError(f"sinks must be a bfloat16 or float32 tensor of shape ({heads_q},) (one logit per query head) "
+                         f"on {device}; got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+    if not sinks.is_contiguous():
+        raise ValueError(f"sinks must be contiguous; got strides {sinks.stride()}")
+
+
+def _window_of(window) -> int | None:
+    if window is None:
+        return None
+    # At most 2**30: the kernels add the window to 32-bit key positions (a key tile's last query, n + window).
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1 or window > 2**30:
+        raise ValueError(f"window {window!r} is not supported; supported: an int in [1, 2**30] (a query at position p "
+                         "sees keys (p - window, p]), or None")
+    return window
 
 
 def _check_tensor(name: str, t, dim: int) -> None:
@@ -161,7 +200,19 @@ def _lse_strides(seqs: Sequences, heads_q: int, rows: int) -> tuple[int, int]:
 
 def _flags(seqs: Sequences, interpreted: bool) -> dict:
     return {"VARLEN": seqs.varlen, "HAS_KV_START": seqs.bound0 is not None and not seqs.varlen,
-            "HAS_KV_END": seqs.bound1 is not None and not seqs.varlen, "INTERPRETED": interpreted}
+            "HAS_KV_END": seqs.bound1 is not None and not seqs.varlen, "INTERPRETED": interpreted,
+            "WINDOWED": seqs.window is not None}
+
+
+def _window_arg(seqs: Sequences) -> int:
+    return 0 if seqs.window is None else seqs.window
+
+
+def _logit_args(logits: Logits, scale: float) -> tuple[float, float]:
+    """(qk_scale, tanh_scale): the multiplier into log2 units and, with a softcap c, the tanh's argument scale."""
+    if logits.softcap is None:
+        return scale * LOG2E, 0.0
+    return logits.softcap * LOG2E, scale / logits.softcap
 
 
 def _bound_args(seqs: Sequences, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +221,8 @@ def _bound_args(seqs: Sequences, q: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Sequences, scale: float,
-                         configs: AttnConfigs | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionLaunch]:
+                         configs: AttnConfigs | None = None, logits: Logits = Logits()
+                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionLaunch]:
     """Run the forward on checked inputs: (o, lse, launch). o has q's logical shape, stored [B, Sq, Hq, D] (or
     [Tq, Hq, D]) so transformers' [B, Sq, Hq, D] output is a free transpose; lse [B, Hq, Sq] (or [Hq, Tq]) FP32."""
     backend = resolve_backend(attention_fwd_kernel, {"q": q, "k": k, "v": v})
@@ -197,8 +249,10 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         *_strides3(q, seqs.varlen), *_strides3(k, seqs.varlen), *_strides3(v, seqs.varlen), *_strides3(o, seqs.varlen),
         *_lse_strides(seqs, heads_q, rows),
         seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k,
-        scale * LOG2E,
+        _logit_args(logits, scale)[0], _window_arg(seqs), _logit_args(logits, scale)[1],
+        logits.sinks if logits.sinks is not None else q,  # never read without HAS_SINKS
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **_flags(seqs, interpreted),
+        SOFTCAP=logits.softcap is not None, HAS_SINKS=logits.sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     name = case_name("fwd", seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, head_dim)
@@ -209,9 +263,12 @@ DELTA_BLOCK = 64
 
 
 def attention_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                         lse: torch.Tensor, seqs: Sequences, scale: float, configs: AttnConfigs | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) for the saved forward (o, lse). Keys outside every sequence's window get exact zeros."""
+                         lse: torch.Tensor, seqs: Sequences, scale: float, configs: AttnConfigs | None = None,
+                         logits: Logits = Logits()
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq, dk, dv, dsinks) for the saved forward (o, lse). Keys outside every sequence's window get exact zeros.
+    The kernels need nothing for the sinks (lse includes them); dsinks (None without sinks) =
+    -sum over rows of p_sink * delta, in torch: rows are reduced in an order fixed by the shapes."""
     backend = resolve_backend(attention_fwd_kernel, {"q": q, "k": k, "v": v, "do": do})
     configs = configs or select_configs(backend, q.shape[-1])
     interpreted = backend == TRITON_INTERPRETER
@@ -236,10 +293,14 @@ def attention_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     flags = _flags(seqs, interpreted)
     common = (*_strides3(q, seqs.varlen), *_strides3(k, seqs.varlen), *_strides3(v, seqs.varlen),
               *_strides3(do, seqs.varlen), *_lse_strides(seqs, heads_q, rows))
-    sizes = (seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, scale * LOG2E, scale)
+    qk_scale, tanh_scale = _logit_args(logits, scale)
+    sizes = (seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, qk_scale, scale, _window_arg(seqs), tanh_scale)
+    flags["SOFTCAP"] = logits.softcap is not None
     cfg = configs.dkdv
     heads = heads_per_tile(group, cfg.block_m)
-    attention_bwd_dkdv_kernel[(heads_kv, triton.cdiv(seqs.seq_k, cfg.block_n), seqs.batch)](
+    # Windowed, the key tiles may be anchored before key 0 (a negative kv_start): one more tile covers the tensor.
+    key_tiles = triton.cdiv(seqs.seq_k, cfg.block_n) + (seqs.window is not None)
+    attention_bwd_dkdv_kernel[(heads_kv, key_tiles, seqs.batch)](
         q, k, v, do, lse, delta, dk, dv, *_bound_args(seqs, q), *common, *_strides3(dk, seqs.varlen), *sizes,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -251,53 +312,76 @@ def attention_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return dq, dk, dv
+    dsinks = None
+    if logits.sinks is not None:
+        # p_sink = 2^(s log2(e) - lse), s log2(e) rounded as the forward rounds it; lse [B, Hq, Sq] or [Hq, Tq].
+        sink = (logits.sinks.float() * LOG2E).view(-1, 1)
+        weighted = torch.exp2(sink - lse) * delta
+        dsinks = -(weighted.sum(-1) if seqs.varlen else weighted.sum(-1).sum(0))
+        dsinks = dsinks.to(logits.sinks.dtype)
+    return dq, dk, dv, dsinks
 
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None):
-        o, lse, _ = attention_fwd_launch(q, k, v, seqs, scale, configs)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.seqs, ctx.scale, ctx.configs = seqs, scale, configs
+    def forward(ctx, q, k, v, sinks, seqs: Sequences, scale: float, softcap: float | None,
+                configs: AttnConfigs | None):
+        logits = Logits(softcap, sinks)
+        o, lse, _ = attention_fwd_launch(q, k, v, seqs, scale, configs, logits)
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
+        ctx.seqs, ctx.scale, ctx.softcap, ctx.configs = seqs, scale, softcap, configs
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_bwd_launch(do, q, k, v, o, lse, ctx.seqs, ctx.scale, ctx.configs)
-        return dq, dk, dv, None, None, None
+        q, k, v, o, lse, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = attention_bwd_launch(do, q, k, v, o, lse, ctx.seqs, ctx.scale, ctx.configs,
+                                                  Logits(ctx.softcap, sinks))
+        return dq, dk, dv, dsinks, None, None, None, None
 
 
-def _run(q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None) -> torch.Tensor:
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionFunction.apply(q, k, v, seqs, scale, configs)
-    return attention_fwd_launch(q, k, v, seqs, scale, configs)[0]
+def _run(q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None, logits: Logits = Logits()
+         ) -> torch.Tensor:
+    sinks = logits.sinks
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
+        return _AttentionFunction.apply(q, k, v, sinks, seqs, scale, logits.softcap, configs)
+    return attention_fwd_launch(q, k, v, seqs, scale, configs, logits)[0]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-              kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None,
+              kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None, window: int | None = None,
+              softcap: float | None = None, sinks: torch.Tensor | None = None,
               configs: AttnConfigs | None = None) -> torch.Tensor:
     """Causal GQA attention: q [B, Hq, Sq, D], k, v [B, Hkv, Skv, D] (BF16, head dim contiguous) -> [B, Hq, Sq, D]
     (stored [B, Sq, Hq, D]). Query i sits at key position kv_end - Sq + i (kv_end = Skv when None) and sees keys
     kv_start..its own position (kv_start int32 [B], the first valid key: left padding; None = 0). ``kv_end``
     (int32 [B], one past each sequence's last key: a static cache's filled length) is an extension; queries of
-    padded positions give finite values nobody should read. Autograd gives dq, dk, dv (no atomics). ``configs``:
-    tiles other than the pinned table's (tests and sweeps)."""
-    batch, _, _, seq_q, seq_k, head_dim = check_padded(q, k, v, kv_start, kv_end)
-    seqs = Sequences(False, batch, seq_q, seq_k, kv_start, kv_end)
-    return _run(q, k, v, seqs, _scale_of(scale, head_dim), configs)
+    padded positions give finite values nobody should read. Autograd gives dq, dk, dv (no atomics). ``window``: a
+    sliding window, query at position p sees keys (p - window, p] (positions in key indices, so decode and prefill
+    agree); with it ``kv_start`` may be negative: the sequence's first key lies -kv_start keys before k's first row
+    (dropped by a sliding-window cache; the key tiles stay anchored there), allowed while no query's window reaches
+    a dropped key (NaN outputs otherwise). ``softcap``: logits z = softcap * tanh(z / softcap) (Gemma-2).
+    ``sinks`` ([Hq], BF16 or FP32, gpt-oss's ``s_aux``): a per-head logit joined to each row's softmax denominator
+    (no value); autograd gives its gradient. ``configs``: tiles other than the pinned table's (tests and sweeps)."""
+    batch, heads_q, _, seq_q, seq_k, head_dim = check_padded(q, k, v, kv_start, kv_end)
+    _check_sinks(sinks, heads_q, q.device)
+    seqs = Sequences(False, batch, seq_q, seq_k, kv_start, kv_end, _window_of(window))
+    return _run(q, k, v, seqs, _scale_of(scale, head_dim), configs, Logits(_softcap_of(softcap), sinks))
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, scale: float | None = None,
+                     window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      configs: AttnConfigs | None = None) -> torch.Tensor:
     """Packed sequences: q [Tq, Hq, D], k, v [Tk, Hkv, D]; sequence n is rows cu_seqlens_q[n]..cu_seqlens_q[n+1] of
     q and cu_seqlens_k[n]..cu_seqlens_k[n+1] of k, its queries the last of its keys (causal, bottom-right). The
-    same bits per token as the padded layout. cu_seqlens are read on the host (checked; one sync)."""
-    n, _, _, head_dim = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    seqs = Sequences(True, n, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k)
-    return _run(q, k, v, seqs, _scale_of(scale, head_dim), configs)
+    same bits per token as the padded layout. cu_seqlens are read on the host (checked; one sync). ``window`` as
+    for ``attention``, per sequence; ``softcap``, ``sinks`` as for ``attention``."""
+    n, heads_q, _, head_dim = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_sinks(sinks, heads_q, q.device)
+    seqs = Sequences(True, n, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, _window_of(window))
+    return _run(q, k, v, seqs, _scale_of(scale, head_dim), configs, Logits(_softcap_of(softcap), sinks))
 
 
 SUPPORTED_BACKENDS = (CUDA_SM90, TRITON_INTERPRETER)

@@ -24,6 +24,7 @@ E_EXP2 = 2.0**-21  # relative error of ex2.approx.f32 (with margin)
 E_LOG2 = 2.0**-21  # absolute error of lg2.approx.f32 per unit of |log2 x| + 1 (with margin)
 E_DIV = 2.0**-22  # relative error of FP32 division (div.full.f32: 2 ulp)
 FLUSH = 2.0**-125  # what flushing a subnormal FP32 weight to zero can lose, per term
+E_TANH = 2.0**-19  # absolute error of the kernels' tanh (exp2 formula; derived in docs/attention.md, softcap)
 
 
 def gamma(n: int, unit: float = U_FP32) -> float:
@@ -34,15 +35,22 @@ def gamma(n: int, unit: float = U_FP32) -> float:
 
 
 def visibility(batch: int, seq_q: int, seq_k: int, kv_start: torch.Tensor | None, kv_end: torch.Tensor | None,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(visible [B, 1, Sq, Skv] bool, bad [B] bool): query i of sequence b sees keys kv_start[b] <= j <= kv_end[b] -
-    Sq + i; ``bad`` marks bounds the kernels refuse in-band (NaN outputs)."""
+               device: torch.device, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(visible [B, 1, Sq, Skv] bool, bad [B] bool): query i of sequence b (at position p = kv_end[b] - Sq + i) sees
+    keys kv_start[b] <= j <= p, and with a window only j > p - window; ``bad`` marks bounds the kernels refuse
+    in-band (NaN outputs). With a window kv_start may be negative (keys dropped by a sliding-window cache) while no
+    query's window reaches below key 0."""
     start = torch.zeros(batch, dtype=torch.int64, device=device) if kv_start is None else kv_start.to(device).long()
     end = torch.full((batch,), seq_k, dtype=torch.int64, device=device) if kv_end is None else kv_end.to(device).long()
-    bad = (start < 0) | (start > end) | (end > seq_k)
+    if window is None:
+        bad = (start < 0) | (start > end) | (end > seq_k)
+    else:
+        bad = ((start < 0) & (end - seq_q - window + 1 < 0)) | (start > end) | (end > seq_k)
     j = torch.arange(seq_k, device=device)
     pos = end[:, None] - seq_q + torch.arange(seq_q, device=device)[None, :]  # [B, Sq]
     visible = (j >= start[:, None, None]) & (j <= pos[:, :, None]) & (j < end[:, None, None])
+    if window is not None:
+        visible &= j > pos[:, :, None] - window
     return visible[:, None], bad
 
 
@@ -50,36 +58,52 @@ def _expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
     return t.repeat_interleave(heads_q // t.shape[1], dim=1)
 
 
-def _softmax_weights(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """softmax over the visible keys; rows with none give all-zero weights (and a finite gradient)."""
+def _softmax_weights(scores: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax over the visible keys; rows with none give all-zero weights (and a finite gradient). ``sinks`` ([Hq],
+    same dtype as scores): one more logit per head in every row's denominator, without a value (gpt-oss)."""
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).to(scores.dtype)
+        masked = scores.masked_fill(~visible, float("-inf"))
+        m = torch.maximum(masked.amax(-1, keepdim=True), sink)
+        e = torch.exp(masked - m)
+        return e / (e.sum(-1, keepdim=True) + torch.exp(sink - m))
     any_visible = visible.any(-1, keepdim=True)
     masked = scores.masked_fill(~visible, float("-inf"))
     masked = torch.where(any_visible, masked, torch.zeros_like(masked))
     return torch.where(visible, torch.softmax(masked, dim=-1), torch.zeros_like(masked))
 
 
+def _capped(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
 def _scale(scale, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def attention_math(q, k, v, scale, kv_start, kv_end, dtype: torch.dtype) -> torch.Tensor:
+def attention_math(q, k, v, scale, kv_start, kv_end, dtype: torch.dtype, window=None, softcap=None,
+                   sinks=None) -> torch.Tensor:
     """Unrounded attention in ``dtype`` (float32 or float64): [B, Hq, Sq, D]; NaN rows for bad bounds."""
     batch, heads_q, seq_q, head_dim = q.shape
-    visible, bad = visibility(batch, seq_q, k.shape[2], kv_start, kv_end, q.device)
+    visible, bad = visibility(batch, seq_q, k.shape[2], kv_start, kv_end, q.device, window)
     qd, kd, vd = q.to(dtype), _expand_kv(k.to(dtype), heads_q), _expand_kv(v.to(dtype), heads_q)
-    w = _softmax_weights((qd @ kd.transpose(-1, -2)) * _scale(scale, head_dim), visible)
+    z = _capped((qd @ kd.transpose(-1, -2)) * _scale(scale, head_dim), softcap)
+    w = _softmax_weights(z, visible, None if sinks is None else sinks.to(dtype))
     out = w @ vd
     return torch.where(bad[:, None, None, None], torch.full_like(out, float("nan")), out)
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                  kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None) -> torch.Tensor:
+                  kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None,
+                  window: int | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``attention`` in pure torch: FP32 scores and softmax, one BF16 rounding. [B, Hq, Sq, D]."""
-    return attention_math(q, k, v, scale, kv_start, kv_end, torch.float32).to(torch.bfloat16)
+    return attention_math(q, k, v, scale, kv_start, kv_end, torch.float32, window, softcap, sinks).to(torch.bfloat16)
 
 
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
-                         scale: float | None = None) -> torch.Tensor:
+                         scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``attention_varlen`` in pure torch, one sequence at a time: [Tq, Hq, D] BF16."""
     out = torch.empty_like(q)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -91,26 +115,43 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
         if ks.shape[2] == 0:
             out[cq[n]:cq[n + 1]] = 0
             continue
-        out[cq[n]:cq[n + 1]] = attention_ref(qs, ks, vs, scale=scale)[0].transpose(0, 1)
+        out[cq[n]:cq[n + 1]] = attention_ref(qs, ks, vs, scale=scale, window=window, softcap=softcap,
+                                             sinks=sinks)[0].transpose(0, 1)
     return out
 
 
-def attention_oracle(q, k, v, *, scale=None, kv_start=None, kv_end=None, do=None) -> dict[str, torch.Tensor]:
+def attention_oracle(q, k, v, *, scale=None, kv_start=None, kv_end=None, window=None, softcap=None, sinks=None,
+                     do=None) -> dict[str, torch.Tensor]:
     """FP64 from the same BF16 inputs: ``o`` [B, Hq, Sq, D], and with ``do`` the exact ``dq``, ``dk``, ``dv``
     (the gradients of sum(o * do)), plus the intermediates the bounds use."""
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     s = _scale(scale, head_dim)
-    visible, _ = visibility(batch, seq_q, seq_k, kv_start, kv_end, q.device)
+    visible, _ = visibility(batch, seq_q, seq_k, kv_start, kv_end, q.device, window)
     q64, k64, v64 = q.double(), _expand_kv(k.double(), heads_q), _expand_kv(v.double(), heads_q)
-    z = (q64 @ k64.transpose(-1, -2)) * s  # exact logits (to FP64 rounding)
-    w = _softmax_weights(z, visible)
-    out = {"o": w @ v64, "w": w, "z": z, "visible": visible.expand_as(w)}
+    t = (q64 @ k64.transpose(-1, -2)) * s  # exact scaled scores (to FP64 rounding)
+    z = _capped(t, softcap)  # the logits
+    sink64 = None if sinks is None else sinks.double()
+    w = _softmax_weights(z, visible, sink64)
+    out = {"o": w @ v64, "w": w, "z": z, "visible": visible.expand_as(w), "windowed": window is not None,
+           "softcap": softcap, "sinks": sink64}
+    if sink64 is not None:
+        zs = z.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(torch.cat([zs, sink64.reshape(1, -1, 1, 1).expand(*zs.shape[:3], 1)], -1), -1,
+                              keepdim=True)
+        out["w_sink"] = torch.exp(sink64.reshape(1, -1, 1, 1) - lse)  # [B, Hq, Sq, 1]
     if do is not None:
         do64 = do.double()
-        d = do64 @ v64.transpose(-1, -2) - (do64 * out["o"]).sum(-1, keepdim=True)  # dP* - delta*
-        ds = w * d
+        delta = (do64 * out["o"]).sum(-1, keepdim=True)
+        d = do64 @ v64.transpose(-1, -2) - delta  # dP* - delta*
+        ds = w * d  # the gradient at the logits z
+        if softcap is not None:
+            out["sech2"] = 1 - torch.tanh(t / softcap) ** 2
+            ds = ds * out["sech2"]  # through the cap, at the scaled scores
+        if sink64 is not None:
+            out["dsinks"] = -(out["w_sink"] * delta).sum((0, 2, 3))
+            out["delta"] = delta
         per_kv = (batch, heads_kv, group * seq_q)
         out.update(
             d=d, ds=ds,
@@ -134,7 +175,14 @@ def _row_terms(q, k, oracle: dict, scale: float, block_n: int) -> dict[str, torc
     z_lo = torch.where(vis, z, torch.full_like(z, float("inf"))).amin(-1, keepdim=True)
     n = vis.sum(-1, keepdim=True).double()
     any_visible = n > 0
-    return {"n": n, "tiles": torch.ceil(n / block_n), "a_max": a_max, "any": any_visible,
+    if oracle.get("sinks") is not None:  # the sink is one more logit of the row (for the range R)
+        sink = oracle["sinks"].reshape(1, -1, 1, 1)
+        z_hi = torch.where(any_visible, torch.maximum(z_hi, sink), z_hi)
+        z_lo = torch.where(any_visible, torch.minimum(z_lo, sink), z_lo)
+    # A row's visible keys start at a tile boundary (the sequence's first key), except under a window, whose lower
+    # edge may fall inside a tile: one tile more.
+    tiles = torch.ceil(n / block_n) + (1.0 if oracle["windowed"] else 0.0) * any_visible
+    return {"n": n, "tiles": tiles, "a_max": a_max, "any": any_visible,
             "range": torch.where(any_visible, z_hi - z_lo, torch.zeros_like(n)),
             "z_abs": torch.where(any_visible, torch.maximum(z_hi.abs(), z_lo.abs()), torch.zeros_like(n))}
 
@@ -150,11 +198,23 @@ def _forward_terms(q, k, v, oracle: dict, scale: float, block_n: int) -> dict[st
     rows = _row_terms(q, k, oracle, scale, block_n)
     u, sa = U_FP32, scale * rows["a_max"]
     kappa = (1 + gamma(head_dim)) * (1 + u) ** 2 - 1
-    e_exp = kappa * sa + 2 * u * (rows["range"] + 2 * kappa * sa)
+    e_logit = kappa * sa  # a logit's error in natural units (docs/attention.md, forward step 1)
+    softcap, sinks = oracle.get("softcap"), oracle.get("sinks")
+    if softcap is not None:
+        # tanh is 1-Lipschitz: the scaled score's error passes through, plus tanh's own E_TANH, times the cap, and
+        # the product by fl(softcap * log2 e).
+        e_logit = (1 + u) ** 2 * (kappa * sa + softcap * E_TANH) + 3 * u * softcap
     t = rows["tiles"]
+    terms = rows["n"] + t
+    if sinks is not None:
+        # The sink's exponent fl(s log2 e) (two roundings), one more rescale and one more term of l.
+        e_logit = torch.maximum(e_logit, 3 * u * sinks.abs().reshape(1, -1, 1, 1))
+        t = t + 1
+        terms = terms + 1
+    e_exp = e_logit + 2 * u * (rows["range"] + 2 * e_logit)
     eta_l = torch.exp(e_exp) * (1 + E_EXP2) ** (t + 1) * (1 + u) ** t - 1
     eta_acc = (1 + eta_l) * (1 + U_BF16) - 1
-    g = _gamma_t(rows["n"] + t)
+    g = _gamma_t(terms)
     rho, rho_l = (1 + eta_acc) * (1 + g) - 1, (1 + eta_l) * (1 + g) - 1
     o_star = oracle["o"]
     w = oracle["w"]
@@ -162,31 +222,38 @@ def _forward_terms(q, k, v, oracle: dict, scale: float, block_n: int) -> dict[st
     a_sum = w @ v_abs  # sum_j w_j |v_jd|
     delta = (rho * a_sum + rho_l * o_star.abs()) / (1 - rho_l)
     delta = delta + E_DIV * (o_star.abs() + delta)
-    flush = (rows["n"] + t) * FLUSH * (v_abs.amax(-2, keepdim=True) + o_star.abs())
-    oracle_err = _gamma_t(2 * rows["n"] + head_dim + 8, U_FP64) * (1 + sa + rows["range"]) * (a_sum + o_star.abs())
+    flush = terms * FLUSH * (v_abs.amax(-2, keepdim=True) + o_star.abs())
+    cap = 0.0 if softcap is None else softcap
+    oracle_err = _gamma_t(2 * rows["n"] + head_dim + 8, U_FP64) * (1 + sa + rows["range"] + cap) \
+        * (a_sum + o_star.abs())
     bound = U_BF16 * o_star.abs() + (1 + U_BF16) * (delta + flush) + ETA_BF16 + oracle_err
-    return {**rows, "eta_l": eta_l, "rho_l": rho_l, "e_exp": e_exp, "bound": torch.where(rows["any"], bound, ETA_BF16)}
+    return {**rows, "eta_l": eta_l, "rho_l": rho_l, "e_exp": e_exp, "e_logit": e_logit,
+            "bound": torch.where(rows["any"], bound, ETA_BF16)}
 
 
-def attention_fwd_bound(q, k, v, *, scale=None, kv_start=None, kv_end=None, block_n: int = 16
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_fwd_bound(q, k, v, *, scale=None, kv_start=None, kv_end=None, window=None, softcap=None, sinks=None,
+                        block_n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """(o*, bound), both FP64 [B, Hq, Sq, D]: every element of the kernels' o must satisfy |o - o*| <= bound.
     ``block_n``: the forward's key tile (fewer keys per tile means more rescales; 16 is the most conservative)."""
     s = _scale(scale, q.shape[-1])
-    oracle = attention_oracle(q, k, v, scale=s, kv_start=kv_start, kv_end=kv_end)
+    oracle = attention_oracle(q, k, v, scale=s, kv_start=kv_start, kv_end=kv_end, window=window, softcap=softcap,
+                              sinks=sinks)
     return oracle["o"], _forward_terms(q, k, v, oracle, s, block_n)["bound"]
 
 
-def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, block_n: int = 16,
-                        block_m: int = 16) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{"dq": (dq*, bound), "dk": ..., "dv": ...} in FP64: the exact gradients of sum(o * do) and the per-element
-    bounds the kernels' gradients must satisfy (docs/attention.md). ``block_n`` / ``block_m``: the smallest key and
-    query tiles of the backward (more tiles means more accumulations; 16 is the most conservative)."""
+def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, window=None, softcap=None,
+                        sinks=None, block_n: int = 16, block_m: int = 16
+                        ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{"dq": (dq*, bound), "dk": ..., "dv": ...} (and "dsinks" with sinks) in FP64: the exact gradients of
+    sum(o * do) and the per-element bounds the kernels' gradients must satisfy (docs/attention.md). ``block_n`` /
+    ``block_m``: the smallest key and query tiles of the backward (more tiles means more accumulations; 16 is the
+    most conservative)."""
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     s = _scale(scale, head_dim)
-    oracle = attention_oracle(q, k, v, scale=s, kv_start=kv_start, kv_end=kv_end, do=do)
+    oracle = attention_oracle(q, k, v, scale=s, kv_start=kv_start, kv_end=kv_end, window=window, softcap=softcap,
+                              sinks=sinks, do=do)
     fwd = _forward_terms(q, k, v, oracle, s, block_n)
     u, ub = U_FP32, U_BF16
     sa = s * fwd["a_max"]
@@ -195,6 +262,9 @@ def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, 
     # subtraction's and exp2's.
     lse_nat = torch.where(fwd["any"], torch.logsumexp(oracle["z"].masked_fill(~vis, float("-inf")), -1, keepdim=True),
                           torch.zeros_like(fwd["n"]))
+    if sinks is not None:  # lse holds the sink too
+        lse_nat = torch.logaddexp(torch.where(fwd["any"], lse_nat, float("-inf")),
+                                  oracle["sinks"].reshape(1, -1, 1, 1).expand_as(lse_nat))
     e_p = (2 * fwd["e_exp"] + fwd["rho_l"] + math.log(2) * E_LOG2 * (1 + torch.log2(fwd["n"].clamp(min=1)) + 1)
            + 3 * u * (lse_nat.abs() + sa + 1))
     eps_p = torch.exp(e_p) * (1 + E_EXP2) - 1  # [B, Hq, Sq, 1]
@@ -208,9 +278,22 @@ def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, 
     e_d = gamma(head_dim) * b_dp + beta
     e_d = e_d + u * (d_abs + e_d)
     r = (1 + u) * (1 + ub)
-    sigma = r * (w * (1 + eps_p) * e_d + eps_p * w * d_abs) + (r - 1) * w * d_abs + FLUSH * (d_abs + e_d)
+    if softcap is None:
+        sigma = r * (w * (1 + eps_p) * e_d + eps_p * w * d_abs) + (r - 1) * w * d_abs + FLUSH * (d_abs + e_d)
+        ds_abs = w * d_abs
+    else:
+        # dS = bf16(fl(fl(P d) * fl(1 - th^2))): fl(P d)'s error as above, then the factor g = 1 - th^2 with
+        # |g - sech^2| <= e_g (th's error e_th: the scaled score's plus tanh's own; the square and the subtraction),
+        # the product, then the BF16 rounding.
+        sech2 = oracle["sech2"]
+        e_th = (kappa_of(head_dim) * sa) / softcap + E_TANH
+        e_g = 2 * e_th + e_th ** 2 + 2 * u
+        pre = (1 + u) * (w * (1 + eps_p) * e_d + eps_p * w * d_abs) + u * w * d_abs
+        ds_abs = w * d_abs * sech2
+        after_g = pre * (sech2 + e_g) * (1 + u) + w * d_abs * (e_g * (1 + u) + u * sech2)
+        sigma = after_g * (1 + ub) + ub * ds_abs + FLUSH * (d_abs + e_d)
     sigma = torch.where(vis, sigma, torch.zeros_like(sigma))
-    ds_mag = w * d_abs + sigma
+    ds_mag = ds_abs + sigma
 
     def scaled_grad(star, e_acc):
         e1 = s * e_acc + u * (star.abs() + s * e_acc)
@@ -221,10 +304,13 @@ def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, 
             .reshape(batch, heads_kv, seq_k, group * seq_q)
 
     n_q = fwd["n"]
-    g_q = _gamma_t(n_q + torch.ceil(n_q / block_n))
+    # Under a window a row's keys (and a key's rows) need not start at a tile boundary: one more tile per walk
+    # (dk, dv: per head of the group, plus one).
+    extra_q, extra_kv = (1.0, group + 1.0) if window is not None else (0.0, 0.0)
+    g_q = _gamma_t(n_q + torch.ceil(n_q / block_n) + extra_q)
     dq_acc = sigma @ k_abs + g_q * (ds_mag @ k_abs)
     rows_kv = per_kv(vis.double()).sum(-1, keepdim=True)
-    g_kv = _gamma_t(rows_kv + torch.ceil(rows_kv / block_m))
+    g_kv = _gamma_t(rows_kv + torch.ceil(rows_kv / block_m) + extra_kv)
     q_abs = q.double().abs().reshape(batch, heads_kv, group * seq_q, head_dim)
     do_abs = do64.abs().reshape(batch, heads_kv, group * seq_q, head_dim)
     dk_acc = per_kv(sigma) @ q_abs + g_kv * (per_kv(ds_mag) @ q_abs)
@@ -235,8 +321,26 @@ def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, 
     n_all = seq_k + group * seq_q + head_dim
     oracle_err = {key: _gamma_t(torch.tensor(4.0 * n_all + 16), U_FP64) * (1 + sa.amax() + fwd["range"].amax()) * 4
                   * (m * (s if key != "dv" else 1.0)) for key, m in mags.items()}
-    return {
+    out = {
         "dq": (oracle["dq"], scaled_grad(oracle["dq"], dq_acc) + oracle_err["dq"]),
         "dk": (oracle["dk"], scaled_grad(oracle["dk"], dk_acc) + oracle_err["dk"]),
         "dv": (oracle["dv"], ub * oracle["dv"].abs() + (1 + ub) * dv_err + ETA_BF16 + oracle_err["dv"]),
     }
+    if sinks is not None:
+        # dsinks = -sum over rows (B x Sq per head) of p_sink * delta: p_sink's error eps_p, delta's beta, the
+        # product, an FP32 sum in any order (gamma of the row count), one rounding to the sinks' dtype.
+        w_s, delta_abs = oracle["w_sink"], oracle["delta"].abs()
+        per_row = (1 + u) * (w_s * (1 + eps_p) * beta + eps_p * w_s * delta_abs) + u * w_s * delta_abs
+        rows_n = batch * seq_q
+        mag = (w_s * (1 + eps_p) * (delta_abs + beta) * (1 + u)).sum((0, 2, 3))
+        err = per_row.sum((0, 2, 3)) + gamma(rows_n) * mag
+        u_out = U_BF16 if sinks.dtype == torch.bfloat16 else 0.0
+        star = oracle["dsinks"]
+        oracle_s = _gamma_t(torch.tensor(4.0 * n_all + 16), U_FP64) * (1 + sa.amax() + fwd["range"].amax()) * 4 * mag
+        out["dsinks"] = (star, u_out * star.abs() + (1 + u_out) * err + ETA_BF16 + oracle_s)
+    return out
+
+
+def kappa_of(head_dim: int) -> float:
+    """The relative error of a scaled score fl(fl(q.k) * c) against scale * q.k (docs/attention.md, step 1)."""
+    return (1 + gamma(head_dim)) * (1 + U_FP32) ** 2 - 1

@@ -92,11 +92,50 @@ def sdpa_unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is
 # ---------------------------------------------------------------------------------------------
 # Mask -> per-sequence key windows
 # ---------------------------------------------------------------------------------------------
+class MaskNotCovered(ValueError, NotImplementedError):
+    """A mask whose values are not causal + padding (+ the call's window): a ValueError for a direct call (the
+    values are wrong for what was asked), a NotImplementedError for transformers' attention route, which then runs
+    transformers' own function, counted (e.g. Gemma-3's bidirectional image-token masks, packed-sequence masks)."""
+
+
+MASK_ANCHOR_ATTR = "detkit_kv_start"  # int32 [B] on a mask tensor: each sequence's first key, in key indices
+
+
+def tag_mask_anchor(mask, padding_mask: torch.Tensor | None, kv_offset, batch: int) -> None:
+    """Record on ``mask`` (a tensor transformers built for one forward) each sequence's first valid key in the key
+    tensor's indices: the first True of the 2-D ``padding_mask`` [B, seen + q_len] (absolute positions; None: 0)
+    minus ``kv_offset`` (the absolute position of key 0; a sliding-window cache that dropped keys makes it > 0, and
+    the result negative). A sliding window can hide the first key from every row of the mask itself; this keeps
+    the key tiles anchored where a prefill anchors them. No host sync."""
+    if not isinstance(mask, torch.Tensor):
+        return
+    if padding_mask is None:
+        first = torch.zeros(batch, dtype=torch.int64, device=mask.device)
+    else:
+        valid = padding_mask.to(device=mask.device).bool()
+        first = torch.where(valid.any(-1), valid.to(torch.int8).argmax(-1), 0).to(torch.int64)
+        first = first.expand(batch) if first.shape[0] == 1 else first
+    if isinstance(kv_offset, torch.Tensor):
+        kv_offset = kv_offset.to(device=mask.device, dtype=torch.int64)
+    setattr(mask, MASK_ANCHOR_ATTR, (first - kv_offset).to(torch.int32).contiguous())
+
+
 def mask_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(kv_start int32 [B], kv_end int32 [B], ok bool scalar), all on the mask's device, no host sync. ``ok``: the
-    mask is exactly causal + one padding window per sequence (rows of padded queries excepted as described in the
-    module docstring); then its valid rows see exactly what ``attention(kv_start=, kv_end=)`` gives them."""
+    """(kv_start int32 [B], kv_end int32 [B], ok bool scalar) of a causal + padding mask: ``mask_key_windows``
+    without a sliding window."""
+    return mask_key_windows(attn_mask, batch, seq_q, seq_k)[:3]
+
+
+def mask_key_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int, window: int | None = None,
+                     anchor: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kv_start int32 [B], kv_end int32 [B], ok bool scalar, hidden bool scalar), all on the mask's device, no host
+    sync. ``ok``: the mask is exactly causal + one padding window per sequence (+ the sliding ``window``: query at
+    position p sees keys > p - window), rows of padded queries excepted as described in the module docstring; then
+    its valid rows see exactly what ``attention(kv_start=, kv_end=, window=)`` gives them. ``anchor`` (int32 [B],
+    see ``tag_mask_anchor``): each sequence's first key when known from elsewhere; without it the first key is read
+    off the mask, and ``hidden`` says a window hid it from every row (the key tiles' anchor is then unknown)."""
     mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     if mask.dtype == torch.bool:
         visible, values_ok = mask, torch.ones((), dtype=torch.bool, device=mask.device)
@@ -117,74 +156,120 @@ def mask_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int
     start = torch.where(any_visible, start, seq_k)
     offset = torch.where(any_visible, offset, seq_k - seq_q)
     kv_end = offset + seq_q
+    hidden = torch.zeros((), dtype=torch.bool, device=mask.device)
+    if window is not None:
+        # The first nonempty row r sees keys from max(start, o + r - window + 1): if that is its window's edge, the
+        # sequence's first key may lie anywhere at or before it.
+        rows = nonempty.any(1)  # [B|1, Sq]
+        r = torch.where(rows.any(-1), rows.to(torch.int8).argmax(-1), 0)  # [B|1]
+        hidden = (any_visible & (offset + r - window + 1 >= start)).any()
+    if anchor is not None:
+        start = torch.where(any_visible, anchor.to(device=mask.device, dtype=torch.int64), seq_k)  # [B]
+        hidden = torch.zeros((), dtype=torch.bool, device=mask.device)
     hi = torch.minimum(offset[:, None] + i, end[:, None])  # [B|1, Sq]
     expected = (j >= start[:, None, None, None]) & (j <= hi[:, None, :, None])
+    if window is not None:
+        expected &= j > (offset[:, None] + i - window)[:, None, :, None]
     ok = values_ok & (visible == expected).all() & ((kv_end <= seq_k) & (kv_end >= start)).all()
     kv_start = start.to(torch.int32).expand(batch).contiguous()
     kv_end = kv_end.clamp(0, seq_k).to(torch.int32).expand(batch).contiguous()
-    return kv_start, kv_end, ok
+    return kv_start, kv_end, ok, hidden
 
 
 _MASK_CACHE_SIZE = 4
 _mask_cache: dict[int, tuple] = {}  # id(mask) -> (weakref, key, kv_start, kv_end)
 
 
-def _mask_key(mask: torch.Tensor, batch: int, seq_q: int, seq_k: int) -> tuple:
-    return (mask._version, mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.dtype, batch, seq_q, seq_k)
+def _mask_key(mask: torch.Tensor, batch: int, seq_q: int, seq_k: int, window) -> tuple:
+    return (mask._version, mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.dtype, batch, seq_q, seq_k, window,
+            id(getattr(mask, MASK_ANCHOR_ATTR, None)))
 
 
-def checked_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int
+def checked_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int, window: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mask_windows`` with the check enforced: a ValueError (one host sync, once per mask tensor and version), or
     a device-side assert on every call, without a sync, under CUDA-graph capture and for inference tensors (they
-    have no version counter, so an in-place change could not be told from a cache hit)."""
+    have no version counter, so an in-place change could not be told from a cache hit). A sliding-window mask whose
+    sequences' first keys it hides (and that carries no anchor, ``tag_mask_anchor``) is refused with a
+    NotImplementedError: the key tiles could not be anchored where a prefill anchors them."""
     device_assert = attn_mask.is_cuda and (torch.cuda.is_current_stream_capturing() or attn_mask.is_inference())
-    if not device_assert and not attn_mask.is_inference():
+    key = None if attn_mask.is_inference() else _mask_key(attn_mask, batch, seq_q, seq_k, window)
+    if not device_assert and key is not None:
         hit = _mask_cache.get(id(attn_mask))
-        if hit is not None and hit[0]() is attn_mask and hit[1] == _mask_key(attn_mask, batch, seq_q, seq_k):
+        if hit is not None and hit[0]() is attn_mask and hit[1] == key:
             return hit[2], hit[3]
-    kv_start, kv_end, ok = mask_windows(attn_mask, batch, seq_q, seq_k)
+    anchor = getattr(attn_mask, MASK_ANCHOR_ATTR, None) if window is not None else None
+    kv_start, kv_end, ok, hidden = mask_key_windows(attn_mask, batch, seq_q, seq_k, window, anchor)
     if device_assert:
-        torch._assert_async(ok, "detkit attention: attn_mask is not causal + padding")
+        torch._assert_async(ok & ~hidden, "detkit attention: attn_mask is not causal + padding (+ window), or its "
+                            "window hides a sequence's first key")
         return kv_start, kv_end
-    if not bool(ok):  # one host sync
-        raise ValueError(f"attn_mask (shape {tuple(attn_mask.shape)}, dtype {attn_mask.dtype}) is not causal + "
-                         "padding: supported are masks where each sequence sees one window of keys and query i its "
-                         "window up to its own position, with masked values False, -inf or the dtype's minimum")
+    ok, hidden = bool(ok), bool(hidden)  # one host sync
+    if not ok:
+        raise MaskNotCovered(f"attn_mask (shape {tuple(attn_mask.shape)}, dtype {attn_mask.dtype}) is not causal + "
+                         "padding" + (f" + sliding window {window}" if window is not None else "") + ": supported are "
+                         "masks where each sequence sees one window of keys and query i its window up to its own "
+                         "position, with masked values False, -inf or the dtype's minimum")
+    if hidden:
+        raise NotImplementedError(f"sliding window {window}: the mask hides a sequence's first key from every query "
+                                  "(a decode step past the window) and carries no anchor; build it with detkit's mask "
+                                  "function (the 'detkit' mask interface, or the mode's) to anchor the key tiles")
     if attn_mask.is_inference():
         return kv_start, kv_end
     if len(_mask_cache) >= _MASK_CACHE_SIZE:
         _mask_cache.pop(next(iter(_mask_cache)))
-    _mask_cache[id(attn_mask)] = (weakref.ref(attn_mask), _mask_key(attn_mask, batch, seq_q, seq_k), kv_start, kv_end)
+    _mask_cache[id(attn_mask)] = (weakref.ref(attn_mask), key, kv_start, kv_end)
     return kv_start, kv_end
 
 
-def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+         window: int | None = None):
     """F.scaled_dot_product_attention on the detkit kernels for the cases ``sdpa_unsupported_reason`` accepts
-    (NotImplementedError naming the reason otherwise). Returns [B, Hq, Sq, D] (stored [B, Sq, Hq, D])."""
+    (NotImplementedError naming the reason otherwise). Returns [B, Hq, Sq, D] (stored [B, Sq, Hq, D]).
+    ``window`` (an extension): a sliding window, the mask then causal + padding + that window."""
     reason = sdpa_unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reason is not None:
         raise NotImplementedError(f"detkit attention does not cover this scaled_dot_product_attention call: {reason}")
-    return _run_checked(query, key, value, attn_mask, scale)
+    return _run_checked(query, key, value, attn_mask, scale, window)
 
 
-def _run_checked(query, key, value, attn_mask, scale):
+def _run_checked(query, key, value, attn_mask, scale, window=None, softcap=None, sinks=None):
     """An accepted call: the mask (if any) as per-sequence key windows, then the kernels."""
     if attn_mask is None:
-        return attention(query, key, value, scale=scale)
-    kv_start, kv_end = checked_windows(attn_mask, query.shape[0], query.shape[2], key.shape[2])
-    return attention(query, key, value, scale=scale, kv_start=kv_start, kv_end=kv_end)
+        return attention(query, key, value, scale=scale, window=window, softcap=softcap, sinks=sinks)
+    kv_start, kv_end = checked_windows(attn_mask, query.shape[0], query.shape[2], key.shape[2], window)
+    return attention(query, key, value, scale=scale, kv_start=kv_start, kv_end=kv_end, window=window,
+                     softcap=softcap, sinks=sinks)
 
 
 def hf_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' AttentionInterface signature (as transformers.integrations.sdpa_attention.sdpa_attention_forward):
     query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] (not repeated), the 4-D mask transformers builds for SDPA (or
-    None) -> ([B, Sq, Hq, D], None). Refuses by name what it does not cover."""
+    None) -> ([B, Sq, Hq, D], None). ``sliding_window`` (as transformers passes it: a query at position p sees keys
+    > p - sliding_window) runs on the kernels' window; the mask is then causal + padding + that window, and a mask
+    that hides a sequence's first key needs the anchor ``tag_mask_anchor`` records. ``softcap`` (Gemma-2) and
+    ``s_aux`` / ``sinks`` (gpt-oss's per-head sinks, [Hq]) run on the kernels' softcap and sinks. Refuses by name
+    what it does not cover."""
     if dropout:
         raise NotImplementedError(f"detkit attention: dropout {dropout} is not supported (needs 0.0)")
-    for name in ("sliding_window", "softcap", "s_aux", "sinks", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"detkit attention: {name} is not supported (got {kwargs[name]!r})")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("detkit attention: position_bias is not supported")
+    window = kwargs.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise NotImplementedError(f"detkit attention: sliding_window {window!r} is not supported (needs an int >= 1)")
+    softcap = kwargs.get("softcap")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise NotImplementedError(f"detkit attention: softcap {softcap!r} is not supported (needs a finite float > 0)")
+    if kwargs.get("s_aux") is not None and kwargs.get("sinks") is not None:
+        raise NotImplementedError("detkit attention: both s_aux and sinks given (they name the same thing)")
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dtype not in (torch.bfloat16, torch.float32)
+                              or tuple(sinks.shape) != (query.shape[1],) or sinks.device != query.device):
+        what = (f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}" if isinstance(sinks, torch.Tensor)
+                else type(sinks).__name__)
+        raise NotImplementedError(f"detkit attention: sinks (s_aux) {what} are not supported (needs a bfloat16 or "
+                                  f"float32 tensor [{query.shape[1]}] on {query.device})")
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -203,5 +288,6 @@ def hf_attention_forward(module, query, key, value, attention_mask, scaling=None
     reason = sdpa_unsupported_reason(query, key, value, attention_mask, 0.0, causal, scaling, True)
     if reason is not None:
         raise NotImplementedError(f"detkit attention does not cover this call of {type(module).__name__}: {reason}")
-    out = _run_checked(query, key, value, attention_mask, scaling)
+    out = _run_checked(query, key, value, attention_mask, scaling, window, softcap,
+                       None if sinks is None else sinks.contiguous())
     return out.transpose(1, 2), None
