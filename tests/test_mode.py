@@ -124,16 +124,16 @@ def test_addmm_beta_zero_ignores_the_input_and_other_scalars_are_refused(device)
 
 
 def test_other_dtypes_run_on_torch_and_are_counted(device):
-    a = torch.randn(6, 10, device=device)
-    b = torch.randn(10, 4, device=device)
+    a = torch.randn(6, 10, device=device).half()
+    b = torch.randn(10, 4, device=device).half()
     want = a @ b
     with detkit.batch_invariant_mode():
         got = a @ b
         torch.mv(a, b[:, 0])
-    assert_bits(got, want, "float32 mm on torch")
-    assert detkit.mode_counters().as_dict()["not_routed"] == {"mm: dtype float32": 1,
+    assert_bits(got, want, "float16 mm on torch")
+    assert detkit.mode_counters().as_dict()["not_routed"] == {"mm: dtype float16 (det_gemm takes bfloat16 or float32 operands, one dtype)": 1,
                                                               "mv: no detkit route for this op": 1}
-    with pytest.raises(detkit.ModeNotRoutedError, match="dtype float32"), detkit.batch_invariant_mode(strict=True):
+    with pytest.raises(detkit.ModeNotRoutedError, match="dtype float16"), detkit.batch_invariant_mode(strict=True):
         a @ b
 
 
@@ -187,7 +187,7 @@ def test_mean_over_the_last_dim_is_routed_others_counted(device):
 
 
 def test_reentrant_decorator_and_strict_scope(device):
-    a = torch.randn(3, 3, device=device)
+    a = torch.randn(3, 3, device=device).half()
 
     @detkit.batch_invariant_mode()
     def inner_product():
@@ -207,7 +207,7 @@ def test_reentrant_decorator_and_strict_scope(device):
     a @ a
     inner_product()
     a @ a  # outside again: torch's kernel, nothing counted
-    assert (detkit.mode_counters() - before).as_dict()["not_routed"] == {"mm: dtype float32": 1}
+    assert (detkit.mode_counters() - before).as_dict()["not_routed"] == {"mm: dtype float16 (det_gemm takes bfloat16 or float32 operands, one dtype)": 1}
 
 
 def test_enable_disable_functions_pair_and_refuse_misuse():
@@ -281,19 +281,19 @@ def test_decisions_are_per_signature_and_strict_is_per_call(device):
     """One shape, two layouts: two routes; a refused signature is counted on every call and raises once strict."""
     w = bf16_randn((24, 24), 25, device)
     x = bf16_randn((5, 24), 26, device)
-    f32 = x.float()
+    f16 = x.half()
     with detkit.batch_invariant_mode():
         fwd, da = x @ w.t(), x @ w
         for _ in range(3):
-            f32 @ f32.t()
-        with pytest.raises(detkit.ModeNotRoutedError, match="dtype float32"), detkit.batch_invariant_mode(strict=True):
-            f32 @ f32.t()
-        f32 @ f32.t()
+            f16 @ f16.t()
+        with pytest.raises(detkit.ModeNotRoutedError, match="dtype float16"), detkit.batch_invariant_mode(strict=True):
+            f16 @ f16.t()
+        f16 @ f16.t()
     assert_bits(fwd, det_gemm_fwd(x, w.t()), "transposed weight: fwd")
     assert_bits(da, det_gemm_da(x, w.t()), "row-major weight: dA")
     counters = detkit.mode_counters().as_dict()
     assert counters["routed"] == {"mm -> det_gemm_fwd": 1, "mm -> det_gemm_da": 1}
-    assert counters["not_routed"] == {"mm: dtype float32": 4}
+    assert counters["not_routed"] == {"mm: dtype float16 (det_gemm takes bfloat16 or float32 operands, one dtype)": 4}
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped GEMM")
