@@ -64,7 +64,7 @@ def test_fp32_linear_forward_and_backward_run_the_named_fp32_ops(device):
     assert_bits(y, det_gemm_fwd(x.detach(), w.t()), "forward")
     g = f32_randn((7, 40), 2, device)
     assert_bits(x.grad, det_gemm_da(g, w.t()), "grad_input")
-    assert_bits(layer.weight.grad, det_gemm_db(g, x.detach()).t(), "grad_weight")
+    assert_bits(layer.weight.grad, det_gemm_db(g, x.detach()), "grad_weight")
     assert counts() == {"routed": {"mm -> det_gemm_fwd fp32 ieee": 1, "mm -> det_gemm_da fp32 ieee": 1,
                                    "mm -> det_gemm_db fp32 ieee": 1}, "not_routed": {}}
 
@@ -151,8 +151,8 @@ def test_a_tiny_llama_with_an_fp32_lm_head_runs_with_nothing_unrouted(device):
     """A BF16 Llama whose lm_head is FP32 (its input cast up, as RL trainers do for the log-probs): forward and
     backward under strict, the lm_head's three GEMMs on the FP32 path; a row's log-probs keep their bits in a batch."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=16, vocab_size=256, num_hidden_layers=1,
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=64, vocab_size=256, num_hidden_layers=1,
                                       max_position_embeddings=64, tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device(device):
