@@ -33,10 +33,18 @@ def gamma(n: int, unit: float = U_FP32) -> float:
     return n * unit / (1.0 - n * unit)
 
 
-def gemm_bound(c_star: torch.Tensor, abs_ab: torch.Tensor, k: int) -> torch.Tensor:
-    """Per-element bound for one FP32-accumulated GEMM over ``k`` terms with one BF16 rounding."""
+# FP16 operands: products exact in FP32 (two 11-bit significands), FP32 accumulation, one FP16 rounding.
+U_FP16 = 2.0**-11
+ETA_FP16 = 2.0**-25  # half the spacing of FP16 subnormals (2**-24)
+
+
+def gemm_bound(c_star: torch.Tensor, abs_ab: torch.Tensor, k: int, unit: float = U_BF16,
+               eta: float = ETA_BF16) -> torch.Tensor:
+    """Per-element bound for one FP32-accumulated GEMM over ``k`` terms with one BF16 rounding (``unit``, ``eta``:
+    U_FP16, ETA_FP16 for an FP16 rounding). Results beyond the output's range (FP16: 65504) are not covered: they
+    overflow to inf, which the check fails."""
     oracle_err = gamma(k, U_FP64) * abs_ab
-    return U_BF16 * c_star.abs() + (1.0 + U_BF16) * gamma(k) * abs_ab + ETA_BF16 + oracle_err
+    return unit * c_star.abs() + (1.0 + unit) * gamma(k) * abs_ab + eta + oracle_err
 
 
 # FP32 operands (docs/contract.md, "FP32 operands"): c = fl32(sum_k p_k) with p_k the product at the call's

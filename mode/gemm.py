@@ -12,17 +12,18 @@ the config table tuned for that layout, so no route can change a result's bits, 
 does not depend on the batch (the layout of a forward or backward GEMM does not). A row of fwd / dA
 keeps its bits whatever M is (det_gemm's batch invariance); dB reduces over M in a fixed order.
 
-Operands are all BF16 or all FP32. FP32 operands run on det_gemm's FP32 path (FP32 products, "ieee" or
-"tf32" as torch's own CUDA matmul precision setting says at the call, FP32 accumulation and output); the
-routed counter names it: ``mm -> det_gemm_fwd fp32 ieee``.
+Operands are all BF16, all FP16 or all FP32. FP16 operands run as BF16 ones do (exact products, FP32
+accumulation, one FP16 rounding; counted as ``mm -> det_gemm_fwd fp16``). FP32 operands run on det_gemm's FP32
+path (FP32 products, "ieee" or "tf32" as torch's own CUDA matmul precision setting says at the call, FP32
+accumulation and output); the routed counter names it: ``mm -> det_gemm_fwd fp32 ieee``.
 
 addmm(input, a, b, beta, alpha) = det_gemm(a, b) rounded to BF16, then ``+ input`` in BF16 (beta 1)
-or nothing (beta 0); alpha must be 1 (FP32: the FP32 product, then ``+ input`` in FP32). Other beta / alpha are refused by name (counted, or raised
+or nothing (beta 0); alpha must be 1 (FP16 likewise in FP16; FP32: the FP32 product, then ``+ input`` in FP32). Other beta / alpha are refused by name (counted, or raised
 under strict), never approximated. bmm / baddbmm: one det_gemm per batch element (each element's
 bits are those of its own mm, so they do not depend on the batch count or position).
 
-Everything else on these ops -- another dtype (FP16 is refused by name: "dtype float16 (det_gemm takes
-bfloat16 or float32 operands, one dtype)"), mixed dtypes, a device det_gemm does not run on, CPU tensors
+Everything else on these ops -- another dtype (refused by name: "dtype float64 (det_gemm takes bfloat16,
+float16 or float32 operands, one dtype)"), mixed dtypes, a device det_gemm does not run on, CPU tensors
 without the Triton interpreter -- runs on torch's kernel and is counted with the reason
 (``mode_state``). Empty operands are exact without a GEMM (a sum of no terms is 0) and are counted
 as routed to "exact (empty)". So are products whose reduced dim K is 1, in any dtype (a rotary
@@ -65,16 +66,16 @@ def device_reason(device: torch.device) -> str | None:
     return f"device type {device.type}"
 
 
-GEMM_DTYPES = (torch.bfloat16, torch.float32)
+GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _dtype_reason(tensors) -> str:
     return ("dtype " + "/".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors}))
-            + " (det_gemm takes bfloat16 or float32 operands, one dtype)")
+            + " (det_gemm takes bfloat16, float16 or float32 operands, one dtype)")
 
 
 def operands_reason(*tensors: torch.Tensor) -> str | None:
-    """None when det_gemm can take these operands (all BF16 or all FP32, one supported device, 32-bit offsets).
+    """None when det_gemm can take these operands (all BF16, FP16 or FP32, one supported device, 32-bit offsets).
     Runs on every GEMM in the mode: one pass, no allocation."""
     device, dtype = tensors[0].device, tensors[0].dtype
     if dtype not in GEMM_DTYPES:
@@ -156,8 +157,11 @@ def fp32_products() -> str:
 
 
 def route_name(route: str, dtype: torch.dtype, precision: str | None = None) -> str:
-    """The routed counter's kernel name: the det_gemm op, and for FP32 operands "fp32" and the products' precision."""
-    return route if dtype == torch.bfloat16 else f"{route} fp32 {precision}"
+    """The routed counter's kernel name: the det_gemm op; for FP16 operands "fp16" after it, for FP32 operands "fp32"
+    and the products' precision."""
+    if dtype == torch.bfloat16:
+        return route
+    return f"{route} fp16" if dtype == torch.float16 else f"{route} fp32 {precision}"
 
 
 def scalars_reason(beta, alpha) -> str | None:
@@ -245,7 +249,7 @@ def _gemm_plan(op: str, route: str, dtype: torch.dtype = torch.bfloat16):
                 _STATE.routed[named[precision]] += 1
             return out
         return plan_fp32
-    counted = (op, route)
+    counted = (op, route_name(route, dtype))
 
     def plan(a, b):
         out = run(a, b)
@@ -269,7 +273,7 @@ def _batched_plan(op: str, route: str, dtype: torch.dtype = torch.bfloat16):
                 _STATE.routed[named[precision]] += 1
             return out
         return plan_fp32
-    counted = (op, route)
+    counted = (op, route_name(route, dtype))
 
     def plan(a, b):
         out = torch.stack([run(x, y) for x, y in zip(a.unbind(0), b.unbind(0))])

@@ -1,7 +1,8 @@
 """det_gemm on FP32 operands: fwd / dA / dB within the FP32 contract bound against an FP64 oracle ("ieee" and "tf32"
 products), batch invariance and determinism, every FP32 config giving the same bits, the interpreter's defined
 order (FP32 products added one at a time in ascending k), the precision in the plan key and the launch's name, and
-the refusals. The BF16 path is tests/test_det_gemm.py's (unchanged). CPU tensors run under the Triton interpreter
+the refusals. FP16 operands: the BF16 path's math with one FP16 rounding (the bound with FP16's unit, the rounding
+nearest-even of the FP32 result, batch invariance). The BF16 path is tests/test_det_gemm.py's (unchanged). CPU tensors run under the Triton interpreter
 (conftest); the `gpu` tests run with DETKIT_TEST_DEVICE=cuda on an sm_90 GPU."""
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detkit.kernels.det_gemm.configs import CONFIG_TABLE_FP32, all_configs, select_config
+from detkit.kernels.det_gemm.configs import CONFIG_TABLE_FP32, all_configs, select_config, ws_twin
 from detkit.kernels.det_gemm.launch import (
     GemmConfig, clear_launch_plans, det_gemm_da, det_gemm_da_launch, det_gemm_db, det_gemm_db_launch, det_gemm_fwd,
     det_gemm_fwd_launch, launch_plans_info,
 )
-from detkit.toolkit.contract import check_bound, compare_bits, gemm_bound_fp32
+from detkit.toolkit.contract import ETA_FP16, U_FP16, check_bound, compare_bits, gemm_bound, gemm_bound_fp32
 
 OPS = {"fwd": det_gemm_fwd, "da": det_gemm_da, "db": det_gemm_db}
 LAUNCHERS = {"fwd": det_gemm_fwd_launch, "da": det_gemm_da_launch, "db": det_gemm_db_launch}
@@ -152,8 +153,9 @@ def test_fp32_table_is_pinned_pointer_tiles_covering_every_size():
             assert config.variant == "ptr" and config.block_k == 32, config
     assert select_config("fwd", 1, cols=151936, dtype=torch.float32) == GemmConfig(16, 64, 32, 1, 4, 4)
     assert select_config("fwd", 4096, cols=151936, dtype=torch.float32) == GemmConfig(128, 128, 32, 8, 8, 3)
-    with pytest.raises(TypeError, match="no config table for torch.float16"):
-        select_config("fwd", 1, dtype=torch.float16)
+    assert select_config("fwd", 4096, cols=4096, dtype=torch.float16) == select_config("fwd", 4096, cols=4096)
+    with pytest.raises(TypeError, match="no config table for torch.float64"):
+        select_config("fwd", 1, dtype=torch.float64)
 
 
 def test_the_precision_keys_the_plan_and_names_the_launch(device, fresh_plans):
@@ -170,10 +172,11 @@ def test_the_precision_keys_the_plan_and_names_the_launch(device, fresh_plans):
 
 
 # ---- refusals, one line each, before any work -------------------------------------------------
-def test_refuses_fp16_mixed_dtypes_and_bad_options_by_name(device):
+def test_refuses_other_dtypes_mixed_dtypes_and_bad_options_by_name(device):
     x, y = operands("fwd", 4, 8, 16, device)
-    with pytest.raises(TypeError, match=r"a has dtype torch.float16; supported: torch.bfloat16, torch.float32"):
-        det_gemm_fwd(x.half(), y.half())
+    with pytest.raises(TypeError, match=r"a has dtype torch.float64; supported: torch.bfloat16, torch.float16, "
+                                        r"torch.float32"):
+        det_gemm_fwd(x.double(), y.double())
     with pytest.raises(TypeError, match=r"a has dtype torch.float32 and b torch.bfloat16; supported: both"):
         det_gemm_fwd(x, y.bfloat16())
     with pytest.raises(ValueError, match=r"precision 'tf16' is not supported; supported: None, 'ieee', 'tf32'"):
@@ -184,6 +187,12 @@ def test_refuses_fp16_mixed_dtypes_and_bad_options_by_name(device):
         det_gemm_fwd_launch(x, y, out_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"variant 'ws' \(the Gluon kernel\) takes BF16 operands only"):
         det_gemm_fwd_launch(x, y, config=GemmConfig(128, 256, 64, 8, 8, 3, "ws"))
+    with pytest.raises(ValueError, match=r"variant 'ws' \(the Gluon kernel\) takes BF16 operands only"):
+        det_gemm_fwd_launch(x.half(), y.half(), config=GemmConfig(128, 256, 64, 8, 8, 3, "ws"))
+    with pytest.raises(TypeError, match=r"out_dtype torch.bfloat16 is not supported with torch.float16 operands"):
+        det_gemm_fwd_launch(x.half(), y.half(), out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"precision 'ieee' applies to FP32 operands; FP16 products are exact"):
+        det_gemm_fwd(x.half(), y.half(), "ieee")
 
 
 def test_refuses_an_fp32_view_past_the_end_of_its_storage(device):
@@ -195,6 +204,48 @@ def test_refuses_an_fp32_view_past_the_end_of_its_storage(device):
     base.untyped_storage().resize_(63 * 4)
     with pytest.raises(ValueError, match=r"a \(shape \(4, 16\).*reaches byte 256 of a storage that holds 252 bytes"):
         det_gemm_fwd(view, y)
+
+
+# ---- FP16 operands ------------------------------------------------------------------------------
+def f16_operands(op, m, n, k, device):
+    return tuple(t.half() for t in operands(op, m, n, k, device))
+
+
+@pytest.mark.parametrize("op", ["fwd", "da", "db"])
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_fp16_within_its_bound_and_one_nearest_even_rounding(op, m, device):
+    """Exact FP16 products, FP32 accumulation, one FP16 rounding: within the contract's bound with FP16's unit, and
+    bit for bit the FP32-output launch's result rounded to FP16 by torch (nearest-even)."""
+    n, k = 40, 56
+    x, y = f16_operands(op, m, n, k, device)
+    c = OPS[op](x, y)
+    c32, record = LAUNCHERS[op](x, y, out_dtype=torch.float32)
+    assert c.dtype == torch.float16 and record.name.endswith("] fp16")
+    assert_bits(c, c32.half(), "one FP16 rounding of the FP32 accumulator")
+    c_star, abs_ab = oracle(op, x, y)
+    reduced = {"fwd": k, "da": n, "db": m}[op]
+    result = check_bound(c.cpu(), c_star, gemm_bound(c_star, abs_ab, reduced, U_FP16, ETA_FP16))
+    assert result.passed, result
+
+
+def test_fp16_rows_are_batch_invariant_and_configs_agree(device):
+    x, y = f16_operands("fwd", 33, 48, 72, device)
+    full = det_gemm_fwd(x, y)
+    for m in (1, 7):
+        assert_bits(det_gemm_fwd(x[:m], y), full[:m], f"fp16 M={m}")
+    padded = torch.cat([x[3:4], torch.zeros(40, 72, dtype=torch.float16, device=device)])
+    assert_bits(det_gemm_fwd(padded, y)[:1], full[3:4], "fp16 row 3 with 40 zero rows")
+    for config in {ws_twin(c) for c in all_configs("fwd", dtype=torch.float16)[:6]}:
+        got, _ = det_gemm_fwd_launch(x, y, config=config)
+        assert_bits(got, full, f"fp16 {config.label()}")
+
+
+def test_fp16_output_overflows_to_inf_as_torch_rounds(device):
+    """Results past FP16's range round to inf (nearest-even), as torch's cast does: no clamp, no wrap."""
+    x = torch.full((2, 16), 200.0).half()
+    w = torch.full((16, 3), 30.0).half()
+    got = det_gemm_fwd(x.to(device), w.to(device)).cpu()
+    assert torch.isinf(got).all() and (got > 0).all()
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
@@ -232,3 +283,25 @@ def test_gpu_fp32_lm_head_rows_are_batch_invariant_at_vocab_width():
     full = det_gemm_fwd(x, w.t())
     for m in (1, 32):
         assert_bits(det_gemm_fwd(x[:m], w.t()), full[:m], f"M={m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["fwd", "da", "db"])
+def test_gpu_fp16_bound_invariance_and_every_config(op):
+    """FP16 on the H100/H200: the bound, one rounding of the FP32 result, rows alone vs in a batch, and every config
+    of the table (its "ws" picks as their TMA twins) giving the same bits."""
+    device = torch.device("cuda")
+    n, k = 1536, 4096
+    x, y = f16_operands(op, 512, n, k, device)
+    c = OPS[op](x, y)
+    c32, _ = LAUNCHERS[op](x, y, out_dtype=torch.float32)
+    assert_bits(c, c32.half(), "one FP16 rounding")
+    c_star, abs_ab = oracle(op, x, y)
+    reduced = {"fwd": k, "da": n, "db": 512}[op]
+    assert check_bound(c.cpu(), c_star, gemm_bound(c_star, abs_ab, reduced, U_FP16, ETA_FP16)).passed
+    if op != "db":
+        for m in (1, 7, 33, 129):
+            assert_bits(OPS[op](x[:m], y), c[:m], f"M={m}")
+    for config in all_configs(op, dtype=torch.float16):
+        got, _ = LAUNCHERS[op](x, y, config=config)
+        assert_bits(got, c, f"{op} fp16 {config.label()}")

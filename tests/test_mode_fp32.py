@@ -1,10 +1,10 @@
-"""detkit mode on FP32 GEMMs and on means whose leading dims do not view as one row dim.
+"""detkit mode on FP32 and FP16 GEMMs and on means whose leading dims do not view as one row dim.
 
 FP32 mm / addmm / bmm / baddbmm run on det_gemm's FP32 path (counted as "det_gemm_<op> fp32 <precision>", the
 precision read from torch's own CUDA matmul setting at the call), forward and backward, with the bits of the det_gemm
-call they name; torch.mm rows keep their bits for M=1 and M=32 with a transposed weight (Thinking Machines'
-batch-invariance test, FP32); a tiny Llama with an FP32 lm_head runs with nothing unrouted under strict; FP16 is
-refused by name. ``mean.dim`` over the last dim of a transposed [B, H, S, D] tensor (Gemma-3's q/k norms) runs on the
+call they name; FP16 ones likewise ("det_gemm_<op> fp16"); torch.mm rows keep their bits for M=1 and M=32 with a
+transposed weight (Thinking Machines' batch-invariance test, FP32, BF16, FP16); a tiny Llama with an FP32 lm_head runs
+with nothing unrouted under strict; other dtypes (FP64) are refused by name. ``mean.dim`` over the last dim of a transposed [B, H, S, D] tensor (Gemma-3's q/k norms) runs on the
 row mean with the bits of the contiguous case. CPU tensors under the Triton interpreter (conftest); CUDA sm_90 with
 DETKIT_TEST_DEVICE=cuda."""
 
@@ -19,7 +19,7 @@ from detkit.kernels.reductions import row_mean, row_mean_ref
 from detkit.mode import gemm as mode_gemm
 from detkit.toolkit.contract import U_FP32, check_bound, compare_bits, gamma, gemm_bound_fp32
 
-F16_REASON = "dtype float16 (det_gemm takes bfloat16 or float32 operands, one dtype)"
+F64_REASON = "dtype float64 (det_gemm takes bfloat16, float16 or float32 operands, one dtype)"
 
 
 def assert_bits(got, want, what=""):
@@ -67,6 +67,23 @@ def test_fp32_linear_forward_and_backward_run_the_named_fp32_ops(device):
     assert_bits(layer.weight.grad, det_gemm_db(g, x.detach()), "grad_weight")
     assert counts() == {"routed": {"mm -> det_gemm_fwd fp32 ieee": 1, "mm -> det_gemm_da fp32 ieee": 1,
                                    "mm -> det_gemm_db fp32 ieee": 1}, "not_routed": {}}
+
+
+def test_fp16_linear_forward_and_backward_run_the_named_fp16_ops(device):
+    torch.manual_seed(4)
+    layer = torch.nn.Linear(48, 40).to(device=device, dtype=torch.float16)
+    x = f32_randn((7, 48), 3, device).half().requires_grad_()
+    g = f32_randn((7, 40), 4, device).half()
+    with detkit.batch_invariant_mode(strict=True):
+        y = layer(x)
+        y.backward(g)
+    w = layer.weight.detach()
+    assert_bits(y, det_gemm_fwd(x.detach(), w.t()) + layer.bias.detach(), "forward: FP16 product, then + bias")
+    assert_bits(x.grad, det_gemm_da(g, w.t()), "grad_input")
+    assert_bits(layer.weight.grad, det_gemm_db(g, x.detach()), "grad_weight")
+    assert counts()["routed"] == {"addmm -> det_gemm_fwd fp16": 1, "mm -> det_gemm_da fp16": 1,
+                                  "mm -> det_gemm_db fp16": 1}
+    assert counts()["not_routed"] == {}
 
 
 def test_fp32_matmul_is_within_the_fp32_contract(device):
@@ -124,7 +141,7 @@ def test_thinking_machines_batch_invariance_fp32(device):
     """Their test_batch_invariance.py: torch.mm of the first row alone vs in a batch of 32, transposed weight, FP32
     (and BF16): bitwise equal under the mode."""
     b_size, d = 32, 96
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         a = torch.linspace(-100, 100, b_size * d, device=device).reshape(b_size, d).to(dtype)
         b = torch.linspace(-100, 100, d * d, device=device).reshape(d, d).to(dtype)
         with detkit.batch_invariant_mode(strict=True):
@@ -133,13 +150,13 @@ def test_thinking_machines_batch_invariance_fp32(device):
         assert_bits(out1, out2, f"M=1 vs M=32, {dtype}")
 
 
-def test_fp16_is_refused_by_name(device):
-    a = f32_randn((4, 8), 15, device).half()
+def test_other_dtypes_are_refused_by_name(device):
+    a = f32_randn((4, 8), 15, device).double()
     with detkit.batch_invariant_mode():
         a @ a.t()
-    assert counts()["not_routed"] == {f"mm: {F16_REASON}": 1}
+    assert counts()["not_routed"] == {f"mm: {F64_REASON}": 1}
     with pytest.raises(detkit.ModeNotRoutedError, match=r"^batch_invariant_mode\(strict=True\): mm cannot run on a "
-                                                          r"detkit kernel: dtype float16 \(det_gemm takes"), \
+                                                          r"detkit kernel: dtype float64 \(det_gemm takes"), \
             detkit.batch_invariant_mode(strict=True):
         a @ a.t()
     with pytest.raises(detkit.ModeNotRoutedError, match=r"dtype bfloat16/float32"), \

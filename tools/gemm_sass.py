@@ -114,17 +114,19 @@ def gluon_sm90_report(fn, types: dict[str, str], consts: dict, maxnreg: int) -> 
 
 
 def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = False,
-               twin: bool = False, precision: str = "exact") -> tuple[object, dict, dict]:
+               twin: bool = False, precision: str = "bf16") -> tuple[object, dict, dict]:
     """(kernel, signature, constexprs) of one launch of ``case`` with ``cfg``; ``precision``: the kernels'
-    PRECISION ("exact": BF16 operands; "ieee" / "tf32": FP32 operands and an FP32 output)."""
+    PRECISION ("bf16" / "fp16": those operands, an output of their dtype unless ``out_fp32``; "ieee" / "tf32": FP32
+    operands and an FP32 output)."""
     from detkit.kernels.det_gemm.launch import det_gemm_kernel, det_gemm_tma3_kernel, det_gemm_tma_kernel
 
-    operand = "bf16" if precision == "exact" else "fp32"
+    operand = precision if precision in ("bf16", "fp16") else "fp32"
     out_fp32 = out_fp32 or operand == "fp32"
     consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "STEP_K": cfg.block_k,
               "GROUP_M": cfg.group_m, "INTERPRETED": False, "SEGMENTED": segmented, "OUT_FP32": out_fp32,
-              "TWIN": twin, "B_K_MAJOR": case.b_k_major, "PRECISION": precision}
-    c_type = "*fp32" if out_fp32 else "*bf16"
+              "TWIN": twin, "B_K_MAJOR": case.b_k_major, "PRECISION": precision,
+              "OUT_FP16": operand == "fp16" and not out_fp32}
+    c_type = "*fp32" if out_fp32 else f"*{operand}"
     if cfg.variant == "ws":
         from triton.experimental.gluon import language as gl
 
@@ -165,7 +167,7 @@ def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = Fa
 
 
 def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bool = False,
-          out_fp32: bool = False, twin: bool = False, precision: str = "exact") -> dict:
+          out_fp32: bool = False, twin: bool = False, precision: str = "bf16") -> dict:
     """Compile ``case`` for sm_90 with ``config`` (default: the table's pick) as ``variant`` (and the
     epilogue / segmentation flags of the invariant mode and the TP/CP operators); write
     cubin/ttgir/sass; count."""
@@ -197,7 +199,7 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tag = f"{case.name}_{variant}" if config is None else f"{case.name}_{cfg.label()}"
     tag += "".join(f"_{flag}" for flag, on in (("seg", segmented), ("fp32", out_fp32), ("twin", twin)) if on)
-    tag += "" if precision == "exact" else f"_in_fp32_{precision}"
+    tag += {"bf16": "", "fp16": "_in_fp16"}.get(precision, f"_in_fp32_{precision}")
     cubin = os.path.join(out_dir, f"{tag}.cubin")
     with open(cubin, "wb") as f:
         f.write(kernel.asm["cubin"])
@@ -221,8 +223,8 @@ def main() -> None:
     parser.add_argument("--out", default="results/sass")
     parser.add_argument("--variants", nargs="+", default=["ptr", "tma"], choices=["ptr", "tma"])
     parser.add_argument("--cases", nargs="+", default=[c.name for c in CASES], choices=[c.name for c in CASES])
-    parser.add_argument("--precision", default="exact", choices=["exact", "ieee", "tf32"],
-                        help="exact: BF16 operands; ieee / tf32: FP32 operands and their products' precision")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "ieee", "tf32"],
+                        help="bf16 / fp16: those operands; ieee / tf32: FP32 operands and their products' precision")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target, not the interpreter

@@ -330,14 +330,17 @@ CONFIG_TABLE_FP32: dict[str, tuple[tuple[int, GemmConfig | ByWidth], ...]] = {
     # dB: a [K, N] output at any M; M is its reduced dim
     "db": ((2**31, _FP32_LARGE),),
 }
-TABLES = {torch.bfloat16: CONFIG_TABLE, torch.float32: CONFIG_TABLE_FP32}
+# FP16 operands take the BF16 table: the same bytes per element and the same tensor-core rate; its "ws" picks run as
+# their TMA twins (the Gluon kernel takes BF16 only), the same tile and K order.
+TABLES = {torch.bfloat16: CONFIG_TABLE, torch.float16: CONFIG_TABLE, torch.float32: CONFIG_TABLE_FP32}
 
 
 def config_table(dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The pinned table of ``dtype`` operands (BF16 or FP32)."""
+    """The pinned table of ``dtype`` operands (BF16, FP16 or FP32)."""
     table = TABLES.get(dtype)
     if table is None:
-        raise TypeError(f"det_gemm has no config table for {dtype}; supported: torch.bfloat16, torch.float32")
+        raise TypeError(f"det_gemm has no config table for {dtype}; supported: torch.bfloat16, torch.float16, "
+                        "torch.float32")
     return table
 
 
@@ -375,7 +378,8 @@ def all_configs(op: str, backend: str = CUDA_SM90, dtype: torch.dtype = torch.bf
     if op not in table:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
     configs = (c for _, e in table[op] for c in entry_configs(e))
-    return list(dict.fromkeys(c if backend == CUDA_SM90 else ws_twin(c) for c in configs))
+    gluon = backend == CUDA_SM90 and dtype == torch.bfloat16
+    return list(dict.fromkeys(c if gluon else ws_twin(c) for c in configs))
 
 
 def ws_twin(config: GemmConfig) -> GemmConfig:

@@ -107,11 +107,14 @@ def segment_boundary(acc, seg_acc, k0, seg_len, SEGMENTED: tl.constexpr):
 
 @triton.jit
 def mac(acc, a, b, offs_k, STEP_K: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):
-    """One K step of BF16 operands (PRECISION "exact": their products are exact in FP32) or FP32 ones."""
-    if PRECISION == "exact":
-        out = mac_step(acc, a, b, offs_k, STEP_K, INTERPRETED)
-    else:
+    """One K step: FP32 operands at their PRECISION ("ieee", "tf32"), or BF16 / FP16 operands ("bf16", "fp16"),
+    whose products are exact in FP32 (8- or 11-bit significands)."""
+    if PRECISION == "ieee":
         out = mac_step_fp32(acc, a, b, offs_k, STEP_K, INTERPRETED, PRECISION)
+    elif PRECISION == "tf32":
+        out = mac_step_fp32(acc, a, b, offs_k, STEP_K, INTERPRETED, PRECISION)
+    else:
+        out = mac_step(acc, a, b, offs_k, STEP_K, INTERPRETED)
     return out
 
 
@@ -128,8 +131,9 @@ def accumulate(acc, seg_acc, a, b, offs_k, STEP_K: tl.constexpr, INTERPRETED: tl
 
 @triton.jit
 def store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc,
-               INTERPRETED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr):
-    """The epilogue: FP32 as is, or one BF16 rounding (nearest-even) of the FP32 accumulator. With
+               INTERPRETED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr, OUT_FP16: tl.constexpr):
+    """The epilogue: FP32 as is, or one BF16 or FP16 rounding (nearest-even; the FP16 cast rounds so on both
+    backends, the interpreter's BF16 cast does not) of the FP32 accumulator. With
     TWIN the same bits also go to ``twin_ptr`` (same shape and strides): the TP/CP operators reduce
     that copy in place and keep the partial, without a separate copy kernel before the collective."""
     # 64-bit offsets: the output may hold more than 2**31 - 1 elements (an lm_head's logits at M 16384)
@@ -137,6 +141,8 @@ def store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_c
     c_mask = (offs_am < R)[:, None] & (offs_bn < C)[None, :]
     if OUT_FP32:
         out = acc
+    elif OUT_FP16:
+        out = acc.to(tl.float16)
     elif INTERPRETED:
         out = fp32_to_bf16_rtne(acc)
     else:
@@ -158,7 +164,8 @@ def det_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STEP_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr,
-    PRECISION: tl.constexpr,  # "exact" (BF16 operands), "ieee" or "tf32" (FP32 operands): mac_step_fp32
+    PRECISION: tl.constexpr,  # "bf16", "fp16" (exact products) or, for FP32 operands, "ieee" / "tf32" (mac)
+    OUT_FP16: tl.constexpr,  # an FP16 output (FP16 operands): one FP16 rounding
     B_K_MAJOR: tl.constexpr,  # B's reduced dim is contiguous (e.g. fwd on nn.Linear's weight.t())
 ):
     pid_m, pid_n = tile_of_program(R, C, BLOCK_M, BLOCK_N, GROUP_M)
@@ -195,7 +202,8 @@ def det_gemm_kernel(
             acc, seg_acc = accumulate(acc, seg_acc, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED, PRECISION)
     if SEGMENTED:
         acc += seg_acc
-    store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+    store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc,
+               INTERPRETED, OUT_FP32, TWIN, OUT_FP16)
 
 
 @triton.jit
@@ -220,7 +228,8 @@ def det_gemm_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STEP_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr,
-    PRECISION: tl.constexpr,  # "exact" (BF16 operands), "ieee" or "tf32" (FP32 operands): mac_step_fp32
+    PRECISION: tl.constexpr,  # "bf16", "fp16" (exact products) or, for FP32 operands, "ieee" / "tf32" (mac)
+    OUT_FP16: tl.constexpr,  # an FP16 output (FP16 operands): one FP16 rounding
     A_M_MAJOR: tl.constexpr,  # A stored as [L, R] (its row dim contiguous, e.g. dB's a.T): box [STEP_K, BLOCK_M]
     B_K_MAJOR: tl.constexpr,  # B stored as [C, L] (e.g. fwd on nn.Linear's weight.t()): box [BLOCK_N, STEP_K]
 ):
@@ -244,7 +253,8 @@ def det_gemm_tma_kernel(
         acc += seg_acc
     offs_am = off_m + tl.arange(0, BLOCK_M)
     offs_bn = off_n + tl.arange(0, BLOCK_N)
-    store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+    store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc,
+               INTERPRETED, OUT_FP32, TWIN, OUT_FP16)
 
 
 @triton.jit(launch_metadata=_launch_metadata)
@@ -257,7 +267,8 @@ def det_gemm_tma3_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STEP_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr,
-    PRECISION: tl.constexpr,  # "exact" (BF16 operands), "ieee" or "tf32" (FP32 operands): mac_step_fp32
+    PRECISION: tl.constexpr,  # "bf16", "fp16" (exact products) or, for FP32 operands, "ieee" / "tf32" (mac)
+    OUT_FP16: tl.constexpr,  # an FP16 output (FP16 operands): one FP16 rounding
     A_M_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
 ):
     """det_gemm_tma_kernel with a tile three power-of-two sub-tiles wide (BLOCK_N = 3 x SUB_N, e.g. 192):
@@ -296,8 +307,11 @@ def det_gemm_tma3_kernel(
         acc2 += seg2
     offs_am = off_m + tl.arange(0, BLOCK_M)
     offs_bn = off_n + tl.arange(0, SUB_N)  # the first sub-tile's columns; the others are SUB_N further each
-    store_tile(c_ptr, twin_ptr, acc0, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+    store_tile(c_ptr, twin_ptr, acc0, offs_am, offs_bn, R, C, stride_cr, stride_cc,
+               INTERPRETED, OUT_FP32, TWIN, OUT_FP16)
     offs_bn += SUB_N
-    store_tile(c_ptr, twin_ptr, acc1, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+    store_tile(c_ptr, twin_ptr, acc1, offs_am, offs_bn, R, C, stride_cr, stride_cc,
+               INTERPRETED, OUT_FP32, TWIN, OUT_FP16)
     offs_bn += SUB_N
-    store_tile(c_ptr, twin_ptr, acc2, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+    store_tile(c_ptr, twin_ptr, acc2, offs_am, offs_bn, R, C, stride_cr, stride_cc,
+               INTERPRETED, OUT_FP32, TWIN, OUT_FP16)

@@ -95,7 +95,7 @@ class GemmLaunch:
 
 
 def _launch_record(op: str, backend: str, config: GemmConfig, rows: int, cols: int, reduced: int,
-                   precision: str = "exact") -> GemmLaunch:
+                   precision: str = "bf16") -> GemmLaunch:
     """What a launch ran, named in the layer's (M, N, K) from the kernel's (rows, cols, reduced) and the operands'
     kind (``precision``: the kernels' PRECISION)."""
     m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)
@@ -107,10 +107,10 @@ MAX_PLANS = 4096
 # Every dim must be below this: tile indices, TMA box coordinates and TMA shapes are 32-bit (element offsets
 # are 64-bit: an operand or the output may hold more than 2**31 - 1 elements).
 MAX_DIM = 2**30
-OUT_DTYPES = (torch.bfloat16, torch.float32)
-# Operand dtypes: BF16 (exact products, FP32 accumulation, a BF16 or FP32 output) and FP32 (FP32 products at
-# ``precision``, FP32 accumulation and output). Both operands share one dtype.
-IN_DTYPES = (torch.bfloat16, torch.float32)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Operand dtypes: BF16 and FP16 (exact products, FP32 accumulation, an output of their own dtype or FP32) and FP32
+# (FP32 products at ``precision``, FP32 accumulation and output). Both operands share one dtype.
+IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # FP32 products: "ieee" (IEEE FP32, the default) or "tf32" (TF32 operands on the tensor cores: what torch's
 # ``set_float32_matmul_precision("high")`` lets torch.matmul do; the caller chooses, det_gemm reads no global).
 PRECISIONS = ("ieee", "tf32")
@@ -162,27 +162,38 @@ def _check_options(config, seg_len, out_dtype, precision=None) -> None:
     if seg_len is not None and (not isinstance(seg_len, int) or seg_len < 1):
         raise ValueError(f"seg_len must be a positive int or None; got {seg_len!r}")
     if out_dtype is not None and out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype {out_dtype} is not supported; supported: torch.bfloat16, torch.float32")
+        raise TypeError(f"out_dtype {out_dtype} is not supported; supported: torch.bfloat16 (BF16 operands), "
+                        "torch.float16 (FP16 operands), torch.float32")
     if precision is not None and precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} is not supported; supported: None, {', '.join(map(repr, PRECISIONS))}")
+        raise ValueError(f"precision {precision!r} is not supported; supported: None, "
+                         f"{', '.join(map(repr, PRECISIONS))}")
+
+
+_HALF_KINDS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _operand_kind(x: "_Operand", y: "_Operand", out_dtype, precision) -> tuple[torch.dtype, str]:
-    """(output dtype, the kernels' PRECISION) of a call: BF16 operands -> "exact" (their products are exact in FP32;
-    a precision is refused), BF16 or FP32 out (None: BF16); FP32 operands -> ``precision`` (None: "ieee"), FP32
-    out."""
+    """(output dtype, the kernels' PRECISION) of a call: BF16 / FP16 operands -> "bf16" / "fp16" (their products are
+    exact in FP32; a precision is refused), an output of their dtype (None) or FP32; FP32 operands -> ``precision``
+    (None: "ieee"), FP32 out."""
     if x.dtype != y.dtype:
-        raise TypeError(f"{x.name} has dtype {x.dtype} and {y.name} {y.dtype}; supported: both torch.bfloat16 or "
-                        "both torch.float32")
+        raise TypeError(f"{x.name} has dtype {x.dtype} and {y.name} {y.dtype}; supported: both of one dtype "
+                        "(torch.bfloat16, torch.float16 or torch.float32)")
     if precision is not None and precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} is not supported; supported: None, {', '.join(map(repr, PRECISIONS))}")
+        raise ValueError(f"precision {precision!r} is not supported; supported: None, "
+                         f"{', '.join(map(repr, PRECISIONS))}")
     if out_dtype is not None and out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype {out_dtype} is not supported; supported: torch.bfloat16, torch.float32")
-    if x.dtype == torch.bfloat16:
+        raise TypeError(f"out_dtype {out_dtype} is not supported; supported: torch.bfloat16 (BF16 operands), "
+                        "torch.float16 (FP16 operands), torch.float32")
+    half = _HALF_KINDS.get(x.dtype)
+    if half is not None:
         if precision is not None:
-            raise ValueError(f"precision {precision!r} applies to FP32 operands; BF16 products are exact in FP32 "
-                             "(supported for BF16: None)")
-        return (torch.bfloat16 if out_dtype is None else out_dtype), "exact"
+            raise ValueError(f"precision {precision!r} applies to FP32 operands; {half.upper()} products are exact in "
+                             f"FP32 (supported for {half.upper()}: None)")
+        if out_dtype not in (None, x.dtype, torch.float32):
+            raise TypeError(f"out_dtype {out_dtype} is not supported with {x.dtype} operands; supported: {x.dtype}, "
+                            "torch.float32")
+        return (x.dtype if out_dtype is None else out_dtype), half
     if out_dtype not in (None, torch.float32):
         raise TypeError(f"out_dtype {out_dtype} with FP32 operands is not supported; supported: torch.float32 (FP32 "
                         "operands give an FP32 output, never rounded further)")
@@ -288,7 +299,7 @@ def _table_pick(op: str, m: int, rows: int, cols: int, views, device: torch.devi
     config = select_config(op, m, cols=cols, rows=rows, sms=sms, dtype=dtype)
     if config.variant == "tma3" and not addressable(config):  # a 3 x power-of-two tile has no pointer twin
         config = select_config(op, m, cols=cols, rows=rows, sms=sms, tma3=False, dtype=dtype)
-    if backend != CUDA_SM90 or segmented:
+    if backend != CUDA_SM90 or segmented or dtype != torch.bfloat16:  # the Gluon kernel takes BF16 only
         config = ws_twin(config)
     if config.variant in ("tma", "ws") and not addressable(config):
         config = replace(config, variant="ptr")
@@ -375,9 +386,9 @@ def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, se
     elif not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a GemmConfig or None (the table's pick); got {type(config).__name__} "
                         f"{config!r}")
-    if config.variant == "ws" and kind != "exact":
+    if config.variant == "ws" and kind != "bf16":
         raise ValueError(f"variant 'ws' (the Gluon kernel) takes BF16 operands only; got {x.dtype}: use a 'ptr', "
-                         "'tma' or 'tma3' config for FP32 operands")
+                         "'tma' or 'tma3' config for FP16 and FP32 operands")
     seg = _check_seg_len(seg_len, reduced, config)
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k
@@ -402,6 +413,7 @@ def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, se
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STEP_K=step_k,
             GROUP_M=config.group_m, INTERPRETED=interpreted, SEGMENTED=seg != reduced,
             OUT_FP32=out_dtype == torch.float32, TWIN=twin is not None, PRECISION=kind,
+            OUT_FP16=out_dtype == torch.float16,
         )
         options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         static = dict(R=rows, C=cols, L=reduced, stride_cr=cols, stride_cc=1, seg_len=seg, op_id=_OP_IDS[op])
@@ -499,10 +511,12 @@ def _ptr_launch(g: _Geometry, interpreted: bool, static: dict, constexprs: dict,
 def _tma_launch(g: _Geometry, config: GemmConfig, step_k: int, interpreted: bool, static: dict, constexprs: dict,
                 options: dict, grid):
     """det_gemm_tma_kernel / det_gemm_tma3_kernel: TMA descriptors over each operand in its storage order."""
-    a_m_major, a_shape, a_strides, a_box = _descriptor_layout(g.x.name, g.x.shape, g.x.stride, g.x.dtype.itemsize, g.x.misalign,
+    a_m_major, a_shape, a_strides, a_box = _descriptor_layout(g.x.name, g.x.shape, g.x.stride, g.x.dtype.itemsize,
+                                                              g.x.misalign,
                                                               g.a_shape, g.a_stride, (config.block_m, step_k),
                                                               config.variant)
-    b_k_major, b_shape, b_strides, b_box = _descriptor_layout(g.y.name, g.y.shape, g.y.stride, g.y.dtype.itemsize, g.y.misalign,
+    b_k_major, b_shape, b_strides, b_box = _descriptor_layout(g.y.name, g.y.shape, g.y.stride, g.y.dtype.itemsize,
+                                                              g.y.misalign,
                                                               g.b_shape, g.b_stride, (step_k, config.box_n),
                                                               config.variant)
     kernel = det_gemm_tma_kernel if config.variant == "tma" else det_gemm_tma3_kernel

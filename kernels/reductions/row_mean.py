@@ -77,8 +77,8 @@ MAX_PLANS = 1024  # launch plans remembered; past it the table starts over
 _PLANS: dict[tuple, object] = {}
 
 
-def row_mean_launcher(rows: int, h: int, stride_r: int, dtype: torch.dtype, device: torch.device, out_shape: tuple[int, ...],
-                      lead: tuple[tuple[int, int], ...] | None = None):
+def row_mean_launcher(rows: int, h: int, stride_r: int, dtype: torch.dtype, device: torch.device,
+                      out_shape: tuple[int, ...], lead: tuple[tuple[int, int], ...] | None = None):
     """The launch of ``row_mean_kernel`` for one signature: ``launch(x) -> out``, where x's data holds ``rows`` rows
     of ``h`` contiguous elements ``stride_r`` apart (a tensor of any rank: the kernel reads its data pointer) and
     ``out`` is a new contiguous tensor of ``out_shape`` (``rows`` elements). ``lead``: instead of one row stride, up to
