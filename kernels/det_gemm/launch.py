@@ -1,6 +1,7 @@
-"""Deterministic, batch-invariant BF16 GEMMs for Hopper: forward, dA and dB.
+"""Deterministic, batch-invariant GEMMs for Hopper: forward, dA and dB, on BF16, FP16 or FP32 operands.
 
-Math (BF16 in, FP32 accumulation, one BF16 rounding at the end):
+Math (BF16 in, FP32 accumulation, one BF16 rounding at the end; FP16 the same with one FP16 rounding; FP32 in: FP32
+products at ``precision``, "ieee" or "tf32", FP32 accumulation and output -- see "FP32 operands" below):
     det_gemm_fwd(a [M,K], b [K,N]) = a @ b        reduces over K
     det_gemm_da(dc [M,N], b [K,N]) = dc @ b.T     reduces over N
     det_gemm_db(a [M,K], dc [M,N]) = a.T @ dc     reduces over M
@@ -29,6 +30,12 @@ BF16 product per reduced element to the FP32 accumulator, in ascending order: th
 contract's semantics (exact products, FP32 accumulation, one BF16 rounding) with an order that
 depends on L alone (one FP32 rounding per product, strictly sequential). The interpreter's FP32 to
 BF16 cast truncates, so the final rounding there is done in integer arithmetic (nearest-even). Interpreter bits differ from tensor-core bits; each backend is audited on its own.
+
+FP32 operands: on the GPU each K step is ``tl.dot(..., input_precision=precision)`` ("ieee": FP32 fused multiply-adds
+on the CUDA cores; "tf32": tensor cores on TF32 operands); in the interpreter each product is rounded to FP32 (both
+operands first rounded to TF32 for "tf32") and added one at a time in ascending order, as above. The precision is
+the caller's (never a global), part of the plan's key and of the launch's name. The FP32 table is
+``CONFIG_TABLE_FP32``; FP16 operands take the BF16 table, its "ws" picks as their TMA twins.
 
 Three kernels share that tile math (``tile_of_program``, ``segment_boundary``, ``accumulate``, ``mac_step``, ``store_tile``),
 all in kernels/det_gemm/kernels.py:
