@@ -236,3 +236,33 @@ def test_mean_over_four_stride_groups_is_refused_by_name(device):
     assert_bits(got, x.mean(-1), "on torch")
     (reason,) = counts()["not_routed"]
     assert reason.startswith("mean.dim: leading dims (5, 3, 2, 4) with strides") and "form 4 stride groups" in reason
+
+
+# ---- torch.compile ---------------------------------------------------------------------------------
+def test_a_compiled_fp32_linear_chain_has_the_eager_bits(device):
+    """Inductor's graph runs FP32 GEMMs on detkit::mode_* ops: forward and backward with the eager mode's bits, the
+    same FP32 route names."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.Linear(64, 32, bias=False)).to(device)
+    x, dy = f32_randn((2, 9, 48), 19, device), f32_randn((2, 9, 32), 20, device)
+
+    def run(fn):
+        xx = x.clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        y = fn(xx)
+        y.backward(dy)
+        # the bias gradient is a sum over the batch rows, Inductor's own reduction in the graph (docs/mode.md: not
+        # overridden), so it is left out of the comparison
+        return [y.detach(), xx.grad, model[0].weight.grad, model[1].weight.grad]
+
+    with detkit.batch_invariant_mode(strict=True):
+        eager = run(model)
+        detkit.reset_mode_counters()
+        compiled = run(torch.compile(model))
+    for i, (got, want) in enumerate(zip(compiled, eager)):
+        assert_bits(got, want, f"tensor {i}")
+    routed = counts()["routed"]
+    assert routed.get("addmm -> det_gemm_fwd fp32 ieee") == 1 and routed.get("mm -> det_gemm_fwd fp32 ieee") == 1
+    assert counts()["not_routed"] == {}
+    torch._dynamo.reset()
