@@ -266,3 +266,38 @@ def test_a_compiled_fp32_linear_chain_has_the_eager_bits(device):
     assert routed.get("addmm -> det_gemm_fwd fp32 ieee") == 1 and routed.get("mm -> det_gemm_fwd fp32 ieee") == 1
     assert counts()["not_routed"] == {}
     torch._dynamo.reset()
+
+
+# ---- Gemma-3: its norms' means over transposed q / k ---------------------------------------------
+def _gemma3(device, layer_types):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma3TextConfig(hidden_size=128, intermediate_size=128, num_attention_heads=2,
+                                           num_key_value_heads=1, head_dim=64, vocab_size=256,
+                                           num_hidden_layers=len(layer_types), max_position_embeddings=64,
+                                           sliding_window=4, layer_types=layer_types)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.Gemma3ForCausalLM(config).to(torch.bfloat16)
+
+
+def test_gemma3_log_probs_are_fully_routed_and_batch_invariant(device):
+    """A tiny Gemma-3 with full-attention layers: forward and backward under strict (its q/k norms' means over
+    [B, H, S, D] transposes included), a sequence's log-probs bitwise alone and in a batch of 3. With a sliding-window
+    layer, what remains unrouted is that layer's attention, refused by the attention kernel by name."""
+    model = _gemma3(device, ["full_attention"])
+    ids = torch.randint(3, 256, (3, 6), generator=torch.Generator().manual_seed(2)).to(device)
+    with detkit.batch_invariant_mode(strict=True):
+        lp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
+        lp.sum().backward()
+        with torch.no_grad():
+            alone = torch.log_softmax(model(input_ids=ids[1:2]).logits.float(), -1)
+    assert_bits(alone, lp[1:2].detach(), "a sequence alone vs in a batch of 3")
+    assert counts()["not_routed"] == {}
+    # per forward: the layer's input, q, k, post-attention, pre- and post-feedforward norms, then the final norm
+    assert counts()["routed"]["mean.dim -> row_mean"] == 2 * 7
+    detkit.reset_mode_counters()
+    sliding = _gemma3(device, ["sliding_attention"])
+    with detkit.batch_invariant_mode(), torch.no_grad():
+        sliding(input_ids=ids)
+    assert counts()["not_routed"] == {
+        "attention (transformers): detkit attention: sliding_window is not supported (got 4)": 1}
