@@ -133,14 +133,15 @@ def test_db_zero_rows_add_exact_zeros_and_repeats_are_bitwise(device):
 
 
 @pytest.mark.parametrize("op", ["fwd", "da", "db"])
-def test_every_config_of_the_fp32_table_gives_the_same_bits(op, device):
-    """Every config the FP32 table can pick (and a TMA twin of the large tile) reduces in the same ascending K
-    order with one accumulator: the same bits (on the GPU too: the gpu test below)."""
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_every_config_of_the_fp32_table_gives_the_same_bits(op, precision, device):
+    """Every config the FP32 (or TF32) table can pick (and a TMA tile) reduces in the same ascending K order with one
+    accumulator: the same bits (on the GPU too: the gpu test below)."""
     x, y = operands(op, 20, 40, 72, device, layout="kn")
-    want, _ = LAUNCHERS[op](x, y)
-    configs = all_configs(op, dtype=torch.float32)
-    for config in configs + [GemmConfig(32, 32, 32, 1, 4, 3, "tma")]:
-        got, record = LAUNCHERS[op](x, y, config=config)
+    want, _ = LAUNCHERS[op](x, y, precision=precision)
+    configs = all_configs(op, dtype=torch.float32, precision=precision)
+    for config in configs + [GemmConfig(64, 32, 32, 1, 4, 3, "tma")]:
+        got, record = LAUNCHERS[op](x, y, config=config, precision=precision)
         assert record.config == config
         assert_bits(got, want, f"{op} {config.label()}")
 
@@ -153,6 +154,11 @@ def test_fp32_table_is_pinned_pointer_tiles_covering_every_size():
             assert config.variant == "ptr" and config.block_k == 32, config
     assert select_config("fwd", 1, cols=151936, dtype=torch.float32) == GemmConfig(16, 64, 32, 1, 4, 4)
     assert select_config("fwd", 4096, cols=151936, dtype=torch.float32) == GemmConfig(128, 128, 32, 8, 8, 3)
+    # TF32: 64 rows or more at every M, one MMA instruction kind (wgmma) for every launch
+    for op in CONFIG_TABLE_FP32:
+        assert all(c.block_m >= 64 for c in all_configs(op, dtype=torch.float32, precision="tf32"))
+    tf32_tiny = select_config("fwd", 1, cols=151936, dtype=torch.float32, precision="tf32")
+    assert tf32_tiny == GemmConfig(64, 64, 32, 8, 4, 3)
     assert select_config("fwd", 4096, cols=4096, dtype=torch.float16) == select_config("fwd", 4096, cols=4096)
     with pytest.raises(TypeError, match="no config table for torch.float64"):
         select_config("fwd", 1, dtype=torch.float64)
@@ -270,7 +276,8 @@ def test_gpu_fp32_contract_invariance_and_configs(op, precision):
         big = torch.cat([x, f32_randn((4096 - 512, x.shape[1]), 9, device)])
         assert_bits(OPS[op](big, y, precision)[:512], c, "M=4096")
     want, _ = LAUNCHERS[op](x, y, precision=precision)
-    for config in all_configs(op, dtype=torch.float32) + [GemmConfig(128, 128, 32, 8, 8, 3, "tma")]:
+    configs = all_configs(op, dtype=torch.float32, precision=precision)
+    for config in configs + [GemmConfig(128, 128, 32, 8, 8, 3, "tma")]:
         got, _ = LAUNCHERS[op](x, y, precision=precision, config=config)
         assert_bits(got, want, f"{op} {precision} {config.label()}")
 

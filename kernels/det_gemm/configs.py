@@ -330,18 +330,29 @@ CONFIG_TABLE_FP32: dict[str, tuple[tuple[int, GemmConfig | ByWidth], ...]] = {
     # dB: a [K, N] output at any M; M is its reduced dim
     "db": ((2**31, _FP32_LARGE),),
 }
+# FP32 operands with "tf32" products: every tile 64 rows or more, so every launch runs the same warpgroup MMA
+# (wgmma, m64 x k8 per instruction; the sm_90 compiles show HGMMA for these tiles). A 16-row tile would run
+# mma.sync (HMMA) instead, whose per-instruction sums of 8 products need not round as wgmma's do: a row at M <= 16
+# could then differ from the same row at M = 17. At small M the weight stream is the work, so 64-row tiles cost
+# little there.
+_TF32_SMALL = GemmConfig(64, 64, 32, 8, 4, 3)
+CONFIG_TABLE_TF32: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
+    "fwd": ((64, _TF32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
+    "da": ((64, _TF32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
+    "db": ((2**31, _FP32_LARGE),),
+}
 # FP16 operands take the BF16 table: the same bytes per element and the same tensor-core rate; its "ws" picks run as
 # their TMA twins (the Gluon kernel takes BF16 only), the same tile and K order.
 TABLES = {torch.bfloat16: CONFIG_TABLE, torch.float16: CONFIG_TABLE, torch.float32: CONFIG_TABLE_FP32}
 
 
-def config_table(dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The pinned table of ``dtype`` operands (BF16, FP16 or FP32)."""
+def config_table(dtype: torch.dtype = torch.bfloat16, precision: str | None = None) -> dict:
+    """The pinned table of ``dtype`` operands (BF16, FP16 or FP32; FP32 with ``precision`` "tf32": the TF32 table)."""
     table = TABLES.get(dtype)
     if table is None:
         raise TypeError(f"det_gemm has no config table for {dtype}; supported: torch.bfloat16, torch.float16, "
                         "torch.float32")
-    return table
+    return CONFIG_TABLE_TF32 if dtype == torch.float32 and precision == "tf32" else table
 
 
 def entry_configs(entry) -> tuple[GemmConfig, ...]:
@@ -350,13 +361,13 @@ def entry_configs(entry) -> tuple[GemmConfig, ...]:
 
 
 def select_config(op: str, m: int, *, cols: int | None = None, rows: int | None = None, sms: int = HOPPER_SMS,
-                  tma3: bool = True, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+                  tma3: bool = True, dtype: torch.dtype = torch.bfloat16, precision: str | None = None) -> GemmConfig:
     """The pinned config for ``op`` at batch size ``m`` (fwd/dA: output rows; dB: the reduced dim); ``cols``,
     ``rows``: the output's width and height (rows defaults to ``m``; dB's output rows are its K) for the entries that
     depend on them, on ``sms`` SMs (cols None: an entry's first choice); ``tma3=False``: the pick among configs that
-    have a pointer twin; ``dtype``: the operands' (the FP32 table for FP32). Both weight layouts take the same
-    pick."""
-    table = config_table(dtype)
+    have a pointer twin; ``dtype``, ``precision``: the operands' and FP32's products (the FP32 and TF32 tables). Both
+    weight layouts take the same pick."""
+    table = config_table(dtype, precision)
     if op not in table:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
     for max_m, entry in table[op]:
@@ -371,10 +382,11 @@ def select_config(op: str, m: int, *, cols: int | None = None, rows: int | None 
     raise ValueError(f"M={m} exceeds the config table for {op!r}")
 
 
-def all_configs(op: str, backend: str = CUDA_SM90, dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
-    """Every distinct config the ``dtype`` table can pick for ``op`` on ``backend`` (the cross-config audit runs
-    them all); off sm_90 a "ws" pick runs as its Triton twin (``ws_twin``)."""
-    table = config_table(dtype)
+def all_configs(op: str, backend: str = CUDA_SM90, dtype: torch.dtype = torch.bfloat16,
+                precision: str | None = None) -> list[GemmConfig]:
+    """Every distinct config the ``dtype`` (and FP32 ``precision``) table can pick for ``op`` on ``backend`` (the
+    cross-config audit runs them all); off sm_90 a "ws" pick runs as its Triton twin (``ws_twin``)."""
+    table = config_table(dtype, precision)
     if op not in table:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
     configs = (c for _, e in table[op] for c in entry_configs(e))

@@ -287,7 +287,7 @@ def tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: t
 
 
 def _table_pick(op: str, m: int, rows: int, cols: int, views, device: torch.device, backend: str,
-                segmented: bool, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+                segmented: bool, dtype: torch.dtype = torch.bfloat16, precision: str | None = None) -> GemmConfig:
     """The table's pick for ``op`` at batch size ``m``, output ``rows`` x ``cols`` on ``device``'s SMs. A "ws" pick runs
     as its TMA twin where the Gluon kernel cannot (``backend`` not sm_90, or ``segmented``: seg_len segments). When
     an operand is not TMA-addressable (``views``: (view shape, view strides, misalign) of A and B), a "tma3" pick
@@ -303,9 +303,9 @@ def _table_pick(op: str, m: int, rows: int, cols: int, views, device: torch.devi
                    for (shape, stride, misalign), blk in zip(views, blocks))
 
     sms = device_sms(device)
-    config = select_config(op, m, cols=cols, rows=rows, sms=sms, dtype=dtype)
+    config = select_config(op, m, cols=cols, rows=rows, sms=sms, dtype=dtype, precision=precision)
     if config.variant == "tma3" and not addressable(config):  # a 3 x power-of-two tile has no pointer twin
-        config = select_config(op, m, cols=cols, rows=rows, sms=sms, tma3=False, dtype=dtype)
+        config = select_config(op, m, cols=cols, rows=rows, sms=sms, tma3=False, dtype=dtype, precision=precision)
     if backend != CUDA_SM90 or segmented or dtype != torch.bfloat16:  # the Gluon kernel takes BF16 only
         config = ws_twin(config)
     if config.variant in ("tma", "ws") and not addressable(config):
@@ -389,7 +389,7 @@ def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, se
     if config is None:
         views = ((a_shape, a_stride, x.misalign), (b_shape, b_stride, y.misalign))
         config = _table_pick(op, reduced if op == "db" else rows, rows, cols, views, device, backend,
-                             segmented=seg_len is not None and seg_len != reduced, dtype=x.dtype)
+                             segmented=seg_len is not None and seg_len != reduced, dtype=x.dtype, precision=kind)
     elif not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a GemmConfig or None (the table's pick); got {type(config).__name__} "
                         f"{config!r}")
