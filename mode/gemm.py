@@ -18,8 +18,8 @@ path (FP32 products, "ieee" or "tf32" as torch's own CUDA matmul precision setti
 accumulation and output); the routed counter names it: ``mm -> det_gemm_fwd fp32 ieee``.
 
 addmm(input, a, b, beta, alpha) = det_gemm(a, b) rounded to BF16, then ``+ input`` in BF16 (beta 1)
-or nothing (beta 0); alpha must be 1 (FP16 likewise in FP16; FP32: the FP32 product, then ``+ input`` in FP32). Other beta / alpha are refused by name (counted, or raised
-under strict), never approximated. bmm / baddbmm: one det_gemm per batch element (each element's
+or nothing (beta 0); alpha must be 1 (FP16 likewise in FP16; FP32: the FP32 product, then ``+ input`` in
+FP32). Other beta / alpha are refused by name (counted, or raised under strict), never approximated. bmm / baddbmm: one det_gemm per batch element (each element's
 bits are those of its own mm, so they do not depend on the batch count or position).
 
 Everything else on these ops -- another dtype (refused by name: "dtype float64 (det_gemm takes bfloat16,

@@ -2,8 +2,8 @@
 products), batch invariance and determinism, every FP32 config giving the same bits, the interpreter's defined
 order (FP32 products added one at a time in ascending k), the precision in the plan key and the launch's name, and
 the refusals. FP16 operands: the BF16 path's math with one FP16 rounding (the bound with FP16's unit, the rounding
-nearest-even of the FP32 result, batch invariance). The BF16 path is tests/test_det_gemm.py's (unchanged). CPU tensors run under the Triton interpreter
-(conftest); the `gpu` tests run with DETKIT_TEST_DEVICE=cuda on an sm_90 GPU."""
+nearest-even of the FP32 result, batch invariance). The BF16 path is tests/test_det_gemm.py's. CPU tensors run under
+the Triton interpreter (conftest); the `gpu` tests run with DETKIT_TEST_DEVICE=cuda on an sm_90 GPU."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ FP32 mm / addmm / bmm / baddbmm run on det_gemm's FP32 path (counted as "det_gem
 precision read from torch's own CUDA matmul setting at the call), forward and backward, with the bits of the det_gemm
 call they name; FP16 ones likewise ("det_gemm_<op> fp16"); torch.mm rows keep their bits for M=1 and M=32 with a
 transposed weight (Thinking Machines' batch-invariance test, FP32, BF16, FP16); a tiny Llama with an FP32 lm_head runs
-with nothing unrouted under strict; other dtypes (FP64) are refused by name. ``mean.dim`` over the last dim of a transposed [B, H, S, D] tensor (Gemma-3's q/k norms) runs on the
-row mean with the bits of the contiguous case. CPU tensors under the Triton interpreter (conftest); CUDA sm_90 with
-DETKIT_TEST_DEVICE=cuda."""
+with nothing unrouted under strict; other dtypes (FP64) are refused by name. ``mean.dim`` over the last dim of a
+transposed [B, H, S, D] tensor (Gemma-3's q/k norms) runs on the row mean with the bits of the contiguous case. CPU
+tensors under the Triton interpreter (conftest); CUDA sm_90 with DETKIT_TEST_DEVICE=cuda."""
 
 from __future__ import annotations
 
