@@ -34,9 +34,9 @@ step_tests() {
 }
 
 step_bench() {
-  step bench-fwd "${BENCH_FWD_LIMIT:-330}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/bench-fwd" \
+  step bench-fwd "${BENCH_FWD_LIMIT:-320}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/bench-fwd" \
     --ops fwd --kn "${LM_HEADS[@]}" 4096,4096 --m "${M_ALL[@]}" --precision ieee tf32
-  step bench-bwd "${BENCH_BWD_LIMIT:-200}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/bench-bwd" \
+  step bench-bwd "${BENCH_BWD_LIMIT:-240}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/bench-bwd" \
     --ops da db --kn "${LM_HEADS[@]}" --m 1 128 1024 4096 --precision ieee tf32
 }
 
@@ -47,8 +47,8 @@ step_sweep() {
     --config 16,32,32,1,4,4 16,64,32,1,4,4 16,128,32,1,4,3 32,64,32,8,4,4 16,64,64,1,4,3 16,64,32,1,4,4,tma
   step sweep-large "${SWEEP_LARGE_LIMIT:-300}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/sweep-large" \
     --ops fwd --kn "${LM_HEADS[@]}" 4096,4096 --m 256 1024 4096 --precision ieee tf32 --rounds 2 \
-    --config 128,128,32,8,8,3 128,128,16,8,8,4 64,128,32,8,8,3 128,64,32,8,4,3 128,256,32,8,8,3 \
-    128,128,32,8,8,3,tma 128,256,32,8,8,3,tma
+    --config 128,128,32,8,8,3 128,128,16,8,8,4 64,128,32,8,8,3 128,64,32,8,4,3 128,128,32,8,8,3,tma \
+    128,256,32,8,8,3,tma
 }
 
 case "$STEP" in
