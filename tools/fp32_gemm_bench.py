@@ -1,7 +1,8 @@
 """FP32 det_gemm against torch.matmul at the same FP32 matmul precision: GPU time (CUDA-graph replay) and eager time
 (back-to-back calls between CUDA events), at lm_head shapes (K 4096, N 151936 and 128256) and K = N = 4096, M 1 to
 4096, nn.Linear weights (``weight.t()``), with the timing protocol of ``detkit bench gemm`` (toolkit/timing.py's
-graph replays, bench/gemm.py's eager bursts over L2-rotating operand sets). Validated before it is timed: the first and
+graph replays; eager bursts between CUDA events as bench/gemm.py times them; operands far beyond the L2 at the
+lm_head shapes). Validated before it is timed: the first and
 last rows against the FP64 oracle within the FP32 contract bound, and row 0's bits equal to the M = 1 call's (batch
 invariance). ``--config`` adds candidate tiles (GPU time only) for the FP32 table's next version.
 
@@ -92,15 +93,50 @@ def validate(op: str, x, y, c, precision: str) -> tuple[bool, float]:
     return result.passed, result.worst_ratio
 
 
+EAGER_SAMPLES_PER_ROUND = 3
+
+
+def time_eager(bursts: dict, device, calls: int, rounds: int) -> dict:
+    """Per-call time of back-to-back calls (bench/gemm.py's eager protocol, without its CLI's imports): each sample
+    one burst of ``calls`` calls between CUDA events (wall time on the CPU), started on an idle GPU, implementations
+    interleaved round by round."""
+    import torch
+
+    from detkit.toolkit.timing import Timing
+
+    cuda = device.type == "cuda"
+    samples = {name: [] for name in bursts}
+    for burst in bursts.values():  # plans, compilation, the allocator's blocks
+        burst()
+    if cuda:
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        for name, burst in bursts.items():
+            for _ in range(EAGER_SAMPLES_PER_ROUND if cuda else 1):
+                if cuda:
+                    torch.cuda.synchronize(device)
+                    start.record()
+                t0 = time.perf_counter()
+                burst()
+                if cuda:
+                    end.record()
+                    end.synchronize()
+                    elapsed_ms = start.elapsed_time(end)
+                else:
+                    elapsed_ms = (time.perf_counter() - t0) * 1e3
+                samples[name].append(elapsed_ms / calls)
+    return {name: Timing.from_samples_ms(s) for name, s in samples.items()}
+
+
 def time_pair(fns: dict, device, calls: int, rounds: int) -> dict:
     """{impl: {"eager": Timing, "graph": Timing}}: eager bursts of ``calls`` back-to-back calls and CUDA-graph
     replays of ``calls`` calls, implementations interleaved round by round."""
-    from detkit.bench.gemm import time_eager
     from detkit.toolkit.timing import time_graphs
 
     bursts = {name: (lambda fn=fn: [fn() for _ in range(calls)]) for name, fn in fns.items()}
     names = {name: name for name in fns}
-    eager = time_eager(bursts, device, calls, rounds, names, min_calls=calls)
+    eager = time_eager(bursts, device, calls, rounds)
     errors: dict[str, str] = {}
     graph = time_graphs(bursts, device, calls_per_fn=calls, rounds=rounds, replays=2 if calls == 1 else 3,
                         range_names=names, errors=errors)
