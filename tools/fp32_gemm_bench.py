@@ -203,6 +203,7 @@ def main(argv=None) -> int:
                         failed |= not ok or invariant is False
                         del c
                         calls = max(1, min(32, math.ceil(SAMPLE_GPU_S / est_call_s(m, n, k, precision))))
+                        calls = calls if device.type == "cuda" else 1  # the interpreter's calls: plumbing only
                         fns = {"detkit": lambda x=x, y=y, op=op: launch(x, y, precision=precision),
                                "torch": torch_call(op, x, y)}
                         timed = time_pair(fns, device, calls, args.rounds)
