@@ -85,12 +85,13 @@ def check_layout(name: str, layout: torch.layout) -> None:
 
 
 def check_bf16_signature(name: str, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
-                         max_offset: int | None = MAX_INT32_OFFSET) -> int:
-    """Refuse anything but a non-empty 2-D bf16 matrix with non-negative strides whose furthest element offset is
-    at most ``max_offset`` (None: no limit). Returns the elements the view spans from its first element (the
-    storage it needs beyond its storage offset)."""
-    if dtype != torch.bfloat16:
-        raise TypeError(f"{name} has dtype {dtype}; supported: torch.bfloat16")
+                         max_offset: int | None = MAX_INT32_OFFSET,
+                         dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> int:
+    """Refuse anything but a non-empty 2-D matrix of one of ``dtypes`` (bf16 unless the kernel takes more) with
+    non-negative strides whose furthest element offset is at most ``max_offset`` (None: no limit). Returns the
+    elements the view spans from its first element (the storage it needs beyond its storage offset)."""
+    if dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {dtype}; supported: {', '.join(map(str, dtypes))}")
     if len(shape) != 2:
         raise ValueError(f"{name} must be 2-D; got shape {tuple(shape)}")
     if shape[0] == 0 or shape[1] == 0:

@@ -33,10 +33,42 @@ def gamma(n: int, unit: float = U_FP32) -> float:
     return n * unit / (1.0 - n * unit)
 
 
-def gemm_bound(c_star: torch.Tensor, abs_ab: torch.Tensor, k: int) -> torch.Tensor:
-    """Per-element bound for one FP32-accumulated GEMM over ``k`` terms with one BF16 rounding."""
+# FP16 operands: products exact in FP32 (two 11-bit significands), FP32 accumulation, one FP16 rounding.
+U_FP16 = 2.0**-11
+ETA_FP16 = 2.0**-25  # half the spacing of FP16 subnormals (2**-24)
+
+
+def gemm_bound(c_star: torch.Tensor, abs_ab: torch.Tensor, k: int, unit: float = U_BF16,
+               eta: float = ETA_BF16) -> torch.Tensor:
+    """Per-element bound for one FP32-accumulated GEMM over ``k`` terms with one BF16 rounding (``unit``, ``eta``:
+    U_FP16, ETA_FP16 for an FP16 rounding). Results beyond the output's range (FP16: 65504) are not covered: they
+    overflow to inf, which the check fails."""
     oracle_err = gamma(k, U_FP64) * abs_ab
-    return U_BF16 * c_star.abs() + (1.0 + U_BF16) * gamma(k) * abs_ab + ETA_BF16 + oracle_err
+    return unit * c_star.abs() + (1.0 + unit) * gamma(k) * abs_ab + eta + oracle_err
+
+
+# FP32 operands (docs/contract.md, "FP32 operands"): c = fl32(sum_k p_k) with p_k the product at the call's
+# precision. "ieee": the exact product (a fused multiply-add on the GPU) or the product rounded to FP32 (the
+# interpreter): K + 1 roundings per term at most, so gamma(K + 1). "tf32": each operand first loses its low 13
+# significand bits (rounded, or dropped by the tensor cores: relative error below 2**-10 either way), so each
+# product is off by (1 + U_TF32)**2 - 1 relative before the FP32 sum. No final rounding: the output is the FP32
+# accumulator. ETA_FP32 per rounding covers results in FP32's subnormal range.
+U_TF32 = 2.0**-10
+ETA_FP32 = 2.0**-150  # half the spacing of FP32 subnormals (2**-149)
+FP32_PRECISIONS = ("ieee", "tf32")
+
+
+def gemm_bound_fp32(c_star: torch.Tensor, abs_ab: torch.Tensor, k: int, precision: str = "ieee") -> torch.Tensor:
+    """Per-element bound for one GEMM of FP32 operands over ``k`` terms, FP32 accumulation and output, products at
+    ``precision`` ("ieee" or "tf32"); ``c_star`` (unused beyond its shape: no output rounding) and ``abs_ab`` =
+    |A| @ |B| from the FP64 oracle."""
+    if precision not in FP32_PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not supported; supported: {FP32_PRECISIONS}")
+    u_in = U_TF32 if precision == "tf32" else 0.0
+    inputs = (1.0 + u_in) ** 2
+    oracle_err = gamma(k, U_FP64) * abs_ab
+    bound = ((inputs - 1.0) + inputs * gamma(k + 1)) * abs_ab + 2 * (k + 1) * ETA_FP32 + oracle_err
+    return bound.expand(c_star.shape)
 
 
 # Rounding p0 + p1 to FP32 and then to BF16: (1 + U_FP32)(1 + U_BF16) - 1.

@@ -64,11 +64,6 @@ def torch_mean(x, dim, keepdim=False, dtype=None):
 
 def _mean_plan(x: torch.Tensor, dim, keepdim: bool, dtype, op: str):
     reason = mode_reductions.last_dim_reason(x, dim, keepdim, dtype) or mode_gemm.device_reason(x.device)
-    if reason is None:
-        try:
-            x.view(-1, x.shape[-1])
-        except RuntimeError:
-            reason = "leading dims not viewable as one row dim"
     if reason is not None:
         return mode_gemm.refusal_plan(op, reason)
     launch, counted, state = mode_reductions.last_dim_launcher(x, keepdim), (op, "row_mean"), mode_state.STATE

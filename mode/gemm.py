@@ -12,12 +12,18 @@ the config table tuned for that layout, so no route can change a result's bits, 
 does not depend on the batch (the layout of a forward or backward GEMM does not). A row of fwd / dA
 keeps its bits whatever M is (det_gemm's batch invariance); dB reduces over M in a fixed order.
 
+Operands are all BF16, all FP16 or all FP32. FP16 operands run as BF16 ones do (exact products, FP32
+accumulation, one FP16 rounding; counted as ``mm -> det_gemm_fwd fp16``). FP32 operands run on det_gemm's FP32
+path (FP32 products, "ieee" or "tf32" as torch's own CUDA matmul precision setting says at the call, FP32
+accumulation and output); the routed counter names it: ``mm -> det_gemm_fwd fp32 ieee``.
+
 addmm(input, a, b, beta, alpha) = det_gemm(a, b) rounded to BF16, then ``+ input`` in BF16 (beta 1)
-or nothing (beta 0); alpha must be 1. Other beta / alpha are refused by name (counted, or raised
-under strict), never approximated. bmm / baddbmm: one det_gemm per batch element (each element's
+or nothing (beta 0); alpha must be 1 (FP16 likewise in FP16; FP32: the FP32 product, then ``+ input`` in
+FP32). Other beta / alpha are refused by name (counted, or raised under strict), never approximated. bmm / baddbmm: one det_gemm per batch element (each element's
 bits are those of its own mm, so they do not depend on the batch count or position).
 
-Everything else on these ops -- another dtype, a device det_gemm does not run on, CPU tensors
+Everything else on these ops -- another dtype (refused by name: "dtype float64 (det_gemm takes bfloat16,
+float16 or float32 operands, one dtype)"), mixed dtypes, a device det_gemm does not run on, CPU tensors
 without the Triton interpreter -- runs on torch's kernel and is counted with the reason
 (``mode_state``). Empty operands are exact without a GEMM (a sum of no terms is 0) and are counted
 as routed to "exact (empty)". So are products whose reduced dim K is 1, in any dtype (a rotary
@@ -60,16 +66,22 @@ def device_reason(device: torch.device) -> str | None:
     return f"device type {device.type}"
 
 
+GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _dtype_reason(tensors) -> str:
-    return "dtype " + "/".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors}))
+    return ("dtype " + "/".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors}))
+            + " (det_gemm takes bfloat16, float16 or float32 operands, one dtype)")
 
 
 def operands_reason(*tensors: torch.Tensor) -> str | None:
-    """None when det_gemm can take these operands (BF16, one supported device, 32-bit offsets). Runs on every
-    GEMM in the mode: one pass, no allocation."""
-    device = tensors[0].device
+    """None when det_gemm can take these operands (all BF16, FP16 or FP32, one supported device, 32-bit offsets).
+    Runs on every GEMM in the mode: one pass, no allocation."""
+    device, dtype = tensors[0].device, tensors[0].dtype
+    if dtype not in GEMM_DTYPES:
+        return _dtype_reason(tensors)
     for t in tensors:
-        if t.dtype is not torch.bfloat16:
+        if t.dtype is not dtype:
             return _dtype_reason(tensors)
         if t.device != device:
             return f"operands on several devices {sorted({str(x.device) for x in tensors})}"
@@ -101,27 +113,55 @@ def route_of(a: torch.Tensor, b: torch.Tensor) -> str:
     return "det_gemm_da"
 
 
-def _fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return det_gemm_fwd(a, b)
+def _fwd(a: torch.Tensor, b: torch.Tensor, precision: str | None = None) -> torch.Tensor:
+    return det_gemm_fwd(a, b, precision)
 
 
-def _da(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return det_gemm_da(a, b.t())
+def _da(a: torch.Tensor, b: torch.Tensor, precision: str | None = None) -> torch.Tensor:
+    return det_gemm_da(a, b.t(), precision)
 
 
-def _db(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return det_gemm_db(a.t(), b)
+def _db(a: torch.Tensor, b: torch.Tensor, precision: str | None = None) -> torch.Tensor:
+    return det_gemm_db(a.t(), b, precision)
 
 
 _RUNS = {"det_gemm_fwd": _fwd, "det_gemm_da": _da, "det_gemm_db": _db}
 
 
-def run_route(route: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` [M, N] in BF16 on det_gemm through ``route`` (no copies: views only)."""
+def run_route(route: str, a: torch.Tensor, b: torch.Tensor, precision: str | None = None) -> torch.Tensor:
+    """``a @ b`` [M, N] on det_gemm through ``route`` (no copies: views only): BF16 operands give BF16, FP32
+    operands FP32 with products at ``precision`` (None: "ieee")."""
     run = _RUNS.get(route)
     if run is None:
         raise ValueError(f"route {route!r} is not supported; supported: {ROUTES}")
-    return run(a, b)
+    return run(a, b, precision)
+
+
+# FP32 products. torch.matmul on FP32 CUDA tensors uses TF32 tensor cores when torch's CUDA matmul precision says
+# "tf32" (``torch.set_float32_matmul_precision("high")`` or "medium", ``torch.backends.cuda.matmul.fp32_precision =
+# "tf32"``, ``allow_tf32 = True``), else IEEE FP32. The mode does the same, read per call (the setting may change
+# between calls of one signature): "tf32" exactly when torch would use TF32, else "ieee". The precision is part of
+# det_gemm's plan key and of the routed counter's name ("det_gemm_fwd fp32 tf32").
+FP32_PRECISIONS = ("ieee", "tf32")
+_fp32_setting = getattr(torch._C, "_get_fp32_precision_getter", None)
+
+
+def fp32_products() -> str:
+    """"tf32" when torch's own FP32 CUDA matmuls may use TF32 now, else "ieee"."""
+    if _fp32_setting is None:  # torch before the per-backend precision API
+        return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    setting = _fp32_setting("cuda", "matmul")
+    if setting == "none":  # not set for CUDA matmuls: the generic setting
+        setting = _fp32_setting("generic", "all")
+    return "tf32" if setting == "tf32" else "ieee"
+
+
+def route_name(route: str, dtype: torch.dtype, precision: str | None = None) -> str:
+    """The routed counter's kernel name: the det_gemm op; for FP16 operands "fp16" after it, for FP32 operands "fp32"
+    and the products' precision."""
+    if dtype == torch.bfloat16:
+        return route
+    return f"{route} fp16" if dtype == torch.float16 else f"{route} fp32 {precision}"
 
 
 def scalars_reason(beta, alpha) -> str | None:
@@ -194,10 +234,22 @@ def _zeros_plan(op: str, shape: tuple[int, ...]):
     return plan
 
 
-def _gemm_plan(op: str, route: str):
+def _gemm_plan(op: str, route: str, dtype: torch.dtype = torch.bfloat16):
     """``a @ b`` of 2-D operands the mode takes on det_gemm through ``route``, counted. The route's call is picked
-    once, here (no route dispatch per call); it looks det_gemm up at call time."""
-    counted, run = (op, route), _RUNS[route]
+    once, here (no route dispatch per call); it looks det_gemm up at call time. FP32 operands: the products'
+    precision read per call (``fp32_products``) and counted under its name."""
+    run = _RUNS[route]
+    if dtype == torch.float32:
+        named = {p: (op, route_name(route, dtype, p)) for p in FP32_PRECISIONS}
+
+        def plan_fp32(a, b):
+            precision = fp32_products()
+            out = run(a, b, precision)
+            with _STATE.lock:
+                _STATE.routed[named[precision]] += 1
+            return out
+        return plan_fp32
+    counted = (op, route_name(route, dtype))
 
     def plan(a, b):
         out = run(a, b)
@@ -207,10 +259,21 @@ def _gemm_plan(op: str, route: str):
     return plan
 
 
-def _batched_plan(op: str, route: str):
+def _batched_plan(op: str, route: str, dtype: torch.dtype = torch.bfloat16):
     """One det_gemm per batch element through ``route`` (one layout for every element: the batch stride is
-    shared), stacked into a new [B, M, N] tensor; counted once per call."""
-    counted, run = (op, route), _RUNS[route]
+    shared), stacked into a new [B, M, N] tensor; counted once per call (FP32: as ``_gemm_plan``)."""
+    run = _RUNS[route]
+    if dtype == torch.float32:
+        named = {p: (op, route_name(route, dtype, p)) for p in FP32_PRECISIONS}
+
+        def plan_fp32(a, b):
+            precision = fp32_products()
+            out = torch.stack([run(x, y, precision) for x, y in zip(a.unbind(0), b.unbind(0))])
+            with _STATE.lock:
+                _STATE.routed[named[precision]] += 1
+            return out
+        return plan_fp32
+    counted = (op, route_name(route, dtype))
 
     def plan(a, b):
         out = torch.stack([run(x, y) for x, y in zip(a.unbind(0), b.unbind(0))])
@@ -240,7 +303,7 @@ def _mm_plan(a: torch.Tensor, b: torch.Tensor, op: str):
         return refusal_plan(op, reason)
     if _empty(a, b):
         return _zeros_plan(op, (a.shape[0], b.shape[1]))
-    return _gemm_plan(op, route_of(a, b))
+    return _gemm_plan(op, route_of(a, b), a.dtype)
 
 
 def _bmm_plan(a: torch.Tensor, b: torch.Tensor, op: str):
@@ -251,7 +314,7 @@ def _bmm_plan(a: torch.Tensor, b: torch.Tensor, op: str):
         return refusal_plan(op, reason)
     if _empty(a, b):
         return _zeros_plan(op, (a.shape[0], a.shape[1], b.shape[2]))
-    return _batched_plan(op, route_of(a[0], b[0]))
+    return _batched_plan(op, route_of(a[0], b[0]), a.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,7 +361,7 @@ def _biased(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=
 
 
 def _addmm_product_plan(a: torch.Tensor, b: torch.Tensor, op: str):
-    return _zeros_plan(op, (a.shape[0], b.shape[1])) if _empty(a, b) else _gemm_plan(op, route_of(a, b))
+    return _zeros_plan(op, (a.shape[0], b.shape[1])) if _empty(a, b) else _gemm_plan(op, route_of(a, b), a.dtype)
 
 
 # addmm(bias, a, b, beta=1, alpha=1) and baddbmm(...): partials, so a routed call costs no extra Python frame.

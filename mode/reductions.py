@@ -7,17 +7,25 @@ from __future__ import annotations
 
 import torch
 
-from detkit.kernels.reductions.row_mean import DTYPES, row_mean_launcher
+from detkit.kernels.reductions.row_mean import DTYPES, lead_dims, row_mean_launcher
+
+# Leading dim groups the row mean addresses (row_mean_kernel's THREE_STRIDES): a 4-D tensor's leading dims in any
+# order; more groups than that are refused by name.
+MAX_LEAD_GROUPS = 3
 
 
 def last_dim_launcher(x: torch.Tensor, keepdim: bool):
     """``launch(t) -> t.mean(-1, keepdim)`` on ``row_mean_kernel`` for tensors of x's signature, whose
-    ``last_dim_reason`` is None and whose leading dims view as one row dim (checked by the caller): no views per
-    call, the kernel reads the rows through x's own strides."""
+    ``last_dim_reason`` is None (checked by the caller): no views or copies per call, the kernel reads the rows
+    through x's own strides -- one row stride when the leading dims view as one row dim, else up to three (e.g. a
+    [B, H, S, D] transpose of a [B, S, H, D] tensor). The output is contiguous, as torch's mean allocates it."""
     h = x.shape[-1]
-    rows = x.view(-1, h)
     out_shape = (*x.shape[:-1], 1) if keepdim else tuple(x.shape[:-1])
-    return row_mean_launcher(rows.shape[0], h, rows.stride(0), x.dtype, x.device, out_shape)
+    rows = x.numel() // h
+    lead = lead_dims(tuple(x.shape), x.stride())
+    if len(lead) == 1:
+        return row_mean_launcher(rows, h, lead[0][1], x.dtype, x.device, out_shape)
+    return row_mean_launcher(rows, h, 0, x.dtype, x.device, out_shape, lead=lead)
 
 
 def last_dim_reason(x: torch.Tensor, dim, keepdim: bool, dtype) -> str | None:
@@ -33,4 +41,8 @@ def last_dim_reason(x: torch.Tensor, dim, keepdim: bool, dtype) -> str | None:
         return "empty tensor"
     if x.stride(-1) != 1:
         return "last dim not contiguous"
+    groups = len(lead_dims(tuple(x.shape), x.stride()))
+    if groups > MAX_LEAD_GROUPS:
+        return (f"leading dims {tuple(x.shape[:-1])} with strides {x.stride()[:-1]} form {groups} stride groups "
+                f"(supported: up to {MAX_LEAD_GROUPS})")
     return None

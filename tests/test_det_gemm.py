@@ -181,9 +181,9 @@ def test_launch_picks_by_the_output_width_on_the_device_sms(device, monkeypatch,
 
 # ---- fail closed -----------------------------------------------------------------------------
 def test_rejects_non_bf16(device):
-    a = torch.zeros(4, 8, dtype=torch.float16, device=device)
+    a = torch.zeros(4, 8, dtype=torch.float64, device=device)
     b = torch.zeros(8, 4, dtype=torch.bfloat16, device=device)
-    with pytest.raises(TypeError, match=r"a has dtype torch.float16; supported: torch.bfloat16"):
+    with pytest.raises(TypeError, match=r"a has dtype torch.float64; supported: torch.bfloat16"):
         det_gemm_fwd(a, b)
 
 

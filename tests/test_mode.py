@@ -18,6 +18,10 @@ from detkit.toolkit.contract import U_BF16, U_FP32, check_bound, compare_bits, g
 from detkit.toolkit.fixtures import bf16_randn
 
 
+# a dtype det_gemm does not take
+F64_REASON = "dtype float64 (det_gemm takes bfloat16, float16 or float32 operands, one dtype)"
+
+
 def assert_bits(got, want, what=""):
     result = compare_bits(got, want)
     assert result.equal, f"{what}: {result}"
@@ -124,16 +128,16 @@ def test_addmm_beta_zero_ignores_the_input_and_other_scalars_are_refused(device)
 
 
 def test_other_dtypes_run_on_torch_and_are_counted(device):
-    a = torch.randn(6, 10, device=device)
-    b = torch.randn(10, 4, device=device)
+    a = torch.randn(6, 10, device=device).double()
+    b = torch.randn(10, 4, device=device).double()
     want = a @ b
     with detkit.batch_invariant_mode():
         got = a @ b
         torch.mv(a, b[:, 0])
-    assert_bits(got, want, "float32 mm on torch")
-    assert detkit.mode_counters().as_dict()["not_routed"] == {"mm: dtype float32": 1,
+    assert_bits(got, want, "float64 mm on torch")
+    assert detkit.mode_counters().as_dict()["not_routed"] == {f"mm: {F64_REASON}": 1,
                                                               "mv: no detkit route for this op": 1}
-    with pytest.raises(detkit.ModeNotRoutedError, match="dtype float32"), detkit.batch_invariant_mode(strict=True):
+    with pytest.raises(detkit.ModeNotRoutedError, match="dtype float64"), detkit.batch_invariant_mode(strict=True):
         a @ b
 
 
@@ -187,7 +191,7 @@ def test_mean_over_the_last_dim_is_routed_others_counted(device):
 
 
 def test_reentrant_decorator_and_strict_scope(device):
-    a = torch.randn(3, 3, device=device)
+    a = torch.randn(3, 3, device=device).double()
 
     @detkit.batch_invariant_mode()
     def inner_product():
@@ -207,7 +211,7 @@ def test_reentrant_decorator_and_strict_scope(device):
     a @ a
     inner_product()
     a @ a  # outside again: torch's kernel, nothing counted
-    assert (detkit.mode_counters() - before).as_dict()["not_routed"] == {"mm: dtype float32": 1}
+    assert (detkit.mode_counters() - before).as_dict()["not_routed"] == {f"mm: {F64_REASON}": 1}
 
 
 def test_enable_disable_functions_pair_and_refuse_misuse():
@@ -281,16 +285,16 @@ def test_decisions_are_per_signature_and_strict_is_per_call(device):
     """One shape, two layouts: two routes; a refused signature is counted on every call and raises once strict."""
     w = bf16_randn((24, 24), 25, device)
     x = bf16_randn((5, 24), 26, device)
-    f32 = x.float()
+    f64 = x.double()
     with detkit.batch_invariant_mode():
         fwd, da = x @ w.t(), x @ w
         for _ in range(3):
-            f32 @ f32.t()
-        with pytest.raises(detkit.ModeNotRoutedError, match="dtype float32"), detkit.batch_invariant_mode(strict=True):
-            f32 @ f32.t()
-        f32 @ f32.t()
+            f64 @ f64.t()
+        with pytest.raises(detkit.ModeNotRoutedError, match="dtype float64"), detkit.batch_invariant_mode(strict=True):
+            f64 @ f64.t()
+        f64 @ f64.t()
     assert_bits(fwd, det_gemm_fwd(x, w.t()), "transposed weight: fwd")
     assert_bits(da, det_gemm_da(x, w.t()), "row-major weight: dA")
     counters = detkit.mode_counters().as_dict()
     assert counters["routed"] == {"mm -> det_gemm_fwd": 1, "mm -> det_gemm_da": 1}
-    assert counters["not_routed"] == {"mm: dtype float32": 4}
+    assert counters["not_routed"] == {f"mm: {F64_REASON}": 4}

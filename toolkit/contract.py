@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from detkit.kernels.bounds import (  # noqa: F401 (re-exported)
-    ETA_BF16, U_BF16, U_FP32, U_FP64, U_REDUCE, gamma, gemm_bound, reduced_bound,
+    ETA_BF16, ETA_FP16, ETA_FP32, U_BF16, U_FP16, U_FP32, U_FP64, U_REDUCE, U_TF32, gamma, gemm_bound, gemm_bound_fp32,
+    reduced_bound,
 )
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 # (table name, the module attribute holding its version), searched in every loaded detkit.kernels module.
 CONFIG_TABLES = (
     ("det_gemm", "CONFIG_TABLE_VERSION"),
+    ("det_gemm_fp32", "FP32_CONFIG_TABLE_VERSION"),
     ("moe_bf16", "MOE_CONFIG_TABLE_VERSION"),
     ("moe_fp8", "MOE_FP8_CONFIG_TABLE_VERSION"),
     ("invariant", "INVARIANT_CONFIG_TABLE_VERSION"),

@@ -114,14 +114,19 @@ def gluon_sm90_report(fn, types: dict[str, str], consts: dict, maxnreg: int) -> 
 
 
 def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = False,
-               twin: bool = False) -> tuple[object, dict, dict]:
-    """(kernel, signature, constexprs) of one launch of ``case`` with ``cfg``."""
+               twin: bool = False, precision: str = "bf16") -> tuple[object, dict, dict]:
+    """(kernel, signature, constexprs) of one launch of ``case`` with ``cfg``; ``precision``: the kernels'
+    PRECISION ("bf16" / "fp16": those operands, an output of their dtype unless ``out_fp32``; "ieee" / "tf32": FP32
+    operands and an FP32 output)."""
     from detkit.kernels.det_gemm.launch import det_gemm_kernel, det_gemm_tma3_kernel, det_gemm_tma_kernel
 
+    operand = precision if precision in ("bf16", "fp16") else "fp32"
+    out_fp32 = out_fp32 or operand == "fp32"
     consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "STEP_K": cfg.block_k,
               "GROUP_M": cfg.group_m, "INTERPRETED": False, "SEGMENTED": segmented, "OUT_FP32": out_fp32,
-              "TWIN": twin, "B_K_MAJOR": case.b_k_major}
-    c_type = "*fp32" if out_fp32 else "*bf16"
+              "TWIN": twin, "B_K_MAJOR": case.b_k_major, "PRECISION": precision,
+              "OUT_FP16": operand == "fp16" and not out_fp32}
+    c_type = "*fp32" if out_fp32 else f"*{operand}"
     if cfg.variant == "ws":
         from triton.experimental.gluon import language as gl
 
@@ -148,12 +153,12 @@ def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = Fa
         fn = det_gemm_tma_kernel if cfg.variant == "tma" else det_gemm_tma3_kernel
         a_box = [cfg.block_k, cfg.block_m] if case.a_m_major else [cfg.block_m, cfg.block_k]
         b_box = [cfg.box_n, cfg.block_k] if case.b_k_major else [cfg.block_k, cfg.box_n]
-        ptrs = {"a_desc": f"tensordesc<bf16{a_box}>", "b_desc": f"tensordesc<bf16{b_box}>", "c_ptr": c_type,
+        ptrs = {"a_desc": f"tensordesc<{operand}{a_box}>", "b_desc": f"tensordesc<{operand}{b_box}>", "c_ptr": c_type,
                 "twin_ptr": c_type}
         consts.update(A_M_MAJOR=case.a_m_major, stride_cc=1)
     else:
         fn = det_gemm_kernel
-        ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": c_type, "twin_ptr": c_type}
+        ptrs = {"a_ptr": f"*{operand}", "b_ptr": f"*{operand}", "c_ptr": c_type, "twin_ptr": c_type}
         # unit strides: A on its contiguous dim, B on its contiguous dim, C row-major
         consts.update({"stride_ar" if case.a_m_major else "stride_al": 1,
                        "stride_bl" if case.b_k_major else "stride_bc": 1, "stride_cc": 1})
@@ -162,7 +167,7 @@ def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = Fa
 
 
 def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bool = False,
-          out_fp32: bool = False, twin: bool = False) -> dict:
+          out_fp32: bool = False, twin: bool = False, precision: str = "bf16") -> dict:
     """Compile ``case`` for sm_90 with ``config`` (default: the table's pick) as ``variant`` (and the
     epilogue / segmentation flags of the invariant mode and the TP/CP operators); write
     cubin/ttgir/sass; count."""
@@ -174,7 +179,7 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     from detkit.kernels.det_gemm.launch import select_config
 
     cfg = replace(config or select_config(case.op, case.rows), variant=variant)
-    fn, sig, consts = _signature(case, cfg, segmented, out_fp32, twin)
+    fn, sig, consts = _signature(case, cfg, segmented, out_fp32, twin, precision)
     if kernel_is_interpreted(fn):
         raise RuntimeError("detkit kernels were imported under TRITON_INTERPRET=1; compile in a process without it")
     names = list(fn.arg_names)
@@ -194,6 +199,7 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tag = f"{case.name}_{variant}" if config is None else f"{case.name}_{cfg.label()}"
     tag += "".join(f"_{flag}" for flag, on in (("seg", segmented), ("fp32", out_fp32), ("twin", twin)) if on)
+    tag += {"bf16": "", "fp16": "_in_fp16"}.get(precision, f"_in_fp32_{precision}")
     cubin = os.path.join(out_dir, f"{tag}.cubin")
     with open(cubin, "wb") as f:
         f.write(kernel.asm["cubin"])
@@ -217,11 +223,14 @@ def main() -> None:
     parser.add_argument("--out", default="results/sass")
     parser.add_argument("--variants", nargs="+", default=["ptr", "tma"], choices=["ptr", "tma"])
     parser.add_argument("--cases", nargs="+", default=[c.name for c in CASES], choices=[c.name for c in CASES])
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "ieee", "tf32"],
+                        help="bf16 / fp16: those operands; ieee / tf32: FP32 operands and their products' precision")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target, not the interpreter
     os.makedirs(args.out, exist_ok=True)
-    rows = [build(case, variant, args.out) for variant in args.variants for case in CASES if case.name in args.cases]
+    rows = [build(case, variant, args.out, precision=args.precision) for variant in args.variants for case in CASES
+            if case.name in args.cases]
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(rows, f, indent=1)
     if args.json:

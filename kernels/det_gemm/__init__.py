@@ -1,4 +1,4 @@
-"""det_gemm: deterministic, batch-invariant BF16 GEMMs for Hopper (forward, dA, dB).
+"""det_gemm: deterministic, batch-invariant BF16, FP16 and FP32 GEMMs for Hopper (forward, dA, dB).
 
 Inside: ``configs`` (the pinned config table), ``kernels`` (the Triton kernels and their tile math), ``ws`` (the
 warp-specialized Gluon kernel), ``names`` (launch names shared with NVTX ranges and report rows), ``launch``

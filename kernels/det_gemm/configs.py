@@ -20,6 +20,9 @@ from detkit.kernels.det_gemm.names import OPS
 # Pinned config table. Bump the version whenever an entry changes; reports record it.
 # ---------------------------------------------------------------------------------------------
 CONFIG_TABLE_VERSION = "2026-12-01.15"
+# The FP32 operands' table (CONFIG_TABLE_FP32 below), versioned on its own so the BF16 version keeps naming the
+# BF16 entries its reports measured.
+FP32_CONFIG_TABLE_VERSION = "2026-12-06.1"
 
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
 INTERPRETER_MAX_BLOCK_NUMEL = 2**20
@@ -307,6 +310,50 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave | ByWidth | Fewest
     ),
 }
 
+# FP32 operands (``CONFIG_TABLE_FP32``): the same kernels with FP32 tiles, which are twice a BF16 tile's bytes, so
+# BLOCK_K 32 and 3-4 stages (a 128x128x32 ring of 3 stages is 96 KiB). "ieee" products are FP32 fused multiply-adds
+# on the CUDA cores (Triton's FMA dot), where a tile's rate is set by its FMAs per loaded element, not by TMA or
+# warp specialization: pointer loads, no "ws" (its Gluon kernel takes BF16 only) and no one-wave rule (its
+# residency arithmetic counts BF16 bytes). Chosen from the BF16 table's shapes, not yet swept on a GPU
+# (tools/gpu/fp32_gemm.sh times them against torch.matmul). Every config gives the same bits: the same ascending
+# K order, one accumulator (the GPU tests check it across the table's configs).
+_FP32_TINY = GemmConfig(16, 64, 32, 1, 4, 4)  # M <= 16: one CTA per 64 columns streams its slice of the weight
+_FP32_TINY_NARROW = GemmConfig(16, 32, 32, 1, 4, 4)  # narrow outputs: twice the CTAs
+_FP32_SMALL = GemmConfig(64, 64, 32, 8, 4, 3)
+_FP32_MID = GemmConfig(64, 128, 32, 8, 8, 3)  # 8 warps: 4 spill on the sm_90 compile (tools.gemm_sass)
+_FP32_LARGE = GemmConfig(128, 128, 32, 8, 8, 3)
+CONFIG_TABLE_FP32: dict[str, tuple[tuple[int, GemmConfig | ByWidth], ...]] = {
+    "fwd": ((16, ByWidth(((1024, _FP32_TINY_NARROW),), _FP32_TINY)), (64, _FP32_SMALL), (256, _FP32_MID),
+            (2**31, _FP32_LARGE)),
+    "da": ((16, ByWidth(((1024, _FP32_TINY_NARROW),), _FP32_TINY)), (64, _FP32_SMALL), (256, _FP32_MID),
+           (2**31, _FP32_LARGE)),
+    # dB: a [K, N] output at any M; M is its reduced dim
+    "db": ((2**31, _FP32_LARGE),),
+}
+# FP32 operands with "tf32" products: every tile 64 rows or more, so every launch runs the same warpgroup MMA
+# (wgmma, m64 x k8 per instruction; the sm_90 compiles show HGMMA for these tiles). A 16-row tile would run
+# mma.sync (HMMA) instead, whose per-instruction sums of 8 products need not round as wgmma's do: a row at M <= 16
+# could then differ from the same row at M = 17. At small M the weight stream is the work, so 64-row tiles cost
+# little there.
+_TF32_SMALL = GemmConfig(64, 64, 32, 8, 4, 3)
+CONFIG_TABLE_TF32: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
+    "fwd": ((64, _TF32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
+    "da": ((64, _TF32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
+    "db": ((2**31, _FP32_LARGE),),
+}
+# FP16 operands take the BF16 table: the same bytes per element and the same tensor-core rate; its "ws" picks run as
+# their TMA twins (the Gluon kernel takes BF16 only), the same tile and K order.
+TABLES = {torch.bfloat16: CONFIG_TABLE, torch.float16: CONFIG_TABLE, torch.float32: CONFIG_TABLE_FP32}
+
+
+def config_table(dtype: torch.dtype = torch.bfloat16, precision: str | None = None) -> dict:
+    """The pinned table of ``dtype`` operands (BF16, FP16 or FP32; FP32 with ``precision`` "tf32": the TF32 table)."""
+    table = TABLES.get(dtype)
+    if table is None:
+        raise TypeError(f"det_gemm has no config table for {dtype}; supported: torch.bfloat16, torch.float16, "
+                        "torch.float32")
+    return CONFIG_TABLE_TF32 if dtype == torch.float32 and precision == "tf32" else table
+
 
 def entry_configs(entry) -> tuple[GemmConfig, ...]:
     """The configs one table entry can pick."""
@@ -314,14 +361,16 @@ def entry_configs(entry) -> tuple[GemmConfig, ...]:
 
 
 def select_config(op: str, m: int, *, cols: int | None = None, rows: int | None = None, sms: int = HOPPER_SMS,
-                  tma3: bool = True) -> GemmConfig:
+                  tma3: bool = True, dtype: torch.dtype = torch.bfloat16, precision: str | None = None) -> GemmConfig:
     """The pinned config for ``op`` at batch size ``m`` (fwd/dA: output rows; dB: the reduced dim); ``cols``,
     ``rows``: the output's width and height (rows defaults to ``m``; dB's output rows are its K) for the entries that
     depend on them, on ``sms`` SMs (cols None: an entry's first choice); ``tma3=False``: the pick among configs that
-    have a pointer twin. Both weight layouts take the same pick."""
-    if op not in CONFIG_TABLE:
+    have a pointer twin; ``dtype``, ``precision``: the operands' and FP32's products (the FP32 and TF32 tables). Both
+    weight layouts take the same pick."""
+    table = config_table(dtype, precision)
+    if op not in table:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
-    for max_m, entry in CONFIG_TABLE[op]:
+    for max_m, entry in table[op]:
         if m <= max_m:
             if isinstance(entry, ByWidth):
                 entry = entry.entry(cols)
@@ -333,13 +382,16 @@ def select_config(op: str, m: int, *, cols: int | None = None, rows: int | None 
     raise ValueError(f"M={m} exceeds the config table for {op!r}")
 
 
-def all_configs(op: str, backend: str = CUDA_SM90) -> list[GemmConfig]:
-    """Every distinct config the tables can pick for ``op`` on ``backend`` (the cross-config audit runs them
-    all); off sm_90 a "ws" pick runs as its Triton twin (``ws_twin``)."""
-    if op not in CONFIG_TABLE:
+def all_configs(op: str, backend: str = CUDA_SM90, dtype: torch.dtype = torch.bfloat16,
+                precision: str | None = None) -> list[GemmConfig]:
+    """Every distinct config the ``dtype`` (and FP32 ``precision``) table can pick for ``op`` on ``backend`` (the
+    cross-config audit runs them all); off sm_90 a "ws" pick runs as its Triton twin (``ws_twin``)."""
+    table = config_table(dtype, precision)
+    if op not in table:
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
-    configs = (c for _, e in CONFIG_TABLE[op] for c in entry_configs(e))
-    return list(dict.fromkeys(c if backend == CUDA_SM90 else ws_twin(c) for c in configs))
+    configs = (c for _, e in table[op] for c in entry_configs(e))
+    gluon = backend == CUDA_SM90 and dtype == torch.bfloat16
+    return list(dict.fromkeys(c if gluon else ws_twin(c) for c in configs))
 
 
 def ws_twin(config: GemmConfig) -> GemmConfig:

@@ -68,6 +68,33 @@ def mac_step(acc, a, b, offs_k, STEP_K: tl.constexpr, INTERPRETED: tl.constexpr)
 
 
 @triton.jit
+def to_tf32(x):
+    """FP32 -> TF32 (10 stored significand bits), round to nearest with ties away from zero (cvt.rna.tf32.f32), in
+    integer arithmetic; the result is an FP32 value with its low 13 bits zero. NaN and Inf stay as they are. The
+    interpreter's model of a TF32 tensor-core operand (the hardware may instead drop the low bits: the contract's
+    TF32 bound covers both)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, rounded)
+
+
+@triton.jit
+def mac_step_fp32(acc, a, b, offs_k, STEP_K: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc + a @ b`` for one reduction step of FP32 operands. On the GPU one tl.dot with ``input_precision``
+    PRECISION: "ieee" (FP32 fused multiply-adds in ascending k, no tensor cores) or "tf32" (tensor cores on TF32
+    operands). In the interpreter, as ``mac_step``: each product rounded to FP32 (after rounding both operands to
+    TF32 for "tf32"), then added to the accumulator one at a time in ascending k, an order that depends on k alone."""
+    if INTERPRETED:
+        if PRECISION == "tf32":
+            a = to_tf32(a)
+            b = to_tf32(b)
+        out = mac_step(acc, a, b, offs_k, STEP_K, INTERPRETED)
+    else:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
 def segment_boundary(acc, seg_acc, k0, seg_len, SEGMENTED: tl.constexpr):
     """At the start of each FP32 segment after the first, the finished segment joins the total
     (ascending order) and the next one starts from zero."""
@@ -79,20 +106,34 @@ def segment_boundary(acc, seg_acc, k0, seg_len, SEGMENTED: tl.constexpr):
 
 
 @triton.jit
+def mac(acc, a, b, offs_k, STEP_K: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):
+    """One K step: FP32 operands at their PRECISION ("ieee", "tf32"), or BF16 / FP16 operands ("bf16", "fp16"),
+    whose products are exact in FP32 (8- or 11-bit significands)."""
+    if PRECISION == "ieee":
+        out = mac_step_fp32(acc, a, b, offs_k, STEP_K, INTERPRETED, PRECISION)
+    elif PRECISION == "tf32":
+        out = mac_step_fp32(acc, a, b, offs_k, STEP_K, INTERPRETED, PRECISION)
+    else:
+        out = mac_step(acc, a, b, offs_k, STEP_K, INTERPRETED)
+    return out
+
+
+@triton.jit
 def accumulate(acc, seg_acc, a, b, offs_k, STEP_K: tl.constexpr, INTERPRETED: tl.constexpr,
-               SEGMENTED: tl.constexpr):
+               SEGMENTED: tl.constexpr, PRECISION: tl.constexpr):
     """One K step into the running segment (segmented) or the total."""
     if SEGMENTED:
-        seg_acc = mac_step(seg_acc, a, b, offs_k, STEP_K, INTERPRETED)
+        seg_acc = mac(seg_acc, a, b, offs_k, STEP_K, INTERPRETED, PRECISION)
     else:
-        acc = mac_step(acc, a, b, offs_k, STEP_K, INTERPRETED)
+        acc = mac(acc, a, b, offs_k, STEP_K, INTERPRETED, PRECISION)
     return acc, seg_acc
 
 
 @triton.jit
 def store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc,
-               INTERPRETED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr):
-    """The epilogue: FP32 as is, or one BF16 rounding (nearest-even) of the FP32 accumulator. With
+               INTERPRETED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr, OUT_FP16: tl.constexpr):
+    """The epilogue: FP32 as is, or one BF16 or FP16 rounding (nearest-even; the FP16 cast rounds so on both
+    backends, the interpreter's BF16 cast does not) of the FP32 accumulator. With
     TWIN the same bits also go to ``twin_ptr`` (same shape and strides): the TP/CP operators reduce
     that copy in place and keep the partial, without a separate copy kernel before the collective."""
     # 64-bit offsets: the output may hold more than 2**31 - 1 elements (an lm_head's logits at M 16384)
@@ -100,6 +141,8 @@ def store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_c
     c_mask = (offs_am < R)[:, None] & (offs_bn < C)[None, :]
     if OUT_FP32:
         out = acc
+    elif OUT_FP16:
+        out = acc.to(tl.float16)
     elif INTERPRETED:
         out = fp32_to_bf16_rtne(acc)
     else:
@@ -121,6 +164,8 @@ def det_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STEP_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr,
+    PRECISION: tl.constexpr,  # "bf16", "fp16" (exact products) or, for FP32 operands, "ieee" / "tf32" (mac)
+    OUT_FP16: tl.constexpr,  # an FP16 output (FP16 operands): one FP16 rounding
     B_K_MAJOR: tl.constexpr,  # B's reduced dim is contiguous (e.g. fwd on nn.Linear's weight.t())
 ):
     pid_m, pid_n = tile_of_program(R, C, BLOCK_M, BLOCK_N, GROUP_M)
@@ -154,10 +199,11 @@ def det_gemm_kernel(
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [STEP_K, BLOCK_N]
             a_ptrs += a_step
             b_ptrs += b_step
-            acc, seg_acc = accumulate(acc, seg_acc, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED)
+            acc, seg_acc = accumulate(acc, seg_acc, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED, PRECISION)
     if SEGMENTED:
         acc += seg_acc
-    store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+    store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc,
+               INTERPRETED, OUT_FP32, TWIN, OUT_FP16)
 
 
 @triton.jit
@@ -182,6 +228,8 @@ def det_gemm_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STEP_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr,
+    PRECISION: tl.constexpr,  # "bf16", "fp16" (exact products) or, for FP32 operands, "ieee" / "tf32" (mac)
+    OUT_FP16: tl.constexpr,  # an FP16 output (FP16 operands): one FP16 rounding
     A_M_MAJOR: tl.constexpr,  # A stored as [L, R] (its row dim contiguous, e.g. dB's a.T): box [STEP_K, BLOCK_M]
     B_K_MAJOR: tl.constexpr,  # B stored as [C, L] (e.g. fwd on nn.Linear's weight.t()): box [BLOCK_N, STEP_K]
 ):
@@ -200,12 +248,13 @@ def det_gemm_tma_kernel(
             k = k0 + kk
             a = tma_tile(a_desc, off_m, k, A_M_MAJOR)  # [BLOCK_M, STEP_K]
             b = tma_tile(b_desc, k, off_n, B_K_MAJOR)  # [STEP_K, BLOCK_N]
-            acc, seg_acc = accumulate(acc, seg_acc, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED)
+            acc, seg_acc = accumulate(acc, seg_acc, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED, PRECISION)
     if SEGMENTED:
         acc += seg_acc
     offs_am = off_m + tl.arange(0, BLOCK_M)
     offs_bn = off_n + tl.arange(0, BLOCK_N)
-    store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+    store_tile(c_ptr, twin_ptr, acc, offs_am, offs_bn, R, C, stride_cr, stride_cc,
+               INTERPRETED, OUT_FP32, TWIN, OUT_FP16)
 
 
 @triton.jit(launch_metadata=_launch_metadata)
@@ -218,6 +267,8 @@ def det_gemm_tma3_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STEP_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRETED: tl.constexpr, SEGMENTED: tl.constexpr, OUT_FP32: tl.constexpr, TWIN: tl.constexpr,
+    PRECISION: tl.constexpr,  # "bf16", "fp16" (exact products) or, for FP32 operands, "ieee" / "tf32" (mac)
+    OUT_FP16: tl.constexpr,  # an FP16 output (FP16 operands): one FP16 rounding
     A_M_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
 ):
     """det_gemm_tma_kernel with a tile three power-of-two sub-tiles wide (BLOCK_N = 3 x SUB_N, e.g. 192):
@@ -245,19 +296,22 @@ def det_gemm_tma3_kernel(
             k = k0 + kk
             a = tma_tile(a_desc, off_m, k, A_M_MAJOR)  # one A tile feeds the three sub-tiles' MMAs
             b = tma_tile(b_desc, k, off_n, B_K_MAJOR)  # [STEP_K, SUB_N]
-            acc0, seg0 = accumulate(acc0, seg0, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED)
+            acc0, seg0 = accumulate(acc0, seg0, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED, PRECISION)
             b = tma_tile(b_desc, k, off_n + SUB_N, B_K_MAJOR)
-            acc1, seg1 = accumulate(acc1, seg1, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED)
+            acc1, seg1 = accumulate(acc1, seg1, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED, PRECISION)
             b = tma_tile(b_desc, k, off_n + 2 * SUB_N, B_K_MAJOR)
-            acc2, seg2 = accumulate(acc2, seg2, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED)
+            acc2, seg2 = accumulate(acc2, seg2, a, b, offs_k, STEP_K, INTERPRETED, SEGMENTED, PRECISION)
     if SEGMENTED:
         acc0 += seg0
         acc1 += seg1
         acc2 += seg2
     offs_am = off_m + tl.arange(0, BLOCK_M)
     offs_bn = off_n + tl.arange(0, SUB_N)  # the first sub-tile's columns; the others are SUB_N further each
-    store_tile(c_ptr, twin_ptr, acc0, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+    store_tile(c_ptr, twin_ptr, acc0, offs_am, offs_bn, R, C, stride_cr, stride_cc,
+               INTERPRETED, OUT_FP32, TWIN, OUT_FP16)
     offs_bn += SUB_N
-    store_tile(c_ptr, twin_ptr, acc1, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+    store_tile(c_ptr, twin_ptr, acc1, offs_am, offs_bn, R, C, stride_cr, stride_cc,
+               INTERPRETED, OUT_FP32, TWIN, OUT_FP16)
     offs_bn += SUB_N
-    store_tile(c_ptr, twin_ptr, acc2, offs_am, offs_bn, R, C, stride_cr, stride_cc, INTERPRETED, OUT_FP32, TWIN)
+    store_tile(c_ptr, twin_ptr, acc2, offs_am, offs_bn, R, C, stride_cr, stride_cc,
+               INTERPRETED, OUT_FP32, TWIN, OUT_FP16)

@@ -1,6 +1,7 @@
-"""Deterministic, batch-invariant BF16 GEMMs for Hopper: forward, dA and dB.
+"""Deterministic, batch-invariant GEMMs for Hopper: forward, dA and dB, on BF16, FP16 or FP32 operands.
 
-Math (BF16 in, FP32 accumulation, one BF16 rounding at the end):
+Math (BF16 in, FP32 accumulation, one BF16 rounding at the end; FP16 the same with one FP16 rounding; FP32 in: FP32
+products at ``precision``, "ieee" or "tf32", FP32 accumulation and output -- see "FP32 operands" below):
     det_gemm_fwd(a [M,K], b [K,N]) = a @ b        reduces over K
     det_gemm_da(dc [M,N], b [K,N]) = dc @ b.T     reduces over N
     det_gemm_db(a [M,K], dc [M,N]) = a.T @ dc     reduces over M
@@ -29,6 +30,12 @@ BF16 product per reduced element to the FP32 accumulator, in ascending order: th
 contract's semantics (exact products, FP32 accumulation, one BF16 rounding) with an order that
 depends on L alone (one FP32 rounding per product, strictly sequential). The interpreter's FP32 to
 BF16 cast truncates, so the final rounding there is done in integer arithmetic (nearest-even). Interpreter bits differ from tensor-core bits; each backend is audited on its own.
+
+FP32 operands: on the GPU each K step is ``tl.dot(..., input_precision=precision)`` ("ieee": FP32 fused multiply-adds
+on the CUDA cores; "tf32": tensor cores on TF32 operands); in the interpreter each product is rounded to FP32 (both
+operands first rounded to TF32 for "tf32") and added one at a time in ascending order, as above. The precision is
+the caller's (never a global), part of the plan's key and of the launch's name. The FP32 table is
+``CONFIG_TABLE_FP32``; FP16 operands take the BF16 table, its "ws" picks as their TMA twins.
 
 Three kernels share that tile math (``tile_of_program``, ``segment_boundary``, ``accumulate``, ``mac_step``, ``store_tile``),
 all in kernels/det_gemm/kernels.py:
@@ -69,8 +76,8 @@ from detkit.kernels.backend import (
     check_storage, ensure_thread_cuda_context, host_descriptor, resolve_backend_of_devices,
 )
 from detkit.kernels.det_gemm.configs import (  # noqa: F401 (the table and its arithmetic, re-exported)
-    CONFIG_TABLE, CONFIG_TABLE_VERSION, HOPPER_SMS, INTERPRETER_MAX_BLOCK_NUMEL, SMEM_BARRIER_SLACK, SMEM_PER_SM,
-    SMEM_RESERVED_PER_CTA, TMA_MAX_BOX, ByWidth, FewestWaves, VARIANTS, GemmConfig, OneWave, all_configs, ctas_per_sm, device_sms,
+    CONFIG_TABLE, CONFIG_TABLE_FP32, CONFIG_TABLE_VERSION, FP32_CONFIG_TABLE_VERSION, HOPPER_SMS, INTERPRETER_MAX_BLOCK_NUMEL, SMEM_BARRIER_SLACK, SMEM_PER_SM,
+    SMEM_RESERVED_PER_CTA, TMA_MAX_BOX, ByWidth, FewestWaves, VARIANTS, GemmConfig, OneWave, all_configs, config_table, ctas_per_sm, device_sms,
     entry_configs, interpreter_step_k, operand_ring_bytes, output_tiles, select_config, ws_twin,
 )
 from detkit.kernels.det_gemm.kernels import (  # noqa: F401 (the kernels and their tile math, re-exported)
@@ -79,7 +86,7 @@ from detkit.kernels.det_gemm.kernels import (  # noqa: F401 (the kernels and the
 )
 from detkit.kernels.det_gemm.reference import det_gemm_da_ref, det_gemm_db_ref, det_gemm_fwd_ref  # noqa: F401
 from detkit.kernels.det_gemm.ws import consumers, det_gemm_ws_kernel, max_regs, ws_descriptor, ws_tma_store
-from detkit.kernels.det_gemm.names import _OP_IDS, OPS, _launch_metadata, _layer_dims, case_name  # noqa: F401 (re-exported)
+from detkit.kernels.det_gemm.names import KINDS, _OP_IDS, OPS, _launch_metadata, _layer_dims, case_name  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------------------------------------
 # Launch: a plan per call signature, checked and derived once; per call the tensor checks and the launch.
@@ -94,10 +101,12 @@ class GemmLaunch:
     name: str
 
 
-def _launch_record(op: str, backend: str, config: GemmConfig, rows: int, cols: int, reduced: int) -> GemmLaunch:
-    """What a launch ran, named in the layer's (M, N, K) from the kernel's (rows, cols, reduced)."""
+def _launch_record(op: str, backend: str, config: GemmConfig, rows: int, cols: int, reduced: int,
+                   precision: str = "bf16") -> GemmLaunch:
+    """What a launch ran, named in the layer's (M, N, K) from the kernel's (rows, cols, reduced) and the operands'
+    kind (``precision``: the kernels' PRECISION)."""
     m, n, k = _layer_dims(_OP_IDS[op], rows, cols, reduced)
-    return GemmLaunch(op=op, backend=backend, config=config, name=case_name(op, m, n, k))
+    return GemmLaunch(op=op, backend=backend, config=config, name=case_name(op, m, n, k, KINDS[precision]))
 
 
 # Launch plans kept, least recently used dropped first: a model's layer shapes times the batch sizes it runs at.
@@ -105,7 +114,13 @@ MAX_PLANS = 4096
 # Every dim must be below this: tile indices, TMA box coordinates and TMA shapes are 32-bit (element offsets
 # are 64-bit: an operand or the output may hold more than 2**31 - 1 elements).
 MAX_DIM = 2**30
-OUT_DTYPES = (torch.bfloat16, torch.float32)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Operand dtypes: BF16 and FP16 (exact products, FP32 accumulation, an output of their own dtype or FP32) and FP32
+# (FP32 products at ``precision``, FP32 accumulation and output). Both operands share one dtype.
+IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# FP32 products: "ieee" (IEEE FP32, the default) or "tf32" (TF32 operands on the tensor cores: what torch's
+# ``set_float32_matmul_precision("high")`` lets torch.matmul do; the caller chooses, det_gemm reads no global).
+PRECISIONS = ("ieee", "tf32")
 
 # The caller's operand names per op, and whether the kernel's A [R, L] / B [L, C] view reads each transposed.
 _OPERAND_NAMES = {"fwd": ("a", "b"), "da": ("dc", "b"), "db": ("a", "dc")}
@@ -139,22 +154,57 @@ def _check_operand(t: _Operand) -> int:
     if not issubclass(t.cls, torch.Tensor):
         raise TypeError(f"{t.name} must be a torch.Tensor; got {t.cls.__name__}")
     check_layout(t.name, t.layout)
-    span = check_bf16_signature(t.name, t.shape, t.stride, t.dtype, max_offset=None)
+    span = check_bf16_signature(t.name, t.shape, t.stride, t.dtype, max_offset=None, dtypes=IN_DTYPES)
     if max(t.shape) >= MAX_DIM:
         raise ValueError(f"{t.name} has shape {tuple(t.shape)}; supported: every dim below 2**30 (32-bit tile "
                          "indices and TMA coordinates)")
     return span
 
 
-def _check_options(config, seg_len, out_dtype) -> None:
+def _check_options(config, seg_len, out_dtype, precision=None) -> None:
     """The launch options' types, checked per call before the plan lookup (they are part of its key)."""
     if config is not None and not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a GemmConfig or None (the table's pick); got {type(config).__name__} "
                         f"{config!r}")
     if seg_len is not None and (not isinstance(seg_len, int) or seg_len < 1):
         raise ValueError(f"seg_len must be a positive int or None; got {seg_len!r}")
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype {out_dtype} is not supported; supported: torch.bfloat16, torch.float32")
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} is not supported; supported: torch.bfloat16 (BF16 operands), "
+                        "torch.float16 (FP16 operands), torch.float32")
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not supported; supported: None, "
+                         f"{', '.join(map(repr, PRECISIONS))}")
+
+
+_HALF_KINDS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _operand_kind(x: "_Operand", y: "_Operand", out_dtype, precision) -> tuple[torch.dtype, str]:
+    """(output dtype, the kernels' PRECISION) of a call: BF16 / FP16 operands -> "bf16" / "fp16" (their products are
+    exact in FP32; a precision is refused), an output of their dtype (None) or FP32; FP32 operands -> ``precision``
+    (None: "ieee"), FP32 out."""
+    if x.dtype != y.dtype:
+        raise TypeError(f"{x.name} has dtype {x.dtype} and {y.name} {y.dtype}; supported: both of one dtype "
+                        "(torch.bfloat16, torch.float16 or torch.float32)")
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not supported; supported: None, "
+                         f"{', '.join(map(repr, PRECISIONS))}")
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} is not supported; supported: torch.bfloat16 (BF16 operands), "
+                        "torch.float16 (FP16 operands), torch.float32")
+    half = _HALF_KINDS.get(x.dtype)
+    if half is not None:
+        if precision is not None:
+            raise ValueError(f"precision {precision!r} applies to FP32 operands; {half.upper()} products are exact in "
+                             f"FP32 (supported for {half.upper()}: None)")
+        if out_dtype not in (None, x.dtype, torch.float32):
+            raise TypeError(f"out_dtype {out_dtype} is not supported with {x.dtype} operands; supported: {x.dtype}, "
+                            "torch.float32")
+        return (x.dtype if out_dtype is None else out_dtype), half
+    if out_dtype not in (None, torch.float32):
+        raise TypeError(f"out_dtype {out_dtype} with FP32 operands is not supported; supported: torch.float32 (FP32 "
+                        "operands give an FP32 output, never rounded further)")
+    return torch.float32, ("ieee" if precision is None else precision)
 
 
 def _check_seg_len(seg_len: int | None, reduced: int, config: GemmConfig) -> int:
@@ -237,23 +287,26 @@ def tma_descriptor(name: str, tensor: torch.Tensor, view: torch.Tensor, block: t
 
 
 def _table_pick(op: str, m: int, rows: int, cols: int, views, device: torch.device, backend: str,
-                segmented: bool) -> GemmConfig:
+                segmented: bool, dtype: torch.dtype = torch.bfloat16, precision: str | None = None) -> GemmConfig:
     """The table's pick for ``op`` at batch size ``m``, output ``rows`` x ``cols`` on ``device``'s SMs. A "ws" pick runs
     as its TMA twin where the Gluon kernel cannot (``backend`` not sm_90, or ``segmented``: seg_len segments). When
     an operand is not TMA-addressable (``views``: (view shape, view strides, misalign) of A and B), a "tma3" pick
     gives way to the entry's pick among its other tiles, and a "tma" or "ws" pick runs as the pointer kernel with the
     same tile. Neither the tile, the layout nor the variant changes the bits (same K order; every pick swept on the
-    H200 and checked by the cross-config audit), so this choice cannot change a result."""
+    H200 and checked by the cross-config audit), so this choice cannot change a result. ``dtype``: the operands'
+    (FP32 operands take the FP32 table)."""
+    item = dtype.itemsize
+
     def addressable(config: GemmConfig) -> bool:
         blocks = ((config.block_m, config.block_k), (config.block_k, config.box_n))
-        return all(_tma_layout(shape, stride, 2, misalign, blk) is not None
+        return all(_tma_layout(shape, stride, item, misalign, blk) is not None
                    for (shape, stride, misalign), blk in zip(views, blocks))
 
     sms = device_sms(device)
-    config = select_config(op, m, cols=cols, rows=rows, sms=sms)
+    config = select_config(op, m, cols=cols, rows=rows, sms=sms, dtype=dtype, precision=precision)
     if config.variant == "tma3" and not addressable(config):  # a 3 x power-of-two tile has no pointer twin
-        config = select_config(op, m, cols=cols, rows=rows, sms=sms, tma3=False)
-    if backend != CUDA_SM90 or segmented:
+        config = select_config(op, m, cols=cols, rows=rows, sms=sms, tma3=False, dtype=dtype, precision=precision)
+    if backend != CUDA_SM90 or segmented or dtype != torch.bfloat16:  # the Gluon kernel takes BF16 only
         config = ws_twin(config)
     if config.variant in ("tma", "ws") and not addressable(config):
         config = replace(config, variant="ptr")
@@ -272,19 +325,19 @@ class _Plan(NamedTuple):
 def _plan(key: tuple) -> _Plan:
     """The launch plan of a call signature (``_lookup``'s key): every check that depends on the signature alone,
     the config pick, the kernel variant, the grid and the static launch arguments, worked out once."""
-    op, config, seg_len, out_dtype = key[:4]
+    op, config, seg_len, out_dtype, precision = key[:5]
     names = _OPERAND_NAMES[op]
-    x, y = _Operand(names[0], *key[4:11]), _Operand(names[1], *key[11:18])
-    twin = None if key[18] is None else _Operand("twin_out", *key[18])
-    return _build_plan(op, x, y, config, seg_len, out_dtype, twin)
+    x, y = _Operand(names[0], *key[5:12]), _Operand(names[1], *key[12:19])
+    twin = None if key[19] is None else _Operand("twin_out", *key[19])
+    return _build_plan(op, x, y, config, seg_len, out_dtype, twin, precision)
 
 
-def _lookup(op: str, x, y, config, seg_len, out_dtype, twin_out) -> _Plan:
-    """The plan for this call: one cache lookup keyed on everything a plan depends on (op, options, and each
-    tensor's type, shape, strides, dtype, layout, device and base alignment; the alignment decides TMA and
-    Triton's pointer specialization)."""
+def _lookup(op: str, x, y, config, seg_len, out_dtype, twin_out, precision=None) -> _Plan:
+    """The plan for this call: one cache lookup keyed on everything a plan depends on (op, options -- the FP32
+    products' precision among them --, and each tensor's type, shape, strides, dtype, layout, device and base
+    alignment; the alignment decides TMA and Triton's pointer specialization)."""
     try:
-        key = (op, config, seg_len, out_dtype,
+        key = (op, config, seg_len, out_dtype, precision,
                x.__class__, x.shape, x.stride(), x.dtype, x.layout, x.device, x.data_ptr() & 15,
                y.__class__, y.shape, y.stride(), y.dtype, y.layout, y.device, y.data_ptr() & 15,
                None if twin_out is None else (twin_out.__class__, twin_out.shape, twin_out.stride(), twin_out.dtype,
@@ -316,9 +369,10 @@ def launch_plans_info():
 
 
 def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, seg_len: int | None,
-                out_dtype: torch.dtype, twin: _Operand | None) -> _Plan:
+                out_dtype: torch.dtype | None, twin: _Operand | None, precision: str | None = None) -> _Plan:
     """Check, pick, derive: the old per-call work of a launch, done once per signature, in the same order."""
     x_span, y_span = _check_operand(x), _check_operand(y)
+    out_dtype, kind = _operand_kind(x, y, out_dtype, precision)
     x_dim, y_dim, what = _SHARED_DIM[op]
     if x.shape[x_dim] != y.shape[y_dim]:
         raise ValueError(
@@ -326,8 +380,6 @@ def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, se
             f"({x.name} {tuple(x.shape)}, {y.name} {tuple(y.shape)})"
         )
     backend = resolve_backend_of_devices(det_gemm_kernel, {x.name: x.device, y.name: y.device})
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype {out_dtype} is not supported; supported: torch.bfloat16, torch.float32")
     a_t, b_t = _TRANSPOSED[op]
     (a_shape, a_stride), (b_shape, b_stride) = x.view(a_t), y.view(b_t)
     rows, reduced = a_shape
@@ -337,10 +389,13 @@ def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, se
     if config is None:
         views = ((a_shape, a_stride, x.misalign), (b_shape, b_stride, y.misalign))
         config = _table_pick(op, reduced if op == "db" else rows, rows, cols, views, device, backend,
-                             segmented=seg_len is not None and seg_len != reduced)
+                             segmented=seg_len is not None and seg_len != reduced, dtype=x.dtype, precision=kind)
     elif not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a GemmConfig or None (the table's pick); got {type(config).__name__} "
                         f"{config!r}")
+    if config.variant == "ws" and kind != "bf16":
+        raise ValueError(f"variant 'ws' (the Gluon kernel) takes BF16 operands only; got {x.dtype}: use a 'ptr', "
+                         "'tma' or 'tma3' config for FP16 and FP32 operands")
     seg = _check_seg_len(seg_len, reduced, config)
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k
@@ -364,7 +419,8 @@ def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, se
         constexprs = dict(
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STEP_K=step_k,
             GROUP_M=config.group_m, INTERPRETED=interpreted, SEGMENTED=seg != reduced,
-            OUT_FP32=out_dtype == torch.float32, TWIN=twin is not None,
+            OUT_FP32=out_dtype == torch.float32, TWIN=twin is not None, PRECISION=kind,
+            OUT_FP16=out_dtype == torch.float16,
         )
         options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         static = dict(R=rows, C=cols, L=reduced, stride_cr=cols, stride_cc=1, seg_len=seg, op_id=_OP_IDS[op])
@@ -374,7 +430,7 @@ def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, se
             static.update(stride_ar=a_stride[0], stride_al=a_stride[1], stride_bl=b_stride[0], stride_bc=b_stride[1])
             constexprs["B_K_MAJOR"] = b_stride[0] == 1 and b_stride[1] != 1
             launch = _ptr_launch(geometry, interpreted, static, constexprs, options, (tiles,))
-    return _Plan(_launch_record(op, backend, config, rows, cols, reduced), launch)
+    return _Plan(_launch_record(op, backend, config, rows, cols, reduced, kind), launch)
 
 
 class _Geometry(NamedTuple):
@@ -404,12 +460,13 @@ def _storage_check(g: _Geometry):
     """The per-call storage check of a plan's operands (and twin): one comparison each, the message only on
     failure."""
     x_name, y_name, x_span, y_span, twin_span = g.x.name, g.y.name, g.x_span, g.y_span, g.twin_span
-    x_need, y_need = 2 * x_span, 2 * y_span
+    item = g.x.dtype.itemsize  # both operands share one dtype
+    x_need, y_need = item * x_span, item * y_span
 
     def check(x, y, twin):
-        if x.untyped_storage().nbytes() < 2 * x.storage_offset() + x_need:
+        if x.untyped_storage().nbytes() < item * x.storage_offset() + x_need:
             check_storage(x_name, x, x_span)
-        if y.untyped_storage().nbytes() < 2 * y.storage_offset() + y_need:
+        if y.untyped_storage().nbytes() < item * y.storage_offset() + y_need:
             check_storage(y_name, y, y_span)
         if twin is not None:
             check_storage("twin_out", twin, twin_span)
@@ -461,10 +518,12 @@ def _ptr_launch(g: _Geometry, interpreted: bool, static: dict, constexprs: dict,
 def _tma_launch(g: _Geometry, config: GemmConfig, step_k: int, interpreted: bool, static: dict, constexprs: dict,
                 options: dict, grid):
     """det_gemm_tma_kernel / det_gemm_tma3_kernel: TMA descriptors over each operand in its storage order."""
-    a_m_major, a_shape, a_strides, a_box = _descriptor_layout(g.x.name, g.x.shape, g.x.stride, 2, g.x.misalign,
+    a_m_major, a_shape, a_strides, a_box = _descriptor_layout(g.x.name, g.x.shape, g.x.stride, g.x.dtype.itemsize,
+                                                              g.x.misalign,
                                                               g.a_shape, g.a_stride, (config.block_m, step_k),
                                                               config.variant)
-    b_k_major, b_shape, b_strides, b_box = _descriptor_layout(g.y.name, g.y.shape, g.y.stride, 2, g.y.misalign,
+    b_k_major, b_shape, b_strides, b_box = _descriptor_layout(g.y.name, g.y.shape, g.y.stride, g.y.dtype.itemsize,
+                                                              g.y.misalign,
                                                               g.b_shape, g.b_stride, (step_k, config.box_n),
                                                               config.variant)
     kernel = det_gemm_tma_kernel if config.variant == "tma" else det_gemm_tma3_kernel
@@ -564,51 +623,52 @@ def _ws_launch(g: _Geometry, config: GemmConfig, twin_on: bool, programs: int):
     return launch
 
 
-def _launch(op: str, x, y, config, seg_len, out_dtype, twin_out):
-    _check_options(config, seg_len, out_dtype)
-    plan = _lookup(op, x, y, config, seg_len, out_dtype, twin_out)
+def _launch(op: str, x, y, config, seg_len, out_dtype, twin_out, precision=None):
+    _check_options(config, seg_len, out_dtype, precision)
+    plan = _lookup(op, x, y, config, seg_len, out_dtype, twin_out, precision)
     return plan.launch(x, y, twin_out), plan.record
 
 
 def det_gemm_fwd_launch(a: torch.Tensor, b: torch.Tensor, *, config: GemmConfig | None = None,
-                        seg_len: int | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                        twin_out: torch.Tensor | None = None):
+                        seg_len: int | None = None, out_dtype: torch.dtype | None = None,
+                        twin_out: torch.Tensor | None = None, precision: str | None = None):
     """``a [M,K] @ b [K,N]`` -> (``[M,N]``, GemmLaunch). ``b`` may be ``weight.t()``. ``config``: a GemmConfig
-    (None: the table's pick); ``seg_len``: FP32 segments of the reduction; ``twin_out``: a second output that gets
-    the same bits."""
-    return _launch("fwd", a, b, config, seg_len, out_dtype, twin_out)
+    (None: the table's pick); ``seg_len``: FP32 segments of the reduction; ``out_dtype``: BF16 operands' output
+    (None: BF16; FP32 operands give FP32); ``twin_out``: a second output that gets the same bits; ``precision``:
+    FP32 operands' products, "ieee" (None) or "tf32"."""
+    return _launch("fwd", a, b, config, seg_len, out_dtype, twin_out, precision)
 
 
 def det_gemm_da_launch(dc: torch.Tensor, b: torch.Tensor, *, config: GemmConfig | None = None,
-                       seg_len: int | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                       twin_out: torch.Tensor | None = None):
+                       seg_len: int | None = None, out_dtype: torch.dtype | None = None,
+                       twin_out: torch.Tensor | None = None, precision: str | None = None):
     """``dc [M,N] @ b[K,N].T`` -> (``[M,K]``, GemmLaunch)."""
-    return _launch("da", dc, b, config, seg_len, out_dtype, twin_out)
+    return _launch("da", dc, b, config, seg_len, out_dtype, twin_out, precision)
 
 
 def det_gemm_db_launch(a: torch.Tensor, dc: torch.Tensor, *, config: GemmConfig | None = None,
-                       seg_len: int | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                       twin_out: torch.Tensor | None = None):
+                       seg_len: int | None = None, out_dtype: torch.dtype | None = None,
+                       twin_out: torch.Tensor | None = None, precision: str | None = None):
     """``a[M,K].T @ dc [M,N]`` -> (``[K,N]``, GemmLaunch); reduces over M."""
-    return _launch("db", a, dc, config, seg_len, out_dtype, twin_out)
+    return _launch("db", a, dc, config, seg_len, out_dtype, twin_out, precision)
 
 
-_BF16 = torch.bfloat16
+# The plain calls: BF16 operands -> BF16 output (one rounding); FP32 operands -> FP32 output, products at
+# ``precision`` ("ieee" when None, "tf32" on request). A precision that is not a str of PRECISIONS is refused when
+# the plan is built (it is part of the plan's key).
+def det_gemm_fwd(a: torch.Tensor, b: torch.Tensor, precision: str | None = None) -> torch.Tensor:
+    """``a [M,K] @ b [K,N] -> [M,N]`` (BF16 or FP32, as the operands), deterministic and batch-invariant."""
+    return _lookup("fwd", a, b, None, None, None, None, precision).launch(a, b, None)
 
 
-def det_gemm_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [M,K] @ b [K,N] -> [M,N]`` in BF16, deterministic and batch-invariant."""
-    return _lookup("fwd", a, b, None, None, _BF16, None).launch(a, b, None)
+def det_gemm_da(dc: torch.Tensor, b: torch.Tensor, precision: str | None = None) -> torch.Tensor:
+    """``dc [M,N] @ b.T -> [M,K]`` (the input gradient), deterministic and batch-invariant."""
+    return _lookup("da", dc, b, None, None, None, None, precision).launch(dc, b, None)
 
 
-def det_gemm_da(dc: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``dc [M,N] @ b.T -> [M,K]`` in BF16 (the input gradient), deterministic and batch-invariant."""
-    return _lookup("da", dc, b, None, None, _BF16, None).launch(dc, b, None)
-
-
-def det_gemm_db(a: torch.Tensor, dc: torch.Tensor) -> torch.Tensor:
-    """``a.T @ dc -> [K,N]`` in BF16 (the weight gradient), deterministic, fixed order over M."""
-    return _lookup("db", a, dc, None, None, _BF16, None).launch(a, dc, None)
+def det_gemm_db(a: torch.Tensor, dc: torch.Tensor, precision: str | None = None) -> torch.Tensor:
+    """``a.T @ dc -> [K,N]`` (the weight gradient), deterministic, fixed order over M."""
+    return _lookup("db", a, dc, None, None, None, None, precision).launch(a, dc, None)
 
 
 LAUNCHERS = {"fwd": det_gemm_fwd_launch, "da": det_gemm_da_launch, "db": det_gemm_db_launch}

@@ -17,6 +17,11 @@ order, then sums the accumulator's columns (one fixed tree for a given ``BLOCK_H
 it sits: batch-invariant and run-to-run deterministic. On the GPU ``BLOCK_R`` is 1 (no row ever
 shares a program, so no layout question about which row slot it lands in); under the interpreter it
 is 16 (numpy sums each row of the tile on its own) to keep CPU runs short.
+
+Rows need not view as one row dim: with ``lead`` the kernel addresses row r through up to three leading (size, stride)
+dims (``lead_dims``), e.g. RMSNorm over a [B, H, S, D] transpose of a [B, S, H, D] projection (Gemma-3's q/k norms).
+Only where each row starts changes; its additions are the same, so its bits equal those of the same row in a
+contiguous tensor.
 """
 
 from __future__ import annotations
@@ -38,14 +43,23 @@ def block_h(h: int) -> int:
 
 
 @triton.jit
-def row_mean_kernel(x_ptr, out_ptr, R, H, stride_xr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                    OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+def row_mean_kernel(x_ptr, out_ptr, R, H, stride_xr, D1, D2, stride_x1, stride_x2, BLOCK_R: tl.constexpr,
+                    BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                    THREE_STRIDES: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     row_mask = rows < R
+    if THREE_STRIDES:
+        # Leading dims [R / (D1 * D2), D1, D2] with strides (stride_xr, stride_x1, stride_x2) that do not view as
+        # one row dim (e.g. a [B, H, S, D] transpose of [B, S, H, D]): row r's address from its three indices. Only
+        # where a row starts moves; its additions are the same.
+        r64 = rows.to(tl.int64)
+        row_offs = (r64 // (D1 * D2)) * stride_xr + ((r64 // D2) % D1) * stride_x1 + (r64 % D2) * stride_x2
+    else:
+        row_offs = rows.to(tl.int64) * stride_xr
     acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
-        offs = rows[:, None].to(tl.int64) * stride_xr + cols[None, :]  # [BLOCK_R, BLOCK_H]
+        offs = row_offs[:, None] + cols[None, :]  # [BLOCK_R, BLOCK_H]
         x = tl.load(x_ptr + offs, mask=row_mask[:, None] & (cols < H)[None, :], other=0.0)
         acc += x.to(tl.float32)
     mean = tl.sum(acc, axis=1) / H  # [BLOCK_R]
@@ -63,16 +77,26 @@ MAX_PLANS = 1024  # launch plans remembered; past it the table starts over
 _PLANS: dict[tuple, object] = {}
 
 
-def row_mean_launcher(rows: int, h: int, stride_r: int, dtype: torch.dtype, device: torch.device, out_shape: tuple[int, ...]):
+def row_mean_launcher(rows: int, h: int, stride_r: int, dtype: torch.dtype, device: torch.device,
+                      out_shape: tuple[int, ...], lead: tuple[tuple[int, int], ...] | None = None):
     """The launch of ``row_mean_kernel`` for one signature: ``launch(x) -> out``, where x's data holds ``rows`` rows
     of ``h`` contiguous elements ``stride_r`` apart (a tensor of any rank: the kernel reads its data pointer) and
-    ``out`` is a new contiguous tensor of ``out_shape`` (``rows`` elements). Checked by the caller."""
+    ``out`` is a new contiguous tensor of ``out_shape`` (``rows`` elements). ``lead``: instead of one row stride, up to
+    three (size, stride) leading dims whose product is ``rows`` (``lead_dims``: dims that do not view as one).
+    Checked by the caller."""
     backend = resolve_backend_of_devices(row_mean_kernel, {"x": device})
     interpreted = backend == TRITON_INTERPRETER
     block_r = 16 if interpreted else 1
     grid = (triton.cdiv(rows, block_r),)
-    values = dict(R=rows, H=h, stride_xr=stride_r, BLOCK_R=block_r, BLOCK_H=block_h(h),
-                  OUT_BF16=dtype == torch.bfloat16, INTERPRETED=interpreted)
+    if lead is None:
+        strides = dict(stride_xr=stride_r, D1=1, D2=1, stride_x1=0, stride_x2=0)
+    else:
+        if not 1 <= len(lead) <= 3 or _prod(size for size, _ in lead) != rows:
+            raise ValueError(f"lead must be 1 to 3 (size, stride) dims of {rows} rows in all; got {lead!r}")
+        (_, s0), (d1, s1), (d2, s2) = ((1, 0),) * (3 - len(lead)) + tuple(lead)
+        strides = dict(stride_xr=s0, D1=d1, D2=d2, stride_x1=s1, stride_x2=s2)
+    values = dict(R=rows, H=h, **strides, BLOCK_R=block_r, BLOCK_H=block_h(h),
+                  OUT_BF16=dtype == torch.bfloat16, INTERPRETED=interpreted, THREE_STRIDES=lead is not None)
     if interpreted:
         def launch(x):
             out = torch.empty(out_shape, dtype=dtype, device=device)
@@ -93,6 +117,28 @@ def row_mean_launcher(rows: int, h: int, stride_r: int, dtype: torch.dtype, devi
         (misaligned if x.data_ptr() & 15 else aligned)(args)
         return out
     return launch
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def lead_dims(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """The leading dims (all but the last) of a tensor as few (size, stride) groups as address its rows in order:
+    size-1 dims dropped, neighbours merged where one stride steps over the other's extent (what ``view`` needs).
+    One group: the rows view as one row dim."""
+    groups: list[list[int]] = []
+    for size, step in zip(shape[:-1], stride[:-1]):
+        if size == 1:
+            continue
+        if groups and groups[-1][1] == size * step:
+            groups[-1] = [groups[-1][0] * size, step]
+        else:
+            groups.append([size, step])
+    return tuple((size, step) for size, step in groups) or ((1, 0),)
 
 
 def _row_mean_plan(x: torch.Tensor):

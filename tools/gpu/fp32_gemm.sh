@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# FP32 det_gemm and the mode's FP32 routes on one H100 or H200, from a checkout root. Steps (each under 9 minutes):
+#
+#   OUT=/path bash tools/gpu/fp32_gemm.sh tests   # the FP32 GPU tests (kernel and mode files, DETKIT_TEST_DEVICE=cuda),
+#                                                 # then the BF16 det_gemm and mode GPU tests (the BF16 bits unchanged)
+#   OUT=/path bash tools/gpu/fp32_gemm.sh bench   # FP32 det_gemm vs torch.matmul at the same precision setting
+#                                                 # ("highest" -> ieee, "high" -> tf32): fwd at K 4096 x N 151936,
+#                                                 # 128256, 4096, M 1-4096, GPU time (CUDA graph) and eager time;
+#                                                 # dA and dB of the lm_heads
+#   OUT=/path bash tools/gpu/fp32_gemm.sh sweep   # candidate FP32 tiles beside the table's pick at the lm_head shapes
+#   OUT=/path bash tools/gpu/fp32_gemm.sh all     # tests, bench, sweep in turn (about 20 minutes)
+#
+# Everything lands under $OUT: versions.txt, steps.txt (exit status per command), <command>.log, and per timing run
+# a folder with rows.jsonl (one row per case) and summary.md (detkit / torch.matmul per row against the 1.2x target).
+# The run goes on after a failed command and exits non-zero if any failed; $OUT.tgz holds what finished.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+STEP=${1:?usage: OUT=DIR bash tools/gpu/fp32_gemm.sh tests|bench|sweep|all}
+: "${OUT:?set OUT to the results folder}"
+
+# shellcheck source=tools/gpu_steps.sh
+source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, steps.txt, failed=1 on failure
+
+begin_run  # PYTHONPATH and the run's environment, $OUT, steps.txt, versions.txt
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/results/triton-cache}
+LM_HEADS=(4096,151936 4096,128256)
+M_ALL=(1 16 64 128 256 1024 4096)
+
+step_tests() {
+  step pytest-fp32 "${FP32_TESTS_LIMIT:-300}" env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra \
+    tests/test_det_gemm_fp32.py tests/test_mode_fp32.py
+  step pytest-bf16 "${BF16_TESTS_LIMIT:-240}" env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra \
+    tests/test_det_gemm.py tests/test_mode.py
+}
+
+step_bench() {
+  step bench-fwd "${BENCH_FWD_LIMIT:-320}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/bench-fwd" \
+    --ops fwd --kn "${LM_HEADS[@]}" 4096,4096 --m "${M_ALL[@]}" --precision ieee tf32
+  step bench-bwd "${BENCH_BWD_LIMIT:-240}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/bench-bwd" \
+    --ops da db --kn "${LM_HEADS[@]}" --m 1 128 1024 4096 --precision ieee tf32
+}
+
+step_sweep() {
+  # Small M (the weight stream) and large M (FMA-bound "ieee", tensor-core "tf32") candidates; the table's own among them.
+  step sweep-small "${SWEEP_SMALL_LIMIT:-200}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/sweep-small" \
+    --ops fwd --kn "${LM_HEADS[@]}" --m 1 16 64 --precision ieee tf32 --rounds 2 \
+    --config 16,32,32,1,4,4 16,64,32,1,4,4 16,128,32,1,4,3 32,64,32,8,4,4 16,64,64,1,4,3 16,64,32,1,4,4,tma
+  step sweep-large "${SWEEP_LARGE_LIMIT:-300}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/sweep-large" \
+    --ops fwd --kn "${LM_HEADS[@]}" 4096,4096 --m 256 1024 4096 --precision ieee tf32 --rounds 2 \
+    --config 128,128,32,8,8,3 128,128,16,8,8,4 64,128,32,8,8,3 128,64,32,8,4,3 128,128,32,8,8,3,tma \
+    128,256,32,8,8,3,tma
+}
+
+case "$STEP" in
+  tests) step_tests ;;
+  bench) step_bench ;;
+  sweep) step_sweep ;;
+  all) step_tests; step_bench; step_sweep ;;
+  *) echo "unknown step $STEP; steps: tests bench sweep all" >&2; exit 2 ;;
+esac
+echo "== $(date -u +%H:%M:%S) finished (failed=$failed)"
+exit "$failed"
