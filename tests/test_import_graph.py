@@ -1,7 +1,8 @@
 """The project's import graph, built statically: kernels/ imports nothing of the harness (toolkit/, audits/, bench/,
-tools/), no module imports a bare top-level ``kernels``/``toolkit``/``audits``/``bench`` name (installed, they
-exist only as ``detkit.<part>``), and no import cycle exists anywhere. Imports inside functions count: a cycle
-hidden by a lazy import is still a cycle of concepts, and a lazy import still runs.
+tools/), bench/ imports nothing of audits/ (what both need lives in toolkit/ or kernels/), no module imports a bare
+top-level ``kernels``/``toolkit``/``audits``/``bench`` name (installed, they exist only as ``detkit.<part>``), and no
+import cycle exists anywhere. Imports inside functions count: a cycle hidden by a lazy import is still a cycle of
+concepts, and a lazy import still runs.
 
 The graph is read with ``ast`` (no module is imported): every ``import`` / ``from ... import`` statement in every
 .py file of kernels/, toolkit/, audits/, bench/, detkit/ and tools/ (when present), plus
@@ -24,6 +25,7 @@ PARTS = {"kernels": "detkit.kernels", "toolkit": "detkit.toolkit", "audits": "de
 BARE_NAMES = ("kernels", "toolkit", "audits", "bench")
 KERNELS = "detkit.kernels"
 HARNESS = ("detkit.toolkit", "detkit.audits", "detkit.bench", "tools")
+BENCH, AUDITS = "detkit.bench", "detkit.audits"
 
 
 def _within(module: str, package: str) -> bool:
@@ -87,6 +89,13 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
     """Edges from kernels/ into the harness (toolkit, audits, bench, tools)."""
     return sorted(f"{src} -> {dst}" for src, dsts in graph.items() if _within(src, KERNELS)
                   for dst in dsts if any(_within(dst, h) for h in HARNESS))
+
+
+def bench_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Edges from bench/ into audits/: a benchmark times, an audit checks; what both need (fixtures, comparators, the
+    model they build) lives in toolkit/ or with the kernels."""
+    return sorted(f"{src} -> {dst}" for src, dsts in graph.items() if _within(src, BENCH)
+                  for dst in dsts if _within(dst, AUDITS))
 
 
 def cycles(graph: dict[str, set[str]]) -> list[tuple[list[str], list[str]]]:
@@ -155,6 +164,7 @@ def _cycle_in(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
 def problems(graph: dict[str, set[str]], bare: list[str]) -> list[str]:
     """Every rule the graph breaks, one line each."""
     return ([f"kernel imports the harness: {edge}" for edge in layer_violations(graph)]
+            + [f"bench imports an audit: {edge}" for edge in bench_violations(graph)]
             + [f"bare top-level import: {b}" for b in bare]
             + [f"import cycle: {' -> '.join(path)}" + (f" (modules of the cycle: {', '.join(comp)})"
                                                         if len(comp) + 1 > len(path) else "")
@@ -185,6 +195,12 @@ def test_kernels_never_import_the_harness(project):
     assert not found, "\n".join(found)
 
 
+def test_benches_never_import_the_audits(project):
+    graph, _ = project
+    found = [p for p in problems(graph, []) if p.startswith("bench imports")]
+    assert not found, "\n".join(found)
+
+
 def test_no_bare_top_level_part_names(project):
     _, bare = project
     assert not bare, "\n".join(bare)
@@ -197,21 +213,23 @@ def test_no_import_cycles(project):
 
 
 # --------------------------------------------------------------------------------------------- the checker itself
-def test_the_checker_reports_a_cycle_and_a_kernel_to_harness_edge():
+def test_the_checker_reports_a_cycle_a_kernel_to_harness_edge_and_a_bench_to_audit_edge():
     graph = {
         "detkit.kernels.a": {"detkit.kernels.b", "detkit.toolkit.harness"},
         "detkit.kernels.b": {"detkit.kernels.c"},
         "detkit.kernels.c": {"detkit.kernels.a"},
         "detkit.toolkit.harness": {"detkit.kernels.b"},
-        "detkit.audits.x": {"detkit.kernels.a"},  # harness -> kernels is the allowed direction
+        "detkit.audits.x": {"detkit.kernels.a", "detkit.toolkit.harness"},  # harness -> kernels is allowed
+        "detkit.bench.y": {"detkit.audits.x", "detkit.toolkit.harness", "detkit.kernels.a"},
     }
     found = problems(graph, [])
     assert "kernel imports the harness: detkit.kernels.a -> detkit.toolkit.harness" in found
+    assert "bench imports an audit: detkit.bench.y -> detkit.audits.x" in found
     # a, b, c and the harness (which imports b) form one strongly connected component; its shortest cycle through
     # its first module:
     assert ("import cycle: detkit.kernels.a -> detkit.kernels.b -> detkit.kernels.c -> detkit.kernels.a (modules of "
             "the cycle: detkit.kernels.a, detkit.kernels.b, detkit.kernels.c, detkit.toolkit.harness)") in found
-    assert len(found) == 2, found
+    assert len(found) == 3, found
     assert problems({"detkit.kernels.a": {"detkit.kernels.b"}, "detkit.kernels.b": set()}, []) == []
 
 
