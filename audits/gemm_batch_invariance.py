@@ -7,10 +7,11 @@ from collections.abc import Iterator
 
 import torch
 
-from detkit.audits.gemm_common import GemmCase, launch, operands
+from detkit.audits.gemm_common import launch
 from detkit.kernels.backend import resolve_backend
 from detkit.kernels.det_gemm.launch import all_configs, det_gemm_kernel
 from detkit.toolkit.contract import compare_bits
+from detkit.toolkit.fixtures import GemmCase, operands
 from detkit.toolkit.harness import Row, RunContext
 from detkit.toolkit.nvtx_ranges import nvtx_range
 from detkit.toolkit.presets import GEMM_PRESETS

@@ -7,9 +7,10 @@ from collections.abc import Iterator
 
 import torch
 
-from detkit.audits.gemm_common import GemmCase, launch, operands
+from detkit.audits.gemm_common import launch
 from detkit.kernels.det_gemm.launch import REFERENCES
 from detkit.toolkit.contract import bf16_ordinal, check_bound, drift_stats, gemm_bound
+from detkit.toolkit.fixtures import GemmCase, operands
 from detkit.toolkit.harness import Row, RunContext
 from detkit.toolkit.nvtx_ranges import nvtx_range
 from detkit.toolkit.presets import GEMM_PRESETS

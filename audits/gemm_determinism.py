@@ -12,8 +12,9 @@ from dataclasses import asdict
 
 import torch
 
-from detkit.audits.gemm_common import GemmCase, launch, operands
+from detkit.audits.gemm_common import launch
 from detkit.toolkit.contract import compare_bits, digest
+from detkit.toolkit.fixtures import GemmCase, operands
 from detkit.toolkit.harness import Row, RunContext
 from detkit.toolkit.nvtx_ranges import nvtx_range
 from detkit.toolkit.presets import GEMM_PRESETS

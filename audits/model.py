@@ -1,15 +1,15 @@
 """Model audit: a transformers causal LM's log-probabilities in default mode and in
-``detkit.batch_invariant_mode()`` -- what an RL pipeline needs to be bitwise equal.
+``detkit.batch_invariant_mode()`` -- what an RL pipeline needs to be bitwise equal. Correctness only: the model's
+speed in both modes is ``detkit bench model`` (bench/model.py).
 
-The model: transformers' Qwen3 built from a config with random weights in BF16 -- on cuda the Qwen3-8B widths
-with 2 layers, on cpu a tiny config for the Triton interpreter -- or the model named by ``DETKIT_MODEL_CONFIG``:
-a preset name (``MODEL_PRESETS``: the dense Qwen3 8B widths and tiny config, and the Qwen3-MoE ones, Qwen3-30B-A3B
-widths with 2 layers and a tiny MoE config), a JSON config file, or a checkpoint directory read with
-local_files_only (nothing is ever downloaded). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the default, or ``fp8``) is
-the mode's ``moe_experts``: the precision of detkit's layer under a MoE model's experts; with FP8 experts
-``DETKIT_MODEL_FP8_GRAPH_WEIGHTS`` (``quantize``, the default, or ``static``) is the mode's ``fp8_graph_weights``, how
-the speed check's captured decode step gets the quantized weights. Checks, each run in both
-modes (detkit mode's rows pass or fail; default mode's rows are the drift table, informational):
+The model (toolkit/models.py): transformers' Qwen3 built from a config with random weights in BF16 -- on cuda the
+Qwen3-8B widths with 2 layers, on cpu a tiny config for the Triton interpreter -- or the model named by
+``DETKIT_MODEL_CONFIG``: a preset name (``MODEL_PRESETS``: the dense Qwen3 8B widths and tiny config, and the
+Qwen3-MoE ones, Qwen3-30B-A3B widths with 2 layers and a tiny MoE config), a JSON config file, or a checkpoint
+directory read with local_files_only (nothing is ever downloaded). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the
+default, or ``fp8``) is the mode's ``moe_experts``: the precision of detkit's layer under a MoE model's experts.
+Checks, each run in both modes (detkit mode's rows pass or fail; default mode's rows are the drift table,
+informational):
 
 - ``batch_invariance``: a sequence's log-probs alone vs in batches of several sizes at several positions;
 - ``padding``: the same with right and left padding (attention masks; left padding with position ids);
@@ -25,21 +25,14 @@ modes (detkit mode's rows pass or fail; default mode's rows are the drift table,
   on torch, or a MoE block on the other precision's layer, fails the row);
 - ``moe_precision`` (a MoE model with FP8 experts): the first MoE block's output and gradients (x, router,
   gate_up_proj, down_proj) in detkit mode with FP8 experts against detkit mode with BF16 experts, the same
-  tokens and routing: the FP8 layer's precision gate (cosine and relative RMSE, audits/moe_fp8.py);
-- ``speed`` (cuda only): prefill, decode step (eager and CUDA graph) and forward+backward, detkit / default; for
-  a MoE model also one MoE block alone (prefill, decode and forward+backward token counts) on detkit's layer vs
-  transformers' own block (the experts implementation the model was built with, e.g. ``grouped_mm``).
+  tokens and routing: the FP8 layer's precision gate (cosine and relative RMSE, toolkit/moe_gate.py).
 Log-probs are compared as FP32 bits (``toolkit.contract.compare_bits``). Besides the rows, ``model.md`` and
-``model.json`` in the output folder hold the drift table, the counters and the speed ratios.
+``model.json`` in the output folder hold the drift table, the counters and the FP8 precision.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import json
-import os
-import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,50 +42,15 @@ import torch.nn.functional as F
 
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.harness import Row, RunContext, atomic_write_text
+from detkit.toolkit.models import (
+    BLOCK_TENSORS, MODES, build_model, cache_kwarg, fp8_graph_weights_choice, is_moe, mode_context, moe_block_grads,
+    moe_blocks, moe_experts_choice, moe_meta, routing_check,
+)
 
 NAME = "model"
 DESCRIPTION = ("transformers model log-probs, default vs detkit mode: batch invariance, padding, trainer vs rollout, "
-               "KV-cache decode vs trainer, backward repeat, drift, routed ops, FP8 experts' precision, speed")
-CONFIG_ENV = "DETKIT_MODEL_CONFIG"
-EXPERTS_ENV = "DETKIT_MODEL_MOE_EXPERTS"  # the mode's moe_experts for the audit: bf16 (default) or fp8
-GRAPH_WEIGHTS_ENV = "DETKIT_MODEL_FP8_GRAPH_WEIGHTS"  # the mode's fp8_graph_weights: quantize (default) or static
-MODES = ("default", "detkit")
-GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
-MOE_OPS = ("moe experts (transformers)", "moe router (transformers)")
+               "KV-cache decode vs trainer, backward repeat, drift, routed ops, FP8 experts' precision")
 ATTENTION_OPS = ("sdpa", "attention (transformers)")
-
-# Qwen3-8B's widths (hidden 4096, intermediate 12288, 32 query / 8 KV heads of 128, vocab 151936), 2 layers.
-QWEN3_8B_WIDTHS = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                       head_dim=128, vocab_size=151936, num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=1e6,
-                       max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu",
-                       attention_bias=False)
-# The CPU config (Triton interpreter): the same structure, tiny; head_dim 64 is one the attention kernel supports.
-QWEN3_TINY = dict(QWEN3_8B_WIDTHS, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, vocab_size=256, max_position_embeddings=512)
-# Qwen3-30B-A3B's widths (hidden 2048, 128 experts of moe_intermediate 768, top-8 normalised, 32 query / 4 KV heads
-# of 128, vocab 151936), 2 layers, every layer a sparse MoE block.
-QWEN3_MOE_30B_A3B_WIDTHS = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                                num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                                num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
-                                num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
-                                tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
-                                router_aux_loss_coef=0.001)
-# The CPU MoE config (Triton interpreter): 8 experts, top-2, 2 layers.
-QWEN3_MOE_TINY = dict(QWEN3_MOE_30B_A3B_WIDTHS, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                      num_experts=8, num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                      vocab_size=256, max_position_embeddings=512)
-# The CPU MoE config for FP8 experts (H and I multiples of 128): hidden 128, 4 experts of 128, top-2, 1 layer.
-QWEN3_MOE_TINY_128 = dict(QWEN3_MOE_TINY, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-                          num_experts=4, num_experts_per_tok=2, num_hidden_layers=1)
-# DETKIT_MODEL_CONFIG=<name>: (model_type, config fields, description).
-MODEL_PRESETS = {
-    "qwen3-8b": ("qwen3", QWEN3_8B_WIDTHS, "Qwen3 8B widths"),
-    "qwen3-tiny": ("qwen3", QWEN3_TINY, "Qwen3 tiny"),
-    "qwen3-moe-30b-a3b": ("qwen3_moe", QWEN3_MOE_30B_A3B_WIDTHS, "Qwen3-MoE 30B-A3B widths"),
-    "qwen3-moe-tiny": ("qwen3_moe", QWEN3_MOE_TINY, "Qwen3-MoE tiny"),
-    "qwen3-moe-tiny-128": ("qwen3_moe", QWEN3_MOE_TINY_128, "Qwen3-MoE tiny, H = I = 128 (FP8-capable)"),
-}
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -106,18 +64,13 @@ class Plan:
     prompt_len: int
     gen_len: int
     decode_batch: int
-    timing: bool
-    prefill: tuple[int, int] = (4, 512)  # (batch, tokens) timed
-    decode: tuple[int, int] = (8, 1024)  # (batch, cache length) timed
-    train: tuple[int, int] = (4, 512)  # (batch, tokens) of the timed forward+backward
-    timing_reps: int = 10
     precision_tokens: int = 2048  # tokens through one MoE block for the FP8-vs-BF16 precision check
 
 
 CPU_PLAN = Plan(seq_len=10, batch_sizes=(2, 5), pad=3, train_batch=4, micro_batch=2, prompt_len=5, gen_len=4,
-                decode_batch=3, timing=False, precision_tokens=64)
+                decode_batch=3, precision_tokens=64)
 CUDA_PLAN = Plan(seq_len=256, batch_sizes=(4, 16), pad=37, train_batch=8, micro_batch=2, prompt_len=64, gen_len=24,
-                 decode_batch=8, timing=True)
+                 decode_batch=8)
 NOT_COVERED = (
     "attention kernels other than detkit.kernels.attention (torch SDPA backends, split-KV decode kernels) and "
     "transformers' eager attention (its softmax spans the key count)",
@@ -131,106 +84,11 @@ NOT_COVERED = (
     "span tokens; run to run they repeat)",
     "the first-divergence hooks compare module outputs; differences in ops between modules show as the next module",
 )
-# Speed targets (detkit time / default time).
-TARGETS = {"prefill": 1.05, "decode_eager": 1.15, "decode_cuda_graph": 1.05, "forward_backward": 1.05}
 
 
 # ---------------------------------------------------------------------------------------------
-# The model
+# Log-probs
 # ---------------------------------------------------------------------------------------------
-def model_source(device: torch.device) -> tuple[object, Path | None, str]:
-    """(config, checkpoint dir with weights or None, description) from DETKIT_MODEL_CONFIG or the default."""
-    from transformers import AutoConfig
-
-    spec = os.environ.get(CONFIG_ENV) or ("qwen3-8b" if device.type == "cuda" else "qwen3-tiny")
-    if spec in MODEL_PRESETS:
-        model_type, fields, description = MODEL_PRESETS[spec]
-        return AutoConfig.for_model(model_type, **fields), None, f"{description} ({spec}), random init"
-    path = Path(spec)
-    if path.is_dir():
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
-        return config, path if weights else None, f"{path} ({'weights' if weights else 'config only, random init'})"
-    if path.is_file():
-        fields = json.loads(path.read_text())
-        model_type = fields.pop("model_type", "qwen3")
-        return AutoConfig.for_model(model_type, **fields), None, f"{path} (random init)"
-    raise ValueError(f"{CONFIG_ENV}={spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}), a JSON config file "
-                     "nor a checkpoint directory")
-
-
-def build_model(device: torch.device, seed: int):
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError as exc:
-        raise RuntimeError("the model audit needs transformers: pip install 'detkit[models]'") from exc
-
-    config, weights, description = model_source(device)
-    torch.manual_seed(seed)
-    if weights is not None:
-        model = AutoModelForCausalLM.from_pretrained(weights, local_files_only=True, dtype=torch.bfloat16,
-                                                     attn_implementation="sdpa").to(device)
-    else:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    return model.eval(), description
-
-
-def moe_blocks(model) -> list:
-    """The model's transformers Qwen3-MoE sparse MoE blocks (empty for a dense model)."""
-    return [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
-
-
-def is_moe(model) -> bool:
-    return bool(getattr(model.config, "num_experts", 0)) and bool(moe_blocks(model))
-
-
-def moe_meta(model) -> dict | None:
-    if not is_moe(model):
-        return None
-    c = model.config
-    return {"experts": c.num_experts, "top_k": c.num_experts_per_tok, "moe_intermediate": c.moe_intermediate_size,
-            "norm_topk_prob": c.norm_topk_prob, "moe_blocks": len(moe_blocks(model)),
-            "transformers_experts_implementation": getattr(c, "_experts_implementation", None)}
-
-
-def _cache_kwarg(model) -> str:
-    """transformers renamed ``past_key_values`` to ``cache`` (5.2x); take the name this version's model declares."""
-    params = inspect.signature(model.model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _env_choice(env: str, supported: tuple[str, ...]) -> str:
-    """The value of ``env`` (default: the first of ``supported``); refused by name before any work when it is not
-    one the mode supports."""
-    value = os.environ.get(env) or supported[0]
-    if value not in supported:
-        raise ValueError(f"{env}={value!r} is not supported; supported: {', '.join(supported)}")
-    return value
-
-
-def moe_experts_choice() -> str:
-    """The mode's moe_experts for the audit, from DETKIT_MODEL_MOE_EXPERTS (default "bf16")."""
-    from detkit.mode.state import MOE_EXPERTS
-
-    return _env_choice(EXPERTS_ENV, MOE_EXPERTS)
-
-
-def fp8_graph_weights_choice() -> str:
-    """The mode's fp8_graph_weights for the audit, from DETKIT_MODEL_FP8_GRAPH_WEIGHTS (default "quantize")."""
-    from detkit.mode.state import FP8_GRAPH_WEIGHTS
-
-    return _env_choice(GRAPH_WEIGHTS_ENV, FP8_GRAPH_WEIGHTS)
-
-
-def mode_context(mode: str, moe_experts: str | None = None, fp8_graph_weights: str | None = None):
-    if mode == "detkit":
-        from detkit.mode.switch import batch_invariant_mode
-
-        return batch_invariant_mode(moe_experts=moe_experts, fp8_graph_weights=fp8_graph_weights)
-    return contextlib.nullcontext()
-
-
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """[B, S-1] FP32 log-probability of token t+1 under the logits at t."""
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
@@ -372,7 +230,7 @@ class Audit:
         self.seqs = torch.randint(3, self.vocab, (max(max(plan.batch_sizes), plan.train_batch) + 1, plan.seq_len),
                                   generator=gen).to(device)
         self.prompts = torch.randint(3, self.vocab, (plan.decode_batch, plan.prompt_len), generator=gen).to(device)
-        self.cache_kwarg = _cache_kwarg(model)
+        self.cache_kwarg = cache_kwarg(model)
 
     def lp(self, ids, mask=None, position_ids=None, grad=False):
         return token_logprobs(forward_logits(self.model, ids, mask, position_ids, grad), ids)
@@ -518,177 +376,15 @@ class Audit:
 
 
 # ---------------------------------------------------------------------------------------------
-# Speed (cuda)
-# ---------------------------------------------------------------------------------------------
-def _median_ms(fn: Callable[[], None], reps: int, before: Callable[[], None] | None = None) -> float:
-    times = []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def speed(audit: Audit) -> dict[str, dict[str, float | str]]:
-    """Median ms per case and mode (interleaved: default then detkit, twice), and the ratio detkit / default."""
-    from transformers import DynamicCache
-
-    model, plan, device = audit.model, audit.plan, audit.device
-    gen = torch.Generator().manual_seed(7)
-    vocab = audit.vocab
-
-    def ids(batch, tokens):
-        return torch.randint(3, vocab, (batch, tokens), generator=gen).to(device)
-
-    prefill_ids, train_ids = ids(*plan.prefill), ids(*plan.train)
-    decode_batch, cache_len = plan.decode
-    decode_prompt, decode_tok = ids(decode_batch, cache_len), ids(decode_batch, 1)
-
-    def prefill():
-        with torch.inference_mode():
-            model(input_ids=prefill_ids, use_cache=False)
-
-    def fwd_bwd():
-        model.zero_grad(set_to_none=True)
-        logits = model(input_ids=train_ids, use_cache=False).logits
-        F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), train_ids[:, 1:].reshape(-1)).backward()
-
-    def decode_cases():
-        cache = DynamicCache(config=model.config)
-        kw = {audit.cache_kwarg: cache, "use_cache": True}
-        with torch.inference_mode():
-            model(input_ids=decode_prompt, **kw)
-            step = lambda: model(input_ids=decode_tok, **kw)  # noqa: E731 (one decode step; the cache grows by one)
-            eager = _median_ms(step, plan.timing_reps)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    step()
-            except Exception as exc:  # noqa: BLE001 (reported in the row, not hidden)
-                return eager, f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            return eager, _median_ms(graph.replay, plan.timing_reps)
-
-    results: dict[str, dict[str, list[float]]] = {}
-    errors: dict[str, str] = {}
-    for _ in range(2):
-        for mode in MODES:
-            with mode_context(mode, audit.moe_experts, audit.fp8_graph_weights):
-                timings = {"prefill": _median_ms(prefill, plan.timing_reps)}
-                eager, graph = decode_cases()
-                timings["decode_eager"] = eager
-                if isinstance(graph, str):
-                    errors[f"decode_cuda_graph {mode}"] = graph
-                else:
-                    timings["decode_cuda_graph"] = graph
-                timings["forward_backward"] = _median_ms(fwd_bwd, max(3, plan.timing_reps // 2))
-                model.zero_grad(set_to_none=True)
-            for case, ms in timings.items():
-                results.setdefault(case, {}).setdefault(mode, []).append(ms)
-    table = {}
-    for case, by_mode in results.items():
-        ms = {mode: min(v) for mode, v in by_mode.items()}
-        ratio = ms["detkit"] / ms["default"] if len(ms) == 2 else float("nan")
-        table[case] = {"default_ms": ms.get("default", float("nan")), "detkit_ms": ms.get("detkit", float("nan")),
-                       "ratio": ratio, "target": TARGETS[case], "meets_target": ratio <= TARGETS[case]}
-    for case, error in errors.items():
-        table.setdefault(case.split()[0], {})["error"] = error
-    table["_shapes"] = {"prefill": plan.prefill, "decode (batch, cache length)": plan.decode, "train": plan.train}
-    return table
-
-
-def moe_block_speed(audit: Audit) -> dict[str, dict[str, float | str]]:
-    """One MoE block alone (the first), median ms per case and mode, interleaved: detkit's layer vs transformers'
-    own block (the experts implementation the model was built with), at the token counts of the model's cases."""
-    block = moe_blocks(audit.model)[0]
-    plan, device = audit.plan, audit.device
-    hidden = audit.model.config.hidden_size
-    gen = torch.Generator().manual_seed(11)
-
-    def x_of(tokens):
-        return torch.randn(1, tokens, hidden, generator=gen).to(device=device, dtype=torch.bfloat16)
-
-    cases = {"moe_block_prefill": (x_of(plan.prefill[0] * plan.prefill[1]), False),
-             "moe_block_decode": (x_of(plan.decode[0]), False),
-             "moe_block_forward_backward": (x_of(plan.train[0] * plan.train[1]), True)}
-
-    def run(x, grad):
-        if not grad:
-            with torch.inference_mode():
-                block(x)
-            return
-        xg = x.detach().requires_grad_(True)
-        block(xg).backward(x)
-        block.zero_grad(set_to_none=True)
-
-    results: dict[str, dict[str, list[float]]] = {}
-    for _ in range(2):
-        for mode in MODES:
-            with mode_context(mode, audit.moe_experts, audit.fp8_graph_weights):
-                for case, (x, grad) in cases.items():
-                    run(x, grad)  # warm-up (compilation, allocator)
-                    ms = _median_ms(lambda: run(x, grad), plan.timing_reps)  # noqa: B023 (called at once)
-                    results.setdefault(case, {}).setdefault(mode, []).append(ms)
-    baseline = f"transformers' block ({getattr(audit.model.config, '_experts_implementation', None)})"
-    table = {}
-    for case, by_mode in results.items():
-        ms = {mode: min(v) for mode, v in by_mode.items()}
-        table[case] = {"default_ms": ms["default"], "detkit_ms": ms["detkit"], "ratio": ms["detkit"] / ms["default"],
-                       "target": None, "meets_target": None, "baseline": baseline,
-                       "detkit_experts": audit.moe_experts, "tokens": int(cases[case][0].shape[1])}
-    return table
-
-
-# ---------------------------------------------------------------------------------------------
 # FP8 experts: precision against BF16 experts
 # ---------------------------------------------------------------------------------------------
-BLOCK_TENSORS = ("out", "dx", "d_router", "d_gate_up_proj", "d_down_proj")
-
-
-def block_grads(block, x: torch.Tensor, dout: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """One forward and backward of a transformers MoE block ``x`` [B, T, H] in whatever mode is entered: its output
-    and the gradients of x, the router weight, gate_up_proj and down_proj as ``.backward()`` leaves them in ``.grad``
-    (``BLOCK_TENSORS``; the block's ``.grad`` are cleared before and after), and the ids its router chose."""
-    chosen = []
-    handle = block.gate.register_forward_hook(lambda m, args, out: chosen.append(out[2]))
-    block.zero_grad(set_to_none=True)
-    xg = x.detach().requires_grad_(True)
-    try:
-        with torch.enable_grad():
-            out = block(xg)
-            out.backward(dout)
-    finally:
-        handle.remove()
-    grads = (xg.grad, block.gate.weight.grad, block.experts.gate_up_proj.grad, block.experts.down_proj.grad)
-    block.zero_grad(set_to_none=True)
-    return dict(zip(BLOCK_TENSORS, (out.detach(), *grads))), chosen[0]
-
-
-def moe_block_grads(block, x: torch.Tensor, dout: torch.Tensor, moe_experts: str) -> tuple[dict, torch.Tensor]:
-    """``block_grads`` in strict detkit mode with ``moe_experts``."""
-    from detkit.mode.switch import batch_invariant_mode
-
-    with batch_invariant_mode(strict=True, moe_experts=moe_experts):
-        return block_grads(block, x, dout)
-
-
 def moe_precision(audit: Audit) -> dict:
     """The first MoE block, the same tokens and output gradient in detkit mode with FP8 and with BF16 experts
     (the router is the same in both, so is the routing): per tensor, cosine and relative RMSE of FP8 against BF16,
     and whether they pass the FP8 layer's precision gate. A block the FP8 layer refuses is an error entry."""
-    from detkit.audits.moe import cosine
-    from detkit.audits.moe_fp8 import GATE_MAX_REL_RMSE, GATE_MIN_COSINE
     from detkit.mode.state import ModeNotRoutedError
-    from detkit.toolkit.contract import rel_l2
+    from detkit.toolkit.contract import cosine, rel_l2
+    from detkit.toolkit.moe_gate import GATE_MAX_REL_RMSE, GATE_MIN_COSINE
 
     block = moe_blocks(audit.model)[0]
     gen = torch.Generator().manual_seed(audit.seed + 17)
@@ -726,8 +422,6 @@ def _attention_kernel_present() -> bool:
 def run(ctx: RunContext) -> Iterator[Row]:
     from detkit.mode.switch import mode_counters
 
-    from detkit.mode.moe import EXPERTS_KERNELS
-
     plan = CPU_PLAN if ctx.device.type == "cpu" else CUDA_PLAN
     experts = moe_experts_choice()  # refused here, before the model is built
     graph_weights = fp8_graph_weights_choice()
@@ -762,18 +456,9 @@ def run(ctx: RunContext) -> Iterator[Row]:
         if mode == "detkit":
             detkit_counters = mode_counters() - start
     counters = detkit_counters.as_dict()
-    gemm_misses = {k: n for k, n in counters["not_routed"].items() if k.split(":", 1)[0] in GEMM_OPS}
-    moe_misses = {k: n for k, n in counters["not_routed"].items() if k.split(":", 1)[0] in MOE_OPS}
-    details = {**counters, "gemm_not_routed": gemm_misses}
-    passed = not gemm_misses
+    passed, routing = routing_check(counters, meta["moe"] is not None, experts)
+    details = {**counters, **routing}
     precision = None
-    if meta["moe"] is not None:  # every MoE block on detkit's layer of the chosen precision, at least one call seen
-        moe_routed = sum(n for k, n in counters["routed"].items() if k.startswith(MOE_OPS[0] + " -> "))
-        other_kernels = {f"{MOE_OPS[0]} -> {kernel}" for e, kernel in EXPERTS_KERNELS.items() if e != experts}
-        other = {k: n for k, n in counters["routed"].items() if k in other_kernels}
-        details.update(moe_not_routed=moe_misses, moe_experts_routed=moe_routed, moe_experts=experts,
-                       moe_other_precision=other)
-        passed = passed and not moe_misses and moe_routed > 0 and not other
     yield _row(ctx, "counters", "detkit mode: ops on detkit kernels and on torch", passed, details)
     if meta["moe"] is not None and experts == "fp8":
         precision = moe_precision(audit)
@@ -783,20 +468,11 @@ def run(ctx: RunContext) -> Iterator[Row]:
             yield _row(ctx, "moe_precision", f"moe_precision {name} first MoE block, {precision['tokens']} tokens: "
                        "FP8 vs BF16 experts", st["passed"],
                        {**{k: v for k, v in precision.items() if k != "tensors"}, **st})
-    timing = None
-    if plan.timing and ctx.device.type == "cuda":
-        timing = speed(audit)
-        if meta["moe"] is not None:
-            timing.update(moe_block_speed(audit))
-        for case, entry in timing.items():
-            if not case.startswith("_"):
-                yield _row(ctx, "speed", f"speed {case} detkit / default", True,
-                           {"informational": "time ratio; target in 'target'", **entry})
     if ctx.out_dir is not None:
-        write_model_report(Path(ctx.out_dir), meta, drift, counters, timing, precision)
+        write_model_report(Path(ctx.out_dir), meta, drift, counters, precision)
 
 
-def write_model_report(out_dir: Path, meta: dict, drift: list[dict], counters: dict, timing: dict | None,
+def write_model_report(out_dir: Path, meta: dict, drift: list[dict], counters: dict,
                        precision: dict | None = None) -> None:
     from tabulate import tabulate
 
@@ -822,12 +498,7 @@ def write_model_report(out_dir: Path, meta: dict, drift: list[dict], counters: d
                       tabulate([{"tensor": n, **st} for n, st in precision["tensors"].items()], headers="keys",
                                tablefmt="github", floatfmt=".4g")]
     lines += ["", "## Not covered", ""] + [f"- {item}" for item in NOT_COVERED]
-    if timing:
-        rows = [{"case": c, **{k: v for k, v in e.items()}} for c, e in timing.items() if not c.startswith("_")]
-        lines += ["", "## Speed (median ms, detkit / default)", "", tabulate(rows, headers="keys", tablefmt="github",
-                                                                              floatfmt=".3g"),
-                  "", f"shapes: {timing['_shapes']}"]
     atomic_write_text(out_dir / "model.md", "\n".join(lines) + "\n")
     atomic_write_text(out_dir / "model.json", json.dumps({"meta": meta, "drift": drift, "counters": counters,
-                                                           "speed": timing, "moe_precision": precision},
+                                                           "moe_precision": precision},
                                                           indent=2, default=str) + "\n")

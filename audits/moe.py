@@ -41,10 +41,11 @@ from detkit.kernels.moe.layer import (
 )
 from detkit.kernels.moe.routing import MoeRouting, SEGMENT_ALIGN, sync_checks
 from detkit.toolkit.contract import (
-    ETA_BF16, U_BF16, U_FP64, ContractResult, check_bound, compare_bits, digest, gamma, gemm_bound, rel_l2,
+    ETA_BF16, U_BF16, U_FP64, ContractResult, check_bound, compare_bits, cosine, digest, gamma, gemm_bound, rel_l2,
 )
 from detkit.toolkit.fixtures import bf16_randn
 from detkit.toolkit.harness import Row, RunContext
+from detkit.toolkit.moe_gate import GRAD_NAMES
 from detkit.toolkit.nvtx_ranges import nvtx_range
 
 NAME = "moe"
@@ -61,7 +62,6 @@ E2E_REL_L2_GATE = 2.0**-6
 # FP64 at most GOLD_SLACK times the gold's own (+ a floor of 2**-12 for near-exact tensors).
 GOLD_MIN_COSINE = 0.9995
 GOLD_SLACK = 1.25
-GRAD_NAMES = ("out", "dx", "dw1", "dw2", "dscores")
 FRESH_PROCESS_TIMEOUT_S = 1800
 
 
@@ -349,14 +349,6 @@ def stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractResult
     zero = padding_zero({"gu": saved.gu, "h": saved.h, "y": y, "dgu": dgu, "dx_route": dxr}, pad)
     composed = compare_bits(grads.dx, moe_gather_sum(dxr, r, backend))
     return results, {"padding_zero": zero, "composed_dx_equal": composed.equal}
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.to(torch.float64).flatten(), b.to(device=a.device, dtype=torch.float64).flatten()
-    na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
-    if na == 0 or nb == 0:
-        return 1.0 if na == nb else 0.0
-    return float(a @ b) / (na * nb)
 
 
 def precision_stats(got: dict, inp: dict) -> dict[str, dict[str, float]]:

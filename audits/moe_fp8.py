@@ -35,7 +35,7 @@ from functools import partial
 import torch
 
 from detkit.audits.moe import (
-    GRAD_NAMES, MoeCase, batch_invariance_rows, bits_row, combine_checks, cosine, dswiglu_check, edge_cases,
+    MoeCase, batch_invariance_rows, bits_row, combine_checks, dswiglu_check, edge_cases,
     fresh_process_row, fused_dscore_check, grad_digests, layer_grads, make_inputs, padding_zero, per_expert,
     rejection_cases, rejection_rows, serve_digests, sorted_rows, split_layout_row, stage_rows,
 )
@@ -51,14 +51,12 @@ from detkit.toolkit.contract import (
     ETA_BF16, U_BF16, U_FP32, U_FP64, ContractResult, check_bound, compare_bits, gamma, rel_l2,
 )
 from detkit.toolkit.harness import Row, RunContext
+from detkit.toolkit.moe_gate import GATE_MAX_REL_RMSE, GATE_MIN_COSINE, GRAD_NAMES, gate_passed, precision_stats
 from detkit.toolkit.nvtx_ranges import nvtx_range
 
 NAME = "moe-fp8"
 DESCRIPTION = "FP8 MoE expert MLP fwd+bwd: determinism, batch invariance, block-scaled math, precision gate, risk"
 
-# The FP8 precision gate, for out, dX, dscores, dW1, dW2 against FP64 and against the BF16 path.
-GATE_MIN_COSINE = 0.997
-GATE_MAX_REL_RMSE = 0.076
 # Kernels vs moe_mlp_fp8_ref, per backend. Both differ only by accumulation order and the activation's exp,
 # which can move a BF16 rounding and then an E4M3 rounding (2**-4 relative) of a few elements of h and dgu.
 # Interpreter (FP32 accumulation): 2**-8. Hopper: the FP8 wgmma accumulates a 128-K block with about 14
@@ -196,31 +194,6 @@ def fp8_stage_checks(inp: dict[str, torch.Tensor]) -> tuple[dict[str, ContractRe
     zero = padding_zero({"gu": saved.gu, "h": saved.h, "h_q": saved.h_q, "y": y, "dgu": dgu, "dgu_q": dgu_q,
                          "dx_route": dxr}, pad)
     return results, {"quantizers_bitwise": bits, "padding_zero": zero}
-
-
-# ---------------------------------------------------------------------------------------------
-# Precision gate
-# ---------------------------------------------------------------------------------------------
-def precision_stats(got: dict, inp: dict, bf16_path: dict | None = None,
-                    oracle: dict | None = None) -> dict[str, dict[str, float]]:
-    """Per tensor: cosine and relative RMSE against the FP64 oracle (computed unless given) and (when given)
-    the BF16 detkit path."""
-    args = (inp["x"], inp["w1"], inp["w2"], inp["topk_ids"], inp["scores"], inp["dout"])
-    oracle = oracle if oracle is not None else moe_mlp_ref(*args, dtype=torch.float64)
-    stats = {}
-    for name in GRAD_NAMES:
-        st = {"cosine_fp64": cosine(got[name], oracle[name]), "rel_rmse_fp64": rel_l2(got[name], oracle[name])}
-        if bf16_path is not None:
-            st.update({"cosine_bf16_path": cosine(got[name], bf16_path[name]),
-                       "rel_rmse_bf16_path": rel_l2(got[name], bf16_path[name]),
-                       "bf16_path_rel_rmse_fp64": rel_l2(bf16_path[name], oracle[name])})
-        stats[name] = st
-    return stats
-
-
-def gate_passed(st: dict) -> bool:
-    keys = [k for k in ("fp64", "bf16_path") if f"cosine_{k}" in st]
-    return all(st[f"cosine_{k}"] >= GATE_MIN_COSINE and st[f"rel_rmse_{k}"] < GATE_MAX_REL_RMSE for k in keys)
 
 
 def bf16_path_layer(inp: dict) -> dict[str, torch.Tensor]:

@@ -12,9 +12,10 @@ Validated, then timed: each case first compares detkit's output with SDPA's (all
 ``VALIDATION_ATOL``; the audit, not this, checks the bits and the FP64 bound); a row's ``passed`` is that
 validation. Timings (toolkit.timing): eager (``do_bench``: L2 flushed, one call between CUDA events; a call whose
 host path exceeds the flush shows its host latency) and CUDA-graph replay (operand sets rotated so a call never
-finds them in L2), both interleaved with the baseline in rounds: median, p20, p80. Host time per call: Python time
-until the call returns with an idle GPU queue (median of ``HOST_CALLS`` calls). The SDPA backend that ran is
-recorded from the profiler's kernel names.
+finds them in L2), both interleaved with the baseline in rounds: median, p20, p80. Host time per call
+(``time_host``): Python time until the call's work is queued, each call timed alone in bursts of ``HOST_CALLS``
+queued behind a GPU sleep, interleaved with the baseline in the same rounds: median, p20, p80. The SDPA backend that
+ran is recorded from the profiler's kernel names.
 
 Formulas: visible (query, key) pairs P = B * Hq * sum over queries of the keys each sees;
     FLOPs fwd = 4 * D * P;  FLOPs fwd+bwd = 3.5 * FLOPs fwd (2.5x for the backward, FlashAttention's convention;
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from detkit.toolkit.nvtx_ranges import nvtx_range
-from detkit.toolkit.timing import Timing, time_graphs, time_interleaved
+from detkit.toolkit.timing import Timing, time_graphs, time_host, time_interleaved
 
 NAME = "attention"
 DESCRIPTION = "attention prefill / decode / fwd+bwd vs SDPA flash at Qwen3-8B shapes (eager, CUDA graph, host time)"
@@ -56,7 +56,7 @@ VARIANT_SPECS = {"plain": (32, 8, 128, None, None, False), "window": (32, 8, 128
                  "softcap": (16, 8, 256, 4096, 50.0, False), "sinks": (64, 8, 64, 128, None, True)}
 TARGETS = {"prefill": 1.10, "decode": 1.20, "fwd_bwd": 1.20}
 VALIDATION_ATOL = 2.0**-6
-HOST_CALLS = 30
+HOST_CALLS = 10  # host-timed calls per burst, one burst per round
 L2_BYTES = 60 * 2**20  # H200
 MAX_GRAPH_SETS = 32
 OPTIONS = (
@@ -319,21 +319,6 @@ def kernel_names(fn: Callable[[], object], device: torch.device) -> list[str]:
     return sorted(dict.fromkeys(n[:80] for n in names))
 
 
-def host_us(fn: Callable[[], object], device: torch.device, calls: int = HOST_CALLS) -> float:
-    """Median Python time of one call with an idle GPU queue (synchronised before each call)."""
-    calls = calls if device.type == "cuda" else 2  # the interpreter's calls are seconds of emulation
-    samples = []
-    for _ in range(calls):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return statistics.median(samples)
-
-
 def _graph_sets(case: BenchCase) -> int:
     per_call = case.kv_bytes + 2 * 2 * case.batch * case.heads_q * case.seq_q * case.head_dim
     return max(1, min(MAX_GRAPH_SETS, math.ceil(2 * L2_BYTES / per_call)))
@@ -384,9 +369,13 @@ def measure(ctx, case: BenchCase, rounds: int, configs=None) -> dict:
         row.update(_timing("detkit_graph", graph["detkit"]), **_timing("sdpa_graph", graph["sdpa"]))
     except RuntimeError as exc:  # a capture failure is reported, not hidden
         row.update(_timing("detkit_graph", None), **_timing("sdpa_graph", None), graph_error=str(exc)[:300])
-    slow = (row.get("sdpa_eager_us") or 0) > 2000  # host time matters for short calls; a few samples suffice here
-    row["host_detkit_us"] = host_us(ours, device, 5 if slow else HOST_CALLS)
-    row["host_sdpa_us"] = host_us(theirs, device, 5 if slow else HOST_CALLS)
+    # Host time matters for short calls: a few samples suffice for long ones; the interpreter's calls are seconds of
+    # emulation. The validation and the eager timing have warmed both calls: no warm-up of its own.
+    slow = (row.get("sdpa_eager_us") or 0) > 2000
+    calls = 1 if device.type != "cuda" else 2 if slow else HOST_CALLS
+    host = time_host({"detkit": ours, "sdpa": theirs}, device, rounds, calls, warmup=0, range_names=names)
+    for impl, t in host.items():
+        row.update({f"host_{impl}_us": t.median_us, f"host_{impl}_p20_us": t.p20_us, f"host_{impl}_p80_us": t.p80_us})
     return row
 
 

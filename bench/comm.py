@@ -19,8 +19,8 @@ What is timed (one sample = ``iters`` back-to-back calls, divided by ``iters``):
   shape for that M (fwd ``[M, I/2] @ [I/2, H]``, dA ``[M, I/2] @ [H, I/2]^T``, dB ``[M, H]^T @ [M, I/2]``)
   with and without ``twin_out``, interleaved, L2 flushed (``toolkit.timing.time_interleaved``):
   ``twin_cost_ratio`` = with / without, the price of keeping the partial.
-CUDA: CUDA events around the ``iters`` calls after a barrier, on the current stream; CPU:
-``time.perf_counter``. Each sample is the maximum over the ranks (the collective ends when the
+Timing (toolkit.timing.back_to_back_samples_ms): CUDA events around the ``iters`` calls after a barrier, on the
+current stream; CPU: ``time.perf_counter``. Each sample is the maximum over the ranks (the collective ends when the
 slowest rank does). Rounds alternate the order of the implementations (forward, then reversed) so
 drift hits all alike; warm-up calls (communicator creation) are excluded. Reported: median with
 p20/p80 over the rounds.
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import groupby
@@ -53,7 +52,7 @@ import torch
 
 from detkit.toolkit.nvtx_ranges import format_range_name, nvtx_range
 from detkit.toolkit.reports import markdown_table
-from detkit.toolkit.timing import Timing
+from detkit.toolkit.timing import Timing, back_to_back_samples_ms
 
 NAME = "comm"
 DESCRIPTION = "The TP/CP operators' all_reduce vs a raw all_reduce of the same bytes (2 ranks, torchrun)."
@@ -222,26 +221,6 @@ def _validate(session: CommSession, fns: dict[str, Callable[[], torch.Tensor]], 
     return out
 
 
-def _time_block(session: CommSession, fn: Callable[[], object], iters: int) -> float:
-    """Milliseconds per call of ``iters`` back-to-back calls on this rank."""
-    import torch.distributed as dist
-
-    dist.barrier(group=session.group)
-    if session.device.type == "cuda":
-        _sync(session)
-        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_ev.record()
-        for _ in range(iters):
-            fn()
-        end_ev.record()
-        end_ev.synchronize()
-        return start_ev.elapsed_time(end_ev) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / iters
-
-
 def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, warmup: int) -> list[dict]:
     """Validate, then time raw and every operator's collective at [m, n], interleaved; one row each."""
     import torch.distributed as dist
@@ -271,16 +250,15 @@ def time_size(session: CommSession, m: int, n: int, rounds: int, iters: int, war
         with nvtx_range(names[impl]):
             checks.update(_validate(session, {impl: raw_check if impl == RAW else op_checks[impl]}, partial))
     timed = {RAW: raw_timed, **ops}
-    for impl in impls:  # warm-up, excluded
+    for impl in impls:  # warm-up (communicator creation), excluded, and before counts0: it counts only timed calls
         for _ in range(warmup):
             timed[impl]()
     _sync(session)
     counts0 = parallel.collective_counts()
-    samples: dict[str, list[float]] = {impl: [] for impl in impls}
-    for r in range(rounds):
-        for impl in (impls if r % 2 == 0 else impls[::-1]):
-            with nvtx_range(names[impl]), nvtx_range("time"):
-                samples[impl].append(_time_block(session, timed[impl], iters))
+    # Every sample starts after a barrier of the group, so the ranks run the collective together.
+    samples = back_to_back_samples_ms(timed, session.device, rounds, passes=iters, warmup=0,
+                                      before_sample=lambda: dist.barrier(group=pg), alternate=True,
+                                      range_names={impl: (names[impl], "time") for impl in impls})
     counts1 = parallel.collective_counts()
     # The slowest rank's time per sample: one collective for all samples, after timing.
     local = torch.tensor([samples[i] for i in impls], dtype=torch.float64)

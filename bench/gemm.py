@@ -10,7 +10,8 @@ torch.matmul on the same operand views, prepared outside the timed call as a use
   of the targets). Baseline also ``cublaslt_nosplitk``: the same torch.matmul in a worker process started with
   CUBLASLT_WORKSPACE_SIZE=1 (no workspace, so no split-K: batch-invariant rows, the bar for a deterministic
   kernel), which times det_gemm again beside it so each of its ratios comes from one process.
-Every timing is a median with p20/p80 over interleaved rounds. Before timing, det_gemm's output is validated
+Every timing is toolkit.timing's (``time_host``, ``time_back_to_back``, ``time_graphs``): a median with p20/p80 over
+interleaved rounds, warm-up excluded. Before timing, det_gemm's output is validated
 against the contract bound of an FP64 oracle (in output blocks, so a zoo lm_head's oracle fits in memory); a row
 ``passed`` when it is within the bound.
 
@@ -32,7 +33,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,9 +42,8 @@ import torch
 
 from detkit.toolkit.contract import check_bound, gemm_bound
 from detkit.toolkit.fixtures import LAYOUTS
-from detkit.toolkit.nvtx_ranges import nvtx_range
 from detkit.toolkit.presets import ZOO_M_VALUES, zoo_shapes
-from detkit.toolkit.timing import Timing, measured_ceiling_tflops, time_graphs
+from detkit.toolkit.timing import Timing, measured_ceiling_tflops, time_back_to_back, time_graphs, time_host
 
 NAME = "gemm"
 DESCRIPTION = ("det_gemm fwd/dA/dB vs cuBLAS in one run: host us per call, eager and CUDA-graph GPU time "
@@ -67,7 +66,6 @@ MAX_DIM = 2**30
 TARGETS = {"host_max": 1.2, "eager_max": 1.10, "large_m": (1024, 1.05), "small_m": (256, 1.25), "graph_max": 1.5}
 
 HOST_CALLS = 16  # calls per host-timing burst at most: far below the launch queue's depth
-HOST_SLEEP_S = 0.01  # the GPU sleep each burst queues behind (longer than a burst's host time)
 EAGER_MIN_CALLS = 32  # calls per eager sample at most: passes over the rotating sets until this many
 EAGER_SAMPLES_PER_ROUND = 3
 BURST_GPU_S = 5e-3  # host and eager bursts: calls for about this much estimated GPU time (2 at least)
@@ -178,9 +176,9 @@ def cases(ctx, ops=OPS, m_values=(), layouts=(), kn_shapes=(), zoo=False, layers
 # Operands, validation
 # ---------------------------------------------------------------------------------------------
 def operands(case: BenchCase, device: torch.device):
-    """Seeded operands of det_gemm's launcher for ``case`` (the audits' fixtures) and the matching
+    """Seeded operands of det_gemm's launcher for ``case`` (the fixtures the audits draw) and the matching
     torch.matmul baseline call."""
-    from detkit.audits.gemm_common import GemmCase, operands as gemm_operands
+    from detkit.toolkit.fixtures import GemmCase, operands as gemm_operands
 
     # On the GPU every operand is drawn there: a zoo run has hundreds of cases, each drawing up to 2.5e9 elements.
     x, y = gemm_operands(GemmCase(case.op, case.m, case.n, case.k, case.layout, BENCH_SEED,
@@ -272,11 +270,6 @@ def _rotation_sets(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor,
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def estimated_call_s(case: BenchCase) -> float:
     """A rough GPU time per call (600 TFLOP/s, 3 TB/s): how many calls a burst or a replay needs."""
     return case.flops / 600e12 + 2 * (case.m * case.k + case.k * case.n + case.m * case.n) / 3e12
@@ -285,61 +278,6 @@ def estimated_call_s(case: BenchCase) -> float:
 def burst_calls(case: BenchCase, most: int) -> int:
     """Calls per host or eager burst: about BURST_GPU_S of GPU work, 2 to ``most``."""
     return max(2, min(most, math.ceil(BURST_GPU_S / estimated_call_s(case))))
-
-
-def time_host(fns: dict, device: torch.device, rounds: int, names: dict[str, str],
-              calls: int = HOST_CALLS) -> dict[str, Timing]:
-    """Host time per call: each call timed alone, in bursts of ``calls`` queued behind a GPU sleep (so the queue
-    is never full and no call waits for the GPU), bursts interleaved across implementations."""
-    samples = {name: [] for name in fns}
-    for fn in fns.values():  # plans, compilation, the allocator's blocks
-        fn()
-        fn()
-    _sync(device)
-    calls = calls if device.type == "cuda" else 1  # the interpreter's calls take ~0.1 s: plumbing only
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            if device.type == "cuda":
-                torch.cuda._sleep(int(HOST_SLEEP_S * 2e9))  # cycles at up to ~2 GHz
-            with nvtx_range(names[name]):
-                for _ in range(calls):
-                    start = time.perf_counter()
-                    fn()
-                    samples[name].append((time.perf_counter() - start) * 1e3)
-            _sync(device)
-    return {name: Timing.from_samples_ms(s) for name, s in samples.items()}
-
-
-def time_eager(fns: dict, device: torch.device, calls_per_fn: int, rounds: int, names: dict[str, str],
-               min_calls: int = EAGER_MIN_CALLS) -> dict[str, Timing]:
-    """Per-call time of back-to-back calls: bursts of whole passes over the rotating sets (at least ``min_calls``
-    calls), CUDA events around each burst (wall time on the CPU), started on an idle GPU."""
-    cuda = device.type == "cuda"
-    passes = max(1, -(-min_calls // calls_per_fn)) if cuda else 1  # interpreter: plumbing only
-    samples = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    _sync(device)
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            with nvtx_range(names[name]):
-                for _ in range(EAGER_SAMPLES_PER_ROUND if cuda else 1):
-                    _sync(device)
-                    if cuda:
-                        start.record()
-                    t0 = time.perf_counter()
-                    for _ in range(passes):
-                        fn()
-                    if cuda:
-                        end.record()
-                        end.synchronize()
-                        elapsed_ms = start.elapsed_time(end)
-                    else:
-                        elapsed_ms = (time.perf_counter() - t0) * 1e3
-                    samples[name].append(elapsed_ms / (passes * calls_per_fn))
-    return {name: Timing.from_samples_ms(s) for name, s in samples.items()}
 
 
 def graph_replays(case: BenchCase, sets: int) -> int:
@@ -356,7 +294,8 @@ def time_case(case: BenchCase, device: torch.device, baseline: str, timings: tup
               x: torch.Tensor, y: torch.Tensor) -> dict:
     """The timings of one case for detkit and ``baseline`` (torch.matmul under this process's cuBLAS settings).
     Keys: graph: ``{impl}_median_us``...; host / eager: ``{impl}_{timing}_median_us``...."""
-    sets = _rotation_sets(x, y) if device.type == "cuda" else [(x, y)]
+    cuda = device.type == "cuda"
+    sets = _rotation_sets(x, y) if cuda else [(x, y)]
     public = public_op(case.op)
     base_calls = [baseline_call(case.op, a, b) for a, b in sets]
     names = {"detkit": case.name, baseline: f"{case.name} | {baseline}"}
@@ -364,14 +303,18 @@ def time_case(case: BenchCase, device: torch.device, baseline: str, timings: tup
     if "host" in timings:
         one = base_calls[0]
         fns = {"detkit": lambda: public(x, y), baseline: one}
-        host = time_host(fns, device, rounds, names, calls=burst_calls(case, HOST_CALLS))
+        # The interpreter's calls take ~0.1 s: one per burst proves the plumbing.
+        host = time_host(fns, device, rounds, calls=burst_calls(case, HOST_CALLS) if cuda else 1, range_names=names)
         out.update({k: v for impl, t in host.items() for k, v in _stats(f"{impl}_host", t).items()})
     passes = {"detkit": lambda: [public(a, b) for a, b in sets], baseline: lambda: [call() for call in base_calls]}
     if "eager" in timings:
-        eager = time_eager(passes, device, len(sets), rounds, names, min_calls=burst_calls(case, EAGER_MIN_CALLS))
+        # Whole passes over the rotating sets, at least burst_calls calls per sample (interpreter: one pass).
+        per_sample = max(1, -(-burst_calls(case, EAGER_MIN_CALLS) // len(sets))) if cuda else 1
+        eager = time_back_to_back(passes, device, rounds, calls_per_fn=len(sets), passes=per_sample,
+                                  samples_per_round=EAGER_SAMPLES_PER_ROUND if cuda else 1, range_names=names)
         out.update({k: v for impl, t in eager.items() for k, v in _stats(f"{impl}_eager", t).items()})
     if "graph" in timings:
-        replays = graph_replays(case, len(sets)) if device.type == "cuda" else 1
+        replays = graph_replays(case, len(sets)) if cuda else 1
         timed = time_graphs(passes, device, calls_per_fn=len(sets), rounds=rounds, replays=replays, range_names=names)
         out["graph_replays"] = replays
         out.update({k: v for impl, t in timed.items() for k, v in _stats(impl, t).items()})

@@ -32,9 +32,10 @@ interpreter, NOT a hardware result). One sample = ``iters`` back-to-back steps a
 the world, divided by ``iters``; each sample is the maximum over the ranks (a parallel step ends
 when the slowest rank does). Rounds alternate the order of the implementations; warm-up steps are
 excluded; no L2 flush (the operands of one step exceed H200's 50 MiB L2 at every GPU shape:
-weights alone are >= 144 MiB per rank). ``toolkit.timing``'s single-process timers are not used:
-``do_bench`` picks its repetition count per process, so ranks would issue different numbers of
-collectives, and capturing NCCL collectives in CUDA graphs is not verified here. Reported: median,
+weights alone are >= 144 MiB per rank). The samples are taken here, not by ``toolkit.timing``: its
+samplers time a call as a whole, and a step's forward and backward are split by marks inside it
+(``do_bench`` would also pick its repetition count per process, so ranks would issue different
+numbers of collectives, and capturing NCCL collectives in CUDA graphs is not verified). Reported: median,
 p20 and p80 over the rounds. Every row's name is also its NVTX range (around its validation,
 ``validate``, and each of its samples, ``time``, with ``fwd`` / ``bwd`` ranges inside each step).
 

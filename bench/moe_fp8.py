@@ -2,7 +2,7 @@
 and the crossover model over T.
 
 Validation of an FP8 implementation (bench/moe.py runs it per preset, after the BF16 layer's): its forward + backward
-twice, bitwise equal, and the precision gate (audits.moe_fp8.gate_passed: cosine >= 0.997 and relative RMSE < 7.6%)
+twice, bitwise equal, and the precision gate (toolkit.moe_gate.gate_passed: cosine >= 0.997 and relative RMSE < 7.6%)
 for out, dX, dscores, dW1, dW2 against the FP64 oracle (kernels.moe.moe_mlp_ref) and against the BF16 detkit path
 when that path passed its own validation. At a sweep point, one run gated against the BF16 path. The
 quantization-risk monitor (kernels.moe_fp8.moe_fp8_risk) is attached to the preset's FP8 rows.
@@ -61,8 +61,8 @@ def layer_fns(inp: dict, wgrad: str | None = None, weight_cache=None, stage_rang
 def check_runs(runs: list[dict], inp: dict, bf16: dict | None, oracle: dict | None) -> dict:
     """Repeat bits (with two runs) and the precision gate of FP8 runs' tensors (layer_tensors): against the FP64
     ``oracle`` and the BF16 path ``bf16`` (each when given; at least one)."""
-    from detkit.audits.moe_fp8 import gate_passed, precision_stats
     from detkit.toolkit.contract import compare_bits
+    from detkit.toolkit.moe_gate import gate_passed, precision_stats
 
     if oracle is None and bf16 is None:
         raise ValueError("the FP8 gate needs the FP64 oracle, the BF16 path or both")
@@ -77,8 +77,7 @@ def check_runs(runs: list[dict], inp: dict, bf16: dict | None, oracle: dict | No
 
 def precision_stats_bf16_only(got: dict, bf16: dict) -> dict[str, dict[str, float]]:
     """Cosine and relative RMSE against the BF16 detkit path only."""
-    from detkit.audits.moe import cosine
-    from detkit.toolkit.contract import rel_l2
+    from detkit.toolkit.contract import cosine, rel_l2
 
     return {n: {"cosine_bf16_path": cosine(got[n], bf16[n]), "rel_rmse_bf16_path": rel_l2(got[n], bf16[n])}
             for n in got}

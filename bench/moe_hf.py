@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from detkit.bench.moe_common import VALIDATE_REL_L2, rel_l2_fp32, torch_moe_fwd
+from detkit.toolkit.models import BLOCK_TENSORS, block_grads
 from detkit.toolkit.presets import MoePreset
 
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
@@ -86,7 +87,6 @@ def block_fns(block, x: torch.Tensor, dout: torch.Tensor) -> dict[str, Callable[
 def block_reference(block, x: torch.Tensor, dout: torch.Tensor, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The block in FP64 with the top-k ``ids`` fixed: out and the gradients (x, router weight, gate_up_proj,
     down_proj). The experts are the PyTorch baseline's per-expert loop (bench/moe_common.py)."""
-    from detkit.audits.model import BLOCK_TENSORS
     from detkit.mode.moe import down_as_w2, gate_up_as_w1
 
     f64 = torch.float64
@@ -103,8 +103,6 @@ def block_reference(block, x: torch.Tensor, dout: torch.Tensor, ids: torch.Tenso
 
 def check_block(block, x: torch.Tensor, dout: torch.Tensor) -> dict:
     """One forward + backward against the FP64 reference with the same ids: relative L2 per tensor (FP32 norms)."""
-    from detkit.audits.model import BLOCK_TENSORS, block_grads  # loaded when a block runs, not with the CLI
-
     got, ids = block_grads(block, x[None], dout[None])  # the block takes [B, T, H]
     got = {**got, "out": got["out"][0], "dx": got["dx"][0]}
     want = block_reference(block, x, dout, ids)

@@ -140,3 +140,42 @@ def test_a_slower_moe_block_row_turns_the_block_claim_to_no_and_a_forged_ratio_i
     _edit_json(path, lambda doc: next(r for r in doc["rows"] if r.get("impl") == "hf_detkit").update(speedup_vs_hf=3.0))
     assert claims.main(argv) == 2
     assert "speedup_vs_hf disagrees with its medians" in capsys.readouterr().err
+
+
+def _model_audit_report() -> dict:
+    return json.loads((REPO / "reports" / claims.SOURCES["model_audit"]).read_text())
+
+
+def _as_bench_model_report(audit: dict) -> dict:
+    """The speed rows of a model-audit report as `detkit bench model` writes them: flat rows, the same names."""
+    rows = [{"name": r["name"], "passed": True, "case": r["name"].split()[1], **r["details"]}
+            for r in audit["rows"] if r["check"] == "speed"]
+    return {"meta": {"command": "bench model"}, "rows": rows}
+
+
+def test_the_mode_speed_claim_reads_a_bench_model_report_as_a_model_audit_report():
+    audit = _model_audit_report()
+    bench = _as_bench_model_report(audit)
+    assert len(bench["rows"]) == 4 and claims.model_speeds(bench) == claims.model_speeds(audit)
+    # A bench row that failed (its detkit-mode calls ran off detkit's kernels, or a capture failed) is no result.
+    bench["rows"][2] = {**bench["rows"][2], "passed": False, "failure": "default: capture failed: RuntimeError: x"}
+    with pytest.raises(claims.ClaimError, match=r"the decode_cuda_graph row failed \(default: capture failed"):
+        claims.model_speeds(bench)
+    # Another report's rows, or a target that is not the claim's, are refused as before.
+    bench["rows"][2]["passed"] = True
+    bench["rows"][0]["target"] = 1.5
+    with pytest.raises(claims.ClaimError, match="the report's prefill target is 1.5, the claim's 1.05"):
+        claims.model_speeds(bench)
+    with pytest.raises(claims.ClaimError, match="0 speed rows for 'prefill'"):
+        claims.model_speeds({"meta": {"command": "bench gemm"}, "rows": []})
+
+
+def test_a_model_audit_without_speed_rows_counts_only_the_drift_as_informational():
+    audit = _model_audit_report()
+    speed = [r for r in audit["rows"] if r["check"] == "speed"]
+    audit["rows"] = [r for r in audit["rows"] if r["check"] != "speed"]
+    audit["summary"] = [s for s in audit["summary"] if s["check"] != "speed"]
+    old = claims.model_audit(_model_audit_report()).text
+    new = claims.model_audit(audit).text
+    assert "(16 informational: default mode's drift, speed)" in old and len(speed) == 4
+    assert "(12 informational: default mode's drift)" in new and new.startswith("26 passed, 0 failed")

@@ -599,7 +599,7 @@ def _lm_head_configs(op: str) -> list:
 def test_gpu_lm_head_beyond_2_31_elements_matches_small_batches_on_every_variant(op, fresh_plans):
     # fwd writes, dA reads, a [16384, 151936] tensor: its last rows lie beyond 32-bit element offsets. Their bits
     # equal those of a call on just those rows (batch invariance), on the ws (TMA store), TMA and pointer kernels.
-    from detkit.audits.gemm_common import GemmCase, operands
+    from detkit.toolkit.fixtures import GemmCase, operands
 
     m, n, k = LM_HEAD
     x, y = operands(GemmCase(op, m, n, k, "linear", 3), torch.device("cuda"))
@@ -620,7 +620,7 @@ def test_gpu_lm_head_beyond_2_31_elements_matches_small_batches_on_every_variant
 def test_gpu_db_reads_an_lm_head_gradient_beyond_2_31_elements(fresh_plans):
     # dB's dc [16384, 151936]: every output column sums rows beyond 32-bit offsets; the last columns are within the
     # contract bound of the FP64 oracle on every variant, and the variants agree bit for bit.
-    from detkit.audits.gemm_common import GemmCase, operands
+    from detkit.toolkit.fixtures import GemmCase, operands
     from detkit.bench.gemm import validate
 
     m, n, k = LM_HEAD

@@ -1,5 +1,6 @@
 """The project's import graph, built statically: kernels/ imports nothing of detkit mode or the harness (toolkit/,
-audits/, bench/, tools/), mode/ nothing of the harness; each kernel family imports only the plumbing the families
+audits/, bench/, tools/), mode/ nothing of the harness, bench/ nothing of audits/ (what both need lives in toolkit/
+or kernels/); each kernel family imports only the plumbing the families
 share (kernels/backend.py, kernels/bounds.py) and det_gemm's tile math; no module imports a bare top-level
 ``kernels``/``mode``/``toolkit``/``audits``/``bench`` name (installed, they exist only as ``detkit.<part>``), and no
 import cycle exists anywhere. Imports inside functions count: a cycle
@@ -27,8 +28,10 @@ BARE_NAMES = ("kernels", "mode", "toolkit", "audits", "bench")
 KERNELS = "detkit.kernels"
 MODE = "detkit.mode"
 HARNESS = ("detkit.toolkit", "detkit.audits", "detkit.bench", "tools")
-# What each layer must never import: a kernel neither the mode built on it nor the harness; the mode not the harness.
-FORBIDDEN = {KERNELS: (MODE, *HARNESS), MODE: HARNESS}
+BENCH, AUDITS = "detkit.bench", "detkit.audits"
+# What each layer must never import: a kernel neither the mode built on it nor the harness; the mode not the harness;
+# a benchmark (it times) not an audit (it checks).
+FORBIDDEN = {KERNELS: (MODE, *HARNESS), MODE: HARNESS, BENCH: (AUDITS,)}
 # Inside kernels/: the plumbing every family shares, and what each family may import besides its own modules and the
 # plumbing (det_gemm's tile math and launch helpers are the building blocks of the other families' GEMMs).
 PLUMBING = ("detkit.kernels.backend", "detkit.kernels.bounds")
@@ -267,21 +270,24 @@ def test_the_checker_reports_a_cycle_and_a_kernel_to_harness_edge():
 
 def test_the_checker_reports_mode_and_family_edges():
     graph = {
-        "detkit.kernels.moe.layer": {"detkit.mode.switch", "detkit.kernels.attention.launch",
+        "detkit.kernels.moe.layer": {"detkit.mode.switch", "detkit.kernels.attention",
                                      "detkit.kernels.det_gemm.launch", "detkit.kernels.backend"},
         "detkit.kernels.backend": {"detkit.kernels.det_gemm.launch"},
         "detkit.kernels.det_gemm.launch": {"detkit.kernels.backend"},
-        "detkit.kernels.attention.launch": {"detkit.kernels.det_gemm.kernels"},
+        "detkit.kernels.attention": {"detkit.kernels.det_gemm.kernels"},
         "detkit.kernels.det_gemm.kernels": set(),
         "detkit.mode.switch": {"detkit.kernels.moe.layer", "detkit.toolkit.timing"},
         "detkit.toolkit.timing": set(),
+        "detkit.bench.y": {"detkit.audits.x", "detkit.toolkit.timing"},
+        "detkit.audits.x": {"detkit.toolkit.timing"},
     }
     found = [p for p in problems(graph, []) if not p.startswith("import cycle")]
     assert found == [
+        "layer imports what it must not: detkit.bench.y -> detkit.audits.x",
         "layer imports what it must not: detkit.kernels.moe.layer -> detkit.mode.switch",
         "layer imports what it must not: detkit.mode.switch -> detkit.toolkit.timing",
         "kernel family imports another family: detkit.kernels.backend -> detkit.kernels.det_gemm.launch",
-        "kernel family imports another family: detkit.kernels.moe.layer -> detkit.kernels.attention.launch",
+        "kernel family imports another family: detkit.kernels.moe.layer -> detkit.kernels.attention",
     ], found
 
 

@@ -149,7 +149,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is the o
 
 
 def tiny_model(device, attn="sdpa"):
-    from detkit.audits.model import QWEN3_TINY
+    from detkit.toolkit.models import QWEN3_TINY
 
     config = transformers.Qwen3Config(**dict(QWEN3_TINY, num_hidden_layers=1))
     torch.manual_seed(0)
@@ -159,10 +159,10 @@ def tiny_model(device, attn="sdpa"):
 
 
 def prefill_and_decode(model, ids, mask=None):
-    from detkit.audits.model import _cache_kwarg
+    from detkit.toolkit.models import cache_kwarg
 
     cache = transformers.DynamicCache(config=model.config)
-    kw = {_cache_kwarg(model): cache, "use_cache": True}
+    kw = {cache_kwarg(model): cache, "use_cache": True}
     with torch.inference_mode():
         first = model(input_ids=ids, attention_mask=mask, **kw).logits
         step_mask = None if mask is None else torch.cat([mask, mask.new_ones(len(ids), 1)], 1)

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers", reason="transformers is the optional extra detkit[models]")
 
 import detkit  # noqa: E402
-from detkit.audits.model import BLOCK_TENSORS, block_grads  # noqa: E402
+from detkit.toolkit.models import BLOCK_TENSORS, block_grads  # noqa: E402
 from detkit.audits.moe import E2E_REL_L2_GATE, GOLD_SLACK  # noqa: E402
 from detkit.mode import moe as mode_moe  # noqa: E402
 from detkit.kernels.det_gemm.launch import det_gemm_fwd  # noqa: E402

@@ -14,13 +14,12 @@ import torch
 pytest.importorskip("transformers", reason="transformers is the optional extra detkit[models]")
 
 import detkit  # noqa: E402
-from detkit.audits.moe import cosine  # noqa: E402
-from detkit.audits.moe_fp8 import GATE_MAX_REL_RMSE, GATE_MIN_COSINE  # noqa: E402
 from detkit.mode import moe as mode_moe
 from detkit.mode import state as mode_state  # noqa: E402
 from detkit.kernels.moe.layer import deinterleave_gate_up, interleave_gate_up  # noqa: E402
 from detkit.kernels.moe.fp8.layer import moe_mlp_fp8  # noqa: E402
-from detkit.toolkit.contract import compare_bits, rel_l2  # noqa: E402
+from detkit.toolkit.contract import compare_bits, cosine, rel_l2  # noqa: E402
+from detkit.toolkit.moe_gate import GATE_MAX_REL_RMSE, GATE_MIN_COSINE  # noqa: E402
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 from tests.conftest import assert_bits_equal  # noqa: E402
@@ -405,7 +404,7 @@ def test_fp8_block_at_qwen3_30b_a3b_widths(device):
     block = qwen3_30b_a3b_block(device, seed=20)
     x = torch.randn(1, 2048, 2048, device=device).to(torch.bfloat16)
     dout = torch.randn_like(x)
-    from detkit.audits.model import moe_block_grads
+    from detkit.toolkit.models import moe_block_grads
 
     with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
         with torch.no_grad():

@@ -1,7 +1,7 @@
 """audits/model.py: the model audit's comparisons can fail and say where (a batch-dependent perturbation in one
 module is caught and named by the first-divergence hooks), the model comes from DETKIT_MODEL_CONFIG or the
-default, and the plug-in run yields its rows (decode vs trainer FAILED with the reason while the attention
-kernel is absent) and writes model.md / model.json."""
+default (toolkit/models.py), and the plug-in run yields its correctness rows and no speed rows (decode vs trainer
+FAILED with the reason while the attention kernel is absent) and writes model.md / model.json."""
 
 from __future__ import annotations
 
@@ -13,63 +13,64 @@ import torch
 pytest.importorskip("transformers", reason="transformers is the optional extra detkit[models]")
 
 from detkit.audits import model as audit_model  # noqa: E402
+from detkit.toolkit import models  # noqa: E402
 from detkit.mode.attention import attention_module  # noqa: E402
 from detkit.toolkit.harness import RunContext  # noqa: E402
 
-ONE_LAYER = dict(audit_model.QWEN3_TINY, num_hidden_layers=1)
+ONE_LAYER = dict(models.QWEN3_TINY, num_hidden_layers=1)
 SMALL_PLAN = audit_model.Plan(seq_len=6, batch_sizes=(3,), pad=2, train_batch=2, micro_batch=1, prompt_len=3,
-                              gen_len=2, decode_batch=2, timing=False, precision_tokens=64)
+                              gen_len=2, decode_batch=2, precision_tokens=64)
 
 
 @pytest.fixture
 def config_file(tmp_path, monkeypatch):
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps({"model_type": "qwen3", **ONE_LAYER}))
-    monkeypatch.setenv(audit_model.CONFIG_ENV, str(path))
+    monkeypatch.setenv(models.CONFIG_ENV, str(path))
     return path
 
 
 def test_model_source_reads_a_json_config_or_a_directory_and_refuses_anything_else(config_file, tmp_path,
                                                                                   monkeypatch):
-    config, weights, description = audit_model.model_source(torch.device("cpu"))
+    config, weights, description = models.model_source(torch.device("cpu"))
     assert (config.hidden_size, config.num_hidden_layers, weights) == (128, 1, None)
     assert description.endswith("(random init)")
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     config.save_pretrained(checkpoint)
-    monkeypatch.setenv(audit_model.CONFIG_ENV, str(checkpoint))
-    config, weights, description = audit_model.model_source(torch.device("cpu"))
+    monkeypatch.setenv(models.CONFIG_ENV, str(checkpoint))
+    config, weights, description = models.model_source(torch.device("cpu"))
     assert config.num_hidden_layers == 1 and weights is None and "config only" in description
-    monkeypatch.setenv(audit_model.CONFIG_ENV, str(tmp_path / "missing"))
+    monkeypatch.setenv(models.CONFIG_ENV, str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="neither a preset .*, a JSON config file nor a checkpoint directory"):
-        audit_model.model_source(torch.device("cpu"))
+        models.model_source(torch.device("cpu"))
 
 
 def test_default_configs_are_qwen3_8b_widths_on_cuda_and_tiny_on_cpu(monkeypatch):
-    monkeypatch.delenv(audit_model.CONFIG_ENV, raising=False)
-    cuda, _, _ = audit_model.model_source(torch.device("cuda"))
-    cpu, _, _ = audit_model.model_source(torch.device("cpu"))
+    monkeypatch.delenv(models.CONFIG_ENV, raising=False)
+    cuda, _, _ = models.model_source(torch.device("cuda"))
+    cpu, _, _ = models.model_source(torch.device("cpu"))
     assert (cuda.hidden_size, cuda.intermediate_size, cuda.num_attention_heads, cuda.num_key_value_heads,
             cuda.head_dim, cuda.vocab_size, cuda.num_hidden_layers) == (4096, 12288, 32, 8, 128, 151936, 2)
     assert cpu.hidden_size <= 128 and cpu.num_hidden_layers == 2 and cpu.head_dim in (64, 128)
 
 
 def test_the_moe_presets_are_qwen3_30b_a3b_widths_and_a_tiny_moe(monkeypatch):
-    monkeypatch.setenv(audit_model.CONFIG_ENV, "qwen3-moe-30b-a3b")
-    big, weights, description = audit_model.model_source(torch.device("cuda"))
+    monkeypatch.setenv(models.CONFIG_ENV, "qwen3-moe-30b-a3b")
+    big, weights, description = models.model_source(torch.device("cuda"))
     assert big.model_type == "qwen3_moe" and weights is None and "30B-A3B" in description
     assert (big.hidden_size, big.moe_intermediate_size, big.num_experts, big.num_experts_per_tok, big.norm_topk_prob,
             big.num_attention_heads, big.num_key_value_heads, big.head_dim, big.vocab_size,
             big.decoder_sparse_step, big.mlp_only_layers) == (2048, 768, 128, 8, True, 32, 4, 128, 151936, 1, [])
-    monkeypatch.setenv(audit_model.CONFIG_ENV, "qwen3-moe-tiny")
-    tiny, _, _ = audit_model.model_source(torch.device("cpu"))
+    monkeypatch.setenv(models.CONFIG_ENV, "qwen3-moe-tiny")
+    tiny, _, _ = models.model_source(torch.device("cpu"))
     assert tiny.model_type == "qwen3_moe" and tiny.hidden_size <= 64 and tiny.num_experts <= 8
 
 
 def test_a_batch_dependent_module_is_caught_and_named(device, config_file):
     """A perturbation that depends on the batch size in one module: batch invariance fails in the audit's
     comparison and the first-divergence hooks name that module, not an earlier one."""
-    model, _ = audit_model.build_model(device, seed=1)
+    model, _ = models.build_model(device, seed=1)
     target = model.model.layers[0].mlp.up_proj
     handle = target.register_forward_hook(lambda m, args, out: out + 0.01 * (out.shape[0] - 1))
     try:
@@ -104,8 +105,10 @@ def test_the_plugin_yields_its_rows_and_writes_the_model_report(device, config_f
     assert counters["routed"]["mm -> det_gemm_fwd"] > 0 and counters["gemm_not_routed"] == {}
     report = (tmp_path / "model.md").read_text()
     assert "## Drift" in report and "mm -> det_gemm_fwd" in report
-    assert json.loads((tmp_path / "model.json").read_text())["counters"] == {
-        k: v for k, v in counters.items() if k in ("routed", "not_routed")}
+    model_json = json.loads((tmp_path / "model.json").read_text())
+    assert model_json["counters"] == {k: v for k, v in counters.items() if k in ("routed", "not_routed")}
+    # Speed is `detkit bench model`'s: the audit's own files hold none.
+    assert "speed" not in model_json and "## Speed" not in report
 
 
 def test_the_plugin_runs_every_check_on_a_tiny_moe_model(device, tmp_path, monkeypatch):
@@ -113,8 +116,8 @@ def test_the_plugin_runs_every_check_on_a_tiny_moe_model(device, tmp_path, monke
     through every detkit-mode check, each MoE block on detkit's layer (counted), the backward with the router's aux
     loss."""
     path = tmp_path / "moe.json"
-    path.write_text(json.dumps({"model_type": "qwen3_moe", **audit_model.QWEN3_MOE_TINY, "num_hidden_layers": 1}))
-    monkeypatch.setenv(audit_model.CONFIG_ENV, str(path))
+    path.write_text(json.dumps({"model_type": "qwen3_moe", **models.QWEN3_MOE_TINY, "num_hidden_layers": 1}))
+    monkeypatch.setenv(models.CONFIG_ENV, str(path))
     monkeypatch.setattr(audit_model, "CPU_PLAN", SMALL_PLAN)
     monkeypatch.setattr(audit_model, "CUDA_PLAN", SMALL_PLAN)
     backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
@@ -139,8 +142,8 @@ def test_the_plugin_runs_every_check_on_a_tiny_moe_model_with_fp8_experts(device
     """DETKIT_MODEL_MOE_EXPERTS=fp8 on the FP8-capable tiny MoE preset (H = I = 128, 4 experts, top-2, 1 layer):
     every detkit-mode check passes with the experts on the FP8 layer (counted as such, none on BF16), and the
     first block's output and gradients pass the FP8 precision gate against BF16 experts."""
-    monkeypatch.setenv(audit_model.CONFIG_ENV, "qwen3-moe-tiny-128")
-    monkeypatch.setenv(audit_model.EXPERTS_ENV, "fp8")
+    monkeypatch.setenv(models.CONFIG_ENV, "qwen3-moe-tiny-128")
+    monkeypatch.setenv(models.EXPERTS_ENV, "fp8")
     monkeypatch.setattr(audit_model, "CPU_PLAN", SMALL_PLAN)
     monkeypatch.setattr(audit_model, "CUDA_PLAN", SMALL_PLAN)
     backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
@@ -159,7 +162,7 @@ def test_the_plugin_runs_every_check_on_a_tiny_moe_model_with_fp8_experts(device
     assert counters["routed"]["moe experts (transformers) -> detkit.moe_mlp_fp8"] == counters["moe_experts_routed"] > 0
     assert counters["moe_other_precision"] == {} and counters["moe_not_routed"] == {}
     precision = {r.name.split()[1]: r.details for r in by_check["moe_precision"]}
-    assert set(precision) == set(audit_model.BLOCK_TENSORS)
+    assert set(precision) == set(models.BLOCK_TENSORS)
     assert all(d["same_routing"] and 0.997 <= d["cosine_vs_bf16_experts"] < 1 for d in precision.values())
     assert "MoE precision: FP8 vs BF16 experts" in (tmp_path / "model.md").read_text()
 
@@ -167,8 +170,8 @@ def test_the_plugin_runs_every_check_on_a_tiny_moe_model_with_fp8_experts(device
 def test_the_precision_check_reports_a_block_the_fp8_layer_refuses(device, monkeypatch):
     """The tiny MoE preset (H = 64, I = 32) with FP8 experts: the check's strict FP8 run is refused by name, and the
     row says so instead of comparing transformers' own experts."""
-    monkeypatch.setenv(audit_model.CONFIG_ENV, "qwen3-moe-tiny")
-    model, _ = audit_model.build_model(device, seed=8)
+    monkeypatch.setenv(models.CONFIG_ENV, "qwen3-moe-tiny")
+    model, _ = models.build_model(device, seed=8)
     audit = audit_model.Audit(model, device, SMALL_PLAN, seed=8, moe_experts="fp8")
     result = audit_model.moe_precision(audit)
     assert set(result) == {"error"} and "FP8 experts need H and I multiples of 128; got H = 64, I = 32" in result["error"]
@@ -177,7 +180,7 @@ def test_the_precision_check_reports_a_block_the_fp8_layer_refuses(device, monke
 @pytest.mark.parametrize("env, value, supported", [("EXPERTS_ENV", "fp4", "bf16, fp8"),
                                                     ("GRAPH_WEIGHTS_ENV", "cached", "quantize, static")])
 def test_an_unsupported_mode_choice_is_refused_before_the_model_is_built(monkeypatch, env, value, supported):
-    name = getattr(audit_model, env)
+    name = getattr(models, env)
     monkeypatch.setenv(name, value)
 
     def build_model(*args):
@@ -192,7 +195,7 @@ def test_an_unsupported_mode_choice_is_refused_before_the_model_is_built(monkeyp
 def test_a_decode_only_difference_is_located_at_its_step_and_module(device, config_file):
     """A perturbation only in one-token forwards (decode steps): decode vs trainer fails from the first decode
     step on, and the hooks, comparing that step's forward with the trainer's position, name the module."""
-    model, _ = audit_model.build_model(device, seed=2)
+    model, _ = models.build_model(device, seed=2)
     target = model.model.layers[0].self_attn.o_proj
     handle = target.register_forward_hook(lambda m, args, out: out + 0.01 * (out.shape[1] == 1))
     try:

@@ -58,6 +58,7 @@ PLUGINS: tuple[str, ...] = (
     "detkit.bench.moe",
     "detkit.bench.moe_sweep",
     "detkit.bench.attention",
+    "detkit.bench.model",
 )
 REQUIRED = ("NAME", "DESCRIPTION", "OPTIONS", "cases", "run", "summarize")
 RANKS_KINDS = ("single", "ranks")

@@ -97,6 +97,16 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor, *, dtype: torch.dtype = torch.f
     return err / norm if norm else err
 
 
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The cosine of the angle between ``a`` and ``b`` flattened, in FP64 on a's device; 1 when both are all zeros,
+    0 when only one is."""
+    a, b = a.to(torch.float64).flatten(), b.to(device=a.device, dtype=torch.float64).flatten()
+    na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
+    if na == 0 or nb == 0:
+        return 1.0 if na == nb else 0.0
+    return float(a @ b) / (na * nb)
+
+
 def drift_stats(c: torch.Tensor, oracle: torch.Tensor, prefix: str) -> dict[str, float]:
     """max/p95/p99 absolute and relative error, relative L2 and BF16 ULP distance of ``c`` vs ``oracle``."""
     ref = oracle.to(torch.float64)

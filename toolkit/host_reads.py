@@ -18,8 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 
-# Ops whose result the host must wait for (a value, or an output shape that depends on the data).
-SYNCING_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+# Ops whose result the host must wait for (a value, or an output shape that depends on the data). Under
+# torch.inference_mode a value is read as ``aten.item`` (not decomposed to ``_local_scalar_dense`` before the mode
+# sees it), so both are listed.
+SYNCING_OPS = {aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default, aten.masked_select.default,
                aten.is_nonzero.default, aten.equal.default, aten._unique2.default, aten.unique_consecutive.default,
                aten.unique_dim.default, aten.bincount.default}
 

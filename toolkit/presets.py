@@ -22,7 +22,7 @@ class GemmPreset:
     # Outputs with more elements are contract-checked on their first and last columns, this many elements in all
     # (the bound is per element; the drift statistics' quantiles over billions of elements cost seconds each).
     contract_max_elements: int | None = None
-    device_draws: bool = False  # operands drawn on the GPU (audits.gemm_common.HOST_DRAW_MAX_ELEMENTS)
+    device_draws: bool = False  # operands drawn on the GPU (toolkit.fixtures.HOST_DRAW_MAX_ELEMENTS)
 
     def __post_init__(self):
         if not self.kn_shapes or not self.m_values:

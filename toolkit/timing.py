@@ -1,10 +1,24 @@
-"""Kernel timing: interleaved rounds, L2 flushed, warm-up excluded, median with p20/p80.
+"""Timing: one protocol for every benchmark, tool and audit that times a callable.
 
-On CUDA each sample is one call between CUDA events with the L2 flushed before it
-(``triton.testing.do_bench``), and the SM clock NVML reports is polled while the samples run: under its
-power cap an H200's SM clock falls from 1980 MHz to about 1500 MHz, so a time is reported with the clock
-it ran at. On the interpreter backend samples are wall-clock seconds of CPU
-emulation: useful only to prove the plumbing, never a speed result (reports say so).
+Each measure takes named callables, runs a warm-up that is not timed (compilation, plans, the allocator's blocks),
+then times them in interleaved rounds so drift (clocks, heat, other load) hits all alike, and summarises each
+callable's samples as a ``Timing``: median with p20/p80, in microseconds.
+
+- ``time_host``: host time per call, the Python time until a call's work is queued. On CUDA each burst of calls is
+  queued behind a GPU sleep, so no call waits for the GPU, and a burst is short enough that the launch queue is
+  never full; the queue is drained between bursts.
+- ``time_back_to_back``: eager time per call: a burst of back-to-back calls started on an idle GPU, CUDA events
+  around it, divided by the calls. What an eager user feels: the larger of host time and GPU time per call.
+- ``time_interleaved``: kernel time per call, one call between CUDA events with the L2 flushed before it
+  (``triton.testing.do_bench``).
+- ``time_graphs``: GPU time per call from CUDA-graph replays, free of host time; callers rotate operand copies
+  larger than the L2 through the captured calls where a call's operands would otherwise stay cached.
+
+On CUDA the SM clock NVML reports is polled while GPU-timed samples run: under its power cap an H200's SM clock
+falls from 1980 MHz to about 1500 MHz, so a time is reported with the clock it ran at. On the CPU every sample is
+wall-clock time (or the clock a caller passes, e.g. this thread's CPU time); on the interpreter backend that is CPU
+emulation: useful only to prove the plumbing, never a speed result (reports say so). There are no CUDA graphs on the
+CPU: ``time_graphs`` times the calls eagerly and can refuse what a capture would refuse.
 """
 
 from __future__ import annotations
@@ -107,6 +121,171 @@ def _entered(contexts: dict[str, Callable[[], AbstractContextManager]] | None, n
     return contexts[name]() if contexts and name in contexts else nullcontext()
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_range(range_names: dict[str, str | tuple[str, ...]] | None, name: str) -> AbstractContextManager:
+    """The NVTX range(s) around a callable's timed samples: ``range_names[name]``, a name or nested names
+    (outermost first); none when not given."""
+    from contextlib import ExitStack
+
+    from detkit.toolkit.nvtx_ranges import nvtx_range
+
+    labels = (range_names or {}).get(name)
+    if labels is None:
+        return nullcontext()
+    stack = ExitStack()
+    for label in (labels,) if isinstance(labels, str) else labels:
+        stack.enter_context(nvtx_range(label))
+    return stack
+
+
+def call_refusal(exc: BaseException) -> str:
+    """The one-line reason a timed call raised."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:200]}"
+
+
+def _warm(fns: dict[str, Callable[[], object]], device: torch.device, calls: int,
+          contexts: dict[str, Callable[[], AbstractContextManager]] | None,
+          errors: dict[str, str] | None) -> dict[str, Callable[[], object]]:
+    """``calls`` untimed calls of each fn in its context; the fns left to time (with ``errors``, a fn that raised is
+    dropped and ``errors[name]`` says why, else the error is raised)."""
+    live = dict(fns)
+    for name, fn in fns.items():
+        try:
+            with _entered(contexts, name):
+                for _ in range(calls):
+                    fn()
+        except Exception as exc:  # noqa: BLE001 - reported by name when the caller asks (errors), else raised
+            if errors is None:
+                raise
+            errors[name] = call_refusal(exc)
+            del live[name]
+    _sync(device)
+    return live
+
+
+HOST_CALLS = 16  # calls per host-timing burst by default: far below the launch queue's depth
+HOST_SLEEP_S = 0.01  # the GPU sleep a host burst is queued behind (longer than a burst's host time)
+
+
+def host_samples_ms(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 5,
+                    calls: int = HOST_CALLS, *, per_call: bool = True, warmup: int = 2,
+                    clock: Callable[[], float] = time.perf_counter, gpu_sleep_s: float = HOST_SLEEP_S,
+                    contexts: dict[str, Callable[[], AbstractContextManager]] | None = None,
+                    range_names: dict[str, str | tuple[str, ...]] | None = None,
+                    errors: dict[str, str] | None = None) -> dict[str, list[float]]:
+    """Host time per call, in ms: the samples of ``time_host``.
+
+    Per round and fn, one burst of ``calls`` calls inside ``contexts[name]()`` and the NVTX range
+    ``range_names[name]``; on CUDA the burst is queued behind a GPU sleep of ``gpu_sleep_s`` (0: none, the burst
+    starts on an idle GPU, for bursts of more launches than the queue holds behind a sleep) and the queue is drained
+    after it. ``per_call``: each call timed alone (``calls`` samples per burst), else one sample per burst, its mean
+    per call (for calls shorter than ``clock`` resolves). ``errors``: None, a raising call raises; a dict, the fn is
+    dropped from the result and ``errors[name]`` says why in one line."""
+    if calls < 1 or rounds < 1 or warmup < 0:
+        raise ValueError(f"calls and rounds must be >= 1 and warmup >= 0; got calls={calls}, rounds={rounds}, "
+                         f"warmup={warmup}")
+    live = _warm(fns, device, warmup, contexts, errors)
+    samples: dict[str, list[float]] = {name: [] for name in live}
+    cuda = device.type == "cuda"
+    for _ in range(rounds):
+        for name, fn in list(live.items()):
+            burst: list[float] = []
+            try:
+                with _entered(contexts, name):
+                    if cuda and gpu_sleep_s > 0:
+                        torch.cuda._sleep(int(gpu_sleep_s * 2e9))  # cycles at up to ~2 GHz
+                    with _timed_range(range_names, name):
+                        if per_call:
+                            for _ in range(calls):
+                                start = clock()
+                                fn()
+                                burst.append((clock() - start) * 1e3)
+                        else:
+                            start = clock()
+                            for _ in range(calls):
+                                fn()
+                            burst.append((clock() - start) * 1e3 / calls)
+            except Exception as exc:  # noqa: BLE001 - as in the warm-up
+                if errors is None:
+                    raise
+                errors[name] = call_refusal(exc)
+                del live[name], samples[name]
+            else:
+                samples[name] += burst
+            _sync(device)
+    return samples
+
+
+def time_host(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 5, calls: int = HOST_CALLS,
+              **kwargs) -> dict[str, Timing]:
+    """Host time per call (``host_samples_ms``, whose keyword arguments it takes): median with p20/p80."""
+    return {name: Timing.from_samples_ms(s)
+            for name, s in host_samples_ms(fns, device, rounds, calls, **kwargs).items()}
+
+
+def back_to_back_samples_ms(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 5, *,
+                            calls_per_fn: int = 1, passes: int = 1, samples_per_round: int = 1, warmup: int = 1,
+                            clock: Callable[[], float] = time.perf_counter,
+                            contexts: dict[str, Callable[[], AbstractContextManager]] | None = None,
+                            range_names: dict[str, str | tuple[str, ...]] | None = None,
+                            before_sample: Callable[[], None] | None = None, alternate: bool = False,
+                            clocks: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """Eager time per call of back-to-back calls, in ms: the samples of ``time_back_to_back``.
+
+    A sample: ``before_sample()`` (e.g. a barrier of the ranks), the device drained, then ``passes`` calls of the fn
+    back to back between CUDA events (``clock`` on the CPU), divided by ``passes * calls_per_fn`` (a fn may make
+    several calls, e.g. one per rotating operand set). Per round and fn, ``samples_per_round`` samples inside
+    ``contexts[name]()`` and the NVTX range ``range_names[name]``; ``alternate`` reverses the fns' order every other
+    round. ``clocks`` (CUDA): the SM clock polled during each fn's samples lands in ``clocks[name]``."""
+    if min(calls_per_fn, passes, samples_per_round, rounds) < 1 or warmup < 0:
+        raise ValueError(f"calls_per_fn, passes, samples_per_round and rounds must be >= 1 and warmup >= 0; got "
+                         f"{calls_per_fn}, {passes}, {samples_per_round}, {rounds}, {warmup}")
+    live = _warm(fns, device, warmup, contexts, None)
+    samples: dict[str, list[float]] = {name: [] for name in live}
+    cuda = device.type == "cuda"
+    sm_clock = SmClock(device) if cuda and clocks is not None else None
+    if cuda:
+        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    names = list(live)
+    for r in range(rounds):
+        for name in (names[::-1] if alternate and r % 2 else names):
+            fn = live[name]
+            polled = sm_clock.sampling(clocks.setdefault(name, [])) if sm_clock is not None else nullcontext()
+            with _entered(contexts, name), _timed_range(range_names, name), polled:
+                for _ in range(samples_per_round):
+                    if before_sample is not None:
+                        before_sample()
+                    if cuda:
+                        _sync(device)
+                        start_ev.record()
+                        for _ in range(passes):
+                            fn()
+                        end_ev.record()
+                        end_ev.synchronize()
+                        elapsed_ms = start_ev.elapsed_time(end_ev)
+                    else:
+                        start = clock()
+                        for _ in range(passes):
+                            fn()
+                        elapsed_ms = (clock() - start) * 1e3
+                    samples[name].append(elapsed_ms / (passes * calls_per_fn))
+    return samples
+
+
+def time_back_to_back(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 5,
+                      **kwargs) -> dict[str, Timing]:
+    """Eager time per call of back-to-back calls (``back_to_back_samples_ms``, whose keyword arguments it takes,
+    ``clocks`` aside): median with p20/p80, and on CUDA the SM clock polled during the samples."""
+    clocks: dict[str, list[float]] = {}
+    samples = back_to_back_samples_ms(fns, device, rounds, clocks=clocks, **kwargs)
+    return {name: Timing.from_samples_ms(s, clocks.get(name)) for name, s in samples.items()}
+
+
 def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 5,
                      rep_ms: float = 40.0, cpu_reps: int = 1,
                      contexts: dict[str, Callable[[], AbstractContextManager]] | None = None,
@@ -121,31 +300,21 @@ def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device,
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        for name, fn in fns.items():  # warm-up: compilation, autotuning of baselines, allocator
-            with _entered(contexts, name):
-                fn()
-        torch.cuda.synchronize(device)
+        _warm(fns, device, 1, contexts, None)  # compilation, autotuning of baselines, allocator
         clock = SmClock(device)
         for _ in range(rounds):
             for name, fn in fns.items():
                 with _entered(contexts, name), clock.sampling(clocks[name]):
                     samples[name] += do_bench(fn, warmup=5, rep=rep_ms, return_mode="all")
-    else:
-        if cpu_warmup:
-            for name, fn in fns.items():
-                with _entered(contexts, name):
-                    fn()
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                with _entered(contexts, name):
-                    samples[name] += _cpu_samples_ms(fn, cpu_reps)
+    else:  # no L2 to flush: each sample is one call alone, as back to back with one call per sample
+        samples = back_to_back_samples_ms(fns, device, rounds, samples_per_round=cpu_reps,
+                                          warmup=1 if cpu_warmup else 0, contexts=contexts)
     return {name: Timing.from_samples_ms(s, clocks[name]) for name, s in samples.items()}
 
 
 def capture_refusal(exc: BaseException) -> str:
     """The one-line reason a CUDA-graph capture failed."""
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"capture failed: {type(exc).__name__}: {first[:200]}"
+    return f"capture failed: {call_refusal(exc)}"
 
 
 def time_graphs(fns: dict[str, Callable[[], object]], device: torch.device, calls_per_fn: int,

@@ -395,7 +395,8 @@ def gemm_graph_targets_of(layers: str):
 
 def model_audit(report: dict) -> Measured:
     """The model audit's counts, and what its decode_vs_trainer rows compared in detkit mode (rows whose
-    ``details`` say ``informational`` record default mode's drift and the speed ratios: they pass by design)."""
+    ``details`` say ``informational`` record default mode's drift, and in reports from before `detkit bench model`
+    the speed ratios: they pass by design)."""
     passed, failed = audit_counts(report)
     informational = sum(1 for r in report["rows"] if (r.get("details") or {}).get("informational"))
     decode = [r for r in report["rows"] if r["check"] == "decode_vs_trainer"]
@@ -403,7 +404,9 @@ def model_audit(report: dict) -> Measured:
         raise ClaimError("no decode_vs_trainer rows")
     compared = sum(r["details"]["elements"] for r in decode)
     differing = sum(r["details"]["mismatches"] for r in decode)
-    text = (f"{passed} passed, {failed} failed ({informational} informational: default mode's drift, speed); "
+    kinds = "default mode's drift, speed" if any(r["check"] == "speed" for r in report["rows"]) else \
+        "default mode's drift"
+    text = (f"{passed} passed, {failed} failed ({informational} informational: {kinds}); "
             f"KV-cache decode vs trainer: {differing} of {compared} log-probs differ")
     return Measured((passed, failed, differing, all(r["passed"] for r in decode)), text)
 
@@ -417,14 +420,25 @@ def model_audit_met(value: tuple[int, int, int, bool]) -> bool:
 MODE_SPEED_TARGETS = {"prefill": 1.05, "decode_eager": 1.15, "decode_cuda_graph": 1.05, "forward_backward": 1.05}
 
 
+def model_speed_fields(report: dict) -> list[tuple[str, dict]]:
+    """(row name, fields) of every speed row of a report: a `detkit bench model` report's rows hold their fields
+    themselves; a model-audit report from before that bench holds them in the ``details`` of its ``speed`` rows."""
+    if (report.get("meta") or {}).get("command") == "bench model":
+        return [(r["name"], r) for r in report["rows"]]
+    return [(r["name"], r["details"]) for r in report["rows"] if r["check"] == "speed"]
+
+
 def model_speeds(report: dict) -> Measured:
-    """The model audit's speed rows, one per MODE_SPEED_TARGETS case; each recorded target must be the claim's."""
+    """The model's speed rows (``model_speed_fields``), one per MODE_SPEED_TARGETS case; each recorded target must
+    be the claim's, and a bench row must have passed (its detkit-mode calls ran on detkit's kernels)."""
+    fields = model_speed_fields(report)
     ratios = []
     for case, target in MODE_SPEED_TARGETS.items():
-        hits = [r["details"] for r in report["rows"]
-                if r["check"] == "speed" and r["name"] == f"speed {case} detkit / default"]
+        hits = [f for name, f in fields if name == f"speed {case} detkit / default"]
         if len(hits) != 1:
             raise ClaimError(f"{len(hits)} speed rows for {case!r}")
+        if hits[0].get("passed") is False:
+            raise ClaimError(f"the {case} row failed ({hits[0].get('failure')}); its time is not a result")
         if hits[0]["target"] != target:
             raise ClaimError(f"the report's {case} target is {hits[0]['target']}, the claim's {target}")
         ratios.append(hits[0]["ratio"])

@@ -11,10 +11,10 @@ On the CPU the kernels run under the Triton interpreter, whose cost would hide t
 and the row mean's Triton launch with nothing, so ``direct`` is the stand-in's own cost (for the row mean: its
 wrapper's) and ``mode - direct`` the mode's. On CUDA the real
 kernels run; a call's time is the Python time until its launch is queued (no synchronisation inside the timed
-calls, the queue drained between batches, the GPU work small enough to keep up). Timing: batches of ``--calls``
-calls per variant, interleaved over ``--rounds`` rounds (the mode entered for its variants only), median of the
-per-call means of the batches; on the CPU by default in this thread's CPU time (others' load on a shared machine
-does not count), with torch on one thread.
+calls, the queue drained between batches, the GPU work small enough to keep up). Timing (toolkit.timing.time_host):
+batches of ``--calls`` calls per variant, interleaved over ``--rounds`` rounds (the mode entered for its variants
+only), median of the per-call means of the batches; on the CPU by default in this thread's CPU time (others' load on
+a shared machine does not count), with torch on one thread.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import io
 import json
 import os
 import pstats
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -167,49 +166,33 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-def _batch_us(fn, calls: int, sync, clock) -> float:
-    sync()
-    start = clock()
-    for _ in range(calls):
-        fn()
-    elapsed = clock() - start
-    sync()
-    return elapsed / calls * 1e6
+VARIANTS = ("torch", "direct", "mode")
 
 
-def measure(cases: list[Case], calls: int, rounds: int, sync, clock=time.perf_counter, warmup: int = 3) -> list[dict]:
-    """Median µs per call of each case's torch op outside the mode, its direct detkit calls, and the op in the mode;
-    the variants interleaved round by round. A case whose call raises (in the mode: strict, so a call the mode does
-    not route raises) gets its error in its row and is not timed further."""
+def measure(cases: list[Case], calls: int, rounds: int, device, clock=time.perf_counter, warmup: int = 3) -> list[dict]:
+    """Median µs per call of each case's torch op outside the mode, its direct detkit calls, and the op in the mode
+    (strict, so a call the mode does not route raises), interleaved round by round (toolkit.timing.time_host: bursts
+    of ``calls`` calls, one sample per burst, ``warmup`` bursts untimed). A case whose call raises gets its error in
+    its row and is not timed further."""
     import detkit
+    from detkit.toolkit.timing import time_host
 
-    samples = {(c.name, v): [] for c in cases for v in ("torch", "direct", "mode")}
-    errors: dict[str, str] = {}
-
-    def timed(c: Case, variant: str, fn, r: int) -> None:
-        if c.name in errors:
-            return
-        try:
-            t = _batch_us(fn, calls, sync, clock)
-        except Exception as exc:  # reported in the row: the other cases still run
-            errors[c.name] = f"{variant}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            return
-        if r >= warmup:
-            samples[(c.name, variant)].append(t)
-
-    for r in range(warmup + rounds):
-        for c in cases:
-            timed(c, "torch", c.torch_call, r)
-            timed(c, "direct", c.direct_call, r)
-        with detkit.batch_invariant_mode(strict=True):
-            for c in cases:
-                timed(c, "mode", c.torch_call, r)
+    fns, contexts = {}, {}
+    for c in cases:
+        fns.update({(c.name, "torch"): c.torch_call, (c.name, "direct"): c.direct_call, (c.name, "mode"): c.torch_call})
+        contexts[(c.name, "mode")] = lambda: detkit.batch_invariant_mode(strict=True)
+    errors: dict = {}
+    # Hundreds of launches per burst would fill the launch queue behind a GPU sleep: bursts start on an idle GPU,
+    # whose work at these sizes keeps up with the host.
+    timings = time_host(fns, device, rounds, calls, per_call=False, warmup=warmup * calls, clock=clock,
+                        gpu_sleep_s=0.0, contexts=contexts, errors=errors)
     rows = []
     for c in cases:
-        if c.name in errors:
-            rows.append({"op": c.name, "shape": c.shape, "error": errors[c.name]})
+        failed = [(v, errors[(c.name, v)]) for v in VARIANTS if (c.name, v) in errors]
+        if failed:
+            rows.append({"op": c.name, "shape": c.shape, "error": "; ".join(f"{v}: {e}" for v, e in failed)})
             continue
-        med = {v: statistics.median(samples[(c.name, v)]) for v in ("torch", "direct", "mode")}
+        med = {v: timings[(c.name, v)].median_us for v in VARIANTS}
         rows.append({"op": c.name, "shape": c.shape, "torch_us": med["torch"], "direct_us": med["direct"],
                      "mode_us": med["mode"], "mode_minus_direct_us": med["mode"] - med["direct"]})
     return rows
@@ -230,13 +213,15 @@ def tiny_qwen3(device, layers: int = 4):
     return Qwen3ForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
 
 
-def profile_decode(device, steps: int, top: int, layers: int, clock=time.perf_counter, sync=lambda: None) -> str:
-    """``steps`` decode steps (one token, KV cache) of ``tiny_qwen3`` in the mode: the time per step (``clock``),
-    then under cProfile the totals per step and the functions with the most own time."""
+def profile_decode(device, steps: int, top: int, layers: int, clock=time.perf_counter) -> str:
+    """``steps`` decode steps (one token, KV cache) of ``tiny_qwen3`` in the mode: the time per step
+    (toolkit.timing.time_back_to_back; ``clock`` on the CPU), then under cProfile the totals per step and the
+    functions with the most own time."""
     import torch
     from transformers import DynamicCache
 
     import detkit
+    from detkit.toolkit.timing import time_back_to_back
 
     model = tiny_qwen3(device, layers)
     ids = torch.randint(0, 1024, (1, 8), device=device)
@@ -244,14 +229,9 @@ def profile_decode(device, steps: int, top: int, layers: int, clock=time.perf_co
         cache = DynamicCache(config=model.config)
         model(ids, past_key_values=cache, use_cache=True)
         token = ids[:, -1:]
-        for _ in range(3):  # warm: plans, caches, first-call imports
-            model(token, past_key_values=cache, use_cache=True)
-        sync()
-        start = clock()
-        for _ in range(steps):
-            model(token, past_key_values=cache, use_cache=True)
-        sync()
-        step_us = (clock() - start) / steps * 1e6
+        # Warm-up of 3 steps (plans, caches, first-call imports), then one sample of ``steps`` steps back to back.
+        step_us = time_back_to_back({"step": lambda: model(token, past_key_values=cache, use_cache=True)}, device,
+                                    rounds=1, passes=steps, warmup=3, clock=clock)["step"].median_us
         detkit.reset_mode_counters()
         profiler = cProfile.Profile()
         start = time.perf_counter()
@@ -313,11 +293,10 @@ def main(argv=None) -> int:
     n = args.n or (256 if device.type == "cpu" else 4096)
     with_transformers = importlib.util.find_spec("transformers") is not None
     cases = build_cases(device, args.m, k, n, args.batch, with_transformers)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     stand_in = device.type == "cpu"
     with standin_kernels() if stand_in else contextlib.nullcontext():
-        rows = measure(cases, args.calls, args.rounds, sync, clock)
-        profile = (profile_decode(device, args.profile_steps, args.profile_top, args.layers, clock, sync)
+        rows = measure(cases, args.calls, args.rounds, device, clock)
+        profile = (profile_decode(device, args.profile_steps, args.profile_top, args.layers, clock)
                    if args.profile else None)
     kernels = "stand-in kernels (torch.empty)" if stand_in else "real kernels (host time until queued)"
     title = (f"batch-invariant mode, host time per call on {device.type.upper()} BF16, {kernels}; torch "

@@ -12,9 +12,10 @@ Measures: ``fwd`` (the layer's forward with autograd recording) and ``fwd_bwd`` 
 ``torch.autograd.grad`` of x, w1, w2: nothing accumulates between calls); with ``--block``, ``infer``: transformers'
 Qwen3-MoE sparse MoE block (bench/moe_hf.py) under ``batch_invariant_mode()`` (``--fp8``: FP8 experts) in
 ``torch.no_grad()``, as a rollout engine calls it, with the router's own routing; on CUDA with ``--profile`` also
-torch.profiler's table of host-side ops by self CPU time. A measure's host time: batches of
-``--calls`` back-to-back calls with no synchronisation inside a batch (the queue drained between batches; at these
-sizes the GPU keeps up), the per-call mean of each batch, median and range over ``--rounds`` batches. Launches per
+torch.profiler's table of host-side ops by self CPU time. A measure's host time (toolkit.timing.host_samples_ms):
+batches of ``--calls`` back-to-back calls with no synchronisation inside a batch (the queue drained between batches;
+at these sizes the GPU keeps up), the per-call mean of each batch, median, p20/p80 and range over ``--rounds``
+batches. Launches per
 call: on CUDA the GPU kernels of one call in torch.profiler (the layer's and torch's own: copies, fills); on the CPU
 the Triton launches counted by the no-op stand-in, by kernel name. CPU tensors' torch ops cost less than CUDA ones,
 so CPU times are the Python's order of magnitude, not the GPU host's.
@@ -29,9 +30,7 @@ import io
 import json
 import os
 import pstats
-import statistics
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -113,19 +112,6 @@ def host_op_table(fn: Callable[[], object], calls: int, top: int) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
-def host_us(fn: Callable[[], object], calls: int, rounds: int, sync: Callable[[], None]) -> list[float]:
-    """Per-call host time of each batch, µs."""
-    samples = []
-    for _ in range(rounds):
-        sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        sync()
-    return samples
-
-
 def cuda_kernels_per_call(fn: Callable[[], object]) -> Counter:
     """The GPU kernels one call launches, by name (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -151,7 +137,6 @@ def profile_text(fn: Callable[[], object], calls: int, top: int) -> str:
 def measure_all(device: torch.device, fp8: bool, shape: tuple[int, ...], calls: int, rounds: int,
                 profile: bool, top: int, block: bool = False) -> dict:
     cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     results = {"device": str(device), "layer": ("block " if block else "") + ("fp8" if fp8 else "bf16"),
                "shape": dict(zip("THIEK", shape)), "calls": calls, "rounds": rounds, "measures": {}, "profiles": {}}
     counts: Counter = Counter()
@@ -159,17 +144,22 @@ def measure_all(device: torch.device, fp8: bool, shape: tuple[int, ...], calls: 
         for measure in BLOCK_MEASURES if block else MEASURES:
             with block_call(fp8, shape, device) if block else \
                     contextlib.nullcontext(layer_call(measure, fp8, shape, device)) as fn:
-                _measure_one(results, measure, fn, cuda, sync, counts, calls, rounds, profile, top)
+                _measure_one(results, measure, fn, device, counts, calls, rounds, profile, top)
     return results
 
 
-def _measure_one(results: dict, measure: str, fn: Callable[[], object], cuda: bool, sync, counts: Counter,
+def _measure_one(results: dict, measure: str, fn: Callable[[], object], device: torch.device, counts: Counter,
                  calls: int, rounds: int, profile: bool, top: int) -> None:
     """One measure's host time, launches and (``profile``) profiles into ``results``."""
-    for _ in range(3):  # compile and warm the caches
-        fn()
-    sync()
-    samples = host_us(fn, calls, rounds, sync)
+    from detkit.toolkit.timing import Timing, host_samples_ms
+
+    cuda = device.type == "cuda"
+    # Bursts of back-to-back calls, one sample per burst (its mean per call), 3 untimed calls first (compilation,
+    # caches). A call launches tens of kernels: a burst behind a GPU sleep could fill the launch queue, so bursts
+    # start on an idle GPU, which keeps up at these sizes.
+    samples_ms = host_samples_ms({measure: fn}, device, rounds, calls, per_call=False, warmup=3,
+                                 gpu_sleep_s=0.0)[measure]
+    spread = Timing.from_samples_ms(samples_ms)
     if cuda:
         launches = cuda_kernels_per_call(fn)
     else:
@@ -177,8 +167,9 @@ def _measure_one(results: dict, measure: str, fn: Callable[[], object], cuda: bo
         fn()
         launches = Counter(counts)
     results["measures"][measure] = {
-        "host_us_median": statistics.median(samples), "host_us_min": min(samples),
-        "host_us_max": max(samples), "launches": sum(launches.values()), "by_kernel": dict(launches)}
+        "host_us_median": spread.median_us, "host_us_p20": spread.p20_us, "host_us_p80": spread.p80_us,
+        "host_us_min": min(samples_ms) * 1e3, "host_us_max": max(samples_ms) * 1e3, "launches": sum(launches.values()),
+        "by_kernel": dict(launches)}
     if profile:
         results["profiles"][measure] = profile_text(fn, calls, top)
         if cuda:

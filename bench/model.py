@@ -1,0 +1,308 @@
+"""``detkit bench model``: a transformers model's speed in ``detkit.batch_invariant_mode()`` against default mode,
+the same model in the same run, interleaved. Its bits are the model audit's (``detkit audit --suite model``).
+
+The model (toolkit/models.py): ``--preset`` (one of ``MODEL_PRESETS``), else ``DETKIT_MODEL_CONFIG`` (a preset, a
+JSON config or a checkpoint directory), else Qwen3 with the 8B widths and 2 layers on cuda and a tiny Qwen3 on the
+interpreter; random init unless a checkpoint has weights. ``DETKIT_MODEL_MOE_EXPERTS`` and
+``DETKIT_MODEL_FP8_GRAPH_WEIGHTS`` are the mode's ``moe_experts`` and ``fp8_graph_weights``.
+
+Cases, one row each, named ``speed <case> detkit / default``:
+- ``prefill``: an inference forward of ``plan.prefill`` (batch, tokens), no cache;
+- ``decode_eager``: one decode step (a token per sequence) on a DynamicCache prefilled in that mode with
+  ``plan.decode`` (batch, cache length) tokens; every call appends a token;
+- ``decode_cuda_graph``: the same step on caches of its own, captured in a CUDA graph and replayed (a replay
+  recomputes the captured step). On the CPU there are no graphs: eager wall time, and a step that reads device data
+  on the host, which a capture refuses, is refused so;
+- ``forward_backward``: a training forward and a cross-entropy backward of ``plan.train`` (batch, tokens);
+- a MoE model also times its first MoE block alone, detkit's layer vs transformers' own block (the experts
+  implementation the model was built with), at the token counts of the three cases: ``moe_block_prefill``,
+  ``moe_block_decode``, ``moe_block_forward_backward``.
+
+Timing (toolkit.timing): per case, the default-mode and the detkit-mode calls interleaved over ``--rounds`` rounds
+(default 2), each mode entered around its own calls, warm-up excluded. The eager cases by ``time_back_to_back``
+(each sample one call between CUDA events, ``plan.reps`` samples per round; the weights are far larger than the L2,
+so no flush), the captured step by ``time_graphs`` (``plan.graph_replays`` replays per round). Fields: default_ms and
+detkit_ms (medians) with their p20/p80; ratio = detkit_ms / default_ms; target (TARGETS) and meets_target, none on
+the interpreter (CPU emulation says nothing about GPU speed).
+
+A row fails when its calls could not be made (e.g. the capture failed: ``failure`` says why) or when its detkit-mode
+calls ran a GEMM on torch, or for a MoE model an expert call off detkit's layer of the chosen precision (the mode's
+counters over the case: then the time is not detkit's).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from detkit.toolkit.models import MODEL_PRESETS, MODES
+
+NAME = "model"
+DESCRIPTION = ("transformers model speed, detkit mode / default mode: prefill, decode step (eager, CUDA graph), "
+               "forward+backward; a MoE model's block vs transformers' own")
+RANKS = "single"
+OPTIONS = ()
+PRESETS = tuple(MODEL_PRESETS)
+MODEL_CASES = ("prefill", "decode_eager", "decode_cuda_graph", "forward_backward")
+BLOCK_CASES = ("moe_block_prefill", "moe_block_decode", "moe_block_forward_backward")
+# Speed targets (detkit time / default time) of the model cases; the block cases compare with transformers' block
+# and carry none.
+TARGETS = {"prefill": 1.05, "decode_eager": 1.15, "decode_cuda_graph": 1.05, "forward_backward": 1.05}
+DEFAULT_ROUNDS = 2
+
+
+@dataclass(frozen=True)
+class SpeedPlan:
+    """Sizes of one bench run."""
+
+    prefill: tuple[int, int]  # (batch, tokens)
+    decode: tuple[int, int]  # (batch, cache length)
+    train: tuple[int, int]  # (batch, tokens) of the forward+backward
+    reps: int  # samples per round of prefill, the decode step and the blocks
+    train_reps: int  # samples per round of the forward+backward (each is several forwards' time)
+    graph_replays: int  # timed replays per round of the captured decode step
+
+
+CUDA_PLAN = SpeedPlan(prefill=(4, 512), decode=(8, 1024), train=(4, 512), reps=10, train_reps=5, graph_replays=10)
+# The interpreter emulates every kernel on the CPU: tiny sizes, one sample, the plumbing only.
+CPU_PLAN = SpeedPlan(prefill=(2, 8), decode=(2, 8), train=(2, 8), reps=1, train_reps=1, graph_replays=1)
+
+
+def row_name(case: str) -> str:
+    return f"speed {case} detkit / default"
+
+
+def plan_of(ctx) -> SpeedPlan:
+    return CPU_PLAN if ctx.interpreted else CUDA_PLAN
+
+
+def default_rounds(interpreted: bool) -> int:
+    """Interleaved rounds unless --rounds says otherwise: one on the interpreter (plumbing, not speed)."""
+    return 1 if interpreted else DEFAULT_ROUNDS
+
+
+def _spec(ctx) -> str | None:
+    """The model --preset names (at most one), else None: DETKIT_MODEL_CONFIG or the device's default."""
+    if len(ctx.presets) > 1:
+        raise ValueError(f"bench model times one model; got --preset {list(ctx.presets)}")
+    return ctx.presets[0] if ctx.presets else None
+
+
+def cases(ctx, **_) -> list[str]:
+    """The model cases, and the block cases when the model's config has experts; the model's source and the mode's
+    choices are checked here, before any work (the config is read, no model built)."""
+    from detkit.toolkit.models import fp8_graph_weights_choice, model_source, moe_experts_choice
+
+    spec = _spec(ctx)
+    moe_experts_choice()
+    fp8_graph_weights_choice()
+    try:
+        config, _, _ = model_source(ctx.device, spec)
+    except ImportError as exc:
+        raise ValueError(f"the model bench needs transformers ({exc}): pip install 'detkit[models]'") from None
+    return [*MODEL_CASES, *(BLOCK_CASES if getattr(config, "num_experts", 0) else ())]
+
+
+# ---------------------------------------------------------------------------------------------
+# The timed calls
+# ---------------------------------------------------------------------------------------------
+class ModelBench:
+    """One model and its inputs; ``measure(case)`` is one row."""
+
+    def __init__(self, ctx, model, description: str, moe_experts: str, fp8_graph_weights: str):
+        from detkit.toolkit.models import cache_kwarg, is_moe
+
+        self.ctx, self.model, self.description = ctx, model, description
+        self.device, self.plan, self.rounds = ctx.device, plan_of(ctx), ctx.rounds or default_rounds(ctx.interpreted)
+        self.moe_experts, self.fp8_graph_weights = moe_experts, fp8_graph_weights
+        self.moe = is_moe(model)
+        self.cache_kwarg = cache_kwarg(model)
+        self.vocab = model.config.vocab_size
+        gen = torch.Generator().manual_seed(ctx.seed)
+
+        def ids(batch: int, tokens: int) -> torch.Tensor:
+            return torch.randint(3, self.vocab, (batch, tokens), generator=gen).to(self.device)
+
+        self.prefill_ids, self.train_ids = ids(*self.plan.prefill), ids(*self.plan.train)
+        self.prompt, self.token = ids(self.plan.decode[0], self.plan.decode[1]), ids(self.plan.decode[0], 1)
+
+    def contexts(self) -> dict[str, Callable]:
+        """Each mode's context, entered by the timing around that mode's calls."""
+        from detkit.toolkit.models import mode_context
+
+        return {mode: (lambda mode=mode: mode_context(mode, self.moe_experts, self.fp8_graph_weights))
+                for mode in MODES}
+
+    def prefill(self) -> None:
+        with torch.inference_mode():
+            self.model(input_ids=self.prefill_ids, use_cache=False)
+
+    def forward_backward(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        logits = self.model(input_ids=self.train_ids, use_cache=False).logits
+        F.cross_entropy(logits[:, :-1].float().reshape(-1, self.vocab), self.train_ids[:, 1:].reshape(-1)).backward()
+
+    def decode_step(self, mode: str) -> Callable[[], object]:
+        """A decode step on a cache of its own, prefilled in ``mode``."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        kw = {self.cache_kwarg: cache, "use_cache": True}
+        with self.contexts()[mode](), torch.inference_mode():
+            self.model(input_ids=self.prompt, **kw)
+
+        def step():
+            with torch.inference_mode():
+                return self.model(input_ids=self.token, **kw)
+        return step
+
+    def block_calls(self, case: str) -> dict[str, Callable[[], None]]:
+        """The first MoE block alone at ``case``'s token count, the same call in both modes."""
+        from detkit.toolkit.models import moe_blocks
+
+        block = moe_blocks(self.model)[0]
+        tokens = {"moe_block_prefill": self.plan.prefill[0] * self.plan.prefill[1],
+                  "moe_block_decode": self.plan.decode[0],
+                  "moe_block_forward_backward": self.plan.train[0] * self.plan.train[1]}[case]
+        gen = torch.Generator().manual_seed(self.ctx.seed + 11)
+        x = torch.randn(1, tokens, self.model.config.hidden_size, generator=gen).to(self.device, torch.bfloat16)
+        if case != "moe_block_forward_backward":
+            def forward():
+                with torch.inference_mode():
+                    block(x)
+            return {mode: forward for mode in MODES}
+
+        def forward_backward():
+            xg = x.detach().requires_grad_(True)
+            block(xg).backward(x)
+            block.zero_grad(set_to_none=True)
+        return {mode: forward_backward for mode in MODES}
+
+    def timed(self, case: str) -> tuple[dict, dict[str, str]]:
+        """The Timings of ``case`` per mode and the modes whose calls could not be timed (one line each)."""
+        from detkit.toolkit.timing import time_back_to_back, time_graphs
+
+        contexts, errors = self.contexts(), {}
+        names = {mode: f"{row_name(case)} | {mode}" for mode in MODES}
+        if case == "decode_cuda_graph":
+            steps = {mode: self.decode_step(mode) for mode in MODES}
+            timings = time_graphs(steps, self.device, calls_per_fn=1, rounds=self.rounds,
+                                  replays=self.plan.graph_replays, range_names=names, contexts=contexts, errors=errors)
+            return timings, errors
+        if case == "decode_eager":
+            fns = {mode: self.decode_step(mode) for mode in MODES}
+        elif case in BLOCK_CASES:
+            fns = self.block_calls(case)
+        else:
+            fns = {mode: getattr(self, case) for mode in MODES}
+        reps = self.plan.train_reps if case.endswith("forward_backward") else self.plan.reps
+        timings = time_back_to_back(fns, self.device, self.rounds, samples_per_round=reps, contexts=contexts,
+                                    range_names=names)
+        self.model.zero_grad(set_to_none=True)
+        return timings, errors
+
+    def measure(self, case: str) -> dict:
+        """One row: both modes' times, the ratio, and whether detkit mode ran on detkit's kernels throughout."""
+        from detkit.mode.switch import mode_counters
+        from detkit.toolkit.models import moe_blocks, routing_check
+
+        row = {"name": row_name(case), "case": case, "model": self.description, "moe_experts": self.moe_experts,
+               "fp8_graph_weights": self.fp8_graph_weights, "backend": self.ctx.backend,
+               "hardware_result": not self.ctx.interpreted, "rounds": self.rounds,
+               "timing": "graph" if case == "decode_cuda_graph" else "eager"}
+        row.update(self.shape(case))
+        if case in BLOCK_CASES and not moe_blocks(self.model):
+            return {**row, "passed": False, "failure": "the model has no transformers Qwen3-MoE block to time"}
+        before = mode_counters()
+        try:
+            timings, errors = self.timed(case)
+        except (RuntimeError, ValueError, NotImplementedError) as exc:  # e.g. out of memory: a failed row, not a crash
+            from detkit.toolkit.timing import call_refusal
+
+            self.model.zero_grad(set_to_none=True)
+            return {**row, "passed": False, "failure": call_refusal(exc)}
+        routed, routing = routing_check((mode_counters() - before).as_dict(), self.moe, self.moe_experts)
+        row["detkit_mode_routing"] = routing
+        for mode, t in timings.items():
+            row.update({f"{mode}_ms": t.median_us / 1e3, f"{mode}_p20_ms": t.p20_us / 1e3,
+                        f"{mode}_p80_ms": t.p80_us / 1e3, f"{mode}_samples": t.samples,
+                        f"{mode}_sm_clock_mhz": t.sm_clock_mhz})
+        if errors:
+            failure = "; ".join(f"{mode}: {error}" for mode, error in errors.items())
+            return {**row, "passed": False, "failure": failure}
+        row["ratio"] = row["detkit_ms"] / row["default_ms"]
+        target = TARGETS.get(case)
+        row.update(target=target, meets_target=None if target is None or self.ctx.interpreted else
+                   row["ratio"] <= target)
+        if case in BLOCK_CASES:
+            experts = getattr(self.model.config, "_experts_implementation", None)
+            row.update(baseline=f"transformers' block ({experts})", detkit_experts=self.moe_experts)
+        if not routed:
+            return {**row, "passed": False, "failure": f"detkit mode ran off detkit's kernels, so its time is not "
+                                                        f"detkit's: {routing}"}
+        return {**row, "passed": True}
+
+    def shape(self, case: str) -> dict:
+        p = self.plan
+        if case in ("prefill", "moe_block_prefill"):
+            return {"batch": p.prefill[0], "tokens": p.prefill[0] * p.prefill[1], "seq_len": p.prefill[1]}
+        if case in ("forward_backward", "moe_block_forward_backward"):
+            return {"batch": p.train[0], "tokens": p.train[0] * p.train[1], "seq_len": p.train[1]}
+        return {"batch": p.decode[0], "tokens": p.decode[0], "cache_len": p.decode[1]}
+
+
+# ---------------------------------------------------------------------------------------------
+# The plug-in
+# ---------------------------------------------------------------------------------------------
+def run(ctx, cases: list[str], **_) -> Iterator[dict]:
+    """Build the model once, then one row per case as soon as it is measured."""
+    from detkit.toolkit.models import build_model, fp8_graph_weights_choice, moe_experts_choice
+
+    model, description = build_model(ctx.device, ctx.seed, _spec(ctx))
+    bench = ModelBench(ctx, model, description, moe_experts_choice(), fp8_graph_weights_choice())
+    for case in cases:
+        yield bench.measure(case)
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()  # each case's graphs and caches are gone: give the next its memory
+
+
+def describe(ctx, cases: list[str], rows: list[dict], session=None) -> dict:
+    """The plan and targets, for report.json's meta."""
+    return {"plan": asdict(plan_of(ctx)), "targets": TARGETS, "model": rows[0]["model"] if rows else None}
+
+
+def derive(rows: list[dict], meta: dict) -> dict:
+    """The target verdicts over the model cases (hardware runs only)."""
+    judged = [r for r in rows if r.get("meets_target") is not None]
+    return {"met": sum(r["meets_target"] for r in judged), "judged": len(judged),
+            "ratios": {r["case"]: r.get("ratio") for r in rows}}
+
+
+def summarize(rows: list[dict], meta: dict) -> str:
+    from tabulate import tabulate
+
+    lines = []
+    if not meta.get("hardware_result", True) or any(not r.get("hardware_result", True) for r in rows):
+        lines += ["Interpreter run: every time is CPU emulation at tiny shapes, not a hardware result; no targets "
+                  "are judged.", ""]
+    if rows:
+        lines += [f"Model: {rows[0]['model']}; detkit mode's MoE experts {rows[0]['moe_experts']}, FP8 graph weights "
+                  f"{rows[0]['fp8_graph_weights']}.", ""]
+    judged = [r for r in rows if r.get("meets_target") is not None]
+    if judged:
+        met = sum(r["meets_target"] for r in judged)
+        lines += [f"Targets (detkit / default): met by {met} of {len(judged)}; median ratio "
+                  f"{statistics.median(r['ratio'] for r in judged):.3f}", ""]
+    cols = ("case", "timing", "default_ms", "default_p20_ms", "default_p80_ms", "detkit_ms", "detkit_p20_ms",
+            "detkit_p80_ms", "ratio", "target", "meets_target", "passed")
+    table = [{c: r.get(c) for c in cols} for r in rows]
+    lines += ["## Speed (median ms; ratio = detkit / default)", "",
+              tabulate(table, headers="keys", tablefmt="github", floatfmt=".4g"), ""]
+    failed = [r for r in rows if not r["passed"]]
+    if failed:
+        lines += ["## Failed", ""] + [f"- {r['name']}: {r.get('failure')}" for r in failed] + [""]
+    return "\n".join(lines)

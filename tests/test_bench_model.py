@@ -1,0 +1,158 @@
+"""bench/model.py, ``detkit bench model``, with a tiny Qwen3 (one layer) at tiny sizes: its cases follow the model and
+refuse bad input before any work, a run through the CLI writes the model speed rows the claims generator reads, each
+mode's time is its own calls' time, and a row fails when its detkit-mode calls ran off detkit's kernels or its step
+could not be captured. On the CPU (the interpreter, CUDA graphs stood in for) this is plumbing, not speed; with
+DETKIT_TEST_DEVICE=cuda the same tests capture real graphs and time with CUDA events."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+
+pytest.importorskip("transformers", reason="transformers is the optional extra detkit[models]")
+
+from detkit.bench import model as bench  # noqa: E402
+from detkit.mode import state as mode_state  # noqa: E402
+from detkit.toolkit import benches, models  # noqa: E402
+from detkit.toolkit.harness import RunContext  # noqa: E402
+from tests.bench_helpers import one_process, read_rows  # noqa: E402
+from tests.conftest import backend_of  # noqa: E402
+from tools import claims  # noqa: E402
+
+ONE_LAYER = dict(models.QWEN3_TINY, num_hidden_layers=1)
+# Tiny sizes on either device: prefill 1 x 4 tokens, decode at batch 2 on a 4-token cache, one sample a round.
+SMALL_PLAN = bench.SpeedPlan((1, 4), (2, 4), (1, 4), reps=1, train_reps=1, graph_replays=1)
+
+
+@pytest.fixture
+def small_plan(monkeypatch):
+    monkeypatch.setattr(bench, "CPU_PLAN", SMALL_PLAN)
+    monkeypatch.setattr(bench, "CUDA_PLAN", SMALL_PLAN)
+    return SMALL_PLAN
+
+
+def context(device: torch.device, **kwargs) -> RunContext:
+    return RunContext(device=device, backend=backend_of(device), preset="default", seed=3, **kwargs)
+
+
+@pytest.fixture
+def tiny_config(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"model_type": "qwen3", **ONE_LAYER}))
+    monkeypatch.setenv(models.CONFIG_ENV, str(path))
+    return path
+
+
+def tiny_bench(device: torch.device, rounds: int = 1) -> bench.ModelBench:
+    ctx = context(device, rounds=rounds)
+    model, description = models.build_model(ctx.device, ctx.seed)
+    return bench.ModelBench(ctx, model, description, "bf16", "quantize")
+
+
+def test_cases_follow_the_model_and_bad_input_is_refused_before_any_work(device, tiny_config, monkeypatch):
+    def build_model(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(models, "build_model", build_model)
+    ctx = context(device)
+    assert bench.cases(ctx) == list(bench.MODEL_CASES)
+    # A MoE config adds its block cases; --preset names the model over DETKIT_MODEL_CONFIG.
+    moe = context(device, presets=("qwen3-moe-tiny",))
+    assert bench.cases(moe) == [*bench.MODEL_CASES, *bench.BLOCK_CASES]
+    with pytest.raises(ValueError, match=r"^bench model times one model; got --preset \['qwen3-tiny', "
+                                         r"'qwen3-moe-tiny'\]$"):
+        bench.cases(context(device, presets=("qwen3-tiny", "qwen3-moe-tiny")))
+    monkeypatch.setenv(models.EXPERTS_ENV, "fp4")
+    with pytest.raises(ValueError, match=f"^{models.EXPERTS_ENV}='fp4' is not supported; supported: bf16, fp8$"):
+        bench.cases(ctx)
+
+
+def test_a_run_through_the_cli_writes_the_speed_rows_the_claims_read(device, tiny_config, small_plan, tmp_path,
+                                                                      monkeypatch):
+    """Every model case timed in both modes; the report is a `bench model` report whose rows the claims generator
+    reads as it reads the old model-audit reports' speed rows."""
+    one_process(monkeypatch)
+    group = click.Group("bench")
+    benches.add_commands(group, prepare=lambda device, ranks: None, plugins=["detkit.bench.model"])
+    result = CliRunner().invoke(group, ["model", "--device", device.type, "--out", str(tmp_path / "out")],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = read_rows(tmp_path / "out")
+    assert [r["name"] for r in rows] == [f"speed {case} detkit / default" for case in bench.MODEL_CASES]
+    for r in rows:
+        assert r["passed"] and r["default_ms"] > 0 and r["detkit_ms"] > 0, r
+        assert math.isclose(r["ratio"], r["detkit_ms"] / r["default_ms"])
+        assert r["default_p20_ms"] <= r["default_ms"] <= r["default_p80_ms"]
+        assert r["target"] == bench.TARGETS[r["case"]] and r["detkit_mode_routing"] == {"gemm_not_routed": {}}
+        if device.type == "cpu":  # no verdict from CPU emulation
+            assert r["meets_target"] is None and r["hardware_result"] is False
+        else:
+            assert r["meets_target"] == (r["ratio"] <= r["target"]) and r["hardware_result"] is True
+    assert [r["timing"] for r in rows] == ["eager", "eager", "graph", "eager"]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["meta"]["command"] == "bench model" and report["meta"]["plan"]["decode"] == [2, 4]
+    measured = claims.model_speeds(report)
+    assert measured.text.startswith("; ".join(f"{r['ratio']:.2f}x" for r in rows))
+    assert "## Speed (median ms; ratio = detkit / default)" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_each_mode_is_timed_on_its_own_calls(device, tiny_config, monkeypatch):
+    """prefill replaced by a spin of 5 ms in default mode and 50 ms in detkit mode: each sample lasts at least its
+    mode's spin, and default mode's median stays under 50 ms (it would not if the modes' calls were mixed or the
+    mode were entered around the wrong calls); ratio is detkit / default of the medians, in ms."""
+    def spin(self):
+        end = time.perf_counter() + (0.050 if mode_state.active() else 0.005)
+        while time.perf_counter() < end:
+            pass
+
+    monkeypatch.setattr(bench.ModelBench, "prefill", spin)
+    three = bench.SpeedPlan((1, 4), (1, 4), (1, 4), reps=3, train_reps=1, graph_replays=1)
+    monkeypatch.setattr(bench, "CPU_PLAN", three)
+    monkeypatch.setattr(bench, "CUDA_PLAN", three)
+    row = tiny_bench(device, rounds=2).measure("prefill")
+    assert row["passed"] and row["default_samples"] == row["detkit_samples"] == 6, row
+    assert 5.0 <= row["default_p20_ms"] and row["default_ms"] < 50.0 <= row["detkit_p20_ms"], row
+    assert math.isclose(row["ratio"], row["detkit_ms"] / row["default_ms"]) and row["ratio"] > 1
+
+
+def test_a_gemm_on_torch_in_detkit_mode_fails_its_row(device, tiny_config, small_plan):
+    """An FP32 matmul in the model's last norm: detkit mode leaves it to torch (counted), so the detkit time is not
+    detkit's and the row fails, naming the op."""
+    b = tiny_bench(device)
+    eye = torch.eye(b.model.config.hidden_size, device=device)
+    b.model.model.norm.register_forward_hook(lambda m, args, out: (out.float() @ eye).to(out.dtype))
+    row = b.measure("prefill")
+    assert not row["passed"] and row["detkit_mode_routing"]["gemm_not_routed"], row
+    assert row["failure"].startswith("detkit mode ran off detkit's kernels") and "mm: " in row["failure"]
+
+
+def test_a_step_the_capture_would_refuse_fails_the_graph_row(device, tiny_config, small_plan):
+    """A decode step that reads a value back to the host: its capture fails (on the CPU the graph timing's stand-in
+    refuses it) in both modes, and the row fails with the reason instead of a time."""
+    b = tiny_bench(device)
+    b.model.model.norm.register_forward_hook(lambda m, args, out: out * (float(out.sum()) == float(out.sum())))
+    row = b.measure("decode_cuda_graph")
+    assert not row["passed"] and "ratio" not in row, row
+    for mode in bench.MODES:
+        # The step runs under torch.inference_mode, where a value is read as aten.item.
+        reason = ("capture failed (cpu stand-in): reads device data on the host: aten.item.default"
+                  if device.type == "cpu" else "capture failed: ")
+        assert f"{mode}: {reason}" in row["failure"], row["failure"]
+
+
+def test_a_moe_models_block_is_timed_on_detkits_layer(device, small_plan, monkeypatch):
+    """The tiny Qwen3-MoE: its first block alone, detkit's BF16 layer under the mode (counted: at least one expert
+    call, none on torch) against transformers' own block."""
+    monkeypatch.setenv(models.CONFIG_ENV, "qwen3-moe-tiny")
+    row = tiny_bench(device).measure("moe_block_decode")
+    assert row["passed"] and row["tokens"] == 2 and row["target"] is None, row
+    routing = row["detkit_mode_routing"]
+    assert routing["moe_experts_routed"] > 0 and routing["moe_not_routed"] == routing["moe_other_precision"] == {}
+    assert row["baseline"].startswith("transformers' block") and math.isclose(row["ratio"],
+                                                                               row["detkit_ms"] / row["default_ms"])
