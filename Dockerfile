@@ -7,8 +7,10 @@
 # BASE_IMAGE is the month tag; BASE_DIGEST the sha256 manifest digest of that tag, read from the
 # registry (docs/container.md: `docker buildx imagetools inspect <tag>` or the NGC catalog).
 # With a digest the pull is content-addressed (`tag@sha256:...`: the tag is then only a label).
-# Without one the build stops, unless ALLOW_UNPINNED_BASE=1 is passed on purpose (first
-# bring-up, to read the digest); the image then records that it was built unpinned.
+# compose.yaml refuses to start without one, before any pull; here, without one the build stops
+# (after the pull: a RUN needs the base), unless ALLOW_UNPINNED_BASE=1 is passed on purpose. Only
+# the CI stand-in base, an imported image with no registry digest, is built so
+# (.ci/compose.standin.yaml); the image then records that it was built unpinned.
 #
 # ALLOW_CPU_BASE=1 accepts a base whose torch has no CUDA (the CI stand-in base, built without a
 # registry: docs/container.md). The torch/triton version checks stay on; the image records every
@@ -53,15 +55,22 @@ bad += [] if cuda.split('.')[0] == '${CUDA_MAJOR}' or cpu_ok else [f'CUDA {cuda}
 print(f'base: torch {torch.__version__}, triton {triton.__version__}, CUDA {cuda}' + (' (ALLOW_CPU_BASE=1)' if cpu_ok else '')); \
 sys.exit('base image does not fit detkit: ' + '; '.join(bad) + ' (choose a newer BASE_IMAGE)' if bad else None)"
 
-# detkit's small pure-Python dependencies, pinned like requirements-ci.txt. torch, triton and
-# numpy stay the image's own: nothing below depends on torch, and numpy is already satisfied.
-RUN pip install --no-cache-dir \
-        click==8.5.1 \
-        tabulate==0.10.0 \
-        psutil==7.2.2 \
-        nvtx==0.2.17 \
-        nvidia-ml-py==13.615.71 \
-        matplotlib==3.11.2
+# detkit's dependencies at the pins of requirements-ci.txt, the project's one list of pins (bound
+# in for this step only): the pure-Python ones of pyproject.toml and its `models` extra (transformers,
+# which the model audit in the default suite `all` needs), every package they pull in held to its
+# pin there. torch, triton and numpy stay the base image's own: their pins are left out, and the
+# versions the base has are added as constraints, so pip fails rather than replace them.
+# (.ci/docker.sh carries the wheels of the same list for the CI stand-in base.)
+RUN --mount=type=bind,source=requirements-ci.txt,target=/tmp/requirements-ci.txt \
+    grep -vE '^(torch|triton|numpy)==' /tmp/requirements-ci.txt >/tmp/detkit-constraints.txt \
+ && pip list --format=freeze | grep -iE '^(torch|triton|numpy)==' >>/tmp/detkit-constraints.txt \
+ && for name in click tabulate psutil nvtx nvidia-ml-py matplotlib transformers; do \
+        grep -E "^${name}==" /tmp/requirements-ci.txt \
+            || { echo "requirements-ci.txt has no '${name}==<version>' pin" >&2; exit 1; }; \
+    done >/tmp/detkit-requirements.txt \
+ && pip install --no-cache-dir -c /tmp/detkit-constraints.txt -r /tmp/detkit-requirements.txt \
+ && rm /tmp/detkit-constraints.txt /tmp/detkit-requirements.txt \
+ && python -c "import transformers; print('models extra: transformers', transformers.__version__)"
 
 # detkit itself, without dependencies, so pip can never replace the image's torch/triton.
 # The source is bind-mounted for the build only (.dockerignore keeps the context small).
@@ -84,7 +93,8 @@ LABEL org.opencontainers.image.title="detkit" \
       io.detkit.requires.driver="R580 or newer (CUDA ${CUDA_MAJOR})" \
       io.detkit.requires.gpu="sm_90 (Hopper)"
 
-# Caches go to /tmp so any UID (compose runs as the invoking user) can write them.
+# Caches go to /tmp so any UID (compose runs as the invoking user) can write them (transformers' too:
+# the model audit builds its model from a config and never downloads).
 ENV DETKIT_IMAGE="${DETKIT_IMAGE}" \
     DETKIT_BASE_IMAGE="${BASE_IMAGE}${BASE_DIGEST:+@${BASE_DIGEST}}" \
     DETKIT_GIT_COMMIT="${DETKIT_GIT_COMMIT}" \
@@ -92,6 +102,7 @@ ENV DETKIT_IMAGE="${DETKIT_IMAGE}" \
     NCCL_NVLS_ENABLE=0 \
     TRITON_CACHE_DIR=/tmp/detkit-cache/triton \
     MPLCONFIGDIR=/tmp/detkit-cache/matplotlib \
+    HF_HOME=/tmp/detkit-cache/huggingface \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 

@@ -12,10 +12,13 @@
 # STATE/dockerd.pid. Its data root (DETKIT_DOCKER_DATA_ROOT, default /var/lib/detkit-ci-docker)
 # is kept between runs as the cache of the stand-in image and of the build; a lock on it lets one
 # engine use it at a time. The stand-in base is Debian bookworm (debootstrap, minbase) with
-# python3 and a venv at /opt/venv holding the runtime pins of requirements-ci.txt, installed from
-# wheels that this machine's pip downloads ($PYTHON -m pip download); it is `docker import`ed as
-# detkit-standin:<key>, the key hashing this script and requirements-ci.txt. Its /etc/pip.conf
-# points pip at the wheels it carries (no index), so the Dockerfile's build needs no network.
+# python3 and a venv at /opt/venv holding what the NGC base brings for detkit: torch, triton and
+# numpy at their pins in requirements-ci.txt. Everything the Dockerfile's pip step installs (the
+# pure-Python dependencies and the models extra, with what they pull in, at the same pins) is
+# carried as wheels in /opt/detkit-wheels, which /etc/pip.conf makes pip's only source (no index),
+# so the Dockerfile's build installs them for real without a network. The wheels are those this
+# machine's pip downloads ($PYTHON -m pip download). The image is `docker import`ed as
+# detkit-standin:<key>, the key hashing this script and requirements-ci.txt.
 # Writes STATE/env (DOCKER_HOST=..., DETKIT_STANDIN_IMAGE=...) and prints one 'time <step>: N s'
 # line per step.
 #
@@ -26,8 +29,11 @@ cd "$(dirname "$0")/.."
 
 readonly DOCKER=/usr/bin/docker DOCKERD=/usr/sbin/dockerd
 readonly SUITE=bookworm
-# The runtime packages of pyproject.toml; their pins come from requirements-ci.txt.
-readonly RUNTIME_PACKAGES="torch triton numpy click tabulate psutil nvtx nvidia-ml-py matplotlib"
+# What the NGC base brings (installed in the stand-in's venv), and what the Dockerfile's pip step
+# installs (carried as wheels): pyproject.toml's dependencies and its models extra, split the way the
+# Dockerfile splits them (tests/test_container_static.py checks the three lists agree). Pins: requirements-ci.txt.
+readonly BASE_PACKAGES=(torch triton numpy)
+readonly IMAGE_PACKAGES=(click tabulate psutil nvtx nvidia-ml-py matplotlib transformers)
 # pip builds detkit in an isolated environment that needs setuptools (pyproject: >=69).
 readonly SETUPTOOLS_PIN=setuptools==80.9.0
 DATA_ROOT=${DETKIT_DOCKER_DATA_ROOT:-/var/lib/detkit-ci-docker}
@@ -59,9 +65,9 @@ standin_key() {
     cat .ci/docker.sh requirements-ci.txt | sha256sum | cut -c1-16
 }
 
-runtime_pins() {  # the requirements-ci.txt lines of RUNTIME_PACKAGES, one per line
+pins_of() {  # the requirements-ci.txt lines of the packages named, one per line
     local name line found
-    for name in $RUNTIME_PACKAGES; do
+    for name in "$@"; do
         found=
         while read -r line; do
             [[ ${line%%==*} == "$name" ]] && found=$line
@@ -83,31 +89,42 @@ build_standin() {  # TAG WORK
     debootstrap --variant=minbase --include=python3,python3-venv "$SUITE" "$rootfs" "$MIRROR" \
         >"$work/debootstrap.log" 2>&1 || { tail -n 30 "$work/debootstrap.log" >&2; die "debootstrap failed"; }
     step_done debootstrap
-    step "pip download of the runtime pins of requirements-ci.txt ($python)"
-    mkdir -p "$wheels"
-    runtime_pins >"$work/pins.txt"
-    echo "$SETUPTOOLS_PIN" >>"$work/pins.txt"
-    "$python" -m pip download -q --only-binary=:all: -d "$wheels" -r "$work/pins.txt" >"$work/pip.log" 2>&1 ||
+    step "pip download of the base's and the image's pins of requirements-ci.txt ($python)"
+    local base=$work/base-wheels
+    mkdir -p "$wheels" "$base"
+    pins_of "${BASE_PACKAGES[@]}" >"$work/base.txt"
+    pins_of "${IMAGE_PACKAGES[@]}" >"$work/image.txt"
+    "$python" -m pip download -q --only-binary=:all: -d "$base" -r "$work/base.txt" >"$work/pip.log" 2>&1 ||
         { grep -v "is ignored: it is" "$work/pip.log" | tail -n 30 >&2; die "pip download failed"; }
-    [[ -n $(ls "$wheels"/torch-*.whl 2>/dev/null) ]] || die "pip download left no torch wheel in $wheels"
+    [[ -n $(ls "$base"/torch-*.whl 2>/dev/null) ]] || die "pip download left no torch wheel in $base"
+    # The image's packages and everything they pull in, held to every pin of requirements-ci.txt (the
+    # constraints of the Dockerfile's pip step), and setuptools for the isolated build of detkit.
+    "$python" -m pip download -q --only-binary=:all: -d "$wheels" -c requirements-ci.txt -r "$work/image.txt" \
+        "$SETUPTOOLS_PIN" >>"$work/pip.log" 2>&1 ||
+        { grep -v "is ignored: it is" "$work/pip.log" | tail -n 30 >&2; die "pip download failed"; }
     step_done wheels
-    step "venv /opt/venv in the stand-in, offline from the downloaded wheels"
-    cp "$work/pins.txt" "$rootfs/opt/detkit-wheels/pins.txt"
+    step "venv /opt/venv in the stand-in (the base's torch, triton, numpy), offline from the downloaded wheels"
+    mv "$base" "$rootfs/opt/detkit-base-wheels"
+    cp "$work/base.txt" "$rootfs/opt/detkit-base-wheels/pins.txt"
     printf '[global]\nno-index = true\nfind-links = /opt/detkit-wheels\n' >"$rootfs/etc/pip.conf"
     # A clean environment: this machine's pip settings (find-links, index, constraints) stay out.
     env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
         chroot "$rootfs" /bin/sh -c 'python3 -m venv /opt/venv &&
-            /opt/venv/bin/pip install -q --no-cache-dir -r /opt/detkit-wheels/pins.txt &&
+            /opt/venv/bin/pip install -q --no-cache-dir --find-links /opt/detkit-base-wheels \
+                -r /opt/detkit-base-wheels/pins.txt &&
             /opt/venv/bin/python -c "import torch, triton; print(\"stand-in: torch\", torch.__version__, \"triton\", triton.__version__)"'
-    # Only the setuptools wheel stays (the isolated build of detkit installs it); the rest is installed.
-    find "$wheels" -name '*.whl' ! -name 'setuptools-*' -delete
+    rm -rf "$rootfs/opt/detkit-base-wheels"
+    # The base's own packages are installed; the Dockerfile's pip step finds the rest here.
+    for name in "${BASE_PACKAGES[@]}"; do
+        find "$wheels" -name "${name}-*.whl" -delete
+    done
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
     step_done venv
     step "docker import as $tag"
     tar -C "$rootfs" --numeric-owner -c . | "$DOCKER" import \
         --change 'ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
         --change 'ENV LANG=C.UTF-8' \
-        --change 'LABEL io.detkit.standin="debootstrap '"$SUITE"' minbase + /opt/venv with the runtime pins of requirements-ci.txt; no CUDA"' \
+        --change 'LABEL io.detkit.standin="debootstrap '"$SUITE"' minbase + /opt/venv with torch, triton, numpy at the pins of requirements-ci.txt, the wheels of the rest in /opt/detkit-wheels; no CUDA"' \
         --change 'CMD ["/bin/bash"]' - "$tag" >/dev/null
     step_done import
 }

@@ -255,7 +255,7 @@ def bound_rows(ctx: RunContext, shape: AuditShape) -> Iterator[Row]:
                                   block_m=cfg.dkdv.block_m)
         for key, (star, bound) in (("o", (o_star, o_bound)), *bwd.items()):
             result = check_bound(got[key], star, bound)
-            details = {"tensor": key, "configs": cfg.label(), **result.as_row(), **drift_stats(got[key], star, "fp64")}
+            details = {"tensor": key, "configs": cfg.label(), **result.as_row(), **drift_stats(got[key], star, "fp64", bound)}
             yield Row(suite=NAME, check="bound", name=f"contract {case.name} {key}", passed=result.passed,
                       backend=ctx.backend, details=details)
         del got, o_star, o_bound, bwd

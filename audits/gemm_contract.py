@@ -37,16 +37,18 @@ ULP_BINS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, None))
 REL_EDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
 
 
-def drift_histogram(c: torch.Tensor, c_star: torch.Tensor) -> dict[str, dict[str, int]]:
-    """``{"ulp": {bin: count}, "rel": {bin: count}}`` of ``c`` against the FP64 oracle ``c_star``."""
-    ulp = (bf16_ordinal(c) - bf16_ordinal(c_star.to(torch.bfloat16))).abs()
+def drift_histogram(c: torch.Tensor, c_star: torch.Tensor, bound: torch.Tensor) -> dict[str, dict[str, int]]:
+    """``{"ulp": {bin: count}, "rel": {bin: count}}`` of ``c`` against the FP64 oracle ``c_star``, over the
+    elements ``drift_stats`` takes them on: |c*| > bound (near zero they say nothing; its ``near_zero``
+    counts the rest)."""
+    defined = c_star.abs() > bound
+    ulp = (bf16_ordinal(c) - bf16_ordinal(c_star.to(torch.bfloat16))).abs()[defined]
     ulp_hist = {}
     for lo, hi in ULP_BINS:
         label = str(lo) if lo == hi else (f">={lo}" if hi is None else f"{lo}-{hi}")
         sel = ulp >= lo if hi is None else (ulp >= lo) & (ulp <= hi)
         ulp_hist[label] = int(sel.sum())
-    nonzero = c_star != 0
-    rel = (c.double() - c_star).abs()[nonzero] / c_star.abs()[nonzero]
+    rel = (c.double() - c_star).abs()[defined] / c_star.abs()[defined]
     rel_hist = {"0": int((rel == 0).sum())}
     lower = 0.0
     for edge in REL_EDGES:
@@ -94,10 +96,11 @@ def run(ctx: RunContext) -> Iterator[Row]:
                     else:
                         c_star, abs_ab = oracle(op, x, y)
                         c_fp32 = REFERENCES[op](x, y)
-                    result = check_bound(c, c_star, gemm_bound(c_star, abs_ab, reduced_extent(case)))
-                    stats = {**drift_stats(c, c_star, "fp64"), **drift_stats(c, c_fp32, "fp32")}
+                    bound = gemm_bound(c_star, abs_ab, reduced_extent(case))
+                    result = check_bound(c, c_star, bound)
+                    stats = {**drift_stats(c, c_star, "fp64", bound), **drift_stats(c, c_fp32, "fp32")}
                     details = {"config": info.config.label(), **result.as_row(), **stats,
-                               "fp64_hist": drift_histogram(c, c_star)}
+                               "fp64_hist": drift_histogram(c, c_star, bound)}
                     if len(spans) > 1:
                         details["checked_columns"] = spans
                     yield Row(suite=NAME, check="bound", name=f"contract {case.name}", passed=result.passed,

@@ -238,7 +238,8 @@ class InvarianceAudit(RankAudit):
             "audit" if self.ctx.backend != "cuda_sm90" else "configs beyond the pinned invariant table",
             "TP=4 / CP=4 or larger, uneven shards, DP>1, zigzag CP order",
             "invariance of the bf16 (v1) mode: not claimed, drift reported only",
-            "the cost of fp32_invariant (FP32 all-reduce: 2x the bytes): `detkit bench mlp` is not written yet",
+            "the cost of fp32_invariant (FP32 all-reduce: 2x the bytes): not timed here; `detkit bench mlp` "
+            "times it (invariant_vs_default_* in its report)",
         ]
         if missing:
             not_covered.insert(0, f"configs {missing}: their TP/CP groups are not held by world {list(layout.world)}")

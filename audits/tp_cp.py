@@ -164,8 +164,10 @@ class TpCpAudit(RankAudit):
             exact = oracle_is_exact(c_star)
             result = compare_bits(c, c_star.to(torch.bfloat16))
             return self.row(f"exact_{check}", name, result.equal and exact, oracle_exact=exact, **result.as_row())
-        result = check_bound(c, c_star, bound_fn(c_star, abs_ab))
-        return self.row(f"contract_{check}", name, result.passed, **result.as_row(), **drift_stats(c, c_star, prefix))
+        bound = bound_fn(c_star, abs_ab)
+        result = check_bound(c, c_star, bound)
+        return self.row(f"contract_{check}", name, result.passed, **result.as_row(),
+                        **drift_stats(c, c_star, prefix, bound))
 
     def local_case(self, spec: ShardedGemm, fx: Fixtures, call: Callable, outs: dict) -> Iterator[Row]:
         name = case_name(spec, self.layout, self.where(None), fx.kind)
@@ -248,9 +250,10 @@ class TpCpAudit(RankAudit):
             if fx.kind == "exact":
                 yield self.bitwise("exact_cp_rebuild", f"{name} down_fwd", rebuilt, c_star.to(torch.bfloat16))
             else:
-                result = check_bound(rebuilt, c_star, reduced_bound(c_star, partial_abs, abs_ab, layout.i_local))
+                bound = reduced_bound(c_star, partial_abs, abs_ab, layout.i_local)
+                result = check_bound(rebuilt, c_star, bound)
                 yield self.row("contract_cp_rebuild", f"{name} down_fwd", result.passed, **result.as_row(),
-                               **drift_stats(rebuilt, c_star, "global_fp64"))
+                               **drift_stats(rebuilt, c_star, "global_fp64", bound))
 
     # ------------------------------------------------------------------------------ placement / meta
     def host_of(self, layout_rank: int) -> str:

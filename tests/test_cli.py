@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,7 +39,9 @@ SINGLE = tuple(s for s in SUITES if s not in MULTI_RANK_SUITES)  # gemm, tp-cp-r
     (("all",), "cuda", 1, 1, 0, SINGLE, MULTI_RANK_SUITES, ()),  # one GPU: skipped with the reason
     (("all",), "cuda", 2, 1, 2, SINGLE, (), MULTI_RANK_SUITES),
     (("all",), "cuda", 2, 2, 0, SINGLE + MULTI_RANK_SUITES, (), ()),
-    (("gemm_contract", "tp-cp"), "cpu", 0, 1, 4, ("gemm_contract", "tp-cp"), (), ()),  # explicit: run as asked
+    (("gemm_contract", "tp-cp"), "cpu", 0, 1, 4, ("gemm_contract",), (), ("tp-cp",)),  # named: its ranks started
+    (("invariance", "tp_cp"), "cuda", 2, 1, 2, (), (), ("invariance", "tp_cp")),  # a plug-in name too
+    (("tp-cp", "gemm"), "cpu", 0, 4, 0, ("tp-cp", "gemm"), (), ()),  # launched as ranks: in this launch
     (("auto", "gemm", "tp-cp-refs"), "cuda", 1, 1, 0, ("gemm", "tp-cp-refs"), ("tp-cp",), ()),
 ])
 def test_select_suites(requested, device, gpus, world, local, suites, skipped, launched):
@@ -75,7 +78,7 @@ def test_unknown_suite_lists_known_names():
 # ------------------------------------------------------------------------------ CLI wiring
 def _invoke(args, monkeypatch, rows=None, calls=None):
     """Run ``detkit audit`` in-process with the plug-in runner replaced by ``rows``."""
-    def fake_run_plugins(names, ctx, writer, on_row=None, on_plugin=None):
+    def fake_run_plugins(names, ctx, writer, on_row=None, on_plugin=None, **kwargs):
         if calls is not None:
             calls.append(tuple(names))
         for row in rows or []:
@@ -98,8 +101,8 @@ def test_an_audit_report_names_the_tables_its_suites_loaded(tmp_path, monkeypatc
     for name in [m for m in sys.modules if m.startswith("detkit.kernels.moe.layer")]:
         monkeypatch.delitem(sys.modules, name)
 
-    def loads_moe(names, ctx, writer, on_row=None, on_plugin=None):
-        from detkit.kernels.moe.layer import MOE_CONFIG_TABLE_VERSION  # noqa: F401 (what a MoE suite imports)
+    def loads_moe(names, ctx, writer, on_row=None, on_plugin=None, **kwargs):
+        from detkit.kernels.moe.configs import MOE_CONFIG_TABLE_VERSION  # noqa: F401 (what a MoE suite imports)
 
         return []
 
@@ -182,7 +185,8 @@ def test_all_reports_an_incomplete_rank_run_as_failed(tmp_path, monkeypatch):
     assert f"FAILED ranks 4-rank: INCOMPLETE: {why}" in result.stderr
     meta = json.loads((tmp_path / "report.json").read_text())["meta"]
     assert meta["status"] == "INCOMPLETE" and meta["incomplete"]["silent_ranks"] == [2]
-    assert (tmp_path / "report.md").read_text().startswith(f"# INCOMPLETE report: {why}")
+    assert (tmp_path / "report.md").read_text().startswith(f"# INCOMPLETE report: ranks 4-rank: {why}")
+    assert meta["status_reason"] == f"ranks 4-rank: {why}"
 
 
 def test_failed_rows_exit_nonzero_with_a_summary(tmp_path, monkeypatch):
@@ -191,7 +195,158 @@ def test_failed_rows_exit_nonzero_with_a_summary(tmp_path, monkeypatch):
     assert result.exit_code == 1
     assert "FAILED: 2 row(s) in 2 check(s): gemm_contract/bound x1, gemm_contract/repetitions x1" in result.stderr
     assert "FAILED repetitions: rep x" in result.stderr
-    assert (tmp_path / "report.json").is_file()
+    meta = json.loads((tmp_path / "report.json").read_text())["meta"]
+    why = "2 failed row(s) in 2 check(s): gemm_contract/bound x1, gemm_contract/repetitions x1"
+    assert (meta["status"], meta["status_reason"]) == ("FAILED", why)
+    assert f"\n**FAILED**: {why}\n" in (tmp_path / "report.md").read_text()
+    assert result.stdout.rstrip().endswith(f"report: {tmp_path / 'report.md'} (FAILED)")
+
+
+# ------------------------------------------------------------------------------ how a run ends: the report is written
+def _plugin(monkeypatch, name: str, run) -> str:
+    """A plug-in module ``detkit_test_plugins.<name>`` registered as suite ``name``."""
+    import types
+
+    module = types.ModuleType(f"detkit_test_plugins.{name}")
+    module.NAME, module.DESCRIPTION, module.run = name, f"test plug-in {name}", run
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(SUITES, name, (module.__name__,))
+    return name
+
+
+def _ok_rows(ctx):
+    yield Row("ok", "fine", "ok row", True, ctx.backend, {})
+
+
+def _audit(args, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(var, raising=False)
+    return CliRunner().invoke(cli.main, ["audit", *args], catch_exceptions=False)
+
+
+def test_a_suite_that_raises_fails_the_run_and_the_next_suite_still_runs(tmp_path, monkeypatch):
+    def broken(ctx):
+        yield Row("boom", "fine", "boom row", True, ctx.backend, {})
+        raise RuntimeError("the fixture broke")
+
+    _plugin(monkeypatch, "boom", broken)
+    _plugin(monkeypatch, "ok", _ok_rows)
+    result = _audit(["--device", "cpu", "--suite", "boom", "--suite", "ok", "--out", str(tmp_path)], monkeypatch)
+    assert result.exit_code == 1
+    assert "FAILED: 1 row(s) in 1 check(s): boom/suite_error x1" in result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    meta, rows = report["meta"], report["rows"]
+    assert (meta["status"], meta["status_reason"]) == ("FAILED", "boom: RuntimeError: the fixture broke")
+    assert [(r["suite"], r["check"], r["passed"]) for r in rows] == [
+        ("boom", "fine", True), ("boom", "suite_error", False), ("ok", "fine", True)]
+    error = rows[1]["details"]
+    assert error["rows_before"] == 1 and error["missing_module"] is None
+    assert "RuntimeError: the fixture broke" in error["traceback"]
+    assert [json.loads(line)["check"] for line in (tmp_path / "rows.jsonl").read_text().splitlines()] == [
+        "fine", "suite_error", "fine"]
+    assert set(meta["suite_seconds"]) == {"boom", "ok"}
+    md = (tmp_path / "report.md").read_text()
+    assert "\n**FAILED**: boom: RuntimeError: the fixture broke\n" in md and "| boom    | suite_error |" in md
+
+
+def test_a_dependency_missing_at_run_time_is_named_in_the_report(tmp_path, monkeypatch):
+    def needs_a_package(ctx):
+        try:
+            import detkit_no_such_package  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError("this suite needs detkit_no_such_package") from exc
+        yield  # pragma: no cover
+
+    _plugin(monkeypatch, "needy", needs_a_package)
+    _plugin(monkeypatch, "ok", _ok_rows)
+    result = _audit(["--device", "cpu", "--suite", "needy", "--suite", "ok", "--out", str(tmp_path)], monkeypatch)
+    assert result.exit_code == 1
+    report = json.loads((tmp_path / "report.json").read_text())
+    [row] = [r for r in report["rows"] if not r["passed"]]
+    assert (row["check"], row["details"]["missing_module"]) == ("missing_dependency", "detkit_no_such_package")
+    assert report["meta"]["status"] == "FAILED"
+    assert report["meta"]["status_reason"] == (
+        "needy: missing dependency 'detkit_no_such_package': RuntimeError: this suite needs detkit_no_such_package "
+        "(from ModuleNotFoundError: No module named 'detkit_no_such_package')")
+    assert [r["suite"] for r in report["rows"] if r["passed"]] == ["ok"]
+
+
+def test_a_failure_outside_the_suites_still_writes_the_report(tmp_path, monkeypatch):
+    from detkit.toolkit import dist
+
+    def no_ranks(runs, suites, ctx, out, echo=None):
+        raise OSError("cannot start the ranks")
+
+    monkeypatch.setattr(dist, "run_on_local_ranks", no_ranks)
+    _plugin(monkeypatch, "ok", _ok_rows)
+    result = _audit(["--device", "cpu", "--suite", "ok", "--suite", "tp-cp", "--out", str(tmp_path)], monkeypatch)
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-2:] == [
+        f"detkit audit: FAILED report: {tmp_path / 'report.md'}",
+        "detkit audit: failed: OSError: cannot start the ranks (--debug or DETKIT_LOG_LEVEL=DEBUG shows the traceback)"]
+    meta = json.loads((tmp_path / "report.json").read_text())["meta"]
+    assert (meta["status"], meta["status_reason"]) == ("FAILED", "OSError: cannot start the ranks; not run: tp-cp")
+    assert [r["suite"] for r in json.loads((tmp_path / "report.json").read_text())["rows"]] == ["ok"]
+
+
+def test_a_named_multi_rank_suite_starts_its_ranks_as_all_does(tmp_path, monkeypatch):
+    from detkit.toolkit import dist
+
+    started = []
+    ranked = [Row("tp_cp", "post_reduce", f"down_fwd [{r}]", True, "triton_interpreter", {"rank": r}) for r in range(4)]
+
+    def fake_ranks(runs, suites, ctx, out, echo=None):
+        started.append(([(r.label, r.nproc) for r in runs], list(suites)))
+        return [_rank_result(out, ranked)]
+
+    monkeypatch.setattr(dist, "run_on_local_ranks", fake_ranks)
+    calls = []
+    result = _invoke(["--device", "cpu", "--suite", "tp-cp", "--suite", "gemm_contract", "--out", str(tmp_path)],
+                     monkeypatch, rows=[_row()], calls=calls)
+    assert result.exit_code == 0, result.output
+    assert calls == [("gemm_contract",)] and started == [([("4-rank", 4)], ["tp-cp"])]
+    meta = json.loads((tmp_path / "report.json").read_text())["meta"]
+    assert meta["status"] == "PASSED" and meta["suites"] == ["gemm_contract", "tp-cp"]
+
+
+def test_select_suites_refuses_a_named_multi_rank_suite_it_cannot_start_ranks_for():
+    for name in ("tp-cp", "invariance", "tp_cp"):
+        with pytest.raises(ValueError, match=rf"--suite {name} needs several ranks: at least 2 GPUs of one host to "
+                                             r"start them \(1 visible\); run torchrun --nproc-per-node 2"):
+            select_suites([name], device="cuda", gpu_count=1, world_size=1, local_ranks=0)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_audit_writes_an_incomplete_report(tmp_path, sig):
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    env.update(OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "detkit", "audit", "--device", "cpu", "--suite", "gemm_contract",
+                             "--suite", "tp-cp-refs", "--out", str(out)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    rows_file = out / "rows.jsonl"
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if rows_file.is_file() and rows_file.read_bytes().count(b"\n") >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the audit ended before it could be stopped: {proc.stderr.read()[-2000:]}"
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    meta, rows = report["meta"], report["rows"]
+    name = signal.Signals(sig).name
+    assert meta["status"] == "INCOMPLETE"
+    assert re.fullmatch(rf"interrupted by {name} in gemm_contract after (\d+) of its rows; \1 rows finished; "
+                        r"not run: tp_cp_refs", meta["status_reason"]), meta["status_reason"]
+    assert rows == [json.loads(line) for line in rows_file.read_text().splitlines()] and len(rows) >= 2
+    assert meta["not_covered"][0] == f"INCOMPLETE: {meta['status_reason']}"
+    assert (out / "report.md").read_text().startswith(f"# INCOMPLETE report: interrupted by {name}")
+    assert f"detkit audit: INCOMPLETE: {meta['status_reason']}; report: {out / 'report.md'}" in stderr
 
 
 def test_no_rows_is_a_failure(tmp_path, monkeypatch):
@@ -259,6 +414,10 @@ def test_report_carries_env_and_writes_the_drift_plot(tmp_path, monkeypatch):
     md = (tmp_path / "report.md").read_text()
     assert "## Environment" in md and "NOT a hardware result" in md and f"![{DRIFT_PLOT}]({DRIFT_PLOT})" in md
     assert "| det_gemm_fwd |" in md  # the drift table per op
+    # rel and ULP are defined over references outside their bound of zero; the elements left out are counted.
+    header = next(line for line in md.splitlines() if line.startswith("| op "))
+    assert "near_zero" in [cell.strip() for cell in header.split("|")]
+    assert "(|c*| > bound)" in md and "near_zero counts the elements left out" in md
     assert f"- config tables: det_gemm {CONFIG_TABLE_VERSION}" in md and "- source: " in md
     lines = (tmp_path / "rows.jsonl").read_text().splitlines()
     assert [json.loads(line)["name"] for line in lines] == [r.name for r in rows]
@@ -286,7 +445,7 @@ def test_markdown_shows_distributed_meta_and_failed_rows_only():
     rows = [Row("tp_cp", "post_reduce", f"down_fwd case {i}", i % 2 == 0, "cuda_sm90", {"rank": i % 4})
             for i in range(2 * MAX_FAILED_ROWS_MD + 6)]
     md = render_audit_markdown(meta, rows)
-    assert md.count("**FAIL**") == 1
+    assert md.count("**FAILED**") == 1 and "**PASSED**" not in md
     assert "## Distributed run" in md and "- world_size: 4" in md and "nccl 2.28.9" in md
     assert "- TP: [[0, 1], [2, 3]]" in md and "- CP: [[0, 2], [1, 3]]" in md
     assert "### Rank map" in md and "| 0000:3" in md

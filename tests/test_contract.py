@@ -158,3 +158,28 @@ def test_drift_quantiles_are_the_kth_smallest_elements():
     err = x.to(torch.bfloat16).double().abs()
     for q, key in ((0.95, "z_abs_p95"), (0.99, "z_abs_p99")):
         assert stats[key] == float(err.kthvalue(round(q * err.numel())).values)
+
+
+def test_relative_and_ulp_drift_leave_out_references_within_their_bound_of_zero():
+    # Element 0: well away from zero, one BF16 ULP off (1 + 2**-7 for 1). Element 1: the exact result 1e-19 lies
+    # inside its own bound of zero (cancellation), and the kernel's 2**-10 passes that bound; relative to 1e-19 it
+    # would read as ~1e16 and as thousands of ULP, which says nothing about the kernel.
+    ref = torch.tensor([1.0, 1e-19], dtype=torch.float64)
+    got = torch.tensor([1.0078125, 2.0**-10], dtype=torch.bfloat16)
+    bound = torch.tensor([2.0**-6, 2.0**-8], dtype=torch.float64)
+    assert check_bound(got, ref, bound).passed
+    unbounded = drift_stats(got, ref, "x")
+    assert unbounded["x_rel_max"] > 1e15 and unbounded["x_ulp_max"] > 1e3 and unbounded["x_near_zero"] == 0
+    stats = drift_stats(got, ref, "x", bound)
+    assert stats["x_near_zero"] == 1
+    assert stats["x_rel_max"] == 2**-7 and stats["x_ulp_max"] == 1.0 and stats["x_ulp0_fraction"] == 0.0
+    # Absolute error and relative L2 still cover every element.
+    assert stats["x_abs_max"] == 2**-7 and stats["x_rel_l2"] == unbounded["x_rel_l2"]
+    with pytest.raises(ValueError, match=r"bound \(1,\) does not match the oracle \(2,\)"):
+        drift_stats(got, ref, "x", bound[:1])
+
+
+def test_with_every_reference_near_zero_the_relative_columns_are_empty_not_wrong():
+    ref = torch.zeros(4, dtype=torch.float64)
+    stats = drift_stats(torch.zeros(4, dtype=torch.bfloat16), ref, "z", torch.full((4,), 1e-3, dtype=torch.float64))
+    assert stats["z_near_zero"] == 4 and stats["z_rel_max"] == 0.0 and stats["z_ulp_max"] == 0.0

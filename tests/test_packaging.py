@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # What pyproject.toml packages (its package-dir map) plus the files the build reads.
 PACKAGE_FOLDERS = ("detkit", "kernels", "mode", "toolkit", "audits", "bench")
-BUILD_FILES = ("pyproject.toml", "README.md")
+BUILD_FILES = ("pyproject.toml", "README.md", "LICENSE")
 GENERIC_NAMES = ("kernels", "mode", "toolkit", "audits", "bench")
 
 
@@ -51,6 +51,21 @@ def test_wheel_has_one_top_level_name(wheel):
         names = set(zf.namelist())
     for part in GENERIC_NAMES:  # each repository folder lands inside the one package
         assert f"detkit/{part}/__init__.py" in names, f"detkit/{part}/ missing from {wheel.name}"
+
+
+def test_wheel_states_the_license_and_carries_its_text(wheel):
+    """Apache-2.0, as pyproject.toml states it (``license = {text = ...}``, the form setuptools >= 69 reads);
+    the LICENSE file travels in the dist-info."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        [metadata] = [n for n in names if n.endswith(".dist-info/METADATA")]
+        fields = zf.read(metadata).decode().split("\n\n", 1)[0].splitlines()
+        [license_file] = [n for n in names if n.endswith("LICENSE") and ".dist-info/" in n]
+        text = zf.read(license_file).decode()
+    assert "License: Apache-2.0" in fields
+    assert text == (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
+    assert "END OF TERMS AND CONDITIONS" in text
 
 
 def test_installed_wheel_in_a_fresh_venv(wheel, tmp_path):

@@ -5,21 +5,30 @@ Every subcommand shares --device/--preset/--seed/--out/--json and exits non-zero
 imported); its results are labelled as not being hardware results everywhere they appear.
 
 ``detkit audit --suite auto`` picks the suites that fit the host (``toolkit.harness.select_suites``);
-``--suite all`` in one process also starts the ranks that tp-cp and invariance need on this host.
+in one process, ``--suite all`` and any suite list naming tp-cp or invariance also start the ranks
+those suites need on this host.
 
-Mistakes on the command line (a device that is not there, an unknown preset or suite, an unwritable
---out, counts below 1) are found before any work (``toolkit.preflight``) and reported as one line
-with exit status 2; other failures as one line with exit status 1. ``--debug`` (or
-DETKIT_LOG_LEVEL=DEBUG) shows the traceback instead. Output formats and folders: docs/reports.md.
+Mistakes on the command line are found before any work and reported as one line with exit status 2:
+for ``detkit audit`` an unknown suite first (``--suite`` is eager), then a device that is not there
+and an unwritable --out (as they are parsed), an unknown preset, a bad timeout knob, a suite list the
+host cannot run, a suite's missing dependency (``toolkit.preflight``, ``toolkit.harness``); counts
+below 1 for the benchmarks. Other failures are one line with exit status 1. ``--debug`` (or
+DETKIT_LOG_LEVEL=DEBUG) shows the traceback instead. Once an audit has started, its report is written
+however it ends: PASSED, FAILED (failed checks; a suite that raised, after which the next suite
+runs) or INCOMPLETE (SIGINT/SIGTERM: exit 128 + the signal). Output formats and folders:
+docs/reports.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -230,25 +239,72 @@ def _failure_summary(failed: list) -> list[str]:
     return lines
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM during an audit's work (``_signals_end_the_run``): the run writes what it has,
+    marked INCOMPLETE, and exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _signals_end_the_run(enabled: bool):
+    """While the block runs, SIGINT and SIGTERM raise ``Interrupted`` in the main thread (SIGTERM would
+    otherwise end the process with nothing written); the previous handlers come back after it."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _check_suite_names(ctx, param, value):
+    """--suite is eager: an unknown name is the first thing refused, before the device or --out."""
+    from detkit.toolkit import harness
+
+    if not ctx.resilient_parsing:
+        try:
+            harness.check_suite_names(value)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+    return value
+
+
 @main.command()
-@click.option("--suite", "suites", multiple=True, default=("gemm",), show_default=True,
+@click.option("--suite", "suites", multiple=True, default=("gemm",), show_default=True, is_eager=True,
+              callback=_check_suite_names,
               help="Suite or plug-in name; repeat for several. 'auto': the suites that fit this host "
                    "(no GPU: refused unless --device cpu; 1 GPU: gemm; >=2 GPUs: gemm, plus tp-cp when "
-                   "launched as >1 ranks). 'all': every suite; in one process the multi-rank ones (tp-cp, "
-                   "invariance) run on ranks it starts on this host (cpu: 4 gloo ranks on loopback; cuda: "
-                   "with >= 2 GPUs, else skipped with the reason).")
+                   "launched as >1 ranks). 'all': every suite. In one process the multi-rank suites (tp-cp, "
+                   "invariance), named or through 'all', run on ranks it starts on this host (cpu: 4 gloo ranks "
+                   "on loopback; cuda: with >= 2 GPUs; with fewer, 'all' skips them with the reason and a "
+                   "named one is refused).")
 @click.option("--no-progress", "no_progress", is_flag=True,
               help="No progress bar (there is one on stderr only when it is a terminal, on rank 0).")
 @shared_options
 def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
-    """Run audit suites and write rows.jsonl, report.json, report.md (and plots) to --out."""
+    """Run audit suites and write rows.jsonl, report.json, report.md (and plots) to --out.
+
+    The report is written however the run ends: PASSED, FAILED (a check failed, a suite raised, an
+    import in a suite failed; the next suite still runs) or INCOMPLETE (SIGINT or SIGTERM, a rank that
+    stopped answering), with the reason (docs/reports.md)."""
     from detkit.toolkit import dist as tp_cp_dist
     from detkit.toolkit import harness
     from detkit.toolkit.launch import local_rank_runs
     from detkit.toolkit.preflight import check_preset
     from detkit.toolkit.presets import GEMM_PRESETS
 
-    # Every check before any work: device and --out (option callbacks), preset, timeout, suites.
+    # Every check before any work: suite names, device and --out (option callbacks), preset, timeout,
+    # the suites' fit to this host, their dependencies.
     check_preset(preset, GEMM_PRESETS)
     try:
         tp_cp_dist.timeout_s()
@@ -257,11 +313,14 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
     world_size = _world_size_from_env()
     gpus = _gpu_count() if device == "cuda" else 0
     rank_runs = local_rank_runs(device, gpus) if world_size == 1 else []
-    try:  # unknown names and an unfit host fail here, before any work
+    try:  # an unfit host fails here, before any work
         selection = harness.select_suites(suites, device=device, gpu_count=gpus, world_size=world_size,
                                           local_ranks=max((r.nproc for r in rank_runs), default=0))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    missing = harness.missing_dependencies([*selection.suites, *selection.launched])
+    if missing:
+        raise click.UsageError("; ".join(missing))
     _select_device(device)
     names = selection.suites
     _bind_local_gpu(device, world_size)
@@ -283,67 +342,88 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
     for skipped in selection.skipped:
         if reporting:
             click.secho(f"skipped {skipped}", fg="yellow", err=True)
-    bar = _Progress(len(harness.suite_modules(names)), enabled=sys.stderr.isatty() and reporting and not no_progress)
-    progress = {"plugin": "", "rows": 0}
+    modules = harness.suite_modules(names)
+    bar = _Progress(len(modules), enabled=sys.stderr.isatty() and reporting and not no_progress)
+    progress = {"plugin": "", "rows": 0, "started": 0}
+    finished: list = []  # every row written so far: what an interrupted or failed run reports
 
     def on_plugin(name: str) -> None:
-        progress.update(plugin=name, rows=0)
+        progress.update(plugin=name, rows=0, started=progress["started"] + 1)
         tp_cp_dist.note_stage(session, f"{name}: starting")
         bar.on_plugin(name)
 
     def on_row(row) -> None:
+        finished.append(row)
         progress["rows"] += 1
         tp_cp_dist.note_stage(session, f'{progress["plugin"]}: {progress["rows"]} rows done, last "{row.name}"')
         bar.on_row(row)
 
+    def not_run() -> list[str]:
+        plugins = [m.rsplit(".", 1)[-1] for m in modules[progress["started"]:]]
+        return [*plugins, *(s for s in selection.launched if not ranks_ran)]
+
     writer = harness.RowWriter(tp_cp_dist.rows_path(session, out))  # one rows file per rank
     tp_cp_dist.arm_stall_exit(session, out, {**meta, **env})  # a rank that stops answering ends the run
-    try:
-        try:
-            rows = harness.run_plugins(names, ctx, writer, on_row=on_row, on_plugin=on_plugin) if names else []
-        finally:
-            bar.close()
-        rows, dist_meta = tp_cp_dist.merge_rows(session, rows, out)  # rank 0 gets every rank's rows
-    except Exception as exc:
-        writer.close()
-        if session is None:
-            raise
-        # A rank stopped answering (or failed): name it (one line), merge what finished into an
-        # INCOMPLETE report.
-        tp_cp_dist.end_incomplete(session, exc, out, {**meta, **env})
-        raise SystemExit(1) from None
+    timings: dict[str, float] = {}
     launch_lines: list[str] = []
-    if selection.launched:  # the multi-rank suites, on ranks started here; their rows join this report
-        results = tp_cp_dist.run_on_local_ranks(rank_runs, list(selection.launched), ctx, out,
-                                                echo=lambda line: click.echo(line, err=True))
-        launched_meta, launch_rows, launch_lines = tp_cp_dist.rank_run_meta(results, ctx.backend)
-        for row in [*(row for res in results for row in res.rows), *launch_rows]:
-            writer.write(row)
-            rows.append(row)
-        dist_meta = {**launched_meta, **dist_meta}
-        dist_meta["covered"] = launched_meta["covered"]
-        dist_meta["not_covered"] = launched_meta["not_covered"]
+    ranks_ran = False
+    try:
+        with _signals_end_the_run(enabled=session is None):
+            try:
+                try:
+                    rows = harness.run_plugins(names, ctx, writer, on_row=on_row, on_plugin=on_plugin,
+                                               keep_going=session is None, timings=timings) if names else []
+                finally:
+                    bar.close()
+                rows, dist_meta = tp_cp_dist.merge_rows(session, rows, out)  # rank 0 gets every rank's rows
+            except Exception as exc:
+                writer.close()
+                if session is None:
+                    raise
+                # A rank stopped answering (or failed): name it (one line), merge what finished into an
+                # INCOMPLETE report.
+                tp_cp_dist.end_incomplete(session, exc, out, {**meta, **env})
+                raise SystemExit(1) from None
+            if selection.launched:  # the multi-rank suites, on ranks started here; their rows join this report
+                started = time.monotonic()
+                results = tp_cp_dist.run_on_local_ranks(rank_runs, list(selection.launched), ctx, out,
+                                                        echo=lambda line: click.echo(line, err=True))
+                ranks_ran = True
+                timings[f"ranks ({', '.join(selection.launched)})"] = round(time.monotonic() - started, 1)
+                launched_meta, launch_rows, launch_lines = tp_cp_dist.rank_run_meta(results, ctx.backend)
+                for row in [*(row for res in results for row in res.rows), *launch_rows]:
+                    writer.write(row)
+                    rows.append(row)
+                dist_meta = {**launched_meta, **dist_meta}
+                dist_meta["covered"] = launched_meta["covered"]
+                dist_meta["not_covered"] = launched_meta["not_covered"]
+    except Interrupted as exc:  # one process only: under ranks the handlers are not installed
+        writer.close()
+        where = f" in {progress['plugin']} after {progress['rows']} of its rows" if progress["plugin"] else ""
+        if selection.launched and not ranks_ran and progress["started"] == len(modules):
+            where = f" while the ranks of {', '.join(selection.launched)} ran"
+        reason = (f"interrupted by {exc}{where}; {len(finished)} rows finished"
+                  + (f"; not run: {', '.join(not_run())}" if not_run() else ""))
+        md = _write_audit_report(out, meta, env, finished, timings, selection, status="INCOMPLETE", reason=reason,
+                                 not_covered=[f"INCOMPLETE: {reason}"])
+        click.echo(f"detkit audit: INCOMPLETE: {reason}; report: {md}", err=True)
+        raise SystemExit(128 + exc.signum) from None
+    except Exception as exc:  # one process: outside a plug-in (starting the ranks, merging); the report first
+        writer.close()
+        reason = f"{type(exc).__name__}: {exc}" + (f"; not run: {', '.join(not_run())}" if not_run() else "")
+        md = _write_audit_report(out, meta, env, finished, timings, selection, status="FAILED", reason=reason)
+        click.echo(f"detkit audit: FAILED report: {md}", err=True)
+        raise
     writer.close()
-    tables = config_tables()  # the kernel modules the suites loaded (base_meta saw only det_gemm)
     meta.update(dist_meta)
-    for table in dist_meta.get("config_tables", []):  # and those of the ranks started here, each once
-        if table not in tables:
-            tables.append(table)
-    meta["config_tables"] = tables
-    meta.update(env)  # the full capture replaces the summary dist_meta carries under "env"
-    if selection.skipped:
-        meta["not_covered"] = [*meta.get("not_covered", []), *(f"suite {s}" for s in selection.skipped)]
     failed = [r for r in rows if not r.passed]
     if reporting:  # only rank 0 (or a single process) writes
-        json_path, md_path = harness.write_report(out, meta, rows)
-        if meta.get("status") == "INCOMPLETE":
-            harness.atomic_write_text(md_path, f"{tp_cp_dist.INCOMPLETE_BANNER}: {meta['incomplete'].get('reason')}"
-                                               f".\n\n{md_path.read_text()}")
+        md_path = _write_audit_report(out, meta, env, rows, timings, selection)
         if as_json:
-            click.echo(json_path.read_text())
+            click.echo((out / "report.json").read_text())
         else:
             click.echo(tabulate(harness.summarize(rows), headers="keys", tablefmt="simple"))
-            click.echo(f"report: {md_path}")
+            click.echo(f"report: {md_path} ({meta['status']})")
     ok = tp_cp_dist.finish(session, bool(rows) and not failed)  # all ranks agree; group destroyed
     if not ok:
         for line in launch_lines:
@@ -356,6 +436,31 @@ def audit(suites, no_progress, device, preset, seed, out_dir, as_json) -> None:
         else:
             click.echo("FAILED: another rank reported failed rows (see the merged report on rank 0)", err=True)
         raise SystemExit(1)
+
+
+def _write_audit_report(out: Path, meta: dict, env: dict, rows: list, timings: dict, selection, *,
+                        status: str | None = None, reason: str | None = None,
+                        not_covered: list[str] | None = None) -> Path:
+    """report.json and report.md of an audit, however it ended: the config tables of the kernel modules
+    loaded by then (and by the ranks it started), the environment, the seconds per plug-in, the suites
+    skipped; ``status``/``reason`` for a run that stopped (else they follow from the rows). Returns
+    report.md's path."""
+    from detkit.toolkit import harness
+
+    tables = config_tables()  # the kernel modules the suites loaded (base_meta saw only det_gemm)
+    for table in meta.get("config_tables", []):  # those of the ranks started here, each once
+        if table not in tables:
+            tables.append(table)
+    meta["config_tables"] = tables
+    meta.update(env)  # the full capture replaces the summary a rank run's meta carries under "env"
+    meta["suite_seconds"] = dict(timings)
+    listed = [*(not_covered or []), *meta.get("not_covered", []), *(f"suite {s}" for s in selection.skipped)]
+    if listed:
+        meta["not_covered"] = listed
+    if status is not None:
+        meta["status"], meta["status_reason"] = status, reason
+    _, md_path = harness.write_report(out, meta, rows)
+    return md_path
 
 
 @main.group()

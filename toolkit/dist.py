@@ -636,14 +636,11 @@ def rows_from_rank_files(out: Path, world_size: int) -> tuple[list, list[int]]:
     return rows, counts
 
 
-INCOMPLETE_BANNER = "# INCOMPLETE report"
-
-
 def write_incomplete_report(session: DistSession, out: Path, meta: dict[str, Any], diagnosis: Diagnosis,
                             error: str) -> Path:
     """Merge every finished row of every rank into ``out/report.json``/``report.md`` marked
     INCOMPLETE (and ``out/rows.jsonl``); return report.md's path."""
-    from detkit.toolkit.harness import Row, atomic_write_text, write_report
+    from detkit.toolkit.harness import Row, write_report
     from detkit.toolkit.records import write_rows
 
     rows, counts = rows_from_rank_files(out, session.world_size)
@@ -660,7 +657,8 @@ def write_incomplete_report(session: DistSession, out: Path, meta: dict[str, Any
         "stages": {str(r): rec.get("stage") for r, rec in {**diagnosis.silent, **diagnosis.failed}.items()},
         "timeout_s": session.timeout_s, "error": error[:500], "rows_per_rank": counts,
     }
-    meta = {**meta, "status": "INCOMPLETE", "incomplete": incomplete,
+    meta = {**meta, "status": "INCOMPLETE", "status_reason": f"{what}. Rows per rank: {counts}",
+            "incomplete": incomplete,
             "distributed": {"world_size": session.world_size, "source": session.source,
                             "pg_backend": session.pg_backend, "timeout_s": session.timeout_s,
                             "hosts": session.hosts, "inter_node": len(session.hosts) > 1, "rows_per_rank": counts},
@@ -668,8 +666,7 @@ def write_incomplete_report(session: DistSession, out: Path, meta: dict[str, Any
     meta["not_covered"] = [f"INCOMPLETE: {what}; only the rows the ranks finished before that are here",
                            *meta.get("not_covered", [])]
     write_rows(out / "rows.jsonl", rows)
-    _, md_path = write_report(out, meta, rows)
-    atomic_write_text(md_path, f"{INCOMPLETE_BANNER}: {what}. Rows per rank: {counts}.\n\n" + md_path.read_text())
+    _, md_path = write_report(out, meta, rows)  # report.md opens with the INCOMPLETE banner and the reason
     _atomic_json(out / "ranks" / INCOMPLETE_FILE, {**incomplete, "report": str(md_path)})
     return md_path
 
@@ -888,6 +885,7 @@ def rank_run_meta(results: list[RankRunResult], backend: str) -> tuple[dict[str,
         if res.incomplete is not None:
             why = f"INCOMPLETE: {res.incomplete.get('reason')}"
             meta["status"] = "INCOMPLETE"
+            meta.setdefault("status_reason", f"ranks {res.label}: {res.incomplete.get('reason')}")
             meta.setdefault("incomplete", res.incomplete)
         else:
             why = f"no report (exit codes {res.exit_codes}); see {res.out / 'logs'}"

@@ -8,16 +8,25 @@ support (``drift_hist.png`` from contract rows). Formats: docs/reports.md. The b
 (``toolkit.benches``) writes the same files through the same pieces.
 
 Suite selection (``select_suites``): names are suites (``SUITES``), plug-in names, or the selectors
-``auto`` (the suites that fit this host) and ``all`` (every suite that can run in this launch).
-Unknown names fail before any work, listing the known ones.
+``auto`` (the suites that fit this host) and ``all`` (every suite that can run in this launch). The
+multi-rank suites (``MULTI_RANK_SUITES``), named or through ``all``, run on ranks the caller starts on
+this host when the process was not launched as ranks. Unknown names, a named multi-rank suite this
+host cannot start ranks for, and a suite whose Python dependency is missing (``SUITE_NEEDS``) fail
+before any work, naming the value and what is supported.
+
+A plug-in that raises does not end the run in one process (``run_plugins(keep_going=True)``): its
+error becomes a failed row (check ``suite_error``, or ``missing_dependency`` when an import failed)
+and the next plug-in runs, so the report says what ran and why the run failed.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +39,7 @@ from detkit.toolkit.records import INTERPRETER_BANNER, Row, RowWriter, atomic_wr
 from detkit.toolkit.reports import render_audit_markdown, write_audit_plots
 
 __all__ = ["INTERPRETER_BANNER", "Row", "RowWriter", "RunContext", "atomic_write_text", "base_meta", "env_meta",
-           "resolve_context", "run_plugins", "select_suites", "summarize", "write_report"]
+           "resolve_context", "run_plugins", "run_status", "select_suites", "summarize", "write_report"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +58,11 @@ PRESET_MODULES = (*SUITES["gemm"], "detkit.audits.tp_cp", "detkit.audits.tp_cp_r
 # Suites that need several ranks (torchrun/srun); every other suite runs in one process.
 MULTI_RANK_SUITES = ("tp-cp", "invariance")
 SELECTORS = ("auto", "all")
+# Plug-in module -> (import name, how to install it) of the optional dependencies it cannot run without
+# (pyproject.toml's extras); checked before any work.
+SUITE_NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
+    "detkit.audits.model": (("transformers", "pip install 'detkit[models]'"),),
+}
 
 
 def launch_hint(suite: str) -> str:
@@ -138,20 +152,20 @@ def select_suites(requested: Iterable[str], *, device: str, gpu_count: int, worl
     CPU, tp-cp joins gemm when launched as ranks (gloo). ``all``: every single-process suite, plus
     the ``MULTI_RANK_SUITES``: in this launch when it has more than one rank, else on
     ``local_ranks`` ranks that the caller starts itself on this host (``launched``; 0: it cannot,
-    e.g. fewer than 2 GPUs, and they are skipped with the reason). A suite named explicitly runs as
-    asked (tp-cp in one process yields its failed ``launch`` row). Raises ValueError naming the
-    known names.
+    e.g. fewer than 2 GPUs, and they are skipped with the reason). A multi-rank suite named
+    explicitly (``tp-cp``, ``invariance`` or their plug-ins) is started on those ranks the same way;
+    where none can be started it is refused, since in one process it could only fail its ``launch``
+    check. Raises ValueError naming the value and the supported ones.
     """
     requested = tuple(requested) or ("auto",)
-    unknown = [n for n in requested if n not in SELECTORS and not _is_known(n)]
-    if unknown:
-        raise ValueError(f"suite(s) {unknown} not known; known: {known_suite_names()}")
+    check_suite_names(requested)
     multi = world_size > 1
     suites: list[str] = []
     reasons: list[str] = []
     skipped: list[str] = []
     launched: list[str] = []
     ranks_note = f"launched as {world_size} ranks" if multi else "one process (not launched as ranks)"
+    backend = "gloo on loopback" if device == "cpu" else "NCCL"
     for name in requested:
         if name == "auto":
             if device == "cpu":
@@ -184,19 +198,50 @@ def select_suites(requested: Iterable[str], *, device: str, gpu_count: int, worl
                     reasons.append(f"all: {ranks_note} -> {s}")
                 elif local_ranks >= 2:
                     launched.append(s)
-                    backend = "gloo on loopback" if device == "cpu" else "NCCL"
                     reasons.append(f"all: {s} on {local_ranks} ranks started on this host ({backend})")
                 elif device == "cuda":
                     skipped.append(f"{s}: needs at least 2 GPUs of one host to start its ranks ({gpu_count} "
                                    f"visible), or a launch as ranks: {launch_hint(s)}")
                 else:
                     skipped.append(f"{s}: needs more than one rank ({ranks_note}); run {launch_hint(s)}")
+        elif is_multi_rank(name) and not multi:
+            if local_ranks < 2:
+                where = (f"at least 2 GPUs of one host to start them ({gpu_count} visible)" if device == "cuda"
+                         else "ranks this caller cannot start")
+                raise ValueError(f"--suite {name} needs several ranks: {where}; run {launch_hint(name)}")
+            launched.append(name)
+            reasons.append(f"{name}: on {local_ranks} ranks started on this host ({backend})")
         else:
             suites.append(name)
     suites = list(dict.fromkeys(suites))
     launched = [s for s in dict.fromkeys(launched) if s not in suites]
     skipped = [s for s in dict.fromkeys(skipped) if s.split(":", 1)[0] not in suites + launched]
     return SuiteSelection(requested, tuple(suites), tuple(reasons), tuple(skipped), tuple(launched))
+
+
+def check_suite_names(requested: Iterable[str]) -> None:
+    """Every name is a selector, a suite or a plug-in; raises ValueError listing the known ones."""
+    unknown = [n for n in requested if n not in SELECTORS and not _is_known(n)]
+    if unknown:
+        raise ValueError(f"suite(s) {unknown} not known; known: {known_suite_names()}")
+
+
+def is_multi_rank(name: str) -> bool:
+    """Whether ``name`` (a suite or plug-in) is one of the multi-rank suites or their plug-ins."""
+    ranked = set(suite_modules(MULTI_RANK_SUITES))
+    return name not in SELECTORS and set(plugin_modules(name)) <= ranked
+
+
+def missing_dependencies(suites: Iterable[str]) -> list[str]:
+    """One line per Python package a plug-in of ``suites`` needs and this environment lacks (``SUITE_NEEDS``),
+    found without importing it."""
+    missing = []
+    for module in suite_modules(suites):
+        for package, install in SUITE_NEEDS.get(module, ()):
+            if importlib.util.find_spec(package) is None:
+                suite = module.rsplit(".", 1)[-1]
+                missing.append(f"the {suite} suite needs {package}, which is not installed ({install})")
+    return missing
 
 
 def _is_known(name: str) -> bool:
@@ -219,26 +264,101 @@ def uses_preset(suites: Iterable[str]) -> bool:
 
 def run_plugins(suites: Iterable[str], ctx: RunContext, writer: RowWriter,
                 on_row: Callable[[Row], None] | None = None,
-                on_plugin: Callable[[str], None] | None = None) -> list[Row]:
+                on_plugin: Callable[[str], None] | None = None,
+                keep_going: bool = False, timings: dict[str, float] | None = None) -> list[Row]:
     """Run every plug-in of ``suites``; ``on_plugin(NAME)`` before each, ``on_row(row)`` after each
-    row is written (the CLI's progress bar)."""
+    row is written (the CLI's progress bar). ``keep_going``: a plug-in that raises an Exception gives
+    one failed row (``error_row``) and the next plug-in runs (one process; under ranks an error must
+    end the run, since the other ranks wait in its collectives). ``timings`` gets each plug-in's
+    seconds, by NAME."""
     rows: list[Row] = []
     for module_name in suite_modules(suites):
-        plugin = importlib.import_module(module_name)
-        log.info("running %s on %s (%s preset)", plugin.NAME, ctx.backend, ctx.preset)
-        if on_plugin is not None:
-            on_plugin(plugin.NAME)
-        with nvtx_range(f"audit {plugin.NAME}"):
-            for row in plugin.run(ctx):
-                writer.write(row)
-                rows.append(row)
-                if on_row is not None:
-                    on_row(row)
+        name = module_name.rsplit(".", 1)[-1]
+        started, produced, announced = time.monotonic(), 0, False
+        try:
+            plugin = importlib.import_module(module_name)
+            name = plugin.NAME
+            log.info("running %s on %s (%s preset)", name, ctx.backend, ctx.preset)
+            if on_plugin is not None:
+                on_plugin(name)
+            announced = True
+            with nvtx_range(f"audit {name}"):
+                for row in plugin.run(ctx):
+                    writer.write(row)
+                    rows.append(row)
+                    produced += 1
+                    if on_row is not None:
+                        on_row(row)
+        except Exception as exc:
+            if not keep_going:
+                raise
+            row = error_row(name, ctx.backend, exc, produced)
+            log.error("%s: %s", name, row.details["error"])
+            if on_plugin is not None and not announced:  # its import failed: it started all the same
+                on_plugin(name)
+            writer.write(row)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+        finally:
+            if timings is not None:
+                timings[name] = round(time.monotonic() - started, 1)
     return rows
 
 
+def error_row(suite: str, backend: str, exc: BaseException, rows_before: int) -> Row:
+    """The failed row of a plug-in that raised: check ``missing_dependency`` when the error is (or was
+    raised from) a failed import, else ``suite_error``; the error, its cause and the traceback's last
+    frames in the details."""
+    cause = exc if isinstance(exc, ImportError) else exc.__cause__
+    missing = cause.name if isinstance(cause, ImportError) else None
+    error = f"{type(exc).__name__}: {exc}"
+    if cause is not None and cause is not exc:
+        error += f" (from {type(cause).__name__}: {cause})"
+    check = "missing_dependency" if isinstance(cause, ImportError) else "suite_error"
+    frames = traceback.format_exception(exc)
+    return Row(suite, check, f"{suite} raised", False, backend, {
+        "error": error, "missing_module": missing, "rows_before": rows_before,
+        "traceback": "".join(frames)[-2000:]})
+
+
+ERROR_CHECKS = ("suite_error", "missing_dependency")  # the checks of error_row
+STATUSES = ("PASSED", "FAILED", "INCOMPLETE")
+
+
+def run_status(rows: list[Row]) -> tuple[str, str | None]:
+    """(status, reason) of a run that ended on its own: PASSED (rows, none failed), or FAILED with one
+    line saying why (the plug-ins that raised, then the failed checks, or no rows at all)."""
+    if not rows:
+        return "FAILED", "no rows were produced"
+    failed = [r for r in rows if not r.passed]
+    if not failed:
+        return "PASSED", None
+    reasons = []
+    for r in failed:
+        if r.check == "missing_dependency":
+            module = r.details.get("missing_module")
+            reasons.append(f"{r.suite}: missing dependency{f' {module!r}' if module else ''}: {r.details.get('error')}")
+        elif r.check == "suite_error":
+            reasons.append(f"{r.suite}: {r.details.get('error')}")
+    checks = [r for r in failed if r.check not in ERROR_CHECKS]
+    if checks:
+        counts: dict[str, int] = {}
+        for r in checks:
+            counts[f"{r.suite}/{r.check}"] = counts.get(f"{r.suite}/{r.check}", 0) + 1
+        reasons.append(f"{len(checks)} failed row(s) in {len(counts)} check(s): "
+                       + ", ".join(f"{k} x{n}" for k, n in counts.items()))
+    return "FAILED", "; ".join(reasons)
+
+
 def write_report(out_dir: Path, meta: dict, rows: list[Row]) -> tuple[Path, Path]:
-    """Plots first (the markdown links them), then report.json and report.md, each atomically."""
+    """Plots first (the markdown links them), then report.json and report.md, each atomically.
+
+    ``meta["status"]`` (``STATUSES``) and ``meta["status_reason"]`` are set from the rows (``run_status``)
+    unless the caller set the status already (INCOMPLETE: the run was stopped; its reason is the caller's)."""
+    if meta.get("status") not in STATUSES:
+        meta["status"], meta["status_reason"] = run_status(rows)
+    meta.setdefault("status_reason", None)
     meta["plots"] = [p.name for p in write_audit_plots(out_dir, rows)]
     report = {"meta": meta, "summary": summarize(rows), "rows": [r.as_dict() for r in rows]}
     json_path, md_path = out_dir / "report.json", out_dir / "report.md"

@@ -1,15 +1,17 @@
-"""The single-host audit that fits the GPUs present: ``docker compose run audit`` runs this.
+"""The audit ``docker compose run audit`` runs: one ``detkit audit`` of the default suites on this host.
 
-1 GPU: the det_gemm audit suite. 2 or 3 GPUs: also the TP/CP operators on real NCCL, one 2-rank
-run holding a TP group (ranks 0,1: Down forward and Gate/Up dX) and one holding a CP group (ranks
-0,2: the dW reduction). 4 or more: the full 4-rank TP=2 x CP=2 layout on one host. Every run writes
-its own report folder under --out; the paths are printed at the end and the exit code is non-zero
-when any run failed. ``--dry-run`` prints the plan only.
+The suites are ``--suite`` / DETKIT_SUITE (space- or comma-separated; default ``all``: every suite,
+with the ranks tp-cp and invariance need started on this host: 4 ranks with >= 4 GPUs, one TP group
+and one CP group of 2 ranks with 2-3 GPUs, skipped with the reason on 1 GPU; 4 gloo ranks on the
+loopback with ``--device cpu``). The device is ``--device`` / DETKIT_DEVICE (default cuda;
+compose.cpu.yaml sets cpu: the Triton interpreter, not a hardware result). The run writes its
+report folder under ``--out/host-audit-<timestamp>/<device>``; its path and status are printed at
+the end, and the exit status is the audit's.
 
-``--device cpu`` (or DETKIT_DEVICE=cpu, as compose.cpu.yaml sets): one ``detkit audit --device cpu``
-run under the Triton interpreter (not a hardware result) of the suites in ``--suite`` / DETKIT_SUITE
-(space- or comma-separated; default ``all``, whose multi-rank suites run on 4 gloo ranks that the
-audit starts itself). On cuda, DETKIT_SUITE replaces the single-process run's ``gemm``.
+Every check before any work, as one line with exit status 2: unknown suite names first (the
+subject of the command), then a cuda run on a host where torch sees no GPU. SIGINT and SIGTERM are
+passed on to the audit, which writes its report marked INCOMPLETE before it ends. ``--dry-run``
+prints the command only.
 
     python -m detkit.toolkit.host_audit --out /results [--device cpu|cuda] [--suite NAME ...] [--dry-run]
 """
@@ -17,52 +19,74 @@ audit starts itself). On cuda, DETKIT_SUITE replaces the single-process run's ``
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+DEFAULT_SUITES = ("all",)
+
 
 @dataclass(frozen=True)
 class Step:
     name: str
     argv: tuple[str, ...]
-    env: tuple[tuple[str, str], ...] = ()
-
-
-def _torchrun(nproc: int) -> tuple[str, ...]:
-    return (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "detkit")
 
 
 def _suite_args(suites: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(arg for s in suites for arg in ("--suite", s))
 
 
-def plan(gpus: int, out: Path, device: str = "cuda", suites: tuple[str, ...] = ()) -> list[Step]:
-    """The runs for a host with ``gpus`` CUDA GPUs (or for ``device="cpu"``), each writing to its own
-    folder under ``out``."""
+def plan(gpus: int, out: Path, device: str = "cuda", suites: tuple[str, ...] = ()) -> Step:
+    """The one ``detkit audit`` run for this host (``gpus`` CUDA GPUs, or ``device="cpu"``), writing to
+    ``out/<device>``. Raises ValueError for an unknown suite or device, RuntimeError for cuda without a GPU."""
+    from detkit.toolkit.harness import check_suite_names
+
+    suites = suites or DEFAULT_SUITES
+    check_suite_names(suites)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device {device!r} is not supported; supported: cuda, cpu")
-    if device == "cpu":
-        return [Step("cpu", (sys.executable, "-m", "detkit", "audit", "--device", "cpu",
-                             *_suite_args(suites or ("all",)), "--out", str(out / "cpu")))]
-    if gpus < 1:
+    if device == "cuda" and gpus < 1:
         raise RuntimeError("no CUDA GPU is visible: the host audit needs a Hopper GPU "
                            "(for the interpreter audits without a GPU: DETKIT_DEVICE=cpu, or docker compose -f "
                            "compose.yaml -f compose.cpu.yaml run --rm audit)")
-    steps = [Step("gemm", (sys.executable, "-m", "detkit", "audit", "--device", "cuda",
-                           *_suite_args(suites or ("gemm",)), "--out", str(out / "gemm")))]
-    if gpus >= 4:
-        steps.append(Step("tp-cp-4rank", _torchrun(4) + ("audit", "--suite", "tp-cp", "--out", str(out / "tp-cp-4rank"))))
-    elif gpus >= 2:
-        for label, world in (("tp-group", "0,1"), ("cp-group", "0,2")):
-            steps.append(Step(f"tp-cp-{label}", _torchrun(2) + ("audit", "--suite", "tp-cp", "--out",
-                                                                   str(out / f"tp-cp-{label}")),
-                              (("DETKIT_TPCP_WORLD", world),)))
-    return steps
+    return Step(device, (sys.executable, "-m", "detkit", "audit", "--device", device, *_suite_args(suites),
+                         "--no-progress", "--out", str(out / device)))
+
+
+def run(step: Step, env: dict[str, str]) -> int:
+    """Run ``step`` in its own process group, passing SIGINT and SIGTERM on to it (once each) and waiting
+    for it to write its report: a Ctrl-C at the terminal, or ``docker stop``, reaches this process (in a
+    container, PID 1) and not the audit."""
+    proc = subprocess.Popen(step.argv, env=env, process_group=0)
+
+    def forward(signum, frame):
+        if proc.poll() is None:
+            print(f"host audit: {signal.Signals(signum).name}: passed on to the audit, which writes its report",
+                  file=sys.stderr, flush=True)
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def report_line(report_dir: Path, code: int) -> str:
+    """``<report.md> (<status>)``, the status read from report.json; says so when no report was written."""
+    md = report_dir / "report.md"
+    try:
+        status = json.loads((report_dir / "report.json").read_text())["meta"].get("status") or "no status"
+    except (OSError, ValueError, KeyError):
+        return f"{md}: not written (exit status {code}; see the output above)"
+    return f"{md} ({status})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default=os.environ.get("DETKIT_DEVICE") or "cuda",
                         help="cuda (default, env DETKIT_DEVICE) or cpu: the Triton-interpreter audits")
     parser.add_argument("--suite", action="append", default=None,
-                        help="suite names (default: env DETKIT_SUITE, else all on cpu, gemm on cuda)")
+                        help="suite names (default: env DETKIT_SUITE, else all)")
     args = parser.parse_args(argv)
     suites = tuple(args.suite or os.environ.get("DETKIT_SUITE", "").replace(",", " ").split())
     gpus = args.gpus
@@ -83,25 +107,23 @@ def main(argv: list[str] | None = None) -> int:
         gpus = torch.cuda.device_count()
     out = args.out / f"host-audit-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        steps = plan(gpus or 0, out, args.device, suites)
+        step = plan(gpus or 0, out, args.device, suites)
     except (RuntimeError, ValueError) as exc:
         print(f"host audit: error: {exc}", file=sys.stderr)
         return 2
-    env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
-    failed = []
-    for step in steps:
-        line = " ".join(f"{k}={v}" for k, v in step.env) + (" " if step.env else "") + " ".join(step.argv)
-        print(f"[{step.name}] {line}", flush=True)
-        if args.dry_run:
-            continue
-        if subprocess.run(step.argv, env={**env, **dict(step.env)}).returncode != 0:
-            failed.append(step.name)
+    print(f"[{step.name}] {' '.join(step.argv)}", flush=True)
     if args.dry_run:
         return 0
-    print(f"\nreports under {out}:")
-    for step in steps:
-        print(f"  {step.name}: {out / step.name / 'report.md'}{'  (FAILED)' if step.name in failed else ''}")
-    return 1 if failed else 0
+    env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
+    started = time.monotonic()
+    code = run(step, env)
+    # The audit's processes (its ranks too) were all waited for: their CPU time is the run's cost on an idle
+    # machine, whatever else shared the cores.
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(f"\nhost audit: {time.monotonic() - started:.0f} s, {used.ru_utime + used.ru_stime:.0f} s of CPU (user + "
+          f"system, every process of the audit)", flush=True)
+    print(f"host audit: report: {report_line(out / step.name, code)}", flush=True)
+    return code if code >= 0 else 128 - code  # killed by a signal: the shell's 128 + N
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from detkit.toolkit.provenance import format_config_tables, format_source
 from detkit.toolkit.records import INTERPRETER_BANNER, Row, summarize
 
 DRIFT_PLOT = "drift_hist.png"
+INCOMPLETE_BANNER = "# INCOMPLETE report"  # report.md's first line when a run stopped before its end
 MAX_FAILED_ROWS_MD = 100  # report.md lists at most this many failed rows; rows.jsonl has them all
 _DETAIL_CHARS = 160
 
@@ -75,7 +76,9 @@ def drift_rows(rows: Iterable[Row]) -> list[Row]:
 
 
 def drift_summary(rows: Iterable[Row]) -> list[dict]:
-    """Per op: cases, worst bound ratio, worst ULP / relative error against FP64, ULP-0 fraction."""
+    """Per op: cases, worst bound ratio, worst ULP / relative error against FP64 over the elements where they
+    mean something (``toolkit.contract.drift_stats``: the reference outside its own error bound of zero), the
+    elements left out of them (``near_zero``), worst relative L2 error (all elements), ULP-0 fraction."""
     by_op: dict[str, list[Row]] = {}
     for r in drift_rows(rows):
         by_op.setdefault(drift_op(r), []).append(r)
@@ -88,6 +91,7 @@ def drift_summary(rows: Iterable[Row]) -> list[dict]:
             "ulp_max": max(x["fp64_ulp_max"] for x in d),
             "ulp_p99_max": max(x.get("fp64_ulp_p99", 0.0) for x in d),
             "rel_max": max(x.get("fp64_rel_max", 0.0) for x in d),
+            "near_zero": sum(int(x.get("fp64_near_zero", 0)) for x in d),
             "rel_l2_max": max(x.get("fp64_rel_l2", 0.0) for x in d),
             "ulp0_fraction_min": min(x.get("fp64_ulp0_fraction", 1.0) for x in d),
         })
@@ -143,12 +147,15 @@ def render_audit_markdown(meta: dict, rows: Sequence[Row]) -> str:
     """report.md: verdict, environment, suites, distributed layout, per-check summary, failed rows,
     drift per op, coverage, plots. Every row (passed or not) stays in report.json / rows.jsonl."""
     failed = [r for r in rows if not r.passed]
-    lines = [f"# detkit {meta['command']} report", ""]
+    status = meta.get("status") or ("PASSED" if rows and not failed else "FAILED")
+    reason = meta.get("status_reason")
+    lines = [f"{INCOMPLETE_BANNER}: {reason}", ""] if status == "INCOMPLETE" else []
+    lines += [f"# detkit {meta['command']} report", ""]
     if meta.get("backend") == "triton_interpreter":
         lines += [f"> **{INTERPRETER_BANNER}**", ""]
-    verdict = "PASS" if rows and not failed else "FAIL"
-    lines += [f"**{verdict}**: {len(rows) - len(failed)} passed, {len(failed)} failed"
-              + ("" if rows else " (no rows were produced)"), ""]
+    lines += [f"**{status}**" + (f": {reason}" if reason and status != "INCOMPLETE" else ""), "",
+              f"{len(rows) - len(failed)} passed, {len(failed)} failed" + ("" if rows else " (no rows were produced)")
+              + (": only the rows finished before the run stopped" if status == "INCOMPLETE" else ""), ""]
     lines += [f"- {key}: {meta[key]}" for key in ("date", "backend", "hardware_result", "preset", "device_name",
                                                    "seed", "command_line") if key in meta]
     lines += provenance_lines(meta)
@@ -156,7 +163,9 @@ def render_audit_markdown(meta: dict, rows: Sequence[Row]) -> str:
     if isinstance(selection, dict):
         lines.append(f"- suites: {', '.join(selection.get('resolved', []))} "
                      f"(requested: {', '.join(selection.get('requested', []))})")
-        lines += [f"  - {reason}" for reason in selection.get("reasons", [])]
+        lines += [f"  - {why}" for why in selection.get("reasons", [])]
+    if isinstance(meta.get("suite_seconds"), dict) and meta["suite_seconds"]:
+        lines.append("- seconds per plug-in: " + ", ".join(f"{k} {v:g}" for k, v in meta["suite_seconds"].items()))
     lines.append("")
     if isinstance(meta.get("env_summary"), dict):
         lines += env_block(meta["env_summary"])
@@ -170,8 +179,12 @@ def render_audit_markdown(meta: dict, rows: Sequence[Row]) -> str:
     drift = drift_summary(rows)
     if drift:
         lines += ["## Drift against the FP64 oracle (contract rows)", "",
-                  "ULP: distance in BF16 units to the oracle rounded to BF16 (0 = correctly rounded); "
-                  "rel: |c - c*| / |c*| over c* != 0; worst_bound_ratio: error / derived bound (<= 1 passes).", "",
+                  "worst_bound_ratio: error / derived bound (<= 1 passes), every element. ULP: distance in BF16 "
+                  "units to the oracle rounded to BF16 (0 = correctly rounded); rel: |c - c*| / |c*|. Both are taken "
+                  "over the elements whose oracle lies outside its own error bound of zero (|c*| > bound): where "
+                  "cancellation leaves |c*| <= bound, a result anywhere in the bound passes, and its relative and "
+                  "ULP distances (which grow without limit as c* nears 0) say nothing. near_zero counts the "
+                  "elements left out; rel_l2 (||c - c*|| / ||c*||) and the bound ratio cover every element.", "",
                   tabulate(drift, headers="keys", tablefmt="github", floatfmt=".4g"), ""]
     for key in ("covered", "not_covered"):
         if meta.get(key):

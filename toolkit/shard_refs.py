@@ -267,7 +267,8 @@ def _bitwise(check: str, name: str, got: torch.Tensor, want: torch.Tensor, **det
 def _contract(check: str, name: str, c: torch.Tensor, c_star: torch.Tensor, bound: torch.Tensor,
               prefix: str, **details) -> RefCheck:
     result = check_bound(c, c_star, bound)
-    return RefCheck(check, name, result.passed, {**details, **result.as_row(), **drift_stats(c, c_star, prefix)})
+    return RefCheck(check, name, result.passed,
+                    {**details, **result.as_row(), **drift_stats(c, c_star, prefix, bound)})
 
 
 def case_name(spec: ShardedGemm, layout: TpCpLayout, where: str, kind: str) -> str:
