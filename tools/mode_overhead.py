@@ -47,15 +47,15 @@ class Case:
 # ---------------------------------------------------------------------------------------------
 # Stand-ins for the kernels (CPU)
 # ---------------------------------------------------------------------------------------------
-def _fake_fwd(a, b):
+def _fake_fwd(a, b, precision=None):  # det_gemm_fwd's signature
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
-def _fake_da(dc, b):
+def _fake_da(dc, b, precision=None):
     return dc.new_empty((dc.shape[0], b.shape[0]))
 
 
-def _fake_db(a, dc):
+def _fake_db(a, dc, precision=None):
     return a.new_empty((a.shape[1], dc.shape[1]))
 
 
@@ -77,7 +77,8 @@ def _no_launch(*args, **kwargs):
     return None
 
 
-def _fake_attention(q, k, v, *, scale=None, kv_start=None, kv_end=None, configs=None):
+def _fake_attention(q, k, v, *, scale=None, kv_start=None, kv_end=None, window=None, softcap=None, sinks=None,
+                    configs=None):  # attention()'s signature
     b, h, s, d = q.shape
     return q.new_empty((b, s, h, d)).transpose(1, 2)  # [B, Hq, Sq, D] stored [B, Sq, Hq, D], as the kernel's
 
@@ -118,9 +119,11 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
     import torch
     import torch.nn.functional as F
 
-    from detkit.kernels.attention import sdpa as attention_sdpa
     from detkit.kernels import reductions
     from detkit.kernels.det_gemm import launch as dg
+
+    # The module: the package re-exports its function ``sdpa`` under the same name.
+    attention_sdpa = importlib.import_module("detkit.kernels.attention.sdpa")
 
     def randn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device=device).to(dtype)
