@@ -292,6 +292,20 @@ def _no_mark() -> None:
     return None
 
 
+def _marker(cuda: bool, clock: Callable[[], float]) -> tuple[list, Callable[[], None]]:
+    """(marks, mark): each ``mark()`` appends a CUDA event recorded on the current stream (``clock()`` on the CPU)."""
+    marks: list = []
+    if cuda:
+        def mark() -> None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append(event)
+    else:
+        def mark() -> None:
+            marks.append(clock())
+    return marks, mark
+
+
 def phase_samples_ms(fns: dict[str, Callable[[Callable[[], None]], object]], device: torch.device, rounds: int = 5,
                      *, phases: int, passes: int = 1, warmup: int = 1, clock: Callable[[], float] = time.perf_counter,
                      range_names: dict[str, str | tuple[str, ...]] | None = None,
@@ -317,15 +331,7 @@ def phase_samples_ms(fns: dict[str, Callable[[Callable[[], None]], object]], dev
     names = list(fns)
     for r in range(rounds):
         for name in (names[::-1] if alternate and r % 2 else names):
-            marks: list = []
-            if cuda:
-                def mark():
-                    event = torch.cuda.Event(enable_timing=True)
-                    event.record()
-                    marks.append(event)
-            else:
-                def mark():
-                    marks.append(clock())
+            marks, mark = _marker(cuda, clock)
             with _timed_range(range_names, name):
                 if before_sample is not None:
                     before_sample()
