@@ -29,14 +29,13 @@ Timing: one step = ``y = mlp(x)``, ``y.backward(dy)`` through autograd, gradient
 before it; forward, backward and total of the same step from three marks (CUDA events on the
 current stream on CUDA; ``time.perf_counter`` on the CPU, where it is wall time of the Triton
 interpreter, NOT a hardware result). One sample = ``iters`` back-to-back steps after a barrier of
-the world, divided by ``iters``; each sample is the maximum over the ranks (a parallel step ends
+the world, divided by ``iters`` (``toolkit.timing.phase_samples_ms``, whose phases are the spans
+between a call's marks); each sample is the maximum over the ranks (a parallel step ends
 when the slowest rank does). Rounds alternate the order of the implementations; warm-up steps are
 excluded; no L2 flush (the operands of one step exceed H200's 50 MiB L2 at every GPU shape:
-weights alone are >= 144 MiB per rank). The samples are taken here, not by ``toolkit.timing``: its
-samplers time a call as a whole, and a step's forward and backward are split by marks inside it
-(``do_bench`` would also pick its repetition count per process, so ranks would issue different
-numbers of collectives, and capturing NCCL collectives in CUDA graphs is not verified). Reported: median,
-p20 and p80 over the rounds. Every row's name is also its NVTX range (around its validation,
+weights alone are >= 144 MiB per rank). Not ``do_bench`` (it picks its repetition count per
+process, so ranks would issue different numbers of collectives) nor CUDA graphs (capturing NCCL
+collectives in them is not verified). Reported: median, p20 and p80 over the rounds. Every row's name is also its NVTX range (around its validation,
 ``validate``, and each of its samples, ``time``, with ``fwd`` / ``bwd`` ranges inside each step).
 
 Formulas (per rank, local shapes M_loc = M / CP, I_loc = I / TP):
@@ -51,7 +50,6 @@ Targets (reported, not asserted): invariant_vs_default_total <= 1.15, default_vs
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import groupby
@@ -65,7 +63,7 @@ import torch.nn.functional as F
 from detkit.toolkit.layout import AxisGroup, TpCpLayout, layout_for_preset
 from detkit.toolkit.nvtx_ranges import format_range_name, nvtx_range
 from detkit.toolkit.reports import markdown_table
-from detkit.toolkit.timing import Timing
+from detkit.toolkit.timing import Timing, phase_samples_ms
 
 if TYPE_CHECKING:
     from detkit.kernels.parallel.mlp import MlpPlan
@@ -424,11 +422,6 @@ def combine_validation(per_rank: list[dict], layout_ranks: list[int]) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _barrier(session) -> None:
     if session is not None:
         import torch.distributed as dist
@@ -436,46 +429,17 @@ def _barrier(session) -> None:
         dist.barrier()
 
 
-def time_sample(session, case: Built, device: torch.device, iters: int) -> tuple[float, float, float]:
-    """(fwd, bwd, total) milliseconds per step of ``iters`` back-to-back steps on this rank."""
-    _barrier(session)
-    _sync(device)
-    marks: list = []
-    if device.type == "cuda":
-        def mark():
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            marks.append(ev)
-    else:
-        def mark():
-            marks.append(time.perf_counter())
-    for _ in range(iters):
-        case.step(mark)
-    if device.type == "cuda":
-        marks[-1].synchronize()
-        spans = [(marks[j].elapsed_time(marks[j + 1]), marks[j + 1].elapsed_time(marks[j + 2]))
-                 for j in range(0, len(marks), 3)]
-    else:
-        spans = [((marks[j + 1] - marks[j]) * 1e3, (marks[j + 2] - marks[j + 1]) * 1e3)
-                 for j in range(0, len(marks), 3)]
-    fwd = sum(s[0] for s in spans) / iters
-    bwd = sum(s[1] for s in spans) / iters
-    return fwd, bwd, fwd + bwd
-
-
 def time_cases(session, cases: list[Built], device: torch.device, rounds: int, iters: int,
                warmup: int) -> dict[str, dict[str, Timing]]:
-    """Interleaved rounds (order alternating) of every case; per sample the slowest rank's time."""
-    for case in cases:  # warm-up, excluded (the validation step was the first call)
-        for _ in range(warmup):
-            case.step(lambda: None)
-    _sync(device)
-    local = torch.zeros((len(cases), len(PHASES), rounds), dtype=torch.float64)
-    for r in range(rounds):
-        order = range(len(cases)) if r % 2 == 0 else reversed(range(len(cases)))
-        for c in order:
-            with nvtx_range(cases[c].name), nvtx_range("time"):
-                local[c, :, r] = torch.tensor(time_sample(session, cases[c], device, iters), dtype=torch.float64)
+    """Interleaved rounds (order alternating) of every case; per sample the slowest rank's time. A sample
+    (toolkit.timing.phase_samples_ms): ``iters`` back-to-back steps after a barrier of the world, fwd and bwd
+    between the step's marks, each divided by ``iters``; total = fwd + bwd."""
+    samples = phase_samples_ms({case.name: case.step for case in cases}, device, rounds, phases=2, passes=iters,
+                               warmup=warmup, range_names={case.name: (case.name, "time") for case in cases},
+                               before_sample=lambda: _barrier(session), alternate=True)
+    local = torch.tensor([[[s[0] for s in samples[case.name]], [s[1] for s in samples[case.name]],
+                           [s[0] + s[1] for s in samples[case.name]]] for case in cases],
+                         dtype=torch.float64).reshape(len(cases), len(PHASES), rounds)  # [case, phase, round]
     if session is not None:  # one collective for all samples, after timing
         import torch.distributed as dist
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from detkit.toolkit.timing import (
-    SmClock, Timing, back_to_back_samples_ms, host_samples_ms, measured_ceiling_tflops, time_back_to_back, time_host,
-    time_interleaved,
+    SmClock, Timing, back_to_back_samples_ms, host_samples_ms, measured_ceiling_tflops, phase_samples_ms,
+    time_back_to_back, time_host, time_interleaved,
 )
 
 CPU = torch.device("cpu")
@@ -148,6 +148,34 @@ def test_back_to_back_time_divides_by_every_call_and_interleaves_in_alternate_or
     assert timed.samples == 3 and within_busy(timed) and timed.sm_clock_mhz is None  # no clock on the CPU
 
 
+def test_phase_time_is_each_phase_between_marks_per_call_in_alternate_order():
+    order, barriers = [], []
+
+    def step(name, set_up_ms, phase_ms):
+        """A call that spends ``set_up_ms`` before its first mark (in no phase), then each of ``phase_ms``."""
+        def call(mark):
+            order.append(name)
+            busy(set_up_ms)()
+            mark()
+            for ms in phase_ms:
+                busy(ms)()
+                mark()
+        return call
+
+    fns = {"a": step("a", BUSY_MS, (BUSY_MS, 2 * BUSY_MS)), "b": step("b", 0.0, (2 * BUSY_MS, BUSY_MS))}
+    samples = phase_samples_ms(fns, CPU, rounds=2, phases=2, passes=3, warmup=1, clock=time.thread_time,
+                               before_sample=lambda: barriers.append(True), alternate=True)
+    # Warm-up a, b (one call each); round 0 in order, round 1 reversed: 3 calls per sample.
+    assert order == ["a", "b"] + ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3 and len(barriers) == 4
+    wants = {"a": (BUSY_MS, 2 * BUSY_MS), "b": (2 * BUSY_MS, BUSY_MS)}
+    for name, per_sample in samples.items():
+        assert len(per_sample) == 2, (name, per_sample)
+        for phase, want in enumerate(wants[name]):
+            assert within_busy(Timing.from_samples_ms([s[phase] for s in per_sample]), want), (name, per_sample)
+    with pytest.raises(ValueError, match="'short': 2 marks in 1 calls; each call must mark 3 times"):
+        phase_samples_ms({"short": lambda mark: (mark(), mark())}, CPU, rounds=1, phases=2)
+
+
 def test_a_call_that_raises_is_reported_by_name_or_raised():
     state = {"calls": 0}
 
@@ -169,6 +197,7 @@ def test_a_call_that_raises_is_reported_by_name_or_raised():
     (host_samples_ms, {"warmup": -1}, "got calls=16, rounds=5, warmup=-1"),
     (back_to_back_samples_ms, {"passes": 0}, "calls_per_fn, passes, samples_per_round and rounds must be >= 1 and "
                                              "warmup >= 0; got 1, 0, 1, 5, 1"),
+    (phase_samples_ms, {"phases": 0}, "phases, passes and rounds must be >= 1 and warmup >= 0; got 0, 1, 5, 1"),
 ])
 def test_bad_counts_are_refused_before_any_call(measure, kwargs, message):
     calls = []

@@ -13,6 +13,8 @@ callable's samples as a ``Timing``: median with p20/p80, in microseconds.
   (``triton.testing.do_bench``).
 - ``time_graphs``: GPU time per call from CUDA-graph replays, free of host time; callers rotate operand copies
   larger than the L2 through the captured calls where a call's operands would otherwise stay cached.
+- ``phase_samples_ms``: back-to-back time of each phase of a call (a step's forward and backward), between marks
+  the call makes: the samples, which a caller summarises (after taking the slowest rank's, for instance).
 
 On CUDA the SM clock NVML reports is polled while GPU-timed samples run: under its power cap an H200's SM clock
 falls from 1980 MHz to about 1500 MHz, so a time is reported with the clock it ran at. On the CPU every sample is
@@ -284,6 +286,71 @@ def time_back_to_back(fns: dict[str, Callable[[], object]], device: torch.device
     clocks: dict[str, list[float]] = {}
     samples = back_to_back_samples_ms(fns, device, rounds, clocks=clocks, **kwargs)
     return {name: Timing.from_samples_ms(s, clocks.get(name)) for name, s in samples.items()}
+
+
+def _no_mark() -> None:
+    return None
+
+
+def _marker(cuda: bool, clock: Callable[[], float]) -> tuple[list, Callable[[], None]]:
+    """(marks, mark): each ``mark()`` appends a CUDA event recorded on the current stream (``clock()`` on the CPU)."""
+    marks: list = []
+    if cuda:
+        def mark() -> None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append(event)
+    else:
+        def mark() -> None:
+            marks.append(clock())
+    return marks, mark
+
+
+def phase_samples_ms(fns: dict[str, Callable[[Callable[[], None]], object]], device: torch.device, rounds: int = 5,
+                     *, phases: int, passes: int = 1, warmup: int = 1, clock: Callable[[], float] = time.perf_counter,
+                     range_names: dict[str, str | tuple[str, ...]] | None = None,
+                     before_sample: Callable[[], None] | None = None,
+                     alternate: bool = False) -> dict[str, list[tuple[float, ...]]]:
+    """Eager time per call of each phase of back-to-back calls, in ms: ``back_to_back_samples_ms`` for a call whose
+    phases are timed apart (a training step's forward and backward).
+
+    Each fn takes ``mark`` and calls it ``phases + 1`` times: before its first phase, between phases, after its last;
+    a mark records a CUDA event on the current stream (reads ``clock`` on the CPU). A sample: ``before_sample()``
+    (e.g. a barrier of the ranks), the device drained, then ``passes`` calls back to back; phase i's time is the sum
+    over the calls of mark i to mark i + 1, divided by ``passes`` (what a call does before its first mark or after
+    its last is in no phase). One sample per round and fn, inside the NVTX range ``range_names[name]``;
+    ``alternate`` reverses the fns' order every other round; ``warmup`` untimed calls per fn with a mark that
+    records nothing. A sample is a tuple of ``phases`` times; a call that marks a different number of times
+    raises ValueError."""
+    if min(phases, passes, rounds) < 1 or warmup < 0:
+        raise ValueError(f"phases, passes and rounds must be >= 1 and warmup >= 0; got {phases}, {passes}, {rounds}, "
+                         f"{warmup}")
+    _warm({name: functools.partial(fn, _no_mark) for name, fn in fns.items()}, device, warmup, None, None)
+    samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in fns}
+    cuda = device.type == "cuda"
+    names = list(fns)
+    for r in range(rounds):
+        for name in (names[::-1] if alternate and r % 2 else names):
+            marks, mark = _marker(cuda, clock)
+            with _timed_range(range_names, name):
+                if before_sample is not None:
+                    before_sample()
+                _sync(device)
+                for _ in range(passes):
+                    fns[name](mark)
+                if cuda and marks:
+                    marks[-1].synchronize()
+            per_call = phases + 1
+            if len(marks) != passes * per_call:
+                raise ValueError(f"{name!r}: {len(marks)} marks in {passes} calls; each call must mark {per_call} "
+                                 f"times (phases={phases})")
+            spans = [0.0] * phases
+            for j in range(0, len(marks), per_call):
+                for i in range(phases):
+                    a, b = marks[j + i], marks[j + i + 1]
+                    spans[i] += a.elapsed_time(b) if cuda else (b - a) * 1e3
+            samples[name].append(tuple(span / passes for span in spans))
+    return samples
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 5,

@@ -1,10 +1,10 @@
 """FP32 det_gemm against torch.matmul at the same FP32 matmul precision: GPU time (CUDA-graph replay) and eager time
 (back-to-back calls between CUDA events), at lm_head shapes (K 4096, N 151936 and 128256) and K = N = 4096, M 1 to
 4096, nn.Linear weights (``weight.t()``), with the timing protocol of ``detkit bench gemm`` (toolkit/timing.py's
-graph replays; eager bursts between CUDA events as bench/gemm.py times them; operands far beyond the L2 at the
-lm_head shapes). Validated before it is timed: the first and
-last rows against the FP64 oracle within the FP32 contract bound, and row 0's bits equal to the M = 1 call's (batch
-invariance). ``--config`` adds candidate tiles (GPU time only) for the FP32 table's next version.
+``time_graphs`` and ``time_back_to_back``: medians with p20/p80 and the SM clock; operands far beyond the L2 at the
+lm_head shapes). Validated before it is timed: the first and last rows against the FP64 oracle within the FP32
+contract bound, and row 0's bits equal to the M = 1 call's (batch invariance). ``--config`` adds candidate tiles
+(GPU time only) for the FP32 table's next version.
 
     python -m tools.fp32_gemm_bench --device cuda --out DIR [--precision ieee tf32] [--ops fwd da db]
         [--kn 4096,151936 ...] [--m 1 16 ...] [--config 128,128,32,8,8,3 ...] [--rounds 3]
@@ -93,50 +93,20 @@ def validate(op: str, x, y, c, precision: str) -> tuple[bool, float]:
     return result.passed, result.worst_ratio
 
 
-EAGER_SAMPLES_PER_ROUND = 3
-
-
-def time_eager(bursts: dict, device, calls: int, rounds: int) -> dict:
-    """Per-call time of back-to-back calls (bench/gemm.py's eager protocol, without its CLI's imports): each sample
-    one burst of ``calls`` calls between CUDA events (wall time on the CPU), started on an idle GPU, implementations
-    interleaved round by round."""
-    import torch
-
-    from detkit.toolkit.timing import Timing
-
-    cuda = device.type == "cuda"
-    samples = {name: [] for name in bursts}
-    for burst in bursts.values():  # plans, compilation, the allocator's blocks
-        burst()
-    if cuda:
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(rounds):
-        for name, burst in bursts.items():
-            for _ in range(EAGER_SAMPLES_PER_ROUND if cuda else 1):
-                if cuda:
-                    torch.cuda.synchronize(device)
-                    start.record()
-                t0 = time.perf_counter()
-                burst()
-                if cuda:
-                    end.record()
-                    end.synchronize()
-                    elapsed_ms = start.elapsed_time(end)
-                else:
-                    elapsed_ms = (time.perf_counter() - t0) * 1e3
-                samples[name].append(elapsed_ms / calls)
-    return {name: Timing.from_samples_ms(s) for name, s in samples.items()}
+EAGER_SAMPLES_PER_ROUND = 3  # eager samples per implementation and round on CUDA (one on the interpreter)
 
 
 def time_pair(fns: dict, device, calls: int, rounds: int) -> dict:
-    """{impl: {"eager": Timing, "graph": Timing}}: eager bursts of ``calls`` back-to-back calls and CUDA-graph
-    replays of ``calls`` calls, implementations interleaved round by round."""
-    from detkit.toolkit.timing import time_graphs
+    """{impl: {"eager": Timing, "graph": Timing}}: eager bursts of ``calls`` back-to-back calls started on an idle
+    GPU between CUDA events (``time_back_to_back``) and CUDA-graph replays of ``calls`` calls (``time_graphs``),
+    implementations interleaved round by round."""
+    from detkit.toolkit.timing import time_back_to_back, time_graphs
 
     bursts = {name: (lambda fn=fn: [fn() for _ in range(calls)]) for name, fn in fns.items()}
     names = {name: name for name in fns}
-    eager = time_eager(bursts, device, calls, rounds)
+    eager = time_back_to_back(bursts, device, rounds, calls_per_fn=calls,
+                              samples_per_round=EAGER_SAMPLES_PER_ROUND if device.type == "cuda" else 1,
+                              range_names=names)
     errors: dict[str, str] = {}
     graph = time_graphs(bursts, device, calls_per_fn=calls, rounds=rounds, replays=2 if calls == 1 else 3,
                         range_names=names, errors=errors)
@@ -217,6 +187,7 @@ def main(argv=None) -> int:
                                     row[f"{impl}_{timing}_median_us"] = t[timing].median_us
                                     row[f"{impl}_{timing}_p20_us"] = t[timing].p20_us
                                     row[f"{impl}_{timing}_p80_us"] = t[timing].p80_us
+                                    row[f"{impl}_{timing}_sm_clock_mhz"] = t[timing].sm_clock_mhz
                             if "graph_error" in t:
                                 row[f"{impl}_graph_error"] = t["graph_error"]
                         for timing in ("eager", "graph"):

@@ -47,15 +47,15 @@ class Case:
 # ---------------------------------------------------------------------------------------------
 # Stand-ins for the kernels (CPU)
 # ---------------------------------------------------------------------------------------------
-def _fake_fwd(a, b):
+def _fake_fwd(a, b, precision=None):  # det_gemm_fwd's signature
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
-def _fake_da(dc, b):
+def _fake_da(dc, b, precision=None):
     return dc.new_empty((dc.shape[0], b.shape[0]))
 
 
-def _fake_db(a, dc):
+def _fake_db(a, dc, precision=None):
     return a.new_empty((a.shape[1], dc.shape[1]))
 
 
@@ -77,7 +77,8 @@ def _no_launch(*args, **kwargs):
     return None
 
 
-def _fake_attention(q, k, v, *, scale=None, kv_start=None, kv_end=None, configs=None):
+def _fake_attention(q, k, v, *, scale=None, kv_start=None, kv_end=None, window=None, softcap=None, sinks=None,
+                    configs=None):  # attention()'s signature
     b, h, s, d = q.shape
     return q.new_empty((b, s, h, d)).transpose(1, 2)  # [B, Hq, Sq, D] stored [B, Sq, Hq, D], as the kernel's
 
@@ -118,9 +119,11 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
     import torch
     import torch.nn.functional as F
 
-    from detkit.kernels.attention import sdpa as attention_sdpa
     from detkit.kernels import reductions
     from detkit.kernels.det_gemm import launch as dg
+
+    # The module: the package re-exports its function ``sdpa`` under the same name.
+    attention_sdpa = importlib.import_module("detkit.kernels.attention.sdpa")
 
     def randn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device=device).to(dtype)
@@ -215,13 +218,13 @@ def tiny_qwen3(device, layers: int = 4):
 
 def profile_decode(device, steps: int, top: int, layers: int, clock=time.perf_counter) -> str:
     """``steps`` decode steps (one token, KV cache) of ``tiny_qwen3`` in the mode: the time per step
-    (toolkit.timing.time_back_to_back; ``clock`` on the CPU), then under cProfile the totals per step and the
-    functions with the most own time."""
+    (toolkit.timing.time_back_to_back; ``clock`` on the CPU), then under cProfile the host time per step
+    (toolkit.timing.time_host, ``clock``), the totals per step and the functions with the most own time."""
     import torch
     from transformers import DynamicCache
 
     import detkit
-    from detkit.toolkit.timing import time_back_to_back
+    from detkit.toolkit.timing import time_back_to_back, time_host
 
     model = tiny_qwen3(device, layers)
     ids = torch.randint(0, 1024, (1, 8), device=device)
@@ -230,23 +233,21 @@ def profile_decode(device, steps: int, top: int, layers: int, clock=time.perf_co
         model(ids, past_key_values=cache, use_cache=True)
         token = ids[:, -1:]
         # Warm-up of 3 steps (plans, caches, first-call imports), then one sample of ``steps`` steps back to back.
-        step_us = time_back_to_back({"step": lambda: model(token, past_key_values=cache, use_cache=True)}, device,
-                                    rounds=1, passes=steps, warmup=3, clock=clock)["step"].median_us
+        step = {"step": lambda: model(token, past_key_values=cache, use_cache=True)}
+        step_us = time_back_to_back(step, device, rounds=1, passes=steps, warmup=3, clock=clock)["step"].median_us
         detkit.reset_mode_counters()
         profiler = cProfile.Profile()
-        start = time.perf_counter()
-        profiler.enable()
-        for _ in range(steps):
-            model(token, past_key_values=cache, use_cache=True)
-        profiler.disable()
-        wall = (time.perf_counter() - start) / steps * 1e6
+        # One burst of ``steps`` steps with the profiler on around it only (a Profile is its own context: enabled
+        # on entry, disabled on exit), none untimed: the counters and the statistics are of exactly these steps.
+        profiled_us = time_host(step, device, rounds=1, calls=steps, per_call=False, warmup=0, clock=clock,
+                                gpu_sleep_s=0.0, contexts={"step": lambda: profiler})["step"].median_us
         counters = detkit.mode_counters().as_dict()
     stats = pstats.Stats(profiler)
     out = io.StringIO()
     routed = sum(counters["routed"].values()) // steps
     out.write(f"decode step of a {layers}-layer Qwen3 (hidden 256) in the mode, stand-in kernels: "
               f"{stats.total_calls / steps:.0f} Python function calls and {routed} routed ops per step; "
-              f"{step_us:.0f} us per step ({wall:.0f} us under cProfile)\n")
+              f"{step_us:.0f} us per step ({profiled_us:.0f} us under cProfile)\n")
     out.write(f"routed per step: { {k: v // steps for k, v in counters['routed'].items()} }\n")
     stats.stream = out
     stats.sort_stats("tottime").print_stats(top)
