@@ -316,6 +316,10 @@ class ParallelPlan:
     def reductions(self) -> dict[str, list[str]]:
         return {name: list(r) for name, (_, r) in self.layers.items() if r}
 
+    def routed(self) -> list[str]:
+        """The layers on the parallel route (at world size 1 none: they keep the mode's aten route)."""
+        return [n for n, (_, r) in self.layers.items() if not any(x.startswith("none at world size 1") for x in r)]
+
 
 def _group_backend_check(name: str, w_local: torch.Tensor, group) -> None:
     backend = resolve_backend(det_gemm_kernel, {f"{name}.weight": w_local})
@@ -336,7 +340,8 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
     - DP ranks: ``dp_group`` (its size is the DP size); every Linear keeps its dW as an FP32 partial for
       ``reduce_gradients(model)``. The one-process side: ``dp_size`` = the DP shard count of the global batch, in
       rank order.
-    Every Linear of the model is prepared (pinned configs) when DP is on; with TP only, the plan's Linears.
+    Every Linear of the model is prepared (pinned configs) when DP is on; with TP only, the plan's Linears. At world
+    size 1 (tp 1, dp 1) nothing is routed: no reduction is split, so the layers keep the mode's aten route.
     Refusals: see the module docstring; all raise ``ParallelPlanError`` before any collective."""
     from torch.distributed.tensor import DTensor
 
@@ -398,9 +403,15 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
     targets = {n: matched.get(n) for n, m in modules.items() if type(m) is torch.nn.Linear and (
         n in matched or dp_size > 1)}
     routes: dict[str, LinearRoute] = {}
+    idle: dict[str, tuple[str | None, tuple[str, ...]]] = {}
     for n, pattern in targets.items():
         m = modules[n]
         style, gathers = styles[pattern] if pattern is not None else (None, False)
+        if size == 1 and dp_size == 1:
+            # World size 1: no reduction is split, so nothing to make invariant; the layer keeps the mode's aten route
+            # (the same kernels and configs as the unsharded model: the same bits and speed).
+            idle[n] = (style, ("none at world size 1 (the mode's aten route)",))
+            continue
         shared = owners[id(m.weight)]
         if len(shared) > 1:
             raise ParallelPlanError(f"{n}.weight is shared with {[s for s in shared if s != n + '.weight']}; a "
@@ -439,7 +450,7 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
         setattr(m, ROUTE_ATTR, route)
         m.forward = types.MethodType(_routed_forward, m)
     return ParallelPlan(size, dp_size, on_tp_ranks or dp_group is not None,
-                        {n: (r.style, tuple(r.reductions())) for n, r in routes.items()})
+                        {**idle, **{n: (r.style, tuple(r.reductions())) for n, r in routes.items()}})
 
 
 def routes(model: torch.nn.Module) -> dict[str, LinearRoute]:
