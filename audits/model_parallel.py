@@ -68,7 +68,7 @@ def torch_plan(model_name: str) -> dict:
 
 @dataclass(frozen=True)
 class Job:
-    kind: str  # tp2 | dp2 | tp2dp2
+    kind: str  # tp2 | dp2 | dp2-ddp | dp2-fsdp2 | tp2dp2
     model: str  # qwen3 | qwen3-moe
     device: str  # cpu | cuda
     seed: int = 0
@@ -83,7 +83,13 @@ class Job:
 
     @property
     def dp(self) -> int:
-        return 2 if self.kind in ("dp2", "tp2dp2") else 1
+        return 2 if self.kind.startswith("dp2") or self.kind == "tp2dp2" else 1
+
+    @property
+    def wrapper(self) -> str | None:
+        """The DP wrapper the job runs under: "ddp" (the backward under no_sync, then ``reduce_gradients``),
+        "fsdp2" (``fully_shard`` per decoder layer and the root; FSDP2 reduce-scatters what the route leaves it)."""
+        return {"dp2-ddp": "ddp", "dp2-fsdp2": "fsdp2"}.get(self.kind)
 
     @property
     def world(self) -> int:
@@ -184,38 +190,73 @@ def _run_rank(rank: int, job: Job, device: torch.device) -> dict:
     out: dict = {"rank": rank, "dp_rank": dp_rank}
     plan = torch_plan(job.model) if job.tp > 1 else None
 
+    dp_group = mesh["dp"].get_group() if job.dp > 1 else None
+
     def sharded():
         model = build_model(job.model, device, job.seed)
         if plan:
             parallelize_module(model, mesh["tp"], plan)
         return model
 
+    def wrapped(model):
+        """(the module to call, the module whose parameters hold the gradients)"""
+        if job.wrapper == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(model, process_group=dp_group), model
+        if job.wrapper == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh["dp"])
+            return fully_shard(model, mesh=mesh["dp"]), model
+        return model, model
+
     # default mode beside it (informational): the same sharding, torch's kernels and collectives
     model = sharded()
     with torch.no_grad():
         out["default_lp"] = logprobs(model(input_ids=ids).logits, ids).cpu()
-    if job.dp > 1:  # what DDP's reduction gives: each rank's BF16 gradients summed over DP
-        detkit.reset_mode_counters()
-        train_step(model, ids)
-        for p in model.parameters():
-            if p.grad is not None:
-                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                dist.all_reduce(g, group=mesh["dp"].get_group())
-        out["plain_dp_grads"] = _grads(model)
     del model
+    if job.dp > 1:  # detkit mode without the invariant reduction: each rank's BF16 gradients summed over DP
+        model = sharded()
+        call, holder = wrapped(model)
+        train_step(call, ids)
+        if job.wrapper is None:  # summed by hand, as DDP's all-reduce does (without its 1/world scale)
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, group=dp_group)
+            out["plain_dp_grads"] = _grads(holder)
+        else:  # the wrapper's own reduction averages over the ranks: x world (exact, a power of two) to compare sums
+            out["plain_dp_grads"] = {n: g * job.dp for n, g in _grads(holder).items()}
+        del model, call, holder
 
     model = sharded()
-    summary = mode_parallel.prepare(model, plan, dp_group=mesh["dp"].get_group() if job.dp > 1 else None)
+    summary = mode_parallel.prepare(model, plan, dp_group=dp_group)
+    call, holder = wrapped(model)
     out["plan"] = summary
+
+    def step():
+        if job.wrapper == "ddp":  # DDP's own all-reduce off: the invariant reduction replaces it
+            with call.no_sync():
+                return train_step(call, ids)
+        return train_step(call, ids)
+
+    # FSDP2 averages the gradients it reduces itself, so the invariant reduction averages too (exact for 2 ranks);
+    # the saved gradients are scaled back to sums (x 2, exact) to compare with the one-process sums.
+    average = job.wrapper == "fsdp2"
+
+    def reduced_grads():
+        return {n: g * job.dp for n, g in _grads(holder).items()} if average else _grads(holder)
+
     detkit.reset_mode_counters()
-    out["lp"] = train_step(model, ids)
+    out["lp"] = step()
     if job.dp > 1:
-        out["grad_kinds"] = mode_parallel.reduce_gradients(model)
-    out["grads"] = _grads(model)
+        out["grad_kinds"] = mode_parallel.reduce_gradients(holder, average=average)
+    out["grads"] = reduced_grads()
     if job.dp > 1:  # run to run
-        train_step(model, ids)
-        mode_parallel.reduce_gradients(model)
-        out["grads_again"] = _grads(model)
+        step()
+        mode_parallel.reduce_gradients(holder, average=average)
+        out["grads_again"] = reduced_grads()
     out["counters"] = detkit.mode_counters().as_dict()
     if job.tp > 1:
         seqs, gen_lp = generate(model, ids[:, :job.prompt], job.new_tokens)
@@ -353,8 +394,9 @@ def compare(job: Job, ranks: dict[int, dict], ref: dict) -> list[dict]:
         add("grads_repeat", "reduced gradients, two steps", same)
         plain = {n: _bits(r0["plain_dp_grads"][n], ref["plain_grads"][n])["mismatches"]
                  for n in ref["plain_grads"] if n in r0["plain_dp_grads"]}
-        add("plain_dp_drift", "without the invariant reduction (BF16 grads summed): elements differing from one "
-            "process", True, True, mismatches=plain)
+        how = f"{job.wrapper}'s own reduction, x {job.dp}" if job.wrapper else "BF16 grads summed, as DDP does"
+        add("plain_dp_drift", f"without the invariant reduction ({how}): elements differing from one process", True,
+            True, mismatches=plain)
     if job.tp > 1:
         seqs, gen_lp = r0["gen_sequences"], r0["gen_lp"]
         want = trainer_lp(ref["model"], seqs, job.prompt)
@@ -364,7 +406,8 @@ def compare(job: Job, ranks: dict[int, dict], ref: dict) -> list[dict]:
     return rows
 
 
-JOBS = (("tp2", "qwen3"), ("dp2", "qwen3"), ("tp2", "qwen3-moe"), ("dp2", "qwen3-moe"), ("tp2dp2", "qwen3"))
+JOBS = (("tp2", "qwen3"), ("dp2", "qwen3"), ("tp2", "qwen3-moe"), ("dp2", "qwen3-moe"), ("dp2-ddp", "qwen3"),
+        ("dp2-fsdp2", "qwen3"), ("tp2dp2", "qwen3"))
 JOBS_ENV = "DETKIT_MODEL_PARALLEL_JOBS"  # a subset of JOBS, e.g. "tp2:qwen3,dp2:qwen3" (default: all)
 
 

@@ -458,13 +458,17 @@ def routes(model: torch.nn.Module) -> dict[str, LinearRoute]:
 
 
 @torch.no_grad()
-def reduce_gradients(model: torch.nn.Module) -> dict[str, str]:
+def reduce_gradients(model: torch.nn.Module, *, average: bool = False) -> dict[str, str]:
     """The invariant DP gradient reduction of a ``prepare(..., dp_group=...)`` model, after its backward: each
     prepared Linear's FP32 partial summed in rank order (``_ordered_sum``), rounded to BF16 once, written as the
     weight's ``.grad``. Every other parameter with a gradient (norm weights, embeddings, biases) is summed the same
     way from its BF16 gradient: deterministic, but not equal to DP=1 (autograd rounded each rank's sum to BF16 first,
-    and DP=1 sums all rows in torch's order). Returns ``{parameter: "invariant" | "fp32 sum of bf16 grads"}``."""
-    from torch.distributed.tensor import DTensor
+    and DP=1 sums all rows in torch's order); under FSDP2 those are left to FSDP2's own reduce-scatter.
+    ``average=True`` divides the FP32 sum by the DP size before the rounding, as DDP and FSDP2 do; only for a
+    power-of-two DP size, where the division is exact (the bits are then DP=1's sum halved, quartered, ...).
+    Returns ``{parameter: "invariant" | "fp32 sum of bf16 grads" | "fsdp2 reduce-scatter"}``."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Replicate
 
     prepared = routes(model)
     missing = [n for n, r in prepared.items() if r.dp_group is not None and r.pending is None]
@@ -476,6 +480,11 @@ def reduce_gradients(model: torch.nn.Module) -> dict[str, str]:
     if missing and len(missing) != len(prepared):
         raise ParallelPlanError(f"reduce_gradients: {missing[0]} has no gradient partial (no backward through it)")
     group = next(iter(groups.values()))
+    size = dist.get_world_size(group)
+    if average and size & (size - 1):
+        raise ParallelPlanError(f"reduce_gradients(average=True) with {size} DP ranks: dividing by a size that is not a "
+                                "power of two rounds, so the bits would no longer be DP=1's; use average=False")
+    scale = 1.0 / size if average else 1.0
     kinds: dict[str, str] = {}
     linear_weights = set()
     for n, r in prepared.items():
@@ -483,17 +492,27 @@ def reduce_gradients(model: torch.nn.Module) -> dict[str, str]:
         linear_weights.add(id(w))
         if r.pending is None:
             continue
-        reduced = _ordered_sum(r.pending, group).to(BF16)
+        reduced = (_ordered_sum(r.pending, group) * scale).to(BF16)
         r.pending = None
         if w.grad is not None:
             raise ParallelPlanError(f"reduce_gradients: {n}.weight already has a .grad (accumulated outside the route)")
-        w.grad = DTensor.from_local(reduced, w.device_mesh, w.placements, run_check=False) \
-            if isinstance(w, DTensor) else reduced
+        if not isinstance(w, DTensor):
+            w.grad = reduced
+        elif r.tp_group is not None:  # the partial is this TP rank's shard's gradient
+            w.grad = DTensor.from_local(reduced, w.device_mesh, w.placements, run_check=False)
+        else:  # FSDP2: the forward saw the unsharded weight; this rank keeps its shard (a local cut, no collective)
+            mesh = w.device_mesh
+            w.grad = DTensor.from_local(reduced, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(
+                mesh, w.placements)
         kinds[f"{n}.weight"] = "invariant"
+    fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
     for pn, p in model.named_parameters():
         if id(p) in linear_weights or p.grad is None:
             continue
+        if fsdp:  # FSDP2 reduce-scattered these itself (the unsharded BF16 gradients, averaged)
+            kinds[pn] = "fsdp2 reduce-scatter"
+            continue
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        g.copy_(_ordered_sum(g.float(), group).to(g.dtype))
+        g.copy_((_ordered_sum(g.float(), group) * scale).to(g.dtype))
         kinds[pn] = "fp32 sum of bf16 grads"
     return kinds

@@ -241,6 +241,18 @@ def test_dp2_qwen3_reduced_gradients_equal_one_process_bitwise():
     assert set(plain) >= claimed  # what differs without the invariant reduction: counted per parameter
 
 
+@pytest.mark.parametrize("kind", ["dp2-ddp", "dp2-fsdp2"])
+def test_dp2_under_ddp_and_fsdp2_reduced_linear_gradients_equal_one_process(kind):
+    """DDP (backward under no_sync, then reduce_gradients) and FSDP2 (fully_shard per layer and root; the route leaves
+    the Linear weights' gradients to reduce_gradients(average=True), FSDP2 reduce-scatters the rest)."""
+    job, rows = _launch_and_compare(kind, "qwen3")
+    assert not _failed(rows), _failed(rows)
+    assert len([r for r in rows if r["check"] == "grads"]) == 8  # the 8 Linear weights
+    kinds = next(r for r in rows if r["check"] == "grad_scope")["details"]["kinds"]
+    other = {v for k, v in kinds.items() if not k.endswith("_proj.weight") and k != "lm_head.weight"}
+    assert other == ({"fsdp2 reduce-scatter"} if kind == "dp2-fsdp2" else {"fp32 sum of bf16 grads"})
+
+
 # ------------------------------------------------------------------------------ rank-side refusals
 def _refusal_rank(rank: int, init_file: str, case: str, out: str) -> None:
     import torch.distributed as dist
