@@ -407,11 +407,6 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
     for n, pattern in targets.items():
         m = modules[n]
         style, gathers = styles[pattern] if pattern is not None else (None, False)
-        if size == 1 and dp_size == 1:
-            # World size 1: no reduction is split, so nothing to make invariant; the layer keeps the mode's aten route
-            # (the same kernels and configs as the unsharded model: the same bits and speed).
-            idle[n] = (style, ("none at world size 1 (the mode's aten route)",))
-            continue
         shared = owners[id(m.weight)]
         if len(shared) > 1:
             raise ParallelPlanError(f"{n}.weight is shared with {[s for s in shared if s != n + '.weight']}; a "
@@ -437,6 +432,11 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
                     raise ParallelPlanError(f"{n}: {width}={dim} does not split into tp_size={size} even shards")
         if dp_group is not None:
             _group_backend_check(n, w.to_local() if isinstance(w, DTensor) else w, dp_group)
+        if size == 1 and dp_size == 1:
+            # World size 1: no reduction is split, so nothing to make invariant; the layer keeps the mode's aten route
+            # (the same kernels and configs as the unsharded model: the same bits and speed).
+            idle[n] = (style, ("none at world size 1 (the mode's aten route)",))
+            continue
         seg_k = k_in // size if style == ROWWISE and size > 1 else 0
         seg_n = n_out // size if style == COLWISE and size > 1 else 0
         try:
