@@ -19,9 +19,8 @@ bits. Jobs (``JOBS``):
 - ``tp2dp2`` (4 ranks): both at once on a ("dp", "tp") mesh.
 
 A parameter whose gradient the mode does not make invariant is reported as such, never failed silently nor passed:
-``grad_scope`` says which parameters the invariance covers (every prepared Linear; under TP also the replicated
-ones the plan leaves whole) and which it does not (DP: norm weights, embeddings, MoE experts; TP: q_norm / k_norm,
-whose gradient is a sum over the heads TP splits).
+``grad_scope`` says which parameters the invariance covers (TP: every parameter; DP: the prepared Linears and the
+RMSNorm weights) and which it does not (DP: the embeddings, a MoE block's experts and router).
 """
 
 from __future__ import annotations
@@ -342,16 +341,12 @@ def _bits(got: torch.Tensor, want: torch.Tensor) -> dict:
 
 
 def grad_scope(job: Job, name: str) -> bool:
-    """Whether the mode claims ``name``'s gradient bitwise for ``job`` (see the module docstring)."""
-    if job.dp > 1 and not (name.endswith("_proj.weight") or name == "lm_head.weight"):
-        return False  # DP: only prepared Linears (norms, embeddings, MoE experts: BF16 grads summed)
-    if ".mlp.experts." in name:  # Qwen3-MoE experts: not Linears
-        return job.dp == 1
-    if name.endswith(("q_norm.weight", "k_norm.weight")) and job.tp > 1:
-        return False  # a sum over the heads TP splits: each TP rank holds a partial
-    if ".mlp.gate.weight" in name and job.dp > 1:
-        return False  # the MoE router: not an nn.Linear
-    return True
+    """Whether the mode claims ``name``'s gradient bitwise for ``job`` (see the module docstring): under TP every
+    parameter (the prepared Linears and q_norm / k_norm on their routes, the rest replicated on replicated rows);
+    under DP the prepared Linears and RMSNorm weights, not the embeddings nor a MoE block's experts and router."""
+    if job.dp == 1:
+        return True
+    return name.endswith(("_proj.weight", "norm.weight")) or name == "lm_head.weight"
 
 
 def compare(job: Job, ranks: dict[int, dict], ref: dict) -> list[dict]:

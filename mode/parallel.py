@@ -266,6 +266,109 @@ class _InvariantLinear(torch.autograd.Function):
         return dx, dw, None
 
 
+# ---------------------------------------------------------------------------------------------
+# RMSNorm weights: the one reduction a norm has is its weight gradient, a sum over rows
+# ---------------------------------------------------------------------------------------------
+# transformers' Qwen3 RMSNorm classes (their forward is re-stated in ``_norm_forward``, op for op).
+NORM_CLASSES = ("Qwen3RMSNorm", "Qwen3MoeRMSNorm")
+
+
+@dataclass
+class NormRoute:
+    """The weight gradient of one RMSNorm, sum over rows of ``grad * normed``, in a fixed order. ``head_shards`` > 1
+    for q_norm / k_norm next to colwise q_proj / k_proj: their rows are (token, head) and TP splits the heads, so the
+    sum is cut per head shard (on the ranks: the rank's heads, then the TP sum; in one process: each shard's rows
+    gathered in the rank's order). DP cuts it per DP shard of the tokens. Each block is one det_gemm_db
+    (``ones[R, 1].T @ rows[R, D]``: exact products, one FP32 accumulation in row order, pinned config); blocks
+    are added in FP32 in rank order from zero (TP inside, DP outside), as the ranks' collectives add them."""
+
+    name: str
+    head_shards: int
+    tp_group: object | None
+    dp_size: int
+    dp_group: object | None
+    config: GemmConfig
+    pending: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def counter(self) -> tuple[str, str]:
+        where = "ranks" if (self.tp_group or self.dp_group) is not None else "one process, segmented"
+        return "rmsnorm weight grad", f"det_gemm_db fixed order, FP32 partials ({where})"
+
+    def reductions(self) -> list[str]:
+        out = []
+        if self.head_shards > 1:
+            out.append("backward dW: FP32 all-reduce over TP (heads)" if self.tp_group is not None else
+                       f"backward dW: rows cut into {self.head_shards} head shards")
+        if self.dp_size > 1:
+            out.append("backward dW: FP32 partials, rank-order sum over DP" if self.dp_group is not None else
+                       f"backward dW: seg rows/{self.dp_size}")
+        return out
+
+    def _block(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.reshape(-1, rows.shape[-1])
+        ones = rows.new_ones((rows.shape[0], 1))
+        return det_gemm_db_launch(ones, rows, config=self.config, out_dtype=FP32)[0][0]
+
+    def grad_weight(self, prod: torch.Tensor) -> torch.Tensor | None:
+        """``prod`` = grad * normed in BF16 (what torch's mul backward forms before its sum), [B, S, (H,) D]."""
+        tokens = prod.reshape(-1, *prod.shape[2:]) if prod.dim() > 2 else prod
+        if self.tp_group is not None or self.dp_group is not None:
+            total = self._block(tokens)
+            if self.tp_group is not None:
+                total = _ordered_sum(total, self.tp_group)
+            if self.dp_group is not None:
+                if self.pending is not None:
+                    raise ParallelPlanError(f"{self.name}: a second backward before reduce_gradients()")
+                self.pending = total
+                return None
+            return total.to(prod.dtype)
+        if tokens.shape[0] % self.dp_size:
+            raise ParallelPlanError(f"{self.name}: {tokens.shape[0]} tokens do not split into dp_size={self.dp_size} "
+                                    "equal shards")
+        total = torch.zeros(prod.shape[-1], dtype=FP32, device=prod.device)
+        for shard in tokens.chunk(self.dp_size, 0):
+            part = torch.zeros_like(total)
+            if self.head_shards > 1:
+                for heads in shard.chunk(self.head_shards, 1):
+                    part += self._block(heads)
+            else:
+                part += self._block(shard)
+            total += part
+        return total.to(prod.dtype)
+
+
+class _InvariantScale(torch.autograd.Function):
+    """``weight * normed`` (RMSNorm's last op); backward: d normed = grad * weight as torch forms it, d weight on the
+    route's fixed order."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, normed: torch.Tensor, route: NormRoute) -> torch.Tensor:
+        ctx.save_for_backward(weight, normed)
+        ctx.route = route
+        return weight * normed
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight, normed = ctx.saved_tensors
+        d_normed = grad * weight if ctx.needs_input_grad[1] else None
+        d_weight = ctx.route.grad_weight(grad * normed) if ctx.needs_input_grad[0] else None
+        return d_weight, d_normed, None
+
+
+def _norm_forward(module, hidden_states):
+    route: NormRoute = getattr(module, ROUTE_ATTR)
+    if not mode_state.active():
+        return type(module).forward(module, hidden_states)
+    # transformers' Qwen3RMSNorm.forward, op for op, with the last product on the route
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + module.variance_epsilon)
+    mode_state.routed(*route.counter)
+    return _InvariantScale.apply(module.weight, hidden_states.to(input_dtype), route)
+
+
 def _check_input(route: LinearRoute, x: torch.Tensor) -> None:
     if x.dtype is not BF16:
         raise ParallelPlanError(f"{route.name}: input dtype {x.dtype}; the parallel route needs bfloat16 (before any "
@@ -445,15 +548,35 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
             raise ParallelPlanError(f"{n}: {exc}") from None
         routes[n] = LinearRoute(n, style, size if style else 1, tp_group if style else None, dp_size, dp_group,
                                 gathers, configs)
+    norm_routes: dict[str, NormRoute] = {}
+    for n, m in modules.items():
+        if type(m).__name__ not in NORM_CLASSES:
+            continue
+        parent, _, leaf = n.rpartition(".")
+        sibling = f"{leaf[0]}_proj"
+        proj = routes.get(f"{parent}.{sibling}" if parent else sibling) if leaf in ("q_norm", "k_norm") else None
+        heads = proj.tp_size if proj is not None and proj.style == COLWISE else 1
+        if heads == 1 and dp_size == 1:
+            continue  # a replicated norm on replicated rows: TP ranks compute TP=1's sum as it is
+        if len(owners[id(m.weight)]) > 1 or m.weight.dim() != 1 or isinstance(m.weight, DTensor):
+            raise ParallelPlanError(f"{n}.weight: a prepared RMSNorm needs its own plain 1-D weight")
+        norm_routes[n] = NormRoute(n, heads, proj.tp_group if heads > 1 else None, dp_size, dp_group,
+                                   _pinned("db", 0))
     for n, route in routes.items():
         m = modules[n]
         setattr(m, ROUTE_ATTR, route)
         m.forward = types.MethodType(_routed_forward, m)
+    for n, route in norm_routes.items():
+        m = modules[n]
+        setattr(m, ROUTE_ATTR, route)
+        m.forward = types.MethodType(_norm_forward, m)
+        idle.pop(n, None)
     return ParallelPlan(size, dp_size, on_tp_ranks or dp_group is not None,
-                        {**idle, **{n: (r.style, tuple(r.reductions())) for n, r in routes.items()}})
+                        {**idle, **{n: (r.style, tuple(r.reductions())) for n, r in routes.items()},
+                         **{n: ("rmsnorm", tuple(r.reductions())) for n, r in norm_routes.items()}})
 
 
-def routes(model: torch.nn.Module) -> dict[str, LinearRoute]:
+def routes(model: torch.nn.Module) -> dict[str, "LinearRoute | NormRoute"]:
     return {n: getattr(m, ROUTE_ATTR) for n, m in model.named_modules() if hasattr(m, ROUTE_ATTR)}
 
 
@@ -491,6 +614,16 @@ def reduce_gradients(model: torch.nn.Module, *, average: bool = False) -> dict[s
         w = model.get_submodule(n).weight
         linear_weights.add(id(w))
         if r.pending is None:
+            continue
+        if isinstance(r, NormRoute):
+            reduced = (_ordered_sum(r.pending, group) * scale).to(w.dtype)
+            r.pending = None
+            if w.grad is not None:
+                raise ParallelPlanError(f"reduce_gradients: {n}.weight already has a .grad")
+            w.grad = reduced if not isinstance(w, DTensor) else DTensor.from_local(  # FSDP2: this rank's shard
+                reduced, w.device_mesh, [Replicate()] * w.device_mesh.ndim, run_check=False).redistribute(
+                w.device_mesh, w.placements)
+            kinds[f"{n}.weight"] = "invariant"
             continue
         reduced = (_ordered_sum(r.pending, group) * scale).to(BF16)
         r.pending = None

@@ -96,6 +96,57 @@ def test_dp_one_process_dw_is_the_dp2_rank_sum(device, rows_per_rank):
     assert_bits_equal(model.proj.weight.grad, want, "DP=1 segmented dW vs two ranks' FP32 partials summed")
 
 
+class _Attn(torch.nn.Module):
+    """q_proj then q_norm over heads of 64, as Qwen3's attention (a q_norm beside a colwise q_proj)."""
+
+    def __init__(self, device):
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+        super().__init__()
+        self.q_proj = _linear(64, 128, 13, device)
+        self.q_norm = Qwen3RMSNorm(64).to(device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            self.q_norm.weight.copy_(bf16_randn((64,), 14, device))
+
+    def forward(self, x):
+        return self.q_norm(self.q_proj(x).view(*x.shape[:-1], -1, 64))
+
+
+def _ranks_norm_sum(prod: torch.Tensor, dp: int, tp: int) -> torch.Tensor:
+    """The ranks' order for prod [T, H, D]: per DP shard of the tokens (outside) and TP shard of the heads (inside)
+    one FP32 row sum (det_gemm_db of ones, pinned config); blocks added in FP32 from zero, TP first; one rounding."""
+    from detkit.kernels.parallel.invariant import INVARIANT_CONFIG_TABLE
+
+    total = torch.zeros(prod.shape[-1], dtype=torch.float32, device=prod.device)
+    for shard in prod.chunk(dp, 0):
+        part = torch.zeros_like(total)
+        for heads in shard.chunk(tp, 1):
+            rows = heads.reshape(-1, prod.shape[-1])
+            part += det_gemm_db_launch(rows.new_ones((rows.shape[0], 1)), rows,
+                                       config=INVARIANT_CONFIG_TABLE["db"][0], out_dtype=torch.float32)[0][0]
+        total += part
+    return total.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("tp_size,dp_size", [(2, 1), (1, 2), (2, 2)])
+def test_rmsnorm_weight_grad_is_the_ranks_block_sum(device, tp_size, dp_size):
+    """q_norm's weight gradient in one process, cut as the ranks cut it; its output keeps transformers' bits."""
+    model = _Attn(device)
+    x = bf16_randn((2, 3, 64), 15, device)
+    dy = bf16_randn((2, 3, 2, 64), 16, device)
+    prepare(model, {"q_proj": "colwise"} if tp_size > 1 else None, tp_size=tp_size, dp_size=dp_size)
+    assert "q_norm" in mode_parallel.routes(model)
+    with detkit.batch_invariant_mode():
+        qb = model.q_proj(x).view(2, 3, 2, 64)
+        want_out = type(model.q_norm).forward(model.q_norm, qb)  # transformers' own forward
+        q = qb.float()
+        normed = (q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + model.q_norm.variance_epsilon)).bfloat16()
+        assert_bits_equal(model.q_norm(qb), want_out, "q_norm output on the route vs transformers' own")
+        model(x).backward(dy)
+    want = _ranks_norm_sum((dy * normed).reshape(6, 2, 64), dp_size, tp_size)
+    assert_bits_equal(model.q_norm.weight.grad, want, "q_norm weight grad vs the ranks' block sum")
+
+
 def test_outside_the_mode_a_prepared_linear_is_torchs(device):
     model = _Holder(_linear(64, 32, 9, device))
     x = bf16_randn((5, 64), 10, device)
@@ -220,9 +271,8 @@ def test_tp2_qwen3_equals_one_process_bitwise_through_the_audit_cli(tmp_path):
     assert all(r["details"]["pg_backend"] == "gloo" and r["details"]["ranks"] == 2 for r in rows
                if r["check"] != "coverage")
     claimed = [r for r in rows if r["check"] == "grads"]
-    assert len(claimed) == 12  # every parameter but q_norm / k_norm (reported below)
-    scope = next(r for r in rows if r["check"] == "grad_scope")["details"]["outside"]
-    assert set(scope) == {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"}
+    assert len(claimed) == 14  # every parameter, q_norm / k_norm on their head-sharded route included
+    assert next(r for r in rows if r["check"] == "grad_scope")["details"]["outside"] == {}
     drift = [r["details"]["mismatches"] for r in rows if r["check"] == "default_drift"]
     assert len(drift) == 2  # informational: recorded per rank, not asserted either way
     coverage = next(r for r in rows if r["check"] == "coverage")["details"]
@@ -235,7 +285,10 @@ def test_dp2_qwen3_reduced_gradients_equal_one_process_bitwise():
     claimed = {r["name"].split(" ")[2] for r in rows if r["check"] == "grads"}
     assert claimed == {f"model.layers.0.{m}.weight" for m in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj", "mlp.down_proj")} | {"lm_head.weight"}
+        "mlp.up_proj", "mlp.down_proj", "self_attn.q_norm", "self_attn.k_norm", "input_layernorm",
+        "post_attention_layernorm")} | {"lm_head.weight", "model.norm.weight"}
+    outside = next(r for r in rows if r["check"] == "grad_scope")["details"]["outside"]
+    assert set(outside) == {"model.embed_tokens.weight"}  # reported with its mismatch count, not claimed
     assert any(r["check"] == "grads_repeat" and r["passed"] for r in rows)
     plain = next(r for r in rows if r["check"] == "plain_dp_drift")["details"]["mismatches"]
     assert set(plain) >= claimed  # what differs without the invariant reduction: counted per parameter
@@ -243,14 +296,15 @@ def test_dp2_qwen3_reduced_gradients_equal_one_process_bitwise():
 
 @pytest.mark.parametrize("kind", ["dp2-ddp", "dp2-fsdp2"])
 def test_dp2_under_ddp_and_fsdp2_reduced_linear_gradients_equal_one_process(kind):
-    """DDP (backward under no_sync, then reduce_gradients) and FSDP2 (fully_shard per layer and root; the route leaves
-    the Linear weights' gradients to reduce_gradients(average=True), FSDP2 reduce-scatters the rest)."""
+    """DDP (backward under no_sync, then reduce_gradients) and FSDP2 (fully_shard per layer and root; the routes leave
+    the Linear and RMSNorm weights' gradients to reduce_gradients(average=True), FSDP2 reduce-scatters the rest)."""
     job, rows = _launch_and_compare(kind, "qwen3")
     assert not _failed(rows), _failed(rows)
-    assert len([r for r in rows if r["check"] == "grads"]) == 8  # the 8 Linear weights
+    assert len([r for r in rows if r["check"] == "grads"]) == 13  # 8 Linear and 5 RMSNorm weights
     kinds = next(r for r in rows if r["check"] == "grad_scope")["details"]["kinds"]
-    other = {v for k, v in kinds.items() if not k.endswith("_proj.weight") and k != "lm_head.weight"}
-    assert other == ({"fsdp2 reduce-scatter"} if kind == "dp2-fsdp2" else {"fp32 sum of bf16 grads"})
+    assert {k for k, v in kinds.items() if v != "invariant"} == {"model.embed_tokens.weight"}
+    assert kinds["model.embed_tokens.weight"] == ("fsdp2 reduce-scatter" if kind == "dp2-fsdp2"
+                                                  else "fp32 sum of bf16 grads")
 
 
 # ------------------------------------------------------------------------------ rank-side refusals
