@@ -424,7 +424,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
         "informational": True, "run": [":".join(j) for j in jobs],
         "not_run": [":".join(j) for j in JOBS if j not in jobs],
         "not_covered": ["DDP / FSDP2 wrappers' own gradient reductions (not invariant: BF16 buckets / reduce-scatter)",
-                        "q_norm / k_norm gradients under TP, DP gradients of non-Linear parameters (reported per job)",
+                        "DP gradients of embeddings and MoE experts / routers (reported per job)",
                         "transformers' tp_plan='auto'", "TP > 2 or DP > 2 on hardware", "groups across nodes"]})
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     out_root = Path(ctx.out_dir) if getattr(ctx, "out_dir", None) else Path(tempfile.mkdtemp(prefix="model-parallel-"))

@@ -24,6 +24,10 @@ Which reductions a plan has (``ParallelPlan.reductions``):
   one-process side (``dp_size`` = the number of DP shards) runs the dW GEMM with ``seg_len`` = the rows of one shard,
   each shard's rows zero-padded to a BLOCK_K multiple so a segment boundary falls on a loop step (zero rows add
   exact zeros, as the masked rows of a shard's own GEMM do).
+- RMSNorm weights (transformers' Qwen3 classes, ``NormRoute``): the weight gradient is a sum over rows; q_norm /
+  k_norm beside a colwise q_proj / k_proj sum over (token, head) rows whose heads TP splits, so each rank's FP32 row
+  sum over its heads is all-reduced in FP32 (one process: rows cut per head shard); under DP every such norm keeps
+  an FP32 partial per rank like the Linears. The sums run on det_gemm_db of ones (a fixed-order row sum).
 Every GEMM of a prepared layer runs with one pinned config per op (``kernels.parallel.invariant.invariant_config``),
 the same at every world size and every M, so the parts no reduction touches (column slices, row slices) have the
 same bits on both sides too.
