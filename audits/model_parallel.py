@@ -16,7 +16,13 @@ bits. Jobs (``JOBS``):
   process forward of the whole batch (its rows); the reduced gradients (``reduce_gradients``) vs the one-process
   model prepared with ``dp_size=2``, twice (run to run); and what differs without the invariant reduction (each
   rank's BF16 gradients summed as DDP does), informational.
+- ``dp2-ddp``, ``dp2-fsdp2``: ``dp2`` under DDP (backward under no_sync, then ``reduce_gradients``) and FSDP2
+  (``fully_shard`` per decoder layer and the root, ``reduce_gradients(average=True)``).
 - ``tp2dp2`` (4 ranks): both at once on a ("dp", "tp") mesh.
+
+On GPUs the models have the model audit's widths (Qwen3-8B, Qwen3-30B-A3B; 2 layers) and 2 x 512 tokens per rank,
+and each rank adds a ``speed`` row (informational): the median train step (forward, backward, the DP reduction)
+prepared under detkit mode against the same sharding in default mode.
 
 A parameter whose gradient the mode does not make invariant is reported as such, never failed silently nor passed:
 ``grad_scope`` says which parameters the invariance covers (TP: every parameter; DP: the prepared Linears and the
@@ -51,6 +57,17 @@ QWEN3_MOE_TINY_TP = dict(QWEN3_TINY_TP, moe_intermediate_size=32, num_experts=4,
 MODELS = {"qwen3": ("qwen3", QWEN3_TINY_TP), "qwen3-moe": ("qwen3_moe", QWEN3_MOE_TINY_TP)}
 
 
+def _gpu_models() -> dict:
+    """On GPUs the model audit's widths: Qwen3-8B and Qwen3-30B-A3B (2 layers each)."""
+    from detkit.audits.model import QWEN3_8B_WIDTHS, QWEN3_MOE_30B_A3B_WIDTHS
+
+    return {"qwen3": ("qwen3", QWEN3_8B_WIDTHS), "qwen3-moe": ("qwen3_moe", QWEN3_MOE_30B_A3B_WIDTHS)}
+
+
+def model_fields(name: str, device: str) -> tuple[str, dict]:
+    return _gpu_models()[name] if device == "cuda" and name in ("qwen3", "qwen3-moe") else MODELS[name]
+
+
 def torch_plan(model_name: str) -> dict:
     """The parallelize_module plan the jobs shard with (FQNs from the causal-LM root)."""
     from torch.distributed.tensor import Replicate
@@ -72,9 +89,16 @@ class Job:
     device: str  # cpu | cuda
     seed: int = 0
     batch: int = 2  # sequences per DP rank
-    seq: int = 8
+    seq: int = 8  # on cuda: 512 (cpu_or_cuda below)
     prompt: int = 5
     new_tokens: int = 3
+    speed_steps: int = 5  # timed train steps per path on cuda (median), after one warm-up
+
+    def __post_init__(self):
+        if self.device == "cuda" and self.seq == 8:
+            object.__setattr__(self, "seq", 512)
+            object.__setattr__(self, "prompt", 64)
+            object.__setattr__(self, "new_tokens", 8)
 
     @property
     def tp(self) -> int:
@@ -98,7 +122,7 @@ class Job:
 def build_model(name: str, device: torch.device, seed: int):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, fields = MODELS[name]
+    model_type, fields = model_fields(name, device.type)
     config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -108,7 +132,8 @@ def build_model(name: str, device: torch.device, seed: int):
 
 def tokens(job: Job, device: torch.device) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + job.seed)
-    return torch.randint(0, MODELS[job.model][1]["vocab_size"], (job.batch * job.dp, job.seq), generator=g).to(device)
+    vocab = model_fields(job.model, job.device)[1]["vocab_size"]
+    return torch.randint(0, vocab, (job.batch * job.dp, job.seq), generator=g).to(device)
 
 
 def logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -215,6 +240,8 @@ def _run_rank(rank: int, job: Job, device: torch.device) -> dict:
     model = sharded()
     with torch.no_grad():
         out["default_lp"] = logprobs(model(input_ids=ids).logits, ids).cpu()
+    if device.type == "cuda":  # the default path's train step time (no mode), for the speed row
+        out["default_ms"] = _step_ms(lambda: _default_step(model, ids), job.speed_steps)
     del model
     if job.dp > 1:  # detkit mode without the invariant reduction: each rank's BF16 gradients summed over DP
         model = sharded()
@@ -257,10 +284,37 @@ def _run_rank(rank: int, job: Job, device: torch.device) -> dict:
         mode_parallel.reduce_gradients(holder, average=average)
         out["grads_again"] = reduced_grads()
     out["counters"] = detkit.mode_counters().as_dict()
+    if device.type == "cuda":
+        def timed():
+            step()
+            if job.dp > 1:
+                mode_parallel.reduce_gradients(holder, average=average)
+        out["detkit_ms"] = _step_ms(timed, job.speed_steps)
     if job.tp > 1:
         seqs, gen_lp = generate(model, ids[:, :job.prompt], job.new_tokens)
         out["gen_sequences"], out["gen_lp"] = seqs, gen_lp
     return out
+
+
+def _default_step(model, ids) -> None:
+    model.zero_grad(set_to_none=True)
+    (-logprobs(model(input_ids=ids).logits, ids).sum()).backward()
+
+
+def _step_ms(fn, steps: int) -> float:
+    """Median wall time of ``fn`` (a train step with its collectives) over ``steps`` runs after one warm-up, ms."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def launch(job: Job, out_dir: Path, timeout_s: float = 600) -> dict[int, dict]:
@@ -365,6 +419,10 @@ def compare(job: Job, ranks: dict[int, dict], ref: dict) -> list[dict]:
         add("default_drift", f"rank {r} default mode log-probs vs one process", True, True, rank=r,
             max_abs=float((res["default_lp"] - ref["default_lp"][rows_of]).abs().max()), **drift)
         routed_ops = " ".join(res["counters"]["routed"])
+        if "detkit_ms" in res:
+            add("speed", f"rank {r} train step, detkit mode prepared / default mode (the same sharding)", True, True,
+                rank=r, detkit_ms=res["detkit_ms"], default_ms=res["default_ms"],
+                ratio=res["detkit_ms"] / res["default_ms"])
         add("routed", f"rank {r} prepared Linears on the parallel route, nothing on torch", "linear (" in routed_ops
             and not res["counters"]["not_routed"], rank=r,
             routed=res["counters"]["routed"], not_routed=res["counters"]["not_routed"])
