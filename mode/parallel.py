@@ -46,7 +46,8 @@ collective): inputs of another dtype or placement, and, on the one-process DP si
 
 A prepared layer routes only while the mode is entered; outside it the layer runs nn.Linear's own forward (the
 DTensor path on the ranks, plain torch in one process). Count: ``linear (tp rowwise)`` / ``linear (tp colwise)`` /
-``linear (dp)`` / ``linear (pinned)`` -> the route, in ``mode_counters()``.
+``linear (dp)`` / ``linear (pinned)`` and ``rmsnorm weight grad`` -> the route, in ``mode_counters()``. Eager only: a
+torch.compile'd model runs these routes as graph breaks at best (not tested).
 """
 
 from __future__ import annotations
