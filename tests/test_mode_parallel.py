@@ -543,3 +543,44 @@ def test_world1_routes_nothing_and_keeps_the_plain_models_bits(tmp_path):
     out = tmp_path / "msg"
     mp.start_processes(_world1_cpu_rank, args=(str(tmp_path / "init"), str(out)), nprocs=1, start_method="spawn")
     assert out.read_text() == "routed=[] same=[True] layers=8", out.read_text()
+
+
+def _hf_tp_plan_rank(rank: int, init_file: str, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.bfloat16)
+
+        def forbidden(*a, **k):
+            raise AssertionError("a collective ran before the refusal")
+        dist.all_reduce = dist.all_gather = forbidden
+        try:
+            prepare(model, model.tp_plan)
+            msg = "no refusal"
+        except ParallelPlanError as exc:
+            msg = str(exc)
+        if rank == 0:
+            Path(out).write_text(msg)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_transformers_tp_plan_auto_is_refused_by_name(tmp_path):
+    """transformers' own tensor parallelism (tp_plan="auto", its styles, DTensor weights) runs on gloo, but its plan
+    has styles the mode cannot make invariant: prepare names the first and prepares nothing."""
+    pytest.importorskip("accelerate", reason="transformers' tp_plan needs accelerate")
+    import torch.multiprocessing as mp
+
+    from detkit.audits.model_parallel import build_model
+
+    build_model("qwen3", torch.device("cpu"), 0).save_pretrained(tmp_path / "model")
+    out = tmp_path / "msg"
+    mp.start_processes(_hf_tp_plan_rank, args=(str(tmp_path / "init"), str(tmp_path / "model"), str(out)), nprocs=2,
+                       start_method="spawn")
+    assert out.read_text().startswith("plan entry 'lm_head': style 'colwise_gather_output' is not supported"), \
+        out.read_text()
