@@ -11,6 +11,8 @@ it. Inside, one module per route family and the switch with its state:
 - ``attention``: torch SDPA and transformers' attention onto detkit.kernels.attention;
 - ``moe``: transformers' MoE blocks onto detkit.kernels.moe;
 - ``compile``: the Inductor graph pass that puts compiled graphs on the same routes.
+- ``parallel``: a TP / DP model's Linear and RMSNorm reductions on parallelism-invariant routes (``prepare``,
+  ``reduce_gradients``; docs/mode_parallel.md).
 docs/mode.md says what is routed and why.
 """
 

@@ -51,6 +51,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "moe": ("detkit.audits.moe",),  # docs/moe.md
     "moe-fp8": ("detkit.audits.moe_fp8",),  # docs/moe_fp8.md
     "model": ("detkit.audits.model",),  # docs/mode.md
+    "model-parallel": ("detkit.audits.model_parallel",),  # docs/mode_parallel.md (starts its own ranks)
     "attention": ("detkit.audits.attention",),  # docs/attention.md
 }
 # The plug-ins whose cases come from the shape preset (--preset): a report names the preset only when one ran.

@@ -1,0 +1,586 @@
+"""detkit mode across processes (mode/parallel.py, docs/mode_parallel.md).
+
+One process: the segmented one-process routes against explicit shard sums (det_gemm on the shards, FP32, summed
+in rank order, rounded once: what the ranks compute), and every refusal of ``prepare``. Real process groups
+(gloo, interpreter; the processes are started here): a TP=2 ``parallelize_module`` model and a DP=2 split of a
+tiny Qwen3 against the one-process model prepared with the same plan, bitwise (audits/model_parallel.py's jobs);
+and the rank-side refusals, raised before any collective (every collective patched to fail in that process).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from detkit.kernels.det_gemm.launch import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd_launch
+from detkit.mode import parallel as mode_parallel
+from detkit.mode.parallel import ParallelPlanError, prepare
+from detkit.toolkit.fixtures import bf16_randn
+from tests.conftest import assert_bits_equal
+
+import detkit
+
+
+def _linear(k: int, n: int, seed: int, device) -> torch.nn.Linear:
+    lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(bf16_randn((n, k), seed, device, scale=k ** -0.5))
+    return lin
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, lin):
+        super().__init__()
+        self.proj = lin
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def _shard_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """What the ranks form: FP32 partials added in rank order from zero, one BF16 rounding."""
+    total = torch.zeros_like(parts[0])
+    for p in parts:
+        assert p.dtype == torch.float32
+        total += p
+    return total.to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------ one process: the math
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_rowwise_one_process_forward_is_the_tp2_shard_sum(device, m):
+    k, n = 128, 64
+    model = _Holder(_linear(k, n, 1, device))
+    prepare(model, {"proj": "rowwise"}, tp_size=2)
+    x = bf16_randn((m, k), 2, device)
+    cfg = mode_parallel.routes(model)["proj"].configs["fwd"]
+    w = model.proj.weight
+    want = _shard_sum([det_gemm_fwd_launch(x[:, s], w[:, s].t(), config=cfg, out_dtype=torch.float32)[0]
+                       for s in (slice(0, k // 2), slice(k // 2, k))])
+    with detkit.batch_invariant_mode():
+        got = model(x)
+    assert_bits_equal(got, want, "rowwise TP=1 segmented forward vs two FP32 shards summed")
+
+
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_colwise_one_process_dx_is_the_tp2_shard_sum(device, m):
+    k, n = 64, 128
+    model = _Holder(_linear(k, n, 3, device))
+    prepare(model, {"proj": "colwise"}, tp_size=2)
+    x = bf16_randn((m, k), 4, device).requires_grad_()
+    dy = bf16_randn((m, n), 5, device)
+    cfg = mode_parallel.routes(model)["proj"].configs["da"]
+    w = model.proj.weight
+    want = _shard_sum([det_gemm_da_launch(dy[:, s], w[s].t(), config=cfg, out_dtype=torch.float32)[0]
+                       for s in (slice(0, n // 2), slice(n // 2, n))])
+    with detkit.batch_invariant_mode():
+        model(x).backward(dy)
+    assert_bits_equal(x.grad, want, "colwise TP=1 segmented dX vs two FP32 shards summed")
+
+
+@pytest.mark.parametrize("rows_per_rank", [3, 64])  # 3: each shard zero-padded to BLOCK_K rows; 64: no pad
+def test_dp_one_process_dw_is_the_dp2_rank_sum(device, rows_per_rank):
+    k, n = 64, 32
+    model = _Holder(_linear(k, n, 6, device))
+    prepare(model, dp_size=2)
+    x = bf16_randn((2 * rows_per_rank, k), 7, device)
+    dy = bf16_randn((2 * rows_per_rank, n), 8, device)
+    cfg = mode_parallel.routes(model)["proj"].configs["db"]
+    want = _shard_sum([det_gemm_db_launch(dy[s], x[s], config=cfg, out_dtype=torch.float32)[0]
+                       for s in (slice(0, rows_per_rank), slice(rows_per_rank, 2 * rows_per_rank))])
+    with detkit.batch_invariant_mode():
+        model(x).backward(dy)
+    assert_bits_equal(model.proj.weight.grad, want, "DP=1 segmented dW vs two ranks' FP32 partials summed")
+
+
+class _Attn(torch.nn.Module):
+    """q_proj then q_norm over heads of 64, as Qwen3's attention (a q_norm beside a colwise q_proj)."""
+
+    def __init__(self, device):
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+        super().__init__()
+        self.q_proj = _linear(64, 128, 13, device)
+        self.q_norm = Qwen3RMSNorm(64).to(device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            self.q_norm.weight.copy_(bf16_randn((64,), 14, device))
+
+    def forward(self, x):
+        return self.q_norm(self.q_proj(x).view(*x.shape[:-1], -1, 64))
+
+
+def _ranks_norm_sum(prod: torch.Tensor, dp: int, tp: int) -> torch.Tensor:
+    """The ranks' order for prod [T, H, D]: per DP shard of the tokens (outside) and TP shard of the heads (inside)
+    one FP32 row sum (det_gemm_db of ones, pinned config); blocks added in FP32 from zero, TP first; one rounding."""
+    from detkit.kernels.parallel.invariant import INVARIANT_CONFIG_TABLE
+
+    total = torch.zeros(prod.shape[-1], dtype=torch.float32, device=prod.device)
+    for shard in prod.chunk(dp, 0):
+        part = torch.zeros_like(total)
+        for heads in shard.chunk(tp, 1):
+            rows = heads.reshape(-1, prod.shape[-1])
+            part += det_gemm_db_launch(rows.new_ones((rows.shape[0], 1)), rows,
+                                       config=INVARIANT_CONFIG_TABLE["db"][0], out_dtype=torch.float32)[0][0]
+        total += part
+    return total.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("tp_size,dp_size", [(2, 1), (1, 2), (2, 2)])
+def test_rmsnorm_weight_grad_is_the_ranks_block_sum(device, tp_size, dp_size):
+    """q_norm's weight gradient in one process, cut as the ranks cut it; its output keeps transformers' bits."""
+    model = _Attn(device)
+    x = bf16_randn((2, 3, 64), 15, device)
+    dy = bf16_randn((2, 3, 2, 64), 16, device)
+    prepare(model, {"q_proj": "colwise"} if tp_size > 1 else None, tp_size=tp_size, dp_size=dp_size)
+    assert "q_norm" in mode_parallel.routes(model)
+    with detkit.batch_invariant_mode():
+        qb = model.q_proj(x).view(2, 3, 2, 64)
+        want_out = type(model.q_norm).forward(model.q_norm, qb)  # transformers' own forward
+        q = qb.float()
+        normed = (q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + model.q_norm.variance_epsilon)).bfloat16()
+        assert_bits_equal(model.q_norm(qb), want_out, "q_norm output on the route vs transformers' own")
+        model(x).backward(dy)
+    want = _ranks_norm_sum((dy * normed).reshape(6, 2, 64), dp_size, tp_size)
+    assert_bits_equal(model.q_norm.weight.grad, want, "q_norm weight grad vs the ranks' block sum")
+
+
+def test_outside_the_mode_a_prepared_linear_is_torchs(device):
+    model = _Holder(_linear(64, 32, 9, device))
+    x = bf16_randn((5, 64), 10, device)
+    want = torch.nn.functional.linear(x, model.proj.weight)
+    prepare(model, {"proj": "rowwise"}, tp_size=2)
+    assert_bits_equal(model(x), want, "prepared Linear outside the mode")
+    before = detkit.mode_counters()
+    with detkit.batch_invariant_mode():
+        model(x)
+    assert (detkit.mode_counters() - before).routed == {
+        ("linear (tp rowwise)", "det_gemm pinned, FP32 partials (one process, segmented)"): 1}
+
+
+def test_dp_one_process_refuses_rows_that_do_not_split(device):
+    model = _Holder(_linear(64, 32, 11, device))
+    prepare(model, dp_size=2)
+    x = bf16_randn((5, 64), 12, device)
+    with detkit.batch_invariant_mode(), pytest.raises(ParallelPlanError, match="5 rows do not split into dp_size=2"):
+        model(x).sum().backward()
+
+
+# ------------------------------------------------------------------------------ one process: refusals
+def _tiny_qwen3(device, **over):
+    from detkit.audits.model_parallel import QWEN3_TINY_TP, build_model, MODELS
+
+    if over:
+        MODELS["_test"] = ("qwen3", dict(QWEN3_TINY_TP, **over))
+        try:
+            return build_model("_test", device, 0)
+        finally:
+            del MODELS["_test"]
+    return build_model("qwen3", device, 0)
+
+
+def _refusals():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    )
+
+    return [
+        ({"model.norm": SequenceParallel()}, {}, "SequenceParallel is not supported"),
+        ({"model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))}, {}, r"output_layouts=\('Shard\(1\)',\)"),
+        ({"model.layers.*.mlp.up_proj": ColwiseParallel(input_layouts=Shard(1))}, {}, r"input_layouts=\('Shard\(1\)',\)"),
+        ({"lm_head": "colwise_rep"}, {}, "style 'colwise_rep' is not supported"),
+        ({"model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce"}, {}, "replicated_with_grad_allreduce"),
+        ({"model.layers.*.self_attn": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate())}, {},
+         "PrepareModuleInput is not supported"),
+        ({"model.embed_tokens": RowwiseParallel(input_layouts=Replicate())}, {},
+         r"RowwiseParallel\(input_layouts=\('Replicate',\)"),
+        ({"model.embed_tokens": "rowwise"}, {}, "model.embed_tokens is a Embedding"),
+        ({"model.layers.*.mlp.gate": "colwise"}, {}, "matches no module"),
+        ({"model.layers.*.mlp.down_proj": "rowwise"}, {"tp_size": None}, "pass tp_size"),
+        ({"model.layers.*.mlp.down_proj": "rowwise"}, {"tp_size": 3}, "K=128 does not split into tp_size=3"),
+        ({"model.layers.*.mlp.down_proj": "rowwise"}, {"tp_size": 16}, "not a multiple of any invariant BLOCK_K"),
+        ({"model.layers.*.mlp.*_proj": "rowwise", "model.layers.0.mlp.down_proj": "rowwise"}, {"tp_size": 2},
+         "matches plan entries"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(13))
+def test_prepare_refuses_by_name(device, case):
+    plan, kwargs, pattern = _refusals()[case]
+    kwargs = {"tp_size": 2, **kwargs}
+    model = _tiny_qwen3(device)
+    with pytest.raises(ParallelPlanError, match=pattern) as info:
+        prepare(model, plan, **kwargs)
+    assert "\n" not in str(info.value)
+    assert not mode_parallel.routes(model)  # nothing half-prepared
+
+
+def test_prepare_refuses_a_tied_weight(device):
+    model = _tiny_qwen3(device, tie_word_embeddings=True)
+    with pytest.raises(ParallelPlanError, match=r"lm_head.weight is shared with \['model.embed_tokens.weight'\]"):
+        prepare(model, dp_size=2)
+
+
+def test_prepare_lists_the_reductions_of_a_plan(device):
+    from detkit.audits.model_parallel import torch_plan
+
+    summary = prepare(_tiny_qwen3(device), torch_plan("qwen3"), tp_size=2, dp_size=2)
+    red = summary.reductions()
+    assert red["model.layers.0.mlp.down_proj"] == ["forward: seg_len K/2", "backward dW: seg_len rows/2"]
+    assert red["model.layers.0.self_attn.q_proj"] == ["backward dX: seg_len N/2", "backward dW: seg_len rows/2"]
+    assert red["lm_head"] == ["backward dX: seg_len N/2", "forward: all-gather of the output (exact)",
+                              "backward dW: seg_len rows/2"]
+    assert not summary.on_ranks
+
+
+# ------------------------------------------------------------------------------ processes (gloo)
+def _launch_and_compare(kind: str, model: str):
+    from detkit.audits.model_parallel import Job, compare, launch, reference
+
+    job = Job(kind, model, "cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = launch(job, Path(tmp), timeout_s=600)
+    return job, compare(job, ranks, reference(job))
+
+
+def _failed(rows):
+    return [(r["name"], {k: v for k, v in r["details"].items() if k in ("mismatches", "first", "not_routed")})
+            for r in rows if not r["passed"]]
+
+
+def test_tp2_qwen3_equals_one_process_bitwise_through_the_audit_cli(tmp_path):
+    """The suite as a user runs it (``detkit audit --suite model-parallel``), one job: it starts its 2 ranks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DETKIT_MODEL_PARALLEL_JOBS": "tp2:qwen3",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "detkit", "audit", "--device", "cpu", "--suite", "model-parallel",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [{**r, "informational": r["details"].get("informational", False)}
+            for r in json.loads((tmp_path / "report.json").read_text())["rows"]]
+    assert not _failed(rows), _failed(rows)
+    checks = {r["check"] for r in rows if not r["informational"]}
+    assert checks == {"logprobs", "routed", "grads", "generate_vs_trainer"}
+    assert all(r["details"]["pg_backend"] == "gloo" and r["details"]["ranks"] == 2 for r in rows
+               if r["check"] != "coverage")
+    claimed = [r for r in rows if r["check"] == "grads"]
+    assert len(claimed) == 14  # every parameter, q_norm / k_norm on their head-sharded route included
+    assert next(r for r in rows if r["check"] == "grad_scope")["details"]["outside"] == {}
+    drift = [r["details"]["mismatches"] for r in rows if r["check"] == "default_drift"]
+    assert len(drift) == 2  # informational: recorded per rank, not asserted either way
+    coverage = next(r for r in rows if r["check"] == "coverage")["details"]
+    assert coverage["run"] == ["tp2:qwen3"] and "dp2:qwen3" in coverage["not_run"]
+
+
+def test_dp2_qwen3_reduced_gradients_equal_one_process_bitwise():
+    job, rows = _launch_and_compare("dp2", "qwen3")
+    assert not _failed(rows), _failed(rows)
+    claimed = {r["name"].split(" ")[2] for r in rows if r["check"] == "grads"}
+    assert claimed == {f"model.layers.0.{m}.weight" for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj", "self_attn.q_norm", "self_attn.k_norm", "input_layernorm",
+        "post_attention_layernorm")} | {"lm_head.weight", "model.norm.weight"}
+    outside = next(r for r in rows if r["check"] == "grad_scope")["details"]["outside"]
+    assert set(outside) == {"model.embed_tokens.weight"}  # reported with its mismatch count, not claimed
+    assert any(r["check"] == "grads_repeat" and r["passed"] for r in rows)
+    plain = next(r for r in rows if r["check"] == "plain_dp_drift")["details"]["mismatches"]
+    assert set(plain) >= claimed  # what differs without the invariant reduction: counted per parameter
+
+
+@pytest.mark.parametrize("kind", ["dp2-ddp", "dp2-fsdp2"])
+def test_dp2_under_ddp_and_fsdp2_reduced_linear_gradients_equal_one_process(kind):
+    """DDP (backward under no_sync, then reduce_gradients) and FSDP2 (fully_shard per layer and root; the routes leave
+    the Linear and RMSNorm weights' gradients to reduce_gradients(average=True), FSDP2 reduce-scatters the rest)."""
+    job, rows = _launch_and_compare(kind, "qwen3")
+    assert not _failed(rows), _failed(rows)
+    assert len([r for r in rows if r["check"] == "grads"]) == 13  # 8 Linear and 5 RMSNorm weights
+    kinds = next(r for r in rows if r["check"] == "grad_scope")["details"]["kinds"]
+    assert {k for k, v in kinds.items() if v != "invariant"} == {"model.embed_tokens.weight"}
+    assert kinds["model.embed_tokens.weight"] == ("fsdp2 reduce-scatter" if kind == "dp2-fsdp2"
+                                                  else "fp32 sum of bf16 grads")
+
+
+# ------------------------------------------------------------------------------ rank-side refusals
+def _refusal_rank(rank: int, init_file: str, case: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from detkit.audits.model_parallel import build_model, torch_plan
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        model = build_model("qwen3", torch.device("cpu"), 0)
+        if case == "2d_mesh":
+            # what TP inside FSDP2 leaves: a weight on a ("dp", "tp") mesh (parallelize_module itself takes 1-D)
+            from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+            mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+            down = model.get_submodule("model.layers.0.mlp.down_proj")
+            down.weight = torch.nn.Parameter(distribute_tensor(down.weight.detach(), mesh, [Replicate(), Shard(1)]))
+            plan = {"model.layers.0.mlp.down_proj": RowwiseParallel()}
+        else:
+            mesh = init_device_mesh("cpu", (1,))
+            parallelize_module(model, mesh, torch_plan("qwen3"))
+            plan = dict(torch_plan("qwen3"))
+            if case == "unplanned":
+                del plan["lm_head"]
+            elif case == "contradicts":
+                plan["model.layers.*.mlp.down_proj"] = ColwiseParallel()
+
+        def forbidden(*a, **k):
+            raise AssertionError("a collective ran before the refusal")
+        for name in ("all_reduce", "all_gather", "broadcast", "reduce_scatter_tensor", "all_gather_into_tensor"):
+            setattr(dist, name, forbidden)
+        try:
+            prepare(model, plan)
+            msg = "no refusal"
+        except ParallelPlanError as exc:
+            msg = str(exc)
+        Path(out).write_text(msg)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case,pattern", [
+    ("unplanned", "lm_head has DTensor weights but no entry in the plan"),
+    ("contradicts", r"down_proj.weight has placements \('Shard\(1\)',\); the plan's colwise needs \(Shard\(0\),\)"),
+    ("2d_mesh", "mesh has 2 axes"),
+])
+def test_rank_side_refusals_come_before_any_collective(tmp_path, case, pattern):
+    import re
+
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "msg"
+    mp.start_processes(_refusal_rank, args=(str(tmp_path / "init"), case, str(out)), nprocs=1, start_method="spawn")
+    msg = out.read_text()
+    assert re.search(pattern, msg), msg
+    assert "\n" not in msg
+
+
+# ------------------------------------------------------------------------------ one GPU (world size 1)
+GPU_SPEED_TOLERANCE = 1.05  # the issue's "same speed ±5%": the median time of the parallel path / the plain model's
+GPU_TIMED_STEPS = 7
+
+
+def _median_ms(fn, steps: int) -> float:
+    import statistics
+
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _world1_gpu_rank(rank: int, init_file: str, out: str) -> None:
+    """One NCCL rank on one GPU: the TP path (parallelize_module on a mesh of 1 + prepare), the DP paths (prepare
+    with a DP group of 1; DDP) and the plain model, the same Qwen3 (8B widths, 2 layers), under detkit mode: log-probs
+    and gradients bitwise, and the median fwd+bwd time of each against the plain model's, interleaved."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    from detkit.audits.model import QWEN3_8B_WIDTHS
+    from detkit.audits.model_parallel import MODELS, _grads, logprobs, torch_plan
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=0, world_size=1)
+    try:
+        device = torch.device("cuda", 0)
+        MODELS["_gpu"] = ("qwen3", dict(QWEN3_8B_WIDTHS))
+        from detkit.audits.model_parallel import build_model
+
+        ids = torch.randint(0, 151936, (4, 512), generator=torch.Generator().manual_seed(0)).to(device)
+        plain = build_model("_gpu", device, 0)
+        tp = build_model("_gpu", device, 0)
+        mesh = init_device_mesh("cuda", (1,))
+        parallelize_module(tp, mesh, torch_plan("qwen3"))
+        tp_plan = prepare(tp, torch_plan("qwen3"))
+        dp = build_model("_gpu", device, 0)
+        dp_plan = prepare(dp, dp_group=dist.group.WORLD)
+        ddp = DistributedDataParallel(build_model("_gpu", device, 0))
+        models = {"plain": plain, "tp_world1": tp, "dp_world1": dp, "ddp_world1": ddp}
+
+        def step(model):
+            model.zero_grad(set_to_none=True)
+            with detkit.batch_invariant_mode():
+                lp = logprobs(model(input_ids=ids).logits, ids)
+                (-lp.sum()).backward()
+            return lp.detach()
+
+        result = {"routed_tp": tp_plan.routed(), "routed_dp": dp_plan.routed(), "bits": {}, "ms": {}}
+        want_lp = step(plain)
+        want_grads = _grads(plain)
+        for name, model in models.items():
+            if name == "plain":
+                continue
+            lp = step(model)
+            grads = _grads(model.module if name == "ddp_world1" else model)
+            result["bits"][name] = {"logprobs": torch.equal(lp.view(torch.int32), want_lp.view(torch.int32)),
+                                    "grads": all(torch.equal(grads[n].view(torch.int16), g.view(torch.int16))
+                                                 for n, g in want_grads.items())}
+        for model in models.values():  # warm-up
+            step(model)
+        times = {name: [] for name in models}
+        for _ in range(3):  # interleaved rounds: a drift of the host or clocks hits every path alike
+            for name, model in models.items():
+                times[name].append(_median_ms(lambda m=model: step(m), GPU_TIMED_STEPS))
+        result["ms"] = {name: min(t) for name, t in times.items()}
+        Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_gpu_world1_tp_and_dp_paths_same_bits_and_speed_as_the_plain_model(tmp_path):
+    import json
+    import os
+
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "world1.json"
+    mp.start_processes(_world1_gpu_rank, args=(str(tmp_path / "init"), str(out)), nprocs=1, start_method="spawn")
+    result = json.loads(out.read_text())
+    report = os.environ.get("DETKIT_MODEL_PARALLEL_OUT")
+    if report:
+        Path(report).write_text(json.dumps(result, indent=1))
+    assert result["routed_tp"] == [] and result["routed_dp"] == []  # world size 1: the mode's aten route
+    for name, bits in result["bits"].items():
+        assert bits == {"logprobs": True, "grads": True}, (name, bits)
+    plain = result["ms"]["plain"]
+    # DDP's ratio is reported, not asserted: at world size 1 it still copies every gradient bucket through NCCL, a
+    # cost of DDP's own, not of a detkit path (the DP path is prepare(dp_group=...), which routes nothing here).
+    ratios = {name: result["ms"][name] / plain for name in ("tp_world1", "dp_world1")}
+    assert all(r <= GPU_SPEED_TOLERANCE for r in ratios.values()), (ratios, result["ms"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["rowwise", "colwise", "dp"])
+def test_gpu_one_process_segmented_routes_at_8b_widths(kind):
+    """The segmented one-process routes on the GPU at Qwen3-8B MLP widths (down_proj / gate_proj shapes, M 1-4096)
+    against the ranks' shard sums, as the CPU tests above at tiny widths."""
+    device = torch.device("cuda")
+    for m in (1, 129, 4096):
+        k, n = (12288, 4096) if kind == "rowwise" else (4096, 12288)
+        model = _Holder(_linear(k, n, 20, device))
+        if kind == "rowwise":
+            prepare(model, {"proj": "rowwise"}, tp_size=2)
+            cfgs = mode_parallel.routes(model)["proj"].configs
+            x = bf16_randn((m, k), 21, device)
+            w = model.proj.weight
+            want = _shard_sum([det_gemm_fwd_launch(x[:, s], w[:, s].t(), config=cfgs["fwd"], out_dtype=torch.float32)[0]
+                               for s in (slice(0, k // 2), slice(k // 2, k))])
+            with detkit.batch_invariant_mode():
+                got = model(x)
+        elif kind == "colwise":
+            prepare(model, {"proj": "colwise"}, tp_size=2)
+            cfgs = mode_parallel.routes(model)["proj"].configs
+            x = bf16_randn((m, k), 22, device).requires_grad_()
+            dy = bf16_randn((m, n), 23, device)
+            w = model.proj.weight
+            want = _shard_sum([det_gemm_da_launch(dy[:, s], w[s].t(), config=cfgs["da"], out_dtype=torch.float32)[0]
+                               for s in (slice(0, n // 2), slice(n // 2, n))])
+            with detkit.batch_invariant_mode():
+                model(x).backward(dy)
+            got = x.grad
+        else:
+            rows = 2 * max(m // 2, 1)
+            prepare(model, dp_size=2)
+            cfgs = mode_parallel.routes(model)["proj"].configs
+            x = bf16_randn((rows, k), 24, device)
+            dy = bf16_randn((rows, n), 25, device)
+            h = rows // 2
+            want = _shard_sum([det_gemm_db_launch(dy[s], x[s], config=cfgs["db"], out_dtype=torch.float32)[0]
+                               for s in (slice(0, h), slice(h, rows))])
+            with detkit.batch_invariant_mode():
+                model(x).backward(dy)
+            got = model.proj.weight.grad
+        assert_bits_equal(got, want, f"{kind} M={m} one process segmented vs shard sum")
+
+
+def _world1_cpu_rank(rank: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from detkit.audits.model_parallel import build_model, logprobs, torch_plan
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+        plain = build_model("qwen3", torch.device("cpu"), 0)
+        tp = build_model("qwen3", torch.device("cpu"), 0)
+        parallelize_module(tp, init_device_mesh("cpu", (1,)), torch_plan("qwen3"))
+        summary = prepare(tp, torch_plan("qwen3"))
+        with detkit.batch_invariant_mode(), torch.no_grad():
+            same = [torch.equal(logprobs(m(input_ids=ids).logits, ids).view(torch.int32),
+                                logprobs(plain(input_ids=ids).logits, ids).view(torch.int32)) for m in (tp,)]
+        Path(out).write_text(f"routed={summary.routed()} same={same} layers={len(summary.layers)}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_world1_routes_nothing_and_keeps_the_plain_models_bits(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "msg"
+    mp.start_processes(_world1_cpu_rank, args=(str(tmp_path / "init"), str(out)), nprocs=1, start_method="spawn")
+    assert out.read_text() == "routed=[] same=[True] layers=8", out.read_text()
+
+
+def _hf_tp_plan_rank(rank: int, init_file: str, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.bfloat16)
+
+        def forbidden(*a, **k):
+            raise AssertionError("a collective ran before the refusal")
+        dist.all_reduce = dist.all_gather = forbidden
+        try:
+            prepare(model, model.tp_plan)
+            msg = "no refusal"
+        except ParallelPlanError as exc:
+            msg = str(exc)
+        if rank == 0:
+            Path(out).write_text(msg)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_transformers_tp_plan_auto_is_refused_by_name(tmp_path):
+    """transformers' own tensor parallelism (tp_plan="auto", its styles, DTensor weights) runs on gloo, but its plan
+    has styles the mode cannot make invariant: prepare names the first and prepares nothing."""
+    pytest.importorskip("accelerate", reason="transformers' tp_plan needs accelerate")
+    import torch.multiprocessing as mp
+
+    from detkit.audits.model_parallel import build_model
+
+    build_model("qwen3", torch.device("cpu"), 0).save_pretrained(tmp_path / "model")
+    out = tmp_path / "msg"
+    mp.start_processes(_hf_tp_plan_rank, args=(str(tmp_path / "init"), str(tmp_path / "model"), str(out)), nprocs=2,
+                       start_method="spawn")
+    assert out.read_text().startswith("plan entry 'lm_head': style 'colwise_gather_output' is not supported"), \
+        out.read_text()
