@@ -59,7 +59,7 @@ MODELS = {"qwen3": ("qwen3", QWEN3_TINY_TP), "qwen3-moe": ("qwen3_moe", QWEN3_MO
 
 def _gpu_models() -> dict:
     """On GPUs the model audit's widths: Qwen3-8B and Qwen3-30B-A3B (2 layers each)."""
-    from detkit.audits.model import QWEN3_8B_WIDTHS, QWEN3_MOE_30B_A3B_WIDTHS
+    from detkit.toolkit.models import QWEN3_8B_WIDTHS, QWEN3_MOE_30B_A3B_WIDTHS
 
     return {"qwen3": ("qwen3", QWEN3_8B_WIDTHS), "qwen3-moe": ("qwen3_moe", QWEN3_MOE_30B_A3B_WIDTHS)}
 

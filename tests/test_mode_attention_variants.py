@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import detkit
-from detkit.audits.model import _cache_kwarg, positions_from_mask
+from detkit.audits.model import positions_from_mask
+from detkit.toolkit.models import cache_kwarg
 from detkit.mode import attention as mode_attention
 from detkit.toolkit.contract import compare_bits
 
@@ -39,7 +40,7 @@ def _rollout_vs_trainer(model, device, width=9, gen=5, pads=(0, 3)):
         ids[b, pad:] = seqs[b, :width - pad]
         mask[b, pad:] = 1
     cache = transformers.DynamicCache(config=model.config)
-    kw = {_cache_kwarg(model): cache, "use_cache": True}
+    kw = {cache_kwarg(model): cache, "use_cache": True}
     with torch.inference_mode():
         steps = [model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), **kw).logits[:, -1]]
         for t in range(gen - 1):

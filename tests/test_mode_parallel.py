@@ -397,7 +397,7 @@ def _world1_gpu_rank(rank: int, init_file: str, out: str) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.parallel import DistributedDataParallel
 
-    from detkit.audits.model import QWEN3_8B_WIDTHS
+    from detkit.toolkit.models import QWEN3_8B_WIDTHS
     from detkit.audits.model_parallel import MODELS, _grads, logprobs, torch_plan
 
     torch.cuda.set_device(0)
