@@ -14,16 +14,7 @@ from detkit.kernels.attention.configs import select_configs
 from detkit.toolkit.contract import check_bound, compare_bits
 from detkit.toolkit.fixtures import bf16_randn
 from tests.conftest import backend_of
-
-
-def _qkv(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, seed, device, q_scale=1.0):
-    return (bf16_randn((batch, heads_q, seq_q, head_dim), seed, device, scale=q_scale),
-            bf16_randn((batch, heads_kv, seq_k, head_dim), seed + 1, device),
-            bf16_randn((batch, heads_kv, seq_k, head_dim), seed + 2, device))
-
-
-def _i32(values, device):
-    return torch.tensor(values, dtype=torch.int32, device=device)
+from tests.test_attention import _i32, _qkv
 
 
 def _bits(x, y, what=""):

@@ -59,17 +59,6 @@ def operands(op: str, m: int, n: int, k: int, device):
     return torch.randn((m, k), generator=gen, device=device), torch.randn((m, n), generator=gen, device=device)
 
 
-def torch_call(op: str, x, y):
-    """torch.matmul on the views det_gemm reads (cuBLAS on CUDA), under the process's precision setting."""
-    if op == "fwd":
-        return lambda: x @ y
-    if op == "da":
-        yt = y.t()
-        return lambda: x @ yt
-    xt = x.t()
-    return lambda: xt @ y
-
-
 def validate(op: str, x, y, c, precision: str) -> tuple[bool, float]:
     """The first and last CHECK_ROWS output rows (fwd, dA) or columns (dB) within the FP32 bound of the FP64 oracle;
     (passed, worst error / bound)."""
@@ -134,6 +123,7 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel import
     import torch
 
+    from detkit.bench.gemm import baseline_call  # torch.matmul on the views det_gemm reads
     from detkit.kernels.det_gemm.launch import LAUNCHERS
     from detkit.kernels.det_gemm.names import case_name
     from detkit.mode.gemm import fp32_products
@@ -175,7 +165,7 @@ def main(argv=None) -> int:
                         calls = max(1, min(32, math.ceil(SAMPLE_GPU_S / est_call_s(m, n, k, precision))))
                         calls = calls if device.type == "cuda" else 1  # the interpreter's calls: plumbing only
                         fns = {"detkit": lambda x=x, y=y, op=op: launch(x, y, precision=precision),
-                               "torch": torch_call(op, x, y)}
+                               "torch": baseline_call(op, x, y)}
                         timed = time_pair(fns, device, calls, args.rounds)
                         name = case_name(op, m, n, k, f"fp32 {precision}")
                         row = {**meta, "name": name, "op": op, "m": m, "n": n, "k": k, "precision": precision,
