@@ -210,6 +210,8 @@ def experts_unsupported_reason(module, hidden_states: torch.Tensor, top_k_index:
         return f"hidden_states has shape {tuple(hidden_states.shape)} (supported: [T, H])"
     if top_k_weights.dtype not in (torch.bfloat16, torch.float32):
         return f"routing weights dtype {str(top_k_weights.dtype).removeprefix('torch.')}"
+    if hidden_states.dtype != torch.bfloat16:  # the MoE layers take BF16 (det_gemm's other dtypes are not theirs)
+        return f"dtype {str(hidden_states.dtype).removeprefix('torch.')}"
     reason = mode_gemm.operands_reason(hidden_states, module.gate_up_proj, module.down_proj)
     if reason is not None:
         return reason

@@ -37,6 +37,7 @@ CONFIG_TABLES = (
     ("moe_fp8", "MOE_FP8_CONFIG_TABLE_VERSION"),
     ("invariant", "INVARIANT_CONFIG_TABLE_VERSION"),
     ("attention", "ATTENTION_CONFIG_TABLE_VERSION"),
+    ("grouped", "GROUPED_CONFIG_TABLE_VERSION"),
 )
 KERNELS_PACKAGE = "detkit.kernels"
 PARTS = ("kernels", "mode", "toolkit", "audits", "bench")  # folders of a checkout; sub-packages of detkit installed
