@@ -122,11 +122,11 @@ def test_each_mode_is_timed_on_its_own_calls(device, tiny_config, monkeypatch):
 
 
 def test_a_gemm_on_torch_in_detkit_mode_fails_its_row(device, tiny_config, small_plan):
-    """An FP32 matmul in the model's last norm: detkit mode leaves it to torch (counted), so the detkit time is not
+    """An FP64 matmul in the model's last norm: detkit mode leaves it to torch (counted), so the detkit time is not
     detkit's and the row fails, naming the op."""
     b = tiny_bench(device)
-    eye = torch.eye(b.model.config.hidden_size, device=device)
-    b.model.model.norm.register_forward_hook(lambda m, args, out: (out.float() @ eye).to(out.dtype))
+    eye = torch.eye(b.model.config.hidden_size, device=device, dtype=torch.float64)
+    b.model.model.norm.register_forward_hook(lambda m, args, out: (out.double() @ eye).to(out.dtype))
     row = b.measure("prefill")
     assert not row["passed"] and row["detkit_mode_routing"]["gemm_not_routed"], row
     assert row["failure"].startswith("detkit mode ran off detkit's kernels") and "mm: " in row["failure"]
