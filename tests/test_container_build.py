@@ -52,7 +52,7 @@ README_MAIN_JOB = (
 # ALLOW_UNPINNED_BASE=1 instead, and this value would be an invalid image reference anywhere else.
 DIGEST_LINE, CI_DIGEST_LINE = README_MAIN_JOB[2], "export DETKIT_BASE_DIGEST=none-the-ci-stand-in-has-no-registry-digest"
 EVERY_PLUGIN = {"gemm_batch_invariance", "gemm_determinism", "gemm_contract", "tp_cp_refs", "moe", "moe-fp8", "model",
-                "attention", "tp_cp", "invariance"}
+                "model-parallel", "attention", "tp_cp", "invariance"}
 
 pytestmark = pytest.mark.timeout(3600)
 
