@@ -23,7 +23,7 @@ source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, step
 
 begin_run  # PYTHONPATH and the run's environment, $OUT, steps.txt, versions.txt
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/results/triton-cache}
-LM_HEADS=(4096,151936 4096,128256)
+LM_HEADS=("4096,151936" "4096,128256")
 M_ALL=(1 16 64 128 256 1024 4096)
 
 step_tests() {
