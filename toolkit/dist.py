@@ -710,8 +710,8 @@ def _account(session: DistSession, out: Path, meta: dict[str, Any], diagnosis: D
              error: str) -> str:
     """Print this rank's one line, then have the lowest surviving rank write the INCOMPLETE report
     while the others wait for it (the first rank to exit may end them all: torchrun, srun
-    --kill-on-bad-exit), and the writer wait for the other survivors to have printed theirs; return
-    the line."""
+    --kill-on-bad-exit), and every survivor wait for the other survivors to have printed theirs;
+    return the line."""
     survivors = [r for r in range(session.world_size) if r not in diagnosis.silent and r not in diagnosis.failed]
     writer = min(survivors)
     md = out / "report.md"
@@ -725,12 +725,13 @@ def _account(session: DistSession, out: Path, meta: dict[str, Any], diagnosis: D
         except Exception as exc:  # noqa: BLE001 -- say so, the line is out already
             print(f"detkit audit: rank {session.rank}: the INCOMPLETE report was not written: "
                   f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        # The other survivors see the stall up to a beat later; this rank's exit may end them.
-        _wait_for_states(session, [r for r in survivors if r != session.rank],
-                         limit_s=(session.watch.stale_s or 0) + 3 * session.watch.interval + 5)
     elif _wait_for_incomplete_marker(out, limit_s=30 + 3 * session.watch.interval) is None:
         print(f"detkit audit: rank {session.rank}: rank {writer} did not write the INCOMPLETE report within "
               f"{30 + 3 * session.watch.interval:g} s", file=sys.stderr, flush=True)
+    # Every survivor, not only the writer: the other survivors see the stall up to a beat later (more under load),
+    # and the first exit may end them all before they have printed their line.
+    _wait_for_states(session, [r for r in survivors if r != session.rank],
+                     limit_s=(session.watch.stale_s or 0) + 3 * session.watch.interval + 5)
     return line
 
 
