@@ -9,8 +9,9 @@ in ``sdpa_flash <name>`` ranges):
 - ``fwd_bwd``: forward and backward (torch.autograd.grad of q, k, v) at S in {4k, 16k}, batch 1.
 
 Validated, then timed: each case first compares detkit's output with SDPA's (all finite, max |diff| below
-``VALIDATION_ATOL``; the audit, not this, checks the bits and the FP64 bound); a row's ``passed`` is that
-validation. Timings (toolkit.timing): eager (``do_bench``: L2 flushed, one call between CUDA events; a call whose
+``VALIDATION_ATOL``, or -- against torch's eager formulation, whose BF16 scores are themselves off -- detkit's
+error against the FP64 oracle no larger than the baseline's; the audit, not this, checks the bits and the FP64
+bound); a row's ``passed`` is that validation. Timings (toolkit.timing): eager (``do_bench``: L2 flushed, one call between CUDA events; a call whose
 host path exceeds the flush shows its host latency) and CUDA-graph replay (operand sets rotated so a call never
 finds them in L2), both interleaved with the baseline in rounds: median, p20, p80. Host time per call
 (``time_host``): Python time until the call's work is queued, each call timed alone in bursts of ``HOST_CALLS``
@@ -324,11 +325,34 @@ def _graph_sets(case: BenchCase) -> int:
     return max(1, min(MAX_GRAPH_SETS, math.ceil(2 * L2_BYTES / per_call)))
 
 
-def validate(case: BenchCase, ours, theirs) -> dict:
+def _oracle_errors(case: BenchCase, inp: dict, a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Max |error| of detkit's and the baseline's first output (o, or dq for fwd_bwd) against the FP64 oracle, on
+    the first sequence of the batch (the oracle's dense FP64 scores bound its memory)."""
+    from detkit.kernels.attention.reference import attention_oracle
+
+    one = {k: (t[:1] if k in ("q", "k", "v", "do") else t).detach() for k, t in inp.items()
+           if isinstance(t, torch.Tensor)}
+    kw = _variant_kwargs(case, one)
+    with torch.no_grad():
+        oracle = attention_oracle(one["q"], one["k"], one["v"], do=one["do"] if case.mode == "fwd_bwd" else None, **kw)
+    want = oracle["dq" if case.mode == "fwd_bwd" else "o"]
+    del oracle
+    return {"max_abs_err_vs_fp64_detkit": float((a[:1].double() - want).abs().max()),
+            "max_abs_err_vs_fp64_baseline": float((b[:1].double() - want).abs().max())}
+
+
+def validate(case: BenchCase, ours, theirs, inp: dict | None = None) -> dict:
+    """Finite, and within ``VALIDATION_ATOL`` of the baseline; against torch's eager formulation (BF16 scores and
+    probabilities: not an accurate baseline), a larger difference still validates when detkit's error against the
+    FP64 oracle is no larger than the baseline's (both recorded)."""
     a, b = _first_output(ours).float(), _first_output(theirs).float()
     diff = float((a - b).abs().max())
     finite = bool(torch.isfinite(a).all())
-    return {"validated": finite and diff <= VALIDATION_ATOL, "max_abs_diff_vs_sdpa": diff, "finite": finite}
+    row = {"validated": finite and diff <= VALIDATION_ATOL, "max_abs_diff_vs_sdpa": diff, "finite": finite}
+    if finite and not row["validated"] and case.baseline == "torch_eager" and inp is not None:
+        row.update(_oracle_errors(case, inp, a, b))
+        row["validated"] = row["max_abs_err_vs_fp64_detkit"] <= row["max_abs_err_vs_fp64_baseline"]
+    return row
 
 
 def _timing(prefix: str, t: Timing | None) -> dict:
@@ -353,7 +377,7 @@ def measure(ctx, case: BenchCase, rounds: int, configs=None) -> dict:
     gqa = sdpa_gqa_mode(case, inputs[0])
     ours, theirs = detkit_call(case, inputs[0], configs), sdpa_call(case, inputs[0], gqa)
     with nvtx_range(case.name):
-        row = validate(case, ours(), theirs())
+        row = validate(case, ours(), theirs(), inputs[0])
     row.update(sdpa_gqa=gqa, sdpa_kernels=kernel_names(theirs, device), graph_sets=sets)
     if not row["validated"]:
         return row

@@ -76,3 +76,24 @@ def test_variants_validate_against_their_named_baselines(device):
         assert row["baseline"] == ("sdpa_mask" if row["variant"] == "window" else "torch_eager")
     text = bench.summarize(rows, {"backend": "triton_interpreter"})
     assert "baseline torch_eager" in text and "baseline sdpa_mask" in text
+
+
+@pytest.mark.parametrize("mode", ["prefill", "fwd_bwd"])
+def test_against_torch_eager_the_fp64_oracle_decides_a_large_difference(mode):
+    """Against the eager formulation (BF16 scores: itself off), a difference above the tolerance validates only
+    when detkit's error against the FP64 oracle is no larger than the baseline's."""
+    from detkit.kernels.attention.reference import attention_oracle
+
+    case = bench.BenchCase(mode, 2, 8, 8, 2, 1, 64, variant="softcap", window=4, softcap=5.0)
+    assert case.baseline == "torch_eager"
+    inp = bench.make_inputs(case, torch.device("cpu"))[0]
+    one = {k: t[:1].detach() for k, t in inp.items()}
+    exact = attention_oracle(one["q"], one["k"], one["v"], window=4, softcap=5.0,
+                             do=one.get("do"))["dq" if mode == "fwd_bwd" else "o"]
+    accurate = exact.float().expand(2, *exact.shape[1:]).contiguous()
+    off = accurate + 0.05
+    row = bench.validate(case, accurate, off, inp)
+    assert row["validated"] and row["max_abs_diff_vs_sdpa"] > bench.VALIDATION_ATOL
+    assert row["max_abs_err_vs_fp64_detkit"] < 1e-6 < 0.04 < row["max_abs_err_vs_fp64_baseline"]
+    row = bench.validate(case, off, accurate, inp)
+    assert not row["validated"] and row["max_abs_err_vs_fp64_detkit"] > row["max_abs_err_vs_fp64_baseline"]
