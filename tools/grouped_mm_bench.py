@@ -133,10 +133,10 @@ def candidate_configs(op, device):
     if device.type != "cuda":
         return [GroupedConfig(16, 16, 16, 4, 1), GroupedConfig(32, 16, 32, 4, 1)]
     if op == "up_wgrad":
-        return [GroupedConfig(128, 128, 64, 8, 3), GroupedConfig(128, 256, 64, 8, 3), GroupedConfig(64, 128, 64, 4, 4),
-                GroupedConfig(128, 128, 32, 8, 4)]
-    return [GroupedConfig(64, 128, 64, 4, 4), GroupedConfig(128, 128, 64, 8, 3), GroupedConfig(128, 256, 64, 8, 3),
-            GroupedConfig(64, 256, 64, 8, 3), GroupedConfig(32, 128, 64, 4, 4)]
+        return [GroupedConfig(128, 128, 64, 8, 3), GroupedConfig(128, 256, 32, 8, 4), GroupedConfig(256, 128, 32, 8, 4),
+                GroupedConfig(128, 128, 32, 8, 5), GroupedConfig(128, 256, 64, 8, 3)]
+    return [GroupedConfig(64, 128, 64, 4, 4), GroupedConfig(128, 256, 64, 8, 4), GroupedConfig(256, 128, 64, 8, 3),
+            GroupedConfig(128, 256, 32, 8, 5), GroupedConfig(128, 128, 64, 8, 4)]
 
 
 def run_case(case, device, rounds: int, configs: bool) -> list[dict]:

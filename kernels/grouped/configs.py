@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 
-GROUPED_CONFIG_TABLE_VERSION = 1
+GROUPED_CONFIG_TABLE_VERSION = 2
 OPS = ("mm", "wgrad")
 
 
@@ -37,10 +37,12 @@ class GroupedConfig:
                 raise ValueError(f"{name} must be a power of two >= 16; got {value}")
 
 
-# sm_90: pointer loads (any strides), cp.async pipelined by num_stages. Measured choices go here with their report.
+# sm_90: pointer loads (any strides), cp.async pipelined by num_stages. The fastest candidates of
+# reports/2026-12-06-h100-s26/call1 (tools/grouped_mm_bench.py --configs, H100; every candidate gave the pinned one's
+# bits: a K step of wgmma accumulates k16 chunks into the same FP32 accumulator whatever block_k).
 CONFIG_TABLE: dict[tuple[str, str], GroupedConfig] = {
-    ("mm", CUDA_SM90): GroupedConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
-    ("wgrad", CUDA_SM90): GroupedConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    ("mm", CUDA_SM90): GroupedConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+    ("wgrad", CUDA_SM90): GroupedConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=4),
     ("mm", TRITON_INTERPRETER): GroupedConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=1),
     ("wgrad", TRITON_INTERPRETER): GroupedConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=1),
 }
