@@ -234,17 +234,17 @@ def _zeros_plan(op: str, shape: tuple[int, ...]):
     return plan
 
 
-def _gemm_plan(op: str, route: str, dtype: torch.dtype = torch.bfloat16):
-    """``a @ b`` of 2-D operands the mode takes on det_gemm through ``route``, counted. The route's call is picked
-    once, here (no route dispatch per call); it looks det_gemm up at call time. FP32 operands: the products'
-    precision read per call (``fp32_products``) and counted under its name."""
+def _counted_plan(op: str, route: str, dtype: torch.dtype, gemm):
+    """``gemm(run, a, b, precision)`` counted under the route's name. The route's call is picked once, here (no
+    route dispatch per call); it looks det_gemm up at call time. FP32 operands: the products' precision read per
+    call (``fp32_products``) and counted under its name."""
     run = _RUNS[route]
     if dtype == torch.float32:
         named = {p: (op, route_name(route, dtype, p)) for p in FP32_PRECISIONS}
 
         def plan_fp32(a, b):
             precision = fp32_products()
-            out = run(a, b, precision)
+            out = gemm(run, a, b, precision)
             with _STATE.lock:
                 _STATE.routed[named[precision]] += 1
             return out
@@ -252,35 +252,30 @@ def _gemm_plan(op: str, route: str, dtype: torch.dtype = torch.bfloat16):
     counted = (op, route_name(route, dtype))
 
     def plan(a, b):
-        out = run(a, b)
+        out = gemm(run, a, b, None)
         with _STATE.lock:
             _STATE.routed[counted] += 1
         return out
     return plan
+
+
+def _single(run, a, b, precision):
+    return run(a, b) if precision is None else run(a, b, precision)
+
+
+def _per_batch_element(run, a, b, precision):
+    return torch.stack([_single(run, x, y, precision) for x, y in zip(a.unbind(0), b.unbind(0))])
+
+
+def _gemm_plan(op: str, route: str, dtype: torch.dtype = torch.bfloat16):
+    """``a @ b`` of 2-D operands the mode takes on det_gemm through ``route``, counted."""
+    return _counted_plan(op, route, dtype, _single)
 
 
 def _batched_plan(op: str, route: str, dtype: torch.dtype = torch.bfloat16):
     """One det_gemm per batch element through ``route`` (one layout for every element: the batch stride is
-    shared), stacked into a new [B, M, N] tensor; counted once per call (FP32: as ``_gemm_plan``)."""
-    run = _RUNS[route]
-    if dtype == torch.float32:
-        named = {p: (op, route_name(route, dtype, p)) for p in FP32_PRECISIONS}
-
-        def plan_fp32(a, b):
-            precision = fp32_products()
-            out = torch.stack([run(x, y, precision) for x, y in zip(a.unbind(0), b.unbind(0))])
-            with _STATE.lock:
-                _STATE.routed[named[precision]] += 1
-            return out
-        return plan_fp32
-    counted = (op, route_name(route, dtype))
-
-    def plan(a, b):
-        out = torch.stack([run(x, y) for x, y in zip(a.unbind(0), b.unbind(0))])
-        with _STATE.lock:
-            _STATE.routed[counted] += 1
-        return out
-    return plan
+    shared), stacked into a new [B, M, N] tensor; counted once per call."""
+    return _counted_plan(op, route, dtype, _per_batch_element)
 
 
 def _with_bias(gemm, beta_one: bool):
