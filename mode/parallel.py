@@ -165,6 +165,10 @@ class LinearRoute:
         where = "ranks" if (self.tp_group or self.dp_group) is not None else "one process, segmented"
         return op, f"det_gemm pinned, FP32 partials ({where})"
 
+    def partials(self) -> list[tuple[str, torch.Tensor]]:
+        """(parameter attribute, this rank's FP32 partial) pairs for ``reduce_gradients``."""
+        return [("weight", self.pending)]
+
     def reductions(self) -> list[str]:
         out = []
         if self.style == ROWWISE and self.tp_size > 1:
@@ -300,6 +304,9 @@ class NormRoute:
         where = "ranks" if (self.tp_group or self.dp_group) is not None else "one process, segmented"
         return "rmsnorm weight grad", f"det_gemm_db fixed order, FP32 partials ({where})"
 
+    def partials(self) -> list[tuple[str, torch.Tensor]]:
+        return [("weight", self.pending)]
+
     def reductions(self) -> list[str]:
         out = []
         if self.head_shards > 1:
@@ -374,6 +381,222 @@ def _norm_forward(module, hidden_states):
     return _InvariantScale.apply(module.weight, hidden_states.to(input_dtype), route)
 
 
+# ---------------------------------------------------------------------------------------------
+# Data parallelism beyond the Linears: the embedding, and a Qwen3-MoE block's router and experts
+# ---------------------------------------------------------------------------------------------
+def _dp_where(dp_group) -> str:
+    return "ranks" if dp_group is not None else "one process, per shard"
+
+
+def _dp_rows(name: str, rows: int, dp_size: int, what: str = "rows") -> int:
+    """The rows of one DP shard on the one-process side (equal shards, rank order), or the one-line refusal."""
+    if rows % dp_size:
+        raise ParallelPlanError(f"{name}: {rows} {what} do not split into dp_size={dp_size} equal shards; the "
+                                "one-process side reduces at the DP ranks' row boundaries (equal shards, rank order)")
+    return rows // dp_size
+
+
+@dataclass
+class EmbeddingRoute:
+    """The weight gradient of one nn.Embedding under DP: each id's gradient rows summed in ascending position from
+    zero in FP32 (``kernels.reductions.index_sum``), the padding_idx's rows skipped (torch keeps its gradient zero).
+    A DP rank keeps the sum over its rows as its FP32 partial; the one-process side sums each DP shard's rows into one
+    FP32 buffer shard by shard, ((0 + p0) + p1) + ..., which is what the ranks' ordered sum forms; one rounding."""
+
+    name: str
+    dp_size: int
+    dp_group: object | None
+    padding_idx: int | None
+    pending: torch.Tensor | None = field(default=None, repr=False)
+    tp_group = None  # replicated over TP (a plan entry on an Embedding is refused)
+
+    @property
+    def counter(self) -> tuple[str, str]:
+        return "embedding (dp)", f"index_sum fixed order, FP32 partials ({_dp_where(self.dp_group)})"
+
+    def partials(self) -> list[tuple[str, torch.Tensor]]:
+        return [("weight", self.pending)]
+
+    def reductions(self) -> list[str]:
+        return ["backward dW: FP32 partials, rank-order sum over DP" if self.dp_group is not None else
+                f"backward dW: index sums per shard of rows/{self.dp_size}, added in shard order"]
+
+    def grad_weight(self, ids: torch.Tensor, dy: torch.Tensor, shape: torch.Size, dtype) -> torch.Tensor | None:
+        from detkit.kernels.reductions import index_sum
+
+        rows = dy.reshape(-1, dy.shape[-1])
+        rows = rows if rows.stride(1) == 1 else rows.contiguous()  # an exact copy; the kernel reads rows
+        flat = ids.reshape(-1)
+        total = torch.zeros(shape, dtype=FP32, device=dy.device)
+        # check_ids=False: the embedding forward refused ids outside [0, V) already
+        if self.dp_group is not None:
+            if self.pending is not None:
+                raise ParallelPlanError(f"{self.name}: a second backward before reduce_gradients(); the invariant DP "
+                                        "reduction sums one FP32 partial per rank")
+            self.pending = index_sum(rows, flat, total, skip=self.padding_idx, check_ids=False)
+            return None
+        per = _dp_rows(self.name, rows.shape[0], self.dp_size, "tokens")
+        for s in range(self.dp_size):
+            index_sum(rows[s * per:(s + 1) * per], flat[s * per:(s + 1) * per], total, skip=self.padding_idx,
+                      check_ids=False)
+        return total.to(dtype)
+
+
+class _InvariantEmbedding(torch.autograd.Function):
+    """weight[ids] (a gather: torch's own forward, the same bits); backward: the route's fixed-order index sum."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, route: EmbeddingRoute) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.route, ctx.shape, ctx.dtype = route, weight.shape, weight.dtype
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        dw = ctx.route.grad_weight(ids, dy, ctx.shape, ctx.dtype) if ctx.needs_input_grad[1] else None
+        return None, dw, None
+
+
+def _embedding_forward(module: torch.nn.Embedding, ids):
+    route: EmbeddingRoute = getattr(module, ROUTE_ATTR)
+    if not mode_state.active():
+        return torch.nn.Embedding.forward(module, ids)
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        raise ParallelPlanError(f"{route.name}: ids of {getattr(ids, 'dtype', type(ids).__name__)}; the DP embedding "
+                                "route takes int32 / int64 ids (before any collective)")
+    mode_state.routed(*route.counter)
+    return _InvariantEmbedding.apply(ids, module.weight, route)
+
+
+def _router_forward(module, hidden_states):
+    """transformers' Qwen3MoeTopKRouter forward as the mode runs it (detkit.mode.moe.router_forward: the same ops,
+    the top-k normalisation in a fixed order), with its linear on the route's DP GEMMs."""
+    from detkit.mode import moe as mode_moe
+
+    route: LinearRoute = getattr(module, ROUTE_ATTR)
+    if not mode_state.active():
+        return type(module).forward(module, hidden_states)
+    hidden_states = hidden_states.reshape(-1, module.hidden_dim)
+    _check_input(route, hidden_states)
+    router_logits = _InvariantLinear.apply(hidden_states, module.weight, route)  # [T, E]
+    router_probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    top, ids = torch.topk(router_probs, module.top_k, dim=-1)  # [T, K]
+    if module.norm_topk_prob:
+        top = top / mode_moe.fixed_order_sum(top)
+    mode_state.routed(*route.counter)
+    mode_state.routed(mode_moe.ROUTER_OP, mode_moe.ROUTER_KERNEL)
+    return router_logits, top.to(router_logits.dtype), ids
+
+
+@dataclass
+class ExpertsRoute:
+    """A Qwen3-MoE block's experts under DP on detkit's BF16 MoE layer (``kernels.moe.layer``), whose dW1 / dW2 reduce
+    each expert's routed rows in ascending order from zero and, given ``main_grads``, add that FP32 sum into them
+    once (an expert without rows leaves them untouched). A DP rank passes zeros and keeps them as its FP32 partials;
+    the one-process side runs the layer once per DP shard of the tokens (a token's outputs, dX and dscores do not
+    depend on the other tokens of the call) with one pair of FP32 buffers, so the shards' sums are added in shard
+    order, ((0 + p0) + p1) + ...: the ranks' ordered sum. One rounding to BF16."""
+
+    name: str
+    dp_size: int
+    dp_group: object | None
+    pending: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    tp_group = None  # replicated over TP (no expert parallelism)
+
+    @property
+    def counter(self) -> tuple[str, str]:
+        return "moe experts (dp)", f"detkit.moe_mlp, FP32 dW partials ({_dp_where(self.dp_group)})"
+
+    def partials(self) -> list[tuple[str, torch.Tensor]]:
+        return [("gate_up_proj", self.pending[0]), ("down_proj", self.pending[1])]
+
+    def reductions(self) -> list[str]:
+        return ["backward dW1, dW2: FP32 partials, rank-order sum over DP" if self.dp_group is not None else
+                f"backward dW1, dW2: the layer per shard of tokens/{self.dp_size}, FP32 sums added in shard order"]
+
+    def shards(self, tokens: int) -> list[slice]:
+        if self.dp_group is not None:
+            return [slice(0, tokens)]
+        per = _dp_rows(self.name, tokens, self.dp_size, "tokens")
+        return [slice(s * per, (s + 1) * per) for s in range(self.dp_size)]
+
+
+class _InvariantExperts(torch.autograd.Function):
+    """The MoE layer (moe_mlp_fwd / moe_mlp_bwd, gate_up "split") once per shard; dW1 / dW2 into FP32 buffers in the
+    parameters' own layouts (gate_up_proj [E, 2I, H], down_proj [E, H, I], seen through w1 / w2's transposes)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, ids, scores, route: ExpertsRoute):
+        from detkit.kernels.moe.layer import moe_mlp_fwd
+
+        ctx.route = route
+        ctx.shapes = (w1.transpose(1, 2).shape, w2.transpose(1, 2).shape)  # gate_up_proj's, down_proj's
+        ctx.shards = route.shards(x.shape[0])
+        outs, ctx.saved = [], []
+        for s in ctx.shards:
+            out, saved = moe_mlp_fwd(x[s], w1, w2, ids[s], scores[s], gate_up="split")
+            outs.append(out)
+            ctx.saved.append(saved)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, dout):
+        from detkit.kernels.moe.layer import moe_mlp_bwd
+
+        route = ctx.route
+        g1 = torch.zeros(ctx.shapes[0], dtype=FP32, device=dout.device)  # [E, 2I, H]
+        g2 = torch.zeros(ctx.shapes[1], dtype=FP32, device=dout.device)  # [E, H, I]
+        dx, ds = [], []
+        for s, saved in zip(ctx.shards, ctx.saved):
+            grads = moe_mlp_bwd(dout[s], saved, main_grads=(g1.transpose(1, 2), g2.transpose(1, 2)))
+            dx.append(grads.dx)
+            ds.append(grads.dscores)
+        ctx.saved = None
+        dx = dx[0] if len(dx) == 1 else torch.cat(dx)
+        ds = ds[0] if len(ds) == 1 else torch.cat(ds)
+        if route.dp_group is not None:
+            if route.pending is not None:
+                raise ParallelPlanError(f"{route.name}: a second backward before reduce_gradients(); the invariant DP "
+                                        "reduction sums one FP32 partial per rank")
+            route.pending = (g1, g2)
+            return dx, None, None, None, ds, None
+        return dx, g1.to(BF16).transpose(1, 2), g2.to(BF16).transpose(1, 2), None, ds, None
+
+
+def _experts_forward(module, hidden_states, top_k_index, top_k_weights):
+    from detkit.mode import moe as mode_moe
+
+    route: ExpertsRoute = getattr(module, ROUTE_ATTR)
+    if not mode_state.active():
+        return type(module).forward(module, hidden_states, top_k_index, top_k_weights)
+    experts = mode_state.moe_experts()
+    if experts != "bf16":
+        raise ParallelPlanError(f"{route.name}: moe_experts={experts!r} under DP; the invariant DP reduction of the "
+                                "experts' weight gradients runs on the BF16 layer (supported: 'bf16')")
+    reason = mode_moe.experts_unsupported_reason(module, hidden_states, top_k_index, top_k_weights, "bf16")
+    if reason is not None:
+        raise ParallelPlanError(f"{route.name}: {reason}; the DP experts route needs what detkit's MoE layer runs "
+                                "(before any collective)")
+    if hidden_states.shape[0] == 0:
+        raise ParallelPlanError(f"{route.name}: no tokens; the DP experts route needs at least one token per shard")
+    ids = mode_moe.route_ids(top_k_index, module.num_experts)
+    out = _InvariantExperts.apply(hidden_states, module.gate_up_proj.transpose(1, 2),
+                                  module.down_proj.transpose(1, 2), ids, top_k_weights, route)
+    mode_state.routed(*route.counter)
+    mode_state.routed(mode_moe.EXPERTS_OP, mode_moe.EXPERTS_KERNEL)
+    return out
+
+
+EMBEDDING_REFUSALS = (("max_norm", None, "renormalises the rows a batch looks up in place, so each DP rank's "
+                       "weights would differ"),
+                      ("scale_grad_by_freq", False, "scales by the id counts of the batch, which a DP rank sees only "
+                       "part of"),
+                      ("sparse", False, "sparse gradients have no FP32 partial"))
+EXPERTS_CLASSES = ("Qwen3MoeExperts",)
+ROUTER_CLASSES = ("Qwen3MoeTopKRouter",)
+
+
 def _check_input(route: LinearRoute, x: torch.Tensor) -> None:
     if x.dtype is not BF16:
         raise ParallelPlanError(f"{route.name}: input dtype {x.dtype}; the parallel route needs bfloat16 (before any "
@@ -420,6 +643,9 @@ class ParallelPlan:
     dp_size: int
     on_ranks: bool  # True on TP / DP ranks, False on the one-process (segmented) side
     layers: dict[str, tuple[str | None, tuple[str, ...]]]  # name -> (style, reductions)
+    # The parameters whose gradients the routes form (on a DP rank: ``reduce_gradients``' invariant sum); at world
+    # size 1 none (nothing is routed)
+    covered: tuple[str, ...] = ()
 
     def reductions(self) -> dict[str, list[str]]:
         return {name: list(r) for name, (_, r) in self.layers.items() if r}
@@ -553,6 +779,39 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
             raise ParallelPlanError(f"{n}: {exc}") from None
         routes[n] = LinearRoute(n, style, size if style else 1, tp_group if style else None, dp_size, dp_group,
                                 gathers, configs)
+    dp_routes: dict[str, object] = {}  # name -> EmbeddingRoute | LinearRoute (a MoE router) | ExpertsRoute
+    for n, m in modules.items():
+        if dp_size == 1:
+            break
+        cls = type(m).__name__
+        if type(m) is torch.nn.Embedding:
+            for attr, supported, why in EMBEDDING_REFUSALS:
+                if getattr(m, attr) != supported:
+                    raise ParallelPlanError(f"{n}: nn.Embedding({attr}={getattr(m, attr)!r}) under DP: {why}; "
+                                            f"supported: {attr}={supported!r}")
+            weights = {"weight": m.weight}
+        elif cls in ROUTER_CLASSES or cls in EXPERTS_CLASSES:
+            weights = {"weight": m.weight} if cls in ROUTER_CLASSES else {
+                "gate_up_proj": m.gate_up_proj, "down_proj": m.down_proj}
+        else:
+            continue
+        for attr, w in weights.items():
+            shared = owners[id(w)]
+            if len(shared) > 1:
+                raise ParallelPlanError(f"{n}.{attr} is shared with {[x for x in shared if x != f'{n}.{attr}']}; a "
+                                        "prepared parameter needs its own tensor (untie it)")
+            if isinstance(w, DTensor):
+                raise ParallelPlanError(f"{n}.{attr} is a DTensor {_layouts(w.placements)}; the DP route of a "
+                                        f"{cls} takes a plain (replicated) weight")
+            if dp_group is not None:
+                _group_backend_check(f"{n}.{attr}", w, dp_group)
+        if type(m) is torch.nn.Embedding:
+            dp_routes[n] = EmbeddingRoute(n, dp_size, dp_group, m.padding_idx)
+        elif cls in ROUTER_CLASSES:
+            dp_routes[n] = LinearRoute(n, None, 1, None, dp_size, dp_group, False,
+                                       {"fwd": _pinned("fwd", 0), "da": _pinned("da", 0), "db": _pinned("db", 0)})
+        else:
+            dp_routes[n] = ExpertsRoute(n, dp_size, dp_group)
     norm_routes: dict[str, NormRoute] = {}
     for n, m in modules.items():
         if type(m).__name__ not in NORM_CLASSES:
@@ -576,9 +835,20 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
         setattr(m, ROUTE_ATTR, route)
         m.forward = types.MethodType(_norm_forward, m)
         idle.pop(n, None)
+    kinds = {EmbeddingRoute: ("embedding", _embedding_forward), LinearRoute: ("moe router", _router_forward),
+             ExpertsRoute: ("moe experts", _experts_forward)}
+    for n, route in dp_routes.items():
+        m = modules[n]
+        setattr(m, ROUTE_ATTR, route)
+        m.forward = types.MethodType(kinds[type(route)][1], m)
+    every = {**routes, **norm_routes, **dp_routes}
+    covered = tuple(f"{n}.{attr}" if n else attr for n, r in every.items()
+                    for attr in (("gate_up_proj", "down_proj") if isinstance(r, ExpertsRoute) else ("weight",)))
     return ParallelPlan(size, dp_size, on_tp_ranks or dp_group is not None,
                         {**idle, **{n: (r.style, tuple(r.reductions())) for n, r in routes.items()},
-                         **{n: ("rmsnorm", tuple(r.reductions())) for n, r in norm_routes.items()}})
+                         **{n: ("rmsnorm", tuple(r.reductions())) for n, r in norm_routes.items()},
+                         **{n: (kinds[type(r)][0], tuple(r.reductions())) for n, r in dp_routes.items()}},
+                        covered)
 
 
 def routes(model: torch.nn.Module) -> dict[str, "LinearRoute | NormRoute"]:
@@ -614,38 +884,34 @@ def reduce_gradients(model: torch.nn.Module, *, average: bool = False) -> dict[s
                                 "power of two rounds, so the bits would no longer be DP=1's; use average=False")
     scale = 1.0 / size if average else 1.0
     kinds: dict[str, str] = {}
-    linear_weights = set()
+    covered = set()
     for n, r in prepared.items():
-        w = model.get_submodule(n).weight
-        linear_weights.add(id(w))
+        module = model.get_submodule(n)
+        attrs = ("gate_up_proj", "down_proj") if isinstance(r, ExpertsRoute) else ("weight",)
+        covered.update(id(getattr(module, a)) for a in attrs)
         if r.pending is None:
             continue
-        if isinstance(r, NormRoute):
-            reduced = (_ordered_sum(r.pending, group) * scale).to(w.dtype)
-            r.pending = None
+        for attr, partial in r.partials():
+            w = getattr(module, attr)
             if w.grad is not None:
-                raise ParallelPlanError(f"reduce_gradients: {n}.weight already has a .grad")
-            w.grad = reduced if not isinstance(w, DTensor) else DTensor.from_local(  # FSDP2: this rank's shard
-                reduced, w.device_mesh, [Replicate()] * w.device_mesh.ndim, run_check=False).redistribute(
-                w.device_mesh, w.placements)
-            kinds[f"{n}.weight"] = "invariant"
-            continue
-        reduced = (_ordered_sum(r.pending, group) * scale).to(BF16)
+                raise ParallelPlanError(f"reduce_gradients: {n}.{attr} already has a .grad (accumulated outside the "
+                                        "route)")
+        for attr, partial in r.partials():
+            w = getattr(module, attr)
+            reduced = (_ordered_sum(partial, group) * scale).to(w.dtype)
+            if not isinstance(w, DTensor):
+                w.grad = reduced
+            elif r.tp_group is not None:  # the partial is this TP rank's shard's gradient
+                w.grad = DTensor.from_local(reduced, w.device_mesh, w.placements, run_check=False)
+            else:  # FSDP2: the forward saw the unsharded weight; this rank keeps its shard (a local cut, no collective)
+                mesh = w.device_mesh
+                w.grad = DTensor.from_local(reduced, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(
+                    mesh, w.placements)
+            kinds[f"{n}.{attr}"] = "invariant"
         r.pending = None
-        if w.grad is not None:
-            raise ParallelPlanError(f"reduce_gradients: {n}.weight already has a .grad (accumulated outside the route)")
-        if not isinstance(w, DTensor):
-            w.grad = reduced
-        elif r.tp_group is not None:  # the partial is this TP rank's shard's gradient
-            w.grad = DTensor.from_local(reduced, w.device_mesh, w.placements, run_check=False)
-        else:  # FSDP2: the forward saw the unsharded weight; this rank keeps its shard (a local cut, no collective)
-            mesh = w.device_mesh
-            w.grad = DTensor.from_local(reduced, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(
-                mesh, w.placements)
-        kinds[f"{n}.weight"] = "invariant"
     fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
     for pn, p in model.named_parameters():
-        if id(p) in linear_weights or p.grad is None:
+        if id(p) in covered or p.grad is None:
             continue
         if fsdp:  # FSDP2 reduce-scattered these itself (the unsharded BF16 gradients, averaged)
             kinds[pn] = "fsdp2 reduce-scatter"

@@ -168,6 +168,132 @@ def test_dp_one_process_refuses_rows_that_do_not_split(device):
         model(x).sum().backward()
 
 
+# ------------------------------------------------------------------------------ one process: DP embedding, MoE
+class _Embed(torch.nn.Module):
+    def __init__(self, vocab: int, dim: int, device, padding_idx=None, **kwargs):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim, padding_idx=padding_idx, device=device, dtype=torch.bfloat16,
+                                        **kwargs)
+        with torch.no_grad():
+            self.embed.weight.copy_(bf16_randn((vocab, dim), 20, device))
+
+    def forward(self, ids):
+        return self.embed(ids)
+
+
+@pytest.mark.parametrize("dp_size,padding_idx", [(2, None), (2, 3), (3, None)])
+def test_dp_one_process_embedding_grad_is_the_ranks_index_sum(device, dp_size, padding_idx):
+    """The one-process embedding gradient: per DP shard of the tokens each id's rows summed from zero in ascending
+    position (the pure-torch reference), the shard sums added in FP32 in rank order, one rounding -- what the ranks'
+    partials and their ordered sum form. Ids repeat within and across shards."""
+    from detkit.kernels.reductions import index_sum_ref
+
+    vocab, dim, seqs, seq = 11, 48, 2 * dp_size, 5
+    model = _Embed(vocab, dim, device, padding_idx)
+    summary = prepare(model, dp_size=dp_size)
+    assert summary.covered == ("embed.weight",)
+    g = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, vocab, (seqs, seq), generator=g).to(device)
+    dy = bf16_randn((seqs, seq, dim), 22, device)
+    with detkit.batch_invariant_mode():
+        out = model(ids)
+        out.backward(dy)
+    assert_bits_equal(out, model.embed.weight[ids], "the DP embedding route's forward (a gather)")
+    rows, flat = dy.reshape(-1, dim), ids.reshape(-1)
+    per = rows.shape[0] // dp_size
+    total = torch.zeros((vocab, dim), dtype=torch.float32, device=device)
+    for s in range(dp_size):
+        total += index_sum_ref(rows[s * per:(s + 1) * per], flat[s * per:(s + 1) * per],
+                               torch.zeros_like(total), skip=padding_idx)
+    assert_bits_equal(model.embed.weight.grad, total.to(torch.bfloat16), "DP=1 embedding dW vs the ranks' index sums")
+    if padding_idx is not None:
+        assert not model.embed.weight.grad[padding_idx].any()
+
+
+def test_dp_embedding_route_counts_and_refuses_by_name(device):
+    model = _Embed(11, 16, device)
+    prepare(model, dp_size=2)
+    before = detkit.mode_counters()
+    with detkit.batch_invariant_mode():
+        model(torch.zeros((2, 3), dtype=torch.long, device=device))
+    assert (detkit.mode_counters() - before).routed == {
+        ("embedding (dp)", "index_sum fixed order, FP32 partials (one process, per shard)"): 1}
+    with detkit.batch_invariant_mode(), pytest.raises(ParallelPlanError, match="3 tokens do not split into dp_size=2"):
+        model(torch.zeros((1, 3), dtype=torch.long, device=device)).sum().backward()
+    for kwargs, pattern in (({"max_norm": 1.0}, r"embed: nn.Embedding\(max_norm=1.0\) under DP"),
+                            ({"scale_grad_by_freq": True}, r"scale_grad_by_freq=True\) under DP"),
+                            ({"sparse": True}, r"sparse=True\) under DP")):
+        refused = _Embed(11, 16, device, **kwargs)
+        with pytest.raises(ParallelPlanError, match=pattern) as info:
+            prepare(refused, dp_size=2)
+        assert "\n" not in str(info.value) and not mode_parallel.routes(refused)
+    assert not mode_parallel.routes(_Embed(11, 16, device)) and not prepare(_Embed(11, 16, device)).covered
+
+
+def _tiny_moe_block(device):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                            norm_topk_prob=True)
+    torch.manual_seed(23)
+    with torch.device(device):
+        block = Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return block
+
+
+def test_dp_one_process_moe_router_and_experts_grads_are_the_ranks_sums(device):
+    """A Qwen3-MoE block prepared with dp_size=2: the router's dW is the two shards' FP32 det_gemm_db partials added
+    in rank order; the experts' dW1 / dW2 are the BF16 MoE layer's FP32 sums over each shard's routed rows
+    (main_grads from zero, one call per shard as each rank makes it) added in rank order; one rounding each.
+    The block's output and input gradient are the two shards' own (a token's rows never mix with another's)."""
+    from detkit.kernels.moe.layer import moe_mlp
+    from detkit.mode import moe as mode_moe
+
+    block = _tiny_moe_block(device)
+    summary = prepare(block, dp_size=2)
+    assert set(summary.covered) == {"gate.weight", "experts.gate_up_proj", "experts.down_proj"}
+    x = bf16_randn((2, 6, 64), 24, device).requires_grad_()
+    dy = bf16_randn((2, 6, 64), 25, device)
+    before = detkit.mode_counters()
+    with detkit.batch_invariant_mode():
+        out = block(x)
+        out.backward(dy)
+    routed = {op for op, _ in (detkit.mode_counters() - before).routed}
+    assert {"moe experts (dp)", "linear (dp)", mode_moe.EXPERTS_OP, mode_moe.ROUTER_OP} <= routed
+
+    # what each rank computes on its 6 tokens: the router's linear on the route's pinned GEMMs, softmax / top-k /
+    # fixed-order normalisation as the mode's router, the layer with main_grads from zero
+    route = mode_parallel.routes(block)["gate"]
+    exp, w = block.experts, block.gate.weight.detach()
+    gate_parts, g1s, g2s, outs, dxs = [], [], [], [], []
+    for s in (slice(0, 6), slice(6, 12)):
+        xs = x.detach().reshape(12, 64)[s].clone().requires_grad_()
+        dys = dy.reshape(12, 64)[s]
+        logits = det_gemm_fwd_launch(xs.detach(), w.t(), config=route.configs["fwd"])[0].requires_grad_()
+        top, ids = torch.topk(torch.softmax(logits, -1, dtype=torch.float), 2, dim=-1)
+        scores = (top / mode_moe.fixed_order_sum(top)).to(torch.bfloat16)
+        g1 = torch.zeros(exp.gate_up_proj.shape, dtype=torch.float32, device=device)
+        g2 = torch.zeros(exp.down_proj.shape, dtype=torch.float32, device=device)
+        o = moe_mlp(xs, exp.gate_up_proj.detach().transpose(1, 2), exp.down_proj.detach().transpose(1, 2),
+                    ids.to(torch.int32), scores, (g1.transpose(1, 2), g2.transpose(1, 2)), gate_up="split")
+        o.backward(dys)
+        dlogits = logits.grad
+        gate_parts.append(det_gemm_db_launch(dlogits, xs.detach(), config=route.configs["db"],
+                                             out_dtype=torch.float32)[0])
+        dxs.append(xs.grad + det_gemm_da_launch(dlogits, w.t(), config=route.configs["da"])[0])
+        outs.append(o.detach())
+        g1s.append(g1)
+        g2s.append(g2)
+    assert_bits_equal(out.detach().reshape(12, 64), torch.cat(outs), "the DP experts route's output vs per shard")
+    assert_bits_equal(x.grad.reshape(12, 64), torch.cat(dxs), "the block's dX vs per shard")
+    assert_bits_equal(block.gate.weight.grad, _shard_sum(gate_parts), "DP=1 router dW vs the ranks' FP32 partials")
+    assert_bits_equal(exp.gate_up_proj.grad, _shard_sum(g1s), "DP=1 experts dW1 vs the ranks' FP32 sums")
+    assert_bits_equal(exp.down_proj.grad, _shard_sum(g2s), "DP=1 experts dW2 vs the ranks' FP32 sums")
+
+
 # ------------------------------------------------------------------------------ one process: refusals
 def _tiny_qwen3(device, **over):
     from detkit.audits.model_parallel import QWEN3_TINY_TP, build_model, MODELS
