@@ -25,8 +25,9 @@ and each rank adds a ``speed`` row (informational): the median train step (forwa
 prepared under detkit mode against the same sharding in default mode.
 
 A parameter whose gradient the mode does not make invariant is reported as such, never failed silently nor passed:
-``grad_scope`` says which parameters the invariance covers (TP: every parameter; DP: the prepared Linears and the
-RMSNorm weights) and which it does not (DP: the embeddings, a MoE block's experts and router).
+``grad_scope`` says which parameters the invariance covers (TP: every parameter; DP: the parameters the ranks'
+``prepare`` routed, ``ParallelPlan.covered``: every Linear and Qwen3 RMSNorm weight, the embedding, a Qwen3-MoE
+block's router and experts) and which it does not (DP: any other parameter, e.g. a bias; none on the tiny models).
 """
 
 from __future__ import annotations
@@ -394,13 +395,13 @@ def _bits(got: torch.Tensor, want: torch.Tensor) -> dict:
     return {"equal": r.equal, "mismatches": r.mismatches, "elements": r.elements, "first": r.first_mismatch}
 
 
-def grad_scope(job: Job, name: str) -> bool:
+def grad_scope(job: Job, name: str, covered: tuple[str, ...]) -> bool:
     """Whether the mode claims ``name``'s gradient bitwise for ``job`` (see the module docstring): under TP every
     parameter (the prepared Linears and q_norm / k_norm on their routes, the rest replicated on replicated rows);
-    under DP the prepared Linears and RMSNorm weights, not the embeddings nor a MoE block's experts and router."""
+    under DP the parameters the ranks' ``prepare`` routed (``covered``: ``ParallelPlan.covered``)."""
     if job.dp == 1:
         return True
-    return name.endswith(("_proj.weight", "norm.weight")) or name == "lm_head.weight"
+    return name in covered
 
 
 def compare(job: Job, ranks: dict[int, dict], ref: dict) -> list[dict]:
@@ -427,6 +428,7 @@ def compare(job: Job, ranks: dict[int, dict], ref: dict) -> list[dict]:
             and not res["counters"]["not_routed"], rank=r,
             routed=res["counters"]["routed"], not_routed=res["counters"]["not_routed"])
     r0 = ranks[0]
+    routed_params = r0["plan"].covered
     covered, outside = [], {}
     for name, want in ref["grads"].items():
         got = r0["grads"].get(name)
@@ -434,7 +436,7 @@ def compare(job: Job, ranks: dict[int, dict], ref: dict) -> list[dict]:
             add("grads", f"{name} gradient", False, missing=True)
             continue
         bits = _bits(got, want)
-        if grad_scope(job, name):
+        if grad_scope(job, name, routed_params):
             covered.append(name)
             add("grads", f"{name} gradient vs one process", bits["equal"], **bits)
         else:
@@ -487,7 +489,9 @@ def run(ctx: RunContext) -> Iterator[Row]:
         "informational": True, "run": [":".join(j) for j in jobs],
         "not_run": [":".join(j) for j in JOBS if j not in jobs],
         "not_covered": ["DDP / FSDP2 wrappers' own gradient reductions (not invariant: BF16 buckets / reduce-scatter)",
-                        "DP gradients of embeddings and MoE experts / routers (reported per job)",
+                        "DP gradients of parameters no route covers (reported per job in grad_scope: e.g. biases, "
+                        "embeddings other than nn.Embedding, MoE classes other than Qwen3-MoE's)",
+                        "DP experts on the FP8 MoE layer (moe_experts='fp8' is refused under DP)",
                         "transformers' tp_plan='auto'", "TP > 2 or DP > 2 on hardware", "groups across nodes"]})
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     out_root = Path(ctx.out_dir) if getattr(ctx, "out_dir", None) else Path(tempfile.mkdtemp(prefix="model-parallel-"))

@@ -1,5 +1,6 @@
-"""detkit mode across processes: the Linear layers of a tensor- or data-parallel model on reductions whose bits do not
-depend on the split (docs/mode_parallel.md).
+"""detkit mode across processes: the Linear layers of a tensor- or data-parallel model, and under data parallelism
+every other weight gradient of a Qwen3 / Qwen3-MoE model, on reductions whose bits do not depend on the split
+(docs/mode_parallel.md).
 
 Why a plan is needed on both sides. At TP=1 a row-parallel layer (o_proj, down_proj) reduces over its whole input
 dim K in one FP32 accumulation; at TP=2 each rank holds K/2 and the partials are summed by a collective. Those
@@ -28,6 +29,13 @@ Which reductions a plan has (``ParallelPlan.reductions``):
   k_norm beside a colwise q_proj / k_proj sum over (token, head) rows whose heads TP splits, so each rank's FP32 row
   sum over its heads is all-reduced in FP32 (one process: rows cut per head shard); under DP every such norm keeps
   an FP32 partial per rank like the Linears. The sums run on det_gemm_db of ones (a fixed-order row sum).
+- the rest of a model's DP gradients, each an FP32 partial per rank summed by ``reduce_gradients`` in rank order,
+  and on the one-process side the same per-shard sums added in shard order: an nn.Embedding (``EmbeddingRoute``:
+  each id's gradient rows summed in ascending position from zero, ``kernels.reductions.index_sum``; padding_idx's
+  rows skipped), a Qwen3-MoE router (a ``LinearRoute`` with no TP style: its linear on the pinned GEMMs, the rest as
+  the mode's router) and a Qwen3-MoE block's experts (``ExpertsRoute``: detkit's BF16 MoE layer with FP32
+  ``main_grads`` from zero; the one-process side runs the layer once per DP shard of the tokens into one pair of
+  buffers). ``ParallelPlan.covered`` names every parameter whose gradient the routes form.
 Every GEMM of a prepared layer runs with one pinned config per op (``kernels.parallel.invariant.invariant_config``),
 the same at every world size and every M, so the parts no reduction touches (column slices, row slices) have the
 same bits on both sides too.
@@ -40,13 +48,16 @@ a module that is not an nn.Linear (a vocab-parallel Embedding's partial sum turn
 pattern that matches nothing, shard widths the pinned configs cannot segment, meshes of more than one axis, DTensor
 weights the plan does not name, placements that contradict the plan, a process-group backend that does not belong
 with the kernel backend (gloo only with CPU tensors under the interpreter, NCCL with CUDA tensors), and a prepared
-weight shared with another module (its gradient would miss the other use). At run time (before the layer's
-collective): inputs of another dtype or placement, and, on the one-process DP side, a row count not divisible by
-``dp_size``.
+weight shared with another module (its gradient would miss the other use); under DP an nn.Embedding with
+``max_norm`` (an in-place renorm of the rows each rank looks up), ``scale_grad_by_freq`` (counts a rank sees only
+part of) or ``sparse`` gradients, and a router or experts weight that is a DTensor. At run time (before the layer's
+collective): inputs of another dtype or placement; on the one-process DP side a row or token count not divisible by
+``dp_size``; MoE experts under the mode's ``moe_experts="fp8"`` or in a call detkit's BF16 MoE layer does not run.
 
 A prepared layer routes only while the mode is entered; outside it the layer runs nn.Linear's own forward (the
 DTensor path on the ranks, plain torch in one process). Count: ``linear (tp rowwise)`` / ``linear (tp colwise)`` /
-``linear (dp)`` / ``linear (pinned)`` and ``rmsnorm weight grad`` -> the route, in ``mode_counters()``. Eager only: a
+``linear (dp)`` / ``linear (pinned)``, ``rmsnorm weight grad``, ``embedding (dp)`` and ``moe experts (dp)`` -> the
+route, in ``mode_counters()`` (a MoE router and experts also under the mode's own MoE counters). Eager only: a
 torch.compile'd model runs these routes as graph breaks at best (not tested).
 """
 
@@ -858,10 +869,11 @@ def routes(model: torch.nn.Module) -> dict[str, "LinearRoute | NormRoute"]:
 @torch.no_grad()
 def reduce_gradients(model: torch.nn.Module, *, average: bool = False) -> dict[str, str]:
     """The invariant DP gradient reduction of a ``prepare(..., dp_group=...)`` model, after its backward: each
-    prepared Linear's FP32 partial summed in rank order (``_ordered_sum``), rounded to BF16 once, written as the
-    weight's ``.grad``. Every other parameter with a gradient (norm weights, embeddings, biases) is summed the same
-    way from its BF16 gradient: deterministic, but not equal to DP=1 (autograd rounded each rank's sum to BF16 first,
-    and DP=1 sums all rows in torch's order); under FSDP2 those are left to FSDP2's own reduce-scatter.
+    route's FP32 partials (Linear and RMSNorm weights, the embedding, a MoE router and experts) summed in rank order
+    (``_ordered_sum``), rounded to the parameter's dtype once, written as its ``.grad``. Every other parameter with a
+    gradient (biases, classes no route covers) is summed the same way from its BF16 gradient: deterministic, but not
+    equal to DP=1 (autograd rounded each rank's sum to BF16 first, and DP=1 sums all rows in torch's order); under
+    FSDP2 those are left to FSDP2's own reduce-scatter.
     ``average=True`` divides the FP32 sum by the DP size before the rounding, as DDP and FSDP2 do; only for a
     power-of-two DP size, where the division is exact (the bits are then DP=1's sum halved, quartered, ...).
     Returns ``{parameter: "invariant" | "fp32 sum of bf16 grads" | "fsdp2 reduce-scatter"}``."""

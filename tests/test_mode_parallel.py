@@ -420,12 +420,30 @@ def test_dp2_qwen3_reduced_gradients_equal_one_process_bitwise():
     assert claimed == {f"model.layers.0.{m}.weight" for m in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
         "mlp.up_proj", "mlp.down_proj", "self_attn.q_norm", "self_attn.k_norm", "input_layernorm",
-        "post_attention_layernorm")} | {"lm_head.weight", "model.norm.weight"}
-    outside = next(r for r in rows if r["check"] == "grad_scope")["details"]["outside"]
-    assert set(outside) == {"model.embed_tokens.weight"}  # reported with its mismatch count, not claimed
+        "post_attention_layernorm")} | {"lm_head.weight", "model.norm.weight", "model.embed_tokens.weight"}
+    scope = next(r for r in rows if r["check"] == "grad_scope")["details"]
+    assert scope["outside"] == {} and set(scope["kinds"].values()) == {"invariant"}
     assert any(r["check"] == "grads_repeat" and r["passed"] for r in rows)
     plain = next(r for r in rows if r["check"] == "plain_dp_drift")["details"]["mismatches"]
     assert set(plain) >= claimed  # what differs without the invariant reduction: counted per parameter
+
+
+@cpu_ranks_only
+def test_dp2_qwen3_moe_embedding_router_and_experts_gradients_equal_one_process_bitwise():
+    """Qwen3-MoE (4 experts, top-2) at DP=2: the embedding (index_sum partials), the router (a DP Linear route) and
+    the experts (the MoE layer's FP32 dW partials) reduced in rank order equal the one-process model prepared with
+    dp_size=2, bitwise, twice; no parameter is left outside."""
+    job, rows = _launch_and_compare("dp2", "qwen3-moe")
+    assert not _failed(rows), _failed(rows)
+    claimed = {r["name"].split(" ")[2] for r in rows if r["check"] == "grads"}
+    assert {"model.embed_tokens.weight", "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.0.mlp.experts.down_proj"} <= claimed
+    scope = next(r for r in rows if r["check"] == "grad_scope")["details"]
+    assert scope["outside"] == {} and set(scope["kinds"].values()) == {"invariant"}
+    assert scope["covered"] == len(claimed) == 14  # every parameter of the tiny Qwen3-MoE
+    assert any(r["check"] == "grads_repeat" and r["passed"] for r in rows)
+    routed = {key.split(" -> ")[0] for r in rows if r["check"] == "routed" for key in r["details"]["routed"]}
+    assert {"embedding (dp)", "moe experts (dp)", "linear (dp)"} <= routed
 
 
 @cpu_ranks_only
@@ -435,11 +453,9 @@ def test_dp2_under_ddp_and_fsdp2_reduced_linear_gradients_equal_one_process(kind
     the Linear and RMSNorm weights' gradients to reduce_gradients(average=True), FSDP2 reduce-scatters the rest)."""
     job, rows = _launch_and_compare(kind, "qwen3")
     assert not _failed(rows), _failed(rows)
-    assert len([r for r in rows if r["check"] == "grads"]) == 13  # 8 Linear and 5 RMSNorm weights
+    assert len([r for r in rows if r["check"] == "grads"]) == 14  # 8 Linear, 5 RMSNorm weights, the embedding
     kinds = next(r for r in rows if r["check"] == "grad_scope")["details"]["kinds"]
-    assert {k for k, v in kinds.items() if v != "invariant"} == {"model.embed_tokens.weight"}
-    assert kinds["model.embed_tokens.weight"] == ("fsdp2 reduce-scatter" if kind == "dp2-fsdp2"
-                                                  else "fp32 sum of bf16 grads")
+    assert set(kinds.values()) == {"invariant"} and "model.embed_tokens.weight" in kinds
 
 
 # ------------------------------------------------------------------------------ rank-side refusals
@@ -499,6 +515,53 @@ def test_rank_side_refusals_come_before_any_collective(tmp_path, case, pattern):
     msg = out.read_text()
     assert re.search(pattern, msg), msg
     assert "\n" not in msg
+
+
+def _dp_refusal_rank(rank: int, init_file: str, case: str, out_dir: str) -> None:
+    """One of 2 gloo DP ranks: a model the DP routes refuse, every collective patched to fail first."""
+    import torch.distributed as dist
+
+    from detkit.audits.model_parallel import build_model
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = build_model("qwen3-moe" if case == "fp8_experts" else "qwen3", torch.device("cpu"), 0)
+        if case == "max_norm":
+            model.model.embed_tokens.max_norm = 1.0
+
+        def forbidden(*a, **k):
+            raise AssertionError("a collective ran before the refusal")
+        for name in ("all_reduce", "all_gather", "broadcast", "reduce_scatter_tensor", "all_gather_into_tensor"):
+            setattr(dist, name, forbidden)
+        try:
+            prepare(model, dp_group=dist.group.WORLD)
+            if case == "fp8_experts":
+                with detkit.batch_invariant_mode(moe_experts="fp8"):
+                    model(input_ids=torch.zeros((1, 4), dtype=torch.long))
+            msg = "no refusal"
+        except ParallelPlanError as exc:
+            msg = str(exc)
+        Path(out_dir, f"rank{rank}").write_text(msg)
+    finally:
+        dist.destroy_process_group()
+
+
+@cpu_ranks_only
+@pytest.mark.parametrize("case,pattern", [
+    ("max_norm", r"^model.embed_tokens: nn.Embedding\(max_norm=1.0\) under DP: renormalises"),
+    ("fp8_experts", r"^model.layers.0.mlp.experts: moe_experts='fp8' under DP; .* \(supported: 'bf16'\)$"),
+])
+def test_dp_rank_refusals_of_the_embedding_and_experts_come_before_any_collective(tmp_path, case, pattern):
+    import re
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_dp_refusal_rank, args=(str(tmp_path / "init"), case, str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    for rank in range(2):
+        msg = (tmp_path / f"rank{rank}").read_text()
+        assert re.search(pattern, msg), msg
+        assert "\n" not in msg
 
 
 # ------------------------------------------------------------------------------ one GPU (world size 1)
