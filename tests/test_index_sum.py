@@ -78,3 +78,23 @@ def test_index_sum_refuses_by_name(device):
         index_sum(rows, ids.float(), out)
     with pytest.raises(ValueError, match=r"rows must be \[R, D\] with a contiguous last dim"):
         index_sum(rows.t(), ids, out)
+
+
+@pytest.mark.gpu
+def test_gpu_index_sum_at_qwen3_8b_widths():
+    """One DP rank's embedding gradient at Qwen3-8B widths (vocab 151936, hidden 4096, 2 x 2048 tokens), ids with a
+    heavy head (a tenth of the rows on id 0, as padding or a frequent token) and repeats: bitwise the reference,
+    and two shards into one buffer equal to their partials added in rank order."""
+    device = torch.device("cuda")
+    vocab, d, count = 151936, 4096, 4096
+    rows = bf16_randn((count, d), 10, device)
+    ids = _ids(count, 2000, 11, device)
+    ids[::10] = 0
+    zeros = torch.zeros((vocab, d), dtype=torch.float32, device=device)
+    got = index_sum(rows, ids, zeros.clone())
+    assert_bits_equal(got, index_sum_ref(rows, ids, zeros), "index_sum at 8B widths vs reference")
+    half = count // 2
+    one = index_sum(rows[half:], ids[half:], index_sum(rows[:half], ids[:half], zeros.clone()))
+    p1 = index_sum(rows[half:], ids[half:], zeros.clone())
+    p0 = index_sum(rows[:half], ids[:half], zeros.clone())
+    assert_bits_equal(one, p0 + p1, "two shards into one buffer vs the partials added")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # detkit mode across processes on one GPU (docs/mode_parallel.md), one call of about 5 minutes:
-# 1. the one-process parallel routes (TP=1 segmented rowwise forward / colwise dX, DP=1 segmented dW) against the
-#    ranks' FP32 shard sums, at tiny widths (the CPU tests on cuda) and at Qwen3-8B MLP widths (M 1, 129, 4096);
+# 1. the one-process parallel routes (TP=1 segmented rowwise forward / colwise dX, DP=1 segmented dW; the DP
+#    embedding, MoE router and experts) against the ranks' FP32 shard sums, at tiny widths (the CPU tests on cuda)
+#    and at Qwen3-8B MLP widths (M 1, 129, 4096); the index_sum kernel against its reference;
 # 2. the TP and DP code paths at world size 1 on NCCL -- parallelize_module on a mesh of one rank + prepare, prepare
 #    with a DP group of one, DDP -- against the plain model under detkit mode (Qwen3 8B widths, 2 layers, 4 x 512
 #    tokens, forward+backward): log-probs and gradients bitwise, median time within 1.05x (world1.json has the ms);
@@ -20,7 +21,7 @@ source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, step
 begin_run  # PYTHONPATH and the run's environment, $OUT, steps.txt, versions.txt
 
 step routes "${ROUTES_LIMIT:-150}" env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra \
-  tests/test_mode_parallel.py -k "one_process or outside_the_mode or rmsnorm"
+  tests/test_mode_parallel.py tests/test_index_sum.py -k "one_process or outside_the_mode or rmsnorm or index_sum or embedding"
 step world1 "${WORLD1_LIMIT:-240}" env DETKIT_TEST_DEVICE=cuda DETKIT_MODEL_PARALLEL_OUT="$OUT/world1.json" \
   python -m pytest -q -p no:cacheprovider -ra tests/test_mode_parallel.py -k world1
 step audit "${AUDIT_LIMIT:-300}" python -m detkit audit --device cuda --suite model-parallel --no-progress \
