@@ -169,6 +169,15 @@ def test_dp_one_process_refuses_rows_that_do_not_split(device):
 
 
 # ------------------------------------------------------------------------------ one process: DP embedding, MoE
+def _spread(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """``t`` with each row (last dim) scaled by 2^k, k uniform in [-12, 12] (exact in BF16): FP32 sums of such rows
+    round, so a sum in another order or cut at other boundaries shows in the bits (with rows of one magnitude a few
+    BF16 terms add exactly in FP32 and any order passes)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(-12, 13, (*t.shape[:-1], 1), generator=g).to(t.device)
+    return (t.float() * torch.exp2(k.float())).to(t.dtype)
+
+
 class _Embed(torch.nn.Module):
     def __init__(self, vocab: int, dim: int, device, padding_idx=None, **kwargs):
         super().__init__()
@@ -188,13 +197,13 @@ def test_dp_one_process_embedding_grad_is_the_ranks_index_sum(device, dp_size, p
     partials and their ordered sum form. Ids repeat within and across shards."""
     from detkit.kernels.reductions import index_sum_ref
 
-    vocab, dim, seqs, seq = 11, 48, 2 * dp_size, 5
+    vocab, dim, seqs, seq = 5, 48, 2 * dp_size, 12  # about 10 rows per id per shard
     model = _Embed(vocab, dim, device, padding_idx)
     summary = prepare(model, dp_size=dp_size)
     assert summary.covered == ("embed.weight",)
     g = torch.Generator().manual_seed(21)
     ids = torch.randint(0, vocab, (seqs, seq), generator=g).to(device)
-    dy = bf16_randn((seqs, seq, dim), 22, device)
+    dy = _spread(bf16_randn((seqs, seq, dim), 22, device), 26)
     with detkit.batch_invariant_mode():
         out = model(ids)
         out.backward(dy)
@@ -208,6 +217,29 @@ def test_dp_one_process_embedding_grad_is_the_ranks_index_sum(device, dp_size, p
     assert_bits_equal(model.embed.weight.grad, total.to(torch.bfloat16), "DP=1 embedding dW vs the ranks' index sums")
     if padding_idx is not None:
         assert not model.embed.weight.grad[padding_idx].any()
+
+
+def _mirrored(t: torch.Tensor, sign: float) -> torch.Tensor:
+    """[2, ...] from t [1, ...]: DP shard 1 = shard 0 times ``sign`` (exact)."""
+    return torch.cat([t, t * sign])
+
+
+def test_dp_one_process_embedding_grad_cancels_where_the_ranks_cancel(device):
+    """Shard 1 holds shard 0's ids with the gradient rows negated: each rank's partial is the other's negation, so
+    the ranks' sum is +0.0 in every element, bit for bit; the whole batch summed in one order (torch's kind of sum,
+    here the reference over all rows) leaves rounding residues. So the test fails for any order but the ranks'."""
+    from detkit.kernels.reductions import index_sum_ref
+
+    vocab, dim = 5, 48
+    model = _Embed(vocab, dim, device)
+    prepare(model, dp_size=2)
+    ids = _mirrored(torch.randint(0, vocab, (1, 40), generator=torch.Generator().manual_seed(29)).to(device), 1)
+    dy = _mirrored(_spread(bf16_randn((1, 40, dim), 30, device), 31), -1.0)
+    with detkit.batch_invariant_mode():
+        model(ids).backward(dy)
+    assert_bits_equal(model.embed.weight.grad, torch.zeros_like(model.embed.weight), "DP=1 embedding dW (+0.0)")
+    whole = index_sum_ref(dy.reshape(-1, dim), ids.reshape(-1), torch.zeros((vocab, dim), device=device))
+    assert whole.to(torch.bfloat16).count_nonzero() > 0  # one order over all rows does not cancel
 
 
 def test_dp_embedding_route_counts_and_refuses_by_name(device):
@@ -244,19 +276,26 @@ def _tiny_moe_block(device):
     return block
 
 
-def test_dp_one_process_moe_router_and_experts_grads_are_the_ranks_sums(device):
+@pytest.mark.parametrize("mirrored", [False, True])
+def test_dp_one_process_moe_router_and_experts_grads_are_the_ranks_sums(device, mirrored):
     """A Qwen3-MoE block prepared with dp_size=2: the router's dW is the two shards' FP32 det_gemm_db partials added
     in rank order; the experts' dW1 / dW2 are the BF16 MoE layer's FP32 sums over each shard's routed rows
     (main_grads from zero, one call per shard as each rank makes it) added in rank order; one rounding each.
-    The block's output and input gradient are the two shards' own (a token's rows never mix with another's)."""
+    The block's output and input gradient are the two shards' own (a token's rows never mix with another's).
+    mirrored: shard 1 = shard 0's tokens with dY negated, so the ranks' sums are +0.0 exactly, while the layer over
+    all tokens in one call (one order) leaves residues: the test fails for any order but the ranks'."""
     from detkit.kernels.moe.layer import moe_mlp
     from detkit.mode import moe as mode_moe
 
     block = _tiny_moe_block(device)
     summary = prepare(block, dp_size=2)
     assert set(summary.covered) == {"gate.weight", "experts.gate_up_proj", "experts.down_proj"}
-    x = bf16_randn((2, 6, 64), 24, device).requires_grad_()
-    dy = bf16_randn((2, 6, 64), 25, device)
+    tokens = 32  # 2 x 16: about 16 routed rows per expert, 8 per shard
+    x = _spread(bf16_randn((2, 16, 64), 24, device), 27)
+    dy = _spread(bf16_randn((2, 16, 64), 25, device), 28)
+    if mirrored:
+        x, dy = _mirrored(x[:1], 1.0), _mirrored(dy[:1], -1.0)
+    x.requires_grad_()
     before = detkit.mode_counters()
     with detkit.batch_invariant_mode():
         out = block(x)
@@ -264,14 +303,14 @@ def test_dp_one_process_moe_router_and_experts_grads_are_the_ranks_sums(device):
     routed = {op for op, _ in (detkit.mode_counters() - before).routed}
     assert {"moe experts (dp)", "linear (dp)", mode_moe.EXPERTS_OP, mode_moe.ROUTER_OP} <= routed
 
-    # what each rank computes on its 6 tokens: the router's linear on the route's pinned GEMMs, softmax / top-k /
+    # what each rank computes on its 16 tokens: the router's linear on the route's pinned GEMMs, softmax / top-k /
     # fixed-order normalisation as the mode's router, the layer with main_grads from zero
     route = mode_parallel.routes(block)["gate"]
     exp, w = block.experts, block.gate.weight.detach()
     gate_parts, g1s, g2s, outs, dxs = [], [], [], [], []
-    for s in (slice(0, 6), slice(6, 12)):
-        xs = x.detach().reshape(12, 64)[s].clone().requires_grad_()
-        dys = dy.reshape(12, 64)[s]
+    for s in (slice(0, tokens // 2), slice(tokens // 2, tokens)):
+        xs = x.detach().reshape(tokens, 64)[s].clone().requires_grad_()
+        dys = dy.reshape(tokens, 64)[s]
         logits = det_gemm_fwd_launch(xs.detach(), w.t(), config=route.configs["fwd"])[0].requires_grad_()
         top, ids = torch.topk(torch.softmax(logits, -1, dtype=torch.float), 2, dim=-1)
         scores = (top / mode_moe.fixed_order_sum(top)).to(torch.bfloat16)
@@ -287,11 +326,24 @@ def test_dp_one_process_moe_router_and_experts_grads_are_the_ranks_sums(device):
         outs.append(o.detach())
         g1s.append(g1)
         g2s.append(g2)
-    assert_bits_equal(out.detach().reshape(12, 64), torch.cat(outs), "the DP experts route's output vs per shard")
-    assert_bits_equal(x.grad.reshape(12, 64), torch.cat(dxs), "the block's dX vs per shard")
+    assert_bits_equal(out.detach().reshape(tokens, 64), torch.cat(outs), "the DP experts route's output vs per shard")
+    assert_bits_equal(x.grad.reshape(tokens, 64), torch.cat(dxs), "the block's dX vs per shard")
     assert_bits_equal(block.gate.weight.grad, _shard_sum(gate_parts), "DP=1 router dW vs the ranks' FP32 partials")
     assert_bits_equal(exp.gate_up_proj.grad, _shard_sum(g1s), "DP=1 experts dW1 vs the ranks' FP32 sums")
     assert_bits_equal(exp.down_proj.grad, _shard_sum(g2s), "DP=1 experts dW2 vs the ranks' FP32 sums")
+    if mirrored:
+        for p in (block.gate.weight, exp.gate_up_proj, exp.down_proj):
+            assert_bits_equal(p.grad, torch.zeros_like(p), "mirrored shards: the ranks' sum is +0.0")
+        # the layer over all 32 tokens in one call: one order over every expert's rows
+        xs = x.detach().reshape(tokens, 64).clone().requires_grad_()
+        logits = det_gemm_fwd_launch(xs.detach(), w.t(), config=route.configs["fwd"])[0]
+        top, ids = torch.topk(torch.softmax(logits, -1, dtype=torch.float), 2, dim=-1)
+        g1 = torch.zeros(exp.gate_up_proj.shape, dtype=torch.float32, device=device)
+        g2 = torch.zeros(exp.down_proj.shape, dtype=torch.float32, device=device)
+        moe_mlp(xs, exp.gate_up_proj.detach().transpose(1, 2), exp.down_proj.detach().transpose(1, 2),
+                ids.to(torch.int32), (top / mode_moe.fixed_order_sum(top)).to(torch.bfloat16),
+                (g1.transpose(1, 2), g2.transpose(1, 2)), gate_up="split").backward(dy.reshape(tokens, 64))
+        assert g1.to(torch.bfloat16).count_nonzero() > 0 and g2.to(torch.bfloat16).count_nonzero() > 0
 
 
 # ------------------------------------------------------------------------------ one process: refusals
