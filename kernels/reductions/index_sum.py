@@ -60,7 +60,7 @@ def index_sum_kernel(rows_ptr, sorted_ids_ptr, perm_ptr, ends_ptr, out_ptr,
     prev = tl.load(sorted_ids_ptr + tl.maximum(p - 1, 0)).to(tl.int64)
     starts = (p == 0) | (prev != v)
     if starts & (v != SKIP) & (v >= 0) & (v < V):
-        end = tl.load(ends_ptr + p)
+        end = tl.load(ends_ptr + p).to(tl.int32)  # R < 2**31 (the grid)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for i in range(p, end):  # the id's rows in ascending position (a stable sort keeps it)
             r = tl.load(perm_ptr + i).to(tl.int64)
