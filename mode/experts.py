@@ -203,15 +203,19 @@ def fixed_order_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def grouped_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts of any decorated class on detkit's grouped kernels (see the module docstring): hidden [T, H] bf16,
-    ids [T, K] (< E; expert parallelism is refused before), weights [T, K] -> [T, H] bf16."""
+    ids [T, K] (ids >= E contribute nothing), weights [T, K] -> [T, H] bf16."""
     num_tokens, top_k = top_k_index.shape
     experts = module.num_experts
+    # Route ids >= E (the expert-parallel sentinel of a transformers without ``_is_expert_parallel``) sort to the tail,
+    # past offs[E - 1]: grouped_mm writes their rows 0, and their weights are 0 (no host read).
+    top_k_weights = top_k_weights.masked_fill(top_k_index >= experts, 0)
     sorted_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)
     # offs[e] = routes with id <= e: exact integer counts, no atomics (a histogram's CUDA kernel adds with atomics)
     offs = torch.searchsorted(sorted_ids, torch.arange(experts, device=sorted_ids.device), right=True)
     offs = offs.to(torch.int32)
+    sorted_ids = sorted_ids.clamp(max=experts - 1)  # the bias gather stays in bounds for the sentinels' rows
     x = GatherRoutes.apply(hidden_states, perm // top_k, inverse.view(num_tokens, top_k))
     transposed = bool(getattr(module, "is_transposed", False))
     has_gate, has_bias = getattr(module, "has_gate", True), getattr(module, "has_bias", False)

@@ -370,3 +370,20 @@ def test_a_transposed_class_runs_the_fp8_layer_on_its_parameters_in_place(device
     assert detkit.mode_counters().as_dict()["routed"] == {f"{EXPERTS} -> detkit.moe_mlp_fp8": 1}
     # the FP8 precision gate against the BF16 path (docs/moe_fp8.md): a wrong layout would be far outside it
     assert cosine(got, bf16) >= GATE_MIN_COSINE and rel_l2(got, bf16) < GATE_MAX_REL_RMSE
+
+
+def test_sentinel_routes_contribute_nothing_on_the_grouped_path(device):
+    """Route ids >= E (transformers' expert-parallel sentinel; refused by name where the class has
+    ``_is_expert_parallel``, masked where it has not) contribute nothing: the output equals the same routes with
+    that slot's weight 0, and a token whose routes are all sentinels gets zeros (0 * y: either sign)."""
+    module = build("gpt_oss", device, seed=15)
+    x, ids, weights, _ = routing(device, seed=16, tokens=4)
+    ids[1, 1] = E
+    ids[2] = E
+    valid = torch.where(ids >= E, 0, ids)
+    with torch.no_grad(), detkit.batch_invariant_mode(strict=True):
+        got = module(x, ids, weights)
+        want = module(x, valid, weights.masked_fill(ids >= E, 0))
+    keep = [0, 1, 3]
+    assert_bits_equal(got[keep], want[keep], "sentinel routes vs weight-0 routes")
+    assert bool((got[2] == 0).all()) and bool((want[2] == 0).all())
