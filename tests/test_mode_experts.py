@@ -387,3 +387,50 @@ def test_sentinel_routes_contribute_nothing_on_the_grouped_path(device):
     keep = [0, 1, 3]
     assert_bits_equal(got[keep], want[keep], "sentinel routes vs weight-0 routes")
     assert bool((got[2] == 0).all()) and bool((want[2] == 0).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole tiny models of the families no other test file builds
+# ---------------------------------------------------------------------------------------------
+MODEL_TINY = dict(hidden_size=H, intermediate_size=64, moe_intermediate_size=I, n_routed_experts=E,
+                  num_experts_per_tok=K, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  vocab_size=128, max_position_embeddings=128, first_k_dense_replace=0, n_shared_experts=1,
+                  n_group=1, topk_group=1)
+
+
+def tiny_family_model(kind: str, device):
+    if kind == "deepseek_v3":  # MLA at tiny widths: q/k heads 16 + 16, v 16
+        config = transformers.DeepseekV3Config(**MODEL_TINY, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=16,
+                                               qk_nope_head_dim=16, v_head_dim=16)
+        model_cls = transformers.DeepseekV3ForCausalLM
+    else:
+        config = transformers.Glm4MoeConfig(**MODEL_TINY, head_dim=32)
+        model_cls = transformers.Glm4MoeForCausalLM
+    torch.manual_seed(17)
+    with torch.device(device):
+        model = model_cls._from_config(config, attn_implementation="eager").to(torch.bfloat16)
+    with torch.no_grad():  # spread the routing (the correction bias starts at 0; the router weights are small)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_a_family_models_log_probs_keep_their_bits_alone_and_in_a_batch(device, kind):
+    """Every experts call on the fused layer (2 layers x 2 forwards); a sequence's log-probs alone and at position 1
+    of a batch of 3 are bitwise equal. Not strict: these models' routers and shared experts run as transformers wrote
+    them (their linears on the mode's GEMM route)."""
+    model = tiny_family_model(kind, device)
+    seqs = torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(18)).to(device)
+
+    def logprobs(ids):
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    with torch.inference_mode(), detkit.batch_invariant_mode():
+        alone = logprobs(seqs[1:2])
+        batch = logprobs(seqs)
+    assert_bits_equal(batch[1:2], alone, f"{kind}: log-probs alone vs in a batch of 3")
+    counters = detkit.mode_counters().as_dict()
+    assert counters["routed"][f"{EXPERTS} -> {FUSED}"] == 4, counters
+    assert not any(k.startswith(EXPERTS) for k in counters["not_routed"]), counters
