@@ -81,9 +81,21 @@ def _is_silu(act) -> bool:
     return isinstance(act, SiLUActivation)
 
 
+_FLAGS = ("has_gate", "is_concatenated", "has_bias", "has_post_expert_norm", "is_transposed")
+_layouts: dict[tuple, str | None] = {}  # (class, its _apply_gate, act_fn's type, flags) -> layout_reason
+
+
 def layout_reason(module) -> str | None:
     """None when the fused layer computes what ``module`` computes (its layout flags and gate); else why not, one
-    line: the grouped path's reason."""
+    line: the grouped path's reason. Decided once per class, gate, activation type and flags."""
+    key = (type(module), getattr(type(module), "_apply_gate", None), type(getattr(module, "act_fn", None)),
+           *(getattr(module, flag, None) for flag in _FLAGS))
+    if key not in _layouts:
+        _layouts[key] = _layout_reason(module)
+    return _layouts[key]
+
+
+def _layout_reason(module) -> str | None:
     name = type(module).__name__
     for flag, value in (("has_gate", True), ("is_concatenated", True), ("has_bias", False),
                         ("has_post_expert_norm", False)):
