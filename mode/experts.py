@@ -59,7 +59,7 @@ NAMES = {"bf16": "detkit", "fp8": "detkit_fp8"}  # the mode's moe_experts -> the
 GROUPED_KERNEL = "detkit.grouped_mm, gate elementwise"
 _SWAPPED_OUT = object()  # a key the mapping did not hold before install
 
-_saved: dict = {}  # the ExpertsInterface mapping's entries the route replaced: key -> function (or _SWAPPED_OUT)
+_saved: dict = {}  # interface class -> the mapping's entries the routes replaced: key -> function (or _SWAPPED_OUT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,11 +280,12 @@ detkit_experts = _implementation("bf16")
 detkit_fp8_experts = _implementation("fp8")
 
 
-def _requested(module):
+def _requested(module, interface=None):
     """The implementation the module's config asked for, as the decorator would have dispatched it outside the
-    mode: the saved mapping entry, or the class's own forward ("eager", None)."""
+    mode: the saved entry of ``interface``'s mapping (ExpertsInterface by default), or the class's own forward
+    ("eager", None)."""
     name = getattr(module.config, "_experts_implementation", None)
-    saved = _saved.get(name, _SWAPPED_OUT)
+    saved = _saved.get(interface or _experts_interface(), {}).get(name, _SWAPPED_OUT)
     if saved is not _SWAPPED_OUT:
         return saved
     return type(module).forward.__wrapped__  # functools.wraps of the decorator: the class's own forward
@@ -305,6 +306,38 @@ def experts_route(self, hidden_states, top_k_index, top_k_weights):
     return out
 
 
+def _refusal_route(interface: type):
+    """The route of an ExpertsInterface subclass with its own mapping (transformers' FP8ExpertsInterface: classes of
+    pre-quantized checkpoints, their weights FP8 with scales): counted as not routed, or raised under strict, then
+    the implementation the config asked for -- never silent."""
+    @torch._dynamo.disable
+    def route(self, *args, **kwargs):
+        if mode_state.active():
+            mode_state.not_routed(OP, f"{type(self).__name__} dispatches through {interface.__name__} (pre-quantized "
+                                      "expert weights: no detkit kernel takes them)")
+        return _requested(self, interface)(self, *args, **kwargs)
+
+    route.detkit_route = True
+    return route
+
+
+def _experts_interface():
+    from transformers.integrations.moe import ExpertsInterface
+
+    return ExpertsInterface
+
+
+def _interfaces(root: type) -> list[type]:
+    """``root`` and every subclass that holds its own mapping (imported so far)."""
+    found, stack = [], [root]
+    while stack:
+        cls = stack.pop()
+        if "_global_mapping" in vars(cls):
+            found.append(cls)
+        stack.extend(cls.__subclasses__())
+    return found
+
+
 def register_transformers_experts() -> None:
     """Register ``"detkit"`` (BF16) and ``"detkit_fp8"`` with transformers' ExpertsInterface (idempotent)."""
     from transformers.integrations.moe import ExpertsInterface
@@ -314,34 +347,34 @@ def register_transformers_experts() -> None:
 
 
 def install() -> None:
-    """Register detkit's implementations and dispatch every other name (and "eager", None) to ``experts_route``
-    (only when transformers is imported: a model can only be built after it is)."""
+    """Register detkit's implementations and dispatch every other name of the ExpertsInterface mapping (and "eager",
+    None) to ``experts_route``; the mappings of its subclasses to a counted refusal (only when transformers is
+    imported: a model can only be built after it is)."""
     if "transformers" not in sys.modules or _saved:
         return
     try:
-        from transformers.integrations.moe import ExpertsInterface
+        root = _experts_interface()
     except ImportError:  # a transformers without the experts interface has no decorated class to route
         return
     register_transformers_experts()
-    mapping = ExpertsInterface._global_mapping
-    for key in [*mapping, "eager", None]:
-        if key in NAMES.values() or key in _saved:
-            continue
-        _saved[key] = mapping.get(key, _SWAPPED_OUT)
-        mapping[key] = experts_route
+    for interface in _interfaces(root):
+        route = experts_route if interface is root else _refusal_route(interface)
+        mapping, saved = interface._global_mapping, _saved.setdefault(interface, {})
+        for key in [*mapping, "eager", None]:
+            if (interface is root and key in NAMES.values()) or key in saved:
+                continue
+            saved[key] = mapping.get(key, _SWAPPED_OUT)
+            mapping[key] = route
 
 
 def uninstall() -> None:
-    if not _saved:
-        return
-    from transformers.integrations.moe import ExpertsInterface
-
-    mapping = ExpertsInterface._global_mapping
-    for key, function in _saved.items():
-        if function is _SWAPPED_OUT:
-            mapping.pop(key, None)
-        else:
-            mapping[key] = function
+    for interface, saved in _saved.items():
+        mapping = interface._global_mapping
+        for key, function in saved.items():
+            if function is _SWAPPED_OUT:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = function
     _saved.clear()
 
 

@@ -434,3 +434,33 @@ def test_a_family_models_log_probs_keep_their_bits_alone_and_in_a_batch(device, 
     counters = detkit.mode_counters().as_dict()
     assert counters["routed"][f"{EXPERTS} -> {FUSED}"] == 4, counters
     assert not any(k.startswith(EXPERTS) for k in counters["not_routed"]), counters
+
+
+def test_pre_quantized_experts_classes_are_counted_never_silent(device):
+    """A class dispatching through transformers' FP8ExpertsInterface (pre-quantized checkpoints) is not routed:
+    counted with the reason and run as its config asked, or raised under strict; its mapping is restored on exit."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8", reason="no FP8 experts interface")
+    interface = fp8.FP8ExpertsInterface
+
+    class Experts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = config.num_local_experts
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states * 2
+
+    cls = moe_integration.use_experts_implementation(Experts, experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS)
+    config = transformers.MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
+    config._experts_implementation = "eager"
+    module = cls(config)
+    x, ids, weights, _ = routing(device, seed=19)
+    before = dict(interface._global_mapping)
+    reason = "Experts dispatches through FP8ExpertsInterface (pre-quantized expert weights: no detkit kernel takes them)"
+    with detkit.batch_invariant_mode():
+        assert_bits_equal(module(x, ids, weights), x * 2, "the class's own eager forward")
+    assert detkit.mode_counters().as_dict()["not_routed"] == {f"{EXPERTS}: {reason}": 1}
+    with pytest.raises(detkit.ModeNotRoutedError) as strict, detkit.batch_invariant_mode(strict=True):
+        module(x, ids, weights)
+    assert reason in _one_line(strict)
+    assert interface._global_mapping == before
