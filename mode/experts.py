@@ -16,7 +16,9 @@ every other name of the mapping, "eager" and None included, dispatches to ``expe
 and put back on exit; the modules, their parameters and state dicts are untouched): the mode's ``moe_experts``
 ("bf16" / "fp8") picks the precision, and a call neither path covers runs the implementation the config asked for,
 counted with its reason (its GEMMs then reach the mode's aten routes) or, under strict, raises
-``ModeNotRoutedError``. "detkit" and "detkit_fp8" are left as registered: an explicit choice wins.
+``ModeNotRoutedError``. "detkit" and "detkit_fp8" are left as registered: an explicit choice wins. Subclasses of the
+interface with their own mapping (transformers' FP8ExpertsInterface: pre-quantized checkpoints) dispatch to a
+counted refusal (``_refusal_route``) while the mode is entered, never silently to their kernels.
 
 What runs where (the decorator's layout flags and the class's gate decide; the tensors' dtype and device too):
 
