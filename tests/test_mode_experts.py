@@ -464,3 +464,19 @@ def test_pre_quantized_experts_classes_are_counted_never_silent(device):
         module(x, ids, weights)
     assert reason in _one_line(strict)
     assert interface._global_mapping == before
+
+
+def test_an_experts_module_compiled_before_the_mode_reaches_the_route_inside_it(device):
+    """torch.compile of a gpt-oss experts module built with "eager": outside the mode its own forward is traced;
+    inside, the interface's swapped entry is seen (the compiled dispatch re-guards) and the route runs as a graph
+    break with the eager route's bits."""
+    module = build("gpt_oss", device, seed=20, implementation="eager")
+    x, ids, weights, _ = routing(device, seed=21)
+    compiled = torch.compile(module)
+    with torch.no_grad():
+        compiled(x, ids, weights)
+        with detkit.batch_invariant_mode(strict=True):
+            got = compiled(x, ids, weights)
+            want = module(x, ids, weights)
+    assert_bits_equal(got, want, "compiled vs eager inside the mode")
+    assert detkit.mode_counters().as_dict()["routed"][f"{EXPERTS} -> {CASES['gpt_oss']}"] == 2
