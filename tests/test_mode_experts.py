@@ -456,7 +456,8 @@ def test_pre_quantized_experts_classes_are_counted_never_silent(device):
     module = cls(config)
     x, ids, weights, _ = routing(device, seed=19)
     before = dict(interface._global_mapping)
-    reason = "Experts dispatches through FP8ExpertsInterface (pre-quantized expert weights: no detkit kernel takes them)"
+    reason = ("Experts dispatches through FP8ExpertsInterface (pre-quantized expert weights: no detkit kernel takes "
+              "them)")
     with detkit.batch_invariant_mode():
         assert_bits_equal(module(x, ids, weights), x * 2, "the class's own eager forward")
     assert detkit.mode_counters().as_dict()["not_routed"] == {f"{EXPERTS}: {reason}": 1}

@@ -3,8 +3,8 @@ forms transformers' "grouped_mm" experts and their backward make runs on detkit.
 grad_input (2-D x 3-D with offsets) on ``grouped_mm``, grad_weight (2-D x 2-D, offsets along the reduced dim) on
 ``grouped_wgrad`` -- with those kernels' bits; a token's expert output keeps its bits whatever the batch; 3-D x 3-D
 runs on det_gemm; what is not routed is counted with its reason or, under strict, raised naming the value; and tiny
-transformers Mixtral and gpt-oss models run with their experts on detkit (mode/experts.py). CPU under the Triton interpreter
-(conftest); everything with DETKIT_TEST_DEVICE=cuda on an H100/H200, plus the `gpu`-marked tests."""
+transformers Mixtral and gpt-oss models run with their experts on detkit (mode/experts.py). CPU under the Triton
+interpreter (conftest); everything with DETKIT_TEST_DEVICE=cuda on an H100/H200, plus the `gpu`-marked tests."""
 
 from __future__ import annotations
 
