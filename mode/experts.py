@@ -13,7 +13,9 @@ mapping. ``register_transformers_experts()`` registers two implementations there
 
 A model built with ``experts_implementation="detkit"`` uses them in or out of the mode. While the mode is entered
 every other name of the mapping, "eager" and None included, dispatches to ``experts_route`` (the entries are saved
-and put back on exit; the modules, their parameters and state dicts are untouched): the mode's ``moe_experts``
+and put back on exit; "eager" and None, which transformers dispatches to the class's own forward without a mapping
+entry, get one on the first entry, ``own_forward``, which stays: a function compiled before the mode then sees the
+swap; the modules, their parameters and state dicts are untouched): the mode's ``moe_experts``
 ("bf16" / "fp8") picks the precision, and a call neither path covers runs the implementation the config asked for,
 counted with its reason (its GEMMs then reach the mode's aten routes) or, under strict, raises
 ``ModeNotRoutedError``. "detkit" and "detkit_fp8" are left as registered: an explicit choice wins. Subclasses of the
@@ -59,9 +61,9 @@ from detkit.mode import state as mode_state
 OP = mode_moe.EXPERTS_OP  # "moe experts (transformers)"
 NAMES = {"bf16": "detkit", "fp8": "detkit_fp8"}  # the mode's moe_experts -> the implementation registered for it
 GROUPED_KERNEL = "detkit.grouped_mm, gate elementwise"
-_SWAPPED_OUT = object()  # a key the mapping did not hold before install
+_SWAPPED_OUT = object()  # a key the mapping does not hold
 
-_saved: dict = {}  # interface class -> the mapping's entries the routes replaced: key -> function (or _SWAPPED_OUT)
+_saved: dict = {}  # interface class -> the mapping's entries the routes replaced: key -> function
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,6 +284,14 @@ detkit_experts = _implementation("bf16")
 detkit_fp8_experts = _implementation("fp8")
 
 
+def own_forward(self, *args, **kwargs):
+    """What the decorator dispatches "eager" and None to outside the mode: the class's own forward. Put in the
+    interfaces' mappings on the mode's first entry and left there, so that a function compiled before the mode, whose
+    dispatch dynamo guards on the mapping entry it read, sees the swap (dynamo does not re-check a key that was
+    absent when it traced)."""
+    return type(self).forward.__wrapped__(self, *args, **kwargs)  # functools.wraps of the decorator
+
+
 def _requested(module, interface=None):
     """The implementation the module's config asked for, as the decorator would have dispatched it outside the
     mode: the saved entry of ``interface``'s mapping (ExpertsInterface by default), or the class's own forward
@@ -362,10 +372,12 @@ def install() -> None:
     for interface in _interfaces(root):
         route = experts_route if interface is root else _refusal_route(interface)
         mapping, saved = interface._global_mapping, _saved.setdefault(interface, {})
-        for key in [*mapping, "eager", None]:
+        for key in ("eager", None):
+            mapping.setdefault(key, own_forward)
+        for key in list(mapping):
             if (interface is root and key in NAMES.values()) or key in saved:
                 continue
-            saved[key] = mapping.get(key, _SWAPPED_OUT)
+            saved[key] = mapping[key]
             mapping[key] = route
 
 
@@ -373,10 +385,7 @@ def uninstall() -> None:
     for interface, saved in _saved.items():
         mapping = interface._global_mapping
         for key, function in saved.items():
-            if function is _SWAPPED_OUT:
-                mapping.pop(key, None)
-            else:
-                mapping[key] = function
+            mapping[key] = function
     _saved.clear()
 
 

@@ -260,7 +260,10 @@ def test_detkit_is_registered_and_runs_outside_the_mode_with_the_modes_bits(devi
                     assert_bits_equal(module(x, ids, weights), outside, f"{kind}: {requested!r} in the mode")
     routed = detkit.mode_counters().as_dict()["routed"]
     assert routed[f"{EXPERTS} -> {FUSED}"] == 4 and routed[f"{EXPERTS} -> {CASES['gpt_oss']}"] == 4
-    assert "eager" not in mapping and None not in mapping
+    # "eager" and None keep the class's own forward outside the mode (the entry the mode's first entry added)
+    assert mapping["eager"] is mapping[None] is mode_experts.own_forward
+    with pytest.raises(NotImplementedError, match="no eager forward"):  # the synthetic class's own forward
+        build("bias", device, seed=5, implementation="eager")(x, ids, weights)
 
 
 def test_a_model_built_with_detkit_runs_its_experts_on_detkit():
@@ -469,8 +472,9 @@ def test_pre_quantized_experts_classes_are_counted_never_silent(device):
 
 def test_an_experts_module_compiled_before_the_mode_reaches_the_route_inside_it(device):
     """torch.compile of a gpt-oss experts module built with "eager": outside the mode its own forward is traced;
-    inside, the interface's swapped entry is seen (the compiled dispatch re-guards) and the route runs as a graph
-    break with the eager route's bits."""
+    inside, the interface's swapped entry is seen (the compiled dispatch re-guards on the entry it read: "eager" has
+    one, ``own_forward``, since the mode's first entry) and the route runs as a graph break with the eager route's
+    bits. Run after other tests too: with no "eager" entry dynamo kept the eager forward inside the mode."""
     module = build("gpt_oss", device, seed=20, implementation="eager")
     x, ids, weights, _ = routing(device, seed=21)
     compiled = torch.compile(module)
