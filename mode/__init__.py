@@ -9,7 +9,9 @@ it. Inside, one module per route family and the switch with its state:
 - ``grouped``: the grouped GEMM route (``_grouped_mm`` -> detkit.kernels.grouped);
 - ``reductions``: the mean.dim route onto detkit.kernels.reductions;
 - ``attention``: torch SDPA and transformers' attention onto detkit.kernels.attention;
-- ``moe``: transformers' MoE blocks onto detkit.kernels.moe;
+- ``moe``: the Qwen3-MoE router route and the fused-layer math (detkit.kernels.moe) of transformers' experts;
+- ``experts``: every transformers experts class (its ExpertsInterface: "detkit", "detkit_fp8") onto the fused layer
+  or detkit.kernels.grouped;
 - ``compile``: the Inductor graph pass that puts compiled graphs on the same routes.
 - ``parallel``: a TP / DP model's Linear and RMSNorm reductions on parallelism-invariant routes (``prepare``,
   ``reduce_gradients``; docs/mode_parallel.md).

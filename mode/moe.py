@@ -1,4 +1,5 @@
-"""The batch-invariant mode's MoE routing: transformers' Qwen3-MoE sparse MoE block on detkit's MoE layer.
+"""The batch-invariant mode's MoE routing: transformers' Qwen3-MoE router, and the fused-layer math every decorated
+experts class with the fused layout runs on (``detkit.mode.experts`` routes the experts classes).
 
 transformers' block (``Qwen3MoeSparseMoeBlock``) is ``experts(x, *gate(x)[1:])`` over the tokens [T, H]:
 
@@ -8,10 +9,9 @@ transformers' block (``Qwen3MoeSparseMoeBlock``) is ``experts(x, *gate(x)[1:])``
     experts (Qwen3MoeExperts):  gate_up_proj [E, 2I, H] (rows [gate; up], split halves), down_proj [E, H, I]
                                 out[t] = sum_k scores[t, k] * down(silu(gate) * up)  for expert ids[t, k]
 
-While the mode is entered both classes' ``forward`` are replaced (class attributes; the modules, their
-parameters and state dicts are untouched), so every Qwen3-MoE model in the process is covered and the
-module calls -- and the forward hooks on them, which transformers' ``output_router_logits`` recorder uses --
-happen as before:
+While the mode is entered the router's ``forward`` is replaced (a class attribute; the module, its parameters and
+state dict are untouched), so every Qwen3-MoE model in the process is covered and the module calls -- and the
+forward hooks on them, which transformers' ``output_router_logits`` recorder uses -- happen as before:
 
 - the router (``router_route``): the same ops, with the top-k normalisation summed in a fixed order
   (ascending k, elementwise adds) instead of torch's row reduction, whose order may depend on the number of
@@ -19,16 +19,15 @@ happen as before:
   already routes to det_gemm; softmax over the last dim and topk are row-wise in torch (one row per
   warp/block, a launch shape from the row length; topk's ties go to the lower index in the row), so a
   token's ids and scores do not depend on the batch. Counted as ``moe router (transformers)``.
-- the experts (``experts_route``) run on ``detkit.kernels.moe.layer.moe_mlp`` (BF16, the default) or, with the mode's
-  ``moe_experts="fp8"``, on ``detkit.kernels.moe.fp8.layer.moe_mlp_fp8`` (forward and backward, the layer's own
-  autograd), both with w1 = gate_up_proj viewed as [E, H, 2I] with ``gate_up="split"`` and w2 = down_proj viewed
-  as [E, I, H]: no copy; the layers read the split halves as interleaved pairs (the same bits as on an interleaved
-  copy; FP8: the weight quantizer reads them so) and write dW1, dW2 in the parameters' own layouts, so autograd
-  keeps them as .grad without a copy. Route ids >= E (transformers' expert-parallel sentinel) are masked (-1).
-  Counted as ``moe experts (transformers) -> detkit.moe_mlp`` or ``-> detkit.moe_mlp_fp8``; a call the chosen
-  layer does not cover (dtype, device, expert parallelism, another activation or weight layout; for FP8, H or I
-  not a multiple of 128) runs transformers' own implementation and is counted with the reason, or raises
-  ``ModeNotRoutedError`` under strict -- never the other precision's layer.
+- the experts: ``detkit.mode.experts`` (transformers' ExpertsInterface) runs them, like every decorated experts
+  class, with ``experts_forward`` here -- ``detkit.kernels.moe.layer.moe_mlp`` (BF16, the default) -- or, with the
+  mode's ``moe_experts="fp8"``, ``experts_forward_fp8`` (``detkit.kernels.moe.fp8.layer.moe_mlp_fp8``; forward and
+  backward, the layer's own autograd), both with w1 = gate_up_proj viewed as [E, H, 2I] with ``gate_up="split"`` and
+  w2 = down_proj viewed as [E, I, H] (``layer_weights``; a class that stores them transposed passes them as they
+  are): no copy; the layers read the split halves as interleaved pairs (the same bits as on an interleaved copy; FP8:
+  the weight quantizer reads them so) and write dW1, dW2 in the parameters' own layouts, so autograd keeps them as
+  .grad without a copy. Route ids >= E (transformers' expert-parallel sentinel) are masked (-1). Counted as
+  ``moe experts (transformers) -> detkit.moe_mlp`` or ``-> detkit.moe_mlp_fp8``.
 - FP8 weights: the layer quantizes w1 and w2 in 128x128 blocks. The mode keeps its own ``fp8_weight_cache()``
   (sized for a model's MoE layers, apart from the layer's default cache), keyed on the parameters themselves
   (gate_up_proj, down_proj) and valid for their ``_version``: an optimizer step (in place) invalidates the entry, and the next call re-quantizes from the
@@ -37,10 +36,9 @@ happen as before:
   graph reads the cache's buffers instead (a warm-up call must have filled them), and ``refresh_fp8_weights()``
   re-quantizes them in place after an update, before the next replay.
 
-Under torch.compile both routes run as graph breaks (eagerly, with the same kernels and counting).
+Under torch.compile the routes run as graph breaks (eagerly, with the same kernels and counting).
 transformers' load-balancing loss is computed outside the block from the recorded router logits, as
-transformers does. Other transformers MoE classes are not routed here (their GEMMs reach the mode's aten
-overrides when they run on mm/bmm; ``torch._grouped_mm`` is counted as not routed, ``mode_aten``).
+transformers does. Other families' routers run as transformers wrote them (their linears on the mode's aten routes).
 """
 
 from __future__ import annotations
@@ -51,7 +49,6 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from detkit.mode import gemm as mode_gemm
 from detkit.mode import state as mode_state
 
 EXPERTS_OP = "moe experts (transformers)"
@@ -63,7 +60,7 @@ FP8_BLOCK = 128  # the FP8 layer's quantization block: H and I must be multiples
 ROUTER_KERNEL = "row-wise softmax/top-k, fixed-order top-k sum"
 QWEN3_MOE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 
-_saved: dict[str, object] = {}  # "experts" / "router" -> the class's forward before install
+_saved: dict[str, object] = {}  # "router" -> the class's forward before install
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,6 +80,16 @@ def down_as_w2(down_proj: torch.Tensor) -> torch.Tensor:
     return down_proj.transpose(1, 2)
 
 
+def layer_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w1 [E, H, 2I], w2 [E, I, H]): views of a decorated experts class's gate_up_proj and down_proj in the layer's
+    convention, no copy -- ``.transpose(1, 2)`` of transformers' [E, 2I, H], [E, H, I], or the parameters themselves
+    when the class stores them transposed (``is_transposed``: [E, H, 2I], [E, I, H]). w1's columns are [gate | up]
+    (``gate_up="split"``)."""
+    if getattr(module, "is_transposed", False):
+        return module.gate_up_proj, module.down_proj
+    return module.gate_up_proj.transpose(1, 2), down_as_w2(module.down_proj)
+
+
 def route_ids(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
     """transformers' expert ids [T, K] (int64; ids >= E are expert-parallel sentinels) -> int32, -1 masked."""
     ids = top_k_index.to(torch.int32)
@@ -91,12 +98,13 @@ def route_ids(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """Qwen3MoeExperts.forward on ``moe_mlp``: hidden [T, H] bf16, ids [T, K], weights [T, K] -> [T, H] bf16."""
+    """A decorated experts class's forward on ``moe_mlp`` (the fused layout: ``detkit.mode.experts.layout_reason``
+    None): hidden [T, H] bf16, ids [T, K], weights [T, K] -> [T, H] bf16."""
     from detkit.kernels.moe.layer import moe_mlp
 
     ids = route_ids(top_k_index, module.num_experts)
-    return moe_mlp(hidden_states, module.gate_up_proj.transpose(1, 2), down_as_w2(module.down_proj), ids,
-                   top_k_weights, gate_up="split")
+    w1, w2 = layer_weights(module)
+    return moe_mlp(hidden_states, w1, w2, ids, top_k_weights, gate_up="split")
 
 
 def fixed_order_sum(values: torch.Tensor) -> torch.Tensor:
@@ -162,14 +170,14 @@ def _capturing(t: torch.Tensor) -> bool:
 
 def experts_forward_fp8(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         cached: bool = True) -> torch.Tensor:
-    """Qwen3MoeExperts.forward on ``moe_mlp_fp8`` (the same w1, w2 and ids as ``experts_forward``; H and I
+    """A decorated experts class's forward on ``moe_mlp_fp8`` (the same w1, w2 and ids as ``experts_forward``; H and I
     multiples of 128): hidden [T, H] bf16 -> [T, H] bf16. The weights come from ``fp8_weight_cache()``;
     ``cached=False`` quantizes them in the call. While a CUDA graph is captured: quantized in the graph, or with
     ``fp8_graph_weights="static"`` the cache's buffers, which must hold the current weights (a warm-up call)."""
     from detkit.kernels.moe.fp8.layer import moe_mlp_fp8
 
     ids = route_ids(top_k_index, module.num_experts)
-    w1, w2 = module.gate_up_proj.transpose(1, 2), down_as_w2(module.down_proj)
+    w1, w2 = layer_weights(module)
     sources = ((w1, module.gate_up_proj, "split"), (w2, module.down_proj, "interleaved"))
     weight_cache = None
     if not _capturing(hidden_states):
@@ -181,73 +189,8 @@ def experts_forward_fp8(module, hidden_states: torch.Tensor, top_k_index: torch.
 
 
 # ---------------------------------------------------------------------------------------------
-# What the experts route covers
+# The router route (a class forward while the mode is entered)
 # ---------------------------------------------------------------------------------------------
-def _flag_reason(module) -> str | None:
-    """None when ``module`` computes what ``moe_mlp`` does (transformers' use_experts_implementation flags)."""
-    wanted = {"has_gate": True, "has_bias": False, "is_concatenated": True, "is_transposed": False,
-              "has_post_expert_norm": False, "_is_expert_parallel": False}
-    for flag, value in wanted.items():
-        if getattr(module, flag, value) != value:
-            return f"{type(module).__name__}.{flag} = {getattr(module, flag)} (supported: {value})"
-    act = getattr(module.config, "hidden_act", None)
-    if act != "silu":
-        return f"activation {act!r} (supported: 'silu', the layer's SwiGLU)"
-    apply_gate = getattr(type(module), "_apply_gate", None)
-    if apply_gate is not None and apply_gate is not _saved.get("apply_gate"):
-        return f"{type(module).__name__} overrides _apply_gate (supported: silu(gate) * up)"
-    return None
-
-
-def experts_unsupported_reason(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                               top_k_weights: torch.Tensor, experts: str = "bf16") -> str | None:
-    """None when the ``experts`` ("bf16": ``experts_forward``, "fp8": ``experts_forward_fp8``) runs this call;
-    else why not (one line)."""
-    reason = _flag_reason(module)
-    if reason is not None:
-        return reason
-    if hidden_states.dim() != 2:
-        return f"hidden_states has shape {tuple(hidden_states.shape)} (supported: [T, H])"
-    if top_k_weights.dtype not in (torch.bfloat16, torch.float32):
-        return f"routing weights dtype {str(top_k_weights.dtype).removeprefix('torch.')}"
-    if hidden_states.dtype != torch.bfloat16:  # the MoE layers take BF16 (det_gemm's other dtypes are not theirs)
-        return f"dtype {str(hidden_states.dtype).removeprefix('torch.')}"
-    reason = mode_gemm.operands_reason(hidden_states, module.gate_up_proj, module.down_proj)
-    if reason is not None:
-        return reason
-    if top_k_index.device != hidden_states.device or top_k_weights.device != hidden_states.device:
-        return "routing tensors on another device than hidden_states"
-    if experts == "fp8":
-        hidden, inter = hidden_states.shape[1], module.down_proj.shape[2]
-        if hidden % FP8_BLOCK or inter % FP8_BLOCK:
-            return (f"FP8 experts need H and I multiples of {FP8_BLOCK}; got H = {hidden}, I = {inter} "
-                    "(moe_experts='fp8')")
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# The routes (class forwards while the mode is entered)
-# ---------------------------------------------------------------------------------------------
-@torch._dynamo.disable
-def experts_route(self, hidden_states, top_k_index, top_k_weights):
-    """Qwen3MoeExperts.forward while the mode is entered (see the module docstring)."""
-    original = _saved["experts"]
-    if not mode_state.active():
-        return original(self, hidden_states, top_k_index, top_k_weights)
-    experts = mode_state.moe_experts()
-    reason = experts_unsupported_reason(self, hidden_states, top_k_index, top_k_weights, experts)
-    if reason is not None:
-        mode_state.not_routed(EXPERTS_OP, reason)
-        return original(self, hidden_states, top_k_index, top_k_weights)
-    if hidden_states.shape[0] == 0:  # no tokens: the sum of no terms
-        mode_state.routed(EXPERTS_OP, mode_gemm.EMPTY)
-        return torch.zeros_like(hidden_states)
-    forward = experts_forward_fp8 if experts == "fp8" else experts_forward
-    out = forward(self, hidden_states, top_k_index, top_k_weights)
-    mode_state.routed(EXPERTS_OP, EXPERTS_KERNELS[experts])
-    return out
-
-
 @torch._dynamo.disable
 def router_route(self, hidden_states):
     """Qwen3MoeTopKRouter.forward while the mode is entered."""
@@ -259,19 +202,14 @@ def router_route(self, hidden_states):
 
 
 def install() -> None:
-    """Replace the Qwen3-MoE router's and experts' forward (only when transformers is imported: a model can only
-    be built after it is; importing its Qwen3-MoE module is then cheap)."""
+    """Replace the Qwen3-MoE router's forward (only when transformers is imported: a model can only be built after
+    it is; importing its Qwen3-MoE module is then cheap). The experts are routed by ``detkit.mode.experts``."""
     if "transformers" not in sys.modules or _saved:
         return
     import importlib
 
     module = importlib.import_module(QWEN3_MOE_MODULE)
-    _saved["experts"] = module.Qwen3MoeExperts.forward
     _saved["router"] = module.Qwen3MoeTopKRouter.forward
-    from transformers.integrations.moe import _default_apply_gate
-
-    _saved["apply_gate"] = _default_apply_gate
-    module.Qwen3MoeExperts.forward = experts_route
     module.Qwen3MoeTopKRouter.forward = router_route
 
 
@@ -279,7 +217,6 @@ def uninstall() -> None:
     if not _saved:
         return
     module = sys.modules[QWEN3_MOE_MODULE]
-    module.Qwen3MoeExperts.forward = _saved["experts"]
     module.Qwen3MoeTopKRouter.forward = _saved["router"]
     _saved.clear()
 

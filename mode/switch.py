@@ -19,9 +19,11 @@ What it routes while entered (process-wide, every thread; docs/mode.md):
 - attention: F.scaled_dot_product_attention and transformers' "sdpa" attention go to
   ``detkit.kernels.attention`` when it covers the call (``attention``); "detkit" is registered
   as a transformers attention implementation.
-- transformers' Qwen3-MoE sparse MoE block: its experts on detkit's MoE layer -- ``moe_mlp`` (BF16, the
-  default) or, with ``moe_experts="fp8"``, ``moe_mlp_fp8`` -- and its router's top-k normalisation in a fixed
-  order (``moe``); parameters and state dicts unchanged.
+- transformers' experts classes (every class its ``use_experts_implementation`` decorator built, through its
+  ExpertsInterface, ``experts``): detkit's fused MoE layer -- ``moe_mlp`` (BF16, the default) or, with
+  ``moe_experts="fp8"``, ``moe_mlp_fp8`` -- where it covers the layout, else (BF16) the GEMMs on detkit's grouped
+  kernels with the gate elementwise; "detkit" and "detkit_fp8" are registered as experts implementations. The
+  Qwen3-MoE router's top-k normalisation in a fixed order (``moe``). Parameters and state dicts unchanged.
 
 Everything it does not route is counted with the reason (``mode_counters()``); with
 ``strict=True`` such a call raises ``ModeNotRoutedError`` instead. Never a silent fallback.
@@ -58,20 +60,24 @@ def _install() -> None:
     from detkit.mode import aten as mode_aten
     from detkit.mode import attention as mode_attention
     from detkit.mode import compile as mode_compile
+    from detkit.mode import experts as mode_experts
     from detkit.mode import moe as mode_moe
 
     mode_aten.install()
     mode_compile.install()
     mode_attention.install()
     mode_moe.install()
+    mode_experts.install()
 
 
 def _uninstall() -> None:
     from detkit.mode import aten as mode_aten
     from detkit.mode import attention as mode_attention
     from detkit.mode import compile as mode_compile
+    from detkit.mode import experts as mode_experts
     from detkit.mode import moe as mode_moe
 
+    mode_experts.uninstall()
     mode_moe.uninstall()
     mode_attention.uninstall()
     mode_compile.uninstall()

@@ -3,8 +3,8 @@ forms transformers' "grouped_mm" experts and their backward make runs on detkit.
 grad_input (2-D x 3-D with offsets) on ``grouped_mm``, grad_weight (2-D x 2-D, offsets along the reduced dim) on
 ``grouped_wgrad`` -- with those kernels' bits; a token's expert output keeps its bits whatever the batch; 3-D x 3-D
 runs on det_gemm; what is not routed is counted with its reason or, under strict, raised naming the value; and tiny
-transformers Mixtral and gpt-oss models run with no grouped GEMM on torch. CPU under the Triton interpreter
-(conftest); everything with DETKIT_TEST_DEVICE=cuda on an H100/H200, plus the `gpu`-marked tests."""
+transformers Mixtral and gpt-oss models run with their experts on detkit (mode/experts.py). CPU under the Triton
+interpreter (conftest); everything with DETKIT_TEST_DEVICE=cuda on an H100/H200, plus the `gpu`-marked tests."""
 
 from __future__ import annotations
 
@@ -178,6 +178,22 @@ def tiny_moe_model(kind: str, device, seed: int = 0):
     return model.eval()
 
 
+EXPERTS = "moe experts (transformers)"
+# Inside the mode the models' experts run on detkit.mode.experts (tests/test_mode_experts.py): Mixtral's layout on the
+# fused MoE layer, gpt-oss's (interleaved, biased, a custom gate) on detkit's grouped kernels called directly. Their
+# grouped GEMMs reach the aten route only when the experts run transformers' own implementation (expert parallelism:
+# tests/test_mode_moe.py).
+EXPERTS_KERNEL = {"mixtral": "detkit.moe_mlp",
+                  "gpt_oss": "detkit.grouped_mm, gate elementwise (GptOssExperts.is_concatenated = False (fused layer: "
+                             "True))"}
+
+
+def experts_calls(kind: str) -> int:
+    routed = counters()["routed"]
+    assert not any(k.startswith(OP) for k in [*routed, *counters()["not_routed"]]), counters()
+    return routed[f"{EXPERTS} -> {EXPERTS_KERNEL[kind]}"]
+
+
 def logprobs(model, ids, **kwargs):
     logits = model(input_ids=ids, use_cache=False, **kwargs).logits[:, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
@@ -185,21 +201,21 @@ def logprobs(model, ids, **kwargs):
 
 @pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
 def test_a_moe_models_log_probs_keep_their_bits_alone_and_in_a_batch(device, kind):
-    """Strict: nothing runs on torch (every grouped GEMM on detkit's kernel); a sequence's log-probs alone and at
-    position 1 of a batch of 3 are bitwise equal."""
+    """Strict: nothing runs on torch (the experts on detkit's kernels); a sequence's log-probs alone and at position 1
+    of a batch of 3 are bitwise equal."""
     model = tiny_moe_model(kind, device, seed=1)
     seqs = torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(2)).to(device)
     with torch.inference_mode(), detkit.batch_invariant_mode(strict=True):
         alone = logprobs(model, seqs[1:2])
         batch = logprobs(model, seqs)
     assert_bits_equal(batch[1:2], alone, f"{kind}: log-probs alone vs in a batch of 3")
-    assert counters()["routed"][f"{OP} -> detkit.grouped_mm"] == 8  # 2 layers x 2 projections x 2 forwards
+    assert experts_calls(kind) == 4  # 2 layers x 2 forwards
     assert counters()["not_routed"] == {}
 
 
 def test_mixtral_padded_batch_prefill_and_decode_route_every_grouped_gemm(device):
     """The audit's path on a tiny Mixtral: a left-padded batch forward, then prefill + 3 KV-cache decode steps; every
-    grouped GEMM routed, and the last decode step's log-probs equal the trainer's forward over the same tokens."""
+    experts call routed, and the last decode step's log-probs equal the trainer's forward over the same tokens."""
     from transformers import DynamicCache
 
     model = tiny_moe_model("mixtral", device, seed=3)
@@ -217,14 +233,14 @@ def test_mixtral_padded_batch_prefill_and_decode_route_every_grouped_gemm(device
             out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
         trainer = model(input_ids=tokens, use_cache=False).logits[:, -1]
     assert_bits_equal(out.logits[:, -1], trainer, "last decode step vs the trainer's forward")
-    assert counters()["routed"][f"{OP} -> detkit.grouped_mm"] == 4 * 6  # 2 layers x 2 projections x 6 forwards
-    assert not any(k.startswith(OP) for k in counters()["not_routed"]), counters()
+    assert experts_calls("mixtral") == 2 * 6  # 2 layers x 6 forwards
+    assert not any(k.startswith(EXPERTS) for k in counters()["not_routed"]), counters()
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
-def test_a_moe_models_backward_runs_its_grouped_gemms_on_detkit_and_repeats(device, kind):
-    """Training step: the experts' grad_input and grad_weight grouped GEMMs are routed, and every parameter
-    gradient repeats bitwise."""
+def test_a_moe_models_backward_runs_its_experts_on_detkit_and_repeats(device, kind):
+    """Training step: the experts' forward and backward run on detkit's kernels, and every parameter gradient
+    repeats bitwise."""
     model = tiny_moe_model(kind, device, seed=5)
     model.train()
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(6)).to(device)
@@ -238,10 +254,8 @@ def test_a_moe_models_backward_runs_its_grouped_gemms_on_detkit_and_repeats(devi
     first, second = grads(), grads()
     for name, g in first.items():
         assert_bits_equal(second[name], g, f"{kind}: {name}.grad, two runs")
-    routed = counters()["routed"]
-    assert routed[f"{OP} -> detkit.grouped_mm"] == 2 * (4 + 4)  # 2 runs x (4 forward + 4 grad_input)
-    assert routed[f"{OP} -> detkit.grouped_wgrad"] == 2 * 4
-    assert not any(k.startswith(OP) for k in counters()["not_routed"]), counters()
+    assert experts_calls(kind) == 2 * 2  # 2 runs x 2 layers
+    assert not any(k.startswith(EXPERTS) for k in counters()["not_routed"]), counters()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ pytest.importorskip("transformers", reason="transformers is the optional extra d
 import detkit  # noqa: E402
 from detkit.toolkit.models import BLOCK_TENSORS, block_grads  # noqa: E402
 from detkit.audits.moe import E2E_REL_L2_GATE, GOLD_SLACK  # noqa: E402
+from detkit.mode import experts as mode_experts  # noqa: E402
 from detkit.mode import moe as mode_moe  # noqa: E402
 from detkit.kernels.det_gemm.launch import det_gemm_fwd  # noqa: E402
 from detkit.kernels.moe.layer import deinterleave_gate_up, interleave_gate_up, moe_mlp  # noqa: E402
@@ -41,7 +42,7 @@ def _fresh_counters():
     detkit.reset_mode_counters()
     yield
     assert not detkit.is_batch_invariant_mode_enabled(), "a test left the mode entered"
-    assert not mode_moe.installed(), "the MoE routes outlived the mode"
+    assert not mode_moe.installed() and not mode_experts.installed(), "the MoE routes outlived the mode"
 
 
 def tiny_model(device, seed=0, **overrides):
@@ -157,7 +158,9 @@ def test_parameters_and_state_dict_are_untouched(device):
     assert {n: p for n, p in model.named_parameters()} == params
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.grad.shape == experts.gate_up_proj.shape  # [E, 2I, H], transformers' layout
-    assert hf_moe.Qwen3MoeExperts.forward is not mode_moe.experts_route  # restored on exit
+    from transformers.integrations.moe import ExpertsInterface
+
+    assert mode_experts.experts_route not in ExpertsInterface._global_mapping.values()  # restored on exit
     assert hf_moe.Qwen3MoeTopKRouter.forward is not mode_moe.router_route
 
 

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("transformers", reason="transformers is the optional extra detkit[models]")
 
 import detkit  # noqa: E402
+from detkit.mode import experts as mode_experts  # noqa: E402
 from detkit.mode import moe as mode_moe
 from detkit.mode import state as mode_state  # noqa: E402
 from detkit.kernels.moe.layer import deinterleave_gate_up, interleave_gate_up  # noqa: E402
@@ -42,7 +43,7 @@ def _fresh_state():
     cache.hits = cache.misses = 0
     yield
     assert not detkit.is_batch_invariant_mode_enabled(), "a test left the mode entered"
-    assert not mode_moe.installed(), "the MoE routes outlived the mode"
+    assert not mode_moe.installed() and not mode_experts.installed(), "the MoE routes outlived the mode"
     assert mode_state.STATE.experts_stack == [] and mode_state.STATE.graph_weights_stack == []
 
 
@@ -96,7 +97,7 @@ def test_an_unsupported_mode_choice_is_refused_before_the_mode_is_entered(arg, b
         assert str(info.value) == f"{arg} {bad!r} is not supported; supported: {supported} (None: the enclosing entry's)"
     with pytest.raises(exc, match=arg):
         detkit.enable_batch_invariant_mode(**{arg: bad})
-    assert not detkit.is_batch_invariant_mode_enabled() and not mode_moe.installed()
+    assert not detkit.is_batch_invariant_mode_enabled() and not mode_moe.installed() and not mode_experts.installed()
     assert mode_state.STATE.strict_stack == [] and mode_state.STATE.experts_stack == []
     assert mode_state.STATE.graph_weights_stack == []
 

@@ -1,0 +1,176 @@
+"""transformers' experts classes, each family at a real model's widths: its own "grouped_mm" implementation against
+the same module inside ``detkit.batch_invariant_mode()`` (mode/experts.py: the fused MoE layer or the grouped path),
+forward and forward+backward; validate, then time; one long-format JSON row per (family, pass, impl).
+
+    python -m tools.experts_bench --device cuda --json OUT/experts.json                 # every family, T = 8192
+    python -m tools.experts_bench --device cuda --family gpt_oss --tokens 2048          # one family (repeatable)
+    python -m tools.experts_bench --device cpu --family mixtral --tiny --rounds 1       # the plumbing (interpreter)
+
+A case: the family's experts class (transformers' own, built from its config with ``experts_implementation=
+"grouped_mm"``), BF16, weights N(0, 1/fan_in), x [T, H] N(0, 1), the routing a top-K of seeded random logits (every
+expert hit about evenly), routing weights softmax of the chosen logits. ``fwd``: the forward with autograd recording;
+``fwd_bwd``: plus ``torch.autograd.grad`` of x and every parameter for a seeded dout. ``grouped_mm`` runs outside
+the mode, ``detkit`` inside it (entered once around each round, not timed; toolkit.timing.time_interleaved, impls
+interleaved round by round, L2 flushed, warm-up excluded; median, p20, p80 and the SM clock). ``path`` is the
+experts row of the mode's counters (which detkit path ran). ``speedup`` = grouped_mm / detkit, same run.
+Validation before timing: detkit's out and gradients against grouped_mm's, relative L2 at most VALIDATE_REL_L2
+each (both are BF16 computations of the same math; a wrong layout or gate is O(1)).
+
+On the CPU (Triton interpreter) the times are emulation: they prove the plumbing, never a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+# family -> (H, I, E, K) and the transformers model it is taken from
+FAMILIES = {
+    "qwen3_moe": ((2048, 768, 128, 8), "Qwen3-30B-A3B"),
+    "mixtral": ((4096, 14336, 8, 2), "Mixtral-8x7B"),
+    "gpt_oss": ((2880, 2880, 32, 4), "gpt-oss-20b"),
+    "deepseek_v3": ((7168, 2048, 64, 8), "DeepSeek-V3 widths, 64 of its 256 experts (one GPU's memory)"),
+    "glm4_moe": ((4096, 1408, 128, 8), "GLM-4.5-Air"),
+}
+TINY = (64, 32, 4, 2)
+VALIDATE_REL_L2 = 2.0**-6
+
+
+def build(family: str, widths, device, seed: int = 0):
+    import transformers
+
+    h, i, e, k = widths
+    if family == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts as cls
+        config = transformers.Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e,
+                                             num_experts_per_tok=k)
+    elif family == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts as cls
+        config = transformers.MixtralConfig(hidden_size=h, intermediate_size=i, num_local_experts=e,
+                                            num_experts_per_tok=k)
+    elif family == "gpt_oss":
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as cls
+        config = transformers.GptOssConfig(hidden_size=h, intermediate_size=i, num_local_experts=e,
+                                           num_experts_per_tok=k)
+    elif family == "deepseek_v3":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts as cls
+        config = transformers.DeepseekV3Config(hidden_size=h, moe_intermediate_size=i, n_routed_experts=e,
+                                               num_experts_per_tok=k)
+    elif family == "glm4_moe":
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeExperts as cls
+        config = transformers.Glm4MoeConfig(hidden_size=h, moe_intermediate_size=i, n_routed_experts=e,
+                                            num_experts_per_tok=k)
+    else:
+        raise ValueError(f"family {family!r} not supported; supported: {', '.join(FAMILIES)}")
+    config._experts_implementation = "grouped_mm"
+    with torch.device(device):
+        module = cls(config).to(torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            fan_in = h if ("gate_up" in name or "up_proj" in name) else i
+            std = 0.02 if name.endswith("bias") else fan_in**-0.5
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) * std)
+    return module
+
+
+def inputs(widths, tokens: int, device, seed: int = 1):
+    h, _, e, k = widths
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, h, generator=gen, device=device).to(torch.bfloat16)
+    top, ids = torch.randn(tokens, e, generator=gen, device=device).topk(k, dim=-1)
+    weights = top.softmax(-1).to(torch.bfloat16)
+    dout = (torch.randn(tokens, h, generator=gen, device=device) * 0.1).to(torch.bfloat16)
+    return x, ids, weights, dout
+
+
+def fns(module, x, ids, weights, dout):
+    params = [p for _, p in module.named_parameters()]
+    leaf = x.detach().requires_grad_(True)
+
+    def fwd():
+        return module(leaf, ids, weights)
+
+    def fwd_bwd():
+        out = module(leaf, ids, weights)
+        return (out, *torch.autograd.grad(out, [leaf, *params], dout))
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd}
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def run_family(family: str, widths, tokens: int, device, rounds: int) -> list[dict]:
+    import detkit
+    from detkit.toolkit.timing import time_interleaved
+
+    module = build(family, widths, device)
+    x, ids, weights, dout = inputs(widths, tokens, device)
+    calls = fns(module, x, ids, weights, dout)
+    theirs = calls["fwd_bwd"]()
+    detkit.reset_mode_counters()
+    with detkit.batch_invariant_mode():
+        ours = calls["fwd_bwd"]()
+    counted = detkit.mode_counters().as_dict()
+    path = [k for k in counted["routed"] if k.startswith("moe experts")] or list(counted["not_routed"])
+    errors = {name: rel_l2(o, t) for name, o, t in zip(["out", "x", *dict(module.named_parameters())], ours, theirs)}
+    bad = {n: e for n, e in errors.items() if not e <= VALIDATE_REL_L2}
+    if bad:
+        raise RuntimeError(f"{family}: detkit vs grouped_mm relative L2 above {VALIDATE_REL_L2:.3g}: {bad}")
+    del theirs, ours
+    rows = []
+    for pass_name, fn in calls.items():
+        timed = time_interleaved({"grouped_mm": fn, "detkit": fn}, device, rounds=rounds,
+                                 contexts={"detkit": detkit.batch_invariant_mode}, cpu_warmup=False)
+        base = timed["grouped_mm"].median_us
+        for impl, t in timed.items():
+            rows.append(dict(family=family, model=FAMILIES[family][1], h=widths[0], i=widths[1], e=widths[2],
+                             k=widths[3], tokens=tokens, pass_=pass_name, impl=impl, median_us=t.median_us,
+                             p20_us=t.p20_us, p80_us=t.p80_us, sm_clock_mhz=t.sm_clock_mhz,
+                             speedup=base / t.median_us, path=path, max_rel_l2_vs_grouped_mm=max(errors.values())))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--family", action="append", choices=tuple(FAMILIES), help="default: every family")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help=f"H, I, E, K = {TINY} (the plumbing)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    rows = []
+    for family in args.family or list(FAMILIES):
+        widths = TINY if args.tiny else FAMILIES[family][0]
+        for row in run_family(family, widths, args.tokens, device, args.rounds):
+            row["pass"] = row.pop("pass_")
+            rows.append(row)
+            print(f"{row['family']:12} {row['pass']:8} {row['impl']:10} {row['median_us']:10.1f} us  "
+                  f"x{row['speedup']:.2f}  {row['path'][0] if row['path'] else ''}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    meta = dict(time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), python=platform.python_version(),
+                torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                interpreter=device.type == "cpu")
+    try:
+        import transformers
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
