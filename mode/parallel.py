@@ -576,6 +576,7 @@ class _InvariantExperts(torch.autograd.Function):
 
 
 def _experts_forward(module, hidden_states, top_k_index, top_k_weights):
+    from detkit.mode import experts as mode_experts
     from detkit.mode import moe as mode_moe
 
     route: ExpertsRoute = getattr(module, ROUTE_ATTR)
@@ -585,7 +586,10 @@ def _experts_forward(module, hidden_states, top_k_index, top_k_weights):
     if experts != "bf16":
         raise ParallelPlanError(f"{route.name}: moe_experts={experts!r} under DP; the invariant DP reduction of the "
                                 "experts' weight gradients runs on the BF16 layer (supported: 'bf16')")
-    reason = mode_moe.experts_unsupported_reason(module, hidden_states, top_k_index, top_k_weights, "bf16")
+    reason = (mode_experts.unsupported_reason(module, hidden_states, top_k_index, top_k_weights, "bf16")
+              or mode_experts.layout_reason(module)
+              or (f"{type(module).__name__}.is_transposed = True (the DP route reads [E, 2I, H] / [E, H, I])"
+                  if getattr(module, "is_transposed", False) else None))
     if reason is not None:
         raise ParallelPlanError(f"{route.name}: {reason}; the DP experts route needs what detkit's MoE layer runs "
                                 "(before any collective)")
