@@ -7,6 +7,14 @@ computed as FlashAttention does: key tiles streamed through an FP32 running max 
 accumulator acc, exp2 with scale * log2(e) folded into one multiplier, P rounded to BF16 for the P @ V MMA,
 o = acc / l rounded once to BF16. The backward recomputes P from the saved lse.
 
+Split-KV: the key tiles are grouped into splits of SPLIT_N keys (configs.SPLIT_KEYS, pinned), counted from the
+sequence's first key like the tiles. Each split's (m, l, acc) starts from the start state (m = -inf, l = 0,
+acc = 0) and walks its tiles in ascending order; the splits are folded in ascending order (``_fold``) into the
+(m, l, acc) that gives o and lse. Either one program per query tile walks all its splits, folding each as it ends
+(prefill, and any grid large enough), or one program per (query tile, split) stores its partial and
+``attention_fwd_combine_kernel`` folds them (a small grid: decode at small batch spreads over the GPU). Both run
+the same partial code and the same fold on the same FP32 values, so their bits are the same.
+
 Variants (constexpr flags; without them the arithmetic is the plain kernel's, bit for bit):
 - WINDOWED: a sliding window, query at position p sees keys (p - window, p] (key positions, so decode and prefill
   agree). Key tiles before every row's window are skipped (``_key_tiles`` says why no row's bits can change), the
@@ -31,9 +39,10 @@ GQA: one program owns one KV head and packs the query heads of its group into th
 and a decode step (one query per head) still feeds the tensor cores.
 
 THE INVARIANCE RULE. A query's output depends only on its own q and on K, V of its visible keys, reduced over
-fixed-size key tiles (BLOCK_N keys) in ascending order from the sequence's first valid key (kv_start), with
-the same online-softmax update sequence in every path — whatever q_len, chunk boundaries, batch size,
-batch position or padding. No split-KV. It holds by construction:
+fixed-size key tiles (BLOCK_N keys) in fixed-size splits (SPLIT_N keys), both counted from the sequence's first
+valid key (kv_start), each split in ascending tile order and the splits folded in ascending order, with the same
+update sequence in every path — whatever q_len, chunk boundaries, batch size, batch position, padding or grid.
+It holds by construction:
 - One kernel and one config per head_dim (BLOCK_M, BLOCK_N, num_warps, num_stages, instruction path) for
   every call: the config never depends on Sq, Skv, B or padding (``CONFIG_TABLE``, pinned, no autotune).
 - Key tiles start at the sequence's first valid key, so the same logical keys sit in the same lanes of the
@@ -42,6 +51,12 @@ batch position or padding. No split-KV. It holds by construction:
   visible tile run the same update code on the same values; keys past the sequence's end are loaded as exact
   zeros. A row whose tile is entirely masked (it shares the program with later queries) sees p = exp2(-inf) = 0
   and alpha = 1 exactly (selected, not computed), so the extra tile changes none of its bits.
+- A split's partial depends only on the row and the split's keys: it starts from the start state at the split's
+  first tile (tiles skipped before a row's window leave the start state exactly, as above). The fold skips a split
+  that holds none of a row's keys (m = -inf) and takes the first one that does as it is (selected), so which
+  splits a program walks (set by the other rows it holds, or by the grid) changes no row's bits, and a row that
+  sees one split gets that split's partial exactly. The fold's adds are explicit FMAs: no compiler may contract
+  them differently in the two kernels.
 Backward: no atomics. dk, dv: one program per (sequence, KV head, key tile) loops over the query tiles in
 ascending order and sums the query heads of the group inside each tile's MMA, head chunks in ascending
 order; dq: one program per query tile loops over key tiles in ascending order from kv_start. Every gradient
