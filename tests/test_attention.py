@@ -4,6 +4,7 @@ cache, packed vs padded sequences); backward within its bound and repeatable; ev
 interpreter in CI (tiny shapes, the interpreter's small tiles) and at real shapes on the GPU with
 DETKIT_TEST_DEVICE=cuda."""
 
+import dataclasses
 import math
 
 import pytest
@@ -407,7 +408,7 @@ def test_explicit_tiles_keep_the_bits_of_the_key_tile(device):
         pytest.skip("a statement about the interpreter's exact-product dots")
     q, k, v = _qkv(1, 4, 2, 24, 24, 64, 99, device)
     base = select_configs("triton_interpreter", 64)
-    wide = type(base)(fwd=AttnConfig(32, base.fwd.block_n, 4, 1), dkdv=base.dkdv, dq=base.dq)
+    wide = dataclasses.replace(base, fwd=AttnConfig(32, base.fwd.block_n, 4, 1))
     _bits(attention(q, k, v, configs=wide), attention(q, k, v))
 
 
@@ -415,7 +416,7 @@ def test_split_heads_option_keeps_the_bits(device):
     # The speed option: a small grid takes one query head per program; a row's bits must not change.
     q, k, v = _qkv(2, 4, 2, 24, 24, 64, 101, device)
     base = select_configs(backend_of(device), 64)
-    split = type(base)(fwd=base.fwd, dkdv=base.dkdv, dq=base.dq, split_heads_below=10**6)
+    split = dataclasses.replace(base, split_heads_below=10**6)
     prefill = attention(q, k, v)
     for i in (0, 15, 16, 23):
         _bits(attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], configs=split), prefill[:, :, i:i + 1])

@@ -153,9 +153,8 @@ def test_the_default_path_choice_runs_both_kernels(device):
 def _absorbing_values(shape, device):
     """v whose FP32 sums depend on how the keys are grouped: ones, with +-2^24 at a few keys (2^24 + 1 rounds back to
     2^24), so summing a split's ones before or after a +-2^24 gives different outputs."""
-    batch, heads, seq, dim = shape
     v = torch.ones(shape, dtype=torch.float32, device=device)
-    d = torch.arange(dim, device=device)
+    d = torch.arange(shape[-1], device=device)
     v[:, :, 0, :] = 2.0**24
     v[:, :, 2, d % 3 == 0] = -(2.0**24)
     v[:, :, 40, d % 2 == 0] = -(2.0**24)

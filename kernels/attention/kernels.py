@@ -398,13 +398,13 @@ def attention_fwd_combine_kernel(
     b = tl.program_id(2)
     pid_h = tl.program_id(0)
     pid_m = tl.program_id(1)
-    q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k, window,
-                                                             VARLEN, HAS_KV_START, HAS_KV_END, WINDOWED)
+    q_begin, q_len, _, _, _, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k, window,
+                                             VARLEN, HAS_KV_START, HAS_KV_END, WINDOWED)
     if pid_m * BQ >= q_len:
         return
     offs_d = tl.arange(0, HEAD_DIM)
-    kv_head, head, qi, row_ok, tok = _tile_rows(pid_h, pid_m, heads_q, heads_kv, q_begin, q_len, HEADS, BLOCK_M,
-                                                VARLEN)
+    _, head, qi, row_ok, tok = _tile_rows(pid_h, pid_m, heads_q, heads_kv, q_begin, q_len, HEADS, BLOCK_M,
+                                          VARLEN)
     b64 = b.to(tl.int64)
     row = b64 * stride_lb + head * stride_lh + q_begin + qi
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -234,6 +234,16 @@ def split_slots(configs: AttnConfigs, seqs: Sequences, block_q: int) -> int:
     return triton.cdiv(span - 1, split) + 1
 
 
+def uses_split_grid(configs: AttnConfigs, seqs: Sequences, heads_q: int, heads_kv: int) -> bool:
+    """Whether the forward runs its split grid (one program per query tile and split, then the combine pass): when
+    a query tile can touch more than one split and the one-pass grid has fewer than ``split_grid_below`` programs.
+    A speed choice only: both grids give the same bits."""
+    heads = fwd_heads(configs, heads_q // heads_kv, heads_kv, seqs.batch, seqs.seq_q)
+    block_q = configs.fwd.block_m // heads
+    programs = heads_kv * (heads_q // heads_kv // heads) * triton.cdiv(seqs.seq_q, block_q) * seqs.batch
+    return split_slots(configs, seqs, block_q) > 1 and programs < configs.split_grid_below
+
+
 def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Sequences, scale: float,
                          configs: AttnConfigs | None = None, logits: Logits = Logits()
                          ) -> tuple[torch.Tensor, torch.Tensor, AttentionLaunch]:
@@ -261,8 +271,8 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         ensure_cuda_context(q.device)
     head_programs = heads_kv * (group // heads)
     grid = (head_programs, triton.cdiv(seqs.seq_q, cfg.block_m // heads), seqs.batch)
+    split_grid = uses_split_grid(configs, seqs, heads_q, heads_kv)
     slots = split_slots(configs, seqs, cfg.block_m // heads)
-    split_grid = slots > 1 and grid[0] * grid[1] * grid[2] < configs.split_grid_below
     ws_rows = lse.numel()
     if split_grid:
         # The partials in one buffer: acc [slots, rows, D], then m and l [slots, rows] (FP32).
@@ -296,7 +306,8 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
     return o, lse, AttentionLaunch(backend, configs, name, split_grid)
 
 
-COMBINE_WARPS = 4  # the combine pass streams [BLOCK_M, D] FP32 partials: no MMA
+# The combine pass holds two [BLOCK_M, D] FP32 states (D = 256: 128 registers a thread at 8 warps); no MMA.
+COMBINE_WARPS = 8
 
 
 DELTA_BLOCK = 64

@@ -138,7 +138,8 @@ def attention_split_ref(q, k, v, *, split_n: int, block_n: int, scale=None, kv_s
 
     def fresh():
         return (torch.full((batch, heads_q, seq_q, 1), float("-inf"), device=dev),
-                torch.zeros(batch, heads_q, seq_q, 1, device=dev), torch.zeros(batch, heads_q, seq_q, head_dim, device=dev))
+                torch.zeros(batch, heads_q, seq_q, 1, device=dev),
+                torch.zeros(batch, heads_q, seq_q, head_dim, device=dev))
 
     m_all, l_all, acc_all = fresh()
     m_i, l_i, acc = fresh()
