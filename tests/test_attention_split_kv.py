@@ -187,6 +187,29 @@ def test_split_reference_gives_the_kernel_bits_where_exponentials_are_exact(extr
     assert not compare_bits(unanchored[1:, :, 3:], want[1:, :, 3:]).equal  # splits counted from key 0, not kv_start
 
 
+def test_a_row_that_sees_one_split_gets_the_unsplit_bits(device):
+    # The fold takes a row's first split as it is (selected), so a row whose keys lie in one split has the bits of
+    # a kernel without splits (split_n >= every length); rows that see more splits are folded (other bits, shown
+    # with values that make the grouping visible).
+    if device.type != "cpu":
+        pytest.skip("the interpreter's table (32-key splits); the GPU tests cross 512-key splits")
+    seq = 70
+    q, k, _ = _qkv(2, 4, 2, seq, seq, 64, 61, device, q_scale=2.0)
+    v = _absorbing_values(k.shape, device)
+    kv_start = _i32([0, 3], device)
+    base = select_configs("triton_interpreter", 64)
+    for name, cfg in _paths(device).items():
+        unsplit = dataclasses.replace(cfg, split_n=256)
+        for zeros in (False, True):  # random logits; all logits 0 (exact weights: the folds' sums are visible)
+            qq = torch.zeros_like(q) if zeros else q
+            split, whole = (attention(qq, k, v, kv_start=kv_start, configs=c) for c in (cfg, unsplit))
+            # Sequence 0's rows 0..31 and sequence 1's rows 3..34 see keys of their first split only.
+            _bits(split[0, :, :base.split_n], whole[0, :, :base.split_n], f"{name} one split, sequence 0")
+            _bits(split[1, :, :base.split_n + 3], whole[1, :, :base.split_n + 3], f"{name} one split, sequence 1")
+            if zeros:
+                assert not compare_bits(split[:, :, 40:], whole[:, :, 40:]).equal, name
+
+
 @pytest.mark.parametrize("variant", ["plain", "window", "all"])
 def test_kernel_and_split_reference_within_the_fp64_bound_forward_and_backward(variant, device):
     seq = 70
