@@ -494,8 +494,12 @@ _SM90_SCRIPT = """
 import json
 from tools.attention_sass import compile_sm90
 from detkit.kernels.attention.configs import CONFIG_TABLE
+from detkit.kernels.attention.launch import COMBINE_WARPS
 rows = [compile_sm90(kernel, getattr(cfgs, kernel), d) for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()
         for kernel in ("fwd", "dkdv", "dq")]
+rows += [compile_sm90("fwd", cfgs.fwd, d, split_grid=True) for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()]
+rows += [compile_sm90("fwd_combine", cfgs.fwd, d, sinks=True, num_warps=COMBINE_WARPS)
+         for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()]
 print(json.dumps(rows))
 """
 
@@ -504,8 +508,12 @@ def test_pinned_sm90_tiles_compile_offline_to_wgmma_without_spills(tmp_path):
     from tests.moe_helpers import compile_sm90_offline
 
     rows = compile_sm90_offline(_SM90_SCRIPT, tmp_path)
-    assert len(rows) == 3 * len(CONFIG_TABLE["cuda_sm90"])
+    # fwd (one pass), dkdv, dq, fwd (split grid), and the combine pass per head dim
+    assert len(rows) == 5 * len(CONFIG_TABLE["cuda_sm90"])
     for r in rows:
+        if r["kernel"] == "fwd_combine":  # no MMA: it folds FP32 partials
+            assert r["HGMMA"] == 0 and r["HMMA"] == 0 and r["stack_bytes"] == 0, r
+            continue
         assert r["HGMMA"] > 0 and r["HMMA"] == 0, r  # wgmma, no mma.sync fallback
         # No register spills, except head_dim 256's dk/dv, where every wgmma tile spills (configs.py): bounded here.
         assert r["stack_bytes"] <= (256 if (r["head_dim"], r["kernel"]) == (256, "dkdv") else 0), r

@@ -364,19 +364,21 @@ def attention_fwd_kernel(
         acc = acc * alpha[:, None]
         acc = _dot(to_bf16(p, INTERPRETED), v, acc, BLOCK_N, INTERPRETED)
         m_i = m_new
-        if ((t + 1) % TILES_PER_SPLIT == 0) | (t + 1 == t_end):
-            # The split ends: fold it, and start the next from the start state.
-            m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_i, l_i, acc)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if not SPLIT_GRID:
+            if ((t + 1) % TILES_PER_SPLIT == 0) | (t + 1 == t_end):
+                # The split ends: fold it, and start the next from the start state.
+                m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_i, l_i, acc)
+                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     if SPLIT_GRID:
-        # One split folded into the start state is that split's partial, exactly (_fold selects it).
+        # The split's partial as it is: the one-pass kernel folds exactly these values (a split that holds none of a
+        # row's keys leaves the start state, which the fold skips in both kernels).
         ws_row = (slot.to(tl.int64) * ws_rows + b64 * stride_lb + head * stride_lh + q_begin + qi)
-        tl.store(ws_m_ptr + ws_row, m_all, mask=row_ok)
-        tl.store(ws_l_ptr + ws_row, l_all, mask=row_ok)
-        tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc_all, mask=row_ok[:, None])
+        tl.store(ws_m_ptr + ws_row, m_i, mask=row_ok)
+        tl.store(ws_l_ptr + ws_row, l_i, mask=row_ok)
+        tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
     else:
         _finish(m_all, l_all, acc_all, bad, head, qi, tok, row_ok, b64, q_begin, o_ptr, lse_ptr, sinks_ptr,
                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, HEAD_DIM, HAS_SINKS, INTERPRETED)
