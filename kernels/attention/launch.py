@@ -275,9 +275,12 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
     slots = split_slots(configs, seqs, cfg.block_m // heads)
     ws_rows = lse.numel()
     if split_grid:
-        # The partials in one buffer: acc [slots, rows, D], then m and l [slots, rows] (FP32).
-        ws = torch.empty(slots * ws_rows * (head_dim + 2), dtype=torch.float32, device=q.device)
-        ws_acc, ws_m, ws_l = ws.split([slots * ws_rows * head_dim, slots * ws_rows, slots * ws_rows])
+        # The partials in one buffer: acc [slots, rows, D], then m and l [slots, rows] (FP32), each part starting on
+        # 16 bytes so that every call specialises the pointers alike (one binary whatever the batch).
+        n = slots * ws_rows
+        n16 = triton.cdiv(n, 4) * 4
+        ws = torch.empty(n * head_dim + 2 * n16, dtype=torch.float32, device=q.device)
+        ws_acc, ws_m, ws_l = ws.split([n * head_dim, n16, n16])
     else:
         slots, ws_acc, ws_m, ws_l = 1, lse, lse, lse  # never read or written in one pass
     flags = _flags(seqs, interpreted)
