@@ -139,13 +139,13 @@ def test_sliding_cache_with_dropped_keys_gives_the_prefill_bits_on_both_paths(de
 
 
 def test_the_default_path_choice_runs_both_kernels(device):
-    # The table's default: a small grid (a test's decode step) runs the split grid, a larger one the one pass.
-    q, k, v = _qkv(1, 4, 2, 70, 70, 64, 31, device)
-    seqs = Sequences(False, 1, 1, 70, None, None)
-    _, _, launch = attention_fwd_launch(q[:, :, -1:], k, v, seqs, 0.125)
+    # The table's default: a small grid (a decode step) runs the split grid, a larger one (a prefill of 4 sequences
+    # over 2 splits and a bit: 264 programs on sm_90, 72 on the interpreter) the one pass.
+    seq = 2 * select_configs(backend_of(device), 64).split_n + 6
+    q, k, v = _qkv(4, 4, 2, seq, seq, 64, 31, device)
+    _, _, launch = attention_fwd_launch(q[:1, :, -1:], k[:1], v[:1], Sequences(False, 1, 1, seq, None, None), 0.125)
     assert launch.split_grid
-    seqs = Sequences(False, 1, 70, 70, None, None)
-    _, _, launch = attention_fwd_launch(q, k, v, seqs, 0.125)
+    _, _, launch = attention_fwd_launch(q, k, v, Sequences(False, 4, seq, seq, None, None), 0.125)
     assert not launch.split_grid
 
 
