@@ -38,8 +38,7 @@ def _paths(device, head_dim=64):
 
 
 def _variant(name, device):
-    return {"plain": {}, "window": {"window": 21}, "softcap": {"softcap": 5.0},
-            "sinks": {"sinks": torch.tensor(SINKS, dtype=torch.float32, device=device)},
+    return {"plain": {}, "window": {"window": 21},
             "all": {"window": 37, "softcap": 5.0, "sinks": torch.tensor(SINKS, dtype=torch.bfloat16, device=device)},
             }[name]
 
@@ -71,7 +70,7 @@ def test_split_slots_cover_every_split_a_query_tile_can_touch():
 
 
 # ---- the bits do not depend on the path -----------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("variant", ["plain", "window", "all"])  # all: window + softcap + BF16 sinks
 def test_decode_prefill_chunked_give_the_same_bits_on_both_paths_across_splits(variant, device):
     seq = 70  # 3 splits of 32 keys (the last partial), 5 key tiles
     q, k, v = _qkv(2, 4, 2, seq, seq, 64, 7, device, q_scale=2.0)
