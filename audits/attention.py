@@ -2,7 +2,9 @@
 
 Checks, each one row (names as the launches', docs/attention.md):
 - ``decode``: every token of a prefill decoded against the KV cache of its prefix (q_len 1) gives the prefill's
-  bits (cuda: every position; cpu: a sample including every tile boundary), for each pinned head_dim.
+  bits (cuda: every position; cpu: a sample including every tile boundary, so every split boundary), for each
+  pinned head_dim. At small batch a decode step runs the split grid and its combine pass, the prefill one pass
+  over its splits (docs/attention.md, rules 5-6).
 - ``chunked_prefill``: the same tokens prefilled in chunks of several sizes against the growing cache.
 - ``batch_size`` / ``batch_position``: a sequence alone, in batches of several sizes, at every position.
 - ``padding``: left padding (kv_start), right padding, a static cache's tail (kv_end), and the transformers
@@ -250,9 +252,10 @@ def bound_rows(ctx: RunContext, shape: AuditShape) -> Iterator[Row]:
         cfg = select_configs(ctx.backend, head_dim)
         with nvtx_range(f"contract {case.name}"):
             got = fwd_bwd(q, k, v, do, kv_start=kv_start)
-        o_star, o_bound = attention_fwd_bound(q, k, v, kv_start=kv_start, block_n=cfg.fwd.block_n)
+        o_star, o_bound = attention_fwd_bound(q, k, v, kv_start=kv_start, block_n=cfg.fwd.block_n,
+                                              split_n=cfg.split_n)
         bwd = attention_bwd_bound(q, k, v, do, kv_start=kv_start, block_n=min(cfg.fwd.block_n, cfg.dq.block_n),
-                                  block_m=cfg.dkdv.block_m)
+                                  block_m=cfg.dkdv.block_m, split_n=cfg.split_n)
         for key, (star, bound) in (("o", (o_star, o_bound)), *bwd.items()):
             result = check_bound(got[key], star, bound)
             details = {"tensor": key, "configs": cfg.label(), **result.as_row(), **drift_stats(got[key], star, "fp64", bound)}
@@ -329,9 +332,9 @@ def variant_bound_rows(ctx: RunContext, shape: AuditShape, head_dim: int) -> Ite
         got = {"o": o.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
         if sinks is not None:
             got["dsinks"] = sinks.grad
-        o_star, o_bound = attention_fwd_bound(q, k, v, block_n=cfg.fwd.block_n, **kw)
+        o_star, o_bound = attention_fwd_bound(q, k, v, block_n=cfg.fwd.block_n, split_n=cfg.split_n, **kw)
         bwd = attention_bwd_bound(q, k, v, do, block_n=min(cfg.fwd.block_n, cfg.dq.block_n),
-                                  block_m=cfg.dkdv.block_m, **kw)
+                                  block_m=cfg.dkdv.block_m, split_n=cfg.split_n, **kw)
         for key, (star, bound) in (("o", (o_star, o_bound)), *bwd.items()):
             result = check_bound(got[key], star, bound)
             details = {"tensor": key, "variant": label, "configs": cfg.label(), **result.as_row(),

@@ -403,6 +403,15 @@ def measure(ctx, case: BenchCase, rounds: int, configs=None) -> dict:
     return row
 
 
+def fwd_grid(case: BenchCase, configs) -> str:
+    """Which forward grid the case runs: "split" (one program per query tile and key split, then the combine pass:
+    small-batch decode) or "one_pass" (docs/attention.md, split-KV); both give the same bits."""
+    from detkit.kernels.attention.launch import Sequences, uses_split_grid
+
+    seqs = Sequences(False, case.batch, case.seq_q, case.seq_k, None, None, case.window)
+    return "split" if uses_split_grid(configs, seqs, case.heads_q, case.heads_kv) else "one_pass"
+
+
 def run(ctx, cases: list[BenchCase], **options) -> Iterator[dict]:
     from detkit.kernels.attention.configs import ATTENTION_CONFIG_TABLE_VERSION, select_configs
 
@@ -410,7 +419,7 @@ def run(ctx, cases: list[BenchCase], **options) -> Iterator[dict]:
     for case in cases:
         table = select_configs(ctx.backend, case.head_dim)
         row = {"name": case.name, **asdict(case), "configs": table.label(), "config_table": ATTENTION_CONFIG_TABLE_VERSION,
-               "target": TARGETS[case.mode], "baseline": case.baseline}
+               "fwd_grid": fwd_grid(case, table), "target": TARGETS[case.mode], "baseline": case.baseline}
         try:
             row.update(measure(ctx, case, rounds))
         except (RuntimeError, ValueError, NotImplementedError) as exc:  # e.g. out of memory: a failed row, not a crash
@@ -460,14 +469,14 @@ def summarize(rows: list[dict], meta: dict) -> str:
     text = ""
     if meta.get("backend") == "triton_interpreter" or any(r.get("label") for r in rows):
         text += f"**{INTERPRETER_LABEL}**\n\n"
-    cols = ("B", "Sq", "Skv", "detkit graph us", "SDPA graph us", "ratio graph", "ratio eager", "host us detkit",
+    cols = ("B", "Sq", "Skv", "grid", "detkit graph us", "SDPA graph us", "ratio graph", "ratio eager", "host us detkit",
             "host us SDPA", "detkit TFLOP/s", "SDPA TFLOP/s", "valid")
     for variant in VARIANTS:
         for mode in MODES:
             sel = [r for r in rows if r["mode"] == mode and r.get("variant", "plain") == variant]
             if not sel:
                 continue
-            table = [(r["batch"], r["seq_q"], r["seq_k"], r.get("detkit_graph_us"), r.get("sdpa_graph_us"),
+            table = [(r["batch"], r["seq_q"], r["seq_k"], r.get("fwd_grid"), r.get("detkit_graph_us"), r.get("sdpa_graph_us"),
                       r.get("ratio_graph"), r.get("ratio_eager"), r.get("host_detkit_us"), r.get("host_sdpa_us"),
                       r.get("detkit_tflops"), r.get("sdpa_tflops"), r["validated"]) for r in sel]
             if variant == "plain":

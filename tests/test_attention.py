@@ -4,6 +4,7 @@ cache, packed vs padded sequences); backward within its bound and repeatable; ev
 interpreter in CI (tiny shapes, the interpreter's small tiles) and at real shapes on the GPU with
 DETKIT_TEST_DEVICE=cuda."""
 
+import dataclasses
 import math
 
 import pytest
@@ -407,7 +408,7 @@ def test_explicit_tiles_keep_the_bits_of_the_key_tile(device):
         pytest.skip("a statement about the interpreter's exact-product dots")
     q, k, v = _qkv(1, 4, 2, 24, 24, 64, 99, device)
     base = select_configs("triton_interpreter", 64)
-    wide = type(base)(fwd=AttnConfig(32, base.fwd.block_n, 4, 1), dkdv=base.dkdv, dq=base.dq)
+    wide = dataclasses.replace(base, fwd=AttnConfig(32, base.fwd.block_n, 4, 1))
     _bits(attention(q, k, v, configs=wide), attention(q, k, v))
 
 
@@ -415,7 +416,7 @@ def test_split_heads_option_keeps_the_bits(device):
     # The speed option: a small grid takes one query head per program; a row's bits must not change.
     q, k, v = _qkv(2, 4, 2, 24, 24, 64, 101, device)
     base = select_configs(backend_of(device), 64)
-    split = type(base)(fwd=base.fwd, dkdv=base.dkdv, dq=base.dq, split_heads_below=10**6)
+    split = dataclasses.replace(base, split_heads_below=10**6)
     prefill = attention(q, k, v)
     for i in (0, 15, 16, 23):
         _bits(attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], configs=split), prefill[:, :, i:i + 1])
@@ -493,8 +494,12 @@ _SM90_SCRIPT = """
 import json
 from tools.attention_sass import compile_sm90
 from detkit.kernels.attention.configs import CONFIG_TABLE
+from detkit.kernels.attention.launch import COMBINE_WARPS
 rows = [compile_sm90(kernel, getattr(cfgs, kernel), d) for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()
         for kernel in ("fwd", "dkdv", "dq")]
+rows += [compile_sm90("fwd", cfgs.fwd, d, split_grid=True) for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()]
+rows += [compile_sm90("fwd_combine", cfgs.fwd, d, sinks=True, num_warps=COMBINE_WARPS)
+         for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()]
 print(json.dumps(rows))
 """
 
@@ -503,8 +508,12 @@ def test_pinned_sm90_tiles_compile_offline_to_wgmma_without_spills(tmp_path):
     from tests.moe_helpers import compile_sm90_offline
 
     rows = compile_sm90_offline(_SM90_SCRIPT, tmp_path)
-    assert len(rows) == 3 * len(CONFIG_TABLE["cuda_sm90"])
+    # fwd (one pass), dkdv, dq, fwd (split grid), and the combine pass per head dim
+    assert len(rows) == 5 * len(CONFIG_TABLE["cuda_sm90"])
     for r in rows:
+        if r["kernel"] == "fwd_combine":  # no MMA: it folds FP32 partials
+            assert r["HGMMA"] == 0 and r["HMMA"] == 0 and r["stack_bytes"] == 0, r
+            continue
         assert r["HGMMA"] > 0 and r["HMMA"] == 0, r  # wgmma, no mma.sync fallback
         # No register spills, except head_dim 256's dk/dv, where every wgmma tile spills (configs.py): bounded here.
         assert r["stack_bytes"] <= (256 if (r["head_dim"], r["kernel"]) == (256, "dkdv") else 0), r

@@ -9,11 +9,13 @@ attention-function signature).
 from detkit.kernels.attention.configs import HEAD_DIMS, AttnConfig, AttnConfigs
 from detkit.kernels.attention.launch import attention, attention_varlen
 from detkit.kernels.attention.reference import (
-    attention_bwd_bound, attention_fwd_bound, attention_oracle, attention_ref, attention_varlen_ref,
+    attention_bwd_bound, attention_fwd_bound, attention_oracle, attention_ref, attention_split_ref,
+    attention_varlen_ref,
 )
 from detkit.kernels.attention.sdpa import hf_attention_forward, sdpa, sdpa_unsupported_reason, tag_mask_anchor
 
-__all__ = ["attention", "attention_varlen", "attention_ref", "attention_varlen_ref", "attention_oracle",
+__all__ = ["attention", "attention_varlen", "attention_ref", "attention_split_ref", "attention_varlen_ref",
+           "attention_oracle",
            "attention_fwd_bound", "attention_bwd_bound", "sdpa", "sdpa_unsupported_reason", "hf_attention_forward",
            "tag_mask_anchor",
            "HEAD_DIMS", "AttnConfig", "AttnConfigs"]

@@ -13,7 +13,20 @@ from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 
 HEAD_DIMS = (64, 128, 256)
 
-ATTENTION_CONFIG_TABLE_VERSION = "2026-12-06.1"
+ATTENTION_CONFIG_TABLE_VERSION = "2026-12-06.2"
+
+# Keys per split of the forward (split-KV): the keys of a sequence are cut into splits of this many keys from its
+# first valid key, each split reduced on its own and the splits combined in ascending order (kernels.py). Pinned
+# per backend, never a function of q_len, the batch or the padding: a row's bits depend on it, so every path uses
+# the same value. 512 on sm_90: 8 (D = 64, 128) or 16 (D = 256) key tiles per split, so a batch-1 decode step at
+# 32k keys runs 64 splits per KV head (512 programs for Qwen3-8B's 8 KV heads, about 4 per SM), while a prefill pays
+# one combine step per 512 keys. The interpreter's split is 2 of its 16-key tiles, so CPU tests at a few dozen keys
+# cross several splits.
+SPLIT_KEYS = 512
+INTERPRETER_SPLIT_KEYS = 32
+# A speed option (bits are the same either way): the forward runs one program per (query tile, split), combined by a
+# second pass, when the one-program-per-query-tile grid would have fewer programs than this (two per SM on an H200).
+SPLIT_GRID_BELOW = 2 * 132
 
 
 @dataclass(frozen=True)
@@ -50,10 +63,22 @@ class AttnConfigs:
     # (the group's K/V tiles are then read by G programs, through the L2). A row's arithmetic is unchanged (same
     # tile, same key tiles, same update sequence; rows are independent), so its bits must be too; the sweep checks.
     split_heads_below: int = 0
+    # Keys per split (SPLIT_KEYS): decides the forward's bits, with fwd.block_n.
+    split_n: int = SPLIT_KEYS
+    # Speed only: below this many forward programs, run the split grid and its combine pass (0: never).
+    split_grid_below: int = SPLIT_GRID_BELOW
+
+    def __post_init__(self):
+        if (not isinstance(self.split_n, int) or self.split_n < self.fwd.block_n or self.split_n & (self.split_n - 1)):
+            raise ValueError(f"AttnConfigs.split_n must be a power of two >= fwd.block_n ({self.fwd.block_n}); "
+                             f"got {self.split_n!r}")
+        if not isinstance(self.split_grid_below, int) or self.split_grid_below < 0:
+            raise ValueError(f"AttnConfigs.split_grid_below must be an int >= 0; got {self.split_grid_below!r}")
 
     def label(self) -> str:
         split = f" split<{self.split_heads_below}" if self.split_heads_below else ""
-        return f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}{split}"
+        return (f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}{split} kv-split "
+                f"{self.split_n} (grid<{self.split_grid_below})")
 
 
 def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q: int) -> int:
@@ -76,7 +101,8 @@ def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q
 # 2 stages (152 registers, no spill, also with window + softcap + sinks); dq 128x32, 8 warps, 2 stages (no spill);
 # dk/dv 32x64, 8 warps, 2 stages: every wgmma candidate spills there (the program holds dk and dv [64, 256] in FP32),
 # this one least (176 bytes; 64x32 would run mma.sync). The interpreter entries are small so CPU tests at a few
-# dozen keys cross several key tiles and query tiles.
+# dozen keys cross several key tiles, splits and query tiles; its split grid runs below 8 programs (a test's decode
+# step), so the default path of a CPU decode step is the split grid and that of its prefill the one-pass grid.
 CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     CUDA_SM90: {
         64: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(64, 64, 4, 3), dq=AttnConfig(128, 64, 4, 3)),
@@ -84,9 +110,9 @@ CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
         256: AttnConfigs(fwd=AttnConfig(64, 32, 8, 2), dkdv=AttnConfig(32, 64, 8, 2), dq=AttnConfig(128, 32, 8, 2)),
     },
     TRITON_INTERPRETER: {
-        64: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1)),
-        128: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1)),
-        256: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1)),
+        d: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1),
+                       split_n=INTERPRETER_SPLIT_KEYS, split_grid_below=8)
+        for d in HEAD_DIMS
     },
 }
 

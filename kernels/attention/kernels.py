@@ -7,6 +7,14 @@ computed as FlashAttention does: key tiles streamed through an FP32 running max 
 accumulator acc, exp2 with scale * log2(e) folded into one multiplier, P rounded to BF16 for the P @ V MMA,
 o = acc / l rounded once to BF16. The backward recomputes P from the saved lse.
 
+Split-KV: the key tiles are grouped into splits of SPLIT_N keys (configs.SPLIT_KEYS, pinned), counted from the
+sequence's first key like the tiles. Each split's (m, l, acc) starts from the start state (m = -inf, l = 0,
+acc = 0) and walks its tiles in ascending order; the splits are folded in ascending order (``_fold``) into the
+(m, l, acc) that gives o and lse. Either one program per query tile walks all its splits, folding each as it ends
+(prefill, and any grid large enough), or one program per (query tile, split) stores its partial and
+``attention_fwd_combine_kernel`` folds them (a small grid: decode at small batch spreads over the GPU). Both run
+the same partial code and the same fold on the same FP32 values, so their bits are the same.
+
 Variants (constexpr flags; without them the arithmetic is the plain kernel's, bit for bit):
 - WINDOWED: a sliding window, query at position p sees keys (p - window, p] (key positions, so decode and prefill
   agree). Key tiles before every row's window are skipped (``_key_tiles`` says why no row's bits can change), the
@@ -31,9 +39,10 @@ GQA: one program owns one KV head and packs the query heads of its group into th
 and a decode step (one query per head) still feeds the tensor cores.
 
 THE INVARIANCE RULE. A query's output depends only on its own q and on K, V of its visible keys, reduced over
-fixed-size key tiles (BLOCK_N keys) in ascending order from the sequence's first valid key (kv_start), with
-the same online-softmax update sequence in every path — whatever q_len, chunk boundaries, batch size,
-batch position or padding. No split-KV. It holds by construction:
+fixed-size key tiles (BLOCK_N keys) in fixed-size splits (SPLIT_N keys), both counted from the sequence's first
+valid key (kv_start), each split in ascending tile order and the splits folded in ascending order, with the same
+update sequence in every path — whatever q_len, chunk boundaries, batch size, batch position, padding or grid.
+It holds by construction:
 - One kernel and one config per head_dim (BLOCK_M, BLOCK_N, num_warps, num_stages, instruction path) for
   every call: the config never depends on Sq, Skv, B or padding (``CONFIG_TABLE``, pinned, no autotune).
 - Key tiles start at the sequence's first valid key, so the same logical keys sit in the same lanes of the
@@ -42,6 +51,12 @@ batch position or padding. No split-KV. It holds by construction:
   visible tile run the same update code on the same values; keys past the sequence's end are loaded as exact
   zeros. A row whose tile is entirely masked (it shares the program with later queries) sees p = exp2(-inf) = 0
   and alpha = 1 exactly (selected, not computed), so the extra tile changes none of its bits.
+- A split's partial depends only on the row and the split's keys: it starts from the start state at the split's
+  first tile (tiles skipped before a row's window leave the start state exactly, as above). The fold skips a split
+  that holds none of a row's keys (m = -inf) and takes the first one that does as it is (selected), so which
+  splits a program walks (set by the other rows it holds, or by the grid) changes no row's bits, and a row that
+  sees one split gets that split's partial exactly. The fold's adds are explicit FMAs: no compiler may contract
+  them differently in the two kernels.
 Backward: no atomics. dk, dv: one program per (sequence, KV head, key tile) loops over the query tiles in
 ascending order and sums the query heads of the group inside each tile's MMA, head chunks in ascending
 order; dq: one program per query tile loops over key tiles in ascending order from kv_start. Every gradient
@@ -73,6 +88,8 @@ LOG2E = 1.4426950408889634
 # cache length and head count (the other strides are multiples of head_dim).
 _NOT_SPECIALIZED = ["batch", "heads_q", "heads_kv", "seq_q", "seq_k", "stride_lb", "stride_lh", "kv_start_ptr",
                     "kv_end_ptr", "window"]
+# The forward's split grid: how many splits a launch covers and the partials' row count vary with the call too.
+_NOT_SPECIALIZED_FWD = _NOT_SPECIALIZED + ["split_slots", "ws_rows"]
 
 @triton.jit
 def _dot(a, b, acc, K: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -190,64 +207,144 @@ def _key_ok(kj, k_end, WINDOWED: tl.constexpr):
     return ok
 
 
-@triton.jit(launch_metadata=launch_metadata_of("fwd", 4), do_not_specialize=_NOT_SPECIALIZED)
+@triton.jit
+def _fold(m_all, l_all, acc_all, m_s, l_s, acc_s):
+    """Fold one split's partial (m_s, l_s, acc_s) into the splits folded so far (m_all, l_all, acc_all), the same
+    code in every path. A split that holds none of a row's keys (m_s = -inf) leaves the row as it was; the first
+    split that holds some is taken as it is (selected, not computed), so a row that sees one split gets exactly that
+    split's partial. Otherwise both sides are rescaled to the larger max (a factor selected as exactly 1 where the
+    max does not move) and added, with explicit FMAs so that no compiler contracts them differently in the one-pass
+    kernel and the combine kernel."""
+    m_new = tl.maximum(m_all, m_s)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.where(m_new == m_all, 1.0, tl.math.exp2(m_all - m_ref))
+    beta = tl.where(m_new == m_s, 1.0, tl.math.exp2(m_s - m_ref))
+    l_sum = tl.fma(l_all, alpha, l_s * beta)
+    acc_sum = tl.fma(acc_all, alpha[:, None], acc_s * beta[:, None])
+    empty = m_s == float("-inf")
+    first = m_all == float("-inf")
+    l_out = tl.where(empty, l_all, tl.where(first, l_s, l_sum))
+    acc_out = tl.where(empty[:, None], acc_all, tl.where(first[:, None], acc_s, acc_sum))
+    m_out = tl.where(empty, m_all, m_new)
+    return m_out, l_out, acc_out
+
+
+@triton.jit
+def _tile_rows(pid_h, pid_m, heads_q, heads_kv, q_begin, q_len, HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
+               VARLEN: tl.constexpr):
+    """The rows of a forward tile (HEADS query heads of one KV group x BLOCK_M / HEADS query positions): (kv_head,
+    head [BLOCK_M], qi [BLOCK_M], row_ok [BLOCK_M], tok [BLOCK_M])."""
+    BQ: tl.constexpr = BLOCK_M // HEADS
+    group = heads_q // heads_kv
+    chunks = group // HEADS
+    kv_head = pid_h // chunks
+    offs_r = tl.arange(0, BLOCK_M)
+    h_loc = offs_r // BQ
+    qi = pid_m * BQ + offs_r % BQ
+    row_ok = (h_loc < HEADS) & (qi < q_len)
+    head = kv_head * group + (pid_h % chunks) * HEADS + h_loc
+    return kv_head, head, qi, row_ok, _token(q_begin, qi, VARLEN)
+
+
+@triton.jit
+def _finish(m_i, l_i, acc, bad, head, qi, tok, row_ok, b64, q_begin, o_ptr, lse_ptr, sinks_ptr,
+            stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+            HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """From a row's folded (m, l, acc): the sink, o = acc / l (BF16) and lse = m + log2(l), stored. The same code after
+    the one-pass kernel and after the combine kernel."""
+    if HAS_SINKS:
+        # The sink joins the denominator after every split, the same step in every path (a row's bits still depend
+        # on its visible keys and its head's sink only): one more online-softmax update with p = 2^(s - m) and no
+        # value.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.where(m_fin == m_i, 1.0, tl.math.exp2(m_i - m_fin))
+        l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that see no key: 0
+    out = tl.where(bad, float("nan"), out)
+    # lse in log2 units; +inf for rows that see no key, so the backward's exp2(s - lse) is 0 there.
+    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    lse = tl.where(bad, float("nan"), lse)
+    offs_d = tl.arange(0, HEAD_DIM)
+    o_rows = o_ptr + b64 * stride_ob + head * stride_oh + tok * stride_os
+    tl.store(o_rows[:, None] + offs_d[None, :], to_bf16(out, INTERPRETED), mask=row_ok[:, None])
+    tl.store(lse_ptr + b64 * stride_lb + head * stride_lh + q_begin + qi, lse, mask=row_ok)
+
+
+@triton.jit(launch_metadata=launch_metadata_of("fwd", 4), do_not_specialize=_NOT_SPECIALIZED_FWD)
 def attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     kv_start_ptr, kv_end_ptr,  # int32 [B] (padded) or cu_seqlens_q / cu_seqlens_k (varlen)
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr,  # SPLIT_GRID: fp32 partials [split_slots, rows] (acc: [split_slots, rows, D])
     stride_qb, stride_qh, stride_qs,  # q [B, Hq, Sq, D] (varlen: [Tq, Hq, D], stride_qb unused)
     stride_kb, stride_kh, stride_ks,  # k [B, Hkv, Skv, D]
     stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh,  # lse [B, Hq, Sq] fp32 (varlen: [Hq, Tq])
+    stride_lb, stride_lh,  # lse [B, Hq, Sq] fp32 (varlen: [Hq, Tq]); a row's lse offset is its partials' row
     batch, heads_q, heads_kv, seq_q, seq_k,  # varlen: seq_q / seq_k are max_seqlen_q / max_seqlen_k
     qk_scale,  # scale * log2(e); SOFTCAP: softcap * log2(e)
     window,  # WINDOWED: query at position p sees keys (p - window, p]
     tanh_scale,  # SOFTCAP: scale / softcap
     sinks_ptr,  # HAS_SINKS: [Hq] per-head sink logits (natural units), joined to every row's softmax denominator
+    split_slots, ws_rows,  # SPLIT_GRID: splits per query tile in the grid; rows of the partials (lse.numel())
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
     VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
     WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SPLIT_N: tl.constexpr, SPLIT_GRID: tl.constexpr,
 ):
+    """One query tile over its key splits. One pass (SPLIT_GRID off): every split of the tile in ascending order,
+    each folded as it ends, then o and lse. Split grid: one split per program (the grid's first axis runs heads
+    fastest, then splits), its partial stored for ``attention_fwd_combine_kernel``."""
     BQ: tl.constexpr = BLOCK_M // HEADS  # query positions per tile
-    # Grid (heads, query tiles, sequences), heads fastest: the latest (longest) query tiles of every head start
-    # first, so the short ones fill the tail of the causal triangle.
+    TILES_PER_SPLIT: tl.constexpr = SPLIT_N // BLOCK_N
+    # Grid (heads x splits, query tiles, sequences), heads fastest: the latest (longest) query tiles of every head
+    # start first, so the short ones fill the tail of the causal triangle.
     b = tl.program_id(2)
-    pid_h = tl.program_id(0)
+    head_programs = heads_kv * ((heads_q // heads_kv) // HEADS)
+    pid_h = tl.program_id(0) % head_programs
+    slot = tl.program_id(0) // head_programs
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    group = heads_q // heads_kv
-    chunks = group // HEADS
-    kv_head = pid_h // chunks
-    head0 = kv_head * group + (pid_h % chunks) * HEADS
     q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k, window,
                                                              VARLEN, HAS_KV_START, HAS_KV_END, WINDOWED)
     q_lo = pid_m * BQ
     if q_lo >= q_len:
         return
 
-    offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    h_loc = offs_r // BQ
-    qi = q_lo + offs_r % BQ
-    row_ok = (h_loc < HEADS) & (qi < q_len)
-    head = head0 + h_loc
+    kv_head, head, qi, row_ok, tok = _tile_rows(pid_h, pid_m, heads_q, heads_kv, q_begin, q_len, HEADS, BLOCK_M,
+                                                VARLEN)
     pos = k_end - q_len + qi  # each row's own key position
     b64 = b.to(tl.int64)
-    tok = _token(q_begin, qi, VARLEN)
     q_rows = q_ptr + b64 * stride_qb + head * stride_qh + tok * stride_qs
     q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
     k_base = k_ptr + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_begin.to(tl.int64) * stride_ks
     v_base = v_ptr + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_begin.to(tl.int64) * stride_vs
 
     # Key tiles [k_first + t * BLOCK_N, ...): tiles 0..n_full-1 are visible to every row of this tile in full,
-    # tiles n_full..n_tiles-1 reach the diagonal (or the sequence's end) and are masked.
+    # tiles n_full..n_tiles-1 reach the diagonal (or the sequence's end) and are masked. Split s holds tiles
+    # s * TILES_PER_SPLIT ..., so splits, like tiles, are counted from the sequence's first key.
     last_q = tl.minimum(q_lo + BQ, q_len) - 1
     t_lo, n_win, n_full, n_tiles = _key_tiles(k_first, k_end, q_len, q_lo, last_q, window, BLOCK_N, WINDOWED)
+    if SPLIT_GRID:
+        # This program's split: the slot-th from the one holding the tile's first visible key (none past the last).
+        s_first = (t_lo // TILES_PER_SPLIT + slot) * TILES_PER_SPLIT
+        t_begin = tl.maximum(s_first, t_lo)
+        t_end = tl.minimum(s_first + TILES_PER_SPLIT, n_tiles)
+    else:
+        t_begin = t_lo
+        t_end = n_tiles
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the splits folded so far
+    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_all = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the current split, from the start state
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for t in range(t_lo, n_tiles):
+    for t in range(t_begin, t_end):
         kj = k_first + t * BLOCK_N + offs_n  # key index within the sequence
         key_ok = _key_ok(kj, k_end, WINDOWED)
         # [BLOCK_N, HEAD_DIM]
@@ -267,26 +364,62 @@ def attention_fwd_kernel(
         acc = acc * alpha[:, None]
         acc = _dot(to_bf16(p, INTERPRETED), v, acc, BLOCK_N, INTERPRETED)
         m_i = m_new
+        if not SPLIT_GRID:
+            if ((t + 1) % TILES_PER_SPLIT == 0) | (t + 1 == t_end):
+                # The split ends: fold it, and start the next from the start state.
+                m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_i, l_i, acc)
+                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    if HAS_SINKS:
-        # The sink joins the denominator after the key tiles, the same step in every path (a row's bits still
-        # depend on its visible keys and its head's sink only): one more online-softmax update with p = 2^(s - m)
-        # and no value.
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_fin = tl.maximum(m_i, sink)
-        alpha = tl.where(m_fin == m_i, 1.0, tl.math.exp2(m_i - m_fin))
-        l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
-        acc = acc * alpha[:, None]
-        m_i = m_fin
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that see no key: 0
-    out = tl.where(bad, float("nan"), out)
-    # lse in log2 units; +inf for rows that see no key, so the backward's exp2(s - lse) is 0 there.
-    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
-    lse = tl.where(bad, float("nan"), lse)
-    o_rows = o_ptr + b64 * stride_ob + head * stride_oh + tok * stride_os
-    tl.store(o_rows[:, None] + offs_d[None, :], to_bf16(out, INTERPRETED), mask=row_ok[:, None])
-    tl.store(lse_ptr + b64 * stride_lb + head * stride_lh + q_begin + qi, lse, mask=row_ok)
+    if SPLIT_GRID:
+        # The split's partial as it is: the one-pass kernel folds exactly these values (a split that holds none of a
+        # row's keys leaves the start state, which the fold skips in both kernels).
+        ws_row = (slot.to(tl.int64) * ws_rows + b64 * stride_lb + head * stride_lh + q_begin + qi)
+        tl.store(ws_m_ptr + ws_row, m_i, mask=row_ok)
+        tl.store(ws_l_ptr + ws_row, l_i, mask=row_ok)
+        tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+    else:
+        _finish(m_all, l_all, acc_all, bad, head, qi, tok, row_ok, b64, q_begin, o_ptr, lse_ptr, sinks_ptr,
+                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, HEAD_DIM, HAS_SINKS, INTERPRETED)
+
+
+@triton.jit(launch_metadata=launch_metadata_of("fwd_combine", 0), do_not_specialize=_NOT_SPECIALIZED_FWD)
+def attention_fwd_combine_kernel(
+    o_ptr, lse_ptr, kv_start_ptr, kv_end_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, sinks_ptr,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    batch, heads_q, heads_kv, seq_q, seq_k, window, split_slots, ws_rows,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HEADS: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
+    WINDOWED: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    """The split grid's second pass, one program per forward tile's rows: the partials of its splits folded in
+    ascending order (``_fold``, as the one-pass kernel folds them), then o and lse (``_finish``)."""
+    BQ: tl.constexpr = BLOCK_M // HEADS
+    b = tl.program_id(2)
+    pid_h = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    q_begin, q_len, _, _, _, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k, window,
+                                             VARLEN, HAS_KV_START, HAS_KV_END, WINDOWED)
+    if pid_m * BQ >= q_len:
+        return
+    offs_d = tl.arange(0, HEAD_DIM)
+    _, head, qi, row_ok, tok = _tile_rows(pid_h, pid_m, heads_q, heads_kv, q_begin, q_len, HEADS, BLOCK_M,
+                                          VARLEN)
+    b64 = b.to(tl.int64)
+    row = b64 * stride_lb + head * stride_lh + q_begin + qi
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_all = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for slot in range(0, split_slots):
+        ws_row = slot * ws_rows.to(tl.int64) + row
+        m_s = tl.load(ws_m_ptr + ws_row, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(ws_l_ptr + ws_row, mask=row_ok, other=0.0)
+        acc_s = tl.load(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_s, l_s, acc_s)
+    _finish(m_all, l_all, acc_all, bad, head, qi, tok, row_ok, b64, q_begin, o_ptr, lse_ptr, sinks_ptr,
+            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, HEAD_DIM, HAS_SINKS, INTERPRETED)
 
 
 @triton.jit

@@ -12,7 +12,8 @@ import triton
 
 from detkit.kernels.attention.configs import HEAD_DIMS, AttnConfigs, fwd_heads, heads_per_tile, select_configs
 from detkit.kernels.attention.kernels import (
-    LOG2E, attention_bwd_delta_kernel, attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_fwd_kernel,
+    LOG2E, attention_bwd_delta_kernel, attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_fwd_combine_kernel,
+    attention_fwd_kernel,
 )
 from detkit.kernels.attention.names import case_name
 from detkit.kernels.backend import CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, ensure_cuda_context, resolve_backend
@@ -37,10 +38,12 @@ class Sequences:
 
 @dataclass(frozen=True)
 class AttentionLaunch:
-    """What ran: the backend, the tiles and the launch's name."""
+    """What ran: the backend, the tiles, the launch's name and whether the forward ran its split grid (one program
+    per query tile and split, then the combine pass)."""
     backend: str
     configs: AttnConfigs
     name: str
+    split_grid: bool = False
 
 
 def _scale_of(scale, head_dim: int) -> float:
@@ -220,11 +223,34 @@ def _bound_args(seqs: Sequences, q: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return (seqs.bound0 if seqs.bound0 is not None else dummy, seqs.bound1 if seqs.bound1 is not None else dummy)
 
 
+def split_slots(configs: AttnConfigs, seqs: Sequences, block_q: int) -> int:
+    """How many key splits one query tile (``block_q`` query positions) can touch: the split grid's programs per
+    tile. Without a window its keys start at the sequence's first key, a split boundary, and number at most Skv;
+    with one they span at most window + block_q - 1 keys from anywhere in a split."""
+    split = configs.split_n
+    if seqs.window is None:
+        return triton.cdiv(seqs.seq_k, split)
+    span = min(seqs.seq_k, seqs.window + min(block_q, seqs.seq_q) - 1)
+    return triton.cdiv(span - 1, split) + 1
+
+
+def uses_split_grid(configs: AttnConfigs, seqs: Sequences, heads_q: int, heads_kv: int) -> bool:
+    """Whether the forward runs its split grid (one program per query tile and split, then the combine pass): when
+    a query tile can touch more than one split and the one-pass grid has fewer than ``split_grid_below`` programs.
+    A speed choice only: both grids give the same bits."""
+    heads = fwd_heads(configs, heads_q // heads_kv, heads_kv, seqs.batch, seqs.seq_q)
+    block_q = configs.fwd.block_m // heads
+    programs = heads_kv * (heads_q // heads_kv // heads) * triton.cdiv(seqs.seq_q, block_q) * seqs.batch
+    return split_slots(configs, seqs, block_q) > 1 and programs < configs.split_grid_below
+
+
 def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Sequences, scale: float,
                          configs: AttnConfigs | None = None, logits: Logits = Logits()
                          ) -> tuple[torch.Tensor, torch.Tensor, AttentionLaunch]:
     """Run the forward on checked inputs: (o, lse, launch). o has q's logical shape, stored [B, Sq, Hq, D] (or
-    [Tq, Hq, D]) so transformers' [B, Sq, Hq, D] output is a free transpose; lse [B, Hq, Sq] (or [Hq, Tq]) FP32."""
+    [Tq, Hq, D]) so transformers' [B, Sq, Hq, D] output is a free transpose; lse [B, Hq, Sq] (or [Hq, Tq]) FP32.
+    A small grid (a decode step at small batch) runs one program per (query tile, split) and a combine pass; any
+    other one program per query tile over all its splits: the same bits (kernels.py)."""
     backend = resolve_backend(attention_fwd_kernel, {"q": q, "k": k, "v": v})
     configs = configs or select_configs(backend, q.shape[-1])
     cfg = configs.fwd
@@ -243,20 +269,48 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         lse = torch.empty((seqs.batch, heads_q, rows), dtype=torch.float32, device=q.device)
     if not interpreted:
         ensure_cuda_context(q.device)
-    grid = (heads_kv * (group // heads), triton.cdiv(seqs.seq_q, cfg.block_m // heads), seqs.batch)
-    attention_fwd_kernel[grid](
-        q, k, v, o, lse, *_bound_args(seqs, q),
+    head_programs = heads_kv * (group // heads)
+    grid = (head_programs, triton.cdiv(seqs.seq_q, cfg.block_m // heads), seqs.batch)
+    split_grid = uses_split_grid(configs, seqs, heads_q, heads_kv)
+    slots = split_slots(configs, seqs, cfg.block_m // heads)
+    ws_rows = lse.numel()
+    if split_grid:
+        # The partials in one buffer: acc [slots, rows, D], then m and l [slots, rows] (FP32), each part starting on
+        # 16 bytes so that every call specialises the pointers alike (one binary whatever the batch).
+        n = slots * ws_rows
+        n16 = triton.cdiv(n, 4) * 4
+        ws = torch.empty(n * head_dim + 2 * n16, dtype=torch.float32, device=q.device)
+        ws_acc, ws_m, ws_l = ws.split([n * head_dim, n16, n16])
+    else:
+        slots, ws_acc, ws_m, ws_l = 1, lse, lse, lse  # never read or written in one pass
+    flags = _flags(seqs, interpreted)
+    qk_scale, tanh_scale = _logit_args(logits, scale)
+    sinks = logits.sinks if logits.sinks is not None else q  # never read without HAS_SINKS
+    attention_fwd_kernel[(grid[0] * slots, grid[1], grid[2])](
+        q, k, v, o, lse, *_bound_args(seqs, q), ws_m, ws_l, ws_acc,
         *_strides3(q, seqs.varlen), *_strides3(k, seqs.varlen), *_strides3(v, seqs.varlen), *_strides3(o, seqs.varlen),
         *_lse_strides(seqs, heads_q, rows),
         seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k,
-        _logit_args(logits, scale)[0], _window_arg(seqs), _logit_args(logits, scale)[1],
-        logits.sinks if logits.sinks is not None else q,  # never read without HAS_SINKS
-        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **_flags(seqs, interpreted),
+        qk_scale, _window_arg(seqs), tanh_scale, sinks, slots, ws_rows,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **flags,
         SOFTCAP=logits.softcap is not None, HAS_SINKS=logits.sinks is not None,
+        SPLIT_N=configs.split_n, SPLIT_GRID=split_grid,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if split_grid:
+        attention_fwd_combine_kernel[grid](
+            o, lse, *_bound_args(seqs, q), ws_m, ws_l, ws_acc, sinks,
+            *_strides3(o, seqs.varlen), *_lse_strides(seqs, heads_q, rows),
+            seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, _window_arg(seqs), slots, ws_rows,
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, HEADS=heads, **flags, HAS_SINKS=logits.sinks is not None,
+            num_warps=COMBINE_WARPS,
+        )
     name = case_name("fwd", seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, head_dim)
-    return o, lse, AttentionLaunch(backend, configs, name)
+    return o, lse, AttentionLaunch(backend, configs, name, split_grid)
+
+
+# The combine pass holds two [BLOCK_M, D] FP32 states (D = 256: 128 registers a thread at 8 warps); no MMA.
+COMBINE_WARPS = 8
 
 
 DELTA_BLOCK = 64

@@ -101,6 +101,93 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     return attention_math(q, k, v, scale, kv_start, kv_end, torch.float32, window, softcap, sinks).to(torch.bfloat16)
 
 
+def _exact_order_dot(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """acc + a @ b in FP32 (a [..., M, K], b [..., K, N]), the products added one at a time in ascending k: the
+    kernels' order on the interpreter (det_gemm.mac_step). BF16 products are exact in FP32."""
+    a, b = a.float(), b.float()
+    for i in range(a.shape[-1]):
+        acc = acc + a[..., i:i + 1] * b[..., i:i + 1, :]
+    return acc
+
+
+def attention_split_ref(q, k, v, *, split_n: int, block_n: int, scale=None, kv_start=None, kv_end=None,
+                        window=None, softcap=None, sinks=None) -> torch.Tensor:
+    """``attention`` computed the way the kernels order it, in pure torch: the keys of sequence b cut from its first
+    key kv_start[b] into tiles of ``block_n`` and splits of ``split_n`` keys; each split's FP32 online softmax over
+    its tiles in ascending order from the start state (m = -inf, l = 0, acc = 0), the dots adding products in
+    ascending order; the splits folded in ascending order (a split that holds none of a row's keys skipped, the
+    first taken as it is, the others rescaled to the larger max); then the sink, o = acc / l, one BF16 rounding.
+    [B, Hq, Sq, D]. Its bits equal the interpreter's wherever the exponentials are exact (the kernels' exp2 and row
+    sums are numpy's there), and it lies within the FP64 bound everywhere."""
+    if split_n % block_n:
+        raise ValueError(f"split_n {split_n} must be a multiple of block_n {block_n}")
+    batch, heads_q, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    visible, bad = visibility(batch, seq_q, seq_k, kv_start, kv_end, q.device, window)
+    s = _scale(scale, head_dim)
+    # The kernels' FP32 multipliers: scale * log2(e), or with a softcap c, c * log2(e) and scale / c.
+    dev = q.device
+    qk_scale = torch.tensor((s if softcap is None else softcap) * math.log2(math.e), dtype=torch.float32, device=dev)
+    tanh_scale = torch.tensor(0.0 if softcap is None else s / softcap, dtype=torch.float32, device=dev)
+    start = torch.zeros(batch, dtype=torch.int64, device=dev) if kv_start is None else kv_start.to(dev).long()
+    start = torch.where(bad, 0, start)
+    n_tiles = -(-(seq_k - int(start.min())) // block_n)
+    kx, vx = _expand_kv(k, heads_q).float(), _expand_kv(v, heads_q).float()
+    qf = q.float()
+    neg_inf = torch.tensor(float("-inf"), device=dev)
+
+    def fresh():
+        return (torch.full((batch, heads_q, seq_q, 1), float("-inf"), device=dev),
+                torch.zeros(batch, heads_q, seq_q, 1, device=dev),
+                torch.zeros(batch, heads_q, seq_q, head_dim, device=dev))
+
+    m_all, l_all, acc_all = fresh()
+    m_i, l_i, acc = fresh()
+    for t in range(n_tiles):
+        idx = start[:, None] + t * block_n + torch.arange(block_n, device=dev)  # [B, block_n]: the tile's keys
+        ok = (idx >= 0) & (idx < seq_k)
+        safe = idx.clamp(0, seq_k - 1)
+        gather = safe[:, None, :, None].expand(batch, heads_q, block_n, head_dim)
+        kt = torch.where(ok[:, None, :, None], torch.gather(kx, 2, gather), 0.0)
+        vt = torch.where(ok[:, None, :, None], torch.gather(vx, 2, gather), 0.0)
+        vis = torch.gather(visible.expand(batch, 1, seq_q, seq_k), 3,
+                           safe[:, None, None, :].expand(batch, 1, seq_q, block_n)) & ok[:, None, None, :]
+        qk = _exact_order_dot(qf, kt.transpose(-1, -2), torch.zeros(batch, heads_q, seq_q, block_n, device=dev))
+        if softcap is not None:  # the kernels' tanh: sign(x) (1 - e) / (1 + e), e = 2^(-2 log2(e) |x|)
+            x = qk * tanh_scale
+            e = torch.exp2(x.abs() * torch.tensor(-2.8853900817779268, dtype=torch.float32, device=dev))
+            th = (1.0 - e) / (1.0 + e)
+            qk = torch.where(x < 0, -th, th)
+        qk = torch.where(vis, qk, neg_inf)
+        m_new = torch.maximum(m_i, qk.amax(-1, keepdim=True) * qk_scale)
+        m_ref = torch.where(m_new == float("-inf"), 0.0, m_new)
+        p = torch.exp2(qk * qk_scale - m_ref)
+        alpha = torch.where(m_new == m_i, 1.0, torch.exp2(m_i - m_ref))
+        l_i = l_i * alpha + p.sum(-1, keepdim=True)
+        acc = _exact_order_dot(p.to(torch.bfloat16), vt, acc * alpha)
+        m_i = m_new
+        if (t + 1) % (split_n // block_n) == 0 or t + 1 == n_tiles:
+            m_new = torch.maximum(m_all, m_i)
+            m_ref = torch.where(m_new == float("-inf"), 0.0, m_new)
+            a = torch.where(m_new == m_all, 1.0, torch.exp2(m_all - m_ref))
+            b = torch.where(m_new == m_i, 1.0, torch.exp2(m_i - m_ref))
+            empty, first = m_i == float("-inf"), m_all == float("-inf")
+            l_all = torch.where(empty, l_all, torch.where(first, l_i, l_all * a + l_i * b))
+            acc_all = torch.where(empty, acc_all, torch.where(first, acc, acc_all * a + acc * b))
+            m_all = torch.where(empty, m_all, m_new)
+            m_i, l_i, acc = fresh()
+    if sinks is not None:
+        sink = (sinks.float() * torch.tensor(math.log2(math.e), dtype=torch.float32, device=dev)).reshape(1, -1, 1, 1)
+        m_fin = torch.maximum(m_all, sink)
+        alpha = torch.where(m_fin == m_all, 1.0, torch.exp2(m_all - m_fin))
+        l_all = l_all * alpha + torch.exp2(sink - m_fin)
+        acc_all = acc_all * alpha
+    seen = l_all > 0
+    out = acc_all / torch.where(seen, l_all, 1.0)
+    out = torch.where(bad[:, None, None, None], float("nan"), out)
+    return out.to(torch.bfloat16)
+
+
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                          scale: float | None = None, window: int | None = None, softcap: float | None = None,
                          sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,8 +251,9 @@ def attention_oracle(q, k, v, *, scale=None, kv_start=None, kv_end=None, window=
     return out
 
 
-def _row_terms(q, k, oracle: dict, scale: float, block_n: int) -> dict[str, torch.Tensor]:
-    """Per-row quantities of the bound: visible count n, key tiles T, max |q|.|k| (A_max), logit range R."""
+def _row_terms(q, k, oracle: dict, scale: float, block_n: int, split_n: int) -> dict[str, torch.Tensor]:
+    """Per-row quantities of the bound: visible count n, key tiles T, key splits S, max |q|.|k| (A_max), logit
+    range R."""
     heads_q = q.shape[1]
     vis = oracle["visible"]
     a = q.double().abs() @ _expand_kv(k.double().abs(), heads_q).transpose(-1, -2)
@@ -182,7 +270,8 @@ def _row_terms(q, k, oracle: dict, scale: float, block_n: int) -> dict[str, torc
     # A row's visible keys start at a tile boundary (the sequence's first key), except under a window, whose lower
     # edge may fall inside a tile: one tile more.
     tiles = torch.ceil(n / block_n) + (1.0 if oracle["windowed"] else 0.0) * any_visible
-    return {"n": n, "tiles": tiles, "a_max": a_max, "any": any_visible,
+    splits = torch.ceil(n / split_n) + (1.0 if oracle["windowed"] else 0.0) * any_visible
+    return {"n": n, "tiles": tiles, "splits": splits, "a_max": a_max, "any": any_visible,
             "range": torch.where(any_visible, z_hi - z_lo, torch.zeros_like(n)),
             "z_abs": torch.where(any_visible, torch.maximum(z_hi.abs(), z_lo.abs()), torch.zeros_like(n))}
 
@@ -191,11 +280,13 @@ def _gamma_t(n: torch.Tensor, unit: float = U_FP32) -> torch.Tensor:
     return n * unit / (1.0 - n * unit)
 
 
-def _forward_terms(q, k, v, oracle: dict, scale: float, block_n: int) -> dict[str, torch.Tensor]:
+def _forward_terms(q, k, v, oracle: dict, scale: float, block_n: int, split_n: int | None = None
+                   ) -> dict[str, torch.Tensor]:
     """The forward's error terms (docs/attention.md): per-term weight errors eta (acc) and eta' (l), and the
-    bound of |o - o*| before and after the BF16 rounding."""
+    bound of |o - o*| before and after the BF16 rounding. ``split_n`` None: every tile its own split (the most
+    splits, the most conservative)."""
     head_dim = q.shape[-1]
-    rows = _row_terms(q, k, oracle, scale, block_n)
+    rows = _row_terms(q, k, oracle, scale, block_n, split_n or block_n)
     u, sa = U_FP32, scale * rows["a_max"]
     kappa = (1 + gamma(head_dim)) * (1 + u) ** 2 - 1
     e_logit = kappa * sa  # a logit's error in natural units (docs/attention.md, forward step 1)
@@ -204,7 +295,8 @@ def _forward_terms(q, k, v, oracle: dict, scale: float, block_n: int) -> dict[st
         # tanh is 1-Lipschitz: the scaled score's error passes through, plus tanh's own E_TANH, times the cap, and
         # the product by fl(softcap * log2 e).
         e_logit = (1 + u) ** 2 * (kappa * sa + softcap * E_TANH) + 3 * u * softcap
-    t = rows["tiles"]
+    # Each split adds one rescale (its fold) and one addition per term (docs/attention.md, split-KV).
+    t = rows["tiles"] + rows["splits"]
     terms = rows["n"] + t
     if sinks is not None:
         # The sink's exponent fl(s log2 e) (two roundings), one more rescale and one more term of l.
@@ -232,29 +324,30 @@ def _forward_terms(q, k, v, oracle: dict, scale: float, block_n: int) -> dict[st
 
 
 def attention_fwd_bound(q, k, v, *, scale=None, kv_start=None, kv_end=None, window=None, softcap=None, sinks=None,
-                        block_n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+                        block_n: int = 16, split_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o*, bound), both FP64 [B, Hq, Sq, D]: every element of the kernels' o must satisfy |o - o*| <= bound.
-    ``block_n``: the forward's key tile (fewer keys per tile means more rescales; 16 is the most conservative)."""
+    ``block_n``: the forward's key tile (fewer keys per tile means more rescales; 16 is the most conservative);
+    ``split_n``: its keys per split (None: block_n, the most conservative)."""
     s = _scale(scale, q.shape[-1])
     oracle = attention_oracle(q, k, v, scale=s, kv_start=kv_start, kv_end=kv_end, window=window, softcap=softcap,
                               sinks=sinks)
-    return oracle["o"], _forward_terms(q, k, v, oracle, s, block_n)["bound"]
+    return oracle["o"], _forward_terms(q, k, v, oracle, s, block_n, split_n)["bound"]
 
 
 def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, window=None, softcap=None,
-                        sinks=None, block_n: int = 16, block_m: int = 16
+                        sinks=None, block_n: int = 16, block_m: int = 16, split_n: int | None = None
                         ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{"dq": (dq*, bound), "dk": ..., "dv": ...} (and "dsinks" with sinks) in FP64: the exact gradients of
     sum(o * do) and the per-element bounds the kernels' gradients must satisfy (docs/attention.md). ``block_n`` /
     ``block_m``: the smallest key and query tiles of the backward (more tiles means more accumulations; 16 is the
-    most conservative)."""
+    most conservative); ``split_n``: the forward's keys per split, as for ``attention_fwd_bound``."""
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     s = _scale(scale, head_dim)
     oracle = attention_oracle(q, k, v, scale=s, kv_start=kv_start, kv_end=kv_end, window=window, softcap=softcap,
                               sinks=sinks, do=do)
-    fwd = _forward_terms(q, k, v, oracle, s, block_n)
+    fwd = _forward_terms(q, k, v, oracle, s, block_n, split_n)
     u, ub = U_FP32, U_BF16
     sa = s * fwd["a_max"]
     w, vis = oracle["w"], oracle["visible"]

@@ -56,7 +56,7 @@ jobs = []
 for d in (128, 64):
     pinned = select_configs("cuda_sm90", d)
     for hq, hkv in ((4, 1), (4, 2), (2, 2)):  # groups of 4 (Qwen3-8B), 2 and 1 (tests)
-        for flags in ("plain", "start", "end", "start_end", "varlen"):
+        for flags in ("plain", "start", "end", "start_end", "varlen", "split"):
             jobs.append(("fwd", d, hq, hkv, flags, pinned))
         for flags in ("plain", "start", "varlen"):
             jobs.append(("bwd", d, hq, hkv, flags, pinned))
@@ -74,8 +74,8 @@ for n, (kind, d, hq, hkv, flags, cfgs) in enumerate(jobs):
         continue
     grad = kind == "bwd"
     try:
-        s, b = 48, 2
-        q = torch.randn(b, hq, s, d, device=dev, dtype=torch.bfloat16)
+        s, b = (600, 1) if flags == "split" else (48, 2)  # "split": a decode step over 2 key splits (split grid)
+        q = torch.randn(b, hq, 1 if flags == "split" else s, d, device=dev, dtype=torch.bfloat16)
         k, v = (torch.randn(b, hkv, s, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
         kw = {}
         if "start" in flags:

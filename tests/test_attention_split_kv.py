@@ -1,0 +1,287 @@
+"""Split-KV in the attention forward (issue #50, part 1): the keys cut into fixed splits from each sequence's first
+key, each split reduced on its own and the splits folded in ascending order. Its bits do not depend on the path:
+one pass (one program per query tile over all its splits) or the split grid (one program per query tile and split,
+then the combine pass), for decode, prefill and chunked prefill at any batch, position and padding, with windows,
+softcaps and sinks. Against the pure-torch split reference (bit for bit where the exponentials are exact) and the
+FP64 bound. CPU shapes are tiny: the interpreter's split is 2 of its 16-key tiles, so 70 keys span 3 splits."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from detkit.kernels.attention import (
+    AttnConfigs, attention, attention_bwd_bound, attention_fwd_bound, attention_split_ref, attention_varlen,
+)
+from detkit.kernels.attention.configs import (
+    ATTENTION_CONFIG_TABLE_VERSION, CONFIG_TABLE, INTERPRETER_SPLIT_KEYS, SPLIT_KEYS, select_configs,
+)
+from detkit.kernels.attention.launch import Sequences, attention_fwd_launch, split_slots
+from detkit.toolkit.contract import check_bound, compare_bits
+from detkit.toolkit.fixtures import bf16_randn
+from tests.conftest import backend_of
+from tests.test_attention import _i32, _qkv
+
+SINKS = [0.5, -1.0, 2.0, 0.0]
+
+
+def _bits(x, y, what=""):
+    result = compare_bits(x.contiguous(), y.contiguous())
+    assert result.equal, (what, result)
+
+
+def _paths(device, head_dim=64):
+    """The table's configs forced onto each forward path: one pass, and the split grid + combine pass."""
+    base = select_configs(backend_of(device), head_dim)
+    return {"one_pass": dataclasses.replace(base, split_grid_below=0),
+            "split_grid": dataclasses.replace(base, split_grid_below=2**62)}
+
+
+def _variant(name, device):
+    return {"plain": {}, "window": {"window": 21},
+            "all": {"window": 37, "softcap": 5.0, "sinks": torch.tensor(SINKS, dtype=torch.bfloat16, device=device)},
+            }[name]
+
+
+# ---- the table ------------------------------------------------------------------------------------------
+def test_split_size_is_pinned_per_backend_and_checked():
+    assert all(c.split_n == SPLIT_KEYS for c in CONFIG_TABLE["cuda_sm90"].values())
+    assert all(c.split_n == INTERPRETER_SPLIT_KEYS for c in CONFIG_TABLE["triton_interpreter"].values())
+    assert all(c.split_n % c.fwd.block_n == 0 for table in CONFIG_TABLE.values() for c in table.values())
+    assert ATTENTION_CONFIG_TABLE_VERSION == "2026-12-06.2"
+    base = select_configs("triton_interpreter", 64)
+    for bad in (48, 8, 0):  # not a power of two; smaller than a key tile; zero
+        with pytest.raises(ValueError, match=f"split_n must be a power of two >= fwd.block_n \\(16\\); got {bad}"):
+            dataclasses.replace(base, split_n=bad)
+    with pytest.raises(ValueError, match="split_grid_below must be an int >= 0; got -1"):
+        dataclasses.replace(base, split_grid_below=-1)
+    assert isinstance(base, AttnConfigs) and "kv-split 32" in base.label()
+
+
+def test_split_slots_cover_every_split_a_query_tile_can_touch():
+    cfg = select_configs("triton_interpreter", 64)  # 32-key splits
+    plain = Sequences(False, 1, 1, 70, None, None)
+    assert split_slots(cfg, plain, 16) == 3  # keys start at a split boundary: ceil(70 / 32)
+    # A window's keys start anywhere in a split: 21 keys (one query) touch at most 2 splits, 21 + 15 at most 3.
+    assert split_slots(cfg, dataclasses.replace(plain, window=21), 16) == 2
+    assert split_slots(cfg, dataclasses.replace(plain, seq_q=16, window=21), 16) == 3
+    assert split_slots(cfg, dataclasses.replace(plain, window=1), 16) == 1
+    assert split_slots(cfg, dataclasses.replace(plain, window=1000), 16) == 4  # capped by the 70 keys
+
+
+# ---- the bits do not depend on the path -----------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["plain", "window", "all"])  # all: window + softcap + BF16 sinks
+def test_decode_prefill_chunked_give_the_same_bits_on_both_paths_across_splits(variant, device):
+    seq = 70  # 3 splits of 32 keys (the last partial), 5 key tiles
+    q, k, v = _qkv(2, 4, 2, seq, seq, 64, 7, device, q_scale=2.0)
+    kw = _variant(variant, device)
+    paths = _paths(device)
+    kv_start = _i32([0, 5], device)  # sequence 1's splits start at key 5: they straddle sequence 0's
+    prefill = attention(q, k, v, kv_start=kv_start, configs=paths["one_pass"], **kw)
+    _bits(attention(q, k, v, kv_start=kv_start, configs=paths["split_grid"], **kw), prefill, "prefill, split grid")
+    for name, cfg in paths.items():
+        # Decode at split edges (31, 32; 36, 37 for sequence 1), inside splits and at the end (from sequence 1's
+        # first key: kv_start <= kv_end).
+        for i in (5, 31, 32, 37, 50, 64, 69) if variant == "plain" else (5, 32, 37, 69):
+            step = attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], kv_start=kv_start, configs=cfg, **kw)
+            _bits(step, prefill[:, :, i:i + 1], f"{name} decode {i}")
+        for chunk in (9, 33) if variant == "plain" else (33,):
+            parts = [attention(q[:, :, s:s + chunk], k[:, :, :s + chunk], v[:, :, :s + chunk], kv_start=kv_start,
+                               configs=cfg, **kw) for s in range(0, seq, chunk)]
+            _bits(torch.cat(parts, 2), prefill, f"{name} chunks of {chunk}")
+        # Batch position and size: sequence 1 alone (its own kv_start) and the batch reversed.
+        _bits(attention(q[1:], k[1:], v[1:], kv_start=kv_start[1:], configs=cfg, **kw), prefill[1:], f"{name} alone")
+        _bits(attention(q.flip(0), k.flip(0), v.flip(0), kv_start=kv_start.flip(0), configs=cfg, **kw),
+              prefill.flip(0), f"{name} reversed batch")
+
+
+def test_padding_static_cache_and_packing_give_the_same_bits_on_both_paths(device):
+    seq, pad = 45, 7
+    q, k, v = _qkv(1, 4, 2, seq, seq, 64, 17, device)
+    paths = _paths(device)
+    alone = attention(q, k, v, configs=paths["one_pass"])
+    other = _qkv(1, 4, 2, seq + pad, seq + pad, 64, 19, device)
+    left = [torch.cat([o, torch.cat([torch.zeros_like(t[:, :, :pad]), t], 2)]) for o, t in zip(other, (q, k, v))]
+    cap = seq + 11  # a static cache: allocated for 56 keys, filled to kv_end, the tail NaN
+    k_static = torch.full((1, 2, cap, 64), float("nan"), dtype=torch.bfloat16, device=device)
+    v_static = k_static.clone()
+    k_static[:, :, :seq], v_static[:, :, :seq] = k, v
+    for name, cfg in paths.items():
+        _bits(attention(*left, kv_start=_i32([0, pad], device), configs=cfg)[1:, :, pad:], alone, f"{name} left pad")
+        for i in (pad, 31, 32, seq - 1):
+            step = attention(q[:, :, i:i + 1], k_static, v_static, kv_end=_i32([i + 1], device), configs=cfg)
+            _bits(step, alone[:, :, i:i + 1], f"{name} static cache {i}")
+        lens = [seq, 33]  # a 45-key sequence, then a 12-query chunk after a 21-key cache of a second one
+        q2, k2, v2 = _qkv(1, 4, 2, 12, 33, 64, 23, device)
+        second = attention(q2, k2, v2, configs=paths["one_pass"])
+        packed = attention_varlen(torch.cat([q[0].transpose(0, 1), q2[0].transpose(0, 1)]),
+                                  torch.cat([k[0].transpose(0, 1), k2[0].transpose(0, 1)]),
+                                  torch.cat([v[0].transpose(0, 1), v2[0].transpose(0, 1)]),
+                                  _i32([0, seq, seq + 12], device), _i32([0, seq, seq + lens[1]], device), seq,
+                                  max(lens), configs=cfg)
+        _bits(packed[:seq], alone[0].transpose(0, 1), f"{name} packed 0")
+        _bits(packed[seq:], second[0].transpose(0, 1), f"{name} packed 1")
+
+
+def test_sliding_cache_with_dropped_keys_gives_the_prefill_bits_on_both_paths(device):
+    # A sliding-window cache keeps the last window - 1 keys: kv_start is negative (the anchor lies before k's first
+    # row), and the splits stay anchored there.
+    seq, window = 80, 37
+    q, k, v = _qkv(1, 4, 2, seq, seq, 64, 29, device)
+    prefill = attention(q, k, v, window=window, configs=_paths(device)["one_pass"])
+    for name, cfg in _paths(device).items():
+        for i in (window, 63, 64, 70, seq - 1):
+            kept = i + 1 - (window - 1) - 1  # first kept key: the window's lowest at query i
+            step = attention(q[:, :, i:i + 1], k[:, :, kept:i + 1], v[:, :, kept:i + 1], window=window,
+                             kv_start=_i32([-kept], device), configs=cfg)
+            _bits(step, prefill[:, :, i:i + 1], f"{name} sliding cache {i}")
+
+
+def test_the_default_path_choice_runs_both_kernels(device):
+    # The table's default: a small grid (a decode step) runs the split grid, a larger one (a prefill of 4 sequences
+    # over 2 splits and a bit: 264 programs on sm_90, 72 on the interpreter) the one pass.
+    seq = 2 * select_configs(backend_of(device), 64).split_n + 6
+    q, k, v = _qkv(4, 4, 2, seq, seq, 64, 31, device)
+    _, _, launch = attention_fwd_launch(q[:1, :, -1:], k[:1], v[:1], Sequences(False, 1, 1, seq, None, None), 0.125)
+    assert launch.split_grid
+    _, _, launch = attention_fwd_launch(q, k, v, Sequences(False, 4, seq, seq, None, None), 0.125)
+    assert not launch.split_grid
+
+
+# ---- the split reference and the bound ------------------------------------------------------------------
+def _absorbing_values(shape, device):
+    """v whose FP32 sums depend on how the keys are grouped: ones, with +-2^24 at a few keys (2^24 + 1 rounds back to
+    2^24), so summing a split's ones before or after a +-2^24 gives different outputs."""
+    v = torch.ones(shape, dtype=torch.float32, device=device)
+    d = torch.arange(shape[-1], device=device)
+    v[:, :, 0, :] = 2.0**24
+    v[:, :, 2, d % 3 == 0] = -(2.0**24)
+    v[:, :, 40, d % 2 == 0] = -(2.0**24)
+    v[:, :, 45, d % 5 == 1] = 2.0**24
+    v[:, :, 66, d % 7 == 2] = -(2.0**24)
+    return v.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("extra", [{}, {"window": 29}, {"softcap": 3.0}])
+def test_split_reference_gives_the_kernel_bits_where_exponentials_are_exact(extra, device):
+    # q = 0: every logit is 0, every weight exp2(0) = 1 and every rescale factor is selected as 1, so the outputs are
+    # FP32 sums of v in the kernels' order divided by a count: the split reference must give the kernel's bits, on
+    # both paths, and a reference with other splits must not (the values make the grouping visible).
+    if device.type != "cpu":
+        pytest.skip("a statement about the interpreter's exact-order dots (tensor cores add in another order)")
+    seq = 70
+    _, k, _ = _qkv(2, 4, 2, seq, seq, 64, 37, device)
+    q = torch.zeros((2, 4, seq, 64), dtype=torch.bfloat16, device=device)
+    v = _absorbing_values(k.shape, device)
+    kv_start = _i32([0, 3], device)
+    cfg = select_configs(backend_of(device), 64)
+    want = attention_split_ref(q, k, v, split_n=cfg.split_n, block_n=cfg.fwd.block_n, kv_start=kv_start, **extra)
+    for name, paths_cfg in _paths(device).items():
+        _bits(attention(q, k, v, kv_start=kv_start, configs=paths_cfg, **extra), want, name)
+        step = attention(q[:, :, -1:], k, v, kv_start=kv_start, configs=paths_cfg, **extra)
+        _bits(step, want[:, :, -1:], f"{name} decode")
+    one_split = attention_split_ref(q, k, v, split_n=256, block_n=cfg.fwd.block_n, kv_start=kv_start, **extra)
+    assert not compare_bits(one_split, want).equal
+    unanchored = attention_split_ref(q, k, v, split_n=cfg.split_n, block_n=cfg.fwd.block_n, **extra)
+    assert not compare_bits(unanchored[1:, :, 3:], want[1:, :, 3:]).equal  # splits counted from key 0, not kv_start
+
+
+def test_a_row_that_sees_one_split_gets_the_unsplit_bits(device):
+    # The fold takes a row's first split as it is (selected), so a row whose keys lie in one split has the bits of
+    # a kernel without splits (split_n >= every length); rows that see more splits are folded (other bits, shown
+    # with values that make the grouping visible).
+    if device.type != "cpu":
+        pytest.skip("the interpreter's table (32-key splits); the GPU tests cross 512-key splits")
+    seq = 70
+    q, k, _ = _qkv(2, 4, 2, seq, seq, 64, 61, device, q_scale=2.0)
+    v = _absorbing_values(k.shape, device)
+    kv_start = _i32([0, 3], device)
+    base = select_configs("triton_interpreter", 64)
+    for name, cfg in _paths(device).items():
+        unsplit = dataclasses.replace(cfg, split_n=256)
+        for zeros in (False, True):  # random logits; all logits 0 (exact weights: the folds' sums are visible)
+            qq = torch.zeros_like(q) if zeros else q
+            split, whole = (attention(qq, k, v, kv_start=kv_start, configs=c) for c in (cfg, unsplit))
+            # Sequence 0's rows 0..31 and sequence 1's rows 3..34 see keys of their first split only.
+            _bits(split[0, :, :base.split_n], whole[0, :, :base.split_n], f"{name} one split, sequence 0")
+            _bits(split[1, :, :base.split_n + 3], whole[1, :, :base.split_n + 3], f"{name} one split, sequence 1")
+            if zeros:
+                assert not compare_bits(split[:, :, 40:], whole[:, :, 40:]).equal, name
+
+
+@pytest.mark.parametrize("variant", ["plain", "window", "all"])
+def test_kernel_and_split_reference_within_the_fp64_bound_forward_and_backward(variant, device):
+    seq = 70
+    q, k, v = _qkv(2, 4, 2, seq, seq, 64, 41, device, q_scale=3.0)
+    do = bf16_randn(q.shape, 43, device)
+    kw = {"kv_start": _i32([0, 6], device), **_variant(variant, device)}
+    cfg = select_configs(backend_of(device), 64)
+    o_star, bound = attention_fwd_bound(q, k, v, block_n=cfg.fwd.block_n, split_n=cfg.split_n, **kw)
+    ref = attention_split_ref(q, k, v, split_n=cfg.split_n, block_n=cfg.fwd.block_n, **kw)
+    assert check_bound(ref, o_star, bound).passed
+    bounds = attention_bwd_bound(q, k, v, do, block_n=min(cfg.fwd.block_n, cfg.dq.block_n), block_m=cfg.dkdv.block_m,
+                                 split_n=cfg.split_n, **kw)
+    sinks = kw.pop("sinks", None)
+    for name, paths_cfg in _paths(device).items():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        sink_leaf = None if sinks is None else sinks.clone().requires_grad_()
+        o = attention(*leaves, sinks=sink_leaf, configs=paths_cfg, **kw)
+        result = check_bound(o, o_star, bound)
+        assert result.passed, (name, result)
+        o.backward(do)
+        grads = dict(zip(("dq", "dk", "dv"), (t.grad for t in leaves)))
+        if sink_leaf is not None:
+            grads["dsinks"] = sink_leaf.grad
+        for key, grad in grads.items():
+            result = check_bound(grad, *bounds[key])
+            assert result.passed, (name, key, result)
+        # The backward reads only o and lse: both paths give the same gradients, bit for bit.
+        if name == "one_pass":
+            first = grads
+        else:
+            for key, grad in grads.items():
+                _bits(grad, first[key], f"{key} on both paths")
+
+
+def test_backward_across_splits_repeats_and_does_not_depend_on_the_batch(device):
+    q, k, v = _qkv(2, 4, 2, 50, 50, 64, 47, device)
+    do = bf16_randn(q.shape, 53, device)
+    kv_start = _i32([0, 9], device)
+
+    def grads(rows):
+        leaves = [t[rows].clone().requires_grad_() for t in (q, k, v)]
+        attention(*leaves, kv_start=kv_start[rows], window=40).backward(do[rows])
+        return [t.grad for t in leaves]
+
+    first = grads(slice(0, 2))
+    for a, b in zip(first, grads(slice(0, 2))):
+        _bits(a, b, "repeat")
+    for a, b in zip(first, grads(slice(1, 2))):
+        _bits(a[1:], b, "sequence 1 alone")
+
+
+# ---- GPU: the pinned 512-key splits at real shapes ------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["plain", "all"])
+def test_gpu_both_paths_decode_prefill_chunked_bitwise_across_512_key_splits(variant, device):
+    batch, seq = 2, 1700  # 4 splits of 512 keys
+    q, k, v = _qkv(batch, 32, 8, seq, seq, 128, 59, device)
+    kw = {"kv_start": _i32([0, 300], device)}
+    if variant == "all":
+        kw.update(window=700, softcap=30.0, sinks=torch.linspace(-1, 1, 32, device=device))
+    paths = _paths(device, 128)
+    prefill = attention(q, k, v, configs=paths["one_pass"], **kw)
+    _bits(attention(q, k, v, configs=paths["split_grid"], **kw), prefill, "prefill, split grid")
+    for name, cfg in paths.items():
+        for i in (300, 511, 512, 811, 812, 1023, 1024, 1535, 1536, seq - 1):
+            step = attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], configs=cfg, **kw)
+            _bits(step, prefill[:, :, i:i + 1], f"{name} decode {i}")
+        parts = [attention(q[:, :, s:s + 300], k[:, :, :s + 300], v[:, :, :s + 300], configs=cfg, **kw)
+                 for s in range(0, seq, 300)]
+        _bits(torch.cat(parts, 2), prefill, f"{name} chunks")
+        _bits(attention(q[1:], k[1:], v[1:], configs=cfg, **{**kw, "kv_start": kw["kv_start"][1:]}), prefill[1:],
+              f"{name} alone")
+    o_star, bound = attention_fwd_bound(q[:, :, -64:], k, v, kv_start=kw["kv_start"], window=kw.get("window"),
+                                        softcap=kw.get("softcap"), sinks=kw.get("sinks"),
+                                        block_n=select_configs("cuda_sm90", 128).fwd.block_n, split_n=SPLIT_KEYS)
+    assert check_bound(prefill[:, :, -64:], o_star, bound).passed
