@@ -40,6 +40,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from detkit.mode import paged_attention
 from detkit.mode import state as mode_state
 
 ATTENTION_MODULE = "detkit.kernels.attention"
@@ -47,11 +48,15 @@ NO_KERNEL = "no detkit attention kernel (detkit.kernels.attention is not in this
 SDPA_OP = "sdpa"
 HF_OP = "attention (transformers)"
 KERNEL = "detkit.attention"
+CB_OP = paged_attention.CB_OP
+KERNEL_VARLEN = "detkit.attention_varlen"
+PAGED_SDPA = "paged|sdpa"  # transformers 5.17's continuous-batching name for a model built with "sdpa"
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 _local = threading.local()
 _saved_hf_sdpa = None
 _saved_hf_sdpa_mask = None
+_saved_hf_paged_sdpa = None
 
 
 def attention_module():
@@ -120,12 +125,40 @@ def _original_hf_sdpa():
     return sdpa_attention_forward
 
 
+def _paged_call(attention, module, query, key, value, attention_mask, kwargs):
+    """One continuous-batching call on detkit's packed kernel (mode/paged_attention.py), counted as routed."""
+    out = paged_attention.paged_attention_forward(_function(attention, "attention_varlen"), module, query, key, value,
+                                                  attention_mask, **kwargs)
+    mode_state.routed(CB_OP, KERNEL_VARLEN)
+    return out
+
+
+def _continuous_batching_route(fallback, module, query, key, value, attention_mask, kwargs):
+    """A continuous-batching call (transformers' paged cache) under the mode: detkit's packed kernel, or, for what
+    it refuses, ``fallback`` counted once (strict raises before it runs)."""
+    attention = attention_module()
+    reason = NO_KERNEL
+    if attention is not None:
+        try:
+            return _paged_call(attention, module, query, key, value, attention_mask, kwargs)
+        except NotImplementedError as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    mode_state.not_routed(CB_OP, reason)
+    _local.passthrough = True  # counted once, here: its SDPA call is not counted again
+    try:
+        return fallback(module, query, key, value, attention_mask, **kwargs)
+    finally:
+        _local.passthrough = False
+
+
 @torch._dynamo.disable
 def transformers_sdpa_route(module, query, key, value, attention_mask, **kwargs):
     """transformers' "sdpa" attention function while the mode is entered."""
     fallback = _saved_hf_sdpa or _original_hf_sdpa()
     if not mode_state.active():
         return fallback(module, query, key, value, attention_mask, **kwargs)
+    if paged_attention.is_continuous_batching_call(kwargs):  # 5.24's continuous batching keeps "sdpa"
+        return _continuous_batching_route(fallback, module, query, key, value, attention_mask, kwargs)
     attention = attention_module()
     reason = NO_KERNEL
     if attention is not None:
@@ -145,11 +178,23 @@ def transformers_sdpa_route(module, query, key, value, attention_mask, **kwargs)
 
 
 @torch._dynamo.disable
+def transformers_paged_sdpa_route(module, query, key, value, attention_mask, **kwargs):
+    """transformers 5.17's "paged|sdpa" attention function while the mode is entered (it updates the paged cache
+    itself, from the ``cache`` keyword argument)."""
+    fallback = _saved_hf_paged_sdpa
+    if not mode_state.active() or not paged_attention.is_continuous_batching_call(kwargs):
+        return fallback(module, query, key, value, attention_mask, **kwargs)
+    return _continuous_batching_route(fallback, module, query, key, value, attention_mask, kwargs)
+
+
+@torch._dynamo.disable
 def detkit_attention(module, query, key, value, attention_mask, **kwargs):
     """The "detkit" attention implementation for transformers: detkit's kernel or an error, never torch's."""
     attention = attention_module()
     if attention is None:
         raise NotImplementedError(f"attn_implementation='detkit': {NO_KERNEL}")
+    if paged_attention.is_continuous_batching_call(kwargs):
+        return _paged_call(attention, module, query, key, value, attention_mask, kwargs)
     out = _function(attention, "hf_attention_forward")(module, query, key, value, attention_mask, **kwargs)
     mode_state.routed(HF_OP, KERNEL)
     return out
@@ -182,10 +227,13 @@ def register_transformers_attention() -> None:
 
     AttentionInterface.register("detkit", detkit_attention)
     AttentionMaskInterface.register("detkit", _tagged_mask(sdpa_mask))
+    # transformers 5.17's continuous batching runs a model built with "detkit" as "paged|detkit"
+    AttentionInterface.register("paged|detkit", detkit_attention)
+    AttentionMaskInterface.register("paged|detkit", _tagged_mask(sdpa_mask))
 
 
 def install() -> None:
-    global _saved_hf_sdpa, _saved_hf_sdpa_mask
+    global _saved_hf_sdpa, _saved_hf_sdpa_mask, _saved_hf_paged_sdpa
     F.scaled_dot_product_attention = sdpa_route
     if "transformers" in sys.modules:  # a model can only be built after transformers is imported
         from transformers.masking_utils import AttentionMaskInterface
@@ -196,6 +244,9 @@ def install() -> None:
         if mapping.get("sdpa") is not transformers_sdpa_route:
             _saved_hf_sdpa = mapping.get("sdpa")
             mapping["sdpa"] = transformers_sdpa_route
+        if mapping.get(PAGED_SDPA) not in (None, transformers_paged_sdpa_route):  # transformers 5.17
+            _saved_hf_paged_sdpa = mapping[PAGED_SDPA]
+            mapping[PAGED_SDPA] = transformers_paged_sdpa_route
         masks = AttentionMaskInterface._global_mapping
         if masks.get("sdpa") is not None and not hasattr(masks["sdpa"], "detkit_builder"):
             _saved_hf_sdpa_mask = masks["sdpa"]
@@ -203,13 +254,18 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    global _saved_hf_sdpa, _saved_hf_sdpa_mask
+    global _saved_hf_sdpa, _saved_hf_sdpa_mask, _saved_hf_paged_sdpa
     F.scaled_dot_product_attention = _ORIGINAL_SDPA
     if _saved_hf_sdpa is not None:
         from transformers.modeling_utils import AttentionInterface
 
         AttentionInterface._global_mapping["sdpa"] = _saved_hf_sdpa
         _saved_hf_sdpa = None
+    if _saved_hf_paged_sdpa is not None:
+        from transformers.modeling_utils import AttentionInterface
+
+        AttentionInterface._global_mapping[PAGED_SDPA] = _saved_hf_paged_sdpa
+        _saved_hf_paged_sdpa = None
     if _saved_hf_sdpa_mask is not None:
         from transformers.masking_utils import AttentionMaskInterface
 
