@@ -81,10 +81,15 @@ def test_requests_arriving_while_others_decode_with_chunked_prefill(device):
     prompt's prefill over steps shared with decodes; pages of 4 tokens (a request spans several)."""
     model = _model(device)
     prompts = _prompts((5, 11, 3), seed=2)
+    steps = []
     with detkit.batch_invariant_mode(strict=True):
         served = serving.run_continuous_batching(model, prompts, NEW, serving.cb_config(page_size=4, max_batch_tokens=8),
-                                                 arrivals=[0, 1, 1])
+                                                 arrivals=[0, 1, 1], steps=steps)
         _check_against_alone_and_trainer(model, prompts, served)
+    # the schedule this test is about: a step mixing a prefill chunk with a decode, and the 11-token prompt split
+    assert any(1 in lens and max(lens) > 1 for lens in steps), f"query lengths per step: {steps}"
+    assert all(11 not in lens for lens in steps) and sum(sum(lens) for lens in steps) == 19 + len(prompts) * (NEW - 1), \
+        f"query lengths per step: {steps}"
 
 
 def test_a_cached_prefix_gives_the_cold_bits(device, monkeypatch):

@@ -55,8 +55,9 @@ def _generation_config(max_new_tokens: int):
 
 
 @contextmanager
-def record_logits(model):
-    """Yields ``rows``: request id -> the logits rows (``[V]``, the model's dtype) it got tokens from, in order."""
+def record_logits(model, steps: list | None = None):
+    """Yields ``rows``: request id -> the logits rows (``[V]``, the model's dtype) it got tokens from, in order.
+    ``steps``, if given, gets each forward's query lengths per request (from ``cu_seq_lens_q``)."""
     from transformers.generation.continuous_batching import input_outputs
 
     ios = getattr(input_outputs, "ContinuousBatchingIOs", None)
@@ -67,9 +68,12 @@ def record_logits(model):
     pending: list[torch.Tensor] = []
     original = ios.prepare_batch_update
 
-    def hook(_module, _args, output):
+    def hook(_module, _args, kwargs, output):
         logits = output.logits if hasattr(output, "logits") else output[0]
         pending.append(logits.detach()[0].clone())
+        if steps is not None and isinstance(kwargs.get("cu_seq_lens_q"), torch.Tensor):
+            bounds = kwargs["cu_seq_lens_q"].tolist()
+            steps.append([b - a for a, b in zip(bounds, bounds[1:])])
 
     def prepare_batch_update(self):
         requests, tokens, logprobs = original(self)
@@ -83,13 +87,28 @@ def record_logits(model):
             rows.setdefault(rid, []).append(logits[i])
         return requests, tokens, logprobs
 
-    handle = model.register_forward_hook(hook)
+    handle = model.register_forward_hook(hook, with_kwargs=True)
     ios.prepare_batch_update = prepare_batch_update
     try:
         yield rows
     finally:
         ios.prepare_batch_update = original
         handle.remove()
+
+
+@contextmanager
+def _no_flash_switch(model, config):
+    """transformers without ``auto_switch_to_flash`` (5.17) switches an "sdpa" model to flash attention when
+    flash-attn is installed, unless its implementation already names the paged one: "paged|sdpa" for the run."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if hasattr(config, "auto_switch_to_flash") or implementation != "sdpa":
+        yield
+        return
+    model.set_attn_implementation("paged|sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(implementation)
 
 
 def _collect(results, rows) -> list[tuple[list[int], torch.Tensor]]:
@@ -106,13 +125,13 @@ def _collect(results, rows) -> list[tuple[list[int], torch.Tensor]]:
 
 
 def run_continuous_batching(model, prompts: list[list[int]], max_new_tokens: int, config=None,
-                            arrivals: list[int] | None = None, timeout_s: float = 1800.0):
+                            arrivals: list[int] | None = None, timeout_s: float = 1800.0, steps: list | None = None):
     """Serves ``prompts`` through transformers' continuous batching; per prompt (tokens, logits ``[N, V]``).
     ``arrivals`` None: ``generate_batch`` (all submitted at once). Otherwise the manager: request 0 first, request i
-    once request i - 1 has streamed ``arrivals[i]`` tokens."""
+    once request i - 1 has streamed ``arrivals[i]`` tokens. ``steps``: see ``record_logits``."""
     config = config or cb_config()
     gen = _generation_config(max_new_tokens)
-    with record_logits(model) as rows:
+    with record_logits(model, steps) as rows, _no_flash_switch(model, config):
         if arrivals is None:
             outputs = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config)
             by_prompt = {}
