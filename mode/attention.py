@@ -51,12 +51,18 @@ KERNEL = "detkit.attention"
 CB_OP = paged_attention.CB_OP
 KERNEL_VARLEN = "detkit.attention_varlen"
 PAGED_SDPA = "paged|sdpa"  # transformers 5.17's continuous-batching name for a model built with "sdpa"
+# The implementations the mode routes; every other one in transformers' AttentionInterface (flash attention, flex,
+# "paged|eager") is wrapped while the mode is entered so that a call is counted as not routed (strict raises):
+# transformers' continuous batching switches an "sdpa" model to flash attention on its own when flash-attn is
+# installed (auto_switch_to_flash), which would otherwise leave the mode unseen.
+ROUTED_IMPLEMENTATIONS = ("sdpa", "detkit", "paged|detkit", PAGED_SDPA)
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 _local = threading.local()
 _saved_hf_sdpa = None
 _saved_hf_sdpa_mask = None
 _saved_hf_paged_sdpa = None
+_saved_unrouted: dict = {}  # name -> transformers' function, for the implementations wrapped by _unrouted
 
 
 def attention_module():
@@ -187,6 +193,20 @@ def transformers_paged_sdpa_route(module, query, key, value, attention_mask, **k
     return _continuous_batching_route(fallback, module, query, key, value, attention_mask, kwargs)
 
 
+def _unrouted(name: str, function):
+    """transformers' attention implementation ``name`` while the mode is entered: counted as not routed, then run."""
+    reason = (f"attn_implementation {name!r} is not routed (routed: {', '.join(map(repr, ROUTED_IMPLEMENTATIONS))}; "
+              "continuous batching: auto_switch_to_flash=False)")
+
+    def route(module, query, key, value, attention_mask, **kwargs):
+        if mode_state.active():
+            mode_state.not_routed(HF_OP, reason)
+        return function(module, query, key, value, attention_mask, **kwargs)
+
+    route.detkit_unrouted = function
+    return route
+
+
 @torch._dynamo.disable
 def detkit_attention(module, query, key, value, attention_mask, **kwargs):
     """The "detkit" attention implementation for transformers: detkit's kernel or an error, never torch's."""
@@ -247,6 +267,10 @@ def install() -> None:
         if mapping.get(PAGED_SDPA) not in (None, transformers_paged_sdpa_route):  # transformers 5.17
             _saved_hf_paged_sdpa = mapping[PAGED_SDPA]
             mapping[PAGED_SDPA] = transformers_paged_sdpa_route
+        for name, function in list(mapping.items()):
+            if name not in ROUTED_IMPLEMENTATIONS and not hasattr(function, "detkit_unrouted"):
+                _saved_unrouted[name] = function
+                mapping[name] = _unrouted(name, function)
         masks = AttentionMaskInterface._global_mapping
         if masks.get("sdpa") is not None and not hasattr(masks["sdpa"], "detkit_builder"):
             _saved_hf_sdpa_mask = masks["sdpa"]
@@ -266,6 +290,14 @@ def uninstall() -> None:
 
         AttentionInterface._global_mapping[PAGED_SDPA] = _saved_hf_paged_sdpa
         _saved_hf_paged_sdpa = None
+    if _saved_unrouted:
+        from transformers.modeling_utils import AttentionInterface
+
+        mapping = AttentionInterface._global_mapping
+        for name, function in _saved_unrouted.items():
+            if hasattr(mapping.get(name), "detkit_unrouted"):  # left alone if re-registered meanwhile
+                mapping[name] = function
+        _saved_unrouted.clear()
     if _saved_hf_sdpa_mask is not None:
         from transformers.masking_utils import AttentionMaskInterface
 
