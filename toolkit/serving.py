@@ -7,8 +7,9 @@ them: a forward hook on the model keeps each step's logits (one row per request 
 in the step's order), and a wrapper around the IO class's ``prepare_batch_update`` (what transformers' own update
 pairs those rows with requests from) names the request of each row. That pairing needs every forward to be
 followed by its update: ``cb_config`` turns off asynchronous batching and CUDA graphs (a graph replay runs no
-hook). ``arrivals``: request i joins after request i - 1 has produced ``arrivals[i]`` tokens (the manager's
-streaming API), so requests arrive while others decode.
+hook). ``arrivals``: request i joins once request i - 1 has produced ``arrivals[i]`` tokens (the manager's API;
+added from the generation loop between two steps, so the schedule does not depend on thread timing), so requests
+arrive while others decode.
 
 ``alone_logits`` (``generate`` of one request, DynamicCache) and ``trainer_logits`` (one padded forward over every
 prompt + completion, grad on) give the references; ``serving_check`` compares the three and counts the tokens whose
@@ -55,9 +56,11 @@ def _generation_config(max_new_tokens: int):
 
 
 @contextmanager
-def record_logits(model, steps: list | None = None):
+def record_logits(model, steps: list | None = None, after_update=None):
     """Yields ``rows``: request id -> the logits rows (``[V]``, the model's dtype) it got tokens from, in order.
-    ``steps``, if given, gets each forward's query lengths per request (from ``cu_seq_lens_q``)."""
+    ``steps``, if given, gets each forward's query lengths per request (from ``cu_seq_lens_q``); ``after_update``,
+    if given, is called after each step's rows are recorded, in the generation loop's thread, before the loop
+    schedules its next step."""
     from transformers.generation.continuous_batching import input_outputs
 
     ios = getattr(input_outputs, "ContinuousBatchingIOs", None)
@@ -85,6 +88,8 @@ def record_logits(model, steps: list | None = None):
             raise RuntimeError(f"{logits.shape[0]} logits rows for {len(ids)} requests with a new token")
         for i, rid in enumerate(ids):
             rows.setdefault(rid, []).append(logits[i])
+        if after_update is not None:
+            after_update()
         return requests, tokens, logprobs
 
     handle = model.register_forward_hook(hook, with_kwargs=True)
@@ -131,39 +136,46 @@ def run_continuous_batching(model, prompts: list[list[int]], max_new_tokens: int
     once request i - 1 has streamed ``arrivals[i]`` tokens. ``steps``: see ``record_logits``."""
     config = config or cb_config()
     gen = _generation_config(max_new_tokens)
-    with record_logits(model, steps) as rows, _no_flash_switch(model, config):
-        if arrivals is None:
+    if arrivals is None:
+        with record_logits(model, steps) as rows, _no_flash_switch(model, config):
             outputs = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config)
-            by_prompt = {}
-            for rid, result in outputs.items():
-                by_prompt.setdefault(tuple(result.prompt_ids), []).append((rid, result))
-            results = [by_prompt[tuple(p)].pop(0) for p in prompts]
-            return _collect(results, rows)
-        if len(arrivals) != len(prompts) or arrivals[0] != 0:
-            raise ValueError(f"arrivals {arrivals} must give one count per prompt, the first 0")
+        by_prompt = {}
+        for rid, result in outputs.items():
+            by_prompt.setdefault(tuple(result.prompt_ids), []).append((rid, result))
+        return _collect([by_prompt[tuple(p)].pop(0) for p in prompts], rows)
+    if len(arrivals) != len(prompts) or arrivals[0] != 0:
+        raise ValueError(f"arrivals {arrivals} must give one count per prompt, the first 0")
+    added: list[str] = []
+    manager = None
+
+    def add_due() -> None:  # request i once request i - 1 has its arrivals[i] tokens (before the next step)
+        while len(added) < len(prompts) and (not added or len(rows.get(added[-1], [])) >= arrivals[len(added)]):
+            i = len(added)
+            added.append(f"r{i}")
+            if manager.add_request(prompts[i], request_id=added[-1], max_new_tokens=max_new_tokens,
+                                   streaming=True) is None:
+                raise RuntimeError(f"continuous batching refused request {added[-1]}")
+
+    with record_logits(model, steps, after_update=add_due) as rows, _no_flash_switch(model, config):
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
+        add_due()  # request 0, before the loop starts
         manager.start()
-        final, streamed, added = {}, {}, []
+        final = {}
         try:
             deadline = time.monotonic() + timeout_s
             while len(final) < len(prompts):
-                while len(added) < len(prompts) and (not added or streamed.get(added[-1], 0) >= arrivals[len(added)]
-                                                      or added[-1] in final):
-                    added.append(manager.add_request(prompts[len(added)], request_id=f"r{len(added)}",
-                                                     max_new_tokens=max_new_tokens, streaming=True))
-                result = manager.get_result(timeout=1.0)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"continuous batching did not finish in {timeout_s} s")
+                result = manager.get_result(timeout=1.0)
                 if result is None:
                     continue
                 if result.error:
                     raise RuntimeError(f"request {result.request_id} failed: {result.error}")
-                streamed[result.request_id] = len(result.generated_tokens)
                 if len(result.generated_tokens) >= max_new_tokens:
                     final[result.request_id] = result
         finally:
             manager.stop(block=True)
-        return _collect([(rid, final[rid]) for rid in added], rows)
+    return _collect([(rid, final[rid]) for rid in added], rows)
 
 
 def alone_logits(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
