@@ -92,10 +92,13 @@ def test_requests_arriving_while_others_decode_with_chunked_prefill(device):
         f"query lengths per step: {steps}"
 
 
-def test_a_cached_prefix_gives_the_cold_bits(device, monkeypatch):
-    """Prefix sharing: requests whose prompts start with another finished request's full pages prefill only the
-    rest on top of the cached pages (one token, and three); their bits equal the same request run cold (alone, and
-    the trainer's forward). The prefix match is asserted, so a run without sharing fails."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["after", "overlapping"])
+def test_a_cached_prefix_gives_the_cold_bits(device, monkeypatch, overlap):
+    """Prefix sharing: requests whose prompts start with another request's full pages prefill only the rest on top
+    of the cached pages (one token, and three); their bits equal the same request run cold (alone, and the trainer's
+    forward). "after": each arrives once the one before has finished (the cached prefill alone in its step);
+    "overlapping": once it has its first token (steps shared with decodes; the default path drifts there on the CPU).
+    The prefix match is asserted, so a run without sharing fails."""
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     matches = []
@@ -107,12 +110,13 @@ def test_a_cached_prefix_gives_the_cold_bits(device, monkeypatch):
         return matched
 
     monkeypatch.setattr(PagedAttentionCache, "search_prefix_match", spy)
-    model = _model(device, layers=1)
+    model = _model(device, layers=2 if overlap else 1)
     (base,) = _prompts((9,), seed=3)
     prompts = [base, base[:8] + [17], base[:4] + [5, 6, 7]]
+    arrivals = [0, 1, 1] if overlap else [0, NEW, NEW]
     with detkit.batch_invariant_mode(strict=True):
         served = serving.run_continuous_batching(
-            model, prompts, NEW, serving.cb_config(page_size=4, allow_block_sharing=True), arrivals=[0, NEW, NEW])
+            model, prompts, NEW, serving.cb_config(page_size=4, allow_block_sharing=True), arrivals=arrivals)
         _check_against_alone_and_trainer(model, prompts, served)
     by_request = dict(matches)
     assert by_request.get("r1") == 8 and by_request.get("r2") == 4, f"prefix matches: {matches}"
