@@ -251,22 +251,33 @@ def test_paged_detkit_is_registered():
 
 def test_an_implementation_the_mode_does_not_route_is_counted(device):
     """transformers' other attention implementations (flash attention, which continuous batching switches to on its
-    own when flash-attn is installed; "paged|eager") are counted as not routed while the mode is entered (strict
-    raises before the call) and restored on exit."""
+    own when flash-attn is installed; "paged|eager"; any registered before the mode is entered) are counted as not
+    routed while the mode is entered (strict raises before the call) and restored on exit."""
     from transformers.modeling_utils import AttentionInterface
 
+    calls = []
+
+    def other(module, query, key, value, attention_mask, **kwargs):
+        calls.append(kwargs.get("scaling"))
+        return query.transpose(1, 2), None
+
+    AttentionInterface.register("other_attention", other)
     mapping = AttentionInterface._global_mapping
-    original = mapping["paged|eager"]
-    _, _, _, query, key, value, kwargs = _packed(device, (3, 1), (3, 6))
+    _, _, _, query, key, value, _ = _packed(device, (3, 1), (3, 6))
     before = detkit.mode_counters()
-    with detkit.batch_invariant_mode():
-        assert "flash_attention_2" not in mapping or hasattr(mapping["flash_attention_2"], "detkit_unrouted")
-        out, _ = mapping["paged|eager"](_Layer(), query, key, value, None, scaling=0.125)
-        want, _ = original(_Layer(), query, key, value, None, scaling=0.125)
-    assert mapping["paged|eager"] is original
-    reasons = [reason for (op, reason) in (detkit.mode_counters() - before).not_routed if op == mode_attention.HF_OP]
-    assert len(reasons) == 1 and "'paged|eager' is not routed" in reasons[0], reasons
-    _assert_equal_bits(out, want, "the counted call is transformers' own")
-    with pytest.raises(detkit.ModeNotRoutedError, match=r"'paged\|eager' is not routed"), \
-            detkit.batch_invariant_mode(strict=True):
-        mapping["paged|eager"](_Layer(), query, key, value, None, scaling=0.125)
+    try:
+        with detkit.batch_invariant_mode():
+            for name in ("paged|eager", "flash_attention_2"):
+                assert name not in mapping or hasattr(mapping[name], "detkit_unrouted"), name
+            out, _ = mapping["other_attention"](_Layer(), query, key, value, None, scaling=0.125)
+        assert mapping["other_attention"] is other and not hasattr(mapping["paged|eager"], "detkit_unrouted")
+        reasons = [reason for (op, reason) in (detkit.mode_counters() - before).not_routed
+                   if op == mode_attention.HF_OP]
+        assert len(reasons) == 1 and "'other_attention' is not routed" in reasons[0], reasons
+        assert calls == [0.125] and out.shape == (1, 4, 4, 64)
+        with pytest.raises(detkit.ModeNotRoutedError, match="'other_attention' is not routed"), \
+                detkit.batch_invariant_mode(strict=True):
+            mapping["other_attention"](_Layer(), query, key, value, None, scaling=0.125)
+        assert calls == [0.125]  # strict raised before the call
+    finally:
+        mapping.pop("other_attention", None)
