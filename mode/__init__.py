@@ -9,6 +9,7 @@ it. Inside, one module per route family and the switch with its state:
 - ``grouped``: the grouped GEMM route (``_grouped_mm`` -> detkit.kernels.grouped);
 - ``reductions``: the mean.dim route onto detkit.kernels.reductions;
 - ``attention``: torch SDPA and transformers' attention onto detkit.kernels.attention;
+- ``paged_attention``: transformers' continuous batching (its paged KV cache) onto the packed-sequence kernel;
 - ``moe``: transformers' MoE blocks onto detkit.kernels.moe;
 - ``compile``: the Inductor graph pass that puts compiled graphs on the same routes.
 - ``parallel``: a TP / DP model's Linear and RMSNorm reductions on parallelism-invariant routes (``prepare``,

@@ -20,9 +20,16 @@ Two routes, both installed on the mode's entry and removed on its exit:
   (``pack_gqa``); the causal-position rule of detkit's kernel does not hold for such a packed call,
   which is why transformers models are routed one level up, at the attention function.
 
+transformers' continuous batching (``generate_batch``, the paged KV cache): an "sdpa" call carrying the cache's
+keyword arguments (5.24) and a "paged|sdpa" call (5.17) go to ``paged_attention.paged_attention_forward`` (the packed
+kernel, ``attention_varlen``), counted as "attention (transformers continuous batching)"; what it refuses runs on
+transformers' function, counted. Every other implementation in transformers' AttentionInterface (flash, flex,
+"paged|eager") is wrapped while the mode is entered: its calls are counted as not routed (strict raises).
+
 ``register_transformers_attention()`` also registers ``"detkit"`` with transformers'
 AttentionInterface (and its mask interface, with SDPA's boolean mask), so a model can be built with
-``attn_implementation="detkit"`` and use the kernel in or out of the mode; that name never falls back.
+``attn_implementation="detkit"`` and use the kernel in or out of the mode; that name never falls back. It registers
+``"paged|detkit"`` too (5.17's continuous-batching name for it).
 
 Under torch.compile both routes run as graph breaks (``torch._dynamo.disable``): the attention call
 runs eagerly, with the same kernel, autograd and counting as in eager mode.
