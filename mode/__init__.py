@@ -12,6 +12,7 @@ it. Inside, one module per route family and the switch with its state:
 - ``moe``: the Qwen3-MoE router route and the fused-layer math (detkit.kernels.moe) of transformers' experts;
 - ``experts``: every transformers experts class (its ExpertsInterface: "detkit", "detkit_fp8") onto the fused layer
   or detkit.kernels.grouped;
+- ``paged_attention``: transformers' continuous batching (its paged KV cache) onto the packed-sequence kernel;
 - ``compile``: the Inductor graph pass that puts compiled graphs on the same routes.
 - ``parallel``: a TP / DP model's Linear and RMSNorm reductions on parallelism-invariant routes (``prepare``,
   ``reduce_gradients``; docs/mode_parallel.md).

@@ -20,9 +20,16 @@ Two routes, both installed on the mode's entry and removed on its exit:
   (``pack_gqa``); the causal-position rule of detkit's kernel does not hold for such a packed call,
   which is why transformers models are routed one level up, at the attention function.
 
+transformers' continuous batching (``generate_batch``, the paged KV cache): an "sdpa" call carrying the cache's
+keyword arguments (5.24) and a "paged|sdpa" call (5.17) go to ``paged_attention.paged_attention_forward`` (the packed
+kernel, ``attention_varlen``), counted as "attention (transformers continuous batching)"; what it refuses runs on
+transformers' function, counted. Every other implementation in transformers' AttentionInterface (flash, flex,
+"paged|eager") is wrapped while the mode is entered: its calls are counted as not routed (strict raises).
+
 ``register_transformers_attention()`` also registers ``"detkit"`` with transformers'
 AttentionInterface (and its mask interface, with SDPA's boolean mask), so a model can be built with
-``attn_implementation="detkit"`` and use the kernel in or out of the mode; that name never falls back.
+``attn_implementation="detkit"`` and use the kernel in or out of the mode; that name never falls back. It registers
+``"paged|detkit"`` too (5.17's continuous-batching name for it).
 
 Under torch.compile both routes run as graph breaks (``torch._dynamo.disable``): the attention call
 runs eagerly, with the same kernel, autograd and counting as in eager mode.
@@ -40,6 +47,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from detkit.mode import paged_attention
 from detkit.mode import state as mode_state
 
 ATTENTION_MODULE = "detkit.kernels.attention"
@@ -47,11 +55,21 @@ NO_KERNEL = "no detkit attention kernel (detkit.kernels.attention is not in this
 SDPA_OP = "sdpa"
 HF_OP = "attention (transformers)"
 KERNEL = "detkit.attention"
+CB_OP = paged_attention.CB_OP
+KERNEL_VARLEN = "detkit.attention_varlen"
+PAGED_SDPA = "paged|sdpa"  # transformers 5.17's continuous-batching name for a model built with "sdpa"
+# The implementations the mode routes; every other one in transformers' AttentionInterface (flash attention, flex,
+# "paged|eager") is wrapped while the mode is entered so that a call is counted as not routed (strict raises):
+# transformers' continuous batching switches an "sdpa" model to flash attention on its own when flash-attn is
+# installed (auto_switch_to_flash), which would otherwise leave the mode unseen.
+ROUTED_IMPLEMENTATIONS = ("sdpa", "detkit", "paged|detkit", PAGED_SDPA)
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 _local = threading.local()
 _saved_hf_sdpa = None
 _saved_hf_sdpa_mask = None
+_saved_hf_paged_sdpa = None
+_saved_unrouted: dict = {}  # name -> transformers' function, for the implementations wrapped by _unrouted
 
 
 def attention_module():
@@ -120,12 +138,40 @@ def _original_hf_sdpa():
     return sdpa_attention_forward
 
 
+def _paged_call(attention, module, query, key, value, attention_mask, kwargs):
+    """One continuous-batching call on detkit's packed kernel (mode/paged_attention.py), counted as routed."""
+    out = paged_attention.paged_attention_forward(_function(attention, "attention_varlen"), module, query, key, value,
+                                                  attention_mask, **kwargs)
+    mode_state.routed(CB_OP, KERNEL_VARLEN)
+    return out
+
+
+def _continuous_batching_route(fallback, module, query, key, value, attention_mask, kwargs):
+    """A continuous-batching call (transformers' paged cache) under the mode: detkit's packed kernel, or, for what
+    it refuses, ``fallback`` counted once (strict raises before it runs)."""
+    attention = attention_module()
+    reason = NO_KERNEL
+    if attention is not None:
+        try:
+            return _paged_call(attention, module, query, key, value, attention_mask, kwargs)
+        except NotImplementedError as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    mode_state.not_routed(CB_OP, reason)
+    _local.passthrough = True  # counted once, here: its SDPA call is not counted again
+    try:
+        return fallback(module, query, key, value, attention_mask, **kwargs)
+    finally:
+        _local.passthrough = False
+
+
 @torch._dynamo.disable
 def transformers_sdpa_route(module, query, key, value, attention_mask, **kwargs):
     """transformers' "sdpa" attention function while the mode is entered."""
     fallback = _saved_hf_sdpa or _original_hf_sdpa()
     if not mode_state.active():
         return fallback(module, query, key, value, attention_mask, **kwargs)
+    if paged_attention.is_continuous_batching_call(kwargs):  # 5.24's continuous batching keeps "sdpa"
+        return _continuous_batching_route(fallback, module, query, key, value, attention_mask, kwargs)
     attention = attention_module()
     reason = NO_KERNEL
     if attention is not None:
@@ -145,11 +191,37 @@ def transformers_sdpa_route(module, query, key, value, attention_mask, **kwargs)
 
 
 @torch._dynamo.disable
+def transformers_paged_sdpa_route(module, query, key, value, attention_mask, **kwargs):
+    """transformers 5.17's "paged|sdpa" attention function while the mode is entered (it updates the paged cache
+    itself, from the ``cache`` keyword argument)."""
+    fallback = _saved_hf_paged_sdpa
+    if not mode_state.active() or not paged_attention.is_continuous_batching_call(kwargs):
+        return fallback(module, query, key, value, attention_mask, **kwargs)
+    return _continuous_batching_route(fallback, module, query, key, value, attention_mask, kwargs)
+
+
+def _unrouted(name: str, function):
+    """transformers' attention implementation ``name`` while the mode is entered: counted as not routed, then run."""
+    reason = (f"attn_implementation {name!r} is not routed (routed: {', '.join(map(repr, ROUTED_IMPLEMENTATIONS))}; "
+              "continuous batching: auto_switch_to_flash=False)")
+
+    def route(module, query, key, value, attention_mask, **kwargs):
+        if mode_state.active():
+            mode_state.not_routed(HF_OP, reason)
+        return function(module, query, key, value, attention_mask, **kwargs)
+
+    route.detkit_unrouted = function
+    return route
+
+
+@torch._dynamo.disable
 def detkit_attention(module, query, key, value, attention_mask, **kwargs):
     """The "detkit" attention implementation for transformers: detkit's kernel or an error, never torch's."""
     attention = attention_module()
     if attention is None:
         raise NotImplementedError(f"attn_implementation='detkit': {NO_KERNEL}")
+    if paged_attention.is_continuous_batching_call(kwargs):
+        return _paged_call(attention, module, query, key, value, attention_mask, kwargs)
     out = _function(attention, "hf_attention_forward")(module, query, key, value, attention_mask, **kwargs)
     mode_state.routed(HF_OP, KERNEL)
     return out
@@ -182,10 +254,13 @@ def register_transformers_attention() -> None:
 
     AttentionInterface.register("detkit", detkit_attention)
     AttentionMaskInterface.register("detkit", _tagged_mask(sdpa_mask))
+    # transformers 5.17's continuous batching runs a model built with "detkit" as "paged|detkit"
+    AttentionInterface.register("paged|detkit", detkit_attention)
+    AttentionMaskInterface.register("paged|detkit", _tagged_mask(sdpa_mask))
 
 
 def install() -> None:
-    global _saved_hf_sdpa, _saved_hf_sdpa_mask
+    global _saved_hf_sdpa, _saved_hf_sdpa_mask, _saved_hf_paged_sdpa
     F.scaled_dot_product_attention = sdpa_route
     if "transformers" in sys.modules:  # a model can only be built after transformers is imported
         from transformers.masking_utils import AttentionMaskInterface
@@ -196,6 +271,13 @@ def install() -> None:
         if mapping.get("sdpa") is not transformers_sdpa_route:
             _saved_hf_sdpa = mapping.get("sdpa")
             mapping["sdpa"] = transformers_sdpa_route
+        if mapping.get(PAGED_SDPA) not in (None, transformers_paged_sdpa_route):  # transformers 5.17
+            _saved_hf_paged_sdpa = mapping[PAGED_SDPA]
+            mapping[PAGED_SDPA] = transformers_paged_sdpa_route
+        for name, function in list(mapping.items()):
+            if name not in ROUTED_IMPLEMENTATIONS and not hasattr(function, "detkit_unrouted"):
+                _saved_unrouted[name] = function
+                mapping[name] = _unrouted(name, function)
         masks = AttentionMaskInterface._global_mapping
         if masks.get("sdpa") is not None and not hasattr(masks["sdpa"], "detkit_builder"):
             _saved_hf_sdpa_mask = masks["sdpa"]
@@ -203,13 +285,26 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    global _saved_hf_sdpa, _saved_hf_sdpa_mask
+    global _saved_hf_sdpa, _saved_hf_sdpa_mask, _saved_hf_paged_sdpa
     F.scaled_dot_product_attention = _ORIGINAL_SDPA
     if _saved_hf_sdpa is not None:
         from transformers.modeling_utils import AttentionInterface
 
         AttentionInterface._global_mapping["sdpa"] = _saved_hf_sdpa
         _saved_hf_sdpa = None
+    if _saved_hf_paged_sdpa is not None:
+        from transformers.modeling_utils import AttentionInterface
+
+        AttentionInterface._global_mapping[PAGED_SDPA] = _saved_hf_paged_sdpa
+        _saved_hf_paged_sdpa = None
+    if _saved_unrouted:
+        from transformers.modeling_utils import AttentionInterface
+
+        mapping = AttentionInterface._global_mapping
+        for name, function in _saved_unrouted.items():
+            if hasattr(mapping.get(name), "detkit_unrouted"):  # left alone if re-registered meanwhile
+                mapping[name] = function
+        _saved_unrouted.clear()
     if _saved_hf_sdpa_mask is not None:
         from transformers.masking_utils import AttentionMaskInterface
 
