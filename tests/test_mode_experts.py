@@ -207,7 +207,9 @@ def test_each_family_and_layout_against_fp64_and_transformers_own(device, kind):
     reference and no worse than transformers' "grouped_mm" (GOLD_SLACK, audits/moe.py); the gradients keep the
     parameters' layouts."""
     module = build(kind, device, seed=1)
-    x, ids, weights, dout = routing(device, seed=2)
+    # 64 tokens (about 32 rows per expert): with a handful, which BF16 run lands nearer FP64 in a bias gradient (a
+    # sum of 3-4 rounded rows) is a coin toss, not the kernels' accuracy.
+    x, ids, weights, dout = routing(device, seed=2, tokens=64)
     want = reference(module, x, ids, weights, dout)
     theirs = run(module, x, ids, weights, dout)  # transformers' grouped_mm, outside the mode
     with detkit.batch_invariant_mode(strict=True):
