@@ -11,8 +11,9 @@ in ``sdpa_flash <name>`` ranges):
 Validated, then timed: each case first compares detkit's output with SDPA's (all finite, max |diff| below
 ``VALIDATION_ATOL``, or -- against torch's eager formulation, whose BF16 scores are themselves off -- detkit's
 error against the FP64 oracle no larger than the baseline's; the audit, not this, checks the bits and the FP64
-bound); a row's ``passed`` is that validation. Timings (toolkit.timing): eager (``do_bench``: L2 flushed, one call between CUDA events; a call whose
-host path exceeds the flush shows its host latency) and CUDA-graph replay (operand sets rotated so a call never
+bound); a row's ``passed`` is that validation. ``fwd_grid`` / ``fwd_grid_eager``: the forward grid a
+CUDA graph and an eager call run (docs/attention.md). Timings (toolkit.timing): eager (``do_bench``: L2 flushed,
+one call between CUDA events; a call whose host path exceeds the flush shows its host latency) and CUDA-graph replay (operand sets rotated so a call never
 finds them in L2), both interleaved with the baseline in rounds: median, p20, p80. Host time per call
 (``time_host``): Python time until the call's work is queued, each call timed alone in bursts of ``HOST_CALLS``
 queued behind a GPU sleep, interleaved with the baseline in the same rounds: median, p20, p80. The SDPA backend that
@@ -403,13 +404,14 @@ def measure(ctx, case: BenchCase, rounds: int, configs=None) -> dict:
     return row
 
 
-def fwd_grid(case: BenchCase, configs) -> str:
-    """Which forward grid the case runs: "split" (one program per query tile and key split, then the combine pass:
-    small-batch decode) or "one_pass" (docs/attention.md, split-KV); both give the same bits."""
+def fwd_grid(case: BenchCase, configs, capturing: bool = True) -> str:
+    """Which forward grid the case runs under a CUDA graph (``capturing``) or eagerly: "split" (one program per query
+    tile and key split, then the combine pass: small-batch decode) or "one_pass" (docs/attention.md, split-KV); both
+    give the same bits."""
     from detkit.kernels.attention.launch import Sequences, uses_split_grid
 
     seqs = Sequences(False, case.batch, case.seq_q, case.seq_k, None, None, case.window)
-    return "split" if uses_split_grid(configs, seqs, case.heads_q, case.heads_kv) else "one_pass"
+    return "split" if uses_split_grid(configs, seqs, case.heads_q, case.heads_kv, capturing) else "one_pass"
 
 
 def run(ctx, cases: list[BenchCase], **options) -> Iterator[dict]:
@@ -419,7 +421,8 @@ def run(ctx, cases: list[BenchCase], **options) -> Iterator[dict]:
     for case in cases:
         table = select_configs(ctx.backend, case.head_dim)
         row = {"name": case.name, **asdict(case), "configs": table.label(), "config_table": ATTENTION_CONFIG_TABLE_VERSION,
-               "fwd_grid": fwd_grid(case, table), "target": TARGETS[case.mode], "baseline": case.baseline}
+               "fwd_grid": fwd_grid(case, table), "fwd_grid_eager": fwd_grid(case, table, capturing=False),
+               "target": TARGETS[case.mode], "baseline": case.baseline}
         try:
             row.update(measure(ctx, case, rounds))
         except (RuntimeError, ValueError, NotImplementedError) as exc:  # e.g. out of memory: a failed row, not a crash

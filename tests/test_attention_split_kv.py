@@ -34,7 +34,7 @@ def _paths(device, head_dim=64):
     """The table's configs forced onto each forward path: one pass, and the split grid + combine pass."""
     base = select_configs(backend_of(device), head_dim)
     return {"one_pass": dataclasses.replace(base, split_grid_below=0),
-            "split_grid": dataclasses.replace(base, split_grid_below=2**62)}
+            "split_grid": dataclasses.replace(base, split_grid_below=2**62, eager_split_grid_min_keys=0)}
 
 
 def _variant(name, device):
@@ -139,11 +139,18 @@ def test_sliding_cache_with_dropped_keys_gives_the_prefill_bits_on_both_paths(de
 
 def test_the_default_path_choice_runs_both_kernels(device):
     # The table's default: a small grid (a decode step) runs the split grid, a larger one (a prefill of 4 sequences
-    # over 2 splits and a bit: 264 programs on sm_90, 72 on the interpreter) the one pass.
-    seq = 2 * select_configs(backend_of(device), 64).split_n + 6
+    # over 2 splits and a bit: 264 programs on sm_90, 72 on the interpreter) the one pass; an eager decode step with
+    # fewer keys than eager_split_grid_min_keys (16384 on sm_90, 0 on the interpreter) the one pass too.
+    table = select_configs(backend_of(device), 64)
+    seq = 2 * table.split_n + 6
     q, k, v = _qkv(4, 4, 2, seq, seq, 64, 31, device)
-    _, _, launch = attention_fwd_launch(q[:1, :, -1:], k[:1], v[:1], Sequences(False, 1, 1, seq, None, None), 0.125)
-    assert launch.split_grid
+    step = Sequences(False, 1, 1, seq, None, None)
+    for min_keys, split in ((0, True), (seq, True), (seq + 1, False)):
+        cfg = dataclasses.replace(table, eager_split_grid_min_keys=min_keys)
+        _, _, launch = attention_fwd_launch(q[:1, :, -1:], k[:1], v[:1], step, 0.125, cfg)
+        assert launch.split_grid == split, (min_keys, launch)
+    _, _, launch = attention_fwd_launch(q[:1, :, -1:], k[:1], v[:1], step, 0.125)
+    assert launch.split_grid == (seq >= table.eager_split_grid_min_keys)
     _, _, launch = attention_fwd_launch(q, k, v, Sequences(False, 4, seq, seq, None, None), 0.125)
     assert not launch.split_grid
 

@@ -67,6 +67,10 @@ class AttnConfigs:
     split_n: int = SPLIT_KEYS
     # Speed only: below this many forward programs, run the split grid and its combine pass (0: never).
     split_grid_below: int = SPLIT_GRID_BELOW
+    # Speed only: outside CUDA-graph capture, the split grid needs at least this many keys. Its second launch and
+    # workspace cost host time an eager step spends before the GPU's work is queued (H100: +70-170 us a decode
+    # step, s26 call 3), more than the grid saves below long caches; a captured graph pays no host time.
+    eager_split_grid_min_keys: int = 0
 
     def __post_init__(self):
         if (not isinstance(self.split_n, int) or self.split_n < self.fwd.block_n or self.split_n & (self.split_n - 1)):
@@ -74,11 +78,14 @@ class AttnConfigs:
                              f"got {self.split_n!r}")
         if not isinstance(self.split_grid_below, int) or self.split_grid_below < 0:
             raise ValueError(f"AttnConfigs.split_grid_below must be an int >= 0; got {self.split_grid_below!r}")
+        if not isinstance(self.eager_split_grid_min_keys, int) or self.eager_split_grid_min_keys < 0:
+            raise ValueError("AttnConfigs.eager_split_grid_min_keys must be an int >= 0; got "
+                             f"{self.eager_split_grid_min_keys!r}")
 
     def label(self) -> str:
         split = f" split<{self.split_heads_below}" if self.split_heads_below else ""
         return (f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}{split} kv-split "
-                f"{self.split_n} (grid<{self.split_grid_below})")
+                f"{self.split_n} (grid<{self.split_grid_below}, eager keys>={self.eager_split_grid_min_keys})")
 
 
 def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q: int) -> int:
@@ -90,6 +97,11 @@ def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q
         if programs < configs.split_heads_below:
             heads = 1
     return heads
+
+
+# sm_90: eager decode steps below this many keys run one pass (s26 call 3, H100, batch 1: one pass 92-180 us of
+# host time against the split grid's 247-316; the split grid's GPU time wins only past ~16k keys there).
+EAGER_SPLIT_GRID_MIN_KEYS = 16384
 
 
 # Keyed by backend, then head_dim. The sm_90 entries are the fastest spill-free candidates of the H200 sweep
@@ -105,9 +117,12 @@ def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q
 # step), so the default path of a CPU decode step is the split grid and that of its prefill the one-pass grid.
 CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     CUDA_SM90: {
-        64: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(64, 64, 4, 3), dq=AttnConfig(128, 64, 4, 3)),
-        128: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(32, 128, 8, 3), dq=AttnConfig(128, 64, 8, 3)),
-        256: AttnConfigs(fwd=AttnConfig(64, 32, 8, 2), dkdv=AttnConfig(32, 64, 8, 2), dq=AttnConfig(128, 32, 8, 2)),
+        64: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(64, 64, 4, 3), dq=AttnConfig(128, 64, 4, 3),
+                        eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS),
+        128: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(32, 128, 8, 3), dq=AttnConfig(128, 64, 8, 3),
+                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS),
+        256: AttnConfigs(fwd=AttnConfig(64, 32, 8, 2), dkdv=AttnConfig(32, 64, 8, 2), dq=AttnConfig(128, 32, 8, 2),
+                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS),
     },
     TRITON_INTERPRETER: {
         d: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1),

@@ -234,10 +234,13 @@ def split_slots(configs: AttnConfigs, seqs: Sequences, block_q: int) -> int:
     return triton.cdiv(span - 1, split) + 1
 
 
-def uses_split_grid(configs: AttnConfigs, seqs: Sequences, heads_q: int, heads_kv: int) -> bool:
+def uses_split_grid(configs: AttnConfigs, seqs: Sequences, heads_q: int, heads_kv: int, capturing: bool) -> bool:
     """Whether the forward runs its split grid (one program per query tile and split, then the combine pass): when
-    a query tile can touch more than one split and the one-pass grid has fewer than ``split_grid_below`` programs.
-    A speed choice only: both grids give the same bits."""
+    a query tile can touch more than one split and the one-pass grid has fewer than ``split_grid_below`` programs,
+    and -- outside CUDA-graph capture (``capturing``) -- the keys number at least ``eager_split_grid_min_keys``. A
+    speed choice only: both grids give the same bits."""
+    if not capturing and seqs.seq_k < configs.eager_split_grid_min_keys:
+        return False
     heads = fwd_heads(configs, heads_q // heads_kv, heads_kv, seqs.batch, seqs.seq_q)
     block_q = configs.fwd.block_m // heads
     programs = heads_kv * (heads_q // heads_kv // heads) * triton.cdiv(seqs.seq_q, block_q) * seqs.batch
@@ -271,7 +274,8 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         ensure_cuda_context(q.device)
     head_programs = heads_kv * (group // heads)
     grid = (head_programs, triton.cdiv(seqs.seq_q, cfg.block_m // heads), seqs.batch)
-    split_grid = uses_split_grid(configs, seqs, heads_q, heads_kv)
+    capturing = not interpreted and torch.cuda.is_current_stream_capturing()
+    split_grid = uses_split_grid(configs, seqs, heads_q, heads_kv, capturing)
     slots = split_slots(configs, seqs, cfg.block_m // heads)
     ws_rows = lse.numel()
     if split_grid:
