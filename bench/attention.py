@@ -9,13 +9,13 @@ in ``sdpa_flash <name>`` ranges):
 - ``fwd_bwd``: forward and backward (torch.autograd.grad of q, k, v) at S in {4k, 16k}, batch 1.
 
 Validated, then timed: each case first compares detkit's output with SDPA's (all finite, max |diff| below
-``VALIDATION_ATOL``, or -- against torch's eager formulation, whose BF16 scores are themselves off -- detkit's
-error against the FP64 oracle no larger than the baseline's; the audit, not this, checks the bits and the FP64
-bound); a row's ``passed`` is that validation. ``fwd_grid`` / ``fwd_grid_eager``: the forward grid a
-CUDA graph and an eager call run (docs/attention.md). Timings (toolkit.timing): eager (``do_bench``: L2 flushed,
-one call between CUDA events; a call whose host path exceeds the flush shows its host latency) and CUDA-graph
-replay (operand sets rotated so a call never finds them in L2), both interleaved with the baseline in rounds:
-median, p20, p80. Host time per call (``time_host``): Python time until the call's work is queued, each call timed alone in bursts of ``HOST_CALLS``
+``VALIDATION_ATOL``, or -- against torch's eager formulation, whose BF16 scores are themselves off -- detkit's error
+against the FP64 oracle no larger than the baseline's; the audit, not this, checks the bits and the FP64 bound); a
+row's ``passed`` is that validation. ``fwd_grid`` / ``fwd_grid_eager``: the forward grid a CUDA graph and an eager
+call run (docs/attention.md). Timings (toolkit.timing): eager (``do_bench``: L2 flushed, one call between CUDA
+events; a call whose host path exceeds the flush shows its host latency) and CUDA-graph replay (operand sets rotated
+so a call never finds them in L2), both interleaved with the baseline in rounds: median, p20, p80. Host time per
+call (``time_host``): Python time until the call's work is queued, each call timed alone in bursts of ``HOST_CALLS``
 queued behind a GPU sleep, interleaved with the baseline in the same rounds: median, p20, p80. The SDPA backend that
 ran is recorded from the profiler's kernel names.
 
