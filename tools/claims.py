@@ -93,7 +93,7 @@ SOURCES = {
     "model_audit_moe_fp8_static": "2026-12-03-h200-s24/call5/model-audit-fp8-static/report.json",
     "moe_block_bench": "2026-12-02-h200-s16/call5/moe-block/bench-block/report.json",
     "attn_audit": "2026-12-01-h200-s13/call4/attn-audit/report.json",
-    "attn_bench": "2026-12-01-h200-s13/call4/attn-bench/report.json",
+    "attn_bench": "2026-12-06-h100-s26/call3/attention-bench/report.json",
 }
 
 
