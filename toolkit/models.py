@@ -240,9 +240,9 @@ def model_specs(device: torch.device, value: str | None = None) -> list[str]:
     if not value:
         return ["qwen3-8b" if device.type == "cuda" else "qwen3-tiny"]
     names = [n.strip() for n in value.split(",") if n.strip()]
-    if len(names) == 1 and names[0] != ALL_FAMILIES:
-        return names
     size = 0 if device.type == "cuda" else 1
+    if len(names) == 1 and names[0] != ALL_FAMILIES:
+        return [FAMILIES[names[0]][size] if names[0] in FAMILIES else names[0]]
     specs = []
     for name in names:
         if name == ALL_FAMILIES:
@@ -270,7 +270,8 @@ def model_source(device: torch.device, spec: str | None = None) -> tuple[object,
     spec = spec or os.environ.get(CONFIG_ENV) or ("qwen3-8b" if device.type == "cuda" else "qwen3-tiny")
     if spec in MODEL_PRESETS:
         preset = MODEL_PRESETS[spec]
-        return AutoConfig.for_model(preset.model_type, **preset.fields), None, f"{preset.description} ({spec}), random init"
+        config = AutoConfig.for_model(preset.model_type, **preset.fields)
+        return config, None, f"{preset.description} ({spec}), random init"
     path = Path(spec)
     if path.is_dir():
         config = AutoConfig.from_pretrained(path, local_files_only=True)
