@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.harness import Row, RunContext, atomic_write_text
 from detkit.toolkit.models import (
-    ALL_FAMILIES, BLOCK_TENSORS, CONFIG_ENV, MODEL_PRESETS, MODES, build_model, cache_kwarg, experts_modules,
+    ALL_FAMILIES, BLOCK_TENSORS, CONFIG_ENV, FAMILIES, MODEL_PRESETS, MODES, build_model, cache_kwarg, experts_modules,
     family_of, fp8_graph_weights_choice, mode_context, model_specs, moe_block_grads, moe_blocks,
     moe_experts_choice, moe_meta, routing_check,
 )
@@ -574,8 +574,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
     experts = moe_experts_choice()  # refused here, before the model is built
     graph_weights = fp8_graph_weights_choice()
     specs = model_specs(ctx.device)  # an unknown name in a list is refused here too
-    value = os.environ.get(CONFIG_ENV) or ""
-    if len(specs) == 1 and "," not in value and value.strip() != ALL_FAMILIES:
+    if not is_matrix(os.environ.get(CONFIG_ENV)):
         plan = CPU_PLAN if ctx.device.type == "cpu" else CUDA_PLAN
         spec = specs[0] if specs[0] in MODEL_PRESETS else None  # a file or directory: model_source reads the env
         result = yield from audit_one(ctx, spec, plan, experts, graph_weights)
@@ -597,6 +596,13 @@ def run(ctx: RunContext) -> Iterator[Row]:
         results.append(result)
         if ctx.out_dir is not None:  # after every model, so a run stopped at its time limit keeps what finished
             write_matrix_report(Path(ctx.out_dir), results, plan, ctx.backend)
+
+
+def is_matrix(value: str | None) -> bool:
+    """A DETKIT_MODEL_CONFIG value that runs the family matrix: ``families``, a family name or a comma-separated
+    list (a preset name, a JSON file or a directory alone runs one model, its rows named as always)."""
+    names = [n.strip() for n in (value or "").split(",") if n.strip()]
+    return "," in (value or "") or any(n == ALL_FAMILIES or n in FAMILIES for n in names)
 
 
 def audit_one(ctx: RunContext, spec: str | None, plan: Plan, experts: str, graph_weights: str, prefix: str = ""):
@@ -710,7 +716,22 @@ def matrix_cell(result: dict, check: str) -> str:
         f", first at {e['first_divergence']}" if e.get("first_divergence") else "")
 
 
-def write_matrix_report(out_dir: Path, results: list[dict], plan: Plan, backend: str) -> None:
+def merge_matrix_reports(out_dir: Path, parts: list[Path]) -> None:
+    """One family matrix from the model.json of several matrix runs (tools/gpu/model_families.sh runs a family per
+    process); a part without one (its run stopped before a model finished) is listed as such."""
+    results, plan, backend = [], None, "cuda_sm90"
+    for part in parts:
+        path = part / "model.json"
+        if not path.is_file():
+            results.append({"spec": part.name, "family": part.name, "error": f"no {path} (the run did not finish)"})
+            continue
+        data = json.loads(path.read_text())
+        results += data["models"]
+        plan, backend = data.get("plan", plan), data.get("backend", backend)
+    write_matrix_report(out_dir, results, plan, backend)
+
+
+def write_matrix_report(out_dir: Path, results: list[dict], plan: Plan | dict | None, backend: str) -> None:
     """model.md / model.json of a family matrix: the family x check table, what each family misses and why, then
     every model's ops on torch."""
     from tabulate import tabulate
@@ -718,8 +739,9 @@ def write_matrix_report(out_dir: Path, results: list[dict], plan: Plan, backend:
     table = [{"family": r["family"], "preset": r["spec"], **{c: matrix_cell(r, c) for c in MATRIX_CHECKS}}
              for r in results]
     where = ("CPU, Triton interpreter (not a hardware result)" if backend == "triton_interpreter" else backend)
+    plan = plan.__dict__ if isinstance(plan, Plan) else plan
     lines = ["# Model audit: family matrix (detkit mode; default mode's counts beside generate and routing)", "",
-             f"- backend: {where}", f"- plan: {plan.__dict__}", "",
+             f"- backend: {where}", f"- plan: {plan}", "",
              tabulate(table, headers="keys", tablefmt="github"), "", "## Missing, with the reason", ""]
     missing = [f"- {r['spec']}: {gap}" for r in results for gap in r.get("meta", {}).get("gaps", [])]
     missing += [f"- {r['spec']}: could not be audited: {r['error']}" for r in results if "error" in r]
@@ -732,8 +754,8 @@ def write_matrix_report(out_dir: Path, results: list[dict], plan: Plan, backend:
             f"{k}: {n}" for k, n in r["counters"]["not_routed"].items()))]
     lines += ["", "## Not covered", ""] + [f"- {item}" for item in NOT_COVERED]
     atomic_write_text(out_dir / "model.md", "\n".join(lines) + "\n")
-    atomic_write_text(out_dir / "model.json", json.dumps({"matrix": table, "models": results}, indent=2,
-                                                          default=str) + "\n")
+    atomic_write_text(out_dir / "model.json", json.dumps({"backend": backend, "plan": plan, "matrix": table,
+                                                          "models": results}, indent=2, default=str) + "\n")
 
 
 def write_model_report(out_dir: Path, meta: dict, drift: list[dict], counters: dict,
