@@ -199,7 +199,8 @@ MODEL_PRESETS = {
                                                         topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
                                                         first_k_dense_replace=1, num_key_value_heads=2,
                                                         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32,
-                                                        qk_rope_head_dim=32, v_head_dim=32, head_dim=64),
+                                                        qk_rope_head_dim=32, v_head_dim=32,
+                                                        head_dim=32),  # head_dim: the rope dim, as V3 sets it
                                     "DeepSeek-V3 tiny (MLA qk 64 / v 32, 8 experts in 2 groups, top-2, a dense and "
                                     "a MoE layer)", gaps=(MLA_GAP,)),
     "mixtral-8x7b": ModelPreset("mixtral", MIXTRAL_8X7B_WIDTHS, "Mixtral-8x7B widths"),
