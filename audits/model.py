@@ -6,7 +6,11 @@ The model (toolkit/models.py): transformers' Qwen3 built from a config with rand
 Qwen3-8B widths with 2 layers, on cpu a tiny config for the Triton interpreter -- or the model named by
 ``DETKIT_MODEL_CONFIG``: a preset name (``MODEL_PRESETS``: the dense Qwen3 8B widths and tiny config, and the
 Qwen3-MoE ones, Qwen3-30B-A3B widths with 2 layers and a tiny MoE config), a JSON config file, or a checkpoint
-directory read with local_files_only (nothing is ever downloaded). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the
+directory read with local_files_only (nothing is ever downloaded) -- or several: ``families`` (every family of
+``FAMILIES``: Llama-3, Qwen2.5, Qwen3, Qwen3-MoE, Mistral, Gemma-2, Gemma-3, Phi-3, OLMo-2, gpt-oss, DeepSeek-V3,
+Mixtral, GLM-4-MoE; real widths with 2 layers on cuda, tiny on cpu), a family name, or a comma-separated list of
+presets and families: the family matrix, every model's rows named ``<preset>: ...`` and a family x check table in
+``model.md`` / ``model.json``. ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the
 default, or ``fp8``) is the mode's ``moe_experts``: the precision of detkit's layer under a MoE model's experts.
 Checks, each run in both modes (detkit mode's rows pass or fail; default mode's rows are the drift table,
 informational):
@@ -17,8 +21,15 @@ informational):
 - ``decode_vs_trainer``: prompt prefill then token-by-token greedy decode with transformers' DynamicCache, alone
   and in a batch, vs the trainer's one forward over prompt + generation, per generated token. It fails while
   any attention call of the check ran on torch (e.g. no ``detkit.kernels.attention`` in the tree);
+- ``generate``: ``model.generate()`` sampling (temperature 1, seeded) from a left-padded batch of prompts of
+  different lengths with ``output_logits=True``, vs the trainer's forward over prompt + completion (right padding,
+  grad on, micro-batches): the completion tokens' log-probs;
+- ``routing`` (a MoE model): every routing decision of that generate call (each token's top-k expert ids at every
+  MoE layer, from forward pre-hooks on the experts modules) vs the trainer's forward, counted;
 - ``backward_repeat``: every parameter gradient of a cross-entropy backward (plus the router's load-balancing
-  loss for a MoE model), bitwise across two runs;
+  loss where transformers adds one), bitwise across two runs;
+- ``strict``: detkit mode's checks each run first under ``batch_invariant_mode(strict=True)``; the row fails naming
+  every refusal (a refused check runs again without strict, so its comparison is still reported);
 - when a detkit-mode comparison differs, forward hooks on every module name the first module whose outputs
   differ (``first_divergence``);
 - ``counters``: which ops ran on detkit kernels and which on torch, with the reasons (a GEMM or a MoE block

@@ -4,8 +4,10 @@ block's forward and backward.
 
 The model: transformers' Qwen3 built from a config with random weights in BF16 -- on cuda the Qwen3-8B widths with
 2 layers, on cpu a tiny config for the Triton interpreter -- or the model named by ``DETKIT_MODEL_CONFIG``: a preset
-name (``MODEL_PRESETS``), a JSON config file, or a checkpoint directory read with local_files_only (nothing is ever
-downloaded). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the default, or ``fp8``) is the mode's ``moe_experts``;
+name (``MODEL_PRESETS``: per family of ``FAMILIES`` real widths with 2 layers and a tiny config, each with the
+attention implementation it is built with and what detkit does not cover in it yet), a JSON config file, or a
+checkpoint directory read with local_files_only (nothing is ever downloaded); for the audit also ``families``, a
+family name or a list (``model_specs``). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the default, or ``fp8``) is the mode's ``moe_experts``;
 ``DETKIT_MODEL_FP8_GRAPH_WEIGHTS`` (``quantize``, the default, or ``static``) its ``fp8_graph_weights``. transformers
 is imported when a model is built, not with the CLI.
 """
