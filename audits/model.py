@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -596,6 +597,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
     plan = MATRIX_CPU_PLAN if ctx.device.type == "cpu" else MATRIX_CUDA_PLAN
     results = []
     for spec in specs:
+        start = time.perf_counter()
         try:
             result = yield from audit_one(ctx, spec, plan, experts, graph_weights, prefix=f"{spec}: ")
         except Exception as exc:  # a model that cannot be built or run: its failed row, then the next model
@@ -604,6 +606,7 @@ def run(ctx: RunContext) -> Iterator[Row]:
             yield _row(ctx, "model", f"{spec}: model could not be audited", False, {"spec": spec, "error": error})
             result = {"spec": spec, "error": error}
         result["spec"], result["family"] = spec, family_of(spec)
+        result["seconds"] = round(time.perf_counter() - start, 1)  # the model's build and both modes' checks
         results.append(result)
         if ctx.out_dir is not None:  # after every model, so a run stopped at its time limit keeps what finished
             write_matrix_report(Path(ctx.out_dir), results, plan, ctx.backend)
@@ -747,8 +750,8 @@ def write_matrix_report(out_dir: Path, results: list[dict], plan: Plan | dict | 
     every model's ops on torch."""
     from tabulate import tabulate
 
-    table = [{"family": r["family"], "preset": r["spec"], **{c: matrix_cell(r, c) for c in MATRIX_CHECKS}}
-             for r in results]
+    table = [{"family": r["family"], "preset": r["spec"], **{c: matrix_cell(r, c) for c in MATRIX_CHECKS},
+              "seconds": r.get("seconds")} for r in results]
     where = ("CPU, Triton interpreter (not a hardware result)" if backend == "triton_interpreter" else backend)
     plan = plan.__dict__ if isinstance(plan, Plan) else plan
     lines = ["# Model audit: family matrix (detkit mode; default mode's counts beside generate and routing)", "",

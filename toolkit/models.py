@@ -7,9 +7,9 @@ The model: transformers' Qwen3 built from a config with random weights in BF16 -
 name (``MODEL_PRESETS``: per family of ``FAMILIES`` real widths with 2 layers and a tiny config, each with the
 attention implementation it is built with and what detkit does not cover in it yet), a JSON config file, or a
 checkpoint directory read with local_files_only (nothing is ever downloaded); for the audit also ``families``, a
-family name or a list (``model_specs``). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the default, or ``fp8``) is the mode's ``moe_experts``;
-``DETKIT_MODEL_FP8_GRAPH_WEIGHTS`` (``quantize``, the default, or ``static``) its ``fp8_graph_weights``. transformers
-is imported when a model is built, not with the CLI.
+family name or a list (``model_specs``). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the default, or ``fp8``) is the
+mode's ``moe_experts``; ``DETKIT_MODEL_FP8_GRAPH_WEIGHTS`` (``quantize``, the default, or ``static``) its
+``fp8_graph_weights``. transformers is imported when a model is built, not with the CLI.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def attn_implementation(config, spec: str | None = None) -> str:
         return MODEL_PRESETS[spec].attn_implementation
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config))
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", True) else "detkit"
 
 
