@@ -4,8 +4,8 @@ speed in both modes is ``detkit bench model`` (bench/model.py).
 
 The model (toolkit/models.py): transformers' Qwen3 built from a config with random weights in BF16 -- on cuda the
 Qwen3-8B widths with 2 layers, on cpu a tiny config for the Triton interpreter -- or the model named by
-``DETKIT_MODEL_CONFIG``: a preset name (``MODEL_PRESETS``: the dense Qwen3 8B widths and tiny config, and the
-Qwen3-MoE ones, Qwen3-30B-A3B widths with 2 layers and a tiny MoE config), a JSON config file, or a checkpoint
+``DETKIT_MODEL_CONFIG``: a preset name (``MODEL_PRESETS``: per family real widths with 2 layers and a tiny config,
+e.g. ``qwen3-8b`` / ``qwen3-tiny``, ``qwen3-moe-30b-a3b`` / ``qwen3-moe-tiny``), a JSON config file, or a checkpoint
 directory read with local_files_only (nothing is ever downloaded) -- or several: ``families`` (every family of
 ``FAMILIES``: Llama-3, Qwen2.5, Qwen3, Qwen3-MoE, Mistral, Gemma-2, Gemma-3, Phi-3, OLMo-2, gpt-oss, DeepSeek-V3,
 Mixtral, GLM-4-MoE; real widths with 2 layers on cuda, tiny on cpu), a family name, or a comma-separated list of
