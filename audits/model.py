@@ -97,8 +97,8 @@ CPU_PLAN = Plan(seq_len=10, batch_sizes=(2, 5), pad=3, train_batch=4, micro_batc
 CUDA_PLAN = Plan(seq_len=256, batch_sizes=(4, 16), pad=37, train_batch=8, micro_batch=2, prompt_len=64, gen_len=24,
                  decode_batch=8)
 # The family matrix (several models in one run): on the interpreter the smallest plan that still has every case (a
-# batch, both paddings, micro-batches, decode steps, prompts of two lengths); on cuda the single-model plan, with
-# fewer sequences for the batch invariance (13 models in about 8 minutes on one GPU).
+# batch, both paddings, micro-batches, decode steps, prompts of two lengths); on cuda the single-model plan with
+# fewer sequences and decode steps, sized for 13 models in about 8 minutes on one GPU (not measured yet).
 MATRIX_CPU_PLAN = Plan(seq_len=5, batch_sizes=(2,), pad=2, train_batch=2, micro_batch=1, prompt_len=3, gen_len=2,
                        decode_batch=2, precision_tokens=64)
 MATRIX_CUDA_PLAN = Plan(seq_len=256, batch_sizes=(8,), pad=37, train_batch=4, micro_batch=2, prompt_len=64,
