@@ -612,6 +612,8 @@ def run(ctx: RunContext) -> Iterator[Row]:
             result = {"spec": spec, "error": error}
         result["spec"], result["family"] = spec, family_of(spec)
         result["seconds"] = round(time.perf_counter() - start, 1)  # the model's build and both modes' checks
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()  # the next model's widths differ: give the last one's cached blocks back
         results.append(result)
         if ctx.out_dir is not None:  # after every model, so a run stopped at its time limit keeps what finished
             write_matrix_report(Path(ctx.out_dir), results, plan, ctx.backend)
