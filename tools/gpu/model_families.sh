@@ -37,11 +37,12 @@ for family in "${families[@]}"; do
   step "$family" "${FAMILY_LIMIT:-100}" env DETKIT_MODEL_CONFIG="$family" python -m detkit audit --device cuda \
     --suite model --no-progress --out "$OUT/$family"
 done
-# One family x check table over every family folder under $OUT (this call's and earlier calls'): $OUT/model.md and
-# $OUT/model.json; a folder without model.json (a step stopped at its limit) is listed as not finished.
+# One family x check table over this call's families and any earlier call's folders under $OUT: $OUT/model.md and
+# $OUT/model.json; a family without model.json (a step that failed to start or stopped at its limit) is listed as
+# not finished.
 done_families=()
 for family in $all_families; do
-  if [[ -d "$OUT/$family" ]]; then done_families+=("$family"); fi
+  if [[ -d "$OUT/$family" || " ${families[*]} " == *" $family "* ]]; then done_families+=("$family"); fi
 done
 step matrix 60 python -c 'import sys; from pathlib import Path; from detkit.audits.model import merge_matrix_reports
 merge_matrix_reports(Path(sys.argv[1]), [Path(sys.argv[1]) / f for f in sys.argv[2:]])' "$OUT" "${done_families[@]}"
