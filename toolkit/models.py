@@ -284,8 +284,9 @@ def model_source(device: torch.device, spec: str | None = None) -> tuple[object,
         fields = json.loads(path.read_text())
         model_type = fields.pop("model_type", "qwen3")
         return AutoConfig.for_model(model_type, **fields), None, f"{path} (random init)"
-    raise ValueError(f"{CONFIG_ENV}={spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}), a JSON config file "
-                     "nor a checkpoint directory")
+    raise ValueError(f"{CONFIG_ENV}={spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}), a family or "
+                     f"{ALL_FAMILIES!r} (the audit's matrix: {', '.join(FAMILIES)}), a JSON config file nor a "
+                     "checkpoint directory")
 
 
 def attn_implementation(config, spec: str | None = None) -> str:
