@@ -2,8 +2,8 @@
 widths with 2 layers, and tiny), DETKIT_MODEL_CONFIG's list and ``families`` resolve or are refused by name before any
 work, the generate and routing checks can fail and say where, a refusal under strict is a failed cell naming it, and
 a one-layer gpt-oss (detkit attention with sinks and a window, grouped-GEMM experts, routing) runs through the
-matrix on the interpreter (about 70 s on 2 idle cores; the file about 75 s). The whole matrix on the interpreter
-takes far longer than CI's budget: its results are in docs/mode.md, and tools/gpu/model_families.sh runs it at real
+matrix on the interpreter, and a one-layer DeepSeek-V3 shows its MLA gap through it (about 70 s each on 2 idle
+cores, the file about 150 s). The whole matrix on the interpreter (about a minute per family) is beyond CI's budget: its results are in docs/mode.md, and tools/gpu/model_families.sh runs it at real
 widths."""
 
 from __future__ import annotations
@@ -175,3 +175,36 @@ def test_a_gpt_oss_family_through_the_matrix_on_the_interpreter(device, tmp_path
     report = (tmp_path / "model.md").read_text()
     assert "CPU, Triton interpreter (not a hardware result)" in report or device.type == "cuda"
     assert "| gpt-oss-1-layer" in report and "decisions differ (default mode:" in report
+
+
+def test_deepseek_v3_through_the_matrix_fails_by_name_where_mla_is_missing(device, tmp_path, monkeypatch):
+    """The tiny DeepSeek-V3 (MLA with key head dim 64 and value 32) with one layer, a MoE one (the preset's dense
+    first layer dropped for CI's time), through the matrix: it reports the gap instead of hiding it -- strict fails
+    naming the refused attention call in every check, decode / generate / routing fail because attention ran on
+    torch, and model.md lists the MLA gap; what detkit does route (the grouped-GEMM experts, the FP32 router, the
+    norms) passes the other checks. Under a minute on the interpreter."""
+    tiny = models.MODEL_PRESETS["deepseek-v3-tiny"]
+    preset = "deepseek-v3-tiny-1-layer"
+    monkeypatch.setitem(models.MODEL_PRESETS, preset, models.ModelPreset(
+        tiny.model_type, dict(tiny.fields, num_hidden_layers=1, first_k_dense_replace=0), "DeepSeek-V3 tiny, one MoE "
+        "layer", tiny.attn_implementation, tiny.gaps))
+    monkeypatch.setitem(models.FAMILIES, "deepseek-v3-1-layer", (preset, preset))
+    monkeypatch.setenv(models.CONFIG_ENV, "deepseek-v3-1-layer")
+    backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
+    ctx = RunContext(device=device, backend=backend, preset="tiny", seed=13, out_dir=tmp_path)
+    by_check: dict[str, list] = {}
+    for row in audit_model.run(ctx):
+        by_check.setdefault(row.check, []).append(row)
+    strict = by_check["strict"][0]
+    assert not strict.passed and len(strict.details["refusals"]) == 6
+    assert all("DeepseekV3Attention: key " in m and "differ" in m for m in strict.details["refusals"].values())
+    for check in ("decode_vs_trainer", "generate", "routing"):
+        assert by_check[check] and not any(r.passed for r in by_check[check]), check
+        assert all("attention ran on torch" in r.details["reason"] for r in by_check[check])
+    for check in ("batch_invariance", "padding", "trainer_vs_rollout", "backward_repeat", "counters"):
+        assert all(r.passed for r in by_check[check]), [r.details for r in by_check[check]]
+    routed = by_check["counters"][0].details["routed"]
+    assert routed["_grouped_mm -> detkit.grouped_mm"] > 0 and routed["mm -> det_gemm_fwd fp32 ieee"] > 0
+    report = (tmp_path / "model.md").read_text()
+    assert "| deepseek-v3-1-layer " in report and "FAIL (6 check(s) refused)" in report
+    assert f"- {preset}: {models.MLA_GAP}" in report
