@@ -4,9 +4,13 @@ speed in both modes is ``detkit bench model`` (bench/model.py).
 
 The model (toolkit/models.py): transformers' Qwen3 built from a config with random weights in BF16 -- on cuda the
 Qwen3-8B widths with 2 layers, on cpu a tiny config for the Triton interpreter -- or the model named by
-``DETKIT_MODEL_CONFIG``: a preset name (``MODEL_PRESETS``: the dense Qwen3 8B widths and tiny config, and the
-Qwen3-MoE ones, Qwen3-30B-A3B widths with 2 layers and a tiny MoE config), a JSON config file, or a checkpoint
-directory read with local_files_only (nothing is ever downloaded). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the
+``DETKIT_MODEL_CONFIG``: a preset name (``MODEL_PRESETS``: per family real widths with 2 layers and a tiny config,
+e.g. ``qwen3-8b`` / ``qwen3-tiny``, ``qwen3-moe-30b-a3b`` / ``qwen3-moe-tiny``), a JSON config file, or a checkpoint
+directory read with local_files_only (nothing is ever downloaded) -- or several: ``families`` (every family of
+``FAMILIES``: Llama-3, Qwen2.5, Qwen3, Qwen3-MoE, Mistral, Gemma-2, Gemma-3, Phi-3, OLMo-2, gpt-oss, DeepSeek-V3,
+Mixtral, GLM-4-MoE; real widths with 2 layers on cuda, tiny on cpu), a family name, or a comma-separated list of
+presets and families: the family matrix, every model's rows named ``<preset>: ...`` and a family x check table in
+``model.md`` / ``model.json``. ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the
 default, or ``fp8``) is the mode's ``moe_experts``: the precision of detkit's layer under a MoE model's experts.
 Checks, each run in both modes (detkit mode's rows pass or fail; default mode's rows are the drift table,
 informational):
@@ -17,8 +21,15 @@ informational):
 - ``decode_vs_trainer``: prompt prefill then token-by-token greedy decode with transformers' DynamicCache, alone
   and in a batch, vs the trainer's one forward over prompt + generation, per generated token. It fails while
   any attention call of the check ran on torch (e.g. no ``detkit.kernels.attention`` in the tree);
+- ``generate``: ``model.generate()`` sampling (temperature 1, seeded) from a left-padded batch of prompts of
+  different lengths with ``output_logits=True``, vs the trainer's forward over prompt + completion (right padding,
+  grad on, micro-batches): the completion tokens' log-probs;
+- ``routing`` (a MoE model): every routing decision of that generate call (each token's top-k expert ids at every
+  MoE layer, from forward pre-hooks on the experts modules) vs the trainer's forward, counted;
 - ``backward_repeat``: every parameter gradient of a cross-entropy backward (plus the router's load-balancing
-  loss for a MoE model), bitwise across two runs;
+  loss where transformers adds one), bitwise across two runs;
+- ``strict``: detkit mode's checks each run first under ``batch_invariant_mode(strict=True)``; the row fails naming
+  every refusal (a refused check runs again without strict, so its comparison is still reported);
 - when a detkit-mode comparison differs, forward hooks on every module name the first module whose outputs
   differ (``first_divergence``);
 - ``counters``: which ops ran on detkit kernels and which on torch, with the reasons (a GEMM or a MoE block
@@ -33,6 +44,9 @@ Log-probs are compared as FP32 bits (``toolkit.contract.compare_bits``). Besides
 from __future__ import annotations
 
 import json
+import logging
+import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,14 +57,19 @@ import torch.nn.functional as F
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.harness import Row, RunContext, atomic_write_text
 from detkit.toolkit.models import (
-    BLOCK_TENSORS, MODES, build_model, cache_kwarg, fp8_graph_weights_choice, is_moe, mode_context, moe_block_grads,
-    moe_blocks, moe_experts_choice, moe_meta, routing_check,
+    ALL_FAMILIES, BLOCK_TENSORS, CONFIG_ENV, FAMILIES, MODEL_PRESETS, MODES, build_model, cache_kwarg, experts_modules,
+    family_of, fp8_graph_weights_choice, mode_context, model_specs, moe_block_grads, moe_blocks,
+    moe_experts_choice, moe_meta, routing_check,
 )
 
 NAME = "model"
 DESCRIPTION = ("transformers model log-probs, default vs detkit mode: batch invariance, padding, trainer vs rollout, "
                "KV-cache decode vs trainer, backward repeat, drift, routed ops, FP8 experts' precision")
 ATTENTION_OPS = ("sdpa", "attention (transformers)")
+# Checks whose rollout decodes with a KV cache: they fail while attention ran on torch, whose reduction over the keys
+# depends on the query count (bits equal on one host say nothing of another's).
+DECODE_CHECKS = ("decode_vs_trainer", "generate", "routing")
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Plan:
@@ -66,11 +85,24 @@ class Plan:
     decode_batch: int
     precision_tokens: int = 2048  # tokens through one MoE block for the FP8-vs-BF16 precision check
 
+    def prompt_lens(self) -> list[int]:
+        """The generate check's prompt lengths, one per sequence of the decode batch: from prompt_len down to about
+        half of it (at least 2), so the left-padded batch has different lengths."""
+        b, p = self.decode_batch, self.prompt_len
+        return [max(2, p - (i * (p // 2)) // max(b - 1, 1)) for i in range(b)]
+
 
 CPU_PLAN = Plan(seq_len=10, batch_sizes=(2, 5), pad=3, train_batch=4, micro_batch=2, prompt_len=5, gen_len=4,
                 decode_batch=3, precision_tokens=64)
 CUDA_PLAN = Plan(seq_len=256, batch_sizes=(4, 16), pad=37, train_batch=8, micro_batch=2, prompt_len=64, gen_len=24,
                  decode_batch=8)
+# The family matrix (several models in one run): on the interpreter the smallest plan that still has every case (a
+# batch, both paddings, micro-batches, decode steps, prompts of two lengths); on cuda the single-model plan with
+# fewer sequences and decode steps, sized for 13 models in about 8 minutes on one GPU (not measured yet).
+MATRIX_CPU_PLAN = Plan(seq_len=5, batch_sizes=(2,), pad=2, train_batch=2, micro_batch=1, prompt_len=3, gen_len=2,
+                       decode_batch=2, precision_tokens=64)
+MATRIX_CUDA_PLAN = Plan(seq_len=256, batch_sizes=(8,), pad=37, train_batch=4, micro_batch=2, prompt_len=64,
+                        gen_len=16, decode_batch=4)
 NOT_COVERED = (
     "attention kernels other than detkit.kernels.attention (torch SDPA backends, split-KV decode kernels) and "
     "transformers' eager attention (its softmax spans the key count)",
@@ -83,6 +115,8 @@ NOT_COVERED = (
     "(run to run, not batch-invariant); FP8 weight gradients are not batch-invariant (their 128-row scale blocks "
     "span tokens; run to run they repeat)",
     "the first-divergence hooks compare module outputs; differences in ops between modules show as the next module",
+    "DeepSeek-V3's MLA attention (value head dim other than the query/key head dim): detkit's attention kernel refuses "
+    "it by name, so the family matrix's deepseek-v3 row fails strict and runs its attention on torch (counted)",
 )
 
 
@@ -337,16 +371,73 @@ class Audit:
             out.append(cmp)
         return out
 
+    def generate(self) -> list[Comparison]:
+        """``model.generate()`` sampling (temperature 1, no top-k / top-p, seeded) from a left-padded batch of prompts
+        of different lengths, ``output_logits=True``; then the trainer's forward (grad on, micro-batches of
+        ``plan.micro_batch``, not the rollout's batch) over each prompt + completion, right-padded. The completion
+        tokens' log-probs (log_softmax in FP32 of generate's raw logits) against the trainer's; for a MoE model also
+        every routing decision (each token's top-k expert ids at every MoE layer) of the rollout's forwards against
+        the trainer's. min_new_tokens = max_new_tokens, so no sequence stops early (EOS is masked for the sampler
+        only: the raw logits are compared)."""
+        lens, g = self.plan.prompt_lens(), self.plan.gen_len
+        batch, width = len(lens), max(lens)
+        ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for b, n in enumerate(lens):
+            ids[b, width - n:] = self.prompts[b, :n]
+            mask[b, width - n:] = 1
+        routing = RoutingRecorder(self.model)
+        try:
+            torch.manual_seed(self.seed + 29)  # the sampler's draws (every device's generator)
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                                          top_k=0, top_p=1.0, max_new_tokens=g, min_new_tokens=g, pad_token_id=0,
+                                          output_logits=True, return_dict_in_generate=True)
+            rollout_routes = routing.take()
+            completion = out.sequences[:, width:]  # [B, g]
+            if completion.shape[1] != g or len(out.logits) != g:
+                raise RuntimeError(f"generate returned {completion.shape[1]} tokens and {len(out.logits)} logits for "
+                                   f"max_new_tokens = min_new_tokens = {g}")
+            logp = torch.log_softmax(torch.stack(out.logits, 1).float(), dim=-1)  # [B, g, V]
+            rollout = logp.gather(-1, completion[..., None])[..., 0]
+            length = width + g
+            seqs = torch.zeros(batch, length, dtype=torch.long, device=self.device)
+            tmask = torch.zeros_like(seqs)
+            for b, n in enumerate(lens):
+                seqs[b, :n], seqs[b, n:n + g] = self.prompts[b, :n], completion[b]
+                tmask[b, :n + g] = 1
+            self.model.train()
+            try:
+                micro = self.plan.micro_batch
+                parts = [self.lp(s, m, positions_from_mask(m), grad=True)
+                         for s, m in zip(torch.split(seqs, micro), torch.split(tmask, micro))]
+            finally:
+                self.model.eval()
+            trainer_routes = routing.take()
+        finally:
+            routing.close()
+        trainer_lp = torch.cat(parts)
+        trainer = torch.stack([trainer_lp[b, n - 1: n - 1 + g] for b, n in enumerate(lens)])
+        case = (f"generate (sampling, temperature 1) from {batch} left-padded prompts of {min(lens)}-{max(lens)} "
+                f"tokens + {g} tokens vs the trainer's forward (right padding, grad on, micro-batches of "
+                f"{self.plan.micro_batch})")
+        out_cmps = [compare("generate", case, rollout, trainer, tokens=int(completion.numel()))]
+        if routing.names:
+            out_cmps.append(routing_comparison(routing.names, rollout_routes, trainer_routes, lens, width, g,
+                                               self.plan.micro_batch, length))
+        return out_cmps
+
     def backward_repeat(self) -> list[Comparison]:
         ids = self.seqs[: self.plan.train_batch]
-        moe = is_moe(self.model)
+        # The router's load-balancing loss where transformers adds one (Qwen3-MoE, Mixtral, gpt-oss).
+        aux = bool(experts_modules(self.model)) and hasattr(self.model.config, "router_aux_loss_coef")
         runs = []
         for _ in range(2):
             self.model.zero_grad(set_to_none=True)
             with torch.enable_grad():
-                out = self.model(input_ids=ids, use_cache=False, **({"output_router_logits": True} if moe else {}))
+                out = self.model(input_ids=ids, use_cache=False, **({"output_router_logits": True} if aux else {}))
                 loss = F.cross_entropy(out.logits[:, :-1].float().reshape(-1, self.vocab), ids[:, 1:].reshape(-1))
-                if moe:  # the router's load-balancing loss, as transformers adds it to the loss
+                if aux:  # as transformers adds it to the loss
                     loss = loss + self.model.config.router_aux_loss_coef * out.aux_loss
                 loss.backward()
             runs.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
@@ -359,7 +450,7 @@ class Audit:
                 differing.append(name)
                 mismatches += bits.mismatches
                 max_abs = max(max_abs, float((grad.double() - runs[1][name].double()).abs().max()))
-        what = "cross-entropy + router aux loss" if moe else "cross-entropy"
+        what = "cross-entropy + router aux loss" if aux else "cross-entropy"
         cmp = Comparison("backward_repeat", f"every parameter gradient ({what}), batch {len(ids)}, two runs",
                          not differing,
                          elements, mismatches, max_abs, None, None,
@@ -367,12 +458,86 @@ class Audit:
                           "first_parameter_differing": differing[0] if differing else None})
         return [cmp]
 
-    def all_checks(self, locate: bool) -> Iterator[Comparison]:
-        yield from self.batch_invariance(locate)
-        yield from self.padding()
-        yield from self.trainer_vs_rollout(locate)
-        yield from self.decode_vs_trainer(locate)
-        yield from self.backward_repeat()
+    def all_checks(self, locate: bool, strict: bool = False) -> Iterator[Comparison]:
+        """Every check; with ``strict`` each runs under ``batch_invariant_mode(strict=True)`` first, and a check the
+        mode refuses runs again without strict (its comparison still reported), the refusals kept in
+        ``self.refusals`` (check -> the error's message) for the ``strict`` row."""
+        self.refusals: dict[str, str] = {}
+        checks = (("batch_invariance", lambda: self.batch_invariance(locate)), ("padding", self.padding),
+                  ("trainer_vs_rollout", lambda: self.trainer_vs_rollout(locate)),
+                  ("decode_vs_trainer", lambda: self.decode_vs_trainer(locate)), ("generate", self.generate),
+                  ("backward_repeat", self.backward_repeat))
+        for name, check in checks:
+            if strict:
+                from detkit.mode.state import ModeNotRoutedError
+                from detkit.mode.switch import batch_invariant_mode
+
+                try:
+                    with batch_invariant_mode(strict=True):
+                        results = check()
+                except ModeNotRoutedError as exc:
+                    self.refusals[name] = str(exc)
+                    results = check()
+            else:
+                results = check()
+            yield from results
+
+
+class RoutingRecorder:
+    """Forward pre-hooks on every MoE experts module: the routing each call receives (the first integer tensor of
+    its arguments, ``top_k_index`` [T, K] in every transformers MoE family), per module, in call order."""
+
+    def __init__(self, model):
+        self.names = list(experts_modules(model))
+        self.calls: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
+        self.handles = [module.register_forward_pre_hook(self._hook(name), with_kwargs=True)
+                        for name, module in experts_modules(model).items()]
+
+    def _hook(self, name):
+        def hook(module, args, kwargs):
+            ids = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)
+                        and not t.is_floating_point() and t.dim() == 2), None)
+            if ids is not None:
+                self.calls[name].append(ids.detach().clone())
+        return hook
+
+    def take(self) -> dict[str, list[torch.Tensor]]:
+        calls, self.calls = self.calls, {n: [] for n in self.names}
+        return calls
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def routing_comparison(names, rollout: dict, trainer: dict, lens: list[int], width: int, g: int, micro: int,
+                       length: int) -> Comparison:
+    """Each real token's top-k expert ids at every MoE layer: the rollout's (generate's prefill over the left-padded
+    prompts, [B * width] routes, then one call per decode step, [B]) against the trainer's (one call per
+    micro-batch, [micro * length] routes, right-padded). The last completion token is never fed to the rollout, so
+    each sequence has prompt + g - 1 decisions per layer. A decision differs when any of its K ids does."""
+    decisions = mismatches = 0
+    first = None
+    for layer, name in enumerate(names):
+        got, want = rollout[name], trainer[name]
+        if len(got) != g or not want:
+            raise RuntimeError(f"{name}: {len(got)} routing calls in generate (want {g}: prefill + {g - 1} decode "
+                               f"steps) and {len(want)} in the trainer's forward")
+        k = got[0].shape[-1]
+        prefill = got[0].view(len(lens), width, k)
+        steps = torch.stack([c.view(len(lens), k) for c in got[1:]], 1) if g > 1 else prefill[:, :0]
+        trained = torch.cat([c.view(-1, length, k) for c in want])
+        for b, n in enumerate(lens):
+            ours = torch.cat([prefill[b, width - n:], steps[b]])  # [n + g - 1, K]
+            theirs = trained[b, : n + g - 1]
+            differ = (ours != theirs).any(-1)
+            decisions += differ.numel()
+            mismatches += int(differ.sum())
+            if first is None and differ.any():
+                first = (layer, b, int(differ.nonzero()[0, 0]))
+    return Comparison("routing", f"each token's top-k expert ids at {len(names)} MoE layer(s): generate's forwards vs "
+                      "the trainer's", mismatches == 0 and decisions > 0, decisions, mismatches, None, None,
+                      first, {"moe_layers": names, "decisions": decisions, "decisions_differing": mismatches})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,56 +585,200 @@ def _attention_kernel_present() -> bool:
 
 
 def run(ctx: RunContext) -> Iterator[Row]:
-    from detkit.mode.switch import mode_counters
-
-    plan = CPU_PLAN if ctx.device.type == "cpu" else CUDA_PLAN
+    """One model (DETKIT_MODEL_CONFIG names one, or the default) with its rows named as always, or the family
+    matrix (``families`` or a comma-separated list): every model's rows, named ``<preset>: ...``, and the family x
+    check table in model.md / model.json."""
     experts = moe_experts_choice()  # refused here, before the model is built
     graph_weights = fp8_graph_weights_choice()
-    model, description = build_model(ctx.device, ctx.seed)
+    specs = model_specs(ctx.device)  # an unknown name in a list is refused here too
+    if not is_matrix(os.environ.get(CONFIG_ENV)):
+        plan = CPU_PLAN if ctx.device.type == "cpu" else CUDA_PLAN
+        spec = specs[0] if specs[0] in MODEL_PRESETS else None  # a file or directory: model_source reads the env
+        result = yield from audit_one(ctx, spec, plan, experts, graph_weights)
+        if ctx.out_dir is not None:
+            write_model_report(Path(ctx.out_dir), result["meta"], result["drift"], result["counters"],
+                               result["precision"])
+        return
+    plan = MATRIX_CPU_PLAN if ctx.device.type == "cpu" else MATRIX_CUDA_PLAN
+    results = []
+    for spec in specs:
+        start = time.perf_counter()
+        try:
+            result = yield from audit_one(ctx, spec, plan, experts, graph_weights, prefix=f"{spec}: ")
+        except Exception as exc:  # a model that cannot be built or run: its failed row, then the next model
+            log.exception("model %s", spec)
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            yield _row(ctx, "model", f"{spec}: model could not be audited", False, {"spec": spec, "error": error})
+            result = {"spec": spec, "error": error}
+        result["spec"], result["family"] = spec, family_of(spec)
+        result["seconds"] = round(time.perf_counter() - start, 1)  # the model's build and both modes' checks
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()  # the next model's widths differ: give the last one's cached blocks back
+        results.append(result)
+        if ctx.out_dir is not None:  # after every model, so a run stopped at its time limit keeps what finished
+            write_matrix_report(Path(ctx.out_dir), results, plan, ctx.backend)
+
+
+def is_matrix(value: str | None) -> bool:
+    """A DETKIT_MODEL_CONFIG value that runs the family matrix: ``families``, a family name or a comma-separated
+    list (a preset name, a JSON file or a directory alone runs one model, its rows named as always)."""
+    names = [n.strip() for n in (value or "").split(",") if n.strip()]
+    return "," in (value or "") or any(n == ALL_FAMILIES or n in FAMILIES for n in names)
+
+
+def audit_one(ctx: RunContext, spec: str | None, plan: Plan, experts: str, graph_weights: str, prefix: str = ""):
+    """One model's rows (each name prefixed with ``prefix``); returns its meta, drift, counters, precision and the
+    strict run's refusals."""
+    from detkit.mode.switch import mode_counters
+
+    model, description = build_model(ctx.device, ctx.seed, spec)
     audit = Audit(model, ctx.device, plan, ctx.seed, experts, graph_weights)
+    gaps = list(MODEL_PRESETS[spec].gaps) if spec in MODEL_PRESETS else []
     meta = {"model": description, "layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size,
-            "moe": moe_meta(model), "plan": plan.__dict__, "attention_kernel_present": _attention_kernel_present()}
+            "attn_implementation": model.config._attn_implementation, "moe": moe_meta(model),
+            "moe_layers": list(experts_modules(model)), "plan": plan.__dict__,
+            "attention_kernel_present": _attention_kernel_present(), "gaps": gaps}
     if meta["moe"] is not None:
         meta["moe"]["detkit_experts"] = experts
         meta["moe"]["fp8_graph_weights"] = graph_weights
-    yield _row(ctx, "model", f"model {description}", True, meta)
+    yield _row(ctx, "model", f"{prefix}model {description}", True, meta)
     drift: list[dict] = []
     detkit_counters = None
     for mode in MODES:
         start = mode_counters()
         with mode_context(mode, experts, graph_weights):
-            for cmp in audit.all_checks(locate=True):
+            for cmp in audit.all_checks(locate=True, strict=mode == "detkit"):
                 entry = {"mode": mode, "check": cmp.check, **cmp.details()}
                 drift.append(entry)
                 if mode == "default":
-                    yield _row(ctx, "default_drift", f"default {cmp.check} {cmp.case}", True,
+                    yield _row(ctx, "default_drift", f"{prefix}default {cmp.check} {cmp.case}", True,
                                {"informational": "torch's kernels; the drift the mode removes", **entry})
                     continue
                 passed = cmp.equal
-                if cmp.check == "decode_vs_trainer":
+                if cmp.check in DECODE_CHECKS:
                     attention = {k: n for k, n in (mode_counters() - start).not_routed.items() if k[0] in ATTENTION_OPS}
                     if attention:
                         passed = False
                         entry["reason"] = "attention ran on torch's kernels, whose reduction over the keys depends on q_len"
                         entry["attention_not_routed"] = {f"{op}: {reason}": n for (op, reason), n in attention.items()}
-                yield _row(ctx, cmp.check, f"detkit {cmp.check} {cmp.case}", passed, entry)
+                entry["passed"] = passed
+                yield _row(ctx, cmp.check, f"{prefix}detkit {cmp.check} {cmp.case}", passed, entry)
         if mode == "detkit":
             detkit_counters = mode_counters() - start
+            refusals = dict(audit.refusals)
+            strict = {"mode": "detkit", "check": "strict", "refusals": refusals, "passed": not refusals,
+                      "case": "every check under batch_invariant_mode(strict=True)"}
+            drift.append(strict)
+            yield _row(ctx, "strict", f"{prefix}detkit strict: every check under batch_invariant_mode(strict=True), "
+                       "nothing refused", not refusals, strict)
     counters = detkit_counters.as_dict()
     passed, routing = routing_check(counters, meta["moe"] is not None, experts)
     details = {**counters, **routing}
     precision = None
-    yield _row(ctx, "counters", "detkit mode: ops on detkit kernels and on torch", passed, details)
+    yield _row(ctx, "counters", f"{prefix}detkit mode: ops on detkit kernels and on torch", passed, details)
     if meta["moe"] is not None and experts == "fp8":
         precision = moe_precision(audit)
         if "error" in precision:
-            yield _row(ctx, "moe_precision", "moe_precision first MoE block: FP8 vs BF16 experts", False, precision)
+            yield _row(ctx, "moe_precision", f"{prefix}moe_precision first MoE block: FP8 vs BF16 experts", False,
+                       precision)
         for name, st in precision.get("tensors", {}).items():
-            yield _row(ctx, "moe_precision", f"moe_precision {name} first MoE block, {precision['tokens']} tokens: "
-                       "FP8 vs BF16 experts", st["passed"],
+            yield _row(ctx, "moe_precision", f"{prefix}moe_precision {name} first MoE block, {precision['tokens']} "
+                       "tokens: FP8 vs BF16 experts", st["passed"],
                        {**{k: v for k, v in precision.items() if k != "tensors"}, **st})
-    if ctx.out_dir is not None:
-        write_model_report(Path(ctx.out_dir), meta, drift, counters, precision)
+    del audit, model
+    return {"meta": meta, "drift": drift, "counters": counters, "counters_passed": passed, "routing_check": routing,
+            "precision": precision}
+
+
+# The family matrix's columns: the detkit-mode checks, in the order they run.
+MATRIX_CHECKS = ("strict", "batch_invariance", "padding", "trainer_vs_rollout", "decode_vs_trainer", "generate",
+                 "routing", "backward_repeat", "counters")
+
+
+def _short(text: str, limit: int = 110) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def matrix_cell(result: dict, check: str) -> str:
+    """pass / FAIL with the first reason / "n/a" (no MoE layer for routing) / "error: ..." for one family x check;
+    generate and routing carry the differing count beside default mode's."""
+    if "error" in result:
+        return "error"
+    if check == "counters":
+        if result["counters_passed"]:
+            return "pass"
+        misses = {**result["routing_check"].get("gemm_not_routed", {}), **result["routing_check"].get(
+            "moe_not_routed", {})}
+        return "FAIL: " + _short(next(iter(misses), "no MoE block on detkit's layer"))
+    entries = [e for e in result["drift"] if e["check"] == check]
+    ours = [e for e in entries if e["mode"] == "detkit"]
+    if not ours:
+        return "n/a"
+    if check == "strict":
+        refusals = ours[0]["refusals"]
+        if not refusals:
+            return "pass"
+        first = next(iter(refusals.values())).split("cannot run on a detkit kernel: ", 1)[-1]
+        return f"FAIL ({len(refusals)} check(s) refused): " + _short(first)
+    failed = [e for e in ours if not e["passed"]]
+    verdict = "pass" if not failed else "FAIL"
+    if check in ("generate", "routing"):
+        theirs = [e for e in entries if e["mode"] == "default"]
+        what = "decisions" if check == "routing" else "log-probs"
+        count = lambda es: f"{sum(e['mismatches'] for e in es)}/{sum(e['elements'] for e in es)}"  # noqa: E731
+        reason = next((e["reason"] for e in failed if e.get("reason")), None)
+        return (f"{verdict}: {count(ours)} {what} differ (default mode: {count(theirs)})"
+                + (f"; {_short(reason)}" if reason else ""))
+    if not failed:
+        return "pass"
+    e = failed[0]
+    if e.get("reason"):
+        return "FAIL: " + _short(e["reason"])
+    return f"FAIL: {e['mismatches']}/{e['elements']} differ" + (
+        f", first at {e['first_divergence']}" if e.get("first_divergence") else "")
+
+
+def merge_matrix_reports(out_dir: Path, parts: list[Path]) -> None:
+    """One family matrix from the model.json of several matrix runs (tools/gpu/model_families.sh runs a family per
+    process); a part without one (its run stopped before a model finished) is listed as such."""
+    results, plan, backend = [], None, "cuda_sm90"
+    for part in parts:
+        path = part / "model.json"
+        if not path.is_file():
+            results.append({"spec": part.name, "family": part.name, "error": f"no {path} (the run did not finish)"})
+            continue
+        data = json.loads(path.read_text())
+        results += data["models"]
+        plan, backend = data.get("plan", plan), data.get("backend", backend)
+    write_matrix_report(out_dir, results, plan, backend)
+
+
+def write_matrix_report(out_dir: Path, results: list[dict], plan: Plan | dict | None, backend: str) -> None:
+    """model.md / model.json of a family matrix: the family x check table, what each family misses and why, then
+    every model's ops on torch."""
+    from tabulate import tabulate
+
+    table = [{"family": r["family"], "preset": r["spec"], **{c: matrix_cell(r, c) for c in MATRIX_CHECKS},
+              "seconds": r.get("seconds")} for r in results]
+    where = ("CPU, Triton interpreter (not a hardware result)" if backend == "triton_interpreter" else backend)
+    plan = plan.__dict__ if isinstance(plan, Plan) else plan
+    lines = ["# Model audit: family matrix (detkit mode; default mode's counts beside generate and routing)", "",
+             f"- backend: {where}", f"- plan: {plan}", "",
+             tabulate(table, headers="keys", tablefmt="github"), "", "## Missing, with the reason", ""]
+    missing = [f"- {r['spec']}: {gap}" for r in results for gap in r.get("meta", {}).get("gaps", [])]
+    missing += [f"- {r['spec']}: could not be audited: {r['error']}" for r in results if "error" in r]
+    lines += missing or ["- none"]
+    lines += ["", "## Ops on torch in detkit mode (op: reason: calls)", ""]
+    for r in results:
+        if "error" in r:
+            continue
+        lines += [f"- {r['spec']}: " + ("none" if not r["counters"]["not_routed"] else "; ".join(
+            f"{k}: {n}" for k, n in r["counters"]["not_routed"].items()))]
+    lines += ["", "## Not covered", ""] + [f"- {item}" for item in NOT_COVERED]
+    atomic_write_text(out_dir / "model.md", "\n".join(lines) + "\n")
+    atomic_write_text(out_dir / "model.json", json.dumps({"backend": backend, "plan": plan, "matrix": table,
+                                                          "models": results}, indent=2, default=str) + "\n")
 
 
 def write_model_report(out_dir: Path, meta: dict, drift: list[dict], counters: dict,

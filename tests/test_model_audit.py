@@ -92,15 +92,17 @@ def test_the_plugin_yields_its_rows_and_writes_the_model_report(device, config_f
     for row in rows:
         by_check.setdefault(row.check, []).append(row)
     assert set(by_check) == {"model", "default_drift", "batch_invariance", "padding", "trainer_vs_rollout",
-                             "decode_vs_trainer", "backward_repeat", "counters"}
+                             "decode_vs_trainer", "generate", "backward_repeat", "strict", "counters"}
     assert all(r.passed for r in by_check["default_drift"])  # informational
     for check in ("batch_invariance", "trainer_vs_rollout", "backward_repeat", "counters"):
         assert all(r.passed for r in by_check[check]), [r.details for r in by_check[check]]
     decode = by_check["decode_vs_trainer"]
     assert len(decode) == 2
-    if attention_module() is None:
-        assert not any(r.passed for r in decode)
+    if attention_module() is None:  # decode and generate fail while attention runs on torch
+        assert not any(r.passed for r in decode + by_check["generate"])
         assert all("no detkit attention kernel" in json.dumps(r.details["attention_not_routed"]) for r in decode)
+    else:
+        assert all(r.passed for r in decode + by_check["generate"] + by_check["strict"])
     counters = by_check["counters"][0].details
     assert counters["routed"]["mm -> det_gemm_fwd"] > 0 and counters["gemm_not_routed"] == {}
     report = (tmp_path / "model.md").read_text()
@@ -129,10 +131,12 @@ def test_the_plugin_runs_every_check_on_a_tiny_moe_model(device, tmp_path, monke
     assert by_check["model"][0].details["moe"]["experts"] == 8
     checks = ["batch_invariance", "padding", "trainer_vs_rollout", "backward_repeat", "counters"]
     if attention_module() is not None:
-        checks.append("decode_vs_trainer")
+        checks += ["decode_vs_trainer", "generate", "routing", "strict"]
     for check in checks:
         assert by_check[check] and all(r.passed for r in by_check[check]), [r.details for r in by_check[check]]
     assert "router aux loss" in by_check["backward_repeat"][0].details["case"]
+    assert by_check["routing"][0].details["decisions"] == sum(n + SMALL_PLAN.gen_len - 1
+                                                              for n in SMALL_PLAN.prompt_lens())  # 1 MoE layer
     counters = by_check["counters"][0].details
     assert counters["moe_experts_routed"] > 0 and counters["moe_not_routed"] == {}
     assert "MoE:" in (tmp_path / "model.md").read_text()

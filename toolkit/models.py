@@ -4,10 +4,12 @@ block's forward and backward.
 
 The model: transformers' Qwen3 built from a config with random weights in BF16 -- on cuda the Qwen3-8B widths with
 2 layers, on cpu a tiny config for the Triton interpreter -- or the model named by ``DETKIT_MODEL_CONFIG``: a preset
-name (``MODEL_PRESETS``), a JSON config file, or a checkpoint directory read with local_files_only (nothing is ever
-downloaded). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the default, or ``fp8``) is the mode's ``moe_experts``;
-``DETKIT_MODEL_FP8_GRAPH_WEIGHTS`` (``quantize``, the default, or ``static``) its ``fp8_graph_weights``. transformers
-is imported when a model is built, not with the CLI.
+name (``MODEL_PRESETS``: per family of ``FAMILIES`` real widths with 2 layers and a tiny config, each with the
+attention implementation it is built with and what detkit does not cover in it yet), a JSON config file, or a
+checkpoint directory read with local_files_only (nothing is ever downloaded); for the audit also ``families``, a
+family name or a list (``model_specs``). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the default, or ``fp8``) is the
+mode's ``moe_experts``; ``DETKIT_MODEL_FP8_GRAPH_WEIGHTS`` (``quantize``, the default, or ``static``) its
+``fp8_graph_weights``. transformers is imported when a model is built, not with the CLI.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import inspect
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,14 +55,214 @@ QWEN3_MOE_TINY = dict(QWEN3_MOE_30B_A3B_WIDTHS, hidden_size=64, intermediate_siz
 # The CPU MoE config for FP8 experts (H and I multiples of 128): hidden 128, 4 experts of 128, top-2, 1 layer.
 QWEN3_MOE_TINY_128 = dict(QWEN3_MOE_TINY, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
                           num_experts=4, num_experts_per_tok=2, num_hidden_layers=1)
-# DETKIT_MODEL_CONFIG=<name> (or the model bench's --preset <name>): (model_type, config fields, description).
+# ---------------------------------------------------------------------------------------------
+# The families of the model audit's matrix: real widths with 2 layers (cuda) and a tiny config (cpu, interpreter)
+# ---------------------------------------------------------------------------------------------
+# Tiny configs share these: head_dim 64 (one the attention kernel supports) unless the family's own is wider, and
+# token ids the tiny vocab holds (some configs' defaults, e.g. Phi-3's pad 32000, are past a vocab of 256).
+TINY_COMMON = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                   vocab_size=256, num_hidden_layers=2, max_position_embeddings=512, tie_word_embeddings=False,
+                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# Windows: the real models' windows (Mistral-7B-v0.1 4096, Gemma-2 4096, Gemma-3 1024, gpt-oss 128) are past the
+# audit's sequences except gpt-oss's, so the presets take 128 on cuda (256-token sequences cross it) and 4 on cpu
+# (the decode steps run past it): the window is exercised, its width is not the model's.
+GPU_WINDOW, TINY_WINDOW = 128, 4
+MIXED_LAYERS = ["sliding_attention", "full_attention"]
+# Llama-3-8B: hidden 4096, intermediate 14336, 32 query / 8 KV heads of 128, vocab 128256, rope theta 500000.
+LLAMA3_8B_WIDTHS = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=128, vocab_size=128256, num_hidden_layers=2, rms_norm_eps=1e-5, rope_theta=500000.0,
+                        max_position_embeddings=8192, tie_word_embeddings=False)
+# Qwen2.5-7B: hidden 3584, intermediate 18944, 28 query / 4 KV heads of 128, q/k/v with biases, vocab 152064.
+QWEN25_7B_WIDTHS = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                        head_dim=128, vocab_size=152064, num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=1e6,
+                        max_position_embeddings=32768, tie_word_embeddings=False, use_sliding_window=False)
+# Mistral-7B-v0.1: hidden 4096, intermediate 14336, 32 query / 8 KV heads of 128, vocab 32000, every layer sliding.
+MISTRAL_7B_WIDTHS = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, vocab_size=32000, num_hidden_layers=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=32768, tie_word_embeddings=False, sliding_window=GPU_WINDOW)
+# Gemma-2-9B: hidden 3584, intermediate 14336, 16 query / 8 KV heads of 256, vocab 256000, attention logits capped
+# at 50 and final logits at 30, sliding and global layers alternating. transformers' Gemma-2 has no sdpa path (it
+# does not cap): attn_implementation="detkit".
+GEMMA2_9B_WIDTHS = dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=256, vocab_size=256000, num_hidden_layers=2, query_pre_attn_scalar=256,
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=GPU_WINDOW,
+                        layer_types=MIXED_LAYERS, max_position_embeddings=8192)
+# Gemma-3-12B (text): hidden 3840, intermediate 15360, 16 query / 8 KV heads of 256, q/k norms, vocab 262208, a
+# sliding layer then a global one (the model has 5 sliding per global).
+GEMMA3_12B_WIDTHS = dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16, num_key_value_heads=8,
+                         head_dim=256, vocab_size=262208, num_hidden_layers=2, query_pre_attn_scalar=256,
+                         sliding_window=GPU_WINDOW, layer_types=MIXED_LAYERS, max_position_embeddings=32768)
+# Phi-3-medium (128k's widths, no rope scaling): hidden 5120, intermediate 17920, 40 query / 10 KV heads of 128
+# (fused qkv_proj and gate_up_proj), vocab 32064. Phi-3-mini's head dim, 96, is not one the attention kernel has.
+PHI3_MEDIUM_WIDTHS = dict(hidden_size=5120, intermediate_size=17920, num_attention_heads=40, num_key_value_heads=10,
+                          vocab_size=32064, num_hidden_layers=2, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                          tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# OLMo-2-7B: hidden 4096, intermediate 11008, 32 heads of 128 (no GQA), q/k norms over the whole projection, the
+# norms after attention and MLP, vocab 100352.
+OLMO2_7B_WIDTHS = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+                       vocab_size=100352, num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=500000.0,
+                       max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=1, bos_token_id=None,
+                       eos_token_id=2)
+# gpt-oss-20b: hidden 2880, 64 query / 8 KV heads of 64 with sinks, a 128-token window on every other layer, 32
+# experts of 2880 (clamped SwiGLU with biases), top-4, vocab 201088. No sdpa path (sinks): "detkit".
+GPT_OSS_20B_WIDTHS = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                          head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+                          num_hidden_layers=2, sliding_window=128, layer_types=MIXED_LAYERS,
+                          max_position_embeddings=131072, tie_word_embeddings=False, pad_token_id=0,
+                          eos_token_id=2, router_aux_loss_coef=0.9)
+# DeepSeek-V3, scaled to one GPU: its widths (hidden 7168, MLA with q rank 1536, kv rank 512, 128 heads of qk
+# 128 + 64 rope and v 128, experts of 2048, top-8 in 4 of 8 groups, one shared expert, an FP32 router with a
+# score-correction bias, vocab 129280), 2 layers (a dense one, first_k_dense_replace 1, then a MoE one), and 64
+# routed experts instead of 256.
+DEEPSEEK_V3_SCALED = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=64,
+                          n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, norm_topk_prob=True,
+                          routed_scaling_factor=2.5, first_k_dense_replace=1, num_attention_heads=128,
+                          num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                          qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280, num_hidden_layers=2,
+                          rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# Mixtral-8x7B: hidden 4096, 8 experts of 14336, top-2, 32 query / 8 KV heads of 128, vocab 32000.
+MIXTRAL_8X7B_WIDTHS = dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000,
+                           num_hidden_layers=2, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=32768,
+                           tie_word_embeddings=False, sliding_window=None, router_aux_loss_coef=0.02)
+# GLM-4.5-Air (GLM-4-MoE): hidden 4096, 96 query / 8 KV heads of 128 with q/k/v biases and half-rotary, 128
+# experts of 1408, top-8, one shared expert, sigmoid router with a correction bias, vocab 151552; 2 layers (a dense
+# one, first_k_dense_replace 1, then a MoE one).
+GLM4_MOE_AIR_WIDTHS = dict(hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                           n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+                           norm_topk_prob=True, routed_scaling_factor=1.0, first_k_dense_replace=1,
+                           num_attention_heads=96, num_key_value_heads=8, head_dim=128, partial_rotary_factor=0.5,
+                           attention_bias=True, use_qk_norm=False, vocab_size=151552, num_hidden_layers=2,
+                           rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+TINY_MOE = dict(TINY_COMMON, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts_per_tok=2)
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A model the audit and bench can build: transformers' ``model_type`` with ``fields`` (random init, BF16), the
+    attention implementation it is built with ("sdpa", or "detkit" for a model without transformers' sdpa path),
+    and what detkit does not cover in it yet (``gaps``: reported with the results, never hiding them)."""
+
+    model_type: str
+    fields: dict
+    description: str
+    attn_implementation: str = "sdpa"
+    gaps: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.attn_implementation not in ("sdpa", "detkit"):
+            raise ValueError(f"attn_implementation {self.attn_implementation!r}; supported: 'sdpa', 'detkit'")
+
+
+MLA_GAP = ("attention: DeepSeek-V3's MLA has a value head dim (v_head_dim) other than its query/key head dim "
+           "(qk_nope_head_dim + qk_rope_head_dim); detkit.kernels.attention takes one head dim and refuses it by name")
+# DETKIT_MODEL_CONFIG=<name> (or the model bench's --preset <name>).
 MODEL_PRESETS = {
-    "qwen3-8b": ("qwen3", QWEN3_8B_WIDTHS, "Qwen3 8B widths"),
-    "qwen3-tiny": ("qwen3", QWEN3_TINY, "Qwen3 tiny"),
-    "qwen3-moe-30b-a3b": ("qwen3_moe", QWEN3_MOE_30B_A3B_WIDTHS, "Qwen3-MoE 30B-A3B widths"),
-    "qwen3-moe-tiny": ("qwen3_moe", QWEN3_MOE_TINY, "Qwen3-MoE tiny"),
-    "qwen3-moe-tiny-128": ("qwen3_moe", QWEN3_MOE_TINY_128, "Qwen3-MoE tiny, H = I = 128 (FP8-capable)"),
+    "qwen3-8b": ModelPreset("qwen3", QWEN3_8B_WIDTHS, "Qwen3 8B widths"),
+    "qwen3-tiny": ModelPreset("qwen3", QWEN3_TINY, "Qwen3 tiny"),
+    "qwen3-moe-30b-a3b": ModelPreset("qwen3_moe", QWEN3_MOE_30B_A3B_WIDTHS, "Qwen3-MoE 30B-A3B widths"),
+    "qwen3-moe-tiny": ModelPreset("qwen3_moe", QWEN3_MOE_TINY, "Qwen3-MoE tiny"),
+    "qwen3-moe-tiny-128": ModelPreset("qwen3_moe", QWEN3_MOE_TINY_128, "Qwen3-MoE tiny, H = I = 128 (FP8-capable)"),
+    "llama3-8b": ModelPreset("llama", LLAMA3_8B_WIDTHS, "Llama-3 8B widths"),
+    "llama3-tiny": ModelPreset("llama", dict(TINY_COMMON, rope_theta=500000.0), "Llama-3 tiny"),
+    "qwen2.5-7b": ModelPreset("qwen2", QWEN25_7B_WIDTHS, "Qwen2.5 7B widths (q/k/v biases)"),
+    "qwen2.5-tiny": ModelPreset("qwen2", dict(TINY_COMMON, use_sliding_window=False), "Qwen2.5 tiny (q/k/v biases)"),
+    "mistral-7b": ModelPreset("mistral", MISTRAL_7B_WIDTHS, f"Mistral-7B-v0.1 widths, sliding window {GPU_WINDOW}"),
+    "mistral-tiny": ModelPreset("mistral", dict(TINY_COMMON, sliding_window=TINY_WINDOW),
+                                f"Mistral tiny, sliding window {TINY_WINDOW}"),
+    "gemma2-9b": ModelPreset("gemma2", GEMMA2_9B_WIDTHS, f"Gemma-2 9B widths, softcaps, window {GPU_WINDOW} / global",
+                             "detkit"),
+    "gemma2-tiny": ModelPreset("gemma2", dict(TINY_COMMON, head_dim=256, query_pre_attn_scalar=256,
+                                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                              sliding_window=TINY_WINDOW, layer_types=MIXED_LAYERS),
+                               f"Gemma-2 tiny, head dim 256, softcaps, window {TINY_WINDOW} / global", "detkit"),
+    "gemma3-12b": ModelPreset("gemma3_text", GEMMA3_12B_WIDTHS, f"Gemma-3 12B widths, window {GPU_WINDOW} / global"),
+    "gemma3-tiny": ModelPreset("gemma3_text", dict(TINY_COMMON, head_dim=256, query_pre_attn_scalar=256,
+                                                   sliding_window=TINY_WINDOW, layer_types=MIXED_LAYERS),
+                               f"Gemma-3 tiny, head dim 256, window {TINY_WINDOW} / global"),
+    "phi3-medium": ModelPreset("phi3", PHI3_MEDIUM_WIDTHS, "Phi-3-medium widths (fused qkv and gate_up)"),
+    "phi3-tiny": ModelPreset("phi3", {k: v for k, v in TINY_COMMON.items() if k != "head_dim"},
+                             "Phi-3 tiny (fused qkv and gate_up)"),
+    "olmo2-7b": ModelPreset("olmo2", OLMO2_7B_WIDTHS, "OLMo-2 7B widths"),
+    "olmo2-tiny": ModelPreset("olmo2", {k: v for k, v in TINY_COMMON.items() if k != "head_dim"}, "OLMo-2 tiny"),
+    "gpt-oss-20b": ModelPreset("gpt_oss", GPT_OSS_20B_WIDTHS, "gpt-oss-20b widths (sinks, window 128 / global, "
+                               "32 experts, top-4)", "detkit"),
+    "gpt-oss-tiny": ModelPreset("gpt_oss", dict(TINY_COMMON, hidden_size=64, intermediate_size=64,
+                                                num_local_experts=4, num_experts_per_tok=2, sliding_window=TINY_WINDOW,
+                                                layer_types=MIXED_LAYERS, router_aux_loss_coef=0.9,
+                                                max_position_embeddings=131072),
+                                f"gpt-oss tiny (sinks, window {TINY_WINDOW} / global, 4 experts, top-2)", "detkit"),
+    "deepseek-v3-scaled": ModelPreset("deepseek_v3", DEEPSEEK_V3_SCALED, "DeepSeek-V3 widths, 64 routed experts "
+                                      "(scaled from 256), a dense and a MoE layer", gaps=(MLA_GAP,)),
+    "deepseek-v3-tiny": ModelPreset("deepseek_v3", dict(TINY_MOE, n_routed_experts=8, n_shared_experts=1, n_group=2,
+                                                        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                                        first_k_dense_replace=1, num_key_value_heads=2,
+                                                        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32,
+                                                        qk_rope_head_dim=32, v_head_dim=32,
+                                                        head_dim=32),  # head_dim: the rope dim, as V3 sets it
+                                    "DeepSeek-V3 tiny (MLA qk 64 / v 32, 8 experts in 2 groups, top-2, a dense and "
+                                    "a MoE layer)", gaps=(MLA_GAP,)),
+    "mixtral-8x7b": ModelPreset("mixtral", MIXTRAL_8X7B_WIDTHS, "Mixtral-8x7B widths"),
+    "mixtral-tiny": ModelPreset("mixtral", dict(TINY_MOE, num_local_experts=4, sliding_window=None,
+                                                router_aux_loss_coef=0.02), "Mixtral tiny (4 experts, top-2)"),
+    "glm4-moe-air": ModelPreset("glm4_moe", GLM4_MOE_AIR_WIDTHS, "GLM-4.5-Air widths (GLM-4-MoE), a dense and a MoE "
+                                "layer"),
+    "glm4-moe-tiny": ModelPreset("glm4_moe", dict(TINY_MOE, n_routed_experts=8, n_shared_experts=1, n_group=1,
+                                                  topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                                                  first_k_dense_replace=1, partial_rotary_factor=0.5,
+                                                  attention_bias=True, use_qk_norm=False),
+                                 "GLM-4-MoE tiny (8 experts, top-2, a dense and a MoE layer)"),
 }
+# The model audit's family matrix (DETKIT_MODEL_CONFIG=families): family -> (real widths, 2 layers: cuda; tiny: cpu).
+FAMILIES = {
+    "llama3": ("llama3-8b", "llama3-tiny"),
+    "qwen2.5": ("qwen2.5-7b", "qwen2.5-tiny"),
+    "qwen3": ("qwen3-8b", "qwen3-tiny"),
+    "qwen3-moe": ("qwen3-moe-30b-a3b", "qwen3-moe-tiny"),
+    "mistral": ("mistral-7b", "mistral-tiny"),
+    "gemma2": ("gemma2-9b", "gemma2-tiny"),
+    "gemma3": ("gemma3-12b", "gemma3-tiny"),
+    "phi3": ("phi3-medium", "phi3-tiny"),
+    "olmo2": ("olmo2-7b", "olmo2-tiny"),
+    "gpt-oss": ("gpt-oss-20b", "gpt-oss-tiny"),
+    "deepseek-v3": ("deepseek-v3-scaled", "deepseek-v3-tiny"),
+    "mixtral": ("mixtral-8x7b", "mixtral-tiny"),
+    "glm4-moe": ("glm4-moe-air", "glm4-moe-tiny"),
+}
+ALL_FAMILIES = "families"  # DETKIT_MODEL_CONFIG=families: every family at the device's size
+
+
+def model_specs(device: torch.device, value: str | None = None) -> list[str]:
+    """The models a DETKIT_MODEL_CONFIG value names, refused before any work when one is unknown: ``families``
+    (every family: real widths on cuda, tiny on cpu), a comma-separated list of presets and family names (a family
+    at the device's size), or one preset / JSON file / checkpoint directory (``model_source`` reads it)."""
+    value = value if value is not None else os.environ.get(CONFIG_ENV)
+    if not value:
+        return ["qwen3-8b" if device.type == "cuda" else "qwen3-tiny"]
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    size = 0 if device.type == "cuda" else 1
+    if len(names) == 1 and names[0] != ALL_FAMILIES:
+        return [FAMILIES[names[0]][size] if names[0] in FAMILIES else names[0]]
+    specs = []
+    for name in names:
+        if name == ALL_FAMILIES:
+            specs += [pair[size] for pair in FAMILIES.values()]
+        elif name in FAMILIES:
+            specs.append(FAMILIES[name][size])
+        elif name in MODEL_PRESETS:
+            specs.append(name)
+        else:
+            raise ValueError(f"{CONFIG_ENV}: {name!r} is neither a preset ({', '.join(MODEL_PRESETS)}), a family "
+                             f"({', '.join(FAMILIES)}) nor {ALL_FAMILIES!r}")
+    return list(dict.fromkeys(specs))
+
+
+def family_of(spec: str) -> str:
+    """The family a preset belongs to (its name for anything else)."""
+    return next((f for f, pair in FAMILIES.items() if spec in pair), spec)
 
 
 def model_source(device: torch.device, spec: str | None = None) -> tuple[object, Path | None, str]:
@@ -69,8 +272,9 @@ def model_source(device: torch.device, spec: str | None = None) -> tuple[object,
 
     spec = spec or os.environ.get(CONFIG_ENV) or ("qwen3-8b" if device.type == "cuda" else "qwen3-tiny")
     if spec in MODEL_PRESETS:
-        model_type, fields, description = MODEL_PRESETS[spec]
-        return AutoConfig.for_model(model_type, **fields), None, f"{description} ({spec}), random init"
+        preset = MODEL_PRESETS[spec]
+        config = AutoConfig.for_model(preset.model_type, **preset.fields)
+        return config, None, f"{preset.description} ({spec}), random init"
     path = Path(spec)
     if path.is_dir():
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -80,27 +284,50 @@ def model_source(device: torch.device, spec: str | None = None) -> tuple[object,
         fields = json.loads(path.read_text())
         model_type = fields.pop("model_type", "qwen3")
         return AutoConfig.for_model(model_type, **fields), None, f"{path} (random init)"
-    raise ValueError(f"{CONFIG_ENV}={spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}), a JSON config file "
-                     "nor a checkpoint directory")
+    raise ValueError(f"{CONFIG_ENV}={spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}), a family or "
+                     f"{ALL_FAMILIES!r} (the audit's matrix: {', '.join(FAMILIES)}), a JSON config file nor a "
+                     "checkpoint directory")
+
+
+def attn_implementation(config, spec: str | None = None) -> str:
+    """The attention implementation a model is built with: its preset's; else "sdpa" where transformers' model class
+    has an sdpa path, "detkit" where it has none (Gemma-2's softcap, gpt-oss's sinks)."""
+    if spec in MODEL_PRESETS:
+        return MODEL_PRESETS[spec].attn_implementation
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", True) else "detkit"
 
 
 def build_model(device: torch.device, seed: int, spec: str | None = None):
-    """The model of ``model_source(device, spec)`` in BF16 on ``device``, SDPA attention, eval mode, and its
-    description."""
+    """The model of ``model_source(device, spec)`` in BF16 on ``device``, eval mode, and its description; attention
+    by ``attn_implementation`` (model.config._attn_implementation says which)."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as exc:
         raise RuntimeError("the model audit and bench need transformers: pip install 'detkit[models]'") from exc
 
     config, weights, description = model_source(device, spec)
+    attn = attn_implementation(config, spec or os.environ.get(CONFIG_ENV))
+    if attn == "detkit":
+        from detkit.mode.attention import register_transformers_attention
+
+        register_transformers_attention()
     torch.manual_seed(seed)
     if weights is not None:
         model = AutoModelForCausalLM.from_pretrained(weights, local_files_only=True, dtype=torch.bfloat16,
-                                                     attn_implementation="sdpa").to(device)
+                                                     attn_implementation=attn).to(device)
     else:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
     return model.eval(), description
+
+
+def experts_modules(model) -> dict[str, torch.nn.Module]:
+    """name -> a MoE layer's experts module (transformers calls it ``experts(hidden [T, H], top_k_index [T, K],
+    top_k_weights)`` in every MoE family: Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3, GLM-4-MoE); empty when dense."""
+    return {name: m for name, m in model.named_modules() if type(m).__name__.endswith("Experts")}
 
 
 def moe_blocks(model) -> list:
