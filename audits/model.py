@@ -243,9 +243,12 @@ def first_divergence(model, run_a: Callable[[], None], select_a, run_b: Callable
 
 def _batch_select(index: int, batch: int, seq: slice | int = slice(None)):
     """Cut row ``index`` of a batch of ``batch`` (a tensor broadcast over the batch, leading dim 1: its only
-    row) at sequence positions ``seq``; None for tensors without a batch dim."""
+    row) at sequence positions ``seq``; None for tensors without a batch dim or too short a second dim for ``seq``
+    (a module's output in another layout: DeepSeek-V3's MLA projections at a decode step)."""
     def select(t):
         if t.dim() < 2 or t.shape[0] not in (batch, 1):
+            return None
+        if isinstance(seq, int) and not -t.shape[1] <= seq < t.shape[1]:
             return None
         return t[index if t.shape[0] == batch else 0, seq]
     return select

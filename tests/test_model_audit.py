@@ -210,3 +210,16 @@ def test_a_decode_only_difference_is_located_at_its_step_and_module(device, conf
     assert not alone.equal and not batch.equal
     assert alone.extra["located_step"] == 1  # token 0 comes from the prefill, unperturbed
     assert alone.extra["first_divergence"] == "model.layers.0.self_attn.o_proj"
+
+
+def test_the_divergence_locator_skips_outputs_it_cannot_cut():
+    """A module output whose second dim is shorter than the position asked for (DeepSeek-V3's MLA projections at a
+    decode step, on an H100) is skipped, not an IndexError that ends the audit."""
+    from detkit.audits.model import _batch_select
+
+    select = _batch_select(2, 4, 63)
+    t = torch.arange(4 * 70 * 3).reshape(4, 70, 3)
+    assert torch.equal(select(t), t[2, 63])
+    assert select(torch.zeros(4, 1, 3)) is None
+    assert select(torch.zeros(3, 70)) is None  # no batch dim of 4 or 1
+    assert torch.equal(_batch_select(0, 4, slice(None))(torch.ones(1, 5)), torch.ones(5))
