@@ -138,30 +138,40 @@ def _original_hf_sdpa():
     return sdpa_attention_forward
 
 
-def _paged_call(attention, module, query, key, value, attention_mask, kwargs):
-    """One continuous-batching call on detkit's packed kernel (mode/paged_attention.py), counted as routed."""
-    out = paged_attention.paged_attention_forward(_function(attention, "attention_varlen"), module, query, key, value,
-                                                  attention_mask, **kwargs)
-    mode_state.routed(CB_OP, KERNEL_VARLEN)
-    return out
-
-
-def _continuous_batching_route(fallback, module, query, key, value, attention_mask, kwargs):
-    """A continuous-batching call (transformers' paged cache) under the mode: detkit's packed kernel, or, for what
-    it refuses, ``fallback`` counted once (strict raises before it runs)."""
+def _kernel_or_fallback(op: str, kernel: str, call, fallback, args: tuple, kwargs: dict):
+    """``call(attention module)`` counted as ``op -> kernel``; where there is no kernel or it refuses the call
+    (NotImplementedError), ``fallback(*args, **kwargs)`` counted once as not routed (strict raises before it runs)."""
     attention = attention_module()
     reason = NO_KERNEL
     if attention is not None:
         try:
-            return _paged_call(attention, module, query, key, value, attention_mask, kwargs)
+            out = call(attention)
         except NotImplementedError as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    mode_state.not_routed(CB_OP, reason)
+        else:
+            mode_state.routed(op, kernel)
+            return out
+    mode_state.not_routed(op, reason)
     _local.passthrough = True  # counted once, here: its SDPA call is not counted again
     try:
-        return fallback(module, query, key, value, attention_mask, **kwargs)
+        return fallback(*args, **kwargs)
     finally:
         _local.passthrough = False
+
+
+def _paged_call(attention, module, query, key, value, attention_mask, kwargs):
+    """One continuous-batching call on detkit's packed kernel (mode/paged_attention.py), uncounted."""
+    return paged_attention.paged_attention_forward(_function(attention, "attention_varlen"), module, query, key, value,
+                                                   attention_mask, **kwargs)
+
+
+def _continuous_batching_route(fallback, module, query, key, value, attention_mask, kwargs):
+    """A continuous-batching call (transformers' paged cache) under the mode: detkit's packed kernel, or, for what
+    it refuses, ``fallback``."""
+    def call(attention):
+        return _paged_call(attention, module, query, key, value, attention_mask, kwargs)
+    return _kernel_or_fallback(CB_OP, KERNEL_VARLEN, call, fallback, (module, query, key, value, attention_mask),
+                               kwargs)
 
 
 @torch._dynamo.disable
@@ -172,22 +182,10 @@ def transformers_sdpa_route(module, query, key, value, attention_mask, **kwargs)
         return fallback(module, query, key, value, attention_mask, **kwargs)
     if paged_attention.is_continuous_batching_call(kwargs):  # 5.24's continuous batching keeps "sdpa"
         return _continuous_batching_route(fallback, module, query, key, value, attention_mask, kwargs)
-    attention = attention_module()
-    reason = NO_KERNEL
-    if attention is not None:
-        try:
-            out = _function(attention, "hf_attention_forward")(module, query, key, value, attention_mask, **kwargs)
-        except NotImplementedError as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        else:
-            mode_state.routed(HF_OP, KERNEL)
-            return out
-    mode_state.not_routed(HF_OP, reason)
-    _local.passthrough = True  # counted once, here: its SDPA call is not counted again
-    try:
-        return fallback(module, query, key, value, attention_mask, **kwargs)
-    finally:
-        _local.passthrough = False
+
+    def call(attention):
+        return _function(attention, "hf_attention_forward")(module, query, key, value, attention_mask, **kwargs)
+    return _kernel_or_fallback(HF_OP, KERNEL, call, fallback, (module, query, key, value, attention_mask), kwargs)
 
 
 @torch._dynamo.disable
@@ -221,7 +219,9 @@ def detkit_attention(module, query, key, value, attention_mask, **kwargs):
     if attention is None:
         raise NotImplementedError(f"attn_implementation='detkit': {NO_KERNEL}")
     if paged_attention.is_continuous_batching_call(kwargs):
-        return _paged_call(attention, module, query, key, value, attention_mask, kwargs)
+        out = _paged_call(attention, module, query, key, value, attention_mask, kwargs)
+        mode_state.routed(CB_OP, KERNEL_VARLEN)
+        return out
     out = _function(attention, "hf_attention_forward")(module, query, key, value, attention_mask, **kwargs)
     mode_state.routed(HF_OP, KERNEL)
     return out

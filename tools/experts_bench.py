@@ -24,6 +24,7 @@ On the CPU (Triton interpreter) the times are emulation: they prove the plumbing
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import sys
@@ -39,6 +40,15 @@ FAMILIES = {
     "deepseek_v3": ((7168, 2048, 64, 8), "DeepSeek-V3 widths, 64 of its 256 experts (one GPU's memory)"),
     "glm4_moe": ((4096, 1408, 128, 8), "GLM-4.5-Air"),
 }
+# family -> (modeling module, experts class, config class, the config's intermediate and expert-count fields)
+EXPERTS_CLASSES = {
+    "qwen3_moe": ("modeling_qwen3_moe", "Qwen3MoeExperts", "Qwen3MoeConfig", "moe_intermediate_size", "num_experts"),
+    "mixtral": ("modeling_mixtral", "MixtralExperts", "MixtralConfig", "intermediate_size", "num_local_experts"),
+    "gpt_oss": ("modeling_gpt_oss", "GptOssExperts", "GptOssConfig", "intermediate_size", "num_local_experts"),
+    "deepseek_v3": ("modeling_deepseek_v3", "DeepseekV3Experts", "DeepseekV3Config", "moe_intermediate_size",
+                    "n_routed_experts"),
+    "glm4_moe": ("modeling_glm4_moe", "Glm4MoeExperts", "Glm4MoeConfig", "moe_intermediate_size", "n_routed_experts"),
+}
 TINY = (64, 32, 4, 2)
 VALIDATE_REL_L2 = 2.0**-6
 
@@ -47,28 +57,12 @@ def build(family: str, widths, device, seed: int = 0):
     import transformers
 
     h, i, e, k = widths
-    if family == "qwen3_moe":
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts as cls
-        config = transformers.Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e,
-                                             num_experts_per_tok=k)
-    elif family == "mixtral":
-        from transformers.models.mixtral.modeling_mixtral import MixtralExperts as cls
-        config = transformers.MixtralConfig(hidden_size=h, intermediate_size=i, num_local_experts=e,
-                                            num_experts_per_tok=k)
-    elif family == "gpt_oss":
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as cls
-        config = transformers.GptOssConfig(hidden_size=h, intermediate_size=i, num_local_experts=e,
-                                           num_experts_per_tok=k)
-    elif family == "deepseek_v3":
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts as cls
-        config = transformers.DeepseekV3Config(hidden_size=h, moe_intermediate_size=i, n_routed_experts=e,
-                                               num_experts_per_tok=k)
-    elif family == "glm4_moe":
-        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeExperts as cls
-        config = transformers.Glm4MoeConfig(hidden_size=h, moe_intermediate_size=i, n_routed_experts=e,
-                                            num_experts_per_tok=k)
-    else:
+    if family not in EXPERTS_CLASSES:
         raise ValueError(f"family {family!r} not supported; supported: {', '.join(FAMILIES)}")
+    module_name, class_name, config_name, inter_field, experts_field = EXPERTS_CLASSES[family]
+    cls = getattr(importlib.import_module(f"transformers.models.{family}.{module_name}"), class_name)
+    config = getattr(transformers, config_name)(hidden_size=h, num_experts_per_tok=k,
+                                                **{inter_field: i, experts_field: e})
     config._experts_implementation = "grouped_mm"
     with torch.device(device):
         module = cls(config).to(torch.bfloat16)
@@ -109,8 +103,7 @@ def fp32_reference(module, x, ids, weights, dout) -> tuple[torch.Tensor, ...]:
     experts (per-expert matmuls, FP32 accumulation throughout): the yardstick when BF16 runs differ."""
     import copy
 
-    ref = copy.deepcopy(module).float()
-    ref.config = copy.copy(module.config)
+    ref = copy.deepcopy(module).float()  # its own config copy too
     ref.config._experts_implementation = "eager"
     calls = fns(ref, x.float(), ids, weights.float(), dout.float())
     out = calls["fwd_bwd"]()
