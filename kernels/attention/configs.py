@@ -68,8 +68,8 @@ class AttnConfigs:
     # Speed only: below this many forward programs, run the split grid and its combine pass (0: never).
     split_grid_below: int = SPLIT_GRID_BELOW
     # Speed only: outside CUDA-graph capture, the split grid needs at least this many keys. Its second launch and
-    # workspace cost host time an eager step spends before the GPU's work is queued (H100: +70-170 us a decode
-    # step, s26 call 3), more than the grid saves below long caches; a captured graph pays no host time.
+    # workspace cost host time an eager step spends before the GPU's work is queued (EAGER_SPLIT_GRID_MIN_KEYS);
+    # a captured graph pays no host time.
     eager_split_grid_min_keys: int = 0
 
     def __post_init__(self):
@@ -99,8 +99,9 @@ def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q
     return heads
 
 
-# sm_90: eager decode steps below this many keys run one pass (s26 call 3, H100, batch 1: one pass 92-180 us of
-# host time against the split grid's 247-316; the split grid's GPU time wins only past ~16k keys there).
+# sm_90: eager decode steps below this many keys run one pass. On an H100 a batch-1/8 step's host time was 247-316 us
+# on the split grid against 100-107 us in one pass, while its GPU time on the split grid was 13-128 us at 1k-8k keys
+# (reports/2026-12-06-h100-s26, calls 3 and 4): an eager step there is bound by the host.
 EAGER_SPLIT_GRID_MIN_KEYS = 16384
 
 
