@@ -14,6 +14,8 @@ Cases, one row each, named ``speed <case> detkit / default``:
   recomputes the captured step). On the CPU there are no graphs: eager wall time, and a step that reads device data
   on the host, which a capture refuses, is refused so;
 - ``forward_backward``: a training forward and a cross-entropy backward of ``plan.train`` (batch, tokens);
+- ``generate``: ``model.generate`` greedy over ``plan.generate`` (batch, prompt tokens, new tokens), every sequence
+  made to run all its new tokens (no end token): a prefill and the eager decode steps, as a user's call runs them;
 - a MoE model also times its first MoE block alone, detkit's layer vs transformers' own block (the experts
   implementation the model was built with), at the token counts of the three cases: ``moe_block_prefill``,
   ``moe_block_decode``, ``moe_block_forward_backward``.
@@ -36,6 +38,7 @@ import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
+import click
 import torch
 import torch.nn.functional as F
 
@@ -45,13 +48,18 @@ NAME = "model"
 DESCRIPTION = ("transformers model speed, detkit mode / default mode: prefill, decode step (eager, CUDA graph), "
                "forward+backward; a MoE model's block vs transformers' own")
 RANKS = "single"
-OPTIONS = ()
+OPTIONS = (
+    click.option("--layers", type=int, default=None,
+                 help="Decoder layers of a random-init model (the preset's layer pattern repeated; default: the "
+                      "preset's, 2 at real widths)."),
+)
 PRESETS = tuple(MODEL_PRESETS)
-MODEL_CASES = ("prefill", "decode_eager", "decode_cuda_graph", "forward_backward")
+MODEL_CASES = ("prefill", "decode_eager", "decode_cuda_graph", "forward_backward", "generate")
 BLOCK_CASES = ("moe_block_prefill", "moe_block_decode", "moe_block_forward_backward")
 # Speed targets (detkit time / default time) of the model cases; the block cases compare with transformers' block
 # and carry none.
-TARGETS = {"prefill": 1.05, "decode_eager": 1.15, "decode_cuda_graph": 1.05, "forward_backward": 1.05}
+TARGETS = {"prefill": 1.05, "decode_eager": 1.15, "decode_cuda_graph": 1.05, "forward_backward": 1.05,
+           "generate": 1.10}
 DEFAULT_ROUNDS = 2
 
 
@@ -65,11 +73,14 @@ class SpeedPlan:
     reps: int  # samples per round of prefill, the decode step and the blocks
     train_reps: int  # samples per round of the forward+backward (each is several forwards' time)
     graph_replays: int  # timed replays per round of the captured decode step
+    generate: tuple[int, int, int]  # (batch, prompt tokens, new tokens) of a generate() call
 
 
-CUDA_PLAN = SpeedPlan(prefill=(4, 512), decode=(8, 1024), train=(4, 512), reps=10, train_reps=5, graph_replays=10)
+CUDA_PLAN = SpeedPlan(prefill=(4, 512), decode=(8, 1024), train=(4, 512), reps=10, train_reps=5, graph_replays=10,
+                      generate=(8, 128, 32))
 # The interpreter emulates every kernel on the CPU: tiny sizes, one sample, the plumbing only.
-CPU_PLAN = SpeedPlan(prefill=(2, 8), decode=(2, 8), train=(2, 8), reps=1, train_reps=1, graph_replays=1)
+CPU_PLAN = SpeedPlan(prefill=(2, 8), decode=(2, 8), train=(2, 8), reps=1, train_reps=1, graph_replays=1,
+                     generate=(2, 4, 2))
 
 
 def row_name(case: str) -> str:
@@ -92,7 +103,7 @@ def _spec(ctx) -> str | None:
     return ctx.presets[0] if ctx.presets else None
 
 
-def cases(ctx, **_) -> list[str]:
+def cases(ctx, layers: int | None = None, **_) -> list[str]:
     """The model cases, and the block cases when the model's config has experts; the model's source and the mode's
     choices are checked here, before any work (the config is read, no model built)."""
     from detkit.toolkit.models import fp8_graph_weights_choice, model_source, moe_experts_choice
@@ -101,7 +112,7 @@ def cases(ctx, **_) -> list[str]:
     moe_experts_choice()
     fp8_graph_weights_choice()
     try:
-        config, _, _ = model_source(ctx.device, spec)
+        config, _, _ = model_source(ctx.device, spec, layers)
     except ImportError as exc:
         raise ValueError(f"the model bench needs transformers ({exc}): pip install 'detkit[models]'") from None
     return [*MODEL_CASES, *(BLOCK_CASES if getattr(config, "num_experts", 0) else ())]
@@ -129,6 +140,7 @@ class ModelBench:
 
         self.prefill_ids, self.train_ids = ids(*self.plan.prefill), ids(*self.plan.train)
         self.prompt, self.token = ids(self.plan.decode[0], self.plan.decode[1]), ids(self.plan.decode[0], 1)
+        self.generate_ids = ids(*self.plan.generate[:2])
 
     def contexts(self) -> dict[str, Callable]:
         """Each mode's context, entered by the timing around that mode's calls."""
@@ -145,6 +157,14 @@ class ModelBench:
         self.model.zero_grad(set_to_none=True)
         logits = self.model(input_ids=self.train_ids, use_cache=False).logits
         F.cross_entropy(logits[:, :-1].float().reshape(-1, self.vocab), self.train_ids[:, 1:].reshape(-1)).backward()
+
+    def generate(self) -> None:
+        new = self.plan.generate[2]
+        with torch.inference_mode():
+            # No end token and min = max new tokens: every call runs the same number of steps in both modes.
+            self.model.generate(input_ids=self.generate_ids, attention_mask=torch.ones_like(self.generate_ids),
+                                max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)
 
     def decode_step(self, mode: str) -> Callable[[], object]:
         """A decode step on a cache of its own, prefilled in ``mode``."""
@@ -199,7 +219,7 @@ class ModelBench:
             fns = self.block_calls(case)
         else:
             fns = {mode: getattr(self, case) for mode in MODES}
-        reps = self.plan.train_reps if case.endswith("forward_backward") else self.plan.reps
+        reps = self.plan.train_reps if case.endswith("forward_backward") or case == "generate" else self.plan.reps
         timings = time_back_to_back(fns, self.device, self.rounds, samples_per_round=reps, contexts=contexts,
                                     range_names=names)
         self.model.zero_grad(set_to_none=True)
@@ -252,17 +272,19 @@ class ModelBench:
             return {"batch": p.prefill[0], "tokens": p.prefill[0] * p.prefill[1], "seq_len": p.prefill[1]}
         if case in ("forward_backward", "moe_block_forward_backward"):
             return {"batch": p.train[0], "tokens": p.train[0] * p.train[1], "seq_len": p.train[1]}
+        if case == "generate":
+            return {"batch": p.generate[0], "seq_len": p.generate[1], "new_tokens": p.generate[2]}
         return {"batch": p.decode[0], "tokens": p.decode[0], "cache_len": p.decode[1]}
 
 
 # ---------------------------------------------------------------------------------------------
 # The plug-in
 # ---------------------------------------------------------------------------------------------
-def run(ctx, cases: list[str], **_) -> Iterator[dict]:
+def run(ctx, cases: list[str], layers: int | None = None, **_) -> Iterator[dict]:
     """Build the model once, then one row per case as soon as it is measured."""
     from detkit.toolkit.models import build_model, fp8_graph_weights_choice, moe_experts_choice
 
-    model, description = build_model(ctx.device, ctx.seed, _spec(ctx))
+    model, description = build_model(ctx.device, ctx.seed, _spec(ctx), layers)
     bench = ModelBench(ctx, model, description, moe_experts_choice(), fp8_graph_weights_choice())
     for case in cases:
         yield bench.measure(case)
@@ -306,3 +328,38 @@ def summarize(rows: list[dict], meta: dict) -> str:
     if failed:
         lines += ["## Failed", ""] + [f"- {r['name']}: {r.get('failure')}" for r in failed] + [""]
     return "\n".join(lines)
+
+
+def merge_speed_reports(out_dir, parts) -> None:
+    """speed.md / speed.json over several bench runs (tools/gpu/model_speed.sh runs one model and depth per process):
+    one line per run, the ratio of each case (detkit / default, medians) with its verdict, a failed row's reason. A
+    part without a report.json (its run stopped early) is listed as not finished."""
+    import json
+    from pathlib import Path
+
+    from tabulate import tabulate
+
+    from detkit.toolkit.records import atomic_write_text
+
+    lines, table, failures = [], [], []
+    for part in map(Path, parts):
+        path = part / "report.json"
+        if not path.is_file():
+            table.append({"run": part.name, "model": f"no {path.name} (the run did not finish)"})
+            continue
+        rows = json.loads(path.read_text())["rows"]
+        line = {"run": part.name, "model": rows[0]["model"] if rows else None}
+        for r in rows:
+            if not r.get("passed"):
+                line[r["case"]] = "failed"
+                failures.append(f"- {part.name} {r['case']}: {r.get('failure')}")
+                continue
+            verdict = "" if r.get("meets_target") is None else (" ok" if r["meets_target"] else " MISS")
+            line[r["case"]] = f"{r['ratio']:.3f}{verdict}"
+        table.append(line)
+    lines += ["# Model speed: detkit mode / default mode (median ratio; ok / MISS against the case's target)", "",
+              f"- targets: {TARGETS}", "", tabulate(table, headers="keys", tablefmt="github"), "",
+              "## Failed rows", "", *(failures or ["- none"])]
+    out_dir = Path(out_dir)
+    atomic_write_text(out_dir / "speed.md", "\n".join(lines) + "\n")
+    atomic_write_text(out_dir / "speed.json", json.dumps({"targets": TARGETS, "runs": table}, indent=2) + "\n")

@@ -27,7 +27,7 @@ from tools import claims  # noqa: E402
 
 ONE_LAYER = dict(models.QWEN3_TINY, num_hidden_layers=1)
 # Tiny sizes on either device: prefill 1 x 4 tokens, decode at batch 2 on a 4-token cache, one sample a round.
-SMALL_PLAN = bench.SpeedPlan((1, 4), (2, 4), (1, 4), reps=1, train_reps=1, graph_replays=1)
+SMALL_PLAN = bench.SpeedPlan((1, 4), (2, 4), (1, 4), reps=1, train_reps=1, graph_replays=1, generate=(2, 3, 2))
 
 
 @pytest.fixture
@@ -68,9 +68,22 @@ def test_cases_follow_the_model_and_bad_input_is_refused_before_any_work(device,
     with pytest.raises(ValueError, match=r"^bench model times one model; got --preset \['qwen3-tiny', "
                                          r"'qwen3-moe-tiny'\]$"):
         bench.cases(context(device, presets=("qwen3-tiny", "qwen3-moe-tiny")))
+    with pytest.raises(ValueError, match=r"^layers 0 is not supported; supported: an int >= 1$"):
+        bench.cases(ctx, layers=0)
     monkeypatch.setenv(models.EXPERTS_ENV, "fp4")
     with pytest.raises(ValueError, match=f"^{models.EXPERTS_ENV}='fp4' is not supported; supported: bf16, fp8$"):
         bench.cases(ctx)
+
+
+def test_layers_repeat_the_presets_layer_pattern(device):
+    """--layers 5 on Gemma-2's 2-layer preset (sliding, full): the pattern repeated, not re-chosen."""
+    config, weights, description = models.model_source(device, "gemma2-tiny", layers=5)
+    assert weights is None and config.num_hidden_layers == 5 and description.endswith(", 5 layers")
+    pattern = models.MODEL_PRESETS["gemma2-tiny"].fields["layer_types"]
+    assert config.layer_types == [pattern[i % len(pattern)] for i in range(5)]
+    assert config.layer_types != [pattern[0]] * 5
+    plain, _, _ = models.model_source(device, "qwen3-tiny", layers=3)
+    assert plain.num_hidden_layers == 3
 
 
 def test_a_run_through_the_cli_writes_the_speed_rows_the_claims_read(device, tiny_config, small_plan, tmp_path,
@@ -94,11 +107,13 @@ def test_a_run_through_the_cli_writes_the_speed_rows_the_claims_read(device, tin
             assert r["meets_target"] is None and r["hardware_result"] is False
         else:
             assert r["meets_target"] == (r["ratio"] <= r["target"]) and r["hardware_result"] is True
-    assert [r["timing"] for r in rows] == ["eager", "eager", "graph", "eager"]
+    assert [r["timing"] for r in rows] == ["eager", "eager", "graph", "eager", "eager"]
+    assert rows[-1]["new_tokens"] == small_plan.generate[2]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["meta"]["command"] == "bench model" and report["meta"]["plan"]["decode"] == [2, 4]
     measured = claims.model_speeds(report)
-    assert measured.text.startswith("; ".join(f"{r['ratio']:.2f}x" for r in rows))
+    claimed = [r for r in rows if r["case"] in claims.MODE_SPEED_TARGETS]
+    assert measured.text.startswith("; ".join(f"{r['ratio']:.2f}x" for r in claimed))
     assert "## Speed (median ms; ratio = detkit / default)" in (tmp_path / "out" / "report.md").read_text()
 
 
@@ -112,7 +127,7 @@ def test_each_mode_is_timed_on_its_own_calls(device, tiny_config, monkeypatch):
             pass
 
     monkeypatch.setattr(bench.ModelBench, "prefill", spin)
-    three = bench.SpeedPlan((1, 4), (1, 4), (1, 4), reps=3, train_reps=1, graph_replays=1)
+    three = bench.SpeedPlan((1, 4), (1, 4), (1, 4), reps=3, train_reps=1, graph_replays=1, generate=(1, 2, 1))
     monkeypatch.setattr(bench, "CPU_PLAN", three)
     monkeypatch.setattr(bench, "CUDA_PLAN", three)
     row = tiny_bench(device, rounds=2).measure("prefill")
@@ -156,3 +171,19 @@ def test_a_moe_models_block_is_timed_on_detkits_layer(device, small_plan, monkey
     assert routing["moe_experts_routed"] > 0 and routing["moe_not_routed"] == routing["moe_other_precision"] == {}
     assert row["baseline"].startswith("transformers' block") and math.isclose(row["ratio"],
                                                                                row["detkit_ms"] / row["default_ms"])
+
+
+def test_the_speed_table_merges_runs_with_their_verdicts_and_failures(tmp_path):
+    """merge_speed_reports: one line per run folder, each case's ratio with ok / MISS against its target as the
+    row recorded it, a failed row's reason listed, a folder without report.json named as not finished."""
+    rows = [{"case": "prefill", "model": "m", "passed": True, "ratio": 1.0234, "meets_target": True},
+            {"case": "generate", "model": "m", "passed": True, "ratio": 1.31, "meets_target": False},
+            {"case": "decode_eager", "model": "m", "passed": False, "failure": "out of memory"}]
+    (tmp_path / "a-L2").mkdir()
+    (tmp_path / "a-L2" / "report.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    bench.merge_speed_reports(tmp_path, [tmp_path / "a-L2", tmp_path / "b-L8"])
+    runs = json.loads((tmp_path / "speed.json").read_text())["runs"]
+    assert runs[0] == {"run": "a-L2", "model": "m", "prefill": "1.023 ok", "generate": "1.310 MISS",
+                       "decode_eager": "failed"}
+    assert runs[1] == {"run": "b-L8", "model": "no report.json (the run did not finish)"}
+    assert "- a-L2 decode_eager: out of memory" in (tmp_path / "speed.md").read_text()

@@ -265,9 +265,30 @@ def family_of(spec: str) -> str:
     return next((f for f, pair in FAMILIES.items() if spec in pair), spec)
 
 
-def model_source(device: torch.device, spec: str | None = None) -> tuple[object, Path | None, str]:
+def with_layers(config, layers: int):
+    """``config`` with ``layers`` decoder layers: a family's layer pattern (``layer_types``: sliding / full
+    attention, and DeepSeek-V3 / GLM-4-MoE's leading dense layers by ``first_k_dense_replace``) repeated, not
+    re-chosen, so 8 layers of a 2-layer preset are its pattern four times."""
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise ValueError(f"layers {layers!r} is not supported; supported: an int >= 1")
+    pattern = getattr(config, "layer_types", None)
+    config.num_hidden_layers = layers
+    if pattern:
+        config.layer_types = [pattern[i % len(pattern)] for i in range(layers)]
+    return config
+
+
+def model_source(device: torch.device, spec: str | None = None,
+                 layers: int | None = None) -> tuple[object, Path | None, str]:
     """(config, checkpoint dir with weights or None, description) of ``spec`` (a preset name, a JSON config file or a
-    checkpoint directory), else of DETKIT_MODEL_CONFIG, else the device's default preset."""
+    checkpoint directory), else of DETKIT_MODEL_CONFIG, else the device's default preset; ``layers`` overrides a
+    random-init model's layer count (``with_layers``)."""
+    if layers is not None:
+        config, weights, description = model_source(device, spec)
+        if weights is not None:
+            raise ValueError(f"layers {layers} with a checkpoint's weights ({weights}) is not supported; supported: "
+                             "a preset or a config file (random init)")
+        return with_layers(config, layers), None, f"{description}, {layers} layers"
     from transformers import AutoConfig
 
     spec = spec or os.environ.get(CONFIG_ENV) or ("qwen3-8b" if device.type == "cuda" else "qwen3-tiny")
@@ -300,15 +321,15 @@ def attn_implementation(config, spec: str | None = None) -> str:
     return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", True) else "detkit"
 
 
-def build_model(device: torch.device, seed: int, spec: str | None = None):
-    """The model of ``model_source(device, spec)`` in BF16 on ``device``, eval mode, and its description; attention
-    by ``attn_implementation`` (model.config._attn_implementation says which)."""
+def build_model(device: torch.device, seed: int, spec: str | None = None, layers: int | None = None):
+    """The model of ``model_source(device, spec, layers)`` in BF16 on ``device``, eval mode, and its description;
+    attention by ``attn_implementation`` (model.config._attn_implementation says which)."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as exc:
         raise RuntimeError("the model audit and bench need transformers: pip install 'detkit[models]'") from exc
 
-    config, weights, description = model_source(device, spec)
+    config, weights, description = model_source(device, spec, layers)
     attn = attn_implementation(config, spec or os.environ.get(CONFIG_ENV))
     if attn == "detkit":
         from detkit.mode.attention import register_transformers_attention
