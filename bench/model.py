@@ -16,9 +16,12 @@ Cases, one row each, named ``speed <case> detkit / default``:
 - ``forward_backward``: a training forward and a cross-entropy backward of ``plan.train`` (batch, tokens);
 - ``generate``: ``model.generate`` greedy over ``plan.generate`` (batch, prompt tokens, new tokens), every sequence
   made to run all its new tokens (no end token): a prefill and the eager decode steps, as a user's call runs them;
-- a MoE model also times its first MoE block alone, detkit's layer vs transformers' own block (the experts
+- a Qwen3-MoE model also times its first MoE block alone, detkit's layer vs transformers' own block (the experts
   implementation the model was built with), at the token counts of the three cases: ``moe_block_prefill``,
   ``moe_block_decode``, ``moe_block_forward_backward``.
+
+Default mode's attention is the fastest a user would otherwise run: flash SDPA forced for "sdpa" models,
+transformers' eager attention for models without an SDPA path (``BASELINE_ATTENTION``; each row says which).
 
 Timing (toolkit.timing): per case, the default-mode and the detkit-mode calls interleaved over ``--rounds`` rounds
 (default 2), each mode entered around its own calls, warm-up excluded. The eager cases by ``time_back_to_back``
@@ -34,6 +37,7 @@ counters over the case: then the time is not detkit's).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -115,12 +119,41 @@ def cases(ctx, layers: int | None = None, **_) -> list[str]:
         config, _, _ = model_source(ctx.device, spec, layers)
     except ImportError as exc:
         raise ValueError(f"the model bench needs transformers ({exc}): pip install 'detkit[models]'") from None
-    return [*MODEL_CASES, *(BLOCK_CASES if getattr(config, "num_experts", 0) else ())]
+    # The block cases time transformers' Qwen3-MoE block against detkit's MoE layer (toolkit.models.moe_blocks).
+    return [*MODEL_CASES, *(BLOCK_CASES if config.model_type == "qwen3_moe" else ())]
 
 
 # ---------------------------------------------------------------------------------------------
 # The timed calls
 # ---------------------------------------------------------------------------------------------
+# Default mode's attention, by the implementation the model was built with: flash SDPA forced where the model runs
+# "sdpa" (left to itself, torch may pick cuDNN attention for a one-query decode and rebuild its plan for every new
+# cache length: tens of ms a step, not what a user would run); transformers' eager attention where the model has no
+# SDPA path and runs "detkit" (Gemma-2's softcap, gpt-oss's sinks), as transformers would run it by default.
+BASELINE_ATTENTION = {"sdpa": "sdpa (flash forced)", "detkit": "eager (transformers')"}
+
+
+@contextlib.contextmanager
+def baseline_attention(model):
+    """Default mode around a bench call: the baseline attention of ``BASELINE_ATTENTION``, the model's own restored
+    after; an implementation the bench has no baseline for is refused by name."""
+    implementation = model.config._attn_implementation
+    if implementation == "sdpa":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            yield
+    elif implementation == "detkit":
+        model.set_attn_implementation("eager")
+        try:
+            yield
+        finally:
+            model.set_attn_implementation("detkit")
+    else:
+        raise ValueError(f"attn_implementation {implementation!r} has no default-mode baseline; supported: "
+                         f"{', '.join(BASELINE_ATTENTION)}")
+
+
 class ModelBench:
     """One model and its inputs; ``measure(case)`` is one row."""
 
@@ -143,11 +176,12 @@ class ModelBench:
         self.generate_ids = ids(*self.plan.generate[:2])
 
     def contexts(self) -> dict[str, Callable]:
-        """Each mode's context, entered by the timing around that mode's calls."""
+        """Each mode's context, entered by the timing around that mode's calls: detkit mode, or default mode on the
+        baseline attention (``baseline_attention``)."""
         from detkit.toolkit.models import mode_context
 
-        return {mode: (lambda mode=mode: mode_context(mode, self.moe_experts, self.fp8_graph_weights))
-                for mode in MODES}
+        return {mode: (lambda mode=mode: mode_context(mode, self.moe_experts, self.fp8_graph_weights)
+                       if mode != "default" else baseline_attention(self.model)) for mode in MODES}
 
     def prefill(self) -> None:
         with torch.inference_mode():
@@ -233,7 +267,8 @@ class ModelBench:
         row = {"name": row_name(case), "case": case, "model": self.description, "moe_experts": self.moe_experts,
                "fp8_graph_weights": self.fp8_graph_weights, "backend": self.ctx.backend,
                "hardware_result": not self.ctx.interpreted, "rounds": self.rounds,
-               "timing": "graph" if case == "decode_cuda_graph" else "eager"}
+               "timing": "graph" if case == "decode_cuda_graph" else "eager",
+               "default_attention": BASELINE_ATTENTION[self.model.config._attn_implementation]}
         row.update(self.shape(case))
         if case in BLOCK_CASES and not moe_blocks(self.model):
             return {**row, "passed": False, "failure": "the model has no transformers Qwen3-MoE block to time"}

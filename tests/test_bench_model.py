@@ -187,3 +187,23 @@ def test_the_speed_table_merges_runs_with_their_verdicts_and_failures(tmp_path):
                        "decode_eager": "failed"}
     assert runs[1] == {"run": "b-L8", "model": "no report.json (the run did not finish)"}
     assert "- a-L2 decode_eager: out of memory" in (tmp_path / "speed.md").read_text()
+
+
+def test_default_mode_runs_the_baseline_attention(device):
+    """Default mode's calls: flash SDPA alone for an "sdpa" model (no math, efficient or cuDNN fallback), and
+    transformers' eager attention for a "detkit" model (Gemma-2), its own implementation restored after."""
+    sdpa_model, _ = models.build_model(device, seed=1, spec="qwen3-tiny", layers=1)
+    with bench.baseline_attention(sdpa_model):
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert not (torch.backends.cuda.math_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
+                    or torch.backends.cuda.cudnn_sdp_enabled())
+    assert torch.backends.cuda.math_sdp_enabled()
+    gemma, _ = models.build_model(device, seed=1, spec="gemma2-tiny", layers=1)
+    with bench.baseline_attention(gemma):
+        assert gemma.config._attn_implementation == "eager"
+    assert gemma.config._attn_implementation == "detkit"
+    gemma.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="^attn_implementation 'flex_attention' has no default-mode baseline; "
+                                         "supported: sdpa, detkit$"):
+        with bench.baseline_attention(gemma):
+            pass
