@@ -115,8 +115,6 @@ NOT_COVERED = (
     "(run to run, not batch-invariant); FP8 weight gradients are not batch-invariant (their 128-row scale blocks "
     "span tokens; run to run they repeat)",
     "the first-divergence hooks compare module outputs; differences in ops between modules show as the next module",
-    "DeepSeek-V3's MLA attention (value head dim other than the query/key head dim): detkit's attention kernel refuses "
-    "it by name, so the family matrix's deepseek-v3 row fails strict and runs its attention on torch (counted)",
 )
 
 

@@ -26,6 +26,10 @@ kernel, ``attention_varlen``), counted as "attention (transformers continuous ba
 transformers' function, counted. Every other implementation in transformers' AttentionInterface (flash, flex,
 "paged|eager") is wrapped while the mode is entered: its calls are counted as not routed (strict raises).
 
+A call whose value head dim differs from its query/key head dim (DeepSeek-V3's MLA) runs zero-padded on the kernel
+(``launch.mixed_head_dims``) and is counted under its own kernel name (``_kernel``: "detkit.attention (qk head dim
+192, v 128: zero-padded)"), so the counters show which calls paid the padding.
+
 ``register_transformers_attention()`` also registers ``"detkit"`` with transformers'
 AttentionInterface (and its mask interface, with SDPA's boolean mask), so a model can be built with
 ``attn_implementation="detkit"`` and use the kernel in or out of the mode; that name never falls back. It registers
@@ -101,6 +105,15 @@ def _function(module, name: str):
     return function
 
 
+def _kernel(name: str, query, value) -> str:
+    """The kernel a call is counted under: ``name``, or for a value head dim other than the query's (MLA, run
+    zero-padded) ``name`` with both head dims."""
+    if (not isinstance(query, torch.Tensor) or not isinstance(value, torch.Tensor) or not query.dim()
+            or not value.dim() or query.shape[-1] == value.shape[-1]):
+        return name
+    return f"{name} (qk head dim {query.shape[-1]}, v {value.shape[-1]}: zero-padded)"
+
+
 def _mask_reason(query: torch.Tensor, attn_mask) -> str | None:
     if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] != query.shape[-2]:
         return (f"attn_mask has {attn_mask.shape[-2]} row(s) for {query.shape[-2]} queries (a mask broadcast over "
@@ -128,7 +141,7 @@ def sdpa_route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
                               scale=scale, enable_gqa=enable_gqa)
     out = _function(module, "sdpa")(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                     scale=scale, enable_gqa=enable_gqa)
-    mode_state.routed(SDPA_OP, KERNEL)
+    mode_state.routed(SDPA_OP, _kernel(KERNEL, query, value))
     return out
 
 
@@ -170,8 +183,8 @@ def _continuous_batching_route(fallback, module, query, key, value, attention_ma
     it refuses, ``fallback``."""
     def call(attention):
         return _paged_call(attention, module, query, key, value, attention_mask, kwargs)
-    return _kernel_or_fallback(CB_OP, KERNEL_VARLEN, call, fallback, (module, query, key, value, attention_mask),
-                               kwargs)
+    return _kernel_or_fallback(CB_OP, _kernel(KERNEL_VARLEN, query, value), call, fallback,
+                               (module, query, key, value, attention_mask), kwargs)
 
 
 @torch._dynamo.disable
@@ -185,7 +198,8 @@ def transformers_sdpa_route(module, query, key, value, attention_mask, **kwargs)
 
     def call(attention):
         return _function(attention, "hf_attention_forward")(module, query, key, value, attention_mask, **kwargs)
-    return _kernel_or_fallback(HF_OP, KERNEL, call, fallback, (module, query, key, value, attention_mask), kwargs)
+    return _kernel_or_fallback(HF_OP, _kernel(KERNEL, query, value), call, fallback,
+                               (module, query, key, value, attention_mask), kwargs)
 
 
 @torch._dynamo.disable
@@ -220,10 +234,10 @@ def detkit_attention(module, query, key, value, attention_mask, **kwargs):
         raise NotImplementedError(f"attn_implementation='detkit': {NO_KERNEL}")
     if paged_attention.is_continuous_batching_call(kwargs):
         out = _paged_call(attention, module, query, key, value, attention_mask, kwargs)
-        mode_state.routed(CB_OP, KERNEL_VARLEN)
+        mode_state.routed(CB_OP, _kernel(KERNEL_VARLEN, query, value))
         return out
     out = _function(attention, "hf_attention_forward")(module, query, key, value, attention_mask, **kwargs)
-    mode_state.routed(HF_OP, KERNEL)
+    mode_state.routed(HF_OP, _kernel(KERNEL, query, value))
     return out
 
 

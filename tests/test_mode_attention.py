@@ -99,6 +99,28 @@ def test_supported_sdpa_calls_run_the_kernel(device, standin):
     assert counts() == {"routed": {"sdpa -> detkit.attention": 1}, "not_routed": {}}
 
 
+def test_a_value_head_dim_other_than_the_querys_is_counted_as_the_padded_kernel(device, standin):
+    """MLA's calls (value head dim 32 with query/key 64) are counted under their own kernel name, through the sdpa
+    route and transformers' route alike; a call with one head dim keeps the plain name."""
+    q, k, v = qkv(device)
+    v = v[..., :32]
+    padded = "detkit.attention (qk head dim 64, v 32: zero-padded)"
+
+    class Attn(torch.nn.Module):
+        is_causal = True
+
+    with detkit.batch_invariant_mode():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        mode_attention.transformers_sdpa_route(Attn(), q, k, v, None)
+        F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+    assert compare_bits(out, _plain_attention(q, k, v, is_causal=True)).equal
+    # (the stand-in's torch SDPA runs its math backend for Dv != D on the CPU: its bmm calls are counted too)
+    attention = {key: n for key, n in counts()["routed"].items() if "attention" in key}
+    assert attention == {f"sdpa -> {padded}": 1, f"attention (transformers) -> {padded}": 1,
+                         "sdpa -> detkit.attention": 1}
+    assert counts()["not_routed"] == {}
+
+
 def test_unsupported_sdpa_calls_run_on_torch_counted_or_raise_under_strict(device, standin):
     q, k, v = qkv(device, dtype=torch.float32)
     with detkit.batch_invariant_mode():

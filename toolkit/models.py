@@ -157,8 +157,6 @@ class ModelPreset:
             raise ValueError(f"attn_implementation {self.attn_implementation!r}; supported: 'sdpa', 'detkit'")
 
 
-MLA_GAP = ("attention: DeepSeek-V3's MLA has a value head dim (v_head_dim) other than its query/key head dim "
-           "(qk_nope_head_dim + qk_rope_head_dim); detkit.kernels.attention takes one head dim and refuses it by name")
 # DETKIT_MODEL_CONFIG=<name> (or the model bench's --preset <name>).
 MODEL_PRESETS = {
     "qwen3-8b": ModelPreset("qwen3", QWEN3_8B_WIDTHS, "Qwen3 8B widths"),
@@ -196,7 +194,7 @@ MODEL_PRESETS = {
                                                 max_position_embeddings=131072),
                                 f"gpt-oss tiny (sinks, window {TINY_WINDOW} / global, 4 experts, top-2)", "detkit"),
     "deepseek-v3-scaled": ModelPreset("deepseek_v3", DEEPSEEK_V3_SCALED, "DeepSeek-V3 widths, 64 routed experts "
-                                      "(scaled from 256), a dense and a MoE layer", gaps=(MLA_GAP,)),
+                                      "(scaled from 256), a dense and a MoE layer"),
     "deepseek-v3-tiny": ModelPreset("deepseek_v3", dict(TINY_MOE, n_routed_experts=8, n_shared_experts=1, n_group=2,
                                                         topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
                                                         first_k_dense_replace=1, num_key_value_heads=2,
@@ -204,7 +202,7 @@ MODEL_PRESETS = {
                                                         qk_rope_head_dim=32, v_head_dim=32,
                                                         head_dim=32),  # head_dim: the rope dim, as V3 sets it
                                     "DeepSeek-V3 tiny (MLA qk 64 / v 32, 8 experts in 2 groups, top-2, a dense and "
-                                    "a MoE layer)", gaps=(MLA_GAP,)),
+                                    "a MoE layer)"),
     "mixtral-8x7b": ModelPreset("mixtral", MIXTRAL_8X7B_WIDTHS, "Mixtral-8x7B widths"),
     "mixtral-tiny": ModelPreset("mixtral", dict(TINY_MOE, num_local_experts=4, sliding_window=None,
                                                 router_aux_loss_coef=0.02), "Mixtral tiny (4 experts, top-2)"),

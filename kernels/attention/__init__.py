@@ -1,9 +1,9 @@
 """Attention: deterministic, batch-invariant causal GQA attention for Hopper, forward and backward.
 
 Inside: ``configs`` (the pinned tile table), ``kernels`` (the Triton kernels, their math and the invariance rule),
-``names`` (launch names), ``launch`` (checks, launch wrappers, autograd), ``reference`` (pure-torch references and
-the FP64 bounds), ``sdpa`` (adapters: torch's ``scaled_dot_product_attention`` signature and transformers'
-attention-function signature).
+``names`` (launch names), ``launch`` (checks, launch wrappers, autograd, MLA's value head dim run zero-padded),
+``reference`` (pure-torch references and the FP64 bounds), ``sdpa`` (adapters: torch's
+``scaled_dot_product_attention`` signature and transformers' attention-function signature).
 """
 
 from detkit.kernels.attention.configs import HEAD_DIMS, AttnConfig, AttnConfigs

@@ -1,6 +1,7 @@
 """Attention launch wrappers (check, allocate, launch) and the autograd function: ``attention`` for padded batches
-(prefill, chunked prefill, KV-cache decode) and ``attention_varlen`` for packed sequences. The kernels, their math
-and the invariance rule are in kernels.py; the tiles in configs.py."""
+(prefill, chunked prefill, KV-cache decode) and ``attention_varlen`` for packed sequences, and ``mixed_head_dims``,
+which runs a value head dim other than the query/key head dim (MLA) on the kernels' one head dim. The kernels,
+their math and the invariance rule are in kernels.py; the tiles in configs.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from detkit.kernels.attention.configs import HEAD_DIMS, AttnConfigs, fwd_heads, heads_per_tile, select_configs
@@ -126,18 +128,35 @@ def _check_bounds_tensor(name: str, t, batch: int, device: torch.device) -> None
         raise ValueError(f"{name} must be contiguous; got strides {t.stride()}")
 
 
+def kernel_head_dim(head_dim_qk: int, head_dim_v: int) -> int:
+    """The head dim D the kernels run for a query/key head dim and a value head dim: the common one, which must be in
+    HEAD_DIMS; for two different ones (MLA: DeepSeek-V3's qk 192 and v 128) the smallest of HEAD_DIMS at least as
+    wide as both, to which ``mixed_head_dims`` zero-pads. A ValueError (one line) otherwise."""
+    if head_dim_qk == head_dim_v:
+        if head_dim_qk not in HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim_qk} is not supported; supported: {HEAD_DIMS}")
+        return head_dim_qk
+    widest = max(head_dim_qk, head_dim_v)
+    if widest > HEAD_DIMS[-1]:
+        raise ValueError(f"query/key head dim {head_dim_qk} with value head dim {head_dim_v} is not supported; "
+                         f"supported: one head dim in {HEAD_DIMS}, or two different ones of at most {HEAD_DIMS[-1]} "
+                         "each (zero-padded to the next of those)")
+    return next(d for d in HEAD_DIMS if d >= widest)
+
+
 def check_padded(q, k, v, kv_start=None, kv_end=None) -> tuple[int, int, int, int, int, int]:
-    """Refuse what the padded layout does not support; returns (B, Hq, Hkv, Sq, Skv, D)."""
+    """Refuse what the padded layout does not support; returns (B, Hq, Hkv, Sq, Skv, D), D the query/key head dim
+    (v's may differ: ``kernel_head_dim``)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 4)
     batch, heads_q, seq_q, head_dim = q.shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape [B, Hkv, Skv, D]")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape [B, Hkv, Skv] before "
+                         "the head dim")
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)}: need k [B, Hkv, Skv, D] with q's "
                          "B and D")
+    kernel_head_dim(head_dim, v.shape[3])
     heads_kv, seq_k = k.shape[1], k.shape[2]
     if heads_q % heads_kv:
         raise ValueError(f"query heads {heads_q} are not a multiple of key/value heads {heads_kv} (GQA needs "
@@ -151,14 +170,14 @@ def check_padded(q, k, v, kv_start=None, kv_end=None) -> tuple[int, int, int, in
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple[int, int, int, int]:
     """Refuse what the packed layout does not support; reads cu_seqlens on the host (one sync). Returns
-    (n sequences, Hq, Hkv, D)."""
+    (n sequences, Hq, Hkv, D), D the query/key head dim (v's may differ: ``kernel_head_dim``)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 3)
     total_q, heads_q, head_dim = q.shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
-    if k.shape != v.shape or k.shape[2] != head_dim:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [Tk, Hkv, D] with q's D {head_dim}")
+    if k.shape[:2] != v.shape[:2] or k.shape[2] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [Tk, Hkv, D] and [Tk, Hkv, Dv] with "
+                         f"q's D {head_dim}")
+    kernel_head_dim(head_dim, v.shape[2])
     total_k, heads_kv = k.shape[0], k.shape[1]
     if heads_q % heads_kv:
         raise ValueError(f"query heads {heads_q} are not a multiple of key/value heads {heads_kv} (GQA needs "
@@ -400,6 +419,8 @@ class _AttentionFunction(torch.autograd.Function):
 
 def _run(q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None, logits: Logits = Logits()
          ) -> torch.Tensor:
+    if v.shape[-1] != q.shape[-1]:
+        return mixed_head_dims(q, k, v, seqs, scale, configs, logits)
     sinks = logits.sinks
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
@@ -407,21 +428,38 @@ def _run(q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None, lo
     return attention_fwd_launch(q, k, v, seqs, scale, configs, logits)[0]
 
 
+def mixed_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Sequences, scale: float,
+                    configs: AttnConfigs | None = None, logits: Logits = Logits()) -> torch.Tensor:
+    """A value head dim Dv other than the query/key head dim Dqk (MLA; checked inputs) on the kernels' head dim
+    D = ``kernel_head_dim(Dqk, Dv)``: q, k and v zero-padded along the head dim to D, the output sliced back to Dv.
+    A zero product adds exactly (x + 0 = x, truncated or not), so the logits are the unpadded dot's terms plus exact
+    zeros and the padded output columns are exact zeros; ``scale`` is the caller's (1/sqrt(Dqk) by default, never
+    1/sqrt(D)). Every path (prefill, decode, chunked, padded, packed, backward) pads alike and so runs the one D's
+    tiles: the invariance rule holds as for D. Autograd runs through the pad (its backward a slice) and the slice
+    (its backward a zero pad): no reduction is added. Costs: the padded copies of q, k and v on every call (a decode
+    step copies its whole cache), D/Dqk the QK work and D/Dv the PV work."""
+    dim = kernel_head_dim(q.shape[-1], v.shape[-1])
+    q, k, v_padded = (t if t.shape[-1] == dim else F.pad(t, (0, dim - t.shape[-1])) for t in (q, k, v))
+    return _run(q, k, v_padded, seqs, scale, configs, logits)[..., :v.shape[-1]]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
               kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None, window: int | None = None,
               softcap: float | None = None, sinks: torch.Tensor | None = None,
               configs: AttnConfigs | None = None) -> torch.Tensor:
-    """Causal GQA attention: q [B, Hq, Sq, D], k, v [B, Hkv, Skv, D] (BF16, head dim contiguous) -> [B, Hq, Sq, D]
-    (stored [B, Sq, Hq, D]). Query i sits at key position kv_end - Sq + i (kv_end = Skv when None) and sees keys
-    kv_start..its own position (kv_start int32 [B], the first valid key: left padding; None = 0). ``kv_end``
-    (int32 [B], one past each sequence's last key: a static cache's filled length) is an extension; queries of
-    padded positions give finite values nobody should read. Autograd gives dq, dk, dv (no atomics). ``window``: a
-    sliding window, query at position p sees keys (p - window, p] (positions in key indices, so decode and prefill
-    agree); with it ``kv_start`` may be negative: the sequence's first key lies -kv_start keys before k's first row
-    (dropped by a sliding-window cache; the key tiles stay anchored there), allowed while no query's window reaches
-    a dropped key (NaN outputs otherwise). ``softcap``: logits z = softcap * tanh(z / softcap) (Gemma-2).
-    ``sinks`` ([Hq], BF16 or FP32, gpt-oss's ``s_aux``): a per-head logit joined to each row's softmax denominator
-    (no value); autograd gives its gradient. ``configs``: tiles other than the pinned table's (tests and sweeps)."""
+    """Causal GQA attention: q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv] (BF16, head dim contiguous)
+    -> [B, Hq, Sq, Dv] (stored [B, Sq, Hq, Dv]). Dv = D runs as it is (D in HEAD_DIMS); another Dv (MLA) runs
+    zero-padded (``mixed_head_dims``; the output a slice of one stored [B, Sq, Hq, kernel_head_dim(D, Dv)]). Query i
+    sits at key position kv_end - Sq + i (kv_end = Skv when None) and sees keys kv_start..its own position (kv_start
+    int32 [B], the first valid key: left padding; None = 0). ``kv_end`` (int32 [B], one past each sequence's last
+    key: a static cache's filled length) is an extension; queries of padded positions give finite values nobody
+    should read. Autograd gives dq, dk, dv (no atomics). ``window``: a sliding window, query at position p sees keys
+    (p - window, p] (positions in key indices, so decode and prefill agree); with it ``kv_start`` may be negative:
+    the sequence's first key lies -kv_start keys before k's first row (dropped by a sliding-window cache; the key
+    tiles stay anchored there), allowed while no query's window reaches a dropped key (NaN outputs otherwise).
+    ``softcap``: logits z = softcap * tanh(z / softcap) (Gemma-2). ``sinks`` ([Hq], BF16 or FP32, gpt-oss's
+    ``s_aux``): a per-head logit joined to each row's softmax denominator (no value); autograd gives its gradient.
+    ``configs``: tiles other than the pinned table's (tests and sweeps)."""
     batch, heads_q, _, seq_q, seq_k, head_dim = check_padded(q, k, v, kv_start, kv_end)
     _check_sinks(sinks, heads_q, q.device)
     seqs = Sequences(False, batch, seq_q, seq_k, kv_start, kv_end, _window_of(window))
@@ -432,10 +470,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, scale: float | None = None,
                      window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      configs: AttnConfigs | None = None) -> torch.Tensor:
-    """Packed sequences: q [Tq, Hq, D], k, v [Tk, Hkv, D]; sequence n is rows cu_seqlens_q[n]..cu_seqlens_q[n+1] of
-    q and cu_seqlens_k[n]..cu_seqlens_k[n+1] of k, its queries the last of its keys (causal, bottom-right). The
-    same bits per token as the padded layout. cu_seqlens are read on the host (checked; one sync). ``window`` as
-    for ``attention``, per sequence; ``softcap``, ``sinks`` as for ``attention``."""
+    """Packed sequences: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] -> [Tq, Hq, Dv]; sequence n is rows
+    cu_seqlens_q[n]..cu_seqlens_q[n+1] of q and cu_seqlens_k[n]..cu_seqlens_k[n+1] of k, its queries the last of its
+    keys (causal, bottom-right). The same bits per token as the padded layout. cu_seqlens are read on the host
+    (checked; one sync). ``window`` as for ``attention``, per sequence; ``softcap``, ``sinks`` and Dv as for
+    ``attention``."""
     n, heads_q, _, head_dim = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_sinks(sinks, heads_q, q.device)
     seqs = Sequences(True, n, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, _window_of(window))

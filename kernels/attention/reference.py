@@ -4,9 +4,9 @@
 inputs, one BF16 rounding of the output (the reference tests and audits compare to). ``attention_oracle`` is the
 same math in FP64 with the exact gradients; ``attention_fwd_bound`` and ``attention_bwd_bound`` give the
 per-element bounds derived in docs/attention.md: every element of the kernels' o, dq, dk, dv lies within them of
-the FP64 oracle. Shapes and semantics as ``attention``: q [B, Hq, Sq, D], k, v [B, Hkv, Skv, D], causal with query
-i at key position kv_end - Sq + i, keys [kv_start, kv_end) visible. Dense [B, Hq, Sq, Skv] intermediates: for
-test and audit shapes.
+the FP64 oracle. Shapes and semantics as ``attention``: q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv]
+(Dv = D, or MLA's other value head dim, computed unpadded), causal with query i at key position kv_end - Sq + i,
+keys [kv_start, kv_end) visible. Dense [B, Hq, Sq, Skv] intermediates: for test and audit shapes.
 """
 
 from __future__ import annotations
@@ -117,12 +117,12 @@ def attention_split_ref(q, k, v, *, split_n: int, block_n: int, scale=None, kv_s
     its tiles in ascending order from the start state (m = -inf, l = 0, acc = 0), the dots adding products in
     ascending order; the splits folded in ascending order (a split that holds none of a row's keys skipped, the
     first taken as it is, the others rescaled to the larger max); then the sink, o = acc / l, one BF16 rounding.
-    [B, Hq, Sq, D]. Its bits equal the interpreter's wherever the exponentials are exact (the kernels' exp2 and row
+    [B, Hq, Sq, Dv]. Its bits equal the interpreter's wherever the exponentials are exact (the kernels' exp2 and row
     sums are numpy's there), and it lies within the FP64 bound everywhere."""
     if split_n % block_n:
         raise ValueError(f"split_n {split_n} must be a multiple of block_n {block_n}")
     batch, heads_q, seq_q, head_dim = q.shape
-    seq_k = k.shape[2]
+    seq_k, head_dim_v = k.shape[2], v.shape[-1]
     visible, bad = visibility(batch, seq_q, seq_k, kv_start, kv_end, q.device, window)
     s = _scale(scale, head_dim)
     # The kernels' FP32 multipliers: scale * log2(e), or with a softcap c, c * log2(e) and scale / c.
@@ -139,7 +139,7 @@ def attention_split_ref(q, k, v, *, split_n: int, block_n: int, scale=None, kv_s
     def fresh():
         return (torch.full((batch, heads_q, seq_q, 1), float("-inf"), device=dev),
                 torch.zeros(batch, heads_q, seq_q, 1, device=dev),
-                torch.zeros(batch, heads_q, seq_q, head_dim, device=dev))
+                torch.zeros(batch, heads_q, seq_q, head_dim_v, device=dev))
 
     m_all, l_all, acc_all = fresh()
     m_i, l_i, acc = fresh()
@@ -147,9 +147,9 @@ def attention_split_ref(q, k, v, *, split_n: int, block_n: int, scale=None, kv_s
         idx = start[:, None] + t * block_n + torch.arange(block_n, device=dev)  # [B, block_n]: the tile's keys
         ok = (idx >= 0) & (idx < seq_k)
         safe = idx.clamp(0, seq_k - 1)
-        gather = safe[:, None, :, None].expand(batch, heads_q, block_n, head_dim)
-        kt = torch.where(ok[:, None, :, None], torch.gather(kx, 2, gather), 0.0)
-        vt = torch.where(ok[:, None, :, None], torch.gather(vx, 2, gather), 0.0)
+        gather = safe[:, None, :, None].expand(batch, heads_q, block_n, max(head_dim, head_dim_v))
+        kt = torch.where(ok[:, None, :, None], torch.gather(kx, 2, gather[..., :head_dim]), 0.0)
+        vt = torch.where(ok[:, None, :, None], torch.gather(vx, 2, gather[..., :head_dim_v]), 0.0)
         vis = torch.gather(visible.expand(batch, 1, seq_q, seq_k), 3,
                            safe[:, None, None, :].expand(batch, 1, seq_q, block_n)) & ok[:, None, None, :]
         qk = _exact_order_dot(qf, kt.transpose(-1, -2), torch.zeros(batch, heads_q, seq_q, block_n, device=dev))
@@ -191,8 +191,8 @@ def attention_split_ref(q, k, v, *, split_n: int, block_n: int, scale=None, kv_s
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                          scale: float | None = None, window: int | None = None, softcap: float | None = None,
                          sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """``attention_varlen`` in pure torch, one sequence at a time: [Tq, Hq, D] BF16."""
-    out = torch.empty_like(q)
+    """``attention_varlen`` in pure torch, one sequence at a time: [Tq, Hq, Dv] BF16."""
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for n in range(len(cq) - 1):
         qs = q[cq[n]:cq[n + 1]].transpose(0, 1)[None]
@@ -209,8 +209,8 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
 
 def attention_oracle(q, k, v, *, scale=None, kv_start=None, kv_end=None, window=None, softcap=None, sinks=None,
                      do=None) -> dict[str, torch.Tensor]:
-    """FP64 from the same BF16 inputs: ``o`` [B, Hq, Sq, D], and with ``do`` the exact ``dq``, ``dk``, ``dv``
-    (the gradients of sum(o * do)), plus the intermediates the bounds use."""
+    """FP64 from the same BF16 inputs: ``o`` [B, Hq, Sq, Dv], and with ``do`` ([B, Hq, Sq, Dv]) the exact ``dq``,
+    ``dk``, ``dv`` (the gradients of sum(o * do)), plus the intermediates the bounds use."""
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
@@ -246,7 +246,7 @@ def attention_oracle(q, k, v, *, scale=None, kv_start=None, kv_end=None, window=
             dk=s * (ds.transpose(-1, -2).reshape(batch, heads_kv, group, seq_k, seq_q).transpose(2, 3)
                     .reshape(batch, heads_kv, seq_k, group * seq_q) @ q64.reshape(*per_kv, head_dim)),
             dv=(w.transpose(-1, -2).reshape(batch, heads_kv, group, seq_k, seq_q).transpose(2, 3)
-                .reshape(batch, heads_kv, seq_k, group * seq_q) @ do64.reshape(*per_kv, head_dim)),
+                .reshape(batch, heads_kv, seq_k, group * seq_q) @ do64.reshape(*per_kv, v.shape[-1])),
         )
     return out
 
@@ -342,7 +342,7 @@ def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, 
     ``block_m``: the smallest key and query tiles of the backward (more tiles means more accumulations; 16 is the
     most conservative); ``split_n``: the forward's keys per split, as for ``attention_fwd_bound``."""
     batch, heads_q, seq_q, head_dim = q.shape
-    heads_kv, seq_k = k.shape[1], k.shape[2]
+    heads_kv, seq_k, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
     group = heads_q // heads_kv
     s = _scale(scale, head_dim)
     oracle = attention_oracle(q, k, v, scale=s, kv_start=kv_start, kv_end=kv_end, window=window, softcap=softcap,
@@ -365,10 +365,11 @@ def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, 
     v_abs, k_abs = _expand_kv(v.double().abs(), heads_q), _expand_kv(k.double().abs(), heads_q)
     b_dp = do64.abs() @ v_abs.transpose(-1, -2)  # sum_d |do||v|
     b_o = fwd["bound"]
-    beta = gamma(head_dim) * ((oracle["o"].abs() + b_o) * do64.abs()).sum(-1, keepdim=True) \
+    # delta = rowsum(o * do) and dP = do . v are dots over the value head dim.
+    beta = gamma(head_dim_v) * ((oracle["o"].abs() + b_o) * do64.abs()).sum(-1, keepdim=True) \
         + (do64.abs() * b_o).sum(-1, keepdim=True)
     d_abs = oracle["d"].abs()
-    e_d = gamma(head_dim) * b_dp + beta
+    e_d = gamma(head_dim_v) * b_dp + beta
     e_d = e_d + u * (d_abs + e_d)
     r = (1 + u) * (1 + ub)
     if softcap is None:
@@ -405,13 +406,13 @@ def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, 
     rows_kv = per_kv(vis.double()).sum(-1, keepdim=True)
     g_kv = _gamma_t(rows_kv + torch.ceil(rows_kv / block_m) + extra_kv)
     q_abs = q.double().abs().reshape(batch, heads_kv, group * seq_q, head_dim)
-    do_abs = do64.abs().reshape(batch, heads_kv, group * seq_q, head_dim)
+    do_abs = do64.abs().reshape(batch, heads_kv, group * seq_q, head_dim_v)
     dk_acc = per_kv(sigma) @ q_abs + g_kv * (per_kv(ds_mag) @ q_abs)
     eps_v = (1 + eps_p) * (1 + ub)
     dv_err = per_kv(w * eps_v - w) @ do_abs + g_kv * (per_kv(w * eps_v) @ do_abs) \
         + per_kv(FLUSH * vis.double()) @ do_abs
     mags = {"dq": ds_mag @ k_abs, "dk": per_kv(ds_mag) @ q_abs, "dv": per_kv(w) @ do_abs}
-    n_all = seq_k + group * seq_q + head_dim
+    n_all = seq_k + group * seq_q + max(head_dim, head_dim_v)
     oracle_err = {key: _gamma_t(torch.tensor(4.0 * n_all + 16), U_FP64) * (1 + sa.amax() + fwd["range"].amax()) * 4
                   * (m * (s if key != "dv" else 1.0)) for key, m in mags.items()}
     out = {

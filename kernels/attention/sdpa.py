@@ -1,8 +1,9 @@
 """The attention kernels behind ``torch.nn.functional.scaled_dot_product_attention`` and transformers' attention
 interface: the cases with the kernels' semantics are run on them, everything else is refused by name.
 
-Covered (F.scaled_dot_product_attention semantics, BF16, head_dim 64 or 128, [B, H, S, D] with a contiguous head
-dim, dropout 0, GQA with enable_gqa):
+Covered (F.scaled_dot_product_attention semantics, BF16, head_dim 64, 128 or 256 -- or a value head dim other
+than the query/key head dim, each at most 256, run zero-padded (MLA; launch.mixed_head_dims) -- [B, H, S, D] with a
+contiguous head dim, dropout 0, GQA with enable_gqa):
 - ``is_causal=True`` with no mask and q_len == kv_len;
 - no mask and q_len == 1 (a decode step: one query sees every key);
 - a boolean or additive ``attn_mask`` (broadcastable [B|1, H|1, Sq, Skv]) that is causal + per-sequence padding,
@@ -24,9 +25,8 @@ import weakref
 
 import torch
 
-from detkit.kernels.attention.configs import HEAD_DIMS
 from detkit.kernels.attention.kernels import attention_fwd_kernel
-from detkit.kernels.attention.launch import attention
+from detkit.kernels.attention.launch import attention, kernel_head_dim
 from detkit.kernels.backend import resolve_backend
 
 
@@ -47,10 +47,13 @@ def sdpa_unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is
     except (NotImplementedError, ValueError) as exc:
         return f"device: {str(exc).split(';')[0]}"
     batch, heads_q, seq_q, head_dim = query.shape
-    if head_dim not in HEAD_DIMS:
-        return f"head_dim {head_dim}"
-    if key.shape != value.shape:
-        return f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
+    try:
+        kernel_head_dim(head_dim, value.shape[3])
+    except ValueError:
+        return (f"head_dim {head_dim}" if head_dim == value.shape[3]
+                else f"query/key head_dim {head_dim} with value head_dim {value.shape[3]}")
+    if key.shape[:3] != value.shape[:3]:
+        return f"key {tuple(key.shape)} and value {tuple(value.shape)} differ before the head dim"
     if key.shape[0] != batch or key.shape[3] != head_dim:
         return f"key {tuple(key.shape)} does not match query {tuple(query.shape)} (batch broadcast or head_dim)"
     heads_kv, seq_k = key.shape[1], key.shape[2]
@@ -225,7 +228,8 @@ def checked_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int,
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
          window: int | None = None):
     """F.scaled_dot_product_attention on the detkit kernels for the cases ``sdpa_unsupported_reason`` accepts
-    (NotImplementedError naming the reason otherwise). Returns [B, Hq, Sq, D] (stored [B, Sq, Hq, D]).
+    (NotImplementedError naming the reason otherwise). Returns [B, Hq, Sq, Dv] (stored [B, Sq, Hq, Dv]; with a
+    value head dim Dv other than the query/key head dim, a slice of the padded output, as ``attention``).
     ``window`` (an extension): a sliding window, the mask then causal + padding + that window."""
     reason = sdpa_unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reason is not None:
@@ -244,12 +248,13 @@ def _run_checked(query, key, value, attn_mask, scale, window=None, softcap=None,
 
 def hf_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' AttentionInterface signature (as transformers.integrations.sdpa_attention.sdpa_attention_forward):
-    query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] (not repeated), the 4-D mask transformers builds for SDPA (or
-    None) -> ([B, Sq, Hq, D], None). ``sliding_window`` (as transformers passes it: a query at position p sees keys
-    > p - sliding_window) runs on the kernels' window; the mask is then causal + padding + that window, and a mask
-    that hides a sequence's first key needs the anchor ``tag_mask_anchor`` records. ``softcap`` (Gemma-2) and
-    ``s_aux`` / ``sinks`` (gpt-oss's per-head sinks, [Hq]) run on the kernels' softcap and sinks. Refuses by name
-    what it does not cover."""
+    query [B, Hq, Sq, D], key [B, Hkv, Skv, D], value [B, Hkv, Skv, Dv] (not repeated; Dv other than D for MLA), the
+    4-D mask transformers builds for SDPA (or None) -> ([B, Sq, Hq, Dv], None). ``sliding_window`` (as transformers
+    passes it: a query at position p sees keys > p - sliding_window) runs on the kernels' window; the mask is then
+    causal + padding + that window, and a mask that hides a sequence's first key needs the anchor
+    ``tag_mask_anchor`` records. ``softcap`` (Gemma-2) and ``s_aux`` / ``sinks`` (gpt-oss's per-head sinks, [Hq])
+    run on the kernels' softcap and sinks. ``scaling`` is passed on as the kernels' scale (for MLA: DeepSeek-V3's,
+    from the query/key head dim). Refuses by name what it does not cover."""
     if dropout:
         raise NotImplementedError(f"detkit attention: dropout {dropout} is not supported (needs 0.0)")
     if kwargs.get("position_bias") is not None:

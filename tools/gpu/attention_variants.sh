@@ -6,7 +6,8 @@
 #   tests  DETKIT_TEST_DEVICE=cuda pytest: the variant tests (tiny shapes on the real kernels, and the gpu-marked
 #          ones at Mistral-7B, Gemma-2-9B (head_dim 256) and gpt-oss-20b heads: decode, sliding-window cache,
 #          chunked prefill, batch and padding bitwise, FP64 bounds fwd+bwd, SDPA with a sliding mask), the tiny
-#          Mistral / Gemma-2 / gpt-oss rollout-vs-trainer tests, and tests/test_attention.py (the plain variant's
+#          Mistral / Gemma-2 / gpt-oss rollout-vs-trainer tests, tests/test_attention_mla.py (MLA's value head dim
+#          zero-padded; gpu-marked at DeepSeek-V3's qk 192 / v 128) and tests/test_attention.py (the plain variant's
 #          bits and bounds, unchanged)
 #   audit  detkit audit --suite attention --device cuda (now with the variant_* checks for every head_dim)
 #   bench  detkit bench attention --variants plain,window,softcap,sinks: plain and window against SDPA (flash for
@@ -50,7 +51,7 @@ if want sass; then
 fi
 if want tests; then
   step tests "${TESTS_LIMIT:-220}" env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra \
-    -k "not offline" --junitxml="$OUT/pytest.xml" tests/test_attention_variants.py \
+    -k "not offline" --junitxml="$OUT/pytest.xml" tests/test_attention_variants.py tests/test_attention_mla.py \
     tests/test_mode_attention_variants.py tests/test_attention.py
 fi
 if want audit; then

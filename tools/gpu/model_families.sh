@@ -8,9 +8,9 @@
 # limit, so one family's failure or hang does not stop the rest; the run exits non-zero if any step failed.
 # Everything lands under $OUT: versions.txt, steps.txt, <family>.log and <family>/ (report.md, report.json,
 # rows.jsonl, model.md and model.json with the family x check table), then $OUT/model.md / model.json merged over all.
-# DeepSeek-V3's row fails by design until its MLA attention (value head dim != query/key head dim) has a detkit path:
-# the run then exits non-zero; read the table. Not timed on a GPU yet: if the 13 steps do not fit one call, run the
-# families in two calls (FAMILIES=...) with the same OUT: the merged table covers every family folder under $OUT.
+# DeepSeek-V3's MLA attention (value head dim 128 != query/key 192) runs on the kernel zero-padded to 256. Not timed on
+# a GPU yet: if the 13 steps do not fit one call, run the families in two calls (FAMILIES=...) with the same OUT: the
+# merged table covers every family folder under $OUT.
 # Usage: OUT=/path/to/results bash tools/gpu/model_families.sh
 #        FAMILIES="gemma2 gpt-oss" OUT=... bash tools/gpu/model_families.sh   (a subset)
 #        DRY_RUN=1 OUT=... bash tools/gpu/model_families.sh                  (print the steps, run nothing)
