@@ -196,9 +196,9 @@ def test_paged_refusals_are_one_line_and_come_before_any_launch(device, monkeypa
     negative[0, 1] = -1
     short = table[:, :3].clone()  # sequence 1 has 14 keys: 4 pages of 4
     wide = torch.full((2, 12), 0, dtype=torch.int32, device=device)[:, ::2]
-    args = lambda **over: {**{"q": case.q, "k_cache": case.k_cache, "v_cache": case.v_cache,  # noqa: E731
-                              "block_table": table, "cu_seqlens_q": case.cu_q, "cu_seqlens_k": case.cu_k,
-                              "max_seqlen_q": 3, "max_seqlen_k": 14}, **over}
+    def args(**over):
+        return {"q": case.q, "k_cache": case.k_cache, "v_cache": case.v_cache, "block_table": table,
+                "cu_seqlens_q": case.cu_q, "cu_seqlens_k": case.cu_k, "max_seqlen_q": 3, "max_seqlen_k": 14, **over}
     cases = [
         (args(block_table=out_of_range), ValueError,
          f"block_table[1, 2] = {num_pages} is not a page of k_cache/v_cache; supported: page ids in [0, {num_pages})"),

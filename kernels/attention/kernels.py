@@ -378,8 +378,7 @@ def attention_fwd_kernel(
         if PAGED:
             page, page_row = _page_rows(table_row, kj, key_ok, PAGE_SIZE)
             kv_off = page * stride_kb + page_row * stride_ks  # v_cache has k_cache's strides (checked on the host)
-            k = tl.load(k_base + kv_off[:, None] + offs_d[None, :],
-                        mask=key_ok[:, None], other=0.0)
+            k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         else:
             k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), HEAD_DIM, INTERPRETED)
@@ -394,8 +393,7 @@ def attention_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         # [BLOCK_N, HEAD_DIM]
         if PAGED:
-            v = tl.load(v_base + kv_off[:, None] + offs_d[None, :],
-                        mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_base + kv_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         else:
             v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None]

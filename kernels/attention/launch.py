@@ -239,9 +239,10 @@ def check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, ma
     if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise NotImplementedError("attention_paged under CUDA-graph capture is not supported: its checks read "
                                   "cu_seqlens and the block table on the host; supported: eager calls")
-    if not isinstance(block_table, torch.Tensor):
-        raise TypeError(f"block_table must be a torch.Tensor; got {type(block_table).__name__}")
-    n = cu_seqlens_q.numel() - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
+    for name, t in (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    n = cu_seqlens_q.numel() - 1
     if (block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != n
             or block_table.device != q.device or block_table.shape[1] < 1):
         raise ValueError(f"block_table must be an int32 tensor [n sequences ({n}), max_pages >= 1] on {q.device}; "
@@ -538,14 +539,15 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Packed queries over a paged KV cache, forward only (inference): q [Tq, Hq, D] as ``attention_varlen``'s
     (sequence n's queries are rows cu_seqlens_q[n]..cu_seqlens_q[n + 1], the last of its keys); k_cache, v_cache
     [P, page_size, Hkv, D] page storages (transformers' paged cache and flash's layout; any strides, the same for
-    both, with the head dim contiguous); block_table int32 [n, max_pages]: sequence n's key j sits in page block_table[n, j //
-    page_size], row j % page_size; it has cu_seqlens_k[n + 1] - cu_seqlens_k[n] keys (cu_seqlens_k counts keys, not
-    storage rows). Table entries past a sequence's pages are never read (transformers pads with -1). -> [Tq, Hq, D].
-    The bits equal ``attention_varlen``'s on the same keys gathered into a contiguous packing, for any page size
-    and page placement. Checks read cu_seqlens and the block table's needed entries on the host (syncs; refused
-    under CUDA-graph capture): page ids outside [0, P), a table too narrow for a sequence's keys, mismatched page
-    sizes, and everything ``attention_varlen`` checks. ``window``, ``softcap``, ``sinks`` as for ``attention``. No
-    autograd (a paged cache is inference only): inputs that require grad are refused while grad is enabled."""
+    both, with the head dim contiguous); block_table int32 [n, max_pages]: sequence n's key j sits in page
+    block_table[n, j // page_size], row j % page_size; it has cu_seqlens_k[n + 1] - cu_seqlens_k[n] keys
+    (cu_seqlens_k counts keys, not storage rows). Table entries past a sequence's pages are never read
+    (transformers pads them with -1). -> [Tq, Hq, D]. The bits equal ``attention_varlen``'s on the same keys
+    gathered into a contiguous packing, for any page size and page placement. Checks read cu_seqlens and the block
+    table's needed entries on the host (syncs; refused under CUDA-graph capture): page ids outside [0, P), a table
+    too narrow for a sequence's keys, mismatched page sizes, and everything ``attention_varlen`` checks.
+    ``window``, ``softcap``, ``sinks`` as for ``attention``. No autograd (a paged cache is inference only): inputs
+    that require grad are refused while grad is enabled."""
     _check_tensor("q", q, 3)
     _check_sinks(sinks, q.shape[1], q.device)
     logits, scale = Logits(_softcap_of(softcap), sinks), _scale_of(scale, q.shape[-1])
