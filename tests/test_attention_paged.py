@@ -253,8 +253,8 @@ def test_gpu_paged_bits_equal_contiguous_at_qwen3_shapes(page_size, device):
 
 @pytest.mark.gpu
 def test_gpu_paged_decode_batch_gives_the_prefill_bits(device):
-    """A batch of 8 decode steps over 4k-key paged caches (the split grid at this batch) against each sequence's
-    one-sequence prefill (the one-pass grid), and within the FP64 bound."""
+    """A batch of 8 decode steps over 4k-key paged caches against each sequence's one-sequence prefill (the rollout
+    against the trainer), and within the FP64 bound."""
     seq, batch, page_size = 4096, 8, 16
     case = _make([1] * batch, [seq - 37 * b for b in range(batch)], page_size, device, heads_q=32, heads_kv=8,
                  head_dim=128, seed=11)
