@@ -6,7 +6,12 @@ in ``sdpa_flash <name>`` ranges):
 - ``prefill``: causal forward, S in {1k, 4k, 16k} at batch 1 and 8;
 - ``decode``: one query per sequence against a KV cache of {1k, 8k, 32k} keys at batch {1, 8, 64} (the same
   cache tensors for both; SDPA gets ``is_causal=False`` and no mask, which for one query is the causal answer);
-- ``fwd_bwd``: forward and backward (torch.autograd.grad of q, k, v) at S in {4k, 16k}, batch 1.
+- ``fwd_bwd``: forward and backward (torch.autograd.grad of q, k, v) at S in {4k, 16k}, batch 1;
+- ``paged_decode`` (not in the default ``--modes``): decode's grid with the cache in pages of 16 keys (and batch 8 at
+  8k keys in transformers' default pages of 256), the pages shuffled, through ``attention_paged``'s kernel against
+  detkit's own contiguous decode (``attention``) on the same keys: the baseline is detkit, the target the paged
+  path's overhead. The paged call's checks (one host sync, refused under capture) run once outside the timed call;
+  ``host_checked_us`` is the host time of the whole checked call. Validated bit for bit against the contiguous call.
 
 Validated, then timed: each case first compares detkit's output with SDPA's (all finite, max |diff| below
 ``VALIDATION_ATOL``, or -- against torch's eager formulation, whose BF16 scores are themselves off -- detkit's error
@@ -24,7 +29,8 @@ Formulas: visible (query, key) pairs P = B * Hq * sum over queries of the keys e
     detkit's atomic-free backward does 3.5x, recomputing QK^T and dP once more for dq);
     decode bytes = K + V = 2 * 2 * B * Hkv * Skv * D (+ q and o, negligible);
     ratio = detkit time / SDPA time (the graph time is the kernel time the targets are stated on).
-Targets on the H200 (reported, not asserted): prefill <= 1.10, decode <= 1.20, fwd+bwd <= 1.20.
+Targets on the H200 (reported, not asserted): prefill <= 1.10, decode <= 1.20, fwd+bwd <= 1.20; paged decode
+<= 1.10 of the contiguous decode.
 
 Variants (``--variants``, default ``plain``): ``window`` (Mistral-7B heads, a 1024-key sliding window) against SDPA
 with the sliding-window boolean mask (flash takes no mask: torch picks its backend, recorded; for decode a mask of
@@ -51,19 +57,22 @@ from detkit.toolkit.timing import Timing, time_graphs, time_host, time_interleav
 
 NAME = "attention"
 DESCRIPTION = "attention prefill / decode / fwd+bwd vs SDPA flash at Qwen3-8B shapes (eager, CUDA graph, host time)"
-MODES = ("prefill", "decode", "fwd_bwd")
+MODES = ("prefill", "decode", "fwd_bwd", "paged_decode")
+DEFAULT_MODES = ("prefill", "decode", "fwd_bwd")
 VARIANTS = ("plain", "window", "softcap", "sinks")
 # (heads_q, heads_kv, head_dim, window, softcap, sinks) per variant on the GPU; the interpreter uses (4, 2, 64).
 VARIANT_SPECS = {"plain": (32, 8, 128, None, None, False), "window": (32, 8, 128, 1024, None, False),
                  "softcap": (16, 8, 256, 4096, 50.0, False), "sinks": (64, 8, 64, 128, None, True)}
-TARGETS = {"prefill": 1.10, "decode": 1.20, "fwd_bwd": 1.20}
+TARGETS = {"prefill": 1.10, "decode": 1.20, "fwd_bwd": 1.20, "paged_decode": 1.10}
+PAGE_SIZE = 16  # paged_decode's pages: the most pages per key tile (transformers' default, 256, on one case)
+HF_PAGE_SIZE = 256
 VALIDATION_ATOL = 2.0**-6
 HOST_CALLS = 10  # host-timed calls per burst, one burst per round
 L2_BYTES = 60 * 2**20  # H200
 MAX_GRAPH_SETS = 32
 OPTIONS = (
-    click.option("--modes", default=",".join(MODES), show_default=True,
-                 help="Comma-separated modes: prefill, decode, fwd_bwd."),
+    click.option("--modes", default=",".join(DEFAULT_MODES), show_default=True,
+                 help="Comma-separated modes: prefill, decode, fwd_bwd, paged_decode (paged vs contiguous decode)."),
     click.option("--quick", is_flag=True, help="One case per mode (the smallest), e.g. to check the plumbing."),
     click.option("--variants", default="plain", show_default=True,
                  help="Comma-separated: plain, window, softcap, sinks (see the module docstring for baselines)."),
@@ -87,6 +96,7 @@ class BenchCase:
     window: int | None = None
     softcap: float | None = None
     sinks: bool = False
+    page_size: int | None = None  # paged_decode: keys per page
 
     @property
     def name(self) -> str:
@@ -94,6 +104,8 @@ class BenchCase:
 
         op = "fwd_bwd" if self.mode == "fwd_bwd" else "fwd"  # a decode step is the forward kernel at Sq = 1
         name = case_name(op, self.batch, self.heads_q, self.heads_kv, self.seq_q, self.seq_k, self.head_dim)
+        if self.page_size:
+            name = f"{name} paged{self.page_size}"
         return name if self.variant == "plain" else f"{name} {self.variant_label}"
 
     @property
@@ -104,6 +116,8 @@ class BenchCase:
 
     @property
     def baseline(self) -> str:
+        if self.mode == "paged_decode":
+            return "detkit_contiguous"
         if self.variant == "plain":
             return "sdpa_flash"
         return "sdpa_mask" if self.variant == "window" else "torch_eager"
@@ -123,11 +137,14 @@ class BenchCase:
 def _grid(interpreted: bool) -> dict[str, list[tuple[int, int, int]]]:
     """(batch, seq_q, seq_k) per mode."""
     if interpreted:
-        return {"prefill": [(1, 24, 24), (2, 24, 24)], "decode": [(1, 1, 40), (2, 1, 40)], "fwd_bwd": [(1, 24, 24)]}
+        return {"prefill": [(1, 24, 24), (2, 24, 24)], "decode": [(1, 1, 40), (2, 1, 40)], "fwd_bwd": [(1, 24, 24)],
+                "paged_decode": [(1, 1, 40), (2, 1, 40)]}
+    decode = [(b, 1, s) for s in (1024, 8192, 32768) for b in (1, 8, 64)]
     return {
         "prefill": [(b, s, s) for s in (1024, 4096, 16384) for b in (1, 8)],
-        "decode": [(b, 1, s) for s in (1024, 8192, 32768) for b in (1, 8, 64)],
+        "decode": decode,
         "fwd_bwd": [(1, s, s) for s in (4096, 16384)],
+        "paged_decode": decode,
     }
 
 
@@ -139,7 +156,8 @@ def _variant_grid(interpreted: bool) -> dict[str, list[tuple[int, int, int]]]:
             "fwd_bwd": [(1, 4096, 4096)]}
 
 
-def cases(ctx, modes: str = ",".join(MODES), quick: bool = False, variants: str = "plain", **_) -> list[BenchCase]:
+def cases(ctx, modes: str = ",".join(DEFAULT_MODES), quick: bool = False, variants: str = "plain",
+          **_) -> list[BenchCase]:
     wanted = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = [m for m in wanted if m not in MODES]
     if not wanted or unknown:
@@ -156,10 +174,19 @@ def cases(ctx, modes: str = ",".join(MODES), quick: bool = False, variants: str 
             softcap = 5.0 if softcap else None
         grids = _grid(ctx.interpreted) if variant == "plain" else _variant_grid(ctx.interpreted)
         for mode in wanted:
+            if mode not in grids:
+                raise ValueError(f"--modes {mode} with --variants {variant} is not supported; supported: {mode} with "
+                                 "the plain variant")
             grid = grids[mode]
+            paged = [PAGE_SIZE] if mode == "paged_decode" else [None]
             for batch, seq_q, seq_k in (grid[:1] if quick else grid):
-                out.append(BenchCase(mode, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, seed=ctx.seed,
-                                     variant=variant, window=window, softcap=softcap, sinks=sinks))
+                for page_size in paged:
+                    out.append(BenchCase(mode, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, seed=ctx.seed,
+                                         variant=variant, window=window, softcap=softcap, sinks=sinks,
+                                         page_size=page_size))
+            if mode == "paged_decode" and not quick and not ctx.interpreted:
+                out.append(BenchCase(mode, 8, 1, 8192, heads_q, heads_kv, head_dim, seed=ctx.seed,
+                                     page_size=HF_PAGE_SIZE))
     return out
 
 
@@ -186,7 +213,29 @@ def make_inputs(case: BenchCase, device: torch.device, sets: int = 1) -> list[di
             entry["do"] = _randn(q_shape, gen, device)
         if case.sinks:
             entry["sinks"] = torch.linspace(-2.0, 3.0, case.heads_q, device=device).to(torch.bfloat16)
+        if case.page_size:
+            entry.update(paged_cache(entry["q"], entry["k"], entry["v"], case.page_size, gen))
         out.append(entry)
+    return out
+
+
+def paged_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_size: int, gen: torch.Generator) -> dict:
+    """The decode step's cache in pages: k, v [B, Hkv, S, D] cut into pages of ``page_size`` keys, scattered over a
+    storage [B * pages, page_size, Hkv, D] in a random order; q [B, Hq, 1, D] packed as [B, Hq, D] (a view)."""
+    batch, heads_kv, seq_k, head_dim = k.shape
+    pages = -(-seq_k // page_size)
+    perm = torch.randperm(batch * pages, generator=gen, device=k.device)
+    out = {}
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        padded = torch.nn.functional.pad(t, (0, 0, 0, pages * page_size - seq_k))
+        storage = torch.empty((batch * pages, page_size, heads_kv, head_dim), dtype=t.dtype, device=t.device)
+        storage[perm] = padded.view(batch, heads_kv, pages, page_size, head_dim).permute(0, 2, 3, 1, 4).reshape(
+            batch * pages, page_size, heads_kv, head_dim)
+        out[name] = storage
+    out["block_table"] = perm.view(batch, pages).to(torch.int32)
+    out["cu_q"] = torch.arange(batch + 1, dtype=torch.int32, device=k.device)
+    out["cu_k"] = out["cu_q"] * seq_k
+    out["q_packed"] = q[:, :, 0]
     return out
 
 
@@ -244,9 +293,26 @@ def _sdpa_context(device: torch.device):
     return sdpa_kernel(SDPBackend.FLASH_ATTENTION) if device.type == "cuda" else sdpa_kernel(SDPBackend.MATH)
 
 
+def paged_call(case: BenchCase, inp: dict, checked: bool = False, configs=None) -> Callable[[], object]:
+    """The paged decode step: its kernel on inputs checked once here (``checked`` False: what a CUDA graph can
+    capture), or the whole ``attention_paged`` call, checks (one host sync) included."""
+    from detkit.kernels.attention import attention_paged
+    from detkit.kernels.attention.launch import attention_fwd_launch, check_paged
+
+    args = (inp["q_packed"], inp["k_cache"], inp["v_cache"], inp["block_table"], inp["cu_q"], inp["cu_k"], 1,
+            case.seq_k)
+    if checked:
+        return lambda: attention_paged(*args, configs=configs)
+    seqs = check_paged(*args)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    return lambda: attention_fwd_launch(args[0], args[1], args[2], seqs, scale, configs)[0]
+
+
 def detkit_call(case: BenchCase, inp: dict, configs=None) -> Callable[[], object]:
     from detkit.kernels.attention import attention
 
+    if case.mode == "paged_decode":
+        return paged_call(case, inp, configs=configs)
     q, k, v = inp["q"], inp["k"], inp["v"]
     kw = _variant_kwargs(case, inp)
     if case.mode == "fwd_bwd":
@@ -262,6 +328,10 @@ def sdpa_call(case: BenchCase, inp: dict, gqa: str) -> Callable[[], object]:
     beforehand, outside the timed call, when the backend refuses enable_gqa)."""
     if case.baseline == "torch_eager":
         return eager_call(case, inp)
+    if case.baseline == "detkit_contiguous":
+        from detkit.kernels.attention import attention
+
+        return lambda: attention(inp["q"], inp["k"], inp["v"])
     q, k, v = inp["q"], inp["k"], inp["v"]
     if gqa == "expanded":
         rep = case.heads_q // case.heads_kv
@@ -299,6 +369,8 @@ def sdpa_gqa_mode(case: BenchCase, inp: dict) -> str:
     """'native' when the flash backend runs enable_gqa on these shapes, else 'expanded'."""
     if case.baseline == "torch_eager":
         return "expanded"
+    if case.baseline == "detkit_contiguous":
+        return "n/a"
     try:
         sdpa_call(case, inp, "native")()
         return "native"
@@ -347,9 +419,16 @@ def validate(case: BenchCase, ours, theirs, inp: dict | None = None) -> dict:
     probabilities: not an accurate baseline), a larger difference still validates when detkit's error against the
     FP64 oracle is no larger than the baseline's (both recorded)."""
     a, b = _first_output(ours).float(), _first_output(theirs).float()
+    if case.mode == "paged_decode":  # [B, Hq, D] against the contiguous [B, Hq, 1, D]: the same bits
+        a = a.reshape(b.shape)
     diff = float((a - b).abs().max())
     finite = bool(torch.isfinite(a).all())
     row = {"validated": finite and diff <= VALIDATION_ATOL, "max_abs_diff_vs_sdpa": diff, "finite": finite}
+    if case.mode == "paged_decode":
+        from detkit.toolkit.contract import compare_bits
+
+        bits = compare_bits(_first_output(ours).reshape(b.shape), _first_output(theirs))
+        row.update(bits_equal_baseline=bits.equal, validated=finite and bits.equal)
     if finite and not row["validated"] and case.baseline == "torch_eager" and inp is not None:
         row.update(_oracle_errors(case, inp, a, b))
         row["validated"] = row["max_abs_err_vs_fp64_detkit"] <= row["max_abs_err_vs_fp64_baseline"]
@@ -398,7 +477,12 @@ def measure(ctx, case: BenchCase, rounds: int, configs=None) -> dict:
     # emulation. The validation and the eager timing have warmed both calls: no warm-up of its own.
     slow = (row.get("sdpa_eager_us") or 0) > 2000
     calls = 1 if device.type != "cuda" else 2 if slow else HOST_CALLS
-    host = time_host({"detkit": ours, "sdpa": theirs}, device, rounds, calls, warmup=0, range_names=names)
+    host_fns = {"detkit": ours, "sdpa": theirs}
+    if case.mode == "paged_decode":
+        host_fns["checked"] = paged_call(case, inputs[0], checked=True, configs=configs)
+        host_fns["checked"]()  # warm: its checks' torch ops
+        names["checked"] = f"{case.name} checked"
+    host = time_host(host_fns, device, rounds, calls, warmup=0, range_names=names)
     for impl, t in host.items():
         row.update({f"host_{impl}_us": t.median_us, f"host_{impl}_p20_us": t.p20_us, f"host_{impl}_p80_us": t.p80_us})
     return row
@@ -436,7 +520,7 @@ def run(ctx, cases: list[BenchCase], **options) -> Iterator[dict]:
         sdpa_us = row.get("sdpa_graph_us") or row.get("sdpa_eager_us")
         row["detkit_tflops"] = case.flops / gpu_us / 1e6 if gpu_us else None
         row["sdpa_tflops"] = case.flops / sdpa_us / 1e6 if sdpa_us else None
-        if case.mode == "decode":
+        if case.mode in ("decode", "paged_decode"):
             row["detkit_kv_gbps"] = case.kv_bytes / gpu_us / 1e3 if gpu_us else None
             row["sdpa_kv_gbps"] = case.kv_bytes / sdpa_us / 1e3 if sdpa_us else None
         ratio = row.get("ratio_graph") or row.get("ratio_eager")
@@ -461,7 +545,8 @@ def target_lines(rows: list[dict]) -> list[str]:
         worst = max(ratios)
         met = sum(x <= TARGETS[mode] for x in ratios)
         verdict = "met" if worst <= TARGETS[mode] else f"missed by {100 * (worst / TARGETS[mode] - 1):.1f}% at worst"
-        lines.append(f"- {mode}: {met}/{len(sel)} cases <= {TARGETS[mode]:.2f}x SDPA flash (graph time); worst "
+        against = "detkit's contiguous decode" if mode == "paged_decode" else "SDPA flash"
+        lines.append(f"- {mode}: {met}/{len(sel)} cases <= {TARGETS[mode]:.2f}x {against} (graph time); worst "
                      f"{worst:.3f}x, median {statistics.median(ratios):.3f}x: {verdict}")
     return lines
 
@@ -482,13 +567,19 @@ def summarize(rows: list[dict], meta: dict) -> str:
             table = [(r["batch"], r["seq_q"], r["seq_k"], r.get("fwd_grid"), r.get("detkit_graph_us"), r.get("sdpa_graph_us"),
                       r.get("ratio_graph"), r.get("ratio_eager"), r.get("host_detkit_us"), r.get("host_sdpa_us"),
                       r.get("detkit_tflops"), r.get("sdpa_tflops"), r["validated"]) for r in sel]
-            if variant == "plain":
+            if mode == "paged_decode":
+                text += (f"## {mode} (target <= {TARGETS[mode]:.2f}x; baseline detkit_contiguous, detkit's own "
+                         "contiguous decode: the 'SDPA' columns)\n\n")
+            elif variant == "plain":
                 text += f"## {mode} (target <= {TARGETS[mode]:.2f}x)\n\n"
             else:
                 first = sel[0]
                 text += (f"## {mode}, {variant}: Hq={first['heads_q']} Hkv={first['heads_kv']} D={first['head_dim']} "
                          f"{first['name'].split('] bf16 ')[-1]} (baseline {first['baseline']}: the 'SDPA' columns)\n\n")
             text += tabulate(table, headers=cols, tablefmt="github", floatfmt=".3f") + "\n\n"
+            if mode == "paged_decode":
+                text += "Host us of the whole checked call (one sync): " + ", ".join(
+                    f"{r['name'].split('] ')[0]}]: {r.get('host_checked_us') or 0:.0f}" for r in sel) + "\n\n"
             kernels = sorted({k for r in sel for k in r.get("sdpa_kernels", [])})
             gqa = sorted({r.get("sdpa_gqa") for r in sel})
             text += f"Baseline ran: {', '.join(kernels) or 'n/a'} (GQA: {', '.join(str(g) for g in gqa)})\n\n"

@@ -19,6 +19,14 @@ def test_cases_cover_the_issue_grid_and_refuse_unknown_modes():
     assert by_mode["prefill"] == [(b, s, s) for s in (1024, 4096, 16384) for b in (1, 8)]
     assert by_mode["decode"] == [(b, 1, s) for s in (1024, 8192, 32768) for b in (1, 8, 64)]
     assert by_mode["fwd_bwd"] == [(1, 4096, 4096), (1, 16384, 16384)]
+    assert by_mode["paged_decode"] == []  # not in the default modes
+    paged = bench.cases(_ctx("cuda_sm90"), modes="paged_decode")
+    assert [(c.batch, c.seq_k, c.page_size) for c in paged] == [
+        *((b, s, 16) for s in (1024, 8192, 32768) for b in (1, 8, 64)), (8, 8192, 256)]
+    assert {c.baseline for c in paged} == {"detkit_contiguous"} and paged[0].name.endswith("bf16 paged16")
+    with pytest.raises(ValueError, match="--modes paged_decode with --variants window is not supported"):
+        bench.cases(_ctx("cuda_sm90"), modes="paged_decode", variants="window")
+    full += paged
     assert all((c.heads_q, c.heads_kv, c.head_dim) == (32, 8, 128) for c in full)
     assert len({c.name for c in full}) == len(full)
     assert [c.mode for c in bench.cases(_ctx("cuda_sm90"), modes="decode", quick=True)] == ["decode"]
@@ -35,14 +43,17 @@ def test_run_validates_against_sdpa_and_reports_every_mode(device):
     if device.type != "cpu":
         pytest.skip("the CPU plumbing; the GPU run is tools/gpu/attention.sh")
     ctx = _ctx("triton_interpreter")
-    rows = list(bench.run(ctx, bench.cases(ctx, quick=True), rounds=1))
+    rows = list(bench.run(ctx, bench.cases(ctx, modes=",".join(bench.MODES), quick=True), rounds=1))
     assert [r["mode"] for r in rows] == list(bench.MODES)
     for row in rows:
         assert row["passed"] and row["validated"] and row["max_abs_diff_vs_sdpa"] <= bench.VALIDATION_ATOL, row
         assert row["detkit_eager_us"] > 0 and row["sdpa_eager_us"] > 0 and row["ratio_eager"] > 0
         assert row["name"].startswith("detkit_attention_") and row["meets_target"] is None  # no target off the GPU
+    paged = rows[-1]  # against detkit's contiguous decode, bit for bit; the checked call's host time beside it
+    assert paged["baseline"] == "detkit_contiguous" and paged["bits_equal_baseline"] and paged["host_checked_us"] > 0
     text = bench.summarize(rows, {"backend": "triton_interpreter"})
     assert "NOT a hardware result" in text and "## decode" in text and "## Targets" not in text
+    assert "## paged_decode (target <= 1.10x; baseline detkit_contiguous" in text
 
 
 def test_validation_fails_a_wrong_result():
@@ -51,9 +62,20 @@ def test_validation_fails_a_wrong_result():
     assert bench.validate(case, good, good)["validated"]
     assert not bench.validate(case, good + 0.1, good)["validated"]
     assert not bench.validate(case, good + float("nan"), good)["validated"]
-    lines = bench.target_lines([{"mode": "decode", "ratio_graph": 1.5}, {"mode": "decode", "ratio_graph": 1.0}])
+    lines = bench.target_lines([{"mode": "decode", "ratio_graph": 1.5}, {"mode": "decode", "ratio_graph": 1.0},
+                                {"mode": "paged_decode", "ratio_graph": 1.05}])
     assert lines == ["- decode: 1/2 cases <= 1.20x SDPA flash (graph time); worst 1.500x, median 1.250x: "
-                     "missed by 25.0% at worst"]
+                     "missed by 25.0% at worst",
+                     "- paged_decode: 1/1 cases <= 1.10x detkit's contiguous decode (graph time); worst 1.050x, "
+                     "median 1.050x: met"]
+    # A paged row validates on equal bits only: one ulp off fails it, though far below the tolerance.
+    paged = bench.BenchCase("paged_decode", 2, 1, 40, 2, 1, 64, page_size=16)
+    want = torch.ones(2, 2, 1, 64, dtype=torch.bfloat16)
+    assert bench.validate(paged, want[:, :, 0], want)["validated"]
+    off = want.clone()
+    off.view(torch.int16)[0, 0, 0, 0] += 1
+    row = bench.validate(paged, off[:, :, 0], want)
+    assert not row["validated"] and not row["bits_equal_baseline"] and row["max_abs_diff_vs_sdpa"] < 2**-6
 
 
 def test_variants_validate_against_their_named_baselines(device):

@@ -10,18 +10,19 @@ from __future__ import annotations
 from tools.gemm_sass import cuobjdump_bytes, stack_bytes
 
 _POINTERS = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "kv_start_ptr": "*i32", "kv_end_ptr": "*i32",
-             "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32"}
+             "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "block_table_ptr": "*i32"}
 
 
 def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: bool = False,
                  kv_start: bool = True, kv_end: bool = False, windowed: bool = False, softcap: bool = False,
                  sinks: bool = False, split_grid: bool = False, split_n: int | None = None,
-                 num_warps: int | None = None) -> dict:
+                 num_warps: int | None = None, page_size: int | None = None) -> dict:
     """Compile one attention kernel ("fwd", "fwd_combine", "dkdv", "dq") with ``config`` for sm_90 with Triton's
     bundled ptxas, without a GPU: registers, stack (spills), shared memory and the SASS counts of wgmma (HGMMA),
     mma.sync (HMMA) and cp.async (LDGSTS). ``split_grid``: the forward's split-grid build (one split per program,
     partials stored) rather than its one-pass build; ``split_n``: keys per split (the table's SPLIT_KEYS);
-    ``num_warps``: other than the config's (the combine pass runs launch.COMBINE_WARPS). Run in a process without
+    ``num_warps``: other than the config's (the combine pass runs launch.COMBINE_WARPS); ``page_size``: the
+    forward's paged-KV build (K/V through a block table; varlen queries). Run in a process without
     TRITON_INTERPRET."""
     import re
     import tempfile
@@ -42,13 +43,15 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
     consts = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HEADS": heads,
               "INTERPRETED": False, "VARLEN": varlen, "HAS_KV_START": kv_start, "HAS_KV_END": kv_end,
               "WINDOWED": windowed, "SOFTCAP": softcap, "HAS_SINKS": sinks, "SPLIT_N": split_n or SPLIT_KEYS,
-              "SPLIT_GRID": split_grid}
-    consts = {k: v for k, v in consts.items() if k in fn.arg_names}  # HAS_SINKS, SPLIT_*: the forward only
+              "SPLIT_GRID": split_grid, "PAGED": page_size is not None, "PAGE_SIZE": page_size or 1}
+    if page_size is not None:
+        consts.update(VARLEN=True, HAS_KV_START=False, HAS_KV_END=False)
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}  # HAS_SINKS, SPLIT_*, PAG*: the forward only
     sig = {n: "constexpr" if n in consts else ("fp32" if n in ("qk_scale", "scale", "tanh_scale") else
                                               _POINTERS.get(n, "*bf16" if n.endswith("_ptr") else "i32"))
            for n in names}
     # What a launch at the real shapes specialises: 16-byte-aligned tensors, strides multiples of 16.
-    aligned = [n for n in names if sig[n] not in ("constexpr", "fp32") and n not in attn._NOT_SPECIALIZED_FWD
+    aligned = [n for n in names if sig[n] not in ("constexpr", "fp32") and n not in attn._NOT_SPECIALIZED_PAGED
                and (n.endswith("_ptr") or n.startswith("stride"))]
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
@@ -60,7 +63,8 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
     regs = re.search(r"REG:(\d+)", resources)
     return {"kernel": kernel, "head_dim": head_dim, "config": config.label(),
             "variant": "+".join(n for n, on in (("window", windowed), ("softcap", softcap), ("sinks", sinks),
-                                                ("split_grid", split_grid)) if on),
+                                                ("split_grid", split_grid), (f"paged{page_size}", page_size))
+                                if on),
             "regs": int(regs.group(1)) if regs else None,
             "stack_bytes": stack_bytes(resources), "shared_bytes": compiled.metadata.shared,
             **{op: len(re.findall(rf"\b{op}", sass)) for op in ("HGMMA", "HMMA", "LDGSTS")}}

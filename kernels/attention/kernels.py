@@ -34,6 +34,13 @@ kv_start (left padding) and after the query's own position are not visible. Pack
 (``attention_varlen``) are the same kernels with per-sequence offsets (kv_start 0, kv_end the sequence's
 key count).
 
+Paged KV (PAGED, forward only; ``attention_paged``): the queries packed as varlen's, the keys and values in a page
+storage [P, PAGE_SIZE, Hkv, D] (transformers' paged cache and flash's layout), key n of sequence b at row
+n % PAGE_SIZE of page block_table[b, n // PAGE_SIZE]. Only the K/V row addresses change (gathered per key row, any
+page size): the tiles, splits and update sequence are the contiguous path's, so the bits equal varlen's on the same
+keys gathered. Keys past the sequence's end read no table entry; the page ids the sequence needs are checked on the
+host.
+
 GQA: one program owns one KV head and packs the query heads of its group into the M dimension of its tile
 (rows = HEADS heads x BLOCK_M / HEADS query positions), so each K/V tile is loaded once for the whole group
 and a decode step (one query per head) still feeds the tensor cores.
@@ -90,6 +97,8 @@ _NOT_SPECIALIZED = ["batch", "heads_q", "heads_kv", "seq_q", "seq_k", "stride_lb
                     "kv_end_ptr", "window"]
 # The forward's split grid: how many splits a launch covers and the partials' row count vary with the call too.
 _NOT_SPECIALIZED_FWD = _NOT_SPECIALIZED + ["split_slots", "ws_rows"]
+# PAGED: the table is a slice of the caller's (its row stride is the table's width; its start need not be aligned).
+_NOT_SPECIALIZED_PAGED = _NOT_SPECIALIZED_FWD + ["block_table_ptr", "stride_tb"]
 
 @triton.jit
 def _dot(a, b, acc, K: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -208,6 +217,15 @@ def _key_ok(kj, k_end, WINDOWED: tl.constexpr):
 
 
 @triton.jit
+def _page_rows(table_row_ptr, kj, key_ok, PAGE_SIZE: tl.constexpr):
+    """(page [BLOCK_N] int64, row [BLOCK_N]) of keys kj in a paged storage: page table_row[kj // PAGE_SIZE], row
+    kj % PAGE_SIZE. Keys past the sequence's end (masked) read no table entry and get page 0 (their K/V loads are
+    masked too). 64-bit pages: a cache may exceed 2**31 elements; within a page 32 bits (checked on the host)."""
+    page = tl.load(table_row_ptr + kj // PAGE_SIZE, mask=key_ok, other=0)
+    return page.to(tl.int64), kj % PAGE_SIZE
+
+
+@triton.jit
 def _fold(m_all, l_all, acc_all, m_s, l_s, acc_s):
     """Fold one split's partial (m_s, l_s, acc_s) into the splits folded so far (m_all, l_all, acc_all), the same
     code in every path. A split that holds none of a row's keys (m_s = -inf) leaves the row as it was; the first
@@ -274,16 +292,18 @@ def _finish(m_i, l_i, acc, bad, head, qi, tok, row_ok, b64, q_begin, o_ptr, lse_
     tl.store(lse_ptr + b64 * stride_lb + head * stride_lh + q_begin + qi, lse, mask=row_ok)
 
 
-@triton.jit(launch_metadata=launch_metadata_of("fwd", 4), do_not_specialize=_NOT_SPECIALIZED_FWD)
+@triton.jit(launch_metadata=launch_metadata_of("fwd", 4), do_not_specialize=_NOT_SPECIALIZED_PAGED)
 def attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
-    kv_start_ptr, kv_end_ptr,  # int32 [B] (padded) or cu_seqlens_q / cu_seqlens_k (varlen)
+    kv_start_ptr, kv_end_ptr,  # int32 [B] (padded) or cu_seqlens_q / cu_seqlens_k (varlen, paged)
+    block_table_ptr,  # PAGED: int32 [B, max_pages], rows contiguous
     ws_m_ptr, ws_l_ptr, ws_acc_ptr,  # SPLIT_GRID: fp32 partials [split_slots, rows] (acc: [split_slots, rows, D])
     stride_qb, stride_qh, stride_qs,  # q [B, Hq, Sq, D] (varlen: [Tq, Hq, D], stride_qb unused)
-    stride_kb, stride_kh, stride_ks,  # k [B, Hkv, Skv, D]
+    stride_kb, stride_kh, stride_ks,  # k [B, Hkv, Skv, D]; PAGED: pages [P, PAGE_SIZE, Hkv, D] (stride_kb: a page's)
     stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,  # lse [B, Hq, Sq] fp32 (varlen: [Hq, Tq]); a row's lse offset is its partials' row
+    stride_tb,  # PAGED: the block table's row stride
     batch, heads_q, heads_kv, seq_q, seq_k,  # varlen: seq_q / seq_k are max_seqlen_q / max_seqlen_k
     qk_scale,  # scale * log2(e); SOFTCAP: softcap * log2(e)
     window,  # WINDOWED: query at position p sees keys (p - window, p]
@@ -294,10 +314,12 @@ def attention_fwd_kernel(
     VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
     WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     SPLIT_N: tl.constexpr, SPLIT_GRID: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,  # PAGED (with VARLEN): K/V read through the block table
 ):
     """One query tile over its key splits. One pass (SPLIT_GRID off): every split of the tile in ascending order,
     each folded as it ends, then o and lse. Split grid: one split per program (the grid's first axis runs heads
-    fastest, then splits), its partial stored for ``attention_fwd_combine_kernel``."""
+    fastest, then splits), its partial stored for ``attention_fwd_combine_kernel``. PAGED: the same, with each key
+    tile's K/V rows gathered through the block table."""
     BQ: tl.constexpr = BLOCK_M // HEADS  # query positions per tile
     TILES_PER_SPLIT: tl.constexpr = SPLIT_N // BLOCK_N
     # Grid (heads x splits, query tiles, sequences), heads fastest: the latest (longest) query tiles of every head
@@ -321,8 +343,13 @@ def attention_fwd_kernel(
     b64 = b.to(tl.int64)
     q_rows = q_ptr + b64 * stride_qb + head * stride_qh + tok * stride_qs
     q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
-    k_base = k_ptr + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_begin.to(tl.int64) * stride_ks
-    v_base = v_ptr + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_begin.to(tl.int64) * stride_vs
+    if PAGED:  # a key's page comes from the table: no per-sequence base
+        k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
+        v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+        table_row = block_table_ptr + b64 * stride_tb
+    else:
+        k_base = k_ptr + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_begin.to(tl.int64) * stride_ks
+        v_base = v_ptr + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_begin.to(tl.int64) * stride_vs
 
     # Key tiles [k_first + t * BLOCK_N, ...): tiles 0..n_full-1 are visible to every row of this tile in full,
     # tiles n_full..n_tiles-1 reach the diagonal (or the sequence's end) and are masked. Split s holds tiles
@@ -348,7 +375,12 @@ def attention_fwd_kernel(
         kj = k_first + t * BLOCK_N + offs_n  # key index within the sequence
         key_ok = _key_ok(kj, k_end, WINDOWED)
         # [BLOCK_N, HEAD_DIM]
-        k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        if PAGED:
+            page, page_row = _page_rows(table_row, kj, key_ok, PAGE_SIZE)
+            kv_off = page * stride_kb + page_row * stride_ks  # v_cache has k_cache's strides (checked on the host)
+            k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), HEAD_DIM, INTERPRETED)
         qk = _logits(qk, tanh_scale, SOFTCAP)
         if (t >= n_full) | (t < n_win):
@@ -360,7 +392,10 @@ def attention_fwd_kernel(
         alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_ref))
         l_i = l_i * alpha + tl.sum(p, 1)
         # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        if PAGED:
+            v = tl.load(v_base + kv_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None]
         acc = _dot(to_bf16(p, INTERPRETED), v, acc, BLOCK_N, INTERPRETED)
         m_i = m_new

@@ -1,7 +1,8 @@
 """Attention launch wrappers (check, allocate, launch) and the autograd function: ``attention`` for padded batches
-(prefill, chunked prefill, KV-cache decode) and ``attention_varlen`` for packed sequences, and ``mixed_head_dims``,
-which runs a value head dim other than the query/key head dim (MLA) on the kernels' one head dim. The kernels,
-their math and the invariance rule are in kernels.py; the tiles in configs.py."""
+(prefill, chunked prefill, KV-cache decode), ``attention_varlen`` for packed sequences, ``attention_paged`` for
+packed queries over a paged KV cache (forward only), and ``mixed_head_dims``, which runs a value head dim other than
+the query/key head dim (MLA) on the kernels' one head dim. The kernels, their math and the invariance rule are in
+kernels.py; the tiles in configs.py."""
 
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ class Sequences:
     bound0: torch.Tensor | None  # kv_start, or cu_seqlens_q
     bound1: torch.Tensor | None  # kv_end, or cu_seqlens_k
     window: int | None = None  # sliding window: a query at position p sees keys (p - window, p]
+    # Paged (with varlen): k/v are page storages [P, page_size, Hkv, D]; key n of sequence b sits in page
+    # block_table[b, n // page_size] (int32 [B, max_pages]), at row n % page_size.
+    block_table: torch.Tensor | None = None
+    page_size: int = 0
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
 
     @property
     def padding(self) -> bool:
@@ -184,18 +193,28 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                          "Hq % Hkv == 0)")
     if len({q.device, k.device, v.device}) != 1:
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k, q.device)
+    return cu_seqlens_q.numel() - 1, heads_q, heads_kv, head_dim
+
+
+def _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int | None,
+                   device: torch.device) -> list[int]:
+    """Check the cumulative lengths on the host (one sync): they start at 0, never decrease and end at the packed
+    length (``total_k`` None: any end, the keys of a paged cache); max_seqlen_q / _k cover the longest sequence.
+    Returns the key count of each sequence."""
     lens = {}
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(cu).__name__}")
-        if (cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2 or cu.device != q.device
+        if (cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2 or cu.device != device
                 or not cu.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous int32 tensor [n + 1] (n >= 1) on {q.device}; got "
+            raise ValueError(f"{name} must be a contiguous int32 tensor [n + 1] (n >= 1) on {device}; got "
                              f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
         values = cu.tolist()
         steps = [b - a for a, b in zip(values, values[1:])]
-        if values[0] != 0 or min(steps) < 0 or values[-1] != total:
-            raise ValueError(f"{name} must start at 0, never decrease and end at the packed length {total}; got "
+        if values[0] != 0 or min(steps) < 0 or (total is not None and values[-1] != total):
+            end = "" if total is None else f" and end at the packed length {total}"
+            raise ValueError(f"{name} must start at 0{',' if end else ' and'} never decrease{end}; got "
                              f"{values[:8]}{'...' if len(values) > 8 else ''}")
         lens[name] = steps
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
@@ -206,7 +225,69 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if isinstance(value, bool) or not isinstance(value, int) or value < max(need, 1):
             raise ValueError(f"{name} {value!r} is not supported; supported: an int >= the longest sequence "
                              f"({need}) and >= 1")
-    return cu_seqlens_q.numel() - 1, heads_q, heads_kv, head_dim
+    return lens["cu_seqlens_k"]
+
+
+def check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                window=None) -> Sequences:
+    """Refuse what the paged layout does not support and return its ``Sequences``. Reads cu_seqlens on the host
+    and checks, on the table's device, that every page id a sequence needs lies in the storage (one more sync):
+    host syncs, so not under CUDA-graph capture (refused by name)."""
+    _check_tensor("q", q, 3)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t, 4)  # a page's span (all dims but the first) in 32 bits: pages are offset in 64
+    total_q, heads_q, head_dim = q.shape
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
+    if k_cache.shape[1] != v_cache.shape[1]:
+        raise ValueError(f"k_cache pages hold {k_cache.shape[1]} keys and v_cache pages {v_cache.shape[1]}; "
+                         "supported: one page size, k_cache and v_cache [P, page_size, Hkv, D] of one shape")
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+                         f"[P, page_size, Hkv, D] with q's D {head_dim}")
+    if k_cache.stride() != v_cache.stride():  # one row offset per key serves both (a register each)
+        raise ValueError(f"k_cache strides {k_cache.stride()} and v_cache strides {v_cache.stride()} differ; "
+                         "supported: one layout for both (as transformers' and flash's paged caches)")
+    num_pages, page_size, heads_kv = k_cache.shape[:3]
+    if heads_q % heads_kv:
+        raise ValueError(f"query heads {heads_q} are not a multiple of key/value heads {heads_kv} (GQA needs "
+                         "Hq % Hkv == 0)")
+    if len({q.device, k_cache.device, v_cache.device}) != 1:
+        raise ValueError(f"q, k_cache, v_cache must be on one device; got {q.device}, {k_cache.device}, "
+                         f"{v_cache.device}")
+    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError("attention_paged under CUDA-graph capture is not supported: its checks read "
+                                  "cu_seqlens and the block table on the host; supported: eager calls")
+    for name, t in (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    n = cu_seqlens_q.numel() - 1
+    if (block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != n
+            or block_table.device != q.device or block_table.shape[1] < 1):
+        raise ValueError(f"block_table must be an int32 tensor [n sequences ({n}), max_pages >= 1] on {q.device}; "
+                         f"got {block_table.dtype} {tuple(block_table.shape)} on {block_table.device}")
+    if block_table.stride(1) != 1 or block_table.stride(0) < block_table.shape[1]:
+        raise ValueError(f"block_table has strides {block_table.stride()}; supported: rows contiguous (stride 1 "
+                         "along the pages), any row stride >= the row length")
+    lens = _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, None, q.device)
+    max_pages = block_table.shape[1]
+    pages = [triton.cdiv(n_k, page_size) for n_k in lens]
+    short = [b for b, need in enumerate(pages) if need > max_pages]
+    if short:
+        b = short[0]
+        raise ValueError(f"block_table has {max_pages} pages per sequence; sequence {b} has {lens[b]} keys, needing "
+                         f"{pages[b]} pages of {page_size}; supported: a table as wide as the longest sequence's "
+                         "pages")
+    needed = (torch.arange(max_pages, device=q.device)[None, :]
+              < torch.tensor(pages, dtype=torch.int32, device=q.device)[:, None])
+    outside = needed & ((block_table < 0) | (block_table >= num_pages))
+    if bool(outside.any()):
+        b, i = (int(x) for x in outside.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {i}] = {int(block_table[b, i])} is not a page of k_cache/v_cache; "
+                         f"supported: page ids in [0, {num_pages}) for the {pages[b]} pages sequence {b}'s "
+                         f"{lens[b]} keys use")
+    return Sequences(True, n, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, _window_of(window),
+                     block_table, page_size)
 
 
 def _strides3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
@@ -214,6 +295,14 @@ def _strides3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     if varlen:
         return 0, t.stride(1), t.stride(0)
     return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _kv_strides(t: torch.Tensor, seqs: Sequences) -> tuple[int, int, int]:
+    """k's or v's strides as the forward takes them: ``_strides3``, or of a page storage [P, page_size, H, D]
+    (page, head, row within the page)."""
+    if seqs.paged:
+        return t.stride(0), t.stride(2), t.stride(1)
+    return _strides3(t, seqs.varlen)
 
 
 def _lse_strides(seqs: Sequences, heads_q: int, rows: int) -> tuple[int, int]:
@@ -278,7 +367,7 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
     cfg = configs.fwd
     interpreted = backend == TRITON_INTERPRETER
     head_dim = q.shape[-1]
-    heads_q, heads_kv = q.shape[1], k.shape[1]  # [B, H, S, D] and [T, H, D] alike
+    heads_q, heads_kv = q.shape[1], k.shape[-2 if seqs.paged else 1]  # [B, H, S, D] and [T, H, D] alike
     group = heads_q // heads_kv
     heads = fwd_heads(configs, group, heads_kv, seqs.batch, seqs.seq_q)
     if seqs.varlen:
@@ -309,15 +398,16 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
     flags = _flags(seqs, interpreted)
     qk_scale, tanh_scale = _logit_args(logits, scale)
     sinks = logits.sinks if logits.sinks is not None else q  # never read without HAS_SINKS
+    table = seqs.block_table if seqs.paged else lse  # never read without PAGED
     attention_fwd_kernel[(grid[0] * slots, grid[1], grid[2])](
-        q, k, v, o, lse, *_bound_args(seqs, q), ws_m, ws_l, ws_acc,
-        *_strides3(q, seqs.varlen), *_strides3(k, seqs.varlen), *_strides3(v, seqs.varlen), *_strides3(o, seqs.varlen),
-        *_lse_strides(seqs, heads_q, rows),
+        q, k, v, o, lse, *_bound_args(seqs, q), table, ws_m, ws_l, ws_acc,
+        *_strides3(q, seqs.varlen), *_kv_strides(k, seqs), *_kv_strides(v, seqs), *_strides3(o, seqs.varlen),
+        *_lse_strides(seqs, heads_q, rows), table.stride(0) if seqs.paged else 0,
         seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k,
         qk_scale, _window_arg(seqs), tanh_scale, sinks, slots, ws_rows,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **flags,
         SOFTCAP=logits.softcap is not None, HAS_SINKS=logits.sinks is not None,
-        SPLIT_N=configs.split_n, SPLIT_GRID=split_grid,
+        SPLIT_N=configs.split_n, SPLIT_GRID=split_grid, PAGED=seqs.paged, PAGE_SIZE=max(seqs.page_size, 1),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split_grid:
@@ -479,6 +569,34 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     _check_sinks(sinks, heads_q, q.device)
     seqs = Sequences(True, n, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, _window_of(window))
     return _run(q, k, v, seqs, _scale_of(scale, head_dim), configs, Logits(_softcap_of(softcap), sinks))
+
+
+def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                    scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None, configs: AttnConfigs | None = None) -> torch.Tensor:
+    """Packed queries over a paged KV cache, forward only (inference): q [Tq, Hq, D] as ``attention_varlen``'s
+    (sequence n's queries are rows cu_seqlens_q[n]..cu_seqlens_q[n + 1], the last of its keys); k_cache, v_cache
+    [P, page_size, Hkv, D] page storages (transformers' paged cache and flash's layout; any strides, the same for
+    both, with the head dim contiguous); block_table int32 [n, max_pages]: sequence n's key j sits in page
+    block_table[n, j // page_size], row j % page_size; it has cu_seqlens_k[n + 1] - cu_seqlens_k[n] keys
+    (cu_seqlens_k counts keys, not storage rows). Table entries past a sequence's pages are never read
+    (transformers pads them with -1). -> [Tq, Hq, D]. The bits equal ``attention_varlen``'s on the same keys
+    gathered into a contiguous packing, for any page size and page placement. Checks read cu_seqlens and the block
+    table's needed entries on the host (syncs; refused under CUDA-graph capture): page ids outside [0, P), a table
+    too narrow for a sequence's keys, mismatched page sizes, and everything ``attention_varlen`` checks.
+    ``window``, ``softcap``, ``sinks`` as for ``attention``. No autograd (a paged cache is inference only): inputs
+    that require grad are refused while grad is enabled."""
+    _check_tensor("q", q, 3)
+    _check_sinks(sinks, q.shape[1], q.device)
+    logits, scale = Logits(_softcap_of(softcap), sinks), _scale_of(scale, q.shape[-1])
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (q, k_cache, v_cache, sinks)):
+        raise NotImplementedError("attention_paged has no backward (a paged KV cache is inference only); supported: "
+                                  "inputs that do not require grad, or a call under torch.no_grad()")
+    seqs = check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       window)
+    return attention_fwd_launch(q, k_cache, v_cache, seqs, scale, configs, logits)[0]
 
 
 SUPPORTED_BACKENDS = (CUDA_SM90, TRITON_INTERPRETER)

@@ -207,6 +207,30 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     return out
 
 
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """A paged storage's keys (or values) as a contiguous packing: cache [P, page_size, H, D], sequence n's key j at
+    row j % page_size of page block_table[n, j // page_size] -> [Tk, H, D], sequence n at rows
+    cu_seqlens_k[n]..cu_seqlens_k[n + 1] (``attention_varlen``'s key layout)."""
+    page_size = cache.shape[1]
+    cu = cu_seqlens_k.tolist()
+    parts = []
+    for n in range(len(cu) - 1):
+        j = torch.arange(cu[n + 1] - cu[n], device=block_table.device)
+        pages = block_table[n].long()[j // page_size].to(cache.device)
+        parts.append(cache[pages, (j % page_size).to(cache.device)])
+    return torch.cat(parts)
+
+
+def attention_paged_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, *, scale=None, window=None,
+                        softcap=None, sinks=None) -> torch.Tensor:
+    """``attention_paged`` in pure torch: the pages gathered into a contiguous packing (``gather_pages``), then
+    ``attention_varlen_ref``. [Tq, Hq, D] BF16."""
+    k = gather_pages(k_cache, block_table, cu_seqlens_k)
+    v = gather_pages(v_cache, block_table, cu_seqlens_k)
+    return attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, window=window, softcap=softcap,
+                                sinks=sinks)
+
+
 def attention_oracle(q, k, v, *, scale=None, kv_start=None, kv_end=None, window=None, softcap=None, sinks=None,
                      do=None) -> dict[str, torch.Tensor]:
     """FP64 from the same BF16 inputs: ``o`` [B, Hq, Sq, Dv], and with ``do`` ([B, Hq, Sq, Dv]) the exact ``dq``,
