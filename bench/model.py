@@ -20,7 +20,8 @@ Cases, one row each, named ``speed <case> detkit / default``:
   implementation the model was built with), at the token counts of the three cases: ``moe_block_prefill``,
   ``moe_block_decode``, ``moe_block_forward_backward``.
 
-Default mode's attention is the fastest a user would otherwise run: flash SDPA forced for "sdpa" models,
+Default mode's attention is the fastest a user would otherwise run: flash SDPA (memory-efficient SDPA where flash
+cannot take the call) for "sdpa" models,
 transformers' eager attention for models without an SDPA path (``BASELINE_ATTENTION``; each row says which).
 
 Timing (toolkit.timing): per case, the default-mode and the detkit-mode calls interleaved over ``--rounds`` rounds
@@ -126,11 +127,13 @@ def cases(ctx, layers: int | None = None, **_) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # The timed calls
 # ---------------------------------------------------------------------------------------------
-# Default mode's attention, by the implementation the model was built with: flash SDPA forced where the model runs
-# "sdpa" (left to itself, torch may pick cuDNN attention for a one-query decode and rebuild its plan for every new
-# cache length: tens of ms a step, not what a user would run); transformers' eager attention where the model has no
-# SDPA path and runs "detkit" (Gemma-2's softcap, gpt-oss's sinks), as transformers would run it by default.
-BASELINE_ATTENTION = {"sdpa": "sdpa (flash forced)", "detkit": "eager (transformers')"}
+# Default mode's attention, by the implementation the model was built with: SDPA's flash kernel where the model runs
+# "sdpa", its memory-efficient kernel only where flash cannot take the call (a mask tensor: sliding windows, a step
+# captured in a CUDA graph, for which transformers builds the mask; MLA's value head dim), cuDNN and math attention
+# off (left to itself, torch may pick cuDNN attention for a one-query decode and rebuild its plan for every new cache
+# length: tens of ms a step, not what a user would run); transformers' eager attention where the model has no SDPA
+# path and runs "detkit" (Gemma-2's softcap, gpt-oss's sinks), as transformers would run it by default.
+BASELINE_ATTENTION = {"sdpa": "sdpa (flash, else memory-efficient)", "detkit": "eager (transformers')"}
 
 
 @contextlib.contextmanager
@@ -141,7 +144,7 @@ def baseline_attention(model):
     if implementation == "sdpa":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION], set_priority=True):
             yield
     elif implementation == "detkit":
         model.set_attn_implementation("eager")

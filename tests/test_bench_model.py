@@ -190,13 +190,13 @@ def test_the_speed_table_merges_runs_with_their_verdicts_and_failures(tmp_path):
 
 
 def test_default_mode_runs_the_baseline_attention(device):
-    """Default mode's calls: flash SDPA alone for an "sdpa" model (no math, efficient or cuDNN fallback), and
-    transformers' eager attention for a "detkit" model (Gemma-2), its own implementation restored after."""
+    """Default mode's calls: flash SDPA, memory-efficient where flash cannot, for an "sdpa" model (no math or cuDNN
+    attention), and transformers' eager attention for a "detkit" model (Gemma-2), its own implementation restored
+    after."""
     sdpa_model, _ = models.build_model(device, seed=1, spec="qwen3-tiny", layers=1)
     with bench.baseline_attention(sdpa_model):
-        assert torch.backends.cuda.flash_sdp_enabled()
-        assert not (torch.backends.cuda.math_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
-                    or torch.backends.cuda.cudnn_sdp_enabled())
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert not (torch.backends.cuda.math_sdp_enabled() or torch.backends.cuda.cudnn_sdp_enabled())
     assert torch.backends.cuda.math_sdp_enabled()
     gemma, _ = models.build_model(device, seed=1, spec="gemma2-tiny", layers=1)
     with bench.baseline_attention(gemma):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session call 3 (one H100/H200): the paged decode against the contiguous decode (bench attention), DeepSeek-V3's row
 # of the family matrix (MLA on the kernel), then the model bench of every family at 2 layers (tools/gpu/model_speed.sh,
-# default mode on flash SDPA forced / transformers' eager attention), into $OUT/speed.
+# default mode on flash SDPA (memory-efficient where flash cannot) / transformers' eager attention), into $OUT/speed.
 set -euo pipefail
 : "${OUT:?set OUT to the results folder}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
