@@ -26,6 +26,13 @@ informational):
   grad on, micro-batches): the completion tokens' log-probs;
 - ``routing`` (a MoE model): every routing decision of that generate call (each token's top-k expert ids at every
   MoE layer, from forward pre-hooks on the experts modules) vs the trainer's forward, counted;
+- ``serving``: the same prompts served by transformers' continuous batching (toolkit/serving.py: the manager, the
+  paged KV cache), request i arriving once request i - 1 has sampled a token or more (``Plan.arrivals``), at most
+  ``Plan.step_tokens`` tokens a step (prefills split into chunks, sharing steps with decodes), sampling at
+  temperature 1 with the engine's seeded sampler; each request's sampled tokens' log-probs (from the logits the
+  engine computed, read by a forward hook) vs the trainer's forward over prompt + completion (right padding, grad
+  on, micro-batches). Not run -- a failed row saying why -- for a model with sliding-window layers (the mode's paged
+  attention refuses them) or a transformers without the continuous-batching pieces used (named, with its version);
 - ``backward_repeat``: every parameter gradient of a cross-entropy backward (plus the router's load-balancing
   loss where transformers adds one), bitwise across two runs;
 - ``strict``: detkit mode's checks each run first under ``batch_invariant_mode(strict=True)``; the row fails naming
@@ -64,11 +71,12 @@ from detkit.toolkit.models import (
 
 NAME = "model"
 DESCRIPTION = ("transformers model log-probs, default vs detkit mode: batch invariance, padding, trainer vs rollout, "
-               "KV-cache decode vs trainer, backward repeat, drift, routed ops, FP8 experts' precision")
-ATTENTION_OPS = ("sdpa", "attention (transformers)")
+               "KV-cache decode vs trainer, generate and continuous batching vs trainer, backward repeat, drift, routed "
+               "ops, FP8 experts' precision")
+ATTENTION_OPS = ("sdpa", "attention (transformers)", "attention (transformers continuous batching)")
 # Checks whose rollout decodes with a KV cache: they fail while attention ran on torch, whose reduction over the keys
 # depends on the query count (bits equal on one host say nothing of another's).
-DECODE_CHECKS = ("decode_vs_trainer", "generate", "routing")
+DECODE_CHECKS = ("decode_vs_trainer", "generate", "routing", "serving")
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
@@ -84,6 +92,7 @@ class Plan:
     gen_len: int
     decode_batch: int
     precision_tokens: int = 2048  # tokens through one MoE block for the FP8-vs-BF16 precision check
+    page_size: int = 16  # the serving check's KV-cache pages (tokens)
 
     def prompt_lens(self) -> list[int]:
         """The generate check's prompt lengths, one per sequence of the decode batch: from prompt_len down to about
@@ -91,16 +100,27 @@ class Plan:
         b, p = self.decode_batch, self.prompt_len
         return [max(2, p - (i * (p // 2)) // max(b - 1, 1)) for i in range(b)]
 
+    def arrivals(self) -> list[int]:
+        """The serving check's schedule: request i joins once request i - 1 has sampled ``arrivals()[i]`` tokens
+        (1, 2, 3, 1, ... below gen_len), so every request after the first prefills while another decodes."""
+        cycle = max(1, min(3, self.gen_len - 1))
+        return [0] + [1 + (i - 1) % cycle for i in range(1, self.decode_batch)]
+
+    def step_tokens(self) -> int:
+        """The serving check's tokens per step (max_batch_tokens): one fewer than the longest prompt, so that prompt
+        is prefilled in two chunks and a prompt arriving beside a decode may be split."""
+        return max(2, self.prompt_len - 1)
+
 
 CPU_PLAN = Plan(seq_len=10, batch_sizes=(2, 5), pad=3, train_batch=4, micro_batch=2, prompt_len=5, gen_len=4,
-                decode_batch=3, precision_tokens=64)
+                decode_batch=3, precision_tokens=64, page_size=4)
 CUDA_PLAN = Plan(seq_len=256, batch_sizes=(4, 16), pad=37, train_batch=8, micro_batch=2, prompt_len=64, gen_len=24,
                  decode_batch=8)
 # The family matrix (several models in one run): on the interpreter the smallest plan that still has every case (a
 # batch, both paddings, micro-batches, decode steps, prompts of two lengths); on cuda the single-model plan with
 # fewer sequences and decode steps, sized for 13 models in about 8 minutes on one GPU (not measured yet).
 MATRIX_CPU_PLAN = Plan(seq_len=5, batch_sizes=(2,), pad=2, train_batch=2, micro_batch=1, prompt_len=3, gen_len=2,
-                       decode_batch=2, precision_tokens=64)
+                       decode_batch=2, precision_tokens=64, page_size=4)
 MATRIX_CUDA_PLAN = Plan(seq_len=256, batch_sizes=(8,), pad=37, train_batch=4, micro_batch=2, prompt_len=64,
                         gen_len=16, decode_batch=4)
 NOT_COVERED = (
@@ -114,7 +134,12 @@ NOT_COVERED = (
     "(counted); the router's softmax / top-k stay on torch (row-wise); the load-balancing loss is a batch statistic "
     "(run to run, not batch-invariant); FP8 weight gradients are not batch-invariant (their 128-row scale blocks "
     "span tokens; run to run they repeat)",
-    "the first-divergence hooks compare module outputs; differences in ops between modules show as the next module",
+    "the first-divergence hooks compare module outputs; differences in ops between modules show as the next module "
+    "(the serving check has none)",
+    "continuous batching (serving): models with sliding-window layers (not run), transformers' block-table decode "
+    "path, CUDA graphs and asynchronous batching (the check turns them off to pair each step's logits with its "
+    "requests), prefix sharing (tests/test_mode_continuous_batching.py has it, the audit's random prompts share no "
+    "pages)",
 )
 
 
@@ -401,24 +426,11 @@ class Audit:
                                    f"max_new_tokens = min_new_tokens = {g}")
             logp = torch.log_softmax(torch.stack(out.logits, 1).float(), dim=-1)  # [B, g, V]
             rollout = logp.gather(-1, completion[..., None])[..., 0]
-            length = width + g
-            seqs = torch.zeros(batch, length, dtype=torch.long, device=self.device)
-            tmask = torch.zeros_like(seqs)
-            for b, n in enumerate(lens):
-                seqs[b, :n], seqs[b, n:n + g] = self.prompts[b, :n], completion[b]
-                tmask[b, :n + g] = 1
-            self.model.train()
-            try:
-                micro = self.plan.micro_batch
-                parts = [self.lp(s, m, positions_from_mask(m), grad=True)
-                         for s, m in zip(torch.split(seqs, micro), torch.split(tmask, micro))]
-            finally:
-                self.model.eval()
+            trainer = self.trainer_completion(lens, completion)
             trainer_routes = routing.take()
         finally:
             routing.close()
-        trainer_lp = torch.cat(parts)
-        trainer = torch.stack([trainer_lp[b, n - 1: n - 1 + g] for b, n in enumerate(lens)])
+        length = width + g
         case = (f"generate (sampling, temperature 1) from {batch} left-padded prompts of {min(lens)}-{max(lens)} "
                 f"tokens + {g} tokens vs the trainer's forward (right padding, grad on, micro-batches of "
                 f"{self.plan.micro_batch})")
@@ -427,6 +439,72 @@ class Audit:
             out_cmps.append(routing_comparison(routing.names, rollout_routes, trainer_routes, lens, width, g,
                                                self.plan.micro_batch, length))
         return out_cmps
+
+    def trainer_completion(self, lens: list[int], completion: torch.Tensor) -> torch.Tensor:
+        """The trainer's log-probs ``[B, g]`` of each completion (``completion [B, g]``) after its prompt (the first
+        ``lens[b]`` tokens of ``self.prompts[b]``): one forward per micro-batch of ``plan.micro_batch`` sequences
+        (not the rollout's batch), right-padded, grad on, training mode."""
+        g = completion.shape[1]
+        seqs = torch.zeros(len(lens), max(lens) + g, dtype=torch.long, device=self.device)
+        tmask = torch.zeros_like(seqs)
+        for b, n in enumerate(lens):
+            seqs[b, :n], seqs[b, n:n + g] = self.prompts[b, :n], completion[b]
+            tmask[b, :n + g] = 1
+        self.model.train()
+        try:
+            micro = self.plan.micro_batch
+            parts = [self.lp(s, m, positions_from_mask(m), grad=True)
+                     for s, m in zip(torch.split(seqs, micro), torch.split(tmask, micro))]
+        finally:
+            self.model.eval()
+        trainer_lp = torch.cat(parts)
+        return torch.stack([trainer_lp[b, n - 1: n - 1 + g] for b, n in enumerate(lens)])
+
+    def serving(self) -> list[Comparison]:
+        """The generate check's prompts served by transformers' continuous batching (toolkit/serving.py): request i
+        joins once request i - 1 has sampled ``plan.arrivals()[i]`` tokens, at most ``plan.step_tokens()`` tokens a
+        step, pages of ``plan.page_size``; sampling at temperature 1 (no top-k / top-p) by the engine's seeded
+        sampler, EOS off. The log-probs of each request's sampled tokens (log_softmax in FP32 of the logits the
+        engine sampled from, read by a forward hook and paired with requests where transformers pairs them) against
+        the trainer's forward over prompt + completion (``trainer_completion``). A model ``serving.unsupported``
+        names a reason for is not run: one failed comparison carrying ``not_run``. transformers' own failure is a
+        failed comparison carrying ``error``; a strict mode's refusal in the engine's thread is raised as such."""
+        from detkit.mode.state import ModeNotRoutedError
+        from detkit.toolkit import serving
+
+        lens, g = self.plan.prompt_lens(), self.plan.gen_len
+        arrivals, page, step_tokens = self.plan.arrivals(), self.plan.page_size, self.plan.step_tokens()
+        case = (f"continuous batching (sampling, temperature 1): {len(lens)} requests of {min(lens)}-{max(lens)} "
+                f"prompt tokens + {g}, request i arriving once request i - 1 has {arrivals[1:]} tokens, <= "
+                f"{step_tokens} tokens a step, pages of {page} vs the trainer's forward (right padding, grad on, "
+                f"micro-batches of {self.plan.micro_batch})")
+        extra = {"transformers": serving.transformers_version(), "requests": len(lens), "arrivals": arrivals,
+                 "max_batch_tokens": step_tokens, "page_size": page}
+        reason = serving.unsupported(self.model)
+        if reason is not None:
+            return [Comparison("serving", case, False, 0, 0, 0.0, None, None, {**extra, "not_run": reason})]
+        prompts = [self.prompts[b, :n].tolist() for b, n in enumerate(lens)]
+        pages = len(lens) * -(-(max(lens) + g) // page)  # every request's pages at once, the worst case
+        config = serving.cb_config(page_size=page, num_blocks=max(serving.CB_DEFAULTS["num_blocks"], pages + 1),
+                                   max_batch_tokens=step_tokens, seed=self.seed + 31)
+        steps: list[list[int]] = []
+        try:
+            served = serving.run_continuous_batching(self.model, prompts, g, config, arrivals, steps=steps,
+                                                     sample=True)
+        except ModeNotRoutedError:
+            raise
+        except Exception as exc:  # transformers' engine failed on this model: the row says how
+            log.exception("serving: transformers' continuous batching failed")
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            return [Comparison("serving", case, False, 0, 0, 0.0, None, None, {**extra, "error": error})]
+        completion = torch.tensor([tokens for tokens, _ in served], dtype=torch.long, device=self.device)  # [B, g]
+        logits = torch.stack([rows for _, rows in served])  # [B, g, V], the model's dtype
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        rollout = logp.gather(-1, completion[..., None])[..., 0]
+        trainer = self.trainer_completion(lens, completion)
+        extra.update(steps=len(steps), shared_steps=sum(1 for q in steps if len(q) > 1),
+                     tokens=int(completion.numel()))
+        return [compare("serving", case, rollout, trainer, **extra)]
 
     def backward_repeat(self) -> list[Comparison]:
         ids = self.seqs[: self.plan.train_batch]
@@ -467,7 +545,7 @@ class Audit:
         checks = (("batch_invariance", lambda: self.batch_invariance(locate)), ("padding", self.padding),
                   ("trainer_vs_rollout", lambda: self.trainer_vs_rollout(locate)),
                   ("decode_vs_trainer", lambda: self.decode_vs_trainer(locate)), ("generate", self.generate),
-                  ("backward_repeat", self.backward_repeat))
+                  ("serving", self.serving), ("backward_repeat", self.backward_repeat))
         for name, check in checks:
             if strict:
                 from detkit.mode.state import ModeNotRoutedError
@@ -656,7 +734,7 @@ def audit_one(ctx: RunContext, spec: str | None, plan: Plan, experts: str, graph
                                {"informational": "torch's kernels; the drift the mode removes", **entry})
                     continue
                 passed = cmp.equal
-                if cmp.check in DECODE_CHECKS:
+                if cmp.check in DECODE_CHECKS and "not_run" not in entry:
                     attention = {k: n for k, n in (mode_counters() - start).not_routed.items() if k[0] in ATTENTION_OPS}
                     if attention:
                         passed = False
@@ -693,7 +771,7 @@ def audit_one(ctx: RunContext, spec: str | None, plan: Plan, experts: str, graph
 
 # The family matrix's columns: the detkit-mode checks, in the order they run.
 MATRIX_CHECKS = ("strict", "batch_invariance", "padding", "trainer_vs_rollout", "decode_vs_trainer", "generate",
-                 "routing", "backward_repeat", "counters")
+                 "routing", "serving", "backward_repeat", "counters")
 
 
 def _short(text: str, limit: int = 110) -> str:
@@ -702,8 +780,8 @@ def _short(text: str, limit: int = 110) -> str:
 
 
 def matrix_cell(result: dict, check: str) -> str:
-    """pass / FAIL with the first reason / "n/a" (no MoE layer for routing) / "error: ..." for one family x check;
-    generate and routing carry the differing count beside default mode's."""
+    """pass / FAIL with the first reason / "n/a" (no MoE layer for routing) / "not run: ..." (serving) / "error" for
+    one family x check; generate, routing and serving carry the differing count beside default mode's."""
     if "error" in result:
         return "error"
     if check == "counters":
@@ -724,10 +802,19 @@ def matrix_cell(result: dict, check: str) -> str:
         return f"FAIL ({len(refusals)} check(s) refused): " + _short(first)
     failed = [e for e in ours if not e["passed"]]
     verdict = "pass" if not failed else "FAIL"
-    if check in ("generate", "routing"):
+    if check == "serving" and ours[0].get("not_run"):
+        return "not run: " + _short(ours[0]["not_run"])
+    if check == "serving" and ours[0].get("error"):
+        return "FAIL: " + _short(ours[0]["error"])
+    if check in ("generate", "routing", "serving"):
         theirs = [e for e in entries if e["mode"] == "default"]
         what = "decisions" if check == "routing" else "log-probs"
-        count = lambda es: f"{sum(e['mismatches'] for e in es)}/{sum(e['elements'] for e in es)}"  # noqa: E731
+
+        def count(es):
+            error = next((e["error"] for e in es if e.get("error")), None)
+            return ("error: " + _short(error, 60)) if error else \
+                f"{sum(e['mismatches'] for e in es)}/{sum(e['elements'] for e in es)}"
+
         reason = next((e["reason"] for e in failed if e.get("reason")), None)
         return (f"{verdict}: {count(ours)} {what} differ (default mode: {count(theirs)})"
                 + (f"; {_short(reason)}" if reason else ""))
@@ -764,7 +851,8 @@ def write_matrix_report(out_dir: Path, results: list[dict], plan: Plan | dict | 
               "seconds": r.get("seconds")} for r in results]
     where = ("CPU, Triton interpreter (not a hardware result)" if backend == "triton_interpreter" else backend)
     plan = plan.__dict__ if isinstance(plan, Plan) else plan
-    lines = ["# Model audit: family matrix (detkit mode; default mode's counts beside generate and routing)", "",
+    lines = ["# Model audit: family matrix (detkit mode; default mode's counts beside generate, routing and serving)",
+             "",
              f"- backend: {where}", f"- plan: {plan}", "",
              tabulate(table, headers="keys", tablefmt="github"), "", "## Missing, with the reason", ""]
     missing = [f"- {r['spec']}: {gap}" for r in results for gap in r.get("meta", {}).get("gaps", [])]
@@ -786,8 +874,9 @@ def write_model_report(out_dir: Path, meta: dict, drift: list[dict], counters: d
                        precision: dict | None = None) -> None:
     from tabulate import tabulate
 
-    table = [{k: e.get(k) for k in ("mode", "check", "case", "mismatches", "elements", "max_abs_diff",
-                                    "p99_abs_diff", "first_divergence")} for e in drift]
+    table = [{**{k: e.get(k) for k in ("mode", "check", "case", "mismatches", "elements", "max_abs_diff",
+                                       "p99_abs_diff", "first_divergence")},
+              "note": _short(e.get("not_run") or e.get("error") or e.get("reason") or "", 80)} for e in drift]
     lines = ["# Model audit: default vs detkit mode", "", f"- model: {meta['model']}",
              f"- detkit.kernels.attention present: {meta['attention_kernel_present']}",
              *([f"- MoE: {meta['moe']}"] if meta.get("moe") else []), "",

@@ -1,7 +1,9 @@
 """audits/model.py: the model audit's comparisons can fail and say where (a batch-dependent perturbation in one
 module is caught and named by the first-divergence hooks), the model comes from DETKIT_MODEL_CONFIG or the
 default (toolkit/models.py), and the plug-in run yields its correctness rows and no speed rows (decode vs trainer
-FAILED with the reason while the attention kernel is absent) and writes model.md / model.json."""
+FAILED with the reason while the attention kernel is absent) and writes model.md / model.json. The serving check runs
+in the dense model's plug-in run only (CI's time: about 15 s of the interpreter); the MoE runs leave it out, and
+tests/test_model_serving.py holds its can-fail and not-run cases."""
 
 from __future__ import annotations
 
@@ -19,7 +21,12 @@ from detkit.toolkit.harness import RunContext  # noqa: E402
 
 ONE_LAYER = dict(models.QWEN3_TINY, num_hidden_layers=1)
 SMALL_PLAN = audit_model.Plan(seq_len=6, batch_sizes=(3,), pad=2, train_batch=2, micro_batch=1, prompt_len=3,
-                              gen_len=2, decode_batch=2, precision_tokens=64)
+                              gen_len=2, decode_batch=2, precision_tokens=64, page_size=4)
+
+
+def _without_serving(monkeypatch):
+    """The MoE plug-in runs leave the serving check out (CI's time; the dense run has it)."""
+    monkeypatch.setattr(audit_model.Audit, "serving", lambda self: [])
 
 
 @pytest.fixture
@@ -92,17 +99,23 @@ def test_the_plugin_yields_its_rows_and_writes_the_model_report(device, config_f
     for row in rows:
         by_check.setdefault(row.check, []).append(row)
     assert set(by_check) == {"model", "default_drift", "batch_invariance", "padding", "trainer_vs_rollout",
-                             "decode_vs_trainer", "generate", "backward_repeat", "strict", "counters"}
+                             "decode_vs_trainer", "generate", "serving", "backward_repeat", "strict", "counters"}
     assert all(r.passed for r in by_check["default_drift"])  # informational
     for check in ("batch_invariance", "trainer_vs_rollout", "backward_repeat", "counters"):
         assert all(r.passed for r in by_check[check]), [r.details for r in by_check[check]]
     decode = by_check["decode_vs_trainer"]
     assert len(decode) == 2
-    if attention_module() is None:  # decode and generate fail while attention runs on torch
-        assert not any(r.passed for r in decode + by_check["generate"])
+    if attention_module() is None:  # decode, generate and serving fail while attention runs on torch
+        assert not any(r.passed for r in decode + by_check["generate"] + by_check["serving"])
         assert all("no detkit attention kernel" in json.dumps(r.details["attention_not_routed"]) for r in decode)
     else:
-        assert all(r.passed for r in decode + by_check["generate"] + by_check["strict"])
+        assert all(r.passed for r in decode + by_check["generate"] + by_check["serving"] + by_check["strict"])
+    # serving: 2 requests (3 and 2 prompt tokens, pages of 4), the second arriving after the first's first token and
+    # sharing a step with it; 2 sampled tokens each; the same run in default mode beside it
+    (serving,) = by_check["serving"]
+    assert (serving.details["tokens"], serving.details["elements"], serving.details["arrivals"]) == (4, 4, [0, 1])
+    assert serving.details["shared_steps"] >= 1, serving.details
+    assert [r.details["check"] for r in by_check["default_drift"]].count("serving") == 1
     counters = by_check["counters"][0].details
     assert counters["routed"]["mm -> det_gemm_fwd"] > 0 and counters["gemm_not_routed"] == {}
     report = (tmp_path / "model.md").read_text()
@@ -122,6 +135,7 @@ def test_the_plugin_runs_every_check_on_a_tiny_moe_model(device, tmp_path, monke
     monkeypatch.setenv(models.CONFIG_ENV, str(path))
     monkeypatch.setattr(audit_model, "CPU_PLAN", SMALL_PLAN)
     monkeypatch.setattr(audit_model, "CUDA_PLAN", SMALL_PLAN)
+    _without_serving(monkeypatch)
     backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
     ctx = RunContext(device=device, backend=backend, preset="tiny", seed=5, out_dir=tmp_path)
     rows = list(audit_model.run(ctx))
@@ -150,6 +164,7 @@ def test_the_plugin_runs_every_check_on_a_tiny_moe_model_with_fp8_experts(device
     monkeypatch.setenv(models.EXPERTS_ENV, "fp8")
     monkeypatch.setattr(audit_model, "CPU_PLAN", SMALL_PLAN)
     monkeypatch.setattr(audit_model, "CUDA_PLAN", SMALL_PLAN)
+    _without_serving(monkeypatch)
     backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"
     ctx = RunContext(device=device, backend=backend, preset="tiny", seed=7, out_dir=tmp_path)
     by_check: dict[str, list] = {}

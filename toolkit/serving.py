@@ -1,19 +1,21 @@
 """The serving case: transformers' continuous batching (``generate_batch`` and its manager, the paged KV cache) read
 per request, against the same request run alone and the trainer's forward.
 
-``run_continuous_batching`` serves the prompts (greedy, a fixed number of new tokens, EOS off) and returns, per
-prompt, the generated tokens and the logits each was chosen from. The logits are read where transformers reads
-them: a forward hook on the model keeps each step's logits (one row per request that gets a token in that step,
-in the step's order), and a wrapper around the IO class's ``prepare_batch_update`` (what transformers' own update
-pairs those rows with requests from) names the request of each row. That pairing needs every forward to be
-followed by its update: ``cb_config`` turns off asynchronous batching and CUDA graphs (a graph replay runs no
-hook). ``arrivals``: request i joins once request i - 1 has produced ``arrivals[i]`` tokens (the manager's API;
-added from the generation loop between two steps, so the schedule does not depend on thread timing), so requests
-arrive while others decode.
+``run_continuous_batching`` serves the prompts (greedy, or sampling at temperature 1 with the engine's seeded
+sampler; a fixed number of new tokens, EOS off) and returns, per prompt, the generated tokens and the logits each was
+chosen from. The logits are read where transformers reads them: a forward hook on the model keeps each step's logits
+(one row per request that gets a token in that step, in the step's order), and a wrapper around the IO class's
+``prepare_batch_update`` (what transformers' own update pairs those rows with requests from) names the request of
+each row. That pairing needs every forward to be followed by its update: ``cb_config`` turns off asynchronous
+batching and CUDA graphs (a graph replay runs no hook). ``arrivals``: request i joins once request i - 1 has produced
+``arrivals[i]`` tokens (the manager's API; added from the generation loop between two steps, so the schedule does not
+depend on thread timing), so requests arrive while others decode.
 
 ``alone_logits`` (``generate`` of one request, DynamicCache) and ``trainer_logits`` (one padded forward over every
 prompt + completion, grad on) give the references; ``serving_check`` compares the three and counts the tokens whose
-logits differ (the model audit's serving case: 0 under the mode).
+logits differ. ``unsupported`` says why a model cannot be served under the mode (transformers without the pieces
+used here, or sliding-window layers, which mode/paged_attention.py refuses), before any work: the model audit's
+``serving`` check (audits/model.py) reports that as not run.
 """
 
 from __future__ import annotations
@@ -48,11 +50,72 @@ def cb_config(**overrides):
     return ContinuousBatchingConfig(**values)
 
 
-def _generation_config(max_new_tokens: int):
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _missing_pieces(model) -> list[str]:
+    """What this module uses of transformers' continuous batching that the installed version (or ``model``) lacks."""
+    missing = []
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError:
+        return ["transformers.generation.configuration_utils.ContinuousBatchingConfig"]
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    missing += [f"ContinuousBatchingConfig.{name}" for name in ("seed", "use_async_batching", "use_cuda_graph")
+                if name not in fields]
+    try:
+        from transformers.generation.continuous_batching import input_outputs
+    except ImportError:
+        input_outputs = None
+    ios = getattr(input_outputs, "ContinuousBatchingIOs", None)
+    if ios is None or not hasattr(ios, "prepare_batch_update"):
+        missing.append("continuous_batching.input_outputs.ContinuousBatchingIOs.prepare_batch_update")
+    if not hasattr(model, "init_continuous_batching"):
+        missing.append(f"{type(model).__name__}.init_continuous_batching")
+    return missing
+
+
+def sliding_window_layers(model) -> dict[str, int]:
+    """Attention module name -> window, for every layer that attends through a sliding window (the module's own
+    ``sliding_window`` where it has one, as Gemma's and gpt-oss's alternate; else the config's, which Mistral's and
+    Mixtral's layers pass to the attention function)."""
+    default = getattr(model.config, "sliding_window", None)
+    layers = {}
+    for name, module in model.named_modules():
+        if name.endswith("self_attn") and hasattr(module, "layer_idx"):
+            window = module.sliding_window if hasattr(module, "sliding_window") else default
+            if window:
+                layers[name] = window
+    return layers
+
+
+def unsupported(model) -> str | None:
+    """Why ``model`` cannot be served through continuous batching under the mode, or None: the installed transformers
+    lacks a piece this module uses (named, with the version), or the model has sliding-window layers
+    (mode/paged_attention.py refuses them on the paged cache)."""
+    missing = _missing_pieces(model)
+    if missing:
+        return f"transformers {transformers_version()} has no {', '.join(missing)} (continuous batching pieces used here)"
+    windows = sliding_window_layers(model)
+    if windows:
+        listed = ", ".join(f"{name} {window}" for name, window in list(windows.items())[:2])
+        more = f" and {len(windows) - 2} more" if len(windows) > 2 else ""
+        return (f"sliding-window layers ({listed}{more}): mode/paged_attention.py refuses a sliding window on the "
+                "paged cache (it keeps only the window's keys); supported: full-attention layers")
+    return None
+
+
+def _generation_config(max_new_tokens: int, sample: bool = False):
+    """Greedy, or sampling at temperature 1 with no top-k / top-p (so the engine samples from the softmax of the raw
+    logits); EOS off, so every request gets ``max_new_tokens``."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+    return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, eos_token_id=None,
+                            pad_token_id=0, **sampling)
 
 
 @contextmanager
@@ -129,13 +192,22 @@ def _collect(results, rows) -> list[tuple[list[int], torch.Tensor]]:
     return out
 
 
+def _fatal_error(manager) -> BaseException | None:
+    """The exception that ended the manager's generation thread, if one did (a strict mode's ModeNotRoutedError
+    raised in a forward ends up here; the requests only carry its text)."""
+    return getattr(getattr(manager, "background_thread_status", None), "fatal_error", None)
+
+
 def run_continuous_batching(model, prompts: list[list[int]], max_new_tokens: int, config=None,
-                            arrivals: list[int] | None = None, timeout_s: float = 1800.0, steps: list | None = None):
+                            arrivals: list[int] | None = None, timeout_s: float = 1800.0, steps: list | None = None,
+                            sample: bool = False):
     """Serves ``prompts`` through transformers' continuous batching; per prompt (tokens, logits ``[N, V]``).
     ``arrivals`` None: ``generate_batch`` (all submitted at once). Otherwise the manager: request 0 first, request i
-    once request i - 1 has streamed ``arrivals[i]`` tokens. ``steps``: see ``record_logits``."""
+    once request i - 1 has streamed ``arrivals[i]`` tokens; an exception that ends its generation thread is raised
+    here as it was raised there. ``sample``: temperature-1 sampling (seed it with ``config.seed``), else greedy.
+    ``steps``: see ``record_logits``."""
     config = config or cb_config()
-    gen = _generation_config(max_new_tokens)
+    gen = _generation_config(max_new_tokens, sample)
     if arrivals is None:
         with record_logits(model, steps) as rows, _no_flash_switch(model, config):
             outputs = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config)
@@ -160,21 +232,28 @@ def run_continuous_batching(model, prompts: list[list[int]], max_new_tokens: int
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
         add_due()  # request 0, before the loop starts
         manager.start()
-        final = {}
+        final, failed = {}, None
         try:
             deadline = time.monotonic() + timeout_s
-            while len(final) < len(prompts):
+            while len(final) < len(prompts) and failed is None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"continuous batching did not finish in {timeout_s} s")
                 result = manager.get_result(timeout=1.0)
                 if result is None:
+                    if _fatal_error(manager) is not None:
+                        break
                     continue
                 if result.error:
-                    raise RuntimeError(f"request {result.request_id} failed: {result.error}")
-                if len(result.generated_tokens) >= max_new_tokens:
+                    failed = result
+                elif len(result.generated_tokens) >= max_new_tokens:
                     final[result.request_id] = result
         finally:
-            manager.stop(block=True)
+            manager.stop(block=True)  # joins the thread: its fatal error, if any, is recorded by now
+    fatal = _fatal_error(manager)
+    if fatal is not None:
+        raise fatal
+    if failed is not None:
+        raise RuntimeError(f"request {failed.request_id} failed: {failed.error}")
     return _collect([(rid, final[rid]) for rid in added], rows)
 
 

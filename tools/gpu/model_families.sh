@@ -4,13 +4,18 @@
 # DeepSeek-V3 (64 routed experts), Mixtral-8x7B and GLM-4.5-Air widths (toolkit/models.py FAMILIES), random init,
 # BF16. Per model, detkit mode's checks under strict (refusals named), batch invariance, padding, trainer vs rollout,
 # KV-cache decode vs trainer, generate (sampling, left-padded prompts) vs the trainer's forward, routing decisions
-# (MoE), backward repeat, routed ops; default mode's drift beside them. One step per family, each with its own time
-# limit, so one family's failure or hang does not stop the rest; the run exits non-zero if any step failed.
-# Everything lands under $OUT: versions.txt, steps.txt, <family>.log and <family>/ (report.md, report.json,
+# (MoE), serving (transformers' continuous batching, requests arriving while others decode, sampling) vs the
+# trainer's forward, backward repeat, routed ops; default mode's drift beside them. One step per family, each with
+# its own time limit, so one family's failure or hang does not stop the rest; the run exits non-zero if any step
+# failed. Everything lands under $OUT: versions.txt, steps.txt, <family>.log and <family>/ (report.md, report.json,
 # rows.jsonl, model.md and model.json with the family x check table), then $OUT/model.md / model.json merged over all.
-# DeepSeek-V3's MLA attention (value head dim 128 != query/key 192) runs on the kernel zero-padded to 256. Not timed on
-# a GPU yet: if the 13 steps do not fit one call, run the families in two calls (FAMILIES=...) with the same OUT: the
-# merged table covers every family folder under $OUT.
+# DeepSeek-V3's MLA attention (value head dim 128 != query/key 192) runs on the kernel zero-padded to 256. Steps that
+# fail by design, so the run exits non-zero: the families with sliding-window layers (Mistral, Gemma-2, Gemma-3,
+# gpt-oss), whose serving row is "not run" (the mode's paged attention refuses a window), and DeepSeek-V3, whose
+# serving row fails inside transformers (its paged cache's write does not take MLA's keys); read the table. On one
+# H100 before the serving check (reports/2026-12-06-h100-s26, calls 5 and 6) a family took 11-31 s; if the 13 steps
+# do not fit one call, run the families in two calls (FAMILIES=...) with the same OUT: the merged table covers every
+# family folder under $OUT.
 # Usage: OUT=/path/to/results bash tools/gpu/model_families.sh
 #        FAMILIES="gemma2 gpt-oss" OUT=... bash tools/gpu/model_families.sh   (a subset)
 #        DRY_RUN=1 OUT=... bash tools/gpu/model_families.sh                  (print the steps, run nothing)
