@@ -26,9 +26,10 @@ kernel, ``attention_varlen``), counted as "attention (transformers continuous ba
 transformers' function, counted. Every other implementation in transformers' AttentionInterface (flash, flex,
 "paged|eager") is wrapped while the mode is entered: its calls are counted as not routed (strict raises).
 
-A call whose value head dim differs from its query/key head dim (DeepSeek-V3's MLA) runs zero-padded on the kernel
-(``launch.mixed_head_dims``) and is counted under its own kernel name (``_kernel``: "detkit.attention (qk head dim
-192, v 128: zero-padded)"), so the counters show which calls paid the padding.
+A call whose value head dim differs from its query/key head dim (DeepSeek-V3's MLA), or whose one head dim lies
+between the kernel's (Phi-3-mini's 96), runs zero-padded on the kernel (``launch.mixed_head_dims``) and is counted
+under its own kernel name (``_kernel``: "detkit.attention (qk head dim 192, v 128: zero-padded)", "detkit.attention
+(head dim 96: zero-padded)"), so the counters show which calls paid the padding.
 
 ``register_transformers_attention()`` also registers ``"detkit"`` with transformers'
 AttentionInterface (and its mask interface, with SDPA's boolean mask), so a model can be built with
@@ -106,12 +107,17 @@ def _function(module, name: str):
 
 
 def _kernel(name: str, query, value) -> str:
-    """The kernel a call is counted under: ``name``, or for a value head dim other than the query's (MLA, run
-    zero-padded) ``name`` with both head dims."""
-    if (not isinstance(query, torch.Tensor) or not isinstance(value, torch.Tensor) or not query.dim()
-            or not value.dim() or query.shape[-1] == value.shape[-1]):
+    """The kernel a call is counted under: ``name``, or for head dims the kernel runs zero-padded (a value head dim
+    other than the query's, MLA; one head dim between the kernel's, Phi-3-mini's 96) ``name`` with the head dims."""
+    if not isinstance(query, torch.Tensor) or not isinstance(value, torch.Tensor) or not query.dim() or not value.dim():
         return name
-    return f"{name} (qk head dim {query.shape[-1]}, v {value.shape[-1]}: zero-padded)"
+    dim_qk, dim_v = query.shape[-1], value.shape[-1]
+    attention = attention_module()
+    if dim_qk == dim_v and (attention is None or dim_qk in attention.HEAD_DIMS):
+        return name
+    if dim_qk == dim_v:
+        return f"{name} (head dim {dim_qk}: zero-padded)"
+    return f"{name} (qk head dim {dim_qk}, v {dim_v}: zero-padded)"
 
 
 def _mask_reason(query: torch.Tensor, attn_mask) -> str | None:

@@ -43,6 +43,11 @@ def test_kernel_head_dim_is_the_smallest_supported_one_that_holds_both():
     assert [kernel_head_dim(*d) for d in ((192, 128), (64, 32), (32, 64), (48, 16), (96, 64), (128, 256), (1, 2))] \
         == [256, 64, 64, 64, 128, 256, 64]
     assert [kernel_head_dim(d, d) for d in (64, 128, 256)] == [64, 128, 256]  # one head dim: no padding
+    assert [kernel_head_dim(d, d) for d in (96, 80, 8, 200)] == [128, 128, 64, 256]  # one head dim, padded
+    with pytest.raises(ValueError, match=r"^head_dim 320 is not supported; supported: head dims of 1 to 256 "):
+        kernel_head_dim(320, 320)
+    with pytest.raises(ValueError, match=r"^query/key head dim 192 with value head dim 288 is not supported"):
+        kernel_head_dim(192, 288)
 
 
 # ---- numerics -------------------------------------------------------------------------------------------
@@ -50,6 +55,7 @@ def test_kernel_head_dim_is_the_smallest_supported_one_that_holds_both():
     (64, 32),  # the tiny DeepSeek-V3 preset: only v padded
     (32, 64),  # q and k padded, v not
     (48, 16),  # all three padded
+    (24, 24),  # one head dim between the kernel's (as Phi-3-mini's 96): all three padded
 ])
 def test_forward_within_bound_and_matches_reference(dqk, dv, device):
     q, k, v = _mla(2, 4, 2, 40, 40, dqk, dv, 131, device, q_scale=2.0)
@@ -175,7 +181,7 @@ def test_refusals_name_the_head_dims(device):
         (lambda: attention(q, k, v), "query/key head dim 320 with value head dim 128 is not supported"),
         (lambda: attention(q[..., :128], k[..., :128], bf16_randn((1, 2, 8, 288), 4, device)),
          "query/key head dim 128 with value head dim 288 is not supported"),
-        (lambda: attention(q[..., :96], k[..., :96], v[..., :96]), "head_dim 96 is not supported"),
+        (lambda: attention(q, k, bf16_randn((1, 2, 8, 320), 5, device)), "head_dim 320 is not supported"),
         (lambda: attention(q64, k64, v32[:, :, :7]), "must have the same shape [B, Hkv, Skv] before the head dim"),
         (lambda: attention(q64, k[..., :32], v32), "does not match q"),
         (lambda: attention_varlen(q64[0].transpose(0, 1), k64[0].transpose(0, 1), v32[0, :1].transpose(0, 1),

@@ -55,6 +55,7 @@ def standin_module(calls: list, hf_error: str | None = None) -> types.ModuleType
         out = _plain_attention(query, key, value, attention_mask, causal, scaling)
         return out.transpose(1, 2).contiguous(), None
 
+    module.HEAD_DIMS = (64, 128, 256)
     module.sdpa_unsupported_reason = sdpa_unsupported_reason
     module.sdpa = sdpa
     module.hf_attention_forward = hf_attention_forward
@@ -101,7 +102,8 @@ def test_supported_sdpa_calls_run_the_kernel(device, standin):
 
 def test_a_value_head_dim_other_than_the_querys_is_counted_as_the_padded_kernel(device, standin):
     """MLA's calls (value head dim 32 with query/key 64) are counted under their own kernel name, through the sdpa
-    route and transformers' route alike; a call with one head dim keeps the plain name."""
+    route and transformers' route alike, as is a call with one head dim between the kernel's (32, as Phi-3-mini's
+    96); a call with one of the kernel's head dims keeps the plain name."""
     q, k, v = qkv(device)
     v = v[..., :32]
     padded = "detkit.attention (qk head dim 64, v 32: zero-padded)"
@@ -113,11 +115,13 @@ def test_a_value_head_dim_other_than_the_querys_is_counted_as_the_padded_kernel(
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         mode_attention.transformers_sdpa_route(Attn(), q, k, v, None)
         F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+        narrow = F.scaled_dot_product_attention(q[..., :32], k[..., :32], v, is_causal=True, enable_gqa=True)
     assert compare_bits(out, _plain_attention(q, k, v, is_causal=True)).equal
+    assert compare_bits(narrow, _plain_attention(q[..., :32], k[..., :32], v, is_causal=True)).equal
     # (the stand-in's torch SDPA runs its math backend for Dv != D on the CPU: its bmm calls are counted too)
     attention = {key: n for key, n in counts()["routed"].items() if "attention" in key}
     assert attention == {f"sdpa -> {padded}": 1, f"attention (transformers) -> {padded}": 1,
-                         "sdpa -> detkit.attention": 1}
+                         "sdpa -> detkit.attention": 1, "sdpa -> detkit.attention (head dim 32: zero-padded)": 1}
     assert counts()["not_routed"] == {}
 
 

@@ -125,21 +125,21 @@ def test_routing_check_counts_decisions_that_differ_between_rollout_and_trainer(
 
 
 def test_a_refusal_under_strict_is_a_failed_cell_naming_it(monkeypatch):
-    """A head dim the attention kernel does not have (a tiny Llama with heads of 32) under strict: the attention call
-    is refused by name; the matrix cell says FAIL with it."""
+    """A head dim the attention kernel does not have (a tiny Llama with heads of 288, wider than its widest, 256)
+    under strict: the attention call is refused by name; the matrix cell says FAIL with it."""
     import detkit
 
     tiny = models.MODEL_PRESETS["llama3-tiny"]
-    monkeypatch.setitem(models.MODEL_PRESETS, "llama3-tiny-d32", models.ModelPreset(
-        tiny.model_type, dict(tiny.fields, head_dim=32), "Llama-3 tiny, heads of 32"))
-    model, _ = models.build_model(torch.device("cpu"), 5, "llama3-tiny-d32")
+    monkeypatch.setitem(models.MODEL_PRESETS, "llama3-tiny-d288", models.ModelPreset(
+        tiny.model_type, dict(tiny.fields, head_dim=288), "Llama-3 tiny, heads of 288"))
+    model, _ = models.build_model(torch.device("cpu"), 5, "llama3-tiny-d288")
     ids = torch.randint(3, 256, (1, 4), generator=torch.Generator().manual_seed(6))
     with pytest.raises(detkit.ModeNotRoutedError, match="attention") as refused, torch.no_grad(), \
             detkit.batch_invariant_mode(strict=True):
         model(input_ids=ids)
     message = str(refused.value)
-    assert "head_dim 32" in message, message
-    result = {"spec": "llama3-tiny-d32", "family": "llama3", "counters_passed": True, "routing_check": {},
+    assert "head_dim 288" in message, message
+    result = {"spec": "llama3-tiny-d288", "family": "llama3", "counters_passed": True, "routing_check": {},
               "meta": {"gaps": []}, "counters": {"not_routed": {}},
               "drift": [{"mode": "detkit", "check": "strict", "refusals": {"padding": message}, "passed": False}]}
     cell = audit_model.matrix_cell(result, "strict")

@@ -138,18 +138,18 @@ def _check_bounds_tensor(name: str, t, batch: int, device: torch.device) -> None
 
 
 def kernel_head_dim(head_dim_qk: int, head_dim_v: int) -> int:
-    """The head dim D the kernels run for a query/key head dim and a value head dim: the common one, which must be in
-    HEAD_DIMS; for two different ones (MLA: DeepSeek-V3's qk 192 and v 128) the smallest of HEAD_DIMS at least as
-    wide as both, to which ``mixed_head_dims`` zero-pads. A ValueError (one line) otherwise."""
-    if head_dim_qk == head_dim_v:
-        if head_dim_qk not in HEAD_DIMS:
-            raise ValueError(f"head_dim {head_dim_qk} is not supported; supported: {HEAD_DIMS}")
+    """The head dim D the kernels run for a query/key head dim and a value head dim: the common one when it is in
+    HEAD_DIMS; otherwise (MLA's two head dims, DeepSeek-V3's qk 192 and v 128; one head dim between HEAD_DIMS', as
+    Phi-3-mini's 96) the smallest of HEAD_DIMS at least as wide as both, to which ``mixed_head_dims`` zero-pads. A
+    ValueError (one line) above the widest."""
+    if head_dim_qk == head_dim_v and head_dim_qk in HEAD_DIMS:
         return head_dim_qk
     widest = max(head_dim_qk, head_dim_v)
-    if widest > HEAD_DIMS[-1]:
-        raise ValueError(f"query/key head dim {head_dim_qk} with value head dim {head_dim_v} is not supported; "
-                         f"supported: one head dim in {HEAD_DIMS}, or two different ones of at most {HEAD_DIMS[-1]} "
-                         "each (zero-padded to the next of those)")
+    if widest > HEAD_DIMS[-1] or min(head_dim_qk, head_dim_v) < 1:
+        what = (f"head_dim {head_dim_qk}" if head_dim_qk == head_dim_v else
+                f"query/key head dim {head_dim_qk} with value head dim {head_dim_v}")
+        raise ValueError(f"{what} is not supported; supported: head dims of 1 to {HEAD_DIMS[-1]} ({HEAD_DIMS} as they "
+                         "are, others zero-padded to the next of those)")
     return next(d for d in HEAD_DIMS if d >= widest)
 
 
@@ -509,7 +509,7 @@ class _AttentionFunction(torch.autograd.Function):
 
 def _run(q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None, logits: Logits = Logits()
          ) -> torch.Tensor:
-    if v.shape[-1] != q.shape[-1]:
+    if v.shape[-1] != q.shape[-1] or q.shape[-1] not in HEAD_DIMS:
         return mixed_head_dims(q, k, v, seqs, scale, configs, logits)
     sinks = logits.sinks
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
@@ -520,7 +520,8 @@ def _run(q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None, lo
 
 def mixed_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Sequences, scale: float,
                     configs: AttnConfigs | None = None, logits: Logits = Logits()) -> torch.Tensor:
-    """A value head dim Dv other than the query/key head dim Dqk (MLA; checked inputs) on the kernels' head dim
+    """Head dims the kernels do not run as they are (checked inputs): a value head dim Dv other than the query/key
+    head dim Dqk (MLA), or one head dim between HEAD_DIMS' (Phi-3-mini's 96), on the kernels' head dim
     D = ``kernel_head_dim(Dqk, Dv)``: q, k and v zero-padded along the head dim to D, the output sliced back to Dv.
     A zero product adds exactly (x + 0 = x, truncated or not), so the logits are the unpadded dot's terms plus exact
     zeros and the padded output columns are exact zeros; ``scale`` is the caller's (1/sqrt(Dqk) by default, never
