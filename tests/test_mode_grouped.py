@@ -2,8 +2,8 @@
 forms transformers' "grouped_mm" experts and their backward make runs on detkit.kernels.grouped -- the forward and
 grad_input (2-D x 3-D with offsets) on ``grouped_mm``, grad_weight (2-D x 2-D, offsets along the reduced dim) on
 ``grouped_wgrad`` -- with those kernels' bits; a token's expert output keeps its bits whatever the batch; 3-D x 3-D
-runs on det_gemm; what is not routed is counted with its reason or, under strict, raised naming the value; and tiny
-transformers Mixtral and gpt-oss models run with their experts on detkit (mode/experts.py). CPU under the Triton
+runs on det_gemm; what is not routed is counted with its reason or, under strict, raised naming the value; and
+a tiny transformers Mixtral runs its experts on detkit (mode/experts.py). CPU under the Triton
 interpreter (conftest); everything with DETKIT_TEST_DEVICE=cuda on an H100/H200, plus the `gpu`-marked tests."""
 
 from __future__ import annotations
@@ -158,40 +158,32 @@ def test_outside_the_mode_torch_runs_unseen(device):
 
 
 # ---------------------------------------------------------------------------------------------
-# transformers' MoE models whose experts run transformers' "grouped_mm" implementation
+# A transformers MoE model whose experts run transformers' "grouped_mm" implementation (Mixtral)
 # ---------------------------------------------------------------------------------------------
 TINY = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=64, vocab_size=128, max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2)
 
 
-def tiny_moe_model(kind: str, device, seed: int = 0):
+def tiny_mixtral(device, seed: int = 0):
     transformers = pytest.importorskip("transformers", reason="transformers is the optional extra detkit[models]")
     torch.manual_seed(seed)
-    if kind == "mixtral":
-        model_cls, config = transformers.MixtralForCausalLM, transformers.MixtralConfig(**TINY)
-    else:  # gpt-oss: clamped SwiGLU gate with biases, sinks in its (eager) attention
-        model_cls = transformers.GptOssForCausalLM
-        config = transformers.GptOssConfig(**TINY, layer_types=["full_attention"] * 2)
     with torch.device(device):
-        model = model_cls(config).to(torch.bfloat16)
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**TINY)).to(torch.bfloat16)
     assert model.config._experts_implementation == "grouped_mm"
     return model.eval()
 
 
 EXPERTS = "moe experts (transformers)"
-# Inside the mode the models' experts run on detkit.mode.experts (tests/test_mode_experts.py): Mixtral's layout on the
-# fused MoE layer, gpt-oss's (interleaved, biased, a custom gate) on detkit's grouped kernels called directly. Their
-# grouped GEMMs reach the aten route only when the experts run transformers' own implementation (expert parallelism:
-# tests/test_mode_moe.py).
-EXPERTS_KERNEL = {"mixtral": "detkit.moe_mlp",
-                  "gpt_oss": "detkit.grouped_mm, gate elementwise (GptOssExperts.is_concatenated = False (fused layer: "
-                             "True))"}
+# Inside the mode the model's experts run on detkit.mode.experts (tests/test_mode_experts.py): Mixtral's layout on the
+# fused MoE layer. Its grouped GEMMs reach the aten route only when the experts run transformers' own implementation
+# (expert parallelism: tests/test_mode_moe.py).
+EXPERTS_KERNEL = "detkit.moe_mlp"
 
 
-def experts_calls(kind: str) -> int:
+def experts_calls() -> int:
     routed = counters()["routed"]
     assert not any(k.startswith(OP) for k in [*routed, *counters()["not_routed"]]), counters()
-    return routed[f"{EXPERTS} -> {EXPERTS_KERNEL[kind]}"]
+    return routed[f"{EXPERTS} -> {EXPERTS_KERNEL}"]
 
 
 def logprobs(model, ids, **kwargs):
@@ -199,17 +191,19 @@ def logprobs(model, ids, **kwargs):
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
-def test_a_moe_models_log_probs_keep_their_bits_alone_and_in_a_batch(device, kind):
+# gpt-oss's model-level runs (strict, log-probs alone vs in a batch, the backward repeating) are the family matrix's
+# (tests/test_model_families.py: its every check on a tiny gpt-oss) and tests/test_mode_attention_variants.py's; its
+# experts module's backward and batch invariance are tests/test_mode_experts.py's. Mixtral runs here.
+def test_a_moe_models_log_probs_keep_their_bits_alone_and_in_a_batch(device):
     """Strict: nothing runs on torch (the experts on detkit's kernels); a sequence's log-probs alone and at position 1
     of a batch of 3 are bitwise equal."""
-    model = tiny_moe_model(kind, device, seed=1)
+    model = tiny_mixtral(device, seed=1)
     seqs = torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(2)).to(device)
     with torch.inference_mode(), detkit.batch_invariant_mode(strict=True):
         alone = logprobs(model, seqs[1:2])
         batch = logprobs(model, seqs)
-    assert_bits_equal(batch[1:2], alone, f"{kind}: log-probs alone vs in a batch of 3")
-    assert experts_calls(kind) == 4  # 2 layers x 2 forwards
+    assert_bits_equal(batch[1:2], alone, "log-probs alone vs in a batch of 3")
+    assert experts_calls() == 4  # 2 layers x 2 forwards
     assert counters()["not_routed"] == {}
 
 
@@ -218,7 +212,7 @@ def test_mixtral_padded_batch_prefill_and_decode_route_every_grouped_gemm(device
     experts call routed, and the last decode step's log-probs equal the trainer's forward over the same tokens."""
     from transformers import DynamicCache
 
-    model = tiny_moe_model("mixtral", device, seed=3)
+    model = tiny_mixtral(device, seed=3)
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(4)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
@@ -233,15 +227,14 @@ def test_mixtral_padded_batch_prefill_and_decode_route_every_grouped_gemm(device
             out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
         trainer = model(input_ids=tokens, use_cache=False).logits[:, -1]
     assert_bits_equal(out.logits[:, -1], trainer, "last decode step vs the trainer's forward")
-    assert experts_calls("mixtral") == 2 * 6  # 2 layers x 6 forwards
+    assert experts_calls() == 2 * 6  # 2 layers x 6 forwards
     assert not any(k.startswith(EXPERTS) for k in counters()["not_routed"]), counters()
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
-def test_a_moe_models_backward_runs_its_experts_on_detkit_and_repeats(device, kind):
+def test_a_moe_models_backward_runs_its_experts_on_detkit_and_repeats(device):
     """Training step: the experts' forward and backward run on detkit's kernels, and every parameter gradient
     repeats bitwise."""
-    model = tiny_moe_model(kind, device, seed=5)
+    model = tiny_mixtral(device, seed=5)
     model.train()
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(6)).to(device)
 
@@ -253,8 +246,8 @@ def test_a_moe_models_backward_runs_its_experts_on_detkit_and_repeats(device, ki
 
     first, second = grads(), grads()
     for name, g in first.items():
-        assert_bits_equal(second[name], g, f"{kind}: {name}.grad, two runs")
-    assert experts_calls(kind) == 2 * 2  # 2 runs x 2 layers
+        assert_bits_equal(second[name], g, f"{name}.grad, two runs")
+    assert experts_calls() == 2 * 2  # 2 runs x 2 layers
     assert not any(k.startswith(EXPERTS) for k in counters()["not_routed"]), counters()
 
 
