@@ -7,7 +7,8 @@
 #          FP64 bounds, backward repeat, SDPA flash)
 #   audit  detkit audit --suite attention --device cuda (every decode token of 2100, chunked prefill, batch,
 #          padding, static cache, masks, varlen; fwd+bwd repetitions and fresh process; FP64 bounds)
-#   bench  the attention bench plug-in against SDPA flash (prefill, decode, fwd+bwd at Qwen3-8B shapes)
+#   bench  the attention bench plug-in against SDPA flash (prefill, decode, fwd+bwd at Qwen3-8B shapes) and the
+#          paged decode against the contiguous one
 #   sweep  candidate tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) for fwd, dkdv and dq at head_dim 128 and 64:
 #          CUDA-graph times at prefill, decode and fwd+bwd shapes beside SDPA flash, and each fwd candidate's
 #          decode-vs-prefill bits, to pin the table from
@@ -281,13 +282,14 @@ if want warm; then
 fi
 if want tests; then
   step tests "${TESTS_LIMIT:-100}" env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra \
-    -k "not offline" --junitxml="$OUT/pytest.xml" tests/test_attention.py tests/test_attention_bench.py
+    -k "not offline" --junitxml="$OUT/pytest.xml" tests/test_attention.py tests/test_attention_bench.py \
+    tests/test_attention_split_kv.py tests/test_attention_paged.py
 fi
 if want audit; then
   step audit "${AUDIT_LIMIT:-110}" python -m detkit audit --suite attention --device cuda --out "$OUT/audit" --no-progress
 fi
 if want bench; then
-  step bench "${BENCH_LIMIT:-100}" python -m detkit bench attention --device cuda --out "$OUT/bench"
+  step bench "${BENCH_LIMIT:-100}" python -m detkit bench attention --device cuda --modes prefill,decode,fwd_bwd,paged_decode --out "$OUT/bench"
 fi
 if want sweep; then
   step sweep "${SWEEP_LIMIT:-100}" python "$WORK/sweep.py" "$OUT"
