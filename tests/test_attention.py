@@ -306,9 +306,10 @@ def test_hf_attention_forward_matches_transformers_sdpa_forward(device):
 # ---- fail closed --------------------------------------------------------------------------------------
 def test_attention_refuses_unsupported_inputs_with_one_line_messages(device):
     q, k, v = _qkv(2, 4, 2, 8, 8, 64, 1, device)
+    wide = _qkv(1, 4, 2, 8, 8, 320, 2, device)  # above the widest tiles (head dims up to 256 run on them)
     cases = [
         (lambda: attention(q.float(), k, v), TypeError, "q has dtype torch.float32; supported: torch.bfloat16"),
-        (lambda: attention(q[..., :48], k[..., :48], v[..., :48]), ValueError, "head_dim 48 is not supported"),
+        (lambda: attention(*wide), ValueError, "head_dim 320 is not supported"),
         (lambda: attention(q[:, :3], k, v), ValueError, "query heads 3 are not a multiple of key/value heads 2"),
         (lambda: attention(q, k.transpose(2, 3), v), ValueError, "k has stride 64 on its head dim"),
         (lambda: attention(q, k, v[:1]), ValueError, "must have the same shape"),
@@ -341,11 +342,12 @@ def test_varlen_refuses_bad_cu_seqlens(device):
 
 def test_sdpa_reasons_and_refusals(device):
     q, k, v = _qkv(1, 4, 2, 8, 8, 64, 3, device)
+    wide = _qkv(1, 4, 2, 8, 8, 320, 4, device)  # above the widest tiles (head dims up to 256 run on them)
     mask = _padding_mask("left", [8], 8, device)
     reasons = {
         "dtype torch.float32": sdpa_unsupported_reason(q.float(), k.float(), v.float(), enable_gqa=True,
                                                        is_causal=True),
-        "head_dim 32": sdpa_unsupported_reason(q[..., :32], k[..., :32], v[..., :32], is_causal=True, enable_gqa=True),
+        "head_dim 320": sdpa_unsupported_reason(*wide, is_causal=True, enable_gqa=True),
         "dropout_p 0.1": sdpa_unsupported_reason(q, k, v, dropout_p=0.1, is_causal=True, enable_gqa=True),
         "without enable_gqa": sdpa_unsupported_reason(q, k, v, is_causal=True),
         "top-left causal": sdpa_unsupported_reason(q[:, :, :4], k, v, is_causal=True, enable_gqa=True),
