@@ -504,6 +504,12 @@ rows += [compile_sm90("fwd_combine", cfgs.fwd, d, sinks=True, num_warps=COMBINE_
          for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()]
 rows += [compile_sm90("fwd", cfgs.fwd, d, page_size=16) for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()]
 rows += [compile_sm90("fwd", CONFIG_TABLE["cuda_sm90"][128].fwd, 128, split_grid=True, page_size=16)]
+# Head dims read masked on wider tiles: MLA's (DeepSeek-V3: qk 192, v 128 on 256) and Phi-3-mini's 96 on 128.
+for d, qk, v in ((256, 192, 128), (128, 96, 96)):
+    cfg = CONFIG_TABLE["cuda_sm90"][d].fwd
+    rows += [compile_sm90("fwd", cfg, d, dim_qk=qk, dim_v=v), compile_sm90("fwd", cfg, d, dim_qk=qk, dim_v=v,
+             split_grid=True), compile_sm90("fwd_combine", cfg, d, sinks=True, num_warps=COMBINE_WARPS, dim_qk=qk,
+             dim_v=v), compile_sm90("fwd", cfg, d, dim_qk=qk, dim_v=v, page_size=16)]
 print(json.dumps(rows))
 """
 
@@ -513,8 +519,10 @@ def test_pinned_sm90_tiles_compile_offline_to_wgmma_without_spills(tmp_path):
 
     rows = compile_sm90_offline(_SM90_SCRIPT, tmp_path)
     # fwd (one pass), dkdv, dq, fwd (split grid), and the combine pass per head dim; the paged forward (one pass per
-    # head dim, and the split grid at 128)
-    assert len(rows) == 6 * len(CONFIG_TABLE["cuda_sm90"]) + 1
+    # head dim, and the split grid at 128); the masked head dims' forward (one pass, split grid, combine, paged)
+    assert len(rows) == 6 * len(CONFIG_TABLE["cuda_sm90"]) + 1 + 2 * 4
+    assert {r["variant"] for r in rows if "qk" in r["variant"]} == {
+        f"{extra}qk{qk}v{v}" for qk, v in ((192, 128), (96, 96)) for extra in ("", "split_grid+", "sinks+", "paged16+")}
     for r in rows:
         if r["kernel"] == "fwd_combine":  # no MMA: it folds FP32 partials
             assert r["HGMMA"] == 0 and r["HMMA"] == 0 and r["stack_bytes"] == 0, r
@@ -522,7 +530,8 @@ def test_pinned_sm90_tiles_compile_offline_to_wgmma_without_spills(tmp_path):
         # wgmma, no mma.sync fallback (the paged build must run the contiguous build's MMAs to give its bits)
         assert r["HGMMA"] > 0 and r["HMMA"] == 0, r
         # No register spills, except head_dim 256's dk/dv, where every wgmma tile spills (configs.py), and the
-        # paged one-pass forward at 128 (8 bytes with Triton 3.6: the per-key page offsets): bounded here.
-        allowed = {(256, "dkdv", ""): 256, (128, "fwd", "paged16"): 8}
+        # paged one-pass forward at 128 (8 bytes with Triton 3.6: the per-key page offsets), native or with 96
+        # masked (the same 8 bytes): bounded here.
+        allowed = {(256, "dkdv", ""): 256, (128, "fwd", "paged16"): 8, (128, "fwd", "paged16+qk96v96"): 8}
         assert r["stack_bytes"] <= allowed.get((r["head_dim"], r["kernel"], r["variant"]), 0), r
         assert r["shared_bytes"] <= 227 * 1024, r  # sm_90's per-block shared-memory limit
