@@ -306,9 +306,10 @@ def test_hf_attention_forward_matches_transformers_sdpa_forward(device):
 # ---- fail closed --------------------------------------------------------------------------------------
 def test_attention_refuses_unsupported_inputs_with_one_line_messages(device):
     q, k, v = _qkv(2, 4, 2, 8, 8, 64, 1, device)
+    wide = _qkv(1, 4, 2, 8, 8, 320, 2, device)  # above the widest tiles (head dims up to 256 run on them)
     cases = [
         (lambda: attention(q.float(), k, v), TypeError, "q has dtype torch.float32; supported: torch.bfloat16"),
-        (lambda: attention(q[..., :48], k[..., :48], v[..., :48]), ValueError, "head_dim 48 is not supported"),
+        (lambda: attention(*wide), ValueError, "head_dim 320 is not supported"),
         (lambda: attention(q[:, :3], k, v), ValueError, "query heads 3 are not a multiple of key/value heads 2"),
         (lambda: attention(q, k.transpose(2, 3), v), ValueError, "k has stride 64 on its head dim"),
         (lambda: attention(q, k, v[:1]), ValueError, "must have the same shape"),
@@ -341,11 +342,12 @@ def test_varlen_refuses_bad_cu_seqlens(device):
 
 def test_sdpa_reasons_and_refusals(device):
     q, k, v = _qkv(1, 4, 2, 8, 8, 64, 3, device)
+    wide = _qkv(1, 4, 2, 8, 8, 320, 4, device)  # above the widest tiles (head dims up to 256 run on them)
     mask = _padding_mask("left", [8], 8, device)
     reasons = {
         "dtype torch.float32": sdpa_unsupported_reason(q.float(), k.float(), v.float(), enable_gqa=True,
                                                        is_causal=True),
-        "head_dim 32": sdpa_unsupported_reason(q[..., :32], k[..., :32], v[..., :32], is_causal=True, enable_gqa=True),
+        "head_dim 320": sdpa_unsupported_reason(*wide, is_causal=True, enable_gqa=True),
         "dropout_p 0.1": sdpa_unsupported_reason(q, k, v, dropout_p=0.1, is_causal=True, enable_gqa=True),
         "without enable_gqa": sdpa_unsupported_reason(q, k, v, is_causal=True),
         "top-left causal": sdpa_unsupported_reason(q[:, :, :4], k, v, is_causal=True, enable_gqa=True),
@@ -502,6 +504,12 @@ rows += [compile_sm90("fwd_combine", cfgs.fwd, d, sinks=True, num_warps=COMBINE_
          for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()]
 rows += [compile_sm90("fwd", cfgs.fwd, d, page_size=16) for d, cfgs in CONFIG_TABLE["cuda_sm90"].items()]
 rows += [compile_sm90("fwd", CONFIG_TABLE["cuda_sm90"][128].fwd, 128, split_grid=True, page_size=16)]
+# Head dims read masked on wider tiles: MLA's (DeepSeek-V3: qk 192, v 128 on 256) and Phi-3-mini's 96 on 128.
+for d, qk, v in ((256, 192, 128), (128, 96, 96)):
+    cfg = CONFIG_TABLE["cuda_sm90"][d].fwd
+    rows += [compile_sm90("fwd", cfg, d, dim_qk=qk, dim_v=v), compile_sm90("fwd", cfg, d, dim_qk=qk, dim_v=v,
+             split_grid=True), compile_sm90("fwd_combine", cfg, d, sinks=True, num_warps=COMBINE_WARPS, dim_qk=qk,
+             dim_v=v), compile_sm90("fwd", cfg, d, dim_qk=qk, dim_v=v, page_size=16)]
 print(json.dumps(rows))
 """
 
@@ -511,8 +519,10 @@ def test_pinned_sm90_tiles_compile_offline_to_wgmma_without_spills(tmp_path):
 
     rows = compile_sm90_offline(_SM90_SCRIPT, tmp_path)
     # fwd (one pass), dkdv, dq, fwd (split grid), and the combine pass per head dim; the paged forward (one pass per
-    # head dim, and the split grid at 128)
-    assert len(rows) == 6 * len(CONFIG_TABLE["cuda_sm90"]) + 1
+    # head dim, and the split grid at 128); the masked head dims' forward (one pass, split grid, combine, paged)
+    assert len(rows) == 6 * len(CONFIG_TABLE["cuda_sm90"]) + 1 + 2 * 4
+    assert {r["variant"] for r in rows if "qk" in r["variant"]} == {
+        f"{extra}qk{qk}v{v}" for qk, v in ((192, 128), (96, 96)) for extra in ("", "split_grid+", "sinks+", "paged16+")}
     for r in rows:
         if r["kernel"] == "fwd_combine":  # no MMA: it folds FP32 partials
             assert r["HGMMA"] == 0 and r["HMMA"] == 0 and r["stack_bytes"] == 0, r
@@ -520,7 +530,8 @@ def test_pinned_sm90_tiles_compile_offline_to_wgmma_without_spills(tmp_path):
         # wgmma, no mma.sync fallback (the paged build must run the contiguous build's MMAs to give its bits)
         assert r["HGMMA"] > 0 and r["HMMA"] == 0, r
         # No register spills, except head_dim 256's dk/dv, where every wgmma tile spills (configs.py), and the
-        # paged one-pass forward at 128 (8 bytes with Triton 3.6: the per-key page offsets): bounded here.
-        allowed = {(256, "dkdv", ""): 256, (128, "fwd", "paged16"): 8}
+        # paged one-pass forward at 128 (8 bytes with Triton 3.6: the per-key page offsets), native or with 96
+        # masked (the same 8 bytes): bounded here.
+        allowed = {(256, "dkdv", ""): 256, (128, "fwd", "paged16"): 8, (128, "fwd", "paged16+qk96v96"): 8}
         assert r["stack_bytes"] <= allowed.get((r["head_dim"], r["kernel"], r["variant"]), 0), r
         assert r["shared_bytes"] <= 227 * 1024, r  # sm_90's per-block shared-memory limit

@@ -1,17 +1,21 @@
-"""MLA (issue #48, part 1): a value head dim Dv other than the query/key head dim Dqk (DeepSeek-V3: qk 192 = nope 128
-+ rope 64, v 128; its tiny preset qk 64, v 32) on the kernels zero-padded to one head dim D (launch.mixed_head_dims).
+"""MLA (issue #48): a value head dim Dv other than the query/key head dim Dqk (DeepSeek-V3: qk 192 = nope 128 + rope
+64, v 128; its tiny preset qk 64, v 32), and one head dim between the kernel's, on the tiles of one head dim D: the
+inference forward reads q, k, v in place with masked loads, the autograd path runs copies zero-padded to D
+(launch.mixed_head_dims); the two give the same bits (issue #48 / #50: a decode step no longer copies its cache).
 Against the FP64 oracle computed unpadded (the derived bound, with Dqk in the QK dots and Dv in the PV and dP dots)
-and the pure-torch reference; the invariance rule bit for bit through the padding (decode vs prefill vs chunked
-prefill, batch, left and right padding, a static cache, packed vs padded, both forward grids); backward within its
-bound, repeatable and batch-invariant; the adapters; the refusals. CPU shapes are tiny (the interpreter's 16-key
-tiles and 32-key splits); the GPU test at DeepSeek-V3's head dims is marked ``gpu``."""
+and the pure-torch reference; masked = padded bit for bit on both forward grids; the invariance rule bit for bit
+(decode vs prefill vs chunked prefill, batch, left and right padding, a static cache, packed vs padded, both forward
+grids); backward within its bound, repeatable and batch-invariant; the adapters; the refusals. CPU shapes are tiny
+(the interpreter's 16-key tiles and 32-key splits); the GPU tests at DeepSeek-V3's head dims are marked ``gpu``."""
 
 import dataclasses
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import detkit.kernels.attention.launch as attention_launch
 from detkit.kernels.attention import (
     attention, attention_bwd_bound, attention_fwd_bound, attention_ref, attention_varlen, attention_varlen_ref,
     hf_attention_forward, sdpa, sdpa_unsupported_reason,
@@ -37,6 +41,33 @@ def _mla(batch, heads_q, heads_kv, seq_q, seq_k, dqk, dv, seed, device, q_scale=
 
 def _block_n(device, dqk, dv):
     return select_configs(backend_of(device), kernel_head_dim(dqk, dv)).fwd.block_n
+
+
+def _paths(device, dqk, dv):
+    """The table's configs for the kernel head dim forced onto each forward path: one pass, and the split grid +
+    combine pass."""
+    base = select_configs(backend_of(device), kernel_head_dim(dqk, dv))
+    return {"one_pass": dataclasses.replace(base, split_grid_below=0),
+            "split_grid": dataclasses.replace(base, split_grid_below=2**62, eager_split_grid_min_keys=0)}
+
+
+def _padded(q, k, v, **kw):
+    """The padded path's forward: copies zero-padded to the kernel head dim through the native kernel, the output's
+    first Dv columns."""
+    dim = kernel_head_dim(q.shape[-1], v.shape[-1])
+    return attention(*(F.pad(t, (0, dim - t.shape[-1])) for t in (q, k, v)), **kw)[..., :v.shape[-1]]
+
+
+def _in_wider(t, extra):
+    """``t`` as the leading columns of a tensor ``extra`` columns wider whose other columns are NaN: a load past
+    t's head dim would read NaN."""
+    wide = torch.full((*t.shape[:-1], t.shape[-1] + extra), float("nan"), dtype=t.dtype, device=t.device)
+    wide[..., :t.shape[-1]] = t
+    return wide[..., :t.shape[-1]]
+
+
+def _no_padded_copy(*args, **kwargs):
+    raise AssertionError("the inference forward made zero-padded copies (mixed_head_dims)")
 
 
 def test_kernel_head_dim_is_the_smallest_supported_one_that_holds_both():
@@ -104,15 +135,41 @@ def test_backward_within_bound_repeatable_and_batch_invariant(device):
         _bits(a[1:], b, f"batch {name}")
 
 
-# ---- the invariance rule through the padding ----------------------------------------------------------------
+# ---- masked loads = padded copies ---------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["one_pass", "split_grid"])
+@pytest.mark.parametrize("dqk,dv", [
+    (64, 32),  # only v's columns masked
+    (48, 16),  # every head dim masked
+    (24, 24),  # one head dim between the kernel's (as Phi-3-mini's 96)
+])
+def test_masked_forward_gives_the_padded_forward_bits(dqk, dv, path, device, monkeypatch):
+    """The inference forward reads q, k, v in place (views into NaN-padded tensors: a column read past the head
+    dim would show) and stores o [B, Sq, Hq, Dv]; its prefill and decode steps give the bits of the padded path's
+    prefill (zero-padded copies on the native kernel), which the trainer's autograd forward runs."""
+    seq = 37  # three 16-key tiles, two 32-key splits
+    q, k, v = _mla(2, 4, 2, seq, seq, dqk, dv, 171, device, q_scale=2.0)
+    kv_start = _i32([0, 3], device)
+    configs = _paths(device, dqk, dv)[path]
+    padded = _padded(q, k, v, kv_start=kv_start, scale=1 / math.sqrt(dqk), configs=configs)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    _bits(attention(*leaves, kv_start=kv_start, configs=configs).detach(), padded, "trainer (autograd, padded)")
+    monkeypatch.setattr(attention_launch, "mixed_head_dims", _no_padded_copy)
+    qw, kw, vw = (_in_wider(t, 8) for t in (q, k, v))
+    prefill = attention(qw, kw, vw, kv_start=kv_start, configs=configs)
+    assert prefill.shape == (2, 4, seq, dv) and prefill.transpose(1, 2).is_contiguous()
+    _bits(prefill, padded, "prefill")
+    for i in (5, 31, 32, seq - 1):  # from sequence 1's first key; both sides of the split edge
+        step = attention(qw[:, :, i:i + 1], kw[:, :, :i + 1], vw[:, :, :i + 1], kv_start=kv_start, configs=configs)
+        _bits(step, padded[:, :, i:i + 1], f"decode {i}")
+
+
+# ---- the invariance rule through the masked head dims ----------------------------------------------------------
 def test_decode_prefill_chunked_batch_padding_and_packing_give_the_same_bits(device):
+    """Inference calls (no autograd): the masked forward on every path."""
     seq, dqk, dv = 37, 64, 32  # 37 keys: three 16-key tiles, two 32-key splits
     q, k, v = _mla(2, 4, 2, seq, seq, dqk, dv, 151, device)
     prefill = attention(q, k, v)
-    base = select_configs(backend_of(device), kernel_head_dim(dqk, dv))
-    paths = {"one_pass": dataclasses.replace(base, split_grid_below=0),
-             "split_grid": dataclasses.replace(base, split_grid_below=2**62, eager_split_grid_min_keys=0)}
-    for path, configs in paths.items():
+    for path, configs in _paths(device, dqk, dv).items():
         for i in (0, 15, 16, 32, seq - 1):
             _bits(attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], configs=configs),
                   prefill[:, :, i:i + 1], f"{path} decode {i}")
@@ -246,3 +303,38 @@ def test_gpu_deepseek_v3_head_dims_decode_prefill_bitwise_and_bound(device):
     for name, leaf in zip(("dq", "dk", "dv"), leaves):
         result = check_bound(leaf.grad, *bounds[name])
         assert result.passed, (name, result)
+
+
+@pytest.mark.gpu
+def test_gpu_deepseek_v3_masked_decode_gives_the_padded_decode_bits(device, monkeypatch):
+    """DeepSeek-V3's head dims (qk 192, v 128 on the 256 tiles), 128 heads: the inference forward reads q, k, v in
+    place (no padded copy) and gives the bits of the zero-padded copies on the native kernel, in decode steps on
+    both grids, captured in a CUDA graph (the split grid, as a captured decode step runs it) and in a prefill."""
+    heads, dqk, dv, batch, seq = 128, 192, 128, 2, 1100  # 3 splits of 512 keys
+    scale = dqk ** -0.5 * 1.3
+    q, k, v = _mla(batch, heads, heads, seq, seq, dqk, dv, 173, device)
+    padded_prefill = _padded(q, k, v, scale=scale)
+    monkeypatch.setattr(attention_launch, "mixed_head_dims", _no_padded_copy)
+    prefill = attention(q, k, v, scale=scale)
+    assert prefill.transpose(1, 2).is_contiguous()
+    _bits(prefill, padded_prefill, "prefill")
+    for path, configs in {"default": None, **_paths(device, dqk, dv)}.items():
+        for i in (0, 511, 512, 1023, 1024, seq - 1):
+            step = [t[:, :, :i + 1] for t in (k, v)]
+            masked = attention(q[:, :, i:i + 1], *step, scale=scale, configs=configs)
+            _bits(masked, _padded(q[:, :, i:i + 1], *step, scale=scale, configs=configs), f"{path} decode {i}")
+            _bits(masked, padded_prefill[:, :, i:i + 1], f"{path} decode {i} vs prefill")
+    # Captured, a small grid runs the split grid (its build compiled by the forced path above, not during capture).
+    i = seq - 1
+    static = [q[:, :, i:i + 1].clone(), k[:, :, :i + 1].clone(), v[:, :, :i + 1].clone()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attention(*static, scale=scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attention(*static, scale=scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    _bits(captured, padded_prefill[:, :, i:i + 1], "captured decode")

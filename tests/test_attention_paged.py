@@ -2,20 +2,23 @@
 n of sequence b at row n % page_size of page block_table[b, n // page_size]. Its bits equal attention_varlen's on
 the same keys gathered into a contiguous packing, for every page size (dividing the split size or not) and any page
 placement, in decode, chunked prefill on cached pages (a cached prefix) and mixed batches, on both forward grids;
-within the FP64 bound; every refusal is one line, raised before any launch. Storages are NaN outside the
-sequences' rows, so a row read from the wrong place would show. CPU shapes are tiny: the interpreter's split is 32
-keys (2 tiles of 16), so 70 keys span 3 splits."""
+head dims the tiles do not have (MLA's narrower v_cache, one head dim between the kernel's) read in place with the
+bits of zero-padded copies; within the FP64 bound; every refusal is one line, raised before any launch. Storages
+are NaN outside the sequences' rows, so a row read from the wrong place would show. CPU shapes are tiny: the
+interpreter's split is 32 keys (2 tiles of 16), so 70 keys span 3 splits."""
 
 import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import detkit.kernels.attention.launch as attention_launch
 from detkit.kernels.attention import (
     attention, attention_fwd_bound, attention_paged, attention_paged_ref, attention_varlen, gather_pages,
 )
 from detkit.kernels.attention.configs import select_configs
+from detkit.kernels.attention.launch import kernel_head_dim
 from detkit.toolkit.contract import check_bound
 from detkit.toolkit.fixtures import bf16_randn
 from tests.conftest import assert_bits_equal, backend_of
@@ -61,9 +64,11 @@ class Paged:
 
 
 def _make(lens_q, lens_k, page_size, device, heads_q=4, heads_kv=2, head_dim=64, seed=0, spare_pages=3,
-          extra_columns=2, k=None, v=None, q=None):
+          extra_columns=2, k=None, v=None, q=None, head_dim_v=None):
     """Sequences with lens_k keys (their last lens_q are the queries' positions), their K/V scattered over shuffled
-    pages of a NaN storage with ``spare_pages`` never used, the table padded with -1 as transformers pads it."""
+    pages of a NaN storage with ``spare_pages`` never used, the table padded with -1 as transformers pads it.
+    ``head_dim_v``: v's head dim, when other than q's and k's (MLA)."""
+    head_dim_v = head_dim_v or head_dim
     pages = [-(-n // page_size) for n in lens_k]
     num_pages = sum(pages) + spare_pages
     gen = torch.Generator().manual_seed(seed)
@@ -71,10 +76,11 @@ def _make(lens_q, lens_k, page_size, device, heads_q=4, heads_kv=2, head_dim=64,
     table = torch.full((len(lens_k), max(pages) + extra_columns), -1, dtype=torch.int32)
     q = q if q is not None else bf16_randn((sum(lens_q), heads_q, head_dim), seed + 1, device)
     k = k if k is not None else bf16_randn((sum(lens_k), heads_kv, head_dim), seed + 2, device)
-    v = v if v is not None else bf16_randn((sum(lens_k), heads_kv, head_dim), seed + 3, device)
-    shape = (num_pages, page_size, heads_kv, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
-    v_cache = k_cache.clone()
+    v = v if v is not None else bf16_randn((sum(lens_k), heads_kv, head_dim_v), seed + 3, device)
+    k_cache = torch.full((num_pages, page_size, heads_kv, head_dim), float("nan"), dtype=torch.bfloat16,
+                         device=device)
+    v_cache = torch.full((num_pages, page_size, heads_kv, head_dim_v), float("nan"), dtype=torch.bfloat16,
+                         device=device)
     start, used = 0, 0
     for b, (n, p) in enumerate(zip(lens_k, pages)):
         table[b, :p] = torch.tensor(placement[used:used + p], dtype=torch.int32)
@@ -101,6 +107,22 @@ def test_paged_bits_equal_the_contiguous_keys_for_any_page_size_and_placement(pa
     out = case.paged(configs=configs)
     assert out.shape == case.q.shape and out.dtype == torch.bfloat16
     assert_bits_equal(out, case.varlen(configs=configs), f"paged (page size {page_size}, {path}) vs varlen")
+
+
+# MLA's value head dim (64 / 32: v_cache's rows narrower than k_cache's, each with its own strides) and one head dim
+# between the kernel's (24 on the 64 tiles), read in place by masked loads.
+@pytest.mark.parametrize("dqk,dv,path", [(64, 32, "split_grid"), (64, 32, "one_pass"), (24, 24, "one_pass")])
+def test_paged_head_dims_the_tiles_do_not_have_give_the_padded_bits(dqk, dv, path, device):
+    lens_k, lens_q = [70, 1, 37], [1, 1, 6]
+    case = _make(lens_q, lens_k, 5, device, head_dim=dqk, head_dim_v=dv, seed=dqk + dv)
+    dim = kernel_head_dim(dqk, dv)
+    configs = _paths(device, dim)[path]
+    out = case.paged(configs=configs)
+    assert out.shape == (sum(lens_q), 4, dv) and out.is_contiguous()
+    assert_bits_equal(out, case.varlen(configs=configs), f"paged vs varlen ({dqk}/{dv}, {path})")
+    padded = attention_varlen(*(F.pad(t, (0, dim - t.shape[-1])) for t in (case.q, case.k, case.v)), case.cu_q,
+                              case.cu_k, max(lens_q), max(lens_k), scale=dqk ** -0.5, configs=configs)
+    assert_bits_equal(out, padded[..., :dv], f"paged vs varlen on zero-padded copies ({dqk}/{dv}, {path})")
 
 
 def test_paged_and_its_reference_lie_within_the_fp64_bound(device):
@@ -208,6 +230,8 @@ def test_paged_refusals_are_one_line_and_come_before_any_launch(device, monkeypa
         (args(v_cache=case.v_cache.view(-1, 2, 2, 64)), ValueError,
          "k_cache pages hold 4 keys and v_cache pages 2; supported: one page size"),
         (args(v_cache=case.v_cache[:-1]), ValueError, "must both be [P, page_size, Hkv, D]"),
+        (args(v_cache=case.v_cache.new_zeros((num_pages, 4, 2, 288))), ValueError,
+         "query/key head dim 64 with value head dim 288 is not supported"),
         (args(v_cache=case.v_cache.transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
          "k_cache strides (512, 128, 64, 1) and v_cache strides (512, 64, 256, 1) differ"),
         (args(block_table=table.long()), ValueError, "block_table must be an int32 tensor [n sequences (2), max_pages"),

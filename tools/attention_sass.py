@@ -16,14 +16,16 @@ _POINTERS = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "kv_start_ptr": "*i32", "
 def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: bool = False,
                  kv_start: bool = True, kv_end: bool = False, windowed: bool = False, softcap: bool = False,
                  sinks: bool = False, split_grid: bool = False, split_n: int | None = None,
-                 num_warps: int | None = None, page_size: int | None = None) -> dict:
+                 num_warps: int | None = None, page_size: int | None = None, dim_qk: int | None = None,
+                 dim_v: int | None = None) -> dict:
     """Compile one attention kernel ("fwd", "fwd_combine", "dkdv", "dq") with ``config`` for sm_90 with Triton's
     bundled ptxas, without a GPU: registers, stack (spills), shared memory and the SASS counts of wgmma (HGMMA),
     mma.sync (HMMA) and cp.async (LDGSTS). ``split_grid``: the forward's split-grid build (one split per program,
     partials stored) rather than its one-pass build; ``split_n``: keys per split (the table's SPLIT_KEYS);
     ``num_warps``: other than the config's (the combine pass runs launch.COMBINE_WARPS); ``page_size``: the
-    forward's paged-KV build (K/V through a block table; varlen queries). Run in a process without
-    TRITON_INTERPRET."""
+    forward's paged-KV build (K/V through a block table; varlen queries); ``dim_qk`` / ``dim_v``: the forward's
+    (and combine pass's) build for head dims narrower than ``head_dim``, read by masked loads (MLA's 192 / 128 on
+    256; None: ``head_dim``, the native build). Run in a process without TRITON_INTERPRET."""
     import re
     import tempfile
 
@@ -40,13 +42,18 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
     if kernel_is_interpreted(fn):
         raise RuntimeError("detkit kernels were imported under TRITON_INTERPRET=1; compile in a process without it")
     names = list(fn.arg_names)
-    consts = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HEADS": heads,
+    dim_qk, dim_v = dim_qk or head_dim, dim_v or head_dim
+    consts = {"HEAD_DIM": head_dim, "DIM_QK": dim_qk, "DIM_V": dim_v, "BLOCK_M": config.block_m,
+              "BLOCK_N": config.block_n, "HEADS": heads,
               "INTERPRETED": False, "VARLEN": varlen, "HAS_KV_START": kv_start, "HAS_KV_END": kv_end,
               "WINDOWED": windowed, "SOFTCAP": softcap, "HAS_SINKS": sinks, "SPLIT_N": split_n or SPLIT_KEYS,
               "SPLIT_GRID": split_grid, "PAGED": page_size is not None, "PAGE_SIZE": page_size or 1}
     if page_size is not None:
         consts.update(VARLEN=True, HAS_KV_START=False, HAS_KV_END=False)
-    consts = {k: v for k, v in consts.items() if k in fn.arg_names}  # HAS_SINKS, SPLIT_*, PAG*: the forward only
+    # HAS_SINKS, SPLIT_*, PAG*, DIM_QK: the forward only; DIM_V: the forward and the combine pass
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    if (dim_qk, dim_v) != (head_dim, head_dim) and "DIM_V" not in consts:
+        raise ValueError(f"the {kernel} kernel has no masked head dims; dim_qk / dim_v are the forward's")
     sig = {n: "constexpr" if n in consts else ("fp32" if n in ("qk_scale", "scale", "tanh_scale") else
                                               _POINTERS.get(n, "*bf16" if n.endswith("_ptr") else "i32"))
            for n in names}
@@ -63,7 +70,8 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
     regs = re.search(r"REG:(\d+)", resources)
     return {"kernel": kernel, "head_dim": head_dim, "config": config.label(),
             "variant": "+".join(n for n, on in (("window", windowed), ("softcap", softcap), ("sinks", sinks),
-                                                ("split_grid", split_grid), (f"paged{page_size}", page_size))
+                                                ("split_grid", split_grid), (f"paged{page_size}", page_size),
+                                                (f"qk{dim_qk}v{dim_v}", (dim_qk, dim_v) != (head_dim, head_dim)))
                                 if on),
             "regs": int(regs.group(1)) if regs else None,
             "stack_bytes": stack_bytes(resources), "shared_bytes": compiled.metadata.shared,

@@ -34,6 +34,14 @@ kv_start (left padding) and after the query's own position are not visible. Pack
 (``attention_varlen``) are the same kernels with per-sequence offsets (kv_start 0, kv_end the sequence's
 key count).
 
+Head dims narrower than the tile (forward only): q and k of head dim DIM_QK, v and o of head dim DIM_V, both <=
+HEAD_DIM (MLA: DeepSeek-V3's 192 and 128 on the 256 tiles; Phi-3-mini's 96 on the 128 tiles). The forward loads
+their columns masked (``_cols``): the other columns load as exact zeros, the values a copy zero-padded to HEAD_DIM
+holds, so every MMA, max, sum and fold runs on the padded path's operands and gives its bits; o (and the split
+grid's partials) are stored in their DIM_V columns. With DIM_QK = DIM_V = HEAD_DIM the masks are the rows' alone:
+the code is the native path's. The backward kernels run on zero-padded copies (launch.mixed_head_dims). Paged
+(below): v_cache rows then have their own strides when DIM_V differs from DIM_QK.
+
 Paged KV (PAGED, forward only; ``attention_paged``): the queries packed as varlen's, the keys and values in a page
 storage [P, PAGE_SIZE, Hkv, D] (transformers' paged cache and flash's layout), key n of sequence b at row
 n % PAGE_SIZE of page block_table[b, n // PAGE_SIZE]. Only the K/V row addresses change (gathered per key row, any
@@ -226,6 +234,19 @@ def _page_rows(table_row_ptr, kj, key_ok, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _cols(rows_ok, offs_d, DIM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The load / store mask of a [rows, HEAD_DIM] tile over rows of DIM <= HEAD_DIM columns (a head dim the kernels
+    run on a wider tile: MLA's, Phi-3-mini's): the rows' mask alone when DIM is the tile's (the native path's code,
+    unchanged), else the first DIM columns too. Loads give exact zeros in the other columns, the values a
+    zero-padded copy holds there, so every MMA sees the padded path's operands."""
+    if DIM == HEAD_DIM:
+        mask = rows_ok[:, None]
+    else:
+        mask = rows_ok[:, None] & (offs_d[None, :] < DIM)
+    return mask
+
+
+@triton.jit
 def _fold(m_all, l_all, acc_all, m_s, l_s, acc_s):
     """Fold one split's partial (m_s, l_s, acc_s) into the splits folded so far (m_all, l_all, acc_all), the same
     code in every path. A split that holds none of a row's keys (m_s = -inf) leaves the row as it was; the first
@@ -267,9 +288,9 @@ def _tile_rows(pid_h, pid_m, heads_q, heads_kv, q_begin, q_len, HEADS: tl.conste
 @triton.jit
 def _finish(m_i, l_i, acc, bad, head, qi, tok, row_ok, b64, q_begin, o_ptr, lse_ptr, sinks_ptr,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-            HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr, INTERPRETED: tl.constexpr):
-    """From a row's folded (m, l, acc): the sink, o = acc / l (BF16) and lse = m + log2(l), stored. The same code after
-    the one-pass kernel and after the combine kernel."""
+            HEAD_DIM: tl.constexpr, DIM_V: tl.constexpr, HAS_SINKS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """From a row's folded (m, l, acc): the sink, o = acc / l (BF16) and lse = m + log2(l), stored (o's first DIM_V
+    columns: o is [.., DIM_V]). The same code after the one-pass kernel and after the combine kernel."""
     if HAS_SINKS:
         # The sink joins the denominator after every split, the same step in every path (a row's bits still depend
         # on its visible keys and its head's sink only): one more online-softmax update with p = 2^(s - m) and no
@@ -288,7 +309,7 @@ def _finish(m_i, l_i, acc, bad, head, qi, tok, row_ok, b64, q_begin, o_ptr, lse_
     lse = tl.where(bad, float("nan"), lse)
     offs_d = tl.arange(0, HEAD_DIM)
     o_rows = o_ptr + b64 * stride_ob + head * stride_oh + tok * stride_os
-    tl.store(o_rows[:, None] + offs_d[None, :], to_bf16(out, INTERPRETED), mask=row_ok[:, None])
+    tl.store(o_rows[:, None] + offs_d[None, :], to_bf16(out, INTERPRETED), mask=_cols(row_ok, offs_d, DIM_V, HEAD_DIM))
     tl.store(lse_ptr + b64 * stride_lb + head * stride_lh + q_begin + qi, lse, mask=row_ok)
 
 
@@ -297,7 +318,7 @@ def attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     kv_start_ptr, kv_end_ptr,  # int32 [B] (padded) or cu_seqlens_q / cu_seqlens_k (varlen, paged)
     block_table_ptr,  # PAGED: int32 [B, max_pages], rows contiguous
-    ws_m_ptr, ws_l_ptr, ws_acc_ptr,  # SPLIT_GRID: fp32 partials [split_slots, rows] (acc: [split_slots, rows, D])
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr,  # SPLIT_GRID: fp32 partials [split_slots, rows] (acc: [split_slots, rows, DIM_V])
     stride_qb, stride_qh, stride_qs,  # q [B, Hq, Sq, D] (varlen: [Tq, Hq, D], stride_qb unused)
     stride_kb, stride_kh, stride_ks,  # k [B, Hkv, Skv, D]; PAGED: pages [P, PAGE_SIZE, Hkv, D] (stride_kb: a page's)
     stride_vb, stride_vh, stride_vs,
@@ -310,7 +331,9 @@ def attention_fwd_kernel(
     tanh_scale,  # SOFTCAP: scale / softcap
     sinks_ptr,  # HAS_SINKS: [Hq] per-head sink logits (natural units), joined to every row's softmax denominator
     split_slots, ws_rows,  # SPLIT_GRID: splits per query tile in the grid; rows of the partials (lse.numel())
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # the tiles' head dim (configs.HEAD_DIMS)
+    DIM_QK: tl.constexpr, DIM_V: tl.constexpr,  # q/k's and v's (and o's) head dims, <= HEAD_DIM; masked loads
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
     VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
     WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     SPLIT_N: tl.constexpr, SPLIT_GRID: tl.constexpr,
@@ -342,7 +365,8 @@ def attention_fwd_kernel(
     pos = k_end - q_len + qi  # each row's own key position
     b64 = b.to(tl.int64)
     q_rows = q_ptr + b64 * stride_qb + head * stride_qh + tok * stride_qs
-    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    # [BLOCK_M, HEAD_DIM]
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=_cols(row_ok, offs_d, DIM_QK, HEAD_DIM), other=0.0)
     if PAGED:  # a key's page comes from the table: no per-sequence base
         k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
         v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
@@ -377,10 +401,12 @@ def attention_fwd_kernel(
         # [BLOCK_N, HEAD_DIM]
         if PAGED:
             page, page_row = _page_rows(table_row, kj, key_ok, PAGE_SIZE)
-            kv_off = page * stride_kb + page_row * stride_ks  # v_cache has k_cache's strides (checked on the host)
-            k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+            kv_off = page * stride_kb + page_row * stride_ks
+            k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=_cols(key_ok, offs_d, DIM_QK, HEAD_DIM),
+                        other=0.0)
         else:
-            k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+            k = tl.load(k_base + kj[:, None] * stride_ks + offs_d[None, :],
+                        mask=_cols(key_ok, offs_d, DIM_QK, HEAD_DIM), other=0.0)
         qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), HEAD_DIM, INTERPRETED)
         qk = _logits(qk, tanh_scale, SOFTCAP)
         if (t >= n_full) | (t < n_win):
@@ -393,9 +419,15 @@ def attention_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         # [BLOCK_N, HEAD_DIM]
         if PAGED:
-            v = tl.load(v_base + kv_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+            if DIM_V == DIM_QK:
+                v_off = kv_off  # v_cache has k_cache's strides (checked on the host): one offset a key
+            else:
+                v_off = page * stride_vb + page_row * stride_vs  # MLA: v_cache rows are narrower than k_cache's
+            v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=_cols(key_ok, offs_d, DIM_V, HEAD_DIM),
+                        other=0.0)
         else:
-            v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_base + kj[:, None] * stride_vs + offs_d[None, :],
+                        mask=_cols(key_ok, offs_d, DIM_V, HEAD_DIM), other=0.0)
         acc = acc * alpha[:, None]
         acc = _dot(to_bf16(p, INTERPRETED), v, acc, BLOCK_N, INTERPRETED)
         m_i = m_new
@@ -413,10 +445,12 @@ def attention_fwd_kernel(
         ws_row = (slot.to(tl.int64) * ws_rows + b64 * stride_lb + head * stride_lh + q_begin + qi)
         tl.store(ws_m_ptr + ws_row, m_i, mask=row_ok)
         tl.store(ws_l_ptr + ws_row, l_i, mask=row_ok)
-        tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        # acc's DIM_V columns ([split_slots, rows, DIM_V]): the others hold zeros nobody reads.
+        tl.store(ws_acc_ptr + ws_row[:, None] * DIM_V + offs_d[None, :], acc,
+                 mask=_cols(row_ok, offs_d, DIM_V, HEAD_DIM))
     else:
         _finish(m_all, l_all, acc_all, bad, head, qi, tok, row_ok, b64, q_begin, o_ptr, lse_ptr, sinks_ptr,
-                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, HEAD_DIM, HAS_SINKS, INTERPRETED)
+                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, HEAD_DIM, DIM_V, HAS_SINKS, INTERPRETED)
 
 
 @triton.jit(launch_metadata=launch_metadata_of("fwd_combine", 0), do_not_specialize=_NOT_SPECIALIZED_FWD)
@@ -425,7 +459,7 @@ def attention_fwd_combine_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     batch, heads_q, heads_kv, seq_q, seq_k, window, split_slots, ws_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, HEADS: tl.constexpr,
     VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
     WINDOWED: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
@@ -451,10 +485,11 @@ def attention_fwd_combine_kernel(
         ws_row = slot * ws_rows.to(tl.int64) + row
         m_s = tl.load(ws_m_ptr + ws_row, mask=row_ok, other=float("-inf"))
         l_s = tl.load(ws_l_ptr + ws_row, mask=row_ok, other=0.0)
-        acc_s = tl.load(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        acc_s = tl.load(ws_acc_ptr + ws_row[:, None] * DIM_V + offs_d[None, :],
+                        mask=_cols(row_ok, offs_d, DIM_V, HEAD_DIM), other=0.0)
         m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_s, l_s, acc_s)
     _finish(m_all, l_all, acc_all, bad, head, qi, tok, row_ok, b64, q_begin, o_ptr, lse_ptr, sinks_ptr,
-            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, HEAD_DIM, HAS_SINKS, INTERPRETED)
+            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, HEAD_DIM, DIM_V, HAS_SINKS, INTERPRETED)
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """Attention launch wrappers (check, allocate, launch) and the autograd function: ``attention`` for padded batches
 (prefill, chunked prefill, KV-cache decode), ``attention_varlen`` for packed sequences, ``attention_paged`` for
-packed queries over a paged KV cache (forward only), and ``mixed_head_dims``, which runs a value head dim other than
-the query/key head dim (MLA) on the kernels' one head dim. The kernels, their math and the invariance rule are in
+packed queries over a paged KV cache (forward only), and ``mixed_head_dims``, which runs head dims the tiles do not
+have (MLA's value head dim other than its query/key head dim, Phi-3-mini's 96) zero-padded under autograd; without
+autograd the forward reads them in place (masked loads). The kernels, their math and the invariance rule are in
 kernels.py; the tiles in configs.py."""
 
 from __future__ import annotations
@@ -140,8 +141,9 @@ def _check_bounds_tensor(name: str, t, batch: int, device: torch.device) -> None
 def kernel_head_dim(head_dim_qk: int, head_dim_v: int) -> int:
     """The head dim D the kernels run for a query/key head dim and a value head dim: the common one when it is in
     HEAD_DIMS; otherwise (MLA's two head dims, DeepSeek-V3's qk 192 and v 128; one head dim between HEAD_DIMS', as
-    Phi-3-mini's 96) the smallest of HEAD_DIMS at least as wide as both, to which ``mixed_head_dims`` zero-pads. A
-    ValueError (one line) above the widest."""
+    Phi-3-mini's 96) the smallest of HEAD_DIMS at least as wide as both: the forward reads the narrower head dims
+    masked on its tiles, the autograd path zero-pads to it (``mixed_head_dims``). A ValueError (one line) above the
+    widest."""
     if head_dim_qk == head_dim_v and head_dim_qk in HEAD_DIMS:
         return head_dim_qk
     widest = max(head_dim_qk, head_dim_v)
@@ -237,17 +239,18 @@ def check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, ma
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t, 4)  # a page's span (all dims but the first) in 32 bits: pages are offset in 64
     total_q, heads_q, head_dim = q.shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
     if k_cache.shape[1] != v_cache.shape[1]:
         raise ValueError(f"k_cache pages hold {k_cache.shape[1]} keys and v_cache pages {v_cache.shape[1]}; "
-                         "supported: one page size, k_cache and v_cache [P, page_size, Hkv, D] of one shape")
-    if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+                         "supported: one page size, k_cache and v_cache [P, page_size, Hkv, D]")
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
-                         f"[P, page_size, Hkv, D] with q's D {head_dim}")
-    if k_cache.stride() != v_cache.stride():  # one row offset per key serves both (a register each)
+                         f"[P, page_size, Hkv, D] with q's D {head_dim} (v_cache's D may differ: MLA)")
+    kernel_head_dim(head_dim, v_cache.shape[3])
+    # One head dim: one row offset per key serves both (a register each); MLA's v_cache has its own strides.
+    if head_dim == v_cache.shape[3] and k_cache.stride() != v_cache.stride():
         raise ValueError(f"k_cache strides {k_cache.stride()} and v_cache strides {v_cache.stride()} differ; "
-                         "supported: one layout for both (as transformers' and flash's paged caches)")
+                         "supported: one layout for both (as transformers' and flash's paged caches) when their "
+                         "head dims agree")
     num_pages, page_size, heads_kv = k_cache.shape[:3]
     if heads_q % heads_kv:
         raise ValueError(f"query heads {heads_q} are not a multiple of key/value heads {heads_kv} (GQA needs "
@@ -358,25 +361,28 @@ def uses_split_grid(configs: AttnConfigs, seqs: Sequences, heads_q: int, heads_k
 def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Sequences, scale: float,
                          configs: AttnConfigs | None = None, logits: Logits = Logits()
                          ) -> tuple[torch.Tensor, torch.Tensor, AttentionLaunch]:
-    """Run the forward on checked inputs: (o, lse, launch). o has q's logical shape, stored [B, Sq, Hq, D] (or
-    [Tq, Hq, D]) so transformers' [B, Sq, Hq, D] output is a free transpose; lse [B, Hq, Sq] (or [Hq, Tq]) FP32.
-    A small grid (a decode step at small batch) runs one program per (query tile, split) and a combine pass; any
-    other one program per query tile over all its splits: the same bits (kernels.py)."""
+    """Run the forward on checked inputs: (o, lse, launch). o has q's logical shape with v's head dim Dv, stored
+    [B, Sq, Hq, Dv] (or [Tq, Hq, Dv]) so transformers' [B, Sq, Hq, Dv] output is a free transpose; lse [B, Hq, Sq]
+    (or [Hq, Tq]) FP32. Head dims the tiles do not have run on D = ``kernel_head_dim(Dqk, Dv)``'s tiles, read in
+    place by masked loads: the bits of the same call on copies zero-padded to D (kernels.py). A small grid (a decode
+    step at small batch) runs one program per (query tile, split) and a combine pass; any other one program per
+    query tile over all its splits: the same bits (kernels.py)."""
     backend = resolve_backend(attention_fwd_kernel, {"q": q, "k": k, "v": v})
-    configs = configs or select_configs(backend, q.shape[-1])
+    dim_qk, dim_v = q.shape[-1], v.shape[-1]
+    head_dim = kernel_head_dim(dim_qk, dim_v)
+    configs = configs or select_configs(backend, head_dim)
     cfg = configs.fwd
     interpreted = backend == TRITON_INTERPRETER
-    head_dim = q.shape[-1]
     heads_q, heads_kv = q.shape[1], k.shape[-2 if seqs.paged else 1]  # [B, H, S, D] and [T, H, D] alike
     group = heads_q // heads_kv
     heads = fwd_heads(configs, group, heads_kv, seqs.batch, seqs.seq_q)
     if seqs.varlen:
         rows = q.shape[0]
-        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        o = torch.empty((rows, heads_q, dim_v), dtype=q.dtype, device=q.device)
         lse = torch.empty((heads_q, rows), dtype=torch.float32, device=q.device)
     else:
         rows = q.shape[2]
-        o = torch.empty((seqs.batch, rows, heads_q, head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)
+        o = torch.empty((seqs.batch, rows, heads_q, dim_v), dtype=q.dtype, device=q.device).transpose(1, 2)
         lse = torch.empty((seqs.batch, heads_q, rows), dtype=torch.float32, device=q.device)
     if not interpreted:
         ensure_cuda_context(q.device)
@@ -387,12 +393,13 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
     slots = split_slots(configs, seqs, cfg.block_m // heads)
     ws_rows = lse.numel()
     if split_grid:
-        # The partials in one buffer: acc [slots, rows, D], then m and l [slots, rows] (FP32), each part starting on
-        # 16 bytes so that every call specialises the pointers alike (one binary whatever the batch).
+        # The partials in one buffer: acc [slots, rows, Dv], then m and l [slots, rows] (FP32), each part starting
+        # on 16 bytes so that every call specialises the pointers alike (one binary whatever the batch).
         n = slots * ws_rows
         n16 = triton.cdiv(n, 4) * 4
-        ws = torch.empty(n * head_dim + 2 * n16, dtype=torch.float32, device=q.device)
-        ws_acc, ws_m, ws_l = ws.split([n * head_dim, n16, n16])
+        n_acc = triton.cdiv(n * dim_v, 4) * 4
+        ws = torch.empty(n_acc + 2 * n16, dtype=torch.float32, device=q.device)
+        ws_acc, ws_m, ws_l = ws.split([n_acc, n16, n16])
     else:
         slots, ws_acc, ws_m, ws_l = 1, lse, lse, lse  # never read or written in one pass
     flags = _flags(seqs, interpreted)
@@ -405,8 +412,8 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         *_lse_strides(seqs, heads_q, rows), table.stride(0) if seqs.paged else 0,
         seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k,
         qk_scale, _window_arg(seqs), tanh_scale, sinks, slots, ws_rows,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **flags,
-        SOFTCAP=logits.softcap is not None, HAS_SINKS=logits.sinks is not None,
+        HEAD_DIM=head_dim, DIM_QK=dim_qk, DIM_V=dim_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads,
+        **flags, SOFTCAP=logits.softcap is not None, HAS_SINKS=logits.sinks is not None,
         SPLIT_N=configs.split_n, SPLIT_GRID=split_grid, PAGED=seqs.paged, PAGE_SIZE=max(seqs.page_size, 1),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -415,8 +422,8 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
             o, lse, *_bound_args(seqs, q), ws_m, ws_l, ws_acc, sinks,
             *_strides3(o, seqs.varlen), *_lse_strides(seqs, heads_q, rows),
             seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, _window_arg(seqs), slots, ws_rows,
-            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, HEADS=heads, **flags, HAS_SINKS=logits.sinks is not None,
-            num_warps=COMBINE_WARPS,
+            HEAD_DIM=head_dim, DIM_V=dim_v, BLOCK_M=cfg.block_m, HEADS=heads, **flags,
+            HAS_SINKS=logits.sinks is not None, num_warps=COMBINE_WARPS,
         )
     name = case_name("fwd", seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, head_dim)
     return o, lse, AttentionLaunch(backend, configs, name, split_grid)
@@ -509,26 +516,30 @@ class _AttentionFunction(torch.autograd.Function):
 
 def _run(q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None, logits: Logits = Logits()
          ) -> torch.Tensor:
-    if v.shape[-1] != q.shape[-1] or q.shape[-1] not in HEAD_DIMS:
-        return mixed_head_dims(q, k, v, seqs, scale, configs, logits)
+    """Autograd (the trainer): the autograd function, on zero-padded copies for head dims the tiles do not have
+    (``mixed_head_dims``). Otherwise (inference: decode, prefill, packed) the forward alone, which reads such head
+    dims in place with masked loads: the same bits as the padded copies (kernels.py)."""
     sinks = logits.sinks
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
+        if v.shape[-1] != q.shape[-1] or q.shape[-1] not in HEAD_DIMS:
+            return mixed_head_dims(q, k, v, seqs, scale, configs, logits)
         return _AttentionFunction.apply(q, k, v, sinks, seqs, scale, logits.softcap, configs)
     return attention_fwd_launch(q, k, v, seqs, scale, configs, logits)[0]
 
 
 def mixed_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Sequences, scale: float,
                     configs: AttnConfigs | None = None, logits: Logits = Logits()) -> torch.Tensor:
-    """Head dims the kernels do not run as they are (checked inputs): a value head dim Dv other than the query/key
-    head dim Dqk (MLA), or one head dim between HEAD_DIMS' (Phi-3-mini's 96), on the kernels' head dim
-    D = ``kernel_head_dim(Dqk, Dv)``: q, k and v zero-padded along the head dim to D, the output sliced back to Dv.
-    A zero product adds exactly (x + 0 = x, truncated or not), so the logits are the unpadded dot's terms plus exact
-    zeros and the padded output columns are exact zeros; ``scale`` is the caller's (1/sqrt(Dqk) by default, never
-    1/sqrt(D)). Every path (prefill, decode, chunked, padded, packed, backward) pads alike and so runs the one D's
-    tiles: the invariance rule holds as for D. Autograd runs through the pad (its backward a slice) and the slice
-    (its backward a zero pad): no reduction is added. Costs: the padded copies of q, k and v on every call (a decode
-    step copies its whole cache), D/Dqk the QK work and D/Dv the PV work."""
+    """Head dims the tiles do not have (checked inputs: a value head dim Dv other than the query/key head dim Dqk,
+    MLA's, or one head dim between HEAD_DIMS', Phi-3-mini's 96) zero-padded, the path autograd takes (the backward
+    kernels take one head dim): q, k and v padded along the head dim to D = ``kernel_head_dim(Dqk, Dv)``, the output
+    sliced back to Dv. A zero product adds exactly (x + 0 = x, truncated or not), so the logits are the unpadded
+    dot's terms plus exact zeros and the padded output columns are exact zeros; ``scale`` is the caller's
+    (1/sqrt(Dqk) by default, never 1/sqrt(D)). The forward without autograd reads the same head dims in place with
+    masked loads on D's tiles, whose zeros are these copies' (kernels.py): the two give the same bits, so the
+    invariance rule holds across them as for D. Autograd runs through the pad (its backward a slice) and the slice
+    (its backward a zero pad): no reduction is added. Costs: the padded copies of q, k and v on every call (and
+    what the backward saves), D/Dqk the QK work and D/Dv the PV work."""
     dim = kernel_head_dim(q.shape[-1], v.shape[-1])
     q, k, v_padded = (t if t.shape[-1] == dim else F.pad(t, (0, dim - t.shape[-1])) for t in (q, k, v))
     return _run(q, k, v_padded, seqs, scale, configs, logits)[..., :v.shape[-1]]
@@ -539,8 +550,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
               softcap: float | None = None, sinks: torch.Tensor | None = None,
               configs: AttnConfigs | None = None) -> torch.Tensor:
     """Causal GQA attention: q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv] (BF16, head dim contiguous)
-    -> [B, Hq, Sq, Dv] (stored [B, Sq, Hq, Dv]). Dv = D runs as it is (D in HEAD_DIMS); another Dv (MLA) runs
-    zero-padded (``mixed_head_dims``; the output a slice of one stored [B, Sq, Hq, kernel_head_dim(D, Dv)]). Query i
+    -> [B, Hq, Sq, Dv] (stored [B, Sq, Hq, Dv]). Dv = D runs as it is (D in HEAD_DIMS); another Dv (MLA), or a D
+    between HEAD_DIMS', runs on kernel_head_dim(D, Dv)'s tiles: read in place by masked loads, or under autograd
+    zero-padded (``mixed_head_dims``; the output then a slice of one stored [B, Sq, Hq, kernel_head_dim(D, Dv)]),
+    with the same bits. Query i
     sits at key position kv_end - Sq + i (kv_end = Skv when None) and sees keys kv_start..its own position (kv_start
     int32 [B], the first valid key: left padding; None = 0). ``kv_end`` (int32 [B], one past each sequence's last
     key: a static cache's filled length) is an extension; queries of padded positions give finite values nobody
@@ -579,11 +592,13 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Packed queries over a paged KV cache, forward only (inference): q [Tq, Hq, D] as ``attention_varlen``'s
     (sequence n's queries are rows cu_seqlens_q[n]..cu_seqlens_q[n + 1], the last of its keys); k_cache, v_cache
     [P, page_size, Hkv, D] page storages (transformers' paged cache and flash's layout; any strides, the same for
-    both, with the head dim contiguous); block_table int32 [n, max_pages]: sequence n's key j sits in page
-    block_table[n, j // page_size], row j % page_size; it has cu_seqlens_k[n + 1] - cu_seqlens_k[n] keys
-    (cu_seqlens_k counts keys, not storage rows). Table entries past a sequence's pages are never read
-    (transformers pads them with -1). -> [Tq, Hq, D]. The bits equal ``attention_varlen``'s on the same keys
-    gathered into a contiguous packing, for any page size and page placement. Checks read cu_seqlens and the block
+    both, with the head dim contiguous; v_cache's head dim Dv may differ, MLA's, each then with its own strides);
+    block_table int32 [n, max_pages]: sequence n's key j sits in page block_table[n, j // page_size], row
+    j % page_size; it has cu_seqlens_k[n + 1] - cu_seqlens_k[n] keys (cu_seqlens_k counts keys, not storage rows).
+    Table entries past a sequence's pages are never read (transformers pads them with -1). -> [Tq, Hq, Dv]. Head
+    dims the tiles do not have are read in place (masked loads), as ``attention_varlen``'s forward reads them. The
+    bits equal ``attention_varlen``'s on the same keys gathered into a contiguous packing, for any page size and
+    page placement. Checks read cu_seqlens and the block
     table's needed entries on the host (syncs; refused under CUDA-graph capture): page ids outside [0, P), a table
     too narrow for a sequence's keys, mismatched page sizes, and everything ``attention_varlen`` checks.
     ``window``, ``softcap``, ``sinks`` as for ``attention``. No autograd (a paged cache is inference only): inputs

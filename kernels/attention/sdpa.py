@@ -1,9 +1,10 @@
 """The attention kernels behind ``torch.nn.functional.scaled_dot_product_attention`` and transformers' attention
 interface: the cases with the kernels' semantics are run on them, everything else is refused by name.
 
-Covered (F.scaled_dot_product_attention semantics, BF16, head_dim 64, 128 or 256 -- or a value head dim other
-than the query/key head dim, each at most 256, run zero-padded (MLA; launch.mixed_head_dims) -- [B, H, S, D] with a
-contiguous head dim, dropout 0, GQA with enable_gqa):
+Covered (F.scaled_dot_product_attention semantics, BF16, head_dim 64, 128 or 256 -- or other head dims, a value
+head dim other than the query/key head dim among them, each at most 256, on the next of those's tiles (MLA; read
+masked, or zero-padded under autograd: launch.mixed_head_dims) -- [B, H, S, D] with a contiguous head dim,
+dropout 0, GQA with enable_gqa):
 - ``is_causal=True`` with no mask and q_len == kv_len;
 - no mask and q_len == 1 (a decode step: one query sees every key);
 - a boolean or additive ``attn_mask`` (broadcastable [B|1, H|1, Sq, Skv]) that is causal + per-sequence padding,
