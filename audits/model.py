@@ -31,8 +31,8 @@ informational):
   ``Plan.step_tokens`` tokens a step (prefills split into chunks, sharing steps with decodes), sampling at
   temperature 1 with the engine's seeded sampler; each request's sampled tokens' log-probs (from the logits the
   engine computed, read by a forward hook) vs the trainer's forward over prompt + completion (right padding, grad
-  on, micro-batches). Not run -- a failed row saying why -- for a model with sliding-window layers (the mode's paged
-  attention refuses them) or a transformers without the continuous-batching pieces used (named, with its version);
+  on, micro-batches). Not run -- a failed row saying why -- for a transformers without the continuous-batching
+  pieces used (named, with its version); sliding-window layers run (their requests anchored at their first token);
 - ``backward_repeat``: every parameter gradient of a cross-entropy backward (plus the router's load-balancing
   loss where transformers adds one), bitwise across two runs;
 - ``strict``: detkit mode's checks each run first under ``batch_invariant_mode(strict=True)``; the row fails naming
@@ -136,10 +136,9 @@ NOT_COVERED = (
     "span tokens; run to run they repeat)",
     "the first-divergence hooks compare module outputs; differences in ops between modules show as the next module "
     "(the serving check has none)",
-    "continuous batching (serving): models with sliding-window layers (not run), transformers' block-table decode "
-    "path, CUDA graphs and asynchronous batching (the check turns them off to pair each step's logits with its "
-    "requests), prefix sharing (tests/test_mode_continuous_batching.py has it, the audit's random prompts share no "
-    "pages)",
+    "continuous batching (serving): transformers' block-table decode path, CUDA graphs and asynchronous batching "
+    "(the check turns them off to pair each step's logits with its requests), prefix sharing "
+    "(tests/test_mode_continuous_batching.py has it, the audit's random prompts share no pages)",
 )
 
 

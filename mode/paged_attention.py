@@ -28,9 +28,20 @@ step, and the kernel's per-token bits equal its padded layout's (docs/attention.
 with a DynamicCache uses under the mode. A cached prefix (transformers' prefix sharing: a request whose full pages
 are already in the cache prefills only the rest) is the same call with fewer queries than keys.
 
-Refused by name (NotImplementedError, one line): a block table (the decode fast path: the keys are not gathered),
-a sliding-window layer (a paged sliding-window cache keeps only the window's keys, so the kernel's key tiles would
-not be anchored at the sequence's first key as in a contiguous cache), dropout, position_bias.
+Sliding-window layers (``sliding_window`` W in the keyword arguments, or the layer's own): transformers' paged
+sliding cache (5.17 and 5.24 alike: a ring buffer of W slots per request) returns, for a request at position p0
+with q new tokens, its min(p0, W - 1) most recent cached keys then the q new ones, in token order, and
+``cu_seq_lens_k`` counts those (5.17: its "sliding_attention" entry). The keys before them are dropped, so the
+kernel runs with ``window=W`` and each request's ``kv_start`` = cached - p0 (<= 0, the first key's place before the
+gathered ones: ``attention_varlen``'s anchor), p0 read from ``position_ids`` at the request's first query: its key
+tiles and splits stay anchored at the sequence's first token, as the trainer's forward over the whole sequence
+anchors them, and its bits are that forward's. A step where a request's cached keys are fewer than W - 1 while
+keys were dropped, more than its position, or ``position_ids`` are missing is refused by name with the installed
+version (not what either version passes).
+
+Refused by name (NotImplementedError, one line): a block table (the decode fast path: the keys are not gathered;
+transformers disables it for sliding-window models), a sliding-window step that cannot be anchored (above),
+dropout, position_bias.
 
 The mode routes this on its own ("sdpa" calls that carry the continuous-batching keyword arguments, 5.24, and
 ``"paged|sdpa"``, 5.17: mode/attention.py); ``"paged|detkit"`` is registered for a model built with
@@ -75,11 +86,11 @@ def _update_takes_indices(cache) -> bool:
     return "read_index" in params and "write_index" in params
 
 
-def _per_layer(value, module, name: str):
+def _per_layer(value, window: int | None, name: str):
     """``value`` or, for a dict by layer type (transformers' per-attention-type lengths), this layer's entry."""
     if not isinstance(value, dict):
         return value
-    layer_type = "sliding_attention" if getattr(module, "sliding_window", None) else "full_attention"
+    layer_type = "sliding_attention" if window is not None else "full_attention"
     if layer_type not in value:
         raise _refuse(f"{name} has no entry for {layer_type!r} (has {sorted(value)})")
     return value[layer_type]
@@ -90,6 +101,49 @@ def _cu(value, name: str, device: torch.device) -> torch.Tensor:
         what = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
         raise _refuse(f"{name} {what} is not supported (needs an integer tensor [n + 1])")
     return value.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _window(module, kwargs: dict) -> int | None:
+    """The layer's sliding window: the keyword argument (as the trainer's forward reads it), else the layer's own."""
+    window = kwargs.get("sliding_window")
+    if window is None:
+        window = getattr(module, "sliding_window", None)
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise _refuse(f"sliding_window {window!r} is not supported (needs an int >= 1, or None)")
+    return window
+
+
+def _anchors(positions, window: int, bounds_q: list[int], bounds_k: list[int], device: torch.device
+             ) -> torch.Tensor | None:
+    """Each request's ``kv_start`` (int32 [n]) for a sliding-window layer: cached - p0, p0 the position of its first
+    query (``position_ids``), cached its keys before the new ones; None where no request's keys were dropped. One host
+    read (the first positions)."""
+    if (not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dim() not in (1, 2)
+            or (positions.dim() == 2 and positions.shape[0] != 1) or positions.numel() < bounds_q[-1]):
+        what = (f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor)
+                else type(positions).__name__)
+        raise _refuse(f"sliding_window {window}: position_ids {what} from transformers {_transformers_version()} are "
+                      f"not supported (needs integer positions [1, Tq], Tq >= {bounds_q[-1]}: each request's first "
+                      "query's position anchors its key tiles)")
+    requests = [n for n in range(len(bounds_q) - 1) if bounds_q[n + 1] > bounds_q[n]]
+    if not requests:
+        return None
+    index = torch.tensor([bounds_q[n] for n in requests], device=positions.device)
+    firsts = positions.reshape(-1)[index].tolist()
+    starts = [0] * (len(bounds_q) - 1)
+    for n, p0 in zip(requests, firsts):
+        cached = (bounds_k[n + 1] - bounds_k[n]) - (bounds_q[n + 1] - bounds_q[n])
+        dropped = p0 - cached
+        if dropped < 0 or (dropped > 0 and cached < window - 1):
+            raise _refuse(f"sliding_window {window}: request {n} (first query at position {p0}) has {cached} cached "
+                          f"keys before its queries in transformers {_transformers_version()}'s paged cache; "
+                          f"supported: all {p0}, or at least the window's {window - 1}")
+        starts[n] = -dropped
+    if not any(starts):
+        return None
+    return torch.tensor(starts, dtype=torch.int32, device=device)
 
 
 def paged_attention_forward(varlen, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -103,12 +157,7 @@ def paged_attention_forward(varlen, module, query, key, value, attention_mask, d
     if kwargs.get("block_table") is not None:
         raise _refuse("a block_table (transformers' decode fast path) is not supported; supported: the index-based "
                       "cache (block_table None: continuous_batching_config max_blocks_per_request=0)")
-    window = kwargs.get("sliding_window")
-    if window is None:
-        window = getattr(module, "sliding_window", None)
-    if window:
-        raise _refuse(f"sliding_window {window!r} on the paged cache is not supported; supported: full-attention "
-                      "layers (sliding_window None)")
+    window = _window(module, kwargs)
     if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.shape[0] != 1:
         what = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
         raise _refuse(f"query {what} is not supported (needs the packed [1, Hq, Tq, D])")
@@ -132,7 +181,7 @@ def paged_attention_forward(varlen, module, query, key, value, attention_mask, d
                           f"{_transformers_version()}'s index-based cache update)")
         key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)
     cu_q = _cu(kwargs.get("cu_seq_lens_q"), "cu_seq_lens_q", query.device)
-    cu_k = _cu(_per_layer(kwargs.get("cu_seq_lens_k"), module, "cu_seq_lens_k"), "cu_seq_lens_k", query.device)
+    cu_k = _cu(_per_layer(kwargs.get("cu_seq_lens_k"), window, "cu_seq_lens_k"), "cu_seq_lens_k", query.device)
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()  # host reads (the kernel's checks read them too)
     real_q, real_k = bounds_q[-1], bounds_k[-1]
     total_q = query.shape[2]
@@ -140,10 +189,12 @@ def paged_attention_forward(varlen, module, query, key, value, attention_mask, d
         raise _refuse(f"cu_seq_lens_q/k end at {real_q}/{real_k}, past the {total_q} queries / {key.shape[0]} keys")
     max_q = max(b - a for a, b in zip(bounds_q, bounds_q[1:]))
     max_k = max(b - a for a, b in zip(bounds_k, bounds_k[1:]))
+    anchors = None if window is None else _anchors(kwargs.get("position_ids"), window, bounds_q, bounds_k,
+                                                     query.device)
     q = query[0, :, :real_q].transpose(0, 1)  # [Tq, Hq, D], head dim contiguous
     out = varlen(
-        q, key[:real_k], value[:real_k], cu_q, cu_k, max(max_q, 1), max(max_k, 1), scale=scaling,
-        softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux", kwargs.get("sinks")))
+        q, key[:real_k], value[:real_k], cu_q, cu_k, max(max_q, 1), max(max_k, 1), scale=scaling, window=window,
+        kv_start=anchors, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux", kwargs.get("sinks")))
     if real_q < total_q:  # padding queries (static shapes): zeros, never read
         out = torch.cat([out, out.new_zeros((total_q - real_q, *out.shape[1:]))])
     return out.unsqueeze(0), None

@@ -12,6 +12,7 @@ import torch
 
 from detkit.kernels.attention import (
     AttnConfigs, attention, attention_bwd_bound, attention_fwd_bound, attention_split_ref, attention_varlen,
+    attention_varlen_ref,
 )
 from detkit.kernels.attention.configs import (
     ATTENTION_CONFIG_TABLE_VERSION, CONFIG_TABLE, INTERPRETER_SPLIT_KEYS, SPLIT_KEYS, select_configs,
@@ -135,6 +136,92 @@ def test_sliding_cache_with_dropped_keys_gives_the_prefill_bits_on_both_paths(de
             step = attention(q[:, :, i:i + 1], k[:, :, kept:i + 1], v[:, :, kept:i + 1], window=window,
                              kv_start=_i32([-kept], device), configs=cfg)
             _bits(step, prefill[:, :, i:i + 1], f"{name} sliding cache {i}")
+
+
+def _packed_sliding_steps(q, k, v, window, steps):
+    """Steps of a sliding-window cache packed into one varlen call: ``steps`` (batch row, first query, queries);
+    each keeps the window - 1 keys before its first query (all of them near the start) and gets kv_start = -(keys
+    dropped). -> (q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, kv_start)."""
+    parts_q, parts_k, parts_v, cu_q, cu_k, starts = [], [], [], [0], [0], []
+    for b, first_q, n in steps:
+        kept = max(first_q - (window - 1), 0)
+        parts_q.append(q[b, :, first_q:first_q + n].transpose(0, 1))
+        parts_k.append(k[b, :, kept:first_q + n].transpose(0, 1))
+        parts_v.append(v[b, :, kept:first_q + n].transpose(0, 1))
+        cu_q.append(cu_q[-1] + n)
+        cu_k.append(cu_k[-1] + first_q + n - kept)
+        starts.append(-kept)
+    device = q.device
+    lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    return (torch.cat(parts_q), torch.cat(parts_k), torch.cat(parts_v), _i32(cu_q, device), _i32(cu_k, device),
+            max(lens_q), max(lens_k), _i32(starts, device))
+
+
+def test_packed_sliding_cache_steps_give_the_prefill_bits_on_both_paths(device):
+    # transformers' paged sliding cache (continuous batching) hands packed requests their last window - 1 cached
+    # keys and the new ones: attention_varlen's kv_start anchors each one's tiles and splits at its sequence's first
+    # key, so every request gets the prefill's bits: decodes past the window, a chunk after a full window, a prefill
+    # with nothing dropped. Without the anchors the tiles start at the kept keys and the bits differ.
+    seq, window = 80, 37
+    q, k, v = _qkv(2, 4, 2, seq, seq, 64, 37, device)
+    prefill = attention(q, k, v, window=window, configs=_paths(device)["one_pass"])
+    steps = [(0, 63, 1), (1, 40, 8), (1, 0, 10), (0, seq - 1, 1), (1, 64, 3)]
+    *packed, kv_start = _packed_sliding_steps(q, k, v, window, steps)
+    for name, cfg in _paths(device).items():
+        out = attention_varlen(*packed, window=window, kv_start=kv_start, configs=cfg)
+        row = 0
+        for b, first_q, n in steps:
+            want = prefill[b, :, first_q:first_q + n].transpose(0, 1)
+            _bits(out[row:row + n], want, f"{name} step {b, first_q, n}")
+            row += n
+    # Without its anchor a step's window falls into other key tiles (the kept keys' first row is not a tile edge of
+    # the sequence; on sm_90's 64-key tiles one tile instead of two) and its bits differ from the prefill's.
+    step = max(_paths(device)["one_pass"].fwd.block_n, window) + 5
+    *alone, kv_start = _packed_sliding_steps(q, k, v, window, [(0, step, 1)])
+    assert int(kv_start[0]) < 0
+    _bits(attention_varlen(*alone, window=window, kv_start=kv_start), prefill[0, :, step:step + 1].transpose(0, 1),
+          "the step anchored")
+    assert not compare_bits(attention_varlen(*alone, window=window),
+                            prefill[0, :, step:step + 1].transpose(0, 1)).equal, "the step unanchored"
+    # The backward through the anchors: the padded layout's gradients with the same (negative) kv_start.
+    do = bf16_randn((8, 4, 64), 41, device)
+    qs, ks, vs, cu_q, cu_k, max_q, max_k, starts = _packed_sliding_steps(q, k, v, window, [(1, 40, 8)])
+    packed_leaves = [t.clone().requires_grad_() for t in (qs, ks, vs)]
+    attention_varlen(*packed_leaves, cu_q, cu_k, max_q, max_k, window=window, kv_start=starts).backward(do)
+    padded_leaves = [t[None].transpose(1, 2).clone().requires_grad_() for t in (qs, ks, vs)]
+    attention(*padded_leaves, window=window, kv_start=starts).backward(do[None].transpose(1, 2))
+    for name, a, b in zip(("dq", "dk", "dv"), packed_leaves, padded_leaves):
+        _bits(a.grad, b.grad[0].transpose(0, 1), f"packed vs padded {name}")
+
+
+def test_packed_kv_start_refusals(device):
+    q, k, v = _qkv(1, 4, 2, 8, 8, 64, 3, device)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    cu = _i32([0, 4, 8], device)
+    cases = [
+        (dict(kv_start=_i32([0, -1], device)), "kv_start needs a window"),
+        (dict(window=3, kv_start=_i32([1, 0], device)), r"kv_start\[0\] = 1 is not supported"),
+        (dict(window=3, kv_start=_i32([0], device)), r"kv_start must be a contiguous int32 tensor of shape \(2,\)"),
+        (dict(window=3, kv_start=torch.tensor([0, -1], device=device)), "kv_start must be a contiguous int32"),
+        # 4 queries on their own 4 keys: the first query's window of 3 reaches the 2 keys before it, dropped.
+        (dict(window=3, kv_start=_i32([0, -5], device)), r"kv_start\[1\] = -5: sequence 1's first query"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises((ValueError, TypeError), match=match) as info:
+            attention_varlen(*packed, cu, cu, 4, 4, **kwargs)
+        assert "\n" not in str(info.value)
+    # Nothing visible dropped is accepted: 2 cached keys before 1 query, window 3; the padded layout's bits, within
+    # the FP64 bound, and the reference takes the same anchor.
+    cu_q, cu_k = _i32([0, 1], device), _i32([0, 3], device)
+    args = (packed[0][:1], packed[1][:3], packed[2][:3], cu_q, cu_k, 1, 3)
+    out = attention_varlen(*args, window=3, kv_start=_i32([-9], device))
+    padded = (q[:, :, :1], k[:, :, :3], v[:, :, :3])
+    _bits(out, attention(*padded, window=3, kv_start=_i32([-9], device))[0].transpose(0, 1), "padded")
+    o_star, bound = attention_fwd_bound(*padded, window=3, kv_start=_i32([-9], device))
+    assert check_bound(out.transpose(0, 1)[None], o_star, bound).passed
+    ref = attention_varlen_ref(*args, window=3, kv_start=_i32([-9], device))
+    assert check_bound(ref.transpose(0, 1)[None], o_star, bound).passed
 
 
 def test_the_default_path_choice_runs_both_kernels(device):

@@ -2,8 +2,10 @@
 request gets the tokens and the logits bits of the same request run alone (``generate``, DynamicCache) and of the
 trainer's forward over prompt + completion (grad on), whatever shares its steps: requests of other lengths, requests
 arriving while others decode, a prompt prefilled in chunks, a prompt whose prefix pages are already cached (prefix
-sharing), pages of 4 or 16 tokens. The adapter itself (mode/paged_attention.py) against the padded kernel, with
-the keys gathered from pages in a shuffled placement, and what it refuses. Tiny random Qwen3 on the CPU interpreter.
+sharing), pages of 4 or 16 tokens; sliding-window layers whose paged cache dropped a request's first keys
+(tiny Mistral, every layer sliding). The adapter itself (mode/paged_attention.py) against the padded kernel, with
+the keys gathered from pages in a shuffled placement, sliding-window requests anchored at their first token, and
+what it refuses. Tiny random Qwen3 and Mistral on the CPU interpreter.
 """
 
 from __future__ import annotations
@@ -122,6 +124,36 @@ def test_a_cached_prefix_gives_the_cold_bits(device, monkeypatch, overlap):
     assert by_request.get("r1") == 8 and by_request.get("r2") == 4, f"prefix matches: {matches}"
 
 
+def test_sliding_window_layers_with_dropped_keys_give_the_trainers_bits(device, monkeypatch):
+    """Tiny Mistral (window 4 on every layer) through the manager: request i joins once request i - 1 has a token;
+    8 batch tokens chunk the 18- and 13-token prompts. Transformers' paged sliding cache hands each step only the
+    last 3 cached keys, so the requests' first keys are dropped; the adapter anchors their key tiles at their first
+    token (the interpreter's tiles are 16 keys, and the windows of positions 16..18 straddle that edge), so every
+    request's tokens and logits equal generate() alone and the trainer's forward. Every attention call ran on the
+    kernel (strict), with the keys dropped in some."""
+    from detkit.toolkit import models
+
+    model, _ = models.build_model(device, 0, "mistral-tiny")
+    window = model.config.sliding_window
+    prompts = _prompts((18, 5, 13), seed=4)
+    steps, dropped = [], []
+    original = paged_attention._anchors
+
+    def spy(*args):
+        anchors = original(*args)
+        dropped.append(0 if anchors is None else -int(anchors.min()))
+        return anchors
+
+    monkeypatch.setattr(paged_attention, "_anchors", spy)
+    with detkit.batch_invariant_mode(strict=True):
+        served = serving.run_continuous_batching(
+            model, prompts, NEW, serving.cb_config(page_size=4, max_batch_tokens=8), arrivals=[0, 1, 1], steps=steps)
+        _check_against_alone_and_trainer(model, prompts, served)
+    # the schedule this test is about: keys dropped with a first query at position 16 or later (dropped + window - 1)
+    assert max(dropped) + window - 1 >= 16, f"keys dropped per sliding-window call: {dropped}"
+    assert any(1 in lens and max(lens) > 1 for lens in steps), f"query lengths per step: {steps}"
+
+
 # ---------------------------------------------------------------------------------------------
 # the adapter (mode/paged_attention.py), no model
 # ---------------------------------------------------------------------------------------------
@@ -205,10 +237,67 @@ def test_the_adapter_takes_the_cache_update_of_transformers_5_17(device):
                                                 cache=OtherCache(), **kwargs)
 
 
+def test_the_adapter_anchors_sliding_window_requests_at_their_first_token(device):
+    """Sliding-window requests as transformers' paged sliding cache hands them over (5.24's gathered keys and 5.17's
+    cache update): the min(position, window - 1) cached keys before each request's queries, then its new ones. Each
+    request's rows equal the padded kernel's prefill over its whole sequence (window 6; the interpreter's 16-key tiles
+    put the windows of positions 16..20 across a tile edge). A step it cannot anchor is refused by name."""
+    from detkit.kernels.attention import attention, attention_varlen
+
+    window, seq = 6, 24
+    q, k, v = (bf16_randn((2, hq, seq, 64), 7 + i, device) for i, hq in enumerate((4, 2, 2)))
+    prefill = attention(q, k, v, window=window)
+    requests = [(0, 17, 1), (1, 14, 4), (1, 0, 3), (0, 3, 2), (0, 21, 1)]  # (sequence, first position, queries)
+    parts, cu_q, cu_k, positions = [], [0], [0], []
+    for b, p0, n in requests:
+        kept = p0 - min(p0, window - 1)
+        parts.append((q[b, :, p0:p0 + n], k[b, :, kept:p0 + n], v[b, :, kept:p0 + n]))
+        cu_q.append(cu_q[-1] + n)
+        cu_k.append(cu_k[-1] + p0 + n - kept)
+        positions += range(p0, p0 + n)
+    query, key, value = (torch.cat([part[i] for part in parts], dim=1)[None] for i in range(3))
+
+    def i32(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    kwargs = dict(cu_seq_lens_q=i32(cu_q), cu_seq_lens_k=i32(cu_k), max_length_q=4, max_length_k=9,
+                  position_ids=torch.tensor([positions], device=device), read_index=[None], write_index=[None],
+                  block_table=None, sliding_window=window)
+    out, _ = paged_attention.paged_attention_forward(attention_varlen, _Layer(), query, key, value, None, **kwargs)
+
+    class Cache:  # 5.17: the function updates the cache; the keys come back [Tk, Hkv, D], the window on the layer
+        def update(self, key_states, value_states, layer_idx, read_index, write_index):
+            return key[0].transpose(0, 1), value[0].transpose(0, 1)
+
+    sliding = {name: arg for name, arg in kwargs.items() if name != "sliding_window"}
+    sliding["cu_seq_lens_k"] = {"full_attention": i32(cu_q), "sliding_attention": i32(cu_k)}
+    out_517, _ = paged_attention.paged_attention_forward(attention_varlen, _Layer(sliding_window=window), query,
+                                                         key[:, :, :1], value[:, :, :1], None, cache=Cache(), **sliding)
+    _assert_equal_bits(out_517, out, "5.17 cache update vs 5.24 gathered keys")
+    for (b, p0, n), start in zip(requests, cu_q):
+        _assert_equal_bits(out[0, start:start + n], prefill[b, :, p0:p0 + n].transpose(0, 1),
+                           f"request at position {p0} of sequence {b}")
+    # Not transformers' sliding cache, refused: keys dropped with fewer than window - 1 kept (request 2 at position
+    # 1 with none cached), more keys cached than lie before the position (request 3 at 2 with 3), no positions.
+    shifted = dict(kwargs, position_ids=kwargs["position_ids"] + 1)
+    with pytest.raises(NotImplementedError, match=r"sliding_window 6: request 2 \(first query at position 1\) has 0 "
+                                                  r"cached keys before its queries in transformers \S+'s paged cache"):
+        paged_attention.paged_attention_forward(attention_varlen, _Layer(), query, key, value, None, **shifted)
+    early = kwargs["position_ids"].clone()
+    early[0, cu_q[3]:cu_q[4]] -= 1
+    with pytest.raises(NotImplementedError, match=r"request 3 \(first query at position 2\) has 3 cached keys"):
+        paged_attention.paged_attention_forward(attention_varlen, _Layer(), query, key, value, None,
+                                                **dict(kwargs, position_ids=early))
+    with pytest.raises(NotImplementedError, match=r"sliding_window 6: position_ids NoneType from transformers"):
+        paged_attention.paged_attention_forward(attention_varlen, _Layer(), query, key, value, None,
+                                                **dict(kwargs, position_ids=None))
+
+
 @pytest.mark.parametrize("case", ["block_table", "sliding_window"])
 def test_what_the_adapter_refuses_is_counted_or_raises_under_strict(device, case):
-    """A block table (the decode fast path) and a sliding-window layer are refused by name: counted as not routed
-    (transformers' own SDPA runs) and, under strict, ModeNotRoutedError before any work."""
+    """A block table (the decode fast path) and a sliding-window step it cannot anchor (no position_ids) are refused
+    by name: counted as not routed (transformers' own SDPA runs) and, under strict, ModeNotRoutedError before any
+    work."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     _, _, _, query, key, value, kwargs = _packed(device, (3, 1), (3, 6))
@@ -218,7 +307,7 @@ def test_what_the_adapter_refuses_is_counted_or_raises_under_strict(device, case
         match = "block_table"
     else:
         layer.sliding_window = 4
-        match = "sliding_window 4"
+        match = "sliding_window 4: position_ids NoneType"
     mask = torch.zeros(1, 1, 4, 9, dtype=torch.bool, device=device)
     mask[0, 0, :3, :3] = torch.ones(3, 3, device=device).tril().bool()
     mask[0, 0, 3, 3:] = True

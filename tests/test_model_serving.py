@@ -1,9 +1,10 @@
 """The model audit's serving check (audits/model.py ``Audit.serving``, toolkit/serving.py): it can fail -- a
 difference in the engine's forwards only is counted token by token --, a strict refusal raised in the engine's thread
 reaches the audit as itself (so the strict row names it), transformers' own failure is a failed comparison naming it,
-and a model the check cannot serve under the mode is not run, saying why: sliding-window layers, or a transformers
-without the pieces the check uses (named, with its version). Outside the mode (torch's kernels): a few seconds. The
-check passing under the mode is tests/test_model_audit.py's plug-in run."""
+and a model the check cannot serve under the mode is not run, saying why: a transformers without the pieces the
+check uses (named, with its version); sliding-window models are served. Outside the mode (torch's kernels): a few
+seconds. The check passing under the mode is tests/test_model_audit.py's plug-in run (sliding-window layers with
+dropped keys: tests/test_mode_continuous_batching.py)."""
 
 from __future__ import annotations
 
@@ -78,22 +79,17 @@ def test_a_strict_refusal_in_the_engines_thread_reaches_the_audit_as_itself(devi
     assert audit_model.matrix_cell(result, "serving") == "FAIL: ValueError: o_proj: failed for the test"
 
 
-def test_sliding_window_layers_are_not_run_and_say_why(device):
+def test_sliding_window_models_are_served():
     """Mistral (every layer sliding, the window in the config) and Gemma-3 (a sliding layer then a global one, the
-    window on the layer): the layers are named; Mistral's check is not run -- a failed comparison whose matrix cell
-    says "not run" with the reason -- and no request is served."""
-    with torch.device("meta"):
-        gemma3 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
-            "gemma3_text", **models.MODEL_PRESETS["gemma3-tiny"].fields))
-    assert serving.sliding_window_layers(gemma3) == {"model.layers.0.self_attn": models.TINY_WINDOW}
-    model, audit = _audit(device, "mistral-tiny")
-    assert serving.sliding_window_layers(model) == {f"model.layers.{i}.self_attn": models.TINY_WINDOW for i in (0, 1)}
-    (cmp,) = audit.serving()
-    assert not cmp.equal and cmp.elements == 0 and "tokens" not in cmp.extra
-    assert cmp.extra["not_run"].startswith("sliding-window layers (model.layers.0.self_attn 4, model.layers.1.self_attn "
-                                           "4): mode/paged_attention.py refuses a sliding window"), cmp.extra
-    result = {"drift": [{"mode": "detkit", "check": "serving", "passed": False, **cmp.details()}]}
-    assert audit_model.matrix_cell(result, "serving").startswith("not run: sliding-window layers")
+    window on the layer): nothing keeps them from the check (the mode's paged attention anchors a sliding-window
+    layer's requests at their first token), so their serving row runs. Built on the meta device: nothing is served."""
+    for preset in ("mistral-tiny", "gemma3-tiny"):
+        spec = models.MODEL_PRESETS[preset]
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+                spec.model_type, **spec.fields))
+        assert model.config.sliding_window == models.TINY_WINDOW
+        assert serving.unsupported(model) is None, preset
 
 
 def test_a_transformers_without_the_pieces_is_not_run_naming_them_and_its_version(device, monkeypatch):

@@ -14,8 +14,8 @@ depend on thread timing), so requests arrive while others decode.
 ``alone_logits`` (``generate`` of one request, DynamicCache) and ``trainer_logits`` (one padded forward over every
 prompt + completion, grad on) give the references; ``serving_check`` compares the three and counts the tokens whose
 logits differ. ``unsupported`` says why a model cannot be served under the mode (transformers without the pieces
-used here, or sliding-window layers, which mode/paged_attention.py refuses), before any work: the model audit's
-``serving`` check (audits/model.py) reports that as not run.
+used here), before any work: the model audit's ``serving`` check (audits/model.py) reports that as not run.
+Sliding-window layers are served (mode/paged_attention.py anchors each request's keys at its first token).
 """
 
 from __future__ import annotations
@@ -78,33 +78,13 @@ def _missing_pieces(model) -> list[str]:
     return missing
 
 
-def sliding_window_layers(model) -> dict[str, int]:
-    """Attention module name -> window, for every layer that attends through a sliding window (the module's own
-    ``sliding_window`` where it has one, as Gemma's and gpt-oss's alternate; else the config's, which Mistral's and
-    Mixtral's layers pass to the attention function)."""
-    default = getattr(model.config, "sliding_window", None)
-    layers = {}
-    for name, module in model.named_modules():
-        if name.endswith("self_attn") and hasattr(module, "layer_idx"):
-            window = module.sliding_window if hasattr(module, "sliding_window") else default
-            if window:
-                layers[name] = window
-    return layers
-
-
 def unsupported(model) -> str | None:
     """Why ``model`` cannot be served through continuous batching under the mode, or None: the installed transformers
-    lacks a piece this module uses (named, with the version), or the model has sliding-window layers
-    (mode/paged_attention.py refuses them on the paged cache)."""
+    lacks a piece this module uses (named, with the version). What the mode's paged attention refuses on a given step
+    (mode/paged_attention.py) is counted, or raised under strict, when it runs."""
     missing = _missing_pieces(model)
     if missing:
         return f"transformers {transformers_version()} has no {', '.join(missing)} (continuous batching pieces used here)"
-    windows = sliding_window_layers(model)
-    if windows:
-        listed = ", ".join(f"{name} {window}" for name, window in list(windows.items())[:2])
-        more = f" and {len(windows) - 2} more" if len(windows) > 2 else ""
-        return (f"sliding-window layers ({listed}{more}): mode/paged_attention.py refuses a sliding window on the "
-                "paged cache (it keeps only the window's keys); supported: full-attention layers")
     return None
 
 

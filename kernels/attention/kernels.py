@@ -31,8 +31,8 @@ D in {64, 128, 256}, the last dim contiguous, BF16. Causal, aligned bottom-right
 kv_end - Sq + i (kv_end defaults to Skv), so a KV-cache decode (Sq = 1) and a chunked prefill (Sq new queries
 after a cache) are the same call as a prefill. Sequence b sees keys [kv_start[b], kv_end[b]); keys before
 kv_start (left padding) and after the query's own position are not visible. Packed sequences
-(``attention_varlen``) are the same kernels with per-sequence offsets (kv_start 0, kv_end the sequence's
-key count).
+(``attention_varlen``) are the same kernels with per-sequence offsets (kv_start 0, or the sequence's own anchor
+under a window; kv_end the sequence's key count).
 
 Head dims narrower than the tile (forward only): q and k of head dim DIM_QK, v and o of head dim DIM_V, both <=
 HEAD_DIM (MLA: DeepSeek-V3's 192 and 128 on the 256 tiles; Phi-3-mini's 96 on the 128 tiles). The forward loads
@@ -134,13 +134,18 @@ def _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k, window,
     Padded layout: kv_start_ptr / kv_end_ptr are the int32 [B] bounds (or unused); varlen: they are cu_seqlens_q
     and cu_seqlens_k (checked on the host). ``bad``: bounds that do not make sense (outputs NaN, no keys read).
     WINDOWED: k_first may be negative (a sliding-window cache dropped the sequence's first keys; the key tiles stay
-    anchored at the sequence's first key) as long as no query's window reaches a dropped key."""
+    anchored at the sequence's first key) as long as no query's window reaches a dropped key. Varlen with
+    HAS_KV_START (anchored packed sequences, launch.py): sequence b's kv_start sits at cu_seqlens_k[-1 - b], the
+    anchors stored just before cu_seqlens_k in reverse order (no extra pointer); checked on the host."""
     if VARLEN:
         q_begin = tl.load(kv_start_ptr + b)
         q_len = tl.load(kv_start_ptr + b + 1) - q_begin
         k_begin = tl.load(kv_end_ptr + b)
         k_end = tl.load(kv_end_ptr + b + 1) - k_begin
-        k_first = 0
+        if HAS_KV_START:
+            k_first = tl.load(kv_end_ptr - 1 - b)
+        else:
+            k_first = 0
         bad = False
     else:
         q_begin = 0

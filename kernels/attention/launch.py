@@ -25,7 +25,8 @@ from detkit.kernels.backend import CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRET
 @dataclass(frozen=True)
 class Sequences:
     """How the rows of q and k form sequences. Padded: q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D] and per-sequence
-    bounds kv_start / kv_end (int32 [B] or None). Varlen: q [Tq, Hq, D], k/v [Tk, Hkv, D] and cu_seqlens."""
+    bounds kv_start / kv_end (int32 [B] or None). Varlen: q [Tq, Hq, D], k/v [Tk, Hkv, D] and cu_seqlens; ``anchored``
+    (varlen, windowed): bound1 is a view of ``anchored_cu_seqlens_k`` (each sequence's kv_start stored before it)."""
     varlen: bool
     batch: int
     seq_q: int  # Sq, or max_seqlen_q
@@ -37,6 +38,7 @@ class Sequences:
     # block_table[b, n // page_size] (int32 [B, max_pages]), at row n % page_size.
     block_table: torch.Tensor | None = None
     page_size: int = 0
+    anchored: bool = False
 
     @property
     def paged(self) -> bool:
@@ -199,6 +201,38 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     return cu_seqlens_q.numel() - 1, heads_q, heads_kv, head_dim
 
 
+def anchored_cu_seqlens_k(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, kv_start, window: int | None
+                          ) -> torch.Tensor:
+    """Packed sequences whose first keys a sliding-window cache dropped (checked cu_seqlens): ``kv_start`` (int32 [n],
+    each <= 0: sequence n's first key lies -kv_start[n] keys before its first row of k) checked on the host (one
+    sync), and the buffer the kernels read it from: [kv_start reversed, cu_seqlens_k], returned as the view at
+    cu_seqlens_k (the kernels read sequence b's anchor at cu_seqlens_k[-1 - b]: no extra kernel argument). A
+    negative kv_start needs a window that reaches no dropped key: the sequence's first query sees keys from
+    k_len - q_len - window + 1 on, which must be >= 0 (its first row)."""
+    n = cu_seqlens_k.numel() - 1
+    if not isinstance(kv_start, torch.Tensor):
+        raise TypeError(f"kv_start must be a torch.Tensor or None; got {type(kv_start).__name__}")
+    if (kv_start.dtype != torch.int32 or tuple(kv_start.shape) != (n,) or kv_start.device != cu_seqlens_k.device
+            or not kv_start.is_contiguous()):
+        raise ValueError(f"kv_start must be a contiguous int32 tensor of shape ({n},) (one per sequence) on "
+                         f"{cu_seqlens_k.device}; got {kv_start.dtype} {tuple(kv_start.shape)} on {kv_start.device}")
+    if window is None:
+        raise ValueError("kv_start needs a window: without one every query sees its sequence's first key, which "
+                         "must then be in k; supported: kv_start with window=, or kv_start None")
+    values = torch.cat([kv_start, cu_seqlens_q, cu_seqlens_k]).tolist()
+    starts, cu_q, cu_k = values[:n], values[n:2 * n + 1], values[2 * n + 1:]
+    for b, start in enumerate(starts):
+        q_len, k_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if start > 0 or start < -2**30:
+            raise ValueError(f"kv_start[{b}] = {start} is not supported; supported: an int in [-2**30, 0] (the first "
+                             "key lies -kv_start keys before the sequence's first row of k)")
+        if start < 0 and q_len and k_len - q_len - window + 1 < 0:
+            raise ValueError(f"kv_start[{b}] = {start}: sequence {b}'s first query (key position {k_len - q_len} of "
+                             f"its {k_len} keys) sees {window - 1} keys before it, past its first row, into the "
+                             f"dropped keys; supported: k_len - q_len >= window - 1 ({window - 1}) where kv_start < 0")
+    return torch.cat([kv_start.flip(0), cu_seqlens_k])[n:]
+
+
 def _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int | None,
                    device: torch.device) -> list[int]:
     """Check the cumulative lengths on the host (one sync): they start at 0, never decrease and end at the packed
@@ -313,7 +347,7 @@ def _lse_strides(seqs: Sequences, heads_q: int, rows: int) -> tuple[int, int]:
 
 
 def _flags(seqs: Sequences, interpreted: bool) -> dict:
-    return {"VARLEN": seqs.varlen, "HAS_KV_START": seqs.bound0 is not None and not seqs.varlen,
+    return {"VARLEN": seqs.varlen, "HAS_KV_START": (seqs.bound0 is not None and not seqs.varlen) or seqs.anchored,
             "HAS_KV_END": seqs.bound1 is not None and not seqs.varlen, "INTERPRETED": interpreted,
             "WINDOWED": seqs.window is not None}
 
@@ -572,16 +606,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, scale: float | None = None,
-                     window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                     configs: AttnConfigs | None = None) -> torch.Tensor:
+                     window: int | None = None, kv_start: torch.Tensor | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None, configs: AttnConfigs | None = None) -> torch.Tensor:
     """Packed sequences: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] -> [Tq, Hq, Dv]; sequence n is rows
     cu_seqlens_q[n]..cu_seqlens_q[n+1] of q and cu_seqlens_k[n]..cu_seqlens_k[n+1] of k, its queries the last of its
     keys (causal, bottom-right). The same bits per token as the padded layout. cu_seqlens are read on the host
-    (checked; one sync). ``window`` as for ``attention``, per sequence; ``softcap``, ``sinks`` and Dv as for
-    ``attention``."""
+    (checked; one sync). ``window`` as for ``attention``, per sequence; with it ``kv_start`` (int32 [n], each <= 0,
+    or None) as the padded layout's negative kv_start: sequence n's first key lies -kv_start[n] keys before its first
+    row of k (dropped by a sliding-window cache; its key tiles and splits stay anchored there, so its bits equal the
+    padded layout's over the whole sequence), allowed where no query's window reaches a dropped key (checked on the
+    host: ``anchored_cu_seqlens_k``). ``softcap``, ``sinks`` and Dv as for ``attention``."""
     n, heads_q, _, head_dim = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_sinks(sinks, heads_q, q.device)
-    seqs = Sequences(True, n, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, _window_of(window))
+    window = _window_of(window)
+    anchored = kv_start is not None
+    if anchored:
+        cu_seqlens_k = anchored_cu_seqlens_k(cu_seqlens_q, cu_seqlens_k, kv_start, window)
+    seqs = Sequences(True, n, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, window, anchored=anchored)
     return _run(q, k, v, seqs, _scale_of(scale, head_dim), configs, Logits(_softcap_of(softcap), sinks))
 
 

@@ -189,9 +189,10 @@ def attention_split_ref(q, k, v, *, split_n: int, block_n: int, scale=None, kv_s
 
 
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
-                         scale: float | None = None, window: int | None = None, softcap: float | None = None,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """``attention_varlen`` in pure torch, one sequence at a time: [Tq, Hq, Dv] BF16."""
+                         scale: float | None = None, window: int | None = None, kv_start: torch.Tensor | None = None,
+                         softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``attention_varlen`` in pure torch, one sequence at a time (``kv_start`` [n], as ``attention_ref``'s for each):
+    [Tq, Hq, Dv] BF16."""
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for n in range(len(cq) - 1):
@@ -202,8 +203,9 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
         if ks.shape[2] == 0:
             out[cq[n]:cq[n + 1]] = 0
             continue
-        out[cq[n]:cq[n + 1]] = attention_ref(qs, ks, vs, scale=scale, window=window, softcap=softcap,
-                                             sinks=sinks)[0].transpose(0, 1)
+        start = None if kv_start is None else kv_start[n:n + 1]
+        out[cq[n]:cq[n + 1]] = attention_ref(qs, ks, vs, scale=scale, kv_start=start, window=window,
+                                             softcap=softcap, sinks=sinks)[0].transpose(0, 1)
     return out
 
 
