@@ -27,6 +27,9 @@ from pathlib import Path
 
 import pytest
 
+from detkit.kernels.attention import HEAD_DIMS
+from tests.test_attention_audit import EXPECTED_CHECKS as ATTENTION_CHECKS
+from tests.test_audits import EXPECTED_CHECKS as GEMM_CHECKS
 from tests.test_container_static import _compose_binary, compose_fails_on_invalid_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -220,6 +223,14 @@ def readme_run(engine) -> ReadmeRun:
     return ReadmeRun(proc, steps)
 
 
+def engine_can_run_here() -> bool:
+    """Whether this host can run the Docker engine the README's main job needs (root, the Compose v2 binary): the
+    conditions the ``engine`` fixture checks before starting it. Where it can, the main job's ``--suite all`` is the
+    interpreter run of the gemm and attention suites (their check sets are asserted below), and their own
+    end-to-end tests skip saying so."""
+    return os.geteuid() == 0 and _compose_binary() is not None
+
+
 def _report(engine: Engine, pattern: str = "host-audit-*/cpu/report.json") -> dict:
     [path] = engine.results.glob(pattern)
     return json.loads(path.read_text())
@@ -239,6 +250,15 @@ def test_the_readme_main_job_passes_end_to_end_with_the_default_suite(engine, re
     assert {r["suite"] for r in rows} == EVERY_PLUGIN  # the model audit ran (the image has the models extra)
     assert meta["rank_runs"][0]["ranks"] == 4 and meta["rank_runs"][0]["status"] == "PASSED"
     assert meta["backend"] == "triton_interpreter" and meta["hardware_result"] is False
+    # The gemm and attention suites' end-to-end checks (their standalone tests skip where this test runs).
+    assert {(r["suite"], r["check"]) for r in rows if r["suite"].startswith("gemm")} == GEMM_CHECKS
+    attention = [r for r in rows if r["suite"] == "attention"]
+    assert {r["check"] for r in attention} == ATTENTION_CHECKS
+    bounds = [r for r in attention if r["check"] == "bound"]
+    assert {r["details"]["tensor"] for r in bounds} == {"o", "dq", "dk", "dv"} and len(bounds) == 4 * len(HEAD_DIMS)
+    assert all(0 < r["details"]["worst_ratio"] <= 1 for r in bounds)
+    assert {r["details"]["tensor"] for r in attention if r["check"] == "variant_bound"} == {"o", "dq", "dk", "dv",
+                                                                                           "dsinks"}
     container = meta["env"]["container"]
     assert container["image"] == IMAGE and container["in_container"] is True
     assert container["relaxed_checks"] == ["ALLOW_CPU_BASE", "ALLOW_UNPINNED_BASE"]

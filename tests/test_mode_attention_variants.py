@@ -90,27 +90,13 @@ def _gemma2(device):
                                                              attn_implementation="detkit").eval()
 
 
-def _gpt_oss(device):
-    config = transformers.GptOssConfig(**dict(TINY, intermediate_size=128), num_hidden_layers=2, sliding_window=4,
-                                       num_local_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
-                                                              attn_implementation="detkit").eval()
-    with torch.no_grad():  # sinks large enough to matter at these logits
-        for layer in model.model.layers:
-            layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, layer.self_attn.sinks.numel()))
-    return model
-
-
-@pytest.mark.parametrize("build", [_gemma2, _gpt_oss], ids=["gemma2-softcap-sliding", "gpt-oss-sinks-sliding"])
-def test_detkit_attention_implementation_for_models_without_sdpa(build, device):
-    """Gemma-2 (softcap, sliding and global layers) and gpt-oss (sinks, sliding and global layers) do not support
-    transformers' sdpa: they run on attn_implementation="detkit", every attention call on the kernel, and the
-    rollout gives the trainer's logits bit for bit. Other ops these models use and the mode does not route yet
-    (counted, never silent) are outside this test; the bits are compared end to end all the same."""
+def test_detkit_attention_implementation_for_models_without_sdpa(device):
+    """Gemma-2 (softcap, sliding and global layers) does not support transformers' sdpa: it runs on
+    attn_implementation="detkit", every attention call on the kernel, and the rollout gives the trainer's logits bit
+    for bit. (gpt-oss, the other such model, runs every check of the family matrix in tests/test_model_families.py;
+    its sinks against its own eager attention are the next test's.)"""
     mode_attention.register_transformers_attention()
-    model = build(device)
+    model = _gemma2(device)
     detkit.reset_mode_counters()
     with detkit.batch_invariant_mode():
         rollout, trainer = _rollout_vs_trainer(model, device)
