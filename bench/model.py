@@ -21,8 +21,8 @@ Cases, one row each, named ``speed <case> detkit / default``:
   ``moe_block_decode``, ``moe_block_forward_backward``.
 
 Default mode's attention is the fastest a user would otherwise run: flash SDPA (memory-efficient SDPA where flash
-cannot take the call) for "sdpa" models,
-transformers' eager attention for models without an SDPA path (``BASELINE_ATTENTION``; each row says which).
+cannot take the call) for "sdpa" models, transformers' eager attention for models without an SDPA path
+(``BASELINE_ATTENTION``; each row says which).
 
 Timing (toolkit.timing): per case, the default-mode and the detkit-mode calls interleaved over ``--rounds`` rounds
 (default 2), each mode entered around its own calls, warm-up excluded. The eager cases by ``time_back_to_back``
@@ -51,7 +51,7 @@ from detkit.toolkit.models import MODEL_PRESETS, MODES
 
 NAME = "model"
 DESCRIPTION = ("transformers model speed, detkit mode / default mode: prefill, decode step (eager, CUDA graph), "
-               "forward+backward; a MoE model's block vs transformers' own")
+               "forward+backward, generate(); a Qwen3-MoE model's block vs transformers' own")
 RANKS = "single"
 OPTIONS = (
     click.option("--layers", type=int, default=None,
@@ -379,7 +379,7 @@ def merge_speed_reports(out_dir, parts) -> None:
 
     from detkit.toolkit.records import atomic_write_text
 
-    lines, table, failures = [], [], []
+    table, failures = [], []
     for part in map(Path, parts):
         path = part / "report.json"
         if not path.is_file():
@@ -395,7 +395,7 @@ def merge_speed_reports(out_dir, parts) -> None:
             verdict = "" if r.get("meets_target") is None else (" ok" if r["meets_target"] else " MISS")
             line[r["case"]] = f"{r['ratio']:.3f}{verdict}"
         table.append(line)
-    lines += ["# Model speed: detkit mode / default mode (median ratio; ok / MISS against the case's target)", "",
+    lines = ["# Model speed: detkit mode / default mode (median ratio; ok / MISS against the case's target)", "",
               f"- targets: {TARGETS}", "", tabulate(table, headers="keys", tablefmt="github"), "",
               "## Failed rows", "", *(failures or ["- none"])]
     out_dir = Path(out_dir)

@@ -27,8 +27,9 @@ transformers' function, counted. Every other implementation in transformers' Att
 "paged|eager") is wrapped while the mode is entered: its calls are counted as not routed (strict raises).
 
 A call whose value head dim differs from its query/key head dim (DeepSeek-V3's MLA), or whose one head dim lies
-between the kernel's (Phi-3-mini's 96), runs zero-padded on the kernel (``launch.mixed_head_dims``) and is counted
-under its own kernel name (``_kernel``: "detkit.attention (qk head dim 192, v 128: zero-padded)", "detkit.attention
+between the kernel's (Phi-3-mini's 96), runs on the next kernel head dim's tiles, zero-padded in effect (read in
+place by masked loads; on padded copies under autograd: ``launch.mixed_head_dims``) and is counted under its own
+kernel name (``_kernel``: "detkit.attention (qk head dim 192, v 128: zero-padded)", "detkit.attention
 (head dim 96: zero-padded)"), so the counters show which calls paid the padding.
 
 ``register_transformers_attention()`` also registers ``"detkit"`` with transformers'

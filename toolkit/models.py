@@ -264,9 +264,10 @@ def family_of(spec: str) -> str:
 
 
 def with_layers(config, layers: int):
-    """``config`` with ``layers`` decoder layers: a family's layer pattern (``layer_types``: sliding / full
-    attention, and DeepSeek-V3 / GLM-4-MoE's leading dense layers by ``first_k_dense_replace``) repeated, not
-    re-chosen, so 8 layers of a 2-layer preset are its pattern four times."""
+    """``config`` with ``layers`` decoder layers: a family's attention pattern (``layer_types``: sliding / full
+    attention) repeated, not re-chosen, so 8 layers of a 2-layer Gemma preset are its pattern four times; layer
+    choices given by index stay as they are (DeepSeek-V3 / GLM-4-MoE's ``first_k_dense_replace`` leading dense
+    layers, then MoE layers)."""
     if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
         raise ValueError(f"layers {layers!r} is not supported; supported: an int >= 1")
     pattern = getattr(config, "layer_types", None)

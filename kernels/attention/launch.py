@@ -309,9 +309,8 @@ def check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, ma
     lens = _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, None, q.device)
     max_pages = block_table.shape[1]
     pages = [triton.cdiv(n_k, page_size) for n_k in lens]
-    short = [b for b, need in enumerate(pages) if need > max_pages]
-    if short:
-        b = short[0]
+    b = next((b for b, need in enumerate(pages) if need > max_pages), None)
+    if b is not None:
         raise ValueError(f"block_table has {max_pages} pages per sequence; sequence {b} has {lens[b]} keys, needing "
                          f"{pages[b]} pages of {page_size}; supported: a table as wide as the longest sequence's "
                          "pages")
@@ -583,21 +582,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
               kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None, window: int | None = None,
               softcap: float | None = None, sinks: torch.Tensor | None = None,
               configs: AttnConfigs | None = None) -> torch.Tensor:
-    """Causal GQA attention: q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv] (BF16, head dim contiguous)
-    -> [B, Hq, Sq, Dv] (stored [B, Sq, Hq, Dv]). Dv = D runs as it is (D in HEAD_DIMS); another Dv (MLA), or a D
-    between HEAD_DIMS', runs on kernel_head_dim(D, Dv)'s tiles: read in place by masked loads, or under autograd
-    zero-padded (``mixed_head_dims``; the output then a slice of one stored [B, Sq, Hq, kernel_head_dim(D, Dv)]),
-    with the same bits. Query i
-    sits at key position kv_end - Sq + i (kv_end = Skv when None) and sees keys kv_start..its own position (kv_start
-    int32 [B], the first valid key: left padding; None = 0). ``kv_end`` (int32 [B], one past each sequence's last
-    key: a static cache's filled length) is an extension; queries of padded positions give finite values nobody
-    should read. Autograd gives dq, dk, dv (no atomics). ``window``: a sliding window, query at position p sees keys
-    (p - window, p] (positions in key indices, so decode and prefill agree); with it ``kv_start`` may be negative:
-    the sequence's first key lies -kv_start keys before k's first row (dropped by a sliding-window cache; the key
-    tiles stay anchored there), allowed while no query's window reaches a dropped key (NaN outputs otherwise).
-    ``softcap``: logits z = softcap * tanh(z / softcap) (Gemma-2). ``sinks`` ([Hq], BF16 or FP32, gpt-oss's
-    ``s_aux``): a per-head logit joined to each row's softmax denominator (no value); autograd gives its gradient.
-    ``configs``: tiles other than the pinned table's (tests and sweeps)."""
+    """Causal GQA attention: q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv] (BF16, head dim contiguous) ->
+    [B, Hq, Sq, Dv] (stored [B, Sq, Hq, Dv]). Dv = D runs as it is (D in HEAD_DIMS); another Dv (MLA), or a D between
+    HEAD_DIMS', runs on kernel_head_dim(D, Dv)'s tiles: read in place by masked loads, or under autograd zero-padded
+    (``mixed_head_dims``; the output then a slice of one stored [B, Sq, Hq, kernel_head_dim(D, Dv)]), with the same
+    bits. Query i sits at key position kv_end - Sq + i (kv_end = Skv when None) and sees keys kv_start..its own position
+    (kv_start int32 [B], the first valid key: left padding; None = 0). ``kv_end`` (int32 [B], one past each sequence's
+    last key: a static cache's filled length) is an extension; queries of padded positions give finite values nobody
+    should read. Autograd gives dq, dk, dv (no atomics). ``window``: a sliding window, query at position p sees keys (p
+    - window, p] (positions in key indices, so decode and prefill agree); with it ``kv_start`` may be negative: the
+    sequence's first key lies -kv_start keys before k's first row (dropped by a sliding-window cache; the key tiles stay
+    anchored there), allowed while no query's window reaches a dropped key (NaN outputs otherwise). ``softcap``: logits
+    z = softcap * tanh(z / softcap) (Gemma-2). ``sinks`` ([Hq], BF16 or FP32, gpt-oss's ``s_aux``): a per-head logit
+    joined to each row's softmax denominator (no value); autograd gives its gradient. ``configs``: tiles other than the
+    pinned table's (tests and sweeps)."""
     batch, heads_q, _, seq_q, seq_k, head_dim = check_padded(q, k, v, kv_start, kv_end)
     _check_sinks(sinks, heads_q, q.device)
     seqs = Sequences(False, batch, seq_q, seq_k, kv_start, kv_end, _window_of(window))
@@ -630,20 +628,19 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                     scale: float | None = None, window: int | None = None, softcap: float | None = None,
                     sinks: torch.Tensor | None = None, configs: AttnConfigs | None = None) -> torch.Tensor:
-    """Packed queries over a paged KV cache, forward only (inference): q [Tq, Hq, D] as ``attention_varlen``'s
-    (sequence n's queries are rows cu_seqlens_q[n]..cu_seqlens_q[n + 1], the last of its keys); k_cache, v_cache
-    [P, page_size, Hkv, D] page storages (transformers' paged cache and flash's layout; any strides, the same for
-    both, with the head dim contiguous; v_cache's head dim Dv may differ, MLA's, each then with its own strides);
-    block_table int32 [n, max_pages]: sequence n's key j sits in page block_table[n, j // page_size], row
-    j % page_size; it has cu_seqlens_k[n + 1] - cu_seqlens_k[n] keys (cu_seqlens_k counts keys, not storage rows).
-    Table entries past a sequence's pages are never read (transformers pads them with -1). -> [Tq, Hq, Dv]. Head
-    dims the tiles do not have are read in place (masked loads), as ``attention_varlen``'s forward reads them. The
-    bits equal ``attention_varlen``'s on the same keys gathered into a contiguous packing, for any page size and
-    page placement. Checks read cu_seqlens and the block
-    table's needed entries on the host (syncs; refused under CUDA-graph capture): page ids outside [0, P), a table
-    too narrow for a sequence's keys, mismatched page sizes, and everything ``attention_varlen`` checks.
-    ``window``, ``softcap``, ``sinks`` as for ``attention``. No autograd (a paged cache is inference only): inputs
-    that require grad are refused while grad is enabled."""
+    """Packed queries over a paged KV cache, forward only (inference): q [Tq, Hq, D] as ``attention_varlen``'s (sequence
+    n's queries are rows cu_seqlens_q[n]..cu_seqlens_q[n + 1], the last of its keys); k_cache, v_cache [P, page_size,
+    Hkv, D] page storages (transformers' paged cache and flash's layout; any strides, the same for both, with the head
+    dim contiguous; v_cache's head dim Dv may differ, MLA's, each then with its own strides); block_table int32 [n,
+    max_pages]: sequence n's key j sits in page block_table[n, j // page_size], row j % page_size; it has cu_seqlens_k[n
+    + 1] - cu_seqlens_k[n] keys (cu_seqlens_k counts keys, not storage rows). Table entries past a sequence's pages are
+    never read (transformers pads them with -1). -> [Tq, Hq, Dv]. Head dims the tiles do not have are read in place
+    (masked loads), as ``attention_varlen``'s forward reads them. The bits equal ``attention_varlen``'s on the same keys
+    gathered into a contiguous packing, for any page size and page placement. Checks read cu_seqlens and the block
+    table's needed entries on the host (syncs; refused under CUDA-graph capture): page ids outside [0, P), a table too
+    narrow for a sequence's keys, mismatched page sizes, and everything ``attention_varlen`` checks. ``window``,
+    ``softcap``, ``sinks`` as for ``attention``. No autograd (a paged cache is inference only): inputs that require grad
+    are refused while grad is enabled."""
     _check_tensor("q", q, 3)
     _check_sinks(sinks, q.shape[1], q.device)
     logits, scale = Logits(_softcap_of(softcap), sinks), _scale_of(scale, q.shape[-1])

@@ -37,7 +37,6 @@ if [[ -n "${DRY_RUN:-}" ]]; then
 fi
 
 begin_run
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
 names=()
 for run in "${runs[@]}"; do
   IFS=: read -r name preset layers <<< "$run"

@@ -8,7 +8,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 # shellcheck source=tools/gpu_steps.sh
 source tools/gpu_steps.sh
 begin_run
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
 step tests 170 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -ra -p no:cacheprovider tests/test_attention_mla.py \
   tests/test_attention_paged.py -k "not offline"
 step paged-bench 100 python -m detkit bench attention --device cuda --modes paged_decode --out "$OUT/paged-bench"

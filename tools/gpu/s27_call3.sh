@@ -8,7 +8,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 # shellcheck source=tools/gpu_steps.sh
 source tools/gpu_steps.sh
 begin_run
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
 step paged-bench 100 python -m detkit bench attention --device cuda --modes paged_decode --out "$OUT/paged-bench"
 step deepseek-matrix 110 env DETKIT_MODEL_CONFIG=deepseek-v3 python -m detkit audit --device cuda --suite model \
   --out "$OUT/deepseek-matrix"

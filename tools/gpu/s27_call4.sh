@@ -8,7 +8,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 # shellcheck source=tools/gpu_steps.sh
 source tools/gpu_steps.sh
 begin_run
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
 step speed 330 env OUT="$OUT/speed" ARCHIVE="$OUT/speed.tgz" LAYERS=2 RUN_LIMIT=70 \
   FAMILIES="mistral gemma3 deepseek-v3 qwen3 llama3 gpt-oss qwen3-moe mixtral gemma2 glm4-moe qwen2.5 phi3 olmo2" \
   bash tools/gpu/model_speed.sh
