@@ -700,6 +700,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.tiny and not torch.cuda.is_available():
             parser.error("warm compiles for the GPU and torch sees no CUDA GPU (--tiny: the interpreter's plumbing)")
         return warm(args.head_dims, args.workers, args.tiny)
+    if min(args.rounds, args.replays) < 1 or args.finalists < 0 or (args.limit is not None and args.limit < 1):
+        parser.error(f"--rounds and --replays must be >= 1, --finalists >= 0, --limit >= 1; got {args.rounds}, "
+                     f"{args.replays}, {args.finalists}, {args.limit}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA GPU; use --device cpu --tiny (interpreter, not hardware)")
     if args.device == "cpu" and not args.tiny:
@@ -708,9 +711,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cpu needs TRITON_INTERPRET=1 (the kernels run in the Triton interpreter)")
     if args.tiny and args.device == "cuda":
         parser.error("--tiny runs the interpreter's tiles: only with --device cpu")
-    if min(args.rounds, args.replays) < 1 or args.finalists < 0 or (args.limit is not None and args.limit < 1):
-        parser.error(f"--rounds and --replays must be >= 1, --finalists >= 0, --limit >= 1; got {args.rounds}, "
-                     f"{args.replays}, {args.finalists}, {args.limit}")
     doc = sweep(args.head_dims, torch.device(args.device), args.tiny, args.out, args.rounds, args.replays,
                 args.budget_s, args.finalists, args.limit)
     print((args.out / "decode_sweep.md").read_text())
