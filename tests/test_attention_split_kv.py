@@ -101,7 +101,6 @@ def test_decode_prefill_chunked_give_the_same_bits_on_both_paths_across_splits(v
     q, k, v = _qkv(2, 4, 2, seq, seq, 64, 7, device, q_scale=2.0)
     kw = _variant(variant, device)
     paths = _paths(device)
-    paths.update(_grouping_extremes(paths))
     kv_start = _i32([0, 5], device)  # sequence 1's splits start at key 5: they straddle sequence 0's
     prefill = attention(q, k, v, kv_start=kv_start, configs=paths["one_pass"], **kw)
     _bits(attention(q, k, v, kv_start=kv_start, configs=paths["split_grid"], **kw), prefill, "prefill, split grid")
@@ -119,6 +118,13 @@ def test_decode_prefill_chunked_give_the_same_bits_on_both_paths_across_splits(v
         _bits(attention(q[1:], k[1:], v[1:], kv_start=kv_start[1:], configs=cfg, **kw), prefill[1:], f"{name} alone")
         _bits(attention(q.flip(0), k.flip(0), v.flip(0), kv_start=kv_start.flip(0), configs=cfg, **kw),
               prefill.flip(0), f"{name} reversed batch")
+    # The split grid's grouping extremes (a speed choice): decode steps at and across split edges, and a chunk.
+    for name, cfg in _grouping_extremes(paths).items():
+        for i in (31, 37, 69):
+            step = attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], kv_start=kv_start, configs=cfg, **kw)
+            _bits(step, prefill[:, :, i:i + 1], f"{name} decode {i}")
+        _bits(attention(q[:, :, 33:], k, v, kv_start=kv_start, configs=cfg, **kw), prefill[:, :, 33:],
+              f"{name} a 37-query chunk")
 
 
 def test_padding_static_cache_and_packing_give_the_same_bits_on_both_paths(device):
