@@ -5,6 +5,7 @@ paths. The GPU run is tools/gpu/attention_decode_sweep.sh."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import replace
@@ -37,8 +38,8 @@ def test_tiny_sweep_writes_every_candidates_cases_bits_and_report(cpu_only, tmp_
     assert doc["meta"]["backend"] == "triton_interpreter" and "NOT a hardware result" in doc["meta"]["label"]
     assert doc["meta"]["candidates"] == doc["meta"]["candidates_timed"] == 2 and doc["meta"]["stopped"] is None
     pinned, other = doc["candidates"]
-    assert pinned["pinned"] and pinned["candidate"] == "BM16_BN16_w4_s1 split32 heads<0 grid<8"
-    assert other["candidate"] == "BM16_BN16_w4_s1 split16 heads<0 grid<8" and not other["pinned"]
+    assert pinned["pinned"] and pinned["candidate"] == "BM16_BN16_w4_s1 split32 heads<0 grid<8 programs~2"
+    assert other["candidate"] == "BM16_BN16_w4_s1 split16 heads<0 grid<8 programs~2" and not other["pinned"]
     labels = [c.label for c in ds.cases(ds.TINY_SHAPES, 64)]
     assert labels == ["decode B1 K24", "decode B2 K40", "prefill B1 S24", "paged B2 K40"]
     info = doc["meta"]["cases"]["64"]
@@ -142,13 +143,15 @@ def test_gpu_grid_candidates_and_warm_paths():
     assert grid.split_heads_below == (0, 264) and grid.split_grid_below == (pinned.split_grid_below, 528)
     cands = ds.candidates(128, "cuda_sm90", grid, spread=True)
     assert cands != ds.candidates(128, "cuda_sm90", grid) and cands == ds.candidates(128, "cuda_sm90", grid, True)
-    # 3 splits x 2 BLOCK_M x 2 BLOCK_N x 2 warp counts x 3 stage counts x 2 x 2 thresholds; the pinned entry is one.
-    assert len(cands) == 288 and len({c.label for c in cands}) == 288
+    # 3 splits x 2 BLOCK_M x 2 BLOCK_N x 2 warp counts x 3 stage counts x 2 x 2 thresholds; the pinned entry is one;
+    # then the pinned entry with one split a program, second.
+    assert len(cands) == 289 and len({c.label for c in cands}) == 289
     assert cands[0].pinned and cands[0].configs == pinned and not any(c.pinned for c in cands[1:])
+    assert cands[1].configs == dataclasses.replace(pinned, split_grid_programs=0)
     assert all(c.configs.dkdv == pinned.dkdv and c.configs.dq == pinned.dq for c in cands)
     assert {(c.configs.fwd.block_m, c.configs.split_n) for c in cands} == {(m, s) for m in (64, 128)
                                                                             for s in (512, 1024, 2048)}
-    assert len(ds.candidates(256, "cuda_sm90", ds.gpu_grid(256, 132, select_configs("cuda_sm90", 256)))) == 144
+    assert len(ds.candidates(256, "cuda_sm90", ds.gpu_grid(256, 132, select_configs("cuda_sm90", 256)))) == 145
     jobs = ds.warm_jobs([128], sms=132)
     tiles = {(cands[i].configs.fwd, cands[i].configs.split_n) for _, i, _ in jobs if i >= 0}
     assert len(tiles) == 72 and len(jobs) == 72 * len(ds.WARM_PATHS) + 1 and jobs[-1] == (128, -1, "fwd_bwd")

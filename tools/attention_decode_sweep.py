@@ -116,6 +116,8 @@ class Grid:
     num_stages: tuple[int, ...]
     split_heads_below: tuple[int, ...]
     split_grid_below: tuple[int, ...]
+    # Time the pinned entry with one split a program beside it (where the table groups the split grid's splits).
+    ungrouped: bool = False
 
 
 def gpu_grid(head_dim: int, sms: int, pinned: AttnConfigs) -> Grid:
@@ -128,7 +130,7 @@ def gpu_grid(head_dim: int, sms: int, pinned: AttnConfigs) -> Grid:
     grid_below = tuple(dict.fromkeys((pinned.split_grid_below, 4 * sms)))  # one value where they agree
     return Grid(split_n=(512, 1024, 2048), block_m=(64, 128) if wide else (64,),
                 block_n=(64, 128) if wide else (32, 64), num_warps=(4, 8), num_stages=(2, 3, 4),
-                split_heads_below=(0, 2 * sms), split_grid_below=grid_below)
+                split_heads_below=(0, 2 * sms), split_grid_below=grid_below, ungrouped=True)
 
 
 def tiny_grid(pinned: AttnConfigs) -> Grid:
@@ -147,19 +149,22 @@ class Candidate:
     @property
     def label(self) -> str:
         c = self.configs
-        return f"{c.fwd.label()} split{c.split_n} heads<{c.split_heads_below} grid<{c.split_grid_below}"
+        group = f" programs~{c.split_grid_programs}" if c.split_grid_programs else ""
+        return f"{c.fwd.label()} split{c.split_n} heads<{c.split_heads_below} grid<{c.split_grid_below}{group}"
 
     def as_row(self) -> dict:
         c = self.configs
         return {"head_dim": self.head_dim, "candidate": self.label, "pinned": self.pinned, "fwd": asdict(c.fwd),
                 "split_n": c.split_n, "split_heads_below": c.split_heads_below,
-                "split_grid_below": c.split_grid_below, "eager_split_grid_min_keys": c.eager_split_grid_min_keys}
+                "split_grid_below": c.split_grid_below, "split_grid_programs": c.split_grid_programs,
+                "eager_split_grid_min_keys": c.eager_split_grid_min_keys}
 
 
 def candidates(head_dim: int, backend: str, grid: Grid, spread: bool = False) -> list[Candidate]:
-    """The pinned entry, then every combination of ``grid`` (the pinned one once) with the pinned backward tiles: in
-    the grid's order, or (``spread``) in a fixed pseudo-random order, so that a sweep its budget stops has sampled
-    the whole grid rather than its first split size."""
+    """The pinned entry, the pinned entry with one split a program (``grid.ungrouped``, where the table groups
+    splits: the grouping's effect measured first), then every combination of ``grid`` (the pinned one once) with the pinned backward tiles
+    and grouping: in the grid's order, or (``spread``) in a fixed pseudo-random order, so that a sweep its budget
+    stops has sampled the whole grid rather than its first split size."""
     from detkit.kernels.attention import AttnConfig
     from detkit.kernels.attention.configs import select_configs
 
@@ -174,7 +179,9 @@ def candidates(head_dim: int, backend: str, grid: Grid, spread: bool = False) ->
             rest.append(Candidate(head_dim, cfg))
     if spread:
         random.Random(0).shuffle(rest)
-    return [Candidate(head_dim, pinned, pinned=True), *rest]
+    ungrouped = ([Candidate(head_dim, replace(pinned, split_grid_programs=0))]
+                 if grid.ungrouped and pinned.split_grid_programs else [])
+    return [Candidate(head_dim, pinned, pinned=True), *ungrouped, *rest]
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@
 # Everything lands in $OUT (versions.txt, steps.txt, <step>.log, decode_sweep.json, decode_sweep.md) and $OUT.tgz
 # after every step. Each step has its own limit; the run goes on after a failed step and exits non-zero if any failed.
 # Usage: OUT=<dir> bash tools/gpu/attention_decode_sweep.sh [warm|sweep|all]...   DRY_RUN=1 prints the plan.
-# HEAD_DIMS (default 128) picks the head dims. 64 has as many candidates and warm launches as 128 (288 and 433), 256
-# half as many (144 and 217): run each as a call of its own (HEAD_DIMS=64 or HEAD_DIMS=256).
+# HEAD_DIMS (default 128) picks the head dims. 64 has as many candidates and warm launches as 128 (289 and 433), 256
+# about half as many (145 and 217): run each as a call of its own (HEAD_DIMS=64 or HEAD_DIMS=256).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the results folder}"
