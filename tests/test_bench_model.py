@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import click
 import pytest
@@ -292,3 +296,21 @@ def test_default_mode_runs_the_baseline_attention(device):
                                          "supported: sdpa, detkit$"):
         with bench.baseline_attention(gemma):
             pass
+
+
+def test_the_speed_script_passes_its_decode_points_to_each_run(tmp_path):
+    """tools/gpu/model_speed.sh's dry run: DECODE_AT's points as --decode-at flags on every model's command, none
+    without it."""
+    script = Path(__file__).resolve().parents[1] / "tools" / "gpu" / "model_speed.sh"
+    env = dict(os.environ, OUT=str(tmp_path), DRY_RUN="1", FAMILIES="qwen3", LAYERS="2 4",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+    def dry_run(**extra) -> list[str]:
+        done = subprocess.run(["bash", str(script)], env={**env, **extra}, capture_output=True, text=True, check=True)
+        return done.stdout.splitlines()
+
+    assert dry_run(DECODE_AT="1x32768 8x32768") == [
+        f"python -m detkit bench model --device cuda --preset qwen3-8b --layers {n} --decode-at 1x32768 --decode-at "
+        f"8x32768 --out {tmp_path}/qwen3-L{n}" for n in (2, 4)]
+    assert dry_run() == [f"python -m detkit bench model --device cuda --preset qwen3-8b --layers {n} --out "
+                         f"{tmp_path}/qwen3-L{n}" for n in (2, 4)]
