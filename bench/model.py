@@ -8,8 +8,8 @@ interpreter; random init unless a checkpoint has weights. ``DETKIT_MODEL_MOE_EXP
 
 Cases, one row each, named ``speed <case> detkit / default``:
 - ``prefill``: an inference forward of ``plan.prefill`` (batch, tokens), no cache;
-- ``decode_eager``: one decode step (a token per sequence) on a DynamicCache prefilled in that mode with
-  ``plan.decode`` (batch, cache length) tokens; every call appends a token;
+- ``decode_eager``: one decode step (a token per sequence) on a DynamicCache holding ``plan.decode`` (batch, cache
+  length) positions per sequence (``ModelBench.filled_cache``); every call appends a token;
 - ``decode_cuda_graph``: the same step on caches of its own, captured in a CUDA graph and replayed (a replay
   recomputes the captured step). On the CPU there are no graphs: eager wall time, and a step that reads device data
   on the host, which a capture refuses, is refused so;
@@ -19,6 +19,12 @@ Cases, one row each, named ``speed <case> detkit / default``:
 - a Qwen3-MoE model also times its first MoE block alone, detkit's layer vs transformers' own block (the experts
   implementation the model was built with), at the token counts of the three cases: ``moe_block_prefill``,
   ``moe_block_decode``, ``moe_block_forward_backward``.
+
+``--decode-at BxL`` (repeatable) times the two decode cases at each (batch B, cache length L) given instead of
+``plan.decode``, each point its own rows: named ``speed <case> BxL detkit / default``, except a point equal to
+``plan.decode``, whose rows keep the plain names that tools/claims.py reads; ``batch`` and ``cache_len`` say the point.
+A point is refused before any model is built unless B >= 1, L >= 1 and L plus the steps a case takes on one cache
+(``decode_calls``) stays within the model's ``max_position_embeddings``.
 
 Default mode's attention is the fastest a user would otherwise run: flash SDPA (memory-efficient SDPA where flash
 cannot take the call) for "sdpa" models, transformers' eager attention for models without an SDPA path
@@ -39,6 +45,8 @@ counters over the case: then the time is not detkit's).
 from __future__ import annotations
 
 import contextlib
+import gc
+import re
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -57,9 +65,13 @@ OPTIONS = (
     click.option("--layers", type=int, default=None,
                  help="Decoder layers of a random-init model (the preset's layer pattern repeated; default: the "
                       "preset's, 2 at real widths)."),
+    click.option("--decode-at", "decode_at", multiple=True, metavar="BxL",
+                 help="Time the decode cases at batch B on a cache of L tokens, e.g. 8x32768; repeatable, each point "
+                      "its own rows (default: the plan's one point, 8x1024 on cuda)."),
 )
 PRESETS = tuple(MODEL_PRESETS)
 MODEL_CASES = ("prefill", "decode_eager", "decode_cuda_graph", "forward_backward", "generate")
+DECODE_CASES = ("decode_eager", "decode_cuda_graph")  # timed at each --decode-at point
 BLOCK_CASES = ("moe_block_prefill", "moe_block_decode", "moe_block_forward_backward")
 # Speed targets (detkit time / default time) of the model cases; the block cases compare with transformers' block
 # and carry none.
@@ -88,8 +100,21 @@ CPU_PLAN = SpeedPlan(prefill=(2, 8), decode=(2, 8), train=(2, 8), reps=1, train_
                      generate=(2, 4, 2))
 
 
-def row_name(case: str) -> str:
-    return f"speed {case} detkit / default"
+def row_name(label: str) -> str:
+    """A row's name from its label: the case, and for a decode point other than the plan's, the point."""
+    return f"speed {label} detkit / default"
+
+
+def label_of(row: dict) -> str:
+    """The label in a row's name (``row_name``): its case, with the decode point where the name carries one."""
+    return row["name"].removeprefix("speed ").removesuffix(" detkit / default")
+
+
+def case_label(case: str, point: tuple[int, int] | None, plan: SpeedPlan) -> str:
+    """``case`` itself at the plan's decode point (the row names the claims read), else ``<case> BxL``."""
+    if point is None or point == plan.decode:
+        return case
+    return f"{case} {point[0]}x{point[1]}"
 
 
 def plan_of(ctx) -> SpeedPlan:
@@ -101,6 +126,44 @@ def default_rounds(interpreted: bool) -> int:
     return 1 if interpreted else DEFAULT_ROUNDS
 
 
+def rounds_of(ctx) -> int:
+    return ctx.rounds or default_rounds(ctx.interpreted)
+
+
+def decode_calls(plan: SpeedPlan, rounds: int) -> int:
+    """Decode steps a case runs on one cache, each appending a token: the eager case's warm-up call and its samples
+    (the captured case runs fewer: a warm-up call and the capture on CUDA, a call a round on the CPU)."""
+    return 1 + rounds * plan.reps
+
+
+def decode_points(decode_at: tuple[str, ...], plan: SpeedPlan) -> list[tuple[int, int]]:
+    """The (batch, cache length) points of the decode cases: ``--decode-at``'s in order, else ``plan.decode``. A
+    value that is not BxL with B, L >= 1, or a point given twice (two rows of one name), is refused by name."""
+    if not decode_at:
+        return [plan.decode]
+    points: list[tuple[int, int]] = []
+    for text in decode_at:
+        match = re.fullmatch(r"([0-9]+)x([0-9]+)", text)
+        if match is None or int(match[1]) < 1 or int(match[2]) < 1:
+            raise ValueError(f"--decode-at {text!r} is not supported; supported: BxL, batch B >= 1 and cache length "
+                             f"L >= 1, e.g. 8x32768")
+        point = (int(match[1]), int(match[2]))
+        if point in points:
+            raise ValueError(f"--decode-at {text} is given twice; supported: each point once")
+        points.append(point)
+    return points
+
+
+def check_positions(points: list[tuple[int, int]], calls: int, max_positions: int | None) -> None:
+    """Refuse a point whose cache and the ``calls`` steps appended to it pass the model's max_position_embeddings
+    (a model config without one sets no bound)."""
+    for batch, length in points:
+        if max_positions is not None and length + calls > max_positions:
+            raise ValueError(f"--decode-at {batch}x{length}: a {length}-token cache and the {calls} decode steps "
+                             f"timed on it pass the model's max_position_embeddings {max_positions}; supported: "
+                             f"L <= {max_positions - calls}")
+
+
 def _spec(ctx) -> str | None:
     """The model --preset names (at most one), else None: DETKIT_MODEL_CONFIG or the device's default."""
     if len(ctx.presets) > 1:
@@ -108,20 +171,26 @@ def _spec(ctx) -> str | None:
     return ctx.presets[0] if ctx.presets else None
 
 
-def cases(ctx, layers: int | None = None, **_) -> list[str]:
-    """The model cases, and the block cases when the model's config has experts; the model's source and the mode's
-    choices are checked here, before any work (the config is read, no model built)."""
+def cases(ctx, layers: int | None = None, decode_at: tuple[str, ...] = (), **_) -> list[str]:
+    """The labels of the rows to measure (``case_label``): the model cases, the decode cases once per decode point, and
+    the block cases when the model's config has experts; the model's source, the mode's choices and the decode points
+    are checked here, before any work (the config is read, no model built)."""
     from detkit.toolkit.models import fp8_graph_weights_choice, model_source, moe_experts_choice
 
     spec = _spec(ctx)
+    plan = plan_of(ctx)
+    points = decode_points(decode_at, plan)
     moe_experts_choice()
     fp8_graph_weights_choice()
     try:
         config, _, _ = model_source(ctx.device, spec, layers)
     except ImportError as exc:
         raise ValueError(f"the model bench needs transformers ({exc}): pip install 'detkit[models]'") from None
+    check_positions(points, decode_calls(plan, rounds_of(ctx)), getattr(config, "max_position_embeddings", None))
+    labels = [label for case in MODEL_CASES
+              for label in ([case_label(case, p, plan) for p in points] if case in DECODE_CASES else [case])]
     # The block cases time transformers' Qwen3-MoE block against detkit's MoE layer (toolkit.models.moe_blocks).
-    return [*MODEL_CASES, *(BLOCK_CASES if config.model_type == "qwen3_moe" else ())]
+    return [*labels, *(BLOCK_CASES if config.model_type == "qwen3_moe" else ())]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +233,7 @@ class ModelBench:
         from detkit.toolkit.models import cache_kwarg, is_moe
 
         self.ctx, self.model, self.description = ctx, model, description
-        self.device, self.plan, self.rounds = ctx.device, plan_of(ctx), ctx.rounds or default_rounds(ctx.interpreted)
+        self.device, self.plan, self.rounds = ctx.device, plan_of(ctx), rounds_of(ctx)
         self.moe_experts, self.fp8_graph_weights = moe_experts, fp8_graph_weights
         self.moe = is_moe(model)
         self.cache_kwarg = cache_kwarg(model)
@@ -175,8 +244,12 @@ class ModelBench:
             return torch.randint(3, self.vocab, (batch, tokens), generator=gen).to(self.device)
 
         self.prefill_ids, self.train_ids = ids(*self.plan.prefill), ids(*self.plan.train)
-        self.prompt, self.token = ids(self.plan.decode[0], self.plan.decode[1]), ids(self.plan.decode[0], 1)
         self.generate_ids = ids(*self.plan.generate[:2])
+        self._kv_shapes: list[tuple[torch.Size, torch.Size, torch.dtype]] | None = None
+
+    def decode_tokens(self, batch: int) -> torch.Tensor:  # [batch, 1]: the token each decode step feeds
+        gen = torch.Generator().manual_seed(self.ctx.seed + 7)
+        return torch.randint(3, self.vocab, (batch, 1), generator=gen).to(self.device)
 
     def contexts(self) -> dict[str, Callable]:
         """Each mode's context, entered by the timing around that mode's calls: detkit mode, or default mode on the
@@ -203,19 +276,61 @@ class ModelBench:
                                 max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)
 
-    def decode_step(self, mode: str) -> Callable[[], object]:
-        """A decode step on a cache of its own, prefilled in ``mode``."""
+    def kv_shapes(self) -> list[tuple[torch.Size, torch.Size, torch.dtype]]:
+        """Per layer, the (heads, head dim) of its cached keys and of its values and their dtype, read off a
+        DynamicCache after a one-token forward outside the mode (the model decides them: GQA heads, MLA's head dims),
+        on whatever SDPA kernel torch picks (the shapes do not depend on it) or, for a model built with "detkit", the
+        baseline's eager attention. A cache layer other than transformers' full or sliding-window DynamicCache layer
+        is refused by name: its state is not only keys and values."""
+        if self._kv_shapes is None:
+            from transformers import DynamicCache
+            from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+            probe = DynamicCache(config=self.model.config)
+            sdpa = self.model.config._attn_implementation == "sdpa"
+            with contextlib.nullcontext() if sdpa else baseline_attention(self.model), torch.inference_mode():
+                self.model(input_ids=self.decode_tokens(1), **{self.cache_kwarg: probe, "use_cache": True})
+            shapes = []
+            for idx, layer in enumerate(probe.layers):
+                if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+                    raise NotImplementedError(f"cache layer {idx} is a {type(layer).__name__}; the decode cases fill "
+                                              f"only DynamicLayer and DynamicSlidingWindowLayer")
+                shapes.append((layer.keys.shape[1::2], layer.values.shape[1::2], layer.keys.dtype))
+            self._kv_shapes = shapes
+        return self._kv_shapes
+
+    def filled_cache(self, batch: int, length: int):
+        """A DynamicCache (the model's config: full and sliding-window layers) holding ``length`` positions of
+        ``batch`` sequences at every layer: seeded random keys and values ([batch, heads, length, head dim], N(0, 1) in
+        the cache's dtype) written through the cache's own ``update``, as a prefill's attention writes them. The same
+        values for either mode, built without a ``length``-token prefill per mode; a decode step on it does a real
+        step's work: each full layer's attention reads ``length`` cached keys, a sliding-window layer its window's
+        (the layer keeps those), and the next position is ``length``."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        kw = {self.cache_kwarg: cache, "use_cache": True}
-        with self.contexts()[mode](), torch.inference_mode():
-            self.model(input_ids=self.prompt, **kw)
+        gen = torch.Generator(device=self.device).manual_seed(self.ctx.seed + 13)
+        with torch.inference_mode():
+            for idx, ((k_heads, k_dim), (v_heads, v_dim), dtype) in enumerate(self.kv_shapes()):
+                keys = torch.randn((batch, k_heads, length, k_dim), generator=gen, device=self.device, dtype=dtype)
+                values = torch.randn((batch, v_heads, length, v_dim), generator=gen, device=self.device, dtype=dtype)
+                cache.update(keys, values, idx)
+                del keys, values  # the cache holds its own copy: one layer's pair in flight at a time
+        return cache
 
-        def step():
-            with torch.inference_mode():
-                return self.model(input_ids=self.token, **kw)
-        return step
+    def decode_steps(self, point: tuple[int, int]) -> dict[str, Callable[[], object]]:
+        """Per mode, a decode step at ``point`` (batch, cache length) on a cache of its own (``filled_cache``)."""
+        batch, length = point
+        tokens = self.decode_tokens(batch)
+
+        def step_on(cache) -> Callable[[], object]:
+            kw = {self.cache_kwarg: cache, "use_cache": True}
+
+            def step():
+                with torch.inference_mode():
+                    return self.model(input_ids=tokens, **kw)
+            return step
+        return {mode: step_on(self.filled_cache(batch, length)) for mode in MODES}
 
     def block_calls(self, case: str) -> dict[str, Callable[[], None]]:
         """The first MoE block alone at ``case``'s token count, the same call in both modes."""
@@ -239,19 +354,20 @@ class ModelBench:
             block.zero_grad(set_to_none=True)
         return {mode: forward_backward for mode in MODES}
 
-    def timed(self, case: str) -> tuple[dict, dict[str, str]]:
-        """The Timings of ``case`` per mode and the modes whose calls could not be timed (one line each)."""
+    def timed(self, case: str, point: tuple[int, int]) -> tuple[dict, dict[str, str]]:
+        """The Timings of ``case`` (a decode case at ``point``) per mode and the modes whose calls could not be timed
+        (one line each)."""
         from detkit.toolkit.timing import time_back_to_back, time_graphs
 
         contexts, errors = self.contexts(), {}
-        names = {mode: f"{row_name(case)} | {mode}" for mode in MODES}
+        names = {mode: f"{row_name(case_label(case, point, self.plan))} | {mode}" for mode in MODES}
         if case == "decode_cuda_graph":
-            steps = {mode: self.decode_step(mode) for mode in MODES}
+            steps = self.decode_steps(point)
             timings = time_graphs(steps, self.device, calls_per_fn=1, rounds=self.rounds,
                                   replays=self.plan.graph_replays, range_names=names, contexts=contexts, errors=errors)
             return timings, errors
         if case == "decode_eager":
-            fns = {mode: self.decode_step(mode) for mode in MODES}
+            fns = self.decode_steps(point)
         elif case in BLOCK_CASES:
             fns = self.block_calls(case)
         else:
@@ -262,22 +378,25 @@ class ModelBench:
         self.model.zero_grad(set_to_none=True)
         return timings, errors
 
-    def measure(self, case: str) -> dict:
-        """One row: both modes' times, the ratio, and whether detkit mode ran on detkit's kernels throughout."""
+    def measure(self, case: str, point: tuple[int, int] | None = None) -> dict:
+        """One row: both modes' times, the ratio, and whether detkit mode ran on detkit's kernels throughout; a decode
+        case at ``point`` (batch, cache length; default ``plan.decode``)."""
         from detkit.mode.switch import mode_counters
         from detkit.toolkit.models import moe_blocks, routing_check
 
-        row = {"name": row_name(case), "case": case, "model": self.description, "moe_experts": self.moe_experts,
+        point = point or self.plan.decode
+        label = case_label(case, point if case in DECODE_CASES else None, self.plan)
+        row = {"name": row_name(label), "case": case, "model": self.description, "moe_experts": self.moe_experts,
                "fp8_graph_weights": self.fp8_graph_weights, "backend": self.ctx.backend,
                "hardware_result": not self.ctx.interpreted, "rounds": self.rounds,
                "timing": "graph" if case == "decode_cuda_graph" else "eager",
                "default_attention": BASELINE_ATTENTION[self.model.config._attn_implementation]}
-        row.update(self.shape(case))
+        row.update(self.shape(case, point))
         if case in BLOCK_CASES and not moe_blocks(self.model):
             return {**row, "passed": False, "failure": "the model has no transformers Qwen3-MoE block to time"}
         before = mode_counters()
         try:
-            timings, errors = self.timed(case)
+            timings, errors = self.timed(case, point)
         except (RuntimeError, ValueError, NotImplementedError) as exc:  # e.g. out of memory: a failed row, not a crash
             from detkit.toolkit.timing import call_refusal
 
@@ -304,7 +423,7 @@ class ModelBench:
                                                         f"detkit's: {routing}"}
         return {**row, "passed": True}
 
-    def shape(self, case: str) -> dict:
+    def shape(self, case: str, point: tuple[int, int]) -> dict:
         p = self.plan
         if case in ("prefill", "moe_block_prefill"):
             return {"batch": p.prefill[0], "tokens": p.prefill[0] * p.prefill[1], "seq_len": p.prefill[1]}
@@ -312,21 +431,26 @@ class ModelBench:
             return {"batch": p.train[0], "tokens": p.train[0] * p.train[1], "seq_len": p.train[1]}
         if case == "generate":
             return {"batch": p.generate[0], "seq_len": p.generate[1], "new_tokens": p.generate[2]}
-        return {"batch": p.decode[0], "tokens": p.decode[0], "cache_len": p.decode[1]}
+        if case == "moe_block_decode":  # the block alone at the plan's decode batch
+            return {"batch": p.decode[0], "tokens": p.decode[0], "cache_len": p.decode[1]}
+        return {"batch": point[0], "tokens": point[0], "cache_len": point[1]}
 
 
 # ---------------------------------------------------------------------------------------------
 # The plug-in
 # ---------------------------------------------------------------------------------------------
-def run(ctx, cases: list[str], layers: int | None = None, **_) -> Iterator[dict]:
-    """Build the model once, then one row per case as soon as it is measured."""
+def run(ctx, cases: list[str], layers: int | None = None, decode_at: tuple[str, ...] = (), **_) -> Iterator[dict]:
+    """Build the model once, then one row per label of ``cases`` as soon as it is measured."""
     from detkit.toolkit.models import build_model, fp8_graph_weights_choice, moe_experts_choice
 
+    plan = plan_of(ctx)
+    decode = {case_label(case, p, plan): (case, p) for case in DECODE_CASES for p in decode_points(decode_at, plan)}
     model, description = build_model(ctx.device, ctx.seed, _spec(ctx), layers)
     bench = ModelBench(ctx, model, description, moe_experts_choice(), fp8_graph_weights_choice())
-    for case in cases:
-        yield bench.measure(case)
+    for label in cases:
+        yield bench.measure(*decode.get(label, (label, None)))
         if ctx.device.type == "cuda":
+            gc.collect()  # a failed case's frames may still hold its caches
             torch.cuda.empty_cache()  # each case's graphs and caches are gone: give the next its memory
 
 
@@ -339,7 +463,7 @@ def derive(rows: list[dict], meta: dict) -> dict:
     """The target verdicts over the model cases (hardware runs only)."""
     judged = [r for r in rows if r.get("meets_target") is not None]
     return {"met": sum(r["meets_target"] for r in judged), "judged": len(judged),
-            "ratios": {r["case"]: r.get("ratio") for r in rows}}
+            "ratios": {label_of(r): r.get("ratio") for r in rows}}
 
 
 def summarize(rows: list[dict], meta: dict) -> str:
@@ -357,9 +481,9 @@ def summarize(rows: list[dict], meta: dict) -> str:
         met = sum(r["meets_target"] for r in judged)
         lines += [f"Targets (detkit / default): met by {met} of {len(judged)}; median ratio "
                   f"{statistics.median(r['ratio'] for r in judged):.3f}", ""]
-    cols = ("case", "timing", "default_ms", "default_p20_ms", "default_p80_ms", "detkit_ms", "detkit_p20_ms",
-            "detkit_p80_ms", "ratio", "target", "meets_target", "passed")
-    table = [{c: r.get(c) for c in cols} for r in rows]
+    cols = ("case", "timing", "batch", "cache_len", "default_ms", "default_p20_ms", "default_p80_ms", "detkit_ms",
+            "detkit_p20_ms", "detkit_p80_ms", "ratio", "target", "meets_target", "passed")
+    table = [{c: label_of(r) if c == "case" else r.get(c) for c in cols} for r in rows]
     lines += ["## Speed (median ms; ratio = detkit / default)", "",
               tabulate(table, headers="keys", tablefmt="github", floatfmt=".4g"), ""]
     failed = [r for r in rows if not r["passed"]]
@@ -388,12 +512,13 @@ def merge_speed_reports(out_dir, parts) -> None:
         rows = json.loads(path.read_text())["rows"]
         line = {"run": part.name, "model": rows[0]["model"] if rows else None}
         for r in rows:
+            label = label_of(r)
             if not r.get("passed"):
-                line[r["case"]] = "failed"
-                failures.append(f"- {part.name} {r['case']}: {r.get('failure')}")
+                line[label] = "failed"
+                failures.append(f"- {part.name} {label}: {r.get('failure')}")
                 continue
             verdict = "" if r.get("meets_target") is None else (" ok" if r["meets_target"] else " MISS")
-            line[r["case"]] = f"{r['ratio']:.3f}{verdict}"
+            line[label] = f"{r['ratio']:.3f}{verdict}"
         table.append(line)
     lines = ["# Model speed: detkit mode / default mode (median ratio; ok / MISS against the case's target)", "",
               f"- targets: {TARGETS}", "", tabulate(table, headers="keys", tablefmt="github"), "",

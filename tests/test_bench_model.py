@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import click
 import pytest
@@ -84,6 +88,89 @@ def test_layers_repeat_the_presets_layer_pattern(device):
     assert config.layer_types != [pattern[0]] * 5
     plain, _, _ = models.model_source(device, "qwen3-tiny", layers=3)
     assert plain.num_hidden_layers == 3
+
+
+def test_decode_points_are_checked_before_any_work(device, tiny_config, small_plan, monkeypatch):
+    """--decode-at: the decode cases once per point in the order given, the plan's point under the plain names the
+    claims read; a malformed or repeated point, and one whose cache and timed steps pass the model's 512 positions,
+    refused by name before any model is built."""
+    def build_model(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(models, "build_model", build_model)
+    ctx = context(device)
+    assert bench.cases(ctx, decode_at=("1x12", "2x4")) == [
+        "prefill", "decode_eager 1x12", "decode_eager", "decode_cuda_graph 1x12", "decode_cuda_graph",
+        "forward_backward", "generate"]
+    for bad in ("0x12", "1x0", "8", "8x", "x8", "-1x8", "1X8", "1x8x2"):
+        with pytest.raises(ValueError, match=rf"^--decode-at '{bad}' is not supported; supported: BxL, batch B >= 1 "
+                                             rf"and cache length L >= 1, e.g. 8x32768$"):
+            bench.cases(ctx, decode_at=("1x12", bad))
+    with pytest.raises(ValueError, match=r"^--decode-at 1x12 is given twice; supported: each point once$"):
+        bench.cases(ctx, decode_at=("1x12", "2x20", "1x12"))
+    # One round of one sample: a warm-up step and a timed one on each cache, so L <= 512 - 2.
+    assert bench.decode_calls(small_plan, 1) == 2
+    assert "decode_eager 1x510" in bench.cases(ctx, decode_at=("1x510",))
+    with pytest.raises(ValueError, match=r"^--decode-at 1x511: a 511-token cache and the 2 decode steps timed on it "
+                                         r"pass the model's max_position_embeddings 512; supported: L <= 510$"):
+        bench.cases(ctx, decode_at=("1x511",))
+    with pytest.raises(ValueError, match=r"the 4 decode steps .* supported: L <= 508$"):  # 3 rounds: 4 steps
+        bench.cases(context(device, rounds=3), decode_at=("1x509",))
+
+
+def test_a_run_at_decode_points_has_a_row_per_point(device, tiny_config, small_plan):
+    """--decode-at 1x12 --decode-at 2x20, the plug-in's decode rows (the other cases run as without the option): each
+    decode case timed at each point in both modes on detkit's kernels, its row naming the point and carrying its
+    batch and cache length, and the report's table and derived ratios telling the points apart."""
+    ctx, decode_at = context(device), ("1x12", "2x20")
+    labels = [label for label in bench.cases(ctx, decode_at=decode_at) if label.startswith("decode_")]
+    rows = list(bench.run(ctx, labels, decode_at=decode_at))
+    points = [(1, 12), (2, 20)]
+    assert [r["name"] for r in rows] == [f"speed {case} {b}x{n} detkit / default"
+                                         for case in bench.DECODE_CASES for b, n in points]
+    assert [(r["case"], r["batch"], r["tokens"], r["cache_len"]) for r in rows] == [
+        (case, b, b, n) for case in bench.DECODE_CASES for b, n in points]
+    assert [r["timing"] for r in rows] == ["eager", "eager", "graph", "graph"]
+    for r in rows:
+        assert r["passed"] and r["default_ms"] > 0 and r["detkit_ms"] > 0, r
+        assert r["target"] == bench.TARGETS[r["case"]] and r["detkit_mode_routing"] == {"gemm_not_routed": {}}
+    assert list(bench.derive(rows, {})["ratios"]) == ["decode_eager 1x12", "decode_eager 2x20",
+                                                      "decode_cuda_graph 1x12", "decode_cuda_graph 2x20"]
+    assert "| decode_cuda_graph 2x20 |" in bench.summarize(rows, {})
+
+
+@pytest.mark.parametrize("spec", ["qwen3-tiny", "gemma3-tiny", "deepseek-v3-tiny"])
+def test_a_filled_cache_is_a_prefilled_caches_state(device, spec):
+    """The decode cases' cache (seeded random K/V through the cache's update) against a real 9-token prefill's at
+    batch 2 (Qwen3; Gemma-3's sliding and global layers; DeepSeek-V3's MLA): per layer the same layer type, key and
+    value shapes (a window-4 layer keeps its last 3 keys) and dtype, the same positions seen per layer and next
+    position; the same values for either mode; a decode step on it runs, the full layers gaining a key, the sliding
+    ones keeping their window's."""
+    from transformers import DynamicCache
+
+    model, description = models.build_model(device, seed=1, spec=spec, layers=2)
+    b = bench.ModelBench(context(device), model, description, "bf16", "quantize")
+    real = DynamicCache(config=model.config)
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.inference_mode():  # SDPA as torch picks it: this CPU has no flash kernel for MLA's head dims
+        model(input_ids=ids, **{b.cache_kwarg: real, "use_cache": True})
+    filled, again = b.filled_cache(2, 9), b.filled_cache(2, 9)
+    assert filled.get_seq_length() == real.get_seq_length() == 9
+    assert len(filled.layers) == len(real.layers) == 2
+    for f, r, a in zip(filled.layers, real.layers, again.layers):
+        assert type(f) is type(r)
+        assert (f.keys.shape, f.values.shape, f.keys.dtype) == (r.keys.shape, r.values.shape, r.keys.dtype)
+        assert f.get_seq_length() == r.get_seq_length()  # a sliding layer's count of positions seen
+        assert torch.equal(f.keys, a.keys) and torch.equal(f.values, a.values)
+        assert f.keys.abs().amax() > 0 and not torch.equal(f.keys, f.values)
+    if spec == "gemma3-tiny":
+        assert [layer.keys.shape[2] for layer in filled.layers] == [3, 9]  # sliding (window 4), global
+    lengths = [layer.keys.shape[2] for layer in filled.layers]
+    with torch.inference_mode():
+        logits = model(input_ids=b.decode_tokens(2), **{b.cache_kwarg: filled, "use_cache": True}).logits
+    assert logits.shape == (2, 1, model.config.vocab_size) and torch.isfinite(logits.float()).all()
+    assert filled.get_seq_length() == 10
+    assert [layer.keys.shape[2] for layer in filled.layers] == [n if n < 9 else n + 1 for n in lengths]
 
 
 def test_a_run_through_the_cli_writes_the_speed_rows_the_claims_read(device, tiny_config, small_plan, tmp_path,
@@ -176,15 +263,17 @@ def test_a_moe_models_block_is_timed_on_detkits_layer(device, small_plan, monkey
 def test_the_speed_table_merges_runs_with_their_verdicts_and_failures(tmp_path):
     """merge_speed_reports: one line per run folder, each case's ratio with ok / MISS against its target as the
     row recorded it, a failed row's reason listed, a folder without report.json named as not finished."""
-    rows = [{"case": "prefill", "model": "m", "passed": True, "ratio": 1.0234, "meets_target": True},
-            {"case": "generate", "model": "m", "passed": True, "ratio": 1.31, "meets_target": False},
-            {"case": "decode_eager", "model": "m", "passed": False, "failure": "out of memory"}]
+    rows = [{"name": bench.row_name(label), "case": label.split()[0], "model": "m", **fields}
+            for label, fields in (("prefill", {"passed": True, "ratio": 1.0234, "meets_target": True}),
+                                  ("generate", {"passed": True, "ratio": 1.31, "meets_target": False}),
+                                  ("decode_eager", {"passed": False, "failure": "out of memory"}),
+                                  ("decode_eager 8x32768", {"passed": True, "ratio": 1.1, "meets_target": True}))]
     (tmp_path / "a-L2").mkdir()
     (tmp_path / "a-L2" / "report.json").write_text(json.dumps({"meta": {}, "rows": rows}))
     bench.merge_speed_reports(tmp_path, [tmp_path / "a-L2", tmp_path / "b-L8"])
     runs = json.loads((tmp_path / "speed.json").read_text())["runs"]
     assert runs[0] == {"run": "a-L2", "model": "m", "prefill": "1.023 ok", "generate": "1.310 MISS",
-                       "decode_eager": "failed"}
+                       "decode_eager": "failed", "decode_eager 8x32768": "1.100 ok"}
     assert runs[1] == {"run": "b-L8", "model": "no report.json (the run did not finish)"}
     assert "- a-L2 decode_eager: out of memory" in (tmp_path / "speed.md").read_text()
 
@@ -207,3 +296,21 @@ def test_default_mode_runs_the_baseline_attention(device):
                                          "supported: sdpa, detkit$"):
         with bench.baseline_attention(gemma):
             pass
+
+
+def test_the_speed_script_passes_its_decode_points_to_each_run(tmp_path):
+    """tools/gpu/model_speed.sh's dry run: DECODE_AT's points as --decode-at flags on every model's command, none
+    without it."""
+    script = Path(__file__).resolve().parents[1] / "tools" / "gpu" / "model_speed.sh"
+    env = dict(os.environ, OUT=str(tmp_path), DRY_RUN="1", FAMILIES="qwen3", LAYERS="2 4",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+    def dry_run(**extra) -> list[str]:
+        done = subprocess.run(["bash", str(script)], env={**env, **extra}, capture_output=True, text=True, check=True)
+        return done.stdout.splitlines()
+
+    assert dry_run(DECODE_AT="1x32768 8x32768") == [
+        f"python -m detkit bench model --device cuda --preset qwen3-8b --layers {n} --decode-at 1x32768 --decode-at "
+        f"8x32768 --out {tmp_path}/qwen3-L{n}" for n in (2, 4)]
+    assert dry_run() == [f"python -m detkit bench model --device cuda --preset qwen3-8b --layers {n} --out "
+                         f"{tmp_path}/qwen3-L{n}" for n in (2, 4)]
