@@ -55,6 +55,7 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -63,9 +64,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-
 from detkit.bench.attention import (
-    TARGETS, VALIDATION_ATOL, BenchCase, _graph_sets, detkit_call, make_inputs, paged_cache, sdpa_call, sdpa_gqa_mode,
+    TARGETS,
+    VALIDATION_ATOL,
+    BenchCase,
+    _graph_sets,
+    detkit_call,
+    make_inputs,
+    paged_cache,
+    sdpa_call,
+    sdpa_gqa_mode,
 )
 from detkit.toolkit.contract import compare_bits
 from detkit.toolkit.reports import markdown_table
@@ -360,18 +368,15 @@ def _time_case(case: Case, chunk: list[Candidate], device: torch.device, rounds:
 # ---------------------------------------------------------------------------------------------
 # Summary
 # ---------------------------------------------------------------------------------------------
-def _geomean(xs: list[float]) -> float | None:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
-
 def summarize(row: dict, case_list: list[Case]) -> dict:
     """The candidate's ratios per kind: geometric mean over the decode, prefill and paged cases, the worst of each
     kind; ``complete``: every one of those cases timed."""
     ratio = {c.label: row["cases"].get(c.label, {}).get("ratio") for c in case_list}
     kinds = {c.label: c.kind for c in case_list}
     main = [r for lbl, r in ratio.items() if kinds[lbl] != "fwd_bwd"]
-    out = {"complete": all(r is not None for r in main),
-           "geomean_ratio": _geomean([r for r in main if r is not None])}
+    timed = [r for r in main if r is not None]
+    out = {"complete": len(timed) == len(main),
+           "geomean_ratio": statistics.geometric_mean(timed) if timed else None}
     for kind in ("decode", "prefill", "paged", "fwd_bwd"):
         got = [r for lbl, r in ratio.items() if kinds[lbl] == kind and r is not None]
         out[f"worst_{kind}_ratio"] = max(got) if got else None

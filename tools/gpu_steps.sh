@@ -41,3 +41,13 @@ begin_run() {
   : > "$OUT/steps.txt"
   record_versions
 }
+# plan_only_if_dry_run: with DRY_RUN=1, every later step prints its command and limit instead of running it, and
+# begin_run only makes $OUT (for scripts whose usage offers a dry run).
+# shellcheck disable=SC2329  # the redefined functions are the sourcing script's to call
+plan_only_if_dry_run() {
+  if [[ ${DRY_RUN:-0} == 1 ]]; then
+    step() { stamp "$1 (limit $2 s): ${*:3}"; }
+    record_versions() { :; }
+    begin_run() { mkdir -p "$OUT"; }
+  fi
+}

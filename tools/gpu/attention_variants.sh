@@ -25,11 +25,7 @@ cd "$(dirname "$0")/../.."
 # shellcheck source=tools/gpu_steps.sh
 source tools/gpu_steps.sh  # step NAME LIMIT_S CMD...: a time limit, a log, steps.txt, failed=1 on failure
 
-if [[ ${DRY_RUN:-0} == 1 ]]; then
-  step() { stamp "$1 (limit $2 s): ${*:3}"; }
-  record_versions() { :; }
-  begin_run() { mkdir -p "$OUT"; }
-fi
+plan_only_if_dry_run
 steps=("${@:-all}")
 begin_run  # PYTHONPATH and the run's environment, $OUT, steps.txt, versions.txt
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}  # shared by the steps: compiles once
