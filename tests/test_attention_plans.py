@@ -11,6 +11,7 @@ bits, at lengths that change from call to call, and the decode steps equal the p
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -198,11 +199,11 @@ def test_gpu_decode_at_changing_lengths_through_the_plans(path, device, raw_call
     cfg = _paths(device, head_dim)[path]
     kv_start = _i32([0, 100, 7], device)
     prefill = attention(q, k, v, kv_start=kv_start, configs=cfg)
+    scale = 1.0 / math.sqrt(head_dim)  # attention()'s default, to the bit
     for i in (1500, 100, 511, 512, 513, 1024, 1799, 700, 150):  # lengths up and down: a plan reused across them
         for b in (slice(0, 3), slice(1, 2)):
             s = Sequences(False, b.stop - b.start, 1, i + 1, kv_start[b], None)
-            o, _, launch = _launch_both((q[b, :, i:i + 1], k[b, :, :i + 1], v[b, :, :i + 1], s, head_dim ** -0.5,
-                                         cfg))
+            o, _, launch = _launch_both((q[b, :, i:i + 1], k[b, :, :i + 1], v[b, :, :i + 1], s, scale, cfg))
             assert launch.split_grid == (path == "split_grid" and i + 1 > cfg.split_n)
             assert_bits_equal(o, prefill[b, :, i:i + 1], f"{path} decode {i} batch {b}")
     assert raw_calls, "no launch went through a plan's C entry point"

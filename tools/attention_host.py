@@ -168,14 +168,14 @@ def render(results: dict) -> str:
     cuda = results["device"].startswith("cuda")
     kind = (f"{results.get('gpu', 'CUDA')}: real kernels, host time until queued" if cuda else
             "CPU, every Triton launch a no-op (Python and CPU torch ops only; this thread's CPU time)")
-    lines = [f"attention forward host time per decode call (Hq={results['heads_q']}, Hkv={results['heads_kv']}, "
-             f"D={results['head_dim']}) on {results['device']} ({kind}); median [p20-p80] of {results['rounds']} "
-             f"bursts of {results['calls']} calls"]
+    lines = [(f"attention forward host time per decode call (Hq={results['heads_q']}, Hkv={results['heads_kv']}, "
+              f"D={results['head_dim']}) on {results['device']} ({kind}); median [p20-p80] of {results['rounds']} "
+              f"bursts of {results['calls']} calls")]
     rows = []
     for case in results["cases"]:
         for name, m in case["measures"].items():
-            row = [case["batch"], case["keys"], name, f"{m['host_us']:.1f} [{m['host_p20_us']:.1f}-"
-                   f"{m['host_p80_us']:.1f}]"]
+            row = [case["batch"], case["keys"], name,
+                   f"{m['host_us']:.1f} [{m['host_p20_us']:.1f}-{m['host_p80_us']:.1f}]"]
             if cuda:
                 row += [f"{m['eager_us']:.1f}" if "eager_us" in m else "",
                         f"{m['gpu_us']:.1f}" if "gpu_us" in m else ""]

@@ -640,7 +640,7 @@ def attention_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     qk_scale, tanh_scale = _logit_args(logits, scale)
     bound0, bound1 = _bound_args(seqs, q)
     sizes = (seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, qk_scale, scale, _window_arg(seqs), tanh_scale)
-    heads_dkdv, heads_dq = static.heads
+    heads_dq = static.heads[1]
     # Windowed, the key tiles may be anchored before key 0 (a negative kv_start): one more tile covers the tensor.
     key_tiles = cdiv(seqs.seq_k, configs.dkdv.block_n) + (seqs.window is not None)
     _launch("dkdv", (heads_kv, key_tiles, seqs.batch), [
