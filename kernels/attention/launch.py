@@ -383,6 +383,16 @@ def split_slots(configs: AttnConfigs, seqs: Sequences, block_q: int) -> int:
     return cdiv(span - 1, split) + 1
 
 
+def split_group(configs: AttnConfigs, slots: int, programs_per_split: int) -> int:
+    """Consecutive splits per program of the split grid: one per program unless ``split_grid_programs`` asks for
+    fewer, longer programs (a batch-1 step at 32k keys: 64 splits x 8 KV heads of 8 key tiles each). Speed only: each
+    split's partial is stored on its own whatever the grouping."""
+    if not configs.split_grid_programs:
+        return 1
+    groups = min(slots, max(1, configs.split_grid_programs // programs_per_split))
+    return cdiv(slots, groups)
+
+
 def uses_split_grid(configs: AttnConfigs, seqs: Sequences, heads_q: int, heads_kv: int, capturing: bool) -> bool:
     """Whether the forward runs its split grid (one program per query tile and split, then the combine pass): when
     a query tile can touch more than one split and the one-pass grid has fewer than ``split_grid_below`` programs,
@@ -544,6 +554,7 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         ws_acc, ws_m, ws_l = ws.split([n_acc, n16, n16])
     else:
         slots, ws_acc, ws_m, ws_l = 1, lse, lse, lse  # never read or written in one pass
+    group = split_group(configs, slots, head_programs * cdiv(seq_q, block_q) * batch) if split_grid else 1
     qk_scale, tanh_scale = _logit_args(logits, scale)
     sinks_arg = sinks if sinks is not None else q  # never read without HAS_SINKS
     table = seqs.block_table if paged else lse  # never read without PAGED
@@ -553,11 +564,11 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
     tails = static.tails
     tail = tails.get((heads, split_grid)) or _fwd_tail(static, heads, split_grid, dim_qk, dim_v, flags,
                                                         softcap is not None, sinks is not None, page_size)
-    _launch("fwd", (head_programs * slots, cdiv(seq_q, block_q), batch), [
+    _launch("fwd", (head_programs * cdiv(slots, group), cdiv(seq_q, block_q), batch), [
         q, k, v, o, lse, bound0, bound1, table, ws_m, ws_l, ws_acc,
         *_strides3(q, varlen), *_kv_strides(k, seqs), *_kv_strides(v, seqs), *o_strides, *lse_strides,
         table.stride(0) if paged else 0, batch, heads_q, heads_kv, seq_q, seq_k,
-        qk_scale, window, tanh_scale, sinks_arg, slots, ws_rows, *tail], static.options, plans)
+        qk_scale, window, tanh_scale, sinks_arg, slots, ws_rows, group, *tail], static.options, plans)
     if split_grid:
         tail = tails.get((heads, "combine")) or _fwd_tail(static, heads, "combine", dim_qk, dim_v, flags,
                                                           softcap is not None, sinks is not None, page_size)

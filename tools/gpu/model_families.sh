@@ -9,10 +9,11 @@
 # its own time limit, so one family's failure or hang does not stop the rest; the run exits non-zero if any step
 # failed. Everything lands under $OUT: versions.txt, steps.txt, <family>.log and <family>/ (report.md, report.json,
 # rows.jsonl, model.md and model.json with the family x check table), then $OUT/model.md / model.json merged over all.
-# DeepSeek-V3's MLA attention (value head dim 128 != query/key 192) runs on the kernel zero-padded to 256. Steps that
-# fail by design, so the run exits non-zero: the families with sliding-window layers (Mistral, Gemma-2, Gemma-3,
-# gpt-oss), whose serving row is "not run" (the mode's paged attention refuses a window), and DeepSeek-V3, whose
-# serving row fails inside transformers (its paged cache's write does not take MLA's keys); read the table. On one
+# DeepSeek-V3's MLA attention (value head dim 128 != query/key 192) runs on the kernel (masked head-dim loads; its
+# trainer's autograd path zero-padded to 256). Steps that fail by design, so the run exits non-zero: DeepSeek-V3, whose
+# serving row fails inside transformers (its paged cache's write does not take MLA's keys), and on transformers >= 5.24
+# Gemma-2 and gpt-oss, whose serving row fails there too (its continuous batching refuses the "detkit" attention
+# implementation name); read the table. On one
 # H100 before the serving check (reports/2026-12-06-h100-s26, calls 5 and 6) a family took 11-31 s; if the 13 steps
 # do not fit one call, run the families in two calls (FAMILIES=...) with the same OUT: the merged table covers every
 # family folder under $OUT.
