@@ -10,7 +10,9 @@ Anything else raises before any work is done; there is no silent fallback.
 ``DirectLaunch`` is the host side of a launch whose arguments a caller has already worked out once (a
 launch plan): its first call is Triton's own ``kernel[grid](...)``, which compiles (or loads) the kernel and
 returns the compiled handle; every later call hands the argument list straight to that handle's launcher,
-skipping Triton's per-call argument binding, specialization key and cache lookup.
+skipping Triton's per-call argument binding, specialization key and cache lookup. ``PlannedKernel`` keys such
+plans on what Triton specializes on, so that a call's pointers, integers, floats and grid change per call while the
+compiled binary stays the one Triton would pick.
 """
 
 from __future__ import annotations
@@ -34,22 +36,49 @@ MAX_INT32_OFFSET = 2**31 - 1
 
 def kernel_is_interpreted(jit_fn) -> bool:
     """True when Triton built ``jit_fn`` for its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return isinstance(jit_fn, _interpreted_function())
+
+
+@functools.cache
+def _interpreted_function() -> type:
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(jit_fn, InterpretedFunction)
+    return InterpretedFunction
 
 
 def resolve_backend(jit_fn, tensors: dict[str, torch.Tensor]) -> str:
     """Return the backend ``jit_fn`` will run ``tensors`` on, or raise naming what is unsupported."""
+    device = None
+    for t in tensors.values():
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            break
+    else:
+        if device is not None:
+            return _backend_of_device(jit_fn, device)
     return resolve_backend_of_devices(jit_fn, {name: t.device for name, t in tensors.items()})
 
 
 def resolve_backend_of_devices(jit_fn, devices: dict[str, torch.device]) -> str:
     """``resolve_backend`` from the tensors' devices alone (what a launch plan keeps of them)."""
-    if len(set(devices.values())) != 1:
+    values = iter(devices.values())
+    device = next(values, None)
+    if device is None or any(other != device for other in values):
         raise ValueError(f"all tensors must be on one device; got {devices}")
-    device = next(iter(devices.values()))
+    return _backend_of_device(jit_fn, device)
+
+
+def _backend_of_device(jit_fn, device: torch.device) -> str:
     interpreted = kernel_is_interpreted(jit_fn)
+    if device.index is None:  # the current CUDA device, which may change: not cached
+        return _backend_of.__wrapped__(device, interpreted)
+    return _backend_of(device, interpreted)
+
+
+@functools.lru_cache(maxsize=64)
+def _backend_of(device: torch.device, interpreted: bool) -> str:
+    """The backend of one device (cached per device: torch's ``device.type`` alone costs a microsecond a read)."""
     if device.type == "cpu":
         if not interpreted:
             raise NotImplementedError(
@@ -193,24 +222,25 @@ _new_tuple = tuple.__new__
 
 
 class DirectLaunch:
-    """One compiled kernel's launches with a fixed grid and launch options on one CUDA device.
+    """One compiled kernel's launches with given launch options on one CUDA device.
 
     The caller passes the kernel's full argument list in its parameter order (constexprs included, as Triton's
     binder would bind them) and guarantees that every call of this object specializes the same way (same
-    dtypes, pointer alignments, integer values' 1 / multiple-of-16 classes, descriptor block shapes) and that only
-    the arguments at ``dynamic`` (positions) change between calls: a launch plan keyed on the call's signature
-    does. The first call is Triton's ``kernel[grid](...)`` (with real descriptors); it returns the compiled
-    kernel. Later calls pass ``HostDescriptor``s for descriptor arguments and run on the device's current stream:
+    dtypes, pointer alignments, integer values' 1 / multiple-of-16 / 32- or 64-bit classes, descriptor block shapes)
+    and that only the arguments at ``dynamic`` (positions) change between calls: a launch plan keyed on the call's
+    signature does. The grid is fixed (``grid``) or passed per call (1 to 3 dims). The first call is Triton's
+    ``kernel[grid](...)`` (with real descriptors); it returns the compiled kernel. Later calls pass
+    ``HostDescriptor``s for descriptor arguments and run on the device's current stream:
     - with no launch hook set, straight into the launcher's C entry point (``RawLaunch``), the arguments expanded
-      as Triton's launcher expands them, pointers passed as addresses and each descriptor's encoded CUtensorMap
-      cached per base address;
+      as Triton's launcher expands them, pointers passed as addresses, scalars as their values and each
+      descriptor's encoded CUtensorMap cached per base address;
     - with a hook set (profilers), through the compiled kernel's launcher with the hook, as Triton does."""
 
     __slots__ = ("kernel", "grid", "options", "index", "dynamic", "compiled", "run", "function", "packed", "raw")
 
     def __init__(self, kernel, grid: tuple[int, ...], options: dict, device: torch.device,
                  dynamic: tuple[int, ...] | None = None):
-        self.kernel, self.grid, self.options, self.dynamic = kernel, grid, options, dynamic
+        self.kernel, self.grid, self.options, self.dynamic = kernel, grid_3d(grid), options, dynamic
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.compiled = self.run = self.function = self.packed = self.raw = None
 
@@ -219,48 +249,90 @@ class DirectLaunch:
         """Whether the kernel is compiled (later calls launch directly)."""
         return self.run is not None
 
-    def __call__(self, args: list) -> None:
+    def __call__(self, args: list, grid: tuple[int, int, int] | None = None) -> None:
+        """Launch with ``args``; ``grid`` (x, y, z) for this call, None for the plan's own."""
+        if grid is None:
+            grid = self.grid
         if _current_device() != self.index:
             with torch.cuda.device(self.index):
-                return self._launch(args)
-        return self._launch(args)
+                return self._launch(args, grid)
+        return self._launch(args, grid)
 
-    def _launch(self, args: list) -> None:
+    def _launch(self, args: list, grid: tuple[int, int, int]) -> None:
         if self.run is None:
-            compiled = self.kernel[self.grid](*args, **self.options)
+            compiled = self.kernel[grid](*args, **self.options)
             self.function, self.packed = compiled.function, compiled.packed_metadata
             self.compiled, self.run = compiled, compiled.run
-            self.raw = RawLaunch.of(compiled, self.grid, args, self.dynamic)
+            self.raw = RawLaunch.of(compiled, grid, args, self.dynamic)
             return
-        grid = self.grid
         stream = _raw_stream(self.index)
         enter = _RUNTIME_KNOBS.launch_enter_hook
         if getattr(enter, "calls", True):  # a hook is set: name the launch for it, as Triton does
             metadata = self.compiled.launch_metadata(grid, stream, *args)
-            self.run(grid[0], 1, 1, stream, self.function, self.packed, metadata, enter,
+            self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed, metadata, enter,
                      _RUNTIME_KNOBS.launch_exit_hook, *args)
         elif self.raw is not None:
-            self.raw(args, stream)
+            self.raw(args, stream, grid)
         else:
-            self.run(grid[0], 1, 1, stream, self.function, self.packed, None, None, None, *args)
+            self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed, None, None, None, *args)
 
 
-# Launch plans kept per PlannedKernel (one per call signature: shapes of a size bound, grids, configs); emptied when
-# full.
+def grid_3d(grid) -> tuple[int, int, int]:
+    """A launch grid of 1 to 3 ints as (x, y, z); a ValueError names anything else."""
+    if type(grid) is tuple and len(grid) == 3:  # the launchers' own grids: checked without a generator
+        x, y, z = grid
+        if type(x) is int and type(y) is int and type(z) is int and x >= 0 and y >= 0 and z >= 0:
+            return grid
+    elif isinstance(grid, (tuple, list)) and 1 <= len(grid) <= 3 and all(
+            isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in grid):
+        return (*grid, *(1,) * (3 - len(grid)))
+    raise ValueError(f"a launch grid is 1 to 3 non-negative ints; got {grid!r}")
+
+
+# Launch plans kept per PlannedKernel (one per call signature: dtypes, alignments, integer classes, constexprs,
+# options); emptied when full.
 MAX_PLANS = 256
+
+# How Triton specializes a parameter (triton/runtime/jit.py, Triton 3.6): a constexpr on its value; otherwise, unless
+# listed in ``do_not_specialize``, an int equal to 1 becomes a constant, and unless also listed in
+# ``do_not_specialize_on_alignment`` an int on whether it is a multiple of 16 and a pointer on its 16-byte alignment.
+CONSTEXPR, SPECIALIZED, NOT_ON_ALIGNMENT, NOT_SPECIALIZED = range(4)
+
+
+def parameter_modes(kernel) -> tuple[int, ...]:
+    """Each parameter's specialization mode (``CONSTEXPR`` ... ``NOT_SPECIALIZED``) of a Triton ``JITFunction``.
+    A non-constexpr parameter with a type annotation (which Triton specializes by its annotation, not its value) is
+    refused: no detkit kernel has one, and a plan keyed on the value could pick another binary than Triton."""
+    modes = []
+    for param in kernel.params:
+        if param.is_constexpr:
+            modes.append(CONSTEXPR)
+        elif param.annotation:
+            raise NotImplementedError(
+                f"{kernel.fn.__name__}: parameter {param.name!r} is annotated {param.annotation!r}; a planned launch "
+                "supports constexpr annotations only (unannotated runtime parameters)")
+        elif param.do_not_specialize:
+            modes.append(NOT_SPECIALIZED)
+        elif param.do_not_specialize_on_alignment:
+            modes.append(NOT_ON_ALIGNMENT)
+        else:
+            modes.append(SPECIALIZED)
+    return tuple(modes)
 
 
 class PlannedKernel:
     """``planned[grid](*args, **kwargs)`` does what ``kernel[grid](*args, **kwargs)`` does, with the same arguments,
-    through a ``DirectLaunch`` per call signature on a GPU (Triton's own launch under the interpreter).
+    through a ``DirectLaunch`` per call signature on a GPU (Triton's own launch under the interpreter);
+    ``planned.launch(grid, args, options)`` the same with every parameter passed in order (no binding).
 
-    The signature is everything Triton specializes on, taken conservatively: every non-tensor argument's value
-    (integers, floats, constexprs), each tensor's dtype and 16-byte alignment, each TMA descriptor's type, dtype,
-    block shape, layout and padding, the grid, the launch options and the current device. Tensors and descriptors
-    are the plan's per-call arguments (a descriptor's base, shape and strides are encoded per call, cached per base
-    address by ``RawLaunch``). One-dimensional grids only (the MoE kernels' persistent and tiled grids)."""
+    The signature is what Triton specializes on (``parameter_modes``, ``signature_of``): each constexpr's value,
+    each integer's class (a constant 1, a multiple of 16, 32- or 64-bit; fewer classes where the kernel does not
+    specialize it), a float's or bool's type, each tensor's dtype (and 16-byte alignment where specialized), each TMA
+    descriptor's type, dtype, block shape, layout and padding; besides the launch options and the current device.
+    Per call, and never part of the signature: the grid (1 to 3 dims), the tensors, the descriptors (a descriptor's
+    base, shape and strides encoded per call, cached per base address by ``RawLaunch``) and the scalars' values."""
 
-    __slots__ = ("kernel", "names", "defaults", "plans", "interpreted")
+    __slots__ = ("kernel", "names", "defaults", "plans", "keyers", "interpreted", "modes")
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -268,16 +340,16 @@ class PlannedKernel:
         self.defaults = {p.name: p.default for p in inspect.signature(kernel.fn).parameters.values()
                          if p.default is not inspect.Parameter.empty}
         self.plans: dict = {}
+        self.keyers: dict = {}
         self.interpreted = kernel_is_interpreted(kernel)
+        self.modes = () if self.interpreted else parameter_modes(kernel)
 
     def __getitem__(self, grid):
         if self.interpreted:
             return self.kernel[grid]
-        if len(grid) != 1:
-            raise ValueError(f"{self.kernel.fn.__name__}: a planned launch takes a one-dimensional grid; got {grid}")
-        return functools.partial(self._launch, (grid[0],))
+        return functools.partial(self._bind, grid_3d(grid))
 
-    def _launch(self, grid, *args, **kwargs):
+    def _bind(self, grid, *args, **kwargs):
         names = self.names
         values = list(args)
         for name in names[len(args):]:
@@ -287,15 +359,41 @@ class PlannedKernel:
                 values.append(self.defaults[name])
             else:
                 raise TypeError(f"{self.kernel.fn.__name__}: missing argument {name!r}")
+        self._launch(grid, values, kwargs)
+
+    def launch(self, grid, args: list, options: dict) -> None:
+        """``kernel[grid](*args, **options)`` with ``args`` every parameter in order (constexprs included) and
+        ``options`` launch options only (num_warps, num_stages, ...)."""
+        if self.interpreted:
+            self.kernel[grid](*args, **options)
+            return
+        if len(args) != len(self.names):
+            raise TypeError(f"{self.kernel.fn.__name__}: launch takes all {len(self.names)} parameters in order; got "
+                            f"{len(args)} arguments")
+        self._launch(grid_3d(grid), args, options)
+
+    def signature(self, values) -> tuple:
+        """The plan key of an argument list (every parameter in order), less the device and options: the arguments'
+        types, then what Triton specializes on of each (``signature_of``'s classes), computed by a function generated
+        once per tuple of argument types (``key_function``): no per-argument Python call."""
+        kinds = tuple(map(type, values))
+        keyer = self.keyers.get(kinds)
+        if keyer is None:
+            if len(self.keyers) >= MAX_PLANS:
+                self.keyers.clear()
+            keyer = self.keyers[kinds] = key_function(kinds, self.modes)
+        return kinds, *keyer(values)
+
+    def _launch(self, grid, values, options):
         index = _current_device()
-        key = (index, grid, *sorted(kwargs.items()), *map(_signature_of, values))
+        key = (index, *sorted(options.items()), *self.signature(values))
         plan = self.plans.get(key)
         if plan is None:
             if len(self.plans) >= MAX_PLANS:
                 self.plans.clear()
-            dynamic = tuple(i for i, v in enumerate(values) if isinstance(v, (torch.Tensor, *_DESCRIPTOR_TYPES)))
-            plan = self.plans[key] = DirectLaunch(self.kernel, grid, kwargs, torch.device("cuda", index), dynamic)
-        plan(values)
+            dynamic = tuple(i for i, (v, m) in enumerate(zip(values, self.modes)) if per_call(v, m))
+            plan = self.plans[key] = DirectLaunch(self.kernel, grid, options, torch.device("cuda", index), dynamic)
+        plan(values, grid)
 
 
 def _descriptor_types() -> tuple[type, ...]:
@@ -316,17 +414,91 @@ def _descriptor_types() -> tuple[type, ...]:
 _DESCRIPTOR_TYPES = _descriptor_types()
 
 
-def _signature_of(value):
-    """What of one argument a plan is keyed on (a superset of what Triton specializes on). Integers, the most
-    common, stand for themselves; other values carry their type (True == 1 == 1.0 as keys)."""
+# An integer's class as Triton 3.6 types it (native_specialize_impl): 32-bit, else unsigned 64-bit from 2**63, else
+# 64-bit; "D" marks a multiple of 16 where the parameter is specialized on it. ONE: the constant 1.
+ONE = "1"
+_INT_CLASSES = {(width, divisible): width + ("D" if divisible else "") for width in ("i32", "i64", "u64")
+                for divisible in (False, True)}
+
+
+def _int_class(value: int) -> str:
+    if -0x80000000 <= value < 0x80000000:
+        return "i32"
+    return "u64" if value >= 0x8000000000000000 else "i64"
+
+
+def signature_of(value, mode: int = SPECIALIZED):
+    """What of one argument a plan is keyed on: exactly what Triton 3.6 specializes on for a parameter of ``mode``
+    (``parameter_modes``). A constexpr stands for its value (True == 1 == 1.0 as keys: other types carry their type);
+    an int for its class (``ONE``, or "i32" / "i64" / "u64" with "D" when a multiple of 16 matters); a bool or a
+    float for its type only; a tensor for its dtype, and its 16-byte alignment where specialized; a TMA descriptor
+    for its type, dtype, block shape, layout and padding."""
     kind = type(value)
+    if mode == CONSTEXPR:
+        return value if kind is int else (kind, value)
     if kind is int:
-        return value
+        if mode == NOT_SPECIALIZED:
+            return _int_class(value)
+        if value == 1:
+            return ONE
+        return _INT_CLASSES[_int_class(value), mode == SPECIALIZED and value & 15 == 0]
     if kind is torch.Tensor or isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
+        if mode == SPECIALIZED:
+            return value.dtype, value.data_ptr() & 15 == 0
+        return value.dtype
+    if kind is float:
+        return "fp32"
+    if kind is bool:
+        return "u1"
     if isinstance(value, _DESCRIPTOR_TYPES):
         return kind, value.base.dtype, tuple(value.block_shape), getattr(value, "layout", None), value.padding
     return kind, value
+
+
+# An int's class as one small int (the key function's form of ``signature_of``'s): 1 the constant 1 (where specialized),
+# + 2 a multiple of 16 (where specialized on it), + 4 outside 32 bits, + 8 unsigned 64-bit.
+_INT_CODE = {
+    SPECIALIZED: "((x := a[{i}]) == 1) + 2 * (x & 15 == 0) + 4 * (not -0x80000000 <= x < 0x80000000) "
+                 "+ 8 * (x >= 0x8000000000000000)",
+    NOT_ON_ALIGNMENT: "((x := a[{i}]) == 1) + 4 * (not -0x80000000 <= x < 0x80000000) + 8 * (x >= 0x8000000000000000)",
+    NOT_SPECIALIZED: "4 * (not -0x80000000 <= (x := a[{i}]) < 0x80000000) + 8 * (x >= 0x8000000000000000)",
+}
+
+
+def key_function(kinds: tuple[type, ...], modes: tuple[int, ...]):
+    """A function of an argument list whose arguments have the types ``kinds`` that returns what a plan is keyed on
+    besides those types: ``signature_of`` of each argument, in one generated expression (types known, so no
+    dispatch per argument): a constexpr's value; an int's class code (``_INT_CODE``); a tensor's dtype and, where
+    specialized, its 16-byte alignment; nothing for a float, a bool or None (their type says all); a TMA
+    descriptor's and any other object's ``signature_of``."""
+    parts = []
+    for i, (kind, mode) in enumerate(zip(kinds, modes)):
+        if mode == CONSTEXPR:
+            parts.append(f"a[{i}]")
+        elif kind is int:
+            parts.append(_INT_CODE[mode].format(i=i))
+        elif kind in (float, bool, type(None)):
+            continue
+        elif issubclass(kind, torch.Tensor):
+            parts.append(f"a[{i}].dtype")
+            if mode == SPECIALIZED:
+                parts.append(f"a[{i}].data_ptr() & 15 == 0")
+        else:
+            parts.append(f"signature_of(a[{i}], {mode})")
+    namespace = {"signature_of": signature_of}
+    exec(f"def key(a):\n    return ({', '.join(parts)}{',' if parts else ''})\n", namespace)
+    return namespace["key"]
+
+
+def per_call(value, mode: int) -> bool:
+    """Whether a plan takes this argument per call (a tensor, a descriptor, a scalar that is a launcher argument)
+    rather than from its signature (a constexpr, the constant 1, None, any other object keyed on its value)."""
+    if mode == CONSTEXPR:
+        return False
+    kind = type(value)
+    if kind is int:
+        return mode == NOT_SPECIALIZED or value != 1
+    return kind in (float, bool) or isinstance(value, (torch.Tensor, *_DESCRIPTOR_TYPES))
 
 
 # The launcher's leading arguments (Triton 3.6's _BASE_ARGS_FORMAT "iiiKKppOOOOOO"): grid x, y, z, stream, function,
@@ -341,16 +513,18 @@ MAX_CACHED_DESCRIPTORS = 64
 class RawLaunch:
     """A compiled kernel's launches through its launcher's C entry point, as Triton's own launcher would make them
     with no hooks set, minus its per-call Python: the kernel's arguments expanded once (a host descriptor becomes
-    the encoded CUtensorMap, its shape and its strides), and per call only the ``dynamic`` arguments filled in:
-    a pointer as its address, a descriptor as the CUtensorMap encoded for its base address (cached: the encoding
-    depends on nothing else, the plan fixing shape, strides and block). ``of`` returns None where this Triton's
-    launcher is not the one this mirrors (then the caller keeps Triton's launcher)."""
+    the encoded CUtensorMap, its shape and its strides), and per call the grid, the stream and the ``dynamic``
+    arguments filled in: a pointer as its address, a scalar (an integer or float the launcher takes) as its value, a
+    descriptor as the CUtensorMap encoded for its base address (cached: the encoding depends on nothing else, the
+    plan fixing shape, strides and block). A constexpr (an integer Triton specialized to 1 among them) is a
+    placeholder the launcher skips. ``of`` returns None where this Triton's launcher is not the one this mirrors
+    (then the caller keeps Triton's launcher)."""
 
-    __slots__ = ("entry", "encode", "template", "pointers", "descriptors")
+    __slots__ = ("entry", "encode", "template", "pointers", "scalars", "descriptors")
 
-    def __init__(self, entry, encode, template: list, pointers: tuple, descriptors: tuple):
+    def __init__(self, entry, encode, template: list, pointers: tuple, descriptors: tuple, scalars: tuple = ()):
         self.entry, self.encode, self.template = entry, encode, template
-        self.pointers, self.descriptors = pointers, descriptors
+        self.pointers, self.scalars, self.descriptors = pointers, scalars, descriptors
 
     @classmethod
     def of(cls, compiled, grid: tuple[int, ...], args: list, dynamic=None) -> "RawLaunch | None":
@@ -368,9 +542,10 @@ class RawLaunch:
         if dynamic is None:
             dynamic = [i for i in range(len(args)) if is_pointer[i] or is_descriptor[i]]
         dynamic = set(dynamic)
-        template = [grid[0], 1, 1, 0, compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+        grid = grid_3d(grid)
+        template = [*grid, 0, compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
                     None, None, compiled.packed_metadata, None, None, None]
-        pointers, descriptors, desc_index = [], [], 0
+        pointers, scalars, descriptors, desc_index = [], [], [], 0
         for index, (sig, arg) in enumerate(zip(signature, args)):
             if is_descriptor[index]:
                 meta = metas[desc_index] if desc_index < len(metas) else None
@@ -381,20 +556,27 @@ class RawLaunch:
                 if index in dynamic:
                     descriptors.append((index, len(template), len(expanded), meta, {}))
                 template.extend(expanded)
-            elif index in dynamic and is_pointer[index]:
+            elif index not in dynamic or sig == "constexpr":
+                template.append(arg)  # fixed by the plan's key, or a constexpr the launcher skips
+            elif is_pointer[index]:
                 pointers.append((index, len(template)))
                 template.append(None)  # filled per call: the template keeps no caller's tensor alive
-            elif index in dynamic and sig != "constexpr":
-                return None  # a dynamic scalar: not what a launch plan passes
+            elif sig in _SCALAR_TYPES:
+                scalars.append((index, len(template)))
+                template.append(None)
             else:
-                template.append(arg)
-        return cls(entry, encode, template, tuple(pointers), tuple(descriptors))
+                return None  # a per-call argument of a kind this does not mirror
+        return cls(entry, encode, template, tuple(pointers), tuple(descriptors), tuple(scalars))
 
-    def __call__(self, args: list, stream: int) -> None:
+    def __call__(self, args: list, stream: int, grid: tuple[int, int, int] | None = None) -> None:
         out = self.template.copy()
+        if grid is not None:
+            out[0], out[1], out[2] = grid
         out[_STREAM_AT] = stream
         for index, at in self.pointers:
             out[at] = args[index].data_ptr()
+        for index, at in self.scalars:
+            out[at] = args[index]
         for index, at, width, meta, cache in self.descriptors:
             desc = args[index]
             key = (desc.base.data_ptr(), *desc.shape, *desc.strides)
@@ -405,6 +587,12 @@ class RawLaunch:
                 encoded = cache[key] = self.encode(desc, meta)
             out[at:at + width] = encoded
         self.entry(*out)
+
+
+# The scalar types a compiled kernel's signature gives its launcher (Triton 3.6's ty_to_cpp): passed per call as
+# Python ints, floats or bools.
+_SCALAR_TYPES = frozenset(("i1", "i8", "i16", "i32", "i64", "u1", "u8", "u16", "u32", "u64", "fp16", "bf16", "fp32",
+                           "f32", "fp64"))
 
 
 def _launcher_parts(compiled):

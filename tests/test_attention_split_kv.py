@@ -75,10 +75,10 @@ def test_split_slots_cover_every_split_a_query_tile_can_touch():
     plain = Sequences(False, 1, 1, 70, None, None)
     assert split_slots(cfg, plain, 16) == 3  # keys start at a split boundary: ceil(70 / 32)
     # A window's keys start anywhere in a split: 21 keys (one query) touch at most 2 splits, 21 + 15 at most 3.
-    assert split_slots(cfg, dataclasses.replace(plain, window=21), 16) == 2
-    assert split_slots(cfg, dataclasses.replace(plain, seq_q=16, window=21), 16) == 3
-    assert split_slots(cfg, dataclasses.replace(plain, window=1), 16) == 1
-    assert split_slots(cfg, dataclasses.replace(plain, window=1000), 16) == 4  # capped by the 70 keys
+    assert split_slots(cfg, plain._replace(window=21), 16) == 2
+    assert split_slots(cfg, plain._replace(seq_q=16, window=21), 16) == 3
+    assert split_slots(cfg, plain._replace(window=1), 16) == 1
+    assert split_slots(cfg, plain._replace(window=1000), 16) == 4  # capped by the 70 keys
 
 
 def test_split_group_aims_at_the_tables_programs_and_covers_every_slot():

@@ -106,11 +106,28 @@ def test_the_descriptor_cache_is_bounded(encodes):
     assert entry.calls[-1][13][1] == bases[-1].data_ptr()
 
 
+def test_raw_launch_passes_per_call_scalars_and_grids(encodes):
+    # An integer that changes per call (R) and the grid: each call's own values, as Triton's launcher passes them.
+    entry = Recorder()
+    compiled = _compiled(entry)
+    raw = RawLaunch.of(compiled, (7,), _args(*_tensors()), dynamic=(0, 1, 2, 4, 5))
+    for rows, grid in ((300, (7, 1, 1)), (301, (3, 2, 1)), (2**20, (1, 1, 5))):
+        args = _args(*_tensors())
+        args[2] = rows
+        compiled.run(*grid, 99, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        raw(args, 99, grid)
+        want, got = entry.calls[-2], entry.calls[-1]
+        assert got == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in want)
+        assert got[:3] == grid and rows in got
+
+
 def test_raw_launch_declines_what_it_does_not_mirror(encodes):
     entry = Recorder()
     compiled = _compiled(entry)
     first = _args(*_tensors())
-    assert RawLaunch.of(compiled, (7,), first, dynamic=(0, 1, 2)) is None  # a scalar that changes per call
+    compiled.src.signature = {**SIGNATURE, "R": "nvTmaDesc"}
+    assert RawLaunch.of(compiled, (7,), first, dynamic=(0, 1, 2)) is None  # a per-call argument of another kind
+    compiled.src.signature = SIGNATURE
     compiled.run.global_scratch_size = 128
     assert RawLaunch.of(compiled, (7,), first) is None  # scratch buffers: Triton's launcher allocates them
     compiled.run.global_scratch_size = 0

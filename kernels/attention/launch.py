@@ -7,26 +7,29 @@ kernels.py; the tiles in configs.py."""
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-import triton
 
-from detkit.kernels.attention.configs import HEAD_DIMS, AttnConfigs, fwd_heads, heads_per_tile, select_configs
+from detkit.kernels.attention.configs import HEAD_DIMS, AttnConfigs, cdiv, fwd_heads, heads_per_tile, select_configs
 from detkit.kernels.attention.kernels import (
     LOG2E, attention_bwd_delta_kernel, attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_fwd_combine_kernel,
     attention_fwd_kernel,
 )
 from detkit.kernels.attention.names import case_name
-from detkit.kernels.backend import CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, ensure_cuda_context, resolve_backend
+from detkit.kernels.backend import (
+    CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, PlannedKernel, ensure_thread_cuda_context, resolve_backend,
+)
 
-@dataclass(frozen=True)
-class Sequences:
+
+class Sequences(NamedTuple):
     """How the rows of q and k form sequences. Padded: q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D] and per-sequence
     bounds kv_start / kv_end (int32 [B] or None). Varlen: q [Tq, Hq, D], k/v [Tk, Hkv, D] and cu_seqlens; ``anchored``
-    (varlen, windowed): bound1 is a view of ``anchored_cu_seqlens_k`` (each sequence's kv_start stored before it)."""
+    (varlen, windowed): bound1 is a view of ``anchored_cu_seqlens_k`` (each sequence's kv_start stored before it).
+    A NamedTuple (immutable like a frozen dataclass, a quarter of its construction cost): built on every call."""
     varlen: bool
     batch: int
     seq_q: int  # Sq, or max_seqlen_q
@@ -50,14 +53,18 @@ class Sequences:
         return not self.varlen and (self.bound0 is not None or self.bound1 is not None)
 
 
-@dataclass(frozen=True)
-class AttentionLaunch:
-    """What ran: the backend, the tiles, the launch's name and whether the forward ran its split grid (one program
-    per query tile and split, then the combine pass)."""
+class AttentionLaunch(NamedTuple):
+    """What ran: the backend, the tiles, the launch's dims and name and whether the forward ran its split grid (one
+    program per query tile and split, then the combine pass)."""
     backend: str
     configs: AttnConfigs
-    name: str
+    dims: tuple[int, ...]  # (B, Hq, Hkv, Sq, Skv, D) of the launch's name
     split_grid: bool = False
+
+    @property
+    def name(self) -> str:
+        """The launch's name (``names.case_name``), formatted when asked for (most calls never read it)."""
+        return case_name("fwd", *self.dims)
 
 
 def _scale_of(scale, head_dim: int) -> float:
@@ -68,12 +75,14 @@ def _scale_of(scale, head_dim: int) -> float:
     return float(scale)
 
 
-@dataclass(frozen=True)
-class Logits:
+class Logits(NamedTuple):
     """What the scores go through besides the scale: ``softcap`` (z = softcap * tanh(z / softcap), Gemma-2) and
     ``sinks`` ([Hq] per-head logits joined to each row's softmax denominator, gpt-oss's learned sinks)."""
     softcap: float | None = None
     sinks: torch.Tensor | None = None
+
+
+PLAIN_LOGITS = Logits()
 
 
 def _softcap_of(softcap) -> float | None:
@@ -308,7 +317,7 @@ def check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, ma
                          "along the pages), any row stride >= the row length")
     lens = _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, None, q.device)
     max_pages = block_table.shape[1]
-    pages = [triton.cdiv(n_k, page_size) for n_k in lens]
+    pages = [cdiv(n_k, page_size) for n_k in lens]
     b = next((b for b, need in enumerate(pages) if need > max_pages), None)
     if b is not None:
         raise ValueError(f"block_table has {max_pages} pages per sequence; sequence {b} has {lens[b]} keys, needing "
@@ -328,27 +337,23 @@ def check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, ma
 
 def _strides3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     """(batch, head, sequence) strides of a [B, H, S, D] tensor, or (0, head, token) of a [T, H, D] one."""
+    stride = t.stride()  # one call: each stride(i) is a call of its own
     if varlen:
-        return 0, t.stride(1), t.stride(0)
-    return t.stride(0), t.stride(1), t.stride(2)
+        return 0, stride[1], stride[0]
+    return stride[0], stride[1], stride[2]
 
 
 def _kv_strides(t: torch.Tensor, seqs: Sequences) -> tuple[int, int, int]:
     """k's or v's strides as the forward takes them: ``_strides3``, or of a page storage [P, page_size, H, D]
     (page, head, row within the page)."""
-    if seqs.paged:
-        return t.stride(0), t.stride(2), t.stride(1)
+    if seqs.block_table is not None:
+        stride = t.stride()
+        return stride[0], stride[2], stride[1]
     return _strides3(t, seqs.varlen)
 
 
 def _lse_strides(seqs: Sequences, heads_q: int, rows: int) -> tuple[int, int]:
     return (0, rows) if seqs.varlen else (heads_q * rows, rows)
-
-
-def _flags(seqs: Sequences, interpreted: bool) -> dict:
-    return {"VARLEN": seqs.varlen, "HAS_KV_START": (seqs.bound0 is not None and not seqs.varlen) or seqs.anchored,
-            "HAS_KV_END": seqs.bound1 is not None and not seqs.varlen, "INTERPRETED": interpreted,
-            "WINDOWED": seqs.window is not None}
 
 
 def _window_arg(seqs: Sequences) -> int:
@@ -373,9 +378,9 @@ def split_slots(configs: AttnConfigs, seqs: Sequences, block_q: int) -> int:
     with one they span at most window + block_q - 1 keys from anywhere in a split."""
     split = configs.split_n
     if seqs.window is None:
-        return triton.cdiv(seqs.seq_k, split)
+        return cdiv(seqs.seq_k, split)
     span = min(seqs.seq_k, seqs.window + min(block_q, seqs.seq_q) - 1)
-    return triton.cdiv(span - 1, split) + 1
+    return cdiv(span - 1, split) + 1
 
 
 def split_group(configs: AttnConfigs, slots: int, programs_per_split: int) -> int:
@@ -385,7 +390,7 @@ def split_group(configs: AttnConfigs, slots: int, programs_per_split: int) -> in
     if not configs.split_grid_programs:
         return 1
     groups = min(slots, max(1, configs.split_grid_programs // programs_per_split))
-    return triton.cdiv(slots, groups)
+    return cdiv(slots, groups)
 
 
 def uses_split_grid(configs: AttnConfigs, seqs: Sequences, heads_q: int, heads_kv: int, capturing: bool) -> bool:
@@ -396,146 +401,271 @@ def uses_split_grid(configs: AttnConfigs, seqs: Sequences, heads_q: int, heads_k
     if not capturing and seqs.seq_k < configs.eager_split_grid_min_keys:
         return False
     heads = fwd_heads(configs, heads_q // heads_kv, heads_kv, seqs.batch, seqs.seq_q)
-    block_q = configs.fwd.block_m // heads
-    programs = heads_kv * (heads_q // heads_kv // heads) * triton.cdiv(seqs.seq_q, block_q) * seqs.batch
-    return split_slots(configs, seqs, block_q) > 1 and programs < configs.split_grid_below
+    return _small_grid(configs, seqs, heads_q, heads_kv, heads, configs.fwd.block_m // heads)
+
+
+def _small_grid(configs: AttnConfigs, seqs: Sequences, heads_q: int, heads_kv: int, heads: int, block_q: int) -> bool:
+    """``uses_split_grid`` under capture: a query tile touches more than one split and the grid is small."""
+    programs = heads_kv * (heads_q // heads_kv // heads) * cdiv(seqs.seq_q, block_q) * seqs.batch
+    return programs < configs.split_grid_below and split_slots(configs, seqs, block_q) > 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch plans: each kernel launched through PlannedKernel (kernels/backend.py) on a GPU, with every argument in
+# the kernel's parameter order; what a call's launch depends on beyond its shapes is worked out once per
+# (backend, head dims, heads, tiles, variant flags) and cached.
+# ---------------------------------------------------------------------------------------------
+PLANNED = {name: PlannedKernel(kernel) for name, kernel in (
+    ("fwd", attention_fwd_kernel), ("combine", attention_fwd_combine_kernel), ("delta", attention_bwd_delta_kernel),
+    ("dkdv", attention_bwd_dkdv_kernel), ("dq", attention_bwd_dq_kernel))}
+# Cached launch statics: one per model layer kind (head dims, heads, variant flags) and tile set, in practice a few.
+MAX_STATICS = 256
+
+
+def _launch(name: str, grid: tuple[int, int, int], args: list, options: dict, plans: bool) -> None:
+    """``kernel[grid](*args, **options)`` for the kernel ``name``: through its launch plan (``plans``; Triton's own
+    launch under the interpreter), or Triton's own launch (``plans=False``: tools and tests comparing the two)."""
+    planned = PLANNED[name]
+    if plans:
+        planned.launch(grid, args, options)
+    else:
+        planned.kernel[grid](*args, **options)
+
+
+def _constexprs(name: str, values: dict) -> tuple:
+    """The kernel's constexpr arguments in its parameter order (they are its last parameters)."""
+    names = PLANNED[name].names
+    tail = names[len(names) - len(values):]
+    if set(tail) != set(values):
+        raise TypeError(f"attention kernel {name!r}: constexprs {sorted(values)} are not its last parameters {tail}")
+    return tuple(values[n] for n in tail)
+
+
+class _FwdStatic(NamedTuple):
+    """What a forward launch depends on beyond the call's shapes and tensors."""
+    head_dim: int
+    configs: AttnConfigs
+    heads: int  # query heads per tile; 0: per call (configs.split_heads_below)
+    options: dict  # launch options of the forward kernel
+    tails: dict  # (heads, split grid) -> the forward's constexprs; (heads, "combine") -> the combine pass's
+
+
+@functools.lru_cache(maxsize=MAX_STATICS)
+def _fwd_static(backend: str, dim_qk: int, dim_v: int, heads_q: int, heads_kv: int, configs: AttnConfigs | None,
+                flags: tuple, softcap: bool, sinks: bool, page_size: int) -> _FwdStatic:
+    head_dim = kernel_head_dim(dim_qk, dim_v)
+    configs = configs or select_configs(backend, head_dim)
+    cfg = configs.fwd
+    heads = 0 if configs.split_heads_below else heads_per_tile(heads_q // heads_kv, cfg.block_m)
+    return _FwdStatic(head_dim, configs, heads, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, {})
+
+
+def _fwd_tail(static: _FwdStatic, heads: int, what, dim_qk: int, dim_v: int, flags: tuple, softcap: bool,
+              sinks: bool, page_size: int) -> tuple:
+    """The constexprs of the forward (``what``: whether it runs the split grid) or of its combine pass
+    (``what == "combine"``), built once per static and heads."""
+    tail = static.tails.get((heads, what))
+    if tail is None:
+        varlen, has_start, has_end, interpreted, windowed, paged = flags
+        cfg = static.configs.fwd
+        common = {"HEAD_DIM": static.head_dim, "DIM_V": dim_v, "BLOCK_M": cfg.block_m, "HEADS": heads,
+                  "VARLEN": varlen, "HAS_KV_START": has_start, "HAS_KV_END": has_end, "INTERPRETED": interpreted,
+                  "WINDOWED": windowed, "HAS_SINKS": sinks}
+        if what == "combine":
+            tail = _constexprs("combine", common)
+        else:
+            tail = _constexprs("fwd", {**common, "DIM_QK": dim_qk, "BLOCK_N": cfg.block_n, "SOFTCAP": softcap,
+                                       "SPLIT_N": static.configs.split_n, "SPLIT_GRID": what, "PAGED": paged,
+                                       "PAGE_SIZE": page_size})
+        static.tails[(heads, what)] = tail
+    return tail
+
+
+def _seq_flags(seqs: Sequences, interpreted: bool) -> tuple:
+    """(VARLEN, HAS_KV_START, HAS_KV_END, INTERPRETED, WINDOWED, PAGED): a call's variant flags."""
+    varlen = seqs.varlen
+    return (varlen, (seqs.bound0 is not None and not varlen) or seqs.anchored, seqs.bound1 is not None and not varlen,
+            interpreted, seqs.window is not None, seqs.block_table is not None)
+
+
+def clear_launch_plans() -> None:
+    """Forget the attention kernels' launch plans and cached statics (rebuilt on the next calls): for tools and tests
+    that change the config table."""
+    _fwd_static.cache_clear()
+    _bwd_static.cache_clear()
+    for planned in PLANNED.values():
+        planned.plans.clear()
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Sequences, scale: float,
-                         configs: AttnConfigs | None = None, logits: Logits = Logits()
+                         configs: AttnConfigs | None = None, logits: Logits = PLAIN_LOGITS, plans: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor, AttentionLaunch]:
     """Run the forward on checked inputs: (o, lse, launch). o has q's logical shape with v's head dim Dv, stored
     [B, Sq, Hq, Dv] (or [Tq, Hq, Dv]) so transformers' [B, Sq, Hq, Dv] output is a free transpose; lse [B, Hq, Sq]
     (or [Hq, Tq]) FP32. Head dims the tiles do not have run on D = ``kernel_head_dim(Dqk, Dv)``'s tiles, read in
     place by masked loads: the bits of the same call on copies zero-padded to D (kernels.py). A small grid (a decode
     step at small batch) runs one program per (query tile, split) and a combine pass; any other one program per
-    query tile over all its splits: the same bits (kernels.py)."""
+    query tile over all its splits: the same bits (kernels.py). ``plans=False``: Triton's own launch instead of the
+    launch plans (the same compiled kernels and arguments; tools and tests compare the two)."""
     backend = resolve_backend(attention_fwd_kernel, {"q": q, "k": k, "v": v})
-    dim_qk, dim_v = q.shape[-1], v.shape[-1]
-    head_dim = kernel_head_dim(dim_qk, dim_v)
-    configs = configs or select_configs(backend, head_dim)
-    cfg = configs.fwd
     interpreted = backend == TRITON_INTERPRETER
-    heads_q, heads_kv = q.shape[1], k.shape[-2 if seqs.paged else 1]  # [B, H, S, D] and [T, H, D] alike
-    group = heads_q // heads_kv
-    heads = fwd_heads(configs, group, heads_kv, seqs.batch, seqs.seq_q)
-    if seqs.varlen:
+    dim_qk, dim_v = q.shape[-1], v.shape[-1]
+    varlen, batch, seq_q, seq_k = seqs.varlen, seqs.batch, seqs.seq_q, seqs.seq_k
+    paged = seqs.block_table is not None
+    heads_q, heads_kv = q.shape[1], k.shape[-2 if paged else 1]  # [B, H, S, D] and [T, H, D] alike
+    softcap, sinks = logits
+    flags = _seq_flags(seqs, interpreted)
+    page_size = max(seqs.page_size, 1)
+    static = _fwd_static(backend, dim_qk, dim_v, heads_q, heads_kv, configs, flags, softcap is not None,
+                         sinks is not None, page_size)
+    configs = static.configs
+    heads = static.heads or fwd_heads(configs, heads_q // heads_kv, heads_kv, batch, seq_q)
+    block_q = configs.fwd.block_m // heads
+    device = q.device
+    if varlen:
         rows = q.shape[0]
-        o = torch.empty((rows, heads_q, dim_v), dtype=q.dtype, device=q.device)
-        lse = torch.empty((heads_q, rows), dtype=torch.float32, device=q.device)
+        o = torch.empty((rows, heads_q, dim_v), dtype=q.dtype, device=device)
+        lse = torch.empty((heads_q, rows), dtype=torch.float32, device=device)
+        lse_strides = (0, rows)
     else:
         rows = q.shape[2]
-        o = torch.empty((seqs.batch, rows, heads_q, dim_v), dtype=q.dtype, device=q.device).transpose(1, 2)
-        lse = torch.empty((seqs.batch, heads_q, rows), dtype=torch.float32, device=q.device)
+        o = torch.empty((batch, rows, heads_q, dim_v), dtype=q.dtype, device=device).transpose(1, 2)
+        lse = torch.empty((batch, heads_q, rows), dtype=torch.float32, device=device)
+        lse_strides = (heads_q * rows, rows)
     if not interpreted:
-        ensure_cuda_context(q.device)
-    head_programs = heads_kv * (group // heads)
-    grid = (head_programs, triton.cdiv(seqs.seq_q, cfg.block_m // heads), seqs.batch)
-    capturing = not interpreted and torch.cuda.is_current_stream_capturing()
-    split_grid = uses_split_grid(configs, seqs, heads_q, heads_kv, capturing)
-    slots = split_slots(configs, seqs, cfg.block_m // heads)
+        ensure_thread_cuda_context(device)
+    head_programs = heads_kv * (heads_q // heads_kv // heads)
+    # The eager-keys bound is checked last: reading the capture state costs host time a decode step would pay.
+    split_grid = (_small_grid(configs, seqs, heads_q, heads_kv, heads, block_q)
+                  and (seq_k >= configs.eager_split_grid_min_keys or (not interpreted and _capturing(device))))
+    slots = split_slots(configs, seqs, block_q)
     ws_rows = lse.numel()
     if split_grid:
         # The partials in one buffer: acc [slots, rows, Dv], then m and l [slots, rows] (FP32), each part starting
         # on 16 bytes so that every call specialises the pointers alike (one binary whatever the batch).
         n = slots * ws_rows
-        n16 = triton.cdiv(n, 4) * 4
-        n_acc = triton.cdiv(n * dim_v, 4) * 4
-        ws = torch.empty(n_acc + 2 * n16, dtype=torch.float32, device=q.device)
+        n16 = cdiv(n, 4) * 4
+        n_acc = cdiv(n * dim_v, 4) * 4
+        ws = torch.empty(n_acc + 2 * n16, dtype=torch.float32, device=device)
         ws_acc, ws_m, ws_l = ws.split([n_acc, n16, n16])
     else:
         slots, ws_acc, ws_m, ws_l = 1, lse, lse, lse  # never read or written in one pass
-    group = split_group(configs, slots, grid[0] * grid[1] * grid[2]) if split_grid else 1
-    flags = _flags(seqs, interpreted)
+    group = split_group(configs, slots, head_programs * cdiv(seq_q, block_q) * batch) if split_grid else 1
     qk_scale, tanh_scale = _logit_args(logits, scale)
-    sinks = logits.sinks if logits.sinks is not None else q  # never read without HAS_SINKS
-    table = seqs.block_table if seqs.paged else lse  # never read without PAGED
-    attention_fwd_kernel[(grid[0] * triton.cdiv(slots, group), grid[1], grid[2])](
-        q, k, v, o, lse, *_bound_args(seqs, q), table, ws_m, ws_l, ws_acc,
-        *_strides3(q, seqs.varlen), *_kv_strides(k, seqs), *_kv_strides(v, seqs), *_strides3(o, seqs.varlen),
-        *_lse_strides(seqs, heads_q, rows), table.stride(0) if seqs.paged else 0,
-        seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k,
-        qk_scale, _window_arg(seqs), tanh_scale, sinks, slots, ws_rows, group,
-        HEAD_DIM=head_dim, DIM_QK=dim_qk, DIM_V=dim_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads,
-        **flags, SOFTCAP=logits.softcap is not None, HAS_SINKS=logits.sinks is not None,
-        SPLIT_N=configs.split_n, SPLIT_GRID=split_grid, PAGED=seqs.paged, PAGE_SIZE=max(seqs.page_size, 1),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    sinks_arg = sinks if sinks is not None else q  # never read without HAS_SINKS
+    table = seqs.block_table if paged else lse  # never read without PAGED
+    window = _window_arg(seqs)
+    bound0, bound1 = _bound_args(seqs, q)
+    o_strides = _strides3(o, varlen)
+    tails = static.tails
+    tail = tails.get((heads, split_grid)) or _fwd_tail(static, heads, split_grid, dim_qk, dim_v, flags,
+                                                        softcap is not None, sinks is not None, page_size)
+    _launch("fwd", (head_programs * cdiv(slots, group), cdiv(seq_q, block_q), batch), [
+        q, k, v, o, lse, bound0, bound1, table, ws_m, ws_l, ws_acc,
+        *_strides3(q, varlen), *_kv_strides(k, seqs), *_kv_strides(v, seqs), *o_strides, *lse_strides,
+        table.stride(0) if paged else 0, batch, heads_q, heads_kv, seq_q, seq_k,
+        qk_scale, window, tanh_scale, sinks_arg, slots, ws_rows, group, *tail], static.options, plans)
     if split_grid:
-        attention_fwd_combine_kernel[grid](
-            o, lse, *_bound_args(seqs, q), ws_m, ws_l, ws_acc, sinks,
-            *_strides3(o, seqs.varlen), *_lse_strides(seqs, heads_q, rows),
-            seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, _window_arg(seqs), slots, ws_rows,
-            HEAD_DIM=head_dim, DIM_V=dim_v, BLOCK_M=cfg.block_m, HEADS=heads, **flags,
-            HAS_SINKS=logits.sinks is not None, num_warps=COMBINE_WARPS,
-        )
-    name = case_name("fwd", seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, head_dim)
-    return o, lse, AttentionLaunch(backend, configs, name, split_grid)
+        tail = tails.get((heads, "combine")) or _fwd_tail(static, heads, "combine", dim_qk, dim_v, flags,
+                                                          softcap is not None, sinks is not None, page_size)
+        _launch("combine", (head_programs, cdiv(seq_q, block_q), batch), [
+            o, lse, bound0, bound1, ws_m, ws_l, ws_acc, sinks_arg, *o_strides, *lse_strides,
+            batch, heads_q, heads_kv, seq_q, seq_k, window, slots, ws_rows, *tail], COMBINE_OPTIONS, plans)
+    return o, lse, AttentionLaunch(backend, configs, (batch, heads_q, heads_kv, seq_q, seq_k, static.head_dim),
+                                   split_grid)
 
 
 # The combine pass holds two [BLOCK_M, D] FP32 states (D = 256: 128 registers a thread at 8 warps); no MMA.
 COMBINE_WARPS = 8
+COMBINE_OPTIONS = {"num_warps": COMBINE_WARPS}
 
 
 DELTA_BLOCK = 64
 
 
+class _BwdStatic(NamedTuple):
+    """What a backward launch depends on beyond the call's shapes and tensors: per kernel (delta, dkdv, dq) its
+    heads per tile (dkdv, dq), its constexprs and its launch options."""
+    configs: AttnConfigs
+    heads: tuple[int, int]  # dkdv's, dq's
+    tails: tuple[tuple, tuple, tuple]
+    options: tuple[dict, dict, dict]
+
+
+@functools.lru_cache(maxsize=MAX_STATICS)
+def _bwd_static(backend: str, head_dim: int, heads_q: int, heads_kv: int, configs: AttnConfigs | None, flags: tuple,
+                softcap: bool) -> _BwdStatic:
+    configs = configs or select_configs(backend, head_dim)
+    group = heads_q // heads_kv
+    varlen, has_start, has_end, interpreted, windowed, _ = flags
+    common = {"HEAD_DIM": head_dim, "VARLEN": varlen, "HAS_KV_START": has_start, "HAS_KV_END": has_end,
+              "INTERPRETED": interpreted, "WINDOWED": windowed, "SOFTCAP": softcap}
+    heads, tails, options = [], [_constexprs("delta", {"HEAD_DIM": head_dim, "BLOCK": DELTA_BLOCK})], [{}]
+    for name in ("dkdv", "dq"):
+        cfg = getattr(configs, name)
+        h = heads_per_tile(group, cfg.block_m)
+        heads.append(h)
+        tails.append(_constexprs(name, {**common, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "HEADS": h}))
+        options.append({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return _BwdStatic(configs, tuple(heads), tuple(tails), tuple(options))
+
+
 def attention_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                          lse: torch.Tensor, seqs: Sequences, scale: float, configs: AttnConfigs | None = None,
-                         logits: Logits = Logits()
+                         logits: Logits = PLAIN_LOGITS, plans: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dq, dk, dv, dsinks) for the saved forward (o, lse). Keys outside every sequence's window get exact zeros.
     The kernels need nothing for the sinks (lse includes them); dsinks (None without sinks) =
-    -sum over rows of p_sink * delta, in torch: rows are reduced in an order fixed by the shapes."""
+    -sum over rows of p_sink * delta, in torch: rows are reduced in an order fixed by the shapes. ``plans`` as for
+    ``attention_fwd_launch``."""
     backend = resolve_backend(attention_fwd_kernel, {"q": q, "k": k, "v": v, "do": do})
-    configs = configs or select_configs(backend, q.shape[-1])
     interpreted = backend == TRITON_INTERPRETER
     if do.stride(-1) != 1:  # autograd may hand an expanded gradient (e.g. of a sum): the kernels index D densely
         do = do.contiguous()
+    varlen = seqs.varlen
     head_dim = q.shape[-1]
     heads_q, heads_kv = q.shape[1], k.shape[1]
     group = heads_q // heads_kv
-    rows = q.shape[0] if seqs.varlen else q.shape[2]
-    batch = 1 if seqs.varlen else seqs.batch
+    rows = q.shape[0] if varlen else q.shape[2]
+    batch = 1 if varlen else seqs.batch
+    static = _bwd_static(backend, head_dim, heads_q, heads_kv, configs, _seq_flags(seqs, interpreted),
+                         logits.softcap is not None)
+    configs = static.configs
     if not interpreted:
-        ensure_cuda_context(q.device)
+        ensure_thread_cuda_context(q.device)
+    lse_strides = _lse_strides(seqs, heads_q, rows)
     delta = torch.empty_like(lse)
-    attention_bwd_delta_kernel[(triton.cdiv(rows, DELTA_BLOCK), heads_q, batch)](
-        o, do, delta, *_strides3(o, seqs.varlen), *_strides3(do, seqs.varlen), *_lse_strides(seqs, heads_q, rows),
-        rows, HEAD_DIM=head_dim, BLOCK=DELTA_BLOCK,
-    )
+    _launch("delta", (cdiv(rows, DELTA_BLOCK), heads_q, batch), [
+        o, do, delta, *_strides3(o, varlen), *_strides3(do, varlen), *lse_strides, rows, *static.tails[0]],
+        static.options[0], plans)
     dq = torch.empty_like(q)
     alloc = torch.zeros_like if seqs.padding else torch.empty_like
     dk = alloc(k)
     dv = alloc(dk)  # dk's strides: the kernel stores both through one set
-    flags = _flags(seqs, interpreted)
-    common = (*_strides3(q, seqs.varlen), *_strides3(k, seqs.varlen), *_strides3(v, seqs.varlen),
-              *_strides3(do, seqs.varlen), *_lse_strides(seqs, heads_q, rows))
+    common = (*_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(do, varlen),
+              *lse_strides)
     qk_scale, tanh_scale = _logit_args(logits, scale)
+    bound0, bound1 = _bound_args(seqs, q)
     sizes = (seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k, qk_scale, scale, _window_arg(seqs), tanh_scale)
-    flags["SOFTCAP"] = logits.softcap is not None
-    cfg = configs.dkdv
-    heads = heads_per_tile(group, cfg.block_m)
+    heads_dq = static.heads[1]
     # Windowed, the key tiles may be anchored before key 0 (a negative kv_start): one more tile covers the tensor.
-    key_tiles = triton.cdiv(seqs.seq_k, cfg.block_n) + (seqs.window is not None)
-    attention_bwd_dkdv_kernel[(heads_kv, key_tiles, seqs.batch)](
-        q, k, v, do, lse, delta, dk, dv, *_bound_args(seqs, q), *common, *_strides3(dk, seqs.varlen), *sizes,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    cfg = configs.dq
-    heads = heads_per_tile(group, cfg.block_m)
-    attention_bwd_dq_kernel[(heads_kv * (group // heads), triton.cdiv(seqs.seq_q, cfg.block_m // heads), seqs.batch)](
-        q, k, v, do, lse, delta, dq, *_bound_args(seqs, q), *common, *_strides3(dq, seqs.varlen), *sizes,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads, **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    key_tiles = cdiv(seqs.seq_k, configs.dkdv.block_n) + (seqs.window is not None)
+    _launch("dkdv", (heads_kv, key_tiles, seqs.batch), [
+        q, k, v, do, lse, delta, dk, dv, bound0, bound1, *common, *_strides3(dk, varlen), *sizes, *static.tails[1]],
+        static.options[1], plans)
+    _launch("dq", (heads_kv * (group // heads_dq), cdiv(seqs.seq_q, configs.dq.block_m // heads_dq), seqs.batch), [
+        q, k, v, do, lse, delta, dq, bound0, bound1, *common, *_strides3(dq, varlen), *sizes, *static.tails[2]],
+        static.options[2], plans)
     dsinks = None
     if logits.sinks is not None:
         # p_sink = 2^(s log2(e) - lse), s log2(e) rounded as the forward rounds it; lse [B, Hq, Sq] or [Hq, Tq].
         sink = (logits.sinks.float() * LOG2E).view(-1, 1)
         weighted = torch.exp2(sink - lse) * delta
-        dsinks = -(weighted.sum(-1) if seqs.varlen else weighted.sum(-1).sum(0))
+        dsinks = -(weighted.sum(-1) if varlen else weighted.sum(-1).sum(0))
         dsinks = dsinks.to(logits.sinks.dtype)
     return dq, dk, dv, dsinks
 
@@ -558,7 +688,7 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None
 
 
-def _run(q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None, logits: Logits = Logits()
+def _run(q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None, logits: Logits = PLAIN_LOGITS
          ) -> torch.Tensor:
     """Autograd (the trainer): the autograd function, on zero-padded copies for head dims the tiles do not have
     (``mixed_head_dims``). Otherwise (inference: decode, prefill, packed) the forward alone, which reads such head
@@ -573,7 +703,7 @@ def _run(q, k, v, seqs: Sequences, scale: float, configs: AttnConfigs | None, lo
 
 
 def mixed_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Sequences, scale: float,
-                    configs: AttnConfigs | None = None, logits: Logits = Logits()) -> torch.Tensor:
+                    configs: AttnConfigs | None = None, logits: Logits = PLAIN_LOGITS) -> torch.Tensor:
     """Head dims the tiles do not have (checked inputs: a value head dim Dv other than the query/key head dim Dqk,
     MLA's, or one head dim between HEAD_DIMS', Phi-3-mini's 96) zero-padded, the path autograd takes (the backward
     kernels take one head dim): q, k and v padded along the head dim to D = ``kernel_head_dim(Dqk, Dv)``, the output
