@@ -112,8 +112,11 @@ class Plan:
         return max(2, self.prompt_len - 1)
 
 
-CPU_PLAN = Plan(seq_len=10, batch_sizes=(2, 5), pad=3, train_batch=4, micro_batch=2, prompt_len=5, gen_len=4,
-                decode_batch=3, precision_tokens=64, page_size=4)
+# The interpreter's single-model plan: every case (a batch, both paddings, trainer micro-batches, decode steps,
+# prompts of two lengths, two requests sharing a serving step) at the fewest tokens, since CI runs it in the README's
+# main job on two cores.
+CPU_PLAN = Plan(seq_len=6, batch_sizes=(3,), pad=2, train_batch=2, micro_batch=1, prompt_len=3, gen_len=2,
+                decode_batch=2, precision_tokens=64, page_size=4)
 CUDA_PLAN = Plan(seq_len=256, batch_sizes=(4, 16), pad=37, train_batch=8, micro_batch=2, prompt_len=64, gen_len=24,
                  decode_batch=8)
 # The family matrix (several models in one run): on the interpreter the smallest plan that still has every case (a

@@ -55,10 +55,13 @@ collective): inputs of another dtype or placement; on the one-process DP side a 
 ``dp_size``; MoE experts under the mode's ``moe_experts="fp8"`` or in a call detkit's BF16 MoE layer does not run.
 
 A prepared layer routes only while the mode is entered; outside it the layer runs nn.Linear's own forward (the
-DTensor path on the ranks, plain torch in one process). Count: ``linear (tp rowwise)`` / ``linear (tp colwise)`` /
-``linear (dp)`` / ``linear (pinned)``, ``rmsnorm weight grad``, ``embedding (dp)`` and ``moe experts (dp)`` -> the
-route, in ``mode_counters()`` (a MoE router and experts also under the mode's own MoE counters). Eager only: a
-torch.compile'd model runs these routes as graph breaks at best (not tested).
+DTensor path on the ranks, plain torch in one process). At world size 1 no reduction is split: a plan's Linear with
+DTensor weights (a mesh of one rank) runs the mode's aten route on its local tensors (``LocalRoute``: the plain
+model's ops, none through DTensor's per-op dispatch); plain weights are left as they are. Count: ``linear (tp
+rowwise)`` / ``linear (tp colwise)`` / ``linear (dp)`` / ``linear (pinned)``, ``linear (tp, one rank)``, ``rmsnorm
+weight grad``, ``embedding (dp)`` and ``moe experts (dp)`` -> the route, in ``mode_counters()`` (a MoE router and
+experts also under the mode's own MoE counters). Eager only: a torch.compile'd model runs these routes as graph
+breaks at best (not tested).
 """
 
 from __future__ import annotations
@@ -618,23 +621,40 @@ def _check_input(route: LinearRoute, x: torch.Tensor) -> None:
                                 "collective)")
 
 
+def _local_operands(route: LinearRoute | LocalRoute, module: torch.nn.Linear, x):
+    """The local tensors of a TP layer's input, weight and bias, and the weights' mesh. The input is what torch's TP
+    input hook hands the module: a DTensor in the style's layout (Replicate for colwise, Shard(-1) for rowwise);
+    anything else is refused by name (before any collective). ``to_local`` keeps autograd: the weight's gradient
+    reaches the DTensor parameter through its backward."""
+    from torch.distributed.tensor import DTensor
+
+    w, b = module.weight, module.bias
+    want = "Replicate" if route.style == COLWISE else "Shard(-1)"
+    got = _layouts(x.placements) if isinstance(x, DTensor) else ("a plain tensor",)
+    if got not in ((want,),) and not (route.style == ROWWISE and got == (f"Shard({x.ndim - 1})",)):
+        raise ParallelPlanError(f"{route.name}: {route.style} input is {got}; the route needs {want} (before any "
+                                "collective)")
+    return x.to_local(), w.to_local(), b.to_local() if isinstance(b, DTensor) else b, w.device_mesh
+
+
+def _output(route: LinearRoute | LocalRoute, y: torch.Tensor, mesh):
+    """The local output as the DTensor torch's TP output hook expects (it redistributes to the style's output layout
+    and hands the next module its local tensor)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(y, mesh, [Replicate()] if route.style == ROWWISE else [Shard(-1)], run_check=False)
+
+
 def _routed_forward(module: torch.nn.Linear, x):
     route: LinearRoute = getattr(module, ROUTE_ATTR)
     if not mode_state.active():
         return torch.nn.Linear.forward(module, x)
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
 
     w, b = module.weight, module.bias
     sharded = isinstance(w, DTensor)
     if sharded:
-        want = "Replicate" if route.style == COLWISE else "Shard(-1)"
-        got = _layouts(x.placements) if isinstance(x, DTensor) else ("a plain tensor",)
-        if got not in ((want,),) and not (route.style == ROWWISE and got == (f"Shard({x.ndim - 1})",)):
-            raise ParallelPlanError(f"{route.name}: {route.style} input is {got}; the route needs {want} (before any "
-                                    "collective)")
-        mesh = w.device_mesh
-        x, w = x.to_local(), w.to_local()
-        b = b.to_local() if isinstance(b, DTensor) else b
+        x, w, b, mesh = _local_operands(route, module, x)
     _check_input(route, x)
     lead = x.shape[:-1]
     y = _InvariantLinear.apply(x.reshape(-1, x.shape[-1]), w, route)
@@ -642,9 +662,45 @@ def _routed_forward(module: torch.nn.Linear, x):
     if b is not None:
         y = y + b  # after the one rounding, as addmm's route does (elementwise: no order)
     mode_state.routed(*route.counter)
-    if sharded:
-        y = DTensor.from_local(y, mesh, [Replicate()] if route.style == ROWWISE else [Shard(-1)], run_check=False)
-    return y
+    return _output(route, y, mesh) if sharded else y
+
+
+# ---------------------------------------------------------------------------------------------
+# World size 1: a plan's Linear on a TP mesh of one rank
+# ---------------------------------------------------------------------------------------------
+LOCAL_OP = "linear (tp, one rank)"
+LOCAL_KERNEL = "the mode's aten route on the local tensors"
+LOCAL_REDUCTION = "none at world size 1 (the local tensors on the mode's aten route)"
+
+
+@dataclass
+class LocalRoute:
+    """A plan's Linear whose weight is a DTensor on a TP mesh of one rank, with no DP split. Nothing is split, so no
+    reduction needs the invariant route: the unsharded model's kernels give the TP=1 bits. But ``F.linear`` on DTensor
+    weights would run every op of the layer, forward and backward, through DTensor's per-op dispatch (host time per
+    op the plain model does not spend). So the layer runs ``F.linear`` on its local tensors instead:
+    the same aten ops on the same tensors as the plain model (the mode's mm / addmm route, its configs), inside
+    torch's TP hooks, which still wrap the input and unwrap the output as they do for any TP size."""
+
+    name: str
+    style: str
+    tp_group = None  # no collective: nothing for reduce_gradients
+    dp_group = None
+    pending = None
+    counter = (LOCAL_OP, LOCAL_KERNEL)
+
+    def reductions(self) -> list[str]:
+        return [LOCAL_REDUCTION]
+
+
+def _local_forward(module: torch.nn.Linear, x):
+    route: LocalRoute = getattr(module, ROUTE_ATTR)
+    if not mode_state.active():
+        return torch.nn.Linear.forward(module, x)
+    x, w, b, mesh = _local_operands(route, module, x)
+    y = torch.nn.functional.linear(x, w, b)
+    mode_state.routed(*route.counter)
+    return _output(route, y, mesh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,7 +715,7 @@ class ParallelPlan:
     on_ranks: bool  # True on TP / DP ranks, False on the one-process (segmented) side
     layers: dict[str, tuple[str | None, tuple[str, ...]]]  # name -> (style, reductions)
     # The parameters whose gradients the routes form (on a DP rank: ``reduce_gradients``' invariant sum); at world
-    # size 1 none (nothing is routed)
+    # size 1 none (no reduction is split: autograd forms them as in the plain model)
     covered: tuple[str, ...] = ()
 
     def reductions(self) -> dict[str, list[str]]:
@@ -668,6 +724,10 @@ class ParallelPlan:
     def routed(self) -> list[str]:
         """The layers on the parallel route (at world size 1 none: they keep the mode's aten route)."""
         return [n for n, (_, r) in self.layers.items() if not any(x.startswith("none at world size 1") for x in r)]
+
+    def local(self) -> list[str]:
+        """The layers with DTensor weights on a TP mesh of one rank: the mode's aten route on their local tensors."""
+        return [n for n, (_, r) in self.layers.items() if LOCAL_REDUCTION in r]
 
 
 def _group_backend_check(name: str, w_local: torch.Tensor, group) -> None:
@@ -690,7 +750,8 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
       ``reduce_gradients(model)``. The one-process side: ``dp_size`` = the DP shard count of the global batch, in
       rank order.
     Every Linear of the model is prepared (pinned configs) when DP is on; with TP only, the plan's Linears. At world
-    size 1 (tp 1, dp 1) nothing is routed: no reduction is split, so the layers keep the mode's aten route.
+    size 1 (tp 1, dp 1) no reduction is split, so the layers keep the mode's aten route: on their local tensors where
+    their weights are DTensors (``LocalRoute``), untouched where they are plain.
     Refusals: see the module docstring; all raise ``ParallelPlanError`` before any collective."""
     from torch.distributed.tensor import DTensor
 
@@ -752,6 +813,7 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
     targets = {n: matched.get(n) for n, m in modules.items() if type(m) is torch.nn.Linear and (
         n in matched or dp_size > 1)}
     routes: dict[str, LinearRoute] = {}
+    local: dict[str, LocalRoute] = {}
     idle: dict[str, tuple[str | None, tuple[str, ...]]] = {}
     for n, pattern in targets.items():
         m = modules[n]
@@ -783,8 +845,13 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
             _group_backend_check(n, w.to_local() if isinstance(w, DTensor) else w, dp_group)
         if size == 1 and dp_size == 1:
             # World size 1: no reduction is split, so nothing to make invariant; the layer keeps the mode's aten route
-            # (the same kernels and configs as the unsharded model: the same bits and speed).
-            idle[n] = (style, ("none at world size 1 (the mode's aten route)",))
+            # (the same kernels and configs as the unsharded model: the same bits and speed), on its local tensors
+            # where its weights are DTensors (LocalRoute: no per-op DTensor dispatch).
+            if isinstance(w, DTensor):
+                local[n] = LocalRoute(n, style)
+                idle[n] = (style, (LOCAL_REDUCTION,))
+            else:
+                idle[n] = (style, ("none at world size 1 (the mode's aten route)",))
             continue
         seg_k = k_in // size if style == ROWWISE and size > 1 else 0
         seg_n = n_out // size if style == COLWISE and size > 1 else 0
@@ -845,6 +912,10 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
         m = modules[n]
         setattr(m, ROUTE_ATTR, route)
         m.forward = types.MethodType(_routed_forward, m)
+    for n, route in local.items():
+        m = modules[n]
+        setattr(m, ROUTE_ATTR, route)
+        m.forward = types.MethodType(_local_forward, m)
     for n, route in norm_routes.items():
         m = modules[n]
         setattr(m, ROUTE_ATTR, route)

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+import triton
 
 from detkit.kernels.attention import (
     AttnConfigs, attention, attention_bwd_bound, attention_fwd_bound, attention_split_ref, attention_varlen,
@@ -17,7 +18,7 @@ from detkit.kernels.attention import (
 from detkit.kernels.attention.configs import (
     ATTENTION_CONFIG_TABLE_VERSION, CONFIG_TABLE, INTERPRETER_SPLIT_KEYS, SPLIT_KEYS, select_configs,
 )
-from detkit.kernels.attention.launch import Sequences, attention_fwd_launch, split_slots
+from detkit.kernels.attention.launch import Sequences, attention_fwd_launch, split_group, split_slots
 from detkit.toolkit.contract import check_bound, compare_bits
 from detkit.toolkit.fixtures import bf16_randn
 from tests.conftest import backend_of
@@ -32,10 +33,18 @@ def _bits(x, y, what=""):
 
 
 def _paths(device, head_dim=64):
-    """The table's configs forced onto each forward path: one pass, and the split grid + combine pass."""
+    """The table's configs forced onto each forward path: one pass, and the split grid + combine pass (its programs
+    grouping splits as the table says: on the interpreter, a decode step's programs take two or more splits)."""
     base = select_configs(backend_of(device), head_dim)
     return {"one_pass": dataclasses.replace(base, split_grid_below=0),
             "split_grid": dataclasses.replace(base, split_grid_below=2**62, eager_split_grid_min_keys=0)}
+
+
+def _grouping_extremes(paths: dict) -> dict:
+    """The split grid with one split a program, and with every split of a query tile in one program."""
+    split = paths["split_grid"]
+    return {"split_grid_ungrouped": dataclasses.replace(split, split_grid_programs=0),
+            "split_grid_one_group": dataclasses.replace(split, split_grid_programs=1)}
 
 
 def _variant(name, device):
@@ -49,13 +58,15 @@ def test_split_size_is_pinned_per_backend_and_checked():
     assert all(c.split_n == SPLIT_KEYS for c in CONFIG_TABLE["cuda_sm90"].values())
     assert all(c.split_n == INTERPRETER_SPLIT_KEYS for c in CONFIG_TABLE["triton_interpreter"].values())
     assert all(c.split_n % c.fwd.block_n == 0 for table in CONFIG_TABLE.values() for c in table.values())
-    assert ATTENTION_CONFIG_TABLE_VERSION == "2026-12-06.2"
+    assert ATTENTION_CONFIG_TABLE_VERSION == "2026-12-06.3"
     base = select_configs("triton_interpreter", 64)
     for bad in (48, 8, 0):  # not a power of two; smaller than a key tile; zero
         with pytest.raises(ValueError, match=f"split_n must be a power of two >= fwd.block_n \\(16\\); got {bad}"):
             dataclasses.replace(base, split_n=bad)
     with pytest.raises(ValueError, match="split_grid_below must be an int >= 0; got -1"):
         dataclasses.replace(base, split_grid_below=-1)
+    with pytest.raises(ValueError, match="split_grid_programs must be an int >= 0; got -2"):
+        dataclasses.replace(base, split_grid_programs=-2)
     assert isinstance(base, AttnConfigs) and "kv-split 32" in base.label()
 
 
@@ -68,6 +79,19 @@ def test_split_slots_cover_every_split_a_query_tile_can_touch():
     assert split_slots(cfg, dataclasses.replace(plain, seq_q=16, window=21), 16) == 3
     assert split_slots(cfg, dataclasses.replace(plain, window=1), 16) == 1
     assert split_slots(cfg, dataclasses.replace(plain, window=1000), 16) == 4  # capped by the 70 keys
+
+
+def test_split_group_aims_at_the_tables_programs_and_covers_every_slot():
+    cfg = select_configs("cuda_sm90", 128)  # about 128 programs
+    assert split_group(dataclasses.replace(cfg, split_grid_programs=0), 64, 8) == 1  # one split a program
+    assert split_group(cfg, 64, 8) == 4  # batch 1, 8 KV heads, 32k keys: 16 groups of 4 splits -> 128 programs
+    assert split_group(cfg, 2, 8) == 1  # 1k keys: 2 splits, 16 programs
+    assert split_group(cfg, 64, 64) == 32  # batch 8: 2 groups
+    assert split_group(cfg, 5, 1000) == 5  # more programs per split than aimed at: one group
+    for slots in range(1, 40):
+        for per_split in (1, 3, 8, 64):
+            group = split_group(cfg, slots, per_split)
+            assert 1 <= group <= slots and (triton.cdiv(slots, group) - 1) * group < slots  # no empty group
 
 
 # ---- the bits do not depend on the path -----------------------------------------------------------------
@@ -94,6 +118,13 @@ def test_decode_prefill_chunked_give_the_same_bits_on_both_paths_across_splits(v
         _bits(attention(q[1:], k[1:], v[1:], kv_start=kv_start[1:], configs=cfg, **kw), prefill[1:], f"{name} alone")
         _bits(attention(q.flip(0), k.flip(0), v.flip(0), kv_start=kv_start.flip(0), configs=cfg, **kw),
               prefill.flip(0), f"{name} reversed batch")
+    # The split grid's grouping extremes (a speed choice): decode steps at and across split edges, and a chunk.
+    for name, cfg in _grouping_extremes(paths).items():
+        for i in (31, 37, 69):
+            step = attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], kv_start=kv_start, configs=cfg, **kw)
+            _bits(step, prefill[:, :, i:i + 1], f"{name} decode {i}")
+        _bits(attention(q[:, :, 33:], k, v, kv_start=kv_start, configs=cfg, **kw), prefill[:, :, 33:],
+              f"{name} a 37-query chunk")
 
 
 def test_padding_static_cache_and_packing_give_the_same_bits_on_both_paths(device):
@@ -364,6 +395,7 @@ def test_gpu_both_paths_decode_prefill_chunked_bitwise_across_512_key_splits(var
     if variant == "all":
         kw.update(window=700, softcap=30.0, sinks=torch.linspace(-1, 1, 32, device=device))
     paths = _paths(device, 128)
+    paths.update(_grouping_extremes(paths))
     prefill = attention(q, k, v, configs=paths["one_pass"], **kw)
     _bits(attention(q, k, v, configs=paths["split_grid"], **kw), prefill, "prefill, split grid")
     for name, cfg in paths.items():

@@ -30,6 +30,7 @@ import pytest
 from detkit.kernels.attention import HEAD_DIMS
 from tests.test_attention_audit import EXPECTED_CHECKS as ATTENTION_CHECKS
 from tests.test_audits import EXPECTED_CHECKS as GEMM_CHECKS
+from tests.test_tp_cp_suite import CHECKS_4_RANKS as TP_CP_CHECKS_4_RANKS
 from tests.test_container_static import _compose_binary, compose_fails_on_invalid_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,6 +55,8 @@ README_MAIN_JOB = (
 # registry. compose.yaml needs the variable set; .ci/compose.standin.yaml passes an empty BASE_DIGEST with
 # ALLOW_UNPINNED_BASE=1 instead, and this value would be an invalid image reference anywhere else.
 DIGEST_LINE, CI_DIGEST_LINE = README_MAIN_JOB[2], "export DETKIT_BASE_DIGEST=none-the-ci-stand-in-has-no-registry-digest"
+MODEL_CHECKS = {"model", "default_drift", "batch_invariance", "padding", "trainer_vs_rollout", "decode_vs_trainer",
+                "generate", "serving", "backward_repeat", "strict", "counters"}
 EVERY_PLUGIN = {"gemm_batch_invariance", "gemm_determinism", "gemm_contract", "tp_cp_refs", "moe", "moe-fp8", "model",
                 "model-parallel", "attention", "tp_cp", "invariance"}
 
@@ -226,8 +229,8 @@ def readme_run(engine) -> ReadmeRun:
 def engine_can_run_here() -> bool:
     """Whether this host can run the Docker engine the README's main job needs (root, the Compose v2 binary): the
     conditions the ``engine`` fixture checks before starting it. Where it can, the main job's ``--suite all`` is the
-    interpreter run of the gemm and attention suites (their check sets are asserted below), and their own
-    end-to-end tests skip saying so."""
+    interpreter run of the gemm, attention and model suites and of the tp-cp / invariance ranks (their check sets are
+    asserted below), and their own end-to-end tests skip saying so."""
     return os.geteuid() == 0 and _compose_binary() is not None
 
 
@@ -259,6 +262,29 @@ def test_the_readme_main_job_passes_end_to_end_with_the_default_suite(engine, re
     assert all(0 < r["details"]["worst_ratio"] <= 1 for r in bounds)
     assert {r["details"]["tensor"] for r in attention if r["check"] == "variant_bound"} == {"o", "dq", "dk", "dv",
                                                                                            "dsinks"}
+    # The model audit's dense plug-in run on the interpreter (tests/test_model_audit.py's runs it where this does not).
+    model = [r for r in rows if r["suite"] == "model"]
+    assert {r["check"] for r in model} == MODEL_CHECKS
+    (serving,) = [r for r in model if r["check"] == "serving"]
+    assert serving["details"]["mismatches"] == 0 and serving["details"]["shared_steps"] >= 1, serving["details"]
+    assert [r["details"]["check"] for r in model if r["check"] == "default_drift"].count("serving") == 1
+    (counters,) = [r["details"] for r in model if r["check"] == "counters"]
+    assert counters["routed"]["mm -> det_gemm_fwd"] > 0 and counters["gemm_not_routed"] == {}
+    [model_json] = engine.results.glob("host-audit-*/cpu/model.json")
+    assert json.loads(model_json.read_text())["counters"] == {k: v for k, v in counters.items()
+                                                               if k in ("routed", "not_routed")}
+    assert "## Drift" in model_json.with_name("model.md").read_text()
+    # tp-cp and invariance on the 4 gloo ranks the audit starts itself (tests/test_tp_cp_suite.py's one-process
+    # `--suite all` runs them where this does not).
+    assert meta["suite_selection"]["launched_on_local_ranks"] == ["tp-cp", "invariance"]
+    assert not [s for s in meta["not_covered"] if s.startswith("suite ")]
+    ranked = [r for r in rows if r["suite"] in ("tp_cp", "invariance")]
+    assert {r["details"]["rank"] for r in ranked} == {0, 1, 2, 3}
+    assert {r["check"] for r in ranked if r["suite"] == "tp_cp"} == TP_CP_CHECKS_4_RANKS
+    assert meta["distributed"]["world_size"] == 4 and meta["distributed"]["pg_backend"] == "gloo"
+    assert meta["groups"] == {"tp": [[0, 1], [2, 3]], "cp": [[0, 2], [1, 3]]}
+    [run] = meta["rank_runs"]
+    assert run["exit_codes"] == [0, 0, 0, 0] and run["rows"] == len(ranked)
     container = meta["env"]["container"]
     assert container["image"] == IMAGE and container["in_container"] is True
     assert container["relaxed_checks"] == ["ALLOW_CPU_BASE", "ALLOW_UNPINNED_BASE"]

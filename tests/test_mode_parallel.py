@@ -618,28 +618,15 @@ def test_dp_rank_refusals_of_the_embedding_and_experts_come_before_any_collectiv
 
 # ------------------------------------------------------------------------------ one GPU (world size 1)
 GPU_SPEED_TOLERANCE = 1.05  # the issue's "same speed ±5%": the median time of the parallel path / the plain model's
-GPU_TIMED_STEPS = 7
-
-
-def _median_ms(fn, steps: int) -> float:
-    import statistics
-
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+GPU_ROUNDS = 10  # interleaved rounds (toolkit.timing.time_back_to_back, the order reversed every other round) ...
+GPU_STEPS_PER_ROUND = 3  # ... of this many timed steps per path: 30 samples each, median with p20/p80
 
 
 def _world1_gpu_rank(rank: int, init_file: str, out: str) -> None:
     """One NCCL rank on one GPU: the TP path (parallelize_module on a mesh of 1 + prepare), the DP paths (prepare
     with a DP group of 1; DDP) and the plain model, the same Qwen3 (8B widths, 2 layers), under detkit mode: log-probs
-    and gradients bitwise, and the median fwd+bwd time of each against the plain model's, interleaved."""
+    and gradients bitwise, the TP path's counters, and each path's fwd+bwd step time (median, p20, p80) over
+    interleaved rounds against the plain model's."""
     import json
 
     import torch.distributed as dist
@@ -647,8 +634,9 @@ def _world1_gpu_rank(rank: int, init_file: str, out: str) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.parallel import DistributedDataParallel
 
-    from detkit.toolkit.models import QWEN3_8B_WIDTHS
     from detkit.audits.model_parallel import MODELS, _grads, logprobs, torch_plan
+    from detkit.toolkit.models import QWEN3_8B_WIDTHS
+    from detkit.toolkit.timing import time_back_to_back
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=0, world_size=1)
@@ -675,24 +663,27 @@ def _world1_gpu_rank(rank: int, init_file: str, out: str) -> None:
                 (-lp.sum()).backward()
             return lp.detach()
 
-        result = {"routed_tp": tp_plan.routed(), "routed_dp": dp_plan.routed(), "bits": {}, "ms": {}}
+        result = {"routed_tp": tp_plan.routed(), "routed_dp": dp_plan.routed(), "local_tp": tp_plan.local(),
+                  "bits": {}, "counters": {}}
         want_lp = step(plain)
         want_grads = _grads(plain)
         for name, model in models.items():
             if name == "plain":
                 continue
+            before = detkit.mode_counters()
             lp = step(model)
+            result["counters"][name] = (detkit.mode_counters() - before).as_dict()
             grads = _grads(model.module if name == "ddp_world1" else model)
             result["bits"][name] = {"logprobs": torch.equal(lp.view(torch.int32), want_lp.view(torch.int32)),
                                     "grads": all(torch.equal(grads[n].view(torch.int16), g.view(torch.int16))
                                                  for n, g in want_grads.items())}
-        for model in models.values():  # warm-up
-            step(model)
-        times = {name: [] for name in models}
-        for _ in range(3):  # interleaved rounds: a drift of the host or clocks hits every path alike
-            for name, model in models.items():
-                times[name].append(_median_ms(lambda m=model: step(m), GPU_TIMED_STEPS))
-        result["ms"] = {name: min(t) for name, t in times.items()}
+        # interleaved rounds (a drift of the host or clocks hits every path alike), one warm-up step each
+        timings = time_back_to_back({name: (lambda m=model: step(m)) for name, model in models.items()}, device,
+                                    GPU_ROUNDS, samples_per_round=GPU_STEPS_PER_ROUND, alternate=True)
+        result["ms"] = {name: {"median": t.median_us / 1e3, "p20": t.p20_us / 1e3, "p80": t.p80_us / 1e3,
+                               "samples": t.samples, "sm_clock_mhz": t.sm_clock_mhz} for name, t in timings.items()}
+        plain_ms = result["ms"]["plain"]["median"]
+        result["ratio"] = {name: t["median"] / plain_ms for name, t in result["ms"].items() if name != "plain"}
         Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -711,13 +702,15 @@ def test_gpu_world1_tp_and_dp_paths_same_bits_and_speed_as_the_plain_model(tmp_p
     report = os.environ.get("DETKIT_MODEL_PARALLEL_OUT")
     if report:
         Path(report).write_text(json.dumps(result, indent=1))
-    assert result["routed_tp"] == [] and result["routed_dp"] == []  # world size 1: the mode's aten route
+    assert result["routed_tp"] == [] and result["routed_dp"] == []  # world size 1: no invariant reduction
+    assert len(result["local_tp"]) == 2 * 7 + 1  # the TP path's Linears on their local tensors
+    local = result["counters"]["tp_world1"]["routed"]
+    assert local.get(f"{mode_parallel.LOCAL_OP} -> {mode_parallel.LOCAL_KERNEL}") == 2 * 7 + 1, local
     for name, bits in result["bits"].items():
         assert bits == {"logprobs": True, "grads": True}, (name, bits)
-    plain = result["ms"]["plain"]
     # DDP's ratio is reported, not asserted: at world size 1 it still copies every gradient bucket through NCCL, a
     # cost of DDP's own, not of a detkit path (the DP path is prepare(dp_group=...), which routes nothing here).
-    ratios = {name: result["ms"][name] / plain for name in ("tp_world1", "dp_world1")}
+    ratios = {name: result["ratio"][name] for name in ("tp_world1", "dp_world1")}
     assert all(r <= GPU_SPEED_TOLERANCE for r in ratios.values()), (ratios, result["ms"])
 
 
@@ -766,11 +759,33 @@ def test_gpu_one_process_segmented_routes_at_8b_widths(kind):
 
 
 def _world1_cpu_rank(rank: int, init_file: str, out: str) -> None:
+    """One gloo rank: the tiny Qwen3 plain and sharded with parallelize_module on a mesh of 1 + prepare, both under the
+    mode: the training forward's logits, every parameter gradient, a prefill and 2 KV-cache decode steps; the
+    counters of each and the ops that reached DTensor's dispatch."""
+    import collections
+    import json
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
-    from detkit.audits.model_parallel import build_model, logprobs, torch_plan
+    from detkit.audits.model_parallel import build_model, torch_plan
+    from detkit.toolkit.contract import compare_bits
+
+    class DTensorOps(TorchDispatchMode):
+        """Counts the aten ops called with a DTensor argument (what DTensor's per-op dispatch runs)."""
+
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs))):
+                self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
     try:
@@ -779,20 +794,85 @@ def _world1_cpu_rank(rank: int, init_file: str, out: str) -> None:
         tp = build_model("qwen3", torch.device("cpu"), 0)
         parallelize_module(tp, init_device_mesh("cpu", (1,)), torch_plan("qwen3"))
         summary = prepare(tp, torch_plan("qwen3"))
-        with detkit.batch_invariant_mode(), torch.no_grad():
-            same = [torch.equal(logprobs(m(input_ids=ids).logits, ids).view(torch.int32),
-                                logprobs(plain(input_ids=ids).logits, ids).view(torch.int32)) for m in (tp,)]
-        Path(out).write_text(f"routed={summary.routed()} same={same} layers={len(summary.layers)}")
+        result = {"routed": summary.routed(), "local": summary.local(), "bits": {}, "counters": {}, "dtensor_ops": {}}
+
+        def bits(name, got, want):
+            r = compare_bits(got, want)
+            result["bits"][name] = [r.mismatches, r.elements]
+
+        def counted(name, fn, model):
+            before, seen = detkit.mode_counters(), DTensorOps()
+            with detkit.batch_invariant_mode(), seen:
+                out = fn(model)
+            result["counters"][name] = (detkit.mode_counters() - before).as_dict()
+            result["dtensor_ops"][name] = dict(seen.ops)
+            return out
+
+        def train(model):
+            model.zero_grad(set_to_none=True)
+            logits = model(input_ids=ids).logits
+            torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None]).sum().neg().backward()
+            return logits.detach()
+
+        def decode(model):  # a prefill of 5 tokens, then 2 steps on the KV cache, greedy
+            with torch.inference_mode():
+                out = model(input_ids=ids[:, :5], use_cache=True)
+                logits = [out.logits]
+                for _ in range(2):
+                    out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values,
+                                use_cache=True)
+                    logits.append(out.logits)
+            return logits
+
+        for phase, fn in (("train", train), ("decode", decode)):
+            want, got = counted(f"plain {phase}", fn, plain), counted(f"tp {phase}", fn, tp)
+            for i, (g, w) in enumerate(zip(got, want) if phase == "decode" else [(got, want)]):
+                bits(f"{phase} logits {i}", g, w)
+        # each DTensor parameter's gradient: a DTensor of its placements
+        result["grads_as_params"] = sum(isinstance(p, DTensor) and isinstance(p.grad, DTensor) and
+                                        p.grad.placements == p.placements for p in tp.parameters())
+        result["dtensor_params"] = sum(isinstance(p, DTensor) for p in tp.parameters())
+        for n, p in plain.named_parameters():
+            g = tp.get_parameter(n).grad
+            bits(f"grad {n}", g.to_local() if isinstance(g, DTensor) else g, p.grad)
+        try:  # a plain input (the module called past torch's TP input hook): refused by name
+            with detkit.batch_invariant_mode():
+                tp.lm_head.forward(torch.zeros((1, 64), dtype=torch.bfloat16))
+            result["refusal"] = "no refusal"
+        except ParallelPlanError as exc:
+            result["refusal"] = str(exc)
+        Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
-def test_world1_routes_nothing_and_keeps_the_plain_models_bits(tmp_path):
+@cpu_ranks_only
+def test_world1_tp_path_runs_the_local_tensors_with_the_plain_models_bits(tmp_path):
+    """parallelize_module on a mesh of 1 + prepare: the plan's Linears run F.linear on their local tensors (the
+    mode's aten route, no DTensor dispatch) inside torch's TP hooks; logits, decode and gradients as the plain model."""
+    import json
+
     import torch.multiprocessing as mp
 
-    out = tmp_path / "msg"
+    out = tmp_path / "result.json"
     mp.start_processes(_world1_cpu_rank, args=(str(tmp_path / "init"), str(out)), nprocs=1, start_method="spawn")
-    assert out.read_text() == "routed=[] same=[True] layers=8", out.read_text()
+    r = json.loads(out.read_text())
+    linears = [f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert r["routed"] == [] and r["local"] == linears + ["lm_head"], r
+    assert len(r["bits"]) == 1 + 3 + 14, sorted(r["bits"])  # logits, prefill + 2 decode steps, every parameter
+    assert all(m == 0 for m, _ in r["bits"].values()), {k: v for k, v in r["bits"].items() if v[0] != 0}
+    assert r["grads_as_params"] == r["dtensor_params"] == 8  # what the user's optimizer expects
+    key = "linear (tp, one rank) -> the mode's aten route on the local tensors"
+    for phase, calls in (("train", 8), ("decode", 3 * 8)):  # one call per Linear per forward
+        tp, plain = dict(r["counters"][f"tp {phase}"]["routed"]), r["counters"][f"plain {phase}"]["routed"]
+        assert tp.pop(key) == calls, r["counters"]
+        assert tp == plain and not r["counters"][f"tp {phase}"]["not_routed"], r["counters"]  # the same aten route
+    # DTensor's dispatch sees no GEMM, view or transpose: only autograd's detach of each weight's gradient
+    assert r["dtensor_ops"]["tp train"] == {"aten.detach.default": 8}, r["dtensor_ops"]
+    assert r["dtensor_ops"]["tp decode"] == {}, r["dtensor_ops"]
+    assert r["refusal"] == "lm_head: colwise input is ('a plain tensor',); the route needs Replicate (before any " \
+        "collective)", r["refusal"]
 
 
 def _hf_tp_plan_rank(rank: int, init_file: str, model_dir: str, out: str) -> None:

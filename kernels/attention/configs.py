@@ -13,7 +13,7 @@ from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 
 HEAD_DIMS = (64, 128, 256)
 
-ATTENTION_CONFIG_TABLE_VERSION = "2026-12-06.2"
+ATTENTION_CONFIG_TABLE_VERSION = "2026-12-06.3"
 
 # Keys per split of the forward (split-KV): the keys of a sequence are cut into splits of this many keys from its
 # first valid key, each split reduced on its own and the splits combined in ascending order (kernels.py). Pinned
@@ -71,6 +71,10 @@ class AttnConfigs:
     # workspace cost host time an eager step spends before the GPU's work is queued (EAGER_SPLIT_GRID_MIN_KEYS);
     # a captured graph pays no host time.
     eager_split_grid_min_keys: int = 0
+    # Speed only: the split grid's programs aimed at. A program takes ceil(slots / groups) consecutive splits, groups =
+    # max(1, split_grid_programs // the programs one split needs), each split's partial stored on its own (the same
+    # partials, so the same bits). 0: one split per program.
+    split_grid_programs: int = 0
 
     def __post_init__(self):
         if (not isinstance(self.split_n, int) or self.split_n < self.fwd.block_n or self.split_n & (self.split_n - 1)):
@@ -78,14 +82,17 @@ class AttnConfigs:
                              f"got {self.split_n!r}")
         if not isinstance(self.split_grid_below, int) or self.split_grid_below < 0:
             raise ValueError(f"AttnConfigs.split_grid_below must be an int >= 0; got {self.split_grid_below!r}")
+        if not isinstance(self.split_grid_programs, int) or self.split_grid_programs < 0:
+            raise ValueError(f"AttnConfigs.split_grid_programs must be an int >= 0; got {self.split_grid_programs!r}")
         if not isinstance(self.eager_split_grid_min_keys, int) or self.eager_split_grid_min_keys < 0:
             raise ValueError("AttnConfigs.eager_split_grid_min_keys must be an int >= 0; got "
                              f"{self.eager_split_grid_min_keys!r}")
 
     def label(self) -> str:
         split = f" split<{self.split_heads_below}" if self.split_heads_below else ""
+        group = f", programs~{self.split_grid_programs}" if self.split_grid_programs else ""
         return (f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}{split} kv-split "
-                f"{self.split_n} (grid<{self.split_grid_below}, eager keys>={self.eager_split_grid_min_keys})")
+                f"{self.split_n} (grid<{self.split_grid_below}, eager keys>={self.eager_split_grid_min_keys}{group})")
 
 
 def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q: int) -> int:
@@ -103,6 +110,11 @@ def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q
 # on the split grid against 100-107 us in one pass, while its GPU time on the split grid was 13-128 us at 1k-8k keys
 # (reports/2026-12-06-h100-s26, calls 3 and 4): an eager step there is bound by the host.
 EAGER_SPLIT_GRID_MIN_KEYS = 16384
+# sm_90: the split grid aims at about one program per SM. The H100 decode sweep (reports/2026-12-06-h100-s28) had a
+# batch-1 step at 32k keys at 1.93x flash with one 512-key split per program (512 programs of 8 key tiles) and
+# 1.01-1.05x with 2048-key splits (128 programs), while 512-key splits kept 1k keys at 1.10x (16 programs) where
+# 1024-key ones fell to 1.91x: so splits stay 512 keys (the bits) and a program takes several of them.
+SPLIT_GRID_PROGRAMS = 128
 
 
 # Keyed by backend, then head_dim. The sm_90 entries are the fastest spill-free candidates of the H200 sweep
@@ -119,15 +131,15 @@ EAGER_SPLIT_GRID_MIN_KEYS = 16384
 CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     CUDA_SM90: {
         64: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(64, 64, 4, 3), dq=AttnConfig(128, 64, 4, 3),
-                        eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS),
+                        eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS),
         128: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(32, 128, 8, 3), dq=AttnConfig(128, 64, 8, 3),
-                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS),
+                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS),
         256: AttnConfigs(fwd=AttnConfig(64, 32, 8, 2), dkdv=AttnConfig(32, 64, 8, 2), dq=AttnConfig(128, 32, 8, 2),
-                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS),
+                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS),
     },
     TRITON_INTERPRETER: {
         d: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1),
-                       split_n=INTERPRETER_SPLIT_KEYS, split_grid_below=8)
+                       split_n=INTERPRETER_SPLIT_KEYS, split_grid_below=8, split_grid_programs=2)
         for d in HEAD_DIMS
     },
 }

@@ -105,8 +105,10 @@ _NOT_SPECIALIZED = ["batch", "heads_q", "heads_kv", "seq_q", "seq_k", "stride_lb
                     "kv_end_ptr", "window"]
 # The forward's split grid: how many splits a launch covers and the partials' row count vary with the call too.
 _NOT_SPECIALIZED_FWD = _NOT_SPECIALIZED + ["split_slots", "ws_rows"]
+# The split grid's splits per program: a speed choice per launch (launch.py split_group).
+_NOT_SPECIALIZED_SPLIT = _NOT_SPECIALIZED_FWD + ["split_group"]
 # PAGED: the table is a slice of the caller's (its row stride is the table's width; its start need not be aligned).
-_NOT_SPECIALIZED_PAGED = _NOT_SPECIALIZED_FWD + ["block_table_ptr", "stride_tb"]
+_NOT_SPECIALIZED_PAGED = _NOT_SPECIALIZED_SPLIT + ["block_table_ptr", "stride_tb"]
 
 @triton.jit
 def _dot(a, b, acc, K: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -336,6 +338,7 @@ def attention_fwd_kernel(
     tanh_scale,  # SOFTCAP: scale / softcap
     sinks_ptr,  # HAS_SINKS: [Hq] per-head sink logits (natural units), joined to every row's softmax denominator
     split_slots, ws_rows,  # SPLIT_GRID: splits per query tile in the grid; rows of the partials (lse.numel())
+    split_group,  # SPLIT_GRID: consecutive splits per program (each one's partial stored on its own)
     HEAD_DIM: tl.constexpr,  # the tiles' head dim (configs.HEAD_DIMS)
     DIM_QK: tl.constexpr, DIM_V: tl.constexpr,  # q/k's and v's (and o's) head dims, <= HEAD_DIM; masked loads
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
@@ -345,9 +348,10 @@ def attention_fwd_kernel(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,  # PAGED (with VARLEN): K/V read through the block table
 ):
     """One query tile over its key splits. One pass (SPLIT_GRID off): every split of the tile in ascending order,
-    each folded as it ends, then o and lse. Split grid: one split per program (the grid's first axis runs heads
-    fastest, then splits), its partial stored for ``attention_fwd_combine_kernel``. PAGED: the same, with each key
-    tile's K/V rows gathered through the block table."""
+    each folded as it ends, then o and lse. Split grid: ``split_group`` consecutive splits per program (the grid's
+    first axis runs heads fastest, then groups of splits), each split's partial stored on its own as it ends, for
+    ``attention_fwd_combine_kernel`` to fold: how many splits a program takes changes no partial, so no bit. PAGED:
+    the same, with each key tile's K/V rows gathered through the block table."""
     BQ: tl.constexpr = BLOCK_M // HEADS  # query positions per tile
     TILES_PER_SPLIT: tl.constexpr = SPLIT_N // BLOCK_N
     # Grid (heads x splits, query tiles, sequences), heads fastest: the latest (longest) query tiles of every head
@@ -385,11 +389,14 @@ def attention_fwd_kernel(
     # s * TILES_PER_SPLIT ..., so splits, like tiles, are counted from the sequence's first key.
     last_q = tl.minimum(q_lo + BQ, q_len) - 1
     t_lo, n_win, n_full, n_tiles = _key_tiles(k_first, k_end, q_len, q_lo, last_q, window, BLOCK_N, WINDOWED)
+    s_lo = t_lo // TILES_PER_SPLIT  # the split holding the tile's first visible key: slot 0
     if SPLIT_GRID:
-        # This program's split: the slot-th from the one holding the tile's first visible key (none past the last).
-        s_first = (t_lo // TILES_PER_SPLIT + slot) * TILES_PER_SPLIT
+        # This program's splits: slots slot * split_group ... (+ split_group - 1), counted from s_lo (none past the
+        # last tile).
+        slot_first = slot * split_group
+        s_first = (s_lo + slot_first) * TILES_PER_SPLIT
         t_begin = tl.maximum(s_first, t_lo)
-        t_end = tl.minimum(s_first + TILES_PER_SPLIT, n_tiles)
+        t_end = tl.minimum(s_first + split_group * TILES_PER_SPLIT, n_tiles)
     else:
         t_begin = t_lo
         t_end = n_tiles
@@ -436,26 +443,40 @@ def attention_fwd_kernel(
         acc = acc * alpha[:, None]
         acc = _dot(to_bf16(p, INTERPRETED), v, acc, BLOCK_N, INTERPRETED)
         m_i = m_new
-        if not SPLIT_GRID:
-            if ((t + 1) % TILES_PER_SPLIT == 0) | (t + 1 == t_end):
-                # The split ends: fold it, and start the next from the start state.
+        if ((t + 1) % TILES_PER_SPLIT == 0) | (t + 1 == t_end):
+            # The split ends: fold it (one pass) or store its partial as it is (split grid: the combine folds exactly
+            # these values); the next split starts from the start state.
+            if SPLIT_GRID:
+                _store_partial(ws_m_ptr, ws_l_ptr, ws_acc_ptr, t // TILES_PER_SPLIT - s_lo, ws_rows, b64, head, qi,
+                               q_begin, row_ok, offs_d, stride_lb, stride_lh, m_i, l_i, acc, HEAD_DIM, DIM_V)
+            else:
                 m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_i, l_i, acc)
-                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-                acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     if SPLIT_GRID:
-        # The split's partial as it is: the one-pass kernel folds exactly these values (a split that holds none of a
-        # row's keys leaves the start state, which the fold skips in both kernels).
-        ws_row = (slot.to(tl.int64) * ws_rows + b64 * stride_lb + head * stride_lh + q_begin + qi)
-        tl.store(ws_m_ptr + ws_row, m_i, mask=row_ok)
-        tl.store(ws_l_ptr + ws_row, l_i, mask=row_ok)
-        # acc's DIM_V columns ([split_slots, rows, DIM_V]): the others hold zeros nobody reads.
-        tl.store(ws_acc_ptr + ws_row[:, None] * DIM_V + offs_d[None, :], acc,
-                 mask=_cols(row_ok, offs_d, DIM_V, HEAD_DIM))
+        # This program's slots past its last tile hold none of the tile's keys: the start state, which the combine's
+        # fold skips (as the one-pass kernel never sees such a split).
+        stored = tl.maximum(t_end - t_begin, 0)
+        slot_next = tl.where(stored > 0, (t_end - 1) // TILES_PER_SPLIT - s_lo + 1, slot_first)
+        for s_empty in range(slot_next, tl.minimum(slot_first + split_group, split_slots)):
+            _store_partial(ws_m_ptr, ws_l_ptr, ws_acc_ptr, s_empty, ws_rows, b64, head, qi, q_begin, row_ok, offs_d,
+                           stride_lb, stride_lh, m_i, l_i, acc, HEAD_DIM, DIM_V)
     else:
         _finish(m_all, l_all, acc_all, bad, head, qi, tok, row_ok, b64, q_begin, o_ptr, lse_ptr, sinks_ptr,
                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, HEAD_DIM, DIM_V, HAS_SINKS, INTERPRETED)
+
+
+@triton.jit
+def _store_partial(ws_m_ptr, ws_l_ptr, ws_acc_ptr, slot, ws_rows, b64, head, qi, q_begin, row_ok, offs_d,
+                   stride_lb, stride_lh, m_i, l_i, acc, HEAD_DIM: tl.constexpr, DIM_V: tl.constexpr):
+    """One split's partial (m, l and acc's DIM_V columns) into the split grid's workspace at ``slot``:
+    m, l [split_slots, rows], acc [split_slots, rows, DIM_V] (FP32)."""
+    ws_row = slot * ws_rows.to(tl.int64) + b64 * stride_lb + head * stride_lh + q_begin + qi
+    tl.store(ws_m_ptr + ws_row, m_i, mask=row_ok)
+    tl.store(ws_l_ptr + ws_row, l_i, mask=row_ok)
+    tl.store(ws_acc_ptr + ws_row[:, None] * DIM_V + offs_d[None, :], acc, mask=_cols(row_ok, offs_d, DIM_V, HEAD_DIM))
 
 
 @triton.jit(launch_metadata=launch_metadata_of("fwd_combine", 0), do_not_specialize=_NOT_SPECIALIZED_FWD)

@@ -378,6 +378,16 @@ def split_slots(configs: AttnConfigs, seqs: Sequences, block_q: int) -> int:
     return triton.cdiv(span - 1, split) + 1
 
 
+def split_group(configs: AttnConfigs, slots: int, programs_per_split: int) -> int:
+    """Consecutive splits per program of the split grid: one per program unless ``split_grid_programs`` asks for
+    fewer, longer programs (a batch-1 step at 32k keys: 64 splits x 8 KV heads of 8 key tiles each). Speed only: each
+    split's partial is stored on its own whatever the grouping."""
+    if not configs.split_grid_programs:
+        return 1
+    groups = min(slots, max(1, configs.split_grid_programs // programs_per_split))
+    return triton.cdiv(slots, groups)
+
+
 def uses_split_grid(configs: AttnConfigs, seqs: Sequences, heads_q: int, heads_kv: int, capturing: bool) -> bool:
     """Whether the forward runs its split grid (one program per query tile and split, then the combine pass): when
     a query tile can touch more than one split and the one-pass grid has fewer than ``split_grid_below`` programs,
@@ -435,16 +445,17 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         ws_acc, ws_m, ws_l = ws.split([n_acc, n16, n16])
     else:
         slots, ws_acc, ws_m, ws_l = 1, lse, lse, lse  # never read or written in one pass
+    group = split_group(configs, slots, grid[0] * grid[1] * grid[2]) if split_grid else 1
     flags = _flags(seqs, interpreted)
     qk_scale, tanh_scale = _logit_args(logits, scale)
     sinks = logits.sinks if logits.sinks is not None else q  # never read without HAS_SINKS
     table = seqs.block_table if seqs.paged else lse  # never read without PAGED
-    attention_fwd_kernel[(grid[0] * slots, grid[1], grid[2])](
+    attention_fwd_kernel[(grid[0] * triton.cdiv(slots, group), grid[1], grid[2])](
         q, k, v, o, lse, *_bound_args(seqs, q), table, ws_m, ws_l, ws_acc,
         *_strides3(q, seqs.varlen), *_kv_strides(k, seqs), *_kv_strides(v, seqs), *_strides3(o, seqs.varlen),
         *_lse_strides(seqs, heads_q, rows), table.stride(0) if seqs.paged else 0,
         seqs.batch, heads_q, heads_kv, seqs.seq_q, seqs.seq_k,
-        qk_scale, _window_arg(seqs), tanh_scale, sinks, slots, ws_rows,
+        qk_scale, _window_arg(seqs), tanh_scale, sinks, slots, ws_rows, group,
         HEAD_DIM=head_dim, DIM_QK=dim_qk, DIM_V=dim_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=heads,
         **flags, SOFTCAP=logits.softcap is not None, HAS_SINKS=logits.sinks is not None,
         SPLIT_N=configs.split_n, SPLIT_GRID=split_grid, PAGED=seqs.paged, PAGE_SIZE=max(seqs.page_size, 1),

@@ -3,9 +3,11 @@
 # 1. the one-process parallel routes (TP=1 segmented rowwise forward / colwise dX, DP=1 segmented dW; the DP
 #    embedding, MoE router and experts) against the ranks' FP32 shard sums, at tiny widths (the CPU tests on cuda)
 #    and at Qwen3-8B MLP widths (M 1, 129, 4096); the index_sum kernel against its reference;
-# 2. the TP and DP code paths at world size 1 on NCCL -- parallelize_module on a mesh of one rank + prepare, prepare
-#    with a DP group of one, DDP -- against the plain model under detkit mode (Qwen3 8B widths, 2 layers, 4 x 512
-#    tokens, forward+backward): log-probs and gradients bitwise, median time within 1.05x (world1.json has the ms);
+# 2. the TP and DP code paths at world size 1 on NCCL -- parallelize_module on a mesh of one rank + prepare (its
+#    Linears on their local tensors, counted as "linear (tp, one rank)"), prepare with a DP group of one, DDP --
+#    against the plain model under detkit mode (Qwen3 8B widths, 2 layers, 4 x 512 tokens, forward+backward):
+#    log-probs and gradients bitwise, median step time within 1.05x (world1.json: median, p20, p80 of each path over
+#    10 interleaved rounds of 3 steps, and the ratios);
 # 3. the model-parallel audit on the GPUs visible (one GPU: every job is a coverage row saying it needs two; two or
 #    more: the TP=2 / DP=2 jobs on NCCL).
 # Each step has a time limit; the run goes on after a failure and exits non-zero if any step failed. Everything
