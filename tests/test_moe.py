@@ -475,14 +475,15 @@ for stage, epi, gather, c_t in (("up", 1, True, "*bf16"), ("down", 0, False, "*f
             "gate_ptr": "*i32"}
     out[stage] = build(g, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                        "STEP_K": c.block_k, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False,
-                       "DSCORE": stage == "dgrad", "DS_CHUNK": DS_CHUNK, "B_SPLIT": 0},
+                       "DSCORE": stage == "dgrad", "DS_CHUNK": DS_CHUNK, "B_SPLIT": 0, "GROUP_M": 8},
                        ("stride_al", "stride_bl" if stage in ("dgrad", "dx") else "stride_bc", "stride_cc", "stride_xc"))
 t = km.moe_grouped_gemm_tma_kernel
-for name, stage, epi, gather, c_t, k_major, split in (("up_tma", "up", 1, True, "*bf16", False, False),
-                                                      ("up_tma_kmajor", "up", 1, True, "*bf16", True, False),
-                                                      ("up_tma_split", "up", 1, True, "*bf16", True, True),
-                                                      ("dgrad_tma", "dgrad", 2, True, "*bf16", True, False),
-                                                      ("dx_tma", "dx", 0, False, "*fp32", True, False)):
+# GROUP_M: the grouped tile order at 1 (row-major) and 8 (bands of row tiles)
+for name, stage, epi, gather, c_t, k_major, split, group_m in (("up_tma", "up", 1, True, "*bf16", False, False, 8),
+                                                               ("up_tma_kmajor", "up", 1, True, "*bf16", True, False, 1),
+                                                               ("up_tma_split", "up", 1, True, "*bf16", True, True, 8),
+                                                               ("dgrad_tma", "dgrad", 2, True, "*bf16", True, False, 8),
+                                                               ("dx_tma", "dx", 0, False, "*fp32", True, False, 1)):
     c = cfgs[stage]
     width = c.block_n // 2 if split else c.block_n
     box = [1, width, c.block_k] if k_major else [1, c.block_k, width]
@@ -491,16 +492,18 @@ for name, stage, epi, gather, c_t, k_major, split in (("up_tma", "up", 1, True, 
             "tile_expert_ptr": "*i32", "gate_ptr": "*i32"}
     out[name] = build(t, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                       "STEP_K": c.block_k, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False,
-                      "B_K_MAJOR": k_major, "DSCORE": stage == "dgrad", "DS_CHUNK": DS_CHUNK, "B_SPLIT_HALVES": split},
+                      "B_K_MAJOR": k_major, "DSCORE": stage == "dgrad", "DS_CHUNK": DS_CHUNK, "B_SPLIT_HALVES": split,
+                      "GROUP_M": group_m},
                       ("stride_al", "stride_cc", "stride_xc"))
 w, c = km.moe_wgrad_kernel, cfgs["wgrad"]
-for name, ga, acc, split in (("wgrad_w1", True, False, False), ("wgrad_w2", False, False, False),
-                             ("wgrad_main_grad", True, True, False), ("wgrad_w1_split", True, False, True)):
+for name, ga, acc, split, group_m in (("wgrad_w1", True, False, False, 8), ("wgrad_w2", False, False, False, 1),
+                                      ("wgrad_main_grad", True, True, False, 8), ("wgrad_w1_split", True, False, True, 1)):
     ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "rows_ptr": "*i32", "score_ptr": "*fp32",
             "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
             "gate_ptr": "*i32"}
     out[name] = build(w, ptrs, {"cfg": c, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
-                      "STEP_K": c.block_k, "GATHER_A": ga, "ACCUMULATE": acc, "INTERPRETED": False, "SPLIT_C": split},
+                      "STEP_K": c.block_k, "GATHER_A": ga, "ACCUMULATE": acc, "INTERPRETED": False, "SPLIT_C": split,
+                      "GROUP_M": group_m},
                       ("stride_ar", "stride_bc", "stride_wr" if split else "stride_wc"))
 c = cfgs["combine"]
 for copy in (False, True):

@@ -484,7 +484,8 @@ for (stage, epi, gather, c_t), tma in itertools.product(
     out[stage + ("_tma" if tma else "_ptr")] = build(
         kf.moe_fp8_grouped_gemm_kernel, {**ptrs, "b_ptr": b_t, "c_ptr": c_t}, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "STEP_K": c.block_k,
         "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": gather, "EPILOGUE": epi, "INTERPRETED": False, "B_TMA": tma,
-        "DSCORE": epi == 2},  # the layer's dgrad writes the dscore partials
+        "DSCORE": epi == 2,  # the layer's dgrad writes the dscore partials
+        "GROUP_M": 8 if tma else 1},  # the grouped tile order (bands of 8 row tiles) and the row-major one
         ("stride_al", "stride_bl", "stride_cc", "stride_xc", "stride_qc"), c.num_warps, c.num_stages)
 # Tiles beside the pinned ones: dgrad with two 1x128 dgu blocks per row in the epilogue (a tune candidate) and
 # an 8-warp dgrad tile (the loop properties without the 4-warp tile's register pressure); the up tile that quantizes h
@@ -494,8 +495,8 @@ for name, c, epi in (("dgrad_two_blocks", GemmConfig(64, 128, 128, 1, 8, 4), 2),
     out[name] = build(
         kf.moe_fp8_grouped_gemm_kernel, {**ptrs, "b_ptr": "*fp8e4nv", "c_ptr": "*bf16"}, {"BLOCK_M": c.block_m,
         "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "SEGMENT": 128, "GATHER_A": True, "EPILOGUE": epi,
-        "INTERPRETED": False, "B_TMA": False, "DSCORE": epi == 2}, ("stride_al", "stride_bl", "stride_cc", "stride_xc",
-        "stride_qc"),
+        "INTERPRETED": False, "B_TMA": False, "DSCORE": epi == 2, "GROUP_M": 8}, ("stride_al", "stride_bl", "stride_cc",
+        "stride_xc", "stride_qc"),
         c.num_warps, c.num_stages)
 c = GemmConfig(64, 128, 128, 1, 4, 3)  # the Triton kernel's sm_90 tile (tests/moe_helpers.py FP8_TRITON_TILES)
 for acc, tma in ((False, False), (True, False), (False, True)):  # pointer operands; TMA ones (scale prefetch)
@@ -504,7 +505,8 @@ for acc, tma in ((False, False), (True, False), (False, True)):  # pointer opera
         kf.moe_fp8_wgrad_kernel, {"a_ptr": a_t, "as_ptr": "*fp32", "b_ptr": b_t, "bs_ptr": "*fp32",
         "dw_ptr": "*fp32" if acc else "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32", "gate_ptr": "*i32"},
         {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "STEP_K": c.block_k, "QBLOCK": 128, "ACCUMULATE": acc,
-         "INTERPRETED": False, "TMA": tma}, ("stride_ap", "stride_bp", "stride_wc"), c.num_warps, c.num_stages)
+         "INTERPRETED": False, "TMA": tma, "GROUP_M": 8 if acc or tma else 1}, ("stride_ap", "stride_bp", "stride_wc"),
+        c.num_warps, c.num_stages)
 out["quant_colwise"] = build(kf.moe_fp8_quant_colwise_kernel, {"src_ptr": "*bf16", "rows_ptr": "*i32", "route_ptr": "*i32",
                              "score_ptr": "*fp32", "gate_ptr": "*i32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32"},
                              {"BLOCK_N": QUANT_COLWISE_CONFIGS["cuda_sm90"].block_n, "QBLOCK": 128, "GATHER": True, "SCALE": True,

@@ -223,37 +223,41 @@ from detkit.kernels.moe.fp8.colwise_sm90 import moe_fp8_quant_colwise_sm90_kerne
 out = {}
 box = lambda rows, cols=128, dt=gl.float8e4nv: gluon_desc_type(rows, cols, dt)
 scale_box = lambda cols: f"tensordesc<fp32[1, {cols}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)!r}>"
-grouped = [(moe_fp8_ws_kernel, f"grouped_{bm}x{bn}", bm, bn, warps,
+grouped = [(moe_fp8_ws_kernel, f"grouped_{bm}x{bn}_g{group_m}", bm, bn, warps,
             {"a_desc": box(bm), "b_desc": box(bn), "c_desc": box(bm // consumers(warps), bn, gl.bfloat16), "as_ptr": "*fp32",
              "bs_ptr": "*fp32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32"},
             {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-             "stride_asl": 1}) for bm, bn, warps, stages in [(128, 128, 8, 5), (64, 128, 4, 6), (128, 64, 8, 8)]]
+             "stride_asl": 1, "GROUP_M": group_m})  # the tile order: row-major (1) or bands of 8 row tiles
+           for bm, bn, warps, stages, group_m in [(128, 128, 8, 5, 1), (64, 128, 4, 6, 8), (128, 64, 8, 8, 8),
+                                                  (128, 128, 8, 5, 8)]]
 wgrad = [(moe_fp8_wgrad_ws_kernel, f"wgrad_{bm}x{bn}_acc{int(acc)}", bm, bn, warps,
           {"a_desc": box(bm), "b_desc": box(bn), "as_desc": scale_box(bm), "bs_desc": scale_box(bn),
            "c_desc": box(bm // consumers(warps), bn, gl.bfloat16), "dw_ptr": "*fp32", "offsets_ptr": "*i32",
            "counts_ptr": "*i32", "gate_ptr": "*i32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "KB_GROUP": 3, "ACCUMULATE": acc, "CONSUMERS": consumers(warps),
-           "stride_wc": 1}) for bm, bn, warps, stages, acc in [(128, 128, 8, 5, False), (128, 128, 8, 5, True)]]
+           "stride_wc": 1, "GROUP_M": 1 if acc else 8}) for bm, bn, warps, stages, acc in [(128, 128, 8, 5, False),
+                                                                                            (128, 128, 8, 5, True)]]
 part = lambda bm, warps: bm // consumers(warps)  # a consumer's rows per tile
 # PINGPONG: the launcher leaves it at its default, False (a constexpr; unset here it would be a runtime argument).
-up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}_w{warps}", bm, bn, warps,
+up = [(moe_fp8_ws_gather_kernel, f"up_{bm}x{bn}_w{warps}_g{group_m}", bm, bn, warps,
        {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(part(bm, warps), bn, gl.bfloat16),
         "h_desc": box(part(bm, warps), bn // 2, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
         "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
         "gu_ptr": "*i32",
         "qs_ptr": "*fp32"},
        {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-        "EPILOGUE": 3, "stride_asl": 1, "PINGPONG": False})
-      for bm, bn, warps, stages in [(128, 128, 8, 4), (64, 128, 4, 6)]]
+        "EPILOGUE": 3, "stride_asl": 1, "PINGPONG": False, "GROUP_M": group_m})
+      for bm, bn, warps, stages, group_m in [(128, 128, 8, 4, 1), (64, 128, 4, 6, 8), (128, 128, 8, 4, 8)]]
 dgrad = [(moe_fp8_ws_gather_kernel, f"dgrad_{bm}x{bn}_w{warps}" + "_ds" * ds, bm, bn, warps,
           {"a_ptr": "*fp8e4nv", "b_desc": box(bn), "gu_desc": box(part(bm, warps), bn, gl.int32),
            "h_desc": box(part(bm, warps), bn, gl.int16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "gather_ptr": "*i32", "route_ptr": "*i32", "tile_expert_ptr": "*i32", "gate_ptr": "*i32", "score_ptr": "*fp32",
            "gu_ptr": "*i32", "qs_ptr": "*fp32", "h_ptr": "*bf16", "ds_ptr": "*fp32"},
           {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "SEGMENT": 128, "KB_GROUP": 3, "CONSUMERS": consumers(warps),
-           "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds, "PINGPONG": False})
-         for bm, bn, warps, stages, ds in [(128, 64, 8, 6, False), (64, 64, 4, 8, False), (128, 128, 8, 4, False),
-                                           (128, 128, 8, 4, True), (64, 64, 4, 8, True)]]
+           "EPILOGUE": 2, "stride_asl": 1, "DSCORE": ds, "PINGPONG": False, "GROUP_M": group_m})
+         for bm, bn, warps, stages, ds, group_m in [(128, 64, 8, 6, False, 1), (64, 64, 4, 8, False, 8),
+                                                    (128, 128, 8, 4, False, 1), (128, 128, 8, 4, True, 8),
+                                                    (64, 64, 4, 8, True, 1)]]
 for fn, name, bm, bn, warps, ptrs, consts in grouped + wgrad + up + dgrad:
     out[name] = gluon_sm90_report(fn, ptrs, consts, max_regs(warps))
 col_ptrs = {"src_ptr": "*bf16", "rows_ptr": "*i32", "route_ptr": "*i32", "score_ptr": "*fp32", "gate_ptr": "*i32",

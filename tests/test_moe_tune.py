@@ -4,6 +4,9 @@ refused config as an error row, and the per-stage pick is the lowest geometric-m
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,6 +19,7 @@ def test_sweep_times_candidates_beside_the_pinned_config(monkeypatch):
     small = GemmConfig(64, 32, 32, 1, 4, 1)
     monkeypatch.setattr(mt, "GROUPED", [small, odd])
     monkeypatch.setattr(mt, "GROUPED_WS", [])  # Gluon: no interpreter path (refused by name, tests/test_moe_ws.py)
+    monkeypatch.setattr(mt, "RASTER_GROUP_MS", ())  # the sm_90 picks in the grouped order: GPU sweeps
     monkeypatch.setattr(mt, "WGRAD", [GemmConfig(32, 32, 32, 1, 4, 1)])
     rows = mt.sweep(["tiny"], ["up", "wgrad_w2"], torch.device("cpu"), rounds=1)
     errors = [r for r in rows if "error" in r]
@@ -59,6 +63,7 @@ def test_fp8_stages_sweep_the_fp8_table(monkeypatch):
     other = GemmConfig(128, 128, 64, 1, 4, 1)  # BLOCK_K 64 divides the 128-K scale block
     other_tma = GemmConfig(128, 128, 64, 1, 4, 1, variant="tma")  # the weight tile through TMA
     monkeypatch.setattr(mt, "FP8_GROUPED", [other, other_tma])
+    monkeypatch.setattr(mt, "RASTER_GROUP_MS", ())
     rows = mt.sweep(["tiny-fp8"], ["fp8_down"], torch.device("cpu"), rounds=1)
     assert [r["config"] for r in rows] == [select_moe_fp8_config("down", "triton_interpreter").label(), other.label(),
                                            other_tma.label()]
@@ -83,6 +88,7 @@ def test_fp8_wgrad_and_colq_stages_sweep_their_own_tables(monkeypatch, stages, c
 
 def test_config_labels_parse_back_to_their_configs_and_bad_labels_are_refused():
     every = mt.GROUPED + mt.GROUPED_WS + mt.WGRAD + mt.FP8_GROUPED + mt.FP8_UP + mt.FP8_DGRAD + mt.FP8_WGRAD
+    every += [c for stage in ("dx", "fp8_up") for c in mt.raster_candidates(stage, mt.RASTER_GROUP_MS)]
     assert all(mt.parse_config(c.label()) == c for c in every)
     with pytest.raises(mt.argparse.ArgumentTypeError, match="'BM128_BN256' is not a GemmConfig label"):
         mt.parse_config("BM128_BN256")
@@ -94,3 +100,34 @@ def test_only_the_given_configs_are_timed_beside_the_pinned_one(monkeypatch):
     rows = mt.sweep(["tiny"], ["up"], torch.device("cpu"), rounds=1, only=[small])
     assert sorted((r["config"], r["is_pinned"]) for r in rows) == sorted(
         [(mt.pinned("up", "triton_interpreter").label(), True), (small.label(), False)])
+
+
+@pytest.mark.parametrize("stage", ["up", "down", "dgrad", "dx", "fp8_up", "fp8_down", "fp8_dgrad", "fp8_dx"])
+def test_grouped_stages_sweep_their_sm90_pick_in_the_grouped_tile_order(stage):
+    pick = mt.pinned(stage, "cuda_sm90")
+    assert pick.group_m == 1  # the table's order until a GPU sweep pins another
+    got = [c for c in mt.candidates(stage) if replace(c, group_m=1) == pick and c.group_m != 1]
+    assert sorted(c.group_m for c in got) == [4, 8, 16]
+
+
+def test_weight_gradients_sweep_no_grouped_order_candidates():
+    for stage in ("wgrad_w1", "fp8_wgrad_w1", "fp8_colq_x"):
+        assert all(c.group_m == 1 for c in mt.candidates(stage)), stage
+
+
+def test_group_m_sweeps_the_pinned_tile_in_each_order_and_logs_each_stage(tmp_path):
+    # --group-m: the pinned tile of each stage with each GROUP_M (the same bits on every backend), rows appended to
+    # the log as each stage finishes.
+    log = tmp_path / "rows.jsonl"
+    rows = mt.sweep(["tiny"], ["down", "wgrad_w2"], torch.device("cpu"), rounds=1, group_ms=[1, 2, 3], log=log)
+    for stage in ("down", "wgrad_w2"):
+        pick = mt.pinned(stage, "triton_interpreter")
+        want = [replace(pick, group_m=g).label() for g in (1, 2, 3)]
+        assert [r["config"] for r in rows if r["stage"] == stage] == want, stage
+    assert all(r["bits_equal_pinned"] and r["median_us"] > 0 for r in rows)
+    assert [json.loads(line) for line in log.read_text().splitlines()] == rows
+
+
+def test_group_m_must_be_positive(tmp_path):
+    with pytest.raises(SystemExit):
+        mt.main(["--device", "cpu", "--preset", "tiny", "--stages", "down", "--group-m", "0", "--out", str(tmp_path)])

@@ -205,25 +205,28 @@ from detkit.kernels.moe.ws import (
 )
 out = {}
 box = lambda rows, cols, dt=gl.bfloat16: gluon_desc_type(rows, cols, dt)
-for bm, bn, bk, warps, stages, k_major, c_dt in [
+# GROUP_M: each kernel's first case in the row-major tile order, the others in bands of 8 row tiles.
+group_m = lambda i: 1 if i == 0 else 8
+for i, (bm, bn, bk, warps, stages, k_major, c_dt) in enumerate([
         (128, 128, 64, 8, 4, False, gl.bfloat16), (128, 128, 64, 8, 5, True, gl.bfloat16),
         (64, 128, 64, 4, 6, False, gl.bfloat16), (128, 256, 64, 8, 3, False, gl.bfloat16),
-        (128, 256, 32, 8, 6, True, gl.bfloat16), (128, 128, 64, 8, 4, False, gl.float32)]:
+        (128, 256, 32, 8, 6, True, gl.bfloat16), (128, 128, 64, 8, 4, False, gl.float32)]):
     types = {"a_desc": box(bm, bk), "b_desc": box(bn, bk) if k_major else box(bk, bn),
              "c_desc": box(bm // consumers(warps), bn, c_dt), "route_ptr": "*i32", "tile_expert_ptr": "*i32",
              "gate_ptr": "*i32"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "B_K_MAJOR": k_major, "CONSUMERS": consumers(warps)}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "B_K_MAJOR": k_major, "CONSUMERS": consumers(warps),
+              "GROUP_M": group_m(i)}
     r = gluon_sm90_report(moe_ws_kernel, types, consts, max_regs(warps))
     r["budget"] = stages * (bm + bn) * bk * 2 + bm * bn * (4 if c_dt == gl.float32 else 2)  # what the launcher checks
     out[f"plain_{bm}x{bn}x{bk}_s{stages}_kmajor{int(k_major)}_{c_dt}"] = r
-for epi, bm, bn, bk, warps, stages, k_major, dscore, gather in [
+for i, (epi, bm, bn, bk, warps, stages, k_major, dscore, gather) in enumerate([
         (2, 128, 128, 64, 8, 4, True, True, True), (2, 128, 128, 64, 8, 4, True, False, True),
         (2, 64, 128, 64, 4, 6, False, True, True), (2, 128, 64, 64, 8, 6, True, True, True),
         (2, 128, 128, 64, 8, 4, True, True, False), (2, 64, 128, 64, 4, 6, False, True, False),
         (1, 128, 128, 64, 8, 4, False, False, True), (1, 128, 128, 64, 8, 5, True, False, True),
         (1, 128, 256, 64, 8, 2, False, False, True), (1, 128, 128, 64, 8, 4, False, False, False),
         (2, 128, 128, 64, 12, 4, True, True, False), (2, 128, 128, 64, 12, 4, True, True, True),
-        (2, 128, 64, 64, 12, 6, False, False, False)]:
+        (2, 128, 64, 64, 12, 6, False, False, False)]):
     cfg = GemmConfig(bm, bn, bk, 1, warps, stages, "ws")
     rows = bm // mma_warpgroups(cfg)
     out_box = box(rows, bn, gl.int32 if epi == 2 else gl.bfloat16)
@@ -233,18 +236,18 @@ for epi, bm, bn, bk, warps, stages, k_major, dscore, gather in [
              "h_ptr": "*bf16", "ds_ptr": "*fp32", "gu_ptr": "*i32"}
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": stages, "SEGMENT": 128,
               "CONSUMERS": mma_warpgroups(cfg), "B_K_MAJOR": k_major, "EPILOGUE": epi, "DSCORE": dscore, "DS_CHUNK": 64,
-              "GATHER_A": gather, "EPI_WARPGROUP": epilogue_warpgroup(cfg)}
+              "GATHER_A": gather, "EPI_WARPGROUP": epilogue_warpgroup(cfg), "GROUP_M": group_m(i)}
     r = gluon_sm90_report(moe_ws_gather_kernel, types, consts, max_regs(warps))
     r["budget"] = stages * (bm + bn) * bk * 2 + gather_store_bytes(cfg, epi, dscore)  # what the launcher checks
     out[f"{'dgrad' if epi == 2 else 'up'}_{bm}x{bn}x{bk}_s{stages}_w{warps}_kmajor{int(k_major)}_ds{int(dscore)}_gather{int(gather)}"] = r
-for bm, bn, bk, warps, stages, gather, acc in [(128, 128, 64, 8, 4, True, False), (128, 128, 64, 8, 4, False, False),
-                                               (128, 128, 64, 8, 4, True, True), (64, 128, 64, 4, 6, False, True),
-                                               (128, 256, 64, 8, 3, True, False)]:
+for i, (bm, bn, bk, warps, stages, gather, acc) in enumerate([
+        (128, 128, 64, 8, 4, True, False), (128, 128, 64, 8, 4, False, False), (128, 128, 64, 8, 4, True, True),
+        (64, 128, 64, 4, 6, False, True), (128, 256, 64, 8, 3, True, False)]):
     types = {"a_desc": box(bk, 64), "a_ptr": "*bf16", "b_desc": box(bk, bn), "c_desc": box(64, bn),
              "dw_ptr": "*fp32" if acc else "*bf16", "gather_ptr": "*i32", "offsets_ptr": "*i32", "counts_ptr": "*i32",
              "gate_ptr": "*i32"}
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": stages, "CONSUMERS": consumers(warps),
-              "GATHER_A": gather, "ACCUMULATE": acc}
+              "GATHER_A": gather, "ACCUMULATE": acc, "GROUP_M": group_m(i)}
     r = gluon_sm90_report(moe_ws_wgrad_kernel, types, consts, max_regs(warps))
     r["budget"] = stages * (bm + bn) * bk * 2 + bm * bn * 2  # what the launcher checks
     out[f"wgrad_{bm}x{bn}x{bk}_s{stages}_gather{int(gather)}_acc{int(acc)}"] = r

@@ -14,7 +14,10 @@ may change the FP32 summation inside an MMA, which is why the table is versioned
 The fp8_ stages sweep kernels/moe/fp8/layer.py's grouped GEMMs (MOE_FP8_CONFIGS) on operands quantized once.
 Formulas: TFLOP/s = stage FLOPs / median time; stage FLOPs per T*K*H*I: up 4, down 2, dgrad 2, dx 4,
 wgrad_w1 4, wgrad_w2 2 (the same split as ``detkit bench moe``'s stage rows; the same for the fp8_ stages).
-Candidates are passed to the stages' launchers as ``config=`` arguments; no table is changed.
+Candidates are passed to the stages' launchers as ``config=`` arguments; no table is changed. ``--group-m 4 8 16``
+times each stage's pinned tile in the grouped tile order (kernels/moe/tile_order.py) instead of the candidate list:
+the same bits, another L2 reuse. Each stage's rows are appended to OUT/rows.jsonl as soon as they are timed (what a
+run stopped at a time limit keeps); OUT/rows.json and OUT/report.md are written at the end.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import math
 import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +36,7 @@ import torch
 from detkit.bench.moe_common import make_inputs
 from detkit.toolkit.presets import MOE_PRESETS as PRESETS
 from detkit.toolkit.reports import markdown_table
+from detkit.kernels.backend import CUDA_SM90
 from detkit.kernels.det_gemm.launch import GemmConfig
 
 # Grouped stages: BLOCK_M must divide the 128-row segment; dgrad's BLOCK_N counts dh columns (its
@@ -129,6 +134,11 @@ FP8_WGRAD += [GemmConfig(*c, variant="ws") for c in [
 # per program (block_k, group_m, stages unused). Timed on a gathered operand (x) and a plain one (dgu).
 FP8_COLQ = [GemmConfig(128, n, 16, 1, w, 1) for n, w in [(64, 4), (64, 2), (128, 4), (128, 8), (256, 4), (256, 8),
                                                          (32, 4)]]
+# The grouped tile order (kernels/moe/tile_order.py): each grouped stage's sm_90 table tile in bands of GROUP_M row
+# tiles, so the tiles in flight share each weight tile in L2 (up at Mixtral-8x7B: 224 column tiles, so row-major
+# tiles in flight cover one or two row tiles and re-read W1 from HBM for each). It decides which program runs a tile,
+# never a tile's bits.
+RASTER_GROUP_MS = (4, 8, 16)
 STAGE_KEY = {"up": "up", "down": "down", "dgrad": "dgrad", "dx": "dx", "wgrad_w1": "wgrad", "wgrad_w2": "wgrad",
              "fp8_up": "up", "fp8_down": "down", "fp8_dgrad": "dgrad", "fp8_dx": "dx",
              "fp8_wgrad_w1": "wgrad", "fp8_wgrad_w2": "wgrad", "fp8_colq_x": "colq", "fp8_colq_dgu": "colq"}
@@ -141,12 +151,21 @@ BF16_STAGES = ("up", "down", "dgrad", "dx", "wgrad_w1", "wgrad_w2")
 def candidates(stage: str) -> list[GemmConfig]:
     if stage not in STAGE_KEY:
         raise ValueError(f"stage {stage!r} not known; known: {tuple(STAGE_KEY)}")
+    key = STAGE_KEY[stage]
     if stage.startswith("fp8_"):
-        return {"up": FP8_UP, "dgrad": FP8_DGRAD, "wgrad": FP8_WGRAD, "colq": FP8_COLQ}.get(STAGE_KEY[stage],
-                                                                                          FP8_GROUPED)
-    if STAGE_KEY[stage] == "wgrad":
+        if key in ("wgrad", "colq"):
+            return {"wgrad": FP8_WGRAD, "colq": FP8_COLQ}[key]
+        return {"up": FP8_UP, "dgrad": FP8_DGRAD}.get(key, FP8_GROUPED) + raster_candidates(stage, RASTER_GROUP_MS)
+    if key == "wgrad":
         return WGRAD
-    return GROUPED + GROUPED_WS
+    return GROUPED + GROUPED_WS + raster_candidates(stage, RASTER_GROUP_MS)
+
+
+def raster_candidates(stage: str, group_ms, backend: str = CUDA_SM90) -> list[GemmConfig]:
+    """The table's tile of ``stage`` (``backend``'s) in the grouped tile order, one config per GROUP_M of
+    ``group_ms`` (the pinned GROUP_M left out: the pinned config is always timed)."""
+    pick = pinned(stage, backend)
+    return [replace(pick, group_m=g) for g in group_ms if g != pick.group_m]
 
 
 def pinned(stage: str, backend: str) -> GemmConfig:
@@ -228,9 +247,12 @@ def parse_config(label: str) -> GemmConfig:
 
 
 def sweep(presets: list[str], stages: list[str], device: torch.device, rounds: int,
-          only: list[GemmConfig] | None = None) -> list[dict]:
+          only: list[GemmConfig] | None = None, group_ms: list[int] | None = None,
+          log: Path | None = None) -> list[dict]:
     """Rows per (preset, stage, config): timing and bits vs the pinned config, or the error. ``only``: these
-    configs instead of the stage's candidate list (the pinned one is always timed)."""
+    configs instead of the stage's candidate list (the pinned one is always timed); ``group_ms``: instead (or
+    besides ``only``), the pinned tile of each stage with each of these GROUP_M (``raster_candidates``). ``log``: each
+    stage's rows appended there as JSON lines once timed, so a run stopped early keeps the stages it finished."""
     from detkit.kernels.moe.layer import MOE_CONFIG_TABLE_VERSION
     from detkit.kernels.moe.fp8.layer import MOE_FP8_CONFIG_TABLE_VERSION
     from detkit.toolkit.contract import compare_bits
@@ -243,19 +265,22 @@ def sweep(presets: list[str], stages: list[str], device: torch.device, rounds: i
         for stage in stages:
             fn = fns[stage]
             pick = pinned(stage, backend)
+            configs = candidates(stage) if only is None and group_ms is None else (
+                list(only or []) + raster_candidates(stage, group_ms or [], backend))
+            stage_rows = []
             version = MOE_FP8_CONFIG_TABLE_VERSION if stage.startswith("fp8_") else MOE_CONFIG_TABLE_VERSION
             ids = {"preset": preset, "T": p.t, "H": p.h, "I": p.i, "E": p.e, "K": p.k, "stage": stage,
                    "pinned": pick.label(), "table_version": version}
             ref = fn(pick).clone()
             timed = {pick.label(): pick}
             same = {pick.label(): True}
-            for cfg in (only if only is not None else candidates(stage)):
-                if cfg == pick:
+            for cfg in configs:
+                if cfg == pick or cfg.label() in timed:
                     continue
                 try:
                     out = fn(cfg)
                 except Exception as exc:  # compile failure or refused config: recorded, not fatal
-                    rows.append({**ids, "config": cfg.label(), "variant": cfg.variant, "error": repr(exc)[:300]})
+                    stage_rows.append({**ids, "config": cfg.label(), "variant": cfg.variant, "error": repr(exc)[:300]})
                     print(f"{preset} {stage}: {cfg.label()} error {repr(exc)[:120]}", flush=True)
                     continue
                 same[cfg.label()] = compare_bits(out, ref).equal
@@ -269,7 +294,14 @@ def sweep(presets: list[str], stages: list[str], device: torch.device, rounds: i
                      "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us,
                      "tflops": flops / (t.median_us * 1e-6) / 1e12, "bits_equal_pinned": same[lbl]}
                     for lbl, t in timings.items()]
-            rows += case
+            stage_rows += case
+            rows += stage_rows
+            if log is not None:
+                with log.open("a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in stage_rows)
+            for r in case:
+                print(f"{preset} {stage}: {r['config']} {r['tflops']:.0f} TFLOP/s, {r['median_us']:.0f} us, bits "
+                      f"{'equal' if r['bits_equal_pinned'] else 'DIFFER'}", flush=True)
             best = min(case, key=lambda r: r["median_us"])
             table = next(r for r in case if r["is_pinned"])
             print(f"{preset} {stage}: best {best['config']} {best['tflops']:.0f} TFLOP/s; pinned "
@@ -317,20 +349,27 @@ def main(argv: list[str] | None = None) -> int:
                              "fp8_wgrad_w2, fp8_colq_x, fp8_colq_dgu for the FP8 path")
     parser.add_argument("--config", type=parse_config, action="append", default=None,
                         help="time only this config (a GemmConfig label) beside the pinned one; repeatable")
+    parser.add_argument("--group-m", type=int, nargs="+", default=None, metavar="G",
+                        help="time the pinned tile of each stage with these GROUP_M (the grouped tile order) beside "
+                             "it, instead of the candidate list (with --config: besides those)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA GPU; use --device cpu (interpreter, not hardware)")
+    if args.group_m is not None and min(args.group_m) < 1:
+        parser.error(f"--group-m takes positive ints; got {args.group_m}")
     device = torch.device(args.device)
     start = time.time()
-    rows = sweep(args.preset, args.stages, device, args.rounds, args.config)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "rows.jsonl"
+    log.unlink(missing_ok=True)
+    rows = sweep(args.preset, args.stages, device, args.rounds, args.config, args.group_m, log)
     summary = best_per_stage(rows)
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter, "
             "not a hardware result)", "torch": torch.__version__, "triton": __import__("triton").__version__,
             "seconds": round(time.time() - start, 1)}
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rows.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1) + "\n")
     text = report(rows, summary, meta)
     (args.out / "report.md").write_text(text)

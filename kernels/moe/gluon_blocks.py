@@ -1,6 +1,6 @@
 """Gluon building blocks shared by the BF16 (kernels/moe/ws.py) and FP8 (kernels/moe/fp8/ws.py,
 kernels/moe/fp8/ws_gather.py, kernels/moe/fp8/colwise_sm90.py) MoE kernels: the routing gate of a persistent grouped
-grid, the weight-gradient tile order and its store (BF16 by TMA, or FP32 main_grad accumulation), the gathered-A
+grid and its tile order, the weight-gradient tile order and its store (BF16 by TMA, or FP32 main_grad accumulation), the gathered-A
 producer (cp.async rows through the gather index, the weight by TMA), BF16 (g, u) pairs packed as int32, the E4M3
 scale and conversion of the FP8 kernels' quantizations, and the host's TMA descriptor with its NVMMA shared layout.
 Gluon has no interpreter path: sm_90 only."""
@@ -18,6 +18,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from detkit.kernels.backend import CUDA_SM90
 from detkit.kernels.det_gemm.ws import store_part
+from detkit.kernels.moe.tile_order import tile_order_gl
 
 
 # The gathered-A producer: one warpgroup issuing 16-byte cp.async copies (8 per thread for a 128x128 e4m3 tile).
@@ -37,18 +38,28 @@ def live_tiles(gate_ptr, P, num_n, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def live_tile_offsets(t, num_tiles, num_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(first row, first column) of tile t of a persistent grouped grid of ``num_tiles`` = live_tiles(...) tiles, in
+    the grouped order over its live row tiles (kernels/moe/tile_order.py): every partition of a kernel maps t the
+    same way, so the producer's loads, the consumers' MMAs and the epilogue's stores agree on each tile."""
+    pid_m, pid_n = tile_order_gl(t, num_tiles // num_n, num_n, GROUP_M)
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@gluon.jit
 def refused_batch(gate_ptr):
     """Whether the routing's validation counts (gate[1:]) refused the batch (as the Triton kernels' refusals)."""
     return (gl.load(gate_ptr + 1) + gl.load(gate_ptr + 2) + gl.load(gate_ptr + 3)) > 0
 
 
 @gluon.jit
-def wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr):
-    """Weight-gradient tile t: (expert, pid_r, pid_c, the expert's first padded row, its routed rows)."""
+def wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr, GROUP_M: gl.constexpr):
+    """Weight-gradient tile t: (expert, pid_r, pid_c, the expert's first padded row, its routed rows); experts in
+    turn, each dW[e]'s tiles in the grouped order (kernels/moe/tile_order.py)."""
     per_expert = num_r * num_c
     expert = t // per_expert
-    rem = t % per_expert
-    return expert, rem // num_c, rem % num_c, gl.load(offsets_ptr + expert), gl.load(counts_ptr + expert)
+    pid_r, pid_c = tile_order_gl(t % per_expert, num_r, num_c, GROUP_M)
+    return expert, pid_r, pid_c, gl.load(offsets_ptr + expert), gl.load(counts_ptr + expert)
 
 
 @gluon.jit
@@ -73,7 +84,7 @@ def store_wgrad_part(c_smem, c_desc, dw_ptr, acc, expert, routed, refused, R, ro
 @gluon.jit
 def gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr, num_tiles,
                     num_n, C, L, stride_am, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr,
-                    B_K_MAJOR: gl.constexpr = True):
+                    GROUP_M: gl.constexpr, B_K_MAJOR: gl.constexpr = True):
     """A gathered grouped GEMM's loads (a 4-warp partition; the FP8 and BF16 up and dgrad): the A rows a[gather[p]] by 16-byte cp.async (Hopper's TMA cannot gather rows), each thread's
     copies arriving on the slot's ready barrier when they land, and the weight tile by TMA from its storage as
     [E * C, L] (B_K_MAJOR) or [E * L, C]. A padding row reads token 0 (the routing's gather index there); the
@@ -85,10 +96,9 @@ def gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, rout
     rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m = (t // num_n) * BLOCK_M
+        off_m, off_n = live_tile_offsets(t, num_tiles, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         if gl.load(route_ptr + off_m) >= 0:
             expert = gl.load(tile_expert_ptr + off_m // SEGMENT)
-            off_n = (t % num_n) * BLOCK_N
             tokens = gl.load(gather_ptr + off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout)))
             a_rows = a_ptr + tokens[:, None].to(gl.int64) * stride_am + \
                 gl.arange(0, QB, layout=gl.SliceLayout(0, rows_layout))[None, :]

@@ -27,8 +27,10 @@ gradients write NaN for a refused batch (``poisoned``).
 
 Determinism rests on the det_gemm rules: no split-K, no atomics, one program owns each output tile and reduces
 all of its reduced dimension in a fixed ascending order that depends on the shapes alone (H or I for the grouped
-GEMMs, K for the combines, the expert's row count for dW). Batch invariance (forward, per token): a token's rows are
-never reduced with other tokens' rows, and the pinned tile configs do not depend on T or on the routing.
+GEMMs, K for the combines, the expert's row count for dW); the config's GROUP_M (the grouped tile order of the
+grouped GEMMs and the weight gradients, kernels/moe/tile_order.py) decides only which program owns a tile. Batch
+invariance (forward, per token): a token's rows are never reduced with other tokens' rows, and the pinned tile
+configs do not depend on T or on the routing.
 Interpreter bits (kernels/moe/triton_blocks.py) differ from tensor-core bits; each backend is audited on its own.
 """
 
@@ -38,9 +40,10 @@ import triton
 import triton.language as tl
 
 from detkit.kernels.moe.common import combine_launch_name, grouped_launch_name, scale_rows_launch_name, wgrad_launch_name
+from detkit.kernels.moe.tile_order import tile_order_tl
 from detkit.kernels.moe.triton_blocks import (
-    dim_offsets, dswiglu_epilogue, grouped_tile, mma_step, poisoned, store_c_tile, store_wgrad_tile, swiglu_epilogue,
-    tile_is_live, to_bf16,
+    dim_offsets, dswiglu_epilogue, grouped_tile, mma_step, poisoned, program_tile, store_c_tile, store_wgrad_tile,
+    swiglu_epilogue, tile_is_live, to_bf16,
 )
 
 
@@ -92,10 +95,12 @@ def moe_grouped_gemm_kernel(
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
     DSCORE: tl.constexpr, DS_CHUNK: tl.constexpr,
     B_SPLIT: tl.constexpr,  # 0, or which of B's dims holds split gate/up halves: 1 = L (dX), 2 = C (up)
+    GROUP_M: tl.constexpr,  # the tile order (kernels/moe/tile_order.py): row tiles per band
 ):
-    if tile_is_live(gate_ptr, C, BLOCK_N, BLOCK_M):
-        pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
-            C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
+    pid_m, pid_n = program_tile(P, C, BLOCK_M, BLOCK_N, GROUP_M)
+    if tile_is_live(gate_ptr, pid_m, BLOCK_M):
+        expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
+            pid_m, pid_n, C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
         offs_k = tl.arange(0, STEP_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
         b_cols = b_ptr + expert * stride_be + dim_offsets(offs_n, stride_bc, stride_b_odd, B_SPLIT == 2)[None, :]
@@ -139,13 +144,15 @@ def moe_grouped_gemm_tma_kernel(
     B_K_MAJOR: tl.constexpr,  # storage [E, C, L] (e.g. W2[e].T for dgrad): box [1, BLOCK_N, STEP_K]
     DSCORE: tl.constexpr, DS_CHUNK: tl.constexpr,
     B_SPLIT_HALVES: tl.constexpr,  # C is gate/up pairs kept as split halves: two half-width boxes (up only)
+    GROUP_M: tl.constexpr,
 ):
     """moe_grouped_gemm_kernel with the expert's weight tile loaded by TMA (zero fill past the
     expert's own extents, so no other expert's rows leak in): the same tiles, the same ascending K
     steps and epilogues; the gathered activation rows stay pointer loads."""
-    if tile_is_live(gate_ptr, C, BLOCK_N, BLOCK_M):
-        pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
-            C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
+    pid_m, pid_n = program_tile(P, C, BLOCK_M, BLOCK_N, GROUP_M)
+    if tile_is_live(gate_ptr, pid_m, BLOCK_M):
+        expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
+            pid_m, pid_n, C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
         off_n = pid_n * BLOCK_N
         offs_k = tl.arange(0, STEP_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
@@ -187,14 +194,13 @@ def moe_wgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_K: tl.constexpr,
     GATHER_A: tl.constexpr, ACCUMULATE: tl.constexpr, SPLIT_C: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    GROUP_M: tl.constexpr,  # each dW[e]'s tiles in the grouped order (bands of GROUP_M row tiles), expert by expert
 ):
     pid = tl.program_id(axis=0)
     num_pid_r = tl.cdiv(R, BLOCK_M)
     num_pid_c = tl.cdiv(C, BLOCK_N)
     expert = pid // (num_pid_r * num_pid_c)
-    rem = pid % (num_pid_r * num_pid_c)
-    pid_r = rem // num_pid_c
-    pid_c = rem % num_pid_c
+    pid_r, pid_c = tile_order_tl(pid % (num_pid_r * num_pid_c), num_pid_r, num_pid_c, GROUP_M)
     start = tl.load(offsets_ptr + expert)
     count = tl.load(counts_ptr + expert)
 

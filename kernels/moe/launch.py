@@ -116,7 +116,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
             op_id,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SEGMENT=SEGMENT_ALIGN,
             GATHER_A=gather, EPILOGUE=epilogue, B_K_MAJOR=k_major, num_warps=config.num_warps,
-            num_stages=config.num_stages, B_SPLIT_HALVES=split == "c", **flags, **fused,
+            num_stages=config.num_stages, B_SPLIT_HALVES=split == "c", GROUP_M=config.group_m, **flags, **fused,
         )
         return
     _moe_grouped_gemm_kernel_planned[grid](
@@ -130,7 +130,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, gather: bool, b: torch.Ten
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SEGMENT=SEGMENT_ALIGN,
         GATHER_A=gather, EPILOGUE=epilogue, num_warps=config.num_warps, num_stages=config.num_stages,
-        B_SPLIT={None: 0, "l": 1, "c": 2}[split], **flags, **fused,
+        B_SPLIT={None: 0, "l": 1, "c": 2}[split], GROUP_M=config.group_m, **flags, **fused,
     )
 
 
@@ -285,7 +285,7 @@ def _wgrad(op_id: int, a: torch.Tensor, gather_a: bool, b: torch.Tensor, routing
         r, c, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), out.stride(2), c // 2 * out.stride(2) if split_cols else 0, op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GATHER_A=gather_a, ACCUMULATE=accumulate, SPLIT_C=split_cols,
+        GATHER_A=gather_a, ACCUMULATE=accumulate, SPLIT_C=split_cols, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages, **_backend_flags(backend, config),
     )
 

@@ -1,8 +1,8 @@
 """Triton building blocks of the MoE grouped GEMMs, shared by the BF16 kernels (kernels/moe/kernels.py) and the FP8
 kernels (kernels/moe/fp8/kernels.py): the FP32 MMA step of both backends (the BF16 rounding is det_gemm's
 ``to_bf16``), the routing gate that lets a GEMM be queued before the host has read the routing, the tile a program
-owns over expert-sorted rows, and the epilogues (C stored rounded once, SwiGLU, dSwiGLU) both precisions apply to
-their FP32 accumulator.
+owns over expert-sorted rows (in the grouped order of kernels/moe/tile_order.py), and the epilogues (C stored
+rounded once, SwiGLU, dSwiGLU) both precisions apply to their FP32 accumulator.
 
 On the Triton interpreter (CPU): exact FP32 products added one at a time in ascending order (``tl.dot`` on BF16 is
 broken there) and FP32 -> BF16 rounding in integer arithmetic (``fp32_to_bf16_rtne``; the interpreter's cast
@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from detkit.kernels.det_gemm.kernels import to_bf16
+from detkit.kernels.moe.tile_order import tile_order_tl
 
 
 @triton.jit
@@ -37,11 +38,17 @@ def _sigmoid(g):
 
 
 @triton.jit
-def tile_is_live(gate_ptr, C, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def program_tile(P, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program's tile of a grouped GEMM over P expert-sorted rows (the grid's bound) and C
+    columns, in the grouped order (kernels/moe/tile_order.py): which program owns a tile, never the tile's math."""
+    return tile_order_tl(tl.program_id(axis=0), tl.cdiv(P, BLOCK_M), tl.cdiv(C, BLOCK_N), GROUP_M)
+
+
+@triton.jit
+def tile_is_live(gate_ptr, pid_m, BLOCK_M: tl.constexpr):
     """False for a tile at or past the routing's P, and for every tile of a batch the routing checks
     refused (gate: P, then the validation counts). A GEMM queued before the host has read the counts
     runs over the largest possible P; these tiles do nothing, not even a store."""
-    pid_m = tl.program_id(axis=0) // tl.cdiv(C, BLOCK_N)
     return (pid_m * BLOCK_M < tl.load(gate_ptr)) & (refusals(gate_ptr) == 0)
 
 
@@ -86,15 +93,10 @@ def store_wgrad_tile(dw_ptr, acc, expert, count, gate_ptr, offs_r, offs_c, r_ok,
 
 
 @triton.jit
-def grouped_tile(C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
+def grouped_tile(pid_m, pid_n, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
                  tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A: tl.constexpr):
-    """This program's tile of a grouped GEMM over expert-sorted rows: ``(pid_n, expert, offs_m,
-    offs_n, row_ok, col_ok, a_rows)``. Consecutive programs share the A tile (L2 reuse); a tile
-    belongs to one expert because BLOCK_M divides SEGMENT; padding rows are ``row_ok`` False."""
-    pid = tl.program_id(axis=0)
-    num_pid_n = tl.cdiv(C, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
+    """Tile (pid_m, pid_n) of a grouped GEMM over expert-sorted rows: ``(expert, offs_m, offs_n, row_ok, col_ok,
+    a_rows)``. A tile belongs to one expert because BLOCK_M divides SEGMENT; padding rows are ``row_ok`` False."""
     expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // SEGMENT)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # always < P: BLOCK_M divides SEGMENT
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,7 +106,7 @@ def grouped_tile(C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.co
         a_rows = tl.load(a_rows_ptr + offs_m)  # token row of each expert-sorted row
     else:
         a_rows = offs_m
-    return pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows
+    return expert, offs_m, offs_n, row_ok, col_ok, a_rows
 
 
 @triton.jit

@@ -7,7 +7,8 @@ Why: the Triton grouped kernel (kernels/moe/kernels.py) writes its output tile (
 400 MB each at the reference shape) from registers while nothing else runs in its program. Here the grid is
 persistent (one program per SM), one producer warp streams A and B tiles into a shared-memory ring by TMA, two consumer
 warpgroups (64 rows each) issue asynchronous wgmma as each slot lands, and the tile leaves through shared memory and a
-TMA store that runs while the next tile's MMAs do.
+TMA store that runs while the next tile's MMAs do. Program p takes the live tiles p, p + programs, ... in the grouped
+order of the config's GROUP_M (kernels/moe/tile_order.py; every partition maps a tile index the same way).
 
 The math is moe_grouped_gemm_tma_kernel's: per output tile, BLOCK_K-wide K steps in ascending order, one wgmma
 chain accumulating into the same FP32 registers (k16 instructions in ascending order, as tl.dot issues them), the
@@ -58,7 +59,8 @@ from detkit.kernels.det_gemm.ws import (
 from detkit.kernels.moe.common import DS_CHUNK, EPI_SWIGLU, grouped_launch_name, wgrad_launch_name
 from detkit.kernels.moe.gluon_blocks import (
     GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, bf16_pair_bits, bf16_pair_values,
-    check_ws_backend, gather_producer, live_tiles, nvmma_descriptor, refused_batch, store_wgrad_part, wgrad_tile,
+    check_ws_backend, gather_producer, live_tile_offsets, live_tiles, nvmma_descriptor, refused_batch, store_wgrad_part,
+    wgrad_tile,
 )
 from detkit.kernels.moe.operands import ws_weight_rows, ws_wgrad_addresses
 from detkit.kernels.moe.routing import SEGMENT_ALIGN
@@ -70,7 +72,7 @@ HANDOFF_MMA_REGS = gl.constexpr(112)
 
 @gluon.jit
 def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, C, L,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, GROUP_M: gl.constexpr):
     """TMA loads of every K step of each live tile into the ring; a slot is refilled once every consumer has
     released it. The weight is [E * C, L] (K-major) or [E * L, C]: an expert's rows start at e * C or e * L."""
     STAGES: gl.constexpr = a_ring.type.shape[0]
@@ -78,8 +80,7 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_exper
     num_n = C // BLOCK_N
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m = (t // num_n) * BLOCK_M
-        off_n = (t % num_n) * BLOCK_N
+        off_m, off_n = live_tile_offsets(t, num_tiles, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         if gl.load(route_ptr + off_m) >= 0:
             expert = gl.load(tile_expert_ptr + off_m // SEGMENT)
             for ks in range(L // BLOCK_K):
@@ -100,15 +101,15 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_exper
 def _gathered_kernel_producer(a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                               tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, B_K_MAJOR: gl.constexpr,
-                              GATHER_A: gl.constexpr):
+                              GATHER_A: gl.constexpr, GROUP_M: gl.constexpr):
     """moe_ws_gather_kernel's loads (a 4-warp partition): A rows a[gather[p]] by cp.async (gather_producer), or, when
     the caller has copied them into expert order (GATHER_A False), row p of A by TMA (_producer)."""
     if GATHER_A:
         gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr, num_tiles,
-                        num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, B_K_MAJOR)
+                        num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, GROUP_M, B_K_MAJOR)
     else:
         _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, C, L, BLOCK_M,
-                  BLOCK_N, B_K_MAJOR)
+                  BLOCK_N, B_K_MAJOR, GROUP_M)
 
 
 @gluon.constexpr_function
@@ -173,14 +174,15 @@ def _side_load(desc, bar, smem, row, col):
 
 
 @gluon.jit
-def _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr, FENCE: gl.constexpr):
+def _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_tiles, num_n, L, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr,
+              FENCE: gl.constexpr, GROUP_M: gl.constexpr):
     """Tile t's accumulator for this consumer's rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS), zero on
     padding rows (a tile whose first row is padding is padding only and loads nothing): (acc, the next ring count,
     the part's first row, its rows, the tile's first column)."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
-    off_m = (t // num_n) * BLOCK_M
+    off_m, off_n = live_tile_offsets(t, num_tiles, num_n, BLOCK_M, BLOCK_N, GROUP_M)
     row = off_m + PART * ROWS
     rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     BLOCK_K: gl.constexpr = a_ring.type.shape[2]
@@ -188,19 +190,20 @@ def _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_
     if gl.load(route_ptr + off_m) >= 0:
         acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, L // BLOCK_K, B_K_MAJOR, PART, FENCE)
     acc = gl.where((gl.load(route_ptr + rows) >= 0)[:, None], acc, 0.0)
-    return acc, count, row, rows, (t % num_n) * BLOCK_N
+    return acc, count, row, rows, off_n
 
 
 @gluon.jit
 def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr):
+              BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr,
+              GROUP_M: gl.constexpr):
     """One consumer warpgroup of down / dX: its rows of every tile, then the tile in the output's dtype (padding rows
     zero) through shared memory and a TMA store."""
     num_n = C // BLOCK_N
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M,
-                                                 BLOCK_N, B_K_MAJOR, CONSUMERS, PART, False)
+        acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_tiles, num_n, L,
+                                                 BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, PART, False, GROUP_M)
         store_part(c_smem, c_desc, acc, row, off_n, PART)
     tma.store_wait(0)
 
@@ -208,7 +211,7 @@ def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles,
 @gluon.jit
 def _up_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, route_ptr, num_tiles, C, L,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr,
-                 PART: gl.constexpr, FENCE: gl.constexpr):
+                 PART: gl.constexpr, FENCE: gl.constexpr, GROUP_M: gl.constexpr):
     """One consumer warpgroup of up: acc = x[gather] @ W1[e] over BLOCK_N interleaved (g, u) columns for this part's
     rows (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 1: gu rounded to BF16, h =
     silu(g) * u from those BF16 values in FP32, rounded once; both TMA-stored."""
@@ -216,8 +219,8 @@ def _up_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, 
     num_n = C // BLOCK_N
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M,
-                                                 BLOCK_N, B_K_MAJOR, CONSUMERS, PART, FENCE)
+        acc, count, row, rows, off_n = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_tiles, num_n, L,
+                                                 BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, PART, FENCE, GROUP_M)
         gu = acc.to(gl.bfloat16)
         g, u = gl.split(gl.reshape(gu.to(gl.float32), [ROWS, BLOCK_N // 2, 2]))
         h = ((g * (1.0 / (1.0 + gl.exp(-g)))) * u).to(gl.bfloat16)
@@ -230,7 +233,7 @@ def _up_consumer(a_ring, b_ring, ready, free, gu_smem, gu_desc, h_smem, h_desc, 
 def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, gu_desc, gu_bars, route_ptr, score_ptr, h_ptr,
                     ds_ptr, num_tiles, C, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr,
                     CONSUMERS: gl.constexpr, PART: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
-                    FENCE: gl.constexpr):
+                    FENCE: gl.constexpr, GROUP_M: gl.constexpr):
     """One consumer warpgroup of dgrad: acc = dout[gather] @ W2[e]^T over BLOCK_N columns of dh for this part's rows
     (padding rows, which read token 0, zeroed), then grouped_epilogue's EPILOGUE 2: (DSCORE) ds_part[p, c] = the sum
     over chunk c's DS_CHUNK columns of acc * h, then dh = s * acc, dg and du from the saved gu (each (g, u) pair read
@@ -246,8 +249,7 @@ def _dgrad_consumer(a_ring, b_ring, ready, free, dgu_smem, dgu_desc, gu_desc, gu
     count = 0
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m = (t // num_n) * BLOCK_M
-        off_n = (t % num_n) * BLOCK_N
+        off_m, off_n = live_tile_offsets(t, num_tiles, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         row = off_m + PART * ROWS
         rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
@@ -299,7 +301,7 @@ def _dswiglu_bits(acc, score, gu_bits):
 @gluon.jit
 def _handoff_consumer(a_ring, b_ring, ready, free, acc_smem, acc_ready, acc_free, route_ptr, num_tiles, C, L,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_K_MAJOR: gl.constexpr, PART: gl.constexpr,
-                      FENCE: gl.constexpr):
+                      FENCE: gl.constexpr, GROUP_M: gl.constexpr):
     """One MMA warpgroup of dgrad with an epilogue warpgroup of its own (EPI_WARPGROUP): its 64 rows of every
     tile's FP32 accumulator (padding rows zero) into its part of the shared hand-off buffer, once the epilogue's
     store of the previous tile has read that part; then straight on to the next tile's MMAs."""
@@ -309,8 +311,8 @@ def _handoff_consumer(a_ring, b_ring, ready, free, acc_smem, acc_ready, acc_free
     count = 0
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        acc, count, _, _, _ = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_n, L, BLOCK_M, BLOCK_N,
-                                        B_K_MAJOR, 2, PART, FENCE)
+        acc, count, _, _, _ = _tile_acc(t, a_ring, b_ring, ready, free, count, route_ptr, num_tiles, num_n, L, BLOCK_M,
+                                        BLOCK_N, B_K_MAJOR, 2, PART, FENCE, GROUP_M)
         # A fresh barrier counts as having completed the phase before phase 0: the first tile waits on nothing.
         mbarrier.wait(acc_free.index(PART), (it & 1) ^ 1)
         part.store(acc)
@@ -320,7 +322,8 @@ def _handoff_consumer(a_ring, b_ring, ready, free, acc_smem, acc_ready, acc_free
 
 @gluon.jit
 def _dgrad_epilogue(acc_smem, dgu_smem, acc_ready, acc_free, dgu_desc, gu_ptr, score_ptr, h_ptr, ds_ptr, num_tiles, C,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr):
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DSCORE: gl.constexpr, DS_CHUNK: gl.constexpr,
+                    GROUP_M: gl.constexpr):
     """dgrad's epilogue warpgroup (EPI_WARPGROUP): for each tile, each MMA warpgroup's 64 rows in turn from the
     hand-off buffer, the epilogue of _dgrad_consumer (the same operations in the same layout, so the same bits;
     gu, h and the scores loaded while the MMAs run), dgu written over those rows of the buffer (``dgu_smem``: the
@@ -330,12 +333,13 @@ def _dgrad_epilogue(acc_smem, dgu_smem, acc_ready, acc_free, dgu_desc, gu_ptr, s
     num_n = C // BLOCK_N
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_n = (t % num_n) * BLOCK_N
-        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        off_m, off_n = live_tile_offsets(t, num_tiles, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         for PART in gl.static_range(2):
-            row = (t // num_n) * BLOCK_M + PART * ROWS
+            row = off_m + PART * ROWS
             rows = row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-            offs = rows[:, None] * C + cols[None, :]
+            # The tile's columns offset per row, not a [BLOCK_N] column vector kept across both parts: with the grouped
+            # order's index math beside it, that vector spilled (sm_90, gathered rows with the dscore partials).
+            offs = (rows * C + off_n)[:, None] + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))[None, :]
             score = gl.load(score_ptr + rows)
             gu_bits = gl.load(gu_ptr + offs)
             if DSCORE:
@@ -365,6 +369,7 @@ def moe_ws_kernel(
     op_id,  # names the launch only
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, B_K_MAJOR: gl.constexpr,
     CONSUMERS: gl.constexpr,  # consumer warpgroups, each its own partition: 1 or 2
+    GROUP_M: gl.constexpr,  # the tile order (kernels/moe/tile_order.py): row tiles per band
 ):
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -378,18 +383,18 @@ def moe_ws_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N,
-                         B_K_MAJOR, CONSUMERS, 0)),
+                         B_K_MAJOR, CONSUMERS, 0, GROUP_M)),
             (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N,
-                         B_K_MAJOR, CONSUMERS, 1)),
+                         B_K_MAJOR, CONSUMERS, 1, GROUP_M)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, C, L,
-                         BLOCK_M, BLOCK_N, B_K_MAJOR)),
+                         BLOCK_M, BLOCK_N, B_K_MAJOR, GROUP_M)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, route_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N,
-                         B_K_MAJOR, CONSUMERS, 0)),
+                         B_K_MAJOR, CONSUMERS, 0, GROUP_M)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, C, L,
-                         BLOCK_M, BLOCK_N, B_K_MAJOR)),
+                         BLOCK_M, BLOCK_N, B_K_MAJOR, GROUP_M)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -415,6 +420,7 @@ def moe_ws_gather_kernel(
     GATHER_A: gl.constexpr,  # A rows through the gather index (cp.async), or already in expert order (TMA)
     EPI_WARPGROUP: gl.constexpr,  # dgrad: an epilogue warpgroup beside the 2 MMA ones (their tiles' epilogues overlap
     # the next tile's MMAs), or the MMA warpgroups run their epilogues
+    GROUP_M: gl.constexpr,  # the tile order (kernels/moe/tile_order.py): row tiles per band
 ):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_layout)
@@ -433,20 +439,20 @@ def moe_ws_gather_kernel(
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
-                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, GATHER_A)),
+                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, GATHER_A, GROUP_M)),
                 (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
-                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1, GATHER_A)),
+                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1, GATHER_A, GROUP_M)),
                 (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
-                                             SEGMENT, B_K_MAJOR, GATHER_A)),
+                                             SEGMENT, B_K_MAJOR, GATHER_A, GROUP_M)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_up_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_smem, h_desc, route_ptr, num_tiles, C,
-                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, GATHER_A)),
+                                L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0, GATHER_A, GROUP_M)),
                 (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
-                                             SEGMENT, B_K_MAJOR, GATHER_A)),
+                                             SEGMENT, B_K_MAJOR, GATHER_A, GROUP_M)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     elif EPI_WARPGROUP:
         acc_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -458,14 +464,14 @@ def moe_ws_gather_kernel(
         acc_smem = out_smem._reinterpret(gl.float32, [BLOCK_M, BLOCK_N], out_desc.layout)
         gl.warp_specialize([
             (_dgrad_epilogue, (acc_smem, out_smem, acc_ready, acc_free, out_desc, gu_ptr, score_ptr, h_ptr, ds_ptr,
-                               num_tiles, C, BLOCK_M, BLOCK_N, DSCORE, DS_CHUNK)),
+                               num_tiles, C, BLOCK_M, BLOCK_N, DSCORE, DS_CHUNK, GROUP_M)),
             (_handoff_consumer, (a_ring, b_ring, ready, free, acc_smem, acc_ready, acc_free, route_ptr, num_tiles, C, L,
-                                 BLOCK_M, BLOCK_N, B_K_MAJOR, 0, GATHER_A)),
+                                 BLOCK_M, BLOCK_N, B_K_MAJOR, 0, GATHER_A, GROUP_M)),
             (_handoff_consumer, (a_ring, b_ring, ready, free, acc_smem, acc_ready, acc_free, route_ptr, num_tiles, C, L,
-                                 BLOCK_M, BLOCK_N, B_K_MAJOR, 1, GATHER_A)),
+                                 BLOCK_M, BLOCK_N, B_K_MAJOR, 1, GATHER_A, GROUP_M)),
             (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                          tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
-                                         SEGMENT, B_K_MAJOR, GATHER_A)),
+                                         SEGMENT, B_K_MAJOR, GATHER_A, GROUP_M)),
         ], [CONSUMER_WARPS, CONSUMER_WARPS, GATHER_PRODUCER_WARPS if GATHER_A else PRODUCER_WARPS],
             [HANDOFF_MMA_REGS, HANDOFF_MMA_REGS, GATHER_PRODUCER_REGS if GATHER_A else PRODUCER_REGS])
     else:
@@ -476,28 +482,28 @@ def moe_ws_gather_kernel(
             gl.warp_specialize([
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr,
                                    score_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
-                                   DSCORE, DS_CHUNK, GATHER_A)),
+                                   DSCORE, DS_CHUNK, GATHER_A, GROUP_M)),
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr,
                                    score_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 1,
-                                   DSCORE, DS_CHUNK, GATHER_A)),
+                                   DSCORE, DS_CHUNK, GATHER_A, GROUP_M)),
                 (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
-                                             SEGMENT, B_K_MAJOR, GATHER_A)),
+                                             SEGMENT, B_K_MAJOR, GATHER_A, GROUP_M)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_dgrad_consumer, (a_ring, b_ring, ready, free, out_smem, out_desc, h_desc, gu_bars, route_ptr,
                                    score_ptr, h_ptr, ds_ptr, num_tiles, C, L, BLOCK_M, BLOCK_N, B_K_MAJOR, CONSUMERS, 0,
-                                   DSCORE, DS_CHUNK, GATHER_A)),
+                                   DSCORE, DS_CHUNK, GATHER_A, GROUP_M)),
                 (_gathered_kernel_producer, (a_ptr, a_desc, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr,
                                              tile_expert_ptr, num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N,
-                                             SEGMENT, B_K_MAJOR, GATHER_A)),
+                                             SEGMENT, B_K_MAJOR, GATHER_A, GROUP_M)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
 
 
 @gluon.jit
 def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles, num_r, num_c,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
     """The weight gradient's TMA loads (dW2: h and dy), per K step of BLOCK_K expert rows (ascending, up to the step
     holding the last routed row; the step stays inside the expert's 128-padded segment, whose padding rows of h
     and dy are zeros): each consumer's BLOCK_K x 64 slice of the A rows into its own ring buffer, and the B rows'
@@ -508,7 +514,7 @@ def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, co
     ROWS: gl.constexpr = a_ring.type.shape[2]
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
+        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr, GROUP_M)
         for ks in range(gl.cdiv(routed, BLOCK_K)):
             slot = count % STAGES
             # A fresh barrier counts as having completed the phase before phase 0: the first pass waits on nothing.
@@ -525,7 +531,8 @@ def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, co
 
 @gluon.jit
 def _wgrad_gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr, counts_ptr, num_tiles,
-                           num_r, num_c, stride_am, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                           num_r, num_c, stride_am, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           GROUP_M: gl.constexpr):
     """dW1's loads (a 4-warp partition): the K steps of _wgrad_producer with the A rows x[gather[p]] copied by
     16-byte cp.async, rows past the routed count zero-filled (the Triton kernel's mask: x of token 0, which padding
     rows name, never enters a product), and dgu's rows by TMA. Each step's row indices are loaded one step ahead,
@@ -539,7 +546,7 @@ def _wgrad_gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_pt
     cols = gl.arange(0, ROWS, layout=gl.SliceLayout(0, rows_layout))
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
+        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr, GROUP_M)
         a_cols = a_ptr + (pid_r * BLOCK_M + cols)[None, :]
         tokens = gl.load(gather_ptr + start + k_offs, mask=k_offs < routed, other=0)
         for ks in range(gl.cdiv(routed, BLOCK_K)):
@@ -562,7 +569,8 @@ def _wgrad_gather_producer(a_ptr, b_desc, a_ring, b_ring, ready, free, gather_pt
 @gluon.jit
 def _wgrad_consumer(a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr, gate_ptr, num_tiles,
                     num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr, FENCE: gl.constexpr):
+                    ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr, PART: gl.constexpr, FENCE: gl.constexpr,
+                    GROUP_M: gl.constexpr):
     """One consumer warpgroup of a BF16 weight gradient: rows [PART * 64, +64) of dW[e]'s tile over the expert's rows
     (ascending K steps, one wgmma chain, A read transposed from its ring buffer); BF16 out by TMA store, or
     main_grad += it in FP32 (an expert without rows leaves main_grad untouched and stores a zero tile otherwise)."""
@@ -571,7 +579,7 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets
     count = 0
     refused = refused_batch(gate_ptr)
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
+        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr, GROUP_M)
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, _acc_layout(BLOCK_N))
         if routed > 0:
             acc, count = _k_steps(a_ring, b_ring, ready, free, count, acc, gl.cdiv(routed, BLOCK_K), False, PART, FENCE,
@@ -594,6 +602,7 @@ def moe_ws_wgrad_kernel(
     op_id,  # names the launch only
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     CONSUMERS: gl.constexpr, GATHER_A: gl.constexpr, ACCUMULATE: gl.constexpr,
+    GROUP_M: gl.constexpr,  # each dW[e]'s tiles in the grouped order (bands of GROUP_M row tiles), expert by expert
 ):
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, ROWS], gl.bfloat16)
@@ -615,40 +624,40 @@ def moe_ws_wgrad_kernel(
             gl.warp_specialize([
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
                                    gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
-                                   BLOCK_N, ACCUMULATE, CONSUMERS, 0, True)),
+                                   BLOCK_N, ACCUMULATE, CONSUMERS, 0, True, GROUP_M)),
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
                                    gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
-                                   BLOCK_N, ACCUMULATE, CONSUMERS, 1, True)),
+                                   BLOCK_N, ACCUMULATE, CONSUMERS, 1, True, GROUP_M)),
                 (_wgrad_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
-                                          counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N)),
+                                          counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N, GROUP_M)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
                                    gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
-                                   BLOCK_N, ACCUMULATE, CONSUMERS, 0, True)),
+                                   BLOCK_N, ACCUMULATE, CONSUMERS, 0, True, GROUP_M)),
                 (_wgrad_gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, offsets_ptr,
-                                          counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N)),
+                                          counts_ptr, num_tiles, num_r, num_c, stride_am, BLOCK_M, BLOCK_N, GROUP_M)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     else:
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
                                    gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
-                                   BLOCK_N, ACCUMULATE, CONSUMERS, 0, False)),
+                                   BLOCK_N, ACCUMULATE, CONSUMERS, 0, False, GROUP_M)),
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
                                    gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
-                                   BLOCK_N, ACCUMULATE, CONSUMERS, 1, False)),
+                                   BLOCK_N, ACCUMULATE, CONSUMERS, 1, False, GROUP_M)),
                 (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles,
-                                   num_r, num_c, BLOCK_M, BLOCK_N)),
+                                   num_r, num_c, BLOCK_M, BLOCK_N, GROUP_M)),
             ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_wgrad_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
                                    gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
-                                   BLOCK_N, ACCUMULATE, CONSUMERS, 0, False)),
+                                   BLOCK_N, ACCUMULATE, CONSUMERS, 0, False, GROUP_M)),
                 (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, offsets_ptr, counts_ptr, num_tiles,
-                                   num_r, num_c, BLOCK_M, BLOCK_N)),
+                                   num_r, num_c, BLOCK_M, BLOCK_N, GROUP_M)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -718,7 +727,7 @@ def launch_moe_ws(op_id: int, stage: str, config, a: torch.Tensor, b: torch.Tens
         p, n_cols, reduced,
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, B_K_MAJOR=k_major,
-        CONSUMERS=consumers(config.num_warps),
+        CONSUMERS=consumers(config.num_warps), GROUP_M=config.group_m,
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
 
@@ -791,6 +800,7 @@ def launch_moe_ws_gather(op_id: int, stage: str, config, epilogue: int, a: torch
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
         SEGMENT=SEGMENT_ALIGN, CONSUMERS=mma_warpgroups(config), B_K_MAJOR=k_major, EPILOGUE=epilogue,
         DSCORE=dscore is not None, DS_CHUNK=DS_CHUNK, GATHER_A=gather, EPI_WARPGROUP=epilogue_warpgroup(config),
+        GROUP_M=config.group_m,
         # num_warps: the default partition (a consumer warpgroup, or the epilogue warpgroup)
         num_warps=4, maxnreg=max_regs(config.num_warps),
     )
@@ -839,6 +849,6 @@ def launch_moe_ws_wgrad(op_id: int, config, a: torch.Tensor, gather_a: bool, b: 
         a.stride(0), out.stride(0), out.stride(1), out.stride(2),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
-        CONSUMERS=parts, GATHER_A=gather_a, ACCUMULATE=accumulate,
+        CONSUMERS=parts, GATHER_A=gather_a, ACCUMULATE=accumulate, GROUP_M=config.group_m,
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )

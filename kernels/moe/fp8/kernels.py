@@ -32,8 +32,10 @@ from detkit.kernels.moe.fp8.quant import quantize_row_blocks, quantize_rows
 from detkit.kernels.moe.common import (
     DS_GROUP, colwise_quant_launch_name, fp8_grouped_launch_name, fp8_wgrad_launch_name,
 )
+from detkit.kernels.moe.tile_order import tile_order_tl
 from detkit.kernels.moe.triton_blocks import (
-    dswiglu_epilogue, grouped_tile, mma_step, store_c_tile, store_wgrad_tile, swiglu_epilogue, tile_is_live, to_bf16,
+    dswiglu_epilogue, grouped_tile, mma_step, program_tile, store_c_tile, store_wgrad_tile, swiglu_epilogue,
+    tile_is_live, to_bf16,
 )
 
 
@@ -53,13 +55,15 @@ def moe_fp8_grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_K: tl.constexpr, QBLOCK: tl.constexpr,
     SEGMENT: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, INTERPRETED: tl.constexpr,
     B_TMA: tl.constexpr,  # b_ptr is a rank-3 TMA descriptor over B_q [E, C, L], box [1, BLOCK_N, STEP_K]
+    GROUP_M: tl.constexpr,  # the tile order (kernels/moe/tile_order.py): row tiles per band
     DSCORE: tl.constexpr = False,
 ):
     # A tile at or past the routing's P (the up GEMM is queued over the largest P before the host has read it) or of
     # a refused batch does nothing.
-    if tile_is_live(gate_ptr, C, BLOCK_N, BLOCK_M):
-        pid_n, expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
-            C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
+    pid_m, pid_n = program_tile(P, C, BLOCK_M, BLOCK_N, GROUP_M)
+    if tile_is_live(gate_ptr, pid_m, BLOCK_M):
+        expert, offs_m, offs_n, row_ok, col_ok, a_rows = grouped_tile(
+            pid_m, pid_n, C, BLOCK_M, BLOCK_N, SEGMENT, tile_expert_ptr, route_ptr, a_rows_ptr, GATHER_A)
         offs_k = tl.arange(0, STEP_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_al  # [BLOCK_M, STEP_K]
         if not B_TMA:
@@ -188,14 +192,13 @@ def moe_fp8_wgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_K: tl.constexpr, QBLOCK: tl.constexpr,
     ACCUMULATE: tl.constexpr, INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,  # a_ptr, b_ptr are TMA descriptors over A_q, B_q (boxes [BLOCK_M | BLOCK_N, STEP_K])
+    GROUP_M: tl.constexpr,  # each dW[e]'s tiles in the grouped order (bands of GROUP_M row tiles), expert by expert
 ):
     pid = tl.program_id(axis=0)
     num_pid_r = tl.cdiv(R, BLOCK_M)
     num_pid_c = tl.cdiv(C, BLOCK_N)
     expert = pid // (num_pid_r * num_pid_c)
-    rem = pid % (num_pid_r * num_pid_c)
-    pid_r = rem // num_pid_c
-    pid_c = rem % num_pid_c
+    pid_r, pid_c = tile_order_tl(pid % (num_pid_r * num_pid_c), num_pid_r, num_pid_c, GROUP_M)
     # Segments are 128-aligned: telling the compiler lets it prove 16-byte-aligned rows for cp.async.
     start = tl.multiple_of(tl.load(offsets_ptr + expert), QBLOCK)
     count = tl.load(counts_ptr + expert)

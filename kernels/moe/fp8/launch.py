@@ -96,7 +96,7 @@ def _grouped(op_id: int, stage: str, a: torch.Tensor, a_s: torch.Tensor, gather:
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         STEP_K=step_k, QBLOCK=QBLOCK, SEGMENT=SEGMENT_ALIGN, GATHER_A=gather, EPILOGUE=epilogue,
-        INTERPRETED=interpreted, B_TMA=config.variant == "tma", DSCORE=dscore is not None,
+        INTERPRETED=interpreted, B_TMA=config.variant == "tma", GROUP_M=config.group_m, DSCORE=dscore is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -278,7 +278,7 @@ def moe_fp8_wgrad(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: 
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STEP_K=step_k, QBLOCK=QBLOCK,
         ACCUMULATE=main_grad is not None, INTERPRETED=interpreted, TMA=config.variant == "tma",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return None if main_grad is not None else out
 

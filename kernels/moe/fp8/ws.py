@@ -8,7 +8,8 @@ Triton 3.6 waits for every outstanding wgmma after a dot whose result is not a l
 ``moe_fp8_grouped_gemm_kernel`` a program's tensor-core work stops during each promotion. Here the consumer
 issues block kb+1's wgmma before it waits for block kb's (two block accumulators in flight), so a promotion
 runs while the next block's MMAs do; a producer streams both operand tiles into a ring, and the grid is
-persistent (one program per SM), so the ring fills for the next tile during a tile's store.
+persistent (one program per SM), so the ring fills for the next tile during a tile's store. Program p takes the live
+tiles p, p + programs, ... in the grouped order of the config's GROUP_M (kernels/moe/tile_order.py).
 
 The math is the Triton kernels', operation for operation: per output tile, K blocks of 128 in ascending order,
 each one zero-initialised wgmma chain over the block (4 x k32 on e4m3), then ``acc + blk * (a_s * b_s)`` in
@@ -35,7 +36,7 @@ from detkit.kernels.det_gemm.ws import (
 )
 from detkit.kernels.moe.common import fp8_grouped_launch_name, fp8_wgrad_launch_name
 from detkit.kernels.moe.gluon_blocks import (
-    check_ws_backend, live_tiles, nvmma_descriptor, refused_batch, store_wgrad_part, wgrad_tile,
+    check_ws_backend, live_tile_offsets, live_tiles, nvmma_descriptor, refused_batch, store_wgrad_part, wgrad_tile,
 )
 
 QBLOCK_WS = 128  # the FP8 scale block along K: one ring slot holds one block of both operands
@@ -169,10 +170,10 @@ def _k_blocks(a_ring, b_ring, ready, free, count, acc, num_kb, a_scales, b_scale
 
 
 @gluon.jit
-def fp8_tile_acc(t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n,
-                 L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M: gl.constexpr,
+def fp8_tile_acc(t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr,
+                 num_tiles, num_n, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
-                 PART: gl.constexpr, GATHER: gl.constexpr):
+                 PART: gl.constexpr, GATHER: gl.constexpr, GROUP_M: gl.constexpr):
     """One grouped-GEMM tile of this consumer part, before its epilogue: (acc, the next ring count, the tile's
     first row, first column, this part's rows and whether each is a routed row). A tile of padding only reads
     nothing; GATHER: the A rows (and their scales) are gather[row] (padding rows read token 0), loaded by cp.async."""
@@ -180,8 +181,7 @@ def fp8_tile_acc(t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_p
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    off_m = (t // num_n) * BLOCK_M
-    off_n = (t % num_n) * BLOCK_N
+    off_m, off_n = live_tile_offsets(t, num_tiles, num_n, BLOCK_M, BLOCK_N, GROUP_M)
     rows = off_m + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
     if gl.load(route_ptr + off_m) >= 0:
@@ -197,14 +197,14 @@ def fp8_tile_acc(t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_p
 
 @gluon.jit
 def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, GROUP_M: gl.constexpr):
     """The grouped GEMM's loads: every K block of each live tile (a tile whose first row is padding is padding only)."""
     QB: gl.constexpr = a_ring.type.shape[2]
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m = (t // num_n) * BLOCK_M
+        off_m, off_n = live_tile_offsets(t, num_tiles, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         if gl.load(route_ptr + off_m) >= 0:
-            b_row = gl.load(tile_expert_ptr + off_m // SEGMENT) * C + (t % num_n) * BLOCK_N
+            b_row = gl.load(tile_expert_ptr + off_m // SEGMENT) * C + off_n
             count = _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, off_m, b_row, 0, L // QB)
 
 
@@ -212,15 +212,15 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_exper
 def _consumer(a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr, num_tiles,
               num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
-              CONSUMERS: gl.constexpr, PART: gl.constexpr):
+              CONSUMERS: gl.constexpr, PART: gl.constexpr, GROUP_M: gl.constexpr):
     """The grouped GEMM's consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of every tile."""
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         acc, count, off_m, off_n, rows, live = fp8_tile_acc(
-            t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, route_ptr, route_ptr, tile_expert_ptr, num_n, L,
-            stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-            PART, False)
+            t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, route_ptr, route_ptr, tile_expert_ptr, num_tiles,
+            num_n, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
+            CONSUMERS, PART, False, GROUP_M)
         # Padding rows store zeros.
         store_part(c_smem, c_desc, gl.where(live[:, None], acc, 0.0), off_m + PART * ROWS, off_n, PART)
     tma.store_wait(0)
@@ -253,6 +253,7 @@ def moe_fp8_ws_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
     KB_GROUP: gl.constexpr,  # K blocks per unrolled group of the consumers' loop; divides L / 128
     CONSUMERS: gl.constexpr,  # consumer warpgroups, each its own partition and BLOCK_M / CONSUMERS rows: 1 or 2
+    GROUP_M: gl.constexpr,  # the tile order (kernels/moe/tile_order.py): row tiles per band
 ):
     a_ring, b_ring, ready, free, c_smem = _allocate(a_desc, b_desc, c_desc, c_desc.dtype, STAGES, CONSUMERS)
     num_n = C // BLOCK_N
@@ -261,32 +262,32 @@ def moe_fp8_ws_kernel(
         gl.warp_specialize([
             (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
                          num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M,
-                         BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+                         BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0, GROUP_M)),
             (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
                          num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M,
-                         BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1)),
+                         BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 1, GROUP_M)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
-                         L, BLOCK_M, BLOCK_N, SEGMENT)),
+                         L, BLOCK_M, BLOCK_N, SEGMENT, GROUP_M)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (a_ring, b_ring, ready, free, c_smem, c_desc, as_ptr, bs_ptr, route_ptr, tile_expert_ptr,
                          num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M,
-                         BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0)),
+                         BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS, 0, GROUP_M)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, route_ptr, tile_expert_ptr, num_tiles, num_n, C,
-                         L, BLOCK_M, BLOCK_N, SEGMENT)),
+                         L, BLOCK_M, BLOCK_N, SEGMENT, GROUP_M)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 @gluon.jit
 def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr, num_tiles, num_r,
-                    num_c, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                    num_c, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
     """The weight gradient's loads: the expert's 128-row blocks of A_q [R, P] and B_q [C, P] (P is the K dim) and
     each block's scale rows (``scales``: their descriptors and rings)."""
     QB: gl.constexpr = a_ring.type.shape[2]
     count = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
+        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr, GROUP_M)
         count = _load_blocks(a_desc, b_desc, a_ring, b_ring, ready, free, count, pid_r * BLOCK_M, pid_c * BLOCK_N,
                              start, gl.cdiv(routed, QB), scales)
 
@@ -295,7 +296,7 @@ def _wgrad_producer(a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets
 def _wgrad_consumer(a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr, counts_ptr,
                     gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, KB_GROUP: gl.constexpr, ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr,
-                    PART: gl.constexpr):
+                    PART: gl.constexpr, GROUP_M: gl.constexpr):
     """The weight gradient's consumer warpgroup: rows [PART * BLOCK_M / CONSUMERS, +BLOCK_M / CONSUMERS) of dW[e]'s
     tile, its scales read from the ring at each promotion; BF16 out by TMA store, or main_grad += it in FP32 (an
     expert without rows leaves main_grad untouched)."""
@@ -306,7 +307,7 @@ def _wgrad_consumer(a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw
     count = 0
     refused = refused_batch(gate_ptr)
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr)
+        expert, pid_r, pid_c, start, routed = wgrad_tile(t, num_r, num_c, offsets_ptr, counts_ptr, GROUP_M)
         acc, count = _k_blocks(a_ring, b_ring, ready, free, count, gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout),
                                gl.cdiv(routed, QB), None, None, 0, 0, KB_GROUP, True, PART,
                                scale_rings=scale_rings)
@@ -326,6 +327,7 @@ def moe_fp8_wgrad_ws_kernel(
     stride_we, stride_wr, stride_wc,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KB_GROUP: gl.constexpr,
     ACCUMULATE: gl.constexpr, CONSUMERS: gl.constexpr,
+    GROUP_M: gl.constexpr,  # each dW[e]'s tiles in the grouped order (bands of GROUP_M row tiles), expert by expert
 ):
     a_ring, b_ring, ready, free, c_smem = _allocate(a_desc, b_desc, c_desc, gl.bfloat16, STAGES, CONSUMERS)
     # Each ring slot's scale rows beside its operand tiles (one TMA barrier for all four).
@@ -340,20 +342,20 @@ def moe_fp8_wgrad_ws_kernel(
         gl.warp_specialize([
             (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
                                counts_ptr, gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
-                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
+                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0, GROUP_M)),
             (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
                                counts_ptr, gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
-                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 1)),
+                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 1, GROUP_M)),
             (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr,
-                               num_tiles, num_r, num_c, BLOCK_M, BLOCK_N)),
+                               num_tiles, num_r, num_c, BLOCK_M, BLOCK_N, GROUP_M)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_wgrad_consumer, (a_ring, b_ring, ready, free, scale_rings, c_smem, c_desc, dw_ptr, offsets_ptr,
                                counts_ptr, gate_ptr, num_tiles, num_r, num_c, R, stride_we, stride_wr, stride_wc, BLOCK_M,
-                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0)),
+                               BLOCK_N, KB_GROUP, ACCUMULATE, CONSUMERS, 0, GROUP_M)),
             (_wgrad_producer, (a_desc, b_desc, a_ring, b_ring, ready, free, scales, offsets_ptr, counts_ptr,
-                               num_tiles, num_r, num_c, BLOCK_M, BLOCK_N)),
+                               num_tiles, num_r, num_c, BLOCK_M, BLOCK_N, GROUP_M)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -409,7 +411,7 @@ def launch_fp8_ws(op_id: int, stage: str, config, a: torch.Tensor, a_s: torch.Te
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2),
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
-        KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps),
+        KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps), GROUP_M=config.group_m,
         num_warps=4, maxnreg=max_regs(config.num_warps),  # num_warps: the default partition (one consumer warpgroup)
     )
 
@@ -457,6 +459,6 @@ def launch_fp8_wgrad_ws(config, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch
         r, c, num_experts,
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, KB_GROUP=3,
-        ACCUMULATE=accumulate, CONSUMERS=consumers(config.num_warps),
+        ACCUMULATE=accumulate, CONSUMERS=consumers(config.num_warps), GROUP_M=config.group_m,
         num_warps=4, maxnreg=max_regs(config.num_warps),
     )

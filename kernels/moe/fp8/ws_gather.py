@@ -28,7 +28,7 @@ from detkit.kernels.moe.common import DS_GROUP, EPI_FP8_SWIGLU, fp8_grouped_laun
 from detkit.kernels.moe.fp8.ws import QBLOCK_WS, fp8_tile_acc, kb_group
 from detkit.kernels.moe.gluon_blocks import (
     GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, GATHER_PRODUCER_WARPS, bf16_pair_bits, bf16_pair_values,
-    check_ws_backend, e4m3_pow2_scale, e4m3x2, gather_producer, live_tiles, nvmma_descriptor,
+    check_ws_backend, e4m3_pow2_scale, e4m3x2, gather_producer, live_tile_offsets, live_tiles, nvmma_descriptor,
 )
 
 
@@ -36,7 +36,8 @@ from detkit.kernels.moe.gluon_blocks import (
 def _swiglu_consumer(a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr, gather_ptr,
                      route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse,
                      stride_bsl, stride_bsc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr,
-                     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr):
+                     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr,
+                     GROUP_M: gl.constexpr):
     """The up-projection's consumer warpgroup: the grouped consumer's K loop over gathered rows (their scales read
     through the gather index too), then the SwiGLU epilogue of moe_fp8_grouped_gemm_kernel (EPI_FP8_SWIGLU): gu rounded to
     BF16, h = silu(g) * u from those BF16 values in FP32, rounded once; both stored by TMA. Its tiles: ``_turn``."""
@@ -46,13 +47,14 @@ def _swiglu_consumer(a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem
     count = 0
     i = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        mine, blocks = _turn(t, i, route_ptr, num_n, L, BLOCK_M, a_ring.type.shape[2], PINGPONG, PART)
+        mine, blocks = _turn(t, i, route_ptr, num_tiles, num_n, L, BLOCK_M, BLOCK_N, a_ring.type.shape[2], PINGPONG,
+                             PART, GROUP_M)
         if mine:
             _wait_turn(turn, i, PINGPONG, PART)
             acc, _, off_m, off_n, rows, live = fp8_tile_acc(
-                t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
-                stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS,
-                P0, True)
+                t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr,
+                num_tiles, num_n, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N,
+                SEGMENT, KB_GROUP, PARTS, P0, True, GROUP_M)
             _pass_turn(turn, PINGPONG, PART)
             # Padding rows (they read token 0) store zeros.
             gu = gl.where(live[:, None], acc, 0.0).to(gl.bfloat16)
@@ -67,13 +69,14 @@ def _swiglu_consumer(a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem
 
 
 @gluon.jit
-def _turn(t, i, route_ptr, num_n, L, BLOCK_M: gl.constexpr, QB: gl.constexpr, PINGPONG: gl.constexpr,
-          PART: gl.constexpr):
+def _turn(t, i, route_ptr, num_tiles, num_n, L, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, QB: gl.constexpr,
+          PINGPONG: gl.constexpr, PART: gl.constexpr, GROUP_M: gl.constexpr):
     """Whose tile t (the program's i-th) is, and how many ring slots it takes. Cooperative: every consumer's, each
     taking its rows of it. PINGPONG: the warpgroups take the program's tiles in turn (tile i is warpgroup i % 2's), so
     one's epilogue runs while the other's MMAs do; each counts the other's slots to find its own in the ring. A tile
     whose first row is padding takes none (the producer loads nothing for it)."""
-    blocks = gl.where(gl.load(route_ptr + (t // num_n) * BLOCK_M) >= 0, L // QB, 0)
+    off_m, _ = live_tile_offsets(t, num_tiles, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+    blocks = gl.where(gl.load(route_ptr + off_m) >= 0, L // QB, 0)
     return ((i % 2) == PART) if PINGPONG else True, blocks
 
 
@@ -121,7 +124,8 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, turn, dgu_smem, dgu_desc, q_s
                       gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, num_tiles,
                       num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
-                      CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr):
+                      CONSUMERS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, PART: gl.constexpr,
+                      GROUP_M: gl.constexpr):
     """The dgrad's consumer warpgroup: dh = s * (dout_q[gather] @ W2q^T) over BLOCK_N = 64 or 128 columns of I,
     then moe_fp8_grouped_gemm_kernel's EPI_FP8_DSWIGLU_QUANT: (DSCORE) the dscore partials from the unscaled accumulator and the
     forward's h (``_dscore_partials``); dg, du from the saved gu (its (g, u) pairs read as one int32 each), dgu
@@ -133,12 +137,13 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, turn, dgu_smem, dgu_desc, q_s
     count = 0
     i = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        mine, blocks = _turn(t, i, route_ptr, num_n, L, BLOCK_M, a_ring.type.shape[2], PINGPONG, PART)
+        mine, blocks = _turn(t, i, route_ptr, num_tiles, num_n, L, BLOCK_M, BLOCK_N, a_ring.type.shape[2], PINGPONG,
+                             PART, GROUP_M)
         if mine:
             _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
-                          gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n,
-                          C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
-                          BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS, DSCORE, PINGPONG, P0, PART)
+                          gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count,
+                          num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm,
+                          stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS, DSCORE, PINGPONG, P0, PART, GROUP_M)
         count += blocks
         i += 1
     tma.store_wait(0)
@@ -146,19 +151,19 @@ def _dswiglu_consumer(a_ring, b_ring, ready, free, turn, dgu_smem, dgu_desc, q_s
 
 @gluon.jit
 def _dswiglu_tile(t, a_ring, b_ring, ready, free, turn, i, dgu_smem, dgu_desc, q_smem, q_desc, as_ptr, bs_ptr,
-                  gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_n, C, L,
-                  stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
+                  gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr, ds_ptr, count, num_tiles,
+                  num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, stride_gm, stride_qsm,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEGMENT: gl.constexpr, KB_GROUP: gl.constexpr,
                   PARTS: gl.constexpr, DSCORE: gl.constexpr, PINGPONG: gl.constexpr, P0: gl.constexpr,
-                  BUF: gl.constexpr):
+                  BUF: gl.constexpr, GROUP_M: gl.constexpr):
     """One dgrad tile of ``_dswiglu_consumer``: rows [P0 * BLOCK_M / PARTS, +BLOCK_M / PARTS) of tile t from ring slot
     ``count`` on, its outputs through store-buffer part BUF."""
     ROWS: gl.constexpr = BLOCK_M // PARTS
     _wait_turn(turn, i, PINGPONG, BUF)
     acc, _, off_m, off_n, rows, live = fp8_tile_acc(
-        t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_n, L,
-        stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS,
-        P0, True)
+        t, a_ring, b_ring, ready, free, count, as_ptr, bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n,
+        L, stride_asm, stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, PARTS,
+        P0, True, GROUP_M)
     _pass_turn(turn, PINGPONG, BUF)
     # Columns of dh: (g, u) column pairs of gu and dgu; padding rows (they read token 0) as the Triton kernel's: +0.
     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
@@ -207,6 +212,7 @@ def moe_fp8_ws_gather_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEGMENT: gl.constexpr,
     KB_GROUP: gl.constexpr, CONSUMERS: gl.constexpr,
     EPILOGUE: gl.constexpr,  # EPI_FP8_SWIGLU (3): up, h quantized by the row-wise pass; EPI_FP8_DSWIGLU_QUANT (2): dgrad
+    GROUP_M: gl.constexpr,  # the tile order (kernels/moe/tile_order.py): row tiles per band
     DSCORE: gl.constexpr = False,  # dgrad: the dscore partials too
     PINGPONG: gl.constexpr = False,  # launched False (cooperative); True: warpgroups take whole tiles in turn (``_turn``)
 ):
@@ -234,22 +240,22 @@ def moe_fp8_ws_gather_kernel(
                 (_swiglu_consumer, (a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
                                     gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
                                     stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
-                                    CONSUMERS, PINGPONG, 0)),
+                                    CONSUMERS, PINGPONG, 0, GROUP_M)),
                 (_swiglu_consumer, (a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
                                     gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
                                     stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
-                                    CONSUMERS, PINGPONG, 1)),
+                                    CONSUMERS, PINGPONG, 1, GROUP_M)),
                 (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, GROUP_M)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_swiglu_consumer, (a_ring, b_ring, ready, free, turn, gu_smem, gu_desc, h_smem, h_desc, as_ptr, bs_ptr,
                                     gather_ptr, route_ptr, tile_expert_ptr, num_tiles, num_n, C, L, stride_asm,
                                     stride_asl, stride_bse, stride_bsl, stride_bsc, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP,
-                                    CONSUMERS, PINGPONG, 0)),
+                                    CONSUMERS, PINGPONG, 0, GROUP_M)),
                 (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, GROUP_M)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
     else:
         dgu_smem = gl.allocate_shared_memory(gl.int32, [BUF_ROWS, BLOCK_N], gu_desc.layout)
@@ -260,14 +266,14 @@ def moe_fp8_ws_gather_kernel(
                                      bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
                                      ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
                                      stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-                                     DSCORE, PINGPONG, 0)),
+                                     DSCORE, PINGPONG, 0, GROUP_M)),
                 (_dswiglu_consumer, (a_ring, b_ring, ready, free, turn, dgu_smem, gu_desc, q_smem, h_desc, as_ptr,
                                      bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
                                      ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
                                      stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-                                     DSCORE, PINGPONG, 1)),
+                                     DSCORE, PINGPONG, 1, GROUP_M)),
                 (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, GROUP_M)),
             ], [CONSUMER_WARPS, GATHER_PRODUCER_WARPS], [GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -275,9 +281,9 @@ def moe_fp8_ws_gather_kernel(
                                      bs_ptr, gather_ptr, route_ptr, tile_expert_ptr, score_ptr, gu_ptr, qs_ptr, h_ptr,
                                      ds_ptr, num_tiles, num_n, C, L, stride_asm, stride_asl, stride_bse, stride_bsl,
                                      stride_bsc, stride_gm, stride_qsm, BLOCK_M, BLOCK_N, SEGMENT, KB_GROUP, CONSUMERS,
-                                     DSCORE, PINGPONG, 0)),
+                                     DSCORE, PINGPONG, 0, GROUP_M)),
                 (gather_producer, (a_ptr, b_desc, a_ring, b_ring, ready, free, gather_ptr, route_ptr, tile_expert_ptr,
-                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT)),
+                                   num_tiles, num_n, C, L, stride_am, BLOCK_M, BLOCK_N, SEGMENT, GROUP_M)),
             ], [GATHER_PRODUCER_WARPS], [GATHER_PRODUCER_REGS])
 
 
@@ -337,5 +343,5 @@ def launch_fp8_ws_gather(op_id: int, stage: str, config, epilogue: int, a_q: tor
         op_id,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.num_stages, SEGMENT=segment,
         KB_GROUP=kb_group(reduced // QBLOCK_WS), CONSUMERS=consumers(config.num_warps), EPILOGUE=epilogue,
-        DSCORE="ds_part" in outputs, num_warps=4, maxnreg=max_regs(config.num_warps),
+        DSCORE="ds_part" in outputs, GROUP_M=config.group_m, num_warps=4, maxnreg=max_regs(config.num_warps),
     )
