@@ -148,7 +148,8 @@ def test_raw_launches_give_the_bits_of_tritons_own_launch(op, config, monkeypatc
     cfg = GemmConfig(int(bm), int(bn), int(bk), int(g), int(w), int(s), variant)
     raw_calls = []
     real_call = RawLaunch.__call__
-    monkeypatch.setattr(RawLaunch, "__call__", lambda self, args, stream: raw_calls.append(1) or real_call(self, args, stream))
+    monkeypatch.setattr(RawLaunch, "__call__",
+                        lambda self, args, stream, grid=None: raw_calls.append(1) or real_call(self, args, stream, grid))
     gen = torch.Generator(device="cuda").manual_seed(7)
     shapes = {"fwd": ((300, 512), (512, 264)), "da": ((300, 264), (512, 264)), "db": ((300, 512), (300, 264))}[op]
     operands = [[torch.randn(s, generator=gen, device="cuda").to(torch.bfloat16) for s in shapes] for _ in range(3)]
