@@ -22,7 +22,7 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
     bundled ptxas, without a GPU: registers, stack (spills), shared memory and the SASS counts of wgmma (HGMMA),
     mma.sync (HMMA) and cp.async (LDGSTS). ``split_grid``: the forward's split-grid build (one split per program,
     partials stored) rather than its one-pass build; ``split_n``: keys per split (the table's SPLIT_KEYS);
-    ``num_warps``: other than the config's (the combine pass runs launch.COMBINE_WARPS); ``page_size``: the
+    ``num_warps``: other than the config's (the combine pass runs launch.COMBINE_WARPS, on launch.combine_rows rows); ``page_size``: the
     forward's paged-KV build (K/V through a block table; varlen queries); ``dim_qk`` / ``dim_v``: the forward's
     (and combine pass's) build for head dims narrower than ``head_dim``, read by masked loads (MLA's 192 / 128 on
     256; None: ``head_dim``, the native build). Run in a process without TRITON_INTERPRET."""
@@ -35,6 +35,7 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
 
     import detkit.kernels.attention.kernels as attn
     from detkit.kernels.attention.configs import SPLIT_KEYS
+    from detkit.kernels.attention.launch import combine_rows
     from detkit.kernels.backend import kernel_is_interpreted
 
     fn = {"fwd": attn.attention_fwd_kernel, "fwd_combine": attn.attention_fwd_combine_kernel,
@@ -48,6 +49,8 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
               "INTERPRETED": False, "VARLEN": varlen, "HAS_KV_START": kv_start, "HAS_KV_END": kv_end,
               "WINDOWED": windowed, "SOFTCAP": softcap, "HAS_SINKS": sinks, "SPLIT_N": split_n or SPLIT_KEYS,
               "SPLIT_GRID": split_grid, "PAGED": page_size is not None, "PAGE_SIZE": page_size or 1}
+    if kernel == "fwd_combine":  # the combine pass's own rows per program, not the forward tile's
+        consts["BLOCK_M"] = combine_rows(heads)
     if page_size is not None:
         consts.update(VARLEN=True, HAS_KV_START=False, HAS_KV_END=False)
     # HAS_SINKS, SPLIT_*, PAG*, DIM_QK: the forward only; DIM_V: the forward and the combine pass

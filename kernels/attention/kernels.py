@@ -479,6 +479,20 @@ def _store_partial(ws_m_ptr, ws_l_ptr, ws_acc_ptr, slot, ws_rows, b64, head, qi,
     tl.store(ws_acc_ptr + ws_row[:, None] * DIM_V + offs_d[None, :], acc, mask=_cols(row_ok, offs_d, DIM_V, HEAD_DIM))
 
 
+@triton.jit
+def _partial(slot, split_slots, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+             HEAD_DIM: tl.constexpr, DIM_V: tl.constexpr):
+    """Split ``slot``'s stored partial (m, l, acc) of the rows; a slot past the last (or a row not ok) reads as
+    empty: m = -inf, l = 0, acc = 0."""
+    ok = row_ok & (slot < split_slots)
+    ws_row = slot * ws_rows.to(tl.int64) + row
+    m_s = tl.load(ws_m_ptr + ws_row, mask=ok, other=float("-inf"))
+    l_s = tl.load(ws_l_ptr + ws_row, mask=ok, other=0.0)
+    acc_s = tl.load(ws_acc_ptr + ws_row[:, None] * DIM_V + offs_d[None, :], mask=_cols(ok, offs_d, DIM_V, HEAD_DIM),
+                    other=0.0)
+    return m_s, l_s, acc_s
+
+
 @triton.jit(launch_metadata=launch_metadata_of("fwd_combine", 0), do_not_specialize=_NOT_SPECIALIZED_FWD)
 def attention_fwd_combine_kernel(
     o_ptr, lse_ptr, kv_start_ptr, kv_end_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, sinks_ptr,
@@ -489,8 +503,12 @@ def attention_fwd_combine_kernel(
     VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
     WINDOWED: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """The split grid's second pass, one program per forward tile's rows: the partials of its splits folded in
-    ascending order (``_fold``, as the one-pass kernel folds them), then o and lse (``_finish``)."""
+    """The split grid's second pass: the partials of each row's splits folded in ascending order (``_fold``, as the
+    one-pass kernel folds them), then o and lse (``_finish``). A program takes BLOCK_M rows laid out as a forward
+    tile's (HEADS query heads x BLOCK_M / HEADS positions; its own BLOCK_M: rows are independent, so a row's bits do
+    not depend on the tile) and loads four splits' partials before folding them, so a decode step's 64 splits
+    wait for memory 16 times rather than 64. A slot past the last is loaded as empty (m = -inf), which
+    ``_fold`` leaves out."""
     BQ: tl.constexpr = BLOCK_M // HEADS
     b = tl.program_id(2)
     pid_h = tl.program_id(0)
@@ -507,13 +525,20 @@ def attention_fwd_combine_kernel(
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_all = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for slot in range(0, split_slots):
-        ws_row = slot * ws_rows.to(tl.int64) + row
-        m_s = tl.load(ws_m_ptr + ws_row, mask=row_ok, other=float("-inf"))
-        l_s = tl.load(ws_l_ptr + ws_row, mask=row_ok, other=0.0)
-        acc_s = tl.load(ws_acc_ptr + ws_row[:, None] * DIM_V + offs_d[None, :],
-                        mask=_cols(row_ok, offs_d, DIM_V, HEAD_DIM), other=0.0)
-        m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_s, l_s, acc_s)
+    for first in range(0, split_slots, 4):
+        # Four loads issued before the first fold needs one (straight-line code: no wait carried between them).
+        m_0, l_0, acc_0 = _partial(first, split_slots, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+                                   HEAD_DIM, DIM_V)
+        m_1, l_1, acc_1 = _partial(first + 1, split_slots, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr,
+                                   ws_acc_ptr, HEAD_DIM, DIM_V)
+        m_2, l_2, acc_2 = _partial(first + 2, split_slots, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr,
+                                   ws_acc_ptr, HEAD_DIM, DIM_V)
+        m_3, l_3, acc_3 = _partial(first + 3, split_slots, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr,
+                                   ws_acc_ptr, HEAD_DIM, DIM_V)
+        m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_0, l_0, acc_0)
+        m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_1, l_1, acc_1)
+        m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_2, l_2, acc_2)
+        m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_3, l_3, acc_3)
     _finish(m_all, l_all, acc_all, bad, head, qi, tok, row_ok, b64, q_begin, o_ptr, lse_ptr, sinks_ptr,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, HEAD_DIM, DIM_V, HAS_SINKS, INTERPRETED)
 

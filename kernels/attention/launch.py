@@ -472,7 +472,7 @@ def _fwd_tail(static: _FwdStatic, heads: int, what, dim_qk: int, dim_v: int, fla
                   "VARLEN": varlen, "HAS_KV_START": has_start, "HAS_KV_END": has_end, "INTERPRETED": interpreted,
                   "WINDOWED": windowed, "HAS_SINKS": sinks}
         if what == "combine":
-            tail = _constexprs("combine", common)
+            tail = _constexprs("combine", {**common, "BLOCK_M": combine_rows(heads)})
         else:
             tail = _constexprs("fwd", {**common, "DIM_QK": dim_qk, "BLOCK_N": cfg.block_n, "SOFTCAP": softcap,
                                        "SPLIT_N": static.configs.split_n, "SPLIT_GRID": what, "PAGED": paged,
@@ -572,16 +572,24 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
     if split_grid:
         tail = tails.get((heads, "combine")) or _fwd_tail(static, heads, "combine", dim_qk, dim_v, flags,
                                                           softcap is not None, sinks is not None, page_size)
-        _launch("combine", (head_programs, cdiv(seq_q, block_q), batch), [
+        _launch("combine", (head_programs, cdiv(seq_q, combine_rows(heads) // heads), batch), [
             o, lse, bound0, bound1, ws_m, ws_l, ws_acc, sinks_arg, *o_strides, *lse_strides,
             batch, heads_q, heads_kv, seq_q, seq_k, window, slots, ws_rows, *tail], COMBINE_OPTIONS, plans)
     return o, lse, AttentionLaunch(backend, configs, (batch, heads_q, heads_kv, seq_q, seq_k, static.head_dim),
                                    split_grid)
 
 
-# The combine pass holds two [BLOCK_M, D] FP32 states (D = 256: 128 registers a thread at 8 warps); no MMA.
-COMBINE_WARPS = 8
+# The combine pass: rows per program (at least one position of the tile's heads), and its warps. It holds five
+# [rows, D] FP32 tiles (the folded state and four prefetched partials; D = 256: 80 registers a thread at 4 warps);
+# no MMA. 16 rows, not the forward's 64: a decode step's tile has one position, so the rest are masked lanes.
+COMBINE_ROWS = 16
+COMBINE_WARPS = 4
 COMBINE_OPTIONS = {"num_warps": COMBINE_WARPS}
+
+
+def combine_rows(heads: int) -> int:
+    """Rows per program of the combine pass: COMBINE_ROWS, or one position of ``heads`` query heads if more."""
+    return max(COMBINE_ROWS, heads)
 
 
 DELTA_BLOCK = 64
