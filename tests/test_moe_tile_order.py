@@ -39,6 +39,26 @@ GROUP_MS = (2, 3, 4, 8)
 
 
 # ---------------------------------------------------------------------------------------------
+# Which order the table picks
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", ["up", "down", "dgrad", "dx"])
+def test_the_grouped_order_is_picked_for_expert_slabs_larger_than_l2(stage):
+    from detkit.kernels.backend import CUDA_SM90
+    from detkit.kernels.moe.configs import GROUPED_ORDER, GROUPED_ORDER_MIN_SLAB_BYTES, grouped_order
+    from detkit.kernels.moe.launch import table_moe_config
+
+    small = torch.empty(2, 1024, 1024, dtype=torch.bfloat16)  # 2 MiB a slab: row-major
+    large = torch.empty(2, 4096, 4096, dtype=torch.bfloat16)  # 32 MiB a slab: the bound itself
+    assert 4096 * 4096 * 2 == GROUPED_ORDER_MIN_SLAB_BYTES
+    assert table_moe_config(stage, CUDA_SM90, small).group_m == 1
+    picked = table_moe_config(stage, CUDA_SM90, large)
+    assert picked.group_m == GROUPED_ORDER[CUDA_SM90][stage] > 1
+    assert replace(picked, group_m=1) == replace(MOE_CONFIGS[CUDA_SM90][stage], variant=picked.variant)
+    assert grouped_order(stage, CUDA_SM90, GROUPED_ORDER_MIN_SLAB_BYTES - 1) == 1
+    assert grouped_order("wgrad", CUDA_SM90, 2**40) == 1  # not measured: the table's order
+
+
+# ---------------------------------------------------------------------------------------------
 # The index math (plain Python: the function the kernels compile)
 # ---------------------------------------------------------------------------------------------
 def banded_walk(num_m: int, num_n: int, group_m: int) -> list[tuple[int, int]]:

@@ -19,7 +19,7 @@ from detkit.kernels.moe.routing import SEGMENT_ALIGN
 # ---------------------------------------------------------------------------------------------
 # BF16
 # ---------------------------------------------------------------------------------------------
-MOE_CONFIG_TABLE_VERSION = "2026-12-02.1"
+MOE_CONFIG_TABLE_VERSION = "2026-12-06.1"
 STAGES = ("up", "down", "dgrad", "dx", "wgrad", "combine", "dscore")
 
 MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
@@ -34,8 +34,9 @@ MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         # dgrad: BLOCK_N columns of dh (2x of dgu); 12 warps: its epilogue (dSwiGLU, the dscore partials) on a warpgroup
         # of its own, so it overlaps the next tile's MMAs.
         "dgrad": GemmConfig(128, 128, 64, 1, 12, 4, "ws"),
-        # dX keeps the 128x128 tile with 4 stages: down's 128x256 tile is slower there on the H200.
-        "dx": GemmConfig(128, 128, 64, 1, 8, 4, "ws"),
+        # dX on down's 128x256 tile: 1.09-1.49x the 128x128 tile's rate on an H100 at Mixtral-8x7B, the reference
+        # shape and Qwen3-30B-A3B (same bits: the tile changes no output's K order).
+        "dx": GemmConfig(128, 256, 64, 1, 8, 3, "ws"),
         # wgrad (BLOCK_K = routed rows per reduction step): the Gluon kernel on a 128x256 tile, 3 stages + the
         # TMA-store buffer (208 KiB). Operands TMA cannot address, or a dW the tile does not divide, run the same tile
         # in Triton (the same K order, so the same bits).
@@ -53,6 +54,24 @@ MOE_CONFIGS: dict[str, dict[str, GemmConfig]] = {
         "dscore": GemmConfig(32, 64, 16, 1, 4, 1),
     },
 }
+
+# The grouped tile order (kernels/moe/tile_order.py) where one expert's weight slab is larger than the L2 (50 MB on
+# an H100 or H200): row-major would stream it from HBM once per row tile; bands of GROUP_M row tiles read each of its
+# column tiles once per band. Below the bound the row-major order was as fast or faster (the weight stays in L2).
+# Measured at Mixtral-8x7B's slabs (235 MB up / dX, 117 MB down / dgrad: 1.14-1.40x); the bound between the largest
+# slab measured faster row-major (19 MB) and those is a choice, not a measurement. Speed only: every order gives the
+# same bits.
+GROUPED_ORDER_MIN_SLAB_BYTES = 32 * 2**20
+GROUPED_ORDER = {CUDA_SM90: {"up": 8, "down": 16, "dgrad": 8, "dx": 8}}
+
+
+def grouped_order(stage: str, backend: str, slab_bytes: int) -> int:
+    """GROUP_M for a grouped ``stage`` whose expert weight slab (one expert's [L, C] view) has ``slab_bytes``: the
+    table's band where the slab is at least GROUPED_ORDER_MIN_SLAB_BYTES, else 1 (row-major)."""
+    if slab_bytes < GROUPED_ORDER_MIN_SLAB_BYTES:
+        return 1
+    return GROUPED_ORDER.get(backend, {}).get(stage, 1)
+
 
 WGRAD_MODES = ("bf16", "fp8")
 # The rule: of the weight-gradient modes that pass the precision gate, the faster one. Both pass; the FP8 GEMMs are

@@ -15,7 +15,7 @@ import triton
 from detkit.kernels.backend import MAX_INT32_OFFSET, TRITON_INTERPRETER, PlannedKernel
 from detkit.kernels.det_gemm.launch import GemmConfig, interpreter_step_k
 from detkit.kernels.moe.common import DS_CHUNK, EPI_DSWIGLU, EPI_PLAIN, EPI_SWIGLU
-from detkit.kernels.moe.configs import check_grouped_config, check_moe_variant, select_moe_config
+from detkit.kernels.moe.configs import check_grouped_config, check_moe_variant, grouped_order, select_moe_config
 from detkit.kernels.moe.kernels import (
     moe_combine_kernel, moe_dscore_sum_kernel, moe_grouped_gemm_kernel, moe_grouped_gemm_tma_kernel,
     moe_scale_rows_kernel, moe_split_copy_kernel, moe_wgrad_kernel,
@@ -47,13 +47,16 @@ def triton_tile(config: GemmConfig) -> GemmConfig:
 
 
 def table_moe_config(stage: str, backend: str, b: torch.Tensor, split: str | None = None) -> GemmConfig:
-    """The table's pick for a grouped ``stage``; when the pick's kernel cannot address the weight view ``b``, the
-    same tile one load path down: "ws" -> its ``triton_tile`` (see _ws_addresses), "tma" -> "ptr" (TMA cannot
-    address it). The
-    variant changes the load path only (same K order per output, same epilogue, so the same bits): an explicit
-    config is never swapped. ``split`` ("c" or "l"): b's C or L dim holds gate/up pairs as split halves, which the
+    """The table's pick for a grouped ``stage``, in the tile order for ``b``'s expert slab (``grouped_order``); when
+    the pick's kernel cannot address the weight view ``b``, the same tile one load path down: "ws" -> its
+    ``triton_tile`` (see _ws_addresses), "tma" -> "ptr" (TMA cannot address it). The variant and the order change
+    the load path and the tiles' schedule only (same K order per output, same epilogue, so the same bits): an
+    explicit config is never swapped. ``split`` ("c" or "l"): b's C or L dim holds gate/up pairs as split halves, which the
     "ws" kernels do not read and "tma" reads along C only (``_split_variant_reason``)."""
     config = select_moe_config(stage, backend)
+    group_m = grouped_order(stage, backend, b.shape[1] * b.shape[2] * b.element_size())
+    if group_m != config.group_m:
+        config = replace(config, group_m=group_m)
     if config.variant == "ws" and (split is not None or not _ws_addresses(config, b)):
         config = triton_tile(config)
     if config.variant == "tma" and (weight_storage(b) is None or split == "l"):
