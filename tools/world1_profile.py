@@ -20,8 +20,9 @@ ROWS = 25
 
 
 def _step(model, ids):
-    import detkit
     from detkit.audits.model_parallel import logprobs
+
+    import detkit
 
     model.zero_grad(set_to_none=True)
     with detkit.batch_invariant_mode():
@@ -44,8 +45,8 @@ def _profile(name: str, model, ids, steps: int) -> str:
     events = prof.key_averages()
     device_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
     return "\n".join([
-        f"## {name}", "", f"- wall per step under the profiler: {wall_ms:.2f} ms; device time per step (sum of "
-        f"kernels' self time): {device_ms:.2f} ms", "", "### by device time", "", "```",
+        f"## {name}", "", (f"- wall per step under the profiler: {wall_ms:.2f} ms; device time per step (sum of "
+                           f"kernels' self time): {device_ms:.2f} ms"), "", "### by device time", "", "```",
         events.table(sort_by="self_device_time_total", row_limit=ROWS, max_name_column_width=70), "```", "",
         "### by host time", "", "```",
         events.table(sort_by="self_cpu_time_total", row_limit=ROWS, max_name_column_width=70), "```", ""])
@@ -59,12 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (NCCL process group of world size 1)")
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
     from detkit.audits.model_parallel import MODELS, build_model, torch_plan
     from detkit.mode.parallel import prepare
     from detkit.toolkit.models import QWEN3_8B_WIDTHS
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(0)
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", 0)
         MODELS["_gpu"] = ("qwen3", dict(QWEN3_8B_WIDTHS))
         ids = torch.randint(0, 151936, (4, 512), generator=torch.Generator().manual_seed(0)).to(device)
-        parts = [f"# TP path at world size 1 against the plain model ({torch.cuda.get_device_name()}, torch "
-                 f"{torch.__version__})", ""]
+        parts = [(f"# TP path at world size 1 against the plain model ({torch.cuda.get_device_name()}, torch "
+                 f"{torch.__version__})"), ""]
         plain = build_model("_gpu", device, 0)
         parts.append(_profile("plain", plain, ids, args.steps))
         del plain
