@@ -166,9 +166,54 @@ def kernel_head_dim(head_dim_qk: int, head_dim_v: int) -> int:
     return next(d for d in HEAD_DIMS if d >= widest)
 
 
+# ---------------------------------------------------------------------------------------------
+# Signature caches: a check that reads only what a tensor's signature holds (type, shape, strides, dtype, device) is
+# run once per signature; a decode step repeats one signature per layer kind, so its checks cost a key and a lookup.
+# Only accepted signatures are remembered: a refusal is re-checked (and raised) on every call. Never tensor values.
+# ---------------------------------------------------------------------------------------------
+MAX_SIGNATURES = 256  # a model has a few layer kinds; a bound so that a sweep over shapes cannot grow it
+
+
+def tensor_signature(t) -> tuple | None:
+    """What the host-side checks read of ``t``: (type, shape, strides, dtype, device); None for None. Raises
+    AttributeError / TypeError / RuntimeError for what has none (not a tensor, a sparse tensor's strides)."""
+    if t is None:
+        return None
+    return type(t), t.shape, t.stride(), t.dtype, t.device
+
+
+def signature_of(*tensors) -> tuple | None:
+    """The signatures of ``tensors`` as one key, or None where one has none (the caller then checks uncached, and
+    its check names the problem)."""
+    try:
+        return tuple(map(tensor_signature, tensors))
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+def remember(cache: dict, key, value) -> None:
+    """``cache[key] = value``, the oldest entry dropped first once ``MAX_SIGNATURES`` are held."""
+    if len(cache) >= MAX_SIGNATURES:
+        cache.pop(next(iter(cache)), None)
+    cache[key] = value
+
+
+_checked_padded: dict = {}  # signature_of(q, k, v, kv_start, kv_end) -> check_padded's result
+
+
 def check_padded(q, k, v, kv_start=None, kv_end=None) -> tuple[int, int, int, int, int, int]:
     """Refuse what the padded layout does not support; returns (B, Hq, Hkv, Sq, Skv, D), D the query/key head dim
-    (v's may differ: ``kernel_head_dim``)."""
+    (v's may differ: ``kernel_head_dim``). Reads signatures only: run once per accepted signature."""
+    key = signature_of(q, k, v, kv_start, kv_end)
+    dims = _checked_padded.get(key) if key is not None else None
+    if dims is None:
+        dims = _check_padded(q, k, v, kv_start, kv_end)
+        if key is not None:
+            remember(_checked_padded, key, dims)
+    return dims
+
+
+def _check_padded(q, k, v, kv_start, kv_end) -> tuple[int, int, int, int, int, int]:
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 4)
     batch, heads_q, seq_q, head_dim = q.shape
