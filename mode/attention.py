@@ -47,6 +47,7 @@ attention call is counted as not routed ("no detkit attention kernel"), never si
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import threading
@@ -113,9 +114,14 @@ def _kernel(name: str, query, value) -> str:
     other than the query's, MLA; one head dim between the kernel's, Phi-3-mini's 96) ``name`` with the head dims."""
     if not isinstance(query, torch.Tensor) or not isinstance(value, torch.Tensor) or not query.dim() or not value.dim():
         return name
-    dim_qk, dim_v = query.shape[-1], value.shape[-1]
     attention = attention_module()
-    if dim_qk == dim_v and (attention is None or dim_qk in attention.HEAD_DIMS):
+    return _kernel_name(name, query.shape[-1], value.shape[-1], None if attention is None else attention.HEAD_DIMS)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_name(name: str, dim_qk: int, dim_v: int, head_dims: tuple | None) -> str:
+    """``_kernel``'s name for these head dims (a few per model: formatted once)."""
+    if dim_qk == dim_v and (head_dims is None or dim_qk in head_dims):
         return name
     if dim_qk == dim_v:
         return f"{name} (head dim {dim_qk}: zero-padded)"

@@ -168,10 +168,12 @@ def kernel_head_dim(head_dim_qk: int, head_dim_v: int) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Signature caches: a check that reads only what a tensor's signature holds (type, shape, strides, dtype, device) is
-# run once per signature; a decode step repeats one signature per layer kind, so its checks cost a key and a lookup.
-# Only accepted signatures are remembered: a refusal is re-checked (and raised) on every call. Never tensor values.
+# run once per signature, never on tensor values. The layers of one forward share their layer kind's signature (a
+# growing KV cache changes it once per step, not per layer), so all but the first layer's checks cost a key and a
+# lookup. check_padded remembers accepted signatures only (a refusal raises on every call); sdpa_unsupported_reason
+# remembers its answer, a reason too (returned, and so counted or raised, on every call).
 # ---------------------------------------------------------------------------------------------
-MAX_SIGNATURES = 256  # a model has a few layer kinds; a bound so that a sweep over shapes cannot grow it
+MAX_SIGNATURES = 256  # a bound so that a growing cache or a sweep over shapes cannot grow it
 
 
 def tensor_signature(t) -> tuple | None:
@@ -578,7 +580,9 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         lse_strides = (0, rows)
     else:
         rows = q.shape[2]
-        o = torch.empty((batch, rows, heads_q, dim_v), dtype=q.dtype, device=device).transpose(1, 2)
+        # [B, Hq, Sq, Dv] stored [B, Sq, Hq, Dv]: one allocation with those strides (a transposed empty costs a call)
+        o = torch.empty_strided((batch, heads_q, rows, dim_v), (rows * heads_q * dim_v, dim_v, heads_q * dim_v, 1),
+                                dtype=q.dtype, device=device)
         lse = torch.empty((batch, heads_q, rows), dtype=torch.float32, device=device)
         lse_strides = (heads_q * rows, rows)
     if not interpreted:
@@ -596,7 +600,7 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         n16 = cdiv(n, 4) * 4
         n_acc = cdiv(n * dim_v, 4) * 4
         ws = torch.empty(n_acc + 2 * n16, dtype=torch.float32, device=device)
-        ws_acc, ws_m, ws_l = ws.split([n_acc, n16, n16])
+        ws_acc, ws_m, ws_l = ws.split_with_sizes([n_acc, n16, n16])  # Tensor.split's Python wrapper costs a call
     else:
         slots, ws_acc, ws_m, ws_l = 1, lse, lse, lse  # never read or written in one pass
     group = split_group(configs, slots, head_programs * cdiv(seq_q, block_q) * batch) if split_grid else 1
