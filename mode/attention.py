@@ -7,8 +7,9 @@ Two routes, both installed on the mode's entry and removed on its exit:
 
 - ``torch.nn.functional.scaled_dot_product_attention`` is replaced by ``sdpa_route`` (process-wide,
   for every caller that looks the function up at call time, as transformers does). A call goes to
-  ``attention.sdpa`` when ``attention.sdpa_unsupported_reason(...)`` is None and the mask, if any, has
-  one row per query; otherwise it runs on torch's SDPA and is counted with the reason (strict raises).
+  ``attention.sdpa_accepted`` (``attention.sdpa`` without its check asked again) when
+  ``attention.sdpa_unsupported_reason(...)`` is None and the mask, if any, has one row per query;
+  otherwise it runs on torch's SDPA and is counted with the reason (strict raises).
   Why a Python-level route and not aten overrides of SDPA's backend ops: the backend ops take no
   padding mask (flash), return backend-specific state (logsumexp, RNG offsets) their backward ops
   consume, and are chosen inside a composite op; detkit's ``sdpa`` carries its own autograd.
@@ -46,6 +47,7 @@ attention call is counted as not routed ("no detkit attention kernel"), never si
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import threading
@@ -112,9 +114,14 @@ def _kernel(name: str, query, value) -> str:
     other than the query's, MLA; one head dim between the kernel's, Phi-3-mini's 96) ``name`` with the head dims."""
     if not isinstance(query, torch.Tensor) or not isinstance(value, torch.Tensor) or not query.dim() or not value.dim():
         return name
-    dim_qk, dim_v = query.shape[-1], value.shape[-1]
     attention = attention_module()
-    if dim_qk == dim_v and (attention is None or dim_qk in attention.HEAD_DIMS):
+    return _kernel_name(name, query.shape[-1], value.shape[-1], None if attention is None else attention.HEAD_DIMS)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_name(name: str, dim_qk: int, dim_v: int, head_dims: tuple | None) -> str:
+    """``_kernel``'s name for these head dims (a few per model: formatted once)."""
+    if dim_qk == dim_v and (head_dims is None or dim_qk in head_dims):
         return name
     if dim_qk == dim_v:
         return f"{name} (head dim {dim_qk}: zero-padded)"
@@ -146,8 +153,8 @@ def sdpa_route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         mode_state.not_routed(SDPA_OP, reason)
         return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa)
-    out = _function(module, "sdpa")(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                    scale=scale, enable_gqa=enable_gqa)
+    # Accepted just above: the kernel runs without asking sdpa_unsupported_reason again.
+    out = _function(module, "sdpa_accepted")(query, key, value, attn_mask, scale)
     mode_state.routed(SDPA_OP, _kernel(KERNEL, query, value))
     return out
 

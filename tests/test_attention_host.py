@@ -28,8 +28,25 @@ def test_counts_each_measures_launches_and_restores_triton_and_the_table(tmp_pat
     cases = {(c["batch"], c["keys"]): c["measures"] for c in results["cases"]}
     assert sorted(cases) == [(1, 1024), (1, 32768), (8, 1024), (8, 32768)]
     for (batch, keys), measures in cases.items():
-        assert list(measures) == ["sdpa", "one_pass", "split"]
+        assert list(measures) == ["sdpa", "one_pass", "split", "hf"]
         assert measures["one_pass"]["launches"] == {FWD: 1}
         assert measures["split"]["launches"] == {FWD: 1, COMBINE: 1}
-        assert measures["sdpa"]["launches"] == ({FWD: 1} if keys < EAGER_SPLIT_GRID_MIN_KEYS else {FWD: 1, COMBINE: 1})
+        routed = {FWD: 1} if keys < EAGER_SPLIT_GRID_MIN_KEYS else {FWD: 1, COMBINE: 1}
+        assert measures["sdpa"]["launches"] == routed
+        assert measures["hf"]["launches"] == routed  # transformers' route: the same grid as SDPA's
         assert all(m["host_us"] > 0 for m in measures.values())
+
+
+def test_model_step_is_routed_in_the_mode():
+    """--model: a tiny Qwen3's decode step runs every layer's attention through the mode's transformers route."""
+    from collections import Counter
+
+    import torch
+
+    from tools.moe_host import noop_launches
+
+    with noop_launches(Counter()):
+        row = attention_host.measure_model(torch.device("cpu"), calls=1, rounds=1, layers=2)
+    assert row["counters"]["routed"]["attention (transformers) -> detkit.attention"] == 2
+    assert row["counters"]["not_routed"] == {}
+    assert row["host_us"] > 0

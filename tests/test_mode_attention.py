@@ -47,6 +47,10 @@ def standin_module(calls: list, hf_error: str | None = None) -> types.ModuleType
         calls.append(("sdpa", tuple(query.shape)))
         return _plain_attention(query, key, value, attn_mask, is_causal, scale)
 
+    def sdpa_accepted(query, key, value, attn_mask=None, scale=None):
+        # An accepted call without a mask is causal over q_len == kv_len keys, or one decode query over all of them.
+        return sdpa(query, key, value, attn_mask, is_causal=attn_mask is None and query.shape[-2] > 1, scale=scale)
+
     def hf_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         calls.append(("hf", tuple(query.shape), None if attention_mask is None else tuple(attention_mask.shape)))
         if hf_error is not None:
@@ -58,6 +62,7 @@ def standin_module(calls: list, hf_error: str | None = None) -> types.ModuleType
     module.HEAD_DIMS = (64, 128, 256)
     module.sdpa_unsupported_reason = sdpa_unsupported_reason
     module.sdpa = sdpa
+    module.sdpa_accepted = sdpa_accepted
     module.hf_attention_forward = hf_attention_forward
     return module
 

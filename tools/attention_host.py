@@ -5,11 +5,14 @@ this times that Python until the work is queued, profiles it, and (CUDA) sets it
     python -m tools.attention_host                          # CPU: every Triton launch a no-op (the Python alone)
     python -m tools.attention_host --profile                # + a cProfile of the mode's route per case
     python -m tools.attention_host --device cuda --json out.json   # real kernels on a Hopper GPU
+    python -m tools.attention_host --model                  # + a tiny transformers Qwen3 decode step in the mode
 
 Cases: one decode query per sequence at Qwen3-8B's attention (32 query heads, 8 KV heads, head dim 128), batch 1
 and 8, 1024 and 32768 keys. Measures per case:
 - ``sdpa``: ``F.scaled_dot_product_attention`` inside ``batch_invariant_mode()`` (the mode's SDPA route: checks,
   the kernels' launches), the config table's grid (one pass below ``EAGER_SPLIT_GRID_MIN_KEYS``, else the split grid);
+- ``hf``: transformers' "sdpa" attention function inside ``batch_invariant_mode()`` (the mode's transformers route,
+  as a model's attention layer calls it: no mask, a decode step without padding), when transformers is installed;
 - ``one_pass`` / ``split``: the forward launcher (``attention_fwd_launch``) on the same call with each grid forced,
   through the launch plans; on CUDA also ``one_pass triton`` / ``split triton``: the same calls through Triton's own
   ``kernel[grid]`` (``plans=False``), the host path before launch plans;
@@ -21,6 +24,11 @@ time) and GPU time (time_graphs: CUDA-graph replays, operands L2-warm at 1k keys
 no-op counted by kernel name, the sm_90 config table stands in for the interpreter's (so the route picks the GPU's
 grid), and times are this thread's CPU time: the Python's order of magnitude, not the GPU host's (CPU torch ops cost
 less than CUDA ones); plans and Triton's launch do not differ there (both are the no-op).
+``--model``: the host time of one decode step (one token, batch 1) of a random-init transformers Qwen3 (``--layers``
+layers at Qwen3-8B's attention widths, a small MLP and vocabulary) inside ``batch_invariant_mode()`` under
+``torch.no_grad()``, its DynamicCache growing by a token per step as in generation (so each step's attention has a new
+key length, and the layers of one step share it); same timing; on the CPU every Triton launch (GEMMs included) a
+no-op, so the time is the mode's Python and CPU torch ops.
 """
 
 from __future__ import annotations
@@ -95,9 +103,56 @@ def case_calls(batch: int, keys: int, device) -> tuple[dict, dict]:
         calls[name] = lambda cfg=cfg: attention_fwd_launch(q, k, v, seqs, scale, cfg)
         if device.type == "cuda":
             calls[f"{name} triton"] = lambda cfg=cfg: attention_fwd_launch(q, k, v, seqs, scale, cfg, plans=False)
+    layer_call = transformers_attention(q, k, v, scale)
+    if layer_call is not None:
+        calls["hf"] = layer_call
+        contexts["hf"] = contexts["sdpa"]
     if device.type == "cuda":  # torch's own op: the mode, once entered, replaces F.scaled_dot_product_attention
         calls["torch"] = lambda: torch._C._nn.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     return calls, contexts
+
+
+def transformers_attention(q, k, v, scale: float):
+    """A call of transformers' "sdpa" attention function as a decode layer makes it (looked up at call time: inside
+    the mode, the mode's route), or None without transformers."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    import torch
+    from transformers.modeling_utils import AttentionInterface
+
+    class Layer(torch.nn.Module):  # what transformers' attention functions read of the layer
+        is_causal = True
+        num_key_value_groups = HEADS_Q // HEADS_KV
+
+    layer = Layer()
+    return lambda: AttentionInterface._global_mapping["sdpa"](layer, q, k, v, None, scaling=scale, dropout=0.0)
+
+
+def model_step(device, layers: int):
+    """(one decode step of a tiny transformers Qwen3 at Qwen3-8B's attention widths, its context): the prompt's
+    prefill runs here, under the mode; each call decodes one more token onto the growing cache."""
+    import torch
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+
+    import detkit
+
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
+                         num_attention_heads=HEADS_Q, num_key_value_heads=HEADS_KV, head_dim=HEAD_DIM,
+                         vocab_size=1024, max_position_embeddings=1 << 16)
+    config._attn_implementation = "sdpa"
+    model = Qwen3ForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+    cache = DynamicCache(config=model.config)
+    token = torch.zeros((1, 1), dtype=torch.long, device=device)
+    with torch.no_grad(), detkit.batch_invariant_mode():
+        model(torch.zeros((1, 16), dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
+
+    def step():
+        with torch.no_grad():
+            return model(token, past_key_values=cache, use_cache=True)
+    return step, detkit.batch_invariant_mode
 
 
 def profile_text(fn, calls: int, top: int, context) -> str:
@@ -143,8 +198,26 @@ def measure_case(batch: int, keys: int, device, calls: int, rounds: int, profile
     return row
 
 
-def measure_all(device, calls: int, rounds: int, profile: int, top: int) -> dict:
-    """Every case; ``profile``: calls of the route to profile per case (0: none)."""
+def measure_model(device, calls: int, rounds: int, layers: int) -> dict:
+    """Host time per decode step of ``model_step``'s model, and the mode's counters of one step."""
+    import detkit
+    from detkit.toolkit.timing import time_host
+
+    step, context = model_step(device, layers)
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
+    t = time_host({"step": step}, device, rounds, calls, per_call=False, warmup=3, clock=clock,
+                  contexts={"step": context})["step"]
+    before = detkit.mode_counters()
+    with context():
+        step()
+    counts = (detkit.mode_counters() - before).as_dict()
+    return {"layers": layers, "host_us": t.median_us, "host_p20_us": t.p20_us, "host_p80_us": t.p80_us,
+            "counters": counts}
+
+
+def measure_all(device, calls: int, rounds: int, profile: int, top: int, model_layers: int = 0) -> dict:
+    """Every case; ``profile``: calls of the route to profile per case (0: none); ``model_layers``: the decode step of
+    a Qwen3 of that many layers too (0: none)."""
     import torch
 
     from tools.moe_host import noop_launches
@@ -159,6 +232,8 @@ def measure_all(device, calls: int, rounds: int, profile: int, top: int) -> dict
         for batch in BATCHES:
             for keys in KEYS:
                 results["cases"].append(measure_case(batch, keys, device, calls, rounds, profile, top, counts))
+        if model_layers:
+            results["model"] = measure_model(device, calls, rounds, model_layers)
     return results
 
 
@@ -184,6 +259,12 @@ def render(results: dict) -> str:
             rows.append(row)
     headers = ["B", "keys", "measure", "host µs"] + (["eager µs", "GPU µs (graph)"] if cuda else ["launches"])
     lines.append(tabulate(rows, headers=headers, tablefmt="github"))
+    if "model" in results:
+        m = results["model"]
+        lines.append(f"\ndecode step of a {m['layers']}-layer transformers Qwen3 (Hq={results['heads_q']}, "
+                     f"Hkv={results['heads_kv']}, D={results['head_dim']}; batch 1, a growing DynamicCache) in the "
+                     f"mode: host {m['host_us']:.1f} [{m['host_p20_us']:.1f}-{m['host_p80_us']:.1f}] µs per step; "
+                     f"one step's counters {m['counters']}")
     for case in results["cases"]:
         if "profile" in case:
             lines.append(f"\n## sdpa B={case['batch']} keys={case['keys']}: cProfile, by own time "
@@ -199,11 +280,13 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="a cProfile of the route per case")
     parser.add_argument("--profile-calls", type=int, default=200, help="calls per cProfile")
     parser.add_argument("--top", type=int, default=25, help="cProfile rows")
+    parser.add_argument("--model", action="store_true", help="also a tiny transformers Qwen3's decode step")
+    parser.add_argument("--layers", type=int, default=4, help="layers of --model's Qwen3")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
-    if args.calls < 1 or args.rounds < 1 or args.profile_calls < 1:
-        parser.error(f"--calls, --rounds and --profile-calls must be >= 1; got {args.calls}, {args.rounds}, "
-                     f"{args.profile_calls}")
+    if args.calls < 1 or args.rounds < 1 or args.profile_calls < 1 or args.layers < 1:
+        parser.error(f"--calls, --rounds, --profile-calls and --layers must be >= 1; got {args.calls}, {args.rounds}, "
+                     f"{args.profile_calls}, {args.layers}")
     import torch
 
     device = torch.device(args.device)
@@ -211,7 +294,8 @@ def main(argv=None) -> int:
         parser.error("--device cuda: no CUDA device here")
     if device.type == "cpu":  # detkit's kernels take CPU tensors under the interpreter (read when they are defined)
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    results = measure_all(device, args.calls, args.rounds, args.profile_calls if args.profile else 0, args.top)
+    results = measure_all(device, args.calls, args.rounds, args.profile_calls if args.profile else 0, args.top,
+                          args.layers if args.model else 0)
     print(render(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -12,10 +12,12 @@ from detkit.kernels.attention.reference import (
     attention_bwd_bound, attention_fwd_bound, attention_oracle, attention_paged_ref, attention_ref, attention_split_ref,
     attention_varlen_ref, gather_pages,
 )
-from detkit.kernels.attention.sdpa import hf_attention_forward, sdpa, sdpa_unsupported_reason, tag_mask_anchor
+from detkit.kernels.attention.sdpa import (
+    hf_attention_forward, sdpa, sdpa_accepted, sdpa_unsupported_reason, tag_mask_anchor,
+)
 
 __all__ = ["attention", "attention_varlen", "attention_paged", "attention_ref", "attention_split_ref",
            "attention_varlen_ref", "attention_paged_ref", "gather_pages", "attention_oracle",
-           "attention_fwd_bound", "attention_bwd_bound", "sdpa", "sdpa_unsupported_reason", "hf_attention_forward",
-           "tag_mask_anchor",
+           "attention_fwd_bound", "attention_bwd_bound", "sdpa", "sdpa_accepted", "sdpa_unsupported_reason",
+           "hf_attention_forward", "tag_mask_anchor",
            "HEAD_DIMS", "AttnConfig", "AttnConfigs"]

@@ -166,9 +166,56 @@ def kernel_head_dim(head_dim_qk: int, head_dim_v: int) -> int:
     return next(d for d in HEAD_DIMS if d >= widest)
 
 
+# ---------------------------------------------------------------------------------------------
+# Signature caches: a check that reads only what a tensor's signature holds (type, shape, strides, dtype, device) is
+# run once per signature, never on tensor values. The layers of one forward share their layer kind's signature (a
+# growing KV cache changes it once per step, not per layer), so all but the first layer's checks cost a key and a
+# lookup. check_padded remembers accepted signatures only (a refusal raises on every call); sdpa_unsupported_reason
+# remembers its answer, a reason too (returned, and so counted or raised, on every call).
+# ---------------------------------------------------------------------------------------------
+MAX_SIGNATURES = 256  # a bound so that a growing cache or a sweep over shapes cannot grow it
+
+
+def tensor_signature(t) -> tuple | None:
+    """What the host-side checks read of ``t``: (type, shape, strides, dtype, device); None for None. Raises
+    AttributeError / TypeError / RuntimeError for what has none (not a tensor, a sparse tensor's strides)."""
+    if t is None:
+        return None
+    return type(t), t.shape, t.stride(), t.dtype, t.device
+
+
+def signature_of(*tensors) -> tuple | None:
+    """The signatures of ``tensors`` as one key, or None where one has none (the caller then checks uncached, and
+    its check names the problem)."""
+    try:
+        return tuple(map(tensor_signature, tensors))
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+def remember(cache: dict, key, value) -> None:
+    """``cache[key] = value``, the oldest entry dropped first once ``MAX_SIGNATURES`` are held."""
+    if len(cache) >= MAX_SIGNATURES:
+        cache.pop(next(iter(cache)), None)
+    cache[key] = value
+
+
+_checked_padded: dict = {}  # signature_of(q, k, v, kv_start, kv_end) -> check_padded's result
+
+
 def check_padded(q, k, v, kv_start=None, kv_end=None) -> tuple[int, int, int, int, int, int]:
     """Refuse what the padded layout does not support; returns (B, Hq, Hkv, Sq, Skv, D), D the query/key head dim
-    (v's may differ: ``kernel_head_dim``)."""
+    (v's may differ: ``kernel_head_dim``). Reads signatures only: run once per accepted signature."""
+    key = signature_of(q, k, v, kv_start, kv_end)
+    dims = _checked_padded.get(key) if key is not None else None
+    if dims is None:
+        dims = _check_padded(q, k, v, kv_start, kv_end)
+        if key is not None:
+            remember(_checked_padded, key, dims)
+    return dims
+
+
+def _check_padded(q, k, v, kv_start, kv_end) -> tuple[int, int, int, int, int, int]:
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 4)
     batch, heads_q, seq_q, head_dim = q.shape
@@ -533,7 +580,9 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         lse_strides = (0, rows)
     else:
         rows = q.shape[2]
-        o = torch.empty((batch, rows, heads_q, dim_v), dtype=q.dtype, device=device).transpose(1, 2)
+        # [B, Hq, Sq, Dv] stored [B, Sq, Hq, Dv]: one allocation with those strides (a transposed empty costs a call)
+        o = torch.empty_strided((batch, heads_q, rows, dim_v), (rows * heads_q * dim_v, dim_v, heads_q * dim_v, 1),
+                                dtype=q.dtype, device=device)
         lse = torch.empty((batch, heads_q, rows), dtype=torch.float32, device=device)
         lse_strides = (heads_q * rows, rows)
     if not interpreted:
@@ -551,7 +600,7 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         n16 = cdiv(n, 4) * 4
         n_acc = cdiv(n * dim_v, 4) * 4
         ws = torch.empty(n_acc + 2 * n16, dtype=torch.float32, device=device)
-        ws_acc, ws_m, ws_l = ws.split([n_acc, n16, n16])
+        ws_acc, ws_m, ws_l = ws.split_with_sizes([n_acc, n16, n16])  # Tensor.split's Python wrapper costs a call
     else:
         slots, ws_acc, ws_m, ws_l = 1, lse, lse, lse  # never read or written in one pass
     group = split_group(configs, slots, head_programs * cdiv(seq_q, block_q) * batch) if split_grid else 1

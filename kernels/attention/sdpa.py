@@ -27,14 +27,33 @@ import weakref
 import torch
 
 from detkit.kernels.attention.kernels import attention_fwd_kernel
-from detkit.kernels.attention.launch import attention, kernel_head_dim
+from detkit.kernels.attention.launch import attention, kernel_head_dim, remember, signature_of
 from detkit.kernels.backend import resolve_backend
+
+
+_PLAIN_FLAGS = (type(None), bool, int, float)  # flag types a key holds as they are (hashable, compared by value)
+_reasons: dict = {}  # (signature_of(query, key, value, attn_mask), flags) -> sdpa_unsupported_reason's result
 
 
 def sdpa_unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                             enable_gqa=False) -> str | None:
     """None when ``sdpa`` runs this F.scaled_dot_product_attention call with the same semantics, else a short
-    reason. Host-side only (shapes, dtypes, devices, strides, flags): never reads tensor values."""
+    reason. Host-side only (shapes, dtypes, devices, strides, flags): never reads tensor values, so the answer is
+    remembered per signature of the tensors and flags (launch.signature_of)."""
+    flags = (dropout_p, is_causal, scale, enable_gqa)
+    types = tuple(map(type, flags))  # in the key: 1 and True hash alike, and a reason names the value as given
+    signature = signature_of(query, key, value, attn_mask)
+    if signature is None or any(t not in _PLAIN_FLAGS for t in types):
+        return _unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    cache_key = (signature, flags, types)
+    reason = _reasons.get(cache_key, _reasons)
+    if reason is _reasons:
+        reason = _unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        remember(_reasons, cache_key, reason)
+    return reason
+
+
+def _unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             return f"{name} is not a tensor"
@@ -235,6 +254,13 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     reason = sdpa_unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reason is not None:
         raise NotImplementedError(f"detkit attention does not cover this scaled_dot_product_attention call: {reason}")
+    return sdpa_accepted(query, key, value, attn_mask, scale, window=window)
+
+
+def sdpa_accepted(query, key, value, attn_mask=None, scale=None, *, window: int | None = None):
+    """``sdpa`` for a call its caller has already had ``sdpa_unsupported_reason`` accept (None) with these tensors,
+    mask and scale (the mode's SDPA route asks first, to count a refusal before any work): the SDPA-semantics check
+    is not repeated; the mask's values and the kernels' own layout checks run as in ``sdpa``."""
     return _run_checked(query, key, value, attn_mask, scale, window)
 
 
