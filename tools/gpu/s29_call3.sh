@@ -15,7 +15,7 @@ source tools/gpu_steps.sh
 begin_run
 step dsweep 110 python -m tools.attention_decode_sweep sweep --device cuda --head-dims 128 --out "$OUT/dsweep" \
   --budget-s 75 --limit 2 --finalists 0
-step host 90 python -m tools.attention_host --device cuda --json "$OUT/attention-host.json"
+step host 90 python -m tools.attention_host --device cuda --model --json "$OUT/attention-host.json"
 step speed 130 env OUT="$OUT/speed" ARCHIVE="$OUT/speed.tgz" FAMILIES=qwen3 LAYERS=4 RUN_LIMIT=110 \
   DECODE_AT="1x32768 8x32768" bash tools/gpu/model_speed.sh
 step experts 150 python -m tools.experts_bench --device cuda --family mixtral --family deepseek_v3 \
