@@ -129,7 +129,9 @@ MATRIX_CUDA_PLAN = Plan(seq_len=256, batch_sizes=(8,), pad=37, train_batch=4, mi
 NOT_COVERED = (
     "attention kernels other than detkit.kernels.attention (torch SDPA backends, split-KV decode kernels) and "
     "transformers' eager attention (its softmax spans the key count)",
-    "TP > 1 inside the model (collectives are not rewritten), FP8 / FP16 / FP32 GEMMs (counted)",
+    "tensor and data parallelism (one process here: `--suite model-parallel` runs the TP and DP paths across ranks), "
+    "FP8 GEMMs outside the MoE experts (torch._scaled_mm is neither routed nor counted); FP16 and FP32 GEMMs run on "
+    "det_gemm",
     "reductions other than the last-dim mean (softmax / log_softmax are per-row in torch: not overridden)",
     "MoE: transformers' Qwen3-MoE block on detkit's MoE layer; other MoE classes run transformers' experts, their "
     "torch._grouped_mm calls (forward and backward) on detkit's grouped GEMM and their combine / router sums on "
