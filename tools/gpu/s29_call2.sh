@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Session call 2 (one H100/H200) on the same tree as call 1: the attention decode sweep's first 8 candidates at D=128
-# (the pinned entry on the grouped split grid, then the ungrouped pinned entry, then 6 more) into $OUT/dsweep; the model bench at Qwen3-8B widths, 4 layers, with
-# the long-cache decode points of issue #50 part 5 (1x32768, 8x32768) and the default point, into $OUT/speed.
+# Call 2 of reports/2026-12-06-h100-s29 (one H100 or H200) on the same tree as call 1: the attention decode sweep's
+# first 8 candidates at D=128 (the pinned entry on the grouped split grid, then the ungrouped pinned entry, then 6
+# more) into $OUT/dsweep; the model bench at Qwen3-8B widths, 4 layers, with the long-cache decode points of issue #50
+# part 5 (1x32768, 8x32768), into $OUT/speed.
 set -euo pipefail
 : "${OUT:?set OUT to the results folder}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."

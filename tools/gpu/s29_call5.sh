@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Session call 5 (one H100/H200): the TP and DP code paths at world size 1 against the plain model again (the
-# profile of call 3 found the same device time for the TP path and the plain model), into $OUT/world1.json; the
-# family matrix with its serving check for Gemma-3 (sliding windows), gpt-oss (sinks, sliding, grouped experts) and
-# Qwen3-MoE, into $OUT/families.
+# Call 5 of reports/2026-12-06-h100-s29 (one H100 or H200): the TP and DP code paths at world size 1 against the plain
+# model again (the profile of call 3 found the same device time for the TP path and the plain model), into
+# $OUT/world1.json; the family matrix with its serving check for Gemma-3 (sliding windows), gpt-oss (sinks, sliding,
+# grouped experts) and Qwen3-MoE, into $OUT/families.
 set -euo pipefail
 : "${OUT:?set OUT to the results folder}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
