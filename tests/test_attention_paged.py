@@ -21,24 +21,10 @@ from detkit.kernels.attention.configs import select_configs
 from detkit.kernels.attention.launch import kernel_head_dim
 from detkit.toolkit.contract import check_bound
 from detkit.toolkit.fixtures import bf16_randn
+from tests.attention_helpers import cu_seqlens, forced_paths, i32
 from tests.conftest import assert_bits_equal, backend_of
 
 SINKS = [0.5, -1.0, 2.0, 0.0]
-
-
-def _i32(values, device):
-    return torch.tensor(values, dtype=torch.int32, device=device)
-
-
-def _cu(lens, device):
-    return _i32([0, *torch.tensor(lens).cumsum(0).tolist()], device)
-
-
-def _paths(device, head_dim):
-    """The table's configs forced onto each forward path: one pass, and the split grid + combine pass."""
-    base = select_configs(backend_of(device), head_dim)
-    return {"one_pass": dataclasses.replace(base, split_grid_below=0),
-            "split_grid": dataclasses.replace(base, split_grid_below=2**62, eager_split_grid_min_keys=0)}
 
 
 @dataclasses.dataclass
@@ -90,7 +76,7 @@ def _make(lens_q, lens_k, page_size, device, heads_q=4, heads_kv=2, head_dim=64,
         k_cache[page, row] = k[start:start + n]
         v_cache[page, row] = v[start:start + n]
         start += n
-    return Paged(q, k, v, k_cache, v_cache, table.to(device), _cu(lens_q, device), _cu(lens_k, device),
+    return Paged(q, k, v, k_cache, v_cache, table.to(device), cu_seqlens(lens_q, device), cu_seqlens(lens_k, device),
                  list(lens_q), list(lens_k))
 
 
@@ -103,7 +89,7 @@ def test_paged_bits_equal_the_contiguous_keys_for_any_page_size_and_placement(pa
     # Decode at 70 keys (3 splits), a one-key sequence, a 6-query chunk on 31 cached keys, a 12-token prefill.
     lens_k, lens_q = [70, 1, 37, 12], [1, 1, 6, 12]
     case = _make(lens_q, lens_k, page_size, device, seed=page_size)
-    configs = _paths(device, 64)[path]
+    configs = forced_paths(device, 64)[path]
     out = case.paged(configs=configs)
     assert out.shape == case.q.shape and out.dtype == torch.bfloat16
     assert_bits_equal(out, case.varlen(configs=configs), f"paged (page size {page_size}, {path}) vs varlen")
@@ -116,7 +102,7 @@ def test_paged_head_dims_the_tiles_do_not_have_give_the_padded_bits(dqk, dv, pat
     lens_k, lens_q = [70, 1, 37], [1, 1, 6]
     case = _make(lens_q, lens_k, 5, device, head_dim=dqk, head_dim_v=dv, seed=dqk + dv)
     dim = kernel_head_dim(dqk, dv)
-    configs = _paths(device, dim)[path]
+    configs = forced_paths(device, dim)[path]
     out = case.paged(configs=configs)
     assert out.shape == (sum(lens_q), 4, dv) and out.is_contiguous()
     assert_bits_equal(out, case.varlen(configs=configs), f"paged vs varlen ({dqk}/{dv}, {path})")
@@ -197,7 +183,7 @@ def test_transformers_page_views_are_read_without_a_copy(device):
             k_pages[page, row], v_pages[page, row] = k[start + j], v[start + j]
         start += lens_k[b]
     assert k_pages.data_ptr() == flat.data_ptr() + 2 * layer * page_size * heads_kv * head_dim * flat.element_size()
-    cu_q, cu_k = _cu(lens_q, device), _cu(lens_k, device)
+    cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
     out = attention_paged(q, k_pages, v_pages, table.to(device), cu_q, cu_k, max(lens_q), max(lens_k))
     assert_bits_equal(out, attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)), "transformers' views")
 
@@ -238,8 +224,8 @@ def test_paged_refusals_are_one_line_and_come_before_any_launch(device, monkeypa
         (args(block_table=table[:1]), ValueError, "block_table must be an int32 tensor [n sequences (2)"),
         (args(block_table=wide), ValueError, "block_table has strides (12, 2); supported: rows contiguous"),
         (args(block_table=table.tolist()), TypeError, "block_table must be a torch.Tensor; got list"),
-        (args(cu_seqlens_k=_i32([0, 14, 9], device)), ValueError, "cu_seqlens_k must start at 0 and never decrease"),
-        (args(cu_seqlens_q=_i32([0, 1, 3], device)), ValueError,
+        (args(cu_seqlens_k=i32([0, 14, 9], device)), ValueError, "cu_seqlens_k must start at 0 and never decrease"),
+        (args(cu_seqlens_q=i32([0, 1, 3], device)), ValueError,
          "cu_seqlens_q must start at 0, never decrease and end at the packed length 4"),
         (args(max_seqlen_k=13), ValueError, "max_seqlen_k 13 is not supported"),
         (args(q=case.q[None]), ValueError, "q must be 3-D"),
@@ -271,7 +257,7 @@ def test_gpu_paged_bits_equal_contiguous_at_qwen3_shapes(page_size, device):
     lens_k, lens_q = [4096, 1, 4100, 700], [1, 1, 200, 700]
     case = _make(lens_q, lens_k, page_size, device, heads_q=32, heads_kv=8, head_dim=128, seed=page_size)
     assert_bits_equal(case.paged(), case.varlen(), f"page size {page_size}, default grid")
-    for path, configs in _paths(device, 128).items():
+    for path, configs in forced_paths(device, 128).items():
         assert_bits_equal(case.paged(configs=configs), case.varlen(configs=configs), f"page size {page_size}, {path}")
 
 
@@ -288,7 +274,8 @@ def test_gpu_paged_decode_batch_gives_the_prefill_bits(device):
         n = keys.stop - keys.start
         q = bf16_randn((n, 32, 128), 100 + b, device)
         q[-1] = case.q[b]
-        prefill = attention_varlen(q, case.k[keys], case.v[keys], _cu([n], device), _cu([n], device), n, n)
+        cu = cu_seqlens([n], device)
+        prefill = attention_varlen(q, case.k[keys], case.v[keys], cu, cu, n, n)
         assert_bits_equal(out[b:b + 1], prefill[-1:], f"sequence {b}")
     qs, ks, vs = (t.transpose(0, 1)[None] for t in (case.q[:1, :8], case.k[:seq, :2], case.v[:seq, :2]))
     o_star, bound = attention_fwd_bound(qs, ks, vs, block_n=select_configs("cuda_sm90", 128).fwd.block_n)

@@ -10,7 +10,6 @@ bits, at lengths that change from call to call, and the decode steps equal the p
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -21,34 +20,19 @@ pytest.importorskip("triton.backends.nvidia.driver")
 import detkit.kernels.attention.launch as attention_launch  # noqa: E402
 from detkit.kernels import backend  # noqa: E402
 from detkit.kernels.attention import attention, attention_fwd_bound  # noqa: E402
-from detkit.kernels.attention.configs import select_configs  # noqa: E402
 from detkit.kernels.attention.launch import (  # noqa: E402
     PLANNED, Logits, Sequences, attention_bwd_launch, attention_fwd_launch, check_paged,
 )
 from detkit.kernels.backend import PlannedKernel  # noqa: E402
 from detkit.toolkit.contract import check_bound  # noqa: E402
 from detkit.toolkit.fixtures import bf16_randn  # noqa: E402
-from tests.conftest import TEST_DEVICE, assert_bits_equal, backend_of  # noqa: E402
+from tests.attention_helpers import cu_seqlens, forced_paths, i32  # noqa: E402
+from tests.conftest import TEST_DEVICE, assert_bits_equal  # noqa: E402
 from tests.plan_helpers import Compiling, check_last_launch, jit_twin  # noqa: E402
 
 
 # The stand-in tests launch on CPU tensors, which the kernels' backend accepts only under the interpreter (CI's run).
 interpreter_only = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU tensors need the Triton interpreter (the CPU run)")
-
-
-def _i32(values, device):
-    return torch.tensor(values, dtype=torch.int32, device=device)
-
-
-def _cu(lens, device):
-    return _i32([0, *torch.tensor(lens).cumsum(0).tolist()], device)
-
-
-def _paths(device, head_dim):
-    """The table's configs forced onto each forward path: one pass, and the split grid + combine pass."""
-    base = select_configs(backend_of(device), head_dim)
-    return {"one_pass": dataclasses.replace(base, split_grid_below=0),
-            "split_grid": dataclasses.replace(base, split_grid_below=2**62, eager_split_grid_min_keys=0)}
 
 
 class _Spy(PlannedKernel):
@@ -102,7 +86,7 @@ def test_constexprs_are_each_kernels_last_parameters():
 @pytest.mark.parametrize("head_dim", [64, 72])  # 72: q/k/v strides move between multiples of 16 and not
 def test_decode_steps_run_their_own_binary_with_their_own_arguments(head_dim, standins):
     device = torch.device("cpu")
-    paths = _paths(device, 128 if head_dim == 72 else head_dim)
+    paths = forced_paths(device, 128 if head_dim == 72 else head_dim)
     heads_q, heads_kv = 4, 2
     cache = bf16_randn((3, heads_kv, 120, head_dim), 1, device)
     binaries = set()
@@ -126,9 +110,9 @@ def test_windowed_softcapped_padded_calls_and_the_backward(standins):
     k, v = bf16_randn((2, 2, 70, 64), 4, device), bf16_randn((2, 2, 70, 64), 5, device)
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.bfloat16)
     for keys, start, window, softcap in ((40, 3, None, None), (70, 0, 21, 5.0), (55, 9, 33, None)):
-        seqs = Sequences(False, 2, 5, keys, _i32([start, 0], device), _i32([keys, keys - 2], device), window)
+        seqs = Sequences(False, 2, 5, keys, i32([start, 0], device), i32([keys, keys - 2], device), window)
         logits = Logits(softcap, sinks if window else None)
-        for cfg in _paths(device, 64).values():
+        for cfg in forced_paths(device, 64).values():
             o, lse, launch = attention_fwd_launch(q, k[:, :, :keys], v[:, :, :keys], seqs, 0.125, cfg, logits)
             _check_launched(standins, ["fwd", "combine"] if launch.split_grid else ["fwd"])
         do = torch.ones_like(o)
@@ -142,9 +126,9 @@ def test_packed_and_paged_calls_run_their_own_binary_with_their_own_arguments(st
     for lens_q, lens_k in (([1, 1], [9, 40]), ([3, 1, 2], [3, 64, 70]), ([1], [1])):
         q = bf16_randn((sum(lens_q), 4, 64), 7, device)
         k, v = bf16_randn((sum(lens_k), 2, 64), 8, device), bf16_randn((sum(lens_k), 2, 64), 9, device)
-        cu_q, cu_k = _cu(lens_q, device), _cu(lens_k, device)
+        cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
         seqs = Sequences(True, len(lens_q), max(lens_q), max(lens_k), cu_q, cu_k)
-        for cfg in _paths(device, 64).values():
+        for cfg in forced_paths(device, 64).values():
             _, _, launch = attention_fwd_launch(q, k, v, seqs, 0.125, cfg)
             _check_launched(standins, ["fwd", "combine"] if launch.split_grid else ["fwd"])
         pages = [-(-n // 16) for n in lens_k]
@@ -162,7 +146,7 @@ def test_plans_false_is_tritons_own_launch(standins):
     device = torch.device("cpu")
     q, k = bf16_randn((1, 4, 1, 64), 1, device), bf16_randn((1, 2, 50, 64), 2, device)
     seqs = Sequences(False, 1, 1, 50, None, None)
-    attention_fwd_launch(q, k, k, seqs, 0.125, _paths(device, 64)["one_pass"], plans=False)
+    attention_fwd_launch(q, k, k, seqs, 0.125, forced_paths(device, 64)["one_pass"], plans=False)
     assert PLANNED["fwd"].last is None and not PLANNED["fwd"].plans  # the plan was not used
     assert len(standins["fwd"].entry.calls) == 1
 
@@ -196,8 +180,8 @@ def test_gpu_decode_at_changing_lengths_through_the_plans(path, device, raw_call
     q = bf16_randn((batch, heads_q, seq, head_dim), 11, device)
     k, v = bf16_randn((batch, heads_kv, seq, head_dim), 12, device), bf16_randn((batch, heads_kv, seq, head_dim), 13,
                                                                                  device)
-    cfg = _paths(device, head_dim)[path]
-    kv_start = _i32([0, 100, 7], device)
+    cfg = forced_paths(device, head_dim)[path]
+    kv_start = i32([0, 100, 7], device)
     prefill = attention(q, k, v, kv_start=kv_start, configs=cfg)
     scale = 1.0 / math.sqrt(head_dim)  # attention()'s default, to the bit
     for i in (1500, 100, 511, 512, 513, 1024, 1799, 700, 150):  # lengths up and down: a plan reused across them
@@ -215,9 +199,9 @@ def test_gpu_prefill_packed_paged_and_backward_through_the_plans(device, raw_cal
     for lens in ([1000, 37, 600], [5, 1300], [777]):
         q = bf16_randn((sum(lens), heads_q, head_dim), len(lens), device)
         k, v = (bf16_randn((sum(lens), heads_kv, head_dim), len(lens) + i, device) for i in (1, 2))
-        cu = _cu(lens, device)
+        cu = cu_seqlens(lens, device)
         seqs = Sequences(True, len(lens), max(lens), max(lens), cu, cu)
-        for cfg in _paths(device, head_dim).values():
+        for cfg in forced_paths(device, head_dim).values():
             _launch_both((q, k, v, seqs, 0.088, cfg))
         first = lens[0]
         one = Sequences(False, 1, first, first, None, None)
@@ -240,7 +224,7 @@ def test_gpu_prefill_packed_paged_and_backward_through_the_plans(device, raw_cal
         for b, (p0, p) in enumerate(zip([0, *torch.tensor(need).cumsum(0).tolist()], need)):
             table[b, :p] = pages[p0:p0 + p]
         q = bf16_randn((n, heads_q, head_dim), 22, device)
-        seqs = check_paged(q, k_cache, v_cache, table.to(device), _cu([1] * n, device), _cu(lens_k, device), 1,
-                           max(lens_k))
+        seqs = check_paged(q, k_cache, v_cache, table.to(device), cu_seqlens([1] * n, device),
+                           cu_seqlens(lens_k, device), 1, max(lens_k))
         _launch_both((q, k_cache, v_cache, seqs, 0.088))
     assert raw_calls, "no launch went through a plan's C entry point"

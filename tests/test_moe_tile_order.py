@@ -36,6 +36,7 @@ from tests.moe_helpers import assert_stages, fp8_stage_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUP_MS = (2, 3, 4, 8)
+SM90_GROUP_MS = (4, 8, 16)  # the orders the sm_90 table may pick
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,13 +148,13 @@ def uneven_inputs(h: int, i: int, device: torch.device, seed: int = 7) -> dict[s
     return inp
 
 
-def assert_same_bits_for_every_group_m(run, base: GemmConfig, what: str) -> None:
-    """``run(config)`` -> a tuple of outputs: with GROUP_M 1 every element written (finite), and the same bits with
-    each GROUP_M of GROUP_MS."""
+def assert_same_bits_for_every_group_m(run, base: GemmConfig, what: str, group_ms=GROUP_MS) -> None:
+    """``run(config)`` -> a tuple of outputs: with ``base`` every element written (finite), and the same bits with
+    each GROUP_M of ``group_ms``."""
     want = run(base)
     for i, out in enumerate(want):
         assert bool(torch.isfinite(out.float()).all()), (what, i, "an element was not written")
-    for group_m in GROUP_MS:
+    for group_m in group_ms:
         for i, (got, ref) in enumerate(zip(run(replace(base, group_m=group_m)), want)):
             res = compare_bits(got, ref)
             assert res.equal, (what, group_m, i, res)
@@ -316,14 +317,8 @@ def gpu_inputs(device: torch.device) -> dict:
 @pytest.mark.parametrize("stage", ["up", "down", "dgrad", "dgrad_sorted", "dx", "wgrad_w1", "wgrad_w2_acc"])
 def test_sm90_bf16_picks_give_the_same_bits_in_every_tile_order(stage, device, nan_outputs):
     key = "wgrad" if stage.startswith("wgrad") else stage.removesuffix("_sorted")
-    base = MOE_CONFIGS["cuda_sm90"][key]
     runs = bf16_runs(gpu_inputs(device), device)
-    want = runs[stage](base)
-    assert all(bool(torch.isfinite(o.float()).all()) for o in want), stage
-    for group_m in (4, 8, 16):
-        for got, ref in zip(runs[stage](replace(base, group_m=group_m)), want):
-            res = compare_bits(got, ref)
-            assert res.equal, (stage, group_m, res)
+    assert_same_bits_for_every_group_m(runs[stage], MOE_CONFIGS["cuda_sm90"][key], stage, SM90_GROUP_MS)
 
 
 @pytest.mark.gpu
@@ -331,9 +326,4 @@ def test_sm90_bf16_picks_give_the_same_bits_in_every_tile_order(stage, device, n
 def test_sm90_fp8_picks_give_the_same_bits_in_every_tile_order(stage, device, nan_outputs):
     base = FP8_WGRAD_CONFIGS["cuda_sm90"] if stage.startswith("wgrad") else MOE_FP8_CONFIGS["cuda_sm90"][stage]
     runs = fp8_runs(gpu_inputs(device), device)
-    want = runs[stage](base)
-    assert all(bool(torch.isfinite(o.float()).all()) for o in want), stage
-    for group_m in (4, 8, 16):
-        for got, ref in zip(runs[stage](replace(base, group_m=group_m)), want):
-            res = compare_bits(got, ref)
-            assert res.equal, (stage, group_m, res)
+    assert_same_bits_for_every_group_m(runs[stage], base, stage, SM90_GROUP_MS)
