@@ -57,7 +57,9 @@ collective): inputs of another dtype or placement; on the one-process DP side a 
 A prepared layer routes only while the mode is entered; outside it the layer runs nn.Linear's own forward (the
 DTensor path on the ranks, plain torch in one process). At world size 1 no reduction is split: a plan's Linear with
 DTensor weights (a mesh of one rank) runs the mode's aten route on its local tensors (``LocalRoute``: the plain
-model's ops, none through DTensor's per-op dispatch); plain weights are left as they are. Count: ``linear (tp
+model's ops, none through DTensor's per-op dispatch); plain weights are left as they are. Under the mode torch's
+TP hooks of a prepared layer stand aside (``_StyleHookGate``: for these layouts they only wrap and unwrap the local
+tensors), at every TP size except a gathering colwise layer's output hook. Count: ``linear (tp
 rowwise)`` / ``linear (tp colwise)`` / ``linear (dp)`` / ``linear (pinned)``, ``linear (tp, one rank)``, ``rmsnorm
 weight grad``, ``embedding (dp)`` and ``moe experts (dp)`` -> the route, in ``mode_counters()`` (a MoE router and
 experts also under the mode's own MoE counters). Eager only: a torch.compile'd model runs these routes as graph
@@ -653,7 +655,9 @@ def _routed_forward(module: torch.nn.Linear, x):
 
     w, b = module.weight, module.bias
     sharded = isinstance(w, DTensor)
-    if sharded:
+    if sharded and not isinstance(x, DTensor):  # torch's TP hooks stood aside (_StyleHookGate): x is the local input
+        w, b, sharded = w.to_local(), b.to_local() if isinstance(b, DTensor) else b, False
+    elif sharded:
         x, w, b, mesh = _local_operands(route, module, x)
     _check_input(route, x)
     lead = x.shape[:-1]
@@ -697,10 +701,72 @@ def _local_forward(module: torch.nn.Linear, x):
     route: LocalRoute = getattr(module, ROUTE_ATTR)
     if not mode_state.active():
         return torch.nn.Linear.forward(module, x)
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(x, DTensor):  # torch's TP hooks stood aside (_StyleHookGate): local in, local out
+        b = module.bias
+        y = torch.nn.functional.linear(x, module.weight.to_local(), b.to_local() if isinstance(b, DTensor) else b)
+        mode_state.routed(*route.counter)
+        return y
     x, w, b, mesh = _local_operands(route, module, x)
     y = torch.nn.functional.linear(x, w, b)
     mode_state.routed(*route.counter)
     return _output(route, y, mesh)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's TP hooks of a prepared layer
+# ---------------------------------------------------------------------------------------------
+class _StyleHookGate:
+    """One of the two hooks ``parallelize_module`` put on a prepared Linear (``distribute_module``'s forward pre-hook
+    over the style's ``_prepare_input_fn``, its forward hook over ``_prepare_output_fn``), standing aside while the
+    mode is entered. For the layouts it is installed on, the pair is an identity on the data: the pre-hook wraps the
+    local input as a DTensor (Replicate for colwise, Shard(-1) for rowwise; no collective), the route unwraps it, and
+    the output hook unwraps the route's DTensor in the layout it already has. Each wrap and unwrap is an autograd node
+    with DTensor's host bookkeeping, forward and backward (about 0.25 ms per layer and step on a CPU host), so under
+    the mode the route takes the local tensor and returns one. Outside the mode, and for a DTensor input or output,
+    the hook runs as torch installed it."""
+
+    def __init__(self, hook, kind: str):
+        self.hook, self.kind = hook, kind
+
+    def __call__(self, module, *args):
+        if mode_state.active():
+            from torch.distributed.tensor import DTensor
+
+            value = args[-1] if self.kind == "output" else (args[0][0] if args[0] else None)
+            if value is not None and not isinstance(value, DTensor):
+                return None  # inputs / outputs as they are
+        return self.hook(module, *args)
+
+
+def _style_hook_ids(module: torch.nn.Module, style_cls) -> tuple[list[int], list[int]]:
+    """The ids of the forward pre-hooks and forward hooks ``distribute_module`` installed for ``style_cls`` on
+    ``module``: the hooks whose closure holds a ``functools.partial`` over the style's own ``_prepare_input_fn`` /
+    ``_prepare_output_fn`` (identity checks on the functions, not names)."""
+    import functools
+
+    def over(hook, fn) -> bool:
+        cells = getattr(hook, "__closure__", None) or ()
+        return any(isinstance(c.cell_contents, functools.partial) and c.cell_contents.func is fn for c in cells)
+
+    pre = [i for i, h in module._forward_pre_hooks.items() if over(h, style_cls._prepare_input_fn)]
+    post = [i for i, h in module._forward_hooks.items() if over(h, style_cls._prepare_output_fn)]
+    return pre, post
+
+
+def _gate_style_hooks(module: torch.nn.Module, style: str) -> bool:
+    """Put ``_StyleHookGate`` around the style's hook pair of a prepared Linear; False (nothing changed) unless
+    exactly one of each is found."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    pre, post = _style_hook_ids(module, ColwiseParallel if style == COLWISE else RowwiseParallel)
+    if len(pre) != 1 or len(post) != 1:
+        return False
+    for hooks, ids, kind in ((module._forward_pre_hooks, pre, "input"), (module._forward_hooks, post, "output")):
+        if not isinstance(hooks[ids[0]], _StyleHookGate):
+            hooks[ids[0]] = _StyleHookGate(hooks[ids[0]], kind)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -912,10 +978,13 @@ def prepare(model: torch.nn.Module, plan: dict | None = None, *, tp_size: int | 
         m = modules[n]
         setattr(m, ROUTE_ATTR, route)
         m.forward = types.MethodType(_routed_forward, m)
+        if on_tp_ranks and route.style is not None and not route.gathers_output:
+            _gate_style_hooks(m, route.style)  # a gathering colwise layer's output hook all-gathers: it stays
     for n, route in local.items():
         m = modules[n]
         setattr(m, ROUTE_ATTR, route)
         m.forward = types.MethodType(_local_forward, m)
+        _gate_style_hooks(m, route.style)
     for n, route in norm_routes.items():
         m = modules[n]
         setattr(m, ROUTE_ATTR, route)

@@ -767,7 +767,7 @@ def _world1_cpu_rank(rank: int, init_file: str, out: str) -> None:
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -835,9 +835,15 @@ def _world1_cpu_rank(rank: int, init_file: str, out: str) -> None:
         for n, p in plain.named_parameters():
             g = tp.get_parameter(n).grad
             bits(f"grad {n}", g.to_local() if isinstance(g, DTensor) else g, p.grad)
-        try:  # a plain input (the module called past torch's TP input hook): refused by name
+        # outside the mode torch's TP hooks run as installed (DTensor's own path): the plain model's logits too
+        seen = DTensorOps()
+        with torch.inference_mode(), seen:
+            bits("outside the mode logits", tp(input_ids=ids).logits, plain(input_ids=ids).logits)
+        result["dtensor_ops"]["tp outside the mode"] = sum(seen.ops.values())
+        try:  # a DTensor input in a layout the style does not take: refused by name
+            mesh = tp.lm_head.weight.device_mesh
             with detkit.batch_invariant_mode():
-                tp.lm_head.forward(torch.zeros((1, 64), dtype=torch.bfloat16))
+                tp.lm_head(DTensor.from_local(torch.zeros((1, 64), dtype=torch.bfloat16), mesh, [Shard(-1)]))
             result["refusal"] = "no refusal"
         except ParallelPlanError as exc:
             result["refusal"] = str(exc)
@@ -848,8 +854,9 @@ def _world1_cpu_rank(rank: int, init_file: str, out: str) -> None:
 
 @cpu_ranks_only
 def test_world1_tp_path_runs_the_local_tensors_with_the_plain_models_bits(tmp_path):
-    """parallelize_module on a mesh of 1 + prepare: the plan's Linears run F.linear on their local tensors (the
-    mode's aten route, no DTensor dispatch) inside torch's TP hooks; logits, decode and gradients as the plain model."""
+    """parallelize_module on a mesh of 1 + prepare: under the mode the plan's Linears run F.linear on their local
+    tensors (the mode's aten route, no DTensor dispatch) with torch's TP hooks standing aside; logits, decode and
+    gradients as the plain model; outside the mode torch's hooks and DTensor's path as installed."""
     import json
 
     import torch.multiprocessing as mp
@@ -860,7 +867,8 @@ def test_world1_tp_path_runs_the_local_tensors_with_the_plain_models_bits(tmp_pa
     linears = [f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
     assert r["routed"] == [] and r["local"] == linears + ["lm_head"], r
-    assert len(r["bits"]) == 1 + 3 + 14, sorted(r["bits"])  # logits, prefill + 2 decode steps, every parameter
+    # logits, prefill + 2 decode steps, every parameter, the logits outside the mode
+    assert len(r["bits"]) == 1 + 3 + 14 + 1, sorted(r["bits"])
     assert all(m == 0 for m, _ in r["bits"].values()), {k: v for k, v in r["bits"].items() if v[0] != 0}
     assert r["grads_as_params"] == r["dtensor_params"] == 8  # what the user's optimizer expects
     key = "linear (tp, one rank) -> the mode's aten route on the local tensors"
@@ -871,7 +879,8 @@ def test_world1_tp_path_runs_the_local_tensors_with_the_plain_models_bits(tmp_pa
     # DTensor's dispatch sees no GEMM, view or transpose: only autograd's detach of each weight's gradient
     assert r["dtensor_ops"]["tp train"] == {"aten.detach.default": 8}, r["dtensor_ops"]
     assert r["dtensor_ops"]["tp decode"] == {}, r["dtensor_ops"]
-    assert r["refusal"] == "lm_head: colwise input is ('a plain tensor',); the route needs Replicate (before any " \
+    assert r["dtensor_ops"]["tp outside the mode"] > 0  # torch's hooks and DTensor's dispatch ran there
+    assert r["refusal"] == "lm_head: colwise input is ('Shard(1)',); the route needs Replicate (before any " \
         "collective)", r["refusal"]
 
 
