@@ -182,3 +182,20 @@ def test_cli_refuses_what_it_does_not_run(tmp_path, capsys):
             ds.main(argv)
         assert exc.value.code == 2
     assert "--rounds and --replays must be >= 1" in capsys.readouterr().err
+
+
+def test_grid_override_replaces_the_named_fields_and_refuses_others(monkeypatch):
+    import argparse
+
+    from detkit.kernels.attention.configs import select_configs
+    from tools import attention_decode_sweep as sweep
+
+    pinned = select_configs("cuda_sm90", 128)
+    assert sweep.parse_grid_override("split_n=256,512") == ("split_n", (256, 512))
+    monkeypatch.setattr(sweep, "GRID_OVERRIDES", {"split_n": (256, 512), "num_warps": (4,)})
+    grid = sweep.gpu_grid(128, 132, pinned)
+    assert grid.split_n == (256, 512) and grid.num_warps == (4,)
+    assert grid.block_n == sweep._gpu_grid(128, 132, pinned).block_n  # the other fields as the grid has them
+    for bad in ("split=256", "split_n=", "split_n=a,b", "ungrouped=1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--grid"):
+            sweep.parse_grid_override(bad)

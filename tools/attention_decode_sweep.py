@@ -6,6 +6,7 @@ num_warps, num_stages, split_heads_below and split_grid_below are speed only.
 
     python -m tools.attention_decode_sweep warm --workers 15 --head-dims 128        # Triton's cache, in parallel
     python -m tools.attention_decode_sweep sweep --device cuda --head-dims 128 --out DIR --budget-s 150
+    python -m tools.attention_decode_sweep sweep ... --grid split_n=256,512 --grid num_warps=4   # part of the grid
     python -m tools.attention_decode_sweep sweep --device cpu --tiny --out DIR      # interpreter plumbing only
 
 tools/gpu/attention_decode_sweep.sh runs both on one H100 or H200.
@@ -128,7 +129,31 @@ class Grid:
     ungrouped: bool = False
 
 
+# ``--grid FIELD=V,V``: the sm_90 grid's values replaced field by field (e.g. only the split sizes swept, the rest at
+# the pinned tile); set by ``main`` and handed to the warm workers on their command line.
+GRID_OVERRIDES: dict[str, tuple[int, ...]] = {}
+
+
+def parse_grid_override(text: str) -> tuple[str, tuple[int, ...]]:
+    """``FIELD=V,V`` -> (field, values), or a one-line error naming the text and the fields."""
+    fields = [f for f in Grid.__dataclass_fields__ if f != "ungrouped"]
+    name, _, values = text.partition("=")
+    try:
+        parsed = tuple(int(v) for v in values.split(","))
+    except ValueError:
+        parsed = ()
+    if name not in fields or not parsed:
+        raise argparse.ArgumentTypeError(f"--grid {text!r} is not supported; supported: FIELD=V[,V...] with integer "
+                                         f"values, FIELD one of {fields}")
+    return name, parsed
+
+
 def gpu_grid(head_dim: int, sms: int, pinned: AttnConfigs) -> Grid:
+    grid = _gpu_grid(head_dim, sms, pinned)
+    return replace(grid, **GRID_OVERRIDES) if GRID_OVERRIDES else grid
+
+
+def _gpu_grid(head_dim: int, sms: int, pinned: AttnConfigs) -> Grid:
     """sm_90. BLOCK_M 128 packs a group of 4 query heads x 32 positions (heads_per_tile); not at head_dim 256, whose
     [128, 256] FP32 accumulator alone is 256 registers a thread at 4 warps. BLOCK_N 32/64 at head_dim 256 (the pinned
     64x32 tile and its neighbour: register pressure). split_heads_below: off, or two programs per SM (264 on 132
@@ -672,6 +697,7 @@ def warm(head_dims: list[int], workers: int, tiny: bool = False) -> int:
     procs = []
     for i in range(workers):
         cmd = [sys.executable, "-m", "tools.attention_decode_sweep", "warm", "--worker", "--sms", str(sms)]
+        cmd += [a for f, v in GRID_OVERRIDES.items() for a in ("--grid", f"{f}={','.join(map(str, v))}")]
         proc = subprocess.Popen(cmd + (["--tiny"] if tiny else []), stdin=subprocess.PIPE, text=True,
                                 env=os.environ.copy())
         proc.stdin.write(json.dumps(jobs[i::workers]))
@@ -693,6 +719,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--head-dims", type=int, nargs="+", default=None, choices=(64, 128, 256),
                        help="default: 128 (--tiny: 64, the interpreter's cheapest)")
         p.add_argument("--tiny", action="store_true", help="the interpreter's tiles and tiny shapes (CPU)")
+        p.add_argument("--grid", type=parse_grid_override, action="append", default=[], metavar="FIELD=V,V",
+                       help="replace one field of the sm_90 grid (repeatable), e.g. split_n=256,512")
     w.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     w.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     w.add_argument("--sms", type=int, default=132, help=argparse.SUPPRESS)
@@ -706,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--limit", type=int, default=None, help="only the first N candidates per head_dim (pinned first)")
     args = parser.parse_args(argv)
     args.head_dims = args.head_dims or ([64] if args.tiny else [128])
+    GRID_OVERRIDES.update(dict(args.grid))
     if args.command == "warm":
         if args.worker:
             return _warm_worker(json.loads(sys.stdin.read()), args.tiny, args.sms)
