@@ -832,6 +832,8 @@ def _world1_cpu_rank(rank: int, init_file: str, out: str) -> None:
         result["grads_as_params"] = sum(isinstance(p, DTensor) and isinstance(p.grad, DTensor) and
                                         p.grad.placements == p.placements for p in tp.parameters())
         result["dtensor_params"] = sum(isinstance(p, DTensor) for p in tp.parameters())
+        result["gated_hooks"] = sum(isinstance(h, mode_parallel._StyleHookGate) for m in tp.modules()
+                                    for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()))
         for n, p in plain.named_parameters():
             g = tp.get_parameter(n).grad
             bits(f"grad {n}", g.to_local() if isinstance(g, DTensor) else g, p.grad)
@@ -871,6 +873,7 @@ def test_world1_tp_path_runs_the_local_tensors_with_the_plain_models_bits(tmp_pa
     assert len(r["bits"]) == 1 + 3 + 14 + 1, sorted(r["bits"])
     assert all(m == 0 for m, _ in r["bits"].values()), {k: v for k, v in r["bits"].items() if v[0] != 0}
     assert r["grads_as_params"] == r["dtensor_params"] == 8  # what the user's optimizer expects
+    assert r["gated_hooks"] == 2 * 8  # each prepared layer's input and output hook, standing aside under the mode
     key = "linear (tp, one rank) -> the mode's aten route on the local tensors"
     for phase, calls in (("train", 8), ("decode", 3 * 8)):  # one call per Linear per forward
         tp, plain = dict(r["counters"][f"tp {phase}"]["routed"]), r["counters"][f"plain {phase}"]["routed"]
