@@ -8,14 +8,21 @@
 #                                                 # 128256, 4096, M 1-4096, GPU time (CUDA graph) and eager time;
 #                                                 # dA and dB of the lm_heads
 #   OUT=/path bash tools/gpu/fp32_gemm.sh sweep   # candidate FP32 tiles beside the table's pick at the lm_head shapes
+#   OUT=/path bash tools/gpu/fp32_gemm.sh gemv    # M <= 16 (about 3 minutes on one H100): compile the run's kernels
+#                                                 # in parallel, the small-M kernel's GPU tests (its bits = the tile
+#                                                 # path's at lm_head width, every variant), then every candidate
+#                                                 # (configs.gemv_candidates) beside the pick and torch.matmul, "ieee"
+#                                                 # fwd and dA, M 1-16, both weight layouts, K x N: 4096 x 151936,
+#                                                 # 5120 x 151936, 8192 x 128256, 4096 x 4096, 7168 x 256 (router)
 #   OUT=/path bash tools/gpu/fp32_gemm.sh all     # tests, bench, sweep in turn (about 20 minutes)
 #
 # Everything lands under $OUT: versions.txt, steps.txt (exit status per command), <command>.log, and per timing run
-# a folder with rows.jsonl (one row per case) and summary.md (detkit / torch.matmul per row against the 1.2x target).
+# a folder with rows.jsonl (one row per case) and summary.md (detkit / torch.matmul per row against the 1.2x target;
+# with candidates, each one's eager and GPU time, the fastest marked).
 # The run goes on after a failed command and exits non-zero if any failed; $OUT.tgz holds what finished.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-STEP=${1:?usage: OUT=DIR bash tools/gpu/fp32_gemm.sh tests|bench|sweep|all}
+STEP=${1:?usage: OUT=DIR bash tools/gpu/fp32_gemm.sh tests|bench|sweep|gemv|all}
 : "${OUT:?set OUT to the results folder}"
 
 # shellcheck source=tools/gpu_steps.sh
@@ -51,12 +58,26 @@ step_sweep() {
     128,256,32,8,8,3,tma
 }
 
+GEMV_CASES=(--ops fwd da --kn "${LM_HEADS[0]}" 5120,151936 8192,128256 4096,4096 7168,256 --layouts linear kn
+            --m 1 2 4 8 16 --precision ieee --candidates --rounds 2)
+
+step_gemv() {
+  # The warm's processes fill TRITON_CACHE_DIR with every kernel of the bench, the small-M GPU tests' among them.
+  step gemv-warm "${GEMV_WARM_LIMIT:-150}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/gemv-bench" \
+    "${GEMV_CASES[@]}" --warm "${GEMV_WARM_WORKERS:-14}" --warm-only
+  step gemv-tests "${GEMV_TESTS_LIMIT:-150}" env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra \
+    tests/test_det_gemm_fp32.py -k "small_m or lm_head"
+  step gemv-bench "${GEMV_BENCH_LIMIT:-240}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/gemv-bench" \
+    "${GEMV_CASES[@]}"
+}
+
 case "$STEP" in
   tests) step_tests ;;
   bench) step_bench ;;
   sweep) step_sweep ;;
+  gemv) step_gemv ;;
   all) step_tests; step_bench; step_sweep ;;
-  *) echo "unknown step $STEP; steps: tests bench sweep all" >&2; exit 2 ;;
+  *) echo "unknown step $STEP; steps: tests bench sweep gemv all" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%H:%M:%S) finished (failed=$failed)"
 exit "$failed"
