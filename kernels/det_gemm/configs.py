@@ -334,9 +334,10 @@ _FP32_LARGE = GemmConfig(128, 128, 32, 8, 8, 3)
 # A program holds the batch rounded up to a power of two (the M bands 1, 2, 4, 8, 16: no 16-row tile's 16x the FMAs
 # at M = 1) and streams its columns of the weight once; "gemv_vec" loads a K-major weight (nn.Linear's weight.t())
 # 16 bytes per column and A 16 bytes per row. Wide outputs (lm_heads): 128 columns per 4-warp program, one per
-# thread. Outputs up to GEMV_NARROW_COLS wide (projections, a router, an lm_head's dA: 4096 wide) have too few
-# columns for that to fill 132 SMs: 32 columns per 1-warp program, 64 k per step, the loop's loads pipelined 4 deep
-# through shared memory to keep bytes in flight. Chosen from sm_90 compiles (no spills, 16-byte loads, FFMA only),
+# thread. Outputs up to GEMV_NARROW_COLS wide (projections, a router, an lm_head's dA: 4096 wide) would give few such
+# programs (32 at 4096 columns): 32 columns per 1-warp program instead, 64 k per step, the loop's loads pipelined 4
+# deep through shared memory to keep bytes in flight. Chosen from sm_90 compiles (no spills; the wide tile loads a
+# K-major weight 16 bytes per column, LDG.128, the narrow one through cp.async; FFMA for the products),
 # not yet from GPU timings: tools/gpu/fp32_gemm.sh times these and the other variants.
 GEMV_NARROW_COLS = 32768
 _GEMV_WIDE = GemmConfig(1, 128, 32, 1, 4, 1, "gemv_vec")

@@ -8,7 +8,7 @@
 #                                                 # 128256, 4096, M 1-4096, GPU time (CUDA graph) and eager time;
 #                                                 # dA and dB of the lm_heads
 #   OUT=/path bash tools/gpu/fp32_gemm.sh sweep   # candidate FP32 tiles beside the table's pick at the lm_head shapes
-#   OUT=/path bash tools/gpu/fp32_gemm.sh gemv    # M <= 16 (about 3 minutes on one H100): compile the run's kernels
+#   OUT=/path bash tools/gpu/fp32_gemm.sh gemv    # M <= 16 (sized for < 4 minutes on one H100): compile its kernels
 #                                                 # in parallel, the small-M kernel's GPU tests (its bits = the tile
 #                                                 # path's at lm_head width, every variant), then every candidate
 #                                                 # (configs.gemv_candidates) beside the pick and torch.matmul, "ieee"
