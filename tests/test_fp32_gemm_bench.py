@@ -75,23 +75,31 @@ def test_small_m_candidates_are_bit_checked_and_timed_beside_the_pick(tmp_path, 
     assert "## Candidates" in text and text.count("(fastest)") == 1 and "_gemv_tile" in text
 
 
-def test_a_candidate_with_other_bits_fails_the_run(tmp_path, device, monkeypatch):
+def test_a_candidate_with_other_bits_or_a_refusal_fails_the_run(tmp_path, device, monkeypatch):
+    """A candidate whose bits differ from the pick's, or that raises (e.g. fails to compile), fails the run; its row
+    says which, and the other candidates are still timed."""
     if device.type != "cpu":
         pytest.skip("the GPU run is tools/gpu/fp32_gemm.sh")
     from detkit.kernels.det_gemm import launch
 
     real = launch.LAUNCHERS["fwd"]
 
-    def off_with_a_config(x, y, **kw):
+    def wrong_or_refused(x, y, **kw):
+        config = kw.get("config")
+        if config is not None and config.block_n == 64:
+            raise RuntimeError("no such kernel\nsecond line")
         c, record = real(x, y, **kw)
-        return (c.clone().index_fill_(1, torch.tensor([0]), 1.0) if kw.get("config") else c), record
+        return (c.clone().index_fill_(1, torch.tensor([0]), 1.0) if config is not None else c), record
 
-    monkeypatch.setitem(launch.LAUNCHERS, "fwd", off_with_a_config)
+    monkeypatch.setitem(launch.LAUNCHERS, "fwd", wrong_or_refused)
     rc = fp32_gemm_bench.main(["--device", "cpu", "--out", str(tmp_path), "--kn", "32,48", "--m", "2", "--rounds",
-                               "1", "--precision", "ieee", "--config", "16,32,32,1,4,3"])
+                               "1", "--precision", "ieee", "--config", "16,32,32,1,4,3", "16,64,32,1,4,3"])
     assert rc == 1
     (row,) = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert row["valid"] is True and row["candidates"]["BM16_BN32_BK32_G1_w4_s3"]["bits_as_pick"] is False
+    assert row["candidates"]["BM16_BN32_BK32_G1_w4_s3"]["graph_median_us"] > 0
+    assert row["candidates"]["BM16_BN64_BK32_G1_w4_s3"] == {"error": "RuntimeError: no such kernel"}
+    assert "| BM16_BN64_BK32_G1_w4_s3 | RuntimeError: no such kernel |" in (tmp_path / "summary.md").read_text()
 
 
 def test_warm_compiles_each_kernel_of_the_run_once(device):

@@ -157,6 +157,10 @@ def time_impls(passes: dict, device, calls: int, rounds: int) -> dict:
     return out
 
 
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
 def timing_fields(t: dict) -> dict:
     """The flat fields of one implementation's timings: ``{eager,graph}_{median,p20,p80}_us``, SM clocks, errors."""
     out = {}
@@ -212,6 +216,7 @@ def _warm_worker(specs: list) -> None:
     from detkit.kernels.det_gemm.launch import LAUNCHERS
 
     device = torch.device("cuda")
+    failures = 0
     for op, m, n, k, layout, precision, fields in specs:
         config = GemmConfig(*fields)
         # the reduced dim at its real size (the even-L flag and the loop), the others small of the same class
@@ -221,8 +226,14 @@ def _warm_worker(specs: list) -> None:
             x, y = operands(op, m, n, _small(k), device, layout)
         else:
             x, y = operands(op, m, _small(n), _small(k), device, layout)
-        LAUNCHERS[op](x, y, config=config, precision=precision)
+        try:
+            LAUNCHERS[op](x, y, config=config, precision=precision)
+        except Exception as exc:  # noqa: BLE001 - one config that fails to compile must not stop the others
+            failures += 1
+            print(f"warm: {op} {layout} M={m} {config.label()}: {type(exc).__name__}: {first_line(exc)}", flush=True)
     torch.cuda.synchronize()
+    if failures:
+        raise SystemExit(1)
 
 
 def warm(args) -> int:
@@ -327,12 +338,18 @@ def run(args) -> int:
                                 invariant = compare_bits(c[:1], first_row).equal
                             failed |= not ok or invariant is False
                             cands = candidate_configs(op, m, n, k, precision, args.candidates, extra)
-                            bits = {}
+                            bits, errors = {}, {}
                             for config in cands:
-                                got, _ = launch(x, y, precision=precision, config=config)
+                                try:
+                                    got, _ = launch(x, y, precision=precision, config=config)
+                                except Exception as exc:  # noqa: BLE001 - reported in its row; the others still run
+                                    errors[config.label()] = f"{type(exc).__name__}: {first_line(exc)}"
+                                    failed = True
+                                    continue
                                 bits[config.label()] = compare_bits(got, c).equal
                                 failed |= not bits[config.label()]
                                 del got
+                            cands = [config for config in cands if config.label() not in errors]
                             del c
                             sets = _rotation_sets(x, y) if cuda else [(x, y)]
                             fn = public_op(op)  # det_gemm_fwd / da / db, as a user calls them
@@ -360,8 +377,8 @@ def run(args) -> int:
                             graph_us = row.get("detkit_graph_median_us")
                             row["tflops_detkit_graph"] = 2.0 * m * n * k / graph_us / 1e6 if graph_us else None
                             row["weight_gbs_detkit_graph"] = 4.0 * k * n / graph_us / 1e3 if graph_us else None
-                            if cands:
-                                row["candidates"] = {}
+                            if cands or errors:
+                                row["candidates"] = {label: {"error": why} for label, why in errors.items()}
                                 for config in cands:
                                     fields = timing_fields(timed[config.label()])
                                     for timing in ("eager", "graph"):
@@ -437,7 +454,7 @@ def summary(rows: list[dict], meta: dict) -> str:
             entries = [(r["config"], True, {key.removeprefix("detkit_"): v for key, v in r.items()
                                             if key.startswith("detkit_")} | {"eager_ratio": r.get("eager_ratio"),
                                                                              "graph_ratio": r.get("graph_ratio")})]
-            entries += [(label, c["bits_as_pick"], c) for label, c in r["candidates"].items()]
+            entries += [(label, c.get("bits_as_pick", c.get("error")), c) for label, c in r["candidates"].items()]
             for label, same, c in entries:
                 def span(timing, c=c):
                     v = c.get(f"{timing}_median_us")

@@ -66,7 +66,7 @@ step_gemv() {
   step gemv-warm "${GEMV_WARM_LIMIT:-150}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/gemv-bench" \
     "${GEMV_CASES[@]}" --warm "${GEMV_WARM_WORKERS:-14}" --warm-only
   step gemv-tests "${GEMV_TESTS_LIMIT:-150}" env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra \
-    tests/test_det_gemm_fp32.py -k "small_m or lm_head"
+    tests/test_det_gemm_fp32.py -k "gpu and (small_m or lm_head)"
   step gemv-bench "${GEMV_BENCH_LIMIT:-240}" python -m tools.fp32_gemm_bench --device cuda --out "$OUT/gemv-bench" \
     "${GEMV_CASES[@]}"
 }
