@@ -390,6 +390,7 @@ def run(args) -> int:
                             rows.append(row)
                             sink.write(json.dumps(row) + "\n")
                             sink.flush()
+                            (out_dir / "summary.md").write_text(summary(rows, meta))  # a run cut short keeps its rows
                             print(f"{name} {layout}: valid={ok} invariant={invariant} eager "
                                   f"{row['eager_ratio'] or float('nan'):.3f}x graph {row['graph_ratio'] or float('nan'):.3f}x "
                                   f"({record.config.label()}){fastest_note(row)}", flush=True)
