@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detkit.kernels.det_gemm.configs import CONFIG_TABLE_FP32, all_configs, select_config, ws_twin
+from detkit.kernels.det_gemm.configs import (
+    CONFIG_TABLE_FP32, GEMV_NARROW_COLS, GEMV_VARIANTS, all_configs, gemv_band, gemv_candidates,
+    select_config, ws_twin,
+)
 from detkit.kernels.det_gemm.launch import (
     GemmConfig, clear_launch_plans, det_gemm_da, det_gemm_da_launch, det_gemm_db, det_gemm_db_launch, det_gemm_fwd,
     det_gemm_fwd_launch, launch_plans_info,
@@ -136,23 +139,132 @@ def test_db_zero_rows_add_exact_zeros_and_repeats_are_bitwise(device):
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 def test_every_config_of_the_fp32_table_gives_the_same_bits(op, precision, device):
     """Every config the FP32 (or TF32) table can pick (and a TMA tile) reduces in the same ascending K order with one
-    accumulator: the same bits (on the GPU too: the gpu test below)."""
+    accumulator: the same bits (on the GPU too: the gpu test below). The small-M kernel's configs run the rows of
+    their band (BLOCK_M rows: one program row, as the table uses them; more rows cost the interpreter time only)."""
     x, y = operands(op, 20, 40, 72, device, layout="kn")
     want, _ = LAUNCHERS[op](x, y, precision=precision)
     configs = all_configs(op, dtype=torch.float32, precision=precision)
     for config in configs + [GemmConfig(64, 32, 32, 1, 4, 3, "tma")]:
-        got, record = LAUNCHERS[op](x, y, config=config, precision=precision)
+        rows = config.block_m if config.variant in GEMV_VARIANTS else len(x)
+        got, record = LAUNCHERS[op](x[:rows], y[:rows] if op == "db" else y, config=config, precision=precision)
         assert record.config == config
-        assert_bits(got, want, f"{op} {config.label()}")
+        assert_bits(got, want[:rows] if op != "db" else want, f"{op} {config.label()}")
+
+
+# ---- the small-M kernel (kernels/det_gemm/gemv.py): the tile path's bits --------------------------------------
+@pytest.mark.parametrize("op", ["fwd", "da"])
+@pytest.mark.parametrize("layout", ["linear", "kn"])
+def test_small_m_rows_have_the_tile_paths_bits(op, layout, device):
+    """The table's M <= 16 picks (the small-M kernel, one block_m per band) give each row the bits the tile path gives
+    it at M = 24: batch invariance across the table's switch, on both weight layouts. The reduced dim (K for fwd, N for
+    dA) is 72 or 40: a partial last step of BLOCK_K 64, so its masked k's are exercised."""
+    x, y = operands(op, 24, 40, 72, device, layout)
+    full, record = LAUNCHERS[op](x, y)
+    assert record.config.variant == "ptr"
+    for m in (1, 2, 3, 7, 16):
+        got, record = LAUNCHERS[op](x[:m], y)
+        assert record.config.variant == "gemv_vec" and record.config.block_m == gemv_band(m), record.config
+        assert_bits(got, full[:m], f"{op} {layout} M={m} {record.config.label()}")
+
+
+@pytest.mark.parametrize("layout", ["linear", "kn"])
+@pytest.mark.parametrize("cols", [4096, 151936], ids=["narrow", "wide"])
+def test_every_small_m_candidate_has_the_tile_paths_bits(layout, cols, device):
+    """Each variant ("gemv_row", "gemv_vec", "gemv_tile") and every other candidate a GPU run times, for both width
+    classes' tiles (here on a 40-wide output: partial column blocks), gives the tile path's bits at M = 5 (a block of
+    8 rows, 3 masked)."""
+    x, y = operands("fwd", 24, 40, 72, device, layout)
+    full, _ = det_gemm_fwd_launch(x, y)
+    candidates = gemv_candidates(5, cols)
+    assert {c.variant for c in candidates} == set(GEMV_VARIANTS)
+    for config in candidates:
+        got, record = det_gemm_fwd_launch(x[:5], y, config=config)
+        assert record.config == config
+        assert_bits(got, full[:5], f"{layout} {config.label()}")
+
+
+def test_small_m_kernel_segments_and_twin_as_the_tile_path(device):
+    """With seg_len (FP32 segments of the reduction, added in order) and a twin output, the small-M kernel gives the
+    tile path's bits; the segmented result differs from the unsegmented one here, so a kernel that ignored the
+    segments would fail."""
+    x, y = operands("fwd", 24, 40, 128, device)
+    want, _ = det_gemm_fwd_launch(x, y, seg_len=64)
+    assert not compare_bits(want, det_gemm_fwd(x, y)).equal
+    for config in (gemv_candidates(3, 4096)[0], gemv_candidates(3, 151936)[2]):  # "gemv_vec", "gemv_tile"
+        twin = torch.empty(3, 40, device=device)
+        got, _ = det_gemm_fwd_launch(x[:3], y, config=config, seg_len=64, twin_out=twin)
+        assert_bits(got, want[:3], f"segmented {config.label()}")
+        assert_bits(twin, got, f"twin {config.label()}")
+
+
+def test_small_m_kernel_refuses_what_its_fma_chain_does_not_compute(device):
+    x, y = operands("fwd", 4, 8, 16, device)
+    gemv = GemmConfig(4, 32, 16, 1, 1, 1, "gemv_vec")
+    with pytest.raises(ValueError, match=r"variant 'gemv_vec' \(explicit FP32 fused multiply-adds\) takes FP32 "
+                                         r"operands with precision 'ieee' only; got torch.float32, precision 'tf32'"):
+        det_gemm_fwd_launch(x, y, config=gemv, precision="tf32")
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match=rf"takes FP32 operands with precision 'ieee' only; got {dtype}: use a"):
+            det_gemm_fwd_launch(x.to(dtype), y.to(dtype), config=gemv)
+    with pytest.raises(ValueError, match=r"variant 'gemv_row' needs block_n a power of two \(a Triton block\); got 48"):
+        GemmConfig(4, 48, 16, 1, 1, 1, "gemv_row")
+    with pytest.raises(ValueError, match=r"seg_len 24 is not a multiple of the config's BLOCK_K 16"):
+        det_gemm_fwd_launch(x, y, config=gemv, seg_len=24)
+    for rows in (0, 17, 2.0):
+        with pytest.raises(ValueError, match=rf"rows must be an int in 1..16 \(the small-M kernel's bands\); got"):
+            gemv_band(rows)
+
+
+@pytest.mark.parametrize("layout", ["linear", "kn"])
+def test_a_cuda_plan_of_the_small_m_kernel_passes_its_parameters(layout, monkeypatch, fresh_plans):
+    """The sm_90 launch path, its launcher recorded instead of run (CPU tensors): the small-M kernel gets the table's
+    tile, the loads of its variant, B's layout, the even-L flag and the pipeline depth."""
+    import detkit.kernels.det_gemm.launch as dg
+    from detkit.kernels.det_gemm.gemv import det_gemm_gemv_kernel
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, kernel, grid, options, device, dynamic):
+            self.kernel, self.grid, self.options = kernel, grid, options
+
+        def __call__(self, args):
+            calls.append((self.kernel, self.grid, self.options, dict(zip(self.kernel.arg_names, args))))
+
+    monkeypatch.setattr(dg, "DirectLaunch", Recorder)
+    monkeypatch.setattr(dg, "resolve_backend_of_devices", lambda fn, devices: "cuda_sm90")
+    x, y = operands("fwd", 3, 40, 72, torch.device("cpu"), layout)
+    _, launch = det_gemm_fwd_launch(x, y)
+    ((kernel, grid, options, args),) = calls
+    pick = select_config("fwd", 3, cols=40, dtype=torch.float32)
+    assert kernel is det_gemm_gemv_kernel and launch.config == pick and launch.backend == "cuda_sm90"
+    assert grid == (-(-40 // pick.block_n),) and options == {"num_warps": 1, "num_stages": 4}
+    assert (args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"], args["NUM_STAGES"]) == (4, 32, 64, 4)
+    assert (args["LOADS"], args["PRECISION"], args["INTERPRETED"], args["EVEN_L"]) == ("vec", "ieee", False, False)
+    assert args["B_K_MAJOR"] == (layout == "linear") and (args["R"], args["C"], args["L"]) == (3, 40, 72)
+    assert (args["stride_bl"], args["stride_bc"]) == y.stride() and args["b_ptr"] is y and args["a_ptr"] is x
 
 
 # ---- the table, the plan key, names --------------------------------------------------------------
-def test_fp32_table_is_pinned_pointer_tiles_covering_every_size():
+def test_fp32_table_is_pinned_covering_every_size_with_the_small_m_kernel_up_to_16_rows():
+    """"ieee" at M <= 16 (fwd, dA): the small-M kernel, BLOCK_M the batch rounded up to a power of two, by output
+    width; above, pointer tiles of BLOCK_K 32. dB (M is its reduced dim) keeps its tile at every M."""
     for op, entries in CONFIG_TABLE_FP32.items():
         assert entries[-1][0] >= 2**31 - 1
         for config in all_configs(op, dtype=torch.float32):
-            assert config.variant == "ptr" and config.block_k == 32, config
-    assert select_config("fwd", 1, cols=151936, dtype=torch.float32) == GemmConfig(16, 64, 32, 1, 4, 4)
+            assert (config.variant in GEMV_VARIANTS) == (op != "db" and config.block_m <= 16), config
+            assert config.variant in GEMV_VARIANTS or (config.variant == "ptr" and config.block_k == 32), config
+    for op in ("fwd", "da"):
+        for m in range(1, 18):
+            for cols in (256, 4096, GEMV_NARROW_COLS, GEMV_NARROW_COLS + 1, 151936):
+                pick = select_config(op, m, cols=cols, dtype=torch.float32)
+                if m > 16:
+                    assert pick == GemmConfig(64, 64, 32, 8, 4, 3), (op, m, cols)
+                    continue
+                assert pick.variant == "gemv_vec" and pick.block_m == gemv_band(m) >= m > pick.block_m // 2, (m, pick)
+                assert pick == gemv_candidates(m, cols)[0]
+                assert (pick.block_n, pick.num_warps) == ((32, 1) if cols <= GEMV_NARROW_COLS else (128, 4))
+    assert select_config("db", 1, cols=151936, dtype=torch.float32) == GemmConfig(128, 128, 32, 8, 8, 3)
     assert select_config("fwd", 4096, cols=151936, dtype=torch.float32) == GemmConfig(128, 128, 32, 8, 8, 3)
     # TF32: 64 rows or more at every M, one MMA instruction kind (wgmma) for every launch
     for op in CONFIG_TABLE_FP32:
@@ -260,7 +372,8 @@ def test_fp16_output_overflows_to_inf_as_torch_rounds(device):
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 def test_gpu_fp32_contract_invariance_and_configs(op, precision):
     """On the H100/H200: the bound, rows alone vs in a batch of 4096 (fwd, dA), repeats, and every FP32 config
-    (pointer, and a TMA twin) giving the table pick's bits, at an lm_head-like width."""
+    (pointer, the small-M kernel's on its band's rows, and a TMA twin) giving the table pick's bits, at an
+    lm_head-like width."""
     device = torch.device("cuda")
     n, k = 1536, 4096
     x, y = operands(op, 512, n, k, device)
@@ -278,8 +391,9 @@ def test_gpu_fp32_contract_invariance_and_configs(op, precision):
     want, _ = LAUNCHERS[op](x, y, precision=precision)
     configs = all_configs(op, dtype=torch.float32, precision=precision)
     for config in configs + [GemmConfig(128, 128, 32, 8, 8, 3, "tma")]:
-        got, _ = LAUNCHERS[op](x, y, precision=precision, config=config)
-        assert_bits(got, want, f"{op} {precision} {config.label()}")
+        rows = config.block_m if config.variant in GEMV_VARIANTS else len(x)  # the small-M kernel: its band's rows
+        got, _ = LAUNCHERS[op](x[:rows], y if op != "db" else y[:rows], precision=precision, config=config)
+        assert_bits(got, want[:rows] if op != "db" else want, f"{op} {precision} {config.label()}")
 
 
 @pytest.mark.gpu
@@ -312,3 +426,41 @@ def test_gpu_fp16_bound_invariance_and_every_config(op):
     for config in all_configs(op, dtype=torch.float16):
         got, _ = LAUNCHERS[op](x, y, config=config)
         assert_bits(got, c, f"{op} fp16 {config.label()}")
+
+
+_LM_HEAD: dict = {}
+
+
+def lm_head_operands(op: str, layout: str, rows: int = 64):
+    """(x, y) of ``op`` on the GPU at an lm_head (K 4096, N 151936); the weight (2.5 GB) drawn once per layout."""
+    device = torch.device("cuda")
+    if _LM_HEAD.get("layout") != layout:
+        _LM_HEAD.clear()
+        _LM_HEAD.update(layout=layout, w=operands("fwd", 1, 151936, 4096, device, layout)[1])
+    x = f32_randn((rows, 4096), 1, device) if op == "fwd" else f32_randn((rows, 151936), 2, device)
+    return x, _LM_HEAD["w"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,op", [("linear", "fwd"), ("linear", "da"), ("kn", "fwd"), ("kn", "da")])
+def test_gpu_small_m_kernel_has_the_tile_bits_at_lm_head_width(layout, op):
+    """sm_90 at an lm_head (K 4096, N 151936; dA: the 4096-wide input gradient, reduced over 151936): at M 1, 2, 7
+    and 16 the table's pick (the small-M kernel) and every candidate of its band (each variant, other tiles and
+    pipeline depths) give the rows of M = 64 on the tile path bit for bit: Triton's FMA dot and the explicit FMAs run
+    the same chain. Row 0 at M = 1 within the FP32 bound of the FP64 oracle."""
+    x, y = lm_head_operands(op, layout)
+    full, record = LAUNCHERS[op](x, y)
+    assert record.config.variant == "ptr" and record.config.block_m == 64
+    for m in (1, 2, 7, 16):
+        got, record = LAUNCHERS[op](x[:m], y)
+        candidates = gemv_candidates(m, full.shape[1])
+        assert record.config == candidates[0] and record.config.variant in GEMV_VARIANTS
+        assert_bits(got, full[:m], f"{op} {layout} M={m} table pick {record.config.label()}")
+        for config in candidates[1:]:
+            got, _ = LAUNCHERS[op](x[:m], y, config=config)
+            assert_bits(got, full[:m], f"{op} {layout} M={m} {config.label()}")
+    row = LAUNCHERS[op](x[:1], y)[0]
+    x64, y64 = x[:1].double(), (y if op == "fwd" else y.t()).double()
+    c_star, abs_ab = x64 @ y64, x64.abs() @ y64.abs()
+    result = check_bound(row.double(), c_star, gemm_bound_fp32(c_star, abs_ab, x.shape[1], "ieee"))
+    assert result.passed, result

@@ -22,7 +22,7 @@ from detkit.kernels.det_gemm.names import OPS
 CONFIG_TABLE_VERSION = "2026-12-01.15"
 # The FP32 operands' table (CONFIG_TABLE_FP32 below), versioned on its own so the BF16 version keeps naming the
 # BF16 entries its reports measured.
-FP32_CONFIG_TABLE_VERSION = "2026-12-06.1"
+FP32_CONFIG_TABLE_VERSION = "2026-12-06.2"
 
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
 INTERPRETER_MAX_BLOCK_NUMEL = 2**20
@@ -35,7 +35,9 @@ def interpreter_step_k(config: "GemmConfig") -> int:
     return step
 
 
-VARIANTS = ("ptr", "tma", "tma3", "ws")
+# The small-M FP32 kernel's variants (kernels/det_gemm/gemv.py), one per way of loading the operands.
+GEMV_VARIANTS = ("gemv_row", "gemv_vec", "gemv_tile")
+VARIANTS = ("ptr", "tma", "tma3", "ws", *GEMV_VARIANTS)
 # A TMA box has at most 256 elements per dim (cuTensorMapEncodeTiled's boxDim limit).
 TMA_MAX_BOX = 256
 
@@ -52,7 +54,9 @@ class GemmConfig:
     # each operand in its storage order). "tma3": det_gemm_tma3_kernel, the TMA kernel with block_n made of
     # three power-of-two sub-tiles (e.g. 192). "ws": kernels/det_gemm/ws.py (Gluon, sm_90 only), persistent and
     # warp-specialized: one TMA producer warp, num_warps / 4 consumer warpgroups (each block_m / (num_warps / 4)
-    # rows of the tile), num_stages ring slots.
+    # rows of the tile), num_stages ring slots. "gemv_row" / "gemv_vec" / "gemv_tile": det_gemm_gemv_kernel
+    # (kernels/det_gemm/gemv.py; FP32 "ieee" operands only), explicit FMA chains, its loads per k row, per 4 k's or per
+    # tile; num_stages > 1 pipelines its loop's loads through shared memory.
     # Same per-element math; the cross-config audit checks the bits.
     variant: str = "ptr"
 
@@ -81,6 +85,11 @@ class GemmConfig:
                                      f"(one TMA box dim); got {value}")
         if self.variant == "tma3" and self.box_n < 16:
             raise ValueError(f"variant 'tma3' needs block_n / 3 >= 16 (one MMA's N); got {self.box_n}")
+        if self.variant in GEMV_VARIANTS:
+            for field, value in (("block_m", self.block_m), ("block_n", self.block_n), ("block_k", self.block_k)):
+                if value & (value - 1):
+                    raise ValueError(f"variant {self.variant!r} needs {field} a power of two (a Triton block); got "
+                                     f"{value}")
 
     @property
     def box_n(self) -> int:
@@ -317,16 +326,59 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave | ByWidth | Fewest
 # residency arithmetic counts BF16 bytes). Chosen from the BF16 table's shapes, not yet swept on a GPU
 # (tools/gpu/fp32_gemm.sh times them against torch.matmul). Every config gives the same bits: the same ascending
 # K order, one accumulator (the GPU tests check it across the table's configs).
-_FP32_TINY = GemmConfig(16, 64, 32, 1, 4, 4)  # M <= 16: one CTA per 64 columns streams its slice of the weight
-_FP32_TINY_NARROW = GemmConfig(16, 32, 32, 1, 4, 4)  # narrow outputs: twice the CTAs
 _FP32_SMALL = GemmConfig(64, 64, 32, 8, 4, 3)
 _FP32_MID = GemmConfig(64, 128, 32, 8, 8, 3)  # 8 warps: 4 spill on the sm_90 compile (tools.gemm_sass)
 _FP32_LARGE = GemmConfig(128, 128, 32, 8, 8, 3)
+# M <= 16 (fwd and dA): det_gemm_gemv_kernel (kernels/det_gemm/gemv.py), each output the fused multiply-add chain in
+# ascending k that the tile configs' FMA dot runs, so its bits are theirs (a row at M = 1 has its bits at M = 17).
+# A program holds the batch rounded up to a power of two (the M bands 1, 2, 4, 8, 16: no 16-row tile's 16x the FMAs
+# at M = 1) and streams its columns of the weight once; "gemv_vec" loads a K-major weight (nn.Linear's weight.t())
+# 16 bytes per column and A 16 bytes per row. Wide outputs (lm_heads): 128 columns per 4-warp program, one per
+# thread. Outputs up to GEMV_NARROW_COLS wide (projections, a router, an lm_head's dA: 4096 wide) would give few such
+# programs (32 at 4096 columns): 32 columns per 1-warp program instead, 64 k per step, the loop's loads pipelined 4
+# deep through shared memory to keep bytes in flight. Chosen from sm_90 compiles (no spills; the wide tile loads a
+# K-major weight 16 bytes per column, LDG.128, the narrow one through cp.async; FFMA for the products),
+# not yet from GPU timings: tools/gpu/fp32_gemm.sh times these and the other variants.
+GEMV_NARROW_COLS = 32768
+_GEMV_WIDE = GemmConfig(1, 128, 32, 1, 4, 1, "gemv_vec")
+_GEMV_NARROW = GemmConfig(1, 32, 64, 1, 1, 4, "gemv_vec")
+GEMV_BANDS = (1, 2, 4, 8, 16)  # block_m of the M <= 16 entries: the batch rounded up to a power of two
+
+
+def _gemv_entries(wide: GemmConfig, narrow: GemmConfig) -> tuple:
+    return tuple((rows, ByWidth(((GEMV_NARROW_COLS, replace(narrow, block_m=rows)),), replace(wide, block_m=rows)))
+                 for rows in GEMV_BANDS)
+
+
+_FP32_GEMV = _gemv_entries(_GEMV_WIDE, _GEMV_NARROW)
+
+
+def gemv_band(rows: int) -> int:
+    """The block_m of the M <= 16 entry that serves ``rows`` (the batch rounded up to a power of two)."""
+    if not isinstance(rows, int) or not 1 <= rows <= GEMV_BANDS[-1]:
+        raise ValueError(f"rows must be an int in 1..{GEMV_BANDS[-1]} (the small-M kernel's bands); got {rows!r}")
+    return 1 << (rows - 1).bit_length()
+
+
+def gemv_candidates(rows: int, cols: int) -> tuple[GemmConfig, ...]:
+    """The small-M configs a GPU run times for the FP32 "ieee" table's next version at batch ``rows`` (1-16) and output
+    width ``cols``: the table's pick first, then each other variant at the pick's tile ("gemv_row"; "gemv_tile", with
+    BLOCK_K 16 from 8 rows: its [rows, BLOCK_K] A tile stays in registers), then other tiles, warps and pipeline
+    depths of "gemv_vec". Every one gives the pick's bits (the same FMA chain)."""
+    bm = gemv_band(rows)
+    if cols <= GEMV_NARROW_COLS:
+        pick = replace(_GEMV_NARROW, block_m=bm)
+        others = (replace(pick, num_stages=8), replace(pick, block_n=64, num_warps=2), replace(pick, block_n=16))
+        tile_k = 64 if bm <= 4 else 16
+    else:
+        pick = replace(_GEMV_WIDE, block_m=bm)
+        others = (replace(pick, num_stages=3), replace(pick, block_n=64, block_k=64, num_warps=2),
+                  *((replace(pick, block_n=256),) if bm <= 8 else ()))
+        tile_k = 32 if bm <= 4 else 16
+    return (pick, replace(pick, variant="gemv_row"), replace(pick, variant="gemv_tile", block_k=tile_k), *others)
 CONFIG_TABLE_FP32: dict[str, tuple[tuple[int, GemmConfig | ByWidth], ...]] = {
-    "fwd": ((16, ByWidth(((1024, _FP32_TINY_NARROW),), _FP32_TINY)), (64, _FP32_SMALL), (256, _FP32_MID),
-            (2**31, _FP32_LARGE)),
-    "da": ((16, ByWidth(((1024, _FP32_TINY_NARROW),), _FP32_TINY)), (64, _FP32_SMALL), (256, _FP32_MID),
-           (2**31, _FP32_LARGE)),
+    "fwd": (*_FP32_GEMV, (64, _FP32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
+    "da": (*_FP32_GEMV, (64, _FP32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
     # dB: a [K, N] output at any M; M is its reduced dim
     "db": ((2**31, _FP32_LARGE),),
 }

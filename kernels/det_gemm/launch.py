@@ -51,6 +51,11 @@ all in kernels/det_gemm/kernels.py:
   only, beside tiles with a pointer twin: when an operand is not TMA-addressable the entry picks among
   those instead (same bits).
 
+FP32 "ieee" at M <= 16 runs ``det_gemm_gemv_kernel`` (kernels/det_gemm/gemv.py; variants "gemv_row", "gemv_vec",
+"gemv_tile"): pointer loads over the same strides, explicit fused multiply-adds computing each output as the chain the
+FMA dot computes (ascending k from +0.0), so the same bits as every tile config; other operand kinds with a "gemv_*"
+config are refused by name.
+
 Shapes: any M, N, K >= 1 below 2**30 (element offsets are 64-bit: an lm_head's logits may hold more than
 2**31 - 1 elements); any non-negative strides ("ptr").
 
@@ -77,7 +82,7 @@ from detkit.kernels.backend import (
 )
 from detkit.kernels.det_gemm.configs import (  # noqa: F401 (the table and its arithmetic, re-exported)
     CONFIG_TABLE, CONFIG_TABLE_FP32, CONFIG_TABLE_VERSION, FP32_CONFIG_TABLE_VERSION, HOPPER_SMS, INTERPRETER_MAX_BLOCK_NUMEL, SMEM_BARRIER_SLACK, SMEM_PER_SM,
-    SMEM_RESERVED_PER_CTA, TMA_MAX_BOX, ByWidth, FewestWaves, VARIANTS, GemmConfig, OneWave, all_configs, config_table, ctas_per_sm, device_sms,
+    SMEM_RESERVED_PER_CTA, TMA_MAX_BOX, ByWidth, FewestWaves, GEMV_VARIANTS, VARIANTS, GemmConfig, OneWave, all_configs, config_table, ctas_per_sm, device_sms,
     entry_configs, interpreter_step_k, operand_ring_bytes, output_tiles, select_config, ws_twin,
 )
 from detkit.kernels.det_gemm.kernels import (  # noqa: F401 (the kernels and their tile math, re-exported)
@@ -85,6 +90,7 @@ from detkit.kernels.det_gemm.kernels import (  # noqa: F401 (the kernels and the
     segment_boundary, store_tile, tile_of_program, tma_tile,
 )
 from detkit.kernels.det_gemm.reference import det_gemm_da_ref, det_gemm_db_ref, det_gemm_fwd_ref  # noqa: F401
+from detkit.kernels.det_gemm.gemv import det_gemm_gemv_kernel
 from detkit.kernels.det_gemm.ws import consumers, det_gemm_ws_kernel, max_regs, ws_descriptor, ws_tma_store
 from detkit.kernels.det_gemm.names import KINDS, _OP_IDS, OPS, _launch_metadata, _layer_dims, case_name  # noqa: F401 (re-exported)
 
@@ -396,6 +402,10 @@ def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, se
     if config.variant == "ws" and kind != "bf16":
         raise ValueError(f"variant 'ws' (the Gluon kernel) takes BF16 operands only; got {x.dtype}: use a 'ptr', "
                          "'tma' or 'tma3' config for FP16 and FP32 operands")
+    if config.variant in GEMV_VARIANTS and kind != "ieee":
+        raise ValueError(f"variant {config.variant!r} (explicit FP32 fused multiply-adds) takes FP32 operands with "
+                         f"precision 'ieee' only; got {x.dtype}" + (f", precision {kind!r}" if kind == "tf32" else "")
+                         + ": use a 'ptr', 'tma' or 'tma3' config")
     seg = _check_seg_len(seg_len, reduced, config)
     interpreted = backend == TRITON_INTERPRETER
     step_k = interpreter_step_k(config) if interpreted else config.block_k
@@ -424,11 +434,19 @@ def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, se
         )
         options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         static = dict(R=rows, C=cols, L=reduced, stride_cr=cols, stride_cc=1, seg_len=seg, op_id=_OP_IDS[op])
+        b_k_major = b_stride[0] == 1 and b_stride[1] != 1
         if config.variant in ("tma", "tma3"):
             launch = _tma_launch(geometry, config, step_k, interpreted, static, constexprs, options, (tiles,))
+        elif config.variant in GEMV_VARIANTS:
+            static.update(stride_ar=a_stride[0], stride_al=a_stride[1], stride_bl=b_stride[0], stride_bc=b_stride[1])
+            gemv = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                        NUM_STAGES=config.num_stages, INTERPRETED=interpreted, SEGMENTED=seg != reduced,
+                        TWIN=twin is not None, LOADS=config.variant.removeprefix("gemv_"), B_K_MAJOR=b_k_major,
+                        EVEN_L=reduced % config.block_k == 0, PRECISION=kind)
+            launch = _ptr_launch(geometry, interpreted, static, gemv, options, (tiles,), det_gemm_gemv_kernel)
         else:
             static.update(stride_ar=a_stride[0], stride_al=a_stride[1], stride_bl=b_stride[0], stride_bc=b_stride[1])
-            constexprs["B_K_MAJOR"] = b_stride[0] == 1 and b_stride[1] != 1
+            constexprs["B_K_MAJOR"] = b_k_major
             launch = _ptr_launch(geometry, interpreted, static, constexprs, options, (tiles,))
     return _Plan(_launch_record(op, backend, config, rows, cols, reduced, kind), launch)
 
@@ -486,11 +504,13 @@ def _arg_list(kernel, values: dict, dynamic: tuple[str, ...]) -> tuple[list, tup
     return [values.get(name) for name in names], tuple(names.index(n) for n in dynamic)
 
 
-def _ptr_launch(g: _Geometry, interpreted: bool, static: dict, constexprs: dict, options: dict, grid):
-    """det_gemm_kernel: pointer loads over the caller's strides."""
+def _ptr_launch(g: _Geometry, interpreted: bool, static: dict, constexprs: dict, options: dict, grid,
+                kernel=det_gemm_kernel):
+    """det_gemm_kernel (or det_gemm_gemv_kernel, the same arguments but its constexprs): pointer loads over the
+    caller's strides."""
     check, out_shape, out_dtype, device = _storage_check(g), (g.rows, g.cols), g.out_dtype, g.device
     a_t, b_t = g.a_t, g.b_t
-    template, (i_a, i_b, i_c, i_twin) = _arg_list(det_gemm_kernel, {**static, **constexprs},
+    template, (i_a, i_b, i_c, i_twin) = _arg_list(kernel, {**static, **constexprs},
                                                   ("a_ptr", "b_ptr", "c_ptr", "twin_ptr"))
     if interpreted:
         def launch(x, y, twin):
@@ -499,11 +519,11 @@ def _ptr_launch(g: _Geometry, interpreted: bool, static: dict, constexprs: dict,
             args = template.copy()
             args[i_a], args[i_b] = x.t() if a_t else x, y.t() if b_t else y
             args[i_c], args[i_twin] = c, c if twin is None else twin
-            det_gemm_kernel[grid](*args, **options)
+            kernel[grid](*args, **options)
             return c
         return launch
     # Triton reads a tensor argument's data pointer (and dtype) only: the caller's tensors stand for their views.
-    direct = DirectLaunch(det_gemm_kernel, grid, options, device, dynamic=(i_a, i_b, i_c, i_twin))
+    direct = DirectLaunch(kernel, grid, options, device, dynamic=(i_a, i_b, i_c, i_twin))
 
     def launch(x, y, twin):
         check(x, y, twin)

@@ -8,14 +8,22 @@
 #                                                 # 128256, 4096, M 1-4096, GPU time (CUDA graph) and eager time;
 #                                                 # dA and dB of the lm_heads
 #   OUT=/path bash tools/gpu/fp32_gemm.sh sweep   # candidate FP32 tiles beside the table's pick at the lm_head shapes
+#   OUT=/path bash tools/gpu/fp32_gemm.sh gemv    # M <= 16 (sized for < 4 minutes on one H100): compile its kernels
+#                                                 # in parallel, the small-M kernel's GPU tests (its bits = the tile
+#                                                 # path's at lm_head width, every variant), then every candidate
+#                                                 # (configs.gemv_candidates) beside the pick and torch.matmul, "ieee",
+#                                                 # both weight layouts: fwd and dA at 4096 x 151936 (M 1-16), fwd at
+#                                                 # 5120 x 151936 and 8192 x 128256 (M 1, 16), 4096 x 4096 and the
+#                                                 # 7168 x 256 router (M 1-16)
 #   OUT=/path bash tools/gpu/fp32_gemm.sh all     # tests, bench, sweep in turn (about 20 minutes)
 #
 # Everything lands under $OUT: versions.txt, steps.txt (exit status per command), <command>.log, and per timing run
-# a folder with rows.jsonl (one row per case) and summary.md (detkit / torch.matmul per row against the 1.2x target).
+# a folder with rows.jsonl (one row per case) and summary.md (detkit / torch.matmul per row against the 1.2x target;
+# with candidates, each one's eager and GPU time, the fastest marked).
 # The run goes on after a failed command and exits non-zero if any failed; $OUT.tgz holds what finished.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-STEP=${1:?usage: OUT=DIR bash tools/gpu/fp32_gemm.sh tests|bench|sweep|all}
+STEP=${1:?usage: OUT=DIR bash tools/gpu/fp32_gemm.sh tests|bench|sweep|gemv|all}
 : "${OUT:?set OUT to the results folder}"
 
 # shellcheck source=tools/gpu_steps.sh
@@ -51,12 +59,34 @@ step_sweep() {
     128,256,32,8,8,3,tma
 }
 
+# M <= 16, "ieee", every small-M candidate: fwd and dA at the 4096 x 151936 lm_head (the GPU tests' shape), then fwd at
+# two more lm_heads (M 1, 16) and at 4096 x 4096 and DeepSeek-V3's 7168 x 256 router (M 1-16); both weight layouts.
+GEMV_LM=(--ops fwd da --kn "${LM_HEADS[0]}" --m 1 2 4 8 16)
+GEMV_LM2=(--ops fwd --kn 5120,151936 8192,128256 --m 1 16)
+GEMV_NARROW=(--ops fwd --kn 4096,4096 7168,256 --m 1 2 4 8 16)
+GEMV_COMMON=(--device cuda --layouts linear kn --precision ieee --candidates --rounds 2)
+
+step_gemv() {
+  # The warm's processes fill TRITON_CACHE_DIR with the first bench's kernels, the small-M GPU tests' among them.
+  step gemv-warm "${GEMV_WARM_LIMIT:-90}" python -m tools.fp32_gemm_bench "${GEMV_COMMON[@]}" \
+    --out "$OUT/gemv-lm" "${GEMV_LM[@]}" --warm "${GEMV_WARM_WORKERS:-14}" --warm-only
+  step gemv-tests "${GEMV_TESTS_LIMIT:-120}" env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra \
+    tests/test_det_gemm_fp32.py -k "gpu and (small_m or lm_head)"
+  step gemv-bench-lm "${GEMV_BENCH_LIMIT:-120}" python -m tools.fp32_gemm_bench "${GEMV_COMMON[@]}" \
+    --out "$OUT/gemv-lm" "${GEMV_LM[@]}"
+  step gemv-bench-lm2 "${GEMV_BENCH_LIMIT:-90}" python -m tools.fp32_gemm_bench "${GEMV_COMMON[@]}" \
+    --out "$OUT/gemv-lm2" "${GEMV_LM2[@]}" --warm "${GEMV_WARM_WORKERS:-14}"
+  step gemv-bench-narrow "${GEMV_BENCH_LIMIT:-120}" python -m tools.fp32_gemm_bench "${GEMV_COMMON[@]}" \
+    --out "$OUT/gemv-narrow" "${GEMV_NARROW[@]}" --warm "${GEMV_WARM_WORKERS:-14}"
+}
+
 case "$STEP" in
   tests) step_tests ;;
   bench) step_bench ;;
   sweep) step_sweep ;;
+  gemv) step_gemv ;;
   all) step_tests; step_bench; step_sweep ;;
-  *) echo "unknown step $STEP; steps: tests bench sweep all" >&2; exit 2 ;;
+  *) echo "unknown step $STEP; steps: tests bench sweep gemv all" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%H:%M:%S) finished (failed=$failed)"
 exit "$failed"
