@@ -108,7 +108,7 @@ def candidate_configs(op: str, m: int, n: int, k: int, precision: str, small_m: 
     if small_m and precision == "ieee" and op != "db" and m <= SMALL_M:
         band = gemv_band(m)
         # the tile kernel's former M <= 16 pick, and its FMA dot on a tile of the band's rows (tl.dot takes M >= 1)
-        out += [*gemv_candidates(m, output_cols(op, n, k)), GemmConfig(16, 64, 32, 1, 4, 4),
+        out += [*gemv_candidates(m, output_cols(op, n, k), op), GemmConfig(16, 64, 32, 1, 4, 4),
                 GemmConfig(band, 128, 32, 1, 4, 4)]
     out += list(extra)
     pick = table_pick(op, m, n, k, precision)

@@ -329,28 +329,45 @@ CONFIG_TABLE: dict[str, tuple[tuple[int, GemmConfig | OneWave | ByWidth | Fewest
 _FP32_SMALL = GemmConfig(64, 64, 32, 8, 4, 3)
 _FP32_MID = GemmConfig(64, 128, 32, 8, 8, 3)  # 8 warps: 4 spill on the sm_90 compile (tools.gemm_sass)
 _FP32_LARGE = GemmConfig(128, 128, 32, 8, 8, 3)
-# M <= 16 (fwd and dA): det_gemm_gemv_kernel (kernels/det_gemm/gemv.py), each output the fused multiply-add chain in
-# ascending k that the tile configs' FMA dot runs, so its bits are theirs (a row at M = 1 has its bits at M = 17).
-# A program holds the batch rounded up to a power of two (the M bands 1, 2, 4, 8, 16: no 16-row tile's 16x the FMAs
-# at M = 1) and streams its columns of the weight once; "gemv_vec" loads a K-major weight (nn.Linear's weight.t())
-# 16 bytes per column and A 16 bytes per row. Wide outputs (lm_heads): 128 columns per 4-warp program, one per
-# thread. Outputs up to GEMV_NARROW_COLS wide (projections, a router, an lm_head's dA: 4096 wide) would give few such
-# programs (32 at 4096 columns): 32 columns per 1-warp program instead, 64 k per step, the loop's loads pipelined 4
-# deep through shared memory to keep bytes in flight. Chosen from sm_90 compiles (no spills; the wide tile loads a
-# K-major weight 16 bytes per column, LDG.128, the narrow one through cp.async; FFMA for the products),
-# not yet from GPU timings: tools/gpu/fp32_gemm.sh times these and the other variants.
+# M <= 16 (fwd and dA): each output the fused multiply-add chain in ascending k that the tile configs' FMA dot runs,
+# so every entry's bits are theirs (a row at M = 1 has its bits at M = 17). Per M band (the batch rounded up to a power
+# of two: 1, 2, 4, 8, 16) and output width (lm_heads' wide outputs; up to GEMV_NARROW_COLS: projections, a router, an
+# lm_head's dA, 4096 wide), the fastest candidate of an H100 run on nn.Linear's K-major weight
+# (reports/2026-12-06-h100-s30, call 4, `tools/gpu/fp32_gemm.sh gemv`): mostly det_gemm_gemv_kernel
+# (kernels/det_gemm/gemv.py): "gemv_tile" (one [BLOCK_N, BLOCK_K] weight tile a step, split into columns in
+# registers) at 1-4 rows, "gemv_vec" (16-byte loads along K) at 16 rows and on narrow outputs; at 8 rows (and the dA
+# of 16) the pointer tile kernel's FMA dot on a tile of the band's rows (tl.dot takes any M for "ieee" FP32). The
+# wide dA was not measured: it takes the wide fwd entries. Narrow outputs at small M stay latency-bound: each output
+# is one chain of K dependent FMAs (no split over K, whose sums would differ from the tile path's).
 GEMV_NARROW_COLS = 32768
-_GEMV_WIDE = GemmConfig(1, 128, 32, 1, 4, 1, "gemv_vec")
-_GEMV_NARROW = GemmConfig(1, 32, 64, 1, 1, 4, "gemv_vec")
 GEMV_BANDS = (1, 2, 4, 8, 16)  # block_m of the M <= 16 entries: the batch rounded up to a power of two
 
 
-def _gemv_entries(wide: GemmConfig, narrow: GemmConfig) -> tuple:
-    return tuple((rows, ByWidth(((GEMV_NARROW_COLS, replace(narrow, block_m=rows)),), replace(wide, block_m=rows)))
-                 for rows in GEMV_BANDS)
+def _tile(rows: int, cols: int) -> GemmConfig:
+    return GemmConfig(rows, cols, 64 if cols == 32 else 32, 1, 1 if cols == 32 else 4, 4 if cols == 32 else 1,
+                      "gemv_tile")
 
 
-_FP32_GEMV = _gemv_entries(_GEMV_WIDE, _GEMV_NARROW)
+def _vec(rows: int, cols: int, k: int, warps: int, stages: int) -> GemmConfig:
+    return GemmConfig(rows, cols, k, 1, warps, stages, "gemv_vec")
+
+
+def _dot(rows: int, cols: int) -> GemmConfig:
+    return GemmConfig(rows, cols, 32, 1, 4, 4)  # the pointer tile kernel's FMA dot on the band's rows
+
+
+# (wide, narrow) per band
+_FP32_SMALL_M = {
+    "fwd": {1: (_tile(1, 128), _tile(1, 32)), 2: (_tile(2, 128), _tile(2, 32)), 4: (_tile(4, 128), _vec(4, 16, 64, 1, 4)),
+            8: (_dot(8, 128), _vec(8, 16, 64, 1, 4)), 16: (_vec(16, 64, 64, 2, 1), _vec(16, 16, 64, 1, 4))},
+    "da": {1: (_tile(1, 128), _tile(1, 32)), 2: (_tile(2, 128), _tile(2, 32)), 4: (_tile(4, 128), _tile(4, 32)),
+           8: (_dot(8, 128), _dot(8, 128)), 16: (_vec(16, 64, 64, 2, 1), _dot(16, 64))},
+}
+
+
+def _small_m_entries(op: str) -> tuple:
+    return tuple((rows, ByWidth(((GEMV_NARROW_COLS, narrow),), wide))
+                 for rows, (wide, narrow) in _FP32_SMALL_M[op].items())
 
 
 def gemv_band(rows: int) -> int:
@@ -360,25 +377,29 @@ def gemv_band(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
-def gemv_candidates(rows: int, cols: int) -> tuple[GemmConfig, ...]:
-    """The small-M configs a GPU run times for the FP32 "ieee" table's next version at batch ``rows`` (1-16) and output
-    width ``cols``: the table's pick first, then each other variant at the pick's tile ("gemv_row"; "gemv_tile", with
-    BLOCK_K 16 from 8 rows: its [rows, BLOCK_K] A tile stays in registers), then other tiles, warps and pipeline
-    depths of "gemv_vec". Every one gives the pick's bits (the same FMA chain)."""
+def gemv_candidates(rows: int, cols: int, op: str = "fwd") -> tuple[GemmConfig, ...]:
+    """The small-M configs a GPU run times at batch ``rows`` (1-16) and output width ``cols``: the table's pick of
+    ``op`` first, then each variant of the small-M kernel at a tile of the width class ("gemv_row", "gemv_vec",
+    "gemv_tile"), other tiles, warps and pipeline depths, and the FMA dot on the band's rows. Every one gives the
+    pick's bits (the same FMA chain)."""
     bm = gemv_band(rows)
+    wide, narrow = _FP32_SMALL_M[op][bm]
+    pick = narrow if cols <= GEMV_NARROW_COLS else wide
     if cols <= GEMV_NARROW_COLS:
-        pick = replace(_GEMV_NARROW, block_m=bm)
-        others = (replace(pick, num_stages=8), replace(pick, block_n=64, num_warps=2), replace(pick, block_n=16))
-        tile_k = 64 if bm <= 4 else 16
+        base = _vec(bm, 32, 64, 1, 4)
+        others = (replace(base, num_stages=8), replace(base, block_n=64, num_warps=2), replace(base, block_n=16),
+                  replace(base, variant="gemv_tile", block_k=64 if bm <= 4 else 16), _dot(bm, 128))
     else:
-        pick = replace(_GEMV_WIDE, block_m=bm)
-        others = (replace(pick, num_stages=3), replace(pick, block_n=64, block_k=64, num_warps=2),
-                  *((replace(pick, block_n=256),) if bm <= 8 else ()))
-        tile_k = 32 if bm <= 4 else 16
-    return (pick, replace(pick, variant="gemv_row"), replace(pick, variant="gemv_tile", block_k=tile_k), *others)
+        base = _vec(bm, 128, 32, 4, 1)
+        others = (replace(base, num_stages=3), replace(base, block_n=64, block_k=64, num_warps=2),
+                  *((replace(base, block_n=256),) if bm <= 8 else ()),
+                  replace(base, variant="gemv_tile", block_k=32 if bm <= 4 else 16), _dot(bm, 128))
+    return tuple(dict.fromkeys((pick, replace(base, variant="gemv_row"), base, *others)))
+
+
 CONFIG_TABLE_FP32: dict[str, tuple[tuple[int, GemmConfig | ByWidth], ...]] = {
-    "fwd": (*_FP32_GEMV, (64, _FP32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
-    "da": (*_FP32_GEMV, (64, _FP32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
+    "fwd": (*_small_m_entries("fwd"), (64, _FP32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
+    "da": (*_small_m_entries("da"), (64, _FP32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
     # dB: a [K, N] output at any M; M is its reduced dim
     "db": ((2**31, _FP32_LARGE),),
 }
