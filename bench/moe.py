@@ -40,7 +40,9 @@ Formulas (T tokens, K routes, hidden H, expert intermediate I): FLOPs fwd 6*T*K*
 rows and masked routes excluded; the blocks' router, 2*T*H*E forward, not counted). TFLOP/s = FLOPs / median time;
 mfu_bf16_peak = TFLOP/s / 989 and, for the FP8 layers, mfu_fp8_peak = TFLOP/s / 1979 (H100/H200 datasheet dense).
 speedup_vs_bf16 = BF16 layer median / this median, same measure and timing, same run (> 1: faster than the BF16
-layer); hf_detkit also speedup_vs_hf = hf median / hf_detkit median (> 1: the mode's block is faster).
+layer); hf_detkit also speedup_vs_hf = hf median / hf_detkit median (> 1: the mode's block is faster). The FP8 rows'
+rule_picks (and rule_reason): the layer the mode's FP8 experts run at the row's shape by kernels/moe/fp8/choice.py
+("fp8", or "bf16" where FP8 was measured slower); the row times the FP8 layer either way.
 Targets (TARGETS) are verdicts in the report, never assertions, and only on hardware: on the CPU every time is
 Triton-interpreter wall time, the graph timing is a stand-in (no CUDA graphs: a call that reads device data on the
 host is refused as a capture would refuse it, toolkit.host_reads), and no TFLOP/s, MFU or verdict is given.
@@ -424,9 +426,11 @@ def bench_group(p: MoePreset, sweep: bool, group: list[BenchCase], ctx, plan: Pl
     if interpreted:
         common["note"] = INTERPRETER_LABEL
     if any(i in FP8_IMPLS for i in runnable):
+        from detkit.kernels.moe.fp8.choice import FP8_CHOICE_TABLE_VERSION
         from detkit.kernels.moe.fp8.layer import DEFAULT_WGRAD, MOE_FP8_CONFIG_TABLE_VERSION
 
-        common.update(fp8_config_table_version=MOE_FP8_CONFIG_TABLE_VERSION, default_wgrad=DEFAULT_WGRAD)
+        common.update(fp8_config_table_version=MOE_FP8_CONFIG_TABLE_VERSION, default_wgrad=DEFAULT_WGRAD,
+                      fp8_choice_table_version=FP8_CHOICE_TABLE_VERSION)
 
     def impl_fields(impl: str) -> dict:
         fields = {"impl": impl, "scope": "block (router + experts)" if impl in HF_IMPLS else "layer (given routes)"}
@@ -436,6 +440,8 @@ def bench_group(p: MoePreset, sweep: bool, group: list[BenchCase], ctx, plan: Pl
             fields["baseline"] = state["baseline"]
         if impl in HF_IMPLS and "block" in state:
             fields["hf_experts_implementation"] = moe_hf.experts_implementation(state["block"])
+        if impl in FP8_IMPLS and impl not in skipped:
+            fields.update(moe_fp8.rule_fields(p, ctx.backend, impl))
         if impl in checks:
             fields.update(validated=checks[impl]["validated"], validation=checks[impl])
         return fields
@@ -578,7 +584,9 @@ def sweep_summary(rows: list[dict]) -> list[dict]:
             points.append(point)
         fit = moe_fp8.crossover(points, "fp8_median_us")
         below = [pt for pt in points if pt["T"] < SWEEP_TARGET_MIN_T and "speedup_fp8" in pt]
-        out.append({"H": h, "I": i, "E": e, "K": k, "timing": timing,
+        rule = next((pair["fp8"]["rule_picks"] for pair in per_t.values() if "rule_picks" in pair.get("fp8", {})),
+                    None)
+        out.append({"H": h, "I": i, "E": e, "K": k, "timing": timing, "rule_picks": rule,
                     "crossover_T_fit": fit.get("crossover_T_fit"),
                     "crossover_T_measured": fit.get("crossover_T_measured"),
                     "fp8_slower_at_T": [pt["T"] for pt in points if pt.get("speedup_fp8", 2.0) < 1.0],
@@ -684,7 +692,7 @@ def summarize(rows: list[dict], meta: dict) -> str:
         lines += ["## Targets", "", "Not evaluated: interpreter wall time is not a hardware result.", ""]
     layer = [r for r in rows if not r["measure"].startswith("stage ") and not r.get("sweep")]
     cols = ("preset", "measure", "timing", "impl", "median_us", "p20_us", "p80_us", "speedup_vs_bf16", "speedup_vs_hf",
-            "tflops", "mfu_bf16_peak", "mfu_fp8_peak", "sm_clock_mhz", "validated", "note")
+            "rule_picks", "tflops", "mfu_bf16_peak", "mfu_fp8_peak", "sm_clock_mhz", "validated", "note")
     if layer:
         lines += ["## Side by side (speedup_vs_bf16 > 1: faster than the BF16 layer; same run)", "",
                   markdown_table([{**r, "note": _note(r)} for r in layer], cols), ""]
@@ -698,10 +706,11 @@ def summarize(rows: list[dict], meta: dict) -> str:
         lines += ["## Sweep: FP8 vs BF16, fwd_bwd", "",
                   markdown_table([{**r, "note": _note(r)} for r in sweep if r["impl"] == "fp8" or "median_us" not in r],
                                  ("T", "H", "I", "E", "K", "timing", "impl", "bf16_median_us", "median_us",
-                                  "speedup_vs_bf16", "mfu_fp8_peak", "validated", "note")), "",
+                                  "speedup_vs_bf16", "rule_picks", "mfu_fp8_peak", "validated", "note")), "",
                   "### Crossover per shape (time = a + b*T per path; measured: smallest T from which FP8 wins)", "",
-                  markdown_table(derived.get("sweep") or [], ("H", "I", "E", "K", "timing", "crossover_T_fit",
-                                                              "crossover_T_measured", "fp8_slower_at_T")), ""]
+                  markdown_table(derived.get("sweep") or [], ("H", "I", "E", "K", "timing", "rule_picks",
+                                                              "crossover_T_fit", "crossover_T_measured",
+                                                              "fp8_slower_at_T")), ""]
     stages = [r for r in rows if r["measure"].startswith("stage ")]
     if stages:
         lines += ["## Stages alone (eager)", "",

@@ -36,6 +36,17 @@ def unfit_reason(p: MoePreset) -> str | None:
     return None
 
 
+def rule_fields(p: MoePreset, backend: str, impl: str) -> dict[str, str]:
+    """The layer the mode's FP8 experts run at ``p``'s shape (kernels/moe/fp8/choice.py: H, I, E, K, the backend and
+    ``impl``'s weight gradients; not T) and why: ``rule_picks`` "fp8" or "bf16". The row times the FP8 layer either
+    way: the rows are the evidence the rule is fitted on (tools/fp8_choice_fit.py)."""
+    from detkit.kernels.moe.fp8.choice import fp8_choice
+    from detkit.kernels.moe.fp8.layer import DEFAULT_WGRAD
+
+    choice = fp8_choice(p.h, p.i, p.e, p.k, backend, "bf16" if impl == "fp8_wgrad_bf16" else DEFAULT_WGRAD)
+    return {"rule_picks": choice.layer, "rule_reason": choice.reason}
+
+
 def fp8_label(p: MoePreset) -> str:
     return p.label.replace("] bf16", "] fp8")
 

@@ -9,7 +9,8 @@ mapping. ``register_transformers_experts()`` registers two implementations there
   forward and backward) where it computes the class's math, else the class's GEMMs on detkit's grouped kernels with
   its gate elementwise (``grouped_experts_forward``); anything else raises NotImplementedError, never torch.
 - ``"detkit_fp8"`` (``detkit_fp8_experts``): the FP8 layer (``moe_mlp_fp8``, H and I multiples of 128) where the
-  fused layer covers the class; anything else raises.
+  fused layer covers the class; anything else raises. Like ``moe_experts="fp8"``, the BF16 fused layer at the shapes
+  where FP8 is slower (``detkit.mode.moe.fp8_choice``; the mode's ``fp8_shapes``, "faster" outside the mode).
 
 A model built with ``experts_implementation="detkit"`` uses them in or out of the mode. While the mode is entered
 every other name of the mapping, "eager" and None included, dispatches to ``experts_route`` (the entries are saved
@@ -255,6 +256,11 @@ def _run(module, hidden_states, top_k_index, top_k_weights, experts: str) -> tup
     if hidden_states.shape[0] == 0:  # no tokens: the sum of no terms
         return torch.zeros_like(hidden_states), mode_gemm.EMPTY
     if experts == "fp8":
+        if mode_state.fp8_shapes() == "faster":
+            choice = mode_moe.fp8_choice(module, hidden_states, top_k_index)
+            if choice.layer == "bf16":  # FP8 measured slower at this shape: the BF16 layer, its bits, counted so
+                return (mode_moe.experts_forward(module, hidden_states, top_k_index, top_k_weights),
+                        mode_moe.fp8_as_bf16_kernel(module, hidden_states, top_k_index, choice.reason))
         return (mode_moe.experts_forward_fp8(module, hidden_states, top_k_index, top_k_weights),
                 mode_moe.EXPERTS_KERNEL_FP8)
     layout = layout_reason(module)

@@ -28,6 +28,11 @@ forward hooks on them, which transformers' ``output_router_logits`` recorder use
   the weight quantizer reads them so) and write dW1, dW2 in the parameters' own layouts, so autograd keeps them as
   .grad without a copy. Route ids >= E (transformers' expert-parallel sentinel) are masked (-1). Counted as
   ``moe experts (transformers) -> detkit.moe_mlp`` or ``-> detkit.moe_mlp_fp8``.
+- FP8 where it pays: with the mode's ``fp8_shapes="faster"`` (the default) ``moe_experts="fp8"`` runs the FP8 layer
+  only where ``fp8_choice`` (``detkit.kernels.moe.fp8.choice``: the layer's H, I, E, K and the backend, never T or
+  the routing) says it was measured faster than the BF16 layer; elsewhere ``experts_forward`` (the BF16 layer's
+  bits), counted as ``-> detkit.moe_mlp (fp8 -> bf16, FP8 slower at H=.., I=.., E=.., K=..: why)``.
+  ``fp8_shapes="all"`` runs the FP8 layer at every shape it takes.
 - FP8 weights: the layer quantizes w1 and w2 in 128x128 blocks. The mode keeps its own ``fp8_weight_cache()``
   (sized for a model's MoE layers, apart from the layer's default cache), keyed on the parameters themselves
   (gate_up_proj, down_proj) and valid for their ``_version``: an optimizer step (in place) invalidates the entry, and the next call re-quantizes from the
@@ -56,6 +61,7 @@ ROUTER_OP = "moe router (transformers)"
 EXPERTS_KERNEL = "detkit.moe_mlp"
 EXPERTS_KERNEL_FP8 = "detkit.moe_mlp_fp8"
 EXPERTS_KERNELS = {"bf16": EXPERTS_KERNEL, "fp8": EXPERTS_KERNEL_FP8}  # the mode's moe_experts -> counted kernel
+EXPERTS_KERNEL_FP8_AS_BF16 = "detkit.moe_mlp (fp8 -> bf16, FP8 slower at {shape}: {why})"  # fp8_shapes="faster"
 FP8_BLOCK = 128  # the FP8 layer's quantization block: H and I must be multiples of it
 ROUTER_KERNEL = "row-wise softmax/top-k, fixed-order top-k sum"
 QWEN3_MOE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
@@ -186,6 +192,30 @@ def experts_forward_fp8(module, hidden_states: torch.Tensor, top_k_index: torch.
     elif mode_state.fp8_graph_weights() == "static":
         weight_cache = _call_weights_class()(fp8_weight_cache(), sources, for_graph=True)
     return moe_mlp_fp8(hidden_states, w1, w2, ids, top_k_weights, weight_cache=weight_cache, gate_up="split")
+
+
+def fp8_layer_shape(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> tuple[int, int, int, int]:
+    """(H, I, E, K) of a decorated experts class's call: K is the routing tensor's width (the model's top-k)."""
+    inter = module.down_proj.shape[1 if getattr(module, "is_transposed", False) else 2]
+    return hidden_states.shape[1], inter, module.num_experts, top_k_index.shape[1]
+
+
+def fp8_choice(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
+    """The layer ``moe_experts="fp8"`` runs a decorated experts class on with ``fp8_shapes="faster"``: the
+    ``Fp8Choice`` of its (H, I, E, K) and backend, for a call the route has checked (H and I multiples of 128, a
+    device detkit runs on). Never T: a model runs one layer at every batch size, so a sequence's bits do not change
+    with its batch."""
+    from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
+    from detkit.kernels.moe.fp8.choice import fp8_choice as choice_of_shape
+
+    backend = CUDA_SM90 if hidden_states.is_cuda else TRITON_INTERPRETER  # the device check passed: one of the two
+    return choice_of_shape(*fp8_layer_shape(module, hidden_states, top_k_index), backend)
+
+
+def fp8_as_bf16_kernel(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, reason: str) -> str:
+    """The counted kernel of an FP8 request the choice gave to the BF16 layer: which shape and why."""
+    h, i, e, k = fp8_layer_shape(module, hidden_states, top_k_index)
+    return EXPERTS_KERNEL_FP8_AS_BF16.format(shape=f"H={h}, I={i}, E={e}, K={k}", why=reason)
 
 
 # ---------------------------------------------------------------------------------------------

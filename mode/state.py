@@ -32,6 +32,11 @@ def check_moe_experts(value) -> None:
 # re-quantize after a weight update before a replay. None on an entry keeps the enclosing entry's choice.
 FP8_GRAPH_WEIGHTS = ("quantize", "static")
 
+# Where moe_experts="fp8" runs the FP8 layer (``batch_invariant_mode(fp8_shapes=...)``): "faster" (the default) at the
+# shapes where it was measured faster than the BF16 layer (kernels/moe/fp8/choice.py; the BF16 layer elsewhere, counted
+# as such), "all" at every shape it takes (its numerics whatever the speed). None keeps the enclosing entry's choice.
+FP8_SHAPES = ("faster", "all")
+
 
 def check_choice(name: str, value, supported: tuple[str, ...]) -> None:
     """Refuses anything but None or one of ``supported`` (one line, before the mode is entered)."""
@@ -54,6 +59,7 @@ class _State:
     strict_stack: list[bool] = field(default_factory=list)
     experts_stack: list[str | None] = field(default_factory=list)  # each entry's moe_experts
     graph_weights_stack: list[str | None] = field(default_factory=list)  # each entry's fp8_graph_weights
+    shapes_stack: list[str | None] = field(default_factory=list)  # each entry's fp8_shapes
     routed: Counter = field(default_factory=Counter)  # (op, kernel) -> calls
     not_routed: Counter = field(default_factory=Counter)  # (op, reason) -> calls
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -80,6 +86,11 @@ def moe_experts() -> str:
 def fp8_graph_weights() -> str:
     """The innermost entry's explicit ``fp8_graph_weights``, else the default ("quantize")."""
     return next((v for v in reversed(STATE.graph_weights_stack) if v is not None), FP8_GRAPH_WEIGHTS[0])
+
+
+def fp8_shapes() -> str:
+    """The innermost entry's explicit ``fp8_shapes``, else the default ("faster")."""
+    return next((v for v in reversed(STATE.shapes_stack) if v is not None), FP8_SHAPES[0])
 
 
 def routed(op: str, kernel: str, calls: int = 1) -> None:

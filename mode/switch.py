@@ -30,8 +30,8 @@ Everything it does not route is counted with the reason (``mode_counters()``); w
 
 Re-entrant: a depth counter; the outermost entry installs the overrides, the matching exit removes
 them (so outside the mode torch runs untouched). ``strict`` holds while any enclosing entry asked for it;
-``moe_experts`` and ``fp8_graph_weights`` are the innermost entry's explicit choices (None keeps the enclosing one;
-"bf16" and "quantize" outermost).
+``moe_experts``, ``fp8_graph_weights`` and ``fp8_shapes`` are the innermost entry's explicit choices (None keeps the
+enclosing one; "bf16", "quantize" and "faster" outermost).
 Backward passes must run inside the mode too (they call the same aten ops).
 """
 
@@ -43,11 +43,11 @@ import threading
 
 from detkit.mode import state as mode_state
 from detkit.mode.state import (
-    FP8_GRAPH_WEIGHTS, MOE_EXPERTS, ModeCounters, ModeNotRoutedError, check_choice, check_moe_experts,
+    FP8_GRAPH_WEIGHTS, FP8_SHAPES, MOE_EXPERTS, ModeCounters, ModeNotRoutedError, check_choice, check_moe_experts,
 )
 
 __all__ = [
-    "FP8_GRAPH_WEIGHTS", "MOE_EXPERTS", "ModeCounters", "ModeNotRoutedError", "batch_invariant_mode",
+    "FP8_GRAPH_WEIGHTS", "FP8_SHAPES", "MOE_EXPERTS", "ModeCounters", "ModeNotRoutedError", "batch_invariant_mode",
     "disable_batch_invariant_mode", "enable_batch_invariant_mode", "is_batch_invariant_mode_enabled", "mode_counters",
     "refresh_fp8_weights", "reset_mode_counters",
 ]
@@ -84,24 +84,27 @@ def _uninstall() -> None:
     mode_aten.uninstall()
 
 
-def _check_args(strict, moe_experts, fp8_graph_weights) -> None:
+def _check_args(strict, moe_experts, fp8_graph_weights, fp8_shapes) -> None:
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool; got {type(strict).__name__}")
     check_moe_experts(moe_experts)
     check_choice("fp8_graph_weights", fp8_graph_weights, FP8_GRAPH_WEIGHTS)
+    check_choice("fp8_shapes", fp8_shapes, FP8_SHAPES)
 
 
 def enable_batch_invariant_mode(strict: bool = False, moe_experts: str | None = None,
-                                fp8_graph_weights: str | None = None) -> None:
+                                fp8_graph_weights: str | None = None, fp8_shapes: str | None = None) -> None:
     """Enter the mode (process-wide); pair each call with ``disable_batch_invariant_mode()``. ``moe_experts``:
-    "bf16" or "fp8"; ``fp8_graph_weights``: "quantize" or "static" (see ``batch_invariant_mode``)."""
-    _check_args(strict, moe_experts, fp8_graph_weights)
+    "bf16" or "fp8"; ``fp8_graph_weights``: "quantize" or "static"; ``fp8_shapes``: "faster" or "all" (see
+    ``batch_invariant_mode``)."""
+    _check_args(strict, moe_experts, fp8_graph_weights, fp8_shapes)
     with _TRANSITION:
         if mode_state.STATE.depth == 0:
             _install()
         mode_state.STATE.strict_stack.append(strict)
         mode_state.STATE.experts_stack.append(moe_experts)
         mode_state.STATE.graph_weights_stack.append(fp8_graph_weights)
+        mode_state.STATE.shapes_stack.append(fp8_shapes)
         mode_state.STATE.depth += 1
 
 
@@ -114,6 +117,7 @@ def disable_batch_invariant_mode() -> None:
         mode_state.STATE.strict_stack.pop()
         mode_state.STATE.experts_stack.pop()
         mode_state.STATE.graph_weights_stack.pop()
+        mode_state.STATE.shapes_stack.pop()
         if mode_state.STATE.depth == 0:
             _uninstall()
 
@@ -130,23 +134,31 @@ class batch_invariant_mode(contextlib.ContextDecorator):
 
     ``moe_experts``: the layer transformers' Qwen3-MoE experts run on -- "bf16" (``moe_mlp``, the default) or
     "fp8" (``moe_mlp_fp8``: block-scaled E4M3, H and I multiples of 128; a block that does not meet that runs
-    transformers' own experts, counted, or raises under strict -- never the BF16 layer instead). None keeps the
+    transformers' own experts, counted, or raises under strict -- never the BF16 layer instead; where FP8 is slower,
+    the BF16 layer by ``fp8_shapes``). None keeps the
     enclosing entry's choice. Anything else: ValueError before the mode is entered.
 
     ``fp8_graph_weights``: how FP8 experts get their quantized weights while a CUDA graph is captured --
     "quantize" (the default: quantized inside the graph, so every replay reads the weights as they are then) or
     "static" (the graph reads the weights the mode quantized outside it, which a warm-up call must have done; after
     a weight update call ``refresh_fp8_weights()`` before the next replay, which otherwise reads the old weights).
-    None keeps the enclosing entry's choice."""
+    None keeps the enclosing entry's choice.
 
-    def __init__(self, strict: bool = False, moe_experts: str | None = None, fp8_graph_weights: str | None = None):
-        _check_args(strict, moe_experts, fp8_graph_weights)
+    ``fp8_shapes``: where ``moe_experts="fp8"`` runs the FP8 layer -- "faster" (the default: at the shapes (H, I, E, K)
+    where it was measured faster than the BF16 layer at every T >= 2048, kernels/moe/fp8/choice.py; elsewhere the BF16
+    layer, counted as ``detkit.moe_mlp (fp8 -> bf16, ...)``; the choice reads no T, so a model runs one layer at every
+    batch size) or "all" (the FP8 layer at every shape it takes). None keeps the enclosing entry's choice."""
+
+    def __init__(self, strict: bool = False, moe_experts: str | None = None, fp8_graph_weights: str | None = None,
+                 fp8_shapes: str | None = None):
+        _check_args(strict, moe_experts, fp8_graph_weights, fp8_shapes)
         self.strict = strict
         self.moe_experts = moe_experts
         self.fp8_graph_weights = fp8_graph_weights
+        self.fp8_shapes = fp8_shapes
 
     def __enter__(self) -> "batch_invariant_mode":
-        enable_batch_invariant_mode(self.strict, self.moe_experts, self.fp8_graph_weights)
+        enable_batch_invariant_mode(self.strict, self.moe_experts, self.fp8_graph_weights, self.fp8_shapes)
         return self
 
     def __exit__(self, *exc) -> bool:

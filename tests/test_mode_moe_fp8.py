@@ -1,9 +1,11 @@
-"""mode/moe.py with ``batch_invariant_mode(moe_experts="fp8")``: transformers' Qwen3-MoE experts run on
-detkit's FP8 layer (``moe_mlp_fp8``), bit for bit what a direct call on the converted weights gives, forward and
-backward, gradients in transformers' layout; a model's log-probs keep their bits alone and in a batch; the mode's
-FP8 weight cache is keyed on the parameters and invalidated by an in-place update; a bad ``moe_experts`` is refused
-before the mode is entered, and a block the FP8 layer does not cover is counted (transformers' own experts) or
-raised, never run on the BF16 layer. CPU under the Triton interpreter (conftest); the `gpu`-marked tests with
+"""mode/moe.py with ``batch_invariant_mode(moe_experts="fp8")``: where FP8 is slower (kernels/moe/fp8/choice.py:
+the tiny shapes here, Qwen3-30B-A3B widths) the BF16 layer runs, with its bits, counted as such, the same layer at
+every T, and "detkit_fp8" chooses alike; with ``fp8_shapes="all"`` transformers' Qwen3-MoE experts run on detkit's FP8
+layer (``moe_mlp_fp8``), bit for bit what a direct call on the converted weights gives, forward and backward,
+gradients in transformers' layout; a model's log-probs keep their bits alone and in a batch; the mode's FP8 weight
+cache is keyed on the parameters and invalidated by an in-place update; a bad ``moe_experts`` or ``fp8_shapes`` is
+refused before the mode is entered, and a block the FP8 layer does not cover is counted (transformers' own experts)
+or raised, never run on the BF16 layer. CPU under the Triton interpreter (conftest); the `gpu`-marked tests with
 DETKIT_TEST_DEVICE=cuda on an H200."""
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def _fresh_state():
     assert not detkit.is_batch_invariant_mode_enabled(), "a test left the mode entered"
     assert not mode_moe.installed() and not mode_experts.installed(), "the MoE routes outlived the mode"
     assert mode_state.STATE.experts_stack == [] and mode_state.STATE.graph_weights_stack == []
+    assert mode_state.STATE.shapes_stack == []
 
 
 def tiny_model(device, seed=0, **overrides):
@@ -70,6 +73,13 @@ def routing_inputs(device, t=10, seed=1, hidden=128, sentinel=True):
     return x, ids.to(device), weights
 
 
+# The kernel counted for an FP8 request the choice gives to the BF16 layer at TINY_128's experts (H = I = 128, E = 4,
+# K = 2): K/E = 2/4 meets the measured 4/8, the two size bounds of kernels/moe/fp8/choice.py fall short.
+AS_BF16 = ("detkit.moe_mlp (fp8 -> bf16, FP8 slower at H=128, I=128, E=4, K=2: H*I 128*128 < 3072*1536, "
+           "K*H*I 2*128*128 < 4*3072*1536 (FP8 is faster at every T >= 2048 from H=3072, I=1536, E=8, K=4))")
+AS_BF16_ROUTE = f"{EXPERTS} -> {AS_BF16}"
+
+
 def direct_fp8(experts, x, ids, weights):
     """moe_mlp_fp8 on transformers' weights converted by hand (fresh quantization), with leaves for the gradients:
     (out, w1 leaf [E, H, 2I], w2 leaf [E, I, H]; leaves that require grad while grad is enabled)."""
@@ -88,6 +98,8 @@ def direct_fp8(experts, x, ids, weights):
     ("moe_experts", "", ValueError, "'bf16', 'fp8'"), ("moe_experts", 8, TypeError, None),
     ("fp8_graph_weights", "cached", ValueError, "'quantize', 'static'"),
     ("fp8_graph_weights", "Static", ValueError, "'quantize', 'static'"), ("fp8_graph_weights", 1, TypeError, None),
+    ("fp8_shapes", "measured", ValueError, "'faster', 'all'"), ("fp8_shapes", "ALL", ValueError, "'faster', 'all'"),
+    ("fp8_shapes", True, TypeError, None),
 ])
 def test_an_unsupported_mode_choice_is_refused_before_the_mode_is_entered(arg, bad, exc, supported):
     with pytest.raises(exc, match=arg) as info:
@@ -99,7 +111,7 @@ def test_an_unsupported_mode_choice_is_refused_before_the_mode_is_entered(arg, b
         detkit.enable_batch_invariant_mode(**{arg: bad})
     assert not detkit.is_batch_invariant_mode_enabled() and not mode_moe.installed() and not mode_experts.installed()
     assert mode_state.STATE.strict_stack == [] and mode_state.STATE.experts_stack == []
-    assert mode_state.STATE.graph_weights_stack == []
+    assert mode_state.STATE.graph_weights_stack == [] and mode_state.STATE.shapes_stack == []
 
 
 def test_the_innermost_explicit_choice_holds_and_none_keeps_the_enclosing_one(device):
@@ -112,12 +124,78 @@ def test_the_innermost_explicit_choice_holds_and_none_keeps_the_enclosing_one(de
             experts(x, ids, weights)
         return {k[1] for k in (detkit.mode_counters() - before).routed if k[0] == EXPERTS}
 
+    as_bf16 = {AS_BF16}  # the tiny shape: FP8 is slower, the BF16 layer runs
     with torch.no_grad():
         assert kernels_of() == {mode_moe.EXPERTS_KERNEL}  # the default: BF16
-        with detkit.batch_invariant_mode(moe_experts="fp8"):
+        with detkit.batch_invariant_mode(moe_experts="fp8", fp8_shapes="all"):
             assert kernels_of() == {mode_moe.EXPERTS_KERNEL_FP8}  # None: the enclosing entry's
             assert kernels_of(moe_experts="bf16") == {mode_moe.EXPERTS_KERNEL}
             assert kernels_of(strict=True) == {mode_moe.EXPERTS_KERNEL_FP8}  # back to FP8 after the inner exit
+            assert kernels_of(fp8_shapes="faster") == as_bf16
+            assert kernels_of() == {mode_moe.EXPERTS_KERNEL_FP8}
+        with detkit.batch_invariant_mode(moe_experts="fp8"):
+            assert kernels_of() == as_bf16  # fp8_shapes: "faster" by default
+            assert kernels_of(fp8_shapes="all") == {mode_moe.EXPERTS_KERNEL_FP8}
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 where it pays: the BF16 layer at a shape where FP8 is slower (kernels/moe/fp8/choice.py)
+# ---------------------------------------------------------------------------------------------
+def test_where_fp8_is_slower_the_bf16_layer_runs_with_its_bits_forward_and_backward(device):
+    """moe_experts="fp8" at TINY_128's shape, which the choice gives to BF16: the output and every gradient are
+    bitwise those of moe_experts="bf16", the call is counted under the name that says so, nothing is quantized."""
+    experts = tiny_model(device, seed=40).model.layers[0].mlp.experts
+    x, ids, weights = routing_inputs(device, t=12, seed=41)
+    dout = (torch.randn(12, 128, generator=torch.Generator().manual_seed(42)) * 0.5).to(device=device,
+                                                                                        dtype=torch.bfloat16)
+
+    def run(**kw):
+        xg, sg = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        experts.zero_grad(set_to_none=True)
+        with detkit.batch_invariant_mode(strict=True, **kw):
+            out = experts(xg, ids, sg)
+            out.backward(dout)
+        return {"out": out.detach(), "dx": xg.grad, "d routing weights": sg.grad,
+                "d gate_up_proj": experts.gate_up_proj.grad, "d down_proj": experts.down_proj.grad}
+
+    got = run(moe_experts="fp8")
+    assert routed() == {AS_BF16_ROUTE: 1}
+    want = run(moe_experts="bf16")
+    assert routed() == {AS_BF16_ROUTE: 1, BF16_ROUTE: 1}
+    for name, tensor in got.items():
+        assert_bits_equal(tensor, want[name], f"fp8 request given to BF16 vs the BF16 layer: {name}")
+    assert mode_moe.fp8_weight_cache().misses == 0  # the FP8 layer never ran
+
+
+def test_the_choice_reads_no_t(device):
+    """One shape, one layer: T = 1 and 7 through the route, and the choice the route asks for at T = 1, 7 and 4096
+    (views of one token: nothing of size T is made), all the same."""
+    experts = tiny_model(device, seed=43).model.layers[0].mlp.experts
+    with torch.no_grad(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+        for t in (1, 7):
+            experts(*routing_inputs(device, t=t, seed=44, sentinel=False))
+    assert routed() == {AS_BF16_ROUTE: 2}
+    x, ids, _ = routing_inputs(device, t=1, seed=45, sentinel=False)
+    choices = {mode_moe.fp8_choice(experts, x.expand(t, -1), ids.expand(t, -1)) for t in (1, 7, 4096)}
+    assert len(choices) == 1 and choices.pop().layer == "bf16"
+
+
+def test_detkit_fp8_experts_choose_alike_and_the_mode_can_force_fp8(device):
+    """experts_implementation="detkit_fp8" outside the mode: the same choice (the BF16 layer's bits, counted so);
+    inside an entry with fp8_shapes="all", the FP8 layer (a direct moe_mlp_fp8 call's bits)."""
+    mode_experts.register_transformers_experts()
+    experts = tiny_model(device, seed=46).model.layers[0].mlp.experts
+    x, ids, weights = routing_inputs(device, seed=47)
+    with torch.no_grad():
+        with detkit.batch_invariant_mode(strict=True):
+            want = experts(x, ids, weights)
+        experts.config._experts_implementation = "detkit_fp8"
+        got = experts(x, ids, weights)
+        with detkit.batch_invariant_mode(fp8_shapes="all"):
+            forced = experts(x, ids, weights)
+        assert_bits_equal(forced, direct_fp8(experts, x, ids, weights)[0], "detkit_fp8 with fp8_shapes='all'")
+    assert_bits_equal(got, want, "detkit_fp8 given to BF16 vs the mode's BF16 layer")
+    assert routed() == {BF16_ROUTE: 1, AS_BF16_ROUTE: 1, FP8_ROUTE: 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +205,7 @@ def test_fp8_experts_are_counted_and_bitwise_a_direct_moe_mlp_fp8_call(device):
     experts = tiny_model(device, seed=4).model.layers[0].mlp.experts
     x, ids, weights = routing_inputs(device, seed=5)
     with torch.no_grad():
-        with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+        with detkit.batch_invariant_mode(strict=True, moe_experts="fp8", fp8_shapes="all"):
             got = experts(x, ids, weights)
         want = direct_fp8(experts, x, ids, weights)[0]
     assert_bits_equal(got, want, "mode (FP8) vs moe_mlp_fp8 on the converted weights")
@@ -143,7 +221,7 @@ def test_gradients_reach_transformers_parameters_and_equal_a_direct_call(device)
     x, ids, weights = routing_inputs(device, t=12, seed=7)
     dout = (torch.randn(12, 128, generator=torch.Generator().manual_seed(8)) * 0.5).to(device=device,
                                                                                        dtype=torch.bfloat16)
-    with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+    with detkit.batch_invariant_mode(strict=True, moe_experts="fp8", fp8_shapes="all"):
         with torch.inference_mode():
             rollout = experts(x, ids, weights)
         xg, sg = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
@@ -172,7 +250,7 @@ def test_a_models_log_probs_keep_their_bits_alone_and_in_a_batch_with_fp8_expert
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
         return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
 
-    with torch.inference_mode(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+    with torch.inference_mode(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8", fp8_shapes="all"):
         alone = logprobs(seqs[1:2])
         batch = logprobs(seqs)
     assert_bits_equal(batch[1:2], alone, "log-probs alone vs in a batch of 3")
@@ -191,7 +269,7 @@ def test_a_weight_update_invalidates_the_fp8_weights_and_changes_the_output(devi
     cache = mode_moe.fp8_weight_cache()
 
     def run():
-        with torch.no_grad(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+        with torch.no_grad(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8", fp8_shapes="all"):
             return experts(x, ids, weights)
 
     first, again = run(), run()
@@ -218,7 +296,7 @@ def test_inference_tensor_weights_are_quantized_on_every_call(device):
     with torch.inference_mode():
         experts = tiny_model(device, seed=14).model.layers[0].mlp.experts
         x, ids, weights = routing_inputs(device, seed=15)
-        with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+        with detkit.batch_invariant_mode(strict=True, moe_experts="fp8", fp8_shapes="all"):
             got = [experts(x, ids, weights) for _ in range(2)]
         want = direct_fp8(experts, x, ids, weights)[0]
     assert len(mode_moe.fp8_weight_cache()) == 0 and mode_moe.fp8_weight_cache().misses == 4
@@ -285,7 +363,7 @@ def test_a_captured_call_reads_the_static_weights_only_when_asked(device, monkey
     x, ids, weights = routing_inputs(device, seed=32)
     cache = mode_moe.fp8_weight_cache()
     monkeypatch.setattr(mode_moe, "_capturing", lambda t: True)
-    with torch.no_grad(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+    with torch.no_grad(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8", fp8_shapes="all"):
         quantized = experts(x, ids, weights)
         assert (cache.misses, cache.hits, len(cache)) == (0, 0, 0)
         with detkit.batch_invariant_mode(fp8_graph_weights="static"):
@@ -344,7 +422,7 @@ def test_a_captured_fp8_block_reads_the_weights_of_each_replay(device):
     x = torch.randn(64, 256, generator=gen).to(device=device, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(64)]).to(device)
     weights = torch.rand(64, 2, generator=gen).to(device=device, dtype=torch.bfloat16)
-    with torch.inference_mode(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+    with torch.inference_mode(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8", fp8_shapes="all"):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -375,7 +453,8 @@ def test_a_graph_captured_on_static_fp8_weights_reads_them_until_refreshed(devic
     x = torch.randn(16, 256, generator=gen).to(device=device, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(16)]).to(device)
     weights = torch.rand(16, 2, generator=gen).to(device=device, dtype=torch.bfloat16)
-    with torch.no_grad(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8", fp8_graph_weights="static"):
+    with torch.no_grad(), detkit.batch_invariant_mode(strict=True, moe_experts="fp8", fp8_shapes="all",
+                                                      fp8_graph_weights="static"):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -407,7 +486,7 @@ def test_fp8_block_at_qwen3_30b_a3b_widths(device):
     dout = torch.randn_like(x)
     from detkit.toolkit.models import moe_block_grads
 
-    with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+    with detkit.batch_invariant_mode(strict=True, moe_experts="fp8", fp8_shapes="all"):
         with torch.no_grad():
             full = block(x)
             for t in (0, 777, 2047):
@@ -421,3 +500,41 @@ def test_fp8_block_at_qwen3_30b_a3b_widths(device):
         want = bf16[0][name]
         assert cosine(got, want) >= GATE_MIN_COSINE and rel_l2(got, want) < GATE_MAX_REL_RMSE, name
     assert routed()[FP8_ROUTE] > 0
+
+
+@pytest.mark.gpu
+def test_fp8_requests_pick_the_layer_by_shape_on_the_gpu(device):
+    """Qwen3-30B-A3B widths (FP8 0.72-1.10x over T, below 1.0x at T=2048): moe_experts="fp8" runs the BF16 layer,
+    bitwise moe_experts="bf16", counted with the bounds it misses; the reference widths (H=3072, I=1536, E=8, K=8;
+    FP8 1.09-1.32x): the FP8 layer, within the FP8 precision gate of the BF16 layer."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
+
+    block = qwen3_30b_a3b_block(device, seed=50)
+    x = torch.randn(1, 64, 2048, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+            got = block(x)
+        with detkit.batch_invariant_mode(strict=True):
+            want = block(x)
+    assert_bits_equal(got, want, "Qwen3-30B-A3B widths: fp8 request vs the BF16 layer")
+    as_bf16 = (f"{EXPERTS} -> detkit.moe_mlp (fp8 -> bf16, FP8 slower at H=2048, I=768, E=128, K=8: K/E 8/128 < 4/8, "
+               "H*I 2048*768 < 3072*1536, K*H*I 8*2048*768 < 4*3072*1536 (FP8 is faster at every T >= 2048 from "
+               "H=3072, I=1536, E=8, K=4))")
+    assert {k for k in routed() if k.startswith(EXPERTS)} == {as_bf16, BF16_ROUTE}
+
+    detkit.reset_mode_counters()
+    config = Qwen3MoeConfig(hidden_size=3072, moe_intermediate_size=1536, num_experts=8, num_experts_per_tok=8,
+                            norm_topk_prob=True)
+    torch.manual_seed(51)
+    with torch.device(device):
+        block = hf_moe.Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(1, 64, 3072, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+            fp8 = block(x)
+        with detkit.batch_invariant_mode(strict=True):
+            bf16 = block(x)
+    assert {k for k in routed() if k.startswith(EXPERTS)} == {FP8_ROUTE, BF16_ROUTE}
+    assert cosine(fp8, bf16) >= GATE_MIN_COSINE and rel_l2(fp8, bf16) < GATE_MAX_REL_RMSE

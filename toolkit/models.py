@@ -8,8 +8,10 @@ name (``MODEL_PRESETS``: per family of ``FAMILIES`` real widths with 2 layers an
 attention implementation it is built with and what detkit does not cover in it yet), a JSON config file, or a
 checkpoint directory read with local_files_only (nothing is ever downloaded); for the audit also ``families``, a
 family name or a list (``model_specs``). ``DETKIT_MODEL_MOE_EXPERTS`` (``bf16``, the default, or ``fp8``) is the
-mode's ``moe_experts``; ``DETKIT_MODEL_FP8_GRAPH_WEIGHTS`` (``quantize``, the default, or ``static``) its
-``fp8_graph_weights``. transformers is imported when a model is built, not with the CLI.
+mode's ``moe_experts`` (``fp8`` with ``fp8_shapes="all"``: the audit and the bench run the FP8 layer at every width,
+also where the mode's default gives a shape to the BF16 layer, which the ``bf16`` runs cover);
+``DETKIT_MODEL_FP8_GRAPH_WEIGHTS`` (``quantize``, the default, or ``static``) its ``fp8_graph_weights``. transformers
+is imported when a model is built, not with the CLI.
 """
 
 from __future__ import annotations
@@ -418,13 +420,20 @@ def routing_check(counters: dict, moe: bool, experts: str) -> tuple[bool, dict]:
     return passed, details
 
 
+def _fp8_shapes(moe_experts: str | None) -> str | None:
+    """What the audit and the bench ask for FP8 experts: the FP8 layer at every shape it takes (they measure that
+    layer; where it is slower the mode's default runs the BF16 layer, which their bf16 runs measure)."""
+    return "all" if moe_experts == "fp8" else None
+
+
 def mode_context(mode: str, moe_experts: str | None = None, fp8_graph_weights: str | None = None):
     """``batch_invariant_mode(...)`` for "detkit", nothing for "default" (imported when entered: it selects the
     kernels' backend)."""
     if mode == "detkit":
         from detkit.mode.switch import batch_invariant_mode
 
-        return batch_invariant_mode(moe_experts=moe_experts, fp8_graph_weights=fp8_graph_weights)
+        return batch_invariant_mode(moe_experts=moe_experts, fp8_graph_weights=fp8_graph_weights,
+                                    fp8_shapes=_fp8_shapes(moe_experts))
     return contextlib.nullcontext()
 
 
@@ -454,8 +463,8 @@ def block_grads(block, x: torch.Tensor, dout: torch.Tensor) -> tuple[dict, torch
 
 
 def moe_block_grads(block, x: torch.Tensor, dout: torch.Tensor, moe_experts: str) -> tuple[dict, torch.Tensor]:
-    """``block_grads`` in strict detkit mode with ``moe_experts``."""
+    """``block_grads`` in strict detkit mode with ``moe_experts`` ("fp8": the FP8 layer at any width)."""
     from detkit.mode.switch import batch_invariant_mode
 
-    with batch_invariant_mode(strict=True, moe_experts=moe_experts):
+    with batch_invariant_mode(strict=True, moe_experts=moe_experts, fp8_shapes=_fp8_shapes(moe_experts)):
         return block_grads(block, x, dout)
