@@ -499,6 +499,31 @@ def test_dp2_qwen3_moe_embedding_router_and_experts_gradients_equal_one_process_
 
 
 @cpu_ranks_only
+def test_tp2_qwen3_moe_equals_one_process_bitwise():
+    """Qwen3-MoE (4 experts, top-2) at TP=2: the plan shards attention and the lm_head, the router and experts stay
+    replicated on the mode's MoE routes; log-probs, every gradient and generate() against the one-process trainer."""
+    job, rows = _launch_and_compare("tp2", "qwen3-moe")
+    assert not _failed(rows), _failed(rows)
+    checks = {r["check"] for r in rows if not r["details"].get("informational", False)}
+    assert {"logprobs", "routed", "grads", "generate_vs_trainer"} <= checks
+    claimed = {r["name"].split(" ")[2] for r in rows if r["check"] == "grads"}
+    assert {"model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.0.mlp.experts.down_proj", "lm_head.weight"} <= claimed
+
+
+@cpu_ranks_only
+def test_tp2_dp2_qwen3_on_four_ranks_equals_one_process_bitwise():
+    """TP=2 x DP=2 on a ("dp", "tp") mesh of 4 gloo ranks: each rank's log-probs and every reduced gradient (TP
+    shards gathered, DP partials summed in rank order) against the one-process model prepared with both splits."""
+    job, rows = _launch_and_compare("tp2dp2", "qwen3")
+    assert not _failed(rows), _failed(rows)
+    assert job.tp == 2 and job.dp == 2
+    assert len([r for r in rows if r["check"] == "grads"]) == 14
+    scope = next(r for r in rows if r["check"] == "grad_scope")["details"]
+    assert scope["outside"] == {} and set(scope["kinds"].values()) == {"invariant"}
+
+
+@cpu_ranks_only
 @pytest.mark.parametrize("kind", ["dp2-ddp", "dp2-fsdp2"])
 def test_dp2_under_ddp_and_fsdp2_reduced_linear_gradients_equal_one_process(kind):
     """DDP (backward under no_sync, then reduce_gradients) and FSDP2 (fully_shard per layer and root; the routes leave
