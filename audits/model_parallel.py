@@ -465,7 +465,7 @@ JOBS = (("tp2", "qwen3"), ("dp2", "qwen3"), ("tp2", "qwen3-moe"), ("dp2", "qwen3
         ("dp2-fsdp2", "qwen3"), ("tp2dp2", "qwen3"))
 JOBS_ENV = "DETKIT_MODEL_PARALLEL_JOBS"  # "all" or a subset of JOBS, e.g. "tp2:qwen3,dp2:qwen3"
 # Under the interpreter each job costs 30-70 s of CPU, so the default there is the two 2-process Qwen3 jobs (the
-# coverage row names the rest; tests/test_mode_parallel.py runs them); on GPUs every job.
+# coverage row names the rest; tests/test_mode_parallel_jobs.py runs them); on GPUs every job.
 INTERPRETER_DEFAULT_JOBS = (("tp2", "qwen3"), ("dp2", "qwen3"))
 
 

@@ -13,6 +13,12 @@ elif TEST_DEVICE != "cuda":
     raise pytest.UsageError(f"DETKIT_TEST_DEVICE={TEST_DEVICE!r}; supported: cpu, cuda")
 
 
+# Tests whose gloo ranks hold CPU tensors: the kernels run in the Triton interpreter, which DETKIT_TEST_DEVICE=cpu
+# selects. The NCCL form of these checks is the two-GPU run (tools/run_x2_suite.sh).
+cpu_ranks_only = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo ranks on CPU tensors need the Triton "
+                                    "interpreter (DETKIT_TEST_DEVICE=cpu); the NCCL form is the two-GPU run")
+
+
 def hopper_available() -> bool:
     return TEST_DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 

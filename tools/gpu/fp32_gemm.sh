@@ -62,8 +62,8 @@ step_sweep() {
 # M <= 16, "ieee", every small-M candidate: fwd and dA at the 4096 x 151936 lm_head (the GPU tests' shape), then fwd at
 # two more lm_heads (M 1, 16) and at 4096 x 4096 and DeepSeek-V3's 7168 x 256 router (M 1-16); both weight layouts.
 GEMV_LM=(--ops fwd da --kn "${LM_HEADS[0]}" --m 1 2 4 8 16)
-GEMV_LM2=(--ops fwd --kn 5120,151936 8192,128256 --m 1 16)
-GEMV_NARROW=(--ops fwd --kn 4096,4096 7168,256 --m 1 2 4 8 16)
+GEMV_LM2=(--ops fwd --kn "5120,151936" "8192,128256" --m 1 16)
+GEMV_NARROW=(--ops fwd --kn "4096,4096" "7168,256" --m 1 2 4 8 16)
 GEMV_COMMON=(--device cuda --layouts linear kn --precision ieee --candidates --rounds 2)
 
 step_gemv() {
