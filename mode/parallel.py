@@ -52,7 +52,9 @@ weight shared with another module (its gradient would miss the other use); under
 ``max_norm`` (an in-place renorm of the rows each rank looks up), ``scale_grad_by_freq`` (counts a rank sees only
 part of) or ``sparse`` gradients, and a router or experts weight that is a DTensor. At run time (before the layer's
 collective): inputs of another dtype or placement; on the one-process DP side a row or token count not divisible by
-``dp_size``; MoE experts under the mode's ``moe_experts="fp8"`` or in a call detkit's BF16 MoE layer does not run.
+``dp_size``; MoE experts under the mode's ``moe_experts="fp8"`` where the FP8 layer would run (where the shape's FP8
+choice gives the BF16 layer, that layer runs, counted as the mode counts it) or in a call detkit's BF16 MoE layer
+does not run.
 
 A prepared layer routes only while the mode is entered; outside it the layer runs nn.Linear's own forward (the
 DTensor path on the ranks, plain torch in one process). At world size 1 no reduction is split: a plan's Linear with
@@ -587,10 +589,7 @@ def _experts_forward(module, hidden_states, top_k_index, top_k_weights):
     route: ExpertsRoute = getattr(module, ROUTE_ATTR)
     if not mode_state.active():
         return type(module).forward(module, hidden_states, top_k_index, top_k_weights)
-    experts = mode_state.moe_experts()
-    if experts != "bf16":
-        raise ParallelPlanError(f"{route.name}: moe_experts={experts!r} under DP; the invariant DP reduction of the "
-                                "experts' weight gradients runs on the BF16 layer (supported: 'bf16')")
+    kernel = _dp_experts_kernel(route, module, hidden_states, top_k_index, top_k_weights)
     reason = (mode_experts.unsupported_reason(module, hidden_states, top_k_index, top_k_weights, "bf16")
               or mode_experts.layout_reason(module)
               or (f"{type(module).__name__}.is_transposed = True (the DP route reads [E, 2I, H] / [E, H, I])"
@@ -604,8 +603,32 @@ def _experts_forward(module, hidden_states, top_k_index, top_k_weights):
     out = _InvariantExperts.apply(hidden_states, module.gate_up_proj.transpose(1, 2),
                                   module.down_proj.transpose(1, 2), ids, top_k_weights, route)
     mode_state.routed(*route.counter)
-    mode_state.routed(mode_moe.EXPERTS_OP, mode_moe.EXPERTS_KERNEL)
+    mode_state.routed(mode_moe.EXPERTS_OP, kernel)
     return out
+
+
+def _dp_experts_kernel(route, module, hidden_states, top_k_index, top_k_weights) -> str:
+    """The counted kernel of a DP experts call: the BF16 layer, which the invariant reduction of the experts' weight
+    gradients runs on. Under ``moe_experts="fp8"`` only where the mode itself would run the BF16 layer (the shape's
+    FP8 choice, kernels/moe/fp8/choice.py, with ``fp8_shapes="faster"``): the same layer and bits, counted as the
+    mode counts them; anywhere the FP8 layer would run, refused by name (before any collective)."""
+    from detkit.mode import experts as mode_experts
+    from detkit.mode import moe as mode_moe
+
+    experts = mode_state.moe_experts()
+    if experts == "bf16":
+        return mode_moe.EXPERTS_KERNEL
+    why = mode_experts.unsupported_reason(module, hidden_states, top_k_index, top_k_weights, "fp8")
+    if why is None and mode_state.fp8_shapes() != "faster":
+        why = f"fp8_shapes={mode_state.fp8_shapes()!r} runs the FP8 layer at every shape"
+    if why is None:
+        choice = mode_moe.fp8_choice(module, hidden_states, top_k_index)
+        if choice.layer == "bf16":
+            return mode_moe.fp8_as_bf16_kernel(module, hidden_states, top_k_index, choice.reason)
+        why = f"the FP8 layer runs at this shape ({choice.reason})"
+    raise ParallelPlanError(f"{route.name}: moe_experts={experts!r} under DP: {why}; the invariant DP reduction of "
+                            "the experts' weight gradients runs on the BF16 layer (supported: 'bf16', or 'fp8' where "
+                            "the mode runs the BF16 layer)")
 
 
 EMBEDDING_REFUSALS = (("max_norm", None, "renormalises the rows a batch looks up in place, so each DP rank's "

@@ -261,11 +261,11 @@ def test_dp_embedding_route_counts_and_refuses_by_name(device):
     assert not mode_parallel.routes(_Embed(11, 16, device)) and not prepare(_Embed(11, 16, device)).covered
 
 
-def _tiny_moe_block(device):
+def _tiny_moe_block(device, hidden: int = 64, inter: int = 32):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=4, num_experts_per_tok=2,
                             norm_topk_prob=True)
     torch.manual_seed(23)
     with torch.device(device):
@@ -343,6 +343,40 @@ def test_dp_one_process_moe_router_and_experts_grads_are_the_ranks_sums(device, 
                 ids.to(torch.int32), (top / mode_moe.fixed_order_sum(top)).to(torch.bfloat16),
                 (g1.transpose(1, 2), g2.transpose(1, 2)), gate_up="split").backward(dy.reshape(tokens, 64))
         assert g1.to(torch.bfloat16).count_nonzero() > 0 and g2.to(torch.bfloat16).count_nonzero() > 0
+
+
+def test_dp_experts_under_fp8_run_the_bf16_layer_where_the_mode_would_and_refuse_elsewhere(device):
+    """moe_experts="fp8" under DP at a shape whose FP8 choice is the BF16 layer (H = I = 128, 4 experts, top-2: far
+    below the measured FP8 shapes): the DP route runs the BF16 layer, the same output and gradients bit for bit as
+    moe_experts="bf16", counted as the mode counts it; with fp8_shapes="all" (the FP8 layer at every shape) refused
+    by name before any work."""
+    from detkit.kernels.moe.fp8.choice import fp8_choice
+
+    assert fp8_choice(128, 128, 4, 2, "cuda_sm90").layer == "bf16"
+    x0 = _spread(bf16_randn((2, 8, 128), 31, device), 32)
+    dy = _spread(bf16_randn((2, 8, 128), 33, device), 34)
+    results = {}
+    for experts in ("bf16", "fp8"):
+        block = _tiny_moe_block(device, hidden=128, inter=128)
+        prepare(block, dp_size=2)
+        x = x0.clone().requires_grad_()
+        before = detkit.mode_counters()
+        with detkit.batch_invariant_mode(moe_experts=experts):
+            out = block(x)
+            out.backward(dy)
+        kernels = {k for op, k in (detkit.mode_counters() - before).routed if op == "moe experts (transformers)"}
+        results[experts] = (out.detach(), x.grad, *(p.grad for p in block.parameters()), kernels)
+    for i, (a, b) in enumerate(zip(results["bf16"][:-1], results["fp8"][:-1])):
+        assert_bits_equal(b, a, f"moe_experts='fp8' under DP at a BF16 shape vs 'bf16', tensor {i}")
+    assert results["bf16"][-1] == {"detkit.moe_mlp"}
+    (fp8_kernel,) = results["fp8"][-1]
+    assert fp8_kernel.startswith("detkit.moe_mlp (fp8 -> bf16, FP8 slower at H=128, I=128, E=4, K=2"), fp8_kernel
+    block = _tiny_moe_block(device, hidden=128, inter=128)
+    prepare(block, dp_size=2)
+    with pytest.raises(ParallelPlanError, match=r"^experts: moe_experts='fp8' under DP: fp8_shapes='all' runs the "
+                                                r"FP8 layer at every shape; .*\(supported: 'bf16', or 'fp8' where"):
+        with detkit.batch_invariant_mode(moe_experts="fp8", fp8_shapes="all"):
+            block(x0)
 
 
 # ------------------------------------------------------------------------------ one process: refusals
@@ -504,7 +538,8 @@ def _dp_refusal_rank(rank: int, init_file: str, case: str, out_dir: str) -> None
 @cpu_ranks_only
 @pytest.mark.parametrize("case,pattern", [
     ("max_norm", r"^model.embed_tokens: nn.Embedding\(max_norm=1.0\) under DP: renormalises"),
-    ("fp8_experts", r"^model.layers.0.mlp.experts: moe_experts='fp8' under DP; .* \(supported: 'bf16'\)$"),
+    ("fp8_experts", r"^model.layers.0.mlp.experts: moe_experts='fp8' under DP: FP8 experts need H and I multiples of "
+                    r"128; .* \(supported: 'bf16', or 'fp8' where the mode runs the BF16 layer\)$"),
 ])
 def test_dp_rank_refusals_of_the_embedding_and_experts_come_before_any_collective(tmp_path, case, pattern):
     import re
