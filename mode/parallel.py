@@ -653,13 +653,20 @@ def _local_operands(route: LinearRoute | LocalRoute, module: torch.nn.Linear, x)
     reaches the DTensor parameter through its backward."""
     from torch.distributed.tensor import DTensor
 
-    w, b = module.weight, module.bias
     want = "Replicate" if route.style == COLWISE else "Shard(-1)"
     got = _layouts(x.placements) if isinstance(x, DTensor) else ("a plain tensor",)
     if got not in ((want,),) and not (route.style == ROWWISE and got == (f"Shard({x.ndim - 1})",)):
         raise ParallelPlanError(f"{route.name}: {route.style} input is {got}; the route needs {want} (before any "
                                 "collective)")
-    return x.to_local(), w.to_local(), b.to_local() if isinstance(b, DTensor) else b, w.device_mesh
+    return (x.to_local(), *_local_weights(module), module.weight.device_mesh)
+
+
+def _local_weights(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A TP layer's weight and bias as local tensors (``to_local`` keeps autograd to the DTensor parameters)."""
+    from torch.distributed.tensor import DTensor
+
+    b = module.bias
+    return module.weight.to_local(), b.to_local() if isinstance(b, DTensor) else b
 
 
 def _output(route: LinearRoute | LocalRoute, y: torch.Tensor, mesh):
@@ -679,7 +686,7 @@ def _routed_forward(module: torch.nn.Linear, x):
     w, b = module.weight, module.bias
     sharded = isinstance(w, DTensor)
     if sharded and not isinstance(x, DTensor):  # torch's TP hooks stood aside (_StyleHookGate): x is the local input
-        w, b, sharded = w.to_local(), b.to_local() if isinstance(b, DTensor) else b, False
+        (w, b), sharded = _local_weights(module), False
     elif sharded:
         x, w, b, mesh = _local_operands(route, module, x)
     _check_input(route, x)
@@ -727,8 +734,7 @@ def _local_forward(module: torch.nn.Linear, x):
     from torch.distributed.tensor import DTensor
 
     if not isinstance(x, DTensor):  # torch's TP hooks stood aside (_StyleHookGate): local in, local out
-        b = module.bias
-        y = torch.nn.functional.linear(x, module.weight.to_local(), b.to_local() if isinstance(b, DTensor) else b)
+        y = torch.nn.functional.linear(x, *_local_weights(module))
         mode_state.routed(*route.counter)
         return y
     x, w, b, mesh = _local_operands(route, module, x)
@@ -751,14 +757,14 @@ class _StyleHookGate:
     the hook runs as torch installed it."""
 
     def __init__(self, hook, kind: str):
-        self.hook, self.kind = hook, kind
+        from torch.distributed.tensor import DTensor
+
+        self.hook, self.kind, self.dtensor = hook, kind, DTensor  # the class kept: __call__ runs twice a layer
 
     def __call__(self, module, *args):
         if mode_state.active():
-            from torch.distributed.tensor import DTensor
-
             value = args[-1] if self.kind == "output" else (args[0][0] if args[0] else None)
-            if value is not None and not isinstance(value, DTensor):
+            if value is not None and not isinstance(value, self.dtensor):
                 return None  # inputs / outputs as they are
         return self.hook(module, *args)
 
@@ -778,18 +784,17 @@ def _style_hook_ids(module: torch.nn.Module, style_cls) -> tuple[list[int], list
     return pre, post
 
 
-def _gate_style_hooks(module: torch.nn.Module, style: str) -> bool:
-    """Put ``_StyleHookGate`` around the style's hook pair of a prepared Linear; False (nothing changed) unless
-    exactly one of each is found."""
+def _gate_style_hooks(module: torch.nn.Module, style: str) -> None:
+    """Put ``_StyleHookGate`` around the style's hook pair of a prepared Linear; nothing changes unless exactly one of
+    each is found (the layer then keeps torch's hooks, whose DTensor input the route takes as well)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     pre, post = _style_hook_ids(module, ColwiseParallel if style == COLWISE else RowwiseParallel)
     if len(pre) != 1 or len(post) != 1:
-        return False
+        return
     for hooks, ids, kind in ((module._forward_pre_hooks, pre, "input"), (module._forward_hooks, post, "output")):
         if not isinstance(hooks[ids[0]], _StyleHookGate):
             hooks[ids[0]] = _StyleHookGate(hooks[ids[0]], kind)
-    return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -509,13 +509,15 @@ def test_fp8_requests_pick_the_layer_by_shape_on_the_gpu(device):
     FP8 1.09-1.32x): the FP8 layer, within the FP8 precision gate of the BF16 layer."""
     from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
 
-    block = qwen3_30b_a3b_block(device, seed=50)
-    x = torch.randn(1, 64, 2048, device=device).to(torch.bfloat16)
-    with torch.no_grad():
-        with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
-            got = block(x)
-        with detkit.batch_invariant_mode(strict=True):
-            want = block(x)
+    def fp8_then_bf16(block, hidden: int):
+        x = torch.randn(1, 64, hidden, device=device).to(torch.bfloat16)
+        with torch.no_grad():
+            with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
+                fp8 = block(x)
+            with detkit.batch_invariant_mode(strict=True):
+                return fp8, block(x)
+
+    got, want = fp8_then_bf16(qwen3_30b_a3b_block(device, seed=50), 2048)
     assert_bits_equal(got, want, "Qwen3-30B-A3B widths: fp8 request vs the BF16 layer")
     as_bf16 = (f"{EXPERTS} -> detkit.moe_mlp (fp8 -> bf16, FP8 slower at H=2048, I=768, E=128, K=8: K/E 8/128 < 4/8, "
                "H*I 2048*768 < 3072*1536, K*H*I 8*2048*768 < 4*3072*1536 (FP8 is faster at every T >= 2048 from "
@@ -530,11 +532,6 @@ def test_fp8_requests_pick_the_layer_by_shape_on_the_gpu(device):
         block = hf_moe.Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    x = torch.randn(1, 64, 3072, device=device).to(torch.bfloat16)
-    with torch.no_grad():
-        with detkit.batch_invariant_mode(strict=True, moe_experts="fp8"):
-            fp8 = block(x)
-        with detkit.batch_invariant_mode(strict=True):
-            bf16 = block(x)
+    fp8, bf16 = fp8_then_bf16(block, 3072)
     assert {k for k in routed() if k.startswith(EXPERTS)} == {FP8_ROUTE, BF16_ROUTE}
     assert cosine(fp8, bf16) >= GATE_MIN_COSINE and rel_l2(fp8, bf16) < GATE_MAX_REL_RMSE

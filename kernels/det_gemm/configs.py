@@ -343,9 +343,12 @@ GEMV_NARROW_COLS = 32768
 GEMV_BANDS = (1, 2, 4, 8, 16)  # block_m of the M <= 16 entries: the batch rounded up to a power of two
 
 
-def _tile(rows: int, cols: int) -> GemmConfig:
-    return GemmConfig(rows, cols, 64 if cols == 32 else 32, 1, 1 if cols == 32 else 4, 4 if cols == 32 else 1,
-                      "gemv_tile")
+def _tile_wide(rows: int) -> GemmConfig:  # 128 columns, one per thread of 4 warps
+    return GemmConfig(rows, 128, 32, 1, 4, 1, "gemv_tile")
+
+
+def _tile_narrow(rows: int) -> GemmConfig:  # 32 columns on one warp, 4-deep pipelined loads
+    return GemmConfig(rows, 32, 64, 1, 1, 4, "gemv_tile")
 
 
 def _vec(rows: int, cols: int, k: int, warps: int, stages: int) -> GemmConfig:
@@ -358,10 +361,12 @@ def _dot(rows: int, cols: int) -> GemmConfig:
 
 # (wide, narrow) per band
 _FP32_SMALL_M = {
-    "fwd": {1: (_tile(1, 128), _tile(1, 32)), 2: (_tile(2, 128), _tile(2, 32)), 4: (_tile(4, 128), _vec(4, 16, 64, 1, 4)),
-            8: (_dot(8, 128), _vec(8, 16, 64, 1, 4)), 16: (_vec(16, 64, 64, 2, 1), _vec(16, 16, 64, 1, 4))},
-    "da": {1: (_tile(1, 128), _tile(1, 32)), 2: (_tile(2, 128), _tile(2, 32)), 4: (_tile(4, 128), _tile(4, 32)),
-           8: (_dot(8, 128), _dot(8, 128)), 16: (_vec(16, 64, 64, 2, 1), _dot(16, 64))},
+    "fwd": {1: (_tile_wide(1), _tile_narrow(1)), 2: (_tile_wide(2), _tile_narrow(2)),
+            4: (_tile_wide(4), _vec(4, 16, 64, 1, 4)), 8: (_dot(8, 128), _vec(8, 16, 64, 1, 4)),
+            16: (_vec(16, 64, 64, 2, 1), _vec(16, 16, 64, 1, 4))},
+    "da": {1: (_tile_wide(1), _tile_narrow(1)), 2: (_tile_wide(2), _tile_narrow(2)),
+           4: (_tile_wide(4), _tile_narrow(4)), 8: (_dot(8, 128), _dot(8, 128)),
+           16: (_vec(16, 64, 64, 2, 1), _dot(16, 64))},
 }
 
 
