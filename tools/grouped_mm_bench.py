@@ -32,9 +32,9 @@ None). TFLOP/s = 2 * ROWS * N * K / graph time. ``ratio`` = the impl / torch in 
 ``--impls`` picks among torch, detkit and detkit_mode.
 
 ``--configs``: every candidate config of the op (``candidate_configs``: pointer and TMA variants; ``--variants``
-keeps some) is timed as ``config<j>`` beside the pinned one, its bits compared with the pinned config's
-(``same_bits_as_pinned``: every candidate must give them); a candidate that raises (e.g. TMA refusing an operand) is
-reported in its row (``error``) and fails the run.
+and ``--max-candidates`` keep some) is timed as ``config<j>`` beside the pinned one, its bits compared with the
+pinned config's (``same_bits_as_pinned``: every candidate must give them); a candidate that raises (e.g. TMA refusing
+an operand) is reported in its row (``error``) and fails the run.
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ def candidate_configs(op, device, variants=("ptr", "tma")):
 
 
 def run_case(case, device, rounds: int, configs: bool, *, weights: str = "transposed", ops=OPS, impls=IMPLS,
-             timings=TIMINGS, variants=("ptr", "tma"), replays: int = GRAPH_REPLAYS,
-             label: dict | None = None) -> list[dict]:
+             timings=TIMINGS, variants=("ptr", "tma"), max_candidates: int | None = None,
+             replays: int = GRAPH_REPLAYS, label: dict | None = None) -> list[dict]:
     import detkit
     from detkit.kernels.grouped.launch import storage_layout
     from detkit.toolkit.timing import call_refusal, time_graphs, time_interleaved
@@ -197,7 +197,7 @@ def run_case(case, device, rounds: int, configs: bool, *, weights: str = "transp
                  "detkit_mode": lambda: torch._grouped_mm(a, b, offs=offs)}
         fns = {name: every[name] for name in impls}
         contexts = {"detkit_mode": detkit.batch_invariant_mode}
-        candidates = candidate_configs(op, device, variants) if configs else []
+        candidates = candidate_configs(op, device, variants)[:max_candidates] if configs else []
         bits, errors = {}, {}
         if candidates:
             want = detkit_call(a, b, offs).view(torch.int16)
@@ -263,6 +263,8 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", action="store_true", help="also time candidate configs and compare their bits")
     parser.add_argument("--variants", nargs="+", choices=("ptr", "tma"), default=["ptr", "tma"],
                         help="the candidate configs' variants (--configs)")
+    parser.add_argument("--max-candidates", type=int, default=None,
+                        help="the first N candidates of each op (after --variants); each is a compile per model")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     if "torch" not in args.impls:
@@ -292,7 +294,7 @@ def main(argv=None) -> int:
             try:
                 rows += run_case(case, device, args.rounds, args.configs, weights=weights, ops=ops,
                                  impls=args.impls, timings=args.timings, variants=args.variants,
-                                 replays=args.replays, label=label)
+                                 max_candidates=args.max_candidates, replays=args.replays, label=label)
             except torch.OutOfMemoryError as exc:
                 failures.append({"case": case, "weights": weights,
                                  "error": f"out of memory: {str(exc).splitlines()[0]}"})
