@@ -182,5 +182,6 @@ def test_moe_widths_on_the_gpu_bound_invariance_and_graph_capture(device, e, h, 
 
 
 def test_the_table_holds_both_ops_on_both_backends():
-    assert {op for op, _ in CONFIG_TABLE} == {"mm", "wgrad"}
-    assert {backend for _, backend in CONFIG_TABLE} == {"cuda_sm90", "triton_interpreter"}
+    assert {op for op, _, _ in CONFIG_TABLE} == {"mm", "wgrad"}
+    assert {backend for _, backend, _ in CONFIG_TABLE} == {"cuda_sm90", "triton_interpreter"}
+    assert all((op, backend, "*") in CONFIG_TABLE for op, backend, _ in CONFIG_TABLE)  # every layout has a config

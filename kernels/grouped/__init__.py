@@ -2,14 +2,16 @@
 forms of torch._grouped_mm an MoE block's experts and their backward call).
 
 Inside: ``configs`` (the pinned config table), ``kernels`` (the Triton kernels), ``names`` (launch names),
-``launch`` (checks and launch wrappers; the math and the determinism claim in its docstring), ``reference`` (the
-pure-torch references).
+``launch`` (checks and launch wrappers, pointer and TMA variants; the math and the determinism claim in its
+docstring), ``reference`` (the pure-torch references).
 """
 
-from detkit.kernels.grouped.launch import check_offsets, grouped_mm, grouped_wgrad
+from detkit.kernels.grouped.launch import (
+    GroupedLaunch, check_offsets, grouped_mm, grouped_mm_launch, grouped_wgrad, grouped_wgrad_launch,
+)
 from detkit.kernels.grouped.reference import (
     grouped_mm_ref, grouped_mm_sequential, grouped_wgrad_ref, grouped_wgrad_sequential,
 )
 
-__all__ = ["grouped_mm", "grouped_wgrad", "check_offsets", "grouped_mm_ref", "grouped_mm_sequential",
-           "grouped_wgrad_ref", "grouped_wgrad_sequential"]
+__all__ = ["grouped_mm", "grouped_wgrad", "grouped_mm_launch", "grouped_wgrad_launch", "GroupedLaunch", "check_offsets",
+           "grouped_mm_ref", "grouped_mm_sequential", "grouped_wgrad_ref", "grouped_wgrad_sequential"]
