@@ -42,10 +42,13 @@ VARIANTS = ("ptr", "tma", "tma3", "ws", "fma", *GEMV_VARIANTS)
 TMA_MAX_BOX = 256
 
 # The "fma" variant's register tile (kernels/det_gemm/fma.py): a thread's share of the output tile (rows x cols) by
-# its element count (block_m x block_n / threads); lanes 4 x 8 per warp. More than 64 elements would not fit the
-# registers beside the operand slices (up to 32 k's per row of A and per column of B).
+# its element count (block_m x block_n / threads); lanes 4 x 8 per warp. A thread reads rows + cols operand values
+# from shared memory per k for rows x cols FMAs, and an SM's shared memory delivers at most 32 values (128 bytes) per
+# clock, so the FP32 FMA peak (128 per clock per SM) needs rows x cols / (rows + cols) >= 4: 8x8 meets it exactly,
+# 8x16 with room (5.3), 8x4 and 4x4 reach 2/3 and 1/2 of it. 8x16 is the most the registers hold (255 per thread,
+# no spills on the sm_90 compiles).
 FMA_LANES = (4, 8)
-FMA_MICRO = {64: (8, 8), 32: (8, 4), 16: (4, 4)}
+FMA_MICRO = {128: (8, 16), 64: (8, 8), 32: (8, 4), 16: (4, 4)}
 # sm_90's shared memory per block (opt-in), less 1 KiB for the mbarriers and alignment.
 FMA_SHARED_BYTES = 227 * 1024 - 1024
 
@@ -58,7 +61,7 @@ def fma_micro_tile(block_m: int, block_n: int, num_warps: int) -> tuple[int, int
     elems = block_m * block_n // threads
     if block_m * block_n % threads or elems not in FMA_MICRO:
         raise ValueError(f"variant 'fma' needs block_m x block_n / (32 x num_warps) in {sorted(FMA_MICRO)} (a thread's "
-                         f"8x8, 8x4 or 4x4 outputs); got {block_m}x{block_n} on {num_warps} warps")
+                         f"8x16, 8x8, 8x4 or 4x4 outputs); got {block_m}x{block_n} on {num_warps} warps")
     rows, cols = FMA_MICRO[elems]
     lanes_m, lanes_n = FMA_LANES
     warps_m, warps_n = block_m // (rows * lanes_m), block_n // (cols * lanes_n)
@@ -527,11 +530,12 @@ def fma_twin(config: GemmConfig) -> GemmConfig:
 def fma_candidates() -> tuple[GemmConfig, ...]:
     """The "fma" tiles a GPU run times at M >= 17 (tools/gpu/fp32_fma.sh), none pinned in CONFIG_TABLE_FP32 yet. Each
     sm_90 compile (tools/gemm_sass.py --variants fma) issues at least 4 FFMA per shared-memory load and spills nothing,
-    on every operand layout det_gemm gives it: 128x128 on 8 warps (8x8 outputs per thread: 16 FFMA per LDS.128) in 3
-    and 4 stages, 128x64 on 8 warps (8x4, at most 128 registers: two CTAs per SM) and 128x128 on 16 warps (8x4, 512
-    threads)."""
-    return (GemmConfig(128, 128, 32, 8, 8, 3, "fma"), GemmConfig(128, 128, 32, 8, 8, 4, "fma"),
-            GemmConfig(128, 64, 32, 8, 8, 4, "fma"), GemmConfig(128, 128, 32, 8, 16, 3, "fma"))
+    on every operand layout det_gemm gives it: 8x16 outputs per thread (21 FFMA per LDS.128) on 128x128 and 4 warps
+    (two CTAs per SM) and on 128x256 and 8 warps (one); 8x8 (16 FFMA per LDS.128) on 128x128 and 8 warps, 3 and 4
+    stages; 8x4 on 128x64 and 8 warps (at most 128 registers: two CTAs per SM)."""
+    return (GemmConfig(128, 128, 32, 8, 4, 3, "fma"), GemmConfig(128, 256, 32, 8, 8, 3, "fma"),
+            GemmConfig(128, 128, 32, 8, 8, 3, "fma"), GemmConfig(128, 128, 32, 8, 8, 4, "fma"),
+            GemmConfig(128, 64, 32, 8, 8, 4, "fma"))
 
 
 def device_sms(device: torch.device) -> int:

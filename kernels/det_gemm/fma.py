@@ -2,16 +2,17 @@
 
 ``det_gemm_fma_kernel`` computes ``C[R, C] = A[R, L] @ B[L, C]`` on FP32 operands with FP32 fused multiply-adds on
 the CUDA cores, as the Triton tile kernels' FMA dot does, but with the layouts chosen here instead of by Triton:
-- the accumulator: a BlockedLayout in which each thread owns a MICRO_M x MICRO_N block of the tile (8x8, 8x4 or 4x4:
+- the accumulator: a BlockedLayout in which each thread owns a MICRO_M x MICRO_N block of the tile (8x16 to 4x4:
   configs.fma_micro_tile), lanes 4 x 8 per warp, WARPS_M x (num_warps / WARPS_M) warps. Per k a thread reads
   MICRO_M values of A and MICRO_N of B for MICRO_M x MICRO_N fused multiply-adds;
 - the operands: the FMA dot's operand layouts of that accumulator (DotOperandLayout: every k of a slice in the
   thread's registers), read from shared memory 16 bytes at a time (LDS.128) along the operand's contiguous dim;
 - shared memory: a ring of STAGES [BLOCK_M, BLOCK_K] and [BLOCK_K, BLOCK_N] tiles filled by TMA in each operand's
-  storage order (A_M_MAJOR: dB's a.T; B_K_MAJOR: nn.Linear's weight.t()), with the NVMMA 128-byte swizzle, which
-  keeps those 16-byte reads free of bank conflicts. On a K-major B the thread's MICRO_N columns are interleaved
-  (every 8 x warps-along-N-th column) instead of adjacent: adjacent columns of a K-major tile share their swizzle
-  phase, so eight lanes reading them hit the same banks.
+  storage order (A_M_MAJOR: dB's a.T; B_K_MAJOR: nn.Linear's weight.t()), with the NVMMA 128-byte swizzle. The
+  thread's MICRO_N columns are placed so that those 16-byte reads are free of bank conflicts: on an N-major B in runs
+  of 4 adjacent columns (the eight lanes of a read cover 128 contiguous bytes; runs of 8 would span 256 and take two
+  wavefronts), on a K-major B one per repetition of the layout along N (adjacent columns of a K-major tile share
+  their swizzle phase, so eight lanes reading them would hit the same banks).
 TMA fills out-of-bounds box elements with zeros, as the pointer kernel's masked loads do. One program per output
 tile in det_gemm's grouped order; the ring is refilled one slot behind the slot being read, after a CTA barrier
 (every warp has finished reading that slot) and a proxy fence (the TMA write follows the generic reads).
@@ -46,6 +47,7 @@ from detkit.kernels.det_gemm.names import _launch_metadata
 K_SLICE = gl.constexpr(32)
 LANES_M = gl.constexpr(FMA_LANES[0])
 LANES_N = gl.constexpr(FMA_LANES[1])
+VEC_N = 4  # adjacent output columns per run of a thread's (N-major B): 16 bytes of FP32
 
 
 def fma_options(num_warps: int) -> dict:
@@ -63,9 +65,10 @@ def fma_descriptor(tensor, shape, strides, box) -> TensorDescriptor:
 
 @gluon.constexpr_function
 def acc_layout(micro_m, micro_n, warps_m, warps, b_k_major):
-    """The accumulator's layout: MICRO_M x MICRO_N per thread, adjacent columns (an N-major B: its 16-byte reads run
-    along them) or, on a K-major B, the thread's columns one per repetition of the layout along N (interleaved)."""
-    cols = 1 if b_k_major else micro_n
+    """The accumulator's layout: MICRO_M x MICRO_N outputs per thread, its columns in runs of VEC_N adjacent ones (an
+    N-major B: one 16-byte read per run and k, the eight lanes of a read covering 128 contiguous bytes) or, on a
+    K-major B, one column per repetition of the layout along N (interleaved: each column's k's are one 16-byte read)."""
+    cols = 1 if b_k_major else min(micro_n, VEC_N)
     return gl.BlockedLayout([micro_m, cols], [LANES_M, LANES_N], [warps_m, warps // warps_m], [1, 0])
 
 
