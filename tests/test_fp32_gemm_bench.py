@@ -113,7 +113,7 @@ def test_warm_compiles_each_kernel_of_the_run_once(device):
     from detkit.kernels.det_gemm.configs import GemmConfig, gemv_candidates
 
     args = argparse.Namespace(config=[], precision=["ieee"], ops=["fwd"], kn=["4096,151936", "5120,151936"],
-                              layouts=["linear"], m=[7, 8, 16], candidates=True)
+                              layouts=["linear"], m=[7, 8, 16], candidates=True, fma=False)
     specs = fp32_gemm_bench.warm_specs(args)
     want = {(8, c) for c in gemv_candidates(8, 151936)} | {(16, c) for c in gemv_candidates(16, 151936)}
     want |= {(m, GemmConfig(16, 64, 32, 1, 4, 4)) for m in (8, 16)} | {(16, GemmConfig(16, 128, 32, 1, 4, 4)),
@@ -121,3 +121,26 @@ def test_warm_compiles_each_kernel_of_the_run_once(device):
     got = [(16 if m == 16 else 8, GemmConfig(*fields)) for _, m, _, _, _, _, fields in specs]
     assert len(got) == len(set(got)) and set(got) == want
     assert {(op, layout, precision) for op, _, _, _, layout, precision, _ in specs} == {("fwd", "linear", "ieee")}
+
+
+def test_fma_candidates_join_ieee_cases_above_16_rows_and_the_warm(device):
+    """--fma: the Gluon FMA-dot tiles (configs.fma_candidates) beside the pick at M > 16 with "ieee" products, for
+    every op; none at M <= 16 (the small-M kernel's rows) or with "tf32"; the warm compiles each once per
+    specialization."""
+    if device.type != "cpu":
+        pytest.skip("the GPU run is tools/gpu/fp32_fma.sh")
+    import argparse
+
+    from detkit.kernels.det_gemm.configs import fma_candidates
+
+    for op in ("fwd", "da", "db"):
+        assert fp32_gemm_bench.candidate_configs(op, 64, 151936, 4096, "ieee", False, [], fma=True) == list(
+            fma_candidates())
+    assert fp32_gemm_bench.candidate_configs("fwd", 16, 151936, 4096, "ieee", False, [], fma=True) == []
+    assert fp32_gemm_bench.candidate_configs("fwd", 64, 151936, 4096, "tf32", False, [], fma=True) == []
+    assert fp32_gemm_bench.candidate_configs("fwd", 64, 151936, 4096, "ieee", False, []) == []
+    args = argparse.Namespace(config=[], precision=["ieee"], ops=["fwd", "da"], kn=["4096,151936", "4096,4096"],
+                              layouts=["linear"], m=[64, 256, 1024, 4096], candidates=False, fma=True)
+    specs = fp32_gemm_bench.warm_specs(args)
+    fma = [(op, fields) for op, _, _, _, _, _, fields in specs if fields[-1] == "fma"]
+    assert len(fma) == len(set(fma)) == 2 * len(fma_candidates())

@@ -13,11 +13,13 @@ torch.matmul (eager and GPU time) after its output is compared bit for bit with 
   (``configs.gemv_candidates``: every variant, other tiles and pipeline depths; the first is the table's pick, timed
   as "detkit") and, for reference, the tile kernel's former M <= 16 pick (16x64x32) and its FMA dot on a tile of the
   band's rows;
-- ``--config``: tiles given on the command line, at every case.
+- ``--fma``: at M > 16 ("ieee"), the Gluon FMA-dot kernel's tiles (``configs.fma_candidates``, variant "fma";
+  sm_90 only);
+- ``--config``: tiles given on the command line, at every case (``BM,BN,BK,GROUP_M,WARPS,STAGES[,VARIANT]``).
 
     python -m tools.fp32_gemm_bench --device cuda --out DIR [--precision ieee tf32] [--ops fwd da db]
-        [--kn 4096,151936 ...] [--m 1 16 ...] [--layouts linear kn] [--candidates] [--config 128,128,32,8,8,3 ...]
-        [--rounds 3] [--warm 12 [--warm-only]]
+        [--kn 4096,151936 ...] [--m 1 16 ...] [--layouts linear kn] [--candidates] [--fma]
+        [--config 128,128,32,8,8,3 ...] [--rounds 3] [--warm 12 [--warm-only]]
 
 ``--warm N`` compiles every launch of the run in N processes first (Triton's on-disk cache, TRITON_CACHE_DIR), at
 small sizes of the same specialization (the reduced dim at its real size); ``--warm-only`` stops there.
@@ -100,9 +102,9 @@ def table_pick(op: str, m: int, n: int, k: int, precision: str):
     return select_config(op, m, cols=cols, rows=rows, dtype=torch.float32, precision=precision)
 
 
-def candidate_configs(op: str, m: int, n: int, k: int, precision: str, small_m: bool, extra) -> list:
+def candidate_configs(op: str, m: int, n: int, k: int, precision: str, small_m: bool, extra, fma: bool = False) -> list:
     """The configs timed beside the table's pick at one case, the pick left out."""
-    from detkit.kernels.det_gemm.configs import GemmConfig, gemv_band, gemv_candidates
+    from detkit.kernels.det_gemm.configs import GemmConfig, fma_candidates, gemv_band, gemv_candidates
 
     out = []
     if small_m and precision == "ieee" and op != "db" and m <= SMALL_M:
@@ -110,6 +112,8 @@ def candidate_configs(op: str, m: int, n: int, k: int, precision: str, small_m: 
         # the tile kernel's former M <= 16 pick, and its FMA dot on a tile of the band's rows (tl.dot takes M >= 1)
         out += [*gemv_candidates(m, output_cols(op, n, k), op), GemmConfig(16, 64, 32, 1, 4, 4),
                 GemmConfig(band, 128, 32, 1, 4, 4)]
+    if fma and precision == "ieee" and m > SMALL_M:
+        out += fma_candidates()
     out += list(extra)
     pick = table_pick(op, m, n, k, precision)
     return [c for c in dict.fromkeys(out) if c != pick]
@@ -200,7 +204,7 @@ def warm_specs(args) -> list[tuple]:
                 for layout in (args.layouts if op != "db" else ("kn",)):
                     for m in sorted(set(args.m)):
                         configs = [table_pick(op, m, n, k, precision),
-                                   *candidate_configs(op, m, n, k, precision, args.candidates, extra)]
+                                   *candidate_configs(op, m, n, k, precision, args.candidates, extra, args.fma)]
                         for c in configs:
                             red = m if reduced is None else reduced
                             key = (op, layout, precision, c, _size_class(m),
@@ -268,6 +272,8 @@ def main(argv=None) -> int:
                              "'highest' / 'high') and det_gemm's products")
     parser.add_argument("--candidates", action="store_true",
                         help="at M <= 16 (ieee fwd, dA): the small-M kernel's candidates and the tile references")
+    parser.add_argument("--fma", action="store_true",
+                        help="at M > 16 (ieee): the Gluon FMA-dot kernel's tiles (configs.fma_candidates; sm_90)")
     parser.add_argument("--config", nargs="*", default=[],
                         help="candidate tiles BM,BN,BK,GROUP_M,WARPS,STAGES[,VARIANT] at every case")
     parser.add_argument("--rounds", type=int, default=3)
@@ -337,7 +343,7 @@ def run(args) -> int:
                                     first_row = c[:1].clone()
                                 invariant = compare_bits(c[:1], first_row).equal
                             failed |= not ok or invariant is False
-                            cands = candidate_configs(op, m, n, k, precision, args.candidates, extra)
+                            cands = candidate_configs(op, m, n, k, precision, args.candidates, extra, args.fma)
                             bits, errors = {}, {}
                             for config in cands:
                                 try:

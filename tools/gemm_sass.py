@@ -1,10 +1,15 @@
 """Compile det_gemm for sm_90 without a GPU and count the SASS instructions that matter (HGMMA vs HMMA,
-cp.async LDGSTS vs TMA UTMALDG, shared-memory traffic), registers and shared memory per layout and
-kernel variant ("ptr": det_gemm_kernel; "tma": det_gemm_tma_kernel; "tma3": det_gemm_tma3_kernel; "ws":
-kernels/det_gemm/ws.py, Gluon).
+cp.async LDGSTS vs TMA UTMALDG, shared-memory traffic, FP32 FFMA vs FMUL / FADD), registers and shared memory per
+layout and kernel variant ("ptr": det_gemm_kernel; "tma": det_gemm_tma_kernel; "tma3": det_gemm_tma3_kernel; "ws":
+kernels/det_gemm/ws.py, Gluon; "fma": kernels/det_gemm/fma.py, Gluon, FP32 "ieee").
 Compile-only evidence: it says which instructions the kernel uses, not how fast they run.
 
     python -m tools.gemm_sass [--out DIR] [--variants ptr tma] [--cases fwd_weight_t ...] [--json]   # checkout root
+    python -m tools.gemm_sass --variants fma --precision ieee   # every "fma" candidate (configs.fma_candidates)
+
+For FP32 "ieee" rows, ``ffma_per_lds`` is FFMA over shared-memory loads (LDS and LDSM, any width) in the whole
+kernel: the main loop holds all of the FFMA and all but a few of the loads, so it is the loop's ratio, which sets
+how many issue slots the loads take from the fused multiply-adds.
 
 The compile gets the specialisation a real launch on the Qwen3-8B shapes gets: 16-byte-aligned
 pointers, sizes and outer strides divisible by 16, unit inner strides as constants.
@@ -20,7 +25,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, replace
 
-SASS_OP_NAMES = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDSM", "LDS", "STS", "SHFL", "USETMAXREG")
+SASS_OP_NAMES = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDSM", "LDS", "STS", "SHFL", "USETMAXREG", "FFMA",
+                 "FMUL", "FADD")
 SASS_OPS = rf"\b({'|'.join(SASS_OP_NAMES)})[.\w]*"
 
 
@@ -113,6 +119,12 @@ def gluon_sm90_report(fn, types: dict[str, str], consts: dict, maxnreg: int) -> 
             "shared": k.metadata.shared, "serialized": "Performance Loss" in info}
 
 
+def dot_precisions(ttgir: str) -> list[str]:
+    """The input precisions of a TTGIR's ``tt.dot`` ops (the attribute is printed only when not "ieee")."""
+    found = (re.search(r"inputPrecision = (\w+)", line) for line in re.findall(r"tt\.dot [^\n]*", ttgir))
+    return sorted({m.group(1) if m else "ieee" for m in found})
+
+
 def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = False,
                twin: bool = False, precision: str = "bf16") -> tuple[object, dict, dict]:
     """(kernel, signature, constexprs) of one launch of ``case`` with ``cfg``; ``precision``: the kernels'
@@ -127,7 +139,26 @@ def _signature(case: SassCase, cfg, segmented: bool = False, out_fp32: bool = Fa
               "TWIN": twin, "B_K_MAJOR": case.b_k_major, "PRECISION": precision,
               "OUT_FP16": operand == "fp16" and not out_fp32}
     c_type = "*fp32" if out_fp32 else f"*{operand}"
-    if cfg.variant == "ws":
+    if cfg.variant == "fma":
+        from triton.experimental.gluon import language as gl
+
+        from detkit.kernels.det_gemm.configs import fma_micro_tile
+        from detkit.kernels.det_gemm.fma import det_gemm_fma_kernel
+
+        if segmented or precision != "ieee":
+            raise ValueError(f"variant 'fma' compiles for FP32 'ieee' operands with one segment; got precision "
+                             f"{precision!r}, segmented={segmented}")
+        fn = det_gemm_fma_kernel
+        a_box = [cfg.block_k, cfg.block_m] if case.a_m_major else [cfg.block_m, cfg.block_k]
+        b_box = [cfg.block_n, cfg.block_k] if case.b_k_major else [cfg.block_k, cfg.block_n]
+        ptrs = {"a_desc": gluon_desc_type(*a_box, gl.float32), "b_desc": gluon_desc_type(*b_box, gl.float32),
+                "c_ptr": "*fp32", "twin_ptr": "*fp32"}
+        micro_m, micro_n, warps_m = fma_micro_tile(cfg.block_m, cfg.block_n, cfg.num_warps)
+        consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
+                  "STAGES": cfg.num_stages, "MICRO_M": micro_m, "MICRO_N": micro_n, "WARPS_M": warps_m,
+                  "TWIN": twin, "A_M_MAJOR": case.a_m_major, "B_K_MAJOR": case.b_k_major, "PRECISION": "ieee",
+                  "stride_cc": 1}
+    elif cfg.variant == "ws":
         from triton.experimental.gluon import language as gl
 
         from detkit.kernels.det_gemm.ws import consumers, det_gemm_ws_kernel, operand_layout, ws_tma_store
@@ -193,6 +224,12 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
         from detkit.kernels.det_gemm.ws import max_regs
 
         source, options = GluonASTSource, {"num_warps": 4, "maxnreg": max_regs(cfg.num_warps)}
+    elif cfg.variant == "fma":  # Gluon: its own ring; the launch's options
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        from detkit.kernels.det_gemm.fma import fma_options
+
+        source, options = GluonASTSource, fma_options(cfg.num_warps)
     else:
         source = ASTSource
     src = source(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
@@ -213,15 +250,20 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
         counts[m.group(1)] += 1
     resources = cuobjdump("--dump-resource-usage", cubin)
     usage = re.search(r"REG:(\d+)", resources)
+    counts["LDS128"] = len(re.findall(r"\bLDS\.128\b", sass))
+    shared_loads = counts["LDS"] + counts["LDSM"]
     return {"case": tag, "op": case.op, "layout": case.tag, "variant": variant, "config": cfg.label(),
             "regs": int(usage.group(1)) if usage else None, "stack_bytes": stack_bytes(resources),
-            "shared_bytes": kernel.metadata.shared, **counts}
+            "shared_bytes": kernel.metadata.shared, **counts,
+            "dot_precisions": dot_precisions(kernel.asm["ttgir"]),
+            "ffma_per_lds": counts["FFMA"] / shared_loads if shared_loads else None}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/sass")
-    parser.add_argument("--variants", nargs="+", default=["ptr", "tma"], choices=["ptr", "tma"])
+    parser.add_argument("--variants", nargs="+", default=["ptr", "tma"], choices=["ptr", "tma", "fma"],
+                        help="fma: every configs.fma_candidates tile (FP32 operands: with --precision ieee)")
     parser.add_argument("--cases", nargs="+", default=[c.name for c in CASES], choices=[c.name for c in CASES])
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "ieee", "tf32"],
                         help="bf16 / fp16: those operands; ieee / tf32: FP32 operands and their products' precision")
@@ -229,17 +271,24 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target, not the interpreter
     os.makedirs(args.out, exist_ok=True)
-    rows = [build(case, variant, args.out, precision=args.precision) for variant in args.variants for case in CASES
-            if case.name in args.cases]
+    if "fma" in args.variants and args.precision != "ieee":
+        parser.error("--variants fma compiles FP32 'ieee' operands: pass --precision ieee")
+    from detkit.kernels.det_gemm.configs import fma_candidates
+
+    rows = [build(case, variant, args.out, config=config, precision=args.precision)
+            for variant in args.variants for config in (fma_candidates() if variant == "fma" else (None,))
+            for case in CASES if case.name in args.cases]
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(rows, f, indent=1)
     if args.json:
         print(json.dumps(rows))
         return
     for r in rows:
+        fp32 = "" if r["ffma_per_lds"] is None else (f" FFMA {r['FFMA']} FMUL {r['FMUL']} FADD {r['FADD']} "
+                                                      f"FFMA/LDS {r['ffma_per_lds']:.1f} stack {r['stack_bytes']}")
         print(f"{r['case']:22s} {r['config']:32s} REG {r['regs']} smem {r['shared_bytes'] // 1024} KiB "
               f"HGMMA {r['HGMMA']} HMMA {r['HMMA']} UTMALDG {r['UTMALDG']} LDGSTS {r['LDGSTS']} "
-              f"LDSM {r['LDSM']} LDS {r['LDS']} STS {r['STS']} SHFL {r['SHFL']}", flush=True)
+              f"LDSM {r['LDSM']} LDS {r['LDS']} STS {r['STS']} SHFL {r['SHFL']}{fp32}", flush=True)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,44 @@ def interpreter_step_k(config: "GemmConfig") -> int:
 
 # The small-M FP32 kernel's variants (kernels/det_gemm/gemv.py), one per way of loading the operands.
 GEMV_VARIANTS = ("gemv_row", "gemv_vec", "gemv_tile")
-VARIANTS = ("ptr", "tma", "tma3", "ws", *GEMV_VARIANTS)
+VARIANTS = ("ptr", "tma", "tma3", "ws", "fma", *GEMV_VARIANTS)
 # A TMA box has at most 256 elements per dim (cuTensorMapEncodeTiled's boxDim limit).
 TMA_MAX_BOX = 256
+
+# The "fma" variant's register tile (kernels/det_gemm/fma.py): a thread's share of the output tile (rows x cols) by
+# its element count (block_m x block_n / threads); lanes 4 x 8 per warp. A thread reads rows + cols operand values
+# from shared memory per k for rows x cols FMAs, and an SM's shared memory delivers at most 32 values (128 bytes) per
+# clock, so the FP32 FMA peak (128 per clock per SM) needs rows x cols / (rows + cols) >= 4: 8x8 meets it exactly,
+# 8x16 with room (5.3), 8x4 and 4x4 reach 2/3 and 1/2 of it. 8x16 is the most the registers hold (255 per thread,
+# no spills on the sm_90 compiles).
+FMA_LANES = (4, 8)
+FMA_MICRO = {128: (8, 16), 64: (8, 8), 32: (8, 4), 16: (4, 4)}
+# sm_90's shared memory per block (opt-in), less 1 KiB for the mbarriers and alignment.
+FMA_SHARED_BYTES = 227 * 1024 - 1024
+
+
+def fma_micro_tile(block_m: int, block_n: int, num_warps: int) -> tuple[int, int, int]:
+    """(rows, cols, warps along M) of an "fma" tile: each thread owns rows x cols outputs (FMA_MICRO), the warps
+    tile the block as warps_m x (num_warps / warps_m) with FMA_LANES lanes each. Refuses, naming the values, a tile
+    that this does not cover exactly."""
+    threads = 32 * num_warps
+    elems = block_m * block_n // threads
+    if block_m * block_n % threads or elems not in FMA_MICRO:
+        raise ValueError(f"variant 'fma' needs block_m x block_n / (32 x num_warps) in {sorted(FMA_MICRO)} (a thread's "
+                         f"8x16, 8x8, 8x4 or 4x4 outputs); got {block_m}x{block_n} on {num_warps} warps")
+    rows, cols = FMA_MICRO[elems]
+    lanes_m, lanes_n = FMA_LANES
+    warps_m, warps_n = block_m // (rows * lanes_m), block_n // (cols * lanes_n)
+    if warps_m * rows * lanes_m != block_m or warps_n * cols * lanes_n != block_n or warps_m * warps_n != num_warps:
+        raise ValueError(f"variant 'fma' cannot tile {block_m}x{block_n} with {rows}x{cols} per thread, {lanes_m}x"
+                         f"{lanes_n} lanes per warp and {num_warps} warps; supported: block_m a multiple of "
+                         f"{rows * lanes_m} and block_n of {cols * lanes_n} that use every warp")
+    return rows, cols, warps_m
+
+
+def fma_ring_bytes(config: "GemmConfig") -> int:
+    """Shared memory of an "fma" config's operand ring: num_stages FP32 A and B tiles."""
+    return config.num_stages * (config.block_m + config.block_n) * config.block_k * 4
 
 
 @dataclass(frozen=True)
@@ -56,7 +91,9 @@ class GemmConfig:
     # warp-specialized: one TMA producer warp, num_warps / 4 consumer warpgroups (each block_m / (num_warps / 4)
     # rows of the tile), num_stages ring slots. "gemv_row" / "gemv_vec" / "gemv_tile": det_gemm_gemv_kernel
     # (kernels/det_gemm/gemv.py; FP32 "ieee" operands only), explicit FMA chains, its loads per k row, per 4 k's or per
-    # tile; num_stages > 1 pipelines its loop's loads through shared memory.
+    # tile; num_stages > 1 pipelines its loop's loads through shared memory. "fma": kernels/det_gemm/fma.py (Gluon,
+    # sm_90 only; FP32 "ieee" operands only), the FMA dot on register micro-tiles (fma_micro_tile), TMA into a
+    # num_stages ring.
     # Same per-element math; the cross-config audit checks the bits.
     variant: str = "ptr"
 
@@ -77,7 +114,7 @@ class GemmConfig:
         if self.variant == "ws" and (self.num_warps not in (4, 8, 12) or self.block_m % 64):
             raise ValueError(f"variant 'ws' needs 4, 8 or 12 warps and block_m a multiple of 64 rows; got "
                              f"num_warps {self.num_warps}, block_m {self.block_m}")
-        if self.variant in ("tma", "tma3", "ws"):
+        if self.variant in ("tma", "tma3", "ws", "fma"):
             for field, value in (("block_m", self.block_m), ("block_n", self.box_n), ("block_k", self.block_k)):
                 if value > TMA_MAX_BOX or value & (value - 1):
                     what = "block_n / 3" if field == "block_n" and self.variant == "tma3" else field
@@ -85,6 +122,12 @@ class GemmConfig:
                                      f"(one TMA box dim); got {value}")
         if self.variant == "tma3" and self.box_n < 16:
             raise ValueError(f"variant 'tma3' needs block_n / 3 >= 16 (one MMA's N); got {self.box_n}")
+        if self.variant == "fma":
+            fma_micro_tile(self.block_m, self.block_n, self.num_warps)
+            if fma_ring_bytes(self) > FMA_SHARED_BYTES:
+                raise ValueError(f"variant 'fma' needs {fma_ring_bytes(self)} bytes of shared memory for "
+                                 f"{self.num_stages} stages of {self.block_m}x{self.block_k} and {self.block_k}x"
+                                 f"{self.block_n} FP32 tiles; sm_90 has {FMA_SHARED_BYTES} for them: use fewer stages")
         if self.variant in GEMV_VARIANTS:
             for field, value in (("block_m", self.block_m), ("block_n", self.block_n), ("block_k", self.block_k)):
                 if value & (value - 1):
@@ -469,12 +512,30 @@ def all_configs(op: str, backend: str = CUDA_SM90, dtype: torch.dtype = torch.bf
         raise ValueError(f"op {op!r} is not supported; supported: {OPS}")
     configs = (c for _, e in table[op] for c in entry_configs(e))
     gluon = backend == CUDA_SM90 and dtype == torch.bfloat16
+    configs = (c if backend == CUDA_SM90 else fma_twin(c) for c in configs)
     return list(dict.fromkeys(c if gluon else ws_twin(c) for c in configs))
 
 
 def ws_twin(config: GemmConfig) -> GemmConfig:
     """A "ws" config as the TMA kernel with the same tile (the same K order, so the same bits); others as they are."""
     return replace(config, variant="tma") if config.variant == "ws" else config
+
+
+def fma_twin(config: GemmConfig) -> GemmConfig:
+    """An "fma" config as the pointer kernel with the same tile (its FMA dot runs the same chain per output, so the
+    same bits): what runs where the Gluon kernel cannot. Others as they are."""
+    return replace(config, variant="ptr") if config.variant == "fma" else config
+
+
+def fma_candidates() -> tuple[GemmConfig, ...]:
+    """The "fma" tiles a GPU run times at M >= 17 (tools/gpu/fp32_fma.sh), none pinned in CONFIG_TABLE_FP32 yet. Each
+    sm_90 compile (tools/gemm_sass.py --variants fma) issues at least 4 FFMA per shared-memory load and spills nothing,
+    on every operand layout det_gemm gives it: 8x16 outputs per thread (21 FFMA per LDS.128) on 128x128 and 4 warps
+    (two CTAs per SM) and on 128x256 and 8 warps (one); 8x8 (16 FFMA per LDS.128) on 128x128 and 8 warps, 3 and 4
+    stages; 8x4 on 128x64 and 8 warps (at most 128 registers: two CTAs per SM)."""
+    return (GemmConfig(128, 128, 32, 8, 4, 3, "fma"), GemmConfig(128, 256, 32, 8, 8, 3, "fma"),
+            GemmConfig(128, 128, 32, 8, 8, 3, "fma"), GemmConfig(128, 128, 32, 8, 8, 4, "fma"),
+            GemmConfig(128, 64, 32, 8, 8, 4, "fma"))
 
 
 def device_sms(device: torch.device) -> int:

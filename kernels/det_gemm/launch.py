@@ -51,6 +51,11 @@ all in kernels/det_gemm/kernels.py:
   only, beside tiles with a pointer twin: when an operand is not TMA-addressable the entry picks among
   those instead (same bits).
 
+``det_gemm_fma_kernel`` (``variant == "fma"``; kernels/det_gemm/fma.py, Gluon, sm_90 only): FP32 "ieee" operands on
+the FMA dot with register micro-tiles of its choosing, TMA into a shared-memory ring; the same chain per output, so
+the same bits. A table pick of "fma" runs as the pointer kernel with the same tile where Gluon cannot (not sm_90,
+seg_len segments) or an operand is not TMA-addressable; an "fma" config passed by the caller is refused there.
+
 FP32 "ieee" at M <= 16 runs ``det_gemm_gemv_kernel`` (kernels/det_gemm/gemv.py; variants "gemv_row", "gemv_vec",
 "gemv_tile"): pointer loads over the same strides, explicit fused multiply-adds computing each output as the chain the
 FMA dot computes (ascending k from +0.0), so the same bits as every tile config; other operand kinds with a "gemv_*"
@@ -83,13 +88,14 @@ from detkit.kernels.backend import (
 from detkit.kernels.det_gemm.configs import (  # noqa: F401 (the table and its arithmetic, re-exported)
     CONFIG_TABLE, CONFIG_TABLE_FP32, CONFIG_TABLE_VERSION, FP32_CONFIG_TABLE_VERSION, HOPPER_SMS, INTERPRETER_MAX_BLOCK_NUMEL, SMEM_BARRIER_SLACK, SMEM_PER_SM,
     SMEM_RESERVED_PER_CTA, TMA_MAX_BOX, ByWidth, FewestWaves, GEMV_VARIANTS, VARIANTS, GemmConfig, OneWave, all_configs, config_table, ctas_per_sm, device_sms,
-    entry_configs, interpreter_step_k, operand_ring_bytes, output_tiles, select_config, ws_twin,
+    entry_configs, fma_micro_tile, fma_twin, interpreter_step_k, operand_ring_bytes, output_tiles, select_config, ws_twin,
 )
 from detkit.kernels.det_gemm.kernels import (  # noqa: F401 (the kernels and their tile math, re-exported)
     accumulate, det_gemm_kernel, det_gemm_tma3_kernel, det_gemm_tma_kernel, fp32_to_bf16_rtne, mac_step,
     segment_boundary, store_tile, tile_of_program, tma_tile,
 )
 from detkit.kernels.det_gemm.reference import det_gemm_da_ref, det_gemm_db_ref, det_gemm_fwd_ref  # noqa: F401
+from detkit.kernels.det_gemm.fma import det_gemm_fma_kernel, fma_descriptor, fma_options
 from detkit.kernels.det_gemm.gemv import det_gemm_gemv_kernel
 from detkit.kernels.det_gemm.ws import consumers, det_gemm_ws_kernel, max_regs, ws_descriptor, ws_tma_store
 from detkit.kernels.det_gemm.names import KINDS, _OP_IDS, OPS, _launch_metadata, _layer_dims, case_name  # noqa: F401 (re-exported)
@@ -314,7 +320,9 @@ def _table_pick(op: str, m: int, rows: int, cols: int, views, device: torch.devi
         config = select_config(op, m, cols=cols, rows=rows, sms=sms, tma3=False, dtype=dtype, precision=precision)
     if backend != CUDA_SM90 or segmented or dtype != torch.bfloat16:  # the Gluon kernel takes BF16 only
         config = ws_twin(config)
-    if config.variant in ("tma", "ws") and not addressable(config):
+    if backend != CUDA_SM90 or segmented or precision != "ieee":  # the "fma" Gluon kernel: FP32 "ieee", one segment
+        config = fma_twin(config)
+    if config.variant in ("tma", "ws", "fma") and not addressable(config):
         config = replace(config, variant="ptr")
     return config
 
@@ -402,6 +410,10 @@ def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, se
     if config.variant == "ws" and kind != "bf16":
         raise ValueError(f"variant 'ws' (the Gluon kernel) takes BF16 operands only; got {x.dtype}: use a 'ptr', "
                          "'tma' or 'tma3' config for FP16 and FP32 operands")
+    if config.variant == "fma" and kind != "ieee":
+        raise ValueError(f"variant 'fma' (the Gluon FMA-dot kernel) takes FP32 operands with precision 'ieee' only; got "
+                         f"{x.dtype}" + (f", precision {kind!r}" if kind == "tf32" else "")
+                         + ": use a 'ptr', 'tma' or 'tma3' config")
     if config.variant in GEMV_VARIANTS and kind != "ieee":
         raise ValueError(f"variant {config.variant!r} (explicit FP32 fused multiply-adds) takes FP32 operands with "
                          f"precision 'ieee' only; got {x.dtype}" + (f", precision {kind!r}" if kind == "tf32" else "")
@@ -425,6 +437,14 @@ def _build_plan(op: str, x: _Operand, y: _Operand, config: GemmConfig | None, se
                              f"block_m {16 * config.num_warps} per {config.num_warps} warps; got block_m "
                              f"{config.block_m}")
         launch = _ws_launch(geometry, config, twin is not None, min(tiles, device_sms(device)))
+    elif config.variant == "fma":
+        if backend != CUDA_SM90:
+            raise ValueError(f"variant 'fma' is a Gluon kernel for sm_90 and has no {backend!r} path; use a 'ptr' "
+                             "config with the same tile there (the same bits)")
+        if seg != reduced:
+            raise ValueError("variant 'fma' keeps one FP32 accumulator (no seg_len segments); use a 'ptr' config for "
+                             "segmented calls")
+        launch = _fma_launch(geometry, config, twin is not None, tiles)
     else:
         constexprs = dict(
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STEP_K=step_k,
@@ -638,6 +658,40 @@ def _ws_launch(g: _Geometry, config: GemmConfig, twin_on: bool, programs: int):
         args = template.copy()
         args[i_a], args[i_b], args[i_c], args[i_twin] = a_desc, b_desc, c, store
         args[i_cd], args[i_td] = c_desc, twin_desc
+        direct(args)
+        return c
+    return launch
+
+
+def _fma_launch(g: _Geometry, config: GemmConfig, twin_on: bool, tiles: int):
+    """The Gluon FMA-dot kernel (kernels/det_gemm/fma.py): TMA descriptors over each FP32 operand in its storage
+    order, one program per output tile."""
+    a_m_major, a_shape, a_strides, a_box = _descriptor_layout(
+        g.x.name, g.x.shape, g.x.stride, 4, g.x.misalign, g.a_shape, g.a_stride, (config.block_m, config.block_k), "fma")
+    b_k_major, b_shape, b_strides, b_box = _descriptor_layout(
+        g.y.name, g.y.shape, g.y.stride, 4, g.y.misalign, g.b_shape, g.b_stride, (config.block_k, config.block_n), "fma")
+    micro_m, micro_n, warps_m = fma_micro_tile(config.block_m, config.block_n, config.num_warps)
+    rows, cols, device = g.rows, g.cols, g.device
+    static = dict(R=rows, C=cols, L=g.reduced, stride_cr=cols, stride_cc=1, op_id=_OP_IDS[g.op],
+                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                  STAGES=config.num_stages, MICRO_M=micro_m, MICRO_N=micro_n, WARPS_M=warps_m, TWIN=twin_on,
+                  A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, PRECISION="ieee")
+    template, (i_a, i_b, i_c, i_twin) = _arg_list(det_gemm_fma_kernel, static, ("a_desc", "b_desc", "c_ptr", "twin_ptr"))
+    direct = DirectLaunch(det_gemm_fma_kernel, (tiles,), fma_options(config.num_warps), device,
+                          dynamic=(i_a, i_b, i_c, i_twin))
+    check = _storage_check(g)
+
+    def launch(x, y, twin):
+        check(x, y, twin)
+        ensure_thread_cuda_context(device)
+        if direct.ready:  # the launcher encodes each descriptor from base, shape and strides
+            a_desc, b_desc = host_descriptor(x, a_shape, a_strides), host_descriptor(y, b_shape, b_strides)
+        else:  # the first launch specializes on real descriptors (block shapes and shared layouts)
+            a_desc = fma_descriptor(x, a_shape, a_strides, a_box)
+            b_desc = fma_descriptor(y, b_shape, b_strides, b_box)
+        c = torch.empty((rows, cols), dtype=torch.float32, device=device)
+        args = template.copy()
+        args[i_a], args[i_b], args[i_c], args[i_twin] = a_desc, b_desc, c, c if twin is None else twin
         direct(args)
         return c
     return launch
