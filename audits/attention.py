@@ -253,9 +253,9 @@ def bound_rows(ctx: RunContext, shape: AuditShape) -> Iterator[Row]:
         with nvtx_range(f"contract {case.name}"):
             got = fwd_bwd(q, k, v, do, kv_start=kv_start)
         o_star, o_bound = attention_fwd_bound(q, k, v, kv_start=kv_start, block_n=cfg.fwd.block_n,
-                                              split_n=cfg.split_n)
+                                              split_n=cfg.smallest_split)
         bwd = attention_bwd_bound(q, k, v, do, kv_start=kv_start, block_n=min(cfg.fwd.block_n, cfg.dq.block_n),
-                                  block_m=cfg.dkdv.block_m, split_n=cfg.split_n)
+                                  block_m=cfg.dkdv.block_m, split_n=cfg.smallest_split)
         for key, (star, bound) in (("o", (o_star, o_bound)), *bwd.items()):
             result = check_bound(got[key], star, bound)
             details = {"tensor": key, "configs": cfg.label(), **result.as_row(), **drift_stats(got[key], star, "fp64", bound)}
@@ -332,9 +332,9 @@ def variant_bound_rows(ctx: RunContext, shape: AuditShape, head_dim: int) -> Ite
         got = {"o": o.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
         if sinks is not None:
             got["dsinks"] = sinks.grad
-        o_star, o_bound = attention_fwd_bound(q, k, v, block_n=cfg.fwd.block_n, split_n=cfg.split_n, **kw)
+        o_star, o_bound = attention_fwd_bound(q, k, v, block_n=cfg.fwd.block_n, split_n=cfg.smallest_split, **kw)
         bwd = attention_bwd_bound(q, k, v, do, block_n=min(cfg.fwd.block_n, cfg.dq.block_n),
-                                  block_m=cfg.dkdv.block_m, split_n=cfg.split_n, **kw)
+                                  block_m=cfg.dkdv.block_m, split_n=cfg.smallest_split, **kw)
         for key, (star, bound) in (("o", (o_star, o_bound)), *bwd.items()):
             result = check_bound(got[key], star, bound)
             details = {"tensor": key, "variant": label, "configs": cfg.label(), **result.as_row(),

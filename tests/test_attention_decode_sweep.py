@@ -26,7 +26,7 @@ def test_tiny_sweep_writes_every_candidates_cases_bits_and_report(cpu_only, tmp_
     real_call = ds.detkit_call
 
     def failing_paged(case, inp, configs=None):  # one candidate fails at one case: an error cell, not a crash
-        if case.mode == "paged_decode" and configs.split_n == 16:
+        if case.mode == "paged_decode" and configs.split_tiers == ((None, 16),):
             raise RuntimeError("injected launch failure")
         return real_call(case, inp, configs)
 
@@ -38,7 +38,7 @@ def test_tiny_sweep_writes_every_candidates_cases_bits_and_report(cpu_only, tmp_
     assert doc["meta"]["backend"] == "triton_interpreter" and "NOT a hardware result" in doc["meta"]["label"]
     assert doc["meta"]["candidates"] == doc["meta"]["candidates_timed"] == 2 and doc["meta"]["stopped"] is None
     pinned, other = doc["candidates"]
-    assert pinned["pinned"] and pinned["candidate"] == "BM16_BN16_w4_s1 split32 heads<0 grid<8 programs~2"
+    assert pinned["pinned"] and pinned["candidate"] == "BM16_BN16_w4_s1 split32:16/64:32/64 heads<0 grid<8 programs~2"
     assert other["candidate"] == "BM16_BN16_w4_s1 split16 heads<0 grid<8 programs~2" and not other["pinned"]
     labels = [c.label for c in ds.cases(ds.TINY_SHAPES, 64)]
     assert labels == ["decode B1 K24", "decode B2 K40", "prefill B1 S24", "paged B2 K40"]
@@ -50,7 +50,7 @@ def test_tiny_sweep_writes_every_candidates_cases_bits_and_report(cpu_only, tmp_
         # prefill have their prefill's bits; the steps ran both grids (1 and 2+ splits).
         assert row["bits_ok"] and row["bit_mismatches"] == 0 and row["bit_elements"] > 0, row
         assert row["decode_grids"] == ["one_pass", "split"] and row["head_dim"] == 64
-    # A split of one key tile instead of two folds differently: pinning it would bump the table version.
+    # One key tile a split for every row folds differently from the tiers: pinning it would bump the table version.
     assert pinned["same_bits_as_pinned"] is True and other["same_bits_as_pinned"] is False
     for label in labels:
         cell = pinned["cases"][label]
@@ -83,9 +83,9 @@ def test_bits_check_reports_a_decode_that_differs_from_its_prefill(cpu_only, mon
 
     real = attn.attention
 
-    def decode_on_other_splits(q, k, v, **kw):  # decode steps fold 16-key splits, the prefill 32-key ones
+    def decode_on_other_splits(q, k, v, **kw):  # decode steps fold 16-key splits, the prefill the tiers' ones
         if q.shape[2] == 1:
-            kw["configs"] = replace(kw["configs"], split_n=16)
+            kw["configs"] = replace(kw["configs"], split_tiers=((None, 16),))
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(attn, "attention", decode_on_other_splits)
@@ -143,17 +143,18 @@ def test_gpu_grid_candidates_and_warm_paths():
     assert grid.split_heads_below == (0, 264) and grid.split_grid_below == (pinned.split_grid_below, 528)
     cands = ds.candidates(128, "cuda_sm90", grid, spread=True)
     assert cands != ds.candidates(128, "cuda_sm90", grid) and cands == ds.candidates(128, "cuda_sm90", grid, True)
-    # 3 splits x 2 BLOCK_M x 2 BLOCK_N x 2 warp counts x 3 stage counts x 2 x 2 thresholds; the pinned entry is one;
-    # then the pinned entry with one split a program, second.
+    # 3 split tables x 2 BLOCK_M x 2 BLOCK_N x 2 warp counts x 3 stage counts x 2 x 2 thresholds; the pinned entry is
+    # one; then the pinned entry with one split a program, second.
     assert len(cands) == 289 and len({c.label for c in cands}) == 289
     assert cands[0].pinned and cands[0].configs == pinned and not any(c.pinned for c in cands[1:])
     assert cands[1].configs == dataclasses.replace(pinned, split_grid_programs=0)
     assert all(c.configs.dkdv == pinned.dkdv and c.configs.dq == pinned.dq for c in cands)
-    assert {(c.configs.fwd.block_m, c.configs.split_n) for c in cands} == {(m, s) for m in (64, 128)
-                                                                            for s in (512, 1024, 2048)}
+    tables = (pinned.split_tiers, ((2048, 256), (8192, 512), (None, 1024)), ((4096, 256), (16384, 512), (None, 2048)))
+    assert {(c.configs.fwd.block_m, c.configs.split_tiers) for c in cands} == {(m, s) for m in (64, 128)
+                                                                                for s in tables}
     assert len(ds.candidates(256, "cuda_sm90", ds.gpu_grid(256, 132, select_configs("cuda_sm90", 256)))) == 145
     jobs = ds.warm_jobs([128], sms=132)
-    tiles = {(cands[i].configs.fwd, cands[i].configs.split_n) for _, i, _ in jobs if i >= 0}
+    tiles = {(cands[i].configs.fwd, cands[i].configs.split_tiers) for _, i, _ in jobs if i >= 0}
     assert len(tiles) == 72 and len(jobs) == 72 * len(ds.WARM_PATHS) + 1 and jobs[-1] == (128, -1, "fwd_bwd")
 
 
@@ -191,11 +192,20 @@ def test_grid_override_replaces_the_named_fields_and_refuses_others(monkeypatch)
     from tools import attention_decode_sweep as sweep
 
     pinned = select_configs("cuda_sm90", 128)
-    assert sweep.parse_grid_override("split_n=256,512") == ("split_n", (256, 512))
-    monkeypatch.setattr(sweep, "GRID_OVERRIDES", {"split_n": (256, 512), "num_warps": (4,)})
+    tables = (((None, 256),), ((2048, 256), (16384, 512), (None, 1024)))
+    text = "split_tiers=256,2048:256/16384:512/1024"
+    assert sweep.parse_grid_override(text) == ("split_tiers", tables)
+    assert sweep.grid_override_text("split_tiers", tables) == text  # as handed to the warm workers
+    assert sweep.grid_override_text("num_warps", (4, 8)) == "num_warps=4,8"
+    monkeypatch.setattr(sweep, "GRID_OVERRIDES", {"split_tiers": tables, "num_warps": (4,)})
     grid = sweep.gpu_grid(128, 132, pinned)
-    assert grid.split_n == (256, 512) and grid.num_warps == (4,)
+    assert grid.split_tiers == tables and grid.num_warps == (4,)
     assert grid.block_n == sweep._gpu_grid(128, 132, pinned).block_n  # the other fields as the grid has them
-    for bad in ("split=256", "split_n=", "split_n=a,b", "ungrouped=1"):
+    assert sweep.bits_keys(sweep.GPU_SHAPES, grid) == 16384 + 1024 + 300  # past the largest bound by a split
+    assert sweep.bits_keys(sweep.TINY_SHAPES, sweep.tiny_grid(select_configs("triton_interpreter", 64))) == 69
+    positions = sweep.bits_positions(pinned, 17708)
+    assert {2047, 2048, 16383, 16384, 255, 256, 1023, 1024, 17707} <= set(positions)  # each tier's edges and bound
+    for bad in ("split=256", "split_tiers=", "split_tiers=a,b", "split_tiers=2048:256", "split_n=256",
+                "num_warps=2048:256/512", "ungrouped=1"):
         with pytest.raises(argparse.ArgumentTypeError, match="--grid"):
             sweep.parse_grid_override(bad)

@@ -6,7 +6,8 @@ Against the FP64 oracle computed unpadded (the derived bound, with Dqk in the QK
 and the pure-torch reference; masked = padded bit for bit on both forward grids; the invariance rule bit for bit
 (decode vs prefill vs chunked prefill, batch, left and right padding, a static cache, packed vs padded, both forward
 grids); backward within its bound, repeatable and batch-invariant; the adapters; the refusals. CPU shapes are tiny
-(the interpreter's 16-key tiles and 32-key splits); the GPU tests at DeepSeek-V3's head dims are marked ``gpu``."""
+(the interpreter's 16-key tiles; 16-key splits for rows of up to 32 keys, 32-key splits beyond); the GPU tests at
+DeepSeek-V3's head dims are marked ``gpu``."""
 
 import dataclasses
 import math
@@ -146,7 +147,7 @@ def test_masked_forward_gives_the_padded_forward_bits(dqk, dv, path, device, mon
     """The inference forward reads q, k, v in place (views into NaN-padded tensors: a column read past the head
     dim would show) and stores o [B, Sq, Hq, Dv]; its prefill and decode steps give the bits of the padded path's
     prefill (zero-padded copies on the native kernel), which the trainer's autograd forward runs."""
-    seq = 37  # three 16-key tiles, two 32-key splits
+    seq = 37  # three 16-key tiles; rows to key extent 32 in 16-key splits, later rows in 32-key splits
     q, k, v = _mla(2, 4, 2, seq, seq, dqk, dv, 171, device, q_scale=2.0)
     kv_start = _i32([0, 3], device)
     configs = _paths(device, dqk, dv)[path]
@@ -158,7 +159,7 @@ def test_masked_forward_gives_the_padded_forward_bits(dqk, dv, path, device, mon
     prefill = attention(qw, kw, vw, kv_start=kv_start, configs=configs)
     assert prefill.shape == (2, 4, seq, dv) and prefill.transpose(1, 2).is_contiguous()
     _bits(prefill, padded, "prefill")
-    for i in (5, 31, 32, seq - 1):  # from sequence 1's first key; both sides of the split edge
+    for i in (5, 31, 32, seq - 1):  # from sequence 1's first key; both sides of the 32-key bound
         step = attention(qw[:, :, i:i + 1], kw[:, :, :i + 1], vw[:, :, :i + 1], kv_start=kv_start, configs=configs)
         _bits(step, padded[:, :, i:i + 1], f"decode {i}")
 
@@ -166,7 +167,7 @@ def test_masked_forward_gives_the_padded_forward_bits(dqk, dv, path, device, mon
 # ---- the invariance rule through the masked head dims ----------------------------------------------------------
 def test_decode_prefill_chunked_batch_padding_and_packing_give_the_same_bits(device):
     """Inference calls (no autograd): the masked forward on every path."""
-    seq, dqk, dv = 37, 64, 32  # 37 keys: three 16-key tiles, two 32-key splits
+    seq, dqk, dv = 37, 64, 32  # 37 keys: three 16-key tiles; 16-key splits to key extent 32, 32-key splits beyond
     q, k, v = _mla(2, 4, 2, seq, seq, dqk, dv, 151, device)
     prefill = attention(q, k, v)
     for path, configs in _paths(device, dqk, dv).items():
@@ -310,7 +311,7 @@ def test_gpu_deepseek_v3_masked_decode_gives_the_padded_decode_bits(device, monk
     """DeepSeek-V3's head dims (qk 192, v 128 on the 256 tiles), 128 heads: the inference forward reads q, k, v in
     place (no padded copy) and gives the bits of the zero-padded copies on the native kernel, in decode steps on
     both grids, captured in a CUDA graph (the split grid, as a captured decode step runs it) and in a prefill."""
-    heads, dqk, dv, batch, seq = 128, 192, 128, 2, 1100  # 3 splits of 512 keys
+    heads, dqk, dv, batch, seq = 128, 192, 128, 2, 1100  # 5 splits of 256 keys
     scale = dqk ** -0.5 * 1.3
     q, k, v = _mla(batch, heads, heads, seq, seq, dqk, dv, 173, device)
     padded_prefill = _padded(q, k, v, scale=scale)

@@ -5,7 +5,8 @@ placement, in decode, chunked prefill on cached pages (a cached prefix) and mixe
 head dims the tiles do not have (MLA's narrower v_cache, one head dim between the kernel's) read in place with the
 bits of zero-padded copies; within the FP64 bound; every refusal is one line, raised before any launch. Storages
 are NaN outside the sequences' rows, so a row read from the wrong place would show. CPU shapes are tiny: the
-interpreter's split is 32 keys (2 tiles of 16), so 70 keys span 3 splits."""
+interpreter's splits are 16, 32 and 64 keys (1, 2 and 4 tiles of 16) by each row's key extent (up to 32, up to 64,
+beyond), so 70 keys cross both tier bounds."""
 
 import dataclasses
 
@@ -81,12 +82,13 @@ def _make(lens_q, lens_k, page_size, device, heads_q=4, heads_kv=2, head_dim=64,
 
 
 # ---- bits: paged = contiguous -------------------------------------------------------------------------------
-# 4 and 16 divide the 32-key split; 48 is larger than a split and 5 divides neither a tile nor a split. Both grids
-# run the same load code: each page size on one, 16 and 5 on both.
+# 4 and 16 divide every split; 48 is larger than the 16- and 32-key splits and divides none, and 5 divides neither a
+# tile nor a split. Both grids run the same load code: each page size on one, 16 and 5 on both.
 @pytest.mark.parametrize("page_size,path", [(4, "split_grid"), (16, "one_pass"), (16, "split_grid"),
                                             (48, "split_grid"), (5, "one_pass"), (5, "split_grid")])
 def test_paged_bits_equal_the_contiguous_keys_for_any_page_size_and_placement(page_size, path, device):
-    # Decode at 70 keys (3 splits), a one-key sequence, a 6-query chunk on 31 cached keys, a 12-token prefill.
+    # Decode at 70 keys (two 64-key splits), a one-key sequence, a 6-query chunk on 31 cached keys (its rows on both
+    # sides of the 32-key bound), a 12-token prefill.
     lens_k, lens_q = [70, 1, 37, 12], [1, 1, 6, 12]
     case = _make(lens_q, lens_k, page_size, device, seed=page_size)
     configs = forced_paths(device, 64)[path]
@@ -135,7 +137,7 @@ def test_decode_and_chunks_on_cached_pages_give_the_prefill_bits(device):
     seq, page_size = 45, 8
     q, k, v = (bf16_randn((seq, h, 64), s, device) for h, s in ((4, 31), (2, 32), (2, 33)))
     prefill = attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])[0].transpose(0, 1)
-    for i in (0, 7, 8, 31, 32, 44):  # page and split edges
+    for i in (0, 7, 8, 15, 16, 31, 32, 44):  # page and split edges, the 32-key bound
         case = _make([1], [i + 1], page_size, device, q=q[i:i + 1], k=k[:i + 1], v=v[:i + 1], seed=i)
         assert_bits_equal(case.paged(), prefill[i:i + 1], f"decode at key {i}")
     # Cached prefix pages (24 keys, 3 full pages) and a 21-token chunk, next to a decode step of another sequence.
@@ -252,8 +254,9 @@ def test_paged_refusals_are_one_line_and_come_before_any_launch(device, monkeypa
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 32, 64, 256])
 def test_gpu_paged_bits_equal_contiguous_at_qwen3_shapes(page_size, device):
-    # Qwen3-8B heads (32 on 8, D = 128): decode at 4k keys (8 splits) and 1 key, a 200-token chunk on 3900 cached
-    # keys, a 700-token prefill; pages shuffled. The default grid choice for this call, and both grids forced.
+    # Qwen3-8B heads (32 on 8, D = 128): decode at 4k keys (8 splits of 512) and 1 key, a 200-token chunk on 3900
+    # cached keys, a 700-token prefill (256-key splits: beside 4k keys a row of the call's largest, 512-key split);
+    # pages shuffled. The default grid choice for this call, and both grids forced.
     lens_k, lens_q = [4096, 1, 4100, 700], [1, 1, 200, 700]
     case = _make(lens_q, lens_k, page_size, device, heads_q=32, heads_kv=8, head_dim=128, seed=page_size)
     assert_bits_equal(case.paged(), case.varlen(), f"page size {page_size}, default grid")

@@ -97,7 +97,7 @@ def test_decode_steps_run_their_own_binary_with_their_own_arguments(head_dim, st
             for path, cfg in paths.items():
                 seqs = Sequences(False, batch, 1, keys, None, None)
                 _, _, launch = attention_fwd_launch(q, k, v, seqs, 0.1 + keys / 1000, cfg)
-                assert launch.split_grid == (path == "split_grid" and keys > cfg.split_n)
+                assert launch.split_grid == (path == "split_grid" and keys > cfg.split_of(keys))
                 binaries.update(_check_launched(standins, ["fwd", "combine"] if launch.split_grid else ["fwd"]))
     # One pass and split grid, and with head dim 72 each stride class: more than one binary, fewer than launches.
     assert 2 <= len(binaries) < 60
@@ -188,7 +188,7 @@ def test_gpu_decode_at_changing_lengths_through_the_plans(path, device, raw_call
         for b in (slice(0, 3), slice(1, 2)):
             s = Sequences(False, b.stop - b.start, 1, i + 1, kv_start[b], None)
             o, _, launch = _launch_both((q[b, :, i:i + 1], k[b, :, :i + 1], v[b, :, :i + 1], s, scale, cfg))
-            assert launch.split_grid == (path == "split_grid" and i + 1 > cfg.split_n)
+            assert launch.split_grid == (path == "split_grid" and i + 1 > cfg.split_of(i + 1))
             assert_bits_equal(o, prefill[b, :, i:i + 1], f"{path} decode {i} batch {b}")
     assert raw_calls, "no launch went through a plan's C entry point"
 

@@ -1,12 +1,12 @@
 """Decode sweep of the attention forward (kernels/attention; issue #50): candidate forward tiles, key-split sizes and
 split-grid / split-heads thresholds, timed beside SDPA flash at decode, prefill and paged-decode shapes, with each
 candidate's decode-vs-prefill bits. Not autotuning: a person reads the table and pins an entry in
-kernels/attention/configs.py. A new split_n or fwd.block_n changes the forward's bits (a table version bump);
+kernels/attention/configs.py. New split tiers or a new fwd.block_n change the forward's bits (a table version bump);
 num_warps, num_stages, split_heads_below and split_grid_below are speed only.
 
     python -m tools.attention_decode_sweep warm --workers 15 --head-dims 128        # Triton's cache, in parallel
     python -m tools.attention_decode_sweep sweep --device cuda --head-dims 128 --out DIR --budget-s 150
-    python -m tools.attention_decode_sweep sweep ... --grid split_n=256,512 --grid num_warps=4   # part of the grid
+    python -m tools.attention_decode_sweep sweep ... --grid split_tiers=512,2048:256/16384:512/1024 --grid num_warps=4
     python -m tools.attention_decode_sweep sweep --device cpu --tiny --out DIR      # interpreter plumbing only
 
 tools/gpu/attention_decode_sweep.sh runs both on one H100 or H200.
@@ -18,8 +18,10 @@ not build or launch gets an error (its bits check's; it is then not timed), one 
 capture) an error in that case's cell; never a crash.
 
 Per candidate:
-- bits (``bits_check``): a batch of sequences at the case heads (GPU: 2 of 4396 keys, three of the largest splits);
-  the candidate's prefill, then decode steps at its tile and split boundaries and the last position, a paged decode
+- bits (``bits_check``): a batch of sequences at the case heads (GPU: 2 sequences past the grid's largest tier bound
+  by one of its largest splits, and past two of those splits, plus 300 keys: 17708 keys at the pinned tiers); the
+  candidate's prefill, then decode steps at its tile and split boundaries, at each tier bound (the last key extent of
+  a tier and the first of the next) and the last position, a paged decode
   step (pages of 16) at the last position, and (GPU) a chunked prefill of 300-query chunks, each against the
   prefill's rows, bit for bit (raw bits, toolkit.contract). The eager threshold is lifted
   (eager_split_grid_min_keys=0) so each step runs the grid a CUDA graph runs. A candidate counts only with 0
@@ -102,23 +104,26 @@ class Shapes:
     bits_batch: int
     bits_splits: int  # the bits check's sequence: this many of the largest splits, plus bits_extra keys
     bits_extra: int
+    bits_bounds: bool  # and at least one largest split past the largest tier bound (plus bits_extra)
     chunk: int  # the bits check's chunked prefill: chunks of this many queries (0: none)
 
 
 # Qwen3-8B attention heads (32 query heads on 8 KV heads); the issue's decode grid.
 GPU_SHAPES = Shapes(heads=(32, 8), decode=tuple((b, k) for k in (1024, 8192, 32768) for b in (1, 8, 64)),
                     prefill=((1, 4096), (8, 1024)), paged=tuple((b, k) for k in (8192, 32768) for b in (1, 8)),
-                    fwd_bwd=((1, 4096),), page_size=16, bits_batch=2, bits_splits=2, bits_extra=300, chunk=300)
+                    fwd_bwd=((1, 4096),), page_size=16, bits_batch=2, bits_splits=2, bits_extra=300, bits_bounds=True,
+                    chunk=300)
 # One group of 4 (Qwen3-8B's group size), keys across several of the interpreter's 16-key tiles and splits; as few
 # and as short as that allows (each interpreted call takes a fraction of a second); no chunked prefill.
 TINY_SHAPES = Shapes(heads=(4, 1), decode=((1, 24), (2, 40)), prefill=((1, 24),), paged=((2, 40),),
-                     fwd_bwd=((1, 16),), page_size=16, bits_batch=1, bits_splits=1, bits_extra=5, chunk=0)
+                     fwd_bwd=((1, 16),), page_size=16, bits_batch=1, bits_splits=1, bits_extra=5, bits_bounds=False,
+                     chunk=0)
 
 
 @dataclass(frozen=True)
 class Grid:
     """The values swept; a candidate is one of each (``candidates``)."""
-    split_n: tuple[int, ...]
+    split_tiers: tuple[tuple[tuple[int | None, int], ...], ...]  # AttnConfigs.split_tiers tables
     block_m: tuple[int, ...]
     block_n: tuple[int, ...]
     num_warps: tuple[int, ...]
@@ -129,23 +134,35 @@ class Grid:
     ungrouped: bool = False
 
 
-# ``--grid FIELD=V,V``: the sm_90 grid's values replaced field by field (e.g. only the split sizes swept, the rest at
+# ``--grid FIELD=V,V``: the sm_90 grid's values replaced field by field (e.g. only the split tiers swept, the rest at
 # the pinned tile); set by ``main`` and handed to the warm workers on their command line.
-GRID_OVERRIDES: dict[str, tuple[int, ...]] = {}
+GRID_OVERRIDES: dict[str, tuple] = {}
 
 
-def parse_grid_override(text: str) -> tuple[str, tuple[int, ...]]:
-    """``FIELD=V,V`` -> (field, values), or a one-line error naming the text and the fields."""
+def parse_grid_override(text: str) -> tuple[str, tuple]:
+    """``FIELD=V,V`` -> (field, values), or a one-line error naming the text and the fields. Integer values, but
+    ``split_tiers``: tables as ``configs.tiers_label`` writes them (``2048:256/16384:512/1024``; ``512`` is one split
+    for every row)."""
+    from detkit.kernels.attention.configs import parse_tiers
+
     fields = [f for f in Grid.__dataclass_fields__ if f != "ungrouped"]
     name, _, values = text.partition("=")
     try:
-        parsed = tuple(int(v) for v in values.split(","))
+        parsed = tuple((parse_tiers if name == "split_tiers" else int)(v) for v in values.split(","))
     except ValueError:
         parsed = ()
     if name not in fields or not parsed:
         raise argparse.ArgumentTypeError(f"--grid {text!r} is not supported; supported: FIELD=V[,V...] with integer "
-                                         f"values, FIELD one of {fields}")
+                                         "values (split_tiers: BOUND:SPLIT/.../SPLIT tables), FIELD one of "
+                                         f"{fields}")
     return name, parsed
+
+
+def grid_override_text(field: str, values: tuple) -> str:
+    """``parse_grid_override``'s text for (field, values)."""
+    from detkit.kernels.attention.configs import tiers_label
+
+    return f"{field}={','.join(tiers_label(v) if field == 'split_tiers' else str(v) for v in values)}"
 
 
 def gpu_grid(head_dim: int, sms: int, pinned: AttnConfigs) -> Grid:
@@ -154,22 +171,25 @@ def gpu_grid(head_dim: int, sms: int, pinned: AttnConfigs) -> Grid:
 
 
 def _gpu_grid(head_dim: int, sms: int, pinned: AttnConfigs) -> Grid:
-    """sm_90. BLOCK_M 128 packs a group of 4 query heads x 32 positions (heads_per_tile); not at head_dim 256, whose
-    [128, 256] FP32 accumulator alone is 256 registers a thread at 4 warps. BLOCK_N 32/64 at head_dim 256 (the pinned
+    """sm_90. Split tiers: the pinned table and two neighbours (the step to 1024 keys from 8k keys; 2048-key splits
+    past 16k keys). BLOCK_M 128 packs a group of 4 query heads x 32 positions (heads_per_tile); not at head_dim 256,
+    whose [128, 256] FP32 accumulator alone is 256 registers a thread at 4 warps. BLOCK_N 32/64 at head_dim 256 (the pinned
     64x32 tile and its neighbour: register pressure). split_heads_below: off, or two programs per SM (264 on 132
     SMs); split_grid_below: the pinned threshold, or four programs per SM (which puts batch-64 decode, 512 programs
     at Qwen3-8B heads, on the split grid)."""
     wide = head_dim <= 128
     grid_below = tuple(dict.fromkeys((pinned.split_grid_below, 4 * sms)))  # one value where they agree
-    return Grid(split_n=(512, 1024, 2048), block_m=(64, 128) if wide else (64,),
+    return Grid(split_tiers=(pinned.split_tiers, ((2048, 256), (8192, 512), (None, 1024)),
+                             ((4096, 256), (16384, 512), (None, 2048))), block_m=(64, 128) if wide else (64,),
                 block_n=(64, 128) if wide else (32, 64), num_warps=(4, 8), num_stages=(2, 3, 4),
                 split_heads_below=(0, 2 * sms), split_grid_below=grid_below, ungrouped=True)
 
 
 def tiny_grid(pinned: AttnConfigs) -> Grid:
-    """The interpreter: its 16-row tiles, two split sizes (one and two key tiles) and split heads off or on (a decode
-    step of a test's size has fewer than 8 programs)."""
-    return Grid(split_n=(16, 32), block_m=(16,), block_n=(16,), num_warps=(4,), num_stages=(1,),
+    """The interpreter: its 16-row tiles, one key tile a split for every row and its split tiers, and split heads
+    off or on (a decode step of a test's size has fewer than 8 programs)."""
+    return Grid(split_tiers=(((None, 16),), pinned.split_tiers), block_m=(16,), block_n=(16,), num_warps=(4,),
+                num_stages=(1,),
                 split_heads_below=(0, 8), split_grid_below=(pinned.split_grid_below,))
 
 
@@ -181,14 +201,19 @@ class Candidate:
 
     @property
     def label(self) -> str:
+        from detkit.kernels.attention.configs import tiers_label
+
         c = self.configs
         group = f" programs~{c.split_grid_programs}" if c.split_grid_programs else ""
-        return f"{c.fwd.label()} split{c.split_n} heads<{c.split_heads_below} grid<{c.split_grid_below}{group}"
+        return (f"{c.fwd.label()} split{tiers_label(c.split_tiers)} heads<{c.split_heads_below} "
+                f"grid<{c.split_grid_below}{group}")
 
     def as_row(self) -> dict:
+        from detkit.kernels.attention.configs import tiers_label
+
         c = self.configs
         return {"head_dim": self.head_dim, "candidate": self.label, "pinned": self.pinned, "fwd": asdict(c.fwd),
-                "split_n": c.split_n, "split_heads_below": c.split_heads_below,
+                "split_tiers": tiers_label(c.split_tiers), "split_heads_below": c.split_heads_below,
                 "split_grid_below": c.split_grid_below, "split_grid_programs": c.split_grid_programs,
                 "eager_split_grid_min_keys": c.eager_split_grid_min_keys}
 
@@ -204,9 +229,9 @@ def candidates(head_dim: int, backend: str, grid: Grid, spread: bool = False) ->
     pinned = select_configs(backend, head_dim)
     rest = []
     for split, bm, bn, warps, stages, heads, below in itertools.product(
-            grid.split_n, grid.block_m, grid.block_n, grid.num_warps, grid.num_stages, grid.split_heads_below,
+            grid.split_tiers, grid.block_m, grid.block_n, grid.num_warps, grid.num_stages, grid.split_heads_below,
             grid.split_grid_below):
-        cfg = replace(pinned, fwd=AttnConfig(bm, bn, warps, stages), split_n=split, split_heads_below=heads,
+        cfg = replace(pinned, fwd=AttnConfig(bm, bn, warps, stages), split_tiers=split, split_heads_below=heads,
                       split_grid_below=below)
         if cfg != pinned:
             rest.append(Candidate(head_dim, cfg))
@@ -246,9 +271,12 @@ def cases(shapes: Shapes, head_dim: int, kinds=("decode", "prefill", "paged")) -
 # Bits
 # ---------------------------------------------------------------------------------------------
 def bits_keys(shapes: Shapes, grid: Grid) -> int:
-    """Past ``bits_splits`` of the largest splits (GPU: three splits of it, more of the others), not a multiple of a
-    tile."""
-    return shapes.bits_splits * max(grid.split_n) + shapes.bits_extra
+    """Past ``bits_splits`` of the grid's largest splits and (``bits_bounds``) one of them past its largest tier bound,
+    so that rows of every tier are checked, not a multiple of a tile."""
+    largest = max(split for tiers in grid.split_tiers for _, split in tiers)
+    bounds = [bound for tiers in grid.split_tiers for bound, _ in tiers if bound is not None]
+    past_bounds = max(bounds, default=0) + largest if shapes.bits_bounds else 0
+    return max(shapes.bits_splits * largest, past_bounds) + shapes.bits_extra
 
 
 def bits_inputs(shapes: Shapes, head_dim: int, keys: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -261,10 +289,15 @@ def bits_inputs(shapes: Shapes, head_dim: int, keys: int, device: torch.device) 
 
 
 def bits_positions(configs, keys: int) -> list[int]:
-    """Decode positions (a step at position i sees keys 0..i): the first key, the ends of the first key tile and of
-    the first two splits (one key either side) and the last key."""
-    n, s = configs.fwd.block_n, configs.split_n
-    want = {0, n - 1, n, s - 1, s, s + 1, 2 * s - 1, 2 * s, keys - 1}
+    """Decode positions (a step at position i sees keys 0..i, its key extent i + 1): the first key, the end of the
+    first key tile, the ends of each tier's first two splits (one key either side), each tier bound's last row and
+    the next tier's first, and the last key."""
+    n = configs.fwd.block_n
+    want = {0, n - 1, n, keys - 1}
+    for bound, s in configs.split_tiers:
+        want |= {s - 1, s, s + 1, 2 * s - 1, 2 * s}
+        if bound is not None:
+            want |= {bound - 1, bound}
     return sorted(i for i in want if 0 <= i < keys)
 
 
@@ -636,7 +669,7 @@ def warm_jobs(head_dims: list[int], tiny: bool = False, sms: int = 132) -> list[
         grid = tiny_grid(pinned) if tiny else gpu_grid(d, sms, pinned)
         seen = set()
         for i, cand in enumerate(candidates(d, backend, grid, spread=not tiny)):
-            key = (cand.configs.fwd, cand.configs.split_n)
+            key = (cand.configs.fwd, cand.configs.split_tiers)
             if key not in seen:
                 seen.add(key)
                 jobs += [(d, i, path) for path in WARM_PATHS]
@@ -661,7 +694,7 @@ def warm_one(job: tuple[int, int, str], device: torch.device, tiny: bool = False
     heads = BIG if path.endswith("h1") else 0
     grid_below = BIG if "split" in path else 0
     cfg = replace(cfg, split_heads_below=heads, split_grid_below=grid_below, eager_split_grid_min_keys=0)
-    keys = 2 * cfg.split_n + 5
+    keys = 2 * cfg.split_tiers[-1][1] + 5  # past two of the largest splits: more than one split a step
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, 4, 1, d, device=device, generator=g).to(torch.bfloat16)  # a group of 4, as Qwen3-8B's
     k, v = (torch.randn(1, 1, keys, d, device=device, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -697,7 +730,7 @@ def warm(head_dims: list[int], workers: int, tiny: bool = False) -> int:
     procs = []
     for i in range(workers):
         cmd = [sys.executable, "-m", "tools.attention_decode_sweep", "warm", "--worker", "--sms", str(sms)]
-        cmd += [a for f, v in GRID_OVERRIDES.items() for a in ("--grid", f"{f}={','.join(map(str, v))}")]
+        cmd += [a for f, v in GRID_OVERRIDES.items() for a in ("--grid", grid_override_text(f, v))]
         proc = subprocess.Popen(cmd + (["--tiny"] if tiny else []), stdin=subprocess.PIPE, text=True,
                                 env=os.environ.copy())
         proc.stdin.write(json.dumps(jobs[i::workers]))
@@ -720,7 +753,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="default: 128 (--tiny: 64, the interpreter's cheapest)")
         p.add_argument("--tiny", action="store_true", help="the interpreter's tiles and tiny shapes (CPU)")
         p.add_argument("--grid", type=parse_grid_override, action="append", default=[], metavar="FIELD=V,V",
-                       help="replace one field of the sm_90 grid (repeatable), e.g. split_n=256,512")
+                       help="replace one field of the sm_90 grid (repeatable), e.g. "
+                       "split_tiers=512,2048:256/16384:512/1024")
     w.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     w.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     w.add_argument("--sms", type=int, default=132, help=argparse.SUPPRESS)

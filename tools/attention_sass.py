@@ -15,13 +15,13 @@ _POINTERS = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "kv_start_ptr": "*i32", "
 
 def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: bool = False,
                  kv_start: bool = True, kv_end: bool = False, windowed: bool = False, softcap: bool = False,
-                 sinks: bool = False, split_grid: bool = False, split_n: int | None = None,
+                 sinks: bool = False, split_grid: bool = False, split_tiers: tuple | None = None,
                  num_warps: int | None = None, page_size: int | None = None, dim_qk: int | None = None,
                  dim_v: int | None = None) -> dict:
     """Compile one attention kernel ("fwd", "fwd_combine", "dkdv", "dq") with ``config`` for sm_90 with Triton's
     bundled ptxas, without a GPU: registers, stack (spills), shared memory and the SASS counts of wgmma (HGMMA),
     mma.sync (HMMA) and cp.async (LDGSTS). ``split_grid``: the forward's split-grid build (one split per program,
-    partials stored) rather than its one-pass build; ``split_n``: keys per split (the table's SPLIT_KEYS);
+    partials stored) rather than its one-pass build; ``split_tiers``: the split table (the sm_90 table's SPLIT_TIERS);
     ``num_warps``: other than the config's (the combine pass runs launch.COMBINE_WARPS, on launch.combine_rows rows); ``page_size``: the
     forward's paged-KV build (K/V through a block table; varlen queries); ``dim_qk`` / ``dim_v``: the forward's
     (and combine pass's) build for head dims narrower than ``head_dim``, read by masked loads (MLA's 192 / 128 on
@@ -34,8 +34,8 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
     from triton.compiler import ASTSource
 
     import detkit.kernels.attention.kernels as attn
-    from detkit.kernels.attention.configs import SPLIT_KEYS
-    from detkit.kernels.attention.launch import combine_rows
+    from detkit.kernels.attention.configs import SPLIT_TIERS
+    from detkit.kernels.attention.launch import combine_rows, split_constexprs
     from detkit.kernels.backend import kernel_is_interpreted
 
     fn = {"fwd": attn.attention_fwd_kernel, "fwd_combine": attn.attention_fwd_combine_kernel,
@@ -47,13 +47,13 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
     consts = {"HEAD_DIM": head_dim, "DIM_QK": dim_qk, "DIM_V": dim_v, "BLOCK_M": config.block_m,
               "BLOCK_N": config.block_n, "HEADS": heads,
               "INTERPRETED": False, "VARLEN": varlen, "HAS_KV_START": kv_start, "HAS_KV_END": kv_end,
-              "WINDOWED": windowed, "SOFTCAP": softcap, "HAS_SINKS": sinks, "SPLIT_N": split_n or SPLIT_KEYS,
-              "SPLIT_GRID": split_grid, "PAGED": page_size is not None, "PAGE_SIZE": page_size or 1}
+              "WINDOWED": windowed, "SOFTCAP": softcap, "HAS_SINKS": sinks,
+              **split_constexprs(split_tiers or SPLIT_TIERS), "SPLIT_GRID": split_grid, "PAGED": page_size is not None, "PAGE_SIZE": page_size or 1}
     if kernel == "fwd_combine":  # the combine pass's own rows per program, not the forward tile's
         consts["BLOCK_M"] = combine_rows(heads)
     if page_size is not None:
         consts.update(VARLEN=True, HAS_KV_START=False, HAS_KV_END=False)
-    # HAS_SINKS, SPLIT_*, PAG*, DIM_QK: the forward only; DIM_V: the forward and the combine pass
+    # HAS_SINKS, SPLIT_GRID, PAG*, DIM_QK: the forward only; DIM_V, SPLIT_E*/N*: the forward and the combine pass
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     if (dim_qk, dim_v) != (head_dim, head_dim) and "DIM_V" not in consts:
         raise ValueError(f"the {kernel} kernel has no masked head dims; dim_qk / dim_v are the forward's")

@@ -1,6 +1,7 @@
-"""The attention family's pinned config table: one set of tiles per (backend, head_dim), never a function of
-the sequence lengths, the batch or the padding (the invariance rule in kernels.py rests on it). Bump the version
-whenever an entry changes; reports record it."""
+"""The attention family's pinned config table: one set of tiles and one split table per (backend, head_dim), never
+a function of the sequence lengths, the batch or the padding; a row's keys per split are a function of its own key
+extent alone (the invariance rule in kernels.py rests on both). Bump the version whenever an entry changes; reports
+record it."""
 
 from __future__ import annotations
 
@@ -11,17 +12,24 @@ from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 
 HEAD_DIMS = (64, 128, 256)
 
-ATTENTION_CONFIG_TABLE_VERSION = "2026-12-06.3"
+ATTENTION_CONFIG_TABLE_VERSION = "2026-12-06.4"
 
-# Keys per split of the forward (split-KV): the keys of a sequence are cut into splits of this many keys from its
-# first valid key, each split reduced on its own and the splits combined in ascending order (kernels.py). Pinned
-# per backend, never a function of q_len, the batch or the padding: a row's bits depend on it, so every path uses
-# the same value. 512 on sm_90: 8 (D = 64, 128) or 16 (D = 256) key tiles per split, so a batch-1 decode step at
-# 32k keys runs 64 splits per KV head (512 programs for Qwen3-8B's 8 KV heads, about 4 per SM), while a prefill pays
-# one combine step per 512 keys. The interpreter's split is 2 of its 16-key tiles, so CPU tests at a few dozen keys
-# cross several splits.
-SPLIT_KEYS = 512
-INTERPRETER_SPLIT_KEYS = 32
+# Keys per split of the forward (split-KV), a pinned step function of each row's own key extent e: the keys from the
+# sequence's first key (the anchor the key tiles count from) through the row's last visible key (its causal end).
+# (largest e, keys per split) per tier, ascending; the last tier's bound None: every longer row. A row's keys are cut
+# into splits of its tier's size from the anchor, each split reduced on its own and the splits folded in ascending
+# order (kernels.py). e is a function of the row's position alone -- the same in prefill, chunked prefill, decode,
+# padded, packed and paged calls, never of q_len, the batch, the padding or the grid -- so a row's bits still depend
+# only on its own q and keys. Why tiers: the H100 decode sweep (reports/2026-12-06-h100-s30, call 5) had batch 1 at 1k
+# keys at 0.99x flash with 256-key splits (1.37x at 512, 1.93x at 1024) and at 32k keys at 1.03x with 1024-key splits
+# (1.57x at 256): no one size serves both. Each split a power of two and a multiple of the tier's before (so a
+# larger split's boundaries are boundaries of every smaller one: the split grid's programs cut at the largest); each
+# bound a multiple of the next tier's split (a bound falls on a split boundary of the tiers either side).
+SPLIT_TIERS: tuple[tuple[int | None, int], ...] = ((2048, 256), (16384, 512), (None, 1024))
+# The interpreter's: 1, 2 and 4 of its 16-key tiles, so CPU tests at a few dozen keys cross both bounds.
+INTERPRETER_SPLIT_TIERS: tuple[tuple[int | None, int], ...] = ((32, 16), (64, 32), (None, 64))
+# The kernels take up to three tiers (their bounds and splits are constexprs).
+MAX_SPLIT_TIERS = 3
 # A speed option (bits are the same either way): the forward runs one program per (query tile, split), combined by a
 # second pass, when the one-program-per-query-tile grid would have fewer programs than this (two per SM on an H200).
 SPLIT_GRID_BELOW = 2 * 132
@@ -61,23 +69,21 @@ class AttnConfigs:
     # (the group's K/V tiles are then read by G programs, through the L2). A row's arithmetic is unchanged (same
     # tile, same key tiles, same update sequence; rows are independent), so its bits must be too; the sweep checks.
     split_heads_below: int = 0
-    # Keys per split (SPLIT_KEYS): decides the forward's bits, with fwd.block_n.
-    split_n: int = SPLIT_KEYS
+    # Keys per split by the row's key extent (SPLIT_TIERS): decides the forward's bits, with fwd.block_n.
+    split_tiers: tuple[tuple[int | None, int], ...] = SPLIT_TIERS
     # Speed only: below this many forward programs, run the split grid and its combine pass (0: never).
     split_grid_below: int = SPLIT_GRID_BELOW
     # Speed only: outside CUDA-graph capture, the split grid needs at least this many keys. Its second launch and
     # workspace cost host time an eager step spends before the GPU's work is queued (EAGER_SPLIT_GRID_MIN_KEYS);
     # a captured graph pays no host time.
     eager_split_grid_min_keys: int = 0
-    # Speed only: the split grid's programs aimed at. A program takes ceil(slots / groups) consecutive splits, groups =
-    # max(1, split_grid_programs // the programs one split needs), each split's partial stored on its own (the same
-    # partials, so the same bits). 0: one split per program.
+    # Speed only: the split grid's programs aimed at. A program takes ceil(splits / groups) consecutive launch splits
+    # (the call's largest split), groups = max(1, split_grid_programs // the programs one split needs), each row's
+    # split partials stored on their own (the same partials, so the same bits). 0: one launch split per program.
     split_grid_programs: int = 0
 
     def __post_init__(self):
-        if (not isinstance(self.split_n, int) or self.split_n < self.fwd.block_n or self.split_n & (self.split_n - 1)):
-            raise ValueError(f"AttnConfigs.split_n must be a power of two >= fwd.block_n ({self.fwd.block_n}); "
-                             f"got {self.split_n!r}")
+        _check_split_tiers(self.split_tiers, self.fwd.block_n)
         if not isinstance(self.split_grid_below, int) or self.split_grid_below < 0:
             raise ValueError(f"AttnConfigs.split_grid_below must be an int >= 0; got {self.split_grid_below!r}")
         if not isinstance(self.split_grid_programs, int) or self.split_grid_programs < 0:
@@ -90,7 +96,62 @@ class AttnConfigs:
         split = f" split<{self.split_heads_below}" if self.split_heads_below else ""
         group = f", programs~{self.split_grid_programs}" if self.split_grid_programs else ""
         return (f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}{split} kv-split "
-                f"{self.split_n} (grid<{self.split_grid_below}, eager keys>={self.eager_split_grid_min_keys}{group})")
+                f"{tiers_label(self.split_tiers)} (grid<{self.split_grid_below}, "
+                f"eager keys>={self.eager_split_grid_min_keys}{group})")
+
+    def split_of(self, extent: int) -> int:
+        """Keys per split of a row whose key extent (keys from the sequence's first key through its last visible key)
+        is ``extent``: its tier's."""
+        return split_of(self.split_tiers, extent)
+
+    @property
+    def smallest_split(self) -> int:
+        """The first tier's split: no row is cut into more splits than ceil(its keys / this) (+1 under a window)."""
+        return self.split_tiers[0][1]
+
+
+def _check_split_tiers(tiers, block_n: int) -> None:
+    """Refuse a split table the kernels do not take, in one line naming it and what is supported."""
+    supported = (f"supported: 1 to {MAX_SPLIT_TIERS} (largest e, keys per split) pairs, bounds ascending and the last "
+                 f"None, each split a power of two >= fwd.block_n ({block_n}) and a multiple of the split before, "
+                 "each bound a multiple of the next split")
+    if (not isinstance(tiers, tuple) or not 1 <= len(tiers) <= MAX_SPLIT_TIERS
+            or not all(isinstance(t, tuple) and len(t) == 2 for t in tiers)):
+        raise ValueError(f"AttnConfigs.split_tiers {tiers!r} is not supported; {supported}")
+    bounds, splits = [t[0] for t in tiers], [t[1] for t in tiers]
+    ok = bounds[-1] is None and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in bounds[:-1])
+    ok = ok and all(isinstance(s, int) and not isinstance(s, bool) and s >= block_n and not s & (s - 1)
+                    for s in splits)
+    ok = ok and all(b > a for a, b in zip(splits, splits[1:]))  # powers of two: each a multiple of the one before
+    ok = ok and all(b > a for a, b in zip(bounds[:-2], bounds[1:-1]))
+    ok = ok and all(b % s == 0 for b, s in zip(bounds[:-1], splits[1:]))
+    if not ok:
+        raise ValueError(f"AttnConfigs.split_tiers {tiers!r} is not supported; {supported}")
+
+
+def split_of(tiers: tuple[tuple[int | None, int], ...], extent: int) -> int:
+    """Keys per split of ``tiers`` (``AttnConfigs.split_tiers``) for a row of key extent ``extent``."""
+    return next(split for bound, split in tiers if bound is None or extent <= bound)
+
+
+def tiers_label(tiers: tuple[tuple[int | None, int], ...]) -> str:
+    """``2048:256/16384:512/1024``: each tier's largest key extent and split, the last (open-ended) its split alone;
+    the form ``parse_tiers`` reads."""
+    return "/".join(str(split) if bound is None else f"{bound}:{split}" for bound, split in tiers)
+
+
+def parse_tiers(text: str) -> tuple[tuple[int | None, int], ...]:
+    """``tiers_label``'s form back to a tier table (``512``: one split for every row); a ValueError (one line) for
+    text of another form. The table's own rules are checked where it is used (``AttnConfigs``)."""
+    parts = text.split("/")
+    try:
+        tiers = tuple((int(p.split(":")[0]), int(p.split(":")[1])) if ":" in p else (None, int(p)) for p in parts)
+    except (ValueError, IndexError):
+        tiers = ()
+    if not tiers or any(p.count(":") > 1 for p in parts) or ":" in parts[-1] or any(":" not in p for p in parts[:-1]):
+        raise ValueError(f"split tiers {text!r} are not supported; supported: BOUND:SPLIT/.../SPLIT, e.g. "
+                         "2048:256/16384:512/1024 (the last tier open-ended), or one SPLIT")
+    return tiers
 
 
 def cdiv(a: int, b: int) -> int:
@@ -113,10 +174,10 @@ def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q
 # on the split grid against 100-107 us in one pass, while its GPU time on the split grid was 13-128 us at 1k-8k keys
 # (reports/2026-12-06-h100-s26, calls 3 and 4): an eager step there is bound by the host.
 EAGER_SPLIT_GRID_MIN_KEYS = 16384
-# sm_90: the split grid aims at about one program per SM. The H100 decode sweep (reports/2026-12-06-h100-s28) had a
-# batch-1 step at 32k keys at 1.93x flash with one 512-key split per program (512 programs of 8 key tiles) and
-# 1.01-1.05x with 2048-key splits (128 programs), while 512-key splits kept 1k keys at 1.10x (16 programs) where
-# 1024-key ones fell to 1.91x: so splits stay 512 keys (the bits) and a program takes several of them.
+# sm_90: the split grid aims at about one program per SM: a program takes a run of consecutive splits (speed only), so
+# a batch-1 step at 32k keys runs 128 programs of two 1024-key splits. The H100 decode sweep
+# (reports/2026-12-06-h100-s28) had that step at 1.93x flash with one 512-key split per program (512 programs of 8 key
+# tiles) and at 1.01-1.05x with 128 programs of 2048 keys.
 SPLIT_GRID_PROGRAMS = 128
 
 
@@ -142,7 +203,7 @@ CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     },
     TRITON_INTERPRETER: {
         d: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1),
-                       split_n=INTERPRETER_SPLIT_KEYS, split_grid_below=8, split_grid_programs=2)
+                       split_tiers=INTERPRETER_SPLIT_TIERS, split_grid_below=8, split_grid_programs=2)
         for d in HEAD_DIMS
     },
 }

@@ -7,11 +7,13 @@ computed as FlashAttention does: key tiles streamed through an FP32 running max 
 accumulator acc, exp2 with scale * log2(e) folded into one multiplier, P rounded to BF16 for the P @ V MMA,
 o = acc / l rounded once to BF16. The backward recomputes P from the saved lse.
 
-Split-KV: the key tiles are grouped into splits of SPLIT_N keys (configs.SPLIT_KEYS, pinned), counted from the
-sequence's first key like the tiles. Each split's (m, l, acc) starts from the start state (m = -inf, l = 0,
-acc = 0) and walks its tiles in ascending order; the splits are folded in ascending order (``_fold``) into the
-(m, l, acc) that gives o and lse. Either one program per query tile walks all its splits, folding each as it ends
-(prefill, and any grid large enough), or one program per (query tile, split) stores its partial and
+Split-KV: each row's key tiles are grouped into splits counted from the sequence's first key like the tiles, of a
+size set by the row's own key extent e (the keys from the sequence's first key through the row's causal end, its
+last visible key): a pinned step function (configs.SPLIT_TIERS, constexprs SPLIT_E0/E1 and SPLIT_N0/N1/N2). Each
+split's (m, l, acc) starts from the start state (m = -inf, l = 0, acc = 0) and walks its tiles in ascending order;
+a row's splits are folded in ascending order (``_fold``) into the (m, l, acc) that gives o and lse. Either one
+program per query tile walks all its tiles, each row folding its split as it ends (prefill, and any grid large
+enough), or one program per (query tile, run of splits) stores each row's partials and
 ``attention_fwd_combine_kernel`` folds them (a small grid: decode at small batch spreads over the GPU). Both run
 the same partial code and the same fold on the same FP32 values, so their bits are the same.
 
@@ -54,10 +56,10 @@ GQA: one program owns one KV head and packs the query heads of its group into th
 and a decode step (one query per head) still feeds the tensor cores.
 
 THE INVARIANCE RULE. A query's output depends only on its own q and on K, V of its visible keys, reduced over
-fixed-size key tiles (BLOCK_N keys) in fixed-size splits (SPLIT_N keys), both counted from the sequence's first
-valid key (kv_start), each split in ascending tile order and the splits folded in ascending order, with the same
-update sequence in every path — whatever q_len, chunk boundaries, batch size, batch position, padding or grid.
-It holds by construction:
+fixed-size key tiles (BLOCK_N keys) in splits whose size is a pinned function of the row's own key extent e (keys
+from the sequence's first key through its causal end), both counted from the sequence's first valid key (kv_start),
+each split in ascending tile order and the splits folded in ascending order, with the same update sequence in every
+path — whatever q_len, chunk boundaries, batch size, batch position, padding or grid. It holds by construction:
 - One kernel and one config per head_dim (BLOCK_M, BLOCK_N, num_warps, num_stages, instruction path) for
   every call: the config never depends on Sq, Skv, B or padding (``CONFIG_TABLE``, pinned, no autotune).
 - Key tiles start at the sequence's first valid key, so the same logical keys sit in the same lanes of the
@@ -66,6 +68,9 @@ It holds by construction:
   visible tile run the same update code on the same values; keys past the sequence's end are loaded as exact
   zeros. A row whose tile is entirely masked (it shares the program with later queries) sees p = exp2(-inf) = 0
   and alpha = 1 exactly (selected, not computed), so the extra tile changes none of its bits.
+- e is the row's position from its sequence's anchor plus one: the same in every path, whatever else the call
+  holds, so its split size is too. Rows of one tile may have different split sizes: each row ends its split at
+  its own boundaries; a row whose split does not end at a tile keeps its state (selected, not computed).
 - A split's partial depends only on the row and the split's keys: it starts from the start state at the split's
   first tile (tiles skipped before a row's window leave the start state exactly, as above). The fold skips a split
   that holds none of a row's keys (m = -inf) and takes the first one that does as it is (selected), so which
@@ -105,8 +110,9 @@ _NOT_SPECIALIZED = ["batch", "heads_q", "heads_kv", "seq_q", "seq_k", "stride_lb
                     "kv_end_ptr", "window"]
 # The forward's split grid: how many splits a launch covers and the partials' row count vary with the call too.
 _NOT_SPECIALIZED_FWD = _NOT_SPECIALIZED + ["split_slots", "ws_rows"]
-# The split grid's splits per program: a speed choice per launch (launch.py split_group).
-_NOT_SPECIALIZED_SPLIT = _NOT_SPECIALIZED_FWD + ["split_group"]
+# The split grid's splits per program and their key tiles: a speed choice per launch (launch.py split_group and
+# launch_split).
+_NOT_SPECIALIZED_SPLIT = _NOT_SPECIALIZED_FWD + ["split_group", "split_tiles"]
 # PAGED: the table is a slice of the caller's (its row stride is the table's width; its start need not be aligned).
 _NOT_SPECIALIZED_PAGED = _NOT_SPECIALIZED_SPLIT + ["block_table_ptr", "stride_tb"]
 
@@ -254,6 +260,32 @@ def _cols(rows_ok, offs_d, DIM: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _split_keys(e, SPLIT_E0: tl.constexpr, SPLIT_E1: tl.constexpr, SPLIT_N0: tl.constexpr, SPLIT_N1: tl.constexpr,
+                SPLIT_N2: tl.constexpr):
+    """Keys per split of rows of key extent e (configs.split_tiers): SPLIT_N0 up to SPLIT_E0 keys, SPLIT_N1 up to
+    SPLIT_E1, SPLIT_N2 beyond (a table of fewer tiers repeats its last split)."""
+    return tl.where(e <= SPLIT_E0, SPLIT_N0, tl.where(e <= SPLIT_E1, SPLIT_N1, SPLIT_N2))
+
+
+@triton.jit
+def _row_splits(pos, k_first, window, WINDOWED: tl.constexpr, SPLIT_E0: tl.constexpr, SPLIT_E1: tl.constexpr,
+                SPLIT_N0: tl.constexpr, SPLIT_N1: tl.constexpr, SPLIT_N2: tl.constexpr):
+    """(keys per split, first split, split count) of rows at key positions pos: their key extent e = pos - k_first + 1
+    (keys from the sequence's first key through the row's causal end) sets the split size; splits are counted from
+    k_first. The first split holds the row's first visible key (0 without a window), the count runs through the
+    split holding pos (0 for a row before the sequence's first key). The split grid stores split s of a row in its
+    slot s - first and the combine pass reads its count: the same function of the row in both."""
+    e = pos - k_first + 1
+    split = _split_keys(e, SPLIT_E0, SPLIT_E1, SPLIT_N0, SPLIT_N1, SPLIT_N2)
+    if WINDOWED:
+        first = tl.maximum(pos - window + 1 - k_first, 0) // split
+    else:
+        first = tl.zeros_like(e)
+    count = tl.where(e > 0, (tl.maximum(e, 1) - 1) // split - first + 1, 0)
+    return split, first, count
+
+
+@triton.jit
 def _fold(m_all, l_all, acc_all, m_s, l_s, acc_s):
     """Fold one split's partial (m_s, l_s, acc_s) into the splits folded so far (m_all, l_all, acc_all), the same
     code in every path. A split that holds none of a row's keys (m_s = -inf) leaves the row as it was; the first
@@ -337,23 +369,27 @@ def attention_fwd_kernel(
     window,  # WINDOWED: query at position p sees keys (p - window, p]
     tanh_scale,  # SOFTCAP: scale / softcap
     sinks_ptr,  # HAS_SINKS: [Hq] per-head sink logits (natural units), joined to every row's softmax denominator
-    split_slots, ws_rows,  # SPLIT_GRID: splits per query tile in the grid; rows of the partials (lse.numel())
-    split_group,  # SPLIT_GRID: consecutive splits per program (each one's partial stored on its own)
+    split_slots, ws_rows,  # SPLIT_GRID: the partials' slots per row (its most splits); their rows (lse.numel())
+    split_group,  # SPLIT_GRID: consecutive launch splits per program (each row's partials stored on their own)
+    split_tiles,  # SPLIT_GRID: key tiles per launch split, the largest split any row of the launch can have
     HEAD_DIM: tl.constexpr,  # the tiles' head dim (configs.HEAD_DIMS)
     DIM_QK: tl.constexpr, DIM_V: tl.constexpr,  # q/k's and v's (and o's) head dims, <= HEAD_DIM; masked loads
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
     VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
     WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    SPLIT_N: tl.constexpr, SPLIT_GRID: tl.constexpr,
+    SPLIT_E0: tl.constexpr, SPLIT_E1: tl.constexpr,  # the split tiers' bounds on the key extent (configs.split_tiers)
+    SPLIT_N0: tl.constexpr, SPLIT_N1: tl.constexpr, SPLIT_N2: tl.constexpr,  # and their keys per split
+    SPLIT_GRID: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,  # PAGED (with VARLEN): K/V read through the block table
 ):
-    """One query tile over its key splits. One pass (SPLIT_GRID off): every split of the tile in ascending order,
-    each folded as it ends, then o and lse. Split grid: ``split_group`` consecutive splits per program (the grid's
-    first axis runs heads fastest, then groups of splits), each split's partial stored on its own as it ends, for
-    ``attention_fwd_combine_kernel`` to fold: how many splits a program takes changes no partial, so no bit. PAGED:
-    the same, with each key tile's K/V rows gathered through the block table."""
+    """One query tile over its key tiles, each row's split size set by its own key extent (``_row_splits``). One pass
+    (SPLIT_GRID off): every tile of the query tile in ascending order, each row folding its split as it ends, then o
+    and lse. Split grid: ``split_group`` consecutive launch splits (``split_tiles`` key tiles each, the largest split
+    any row of the launch has, so every row's split lies in one program) per program (the grid's first axis runs
+    heads fastest, then groups of splits), each row's split partial stored on its own as it ends, in the row's own
+    slot, for ``attention_fwd_combine_kernel`` to fold: how many splits a program takes changes no partial, so no
+    bit. PAGED: the same, with each key tile's K/V rows gathered through the block table."""
     BQ: tl.constexpr = BLOCK_M // HEADS  # query positions per tile
-    TILES_PER_SPLIT: tl.constexpr = SPLIT_N // BLOCK_N
     # Grid (heads x splits, query tiles, sequences), heads fastest: the latest (longest) query tiles of every head
     # start first, so the short ones fill the tail of the causal triangle.
     b = tl.program_id(2)
@@ -372,6 +408,14 @@ def attention_fwd_kernel(
     kv_head, head, qi, row_ok, tok = _tile_rows(pid_h, pid_m, heads_q, heads_kv, q_begin, q_len, HEADS, BLOCK_M,
                                                 VARLEN)
     pos = k_end - q_len + qi  # each row's own key position
+    # Each row's split: its keys, its first split holding a visible key and its split count (``_row_splits``).
+    split_keys, split_first, split_count = _row_splits(pos, k_first, window, WINDOWED, SPLIT_E0, SPLIT_E1, SPLIT_N0,
+                                                       SPLIT_N1, SPLIT_N2)
+    row_tiles = split_keys // BLOCK_N  # key tiles per split, a power of two
+    # The tile's smallest split, its first position's (e grows with the position, each tier's split a multiple of
+    # the smaller ones'): no row's split ends at a tile where this one's does not.
+    min_tiles = _split_keys(k_end - q_len + q_lo - k_first + 1, SPLIT_E0, SPLIT_E1, SPLIT_N0, SPLIT_N1,
+                            SPLIT_N2) // BLOCK_N
     b64 = b.to(tl.int64)
     q_rows = q_ptr + b64 * stride_qb + head * stride_qh + tok * stride_qs
     # [BLOCK_M, HEAD_DIM]
@@ -385,18 +429,17 @@ def attention_fwd_kernel(
         v_base = v_ptr + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_begin.to(tl.int64) * stride_vs
 
     # Key tiles [k_first + t * BLOCK_N, ...): tiles 0..n_full-1 are visible to every row of this tile in full,
-    # tiles n_full..n_tiles-1 reach the diagonal (or the sequence's end) and are masked. Split s holds tiles
-    # s * TILES_PER_SPLIT ..., so splits, like tiles, are counted from the sequence's first key.
+    # tiles n_full..n_tiles-1 reach the diagonal (or the sequence's end) and are masked. A row's split s holds tiles
+    # s * row_tiles ..., so splits, like tiles, are counted from the sequence's first key.
     last_q = tl.minimum(q_lo + BQ, q_len) - 1
     t_lo, n_win, n_full, n_tiles = _key_tiles(k_first, k_end, q_len, q_lo, last_q, window, BLOCK_N, WINDOWED)
-    s_lo = t_lo // TILES_PER_SPLIT  # the split holding the tile's first visible key: slot 0
     if SPLIT_GRID:
-        # This program's splits: slots slot * split_group ... (+ split_group - 1), counted from s_lo (none past the
-        # last tile).
-        slot_first = slot * split_group
-        s_first = (s_lo + slot_first) * TILES_PER_SPLIT
+        # This program's tiles: launch splits slot * split_group ... (+ split_group - 1), counted from the one holding
+        # the tile's first visible key (none past the last tile). A launch split's edges are split edges of every row.
+        s_lo = t_lo // split_tiles
+        s_first = (s_lo + slot * split_group) * split_tiles
         t_begin = tl.maximum(s_first, t_lo)
-        t_end = tl.minimum(s_first + split_group * TILES_PER_SPLIT, n_tiles)
+        t_end = tl.minimum(s_first + split_group * split_tiles, n_tiles)
     else:
         t_begin = t_lo
         t_end = n_tiles
@@ -443,27 +486,29 @@ def attention_fwd_kernel(
         acc = acc * alpha[:, None]
         acc = _dot(to_bf16(p, INTERPRETED), v, acc, BLOCK_N, INTERPRETED)
         m_i = m_new
-        if ((t + 1) % TILES_PER_SPLIT == 0) | (t + 1 == t_end):
-            # The split ends: fold it (one pass) or store its partial as it is (split grid: the combine folds exactly
-            # these values); the next split starts from the start state.
+        if (((t + 1) & (min_tiles - 1)) == 0) | (t + 1 == t_end):
+            # Some row's split may end here (a scalar check: the smallest split's edge, or the program's last tile).
+            # The rows whose split ends -- at its own edge, or at the program's last tile -- fold it (one pass) or
+            # store its partial as it is in their own slot (split grid: the combine folds exactly these values), and
+            # start the next from the start state; the others keep their state (selected, not computed).
+            ends = (((t + 1) & (row_tiles - 1)) == 0) | (t + 1 == t_end)
             if SPLIT_GRID:
-                _store_partial(ws_m_ptr, ws_l_ptr, ws_acc_ptr, t // TILES_PER_SPLIT - s_lo, ws_rows, b64, head, qi,
-                               q_begin, row_ok, offs_d, stride_lb, stride_lh, m_i, l_i, acc, HEAD_DIM, DIM_V)
+                # Splits before a row's window or past its position hold none of its keys: not stored (the combine
+                # reads the row's split_count slots).
+                slot_r = t // row_tiles - split_first
+                keep = row_ok & ends & (slot_r >= 0) & (slot_r < split_count) & (slot_r < split_slots)
+                _store_partial(ws_m_ptr, ws_l_ptr, ws_acc_ptr, slot_r, ws_rows, b64, head, qi, q_begin, keep, offs_d,
+                               stride_lb, stride_lh, m_i, l_i, acc, HEAD_DIM, DIM_V)
             else:
-                m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_i, l_i, acc)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+                m_f, l_f, acc_f = _fold(m_all, l_all, acc_all, m_i, l_i, acc)
+                m_all = tl.where(ends, m_f, m_all)
+                l_all = tl.where(ends, l_f, l_all)
+                acc_all = tl.where(ends[:, None], acc_f, acc_all)
+            m_i = tl.where(ends, float("-inf"), m_i)
+            l_i = tl.where(ends, 0.0, l_i)
+            acc = tl.where(ends[:, None], 0.0, acc)
 
-    if SPLIT_GRID:
-        # This program's slots past its last tile hold none of the tile's keys: the start state, which the combine's
-        # fold skips (as the one-pass kernel never sees such a split).
-        stored = tl.maximum(t_end - t_begin, 0)
-        slot_next = tl.where(stored > 0, (t_end - 1) // TILES_PER_SPLIT - s_lo + 1, slot_first)
-        for s_empty in range(slot_next, tl.minimum(slot_first + split_group, split_slots)):
-            _store_partial(ws_m_ptr, ws_l_ptr, ws_acc_ptr, s_empty, ws_rows, b64, head, qi, q_begin, row_ok, offs_d,
-                           stride_lb, stride_lh, m_i, l_i, acc, HEAD_DIM, DIM_V)
-    else:
+    if not SPLIT_GRID:
         _finish(m_all, l_all, acc_all, bad, head, qi, tok, row_ok, b64, q_begin, o_ptr, lse_ptr, sinks_ptr,
                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, HEAD_DIM, DIM_V, HAS_SINKS, INTERPRETED)
 
@@ -471,8 +516,8 @@ def attention_fwd_kernel(
 @triton.jit
 def _store_partial(ws_m_ptr, ws_l_ptr, ws_acc_ptr, slot, ws_rows, b64, head, qi, q_begin, row_ok, offs_d,
                    stride_lb, stride_lh, m_i, l_i, acc, HEAD_DIM: tl.constexpr, DIM_V: tl.constexpr):
-    """One split's partial (m, l and acc's DIM_V columns) into the split grid's workspace at ``slot``:
-    m, l [split_slots, rows], acc [split_slots, rows, DIM_V] (FP32)."""
+    """One split's partial (m, l and acc's DIM_V columns) of the rows ``row_ok`` into the split grid's workspace at
+    their ``slot`` (each row's own): m, l [split_slots, rows], acc [split_slots, rows, DIM_V] (FP32)."""
     ws_row = slot * ws_rows.to(tl.int64) + b64 * stride_lb + head * stride_lh + q_begin + qi
     tl.store(ws_m_ptr + ws_row, m_i, mask=row_ok)
     tl.store(ws_l_ptr + ws_row, l_i, mask=row_ok)
@@ -480,11 +525,11 @@ def _store_partial(ws_m_ptr, ws_l_ptr, ws_acc_ptr, slot, ws_rows, b64, head, qi,
 
 
 @triton.jit
-def _partial(slot, split_slots, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+def _partial(slot, split_count, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
              HEAD_DIM: tl.constexpr, DIM_V: tl.constexpr):
-    """Split ``slot``'s stored partial (m, l, acc) of the rows; a slot past the last (or a row not ok) reads as
-    empty: m = -inf, l = 0, acc = 0."""
-    ok = row_ok & (slot < split_slots)
+    """The rows' stored partials (m, l, acc) in ``slot``; a slot past a row's ``split_count`` (or a row not ok) reads
+    as empty: m = -inf, l = 0, acc = 0."""
+    ok = row_ok & (slot < split_count)
     ws_row = slot * ws_rows.to(tl.int64) + row
     m_s = tl.load(ws_m_ptr + ws_row, mask=ok, other=float("-inf"))
     l_s = tl.load(ws_l_ptr + ws_row, mask=ok, other=0.0)
@@ -502,38 +547,45 @@ def attention_fwd_combine_kernel(
     HEAD_DIM: tl.constexpr, DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, HEADS: tl.constexpr,
     VARLEN: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, INTERPRETED: tl.constexpr,
     WINDOWED: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SPLIT_E0: tl.constexpr, SPLIT_E1: tl.constexpr, SPLIT_N0: tl.constexpr, SPLIT_N1: tl.constexpr,
+    SPLIT_N2: tl.constexpr,
 ):
-    """The split grid's second pass: the partials of each row's splits folded in ascending order (``_fold``, as the
-    one-pass kernel folds them), then o and lse (``_finish``). A program takes BLOCK_M rows laid out as a forward
-    tile's (HEADS query heads x BLOCK_M / HEADS positions; its own BLOCK_M: rows are independent, so a row's bits do
-    not depend on the tile) and loads four splits' partials before folding them, so a decode step's 64 splits
-    wait for memory 16 times rather than 64. A slot past the last is loaded as empty (m = -inf), which
+    """The split grid's second pass: the partials of each row's own splits (slots 0 .. its split count - 1,
+    ``_row_splits``: rows of one program may have different split sizes and counts) folded in ascending order
+    (``_fold``, as the one-pass kernel folds them), then o and lse (``_finish``). A program takes BLOCK_M rows laid
+    out as a forward tile's (HEADS query heads x BLOCK_M / HEADS positions; its own BLOCK_M: rows are independent, so
+    a row's bits do not depend on the tile) and loads four splits' partials before folding them, so a decode step's
+    32 splits wait for memory 8 times rather than 32. A slot past a row's count is loaded as empty (m = -inf), which
     ``_fold`` leaves out."""
     BQ: tl.constexpr = BLOCK_M // HEADS
     b = tl.program_id(2)
     pid_h = tl.program_id(0)
     pid_m = tl.program_id(1)
-    q_begin, q_len, _, _, _, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k, window,
-                                             VARLEN, HAS_KV_START, HAS_KV_END, WINDOWED)
+    q_begin, q_len, _, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k, window,
+                                                       VARLEN, HAS_KV_START, HAS_KV_END, WINDOWED)
     if pid_m * BQ >= q_len:
         return
     offs_d = tl.arange(0, HEAD_DIM)
     _, head, qi, row_ok, tok = _tile_rows(pid_h, pid_m, heads_q, heads_kv, q_begin, q_len, HEADS, BLOCK_M,
                                           VARLEN)
+    _, _, split_count = _row_splits(k_end - q_len + qi, k_first, window, WINDOWED, SPLIT_E0, SPLIT_E1, SPLIT_N0,
+                                    SPLIT_N1, SPLIT_N2)
+    # The forward stored no more than split_slots (the host's bound); the loop runs to the program's longest row.
+    split_count = tl.where(row_ok, tl.minimum(split_count, split_slots), 0)
     b64 = b.to(tl.int64)
     row = b64 * stride_lb + head * stride_lh + q_begin + qi
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_all = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for first in range(0, split_slots, 4):
+    for first in range(0, tl.max(split_count, 0), 4):
         # Four loads issued before the first fold needs one (straight-line code: no wait carried between them).
-        m_0, l_0, acc_0 = _partial(first, split_slots, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+        m_0, l_0, acc_0 = _partial(first, split_count, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
                                    HEAD_DIM, DIM_V)
-        m_1, l_1, acc_1 = _partial(first + 1, split_slots, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr,
+        m_1, l_1, acc_1 = _partial(first + 1, split_count, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr,
                                    ws_acc_ptr, HEAD_DIM, DIM_V)
-        m_2, l_2, acc_2 = _partial(first + 2, split_slots, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr,
+        m_2, l_2, acc_2 = _partial(first + 2, split_count, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr,
                                    ws_acc_ptr, HEAD_DIM, DIM_V)
-        m_3, l_3, acc_3 = _partial(first + 3, split_slots, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr,
+        m_3, l_3, acc_3 = _partial(first + 3, split_count, ws_rows, row, row_ok, offs_d, ws_m_ptr, ws_l_ptr,
                                    ws_acc_ptr, HEAD_DIM, DIM_V)
         m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_0, l_0, acc_0)
         m_all, l_all, acc_all = _fold(m_all, l_all, acc_all, m_1, l_1, acc_1)

@@ -419,21 +419,68 @@ def _bound_args(seqs: Sequences, q: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return (seqs.bound0 if seqs.bound0 is not None else dummy, seqs.bound1 if seqs.bound1 is not None else dummy)
 
 
-def split_slots(configs: AttnConfigs, seqs: Sequences, block_q: int) -> int:
-    """How many key splits one query tile (``block_q`` query positions) can touch: the split grid's programs per
-    tile. Without a window its keys start at the sequence's first key, a split boundary, and number at most Skv;
-    with one they span at most window + block_q - 1 keys from anywhere in a split."""
-    split = configs.split_n
-    if seqs.window is None:
-        return cdiv(seqs.seq_k, split)
-    span = min(seqs.seq_k, seqs.window + min(block_q, seqs.seq_q) - 1)
-    return cdiv(span - 1, split) + 1
+def extent_bound(seqs: Sequences) -> int | None:
+    """The largest key extent e (keys from a sequence's first key through a row's causal end) a row of the call can
+    have, known on the host: Skv (or max_seqlen_k), since the first key is k's first row or later; None where the
+    first key may lie before k's first row (a sliding-window cache's negative kv_start, on the device: allowed only
+    with a window of at most Skv keys, which no query's window may reach past k's first row)."""
+    may_drop = seqs.window is not None and seqs.window <= seqs.seq_k
+    if may_drop and (seqs.anchored or (not seqs.varlen and seqs.bound0 is not None)):
+        return None
+    return seqs.seq_k
+
+
+def launch_split(configs: AttnConfigs, seqs: Sequences) -> int:
+    """The largest split any row of the call can have: the tier of ``extent_bound`` (the last tier's where the host
+    knows none). The split grid cuts its programs' key ranges at its edges, which are split edges of every row (each
+    tier's split a multiple of the smaller ones'), so each row's split lies in one program."""
+    return _split_plan(configs.split_tiers, seqs.seq_k, seqs.window, extent_bound(seqs), 1)[0]
+
+
+def tile_splits(configs: AttnConfigs, seqs: Sequences, block_q: int) -> int:
+    """How many launch splits (``launch_split``) one query tile (``block_q`` query positions) can touch: the split
+    grid's programs per tile, before grouping. Without a window its keys start at the sequence's first key, a split
+    boundary, and number at most Skv; with one they span at most window + block_q - 1 keys (and no more than Skv)
+    from anywhere in a split."""
+    return _split_plan(configs.split_tiers, seqs.seq_k, seqs.window, extent_bound(seqs), min(block_q, seqs.seq_q))[1]
+
+
+def split_slots(configs: AttnConfigs, seqs: Sequences) -> int:
+    """The split grid's partial slots per row: the most splits a row of the call can have. A row of tier (E, S) has
+    e <= min(E, extent_bound) keys from its first key, so at most ceil(e / S) splits, and under a window its visible
+    keys span at most min(window, Skv) from anywhere in a split: at most ceil((span - 1) / S) + 1. The most over the
+    tiers a row of the call can reach."""
+    return _split_plan(configs.split_tiers, seqs.seq_k, seqs.window, extent_bound(seqs), 1)[2]
+
+
+@functools.lru_cache(maxsize=MAX_SIGNATURES)
+def _split_plan(tiers: tuple, seq_k: int, window: int | None, bound: int | None, queries: int
+                ) -> tuple[int, int, int]:
+    """(``launch_split``, ``tile_splits``, ``split_slots``) of a call whose rows have key extents up to ``bound`` (None:
+    any) and whose query tiles hold ``queries`` positions; cached (a decode step's layers share one call shape)."""
+    launch = tiers[-1][1] if bound is None else next(s for top, s in tiers if top is None or bound <= top)
+    if window is None:
+        per_tile = cdiv(seq_k, launch)
+        span = None
+    else:
+        per_tile = cdiv(min(seq_k, window + queries - 1) - 1, launch) + 1
+        span = min(window, seq_k)  # the most keys a row sees
+    most, below = 0, 0
+    for top, split in tiers:
+        if bound is not None and bound <= below:
+            break  # no row of the call reaches this tier
+        limits = [cdiv(e, split) for e in (top, bound) if e is not None]
+        if span is not None:
+            limits.append(cdiv(span - 1, split) + 1)
+        most = max(most, min(limits))
+        below = top
+    return launch, per_tile, most
 
 
 def split_group(configs: AttnConfigs, slots: int, programs_per_split: int) -> int:
-    """Consecutive splits per program of the split grid: one per program unless ``split_grid_programs`` asks for
-    fewer, longer programs (a batch-1 step at 32k keys: 64 splits x 8 KV heads of 8 key tiles each). Speed only: each
-    split's partial is stored on its own whatever the grouping."""
+    """Consecutive launch splits (``tile_splits`` of them per query tile) per program of the split grid: one per
+    program unless ``split_grid_programs`` asks for fewer, longer programs (a batch-1 step at 32k keys: 32 splits of
+    1024 keys x 8 KV heads). Speed only: each row's partials are stored on their own whatever the grouping."""
     if not configs.split_grid_programs:
         return 1
     groups = min(slots, max(1, configs.split_grid_programs // programs_per_split))
@@ -454,7 +501,7 @@ def uses_split_grid(configs: AttnConfigs, seqs: Sequences, heads_q: int, heads_k
 def _small_grid(configs: AttnConfigs, seqs: Sequences, heads_q: int, heads_kv: int, heads: int, block_q: int) -> bool:
     """``uses_split_grid`` under capture: a query tile touches more than one split and the grid is small."""
     programs = heads_kv * (heads_q // heads_kv // heads) * cdiv(seqs.seq_q, block_q) * seqs.batch
-    return programs < configs.split_grid_below and split_slots(configs, seqs, block_q) > 1
+    return programs < configs.split_grid_below and tile_splits(configs, seqs, block_q) > 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,14 +565,26 @@ def _fwd_tail(static: _FwdStatic, heads: int, what, dim_qk: int, dim_v: int, fla
         common = {"HEAD_DIM": static.head_dim, "DIM_V": dim_v, "BLOCK_M": cfg.block_m, "HEADS": heads,
                   "VARLEN": varlen, "HAS_KV_START": has_start, "HAS_KV_END": has_end, "INTERPRETED": interpreted,
                   "WINDOWED": windowed, "HAS_SINKS": sinks}
+        common.update(split_constexprs(static.configs.split_tiers))
         if what == "combine":
             tail = _constexprs("combine", {**common, "BLOCK_M": combine_rows(heads)})
         else:
             tail = _constexprs("fwd", {**common, "DIM_QK": dim_qk, "BLOCK_N": cfg.block_n, "SOFTCAP": softcap,
-                                       "SPLIT_N": static.configs.split_n, "SPLIT_GRID": what, "PAGED": paged,
-                                       "PAGE_SIZE": page_size})
+                                       "SPLIT_GRID": what, "PAGED": paged, "PAGE_SIZE": page_size})
         static.tails[(heads, what)] = tail
     return tail
+
+
+def split_constexprs(tiers: tuple[tuple[int | None, int], ...]) -> dict:
+    """The kernels' split constexprs (SPLIT_E0, SPLIT_E1, SPLIT_N0..N2) of a checked tier table
+    (``AttnConfigs.split_tiers``, up to three tiers): a table of fewer tiers repeats its last split (and bound, which
+    then chooses between equal splits)."""
+    bounds = [b for b, _ in tiers[:-1]] or [0]
+    splits = [s for _, s in tiers]
+    bounds += bounds[-1:] * (2 - len(bounds))
+    splits += splits[-1:] * (3 - len(splits))
+    return {"SPLIT_E0": bounds[0], "SPLIT_E1": bounds[1], "SPLIT_N0": splits[0], "SPLIT_N1": splits[1],
+            "SPLIT_N2": splits[2]}
 
 
 def _seq_flags(seqs: Sequences, interpreted: bool) -> tuple:
@@ -591,9 +650,12 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
     # The eager-keys bound is checked last: reading the capture state costs host time a decode step would pay.
     split_grid = (_small_grid(configs, seqs, heads_q, heads_kv, heads, block_q)
                   and (seq_k >= configs.eager_split_grid_min_keys or (not interpreted and _capturing(device))))
-    slots = split_slots(configs, seqs, block_q)
     ws_rows = lse.numel()
     if split_grid:
+        # Programs cut the keys at the launch split's edges; each row's partials go to its own slots (split_slots).
+        launch, programs_per_tile, slots = _split_plan(configs.split_tiers, seq_k, seqs.window, extent_bound(seqs),
+                                                       min(block_q, seq_q))
+        tiles = launch // configs.fwd.block_n
         # The partials in one buffer: acc [slots, rows, Dv], then m and l [slots, rows] (FP32), each part starting
         # on 16 bytes so that every call specialises the pointers alike (one binary whatever the batch).
         n = slots * ws_rows
@@ -602,10 +664,11 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         ws = torch.empty(n_acc + 2 * n16, dtype=torch.float32, device=device)
         ws_acc, ws_m, ws_l = ws.split_with_sizes([n_acc, n16, n16])  # Tensor.split's Python wrapper costs a call
     else:
-        slots, ws_acc, ws_m, ws_l = 1, lse, lse, lse  # never read or written in one pass
+        tiles, programs_per_tile, slots, ws_acc, ws_m, ws_l = 1, 1, 1, lse, lse, lse  # never read or written
     # Paged K/V one split a program: with runs of splits the paged decode was 1.0-1.35x slower in the H100 sweep
     # (s29), the contiguous one 0.96-1.08x faster. Speed only: the partials are the same either way.
-    group = split_group(configs, slots, head_programs * cdiv(seq_q, block_q) * batch) if split_grid and not paged else 1
+    group = (split_group(configs, programs_per_tile, head_programs * cdiv(seq_q, block_q) * batch)
+             if split_grid and not paged else 1)
     qk_scale, tanh_scale = _logit_args(logits, scale)
     sinks_arg = sinks if sinks is not None else q  # never read without HAS_SINKS
     table = seqs.block_table if paged else lse  # never read without PAGED
@@ -615,11 +678,11 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
     tails = static.tails
     tail = tails.get((heads, split_grid)) or _fwd_tail(static, heads, split_grid, dim_qk, dim_v, flags,
                                                         softcap is not None, sinks is not None, page_size)
-    _launch("fwd", (head_programs * cdiv(slots, group), cdiv(seq_q, block_q), batch), [
+    _launch("fwd", (head_programs * cdiv(programs_per_tile, group), cdiv(seq_q, block_q), batch), [
         q, k, v, o, lse, bound0, bound1, table, ws_m, ws_l, ws_acc,
         *_strides3(q, varlen), *_kv_strides(k, seqs), *_kv_strides(v, seqs), *o_strides, *lse_strides,
         table.stride(0) if paged else 0, batch, heads_q, heads_kv, seq_q, seq_k,
-        qk_scale, window, tanh_scale, sinks_arg, slots, ws_rows, group, *tail], static.options, plans)
+        qk_scale, window, tanh_scale, sinks_arg, slots, ws_rows, group, tiles, *tail], static.options, plans)
     if split_grid:
         tail = tails.get((heads, "combine")) or _fwd_tail(static, heads, "combine", dim_qk, dim_v, flags,
                                                           softcap is not None, sinks is not None, page_size)

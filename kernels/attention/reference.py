@@ -110,17 +110,20 @@ def _exact_order_dot(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> tor
     return acc
 
 
-def attention_split_ref(q, k, v, *, split_n: int, block_n: int, scale=None, kv_start=None, kv_end=None,
+def attention_split_ref(q, k, v, *, split_tiers, block_n: int, scale=None, kv_start=None, kv_end=None,
                         window=None, softcap=None, sinks=None) -> torch.Tensor:
     """``attention`` computed the way the kernels order it, in pure torch: the keys of sequence b cut from its first
-    key kv_start[b] into tiles of ``block_n`` and splits of ``split_n`` keys; each split's FP32 online softmax over
-    its tiles in ascending order from the start state (m = -inf, l = 0, acc = 0), the dots adding products in
-    ascending order; the splits folded in ascending order (a split that holds none of a row's keys skipped, the
-    first taken as it is, the others rescaled to the larger max); then the sink, o = acc / l, one BF16 rounding.
-    [B, Hq, Sq, Dv]. Its bits equal the interpreter's wherever the exponentials are exact (the kernels' exp2 and row
-    sums are numpy's there), and it lies within the FP64 bound everywhere."""
-    if split_n % block_n:
-        raise ValueError(f"split_n {split_n} must be a multiple of block_n {block_n}")
+    key kv_start[b] into tiles of ``block_n`` keys, and each row's into splits of its tier's keys (``split_tiers``,
+    as ``AttnConfigs.split_tiers``: the row's key extent e = its position - kv_start[b] + 1 picks the first tier whose
+    bound is >= e); each split's FP32 online softmax over its tiles in ascending order from the start state (m =
+    -inf, l = 0, acc = 0), the dots adding products in ascending order; a row's splits folded in ascending order (a
+    split that holds none of its keys skipped, the first taken as it is, the others rescaled to the larger max); then
+    the sink, o = acc / l, one BF16 rounding. [B, Hq, Sq, Dv]. Its bits equal the interpreter's wherever the
+    exponentials are exact (the kernels' exp2 and row sums are numpy's there), and it lies within the FP64 bound
+    everywhere."""
+    if not split_tiers or split_tiers[-1][0] is not None or any(s % block_n for _, s in split_tiers):
+        raise ValueError(f"split_tiers {split_tiers!r} is not supported; supported: (bound, split) pairs, the last "
+                         f"bound None, each split a multiple of block_n {block_n}")
     batch, heads_q, seq_q, head_dim = q.shape
     seq_k, head_dim_v = k.shape[2], v.shape[-1]
     visible, bad = visibility(batch, seq_q, seq_k, kv_start, kv_end, q.device, window)
@@ -131,6 +134,13 @@ def attention_split_ref(q, k, v, *, split_n: int, block_n: int, scale=None, kv_s
     tanh_scale = torch.tensor(0.0 if softcap is None else s / softcap, dtype=torch.float32, device=dev)
     start = torch.zeros(batch, dtype=torch.int64, device=dev) if kv_start is None else kv_start.to(dev).long()
     start = torch.where(bad, 0, start)
+    end = torch.full((batch,), seq_k, dtype=torch.int64, device=dev) if kv_end is None else kv_end.to(dev).long()
+    # Each row's key tiles per split, from its key extent (position - first key + 1), [B, 1, Sq, 1].
+    extent = end[:, None] - seq_q + torch.arange(seq_q, device=dev)[None, :] - start[:, None] + 1
+    split = torch.full_like(extent, split_tiers[-1][1])
+    for bound, keys in reversed(split_tiers[:-1]):
+        split = torch.where(extent <= bound, keys, split)
+    row_tiles = (split // block_n)[:, None, :, None]
     n_tiles = -(-(seq_k - int(start.min())) // block_n)
     kx, vx = _expand_kv(k, heads_q).float(), _expand_kv(v, heads_q).float()
     qf = q.float()
@@ -166,16 +176,19 @@ def attention_split_ref(q, k, v, *, split_n: int, block_n: int, scale=None, kv_s
         l_i = l_i * alpha + p.sum(-1, keepdim=True)
         acc = _exact_order_dot(p.to(torch.bfloat16), vt, acc * alpha)
         m_i = m_new
-        if (t + 1) % (split_n // block_n) == 0 or t + 1 == n_tiles:
-            m_new = torch.maximum(m_all, m_i)
-            m_ref = torch.where(m_new == float("-inf"), 0.0, m_new)
-            a = torch.where(m_new == m_all, 1.0, torch.exp2(m_all - m_ref))
-            b = torch.where(m_new == m_i, 1.0, torch.exp2(m_i - m_ref))
-            empty, first = m_i == float("-inf"), m_all == float("-inf")
-            l_all = torch.where(empty, l_all, torch.where(first, l_i, l_all * a + l_i * b))
-            acc_all = torch.where(empty, acc_all, torch.where(first, acc, acc_all * a + acc * b))
-            m_all = torch.where(empty, m_all, m_new)
-            m_i, l_i, acc = fresh()
+        # Rows whose split ends at this tile (or whose keys end: the last tile) fold it; the others keep their state.
+        ends = ((t + 1) % row_tiles == 0) | (t + 1 == n_tiles)
+        m_new = torch.maximum(m_all, m_i)
+        m_ref = torch.where(m_new == float("-inf"), 0.0, m_new)
+        a = torch.where(m_new == m_all, 1.0, torch.exp2(m_all - m_ref))
+        b = torch.where(m_new == m_i, 1.0, torch.exp2(m_i - m_ref))
+        empty = (m_i == float("-inf")) | ~ends
+        first = m_all == float("-inf")
+        l_all = torch.where(empty, l_all, torch.where(first, l_i, l_all * a + l_i * b))
+        acc_all = torch.where(empty, acc_all, torch.where(first, acc, acc_all * a + acc * b))
+        m_all = torch.where(empty, m_all, m_new)
+        m_fresh, l_fresh, acc_fresh = fresh()
+        m_i, l_i, acc = (torch.where(ends, x, y) for x, y in ((m_fresh, m_i), (l_fresh, l_i), (acc_fresh, acc)))
     if sinks is not None:
         sink = (sinks.float() * torch.tensor(math.log2(math.e), dtype=torch.float32, device=dev)).reshape(1, -1, 1, 1)
         m_fin = torch.maximum(m_all, sink)
@@ -353,7 +366,8 @@ def attention_fwd_bound(q, k, v, *, scale=None, kv_start=None, kv_end=None, wind
                         block_n: int = 16, split_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o*, bound), both FP64 [B, Hq, Sq, D]: every element of the kernels' o must satisfy |o - o*| <= bound.
     ``block_n``: the forward's key tile (fewer keys per tile means more rescales; 16 is the most conservative);
-    ``split_n``: its keys per split (None: block_n, the most conservative)."""
+    ``split_n``: its smallest keys per split (``AttnConfigs.smallest_split``: no row has more splits than with it;
+    None: block_n, the most conservative)."""
     s = _scale(scale, q.shape[-1])
     oracle = attention_oracle(q, k, v, scale=s, kv_start=kv_start, kv_end=kv_end, window=window, softcap=softcap,
                               sinks=sinks)
@@ -366,7 +380,7 @@ def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, 
     """{"dq": (dq*, bound), "dk": ..., "dv": ...} (and "dsinks" with sinks) in FP64: the exact gradients of
     sum(o * do) and the per-element bounds the kernels' gradients must satisfy (docs/attention.md). ``block_n`` /
     ``block_m``: the smallest key and query tiles of the backward (more tiles means more accumulations; 16 is the
-    most conservative); ``split_n``: the forward's keys per split, as for ``attention_fwd_bound``."""
+    most conservative); ``split_n``: the forward's smallest keys per split, as for ``attention_fwd_bound``."""
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
     group = heads_q // heads_kv
