@@ -9,7 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source tools/gpu_steps.sh
 begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
-grid=(--grid "split_tiers=128,256,512,1024" --grid block_m=64 --grid block_n=64 --grid num_warps=4 --grid "num_stages=2,3"
+grid=(--grid "split_n=128,256,512,1024" --grid block_m=64 --grid block_n=64 --grid num_warps=4 --grid "num_stages=2,3"
       --grid split_heads_below=0)
 step warm 120 python -m tools.attention_decode_sweep warm --head-dims 128 --workers 12 "${grid[@]}"
 step dsweep 240 python -m tools.attention_decode_sweep sweep --device cuda --head-dims 128 --out "$OUT/dsweep" \
