@@ -4,8 +4,9 @@
 #   across the tier bounds, paged, the pinned tiles) into $OUT/attn-tests.log; the decode sweep over the pinned tiers,
 #   a step to 1024-key splits from 8k keys and one 512-key split for every row (the former table) at the pinned 64x64
 #   tile, bits and CUDA-graph time beside SDPA flash, into $OUT/dsweep;
-# - FP32 det_gemm's Gluon FMA variant (tools/gpu/fp32_fma.sh: its GPU tests, then its candidates beside the pinned
-#   tile and torch.matmul) into $OUT/fma.
+# - FP32 det_gemm's Gluon FMA variant: its candidates beside the pinned tile and torch.matmul, each one's bits compared
+#   with the pinned tile's (tools/gpu/fp32_fma.sh's warm and bench steps; its GPU tests left for a later call), into
+#   $OUT/fma.
 set -euo pipefail
 : "${OUT:?set OUT to the results folder}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -20,5 +21,8 @@ step attn-tests 130 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -ra -p no:ca
   --junitxml "$OUT/attn-tests.xml" tests/test_attention_split_kv.py tests/test_attention_paged.py tests/test_attention.py
 step dsweep 110 python -m tools.attention_decode_sweep sweep --device cuda --head-dims 128 --out "$OUT/dsweep" \
   --budget-s 85 --finalists 1 "${grid[@]}"
-step fma 215 env OUT="$OUT/fma" FMA_WARM_LIMIT=50 FMA_TESTS_LIMIT=75 FMA_BENCH_LIMIT=85 bash tools/gpu/fp32_fma.sh
+fma=(--device cuda --out "$OUT/fma" --ops fwd da --kn "4096,151936" "4096,4096" --m 64 256 1024 4096 --layouts linear
+     --precision ieee --fma --rounds 2)
+step fma-warm 60 python -m tools.fp32_gemm_bench "${fma[@]}" --warm 14 --warm-only
+step fma-bench 100 python -m tools.fp32_gemm_bench "${fma[@]}"
 exit "$failed"
