@@ -262,7 +262,7 @@ def test_table_tma3_pick_gives_way_to_a_tile_with_a_pointer_twin_where_tma_canno
 
 @pytest.mark.parametrize("tile,variant,match", [
     ((128, 128, 64), "wgmma", r"GemmConfig.variant 'wgmma' is not supported; supported: \('ptr', 'tma', 'tma3', 'ws', "
-                              r"'gemv_row', 'gemv_vec', 'gemv_tile'\)"),
+                              r"'fma', 'gemv_row', 'gemv_vec', 'gemv_tile'\)"),
     ((64, 512, 64), "tma", r"variant 'tma' needs block_n a power of two <= 256 .*; got 512"),
     ((48, 64, 64), "tma", r"variant 'tma' needs block_m a power of two <= 256 .*; got 48"),
     ((128, 128, 64), "tma3", r"variant 'tma3' needs block_n three sub-tiles wide .*; got 128"),
