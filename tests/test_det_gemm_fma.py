@@ -125,8 +125,8 @@ def test_a_cuda_plan_of_the_fma_kernel_passes_its_parameters(op, layout, a_m_maj
 
 
 def test_a_table_pick_of_fma_runs_as_its_pointer_twin_where_gluon_cannot(device, monkeypatch, fresh_plans):
-    """Were the table to pin an "fma" tile, the interpreter, seg_len segments, TF32 products and operands TMA cannot
-    describe would run the pointer kernel with the same tile (same bits), and the cross-config audit would list that
+    """Where the table pins an "fma" tile, the interpreter, seg_len segments, TF32 products and operands TMA cannot
+    describe run the pointer kernel with the same tile (same bits), and the cross-config audit lists that
     twin off sm_90: the pick never reaches the Gluon kernel where it would be refused."""
     monkeypatch.setitem(CONFIG_TABLE_FP32, "fwd", ((2**31, SMALL_FMA),))
     twin = fma_twin(SMALL_FMA)
@@ -197,12 +197,14 @@ def test_fma_candidates_compile_for_sm90_offline_to_ffma_only_without_spills(tmp
                                        ("db", "kn")])
 def test_gpu_fma_candidates_have_the_pinned_tiles_bits(op, layout):
     """At M = 300 (N 264, K 200: partial tiles in both output dims and a partial last K step of 32; 16-byte-aligned
-    rows for TMA) every candidate's output equals the pinned Triton FP32 tile's bit for bit, and so does its twin
-    store; repeats are bitwise. The pick is the pointer kernel's FMA dot: the same chain per output."""
+    rows for TMA) the table's pick (fwd: an "fma" tile) and every candidate give the bits of the pick's tile on the
+    pointer kernel (its FMA dot: the same chain per output), and so does the twin store; repeats are bitwise."""
     device = torch.device("cuda")
     x, y = operands(op, 300, 264, 200, device, layout)
-    want, record = LAUNCHERS[op](x, y)
-    assert record.config.variant == "ptr", record.config
+    pick, record = LAUNCHERS[op](x, y)
+    want, pointer = LAUNCHERS[op](x, y, config=fma_twin(record.config))
+    assert pointer.config.variant == "ptr", pointer.config
+    assert_bits(pick, want, f"{op} {layout} the table's pick {record.config.label()}")
     for config in fma_candidates():
         got, launch = LAUNCHERS[op](x, y, config=config)
         assert launch.config == config and launch.name == record.name
@@ -218,12 +220,13 @@ def test_gpu_fma_candidates_have_the_pinned_tiles_bits(op, layout):
 @pytest.mark.parametrize("op", ["fwd", "da"])
 def test_gpu_fma_rows_have_their_bits_at_every_m_from_1_to_33(op):
     """Batch invariance across the table's switch: for M = 1..33 (nn.Linear's weight, N 520, K 264: partial tiles
-    and K steps) each candidate's rows equal the table's pick at that M (the small-M kernel up to 16 rows, the Triton
-    tile above) and the pinned tile's rows at M = 33."""
+    and K steps) each candidate's rows equal the table's pick at that M (the small-M kernel up to 16 rows, above it
+    the FMA kernel's tile for fwd and the Triton tile for dA) and the pick's rows at M = 33, which equal its tile's
+    on the pointer kernel."""
     device = torch.device("cuda")
     x, y = operands(op, 33, 520, 264, device)
     full, record = LAUNCHERS[op](x, y)
-    assert record.config.variant == "ptr", record.config
+    assert_bits(full, LAUNCHERS[op](x, y, config=fma_twin(record.config))[0], f"{op} the pick's pointer twin")
     for m in range(1, 34):
         pick, _ = LAUNCHERS[op](x[:m], y)
         assert_bits(pick, full[:m], f"{op} table pick at M={m}")

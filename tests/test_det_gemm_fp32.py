@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 from detkit.kernels.det_gemm.configs import (
     CONFIG_TABLE_FP32, GEMV_NARROW_COLS, GEMV_VARIANTS, all_configs, gemv_band, gemv_candidates,
     select_config, ws_twin,
@@ -143,7 +144,8 @@ def test_every_config_of_the_fp32_table_gives_the_same_bits(op, precision, devic
     their band (BLOCK_M rows: one program row, as the table uses them; more rows cost the interpreter time only)."""
     x, y = operands(op, 20, 40, 72, device, layout="kn")
     want, _ = LAUNCHERS[op](x, y, precision=precision)
-    configs = all_configs(op, dtype=torch.float32, precision=precision)
+    backend = CUDA_SM90 if device.type == "cuda" else TRITON_INTERPRETER  # off sm_90 an "fma" pick runs its twin
+    configs = all_configs(op, backend, dtype=torch.float32, precision=precision)
     for config in configs + [GemmConfig(64, 32, 32, 1, 4, 3, "tma")]:
         rows = config.block_m if config.variant in GEMV_VARIANTS else len(x)
         got, record = LAUNCHERS[op](x[:rows], y[:rows] if op == "db" else y, config=config, precision=precision)
@@ -248,19 +250,24 @@ def test_a_cuda_plan_of_the_small_m_kernel_passes_its_parameters(layout, monkeyp
 # ---- the table, the plan key, names --------------------------------------------------------------
 def test_fp32_table_is_pinned_covering_every_size_with_the_small_m_kernel_up_to_16_rows():
     """"ieee" at M <= 16 (fwd, dA): BLOCK_M the batch rounded up to a power of two, by output width, on the small-M
-    kernel or the FMA dot's pointer tile; above, pointer tiles of BLOCK_K 32. dB (M is its reduced dim) keeps its tile
-    at every M."""
+    kernel or the FMA dot's pointer tile; above, BLOCK_K 32 tiles: the Gluon FMA kernel's for fwd (narrow outputs on
+    128x64 up to 64 rows and 256), the pointer kernel's for dA. dB (M is its reduced dim) keeps its tile at every M."""
     for op, entries in CONFIG_TABLE_FP32.items():
         assert entries[-1][0] >= 2**31 - 1
         for config in all_configs(op, dtype=torch.float32):
             assert config.variant not in GEMV_VARIANTS or (op != "db" and config.block_m <= 16), config
-            assert config.variant in GEMV_VARIANTS or (config.variant == "ptr" and config.block_k == 32), config
+            kernel = ("ptr", "fma") if op == "fwd" else ("ptr",)
+            assert config.variant in GEMV_VARIANTS or (config.variant in kernel and config.block_k == 32), config
     for op in ("fwd", "da"):
         for m in range(1, 18):
             for cols in (256, 4096, GEMV_NARROW_COLS, GEMV_NARROW_COLS + 1, 151936):
                 pick = select_config(op, m, cols=cols, dtype=torch.float32)
                 if m > 16:
-                    assert pick == GemmConfig(64, 64, 32, 8, 4, 3), (op, m, cols)
+                    want = GemmConfig(64, 64, 32, 8, 4, 3)
+                    if op == "fwd":
+                        narrow = cols <= GEMV_NARROW_COLS  # 17 rows: the band up to 64
+                        want = GemmConfig(128, 64 if narrow else 128, 32, 8, 8, 4 if narrow else 3, "fma")
+                    assert pick == want, (op, m, cols)
                     continue
                 assert pick.block_m == gemv_band(m) >= m > pick.block_m // 2, (m, pick)
                 assert pick == gemv_candidates(m, cols, op)[0]
@@ -268,7 +275,8 @@ def test_fp32_table_is_pinned_covering_every_size_with_the_small_m_kernel_up_to_
                 if op == "fwd" and m <= 4 and cols > GEMV_NARROW_COLS:
                     assert pick.variant == "gemv_tile" and pick.block_n == 128, (m, pick)
     assert select_config("db", 1, cols=151936, dtype=torch.float32) == GemmConfig(128, 128, 32, 8, 8, 3)
-    assert select_config("fwd", 4096, cols=151936, dtype=torch.float32) == GemmConfig(128, 128, 32, 8, 8, 3)
+    assert select_config("fwd", 4096, cols=151936, dtype=torch.float32) == GemmConfig(128, 128, 32, 8, 4, 3, "fma")
+    assert select_config("da", 4096, cols=151936, dtype=torch.float32) == GemmConfig(128, 128, 32, 8, 8, 3)
     # TF32: 64 rows or more at every M, one MMA instruction kind (wgmma) for every launch
     for op in CONFIG_TABLE_FP32:
         assert all(c.block_m >= 64 for c in all_configs(op, dtype=torch.float32, precision="tf32"))

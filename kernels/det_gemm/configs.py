@@ -22,7 +22,7 @@ from detkit.kernels.det_gemm.names import OPS
 CONFIG_TABLE_VERSION = "2026-12-01.15"
 # The FP32 operands' table (CONFIG_TABLE_FP32 below), versioned on its own so the BF16 version keeps naming the
 # BF16 entries its reports measured.
-FP32_CONFIG_TABLE_VERSION = "2026-12-06.2"
+FP32_CONFIG_TABLE_VERSION = "2026-12-06.3"
 
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
 INTERPRETER_MAX_BLOCK_NUMEL = 2**20
@@ -445,8 +445,17 @@ def gemv_candidates(rows: int, cols: int, op: str = "fwd") -> tuple[GemmConfig, 
     return tuple(dict.fromkeys((pick, replace(base, variant="gemv_row"), base, *others)))
 
 
+# fwd at M > 16 on the Gluon FMA kernel (kernels/det_gemm/fma.py: the same FMA chains, so the same bits), the fastest
+# "fma" candidate of an H100 run per M band and width (reports/2026-12-06-h100-s31, call 1; nn.Linear's weight, GPU
+# time against torch.matmul at "highest"): lm_head 4096 x 151936 1.83x at M 64 (the Triton tile 2.71x), 1.22-1.23x at
+# 256-4096 (2.30-3.70x); 4096 x 4096 3.84x / 1.37x at M 64 / 256 on 128x64 tiles (5.74x / 3.77x), 1.22-1.23x at
+# 1024-4096 (2.25-2.30x). dA keeps the Triton tiles: 1.15-1.20x at M >= 256 there, the FMA kernel no faster.
+_FMA_WIDE = GemmConfig(128, 128, 32, 8, 4, 3, "fma")  # 8x16 outputs a thread, two CTAs per SM
+_FMA_WIDE_8W = GemmConfig(128, 128, 32, 8, 8, 3, "fma")  # 8x8 outputs a thread
+_FMA_NARROW = GemmConfig(128, 64, 32, 8, 8, 4, "fma")  # 8x4 outputs a thread: twice the programs on narrow outputs
 CONFIG_TABLE_FP32: dict[str, tuple[tuple[int, GemmConfig | ByWidth], ...]] = {
-    "fwd": (*_small_m_entries("fwd"), (64, _FP32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
+    "fwd": (*_small_m_entries("fwd"), (64, ByWidth(((GEMV_NARROW_COLS, _FMA_NARROW),), _FMA_WIDE_8W)),
+            (256, ByWidth(((GEMV_NARROW_COLS, _FMA_NARROW),), _FMA_WIDE)), (2**31, _FMA_WIDE)),
     "da": (*_small_m_entries("da"), (64, _FP32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
     # dB: a [K, N] output at any M; M is its reduced dim
     "db": ((2**31, _FP32_LARGE),),
@@ -528,7 +537,7 @@ def fma_twin(config: GemmConfig) -> GemmConfig:
 
 
 def fma_candidates() -> tuple[GemmConfig, ...]:
-    """The "fma" tiles a GPU run times at M >= 17 (tools/gpu/fp32_fma.sh), none pinned in CONFIG_TABLE_FP32 yet. Each
+    """The "fma" tiles a GPU run times at M >= 17 (tools/gpu/fp32_fma.sh); three are pinned (fwd, above). Each
     sm_90 compile (tools/gemm_sass.py --variants fma) issues at least 4 FFMA per shared-memory load and spills nothing,
     on every operand layout det_gemm gives it: 8x16 outputs per thread (21 FFMA per LDS.128) on 128x128 and 4 warps
     (two CTAs per SM) and on 128x256 and 8 warps (one); 8x8 (16 FFMA per LDS.128) on 128x128 and 8 warps, 3 and 4

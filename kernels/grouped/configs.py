@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 
-GROUPED_CONFIG_TABLE_VERSION = 2
+GROUPED_CONFIG_TABLE_VERSION = 3
 OPS = ("mm", "wgrad")
 VARIANTS = ("ptr", "tma")
 TMA_MAX_BOX = 256  # elements per dim of one TMA box
@@ -65,17 +65,21 @@ class GroupedConfig:
 
 # sm_90: the fastest candidates of reports/2026-12-06-h100-s26/call1 (tools/grouped_mm_bench.py --configs, H100;
 # every candidate gave the pinned one's bits: a K step of wgmma accumulates k16 chunks into the same FP32 accumulator
-# whatever block_k), pointer loads for every layout. The "tma" twins are candidates (tools/grouped_mm_bench.py
-# --configs), not yet measured.
+# whatever block_k), pointer loads, except where TMA was measured faster (reports/2026-12-06-h100-s31, call 2:
+# Mixtral-8x7B widths, T 2048 and 8192, CUDA-graph time against torch._grouped_mm, every candidate the pointer
+# config's bits): the forward on transformers' K-contiguous weight ("nt") 0.95-1.06x on TMA against 1.30-1.40x on
+# pointers, and grad_weight ("tn") on TMA's 128x256x64 tile 1.31x / 1.02x against 1.67x / 1.59x.
 _MM_SM90 = GroupedConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+_MM_SM90_TMA = GroupedConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, variant="tma")
 _WGRAD_SM90 = GroupedConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=4)
+_WGRAD_SM90_TMA = GroupedConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, variant="tma")
 _INTERPRETER = GroupedConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=1)
 
 CONFIG_TABLE: dict[tuple[str, str, str], GroupedConfig] = {
-    ("mm", CUDA_SM90, "nt"): _MM_SM90,  # forward: x @ W.transpose(-2, -1) (transformers' layout)
+    ("mm", CUDA_SM90, "nt"): _MM_SM90_TMA,  # forward: x @ W.transpose(-2, -1) (transformers' layout)
     ("mm", CUDA_SM90, "nn"): _MM_SM90,  # grad_input: grad @ W; a forward on [E, K, N] weights
     ("mm", CUDA_SM90, ANY_LAYOUT): _MM_SM90,
-    ("wgrad", CUDA_SM90, "tn"): _WGRAD_SM90,  # grad_weight: grad.T @ x
+    ("wgrad", CUDA_SM90, "tn"): _WGRAD_SM90_TMA,  # grad_weight: grad.T @ x
     ("wgrad", CUDA_SM90, ANY_LAYOUT): _WGRAD_SM90,
     ("mm", TRITON_INTERPRETER, ANY_LAYOUT): _INTERPRETER,
     ("wgrad", TRITON_INTERPRETER, ANY_LAYOUT): _INTERPRETER,
