@@ -67,8 +67,9 @@ class GroupedConfig:
 # every candidate gave the pinned one's bits: a K step of wgmma accumulates k16 chunks into the same FP32 accumulator
 # whatever block_k), pointer loads, except where TMA was measured faster (reports/2026-12-06-h100-s31, call 2:
 # Mixtral-8x7B widths, T 2048 and 8192, CUDA-graph time against torch._grouped_mm, every candidate the pointer
-# config's bits): the forward on transformers' K-contiguous weight ("nt") 0.95-1.06x on TMA against 1.30-1.40x on
-# pointers, and grad_weight ("tn") on TMA's 128x256x64 tile 1.31x / 1.02x against 1.67x / 1.59x.
+# config's bits): a K-contiguous weight ("nt": transformers' forward, and grad_input on [E, K, N] weights) 0.86-1.06x
+# on TMA against 1.20-1.42x on pointers, and grad_weight ("tn") on TMA's 128x256x64 tile 1.31x / 1.02x against 1.67x /
+# 1.59x. Measured at Mixtral's widths only.
 _MM_SM90 = GroupedConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 _MM_SM90_TMA = GroupedConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, variant="tma")
 _WGRAD_SM90 = GroupedConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=4)
