@@ -192,10 +192,10 @@ def test_decode_prefill_chunked_give_the_same_bits_on_both_paths_across_splits(v
         # Decode at each tier's last and next row (31, 32 and 63, 64; 36, 37 and 68, 69 for sequence 1), inside
         # splits and at the end (from sequence 1's first key: kv_start <= kv_end); a batch's two rows in different
         # tiers at 32, 64 and 68.
-        for i in (5, 31, 32, 37, 50, 63, 64, 68, 69) if variant == "plain" else (5, 32, 37, 64, 69):
+        for i in (31, 32, 37, 63, 64, 68, 69) if variant == "plain" else (5, 32, 37, 64, 69):
             step = attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], kv_start=kv_start, configs=cfg, **kw)
             _bits(step, prefill[:, :, i:i + 1], f"{name} decode {i}")
-        for chunk in (9, 33) if variant == "plain" else (33,):
+        for chunk in (9,) if variant == "plain" else (33,):
             parts = [attention(q[:, :, s:s + chunk], k[:, :, :s + chunk], v[:, :, :s + chunk], kv_start=kv_start,
                                configs=cfg, **kw) for s in range(0, seq, chunk)]
             _bits(torch.cat(parts, 2), prefill, f"{name} chunks of {chunk}")
