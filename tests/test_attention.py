@@ -115,8 +115,9 @@ def test_decode_prefill_and_chunked_prefill_give_the_same_bits_per_token(device)
     batch, seq = 2, 40
     q, k, v = _qkv(batch, 4, 2, seq, seq, 64, 21, device)
     prefill = attention(q, k, v)
-    # Decode: one query against the cache of its prefix, at tile boundaries and inside tiles.
-    for i in range(seq):
+    # Decode: one query against the cache of its prefix, at tile boundaries (16 keys), the interpreter's split tiers'
+    # bound (32 keys), inside tiles and at the end.
+    for i in sorted({*range(0, seq, 3), 15, 16, 17, 31, 32, 33, seq - 1}):
         _bits(attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1]), prefill[:, :, i:i + 1])
     # Chunked prefill: chunks of several sizes against the growing cache.
     for chunk in (2, 7, 16, 23, 39):
