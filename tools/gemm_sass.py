@@ -70,6 +70,29 @@ def cuobjdump_bytes(flag: str, cubin: bytes, tmp_dir: str) -> str:
         return cuobjdump(flag, f.name)
 
 
+def dump_and_count(kernel, out_dir: str, tag: str) -> tuple[str, dict, str]:
+    """Write a compiled kernel's cubin, TTGIR and SASS under ``out_dir`` as ``tag``.*; return its SASS, the count of
+    each of SASS_OP_NAMES in it, and cuobjdump's resource usage."""
+    cubin = os.path.join(out_dir, f"{tag}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    with open(os.path.join(out_dir, f"{tag}.ttgir"), "w") as f:
+        f.write(kernel.asm["ttgir"])
+    sass = cuobjdump("--dump-sass", cubin)
+    with open(os.path.join(out_dir, f"{tag}.sass"), "w") as f:
+        f.write(sass)
+    counts = dict.fromkeys(SASS_OP_NAMES, 0)
+    for m in re.finditer(SASS_OPS, sass):
+        counts[m.group(1)] += 1
+    return sass, counts, cuobjdump("--dump-resource-usage", cubin)
+
+
+def registers(resources: str) -> int | None:
+    """Registers per thread from cuobjdump's resource usage."""
+    usage = re.search(r"REG:(\d+)", resources)
+    return int(usage.group(1)) if usage else None
+
+
 def stack_bytes(resources: str) -> int | None:
     """Per-thread stack from ``--dump-resource-usage`` output: > 0 means register spills."""
     stack = re.search(r"STACK:(\d+)", resources)
@@ -237,23 +260,11 @@ def build(case: SassCase, variant: str, out_dir: str, config=None, segmented: bo
     tag = f"{case.name}_{variant}" if config is None else f"{case.name}_{cfg.label()}"
     tag += "".join(f"_{flag}" for flag, on in (("seg", segmented), ("fp32", out_fp32), ("twin", twin)) if on)
     tag += {"bf16": "", "fp16": "_in_fp16"}.get(precision, f"_in_fp32_{precision}")
-    cubin = os.path.join(out_dir, f"{tag}.cubin")
-    with open(cubin, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    with open(os.path.join(out_dir, f"{tag}.ttgir"), "w") as f:
-        f.write(kernel.asm["ttgir"])
-    sass = cuobjdump("--dump-sass", cubin)
-    with open(os.path.join(out_dir, f"{tag}.sass"), "w") as f:
-        f.write(sass)
-    counts = dict.fromkeys(SASS_OP_NAMES, 0)
-    for m in re.finditer(SASS_OPS, sass):
-        counts[m.group(1)] += 1
-    resources = cuobjdump("--dump-resource-usage", cubin)
-    usage = re.search(r"REG:(\d+)", resources)
+    sass, counts, resources = dump_and_count(kernel, out_dir, tag)
     counts["LDS128"] = len(re.findall(r"\bLDS\.128\b", sass))
     shared_loads = counts["LDS"] + counts["LDSM"]
     return {"case": tag, "op": case.op, "layout": case.tag, "variant": variant, "config": cfg.label(),
-            "regs": int(usage.group(1)) if usage else None, "stack_bytes": stack_bytes(resources),
+            "regs": registers(resources), "stack_bytes": stack_bytes(resources),
             "shared_bytes": kernel.metadata.shared, **counts,
             "dot_precisions": dot_precisions(kernel.asm["ttgir"]),
             "ffma_per_lds": counts["FFMA"] / shared_loads if shared_loads else None}

@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from dataclasses import dataclass, replace
 
-from tools.gemm_sass import SASS_OP_NAMES, SASS_OPS, cuobjdump, stack_bytes
+from tools.gemm_sass import dump_and_count, registers, stack_bytes
 
 
 @dataclass(frozen=True)
@@ -101,21 +100,9 @@ def build(case: GroupedSassCase, variant: str, out_dir: str, config=None) -> dic
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     tag = f"{case.name}_{cfg.label()}"
-    cubin = os.path.join(out_dir, f"{tag}.cubin")
-    with open(cubin, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    with open(os.path.join(out_dir, f"{tag}.ttgir"), "w") as f:
-        f.write(kernel.asm["ttgir"])
-    sass = cuobjdump("--dump-sass", cubin)
-    with open(os.path.join(out_dir, f"{tag}.sass"), "w") as f:
-        f.write(sass)
-    counts = dict.fromkeys(SASS_OP_NAMES, 0)
-    for m in re.finditer(SASS_OPS, sass):
-        counts[m.group(1)] += 1
-    resources = cuobjdump("--dump-resource-usage", cubin)
-    usage = re.search(r"REG:(\d+)", resources)
+    _, counts, resources = dump_and_count(kernel, out_dir, tag)
     return {"case": tag, "op": case.op, "layout": case.layout, "variant": variant, "config": cfg.label(),
-            "regs": int(usage.group(1)) if usage else None, "stack_bytes": stack_bytes(resources),
+            "regs": registers(resources), "stack_bytes": stack_bytes(resources),
             "shared_bytes": kernel.metadata.shared, **counts}
 
 
