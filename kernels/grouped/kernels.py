@@ -119,6 +119,20 @@ def grouped_mm_kernel(
     tl.store(c_ptrs, to_bf16(acc, INTERPRETED), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def wgrad_rows_step(acc, a_ptr, b_ptr, ps64, qs64, p_ok, q_ok, stride_ap, stride_ar, stride_br, stride_bq, start, count,
+                    k0, offs_k, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One weight-gradient K step by pointer loads: the group's rows start + k0 ... (+ BLOCK_K), those past its
+    ``count`` rows loaded as exact zeros (the next group's rows add nothing)."""
+    k_ok = (k0 + offs_k) < count
+    rows64 = (start + k0 + offs_k).to(tl.int64)
+    a = tl.load(a_ptr + ps64[:, None] * stride_ap + rows64[None, :] * stride_ar,
+                mask=p_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+    b = tl.load(b_ptr + rows64[:, None] * stride_br + qs64[None, :] * stride_bq,
+                mask=k_ok[:, None] & q_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+    return mac_step(acc, a, b, offs_k, BLOCK_K, INTERPRETED)
+
+
 @triton.jit(launch_metadata=_wgrad_launch_metadata)
 def grouped_wgrad_kernel(
     a_ptr, b_ptr, c_ptr, offs_ptr,
@@ -147,13 +161,8 @@ def grouped_wgrad_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, count, BLOCK_K):  # the group's rows, ascending
-        k_ok = (k0 + offs_k) < count
-        rows64 = (start + k0 + offs_k).to(tl.int64)
-        a = tl.load(a_ptr + ps64[:, None] * stride_ap + rows64[None, :] * stride_ar,
-                    mask=p_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(b_ptr + rows64[:, None] * stride_br + qs64[None, :] * stride_bq,
-                    mask=k_ok[:, None] & q_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc = mac_step(acc, a, b, offs_k, BLOCK_K, INTERPRETED)
+        acc = wgrad_rows_step(acc, a_ptr, b_ptr, ps64, qs64, p_ok, q_ok, stride_ap, stride_ar, stride_br, stride_bq,
+                              start, count, k0, offs_k, BLOCK_K, INTERPRETED)
     acc = tl.where(ok, acc, float("nan"))
     c_ptrs = c_ptr + group.to(tl.int64) * stride_cg + ps64[:, None] * stride_cp + qs64[None, :] * stride_cq
     tl.store(c_ptrs, to_bf16(acc, INTERPRETED), mask=p_ok[:, None] & q_ok[None, :])
@@ -251,13 +260,8 @@ def grouped_wgrad_tma_kernel(
         b = b_desc.load([start + k0, off_q])  # [BLOCK_K, BLOCK_N]
         acc = mac_step(acc, a, b, offs_k, BLOCK_K, INTERPRETED)
     if full < count:
-        k_ok = (full + offs_k) < count
-        rows64 = (start + full + offs_k).to(tl.int64)
-        a = tl.load(a_ptr + ps64[:, None] * stride_ap + rows64[None, :] * stride_ar,
-                    mask=p_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(b_ptr + rows64[:, None] * stride_br + qs64[None, :] * stride_bq,
-                    mask=k_ok[:, None] & q_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc = mac_step(acc, a, b, offs_k, BLOCK_K, INTERPRETED)
+        acc = wgrad_rows_step(acc, a_ptr, b_ptr, ps64, qs64, p_ok, q_ok, stride_ap, stride_ar, stride_br, stride_bq,
+                              start, count, full, offs_k, BLOCK_K, INTERPRETED)
     acc = tl.where(ok, acc, float("nan"))
     c_ptrs = c_ptr + group.to(tl.int64) * stride_cg + ps64[:, None] * stride_cp + qs64[None, :] * stride_cq
     tl.store(c_ptrs, to_bf16(acc, INTERPRETED), mask=p_ok[:, None] & q_ok[None, :])
