@@ -2,6 +2,8 @@
 # Call 1 of reports/2026-12-07-h200-s32 (one H100 or H200), in step limits that fit one device call:
 # - FP32 det_gemm's Gluon FMA variant: its GPU tests (every candidate's bits = the pinned Triton FP32 tile's at
 #   partial tiles, fwd / dA / dB, M 1..33 across the table's switch), into $OUT/fma-tests.log;
+# - one eager decode step of Qwen3-8B widths, 4 layers, batch 1 on a 32768-key cache, in both modes under
+#   torch.profiler (tools/decode_profile.py: the bench's 1.25x case taken apart), into $OUT/dprof;
 # - the model bench per family at 2 layers (tools/gpu/model_speed.sh: prefill, decode eager and captured,
 #   forward+backward, generate against default mode on flash SDPA), into $OUT/speed.
 set -euo pipefail
@@ -15,6 +17,8 @@ xdist=()
 if python -c "import xdist" 2>/dev/null; then xdist=(-n 6); fi
 step fma-tests 120 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra "${xdist[@]}" -m gpu \
   --junitxml "$OUT/fma-tests.xml" tests/test_det_gemm_fma.py
-step speed 390 env OUT="$OUT/speed" ARCHIVE="$OUT/speed.tgz" FAMILIES="qwen3 llama3 mistral gemma3 gpt-oss qwen3-moe" \
-  LAYERS=2 RUN_LIMIT=75 bash tools/gpu/model_speed.sh
+step dprof 90 python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 4 --batch 1 --cache-len 32768 \
+  --steps 5 --out "$OUT/dprof"
+step speed 320 env OUT="$OUT/speed" ARCHIVE="$OUT/speed.tgz" FAMILIES="qwen3 llama3 mistral gemma3 gpt-oss" \
+  LAYERS=2 RUN_LIMIT=70 bash tools/gpu/model_speed.sh
 exit "$failed"

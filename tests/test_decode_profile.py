@@ -1,0 +1,34 @@
+"""tools/decode_profile.py on the interpreter: both modes profiled on the bench's filled cache, detkit mode's step on
+detkit's kernels (no torch SDPA or matmul kernel in its operators), default mode's on torch's."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def test_decode_profile_both_modes(tmp_path):
+    from tools.decode_profile import main
+
+    assert main(["--preset", "qwen3-tiny", "--layers", "1", "--batch", "2", "--cache-len", "8", "--steps", "1",
+                 "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "profile.json").read_text())
+    assert set(result["modes"]) == {"default", "detkit"}
+    assert result["hardware_result"] is False and result["device"].startswith("cpu")
+    ops = {mode: {row["op"] for row in m["top_cpu"]} for mode, m in result["modes"].items()}
+    assert any("scaled_dot_product" in op for op in ops["default"])
+    assert not any("scaled_dot_product" in op for op in ops["detkit"])
+    for m in result["modes"].values():
+        assert m["wall_us"] >= m["host_us"] > 0
+    assert result["wall_ratio"] == pytest.approx(result["modes"]["detkit"]["wall_us"]
+                                                 / result["modes"]["default"]["wall_us"])
+    assert "wall ratio detkit / default" in (tmp_path / "profile.md").read_text()
+
+
+def test_decode_profile_refuses_bad_sizes(capsys):
+    from tools.decode_profile import main
+
+    with pytest.raises(SystemExit):
+        main(["--cache-len", "0", "--out", "/nonexistent"])
+    assert "--cache-len must be >= 1; got 0" in capsys.readouterr().err

@@ -1,0 +1,156 @@
+"""Where one eager decode step of a transformers model spends its time, in detkit mode and in default mode: the step of
+``detkit bench model``'s ``decode_eager`` case (the same model, the same filled DynamicCache, the same baseline
+attention) run under ``torch.profiler``, so a ratio the bench reports can be taken apart.
+
+    python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 4 --batch 1 --cache-len 32768 --out DIR
+
+Per mode: the step's wall time (synchronised; median of ``--steps``), host time until queued (no synchronisation
+inside the timed steps), the GPU time the profiler saw, kernel launches per step, and the top operators by self CPU
+time and the top GPU kernels by time, per step. ``DIR/profile.json`` holds every number, ``DIR/profile.md`` the
+tables. On the CPU (the Triton interpreter) it runs the plumbing at the model's tiny config: not a hardware result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+TOP = 15
+
+
+def _step_fn(bench, point):
+    """Per mode, (the decode step on that mode's own filled cache, that mode's context)."""
+    steps = bench.decode_steps(point)
+    contexts = bench.contexts()
+    return {mode: (steps[mode], contexts[mode]) for mode in steps}
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _wall_and_host(step, device, steps: int) -> tuple[list[float], list[float]]:
+    """Per step: the wall time to the GPU's end (µs) and the host time until the step returned (µs)."""
+    wall, host = [], []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        queued = time.perf_counter()
+        _sync(device)
+        end = time.perf_counter()
+        wall.append((end - start) * 1e6)
+        host.append((queued - start) * 1e6)
+    return wall, host
+
+
+def _profile(step, device, steps: int) -> dict:
+    """torch.profiler over ``steps`` steps: per-step top operators (self CPU µs), top GPU kernels (µs), launches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    events = prof.key_averages()
+    cpu = sorted(((e.key, e.self_cpu_time_total / steps, e.count / steps) for e in events
+                  if e.self_cpu_time_total > 0), key=lambda row: -row[1])
+    device_attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    gpu = sorted(((e.key, getattr(e, device_attr) / steps, e.count / steps) for e in events
+                  if getattr(e, device_attr, 0) > 0 and e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda row: -row[1])
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                         "cudaLaunchKernelExC")) / steps
+    return {"top_cpu": [{"op": k, "self_cpu_us": t, "calls": c} for k, t, c in cpu[:TOP]],
+            "top_gpu": [{"kernel": k, "gpu_us": t, "calls": c} for k, t, c in gpu[:TOP]],
+            "gpu_us": sum(t for _, t, _ in gpu), "launches": launches}
+
+
+def profile_decode(device, preset: str, layers: int | None, batch: int, cache_len: int, steps: int, seed: int) -> dict:
+    import torch
+    from detkit.bench.model import ModelBench
+    from detkit.toolkit.models import build_model, fp8_graph_weights_choice, moe_experts_choice
+
+    interpreted = device.type != "cuda"
+    ctx = SimpleNamespace(device=device, seed=seed, interpreted=interpreted, rounds=1,
+                          backend="triton_interpreter" if interpreted else "cuda_sm90")
+    model, description = build_model(device, seed, preset, layers)
+    bench = ModelBench(ctx, model, description, moe_experts_choice(), fp8_graph_weights_choice())
+    result = {"model": description, "batch": batch, "cache_len": cache_len, "steps": steps,
+              "hardware_result": not interpreted, "device": torch.cuda.get_device_name(device) if not interpreted
+              else "cpu (Triton interpreter)", "modes": {}}
+    for mode, (step, context) in _step_fn(bench, (batch, cache_len)).items():
+        with context():
+            step()  # warm: compiles, launch plans, the allocator's blocks
+            wall, host = _wall_and_host(step, device, steps)
+            prof = _profile(step, device, steps)
+        result["modes"][mode] = {"wall_us": statistics.median(wall), "host_us": statistics.median(host),
+                                 "wall_samples": wall, "host_samples": host, **prof}
+        del step
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    modes = result["modes"]
+    if "detkit" in modes and "default" in modes:
+        result["wall_ratio"] = modes["detkit"]["wall_us"] / modes["default"]["wall_us"]
+    return result
+
+
+def markdown(result: dict) -> str:
+    from tabulate import tabulate
+
+    lines = [f"# Eager decode step profile: {result['model']}", "",
+             f"- device: {result['device']} (hardware result: {result['hardware_result']})",
+             f"- batch {result['batch']}, cache {result['cache_len']} keys, {result['steps']} steps per measure",
+             f"- wall ratio detkit / default: {result.get('wall_ratio', float('nan')):.3f}", ""]
+    for mode, m in result["modes"].items():
+        lines += [f"## {mode}: wall {m['wall_us']:.0f} µs, host until queued {m['host_us']:.0f} µs, GPU (profiler) "
+                  f"{m['gpu_us']:.0f} µs, {m['launches']:.0f} launches per step", "",
+                  tabulate([(r["op"], f"{r['self_cpu_us']:.1f}", f"{r['calls']:.1f}") for r in m["top_cpu"]],
+                           headers=("operator", "self CPU µs / step", "calls / step"), tablefmt="github"), ""]
+        if m["top_gpu"]:
+            lines += [tabulate([(r["kernel"][:90], f"{r['gpu_us']:.1f}", f"{r['calls']:.1f}") for r in m["top_gpu"]],
+                               headers=("kernel", "GPU µs / step", "calls / step"), tablefmt="github"), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--preset", default="qwen3-8b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--cache-len", type=int, default=32768)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    for name in ("batch", "cache_len", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.device == "cpu":
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    result = profile_decode(torch.device(args.device), args.preset, args.layers, args.batch, args.cache_len,
+                            args.steps, args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile.json").write_text(json.dumps(result, indent=1))
+    text = markdown(result)
+    (args.out / "profile.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
