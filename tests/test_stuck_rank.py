@@ -140,3 +140,18 @@ def test_rows_from_rank_files_skip_a_line_cut_short(tmp_path):
     (tmp_path / "ranks" / "rows-rank1.jsonl").write_text(json.dumps(row) + "\n")
     rows, counts = dist.rows_from_rank_files(tmp_path, 3)
     assert counts == [1, 1, 0] and [r.details["rank"] for r in rows] == [0, 1]
+
+
+def test_a_sealed_rows_file_takes_no_more_rows(tmp_path):
+    """A rank that gives up seals its rows file (from its watch thread) before the INCOMPLETE report is merged: the
+    main thread's later rows are dropped, so the file and the report's count for that rank stay equal."""
+    from detkit.toolkit.records import RowWriter, seal_rows
+
+    path = tmp_path / "ranks" / "rows-rank0.jsonl"
+    writer = RowWriter(path)
+    writer.write({"name": "a", "passed": True})
+    seal_rows(tmp_path / "ranks" / ".." / "ranks" / "rows-rank0.jsonl")  # the same file by another spelling
+    writer.write({"name": "b", "passed": True})
+    assert [json.loads(line)["name"] for line in path.read_text().splitlines()] == ["a"]
+    seal_rows(tmp_path / "never-opened.jsonl")  # no writer: nothing to do
+    writer.close()  # closing a sealed writer is a no-op

@@ -708,18 +708,25 @@ def _destroy_group_quietly(limit_s: float = 5.0) -> None:
 
 def _account(session: DistSession, out: Path, meta: dict[str, Any], diagnosis: Diagnosis, how: str,
              error: str) -> str:
-    """Print this rank's one line, then have the lowest surviving rank write the INCOMPLETE report
-    while the others wait for it (the first rank to exit may end them all: torchrun, srun
-    --kill-on-bad-exit), and every survivor wait for the other survivors to have printed theirs;
-    return the line."""
+    """Seal this rank's rows file and print its one line, then have the lowest surviving rank write the INCOMPLETE
+    report once the other survivors have given up too (their files sealed) while they wait for it (the first rank to
+    exit may end them all: torchrun, srun --kill-on-bad-exit), and every survivor wait for the other survivors to have
+    printed theirs; return the line."""
+    from detkit.toolkit.records import seal_rows
+
     survivors = [r for r in range(session.world_size) if r not in diagnosis.silent and r not in diagnosis.failed]
     writer = min(survivors)
     md = out / "report.md"
     line = (f"detkit audit: rank {session.rank}: INCOMPLETE: {diagnosis.culprits()}; this rank gave up in stage "
             f"'{diagnosis.my_stage}' ({how}); INCOMPLETE report: {md} (written by rank {writer})")
+    # This rank's rows end here (its main thread may still be finishing rows another rank takes no part in): the
+    # report merges each survivor's file after that survivor has given up, so it holds the rank's every row.
+    seal_rows(rows_path(session, out))
     print(line, file=sys.stderr, flush=True)
-    session.watch.end("gave-up", error[:300])  # after the line: the writer waits for this state
+    session.watch.end("gave-up", error[:300])  # after the line and the seal: the writer waits for this state
+    others = [r for r in survivors if r != session.rank]
     if session.rank == writer:
+        _wait_for_states(session, others, limit_s=(session.watch.stale_s or 0) + 3 * session.watch.interval + 5)
         try:
             write_incomplete_report(session, out, meta, diagnosis, error)
         except Exception as exc:  # noqa: BLE001 -- say so, the line is out already
@@ -730,8 +737,7 @@ def _account(session: DistSession, out: Path, meta: dict[str, Any], diagnosis: D
               f"{30 + 3 * session.watch.interval:g} s", file=sys.stderr, flush=True)
     # Every survivor, not only the writer: the other survivors see the stall up to a beat later (more under load),
     # and the first exit may end them all before they have printed their line.
-    _wait_for_states(session, [r for r in survivors if r != session.rank],
-                     limit_s=(session.watch.stale_s or 0) + 3 * session.watch.interval + 5)
+    _wait_for_states(session, others, limit_s=(session.watch.stale_s or 0) + 3 * session.watch.interval + 5)
     return line
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +43,9 @@ def row_dict(row: Row | dict) -> dict:
     return row.as_dict() if isinstance(row, Row) else row
 
 
+_open_writers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # resolved path -> its open RowWriter
+
+
 class RowWriter:
     """Appends rows (``Row`` or dict) to a JSONL file, one fsynced line each; ``path`` None writes nothing.
 
@@ -50,21 +55,34 @@ class RowWriter:
     def __init__(self, path: Path | None):
         self.path = path
         self._file = None
+        self._lock = threading.Lock()  # a rank giving up seals its file from its watch thread (seal_rows)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "w", encoding="utf-8")
+            _open_writers[Path(path).resolve()] = self
 
     def write(self, row: Row | dict) -> None:
-        if self._file is None:
-            return
-        self._file.write(json.dumps(row_dict(row), default=str) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        line = json.dumps(row_dict(row), default=str) + "\n"
+        with self._lock:
+            if self._file is None:
+                return
+            self._file.write(line)
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def seal_rows(path: Path) -> None:
+    """Close the open RowWriter of ``path``, if any, after the line it may be writing: later rows of this process
+    are dropped, so a report merged from the file from now on holds every row the file will ever hold."""
+    writer = _open_writers.get(Path(path).resolve())
+    if writer is not None:
+        writer.close()
 
 
 def write_rows(path: Path, rows: Iterable[Row | dict]) -> None:
