@@ -4,8 +4,9 @@
 #   partial tiles, fwd / dA / dB, M 1..33 across the table's switch), into $OUT/fma-tests.log;
 # - one eager decode step of Qwen3-8B widths, 4 layers, batch 1 on a 32768-key cache, in both modes under
 #   torch.profiler (tools/decode_profile.py: the bench's 1.25x case taken apart), into $OUT/dprof;
-# - the model bench per family at 2 layers (tools/gpu/model_speed.sh: prefill, decode eager and captured,
-#   forward+backward, generate against default mode on flash SDPA), into $OUT/speed.
+# - transformers' experts classes at four families' widths, T = 8192, their own "grouped_mm" implementation against
+#   the same module in detkit mode, forward and forward+backward (tools/experts_bench.py), into $OUT/experts.json;
+# - `detkit bench attention` against SDPA flash (prefill, decode, fwd+bwd, paged decode), into $OUT/attn-bench.
 set -euo pipefail
 : "${OUT:?set OUT to the results folder}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -15,10 +16,11 @@ begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
 xdist=()
 if python -c "import xdist" 2>/dev/null; then xdist=(-n 6); fi
-step fma-tests 120 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra "${xdist[@]}" -m gpu \
+step fma-tests 100 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra "${xdist[@]}" -m gpu \
   --junitxml "$OUT/fma-tests.xml" tests/test_det_gemm_fma.py
-step dprof 90 python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 4 --batch 1 --cache-len 32768 \
+step dprof 80 python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 4 --batch 1 --cache-len 32768 \
   --steps 5 --out "$OUT/dprof"
-step speed 320 env OUT="$OUT/speed" ARCHIVE="$OUT/speed.tgz" FAMILIES="qwen3 llama3 mistral gemma3 gpt-oss" \
-  LAYERS=2 RUN_LIMIT=70 bash tools/gpu/model_speed.sh
+step experts 170 python -m tools.experts_bench --device cuda --tokens 8192 --rounds 3 --json "$OUT/experts.json"
+step attn-bench 150 python -m detkit bench attention --device cuda --modes prefill,decode,fwd_bwd,paged_decode \
+  --out "$OUT/attn-bench"
 exit "$failed"
