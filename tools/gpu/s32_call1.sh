@@ -16,11 +16,11 @@ begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
 xdist=()
 if python -c "import xdist" 2>/dev/null; then xdist=(-n 6); fi
-step fma-tests 100 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra "${xdist[@]}" -m gpu \
+step fma-tests 90 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra "${xdist[@]}" -m gpu \
   --junitxml "$OUT/fma-tests.xml" tests/test_det_gemm_fma.py
-step dprof 80 python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 4 --batch 1 --cache-len 32768 \
+step dprof 70 python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 4 --batch 1 --cache-len 32768 \
   --steps 5 --out "$OUT/dprof"
-step experts 170 python -m tools.experts_bench --device cuda --tokens 8192 --rounds 3 --json "$OUT/experts.json"
-step attn-bench 150 python -m detkit bench attention --device cuda --modes prefill,decode,fwd_bwd,paged_decode \
+step experts 150 python -m tools.experts_bench --device cuda --tokens 8192 --rounds 3 --json "$OUT/experts.json"
+step attn-bench 130 python -m detkit bench attention --device cuda --modes prefill,decode,fwd_bwd,paged_decode \
   --out "$OUT/attn-bench"
 exit "$failed"
