@@ -343,7 +343,7 @@ def test_packed_kv_start_refusals(device):
 def test_the_default_path_choice_runs_both_kernels(device):
     # The table's default: a small grid (a decode step over more than one split) runs the split grid, a larger one (a
     # prefill of 4 sequences: 264 programs on sm_90 at 1030 keys, 40 on the interpreter at 38) the one pass; an eager
-    # decode step with fewer keys than eager_split_grid_min_keys (16384 on sm_90, 0 on the interpreter) the one pass.
+    # decode step with fewer keys than eager_split_grid_min_keys (2048 on sm_90, 0 on the interpreter) the one pass.
     table = select_configs(backend_of(device), 64)
     seq = 1030 if device.type == "cuda" else 2 * table.smallest_split + 6
     q, k, v = _qkv(4, 4, 2, seq, seq, 64, 31, device)

@@ -172,10 +172,12 @@ def fwd_heads(configs: AttnConfigs, group: int, heads_kv: int, batch: int, seq_q
     return heads
 
 
-# sm_90: eager decode steps below this many keys run one pass. On an H100 a batch-1/8 step's host time was 247-316 us
-# on the split grid against 100-107 us in one pass, while its GPU time on the split grid was 13-128 us at 1k-8k keys
-# (reports/2026-12-06-h100-s26, calls 3 and 4): an eager step there is bound by the host.
-EAGER_SPLIT_GRID_MIN_KEYS = 16384
+# sm_90: eager decode steps below this many keys run one pass. Through the launch plans the split grid's host time is
+# a few µs above the one pass's (H100: 51-53 against 46-48 µs per decode call, reports/2026-12-07-h100-s32 call 2),
+# while one pass at batch 1-8 leaves most SMs idle from a few thousand keys on (batch 1 at 8k keys: 4.39x SDPA flash
+# eager, 0.93x on the split grid under a graph): below 2048 keys one pass is the shorter GPU time and the step is
+# host-bound either way.
+EAGER_SPLIT_GRID_MIN_KEYS = 2048
 # sm_90: the split grid aims at about one program per SM: a program takes a run of consecutive splits (speed only), so
 # a batch-1 step at 32k keys runs 128 programs of two 1024-key splits. The H100 decode sweep
 # (reports/2026-12-06-h100-s28) had that step at 1.93x flash with one 512-key split per program (512 programs of 8 key
