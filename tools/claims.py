@@ -87,14 +87,14 @@ SOURCES = {
     # The sweep on the landed s22 layer.
     "moe_bench_sweep_s22": "2026-12-02-h200-s22/call7/moe-sweep/report.json",
     "model_audit": "2026-12-01-h200-s14/call4/model-audit/report.json",
-    "model_bench": "2026-12-06-h100-s27/call4/speed/qwen3-L2/report.json",
+    "model_bench": "2026-12-07-h100-s32/call3/qwen3-L2/report.json",
     "model_audit_moe": "2026-12-02-h200-s16/call6/moe-model/model-audit/report.json",
     "model_audit_moe_fp8": "2026-12-02-h200-s16/call7/moe-model-fp8/model-audit-fp8/report.json",
     # The FP8 model audit with the captured decode step on static FP8 weights (s24, fp8_graph_weights="static").
     "model_audit_moe_fp8_static": "2026-12-03-h200-s24/call5/model-audit-fp8-static/report.json",
     "moe_block_bench": "2026-12-02-h200-s16/call5/moe-block/bench-block/report.json",
     "attn_audit": "2026-12-01-h200-s13/call4/attn-audit/report.json",
-    "attn_bench": "2026-12-06-h100-s26/call3/attention-bench/report.json",
+    "attn_bench": "2026-12-07-h100-s32/call2/attn-bench/report.json",
 }
 
 
