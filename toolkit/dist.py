@@ -725,8 +725,9 @@ def _account(session: DistSession, out: Path, meta: dict[str, Any], diagnosis: D
     print(line, file=sys.stderr, flush=True)
     session.watch.end("gave-up", error[:300])  # after the line and the seal: the writer waits for this state
     others = [r for r in survivors if r != session.rank]
+    settle_s = (session.watch.stale_s or 0) + 3 * session.watch.interval + 5  # another survivor's stall seen and said
     if session.rank == writer:
-        _wait_for_states(session, others, limit_s=(session.watch.stale_s or 0) + 3 * session.watch.interval + 5)
+        _wait_for_states(session, others, limit_s=settle_s)
         try:
             write_incomplete_report(session, out, meta, diagnosis, error)
         except Exception as exc:  # noqa: BLE001 -- say so, the line is out already
@@ -737,7 +738,7 @@ def _account(session: DistSession, out: Path, meta: dict[str, Any], diagnosis: D
               f"{30 + 3 * session.watch.interval:g} s", file=sys.stderr, flush=True)
     # Every survivor, not only the writer: the other survivors see the stall up to a beat later (more under load),
     # and the first exit may end them all before they have printed their line.
-    _wait_for_states(session, others, limit_s=(session.watch.stale_s or 0) + 3 * session.watch.interval + 5)
+    _wait_for_states(session, others, limit_s=settle_s)
     return line
 
 

@@ -4,51 +4,19 @@ attention) run under ``torch.profiler``, so a ratio the bench reports can be tak
 
     python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 4 --batch 1 --cache-len 32768 --out DIR
 
-Per mode: the step's wall time (synchronised; median of ``--steps``), host time until queued (no synchronisation
-inside the timed steps), the GPU time the profiler saw, kernel launches per step, and the top operators by self CPU
-time and the top GPU kernels by time, per step. ``DIR/profile.json`` holds every number, ``DIR/profile.md`` the
-tables. On the CPU (the Triton interpreter) it runs the plumbing at the model's tiny config: not a hardware result.
+Per mode: the step's eager time and its host time until queued (toolkit/timing.py's ``time_back_to_back`` and
+``time_host``, the two modes interleaved over ``--steps`` rounds: median, p20, p80), then under the profiler the GPU
+time it saw, kernel launches per step, and the top operators by self CPU time and the top GPU kernels by time, per
+step. ``DIR/profile.json`` holds every number, ``DIR/profile.md`` the tables. On the CPU (the Triton interpreter) it runs the plumbing at the model's tiny config: not a hardware result.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 TOP = 15
-
-
-def _step_fn(bench, point):
-    """Per mode, (the decode step on that mode's own filled cache, that mode's context)."""
-    steps = bench.decode_steps(point)
-    contexts = bench.contexts()
-    return {mode: (steps[mode], contexts[mode]) for mode in steps}
-
-
-def _sync(device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _wall_and_host(step, device, steps: int) -> tuple[list[float], list[float]]:
-    """Per step: the wall time to the GPU's end (µs) and the host time until the step returned (µs)."""
-    wall, host = [], []
-    for _ in range(steps):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        queued = time.perf_counter()
-        _sync(device)
-        end = time.perf_counter()
-        wall.append((end - start) * 1e6)
-        host.append((queued - start) * 1e6)
-    return wall, host
 
 
 def _profile(step, device, steps: int) -> dict:
@@ -60,13 +28,13 @@ def _profile(step, device, steps: int) -> dict:
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
-        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     events = prof.key_averages()
     cpu = sorted(((e.key, e.self_cpu_time_total / steps, e.count / steps) for e in events
                   if e.self_cpu_time_total > 0), key=lambda row: -row[1])
-    device_attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    gpu = sorted(((e.key, getattr(e, device_attr) / steps, e.count / steps) for e in events
-                  if getattr(e, device_attr, 0) > 0 and e.device_type == torch.autograd.DeviceType.CUDA),
+    gpu = sorted(((e.key, e.self_device_time_total / steps, e.count / steps) for e in events
+                  if e.self_device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA),
                  key=lambda row: -row[1])
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                          "cudaLaunchKernelExC")) / steps
@@ -78,26 +46,30 @@ def _profile(step, device, steps: int) -> dict:
 def profile_decode(device, preset: str, layers: int | None, batch: int, cache_len: int, steps: int, seed: int) -> dict:
     import torch
     from detkit.bench.model import ModelBench
+    from detkit.toolkit.harness import RunContext
     from detkit.toolkit.models import build_model, fp8_graph_weights_choice, moe_experts_choice
+    from detkit.toolkit.timing import time_back_to_back, time_host
 
     interpreted = device.type != "cuda"
-    ctx = SimpleNamespace(device=device, seed=seed, interpreted=interpreted, rounds=1,
-                          backend="triton_interpreter" if interpreted else "cuda_sm90")
+    ctx = RunContext(device=device, backend="triton_interpreter" if interpreted else "cuda_sm90", preset=preset,
+                     seed=seed, rounds=1)
     model, description = build_model(device, seed, preset, layers)
     bench = ModelBench(ctx, model, description, moe_experts_choice(), fp8_graph_weights_choice())
     result = {"model": description, "batch": batch, "cache_len": cache_len, "steps": steps,
               "hardware_result": not interpreted, "device": torch.cuda.get_device_name(device) if not interpreted
               else "cpu (Triton interpreter)", "modes": {}}
-    for mode, (step, context) in _step_fn(bench, (batch, cache_len)).items():
-        with context():
-            step()  # warm: compiles, launch plans, the allocator's blocks
-            wall, host = _wall_and_host(step, device, steps)
+    steps_of, contexts = bench.decode_steps((batch, cache_len)), bench.contexts()
+    # Both modes interleaved, each on its own cache (every step appends a token to it); the eager timing's warm-up
+    # call (compiles, launch plans, the allocator's blocks) serves the host timing too.
+    wall = time_back_to_back(steps_of, device, rounds=steps, contexts=contexts)
+    host = time_host(steps_of, device, rounds=steps, calls=1, warmup=0, contexts=contexts)
+    for mode, step in steps_of.items():
+        with contexts[mode]():
             prof = _profile(step, device, steps)
-        result["modes"][mode] = {"wall_us": statistics.median(wall), "host_us": statistics.median(host),
-                                 "wall_samples": wall, "host_samples": host, **prof}
-        del step
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        result["modes"][mode] = {"wall_us": wall[mode].median_us, "wall_p20_us": wall[mode].p20_us,
+                                 "wall_p80_us": wall[mode].p80_us, "host_us": host[mode].median_us,
+                                 "host_p20_us": host[mode].p20_us, "host_p80_us": host[mode].p80_us,
+                                 "samples": wall[mode].samples, **prof}
     modes = result["modes"]
     if "detkit" in modes and "default" in modes:
         result["wall_ratio"] = modes["detkit"]["wall_us"] / modes["default"]["wall_us"]
