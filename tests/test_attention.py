@@ -15,7 +15,7 @@ from detkit.kernels.attention import (
     attention_varlen_ref, hf_attention_forward, sdpa, sdpa_unsupported_reason,
 )
 from detkit.kernels.attention.configs import CONFIG_TABLE, heads_per_tile, select_configs
-from detkit.kernels.attention.sdpa import mask_windows
+from detkit.kernels.attention.reference import mask_windows
 from detkit.toolkit.contract import check_bound, compare_bits
 from detkit.toolkit.fixtures import bf16_randn
 from tests.conftest import backend_of

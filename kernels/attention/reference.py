@@ -478,3 +478,62 @@ def attention_bwd_bound(q, k, v, do, *, scale=None, kv_start=None, kv_end=None, 
 def kappa_of(head_dim: int) -> float:
     """The relative error of a scaled score fl(fl(q.k) * c) against scale * q.k (docs/attention.md, step 1)."""
     return (1 + gamma(head_dim)) * (1 + U_FP32) ** 2 - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# A transformers mask as per-sequence key windows (masks.py runs it on the device)
+# ---------------------------------------------------------------------------------------------
+def mask_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kv_start int32 [B], kv_end int32 [B], ok bool scalar) of a causal + padding mask: ``mask_key_windows``
+    without a sliding window."""
+    return mask_key_windows(attn_mask, batch, seq_q, seq_k)[:3]
+
+
+def mask_key_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int, window: int | None = None,
+                     anchor: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kv_start int32 [B], kv_end int32 [B], ok bool scalar, hidden bool scalar), all on the mask's device, no host
+    sync. ``ok``: the mask is exactly causal + one padding window per sequence (+ the sliding ``window``: query at
+    position p sees keys > p - window), rows of padded queries excepted as described in the module docstring; then
+    its valid rows see exactly what ``attention(kv_start=, kv_end=, window=)`` gives them. ``anchor`` (int32 [B],
+    see ``tag_mask_anchor``): each sequence's first key when known from elsewhere; without it the first key is read
+    off the mask, and ``hidden`` says a window hid it from every row (the key tiles' anchor is then unknown)."""
+    mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if mask.dtype == torch.bool:
+        visible, values_ok = mask, torch.ones((), dtype=torch.bool, device=mask.device)
+    else:
+        visible = mask == 0
+        values_ok = (visible | (mask <= torch.finfo(mask.dtype).min)).all()
+    j = torch.arange(seq_k, device=mask.device)
+    i = torch.arange(seq_q, device=mask.device)
+    # Per row: its first and last visible key; per sequence (over heads and rows): the window and the offset o
+    # with row i's last visible key o + i (clipped rows of right padding have less; empty rows none).
+    first = torch.where(visible, j, seq_k).amin(-1)  # [B|1, H|1, Sq]
+    last = torch.where(visible, j, -1).amax(-1)
+    nonempty = last >= 0
+    start = first.amin(-1).amin(-1)  # [B|1]
+    end = last.amax(-1).amax(-1)
+    offset = torch.where(nonempty, last - i, torch.iinfo(torch.int64).min).amax(-1).amax(-1)
+    any_visible = end >= 0
+    start = torch.where(any_visible, start, seq_k)
+    offset = torch.where(any_visible, offset, seq_k - seq_q)
+    kv_end = offset + seq_q
+    hidden = torch.zeros((), dtype=torch.bool, device=mask.device)
+    if window is not None:
+        # The first nonempty row r sees keys from max(start, o + r - window + 1): if that is its window's edge, the
+        # sequence's first key may lie anywhere at or before it.
+        rows = nonempty.any(1)  # [B|1, Sq]
+        r = torch.where(rows.any(-1), rows.to(torch.int8).argmax(-1), 0)  # [B|1]
+        hidden = (any_visible & (offset + r - window + 1 >= start)).any()
+    if anchor is not None:
+        start = torch.where(any_visible, anchor.to(device=mask.device, dtype=torch.int64), seq_k)  # [B]
+        hidden = torch.zeros((), dtype=torch.bool, device=mask.device)
+    hi = torch.minimum(offset[:, None] + i, end[:, None])  # [B|1, Sq]
+    expected = (j >= start[:, None, None, None]) & (j <= hi[:, None, :, None])
+    if window is not None:
+        expected &= j > (offset[:, None] + i - window)[:, None, :, None]
+    ok = values_ok & (visible == expected).all() & ((kv_end <= seq_k) & (kv_end >= start)).all()
+    kv_start = start.to(torch.int32).expand(batch).contiguous()
+    kv_end = kv_end.clamp(0, seq_k).to(torch.int32).expand(batch).contiguous()
+    return kv_start, kv_end, ok, hidden
