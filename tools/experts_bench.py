@@ -5,6 +5,7 @@ forward and forward+backward; validate, then time; one long-format JSON row per 
     python -m tools.experts_bench --device cuda --json OUT/experts.json                 # every family, T = 8192
     python -m tools.experts_bench --device cuda --family gpt_oss --tokens 2048          # one family (repeatable)
     python -m tools.experts_bench --device cpu --family mixtral --tiny --rounds 1       # the plumbing (interpreter)
+    python -m tools.experts_bench --device cuda --family gpt_oss --profile              # + where the GPU time goes
 
 A case: the family's experts class (transformers' own, built from its config with ``experts_implementation=
 "grouped_mm"``), BF16, weights N(0, 1/fan_in), x [T, H] N(0, 1), the routing a top-K of seeded random logits (every
@@ -17,6 +18,9 @@ Validation before timing: detkit's out and gradients against grouped_mm's, relat
 each (both are BF16 computations of the same math; a wrong layout or gate is O(1)). A tensor further apart than that
 (a bias gradient: an expert's rows summed in BF16 by torch's indexing backward, in FP32 by detkit) passes when
 detkit is no further than grouped_mm from an FP32 run of transformers' eager experts (both distances recorded).
+
+``--profile``: after the timing, one forward+backward per impl under torch.profiler; its top GPU kernels by time
+(name, µs, calls) and the GPU total go in the JSON's ``profiles`` (family -> impl -> rows) and are printed.
 
 On the CPU (Triton interpreter) the times are emulation: they prove the plumbing, never a speed.
 """
@@ -156,6 +160,41 @@ def run_family(family: str, widths, tokens: int, device, rounds: int) -> list[di
     return rows
 
 
+PROFILE_TOP = 25
+
+
+def kernel_profile(fn, device, context) -> dict:
+    """One call of ``fn`` (after one unprofiled warm-up) under torch.profiler inside ``context()``: the GPU total and
+    the top kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with context():
+        fn()
+        with profile(activities=activities) as prof:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0
+              and e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    return {"gpu_us": sum(e.self_device_time_total for e in events),
+            "kernels": [{"kernel": e.key[:120], "gpu_us": e.self_device_time_total, "calls": e.count}
+                        for e in events[:PROFILE_TOP]]}
+
+
+def profiles_of(family: str, widths, tokens: int, device) -> dict:
+    """``kernel_profile`` of one forward+backward per impl (grouped_mm outside the mode, detkit inside)."""
+    import contextlib
+
+    import detkit
+
+    module = build(family, widths, device)
+    fn = fns(module, *inputs(widths, tokens, device))["fwd_bwd"]
+    return {"grouped_mm": kernel_profile(fn, device, contextlib.nullcontext),
+            "detkit": kernel_profile(fn, device, detkit.batch_invariant_mode)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -164,9 +203,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help=f"H, I, E, K = {TINY} (the plumbing)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--profile", action="store_true", help="also the top GPU kernels of one forward+backward")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    rows = []
+    rows, profiles = [], {}
     for family in args.family or list(FAMILIES):
         widths = TINY if args.tiny else FAMILIES[family][0]
         for row in run_family(family, widths, args.tokens, device, args.rounds):
@@ -174,6 +214,12 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{row['family']:12} {row['pass']:8} {row['impl']:10} {row['median_us']:10.1f} us  "
                   f"x{row['speedup']:.2f}  {row['path'][0] if row['path'] else ''}")
+        if args.profile:
+            profiles[family] = profiles_of(family, widths, args.tokens, device)
+            for impl, prof in profiles[family].items():
+                print(f"{family} {impl}: {prof['gpu_us']:.0f} us of GPU time, fwd+bwd")
+                for k in prof["kernels"]:
+                    print(f"  {k['gpu_us']:10.1f} us {k['calls']:4d}x  {k['kernel']}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     meta = dict(time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), python=platform.python_version(),
@@ -186,7 +232,7 @@ def main(argv=None) -> int:
         pass
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows, **({"profiles": profiles} if args.profile else {})}, f, indent=1)
     return 0
 
 
