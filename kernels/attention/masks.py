@@ -28,7 +28,7 @@ from detkit.kernels.backend import PlannedKernel, resolve_backend_of_devices
 STATS = 4  # per mask row: first visible key (seq_k if none), last (-1 if none), count, a bad masked value (0 / 1)
 TILE = 4096  # mask elements a program reads at once (rows x keys)
 REDUCE_ROWS = 1024  # row stats the window program reads at once
-NONE = -2147483647  # "no row": the offset's start value (int32)
+NONE = tl.constexpr(-2147483647)  # "no row": the offset's start value (int32)
 
 
 @triton.jit
