@@ -7,7 +7,9 @@
 # - one eager decode step of Mistral-7B widths, 2 layers, batch 8, 1024 keys, in both modes under torch.profiler,
 #   into $OUT/dprof-mistral;
 # - the attention bench's decode cases (eager and graph) against SDPA flash, with the eager split-grid threshold at
-#   2048 keys, into $OUT/attn-decode.
+#   2048 keys, into $OUT/attn-decode;
+# - gpt-oss experts at T = 8192 against transformers' grouped_mm with the top GPU kernels of one forward+backward
+#   per impl, into $OUT/experts.json (last: cut first if the call runs out of time).
 set -euo pipefail
 : "${OUT:?set OUT to the results folder}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -20,7 +22,9 @@ step mask-tests 100 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cachep
   -k "mask or window or sliding"
 step mistral 75 python -m detkit bench model --device cuda --preset mistral-7b --layers 2 --out "$OUT/mistral-L2"
 step gemma3 75 python -m detkit bench model --device cuda --preset gemma3-12b --layers 2 --out "$OUT/gemma3-L2"
+step attn-decode 150 python -m detkit bench attention --device cuda --modes decode --out "$OUT/attn-decode"
 step dprof-mistral 60 python -m tools.decode_profile --device cuda --preset mistral-7b --layers 2 --batch 8 \
   --cache-len 1024 --steps 5 --out "$OUT/dprof-mistral"
-step attn-decode 150 python -m detkit bench attention --device cuda --modes decode --out "$OUT/attn-decode"
+step experts 90 python -m tools.experts_bench --device cuda --family gpt_oss --tokens 8192 --rounds 2 --profile \
+  --json "$OUT/experts.json"
 exit "$failed"
