@@ -169,7 +169,9 @@ def candidate_configs(op, device, variants=("ptr", "tma")):
         configs = [GroupedConfig(128, 128, 64, 8, 3), GroupedConfig(128, 256, 32, 8, 4),
                    GroupedConfig(256, 128, 32, 8, 4), GroupedConfig(128, 128, 32, 8, 5),
                    GroupedConfig(128, 256, 64, 8, 3),
-                   GroupedConfig(128, 128, 32, 8, 4, variant="tma"), GroupedConfig(128, 256, 64, 8, 3, variant="tma")]
+                   GroupedConfig(128, 128, 32, 8, 4, variant="tma"), GroupedConfig(128, 256, 64, 8, 3, variant="tma"),
+                   GroupedConfig(128, 256, 64, 8, 4, variant="tma"), GroupedConfig(256, 128, 64, 8, 3, variant="tma"),
+                   GroupedConfig(128, 128, 64, 8, 4, variant="tma"), GroupedConfig(128, 128, 64, 4, 4, variant="tma")]
     else:
         configs = [GroupedConfig(64, 128, 64, 4, 4), GroupedConfig(128, 256, 64, 8, 4),
                    GroupedConfig(256, 128, 64, 8, 3), GroupedConfig(128, 256, 32, 8, 5),
