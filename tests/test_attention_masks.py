@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detkit.kernels.attention.masks import mask_key_windows_device
+from detkit.kernels.attention.masks import MaskAnchor, anchor_tensor, mask_key_windows_device
 from detkit.kernels.attention.reference import mask_key_windows
 
 
@@ -137,3 +137,25 @@ def test_a_wrong_window_and_bad_values_are_refused(device):
         broken = additive.clone()
         broken[0, 0, 0, 5] = value
         assert _compare(broken, 2, 12, 12, device)[3] == 0, value
+
+
+@pytest.mark.parametrize("padding_dtype", [torch.bool, torch.int64, None])
+def test_a_padding_row_anchor_equals_the_anchor_tensor(padding_dtype, device):
+    # What tag_mask_anchor records without device work (MaskAnchor: the 2-D padding mask and kv_offset), read by the
+    # kernel, against the same anchor computed in torch: left padding, a row with no valid position, a broadcast row.
+    window, kv_offset = 6, 15
+    mask = _mask([0, 4, 0], 1, 6, kv_offset, window)  # a decode step on a sliding cache that dropped 15 keys
+    if padding_dtype is None:
+        records = [MaskAnchor(None, kv_offset, 3)]
+    else:
+        padding = torch.ones(3, kv_offset + 6, dtype=padding_dtype)
+        padding[1, :4] = 0
+        padding[2] = 0  # no valid position: position 0, as the torch form says
+        records = [MaskAnchor(padding.to(device), kv_offset, 3), MaskAnchor(padding[1:2].to(device), kv_offset, 3)]
+    for record in records:
+        expected = anchor_tensor(record.padding, record.kv_offset, 3, device)
+        ref = mask_key_windows(mask.to(device), 3, 1, 6, window, expected)
+        kv_start, kv_end, flags = mask_key_windows_device(mask.to(device), 3, 1, 6, window, record)
+        assert flags.tolist() == [int(bool(ref[2])), int(bool(ref[2]))]
+        assert kv_start.tolist() == ref[0].tolist() == expected.tolist()
+        assert kv_end.tolist() == ref[1].tolist()

@@ -172,6 +172,7 @@ class _Attn(torch.nn.Module):
 
 def test_sdpa_and_hf_adapters_with_a_sliding_window_mask(device):
     from detkit.kernels.attention import hf_attention_forward, sdpa, tag_mask_anchor
+    from detkit.kernels.attention.sdpa import mask_anchor
 
     window, seq = 6, 30
     q, k, v = _qkv(2, 4, 2, seq, seq, 64, 79, device)
@@ -199,7 +200,7 @@ def test_sdpa_and_hf_adapters_with_a_sliding_window_mask(device):
         hf_attention_forward(_Attn(), q[:, :, i:i + 1], k[:, :, first:i + 1], v[:, :, first:i + 1], step_mask,
                              scaling=0.125, sliding_window=window)
     tag_mask_anchor(step_mask, padding, first, 2)
-    assert getattr(step_mask, "detkit_kv_start").tolist() == [-first, 4 - first]
+    assert mask_anchor(step_mask).tolist() == [-first, 4 - first]
     out, _ = hf_attention_forward(_Attn(), q[:, :, i:i + 1], k[:, :, first:i + 1], v[:, :, first:i + 1], step_mask,
                                   scaling=0.125, sliding_window=window)
     _bits(out.transpose(1, 2), prefill[:, :, i:i + 1], "hf decode with a sliding cache")

@@ -19,6 +19,8 @@ mask is causal + padding (+ window) and, without an anchor, no window hides a se
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -68,8 +70,11 @@ def mask_row_stats_kernel(mask_ptr, stats_ptr, rows, seq_q, seq_k, stride_b, str
 
 @triton.jit
 def mask_windows_kernel(stats_ptr, anchor_ptr, out_ptr, batch, mask_batch, rows, seq_q, seq_k, window, end_at, flags_at,
-                        WINDOWED: tl.constexpr, HAS_ANCHOR: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One program: per sequence b (mask batch b % mask_batch) its window and check, from the row stats."""
+                        pad_batch, pad_len, stride_pad_b, stride_pad_s, kv_offset,
+                        WINDOWED: tl.constexpr, ANCHOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program: per sequence b (mask batch b % mask_batch) its window and check, from the row stats. ``ANCHOR``:
+    0 none (read off the mask), 1 an int32 [B] tensor at anchor_ptr, 2 a ``MaskAnchor``'s padding rows at anchor_ptr
+    (row b % pad_batch, pad_len positions; pad_len 0: no padding mask) and kv_offset."""
     fine = tl.full([], 1, tl.int32)
     covered = tl.full([], 1, tl.int32)
     for b in range(0, batch):
@@ -95,8 +100,18 @@ def mask_windows_kernel(stats_ptr, anchor_ptr, out_ptr, batch, mask_batch, rows,
         start = tl.where(any_visible, start, seq_k)
         offset = tl.where(any_visible, offset, seq_k - seq_q)
         hidden = tl.full([], 0, tl.int32) != 0
-        if HAS_ANCHOR:
+        if ANCHOR == 1:
             start = tl.where(any_visible, tl.load(anchor_ptr + b), seq_k)
+        elif ANCHOR == 2:
+            # the first nonzero of the sequence's padding row (none: position 0), minus the cache's offset
+            row = anchor_ptr + (b % pad_batch).to(tl.int64) * stride_pad_b
+            first_valid = tl.full([], 0, tl.int32) + pad_len
+            for s0 in range(0, pad_len, BLOCK_S):
+                s = s0 + tl.arange(0, BLOCK_S)
+                valid = tl.load(row + s.to(tl.int64) * stride_pad_s, mask=s < pad_len, other=0) != 0
+                first_valid = tl.minimum(first_valid, tl.min(tl.where(valid, s, pad_len), axis=0))
+            first_valid = tl.where(first_valid == pad_len, 0, first_valid)
+            start = tl.where(any_visible, first_valid - kv_offset, seq_k)
         elif WINDOWED:
             # The first nonempty row sees keys from its window's edge on: the sequence's first key may lie before it.
             hidden = any_visible & (offset + first_row - window + 1 >= start)
@@ -125,6 +140,29 @@ def mask_windows_kernel(stats_ptr, anchor_ptr, out_ptr, batch, mask_batch, rows,
     tl.store(out_ptr + flags_at + 1, covered)
 
 
+class MaskAnchor(NamedTuple):
+    """What ``tag_mask_anchor`` records on a mask: each sequence's first key is the first nonzero of its row of
+    ``padding`` (a 2-D mask [B|1, seen + q_len] on the mask's device, absolute positions; None, or a row with none:
+    position 0) minus ``kv_offset``. Read on the device by the mask kernels when the mask is used (masks.py), so a
+    mask no sliding window reads costs nothing."""
+    padding: torch.Tensor | None
+    kv_offset: int
+    batch: int
+
+
+def anchor_tensor(padding_mask: torch.Tensor | None, kv_offset, batch: int, device: torch.device) -> torch.Tensor:
+    """int32 [B] each sequence's first key in the key tensor's indices (``tag_mask_anchor``), in torch."""
+    if padding_mask is None:
+        first = torch.zeros(batch, dtype=torch.int64, device=device)
+    else:
+        valid = padding_mask.to(device=device).bool()
+        first = torch.where(valid.any(-1), valid.to(torch.int8).argmax(-1), 0).to(torch.int64)
+        first = first.expand(batch) if first.shape[0] == 1 else first
+    if isinstance(kv_offset, torch.Tensor):
+        kv_offset = kv_offset.to(device=device, dtype=torch.int64)
+    return (first - kv_offset).to(torch.int32).contiguous()
+
+
 _ROW_STATS = PlannedKernel(mask_row_stats_kernel)
 _WINDOWS = PlannedKernel(mask_windows_kernel)
 _OPTIONS = {"num_warps": 4}
@@ -136,12 +174,12 @@ def _aligned(n: int) -> int:
 
 
 def mask_key_windows_device(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int, window: int | None = None,
-                            anchor: torch.Tensor | None = None
+                            anchor: torch.Tensor | MaskAnchor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(kv_start int32 [B], kv_end int32 [B], flags int32 [2]: fine, covered) of ``attn_mask`` (bool or floating,
     [B|1, H|1, seq_q, seq_k] or fewer leading dims), on its device, no host sync: ``reference.mask_key_windows``'s
     kv_start and kv_end, its ``ok`` as ``covered`` and ``ok & ~hidden`` as ``fine``. ``anchor``: int32 [B] on the mask's
-    device (``sdpa.tag_mask_anchor``). The caller has checked the mask's shape and dtype."""
+    device, or a ``MaskAnchor`` (``sdpa.tag_mask_anchor``). The caller has checked the mask's shape and dtype."""
     mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)) if attn_mask.dim() < 4 else attn_mask
     device = mask.device
     resolve_backend_of_devices(mask_row_stats_kernel, {"attn_mask": device})  # raises on a device without one
@@ -161,9 +199,22 @@ def mask_key_windows_device(attn_mask: torch.Tensor, batch: int, seq_q: int, seq
     _ROW_STATS[(triton.cdiv(rows, block_r), mask_batch)](
         mask, stats, rows, seq_q, seq_k, *strides, lowest, IS_BOOL=is_bool, BLOCK_R=block_r, BLOCK_K=block_k,
         **_OPTIONS)
+    pad = (0, 0, 0, 0, 0)  # pad_batch, pad_len, strides, kv_offset
+    if anchor is None:
+        kind, anchor_arg = 0, out
+    elif isinstance(anchor, MaskAnchor):
+        padding = anchor.padding
+        if padding is None:
+            kind, anchor_arg, pad = 2, out, (1, 0, 0, 0, anchor.kv_offset)
+        else:
+            anchor_arg = padding.view(torch.uint8) if padding.dtype == torch.bool else padding
+            kind, pad = 2, (padding.shape[0], padding.shape[1], padding.stride(0), padding.stride(1), anchor.kv_offset)
+    else:
+        kind, anchor_arg = 1, anchor
     _WINDOWS[(1,)](
-        stats, anchor if anchor is not None else out, out, batch, mask_batch, rows, seq_q, seq_k,
-        window if window is not None else 0, end_at, 2 * end_at, WINDOWED=window is not None,
-        HAS_ANCHOR=anchor is not None, BLOCK_R=min(triton.next_power_of_2(rows), REDUCE_ROWS), **_ONE_WARP)
+        stats, anchor_arg, out, batch, mask_batch, rows, seq_q, seq_k, window if window is not None else 0, end_at,
+        2 * end_at, *pad, WINDOWED=window is not None, ANCHOR=kind,
+        BLOCK_R=min(triton.next_power_of_2(rows), REDUCE_ROWS),
+        BLOCK_S=min(triton.next_power_of_2(max(pad[1], 1)), REDUCE_ROWS), **_ONE_WARP)
     kv_start, _, kv_end, _, flags, _ = out.split_with_sizes([batch, end_at - batch, batch, end_at - batch, 2, 2])
     return kv_start, kv_end, flags

@@ -28,7 +28,7 @@ import torch
 
 from detkit.kernels.attention.kernels import attention_fwd_kernel
 from detkit.kernels.attention.launch import attention, kernel_head_dim, remember, signature_of
-from detkit.kernels.attention.masks import mask_key_windows_device
+from detkit.kernels.attention.masks import MaskAnchor, anchor_tensor, mask_key_windows_device
 from detkit.kernels.backend import resolve_backend
 
 
@@ -122,7 +122,7 @@ class MaskNotCovered(ValueError, NotImplementedError):
     transformers' own function, counted (e.g. Gemma-3's bidirectional image-token masks, packed-sequence masks)."""
 
 
-MASK_ANCHOR_ATTR = "detkit_kv_start"  # int32 [B] on a mask tensor: each sequence's first key, in key indices
+MASK_ANCHOR_ATTR = "detkit_kv_start"  # on a mask tensor: each sequence's first key, in key indices (tag_mask_anchor)
 
 
 def tag_mask_anchor(mask, padding_mask: torch.Tensor | None, kv_offset, batch: int) -> None:
@@ -130,18 +130,25 @@ def tag_mask_anchor(mask, padding_mask: torch.Tensor | None, kv_offset, batch: i
     tensor's indices: the first True of the 2-D ``padding_mask`` [B, seen + q_len] (absolute positions; None: 0)
     minus ``kv_offset`` (the absolute position of key 0; a sliding-window cache that dropped keys makes it > 0, and
     the result negative). A sliding window can hide the first key from every row of the mask itself; this keeps
-    the key tiles anchored where a prefill anchors them. No host sync."""
+    the key tiles anchored where a prefill anchors them. No host sync; no device work when the padding mask is 2-D on
+    the mask's device and kv_offset an int (``MaskAnchor``, read when the mask is used), else computed here (int32
+    [B])."""
     if not isinstance(mask, torch.Tensor):
         return
-    if padding_mask is None:
-        first = torch.zeros(batch, dtype=torch.int64, device=mask.device)
-    else:
-        valid = padding_mask.to(device=mask.device).bool()
-        first = torch.where(valid.any(-1), valid.to(torch.int8).argmax(-1), 0).to(torch.int64)
-        first = first.expand(batch) if first.shape[0] == 1 else first
-    if isinstance(kv_offset, torch.Tensor):
-        kv_offset = kv_offset.to(device=mask.device, dtype=torch.int64)
-    setattr(mask, MASK_ANCHOR_ATTR, (first - kv_offset).to(torch.int32).contiguous())
+    if isinstance(kv_offset, int) and not isinstance(kv_offset, bool) and (
+            padding_mask is None or (isinstance(padding_mask, torch.Tensor) and padding_mask.dim() == 2
+                                     and padding_mask.shape[0] in (1, batch) and padding_mask.device == mask.device)):
+        setattr(mask, MASK_ANCHOR_ATTR, MaskAnchor(padding_mask, kv_offset, batch))
+        return
+    setattr(mask, MASK_ANCHOR_ATTR, anchor_tensor(padding_mask, kv_offset, batch, mask.device))
+
+
+def mask_anchor(mask: torch.Tensor) -> torch.Tensor | None:
+    """The anchor ``tag_mask_anchor`` recorded on ``mask`` as an int32 [B] tensor (None: untagged)."""
+    anchor = getattr(mask, MASK_ANCHOR_ATTR, None)
+    if isinstance(anchor, MaskAnchor):
+        return anchor_tensor(anchor.padding, anchor.kv_offset, anchor.batch, mask.device)
+    return anchor
 
 
 _MASK_CACHE_SIZE = 4
