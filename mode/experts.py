@@ -38,7 +38,8 @@ What runs where (the decorator's layout flags and the class's gate decide; the t
 
 The grouped path (``grouped_experts_forward``): the routes sorted by expert (a stable sort), each expert's rows
 ``offs`` delimited (a searchsorted of the sorted ids: exact, no atomics), up = grouped_mm(x rows, W_up) (+ the
-expert's bias, elementwise in BF16 as transformers adds it), ``_apply_gate`` / ``act_fn`` (elementwise), down =
+expert's bias, elementwise in BF16 as transformers adds it), ``_apply_gate`` / ``act_fn`` (elementwise; gpt-oss's
+own ``_apply_gate`` as one kernel each way, ``kernels/grouped/gates.py``), down =
 grouped_mm(h, W_down) (+ bias), the optional post-expert norm (row-wise), back to token order, and the combine
 ``out[t] = bf16(sum_{k ascending} w[t, k] * y[t, k])`` in FP32 with elementwise ops (``fixed_order_combine``).
 A token's output depends on its row, its experts' weights and K alone (grouped_mm's per-row bits do not depend on
@@ -217,6 +218,25 @@ def fixed_order_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return total.to(y.dtype)
 
 
+GPT_OSS_MODULE = "transformers.models.gpt_oss.modeling_gpt_oss"
+
+
+def _fused_gate(module):
+    """gpt-oss's gate as one elementwise kernel each way (kernels/grouped/gates.py, with the module's alpha and limit)
+    when the class's ``_apply_gate`` is transformers' ``GptOssExperts._apply_gate`` itself; else None (the class's own
+    gate runs, as torch ops)."""
+    gpt_oss = sys.modules.get(GPT_OSS_MODULE)  # imported already whenever a GptOssExperts exists
+    experts = getattr(gpt_oss, "GptOssExperts", None)
+    if experts is None or getattr(type(module), "_apply_gate", None) is not experts._apply_gate:
+        return None
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in (alpha, limit)):
+        return None
+    from detkit.kernels.grouped.gates import clamped_swiglu
+
+    return lambda h: clamped_swiglu(h, alpha, limit)
+
+
 def grouped_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts of any decorated class on detkit's grouped kernels (see the module docstring): hidden [T, H] bf16,
@@ -239,7 +259,11 @@ def grouped_experts_forward(module, hidden_states: torch.Tensor, top_k_index: to
     up = module.gate_up_proj if has_gate else module.up_proj
     up_bias = (module.gate_up_proj_bias if has_gate else module.up_proj_bias) if has_bias else None
     h = GroupedLinear.apply(x, up, offs, up_bias, sorted_ids, transposed)
-    h = module._apply_gate(h) if has_gate else module.act_fn(h)
+    fused_gate = _fused_gate(module) if has_gate else None
+    if fused_gate is not None:
+        h = fused_gate(h)
+    else:
+        h = module._apply_gate(h) if has_gate else module.act_fn(h)
     down_bias = module.down_proj_bias if has_bias else None
     y = GroupedLinear.apply(h.to(hidden_states.dtype), module.down_proj, offs, down_bias, sorted_ids, transposed)
     if getattr(module, "has_post_expert_norm", False):

@@ -1,6 +1,7 @@
 """A transformers attention mask read as per-sequence key windows on the device, in two launches: what
 ``sdpa.checked_windows`` runs for every mask it has not seen (for every call under CUDA-graph capture and in inference
-mode). The pure-torch reference is ``reference.mask_key_windows``; the outputs are equal (tests/test_attention_masks.py).
+mode). The pure-torch reference is ``reference.mask_key_windows``; the outputs are equal
+(tests/test_attention_masks.py).
 
 Why kernels: the reference's per-row firsts and lasts, its reductions and its comparison with the expected mask are
 about thirty-five torch operations; a decode step of a model whose attention gets a mask (a sliding window, or a
@@ -180,7 +181,8 @@ def mask_key_windows_device(attn_mask: torch.Tensor, batch: int, seq_q: int, seq
     [B|1, H|1, seq_q, seq_k] or fewer leading dims), on its device, no host sync: ``reference.mask_key_windows``'s
     kv_start and kv_end, its ``ok`` as ``covered`` and ``ok & ~hidden`` as ``fine``. ``anchor``: int32 [B] on the mask's
     device, or a ``MaskAnchor`` (``sdpa.tag_mask_anchor``). The caller has checked the mask's shape and dtype."""
-    mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)) if attn_mask.dim() < 4 else attn_mask
+    lead = (1,) * (4 - attn_mask.dim())
+    mask = attn_mask if not lead else attn_mask.reshape(lead + tuple(attn_mask.shape))
     device = mask.device
     resolve_backend_of_devices(mask_row_stats_kernel, {"attn_mask": device})  # raises on a device without one
     mask_batch, mask_heads = mask.shape[0], mask.shape[1]

@@ -57,3 +57,20 @@ def grouped_wgrad_sequential(a: torch.Tensor, b: torch.Tensor, offs: torch.Tenso
     for g, (s, e) in enumerate(_bounds(offs)):
         out[g] = _sequential(a[:, s:e], b[s:e])
     return out
+
+
+def clamped_swiglu_ref(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gates.py's forward in torch: x [R, 2I] (interleaved gate/up) -> [R, I] in x's dtype, FP32 math, one rounding."""
+    gate, up = x[:, ::2].float(), x[:, 1::2].float()
+    g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return ((u + 1) * (g * torch.sigmoid(alpha * g))).to(x.dtype)
+
+
+def clamped_swiglu_bwd_ref(x: torch.Tensor, dout: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gates.py's backward in torch: dx [R, 2I] (interleaved dgate/dup) in x's dtype, FP32 math, one rounding each."""
+    gate, up, d = x[:, ::2].float(), x[:, 1::2].float(), dout.float()
+    g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
+    s = torch.sigmoid(alpha * g)
+    dgate = torch.where(gate <= limit, d * (u + 1) * s * (1 + alpha * g * (1 - s)), 0.0)
+    dup = torch.where((up >= -limit) & (up <= limit), d * (g * s), 0.0)
+    return torch.stack((dgate, dup), dim=-1).reshape(x.shape).to(x.dtype)
