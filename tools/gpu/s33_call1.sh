@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Call 1 of reports/2026-12-07-*-s33 (one H100 or H200), in step limits that fit one device call:
 # - the mask -> key windows kernels (kernels/attention/masks.py) against their reference on the GPU, and the
-#   attention variants' window and mask tests, into $OUT/mask-tests.log;
+#   attention variants' window and mask tests, and gpt-oss's gate kernels (kernels/grouped/gates.py) against their
+#   reference, into $OUT/mask-tests.log;
 # - the model bench at 2 layers for the two sliding-window families (Mistral, Gemma-3), whose decode steps read a
 #   mask on every layer, into $OUT/<family>-L2;
 # - one eager decode step of Mistral-7B widths, 2 layers, batch 8, 1024 keys, in both modes under torch.profiler,
@@ -18,8 +19,8 @@ source tools/gpu_steps.sh
 begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
 step mask-tests 100 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra \
-  --junitxml "$OUT/mask-tests.xml" tests/test_attention_masks.py tests/test_attention_variants.py \
-  -k "mask or window or sliding"
+  --junitxml "$OUT/mask-tests.xml" tests/test_attention_masks.py tests/test_grouped_gates.py \
+  tests/test_attention_variants.py -k "mask or window or sliding or gate"
 step mistral 75 python -m detkit bench model --device cuda --preset mistral-7b --layers 2 --out "$OUT/mistral-L2"
 step gemma3 75 python -m detkit bench model --device cuda --preset gemma3-12b --layers 2 --out "$OUT/gemma3-L2"
 step attn-decode 150 python -m detkit bench attention --device cuda --modes decode --out "$OUT/attn-decode"
