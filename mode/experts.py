@@ -41,7 +41,8 @@ The grouped path (``grouped_experts_forward``): the routes sorted by expert (a s
 expert's bias, elementwise in BF16 as transformers adds it), ``_apply_gate`` / ``act_fn`` (elementwise; gpt-oss's
 own ``_apply_gate`` as one kernel each way, ``kernels/grouped/gates.py``), down =
 grouped_mm(h, W_down) (+ bias), the optional post-expert norm (row-wise), back to token order, and the combine
-``out[t] = bf16(sum_{k ascending} w[t, k] * y[t, k])`` in FP32 with elementwise ops (``fixed_order_combine``).
+``out[t] = bf16(sum_{k ascending} w[t, k] * y[t, k])`` in FP32 (``fixed_order_combine``'s operations as one kernel
+each way, kernels/grouped/combine.py).
 A token's output depends on its row, its experts' weights and K alone (grouped_mm's per-row bits do not depend on
 the group sizes), so it is batch-invariant. Backward: grad_input on grouped_mm, grad_weight and the bias gradient on
 grouped_wgrad (ascending rows of each expert), the gather's gradient summed over k in ascending order: run-to-run
@@ -190,8 +191,8 @@ class GroupedLinear(torch.autograd.Function):
 
 class GatherRoutes(torch.autograd.Function):
     """(hidden [T, H], token [S] of each sorted route, inverse [T, K]: route (t, k)'s sorted position) -> [S, H]
-    hidden[token]. Backward: dhidden[t] = bf16(sum_{k ascending} dgathered[inverse[t, k]]) in FP32, elementwise (no
-    scatter, no atomics; the fused layer's dX combine)."""
+    hidden[token]. Backward: dhidden[t] = bf16(sum_{k ascending} dgathered[inverse[t, k]]) in FP32 (no scatter, no
+    atomics; kernels/grouped/combine.py's ``route_sum``, one pass)."""
 
     @staticmethod
     def forward(ctx, hidden, token, inverse):
@@ -200,17 +201,16 @@ class GatherRoutes(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dgathered):
+        from detkit.kernels.grouped.combine import route_sum
+
         (inverse,) = ctx.saved_tensors
-        per_route = dgathered[inverse]  # [T, K, H]
-        total = per_route[:, 0].float()
-        for k in range(1, per_route.shape[1]):
-            total = total + per_route[:, k].float()
-        return total.to(dgathered.dtype), None, None
+        return route_sum(dgathered.contiguous(), inverse), None, None
 
 
 def fixed_order_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y [T, K, H] bf16 (token order), weights [T, K] -> [T, H] bf16: bf16(sum_{k ascending} w[t, k] * y[t, k])
-    in FP32, elementwise multiplies and adds: a token's bits depend on its own K terms alone."""
+    in FP32, elementwise multiplies and adds: a token's bits depend on its own K terms alone. The grouped path runs
+    the same operations as one kernel each way (kernels/grouped/combine.py, equal bits); this form is the yardstick."""
     w = weights.float()
     total = w[:, :1] * y[:, 0].float()
     for k in range(1, y.shape[1]):
@@ -268,8 +268,10 @@ def grouped_experts_forward(module, hidden_states: torch.Tensor, top_k_index: to
     y = GroupedLinear.apply(h.to(hidden_states.dtype), module.down_proj, offs, down_bias, sorted_ids, transposed)
     if getattr(module, "has_post_expert_norm", False):
         y = module.post_expert_norm(y)
-    y = y[inverse].view(num_tokens, top_k, -1)  # back to token order: a permutation, no duplicates
-    return fixed_order_combine(y, top_k_weights)
+    from detkit.kernels.grouped.combine import route_combine
+
+    # back to token order, weighted and summed over k ascending: fixed_order_combine's bits in one pass each way
+    return route_combine(y.contiguous(), inverse.view(num_tokens, top_k), top_k_weights.contiguous())
 
 
 # ---------------------------------------------------------------------------------------------

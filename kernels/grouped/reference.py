@@ -74,3 +74,31 @@ def clamped_swiglu_bwd_ref(x: torch.Tensor, dout: torch.Tensor, alpha: float, li
     dgate = torch.where(gate <= limit, d * (u + 1) * s * (1 + alpha * g * (1 - s)), 0.0)
     dup = torch.where((up >= -limit) & (up <= limit), d * (g * s), 0.0)
     return torch.stack((dgate, dup), dim=-1).reshape(x.shape).to(x.dtype)
+
+
+def route_combine_ref(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """combine.py's combine (``weights`` None: the gather's backward, unscaled) in torch: FP32, ascending k, each
+    product and sum rounded on its own, one BF16 rounding."""
+    rows = y[inverse.long()].float()  # [T, K, H]
+    w = None if weights is None else weights.float()
+    total = rows[:, 0] if w is None else w[:, :1] * rows[:, 0]
+    for k in range(1, rows.shape[1]):
+        total = total + (rows[:, k] if w is None else w[:, k:k + 1] * rows[:, k])
+    return total.to(y.dtype)
+
+
+def route_sum_ref(d: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """combine.py's ``route_sum`` in torch."""
+    return route_combine_ref(d, inverse, None)
+
+
+def route_combine_bwd_ref(dout: torch.Tensor, y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """combine.py's combine backward in torch: dy [S, H] (bf16(w * dout) at each route's sorted row) and dw [T, K]
+    (FP64 sums of the FP32 products, rounded to FP32, then to the weights' dtype: a yardstick, not the kernel's order)."""
+    idx = inverse.long()
+    d = dout.float()
+    dy = torch.empty_like(y)
+    dy[idx.reshape(-1)] = (weights.float()[:, :, None] * d[:, None, :]).to(y.dtype).reshape(-1, y.shape[1])
+    dw = (d[:, None, :].double() * y[idx].double()).sum(-1).float()
+    return dy, dw.to(weights.dtype)
