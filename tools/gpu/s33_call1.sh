@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
 # Call 1 of reports/2026-12-07-*-s33 (one H100 or H200), in step limits that fit one device call:
-# - the mask -> key windows kernels (kernels/attention/masks.py) against their reference on the GPU, and the
-#   attention variants' window and mask tests, and gpt-oss's gate kernels (kernels/grouped/gates.py) against their
-#   reference, into $OUT/mask-tests.log;
+# - GPU tests of this tree's new kernels against their references: the mask -> key windows kernels
+#   (kernels/attention/masks.py) with the attention variants' window and mask tests, gpt-oss's gate and the grouped
+#   path's route combine (kernels/grouped/gates.py, combine.py), into $OUT/tests.log;
 # - the model bench at 2 layers for the two sliding-window families (Mistral, Gemma-3), whose decode steps read a
 #   mask on every layer, into $OUT/<family>-L2;
-# - one eager decode step of Mistral-7B widths, 2 layers, batch 8, 1024 keys, in both modes under torch.profiler,
-#   into $OUT/dprof-mistral;
+# - gpt-oss experts at T = 8192 against transformers' grouped_mm (the grouped path with the fused gate and combine),
+#   with the top GPU kernels of one forward+backward per impl, into $OUT/experts.json;
 # - the attention bench's decode cases (eager and graph) against SDPA flash, with the eager split-grid threshold at
-#   2048 keys, into $OUT/attn-decode;
-# - gpt-oss experts at T = 8192 against transformers' grouped_mm with the top GPU kernels of one forward+backward
-#   per impl, into $OUT/experts.json (last: cut first if the call runs out of time).
+#   2048 keys, into $OUT/attn-decode (last: cut first if the call runs out of time).
 set -euo pipefail
 : "${OUT:?set OUT to the results folder}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -18,14 +16,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source tools/gpu_steps.sh
 begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
-step mask-tests 100 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra \
-  --junitxml "$OUT/mask-tests.xml" tests/test_attention_masks.py tests/test_grouped_gates.py \
-  tests/test_attention_variants.py -k "mask or window or sliding or gate"
+step tests 100 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra --junitxml "$OUT/tests.xml" \
+  tests/test_attention_masks.py tests/test_grouped_gates.py tests/test_grouped_combine.py \
+  tests/test_attention_variants.py -k "not test_attention_variants or mask or window or sliding"
 step mistral 75 python -m detkit bench model --device cuda --preset mistral-7b --layers 2 --out "$OUT/mistral-L2"
 step gemma3 75 python -m detkit bench model --device cuda --preset gemma3-12b --layers 2 --out "$OUT/gemma3-L2"
-step attn-decode 150 python -m detkit bench attention --device cuda --modes decode --out "$OUT/attn-decode"
-step dprof-mistral 60 python -m tools.decode_profile --device cuda --preset mistral-7b --layers 2 --batch 8 \
-  --cache-len 1024 --steps 5 --out "$OUT/dprof-mistral"
 step experts 90 python -m tools.experts_bench --device cuda --family gpt_oss --tokens 8192 --rounds 2 --profile \
   --json "$OUT/experts.json"
+step attn-decode 150 python -m detkit bench attention --device cuda --modes decode --out "$OUT/attn-decode"
 exit "$failed"
