@@ -168,8 +168,10 @@ class GroupedLinear(torch.autograd.Function):
         from detkit.kernels.grouped import grouped_mm
 
         out = grouped_mm(x, w if transposed else w.transpose(-2, -1), offs)
-        if bias is not None:
-            out = out.add_(bias[ids])  # BF16 + BF16, one rounding: transformers' ``out.add_(bias)``
+        if bias is not None:  # BF16 + BF16, one rounding: transformers' ``out.add_(bias)``, in one pass
+            from detkit.kernels.grouped.gates import add_expert_bias
+
+            out = add_expert_bias(out, bias, ids)
         ctx.save_for_backward(x, w, offs)
         ctx.transposed, ctx.has_bias = transposed, bias is not None
         return out

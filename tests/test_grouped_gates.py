@@ -107,3 +107,19 @@ def test_the_mode_fuses_gpt_oss_own_gate_only(device):
     assert _fused_gate(OwnGate(config)) is None  # a subclass's own gate runs as its own code
     module.limit = "7"
     assert _fused_gate(module) is None
+
+
+def test_add_expert_bias_equals_torch_bit_for_bit(device):
+    gen = torch.Generator().manual_seed(7)
+    out = torch.randn(29, 70, generator=gen).to(torch.bfloat16).to(device)
+    bias = torch.randn(5, 70, generator=gen).to(torch.bfloat16).to(device)
+    ids = torch.randint(0, 5, (29,), generator=gen).to(device)
+    expected = out.clone().add_(bias[ids])
+    from detkit.kernels.grouped.gates import add_expert_bias
+
+    got = out.clone()
+    assert add_expert_bias(got, bias, ids.int()) is got and torch.equal(got, expected)
+    with pytest.raises(ValueError, match="bias must be a bfloat16 \\[E, 70\\]"):
+        add_expert_bias(out.clone(), bias[:, :69], ids)
+    with pytest.raises(ValueError, match="ids must be an integer \\[29\\]"):
+        add_expert_bias(out.clone(), bias, ids[:28])

@@ -1,4 +1,9 @@
-"""gpt-oss's clamped SwiGLU on interleaved gate/up columns, forward and backward, each one elementwise Triton pass:
+"""Elementwise steps of the grouped path (detkit/mode/experts.py), one Triton pass each.
+
+``add_expert_bias``: out[r, :] += bias[ids[r], :] in place, BF16 + BF16 rounded once (torch's ``out.add_(bias[ids])``,
+bit for bit, without materialising the gathered [R, N] bias).
+
+gpt-oss's clamped SwiGLU on interleaved gate/up columns, forward and backward, each one elementwise Triton pass:
 what the grouped path (detkit/mode/experts.py) runs between the two grouped GEMMs of a ``GptOssExperts`` in place of
 transformers' ``_apply_gate`` (six elementwise torch ops forward, and autograd's backward of each, with two strided
 slices whose backward allocates zeros of the full width).
@@ -74,6 +79,21 @@ def clamped_swiglu_bwd_kernel(x_ptr, dout_ptr, dx_ptr, rows, cols, stride_x, str
     tl.store(dx_row + 2 * c[None, :] + 1, _bf16(dup, INTERPRETED), mask=ok)
 
 
+@triton.jit
+def add_expert_bias_kernel(out_ptr, bias_ptr, ids_ptr, rows, cols, stride_o, stride_b,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok = r < rows
+    ok = r_ok[:, None] & (c < cols)[None, :]
+    expert = tl.load(ids_ptr + r, mask=r_ok, other=0).to(tl.int64)
+    at = out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :]
+    total = tl.load(at, mask=ok, other=0.0).to(tl.float32) + tl.load(
+        bias_ptr + expert[:, None] * stride_b + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(at, _bf16(total, INTERPRETED), mask=ok)
+
+
+_BIAS = PlannedKernel(add_expert_bias_kernel)
 _FWD = PlannedKernel(clamped_swiglu_fwd_kernel)
 _BWD = PlannedKernel(clamped_swiglu_bwd_kernel)
 
@@ -123,6 +143,29 @@ def clamped_swiglu_bwd(x: torch.Tensor, dout: torch.Tensor, alpha: float, limit:
             x, dout, dx, rows, cols, x.stride(0), dout.stride(0), dx.stride(0), float(alpha), float(limit),
             BLOCK_R=block_r, BLOCK_C=block_c, INTERPRETED=backend == TRITON_INTERPRETER, num_warps=4)
     return dx
+
+
+def add_expert_bias(out: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """out [R, N] bf16 += bias [E, N] bf16 at each row's expert ``ids`` [R] (in range), in place; returns out."""
+    if out.dtype != torch.bfloat16 or out.dim() != 2 or out.stride(1) != 1:
+        raise ValueError(f"out must be a bfloat16 [R, N] tensor with a contiguous last dim; got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    rows, cols = out.shape
+    if bias.dtype != torch.bfloat16 or bias.dim() != 2 or bias.shape[1] != cols or bias.stride(1) != 1 \
+            or bias.device != out.device:
+        raise ValueError(f"bias must be a bfloat16 [E, {cols}] tensor with a contiguous last dim on {out.device}; got "
+                         f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")
+    if ids.dtype not in (torch.int32, torch.int64) or tuple(ids.shape) != (rows,) or ids.device != out.device:
+        raise ValueError(f"ids must be an integer [{rows}] tensor on {out.device}; got {ids.dtype} "
+                         f"{tuple(ids.shape)} on {ids.device}")
+    ids = ids if ids.stride(0) == 1 else ids.contiguous()
+    backend = resolve_backend_of_devices(add_expert_bias_kernel, {"out": out.device})
+    if rows and cols:
+        block_r, block_c = _grid_blocks(backend)
+        _BIAS[(triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))](
+            out, bias, ids, rows, cols, out.stride(0), bias.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
+            INTERPRETED=backend == TRITON_INTERPRETER, num_warps=4)
+    return out
 
 
 class ClampedSwiGLU(torch.autograd.Function):
