@@ -3,7 +3,8 @@ forms of torch._grouped_mm an MoE block's experts and their backward call).
 
 Inside: ``configs`` (the pinned config table), ``kernels`` (the Triton kernels), ``names`` (launch names),
 ``launch`` (checks and launch wrappers, pointer and TMA variants; the math and the determinism claim in its
-docstring), ``reference`` (the pure-torch references).
+docstring), ``gates`` (the grouped path's elementwise steps: an expert's bias, gpt-oss's gate), ``combine`` (the
+top-k combine and the gather's backward), ``reference`` (the pure-torch references).
 """
 
 from detkit.kernels.grouped.launch import (
