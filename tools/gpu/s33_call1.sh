@@ -16,12 +16,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source tools/gpu_steps.sh
 begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
-step tests 100 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra --junitxml "$OUT/tests.xml" \
+step tests 90 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra --junitxml "$OUT/tests.xml" \
   tests/test_attention_masks.py tests/test_grouped_gates.py tests/test_grouped_combine.py \
   tests/test_attention_variants.py -k "not test_attention_variants or mask or window or sliding"
-step mistral 75 python -m detkit bench model --device cuda --preset mistral-7b --layers 2 --out "$OUT/mistral-L2"
-step gemma3 75 python -m detkit bench model --device cuda --preset gemma3-12b --layers 2 --out "$OUT/gemma3-L2"
+step mistral 70 python -m detkit bench model --device cuda --preset mistral-7b --layers 2 --out "$OUT/mistral-L2"
+step gemma3 70 python -m detkit bench model --device cuda --preset gemma3-12b --layers 2 --out "$OUT/gemma3-L2"
 step experts 90 python -m tools.experts_bench --device cuda --family gpt_oss --tokens 8192 --rounds 2 --profile \
   --json "$OUT/experts.json"
-step attn-decode 150 python -m detkit bench attention --device cuda --modes decode --out "$OUT/attn-decode"
+step attn-decode 110 python -m detkit bench attention --device cuda --modes decode --out "$OUT/attn-decode"
 exit "$failed"
