@@ -44,14 +44,22 @@ def _bf16(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _load_pairs(x_ptr, r, stride_x, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(gate, up) FP32 [BLOCK_R, BLOCK_C] of rows r, pairs from column tile program_id(1): one contiguous load of
+    2 * BLOCK_C columns per row, split in registers."""
+    cc = tl.program_id(1) * 2 * BLOCK_C + tl.arange(0, 2 * BLOCK_C)
+    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + cc[None, :],
+                mask=(r < rows)[:, None] & (cc < 2 * cols)[None, :], other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(x, [BLOCK_R, BLOCK_C, 2]))
+
+
+@triton.jit
 def clamped_swiglu_fwd_kernel(x_ptr, out_ptr, rows, cols, stride_x, stride_o, alpha, limit,
                               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (r < rows)[:, None] & (c < cols)[None, :]
-    x_row = x_ptr + r.to(tl.int64)[:, None] * stride_x
-    gate = tl.load(x_row + 2 * c[None, :], mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(x_row + 2 * c[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
+    gate, up = _load_pairs(x_ptr, r, stride_x, rows, cols, BLOCK_R, BLOCK_C)
     g = tl.minimum(gate, limit)
     u = tl.minimum(tl.maximum(up, -limit), limit)
     s = 1.0 / (1.0 + tl.exp(-(alpha * g)))
@@ -65,18 +73,18 @@ def clamped_swiglu_bwd_kernel(x_ptr, dout_ptr, dx_ptr, rows, cols, stride_x, str
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (r < rows)[:, None] & (c < cols)[None, :]
-    x_row = x_ptr + r.to(tl.int64)[:, None] * stride_x
-    gate = tl.load(x_row + 2 * c[None, :], mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(x_row + 2 * c[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
+    gate, up = _load_pairs(x_ptr, r, stride_x, rows, cols, BLOCK_R, BLOCK_C)
     dout = tl.load(dout_ptr + r.to(tl.int64)[:, None] * stride_d + c[None, :], mask=ok, other=0.0).to(tl.float32)
     g = tl.minimum(gate, limit)
     u = tl.minimum(tl.maximum(up, -limit), limit)
     s = 1.0 / (1.0 + tl.exp(-(alpha * g)))
     dgate = tl.where(gate <= limit, dout * (u + 1.0) * s * (1.0 + alpha * g * (1.0 - s)), 0.0)
     dup = tl.where((up >= -limit) & (up <= limit), dout * (g * s), 0.0)
-    dx_row = dx_ptr + r.to(tl.int64)[:, None] * stride_dx
-    tl.store(dx_row + 2 * c[None, :], _bf16(dgate, INTERPRETED), mask=ok)
-    tl.store(dx_row + 2 * c[None, :] + 1, _bf16(dup, INTERPRETED), mask=ok)
+    # the pairs interleaved back in registers: one contiguous store of 2 * BLOCK_C columns per row
+    pairs = tl.reshape(tl.join(_bf16(dgate, INTERPRETED), _bf16(dup, INTERPRETED)), [BLOCK_R, 2 * BLOCK_C])
+    cc = tl.program_id(1) * 2 * BLOCK_C + tl.arange(0, 2 * BLOCK_C)
+    tl.store(dx_ptr + r.to(tl.int64)[:, None] * stride_dx + cc[None, :], pairs,
+             mask=(r < rows)[:, None] & (cc < 2 * cols)[None, :])
 
 
 @triton.jit
