@@ -255,7 +255,8 @@ def grouped_experts_forward(module, hidden_states: torch.Tensor, top_k_index: to
     offs = torch.searchsorted(sorted_ids, torch.arange(experts, device=sorted_ids.device), right=True)
     offs = offs.to(torch.int32)
     sorted_ids = sorted_ids.clamp(max=experts - 1)  # the bias gather stays in bounds for the sentinels' rows
-    x = GatherRoutes.apply(hidden_states, perm // top_k, inverse.view(num_tokens, top_k))
+    inverse = inverse.view(num_tokens, top_k)  # the sorted row of route (t, k)
+    x = GatherRoutes.apply(hidden_states, perm // top_k, inverse)
     transposed = bool(getattr(module, "is_transposed", False))
     has_gate, has_bias = getattr(module, "has_gate", True), getattr(module, "has_bias", False)
     up = module.gate_up_proj if has_gate else module.up_proj
@@ -273,7 +274,7 @@ def grouped_experts_forward(module, hidden_states: torch.Tensor, top_k_index: to
     from detkit.kernels.grouped.combine import route_combine
 
     # back to token order, weighted and summed over k ascending: fixed_order_combine's bits in one pass each way
-    return route_combine(y.contiguous(), inverse.view(num_tokens, top_k), top_k_weights.contiguous())
+    return route_combine(y.contiguous(), inverse, top_k_weights.contiguous())
 
 
 # ---------------------------------------------------------------------------------------------

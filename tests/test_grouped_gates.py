@@ -9,16 +9,14 @@ import torch
 
 from detkit.kernels.grouped.gates import clamped_swiglu, clamped_swiglu_bwd, clamped_swiglu_fwd
 from detkit.kernels.grouped.reference import clamped_swiglu_bwd_ref, clamped_swiglu_ref
+from detkit.toolkit.contract import bf16_ordinal
 
 ALPHA, LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha and swiglu_limit
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     """The largest distance in BF16 units in the last place between two BF16 tensors of finite values."""
-    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
-    ia = torch.where(ia < 0, -32768 - ia, ia)  # sign-magnitude to a monotone integer line
-    ib = torch.where(ib < 0, -32768 - ib, ib)
-    return int((ia - ib).abs().max())
+    return int((bf16_ordinal(a) - bf16_ordinal(b)).abs().max())
 
 
 def _inputs(rows, cols, device, seed=0):

@@ -7,7 +7,8 @@ attention) run under ``torch.profiler``, so a ratio the bench reports can be tak
 Per mode: the step's eager time and its host time until queued (toolkit/timing.py's ``time_back_to_back`` and
 ``time_host``, the two modes interleaved over ``--steps`` rounds: median, p20, p80), then under the profiler the GPU
 time it saw, kernel launches per step, and the top operators by self CPU time and the top GPU kernels by time, per
-step. ``DIR/profile.json`` holds every number, ``DIR/profile.md`` the tables. On the CPU (the Triton interpreter) it runs the plumbing at the model's tiny config: not a hardware result.
+step. ``DIR/profile.json`` holds every number, ``DIR/profile.md`` the tables. On the CPU (the Triton interpreter) it
+runs the plumbing at the model's tiny config: not a hardware result.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 TOP = 15
 
 
-def _profile(step, device, steps: int) -> dict:
-    """torch.profiler over ``steps`` steps: per-step top operators (self CPU µs), top GPU kernels (µs), launches."""
+def profile_steps(step, device, steps: int) -> dict:
+    """torch.profiler over ``steps`` calls of ``step``: per-call top operators (self CPU µs), top GPU kernels (µs),
+    GPU total, launches. tools/experts_bench.py's ``--profile`` calls it too."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -65,7 +67,7 @@ def profile_decode(device, preset: str, layers: int | None, batch: int, cache_le
     host = time_host(steps_of, device, rounds=steps, calls=1, warmup=0, contexts=contexts)
     for mode, step in steps_of.items():
         with contexts[mode]():
-            prof = _profile(step, device, steps)
+            prof = profile_steps(step, device, steps)
         result["modes"][mode] = {"wall_us": wall[mode].median_us, "wall_p20_us": wall[mode].p20_us,
                                  "wall_p80_us": wall[mode].p80_us, "host_us": host[mode].median_us,
                                  "host_p20_us": host[mode].p20_us, "host_p80_us": host[mode].p80_us,

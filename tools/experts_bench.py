@@ -19,8 +19,9 @@ each (both are BF16 computations of the same math; a wrong layout or gate is O(1
 (a bias gradient: an expert's rows summed in BF16 by torch's indexing backward, in FP32 by detkit) passes when
 detkit is no further than grouped_mm from an FP32 run of transformers' eager experts (both distances recorded).
 
-``--profile``: after the timing, one forward+backward per impl under torch.profiler; its top GPU kernels by time
-(name, µs, calls) and the GPU total go in the JSON's ``profiles`` (family -> impl -> rows) and are printed.
+``--profile``: after the timing, one forward+backward per impl under torch.profiler (tools/decode_profile.py's
+``profile_steps``); its top GPU kernels by time (name, µs, calls) and the GPU total go in the JSON's ``profiles``
+(family -> impl -> rows) and are printed.
 
 On the CPU (Triton interpreter) the times are emulation: they prove the plumbing, never a speed.
 """
@@ -160,27 +161,15 @@ def run_family(family: str, widths, tokens: int, device, rounds: int) -> list[di
     return rows
 
 
-PROFILE_TOP = 25
-
-
 def kernel_profile(fn, device, context) -> dict:
-    """One call of ``fn`` (after one unprofiled warm-up) under torch.profiler inside ``context()``: the GPU total and
-    the top kernels by GPU time."""
-    from torch.profiler import ProfilerActivity, profile
+    """One call of ``fn`` (after one unprofiled warm-up) inside ``context()`` under tools/decode_profile.py's profiler
+    pass: the GPU total and the top kernels by GPU time."""
+    from tools.decode_profile import profile_steps
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with context():
         fn()
-        with profile(activities=activities) as prof:
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0
-              and e.device_type == torch.autograd.DeviceType.CUDA]
-    events.sort(key=lambda e: -e.self_device_time_total)
-    return {"gpu_us": sum(e.self_device_time_total for e in events),
-            "kernels": [{"kernel": e.key[:120], "gpu_us": e.self_device_time_total, "calls": e.count}
-                        for e in events[:PROFILE_TOP]]}
+        prof = profile_steps(fn, device, 1)
+    return {"gpu_us": prof["gpu_us"], "kernels": prof["top_gpu"]}
 
 
 def profiles_of(family: str, widths, tokens: int, device) -> dict:
@@ -219,7 +208,7 @@ def main(argv=None) -> int:
             for impl, prof in profiles[family].items():
                 print(f"{family} {impl}: {prof['gpu_us']:.0f} us of GPU time, fwd+bwd")
                 for k in prof["kernels"]:
-                    print(f"  {k['gpu_us']:10.1f} us {k['calls']:4d}x  {k['kernel']}")
+                    print(f"  {k['gpu_us']:10.1f} us {k['calls']:4.0f}x  {k['kernel'][:120]}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     meta = dict(time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), python=platform.python_version(),

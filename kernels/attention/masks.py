@@ -28,7 +28,8 @@ import triton.language as tl
 
 from detkit.kernels.backend import PlannedKernel, resolve_backend_of_devices
 
-STATS = 4  # per mask row: first visible key (seq_k if none), last (-1 if none), count, a bad masked value (0 / 1)
+# per mask row: first visible key (seq_k if none), last (-1 if none), their count, a bad masked value (0 / 1)
+STATS = tl.constexpr(4)
 TILE = 4096  # mask elements a program reads at once (rows x keys)
 REDUCE_ROWS = 1024  # row stats the window program reads at once
 NONE = tl.constexpr(-2147483647)  # "no row": the offset's start value (int32)
@@ -62,7 +63,7 @@ def mask_row_stats_kernel(mask_ptr, stats_ptr, rows, seq_q, seq_k, stride_b, str
         first = tl.minimum(first, tl.min(tl.where(visible, j[None, :], seq_k), axis=1))
         last = tl.maximum(last, tl.max(tl.where(visible, j[None, :], -1), axis=1))
         count += tl.sum(visible.to(tl.int32), axis=1)
-    out = stats_ptr + (mb.to(tl.int64) * rows + r) * 4
+    out = stats_ptr + (mb.to(tl.int64) * rows + r) * STATS
     tl.store(out, first, mask=row_in)
     tl.store(out + 1, last, mask=row_in)
     tl.store(out + 2, count, mask=row_in)
@@ -79,7 +80,7 @@ def mask_windows_kernel(stats_ptr, anchor_ptr, out_ptr, batch, mask_batch, rows,
     fine = tl.full([], 1, tl.int32)
     covered = tl.full([], 1, tl.int32)
     for b in range(0, batch):
-        base = stats_ptr + (b % mask_batch).to(tl.int64) * rows * 4
+        base = stats_ptr + (b % mask_batch).to(tl.int64) * rows * STATS
         start = tl.full([], 0, tl.int32) + seq_k
         end = tl.full([], -1, tl.int32)
         offset = tl.full([], NONE, tl.int32)
@@ -88,15 +89,15 @@ def mask_windows_kernel(stats_ptr, anchor_ptr, out_ptr, batch, mask_batch, rows,
         for r0 in range(0, rows, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
             row_in = r < rows
-            first = tl.load(base + r * 4, mask=row_in, other=seq_k)
-            last = tl.load(base + r * 4 + 1, mask=row_in, other=-1)
+            first = tl.load(base + r * STATS, mask=row_in, other=seq_k)
+            last = tl.load(base + r * STATS + 1, mask=row_in, other=-1)
             i = r % seq_q
             nonempty = last >= 0
             start = tl.minimum(start, tl.min(first, axis=0))
             end = tl.maximum(end, tl.max(last, axis=0))
             offset = tl.maximum(offset, tl.max(tl.where(nonempty, last - i, NONE), axis=0))
             first_row = tl.minimum(first_row, tl.min(tl.where(nonempty, i, seq_q), axis=0))
-            bad = tl.maximum(bad, tl.max(tl.load(base + r * 4 + 3, mask=row_in, other=0), axis=0))
+            bad = tl.maximum(bad, tl.max(tl.load(base + r * STATS + 3, mask=row_in, other=0), axis=0))
         any_visible = end >= 0
         start = tl.where(any_visible, start, seq_k)
         offset = tl.where(any_visible, offset, seq_k - seq_q)
@@ -121,9 +122,9 @@ def mask_windows_kernel(stats_ptr, anchor_ptr, out_ptr, batch, mask_batch, rows,
         for r0 in range(0, rows, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
             row_in = r < rows
-            first = tl.load(base + r * 4, mask=row_in, other=0)
-            last = tl.load(base + r * 4 + 1, mask=row_in, other=-1)
-            count = tl.load(base + r * 4 + 2, mask=row_in, other=0)
+            first = tl.load(base + r * STATS, mask=row_in, other=0)
+            last = tl.load(base + r * STATS + 1, mask=row_in, other=-1)
+            count = tl.load(base + r * STATS + 2, mask=row_in, other=0)
             i = r % seq_q
             hi = tl.minimum(offset + i, end)
             lo = tl.zeros([BLOCK_R], dtype=tl.int32) + start
@@ -144,8 +145,8 @@ def mask_windows_kernel(stats_ptr, anchor_ptr, out_ptr, batch, mask_batch, rows,
 class MaskAnchor(NamedTuple):
     """What ``tag_mask_anchor`` records on a mask: each sequence's first key is the first nonzero of its row of
     ``padding`` (a 2-D mask [B|1, seen + q_len] on the mask's device, absolute positions; None, or a row with none:
-    position 0) minus ``kv_offset``. Read on the device by the mask kernels when the mask is used (masks.py), so a
-    mask no sliding window reads costs nothing."""
+    position 0) minus ``kv_offset``. Read on the device by ``mask_windows_kernel`` when the mask is used, so a mask
+    no sliding window reads costs nothing."""
     padding: torch.Tensor | None
     kv_offset: int
     batch: int
@@ -193,7 +194,7 @@ def mask_key_windows_device(attn_mask: torch.Tensor, batch: int, seq_q: int, seq
         mask = mask.view(torch.uint8)  # the same bytes, read as bytes
     block_r = min(triton.next_power_of_2(rows), 16)
     block_k = min(triton.next_power_of_2(seq_k), TILE // block_r)
-    stats = torch.empty(mask_batch * rows * 4, dtype=torch.int32, device=device)
+    stats = torch.empty(mask_batch * rows * STATS, dtype=torch.int32, device=device)
     end_at = _aligned(batch)
     out = torch.empty(2 * end_at + 4, dtype=torch.int32, device=device)
     strides = [mask.stride(0) if mask_batch > 1 else 0, mask.stride(1) if mask_heads > 1 else 0, mask.stride(2),

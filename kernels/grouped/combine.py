@@ -24,19 +24,12 @@ import triton
 import triton.language as tl
 
 from detkit.kernels.backend import TRITON_INTERPRETER, PlannedKernel, resolve_backend_of_devices
-from detkit.kernels.det_gemm.launch import fp32_to_bf16_rtne
+from detkit.kernels.det_gemm.kernels import to_bf16
 
 BLOCK_T = 4  # tokens per program
 BLOCK_H = 256  # hidden columns per step
 INTERPRETER_BLOCK_H = 32
 OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
-
-
-@triton.jit
-def _bf16(x, INTERPRETED: tl.constexpr):
-    if INTERPRETED:
-        return fp32_to_bf16_rtne(x)
-    return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -58,7 +51,7 @@ def route_combine_kernel(y_ptr, inverse_ptr, w_ptr, out_ptr, T, H, stride_y, str
             acc = v
         else:
             acc = acc + v
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + h[None, :], _bf16(acc, INTERPRETED), mask=ok)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + h[None, :], to_bf16(acc, INTERPRETED), mask=ok)
 
 
 @triton.jit
@@ -78,7 +71,7 @@ def route_combine_bwd_kernel(dout_ptr, y_ptr, inverse_ptr, w_ptr, dy_ptr, dw_ptr
             ok = t_ok[:, None] & (h < H)[None, :]
             d = tl.load(dout_ptr + t64[:, None] * stride_d + h[None, :], mask=ok, other=0.0).to(tl.float32)
             y = tl.load(y_ptr + row[:, None] * stride_y + h[None, :], mask=ok, other=0.0).to(tl.float32)
-            tl.store(dy_ptr + row[:, None] * stride_dy + h[None, :], _bf16(w[:, None] * d, INTERPRETED), mask=ok)
+            tl.store(dy_ptr + row[:, None] * stride_dy + h[None, :], to_bf16(w[:, None] * d, INTERPRETED), mask=ok)
             dw = dw + tl.sum(d * y, axis=1)
         tl.store(dw_ptr + t64 * stride_dw + k, dw, mask=t_ok)
 

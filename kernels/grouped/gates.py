@@ -29,18 +29,11 @@ import triton
 import triton.language as tl
 
 from detkit.kernels.backend import TRITON_INTERPRETER, PlannedKernel, resolve_backend_of_devices
-from detkit.kernels.det_gemm.launch import fp32_to_bf16_rtne
+from detkit.kernels.det_gemm.kernels import to_bf16
 
 BLOCK_R = 16
 BLOCK_C = 128
 INTERPRETER_BLOCKS = (8, 32)
-
-
-@triton.jit
-def _bf16(x, INTERPRETED: tl.constexpr):
-    if INTERPRETED:
-        return fp32_to_bf16_rtne(x)
-    return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -64,7 +57,7 @@ def clamped_swiglu_fwd_kernel(x_ptr, out_ptr, rows, cols, stride_x, stride_o, al
     u = tl.minimum(tl.maximum(up, -limit), limit)
     s = 1.0 / (1.0 + tl.exp(-(alpha * g)))
     out = (u + 1.0) * (g * s)
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :], _bf16(out, INTERPRETED), mask=ok)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :], to_bf16(out, INTERPRETED), mask=ok)
 
 
 @triton.jit
@@ -81,7 +74,7 @@ def clamped_swiglu_bwd_kernel(x_ptr, dout_ptr, dx_ptr, rows, cols, stride_x, str
     dgate = tl.where(gate <= limit, dout * (u + 1.0) * s * (1.0 + alpha * g * (1.0 - s)), 0.0)
     dup = tl.where((up >= -limit) & (up <= limit), dout * (g * s), 0.0)
     # the pairs interleaved back in registers: one contiguous store of 2 * BLOCK_C columns per row
-    pairs = tl.reshape(tl.join(_bf16(dgate, INTERPRETED), _bf16(dup, INTERPRETED)), [BLOCK_R, 2 * BLOCK_C])
+    pairs = tl.reshape(tl.join(to_bf16(dgate, INTERPRETED), to_bf16(dup, INTERPRETED)), [BLOCK_R, 2 * BLOCK_C])
     cc = tl.program_id(1) * 2 * BLOCK_C + tl.arange(0, 2 * BLOCK_C)
     tl.store(dx_ptr + r.to(tl.int64)[:, None] * stride_dx + cc[None, :], pairs,
              mask=(r < rows)[:, None] & (cc < 2 * cols)[None, :])
@@ -98,7 +91,7 @@ def add_expert_bias_kernel(out_ptr, bias_ptr, ids_ptr, rows, cols, stride_o, str
     at = out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :]
     total = tl.load(at, mask=ok, other=0.0).to(tl.float32) + tl.load(
         bias_ptr + expert[:, None] * stride_b + c[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(at, _bf16(total, INTERPRETED), mask=ok)
+    tl.store(at, to_bf16(total, INTERPRETED), mask=ok)
 
 
 _BIAS = PlannedKernel(add_expert_bias_kernel)

@@ -95,7 +95,8 @@ def route_sum_ref(d: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
 def route_combine_bwd_ref(dout: torch.Tensor, y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """combine.py's combine backward in torch: dy [S, H] (bf16(w * dout) at each route's sorted row) and dw [T, K]
-    (FP64 sums of the FP32 products, rounded to FP32, then to the weights' dtype: a yardstick, not the kernel's order)."""
+    (FP64 sums of the FP32 products, rounded to FP32, then to the weights' dtype: a yardstick, not the kernel's
+    order)."""
     idx = inverse.long()
     d = dout.float()
     dy = torch.empty_like(y)
