@@ -94,12 +94,13 @@ def operands(case, device, weights: str = "transposed"):
         gate_up = bf16_randn((e, h, 2 * i), 1, device, scale=h**-0.5)
         down = bf16_randn((e, i, h), 2, device, scale=i**-0.5)
         up_b, down_b, dgrad_b = gate_up, down, gate_up.transpose(-2, -1)
-    # (a, b, dims for the FLOP count: N, K) per op, in the layouts transformers and autograd pass
+    # (a, b, N, K) per op, in the layouts transformers and autograd pass; each op's FLOPs are 2 * rows * N * K (for
+    # grad_weight, N x K is each expert's output and rows the reduced dim)
     return offs, sizes, {
         "up": (x, up_b, 2 * i, h),
         "down": (hid, down_b, h, i),
         "up_dgrad": (dy, dgrad_b, h, 2 * i),
-        "up_wgrad": (dy.t(), x, h, rows),
+        "up_wgrad": (dy.t(), x, h, 2 * i),
     }
 
 
@@ -193,7 +194,7 @@ def run_case(case, device, rounds: int, configs: bool, *, weights: str = "transp
     out = []
     for op in ops:
         a, b, n, k = operand_sets[op]
-        flops = 2.0 * rows * n * k if op != "up_wgrad" else 2.0 * n * k * rows
+        flops = 2.0 * rows * n * k
         check = validate(op, a, b, offs, sizes, k if op != "up_wgrad" else None, device)
         every = {"torch": lambda: torch._grouped_mm(a, b, offs=offs), "detkit": lambda: detkit_call(a, b, offs),
                  "detkit_mode": lambda: torch._grouped_mm(a, b, offs=offs)}

@@ -544,7 +544,10 @@ def fma_candidates() -> tuple[GemmConfig, ...]:
     stages; 8x4 on 128x64 and 8 warps (at most 128 registers: two CTAs per SM)."""
     return (GemmConfig(128, 128, 32, 8, 4, 3, "fma"), GemmConfig(128, 256, 32, 8, 8, 3, "fma"),
             GemmConfig(128, 128, 32, 8, 8, 3, "fma"), GemmConfig(128, 128, 32, 8, 8, 4, "fma"),
-            GemmConfig(128, 64, 32, 8, 8, 4, "fma"))
+            GemmConfig(128, 64, 32, 8, 8, 4, "fma"),
+            # 64-row tiles for 17-256 rows, where a 128-row tile computes padding
+            GemmConfig(64, 128, 32, 8, 4, 3, "fma"), GemmConfig(64, 128, 32, 8, 2, 4, "fma"),
+            GemmConfig(64, 256, 32, 8, 4, 3, "fma"), GemmConfig(64, 64, 32, 8, 2, 4, "fma"))
 
 
 def device_sms(device: torch.device) -> int:
