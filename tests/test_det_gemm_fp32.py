@@ -250,8 +250,9 @@ def test_a_cuda_plan_of_the_small_m_kernel_passes_its_parameters(layout, monkeyp
 # ---- the table, the plan key, names --------------------------------------------------------------
 def test_fp32_table_is_pinned_covering_every_size_with_the_small_m_kernel_up_to_16_rows():
     """"ieee" at M <= 16 (fwd, dA): BLOCK_M the batch rounded up to a power of two, by output width, on the small-M
-    kernel or the FMA dot's pointer tile; above, BLOCK_K 32 tiles: the Gluon FMA kernel's for fwd (narrow outputs on
-    128x64 up to 64 rows and 256), the pointer kernel's for dA. dB (M is its reduced dim) keeps its tile at every M."""
+    kernel or the FMA dot's pointer tile; above, BLOCK_K 32 tiles: the Gluon FMA kernel's for fwd (64-row tiles up to
+    64 rows, narrow outputs on 128x64 up to 256), the pointer kernel's for dA. dB (M is its reduced dim) keeps its tile
+    at every M. TF32: TMA tiles for fwd above 64 rows and dA at 65-256."""
     for op, entries in CONFIG_TABLE_FP32.items():
         assert entries[-1][0] >= 2**31 - 1
         for config in all_configs(op, dtype=torch.float32):
@@ -266,7 +267,8 @@ def test_fp32_table_is_pinned_covering_every_size_with_the_small_m_kernel_up_to_
                     want = GemmConfig(64, 64, 32, 8, 4, 3)
                     if op == "fwd":
                         narrow = cols <= GEMV_NARROW_COLS  # 17 rows: the band up to 64
-                        want = GemmConfig(128, 64 if narrow else 128, 32, 8, 8, 4 if narrow else 3, "fma")
+                        want = (GemmConfig(128, 64, 32, 8, 8, 4, "fma") if narrow
+                                else GemmConfig(64, 128, 32, 8, 4, 3, "fma"))
                     assert pick == want, (op, m, cols)
                     continue
                 assert pick.block_m == gemv_band(m) >= m > pick.block_m // 2, (m, pick)
@@ -282,6 +284,12 @@ def test_fp32_table_is_pinned_covering_every_size_with_the_small_m_kernel_up_to_
         assert all(c.block_m >= 64 for c in all_configs(op, dtype=torch.float32, precision="tf32"))
     tf32_tiny = select_config("fwd", 1, cols=151936, dtype=torch.float32, precision="tf32")
     assert tf32_tiny == GemmConfig(64, 64, 32, 8, 4, 3)
+    for op, m, want in (("fwd", 65, GemmConfig(128, 256, 32, 8, 8, 4, "tma")),
+                        ("fwd", 4096, GemmConfig(128, 256, 32, 8, 8, 3, "tma")),
+                        ("da", 128, GemmConfig(64, 64, 32, 8, 4, 4, "tma")),
+                        ("da", 4096, GemmConfig(128, 128, 32, 8, 8, 3))):
+        assert select_config(op, m, cols=151936, dtype=torch.float32, precision="tf32") == want, (op, m)
+    assert select_config("fwd", 128, cols=151936, dtype=torch.float32) == GemmConfig(128, 128, 32, 8, 8, 3, "fma")
     assert select_config("fwd", 4096, cols=4096, dtype=torch.float16) == select_config("fwd", 4096, cols=4096)
     with pytest.raises(TypeError, match="no config table for torch.float64"):
         select_config("fwd", 1, dtype=torch.float64)

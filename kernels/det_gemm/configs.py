@@ -22,7 +22,7 @@ from detkit.kernels.det_gemm.names import OPS
 CONFIG_TABLE_VERSION = "2026-12-01.15"
 # The FP32 operands' table (CONFIG_TABLE_FP32 below), versioned on its own so the BF16 version keeps naming the
 # BF16 entries its reports measured.
-FP32_CONFIG_TABLE_VERSION = "2026-12-06.3"
+FP32_CONFIG_TABLE_VERSION = "2026-12-07.1"
 
 # The interpreter's [BLOCK_M, STEP_K, BLOCK_N] product block must stay within Triton's 2**20 elements.
 INTERPRETER_MAX_BLOCK_NUMEL = 2**20
@@ -446,15 +446,19 @@ def gemv_candidates(rows: int, cols: int, op: str = "fwd") -> tuple[GemmConfig, 
 
 
 # fwd at M > 16 on the Gluon FMA kernel (kernels/det_gemm/fma.py: the same FMA chains, so the same bits), the fastest
-# "fma" candidate of an H100 run per M band and width (reports/2026-12-06-h100-s31, call 1; nn.Linear's weight, GPU
-# time against torch.matmul at "highest"): lm_head 4096 x 151936 1.83x at M 64 (the Triton tile 2.71x), 1.22-1.23x at
-# 256-4096 (2.30-3.70x); 4096 x 4096 3.84x / 1.37x at M 64 / 256 on 128x64 tiles (5.74x / 3.77x), 1.22-1.23x at
-# 1024-4096 (2.25-2.30x). dA keeps the Triton tiles: 1.15-1.20x at M >= 256 there, the FMA kernel no faster.
+# "fma" candidate of an H100 run per M band and width (reports/2026-12-07-h100-s34, call 4; nn.Linear's weight, GPU
+# time against torch.matmul at "highest"): lm_heads 4096 x 151936 / 128256 at 17-64 rows on 64-row tiles 1.09-1.10x
+# / 1.29-1.31x (128-row tiles 1.83x / 2.38x), at 65-128 on 8 warps 1.11x / 1.22x (4 warps 1.22x / 1.26x), above on 4
+# warps 1.22-1.24x. Narrow outputs (4096 x 4096) stay on 128x64 tiles: 3.8x at M 64, 1.37x at 256, where few
+# programs each walk all of K (no split-K). dA keeps the Triton tiles (1.15-1.20x at M >= 256; the FMA kernel no
+# faster).
+_FMA_SMALL = GemmConfig(64, 128, 32, 8, 4, 3, "fma")  # 8x8 outputs a thread on 64-row tiles
 _FMA_WIDE = GemmConfig(128, 128, 32, 8, 4, 3, "fma")  # 8x16 outputs a thread, two CTAs per SM
 _FMA_WIDE_8W = GemmConfig(128, 128, 32, 8, 8, 3, "fma")  # 8x8 outputs a thread
 _FMA_NARROW = GemmConfig(128, 64, 32, 8, 8, 4, "fma")  # 8x4 outputs a thread: twice the programs on narrow outputs
 CONFIG_TABLE_FP32: dict[str, tuple[tuple[int, GemmConfig | ByWidth], ...]] = {
-    "fwd": (*_small_m_entries("fwd"), (64, ByWidth(((GEMV_NARROW_COLS, _FMA_NARROW),), _FMA_WIDE_8W)),
+    "fwd": (*_small_m_entries("fwd"), (64, ByWidth(((GEMV_NARROW_COLS, _FMA_NARROW),), _FMA_SMALL)),
+            (128, ByWidth(((GEMV_NARROW_COLS, _FMA_NARROW),), _FMA_WIDE_8W)),
             (256, ByWidth(((GEMV_NARROW_COLS, _FMA_NARROW),), _FMA_WIDE)), (2**31, _FMA_WIDE)),
     "da": (*_small_m_entries("da"), (64, _FP32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
     # dB: a [K, N] output at any M; M is its reduced dim
@@ -464,11 +468,18 @@ CONFIG_TABLE_FP32: dict[str, tuple[tuple[int, GemmConfig | ByWidth], ...]] = {
 # (wgmma, m64 x k8 per instruction; the sm_90 compiles show HGMMA for these tiles). A 16-row tile would run
 # mma.sync (HMMA) instead, whose per-instruction sums of 8 products need not round as wgmma's do: a row at M <= 16
 # could then differ from the same row at M = 17. At small M the weight stream is the work, so 64-row tiles cost
-# little there.
+# little there. Above 64 rows the TMA tiles, the fastest candidates of an H100 run (reports/2026-12-07-h100-s34,
+# call 4; same bits as the pointer tiles): fwd 128x256x32 w8 0.98-1.09x torch.matmul on the lm_head at 256-4096
+# rows and 1.02-1.03x on 4096 x 4096 at 1024-4096 (pointer tiles 1.40-1.94x); dA 64x64x32 w4 s4 3.6x at 128 rows
+# (pointer 8.2x): dA and dB read an operand whose reduced dim is strided, which wgmma's TF32 form cannot take, so
+# Triton transposes it through shared memory on every step.
 _TF32_SMALL = GemmConfig(64, 64, 32, 8, 4, 3)
+_TF32_FWD_MID = GemmConfig(128, 256, 32, 8, 8, 4, "tma")
+_TF32_FWD_LARGE = GemmConfig(128, 256, 32, 8, 8, 3, "tma")
+_TF32_DA_MID = GemmConfig(64, 64, 32, 8, 4, 4, "tma")
 CONFIG_TABLE_TF32: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
-    "fwd": ((64, _TF32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
-    "da": ((64, _TF32_SMALL), (256, _FP32_MID), (2**31, _FP32_LARGE)),
+    "fwd": ((64, _TF32_SMALL), (256, _TF32_FWD_MID), (2**31, _TF32_FWD_LARGE)),
+    "da": ((64, _TF32_SMALL), (256, _TF32_DA_MID), (2**31, _FP32_LARGE)),
     "db": ((2**31, _FP32_LARGE),),
 }
 # FP16 operands take the BF16 table: the same bytes per element and the same tensor-core rate; its "ws" picks run as
