@@ -162,7 +162,7 @@ def test_small_m_rows_have_the_tile_paths_bits(op, layout, device):
     dA) is 72 or 40: a partial last step of BLOCK_K 64, so its masked k's are exercised."""
     x, y = operands(op, 24, 40, 72, device, layout)
     full, record = LAUNCHERS[op](x, y)
-    assert record.config.variant == "ptr"
+    assert record.config.variant in ("ptr", "fma"), record.config  # a tile kernel at M = 24 (fwd: "fma" on sm_90)
     for m in (1, 2, 3, 7, 16):
         got, record = LAUNCHERS[op](x[:m], y)
         assert record.config.block_m == gemv_band(m), record.config
