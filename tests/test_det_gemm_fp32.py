@@ -16,8 +16,8 @@ from detkit.kernels.det_gemm.configs import (
     select_config, ws_twin,
 )
 from detkit.kernels.det_gemm.launch import (
-    GemmConfig, clear_launch_plans, det_gemm_da, det_gemm_da_launch, det_gemm_db, det_gemm_db_launch, det_gemm_fwd,
-    det_gemm_fwd_launch, launch_plans_info,
+    TF32_DA_TRANSPOSED_MIN_ROWS, GemmConfig, clear_launch_plans, det_gemm_da, det_gemm_da_launch, det_gemm_db,
+    det_gemm_db_launch, det_gemm_fwd, det_gemm_fwd_launch, launch_plans_info,
 )
 from detkit.toolkit.contract import ETA_FP16, U_FP16, check_bound, compare_bits, gemm_bound, gemm_bound_fp32
 
@@ -151,6 +151,29 @@ def test_every_config_of_the_fp32_table_gives_the_same_bits(op, precision, devic
         got, record = LAUNCHERS[op](x[:rows], y[:rows] if op == "db" else y, config=config, precision=precision)
         assert record.config == config
         assert_bits(got, want[:rows] if op != "db" else want, f"{op} {config.label()}")
+
+
+@pytest.mark.parametrize("layout", ["linear", "kn"])
+def test_tf32_backward_as_forward_products_has_the_direct_kernels_bits(layout, device):
+    """"tf32" dA at M >= TF32_DA_TRANSPOSED_MIN_ROWS and dB at any M run as forward products (the strided operand as
+    the MMA's A): each gives the direct kernel's bits (the launchers keep it), contiguous, in the op's shape; a row
+    of dA at M 3 (direct) keeps its bits at M 1030 (forward product): batch invariance across the switch. The
+    reduced dims (N 40, M 1030) end in partial K steps."""
+    m = TF32_DA_TRANSPOSED_MIN_ROWS + 6
+    dc, w = operands("da", m, 40, 24, device, layout)
+    got = det_gemm_da(dc, w, "tf32")
+    want, _ = det_gemm_da_launch(dc, w, precision="tf32")
+    assert got.shape == want.shape == (m, 24) and got.is_contiguous()
+    assert_bits(got, want, f"dA {layout} M={m}")
+    assert_bits(det_gemm_da(dc[:3], w, "tf32"), got[:3], f"dA {layout} M=3 against M={m}")
+    for rows in (5, m):
+        a, dc = operands("db", rows, 40, 24, device)
+        got = det_gemm_db(a, dc, "tf32")
+        want, _ = det_gemm_db_launch(a, dc, precision="tf32")
+        assert got.shape == want.shape == (24, 40) and got.is_contiguous()
+        assert_bits(got, want, f"dB M={rows}")
+    with pytest.raises(ValueError, match="empty dimension"):  # refused by the direct kernel, naming its operand
+        det_gemm_db(a[:0], dc[:0], "tf32")
 
 
 # ---- the small-M kernel (kernels/det_gemm/gemv.py): the tile path's bits --------------------------------------
@@ -469,7 +492,8 @@ def test_gpu_small_m_kernel_has_the_tile_bits_at_lm_head_width(layout, op):
     the same chain. Row 0 at M = 1 within the FP32 bound of the FP64 oracle."""
     x, y = lm_head_operands(op, layout)
     full, record = LAUNCHERS[op](x, y)
-    assert record.config.variant == "ptr" and record.config.block_m == 64
+    # the reference rows on a 64-row tile: the Gluon FMA kernel's for fwd, the pointer kernel's for dA
+    assert record.config.variant == ("fma" if op == "fwd" else "ptr") and record.config.block_m == 64, record.config
     for m in (1, 2, 7, 16):
         got, record = LAUNCHERS[op](x[:m], y)
         candidates = gemv_candidates(m, full.shape[1], op)

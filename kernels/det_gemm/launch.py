@@ -737,12 +737,37 @@ def det_gemm_fwd(a: torch.Tensor, b: torch.Tensor, precision: str | None = None)
 
 def det_gemm_da(dc: torch.Tensor, b: torch.Tensor, precision: str | None = None) -> torch.Tensor:
     """``dc [M,N] @ b.T -> [M,K]`` (the input gradient), deterministic and batch-invariant."""
+    if (precision == "tf32" and _fp32_pair(dc, b) and dc.shape[1] == b.shape[1]
+            and dc.shape[0] >= TF32_DA_TRANSPOSED_MIN_ROWS):
+        return det_gemm_fwd(b, dc.t(), "tf32").t().contiguous()
     return _lookup("da", dc, b, None, None, None, None, precision).launch(dc, b, None)
 
 
 def det_gemm_db(a: torch.Tensor, dc: torch.Tensor, precision: str | None = None) -> torch.Tensor:
     """``a.T @ dc -> [K,N]`` (the weight gradient), deterministic, fixed order over M."""
+    if precision == "tf32" and _fp32_pair(a, dc) and a.shape[0] == dc.shape[0]:
+        return det_gemm_fwd(a.t(), dc.t().contiguous().t(), "tf32")
     return _lookup("db", a, dc, None, None, None, None, precision).launch(a, dc, None)
+
+
+# "tf32" dA and dB as forward products. wgmma's TF32 form reads K-major operands only, and Triton transposes an
+# operand whose reduced dim is strided through shared memory on every K step: 4-5x torch.matmul on dA and dB, whose
+# reduced dims are (dA over N of nn.Linear's weight [N, K]; dB over M of both operands). As a forward product the
+# strided operand is the MMA's A, which Triton feeds from registers: dA as (b @ dc.T).T, the [K, M] product copied
+# to [M, K] (a copy of the small output), at M >= 1024 where that product's grid fills the GPU; dB as a.T @ dc with dc
+# copied to its transpose (K-major as B). The same products in the same K steps: the GPU gave the direct kernels'
+# bits at the lm_head 4096 x 151936 (reports/2026-12-07-h100-s34, call 6: dA 5.1x -> 3.2x at M 1024, dB 5.4x ->
+# 1.8x), and the tests compare the two forms. The launchers (det_gemm_*_launch: a config, segments or a twin) keep
+# the direct kernels.
+TF32_DA_TRANSPOSED_MIN_ROWS = 1024
+
+
+def _fp32_pair(x, y) -> bool:
+    """Two non-empty 2-D FP32 tensors of one device: the operands the "tf32" forward-product forms take (anything else
+    goes to the direct kernels, which refuse it by name)."""
+    return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype == torch.float32
+            and x.dim() == y.dim() == 2 and x.numel() > 0 and y.numel() > 0 and x.device == y.device
+            and x.layout == y.layout == torch.strided)
 
 
 LAUNCHERS = {"fwd": det_gemm_fwd_launch, "da": det_gemm_da_launch, "db": det_gemm_db_launch}
