@@ -16,8 +16,8 @@ from detkit.kernels.det_gemm.configs import (
     select_config, ws_twin,
 )
 from detkit.kernels.det_gemm.launch import (
-    TF32_DA_TRANSPOSED_MIN_ROWS, GemmConfig, clear_launch_plans, det_gemm_da, det_gemm_da_launch, det_gemm_db,
-    det_gemm_db_launch, det_gemm_fwd, det_gemm_fwd_launch, launch_plans_info,
+    TF32_DA_TRANSPOSED_MIN_ROWS, TF32_DB_TRANSPOSED_MIN_ROWS, GemmConfig, clear_launch_plans, det_gemm_da,
+    det_gemm_da_launch, det_gemm_db, det_gemm_db_launch, det_gemm_fwd, det_gemm_fwd_launch, launch_plans_info,
 )
 from detkit.toolkit.contract import ETA_FP16, U_FP16, check_bound, compare_bits, gemm_bound, gemm_bound_fp32
 
@@ -155,10 +155,10 @@ def test_every_config_of_the_fp32_table_gives_the_same_bits(op, precision, devic
 
 @pytest.mark.parametrize("layout", ["linear", "kn"])
 def test_tf32_backward_as_forward_products_has_the_direct_kernels_bits(layout, device):
-    """"tf32" dA at M >= TF32_DA_TRANSPOSED_MIN_ROWS and dB at any M run as forward products (the strided operand as
-    the MMA's A): each gives the direct kernel's bits (the launchers keep it), contiguous, in the op's shape; a row
-    of dA at M 3 (direct) keeps its bits at M 1030 (forward product): batch invariance across the switch. The
-    reduced dims (N 40, M 1030) end in partial K steps."""
+    """"tf32" dA at M >= TF32_DA_TRANSPOSED_MIN_ROWS and dB at M >= TF32_DB_TRANSPOSED_MIN_ROWS run as forward
+    products (the strided operand as the MMA's A): each gives the direct kernel's bits (the launchers keep it),
+    contiguous, in the op's shape; a row of dA at M 3 (direct) keeps its bits at M 1030 (forward product): batch
+    invariance across the switch. The reduced dims (N 40, M 1030) end in partial K steps."""
     m = TF32_DA_TRANSPOSED_MIN_ROWS + 6
     dc, w = operands("da", m, 40, 24, device, layout)
     got = det_gemm_da(dc, w, "tf32")
@@ -166,7 +166,7 @@ def test_tf32_backward_as_forward_products_has_the_direct_kernels_bits(layout, d
     assert got.shape == want.shape == (m, 24) and got.is_contiguous()
     assert_bits(got, want, f"dA {layout} M={m}")
     assert_bits(det_gemm_da(dc[:3], w, "tf32"), got[:3], f"dA {layout} M=3 against M={m}")
-    for rows in (5, m):
+    for rows in (5, TF32_DB_TRANSPOSED_MIN_ROWS + 3):  # direct, then a forward product
         a, dc = operands("db", rows, 40, 24, device)
         got = det_gemm_db(a, dc, "tf32")
         want, _ = det_gemm_db_launch(a, dc, precision="tf32")

@@ -25,6 +25,7 @@ def test_rows_are_validated_timed_and_summarized(tmp_path, device):
         (op, m, p) for p in ("ieee", "tf32") for op in ("fwd", "db") for m in (1, 3)]
     assert all(r["valid"] for r in rows)
     assert [r["row0_bits_as_m1"] for r in rows if r["op"] == "fwd"] == [True] * 4
+    assert all(r["public_bits_as_launch"] is True for r in rows)  # the timed public op (tf32 dB: a forward product)
     assert all(r["eager_ratio"] > 0 and r["graph_ratio"] > 0 for r in rows)
     for r in rows:
         (label,) = r["candidates"]

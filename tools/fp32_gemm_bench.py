@@ -356,9 +356,13 @@ def run(args) -> int:
                                 failed |= not bits[config.label()]
                                 del got
                             cands = [config for config in cands if config.label() not in errors]
+                            fn = public_op(op)  # det_gemm_fwd / da / db, as a user calls them
+                            # the timed call is the public op ("tf32" dA / dB may run as a forward product): its
+                            # bits against the launcher's validated result
+                            public_bits = compare_bits(fn(x, y, precision), c).equal
+                            failed |= not public_bits
                             del c
                             sets = _rotation_sets(x, y) if cuda else [(x, y)]
-                            fn = public_op(op)  # det_gemm_fwd / da / db, as a user calls them
                             per_set = {"detkit": [lambda a=a, b=b: fn(a, b, precision) for a, b in sets],
                                        "torch": [baseline_call(op, a, b) for a, b in sets]}
                             for config in cands:
@@ -374,6 +378,7 @@ def run(args) -> int:
                             row = {**meta, "name": name, "op": op, "m": m, "n": n, "k": k, "layout": layout,
                                    "precision": precision, "config": record.config.label(), "valid": ok,
                                    "worst_ratio_to_bound": worst, "row0_bits_as_m1": invariant,
+                                   "public_bits_as_launch": public_bits,
                                    "calls_per_sample": reps * len(sets), "rotation_sets": len(sets)}
                             for impl in ("detkit", "torch"):
                                 row.update({f"{impl}_{key}": v for key, v in timing_fields(timed[impl]).items()})

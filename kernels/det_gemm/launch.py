@@ -745,7 +745,8 @@ def det_gemm_da(dc: torch.Tensor, b: torch.Tensor, precision: str | None = None)
 
 def det_gemm_db(a: torch.Tensor, dc: torch.Tensor, precision: str | None = None) -> torch.Tensor:
     """``a.T @ dc -> [K,N]`` (the weight gradient), deterministic, fixed order over M."""
-    if precision == "tf32" and _fp32_pair(a, dc) and a.shape[0] == dc.shape[0]:
+    if (precision == "tf32" and _fp32_pair(a, dc) and a.shape[0] == dc.shape[0]
+            and a.shape[0] >= TF32_DB_TRANSPOSED_MIN_ROWS):
         return det_gemm_fwd(a.t(), dc.t().contiguous().t(), "tf32")
     return _lookup("db", a, dc, None, None, None, None, precision).launch(a, dc, None)
 
@@ -755,11 +756,12 @@ def det_gemm_db(a: torch.Tensor, dc: torch.Tensor, precision: str | None = None)
 # reduced dims are (dA over N of nn.Linear's weight [N, K]; dB over M of both operands). As a forward product the
 # strided operand is the MMA's A, which Triton feeds from registers: dA as (b @ dc.T).T, the [K, M] product copied
 # to [M, K] (a copy of the small output), at M >= 1024 where that product's grid fills the GPU; dB as a.T @ dc with dc
-# copied to its transpose (K-major as B). The same products in the same K steps: the GPU gave the direct kernels'
-# bits at the lm_head 4096 x 151936 (reports/2026-12-07-h100-s34, call 6: dA 5.1x -> 3.2x at M 1024, dB 5.4x ->
-# 1.8x), and the tests compare the two forms. The launchers (det_gemm_*_launch: a config, segments or a twin) keep
-# the direct kernels.
+# copied to its transpose (K-major as B), at M >= 128 (at M = 1 the direct kernel was faster). The same products in
+# the same K steps: the GPU gave the direct kernels' bits, and the tests compare the two forms. At the lm_heads
+# (reports/2026-12-07-h100-s34, call 7) dA went from 5.0x to 3.1x torch.matmul at M 1024 and dB from 4.7-5.4x to
+# 1.8-2.2x at M 128-4096. The launchers (det_gemm_*_launch: a config, segments or a twin) keep the direct kernels.
 TF32_DA_TRANSPOSED_MIN_ROWS = 1024
+TF32_DB_TRANSPOSED_MIN_ROWS = 128
 
 
 def _fp32_pair(x, y) -> bool:
