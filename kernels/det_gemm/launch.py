@@ -7,7 +7,8 @@ products at ``precision``, "ieee" or "tf32", FP32 accumulation and output -- see
     det_gemm_db(a [M,K], dc [M,N]) = a.T @ dc     reduces over M
 
 All three are one kernel, ``det_gemm_kernel``, computing ``C[R,C] = A[R,L] @ B[L,C]`` over strided
-views, so the transposes cost no copy (an nn.Linear weight ``[N,K]`` is passed as ``weight.t()``).
+views, so the transposes cost no copy (an nn.Linear weight ``[N,K]`` is passed as ``weight.t()``). The exception:
+"tf32" dA and dB of enough rows run as forward products with one small copy (``TF32_DA_TRANSPOSED_MIN_ROWS``).
 
 Determinism rests on three rules, audited by ``audits/gemm_*``:
 - No split-K and no atomics: one program owns one output tile and reduces all of L itself.
