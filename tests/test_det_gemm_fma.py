@@ -38,7 +38,8 @@ def fresh_plans():
 # ---- config rules ------------------------------------------------------------------------------------------------
 def test_fma_config_rules_and_micro_tiles():
     assert [fma_micro_tile(c.block_m, c.block_n, c.num_warps) for c in fma_candidates()] == [
-        (8, 16, 4), (8, 16, 4), (8, 8, 4), (8, 8, 4), (8, 4, 4)]
+        (8, 16, 4), (8, 16, 4), (8, 8, 4), (8, 8, 4), (8, 4, 4),  # 128-row tiles
+        (8, 8, 2), (8, 16, 2), (8, 16, 2), (8, 8, 2)]  # 64-row tiles: two warps along M
     assert fma_micro_tile(64, 64, 4) == (8, 4, 2) and fma_micro_tile(64, 64, 8) == (4, 4, 4)
     assert all(c.variant == "fma" and c.label().endswith("_fma") for c in fma_candidates())
     assert fma_ring_bytes(GemmConfig(128, 128, 32, 8, 8, 3, "fma")) == 3 * 256 * 32 * 4
