@@ -6,13 +6,16 @@ M). An A operand may instead come from registers, loaded from shared memory in a
 lm_head shapes and "tf32" products, GPU time (CUDA-graph replay, ``toolkit.timing.time_graphs``) against
 torch.matmul at "high":
 
-- ``da``: ``det_gemm_da(grad, weight.t())`` (the mode's call) against ``det_gemm_fwd(weight.t(), grad.t()).t()``,
-  the transposed product [K, M] whose A is the weight's M-major view and whose B is grad, K-major;
-- ``db``: ``det_gemm_db(x, grad)`` against ``det_gemm_fwd(grad.t(), x.t().contiguous().t())``, [N, K] = grad.T @ x
-  with x copied once so that B is K-major (the copy inside the timed call).
+- ``da``: the direct kernel (``det_gemm_da_launch``, the launchers keep it) against ``det_gemm_fwd(weight.t(),
+  grad.t()).t()``, the transposed product [K, M] whose A is the weight's M-major view and whose B is grad, K-major;
+- ``db``: the direct kernel (``det_gemm_db_launch``) against ``det_gemm_fwd(grad.t(), x.t().contiguous().t())``,
+  [N, K] = grad.T @ x with x copied once so that B is K-major (the copy inside the timed call).
 
-Each variant's result is compared with torch.matmul's (max relative error) and with the mode's call (bits equal or
-not). Rows print and land in ``--json``.
+``det_gemm_da`` / ``det_gemm_db`` themselves run the forward products from ``TF32_DA_TRANSPOSED_MIN_ROWS`` /
+``TF32_DB_TRANSPOSED_MIN_ROWS`` rows; the probe times both forms so the thresholds can be re-measured.
+
+Each variant's result is compared with torch.matmul's (max relative error) and with the direct kernel's (bits
+equal or not). Rows print and land in ``--json``.
 
     python -m tools.tf32_operand_probe --device cuda --kn 4096,151936 --m 128 1024 4096 --json OUT.json
 """
@@ -26,12 +29,12 @@ import torch
 
 
 def _variants(op: str, x, w, grad):
-    from detkit.kernels.det_gemm.launch import det_gemm_da, det_gemm_db, det_gemm_fwd
+    from detkit.kernels.det_gemm.launch import det_gemm_da_launch, det_gemm_db_launch, det_gemm_fwd
 
     if op == "da":
-        return {"torch": lambda: grad @ w, "detkit": lambda: det_gemm_da(grad, w.t(), "tf32"),
+        return {"torch": lambda: grad @ w, "direct": lambda: det_gemm_da_launch(grad, w.t(), precision="tf32")[0],
                 "swapped": lambda: det_gemm_fwd(w.t(), grad.t(), "tf32").t()}
-    return {"torch": lambda: grad.t() @ x, "detkit": lambda: det_gemm_db(x, grad, "tf32").t(),
+    return {"torch": lambda: grad.t() @ x, "direct": lambda: det_gemm_db_launch(grad, x, precision="tf32")[0],
             "swapped": lambda: det_gemm_fwd(grad.t(), x.t().contiguous().t(), "tf32")}
 
 
@@ -53,9 +56,9 @@ def probe(device: torch.device, k: int, n: int, m: int, rounds: int) -> list[dic
             rows.append({"op": op, "k": k, "n": n, "m": m, "impl": name, "graph_us": timings[name].median_us,
                          "ratio_vs_torch": timings[name].median_us / timings["torch"].median_us,
                          "max_rel_err_vs_torch": err,
-                         "bits_as_detkit": bool(torch.equal(out.contiguous(), outs["detkit"].contiguous()))})
+                         "bits_as_direct": bool(torch.equal(out.contiguous(), outs["direct"].contiguous()))})
             print(f"{op} K={k} N={n} M={m} {name:8s} {rows[-1]['graph_us']:10.1f} us "
-                  f"x{rows[-1]['ratio_vs_torch']:.3f} err {err:.2e} bits_as_detkit {rows[-1]['bits_as_detkit']}",
+                  f"x{rows[-1]['ratio_vs_torch']:.3f} err {err:.2e} bits_as_direct {rows[-1]['bits_as_direct']}",
                   flush=True)
     return rows
 

@@ -472,7 +472,8 @@ CONFIG_TABLE_FP32: dict[str, tuple[tuple[int, GemmConfig | ByWidth], ...]] = {
 # call 4; same bits as the pointer tiles): fwd 128x256x32 w8 0.98-1.09x torch.matmul on the lm_head at 256-4096
 # rows and 1.02-1.03x on 4096 x 4096 at 1024-4096 (pointer tiles 1.40-1.94x); dA 64x64x32 w4 s4 3.6x at 128 rows
 # (pointer 8.2x): dA and dB read an operand whose reduced dim is strided, which wgmma's TF32 form cannot take, so
-# Triton transposes it through shared memory on every step.
+# Triton transposes it through shared memory on every step. From TF32_DA_TRANSPOSED_MIN_ROWS /
+# TF32_DB_TRANSPOSED_MIN_ROWS rows, det_gemm_da / det_gemm_db run them as forward products instead (launch.py).
 _TF32_SMALL = GemmConfig(64, 64, 32, 8, 4, 3)
 _TF32_FWD_MID = GemmConfig(128, 256, 32, 8, 8, 4, "tma")
 _TF32_FWD_LARGE = GemmConfig(128, 256, 32, 8, 8, 3, "tma")

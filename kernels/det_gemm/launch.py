@@ -758,9 +758,10 @@ def det_gemm_db(a: torch.Tensor, dc: torch.Tensor, precision: str | None = None)
 # strided operand is the MMA's A, which Triton feeds from registers: dA as (b @ dc.T).T, the [K, M] product copied
 # to [M, K] (a copy of the small output), at M >= 1024 where that product's grid fills the GPU; dB as a.T @ dc with dc
 # copied to its transpose (K-major as B), at M >= 128 (at M = 1 the direct kernel was faster). The same products in
-# the same K steps: the GPU gave the direct kernels' bits, and the tests compare the two forms. At the lm_heads
-# (reports/2026-12-07-h100-s34, call 7) dA went from 5.0x to 3.1x torch.matmul at M 1024 and dB from 4.7-5.4x to
-# 1.8-2.2x at M 128-4096. The launchers (det_gemm_*_launch: a config, segments or a twin) keep the direct kernels.
+# the same K steps: the GPU gave the direct kernels' bits, and the tests compare the two forms. At the lm_head 4096 x
+# 151936 (reports/2026-12-07-h100-s34, call 6, one run) dA took 3.2x torch.matmul at M 1024 against the direct
+# kernel's 5.1x, dB 1.7-1.8x against 4.7-5.4x at M 128-4096. The launchers (det_gemm_*_launch: a config, segments
+# or a twin) keep the direct kernels.
 TF32_DA_TRANSPOSED_MIN_ROWS = 1024
 TF32_DB_TRANSPOSED_MIN_ROWS = 128
 
