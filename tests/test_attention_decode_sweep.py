@@ -38,8 +38,8 @@ def test_tiny_sweep_writes_every_candidates_cases_bits_and_report(cpu_only, tmp_
     assert doc["meta"]["backend"] == "triton_interpreter" and "NOT a hardware result" in doc["meta"]["label"]
     assert doc["meta"]["candidates"] == doc["meta"]["candidates_timed"] == 2 and doc["meta"]["stopped"] is None
     pinned, other = doc["candidates"]
-    assert pinned["pinned"] and pinned["candidate"] == "BM16_BN16_w4_s1 split32:16/64:32/64 heads<0 grid<8 programs~2"
-    assert other["candidate"] == "BM16_BN16_w4_s1 split16 heads<0 grid<8 programs~2" and not other["pinned"]
+    assert pinned["pinned"] and pinned["candidate"] == "BM16_BN16_w4_s1 split32:16/64:32/64 heads<0 grid<8 programs~2 paged s1"
+    assert other["candidate"] == "BM16_BN16_w4_s1 split16 heads<0 grid<8 programs~2 paged s1" and not other["pinned"]
     labels = [c.label for c in ds.cases(ds.TINY_SHAPES, 64)]
     assert labels == ["decode B1 K24", "decode B2 K40", "prefill B1 S24", "paged B2 K40"]
     info = doc["meta"]["cases"]["64"]
@@ -108,7 +108,7 @@ def _row(label: str, ratios: dict, bits_ok: bool = True) -> dict:
 def test_summary_and_best_pick_the_lowest_worst_decode_with_prefill_and_bits():
     case_list = ds.cases(ds.GPU_SHAPES, 128) + ds.cases(ds.GPU_SHAPES, 128, ("fwd_bwd",))
     kinds = {c.label: c.kind for c in case_list}
-    assert sum(k == "decode" for k in kinds.values()) == 9 and sum(k == "paged" for k in kinds.values()) == 4
+    assert sum(k == "decode" for k in kinds.values()) == 9 and sum(k == "paged" for k in kinds.values()) == 5
     assert [lbl for lbl, k in kinds.items() if k == "prefill"] == ["prefill B1 S4096", "prefill B8 S1024"]
 
     def ratios(decode: float, prefill: float, paged: float = 1.0) -> dict:
@@ -125,7 +125,7 @@ def test_summary_and_best_pick_the_lowest_worst_decode_with_prefill_and_bits():
         r.update(ds.summarize(r, case_list))
     by = {r["candidate"]: r for r in rows}
     assert by["C"]["worst_decode_ratio"] == pytest.approx(1.2) and by["C"]["worst_prefill_ratio"] == 1.05
-    assert by["A"]["geomean_ratio"] == pytest.approx(1.3 ** (1 / 15))
+    assert by["A"]["geomean_ratio"] == pytest.approx(1.3 ** (1 / 16))
     assert [r["candidate"] for r in rows if r["eligible"]] == ["A", "C", "F"]
     assert not by["E"]["complete"] and by["E"]["worst_paged_ratio"] == 0.5
     # C and F tie on the worst decode ratio; F's paged cases give it the lower geometric mean.
@@ -202,6 +202,16 @@ def test_grid_override_replaces_the_named_fields_and_refuses_others(monkeypatch)
     assert grid.split_tiers == tables and grid.num_warps == (4,)
     assert grid.block_n == sweep._gpu_grid(128, 132, pinned).block_n  # the other fields as the grid has them
     assert sweep.bits_keys(sweep.GPU_SHAPES, grid) == 16384 + 1024 + 300  # past the largest bound by a split
+    # The paged forward's speed fields: the pinned values unless overridden; each override value one candidate.
+    assert grid.paged_num_stages == (pinned.paged_num_stages,) and grid.paged_grouped == (0,)
+    one = {f: (getattr(pinned.fwd, f),) for f in ("block_m", "block_n", "num_warps", "num_stages")}
+    monkeypatch.setattr(sweep, "GRID_OVERRIDES", {
+        "split_tiers": (pinned.split_tiers,), **one, "split_heads_below": (0,),
+        "split_grid_below": (pinned.split_grid_below,), "paged_num_stages": (3, 5), "paged_grouped": (0, 1)})
+    cands = sweep.candidates(128, "cuda_sm90", sweep.gpu_grid(128, 132, pinned))
+    assert [(c.configs.paged_num_stages, c.configs.paged_grouped) for c in cands] == [
+        (5, False), (5, False), (3, False), (3, True), (5, True)]  # pinned, pinned ungrouped, then the grid
+    assert cands[2].label.endswith(" paged s3") and cands[3].label.endswith(" paged s3g")
     assert sweep.bits_keys(sweep.TINY_SHAPES, sweep.tiny_grid(select_configs("triton_interpreter", 64))) == 69
     positions = sweep.bits_positions(pinned, 17708)
     assert {2047, 2048, 16383, 16384, 255, 256, 1023, 1024, 17707} <= set(positions)  # each tier's edges and bound

@@ -83,15 +83,19 @@ def _make(lens_q, lens_k, page_size, device, heads_q=4, heads_kv=2, head_dim=64,
 
 # ---- bits: paged = contiguous -------------------------------------------------------------------------------
 # 4 and 16 divide every split; 48 is larger than the 16- and 32-key splits and divides none, and 5 divides neither a
-# tile nor a split. Both grids run the same load code: each page size on one, 16 and 5 on both.
+# tile nor a split. Both grids run the same load code: each page size on one, 16 and 5 on both; the split grid with
+# runs of splits a program (paged_grouped) on 5.
 @pytest.mark.parametrize("page_size,path", [(4, "split_grid"), (16, "one_pass"), (16, "split_grid"),
-                                            (48, "split_grid"), (5, "one_pass"), (5, "split_grid")])
+                                            (48, "split_grid"), (5, "one_pass"), (5, "split_grid"),
+                                            (5, "split_grid_grouped")])
 def test_paged_bits_equal_the_contiguous_keys_for_any_page_size_and_placement(page_size, path, device):
     # Decode at 70 keys (two 64-key splits), a one-key sequence, a 6-query chunk on 31 cached keys (its rows on both
     # sides of the 32-key bound), a 12-token prefill.
     lens_k, lens_q = [70, 1, 37, 12], [1, 1, 6, 12]
     case = _make(lens_q, lens_k, page_size, device, seed=page_size)
-    configs = forced_paths(device, 64)[path]
+    paths = forced_paths(device, 64)
+    paths["split_grid_grouped"] = dataclasses.replace(paths["split_grid"], paged_grouped=True)
+    configs = paths[path]
     out = case.paged(configs=configs)
     assert out.shape == case.q.shape and out.dtype == torch.bfloat16
     assert_bits_equal(out, case.varlen(configs=configs), f"paged (page size {page_size}, {path}) vs varlen")

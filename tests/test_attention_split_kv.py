@@ -67,7 +67,7 @@ def test_split_tiers_are_pinned_per_backend_and_checked():
     assert all(c.split_tiers == INTERPRETER_SPLIT_TIERS for c in CONFIG_TABLE["triton_interpreter"].values())
     assert all(s % c.fwd.block_n == 0 for table in CONFIG_TABLE.values() for c in table.values()
                for _, s in c.split_tiers)
-    assert ATTENTION_CONFIG_TABLE_VERSION == "2026-12-06.4"
+    assert ATTENTION_CONFIG_TABLE_VERSION == "2026-12-07.1"
     base = select_configs("triton_interpreter", 64)
     # Each tier's split up to its bound (the row's key extent e: keys from the first key through its causal end).
     assert [base.split_of(e) for e in (-3, 1, 32, 33, 64, 65, 10**9)] == [16, 16, 16, 32, 32, 64, 64]
@@ -92,6 +92,14 @@ def test_split_tiers_are_pinned_per_backend_and_checked():
         dataclasses.replace(base, split_grid_below=-1)
     with pytest.raises(ValueError, match="split_grid_programs must be an int >= 0; got -2"):
         dataclasses.replace(base, split_grid_programs=-2)
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match=f"paged_num_stages must be an int >= 0; got {bad!r}"):
+            dataclasses.replace(base, paged_num_stages=bad)
+    with pytest.raises(ValueError, match="paged_grouped must be a bool; got 1"):
+        dataclasses.replace(base, paged_grouped=1)
+    # The paged forward's stages: speed only, pinned per head dim on sm_90 (its label says them).
+    assert [CONFIG_TABLE["cuda_sm90"][d].paged_num_stages for d in (64, 128, 256)] == [5, 5, 3]
+    assert "paged s5)" in gpu.label() and "paged s1)" in base.label()
     assert isinstance(base, AttnConfigs) and "kv-split 32:16/64:32/64" in base.label()
     # The text form (the decode sweep's --grid), both ways; refused one line.
     for tiers in (SPLIT_TIERS, INTERPRETER_SPLIT_TIERS, ((None, 512),), ((2048, 256), (None, 1024))):

@@ -30,7 +30,7 @@ Per candidate:
 - times: CUDA-graph replay time per call (toolkit.timing.time_graphs: operand sets rotated past the L2, median with
   p20/p80), interleaved in the same rounds with SDPA flash on the same tensors: decode B1/B8/B64 x 1k/8k/32k keys,
   prefill B1 S4096 and B8 S1024, and the paged decode (attention_paged's kernel, the cache in shuffled pages of 16)
-  at B1/B8 x 8k/32k keys against SDPA flash on the contiguous cache. Every output is first validated against SDPA's
+  at B1 1k and B1/B8 x 8k/32k keys against SDPA flash on the contiguous cache. Every output is first validated against SDPA's
   (finite, max |diff| <= bench.attention.VALIDATION_ATOL). Candidates run in chunks of ``CHUNK``, each chunk with
   its own SDPA samples in its rounds: a chunk's graphs hold their outputs and split-grid workspaces.
 - ratio = candidate time / SDPA time of the same rounds; ``geomean_ratio`` over the decode, prefill and paged cases;
@@ -110,7 +110,7 @@ class Shapes:
 
 # Qwen3-8B attention heads (32 query heads on 8 KV heads); the issue's decode grid.
 GPU_SHAPES = Shapes(heads=(32, 8), decode=tuple((b, k) for k in (1024, 8192, 32768) for b in (1, 8, 64)),
-                    prefill=((1, 4096), (8, 1024)), paged=tuple((b, k) for k in (8192, 32768) for b in (1, 8)),
+                    prefill=((1, 4096), (8, 1024)), paged=((1, 1024), *((b, k) for k in (8192, 32768) for b in (1, 8))),
                     fwd_bwd=((1, 4096),), page_size=16, bits_batch=2, bits_splits=2, bits_extra=300, bits_bounds=True,
                     chunk=300)
 # One group of 4 (Qwen3-8B's group size), keys across several of the interpreter's 16-key tiles and splits; as few
@@ -130,6 +130,9 @@ class Grid:
     num_stages: tuple[int, ...]
     split_heads_below: tuple[int, ...]
     split_grid_below: tuple[int, ...]
+    # The paged forward's stages (0: the forward's) and split grouping (0 / 1): speed only, paged cases alone.
+    paged_num_stages: tuple[int, ...] = (0,)
+    paged_grouped: tuple[int, ...] = (0,)
     # Time the pinned entry with one split a program beside it (where the table groups the split grid's splits).
     ungrouped: bool = False
 
@@ -182,7 +185,9 @@ def _gpu_grid(head_dim: int, sms: int, pinned: AttnConfigs) -> Grid:
     return Grid(split_tiers=(pinned.split_tiers, ((2048, 256), (8192, 512), (None, 1024)),
                              ((4096, 256), (16384, 512), (None, 2048))), block_m=(64, 128) if wide else (64,),
                 block_n=(64, 128) if wide else (32, 64), num_warps=(4, 8), num_stages=(2, 3, 4),
-                split_heads_below=(0, 2 * sms), split_grid_below=grid_below, ungrouped=True)
+                split_heads_below=(0, 2 * sms), split_grid_below=grid_below,
+                paged_num_stages=(pinned.paged_num_stages,), paged_grouped=(int(pinned.paged_grouped),),
+                ungrouped=True)
 
 
 def tiny_grid(pinned: AttnConfigs) -> Grid:
@@ -190,7 +195,8 @@ def tiny_grid(pinned: AttnConfigs) -> Grid:
     off or on (a decode step of a test's size has fewer than 8 programs)."""
     return Grid(split_tiers=(((None, 16),), pinned.split_tiers), block_m=(16,), block_n=(16,), num_warps=(4,),
                 num_stages=(1,),
-                split_heads_below=(0, 8), split_grid_below=(pinned.split_grid_below,))
+                split_heads_below=(0, 8), split_grid_below=(pinned.split_grid_below,),
+                paged_num_stages=(pinned.paged_num_stages,), paged_grouped=(int(pinned.paged_grouped),))
 
 
 @dataclass(frozen=True)
@@ -205,8 +211,9 @@ class Candidate:
 
         c = self.configs
         group = f" programs~{c.split_grid_programs}" if c.split_grid_programs else ""
+        paged = f" paged s{c.paged_num_stages or c.fwd.num_stages}{'g' if c.paged_grouped else ''}"
         return (f"{c.fwd.label()} split{tiers_label(c.split_tiers)} heads<{c.split_heads_below} "
-                f"grid<{c.split_grid_below}{group}")
+                f"grid<{c.split_grid_below}{group}{paged}")
 
     def as_row(self) -> dict:
         from detkit.kernels.attention.configs import tiers_label
@@ -215,7 +222,8 @@ class Candidate:
         return {"head_dim": self.head_dim, "candidate": self.label, "pinned": self.pinned, "fwd": asdict(c.fwd),
                 "split_tiers": tiers_label(c.split_tiers), "split_heads_below": c.split_heads_below,
                 "split_grid_below": c.split_grid_below, "split_grid_programs": c.split_grid_programs,
-                "eager_split_grid_min_keys": c.eager_split_grid_min_keys}
+                "eager_split_grid_min_keys": c.eager_split_grid_min_keys, "paged_num_stages": c.paged_num_stages,
+                "paged_grouped": c.paged_grouped}
 
 
 def candidates(head_dim: int, backend: str, grid: Grid, spread: bool = False) -> list[Candidate]:
@@ -228,11 +236,11 @@ def candidates(head_dim: int, backend: str, grid: Grid, spread: bool = False) ->
 
     pinned = select_configs(backend, head_dim)
     rest = []
-    for split, bm, bn, warps, stages, heads, below in itertools.product(
+    for split, bm, bn, warps, stages, heads, below, paged_stages, paged_grouped in itertools.product(
             grid.split_tiers, grid.block_m, grid.block_n, grid.num_warps, grid.num_stages, grid.split_heads_below,
-            grid.split_grid_below):
+            grid.split_grid_below, grid.paged_num_stages, grid.paged_grouped):
         cfg = replace(pinned, fwd=AttnConfig(bm, bn, warps, stages), split_tiers=split, split_heads_below=heads,
-                      split_grid_below=below)
+                      split_grid_below=below, paged_num_stages=paged_stages, paged_grouped=bool(paged_grouped))
         if cfg != pinned:
             rest.append(Candidate(head_dim, cfg))
     if spread:
@@ -669,7 +677,7 @@ def warm_jobs(head_dims: list[int], tiny: bool = False, sms: int = 132) -> list[
         grid = tiny_grid(pinned) if tiny else gpu_grid(d, sms, pinned)
         seen = set()
         for i, cand in enumerate(candidates(d, backend, grid, spread=not tiny)):
-            key = (cand.configs.fwd, cand.configs.split_tiers)
+            key = (cand.configs.fwd, cand.configs.split_tiers, cand.configs.paged_num_stages)
             if key not in seen:
                 seen.add(key)
                 jobs += [(d, i, path) for path in WARM_PATHS]

@@ -12,7 +12,7 @@ from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 
 HEAD_DIMS = (64, 128, 256)
 
-ATTENTION_CONFIG_TABLE_VERSION = "2026-12-06.4"
+ATTENTION_CONFIG_TABLE_VERSION = "2026-12-07.1"
 
 # Keys per split of the forward (split-KV), a pinned step function of each row's own key extent e: the keys from the
 # sequence's first key (the anchor the key tiles count from) through the row's last visible key (its causal end).
@@ -83,6 +83,12 @@ class AttnConfigs:
     # (the call's largest split), groups = max(1, split_grid_programs // the programs one split needs), each row's
     # split partials stored on their own (the same partials, so the same bits). 0: one launch split per program.
     split_grid_programs: int = 0
+    # Speed only, the paged forward (K/V read through a block table): its pipeline stages (0: fwd.num_stages) and
+    # whether its split grid groups splits as above (False: one split a program). The table's entries are one more
+    # level of indirection: at fwd's stages Triton's pipeliner issues a paged program's K/V one key tile ahead, not
+    # two (tools/attention_sass.py shows the waits).
+    paged_num_stages: int = 0
+    paged_grouped: bool = False
 
     def __post_init__(self):
         _check_split_tiers(self.split_tiers, self.fwd.block_n)
@@ -90,6 +96,11 @@ class AttnConfigs:
             raise ValueError(f"AttnConfigs.split_grid_below must be an int >= 0; got {self.split_grid_below!r}")
         if not isinstance(self.split_grid_programs, int) or self.split_grid_programs < 0:
             raise ValueError(f"AttnConfigs.split_grid_programs must be an int >= 0; got {self.split_grid_programs!r}")
+        if not isinstance(self.paged_num_stages, int) or isinstance(self.paged_num_stages, bool) \
+                or self.paged_num_stages < 0:
+            raise ValueError(f"AttnConfigs.paged_num_stages must be an int >= 0; got {self.paged_num_stages!r}")
+        if not isinstance(self.paged_grouped, bool):
+            raise ValueError(f"AttnConfigs.paged_grouped must be a bool; got {self.paged_grouped!r}")
         if not isinstance(self.eager_split_grid_min_keys, int) or self.eager_split_grid_min_keys < 0:
             raise ValueError("AttnConfigs.eager_split_grid_min_keys must be an int >= 0; got "
                              f"{self.eager_split_grid_min_keys!r}")
@@ -97,9 +108,11 @@ class AttnConfigs:
     def label(self) -> str:
         split = f" split<{self.split_heads_below}" if self.split_heads_below else ""
         group = f", programs~{self.split_grid_programs}" if self.split_grid_programs else ""
+        paged = (f", paged s{self.paged_num_stages or self.fwd.num_stages}"
+                 f"{' grouped' if self.paged_grouped else ''}")
         return (f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}{split} kv-split "
                 f"{tiers_label(self.split_tiers)} (grid<{self.split_grid_below}, "
-                f"eager keys>={self.eager_split_grid_min_keys}{group})")
+                f"eager keys>={self.eager_split_grid_min_keys}{group}{paged})")
 
     def split_of(self, extent: int) -> int:
         """Keys per split of a row whose key extent (keys from the sequence's first key through its last visible key)
@@ -193,17 +206,22 @@ SPLIT_GRID_PROGRAMS = 128
 # offline (tools/attention_sass.py; not yet timed on a GPU): register pressure halves the key tile. fwd 64x32, 8 warps,
 # 2 stages (152 registers, no spill, also with window + softcap + sinks); dq 128x32, 8 warps, 2 stages (no spill);
 # dk/dv 32x64, 8 warps, 2 stages: every wgmma candidate spills there (the program holds dk and dv [64, 256] in FP32),
-# this one least (176 bytes; 64x32 would run mma.sync). The interpreter entries are small so CPU tests at a few
+# this one least (176 bytes; 64x32 would run mma.sync). The paged forward runs 5 stages at D=64/128 and 3 at D=256:
+# the fewest at which the offline compile issues its K/V two key tiles ahead (the contiguous forward's depth at 3; at
+# D=256 one tile ahead, as the contiguous forward at 2; 5 there spills). The interpreter entries are small so CPU tests at a few
 # dozen keys cross several key tiles, splits and query tiles; its split grid runs below 8 programs (a test's decode
 # step), so the default path of a CPU decode step is the split grid and that of its prefill the one-pass grid.
 CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     CUDA_SM90: {
         64: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(64, 64, 4, 3), dq=AttnConfig(128, 64, 4, 3),
-                        eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS),
+                        eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
+                        paged_num_stages=5),
         128: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(32, 128, 8, 3), dq=AttnConfig(128, 64, 8, 3),
-                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS),
+                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
+                         paged_num_stages=5),
         256: AttnConfigs(fwd=AttnConfig(64, 32, 8, 2), dkdv=AttnConfig(32, 64, 8, 2), dq=AttnConfig(128, 32, 8, 2),
-                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS),
+                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
+                         paged_num_stages=3),
     },
     TRITON_INTERPRETER: {
         d: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1),

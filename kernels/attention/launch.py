@@ -551,7 +551,9 @@ def _fwd_static(backend: str, dim_qk: int, dim_v: int, heads_q: int, heads_kv: i
     configs = configs or select_configs(backend, head_dim)
     cfg = configs.fwd
     heads = 0 if configs.split_heads_below else heads_per_tile(heads_q // heads_kv, cfg.block_m)
-    return _FwdStatic(head_dim, configs, heads, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, {})
+    paged = flags[5]
+    stages = configs.paged_num_stages if paged and configs.paged_num_stages else cfg.num_stages
+    return _FwdStatic(head_dim, configs, heads, {"num_warps": cfg.num_warps, "num_stages": stages}, {})
 
 
 def _fwd_tail(static: _FwdStatic, heads: int, what, dim_qk: int, dim_v: int, flags: tuple, softcap: bool,
@@ -665,10 +667,10 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
         ws_acc, ws_m, ws_l = ws.split_with_sizes([n_acc, n16, n16])  # Tensor.split's Python wrapper costs a call
     else:
         tiles, programs_per_tile, slots, ws_acc, ws_m, ws_l = 1, 1, 1, lse, lse, lse  # never read or written
-    # Paged K/V one split a program: with runs of splits the paged decode was 1.0-1.35x slower in the H100 sweep
-    # (s29), the contiguous one 0.96-1.08x faster. Speed only: the partials are the same either way.
+    # Paged K/V groups splits only where its table entry says so (configs.paged_grouped). Speed only: the partials
+    # are the same either way.
     group = (split_group(configs, programs_per_tile, head_programs * cdiv(seq_q, block_q) * batch)
-             if split_grid and not paged else 1)
+             if split_grid and (configs.paged_grouped or not paged) else 1)
     qk_scale, tanh_scale = _logit_args(logits, scale)
     sinks_arg = sinks if sinks is not None else q  # never read without HAS_SINKS
     table = seqs.block_table if paged else lse  # never read without PAGED
