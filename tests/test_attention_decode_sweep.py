@@ -38,7 +38,8 @@ def test_tiny_sweep_writes_every_candidates_cases_bits_and_report(cpu_only, tmp_
     assert doc["meta"]["backend"] == "triton_interpreter" and "NOT a hardware result" in doc["meta"]["label"]
     assert doc["meta"]["candidates"] == doc["meta"]["candidates_timed"] == 2 and doc["meta"]["stopped"] is None
     pinned, other = doc["candidates"]
-    assert pinned["pinned"] and pinned["candidate"] == "BM16_BN16_w4_s1 split32:16/64:32/64 heads<0 grid<8 programs~2 paged s1"
+    assert pinned["pinned"] and pinned["candidate"] == ("BM16_BN16_w4_s1 split32:16/64:32/64 heads<0 grid<8 "
+                                                        "programs~2 paged s1")
     assert other["candidate"] == "BM16_BN16_w4_s1 split16 heads<0 grid<8 programs~2 paged s1" and not other["pinned"]
     labels = [c.label for c in ds.cases(ds.TINY_SHAPES, 64)]
     assert labels == ["decode B1 K24", "decode B2 K40", "prefill B1 S24", "paged B2 K40"]
@@ -210,8 +211,8 @@ def test_grid_override_replaces_the_named_fields_and_refuses_others(monkeypatch)
         "split_grid_below": (pinned.split_grid_below,), "paged_num_stages": (3, 5), "paged_grouped": (0, 1)})
     cands = sweep.candidates(128, "cuda_sm90", sweep.gpu_grid(128, 132, pinned))
     assert [(c.configs.paged_num_stages, c.configs.paged_grouped) for c in cands] == [
-        (5, False), (5, False), (3, False), (3, True), (5, True)]  # pinned, pinned ungrouped, then the grid
-    assert cands[2].label.endswith(" paged s3") and cands[3].label.endswith(" paged s3g")
+        (0, False), (0, False), (3, False), (3, True), (5, False), (5, True)]  # pinned, pinned ungrouped, the grid
+    assert cands[0].label.endswith(" paged s3") and cands[3].label.endswith(" paged s3g")
     assert sweep.bits_keys(sweep.TINY_SHAPES, sweep.tiny_grid(select_configs("triton_interpreter", 64))) == 69
     positions = sweep.bits_positions(pinned, 17708)
     assert {2047, 2048, 16383, 16384, 255, 256, 1023, 1024, 17707} <= set(positions)  # each tier's edges and bound

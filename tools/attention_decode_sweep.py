@@ -30,9 +30,9 @@ Per candidate:
 - times: CUDA-graph replay time per call (toolkit.timing.time_graphs: operand sets rotated past the L2, median with
   p20/p80), interleaved in the same rounds with SDPA flash on the same tensors: decode B1/B8/B64 x 1k/8k/32k keys,
   prefill B1 S4096 and B8 S1024, and the paged decode (attention_paged's kernel, the cache in shuffled pages of 16)
-  at B1 1k and B1/B8 x 8k/32k keys against SDPA flash on the contiguous cache. Every output is first validated against SDPA's
-  (finite, max |diff| <= bench.attention.VALIDATION_ATOL). Candidates run in chunks of ``CHUNK``, each chunk with
-  its own SDPA samples in its rounds: a chunk's graphs hold their outputs and split-grid workspaces.
+  at B1 1k and B1/B8 x 8k/32k keys against SDPA flash on the contiguous cache. Every output is first validated
+  against SDPA's (finite, max |diff| <= bench.attention.VALIDATION_ATOL). Candidates run in chunks of ``CHUNK``,
+  each chunk with its own SDPA samples in its rounds: a chunk's graphs hold their outputs and split-grid workspaces.
 - ratio = candidate time / SDPA time of the same rounds; ``geomean_ratio`` over the decode, prefill and paged cases;
   ``worst_decode_ratio`` over the nine decode cases (target: each <= 1.2), ``worst_prefill_ratio`` (<= 1.1),
   ``worst_paged_ratio``.

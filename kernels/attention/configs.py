@@ -12,7 +12,7 @@ from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 
 HEAD_DIMS = (64, 128, 256)
 
-ATTENTION_CONFIG_TABLE_VERSION = "2026-12-07.1"
+ATTENTION_CONFIG_TABLE_VERSION = "2026-12-06.4"
 
 # Keys per split of the forward (split-KV), a pinned step function of each row's own key extent e: the keys from the
 # sequence's first key (the anchor the key tiles count from) through the row's last visible key (its causal end).
@@ -206,22 +206,19 @@ SPLIT_GRID_PROGRAMS = 128
 # offline (tools/attention_sass.py; not yet timed on a GPU): register pressure halves the key tile. fwd 64x32, 8 warps,
 # 2 stages (152 registers, no spill, also with window + softcap + sinks); dq 128x32, 8 warps, 2 stages (no spill);
 # dk/dv 32x64, 8 warps, 2 stages: every wgmma candidate spills there (the program holds dk and dv [64, 256] in FP32),
-# this one least (176 bytes; 64x32 would run mma.sync). The paged forward runs 5 stages at D=64/128 and 3 at D=256:
-# the fewest at which the offline compile issues its K/V two key tiles ahead (the contiguous forward's depth at 3; at
-# D=256 one tile ahead, as the contiguous forward at 2; 5 there spills). The interpreter entries are small so CPU tests at a few
-# dozen keys cross several key tiles, splits and query tiles; its split grid runs below 8 programs (a test's decode
-# step), so the default path of a CPU decode step is the split grid and that of its prefill the one-pass grid.
+# this one least (176 bytes; 64x32 would run mma.sync). The paged forward keeps the forward's stages and one split a
+# program: in the H100 sweep of its stages (3, 5, 6) and grouping no setting was faster at every paged case. The
+# interpreter entries are small so CPU tests at a few dozen keys cross several key tiles, splits and query tiles; its
+# split grid runs below 8 programs (a test's decode step), so the default path of a CPU decode step is the split grid
+# and that of its prefill the one-pass grid.
 CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     CUDA_SM90: {
         64: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(64, 64, 4, 3), dq=AttnConfig(128, 64, 4, 3),
-                        eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
-                        paged_num_stages=5),
+                        eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS),
         128: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(32, 128, 8, 3), dq=AttnConfig(128, 64, 8, 3),
-                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
-                         paged_num_stages=5),
+                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS),
         256: AttnConfigs(fwd=AttnConfig(64, 32, 8, 2), dkdv=AttnConfig(32, 64, 8, 2), dq=AttnConfig(128, 32, 8, 2),
-                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
-                         paged_num_stages=3),
+                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS),
     },
     TRITON_INTERPRETER: {
         d: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1),
