@@ -1,8 +1,8 @@
 """The project's import graph, built statically: kernels/ imports nothing of detkit mode or the harness (toolkit/,
 audits/, bench/, tools/), mode/ nothing of the harness, bench/ nothing of audits/ (what both need lives in toolkit/
 or kernels/); each kernel family imports only the plumbing the families
-share (kernels/backend.py, kernels/bounds.py) and det_gemm's tile math; no module imports a bare top-level
-``kernels``/``mode``/``toolkit``/``audits``/``bench`` name (installed, they exist only as ``detkit.<part>``), and no
+share (kernels/backend.py, kernels/bounds.py, kernels/interpreter.py) and det_gemm's tile math; no module imports a
+bare top-level ``kernels``/``mode``/``toolkit``/``audits``/``bench`` name (installed, they exist only as ``detkit.<part>``), and no
 import cycle exists anywhere. Imports inside functions count: a cycle
 hidden by a lazy import is still a cycle of concepts, and a lazy import still runs.
 
@@ -34,7 +34,7 @@ BENCH, AUDITS = "detkit.bench", "detkit.audits"
 FORBIDDEN = {KERNELS: (MODE, *HARNESS), MODE: HARNESS, BENCH: (AUDITS,)}
 # Inside kernels/: the plumbing every family shares, and what each family may import besides its own modules and the
 # plumbing (det_gemm's tile math and launch helpers are the building blocks of the other families' GEMMs).
-PLUMBING = ("detkit.kernels.backend", "detkit.kernels.bounds")
+PLUMBING = ("detkit.kernels.backend", "detkit.kernels.bounds", "detkit.kernels.interpreter")
 FAMILY_MAY_IMPORT = {"det_gemm": (), "attention": ("det_gemm",), "moe": ("det_gemm",), "parallel": ("det_gemm",),
                      "reductions": ("det_gemm",), "grouped": ("det_gemm",)}
 
