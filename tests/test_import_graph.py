@@ -1,10 +1,10 @@
 """The project's import graph, built statically: kernels/ imports nothing of detkit mode or the harness (toolkit/,
 audits/, bench/, tools/), mode/ nothing of the harness, bench/ nothing of audits/ (what both need lives in toolkit/
-or kernels/); each kernel family imports only the plumbing the families
-share (kernels/backend.py, kernels/bounds.py, kernels/interpreter.py) and det_gemm's tile math; no module imports a
-bare top-level ``kernels``/``mode``/``toolkit``/``audits``/``bench`` name (installed, they exist only as ``detkit.<part>``), and no
-import cycle exists anywhere. Imports inside functions count: a cycle
-hidden by a lazy import is still a cycle of concepts, and a lazy import still runs.
+or kernels/); each kernel family imports only the plumbing the families share (kernels/backend.py, kernels/bounds.py,
+kernels/interpreter.py) and det_gemm's tile math; no module imports a bare top-level
+``kernels``/``mode``/``toolkit``/``audits``/``bench`` name (installed, they exist only as ``detkit.<part>``), and no
+import cycle exists anywhere. Imports inside functions count: a cycle hidden by a lazy import is still a cycle of
+concepts, and a lazy import still runs.
 
 The graph is read with ``ast`` (no module is imported): every ``import`` / ``from ... import`` statement in every
 .py file of kernels/, toolkit/, audits/, bench/, detkit/ and tools/ (when present), plus
