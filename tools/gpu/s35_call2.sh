@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Call 2 of reports/2026-12-07-*-s35 (one H100 or H200):
+# - `detkit bench attention`, every mode (prefill, decode, fwd+bwd against SDPA flash; the paged decode against the
+#   contiguous one), into $OUT/attn-bench;
 # - where the paged decode's time at batch 1 goes: CUDA-graph time of one decode step at Qwen3-8B heads on the padded
 #   path (attention), the varlen path over the same keys packed (attention_varlen), and the paged path with pages of
 #   16 and 256 (attention_paged's kernel), each on the split grid, at B1 1k / B1 8k / B8 1k, into $OUT/paged-probe.json;
@@ -12,7 +14,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source tools/gpu_steps.sh
 begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
-step paged-probe 150 python - "$OUT/paged-probe.json" <<'PY'
+step attn-bench 170 python -m detkit bench attention --device cuda --modes prefill,decode,fwd_bwd,paged_decode \
+  --out "$OUT/attn-bench"
+step paged-probe 120 python - "$OUT/paged-probe.json" <<'PY'
 import json, sys
 import torch
 from bench.attention import BenchCase, make_inputs, paged_call
@@ -52,5 +56,5 @@ for batch, keys in ((1, 1024), (1, 8192), (8, 1024)):
     rows.append(row)
 json.dump({"configs": cfg.label(), "rows": rows}, open(sys.argv[1], "w"), indent=1)
 PY
-step mode-overhead 150 python -m tools.mode_overhead --device cuda --m 8 --json "$OUT/mode-overhead.json"
+step mode-overhead 90 python -m tools.mode_overhead --device cuda --m 8 --json "$OUT/mode-overhead.json"
 exit "$failed"
