@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Call 2 of reports/2026-12-07-*-s35 (one H100 or H200):
 # - `detkit bench attention`, every mode (prefill, decode, fwd+bwd against SDPA flash; the paged decode against the
-#   contiguous one), into $OUT/attn-bench;
+#   contiguous one), into $OUT/attn-bench (ATTN_BENCH=0 leaves it out);
 # - where the paged decode's time at batch 1 goes: CUDA-graph time of one decode step at Qwen3-8B heads on the padded
 #   path (attention), the varlen path over the same keys packed (attention_varlen), and the paged path with pages of
 #   16 and 256 (attention_paged's kernel), each on the split grid, at B1 1k / B1 8k / B8 1k, into $OUT/paged-probe.json;
@@ -14,13 +14,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source tools/gpu_steps.sh
 begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
-step attn-bench 170 python -m detkit bench attention --device cuda --modes prefill,decode,fwd_bwd,paged_decode \
+[[ ${ATTN_BENCH:-1} == 0 ]] || step attn-bench 170 python -m detkit bench attention --device cuda --modes prefill,decode,fwd_bwd,paged_decode \
   --out "$OUT/attn-bench"
 step paged-probe 120 python - "$OUT/paged-probe.json" <<'PY'
 import json, sys
 import torch
 from bench.attention import BenchCase, make_inputs, paged_call
-from detkit.kernels.attention import attention, attention_varlen
+from detkit.kernels.attention import attention
+from detkit.kernels.attention.launch import Sequences, attention_fwd_launch, check_varlen
 from detkit.kernels.attention.configs import select_configs
 from detkit.toolkit.timing import time_graphs
 dev = torch.device("cuda")
@@ -43,7 +44,9 @@ for batch, keys in ((1, 1024), (1, 8192), (8, 1024)):
                 v = inp["v"].transpose(1, 2).reshape(batch * keys, 8, 128)
                 cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev)
                 cu_k = cu_q * keys
-                calls.append(lambda q=q, k=k, v=v, a=cu_q, b=cu_k: attention_varlen(q, k, v, a, b, 1, keys))
+                check_varlen(q, k, v, cu_q, cu_k, 1, keys)  # its host checks once, outside the graph
+                seqs = Sequences(True, batch, 1, keys, cu_q, cu_k, None)
+                calls.append(lambda q=q, k=k, v=v, s=seqs: attention_fwd_launch(q, k, v, s, 128 ** -0.5)[0])
         outs[name] = calls[0]().reshape(batch, 32, 128).float()
         fns[name] = lambda calls=calls: [c() for c in calls]
     ref = outs["padded"]
