@@ -6,7 +6,7 @@
 #   path (attention), the varlen path over the same keys packed (attention_varlen), and the paged path with pages of
 #   16 and 256 (attention_paged's kernel), each on the split grid, at B1 1k / B1 8k / B8 1k, into $OUT/paged-probe.json;
 # - the mode's own host time per routed op with the real kernels (tools/mode_overhead --device cuda), at a decode
-#   step's rows, into $OUT/mode-overhead.json.
+#   step's rows, into $OUT/mode-overhead.json (MODE_OVERHEAD=0 leaves it out).
 set -euo pipefail
 : "${OUT:?set OUT to the results folder}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -59,5 +59,5 @@ for batch, keys in ((1, 1024), (1, 8192), (8, 1024)):
     rows.append(row)
 json.dump({"configs": cfg.label(), "rows": rows}, open(sys.argv[1], "w"), indent=1)
 PY
-step mode-overhead 90 python -m tools.mode_overhead --device cuda --m 8 --json "$OUT/mode-overhead.json"
+[[ ${MODE_OVERHEAD:-1} == 0 ]] || step mode-overhead 90 python -m tools.mode_overhead --device cuda --m 8 --json "$OUT/mode-overhead.json"
 exit "$failed"
