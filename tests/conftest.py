@@ -23,21 +23,7 @@ def hopper_available() -> bool:
     return TEST_DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-# The test files that take longest on a 2-core CI machine, longest first (seconds of the last full run there: the
-# container's `--suite all` ~500, then 120-450 each). They run first, so the last file a worker takes is a short one
-# and neither worker waits at the end for the other's long file (.ci/run keeps this order: --no-loadscope-reorder).
-LONGEST_FIRST = (
-    "test_container_build.py", "test_attention_split_kv.py", "test_mode_parallel_jobs.py",
-    "test_mode_continuous_batching.py", "test_det_gemm_tma.py", "test_model_families.py",
-    "test_mode_attention_variants.py", "test_moe_tile_order.py", "test_mode_experts.py", "test_moe.py",
-    "test_attention.py", "test_model_audit.py", "test_moe_fp8.py", "test_attention_variants.py",
-    "test_mode_parallel.py", "test_attention_mla.py", "test_det_gemm_fp32.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
     if hopper_available():
         return
     reason = ("needs a Hopper GPU: run with DETKIT_TEST_DEVICE=cuda on an sm_90 host"

@@ -232,3 +232,22 @@ def test_a_refused_batch_poisons_the_sm90_kernels_outputs(fp8, device):
         assert bool(t.isnan().all()), f"{name}: not all NaN"
     with pytest.raises(ValueError, match="duplicate topk id"):
         check_moe_errors(device)
+
+
+def test_flags_made_under_inference_mode_are_cleared_outside_it(device, monkeypatch):
+    """A rollout under torch.inference_mode() may be the flags' first use; a training step's check outside it (and
+    one inside it) still reads and clears them."""
+    from detkit.kernels.moe import routing
+
+    monkeypatch.setattr(routing, "_ERROR_FLAGS", {})
+    with torch.inference_mode():
+        flags = routing.error_flags(device)
+    assert not flags.is_inference() and flags.tolist() == [0] * routing.NUM_CHECKS
+    flags[1] = 3  # what the routing kernels write for a batch with duplicate ids
+    with pytest.raises(ValueError, match="since the last check: row\\(s\\) with a duplicate topk id"):
+        check_moe_errors(device)
+    assert flags.tolist() == [0] * routing.NUM_CHECKS
+    flags[0] = 1
+    with torch.inference_mode(), pytest.raises(ValueError, match="topk id\\(s\\) out of range"):
+        check_moe_errors(device)
+    assert flags.tolist() == [0] * routing.NUM_CHECKS

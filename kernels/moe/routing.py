@@ -124,7 +124,10 @@ def error_flags(device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device not in _ERROR_FLAGS:
-        _ERROR_FLAGS[device] = torch.zeros((NUM_CHECKS,), dtype=torch.int32, device=device)
+        # A normal tensor even when the first use is under torch.inference_mode() (a rollout): an inference tensor
+        # could not be cleared in place by a later check outside it (a training step).
+        with torch.inference_mode(False):
+            _ERROR_FLAGS[device] = torch.zeros((NUM_CHECKS,), dtype=torch.int32, device=device)
     return _ERROR_FLAGS[device]
 
 
@@ -133,7 +136,8 @@ def check_moe_errors(device: torch.device | str) -> None:
     clears the flags. One device-to-host read, when the caller chooses (e.g. once per step)."""
     flags = error_flags(device)
     checks = flags.tolist()
-    flags.zero_()
+    with torch.inference_mode(False):
+        flags.zero_()
     raise_refused(checks, "a batch since the last check")
 
 
