@@ -36,6 +36,9 @@ class _NoChanges:
         return None
 
 
+_NO_CHANGES = _NoChanges()
+
+
 def _lang_ids(fn) -> frozenset:
     """The ``triton.language`` modules (``tl``, ``tl.core``) visible in ``fn``'s globals, as Triton's pass finds
     them."""
@@ -57,14 +60,14 @@ def _launches() -> list:
 
 def _patch_lang(fn):
     launches = _launches()
+    langs = _lang_ids(fn)
     if getattr(_state, "launch_starting", False):  # the launch's own pass: run it, then remember what it patched
         _state.launch_starting = False
         scope = _original[1](fn)
-        launches.append(_lang_ids(fn))
+        launches.append(langs)
         return scope
-    langs = _lang_ids(fn)
     if launches and langs <= launches[-1]:
-        return _NoChanges()
+        return _NO_CHANGES
     scope = _original[1](fn)
     if launches:  # a helper's pass is never restored (Triton drops its scope): its modules stay patched
         launches[-1] = launches[-1] | langs

@@ -211,7 +211,7 @@ class Candidate:
 
         c = self.configs
         group = f" programs~{c.split_grid_programs}" if c.split_grid_programs else ""
-        paged = f" paged s{c.paged_num_stages or c.fwd.num_stages}{'g' if c.paged_grouped else ''}"
+        paged = f" paged s{c.paged_stages}{'g' if c.paged_grouped else ''}"
         return (f"{c.fwd.label()} split{tiers_label(c.split_tiers)} heads<{c.split_heads_below} "
                 f"grid<{c.split_grid_below}{group}{paged}")
 

@@ -86,7 +86,7 @@ class AttnConfigs:
     # Speed only, the paged forward (K/V read through a block table): its pipeline stages (0: fwd.num_stages) and
     # whether its split grid groups splits as above (False: one split a program). The table's entries are one more
     # level of indirection: at fwd's stages Triton's pipeliner issues a paged program's K/V one key tile ahead, not
-    # two (tools/attention_sass.py shows the waits).
+    # two (the waits in the offline sm_90 compile's TTGIR).
     paged_num_stages: int = 0
     paged_grouped: bool = False
 
@@ -108,11 +108,15 @@ class AttnConfigs:
     def label(self) -> str:
         split = f" split<{self.split_heads_below}" if self.split_heads_below else ""
         group = f", programs~{self.split_grid_programs}" if self.split_grid_programs else ""
-        paged = (f", paged s{self.paged_num_stages or self.fwd.num_stages}"
-                 f"{' grouped' if self.paged_grouped else ''}")
+        paged = f", paged s{self.paged_stages}{' grouped' if self.paged_grouped else ''}"
         return (f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}{split} kv-split "
                 f"{tiers_label(self.split_tiers)} (grid<{self.split_grid_below}, "
                 f"eager keys>={self.eager_split_grid_min_keys}{group}{paged})")
+
+    @property
+    def paged_stages(self) -> int:
+        """The paged forward's pipeline stages: ``paged_num_stages``, or the forward's where that is 0."""
+        return self.paged_num_stages or self.fwd.num_stages
 
     def split_of(self, extent: int) -> int:
         """Keys per split of a row whose key extent (keys from the sequence's first key through its last visible key)

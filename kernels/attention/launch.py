@@ -551,8 +551,7 @@ def _fwd_static(backend: str, dim_qk: int, dim_v: int, heads_q: int, heads_kv: i
     configs = configs or select_configs(backend, head_dim)
     cfg = configs.fwd
     heads = 0 if configs.split_heads_below else heads_per_tile(heads_q // heads_kv, cfg.block_m)
-    paged = flags[5]
-    stages = configs.paged_num_stages if paged and configs.paged_num_stages else cfg.num_stages
+    stages = configs.paged_stages if flags[5] else cfg.num_stages  # flags[5]: PAGED (_seq_flags)
     return _FwdStatic(head_dim, configs, heads, {"num_warps": cfg.num_warps, "num_stages": stages}, {})
 
 

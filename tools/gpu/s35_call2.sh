@@ -14,8 +14,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source tools/gpu_steps.sh
 begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
-[[ ${ATTN_BENCH:-1} == 0 ]] || step attn-bench 170 python -m detkit bench attention --device cuda --modes prefill,decode,fwd_bwd,paged_decode \
-  --out "$OUT/attn-bench"
+[[ ${ATTN_BENCH:-1} == 0 ]] || step attn-bench 170 python -m detkit bench attention --device cuda \
+  --modes prefill,decode,fwd_bwd,paged_decode --out "$OUT/attn-bench"
 step paged-probe 120 python - "$OUT/paged-probe.json" <<'PY'
 import json, sys
 import torch
@@ -59,5 +59,6 @@ for batch, keys in ((1, 1024), (1, 8192), (8, 1024)):
     rows.append(row)
 json.dump({"configs": cfg.label(), "rows": rows}, open(sys.argv[1], "w"), indent=1)
 PY
-[[ ${MODE_OVERHEAD:-1} == 0 ]] || step mode-overhead 90 python -m tools.mode_overhead --device cuda --m 8 --json "$OUT/mode-overhead.json"
+[[ ${MODE_OVERHEAD:-1} == 0 ]] || step mode-overhead 90 python -m tools.mode_overhead --device cuda --m 8 \
+  --json "$OUT/mode-overhead.json"
 exit "$failed"
