@@ -13,7 +13,17 @@ patched in the running launch -- by the launch's own pass, or by an earlier help
 library's ``tl.sum``, ``tl.zeros``...), whose changes Triton never restores -- and runs Triton's own pass for any
 other call, so the interpreter computes exactly what it computed before. It changes Triton's interpreter only for
 the versions in ``SUPPORTED_TRITON`` (the one whose code this mirrors); with any other version it does nothing and
-``installed()`` is False."""
+``installed()`` is False.
+
+Two more costs of the same kind, per op rather than per helper, are cut the same way: ``triton.language.tuple``
+(every tensor's shape is one) builds its ``tuple_type``, with a formatted name, on construction, though the
+interpreter rarely reads it: it is built on first read instead, from the same values (only ``_setitem`` changes
+them, and it rebuilds the type itself). The interpreter's ``_get_np_dtype`` builds its 19-entry dtype table on every
+call: it is built once. Both give the objects Triton gives. And every integer add, sub and mul checks for overflow
+(``binary_op_sanitize_overflow_impl``: casts to int64, the op again, two comparisons, an and) only to hand the result
+to ``device_assert``, which without ``debug`` -- the interpreter's options never set it -- discards it: under the
+interpreter without ``debug`` only the check's type assertions run; with ``debug``, and for every compile, Triton's
+own."""
 
 from __future__ import annotations
 
@@ -26,6 +36,10 @@ SUPPORTED_TRITON = ("3.6.0",)
 _state = threading.local()  # launches: [lang-module ids a running launch patched], innermost last
 _langs_cache: dict = {}
 _original = None  # (interpreter module, its _patch_lang, GridExecutor.__call__) while installed
+_original_tuple = None  # triton.language.core.tuple's __init__ while replaced
+_original_np_dtype = None  # triton.runtime.interpreter._get_np_dtype while replaced
+_original_overflow_check = None  # TritonSemantic.binary_op_sanitize_overflow_impl while replaced
+_TUPLE_TYPE = "_detkit_tuple_type"  # where a tl.tuple keeps its type once built (None: not yet)
 
 
 class _NoChanges:
@@ -98,18 +112,105 @@ def install() -> bool:
     _original = (interpreter, interpreter._patch_lang, interpreter.GridExecutor.__call__)
     interpreter._patch_lang = _patch_lang
     interpreter.GridExecutor.__call__ = _grid_call
+    _install_lazy_tuple_types()
+    _install_np_dtype_table(interpreter)
+    _install_overflow_check(interpreter)
     return True
+
+
+def _install_lazy_tuple_types() -> None:
+    """``tl.tuple``'s type built on first read (see the module docstring)."""
+    global _original_tuple
+    from triton.language import core
+
+    cls = core.tuple
+    _original_tuple = cls.__init__
+
+    def __init__(self, args, type=None):  # noqa: A002 - Triton's parameter name
+        self.values = [i for i in args]
+        if isinstance(type, core.tuple_type):
+            self.__dict__[_TUPLE_TYPE] = type
+        elif type is not None:  # a list of types (ASTFunction.deserialize's template)
+            self.__dict__[_TUPLE_TYPE] = core.tuple_type(type)
+        else:
+            self.__dict__[_TUPLE_TYPE] = None
+
+    def _type(self):
+        built = self.__dict__.get(_TUPLE_TYPE)
+        if built is None:
+            built = self.__dict__[_TUPLE_TYPE] = core._type_for_tuple_values(self.values)
+        return built
+
+    def _set_type(self, value):
+        self.__dict__[_TUPLE_TYPE] = value
+
+    cls.type = property(_type, _set_type)
+    cls.__init__ = __init__
+
+
+def _install_np_dtype_table(interpreter) -> None:
+    """``_get_np_dtype`` on a table built once (see the module docstring); the same results and errors."""
+    global _original_np_dtype
+    import numpy as np
+    import triton.language as tl
+
+    original = _original_np_dtype = interpreter._get_np_dtype
+    table = {ty: original(ty) for ty in (
+        tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32,
+        tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15)}
+    pointer = np.dtype(np.uint64)
+
+    def _get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        if isinstance(tt_dtype, tl.block_type):
+            if isinstance(tt_dtype.element_ty, tl.pointer_type):
+                return pointer
+            return table[tt_dtype.element_ty]
+        return table[tt_dtype]
+
+    interpreter._get_np_dtype = _get_np_dtype
+
+
+def _install_overflow_check(interpreter) -> None:
+    """The overflow check's discarded work skipped under the interpreter without ``debug`` (see the module
+    docstring)."""
+    global _original_overflow_check
+    from triton.language.semantic import TritonSemantic
+
+    original = _original_overflow_check = TritonSemantic.binary_op_sanitize_overflow_impl
+    builder_class = interpreter.InterpreterBuilder
+
+    def binary_op_sanitize_overflow_impl(self, lhs, rhs, binary_op):
+        options = self.builder.options
+        if not isinstance(self.builder, builder_class) or options.debug:
+            return original(self, lhs, rhs, binary_op)
+        if lhs.type.scalar.int_bitwidth >= 64 or not options.sanitize_overflow:
+            return
+        assert lhs.type.scalar == rhs.type.scalar
+        assert lhs.type.scalar.is_int()
+
+    TritonSemantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
 
 
 def uninstall() -> None:
     """Triton's interpreter as it was (tests compare the two)."""
-    global _original
+    global _original, _original_tuple, _original_np_dtype, _original_overflow_check
     if _original is None:
         return
     interpreter, patch_lang, grid_call = _original
     interpreter._patch_lang = patch_lang
     interpreter.GridExecutor.__call__ = grid_call
-    _original = None
+    from triton.language import core
+
+    # Triton's own __init__ again; the type property stays: through it that __init__ stores the type it builds,
+    # and tuples made while installed still build theirs on first read.
+    core.tuple.__init__ = _original_tuple
+    interpreter._get_np_dtype = _original_np_dtype
+    from triton.language.semantic import TritonSemantic
+
+    TritonSemantic.binary_op_sanitize_overflow_impl = _original_overflow_check
+    _original = _original_tuple = _original_np_dtype = _original_overflow_check = None
 
 
 def installed() -> bool:

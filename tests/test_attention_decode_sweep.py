@@ -205,6 +205,7 @@ def test_grid_override_replaces_the_named_fields_and_refuses_others(monkeypatch)
     assert sweep.bits_keys(sweep.GPU_SHAPES, grid) == 16384 + 1024 + 300  # past the largest bound by a split
     # The paged forward's speed fields: the pinned values unless overridden; each override value one candidate.
     assert grid.paged_num_stages == (pinned.paged_num_stages,) and grid.paged_grouped == (0,)
+    assert grid.paged_tile_page == (int(pinned.paged_tile_page),)
     one = {f: (getattr(pinned.fwd, f),) for f in ("block_m", "block_n", "num_warps", "num_stages")}
     monkeypatch.setattr(sweep, "GRID_OVERRIDES", {
         "split_tiers": (pinned.split_tiers,), **one, "split_heads_below": (0,),
@@ -213,6 +214,12 @@ def test_grid_override_replaces_the_named_fields_and_refuses_others(monkeypatch)
     assert [(c.configs.paged_num_stages, c.configs.paged_grouped) for c in cands] == [
         (0, False), (0, False), (3, False), (3, True), (5, False), (5, True)]  # pinned, pinned ungrouped, the grid
     assert cands[0].label.endswith(" paged s3") and cands[3].label.endswith(" paged s3g")
+    monkeypatch.setattr(sweep, "GRID_OVERRIDES", {
+        "split_tiers": (pinned.split_tiers,), **one, "split_heads_below": (0,),
+        "split_grid_below": (pinned.split_grid_below,), "paged_tile_page": (0, 1)})
+    cands = sweep.candidates(128, "cuda_sm90", sweep.gpu_grid(128, 132, pinned))
+    assert [c.configs.paged_tile_page for c in cands] == [False, False, True]
+    assert cands[2].label.endswith(" paged s3t") and cands[2].as_row()["paged_tile_page"] is True
     assert sweep.bits_keys(sweep.TINY_SHAPES, sweep.tiny_grid(select_configs("triton_interpreter", 64))) == 69
     positions = sweep.bits_positions(pinned, 17708)
     assert {2047, 2048, 16383, 16384, 255, 256, 1023, 1024, 17707} <= set(positions)  # each tier's edges and bound

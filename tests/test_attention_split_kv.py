@@ -97,9 +97,12 @@ def test_split_tiers_are_pinned_per_backend_and_checked():
             dataclasses.replace(base, paged_num_stages=bad)
     with pytest.raises(ValueError, match="paged_grouped must be a bool; got 1"):
         dataclasses.replace(base, paged_grouped=1)
+    with pytest.raises(ValueError, match="paged_tile_page must be a bool; got 1"):
+        dataclasses.replace(base, paged_tile_page=1)
     # The paged forward's stages: speed only, the forward's unless the entry sets them (its label says them).
     assert "paged s3)" in gpu.label() and "paged s1)" in base.label()
     assert "paged s5 grouped)" in dataclasses.replace(gpu, paged_num_stages=5, paged_grouped=True).label()
+    assert "paged s3 tile-page)" in dataclasses.replace(gpu, paged_tile_page=True).label()
     assert isinstance(base, AttnConfigs) and "kv-split 32:16/64:32/64" in base.label()
     # The text form (the decode sweep's --grid), both ways; refused one line.
     for tiers in (SPLIT_TIERS, INTERPRETER_SPLIT_TIERS, ((None, 512),), ((2048, 256), (None, 1024))):

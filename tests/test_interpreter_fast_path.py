@@ -1,11 +1,14 @@
-"""kernels/interpreter.py: Triton's interpreter with its redundant per-helper pass skipped computes what Triton's own
-interpreter computes, runs that pass far fewer times, and leaves other Triton versions alone (CPU, interpreter)."""
+"""kernels/interpreter.py: Triton's interpreter with its redundant per-helper pass, its eager tuple types, its
+per-call dtype table and its discarded overflow checks skipped computes what Triton's own interpreter computes, runs
+that pass far fewer times, and leaves other Triton versions alone (CPU, interpreter)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import detkit.kernels.backend  # noqa: F401 - installs the fast path under the interpreter
 from detkit.kernels import interpreter
@@ -77,3 +80,62 @@ def test_other_triton_versions_are_left_alone(monkeypatch):
     finally:
         monkeypatch.undo()
         assert interpreter.install() and interpreter.installed()
+
+
+@triton.jit
+def _int32_mix(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    # int32 adds, subs and muls that overflow: the interpreter wraps them (its overflow check needs debug)
+    y = (x * 65537 + 2147483000) - x * 3
+    tl.store(out_ptr + offs, y)
+
+
+def _run_int32_mix():
+    x = torch.tensor([0, 1, -1, 7, 2**31 - 1, -2**31, 40000, -40000], dtype=torch.int32)
+    out = torch.empty_like(x)
+    _int32_mix[(1,)](x, out, BLOCK=8)
+    return out
+
+
+def test_integer_overflow_wraps_as_in_tritons_own_interpreter():
+    fast = _run_int32_mix()
+    interpreter.uninstall()
+    try:
+        plain = _run_int32_mix()
+    finally:
+        assert interpreter.install()
+    assert torch.equal(fast, plain), ("int32 add/sub/mul with overflow: the fast path vs Triton's own interpreter",
+                                      fast, plain)
+    x = np.array([0, 1, -1, 7, 2**31 - 1, -2**31, 40000, -40000], dtype=np.int64)
+    wrapped = ((x * 65537 + 2147483000) - x * 3 + 2**31) % 2**32 - 2**31
+    assert fast.tolist() == wrapped.tolist()
+
+
+def test_tuple_types_and_the_dtype_table_equal_tritons():
+    from triton.language import core
+    from triton.runtime import interpreter as triton_interpreter
+
+    dtypes = (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32,
+              tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16, tl.float8e4nv, tl.float8e4b8,
+              tl.float8e4b15, tl.pointer_type(tl.float32), tl.block_type(tl.bfloat16, [16, 32]),
+              tl.block_type(tl.pointer_type(tl.int8), [4]))
+
+    def observed():
+        values = [tl.constexpr(2), tl.constexpr(3)]
+        lazy = core.tuple(values)
+        given = core.tuple(values, core.tuple_type([tl.constexpr(2).type, tl.float32], ["a", "b"]))
+        changed = core.tuple(values)
+        changed._setitem(1, tl.constexpr(5))
+        np_dtypes = [triton_interpreter._get_np_dtype(ty) for ty in dtypes]
+        with pytest.raises(KeyError):
+            triton_interpreter._get_np_dtype(tl.void)
+        return [str(lazy.type), str(given.type), given.type.fields, str(changed.type), np_dtypes]
+
+    fast = observed()
+    interpreter.uninstall()
+    try:
+        plain = observed()
+    finally:
+        assert interpreter.install()
+    assert fast == plain and fast[0] == "[:constexpr_type[2],:constexpr_type[3]]", (fast, plain)

@@ -130,9 +130,11 @@ class Grid:
     num_stages: tuple[int, ...]
     split_heads_below: tuple[int, ...]
     split_grid_below: tuple[int, ...]
-    # The paged forward's stages (0: the forward's) and split grouping (0 / 1): speed only, paged cases alone.
+    # The paged forward's stages (0: the forward's), split grouping and one table entry a key tile (0 / 1): speed
+    # only, paged cases alone.
     paged_num_stages: tuple[int, ...] = (0,)
     paged_grouped: tuple[int, ...] = (0,)
+    paged_tile_page: tuple[int, ...] = (0,)
     # Time the pinned entry with one split a program beside it (where the table groups the split grid's splits).
     ungrouped: bool = False
 
@@ -187,7 +189,7 @@ def _gpu_grid(head_dim: int, sms: int, pinned: AttnConfigs) -> Grid:
                 block_n=(64, 128) if wide else (32, 64), num_warps=(4, 8), num_stages=(2, 3, 4),
                 split_heads_below=(0, 2 * sms), split_grid_below=grid_below,
                 paged_num_stages=(pinned.paged_num_stages,), paged_grouped=(int(pinned.paged_grouped),),
-                ungrouped=True)
+                paged_tile_page=(int(pinned.paged_tile_page),), ungrouped=True)
 
 
 def tiny_grid(pinned: AttnConfigs) -> Grid:
@@ -196,7 +198,8 @@ def tiny_grid(pinned: AttnConfigs) -> Grid:
     return Grid(split_tiers=(((None, 16),), pinned.split_tiers), block_m=(16,), block_n=(16,), num_warps=(4,),
                 num_stages=(1,),
                 split_heads_below=(0, 8), split_grid_below=(pinned.split_grid_below,),
-                paged_num_stages=(pinned.paged_num_stages,), paged_grouped=(int(pinned.paged_grouped),))
+                paged_num_stages=(pinned.paged_num_stages,), paged_grouped=(int(pinned.paged_grouped),),
+                paged_tile_page=(int(pinned.paged_tile_page),))
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,7 @@ class Candidate:
 
         c = self.configs
         group = f" programs~{c.split_grid_programs}" if c.split_grid_programs else ""
-        paged = f" paged s{c.paged_stages}{'g' if c.paged_grouped else ''}"
+        paged = f" paged s{c.paged_stages}{'g' if c.paged_grouped else ''}{'t' if c.paged_tile_page else ''}"
         return (f"{c.fwd.label()} split{tiers_label(c.split_tiers)} heads<{c.split_heads_below} "
                 f"grid<{c.split_grid_below}{group}{paged}")
 
@@ -223,7 +226,7 @@ class Candidate:
                 "split_tiers": tiers_label(c.split_tiers), "split_heads_below": c.split_heads_below,
                 "split_grid_below": c.split_grid_below, "split_grid_programs": c.split_grid_programs,
                 "eager_split_grid_min_keys": c.eager_split_grid_min_keys, "paged_num_stages": c.paged_num_stages,
-                "paged_grouped": c.paged_grouped}
+                "paged_grouped": c.paged_grouped, "paged_tile_page": c.paged_tile_page}
 
 
 def candidates(head_dim: int, backend: str, grid: Grid, spread: bool = False) -> list[Candidate]:
@@ -236,11 +239,12 @@ def candidates(head_dim: int, backend: str, grid: Grid, spread: bool = False) ->
 
     pinned = select_configs(backend, head_dim)
     rest = []
-    for split, bm, bn, warps, stages, heads, below, paged_stages, paged_grouped in itertools.product(
+    for split, bm, bn, warps, stages, heads, below, paged_stages, paged_grouped, tile_page in itertools.product(
             grid.split_tiers, grid.block_m, grid.block_n, grid.num_warps, grid.num_stages, grid.split_heads_below,
-            grid.split_grid_below, grid.paged_num_stages, grid.paged_grouped):
+            grid.split_grid_below, grid.paged_num_stages, grid.paged_grouped, grid.paged_tile_page):
         cfg = replace(pinned, fwd=AttnConfig(bm, bn, warps, stages), split_tiers=split, split_heads_below=heads,
-                      split_grid_below=below, paged_num_stages=paged_stages, paged_grouped=bool(paged_grouped))
+                      split_grid_below=below, paged_num_stages=paged_stages, paged_grouped=bool(paged_grouped),
+                      paged_tile_page=bool(tile_page))
         if cfg != pinned:
             rest.append(Candidate(head_dim, cfg))
     if spread:

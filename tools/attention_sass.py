@@ -17,15 +17,17 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
                  kv_start: bool = True, kv_end: bool = False, windowed: bool = False, softcap: bool = False,
                  sinks: bool = False, split_grid: bool = False, split_tiers: tuple | None = None,
                  num_warps: int | None = None, page_size: int | None = None, dim_qk: int | None = None,
-                 dim_v: int | None = None) -> dict:
+                 dim_v: int | None = None, tile_page: bool = False) -> dict:
     """Compile one attention kernel ("fwd", "fwd_combine", "dkdv", "dq") with ``config`` for sm_90 with Triton's
     bundled ptxas, without a GPU: registers, stack (spills), shared memory and the SASS counts of wgmma (HGMMA),
     mma.sync (HMMA) and cp.async (LDGSTS). ``split_grid``: the forward's split-grid build (one split per program,
-    partials stored) rather than its one-pass build; ``split_tiers``: the split table (the sm_90 table's SPLIT_TIERS);
-    ``num_warps``: other than the config's (the combine pass runs launch.COMBINE_WARPS, on launch.combine_rows rows); ``page_size``: the
-    forward's paged-KV build (K/V through a block table; varlen queries); ``dim_qk`` / ``dim_v``: the forward's
-    (and combine pass's) build for head dims narrower than ``head_dim``, read by masked loads (MLA's 192 / 128 on
-    256; None: ``head_dim``, the native build). Run in a process without TRITON_INTERPRET."""
+    partials stored) rather than its one-pass build; ``split_tiers``: the split table (the sm_90 table's
+    SPLIT_TIERS); ``num_warps``: other than the config's (the combine pass runs launch.COMBINE_WARPS, on
+    launch.combine_rows rows); ``page_size``: the forward's paged-KV build (K/V through a block table; varlen
+    queries); ``tile_page``: its one-table-entry-a-key-tile build (``AttnConfigs.paged_tile_page``; the page size a
+    multiple of the config's block_n); ``dim_qk`` / ``dim_v``: the forward's (and combine pass's) build for head dims
+    narrower than ``head_dim``, read by masked loads (MLA's 192 / 128 on 256; None: ``head_dim``, the native build).
+    Run in a process without TRITON_INTERPRET."""
     import re
     import tempfile
 
@@ -48,7 +50,8 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
               "BLOCK_N": config.block_n, "HEADS": heads,
               "INTERPRETED": False, "VARLEN": varlen, "HAS_KV_START": kv_start, "HAS_KV_END": kv_end,
               "WINDOWED": windowed, "SOFTCAP": softcap, "HAS_SINKS": sinks,
-              **split_constexprs(split_tiers or SPLIT_TIERS), "SPLIT_GRID": split_grid, "PAGED": page_size is not None, "PAGE_SIZE": page_size or 1}
+              **split_constexprs(split_tiers or SPLIT_TIERS), "SPLIT_GRID": split_grid, "PAGED": page_size is not None,
+              "PAGE_SIZE": page_size or 1, "TILE_PAGE": tile_page}
     if kernel == "fwd_combine":  # the combine pass's own rows per program, not the forward tile's
         consts["BLOCK_M"] = combine_rows(heads)
     if page_size is not None:
@@ -74,6 +77,7 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
     return {"kernel": kernel, "head_dim": head_dim, "config": config.label(),
             "variant": "+".join(n for n, on in (("window", windowed), ("softcap", softcap), ("sinks", sinks),
                                                 ("split_grid", split_grid), (f"paged{page_size}", page_size),
+                                                ("tile_page", tile_page),
                                                 (f"qk{dim_qk}v{dim_v}", (dim_qk, dim_v) != (head_dim, head_dim)))
                                 if on),
             "regs": int(regs.group(1)) if regs else None,

@@ -89,6 +89,9 @@ class AttnConfigs:
     # two (the waits in the offline sm_90 compile's TTGIR).
     paged_num_stages: int = 0
     paged_grouped: bool = False
+    # Speed only, the paged forward: where each key tile lies in one page (the page size a multiple of fwd.block_n),
+    # read one table entry a tile (a scalar load) instead of one a key. The same K/V rows either way.
+    paged_tile_page: bool = False
 
     def __post_init__(self):
         _check_split_tiers(self.split_tiers, self.fwd.block_n)
@@ -101,6 +104,8 @@ class AttnConfigs:
             raise ValueError(f"AttnConfigs.paged_num_stages must be an int >= 0; got {self.paged_num_stages!r}")
         if not isinstance(self.paged_grouped, bool):
             raise ValueError(f"AttnConfigs.paged_grouped must be a bool; got {self.paged_grouped!r}")
+        if not isinstance(self.paged_tile_page, bool):
+            raise ValueError(f"AttnConfigs.paged_tile_page must be a bool; got {self.paged_tile_page!r}")
         if not isinstance(self.eager_split_grid_min_keys, int) or self.eager_split_grid_min_keys < 0:
             raise ValueError("AttnConfigs.eager_split_grid_min_keys must be an int >= 0; got "
                              f"{self.eager_split_grid_min_keys!r}")
@@ -108,7 +113,8 @@ class AttnConfigs:
     def label(self) -> str:
         split = f" split<{self.split_heads_below}" if self.split_heads_below else ""
         group = f", programs~{self.split_grid_programs}" if self.split_grid_programs else ""
-        paged = f", paged s{self.paged_stages}{' grouped' if self.paged_grouped else ''}"
+        paged = (f", paged s{self.paged_stages}{' grouped' if self.paged_grouped else ''}"
+                 f"{' tile-page' if self.paged_tile_page else ''}")
         return (f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}{split} kv-split "
                 f"{tiers_label(self.split_tiers)} (grid<{self.split_grid_below}, "
                 f"eager keys>={self.eager_split_grid_min_keys}{group}{paged})")

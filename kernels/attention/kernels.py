@@ -49,7 +49,8 @@ storage [P, PAGE_SIZE, Hkv, D] (transformers' paged cache and flash's layout), k
 n % PAGE_SIZE of page block_table[b, n // PAGE_SIZE]. Only the K/V row addresses change (gathered per key row, any
 page size): the tiles, splits and update sequence are the contiguous path's, so the bits equal varlen's on the same
 keys gathered. Keys past the sequence's end read no table entry; the page ids the sequence needs are checked on the
-host.
+host. TILE_PAGE (a page size that is a multiple of BLOCK_N, tiles counted from key 0; ``AttnConfigs.paged_tile_page``):
+a key tile lies in one page, so it reads one table entry, its first key's, instead of one per key: the same rows.
 
 GQA: one program owns one KV head and packs the query heads of its group into the M dimension of its tile
 (rows = HEADS heads x BLOCK_M / HEADS query positions), so each K/V tile is loaded once for the whole group
@@ -381,6 +382,7 @@ def attention_fwd_kernel(
     SPLIT_N0: tl.constexpr, SPLIT_N1: tl.constexpr, SPLIT_N2: tl.constexpr,  # and their keys per split
     SPLIT_GRID: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,  # PAGED (with VARLEN): K/V read through the block table
+    TILE_PAGE: tl.constexpr,  # PAGED: each key tile lies in one page (launch.py): one table entry a tile
 ):
     """One query tile over its key tiles, each row's split size set by its own key extent (``_row_splits``). One pass
     (SPLIT_GRID off): every tile of the query tile in ascending order, each row folding its split as it ends, then o
@@ -455,7 +457,11 @@ def attention_fwd_kernel(
         key_ok = _key_ok(kj, k_end, WINDOWED)
         # [BLOCK_N, HEAD_DIM]
         if PAGED:
-            page, page_row = _page_rows(table_row, kj, key_ok, PAGE_SIZE)
+            if TILE_PAGE:  # the tile's first key is the sequence's (it has one): its page holds the whole tile
+                page = tl.load(table_row + (t * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+                page_row = (t * BLOCK_N) % PAGE_SIZE + offs_n
+            else:
+                page, page_row = _page_rows(table_row, kj, key_ok, PAGE_SIZE)
             kv_off = page * stride_kb + page_row * stride_ks
             k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=_cols(key_ok, offs_d, DIM_QK, HEAD_DIM),
                         other=0.0)

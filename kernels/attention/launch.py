@@ -570,8 +570,11 @@ def _fwd_tail(static: _FwdStatic, heads: int, what, dim_qk: int, dim_v: int, fla
         if what == "combine":
             tail = _constexprs("combine", {**common, "BLOCK_M": combine_rows(heads)})
         else:
+            # One table entry a key tile where every tile lies in one page (speed only: the same rows are read).
+            tile_page = paged and static.configs.paged_tile_page and page_size % cfg.block_n == 0 and not has_start
             tail = _constexprs("fwd", {**common, "DIM_QK": dim_qk, "BLOCK_N": cfg.block_n, "SOFTCAP": softcap,
-                                       "SPLIT_GRID": what, "PAGED": paged, "PAGE_SIZE": page_size})
+                                       "SPLIT_GRID": what, "PAGED": paged, "PAGE_SIZE": page_size,
+                                       "TILE_PAGE": tile_page})
         static.tails[(heads, what)] = tail
     return tail
 
