@@ -24,10 +24,10 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
     partials stored) rather than its one-pass build; ``split_tiers``: the split table (the sm_90 table's
     SPLIT_TIERS); ``num_warps``: other than the config's (the combine pass runs launch.COMBINE_WARPS, on
     launch.combine_rows rows); ``page_size``: the forward's paged-KV build (K/V through a block table; varlen
-    queries); ``tile_page``: its one-table-entry-a-key-tile build (``AttnConfigs.paged_tile_page``; the page size a
-    multiple of the config's block_n); ``dim_qk`` / ``dim_v``: the forward's (and combine pass's) build for head dims
-    narrower than ``head_dim``, read by masked loads (MLA's 192 / 128 on 256; None: ``head_dim``, the native build).
-    Run in a process without TRITON_INTERPRET."""
+    queries); ``tile_page``: its build with one table entry a page a key tile touches
+    (``AttnConfigs.paged_tile_page``; a page size that block_n divides or that divides it); ``dim_qk`` / ``dim_v``:
+    the forward's (and combine pass's) build for head dims narrower than ``head_dim``, read by masked loads (MLA's
+    192 / 128 on 256; None: ``head_dim``, the native build). Run in a process without TRITON_INTERPRET."""
     import re
     import tempfile
 
@@ -37,7 +37,7 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
 
     import detkit.kernels.attention.kernels as attn
     from detkit.kernels.attention.configs import SPLIT_TIERS
-    from detkit.kernels.attention.launch import combine_rows, split_constexprs
+    from detkit.kernels.attention.launch import combine_rows, split_constexprs, tile_pages
     from detkit.kernels.backend import kernel_is_interpreted
 
     fn = {"fwd": attn.attention_fwd_kernel, "fwd_combine": attn.attention_fwd_combine_kernel,
@@ -51,7 +51,8 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
               "INTERPRETED": False, "VARLEN": varlen, "HAS_KV_START": kv_start, "HAS_KV_END": kv_end,
               "WINDOWED": windowed, "SOFTCAP": softcap, "HAS_SINKS": sinks,
               **split_constexprs(split_tiers or SPLIT_TIERS), "SPLIT_GRID": split_grid, "PAGED": page_size is not None,
-              "PAGE_SIZE": page_size or 1, "TILE_PAGE": tile_page}
+              "PAGE_SIZE": page_size or 1,
+              "TILE_PAGES": tile_pages(tile_page and page_size is not None, config.block_n, page_size or 1)}
     if kernel == "fwd_combine":  # the combine pass's own rows per program, not the forward tile's
         consts["BLOCK_M"] = combine_rows(heads)
     if page_size is not None:

@@ -12,7 +12,7 @@ from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 
 HEAD_DIMS = (64, 128, 256)
 
-ATTENTION_CONFIG_TABLE_VERSION = "2026-12-06.4"
+ATTENTION_CONFIG_TABLE_VERSION = "2026-12-07.1"
 
 # Keys per split of the forward (split-KV), a pinned step function of each row's own key extent e: the keys from the
 # sequence's first key (the anchor the key tiles count from) through the row's last visible key (its causal end).
@@ -89,8 +89,9 @@ class AttnConfigs:
     # two (the waits in the offline sm_90 compile's TTGIR).
     paged_num_stages: int = 0
     paged_grouped: bool = False
-    # Speed only, the paged forward: where each key tile lies in one page (the page size a multiple of fwd.block_n),
-    # read one table entry a tile (a scalar load) instead of one a key. The same K/V rows either way.
+    # Speed only, the paged forward: read one table entry a page a key tile touches (where a page holds whole tiles
+    # or a tile whole pages: a page size that fwd.block_n divides or that divides it) instead of one a key. The same
+    # K/V rows either way.
     paged_tile_page: bool = False
 
     def __post_init__(self):
@@ -217,22 +218,27 @@ SPLIT_GRID_PROGRAMS = 128
 # 2 stages (152 registers, no spill, also with window + softcap + sinks); dq 128x32, 8 warps, 2 stages (no spill);
 # dk/dv 32x64, 8 warps, 2 stages: every wgmma candidate spills there (the program holds dk and dv [64, 256] in FP32),
 # this one least (176 bytes; 64x32 would run mma.sync). The paged forward keeps the forward's stages and one split a
-# program: in the H100 sweep of its stages (3, 5, 6) and grouping no setting was faster at every paged case. The
+# program (in the H100 sweep of its stages (3, 5, 6) and grouping no setting was faster at every paged case) and reads
+# one table entry a page a key tile touches (faster than one a key at every H100 case measured). The
 # interpreter entries are small so CPU tests at a few dozen keys cross several key tiles, splits and query tiles; its
 # split grid runs below 8 programs (a test's decode step), so the default path of a CPU decode step is the split grid
 # and that of its prefill the one-pass grid.
 CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     CUDA_SM90: {
         64: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(64, 64, 4, 3), dq=AttnConfig(128, 64, 4, 3),
-                        eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS),
+                        eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
+                        paged_tile_page=True),
         128: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(32, 128, 8, 3), dq=AttnConfig(128, 64, 8, 3),
-                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS),
+                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
+                         paged_tile_page=True),
         256: AttnConfigs(fwd=AttnConfig(64, 32, 8, 2), dkdv=AttnConfig(32, 64, 8, 2), dq=AttnConfig(128, 32, 8, 2),
-                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS),
+                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
+                         paged_tile_page=True),
     },
     TRITON_INTERPRETER: {
         d: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1),
-                       split_tiers=INTERPRETER_SPLIT_TIERS, split_grid_below=8, split_grid_programs=2)
+                       split_tiers=INTERPRETER_SPLIT_TIERS, split_grid_below=8, split_grid_programs=2,
+                       paged_tile_page=True)
         for d in HEAD_DIMS
     },
 }

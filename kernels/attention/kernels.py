@@ -49,8 +49,9 @@ storage [P, PAGE_SIZE, Hkv, D] (transformers' paged cache and flash's layout), k
 n % PAGE_SIZE of page block_table[b, n // PAGE_SIZE]. Only the K/V row addresses change (gathered per key row, any
 page size): the tiles, splits and update sequence are the contiguous path's, so the bits equal varlen's on the same
 keys gathered. Keys past the sequence's end read no table entry; the page ids the sequence needs are checked on the
-host. TILE_PAGE (a page size that is a multiple of BLOCK_N, tiles counted from key 0; ``AttnConfigs.paged_tile_page``):
-a key tile lies in one page, so it reads one table entry, its first key's, instead of one per key: the same rows.
+host. ``AttnConfigs.paged_tile_page`` (TILE_PAGES; tiles counted from key 0): where a page holds whole key tiles (a
+page size that is a multiple of BLOCK_N) a tile reads one table entry, and where a tile holds whole pages (a page
+size that divides BLOCK_N) one entry a page, instead of one a key: the same rows.
 
 GQA: one program owns one KV head and packs the query heads of its group into the M dimension of its tile
 (rows = HEADS heads x BLOCK_M / HEADS query positions), so each K/V tile is loaded once for the whole group
@@ -248,6 +249,25 @@ def _page_rows(table_row_ptr, kj, key_ok, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _tile_pages(table_row_ptr, first_key, k_end, offs_n, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                TILE_PAGES: tl.constexpr):
+    """``_page_rows`` of the key tile starting at ``first_key`` (a multiple of BLOCK_N, a key of the sequence) where
+    pages hold whole tiles (TILE_PAGES 1: the tile lies in one page) or tiles whole pages (TILE_PAGES > 1): one table
+    entry a page the tile touches, not one a key. Pages past the sequence's end read no entry (page 0; their keys'
+    loads are masked)."""
+    if TILE_PAGES == 1:
+        page = tl.load(table_row_ptr + first_key // PAGE_SIZE).to(tl.int64)
+        page_row = first_key % PAGE_SIZE + offs_n
+    else:
+        offs_p = tl.arange(0, TILE_PAGES)
+        pages = tl.load(table_row_ptr + first_key // PAGE_SIZE + offs_p, mask=first_key + offs_p * PAGE_SIZE < k_end,
+                        other=0)
+        page = tl.reshape(tl.broadcast_to(pages[:, None], [TILE_PAGES, PAGE_SIZE]), [BLOCK_N]).to(tl.int64)
+        page_row = offs_n % PAGE_SIZE
+    return page, page_row
+
+
+@triton.jit
 def _cols(rows_ok, offs_d, DIM: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The load / store mask of a [rows, HEAD_DIM] tile over rows of DIM <= HEAD_DIM columns (a head dim the kernels
     run on a wider tile: MLA's, Phi-3-mini's): the rows' mask alone when DIM is the tile's (the native path's code,
@@ -382,7 +402,7 @@ def attention_fwd_kernel(
     SPLIT_N0: tl.constexpr, SPLIT_N1: tl.constexpr, SPLIT_N2: tl.constexpr,  # and their keys per split
     SPLIT_GRID: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,  # PAGED (with VARLEN): K/V read through the block table
-    TILE_PAGE: tl.constexpr,  # PAGED: each key tile lies in one page (launch.py): one table entry a tile
+    TILE_PAGES: tl.constexpr,  # PAGED: 0, or each key tile lies in this many whole pages (launch.py)
 ):
     """One query tile over its key tiles, each row's split size set by its own key extent (``_row_splits``). One pass
     (SPLIT_GRID off): every tile of the query tile in ascending order, each row folding its split as it ends, then o
@@ -457,11 +477,10 @@ def attention_fwd_kernel(
         key_ok = _key_ok(kj, k_end, WINDOWED)
         # [BLOCK_N, HEAD_DIM]
         if PAGED:
-            if TILE_PAGE:  # the tile's first key is the sequence's (it has one): its page holds the whole tile
-                page = tl.load(table_row + (t * BLOCK_N) // PAGE_SIZE).to(tl.int64)
-                page_row = (t * BLOCK_N) % PAGE_SIZE + offs_n
-            else:
+            if TILE_PAGES == 0:
                 page, page_row = _page_rows(table_row, kj, key_ok, PAGE_SIZE)
+            else:
+                page, page_row = _tile_pages(table_row, t * BLOCK_N, k_end, offs_n, BLOCK_N, PAGE_SIZE, TILE_PAGES)
             kv_off = page * stride_kb + page_row * stride_ks
             k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=_cols(key_ok, offs_d, DIM_QK, HEAD_DIM),
                         other=0.0)

@@ -570,13 +570,23 @@ def _fwd_tail(static: _FwdStatic, heads: int, what, dim_qk: int, dim_v: int, fla
         if what == "combine":
             tail = _constexprs("combine", {**common, "BLOCK_M": combine_rows(heads)})
         else:
-            # One table entry a key tile where every tile lies in one page (speed only: the same rows are read).
-            tile_page = paged and static.configs.paged_tile_page and page_size % cfg.block_n == 0 and not has_start
+            pages = tile_pages(static.configs.paged_tile_page and paged and not has_start, cfg.block_n, page_size)
             tail = _constexprs("fwd", {**common, "DIM_QK": dim_qk, "BLOCK_N": cfg.block_n, "SOFTCAP": softcap,
                                        "SPLIT_GRID": what, "PAGED": paged, "PAGE_SIZE": page_size,
-                                       "TILE_PAGE": tile_page})
+                                       "TILE_PAGES": pages})
         static.tails[(heads, what)] = tail
     return tail
+
+
+def tile_pages(enabled: bool, block_n: int, page_size: int) -> int:
+    """The paged forward's table entries a key tile (its TILE_PAGES; speed only, the same rows are read): where
+    ``enabled`` (``AttnConfigs.paged_tile_page``), 1 where a page holds whole key tiles, block_n / page_size where a
+    tile holds whole pages; otherwise 0, one entry a key."""
+    if not enabled:
+        return 0
+    if page_size % block_n == 0:
+        return 1
+    return block_n // page_size if block_n % page_size == 0 else 0
 
 
 def split_constexprs(tiers: tuple[tuple[int | None, int], ...]) -> dict:
