@@ -86,12 +86,16 @@ def _make(lens_q, lens_k, page_size, device, heads_q=4, heads_kv=2, head_dim=64,
 # tile nor a split. Both grids run the same load code: each page size on one, 16 and 5 on both; the split grid with
 # runs of splits a program (paged_grouped) on 5; one table entry a page a key tile touches (paged_tile_page) where
 # pages hold whole tiles (16 and 48 on the interpreter's 16-key tiles; 64 on the GPU's) or tiles whole pages (4 and
-# 16 on the GPU's 64-key tiles, 4 on the interpreter's; both tables' choice, which 5 cannot take) or one a key.
+# 16 on the GPU's 64-key tiles, 4 on the interpreter's; both tables' choice, which 5 cannot take) or one a key; and
+# with a program's first tile's entries read before its sequence's bounds (paged_early_pages; grouped: a program's
+# first tile is its first launch split's).
 @pytest.mark.parametrize("page_size,path", [(4, "split_grid_per_key"), (16, "one_pass_per_key"),
                                             (16, "split_grid_per_key"), (48, "split_grid_per_key"), (5, "one_pass"),
                                             (5, "split_grid"), (5, "split_grid_grouped"), (16, "one_pass_tile_page"),
                                             (48, "split_grid_tile_page"), (64, "split_grid_tile_page"),
-                                            (4, "one_pass_tile_page"), (4, "split_grid_tile_page")])
+                                            (4, "one_pass_tile_page"), (4, "split_grid_tile_page"),
+                                            (16, "one_pass_early"), (4, "split_grid_early"),
+                                            (64, "split_grid_grouped_early")])
 def test_paged_bits_equal_the_contiguous_keys_for_any_page_size_and_placement(page_size, path, device):
     # Decode at 70 keys (two 64-key splits), a one-key sequence, a 6-query chunk on 31 cached keys (its rows on both
     # sides of the 32-key bound), a 12-token prefill.
@@ -102,6 +106,9 @@ def test_paged_bits_equal_the_contiguous_keys_for_any_page_size_and_placement(pa
     for name in ("one_pass", "split_grid"):
         paths[f"{name}_tile_page"] = dataclasses.replace(paths[name], paged_tile_page=True)
         paths[f"{name}_per_key"] = dataclasses.replace(paths[name], paged_tile_page=False)
+        paths[f"{name}_early"] = dataclasses.replace(paths[name], paged_tile_page=True, paged_early_pages=True)
+    paths["split_grid_grouped_early"] = dataclasses.replace(paths["split_grid_grouped"], paged_tile_page=True,
+                                                            paged_early_pages=True)
     configs = paths[path]
     out = case.paged(configs=configs)
     assert out.shape == case.q.shape and out.dtype == torch.bfloat16

@@ -99,6 +99,9 @@ def test_split_tiers_are_pinned_per_backend_and_checked():
         dataclasses.replace(base, paged_grouped=1)
     with pytest.raises(ValueError, match="paged_tile_page must be a bool; got 1"):
         dataclasses.replace(base, paged_tile_page=1)
+    with pytest.raises(ValueError, match="paged_early_pages must be a bool; got 1"):
+        dataclasses.replace(base, paged_early_pages=1)
+    assert "tile-page early)" in dataclasses.replace(gpu, paged_early_pages=True).label()
     # The paged forward's stages: speed only, the forward's unless the entry sets them (its label says them), and its
     # table entries a key tile (one a page on both backends' entries).
     assert "paged s3 tile-page)" in gpu.label() and "paged s1 tile-page)" in base.label()

@@ -17,7 +17,7 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
                  kv_start: bool = True, kv_end: bool = False, windowed: bool = False, softcap: bool = False,
                  sinks: bool = False, split_grid: bool = False, split_tiers: tuple | None = None,
                  num_warps: int | None = None, page_size: int | None = None, dim_qk: int | None = None,
-                 dim_v: int | None = None, tile_page: bool = False) -> dict:
+                 dim_v: int | None = None, tile_page: bool = False, early_pages: bool = False) -> dict:
     """Compile one attention kernel ("fwd", "fwd_combine", "dkdv", "dq") with ``config`` for sm_90 with Triton's
     bundled ptxas, without a GPU: registers, stack (spills), shared memory and the SASS counts of wgmma (HGMMA),
     mma.sync (HMMA) and cp.async (LDGSTS). ``split_grid``: the forward's split-grid build (one split per program,
@@ -25,7 +25,8 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
     SPLIT_TIERS); ``num_warps``: other than the config's (the combine pass runs launch.COMBINE_WARPS, on
     launch.combine_rows rows); ``page_size``: the forward's paged-KV build (K/V through a block table; varlen
     queries); ``tile_page``: its build with one table entry a page a key tile touches
-    (``AttnConfigs.paged_tile_page``; a page size that block_n divides or that divides it); ``dim_qk`` / ``dim_v``:
+    (``AttnConfigs.paged_tile_page``; a page size that block_n divides or that divides it), ``early_pages``: with the
+    first tile's entries read early (``AttnConfigs.paged_early_pages``); ``dim_qk`` / ``dim_v``:
     the forward's (and combine pass's) build for head dims narrower than ``head_dim``, read by masked loads (MLA's
     192 / 128 on 256; None: ``head_dim``, the native build). Run in a process without TRITON_INTERPRET."""
     import re
@@ -52,7 +53,8 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
               "WINDOWED": windowed, "SOFTCAP": softcap, "HAS_SINKS": sinks,
               **split_constexprs(split_tiers or SPLIT_TIERS), "SPLIT_GRID": split_grid, "PAGED": page_size is not None,
               "PAGE_SIZE": page_size or 1,
-              "TILE_PAGES": tile_pages(tile_page and page_size is not None, config.block_n, page_size or 1)}
+              "TILE_PAGES": tile_pages(tile_page and page_size is not None, config.block_n, page_size or 1),
+              "EARLY_PAGES": early_pages and tile_page and page_size is not None and not windowed}
     if kernel == "fwd_combine":  # the combine pass's own rows per program, not the forward tile's
         consts["BLOCK_M"] = combine_rows(heads)
     if page_size is not None:
@@ -78,7 +80,7 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
     return {"kernel": kernel, "head_dim": head_dim, "config": config.label(),
             "variant": "+".join(n for n, on in (("window", windowed), ("softcap", softcap), ("sinks", sinks),
                                                 ("split_grid", split_grid), (f"paged{page_size}", page_size),
-                                                ("tile_page", tile_page),
+                                                ("tile_page", tile_page), ("early_pages", early_pages),
                                                 (f"qk{dim_qk}v{dim_v}", (dim_qk, dim_v) != (head_dim, head_dim)))
                                 if on),
             "regs": int(regs.group(1)) if regs else None,

@@ -249,22 +249,38 @@ def _page_rows(table_row_ptr, kj, key_ok, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _tile_pages(table_row_ptr, first_key, k_end, offs_n, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                TILE_PAGES: tl.constexpr):
+def _tile_pages(table_row_ptr, first_key, k_end, offs_n, early, is_first, BLOCK_N: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr):
     """``_page_rows`` of the key tile starting at ``first_key`` (a multiple of BLOCK_N, a key of the sequence) where
     pages hold whole tiles (TILE_PAGES 1: the tile lies in one page) or tiles whole pages (TILE_PAGES > 1): one table
     entry a page the tile touches, not one a key. Pages past the sequence's end read no entry (page 0; their keys'
-    loads are masked)."""
+    loads are masked). ``is_first``: the tile's entries are ``early`` (``_first_tile_pages``), read nothing here."""
     if TILE_PAGES == 1:
-        page = tl.load(table_row_ptr + first_key // PAGE_SIZE).to(tl.int64)
+        page = tl.load(table_row_ptr + first_key // PAGE_SIZE, mask=is_first == 0, other=0)
+        page = tl.where(is_first, early, page).to(tl.int64)
         page_row = first_key % PAGE_SIZE + offs_n
     else:
         offs_p = tl.arange(0, TILE_PAGES)
-        pages = tl.load(table_row_ptr + first_key // PAGE_SIZE + offs_p, mask=first_key + offs_p * PAGE_SIZE < k_end,
-                        other=0)
+        pages = tl.load(table_row_ptr + first_key // PAGE_SIZE + offs_p,
+                        mask=(first_key + offs_p * PAGE_SIZE < k_end) & (is_first == 0), other=0)
+        pages = tl.where(is_first, early, pages)
         page = tl.reshape(tl.broadcast_to(pages[:, None], [TILE_PAGES, PAGE_SIZE]), [BLOCK_N]).to(tl.int64)
         page_row = offs_n % PAGE_SIZE
     return page, page_row
+
+
+@triton.jit
+def _first_tile_pages(table_row_ptr, first_key, seq_k, width, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr):
+    """The table entries of the key tile a program most likely walks first, read before the sequence's bounds are
+    known (the program's own first key when no window moves it): ``_tile_pages``'s, for the tile starting at
+    ``first_key``, where that key lies below ``seq_k`` (every sequence's most keys) and in the table's row of
+    ``width`` entries; entries past the sequence's end are read but never used (their keys' loads are masked)."""
+    if TILE_PAGES == 1:
+        return tl.load(table_row_ptr + first_key // PAGE_SIZE, mask=(first_key < seq_k) & (first_key // PAGE_SIZE
+                                                                                           < width), other=0)
+    else:
+        index = first_key // PAGE_SIZE + tl.arange(0, TILE_PAGES)
+        return tl.load(table_row_ptr + index, mask=(first_key < seq_k) & (index < width), other=0)
 
 
 @triton.jit
@@ -403,6 +419,7 @@ def attention_fwd_kernel(
     SPLIT_GRID: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,  # PAGED (with VARLEN): K/V read through the block table
     TILE_PAGES: tl.constexpr,  # PAGED: 0, or each key tile lies in this many whole pages (launch.py)
+    EARLY_PAGES: tl.constexpr,  # TILE_PAGES: the first tile's entries read before the sequence's bounds
 ):
     """One query tile over its key tiles, each row's split size set by its own key extent (``_row_splits``). One pass
     (SPLIT_GRID off): every tile of the query tile in ascending order, each row folding its split as it ends, then o
@@ -419,6 +436,15 @@ def attention_fwd_kernel(
     pid_h = tl.program_id(0) % head_programs
     slot = tl.program_id(0) // head_programs
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    if EARLY_PAGES:
+        # Issued before the sequence's bounds so that its latency overlaps theirs: without a window a program's first
+        # tile is its first launch split's (split grid) or key 0's (one pass).
+        early_tile = slot * split_group * split_tiles if SPLIT_GRID else 0
+        early = _first_tile_pages(block_table_ptr + b.to(tl.int64) * stride_tb, early_tile * BLOCK_N, seq_k,
+                                  stride_tb, PAGE_SIZE, TILE_PAGES)
+    else:
+        early_tile = -1
+        early = 0
     q_begin, q_len, k_begin, k_first, k_end, bad = _sequence(b, kv_start_ptr, kv_end_ptr, seq_q, seq_k, window,
                                                              VARLEN, HAS_KV_START, HAS_KV_END, WINDOWED)
     q_lo = pid_m * BQ
@@ -480,7 +506,8 @@ def attention_fwd_kernel(
             if TILE_PAGES == 0:
                 page, page_row = _page_rows(table_row, kj, key_ok, PAGE_SIZE)
             else:
-                page, page_row = _tile_pages(table_row, t * BLOCK_N, k_end, offs_n, BLOCK_N, PAGE_SIZE, TILE_PAGES)
+                page, page_row = _tile_pages(table_row, t * BLOCK_N, k_end, offs_n, early, t == early_tile, BLOCK_N,
+                                             PAGE_SIZE, TILE_PAGES)
             kv_off = page * stride_kb + page_row * stride_ks
             k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=_cols(key_ok, offs_d, DIM_QK, HEAD_DIM),
                         other=0.0)

@@ -571,9 +571,11 @@ def _fwd_tail(static: _FwdStatic, heads: int, what, dim_qk: int, dim_v: int, fla
             tail = _constexprs("combine", {**common, "BLOCK_M": combine_rows(heads)})
         else:
             pages = tile_pages(static.configs.paged_tile_page and paged and not has_start, cfg.block_n, page_size)
+            # Speed only: the first tile's entries read early where no window moves a program's first tile.
+            early = bool(pages) and static.configs.paged_early_pages and not windowed
             tail = _constexprs("fwd", {**common, "DIM_QK": dim_qk, "BLOCK_N": cfg.block_n, "SOFTCAP": softcap,
                                        "SPLIT_GRID": what, "PAGED": paged, "PAGE_SIZE": page_size,
-                                       "TILE_PAGES": pages})
+                                       "TILE_PAGES": pages, "EARLY_PAGES": early})
         static.tails[(heads, what)] = tail
     return tail
 
