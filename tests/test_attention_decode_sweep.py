@@ -39,8 +39,8 @@ def test_tiny_sweep_writes_every_candidates_cases_bits_and_report(cpu_only, tmp_
     assert doc["meta"]["candidates"] == doc["meta"]["candidates_timed"] == 2 and doc["meta"]["stopped"] is None
     pinned, other = doc["candidates"]
     assert pinned["pinned"] and pinned["candidate"] == ("BM16_BN16_w4_s1 split32:16/64:32/64 heads<0 grid<8 "
-                                                        "programs~2 paged s1t")
-    assert other["candidate"] == "BM16_BN16_w4_s1 split16 heads<0 grid<8 programs~2 paged s1t" and not other["pinned"]
+                                                        "programs~2 paged s1te")
+    assert other["candidate"] == "BM16_BN16_w4_s1 split16 heads<0 grid<8 programs~2 paged s1te" and not other["pinned"]
     labels = [c.label for c in ds.cases(ds.TINY_SHAPES, 64)]
     assert labels == ["decode B1 K24", "decode B2 K40", "prefill B1 S24", "paged B2 K40"]
     info = doc["meta"]["cases"]["64"]
@@ -213,13 +213,13 @@ def test_grid_override_replaces_the_named_fields_and_refuses_others(monkeypatch)
     cands = sweep.candidates(128, "cuda_sm90", sweep.gpu_grid(128, 132, pinned))
     assert [(c.configs.paged_num_stages, c.configs.paged_grouped) for c in cands] == [
         (0, False), (0, False), (3, False), (3, True), (5, False), (5, True)]  # pinned, pinned ungrouped, the grid
-    assert cands[0].label.endswith(" paged s3t") and cands[3].label.endswith(" paged s3gt")
+    assert cands[0].label.endswith(" paged s3te") and cands[3].label.endswith(" paged s3gte")
     monkeypatch.setattr(sweep, "GRID_OVERRIDES", {
         "split_tiers": (pinned.split_tiers,), **one, "split_heads_below": (0,),
         "split_grid_below": (pinned.split_grid_below,), "paged_tile_page": (0, 1)})
     cands = sweep.candidates(128, "cuda_sm90", sweep.gpu_grid(128, 132, pinned))
     assert [c.configs.paged_tile_page for c in cands] == [True, True, False]  # the table reads one entry a page
-    assert cands[2].label.endswith(" paged s3") and cands[2].as_row()["paged_tile_page"] is False
+    assert cands[2].label.endswith(" paged s3e") and cands[2].as_row()["paged_tile_page"] is False
     assert sweep.bits_keys(sweep.TINY_SHAPES, sweep.tiny_grid(select_configs("triton_interpreter", 64))) == 69
     positions = sweep.bits_positions(pinned, 17708)
     assert {2047, 2048, 16383, 16384, 255, 256, 1023, 1024, 17707} <= set(positions)  # each tier's edges and bound

@@ -67,7 +67,7 @@ def test_split_tiers_are_pinned_per_backend_and_checked():
     assert all(c.split_tiers == INTERPRETER_SPLIT_TIERS for c in CONFIG_TABLE["triton_interpreter"].values())
     assert all(s % c.fwd.block_n == 0 for table in CONFIG_TABLE.values() for c in table.values()
                for _, s in c.split_tiers)
-    assert ATTENTION_CONFIG_TABLE_VERSION == "2026-12-07.1"
+    assert ATTENTION_CONFIG_TABLE_VERSION == "2026-12-07.2"
     base = select_configs("triton_interpreter", 64)
     # Each tier's split up to its bound (the row's key extent e: keys from the first key through its causal end).
     assert [base.split_of(e) for e in (-3, 1, 32, 33, 64, 65, 10**9)] == [16, 16, 16, 32, 32, 64, 64]
@@ -101,12 +101,12 @@ def test_split_tiers_are_pinned_per_backend_and_checked():
         dataclasses.replace(base, paged_tile_page=1)
     with pytest.raises(ValueError, match="paged_early_pages must be a bool; got 1"):
         dataclasses.replace(base, paged_early_pages=1)
-    assert "tile-page early)" in dataclasses.replace(gpu, paged_early_pages=True).label()
+    assert "tile-page)" in dataclasses.replace(gpu, paged_early_pages=False).label()
     # The paged forward's stages: speed only, the forward's unless the entry sets them (its label says them), and its
     # table entries a key tile (one a page on both backends' entries).
-    assert "paged s3 tile-page)" in gpu.label() and "paged s1 tile-page)" in base.label()
+    assert "paged s3 tile-page early)" in gpu.label() and "paged s1 tile-page early)" in base.label()
     assert "paged s5 grouped)" in dataclasses.replace(gpu, paged_num_stages=5, paged_grouped=True,
-                                                      paged_tile_page=False).label()
+                                                      paged_tile_page=False, paged_early_pages=False).label()
     assert isinstance(base, AttnConfigs) and "kv-split 32:16/64:32/64" in base.label()
     # The text form (the decode sweep's --grid), both ways; refused one line.
     for tiers in (SPLIT_TIERS, INTERPRETER_SPLIT_TIERS, ((None, 512),), ((2048, 256), (None, 1024))):

@@ -214,7 +214,8 @@ class Candidate:
 
         c = self.configs
         group = f" programs~{c.split_grid_programs}" if c.split_grid_programs else ""
-        paged = f" paged s{c.paged_stages}{'g' if c.paged_grouped else ''}{'t' if c.paged_tile_page else ''}"
+        paged = (f" paged s{c.paged_stages}{'g' if c.paged_grouped else ''}{'t' if c.paged_tile_page else ''}"
+                 f"{'e' if c.paged_early_pages else ''}")
         return (f"{c.fwd.label()} split{tiers_label(c.split_tiers)} heads<{c.split_heads_below} "
                 f"grid<{c.split_grid_below}{group}{paged}")
 
@@ -226,7 +227,8 @@ class Candidate:
                 "split_tiers": tiers_label(c.split_tiers), "split_heads_below": c.split_heads_below,
                 "split_grid_below": c.split_grid_below, "split_grid_programs": c.split_grid_programs,
                 "eager_split_grid_min_keys": c.eager_split_grid_min_keys, "paged_num_stages": c.paged_num_stages,
-                "paged_grouped": c.paged_grouped, "paged_tile_page": c.paged_tile_page}
+                "paged_grouped": c.paged_grouped, "paged_tile_page": c.paged_tile_page,
+                "paged_early_pages": c.paged_early_pages}
 
 
 def candidates(head_dim: int, backend: str, grid: Grid, spread: bool = False) -> list[Candidate]:

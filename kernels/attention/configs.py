@@ -12,7 +12,7 @@ from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 
 HEAD_DIMS = (64, 128, 256)
 
-ATTENTION_CONFIG_TABLE_VERSION = "2026-12-07.1"
+ATTENTION_CONFIG_TABLE_VERSION = "2026-12-07.2"
 
 # Keys per split of the forward (split-KV), a pinned step function of each row's own key extent e: the keys from the
 # sequence's first key (the anchor the key tiles count from) through the row's last visible key (its causal end).
@@ -224,7 +224,8 @@ SPLIT_GRID_PROGRAMS = 128
 # dk/dv 32x64, 8 warps, 2 stages: every wgmma candidate spills there (the program holds dk and dv [64, 256] in FP32),
 # this one least (176 bytes; 64x32 would run mma.sync). The paged forward keeps the forward's stages and one split a
 # program (in the H100 sweep of its stages (3, 5, 6) and grouping no setting was faster at every paged case) and reads
-# one table entry a page a key tile touches (faster than one a key at every H100 case measured). The
+# one table entry a page a key tile touches, the first tile's before the sequence's bounds (each faster than without
+# it at every H100 case measured, or within its spread). The
 # interpreter entries are small so CPU tests at a few dozen keys cross several key tiles, splits and query tiles; its
 # split grid runs below 8 programs (a test's decode step), so the default path of a CPU decode step is the split grid
 # and that of its prefill the one-pass grid.
@@ -232,18 +233,18 @@ CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     CUDA_SM90: {
         64: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(64, 64, 4, 3), dq=AttnConfig(128, 64, 4, 3),
                         eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
-                        paged_tile_page=True),
+                        paged_tile_page=True, paged_early_pages=True),
         128: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(32, 128, 8, 3), dq=AttnConfig(128, 64, 8, 3),
                          eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
-                         paged_tile_page=True),
+                         paged_tile_page=True, paged_early_pages=True),
         256: AttnConfigs(fwd=AttnConfig(64, 32, 8, 2), dkdv=AttnConfig(32, 64, 8, 2), dq=AttnConfig(128, 32, 8, 2),
                          eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
-                         paged_tile_page=True),
+                         paged_tile_page=True, paged_early_pages=True),
     },
     TRITON_INTERPRETER: {
         d: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1),
                        split_tiers=INTERPRETER_SPLIT_TIERS, split_grid_below=8, split_grid_programs=2,
-                       paged_tile_page=True)
+                       paged_tile_page=True, paged_early_pages=True)
         for d in HEAD_DIMS
     },
 }
