@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Call 4 of reports/2026-12-07-*-s36 (an H200), the attention table 2026-12-07.2: `detkit bench attention`, every mode
-# (prefill, decode, fwd+bwd against SDPA flash; the paged decode against detkit's contiguous decode), into
+# Call 4 of reports/2026-12-07-*-s36 (one H100 or H200), the attention table 2026-12-07.2: `detkit bench attention`,
+# every mode (prefill, decode, fwd+bwd against SDPA flash; the paged decode against detkit's contiguous decode), into
 # $OUT/attn-bench.
 set -euo pipefail
 : "${OUT:?set OUT to the results folder}"
