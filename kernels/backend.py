@@ -36,8 +36,8 @@ BACKENDS = (CUDA_SM90, TRITON_INTERPRETER)
 # them unless the caller's kernel computes 64-bit offsets (max_offset=None).
 MAX_INT32_OFFSET = 2**31 - 1
 
-# Every kernel module imports this one: under the interpreter, before any kernel runs, skip Triton's redundant
-# per-helper pass (kernels/interpreter.py; the same results, about a third less interpreter time).
+# Every kernel module imports this one: under the interpreter, before any kernel runs, skip the interpreter's redundant
+# work (kernels/interpreter.py; the same results, about half the interpreter time).
 if triton.knobs.runtime.interpret:
     interpreter.install()
 
