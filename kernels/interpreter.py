@@ -23,7 +23,10 @@ call: it is built once. Both give the objects Triton gives. And every integer ad
 (``binary_op_sanitize_overflow_impl``: casts to int64, the op again, two comparisons, an and) only to hand the result
 to ``device_assert``, which without ``debug`` -- the interpreter's options never set it -- discards it: under the
 interpreter without ``debug`` only the check's type assertions run; with ``debug``, and for every compile, Triton's
-own."""
+own. Floating-point ``tl.cumsum`` (the GEMMs' ascending-k emulation runs one over every [M, K, N] product) is
+numpy's ``cumsum``, a sequential sum in the array's dtype at about 5 ns an element; the same sums are taken slice by
+slice along the axis, one vectorized add per step, where the axis is short (``CUMSUM_SLICES_UP_TO``) and the input
+and the sums are finite (numpy's own cumsum otherwise: a NaN's sign bit may depend on the loop that made it)."""
 
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ _original = None  # (interpreter module, its _patch_lang, GridExecutor.__call__)
 _original_tuple = None  # triton.language.core.tuple's __init__ while replaced
 _original_np_dtype = None  # triton.runtime.interpreter._get_np_dtype while replaced
 _original_overflow_check = None  # TritonSemantic.binary_op_sanitize_overflow_impl while replaced
+_original_cumsum = None  # triton.runtime.interpreter.ScanOps.cumsum while replaced
+CUMSUM_SLICES_UP_TO = 256  # longer axes keep numpy's cumsum (one add per slice costs more there)
 _TUPLE_TYPE = "_detkit_tuple_type"  # where a tl.tuple keeps its type once built (None: not yet)
 
 
@@ -115,6 +120,7 @@ def install() -> bool:
     _install_lazy_tuple_types()
     _install_np_dtype_table(interpreter)
     _install_overflow_check(interpreter)
+    _install_sliced_cumsum(interpreter)
     return True
 
 
@@ -193,9 +199,34 @@ def _install_overflow_check(interpreter) -> None:
     TritonSemantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
 
 
+def _install_sliced_cumsum(interpreter) -> None:
+    """Floating-point cumsums along short axes slice by slice (see the module docstring): element k is element k - 1
+    plus input k, rounded to the dtype, as numpy's sequential cumsum computes it."""
+    global _original_cumsum
+    import numpy as np
+
+    original = _original_cumsum = interpreter.ScanOps.cumsum
+
+    def cumsum(self, input):  # noqa: A002 - Triton's parameter name
+        data = input.handle.data
+        if (data.dtype.kind != "f" or data.ndim == 0 or not 1 < data.shape[self.axis] <= CUMSUM_SLICES_UP_TO
+                or not np.isfinite(data).all()):
+            return original(self, input)
+        out = np.empty_like(data)
+        src, dst = np.moveaxis(data, self.axis, 0), np.moveaxis(out, self.axis, 0)
+        dst[0] = src[0]
+        for k in range(1, src.shape[0]):  # slices k:k+1, so that a 1-D input's steps are arrays too
+            np.add(dst[k - 1:k], src[k:k + 1], out=dst[k:k + 1])
+        if not np.isfinite(out).all():  # a NaN made here may carry another sign bit than numpy's loop's: its own
+            return original(self, input)
+        return [self.to_tensor(out, dtype=input.dtype)]
+
+    interpreter.ScanOps.cumsum = cumsum
+
+
 def uninstall() -> None:
     """Triton's interpreter as it was (tests compare the two)."""
-    global _original, _original_tuple, _original_np_dtype, _original_overflow_check
+    global _original, _original_tuple, _original_np_dtype, _original_overflow_check, _original_cumsum
     if _original is None:
         return
     interpreter, patch_lang, grid_call = _original
@@ -210,7 +241,8 @@ def uninstall() -> None:
     from triton.language.semantic import TritonSemantic
 
     TritonSemantic.binary_op_sanitize_overflow_impl = _original_overflow_check
-    _original = _original_tuple = _original_np_dtype = _original_overflow_check = None
+    interpreter.ScanOps.cumsum = _original_cumsum
+    _original = _original_tuple = _original_np_dtype = _original_overflow_check = _original_cumsum = None
 
 
 def installed() -> bool:

@@ -139,3 +139,42 @@ def test_tuple_types_and_the_dtype_table_equal_tritons():
     finally:
         assert interpreter.install()
     assert fast == plain and fast[0] == "[:constexpr_type[2],:constexpr_type[3]]", (fast, plain)
+
+
+def test_cumsum_gives_numpys_sequential_sums_bit_for_bit():
+    from triton.runtime import interpreter as triton_interpreter
+
+    scan_ops = triton_interpreter.ScanOps
+    rng = np.random.default_rng(0)
+
+    class Handle:
+        def __init__(self, data):
+            self.data = data
+
+    class Operand:
+        def __init__(self, data):
+            self.handle, self.dtype = Handle(data), None
+
+    def cumsum(data, axis):
+        ops = scan_ops.__new__(scan_ops)
+        ops.axis, ops.reverse = axis, False
+        ops.to_tensor = lambda out, dtype: out
+        return scan_ops.cumsum(ops, Operand(data))[0]
+
+    cases = 0
+    for dtype in (np.float16, np.float32, np.float64):
+        for shape, axis in (((7, 33, 5), 1), ((16, 32, 64), 1), ((3, 4), 0), ((9,), 0), ((4, 6, 2), 2),
+                            ((5, 300), 1)):
+            data = (rng.standard_normal(shape) * rng.choice([1e-3, 1.0, 1e4], size=shape)).astype(dtype)
+            for special in (None, np.inf, np.nan):
+                if special is not None:
+                    data = data.copy()
+                    data.flat[::7] = special
+                want = np.cumsum(data, axis=axis)
+                got = cumsum(data, axis)
+                bits = f"u{data.itemsize}"
+                assert got.dtype == want.dtype and np.array_equal(got.view(bits), want.view(bits)), (dtype, shape)
+                cases += 1
+    ints = rng.integers(-2**31, 2**31, size=(5, 40), dtype=np.int64).astype(np.int32)
+    assert np.array_equal(cumsum(ints, 1), np.cumsum(ints, axis=1))
+    assert cases == 54 and interpreter.installed() and scan_ops.cumsum is not interpreter._original_cumsum
