@@ -39,10 +39,7 @@ SUPPORTED_TRITON = ("3.6.0",)
 _state = threading.local()  # launches: [lang-module ids a running launch patched], innermost last
 _langs_cache: dict = {}
 _original = None  # (interpreter module, its _patch_lang, GridExecutor.__call__) while installed
-_original_tuple = None  # triton.language.core.tuple's __init__ while replaced
-_original_np_dtype = None  # triton.runtime.interpreter._get_np_dtype while replaced
-_original_overflow_check = None  # TritonSemantic.binary_op_sanitize_overflow_impl while replaced
-_original_cumsum = None  # triton.runtime.interpreter.ScanOps.cumsum while replaced
+_replaced: list = []  # (owner, attribute, Triton's value) of the per-op changes, in the order made
 CUMSUM_SLICES_UP_TO = 256  # longer axes keep numpy's cumsum (one add per slice costs more there)
 _TUPLE_TYPE = "_detkit_tuple_type"  # where a tl.tuple keeps its type once built (None: not yet)
 
@@ -124,13 +121,19 @@ def install() -> bool:
     return True
 
 
+def _replace(owner, name: str, value):
+    """``owner.name = value``, Triton's value remembered for ``uninstall``; returns Triton's value."""
+    original = getattr(owner, name)
+    _replaced.append((owner, name, original))
+    setattr(owner, name, value)
+    return original
+
+
 def _install_lazy_tuple_types() -> None:
     """``tl.tuple``'s type built on first read (see the module docstring)."""
-    global _original_tuple
     from triton.language import core
 
     cls = core.tuple
-    _original_tuple = cls.__init__
 
     def __init__(self, args, type=None):  # noqa: A002 - Triton's parameter name
         self.values = [i for i in args]
@@ -150,17 +153,16 @@ def _install_lazy_tuple_types() -> None:
     def _set_type(self, value):
         self.__dict__[_TUPLE_TYPE] = value
 
-    cls.type = property(_type, _set_type)
-    cls.__init__ = __init__
+    cls.type = property(_type, _set_type)  # kept by uninstall: Triton's own __init__ sets the type through it
+    _replace(cls, "__init__", __init__)
 
 
 def _install_np_dtype_table(interpreter) -> None:
     """``_get_np_dtype`` on a table built once (see the module docstring); the same results and errors."""
-    global _original_np_dtype
     import numpy as np
     import triton.language as tl
 
-    original = _original_np_dtype = interpreter._get_np_dtype
+    original = interpreter._get_np_dtype
     table = {ty: original(ty) for ty in (
         tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32,
         tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15)}
@@ -175,16 +177,15 @@ def _install_np_dtype_table(interpreter) -> None:
             return table[tt_dtype.element_ty]
         return table[tt_dtype]
 
-    interpreter._get_np_dtype = _get_np_dtype
+    _replace(interpreter, "_get_np_dtype", _get_np_dtype)
 
 
 def _install_overflow_check(interpreter) -> None:
     """The overflow check's discarded work skipped under the interpreter without ``debug`` (see the module
     docstring)."""
-    global _original_overflow_check
     from triton.language.semantic import TritonSemantic
 
-    original = _original_overflow_check = TritonSemantic.binary_op_sanitize_overflow_impl
+    original = TritonSemantic.binary_op_sanitize_overflow_impl
     builder_class = interpreter.InterpreterBuilder
 
     def binary_op_sanitize_overflow_impl(self, lhs, rhs, binary_op):
@@ -196,16 +197,15 @@ def _install_overflow_check(interpreter) -> None:
         assert lhs.type.scalar == rhs.type.scalar
         assert lhs.type.scalar.is_int()
 
-    TritonSemantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
+    _replace(TritonSemantic, "binary_op_sanitize_overflow_impl", binary_op_sanitize_overflow_impl)
 
 
 def _install_sliced_cumsum(interpreter) -> None:
     """Floating-point cumsums along short axes slice by slice (see the module docstring): element k is element k - 1
     plus input k, rounded to the dtype, as numpy's sequential cumsum computes it."""
-    global _original_cumsum
     import numpy as np
 
-    original = _original_cumsum = interpreter.ScanOps.cumsum
+    original = interpreter.ScanOps.cumsum
 
     def cumsum(self, input):  # noqa: A002 - Triton's parameter name
         data = input.handle.data
@@ -221,28 +221,21 @@ def _install_sliced_cumsum(interpreter) -> None:
             return original(self, input)
         return [self.to_tensor(out, dtype=input.dtype)]
 
-    interpreter.ScanOps.cumsum = cumsum
+    _replace(interpreter.ScanOps, "cumsum", cumsum)
 
 
 def uninstall() -> None:
     """Triton's interpreter as it was (tests compare the two)."""
-    global _original, _original_tuple, _original_np_dtype, _original_overflow_check, _original_cumsum
+    global _original
     if _original is None:
         return
     interpreter, patch_lang, grid_call = _original
     interpreter._patch_lang = patch_lang
     interpreter.GridExecutor.__call__ = grid_call
-    from triton.language import core
-
-    # Triton's own __init__ again; the type property stays: through it that __init__ stores the type it builds,
-    # and tuples made while installed still build theirs on first read.
-    core.tuple.__init__ = _original_tuple
-    interpreter._get_np_dtype = _original_np_dtype
-    from triton.language.semantic import TritonSemantic
-
-    TritonSemantic.binary_op_sanitize_overflow_impl = _original_overflow_check
-    interpreter.ScanOps.cumsum = _original_cumsum
-    _original = _original_tuple = _original_np_dtype = _original_overflow_check = _original_cumsum = None
+    while _replaced:  # tl.tuple's type property stays (see _install_lazy_tuple_types)
+        owner, name, original = _replaced.pop()
+        setattr(owner, name, original)
+    _original = None
 
 
 def installed() -> bool:

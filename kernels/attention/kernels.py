@@ -51,7 +51,8 @@ page size): the tiles, splits and update sequence are the contiguous path's, so 
 keys gathered. Keys past the sequence's end read no table entry; the page ids the sequence needs are checked on the
 host. ``AttnConfigs.paged_tile_page`` (TILE_PAGES; tiles counted from key 0): where a page holds whole key tiles (a
 page size that is a multiple of BLOCK_N) a tile reads one table entry, and where a tile holds whole pages (a page
-size that divides BLOCK_N) one entry a page, instead of one a key: the same rows.
+size that divides BLOCK_N) one entry a page, instead of one a key: the same rows. ``paged_early_pages``
+(EARLY_PAGES): a program reads its first tile's entries before its sequence's bounds, so the two loads overlap.
 
 GQA: one program owns one KV head and packs the query heads of its group into the M dimension of its tile
 (rows = HEADS heads x BLOCK_M / HEADS query positions), so each K/V tile is loaded once for the whole group
@@ -276,8 +277,8 @@ def _first_tile_pages(table_row_ptr, first_key, seq_k, width, PAGE_SIZE: tl.cons
     ``first_key``, where that key lies below ``seq_k`` (every sequence's most keys) and in the table's row of
     ``width`` entries; entries past the sequence's end are read but never used (their keys' loads are masked)."""
     if TILE_PAGES == 1:
-        return tl.load(table_row_ptr + first_key // PAGE_SIZE, mask=(first_key < seq_k) & (first_key // PAGE_SIZE
-                                                                                           < width), other=0)
+        index = first_key // PAGE_SIZE
+        return tl.load(table_row_ptr + index, mask=(first_key < seq_k) & (index < width), other=0)
     else:
         index = first_key // PAGE_SIZE + tl.arange(0, TILE_PAGES)
         return tl.load(table_row_ptr + index, mask=(first_key < seq_k) & (index < width), other=0)
