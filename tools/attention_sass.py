@@ -53,8 +53,8 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
               "WINDOWED": windowed, "SOFTCAP": softcap, "HAS_SINKS": sinks,
               **split_constexprs(split_tiers or SPLIT_TIERS), "SPLIT_GRID": split_grid, "PAGED": page_size is not None,
               "PAGE_SIZE": page_size or 1,
-              "TILE_PAGES": tile_pages(tile_page and page_size is not None, config.block_n, page_size or 1),
-              "EARLY_PAGES": early_pages and tile_page and page_size is not None and not windowed}
+              "TILE_PAGES": tile_pages(tile_page and page_size is not None, config.block_n, page_size or 1)}
+    consts["EARLY_PAGES"] = bool(consts["TILE_PAGES"]) and early_pages and not windowed  # as launch._fwd_tail sets it
     if kernel == "fwd_combine":  # the combine pass's own rows per program, not the forward tile's
         consts["BLOCK_M"] = combine_rows(heads)
     if page_size is not None:
