@@ -150,7 +150,7 @@ class InvarianceAudit(RankAudit):
         yield from self.operator_rows(fx)
         table = self.merge_tails(tails)
         if self.session.rank == 0:
-            self.session.meta.update(self.coverage(table))
+            self.session.add_meta(self.coverage(table))
 
     def operator_rows(self, fx) -> Iterator[Row]:
         """The public v1 operators with ``mode="fp32_invariant"`` on this rank's TP=2 x CP=2 shards ==

@@ -120,7 +120,7 @@ class TpCpAudit(RankAudit):
                 lambda: parallel.row_parallel_dhidden_launch(loc["d_out"], loc["w_down"], layout=self.layout), outs)
             if self.groups.cp is not None:
                 yield from self.rebuild_rows(fx, outs)
-        self.session.meta.update(self.coverage())
+        self.session.add_meta(self.coverage())
 
     # ------------------------------------------------------------------------------ cases
     def observed_calls(self, name: str, call: Callable) -> tuple[list, Counter, dict, dict]:

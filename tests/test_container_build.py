@@ -28,10 +28,13 @@ from pathlib import Path
 import pytest
 
 from detkit.kernels.attention import HEAD_DIMS
+from detkit.toolkit.launch import DEFAULT_TIMEOUT_S
 from tests.test_attention_audit import EXPECTED_CHECKS as ATTENTION_CHECKS
 from tests.test_audits import EXPECTED_CHECKS as GEMM_CHECKS
-from tests.test_tp_cp_suite import CHECKS_4_RANKS as TP_CP_CHECKS_4_RANKS
+from tests.test_tp_cp_suite import CHECKS_4_RANKS as TP_CP_CHECKS_4_RANKS, check_4_rank_tp_cp
 from tests.test_container_static import _compose_binary, compose_fails_on_invalid_files
+from tests.test_invariance import check_4_rank_invariance
+from tests.test_mode_parallel_jobs import check_dp2_qwen3_rows, check_tp2_qwen3_rows, job_rows
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / ".ci" / "docker.sh"
@@ -274,6 +277,12 @@ def test_the_readme_main_job_passes_end_to_end_with_the_default_suite(engine, re
     assert json.loads(model_json.read_text())["counters"] == {k: v for k, v in counters.items()
                                                                if k in ("routed", "not_routed")}
     assert "## Drift" in model_json.with_name("model.md").read_text()
+    # The model-parallel suite's interpreter jobs (tests/test_mode_parallel_jobs.py runs them where this does not).
+    parallel = [r for r in rows if r["suite"] == "model-parallel"]
+    check_tp2_qwen3_rows(job_rows(parallel, "tp2 qwen3"))
+    check_dp2_qwen3_rows(job_rows(parallel, "dp2 qwen3"))
+    (coverage,) = [r["details"] for r in parallel if r["check"] == "coverage"]
+    assert coverage["run"] == ["tp2:qwen3", "dp2:qwen3"], coverage
     # tp-cp and invariance on the 4 gloo ranks the audit starts itself (tests/test_tp_cp_suite.py's one-process
     # `--suite all` runs them where this does not).
     assert meta["suite_selection"]["launched_on_local_ranks"] == ["tp-cp", "invariance"]
@@ -285,6 +294,12 @@ def test_the_readme_main_job_passes_end_to_end_with_the_default_suite(engine, re
     assert meta["groups"] == {"tp": [[0, 1], [2, 3]], "cp": [[0, 2], [1, 3]]}
     [run] = meta["rank_runs"]
     assert run["exit_codes"] == [0, 0, 0, 0] and run["rows"] == len(ranked)
+    # The ranks' own report, with the checks of tests/test_tp_cp_suite.py's and tests/test_invariance.py's 4-rank
+    # launches (which skip where this runs): both suites' rows and coverage in one launch.
+    [rank_dir] = engine.results.glob("host-audit-*/cpu/ranks-4-rank")
+    rank_report = json.loads((rank_dir / "report.json").read_text())
+    check_4_rank_tp_cp(rank_dir, rank_report, timeout_s=DEFAULT_TIMEOUT_S)
+    check_4_rank_invariance(rank_report)
     container = meta["env"]["container"]
     assert container["image"] == IMAGE and container["in_container"] is True
     assert container["relaxed_checks"] == ["ALLOW_CPU_BASE", "ALLOW_UNPINNED_BASE"]

@@ -172,15 +172,21 @@ def audit_under_torchrun(out: Path, nproc: int, device: str, timeout: float, **e
 
 @pytest.fixture(scope="module")
 def four_rank_report(tmp_path_factory):
+    from tests.test_container_build import engine_can_run_here
+
+    if engine_can_run_here():
+        pytest.skip("the README main job's --suite all starts these 4 ranks here and checks their report with "
+                    "check_4_rank_invariance (tests/test_container_build.py)")
     out = tmp_path_factory.mktemp("invariance_4")
     proc = audit_under_torchrun(out, 4, "cpu", CPU_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "report.json").read_text())
 
 
-def test_4_rank_invariance_suite(four_rank_report):
-    report = four_rank_report
-    rows = report["rows"]
+def check_4_rank_invariance(report: dict) -> None:
+    """The invariance suite's rows and drift table in the report of a 4-rank gloo run on the CPU: its own launch
+    here, or the ranks the README main job's --suite all starts (with the tp-cp suite beside it)."""
+    rows = [r for r in report["rows"] if r["suite"] == "invariance"]
     assert rows and all(r["passed"] for r in rows)
     assert {r["details"]["rank"] for r in rows} == {0, 1, 2, 3}
     bitwise = [r for r in rows if r["check"] == "invariant_bitwise"]
@@ -197,10 +203,7 @@ def test_4_rank_invariance_suite(four_rank_report):
     for r in rows:
         if r["check"] == "collectives":
             assert r["details"]["expected_all_reduce"] == expected[r["details"]["config"]]
-
-
-def test_4_rank_drift_table(four_rank_report):
-    meta = four_rank_report["meta"]
+    meta = report["meta"]
     table = {(e["mode"], e["tensor"], e["pair"]): e for e in meta["invariance_drift_table"]}
     assert len(table) == len(MODES) * 5 * 6
     for (mode, tensor, pair), e in table.items():
@@ -215,6 +218,11 @@ def test_4_rank_drift_table(four_rank_report):
     assert e["ulp_max"] >= e["ulp_p99"] > 0 and e["rel_max"] >= e["rel_p99"] > 0
     not_covered = " | ".join(meta["not_covered"])
     assert "not a hardware result" in not_covered and "Qwen3-8B shapes: this run used tiny" in not_covered
+    assert "invariance of the bf16 (v1) mode: not claimed" in not_covered
+
+
+def test_4_rank_invariance_suite(four_rank_report):
+    check_4_rank_invariance(four_rank_report)
 
 
 # ------------------------------------------------------------------------------ 2 GPUs, NCCL, Qwen3-8B shapes

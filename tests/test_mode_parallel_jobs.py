@@ -27,6 +27,51 @@ def _failed(rows):
             for r in rows if not r["passed"]]
 
 
+QWEN3_PARAMETERS = {f"model.layers.0.{m}.weight" for m in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj", "self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm")} | {
+    "lm_head.weight", "model.norm.weight", "model.embed_tokens.weight"}
+
+
+def job_rows(rows: list[dict], job: str) -> list[dict]:
+    """The rows of one job (``"tp2 qwen3"``) of a model-parallel report, ``informational`` made explicit."""
+    return [{**r, "informational": r["details"].get("informational", False)} for r in rows
+            if r["name"].startswith(job + " ")]
+
+
+def check_tp2_qwen3_rows(rows: list[dict]) -> None:
+    """The tp2:qwen3 job's rows (the audit's interpreter default, also run by the README main job's --suite all)."""
+    assert rows and not _failed(rows), _failed(rows)
+    checks = {r["check"] for r in rows if not r["informational"]}
+    assert checks == {"logprobs", "routed", "grads", "generate_vs_trainer"}
+    assert all(r["details"]["pg_backend"] == "gloo" and r["details"]["ranks"] == 2 for r in rows)
+    claimed = {r["name"].split(" ")[2] for r in rows if r["check"] == "grads"}
+    assert claimed == QWEN3_PARAMETERS  # every parameter, q_norm / k_norm on their head-sharded route included
+    assert next(r for r in rows if r["check"] == "grad_scope")["details"]["outside"] == {}
+    drift = [r["details"]["mismatches"] for r in rows if r["check"] == "default_drift"]
+    assert len(drift) == 2  # informational: recorded per rank, not asserted either way
+
+
+def check_dp2_qwen3_rows(rows: list[dict]) -> None:
+    """The dp2:qwen3 job's rows (the audit's interpreter default, also run by the README main job's --suite all)."""
+    assert rows and not _failed(rows), _failed(rows)
+    claimed = {r["name"].split(" ")[2] for r in rows if r["check"] == "grads"}
+    assert claimed == QWEN3_PARAMETERS
+    scope = next(r for r in rows if r["check"] == "grad_scope")["details"]
+    assert scope["outside"] == {} and set(scope["kinds"].values()) == {"invariant"}
+    assert any(r["check"] == "grads_repeat" and r["passed"] for r in rows)
+    plain = next(r for r in rows if r["check"] == "plain_dp_drift")["details"]["mismatches"]
+    assert set(plain) >= claimed  # what differs without the invariant reduction: counted per parameter
+
+
+def _skip_where_the_main_job_runs_it() -> None:
+    from tests.test_container_build import engine_can_run_here
+
+    if engine_can_run_here():
+        pytest.skip("the README main job's --suite all runs this job on the interpreter here and checks its rows "
+                    "(tests/test_container_build.py)")
+
+
 @cpu_ranks_only
 def test_tp2_qwen3_equals_one_process_bitwise_through_the_audit_cli(tmp_path):
     """The suite as a user runs it (``detkit audit --suite model-parallel``), one job: it starts its 2 ranks."""
@@ -35,41 +80,23 @@ def test_tp2_qwen3_equals_one_process_bitwise_through_the_audit_cli(tmp_path):
     import subprocess
     import sys
 
+    _skip_where_the_main_job_runs_it()
     env = {**os.environ, "TRITON_INTERPRET": "1", "DETKIT_MODEL_PARALLEL_JOBS": "tp2:qwen3",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.run([sys.executable, "-m", "detkit", "audit", "--device", "cpu", "--suite", "model-parallel",
                            "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [{**r, "informational": r["details"].get("informational", False)}
-            for r in json.loads((tmp_path / "report.json").read_text())["rows"]]
-    assert not _failed(rows), _failed(rows)
-    checks = {r["check"] for r in rows if not r["informational"]}
-    assert checks == {"logprobs", "routed", "grads", "generate_vs_trainer"}
-    assert all(r["details"]["pg_backend"] == "gloo" and r["details"]["ranks"] == 2 for r in rows
-               if r["check"] != "coverage")
-    claimed = [r for r in rows if r["check"] == "grads"]
-    assert len(claimed) == 14  # every parameter, q_norm / k_norm on their head-sharded route included
-    assert next(r for r in rows if r["check"] == "grad_scope")["details"]["outside"] == {}
-    drift = [r["details"]["mismatches"] for r in rows if r["check"] == "default_drift"]
-    assert len(drift) == 2  # informational: recorded per rank, not asserted either way
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    check_tp2_qwen3_rows(job_rows(rows, "tp2 qwen3"))
     coverage = next(r for r in rows if r["check"] == "coverage")["details"]
     assert coverage["run"] == ["tp2:qwen3"] and "dp2:qwen3" in coverage["not_run"]
 
 
 @cpu_ranks_only
 def test_dp2_qwen3_reduced_gradients_equal_one_process_bitwise():
+    _skip_where_the_main_job_runs_it()
     job, rows = _launch_and_compare("dp2", "qwen3")
-    assert not _failed(rows), _failed(rows)
-    claimed = {r["name"].split(" ")[2] for r in rows if r["check"] == "grads"}
-    assert claimed == {f"model.layers.0.{m}.weight" for m in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj", "mlp.down_proj", "self_attn.q_norm", "self_attn.k_norm", "input_layernorm",
-        "post_attention_layernorm")} | {"lm_head.weight", "model.norm.weight", "model.embed_tokens.weight"}
-    scope = next(r for r in rows if r["check"] == "grad_scope")["details"]
-    assert scope["outside"] == {} and set(scope["kinds"].values()) == {"invariant"}
-    assert any(r["check"] == "grads_repeat" and r["passed"] for r in rows)
-    plain = next(r for r in rows if r["check"] == "plain_dp_drift")["details"]["mismatches"]
-    assert set(plain) >= claimed  # what differs without the invariant reduction: counted per parameter
+    check_dp2_qwen3_rows(job_rows(rows, "dp2 qwen3"))
 
 
 @cpu_ranks_only

@@ -73,6 +73,9 @@ COLLECTIVE_FUNCTIONS = (
 )
 
 
+COVERAGE_KEYS = ("covered", "not_covered")  # meta lists every suite of a launch adds to
+
+
 @dataclass(frozen=True)
 class Groups:
     """Every TP/CP group of the layout's world (all ranks built them, in the same order), and this
@@ -115,6 +118,16 @@ class DistSession:
     @property
     def hosts(self) -> list[str]:
         return sorted({r["hostname"] for r in self.rank_records})
+
+    def add_meta(self, part: dict[str, Any]) -> None:
+        """A plug-in's meta into the run's: its ``covered`` / ``not_covered`` lines appended to the other suites' of
+        the same launch (each line once), every other key set."""
+        for key, value in part.items():
+            if key in COVERAGE_KEYS:
+                kept = self.meta.setdefault(key, [])
+                kept += [line for line in value if line not in kept]
+            else:
+                self.meta[key] = value
 
 
 _SESSION: DistSession | None = None
