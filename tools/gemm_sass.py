@@ -18,6 +18,8 @@ pointers, sizes and outer strides divisible by 16, unit inner strides as constan
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -124,16 +126,22 @@ def gluon_sm90_report(fn, types: dict[str, str], consts: dict, maxnreg: int) -> 
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if sig[n] != "constexpr" and not sig[n].startswith("tensordesc") and n != "op_id"}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
+    # Triton runs ptxas with -v and prints its log when asked: the log of the build itself, not of a second ptxas run.
+    log = io.StringIO()
+    with triton.knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        triton.knobs.nvidia.dump_ptxas_log = True
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
+    info = log.getvalue()
     with tempfile.TemporaryDirectory() as d:
         sass = cuobjdump_bytes("--dump-sass", k.asm["cubin"], d)
         stack = stack_bytes(cuobjdump_bytes("--dump-resource-usage", k.asm["cubin"], d))
-        ptx_file = os.path.join(d, "k.ptx")
-        with open(ptx_file, "w") as f:
-            f.write(k.asm["ptx"])
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_file, "-o", os.path.join(d, "k.cubin")],
-                              capture_output=True, text=True).stderr
+        if "Compiling entry function" not in info:  # a cache hit ran no ptxas: assemble the PTX again for its log
+            ptx_file = os.path.join(d, "k.ptx")
+            with open(ptx_file, "w") as f:
+                f.write(k.asm["ptx"])
+            ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+            info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_file, "-o", os.path.join(d, "k.cubin")],
+                                  capture_output=True, text=True).stderr
     count = {key: len(re.findall(rf"\b{op}", sass)) for key, op in (
         ("qgmma", "QGMMA"), ("hgmma", "HGMMA"), ("tma", "UTMALDG"), ("tma_store", "UTMASTG"),
         ("setmaxnreg", "USETMAXREG"), ("ldgsts", "LDGSTS"), ("ldg128", r"LDG\.E\.128"), ("stg128", r"STG\.E\.128"),
