@@ -9,6 +9,8 @@
 # - ncu: Nsight Compute (clocks left alone, caches flushed per kernel) on one call of each path at B1 1k and B1 8k,
 #   one process per path: duration, DRAM bytes and throughput, occupancy and the warp stall reasons of every kernel,
 #   raw CSV per path under $OUT/ncu.
+# Environment (defaults: everything above): DECOMPOSE_CASES ("1x1024 1x8192": batch x keys), NCU_PATHS (paths to
+# profile), DECOMPOSE_LIMIT_S and NCU_LIMIT_S (each step's time limit).
 set -euo pipefail
 : "${OUT:?set OUT to the results folder}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -20,6 +22,7 @@ mkdir -p "$OUT/ncu"
 cat > "$OUT/paths.py" <<'PY'
 """The decode paths this call compares, on one case's inputs (imported by both steps)."""
 import math
+import os
 
 import torch
 
@@ -28,7 +31,8 @@ from detkit.kernels.attention import attention
 from detkit.kernels.attention.launch import Sequences, attention_fwd_launch
 
 PATHS = ("padded", "padded_kv_end", "varlen", "paged256", "paged16", "flash")
-CASES = ((1, 1024), (1, 8192), (8, 8192), (1, 32768))
+CASES = tuple(tuple(int(v) for v in c.split("x")) for c in
+              os.environ.get("DECOMPOSE_CASES", "1x1024 1x8192 8x8192 1x32768").split())  # batch x keys
 
 
 def path_calls(batch: int, keys: int, dev: torch.device, sets: int) -> dict:
@@ -55,7 +59,7 @@ def path_calls(batch: int, keys: int, dev: torch.device, sets: int) -> dict:
         calls[f"paged{page}"] = [paged_call(case, inp) for inp in make_inputs(case, dev, sets=sets)]
     return calls
 PY
-step decompose 240 python - "$OUT" <<'PY'
+step decompose "${DECOMPOSE_LIMIT_S:-240}" python - "$OUT" <<'PY'
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
@@ -102,7 +106,7 @@ PY
 ncu_bin=$(command -v ncu || find /opt/nvidia/nsight-compute -maxdepth 2 -name ncu -type f 2>/dev/null | sort | head -1 || true)
 cat > "$OUT/ncu_all.sh" <<'SH'
 # ncu_all.sh NCU OUT: one ncu process per path.
-for path in padded padded_kv_end varlen paged256 paged16 flash; do
+for path in ${NCU_PATHS:-padded padded_kv_end varlen paged256 paged16 flash}; do
   "$1" --clock-control none --nvtx --nvtx-include 'detkit@ncu/' --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy \
     --csv --page raw python "$2/ncu_one.py" "$2" "$path" > "$2/ncu/$path.csv" 2> "$2/ncu/$path.err" \
@@ -110,7 +114,7 @@ for path in padded padded_kv_end varlen paged256 paged16 flash; do
 done
 SH
 if [[ -n $ncu_bin ]]; then
-  step ncu 200 bash "$OUT/ncu_all.sh" "$ncu_bin" "$OUT"
+  step ncu "${NCU_LIMIT_S:-200}" bash "$OUT/ncu_all.sh" "$ncu_bin" "$OUT"
 else
   echo "ncu not found" | tee "$OUT/ncu/missing.txt"
 fi
