@@ -258,3 +258,15 @@ def test_all_in_one_process_runs_tp_cp_and_invariance_on_4_local_gloo_ranks(tmp_
     assert run["status"] == "PASSED" and run["exit_codes"] == [0, 0, 0, 0] and run["rows"] == len(ranked)
     assert meta["status"] == "PASSED" and meta["suite_seconds"]["ranks (tp-cp, invariance)"] > 0
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == len(report["rows"])
+
+
+def test_suites_of_one_launch_keep_each_others_coverage_lines():
+    """The README main job starts tp-cp and invariance in one launch: the second suite's meta must add its coverage
+    lines to the first's (each line once), not replace them; other keys are set."""
+    from detkit.toolkit.dist import DistSession
+
+    session = DistSession(0, 4, 0, 0, "torchrun", "gloo", torch.device("cpu"), 100.0, None, None, None, [])
+    session.add_meta({"covered": ["tp a", "shared"], "not_covered": ["tp x"], "specs_run": ["gate_fwd"]})
+    session.add_meta({"covered": ["inv b", "shared"], "not_covered": ["inv y", "tp x"], "specs_run": ["other"]})
+    assert session.meta == {"covered": ["tp a", "shared", "inv b"], "not_covered": ["tp x", "inv y"],
+                            "specs_run": ["other"]}
