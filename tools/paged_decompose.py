@@ -37,7 +37,7 @@ def path_calls(batch: int, keys: int, device: torch.device, sets: int,
                heads: tuple[int, int, int] = QWEN3_8B_HEADS) -> dict[str, list]:
     """path -> one decode-step call per input set, each on its own operands and capturable in a CUDA graph (the
     checks that read the host run here, once)."""
-    from detkit.bench.attention import BenchCase, make_inputs, paged_call, sdpa_call
+    from detkit.bench.attention import BenchCase, make_inputs, paged_call, sdpa_call, sdpa_gqa_mode
     from detkit.kernels.attention import attention
     from detkit.kernels.attention.launch import Sequences, attention_fwd_launch
 
@@ -48,14 +48,16 @@ def path_calls(batch: int, keys: int, device: torch.device, sets: int,
     kv_end = torch.full((batch,), keys, dtype=torch.int32, device=device)
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
     seqs = Sequences(True, batch, 1, keys, cu_q, cu_q * keys)
-    for inp in make_inputs(base, device, sets=sets):
+    inputs = make_inputs(base, device, sets=sets)
+    gqa = sdpa_gqa_mode(base, inputs[0])  # "native" where the flash backend takes enable_gqa, as the bench picks
+    for inp in inputs:
         q, k, v = inp["q"], inp["k"], inp["v"]
         k_packed, v_packed = (t.transpose(1, 2).reshape(batch * keys, heads_kv, dim).contiguous() for t in (k, v))
         calls["padded"].append(lambda q=q, k=k, v=v: attention(q, k, v))
         calls["padded_kv_end"].append(lambda q=q, k=k, v=v: attention(q, k, v, kv_end=kv_end))
         calls["varlen"].append(lambda q=q[:, :, 0], k=k_packed, v=v_packed:
                                attention_fwd_launch(q, k, v, seqs, scale, None)[0])
-        calls["flash"].append(sdpa_call(base, inp, "native"))
+        calls["flash"].append(sdpa_call(base, inp, gqa))
     for page in (256, 16):
         case = BenchCase("paged_decode", batch, 1, keys, heads_q, heads_kv, dim, seed=7, page_size=page)
         calls[f"paged{page}"] = [paged_call(case, inp) for inp in make_inputs(case, device, sets=sets)]
