@@ -83,7 +83,10 @@ class Engine:
         return {
             "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.home), "LANG": "C.UTF-8",
             "DOCKER_HOST": self.env["DOCKER_HOST"], "DOCKER_BUILDKIT": "1", "COMPOSE_FILE": CPU_FILES,
-            "DETKIT_BASE_IMAGE": self.env["DETKIT_STANDIN_IMAGE"], "DETKIT_GIT_COMMIT": _git_commit(), **env,
+            "DETKIT_BASE_IMAGE": self.env["DETKIT_STANDIN_IMAGE"], "DETKIT_GIT_COMMIT": _git_commit(),
+            # This test worker's CPU-thread share (tests/conftest.py), for the audit that shares the cores with it.
+            **({"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]} if os.environ.get("OMP_NUM_THREADS") else {}),
+            **env,
         }
 
     def as_user(self, argv: list[str], label: str, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
@@ -302,6 +305,9 @@ def test_the_readme_main_job_passes_end_to_end_with_the_default_suite(engine, re
     check_4_rank_invariance(rank_report)
     container = meta["env"]["container"]
     assert container["image"] == IMAGE and container["in_container"] is True
+    # compose.yaml passes this worker's CPU-thread share into the container.
+    knobs = meta["env"]["env_knobs"]
+    assert knobs.get("OMP_NUM_THREADS") == (os.environ.get("OMP_NUM_THREADS") or None), knobs
     assert container["relaxed_checks"] == ["ALLOW_CPU_BASE", "ALLOW_UNPINNED_BASE"]
     # `mkdir -p results` and `export UID GID`: every file the run left belongs to the invoking user.
     owners = {(p.stat().st_uid, p.stat().st_gid) for p in [engine.results, *engine.results.rglob("*")]}
