@@ -96,7 +96,8 @@ def decompose(cases, device: torch.device, rounds: int = 5, heads: tuple[int, in
     return rows
 
 
-def profiled_run(path: str, device: torch.device, cases=NCU_CASES, heads: tuple[int, int, int] = QWEN3_8B_HEADS) -> None:
+def profiled_run(path: str, device: torch.device, cases=NCU_CASES,
+                 heads: tuple[int, int, int] = QWEN3_8B_HEADS) -> None:
     """The process ncu profiles: ``path`` warmed up at each case, then one call of each inside the range ``ncu``."""
     from detkit.toolkit.nvtx_ranges import nvtx_range
 
