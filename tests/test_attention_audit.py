@@ -23,11 +23,9 @@ EXPECTED_CHECKS = {"decode", "chunked_prefill", "batch_size", "batch_position", 
 def test_attention_suite_passes_on_interpreter(tmp_path):
     if TEST_DEVICE != "cpu":
         pytest.skip("interpreter run; the GPU run is tools/gpu/attention.sh")
-    from tests.test_container_build import engine_can_run_here
+    from tests.test_container_build import skip_where_the_main_job_runs
 
-    if engine_can_run_here():
-        pytest.skip("the README main job's --suite all runs this suite on the interpreter here and checks its rows "
-                    "(tests/test_container_build.py)")
+    skip_where_the_main_job_runs("runs this suite on the interpreter and checks its rows")
     assert SUITES["attention"] == ("detkit.audits.attention",)
     proc = subprocess.run([sys.executable, "-m", "detkit", "audit", "--device", "cpu", "--suite", "attention",
                            "--out", str(tmp_path), "--no-progress"], capture_output=True, text=True,

@@ -43,11 +43,9 @@ def _check_report(out: Path, backend: str) -> dict:
 def test_gemm_suite_passes_on_interpreter(tmp_path):
     if TEST_DEVICE != "cpu":
         pytest.skip("interpreter run; DETKIT_TEST_DEVICE selects cuda")
-    from tests.test_container_build import engine_can_run_here
+    from tests.test_container_build import skip_where_the_main_job_runs
 
-    if engine_can_run_here():
-        pytest.skip("the README main job's --suite all runs this suite on the interpreter here and checks its rows "
-                    "(tests/test_container_build.py)")
+    skip_where_the_main_job_runs("runs this suite on the interpreter and checks its rows")
     proc = _run_audit(tmp_path, "cpu")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = _check_report(tmp_path, "triton_interpreter")

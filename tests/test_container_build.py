@@ -240,6 +240,14 @@ def engine_can_run_here() -> bool:
     return os.geteuid() == 0 and _compose_binary() is not None
 
 
+def skip_where_the_main_job_runs(what: str) -> None:
+    """Skip, saying so, a test whose work the README main job's ``--suite all`` does where the engine can run here
+    (the main job's test checks it there with that test's own checks); ``what``: that work and how it is checked."""
+    __tracebackhide__ = True  # the skip reported at the caller's line
+    if engine_can_run_here():
+        pytest.skip(f"here the README main job's --suite all {what} (tests/test_container_build.py)")
+
+
 def _report(engine: Engine, pattern: str = "host-audit-*/cpu/report.json") -> dict:
     [path] = engine.results.glob(pattern)
     return json.loads(path.read_text())

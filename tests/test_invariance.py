@@ -172,11 +172,9 @@ def audit_under_torchrun(out: Path, nproc: int, device: str, timeout: float, **e
 
 @pytest.fixture(scope="module")
 def four_rank_report(tmp_path_factory):
-    from tests.test_container_build import engine_can_run_here
+    from tests.test_container_build import skip_where_the_main_job_runs
 
-    if engine_can_run_here():
-        pytest.skip("the README main job's --suite all starts these 4 ranks here and checks their report with "
-                    "check_4_rank_invariance (tests/test_container_build.py)")
+    skip_where_the_main_job_runs("starts these 4 ranks and checks their report with check_4_rank_invariance")
     out = tmp_path_factory.mktemp("invariance_4")
     proc = audit_under_torchrun(out, 4, "cpu", CPU_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -65,11 +65,10 @@ def check_dp2_qwen3_rows(rows: list[dict]) -> None:
 
 
 def _skip_where_the_main_job_runs_it() -> None:
-    from tests.test_container_build import engine_can_run_here
+    __tracebackhide__ = True  # the skip reported at the test's line
+    from tests.test_container_build import skip_where_the_main_job_runs  # lazily: that module imports this one
 
-    if engine_can_run_here():
-        pytest.skip("the README main job's --suite all runs this job on the interpreter here and checks its rows "
-                    "(tests/test_container_build.py)")
+    skip_where_the_main_job_runs("runs this job on the interpreter and checks its rows")
 
 
 @cpu_ranks_only

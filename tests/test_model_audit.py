@@ -91,11 +91,10 @@ def test_a_batch_dependent_module_is_caught_and_named(device, config_file):
 
 def test_the_plugin_yields_its_rows_and_writes_the_model_report(device, config_file, tmp_path, monkeypatch):
     if device.type == "cpu":
-        from tests.test_container_build import engine_can_run_here
+        from tests.test_container_build import skip_where_the_main_job_runs
 
-        if engine_can_run_here():
-            pytest.skip("the README main job's --suite all runs this plug-in on the interpreter here, with this plan, "
-                        "and checks its rows and files (tests/test_container_build.py)")
+        skip_where_the_main_job_runs("runs this plug-in on the interpreter, with this plan, and checks its rows and "
+                                     "files")
     monkeypatch.setattr(audit_model, "CPU_PLAN", SMALL_PLAN)
     monkeypatch.setattr(audit_model, "CUDA_PLAN", SMALL_PLAN)
     backend = "triton_interpreter" if device.type == "cpu" else "cuda_sm90"

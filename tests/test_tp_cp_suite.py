@@ -40,11 +40,9 @@ def _rows(report: dict, check: str | None = None) -> list[dict]:
 # ------------------------------------------------------------------------------ 4 ranks, CPU
 @pytest.fixture(scope="module")
 def four_rank_report(tmp_path_factory):
-    from tests.test_container_build import engine_can_run_here
+    from tests.test_container_build import skip_where_the_main_job_runs
 
-    if engine_can_run_here():
-        pytest.skip("the README main job's --suite all starts these 4 ranks here and checks their report with "
-                    "check_4_rank_tp_cp (tests/test_container_build.py)")
+    skip_where_the_main_job_runs("starts these 4 ranks and checks their report with check_4_rank_tp_cp")
     out = tmp_path_factory.mktemp("tp_cp_4")
     proc = audit_under_torchrun(out, 4, "cpu", CPU_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -219,11 +217,9 @@ def test_nccl_2_gpu_suite_qwen3_shapes(tmp_path, world, missing):
 def test_all_in_one_process_runs_tp_cp_and_invariance_on_4_local_gloo_ranks(tmp_path, monkeypatch):
     """The main job's command on a host without GPU: the single-process suites are replaced here (they have
     their own tests); tp-cp and invariance run for real on the 4 ranks the audit starts itself."""
-    from tests.test_container_build import engine_can_run_here
+    from tests.test_container_build import skip_where_the_main_job_runs
 
-    if engine_can_run_here():
-        pytest.skip("the README main job's --suite all starts these 4 ranks here and checks their rows "
-                    "(tests/test_container_build.py)")
+    skip_where_the_main_job_runs("starts these 4 ranks and checks their rows")
     from click.testing import CliRunner
 
     from detkit.toolkit import cli, harness

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 PATHS = ("padded", "padded_kv_end", "varlen", "paged256", "paged16", "flash")
-DETKIT_PATHS = PATHS[:-1]
+DETKIT_PATHS = tuple(p for p in PATHS if p != "flash")
 DEFAULT_CASES = ((1, 1024), (1, 8192), (8, 8192), (1, 32768))
 NCU_CASES = ((1, 1024), (1, 8192))
 QWEN3_8B_HEADS = (32, 8, 128)  # query heads, KV heads, head dim
