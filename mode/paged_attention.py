@@ -54,6 +54,7 @@ import inspect
 
 import torch
 
+from detkit.kernels.attention.host_values import host_values, remember
 CB_OP = "attention (transformers continuous batching)"
 # The keyword arguments that mark a call from transformers' continuous batching (a packed trainer batch passes
 # cu_seq_lens_q too, but never the cache's read/write indices).
@@ -118,8 +119,8 @@ def _window(module, kwargs: dict) -> int | None:
 def _anchors(positions, window: int, bounds_q: list[int], bounds_k: list[int], device: torch.device
              ) -> torch.Tensor | None:
     """Each request's ``kv_start`` (int32 [n]) for a sliding-window layer: cached - p0, p0 the position of its first
-    query (``position_ids``), cached its keys before the new ones; None where no request's keys were dropped. One host
-    read (the first positions)."""
+    query (``position_ids``), cached its keys before the new ones; None where no request's keys were dropped. The positions
+    are read on the host once a step (``host_values``: every sliding-window layer gets the same tensor)."""
     if (not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dim() not in (1, 2)
             or (positions.dim() == 2 and positions.shape[0] != 1) or positions.numel() < bounds_q[-1]):
         what = (f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor)
@@ -130,8 +131,8 @@ def _anchors(positions, window: int, bounds_q: list[int], bounds_k: list[int], d
     requests = [n for n in range(len(bounds_q) - 1) if bounds_q[n + 1] > bounds_q[n]]
     if not requests:
         return None
-    index = torch.tensor([bounds_q[n] for n in requests], device=positions.device)
-    firsts = positions.reshape(-1)[index].tolist()
+    flat = host_values(positions)[0]  # one host read per step: every sliding layer gets this tensor
+    firsts = [flat[bounds_q[n]] for n in requests]
     starts = [0] * (len(bounds_q) - 1)
     for n, p0 in zip(requests, firsts):
         cached = (bounds_k[n + 1] - bounds_k[n]) - (bounds_q[n + 1] - bounds_q[n])
@@ -143,7 +144,7 @@ def _anchors(positions, window: int, bounds_q: list[int], bounds_k: list[int], d
         starts[n] = -dropped
     if not any(starts):
         return None
-    return torch.tensor(starts, dtype=torch.int32, device=device)
+    return remember(torch.tensor(starts, dtype=torch.int32, device=device), starts)  # varlen's check reads none
 
 
 def paged_attention_forward(varlen, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -182,7 +183,8 @@ def paged_attention_forward(varlen, module, query, key, value, attention_mask, d
         key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)
     cu_q = _cu(kwargs.get("cu_seq_lens_q"), "cu_seq_lens_q", query.device)
     cu_k = _cu(_per_layer(kwargs.get("cu_seq_lens_k"), window, "cu_seq_lens_k"), "cu_seq_lens_k", query.device)
-    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()  # host reads (the kernel's checks read them too)
+    # One host read for the step's first layer; the later layers get the same tensors, remembered (host_values).
+    bounds_q, bounds_k = host_values(cu_q, cu_k)
     real_q, real_k = bounds_q[-1], bounds_k[-1]
     total_q = query.shape[2]
     if real_q > total_q or real_k > key.shape[0]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import detkit
+from detkit.kernels.attention.host_values import host_reads
 from detkit.mode import attention as mode_attention
 from detkit.mode import paged_attention
 from detkit.toolkit.contract import compare_bits
@@ -116,12 +117,18 @@ def test_a_cached_prefix_gives_the_cold_bits(device, monkeypatch, overlap):
     (base,) = _prompts((9,), seed=3)
     prompts = [base, base[:8] + [17], base[:4] + [5, 6, 7]]
     arrivals = [0, 1, 1] if overlap else [0, NEW, NEW]
+    steps = []
     with detkit.batch_invariant_mode(strict=True):
+        reads = host_reads()
         served = serving.run_continuous_batching(
-            model, prompts, NEW, serving.cb_config(page_size=4, allow_block_sharing=True), arrivals=arrivals)
+            model, prompts, NEW, serving.cb_config(page_size=4, allow_block_sharing=True), arrivals=arrivals,
+            steps=steps)
+        reads = host_reads() - reads
         _check_against_alone_and_trainer(model, prompts, served)
     by_request = dict(matches)
     assert by_request.get("r1") == 8 and by_request.get("r2") == 4, f"prefix matches: {matches}"
+    # the step's lengths read on the host once, by its first layer; every later call of the step remembers them
+    assert reads == len(steps), f"{reads} host reads of the lengths in {len(steps)} steps"
 
 
 def test_sliding_window_layers_with_dropped_keys_give_the_trainers_bits(device, monkeypatch):
@@ -146,9 +153,13 @@ def test_sliding_window_layers_with_dropped_keys_give_the_trainers_bits(device, 
 
     monkeypatch.setattr(paged_attention, "_anchors", spy)
     with detkit.batch_invariant_mode(strict=True):
+        reads = host_reads()
         served = serving.run_continuous_batching(
             model, prompts, NEW, serving.cb_config(page_size=4, max_batch_tokens=8), arrivals=[0, 1, 1], steps=steps)
+        reads = host_reads() - reads
         _check_against_alone_and_trainer(model, prompts, served)
+    # per step the lengths, then the positions (the anchors), each read once for all its layers
+    assert reads == 2 * len(steps), f"{reads} host reads of the lengths and positions in {len(steps)} steps"
     # the schedule this test is about: keys dropped with a first query at position 16 or later (dropped + window - 1)
     assert max(dropped) + window - 1 >= 16, f"keys dropped per sliding-window call: {dropped}"
     assert any(1 in lens and max(lens) > 1 for lens in steps), f"query lengths per step: {steps}"

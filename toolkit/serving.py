@@ -237,6 +237,19 @@ def run_continuous_batching(model, prompts: list[list[int]], max_new_tokens: int
     return _collect([(rid, final[rid]) for rid in added], rows)
 
 
+def serve(model, prompts: list[list[int]], max_new_tokens: int, config=None) -> list[list[int]]:
+    """``generate_batch`` of ``prompts`` (greedy, every request ``max_new_tokens``), nothing recorded: the call a
+    serving user makes, for timing. Per prompt, its generated tokens."""
+    config = config or cb_config()
+    with _no_flash_switch(model, config):
+        outputs = model.generate_batch(prompts, generation_config=_generation_config(max_new_tokens),
+                                       continuous_batching_config=config)
+    by_prompt: dict[tuple, list] = {}
+    for result in outputs.values():
+        by_prompt.setdefault(tuple(result.prompt_ids), []).append(list(result.generated_tokens))
+    return [by_prompt[tuple(p)].pop(0) for p in prompts]
+
+
 def alone_logits(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """``generate`` of one request alone (greedy, DynamicCache): (tokens, logits ``[N, V]`` float32 as generate
     returns them)."""

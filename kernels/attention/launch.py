@@ -19,6 +19,7 @@ from detkit.kernels.attention.kernels import (
     LOG2E, attention_bwd_delta_kernel, attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_fwd_combine_kernel,
     attention_fwd_kernel,
 )
+from detkit.kernels.attention.host_values import TensorMemo, host_values
 from detkit.kernels.attention.names import case_name
 from detkit.kernels.backend import (
     CUDA_SM90, MAX_INT32_OFFSET, TRITON_INTERPRETER, PlannedKernel, ensure_thread_cuda_context, resolve_backend,
@@ -238,7 +239,8 @@ def _check_padded(q, k, v, kv_start, kv_end) -> tuple[int, int, int, int, int, i
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple[int, int, int, int]:
-    """Refuse what the packed layout does not support; reads cu_seqlens on the host (one sync). Returns
+    """Refuse what the packed layout does not support; reads cu_seqlens on the host (one sync, or none: remembered
+    per tensor by ``host_values``). Returns
     (n sequences, Hq, Hkv, D), D the query/key head dim (v's may differ: ``kernel_head_dim``)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 3)
@@ -275,8 +277,7 @@ def anchored_cu_seqlens_k(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
     if window is None:
         raise ValueError("kv_start needs a window: without one every query sees its sequence's first key, which "
                          "must then be in k; supported: kv_start with window=, or kv_start None")
-    values = torch.cat([kv_start, cu_seqlens_q, cu_seqlens_k]).tolist()
-    starts, cu_q, cu_k = values[:n], values[n:2 * n + 1], values[2 * n + 1:]
+    starts, cu_q, cu_k = host_values(kv_start, cu_seqlens_q, cu_seqlens_k)
     for b, start in enumerate(starts):
         q_len, k_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
         if start > 0 or start < -2**30:
@@ -291,18 +292,19 @@ def anchored_cu_seqlens_k(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
 
 def _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int | None,
                    device: torch.device) -> list[int]:
-    """Check the cumulative lengths on the host (one sync): they start at 0, never decrease and end at the packed
-    length (``total_k`` None: any end, the keys of a paged cache); max_seqlen_q / _k cover the longest sequence.
-    Returns the key count of each sequence."""
-    lens = {}
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k)):
+    """Check the cumulative lengths on the host (one sync, none where ``host_values`` remembers them): they start at
+    0, never decrease and end at the packed length (``total_k`` None: any end, the keys of a paged cache);
+    max_seqlen_q / _k cover the longest sequence. Returns the key count of each sequence."""
+    named = (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k))
+    for name, cu, _ in named:
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(cu).__name__}")
         if (cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2 or cu.device != device
                 or not cu.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous int32 tensor [n + 1] (n >= 1) on {device}; got "
                              f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
-        values = cu.tolist()
+    lens = {}
+    for (name, cu, total), values in zip(named, host_values(cu_seqlens_q, cu_seqlens_k)):
         steps = [b - a for a, b in zip(values, values[1:])]
         if values[0] != 0 or min(steps) < 0 or (total is not None and values[-1] != total):
             end = "" if total is None else f" and end at the packed length {total}"
@@ -320,11 +322,15 @@ def _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total
     return lens["cu_seqlens_k"]
 
 
+_CHECKED_TABLES = TensorMemo()  # block tables whose needed entries were found inside the storage
+
+
 def check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 window=None) -> Sequences:
     """Refuse what the paged layout does not support and return its ``Sequences``. Reads cu_seqlens on the host
     and checks, on the table's device, that every page id a sequence needs lies in the storage (one more sync):
-    host syncs, so not under CUDA-graph capture (refused by name)."""
+    host syncs, so not under CUDA-graph capture (refused by name). Both are remembered per tensor
+    (``host_values``): the layers of a step that share the lengths and the table wait once."""
     _check_tensor("q", q, 3)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t, 4)  # a page's span (all dims but the first) in 32 bits: pages are offset in 64
@@ -370,14 +376,17 @@ def check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, ma
         raise ValueError(f"block_table has {max_pages} pages per sequence; sequence {b} has {lens[b]} keys, needing "
                          f"{pages[b]} pages of {page_size}; supported: a table as wide as the longest sequence's "
                          "pages")
-    needed = (torch.arange(max_pages, device=q.device)[None, :]
-              < torch.tensor(pages, dtype=torch.int32, device=q.device)[:, None])
-    outside = needed & ((block_table < 0) | (block_table >= num_pages))
-    if bool(outside.any()):
-        b, i = (int(x) for x in outside.nonzero()[0])
-        raise ValueError(f"block_table[{b}, {i}] = {int(block_table[b, i])} is not a page of k_cache/v_cache; "
-                         f"supported: page ids in [0, {num_pages}) for the {pages[b]} pages sequence {b}'s "
-                         f"{lens[b]} keys use")
+    checked = (tuple(pages), num_pages)  # what the table was found to fit: unwritten, it fits again (no sync)
+    if _CHECKED_TABLES.get(block_table, key=checked) is None:
+        needed = (torch.arange(max_pages, device=q.device)[None, :]
+                  < torch.tensor(pages, dtype=torch.int32, device=q.device)[:, None])
+        outside = needed & ((block_table < 0) | (block_table >= num_pages))
+        if bool(outside.any()):
+            b, i = (int(x) for x in outside.nonzero()[0])
+            raise ValueError(f"block_table[{b}, {i}] = {int(block_table[b, i])} is not a page of k_cache/v_cache; "
+                             f"supported: page ids in [0, {num_pages}) for the {pages[b]} pages sequence {b}'s "
+                             f"{lens[b]} keys use")
+        _CHECKED_TABLES.put(block_table, True, key=checked)
     return Sequences(True, n, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, _window_of(window),
                      block_table, page_size)
 
@@ -888,7 +897,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """Packed sequences: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] -> [Tq, Hq, Dv]; sequence n is rows
     cu_seqlens_q[n]..cu_seqlens_q[n+1] of q and cu_seqlens_k[n]..cu_seqlens_k[n+1] of k, its queries the last of its
     keys (causal, bottom-right). The same bits per token as the padded layout. cu_seqlens are read on the host
-    (checked; one sync). ``window`` as for ``attention``, per sequence; with it ``kv_start`` (int32 [n], each <= 0,
+    (checked; one sync, none for tensors already read and unwritten since: ``host_values``). ``window`` as for ``attention``, per sequence; with it ``kv_start`` (int32 [n], each <= 0,
     or None) as the padded layout's negative kv_start: sequence n's first key lies -kv_start[n] keys before its first
     row of k (dropped by a sliding-window cache; its key tiles and splits stay anchored there, so its bits equal the
     padded layout's over the whole sequence), allowed where no query's window reaches a dropped key (checked on the
