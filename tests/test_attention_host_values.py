@@ -116,3 +116,10 @@ def test_read_every_time_reads_every_call_and_remembers_nothing(device):
     host_values(cu)  # nothing was remembered inside: read now, then remembered
     host_values(cu)
     assert host_reads() == reads + 3
+
+
+def test_tensors_on_two_devices_are_read_once_a_device(device):
+    on_cpu, on_device = i32([0, 1], torch.device("cpu")), i32([0, 2, 5], device)
+    reads = host_reads()
+    assert host_values(on_device, on_cpu) == ([0, 2, 5], [0, 1])
+    assert host_reads() == reads + (1 if device.type == "cpu" else 2)

@@ -84,11 +84,14 @@ _reads = 0  # host reads of device values made by host_values (each one a wait f
 
 def host_values(*tensors: torch.Tensor) -> tuple[list[int], ...]:
     """Each tensor's values, flattened, as Python ints: the remembered ones as they are, the rest in one host read
-    (one wait for the device), then remembered."""
+    per device (one wait), then remembered."""
     global _reads
     values = [_VALUES.get(t, default=_MISSING) for t in tensors]
-    missing = [i for i, v in enumerate(values) if v is _MISSING]
-    if missing:
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if v is _MISSING:
+            by_device.setdefault(tensors[i].device, []).append(i)
+    for missing in by_device.values():  # one read a device
         flat = [tensors[i].reshape(-1) for i in missing]
         read = (flat[0] if len(flat) == 1 else torch.cat([f.to(torch.int64) for f in flat])).tolist()
         _reads += 1
