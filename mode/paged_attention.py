@@ -119,8 +119,8 @@ def _window(module, kwargs: dict) -> int | None:
 def _anchors(positions, window: int, bounds_q: list[int], bounds_k: list[int], device: torch.device
              ) -> torch.Tensor | None:
     """Each request's ``kv_start`` (int32 [n]) for a sliding-window layer: cached - p0, p0 the position of its first
-    query (``position_ids``), cached its keys before the new ones; None where no request's keys were dropped. The positions
-    are read on the host once a step (``host_values``: every sliding-window layer gets the same tensor)."""
+    query (``position_ids``), cached its keys before the new ones; None where no request's keys were dropped. The
+    positions are read on the host once a step (``host_values``: every sliding-window layer gets the same tensor)."""
     if (not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dim() not in (1, 2)
             or (positions.dim() == 2 and positions.shape[0] != 1) or positions.numel() < bounds_q[-1]):
         what = (f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor)

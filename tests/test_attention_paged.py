@@ -88,14 +88,16 @@ def _make(lens_q, lens_k, page_size, device, heads_q=4, heads_kv=2, head_dim=64,
 # pages hold whole tiles (16 and 48 on the interpreter's 16-key tiles; 64 on the GPU's) or tiles whole pages (4 and
 # 16 on the GPU's 64-key tiles, 4 on the interpreter's; both tables' choice, which 5 cannot take) or one a key; and
 # with a program's first tile's entries read before its sequence's bounds (paged_early_pages; grouped: a program's
-# first tile is its first launch split's).
+# first tile is its first launch split's), and with each tile's entries read one tile ahead (paged_prefetch_pages).
 @pytest.mark.parametrize("page_size,path", [(4, "split_grid_per_key"), (16, "one_pass_per_key"),
                                             (16, "split_grid_per_key"), (48, "split_grid_per_key"), (5, "one_pass"),
                                             (5, "split_grid"), (5, "split_grid_grouped"), (16, "one_pass_tile_page"),
                                             (48, "split_grid_tile_page"), (64, "split_grid_tile_page"),
                                             (4, "one_pass_tile_page"), (4, "split_grid_tile_page"),
                                             (16, "one_pass_early"), (4, "split_grid_early"),
-                                            (64, "split_grid_grouped_early")])
+                                            (64, "split_grid_grouped_early"), (16, "one_pass_prefetch"),
+                                            (4, "split_grid_prefetch"), (64, "split_grid_grouped_prefetch"),
+                                            (48, "one_pass_prefetch")])
 def test_paged_bits_equal_the_contiguous_keys_for_any_page_size_and_placement(page_size, path, device):
     # Decode at 70 keys (two 64-key splits), a one-key sequence, a 6-query chunk on 31 cached keys (its rows on both
     # sides of the 32-key bound), a 12-token prefill.
@@ -107,8 +109,11 @@ def test_paged_bits_equal_the_contiguous_keys_for_any_page_size_and_placement(pa
         paths[f"{name}_tile_page"] = dataclasses.replace(paths[name], paged_tile_page=True)
         paths[f"{name}_per_key"] = dataclasses.replace(paths[name], paged_tile_page=False)
         paths[f"{name}_early"] = dataclasses.replace(paths[name], paged_tile_page=True, paged_early_pages=True)
+        paths[f"{name}_prefetch"] = dataclasses.replace(paths[f"{name}_early"], paged_prefetch_pages=True)
     paths["split_grid_grouped_early"] = dataclasses.replace(paths["split_grid_grouped"], paged_tile_page=True,
                                                             paged_early_pages=True)
+    paths["split_grid_grouped_prefetch"] = dataclasses.replace(paths["split_grid_grouped_early"],
+                                                               paged_prefetch_pages=True)
     configs = paths[path]
     out = case.paged(configs=configs)
     assert out.shape == case.q.shape and out.dtype == torch.bfloat16
@@ -172,6 +177,12 @@ def test_window_softcap_and_sinks_read_through_pages_keep_the_bits(device):
     case = _make([1, 5], [70, 29], 16, device, seed=9)
     kw = {"window": 37, "softcap": 5.0, "sinks": torch.tensor(SINKS, dtype=torch.bfloat16, device=device)}
     assert_bits_equal(case.paged(**kw), case.varlen(**kw), "paged vs varlen with window, softcap, sinks")
+    # a window moves a program's first tile: the entries read one tile ahead start there
+    paths = forced_paths(device, 64)
+    for name in ("one_pass", "split_grid"):
+        prefetch = dataclasses.replace(paths[name], paged_tile_page=True, paged_prefetch_pages=True)
+        assert_bits_equal(case.paged(configs=prefetch, **kw), case.varlen(**kw),
+                          f"paged ({name}, entries a tile ahead) vs varlen with window, softcap, sinks")
 
 
 def test_transformers_page_views_are_read_without_a_copy(device):

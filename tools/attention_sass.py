@@ -17,18 +17,19 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
                  kv_start: bool = True, kv_end: bool = False, windowed: bool = False, softcap: bool = False,
                  sinks: bool = False, split_grid: bool = False, split_tiers: tuple | None = None,
                  num_warps: int | None = None, page_size: int | None = None, dim_qk: int | None = None,
-                 dim_v: int | None = None, tile_page: bool = False, early_pages: bool = False) -> dict:
-    """Compile one attention kernel ("fwd", "fwd_combine", "dkdv", "dq") with ``config`` for sm_90 with Triton's
-    bundled ptxas, without a GPU: registers, stack (spills), shared memory and the SASS counts of wgmma (HGMMA),
-    mma.sync (HMMA) and cp.async (LDGSTS). ``split_grid``: the forward's split-grid build (one split per program,
-    partials stored) rather than its one-pass build; ``split_tiers``: the split table (the sm_90 table's
-    SPLIT_TIERS); ``num_warps``: other than the config's (the combine pass runs launch.COMBINE_WARPS, on
-    launch.combine_rows rows); ``page_size``: the forward's paged-KV build (K/V through a block table; varlen
-    queries); ``tile_page``: its build with one table entry a page a key tile touches
-    (``AttnConfigs.paged_tile_page``; a page size that block_n divides or that divides it), ``early_pages``: with the
-    first tile's entries read early (``AttnConfigs.paged_early_pages``); ``dim_qk`` / ``dim_v``:
-    the forward's (and combine pass's) build for head dims narrower than ``head_dim``, read by masked loads (MLA's
-    192 / 128 on 256; None: ``head_dim``, the native build). Run in a process without TRITON_INTERPRET."""
+                 dim_v: int | None = None, tile_page: bool = False, early_pages: bool = False,
+                 prefetch_pages: bool = False) -> dict:
+    """Compile one attention kernel ("fwd", "fwd_combine", "dkdv", "dq") with ``config`` for sm_90 with Triton's bundled
+    ptxas, without a GPU: registers, stack (spills), shared memory and the SASS counts of wgmma (HGMMA), mma.sync (HMMA)
+    and cp.async (LDGSTS). ``split_grid``: the forward's split-grid build (one split per program, partials stored)
+    rather than its one-pass build; ``split_tiers``: the split table (the sm_90 table's SPLIT_TIERS); ``num_warps``:
+    other than the config's (the combine pass runs launch.COMBINE_WARPS, on launch.combine_rows rows); ``page_size``:
+    the forward's paged-KV build (K/V through a block table; varlen queries); ``tile_page``: its build with one table
+    entry a page a key tile touches (``AttnConfigs.paged_tile_page``; a page size that block_n divides or that divides
+    it), ``early_pages``: with the first tile's entries read early (``AttnConfigs.paged_early_pages``),
+    ``prefetch_pages``: each tile's entries read one tile ahead (``AttnConfigs.paged_prefetch_pages``); ``dim_qk`` /
+    ``dim_v``: the forward's (and combine pass's) build for head dims narrower than ``head_dim``, read by masked loads
+    (MLA's 192 / 128 on 256; None: ``head_dim``, the native build). Run in a process without TRITON_INTERPRET."""
     import re
     import tempfile
 
@@ -55,6 +56,7 @@ def compile_sm90(kernel: str, config, head_dim: int, heads: int = 4, varlen: boo
               "PAGE_SIZE": page_size or 1,
               "TILE_PAGES": tile_pages(tile_page and page_size is not None, config.block_n, page_size or 1)}
     consts["EARLY_PAGES"] = bool(consts["TILE_PAGES"]) and early_pages and not windowed  # as launch._fwd_tail sets it
+    consts["PREFETCH_PAGES"] = bool(consts["TILE_PAGES"]) and prefetch_pages
     if kernel == "fwd_combine":  # the combine pass's own rows per program, not the forward tile's
         consts["BLOCK_M"] = combine_rows(heads)
     if page_size is not None:

@@ -10,6 +10,8 @@ The paths, Qwen3-8B heads (32 query, 8 KV, head dim 128) unless told otherwise:
 - ``varlen``: the packed cache [B * S, Hkv, D] with cu_seqlens (the bounds, and the paged storage's row stride of
   Hkv * D, no block table);
 - ``paged256``, ``paged16``: the paged cache [P, page_size, Hkv, D], pages in a random order (the block table);
+- ``paged256_prefetch``, ``paged16_prefetch``: the paged paths with each key tile's table entries read one tile
+  ahead (``AttnConfigs.paged_prefetch_pages``, speed only);
 - ``flash``: SDPA's flash backend on the padded cache.
 Every detkit path gives the padded path's bits (checked on each run). The timing is ``detkit bench attention``'s: CUDA
 graphs over as many input sets as twice the L2 holds, so no call finds its operands cached. The profiled process warms
@@ -20,13 +22,14 @@ tools/gpu/paged_decode_decompose.sh runs both on a GPU host.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 import torch
 
-PATHS = ("padded", "padded_kv_end", "varlen", "paged256", "paged16", "flash")
+PATHS = ("padded", "padded_kv_end", "varlen", "paged256", "paged16", "paged256_prefetch", "paged16_prefetch", "flash")
 DETKIT_PATHS = tuple(p for p in PATHS if p != "flash")
 DEFAULT_CASES = ((1, 1024), (1, 8192), (8, 8192), (1, 32768))
 NCU_CASES = ((1, 1024), (1, 8192))
@@ -39,7 +42,10 @@ def path_calls(batch: int, keys: int, device: torch.device, sets: int,
     checks that read the host run here, once)."""
     from detkit.bench.attention import BenchCase, make_inputs, paged_call, sdpa_call, sdpa_gqa_mode
     from detkit.kernels.attention import attention
+    from detkit.kernels.attention.configs import select_configs
+    from detkit.kernels.attention.kernels import attention_fwd_kernel
     from detkit.kernels.attention.launch import Sequences, attention_fwd_launch
+    from detkit.kernels.backend import resolve_backend_of_devices
 
     heads_q, heads_kv, dim = heads
     base = BenchCase("decode", batch, 1, keys, heads_q, heads_kv, dim, seed=7)
@@ -58,9 +64,13 @@ def path_calls(batch: int, keys: int, device: torch.device, sets: int,
         calls["varlen"].append(lambda q=q[:, :, 0], k=k_packed, v=v_packed:
                                attention_fwd_launch(q, k, v, seqs, scale, None)[0])
         calls["flash"].append(sdpa_call(base, inp, gqa))
+    prefetch = dataclasses.replace(select_configs(resolve_backend_of_devices(attention_fwd_kernel, {"q": device}),
+                                                  dim), paged_prefetch_pages=True)
     for page in (256, 16):
         case = BenchCase("paged_decode", batch, 1, keys, heads_q, heads_kv, dim, seed=7, page_size=page)
-        calls[f"paged{page}"] = [paged_call(case, inp) for inp in make_inputs(case, device, sets=sets)]
+        paged_inputs = make_inputs(case, device, sets=sets)
+        calls[f"paged{page}"] = [paged_call(case, inp) for inp in paged_inputs]
+        calls[f"paged{page}_prefetch"] = [paged_call(case, inp, configs=prefetch) for inp in paged_inputs]
     return calls
 
 

@@ -2,8 +2,9 @@
 
 Inside: ``configs`` (the pinned tile table), ``kernels`` (the Triton kernels, their math and the invariance rule),
 ``names`` (launch names), ``launch`` (checks, launch wrappers, autograd, MLA's value head dim run zero-padded; the
-paged-KV forward), ``host_values`` (the host copies of length tensors, read once while unwritten), ``reference`` (pure-torch references and the FP64 bounds), ``sdpa`` (adapters: torch's
-``scaled_dot_product_attention`` signature and transformers' attention-function signature).
+paged-KV forward), ``host_values`` (the host copies of length tensors, read once while unwritten), ``reference``
+(pure-torch references and the FP64 bounds), ``sdpa`` (adapters: torch's ``scaled_dot_product_attention`` signature and
+transformers' attention-function signature).
 """
 
 from detkit.kernels.attention.configs import HEAD_DIMS, AttnConfig, AttnConfigs

@@ -96,6 +96,9 @@ class AttnConfigs:
     # Speed only, with paged_tile_page: a program reads its first key tile's table entries before the sequence's
     # bounds (cu_seqlens), so the two loads' latencies overlap rather than add. The same entries.
     paged_early_pages: bool = False
+    # Speed only, with paged_tile_page: each key tile's table entries read one tile ahead (the first tile's before
+    # the loop), so no K/V load waits on a table load of its own step. The same entries.
+    paged_prefetch_pages: bool = False
 
     def __post_init__(self):
         _check_split_tiers(self.split_tiers, self.fwd.block_n)
@@ -112,6 +115,8 @@ class AttnConfigs:
             raise ValueError(f"AttnConfigs.paged_tile_page must be a bool; got {self.paged_tile_page!r}")
         if not isinstance(self.paged_early_pages, bool):
             raise ValueError(f"AttnConfigs.paged_early_pages must be a bool; got {self.paged_early_pages!r}")
+        if not isinstance(self.paged_prefetch_pages, bool):
+            raise ValueError(f"AttnConfigs.paged_prefetch_pages must be a bool; got {self.paged_prefetch_pages!r}")
         if not isinstance(self.eager_split_grid_min_keys, int) or self.eager_split_grid_min_keys < 0:
             raise ValueError("AttnConfigs.eager_split_grid_min_keys must be an int >= 0; got "
                              f"{self.eager_split_grid_min_keys!r}")
@@ -120,7 +125,8 @@ class AttnConfigs:
         split = f" split<{self.split_heads_below}" if self.split_heads_below else ""
         group = f", programs~{self.split_grid_programs}" if self.split_grid_programs else ""
         paged = (f", paged s{self.paged_stages}{' grouped' if self.paged_grouped else ''}"
-                 f"{' tile-page' if self.paged_tile_page else ''}{' early' if self.paged_early_pages else ''}")
+                 f"{' tile-page' if self.paged_tile_page else ''}{' early' if self.paged_early_pages else ''}"
+                 f"{' prefetch' if self.paged_prefetch_pages else ''}")
         return (f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}{split} kv-split "
                 f"{tiers_label(self.split_tiers)} (grid<{self.split_grid_below}, "
                 f"eager keys>={self.eager_split_grid_min_keys}{group}{paged})")

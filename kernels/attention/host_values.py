@@ -9,8 +9,8 @@ When a remembered value is trusted: while its tensor object is alive (a weak ref
 misses), its version counter is unchanged (torch bumps it on every in-place write through any view: ``copy_``, slice
 assignment, ``fill_``), and its data pointer, shape, strides and storage offset are the same. Not seen: writes that
 bypass the version counter (through ``.data``, a NumPy or DLPack view, a kernel of another library); a caller that
-writes lengths that way calls ``forget()`` after each write, or runs inside ``read_every_time()``. Inference tensors keep no version counter, so they are read every time
-(as are tensors under ``torch.compile``'s tracing).
+writes lengths that way calls ``forget()`` after each write, or runs inside ``read_every_time()``. Inference tensors
+keep no version counter, so they are read every time (as are tensors under ``torch.compile``'s tracing).
 """
 
 from __future__ import annotations

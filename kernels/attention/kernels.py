@@ -53,6 +53,8 @@ host. ``AttnConfigs.paged_tile_page`` (TILE_PAGES; tiles counted from key 0): wh
 page size that is a multiple of BLOCK_N) a tile reads one table entry, and where a tile holds whole pages (a page
 size that divides BLOCK_N) one entry a page, instead of one a key: the same rows. ``paged_early_pages``
 (EARLY_PAGES): a program reads its first tile's entries before its sequence's bounds, so the two loads overlap.
+``paged_prefetch_pages`` (PREFETCH_PAGES, with TILE_PAGES): each key tile's entries are read one tile ahead, so a
+tile's K/V loads wait on no table load of their own step. The same entries, rows and bits on every path.
 
 GQA: one program owns one KV head and packs the query heads of its group into the M dimension of its tile
 (rows = HEADS heads x BLOCK_M / HEADS query positions), so each K/V tile is loaded once for the whole group
@@ -250,30 +252,38 @@ def _page_rows(table_row_ptr, kj, key_ok, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _tile_pages(table_row_ptr, first_key, k_end, offs_n, early, is_first, BLOCK_N: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr):
-    """``_page_rows`` of the key tile starting at ``first_key`` (a multiple of BLOCK_N, a key of the sequence) where
-    pages hold whole tiles (TILE_PAGES 1: the tile lies in one page) or tiles whole pages (TILE_PAGES > 1): one table
-    entry a page the tile touches, not one a key. Pages past the sequence's end read no entry (page 0; their keys'
-    loads are masked). ``is_first``: the tile's entries are ``early`` (``_first_tile_pages``), read nothing here."""
+def _tile_entries(table_row_ptr, first_key, k_end, early, is_first, in_range, PAGE_SIZE: tl.constexpr,
+                  TILE_PAGES: tl.constexpr):
+    """The table entries of the key tile starting at ``first_key`` (a multiple of BLOCK_N) where pages hold whole
+    tiles (TILE_PAGES 1: one entry, the tile lies in one page) or tiles whole pages (TILE_PAGES > 1: one a page):
+    not one a key. Pages past the sequence's end, and every page of a tile not ``in_range`` (a prefetch past the
+    program's last tile), read no entry (0; their keys' loads are masked). ``is_first``: the tile's entries are
+    ``early`` (``_first_tile_pages``), read nothing here."""
     if TILE_PAGES == 1:
-        page = tl.load(table_row_ptr + first_key // PAGE_SIZE, mask=is_first == 0, other=0)
-        page = tl.where(is_first, early, page).to(tl.int64)
-        page_row = first_key % PAGE_SIZE + offs_n
+        entry = tl.load(table_row_ptr + first_key // PAGE_SIZE, mask=in_range & (is_first == 0), other=0)
+        return tl.where(is_first, early, entry)
     else:
         offs_p = tl.arange(0, TILE_PAGES)
-        pages = tl.load(table_row_ptr + first_key // PAGE_SIZE + offs_p,
-                        mask=(first_key + offs_p * PAGE_SIZE < k_end) & (is_first == 0), other=0)
-        pages = tl.where(is_first, early, pages)
-        page = tl.reshape(tl.broadcast_to(pages[:, None], [TILE_PAGES, PAGE_SIZE]), [BLOCK_N]).to(tl.int64)
-        page_row = offs_n % PAGE_SIZE
-    return page, page_row
+        entries = tl.load(table_row_ptr + first_key // PAGE_SIZE + offs_p,
+                          mask=(first_key + offs_p * PAGE_SIZE < k_end) & in_range & (is_first == 0), other=0)
+        return tl.where(is_first, early, entries)
+
+
+@triton.jit
+def _entry_rows(entries, first_key, offs_n, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                TILE_PAGES: tl.constexpr):
+    """``_page_rows`` of the key tile starting at ``first_key`` from its entries (``_tile_entries``)."""
+    if TILE_PAGES == 1:
+        return entries.to(tl.int64), first_key % PAGE_SIZE + offs_n
+    else:
+        page = tl.reshape(tl.broadcast_to(entries[:, None], [TILE_PAGES, PAGE_SIZE]), [BLOCK_N]).to(tl.int64)
+        return page, offs_n % PAGE_SIZE
 
 
 @triton.jit
 def _first_tile_pages(table_row_ptr, first_key, seq_k, width, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr):
     """The table entries of the key tile a program most likely walks first, read before the sequence's bounds are
-    known (the program's own first key when no window moves it): ``_tile_pages``'s, for the tile starting at
+    known (the program's own first key when no window moves it): ``_tile_entries``', for the tile starting at
     ``first_key``, where that key lies below ``seq_k`` (every sequence's most keys) and in the table's row of
     ``width`` entries; entries past the sequence's end are read but never used (their keys' loads are masked)."""
     if TILE_PAGES == 1:
@@ -421,6 +431,7 @@ def attention_fwd_kernel(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,  # PAGED (with VARLEN): K/V read through the block table
     TILE_PAGES: tl.constexpr,  # PAGED: 0, or each key tile lies in this many whole pages (launch.py)
     EARLY_PAGES: tl.constexpr,  # TILE_PAGES: the first tile's entries read before the sequence's bounds
+    PREFETCH_PAGES: tl.constexpr,  # TILE_PAGES: each tile's entries read one tile ahead, before its K/V loads
 ):
     """One query tile over its key tiles, each row's split size set by its own key extent (``_row_splits``). One pass
     (SPLIT_GRID off): every tile of the query tile in ascending order, each row folding its split as it ends, then o
@@ -499,6 +510,9 @@ def attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the current split, from the start state
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if PREFETCH_PAGES:  # the first tile's entries; each step then reads the next tile's before its own K/V
+        next_entries = _tile_entries(table_row, t_begin * BLOCK_N, k_end, early, t_begin == early_tile,
+                                     t_begin < t_end, PAGE_SIZE, TILE_PAGES)
     for t in range(t_begin, t_end):
         kj = k_first + t * BLOCK_N + offs_n  # key index within the sequence
         key_ok = _key_ok(kj, k_end, WINDOWED)
@@ -507,8 +521,14 @@ def attention_fwd_kernel(
             if TILE_PAGES == 0:
                 page, page_row = _page_rows(table_row, kj, key_ok, PAGE_SIZE)
             else:
-                page, page_row = _tile_pages(table_row, t * BLOCK_N, k_end, offs_n, early, t == early_tile, BLOCK_N,
-                                             PAGE_SIZE, TILE_PAGES)
+                if PREFETCH_PAGES:
+                    entries = next_entries
+                    next_entries = _tile_entries(table_row, (t + 1) * BLOCK_N, k_end, early, False, t + 1 < t_end,
+                                                 PAGE_SIZE, TILE_PAGES)
+                else:
+                    entries = _tile_entries(table_row, t * BLOCK_N, k_end, early, t == early_tile, True, PAGE_SIZE,
+                                            TILE_PAGES)
+                page, page_row = _entry_rows(entries, t * BLOCK_N, offs_n, BLOCK_N, PAGE_SIZE, TILE_PAGES)
             kv_off = page * stride_kb + page_row * stride_ks
             k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=_cols(key_ok, offs_d, DIM_QK, HEAD_DIM),
                         other=0.0)

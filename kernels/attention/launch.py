@@ -582,9 +582,10 @@ def _fwd_tail(static: _FwdStatic, heads: int, what, dim_qk: int, dim_v: int, fla
             pages = tile_pages(static.configs.paged_tile_page and paged and not has_start, cfg.block_n, page_size)
             # Speed only: the first tile's entries read early where no window moves a program's first tile.
             early = bool(pages) and static.configs.paged_early_pages and not windowed
+            prefetch = bool(pages) and static.configs.paged_prefetch_pages
             tail = _constexprs("fwd", {**common, "DIM_QK": dim_qk, "BLOCK_N": cfg.block_n, "SOFTCAP": softcap,
                                        "SPLIT_GRID": what, "PAGED": paged, "PAGE_SIZE": page_size,
-                                       "TILE_PAGES": pages, "EARLY_PAGES": early})
+                                       "TILE_PAGES": pages, "EARLY_PAGES": early, "PREFETCH_PAGES": prefetch})
         static.tails[(heads, what)] = tail
     return tail
 
@@ -896,12 +897,13 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      sinks: torch.Tensor | None = None, configs: AttnConfigs | None = None) -> torch.Tensor:
     """Packed sequences: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] -> [Tq, Hq, Dv]; sequence n is rows
     cu_seqlens_q[n]..cu_seqlens_q[n+1] of q and cu_seqlens_k[n]..cu_seqlens_k[n+1] of k, its queries the last of its
-    keys (causal, bottom-right). The same bits per token as the padded layout. cu_seqlens are read on the host
-    (checked; one sync, none for tensors already read and unwritten since: ``host_values``). ``window`` as for ``attention``, per sequence; with it ``kv_start`` (int32 [n], each <= 0,
-    or None) as the padded layout's negative kv_start: sequence n's first key lies -kv_start[n] keys before its first
-    row of k (dropped by a sliding-window cache; its key tiles and splits stay anchored there, so its bits equal the
-    padded layout's over the whole sequence), allowed where no query's window reaches a dropped key (checked on the
-    host: ``anchored_cu_seqlens_k``). ``softcap``, ``sinks`` and Dv as for ``attention``."""
+    keys (causal, bottom-right). The same bits per token as the padded layout. cu_seqlens are read on the host (checked;
+    one sync, none for tensors already read and unwritten since: ``host_values``). ``window`` as for ``attention``, per
+    sequence; with it ``kv_start`` (int32 [n], each <= 0, or None) as the padded layout's negative kv_start: sequence
+    n's first key lies -kv_start[n] keys before its first row of k (dropped by a sliding-window cache; its key tiles and
+    splits stay anchored there, so its bits equal the padded layout's over the whole sequence), allowed where no query's
+    window reaches a dropped key (checked on the host: ``anchored_cu_seqlens_k``). ``softcap``, ``sinks`` and Dv as for
+    ``attention``."""
     n, heads_q, _, head_dim = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_sinks(sinks, heads_q, q.device)
     window = _window_of(window)
