@@ -220,6 +220,12 @@ def test_grid_override_replaces_the_named_fields_and_refuses_others(monkeypatch)
     cands = sweep.candidates(128, "cuda_sm90", sweep.gpu_grid(128, 132, pinned))
     assert [c.configs.paged_tile_page for c in cands] == [True, True, False]  # the table reads one entry a page
     assert cands[2].label.endswith(" paged s3e") and cands[2].as_row()["paged_tile_page"] is False
+    monkeypatch.setattr(sweep, "GRID_OVERRIDES", {
+        "split_tiers": (pinned.split_tiers,), **one, "split_heads_below": (0,),
+        "split_grid_below": (pinned.split_grid_below,), "paged_prefetch_pages": (0, 1)})
+    cands = sweep.candidates(128, "cuda_sm90", sweep.gpu_grid(128, 132, pinned))
+    assert [c.configs.paged_prefetch_pages for c in cands] == [False, False, True]  # off in the table
+    assert cands[2].label.endswith(" paged s3tep") and cands[2].as_row()["paged_prefetch_pages"] is True
     assert sweep.bits_keys(sweep.TINY_SHAPES, sweep.tiny_grid(select_configs("triton_interpreter", 64))) == 69
     positions = sweep.bits_positions(pinned, 17708)
     assert {2047, 2048, 16383, 16384, 255, 256, 1023, 1024, 17707} <= set(positions)  # each tier's edges and bound

@@ -135,6 +135,7 @@ class Grid:
     paged_num_stages: tuple[int, ...] = (0,)
     paged_grouped: tuple[int, ...] = (0,)
     paged_tile_page: tuple[int, ...] = (0,)
+    paged_prefetch_pages: tuple[int, ...] = (0,)  # each tile's table entries a tile ahead (0 / 1), with tile_page
     # Time the pinned entry with one split a program beside it (where the table groups the split grid's splits).
     ungrouped: bool = False
 
@@ -189,7 +190,8 @@ def _gpu_grid(head_dim: int, sms: int, pinned: AttnConfigs) -> Grid:
                 block_n=(64, 128) if wide else (32, 64), num_warps=(4, 8), num_stages=(2, 3, 4),
                 split_heads_below=(0, 2 * sms), split_grid_below=grid_below,
                 paged_num_stages=(pinned.paged_num_stages,), paged_grouped=(int(pinned.paged_grouped),),
-                paged_tile_page=(int(pinned.paged_tile_page),), ungrouped=True)
+                paged_tile_page=(int(pinned.paged_tile_page),),
+                paged_prefetch_pages=(int(pinned.paged_prefetch_pages),), ungrouped=True)
 
 
 def tiny_grid(pinned: AttnConfigs) -> Grid:
@@ -199,7 +201,8 @@ def tiny_grid(pinned: AttnConfigs) -> Grid:
                 num_stages=(1,),
                 split_heads_below=(0, 8), split_grid_below=(pinned.split_grid_below,),
                 paged_num_stages=(pinned.paged_num_stages,), paged_grouped=(int(pinned.paged_grouped),),
-                paged_tile_page=(int(pinned.paged_tile_page),))
+                paged_tile_page=(int(pinned.paged_tile_page),),
+                paged_prefetch_pages=(int(pinned.paged_prefetch_pages),))
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,7 @@ class Candidate:
         c = self.configs
         group = f" programs~{c.split_grid_programs}" if c.split_grid_programs else ""
         paged = (f" paged s{c.paged_stages}{'g' if c.paged_grouped else ''}{'t' if c.paged_tile_page else ''}"
-                 f"{'e' if c.paged_early_pages else ''}")
+                 f"{'e' if c.paged_early_pages else ''}{'p' if c.paged_prefetch_pages else ''}")
         return (f"{c.fwd.label()} split{tiers_label(c.split_tiers)} heads<{c.split_heads_below} "
                 f"grid<{c.split_grid_below}{group}{paged}")
 
@@ -228,7 +231,7 @@ class Candidate:
                 "split_grid_below": c.split_grid_below, "split_grid_programs": c.split_grid_programs,
                 "eager_split_grid_min_keys": c.eager_split_grid_min_keys, "paged_num_stages": c.paged_num_stages,
                 "paged_grouped": c.paged_grouped, "paged_tile_page": c.paged_tile_page,
-                "paged_early_pages": c.paged_early_pages}
+                "paged_early_pages": c.paged_early_pages, "paged_prefetch_pages": c.paged_prefetch_pages}
 
 
 def candidates(head_dim: int, backend: str, grid: Grid, spread: bool = False) -> list[Candidate]:
@@ -241,12 +244,13 @@ def candidates(head_dim: int, backend: str, grid: Grid, spread: bool = False) ->
 
     pinned = select_configs(backend, head_dim)
     rest = []
-    for split, bm, bn, warps, stages, heads, below, paged_stages, paged_grouped, tile_page in itertools.product(
-            grid.split_tiers, grid.block_m, grid.block_n, grid.num_warps, grid.num_stages, grid.split_heads_below,
-            grid.split_grid_below, grid.paged_num_stages, grid.paged_grouped, grid.paged_tile_page):
+    for split, bm, bn, warps, stages, heads, below, paged_stages, paged_grouped, tile_page, prefetch in (
+            itertools.product(grid.split_tiers, grid.block_m, grid.block_n, grid.num_warps, grid.num_stages,
+                              grid.split_heads_below, grid.split_grid_below, grid.paged_num_stages, grid.paged_grouped,
+                              grid.paged_tile_page, grid.paged_prefetch_pages)):
         cfg = replace(pinned, fwd=AttnConfig(bm, bn, warps, stages), split_tiers=split, split_heads_below=heads,
                       split_grid_below=below, paged_num_stages=paged_stages, paged_grouped=bool(paged_grouped),
-                      paged_tile_page=bool(tile_page))
+                      paged_tile_page=bool(tile_page), paged_prefetch_pages=bool(prefetch))
         if cfg != pinned:
             rest.append(Candidate(head_dim, cfg))
     if spread:
