@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ def prompts_of(requests: int, prompt_len: int, vocab: int, seed: int) -> list[li
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def mode_contexts(model) -> dict[str, callable]:
+def mode_contexts(model) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     from detkit.bench.model import baseline_attention
     from detkit.kernels.attention.host_values import read_every_time
     from detkit.toolkit.models import mode_context
@@ -57,8 +58,8 @@ def measure(model, prompts: list[list[int]], new_tokens: int, config, device: to
     from detkit.toolkit.timing import time_back_to_back
 
     counts = {mode: {"calls": 0, "steps": 0, "host_reads": 0} for mode in MODES}
-    steps = [0]
-    model.register_forward_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
+    steps = [0]  # forward calls: one a step
+    hook = model.register_forward_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
 
     def call(mode: str):
         def run():
@@ -70,9 +71,12 @@ def measure(model, prompts: list[list[int]], new_tokens: int, config, device: to
             c["host_reads"] += host_reads() - reads
         return run
 
-    timings = time_back_to_back({mode: call(mode) for mode in MODES}, device, rounds, samples_per_round=samples,
-                                contexts=mode_contexts(model),
-                                range_names={mode: f"serving | {mode}" for mode in MODES})
+    try:
+        timings = time_back_to_back({mode: call(mode) for mode in MODES}, device, rounds, samples_per_round=samples,
+                                    contexts=mode_contexts(model),
+                                    range_names={mode: f"serving | {mode}" for mode in MODES})
+    finally:
+        hook.remove()
     rows = {}
     for mode, t in timings.items():
         c = counts[mode]
