@@ -54,7 +54,8 @@ import inspect
 
 import torch
 
-from detkit.kernels.attention.host_values import host_values, remember
+from detkit.kernels.attention.host_values import host_values, remember_values
+
 CB_OP = "attention (transformers continuous batching)"
 # The keyword arguments that mark a call from transformers' continuous batching (a packed trainer batch passes
 # cu_seq_lens_q too, but never the cache's read/write indices).
@@ -144,7 +145,7 @@ def _anchors(positions, window: int, bounds_q: list[int], bounds_k: list[int], d
         starts[n] = -dropped
     if not any(starts):
         return None
-    return remember(torch.tensor(starts, dtype=torch.int32, device=device), starts)  # varlen's check reads none
+    return remember_values(torch.tensor(starts, dtype=torch.int32, device=device), starts)  # varlen's check reads none
 
 
 def paged_attention_forward(varlen, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

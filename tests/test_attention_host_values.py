@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from detkit.kernels.attention import attention_paged, attention_varlen
-from detkit.kernels.attention.host_values import forget, host_reads, host_values, read_every_time, remember
+from detkit.kernels.attention.host_values import forget, host_reads, host_values, read_every_time, remember_values
 from tests.attention_helpers import cu_seqlens, i32
 from tests.conftest import assert_bits_equal
 from tests.test_attention_paged import _make
@@ -56,14 +56,14 @@ def test_a_new_tensor_is_read_even_with_the_same_values_and_a_returned_list_is_a
     assert host_values(i32([0, 6], device)) == ([0, 6],) and host_reads() == reads + 1
 
 
-def test_inference_tensors_are_read_every_time_and_remember_seeds_without_a_read(device):
+def test_inference_tensors_are_read_every_time_and_remember_values_seeds_without_a_read(device):
     with torch.inference_mode():
         cu = i32([0, 2, 3], device)
     reads = host_reads()
     host_values(cu)
     host_values(cu)
     assert host_reads() == reads + 2  # no version counter: an in-place write would not be seen
-    starts = remember(i32([0, -3], device), [0, -3])
+    starts = remember_values(i32([0, -3], device), [0, -3])
     assert host_values(starts) == ([0, -3],) and host_reads() == reads + 2
 
 
@@ -123,3 +123,20 @@ def test_tensors_on_two_devices_are_read_once_a_device(device):
     reads = host_reads()
     assert host_values(on_device, on_cpu) == ([0, 2, 5], [0, 1])
     assert host_reads() == reads + (1 if device.type == "cpu" else 2)
+
+
+def test_a_mask_checked_once_is_checked_again_when_written_in_place(device):
+    """sdpa's mask check is remembered per mask tensor (TensorMemo): the same mask again gives the same bits, and the
+    mask rewritten in place to a pattern that is not causal + padding is refused, not served from the memo."""
+    from detkit.kernels.attention.sdpa import MaskNotCovered, sdpa
+    from detkit.toolkit.fixtures import bf16_randn
+
+    q = bf16_randn((2, 4, 5, 64), 1, device)
+    k, v = bf16_randn((2, 2, 5, 64), 2, device), bf16_randn((2, 2, 5, 64), 3, device)
+    mask = torch.ones(5, 5, dtype=torch.bool, device=device).tril().expand(2, 1, 5, 5).clone()
+    mask[0, :, :, :2] = False  # sequence 0 left-padded by two keys
+    first = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert_bits_equal(sdpa(q, k, v, attn_mask=mask, enable_gqa=True), first, "the mask remembered as checked")
+    mask[1, 0, 0, 4] = True  # query 0 of sequence 1 now sees a future key
+    with pytest.raises(MaskNotCovered, match="is not causal"):
+        sdpa(q, k, v, attn_mask=mask, enable_gqa=True)

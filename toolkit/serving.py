@@ -172,6 +172,15 @@ def _collect(results, rows) -> list[tuple[list[int], torch.Tensor]]:
     return out
 
 
+def _in_prompt_order(outputs: dict, prompts: list[list[int]]) -> list[tuple]:
+    """``generate_batch``'s outputs (request id -> result) as (request id, result), one per prompt in order (equal
+    prompts take their results in the order given)."""
+    by_prompt: dict[tuple, list] = {}
+    for rid, result in outputs.items():
+        by_prompt.setdefault(tuple(result.prompt_ids), []).append((rid, result))
+    return [by_prompt[tuple(p)].pop(0) for p in prompts]
+
+
 def _fatal_error(manager) -> BaseException | None:
     """The exception that ended the manager's generation thread, if one did (a strict mode's ModeNotRoutedError
     raised in a forward ends up here; the requests only carry its text)."""
@@ -191,10 +200,7 @@ def run_continuous_batching(model, prompts: list[list[int]], max_new_tokens: int
     if arrivals is None:
         with record_logits(model, steps) as rows, _no_flash_switch(model, config):
             outputs = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config)
-        by_prompt = {}
-        for rid, result in outputs.items():
-            by_prompt.setdefault(tuple(result.prompt_ids), []).append((rid, result))
-        return _collect([by_prompt[tuple(p)].pop(0) for p in prompts], rows)
+        return _collect(_in_prompt_order(outputs, prompts), rows)
     if len(arrivals) != len(prompts) or arrivals[0] != 0:
         raise ValueError(f"arrivals {arrivals} must give one count per prompt, the first 0")
     added: list[str] = []
@@ -244,10 +250,7 @@ def serve(model, prompts: list[list[int]], max_new_tokens: int, config=None) -> 
     with _no_flash_switch(model, config):
         outputs = model.generate_batch(prompts, generation_config=_generation_config(max_new_tokens),
                                        continuous_batching_config=config)
-    by_prompt: dict[tuple, list] = {}
-    for result in outputs.values():
-        by_prompt.setdefault(tuple(result.prompt_ids), []).append(list(result.generated_tokens))
-    return [by_prompt[tuple(p)].pop(0) for p in prompts]
+    return [list(result.generated_tokens) for _, result in _in_prompt_order(outputs, prompts)]
 
 
 def alone_logits(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:

@@ -11,6 +11,8 @@ assignment, ``fill_``), and its data pointer, shape, strides and storage offset 
 bypass the version counter (through ``.data``, a NumPy or DLPack view, a kernel of another library); a caller that
 writes lengths that way calls ``forget()`` after each write, or runs inside ``read_every_time()``. Inference tensors
 keep no version counter, so they are read every time (as are tensors under ``torch.compile``'s tracing).
+``TensorMemo`` is that rule for any value derived from a tensor: the launch's block-table check and sdpa's mask
+check remember their verdicts with it too.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def host_values(*tensors: torch.Tensor) -> tuple[list[int], ...]:
     return tuple(list(v) for v in values)
 
 
-def remember(t: torch.Tensor, values: list[int]) -> torch.Tensor:
+def remember_values(t: torch.Tensor, values: list[int]) -> torch.Tensor:
     """Note ``values`` (known on the host) as ``t``'s, for a tensor just built from them; returns ``t``."""
     _VALUES.put(t, list(values))
     return t

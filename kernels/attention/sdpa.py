@@ -22,10 +22,10 @@ problem; under capture a device-side assert (torch._assert_async) fails the run 
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
+from detkit.kernels.attention.host_values import TensorMemo
 from detkit.kernels.attention.kernels import attention_fwd_kernel
 from detkit.kernels.attention.launch import attention, kernel_head_dim, remember, signature_of
 from detkit.kernels.attention.masks import MaskAnchor, anchor_tensor, mask_key_windows_device
@@ -151,13 +151,9 @@ def mask_anchor(mask: torch.Tensor) -> torch.Tensor | None:
     return anchor
 
 
-_MASK_CACHE_SIZE = 4
-_mask_cache: dict[int, tuple] = {}  # id(mask) -> (weakref, key, kv_start, kv_end)
-
-
-def _mask_key(mask: torch.Tensor, batch: int, seq_q: int, seq_k: int, window) -> tuple:
-    return (mask._version, mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.dtype, batch, seq_q, seq_k, window,
-            id(getattr(mask, MASK_ANCHOR_ATTR, None)))
+# Masks found causal + padding (+ window), with their key windows, while unwritten: transformers passes one mask
+# tensor to every layer of a forward.
+_CHECKED_MASKS = TensorMemo(capacity=4)
 
 
 def checked_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int, window: int | None = None
@@ -169,11 +165,11 @@ def checked_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int,
     sequences' first keys it hides (and that carries no anchor, ``tag_mask_anchor``) is refused with a
     NotImplementedError: the key tiles could not be anchored where a prefill anchors them."""
     device_assert = attn_mask.is_cuda and (torch.cuda.is_current_stream_capturing() or attn_mask.is_inference())
-    key = None if attn_mask.is_inference() else _mask_key(attn_mask, batch, seq_q, seq_k, window)
-    if not device_assert and key is not None:
-        hit = _mask_cache.get(id(attn_mask))
-        if hit is not None and hit[0]() is attn_mask and hit[1] == key:
-            return hit[2], hit[3]
+    key = (batch, seq_q, seq_k, window, id(getattr(attn_mask, MASK_ANCHOR_ATTR, None)))
+    if not device_assert:
+        hit = _CHECKED_MASKS.get(attn_mask, key=key)  # never for inference tensors: no version counter
+        if hit is not None:
+            return hit
     anchor = getattr(attn_mask, MASK_ANCHOR_ATTR, None) if window is not None else None
     kv_start, kv_end, flags = mask_key_windows_device(attn_mask, batch, seq_q, seq_k, window, anchor)
     if device_assert:
@@ -191,11 +187,7 @@ def checked_windows(attn_mask: torch.Tensor, batch: int, seq_q: int, seq_k: int,
         raise NotImplementedError(f"sliding window {window}: the mask hides a sequence's first key from every query "
                                   "(a decode step past the window) and carries no anchor; build it with detkit's mask "
                                   "function (the 'detkit' mask interface, or the mode's) to anchor the key tiles")
-    if attn_mask.is_inference():
-        return kv_start, kv_end
-    if len(_mask_cache) >= _MASK_CACHE_SIZE:
-        _mask_cache.pop(next(iter(_mask_cache)))
-    _mask_cache[id(attn_mask)] = (weakref.ref(attn_mask), key, kv_start, kv_end)
+    _CHECKED_MASKS.put(attn_mask, (kv_start, kv_end), key=key)
     return kv_start, kv_end
 
 
