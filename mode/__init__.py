@@ -8,6 +8,8 @@ it. Inside, one module per route family and the switch with its state:
 - ``gemm``: the GEMM route (operand layout -> det_gemm fwd / dA / dB, launch plans, refusal reasons);
 - ``grouped``: the grouped GEMM route (``_grouped_mm`` -> detkit.kernels.grouped);
 - ``reductions``: the mean.dim route onto detkit.kernels.reductions;
+- ``norms``: transformers' RMSNorm forwards as one fused kernel where no gradient is needed (speed only: the bits of
+  their own forward under the mode);
 - ``attention``: torch SDPA and transformers' attention onto detkit.kernels.attention;
 - ``moe``: the Qwen3-MoE router route and the fused-layer math (detkit.kernels.moe) of transformers' experts;
 - ``experts``: every transformers experts class (its ExpertsInterface: "detkit", "detkit_fp8") onto the fused layer

@@ -24,6 +24,8 @@ What it routes while entered (process-wide, every thread; docs/mode.md):
   ``moe_experts="fp8"``, ``moe_mlp_fp8`` -- where it covers the layout, else (BF16) the GEMMs on detkit's grouped
   kernels with the gate elementwise; "detkit" and "detkit_fp8" are registered as experts implementations. The
   Qwen3-MoE router's top-k normalisation in a fixed order (``moe``). Parameters and state dicts unchanged.
+- transformers' RMSNorm classes (those whose forward is Llama's, OLMo-2's or Gemma's, op for op): one fused kernel
+  with the bits of their own forward under the mode, where no gradient is needed (``norms``; speed only).
 
 Everything it does not route is counted with the reason (``mode_counters()``); with
 ``strict=True`` such a call raises ``ModeNotRoutedError`` instead. Never a silent fallback.
@@ -62,12 +64,14 @@ def _install() -> None:
     from detkit.mode import compile as mode_compile
     from detkit.mode import experts as mode_experts
     from detkit.mode import moe as mode_moe
+    from detkit.mode import norms as mode_norms
 
     mode_aten.install()
     mode_compile.install()
     mode_attention.install()
     mode_moe.install()
     mode_experts.install()
+    mode_norms.install()
 
 
 def _uninstall() -> None:
@@ -76,7 +80,9 @@ def _uninstall() -> None:
     from detkit.mode import compile as mode_compile
     from detkit.mode import experts as mode_experts
     from detkit.mode import moe as mode_moe
+    from detkit.mode import norms as mode_norms
 
+    mode_norms.uninstall()
     mode_experts.uninstall()
     mode_moe.uninstall()
     mode_attention.uninstall()

@@ -11,12 +11,15 @@ so they are batch-invariant and the mode leaves them on torch (docs/mode.md).
 
 Math (``row_mean_kernel``): each program owns ``BLOCK_R`` rows; for every row it adds the FP32 values
 of ``BLOCK_H``-wide column chunks into a ``[BLOCK_R, BLOCK_H]`` FP32 accumulator in ascending chunk
-order, then sums the accumulator's columns (one fixed tree for a given ``BLOCK_H``) and divides by
-``H``; BF16 results are rounded once, to nearest-even. ``BLOCK_H`` is a function of ``H`` alone and
-``BLOCK_R`` is a constant, so a row's operations do not depend on how many rows there are or where
-it sits: batch-invariant and run-to-run deterministic. On the GPU ``BLOCK_R`` is 1 (no row ever
-shares a program, so no layout question about which row slot it lands in); under the interpreter it
-is 16 (numpy sums each row of the tile on its own) to keep CPU runs short.
+order (column j of the accumulator holds columns j, j + BLOCK_H, ... in that order), then sums the
+accumulator's columns as a balanced binary tree over their indices (``pairwise_row_sum``: pairs (2i, 2i+1)
+first) and divides by ``H``; BF16 results are rounded once, to nearest-even. ``BLOCK_H`` is a function of
+``H`` alone, so a row's operations do not depend on how many rows there are or where it sits:
+batch-invariant and run-to-run deterministic. Every step of the tree adds two numbers, and FP addition is
+commutative, so the sum does not depend on the layout Triton gives the accumulator (which follows the
+loaded dtype and the warps): the interpreter, the GPU and the fused RMSNorm (``rms_norm``, whose
+accumulator holds squares of BF16 inputs) add the same numbers in the same order. On the GPU ``BLOCK_R``
+is 1; under the interpreter it is 16 to keep CPU runs short.
 
 Rows need not view as one row dim: with ``lead`` the kernel addresses row r through up to three leading (size, stride)
 dims (``lead_dims``), e.g. RMSNorm over a [B, H, S, D] transpose of a [B, S, H, D] projection (Gemma-3's q/k norms).
@@ -43,9 +46,19 @@ def block_h(h: int) -> int:
 
 
 @triton.jit
+def pairwise_row_sum(acc, LOG2_N: tl.constexpr):
+    """[R, N] -> [R] (N = 2**LOG2_N): each row's sum as a balanced binary tree over its column indices, (2i, 2i+1)
+    added first, then the pairs' sums pairwise, and so on. Each step adds two numbers, so no step's result depends on
+    which thread holds which operand."""
+    for _ in tl.static_range(LOG2_N):
+        acc = tl.sum(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)), axis=2)
+    return tl.reshape(acc, (acc.shape[0],))
+
+
+@triton.jit
 def row_mean_kernel(x_ptr, out_ptr, R, H, stride_xr, D1, D2, stride_x1, stride_x2, BLOCK_R: tl.constexpr,
-                    BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                    THREE_STRIDES: tl.constexpr):
+                    BLOCK_H: tl.constexpr, LOG2_BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr,
+                    INTERPRETED: tl.constexpr, THREE_STRIDES: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     row_mask = rows < R
     if THREE_STRIDES:
@@ -62,7 +75,7 @@ def row_mean_kernel(x_ptr, out_ptr, R, H, stride_xr, D1, D2, stride_x1, stride_x
         offs = row_offs[:, None] + cols[None, :]  # [BLOCK_R, BLOCK_H]
         x = tl.load(x_ptr + offs, mask=row_mask[:, None] & (cols < H)[None, :], other=0.0)
         acc += x.to(tl.float32)
-    mean = tl.sum(acc, axis=1) / H  # [BLOCK_R]
+    mean = pairwise_row_sum(acc, LOG2_BLOCK_H) / H  # [BLOCK_R]
     if OUT_BF16:
         if INTERPRETED:
             out = fp32_to_bf16_rtne(mean)
@@ -95,7 +108,8 @@ def row_mean_launcher(rows: int, h: int, stride_r: int, dtype: torch.dtype, devi
             raise ValueError(f"lead must be 1 to 3 (size, stride) dims of {rows} rows in all; got {lead!r}")
         (_, s0), (d1, s1), (d2, s2) = ((1, 0),) * (3 - len(lead)) + tuple(lead)
         strides = dict(stride_xr=s0, D1=d1, D2=d2, stride_x1=s1, stride_x2=s2)
-    values = dict(R=rows, H=h, **strides, BLOCK_R=block_r, BLOCK_H=block_h(h),
+    chunk = block_h(h)
+    values = dict(R=rows, H=h, **strides, BLOCK_R=block_r, BLOCK_H=chunk, LOG2_BLOCK_H=chunk.bit_length() - 1,
                   OUT_BF16=dtype == torch.bfloat16, INTERPRETED=interpreted, THREE_STRIDES=lead is not None)
     if interpreted:
         def launch(x):
