@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Call 1 of reports/2026-12-08-*-s39 (one H100 or H200), the paged decode with each key tile's table entries read one
-# tile ahead (AttnConfigs.paged_prefetch_pages), issue #50 part 5:
-# - tests: the paged attention tests on the GPU (prefetch paths included), into $OUT/tests.log;
-# - decompose + ncu: tools/gpu/paged_decode_decompose.sh (the pinned paged paths and the prefetch ones beside the
-#   padded contiguous step, CUDA graphs, cold L2; Nsight Compute on pages of 16 with and without prefetch);
-# - warm + sweep: tools.attention_decode_sweep over the pinned D=128 tile with paged_num_stages 0/4 x prefetch 0/1
-#   (decode, prefill and paged decode shapes beside SDPA flash), into $OUT/decode_sweep.{json,md}.
+# Call 1 of reports/2026-12-08-*-s39 (one H100 or H200):
+# - tests: the fused RMSNorm and its mode route (its bits against transformers' RMSNorm ops under the mode, where
+#   torch's rsqrt and the kernel's must agree), the row mean, the paged attention (prefetch paths included) and the
+#   host values, on the GPU, into $OUT/tests.log;
+# - dp-8x1k, dp-1x32k: tools.decode_profile at Qwen3-8B widths (8 layers, batch 8, 1k cache; 4 layers, batch 1, 32k
+#   cache), default mode, detkit mode, and detkit mode with transformers' RMSNorm on its own ops (--unfused-norms);
+# - decompose + ncu: tools/gpu/paged_decode_decompose.sh (the pinned paged paths and, beside them, each key tile's
+#   table entries read one tile ahead, AttnConfigs.paged_prefetch_pages; Nsight Compute on pages of 16 with and
+#   without it).
 set -euo pipefail
 : "${OUT:?set OUT to the results folder}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -13,14 +15,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source tools/gpu_steps.sh
 begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
-grid=(--grid split_tiers=2048:256/16384:512/1024 --grid block_m=64 --grid block_n=64 --grid num_warps=4
-  --grid num_stages=3 --grid split_heads_below=0 --grid split_grid_below=264 --grid 'paged_num_stages=0,4'
-  --grid 'paged_prefetch_pages=0,1')
-step tests 120 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra --junitxml "$OUT/tests.xml" \
-  tests/test_attention_paged.py tests/test_attention_host_values.py
-OUT=$OUT/decomp NCU_PATHS="paged16 paged16_prefetch" NCU_LIMIT_S=40 DECOMPOSE_LIMIT_S=160 \
+step tests 110 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra --junitxml "$OUT/tests.xml" \
+  tests/test_mode_norms.py tests/test_mode.py tests/test_attention_paged.py tests/test_attention_host_values.py
+step dp-8x1k 100 python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 8 --batch 8 \
+  --cache-len 1024 --steps 10 --unfused-norms --out "$OUT/dp-8x1k"
+OUT=$OUT/decomp NCU_PATHS="paged16 paged16_prefetch" NCU_LIMIT_S=40 DECOMPOSE_LIMIT_S=150 \
   bash tools/gpu/paged_decode_decompose.sh || failed=1
-step warm 80 python -m tools.attention_decode_sweep warm --head-dims 128 "${grid[@]}" --workers "$(( $(nproc) - 1 ))"
-step sweep 150 python -m tools.attention_decode_sweep sweep --device cuda --head-dims 128 "${grid[@]}" --out "$OUT" \
-  --budget-s 120 --finalists 0
+step dp-1x32k 100 python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 4 --batch 1 \
+  --cache-len 32768 --steps 10 --unfused-norms --out "$OUT/dp-1x32k"
 exit "$failed"
