@@ -84,10 +84,11 @@ def _fake_attention(q, k, v, *, scale=None, kv_start=None, kv_end=None, window=N
 
 
 STANDINS = {"det_gemm_fwd": _fake_fwd, "det_gemm_da": _fake_da, "det_gemm_db": _fake_db,
-            "row_mean_kernel": _fake_kernel, "attention": _fake_attention}
+            "row_mean_kernel": _fake_kernel, "rms_norm_kernel": _fake_kernel, "attention": _fake_attention}
 # Modules whose attributes of those names are the kernels the mode calls (where a module binds them).
-STANDIN_MODULES = ("detkit.kernels.det_gemm.launch", "detkit.kernels.reductions.row_mean", "detkit.kernels.attention.sdpa",
-                   "detkit.mode.gemm", "detkit.mode.aten", "detkit.mode.compile")
+STANDIN_MODULES = ("detkit.kernels.det_gemm.launch", "detkit.kernels.reductions.row_mean",
+                   "detkit.kernels.reductions.rms_norm", "detkit.kernels.attention.sdpa", "detkit.mode.gemm",
+                   "detkit.mode.aten", "detkit.mode.compile")
 
 
 @contextlib.contextmanager
@@ -115,7 +116,8 @@ def standin_kernels():
 # ---------------------------------------------------------------------------------------------
 def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: bool) -> list[Case]:
     """The routed ops at ``[m, k] @ [k, n]`` (a Linear's forward and its two backward GEMMs), a bmm of ``batch``
-    elements, RMSNorm's FP32 row mean, SDPA and transformers' attention for one decode query."""
+    elements, RMSNorm's FP32 row mean, SDPA, and with transformers its attention for one decode query and a Llama
+    RMSNorm module's forward under no_grad over [m, k] (torch: its eight ops; the mode: the fused kernel)."""
     import torch
     import torch.nn.functional as F
 
@@ -154,6 +156,9 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
     ]
     if with_transformers:
         from transformers.modeling_utils import AttentionInterface
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        from detkit.kernels.reductions import rms_norm as fused_norm
 
         class _Module(torch.nn.Module):  # what transformers' attention functions read of the layer
             is_causal = True
@@ -163,6 +168,13 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
         cases.append(Case("attention (transformers, decode)", "q [1,8,1,64], kv [1,4,32,64]",
                           lambda: AttentionInterface._global_mapping["sdpa"](module, q, kv, kv, None, scaling=0.125),
                           lambda: attention_sdpa.hf_attention_forward(module, q, kv, kv, None, scaling=0.125)))
+        norm, hidden = LlamaRMSNorm(k, eps=1e-6).to(device=device, dtype=torch.bfloat16), randn(m, k)
+
+        def norm_forward():
+            with torch.no_grad():
+                return norm(hidden)
+        cases.append(Case("RMSNorm (transformers, no grad)", f"[{m},{k}]", norm_forward,
+                          lambda: fused_norm.rms_norm(hidden, norm.weight, norm.variance_epsilon)))
     return cases
 
 

@@ -5,6 +5,8 @@
 #   host values, on the GPU, into $OUT/tests.log;
 # - dp-8x1k, dp-1x32k: tools.decode_profile at Qwen3-8B widths (8 layers, batch 8, 1k cache; 4 layers, batch 1, 32k
 #   cache), default mode, detkit mode, and detkit mode with transformers' RMSNorm on its own ops (--unfused-norms);
+# - overhead: tools.mode_overhead on CUDA (host time until queued per routed op; a Llama RMSNorm's forward under
+#   no_grad: torch's eight ops against the fused route), into $OUT/overhead.json;
 # - decompose + ncu: tools/gpu/paged_decode_decompose.sh (the pinned paged paths and, beside them, each key tile's
 #   table entries read one tile ahead, AttnConfigs.paged_prefetch_pages; Nsight Compute on pages of 16 with and
 #   without it).
@@ -17,6 +19,7 @@ begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
 step tests 110 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra --junitxml "$OUT/tests.xml" \
   tests/test_mode_norms.py tests/test_mode.py tests/test_attention_paged.py tests/test_attention_host_values.py
+step overhead 45 python -m tools.mode_overhead --device cuda --rounds 9 --json "$OUT/overhead.json"
 step dp-8x1k 100 python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 8 --batch 8 \
   --cache-len 1024 --steps 10 --unfused-norms --out "$OUT/dp-8x1k"
 OUT=$OUT/decomp NCU_PATHS="paged16 paged16_prefetch" NCU_LIMIT_S=40 DECOMPOSE_LIMIT_S=150 \
