@@ -17,7 +17,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source tools/gpu_steps.sh
 begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
-step tests 110 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra --junitxml "$OUT/tests.xml" \
+step tests 130 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra --junitxml "$OUT/tests.xml" \
   tests/test_mode_norms.py tests/test_mode.py tests/test_attention_paged.py tests/test_attention_host_values.py
 step overhead 45 python -m tools.mode_overhead --device cuda --rounds 9 --json "$OUT/overhead.json"
 step dp-8x1k 100 python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 8 --batch 8 \
