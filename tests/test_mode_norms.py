@@ -16,12 +16,13 @@ from detkit.mode import norms as mode_norms
 from tests.conftest import assert_bits_equal
 
 EPS = 1e-6
-LAYOUTS = [  # (shape, permutation applied to a contiguous tensor of that shape)
+LAYOUTS = [  # (shape, permutation applied to a contiguous tensor of that shape, or "narrow")
     ((5, 7, 40), None),
     ((3, 1000), None),
     ((2, 3, 2 * 1024 + 17), None),  # three column chunks, the last one partial
     ((2, 6, 3, 16), (0, 2, 1, 3)),  # a [B, H, S, D] transpose (Gemma-3's q/k norms): rows not one row dim
     ((4, 64), None),
+    ((5, 7, 64), "narrow"),  # the first 40 columns of each row (a q/k/v split's view): rows 64 apart, not dense
 ]
 
 
@@ -40,7 +41,7 @@ def own_ops(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str) -> to
 def inputs(shape, perm, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(shape, generator=g) * 3).to(dtype)
-    x = (x.permute(*perm) if perm else x).to(device)
+    x = (x[..., :40] if perm == "narrow" else x.permute(*perm) if perm else x).to(device)
     w = (torch.randn(x.shape[-1], generator=g) * 0.5 + 1).to(dtype).to(device)
     return x, w
 
