@@ -24,11 +24,11 @@ import sys
 import torch
 
 from detkit.mode import gemm as mode_gemm
+from detkit.mode.bytecode import code_key, new_model_modules
 from detkit.mode import state as mode_state
 
 NORM_OP = "rms_norm (transformers)"
 NORM_KERNEL = "fused_rms_norm"
-MODEL_MODULES = "transformers.models."
 
 
 # transformers' RMSNorm forwards, op for op (their bytecode identifies a class's math; the names are theirs).
@@ -66,15 +66,7 @@ STYLE_FORWARDS = {
 }
 
 
-def _code_key(fn) -> tuple | None:
-    """What a function computes, as far as its bytecode says (line numbers and names of the file aside)."""
-    code = getattr(fn, "__code__", None)
-    if code is None or getattr(fn, "__globals__", {}).get("torch", torch) is not torch:
-        return None
-    return (code.co_code, code.co_consts, code.co_names, code.co_varnames, code.co_argcount)
-
-
-_STYLE_KEYS = {style: (_code_key(fwd), {name: _code_key(fn) for name, fn in helpers.items()})
+_STYLE_KEYS = {style: (code_key(fwd), {name: code_key(fn) for name, fn in helpers.items()})
                for style, (fwd, helpers, _) in STYLE_FORWARDS.items()}
 
 
@@ -83,9 +75,9 @@ def style_of(cls: type) -> str | None:
     forward = cls.__dict__.get("forward")
     if forward is None or not issubclass(cls, torch.nn.Module):
         return None
-    key = _code_key(forward)
+    key = code_key(forward)
     for style, (forward_key, helper_keys) in _STYLE_KEYS.items():
-        if key == forward_key and all(_code_key(getattr(cls, name, None)) == want
+        if key == forward_key and all(code_key(getattr(cls, name, None)) == want
                                       for name, want in helper_keys.items()):
             return style
     return None
@@ -98,10 +90,7 @@ _saved: dict[type, object] = {}  # class -> its own forward, while installed
 
 def _scan() -> None:
     """Find the matching classes of transformers model modules not scanned yet."""
-    for name, module in list(sys.modules.items()):
-        if not name.startswith(MODEL_MODULES) or name in _scanned or module is None:
-            continue
-        _scanned.add(name)
+    for name, module in new_model_modules(_scanned):
         for obj in list(vars(module).values()):
             if isinstance(obj, type) and obj.__module__ == name and obj.__name__.endswith("RMSNorm"):
                 style = style_of(obj)

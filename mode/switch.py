@@ -25,7 +25,8 @@ What it routes while entered (process-wide, every thread; docs/mode.md):
   kernels with the gate elementwise; "detkit" and "detkit_fp8" are registered as experts implementations. The
   Qwen3-MoE router's top-k normalisation in a fixed order (``moe``). Parameters and state dicts unchanged.
 - transformers' RMSNorm classes (those whose forward is Llama's, OLMo-2's or Gemma's, op for op): one fused kernel
-  with the bits of their own forward under the mode, where no gradient is needed (``norms``; speed only).
+  with the bits of their own forward under the mode, where no gradient is needed (``norms``; speed only); likewise
+  their Llama-form ``apply_rotary_pos_emb`` (``rotary``).
 
 Everything it does not route is counted with the reason (``mode_counters()``); with
 ``strict=True`` such a call raises ``ModeNotRoutedError`` instead. Never a silent fallback.
@@ -65,6 +66,7 @@ def _install() -> None:
     from detkit.mode import experts as mode_experts
     from detkit.mode import moe as mode_moe
     from detkit.mode import norms as mode_norms
+    from detkit.mode import rotary as mode_rotary
 
     mode_aten.install()
     mode_compile.install()
@@ -72,6 +74,7 @@ def _install() -> None:
     mode_moe.install()
     mode_experts.install()
     mode_norms.install()
+    mode_rotary.install()
 
 
 def _uninstall() -> None:
@@ -81,7 +84,9 @@ def _uninstall() -> None:
     from detkit.mode import experts as mode_experts
     from detkit.mode import moe as mode_moe
     from detkit.mode import norms as mode_norms
+    from detkit.mode import rotary as mode_rotary
 
+    mode_rotary.uninstall()
     mode_norms.uninstall()
     mode_experts.uninstall()
     mode_moe.uninstall()

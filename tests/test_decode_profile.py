@@ -1,5 +1,6 @@
-"""tools/decode_profile.py on the interpreter: both modes (and detkit mode with RMSNorm unfused) profiled on the
-bench's filled cache, detkit mode's step on detkit's kernels (no torch SDPA or matmul kernel in its operators), default mode's on torch's."""
+"""tools/decode_profile.py on the interpreter: both modes (and detkit mode with RMSNorm and rotary unfused) profiled on
+the bench's filled cache, detkit mode's step on detkit's kernels (no torch SDPA or matmul kernel in its operators),
+default mode's on torch's."""
 
 import json
 
@@ -12,9 +13,9 @@ def test_decode_profile_both_modes(tmp_path):
     from tools.decode_profile import main
 
     assert main(["--preset", "qwen3-tiny", "--layers", "1", "--batch", "2", "--cache-len", "8", "--steps", "1",
-                 "--unfused-norms", "--out", str(tmp_path)]) == 0
+                 "--unfused", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "profile.json").read_text())
-    assert set(result["modes"]) == {"default", "detkit", "detkit_unfused_norms"}
+    assert set(result["modes"]) == {"default", "detkit", "detkit_unfused"}
     assert result["hardware_result"] is False and result["device"].startswith("cpu")
     ops = {mode: {row["op"] for row in m["top_cpu"]} for mode, m in result["modes"].items()}
     assert any("scaled_dot_product" in op for op in ops["default"])
@@ -24,10 +25,10 @@ def test_decode_profile_both_modes(tmp_path):
         assert 0 < m["host_p20_us"] <= m["host_us"] <= m["host_p80_us"]
     assert result["wall_ratio"] == pytest.approx(result["modes"]["detkit"]["wall_us"]
                                                  / result["modes"]["default"]["wall_us"])
-    assert result["unfused_norms_wall_ratio"] == pytest.approx(result["modes"]["detkit_unfused_norms"]["wall_us"]
+    assert result["unfused_wall_ratio"] == pytest.approx(result["modes"]["detkit_unfused"]["wall_us"]
                                                                / result["modes"]["default"]["wall_us"])
     text = (tmp_path / "profile.md").read_text()
-    assert "wall ratio detkit / default" in text and "RMSNorm unfused / default" in text
+    assert "wall ratio detkit / default" in text and "RMSNorm and rotary unfused / default" in text
 
 
 def test_decode_profile_refuses_bad_sizes(capsys):

@@ -7,8 +7,8 @@ attention) run under ``torch.profiler``, so a ratio the bench reports can be tak
 Per mode: the step's eager time and its host time until queued (toolkit/timing.py's ``time_back_to_back`` and
 ``time_host``, the two modes interleaved over ``--steps`` rounds: median, p20, p80), then under the profiler the GPU
 time it saw, kernel launches per step, and the top operators by self CPU time and the top GPU kernels by time, per
-step. ``--unfused-norms`` adds a third mode, detkit mode with transformers' RMSNorm classes on their own ops
-(``detkit.mode.norms.suspended``: the fused RMSNorm route's share of the step). ``DIR/profile.json`` holds every number, ``DIR/profile.md`` the tables. On the CPU (the Triton interpreter) it
+step. ``--unfused`` adds a third mode, detkit mode with transformers' RMSNorm classes and rotary function on their
+own ops (``detkit.mode.norms.suspended``, ``detkit.mode.rotary.suspended``: the fused routes' share of the step). ``DIR/profile.json`` holds every number, ``DIR/profile.md`` the tables. On the CPU (the Triton interpreter) it
 runs the plumbing at the model's tiny config: not a hardware result.
 """
 
@@ -46,15 +46,16 @@ def profile_steps(step, device, steps: int) -> dict:
             "gpu_us": sum(t for _, t, _ in gpu), "launches": launches}
 
 
-UNFUSED_NORMS = "detkit_unfused_norms"
+UNFUSED = "detkit_unfused"
 
 
 def profile_decode(device, preset: str, layers: int | None, batch: int, cache_len: int, steps: int, seed: int,
-                   unfused_norms: bool = False) -> dict:
+                   unfused: bool = False) -> dict:
     import contextlib
 
     import torch
     from detkit.mode import norms as mode_norms
+    from detkit.mode import rotary as mode_rotary
     from detkit.bench.model import ModelBench
     from detkit.toolkit.harness import RunContext
     from detkit.toolkit.models import build_model, fp8_graph_weights_choice, moe_experts_choice
@@ -69,14 +70,14 @@ def profile_decode(device, preset: str, layers: int | None, batch: int, cache_le
               "hardware_result": not interpreted, "device": torch.cuda.get_device_name(device) if not interpreted
               else "cpu (Triton interpreter)", "modes": {}}
     steps_of, contexts = bench.decode_steps((batch, cache_len)), bench.contexts()
-    if unfused_norms:
-        steps_of[UNFUSED_NORMS] = bench.decode_steps((batch, cache_len))["detkit"]  # a cache of its own
+    if unfused:
+        steps_of[UNFUSED] = bench.decode_steps((batch, cache_len))["detkit"]  # a cache of its own
 
         @contextlib.contextmanager
         def detkit_unfused():
-            with contexts["detkit"](), mode_norms.suspended():
+            with contexts["detkit"](), mode_norms.suspended(), mode_rotary.suspended():
                 yield
-        contexts[UNFUSED_NORMS] = detkit_unfused
+        contexts[UNFUSED] = detkit_unfused
     # Both modes interleaved, each on its own cache (every step appends a token to it); the eager timing's warm-up
     # call (compiles, launch plans, the allocator's blocks) serves the host timing too.
     wall = time_back_to_back(steps_of, device, rounds=steps, contexts=contexts)
@@ -91,8 +92,8 @@ def profile_decode(device, preset: str, layers: int | None, batch: int, cache_le
     modes = result["modes"]
     if "detkit" in modes and "default" in modes:
         result["wall_ratio"] = modes["detkit"]["wall_us"] / modes["default"]["wall_us"]
-    if UNFUSED_NORMS in modes:
-        result["unfused_norms_wall_ratio"] = modes[UNFUSED_NORMS]["wall_us"] / modes["default"]["wall_us"]
+    if UNFUSED in modes:
+        result["unfused_wall_ratio"] = modes[UNFUSED]["wall_us"] / modes["default"]["wall_us"]
     return result
 
 
@@ -103,8 +104,9 @@ def markdown(result: dict) -> str:
              f"- device: {result['device']} (hardware result: {result['hardware_result']})",
              f"- batch {result['batch']}, cache {result['cache_len']} keys, {result['steps']} steps per measure",
              f"- wall ratio detkit / default: {result.get('wall_ratio', float('nan')):.3f}"]
-    if "unfused_norms_wall_ratio" in result:
-        lines.append(f"- wall ratio detkit with RMSNorm unfused / default: {result['unfused_norms_wall_ratio']:.3f}")
+    if "unfused_wall_ratio" in result:
+        lines.append("- wall ratio detkit with RMSNorm and rotary unfused / default: "
+                     f"{result['unfused_wall_ratio']:.3f}")
     lines.append("")
     for mode, m in result["modes"].items():
         lines += [f"## {mode}: wall {m['wall_us']:.0f} µs, host until queued {m['host_us']:.0f} µs, GPU (profiler) "
@@ -126,8 +128,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cache-len", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--unfused-norms", action="store_true",
-                        help="also time detkit mode with transformers' RMSNorm classes on their own ops")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also time detkit mode with transformers' RMSNorm classes and rotary on their own ops")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     for name in ("batch", "cache_len", "steps"):
@@ -140,7 +142,7 @@ def main(argv=None) -> int:
     import torch
 
     result = profile_decode(torch.device(args.device), args.preset, args.layers, args.batch, args.cache_len,
-                            args.steps, args.seed, args.unfused_norms)
+                            args.steps, args.seed, args.unfused)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)

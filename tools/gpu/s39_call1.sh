@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Call 1 of reports/2026-12-08-*-s39 (one H100 or H200):
-# - tests: the fused RMSNorm and its mode route (its bits against transformers' RMSNorm ops under the mode, where
-#   torch's rsqrt and the kernel's must agree), the row mean, the paged attention (prefetch paths included) and the
+# - tests: the fused RMSNorm and rotary and their mode routes (their bits against transformers' ops under the mode,
+#   where torch's rsqrt and the kernel's must agree), the row mean, the paged attention (prefetch paths included) and the
 #   host values, on the GPU, into $OUT/tests.log;
 # - dp-8x1k: tools.decode_profile at Qwen3-8B widths (8 layers, batch 8, 1k cache), default mode, detkit mode, and
-#   detkit mode with transformers' RMSNorm on its own ops (--unfused-norms);
+#   detkit mode with transformers' RMSNorm and rotary on their own ops (--unfused);
 # - overhead: tools.mode_overhead on CUDA (host time until queued per routed op; a Llama RMSNorm's forward under
 #   no_grad: torch's eight ops against the fused route), into $OUT/overhead.json;
 # - decompose + ncu: tools/gpu/paged_decode_decompose.sh (the pinned paged paths and, beside them, each key tile's
@@ -18,10 +18,10 @@ source tools/gpu_steps.sh
 begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
 step tests 130 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra --junitxml "$OUT/tests.xml" \
-  tests/test_mode_norms.py tests/test_mode.py tests/test_attention_paged.py tests/test_attention_host_values.py
+  tests/test_mode_norms.py tests/test_mode_rotary.py tests/test_mode.py tests/test_attention_paged.py tests/test_attention_host_values.py
 step overhead 45 python -m tools.mode_overhead --device cuda --rounds 9 --json "$OUT/overhead.json"
 step dp-8x1k 100 python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 8 --batch 8 \
-  --cache-len 1024 --steps 10 --unfused-norms --out "$OUT/dp-8x1k"
+  --cache-len 1024 --steps 10 --unfused --out "$OUT/dp-8x1k"
 OUT=$OUT/decomp NCU_PATHS="paged16_prefetch" NCU_LIMIT_S=40 DECOMPOSE_LIMIT_S=150 \
   bash tools/gpu/paged_decode_decompose.sh || failed=1
 exit "$failed"
