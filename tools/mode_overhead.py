@@ -84,10 +84,12 @@ def _fake_attention(q, k, v, *, scale=None, kv_start=None, kv_end=None, window=N
 
 
 STANDINS = {"det_gemm_fwd": _fake_fwd, "det_gemm_da": _fake_da, "det_gemm_db": _fake_db,
-            "row_mean_kernel": _fake_kernel, "rms_norm_kernel": _fake_kernel, "attention": _fake_attention}
+            "row_mean_kernel": _fake_kernel, "rms_norm_kernel": _fake_kernel, "rope_kernel": _fake_kernel,
+            "attention": _fake_attention}
 # Modules whose attributes of those names are the kernels the mode calls (where a module binds them).
 STANDIN_MODULES = ("detkit.kernels.det_gemm.launch", "detkit.kernels.reductions.row_mean",
-                   "detkit.kernels.reductions.rms_norm", "detkit.kernels.attention.sdpa", "detkit.mode.gemm",
+                   "detkit.kernels.reductions.rms_norm", "detkit.kernels.rotary.rope", "detkit.kernels.attention.sdpa",
+                   "detkit.mode.gemm",
                    "detkit.mode.aten", "detkit.mode.compile")
 
 
@@ -117,7 +119,8 @@ def standin_kernels():
 def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: bool) -> list[Case]:
     """The routed ops at ``[m, k] @ [k, n]`` (a Linear's forward and its two backward GEMMs), a bmm of ``batch``
     elements, RMSNorm's FP32 row mean, SDPA, and with transformers its attention for one decode query and a Llama
-    RMSNorm module's forward under no_grad over [m, k] (torch: its eight ops; the mode: the fused kernel)."""
+    RMSNorm module's forward under no_grad over [m, k] (torch: its eight ops; the mode: the fused kernel) and its
+    ``apply_rotary_pos_emb`` on one decode query (torch: ten ops; the mode: the fused kernel)."""
     import torch
     import torch.nn.functional as F
 
@@ -156,6 +159,7 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
     ]
     if with_transformers:
         from transformers.modeling_utils import AttentionInterface
+        from transformers.models.llama import modeling_llama
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
         from detkit.kernels.reductions import rms_norm as fused_norm
@@ -175,6 +179,17 @@ def build_cases(device, m: int, k: int, n: int, batch: int, with_transformers: b
                 return norm(hidden)
         cases.append(Case("RMSNorm (transformers, no grad)", f"[{m},{k}]", norm_forward,
                           lambda: fused_norm.rms_norm(hidden, norm.weight, norm.variance_epsilon)))
+        from detkit.kernels import rotary
+
+        rq, rk, rc = randn(1, 1, 32, 128).transpose(1, 2), randn(1, 1, 8, 128).transpose(1, 2), randn(1, 1, 128)
+        rope_direct = rotary.rope_launcher(rq, rk, rc, rc, rotary.output_strides(rq, rk, rc,
+                                                                                  rotary.apply_rotary_pos_emb_ref))
+
+        def rope_call():  # looked up at call time, as the attention forward does: the mode's route inside it
+            with torch.no_grad():
+                return modeling_llama.apply_rotary_pos_emb(rq, rk, rc, rc)
+        cases.append(Case("rotary (transformers, no grad)", "q [1,32,1,128], k [1,8,1,128]", rope_call,
+                          lambda: rope_direct(rq, rk, rc, rc)))
     return cases
 
 
