@@ -7,9 +7,9 @@
 #   detkit mode with transformers' RMSNorm and rotary on their own ops (--unfused);
 # - overhead: tools.mode_overhead on CUDA (host time until queued per routed op; a Llama RMSNorm's forward under
 #   no_grad: torch's eight ops against the fused route), into $OUT/overhead.json;
-# - decompose + ncu: tools/gpu/paged_decode_decompose.sh (the pinned paged paths and, beside them, each key tile's
-#   table entries read one tile ahead, AttnConfigs.paged_prefetch_pages; Nsight Compute on pages of 16 with it;
-#   reports/2026-12-07-h100-s38 has the profile without it).
+# - decompose: tools.paged_decompose as tools/gpu/paged_decode_decompose.sh runs it (the pinned paged paths and,
+#   beside them, each key tile's table entries read one tile ahead, AttnConfigs.paged_prefetch_pages), no Nsight
+#   Compute step (reports/2026-12-07-h100-s38 has the profile without prefetch).
 set -euo pipefail
 : "${OUT:?set OUT to the results folder}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -17,11 +17,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source tools/gpu_steps.sh
 begin_run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)/triton-cache}
-step tests 130 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra --junitxml "$OUT/tests.xml" \
-  tests/test_mode_norms.py tests/test_mode_rotary.py tests/test_mode.py tests/test_attention_paged.py tests/test_attention_host_values.py
-step overhead 45 python -m tools.mode_overhead --device cuda --rounds 9 --json "$OUT/overhead.json"
+step tests 110 env DETKIT_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -ra --junitxml "$OUT/tests.xml" \
+  tests/test_mode_norms.py tests/test_mode_rotary.py tests/test_mode.py tests/test_attention_paged.py \
+  tests/test_attention_host_values.py
+step overhead 40 python -m tools.mode_overhead --device cuda --rounds 5 --json "$OUT/overhead.json"
 step dp-8x1k 100 python -m tools.decode_profile --device cuda --preset qwen3-8b --layers 8 --batch 8 \
   --cache-len 1024 --steps 10 --unfused --out "$OUT/dp-8x1k"
-OUT=$OUT/decomp NCU_PATHS="paged16_prefetch" NCU_LIMIT_S=40 DECOMPOSE_LIMIT_S=150 \
-  bash tools/gpu/paged_decode_decompose.sh || failed=1
+step decompose 150 python -m tools.paged_decompose --out "$OUT/decomp" --case=1x1024 --case=1x8192 --case=8x8192 \
+  --case=1x32768
 exit "$failed"
