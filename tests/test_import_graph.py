@@ -36,7 +36,7 @@ FORBIDDEN = {KERNELS: (MODE, *HARNESS), MODE: HARNESS, BENCH: (AUDITS,)}
 # plumbing (det_gemm's tile math and launch helpers are the building blocks of the other families' GEMMs).
 PLUMBING = ("detkit.kernels.backend", "detkit.kernels.bounds", "detkit.kernels.interpreter")
 FAMILY_MAY_IMPORT = {"det_gemm": (), "attention": ("det_gemm",), "moe": ("det_gemm",), "parallel": ("det_gemm",),
-                     "reductions": ("det_gemm",), "grouped": ("det_gemm",)}
+                     "reductions": ("det_gemm",), "grouped": ("det_gemm",), "rotary": ("det_gemm",)}
 
 
 def _within(module: str, package: str) -> bool:
