@@ -120,6 +120,29 @@ def test_paged_bits_equal_the_contiguous_keys_for_any_page_size_and_placement(pa
     assert_bits_equal(out, case.varlen(configs=configs), f"paged (page size {page_size}, {path}) vs varlen")
 
 
+def test_the_prefetch_rule_picks_by_the_launchs_programs_and_keeps_the_bits(device, monkeypatch):
+    """``paged_prefetch_below``: a paged launch of fewer programs reads its table entries a tile ahead (speed only):
+    every launch under a bound no grid reaches, none under a bound of one program; the varlen bits either way."""
+    from detkit.kernels.attention import launch
+
+    case = _make([1, 1, 6, 12], [70, 1, 37, 12], 16, device, seed=3)
+    seen = []
+    original = launch._fwd_tail
+
+    def spy(static, heads, what, dim_qk, dim_v, flags, *rest):  # flags[5]: PAGED
+        if what != "combine" and flags[5]:
+            seen.append(rest[3] if len(rest) > 3 else False)
+        return original(static, heads, what, dim_qk, dim_v, flags, *rest)
+    monkeypatch.setattr(launch, "_fwd_tail", spy)
+    early = dataclasses.replace(forced_paths(device, 64)["split_grid"], paged_tile_page=True, paged_early_pages=True)
+    for below, want in ((1 << 30, True), (1, False)):
+        launch.clear_launch_plans()
+        seen.clear()
+        configs = dataclasses.replace(early, paged_prefetch_below=below)
+        assert_bits_equal(case.paged(configs=configs), case.varlen(configs=early), f"prefetch below {below}")
+        assert seen and set(seen) == {want}, (below, seen)
+
+
 # MLA's value head dim (64 / 32: v_cache's rows narrower than k_cache's, each with its own strides) and one head dim
 # between the kernel's (24 on the 64 tiles), read in place by masked loads.
 @pytest.mark.parametrize("dqk,dv,path", [(64, 32, "split_grid"), (64, 32, "one_pass"), (24, 24, "one_pass")])

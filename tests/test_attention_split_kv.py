@@ -67,7 +67,7 @@ def test_split_tiers_are_pinned_per_backend_and_checked():
     assert all(c.split_tiers == INTERPRETER_SPLIT_TIERS for c in CONFIG_TABLE["triton_interpreter"].values())
     assert all(s % c.fwd.block_n == 0 for table in CONFIG_TABLE.values() for c in table.values()
                for _, s in c.split_tiers)
-    assert ATTENTION_CONFIG_TABLE_VERSION == "2026-12-07.2"
+    assert ATTENTION_CONFIG_TABLE_VERSION == "2026-12-08.1"
     base = select_configs("triton_interpreter", 64)
     # Each tier's split up to its bound (the row's key extent e: keys from the first key through its causal end).
     assert [base.split_of(e) for e in (-3, 1, 32, 33, 64, 65, 10**9)] == [16, 16, 16, 32, 32, 64, 64]
@@ -101,10 +101,13 @@ def test_split_tiers_are_pinned_per_backend_and_checked():
         dataclasses.replace(base, paged_tile_page=1)
     with pytest.raises(ValueError, match="paged_early_pages must be a bool; got 1"):
         dataclasses.replace(base, paged_early_pages=1)
-    assert "tile-page)" in dataclasses.replace(gpu, paged_early_pages=False).label()
+    assert "tile-page prefetch<132)" in dataclasses.replace(gpu, paged_early_pages=False).label()
+    with pytest.raises(ValueError, match="paged_prefetch_below must be an int >= 0; got -1"):
+        dataclasses.replace(base, paged_prefetch_below=-1)
     # The paged forward's stages: speed only, the forward's unless the entry sets them (its label says them), and its
     # table entries a key tile (one a page on both backends' entries).
-    assert "paged s3 tile-page early)" in gpu.label() and "paged s1 tile-page early)" in base.label()
+    assert "paged s3 tile-page early prefetch<132)" in gpu.label()
+    assert "paged s1 tile-page early prefetch<4)" in base.label()
     assert "paged s5 grouped)" in dataclasses.replace(gpu, paged_num_stages=5, paged_grouped=True,
                                                       paged_tile_page=False, paged_early_pages=False).label()
     assert isinstance(base, AttnConfigs) and "kv-split 32:16/64:32/64" in base.label()

@@ -12,7 +12,7 @@ from detkit.kernels.backend import CUDA_SM90, TRITON_INTERPRETER
 
 HEAD_DIMS = (64, 128, 256)
 
-ATTENTION_CONFIG_TABLE_VERSION = "2026-12-07.2"
+ATTENTION_CONFIG_TABLE_VERSION = "2026-12-08.1"
 
 # Keys per split of the forward (split-KV), a pinned step function of each row's own key extent e: the keys from the
 # sequence's first key (the anchor the key tiles count from) through the row's last visible key (its causal end).
@@ -97,8 +97,11 @@ class AttnConfigs:
     # bounds (cu_seqlens), so the two loads' latencies overlap rather than add. The same entries.
     paged_early_pages: bool = False
     # Speed only, with paged_tile_page: each key tile's table entries read one tile ahead (the first tile's before
-    # the loop), so no K/V load waits on a table load of its own step. The same entries.
+    # the loop), so no K/V load waits on a table load of its own step. The same entries. paged_prefetch_pages: in
+    # every paged launch; paged_prefetch_below: in paged launches of fewer programs than this (at most a wave, where a
+    # program's latency is the step's; with more programs the deeper pipeline's shared memory costs more than it hides).
     paged_prefetch_pages: bool = False
+    paged_prefetch_below: int = 0
 
     def __post_init__(self):
         _check_split_tiers(self.split_tiers, self.fwd.block_n)
@@ -117,6 +120,9 @@ class AttnConfigs:
             raise ValueError(f"AttnConfigs.paged_early_pages must be a bool; got {self.paged_early_pages!r}")
         if not isinstance(self.paged_prefetch_pages, bool):
             raise ValueError(f"AttnConfigs.paged_prefetch_pages must be a bool; got {self.paged_prefetch_pages!r}")
+        if not isinstance(self.paged_prefetch_below, int) or isinstance(self.paged_prefetch_below, bool) \
+                or self.paged_prefetch_below < 0:
+            raise ValueError(f"AttnConfigs.paged_prefetch_below must be an int >= 0; got {self.paged_prefetch_below!r}")
         if not isinstance(self.eager_split_grid_min_keys, int) or self.eager_split_grid_min_keys < 0:
             raise ValueError("AttnConfigs.eager_split_grid_min_keys must be an int >= 0; got "
                              f"{self.eager_split_grid_min_keys!r}")
@@ -126,10 +132,18 @@ class AttnConfigs:
         group = f", programs~{self.split_grid_programs}" if self.split_grid_programs else ""
         paged = (f", paged s{self.paged_stages}{' grouped' if self.paged_grouped else ''}"
                  f"{' tile-page' if self.paged_tile_page else ''}{' early' if self.paged_early_pages else ''}"
-                 f"{' prefetch' if self.paged_prefetch_pages else ''}")
+                 f"{self._prefetch_label()}")
         return (f"fwd {self.fwd.label()} dkdv {self.dkdv.label()} dq {self.dq.label()}{split} kv-split "
                 f"{tiers_label(self.split_tiers)} (grid<{self.split_grid_below}, "
                 f"eager keys>={self.eager_split_grid_min_keys}{group}{paged})")
+
+    def _prefetch_label(self) -> str:
+        """The table-entry prefetch (which needs paged_tile_page) as the label says it."""
+        if not self.paged_tile_page:
+            return ""
+        if self.paged_prefetch_pages:
+            return " prefetch"
+        return f" prefetch<{self.paged_prefetch_below}" if self.paged_prefetch_below else ""
 
     @property
     def paged_stages(self) -> int:
@@ -218,6 +232,11 @@ EAGER_SPLIT_GRID_MIN_KEYS = 2048
 # (reports/2026-12-06-h100-s28) had that step at 1.93x flash with one 512-key split per program (512 programs of 8 key
 # tiles) and at 1.01-1.05x with 128 programs of 2048 keys.
 SPLIT_GRID_PROGRAMS = 128
+# sm_90, D=128: paged launches of fewer programs than one per SM read each key tile's table entries a tile ahead. H100
+# (reports/2026-12-08-h100-s39 call 1; ratio to the padded contiguous step, pages of 256 / 16, without -> with):
+# B1 1k (8 programs) 1.20 / 1.23 -> 1.07 / 1.11, B1 8k (128) 1.17 / 1.19 -> 1.03 / 1.07; B8 8k (1024) 1.03 / 1.05 ->
+# 1.09 / 1.14 and B1 32k (256) 0.94 / 0.94 -> 1.04 / 1.08 are slower with it.
+PAGED_PREFETCH_BELOW = 132
 
 
 # Keyed by backend, then head_dim. The sm_90 entries are the fastest spill-free candidates of the H200 sweep
@@ -231,10 +250,12 @@ SPLIT_GRID_PROGRAMS = 128
 # this one least (176 bytes; 64x32 would run mma.sync). The paged forward keeps the forward's stages and one split a
 # program (in the H100 sweep of its stages (3, 5, 6) and grouping no setting was faster at every paged case) and reads
 # one table entry a page a key tile touches, the first tile's before the sequence's bounds (each faster than without
-# it at every H100 case measured, or within its spread). The
+# it at every H100 case measured, or within its spread); at D=128 a launch of fewer programs than SMs reads them a
+# tile ahead (PAGED_PREFETCH_BELOW; D=64 and 256 not measured). The
 # interpreter entries are small so CPU tests at a few dozen keys cross several key tiles, splits and query tiles; its
 # split grid runs below 8 programs (a test's decode step), so the default path of a CPU decode step is the split grid
-# and that of its prefill the one-pass grid.
+# and that of its prefill the one-pass grid; paged launches below 4 programs prefetch their table entries, so CPU tests
+# run both paged paths.
 CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     CUDA_SM90: {
         64: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(64, 64, 4, 3), dq=AttnConfig(128, 64, 4, 3),
@@ -242,7 +263,7 @@ CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
                         paged_tile_page=True, paged_early_pages=True),
         128: AttnConfigs(fwd=AttnConfig(64, 64, 4, 3), dkdv=AttnConfig(32, 128, 8, 3), dq=AttnConfig(128, 64, 8, 3),
                          eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
-                         paged_tile_page=True, paged_early_pages=True),
+                         paged_tile_page=True, paged_early_pages=True, paged_prefetch_below=PAGED_PREFETCH_BELOW),
         256: AttnConfigs(fwd=AttnConfig(64, 32, 8, 2), dkdv=AttnConfig(32, 64, 8, 2), dq=AttnConfig(128, 32, 8, 2),
                          eager_split_grid_min_keys=EAGER_SPLIT_GRID_MIN_KEYS, split_grid_programs=SPLIT_GRID_PROGRAMS,
                          paged_tile_page=True, paged_early_pages=True),
@@ -250,7 +271,7 @@ CONFIG_TABLE: dict[str, dict[int, AttnConfigs]] = {
     TRITON_INTERPRETER: {
         d: AttnConfigs(fwd=AttnConfig(16, 16, 4, 1), dkdv=AttnConfig(16, 16, 4, 1), dq=AttnConfig(16, 16, 4, 1),
                        split_tiers=INTERPRETER_SPLIT_TIERS, split_grid_below=8, split_grid_programs=2,
-                       paged_tile_page=True, paged_early_pages=True)
+                       paged_tile_page=True, paged_early_pages=True, paged_prefetch_below=4)
         for d in HEAD_DIMS
     },
 }

@@ -565,10 +565,12 @@ def _fwd_static(backend: str, dim_qk: int, dim_v: int, heads_q: int, heads_kv: i
 
 
 def _fwd_tail(static: _FwdStatic, heads: int, what, dim_qk: int, dim_v: int, flags: tuple, softcap: bool,
-              sinks: bool, page_size: int) -> tuple:
-    """The constexprs of the forward (``what``: whether it runs the split grid) or of its combine pass
-    (``what == "combine"``), built once per static and heads."""
-    tail = static.tails.get((heads, what))
+              sinks: bool, page_size: int, prefetch: bool = False) -> tuple:
+    """The constexprs of the forward (``what``: whether it runs the split grid; ``prefetch``: whether a paged launch
+    reads its table entries a tile ahead) or of its combine pass (``what == "combine"``), built once per static,
+    heads and those choices."""
+    key = (heads, what, prefetch)
+    tail = static.tails.get(key)
     if tail is None:
         varlen, has_start, has_end, interpreted, windowed, paged = flags
         cfg = static.configs.fwd
@@ -582,11 +584,11 @@ def _fwd_tail(static: _FwdStatic, heads: int, what, dim_qk: int, dim_v: int, fla
             pages = tile_pages(static.configs.paged_tile_page and paged and not has_start, cfg.block_n, page_size)
             # Speed only: the first tile's entries read early where no window moves a program's first tile.
             early = bool(pages) and static.configs.paged_early_pages and not windowed
-            prefetch = bool(pages) and static.configs.paged_prefetch_pages
+            prefetch = bool(pages) and prefetch
             tail = _constexprs("fwd", {**common, "DIM_QK": dim_qk, "BLOCK_N": cfg.block_n, "SOFTCAP": softcap,
                                        "SPLIT_GRID": what, "PAGED": paged, "PAGE_SIZE": page_size,
                                        "TILE_PAGES": pages, "EARLY_PAGES": early, "PREFETCH_PAGES": prefetch})
-        static.tails[(heads, what)] = tail
+        static.tails[key] = tail
     return tail
 
 
@@ -702,16 +704,20 @@ def attention_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs
     bound0, bound1 = _bound_args(seqs, q)
     o_strides = _strides3(o, varlen)
     tails = static.tails
-    tail = tails.get((heads, split_grid)) or _fwd_tail(static, heads, split_grid, dim_qk, dim_v, flags,
-                                                        softcap is not None, sinks is not None, page_size)
-    _launch("fwd", (head_programs * cdiv(programs_per_tile, group), cdiv(seq_q, block_q), batch), [
+    grid = (head_programs * cdiv(programs_per_tile, group), cdiv(seq_q, block_q), batch)
+    # Speed only (the same entries): a paged launch of few programs reads each tile's table entries a tile ahead.
+    prefetch = paged and (configs.paged_prefetch_pages or grid[0] * grid[1] * grid[2] < configs.paged_prefetch_below)
+    tail = tails.get((heads, split_grid, prefetch)) or _fwd_tail(static, heads, split_grid, dim_qk, dim_v, flags,
+                                                                  softcap is not None, sinks is not None, page_size,
+                                                                  prefetch)
+    _launch("fwd", grid, [
         q, k, v, o, lse, bound0, bound1, table, ws_m, ws_l, ws_acc,
         *_strides3(q, varlen), *_kv_strides(k, seqs), *_kv_strides(v, seqs), *o_strides, *lse_strides,
         table.stride(0) if paged else 0, batch, heads_q, heads_kv, seq_q, seq_k,
         qk_scale, window, tanh_scale, sinks_arg, slots, ws_rows, group, tiles, *tail], static.options, plans)
     if split_grid:
-        tail = tails.get((heads, "combine")) or _fwd_tail(static, heads, "combine", dim_qk, dim_v, flags,
-                                                          softcap is not None, sinks is not None, page_size)
+        tail = tails.get((heads, "combine", False)) or _fwd_tail(static, heads, "combine", dim_qk, dim_v, flags,
+                                                                 softcap is not None, sinks is not None, page_size)
         _launch("combine", (head_programs, cdiv(seq_q, combine_rows(heads) // heads), batch), [
             o, lse, bound0, bound1, ws_m, ws_l, ws_acc, sinks_arg, *o_strides, *lse_strides,
             batch, heads_q, heads_kv, seq_q, seq_k, window, slots, ws_rows, *tail], COMBINE_OPTIONS, plans)
