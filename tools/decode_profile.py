@@ -8,8 +8,9 @@ Per mode: the step's eager time and its host time until queued (toolkit/timing.p
 ``time_host``, the two modes interleaved over ``--steps`` rounds: median, p20, p80), then under the profiler the GPU
 time it saw, kernel launches per step, and the top operators by self CPU time and the top GPU kernels by time, per
 step. ``--unfused`` adds a third mode, detkit mode with transformers' RMSNorm classes and rotary function on their
-own ops (``detkit.mode.norms.suspended``, ``detkit.mode.rotary.suspended``: the fused routes' share of the step). ``DIR/profile.json`` holds every number, ``DIR/profile.md`` the tables. On the CPU (the Triton interpreter) it
-runs the plumbing at the model's tiny config: not a hardware result.
+own ops (``detkit.mode.norms.suspended``, ``detkit.mode.rotary.suspended``: the fused routes' share of the step).
+``DIR/profile.json`` holds every number, ``DIR/profile.md`` the tables. On the CPU (the Triton interpreter) it runs
+the plumbing at the model's tiny config: not a hardware result.
 """
 
 from __future__ import annotations
