@@ -29,6 +29,7 @@ from detkit.mode import state as mode_state
 
 NORM_OP = "rms_norm (transformers)"
 NORM_KERNEL = "fused_rms_norm"
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # the tensor types the kernel's launch takes as they are
 
 
 # transformers' RMSNorm forwards, op for op (their bytecode identifies a class's math; the names are theirs).
@@ -116,9 +117,12 @@ _PLANS: dict[tuple, object] = {}
 
 
 def fused(x: torch.Tensor, weight: torch.Tensor, eps, style: str) -> torch.Tensor | None:
-    """The fused kernel's output, counted, or None where the class's own forward must run (a gradient is needed,
-    or the kernel does not take the operands: then the module's ops run, their mean on the mode's route)."""
+    """The fused kernel's output, counted, or None where the class's own forward must run (a gradient is needed, a
+    tensor subclass, or operands the kernel does not take: then the module's ops run, their mean on the mode's
+    route)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    if type(x) is not torch.Tensor or type(weight) not in PLAIN:  # DTensor, FakeTensor, ...: their own dispatch
         return None
     key = (style, eps, x.dtype, weight.dtype, x.device, weight.device, x.shape, x.stride(), weight.shape,
            weight.stride())

@@ -65,9 +65,11 @@ _PLANS: dict[tuple, object] = {}
 
 
 def fused(q, k, cos, sin, own) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The fused kernel's (q_embed, k_embed), counted, or None where ``own`` must run (a gradient is needed, or the
-    kernel does not take the operands)."""
+    """The fused kernel's (q_embed, k_embed), counted, or None where ``own`` must run (a gradient is needed, a
+    tensor subclass, or operands the kernel does not take)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad):
+        return None
+    if not (type(q) is type(k) is type(cos) is type(sin) is torch.Tensor):  # subclasses: their own dispatch
         return None
     key = (own, q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), cos.dtype, cos.shape, cos.stride(),
            sin.dtype, sin.shape, sin.stride(), k.dtype, k.device, cos.device, sin.device)

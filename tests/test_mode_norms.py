@@ -144,7 +144,7 @@ def test_the_mode_runs_rms_norms_fused_without_grad_with_the_same_logits(device)
     assert Qwen3RMSNorm.forward is own, "the class's forward is restored on exit"
 
 
-def test_prepared_norms_and_subclasses_keep_their_own_forward(device):
+def test_subclasses_and_tensor_subclasses_keep_their_own_forward(device):
     pytest.importorskip("transformers")
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -157,4 +157,12 @@ def test_prepared_norms_and_subclasses_keep_their_own_forward(device):
         detkit.reset_mode_counters()
         norm(x)
         counts = detkit.mode_counters().as_dict()["routed"]
+        plain = Qwen3RMSNorm(64).to(device=device, dtype=torch.bfloat16)
+        detkit.reset_mode_counters()
+
+        class Traced(torch.Tensor):  # a tensor subclass (DTensor, FakeTensor) keeps the class's own ops
+            pass
+        plain(x.as_subclass(Traced))
+        subclass_counts = detkit.mode_counters().as_dict()["routed"]
     assert counts == {"mean.dim -> row_mean": 1}
+    assert "rms_norm (transformers) -> fused_rms_norm" not in subclass_counts
