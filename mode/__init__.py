@@ -11,8 +11,8 @@ it. Inside, one module per route family and the switch with its state:
 - ``norms``: transformers' RMSNorm forwards as one fused kernel where no gradient is needed (speed only: the bits of
   their own forward under the mode);
 - ``rotary``: transformers' ``apply_rotary_pos_emb`` as one fused kernel where no gradient is needed (speed only);
-- ``bytecode``: which transformers functions compute what detkit's copies of them compute (for ``norms``,
-  ``rotary``);
+- ``bytecode``: what ``norms`` and ``rotary`` share (which transformers functions compute what detkit's copies of
+  them compute; the model modules imported since; suspending their swaps);
 - ``attention``: torch SDPA and transformers' attention onto detkit.kernels.attention;
 - ``moe``: the Qwen3-MoE router route and the fused-layer math (detkit.kernels.moe) of transformers' experts;
 - ``experts``: every transformers experts class (its ExpertsInterface: "detkit", "detkit_fp8") onto the fused layer

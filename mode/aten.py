@@ -66,14 +66,7 @@ def _mean_plan(x: torch.Tensor, dim, keepdim: bool, dtype, op: str):
     reason = mode_reductions.last_dim_reason(x, dim, keepdim, dtype) or mode_gemm.device_reason(x.device)
     if reason is not None:
         return mode_gemm.refusal_plan(op, reason)
-    launch, counted, state = mode_reductions.last_dim_launcher(x, keepdim), (op, "row_mean"), mode_state.STATE
-
-    def plan(x):
-        out = launch(x)
-        with state.lock:
-            state.routed[counted] += 1
-        return out
-    return plan
+    return mode_state.counted_launch(mode_reductions.last_dim_launcher(x, keepdim), op, "row_mean")
 
 
 def row_mean_dim(x: torch.Tensor, dim, keepdim: bool = False, dtype=None, op: str = "mean.dim") -> torch.Tensor | None:

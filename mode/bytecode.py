@@ -1,13 +1,17 @@
-"""Which functions of transformers' model modules compute what a detkit copy of them computes: their bytecode
-(instructions and what they load), line numbers and the docstring aside. The fused routes (``norms``,
-``rotary``) take a class or function only where its code is one of their copies, op for op, so a model whose math
-differs keeps its own."""
+"""What the fused routes (``norms``, ``rotary``) share. Which functions of transformers' model modules compute what
+a detkit copy of them computes: their bytecode (instructions and what they load), line numbers and the docstring
+aside; a route takes a class or function only where its code is one of its copies, op for op, so a model whose math
+differs keeps its own. Which model modules are new since a route last looked, and the suspension of a route's swaps
+(a measurement's baseline)."""
 
 from __future__ import annotations
 
+import contextlib
 import dis
 
 import torch
+
+from detkit.mode import state as mode_state
 
 
 def code_key(fn) -> tuple | None:
@@ -41,3 +45,16 @@ def new_model_modules(scanned: set[str]):
 
 
 _COUNTS: dict[int, int] = {}  # id of a caller's scanned set -> len(sys.modules) at its last walk
+
+
+@contextlib.contextmanager
+def suspension(saved: dict, install, uninstall):
+    """A route's swaps undone while inside (``saved``: what it swapped; ``install`` / ``uninstall``: its own), and
+    made again after where they were made and the mode is still entered."""
+    swapped = bool(saved)
+    uninstall()
+    try:
+        yield
+    finally:
+        if swapped and mode_state.active():
+            install()

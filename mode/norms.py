@@ -18,13 +18,12 @@ router's is (``moe``); a module given its own forward (``parallel.prepare``'s no
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import torch
 
 from detkit.mode import gemm as mode_gemm
-from detkit.mode.bytecode import code_key, new_model_modules
+from detkit.mode.bytecode import code_key, new_model_modules, suspension
 from detkit.mode import state as mode_state
 
 NORM_OP = "rms_norm (transformers)"
@@ -113,7 +112,7 @@ def _route_for(cls: type, style: str, own_forward):
     return forward
 
 
-_PLANS: dict[tuple, object] = {}
+_PLANS = mode_gemm._PLANS  # the mode's plan table (one per signature, all routes; cleared with the others)
 
 
 def fused(x: torch.Tensor, weight: torch.Tensor, eps, style: str) -> torch.Tensor | None:
@@ -124,14 +123,11 @@ def fused(x: torch.Tensor, weight: torch.Tensor, eps, style: str) -> torch.Tenso
         return None
     if type(x) is not torch.Tensor or type(weight) not in PLAIN:  # DTensor, FakeTensor, ...: their own dispatch
         return None
-    key = (style, eps, x.dtype, weight.dtype, x.device, weight.device, x.shape, x.stride(), weight.shape,
+    key = (NORM_OP, style, eps, x.dtype, weight.dtype, x.device, weight.device, x.shape, x.stride(), weight.shape,
            weight.stride())
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(x, weight, eps, style)
-        if len(_PLANS) >= mode_gemm.MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        plan = mode_gemm._remember(key, _plan(x, weight, eps, style))
     return plan(x, weight)
 
 
@@ -141,14 +137,7 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, eps, style: str):
     if not isinstance(eps, float) or mode_gemm.device_reason(x.device) is not None \
             or rms_norm_reason(x, weight, style) is not None:
         return _own_forward_plan
-    launch, counted, state = rms_norm_launcher(x, weight, eps, style), (NORM_OP, NORM_KERNEL), mode_state.STATE
-
-    def plan(x, weight):
-        out = launch(x, weight)
-        with state.lock:
-            state.routed[counted] += 1
-        return out
-    return plan
+    return mode_state.counted_launch(rms_norm_launcher(x, weight, eps, style), NORM_OP, NORM_KERNEL)
 
 
 def _own_forward_plan(x, weight):
@@ -172,17 +161,10 @@ def uninstall() -> None:
     _saved.clear()
 
 
-@contextlib.contextmanager
 def suspended():
     """The classes' own forwards while inside, inside an entered mode (a measurement's baseline: the route is speed
     only); swapped again after."""
-    swapped = list(_saved)
-    uninstall()
-    try:
-        yield
-    finally:
-        if swapped and mode_state.active():
-            install()
+    return suspension(_saved, install, uninstall)
 
 
 def installed_classes() -> dict[type, str]:

@@ -15,14 +15,12 @@ on exit. Other rotary forms (interleaved, partial) keep their function.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from detkit.kernels.rotary import reference
 from detkit.mode import gemm as mode_gemm
 from detkit.mode import state as mode_state
-from detkit.mode.bytecode import code_key, new_model_modules
+from detkit.mode.bytecode import code_key, new_model_modules, suspension
 
 ROPE_OP = "rotary (transformers)"
 ROPE_KERNEL = "fused_rope"
@@ -61,7 +59,7 @@ def _route_for(own):
     return apply_rotary_pos_emb
 
 
-_PLANS: dict[tuple, object] = {}
+_PLANS = mode_gemm._PLANS  # the mode's plan table (one per signature, all routes; cleared with the others)
 
 
 def fused(q, k, cos, sin, own) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -71,14 +69,11 @@ def fused(q, k, cos, sin, own) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     if not (type(q) is type(k) is type(cos) is type(sin) is torch.Tensor):  # subclasses: their own dispatch
         return None
-    key = (own, q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), cos.dtype, cos.shape, cos.stride(),
+    key = (ROPE_OP, own, q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), cos.dtype, cos.shape, cos.stride(),
            sin.dtype, sin.shape, sin.stride(), k.dtype, k.device, cos.device, sin.device)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(q, k, cos, sin, own)
-        if len(_PLANS) >= mode_gemm.MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        plan = mode_gemm._remember(key, _plan(q, k, cos, sin, own))
     return plan(q, k, cos, sin)
 
 
@@ -87,15 +82,8 @@ def _plan(q, k, cos, sin, own):
 
     if mode_gemm.device_reason(q.device) is not None or rope_reason(q, k, cos, sin) is not None:
         return _own_function_plan
-    launch = rope_launcher(q, k, cos, sin, output_strides(q, k, cos, own))
-    counted, state = (ROPE_OP, ROPE_KERNEL), mode_state.STATE
-
-    def plan(q, k, cos, sin):
-        out = launch(q, k, cos, sin)
-        with state.lock:
-            state.routed[counted] += 1
-        return out
-    return plan
+    return mode_state.counted_launch(rope_launcher(q, k, cos, sin, output_strides(q, k, cos, own)), ROPE_OP,
+                                     ROPE_KERNEL)
 
 
 def _own_function_plan(q, k, cos, sin):
@@ -121,17 +109,10 @@ def uninstall() -> None:
     _saved.clear()
 
 
-@contextlib.contextmanager
 def suspended():
     """The modules' own functions while inside, inside an entered mode (a measurement's baseline: the route is speed
     only); swapped again after."""
-    swapped = list(_saved)
-    uninstall()
-    try:
-        yield
-    finally:
-        if swapped and mode_state.active():
-            install()
+    return suspension(_saved, install, uninstall)
 
 
 def installed_modules() -> list:

@@ -98,6 +98,18 @@ def routed(op: str, kernel: str, calls: int = 1) -> None:
         STATE.routed[(op, kernel)] += calls
 
 
+def counted_launch(launch, op: str, kernel: str):
+    """``launch`` counted as routed to ``kernel`` at each call: a plan's per-call path, its key made once."""
+    counted = (op, kernel)
+
+    def plan(*args):
+        out = launch(*args)
+        with STATE.lock:
+            STATE.routed[counted] += 1
+        return out
+    return plan
+
+
 def not_routed(op: str, reason: str) -> None:
     """Count a call that runs on torch's kernel; under ``strict``, raise instead (before any work)."""
     if strict():

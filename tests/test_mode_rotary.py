@@ -54,6 +54,8 @@ def test_fused_rope_refuses_by_name(device):
     assert "shapes" in rope_reason(q[..., :15], k[..., :15], cos[..., :15], sin[..., :15])  # odd head dim
     assert "shapes" in rope_reason(q, k[:1], cos, sin)
     assert "not contiguous" in rope_reason(q, k, cos.transpose(1, 2).contiguous().transpose(1, 2), sin)
+    with pytest.raises(ValueError, match=r"rope does not take dtypes"):
+        rope_launcher(q, k, cos.float(), sin, ((), ()))
 
 
 def test_the_route_matches_transformers_llama_function_only():

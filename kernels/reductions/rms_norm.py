@@ -27,7 +27,7 @@ import triton.language as tl
 
 from detkit.kernels.backend import TRITON_INTERPRETER, DirectLaunch, resolve_backend_of_devices
 from detkit.kernels.det_gemm.kernels import to_bf16
-from detkit.kernels.reductions.row_mean import block_h, pairwise_row_sum
+from detkit.kernels.reductions.row_mean import block_h, lead_dims, pairwise_row_sum
 
 STYLES = ("llama", "weight_first", "one_plus_weight")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -114,19 +114,10 @@ def _lead(t: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
 
 
 def _one_stride(t: torch.Tensor) -> int | None:
-    """The one row stride of t's leading dims, where they view as one row dim; else None."""
-    stride = None
-    expected = None
-    for size, step in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
-        if size == 1:
-            continue
-        if stride is None:
-            stride, expected = step, step * size
-        elif step != expected:
-            return None
-        else:
-            expected = step * size
-    return t.shape[-1] if stride is None else stride
+    """The one row stride of t's leading dims, where they view as one row dim (``lead_dims``: one group); else
+    None."""
+    groups = lead_dims(tuple(t.shape), t.stride())
+    return groups[0][1] if len(groups) == 1 else None
 
 
 def rms_norm_launcher(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str):

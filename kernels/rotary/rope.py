@@ -107,8 +107,11 @@ def output_strides(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, apply) -
 
 def rope_launcher(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   strides: tuple[tuple, tuple]):
-    """``launch(q, k, cos, sin) -> (q_embed, k_embed)`` for operands of this signature (``rope_reason`` None, checked
-    by the caller), the outputs allocated with ``strides``."""
+    """``launch(q, k, cos, sin) -> (q_embed, k_embed)`` for operands of this signature, the outputs allocated with
+    ``strides``; operands ``rope_reason`` refuses raise a one-line ValueError here, before any work."""
+    reason = rope_reason(q, k, cos, sin)
+    if reason is not None:
+        raise ValueError(f"rope does not take {reason}")
     backend = resolve_backend_of_devices(rope_kernel, {"q": q.device})
     interpreted = backend == TRITON_INTERPRETER
     b, hq, s, d = q.shape
